@@ -1,0 +1,287 @@
+//! The HAL's error type and the SDD §7.1 error codes every gpuio error maps to.
+
+use serde::Serialize;
+use std::fmt;
+
+/// The error codes of SDD §7.1. Every error enum in gpuio maps onto one of these, so that
+/// callers (and the C-shaped world around them) can branch on a stable code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[repr(i32)]
+pub enum ErrorCode {
+    /// `GPUIO_ERROR_GENERAL`: an internal or otherwise unclassified failure.
+    General = -1,
+    /// `GPUIO_ERROR_NOMEM`: host, pinned or device memory exhausted.
+    NoMem = -2,
+    /// `GPUIO_ERROR_INVALID_ARG`: the caller asked for something malformed or out of range.
+    InvalidArg = -3,
+    /// `GPUIO_ERROR_NOT_FOUND`: a named resource, device or NUMA node does not exist.
+    NotFound = -4,
+    /// `GPUIO_ERROR_TIMEOUT`: an operation (or its retries) ran out of time.
+    Timeout = -5,
+    /// `GPUIO_ERROR_IO`: a storage or device IO failure.
+    Io = -6,
+    /// `GPUIO_ERROR_NETWORK`: a network failure.
+    Network = -7,
+    /// `GPUIO_ERROR_UNSUPPORTED`: the path exists in gpuio but not on this machine or build.
+    Unsupported = -8,
+    /// `GPUIO_ERROR_PERMISSION`: the OS or a peer refused access.
+    Permission = -9,
+    /// `GPUIO_ERROR_BUSY`: a transient resource shortage; trying again may succeed.
+    Busy = -10,
+    /// `GPUIO_ERROR_CANCELED`: the request was cancelled before it completed.
+    Canceled = -11,
+}
+
+impl ErrorCode {
+    /// The numeric value of SDD §7.1 (`GPUIO_SUCCESS` is 0 and has no variant).
+    pub fn as_i32(self) -> i32 {
+        self as i32
+    }
+
+    /// The C macro name of SDD §7.1, e.g. `GPUIO_ERROR_NOMEM`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::General => "GPUIO_ERROR_GENERAL",
+            Self::NoMem => "GPUIO_ERROR_NOMEM",
+            Self::InvalidArg => "GPUIO_ERROR_INVALID_ARG",
+            Self::NotFound => "GPUIO_ERROR_NOT_FOUND",
+            Self::Timeout => "GPUIO_ERROR_TIMEOUT",
+            Self::Io => "GPUIO_ERROR_IO",
+            Self::Network => "GPUIO_ERROR_NETWORK",
+            Self::Unsupported => "GPUIO_ERROR_UNSUPPORTED",
+            Self::Permission => "GPUIO_ERROR_PERMISSION",
+            Self::Busy => "GPUIO_ERROR_BUSY",
+            Self::Canceled => "GPUIO_ERROR_CANCELED",
+        }
+    }
+
+    /// Whether the retry policy of SDD §7.2 may try again after this error.
+    pub fn is_retryable(self) -> bool {
+        matches!(self, Self::Timeout | Self::Network | Self::Busy)
+    }
+
+    /// The code for an OS error number (`errno`).
+    pub fn from_errno(errno: i32) -> Self {
+        match errno {
+            libc::ENOMEM => Self::NoMem,
+            libc::EINVAL | libc::EFAULT | libc::ERANGE | libc::EISDIR | libc::ENOTDIR => {
+                Self::InvalidArg
+            }
+            libc::ENOENT | libc::ENODEV | libc::ENXIO => Self::NotFound,
+            libc::ETIMEDOUT => Self::Timeout,
+            libc::EACCES | libc::EPERM | libc::EROFS => Self::Permission,
+            libc::EAGAIN | libc::EBUSY | libc::EINTR => Self::Busy,
+            libc::ENOSYS | libc::EOPNOTSUPP => Self::Unsupported,
+            libc::ECONNRESET | libc::ECONNREFUSED | libc::EPIPE | libc::ENETUNREACH => {
+                Self::Network
+            }
+            libc::ECANCELED => Self::Canceled,
+            _ => Self::Io,
+        }
+    }
+
+    /// The code for a [`std::io::Error`].
+    pub fn from_io(err: &std::io::Error) -> Self {
+        match err.raw_os_error() {
+            Some(errno) => Self::from_errno(errno),
+            None => match err.kind() {
+                std::io::ErrorKind::NotFound => Self::NotFound,
+                std::io::ErrorKind::PermissionDenied => Self::Permission,
+                std::io::ErrorKind::InvalidInput | std::io::ErrorKind::InvalidData => {
+                    Self::InvalidArg
+                }
+                std::io::ErrorKind::TimedOut => Self::Timeout,
+                std::io::ErrorKind::OutOfMemory => Self::NoMem,
+                std::io::ErrorKind::Unsupported => Self::Unsupported,
+                std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock => Self::Busy,
+                _ => Self::Io,
+            },
+        }
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.name(), self.as_i32())
+    }
+}
+
+/// Everything that can go wrong in the HAL.
+#[derive(Debug, thiserror::Error)]
+pub enum HalError {
+    /// A CUDA driver call failed.
+    #[error("{op}: CUDA error {name}: {message}")]
+    Cuda {
+        /// The driver call (or the HAL operation) that failed.
+        op: &'static str,
+        /// The `CUresult` name, e.g. `CUDA_ERROR_OUT_OF_MEMORY`.
+        name: String,
+        /// The driver's description of the error.
+        message: String,
+        /// The code this maps to.
+        code: ErrorCode,
+    },
+    /// The CUDA backend was asked for but cannot run here.
+    #[error("CUDA is not available: {reason}")]
+    CudaUnavailable {
+        /// Why (no libcuda, cuInit failed, no devices, built without the `cuda` feature).
+        reason: String,
+    },
+    /// NVRTC could not compile a kernel source.
+    #[error("NVRTC could not compile {kernel}: {log}")]
+    Compile {
+        /// The kernel source's name.
+        kernel: String,
+        /// The compiler's log, or why the compiler could not be loaded.
+        log: String,
+    },
+    /// An operating-system call failed.
+    #[error("{op}: {source}")]
+    Os {
+        /// What the HAL was doing.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A range reaches outside the buffer it addresses.
+    #[error("{what}: range {offset}..{offset}+{len} is outside its {limit}-byte buffer")]
+    OutOfRange {
+        /// Which side of the operation was out of range.
+        what: &'static str,
+        /// Start of the requested range.
+        offset: u64,
+        /// Length of the requested range.
+        len: u64,
+        /// The buffer's length.
+        limit: u64,
+    },
+    /// Two sides of an operation disagree on their length.
+    #[error("{what}: source has {src} bytes but destination has {dst}")]
+    LengthMismatch {
+        /// The operation.
+        what: &'static str,
+        /// Source length.
+        src: usize,
+        /// Destination length.
+        dst: usize,
+    },
+    /// A malformed argument.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A NUMA node that this machine does not have.
+    #[error("NUMA node {node} is not present (online nodes: {online})")]
+    NoSuchNumaNode {
+        /// The requested node.
+        node: u32,
+        /// The nodes that are online, as the kernel lists them.
+        online: String,
+    },
+    /// A GPU ordinal that this machine does not have.
+    #[error("GPU {ordinal} is not present ({count} {backend} device(s) found)")]
+    NoSuchDevice {
+        /// The requested ordinal.
+        ordinal: u32,
+        /// How many devices the backend has.
+        count: usize,
+        /// The backend asked.
+        backend: &'static str,
+    },
+    /// A buffer was used with a device it does not belong to.
+    #[error("{what} belongs to {owner}, not to {expected}")]
+    WrongDevice {
+        /// The buffer.
+        what: &'static str,
+        /// The device that owns it.
+        owner: String,
+        /// The device the operation runs on.
+        expected: String,
+    },
+    /// Memory could not be allocated.
+    #[error("out of memory: could not allocate {len} bytes of {what}")]
+    OutOfMemory {
+        /// Which kind of memory.
+        what: &'static str,
+        /// The size asked for.
+        len: usize,
+    },
+    /// A feature exists but not on this machine or in this build.
+    #[error("{what} is not supported here: {reason}")]
+    Unsupported {
+        /// The feature.
+        what: &'static str,
+        /// Why not.
+        reason: String,
+    },
+}
+
+impl HalError {
+    /// The SDD §7.1 code of this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::Cuda { code, .. } => *code,
+            Self::CudaUnavailable { .. } | Self::Unsupported { .. } => ErrorCode::Unsupported,
+            Self::Compile { .. } => ErrorCode::General,
+            Self::Os { source, .. } => ErrorCode::from_io(source),
+            Self::OutOfRange { .. }
+            | Self::LengthMismatch { .. }
+            | Self::InvalidArgument(_)
+            | Self::WrongDevice { .. } => ErrorCode::InvalidArg,
+            Self::NoSuchNumaNode { .. } | Self::NoSuchDevice { .. } => ErrorCode::NotFound,
+            Self::OutOfMemory { .. } => ErrorCode::NoMem,
+        }
+    }
+
+    /// An [`HalError::Os`] from the calling thread's `errno`.
+    pub(crate) fn last_os(op: &'static str) -> Self {
+        Self::Os {
+            op,
+            source: std::io::Error::last_os_error(),
+        }
+    }
+}
+
+/// The HAL's result type.
+pub type Result<T, E = HalError> = std::result::Result<T, E>;
+
+/// Checks that `offset..offset+len` lies inside a buffer of `limit` bytes, without overflow.
+pub fn check_range(what: &'static str, offset: usize, len: usize, limit: usize) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= limit => Ok(()),
+        _ => Err(HalError::OutOfRange {
+            what,
+            offset: offset as u64,
+            len: len as u64,
+            limit: limit as u64,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_match_sdd_values() {
+        assert_eq!(ErrorCode::General.as_i32(), -1);
+        assert_eq!(ErrorCode::Canceled.as_i32(), -11);
+        assert_eq!(ErrorCode::NoMem.name(), "GPUIO_ERROR_NOMEM");
+        assert!(ErrorCode::Busy.is_retryable());
+        assert!(!ErrorCode::InvalidArg.is_retryable());
+    }
+
+    #[test]
+    fn range_checks_catch_overflow() {
+        assert!(check_range("x", 0, 10, 10).is_ok());
+        assert!(check_range("x", 10, 0, 10).is_ok());
+        assert!(check_range("x", 1, 10, 10).is_err());
+        assert!(check_range("x", usize::MAX, 2, 10).is_err());
+    }
+
+    #[test]
+    fn errno_mapping() {
+        assert_eq!(ErrorCode::from_errno(libc::ENOSPC), ErrorCode::Io);
+        assert_eq!(ErrorCode::from_errno(libc::EACCES), ErrorCode::Permission);
+        assert_eq!(ErrorCode::from_errno(libc::ENOENT), ErrorCode::NotFound);
+    }
+}

@@ -1,0 +1,543 @@
+//! The CUDA backend, on cudarc with run-time loading: the binary builds with no CUDA installed,
+//! and [`devices`] probes for libcuda (and every driver symbol gpuio calls) before the first
+//! call, because cudarc panics where a library or symbol is missing.
+//!
+//! Contexts are the devices' primary contexts (shared with the CUDA runtime, PyTorch, CuPy).
+//! Every operation binds the context to the calling thread first, so any thread may use any
+//! device.
+
+mod nvrtc;
+mod probe;
+
+pub use nvrtc::compile_ptx;
+
+use super::backend::{
+    CopyDirection, DeviceBackend, DeviceMemory, EventBackend, HostPin, StreamBackend,
+};
+use super::info::{Backend, Capability, DeviceInfo, PcieLink, cxl_capability, pci_numa_node};
+use crate::error::{ErrorCode, HalError, Result};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+    result, sys,
+};
+use std::any::Any;
+use std::ffi::c_void;
+use std::sync::{Arc, OnceLock};
+
+/// Converts a driver error into the HAL's error, naming the operation.
+pub(crate) fn cuda_err(op: &'static str) -> impl FnOnce(DriverError) -> HalError {
+    move |e: DriverError| {
+        use sys::cudaError_enum as E;
+        let code = match e.0 {
+            E::CUDA_ERROR_OUT_OF_MEMORY => ErrorCode::NoMem,
+            E::CUDA_ERROR_INVALID_VALUE
+            | E::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+            | E::CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED
+            | E::CUDA_ERROR_INVALID_DEVICE => ErrorCode::InvalidArg,
+            E::CUDA_ERROR_NOT_SUPPORTED => ErrorCode::Unsupported,
+            E::CUDA_ERROR_NOT_READY => ErrorCode::Busy,
+            E::CUDA_ERROR_NO_DEVICE | E::CUDA_ERROR_NOT_FOUND => ErrorCode::NotFound,
+            _ => ErrorCode::General,
+        };
+        HalError::Cuda {
+            op,
+            name: e.error_name().map_or_else(
+                |_| format!("{:?}", e.0),
+                |s| s.to_string_lossy().into_owned(),
+            ),
+            message: e
+                .error_string()
+                .map_or_else(|_| String::new(), |s| s.to_string_lossy().into_owned()),
+            code,
+        }
+    }
+}
+
+/// State shared by a device and its streams.
+#[derive(Debug)]
+struct Shared {
+    ctx: Arc<CudaContext>,
+    compute_capability: (u32, u32),
+    multiprocessors: u32,
+    /// The compiled `kernels/pattern.cu`, built on first use.
+    pattern: OnceLock<std::result::Result<PatternKernels, String>>,
+}
+
+#[derive(Debug)]
+struct PatternKernels {
+    fill: CudaFunction,
+    mismatch: CudaFunction,
+}
+
+impl Shared {
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(cuda_err("cuCtxSetCurrent"))
+    }
+
+    fn pattern(&self) -> Result<&PatternKernels> {
+        self.pattern
+            .get_or_init(|| {
+                let src = &crate::kernels::PATTERN;
+                let ptx =
+                    compile_ptx(src, Some(self.compute_capability)).map_err(|e| e.to_string())?;
+                let module = self
+                    .ctx
+                    .load_module(ptx)
+                    .map_err(|e| cuda_err("cuModuleLoadData")(e).to_string())?;
+                let load = |name| {
+                    module
+                        .load_function(name)
+                        .map_err(|e| cuda_err("cuModuleGetFunction")(e).to_string())
+                };
+                Ok(PatternKernels {
+                    fill: load("gpuio_fill_pattern")?,
+                    mismatch: load("gpuio_find_mismatch")?,
+                })
+            })
+            .as_ref()
+            .map_err(|log| HalError::Compile {
+                kernel: crate::kernels::PATTERN.name.into(),
+                log: log.clone(),
+            })
+    }
+
+    /// A grid-stride launch shape for `items` work items.
+    fn launch_config(&self, items: u64) -> LaunchConfig {
+        const BLOCK: u32 = 256;
+        let max_blocks = self.multiprocessors.max(1) * 32;
+        let blocks = items.div_ceil(BLOCK as u64).clamp(1, max_blocks as u64) as u32;
+        LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+/// One CUDA device.
+#[derive(Debug)]
+pub(crate) struct CudaDevice {
+    shared: Arc<Shared>,
+    info: DeviceInfo,
+}
+
+/// Probes the driver and returns every CUDA device, with peer access enabled between the pairs
+/// that support it.
+pub(crate) fn devices() -> Result<Vec<CudaDevice>> {
+    probe::check_driver()?;
+    let count = CudaContext::device_count().map_err(cuda_err("cuDeviceGetCount"))?;
+    if count <= 0 {
+        return Err(HalError::CudaUnavailable {
+            reason: "the CUDA driver reports no devices".into(),
+        });
+    }
+    let driver_version = probe::driver_version();
+    let devices = (0..count as usize)
+        .map(|ordinal| CudaDevice::open(ordinal, driver_version))
+        .collect::<Result<Vec<_>>>()?;
+    for a in &devices {
+        for b in &devices {
+            if !std::ptr::eq(a, b) && a.can_access_peer(b) {
+                a.enable_peer_access(b);
+            }
+        }
+    }
+    Ok(devices)
+}
+
+impl CudaDevice {
+    fn open(ordinal: usize, driver_version: Option<(u32, u32)>) -> Result<Self> {
+        let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+        let attr = |a| ctx.attribute(a).map_err(cuda_err("cuDeviceGetAttribute"));
+        use sys::CUdevice_attribute as A;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(cuda_err("cuDeviceGetAttribute"))?;
+        let multiprocessors = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        let can_map_host_memory = attr(A::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)? != 0;
+        let bus_id = format!(
+            "{:04x}:{:02x}:{:02x}.0",
+            attr(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+            attr(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+            attr(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
+        );
+        let gdr_attr = attr(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED)? != 0;
+        let info = DeviceInfo {
+            ordinal: ordinal as u32,
+            backend: Backend::Cuda,
+            vendor: "NVIDIA".into(),
+            name: ctx.name().map_err(cuda_err("cuDeviceGetName"))?,
+            total_memory: ctx.total_mem().map_err(cuda_err("cuDeviceTotalMem"))? as u64,
+            compute_capability: Some((major as u32, minor as u32)),
+            multiprocessors,
+            copy_engines: attr(A::CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT)? as u32,
+            numa_node: pci_numa_node(&bus_id),
+            pcie: PcieLink::read(&bus_id),
+            pci_bus_id: Some(bus_id),
+            driver_version,
+            can_map_host_memory,
+            gds: probe::gds_capability(),
+            gdr: probe::gdr_capability(gdr_attr),
+            cxl: cxl_capability(can_map_host_memory),
+        };
+        Ok(Self {
+            shared: Arc::new(Shared {
+                ctx,
+                compute_capability: (major as u32, minor as u32),
+                multiprocessors,
+                pattern: OnceLock::new(),
+            }),
+            info,
+        })
+    }
+
+    fn enable_peer_access(&self, peer: &CudaDevice) {
+        let result = self.shared.bind().and_then(|()| {
+            // SAFETY: both contexts are live primary contexts; enabling access changes only
+            // the driver's mapping state. "Already enabled" is not an error worth reporting.
+            let rc = unsafe { sys::cuCtxEnablePeerAccess(peer.shared.ctx.cu_ctx(), 0) };
+            match rc {
+                sys::CUresult::CUDA_SUCCESS
+                | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+                other => Err(cuda_err("cuCtxEnablePeerAccess")(DriverError(other))),
+            }
+        });
+        if let Err(e) = result {
+            tracing::warn!(gpu = self.info.ordinal, peer = peer.info.ordinal, error = %e,
+                "peer access not enabled; peer copies will be staged by the driver");
+        }
+    }
+}
+
+#[derive(Debug)]
+struct CudaMemory {
+    shared: Arc<Shared>,
+    ptr: sys::CUdeviceptr,
+}
+
+impl DeviceMemory for CudaMemory {
+    fn addr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for CudaMemory {
+    fn drop(&mut self) {
+        let freed = self.shared.bind().and_then(|()| {
+            // SAFETY: ptr came from cuMemAlloc in this context and is freed once, here.
+            // cuMemFree waits for device work that may still use the memory.
+            unsafe { result::free_sync(self.ptr) }.map_err(cuda_err("cuMemFree"))
+        });
+        if let Err(e) = freed {
+            tracing::error!(error = %e, "freeing device memory failed");
+        }
+    }
+}
+
+#[derive(Debug)]
+struct CudaPin {
+    shared: Arc<Shared>,
+    ptr: *mut u8,
+}
+
+// SAFETY: the pointer is only an identifier handed back to cuMemHostUnregister; it is never
+// dereferenced here.
+unsafe impl Send for CudaPin {}
+// SAFETY: as above.
+unsafe impl Sync for CudaPin {}
+
+impl HostPin for CudaPin {}
+
+impl Drop for CudaPin {
+    fn drop(&mut self) {
+        let done = self.shared.bind().and_then(|()| {
+            // SAFETY: ptr was registered by cuMemHostRegister and is still mapped (the pin's
+            // contract), and is unregistered exactly once.
+            unsafe { sys::cuMemHostUnregister(self.ptr.cast()) }
+                .result()
+                .map_err(cuda_err("cuMemHostUnregister"))
+        });
+        if let Err(e) = done {
+            tracing::error!(error = %e, "unregistering host memory failed");
+        }
+    }
+}
+
+impl DeviceBackend for CudaDevice {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn alloc(&self, len: usize) -> Result<Box<dyn DeviceMemory>> {
+        self.shared.bind()?;
+        // SAFETY: cuMemAlloc in the bound context; the pointer is owned by CudaMemory.
+        let ptr = unsafe { result::malloc_sync(len) }.map_err(|e| match e.0 {
+            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => HalError::OutOfMemory {
+                what: "device memory",
+                len,
+            },
+            _ => cuda_err("cuMemAlloc")(e),
+        })?;
+        Ok(Box::new(CudaMemory {
+            shared: self.shared.clone(),
+            ptr,
+        }))
+    }
+
+    fn new_stream(&self) -> Result<Box<dyn StreamBackend>> {
+        self.shared.bind()?;
+        let stream = self
+            .shared
+            .ctx
+            .new_stream()
+            .map_err(cuda_err("cuStreamCreate"))?;
+        Ok(Box::new(CudaStreamBackend {
+            shared: self.shared.clone(),
+            stream,
+        }))
+    }
+
+    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<Box<dyn HostPin>> {
+        self.shared.bind()?;
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: the caller keeps ptr..ptr+len mapped until the returned CudaPin drops, which
+        // unregisters it.
+        unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, flags) }
+            .result()
+            .map_err(cuda_err("cuMemHostRegister"))?;
+        Ok(Box::new(CudaPin {
+            shared: self.shared.clone(),
+            ptr,
+        }))
+    }
+
+    fn is_pinned(&self, ptr: *const u8, len: usize) -> bool {
+        if self.shared.bind().is_err() {
+            return false;
+        }
+        probe::host_range_is_pinned(ptr, len)
+    }
+
+    fn can_access_peer(&self, other: &dyn DeviceBackend) -> bool {
+        let Some(other) = other.as_any().downcast_ref::<CudaDevice>() else {
+            return false;
+        };
+        let mut can = 0;
+        // SAFETY: both are valid device handles; the call writes one int.
+        let rc = unsafe {
+            sys::cuDeviceCanAccessPeer(
+                &mut can,
+                self.shared.ctx.cu_device(),
+                other.shared.ctx.cu_device(),
+            )
+        };
+        rc == sys::CUresult::CUDA_SUCCESS && can != 0
+    }
+
+    unsafe fn baseline_copy(
+        &self,
+        dir: CopyDirection,
+        src: u64,
+        dst: u64,
+        len: usize,
+    ) -> Result<()> {
+        self.shared.bind()?;
+        // SAFETY: the caller guarantees live ranges of the right kinds. These are the
+        // synchronous legacy-stream copies cudaMemcpy makes; D2D returns before the copy ends,
+        // so the context is synchronized after it.
+        unsafe {
+            match dir {
+                CopyDirection::HostToDevice => {
+                    sys::cuMemcpyHtoD_v2(dst, src as *const c_void, len).result()
+                }
+                CopyDirection::DeviceToHost => {
+                    sys::cuMemcpyDtoH_v2(dst as *mut c_void, src, len).result()
+                }
+                CopyDirection::DeviceToDevice => sys::cuMemcpyDtoD_v2(dst, src, len)
+                    .result()
+                    .and_then(|()| sys::cuCtxSynchronize().result()),
+            }
+        }
+        .map_err(cuda_err("cudaMemcpy (baseline)"))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+struct CudaStreamBackend {
+    shared: Arc<Shared>,
+    stream: Arc<CudaStream>,
+}
+
+impl CudaStreamBackend {
+    fn raw(&self) -> sys::CUstream {
+        self.stream.cu_stream()
+    }
+}
+
+impl StreamBackend for CudaStreamBackend {
+    unsafe fn copy_h2d(&self, src: *const u8, dst: u64, len: usize) -> Result<()> {
+        self.shared.bind()?;
+        // SAFETY: the caller keeps src readable and dst live until the copy completes.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast::<c_void>(), len, self.raw()) }
+            .result()
+            .map_err(cuda_err("cuMemcpyHtoDAsync"))
+    }
+
+    unsafe fn copy_d2h(&self, src: u64, dst: *mut u8, len: usize) -> Result<()> {
+        self.shared.bind()?;
+        // SAFETY: the caller keeps dst writable and untouched, and src live, until completion.
+        unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src, len, self.raw()) }
+            .result()
+            .map_err(cuda_err("cuMemcpyDtoHAsync"))
+    }
+
+    unsafe fn copy_d2d(
+        &self,
+        src_dev: &dyn DeviceBackend,
+        src: u64,
+        dst_dev: &dyn DeviceBackend,
+        dst: u64,
+        len: usize,
+    ) -> Result<()> {
+        self.shared.bind()?;
+        let ctx_of = |d: &dyn DeviceBackend| {
+            d.as_any()
+                .downcast_ref::<CudaDevice>()
+                .map(|d| d.shared.ctx.clone())
+                .ok_or_else(|| HalError::InvalidArgument("peer is not a CUDA device".into()))
+        };
+        let (sctx, dctx) = (ctx_of(src_dev)?, ctx_of(dst_dev)?);
+        if sctx.cu_ctx() == dctx.cu_ctx() {
+            // SAFETY: both ranges are live device memory of this context (caller's contract).
+            unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.raw()) }
+                .result()
+                .map_err(cuda_err("cuMemcpyDtoDAsync"))
+        } else {
+            // SAFETY: both ranges are live memory of their contexts (caller's contract).
+            unsafe {
+                sys::cuMemcpyPeerAsync(dst, dctx.cu_ctx(), src, sctx.cu_ctx(), len, self.raw())
+            }
+            .result()
+            .map_err(cuda_err("cuMemcpyPeerAsync"))
+        }
+    }
+
+    unsafe fn fill_pattern(&self, dst: u64, len: usize, first: u64, seed: u64) -> Result<()> {
+        let kernels = self.shared.pattern()?;
+        self.shared.bind()?;
+        let len = len as u64;
+        let words = (first + len).div_ceil(8) - first / 8;
+        let cfg = self.shared.launch_config(words);
+        let mut launch = self.stream.launch_builder(&kernels.fill);
+        launch.arg(&dst).arg(&len).arg(&first).arg(&seed);
+        // SAFETY: the argument list matches gpuio_fill_pattern(u8*, u64, u64, u64); dst..dst+len
+        // is live device memory (caller's contract) and the kernel writes only inside it.
+        unsafe { launch.launch(cfg) }
+            .map(|_| ())
+            .map_err(cuda_err("cuLaunchKernel(gpuio_fill_pattern)"))
+    }
+
+    unsafe fn find_mismatch(&self, a: u64, b: u64, len: usize) -> Result<Option<u64>> {
+        let kernels = self.shared.pattern()?;
+        self.shared.bind()?;
+        // SAFETY: an 8-byte allocation owned by this function and freed below.
+        let out = unsafe { result::malloc_sync(8) }.map_err(cuda_err("cuMemAlloc"))?;
+        let run = || -> Result<u64> {
+            // SAFETY: out is 8 live bytes of this context.
+            unsafe { sys::cuMemsetD8Async(out, 0xff, 8, self.raw()) }
+                .result()
+                .map_err(cuda_err("cuMemsetD8Async"))?;
+            let len = len as u64;
+            let cfg = self.shared.launch_config(len.div_ceil(16));
+            let mut launch = self.stream.launch_builder(&kernels.mismatch);
+            launch.arg(&a).arg(&b).arg(&len).arg(&out);
+            // SAFETY: arguments match gpuio_find_mismatch(const u8*, const u8*, u64, u64*); the
+            // ranges are live (caller's contract) and the kernel writes only *out.
+            unsafe { launch.launch(cfg) }
+                .map_err(cuda_err("cuLaunchKernel(gpuio_find_mismatch)"))?;
+            let mut first = [0u8; 8];
+            // SAFETY: `first` is 8 writable bytes; we synchronize before reading it.
+            unsafe { sys::cuMemcpyDtoHAsync_v2(first.as_mut_ptr().cast(), out, 8, self.raw()) }
+                .result()
+                .map_err(cuda_err("cuMemcpyDtoHAsync"))?;
+            self.synchronize()?;
+            Ok(u64::from_le_bytes(first))
+        };
+        let first = run();
+        // SAFETY: out was allocated above and, after the synchronize (or a failed launch),
+        // is unused.
+        if let Err(e) = unsafe { result::free_sync(out) } {
+            tracing::error!(error = %cuda_err("cuMemFree")(e), "freeing compare scratch failed");
+        }
+        Ok(Some(first?).filter(|&i| i != u64::MAX))
+    }
+
+    fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>> {
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        };
+        let event = self
+            .shared
+            .ctx
+            .new_event(Some(flags))
+            .map_err(cuda_err("cuEventCreate"))?;
+        event
+            .record(&self.stream)
+            .map_err(cuda_err("cuEventRecord"))?;
+        Ok(Box::new(CudaEventBackend { event }))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))
+    }
+}
+
+struct CudaEventBackend {
+    event: CudaEvent,
+}
+
+impl EventBackend for CudaEventBackend {
+    fn synchronize(&self) -> Result<()> {
+        self.event
+            .synchronize()
+            .map_err(cuda_err("cuEventSynchronize"))
+    }
+
+    fn is_complete(&self) -> Result<bool> {
+        self.event
+            .try_is_complete()
+            .map_err(cuda_err("cuEventQuery"))
+    }
+
+    fn elapsed_ms_since(&self, start: &dyn EventBackend) -> Result<f32> {
+        let start = start
+            .as_any()
+            .downcast_ref::<CudaEventBackend>()
+            .ok_or_else(|| HalError::InvalidArgument("events of different backends".into()))?;
+        start
+            .event
+            .elapsed_ms(&self.event)
+            .map_err(cuda_err("cuEventElapsedTime"))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Whether libcuda can be loaded here (without initialising it).
+pub fn driver_present() -> Capability {
+    match probe::check_driver() {
+        Ok(()) => Capability::yes("libcuda loaded"),
+        Err(e) => Capability::no(e.to_string()),
+    }
+}

@@ -1,0 +1,178 @@
+//! Finding out what the CUDA installation can do without ever letting cudarc panic: library
+//! presence, driver symbols, GDS (libcufile + nvidia-fs), GPUDirect RDMA, pinned-memory queries.
+
+use super::cuda_err;
+use crate::error::{HalError, Result};
+use crate::gpu::info::Capability;
+use cudarc::driver::{result, sys};
+use std::ffi::{CString, c_void};
+
+/// Every driver entry point gpuio (and the parts of cudarc it uses) calls. cudarc resolves each
+/// lazily and panics if one is missing, so all are checked before the first call.
+const REQUIRED_SYMBOLS: &[&str] = &[
+    "cuInit",
+    "cuDriverGetVersion",
+    "cuGetErrorName",
+    "cuGetErrorString",
+    "cuDeviceGet",
+    "cuDeviceGetCount",
+    "cuDeviceGetName",
+    "cuDeviceTotalMem_v2",
+    "cuDeviceGetAttribute",
+    "cuDeviceCanAccessPeer",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuCtxSynchronize",
+    "cuCtxEnablePeerAccess",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuStreamWaitEvent",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventSynchronize",
+    "cuEventQuery",
+    "cuEventElapsedTime_v2",
+    "cuEventDestroy_v2",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuMemcpyHtoD_v2",
+    "cuMemcpyDtoH_v2",
+    "cuMemcpyDtoD_v2",
+    "cuMemcpyHtoDAsync_v2",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemcpyDtoDAsync_v2",
+    "cuMemcpyPeerAsync",
+    "cuMemsetD8Async",
+    "cuPointerGetAttributes",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuModuleUnload",
+    "cuLaunchKernel",
+];
+
+/// Checks that libcuda loads and exports everything gpuio calls.
+pub(crate) fn check_driver() -> Result<()> {
+    // SAFETY: is_culib_present only tries to dlopen the library by its usual names.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(HalError::CudaUnavailable {
+            reason: "libcuda.so not found (no NVIDIA driver on this machine)".into(),
+        });
+    }
+    // SAFETY: the library is present (checked above), so culib() returns it without panicking.
+    let lib = unsafe { sys::culib() };
+    let missing: Vec<&str> = REQUIRED_SYMBOLS
+        .iter()
+        .copied()
+        // SAFETY: looking a symbol up does not call it; the pointer type is never used.
+        .filter(|name| unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err())
+        .collect();
+    if !missing.is_empty() {
+        return Err(HalError::CudaUnavailable {
+            reason: format!(
+                "the NVIDIA driver is too old for gpuio (needs CUDA 12.8+; missing {})",
+                missing.join(", ")
+            ),
+        });
+    }
+    result::init().map_err(|e| HalError::CudaUnavailable {
+        reason: format!("cuInit failed: {}", cuda_err("cuInit")(e)),
+    })
+}
+
+/// The driver's CUDA version, e.g. (13, 0).
+pub(crate) fn driver_version() -> Option<(u32, u32)> {
+    let mut v = 0;
+    // SAFETY: writes one int; the driver is loaded (callers probe first).
+    let rc = unsafe { sys::cuDriverGetVersion(&mut v) };
+    (rc == sys::CUresult::CUDA_SUCCESS).then(|| (v as u32 / 1000, (v as u32 % 1000) / 10))
+}
+
+/// Whether `ptr..ptr+len` lies in page-locked host memory the driver knows (pinned or
+/// registered), so that a copy can run as direct DMA. Needs a bound context.
+pub(crate) fn host_range_is_pinned(ptr: *const u8, len: usize) -> bool {
+    let is_host = |p: *const u8| -> Option<(u64, usize)> {
+        use sys::CUpointer_attribute as A;
+        let mut attrs = [
+            A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        ];
+        let mut mem_type: u32 = 0;
+        let mut start: u64 = 0;
+        let mut size: usize = 0;
+        let mut data: [*mut c_void; 3] = [
+            (&mut mem_type as *mut u32).cast(),
+            (&mut start as *mut u64).cast(),
+            (&mut size as *mut usize).cast(),
+        ];
+        // SAFETY: attrs and data have 3 entries each, pointing at locals of the right sizes;
+        // cuPointerGetAttributes writes defaults (not errors) for pointers it does not know.
+        let rc = unsafe {
+            sys::cuPointerGetAttributes(3, attrs.as_mut_ptr(), data.as_mut_ptr(), p as u64)
+        };
+        (rc == sys::CUresult::CUDA_SUCCESS
+            && mem_type == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32)
+            .then_some((start, size))
+    };
+    let (Some(first), Some(_)) = (is_host(ptr), is_host(ptr.wrapping_add(len - 1))) else {
+        return false;
+    };
+    // Where the driver reports the allocation's extent, the whole range must lie inside it.
+    let (start, size) = first;
+    size == 0 || (start <= ptr as u64 && ptr as u64 + len as u64 <= start + size as u64)
+}
+
+fn library_loads(names: &[&str]) -> Option<String> {
+    names.iter().find_map(|name| {
+        let c = CString::new(*name).ok()?;
+        // SAFETY: dlopen of a vendor library by name; we only test that it loads and close it
+        // at once. RTLD_LAZY resolves nothing until called, and nothing is called.
+        let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
+        if handle.is_null() {
+            return None;
+        }
+        // SAFETY: handle came from dlopen above and is closed once.
+        unsafe { libc::dlclose(handle) };
+        Some((*name).to_owned())
+    })
+}
+
+/// GPUDirect Storage: libcufile plus the nvidia-fs kernel driver. Without nvidia-fs cuFile
+/// still works, in compat mode (POSIX reads through a bounce buffer), which is not GDS.
+pub(crate) fn gds_capability() -> Capability {
+    let lib = library_loads(&["libcufile.so.0", "libcufile.so"]);
+    let nvfs = std::path::Path::new("/proc/driver/nvidia-fs").exists()
+        || std::path::Path::new("/sys/module/nvidia_fs").exists();
+    match (lib, nvfs) {
+        (Some(lib), true) => Capability::yes(format!("{lib} with nvidia-fs")),
+        (Some(lib), false) => Capability::no(format!(
+            "{lib} present but the nvidia-fs driver is not loaded: cuFile runs in compat mode"
+        )),
+        (None, _) => Capability::no("libcufile not found"),
+    }
+}
+
+/// GPUDirect RDMA: device support, the nvidia-peermem module, and an RDMA NIC.
+pub(crate) fn gdr_capability(device_supports: bool) -> Capability {
+    if !device_supports {
+        return Capability::no("the device does not support GPUDirect RDMA");
+    }
+    let peermem = std::path::Path::new("/sys/module/nvidia_peermem").exists();
+    let nics: Vec<String> = std::fs::read_dir("/sys/class/infiniband")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    match (peermem, nics.is_empty()) {
+        (true, false) => Capability::yes(format!("nvidia-peermem with {}", nics.join(","))),
+        (false, _) => Capability::no("nvidia-peermem module not loaded"),
+        (true, true) => Capability::no("no RDMA NIC (/sys/class/infiniband is empty)"),
+    }
+}

@@ -1,0 +1,261 @@
+//! Host buffers: anonymous mappings, huge-page backed where available, optionally bound to a
+//! NUMA node, and optionally pinned for a GPU. The unit of staging memory in gpuio (DESIGN.md
+//! §3): one such buffer serves as a DMA target, an O_DIRECT target, an io_uring fixed buffer
+//! and later an RDMA or VFIO region.
+
+use super::{Location, MemoryRegion, MemoryTier, Registration};
+use crate::error::Result;
+use crate::gpu::{Gpu, PinGuard};
+use crate::sys;
+use std::fmt;
+use std::ptr::NonNull;
+
+/// How to allocate a [`HostBuffer`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostAllocOptions {
+    /// Bind the pages to this NUMA node (first touch happens there).
+    pub numa: Option<u32>,
+    /// DRAM or a CXL expander; recorded in the buffer's [`Location`].
+    pub tier: MemoryTier,
+    /// Ask for transparent huge pages (`MADV_HUGEPAGE` on a 2 MiB-aligned mapping) for
+    /// buffers of at least 2 MiB. Advisory.
+    pub huge_pages: bool,
+    /// Fault every page in at allocation, so copies never pay page faults later.
+    pub populate: bool,
+}
+
+impl Default for HostAllocOptions {
+    fn default() -> Self {
+        Self {
+            numa: None,
+            tier: MemoryTier::Dram,
+            huge_pages: true,
+            populate: true,
+        }
+    }
+}
+
+impl HostAllocOptions {
+    /// Options binding to NUMA node `node`.
+    pub fn on_node(node: u32) -> Self {
+        Self {
+            numa: Some(node),
+            ..Self::default()
+        }
+    }
+}
+
+/// Page-aligned host memory owned by gpuio. Read and write it through
+/// [`as_slice`](Self::as_slice) and [`as_mut_slice`](Self::as_mut_slice); pin it for a GPU with
+/// [`pin`](Self::pin) so copies run as direct DMA.
+pub struct HostBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+    location: Location,
+    huge_pages: bool,
+    /// The GPU registration; Drop releases it before unmapping.
+    pin: Option<PinGuard>,
+}
+
+// SAFETY: HostBuffer exclusively owns its mapping (like a Box<[u8]>): shared access goes
+// through &self and mutation through &mut self, so it may move and be shared across threads.
+unsafe impl Send for HostBuffer {}
+// SAFETY: see Send; &HostBuffer only hands out shared slices.
+unsafe impl Sync for HostBuffer {}
+
+impl HostBuffer {
+    /// Allocates `len` bytes (zeroed).
+    pub fn alloc(len: usize, opts: &HostAllocOptions) -> Result<Self> {
+        let huge = opts.huge_pages && len >= sys::HUGE_PAGE;
+        let align = if huge {
+            sys::HUGE_PAGE
+        } else {
+            sys::page_size()
+        };
+        let map_len = len.max(1);
+        let ptr = sys::map_anonymous(map_len, align)?;
+        let buf = Self {
+            ptr,
+            len,
+            location: Location::Host {
+                numa: opts.numa,
+                tier: opts.tier,
+            },
+            huge_pages: huge && sys::advise_huge_pages(ptr, map_len),
+            pin: None,
+        };
+        if let Some(node) = opts.numa {
+            let topo = super::numa::NumaTopology::detect();
+            topo.node(node)?;
+            sys::bind_to_node(ptr, map_len, node)?;
+        }
+        if opts.populate {
+            sys::populate(ptr, map_len);
+        }
+        // Nothing to undo on the error paths above: `buf` unmaps on drop.
+        Ok(buf)
+    }
+
+    /// Allocates `len` bytes and pins them for `gpu`.
+    pub fn alloc_pinned(len: usize, opts: &HostAllocOptions, gpu: &Gpu) -> Result<Self> {
+        let mut buf = Self::alloc(len, opts)?;
+        buf.pin(gpu)?;
+        Ok(buf)
+    }
+
+    /// Copies `data` into a new buffer.
+    pub fn from_slice(data: &[u8]) -> Result<Self> {
+        let mut buf = Self::alloc(data.len(), &HostAllocOptions::default())?;
+        buf.as_mut_slice().copy_from_slice(data);
+        Ok(buf)
+    }
+
+    /// Pins (page-locks and registers) the buffer for `gpu`. Pinned memory is portable: any
+    /// device of the same driver can DMA to and from it. Pinning twice is a no-op.
+    pub fn pin(&mut self, gpu: &Gpu) -> Result<()> {
+        if self.pin.is_none() {
+            self.pin = Some(gpu.pin_host(self)?);
+        }
+        Ok(())
+    }
+
+    /// Undoes [`pin`](Self::pin).
+    pub fn unpin(&mut self) {
+        self.pin = None;
+    }
+
+    /// Whether the buffer is pinned for DMA.
+    pub fn is_pinned(&self) -> bool {
+        self.pin.is_some()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether transparent huge pages were requested for it (and accepted by `madvise`).
+    pub fn huge_pages(&self) -> bool {
+        self.huge_pages
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is a live mapping of at least len bytes owned by self; &self forbids
+        // concurrent mutation through this type.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as for as_slice, and &mut self makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The region this buffer covers.
+    pub fn region(&self) -> MemoryRegion {
+        MemoryRegion {
+            location: self.location,
+            addr: self.ptr.as_ptr() as u64,
+            len: self.len,
+            registration: if self.is_pinned() {
+                Registration::Pinned
+            } else {
+                Registration::Pageable
+            },
+        }
+    }
+
+    /// The NUMA node of (a sample of up to `samples`) resident pages, as the kernel reports
+    /// them (`move_pages`); a negative value is an errno for a page not yet faulted in.
+    pub fn page_nodes(&self, samples: usize) -> Result<Vec<i32>> {
+        sys::page_nodes(self.ptr, self.len.max(1), samples)
+    }
+
+    pub(crate) fn raw_parts_mut(&mut self) -> (*mut u8, usize) {
+        (self.ptr.as_ptr(), self.len.max(1))
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        // Unregister before the pages go away.
+        self.pin = None;
+        // SAFETY: ptr/len.max(1) is the mapping made in alloc; nothing borrows it any more.
+        unsafe { sys::unmap(self.ptr, self.len.max(1)) };
+    }
+}
+
+impl fmt::Debug for HostBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostBuffer")
+            .field("addr", &self.ptr)
+            .field("len", &self.len)
+            .field("location", &self.location)
+            .field("huge_pages", &self.huge_pages)
+            .field("pinned", &self.pin.as_ref().map(|p| p.gpu()))
+            .finish()
+    }
+}
+
+impl std::ops::Deref for HostBuffer {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+impl std::ops::DerefMut for HostBuffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.as_mut_slice()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::HalError;
+
+    #[test]
+    fn zero_length_buffers_work() {
+        let b = HostBuffer::alloc(0, &HostAllocOptions::default()).unwrap();
+        assert!(b.is_empty());
+        assert_eq!(b.as_slice(), &[] as &[u8]);
+    }
+
+    #[test]
+    fn numa_binding_places_pages_on_the_node() {
+        let b = HostBuffer::alloc(4 << 20, &HostAllocOptions::on_node(0)).unwrap();
+        let nodes = b.page_nodes(16).unwrap();
+        assert!(nodes.iter().all(|&n| n == 0), "pages on nodes {nodes:?}");
+        assert_eq!(
+            b.region().location,
+            Location::Host {
+                numa: Some(0),
+                tier: MemoryTier::Dram
+            }
+        );
+    }
+
+    #[test]
+    fn a_missing_numa_node_is_a_typed_error() {
+        let err = HostBuffer::alloc(4096, &HostAllocOptions::on_node(999)).unwrap_err();
+        assert!(matches!(err, HalError::NoSuchNumaNode { node: 999, .. }));
+        assert_eq!(err.code(), crate::ErrorCode::NotFound);
+    }
+
+    #[test]
+    fn huge_buffers_ask_for_huge_pages() {
+        let b = HostBuffer::alloc(8 << 20, &HostAllocOptions::default()).unwrap();
+        assert_eq!(b.as_slice().as_ptr() as usize % sys::HUGE_PAGE, 0);
+        let mut b = b;
+        b[123] = 9;
+        assert_eq!(b[123], 9);
+    }
+}

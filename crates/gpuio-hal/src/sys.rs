@@ -1,0 +1,198 @@
+//! Every host operating-system call the HAL makes (mmap, madvise, mbind, move_pages), each
+//! behind a safe function with its `// SAFETY:` note. The rest of the crate calls these.
+
+use crate::error::{HalError, Result};
+use std::ptr::NonNull;
+
+/// Size of a base page on this machine.
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if size > 0 { size as usize } else { 4096 }
+}
+
+/// The size of a transparent huge page (2 MiB on x86-64).
+pub const HUGE_PAGE: usize = 2 << 20;
+
+/// An anonymous private mapping of `len` bytes whose start is aligned to `align`
+/// (a power of two, at least the page size). Returns the aligned start; the mapping is exactly
+/// `len` bytes rounded up to a page, so [`unmap`] takes the same rounded length.
+pub fn map_anonymous(len: usize, align: usize) -> Result<NonNull<u8>> {
+    let page = page_size();
+    let len = len.div_ceil(page) * page;
+    let align = align.max(page);
+    let reserve = len
+        .checked_add(align - page)
+        .ok_or_else(|| HalError::InvalidArgument(format!("mapping of {len} bytes overflows")))?;
+    // SAFETY: an anonymous private mapping at a kernel-chosen address cannot alias any memory
+    // Rust owns; the result is checked against MAP_FAILED before use.
+    let raw = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            reserve,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if raw == libc::MAP_FAILED {
+        let err = std::io::Error::last_os_error();
+        return Err(if err.raw_os_error() == Some(libc::ENOMEM) {
+            HalError::OutOfMemory {
+                what: "host memory",
+                len,
+            }
+        } else {
+            HalError::Os {
+                op: "mmap",
+                source: err,
+            }
+        });
+    }
+    let base = raw as usize;
+    let start = base.next_multiple_of(align);
+    let head = start - base;
+    let tail = reserve - head - len;
+    // Trim the alignment slack so the mapping is exactly [start, start+len).
+    if head > 0 {
+        // SAFETY: [base, base+head) is part of the mapping made above and nothing refers to it.
+        unsafe { libc::munmap(raw, head) };
+    }
+    if tail > 0 {
+        // SAFETY: [start+len, start+len+tail) is the end of the same mapping, unused.
+        unsafe { libc::munmap((start + len) as *mut libc::c_void, tail) };
+    }
+    NonNull::new(start as *mut u8).ok_or_else(|| HalError::last_os("mmap"))
+}
+
+/// Unmaps a region made by [`map_anonymous`].
+///
+/// # Safety
+/// `ptr`/`len` must be exactly a live mapping returned by [`map_anonymous`], and nothing may
+/// use it afterwards.
+pub unsafe fn unmap(ptr: NonNull<u8>, len: usize) {
+    let page = page_size();
+    let len = len.div_ceil(page) * page;
+    // SAFETY: the caller hands over a live mapping of this length that nothing uses any more.
+    let rc = unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
+    if rc != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "munmap failed");
+    }
+}
+
+/// Asks for transparent huge pages on a mapping (`madvise(MADV_HUGEPAGE)`). Advisory: where THP
+/// is off the kernel ignores it, so failure is only logged.
+pub fn advise_huge_pages(ptr: NonNull<u8>, len: usize) -> bool {
+    // SAFETY: madvise only changes the kernel's paging policy for a range we own; it never
+    // changes its contents.
+    let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
+    rc == 0
+}
+
+const MPOL_BIND: libc::c_int = 2;
+const MPOL_MF_STRICT: libc::c_uint = 1;
+const MPOL_MF_MOVE: libc::c_uint = 1 << 1;
+
+/// Binds a mapping's pages to one NUMA node (`mbind(MPOL_BIND)`). Call before the pages are
+/// touched so that first-touch allocates them there.
+pub fn bind_to_node(ptr: NonNull<u8>, len: usize, node: u32) -> Result<()> {
+    let bits = 8 * std::mem::size_of::<libc::c_ulong>();
+    let words = (node as usize / bits) + 1;
+    let mut mask = vec![0 as libc::c_ulong; words];
+    mask[node as usize / bits] |= 1 << (node as usize % bits);
+    // SAFETY: mbind reads `words` words of `mask`, which lives across the call, and only
+    // changes the placement policy of our own mapping.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mbind,
+            ptr.as_ptr(),
+            len,
+            MPOL_BIND,
+            mask.as_ptr(),
+            (words * bits) as libc::c_ulong,
+            MPOL_MF_STRICT | MPOL_MF_MOVE,
+        )
+    };
+    if rc != 0 {
+        return Err(HalError::last_os("mbind"));
+    }
+    Ok(())
+}
+
+/// Faults in every page of a mapping now (`MADV_POPULATE_WRITE`, or a write per page where
+/// the kernel predates it), so later copies do not pay page faults and NUMA placement happens.
+pub fn populate(ptr: NonNull<u8>, len: usize) {
+    const MADV_POPULATE_WRITE: libc::c_int = 23;
+    // SAFETY: populating only faults in pages of our own mapping; contents stay zero.
+    let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, MADV_POPULATE_WRITE) };
+    if rc == 0 {
+        return;
+    }
+    let page = page_size();
+    let mut off = 0;
+    while off < len {
+        // SAFETY: off < len, inside our mapping; writing a zero over a zero keeps the contents.
+        unsafe { ptr.as_ptr().add(off).write_volatile(0) };
+        off += page;
+    }
+}
+
+/// The NUMA node each sampled page of a mapping currently lives on (`move_pages` in query
+/// mode), or a negative errno for a page that is not resident.
+pub fn page_nodes(ptr: NonNull<u8>, len: usize, samples: usize) -> Result<Vec<i32>> {
+    let page = page_size();
+    let pages = len.div_ceil(page).max(1);
+    let step = (pages / samples.max(1)).max(1);
+    let addrs: Vec<*mut libc::c_void> = (0..pages)
+        .step_by(step)
+        .map(|p| ptr.as_ptr().wrapping_add(p * page).cast())
+        .collect();
+    let mut status = vec![0 as libc::c_int; addrs.len()];
+    // SAFETY: with a null `nodes` argument move_pages only reports where the listed pages of
+    // our own process live, writing `addrs.len()` ints into `status`.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_move_pages,
+            0,
+            addrs.len() as libc::c_ulong,
+            addrs.as_ptr(),
+            std::ptr::null::<libc::c_int>(),
+            status.as_mut_ptr(),
+            0,
+        )
+    };
+    if rc < 0 {
+        return Err(HalError::last_os("move_pages"));
+    }
+    Ok(status)
+}
+
+/// Copies `len` bytes between two raw regions.
+///
+/// # Safety
+/// Both regions must be valid for `len` bytes and must not overlap.
+pub unsafe fn copy_raw(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: forwarded from the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_mapping_is_aligned_and_usable() {
+        let len = 3 * HUGE_PAGE + 123;
+        let ptr = map_anonymous(len, HUGE_PAGE).unwrap();
+        assert_eq!(ptr.as_ptr() as usize % HUGE_PAGE, 0);
+        advise_huge_pages(ptr, len);
+        populate(ptr, len);
+        // SAFETY: the mapping is len bytes and owned here.
+        let s = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) };
+        s[len - 1] = 7;
+        assert_eq!(s[len - 1], 7);
+        // SAFETY: the mapping above, no longer used.
+        unsafe { unmap(ptr, len) };
+    }
+}

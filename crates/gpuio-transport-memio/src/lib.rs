@@ -1,0 +1,526 @@
+//! # gpuio-transport-memio
+//!
+//! MemIO (SAD §2.3.1, SDD §4.1): copies between host DRAM, CXL memory and GPU memory, each on
+//! the fastest route the machine has, and saying which ([`Route`]):
+//!
+//! | source → destination | route |
+//! |---|---|
+//! | pinned host ↔ GPU | one DMA on a pooled stream ([`Route::DirectDma`]) |
+//! | pageable host ↔ GPU, large | lanes of pinned staging buffers, CPU copies overlapped with DMA ([`Route::StagedPipeline`]) |
+//! | pageable host ↔ GPU, small | the driver's own bounce buffer ([`Route::DriverStaged`]) |
+//! | GPU ↔ same GPU / peer GPU | device copy ([`Route::DeviceCopy`], [`Route::PeerCopy`]) |
+//! | host ↔ host (and the host backend) | parallel memcpy ([`Route::HostCopy`]) |
+//!
+//! Host memory for a tier comes from [`MemIo::alloc_host`] with a [`HostPlacement`]
+//! (`memio://cpu/dram?numa=N`, `memio://cxl/<pool>?device=N`).
+
+#![forbid(unsafe_code)]
+
+mod pipeline;
+mod placement;
+
+pub use placement::HostPlacement;
+
+use gpuio_hal::{
+    Backend, DeviceBuffer, ErrorCode, Gpu, HalError, HostBuffer, NumaTopology, Stream,
+};
+use pipeline::LanePool;
+use rayon::prelude::*;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+/// MemIO's errors.
+#[derive(Debug, thiserror::Error)]
+pub enum MemIoError {
+    /// The HAL failed (driver error, bad range, allocation failure, ...).
+    #[error(transparent)]
+    Hal(#[from] HalError),
+    /// A CXL expander that is not there.
+    #[error("CXL memory device {device} not found ({found} CPU-less NUMA node(s) on this machine)")]
+    NoCxlDevice {
+        /// The device asked for.
+        device: u32,
+        /// How many memory-only NUMA nodes exist.
+        found: usize,
+    },
+    /// Source and destination lengths differ.
+    #[error("copy source has {src} bytes but its destination has {dst}")]
+    LengthMismatch {
+        /// Source length.
+        src: usize,
+        /// Destination length.
+        dst: usize,
+    },
+    /// A GPU this engine was not built with.
+    #[error("{0} is not one of this MemIO engine's devices")]
+    UnknownGpu(String),
+    /// A broken internal invariant (reported, never a panic).
+    #[error("internal MemIO error: {0}")]
+    Internal(String),
+}
+
+impl MemIoError {
+    /// The SDD §7.1 code of this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::Hal(e) => e.code(),
+            Self::NoCxlDevice { .. } => ErrorCode::NotFound,
+            Self::LengthMismatch { .. } | Self::UnknownGpu(_) => ErrorCode::InvalidArg,
+            Self::Internal(_) => ErrorCode::General,
+        }
+    }
+}
+
+/// MemIO's result type.
+pub type Result<T, E = MemIoError> = std::result::Result<T, E>;
+
+/// How a copy is carried out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// Pinned host memory and the device: a single DMA.
+    DirectDma,
+    /// Pageable host memory through `lanes` lanes of pinned `chunk`-byte staging buffers.
+    StagedPipeline {
+        /// Parallel lanes.
+        lanes: usize,
+        /// Bytes per staging chunk.
+        chunk: usize,
+    },
+    /// Small pageable copies: the driver's own staging is fastest.
+    DriverStaged,
+    /// Within one device.
+    DeviceCopy,
+    /// Between two devices; `direct` when peer access is enabled, else staged by the driver.
+    PeerCopy {
+        /// Direct peer-to-peer.
+        direct: bool,
+    },
+    /// CPU copies on `threads` threads (host to host, and everything on the host backend).
+    HostCopy {
+        /// Threads used.
+        threads: usize,
+    },
+}
+
+impl fmt::Display for Route {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::DirectDma => write!(f, "direct DMA (pinned memory)"),
+            Self::StagedPipeline { lanes, chunk } => write!(
+                f,
+                "staged pipeline ({lanes} lanes x {} KiB pinned chunks)",
+                chunk >> 10
+            ),
+            Self::DriverStaged => write!(f, "driver-staged copy (small pageable)"),
+            Self::DeviceCopy => write!(f, "device copy"),
+            Self::PeerCopy { direct: true } => write!(f, "peer-to-peer copy"),
+            Self::PeerCopy { direct: false } => write!(f, "peer copy staged by the driver"),
+            Self::HostCopy { threads } => write!(f, "CPU copy on {threads} thread(s)"),
+        }
+    }
+}
+
+/// Tuning of the MemIO engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemIoConfig {
+    /// Bytes per pinned staging buffer: the largest chunk a transfer uses. Transfers too small
+    /// to give every lane several chunks use smaller ones (see [`MemIo::chunk_for`]).
+    pub chunk_size: usize,
+    /// Threads (and pipeline lanes per transfer).
+    pub threads: usize,
+    /// Staging buffers per lane (at least 2, so a CPU copy overlaps a DMA).
+    pub slots_per_lane: usize,
+    /// Pageable copies smaller than this go through the driver's staging.
+    pub pipeline_min: usize,
+    /// Host copies smaller than this run on one thread.
+    pub parallel_copy_min: usize,
+}
+
+impl Default for MemIoConfig {
+    fn default() -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self {
+            chunk_size: 4 << 20,
+            threads: cores.clamp(1, 8),
+            slots_per_lane: 3,
+            pipeline_min: 1 << 20,
+            parallel_copy_min: 4 << 20,
+        }
+    }
+}
+
+/// Bytes moved, by kind (SDD `gpuio_memio_engine_t` statistics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MemIoStats {
+    /// Host to device.
+    pub host_to_device: u64,
+    /// Device to host.
+    pub device_to_host: u64,
+    /// Device to device (same or peer).
+    pub device_to_device: u64,
+    /// Host to host.
+    pub host_to_host: u64,
+    /// Of the above, bytes that went through the staging pipeline.
+    pub staged: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    h2d: AtomicU64,
+    d2h: AtomicU64,
+    d2d: AtomicU64,
+    h2h: AtomicU64,
+    staged: AtomicU64,
+}
+
+/// Per-device state: pooled streams and staging lanes.
+struct DeviceState {
+    gpu: Gpu,
+    streams: Mutex<Vec<Stream>>,
+    lanes: LanePool,
+}
+
+/// The MemIO engine. Thread-safe; share it behind an `Arc`.
+pub struct MemIo {
+    devices: Vec<DeviceState>,
+    config: MemIoConfig,
+    pool: rayon::ThreadPool,
+    topology: NumaTopology,
+    counters: Counters,
+}
+
+impl fmt::Debug for MemIo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemIo")
+            .field(
+                "gpus",
+                &self.devices.iter().map(|d| &d.gpu).collect::<Vec<_>>(),
+            )
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Pooled streams stay valid whatever panicked while the lock was held.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl MemIo {
+    /// An engine over `gpus` (from [`gpuio_hal::probe`]).
+    pub fn new(gpus: Vec<Gpu>, config: MemIoConfig) -> Result<Self> {
+        let config = MemIoConfig {
+            threads: config.threads.max(1),
+            chunk_size: config.chunk_size.max(4096),
+            slots_per_lane: config.slots_per_lane.max(2),
+            ..config
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(config.threads)
+            .thread_name(|i| format!("gpuio-memio-{i}"))
+            .build()
+            .map_err(|e| MemIoError::Internal(format!("starting copy threads: {e}")))?;
+        let devices = gpus
+            .into_iter()
+            .map(|gpu| DeviceState {
+                lanes: LanePool::new(gpu.clone(), config.chunk_size, config.slots_per_lane),
+                gpu,
+                streams: Mutex::new(Vec::new()),
+            })
+            .collect();
+        Ok(Self {
+            devices,
+            config,
+            pool,
+            topology: NumaTopology::detect(),
+            counters: Counters::default(),
+        })
+    }
+
+    /// The devices this engine copies to and from.
+    pub fn gpus(&self) -> impl Iterator<Item = &Gpu> {
+        self.devices.iter().map(|d| &d.gpu)
+    }
+
+    /// The GPU with this ordinal.
+    pub fn gpu(&self, ordinal: u32) -> Result<&Gpu> {
+        self.devices
+            .get(ordinal as usize)
+            .map(|d| &d.gpu)
+            .ok_or_else(|| MemIoError::UnknownGpu(format!("gpu{ordinal}")))
+    }
+
+    /// The engine's configuration.
+    pub fn config(&self) -> &MemIoConfig {
+        &self.config
+    }
+
+    /// The host's NUMA topology as seen at start.
+    pub fn topology(&self) -> &NumaTopology {
+        &self.topology
+    }
+
+    /// Bytes moved so far.
+    pub fn stats(&self) -> MemIoStats {
+        let c = &self.counters;
+        MemIoStats {
+            host_to_device: c.h2d.load(Ordering::Relaxed),
+            device_to_host: c.d2h.load(Ordering::Relaxed),
+            device_to_device: c.d2d.load(Ordering::Relaxed),
+            host_to_host: c.h2h.load(Ordering::Relaxed),
+            staged: c.staged.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Pinned staging memory currently held by idle pipeline lanes.
+    pub fn staging_bytes(&self) -> usize {
+        self.devices.iter().map(|d| d.lanes.staged_bytes()).sum()
+    }
+
+    /// Allocates host memory on a tier, pinned for DMA when `pinned` (registered with the
+    /// first device; pinned memory is portable across devices).
+    pub fn alloc_host(
+        &self,
+        placement: HostPlacement,
+        len: usize,
+        pinned: bool,
+    ) -> Result<HostBuffer> {
+        let opts = placement.resolve(&self.topology)?;
+        let mut buf = HostBuffer::alloc(len, &opts)?;
+        if pinned && let Some(d) = self.devices.first() {
+            buf.pin(&d.gpu)?;
+        }
+        Ok(buf)
+    }
+
+    fn device(&self, gpu: &Gpu) -> Result<&DeviceState> {
+        self.devices
+            .get(gpu.ordinal() as usize)
+            .filter(|d| d.gpu.same_device(gpu))
+            .ok_or_else(|| MemIoError::UnknownGpu(gpu.to_string()))
+    }
+
+    fn with_stream<T>(&self, gpu: &Gpu, f: impl FnOnce(&Stream) -> Result<T>) -> Result<T> {
+        let dev = self.device(gpu)?;
+        let stream = match lock(&dev.streams).pop() {
+            Some(s) => s,
+            None => dev.gpu.stream()?,
+        };
+        let out = f(&stream);
+        lock(&dev.streams).push(stream);
+        out
+    }
+
+    /// The route a copy between host memory `host` and device `gpu` takes.
+    pub fn route_host_device(&self, gpu: &Gpu, host: &[u8]) -> Route {
+        if gpu.backend() == Backend::Host {
+            Route::HostCopy {
+                threads: self.copy_threads(host.len()),
+            }
+        } else if gpu.is_pinned(host) {
+            Route::DirectDma
+        } else if host.len() < self.config.pipeline_min {
+            Route::DriverStaged
+        } else {
+            let chunk = self.chunk_for(host.len());
+            Route::StagedPipeline {
+                lanes: host.len().div_ceil(chunk).min(self.config.threads),
+                chunk,
+            }
+        }
+    }
+
+    /// The staging chunk for a pipelined transfer of `len` bytes: small enough that every lane
+    /// gets at least four chunks (so the first DMA starts early and CPU copies overlap DMA
+    /// throughout), at most the staging buffer size, at least 256 KiB (a DMA per chunk).
+    pub fn chunk_for(&self, len: usize) -> usize {
+        const STEP: usize = 64 << 10;
+        let max = self.config.chunk_size;
+        len.div_ceil(self.config.threads * 4)
+            .next_multiple_of(STEP)
+            .clamp((256 << 10).min(max), max)
+    }
+
+    /// The route of a device-to-device copy.
+    pub fn route_device_device(&self, src: &Gpu, dst: &Gpu) -> Route {
+        if src.same_device(dst) {
+            Route::DeviceCopy
+        } else {
+            Route::PeerCopy {
+                direct: src.can_access_peer(dst),
+            }
+        }
+    }
+
+    fn copy_threads(&self, len: usize) -> usize {
+        if len < self.config.parallel_copy_min {
+            1
+        } else {
+            len.div_ceil(self.config.parallel_copy_min)
+                .min(self.config.threads)
+        }
+    }
+
+    /// Copies host memory (pinned or pageable) into `dst` at `dst_offset`; returns the route.
+    pub fn upload(&self, src: &[u8], dst: &DeviceBuffer, dst_offset: usize) -> Result<Route> {
+        gpuio_hal::check_range("upload destination", dst_offset, src.len(), dst.len())?;
+        let gpu = dst.gpu();
+        let route = self.route_host_device(gpu, src);
+        match route {
+            Route::DirectDma | Route::DriverStaged => {
+                self.with_stream(gpu, |s| Ok(s.upload(src, dst, dst_offset)?))?
+            }
+            Route::HostCopy { threads } => {
+                let seg = src.len().div_ceil(threads).max(1);
+                self.pool.install(|| {
+                    src.par_chunks(seg).enumerate().try_for_each(|(i, piece)| {
+                        self.with_stream(gpu, |s| Ok(s.upload(piece, dst, dst_offset + i * seg)?))
+                    })
+                })?
+            }
+            Route::StagedPipeline { .. } => return self.upload_staged(src, dst, dst_offset),
+            Route::DeviceCopy | Route::PeerCopy { .. } => {
+                return Err(MemIoError::Internal(format!("{route} for a host source")));
+            }
+        }
+        self.counters
+            .h2d
+            .fetch_add(src.len() as u64, Ordering::Relaxed);
+        Ok(route)
+    }
+
+    /// Copies host memory into `dst` through the staging pipeline, whatever the memory is.
+    /// [`upload`](Self::upload) picks this route for large pageable sources on its own.
+    pub fn upload_staged(
+        &self,
+        src: &[u8],
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<Route> {
+        gpuio_hal::check_range("upload destination", dst_offset, src.len(), dst.len())?;
+        let pool = &self.device(dst.gpu())?.lanes;
+        let chunk = self.chunk_for(src.len());
+        let lanes = src.len().div_ceil(chunk).clamp(1, self.config.threads);
+        let mut taken = pool.take(lanes)?;
+        let work = Mutex::new(src.chunks(chunk).enumerate());
+        let res = self.pool.install(|| {
+            taken
+                .par_iter_mut()
+                .with_max_len(1)
+                .try_for_each(|lane| lane.upload(&work, chunk, dst, dst_offset))
+        });
+        pool.give_back(taken);
+        res?;
+        let n = src.len() as u64;
+        self.counters.staged.fetch_add(n, Ordering::Relaxed);
+        self.counters.h2d.fetch_add(n, Ordering::Relaxed);
+        Ok(Route::StagedPipeline { lanes, chunk })
+    }
+
+    /// Copies `dst.len()` bytes of `src` from `src_offset` into host memory; returns the route.
+    pub fn download(&self, src: &DeviceBuffer, src_offset: usize, dst: &mut [u8]) -> Result<Route> {
+        gpuio_hal::check_range("download source", src_offset, dst.len(), src.len())?;
+        let gpu = src.gpu();
+        let route = self.route_host_device(gpu, dst);
+        let len = dst.len();
+        match route {
+            Route::DirectDma | Route::DriverStaged => {
+                self.with_stream(gpu, |s| Ok(s.download(src, src_offset, dst)?))?
+            }
+            Route::HostCopy { threads } => {
+                let seg = len.div_ceil(threads).max(1);
+                self.pool.install(|| {
+                    dst.par_chunks_mut(seg)
+                        .enumerate()
+                        .try_for_each(|(i, piece)| {
+                            self.with_stream(gpu, |s| {
+                                Ok(s.download(src, src_offset + i * seg, piece)?)
+                            })
+                        })
+                })?
+            }
+            Route::StagedPipeline { .. } => return self.download_staged(src, src_offset, dst),
+            Route::DeviceCopy | Route::PeerCopy { .. } => {
+                return Err(MemIoError::Internal(format!(
+                    "{route} for a host destination"
+                )));
+            }
+        }
+        self.counters.d2h.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(route)
+    }
+
+    /// Copies device memory into host memory through the staging pipeline, whatever the
+    /// memory is. [`download`](Self::download) picks this route for large pageable
+    /// destinations on its own.
+    pub fn download_staged(
+        &self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        dst: &mut [u8],
+    ) -> Result<Route> {
+        gpuio_hal::check_range("download source", src_offset, dst.len(), src.len())?;
+        let pool = &self.device(src.gpu())?.lanes;
+        let len = dst.len();
+        let chunk = self.chunk_for(len);
+        let lanes = len.div_ceil(chunk).clamp(1, self.config.threads);
+        let mut taken = pool.take(lanes)?;
+        let work = Mutex::new(dst.chunks_mut(chunk).enumerate());
+        let res = self.pool.install(|| {
+            taken
+                .par_iter_mut()
+                .with_max_len(1)
+                .try_for_each(|lane| lane.download(&work, chunk, src, src_offset))
+        });
+        pool.give_back(taken);
+        res?;
+        self.counters
+            .staged
+            .fetch_add(len as u64, Ordering::Relaxed);
+        self.counters.d2h.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(Route::StagedPipeline { lanes, chunk })
+    }
+
+    /// Copies `len` bytes between device buffers (same device or peers); returns the route.
+    pub fn copy_device(
+        &self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<Route> {
+        let route = self.route_device_device(src.gpu(), dst.gpu());
+        self.with_stream(dst.gpu(), |s| {
+            Ok(s.copy_device(src, src_offset, dst, dst_offset, len)?)
+        })?;
+        self.counters.d2d.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(route)
+    }
+
+    /// Copies host memory to host memory (DRAM, CXL), in parallel for large copies.
+    pub fn copy_host(&self, src: &[u8], dst: &mut [u8]) -> Result<Route> {
+        if src.len() != dst.len() {
+            return Err(MemIoError::LengthMismatch {
+                src: src.len(),
+                dst: dst.len(),
+            });
+        }
+        let threads = self.copy_threads(src.len());
+        if threads == 1 {
+            dst.copy_from_slice(src);
+        } else {
+            let seg = src.len().div_ceil(threads);
+            self.pool.install(|| {
+                dst.par_chunks_mut(seg)
+                    .zip(src.par_chunks(seg))
+                    .for_each(|(d, s)| d.copy_from_slice(s))
+            });
+        }
+        self.counters
+            .h2h
+            .fetch_add(src.len() as u64, Ordering::Relaxed);
+        Ok(Route::HostCopy { threads })
+    }
+}
