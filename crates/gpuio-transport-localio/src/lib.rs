@@ -167,6 +167,11 @@ impl FileHandle {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
+    /// An identity of the open file, unique in the process while any clone lives.
+    pub fn id(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+
     /// Current length in bytes (for block devices: the device size).
     pub fn len(&self) -> Result<u64> {
         let meta = self

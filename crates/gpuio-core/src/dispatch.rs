@@ -1,0 +1,363 @@
+//! Dispatch (first cut): a pool of worker threads runs queued requests on their engines, with
+//! the retry policy, and delivers each completion exactly once — to a waiting handle (blocking
+//! or as a future) or to a callback. A queued request always completes: if the dispatcher
+//! goes away first, it completes with [`CoreError::ShutDown`].
+//!
+//! The full scheduler (priorities, deadlines, fairness, backpressure) replaces the FIFO queue
+//! here; the completion contract stays.
+
+use crate::batch::{self, Segment};
+use crate::engine::{Engines, Outcome};
+use crate::error::{CoreError, Result};
+use crate::request::{Request, RequestId, Status, StatusCell};
+use crate::retry::RetryPolicy;
+use crossbeam_channel::{Receiver, Sender};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// A finished request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// Which request.
+    pub id: RequestId,
+    /// What the engine reported.
+    pub outcome: Outcome,
+    /// Time from pickup by a worker to completion.
+    pub elapsed: Duration,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The slot's state is a plain Option pair; a panic cannot leave it half-updated.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A one-shot value, awaitable both by blocking and as a future.
+struct Slot<T> {
+    state: Mutex<(Option<T>, Option<Waker>)>,
+    ready: Condvar,
+}
+
+impl<T> Slot<T> {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new((None, None)),
+            ready: Condvar::new(),
+        })
+    }
+
+    fn put(&self, value: T) {
+        let mut s = lock(&self.state);
+        s.0 = Some(value);
+        if let Some(w) = s.1.take() {
+            w.wake();
+        }
+        self.ready.notify_all();
+    }
+
+    fn wait(&self) -> T {
+        let mut s = lock(&self.state);
+        loop {
+            if let Some(v) = s.0.take() {
+                return v;
+            }
+            s = self.ready.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn poll(&self, cx: &Context<'_>) -> Poll<T> {
+        let mut s = lock(&self.state);
+        match s.0.take() {
+            Some(v) => Poll::Ready(v),
+            None => {
+                s.1 = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// Delivers a result exactly once; delivers [`CoreError::ShutDown`] if dropped undelivered.
+struct Completer<T> {
+    deliver: Option<Box<dyn FnOnce(Result<T>) + Send>>,
+}
+
+impl<T> Completer<T> {
+    fn new(f: impl FnOnce(Result<T>) + Send + 'static) -> Self {
+        Self {
+            deliver: Some(Box::new(f)),
+        }
+    }
+
+    fn complete(mut self, r: Result<T>) {
+        if let Some(f) = self.deliver.take() {
+            f(r);
+        }
+    }
+}
+
+impl<T> Drop for Completer<T> {
+    fn drop(&mut self) {
+        if let Some(f) = self.deliver.take() {
+            f(Err(CoreError::ShutDown));
+        }
+    }
+}
+
+type Job = Box<dyn FnOnce(&Engines, &RetryPolicy) + Send>;
+
+/// The worker pool.
+pub struct Dispatcher {
+    tx: Option<Sender<Job>>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Dispatcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dispatcher")
+            .field("workers", &self.workers.len())
+            .finish()
+    }
+}
+
+fn worker(rx: Receiver<Job>, engines: Engines, retry: RetryPolicy) {
+    for job in rx {
+        job(&engines, &retry);
+    }
+}
+
+/// Runs one request on a worker: pickup (unless cancelled), the transfer with retries,
+/// the final status.
+fn run(req: &Request, engines: &Engines, retry: &RetryPolicy) -> Result<Completion> {
+    let cell = req.status_cell();
+    if cell.advance(Status::InProgress).is_err() {
+        return Err(CoreError::Cancelled(req.id));
+    }
+    let start = Instant::now();
+    let policy = if req.flags.no_retry {
+        &RetryPolicy::NONE
+    } else {
+        retry
+    };
+    let result = policy.run(|| engines.execute_request(req));
+    let status = if result.is_ok() {
+        Status::Completed
+    } else {
+        Status::Error
+    };
+    cell.advance(status)?;
+    result.map(|outcome| Completion {
+        id: req.id,
+        outcome,
+        elapsed: start.elapsed(),
+    })
+}
+
+impl Dispatcher {
+    /// Starts `workers` threads over `engines`.
+    pub fn new(engines: Engines, workers: usize, retry: RetryPolicy) -> Result<Self> {
+        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+        let workers = (0..workers.max(1))
+            .map(|i| {
+                let (rx, engines, retry) = (rx.clone(), engines.clone(), retry.clone());
+                std::thread::Builder::new()
+                    .name(format!("gpuio-worker-{i}"))
+                    .spawn(move || worker(rx, engines, retry))
+                    .map_err(|e| CoreError::InvalidRequest(format!("starting a worker: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            tx: Some(tx),
+            workers,
+        })
+    }
+
+    fn enqueue(&self, job: Job) -> Result<()> {
+        let tx = self.tx.as_ref().ok_or(CoreError::ShutDown)?;
+        tx.send(job).map_err(|_| CoreError::ShutDown)
+    }
+
+    /// Queues a request; `on_done` runs on a worker thread when it finishes (or with
+    /// [`CoreError::ShutDown`] if it never runs). Returns the request's status cell.
+    pub fn submit_with(
+        &self,
+        req: Request,
+        on_done: impl FnOnce(Result<Completion>) + Send + 'static,
+    ) -> Result<Arc<StatusCell>> {
+        let cell = req.status_cell().clone();
+        cell.advance(Status::Submitted)?;
+        let done = Completer::new(on_done);
+        self.enqueue(Box::new(move |engines, retry| {
+            done.complete(run(&req, engines, retry))
+        }))?;
+        Ok(cell)
+    }
+
+    /// Queues a request and returns a handle to wait on, poll as a future, or cancel.
+    pub fn submit(&self, req: Request) -> Result<RequestHandle> {
+        let id = req.id;
+        let slot = Slot::new();
+        let s = slot.clone();
+        let status = self.submit_with(req, move |r| s.put(r))?;
+        Ok(RequestHandle { id, status, slot })
+    }
+
+    /// Plans a batch (sort, coalesce, group by engine; SDD §8.1) and queues its segments.
+    /// Each request's status follows its segment.
+    pub fn submit_batch(&self, requests: Vec<Request>) -> Result<BatchHandle> {
+        let plan = batch::plan(&requests);
+        let requests: Arc<Vec<Request>> = Arc::new(requests);
+        let total = requests.len();
+        let segments: Vec<Segment> = plan.groups.into_values().flatten().collect();
+        let report = Arc::new(Mutex::new(BatchReport {
+            requests: total,
+            segments: segments.len(),
+            ..BatchReport::default()
+        }));
+        let slot = Slot::new();
+        let remaining = Arc::new(Mutex::new(segments.len()));
+        for r in requests.iter() {
+            r.status_cell().advance(Status::Submitted)?;
+        }
+        if segments.is_empty() {
+            slot.put(Ok(BatchReport::default()));
+        }
+        for seg in segments {
+            let ids: Vec<RequestId> = seg.members.iter().map(|&i| requests[i].id).collect();
+            let (report, slot, remaining) = (report.clone(), slot.clone(), remaining.clone());
+            let finish = move |result: Result<Outcome>| {
+                {
+                    let mut rep = lock(&report);
+                    match &result {
+                        Ok(o) => rep.bytes += o.bytes as u64,
+                        Err(e) => rep
+                            .failed
+                            .extend(ids.into_iter().map(|id| (id, e.to_string()))),
+                    }
+                }
+                let mut left = lock(&remaining);
+                *left -= 1;
+                if *left == 0 {
+                    slot.put(Ok(lock(&report).clone()));
+                }
+            };
+            let done = Completer::new(finish);
+            let requests = requests.clone();
+            self.enqueue(Box::new(move |engines, retry| {
+                let members: Vec<&Request> = seg.members.iter().map(|&i| &requests[i]).collect();
+                let picked: Vec<bool> = members
+                    .iter()
+                    .map(|r| r.status_cell().advance(Status::InProgress).is_ok())
+                    .collect();
+                let result = if picked.iter().all(|&p| p) {
+                    retry.run(|| engines.execute(&seg.src, &seg.dst, seg.len, seg.durable))
+                } else {
+                    let first = members.first().map_or(RequestId(0), |r| r.id);
+                    Err(CoreError::Cancelled(first))
+                };
+                let status = if result.is_ok() {
+                    Status::Completed
+                } else {
+                    Status::Error
+                };
+                for (r, p) in members.iter().zip(picked) {
+                    if p {
+                        let _ = r.status_cell().advance(status);
+                    }
+                }
+                done.complete(result)
+            }))?;
+        }
+        Ok(BatchHandle { slot })
+    }
+
+    /// Stops taking work, lets the workers finish what is queued, and joins them.
+    pub fn shutdown(&mut self) {
+        self.tx = None;
+        for w in self.workers.drain(..) {
+            if w.join().is_err() {
+                tracing::error!("a gpuio worker thread panicked");
+            }
+        }
+    }
+}
+
+impl Drop for Dispatcher {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// A queued request: wait for it, `.await` it, or cancel it while it is still queued.
+pub struct RequestHandle {
+    id: RequestId,
+    status: Arc<StatusCell>,
+    slot: Arc<Slot<Result<Completion>>>,
+}
+
+impl RequestHandle {
+    /// The request's id.
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// Its current status.
+    pub fn status(&self) -> Status {
+        self.status.get()
+    }
+
+    /// Cancels it if no worker has picked it up yet; it then completes with
+    /// [`CoreError::Cancelled`]. Returns whether the cancel won.
+    pub fn cancel(&self) -> bool {
+        self.status.advance(Status::Cancelled).is_ok()
+    }
+
+    /// Blocks until it completes.
+    pub fn wait(self) -> Result<Completion> {
+        self.slot.wait()
+    }
+}
+
+impl Future for RequestHandle {
+    type Output = Result<Completion>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.slot.poll(cx)
+    }
+}
+
+/// What a batch did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BatchReport {
+    /// Requests submitted.
+    pub requests: usize,
+    /// Transfers issued after coalescing.
+    pub segments: usize,
+    /// Bytes moved by the segments that succeeded.
+    pub bytes: u64,
+    /// Requests that failed or were cancelled, with the reason.
+    pub failed: Vec<(RequestId, String)>,
+}
+
+/// A queued batch: wait for it or `.await` it.
+pub struct BatchHandle {
+    slot: Arc<Slot<Result<BatchReport>>>,
+}
+
+impl BatchHandle {
+    /// Blocks until every segment has finished.
+    pub fn wait(self) -> Result<BatchReport> {
+        self.slot.wait()
+    }
+}
+
+impl Future for BatchHandle {
+    type Output = Result<BatchReport>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.slot.poll(cx)
+    }
+}

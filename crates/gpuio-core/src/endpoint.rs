@@ -1,0 +1,245 @@
+//! The two ends of a transfer. [`Source`] and [`Dest`] borrow (for blocking calls: any slice,
+//! any buffer); [`Endpoint`] owns handles (for requests that outlive the call: queued,
+//! asynchronous, batched).
+
+use crate::error::{CoreError, Result};
+use gpuio_hal::{DeviceBuffer, HostBuffer, MemoryRegion};
+use gpuio_transport_localio::FileHandle;
+use std::fmt;
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+/// What kind of resource an endpoint is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum EndpointKind {
+    /// Host memory (DRAM or CXL).
+    Host,
+    /// GPU memory.
+    Device,
+    /// A file or block device.
+    File,
+}
+
+impl EndpointKind {
+    /// Whether this is storage (as opposed to memory).
+    pub fn is_storage(self) -> bool {
+        matches!(self, Self::File)
+    }
+}
+
+/// Host memory shared between the caller and queued requests. Requests lock it while they
+/// run (readers share, a writer excludes), so the caller never sees a half-written buffer
+/// through a reference.
+#[derive(Debug, Clone)]
+pub struct HostMemory {
+    inner: Arc<RwLock<HostBuffer>>,
+}
+
+impl HostMemory {
+    /// Wraps a buffer.
+    pub fn new(buf: HostBuffer) -> Self {
+        Self {
+            inner: Arc::new(RwLock::new(buf)),
+        }
+    }
+
+    /// Shared access (waits for a running request that writes it).
+    pub fn read(&self) -> RwLockReadGuard<'_, HostBuffer> {
+        // HostBuffer holds no invariants a panicking writer could break.
+        self.inner.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Exclusive access (waits for running requests that use it).
+    pub fn write(&self) -> RwLockWriteGuard<'_, HostBuffer> {
+        self.inner.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.read().len()
+    }
+
+    /// Whether it has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Takes the buffer back if this is the last handle.
+    pub fn into_inner(self) -> Option<HostBuffer> {
+        Arc::into_inner(self.inner).map(|l| l.into_inner().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn id(&self) -> usize {
+        Arc::as_ptr(&self.inner) as *const () as usize
+    }
+}
+
+/// An owned end of a transfer.
+#[derive(Debug, Clone)]
+pub enum Endpoint {
+    /// Host memory at an offset.
+    Host {
+        /// The memory.
+        mem: HostMemory,
+        /// Byte offset into it.
+        offset: usize,
+    },
+    /// GPU memory at an offset.
+    Device {
+        /// The buffer.
+        buf: DeviceBuffer,
+        /// Byte offset into it.
+        offset: usize,
+    },
+    /// A file at an offset.
+    File {
+        /// The file.
+        file: FileHandle,
+        /// Byte offset into it.
+        offset: u64,
+    },
+}
+
+/// Identifies the resource behind an endpoint (for sorting and coalescing), ignoring offsets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ResourceKey {
+    kind: EndpointKind,
+    id: usize,
+}
+
+impl Endpoint {
+    /// Host memory at `offset`.
+    pub fn host(mem: &HostMemory, offset: usize) -> Self {
+        Self::Host {
+            mem: mem.clone(),
+            offset,
+        }
+    }
+
+    /// GPU memory at `offset`.
+    pub fn device(buf: &DeviceBuffer, offset: usize) -> Self {
+        Self::Device {
+            buf: buf.clone(),
+            offset,
+        }
+    }
+
+    /// A file at `offset`.
+    pub fn file(file: &FileHandle, offset: u64) -> Self {
+        Self::File {
+            file: file.clone(),
+            offset,
+        }
+    }
+
+    /// Its kind.
+    pub fn kind(&self) -> EndpointKind {
+        match self {
+            Self::Host { .. } => EndpointKind::Host,
+            Self::Device { .. } => EndpointKind::Device,
+            Self::File { .. } => EndpointKind::File,
+        }
+    }
+
+    /// The byte offset.
+    pub fn offset(&self) -> u64 {
+        match self {
+            Self::Host { offset, .. } | Self::Device { offset, .. } => *offset as u64,
+            Self::File { offset, .. } => *offset,
+        }
+    }
+
+    /// The resource it addresses.
+    pub fn resource(&self) -> ResourceKey {
+        let (kind, id) = match self {
+            Self::Host { mem, .. } => (EndpointKind::Host, mem.id()),
+            Self::Device { buf, .. } => (EndpointKind::Device, buf.device_addr() as usize),
+            Self::File { file, .. } => (EndpointKind::File, file.id()),
+        };
+        ResourceKey { kind, id }
+    }
+
+    /// The same resource at another offset.
+    pub fn at(&self, offset: u64) -> Result<Self> {
+        let small = || {
+            usize::try_from(offset)
+                .map_err(|_| CoreError::InvalidRequest(format!("offset {offset} too large")))
+        };
+        Ok(match self {
+            Self::Host { mem, .. } => Self::Host {
+                mem: mem.clone(),
+                offset: small()?,
+            },
+            Self::Device { buf, .. } => Self::Device {
+                buf: buf.clone(),
+                offset: small()?,
+            },
+            Self::File { file, .. } => Self::File {
+                file: file.clone(),
+                offset,
+            },
+        })
+    }
+
+    /// The memory region `len` bytes from here cover (`None` for files or out of range).
+    pub fn region(&self, len: usize) -> Option<MemoryRegion> {
+        match self {
+            Self::Host { mem, offset } => mem.read().region().slice(*offset, len),
+            Self::Device { buf, offset } => buf.region().slice(*offset, len),
+            Self::File { .. } => None,
+        }
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Host { offset, .. } => write!(f, "host memory +{offset}"),
+            Self::Device { buf, offset } => write!(f, "gpu{} +{offset}", buf.gpu().ordinal()),
+            Self::File { file, offset } => write!(f, "{} +{offset}", file.path().display()),
+        }
+    }
+}
+
+/// A borrowed source of a blocking transfer.
+#[derive(Debug, Clone, Copy)]
+pub enum Source<'a> {
+    /// Host memory (pinned or pageable; MemIO finds out which).
+    Host(&'a [u8]),
+    /// GPU memory from an offset.
+    Device(&'a DeviceBuffer, usize),
+    /// A file from an offset.
+    File(&'a FileHandle, u64),
+}
+
+/// A borrowed destination of a blocking transfer.
+#[derive(Debug)]
+pub enum Dest<'a> {
+    /// Host memory.
+    Host(&'a mut [u8]),
+    /// GPU memory from an offset.
+    Device(&'a DeviceBuffer, usize),
+    /// A file from an offset.
+    File(&'a FileHandle, u64),
+}
+
+impl Source<'_> {
+    /// Its kind.
+    pub fn kind(&self) -> EndpointKind {
+        match self {
+            Self::Host(_) => EndpointKind::Host,
+            Self::Device(..) => EndpointKind::Device,
+            Self::File(..) => EndpointKind::File,
+        }
+    }
+}
+
+impl Dest<'_> {
+    /// Its kind.
+    pub fn kind(&self) -> EndpointKind {
+        match self {
+            Self::Host(_) => EndpointKind::Host,
+            Self::Device(..) => EndpointKind::Device,
+            Self::File(..) => EndpointKind::File,
+        }
+    }
+}

@@ -1,0 +1,273 @@
+//! The `Engine` abstraction and the transport manager. Each transport crate knows nothing of
+//! the others; here each is adapted to [`Engine`], and [`Engines`] routes a transfer to the one
+//! that serves its pair of endpoint kinds.
+
+use crate::endpoint::{Dest, Endpoint, EndpointKind, Source};
+use crate::error::{CoreError, Result};
+use crate::request::{EngineKind, Request};
+use gpuio_hal::{HostAllocOptions, HostBuffer, check_range};
+use gpuio_transport_localio::LocalIo;
+use gpuio_transport_memio::MemIo;
+use std::fmt;
+use std::sync::Arc;
+
+/// What a finished transfer reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// Bytes moved.
+    pub bytes: usize,
+    /// The engine that moved them.
+    pub engine: EngineKind,
+    /// How (e.g. "direct DMA (pinned memory)").
+    pub route: String,
+}
+
+/// A transport adapted to the core: a blocking transfer between two borrowed endpoints.
+pub trait Engine: Send + Sync + fmt::Debug {
+    /// Which transport this is.
+    fn kind(&self) -> EngineKind;
+
+    /// Moves `len` bytes from `src` to `dst`. A host slice must hold at least `len` bytes; the
+    /// first `len` are used.
+    fn transfer(&self, src: Source<'_>, dst: Dest<'_>, len: usize) -> Result<Outcome>;
+}
+
+/// The engine that serves transfers between these kinds of endpoint: anything touching a
+/// file goes to LocalIO, memory to memory to MemIO.
+pub fn route(src: EndpointKind, dst: EndpointKind) -> Result<EngineKind> {
+    Ok(if src.is_storage() || dst.is_storage() {
+        EngineKind::LocalIo
+    } else {
+        EngineKind::MemIo
+    })
+}
+
+fn host_prefix<'a>(what: &'static str, s: &'a [u8], len: usize) -> Result<&'a [u8]> {
+    check_range(what, 0, len, s.len())?;
+    Ok(&s[..len])
+}
+
+fn host_prefix_mut<'a>(what: &'static str, s: &'a mut [u8], len: usize) -> Result<&'a mut [u8]> {
+    check_range(what, 0, len, s.len())?;
+    Ok(&mut s[..len])
+}
+
+/// MemIO as an [`Engine`].
+#[derive(Debug)]
+pub struct MemIoEngine(pub Arc<MemIo>);
+
+impl Engine for MemIoEngine {
+    fn kind(&self) -> EngineKind {
+        EngineKind::MemIo
+    }
+
+    fn transfer(&self, src: Source<'_>, dst: Dest<'_>, len: usize) -> Result<Outcome> {
+        let io = &self.0;
+        let route = match (src, dst) {
+            (Source::Host(s), Dest::Device(d, off)) => {
+                io.upload(host_prefix("source", s, len)?, d, off)?
+            }
+            (Source::Device(s, off), Dest::Host(d)) => {
+                io.download(s, off, host_prefix_mut("destination", d, len)?)?
+            }
+            (Source::Device(s, so), Dest::Device(d, doff)) => {
+                io.copy_device(s, so, d, doff, len)?
+            }
+            (Source::Host(s), Dest::Host(d)) => io.copy_host(
+                host_prefix("source", s, len)?,
+                host_prefix_mut("destination", d, len)?,
+            )?,
+            (s, d) => {
+                return Err(CoreError::InvalidRequest(format!(
+                    "MemIO does not move {:?} to {:?}",
+                    s.kind(),
+                    d.kind()
+                )));
+            }
+        };
+        Ok(Outcome {
+            bytes: len,
+            engine: EngineKind::MemIo,
+            route: route.to_string(),
+        })
+    }
+}
+
+/// LocalIO as an [`Engine`] (host staging for file-to-file copies).
+#[derive(Debug)]
+pub struct LocalIoEngine(pub Arc<LocalIo>);
+
+impl Engine for LocalIoEngine {
+    fn kind(&self) -> EngineKind {
+        EngineKind::LocalIo
+    }
+
+    fn transfer(&self, src: Source<'_>, dst: Dest<'_>, len: usize) -> Result<Outcome> {
+        let io = &self.0;
+        let route = match (src, dst) {
+            (Source::File(f, off), Dest::Host(d)) => {
+                f.read_exact_at(off, host_prefix_mut("destination", d, len)?)?;
+                "pread"
+            }
+            (Source::Host(s), Dest::File(f, off)) => {
+                f.write_all_at(off, host_prefix("source", s, len)?)?;
+                "pwrite"
+            }
+            (Source::File(f, off), Dest::Device(d, doff)) => {
+                io.read_to_device(f, off, d, doff, len)?;
+                "pread + staged DMA"
+            }
+            (Source::Device(s, soff), Dest::File(f, off)) => {
+                io.write_from_device(s, soff, f, off, len)?;
+                "staged DMA + pwrite"
+            }
+            (Source::File(sf, soff), Dest::File(df, doff)) => {
+                let chunk = io.config().chunk_size.min(len.max(1));
+                let mut buf = HostBuffer::alloc(chunk, &HostAllocOptions::default())?;
+                let mut done = 0;
+                while done < len {
+                    let n = chunk.min(len - done);
+                    sf.read_exact_at(soff + done as u64, &mut buf[..n])?;
+                    df.write_all_at(doff + done as u64, &buf[..n])?;
+                    done += n;
+                }
+                "pread + pwrite through host memory"
+            }
+            (s, d) => {
+                return Err(CoreError::InvalidRequest(format!(
+                    "LocalIO does not move {:?} to {:?}",
+                    s.kind(),
+                    d.kind()
+                )));
+            }
+        };
+        Ok(Outcome {
+            bytes: len,
+            engine: EngineKind::LocalIo,
+            route: route.into(),
+        })
+    }
+}
+
+/// The transport manager: one engine per transport this build has, and the routing between
+/// them.
+#[derive(Debug, Clone)]
+pub struct Engines {
+    memio: Arc<MemIoEngine>,
+    localio: Arc<LocalIoEngine>,
+}
+
+impl Engines {
+    /// Engines over these transports.
+    pub fn new(memio: Arc<MemIo>, localio: Arc<LocalIo>) -> Self {
+        Self {
+            memio: Arc::new(MemIoEngine(memio)),
+            localio: Arc::new(LocalIoEngine(localio)),
+        }
+    }
+
+    /// The MemIO transport.
+    pub fn memio(&self) -> &Arc<MemIo> {
+        &self.memio.0
+    }
+
+    /// The LocalIO transport.
+    pub fn localio(&self) -> &Arc<LocalIo> {
+        &self.localio.0
+    }
+
+    /// The engine of a kind.
+    pub fn engine(&self, kind: EngineKind) -> Result<&dyn Engine> {
+        match kind {
+            EngineKind::MemIo => Ok(self.memio.as_ref()),
+            EngineKind::LocalIo => Ok(self.localio.as_ref()),
+            EngineKind::RemoteIo => Err(CoreError::Unsupported {
+                what: "RemoteIO".into(),
+                reason: "this build has no RemoteIO transport".into(),
+            }),
+        }
+    }
+
+    /// A blocking transfer between borrowed endpoints, on the engine that serves them.
+    pub fn transfer(&self, src: Source<'_>, dst: Dest<'_>, len: usize) -> Result<Outcome> {
+        let kind = route(src.kind(), dst.kind())?;
+        self.engine(kind)?.transfer(src, dst, len)
+    }
+
+    /// Carries out an owned transfer (what a queued [`Request`] holds): locks host memory for
+    /// the duration (shared for a source, exclusive for a destination) and transfers.
+    pub fn execute(
+        &self,
+        src: &Endpoint,
+        dst: &Endpoint,
+        len: usize,
+        durable: bool,
+    ) -> Result<Outcome> {
+        let engine = self.engine(route(src.kind(), dst.kind())?)?;
+        let outcome = match (src, dst) {
+            // One host buffer on both sides: one exclusive lock, a move within it.
+            (
+                Endpoint::Host { mem: a, offset: so },
+                Endpoint::Host {
+                    mem: b,
+                    offset: doff,
+                },
+            ) if src.resource() == dst.resource() => {
+                let _ = b;
+                let mut buf = a.write();
+                check_range("source", *so, len, buf.len())?;
+                check_range("destination", *doff, len, buf.len())?;
+                buf.copy_within(*so..*so + len, *doff);
+                Outcome {
+                    bytes: len,
+                    engine: EngineKind::MemIo,
+                    route: "move within one host buffer".into(),
+                }
+            }
+            _ => {
+                let src_guard = match src {
+                    Endpoint::Host { mem, .. } => Some(mem.read()),
+                    _ => None,
+                };
+                let mut dst_guard = match dst {
+                    Endpoint::Host { mem, .. } => Some(mem.write()),
+                    _ => None,
+                };
+                let s = match (src, &src_guard) {
+                    (Endpoint::Host { offset, .. }, Some(g)) => {
+                        check_range("source", *offset, len, g.len())?;
+                        Source::Host(&g[*offset..])
+                    }
+                    (Endpoint::Device { buf, offset }, _) => Source::Device(buf, *offset),
+                    (Endpoint::File { file, offset }, _) => Source::File(file, *offset),
+                    (Endpoint::Host { .. }, None) => {
+                        return Err(CoreError::InvalidRequest("unlocked host source".into()));
+                    }
+                };
+                let d = match (dst, dst_guard.as_mut()) {
+                    (Endpoint::Host { offset, .. }, Some(g)) => {
+                        check_range("destination", *offset, len, g.len())?;
+                        Dest::Host(&mut g[*offset..])
+                    }
+                    (Endpoint::Device { buf, offset }, _) => Dest::Device(buf, *offset),
+                    (Endpoint::File { file, offset }, _) => Dest::File(file, *offset),
+                    (Endpoint::Host { .. }, None) => {
+                        return Err(CoreError::InvalidRequest(
+                            "unlocked host destination".into(),
+                        ));
+                    }
+                };
+                engine.transfer(s, d, len)?
+            }
+        };
+        if durable && let Endpoint::File { file, .. } = dst {
+            file.sync_data()?;
+        }
+        Ok(outcome)
+    }
+
+    /// Carries out a request's transfer (status changes are the dispatcher's business).
+    pub fn execute_request(&self, req: &Request) -> Result<Outcome> {
+        self.execute(&req.src, &req.dst, req.len, req.flags.durable)
+    }
+}

@@ -1,0 +1,318 @@
+//! The IO request, the core unit of work (SDD §2.3): what to move, where from and to, how
+//! urgently, and a status that only moves forward through
+//! PENDING → SUBMITTED → IN_PROGRESS → COMPLETED / ERROR / CANCELLED.
+
+use crate::endpoint::{Endpoint, EndpointKind};
+use crate::error::{CoreError, Result};
+use serde::Serialize;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::time::Instant;
+
+/// A request's identity, unique within a process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct RequestId(pub u64);
+
+impl RequestId {
+    /// A fresh id.
+    pub fn next() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Self(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// What a request does (SDD `gpuio_request_type_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum RequestType {
+    /// From a storage or remote resource into memory.
+    Read,
+    /// From memory to a storage or remote resource.
+    Write,
+    /// Memory to memory.
+    Copy,
+    /// Remote compare-and-swap (RemoteIO).
+    AtomicCmpSwap,
+    /// Remote fetch-and-add (RemoteIO).
+    AtomicFetchAdd,
+    /// A batch of requests submitted together.
+    Batch,
+}
+
+impl RequestType {
+    /// The type of a transfer between two kinds of endpoint.
+    pub fn of_transfer(src: EndpointKind, dst: EndpointKind) -> Self {
+        match (src.is_storage(), dst.is_storage()) {
+            (true, false) => Self::Read,
+            (false, true) | (true, true) => Self::Write,
+            (false, false) => Self::Copy,
+        }
+    }
+}
+
+/// The transport that carries a request (SDD `gpuio_io_engine_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub enum EngineKind {
+    /// Host DRAM / CXL / GPU memory.
+    MemIo,
+    /// Files and block devices.
+    LocalIo,
+    /// Other nodes.
+    RemoteIo,
+}
+
+impl fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::MemIo => "memio",
+            Self::LocalIo => "localio",
+            Self::RemoteIo => "remoteio",
+        })
+    }
+}
+
+/// Where a request is in its life (SDD `gpuio_status_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[repr(u8)]
+pub enum Status {
+    /// Created, not yet handed to a queue.
+    Pending = 0,
+    /// Queued for an engine.
+    Submitted = 1,
+    /// An engine is carrying it out.
+    InProgress = 2,
+    /// Done; every byte moved.
+    Completed = 3,
+    /// Failed; see the error delivered with its completion.
+    Error = 4,
+    /// Cancelled before it ran.
+    Cancelled = 5,
+}
+
+impl Status {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            0 => Self::Pending,
+            1 => Self::Submitted,
+            2 => Self::InProgress,
+            3 => Self::Completed,
+            4 => Self::Error,
+            _ => Self::Cancelled,
+        }
+    }
+
+    /// Whether the request has finished, one way or another.
+    pub fn is_final(self) -> bool {
+        matches!(self, Self::Completed | Self::Error | Self::Cancelled)
+    }
+
+    /// Whether the state machine allows `self → next`. Work can be cancelled until an engine
+    /// picks it up; only running work completes or fails.
+    pub fn allows(self, next: Status) -> bool {
+        use Status::*;
+        matches!(
+            (self, next),
+            (Pending, Submitted)
+                | (Pending | Submitted, Cancelled)
+                | (Submitted, InProgress)
+                | (InProgress, Completed | Error)
+                // A request that fails validation never reaches an engine.
+                | (Pending | Submitted, Error)
+        )
+    }
+}
+
+/// A request's status, shared between the request and whoever waits for it. Transitions are
+/// atomic compare-and-swaps, so a cancel and a worker's pickup never both win.
+#[derive(Debug)]
+pub struct StatusCell {
+    id: RequestId,
+    state: AtomicU8,
+}
+
+impl StatusCell {
+    /// A cell in [`Status::Pending`].
+    pub fn new(id: RequestId) -> Self {
+        Self {
+            id,
+            state: AtomicU8::new(Status::Pending as u8),
+        }
+    }
+
+    /// The current status.
+    pub fn get(&self) -> Status {
+        Status::from_u8(self.state.load(Ordering::Acquire))
+    }
+
+    /// Moves to `next` if the current status allows it; otherwise says what the status was.
+    pub fn advance(&self, next: Status) -> Result<()> {
+        let mut cur = self.get();
+        loop {
+            if !cur.allows(next) {
+                return Err(CoreError::IllegalTransition {
+                    id: self.id,
+                    from: cur,
+                    to: next,
+                });
+            }
+            match self.state.compare_exchange(
+                cur as u8,
+                next as u8,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Ok(()),
+                Err(actual) => cur = Status::from_u8(actual),
+            }
+        }
+    }
+}
+
+/// Priority classes for AI workloads (SDD §10.5), most urgent first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize)]
+pub enum Priority {
+    /// User-facing inference.
+    InferenceRealtime,
+    /// Training forward pass; the class of ordinary foreground work.
+    #[default]
+    TrainingForward,
+    /// Training backward pass.
+    TrainingBackward,
+    /// Model checkpointing.
+    Checkpoint,
+    /// Engram write-back.
+    EngramSync,
+    /// Prefetch, cleanup.
+    Background,
+}
+
+/// Options of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct RequestFlags {
+    /// Fail at the first error instead of retrying retryable ones (SDD §7.2).
+    pub no_retry: bool,
+    /// For writes to storage: flush to stable storage (`fdatasync`) before completing.
+    pub durable: bool,
+}
+
+/// An IO request (SDD `gpuio_request_t`): the source and destination with their offsets,
+/// the length, and how it should be scheduled.
+#[derive(Debug)]
+pub struct Request {
+    /// Identity.
+    pub id: RequestId,
+    /// Read, write or copy (from the endpoints).
+    pub ty: RequestType,
+    /// The transport that will carry it.
+    pub engine: EngineKind,
+    /// Where the bytes come from.
+    pub src: Endpoint,
+    /// Where they go.
+    pub dst: Endpoint,
+    /// How many bytes.
+    pub len: usize,
+    /// Options.
+    pub flags: RequestFlags,
+    /// Scheduling class.
+    pub priority: Priority,
+    /// When the caller needs it done by.
+    pub deadline: Option<Instant>,
+    status: Arc<StatusCell>,
+}
+
+impl Request {
+    /// A transfer of `len` bytes from `src` to `dst`, routed to its engine.
+    pub fn new(src: Endpoint, dst: Endpoint, len: usize) -> Result<Self> {
+        let engine = crate::engine::route(src.kind(), dst.kind())?;
+        let id = RequestId::next();
+        Ok(Self {
+            id,
+            ty: RequestType::of_transfer(src.kind(), dst.kind()),
+            engine,
+            src,
+            dst,
+            len,
+            flags: RequestFlags::default(),
+            priority: Priority::default(),
+            deadline: None,
+            status: Arc::new(StatusCell::new(id)),
+        })
+    }
+
+    /// Sets the priority class.
+    pub fn with_priority(mut self, priority: Priority) -> Self {
+        self.priority = priority;
+        self
+    }
+
+    /// Sets a deadline.
+    pub fn with_deadline(mut self, deadline: Instant) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    /// Sets the flags.
+    pub fn with_flags(mut self, flags: RequestFlags) -> Self {
+        self.flags = flags;
+        self
+    }
+
+    /// The current status.
+    pub fn status(&self) -> Status {
+        self.status.get()
+    }
+
+    /// The shared status cell (what a handle to the request watches).
+    pub fn status_cell(&self) -> &Arc<StatusCell> {
+        &self.status
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_status_machine_only_moves_forward() {
+        use Status::*;
+        let all = [Pending, Submitted, InProgress, Completed, Error, Cancelled];
+        for from in all {
+            for to in all {
+                let expect = matches!(
+                    (from, to),
+                    (Pending, Submitted)
+                        | (Pending, Cancelled)
+                        | (Submitted, Cancelled)
+                        | (Submitted, InProgress)
+                        | (InProgress, Completed)
+                        | (InProgress, Error)
+                        | (Pending, Error)
+                        | (Submitted, Error)
+                );
+                assert_eq!(from.allows(to), expect, "{from:?} -> {to:?}");
+            }
+            if from.is_final() {
+                assert!(all.iter().all(|&to| !from.allows(to)));
+            }
+        }
+    }
+
+    #[test]
+    fn cancel_and_pickup_race_has_one_winner() {
+        for _ in 0..200 {
+            let cell = Arc::new(StatusCell::new(RequestId::next()));
+            cell.advance(Status::Submitted).unwrap();
+            let c2 = cell.clone();
+            let t = std::thread::spawn(move || c2.advance(Status::Cancelled).is_ok());
+            let picked = cell.advance(Status::InProgress).is_ok();
+            let cancelled = t.join().unwrap();
+            assert!(picked ^ cancelled, "picked {picked} cancelled {cancelled}");
+        }
+    }
+}
