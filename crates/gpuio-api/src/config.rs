@@ -1,0 +1,311 @@
+//! Session configuration (SDD `gpuio_config_t`): built-in defaults (`default.toml`, embedded),
+//! an optional TOML file, then `GPUIO_*` environment overrides.
+
+use crate::error::{Error, Result};
+use bytesize::ByteSize;
+use gpuio_core::RetryPolicy;
+use gpuio_hal::BackendPreference;
+use gpuio_transport_localio::LocalIoConfig;
+use gpuio_transport_memio::MemIoConfig;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// The built-in configuration file, with a comment on every setting.
+pub const DEFAULT_TOML: &str = include_str!("default.toml");
+
+/// The configuration format this build reads.
+pub const API_VERSION: u32 = 1;
+
+/// A session's configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Configuration format version (must be [`API_VERSION`]).
+    pub api_version: u32,
+    /// Which GPU backend to use.
+    pub backend: BackendPreference,
+    /// Use at most this many GPUs (0: all).
+    pub max_gpus: u32,
+    /// Devices the host backend provides.
+    pub host_devices: u32,
+    /// Log filter (tracing `EnvFilter` syntax).
+    pub log_level: String,
+    /// Worker threads for asynchronous and batched requests.
+    pub workers: usize,
+    /// MemIO tuning.
+    pub memio: MemIoSection,
+    /// LocalIO tuning.
+    pub localio: LocalIoSection,
+    /// Retry policy (SDD §7.2).
+    pub retry: RetryPolicy,
+    /// The file this configuration was read from, if any (not a setting).
+    #[serde(skip)]
+    pub source: Option<PathBuf>,
+}
+
+/// `[memio]`: the staging pipeline.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemIoSection {
+    /// Largest staging chunk.
+    pub chunk_size: ByteSize,
+    /// Copy threads and lanes (0: min(cores, 8)).
+    pub threads: usize,
+    /// Staging buffers per lane.
+    pub slots_per_lane: usize,
+    /// Pageable copies below this size use the driver's staging.
+    pub pipeline_min: ByteSize,
+}
+
+/// `[localio]`: file staging.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LocalIoSection {
+    /// Staging chunk between files and GPU memory.
+    pub chunk_size: ByteSize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        // The embedded file is the single source of the defaults; a unit test keeps it valid.
+        Self::from_toml(DEFAULT_TOML, None).unwrap_or_else(|e| {
+            tracing::error!(error = %e, "the built-in configuration does not parse");
+            Self::fallback()
+        })
+    }
+}
+
+impl Config {
+    /// Hard-coded values, only used if the embedded file were broken.
+    fn fallback() -> Self {
+        Self {
+            api_version: API_VERSION,
+            backend: BackendPreference::Auto,
+            max_gpus: 0,
+            host_devices: 1,
+            log_level: "warn".into(),
+            workers: 4,
+            memio: MemIoSection {
+                chunk_size: ByteSize::mib(4),
+                threads: 0,
+                slots_per_lane: 3,
+                pipeline_min: ByteSize::mib(1),
+            },
+            localio: LocalIoSection {
+                chunk_size: ByteSize::mib(8),
+            },
+            retry: RetryPolicy::default(),
+            source: None,
+        }
+    }
+
+    /// Parses a TOML document. Settings it leaves out keep their defaults.
+    pub fn from_toml(text: &str, source: Option<&Path>) -> Result<Self> {
+        let name = || source.map_or_else(|| "<built-in>".into(), |p| p.display().to_string());
+        let mut merged: toml::Table = toml::from_str(DEFAULT_TOML).map_err(|e| Error::Config {
+            source_name: "<built-in>".into(),
+            message: e.to_string(),
+        })?;
+        let user: toml::Table = toml::from_str(text).map_err(|e| Error::Config {
+            source_name: name(),
+            message: e.to_string(),
+        })?;
+        merge(&mut merged, user);
+        let mut config: Config = merged
+            .try_into()
+            .map_err(|e: toml::de::Error| Error::Config {
+                source_name: name(),
+                message: e.to_string(),
+            })?;
+        config.source = source.map(Path::to_path_buf);
+        config.validate(&name())?;
+        Ok(config)
+    }
+
+    /// Reads a TOML file.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Config {
+            source_name: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        Self::from_toml(&text, Some(path))
+    }
+
+    /// The configuration in effect: `path` (or `$GPUIO_CONFIG`) if given, else the defaults,
+    /// then the `GPUIO_*` environment overrides.
+    pub fn load(path: Option<&Path>) -> Result<Self> {
+        let env_path = std::env::var_os("GPUIO_CONFIG").map(PathBuf::from);
+        let mut config = match path.or(env_path.as_deref()) {
+            Some(p) => Self::from_file(p)?,
+            None => Self::default(),
+        };
+        config.apply_env(|k| std::env::var(k).ok())?;
+        Ok(config)
+    }
+
+    /// Applies `GPUIO_*` overrides read through `get` (the environment, or a test's map).
+    pub fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) -> Result<()> {
+        fn parse<T: std::str::FromStr>(var: &str, v: &str, expected: &str) -> Result<T> {
+            v.trim().parse().map_err(|_| Error::ConfigEnv {
+                var: var.into(),
+                value: v.into(),
+                expected: expected.into(),
+            })
+        }
+        if let Some(v) = get("GPUIO_BACKEND") {
+            self.backend = parse("GPUIO_BACKEND", &v, "auto, host or cuda")?;
+        }
+        if let Some(v) = get("GPUIO_MAX_GPUS") {
+            self.max_gpus = parse("GPUIO_MAX_GPUS", &v, "a number of GPUs")?;
+        }
+        if let Some(v) = get("GPUIO_HOST_DEVICES") {
+            self.host_devices = parse("GPUIO_HOST_DEVICES", &v, "a number of devices")?;
+        }
+        if let Some(v) = get("GPUIO_LOG") {
+            self.log_level = v;
+        }
+        if let Some(v) = get("GPUIO_WORKERS") {
+            self.workers = parse("GPUIO_WORKERS", &v, "a number of threads")?;
+        }
+        if let Some(v) = get("GPUIO_STAGING_CHUNK") {
+            self.memio.chunk_size = parse("GPUIO_STAGING_CHUNK", &v, "a size such as 4MiB")?;
+        }
+        if let Some(v) = get("GPUIO_PIPELINE_THREADS") {
+            self.memio.threads = parse("GPUIO_PIPELINE_THREADS", &v, "a number of threads")?;
+        }
+        self.validate("the environment")
+    }
+
+    fn validate(&self, source_name: &str) -> Result<()> {
+        let bad = |message: String| {
+            Err(Error::Config {
+                source_name: source_name.into(),
+                message,
+            })
+        };
+        if self.api_version != API_VERSION {
+            return bad(format!(
+                "api_version {} is not supported (this build reads version {API_VERSION})",
+                self.api_version
+            ));
+        }
+        if self.workers == 0 {
+            return bad("workers must be at least 1".into());
+        }
+        if self.memio.chunk_size.as_u64() < 4096 || self.localio.chunk_size.as_u64() < 4096 {
+            return bad("staging chunk sizes must be at least 4 KiB".into());
+        }
+        if self.memio.slots_per_lane < 2 {
+            return bad("memio.slots_per_lane must be at least 2".into());
+        }
+        Ok(())
+    }
+
+    /// The MemIO engine's configuration.
+    pub fn memio_config(&self) -> MemIoConfig {
+        let default = MemIoConfig::default();
+        MemIoConfig {
+            chunk_size: self.memio.chunk_size.as_u64() as usize,
+            threads: if self.memio.threads == 0 {
+                default.threads
+            } else {
+                self.memio.threads
+            },
+            slots_per_lane: self.memio.slots_per_lane,
+            pipeline_min: self.memio.pipeline_min.as_u64() as usize,
+            parallel_copy_min: default.parallel_copy_min,
+        }
+    }
+
+    /// The LocalIO engine's configuration.
+    pub fn localio_config(&self) -> LocalIoConfig {
+        LocalIoConfig {
+            chunk_size: self.localio.chunk_size.as_u64() as usize,
+        }
+    }
+
+    /// This configuration as TOML.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot render: {e}"))
+    }
+}
+
+/// Overlays `top` onto `base`, table by table.
+fn merge(base: &mut toml::Table, top: toml::Table) {
+    for (k, v) in top {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(t)) => merge(b, t),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn the_embedded_defaults_parse() {
+        let c = Config::from_toml(DEFAULT_TOML, None).unwrap();
+        assert_eq!(c, Config::default());
+        assert_eq!(c.memio.chunk_size, ByteSize::mib(4));
+        assert_eq!(c.retry, RetryPolicy::default());
+        let round = Config::from_toml(&c.to_toml(), None).unwrap();
+        assert_eq!(round, c);
+    }
+
+    #[test]
+    fn files_override_only_what_they_name() {
+        let c = Config::from_toml("workers = 9\n[memio]\nchunk_size = \"2MiB\"\n", None).unwrap();
+        assert_eq!(c.workers, 9);
+        assert_eq!(c.memio.chunk_size, ByteSize::mib(2));
+        assert_eq!(c.memio.slots_per_lane, 3);
+        assert_eq!(c.localio, Config::default().localio);
+    }
+
+    #[test]
+    fn bad_files_name_the_problem() {
+        let e = Config::from_toml("wrokers = 2", None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("wrokers"), "{e}");
+        let e = Config::from_toml("workers = \"many\"", None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("workers"), "{e}");
+        let e = Config::from_toml("api_version = 7", None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("api_version 7"), "{e}");
+        let e = Config::from_toml("[memio]\nslots_per_lane = 1", None).unwrap_err();
+        assert_eq!(e.code(), gpuio_core::ErrorCode::InvalidArg);
+        let e = Config::from_file(Path::new("/nonexistent/gpuio.toml")).unwrap_err();
+        assert!(e.to_string().contains("/nonexistent/gpuio.toml"));
+    }
+
+    #[test]
+    fn environment_overrides_and_rejects_garbage() {
+        let env: HashMap<&str, &str> = [
+            ("GPUIO_BACKEND", "host"),
+            ("GPUIO_STAGING_CHUNK", "8MiB"),
+            ("GPUIO_WORKERS", "2"),
+        ]
+        .into();
+        let mut c = Config::default();
+        c.apply_env(|k| env.get(k).map(|v| v.to_string())).unwrap();
+        assert_eq!(c.backend, BackendPreference::Host);
+        assert_eq!(c.memio.chunk_size, ByteSize::mib(8));
+        assert_eq!(c.workers, 2);
+        let err = c
+            .apply_env(|k| (k == "GPUIO_MAX_GPUS").then(|| "lots".to_string()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("GPUIO_MAX_GPUS") && err.contains("lots"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,262 @@
+//! Copying between URIs (what `gpuio cp` runs): a source with content (a file), a destination
+//! (a file, or memory that holds the bytes for the session's life), optionally staged through
+//! a memory tier (`--via gpu0`, `--via memio://cpu/dram?numa=1`, ...).
+//!
+//! A file destination is written under a temporary name in the same directory and renamed
+//! over the destination only when every byte is written (and verified, if asked): a failed copy
+//! never leaves a partial file under the destination's name.
+
+use crate::error::{Error, Result};
+use crate::session::{Access, Resource, Session};
+use crate::uri::Uri;
+use gpuio_hal::{HostAllocOptions, HostBuffer};
+use gpuio_transport_localio::{FileHandle, OpenOptions};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Options of [`Session::copy`].
+#[derive(Debug, Clone)]
+pub struct CopyOptions {
+    /// Stage through this memory tier.
+    pub via: Option<Uri>,
+    /// Compare crc32c checksums of source and destination before declaring success.
+    pub verify: bool,
+    /// Bytes moved per step (and the size of the `via` buffer).
+    pub window: usize,
+    /// Flush a file destination to stable storage before completing.
+    pub durable: bool,
+}
+
+impl Default for CopyOptions {
+    fn default() -> Self {
+        Self {
+            via: None,
+            verify: false,
+            window: 64 << 20,
+            durable: false,
+        }
+    }
+}
+
+/// What a copy did.
+#[derive(Debug, Clone)]
+pub struct CopyReport {
+    /// Bytes copied.
+    pub bytes: u64,
+    /// Wall time.
+    pub elapsed: Duration,
+    /// The route of each stage, e.g. `pread + staged DMA`.
+    pub stages: Vec<String>,
+    /// The crc32c both sides agreed on, when verified.
+    pub checksum: Option<u32>,
+    /// Where the bytes ended up, when the destination is memory (it lives as long as this
+    /// report's resource).
+    pub destination: Resource,
+}
+
+impl CopyReport {
+    /// Throughput in GB/s (10^9 bytes per second).
+    pub fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.elapsed.as_secs_f64().max(1e-9) / 1e9
+    }
+}
+
+/// A destination file being written under a temporary name.
+struct PendingFile {
+    handle: FileHandle,
+    temp: Option<PathBuf>,
+    target: PathBuf,
+}
+
+impl PendingFile {
+    fn create(session: &Session, target: &Path) -> Result<Self> {
+        // Block devices and other special files are written in place, never replaced.
+        if let Ok(meta) = std::fs::metadata(target)
+            && !meta.is_file()
+        {
+            let handle = session.open_file(
+                target,
+                OpenOptions {
+                    write: true,
+                    ..OpenOptions::READ
+                },
+            )?;
+            return Ok(Self {
+                handle,
+                temp: None,
+                target: target.into(),
+            });
+        }
+        let name = target
+            .file_name()
+            .ok_or_else(|| Error::Invalid(format!("{} names no file", target.display())))?;
+        let mut temp_name = std::ffi::OsString::from(".");
+        temp_name.push(name);
+        temp_name.push(format!(".gpuio-partial-{}", std::process::id()));
+        let temp = target.with_file_name(temp_name);
+        let handle = session.open_file(&temp, OpenOptions::CREATE)?;
+        Ok(Self {
+            handle,
+            temp: Some(temp),
+            target: target.into(),
+        })
+    }
+
+    fn commit(mut self) -> Result<FileHandle> {
+        if let Some(temp) = self.temp.take() {
+            std::fs::rename(&temp, &self.target).map_err(|e| {
+                let _ = std::fs::remove_file(&temp);
+                Error::Invalid(format!("renaming into {}: {e}", self.target.display()))
+            })?;
+        }
+        Ok(self.handle.clone())
+    }
+}
+
+impl Drop for PendingFile {
+    fn drop(&mut self) {
+        if let Some(temp) = &self.temp {
+            let _ = std::fs::remove_file(temp);
+        }
+    }
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+        _ => false,
+    }
+}
+
+impl Session {
+    /// Copies `src` to `dst`; `progress` is told the bytes done after every window.
+    pub fn copy(
+        &self,
+        src: &Uri,
+        dst: &Uri,
+        opts: &CopyOptions,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<CopyReport> {
+        let start = Instant::now();
+        let Uri::File { path: src_path, .. } = src else {
+            return Err(if src.is_memory() {
+                Error::Invalid(format!(
+                    "{src} is memory, which has no content to copy from: use it as a destination or --via"
+                ))
+            } else {
+                Error::Unsupported {
+                    what: format!("copying from {src}"),
+                    reason: "this build has no RemoteIO transport".into(),
+                }
+            });
+        };
+        let source = self.open(src, 0, Access::Read)?;
+        let len = source.len()?;
+        let len_usize = usize::try_from(len)
+            .map_err(|_| Error::Invalid(format!("{src} is too large for this machine")))?;
+        if let Some(via) = &opts.via
+            && !via.is_memory()
+        {
+            return Err(Error::Invalid(format!(
+                "--via {via}: staging needs a memory tier (gpu<N>, memio://cpu/dram, memio://cxl/...)"
+            )));
+        }
+
+        let mut pending = None;
+        let destination = match dst {
+            Uri::File { path, .. } => {
+                if same_file(src_path, path) {
+                    return Err(Error::Invalid(format!("{src} and {dst} are the same file")));
+                }
+                crate::session::check_file_options(dst)?;
+                let p = PendingFile::create(self, path)?;
+                let handle = p.handle.clone();
+                pending = Some(p);
+                Resource::File(handle)
+            }
+            other => self.open(other, len_usize, Access::Write)?,
+        };
+
+        let window = opts.window.clamp(4096, len_usize.max(4096));
+        let via = match &opts.via {
+            Some(v) => Some(self.open(v, window, Access::Write)?),
+            None => None,
+        };
+        let mut stages = Vec::new();
+        let mut done: u64 = 0;
+        while done < len {
+            let n = (len - done).min(window as u64) as usize;
+            let to = destination.at(done)?;
+            let from = source.at(done)?;
+            match &via {
+                Some(v) => {
+                    let a = self.transfer_owned(&from, &v.at(0)?, n)?;
+                    let b = self.transfer_owned(&v.at(0)?, &to, n)?;
+                    if stages.is_empty() {
+                        stages = vec![a.route, b.route];
+                    }
+                }
+                None => {
+                    let a = self.transfer_owned(&from, &to, n)?;
+                    if stages.is_empty() {
+                        stages = vec![a.route];
+                    }
+                }
+            }
+            done += n as u64;
+            progress(done);
+        }
+        if let (true, Resource::File(f)) = (opts.durable, &destination) {
+            f.sync_data()?;
+        }
+        let checksum = if opts.verify {
+            let a = self.checksum(&source, len)?;
+            let b = self.checksum(&destination, len)?;
+            if a != b {
+                return Err(Error::VerifyMismatch { src: a, dst: b });
+            }
+            Some(a)
+        } else {
+            None
+        };
+        let destination = match pending {
+            Some(p) => Resource::File(p.commit()?),
+            None => destination,
+        };
+        Ok(CopyReport {
+            bytes: len,
+            elapsed: start.elapsed(),
+            stages,
+            checksum,
+            destination,
+        })
+    }
+
+    /// The crc32c of the first `len` bytes of a resource, read independently of any copy.
+    pub fn checksum(&self, resource: &Resource, len: u64) -> Result<u32> {
+        const CHUNK: usize = 16 << 20;
+        let mut buf =
+            HostBuffer::alloc(CHUNK.min(len as usize).max(1), &HostAllocOptions::default())?;
+        let mut crc = 0u32;
+        let mut off = 0u64;
+        while off < len {
+            let n = (len - off).min(CHUNK as u64) as usize;
+            let chunk = &mut buf[..n];
+            match resource {
+                Resource::File(f) => f.read_exact_at(off, chunk)?,
+                Resource::Device(d) => {
+                    self.memio().download(d, off as usize, chunk)?;
+                }
+                Resource::Host(m) => {
+                    let g = m.read();
+                    gpuio_hal::check_range("checksum", off as usize, n, g.len())?;
+                    chunk.copy_from_slice(&g[off as usize..off as usize + n]);
+                }
+            }
+            crc = crc32c::crc32c_append(crc, chunk);
+            off += n as u64;
+        }
+        Ok(crc)
+    }
+}

@@ -1,0 +1,44 @@
+//! # gpuio-api
+//!
+//! The library interface of gpuio (SAD §2.1.2): a [`Session`] built from a [`Config`] (TOML,
+//! environment overrides), resources named by [`Uri`]s (SDD §6.1), and the explicit API —
+//! blocking transfers, asynchronous ones (handles that are futures, or callbacks) and batches
+//! that are sorted, coalesced and grouped by engine (SDD §8.1). [`Session::copy`] is what
+//! `gpuio cp` runs.
+//!
+//! ```
+//! use gpuio_api::{Config, Endpoint, Session, HostPlacement};
+//! # fn main() -> gpuio_api::Result<()> {
+//! let session = Session::new(Config::default())?;
+//! let dev = session.alloc_device(0, 4 << 20)?;
+//! let host = session.alloc_host(HostPlacement::Dram { numa: None }, 4 << 20, true)?;
+//! host.write().fill(3);
+//! // Asynchronous: the handle is a future, or can be waited on.
+//! let done = session
+//!     .transfer_async(Endpoint::host(&host, 0), Endpoint::device(&dev, 0), 4 << 20)?
+//!     .wait()?;
+//! assert_eq!(done.outcome.bytes, 4 << 20);
+//! # Ok(()) }
+//! ```
+
+#![forbid(unsafe_code)]
+
+mod config;
+mod copy;
+mod error;
+mod session;
+mod uri;
+
+pub use config::{API_VERSION, Config, DEFAULT_TOML, LocalIoSection, MemIoSection};
+pub use copy::{CopyOptions, CopyReport};
+pub use error::{Error, Result, UriProblem};
+pub use session::{Access, Resource, Session};
+pub use uri::{RemoteTarget, RemoteTransport, Uri};
+
+pub use gpuio_core::{
+    BatchHandle, BatchReport, Completion, Dest, Endpoint, EngineKind, ErrorCode, HostMemory,
+    Outcome, Priority, Request, RequestFlags, RequestHandle, RequestId, Source, Status,
+};
+pub use gpuio_hal::{DeviceBuffer, Gpu};
+pub use gpuio_transport_localio::{FileHandle, OpenOptions};
+pub use gpuio_transport_memio::{HostPlacement, Route};

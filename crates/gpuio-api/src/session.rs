@@ -1,0 +1,264 @@
+//! The session: configuration, devices, engines and the dispatcher in one handle, and the
+//! explicit API of SAD §2.1.2 — blocking, asynchronous (futures, callbacks) and batched.
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::uri::Uri;
+use gpuio_core::{
+    BatchHandle, Completion, Dest, Dispatcher, Endpoint, Engines, HostMemory, Outcome, Request,
+    RequestHandle, Source, StatusCell,
+};
+use gpuio_hal::{DeviceBuffer, Gpu, Probe};
+use gpuio_transport_localio::{FileHandle, LocalIo, OpenOptions};
+use gpuio_transport_memio::{HostPlacement, MemIo};
+use std::path::Path;
+use std::sync::Arc;
+
+/// A resource a URI names, opened or allocated.
+#[derive(Debug, Clone)]
+pub enum Resource {
+    /// GPU memory.
+    Device(DeviceBuffer),
+    /// Host memory (DRAM or CXL).
+    Host(HostMemory),
+    /// A file or block device.
+    File(FileHandle),
+}
+
+impl Resource {
+    /// The resource at `offset`, as a transfer endpoint.
+    pub fn at(&self, offset: u64) -> Result<Endpoint> {
+        let small = || {
+            usize::try_from(offset)
+                .map_err(|_| Error::Invalid(format!("offset {offset} too large")))
+        };
+        Ok(match self {
+            Self::Device(b) => Endpoint::device(b, small()?),
+            Self::Host(m) => Endpoint::host(m, small()?),
+            Self::File(f) => Endpoint::file(f, offset),
+        })
+    }
+
+    /// Its length in bytes (a file's current size).
+    pub fn len(&self) -> Result<u64> {
+        Ok(match self {
+            Self::Device(b) => b.len() as u64,
+            Self::Host(m) => m.len() as u64,
+            Self::File(f) => f.len()?,
+        })
+    }
+
+    /// Whether it has no bytes.
+    pub fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
+}
+
+/// Whether a resource is opened for reading or writing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Read only; files must exist.
+    Read,
+    /// Write; files are created or truncated.
+    Write,
+}
+
+/// Refuses file options this build's LocalIO engine cannot honour, rather than ignoring them.
+pub(crate) fn check_file_options(uri: &Uri) -> Result<()> {
+    match uri {
+        Uri::File { direct: true, .. } => Err(Error::Unsupported {
+            what: format!("{uri}: direct=1 (O_DIRECT)"),
+            reason: "this build's LocalIO engine does buffered POSIX IO".into(),
+        }),
+        Uri::File { gds: true, .. } => Err(Error::Unsupported {
+            what: format!("{uri}: gds=1 (GPUDirect Storage)"),
+            reason: "this build's LocalIO engine has no cuFile path".into(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// A gpuio session. Thread-safe: share it behind an `Arc`.
+///
+/// ```
+/// use gpuio_api::{Config, Session};
+/// let session = Session::new(Config::default()).unwrap();
+/// let dev = session.alloc_device(0, 1 << 20).unwrap();
+/// let data = vec![7u8; 1 << 20];
+/// session.upload(&data, &dev, 0).unwrap();
+/// let mut back = vec![0u8; 1 << 20];
+/// session.download(&dev, 0, &mut back).unwrap();
+/// assert_eq!(back, data);
+/// ```
+#[derive(Debug)]
+pub struct Session {
+    config: Config,
+    probe: Probe,
+    engines: Engines,
+    dispatcher: Dispatcher,
+}
+
+impl Session {
+    /// Opens a session: probes devices (per `config.backend`) and starts the engines and the
+    /// dispatcher's workers.
+    pub fn new(config: Config) -> Result<Self> {
+        let mut probe = gpuio_hal::probe_with(config.backend, config.host_devices)?;
+        if config.max_gpus > 0 {
+            probe.gpus.truncate(config.max_gpus as usize);
+        }
+        let memio = MemIo::new(probe.gpus.clone(), config.memio_config())?;
+        let localio = LocalIo::new(config.localio_config());
+        let engines = Engines::new(Arc::new(memio), Arc::new(localio));
+        let dispatcher = Dispatcher::new(engines.clone(), config.workers, config.retry.clone())?;
+        tracing::debug!(gpus = probe.gpus.len(), cuda = %probe.cuda.detail, "session opened");
+        Ok(Self {
+            config,
+            probe,
+            engines,
+            dispatcher,
+        })
+    }
+
+    /// Opens a session on the configuration in effect ([`Config::load`]).
+    pub fn from_env() -> Result<Self> {
+        Self::new(Config::load(None)?)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// What the device probe found (and why CUDA is unavailable, where it is).
+    pub fn probe(&self) -> &Probe {
+        &self.probe
+    }
+
+    /// The session's GPUs.
+    pub fn gpus(&self) -> &[Gpu] {
+        &self.probe.gpus
+    }
+
+    /// GPU `n`.
+    pub fn gpu(&self, n: u32) -> Result<&Gpu> {
+        Ok(self.probe.gpu(n)?)
+    }
+
+    /// The engines.
+    pub fn engines(&self) -> &Engines {
+        &self.engines
+    }
+
+    /// The MemIO transport.
+    pub fn memio(&self) -> &MemIo {
+        self.engines.memio()
+    }
+
+    /// The LocalIO transport.
+    pub fn localio(&self) -> &LocalIo {
+        self.engines.localio()
+    }
+
+    /// Allocates `len` bytes on GPU `gpu`.
+    pub fn alloc_device(&self, gpu: u32, len: usize) -> Result<DeviceBuffer> {
+        Ok(self.gpu(gpu)?.alloc(len)?)
+    }
+
+    /// Allocates host memory on a tier, pinned for DMA if asked.
+    pub fn alloc_host(
+        &self,
+        placement: HostPlacement,
+        len: usize,
+        pinned: bool,
+    ) -> Result<HostMemory> {
+        Ok(HostMemory::new(
+            self.memio().alloc_host(placement, len, pinned)?,
+        ))
+    }
+
+    /// Opens a file.
+    pub fn open_file(&self, path: impl AsRef<Path>, opts: OpenOptions) -> Result<FileHandle> {
+        Ok(self.localio().open(path, opts)?)
+    }
+
+    /// Opens (files) or allocates `len` bytes of (memory) the resource a URI names.
+    pub fn open(&self, uri: &Uri, len: usize, access: Access) -> Result<Resource> {
+        match uri {
+            Uri::Gpu(n) => Ok(Resource::Device(self.alloc_device(*n, len)?)),
+            Uri::Dram { .. } | Uri::Cxl { .. } => {
+                let placement = uri
+                    .host_placement()
+                    .ok_or_else(|| Error::Invalid(format!("{uri} is not host memory")))?;
+                Ok(Resource::Host(self.alloc_host(placement, len, true)?))
+            }
+            Uri::File { path, .. } => {
+                check_file_options(uri)?;
+                let opts = match access {
+                    Access::Read => OpenOptions::READ,
+                    Access::Write => OpenOptions::CREATE,
+                };
+                Ok(Resource::File(self.open_file(path, opts)?))
+            }
+            Uri::Remote { .. } => Err(Error::Unsupported {
+                what: uri.to_string(),
+                reason: "this build has no RemoteIO transport".into(),
+            }),
+        }
+    }
+
+    /// Blocking transfer of `len` bytes between borrowed endpoints, on the engine that serves
+    /// them.
+    pub fn transfer(&self, src: Source<'_>, dst: Dest<'_>, len: usize) -> Result<Outcome> {
+        Ok(self.engines.transfer(src, dst, len)?)
+    }
+
+    /// Blocking transfer between owned endpoints (host memory locked while it runs).
+    pub fn transfer_owned(&self, src: &Endpoint, dst: &Endpoint, len: usize) -> Result<Outcome> {
+        Ok(self.engines.execute(src, dst, len, false)?)
+    }
+
+    /// Copies host memory (pinned or pageable) to GPU memory, blocking.
+    pub fn upload(&self, src: &[u8], dst: &DeviceBuffer, dst_offset: usize) -> Result<Outcome> {
+        self.transfer(Source::Host(src), Dest::Device(dst, dst_offset), src.len())
+    }
+
+    /// Copies GPU memory to host memory, blocking.
+    pub fn download(
+        &self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        dst: &mut [u8],
+    ) -> Result<Outcome> {
+        let len = dst.len();
+        self.transfer(Source::Device(src, src_offset), Dest::Host(dst), len)
+    }
+
+    /// Queues a request; the handle can be waited on, `.await`ed, or cancelled while queued.
+    pub fn submit(&self, req: Request) -> Result<RequestHandle> {
+        Ok(self.dispatcher.submit(req)?)
+    }
+
+    /// Queues a transfer between owned endpoints; see [`Session::submit`].
+    pub fn transfer_async(
+        &self,
+        src: Endpoint,
+        dst: Endpoint,
+        len: usize,
+    ) -> Result<RequestHandle> {
+        self.submit(Request::new(src, dst, len)?)
+    }
+
+    /// Queues a request; `callback` runs on a worker thread with its result.
+    pub fn submit_with_callback(
+        &self,
+        req: Request,
+        callback: impl FnOnce(gpuio_core::Result<Completion>) + Send + 'static,
+    ) -> Result<Arc<StatusCell>> {
+        Ok(self.dispatcher.submit_with(req, callback)?)
+    }
+
+    /// Queues a batch: sorted, adjacent requests coalesced, grouped by engine (SDD §8.1).
+    pub fn submit_batch(&self, requests: Vec<Request>) -> Result<BatchHandle> {
+        Ok(self.dispatcher.submit_batch(requests)?)
+    }
+}
