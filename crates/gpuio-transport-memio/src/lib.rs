@@ -368,7 +368,7 @@ impl MemIo {
         let gpu = dst.gpu();
         let route = self.route_host_device(gpu, src);
         match route {
-            Route::DirectDma | Route::DriverStaged => {
+            Route::DirectDma | Route::DriverStaged | Route::HostCopy { threads: 1 } => {
                 self.with_stream(gpu, |s| Ok(s.upload(src, dst, dst_offset)?))?
             }
             Route::HostCopy { threads } => {
@@ -425,7 +425,7 @@ impl MemIo {
         let route = self.route_host_device(gpu, dst);
         let len = dst.len();
         match route {
-            Route::DirectDma | Route::DriverStaged => {
+            Route::DirectDma | Route::DriverStaged | Route::HostCopy { threads: 1 } => {
                 self.with_stream(gpu, |s| Ok(s.download(src, src_offset, dst)?))?
             }
             Route::HostCopy { threads } => {

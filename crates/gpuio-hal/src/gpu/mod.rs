@@ -97,7 +97,10 @@ pub fn probe_with(pref: BackendPreference, host_devices: u32) -> Result<Probe> {
         }
         (BackendPreference::Host, Err(e)) | (BackendPreference::Auto, Err(e)) => Ok(Probe {
             gpus: host(),
-            cuda: Capability::no(e.to_string()),
+            cuda: Capability::no(match e {
+                HalError::CudaUnavailable { reason } => reason,
+                other => other.to_string(),
+            }),
         }),
         (_, Ok(gpus)) => {
             let detail = format!("{} device(s)", gpus.len());
@@ -403,6 +406,32 @@ impl Stream {
         dst_offset: usize,
         len: usize,
     ) -> Result<Inflight<()>> {
+        self.enqueue_device_copy(src, src_offset, dst, dst_offset, len)?;
+        self.inflight((), vec![src.clone(), dst.clone()])
+    }
+
+    /// Copies between device buffers (same device or peers) and waits for it.
+    pub fn copy_device(
+        &self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        // The borrows keep both buffers alive until the synchronize.
+        self.enqueue_device_copy(src, src_offset, dst, dst_offset, len)?;
+        self.inner.synchronize()
+    }
+
+    fn enqueue_device_copy(
+        &self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<()> {
         if !src.gpu().same_device(&self.gpu) && !dst.gpu().same_device(&self.gpu) {
             return Err(HalError::WrongDevice {
                 what: "device copy",
@@ -420,8 +449,8 @@ impl Stream {
         let s = src.addr_at("copy source", src_offset, len)?;
         let d = dst.addr_at("copy destination", dst_offset, len)?;
         if len > 0 {
-            // SAFETY: both ranges were checked against live buffers, which the returned
-            // Inflight keeps alive until the copy is done.
+            // SAFETY: both ranges were checked against live buffers; callers keep them alive
+            // (by borrow or in an Inflight) until the copy is done.
             unsafe {
                 self.inner.copy_d2d(
                     src.gpu().inner.as_ref(),
@@ -432,20 +461,7 @@ impl Stream {
                 )?
             };
         }
-        self.inflight((), vec![src.clone(), dst.clone()])
-    }
-
-    /// Copies between device buffers (same device or peers) and waits for it.
-    pub fn copy_device(
-        &self,
-        src: &DeviceBuffer,
-        src_offset: usize,
-        dst: &DeviceBuffer,
-        dst_offset: usize,
-        len: usize,
-    ) -> Result<()> {
-        self.copy_device_async(src, src_offset, dst, dst_offset, len)?
-            .wait()
+        Ok(())
     }
 
     /// Enqueues a copy of `src[range]` into `dst` at `dst_offset` and returns at once. The

@@ -1,5 +1,5 @@
 //! The CUDA backend, on cudarc with run-time loading: the binary builds with no CUDA installed,
-//! and [`devices`] probes for libcuda (and every driver symbol gpuio calls) before the first
+//! and the device probe checks for libcuda (and every driver symbol gpuio calls) before the first
 //! call, because cudarc panics where a library or symbol is missing.
 //!
 //! Contexts are the devices' primary contexts (shared with the CUDA runtime, PyTorch, CuPy).

@@ -89,7 +89,7 @@ pub(crate) fn driver_version() -> Option<(u32, u32)> {
     let mut v = 0;
     // SAFETY: writes one int; the driver is loaded (callers probe first).
     let rc = unsafe { sys::cuDriverGetVersion(&mut v) };
-    (rc == sys::CUresult::CUDA_SUCCESS).then(|| (v as u32 / 1000, (v as u32 % 1000) / 10))
+    (rc == sys::CUresult::CUDA_SUCCESS).then_some((v as u32 / 1000, (v as u32 % 1000) / 10))
 }
 
 /// Whether `ptr..ptr+len` lies in page-locked host memory the driver knows (pinned or

@@ -1,0 +1,256 @@
+//! The MemIO suite: host↔GPU (pinned and pageable) and GPU↔GPU copies through gpuio against
+//! `cudaMemcpy` called directly through the driver on the same buffers (a plain memcpy on the
+//! host backend). Inputs rotate among buffers totalling at least 512 MiB so that neither side
+//! is measured out of the CPU caches; every case is checked on fresh random data.
+
+use crate::{Budget, Record, Result, Target, human, race};
+use gpuio_api::Session;
+use gpuio_hal::{Backend, HostAllocOptions, HostBuffer, pattern};
+use rayon::prelude::*;
+use std::cell::RefCell;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The sizes measured by default on a backend.
+pub fn default_sizes(backend: Backend) -> Vec<usize> {
+    let mut sizes = vec![4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20];
+    if backend == Backend::Cuda {
+        sizes.push(1 << 30);
+    }
+    sizes
+}
+
+/// The suite's name in records and file names.
+pub const SUITE: &str = "memio";
+
+const ROTATE_BYTES: usize = 512 << 20;
+
+fn fresh_seed() -> u64 {
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    pattern::mix64(t)
+}
+
+fn fill_par(buf: &mut [u8], seed: u64) {
+    const PIECE: usize = 1 << 20;
+    buf.par_chunks_mut(PIECE)
+        .enumerate()
+        .for_each(|(i, c)| pattern::fill(c, (i * PIECE) as u64, seed));
+}
+
+fn deviation_par(buf: &[u8], seed: u64) -> Option<u64> {
+    const PIECE: usize = 16 << 20;
+    buf.par_chunks(PIECE)
+        .enumerate()
+        .filter_map(|(i, c)| {
+            pattern::first_deviation(c, (i * PIECE) as u64, seed).map(|o| (i * PIECE + o) as u64)
+        })
+        .min()
+}
+
+fn corrupt(case: &str, size: usize, offset: u64) -> crate::BenchError {
+    crate::BenchError::Corrupt {
+        case: case.into(),
+        size,
+        offset,
+    }
+}
+
+/// Runs the suite on GPU 0; `progress` hears about each case as it starts.
+pub fn run(
+    session: &Session,
+    sizes: &[usize],
+    budget: &Budget,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(Vec<Record>, Vec<Target>)> {
+    let gpu = session.gpu(0)?.clone();
+    let memio = session.memio();
+    let backend = gpu.backend();
+    let peer = match backend {
+        Backend::Cuda => "cudaMemcpy",
+        Backend::Host => "memcpy",
+    };
+    let device = gpu.info().name.clone();
+    let stream = gpu.stream()?;
+    let mut records = Vec::new();
+
+    for &size in sizes {
+        let k = ROTATE_BYTES.div_ceil(size).clamp(1, 8);
+        let dev_a = gpu.alloc(size)?;
+        let dev_b = gpu.alloc(size)?;
+        let mut pinned = (0..k)
+            .map(|_| HostBuffer::alloc_pinned(size, &HostAllocOptions::default(), &gpu))
+            .collect::<gpuio_hal::Result<Vec<_>>>()?;
+        let mut pageable: Vec<Vec<u8>> = (0..k).map(|_| vec![0u8; size]).collect();
+        let seed = fresh_seed();
+        for b in &mut pageable {
+            fill_par(b, seed);
+        }
+        for b in &mut pinned {
+            fill_par(b, seed);
+        }
+        let mut record =
+            |case: &str, route: String, (ours, theirs): (crate::Timing, crate::Timing)| {
+                let gbps = |t: crate::Timing| size as f64 / t.median.as_secs_f64().max(1e-12) / 1e9;
+                let (value, peer_value) = (gbps(ours), gbps(theirs));
+                records.push(Record {
+                    suite: SUITE.into(),
+                    case: format!("{case}/{}", human(size)),
+                    metric: "bandwidth".into(),
+                    value,
+                    unit: "GB/s".into(),
+                    peer: peer.into(),
+                    peer_value,
+                    ratio: value / peer_value,
+                    bytes: size,
+                    route,
+                    device: device.clone(),
+                    reps: ours.reps,
+                });
+            };
+
+        // Host to device, pinned and pageable.
+        for case in ["h2d_pinned", "h2d_pageable"] {
+            progress(&format!("{case} {}", human(size)));
+            let src = |i: usize| -> &[u8] {
+                if case == "h2d_pinned" {
+                    &pinned[i % k]
+                } else {
+                    &pageable[i % k]
+                }
+            };
+            let mut route = String::new();
+            let t = race(
+                budget,
+                |i| {
+                    route = memio
+                        .upload(src(i), &dev_a, 0)
+                        .map_err(gpuio_api::Error::from)?
+                        .to_string();
+                    Ok(())
+                },
+                |i| Ok(gpu.baseline_upload(src(i), &dev_a, 0)?),
+            )?;
+            let seed = fresh_seed();
+            let first = if case == "h2d_pinned" {
+                &mut pinned[0][..]
+            } else {
+                &mut pageable[0][..]
+            };
+            fill_par(first, seed);
+            memio
+                .upload(first, &dev_a, 0)
+                .map_err(gpuio_api::Error::from)?;
+            stream.fill_pattern(&dev_b, 0, size, seed)?;
+            if let Some(off) = stream.find_mismatch(&dev_a, 0, &dev_b, 0, size)? {
+                return Err(corrupt(case, size, off));
+            }
+            record(case, route, t);
+        }
+
+        // Device to host, pinned and pageable.
+        for case in ["d2h_pinned", "d2h_pageable"] {
+            progress(&format!("{case} {}", human(size)));
+            stream.fill_pattern(&dev_a, 0, size, seed)?;
+            stream.synchronize()?;
+            let outs: Vec<&mut [u8]> = if case == "d2h_pinned" {
+                pinned.iter_mut().map(|b| &mut b[..]).collect()
+            } else {
+                pageable.iter_mut().map(|b| &mut b[..]).collect()
+            };
+            // The two sides run alternately, never at once: a RefCell lends each the buffers.
+            let outs = RefCell::new(outs);
+            let mut route = String::new();
+            let t = race(
+                budget,
+                |i| {
+                    let mut o = outs.borrow_mut();
+                    route = memio
+                        .download(&dev_a, 0, o[i % k])
+                        .map_err(gpuio_api::Error::from)?
+                        .to_string();
+                    Ok(())
+                },
+                |i| Ok(gpu.baseline_download(&dev_a, 0, outs.borrow_mut()[i % k])?),
+            )?;
+            let check_seed = fresh_seed();
+            stream.fill_pattern(&dev_a, 0, size, check_seed)?;
+            stream.synchronize()?;
+            let mut outs = outs.into_inner();
+            memio
+                .download(&dev_a, 0, outs[0])
+                .map_err(gpuio_api::Error::from)?;
+            if let Some(off) = deviation_par(outs[0], check_seed) {
+                return Err(corrupt(case, size, off));
+            }
+            record(case, route, t);
+        }
+
+        // Device to device.
+        progress(&format!("d2d {}", human(size)));
+        let mut route = String::new();
+        let t = race(
+            budget,
+            |_| {
+                route = memio
+                    .copy_device(&dev_a, 0, &dev_b, 0, size)
+                    .map_err(gpuio_api::Error::from)?
+                    .to_string();
+                Ok(())
+            },
+            |_| Ok(gpu.baseline_copy_device(&dev_a, &dev_b, size)?),
+        )?;
+        let check_seed = fresh_seed();
+        stream.fill_pattern(&dev_a, 0, size, check_seed)?;
+        stream.synchronize()?;
+        memio
+            .copy_device(&dev_a, 0, &dev_b, 0, size)
+            .map_err(gpuio_api::Error::from)?;
+        if let Some(off) = stream.find_mismatch(&dev_a, 0, &dev_b, 0, size)? {
+            return Err(corrupt("d2d", size, off));
+        }
+        record("d2d", route, t);
+    }
+    let targets = if backend == Backend::Cuda {
+        targets(&records)
+    } else {
+        Vec::new()
+    };
+    Ok((records, targets))
+}
+
+/// The foundation issue's targets, judged on this run's records.
+pub fn targets(records: &[Record]) -> Vec<Target> {
+    let judge = |description: &str, case: &str, min_bytes: usize, need: f64| {
+        let worst = records
+            .iter()
+            .filter(|r| r.case.starts_with(case) && r.bytes >= min_bytes)
+            .map(|r| r.ratio)
+            .fold(None, |w: Option<f64>, r| Some(w.map_or(r, |w| w.min(r))));
+        Target {
+            description: description.into(),
+            worst_ratio: worst,
+            met: worst.map(|w| w >= need),
+        }
+    };
+    vec![
+        judge(
+            "pinned H2D >= 0.97x cudaMemcpy, sizes >= 16 MiB",
+            "h2d_pinned/",
+            16 << 20,
+            0.97,
+        ),
+        judge(
+            "pinned D2H >= 0.97x cudaMemcpy, sizes >= 16 MiB",
+            "d2h_pinned/",
+            16 << 20,
+            0.97,
+        ),
+        judge(
+            "pageable H2D >= 3x pageable cudaMemcpy, sizes >= 64 MiB",
+            "h2d_pageable/",
+            64 << 20,
+            3.0,
+        ),
+    ]
+}

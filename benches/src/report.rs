@@ -1,0 +1,112 @@
+//! Records, the printed table, and the files under the output directory.
+
+use crate::{BenchError, Result, human};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// One measurement against its peer (DESIGN.md §6).
+#[derive(Debug, Clone, Serialize)]
+pub struct Record {
+    /// Suite, e.g. `memio`.
+    pub suite: String,
+    /// Case, e.g. `h2d_pinned/64 MiB`.
+    pub case: String,
+    /// What was measured, e.g. `bandwidth`.
+    pub metric: String,
+    /// gpuio's figure.
+    pub value: f64,
+    /// Its unit, e.g. `GB/s`.
+    pub unit: String,
+    /// The peer, e.g. `cudaMemcpy`.
+    pub peer: String,
+    /// The peer's figure.
+    pub peer_value: f64,
+    /// `value / peer_value` (higher is better for gpuio).
+    pub ratio: f64,
+    /// Bytes per operation.
+    pub bytes: usize,
+    /// The route gpuio took.
+    pub route: String,
+    /// The device measured on.
+    pub device: String,
+    /// Timed runs per side.
+    pub reps: usize,
+}
+
+/// A performance target and whether this run met it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Target {
+    /// What the target says.
+    pub description: String,
+    /// The worst ratio among the records it covers.
+    pub worst_ratio: Option<f64>,
+    /// Whether it was met (`None`: not measured in this run).
+    pub met: Option<bool>,
+}
+
+/// The table printed at the end of a run.
+pub fn render_table(records: &[Record], targets: &[Target]) -> String {
+    let mut out = String::new();
+    let mut suite = "";
+    for r in records {
+        if r.suite != suite {
+            suite = &r.suite;
+            out.push_str(&format!(
+                "\n{:<16} {:>9} {:>11} {:>12} {:>11} {:>7}  {}\n",
+                format!("[{suite}] case"),
+                "size",
+                "gpuio",
+                "peer",
+                "peer value",
+                "ratio",
+                "route"
+            ));
+        }
+        let case = r.case.split('/').next().unwrap_or(&r.case);
+        out.push_str(&format!(
+            "{:<16} {:>9} {:>6.2} {:<4} {:>12} {:>6.2} {:<4} {:>6.2}x  {}\n",
+            case,
+            human(r.bytes),
+            r.value,
+            r.unit,
+            r.peer,
+            r.peer_value,
+            r.unit,
+            r.ratio,
+            r.route
+        ));
+    }
+    if !targets.is_empty() {
+        out.push_str("\ntargets:\n");
+        for t in targets {
+            let verdict = match (t.met, t.worst_ratio) {
+                (Some(true), Some(w)) => format!("met (worst {w:.2}x)"),
+                (Some(false), Some(w)) => format!("MISSED (worst {w:.2}x)"),
+                _ => "not measured in this run".into(),
+            };
+            out.push_str(&format!("  {:<62} {verdict}\n", t.description));
+        }
+    }
+    out
+}
+
+/// Writes `<suite>.json` (records and targets) and `<suite>.svg` (the plot) into `dir`.
+pub fn write_outputs(
+    dir: &Path,
+    suite: &str,
+    records: &[Record],
+    targets: &[Target],
+) -> Result<Vec<PathBuf>> {
+    let fail = |path: &Path, e: &dyn std::fmt::Display| BenchError::Output {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    };
+    std::fs::create_dir_all(dir).map_err(|e| fail(dir, &e))?;
+    let json = dir.join(format!("{suite}.json"));
+    let doc = serde_json::json!({ "records": records, "targets": targets });
+    let text = serde_json::to_string_pretty(&doc).map_err(|e| fail(&json, &e))?;
+    std::fs::write(&json, text).map_err(|e| fail(&json, &e))?;
+    let svg = dir.join(format!("{suite}.svg"));
+    crate::plot::bandwidth_plot(&svg, suite, records).map_err(|e| fail(&svg, &e))?;
+    Ok(vec![json, svg])
+}

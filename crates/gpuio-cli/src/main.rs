@@ -1,0 +1,109 @@
+//! `gpuio`: what the machine can do (`info`), copies between any two resources (`cp`), and
+//! the benchmark suites against their peers (`bench`).
+//!
+//! Exit status: 0 on success; otherwise the magnitude of the SDD §7.1 error code (3 for an
+//! invalid argument, 4 for something not found, 8 for unsupported, ...); 2 for bad usage.
+
+#![forbid(unsafe_code)]
+
+mod bench;
+mod cp;
+mod info;
+
+use clap::{Parser, Subcommand};
+use gpuio_api::{Config, Error};
+use gpuio_hal::BackendPreference;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Moves data between GPU memory, host memory (DRAM, CXL) and storage, on the fastest path
+/// the machine has.
+#[derive(Debug, Parser)]
+#[command(name = "gpuio", version, about)]
+struct Cli {
+    /// Configuration file (TOML); default: $GPUIO_CONFIG, else the built-in defaults.
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// GPU backend: auto, cuda or host (overrides the configuration).
+    #[arg(long, global = true, value_name = "BACKEND")]
+    backend: Option<BackendPreference>,
+    /// More log output (-v: info, -vv: debug); GPUIO_LOG sets a full filter.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Devices, capabilities, and every IO path with whether it is available and why not.
+    Info(info::InfoArgs),
+    /// Copies SRC to DST (URIs or paths), optionally staged through a memory tier.
+    Cp(cp::CpArgs),
+    /// Runs benchmark suites against their peers; prints a table, writes JSON and a plot.
+    Bench(bench::BenchArgs),
+}
+
+fn init_logging(config: &Config, verbose: u8) {
+    let filter = match verbose {
+        0 => std::env::var("GPUIO_LOG")
+            .or_else(|_| std::env::var("RUST_LOG"))
+            .unwrap_or_else(|_| config.log_level.clone()),
+        1 => "info".into(),
+        _ => "debug".into(),
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+fn run(cli: Cli) -> Result<(), Error> {
+    let mut config = Config::load(cli.config.as_deref())?;
+    if let Some(b) = cli.backend {
+        config.backend = b;
+    }
+    init_logging(&config, cli.verbose);
+    match cli.command {
+        Command::Info(args) => info::run(config, &args),
+        Command::Cp(args) => cp::run(config, &args),
+        Command::Bench(args) => bench::run(config, &args),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let code = e.code();
+            eprintln!("gpuio: error: {e} [{}]", code.name());
+            ExitCode::from(code.as_i32().unsigned_abs().min(255) as u8)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn commands_parse() {
+        let cli =
+            Cli::try_parse_from(["gpuio", "cp", "a", "gpu0", "--via", "gpu0", "--verify"]).unwrap();
+        assert!(matches!(cli.command, Command::Cp(_)));
+        let cli =
+            Cli::try_parse_from(["gpuio", "--backend", "host", "info", "--show-config"]).unwrap();
+        assert_eq!(cli.backend, Some(BackendPreference::Host));
+        assert!(Cli::try_parse_from(["gpuio", "--backend", "opencl", "info"]).is_err());
+        assert!(
+            Cli::try_parse_from(["gpuio", "bench", "memio", "--quick", "--sizes", "4K,1M"]).is_ok()
+        );
+    }
+}

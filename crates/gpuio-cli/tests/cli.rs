@@ -1,0 +1,152 @@
+//! The `gpuio` command end to end. `GPUIO_BIN` points at another build of the binary (the GPU
+//! bundle sets it); `GPUIO_E2E_BYTES` sets the size of the round trip through GPU memory
+//! (64 MiB by default, 1 GiB in the GPU bundle).
+
+use gpuio_hal::pattern;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn gpuio(args: &[&str]) -> Output {
+    let bin = std::env::var_os("GPUIO_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_gpuio")));
+    let out = Command::new(bin).args(args).output().expect("gpuio runs");
+    assert_ne!(
+        out.status.code(),
+        Some(101),
+        "gpuio panicked: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn info_lists_devices_and_paths() {
+    let o = gpuio(&["info"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("gpu0") && text.contains("IO paths:"),
+        "{text}"
+    );
+    let o = gpuio(&["info", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(!v["devices"].as_array().unwrap().is_empty());
+    assert!(
+        v["paths"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["engine"] == "memio")
+    );
+    if std::env::var("GPUIO_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
+        assert_eq!(v["backend"], "cuda", "{v}");
+    }
+    let o = gpuio(&["info", "--show-config"]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("api_version = 1"));
+}
+
+#[test]
+fn a_file_round_trips_through_gpu_memory() {
+    let bytes: usize = std::env::var("GPUIO_E2E_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64 << 20);
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src.bin");
+    let dst = dir.path().join("dst.bin");
+    let mut data = vec![0u8; bytes];
+    let seed = pattern::mix64(std::process::id() as u64 ^ bytes as u64);
+    pattern::fill(&mut data, 0, seed);
+    std::fs::write(&src, &data).unwrap();
+    drop(data);
+    let o = gpuio(&[
+        "cp",
+        src.to_str().unwrap(),
+        dst.to_str().unwrap(),
+        "--via",
+        "gpu0",
+        "--verify",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let summary = String::from_utf8_lossy(&o.stdout);
+    assert!(summary.contains("verified"), "{summary}");
+    eprintln!("{summary}");
+    let back = std::fs::read(&dst).unwrap();
+    assert_eq!(back.len(), bytes);
+    assert_eq!(pattern::first_deviation(&back, 0, seed), None);
+}
+
+#[test]
+fn bad_input_gets_typed_errors_and_exit_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("s");
+    std::fs::write(&src, b"hello").unwrap();
+    let s = src.to_str().unwrap();
+    let cases: &[(&[&str], i32, &str)] = &[
+        (&["cp", "memio://cpu/dram?numa=x", "gpu0"], 3, "numa"),
+        (&["cp", "nvme://x", "gpu0"], 3, "unknown scheme"),
+        (&["cp", "/nonexistent/file", "gpu0"], 4, "No such file"),
+        (&["cp", s, "gpu99"], 4, "GPU 99"),
+        (&["cp", s, "memio://cpu/dram?numa=999"], 4, "NUMA node 999"),
+        (&["cp", "gpu0", s], 3, "no content"),
+        (&["cp", s, s], 3, "same file"),
+        (&["cp", s, "remoteio://10.1.1.1:9/x"], 8, "RemoteIO"),
+        (&["bench", "nosuchsuite"], 3, "unknown suite"),
+        (&["bench", "--sizes", "4Q"], 3, "bad size"),
+    ];
+    for (args, code, needle) in cases {
+        let o = gpuio(args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(*code), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(err.contains("GPUIO_ERROR_"), "{args:?}: {err}");
+    }
+    let o = gpuio(&["--backend", "opencl", "info"]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn bench_writes_records_a_plot_and_a_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = gpuio(&[
+        "bench",
+        "memio",
+        "--quick",
+        "--sizes",
+        "64K,2M",
+        "--out",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        table.contains("h2d_pageable") && table.contains("ratio"),
+        "{table}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("memio.json")).unwrap()).unwrap();
+    let records = json["records"].as_array().unwrap();
+    assert_eq!(records.len(), 2 * 5);
+    for r in records {
+        for field in [
+            "suite",
+            "case",
+            "metric",
+            "value",
+            "unit",
+            "peer",
+            "peer_value",
+            "ratio",
+        ] {
+            assert!(!r[field].is_null(), "{field} missing in {r}");
+        }
+        assert!(r["value"].as_f64().unwrap() > 0.0);
+    }
+    let svg = std::fs::read_to_string(dir.path().join("memio.svg")).unwrap();
+    assert!(svg.starts_with("<svg"));
+}

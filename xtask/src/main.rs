@@ -1,0 +1,342 @@
+//! gpuio's project tasks (`cargo xtask <task>`):
+//!
+//! - `ci`: what `.ci/run` runs: formatting, clippy, the test suite, rustdoc.
+//! - `bench [ARGS]`: the benchmark suites this machine supports (`gpuio bench` in release).
+//! - `gpu-bundle`: release test and bench binaries for the GPU machine (no cargo there), with
+//!   `run.sh`, the one command that runs them there.
+//! - `ptx [--kernels DIR] [--arch SM]`: compiles `kernels/` with nvcc where present and checks
+//!   that NVRTC compiles the sources gpuio embeds. Runs from the bundle on the GPU machine.
+
+#![forbid(unsafe_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::Instant;
+
+type Result<T = ()> = std::result::Result<T, String>;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (task, rest) = args
+        .split_first()
+        .map_or(("help", &[][..]), |(t, r)| (t.as_str(), r));
+    let result = match task {
+        "ci" => ci(),
+        "bench" => bench(rest),
+        "gpu-bundle" => gpu_bundle(),
+        "ptx" => ptx(rest),
+        _ => {
+            eprintln!(
+                "usage: cargo xtask <ci | bench [ARGS] | gpu-bundle | ptx [--kernels DIR] [--arch SM]>"
+            );
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask {task}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workspace root (xtask's parent directory), or the current directory when run from a
+/// bundle.
+fn root() -> PathBuf {
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    match here.parent() {
+        Some(p) if p.join("Cargo.toml").exists() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root());
+    c
+}
+
+fn run(what: &str, cmd: &mut Command) -> Result {
+    let start = Instant::now();
+    eprintln!("==> {what}");
+    let status = cmd
+        .status()
+        .map_err(|e| format!("{what}: cannot start: {e}"))?;
+    eprintln!(
+        "    {what}: {} in {:.1} s",
+        if status.success() { "ok" } else { "FAILED" },
+        start.elapsed().as_secs_f64()
+    );
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{what} failed ({status})"))
+    }
+}
+
+fn has(program: &str, arg: &str) -> bool {
+    Command::new(program)
+        .arg(arg)
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn ci() -> Result {
+    run("rustfmt", cargo().args(["fmt", "--all", "--", "--check"]))?;
+    run(
+        "clippy",
+        cargo().args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]),
+    )?;
+    if has("cargo-nextest", "--version") {
+        run(
+            "tests (nextest)",
+            cargo().args(["nextest", "run", "--workspace", "--no-fail-fast"]),
+        )?;
+        // nextest does not run doctests.
+        run("doctests", cargo().args(["test", "--workspace", "--doc"]))?;
+    } else {
+        run(
+            "tests",
+            cargo().args(["test", "--workspace", "--no-fail-fast"]),
+        )?;
+    }
+    run(
+        "rustdoc",
+        cargo()
+            .args(["doc", "--workspace", "--no-deps"])
+            .env("RUSTDOCFLAGS", "-D warnings"),
+    )
+}
+
+fn bench(args: &[String]) -> Result {
+    let mut cmd = cargo();
+    cmd.args([
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "gpuio-cli",
+        "--",
+        "bench",
+    ])
+    .args(args);
+    run("gpuio bench", &mut cmd)
+}
+
+/// The bundle carried to the GPU machine: `bin/` (gpuio, xtask), `tests/` (every test
+/// binary), `kernels/`, and `run.sh`.
+fn gpu_bundle() -> Result {
+    let root = root();
+    let out = root.join("target/gpu-bundle");
+    let _ = std::fs::remove_dir_all(&out);
+    for d in ["bin", "tests", "kernels"] {
+        std::fs::create_dir_all(out.join(d)).map_err(|e| format!("creating {d}: {e}"))?;
+    }
+    run(
+        "build binaries",
+        cargo().args([
+            "build",
+            "--profile",
+            "bundle",
+            "-p",
+            "gpuio-cli",
+            "-p",
+            "xtask",
+        ]),
+    )?;
+    for bin in ["gpuio", "xtask"] {
+        copy(
+            &root.join("target/bundle").join(bin),
+            &out.join("bin").join(bin),
+        )?;
+    }
+    eprintln!("==> build test binaries");
+    let output = cargo()
+        .args([
+            "test",
+            "--workspace",
+            "--profile",
+            "bundle",
+            "--no-run",
+            "--message-format=json",
+        ])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cargo test --no-run: {e}"))?;
+    if !output.status.success() {
+        return Err("building test binaries failed".into());
+    }
+    let mut count = 0;
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let is_test = msg["profile"]["test"].as_bool() == Some(true);
+        if let (true, Some(exe)) = (is_test, msg["executable"].as_str()) {
+            let exe = Path::new(exe);
+            let crate_name = msg["target"]["name"].as_str().unwrap_or("test");
+            let pkg = msg["package_id"].as_str().unwrap_or("");
+            let pkg = pkg
+                .rsplit('/')
+                .next()
+                .and_then(|p| p.split(['#', '@']).next())
+                .unwrap_or("pkg");
+            copy(exe, &out.join("tests").join(format!("{pkg}--{crate_name}")))?;
+            count += 1;
+        }
+    }
+    for entry in std::fs::read_dir(root.join("kernels")).map_err(|e| format!("kernels/: {e}"))? {
+        let path = entry.map_err(|e| e.to_string())?.path();
+        if let Some(name) = path.file_name() {
+            copy(&path, &out.join("kernels").join(name))?;
+        }
+    }
+    let script = out.join("run.sh");
+    std::fs::write(&script, RUN_SH).map_err(|e| format!("writing run.sh: {e}"))?;
+    make_executable(&script)?;
+    let size = dir_size(&out);
+    eprintln!(
+        "bundle: {} ({count} test binaries), {:.1} MiB",
+        out.display(),
+        size as f64 / (1 << 20) as f64
+    );
+    if size > 60 << 20 {
+        return Err(format!(
+            "the bundle is {} MiB; the GPU machine takes at most 64",
+            size >> 20
+        ));
+    }
+    Ok(())
+}
+
+const RUN_SH: &str = r#"#!/usr/bin/env bash
+# gpuio's GPU matrix, in one command: every test binary with CUDA required, the kernel compile
+# checks (nvcc and NVRTC), gpuio info, a 1 GiB file round trip through GPU memory, and the
+# MemIO benchmark against cudaMemcpy. Results (bench JSON, plot) go to $OUT or ./out.
+set -u
+cd "$(dirname "$0")"
+export GPUIO_REQUIRE_CUDA=1
+export GPUIO_BIN="$PWD/bin/gpuio"
+export GPUIO_E2E_BYTES="${GPUIO_E2E_BYTES:-1073741824}"
+out="${OUT:-$PWD/out}"
+mkdir -p "$out"
+status=0
+step() {
+    echo "== $*"
+    "$@" || { echo "FAILED: $*"; status=1; }
+}
+for t in tests/*; do step "$t" --test-threads=4; done
+step bin/xtask ptx --kernels kernels
+step bin/gpuio info
+step bin/gpuio bench memio --out "$out" ${GPUIO_BENCH_ARGS:-}
+echo "== gpu matrix: $([ $status = 0 ] && echo PASSED || echo FAILED)"
+exit $status
+"#;
+
+fn copy(from: &Path, to: &Path) -> Result {
+    std::fs::copy(from, to)
+        .map(|_| ())
+        .map_err(|e| format!("copying {} to {}: {e}", from.display(), to.display()))
+}
+
+fn make_executable(path: &Path) -> Result {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
+        .map_err(|e| format!("chmod {}: {e}", path.display()))
+}
+
+fn dir_size(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok())
+                .map(|e| match e.metadata() {
+                    Ok(m) if m.is_dir() => dir_size(&e.path()),
+                    Ok(m) => m.len(),
+                    Err(_) => 0,
+                })
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// nvcc over every `.cu` in the kernels directory (where nvcc exists), and NVRTC over the
+/// sources embedded in gpuio-hal (where libnvrtc exists). Fails if a compiler that is present
+/// rejects a source; says what was skipped and why.
+fn ptx(args: &[String]) -> Result {
+    let mut kernels = root().join("kernels");
+    let mut arch = String::from("sm_90");
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--kernels" => kernels = it.next().ok_or("--kernels needs a directory")?.into(),
+            "--arch" => arch = it.next().ok_or("--arch needs e.g. sm_90")?.clone(),
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    let mut failed = Vec::new();
+    if has("nvcc", "--version") {
+        let tmp = std::env::temp_dir().join(format!("gpuio-ptx-{}", std::process::id()));
+        std::fs::create_dir_all(&tmp).map_err(|e| e.to_string())?;
+        let mut sources: Vec<PathBuf> = std::fs::read_dir(&kernels)
+            .map_err(|e| format!("{}: {e}", kernels.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+            .collect();
+        sources.sort();
+        for src in sources {
+            let name = src
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let ptx_out = tmp.join(format!("{name}.ptx"));
+            let ok = run(
+                &format!("nvcc -arch={arch} {}", src.display()),
+                Command::new("nvcc")
+                    .args(["-arch", &arch, "-ptx", "-Xptxas", "-v", "-o"])
+                    .arg(&ptx_out)
+                    .arg(&src),
+            );
+            if ok.is_err() {
+                failed.push(format!("nvcc {}", src.display()));
+            }
+        }
+        let _ = std::fs::remove_dir_all(&tmp);
+    } else {
+        eprintln!("skipped nvcc: nvcc is not on PATH");
+    }
+    for src in gpuio_hal::kernels::ALL {
+        match gpuio_hal::gpu::cuda::compile_ptx(src, None) {
+            Ok(ptx) => {
+                let text = ptx.to_src();
+                let missing: Vec<_> = src
+                    .functions
+                    .iter()
+                    .filter(|f| !text.contains(*f))
+                    .collect();
+                if missing.is_empty() {
+                    eprintln!("NVRTC {}: ok ({} bytes of PTX)", src.name, text.len());
+                } else {
+                    failed.push(format!("NVRTC {}: PTX lacks {missing:?}", src.name));
+                }
+            }
+            Err(gpuio_hal::HalError::Compile { log, .. }) if log.contains("libnvrtc not found") => {
+                eprintln!("skipped NVRTC {}: {log}", src.name);
+            }
+            Err(e) => failed.push(format!("NVRTC {}: {e}", src.name)),
+        }
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(failed.join("; "))
+    }
+}
