@@ -182,14 +182,13 @@ fn gpu_bundle() -> Result {
         let is_test = msg["profile"]["test"].as_bool() == Some(true);
         if let (true, Some(exe)) = (is_test, msg["executable"].as_str()) {
             let exe = Path::new(exe);
-            let crate_name = msg["target"]["name"].as_str().unwrap_or("test");
-            let pkg = msg["package_id"].as_str().unwrap_or("");
-            let pkg = pkg
-                .rsplit('/')
-                .next()
-                .and_then(|p| p.split(['#', '@']).next())
-                .unwrap_or("pkg");
-            copy(exe, &out.join("tests").join(format!("{pkg}--{crate_name}")))?;
+            let target = msg["target"]["name"].as_str().unwrap_or("test");
+            let pkg = package_name(msg["package_id"].as_str().unwrap_or(""));
+            // These read the source tree, which does not travel; nothing in them needs a GPU.
+            if matches!(pkg, "gpuio-tests" | "xtask") {
+                continue;
+            }
+            copy(exe, &out.join("tests").join(format!("{pkg}--{target}")))?;
             count += 1;
         }
     }
@@ -240,6 +239,19 @@ step bin/gpuio bench memio --out "$out" ${GPUIO_BENCH_ARGS:-}
 echo "== gpu matrix: $([ $status = 0 ] && echo PASSED || echo FAILED)"
 exit $status
 "#;
+
+/// The package name in a cargo package id (`path+file:///x/benches#gpuio-bench@0.1.0`, or
+/// `path+file:///x/crates/gpuio-hal#0.1.0` where the directory is the name).
+fn package_name(id: &str) -> &str {
+    let tail = id.rsplit('/').next().unwrap_or(id);
+    match tail.split_once('#') {
+        Some((dir, rest)) => match rest.split_once('@') {
+            Some((name, _)) => name,
+            None => dir,
+        },
+        None => tail,
+    }
+}
 
 fn copy(from: &Path, to: &Path) -> Result {
     std::fs::copy(from, to)

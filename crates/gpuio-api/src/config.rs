@@ -89,7 +89,7 @@ impl Config {
                 chunk_size: ByteSize::mib(4),
                 threads: 0,
                 slots_per_lane: 3,
-                pipeline_min: ByteSize::mib(1),
+                pipeline_min: ByteSize::mib(4),
             },
             localio: LocalIoSection {
                 chunk_size: ByteSize::mib(8),
@@ -169,6 +169,9 @@ impl Config {
         }
         if let Some(v) = get("GPUIO_STAGING_CHUNK") {
             self.memio.chunk_size = parse("GPUIO_STAGING_CHUNK", &v, "a size such as 4MiB")?;
+        }
+        if let Some(v) = get("GPUIO_PIPELINE_MIN") {
+            self.memio.pipeline_min = parse("GPUIO_PIPELINE_MIN", &v, "a size such as 4MiB")?;
         }
         if let Some(v) = get("GPUIO_PIPELINE_THREADS") {
             self.memio.threads = parse("GPUIO_PIPELINE_THREADS", &v, "a number of threads")?;

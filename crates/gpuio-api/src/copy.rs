@@ -44,8 +44,10 @@ impl Default for CopyOptions {
 pub struct CopyReport {
     /// Bytes copied.
     pub bytes: u64,
-    /// Wall time.
+    /// Wall time of the copy (excluding verification).
     pub elapsed: Duration,
+    /// Wall time of the verification, when asked for.
+    pub verify_elapsed: Option<Duration>,
     /// The route of each stage, e.g. `pread + staged DMA`.
     pub stages: Vec<String>,
     /// The crc32c both sides agreed on, when verified.
@@ -210,6 +212,8 @@ impl Session {
         if let (true, Resource::File(f)) = (opts.durable, &destination) {
             f.sync_data()?;
         }
+        let elapsed = start.elapsed();
+        let verify_start = Instant::now();
         let checksum = if opts.verify {
             let a = self.checksum(&source, len)?;
             let b = self.checksum(&destination, len)?;
@@ -226,7 +230,8 @@ impl Session {
         };
         Ok(CopyReport {
             bytes: len,
-            elapsed: start.elapsed(),
+            elapsed,
+            verify_elapsed: opts.verify.then(|| verify_start.elapsed()),
             stages,
             checksum,
             destination,

@@ -71,10 +71,11 @@ pub fn run(config: Config, args: &CpArgs) -> Result<(), Error> {
             report.gbps(),
             route.join(" -> "),
             report.stages.join("; "),
-            report
-                .checksum
-                .map(|c| format!(", crc32c {c:08x} verified"))
-                .unwrap_or_default()
+            match (report.checksum, report.verify_elapsed) {
+                (Some(c), Some(t)) =>
+                    format!("; crc32c {c:08x} verified in {:.3} s", t.as_secs_f64()),
+                _ => String::new(),
+            }
         );
         if dst.is_memory() {
             println!("note: {dst} is memory; its copy is released when gpuio exits");

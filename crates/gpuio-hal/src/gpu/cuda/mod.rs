@@ -22,7 +22,7 @@ use cudarc::driver::{
 };
 use std::any::Any;
 use std::ffi::c_void;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 /// Converts a driver error into the HAL's error, naming the operation.
 pub(crate) fn cuda_err(op: &'static str) -> impl FnOnce(DriverError) -> HalError {
@@ -296,6 +296,7 @@ impl DeviceBackend for CudaDevice {
         Ok(Box::new(CudaStreamBackend {
             shared: self.shared.clone(),
             stream,
+            events: Arc::new(EventPool::default()),
         }))
     }
 
@@ -371,6 +372,22 @@ impl DeviceBackend for CudaDevice {
 struct CudaStreamBackend {
     shared: Arc<Shared>,
     stream: Arc<CudaStream>,
+    /// Idle events, reused: creating and destroying one per copy doubled the driver calls of
+    /// the staging pipeline, whose lanes contend for the driver's context lock.
+    events: Arc<EventPool>,
+}
+
+/// Idle events of one stream, by timing capability.
+#[derive(Default)]
+struct EventPool {
+    plain: Mutex<Vec<CudaEvent>>,
+    timing: Mutex<Vec<CudaEvent>>,
+}
+
+impl EventPool {
+    fn list(&self, timing: bool) -> &Mutex<Vec<CudaEvent>> {
+        if timing { &self.timing } else { &self.plain }
+    }
 }
 
 impl CudaStreamBackend {
@@ -478,20 +495,34 @@ impl StreamBackend for CudaStreamBackend {
     }
 
     fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>> {
-        let flags = if timing {
-            sys::CUevent_flags::CU_EVENT_DEFAULT
-        } else {
-            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        let pooled = self
+            .events
+            .list(timing)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop();
+        let event = match pooled {
+            Some(e) => e,
+            None => {
+                let flags = if timing {
+                    sys::CUevent_flags::CU_EVENT_DEFAULT
+                } else {
+                    sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+                };
+                self.shared
+                    .ctx
+                    .new_event(Some(flags))
+                    .map_err(cuda_err("cuEventCreate"))?
+            }
         };
-        let event = self
-            .shared
-            .ctx
-            .new_event(Some(flags))
-            .map_err(cuda_err("cuEventCreate"))?;
         event
             .record(&self.stream)
             .map_err(cuda_err("cuEventRecord"))?;
-        Ok(Box::new(CudaEventBackend { event }))
+        Ok(Box::new(CudaEventBackend {
+            event: Some(event),
+            timing,
+            pool: Arc::downgrade(&self.events),
+        }))
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -501,19 +532,43 @@ impl StreamBackend for CudaStreamBackend {
     }
 }
 
+/// A recorded event; when dropped it goes back to its stream's pool (if the stream is still
+/// there) instead of being destroyed.
 struct CudaEventBackend {
-    event: CudaEvent,
+    /// Always `Some` until dropped.
+    event: Option<CudaEvent>,
+    timing: bool,
+    pool: Weak<EventPool>,
+}
+
+impl CudaEventBackend {
+    fn event(&self) -> Result<&CudaEvent> {
+        self.event
+            .as_ref()
+            .ok_or_else(|| HalError::InvalidArgument("event already released".into()))
+    }
+}
+
+impl Drop for CudaEventBackend {
+    fn drop(&mut self) {
+        if let (Some(event), Some(pool)) = (self.event.take(), self.pool.upgrade()) {
+            pool.list(self.timing)
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(event);
+        }
+    }
 }
 
 impl EventBackend for CudaEventBackend {
     fn synchronize(&self) -> Result<()> {
-        self.event
+        self.event()?
             .synchronize()
             .map_err(cuda_err("cuEventSynchronize"))
     }
 
     fn is_complete(&self) -> Result<bool> {
-        self.event
+        self.event()?
             .try_is_complete()
             .map_err(cuda_err("cuEventQuery"))
     }
@@ -524,8 +579,8 @@ impl EventBackend for CudaEventBackend {
             .downcast_ref::<CudaEventBackend>()
             .ok_or_else(|| HalError::InvalidArgument("events of different backends".into()))?;
         start
-            .event
-            .elapsed_ms(&self.event)
+            .event()?
+            .elapsed_ms(self.event()?)
             .map_err(cuda_err("cuEventElapsedTime"))
     }
 
