@@ -192,14 +192,26 @@ impl Config {
                 self.api_version
             ));
         }
-        if self.workers == 0 {
-            return bad("workers must be at least 1".into());
+        if !(1..=1024).contains(&self.workers) {
+            return bad(format!("workers = {}: must be 1 to 1024", self.workers));
         }
-        if self.memio.chunk_size.as_u64() < 4096 || self.localio.chunk_size.as_u64() < 4096 {
-            return bad("staging chunk sizes must be at least 4 KiB".into());
+        if self.memio.threads > gpuio_transport_memio::MAX_THREADS {
+            return bad(format!(
+                "memio.threads = {}: at most {}",
+                self.memio.threads,
+                gpuio_transport_memio::MAX_THREADS
+            ));
         }
-        if self.memio.slots_per_lane < 2 {
-            return bad("memio.slots_per_lane must be at least 2".into());
+        let chunk_ok =
+            |c: ByteSize| (4096..=gpuio_transport_memio::MAX_CHUNK as u64).contains(&c.as_u64());
+        if !chunk_ok(self.memio.chunk_size) || !chunk_ok(self.localio.chunk_size) {
+            return bad("staging chunk sizes must be from 4 KiB to 1 GiB".into());
+        }
+        if !(2..=64).contains(&self.memio.slots_per_lane) {
+            return bad("memio.slots_per_lane must be 2 to 64".into());
+        }
+        if !(1..=64).contains(&self.host_devices) {
+            return bad("host_devices must be 1 to 64".into());
         }
         Ok(())
     }
@@ -285,6 +297,13 @@ mod tests {
         assert!(e.contains("api_version 7"), "{e}");
         let e = Config::from_toml("[memio]\nslots_per_lane = 1", None).unwrap_err();
         assert_eq!(e.code(), gpuio_core::ErrorCode::InvalidArg);
+        for bad in [
+            "workers = 100000",
+            "[memio]\nthreads = 5000",
+            "[localio]\nchunk_size = \"8 GiB\"",
+        ] {
+            assert!(Config::from_toml(bad, None).is_err(), "{bad}");
+        }
         let e = Config::from_file(Path::new("/nonexistent/gpuio.toml")).unwrap_err();
         assert!(e.to_string().contains("/nonexistent/gpuio.toml"));
     }

@@ -11,7 +11,7 @@ use crate::session::{Access, Resource, Session};
 use crate::uri::Uri;
 use gpuio_hal::{HostAllocOptions, HostBuffer};
 use gpuio_transport_localio::{FileHandle, OpenOptions};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -64,17 +64,20 @@ impl CopyReport {
     }
 }
 
-/// A destination file being written under a temporary name.
+/// A destination file being written under a temporary name: created exclusively with a random
+/// name in the destination's directory (no symlink or concurrent copy can be written through
+/// it), removed if the copy fails, renamed over the destination when it succeeds.
 struct PendingFile {
     handle: FileHandle,
-    temp: Option<PathBuf>,
+    temp: Option<tempfile::TempPath>,
     target: PathBuf,
 }
 
 impl PendingFile {
     fn create(session: &Session, target: &Path) -> Result<Self> {
+        let existing = std::fs::metadata(target).ok();
         // Block devices and other special files are written in place, never replaced.
-        if let Ok(meta) = std::fs::metadata(target)
+        if let Some(meta) = &existing
             && !meta.is_file()
         {
             let handle = session.open_file(
@@ -93,34 +96,57 @@ impl PendingFile {
         let name = target
             .file_name()
             .ok_or_else(|| Error::Invalid(format!("{} names no file", target.display())))?;
-        let mut temp_name = std::ffi::OsString::from(".");
-        temp_name.push(name);
-        temp_name.push(format!(".gpuio-partial-{}", std::process::id()));
-        let temp = target.with_file_name(temp_name);
-        let handle = session.open_file(&temp, OpenOptions::CREATE)?;
+        let dir = match target.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        let io_err = |e: std::io::Error| -> Error {
+            gpuio_transport_localio::LocalIoError::Open {
+                path: target.to_path_buf(),
+                source: e,
+            }
+            .into()
+        };
+        let temp = tempfile::Builder::new()
+            .prefix(&format!(".{}.", name.to_string_lossy()))
+            .suffix(".gpuio-partial")
+            // Like any new file: 0666 less the umask; a replaced file keeps its mode.
+            .permissions(std::fs::Permissions::from_mode(0o666))
+            .tempfile_in(dir)
+            .map_err(io_err)?;
+        let (file, path) = temp.into_parts();
+        if let Some(meta) = &existing {
+            file.set_permissions(meta.permissions()).map_err(io_err)?;
+        }
         Ok(Self {
-            handle,
-            temp: Some(temp),
+            handle: FileHandle::from_file(file, path.to_path_buf(), true),
+            temp: Some(path),
             target: target.into(),
         })
     }
 
-    fn commit(mut self) -> Result<FileHandle> {
+    /// Renames the finished file over the destination; with `durable`, also makes the rename
+    /// itself durable (fsync of the directory).
+    fn commit(mut self, durable: bool) -> Result<FileHandle> {
         if let Some(temp) = self.temp.take() {
-            std::fs::rename(&temp, &self.target).map_err(|e| {
-                let _ = std::fs::remove_file(&temp);
-                Error::Invalid(format!("renaming into {}: {e}", self.target.display()))
+            temp.persist(&self.target).map_err(|e| {
+                Error::Invalid(format!(
+                    "renaming into {}: {}",
+                    self.target.display(),
+                    e.error
+                ))
             })?;
+            if durable {
+                let dir = match self.target.parent() {
+                    Some(p) if !p.as_os_str().is_empty() => p,
+                    _ => Path::new("."),
+                };
+                std::fs::File::open(dir)
+                    .and_then(|d| d.sync_all())
+                    .map_err(|e| Error::Invalid(format!("syncing {}: {e}", dir.display())))?;
+            }
         }
         Ok(self.handle.clone())
-    }
-}
-
-impl Drop for PendingFile {
-    fn drop(&mut self) {
-        if let Some(temp) = &self.temp {
-            let _ = std::fs::remove_file(temp);
-        }
     }
 }
 
@@ -225,7 +251,7 @@ impl Session {
             None
         };
         let destination = match pending {
-            Some(p) => Resource::File(p.commit()?),
+            Some(p) => Resource::File(p.commit(opts.durable)?),
             None => destination,
         };
         Ok(CopyReport {

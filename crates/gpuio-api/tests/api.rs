@@ -242,3 +242,45 @@ fn impossible_copies_are_typed_errors_that_leave_nothing_behind() {
         .collect();
     assert_eq!(names.len(), 1, "temporary files left behind: {names:?}");
 }
+
+#[test]
+fn concurrent_copies_to_one_destination_do_not_mix_and_modes_are_kept() {
+    use std::os::unix::fs::PermissionsExt;
+    let s = session();
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    patterned_file(&a, 3 << 20, 1);
+    patterned_file(&b, 3 << 20, 2);
+    let dst = dir.path().join("dst");
+    std::fs::write(&dst, b"old").unwrap();
+    std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let dst_uri = Uri::parse(dst.to_str().unwrap()).unwrap();
+    std::thread::scope(|t| {
+        for src in [&a, &b] {
+            let (s, dst_uri) = (&s, &dst_uri);
+            t.spawn(move || {
+                let opts = CopyOptions {
+                    window: 1 << 20,
+                    ..CopyOptions::default()
+                };
+                s.copy(
+                    &Uri::parse(src.to_str().unwrap()).unwrap(),
+                    dst_uri,
+                    &opts,
+                    &mut no_noise,
+                )
+                .unwrap();
+            });
+        }
+    });
+    // The destination is exactly one of the sources, never a mixture.
+    let got = std::fs::read(&dst).unwrap();
+    assert!(got == std::fs::read(&a).unwrap() || got == std::fs::read(&b).unwrap());
+    let mode = std::fs::metadata(&dst).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o640);
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names.len(), 3, "temporary files left behind: {names:?}");
+}

@@ -16,6 +16,8 @@ pub struct Segment {
     pub len: usize,
     /// Flush to stable storage after writing.
     pub durable: bool,
+    /// Fail at the first error instead of retrying.
+    pub no_retry: bool,
     /// Indices (into the planned slice of requests) of the requests it carries.
     pub members: Vec<usize>,
 }
@@ -42,6 +44,7 @@ fn continues(seg: &Segment, next: &Request) -> bool {
         && end(&seg.src) == Some(next.src.offset())
         && end(&seg.dst) == Some(next.dst.offset())
         && seg.durable == next.flags.durable
+        && seg.no_retry == next.flags.no_retry
         && seg.len.checked_add(next.len).is_some()
 }
 
@@ -74,6 +77,7 @@ pub fn plan(requests: &[Request]) -> BatchPlan {
                 dst: r.dst.clone(),
                 len: r.len,
                 durable: r.flags.durable,
+                no_retry: r.flags.no_retry,
                 members: vec![i],
             }),
         }

@@ -1,7 +1,9 @@
 //! Dispatch (first cut): a pool of worker threads runs queued requests on their engines, with
 //! the retry policy, and delivers each completion exactly once — to a waiting handle (blocking
 //! or as a future) or to a callback. A queued request always completes: if the dispatcher
-//! goes away first, it completes with [`CoreError::ShutDown`].
+//! goes away first, it completes with [`CoreError::ShutDown`]; a request that could not be
+//! queued is refused with an error instead, and never also completes. A panic inside an engine
+//! fails that request ([`CoreError::Internal`]) and leaves the worker serving.
 //!
 //! The full scheduler (priorities, deadlines, fairness, backpressure) replaces the FIFO queue
 //! here; the completion contract stays.
@@ -12,8 +14,11 @@ use crate::error::{CoreError, Result};
 use crate::request::{Request, RequestId, Status, StatusCell};
 use crate::retry::RetryPolicy;
 use crossbeam_channel::{Receiver, Sender};
+use gpuio_hal::ErrorCode;
 use std::future::Future;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
@@ -31,7 +36,8 @@ pub struct Completion {
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The slot's state is a plain Option pair; a panic cannot leave it half-updated.
+    // The guarded states (a slot, a report, a counter) are updated in single steps; a panic
+    // cannot leave them half-written.
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -80,16 +86,24 @@ impl<T> Slot<T> {
     }
 }
 
-/// Delivers a result exactly once; delivers [`CoreError::ShutDown`] if dropped undelivered.
+/// Delivers a result exactly once: the worker's, or [`CoreError::ShutDown`] if the job is
+/// dropped unrun while still armed. A job that never made it into the queue is disarmed
+/// first, because its submitter reports the failure instead.
 struct Completer<T> {
     deliver: Option<Box<dyn FnOnce(Result<T>) + Send>>,
+    armed: Arc<AtomicBool>,
 }
 
 impl<T> Completer<T> {
-    fn new(f: impl FnOnce(Result<T>) + Send + 'static) -> Self {
-        Self {
-            deliver: Some(Box::new(f)),
-        }
+    fn new(f: impl FnOnce(Result<T>) + Send + 'static) -> (Self, Arc<AtomicBool>) {
+        let armed = Arc::new(AtomicBool::new(true));
+        (
+            Self {
+                deliver: Some(Box::new(f)),
+                armed: armed.clone(),
+            },
+            armed,
+        )
     }
 
     fn complete(mut self, r: Result<T>) {
@@ -101,7 +115,9 @@ impl<T> Completer<T> {
 
 impl<T> Drop for Completer<T> {
     fn drop(&mut self) {
-        if let Some(f) = self.deliver.take() {
+        if let Some(f) = self.deliver.take()
+            && self.armed.load(Ordering::Acquire)
+        {
             f(Err(CoreError::ShutDown));
         }
     }
@@ -129,6 +145,19 @@ fn worker(rx: Receiver<Job>, engines: Engines, retry: RetryPolicy) {
     }
 }
 
+/// Runs `f`, turning a panic into [`CoreError::Internal`].
+fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let msg = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        tracing::error!(%what, %msg, "engine panicked");
+        Err(CoreError::Internal(format!("{what} panicked: {msg}")))
+    })
+}
+
 /// Runs one request on a worker: pickup (unless cancelled), the transfer with retries,
 /// the final status.
 fn run(req: &Request, engines: &Engines, retry: &RetryPolicy) -> Result<Completion> {
@@ -142,18 +171,88 @@ fn run(req: &Request, engines: &Engines, retry: &RetryPolicy) -> Result<Completi
     } else {
         retry
     };
-    let result = policy.run(|| engines.execute_request(req));
-    let status = if result.is_ok() {
+    let result = guarded("request", || policy.run(|| engines.execute_request(req)));
+    cell.advance(if result.is_ok() {
         Status::Completed
     } else {
         Status::Error
-    };
-    cell.advance(status)?;
+    })?;
     result.map(|outcome| Completion {
         id: req.id,
         outcome,
         elapsed: start.elapsed(),
     })
+}
+
+/// One batch segment on a worker: if every member is picked up, one transfer; if some were
+/// cancelled meanwhile, the others run one by one. Returns each member's result.
+fn run_segment(
+    seg: &Segment,
+    requests: &[Request],
+    engines: &Engines,
+    retry: &RetryPolicy,
+) -> Vec<(RequestId, Result<u64>)> {
+    let policy = if seg.no_retry {
+        &RetryPolicy::NONE
+    } else {
+        retry
+    };
+    let members: Vec<&Request> = seg.members.iter().map(|&i| &requests[i]).collect();
+    let picked: Vec<bool> = members
+        .iter()
+        .map(|r| r.status_cell().advance(Status::InProgress).is_ok())
+        .collect();
+    let finish = |r: &Request, result: Result<u64>| {
+        let status = if result.is_ok() {
+            Status::Completed
+        } else {
+            Status::Error
+        };
+        let _ = r.status_cell().advance(status);
+        (r.id, result)
+    };
+    if picked.iter().all(|&p| p) {
+        let result = guarded("batch segment", || {
+            policy.run(|| engines.execute(&seg.src, &seg.dst, seg.len, seg.durable))
+        });
+        return match result {
+            Ok(_) => members
+                .iter()
+                .map(|r| finish(r, Ok(r.len as u64)))
+                .collect(),
+            Err(e) => {
+                let msg = e.to_string();
+                let code = e.code();
+                members
+                    .iter()
+                    .map(|r| {
+                        finish(
+                            r,
+                            Err(CoreError::Failed {
+                                code,
+                                message: msg.clone(),
+                            }),
+                        )
+                    })
+                    .collect()
+            }
+        };
+    }
+    members
+        .iter()
+        .zip(picked)
+        .map(|(r, p)| {
+            if !p {
+                return (r.id, Err(CoreError::Cancelled(r.id)));
+            }
+            let result = guarded("request", || {
+                policy
+                    .run(|| engines.execute_request(r))
+                    .map(|o| o.bytes as u64)
+            });
+            finish(r, result)
+        })
+        .collect()
 }
 
 impl Dispatcher {
@@ -166,7 +265,7 @@ impl Dispatcher {
                 std::thread::Builder::new()
                     .name(format!("gpuio-worker-{i}"))
                     .spawn(move || worker(rx, engines, retry))
-                    .map_err(|e| CoreError::InvalidRequest(format!("starting a worker: {e}")))
+                    .map_err(|e| CoreError::Internal(format!("starting a worker: {e}")))
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
@@ -175,24 +274,30 @@ impl Dispatcher {
         })
     }
 
-    fn enqueue(&self, job: Job) -> Result<()> {
-        let tx = self.tx.as_ref().ok_or(CoreError::ShutDown)?;
-        tx.send(job).map_err(|_| CoreError::ShutDown)
+    fn sender(&self) -> Result<&Sender<Job>> {
+        self.tx.as_ref().ok_or(CoreError::ShutDown)
     }
 
     /// Queues a request; `on_done` runs on a worker thread when it finishes (or with
-    /// [`CoreError::ShutDown`] if it never runs). Returns the request's status cell.
+    /// [`CoreError::ShutDown`] if the dispatcher stops before running it). If the request
+    /// cannot be queued, this returns the error and `on_done` never runs. Returns the
+    /// request's status cell.
     pub fn submit_with(
         &self,
         req: Request,
         on_done: impl FnOnce(Result<Completion>) + Send + 'static,
     ) -> Result<Arc<StatusCell>> {
+        let tx = self.sender()?;
         let cell = req.status_cell().clone();
         cell.advance(Status::Submitted)?;
-        let done = Completer::new(on_done);
-        self.enqueue(Box::new(move |engines, retry| {
-            done.complete(run(&req, engines, retry))
-        }))?;
+        let (done, armed) = Completer::new(on_done);
+        let job: Job = Box::new(move |engines, retry| done.complete(run(&req, engines, retry)));
+        if let Err(unsent) = tx.send(job) {
+            armed.store(false, Ordering::Release);
+            drop(unsent);
+            let _ = cell.advance(Status::Error);
+            return Err(CoreError::ShutDown);
+        }
         Ok(cell)
     }
 
@@ -206,36 +311,51 @@ impl Dispatcher {
     }
 
     /// Plans a batch (sort, coalesce, group by engine; SDD §8.1) and queues its segments.
-    /// Each request's status follows its segment.
+    /// Each request's status follows its own result. Requests must all be new (pending).
     pub fn submit_batch(&self, requests: Vec<Request>) -> Result<BatchHandle> {
+        let tx = self.sender()?;
+        if let Some(r) = requests.iter().find(|r| r.status() != Status::Pending) {
+            return Err(CoreError::InvalidRequest(format!(
+                "request {} is already {:?}; a batch takes new requests",
+                r.id,
+                r.status()
+            )));
+        }
         let plan = batch::plan(&requests);
         let requests: Arc<Vec<Request>> = Arc::new(requests);
-        let total = requests.len();
         let segments: Vec<Segment> = plan.groups.into_values().flatten().collect();
         let report = Arc::new(Mutex::new(BatchReport {
-            requests: total,
+            requests: requests.len(),
             segments: segments.len(),
             ..BatchReport::default()
         }));
         let slot = Slot::new();
-        let remaining = Arc::new(Mutex::new(segments.len()));
         for r in requests.iter() {
             r.status_cell().advance(Status::Submitted)?;
         }
         if segments.is_empty() {
-            slot.put(Ok(BatchReport::default()));
+            slot.put(Ok(lock(&report).clone()));
         }
-        for seg in segments {
+        let remaining = Arc::new(Mutex::new(segments.len()));
+        let mut segments = segments.into_iter();
+        while let Some(seg) = segments.next() {
             let ids: Vec<RequestId> = seg.members.iter().map(|&i| requests[i].id).collect();
             let (report, slot, remaining) = (report.clone(), slot.clone(), remaining.clone());
-            let finish = move |result: Result<Outcome>| {
+            let finish = move |results: Result<Vec<(RequestId, Result<u64>)>>| {
                 {
                     let mut rep = lock(&report);
-                    match &result {
-                        Ok(o) => rep.bytes += o.bytes as u64,
+                    match results {
+                        Ok(results) => {
+                            for (id, r) in results {
+                                match r {
+                                    Ok(bytes) => rep.bytes += bytes,
+                                    Err(e) => rep.failed.push((id, e.code(), e.to_string())),
+                                }
+                            }
+                        }
                         Err(e) => rep
                             .failed
-                            .extend(ids.into_iter().map(|id| (id, e.to_string()))),
+                            .extend(ids.iter().map(|&id| (id, e.code(), e.to_string()))),
                     }
                 }
                 let mut left = lock(&remaining);
@@ -244,32 +364,21 @@ impl Dispatcher {
                     slot.put(Ok(lock(&report).clone()));
                 }
             };
-            let done = Completer::new(finish);
-            let requests = requests.clone();
-            self.enqueue(Box::new(move |engines, retry| {
-                let members: Vec<&Request> = seg.members.iter().map(|&i| &requests[i]).collect();
-                let picked: Vec<bool> = members
-                    .iter()
-                    .map(|r| r.status_cell().advance(Status::InProgress).is_ok())
-                    .collect();
-                let result = if picked.iter().all(|&p| p) {
-                    retry.run(|| engines.execute(&seg.src, &seg.dst, seg.len, seg.durable))
-                } else {
-                    let first = members.first().map_or(RequestId(0), |r| r.id);
-                    Err(CoreError::Cancelled(first))
-                };
-                let status = if result.is_ok() {
-                    Status::Completed
-                } else {
-                    Status::Error
-                };
-                for (r, p) in members.iter().zip(picked) {
-                    if p {
-                        let _ = r.status_cell().advance(status);
-                    }
+            let (done, armed) = Completer::new(finish);
+            let reqs = requests.clone();
+            let job: Job = Box::new(move |engines, retry| {
+                done.complete(Ok(run_segment(&seg, &reqs, engines, retry)))
+            });
+            if let Err(unsent) = tx.send(job) {
+                armed.store(false, Ordering::Release);
+                drop(unsent);
+                // Nothing from here on was queued: those requests fail now, once.
+                for r in requests.iter().filter(|r| r.status() == Status::Submitted) {
+                    let _ = r.status_cell().advance(Status::Error);
                 }
-                done.complete(result)
-            }))?;
+                drop(segments);
+                return Err(CoreError::ShutDown);
+            }
         }
         Ok(BatchHandle { slot })
     }
@@ -296,6 +405,15 @@ pub struct RequestHandle {
     id: RequestId,
     status: Arc<StatusCell>,
     slot: Arc<Slot<Result<Completion>>>,
+}
+
+impl std::fmt::Debug for RequestHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestHandle")
+            .field("id", &self.id)
+            .field("status", &self.status())
+            .finish()
+    }
 }
 
 impl RequestHandle {
@@ -336,21 +454,35 @@ pub struct BatchReport {
     pub requests: usize,
     /// Transfers issued after coalescing.
     pub segments: usize,
-    /// Bytes moved by the segments that succeeded.
+    /// Bytes moved by the requests that succeeded.
     pub bytes: u64,
-    /// Requests that failed or were cancelled, with the reason.
-    pub failed: Vec<(RequestId, String)>,
+    /// Requests that failed or were cancelled: id, code, reason.
+    pub failed: Vec<(RequestId, ErrorCode, String)>,
 }
 
-/// A queued batch: wait for it or `.await` it.
+/// A queued batch: wait for it or `.await` it. It succeeds only if every request did; otherwise
+/// the error ([`CoreError::Batch`]) carries the report, naming each failure.
 pub struct BatchHandle {
     slot: Arc<Slot<Result<BatchReport>>>,
+}
+
+fn batch_result(r: Result<BatchReport>) -> Result<BatchReport> {
+    match r {
+        Ok(report) if !report.failed.is_empty() => Err(CoreError::Batch(Box::new(report))),
+        other => other,
+    }
+}
+
+impl std::fmt::Debug for BatchHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchHandle").finish_non_exhaustive()
+    }
 }
 
 impl BatchHandle {
     /// Blocks until every segment has finished.
     pub fn wait(self) -> Result<BatchReport> {
-        self.slot.wait()
+        batch_result(self.slot.wait())
     }
 }
 
@@ -358,6 +490,6 @@ impl Future for BatchHandle {
     type Output = Result<BatchReport>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.slot.poll(cx)
+        self.slot.poll(cx).map(batch_result)
     }
 }

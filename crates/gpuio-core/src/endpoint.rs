@@ -68,7 +68,8 @@ impl HostMemory {
         Arc::into_inner(self.inner).map(|l| l.into_inner().unwrap_or_else(|e| e.into_inner()))
     }
 
-    fn id(&self) -> usize {
+    /// Identity of the shared buffer (equal for clones).
+    pub(crate) fn id(&self) -> usize {
         Arc::as_ptr(&self.inner) as *const () as usize
     }
 }

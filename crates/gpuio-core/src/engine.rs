@@ -122,6 +122,14 @@ impl Engine for LocalIoEngine {
                 "staged DMA + pwrite"
             }
             (Source::File(sf, soff), Dest::File(df, doff)) => {
+                let overlap = soff < doff.saturating_add(len as u64)
+                    && doff < soff.saturating_add(len as u64);
+                if overlap && sf.same_inode(df)? {
+                    return Err(CoreError::InvalidRequest(format!(
+                        "copy within {} with overlapping ranges {soff}+{len} and {doff}+{len}",
+                        sf.path().display()
+                    )));
+                }
                 let chunk = io.config().chunk_size.min(len.max(1));
                 let mut buf = HostBuffer::alloc(chunk, &HostAllocOptions::default())?;
                 let mut done = 0;
@@ -194,8 +202,10 @@ impl Engines {
         self.engine(kind)?.transfer(src, dst, len)
     }
 
-    /// Carries out an owned transfer (what a queued [`Request`] holds): locks host memory for
-    /// the duration (shared for a source, exclusive for a destination) and transfers.
+    /// Carries out an owned transfer (what a queued [`Request`] holds). Host memory is
+    /// locked for the duration: shared for a source, exclusive for a destination; one buffer on
+    /// both sides takes one exclusive lock; two buffers are locked in a global order, so that
+    /// transfers in opposite directions cannot deadlock.
     pub fn execute(
         &self,
         src: &Endpoint,
@@ -204,19 +214,21 @@ impl Engines {
         durable: bool,
     ) -> Result<Outcome> {
         let engine = self.engine(route(src.kind(), dst.kind())?)?;
+        let host = |g: &[u8], off: usize, what| -> Result<()> {
+            check_range(what, off, len, g.len())?;
+            Ok(())
+        };
         let outcome = match (src, dst) {
-            // One host buffer on both sides: one exclusive lock, a move within it.
             (
                 Endpoint::Host { mem: a, offset: so },
                 Endpoint::Host {
                     mem: b,
                     offset: doff,
                 },
-            ) if src.resource() == dst.resource() => {
-                let _ = b;
+            ) if a.id() == b.id() => {
                 let mut buf = a.write();
-                check_range("source", *so, len, buf.len())?;
-                check_range("destination", *doff, len, buf.len())?;
+                host(&buf, *so, "source")?;
+                host(&buf, *doff, "destination")?;
                 buf.copy_within(*so..*so + len, *doff);
                 Outcome {
                     bytes: len,
@@ -224,41 +236,47 @@ impl Engines {
                     route: "move within one host buffer".into(),
                 }
             }
-            _ => {
-                let src_guard = match src {
-                    Endpoint::Host { mem, .. } => Some(mem.read()),
-                    _ => None,
+            (
+                Endpoint::Host { mem: a, offset: so },
+                Endpoint::Host {
+                    mem: b,
+                    offset: doff,
+                },
+            ) => {
+                let (r, mut w) = if a.id() < b.id() {
+                    let r = a.read();
+                    (r, b.write())
+                } else {
+                    let w = b.write();
+                    (a.read(), w)
                 };
-                let mut dst_guard = match dst {
-                    Endpoint::Host { mem, .. } => Some(mem.write()),
-                    _ => None,
-                };
-                let s = match (src, &src_guard) {
-                    (Endpoint::Host { offset, .. }, Some(g)) => {
-                        check_range("source", *offset, len, g.len())?;
-                        Source::Host(&g[*offset..])
-                    }
-                    (Endpoint::Device { buf, offset }, _) => Source::Device(buf, *offset),
-                    (Endpoint::File { file, offset }, _) => Source::File(file, *offset),
-                    (Endpoint::Host { .. }, None) => {
-                        return Err(CoreError::InvalidRequest("unlocked host source".into()));
-                    }
-                };
-                let d = match (dst, dst_guard.as_mut()) {
-                    (Endpoint::Host { offset, .. }, Some(g)) => {
-                        check_range("destination", *offset, len, g.len())?;
-                        Dest::Host(&mut g[*offset..])
-                    }
-                    (Endpoint::Device { buf, offset }, _) => Dest::Device(buf, *offset),
-                    (Endpoint::File { file, offset }, _) => Dest::File(file, *offset),
-                    (Endpoint::Host { .. }, None) => {
-                        return Err(CoreError::InvalidRequest(
-                            "unlocked host destination".into(),
-                        ));
-                    }
-                };
-                engine.transfer(s, d, len)?
+                host(&r, *so, "source")?;
+                host(&w, *doff, "destination")?;
+                engine.transfer(Source::Host(&r[*so..]), Dest::Host(&mut w[*doff..]), len)?
             }
+            (Endpoint::Host { mem, offset }, other) => {
+                let g = mem.read();
+                host(&g, *offset, "source")?;
+                engine.transfer(
+                    Source::Host(&g[*offset..]),
+                    storage_or_device_dest(other)?,
+                    len,
+                )?
+            }
+            (other, Endpoint::Host { mem, offset }) => {
+                let mut g = mem.write();
+                host(&g, *offset, "destination")?;
+                engine.transfer(
+                    storage_or_device_source(other)?,
+                    Dest::Host(&mut g[*offset..]),
+                    len,
+                )?
+            }
+            (s, d) => engine.transfer(
+                storage_or_device_source(s)?,
+                storage_or_device_dest(d)?,
+                len,
+            )?,
         };
         if durable && let Endpoint::File { file, .. } = dst {
             file.sync_data()?;
@@ -269,5 +287,23 @@ impl Engines {
     /// Carries out a request's transfer (status changes are the dispatcher's business).
     pub fn execute_request(&self, req: &Request) -> Result<Outcome> {
         self.execute(&req.src, &req.dst, req.len, req.flags.durable)
+    }
+}
+
+fn storage_or_device_source(e: &Endpoint) -> Result<Source<'_>> {
+    match e {
+        Endpoint::Device { buf, offset } => Ok(Source::Device(buf, *offset)),
+        Endpoint::File { file, offset } => Ok(Source::File(file, *offset)),
+        Endpoint::Host { .. } => Err(CoreError::Internal("host source taken unlocked".into())),
+    }
+}
+
+fn storage_or_device_dest(e: &Endpoint) -> Result<Dest<'_>> {
+    match e {
+        Endpoint::Device { buf, offset } => Ok(Dest::Device(buf, *offset)),
+        Endpoint::File { file, offset } => Ok(Dest::File(file, *offset)),
+        Endpoint::Host { .. } => Err(CoreError::Internal(
+            "host destination taken unlocked".into(),
+        )),
     }
 }

@@ -52,6 +52,22 @@ pub enum CoreError {
     /// The dispatcher is shut down (or its workers died).
     #[error("the dispatcher is shut down")]
     ShutDown,
+    /// A failure shared by several requests (e.g. the members of one coalesced transfer).
+    #[error("{message}")]
+    Failed {
+        /// The original error's code.
+        code: ErrorCode,
+        /// The original error.
+        message: String,
+    },
+    /// Some requests of a batch failed; the report names each.
+    #[error("{} of {} batch requests failed; first: {}", .0.failed.len(), .0.requests,
+            .0.failed.first().map_or("", |f| f.2.as_str()))]
+    Batch(Box<crate::BatchReport>),
+    /// A broken internal invariant, or a panic caught inside an engine (reported, never
+    /// propagated).
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 impl CoreError {
@@ -64,8 +80,12 @@ impl CoreError {
             Self::InvalidRequest(_) => ErrorCode::InvalidArg,
             Self::Unsupported { .. } => ErrorCode::Unsupported,
             Self::Cancelled(_) => ErrorCode::Canceled,
-            Self::IllegalTransition { .. } | Self::ShutDown => ErrorCode::General,
+            Self::IllegalTransition { .. } | Self::ShutDown | Self::Internal(_) => {
+                ErrorCode::General
+            }
             Self::RetriesExhausted { .. } => ErrorCode::Timeout,
+            Self::Failed { code, .. } => *code,
+            Self::Batch(report) => report.failed.first().map_or(ErrorCode::General, |f| f.1),
         }
     }
 }

@@ -224,11 +224,144 @@ fn batches_group_by_engine_and_report_failures() {
     assert_eq!(plan.groups[&EngineKind::MemIo].len(), 3);
     assert_eq!(plan.groups[&EngineKind::LocalIo].len(), 1);
     let d = Dispatcher::new(e.clone(), 2, RetryPolicy::NONE).unwrap();
-    let report = d.submit_batch(reqs).unwrap().wait().unwrap();
+    let err = d.submit_batch(reqs).unwrap().wait().unwrap_err();
+    assert_eq!(err.code(), ErrorCode::InvalidArg, "{err}");
+    let CoreError::Batch(report) = err else {
+        panic!("expected a batch error");
+    };
     assert_eq!(report.segments, 4);
     assert_eq!(report.bytes, 4096 + 8192 + 100);
     assert_eq!(report.failed.len(), 1);
     assert_eq!(report.failed[0].0, bad);
+}
+
+#[test]
+fn opposite_host_transfers_do_not_deadlock() {
+    let e = engines();
+    let d = Dispatcher::new(e.clone(), 4, RetryPolicy::default()).unwrap();
+    let a = host(1 << 16, 1);
+    let b = host(1 << 16, 2);
+    let handles: Vec<_> = (0..200)
+        .map(|i| {
+            let (from, to) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
+            d.submit(Request::new(Endpoint::host(from, 0), Endpoint::host(to, 0), 1 << 16).unwrap())
+                .unwrap()
+        })
+        .collect();
+    for h in handles {
+        h.wait().unwrap();
+    }
+}
+
+#[test]
+fn a_request_that_cannot_be_queued_is_refused_once() {
+    let e = engines();
+    let mut d = Dispatcher::new(e.clone(), 1, RetryPolicy::default()).unwrap();
+    d.shutdown();
+    let dev = e.memio().gpu(0).unwrap().alloc(16).unwrap();
+    let src = host(16, 1);
+    let r = Request::new(Endpoint::host(&src, 0), Endpoint::device(&dev, 0), 16).unwrap();
+    let cell = r.status_cell().clone();
+    let called = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let c = called.clone();
+    let err = d
+        .submit_with(r, move |_| {
+            c.store(true, std::sync::atomic::Ordering::SeqCst)
+        })
+        .unwrap_err();
+    assert!(matches!(err, CoreError::ShutDown));
+    assert!(
+        !called.load(std::sync::atomic::Ordering::SeqCst),
+        "callback ran too"
+    );
+    assert_eq!(cell.get(), Status::Pending);
+}
+
+#[test]
+fn batches_take_only_new_requests_and_leave_statuses_alone_otherwise() {
+    let e = engines();
+    let d = Dispatcher::new(e.clone(), 1, RetryPolicy::default()).unwrap();
+    let dev = e.memio().gpu(0).unwrap().alloc(8192).unwrap();
+    let src = host(8192, 1);
+    let first = Request::new(Endpoint::host(&src, 0), Endpoint::device(&dev, 0), 4096).unwrap();
+    let second = Request::new(
+        Endpoint::host(&src, 4096),
+        Endpoint::device(&dev, 4096),
+        4096,
+    )
+    .unwrap();
+    second.status_cell().advance(Status::Submitted).unwrap();
+    let cell = first.status_cell().clone();
+    let err = d.submit_batch(vec![first, second]).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::InvalidArg);
+    assert_eq!(cell.get(), Status::Pending);
+}
+
+#[test]
+fn cancelling_one_member_of_a_coalesced_segment_runs_the_rest() {
+    let e = engines();
+    let d = Dispatcher::new(e.clone(), 1, RetryPolicy::default()).unwrap();
+    let gpu = e.memio().gpu(0).unwrap().clone();
+    let dev = gpu.alloc(4 * 4096).unwrap();
+    let src = host(4 * 4096, 6);
+    // Block the only worker so the batch stays queued while we cancel.
+    let blocker = d
+        .submit(Request::new(Endpoint::host(&src, 0), Endpoint::device(&dev, 0), 16).unwrap())
+        .unwrap();
+    let guard = src.write();
+    let reqs: Vec<Request> = (0..4)
+        .map(|i| {
+            Request::new(
+                Endpoint::host(&src, i * 4096),
+                Endpoint::device(&dev, i * 4096),
+                4096,
+            )
+            .unwrap()
+        })
+        .collect();
+    let cancelled = reqs[2].status_cell().clone();
+    let others: Vec<_> = [0, 1, 3]
+        .iter()
+        .map(|&i| reqs[i].status_cell().clone())
+        .collect();
+    let batch = d.submit_batch(reqs).unwrap();
+    assert!(cancelled.advance(Status::Cancelled).is_ok());
+    drop(guard);
+    blocker.wait().unwrap();
+    let err = batch.wait().unwrap_err();
+    let CoreError::Batch(report) = err else {
+        panic!("expected a batch error");
+    };
+    assert_eq!(report.failed.len(), 1);
+    assert_eq!(report.failed[0].1, ErrorCode::Canceled);
+    assert_eq!(report.bytes, 3 * 4096);
+    assert!(others.iter().all(|c| c.get() == Status::Completed));
+    assert_eq!(cancelled.get(), Status::Cancelled);
+}
+
+#[test]
+fn overlapping_copies_within_one_file_are_refused() {
+    let e = engines();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f");
+    std::fs::write(&path, vec![7u8; 10_000]).unwrap();
+    let f = e
+        .localio()
+        .open(
+            &path,
+            OpenOptions {
+                write: true,
+                ..OpenOptions::READ
+            },
+        )
+        .unwrap();
+    let g = e.localio().open(&path, OpenOptions::READ).unwrap();
+    let err = e
+        .transfer(Source::File(&g, 0), Dest::File(&f, 100), 1000)
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::InvalidArg, "{err}");
+    e.transfer(Source::File(&g, 0), Dest::File(&f, 5000), 1000)
+        .unwrap();
 }
 
 proptest! {

@@ -32,16 +32,16 @@ pub fn fill(out: &mut [u8], first: u64, seed: u64) {
     while i % 8 != 0 && !rest.is_empty() {
         rest[0] = byte_at(seed, i);
         rest = &mut rest[1..];
-        i += 1;
+        i = i.wrapping_add(1);
     }
     let mut words = rest.chunks_exact_mut(8);
     for chunk in &mut words {
         chunk.copy_from_slice(&word_at(seed, i / 8).to_le_bytes());
-        i += 8;
+        i = i.wrapping_add(8);
     }
     for b in words.into_remainder() {
         *b = byte_at(seed, i);
-        i += 1;
+        i = i.wrapping_add(1);
     }
 }
 
@@ -51,7 +51,7 @@ pub fn first_deviation(data: &[u8], first: u64, seed: u64) -> Option<usize> {
     let mut expect = vec![0u8; BLOCK.min(data.len())];
     for (n, chunk) in data.chunks(BLOCK).enumerate() {
         let e = &mut expect[..chunk.len()];
-        fill(e, first + (n * BLOCK) as u64, seed);
+        fill(e, first.wrapping_add((n * BLOCK) as u64), seed);
         if let Some(i) = first_mismatch(chunk, e) {
             return Some(n * BLOCK + i);
         }

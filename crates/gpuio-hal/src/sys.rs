@@ -19,11 +19,16 @@ pub const HUGE_PAGE: usize = 2 << 20;
 /// `len` bytes rounded up to a page, so [`unmap`] takes the same rounded length.
 pub fn map_anonymous(len: usize, align: usize) -> Result<NonNull<u8>> {
     let page = page_size();
-    let len = len.div_ceil(page) * page;
+    let too_large = || HalError::OutOfMemory {
+        what: "host memory (larger than the address space allows)",
+        len,
+    };
+    if len > isize::MAX as usize / 2 {
+        return Err(too_large());
+    }
+    let len = len.checked_next_multiple_of(page).ok_or_else(too_large)?;
     let align = align.max(page);
-    let reserve = len
-        .checked_add(align - page)
-        .ok_or_else(|| HalError::InvalidArgument(format!("mapping of {len} bytes overflows")))?;
+    let reserve = len.checked_add(align - page).ok_or_else(too_large)?;
     // SAFETY: an anonymous private mapping at a kernel-chosen address cannot alias any memory
     // Rust owns; the result is checked against MAP_FAILED before use.
     let raw = unsafe {
@@ -122,13 +127,30 @@ pub fn bind_to_node(ptr: NonNull<u8>, len: usize, node: u32) -> Result<()> {
 
 /// Faults in every page of a mapping now (`MADV_POPULATE_WRITE`, or a write per page where
 /// the kernel predates it), so later copies do not pay page faults and NUMA placement happens.
-pub fn populate(ptr: NonNull<u8>, len: usize) {
+/// Running out of memory is an error, not something to discover later as a SIGBUS.
+pub fn populate(ptr: NonNull<u8>, len: usize) -> Result<()> {
     const MADV_POPULATE_WRITE: libc::c_int = 23;
     // SAFETY: populating only faults in pages of our own mapping; contents stay zero.
     let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, MADV_POPULATE_WRITE) };
     if rc == 0 {
-        return;
+        return Ok(());
     }
+    let err = std::io::Error::last_os_error();
+    if err.raw_os_error() != Some(libc::EINVAL) {
+        return Err(match err.raw_os_error() {
+            Some(libc::ENOMEM) | Some(libc::EFAULT) | Some(libc::EHWPOISON) => {
+                HalError::OutOfMemory {
+                    what: "host memory (populating pages)",
+                    len,
+                }
+            }
+            _ => HalError::Os {
+                op: "madvise(MADV_POPULATE_WRITE)",
+                source: err,
+            },
+        });
+    }
+    // EINVAL: a kernel older than 5.14; touch each page instead.
     let page = page_size();
     let mut off = 0;
     while off < len {
@@ -136,6 +158,7 @@ pub fn populate(ptr: NonNull<u8>, len: usize) {
         unsafe { ptr.as_ptr().add(off).write_volatile(0) };
         off += page;
     }
+    Ok(())
 }
 
 /// The NUMA node each sampled page of a mapping currently lives on (`move_pages` in query
@@ -182,12 +205,19 @@ mod tests {
     use super::*;
 
     #[test]
+    fn absurd_lengths_are_refused_not_wrapped() {
+        for len in [usize::MAX, usize::MAX - 10, isize::MAX as usize] {
+            assert!(map_anonymous(len, HUGE_PAGE).is_err(), "{len}");
+        }
+    }
+
+    #[test]
     fn aligned_mapping_is_aligned_and_usable() {
         let len = 3 * HUGE_PAGE + 123;
         let ptr = map_anonymous(len, HUGE_PAGE).unwrap();
         assert_eq!(ptr.as_ptr() as usize % HUGE_PAGE, 0);
         advise_huge_pages(ptr, len);
-        populate(ptr, len);
+        populate(ptr, len).unwrap();
         // SAFETY: the mapping is len bytes and owned here.
         let s = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) };
         s[len - 1] = 7;

@@ -84,20 +84,78 @@ fn pinned_and_pageable_round_trips() {
 }
 
 #[test]
-fn registration_is_undone_on_drop() {
+fn registration_is_scoped() {
     let p = devices();
     let gpu = &p.gpus[0];
-    let mut v = vec![1u8; 1 << 20];
-    {
-        let _reg = gpu.register(&mut v).unwrap();
-    }
+    let cuda = gpu.backend() == Backend::Cuda;
+    let dev = gpu.alloc(1 << 20).unwrap();
+    let stream = gpu.stream().unwrap();
+    let mut v = vec![0u8; 1 << 20];
+    pattern::fill(&mut v, 0, 13);
+    let pinned_inside = gpu
+        .with_registered(&mut v, |mem| {
+            stream.upload(mem, &dev, 0).unwrap();
+            gpu.is_pinned(mem)
+        })
+        .unwrap();
+    assert_eq!(pinned_inside, cuda);
+    assert!(!gpu.is_pinned(&v));
     // Registering again only works if the first registration was undone.
-    let reg = gpu.register(&mut v).unwrap();
-    drop(reg);
-    if gpu.backend() == Backend::Cuda {
-        assert!(!gpu.is_pinned(&v));
-    }
-    assert!(gpu.register(&mut []).is_err());
+    gpu.with_registered(&mut v, |_| ()).unwrap();
+    assert!(gpu.with_registered(&mut [], |_| ()).is_err());
+    let mut back = vec![0u8; 1 << 20];
+    stream.download(&dev, 0, &mut back).unwrap();
+    assert_eq!(pattern::first_deviation(&back, 0, 13), None);
+}
+
+#[test]
+fn overlapping_copies_within_a_buffer_are_refused() {
+    let p = devices();
+    let gpu = &p.gpus[0];
+    let stream = gpu.stream().unwrap();
+    let a = gpu.alloc(1000).unwrap();
+    let err = stream.copy_device(&a, 0, &a, 500, 501).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::InvalidArg, "{err}");
+    stream.copy_device(&a, 0, &a, 500, 500).unwrap();
+    assert!(gpu.baseline_copy_device(&a, &a, 10).is_err());
+}
+
+#[test]
+fn one_device_buffer_can_be_shared_by_threads() {
+    let p = devices();
+    let gpu = p.gpus[0].clone();
+    let dev = gpu.alloc(1 << 20).unwrap();
+    let reference = gpu.alloc(1 << 20).unwrap();
+    gpu.stream()
+        .unwrap()
+        .fill_pattern(&reference, 0, 1 << 20, 3)
+        .unwrap();
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let (gpu, dev, reference) = (&gpu, &dev, &reference);
+            s.spawn(move || {
+                let stream = gpu.stream().unwrap();
+                let mut src = vec![0u8; 1 << 20];
+                pattern::fill(&mut src, 0, 3);
+                for i in 0..20 {
+                    if (i + t) % 2 == 0 {
+                        stream.upload(&src, dev, 0).unwrap();
+                    } else {
+                        stream.copy_device(reference, 0, dev, 0, 1 << 20).unwrap();
+                    }
+                    let _ = stream.find_mismatch(dev, 0, reference, 0, 1 << 20).unwrap();
+                }
+            });
+        }
+    });
+    // Every writer wrote the same bytes, so whatever the interleaving the result is exact.
+    let stream = gpu.stream().unwrap();
+    assert_eq!(
+        stream
+            .find_mismatch(&dev, 0, &reference, 0, 1 << 20)
+            .unwrap(),
+        None
+    );
 }
 
 #[test]

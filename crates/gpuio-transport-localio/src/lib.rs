@@ -54,8 +54,8 @@ pub enum LocalIoError {
         /// Bytes there were.
         got: usize,
     },
-    /// The filesystem is full; `written` bytes of the request reached the file before it
-    /// filled up, and the rest did not.
+    /// The filesystem (or the user's quota) is full; `written` bytes of the request reached
+    /// the file before it filled up, and the rest did not.
     #[error(
         "{path}: no space left on device after writing {written} of {wanted} bytes at offset {offset}"
     )]
@@ -157,6 +157,17 @@ impl FileHandle {
         })
     }
 
+    /// Wraps a file the caller opened (`writable`: opened for writing).
+    pub fn from_file(file: File, path: impl Into<PathBuf>, writable: bool) -> Self {
+        Self {
+            inner: Arc::new(FileInner {
+                file,
+                path: path.into(),
+                writable,
+            }),
+        }
+    }
+
     /// The path it was opened with.
     pub fn path(&self) -> &Path {
         &self.inner.path
@@ -165,6 +176,23 @@ impl FileHandle {
     /// Whether two handles refer to the same open file.
     pub fn same_file(&self, other: &FileHandle) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Whether both handles refer to the same file on disk (same device and inode), however
+    /// each was opened.
+    pub fn same_inode(&self, other: &FileHandle) -> Result<bool> {
+        use std::os::unix::fs::MetadataExt;
+        let a = self
+            .inner
+            .file
+            .metadata()
+            .map_err(|e| self.io("stat", 0, e))?;
+        let b = other
+            .inner
+            .file
+            .metadata()
+            .map_err(|e| other.io("stat", 0, e))?;
+        Ok(a.dev() == b.dev() && a.ino() == b.ino())
     }
 
     /// An identity of the open file, unique in the process while any clone lives.
@@ -248,7 +276,7 @@ impl FileHandle {
                 }
                 Ok(n) => done += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
                     return Err(self.no_space(offset, buf.len(), done));
                 }
                 Err(e) => return Err(self.io("write", at, e)),

@@ -9,7 +9,8 @@
 //! | pageable host ↔ GPU, large | lanes of pinned staging buffers, CPU copies overlapped with DMA ([`Route::StagedPipeline`]) |
 //! | pageable host ↔ GPU, small | the driver's own bounce buffer ([`Route::DriverStaged`]) |
 //! | GPU ↔ same GPU / peer GPU | device copy ([`Route::DeviceCopy`], [`Route::PeerCopy`]) |
-//! | host ↔ host (and the host backend) | parallel memcpy ([`Route::HostCopy`]) |
+//! | host ↔ host | parallel memcpy ([`Route::HostCopy`]) |
+//! | anything on the host backend | one memcpy ([`Route::HostCopy`]) |
 //!
 //! Host memory for a tier comes from [`MemIo::alloc_host`] with a [`HostPlacement`]
 //! (`memio://cpu/dram?numa=N`, `memio://cxl/<pool>?device=N`).
@@ -27,7 +28,7 @@ use gpuio_hal::{
 use pipeline::LanePool;
 use rayon::prelude::*;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// MemIO's errors.
@@ -121,7 +122,12 @@ impl fmt::Display for Route {
     }
 }
 
-/// Tuning of the MemIO engine.
+/// Most copy threads (and lanes) an engine starts.
+pub const MAX_THREADS: usize = 256;
+/// Largest staging chunk.
+pub const MAX_CHUNK: usize = 1 << 30;
+
+/// Tuning of the MemIO engine (clamped to sane bounds by [`MemIo::new`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemIoConfig {
     /// Bytes per pinned staging buffer: the largest chunk a transfer uses. Transfers too small
@@ -202,8 +208,9 @@ impl fmt::Debug for MemIo {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Pooled streams stay valid whatever panicked while the lock was held.
+/// Locks a mutex whose data a panic cannot leave inconsistent (pooled streams and lanes, a
+/// chunk iterator, a first error), using it as is if a holder panicked.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -211,9 +218,9 @@ impl MemIo {
     /// An engine over `gpus` (from [`gpuio_hal::probe`]).
     pub fn new(gpus: Vec<Gpu>, config: MemIoConfig) -> Result<Self> {
         let config = MemIoConfig {
-            threads: config.threads.max(1),
-            chunk_size: config.chunk_size.max(4096),
-            slots_per_lane: config.slots_per_lane.max(2),
+            threads: config.threads.clamp(1, MAX_THREADS),
+            chunk_size: config.chunk_size.clamp(4096, MAX_CHUNK),
+            slots_per_lane: config.slots_per_lane.clamp(2, 64),
             ..config
         };
         let pool = rayon::ThreadPoolBuilder::new()
@@ -315,9 +322,8 @@ impl MemIo {
     /// The route a copy between host memory `host` and device `gpu` takes.
     pub fn route_host_device(&self, gpu: &Gpu, host: &[u8]) -> Route {
         if gpu.backend() == Backend::Host {
-            Route::HostCopy {
-                threads: self.copy_threads(host.len()),
-            }
+            // Host-backend device memory is locked per buffer: one copy, one thread.
+            Route::HostCopy { threads: 1 }
         } else if gpu.is_pinned(host) {
             Route::DirectDma
         } else if host.len() < self.config.pipeline_min {
@@ -340,8 +346,10 @@ impl MemIo {
         let small = (512 << 10).min(max);
         let large = len
             .div_ceil(self.config.threads * 4)
-            .next_multiple_of(STEP)
-            .clamp((1 << 20).min(max), max);
+            .saturating_add(STEP - 1)
+            / STEP
+            * STEP;
+        let large = large.clamp((1 << 20).min(max), max);
         pipeline::Schedule {
             small,
             large,
@@ -386,23 +394,26 @@ impl MemIo {
     fn run_lanes(
         &self,
         lanes: &mut [pipeline::Lane],
-        work: impl Fn(&mut pipeline::Lane) -> Result<()> + Sync,
+        work: impl Fn(&mut pipeline::Lane, &AtomicBool) -> Result<()> + Sync,
     ) -> Result<()> {
         let Some((first, rest)) = lanes.split_first_mut() else {
             return Ok(());
         };
+        // Set by the first lane that fails, so the others stop taking chunks.
+        let abort = AtomicBool::new(false);
         let failure: Mutex<Option<MemIoError>> = Mutex::new(None);
         let record = |r: Result<()>| {
             if let Err(e) = r {
+                abort.store(true, Ordering::Relaxed);
                 lock(&failure).get_or_insert(e);
             }
         };
         self.pool.in_place_scope(|scope| {
             for lane in rest {
-                let (work, record) = (&work, &record);
-                scope.spawn(move |_| record(work(lane)));
+                let (work, record, abort) = (&work, &record, &abort);
+                scope.spawn(move |_| record(work(lane, abort)));
             }
-            record(work(first));
+            record(work(first, &abort));
         });
         match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
             None => Ok(()),
@@ -416,16 +427,8 @@ impl MemIo {
         let gpu = dst.gpu();
         let route = self.route_host_device(gpu, src);
         match route {
-            Route::DirectDma | Route::DriverStaged | Route::HostCopy { threads: 1 } => {
+            Route::DirectDma | Route::DriverStaged | Route::HostCopy { .. } => {
                 self.with_stream(gpu, |s| Ok(s.upload(src, dst, dst_offset)?))?
-            }
-            Route::HostCopy { threads } => {
-                let seg = src.len().div_ceil(threads).max(1);
-                self.pool.install(|| {
-                    src.par_chunks(seg).enumerate().try_for_each(|(i, piece)| {
-                        self.with_stream(gpu, |s| Ok(s.upload(piece, dst, dst_offset + i * seg)?))
-                    })
-                })?
             }
             Route::StagedPipeline { .. } => return self.upload_staged(src, dst, dst_offset),
             Route::DeviceCopy | Route::PeerCopy { .. } => {
@@ -452,7 +455,9 @@ impl MemIo {
         let lanes = schedule.count(src.len()).clamp(1, self.config.threads);
         let mut taken = pool.take(lanes)?;
         let work = Mutex::new(schedule.pieces(src));
-        let res = self.run_lanes(&mut taken, |lane| lane.upload(&work, dst, dst_offset));
+        let res = self.run_lanes(&mut taken, |lane, abort| {
+            lane.upload(&work, abort, dst, dst_offset)
+        });
         pool.give_back(taken);
         res?;
         let n = src.len() as u64;
@@ -471,20 +476,8 @@ impl MemIo {
         let route = self.route_host_device(gpu, dst);
         let len = dst.len();
         match route {
-            Route::DirectDma | Route::DriverStaged | Route::HostCopy { threads: 1 } => {
+            Route::DirectDma | Route::DriverStaged | Route::HostCopy { .. } => {
                 self.with_stream(gpu, |s| Ok(s.download(src, src_offset, dst)?))?
-            }
-            Route::HostCopy { threads } => {
-                let seg = len.div_ceil(threads).max(1);
-                self.pool.install(|| {
-                    dst.par_chunks_mut(seg)
-                        .enumerate()
-                        .try_for_each(|(i, piece)| {
-                            self.with_stream(gpu, |s| {
-                                Ok(s.download(src, src_offset + i * seg, piece)?)
-                            })
-                        })
-                })?
             }
             Route::StagedPipeline { .. } => return self.download_staged(src, src_offset, dst),
             Route::DeviceCopy | Route::PeerCopy { .. } => {
@@ -514,7 +507,9 @@ impl MemIo {
         let lanes = schedule.count(len).clamp(1, self.config.threads);
         let mut taken = pool.take(lanes)?;
         let work = Mutex::new(schedule.pieces_mut(dst));
-        let res = self.run_lanes(&mut taken, |lane| lane.download(&work, src, src_offset));
+        let res = self.run_lanes(&mut taken, |lane, abort| {
+            lane.download(&work, abort, src, src_offset)
+        });
         pool.give_back(taken);
         res?;
         self.counters

@@ -4,10 +4,11 @@
 //! chunks from a shared queue; each lane's CPU copy of one chunk overlaps the DMA of its
 //! previous ones, and the lanes' copies run in parallel.
 
-use crate::{MemIoError, Result};
+use crate::{MemIoError, Result, lock};
 use gpuio_hal::{DeviceBuffer, Gpu, HostAllocOptions, HostBuffer, Inflight, Stream};
 use std::collections::VecDeque;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// One lane: a stream and its pinned staging buffers.
 pub(crate) struct Lane {
@@ -22,12 +23,6 @@ pub(crate) struct LanePool {
     chunk: usize,
     slots_per_lane: usize,
     lanes: Mutex<Vec<Lane>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding these locks cannot leave their data inconsistent (a Vec of lanes,
-    // a chunk iterator), so a poisoned lock is used as is.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl LanePool {
@@ -53,13 +48,22 @@ impl LanePool {
             ..HostAllocOptions::default()
         };
         while taken.len() < n {
-            let slots = (0..self.slots_per_lane)
-                .map(|_| HostBuffer::alloc_pinned(self.chunk, &opts, &self.gpu))
-                .collect::<gpuio_hal::Result<Vec<_>>>()?;
-            taken.push(Lane {
-                stream: self.gpu.stream()?,
-                slots,
-            });
+            let lane = (|| -> Result<Lane> {
+                Ok(Lane {
+                    slots: (0..self.slots_per_lane)
+                        .map(|_| HostBuffer::alloc_pinned(self.chunk, &opts, &self.gpu))
+                        .collect::<gpuio_hal::Result<Vec<_>>>()?,
+                    stream: self.gpu.stream()?,
+                })
+            })();
+            match lane {
+                Ok(lane) => taken.push(lane),
+                Err(e) => {
+                    // Keep the lanes that exist for the next transfer.
+                    self.give_back(taken);
+                    return Err(e);
+                }
+            }
         }
         Ok(taken)
     }
@@ -201,11 +205,15 @@ impl Lane {
     pub(crate) fn upload<'a>(
         &mut self,
         work: &Mutex<impl Iterator<Item = (usize, &'a [u8])>>,
+        abort: &AtomicBool,
         dst: &DeviceBuffer,
         dst_offset: usize,
     ) -> Result<()> {
         let mut pending: VecDeque<Inflight<HostBuffer>> = VecDeque::new();
         loop {
+            if abort.load(Ordering::Relaxed) {
+                break;
+            }
             let Some((at, piece)) = lock(work).next() else {
                 break;
             };
@@ -228,6 +236,7 @@ impl Lane {
     pub(crate) fn download<'a>(
         &mut self,
         work: &Mutex<impl Iterator<Item = (usize, &'a mut [u8])>>,
+        abort: &AtomicBool,
         src: &DeviceBuffer,
         src_offset: usize,
     ) -> Result<()> {
@@ -239,6 +248,9 @@ impl Lane {
             Ok::<_, MemIoError>(buf)
         };
         loop {
+            if abort.load(Ordering::Relaxed) {
+                break;
+            }
             let Some((at, out)) = lock(work).next() else {
                 break;
             };

@@ -1,6 +1,6 @@
 //! The contract a GPU backend implements. Crate-private: the public types in [`super`] check
-//! every argument (ownership, ranges, lengths) once, so a backend only ever sees valid raw
-//! pointers and device addresses.
+//! every argument (ownership, ranges, lengths) once, so a backend only ever sees valid ranges
+//! of live allocations and valid host pointers.
 
 use super::DeviceInfo;
 use crate::error::Result;
@@ -32,78 +32,101 @@ pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
     /// backend): the peer that benchmarks measure gpuio against.
     ///
     /// # Safety
-    /// `src` and `dst` must be live for `len` bytes: host pointers for the host side of `dir`,
-    /// device addresses of this device for the device side.
-    unsafe fn baseline_copy(
-        &self,
-        dir: CopyDirection,
-        src: u64,
-        dst: u64,
-        len: usize,
-    ) -> Result<()>;
+    /// The host pointer of `copy` must be valid for the range's length (readable for a source,
+    /// writable and otherwise untouched for a destination) until the call returns.
+    unsafe fn baseline_copy(&self, copy: BaselineCopy<'_>) -> Result<()>;
 
     fn as_any(&self) -> &dyn Any;
 }
 
-/// The direction of a copy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum CopyDirection {
-    HostToDevice,
-    DeviceToHost,
-    DeviceToDevice,
+/// A synchronous baseline copy, by direction.
+pub(crate) enum BaselineCopy<'a> {
+    HostToDevice {
+        src: *const u8,
+        dst: DevRange<'a>,
+    },
+    DeviceToHost {
+        src: DevRange<'a>,
+        dst: *mut u8,
+    },
+    DeviceToDevice {
+        src: DevRange<'a>,
+        dst: DevRange<'a>,
+    },
+}
+
+/// A range of one device allocation, checked against its length by the public types.
+/// Backends that need to (the host backend) lock the allocation through `mem` while they touch
+/// it.
+#[derive(Clone, Copy)]
+pub(crate) struct DevRange<'a> {
+    pub(crate) mem: &'a dyn DeviceMemory,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+}
+
+impl DevRange<'_> {
+    /// The device address of the range's first byte.
+    pub(crate) fn addr(&self) -> u64 {
+        self.mem.addr() + self.offset as u64
+    }
+
+    /// Whether both ranges lie in the same allocation.
+    pub(crate) fn same_allocation(&self, other: &DevRange<'_>) -> bool {
+        std::ptr::addr_eq(
+            self.mem as *const dyn DeviceMemory,
+            other.mem as *const dyn DeviceMemory,
+        )
+    }
 }
 
 /// An allocation of device memory; dropping it frees the memory.
 pub(crate) trait DeviceMemory: Send + Sync + fmt::Debug {
     /// The device address of the first byte.
     fn addr(&self) -> u64;
+
+    fn as_any(&self) -> &dyn Any;
 }
 
 /// A host registration; dropping it unregisters the memory.
 pub(crate) trait HostPin: Send + Sync + fmt::Debug {}
 
-/// An in-order queue of device work.
+/// An in-order queue of device work. `fill_pattern` and `find_mismatch` are done when they
+/// return, as is everything on the host backend.
 pub(crate) trait StreamBackend: Send + Sync {
-    /// Enqueues a host-to-device copy.
+    /// Enqueues a host-to-device copy of `dst.len` bytes.
     ///
     /// # Safety
-    /// `src` must be readable for `len` bytes until the copy completes, and `dst..dst+len` must be
-    /// live memory of this stream's device.
-    unsafe fn copy_h2d(&self, src: *const u8, dst: u64, len: usize) -> Result<()>;
+    /// `src` must be readable for `dst.len` bytes until the copy completes, and `dst`'s
+    /// allocation must live until then.
+    unsafe fn copy_h2d(&self, src: *const u8, dst: DevRange<'_>) -> Result<()>;
 
-    /// Enqueues a device-to-host copy.
+    /// Enqueues a device-to-host copy of `src.len` bytes.
     ///
     /// # Safety
-    /// `dst` must be writable for `len` bytes, and touched by nothing else, until the copy
-    /// completes; `src..src+len` must be live memory of this stream's device.
-    unsafe fn copy_d2h(&self, src: u64, dst: *mut u8, len: usize) -> Result<()>;
+    /// `dst` must be writable for `src.len` bytes, and touched by nothing else, until the copy
+    /// completes; `src`'s allocation must live until then.
+    unsafe fn copy_d2h(&self, src: DevRange<'_>, dst: *mut u8) -> Result<()>;
 
-    /// Enqueues a copy between two device ranges, which may be on different devices of this
-    /// backend (a peer copy).
+    /// Enqueues a copy between two device ranges of equal length, which may be on different
+    /// devices of this backend (a peer copy). Two ranges of one allocation never overlap.
     ///
     /// # Safety
-    /// Both ranges must be live device memory of the named devices, `len` bytes each.
+    /// Both allocations must live until the copy completes.
     unsafe fn copy_d2d(
         &self,
         src_dev: &dyn DeviceBackend,
-        src: u64,
+        src: DevRange<'_>,
         dst_dev: &dyn DeviceBackend,
-        dst: u64,
-        len: usize,
+        dst: DevRange<'_>,
     ) -> Result<()>;
 
-    /// Enqueues the pattern-fill kernel (see [`crate::pattern`]) over `dst..dst+len`, writing the
-    /// pattern bytes `first..first+len` of `seed`.
-    ///
-    /// # Safety
-    /// `dst..dst+len` must be live memory of this stream's device.
-    unsafe fn fill_pattern(&self, dst: u64, len: usize, first: u64, seed: u64) -> Result<()>;
+    /// Runs the pattern-fill kernel (see [`crate::pattern`]) over `dst`, writing pattern bytes
+    /// `first..first+dst.len` of `seed`, and waits for it.
+    fn fill_pattern(&self, dst: DevRange<'_>, first: u64, seed: u64) -> Result<()>;
 
-    /// Compares two device ranges of `len` bytes; returns the first differing offset. Blocks.
-    ///
-    /// # Safety
-    /// Both ranges must be live memory of this stream's device.
-    unsafe fn find_mismatch(&self, a: u64, b: u64, len: usize) -> Result<Option<u64>>;
+    /// Compares two device ranges of equal length; returns the first differing offset. Blocks.
+    fn find_mismatch(&self, a: DevRange<'_>, b: DevRange<'_>) -> Result<Option<u64>>;
 
     /// Records an event after the work enqueued so far.
     fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>>;

@@ -2,28 +2,24 @@
 //! (a plain memcpy on the host backend) — kept here so benchmarks can measure gpuio against
 //! them in the same run (DESIGN.md §6) without leaving the HAL's safe interface.
 
-use super::DeviceBuffer;
-use super::Gpu;
-use super::backend::CopyDirection;
-use crate::error::Result;
+use super::backend::BaselineCopy;
+use super::{DeviceBuffer, Gpu};
+use crate::error::{HalError, Result};
 
 impl Gpu {
     /// `cudaMemcpy(dst + dst_offset, src, HostToDevice)`: synchronous; pageable sources are
     /// staged by the driver.
     pub fn baseline_upload(&self, src: &[u8], dst: &DeviceBuffer, dst_offset: usize) -> Result<()> {
         self.check_owns("baseline destination", dst)?;
-        let d = dst.addr_at("baseline destination", dst_offset, src.len())?;
+        let dst = dst.range("baseline destination", dst_offset, src.len())?;
         if src.is_empty() {
             return Ok(());
         }
-        // SAFETY: src is borrowed for the whole synchronous copy; d was range-checked.
+        let src = src.as_ptr();
+        // SAFETY: src is borrowed for the whole synchronous copy; dst was range-checked.
         unsafe {
-            self.inner.baseline_copy(
-                CopyDirection::HostToDevice,
-                src.as_ptr() as u64,
-                d,
-                src.len(),
-            )
+            self.inner
+                .baseline_copy(BaselineCopy::HostToDevice { src, dst })
         }
     }
 
@@ -35,18 +31,15 @@ impl Gpu {
         dst: &mut [u8],
     ) -> Result<()> {
         self.check_owns("baseline source", src)?;
-        let s = src.addr_at("baseline source", src_offset, dst.len())?;
+        let src = src.range("baseline source", src_offset, dst.len())?;
         if dst.is_empty() {
             return Ok(());
         }
-        // SAFETY: dst is borrowed mutably for the whole synchronous copy; s was range-checked.
+        let dst = dst.as_mut_ptr();
+        // SAFETY: dst is borrowed mutably for the whole synchronous copy; src was range-checked.
         unsafe {
-            self.inner.baseline_copy(
-                CopyDirection::DeviceToHost,
-                s,
-                dst.as_mut_ptr() as u64,
-                dst.len(),
-            )
+            self.inner
+                .baseline_copy(BaselineCopy::DeviceToHost { src, dst })
         }
     }
 
@@ -59,15 +52,20 @@ impl Gpu {
     ) -> Result<()> {
         self.check_owns("baseline source", src)?;
         self.check_owns("baseline destination", dst)?;
-        let s = src.addr_at("baseline source", 0, len)?;
-        let d = dst.addr_at("baseline destination", 0, len)?;
+        if src.same_buffer(dst) && len > 0 {
+            return Err(HalError::InvalidArgument(
+                "baseline device copy within one buffer".into(),
+            ));
+        }
+        let s = src.range("baseline source", 0, len)?;
+        let d = dst.range("baseline destination", 0, len)?;
         if len == 0 {
             return Ok(());
         }
-        // SAFETY: both ranges were checked against live buffers of this device.
+        // SAFETY: both ranges were checked against live, distinct buffers of this device.
         unsafe {
             self.inner
-                .baseline_copy(CopyDirection::DeviceToDevice, s, d, len)
+                .baseline_copy(BaselineCopy::DeviceToDevice { src: s, dst: d })
         }
     }
 }

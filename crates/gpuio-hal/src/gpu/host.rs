@@ -3,13 +3,14 @@
 //! It runs gpuio's logic for real on machines without a GPU (CI); it simulates no PCIe.
 
 use super::backend::{
-    CopyDirection, DeviceBackend, DeviceMemory, EventBackend, HostPin, StreamBackend,
+    BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, HostPin, StreamBackend,
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
 use crate::error::{HalError, Result};
 use crate::memory::{HostAllocOptions, HostBuffer};
 use crate::{pattern, sys};
 use std::any::Any;
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
 
 #[derive(Debug)]
@@ -50,15 +51,59 @@ impl HostDevice {
     }
 }
 
-/// Host memory standing in for device memory.
+/// Host memory standing in for device memory. Device buffers are shared handles that several
+/// threads may use at once, so every operation locks the allocations it touches (readers
+/// share, a writer excludes): no two threads ever touch the same bytes unsynchronised, and a
+/// slice over device memory exists only while its lock is held.
 #[derive(Debug)]
 struct HostDeviceMemory {
     buf: HostBuffer,
+    lock: RwLock<()>,
 }
 
 impl DeviceMemory for HostDeviceMemory {
     fn addr(&self) -> u64 {
         self.buf.as_slice().as_ptr() as u64
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+fn memory<'a>(r: &DevRange<'a>) -> Result<&'a HostDeviceMemory> {
+    r.mem
+        .as_any()
+        .downcast_ref::<HostDeviceMemory>()
+        .ok_or_else(|| HalError::InvalidArgument("not host-backend device memory".into()))
+}
+
+fn read_lock(m: &HostDeviceMemory) -> RwLockReadGuard<'_, ()> {
+    // The lock guards no data of its own; a panic while it was held leaves nothing to repair.
+    m.lock.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn write_lock(m: &HostDeviceMemory) -> RwLockWriteGuard<'_, ()> {
+    m.lock.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Runs `f` with `src` readable and `dst` writable: one exclusive lock when they share an
+/// allocation, otherwise both locks taken in address order (so that two copies in opposite
+/// directions cannot deadlock).
+fn with_pair<T>(src: &DevRange<'_>, dst: &DevRange<'_>, f: impl FnOnce() -> T) -> Result<T> {
+    let (s, d) = (memory(src)?, memory(dst)?);
+    if src.same_allocation(dst) {
+        let _w = write_lock(d);
+        return Ok(f());
+    }
+    if s.addr() < d.addr() {
+        let _r = read_lock(s);
+        let _w = write_lock(d);
+        Ok(f())
+    } else {
+        let _w = write_lock(d);
+        let _r = read_lock(s);
+        Ok(f())
     }
 }
 
@@ -79,6 +124,7 @@ impl DeviceBackend for HostDevice {
         };
         Ok(Box::new(HostDeviceMemory {
             buf: HostBuffer::alloc(len, &opts)?,
+            lock: RwLock::new(()),
         }))
     }
 
@@ -99,17 +145,17 @@ impl DeviceBackend for HostDevice {
         other.as_any().is::<HostDevice>()
     }
 
-    unsafe fn baseline_copy(
-        &self,
-        _dir: CopyDirection,
-        src: u64,
-        dst: u64,
-        len: usize,
-    ) -> Result<()> {
-        // SAFETY: the caller guarantees both ranges are live; host "device" memory never
-        // overlaps a host buffer.
-        unsafe { sys::copy_raw(src as *const u8, dst as *mut u8, len) };
-        Ok(())
+    unsafe fn baseline_copy(&self, copy: BaselineCopy<'_>) -> Result<()> {
+        let stream = HostStream;
+        // SAFETY: forwarded from the caller's contract on the host pointer; the device ranges
+        // were checked by the public types.
+        unsafe {
+            match copy {
+                BaselineCopy::HostToDevice { src, dst } => stream.copy_h2d(src, dst),
+                BaselineCopy::DeviceToHost { src, dst } => stream.copy_d2h(src, dst),
+                BaselineCopy::DeviceToDevice { src, dst } => stream.copy_d2d(self, src, self, dst),
+            }
+        }
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -120,51 +166,55 @@ impl DeviceBackend for HostDevice {
 struct HostStream;
 
 impl StreamBackend for HostStream {
-    unsafe fn copy_h2d(&self, src: *const u8, dst: u64, len: usize) -> Result<()> {
-        // SAFETY: the caller guarantees both ranges are live for `len` bytes; device memory of
-        // this backend is a separate host mapping, so they do not overlap.
-        unsafe { sys::copy_raw(src, dst as *mut u8, len) };
+    unsafe fn copy_h2d(&self, src: *const u8, dst: DevRange<'_>) -> Result<()> {
+        let _w = write_lock(memory(&dst)?);
+        // SAFETY: src is readable for dst.len bytes (caller's contract); dst is a checked range
+        // of a live allocation that we hold exclusively; a separate mapping, so no overlap.
+        unsafe { sys::copy_raw(src, dst.addr() as *mut u8, dst.len) };
         Ok(())
     }
 
-    unsafe fn copy_d2h(&self, src: u64, dst: *mut u8, len: usize) -> Result<()> {
-        // SAFETY: as for copy_h2d.
-        unsafe { sys::copy_raw(src as *const u8, dst, len) };
+    unsafe fn copy_d2h(&self, src: DevRange<'_>, dst: *mut u8) -> Result<()> {
+        let _r = read_lock(memory(&src)?);
+        // SAFETY: as for copy_h2d, with the source allocation locked for reading.
+        unsafe { sys::copy_raw(src.addr() as *const u8, dst, src.len) };
         Ok(())
     }
 
     unsafe fn copy_d2d(
         &self,
         _src_dev: &dyn DeviceBackend,
-        src: u64,
+        src: DevRange<'_>,
         _dst_dev: &dyn DeviceBackend,
-        dst: u64,
-        len: usize,
+        dst: DevRange<'_>,
     ) -> Result<()> {
-        // Device-to-device ranges may overlap (same buffer): memmove semantics.
-        // SAFETY: the caller guarantees both ranges are live device memory of `len` bytes.
-        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
-        Ok(())
+        with_pair(&src, &dst, || {
+            // SAFETY: both are checked ranges of live allocations, locked by with_pair; ranges
+            // of one allocation never overlap (checked by the public types).
+            unsafe { sys::copy_raw(src.addr() as *const u8, dst.addr() as *mut u8, dst.len) }
+        })
     }
 
-    unsafe fn fill_pattern(&self, dst: u64, len: usize, first: u64, seed: u64) -> Result<()> {
-        // SAFETY: the caller guarantees a live device range; device memory is never borrowed
-        // as a Rust reference outside the HAL, so this slice is the only one.
-        let out = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
+    fn fill_pattern(&self, dst: DevRange<'_>, first: u64, seed: u64) -> Result<()> {
+        let _w = write_lock(memory(&dst)?);
+        // SAFETY: a checked range of a live allocation, held exclusively for this slice's life.
+        let out = unsafe { std::slice::from_raw_parts_mut(dst.addr() as *mut u8, dst.len) };
         pattern::fill(out, first, seed);
         Ok(())
     }
 
-    unsafe fn find_mismatch(&self, a: u64, b: u64, len: usize) -> Result<Option<u64>> {
-        // SAFETY: the caller guarantees both ranges are live device memory; reading them
-        // through shared slices while no copy runs (host copies finish at enqueue) is sound.
-        let (a, b) = unsafe {
+    fn find_mismatch(&self, a: DevRange<'_>, b: DevRange<'_>) -> Result<Option<u64>> {
+        let (ma, mb) = (memory(&a)?, memory(&b)?);
+        let _ra = read_lock(ma);
+        let _rb = (!a.same_allocation(&b)).then(|| read_lock(mb));
+        // SAFETY: checked ranges of live allocations, locked for reading while the slices live.
+        let (x, y) = unsafe {
             (
-                std::slice::from_raw_parts(a as *const u8, len),
-                std::slice::from_raw_parts(b as *const u8, len),
+                std::slice::from_raw_parts(a.addr() as *const u8, a.len),
+                std::slice::from_raw_parts(b.addr() as *const u8, b.len),
             )
         };
-        Ok(pattern::first_mismatch(a, b).map(|i| i as u64))
+        Ok(pattern::first_mismatch(x, y).map(|i| i as u64))
     }
 
     fn record(&self, _timing: bool) -> Result<Box<dyn EventBackend>> {

@@ -16,9 +16,8 @@ pub use info::{Backend, Capability, DeviceInfo, PcieLink};
 
 use crate::error::{HalError, Result, check_range};
 use crate::memory::{HostBuffer, Location, MemoryRegion, Registration};
-use backend::{DeviceBackend, DeviceMemory, EventBackend, HostPin, StreamBackend};
+use backend::{DevRange, DeviceBackend, DeviceMemory, EventBackend, HostPin, StreamBackend};
 use std::fmt;
-use std::marker::PhantomData;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -207,22 +206,22 @@ impl Gpu {
         })
     }
 
-    /// Page-locks and registers existing host memory with this device (`cuMemHostRegister`),
-    /// until the returned guard is dropped. Copies from or to registered memory run as direct
-    /// DMA.
-    pub fn register<'a>(&self, mem: &'a mut [u8]) -> Result<HostRegistration<'a>> {
+    /// Runs `f` with `mem` page-locked and registered with this device (`cuMemHostRegister`),
+    /// and unregisters it afterwards (also if `f` panics). Inside, copies from or to `mem` run
+    /// as direct DMA. Scoped rather than a guard, so that no safe code can leave memory
+    /// registered after it is freed.
+    pub fn with_registered<R>(&self, mem: &mut [u8], f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
         if mem.is_empty() {
             return Err(HalError::InvalidArgument(
                 "cannot register an empty host range".into(),
             ));
         }
-        // SAFETY: the registration borrows `mem` mutably for 'a, so the memory stays mapped
-        // (and is not reallocated) until the guard is dropped.
+        // SAFETY: `mem` is borrowed for this whole call and the pin is dropped (unregistering)
+        // before the call returns or unwinds, so the range stays mapped for the pin's life.
         let pin = unsafe { self.inner.pin(mem.as_mut_ptr(), mem.len())? };
-        Ok(HostRegistration {
-            _pin: pin,
-            _mem: PhantomData,
-        })
+        let out = f(mem);
+        drop(pin);
+        Ok(out)
     }
 
     /// Whether `mem` lies inside one page-locked allocation of this device's driver, so that
@@ -275,15 +274,10 @@ impl PinGuard {
     }
 }
 
-/// Registration of borrowed host memory, undone on drop (RAII over `cuMemHostRegister`).
-#[derive(Debug)]
-pub struct HostRegistration<'a> {
-    _pin: Box<dyn HostPin>,
-    _mem: PhantomData<&'a mut [u8]>,
-}
-
-/// Device memory. Cheap to clone; the memory is freed when the last clone is dropped, and a
-/// free waits for the device work still using it.
+/// Device memory. Cheap to clone; the memory is freed when the last clone is dropped, which
+/// cannot happen while device work uses it (an [`Inflight`] holds a clone; every other
+/// operation waits before returning). Threads may share a buffer; conflicting concurrent
+/// writes leave unspecified bytes, as on a real GPU, but never unsound Rust.
 #[derive(Clone)]
 pub struct DeviceBuffer {
     inner: Arc<DeviceAlloc>,
@@ -343,9 +337,13 @@ impl DeviceBuffer {
         }
     }
 
-    fn addr_at(&self, what: &'static str, offset: usize, len: usize) -> Result<u64> {
+    fn range(&self, what: &'static str, offset: usize, len: usize) -> Result<DevRange<'_>> {
         check_range(what, offset, len, self.inner.len)?;
-        Ok(self.device_addr() + offset as u64)
+        Ok(DevRange {
+            mem: self.inner.mem.as_ref(),
+            offset,
+            len,
+        })
     }
 }
 
@@ -372,32 +370,31 @@ impl Stream {
     /// those).
     pub fn upload(&self, src: &[u8], dst: &DeviceBuffer, dst_offset: usize) -> Result<()> {
         self.gpu.check_owns("upload destination", dst)?;
-        let addr = dst.addr_at("upload destination", dst_offset, src.len())?;
+        let range = dst.range("upload destination", dst_offset, src.len())?;
         if src.is_empty() {
             return Ok(());
         }
-        // SAFETY: `src` is borrowed until we synchronize below; `addr` was range-checked
-        // against a live buffer of this device.
-        unsafe { self.inner.copy_h2d(src.as_ptr(), addr, src.len())? };
+        // SAFETY: `src` and `dst` are borrowed until we synchronize below; the range was
+        // checked against the live allocation.
+        unsafe { self.inner.copy_h2d(src.as_ptr(), range)? };
         self.inner.synchronize()
     }
 
     /// Copies `dst.len()` bytes of `src` from `src_offset` into host memory and waits for it.
     pub fn download(&self, src: &DeviceBuffer, src_offset: usize, dst: &mut [u8]) -> Result<()> {
         self.gpu.check_owns("download source", src)?;
-        let addr = src.addr_at("download source", src_offset, dst.len())?;
+        let range = src.range("download source", src_offset, dst.len())?;
         if dst.is_empty() {
             return Ok(());
         }
-        // SAFETY: `dst` is borrowed mutably until we synchronize below; `addr` was
-        // range-checked against a live buffer of this device.
-        unsafe { self.inner.copy_d2h(addr, dst.as_mut_ptr(), dst.len())? };
+        // SAFETY: `dst` is borrowed mutably, and `src` shared, until we synchronize below.
+        unsafe { self.inner.copy_d2h(range, dst.as_mut_ptr())? };
         self.inner.synchronize()
     }
 
     /// Enqueues a device-to-device copy of `len` bytes; one side must belong to this stream's
-    /// device, the other may be a peer device of the same backend. Returns at once; the
-    /// returned handle waits for it.
+    /// device, the other may be a peer device of the same backend. Two ranges of one buffer
+    /// must not overlap. Returns at once; the returned handle waits for it.
     pub fn copy_device_async(
         &self,
         src: &DeviceBuffer,
@@ -406,7 +403,8 @@ impl Stream {
         dst_offset: usize,
         len: usize,
     ) -> Result<Inflight<()>> {
-        self.enqueue_device_copy(src, src_offset, dst, dst_offset, len)?;
+        // SAFETY: the returned Inflight holds both buffers until the copy is done.
+        unsafe { self.enqueue_device_copy(src, src_offset, dst, dst_offset, len)? };
         self.inflight((), vec![src.clone(), dst.clone()])
     }
 
@@ -419,12 +417,16 @@ impl Stream {
         dst_offset: usize,
         len: usize,
     ) -> Result<()> {
-        // The borrows keep both buffers alive until the synchronize.
-        self.enqueue_device_copy(src, src_offset, dst, dst_offset, len)?;
+        // SAFETY: the borrows keep both buffers alive until the synchronize.
+        unsafe { self.enqueue_device_copy(src, src_offset, dst, dst_offset, len)? };
         self.inner.synchronize()
     }
 
-    fn enqueue_device_copy(
+    /// Checks and enqueues a device copy.
+    ///
+    /// # Safety
+    /// The caller keeps both buffers alive until the copy completes.
+    unsafe fn enqueue_device_copy(
         &self,
         src: &DeviceBuffer,
         src_offset: usize,
@@ -446,19 +448,19 @@ impl Stream {
                 expected: format!("a device of the {} backend", src.gpu().backend().name()),
             });
         }
-        let s = src.addr_at("copy source", src_offset, len)?;
-        let d = dst.addr_at("copy destination", dst_offset, len)?;
+        let s = src.range("copy source", src_offset, len)?;
+        let d = dst.range("copy destination", dst_offset, len)?;
+        if src.same_buffer(dst) && src_offset < dst_offset + len && dst_offset < src_offset + len {
+            return Err(HalError::InvalidArgument(format!(
+                "device copy within one buffer with overlapping ranges {src_offset}+{len} and {dst_offset}+{len}"
+            )));
+        }
         if len > 0 {
-            // SAFETY: both ranges were checked against live buffers; callers keep them alive
-            // (by borrow or in an Inflight) until the copy is done.
+            // SAFETY: both ranges were checked against live buffers and do not overlap; the
+            // caller keeps the buffers alive until the copy is done.
             unsafe {
-                self.inner.copy_d2d(
-                    src.gpu().inner.as_ref(),
-                    s,
-                    dst.gpu().inner.as_ref(),
-                    d,
-                    len,
-                )?
+                self.inner
+                    .copy_d2d(src.gpu().inner.as_ref(), s, dst.gpu().inner.as_ref(), d)?
             };
         }
         Ok(())
@@ -476,11 +478,11 @@ impl Stream {
     ) -> Result<Inflight<HostBuffer>> {
         self.gpu.check_owns("upload destination", dst)?;
         let bytes = host_range("upload source", &src, &range)?;
-        let addr = dst.addr_at("upload destination", dst_offset, bytes.len())?;
+        let target = dst.range("upload destination", dst_offset, bytes.len())?;
         if !bytes.is_empty() {
             // SAFETY: the host buffer moves into the returned Inflight, which holds it (and
             // the device buffer) until the copy has completed.
-            unsafe { self.inner.copy_h2d(bytes.as_ptr(), addr, bytes.len())? };
+            unsafe { self.inner.copy_h2d(bytes.as_ptr(), target)? };
         }
         self.inflight(src, vec![dst.clone()])
     }
@@ -496,18 +498,18 @@ impl Stream {
     ) -> Result<Inflight<HostBuffer>> {
         self.gpu.check_owns("download source", src)?;
         host_range("download destination", &dst, &range)?;
-        let addr = src.addr_at("download source", src_offset, range.len())?;
+        let source = src.range("download source", src_offset, range.len())?;
         if !range.is_empty() {
             let bytes = &mut dst.as_mut_slice()[range];
             // SAFETY: the host buffer moves into the returned Inflight, which holds it until
             // the copy has completed, so nothing else reads or frees it meanwhile.
-            unsafe { self.inner.copy_d2h(addr, bytes.as_mut_ptr(), bytes.len())? };
+            unsafe { self.inner.copy_d2h(source, bytes.as_mut_ptr())? };
         }
         self.inflight(dst, vec![src.clone()])
     }
 
-    /// Enqueues the pattern-fill kernel over `dst[offset..offset+len]`: byte `i` of the range
-    /// becomes [`crate::pattern::byte_at`]`(seed, offset + i)`, the same bytes
+    /// Runs the pattern-fill kernel over `dst[offset..offset+len]` and waits for it: byte `i`
+    /// of the range becomes [`crate::pattern::byte_at`]`(seed, offset + i)`, the same bytes
     /// [`crate::pattern::fill`] writes on the CPU.
     pub fn fill_pattern(
         &self,
@@ -517,12 +519,11 @@ impl Stream {
         seed: u64,
     ) -> Result<()> {
         self.gpu.check_owns("pattern destination", dst)?;
-        let addr = dst.addr_at("pattern destination", offset, len)?;
+        let range = dst.range("pattern destination", offset, len)?;
         if len == 0 {
             return Ok(());
         }
-        // SAFETY: range-checked against a live buffer of this device.
-        unsafe { self.inner.fill_pattern(addr, len, offset as u64, seed) }
+        self.inner.fill_pattern(range, offset as u64, seed)
     }
 
     /// Compares `len` bytes of two buffers of this device on the device; returns the first
@@ -537,13 +538,12 @@ impl Stream {
     ) -> Result<Option<u64>> {
         self.gpu.check_owns("compared buffer", a)?;
         self.gpu.check_owns("compared buffer", b)?;
-        let pa = a.addr_at("compared range", a_offset, len)?;
-        let pb = b.addr_at("compared range", b_offset, len)?;
+        let ra = a.range("compared range", a_offset, len)?;
+        let rb = b.range("compared range", b_offset, len)?;
         if len == 0 {
             return Ok(None);
         }
-        // SAFETY: both ranges were checked against live buffers of this device.
-        unsafe { self.inner.find_mismatch(pa, pb, len) }
+        self.inner.find_mismatch(ra, rb)
     }
 
     /// Records a timing event after the work enqueued so far.
@@ -562,8 +562,11 @@ impl Stream {
         let event = match self.inner.record(false) {
             Ok(event) => event,
             Err(e) => {
-                // The copy may be queued: hold the payload until the stream drains.
-                let _ = self.inner.synchronize();
+                // The copy may be queued: hold the payload until the stream drains, and leak it
+                // if even that cannot be confirmed.
+                if self.inner.synchronize().is_err() {
+                    std::mem::forget(payload);
+                }
                 return Err(e);
             }
         };
@@ -599,9 +602,13 @@ pub struct Inflight<T> {
 }
 
 impl<T> Inflight<T> {
-    /// Waits for the work and returns what it held.
+    /// Waits for the work and returns what it held. If the wait fails (a broken context), the
+    /// payload is leaked rather than freed: a DMA into freed memory must never be possible.
     pub fn wait(mut self) -> Result<T> {
-        self.event.synchronize()?;
+        if let Err(e) = self.event.synchronize() {
+            std::mem::forget(self.payload.take());
+            return Err(e);
+        }
         self.payload
             .take()
             .ok_or_else(|| HalError::InvalidArgument("in-flight payload already taken".into()))
@@ -618,7 +625,8 @@ impl<T> Drop for Inflight<T> {
         if self.payload.is_some()
             && let Err(e) = self.event.synchronize()
         {
-            tracing::error!(error = %e, "in-flight copy failed while being dropped");
+            tracing::error!(error = %e, "in-flight copy failed while being dropped; leaking its buffer");
+            std::mem::forget(self.payload.take());
         }
     }
 }

@@ -101,7 +101,7 @@ impl HostBuffer {
             }
         }
         if opts.populate {
-            sys::populate(ptr, map_len);
+            sys::populate(ptr, map_len)?;
         }
         // Nothing to undo on the error paths above: `buf` unmaps on drop.
         Ok(buf)
@@ -231,6 +231,12 @@ impl std::ops::DerefMut for HostBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn impossible_sizes_are_typed_errors() {
+        let err = HostBuffer::alloc(usize::MAX - 10, &HostAllocOptions::default()).unwrap_err();
+        assert_eq!(err.code(), crate::ErrorCode::NoMem, "{err}");
+    }
 
     #[test]
     fn zero_length_buffers_work() {

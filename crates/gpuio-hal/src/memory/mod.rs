@@ -96,7 +96,7 @@ impl MemoryRegion {
     pub fn slice(&self, offset: usize, len: usize) -> Option<Self> {
         let end = offset.checked_add(len)?;
         (end <= self.len).then(|| Self {
-            addr: self.addr + offset as u64,
+            addr: self.addr.wrapping_add(offset as u64),
             len,
             ..*self
         })
@@ -104,7 +104,8 @@ impl MemoryRegion {
 
     /// Whether `other` starts exactly where this region ends, in the same place.
     pub fn is_followed_by(&self, other: &Self) -> bool {
-        self.location == other.location && self.addr + self.len as u64 == other.addr
+        self.location == other.location
+            && self.addr.checked_add(self.len as u64) == Some(other.addr)
     }
 }
 

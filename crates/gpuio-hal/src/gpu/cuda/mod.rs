@@ -12,7 +12,7 @@ mod probe;
 pub use nvrtc::compile_ptx;
 
 use super::backend::{
-    CopyDirection, DeviceBackend, DeviceMemory, EventBackend, HostPin, StreamBackend,
+    BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, HostPin, StreamBackend,
 };
 use super::info::{Backend, Capability, DeviceInfo, PcieLink, cxl_capability, pci_numa_node};
 use crate::error::{ErrorCode, HalError, Result};
@@ -221,13 +221,18 @@ impl DeviceMemory for CudaMemory {
     fn addr(&self) -> u64 {
         self.ptr
     }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
 }
 
 impl Drop for CudaMemory {
     fn drop(&mut self) {
         let freed = self.shared.bind().and_then(|()| {
-            // SAFETY: ptr came from cuMemAlloc in this context and is freed once, here.
-            // cuMemFree waits for device work that may still use the memory.
+            // SAFETY: ptr came from cuMemAlloc in this context and is freed once, here. No
+            // queued work can still use it: async operations (Inflight) hold the DeviceBuffer
+            // until they complete, and every other operation waits before returning.
             unsafe { result::free_sync(self.ptr) }.map_err(cuda_err("cuMemFree"))
         });
         if let Err(e) = freed {
@@ -337,28 +342,25 @@ impl DeviceBackend for CudaDevice {
         rc == sys::CUresult::CUDA_SUCCESS && can != 0
     }
 
-    unsafe fn baseline_copy(
-        &self,
-        dir: CopyDirection,
-        src: u64,
-        dst: u64,
-        len: usize,
-    ) -> Result<()> {
+    unsafe fn baseline_copy(&self, copy: BaselineCopy<'_>) -> Result<()> {
         self.shared.bind()?;
-        // SAFETY: the caller guarantees live ranges of the right kinds. These are the
-        // synchronous legacy-stream copies cudaMemcpy makes; D2D returns before the copy ends,
-        // so the context is synchronized after it.
+        // SAFETY: the device ranges are checked ranges of live allocations and the host pointer
+        // is valid for the call (caller's contract). These are the synchronous legacy-stream
+        // copies cudaMemcpy makes; D2D returns before the copy ends, so the context is
+        // synchronized after it.
         unsafe {
-            match dir {
-                CopyDirection::HostToDevice => {
-                    sys::cuMemcpyHtoD_v2(dst, src as *const c_void, len).result()
+            match copy {
+                BaselineCopy::HostToDevice { src, dst } => {
+                    sys::cuMemcpyHtoD_v2(dst.addr(), src as *const c_void, dst.len).result()
                 }
-                CopyDirection::DeviceToHost => {
-                    sys::cuMemcpyDtoH_v2(dst as *mut c_void, src, len).result()
+                BaselineCopy::DeviceToHost { src, dst } => {
+                    sys::cuMemcpyDtoH_v2(dst as *mut c_void, src.addr(), src.len).result()
                 }
-                CopyDirection::DeviceToDevice => sys::cuMemcpyDtoD_v2(dst, src, len)
-                    .result()
-                    .and_then(|()| sys::cuCtxSynchronize().result()),
+                BaselineCopy::DeviceToDevice { src, dst } => {
+                    sys::cuMemcpyDtoD_v2(dst.addr(), src.addr(), dst.len)
+                        .result()
+                        .and_then(|()| sys::cuCtxSynchronize().result())
+                }
             }
         }
         .map_err(cuda_err("cudaMemcpy (baseline)"))
@@ -397,18 +399,19 @@ impl CudaStreamBackend {
 }
 
 impl StreamBackend for CudaStreamBackend {
-    unsafe fn copy_h2d(&self, src: *const u8, dst: u64, len: usize) -> Result<()> {
+    unsafe fn copy_h2d(&self, src: *const u8, dst: DevRange<'_>) -> Result<()> {
         self.shared.bind()?;
-        // SAFETY: the caller keeps src readable and dst live until the copy completes.
-        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast::<c_void>(), len, self.raw()) }
+        // SAFETY: the caller keeps src readable and dst's allocation live until completion.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst.addr(), src.cast::<c_void>(), dst.len, self.raw()) }
             .result()
             .map_err(cuda_err("cuMemcpyHtoDAsync"))
     }
 
-    unsafe fn copy_d2h(&self, src: u64, dst: *mut u8, len: usize) -> Result<()> {
+    unsafe fn copy_d2h(&self, src: DevRange<'_>, dst: *mut u8) -> Result<()> {
         self.shared.bind()?;
-        // SAFETY: the caller keeps dst writable and untouched, and src live, until completion.
-        unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src, len, self.raw()) }
+        // SAFETY: the caller keeps dst writable and untouched, and src's allocation live, until
+        // completion.
+        unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src.addr(), src.len, self.raw()) }
             .result()
             .map_err(cuda_err("cuMemcpyDtoHAsync"))
     }
@@ -416,10 +419,9 @@ impl StreamBackend for CudaStreamBackend {
     unsafe fn copy_d2d(
         &self,
         src_dev: &dyn DeviceBackend,
-        src: u64,
+        src: DevRange<'_>,
         dst_dev: &dyn DeviceBackend,
-        dst: u64,
-        len: usize,
+        dst: DevRange<'_>,
     ) -> Result<()> {
         self.shared.bind()?;
         let ctx_of = |d: &dyn DeviceBackend| {
@@ -430,36 +432,43 @@ impl StreamBackend for CudaStreamBackend {
         };
         let (sctx, dctx) = (ctx_of(src_dev)?, ctx_of(dst_dev)?);
         if sctx.cu_ctx() == dctx.cu_ctx() {
-            // SAFETY: both ranges are live device memory of this context (caller's contract).
-            unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.raw()) }
+            // SAFETY: both are live, non-overlapping ranges of this context (caller's contract).
+            unsafe { sys::cuMemcpyDtoDAsync_v2(dst.addr(), src.addr(), dst.len, self.raw()) }
                 .result()
                 .map_err(cuda_err("cuMemcpyDtoDAsync"))
         } else {
-            // SAFETY: both ranges are live memory of their contexts (caller's contract).
+            // SAFETY: both are live ranges of their contexts (caller's contract).
             unsafe {
-                sys::cuMemcpyPeerAsync(dst, dctx.cu_ctx(), src, sctx.cu_ctx(), len, self.raw())
+                sys::cuMemcpyPeerAsync(
+                    dst.addr(),
+                    dctx.cu_ctx(),
+                    src.addr(),
+                    sctx.cu_ctx(),
+                    dst.len,
+                    self.raw(),
+                )
             }
             .result()
             .map_err(cuda_err("cuMemcpyPeerAsync"))
         }
     }
 
-    unsafe fn fill_pattern(&self, dst: u64, len: usize, first: u64, seed: u64) -> Result<()> {
+    fn fill_pattern(&self, dst: DevRange<'_>, first: u64, seed: u64) -> Result<()> {
         let kernels = self.shared.pattern()?;
         self.shared.bind()?;
-        let len = len as u64;
+        let (addr, len) = (dst.addr(), dst.len as u64);
         let words = (first + len).div_ceil(8) - first / 8;
         let cfg = self.shared.launch_config(words);
         let mut launch = self.stream.launch_builder(&kernels.fill);
-        launch.arg(&dst).arg(&len).arg(&first).arg(&seed);
-        // SAFETY: the argument list matches gpuio_fill_pattern(u8*, u64, u64, u64); dst..dst+len
-        // is live device memory (caller's contract) and the kernel writes only inside it.
-        unsafe { launch.launch(cfg) }
-            .map(|_| ())
-            .map_err(cuda_err("cuLaunchKernel(gpuio_fill_pattern)"))
+        launch.arg(&addr).arg(&len).arg(&first).arg(&seed);
+        // SAFETY: the argument list matches gpuio_fill_pattern(u8*, u64, u64, u64); dst is a
+        // checked range of a live allocation, which the caller's borrow keeps alive until the
+        // synchronize below; the kernel writes only inside it.
+        unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel(gpuio_fill_pattern)"))?;
+        self.synchronize()
     }
 
-    unsafe fn find_mismatch(&self, a: u64, b: u64, len: usize) -> Result<Option<u64>> {
+    fn find_mismatch(&self, a: DevRange<'_>, b: DevRange<'_>) -> Result<Option<u64>> {
         let kernels = self.shared.pattern()?;
         self.shared.bind()?;
         // SAFETY: an 8-byte allocation owned by this function and freed below.
@@ -469,12 +478,13 @@ impl StreamBackend for CudaStreamBackend {
             unsafe { sys::cuMemsetD8Async(out, 0xff, 8, self.raw()) }
                 .result()
                 .map_err(cuda_err("cuMemsetD8Async"))?;
-            let len = len as u64;
+            let (pa, pb, len) = (a.addr(), b.addr(), a.len as u64);
             let cfg = self.shared.launch_config(len.div_ceil(16));
             let mut launch = self.stream.launch_builder(&kernels.mismatch);
-            launch.arg(&a).arg(&b).arg(&len).arg(&out);
+            launch.arg(&pa).arg(&pb).arg(&len).arg(&out);
             // SAFETY: arguments match gpuio_find_mismatch(const u8*, const u8*, u64, u64*); the
-            // ranges are live (caller's contract) and the kernel writes only *out.
+            // ranges are checked and live for this call, which synchronizes before returning;
+            // the kernel writes only *out.
             unsafe { launch.launch(cfg) }
                 .map_err(cuda_err("cuLaunchKernel(gpuio_find_mismatch)"))?;
             let mut first = [0u8; 8];
@@ -486,8 +496,9 @@ impl StreamBackend for CudaStreamBackend {
             Ok(u64::from_le_bytes(first))
         };
         let first = run();
-        // SAFETY: out was allocated above and, after the synchronize (or a failed launch),
-        // is unused.
+        // A failed run may have left the kernel queued: drain before freeing its output.
+        let _ = self.synchronize();
+        // SAFETY: out was allocated above and no queued work uses it any more.
         if let Err(e) = unsafe { result::free_sync(out) } {
             tracing::error!(error = %cuda_err("cuMemFree")(e), "freeing compare scratch failed");
         }
