@@ -5,6 +5,9 @@
 //! queued is refused with an error instead, and never also completes. A panic inside an engine
 //! fails that request ([`CoreError::Internal`]) and leaves the worker serving.
 //!
+//! A completion is delivered after the request has let go of its buffers, so a caller who
+//! hears "done" can take its `HostMemory` back at once.
+//!
 //! The full scheduler (priorities, deadlines, fairness, backpressure) replaces the FIFO queue
 //! here; the completion contract stays.
 
@@ -291,7 +294,12 @@ impl Dispatcher {
         let cell = req.status_cell().clone();
         cell.advance(Status::Submitted)?;
         let (done, armed) = Completer::new(on_done);
-        let job: Job = Box::new(move |engines, retry| done.complete(run(&req, engines, retry)));
+        let job: Job = Box::new(move |engines, retry| {
+            let result = run(&req, engines, retry);
+            // Release the request's buffers before saying it is done.
+            drop(req);
+            done.complete(result)
+        });
         if let Err(unsent) = tx.send(job) {
             armed.store(false, Ordering::Release);
             drop(unsent);
@@ -367,7 +375,9 @@ impl Dispatcher {
             let (done, armed) = Completer::new(finish);
             let reqs = requests.clone();
             let job: Job = Box::new(move |engines, retry| {
-                done.complete(Ok(run_segment(&seg, &reqs, engines, retry)))
+                let results = run_segment(&seg, &reqs, engines, retry);
+                drop((seg, reqs));
+                done.complete(Ok(results))
             });
             if let Err(unsent) = tx.send(job) {
                 armed.store(false, Ordering::Release);

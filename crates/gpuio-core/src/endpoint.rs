@@ -2,7 +2,6 @@
 //! any buffer); [`Endpoint`] owns handles (for requests that outlive the call: queued,
 //! asynchronous, batched).
 
-use crate::error::{CoreError, Result};
 use gpuio_hal::{DeviceBuffer, HostBuffer, MemoryRegion};
 use gpuio_transport_localio::FileHandle;
 use std::fmt;
@@ -157,28 +156,6 @@ impl Endpoint {
             Self::File { file, .. } => (EndpointKind::File, file.id()),
         };
         ResourceKey { kind, id }
-    }
-
-    /// The same resource at another offset.
-    pub fn at(&self, offset: u64) -> Result<Self> {
-        let small = || {
-            usize::try_from(offset)
-                .map_err(|_| CoreError::InvalidRequest(format!("offset {offset} too large")))
-        };
-        Ok(match self {
-            Self::Host { mem, .. } => Self::Host {
-                mem: mem.clone(),
-                offset: small()?,
-            },
-            Self::Device { buf, .. } => Self::Device {
-                buf: buf.clone(),
-                offset: small()?,
-            },
-            Self::File { file, .. } => Self::File {
-                file: file.clone(),
-                offset,
-            },
-        })
     }
 
     /// The memory region `len` bytes from here cover (`None` for files or out of range).

@@ -72,6 +72,11 @@ fn requests_complete_by_wait_future_and_callback() {
     let up = Request::new(Endpoint::host(&src, 0), Endpoint::device(&dev, 0), 4 << 20).unwrap();
     assert_eq!(up.ty, RequestType::Copy);
     assert_eq!(up.status(), Status::Pending);
+    // Requests describe their regions in the HAL's vocabulary.
+    let region = up.dst.region(up.len).unwrap();
+    assert!(region.location.is_device());
+    assert_eq!(region.len, 4 << 20);
+    assert!(up.src.region((4 << 20) + 1).is_none());
     let h = d.submit(up).unwrap();
     let c = h.wait().unwrap();
     assert_eq!(c.outcome.bytes, 4 << 20);
@@ -91,6 +96,9 @@ fn requests_complete_by_wait_future_and_callback() {
         .unwrap();
     assert_eq!(rx.recv().unwrap().unwrap(), 4 << 20);
     assert_eq!(cell.get(), Status::Completed);
+    // Once no request holds it, the caller can take the buffer back.
+    let buf = dst.into_inner().expect("last handle");
+    assert_eq!(pattern::first_deviation(&buf, 0, 12), None);
 }
 
 #[test]

@@ -173,11 +173,6 @@ impl FileHandle {
         &self.inner.path
     }
 
-    /// Whether two handles refer to the same open file.
-    pub fn same_file(&self, other: &FileHandle) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner)
-    }
-
     /// Whether both handles refer to the same file on disk (same device and inode), however
     /// each was opened.
     pub fn same_inode(&self, other: &FileHandle) -> Result<bool> {

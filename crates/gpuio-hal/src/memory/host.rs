@@ -114,13 +114,6 @@ impl HostBuffer {
         Ok(buf)
     }
 
-    /// Copies `data` into a new buffer.
-    pub fn from_slice(data: &[u8]) -> Result<Self> {
-        let mut buf = Self::alloc(data.len(), &HostAllocOptions::default())?;
-        buf.as_mut_slice().copy_from_slice(data);
-        Ok(buf)
-    }
-
     /// Pins (page-locks and registers) the buffer for `gpu`. Pinned memory is portable: any
     /// device of the same driver can DMA to and from it. Pinning twice is a no-op.
     pub fn pin(&mut self, gpu: &Gpu) -> Result<()> {

@@ -14,7 +14,7 @@ pub use nvrtc::compile_ptx;
 use super::backend::{
     BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, HostPin, StreamBackend,
 };
-use super::info::{Backend, Capability, DeviceInfo, PcieLink, cxl_capability, pci_numa_node};
+use super::info::{Backend, DeviceInfo, PcieLink, cxl_capability, pci_numa_node};
 use crate::error::{ErrorCode, HalError, Result};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError, LaunchConfig, PushKernelArg,
@@ -597,13 +597,5 @@ impl EventBackend for CudaEventBackend {
 
     fn as_any(&self) -> &dyn Any {
         self
-    }
-}
-
-/// Whether libcuda can be loaded here (without initialising it).
-pub fn driver_present() -> Capability {
-    match probe::check_driver() {
-        Ok(()) => Capability::yes("libcuda loaded"),
-        Err(e) => Capability::no(e.to_string()),
     }
 }
