@@ -33,6 +33,7 @@ pub mod kernels;
 pub mod memory;
 pub mod pattern;
 mod sys;
+pub mod uring;
 
 pub use error::{ErrorCode, HalError, Result, check_range};
 pub use gpu::{
