@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use bytesize::ByteSize;
 use gpuio_core::RetryPolicy;
 use gpuio_hal::BackendPreference;
-use gpuio_transport_localio::LocalIoConfig;
+use gpuio_transport_localio::{EnginePreference, LocalIoConfig};
 use gpuio_transport_memio::MemIoConfig;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -57,12 +57,20 @@ pub struct MemIoSection {
     pub pipeline_min: ByteSize,
 }
 
-/// `[localio]`: file staging.
+/// `[localio]`: the file engine.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LocalIoSection {
-    /// Staging chunk between files and GPU memory.
+    /// io_uring, pread/pwrite, or automatic.
+    pub engine: EnginePreference,
+    /// Lanes per transfer (0: min(cores, 8)).
+    pub lanes: usize,
+    /// Chunk and staging slot size.
     pub chunk_size: ByteSize,
+    /// Staging slots per lane.
+    pub slots_per_lane: usize,
+    /// io_uring submission polling.
+    pub sqpoll: bool,
 }
 
 impl Default for Config {
@@ -92,7 +100,11 @@ impl Config {
                 pipeline_min: ByteSize::mib(4),
             },
             localio: LocalIoSection {
-                chunk_size: ByteSize::mib(8),
+                engine: EnginePreference::Auto,
+                lanes: 0,
+                chunk_size: ByteSize::mib(4),
+                slots_per_lane: 4,
+                sqpoll: false,
             },
             retry: RetryPolicy::default(),
             source: None,
@@ -173,6 +185,9 @@ impl Config {
         if let Some(v) = get("GPUIO_PIPELINE_MIN") {
             self.memio.pipeline_min = parse("GPUIO_PIPELINE_MIN", &v, "a size such as 4MiB")?;
         }
+        if let Some(v) = get("GPUIO_LOCALIO_ENGINE") {
+            self.localio.engine = parse("GPUIO_LOCALIO_ENGINE", &v, "auto, uring or posix")?;
+        }
         if let Some(v) = get("GPUIO_PIPELINE_THREADS") {
             self.memio.threads = parse("GPUIO_PIPELINE_THREADS", &v, "a number of threads")?;
         }
@@ -207,8 +222,16 @@ impl Config {
         if !chunk_ok(self.memio.chunk_size) || !chunk_ok(self.localio.chunk_size) {
             return bad("staging chunk sizes must be from 4 KiB to 1 GiB".into());
         }
-        if !(2..=64).contains(&self.memio.slots_per_lane) {
-            return bad("memio.slots_per_lane must be 2 to 64".into());
+        if !(2..=64).contains(&self.memio.slots_per_lane)
+            || !(2..=64).contains(&self.localio.slots_per_lane)
+        {
+            return bad("slots_per_lane must be 2 to 64".into());
+        }
+        if self.localio.lanes > 256 {
+            return bad(format!(
+                "localio.lanes = {}: at most 256",
+                self.localio.lanes
+            ));
         }
         if !(1..=64).contains(&self.host_devices) {
             return bad("host_devices must be 1 to 64".into());
@@ -234,8 +257,17 @@ impl Config {
 
     /// The LocalIO engine's configuration.
     pub fn localio_config(&self) -> LocalIoConfig {
+        let default = LocalIoConfig::default();
         LocalIoConfig {
+            engine: self.localio.engine,
+            lanes: if self.localio.lanes == 0 {
+                default.lanes
+            } else {
+                self.localio.lanes
+            },
             chunk_size: self.localio.chunk_size.as_u64() as usize,
+            slots_per_lane: self.localio.slots_per_lane,
+            sqpoll: self.localio.sqpoll,
         }
     }
 

@@ -66,10 +66,6 @@ pub enum Access {
 /// Refuses file options this build's LocalIO engine cannot honour, rather than ignoring them.
 pub(crate) fn check_file_options(uri: &Uri) -> Result<()> {
     match uri {
-        Uri::File { direct: true, .. } => Err(Error::Unsupported {
-            what: format!("{uri}: direct=1 (O_DIRECT)"),
-            reason: "this build's LocalIO engine does buffered POSIX IO".into(),
-        }),
         Uri::File { gds: true, .. } => Err(Error::Unsupported {
             what: format!("{uri}: gds=1 (GPUDirect Storage)"),
             reason: "this build's LocalIO engine has no cuFile path".into(),
@@ -107,7 +103,7 @@ impl Session {
             probe.gpus.truncate(config.max_gpus as usize);
         }
         let memio = MemIo::new(probe.gpus.clone(), config.memio_config())?;
-        let localio = LocalIo::new(config.localio_config());
+        let localio = LocalIo::new(config.localio_config())?;
         let engines = Engines::new(Arc::new(memio), Arc::new(localio));
         let dispatcher = Dispatcher::new(engines.clone(), config.workers, config.retry.clone())?;
         tracing::debug!(gpus = probe.gpus.len(), cuda = %probe.cuda.detail, "session opened");
@@ -191,11 +187,15 @@ impl Session {
                     .ok_or_else(|| Error::Invalid(format!("{uri} is not host memory")))?;
                 Ok(Resource::Host(self.alloc_host(placement, len, true)?))
             }
-            Uri::File { path, .. } => {
+            Uri::File { path, direct, .. } => {
                 check_file_options(uri)?;
                 let opts = match access {
                     Access::Read => OpenOptions::READ,
                     Access::Write => OpenOptions::CREATE,
+                };
+                let opts = OpenOptions {
+                    direct: *direct,
+                    ..opts
                 };
                 Ok(Resource::File(self.open_file(path, opts)?))
             }

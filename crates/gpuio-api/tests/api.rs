@@ -102,8 +102,15 @@ fn uris_open_the_resources_they_name() {
         .unwrap();
     assert!(matches!(r, Resource::Host(_)));
 
+    let direct = s
+        .open(
+            &Uri::parse(&format!("localio://{}?direct=1", path.display())).unwrap(),
+            0,
+            Access::Read,
+        )
+        .unwrap();
+    assert!(matches!(direct, Resource::File(ref f) if f.is_direct()));
     let unsupported = [
-        format!("localio://{}?direct=1", path.display()),
         format!("localio://{}?gds=1", path.display()),
         "remoteio://10.0.0.1:5555/data".to_string(),
     ];

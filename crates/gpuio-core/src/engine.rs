@@ -6,7 +6,7 @@ use crate::endpoint::{Dest, Endpoint, EndpointKind, Source};
 use crate::error::{CoreError, Result};
 use crate::request::{EngineKind, Request};
 use gpuio_hal::{HostAllocOptions, HostBuffer, check_range};
-use gpuio_transport_localio::LocalIo;
+use gpuio_transport_localio::{Durability, LocalIo};
 use gpuio_transport_memio::MemIo;
 use std::fmt;
 use std::sync::Arc;
@@ -114,12 +114,19 @@ impl Engine for LocalIoEngine {
                 "pwrite"
             }
             (Source::File(f, off), Dest::Device(d, doff)) => {
-                io.read_to_device(f, off, d, doff, len)?;
-                "pread + staged DMA"
+                return Ok(Outcome {
+                    bytes: len,
+                    engine: EngineKind::LocalIo,
+                    route: format!("read: {}", io.read_to_device(f, off, d, doff, len)?),
+                });
             }
             (Source::Device(s, soff), Dest::File(f, off)) => {
-                io.write_from_device(s, soff, f, off, len)?;
-                "staged DMA + pwrite"
+                let t = io.write_from_device(s, soff, f, off, len, Durability::None)?;
+                return Ok(Outcome {
+                    bytes: len,
+                    engine: EngineKind::LocalIo,
+                    route: format!("write: {t}"),
+                });
             }
             (Source::File(sf, soff), Dest::File(df, doff)) => {
                 let overlap = soff < doff.saturating_add(len as u64)

@@ -14,9 +14,13 @@ fn engines() -> Engines {
     let memio = MemIo::new(p.gpus, MemIoConfig::default()).unwrap();
     Engines::new(
         Arc::new(memio),
-        Arc::new(LocalIo::new(LocalIoConfig {
-            chunk_size: 256 << 10,
-        })),
+        Arc::new(
+            LocalIo::new(LocalIoConfig {
+                chunk_size: 256 << 10,
+                ..LocalIoConfig::default()
+            })
+            .unwrap(),
+        ),
     )
 }
 

@@ -28,6 +28,7 @@
 //! ```
 
 pub mod error;
+pub mod file;
 pub mod gpu;
 pub mod kernels;
 pub mod memory;

@@ -2,20 +2,31 @@
 //!
 //! LocalIO (SAD §2.3.2, SDD §4.2): files and block devices to and from host and GPU memory.
 //!
-//! This is the portable POSIX engine: positioned reads and writes (`pread`/`pwrite`) that
-//! handle short transfers, `EINTR`, end of file and full disks exactly, and a double-buffered
-//! path between files and GPU memory through pinned staging buffers (the read of one chunk
-//! overlaps the DMA of the previous one). It is the fallback that always works; faster
-//! engines (io_uring, GPUDirect Storage) come on top of it.
+//! - [`FileHandle`]: positioned IO that handles short transfers, `EINTR`, end of file and full
+//!   disks exactly — buffered, O_DIRECT (any range: aligned through a bounce buffer) or
+//!   O_DSYNC — plus the alignment, extents (FIEMAP) and cache control device IO needs.
+//! - [`LocalIo`]: the file↔GPU pipeline. Lanes (a thread, a GPU stream and a queue of pinned
+//!   staging slots each) read chunks into their slots while earlier chunks are DMA'd to the
+//!   GPU, and the reverse for writes. The queue is io_uring with fixed buffers and files
+//!   ([`Engine::Uring`]); where io_uring is refused (seccomp, `kernel.io_uring_disabled`) the
+//!   same lanes run positioned reads and writes ([`Engine::Posix`]).
 
 #![forbid(unsafe_code)]
 
-use gpuio_hal::{DeviceBuffer, ErrorCode, HalError, HostAllocOptions, HostBuffer, Inflight};
-use std::collections::VecDeque;
-use std::fs::File;
-use std::os::unix::fs::FileExt;
+mod file;
+mod lane;
+mod queue;
+
+pub use file::{FileHandle, OpenOptions};
+pub use gpuio_hal::file::{DirectIoAlignment, Extent};
+pub use queue::Engine;
+
+use gpuio_hal::uring::Ring;
+use gpuio_hal::{DeviceBuffer, ErrorCode, Gpu, HalError};
+use lane::{Chunks, Lane, LanePool, ReadJob, WriteJob, lock};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// LocalIO's errors.
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +86,9 @@ pub enum LocalIoError {
     /// A copy to or from GPU memory failed.
     #[error(transparent)]
     Hal(#[from] HalError),
+    /// A broken internal invariant (reported, never a panic).
+    #[error("internal LocalIO error: {0}")]
+    Internal(String),
 }
 
 impl LocalIoError {
@@ -86,6 +100,7 @@ impl LocalIoError {
             Self::NoSpace { .. } => ErrorCode::Io,
             Self::ReadOnly(_) => ErrorCode::Permission,
             Self::Hal(e) => e.code(),
+            Self::Internal(_) => ErrorCode::General,
         }
     }
 }
@@ -93,259 +108,156 @@ impl LocalIoError {
 /// LocalIO's result type.
 pub type Result<T, E = LocalIoError> = std::result::Result<T, E>;
 
-/// How to open a file.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct OpenOptions {
-    /// Open for writing too.
-    pub write: bool,
-    /// Create the file if it does not exist (implies `write`).
-    pub create: bool,
-    /// Truncate it to zero length (implies `write`).
-    pub truncate: bool,
+/// Which engine [`LocalIo`] should use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EnginePreference {
+    /// io_uring where the kernel allows it, else positioned reads and writes.
+    #[default]
+    Auto,
+    /// io_uring, or an error saying why not.
+    Uring,
+    /// Positioned reads and writes.
+    Posix,
 }
 
-impl OpenOptions {
-    /// Read-only.
-    pub const READ: Self = Self {
-        write: false,
-        create: false,
-        truncate: false,
-    };
-    /// Create or truncate, then write.
-    pub const CREATE: Self = Self {
-        write: true,
-        create: true,
-        truncate: true,
-    };
+impl std::str::FromStr for EnginePreference {
+    type Err = LocalIoError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "uring" | "io_uring" => Ok(Self::Uring),
+            "posix" => Ok(Self::Posix),
+            other => Err(LocalIoError::Internal(format!(
+                "unknown LocalIO engine {other:?} (expected auto, uring or posix)"
+            ))),
+        }
+    }
 }
 
-/// An open file or block device. Cheap to clone; positioned IO needs no shared cursor, so
-/// clones may read and write concurrently.
-#[derive(Debug, Clone)]
-pub struct FileHandle {
-    inner: Arc<FileInner>,
-}
-
-#[derive(Debug)]
-struct FileInner {
-    file: File,
-    path: PathBuf,
-    writable: bool,
-}
-
-impl FileHandle {
-    /// Opens `path`.
-    pub fn open(path: impl AsRef<Path>, opts: OpenOptions) -> Result<Self> {
-        let path = path.as_ref().to_path_buf();
-        let writable = opts.write || opts.create || opts.truncate;
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(writable)
-            .create(opts.create)
-            .truncate(opts.truncate)
-            .open(&path)
-            .map_err(|source| LocalIoError::Open {
-                path: path.clone(),
-                source,
-            })?;
-        Ok(Self {
-            inner: Arc::new(FileInner {
-                file,
-                path,
-                writable,
-            }),
-        })
-    }
-
-    /// Wraps a file the caller opened (`writable`: opened for writing).
-    pub fn from_file(file: File, path: impl Into<PathBuf>, writable: bool) -> Self {
-        Self {
-            inner: Arc::new(FileInner {
-                file,
-                path: path.into(),
-                writable,
-            }),
-        }
-    }
-
-    /// The path it was opened with.
-    pub fn path(&self) -> &Path {
-        &self.inner.path
-    }
-
-    /// Whether both handles refer to the same file on disk (same device and inode), however
-    /// each was opened.
-    pub fn same_inode(&self, other: &FileHandle) -> Result<bool> {
-        use std::os::unix::fs::MetadataExt;
-        let a = self
-            .inner
-            .file
-            .metadata()
-            .map_err(|e| self.io("stat", 0, e))?;
-        let b = other
-            .inner
-            .file
-            .metadata()
-            .map_err(|e| other.io("stat", 0, e))?;
-        Ok(a.dev() == b.dev() && a.ino() == b.ino())
-    }
-
-    /// An identity of the open file, unique in the process while any clone lives.
-    pub fn id(&self) -> usize {
-        Arc::as_ptr(&self.inner) as usize
-    }
-
-    /// Current length in bytes (for block devices: the device size).
-    pub fn len(&self) -> Result<u64> {
-        let meta = self
-            .inner
-            .file
-            .metadata()
-            .map_err(|e| self.io("stat", 0, e))?;
-        if meta.is_file() {
-            return Ok(meta.len());
-        }
-        // Block devices report 0 in st_size; their size is where a seek to the end lands.
-        use std::io::Seek;
-        (&self.inner.file)
-            .seek(std::io::SeekFrom::End(0))
-            .map_err(|e| self.io("stat", 0, e))
-    }
-
-    /// Whether the file is empty.
-    pub fn is_empty(&self) -> Result<bool> {
-        Ok(self.len()? == 0)
-    }
-
-    fn io(&self, op: &'static str, offset: u64, source: std::io::Error) -> LocalIoError {
-        LocalIoError::Io {
-            op,
-            path: self.inner.path.clone(),
-            offset,
-            source,
-        }
-    }
-
-    /// Reads into `buf` from `offset` until it is full or the file ends; returns the bytes
-    /// read (less than `buf.len()` only at end of file).
-    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<usize> {
-        let mut done = 0;
-        while done < buf.len() {
-            let at = offset + done as u64;
-            match self.inner.file.read_at(&mut buf[done..], at) {
-                Ok(0) => break,
-                Ok(n) => done += n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(self.io("read", at, e)),
-            }
-        }
-        Ok(done)
-    }
-
-    /// Reads exactly `buf.len()` bytes from `offset`, or says how short the file was.
-    pub fn read_exact_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        let got = self.read_at(offset, buf)?;
-        if got < buf.len() {
-            return Err(LocalIoError::UnexpectedEof {
-                path: self.inner.path.clone(),
-                offset,
-                wanted: buf.len(),
-                got,
-            });
-        }
-        Ok(())
-    }
-
-    /// Writes all of `buf` at `offset`. A full disk is [`LocalIoError::NoSpace`], naming how
-    /// much did reach the file.
-    pub fn write_all_at(&self, offset: u64, buf: &[u8]) -> Result<()> {
-        if !self.inner.writable {
-            return Err(LocalIoError::ReadOnly(self.inner.path.clone()));
-        }
-        let mut done = 0;
-        while done < buf.len() {
-            let at = offset + done as u64;
-            match self.inner.file.write_at(&buf[done..], at) {
-                Ok(0) => {
-                    return Err(self.no_space(offset, buf.len(), done));
-                }
-                Ok(n) => done += n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
-                    return Err(self.no_space(offset, buf.len(), done));
-                }
-                Err(e) => return Err(self.io("write", at, e)),
-            }
-        }
-        Ok(())
-    }
-
-    fn no_space(&self, offset: u64, wanted: usize, written: usize) -> LocalIoError {
-        LocalIoError::NoSpace {
-            path: self.inner.path.clone(),
-            offset,
-            wanted,
-            written,
-        }
-    }
-
-    /// Flushes written data to stable storage (`fdatasync`).
-    pub fn sync_data(&self) -> Result<()> {
-        self.inner
-            .file
-            .sync_data()
-            .map_err(|e| self.io("sync", 0, e))
-    }
-
-    /// Sets the file's length (extending with a hole, or truncating).
-    pub fn set_len(&self, len: u64) -> Result<()> {
-        if !self.inner.writable {
-            return Err(LocalIoError::ReadOnly(self.inner.path.clone()));
-        }
-        self.inner
-            .file
-            .set_len(len)
-            .map_err(|e| self.io("truncate", len, e))
-    }
+/// When written data must be durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Durability {
+    /// When the kernel gets to it.
+    #[default]
+    None,
+    /// `fdatasync` once the whole transfer is written. (For every write to be durable as it
+    /// happens, open the file with [`OpenOptions::dsync`].)
+    DataSync,
 }
 
 /// Tuning of the LocalIO engine.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalIoConfig {
-    /// Bytes per pinned staging chunk between files and GPU memory.
+    /// The engine.
+    pub engine: EnginePreference,
+    /// Lanes (threads) per transfer.
+    pub lanes: usize,
+    /// Bytes per chunk (and per pinned staging slot).
     pub chunk_size: usize,
+    /// Staging slots per lane: IO in flight per lane (at least 2, so IO overlaps DMA).
+    pub slots_per_lane: usize,
+    /// Kernel-side submission polling for io_uring (costs a kernel thread per lane).
+    pub sqpoll: bool,
 }
 
 impl Default for LocalIoConfig {
     fn default() -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         Self {
-            chunk_size: 8 << 20,
+            engine: EnginePreference::Auto,
+            lanes: cores.clamp(1, 8),
+            chunk_size: 4 << 20,
+            slots_per_lane: 4,
+            sqpoll: false,
         }
     }
 }
 
-/// The LocalIO engine. Thread-safe; share it behind an `Arc`.
-#[derive(Debug)]
-pub struct LocalIo {
-    config: LocalIoConfig,
-    /// Pinned staging buffers, reused across transfers (pinning costs milliseconds).
-    staging: Mutex<Vec<HostBuffer>>,
+/// What a transfer did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transfer {
+    /// Bytes moved.
+    pub bytes: u64,
+    /// The engine that moved them.
+    pub engine: Engine,
+    /// Lanes used.
+    pub lanes: usize,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A Vec of idle buffers cannot be left inconsistent by a panic.
-    m.lock().unwrap_or_else(|e| e.into_inner())
+impl std::fmt::Display for Transfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} x {} lane(s), pinned staging + DMA",
+            self.engine, self.lanes
+        )
+    }
+}
+
+/// The LocalIO engine. Thread-safe; share it behind an `Arc`.
+pub struct LocalIo {
+    config: LocalIoConfig,
+    engine: Engine,
+    engine_reason: String,
+    pool: rayon::ThreadPool,
+    lanes: Mutex<Vec<(Gpu, Arc<LanePool>)>>,
+}
+
+impl std::fmt::Debug for LocalIo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalIo")
+            .field("engine", &self.engine)
+            .field("config", &self.config)
+            .finish()
+    }
 }
 
 impl LocalIo {
-    /// A new engine.
-    pub fn new(config: LocalIoConfig) -> Self {
-        Self {
-            config: LocalIoConfig {
-                chunk_size: config.chunk_size.max(4096),
-            },
-            staging: Mutex::new(Vec::new()),
-        }
+    /// A new engine; probes io_uring once.
+    pub fn new(config: LocalIoConfig) -> Result<Self> {
+        let config = LocalIoConfig {
+            lanes: config.lanes.clamp(1, 256),
+            chunk_size: config
+                .chunk_size
+                .clamp(64 << 10, 1 << 30)
+                .next_multiple_of(4096),
+            slots_per_lane: config.slots_per_lane.clamp(2, 64),
+            ..config
+        };
+        let uring = Ring::probe();
+        let (engine, engine_reason) = match (config.engine, uring.available) {
+            (EnginePreference::Posix, _) => {
+                (Engine::Posix, "asked for in the configuration".into())
+            }
+            (_, true) => (Engine::Uring, uring.detail),
+            (EnginePreference::Auto, false) => (
+                Engine::Posix,
+                format!(
+                    "io_uring is unavailable ({}); using pread/pwrite",
+                    uring.detail
+                ),
+            ),
+            (EnginePreference::Uring, false) => {
+                return Err(LocalIoError::Hal(HalError::Unsupported {
+                    what: "io_uring",
+                    reason: uring.detail,
+                }));
+            }
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(config.lanes)
+            .thread_name(|i| format!("gpuio-localio-{i}"))
+            .build()
+            .map_err(|e| LocalIoError::Internal(format!("starting IO threads: {e}")))?;
+        Ok(Self {
+            config,
+            engine,
+            engine_reason,
+            pool,
+            lanes: Mutex::new(Vec::new()),
+        })
     }
 
     /// The engine's configuration.
@@ -353,36 +265,86 @@ impl LocalIo {
         &self.config
     }
 
+    /// The engine transfers use, and why.
+    pub fn engine(&self) -> (Engine, &str) {
+        (self.engine, &self.engine_reason)
+    }
+
     /// Opens a file.
     pub fn open(&self, path: impl AsRef<Path>, opts: OpenOptions) -> Result<FileHandle> {
         FileHandle::open(path, opts)
     }
 
-    fn take_staging(&self, n: usize, pin_for: &gpuio_hal::Gpu) -> Result<Vec<HostBuffer>> {
-        let mut taken = {
-            let mut pool = lock(&self.staging);
-            let keep = pool.len().saturating_sub(n);
-            pool.split_off(keep)
-        };
-        while taken.len() < n {
-            taken.push(HostBuffer::alloc_pinned(
-                self.config.chunk_size,
-                &HostAllocOptions {
-                    numa: pin_for.info().numa_node,
-                    ..HostAllocOptions::default()
-                },
-                pin_for,
-            )?);
+    fn lane_pool(&self, gpu: &Gpu) -> Arc<LanePool> {
+        let mut pools = lock(&self.lanes);
+        if let Some((_, p)) = pools.iter().find(|(g, _)| g.same_device(gpu)) {
+            return p.clone();
         }
-        Ok(taken)
+        let p = Arc::new(LanePool::new(
+            gpu.clone(),
+            self.engine,
+            self.config.chunk_size,
+            self.config.slots_per_lane,
+            self.config.sqpoll,
+        ));
+        pools.push((gpu.clone(), p.clone()));
+        p
     }
 
-    fn give_back(&self, bufs: impl IntoIterator<Item = HostBuffer>) {
-        lock(&self.staging).extend(bufs);
+    fn chunks_for(
+        &self,
+        file: &FileHandle,
+        pool: &LanePool,
+        offset: u64,
+        len: usize,
+    ) -> Result<Chunks> {
+        let align = file.required_alignment();
+        if align > pool.slot_len() {
+            return Err(LocalIoError::Hal(HalError::Unsupported {
+                what: "O_DIRECT on this file",
+                reason: format!(
+                    "it needs {align}-byte alignment, above the {}-byte staging",
+                    pool.slot_len()
+                ),
+            }));
+        }
+        let chunk = pool.slot_len() / align * align;
+        Ok(Chunks::new(offset, len as u64, align as u64, chunk as u64))
     }
 
-    /// Reads `len` bytes of `file` at `offset` into `dst` at `dst_offset`. Reading chunk k+1
-    /// overlaps the DMA of chunk k.
+    /// Runs `work` on every lane at once: the calling thread takes the first lane itself, the
+    /// others are handed to the pool together; the first failure stops the rest.
+    fn run_lanes(
+        &self,
+        lanes: &mut [Lane],
+        work: impl Fn(&mut Lane, &AtomicBool) -> Result<()> + Sync,
+    ) -> Result<()> {
+        let Some((first, rest)) = lanes.split_first_mut() else {
+            return Ok(());
+        };
+        let abort = AtomicBool::new(false);
+        let failure: Mutex<Option<LocalIoError>> = Mutex::new(None);
+        let record = |r: Result<()>| {
+            if let Err(e) = r {
+                abort.store(true, Ordering::Relaxed);
+                lock(&failure).get_or_insert(e);
+            }
+        };
+        self.pool.in_place_scope(|scope| {
+            for lane in rest {
+                let (work, record, abort) = (&work, &record, &abort);
+                scope.spawn(move |_| record(work(lane, abort)));
+            }
+            record(work(first, &abort));
+        });
+        match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            None => Ok(()),
+            Some(e) => Err(e),
+        }
+    }
+
+    /// Reads `len` bytes of `file` at `offset` into `dst` at `dst_offset`. A file shorter than
+    /// the range is [`LocalIoError::UnexpectedEof`], never a short success.
     pub fn read_to_device(
         &self,
         file: &FileHandle,
@@ -390,34 +352,31 @@ impl LocalIo {
         dst: &DeviceBuffer,
         dst_offset: usize,
         len: usize,
-    ) -> Result<()> {
+    ) -> Result<Transfer> {
         gpuio_hal::check_range("file read destination", dst_offset, len, dst.len())?;
-        let stream = dst.gpu().stream()?;
-        let chunk = self.config.chunk_size;
-        // Two buffers and at most one DMA in flight: every iteration finds one free.
-        let mut free = self.take_staging(2, dst.gpu())?;
-        let mut in_flight: Option<Inflight<HostBuffer>> = None;
-        let mut done = 0;
-        // (On an error the staging buffers are simply dropped; the pool grows back later.)
-        while done < len {
-            let n = chunk.min(len - done);
-            let mut buf = free.pop().ok_or_else(lost_staging)?;
-            file.read_exact_at(offset + done as u64, &mut buf[..n])?;
-            if let Some(prev) = in_flight.take() {
-                free.push(prev.wait()?);
-            }
-            in_flight = Some(stream.upload_async(buf, 0..n, dst, dst_offset + done)?);
-            done += n;
-        }
-        if let Some(last) = in_flight {
-            free.push(last.wait()?);
-        }
-        self.give_back(free);
-        Ok(())
+        let pool = self.lane_pool(dst.gpu());
+        let chunks = self.chunks_for(file, &pool, offset, len)?;
+        let n = chunks.count().clamp(1, self.config.lanes);
+        let mut lanes = pool.take(n)?;
+        let engine = lanes.first().map_or(self.engine, Lane::engine);
+        let job = ReadJob {
+            file,
+            chunks: &chunks,
+            dst,
+            dst_offset,
+        };
+        let result = self.run_lanes(&mut lanes, |lane, abort| lane.read(&job, abort));
+        pool.give_back(lanes);
+        result?;
+        Ok(Transfer {
+            bytes: len as u64,
+            engine,
+            lanes: n,
+        })
     }
 
-    /// Writes `len` bytes of `src` from `src_offset` to `file` at `offset`. Writing chunk k
-    /// overlaps the DMA of chunk k+1.
+    /// Writes `len` bytes of `src` from `src_offset` to `file` at `offset`, durable as asked.
+    /// A full disk is [`LocalIoError::NoSpace`] naming the bytes that did reach the file.
     pub fn write_from_device(
         &self,
         src: &DeviceBuffer,
@@ -425,41 +384,42 @@ impl LocalIo {
         file: &FileHandle,
         offset: u64,
         len: usize,
-    ) -> Result<()> {
+        durability: Durability,
+    ) -> Result<Transfer> {
         gpuio_hal::check_range("file write source", src_offset, len, src.len())?;
-        let stream = src.gpu().stream()?;
-        let chunk = self.config.chunk_size;
-        let mut free = self.take_staging(2, src.gpu())?;
-        let mut queue: VecDeque<(usize, usize, Inflight<HostBuffer>)> = VecDeque::new();
-        let mut next = 0;
-        loop {
-            // Keep every free buffer busy with a DMA before writing the oldest one out.
-            while next < len
-                && let Some(buf) = free.pop()
-            {
-                let n = chunk.min(len - next);
-                queue.push_back((
-                    next,
-                    n,
-                    stream.download_async(src, src_offset + next, buf, 0..n)?,
-                ));
-                next += n;
-            }
-            let Some((at, n, inflight)) = queue.pop_front() else {
-                break;
-            };
-            let buf = inflight.wait()?;
-            let wrote = file.write_all_at(offset + at as u64, &buf[..n]);
-            free.push(buf);
-            wrote?;
+        if !file.is_writable() {
+            return Err(LocalIoError::ReadOnly(file.path().to_path_buf()));
         }
-        self.give_back(free);
-        Ok(())
+        let pool = self.lane_pool(src.gpu());
+        let chunks = self.chunks_for(file, &pool, offset, len)?;
+        let old_len = file.len()?;
+        let n = chunks.count().clamp(1, self.config.lanes);
+        let mut lanes = pool.take(n)?;
+        let engine = lanes.first().map_or(self.engine, Lane::engine);
+        let written = AtomicUsize::new(0);
+        let job = WriteJob {
+            file,
+            chunks: &chunks,
+            src,
+            src_offset,
+            old_len,
+            written: &written,
+        };
+        let result = self.run_lanes(&mut lanes, |lane, abort| lane.write(&job, abort));
+        pool.give_back(lanes);
+        result?;
+        let end = offset + len as u64;
+        // O_DIRECT writes whole blocks: trim the padding a write past the end left.
+        if file.is_direct() && end > old_len && len > 0 {
+            file.set_len(end)?;
+        }
+        if durability == Durability::DataSync {
+            file.sync_data()?;
+        }
+        Ok(Transfer {
+            bytes: len as u64,
+            engine,
+            lanes: n,
+        })
     }
-}
-
-fn lost_staging() -> LocalIoError {
-    LocalIoError::Hal(HalError::InvalidArgument(
-        "LocalIO staging buffer lost (internal error)".into(),
-    ))
 }

@@ -1,0 +1,257 @@
+//! File-system facts for direct and device-initiated IO: the alignment O_DIRECT needs, where a
+//! file's bytes are on the device (FIEMAP), and dropping a file's cached pages.
+
+use crate::error::{HalError, Result};
+use serde::Serialize;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+
+/// What O_DIRECT transfers on a file must be aligned to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct DirectIoAlignment {
+    /// Alignment of the memory address.
+    pub memory: usize,
+    /// Alignment of the file offset and the length.
+    pub offset: usize,
+}
+
+impl DirectIoAlignment {
+    /// The conservative default where the kernel does not say: a page for both.
+    pub const PAGE: Self = Self {
+        memory: 4096,
+        offset: 4096,
+    };
+}
+
+/// The O_DIRECT alignment of `file`: `statx(STATX_DIOALIGN)` where the kernel reports it (Linux
+/// 6.1+), the logical block size for block devices, else a page.
+pub fn direct_io_alignment(file: &File) -> DirectIoAlignment {
+    let fd = file.as_raw_fd();
+    // SAFETY: an all-zero statx is a valid value of this plain C struct.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: statx on an open fd with AT_EMPTY_PATH and "" reads nothing else and writes one
+    // statx into `stx`, which lives across the call.
+    let rc = unsafe {
+        libc::statx(
+            fd,
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN | libc::STATX_TYPE,
+            &mut stx,
+        )
+    };
+    if rc == 0 && stx.stx_mask & libc::STATX_DIOALIGN != 0 && stx.stx_dio_offset_align != 0 {
+        return DirectIoAlignment {
+            memory: stx.stx_dio_mem_align.max(1) as usize,
+            offset: stx.stx_dio_offset_align as usize,
+        };
+    }
+    if rc == 0 && (stx.stx_mode as u32 & libc::S_IFMT) == libc::S_IFBLK {
+        const BLKSSZGET: libc::c_ulong = 0x1268;
+        let mut size: libc::c_int = 0;
+        // SAFETY: BLKSSZGET writes one int into `size`; the fd is an open block device.
+        if unsafe { libc::ioctl(fd, BLKSSZGET, &mut size) } == 0 && size > 0 {
+            return DirectIoAlignment {
+                memory: size as usize,
+                offset: size as usize,
+            };
+        }
+    }
+    DirectIoAlignment::PAGE
+}
+
+/// One extent of a file (FIEMAP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Extent {
+    /// Offset in the file.
+    pub logical: u64,
+    /// Offset on the device.
+    pub physical: u64,
+    /// Length in bytes.
+    pub length: u64,
+    /// FIEMAP extent flags (`FIEMAP_EXTENT_*`): last, unknown location, delayed allocation,
+    /// encoded, unwritten, ...
+    pub flags: u32,
+}
+
+impl Extent {
+    /// The last extent of the file.
+    pub const LAST: u32 = 0x1;
+    /// Location unknown (e.g. not yet allocated).
+    pub const UNKNOWN: u32 = 0x2;
+    /// Allocated but unwritten (reads as zeros).
+    pub const UNWRITTEN: u32 = 0x800;
+
+    /// Whether the device location can be used for direct device IO.
+    pub fn is_addressable(&self) -> bool {
+        self.flags & (Self::UNKNOWN | 0x4 /* DELALLOC */ | 0x8/* ENCODED */) == 0
+    }
+}
+
+/// `struct fiemap` of `<linux/fiemap.h>`, header only.
+#[repr(C)]
+struct FiemapHeader {
+    start: u64,
+    length: u64,
+    flags: u32,
+    mapped_extents: u32,
+    extent_count: u32,
+    reserved: u32,
+}
+
+/// `struct fiemap_extent` of `<linux/fiemap.h>`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct FiemapExtent {
+    logical: u64,
+    physical: u64,
+    length: u64,
+    reserved64: [u64; 2],
+    flags: u32,
+    reserved: [u32; 3],
+}
+
+/// `_IOWR('f', 11, struct fiemap)`.
+const FS_IOC_FIEMAP: libc::c_ulong = 0xC020_660B;
+const FIEMAP_FLAG_SYNC: u32 = 0x1;
+
+/// The extents holding `offset..offset+len` of `file` (FIEMAP, after syncing dirty data).
+/// Holes of a sparse file are simply absent. Fails with `Unsupported` where the file system
+/// has no FIEMAP (tmpfs, some network file systems).
+pub fn extents(file: &File, offset: u64, len: u64) -> Result<Vec<Extent>> {
+    const BATCH: usize = 256;
+    let mut out = Vec::new();
+    let end = offset.saturating_add(len);
+    let mut at = offset;
+    while at < end {
+        // Header followed by BATCH extents, 8-byte aligned.
+        let words = (std::mem::size_of::<FiemapHeader>()
+            + BATCH * std::mem::size_of::<FiemapExtent>())
+        .div_ceil(8);
+        let mut buf = vec![0u64; words];
+        let header = FiemapHeader {
+            start: at,
+            length: end - at,
+            flags: FIEMAP_FLAG_SYNC,
+            mapped_extents: 0,
+            extent_count: BATCH as u32,
+            reserved: 0,
+        };
+        let base = buf.as_mut_ptr().cast::<u8>();
+        // SAFETY: `buf` is large enough and 8-byte aligned for the header and BATCH extents;
+        // the ioctl reads the header and writes at most extent_count extents after it.
+        let rc = unsafe {
+            base.cast::<FiemapHeader>().write(header);
+            libc::ioctl(file.as_raw_fd(), FS_IOC_FIEMAP, base)
+        };
+        if rc != 0 {
+            let err = std::io::Error::last_os_error();
+            return Err(match err.raw_os_error() {
+                Some(libc::EOPNOTSUPP) | Some(libc::ENOTTY) => HalError::Unsupported {
+                    what: "FIEMAP",
+                    reason: "the file system does not report extents".into(),
+                },
+                _ => HalError::Os {
+                    op: "ioctl(FS_IOC_FIEMAP)",
+                    source: err,
+                },
+            });
+        }
+        // SAFETY: the kernel filled the header and `mapped_extents` (≤ BATCH) extents.
+        let (mapped, extents) = unsafe {
+            let h = base.cast::<FiemapHeader>().read();
+            let first = base
+                .add(std::mem::size_of::<FiemapHeader>())
+                .cast::<FiemapExtent>();
+            let n = (h.mapped_extents as usize).min(BATCH);
+            (n, std::slice::from_raw_parts(first, n).to_vec())
+        };
+        if mapped == 0 {
+            break;
+        }
+        let mut last = false;
+        for e in &extents {
+            out.push(Extent {
+                logical: e.logical,
+                physical: e.physical,
+                length: e.length,
+                flags: e.flags,
+            });
+            last |= e.flags & Extent::LAST != 0;
+        }
+        let tail = extents[mapped - 1];
+        at = tail.logical.saturating_add(tail.length);
+        if last {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// Drops `file`'s clean cached pages in `offset..offset+len` (`posix_fadvise(DONTNEED)`; `len`
+/// 0 means to the end), so the next read comes from the device. Dirty pages are not dropped:
+/// sync first.
+pub fn drop_cached_pages(file: &File, offset: u64, len: u64) -> Result<()> {
+    // SAFETY: posix_fadvise only advises the kernel about an open fd's page cache.
+    let rc = unsafe {
+        libc::posix_fadvise(
+            file.as_raw_fd(),
+            offset as libc::off_t,
+            len as libc::off_t,
+            libc::POSIX_FADV_DONTNEED,
+        )
+    };
+    if rc != 0 {
+        return Err(HalError::Os {
+            op: "posix_fadvise(DONTNEED)",
+            source: std::io::Error::from_raw_os_error(rc),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_match_the_kernel_header() {
+        assert_eq!(std::mem::size_of::<FiemapHeader>(), 32);
+        assert_eq!(std::mem::size_of::<FiemapExtent>(), 56);
+    }
+
+    #[test]
+    fn extents_cover_written_data_and_skip_holes() {
+        let path = std::env::temp_dir().join(format!("gpuio-fiemap-{}", std::process::id()));
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        use std::os::unix::fs::FileExt;
+        f.write_all_at(&[1u8; 1 << 20], 0).unwrap();
+        f.write_all_at(&[2u8; 1 << 20], 64 << 20).unwrap();
+        f.sync_all().unwrap();
+        match extents(&f, 0, 65 << 20) {
+            Ok(ex) => {
+                let mapped: u64 = ex.iter().map(|e| e.length).sum();
+                assert!(mapped >= 2 << 20, "{ex:?}");
+                assert!(mapped < 32 << 20, "the hole was reported as data: {ex:?}");
+                assert!(
+                    ex.iter()
+                        .any(|e| e.logical <= 64 << 20 && e.logical + e.length > 64 << 20)
+                );
+            }
+            Err(e) => eprintln!("skipped FIEMAP check: {e}"),
+        }
+        let a = direct_io_alignment(&f);
+        assert!(
+            a.offset.is_power_of_two() && a.memory.is_power_of_two(),
+            "{a:?}"
+        );
+        drop_cached_pages(&f, 0, 0).unwrap();
+        std::fs::remove_file(path).unwrap();
+    }
+}

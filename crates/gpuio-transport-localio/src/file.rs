@@ -1,0 +1,374 @@
+//! Open files and block devices: positioned IO that handles short transfers, `EINTR`, end of
+//! file and full disks exactly, buffered or O_DIRECT (aligned through a bounce buffer where the
+//! caller's range or memory is not), and the file facts device IO needs (alignment, extents).
+
+use crate::{LocalIoError, Result};
+use gpuio_hal::file::{DirectIoAlignment, Extent};
+use gpuio_hal::{HostAllocOptions, HostBuffer};
+use std::fs::File;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// How to open a file.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OpenOptions {
+    /// Open for writing too.
+    pub write: bool,
+    /// Create the file if it does not exist (implies `write`).
+    pub create: bool,
+    /// Truncate it to zero length (implies `write`).
+    pub truncate: bool,
+    /// O_DIRECT: bypass the page cache (transfers are aligned for you).
+    pub direct: bool,
+    /// O_DSYNC: every write is durable when it returns.
+    pub dsync: bool,
+}
+
+impl OpenOptions {
+    /// Read-only, buffered.
+    pub const READ: Self = Self {
+        write: false,
+        create: false,
+        truncate: false,
+        direct: false,
+        dsync: false,
+    };
+    /// Create or truncate, then write; buffered.
+    pub const CREATE: Self = Self {
+        write: true,
+        create: true,
+        truncate: true,
+        direct: false,
+        dsync: false,
+    };
+
+    /// These options with O_DIRECT.
+    pub fn direct(self) -> Self {
+        Self {
+            direct: true,
+            ..self
+        }
+    }
+}
+
+/// An open file or block device. Cheap to clone; positioned IO needs no shared cursor, so
+/// clones may read and write concurrently.
+#[derive(Debug, Clone)]
+pub struct FileHandle {
+    inner: Arc<FileInner>,
+}
+
+#[derive(Debug)]
+struct FileInner {
+    file: Arc<File>,
+    path: PathBuf,
+    writable: bool,
+    direct: bool,
+    alignment: DirectIoAlignment,
+}
+
+/// Bytes per bounce transfer for unaligned O_DIRECT IO.
+const BOUNCE: usize = 1 << 20;
+
+impl FileHandle {
+    /// Opens `path`.
+    pub fn open(path: impl AsRef<Path>, opts: OpenOptions) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let writable = opts.write || opts.create || opts.truncate;
+        let mut flags = 0;
+        if opts.direct {
+            flags |= libc::O_DIRECT;
+        }
+        if opts.dsync {
+            flags |= libc::O_DSYNC;
+        }
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .create(opts.create)
+            .truncate(opts.truncate)
+            .custom_flags(flags)
+            .open(&path)
+            .map_err(|source| LocalIoError::Open {
+                path: path.clone(),
+                source,
+            })?;
+        Ok(Self::from_parts(file, path, writable, opts.direct))
+    }
+
+    /// Wraps a file the caller opened (`writable`: opened for writing; buffered IO).
+    pub fn from_file(file: File, path: impl Into<PathBuf>, writable: bool) -> Self {
+        Self::from_parts(file, path.into(), writable, false)
+    }
+
+    fn from_parts(file: File, path: PathBuf, writable: bool, direct: bool) -> Self {
+        let alignment = gpuio_hal::file::direct_io_alignment(&file);
+        Self {
+            inner: Arc::new(FileInner {
+                file: Arc::new(file),
+                path,
+                writable,
+                direct,
+                alignment,
+            }),
+        }
+    }
+
+    /// The path it was opened with.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// Whether it was opened with O_DIRECT.
+    pub fn is_direct(&self) -> bool {
+        self.inner.direct
+    }
+
+    /// Whether it was opened for writing.
+    pub fn is_writable(&self) -> bool {
+        self.inner.writable
+    }
+
+    /// The O_DIRECT alignment of the file system or device under it.
+    pub fn direct_io_alignment(&self) -> DirectIoAlignment {
+        self.inner.alignment
+    }
+
+    /// The alignment transfers on this handle must keep: the O_DIRECT offset alignment for a
+    /// direct file, 1 otherwise.
+    pub fn required_alignment(&self) -> usize {
+        if self.inner.direct {
+            self.inner.alignment.offset.max(self.inner.alignment.memory)
+        } else {
+            1
+        }
+    }
+
+    pub(crate) fn shared(&self) -> Arc<File> {
+        self.inner.file.clone()
+    }
+
+    /// Whether both handles refer to the same file on disk (same device and inode), however
+    /// each was opened.
+    pub fn same_inode(&self, other: &FileHandle) -> Result<bool> {
+        use std::os::unix::fs::MetadataExt;
+        let a = self
+            .inner
+            .file
+            .metadata()
+            .map_err(|e| self.io("stat", 0, e))?;
+        let b = other
+            .inner
+            .file
+            .metadata()
+            .map_err(|e| other.io("stat", 0, e))?;
+        Ok(a.dev() == b.dev() && a.ino() == b.ino())
+    }
+
+    /// An identity of the open file, unique in the process while any clone lives.
+    pub fn id(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+
+    /// Current length in bytes (for block devices: the device size).
+    pub fn len(&self) -> Result<u64> {
+        let meta = self
+            .inner
+            .file
+            .metadata()
+            .map_err(|e| self.io("stat", 0, e))?;
+        if meta.is_file() {
+            return Ok(meta.len());
+        }
+        // Block devices report 0 in st_size; their size is where a seek to the end lands.
+        use std::io::Seek;
+        (&*self.inner.file)
+            .seek(std::io::SeekFrom::End(0))
+            .map_err(|e| self.io("stat", 0, e))
+    }
+
+    /// Whether the file is empty.
+    pub fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
+
+    /// Where `offset..offset+len` lives on the device (FIEMAP), for device-initiated IO.
+    pub fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        Ok(gpuio_hal::file::extents(&self.inner.file, offset, len)?)
+    }
+
+    /// Drops the file's clean cached pages (so the next read is a cold read).
+    pub fn drop_cache(&self) -> Result<()> {
+        Ok(gpuio_hal::file::drop_cached_pages(&self.inner.file, 0, 0)?)
+    }
+
+    pub(crate) fn io(&self, op: &'static str, offset: u64, source: std::io::Error) -> LocalIoError {
+        LocalIoError::Io {
+            op,
+            path: self.inner.path.clone(),
+            offset,
+            source,
+        }
+    }
+
+    pub(crate) fn eof(&self, offset: u64, wanted: usize, got: usize) -> LocalIoError {
+        LocalIoError::UnexpectedEof {
+            path: self.inner.path.clone(),
+            offset,
+            wanted,
+            got,
+        }
+    }
+
+    pub(crate) fn no_space(&self, offset: u64, wanted: usize, written: usize) -> LocalIoError {
+        LocalIoError::NoSpace {
+            path: self.inner.path.clone(),
+            offset,
+            wanted,
+            written,
+        }
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        if self.inner.writable {
+            Ok(())
+        } else {
+            Err(LocalIoError::ReadOnly(self.inner.path.clone()))
+        }
+    }
+
+    /// Positioned read, looping over short reads and EINTR; returns the bytes read (fewer than
+    /// asked only at end of file). `buf` and `offset` must suit the handle's alignment.
+    fn pread(&self, offset: u64, buf: &mut [u8]) -> Result<usize> {
+        let mut done = 0;
+        while done < buf.len() {
+            let at = offset + done as u64;
+            match self.inner.file.read_at(&mut buf[done..], at) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io("read", at, e)),
+            }
+        }
+        Ok(done)
+    }
+
+    /// Positioned write of all of `buf`; a full disk (or quota) is [`LocalIoError::NoSpace`]
+    /// naming how much reached the file.
+    fn pwrite(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            let at = offset + done as u64;
+            match self.inner.file.write_at(&buf[done..], at) {
+                Ok(0) => return Err(self.no_space(offset, buf.len(), done)),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
+                    return Err(self.no_space(offset, buf.len(), done));
+                }
+                Err(e) => return Err(self.io("write", at, e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads into `buf` from `offset` until it is full or the file ends; returns the bytes
+    /// read (less than `buf.len()` only at end of file). Any range works on a direct file.
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<usize> {
+        if !self.inner.direct {
+            return self.pread(offset, buf);
+        }
+        let a = self.required_alignment() as u64;
+        let cap = BOUNCE
+            .min(buf.len() + 2 * a as usize)
+            .next_multiple_of(a as usize);
+        let mut bounce = HostBuffer::alloc(cap, &HostAllocOptions::default())?;
+        let mut done = 0;
+        while done < buf.len() {
+            let at = offset + done as u64;
+            let start = at / a * a;
+            let head = (at - start) as usize;
+            let want = (buf.len() - done).min(bounce.len() - head);
+            let span = (head + want).next_multiple_of(a as usize).min(bounce.len());
+            let got = self.pread(start, &mut bounce[..span])?;
+            let useful = got.saturating_sub(head).min(want);
+            buf[done..done + useful].copy_from_slice(&bounce[head..head + useful]);
+            done += useful;
+            if useful < want {
+                break;
+            }
+        }
+        Ok(done)
+    }
+
+    /// Reads exactly `buf.len()` bytes from `offset`, or says how short the file was.
+    pub fn read_exact_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let got = self.read_at(offset, buf)?;
+        if got < buf.len() {
+            return Err(self.eof(offset, buf.len(), got));
+        }
+        Ok(())
+    }
+
+    /// Writes all of `buf` at `offset`. A full disk is [`LocalIoError::NoSpace`], naming how
+    /// much did reach the file. On a direct file an unaligned range is written by reading the
+    /// partial edge blocks, and a write past the end trims the alignment padding afterwards.
+    pub fn write_all_at(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        self.check_writable()?;
+        if !self.inner.direct {
+            return self.pwrite(offset, buf);
+        }
+        let a = self.required_alignment();
+        let old_len = self.len()?;
+        let end = offset + buf.len() as u64;
+        let mut bounce = HostBuffer::alloc(
+            BOUNCE.min(buf.len() + 2 * a).next_multiple_of(a),
+            &HostAllocOptions::default(),
+        )?;
+        let mut done = 0;
+        while done < buf.len() {
+            let at = offset + done as u64;
+            let start = at / a as u64 * a as u64;
+            let head = (at - start) as usize;
+            let n = (buf.len() - done).min(bounce.len() - head);
+            let span = (head + n).next_multiple_of(a);
+            // Partial blocks keep the bytes already in the file (zeros past its end).
+            if head != 0 || span != head + n {
+                bounce[..span].fill(0);
+                if start < old_len {
+                    self.pread(start, &mut bounce[..span])?;
+                }
+            }
+            bounce[head..head + n].copy_from_slice(&buf[done..done + n]);
+            self.pwrite(start, &bounce[..span]).map_err(|e| match e {
+                LocalIoError::NoSpace { written, .. } => {
+                    self.no_space(offset, buf.len(), done + written.saturating_sub(head))
+                }
+                other => other,
+            })?;
+            done += n;
+        }
+        if end > old_len {
+            self.set_len(end)?;
+        }
+        Ok(())
+    }
+
+    /// Flushes written data to stable storage (`fdatasync`).
+    pub fn sync_data(&self) -> Result<()> {
+        self.inner
+            .file
+            .sync_data()
+            .map_err(|e| self.io("sync", 0, e))
+    }
+
+    /// Sets the file's length (extending with a hole, or truncating).
+    pub fn set_len(&self, len: u64) -> Result<()> {
+        self.check_writable()?;
+        self.inner
+            .file
+            .set_len(len)
+            .map_err(|e| self.io("truncate", len, e))
+    }
+}
