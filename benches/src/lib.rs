@@ -8,7 +8,9 @@
 
 #![forbid(unsafe_code)]
 
+pub mod localio;
 pub mod memio;
+mod peers;
 mod plot;
 mod report;
 
@@ -149,6 +151,14 @@ pub fn race(
             reps: i,
         },
     ))
+}
+
+/// A seed for fresh random data every run.
+pub(crate) fn fresh_seed() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    gpuio_hal::pattern::mix64(t ^ std::process::id() as u64)
 }
 
 /// Parses a size list such as `4K,1M,64M,1G` (powers of 1024).

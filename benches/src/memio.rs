@@ -8,7 +8,6 @@ use gpuio_api::Session;
 use gpuio_hal::{Backend, HostAllocOptions, HostBuffer, pattern};
 use rayon::prelude::*;
 use std::cell::RefCell;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The sizes measured by default on a backend.
 pub fn default_sizes(backend: Backend) -> Vec<usize> {
@@ -23,13 +22,6 @@ pub fn default_sizes(backend: Backend) -> Vec<usize> {
 pub const SUITE: &str = "memio";
 
 const ROTATE_BYTES: usize = 512 << 20;
-
-fn fresh_seed() -> u64 {
-    let t = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    pattern::mix64(t)
-}
 
 fn fill_par(buf: &mut [u8], seed: u64) {
     const PIECE: usize = 1 << 20;
@@ -82,7 +74,7 @@ pub fn run(
             .map(|_| HostBuffer::alloc_pinned(size, &HostAllocOptions::default(), &gpu))
             .collect::<gpuio_hal::Result<Vec<_>>>()?;
         let mut pageable: Vec<Vec<u8>> = (0..k).map(|_| vec![0u8; size]).collect();
-        let seed = fresh_seed();
+        let seed = crate::fresh_seed();
         for b in &mut pageable {
             fill_par(b, seed);
         }
@@ -131,7 +123,7 @@ pub fn run(
                 },
                 |i| Ok(gpu.baseline_upload(src(i), &dev_a, 0)?),
             )?;
-            let seed = fresh_seed();
+            let seed = crate::fresh_seed();
             let first = if case == "h2d_pinned" {
                 &mut pinned[0][..]
             } else {
@@ -173,7 +165,7 @@ pub fn run(
                 },
                 |i| Ok(gpu.baseline_download(&dev_a, 0, outs.borrow_mut()[i % k])?),
             )?;
-            let check_seed = fresh_seed();
+            let check_seed = crate::fresh_seed();
             stream.fill_pattern(&dev_a, 0, size, check_seed)?;
             stream.synchronize()?;
             let mut outs = outs.into_inner();
@@ -200,7 +192,7 @@ pub fn run(
             },
             |_| Ok(gpu.baseline_copy_device(&dev_a, &dev_b, size)?),
         )?;
-        let check_seed = fresh_seed();
+        let check_seed = crate::fresh_seed();
         stream.fill_pattern(&dev_a, 0, size, check_seed)?;
         stream.synchronize()?;
         memio
@@ -221,36 +213,33 @@ pub fn run(
 
 /// The foundation issue's targets, judged on this run's records.
 pub fn targets(records: &[Record]) -> Vec<Target> {
-    let judge = |description: &str, case: &str, min_bytes: usize, need: f64| {
-        let worst = records
-            .iter()
-            .filter(|r| r.case.starts_with(case) && r.bytes >= min_bytes)
-            .map(|r| r.ratio)
-            .fold(None, |w: Option<f64>, r| Some(w.map_or(r, |w| w.min(r))));
-        Target {
-            description: description.into(),
-            worst_ratio: worst,
-            met: worst.map(|w| w >= need),
-        }
+    let ratio = |case: &'static str, min: usize| {
+        move |r: &Record| r.case.starts_with(case) && r.bytes >= min
     };
     vec![
-        judge(
+        Target::judge(
             "pinned H2D >= 0.97x cudaMemcpy, sizes >= 16 MiB",
-            "h2d_pinned/",
-            16 << 20,
+            records,
+            ratio("h2d_pinned/", 16 << 20),
+            |r| r.ratio,
             0.97,
+            "x",
         ),
-        judge(
+        Target::judge(
             "pinned D2H >= 0.97x cudaMemcpy, sizes >= 16 MiB",
-            "d2h_pinned/",
-            16 << 20,
+            records,
+            ratio("d2h_pinned/", 16 << 20),
+            |r| r.ratio,
             0.97,
+            "x",
         ),
-        judge(
+        Target::judge(
             "pageable H2D >= 3x pageable cudaMemcpy, sizes >= 64 MiB",
-            "h2d_pageable/",
-            64 << 20,
+            records,
+            ratio("h2d_pageable/", 64 << 20),
+            |r| r.ratio,
             3.0,
+            "x",
         ),
     ]
 }

@@ -38,10 +38,33 @@ pub struct Record {
 pub struct Target {
     /// What the target says.
     pub description: String,
-    /// The worst ratio among the records it covers.
-    pub worst_ratio: Option<f64>,
+    /// The worst figure among the records it covers, with its unit (e.g. `3.97x`).
+    pub measured: Option<String>,
     /// Whether it was met (`None`: not measured in this run).
     pub met: Option<bool>,
+}
+
+impl Target {
+    /// Judges `records` matching `select`: the worst `figure` must reach `need`.
+    pub fn judge(
+        description: &str,
+        records: &[Record],
+        select: impl Fn(&Record) -> bool,
+        figure: impl Fn(&Record) -> f64,
+        need: f64,
+        unit: &str,
+    ) -> Self {
+        let worst = records
+            .iter()
+            .filter(|r| select(r))
+            .map(&figure)
+            .fold(None, |w: Option<f64>, v| Some(w.map_or(v, |w| w.min(v))));
+        Self {
+            description: description.into(),
+            measured: worst.map(|w| format!("{w:.2}{unit}")),
+            met: worst.map(|w| w >= need),
+        }
+    }
 }
 
 /// The table printed at the end of a run.
@@ -79,9 +102,9 @@ pub fn render_table(records: &[Record], targets: &[Target]) -> String {
     if !targets.is_empty() {
         out.push_str("\ntargets:\n");
         for t in targets {
-            let verdict = match (t.met, t.worst_ratio) {
-                (Some(true), Some(w)) => format!("met (worst {w:.2}x)"),
-                (Some(false), Some(w)) => format!("MISSED (worst {w:.2}x)"),
+            let verdict = match (t.met, &t.measured) {
+                (Some(true), Some(w)) => format!("met (worst {w})"),
+                (Some(false), Some(w)) => format!("MISSED (worst {w})"),
                 _ => "not measured in this run".into(),
             };
             out.push_str(&format!("  {:<62} {verdict}\n", t.description));
@@ -90,12 +113,14 @@ pub fn render_table(records: &[Record], targets: &[Target]) -> String {
     out
 }
 
-/// Writes `<suite>.json` (records and targets) and `<suite>.svg` (the plot) into `dir`.
+/// Writes `<suite>.json` (records, targets, notes such as peers that could not run) and
+/// `<suite>.svg` (the plot) into `dir`.
 pub fn write_outputs(
     dir: &Path,
     suite: &str,
     records: &[Record],
     targets: &[Target],
+    notes: &[String],
 ) -> Result<Vec<PathBuf>> {
     let fail = |path: &Path, e: &dyn std::fmt::Display| BenchError::Output {
         path: path.display().to_string(),
@@ -103,10 +128,16 @@ pub fn write_outputs(
     };
     std::fs::create_dir_all(dir).map_err(|e| fail(dir, &e))?;
     let json = dir.join(format!("{suite}.json"));
-    let doc = serde_json::json!({ "records": records, "targets": targets });
+    let doc = serde_json::json!({ "records": records, "targets": targets, "notes": notes });
     let text = serde_json::to_string_pretty(&doc).map_err(|e| fail(&json, &e))?;
     std::fs::write(&json, text).map_err(|e| fail(&json, &e))?;
-    let svg = dir.join(format!("{suite}.svg"));
-    crate::plot::bandwidth_plot(&svg, suite, records).map_err(|e| fail(&svg, &e))?;
-    Ok(vec![json, svg])
+    let mut files = vec![json];
+    // A plot over sizes only where the suite sweeps sizes.
+    let sizes: std::collections::BTreeSet<usize> = records.iter().map(|r| r.bytes).collect();
+    if sizes.len() > 1 {
+        let svg = dir.join(format!("{suite}.svg"));
+        crate::plot::bandwidth_plot(&svg, suite, records).map_err(|e| fail(&svg, &e))?;
+        files.push(svg);
+    }
+    Ok(files)
 }

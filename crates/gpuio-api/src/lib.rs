@@ -40,5 +40,5 @@ pub use gpuio_core::{
     Outcome, Priority, Request, RequestFlags, RequestHandle, RequestId, Source, Status,
 };
 pub use gpuio_hal::{DeviceBuffer, Gpu};
-pub use gpuio_transport_localio::{FileHandle, OpenOptions};
+pub use gpuio_transport_localio::{Durability, FileHandle, OpenOptions};
 pub use gpuio_transport_memio::{HostPlacement, Route};

@@ -1,21 +1,28 @@
 //! `gpuio bench [SUITE...]`: runs suites against their peers, prints a table last, writes
 //! `<out>/<suite>.json` and `<out>/<suite>.svg`.
 
+use bytesize::ByteSize;
 use gpuio_api::{Config, Error, Session};
-use gpuio_bench::{Budget, Record, Target, memio, render_table, write_outputs};
+use gpuio_bench::{Budget, Record, Target, localio, memio, render_table, write_outputs};
 use indicatif::ProgressBar;
 use std::path::PathBuf;
 
 /// The suites this build has.
-const SUITES: &[&str] = &[memio::SUITE];
+const SUITES: &[&str] = &[memio::SUITE, localio::SUITE];
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// Suites to run (default: all this build has: memio).
+    /// Suites to run (default: all this build has: memio, localio).
     suites: Vec<String>,
-    /// Transfer sizes, e.g. 4K,1M,64M,1G (default: the suite's, up to 1 GiB on a GPU).
+    /// memio: transfer sizes, e.g. 4K,1M,64M,1G (default: up to 1 GiB on a GPU).
     #[arg(long, value_name = "LIST")]
     sizes: Option<String>,
+    /// localio: size of the test file (default: 4 GiB on a GPU, 256 MiB without).
+    #[arg(long, value_name = "SIZE")]
+    size: Option<ByteSize>,
+    /// localio: directory for the test files (default: the temporary directory).
+    #[arg(long, value_name = "DIR")]
+    scratch: Option<PathBuf>,
     /// Shorter measurements (smoke runs, CI).
     #[arg(long)]
     quick: bool,
@@ -60,17 +67,40 @@ pub fn run(config: Config, args: &BenchArgs) -> Result<(), Error> {
         None => memio::default_sizes(gpu.backend()),
     };
     let spinner = ProgressBar::new_spinner();
+    let tick = |suite: &str, case: &str| {
+        spinner.set_message(format!("{suite}: {case}"));
+        spinner.tick();
+    };
     let mut all: Vec<(Vec<Record>, Vec<Target>)> = Vec::new();
     for suite in suites {
-        let (records, targets) = match suite {
-            memio::SUITE => memio::run(&session, &sizes, &budget, &mut |case| {
-                spinner.set_message(format!("{suite}: {case}"));
-                spinner.tick();
-            })
-            .map_err(bench_err)?,
+        let (records, targets, notes) = match suite {
+            memio::SUITE => {
+                let (r, t) = memio::run(&session, &sizes, &budget, &mut |c| tick(suite, c))
+                    .map_err(bench_err)?;
+                (r, t, Vec::new())
+            }
+            localio::SUITE => {
+                let mut opts = localio::Options::for_backend(gpu.backend());
+                if let Some(s) = args.size {
+                    opts.size = s.as_u64().max(1 << 20);
+                }
+                if let Some(d) = &args.scratch {
+                    opts.scratch = d.clone();
+                }
+                if args.quick {
+                    opts.reps = 2;
+                    opts.size = opts.size.min(64 << 20);
+                    opts.random_reads = opts.random_reads.min(8192);
+                }
+                localio::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
+            }
             _ => continue,
         };
-        let files = write_outputs(&args.out, suite, &records, &targets).map_err(bench_err)?;
+        for n in &notes {
+            eprintln!("note: {n}");
+        }
+        let files =
+            write_outputs(&args.out, suite, &records, &targets, &notes).map_err(bench_err)?;
         for f in files {
             eprintln!("wrote {}", f.display());
         }

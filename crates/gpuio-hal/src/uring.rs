@@ -1,6 +1,7 @@
 //! A safe io_uring: the ring owns everything the kernel may touch while an operation is in
 //! flight. Buffers are [`HostBuffer`]s registered as fixed buffers and owned by the ring (an
-//! operation marks its buffer busy until its completion is reaped); files are registered as
+//! operation marks its buffer busy until its completion is reaped — several may target ranges
+//! of one buffer); files are registered as
 //! fixed files and the ring holds them open. Dropping the ring waits for everything in flight.
 //!
 //! One ring per thread (it is `Send`, not `Sync`): LocalIO runs one per lane.
@@ -56,7 +57,8 @@ pub struct Done {
 
 enum Slot {
     Idle(HostBuffer),
-    Busy(HostBuffer),
+    /// With this many operations in flight (several may target ranges of one buffer).
+    Busy(HostBuffer, usize),
     /// Handed out with [`Ring::take_buffer`]; still registered, not usable until put back.
     Lent,
 }
@@ -241,9 +243,13 @@ impl Ring {
             });
         }
         match self.slots.get_mut(slot.0) {
+            Some(Slot::Busy(_, n)) => {
+                *n += 1;
+                Ok((base + range.start) as *mut u8)
+            }
             Some(s @ Slot::Idle(_)) => {
                 if let Slot::Idle(b) = std::mem::replace(s, Slot::Lent) {
-                    *s = Slot::Busy(b);
+                    *s = Slot::Busy(b, 1);
                 }
                 Ok((base + range.start) as *mut u8)
             }
@@ -323,10 +329,14 @@ impl Ring {
     }
 
     fn release(&mut self, buf: BufSlot) {
-        if let Some(s @ Slot::Busy(_)) = self.slots.get_mut(buf.0)
-            && let Slot::Busy(b) = std::mem::replace(s, Slot::Lent)
-        {
-            *s = Slot::Idle(b);
+        match self.slots.get_mut(buf.0) {
+            Some(Slot::Busy(_, n)) if *n > 1 => *n -= 1,
+            Some(s @ Slot::Busy(..)) => {
+                if let Slot::Busy(b, _) = std::mem::replace(s, Slot::Lent) {
+                    *s = Slot::Idle(b);
+                }
+            }
+            _ => {}
         }
     }
 
@@ -380,7 +390,7 @@ impl Drop for Ring {
                     "io_uring wait failed with operations in flight; leaking its buffers"
                 );
                 for slot in self.slots.drain(..) {
-                    if let Slot::Idle(b) | Slot::Busy(b) = slot {
+                    if let Slot::Idle(b) | Slot::Busy(b, _) = slot {
                         std::mem::forget(b);
                     }
                 }

@@ -21,6 +21,9 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Most blocks a block gather puts in one staging slot (one DMA each batch).
+pub(crate) const MAX_BATCH: usize = 256;
+
 /// One lane.
 pub(crate) struct Lane {
     queue: IoQueue,
@@ -34,6 +37,8 @@ pub(crate) struct LanePool {
     engine: Engine,
     slot_len: usize,
     slots: usize,
+    /// Operations a lane's ring holds: a full block batch in every slot.
+    depth: u32,
     sqpoll: bool,
     lanes: Mutex<Vec<Lane>>,
 }
@@ -46,11 +51,13 @@ impl LanePool {
         slots: usize,
         sqpoll: bool,
     ) -> Self {
+        let slots = slots.max(2);
         Self {
             gpu,
             engine,
             slot_len,
-            slots: slots.max(2),
+            slots,
+            depth: (slots * MAX_BATCH).min(4096) as u32,
             sqpoll,
             lanes: Mutex::new(Vec::new()),
         }
@@ -77,7 +84,7 @@ impl LanePool {
                     .map(|_| HostBuffer::alloc_pinned(self.slot_len, &opts, &self.gpu))
                     .collect::<gpuio_hal::Result<Vec<_>>>()?;
                 Ok(Lane {
-                    queue: IoQueue::new(self.engine, buffers, self.slots as u32 * 2, self.sqpoll)?,
+                    queue: IoQueue::new(self.engine, buffers, self.depth, self.sqpoll)?,
                     stream: self.gpu.stream()?,
                 })
             })();
@@ -171,6 +178,34 @@ pub(crate) struct ReadJob<'a> {
     pub(crate) chunks: &'a Chunks,
     pub(crate) dst: &'a DeviceBuffer,
     pub(crate) dst_offset: usize,
+}
+
+/// What a lane reads for a block gather: block `k` at `offsets[k]` → `dst[dst_offset + k*block]`.
+pub(crate) struct BlocksJob<'a> {
+    pub(crate) file: &'a FileHandle,
+    pub(crate) offsets: &'a [u64],
+    pub(crate) block: usize,
+    /// Blocks per staging slot (one DMA per batch).
+    pub(crate) batch: usize,
+    pub(crate) dst: &'a DeviceBuffer,
+    pub(crate) dst_offset: usize,
+    pub(crate) next: AtomicUsize,
+}
+
+impl BlocksJob<'_> {
+    fn batches(&self) -> usize {
+        self.offsets.len().div_ceil(self.batch)
+    }
+
+    fn claim(&self) -> Option<usize> {
+        let b = self.next.fetch_add(1, Ordering::Relaxed);
+        (b < self.batches()).then_some(b)
+    }
+
+    /// The blocks of batch `b`.
+    fn range(&self, b: usize) -> std::ops::Range<usize> {
+        b * self.batch..((b + 1) * self.batch).min(self.offsets.len())
+    }
 }
 
 /// What a lane writes: device → file.
@@ -275,6 +310,89 @@ impl Lane {
                     self.stream
                         .upload_async(buf, head..head + want_len, job.dst, off)?,
                 ));
+            }
+        }
+    }
+
+    /// Runs a block-gather job until its batches run out (or `abort` is set).
+    pub(crate) fn read_blocks(&mut self, job: &BlocksJob<'_>, abort: &AtomicBool) -> Result<()> {
+        let file = self.queue.attach(job.file.shared())?;
+        let mut dmas = VecDeque::new();
+        let result = self.blocks_loop(job, file, abort, &mut dmas);
+        self.settle(dmas);
+        self.queue.detach(file);
+        result
+    }
+
+    fn blocks_loop(
+        &mut self,
+        job: &BlocksJob<'_>,
+        file: FileId,
+        abort: &AtomicBool,
+        dmas: &mut VecDeque<(usize, Inflight<HostBuffer>)>,
+    ) -> Result<()> {
+        let slots = self.queue.slots();
+        let mut free: Vec<usize> = (0..slots).collect();
+        // Per slot: its batch and the reads still outstanding.
+        let mut batch_of = vec![0usize; slots];
+        let mut outstanding = vec![0usize; slots];
+        let mut reads = 0usize;
+        let mut exhausted = false;
+        loop {
+            while let Some((_, f)) = dmas.front()
+                && f.is_complete()?
+            {
+                if let Some((slot, f)) = dmas.pop_front() {
+                    self.queue.put(slot, f.wait()?)?;
+                    free.push(slot);
+                }
+            }
+            while !exhausted && !abort.load(Ordering::Relaxed) && !free.is_empty() {
+                let Some(b) = job.claim() else {
+                    exhausted = true;
+                    break;
+                };
+                let slot = free.pop().ok_or_else(no_slot)?;
+                let range = job.range(b);
+                batch_of[slot] = b;
+                outstanding[slot] = range.len();
+                for (j, k) in range.enumerate() {
+                    let at = j * job.block;
+                    let tag = ((slot as u64) << 32) | k as u64;
+                    self.queue
+                        .read(file, job.offsets[k], slot, at..at + job.block, tag)?;
+                    reads += 1;
+                }
+            }
+            if reads == 0 {
+                match dmas.pop_front() {
+                    Some((slot, f)) => {
+                        self.queue.put(slot, f.wait()?)?;
+                        free.push(slot);
+                        continue;
+                    }
+                    None if exhausted || abort.load(Ordering::Relaxed) => return Ok(()),
+                    None => continue,
+                }
+            }
+            for done in self.queue.complete(1)? {
+                reads -= 1;
+                let slot = (done.tag >> 32) as usize;
+                let k = (done.tag & 0xffff_ffff) as usize;
+                let got = done
+                    .result
+                    .map_err(|e| job.file.io("read", job.offsets[k], e))?;
+                if got < job.block {
+                    return Err(job.file.eof(job.offsets[k], job.block, got));
+                }
+                outstanding[slot] -= 1;
+                if outstanding[slot] == 0 {
+                    let range = job.range(batch_of[slot]);
+                    let buf = self.queue.take(slot)?;
+                    let off = job.dst_offset + range.start * job.block;
+                    let n = range.len() * job.block;
+                    dmas.push_back((slot, self.stream.upload_async(buf, 0..n, job.dst, off)?));
+                }
             }
         }
     }

@@ -23,7 +23,7 @@ pub use queue::Engine;
 
 use gpuio_hal::uring::Ring;
 use gpuio_hal::{DeviceBuffer, ErrorCode, Gpu, HalError};
-use lane::{Chunks, Lane, LanePool, ReadJob, WriteJob, lock};
+use lane::{BlocksJob, Chunks, Lane, LanePool, MAX_BATCH, ReadJob, WriteJob, lock};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -370,6 +370,62 @@ impl LocalIo {
         result?;
         Ok(Transfer {
             bytes: len as u64,
+            engine,
+            lanes: n,
+        })
+    }
+
+    /// Reads `block`-byte blocks at `offsets` of `file` into consecutive blocks of `dst` from
+    /// `dst_offset` (block `k` lands at `dst_offset + k * block`): random reads gathered into
+    /// GPU memory, many in flight per lane and one DMA per batch of blocks.
+    pub fn read_blocks_to_device(
+        &self,
+        file: &FileHandle,
+        offsets: &[u64],
+        block: usize,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<Transfer> {
+        let total = offsets.len().checked_mul(block).ok_or_else(|| {
+            LocalIoError::Hal(HalError::InvalidArgument(
+                "block gather size overflows".into(),
+            ))
+        })?;
+        gpuio_hal::check_range("block gather destination", dst_offset, total, dst.len())?;
+        let pool = self.lane_pool(dst.gpu());
+        if block == 0 || block > pool.slot_len() {
+            return Err(LocalIoError::Hal(HalError::InvalidArgument(format!(
+                "block size {block} must be 1 to {} bytes",
+                pool.slot_len()
+            ))));
+        }
+        let align = file.required_alignment();
+        if align > 1 && (block % align != 0 || offsets.iter().any(|o| o % align as u64 != 0)) {
+            return Err(LocalIoError::Hal(HalError::InvalidArgument(format!(
+                "{} is O_DIRECT: blocks and offsets must be multiples of {align} bytes",
+                file.path().display()
+            ))));
+        }
+        let job = BlocksJob {
+            file,
+            offsets,
+            block,
+            batch: (pool.slot_len() / block).clamp(1, MAX_BATCH),
+            dst,
+            dst_offset,
+            next: AtomicUsize::new(0),
+        };
+        let n = offsets
+            .len()
+            .div_ceil(job.batch)
+            .clamp(1, self.config.lanes);
+        let mut lanes = pool.take(n)?;
+        let engine = lanes.first().map_or(self.engine, Lane::engine);
+        let result = self.run_lanes(&mut lanes, |lane, abort| lane.read_blocks(&job, abort));
+        pool.give_back(lanes);
+        result?;
+        Ok(Transfer {
+            bytes: total as u64,
             engine,
             lanes: n,
         })

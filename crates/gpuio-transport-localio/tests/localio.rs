@@ -333,3 +333,51 @@ proptest! {
         prop_assert_eq!(pattern::first_deviation(&back, off, seed), None);
     }
 }
+
+#[test]
+fn random_blocks_gather_into_device_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("blocks");
+    let len = 8 << 20;
+    patterned_file(&path, len, 21);
+    let g = gpu();
+    let n = 3000;
+    let offsets: Vec<u64> = (0..n)
+        .map(|i| (pattern::mix64(i as u64) % (len as u64 / 4096)) * 4096)
+        .collect();
+    let dev = g.alloc(n * 4096 + 64).unwrap();
+    for io in engines(256 << 10) {
+        for opts in [OpenOptions::READ, OpenOptions::READ.direct()] {
+            let Ok(f) = io.open(&path, opts) else {
+                continue;
+            };
+            let t = io
+                .read_blocks_to_device(&f, &offsets, 4096, &dev, 64)
+                .unwrap();
+            assert_eq!(t.bytes, (n * 4096) as u64);
+            let back = device_bytes(&g, &dev, 64, n * 4096);
+            for (k, off) in offsets.iter().enumerate() {
+                let got = &back[k * 4096..(k + 1) * 4096];
+                assert_eq!(pattern::first_deviation(got, *off, 21), None, "block {k}");
+            }
+            // A block past the end of the file is an error, not a short success.
+            let err = io
+                .read_blocks_to_device(&f, &[0, len as u64], 4096, &dev, 0)
+                .unwrap_err();
+            assert!(matches!(err, LocalIoError::UnexpectedEof { .. }), "{err}");
+            if f.is_direct() {
+                let err = io
+                    .read_blocks_to_device(&f, &[100], 4096, &dev, 0)
+                    .unwrap_err();
+                assert_eq!(err.code(), ErrorCode::InvalidArg);
+            }
+        }
+        // Unaligned blocks on a buffered file are fine.
+        let f = io.open(&path, OpenOptions::READ).unwrap();
+        io.read_blocks_to_device(&f, &[1, 77_777], 100, &dev, 0)
+            .unwrap();
+        let back = device_bytes(&g, &dev, 0, 200);
+        assert_eq!(pattern::first_deviation(&back[..100], 1, 21), None);
+        assert_eq!(pattern::first_deviation(&back[100..], 77_777, 21), None);
+    }
+}

@@ -1,0 +1,511 @@
+//! The LocalIO suite: a file to GPU memory (page cache warm; cold through O_DIRECT), GPU memory
+//! to a file with `fdatasync`, and random 4 KiB reads gathered into GPU memory. Peers, each in
+//! the same run on the same file: fio (io_uring engine, same block size and depth: the storage
+//! limit), kvikio (same thread count) and a naive `read` + `cudaMemcpy` loop. A peer that
+//! cannot run here is named in the notes, not faked.
+
+use crate::peers::{self, FioJob, KvikioMode, PeerResult};
+use crate::{Record, Result, Target, human};
+use gpuio_api::{Durability, FileHandle};
+use gpuio_api::{OpenOptions, Session};
+use gpuio_hal::{Backend, DeviceBuffer, Gpu, pattern};
+use rayon::prelude::*;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The suite's name in records and file names.
+pub const SUITE: &str = "localio";
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Size of the sequential test file.
+    pub size: u64,
+    /// Directory for the test files.
+    pub scratch: PathBuf,
+    /// Timed repetitions per side.
+    pub reps: usize,
+    /// Random 4 KiB reads per repetition.
+    pub random_reads: usize,
+}
+
+impl Options {
+    /// The defaults for a backend: 4 GiB on a GPU, 256 MiB on the host backend.
+    pub fn for_backend(backend: Backend) -> Self {
+        let gpu = backend == Backend::Cuda;
+        Self {
+            size: if gpu { 4 << 30 } else { 256 << 20 },
+            scratch: std::env::temp_dir(),
+            reps: if gpu { 5 } else { 3 },
+            random_reads: if gpu { 262_144 } else { 32_768 },
+        }
+    }
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+/// Median time of `reps` runs of `f` (after one untimed run), with `before` (e.g. dropping
+/// the cache) untimed ahead of each.
+fn time_it(
+    reps: usize,
+    mut before: impl FnMut() -> Result<()>,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<Duration> {
+    before()?;
+    f()?;
+    let mut t = Vec::new();
+    for _ in 0..reps.max(1) {
+        before()?;
+        let s = Instant::now();
+        f()?;
+        t.push(s.elapsed());
+    }
+    Ok(median(t))
+}
+
+fn api(e: impl Into<gpuio_api::Error>) -> crate::BenchError {
+    crate::BenchError::Gpuio(e.into())
+}
+
+/// Writes the sequential test file (pattern `seed`), in parallel 64 MiB pieces.
+fn make_file(path: &Path, size: u64, seed: u64) -> Result<()> {
+    const PIECE: usize = 64 << 20;
+    let f = FileHandle::open(path, OpenOptions::CREATE).map_err(api)?;
+    let pieces = size.div_ceil(PIECE as u64) as usize;
+    (0..pieces).into_par_iter().try_for_each(|i| {
+        let at = i as u64 * PIECE as u64;
+        let n = (size - at).min(PIECE as u64) as usize;
+        let mut buf = vec![0u8; n];
+        pattern::fill(&mut buf, at, seed);
+        f.write_all_at(at, &buf).map_err(api)
+    })?;
+    f.sync_data().map_err(api)
+}
+
+fn check_device(
+    gpu: &Gpu,
+    dev: &DeviceBuffer,
+    reference: &DeviceBuffer,
+    len: usize,
+    seed: u64,
+    case: &str,
+) -> Result<()> {
+    let s = gpu.stream()?;
+    s.fill_pattern(reference, 0, len, seed)?;
+    if let Some(off) = s.find_mismatch(dev, 0, reference, 0, len)? {
+        return Err(crate::BenchError::Corrupt {
+            case: case.into(),
+            size: len,
+            offset: off,
+        });
+    }
+    Ok(())
+}
+
+/// Runs the suite on GPU 0; `progress` hears about each case as it starts.
+pub fn run(
+    session: &Session,
+    opts: &Options,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(Vec<Record>, Vec<Target>, Vec<String>)> {
+    let gpu = session.gpu(0)?.clone();
+    let io = session.localio();
+    let (engine, _) = io.engine();
+    let lanes = io.config().lanes;
+    let slots = io.config().slots_per_lane;
+    let chunk = io.config().chunk_size;
+    let device = gpu.info().name.clone();
+    let size = opts.size;
+    let len = size as usize;
+    let seed = crate::fresh_seed();
+    let path = opts
+        .scratch
+        .join(format!("gpuio-bench-{}.bin", std::process::id()));
+    let wpath = opts
+        .scratch
+        .join(format!("gpuio-bench-{}.out", std::process::id()));
+    let _cleanup = Cleanup(vec![path.clone(), wpath.clone()]);
+    progress(&format!("writing a {} test file", human(len)));
+    make_file(&path, size, seed)?;
+    let buffered = io.open(&path, OpenOptions::READ).map_err(api)?;
+    let direct = io.open(&path, OpenOptions::READ.direct()).ok();
+    let dev = gpu.alloc(len)?;
+    let reference = gpu.alloc(len)?;
+    let mut records = Vec::new();
+    let mut notes = Vec::new();
+    let route = format!(
+        "{engine} x {lanes} lanes, {} KiB chunks, {slots} slots/lane",
+        chunk >> 10
+    );
+    let mut record =
+        |case: &str, metric: &str, unit: &str, value: f64, peer: &str, peer_value: f64| {
+            records.push(Record {
+                suite: SUITE.into(),
+                case: format!("{case}/{}", human(len)),
+                metric: metric.into(),
+                value,
+                unit: unit.into(),
+                peer: peer.into(),
+                peer_value,
+                ratio: value / peer_value,
+                bytes: len,
+                route: route.clone(),
+                device: device.clone(),
+                reps: opts.reps,
+            });
+        };
+    let gbps = |t: Duration| size as f64 / t.as_secs_f64().max(1e-9) / 1e9;
+    let fio_base = FioJob {
+        path: &path,
+        size,
+        rw: "read",
+        bs: chunk,
+        iodepth: slots,
+        numjobs: lanes,
+        direct: false,
+        end_fsync: false,
+        runtime_s: None,
+    };
+    let no_prep = || Ok(());
+
+    // Naive peer: one thread, read a piece, cudaMemcpy it.
+    let naive = |file: &FileHandle, cold: bool| -> Result<Duration> {
+        const PIECE: usize = 64 << 20;
+        let mut buf = vec![0u8; PIECE.min(len)];
+        time_it(
+            opts.reps,
+            || {
+                if cold {
+                    file.drop_cache().map_err(api)?;
+                }
+                Ok(())
+            },
+            || {
+                let mut at = 0;
+                while at < len {
+                    let n = (len - at).min(PIECE);
+                    file.read_exact_at(at as u64, &mut buf[..n]).map_err(api)?;
+                    gpu.baseline_upload(&buf[..n], &dev, at)?;
+                    at += n;
+                }
+                Ok(())
+            },
+        )
+    };
+
+    // 1. Sequential read, page cache warm.
+    progress("seq_read_warm");
+    let ours = time_it(opts.reps, no_prep, || {
+        io.read_to_device(&buffered, 0, &dev, 0, len)
+            .map_err(api)
+            .map(|_| ())
+    })?;
+    check_device(&gpu, &dev, &reference, len, seed, "seq_read_warm")?;
+    let ours = gbps(ours);
+    let t = naive(&buffered, false)?;
+    record(
+        "seq_read_warm",
+        "bandwidth",
+        "GB/s",
+        ours,
+        "read+cudaMemcpy",
+        gbps(t),
+    );
+    if let Some(k) = peer(
+        &mut notes,
+        "kvikio warm",
+        peers::kvikio(&path, size, lanes, KvikioMode::Warm, opts.reps),
+    ) {
+        record(
+            "seq_read_warm",
+            "bandwidth",
+            "GB/s",
+            ours,
+            &format!("kvikio ({lanes} threads)"),
+            k.bytes_per_s / 1e9,
+        );
+    }
+    if let Some(f) = peer(&mut notes, "fio warm", peers::fio(&fio_base)) {
+        record(
+            "seq_read_warm",
+            "bandwidth",
+            "GB/s",
+            ours,
+            "fio (to host memory)",
+            f.bytes_per_s / 1e9,
+        );
+    }
+
+    // 2. Sequential read, cold: O_DIRECT.
+    progress("seq_read_cold");
+    match &direct {
+        Some(d) => {
+            let ours = time_it(
+                opts.reps,
+                || d.drop_cache().map_err(api),
+                || {
+                    io.read_to_device(d, 0, &dev, 0, len)
+                        .map_err(api)
+                        .map(|_| ())
+                },
+            )?;
+            check_device(&gpu, &dev, &reference, len, seed, "seq_read_cold")?;
+            let ours = gbps(ours);
+            if let Some(f) = peer(
+                &mut notes,
+                "fio cold",
+                peers::fio(&FioJob {
+                    iodepth: lanes * slots,
+                    numjobs: 1,
+                    direct: true,
+                    ..fio_base.clone()
+                }),
+            ) {
+                record(
+                    "seq_read_cold",
+                    "bandwidth",
+                    "GB/s",
+                    ours,
+                    "fio O_DIRECT (to host memory)",
+                    f.bytes_per_s / 1e9,
+                );
+            }
+            if let Some(k) = peer(
+                &mut notes,
+                "kvikio cold",
+                peers::kvikio(&path, size, lanes, KvikioMode::Cold, opts.reps.min(3)),
+            ) {
+                record(
+                    "seq_read_cold",
+                    "bandwidth",
+                    "GB/s",
+                    ours,
+                    &format!("kvikio cold ({lanes} threads)"),
+                    k.bytes_per_s / 1e9,
+                );
+            }
+            let t = naive(&buffered, true)?;
+            record(
+                "seq_read_cold",
+                "bandwidth",
+                "GB/s",
+                ours,
+                "read+cudaMemcpy (cold)",
+                gbps(t),
+            );
+        }
+        None => notes.push("seq_read_cold: O_DIRECT is refused on the scratch file system".into()),
+    }
+
+    // 3. GPU to file, then fdatasync.
+    progress("seq_write_sync");
+    gpu.stream()?.fill_pattern(&dev, 0, len, seed ^ 1)?;
+    let out = io.open(&wpath, OpenOptions::CREATE).map_err(api)?;
+    let ours = time_it(opts.reps, no_prep, || {
+        io.write_from_device(&dev, 0, &out, 0, len, Durability::DataSync)
+            .map_err(api)
+            .map(|_| ())
+    })?;
+    let mut head = vec![0u8; (16 << 20).min(len)];
+    out.read_exact_at(0, &mut head).map_err(api)?;
+    if let Some(off) = pattern::first_deviation(&head, 0, seed ^ 1) {
+        return Err(crate::BenchError::Corrupt {
+            case: "seq_write_sync".into(),
+            size: len,
+            offset: off as u64,
+        });
+    }
+    let ours = gbps(ours);
+    if let Some(f) = peer(
+        &mut notes,
+        "fio write",
+        peers::fio(&FioJob {
+            path: &wpath,
+            rw: "write",
+            end_fsync: true,
+            ..fio_base.clone()
+        }),
+    ) {
+        record(
+            "seq_write_sync",
+            "bandwidth",
+            "GB/s",
+            ours,
+            "fio write+fsync (from host memory)",
+            f.bytes_per_s / 1e9,
+        );
+    }
+
+    // 4. Random 4 KiB reads, page cache warm, gathered into GPU memory.
+    progress("rand_read_4k");
+    let n = opts.random_reads.min(len / 4096);
+    let offsets: Vec<u64> = (0..n)
+        .map(|i| pattern::mix64(seed ^ i as u64) % (size / 4096) * 4096)
+        .collect();
+    let t = time_it(opts.reps, no_prep, || {
+        io.read_blocks_to_device(&buffered, &offsets, 4096, &dev, 0)
+            .map_err(api)
+            .map(|_| ())
+    })?;
+    let mut sample = vec![0u8; 4096];
+    let k = n / 2;
+    gpu.stream()?.download(&dev, k * 4096, &mut sample)?;
+    if let Some(off) = pattern::first_deviation(&sample, offsets[k], seed) {
+        return Err(crate::BenchError::Corrupt {
+            case: "rand_read_4k".into(),
+            size: 4096,
+            offset: off as u64,
+        });
+    }
+    let iops = n as f64 / t.as_secs_f64().max(1e-9);
+    let rand_job = FioJob {
+        rw: "randread",
+        bs: 4096,
+        iodepth: 256,
+        runtime_s: Some(3),
+        ..fio_base.clone()
+    };
+    if let Some(f) = peer(&mut notes, "fio randread", peers::fio(&rand_job)) {
+        record(
+            "rand_read_4k",
+            "iops",
+            "IOPS",
+            iops,
+            "fio randread (to host memory)",
+            f.iops,
+        );
+    }
+    if let Some(k) = peer(
+        &mut notes,
+        "kvikio futures",
+        peers::kvikio(&path, size, lanes, KvikioMode::Random4k, opts.reps.min(3)),
+    ) {
+        record(
+            "rand_read_4k",
+            "iops",
+            "IOPS",
+            iops,
+            "kvikio pread futures",
+            k.iops,
+        );
+    }
+    // Naive peer: one thread, pread each block, one cudaMemcpy of them all.
+    let mut host = vec![0u8; n * 4096];
+    let t = time_it(opts.reps, no_prep, || {
+        for (k, off) in offsets.iter().enumerate() {
+            buffered
+                .read_exact_at(*off, &mut host[k * 4096..(k + 1) * 4096])
+                .map_err(api)?;
+        }
+        Ok(gpu.baseline_upload(&host, &dev, 0)?)
+    })?;
+    record(
+        "rand_read_4k",
+        "iops",
+        "IOPS",
+        iops,
+        "pread loop+cudaMemcpy",
+        n as f64 / t.as_secs_f64().max(1e-9),
+    );
+
+    let targets = if gpu.backend() == Backend::Cuda {
+        targets(&records, lanes)
+    } else {
+        Vec::new()
+    };
+    Ok((records, targets, notes))
+}
+
+/// The LocalIO issue's targets, judged on this run's records.
+pub fn targets(records: &[Record], lanes: usize) -> Vec<Target> {
+    let peer_is = |case: &'static str, peer: &'static str| {
+        move |r: &Record| r.case.starts_with(case) && r.peer.starts_with(peer)
+    };
+    vec![
+        Target::judge(
+            "warm read -> GPU >= 1.1x kvikio (same threads)",
+            records,
+            peer_is("seq_read_warm", "kvikio"),
+            |r| r.ratio,
+            1.1,
+            "x",
+        ),
+        Target::judge(
+            &format!("warm read -> GPU >= 50 GB/s ({lanes} lanes, at most 8)"),
+            records,
+            |r| r.case.starts_with("seq_read_warm") && lanes <= 8,
+            |r| r.value,
+            50.0,
+            " GB/s",
+        ),
+        Target::judge(
+            "cold O_DIRECT read -> GPU >= 0.95x fio O_DIRECT read",
+            records,
+            peer_is("seq_read_cold", "fio"),
+            |r| r.ratio,
+            0.95,
+            "x",
+        ),
+        Target::judge(
+            "cold read -> GPU >= 1.3x kvikio cold",
+            records,
+            peer_is("seq_read_cold", "kvikio"),
+            |r| r.ratio,
+            1.3,
+            "x",
+        ),
+        Target::judge(
+            "GPU -> file + fdatasync >= 0.95x fio write",
+            records,
+            peer_is("seq_write_sync", "fio"),
+            |r| r.ratio,
+            0.95,
+            "x",
+        ),
+        Target::judge(
+            "random 4 KiB -> GPU >= 10x kvikio futures",
+            records,
+            peer_is("rand_read_4k", "kvikio"),
+            |r| r.ratio,
+            10.0,
+            "x",
+        ),
+        Target::judge(
+            "random 4 KiB -> GPU >= 0.8x fio io_uring IOPS",
+            records,
+            peer_is("rand_read_4k", "fio"),
+            |r| r.ratio,
+            0.8,
+            "x",
+        ),
+    ]
+}
+
+/// A peer's result, or a note saying why it could not run.
+fn peer(
+    notes: &mut Vec<String>,
+    name: &str,
+    r: std::result::Result<PeerResult, String>,
+) -> Option<PeerResult> {
+    match r {
+        Ok(r) => Some(r),
+        Err(e) => {
+            notes.push(format!("{name}: {e}"));
+            None
+        }
+    }
+}
+
+/// Removes the suite's scratch files, however it ends.
+struct Cleanup(Vec<PathBuf>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}

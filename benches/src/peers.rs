@@ -1,0 +1,165 @@
+//! External peers, run as the user would run them: fio (the storage limit: same file, block
+//! size and depth) and kvikio (Python, file → GPU). Each says why it could not run instead of
+//! being faked.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// What a peer measured.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerResult {
+    /// Bytes per second.
+    pub bytes_per_s: f64,
+    /// Operations per second.
+    pub iops: f64,
+}
+
+/// Where to find fio: `$GPUIO_FIO`, else `fio` on the PATH.
+pub fn fio_binary() -> Result<PathBuf, String> {
+    let bin = std::env::var_os("GPUIO_FIO").map_or_else(|| PathBuf::from("fio"), PathBuf::from);
+    match Command::new(&bin).arg("--version").output() {
+        Ok(o) if o.status.success() => Ok(bin),
+        Ok(_) => Err(format!("{} --version failed", bin.display())),
+        Err(e) => Err(format!(
+            "fio not found ({}: {e}); install fio or set GPUIO_FIO",
+            bin.display()
+        )),
+    }
+}
+
+/// An fio job over `path` (io_uring engine), e.g. `rw=read bs=4M iodepth=32 direct=1`.
+#[derive(Debug, Clone)]
+pub struct FioJob<'a> {
+    /// The file.
+    pub path: &'a Path,
+    /// Bytes to move (per job).
+    pub size: u64,
+    /// `read`, `write`, `randread`.
+    pub rw: &'a str,
+    /// Block size in bytes.
+    pub bs: usize,
+    /// Queue depth per job.
+    pub iodepth: usize,
+    /// Jobs (threads), each over its own share of the file.
+    pub numjobs: usize,
+    /// O_DIRECT.
+    pub direct: bool,
+    /// fsync at the end of a write job.
+    pub end_fsync: bool,
+    /// For random jobs: run for this long instead of a size.
+    pub runtime_s: Option<u32>,
+}
+
+/// Runs an fio job and returns its aggregate throughput.
+pub fn fio(job: &FioJob<'_>) -> Result<PeerResult, String> {
+    let bin = fio_binary()?;
+    let mut cmd = Command::new(bin);
+    cmd.arg("--output-format=json")
+        .arg("--name=gpuio-peer")
+        .arg(format!("--filename={}", job.path.display()))
+        .arg("--ioengine=io_uring")
+        .arg("--fixedbufs=1")
+        .arg("--registerfiles=1")
+        .arg("--thread")
+        .arg("--group_reporting")
+        .arg(format!("--rw={}", job.rw))
+        .arg(format!("--bs={}", job.bs))
+        .arg(format!("--iodepth={}", job.iodepth))
+        .arg(format!("--numjobs={}", job.numjobs))
+        .arg(format!("--direct={}", job.direct as u8))
+        .arg(format!("--end_fsync={}", job.end_fsync as u8))
+        // fio drops the file's cached pages before a job by default; a buffered job here
+        // measures the page cache as gpuio sees it (warm), a direct one the device.
+        .arg(format!("--invalidate={}", job.direct as u8))
+        .arg("--randrepeat=0");
+    if job.numjobs > 1 {
+        // Each job reads its own slice of the file, as gpuio's lanes share one transfer.
+        cmd.arg(format!("--size={}", job.size / job.numjobs as u64))
+            .arg(format!(
+                "--offset_increment={}",
+                job.size / job.numjobs as u64
+            ));
+    } else {
+        cmd.arg(format!("--size={}", job.size));
+    }
+    if let Some(t) = job.runtime_s {
+        cmd.arg(format!("--runtime={t}")).arg("--time_based");
+    }
+    let out = cmd.output().map_err(|e| format!("running fio: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "fio failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
+        ));
+    }
+    let json: serde_json::Value =
+        serde_json::from_slice(&out.stdout).map_err(|e| format!("fio output is not JSON: {e}"))?;
+    let dir = if job.rw.contains("write") {
+        "write"
+    } else {
+        "read"
+    };
+    let j = &json["jobs"][0][dir];
+    let bw = j["bw_bytes"].as_f64().ok_or("fio JSON lacks bw_bytes")?;
+    Ok(PeerResult {
+        bytes_per_s: bw,
+        iops: j["iops"].as_f64().unwrap_or(0.0),
+    })
+}
+
+const KVIKIO_SCRIPT: &str = include_str!("peers/kvikio_peer.py");
+
+/// What kvikio should do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvikioMode {
+    /// Read the whole file into GPU memory, page cache warm.
+    Warm,
+    /// The same with the file's pages dropped before each read.
+    Cold,
+    /// Random 4 KiB reads into GPU memory through `pread` futures.
+    Random4k,
+}
+
+/// Runs kvikio (Python) on `path` with `threads` threads; errors say why it could not run.
+pub fn kvikio(
+    path: &Path,
+    size: u64,
+    threads: usize,
+    mode: KvikioMode,
+    reps: usize,
+) -> Result<PeerResult, String> {
+    let python = std::env::var("GPUIO_PYTHON").unwrap_or_else(|_| "python3".into());
+    let mode = match mode {
+        KvikioMode::Warm => "warm",
+        KvikioMode::Cold => "cold",
+        KvikioMode::Random4k => "rand4k",
+    };
+    let out = Command::new(&python)
+        .arg("-c")
+        .arg(KVIKIO_SCRIPT)
+        .arg(path)
+        .arg(size.to_string())
+        .arg(mode)
+        .arg(reps.to_string())
+        .env("KVIKIO_NTHREADS", threads.to_string())
+        .output()
+        .map_err(|e| format!("running {python}: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let last = text.lines().last().unwrap_or("");
+    if !out.status.success() || !last.starts_with('{') {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(format!(
+            "kvikio unavailable: {}",
+            err.lines().last().unwrap_or(last).trim()
+        ));
+    }
+    let json: serde_json::Value =
+        serde_json::from_str(last).map_err(|e| format!("kvikio output: {e}"))?;
+    Ok(PeerResult {
+        bytes_per_s: json["bytes_per_s"].as_f64().unwrap_or(0.0),
+        iops: json["iops"].as_f64().unwrap_or(0.0),
+    })
+}
