@@ -228,7 +228,7 @@ pub fn run(
             k.bytes_per_s / 1e9,
         );
     }
-    if let Some(f) = peer(&mut notes, "fio warm", peers::fio(&fio_base)) {
+    if let Some(f) = peer(&mut notes, "fio warm", peers::fio(&fio_base, 3)) {
         record(
             "seq_read_warm",
             "bandwidth",
@@ -257,12 +257,15 @@ pub fn run(
             if let Some(f) = peer(
                 &mut notes,
                 "fio cold",
-                peers::fio(&FioJob {
-                    iodepth: lanes * slots,
-                    numjobs: 1,
-                    direct: true,
-                    ..fio_base.clone()
-                }),
+                peers::fio(
+                    &FioJob {
+                        iodepth: lanes * slots,
+                        numjobs: 1,
+                        direct: true,
+                        ..fio_base.clone()
+                    },
+                    3,
+                ),
             ) {
                 record(
                     "seq_read_cold",
@@ -322,12 +325,15 @@ pub fn run(
     if let Some(f) = peer(
         &mut notes,
         "fio write",
-        peers::fio(&FioJob {
-            path: &wpath,
-            rw: "write",
-            end_fsync: true,
-            ..fio_base.clone()
-        }),
+        peers::fio(
+            &FioJob {
+                path: &wpath,
+                rw: "write",
+                end_fsync: true,
+                ..fio_base.clone()
+            },
+            3,
+        ),
     ) {
         record(
             "seq_write_sync",
@@ -368,7 +374,7 @@ pub fn run(
         runtime_s: Some(3),
         ..fio_base.clone()
     };
-    if let Some(f) = peer(&mut notes, "fio randread", peers::fio(&rand_job)) {
+    if let Some(f) = peer(&mut notes, "fio randread", peers::fio(&rand_job, 3)) {
         record(
             "rand_read_4k",
             "iops",

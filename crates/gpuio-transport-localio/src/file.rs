@@ -355,6 +355,19 @@ impl FileHandle {
         Ok(())
     }
 
+    /// Starts writing back `offset..offset+len` without waiting (buffered files only; a
+    /// no-op on direct ones, which have nothing cached).
+    pub(crate) fn start_writeback(&self, offset: u64, len: u64) -> Result<()> {
+        if self.inner.direct {
+            return Ok(());
+        }
+        Ok(gpuio_hal::file::start_writeback(
+            &self.inner.file,
+            offset,
+            len,
+        )?)
+    }
+
     /// Flushes written data to stable storage (`fdatasync`).
     pub fn sync_data(&self) -> Result<()> {
         self.inner

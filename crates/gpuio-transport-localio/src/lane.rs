@@ -218,6 +218,8 @@ pub(crate) struct WriteJob<'a> {
     pub(crate) old_len: u64,
     /// Bytes confirmed written so far, by all lanes.
     pub(crate) written: &'a AtomicUsize,
+    /// Start writeback of each chunk once written (the transfer ends in `fdatasync`).
+    pub(crate) writeback: bool,
 }
 
 impl Lane {
@@ -478,6 +480,9 @@ impl Lane {
                 match done.result {
                     Ok(n) if n == io_len => {
                         job.written.fetch_add(want_len, Ordering::Relaxed);
+                        if job.writeback {
+                            job.file.start_writeback(io_start, io_len as u64)?;
+                        }
                     }
                     Ok(n) => {
                         return Err(job

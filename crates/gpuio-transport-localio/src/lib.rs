@@ -142,8 +142,9 @@ pub enum Durability {
     /// When the kernel gets to it.
     #[default]
     None,
-    /// `fdatasync` once the whole transfer is written. (For every write to be durable as it
-    /// happens, open the file with [`OpenOptions::dsync`].)
+    /// `fdatasync` once the whole transfer is written; writeback of each chunk starts as soon
+    /// as it is written, so the flush overlaps the rest of the transfer. (For every write to be
+    /// durable as it happens, open the file with [`OpenOptions::dsync`].)
     DataSync,
 }
 
@@ -460,6 +461,7 @@ impl LocalIo {
             src_offset,
             old_len,
             written: &written,
+            writeback: durability == Durability::DataSync,
         };
         let result = self.run_lanes(&mut lanes, |lane, abort| lane.write(&job, abort));
         pool.give_back(lanes);
