@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use bytesize::ByteSize;
 use gpuio_core::RetryPolicy;
 use gpuio_hal::BackendPreference;
-use gpuio_transport_localio::{EnginePreference, LocalIoConfig};
+use gpuio_transport_localio::{EnginePreference, GdsPolicy, LocalIoConfig};
 use gpuio_transport_memio::MemIoConfig;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -71,6 +71,12 @@ pub struct LocalIoSection {
     pub slots_per_lane: usize,
     /// io_uring submission polling.
     pub sqpoll: bool,
+    /// crc32c of every sequential transfer, computed in staging.
+    pub checksum: bool,
+    /// When transfers go through cuFile.
+    pub gds: GdsPolicy,
+    /// Smallest transfer sent through cuFile.
+    pub gds_threshold: ByteSize,
 }
 
 impl Default for Config {
@@ -105,6 +111,9 @@ impl Config {
                 chunk_size: ByteSize::mib(4),
                 slots_per_lane: 4,
                 sqpoll: false,
+                checksum: false,
+                gds: GdsPolicy::Auto,
+                gds_threshold: ByteSize::mib(1),
             },
             retry: RetryPolicy::default(),
             source: None,
@@ -188,6 +197,9 @@ impl Config {
         if let Some(v) = get("GPUIO_LOCALIO_ENGINE") {
             self.localio.engine = parse("GPUIO_LOCALIO_ENGINE", &v, "auto, uring or posix")?;
         }
+        if let Some(v) = get("GPUIO_LOCALIO_GDS") {
+            self.localio.gds = parse("GPUIO_LOCALIO_GDS", &v, "auto, on or off")?;
+        }
         if let Some(v) = get("GPUIO_PIPELINE_THREADS") {
             self.memio.threads = parse("GPUIO_PIPELINE_THREADS", &v, "a number of threads")?;
         }
@@ -268,6 +280,9 @@ impl Config {
             chunk_size: self.localio.chunk_size.as_u64() as usize,
             slots_per_lane: self.localio.slots_per_lane,
             sqpoll: self.localio.sqpoll,
+            checksum: self.localio.checksum,
+            gds: self.localio.gds,
+            gds_threshold: self.localio.gds_threshold.as_u64().min(usize::MAX as u64) as usize,
         }
     }
 

@@ -74,19 +74,14 @@ struct PendingFile {
 }
 
 impl PendingFile {
-    fn create(session: &Session, target: &Path) -> Result<Self> {
+    /// A temporary file beside `target`, opened for writing with `opts` (O_DIRECT, GDS).
+    fn create(session: &Session, target: &Path, opts: OpenOptions) -> Result<Self> {
         let existing = std::fs::metadata(target).ok();
         // Block devices and other special files are written in place, never replaced.
         if let Some(meta) = &existing
             && !meta.is_file()
         {
-            let handle = session.open_file(
-                target,
-                OpenOptions {
-                    write: true,
-                    ..OpenOptions::READ
-                },
-            )?;
+            let handle = session.open_file(target, opts)?;
             return Ok(Self {
                 handle,
                 temp: None,
@@ -118,8 +113,14 @@ impl PendingFile {
         if let Some(meta) = &existing {
             file.set_permissions(meta.permissions()).map_err(io_err)?;
         }
+        let handle = if opts.direct || opts.gds.is_some() {
+            // Reopened with the flags asked for; `path` deletes the file if that fails.
+            session.open_file(&path, opts)?
+        } else {
+            FileHandle::from_file(file, path.to_path_buf(), true)
+        };
         Ok(Self {
-            handle: FileHandle::from_file(file, path.to_path_buf(), true),
+            handle,
             temp: Some(path),
             target: target.into(),
         })
@@ -193,12 +194,17 @@ impl Session {
 
         let mut pending = None;
         let destination = match dst {
-            Uri::File { path, .. } => {
+            Uri::File { path, direct, gds } => {
                 if same_file(src_path, path) {
                     return Err(Error::Invalid(format!("{src} and {dst} are the same file")));
                 }
-                crate::session::check_file_options(dst)?;
-                let p = PendingFile::create(self, path)?;
+                let opts = OpenOptions {
+                    write: true,
+                    direct: *direct,
+                    gds: *gds,
+                    ..OpenOptions::READ
+                };
+                let p = PendingFile::create(self, path, opts)?;
                 let handle = p.handle.clone();
                 pending = Some(p);
                 Resource::File(handle)

@@ -40,5 +40,7 @@ pub use gpuio_core::{
     Outcome, Priority, Request, RequestFlags, RequestHandle, RequestId, Source, Status,
 };
 pub use gpuio_hal::{DeviceBuffer, Gpu};
-pub use gpuio_transport_localio::{Durability, FileHandle, OpenOptions};
+pub use gpuio_transport_localio::{
+    Durability, Engine as LocalEngine, FileHandle, GdsPolicy, OpenOptions, StripeSet, Transfer,
+};
 pub use gpuio_transport_memio::{HostPlacement, Route};

@@ -63,17 +63,6 @@ pub enum Access {
     Write,
 }
 
-/// Refuses file options this build's LocalIO engine cannot honour, rather than ignoring them.
-pub(crate) fn check_file_options(uri: &Uri) -> Result<()> {
-    match uri {
-        Uri::File { gds: true, .. } => Err(Error::Unsupported {
-            what: format!("{uri}: gds=1 (GPUDirect Storage)"),
-            reason: "this build's LocalIO engine has no cuFile path".into(),
-        }),
-        _ => Ok(()),
-    }
-}
-
 /// A gpuio session. Thread-safe: share it behind an `Arc`.
 ///
 /// ```
@@ -187,14 +176,14 @@ impl Session {
                     .ok_or_else(|| Error::Invalid(format!("{uri} is not host memory")))?;
                 Ok(Resource::Host(self.alloc_host(placement, len, true)?))
             }
-            Uri::File { path, direct, .. } => {
-                check_file_options(uri)?;
+            Uri::File { path, direct, gds } => {
                 let opts = match access {
                     Access::Read => OpenOptions::READ,
                     Access::Write => OpenOptions::CREATE,
                 };
                 let opts = OpenOptions {
                     direct: *direct,
+                    gds: *gds,
                     ..opts
                 };
                 Ok(Resource::File(self.open_file(path, opts)?))

@@ -42,8 +42,9 @@ pub enum Uri {
         path: PathBuf,
         /// O_DIRECT requested.
         direct: bool,
-        /// GPUDirect Storage requested.
-        gds: bool,
+        /// GPUDirect Storage: `Some(true)` for `gds=1` (cuFile or an error), `Some(false)` for
+        /// `gds=0` (never cuFile), `None` to leave it to the engine's policy.
+        gds: Option<bool>,
     },
     /// A resource exported by another node.
     Remote {
@@ -121,13 +122,12 @@ impl fmt::Display for Uri {
             Self::File { path, direct, gds } => {
                 let p = encode_path(&path.to_string_lossy());
                 match (direct, gds) {
-                    (false, false) if path.is_absolute() => write!(f, "file://{p}"),
-                    (false, false) => write!(f, "{}", path.display()),
-                    _ => write!(
-                        f,
-                        "localio://{p}?direct={}&gds={}",
-                        *direct as u8, *gds as u8
-                    ),
+                    (false, None) if path.is_absolute() => write!(f, "file://{p}"),
+                    (false, None) => write!(f, "{}", path.display()),
+                    (_, None) => write!(f, "localio://{p}?direct=1"),
+                    (_, Some(g)) => {
+                        write!(f, "localio://{p}?direct={}&gds={}", *direct as u8, *g as u8)
+                    }
                 }
             }
             Self::Remote {
@@ -228,7 +228,7 @@ impl<'a> Parser<'a> {
         Ok(Uri::File {
             path: PathBuf::from(s),
             direct: false,
-            gds: false,
+            gds: None,
         })
     }
 
@@ -344,11 +344,12 @@ impl<'a> Parser<'a> {
             .transpose()
     }
 
-    fn flag(&self, params: &Params<'a>, name: &str) -> Result<bool> {
+    /// A boolean parameter: `None` where absent.
+    fn flag(&self, params: &Params<'a>, name: &str) -> Result<Option<bool>> {
         match params.items.iter().find(|(k, _, _)| *k == name) {
-            None => Ok(false),
-            Some((_, "1" | "true" | "yes", _)) => Ok(true),
-            Some((_, "0" | "false" | "no", _)) => Ok(false),
+            None => Ok(None),
+            Some((_, "1" | "true" | "yes", _)) => Ok(Some(true)),
+            Some((_, "0" | "false" | "no", _)) => Ok(Some(false)),
             Some((k, v, pos)) => Err(self.err(
                 *pos,
                 UriProblem::BadParam {
@@ -442,10 +443,13 @@ impl<'a> Parser<'a> {
         let params = self.params(query)?;
         let (direct, gds) = if localio {
             self.check_allowed(&params, "direct, gds")?;
-            (self.flag(&params, "direct")?, self.flag(&params, "gds")?)
+            (
+                self.flag(&params, "direct")?.unwrap_or(false),
+                self.flag(&params, "gds")?,
+            )
         } else {
             self.check_allowed(&params, "")?;
-            (false, false)
+            (false, None)
         };
         let path_at = at + authority.len();
         Ok(Uri::File {
@@ -508,7 +512,7 @@ impl<'a> Parser<'a> {
             target,
             resource: self.decode(resource, at + authority.len() + 1)?,
             transport,
-            gdr: self.flag(&params, "gdr")?,
+            gdr: self.flag(&params, "gdr")?.unwrap_or(false),
         })
     }
 
@@ -574,7 +578,7 @@ mod tests {
             Uri::File {
                 path: "/dev/nvme0n1".into(),
                 direct: false,
-                gds: false
+                gds: None
             }
         );
         assert_eq!(
@@ -582,7 +586,7 @@ mod tests {
             Uri::File {
                 path: "/mnt/data/file.dat".into(),
                 direct: true,
-                gds: true
+                gds: Some(true)
             }
         );
         assert_eq!(
@@ -618,7 +622,7 @@ mod tests {
             Uri::File {
                 path: "data/x.bin".into(),
                 direct: false,
-                gds: false
+                gds: None
             }
         );
         assert_eq!(
@@ -728,7 +732,7 @@ mod tests {
             (
                 "(/[a-zA-Z0-9 ._%?#-]{1,12}){1,3}",
                 any::<bool>(),
-                any::<bool>()
+                proptest::option::of(any::<bool>())
             )
                 .prop_map(|(p, direct, gds)| Uri::File {
                     path: p.into(),

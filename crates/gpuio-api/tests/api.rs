@@ -110,15 +110,23 @@ fn uris_open_the_resources_they_name() {
         )
         .unwrap();
     assert!(matches!(direct, Resource::File(ref f) if f.is_direct()));
-    let unsupported = [
-        format!("localio://{}?gds=1", path.display()),
-        "remoteio://10.0.0.1:5555/data".to_string(),
-    ];
-    for u in unsupported {
-        let err = s
-            .open(&Uri::parse(&u).unwrap(), 0, Access::Read)
-            .unwrap_err();
-        assert_eq!(err.code(), ErrorCode::Unsupported, "{u}: {err}");
+    let err = s
+        .open(
+            &Uri::parse("remoteio://10.0.0.1:5555/data").unwrap(),
+            0,
+            Access::Read,
+        )
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Unsupported, "{err}");
+    // gds=1 asks for cuFile: it runs where cuFile can, and says why not elsewhere.
+    let gds = Uri::parse(&format!("localio://{}?gds=1", path.display())).unwrap();
+    let r = s.open(&gds, 0, Access::Read).unwrap();
+    assert!(matches!(r, Resource::File(ref f) if f.gds() == Some(true)));
+    let len = std::fs::metadata(&path).unwrap().len();
+    let copied = s.copy(&gds, &Uri::Gpu(0), &Default::default(), &mut |_| {});
+    match s.gpus()[0].gds() {
+        Ok(_) => assert_eq!(copied.unwrap().bytes, len),
+        Err(_) => assert_eq!(copied.unwrap_err().code(), ErrorCode::Unsupported),
     }
     let err = s
         .open(&Uri::parse("gpu7").unwrap(), 10, Access::Write)

@@ -95,24 +95,37 @@ fn io_paths(session: &Session) -> Vec<IoPath> {
             memio.topology().online_list()
         )),
     ));
+    let localio = session.localio();
+    let (engine, why) = localio.engine();
     paths.push(IoPath::new(
         "localio",
-        "files: POSIX pread/pwrite",
-        Capability::yes("buffered, double-buffered staging to GPU memory"),
+        "files <-> GPU: what AUTO picks",
+        Capability::yes(localio.explain(gpu0)),
     ));
     paths.push(IoPath::new(
         "localio",
-        "files: io_uring, O_DIRECT",
-        not_built("the io_uring engine"),
+        "files: io_uring (fixed buffers and files, O_DIRECT)",
+        if engine == gpuio_api::LocalEngine::Uring {
+            Capability::yes(why)
+        } else {
+            Capability::no(why)
+        },
     ));
-    let gds = &gpu0.info().gds;
+    paths.push(IoPath::new(
+        "localio",
+        "files: pread/pwrite lanes (fallback)",
+        Capability::yes("always available"),
+    ));
     paths.push(IoPath::new(
         "localio",
         "files: GPUDirect Storage (cuFile)",
-        Capability::no(format!(
-            "{}; the cuFile engine is not in this build",
-            gds.detail
-        )),
+        match gpu0.gds() {
+            Ok((mode, lib)) => Capability {
+                available: mode == gpuio_hal::GdsMode::Native,
+                detail: format!("{lib}: {mode}; {}", gpu0.info().gds.detail),
+            },
+            Err(e) => Capability::no(e.to_string()),
+        },
     ));
     paths.push(IoPath::new(
         "remoteio",

@@ -38,8 +38,8 @@ pub mod uring;
 
 pub use error::{ErrorCode, HalError, Result, check_range};
 pub use gpu::{
-    Backend, BackendPreference, Capability, DeviceBuffer, DeviceInfo, Event, Gpu, Inflight,
-    PcieLink, PinGuard, Probe, Stream, probe, probe_with,
+    Backend, BackendPreference, Capability, DeviceBuffer, DeviceInfo, Event, GdsFile, GdsMode, Gpu,
+    Inflight, PcieLink, PinGuard, Probe, Stream, probe, probe_with,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::{HostAllocOptions, HostBuffer, Location, MemoryRegion, MemoryTier, Registration};

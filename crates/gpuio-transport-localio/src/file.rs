@@ -4,11 +4,12 @@
 
 use crate::{LocalIoError, Result};
 use gpuio_hal::file::{DirectIoAlignment, Extent};
-use gpuio_hal::{HostAllocOptions, HostBuffer};
+use gpuio_hal::{GdsFile, Gpu, HostAllocOptions, HostBuffer};
 use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// How to open a file.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -23,6 +24,10 @@ pub struct OpenOptions {
     pub direct: bool,
     /// O_DSYNC: every write is durable when it returns.
     pub dsync: bool,
+    /// GPUDirect Storage: `Some(true)` moves this file's GPU transfers through cuFile (an
+    /// error where cuFile cannot run), `Some(false)` never does, `None` leaves it to the
+    /// engine's policy.
+    pub gds: Option<bool>,
 }
 
 impl OpenOptions {
@@ -33,6 +38,7 @@ impl OpenOptions {
         truncate: false,
         direct: false,
         dsync: false,
+        gds: None,
     };
     /// Create or truncate, then write; buffered.
     pub const CREATE: Self = Self {
@@ -41,6 +47,7 @@ impl OpenOptions {
         truncate: true,
         direct: false,
         dsync: false,
+        gds: None,
     };
 
     /// These options with O_DIRECT.
@@ -66,6 +73,9 @@ struct FileInner {
     writable: bool,
     direct: bool,
     alignment: DirectIoAlignment,
+    gds: Option<bool>,
+    /// cuFile registrations, one per GPU that used this file, released with the handle.
+    gds_files: Mutex<Vec<(Gpu, Arc<GdsFile>)>>,
 }
 
 /// Bytes per bounce transfer for unaligned O_DIRECT IO.
@@ -94,15 +104,27 @@ impl FileHandle {
                 path: path.clone(),
                 source,
             })?;
-        Ok(Self::from_parts(file, path, writable, opts.direct))
+        Ok(Self::from_parts(
+            file,
+            path,
+            writable,
+            opts.direct,
+            opts.gds,
+        ))
     }
 
     /// Wraps a file the caller opened (`writable`: opened for writing; buffered IO).
     pub fn from_file(file: File, path: impl Into<PathBuf>, writable: bool) -> Self {
-        Self::from_parts(file, path.into(), writable, false)
+        Self::from_parts(file, path.into(), writable, false, None)
     }
 
-    fn from_parts(file: File, path: PathBuf, writable: bool, direct: bool) -> Self {
+    fn from_parts(
+        file: File,
+        path: PathBuf,
+        writable: bool,
+        direct: bool,
+        gds: Option<bool>,
+    ) -> Self {
         let alignment = gpuio_hal::file::direct_io_alignment(&file);
         Self {
             inner: Arc::new(FileInner {
@@ -111,6 +133,8 @@ impl FileHandle {
                 writable,
                 direct,
                 alignment,
+                gds,
+                gds_files: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -147,6 +171,36 @@ impl FileHandle {
 
     pub(crate) fn shared(&self) -> Arc<File> {
         self.inner.file.clone()
+    }
+
+    /// Whether this file asked for cuFile ([`OpenOptions::gds`]).
+    pub fn gds(&self) -> Option<bool> {
+        self.inner.gds
+    }
+
+    /// This file's cuFile registration for `gpu`, made on first use. cuFile wants an
+    /// O_DIRECT descriptor; a buffered handle reopens its own file (through `/proc/self/fd`,
+    /// so a rename cannot swap it) with O_DIRECT where the file system allows.
+    pub(crate) fn gds_file(&self, gpu: &Gpu) -> Result<Arc<GdsFile>> {
+        let mut files = crate::lane::lock(&self.inner.gds_files);
+        if let Some((_, f)) = files.iter().find(|(g, _)| g.same_device(gpu)) {
+            return Ok(f.clone());
+        }
+        let fd = if self.inner.direct {
+            self.inner.file.clone()
+        } else {
+            let own = format!("/proc/self/fd/{}", self.inner.file.as_raw_fd());
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(self.inner.writable)
+                .custom_flags(libc::O_DIRECT)
+                .open(own)
+                .map(Arc::new)
+                .unwrap_or_else(|_| self.inner.file.clone())
+        };
+        let registered = Arc::new(GdsFile::register(gpu, fd)?);
+        files.push((gpu.clone(), registered.clone()));
+        Ok(registered)
     }
 
     /// Whether both handles refer to the same file on disk (same device and inode), however

@@ -1,14 +1,12 @@
 //! Lanes of the file↔GPU pipeline. A lane is a thread's worth of work: an IO queue whose
 //! slots are pinned staging buffers, and a GPU stream. Lanes pull chunks of a transfer from a
 //! shared counter; within a lane, reads of later chunks run while earlier ones are DMA'd to the
-//! GPU (and, for writes, DMAs of later chunks while earlier ones are written).
-//!
-//! O_DIRECT: a chunk's IO covers its aligned superset; only the wanted bytes go to the GPU.
-//! Chunk boundaries inside a transfer are aligned, so only its first and last chunk can have
-//! partial blocks; a write fills those from the file first (zeros past its end) and the caller
-//! trims any padding past the end afterwards.
+//! GPU (and, for writes, DMAs of later chunks while earlier ones are written). A write fills
+//! a chunk's partial edge blocks from the file first (zeros past its end); the caller trims
+//! any O_DIRECT padding past the end afterwards.
 
 use crate::file::FileHandle;
+use crate::plan::Plan;
 use crate::queue::{Engine, FileId, IoQueue};
 use crate::{LocalIoError, Result};
 use gpuio_hal::{DeviceBuffer, Gpu, HostAllocOptions, HostBuffer, Inflight, Stream};
@@ -108,74 +106,10 @@ impl LanePool {
     }
 }
 
-/// How a transfer between a file range and a device range is cut into chunks.
-pub(crate) struct Chunks {
-    file_off: u64,
-    end: u64,
-    /// Aligned start of the first chunk.
-    base: u64,
-    align: u64,
-    chunk: u64,
-    count: usize,
-    next: AtomicUsize,
-}
-
-impl Chunks {
-    /// `chunk` must be a multiple of `align` (a power of two; 1 for buffered IO).
-    pub(crate) fn new(file_off: u64, len: u64, align: u64, chunk: u64) -> Self {
-        let base = file_off / align * align;
-        let end = file_off + len;
-        let io_end = end.next_multiple_of(align);
-        let count = if len == 0 {
-            0
-        } else {
-            (io_end - base).div_ceil(chunk) as usize
-        };
-        Self {
-            file_off,
-            end,
-            base,
-            align,
-            chunk,
-            count,
-            next: AtomicUsize::new(0),
-        }
-    }
-
-    pub(crate) fn count(&self) -> usize {
-        self.count
-    }
-
-    fn claim(&self) -> Option<usize> {
-        let k = self.next.fetch_add(1, Ordering::Relaxed);
-        (k < self.count).then_some(k)
-    }
-
-    /// The (aligned) file range chunk `k`'s IO covers.
-    fn io_range(&self, k: usize) -> (u64, usize) {
-        let start = self.base + k as u64 * self.chunk;
-        let end = (start + self.chunk).min(self.end.next_multiple_of(self.align));
-        (start, (end - start) as usize)
-    }
-
-    /// The exact file bytes chunk `k` carries.
-    fn wanted(&self, k: usize) -> (u64, usize) {
-        let (io_start, io_len) = self.io_range(k);
-        let start = io_start.max(self.file_off);
-        let end = (io_start + io_len as u64).min(self.end);
-        (start, (end - start) as usize)
-    }
-
-    /// Where chunk `k`'s bytes sit in the device range.
-    fn device_offset(&self, k: usize) -> usize {
-        (self.wanted(k).0 - self.file_off) as usize
-    }
-}
-
-/// What a lane reads: file → device.
+/// What a lane reads: files → device.
 pub(crate) struct ReadJob<'a> {
-    pub(crate) file: &'a FileHandle,
-    pub(crate) chunks: &'a Chunks,
+    pub(crate) files: &'a [&'a FileHandle],
+    pub(crate) plan: &'a Plan,
     pub(crate) dst: &'a DeviceBuffer,
     pub(crate) dst_offset: usize,
 }
@@ -208,14 +142,14 @@ impl BlocksJob<'_> {
     }
 }
 
-/// What a lane writes: device → file.
+/// What a lane writes: device → files.
 pub(crate) struct WriteJob<'a> {
-    pub(crate) file: &'a FileHandle,
-    pub(crate) chunks: &'a Chunks,
+    pub(crate) files: &'a [&'a FileHandle],
+    pub(crate) plan: &'a Plan,
     pub(crate) src: &'a DeviceBuffer,
     pub(crate) src_offset: usize,
-    /// The file's length before the transfer (edges past it read as zeros).
-    pub(crate) old_len: u64,
+    /// The files' lengths before the transfer (edges past them read as zeros).
+    pub(crate) old_lens: &'a [u64],
     /// Bytes confirmed written so far, by all lanes.
     pub(crate) written: &'a AtomicUsize,
     /// Start writeback of each chunk once written (the transfer ends in `fdatasync`).
@@ -242,20 +176,41 @@ impl Lane {
         }
     }
 
+    /// Attaches `files` to the lane's queue, all or none.
+    fn attach_all(&mut self, files: &[&FileHandle]) -> Result<Vec<FileId>> {
+        let mut ids = Vec::with_capacity(files.len());
+        for f in files {
+            match self.queue.attach(f.shared()) {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    self.detach_all(ids);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    fn detach_all(&mut self, ids: Vec<FileId>) {
+        for id in ids {
+            self.queue.detach(id);
+        }
+    }
+
     /// Runs a read job until its chunks run out (or `abort` is set by a failing lane).
     pub(crate) fn read(&mut self, job: &ReadJob<'_>, abort: &AtomicBool) -> Result<()> {
-        let file = self.queue.attach(job.file.shared())?;
+        let ids = self.attach_all(job.files)?;
         let mut dmas = VecDeque::new();
-        let result = self.read_loop(job, file, abort, &mut dmas);
+        let result = self.read_loop(job, &ids, abort, &mut dmas);
         self.settle(dmas);
-        self.queue.detach(file);
+        self.detach_all(ids);
         result
     }
 
     fn read_loop(
         &mut self,
         job: &ReadJob<'_>,
-        file: FileId,
+        ids: &[FileId],
         abort: &AtomicBool,
         dmas: &mut VecDeque<(usize, Inflight<HostBuffer>)>,
     ) -> Result<()> {
@@ -273,11 +228,12 @@ impl Lane {
                 }
             }
             while !exhausted && !abort.load(Ordering::Relaxed) && !free.is_empty() {
-                match job.chunks.claim() {
-                    Some(k) => {
+                match job.plan.claim() {
+                    Some((k, c)) => {
                         let slot = free.pop().ok_or_else(no_slot)?;
-                        let (at, n) = job.chunks.io_range(k);
-                        self.queue.read(file, at, slot, 0..n, k as u64)?;
+                        let id = *ids.get(c.file).ok_or_else(no_file)?;
+                        self.queue
+                            .read(id, c.io_start, slot, 0..c.io_len, k as u64)?;
                         reads += 1;
                     }
                     None => exhausted = true,
@@ -298,19 +254,19 @@ impl Lane {
                 reads -= 1;
                 let k = done.tag as usize;
                 let slot = done.buf.map(|b| b.0).ok_or_else(no_slot)?;
-                let (io_start, _) = job.chunks.io_range(k);
-                let (want_start, want_len) = job.chunks.wanted(k);
-                let got = done.result.map_err(|e| job.file.io("read", io_start, e))?;
-                let head = (want_start - io_start) as usize;
-                if got < head + want_len {
-                    return Err(job.file.eof(want_start, want_len, got.saturating_sub(head)));
+                let c = job.plan.chunk(k).ok_or_else(no_chunk)?;
+                let file = job.files[c.file];
+                let got = done.result.map_err(|e| file.io("read", c.io_start, e))?;
+                if got < c.head + c.len {
+                    return Err(file.eof(c.start(), c.len, got.saturating_sub(c.head)));
                 }
                 let buf = self.queue.take(slot)?;
-                let off = job.dst_offset + job.chunks.device_offset(k);
+                let wanted = c.head..c.head + c.len;
+                job.plan.checksum(k, &buf[wanted.clone()]);
                 dmas.push_back((
                     slot,
                     self.stream
-                        .upload_async(buf, head..head + want_len, job.dst, off)?,
+                        .upload_async(buf, wanted, job.dst, job.dst_offset + c.dev_off)?,
                 ));
             }
         }
@@ -401,18 +357,18 @@ impl Lane {
 
     /// Runs a write job until its chunks run out (or `abort` is set by a failing lane).
     pub(crate) fn write(&mut self, job: &WriteJob<'_>, abort: &AtomicBool) -> Result<()> {
-        let file = self.queue.attach(job.file.shared())?;
+        let ids = self.attach_all(job.files)?;
         let mut dmas = VecDeque::new();
-        let result = self.write_loop(job, file, abort, &mut dmas);
+        let result = self.write_loop(job, &ids, abort, &mut dmas);
         self.settle(dmas);
-        self.queue.detach(file);
+        self.detach_all(ids);
         result
     }
 
     fn write_loop(
         &mut self,
         job: &WriteJob<'_>,
-        file: FileId,
+        ids: &[FileId],
         abort: &AtomicBool,
         dmas: &mut VecDeque<(usize, Inflight<HostBuffer>)>,
     ) -> Result<()> {
@@ -423,27 +379,28 @@ impl Lane {
         let mut chunk_of: Vec<usize> = vec![0; self.queue.slots()];
         loop {
             while !exhausted && !abort.load(Ordering::Relaxed) && !free.is_empty() {
-                match job.chunks.claim() {
-                    Some(k) => {
+                match job.plan.claim() {
+                    Some((k, c)) => {
                         let slot = free.pop().ok_or_else(no_slot)?;
-                        let (io_start, io_len) = job.chunks.io_range(k);
-                        let (want_start, want_len) = job.chunks.wanted(k);
-                        let head = (want_start - io_start) as usize;
                         let buf = self.queue.buffer_mut(slot)?;
-                        if head != 0 || head + want_len != io_len {
+                        if c.is_partial() {
                             // A partial edge block keeps what the file holds there.
-                            buf[..io_len].fill(0);
-                            if io_start < job.old_len {
-                                job.file.read_at(io_start, &mut buf[..io_len])?;
+                            buf[..c.io_len].fill(0);
+                            if c.io_start < job.old_lens[c.file] {
+                                job.files[c.file].read_at(c.io_start, &mut buf[..c.io_len])?;
                             }
                         }
                         let buf = self.queue.take(slot)?;
-                        let off = job.src_offset + job.chunks.device_offset(k);
+                        let off = job.src_offset + c.dev_off;
                         chunk_of[slot] = k;
                         dmas.push_back((
                             slot,
-                            self.stream
-                                .download_async(job.src, off, buf, head..head + want_len)?,
+                            self.stream.download_async(
+                                job.src,
+                                off,
+                                buf,
+                                c.head..c.head + c.len,
+                            )?,
                         ));
                     }
                     None => exhausted = true,
@@ -451,11 +408,14 @@ impl Lane {
             }
             // The oldest DMA done: write its slot out.
             if let Some((slot, f)) = dmas.pop_front() {
-                self.queue.put(slot, f.wait()?)?;
+                let buf = f.wait()?;
                 let k = chunk_of[slot];
-                let (io_start, io_len) = job.chunks.io_range(k);
+                let c = job.plan.chunk(k).ok_or_else(no_chunk)?;
+                job.plan.checksum(k, &buf[c.head..c.head + c.len]);
+                self.queue.put(slot, buf)?;
+                let id = *ids.get(c.file).ok_or_else(no_file)?;
                 self.queue
-                    .write(file, io_start, slot, 0..io_len, k as u64)?;
+                    .write(id, c.io_start, slot, 0..c.io_len, k as u64)?;
                 writes += 1;
             }
             if writes == 0 {
@@ -474,25 +434,24 @@ impl Lane {
                 let k = done.tag as usize;
                 let slot = done.buf.map(|b| b.0).ok_or_else(no_slot)?;
                 free.push(slot);
-                let (io_start, io_len) = job.chunks.io_range(k);
-                let (_, want_len) = job.chunks.wanted(k);
+                let c = job.plan.chunk(k).ok_or_else(no_chunk)?;
+                let file = job.files[c.file];
                 let written = job.written.load(Ordering::Relaxed);
                 match done.result {
-                    Ok(n) if n == io_len => {
-                        job.written.fetch_add(want_len, Ordering::Relaxed);
+                    Ok(n) if n == c.io_len => {
+                        job.written.fetch_add(c.len, Ordering::Relaxed);
                         if job.writeback {
-                            job.file.start_writeback(io_start, io_len as u64)?;
+                            file.start_writeback(c.io_start, c.io_len as u64)?;
                         }
                     }
                     Ok(n) => {
-                        return Err(job
-                            .file
-                            .no_space(io_start, io_len, written + n.min(want_len)));
+                        let landed = n.saturating_sub(c.head).min(c.len);
+                        return Err(file.no_space(c.io_start, c.io_len, written + landed));
                     }
                     Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
-                        return Err(job.file.no_space(io_start, io_len, written));
+                        return Err(file.no_space(c.io_start, c.io_len, written));
                     }
-                    Err(e) => return Err(job.file.io("write", io_start, e)),
+                    Err(e) => return Err(file.io("write", c.io_start, e)),
                 }
             }
         }
@@ -503,33 +462,10 @@ fn no_slot() -> LocalIoError {
     LocalIoError::Internal("a staging slot went missing".into())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+fn no_chunk() -> LocalIoError {
+    LocalIoError::Internal("a completion names no chunk of the transfer".into())
+}
 
-    #[test]
-    fn chunks_cover_exactly_and_align_inside() {
-        // Direct: 512-byte alignment, unaligned range.
-        let c = Chunks::new(700, 5000, 512, 2048);
-        let mut covered = 0;
-        let mut prev_end = 700;
-        for k in 0..c.count() {
-            let (io, n) = c.io_range(k);
-            assert_eq!(io % 512, 0);
-            assert_eq!(n % 512, 0);
-            let (w, wn) = c.wanted(k);
-            assert_eq!(w, prev_end);
-            assert!(w >= io && w + wn as u64 <= io + n as u64);
-            assert_eq!(c.device_offset(k), (w - 700) as usize);
-            prev_end = w + wn as u64;
-            covered += wn;
-        }
-        assert_eq!(covered, 5000);
-        assert_eq!(prev_end, 5700);
-        // Buffered: no alignment.
-        let c = Chunks::new(3, 10, 1, 4);
-        let w: Vec<_> = (0..c.count()).map(|k| c.wanted(k)).collect();
-        assert_eq!(w, vec![(3, 4), (7, 4), (11, 2)]);
-        assert_eq!(Chunks::new(5, 0, 512, 4096).count(), 0);
-    }
+fn no_file() -> LocalIoError {
+    LocalIoError::Internal("a chunk names no file of the transfer".into())
 }

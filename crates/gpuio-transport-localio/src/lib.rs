@@ -14,16 +14,21 @@
 #![forbid(unsafe_code)]
 
 mod file;
+mod gds;
 mod lane;
+mod plan;
 mod queue;
+mod stripe;
 
 pub use file::{FileHandle, OpenOptions};
 pub use gpuio_hal::file::{DirectIoAlignment, Extent};
 pub use queue::Engine;
+pub use stripe::StripeSet;
 
 use gpuio_hal::uring::Ring;
-use gpuio_hal::{DeviceBuffer, ErrorCode, Gpu, HalError};
-use lane::{BlocksJob, Chunks, Lane, LanePool, MAX_BATCH, ReadJob, WriteJob, lock};
+use gpuio_hal::{DeviceBuffer, ErrorCode, GdsMode, Gpu, HalError};
+use lane::{BlocksJob, Lane, LanePool, MAX_BATCH, ReadJob, WriteJob, lock};
+use plan::Plan;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -86,6 +91,17 @@ pub enum LocalIoError {
     /// A copy to or from GPU memory failed.
     #[error(transparent)]
     Hal(#[from] HalError),
+    /// A transfer's data does not match the checksum it should have.
+    #[error("{}", match actual {
+        Some(a) => format!("crc32c mismatch: expected {expected:08x}, the data has {a:08x}"),
+        None => format!("crc32c {expected:08x} cannot be verified: checksums are off"),
+    })]
+    Checksum {
+        /// The checksum the data should have.
+        expected: u32,
+        /// The checksum it has (`None`: none was computed).
+        actual: Option<u32>,
+    },
     /// A broken internal invariant (reported, never a panic).
     #[error("internal LocalIO error: {0}")]
     Internal(String),
@@ -99,6 +115,7 @@ impl LocalIoError {
             Self::UnexpectedEof { .. } => ErrorCode::InvalidArg,
             Self::NoSpace { .. } => ErrorCode::Io,
             Self::ReadOnly(_) => ErrorCode::Permission,
+            Self::Checksum { .. } => ErrorCode::Io,
             Self::Hal(e) => e.code(),
             Self::Internal(_) => ErrorCode::General,
         }
@@ -136,6 +153,37 @@ impl std::str::FromStr for EnginePreference {
     }
 }
 
+/// When transfers go through cuFile (GPUDirect Storage) instead of the staged lanes. A file
+/// opened with [`OpenOptions::gds`] set overrides it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GdsPolicy {
+    /// cuFile where it is real GPUDirect Storage (nvidia-fs loaded), for transfers of at
+    /// least [`LocalIoConfig::gds_threshold`]; the lanes otherwise, which beat cuFile's
+    /// compat mode.
+    #[default]
+    Auto,
+    /// cuFile wherever it runs, compat mode included, from the threshold up.
+    On,
+    /// Never.
+    Off,
+}
+
+impl std::str::FromStr for GdsPolicy {
+    type Err = LocalIoError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "on" | "1" | "true" => Ok(Self::On),
+            "off" | "0" | "false" => Ok(Self::Off),
+            other => Err(LocalIoError::Internal(format!(
+                "unknown GDS policy {other:?} (expected auto, on or off)"
+            ))),
+        }
+    }
+}
+
 /// When written data must be durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Durability {
@@ -161,6 +209,15 @@ pub struct LocalIoConfig {
     pub slots_per_lane: usize,
     /// Kernel-side submission polling for io_uring (costs a kernel thread per lane).
     pub sqpoll: bool,
+    /// Compute the crc32c of every sequential transfer's bytes as they pass through staging
+    /// ([`Transfer::crc32c`]); costs a pass over the data on the lane threads, and keeps
+    /// transfers off cuFile (whose bytes never touch host memory).
+    pub checksum: bool,
+    /// When cuFile is used.
+    pub gds: GdsPolicy,
+    /// Smallest transfer the policy sends through cuFile (smaller ones go through the lanes,
+    /// like kvikio's `gds_threshold`).
+    pub gds_threshold: usize,
 }
 
 impl Default for LocalIoConfig {
@@ -172,6 +229,9 @@ impl Default for LocalIoConfig {
             chunk_size: 4 << 20,
             slots_per_lane: 4,
             sqpoll: false,
+            checksum: false,
+            gds: GdsPolicy::Auto,
+            gds_threshold: 1 << 20,
         }
     }
 }
@@ -185,15 +245,33 @@ pub struct Transfer {
     pub engine: Engine,
     /// Lanes used.
     pub lanes: usize,
+    /// The crc32c of the bytes, in device order, as read from the file (reads) or from GPU
+    /// memory (writes); kept when [`LocalIoConfig::checksum`] is on.
+    pub crc32c: Option<u32>,
+}
+
+impl Transfer {
+    /// Checks the transfer's checksum against `expected` (end-to-end verification against a
+    /// checksum stored with the data); [`LocalIoError::Checksum`] if they differ or none was
+    /// kept.
+    pub fn verify_crc32c(&self, expected: u32) -> Result<()> {
+        match self.crc32c {
+            Some(actual) if actual == expected => Ok(()),
+            actual => Err(LocalIoError::Checksum { expected, actual }),
+        }
+    }
 }
 
 impl std::fmt::Display for Transfer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{} x {} lane(s), pinned staging + DMA",
-            self.engine, self.lanes
-        )
+        match self.engine {
+            Engine::Gds(_) => write!(f, "{} x {} thread(s)", self.engine, self.lanes),
+            _ => write!(
+                f,
+                "{} x {} lane(s), pinned staging + DMA",
+                self.engine, self.lanes
+            ),
+        }
     }
 }
 
@@ -292,35 +370,101 @@ impl LocalIo {
         p
     }
 
-    fn chunks_for(
+    /// Whether a transfer of `len` bytes between `files` and `gpu` goes through cuFile, and in
+    /// which mode: the files' own [`OpenOptions::gds`] first, then [`LocalIoConfig::gds`].
+    fn use_gds(&self, files: &[&FileHandle], gpu: &Gpu, len: usize) -> Result<Option<GdsMode>> {
+        let forced = files.iter().any(|f| f.gds() == Some(true));
+        if forced {
+            if self.config.checksum {
+                return Err(LocalIoError::Hal(HalError::Unsupported {
+                    what: "crc32c checksums with gds=1",
+                    reason: "cuFile moves the bytes without host staging to checksum".into(),
+                }));
+            }
+            return Ok(Some(gpu.gds()?.0));
+        }
+        if files.iter().any(|f| f.gds() == Some(false))
+            || self.config.gds == GdsPolicy::Off
+            || self.config.checksum
+            || len < self.config.gds_threshold
+        {
+            return Ok(None);
+        }
+        Ok(match (gpu.gds(), self.config.gds) {
+            (Ok((GdsMode::Native, _)), _) => Some(GdsMode::Native),
+            (Ok((GdsMode::Compat, _)), GdsPolicy::On) => Some(GdsMode::Compat),
+            _ => None,
+        })
+    }
+
+    /// How this engine moves transfers of `gpu`'s memory, for `gpuio info`: the lanes'
+    /// engine, and whether and when cuFile takes over.
+    pub fn explain(&self, gpu: &Gpu) -> String {
+        let lanes = format!(
+            "{} {} lanes, {} x {} pinned staging each",
+            self.config.lanes,
+            self.engine,
+            self.config.slots_per_lane,
+            human_size(self.config.chunk_size)
+        );
+        let from = human_size(self.config.gds_threshold);
+        let gds = match (gpu.gds(), self.config.gds) {
+            (_, GdsPolicy::Off) => "cuFile off in the configuration".to_string(),
+            (Err(e), _) => format!("no cuFile ({e}): gds=1 transfers fail"),
+            (Ok((GdsMode::Native, lib)), _) => {
+                format!("transfers from {from} up go through cuFile ({lib}, native GDS)")
+            }
+            (Ok((GdsMode::Compat, lib)), GdsPolicy::On) => {
+                format!(
+                    "transfers from {from} up go through cuFile ({lib}, compat mode), as configured"
+                )
+            }
+            (Ok((GdsMode::Compat, lib)), GdsPolicy::Auto) => format!(
+                "cuFile ({lib}) runs only in compat mode here (no nvidia-fs), which the lanes outrun: \
+                 used only for gds=1"
+            ),
+        };
+        format!("{lanes}; {gds}")
+    }
+
+    /// Cuts `pieces` of `files` into chunks of one staging slot each.
+    fn plan(
         &self,
-        file: &FileHandle,
+        files: &[&FileHandle],
+        pieces: impl IntoIterator<Item = (usize, u64, u64)>,
         pool: &LanePool,
-        offset: u64,
-        len: usize,
-    ) -> Result<Chunks> {
-        let align = file.required_alignment();
-        if align > pool.slot_len() {
+    ) -> Result<Plan> {
+        if let Some(f) = files
+            .iter()
+            .find(|f| f.required_alignment() > pool.slot_len())
+        {
             return Err(LocalIoError::Hal(HalError::Unsupported {
                 what: "O_DIRECT on this file",
                 reason: format!(
-                    "it needs {align}-byte alignment, above the {}-byte staging",
+                    "{} needs {}-byte alignment, above the {}-byte staging",
+                    f.path().display(),
+                    f.required_alignment(),
                     pool.slot_len()
                 ),
             }));
         }
-        let chunk = pool.slot_len() / align * align;
-        Ok(Chunks::new(offset, len as u64, align as u64, chunk as u64))
+        Ok(Plan::new(
+            files,
+            pieces,
+            pool.slot_len() as u64,
+            self.config.checksum,
+        ))
     }
 
-    /// Runs `work` on every lane at once: the calling thread takes the first lane itself, the
-    /// others are handed to the pool together; the first failure stops the rest.
-    fn run_lanes(
+    /// Runs `work` on every worker (a lane, or a cuFile thread's nothing) at once: the calling
+    /// thread takes the first itself, the others are handed to the pool together; the first
+    /// failure stops the rest.
+    fn run_workers<W: Send>(
         &self,
-        lanes: &mut [Lane],
-        work: impl Fn(&mut Lane, &AtomicBool) -> Result<()> + Sync,
+        workers: &mut [W],
+        work: impl Fn(&mut W, &AtomicBool) -> Result<()> + Sync,
     ) -> Result<()> {
-        let Some((first, rest)) = lanes.split_first_mut() else {
+        let Some((first, rest)) = workers.split_first_mut() else {
             return Ok(());
         };
         let abort = AtomicBool::new(false);
@@ -332,9 +476,9 @@ impl LocalIo {
             }
         };
         self.pool.in_place_scope(|scope| {
-            for lane in rest {
+            for worker in rest {
                 let (work, record, abort) = (&work, &record, &abort);
-                scope.spawn(move |_| record(work(lane, abort)));
+                scope.spawn(move |_| record(work(worker, abort)));
             }
             record(work(first, &abort));
         });
@@ -354,25 +498,66 @@ impl LocalIo {
         dst_offset: usize,
         len: usize,
     ) -> Result<Transfer> {
+        self.read_pieces(&[file], [(0, offset, len as u64)], dst, dst_offset, len)
+    }
+
+    /// Reads `len` bytes of the striped stream `set` from `offset` into `dst` at
+    /// `dst_offset`, from all its files at once.
+    pub fn read_striped_to_device(
+        &self,
+        set: &StripeSet,
+        offset: u64,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<Transfer> {
+        let files: Vec<&FileHandle> = set.files().iter().collect();
+        let pieces = set.pieces(offset, len as u64);
+        self.read_pieces(&files, pieces, dst, dst_offset, len)
+    }
+
+    fn read_pieces(
+        &self,
+        files: &[&FileHandle],
+        pieces: impl IntoIterator<Item = (usize, u64, u64)>,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<Transfer> {
         gpuio_hal::check_range("file read destination", dst_offset, len, dst.len())?;
+        if let Some(mode) = self.use_gds(files, dst.gpu(), len)? {
+            let plan = Plan::new(files, pieces, self.config.chunk_size as u64, false);
+            let regs = gds::register(files, dst.gpu())?;
+            let n = plan.count().clamp(1, self.config.lanes);
+            self.run_workers(&mut vec![(); n], |(), abort| {
+                gds::read(files, &regs, &plan, dst, dst_offset, abort)
+            })?;
+            return Ok(Transfer {
+                bytes: len as u64,
+                engine: Engine::Gds(mode),
+                lanes: n,
+                crc32c: None,
+            });
+        }
         let pool = self.lane_pool(dst.gpu());
-        let chunks = self.chunks_for(file, &pool, offset, len)?;
-        let n = chunks.count().clamp(1, self.config.lanes);
+        let plan = self.plan(files, pieces, &pool)?;
+        let n = plan.count().clamp(1, self.config.lanes);
         let mut lanes = pool.take(n)?;
         let engine = lanes.first().map_or(self.engine, Lane::engine);
         let job = ReadJob {
-            file,
-            chunks: &chunks,
+            files,
+            plan: &plan,
             dst,
             dst_offset,
         };
-        let result = self.run_lanes(&mut lanes, |lane, abort| lane.read(&job, abort));
+        let result = self.run_workers(&mut lanes, |lane, abort| lane.read(&job, abort));
         pool.give_back(lanes);
         result?;
         Ok(Transfer {
             bytes: len as u64,
             engine,
             lanes: n,
+            crc32c: plan.crc32c(),
         })
     }
 
@@ -422,13 +607,15 @@ impl LocalIo {
             .clamp(1, self.config.lanes);
         let mut lanes = pool.take(n)?;
         let engine = lanes.first().map_or(self.engine, Lane::engine);
-        let result = self.run_lanes(&mut lanes, |lane, abort| lane.read_blocks(&job, abort));
+        let result = self.run_workers(&mut lanes, |lane, abort| lane.read_blocks(&job, abort));
         pool.give_back(lanes);
         result?;
         Ok(Transfer {
             bytes: total as u64,
             engine,
             lanes: n,
+            // Scattered blocks have no single byte stream to checksum.
+            crc32c: None,
         })
     }
 
@@ -443,41 +630,106 @@ impl LocalIo {
         len: usize,
         durability: Durability,
     ) -> Result<Transfer> {
+        let pieces = [(0, offset, len as u64)];
+        self.write_pieces(src, src_offset, &[file], pieces, len, durability)
+    }
+
+    /// Writes `len` bytes of `src` from `src_offset` to the striped stream `set` at `offset`,
+    /// to all its files at once, durable as asked.
+    pub fn write_striped_from_device(
+        &self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        set: &StripeSet,
+        offset: u64,
+        len: usize,
+        durability: Durability,
+    ) -> Result<Transfer> {
+        let files: Vec<&FileHandle> = set.files().iter().collect();
+        let pieces = set.pieces(offset, len as u64);
+        self.write_pieces(src, src_offset, &files, pieces, len, durability)
+    }
+
+    fn write_pieces(
+        &self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        files: &[&FileHandle],
+        pieces: impl IntoIterator<Item = (usize, u64, u64)>,
+        len: usize,
+        durability: Durability,
+    ) -> Result<Transfer> {
         gpuio_hal::check_range("file write source", src_offset, len, src.len())?;
-        if !file.is_writable() {
-            return Err(LocalIoError::ReadOnly(file.path().to_path_buf()));
+        if let Some(f) = files.iter().find(|f| !f.is_writable()) {
+            return Err(LocalIoError::ReadOnly(f.path().to_path_buf()));
+        }
+        let written = AtomicUsize::new(0);
+        if let Some(mode) = self.use_gds(files, src.gpu(), len)? {
+            let plan = Plan::new(files, pieces, self.config.chunk_size as u64, false);
+            let regs = gds::register(files, src.gpu())?;
+            let n = plan.count().clamp(1, self.config.lanes);
+            self.run_workers(&mut vec![(); n], |(), abort| {
+                gds::write(files, &regs, &plan, src, src_offset, &written, abort)
+            })?;
+            if durability == Durability::DataSync {
+                for file in files {
+                    file.sync_data()?;
+                }
+            }
+            return Ok(Transfer {
+                bytes: len as u64,
+                engine: Engine::Gds(mode),
+                lanes: n,
+                crc32c: None,
+            });
         }
         let pool = self.lane_pool(src.gpu());
-        let chunks = self.chunks_for(file, &pool, offset, len)?;
-        let old_len = file.len()?;
-        let n = chunks.count().clamp(1, self.config.lanes);
+        let plan = self.plan(files, pieces, &pool)?;
+        let old_lens = files.iter().map(|f| f.len()).collect::<Result<Vec<_>>>()?;
+        let n = plan.count().clamp(1, self.config.lanes);
         let mut lanes = pool.take(n)?;
         let engine = lanes.first().map_or(self.engine, Lane::engine);
-        let written = AtomicUsize::new(0);
         let job = WriteJob {
-            file,
-            chunks: &chunks,
+            files,
+            plan: &plan,
             src,
             src_offset,
-            old_len,
+            old_lens: &old_lens,
             written: &written,
             writeback: durability == Durability::DataSync,
         };
-        let result = self.run_lanes(&mut lanes, |lane, abort| lane.write(&job, abort));
+        let result = self.run_workers(&mut lanes, |lane, abort| lane.write(&job, abort));
         pool.give_back(lanes);
         result?;
-        let end = offset + len as u64;
         // O_DIRECT writes whole blocks: trim the padding a write past the end left.
-        if file.is_direct() && end > old_len && len > 0 {
-            file.set_len(end)?;
+        let mut ends = old_lens.clone();
+        for c in plan.chunks() {
+            ends[c.file] = ends[c.file].max(c.start() + c.len as u64);
+        }
+        for ((file, old), end) in files.iter().zip(&old_lens).zip(ends) {
+            if file.is_direct() && end > *old {
+                file.set_len(end)?;
+            }
         }
         if durability == Durability::DataSync {
-            file.sync_data()?;
+            for file in files {
+                file.sync_data()?;
+            }
         }
         Ok(Transfer {
             bytes: len as u64,
             engine,
             lanes: n,
+            crc32c: plan.crc32c(),
         })
+    }
+}
+
+/// `4 MiB`, `512 KiB`, `100 B`.
+fn human_size(n: usize) -> String {
+    match n {
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
+        n => format!("{n} B"),
     }
 }

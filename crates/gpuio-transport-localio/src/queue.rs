@@ -4,21 +4,23 @@
 //! refused; each operation completes as it is queued).
 
 use crate::{LocalIoError, Result};
-use gpuio_hal::HostBuffer;
 use gpuio_hal::uring::{BufSlot, Done, FileSlot, Ring, RingOptions};
+use gpuio_hal::{GdsMode, HostBuffer};
 use std::collections::VecDeque;
 use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
-/// Which engine a queue runs on.
+/// Which engine moved a transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub enum Engine {
-    /// io_uring with fixed buffers and files.
+    /// io_uring with fixed buffers and files, through pinned staging.
     Uring,
-    /// `pread`/`pwrite` on the lane's thread.
+    /// `pread`/`pwrite` on the lane's thread, through pinned staging.
     Posix,
+    /// cuFile (GPUDirect Storage), in the mode the machine allows.
+    Gds(GdsMode),
 }
 
 impl std::fmt::Display for Engine {
@@ -26,6 +28,8 @@ impl std::fmt::Display for Engine {
         f.write_str(match self {
             Self::Uring => "io_uring",
             Self::Posix => "pread/pwrite",
+            Self::Gds(GdsMode::Native) => "cuFile (GDS)",
+            Self::Gds(GdsMode::Compat) => "cuFile (compat mode)",
         })
     }
 }
@@ -63,7 +67,7 @@ impl IoQueue {
             let opts = RingOptions {
                 entries: depth.max(buffers.len() as u32).max(8),
                 sqpoll_idle_ms: sqpoll.then_some(50),
-                file_slots: 8,
+                file_slots: crate::StripeSet::MAX_FILES as u32,
             };
             let mut ring = Ring::new(opts).map_err(io_err)?;
             ring.register_buffers(buffers).map_err(io_err)?;

@@ -1,12 +1,13 @@
 //! LocalIO against real files, on both engines (io_uring and pread/pwrite) and both caching
 //! modes (buffered and O_DIRECT), into device memory of the probed backend: integrity over
-//! random ranges, alignment, end of file, sparse files, truncation during a read, full disks.
-//! Every failure is a typed error, and nothing is reported written that was not.
+//! random ranges, alignment, end of file, sparse files, truncation during a read, full disks,
+//! striping, checksums, and the cuFile policy. Every failure is a typed error, and nothing is
+//! reported written that was not.
 
 use gpuio_hal::{BackendPreference, ErrorCode, Gpu, pattern, probe};
 use gpuio_transport_localio::{
-    Durability, Engine, EnginePreference, FileHandle, LocalIo, LocalIoConfig, LocalIoError,
-    OpenOptions,
+    Durability, Engine, EnginePreference, FileHandle, GdsPolicy, LocalIo, LocalIoConfig,
+    LocalIoError, OpenOptions, StripeSet,
 };
 use proptest::prelude::*;
 use std::path::Path;
@@ -380,4 +381,185 @@ fn random_blocks_gather_into_device_memory() {
         assert_eq!(pattern::first_deviation(&back[..100], 1, 21), None);
         assert_eq!(pattern::first_deviation(&back[100..], 77_777, 21), None);
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+
+    /// A stripe set written from the device reads back the same, and each file holds exactly
+    /// its stripe units.
+    #[test]
+    fn stripe_sets_round_trip(n in 1usize..5, units in 1u64..8, off in 0u64..300_000,
+                              len in 1usize..700_000, direct: bool, seed: u64) {
+        let Some(io) = engine(EnginePreference::Auto, 64 << 10) else { return Ok(()) };
+        let dir = tempfile::tempdir().unwrap();
+        let paths: Vec<_> = (0..n).map(|i| dir.path().join(format!("stripe{i}"))).collect();
+        let opts = OpenOptions { direct, ..OpenOptions::CREATE };
+        let stripe = units * 4096;
+        let Ok(set) = StripeSet::open(&paths, stripe, opts) else { return Ok(()) };
+        let g = gpu();
+        let dev = g.alloc(len).unwrap();
+        let mut data = vec![0u8; len];
+        pattern::fill(&mut data, off, seed);
+        g.stream().unwrap().upload(&data, &dev, 0).unwrap();
+        io.write_striped_from_device(&dev, 0, &set, off, len, Durability::None).unwrap();
+        // Each logical byte sits where the layout says.
+        for pos in [off, off + len as u64 / 2, off + len as u64 - 1] {
+            let (file, at) = set.locate(pos);
+            let mut b = [0u8; 1];
+            FileHandle::open(&paths[file], OpenOptions::READ).unwrap()
+                .read_exact_at(at, &mut b).unwrap();
+            prop_assert_eq!(b[0], data[(pos - off) as usize]);
+        }
+        let back = g.alloc(len).unwrap();
+        io.read_striped_to_device(&set, off, &back, 0, len).unwrap();
+        prop_assert_eq!(pattern::first_deviation(&device_bytes(&g, &back, 0, len), off, seed), None);
+    }
+}
+
+#[test]
+fn a_stripe_set_past_its_end_is_an_eof_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let paths: Vec<_> = (0..3).map(|i| dir.path().join(format!("s{i}"))).collect();
+    for p in &paths {
+        patterned_file(p, 8192, 5);
+    }
+    let set = StripeSet::open(&paths, 4096, OpenOptions::READ).unwrap();
+    assert_eq!(set.len().unwrap(), 3 * 8192);
+    let g = gpu();
+    let dev = g.alloc(1 << 20).unwrap();
+    for io in engines(64 << 10) {
+        io.read_striped_to_device(&set, 0, &dev, 0, 3 * 8192)
+            .unwrap();
+        let err = io
+            .read_striped_to_device(&set, 1, &dev, 0, 3 * 8192)
+            .unwrap_err();
+        assert!(matches!(err, LocalIoError::UnexpectedEof { .. }), "{err}");
+    }
+    assert!(StripeSet::open(&paths, 0, OpenOptions::READ).is_err());
+}
+
+#[test]
+fn checksums_follow_the_bytes_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c");
+    let len = 3 << 20;
+    patterned_file(&path, len + 100, 77);
+    let expected = crc32c::crc32c(&std::fs::read(&path).unwrap()[100..100 + len]);
+    let g = gpu();
+    let dev = g.alloc(len).unwrap();
+    for pref in [EnginePreference::Uring, EnginePreference::Posix] {
+        let Ok(io) = LocalIo::new(LocalIoConfig {
+            engine: pref,
+            chunk_size: 256 << 10,
+            checksum: true,
+            ..LocalIoConfig::default()
+        }) else {
+            continue;
+        };
+        let f = io.open(&path, OpenOptions::READ).unwrap();
+        let t = io.read_to_device(&f, 100, &dev, 0, len).unwrap();
+        assert_eq!(t.crc32c, Some(expected));
+        t.verify_crc32c(expected).unwrap();
+        let err = t.verify_crc32c(expected ^ 1).unwrap_err();
+        assert!(matches!(err, LocalIoError::Checksum { .. }), "{err}");
+        assert_eq!(err.code(), ErrorCode::Io);
+        // Writes checksum what came out of GPU memory.
+        let out = io
+            .open(dir.path().join("out"), OpenOptions::CREATE)
+            .unwrap();
+        let t = io
+            .write_from_device(&dev, 0, &out, 0, len, Durability::DataSync)
+            .unwrap();
+        assert_eq!(t.crc32c, Some(expected));
+    }
+    // Without checksums nothing can be verified.
+    let io = engine(EnginePreference::Auto, 1 << 20).unwrap();
+    let f = io.open(&path, OpenOptions::READ).unwrap();
+    let t = io.read_to_device(&f, 0, &dev, 0, 4096).unwrap();
+    assert_eq!(t.crc32c, None);
+    assert!(t.verify_crc32c(0).is_err());
+}
+
+/// cuFile: forced per file it either runs (a CUDA machine with libcufile, compat mode or
+/// native) or fails with the reason; the policy never picks it where it cannot run or where
+/// it would be slower than the lanes. `GPUIO_REQUIRE_GDS=1` makes its absence a failure.
+#[test]
+fn cufile_runs_where_it_can_and_says_why_not_elsewhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("g");
+    let len = (8 << 20) + 12_345;
+    patterned_file(&path, len + 999, 31);
+    let g = gpu();
+    let dev = g.alloc(len).unwrap();
+    let io = LocalIo::new(LocalIoConfig::default()).unwrap();
+    let forced = OpenOptions {
+        gds: Some(true),
+        ..OpenOptions::READ
+    };
+    let f = io.open(&path, forced).unwrap();
+    let available = g.gds();
+    eprintln!("cuFile: {available:?}; {}", io.explain(&g));
+    if std::env::var("GPUIO_REQUIRE_GDS").is_ok_and(|v| v == "1") {
+        assert!(available.is_ok(), "{available:?}");
+    }
+    let Ok((mode, _)) = available else {
+        let err = io.read_to_device(&f, 999, &dev, 0, len).unwrap_err();
+        assert_eq!(err.code(), ErrorCode::Unsupported, "{err}");
+        // Files that leave it to the policy use the lanes.
+        let plain = io.open(&path, OpenOptions::READ).unwrap();
+        let t = io.read_to_device(&plain, 999, &dev, 0, len).unwrap();
+        assert!(!matches!(t.engine, Engine::Gds(_)));
+        return;
+    };
+    let t = io.read_to_device(&f, 999, &dev, 0, len).unwrap();
+    assert_eq!(t.engine, Engine::Gds(mode));
+    assert_eq!(
+        pattern::first_deviation(&device_bytes(&g, &dev, 0, len), 999, 31),
+        None
+    );
+    let err = io.read_to_device(&f, 1000, &dev, 0, len).unwrap_err();
+    assert!(matches!(err, LocalIoError::UnexpectedEof { .. }), "{err}");
+    // Write through cuFile, O_DIRECT and unaligned, then read back through the lanes.
+    for direct in [false, true] {
+        let out_path = dir.path().join(format!("out{direct}"));
+        let out = io
+            .open(
+                &out_path,
+                OpenOptions {
+                    direct,
+                    gds: Some(true),
+                    ..OpenOptions::CREATE
+                },
+            )
+            .unwrap();
+        let t = io
+            .write_from_device(&dev, 0, &out, 777, len, Durability::DataSync)
+            .unwrap();
+        assert_eq!(t.engine, Engine::Gds(mode));
+        let back = std::fs::read(&out_path).unwrap();
+        assert_eq!(back.len(), 777 + len);
+        assert_eq!(pattern::first_deviation(&back[777..], 999, 31), None);
+    }
+    // The policy: AUTO takes cuFile only natively; ON takes it in compat mode too, from
+    // the threshold up.
+    let plain = io.open(&path, OpenOptions::READ).unwrap();
+    let t = io.read_to_device(&plain, 0, &dev, 0, len).unwrap();
+    assert_eq!(
+        matches!(t.engine, Engine::Gds(_)),
+        mode == gpuio_hal::GdsMode::Native
+    );
+    let on = LocalIo::new(LocalIoConfig {
+        gds: GdsPolicy::On,
+        ..LocalIoConfig::default()
+    })
+    .unwrap();
+    assert_eq!(
+        on.read_to_device(&plain, 0, &dev, 0, len).unwrap().engine,
+        Engine::Gds(mode)
+    );
+    assert!(!matches!(
+        on.read_to_device(&plain, 0, &dev, 0, 4096).unwrap().engine,
+        Engine::Gds(_)
+    ));
 }

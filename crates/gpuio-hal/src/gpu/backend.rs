@@ -2,10 +2,12 @@
 //! every argument (ownership, ranges, lengths) once, so a backend only ever sees valid ranges
 //! of live allocations and valid host pointers.
 
-use super::DeviceInfo;
+use super::{DeviceInfo, GdsMode};
 use crate::error::Result;
 use std::any::Any;
 use std::fmt;
+use std::fs::File;
+use std::sync::Arc;
 
 /// One GPU (or, for the host backend, the CPU standing in for one).
 pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
@@ -36,7 +38,22 @@ pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
     /// writable and otherwise untouched for a destination) until the call returns.
     unsafe fn baseline_copy(&self, copy: BaselineCopy<'_>) -> Result<()>;
 
+    /// cuFile on this device: its mode and library, or why it cannot run here.
+    fn gds(&self) -> Result<(GdsMode, String)>;
+
+    /// Registers an open file with cuFile for IO to and from this device's memory.
+    fn gds_register(&self, file: Arc<File>) -> Result<Box<dyn GdsFileBackend>>;
+
     fn as_any(&self) -> &dyn Any;
+}
+
+/// A file registered with cuFile. IO is synchronous: done when the call returns.
+pub(crate) trait GdsFileBackend: Send + Sync {
+    /// Reads into `dst` from file `offset`; the count, short only at end of file.
+    fn read(&self, dst: DevRange<'_>, offset: u64) -> Result<usize>;
+
+    /// Writes `src` at file `offset`; the count written.
+    fn write(&self, src: DevRange<'_>, offset: u64) -> Result<usize>;
 }
 
 /// A synchronous baseline copy, by direction.

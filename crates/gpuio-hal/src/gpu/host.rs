@@ -2,15 +2,18 @@
 //! at enqueue time (so every event is already complete), and device functions run as Rust.
 //! It runs gpuio's logic for real on machines without a GPU (CI); it simulates no PCIe.
 
+use super::GdsMode;
 use super::backend::{
-    BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, HostPin, StreamBackend,
+    BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend, HostPin,
+    StreamBackend,
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
 use crate::error::{HalError, Result};
 use crate::memory::{HostAllocOptions, HostBuffer};
 use crate::{pattern, sys};
 use std::any::Any;
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::fs::File;
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
 
 #[derive(Debug)]
@@ -158,8 +161,23 @@ impl DeviceBackend for HostDevice {
         }
     }
 
+    fn gds(&self) -> Result<(GdsMode, String)> {
+        Err(no_gds())
+    }
+
+    fn gds_register(&self, _file: Arc<File>) -> Result<Box<dyn GdsFileBackend>> {
+        Err(no_gds())
+    }
+
     fn as_any(&self) -> &dyn Any {
         self
+    }
+}
+
+fn no_gds() -> HalError {
+    HalError::Unsupported {
+        what: "GPUDirect Storage (cuFile)",
+        reason: "the host backend has no GPU memory for cuFile to reach".into(),
     }
 }
 

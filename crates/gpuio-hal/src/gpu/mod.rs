@@ -9,9 +9,11 @@ mod backend;
 mod baseline;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod gds;
 mod host;
 mod info;
 
+pub use gds::{GdsFile, GdsMode};
 pub use info::{Backend, Capability, DeviceInfo, PcieLink};
 
 use crate::error::{HalError, Result, check_range};

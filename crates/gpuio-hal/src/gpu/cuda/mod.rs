@@ -6,13 +6,16 @@
 //! Every operation binds the context to the calling thread first, so any thread may use any
 //! device.
 
+mod cufile;
 mod nvrtc;
 mod probe;
 
 pub use nvrtc::compile_ptx;
 
+use super::GdsMode;
 use super::backend::{
-    BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, HostPin, StreamBackend,
+    BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend, HostPin,
+    StreamBackend,
 };
 use super::info::{Backend, DeviceInfo, PcieLink, cxl_capability, pci_numa_node};
 use crate::error::{ErrorCode, HalError, Result};
@@ -366,8 +369,42 @@ impl DeviceBackend for CudaDevice {
         .map_err(cuda_err("cudaMemcpy (baseline)"))
     }
 
+    fn gds(&self) -> Result<(GdsMode, String)> {
+        self.shared.bind()?;
+        cufile::open()
+    }
+
+    fn gds_register(&self, file: Arc<std::fs::File>) -> Result<Box<dyn GdsFileBackend>> {
+        self.gds()?;
+        Ok(Box::new(CudaGdsFile {
+            shared: self.shared.clone(),
+            registration: cufile::Registration::new(file)?,
+        }))
+    }
+
     fn as_any(&self) -> &dyn Any {
         self
+    }
+}
+
+/// A file registered with cuFile, doing IO in this device's context.
+struct CudaGdsFile {
+    shared: Arc<Shared>,
+    registration: cufile::Registration,
+}
+
+impl GdsFileBackend for CudaGdsFile {
+    fn read(&self, dst: DevRange<'_>, offset: u64) -> Result<usize> {
+        self.shared.bind()?;
+        // SAFETY: `dst` is a checked range of a live allocation of this context (the public
+        // type checked ownership and bounds, and borrows the buffer for the call).
+        unsafe { self.registration.read(dst.addr(), dst.len, offset) }
+    }
+
+    fn write(&self, src: DevRange<'_>, offset: u64) -> Result<usize> {
+        self.shared.bind()?;
+        // SAFETY: as for `read`.
+        unsafe { self.registration.write(src.addr(), src.len, offset) }
     }
 }
 

@@ -127,9 +127,9 @@ pub(crate) fn host_range_is_pinned(ptr: *const u8, len: usize) -> bool {
     size == 0 || (start <= ptr as u64 && ptr as u64 + len as u64 <= start + size as u64)
 }
 
-fn library_loads(names: &[&str]) -> Option<String> {
+fn library_loads(names: &[String]) -> Option<String> {
     names.iter().find_map(|name| {
-        let c = CString::new(*name).ok()?;
+        let c = CString::new(name.as_str()).ok()?;
         // SAFETY: dlopen of a vendor library by name; we only test that it loads and close it
         // at once. RTLD_LAZY resolves nothing until called, and nothing is called.
         let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
@@ -138,23 +138,27 @@ fn library_loads(names: &[&str]) -> Option<String> {
         }
         // SAFETY: handle came from dlopen above and is closed once.
         unsafe { libc::dlclose(handle) };
-        Some((*name).to_owned())
+        Some(name.clone())
     })
 }
 
 /// GPUDirect Storage: libcufile plus the nvidia-fs kernel driver. Without nvidia-fs cuFile
 /// still works, in compat mode (POSIX reads through a bounce buffer), which is not GDS.
 pub(crate) fn gds_capability() -> Capability {
-    let lib = library_loads(&["libcufile.so.0", "libcufile.so"]);
-    let nvfs = std::path::Path::new("/proc/driver/nvidia-fs").exists()
-        || std::path::Path::new("/sys/module/nvidia_fs").exists();
-    match (lib, nvfs) {
+    let lib = library_loads(&super::cufile::candidates());
+    match (lib, nvidia_fs_loaded()) {
         (Some(lib), true) => Capability::yes(format!("{lib} with nvidia-fs")),
         (Some(lib), false) => Capability::no(format!(
             "{lib} present but the nvidia-fs driver is not loaded: cuFile runs in compat mode"
         )),
         (None, _) => Capability::no("libcufile not found"),
     }
+}
+
+/// Whether the nvidia-fs kernel driver (real GPUDirect Storage) is loaded.
+pub(crate) fn nvidia_fs_loaded() -> bool {
+    std::path::Path::new("/proc/driver/nvidia-fs").exists()
+        || std::path::Path::new("/sys/module/nvidia_fs").exists()
 }
 
 /// GPUDirect RDMA: device support, the nvidia-peermem module, and an RDMA NIC.

@@ -1,0 +1,196 @@
+//! How a transfer between file ranges and a device range is cut into chunks: one staging slot
+//! of IO each, over one file or a stripe set of several. Lanes claim chunks from a shared
+//! counter; each chunk says which file, which (aligned) IO covers it, and where its bytes go.
+//!
+//! O_DIRECT: a chunk's IO covers its aligned superset; only the wanted bytes move. Chunk
+//! boundaries inside a file range are aligned, so only a range's first and last chunk can
+//! have partial blocks.
+
+use crate::file::FileHandle;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+
+/// One chunk: the IO a slot does and the bytes of it the transfer wants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Chunk {
+    /// Index of the file in the transfer's file list.
+    pub(crate) file: usize,
+    /// Aligned start of the IO.
+    pub(crate) io_start: u64,
+    /// Aligned length of the IO.
+    pub(crate) io_len: usize,
+    /// Where the wanted bytes start inside the IO.
+    pub(crate) head: usize,
+    /// Wanted bytes.
+    pub(crate) len: usize,
+    /// Where the wanted bytes sit in the transfer's device range.
+    pub(crate) dev_off: usize,
+}
+
+impl Chunk {
+    /// File offset of the wanted bytes.
+    pub(crate) fn start(&self) -> u64 {
+        self.io_start + self.head as u64
+    }
+
+    /// Whether the IO carries bytes the transfer does not want (partial edge blocks).
+    pub(crate) fn is_partial(&self) -> bool {
+        self.head != 0 || self.head + self.len != self.io_len
+    }
+}
+
+/// The chunks of one transfer, in device (logical) order, with the claim counter lanes share
+/// and, when asked for, one crc32c slot per chunk.
+#[derive(Debug)]
+pub(crate) struct Plan {
+    chunks: Vec<Chunk>,
+    next: AtomicUsize,
+    /// One per chunk when checksums are kept, else none.
+    crcs: Option<Vec<AtomicU32>>,
+}
+
+impl Plan {
+    /// A plan over the pieces `(file, file offset, length)` laid end to end in device order;
+    /// `chunk` bytes of IO at most per chunk, aligned as each file needs.
+    pub(crate) fn new(
+        files: &[&FileHandle],
+        pieces: impl IntoIterator<Item = (usize, u64, u64)>,
+        chunk: u64,
+        checksum: bool,
+    ) -> Self {
+        let mut chunks = Vec::new();
+        let mut dev_off = 0u64;
+        for (file, offset, len) in pieces {
+            let align = files[file].required_alignment() as u64;
+            push_range(&mut chunks, file, offset, len, dev_off, align, chunk);
+            dev_off += len;
+        }
+        let crcs = checksum.then(|| chunks.iter().map(|_| AtomicU32::new(0)).collect());
+        Self {
+            chunks,
+            next: AtomicUsize::new(0),
+            crcs,
+        }
+    }
+
+    pub(crate) fn count(&self) -> usize {
+        self.chunks.len()
+    }
+
+    pub(crate) fn chunks(&self) -> &[Chunk] {
+        &self.chunks
+    }
+
+    /// The next unclaimed chunk.
+    pub(crate) fn claim(&self) -> Option<(usize, Chunk)> {
+        let k = self.next.fetch_add(1, Ordering::Relaxed);
+        self.chunks.get(k).map(|c| (k, *c))
+    }
+
+    pub(crate) fn chunk(&self, k: usize) -> Option<Chunk> {
+        self.chunks.get(k).copied()
+    }
+
+    /// Records chunk `k`'s bytes for the transfer's checksum (a no-op when none is kept).
+    pub(crate) fn checksum(&self, k: usize, bytes: &[u8]) {
+        if let Some(slot) = self.crcs.as_ref().and_then(|c| c.get(k)) {
+            slot.store(crc32c::crc32c(bytes), Ordering::Relaxed);
+        }
+    }
+
+    /// The crc32c of all the transfer's bytes in device order, when checksums were kept.
+    pub(crate) fn crc32c(&self) -> Option<u32> {
+        let crcs = self.crcs.as_ref()?;
+        Some(self.chunks.iter().zip(crcs).fold(0, |crc, (c, k)| {
+            crc32c::crc32c_combine(crc, k.load(Ordering::Relaxed), c.len)
+        }))
+    }
+}
+
+/// Appends the chunks of `len` bytes of `file` at `offset`, landing at `dev_off`.
+fn push_range(
+    out: &mut Vec<Chunk>,
+    file: usize,
+    offset: u64,
+    len: u64,
+    dev_off: u64,
+    align: u64,
+    chunk: u64,
+) {
+    if len == 0 {
+        return;
+    }
+    let chunk = (chunk / align * align).max(align);
+    let end = offset + len;
+    let io_end = end.next_multiple_of(align);
+    let mut io_start = offset / align * align;
+    while io_start < io_end {
+        let io_stop = (io_start + chunk).min(io_end);
+        let start = io_start.max(offset);
+        let stop = io_stop.min(end);
+        out.push(Chunk {
+            file,
+            io_start,
+            io_len: (io_stop - io_start) as usize,
+            head: (start - io_start) as usize,
+            len: (stop - start) as usize,
+            dev_off: (dev_off + start - offset) as usize,
+        });
+        io_start = io_stop;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunks(offset: u64, len: u64, align: u64, chunk: u64) -> Vec<Chunk> {
+        let mut v = Vec::new();
+        push_range(&mut v, 0, offset, len, 0, align, chunk);
+        v
+    }
+
+    #[test]
+    fn chunks_cover_exactly_and_align_inside() {
+        // Direct: 512-byte alignment, unaligned range.
+        let c = chunks(700, 5000, 512, 2048);
+        let mut prev_end = 700;
+        for k in &c {
+            assert_eq!(k.io_start % 512, 0);
+            assert_eq!(k.io_len % 512, 0);
+            assert_eq!(k.start(), prev_end);
+            assert!(k.head + k.len <= k.io_len);
+            assert_eq!(k.dev_off as u64, k.start() - 700);
+            prev_end = k.start() + k.len as u64;
+        }
+        assert_eq!(c.iter().map(|k| k.len).sum::<usize>(), 5000);
+        assert_eq!(prev_end, 5700);
+        assert!(c[0].is_partial() && c[c.len() - 1].is_partial());
+        assert!(!c[1].is_partial());
+        // Buffered: no alignment.
+        let w: Vec<_> = chunks(3, 10, 1, 4)
+            .iter()
+            .map(|k| (k.start(), k.len))
+            .collect();
+        assert_eq!(w, vec![(3, 4), (7, 4), (11, 2)]);
+        assert!(chunks(5, 0, 512, 4096).is_empty());
+    }
+
+    #[test]
+    fn checksums_combine_in_device_order() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let file = FileHandle::from_file(tempfile::tempfile().unwrap(), "t", false);
+        let plan = Plan::new(&[&file], [(0, 0, 10_000)], 4096, true);
+        assert_eq!(plan.count(), 3);
+        // Chunks finish out of order; the result does not depend on it.
+        for k in [2, 0, 1] {
+            let c = plan.chunk(k).unwrap();
+            plan.checksum(k, &data[c.dev_off..c.dev_off + c.len]);
+        }
+        assert_eq!(plan.crc32c(), Some(crc32c::crc32c(&data)));
+        assert_eq!(
+            Plan::new(&[&file], [(0, 0, 10)], 4096, false).crc32c(),
+            None
+        );
+        assert_eq!(Plan::new(&[&file], [], 4096, true).crc32c(), Some(0));
+    }
+}
