@@ -10,7 +10,7 @@ use crate::plan::Plan;
 use crate::queue::{Engine, FileId, IoQueue};
 use crate::{LocalIoError, Result};
 use gpuio_hal::{DeviceBuffer, Gpu, HostAllocOptions, HostBuffer, Inflight, Stream};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
@@ -217,6 +217,8 @@ impl Lane {
         let mut free: Vec<usize> = (0..self.queue.slots()).collect();
         let mut reads = 0usize;
         let mut exhausted = false;
+        // Reads resumed after a short transfer: where in the IO each resumption starts.
+        let mut resumed: HashMap<u64, usize> = HashMap::new();
         loop {
             // Slots whose DMA is done come back without waiting.
             while let Some((_, f)) = dmas.front()
@@ -256,9 +258,21 @@ impl Lane {
                 let slot = done.buf.map(|b| b.0).ok_or_else(no_slot)?;
                 let c = job.plan.chunk(k).ok_or_else(no_chunk)?;
                 let file = job.files[c.file];
-                let got = done.result.map_err(|e| file.io("read", c.io_start, e))?;
-                if got < c.head + c.len {
-                    return Err(file.eof(c.start(), c.len, got.saturating_sub(c.head)));
+                let from = resumed.remove(&done.tag).unwrap_or(0);
+                let got = from + done.result.map_err(|e| file.io("read", c.io_start, e))?;
+                let need = c.head + c.len;
+                if got < need {
+                    // A short read before the end of the file (FUSE, network file systems)
+                    // continues where it stopped; a read that brings nothing is the end.
+                    let Some(at) = resume_at(from, got, file.required_alignment()) else {
+                        return Err(file.eof(c.start(), c.len, got.saturating_sub(c.head)));
+                    };
+                    let id = *ids.get(c.file).ok_or_else(no_file)?;
+                    self.queue
+                        .read(id, c.io_start + at as u64, slot, at..c.io_len, done.tag)?;
+                    resumed.insert(done.tag, at);
+                    reads += 1;
+                    continue;
                 }
                 let buf = self.queue.take(slot)?;
                 let wanted = c.head..c.head + c.len;
@@ -296,6 +310,7 @@ impl Lane {
         let mut outstanding = vec![0usize; slots];
         let mut reads = 0usize;
         let mut exhausted = false;
+        let mut resumed: HashMap<u64, usize> = HashMap::new();
         loop {
             while let Some((_, f)) = dmas.front()
                 && f.is_complete()?
@@ -337,11 +352,22 @@ impl Lane {
                 reads -= 1;
                 let slot = (done.tag >> 32) as usize;
                 let k = (done.tag & 0xffff_ffff) as usize;
-                let got = done
-                    .result
-                    .map_err(|e| job.file.io("read", job.offsets[k], e))?;
+                let from = resumed.remove(&done.tag).unwrap_or(0);
+                let got = from
+                    + done
+                        .result
+                        .map_err(|e| job.file.io("read", job.offsets[k], e))?;
                 if got < job.block {
-                    return Err(job.file.eof(job.offsets[k], job.block, got));
+                    let Some(at) = resume_at(from, got, job.file.required_alignment()) else {
+                        return Err(job.file.eof(job.offsets[k], job.block, got));
+                    };
+                    let base = (k - job.range(batch_of[slot]).start) * job.block;
+                    let range = base + at..base + job.block;
+                    self.queue
+                        .read(file, job.offsets[k] + at as u64, slot, range, done.tag)?;
+                    resumed.insert(done.tag, at);
+                    reads += 1;
+                    continue;
                 }
                 outstanding[slot] -= 1;
                 if outstanding[slot] == 0 {
@@ -377,6 +403,7 @@ impl Lane {
         let mut exhausted = false;
         // Chunk number of each slot's DMA.
         let mut chunk_of: Vec<usize> = vec![0; self.queue.slots()];
+        let mut resumed: HashMap<u64, usize> = HashMap::new();
         loop {
             while !exhausted && !abort.load(Ordering::Relaxed) && !free.is_empty() {
                 match job.plan.claim() {
@@ -433,29 +460,53 @@ impl Lane {
                 writes -= 1;
                 let k = done.tag as usize;
                 let slot = done.buf.map(|b| b.0).ok_or_else(no_slot)?;
-                free.push(slot);
                 let c = job.plan.chunk(k).ok_or_else(no_chunk)?;
                 let file = job.files[c.file];
                 let written = job.written.load(Ordering::Relaxed);
+                let from = resumed.remove(&done.tag).unwrap_or(0);
+                // Wanted bytes among the first `n` of the IO.
+                let landed = |n: usize| n.saturating_sub(c.head).min(c.len);
                 match done.result {
-                    Ok(n) if n == c.io_len => {
+                    Ok(n) if from + n == c.io_len => {
+                        free.push(slot);
                         job.written.fetch_add(c.len, Ordering::Relaxed);
                         if job.writeback {
                             file.start_writeback(c.io_start, c.io_len as u64)?;
                         }
                     }
+                    Ok(0) => {
+                        return Err(file.no_space(c.start(), c.len, written + landed(from)));
+                    }
                     Ok(n) => {
-                        let landed = n.saturating_sub(c.head).min(c.len);
-                        return Err(file.no_space(c.io_start, c.io_len, written + landed));
+                        // A short write continues; a full disk shows on the next attempt.
+                        let at = from + n;
+                        let id = *ids.get(c.file).ok_or_else(no_file)?;
+                        self.queue.write(
+                            id,
+                            c.io_start + at as u64,
+                            slot,
+                            at..c.io_len,
+                            done.tag,
+                        )?;
+                        resumed.insert(done.tag, at);
+                        writes += 1;
                     }
                     Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
-                        return Err(file.no_space(c.io_start, c.io_len, written));
+                        return Err(file.no_space(c.start(), c.len, written + landed(from)));
                     }
                     Err(e) => return Err(file.io("write", c.io_start, e)),
                 }
             }
         }
     }
+}
+
+/// Where to resume a read that stopped at `got` bytes of its IO, having started at `from`:
+/// at `got` rounded down to the file's alignment, or `None` (the end of the file) when that
+/// makes no progress.
+fn resume_at(from: usize, got: usize, align: usize) -> Option<usize> {
+    let at = got / align * align;
+    (at > from).then_some(at)
 }
 
 fn no_slot() -> LocalIoError {
