@@ -1,14 +1,17 @@
 //! The LocalIO suite: a file to GPU memory (page cache warm; cold through O_DIRECT), GPU memory
 //! to a file with `fdatasync`, and random 4 KiB reads gathered into GPU memory. Peers, each in
 //! the same run on the same file: fio (io_uring engine, same block size and depth: the storage
-//! limit), kvikio (same thread count) and a naive `read` + `cudaMemcpy` loop. A peer that
-//! cannot run here is named in the notes, not faked.
+//! limit), kvikio (same thread count), cuFile as kvikio drives it (4 MiB calls on the same
+//! threads; compat mode where nvidia-fs is absent) and a naive `read` + `cudaMemcpy` loop. A
+//! peer that cannot run here is named in the notes, not faked. One more case prices the
+//! end-to-end crc32c against the same read without it.
 
 use crate::peers::{self, FioJob, KvikioMode, PeerResult};
 use crate::{Record, Result, Target, human};
 use gpuio_api::{Durability, FileHandle};
 use gpuio_api::{OpenOptions, Session};
-use gpuio_hal::{Backend, DeviceBuffer, Gpu, pattern};
+use gpuio_hal::{Backend, DeviceBuffer, GdsMode, Gpu, pattern};
+use gpuio_transport_localio::{Engine, LocalIo, LocalIoConfig};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -83,6 +86,24 @@ fn make_file(path: &Path, size: u64, seed: u64) -> Result<()> {
         f.write_all_at(at, &buf).map_err(api)
     })?;
     f.sync_data().map_err(api)
+}
+
+/// The crc32c of the test file's pattern, computed apart from any transfer (64 MiB pieces
+/// in parallel, combined in order).
+fn pattern_crc32c(size: u64, seed: u64) -> u32 {
+    const PIECE: u64 = 64 << 20;
+    let pieces: Vec<(u32, usize)> = (0..size.div_ceil(PIECE))
+        .into_par_iter()
+        .map(|i| {
+            let at = i * PIECE;
+            let mut buf = vec![0u8; (size - at).min(PIECE) as usize];
+            pattern::fill(&mut buf, at, seed);
+            (crc32c::crc32c(&buf), buf.len())
+        })
+        .collect();
+    pieces
+        .into_iter()
+        .fold(0, |crc, (c, n)| crc32c::crc32c_combine(crc, c, n))
 }
 
 fn check_device(
@@ -239,6 +260,43 @@ pub fn run(
         );
     }
 
+    // 1b. The same read with the end-to-end crc32c checked against the file's.
+    progress("seq_read_warm+crc32c");
+    let expected = pattern_crc32c(size, seed);
+    let checked = LocalIo::new(LocalIoConfig {
+        checksum: true,
+        ..io.config().clone()
+    })
+    .map_err(api)?;
+    let t = time_it(opts.reps, no_prep, || {
+        let t = checked
+            .read_to_device(&buffered, 0, &dev, 0, len)
+            .map_err(api)?;
+        t.verify_crc32c(expected).map_err(api)
+    })?;
+    record(
+        "seq_read_warm+crc32c",
+        "bandwidth",
+        "GB/s",
+        gbps(t),
+        "gpuio without checksum",
+        ours,
+    );
+    drop(checked);
+
+    // cuFile as kvikio drives it: 4 MiB calls on the same threads, O_DIRECT descriptor.
+    let cufile = gpu.gds();
+    let cufile_peer = |mode: &GdsMode| {
+        let kind = match mode {
+            GdsMode::Native => "GDS",
+            GdsMode::Compat => "compat mode",
+        };
+        format!("cuFile {kind} ({lanes} threads)")
+    };
+    if let Err(e) = &cufile {
+        notes.push(format!("cuFile: {e}"));
+    }
+
     // 2. Sequential read, cold: O_DIRECT.
     progress("seq_read_cold");
     match &direct {
@@ -288,6 +346,34 @@ pub fn run(
                     ours,
                     &format!("kvikio cold ({lanes} threads)"),
                     k.bytes_per_s / 1e9,
+                );
+            }
+            if let Ok((mode, _)) = &cufile {
+                let f = io
+                    .open(
+                        &path,
+                        OpenOptions {
+                            gds: Some(true),
+                            ..OpenOptions::READ.direct()
+                        },
+                    )
+                    .map_err(api)?;
+                let t = time_it(
+                    opts.reps,
+                    || f.drop_cache().map_err(api),
+                    || {
+                        let t = io.read_to_device(&f, 0, &dev, 0, len).map_err(api)?;
+                        expect_cufile(t.engine)
+                    },
+                )?;
+                check_device(&gpu, &dev, &reference, len, seed, "seq_read_cold cuFile")?;
+                record(
+                    "seq_read_cold",
+                    "bandwidth",
+                    "GB/s",
+                    ours,
+                    &cufile_peer(mode),
+                    gbps(t),
                 );
             }
             let t = naive(&buffered, true)?;
@@ -342,6 +428,41 @@ pub fn run(
             ours,
             "fio write+fsync (from host memory)",
             f.bytes_per_s / 1e9,
+        );
+    }
+
+    if let Ok((mode, _)) = &cufile {
+        gpu.stream()?.fill_pattern(&dev, 0, len, seed ^ 2)?;
+        let f = io
+            .open(
+                &wpath,
+                OpenOptions {
+                    gds: Some(true),
+                    ..OpenOptions::CREATE
+                },
+            )
+            .map_err(api)?;
+        let t = time_it(opts.reps, no_prep, || {
+            let t = io
+                .write_from_device(&dev, 0, &f, 0, len, Durability::DataSync)
+                .map_err(api)?;
+            expect_cufile(t.engine)
+        })?;
+        out.read_exact_at(0, &mut head).map_err(api)?;
+        if let Some(off) = pattern::first_deviation(&head, 0, seed ^ 2) {
+            return Err(crate::BenchError::Corrupt {
+                case: "seq_write_sync cuFile".into(),
+                size: len,
+                offset: off as u64,
+            });
+        }
+        record(
+            "seq_write_sync",
+            "bandwidth",
+            "GB/s",
+            ours,
+            &cufile_peer(mode),
+            gbps(t),
         );
     }
 
@@ -488,6 +609,16 @@ pub fn targets(records: &[Record], lanes: usize) -> Vec<Target> {
             "x",
         ),
     ]
+}
+
+/// A cuFile peer must have run on cuFile, not fallen back to the lanes.
+fn expect_cufile(engine: Engine) -> Result<()> {
+    match engine {
+        Engine::Gds(_) => Ok(()),
+        other => Err(crate::BenchError::Gpuio(gpuio_api::Error::Invalid(format!(
+            "the cuFile peer ran on {other}"
+        )))),
+    }
 }
 
 /// A peer's result, or a note saying why it could not run.

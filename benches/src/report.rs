@@ -67,36 +67,44 @@ impl Target {
     }
 }
 
-/// The table printed at the end of a run.
+/// The table printed at the end of a run; columns as wide as their longest entry.
 pub fn render_table(records: &[Record], targets: &[Target]) -> String {
     let mut out = String::new();
+    let case_of = |r: &Record| r.case.split('/').next().unwrap_or(&r.case).to_string();
+    let value = |v: f64, unit: &str| format!("{v:.2} {unit}");
+    let cw = records.iter().map(|r| case_of(r).len()).max().unwrap_or(0);
+    let pw = records.iter().map(|r| r.peer.len()).max().unwrap_or(0);
+    let vw = records
+        .iter()
+        .flat_map(|r| [value(r.value, &r.unit), value(r.peer_value, &r.unit)])
+        .map(|v| v.len())
+        .max()
+        .unwrap_or(0);
     let mut suite = "";
     for r in records {
         if r.suite != suite {
             suite = &r.suite;
+            let head = format!("[{suite}] case");
             out.push_str(&format!(
-                "\n{:<16} {:>9} {:>11} {:>12} {:>11} {:>7}  {}\n",
-                format!("[{suite}] case"),
+                "\n{head:<cw$} {:>9} {:>vw$} {:<pw$} {:>vw$} {:>7}  route\n",
                 "size",
                 "gpuio",
                 "peer",
                 "peer value",
                 "ratio",
-                "route"
+                cw = cw.max(head.len()),
             ));
         }
-        let case = r.case.split('/').next().unwrap_or(&r.case);
         out.push_str(&format!(
-            "{:<16} {:>9} {:>6.2} {:<4} {:>12} {:>6.2} {:<4} {:>6.2}x  {}\n",
-            case,
+            "{:<cw$} {:>9} {:>vw$} {:<pw$} {:>vw$} {:>6.2}x  {}\n",
+            case_of(r),
             human(r.bytes),
-            r.value,
-            r.unit,
+            value(r.value, &r.unit),
             r.peer,
-            r.peer_value,
-            r.unit,
+            value(r.peer_value, &r.unit),
             r.ratio,
-            r.route
+            r.route,
+            cw = cw.max(suite.len() + 7),
         ));
     }
     if !targets.is_empty() {
