@@ -245,7 +245,7 @@ pub fn run(
             "bandwidth",
             "GB/s",
             ours,
-            &format!("kvikio ({lanes} threads)"),
+            &format!("kvikio POSIX ({lanes} threads)"),
             k.bytes_per_s / 1e9,
         );
     }
@@ -344,37 +344,43 @@ pub fn run(
                     "bandwidth",
                     "GB/s",
                     ours,
-                    &format!("kvikio cold ({lanes} threads)"),
+                    &format!("kvikio POSIX cold ({lanes} threads)"),
                     k.bytes_per_s / 1e9,
                 );
             }
             if let Ok((mode, _)) = &cufile {
-                let f = io
-                    .open(
-                        &path,
-                        OpenOptions {
-                            gds: Some(true),
-                            ..OpenOptions::READ.direct()
+                let run = || -> Result<Duration> {
+                    let f = io
+                        .open(
+                            &path,
+                            OpenOptions {
+                                gds: Some(true),
+                                ..OpenOptions::READ.direct()
+                            },
+                        )
+                        .map_err(api)?;
+                    let t = time_it(
+                        opts.reps,
+                        || f.drop_cache().map_err(api),
+                        || {
+                            let t = io.read_to_device(&f, 0, &dev, 0, len).map_err(api)?;
+                            expect_cufile(t.engine)
                         },
-                    )
-                    .map_err(api)?;
-                let t = time_it(
-                    opts.reps,
-                    || f.drop_cache().map_err(api),
-                    || {
-                        let t = io.read_to_device(&f, 0, &dev, 0, len).map_err(api)?;
-                        expect_cufile(t.engine)
-                    },
-                )?;
-                check_device(&gpu, &dev, &reference, len, seed, "seq_read_cold cuFile")?;
-                record(
-                    "seq_read_cold",
-                    "bandwidth",
-                    "GB/s",
-                    ours,
-                    &cufile_peer(mode),
-                    gbps(t),
-                );
+                    )?;
+                    check_device(&gpu, &dev, &reference, len, seed, "seq_read_cold cuFile")?;
+                    Ok(t)
+                };
+                match run() {
+                    Ok(t) => record(
+                        "seq_read_cold",
+                        "bandwidth",
+                        "GB/s",
+                        ours,
+                        &cufile_peer(mode),
+                        gbps(t),
+                    ),
+                    Err(e) => notes.push(format!("cuFile cold read: {e}")),
+                }
             }
             let t = naive(&buffered, true)?;
             record(
@@ -432,38 +438,44 @@ pub fn run(
     }
 
     if let Ok((mode, _)) = &cufile {
-        gpu.stream()?.fill_pattern(&dev, 0, len, seed ^ 2)?;
-        let f = io
-            .open(
-                &wpath,
-                OpenOptions {
-                    gds: Some(true),
-                    ..OpenOptions::CREATE
-                },
-            )
-            .map_err(api)?;
-        let t = time_it(opts.reps, no_prep, || {
-            let t = io
-                .write_from_device(&dev, 0, &f, 0, len, Durability::DataSync)
+        let mut run = || -> Result<Duration> {
+            gpu.stream()?.fill_pattern(&dev, 0, len, seed ^ 2)?;
+            let f = io
+                .open(
+                    &wpath,
+                    OpenOptions {
+                        gds: Some(true),
+                        ..OpenOptions::CREATE
+                    },
+                )
                 .map_err(api)?;
-            expect_cufile(t.engine)
-        })?;
-        out.read_exact_at(0, &mut head).map_err(api)?;
-        if let Some(off) = pattern::first_deviation(&head, 0, seed ^ 2) {
-            return Err(crate::BenchError::Corrupt {
-                case: "seq_write_sync cuFile".into(),
-                size: len,
-                offset: off as u64,
-            });
+            let t = time_it(opts.reps, no_prep, || {
+                let t = io
+                    .write_from_device(&dev, 0, &f, 0, len, Durability::DataSync)
+                    .map_err(api)?;
+                expect_cufile(t.engine)
+            })?;
+            out.read_exact_at(0, &mut head).map_err(api)?;
+            if let Some(off) = pattern::first_deviation(&head, 0, seed ^ 2) {
+                return Err(crate::BenchError::Corrupt {
+                    case: "seq_write_sync cuFile".into(),
+                    size: len,
+                    offset: off as u64,
+                });
+            }
+            Ok(t)
+        };
+        match run() {
+            Ok(t) => record(
+                "seq_write_sync",
+                "bandwidth",
+                "GB/s",
+                ours,
+                &cufile_peer(mode),
+                gbps(t),
+            ),
+            Err(e) => notes.push(format!("cuFile write: {e}")),
         }
-        record(
-            "seq_write_sync",
-            "bandwidth",
-            "GB/s",
-            ours,
-            &cufile_peer(mode),
-            gbps(t),
-        );
     }
 
     // 4. Random 4 KiB reads, page cache warm, gathered into GPU memory.
@@ -515,7 +527,7 @@ pub fn run(
             "iops",
             "IOPS",
             iops,
-            "kvikio pread futures",
+            "kvikio POSIX pread futures",
             k.iops,
         );
     }
@@ -563,7 +575,7 @@ pub fn targets(records: &[Record], lanes: usize) -> Vec<Target> {
         Target::judge(
             &format!("warm read -> GPU >= 50 GB/s ({lanes} lanes, at most 8)"),
             records,
-            |r| r.case.starts_with("seq_read_warm") && lanes <= 8,
+            |r| r.case.starts_with("seq_read_warm/") && lanes <= 8,
             |r| r.value,
             50.0,
             " GB/s",
@@ -615,9 +627,9 @@ pub fn targets(records: &[Record], lanes: usize) -> Vec<Target> {
 fn expect_cufile(engine: Engine) -> Result<()> {
     match engine {
         Engine::Gds(_) => Ok(()),
-        other => Err(crate::BenchError::Gpuio(gpuio_api::Error::Invalid(format!(
-            "the cuFile peer ran on {other}"
-        )))),
+        other => Err(crate::BenchError::Gpuio(gpuio_api::Error::Invalid(
+            format!("the cuFile peer ran on {other}"),
+        ))),
     }
 }
 

@@ -28,7 +28,7 @@ pub use stripe::StripeSet;
 use gpuio_hal::uring::Ring;
 use gpuio_hal::{DeviceBuffer, ErrorCode, GdsMode, Gpu, HalError};
 use lane::{BlocksJob, Lane, LanePool, MAX_BATCH, ReadJob, WriteJob, lock};
-use plan::Plan;
+use plan::{Piece, Plan};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -121,6 +121,9 @@ impl LocalIoError {
         }
     }
 }
+
+/// The block cuFile writes are cut to (the largest O_DIRECT alignment in use).
+const GDS_BLOCK: u64 = 4096;
 
 /// LocalIO's result type.
 pub type Result<T, E = LocalIoError> = std::result::Result<T, E>;
@@ -428,12 +431,7 @@ impl LocalIo {
     }
 
     /// Cuts `pieces` of `files` into chunks of one staging slot each.
-    fn plan(
-        &self,
-        files: &[&FileHandle],
-        pieces: impl IntoIterator<Item = (usize, u64, u64)>,
-        pool: &LanePool,
-    ) -> Result<Plan> {
+    fn plan(&self, files: &[&FileHandle], pieces: &[Piece], pool: &LanePool) -> Result<Plan> {
         if let Some(f) = files
             .iter()
             .find(|f| f.required_alignment() > pool.slot_len())
@@ -498,7 +496,8 @@ impl LocalIo {
         dst_offset: usize,
         len: usize,
     ) -> Result<Transfer> {
-        self.read_pieces(&[file], [(0, offset, len as u64)], dst, dst_offset, len)
+        let pieces = plan::end_to_end([(0, offset, len as u64)]);
+        self.read_pieces(&[file], &pieces, dst, dst_offset, len)
     }
 
     /// Reads `len` bytes of the striped stream `set` from `offset` into `dst` at
@@ -512,14 +511,14 @@ impl LocalIo {
         len: usize,
     ) -> Result<Transfer> {
         let files: Vec<&FileHandle> = set.files().iter().collect();
-        let pieces = set.pieces(offset, len as u64);
-        self.read_pieces(&files, pieces, dst, dst_offset, len)
+        let pieces = plan::end_to_end(set.pieces(offset, len as u64));
+        self.read_pieces(&files, &pieces, dst, dst_offset, len)
     }
 
     fn read_pieces(
         &self,
         files: &[&FileHandle],
-        pieces: impl IntoIterator<Item = (usize, u64, u64)>,
+        pieces: &[Piece],
         dst: &DeviceBuffer,
         dst_offset: usize,
         len: usize,
@@ -630,8 +629,8 @@ impl LocalIo {
         len: usize,
         durability: Durability,
     ) -> Result<Transfer> {
-        let pieces = [(0, offset, len as u64)];
-        self.write_pieces(src, src_offset, &[file], pieces, len, durability)
+        let pieces = plan::end_to_end([(0, offset, len as u64)]);
+        self.write_pieces(src, src_offset, &[file], &pieces, len, durability)
     }
 
     /// Writes `len` bytes of `src` from `src_offset` to the striped stream `set` at `offset`,
@@ -646,8 +645,8 @@ impl LocalIo {
         durability: Durability,
     ) -> Result<Transfer> {
         let files: Vec<&FileHandle> = set.files().iter().collect();
-        let pieces = set.pieces(offset, len as u64);
-        self.write_pieces(src, src_offset, &files, pieces, len, durability)
+        let pieces = plan::end_to_end(set.pieces(offset, len as u64));
+        self.write_pieces(src, src_offset, &files, &pieces, len, durability)
     }
 
     fn write_pieces(
@@ -655,7 +654,7 @@ impl LocalIo {
         src: &DeviceBuffer,
         src_offset: usize,
         files: &[&FileHandle],
-        pieces: impl IntoIterator<Item = (usize, u64, u64)>,
+        pieces: &[Piece],
         len: usize,
         durability: Durability,
     ) -> Result<Transfer> {
@@ -663,32 +662,52 @@ impl LocalIo {
         if let Some(f) = files.iter().find(|f| !f.is_writable()) {
             return Err(LocalIoError::ReadOnly(f.path().to_path_buf()));
         }
-        let written = AtomicUsize::new(0);
-        if let Some(mode) = self.use_gds(files, src.gpu(), len)? {
-            let plan = Plan::new(files, pieces, self.config.chunk_size as u64, false);
-            let regs = gds::register(files, src.gpu())?;
-            let n = plan.count().clamp(1, self.config.lanes);
-            self.run_workers(&mut vec![(); n], |(), abort| {
-                gds::write(files, &regs, &plan, src, src_offset, &written, abort)
-            })?;
-            if durability == Durability::DataSync {
-                for file in files {
-                    file.sync_data()?;
-                }
-            }
-            return Ok(Transfer {
-                bytes: len as u64,
-                engine: Engine::Gds(mode),
-                lanes: n,
-                crc32c: None,
-            });
+        let Some(mode) = self.use_gds(files, src.gpu(), len)? else {
+            return self.write_staged(src, src_offset, files, pieces, durability);
+        };
+        // cuFile gets whole blocks only, so that no two of its threads ever share one (its
+        // compat mode loses unaligned writes); partial blocks at the edges go through the
+        // lanes, which keep what the file holds around them.
+        let (bodies, edges) = plan::split_at_blocks(pieces, GDS_BLOCK);
+        if !edges.is_empty() {
+            self.write_staged(src, src_offset, files, &edges, Durability::None)?;
         }
+        let plan = Plan::new(files, &bodies, self.config.chunk_size as u64, false);
+        let regs = gds::register(files, src.gpu())?;
+        let n = plan.count().clamp(1, self.config.lanes);
+        let written = AtomicUsize::new(0);
+        self.run_workers(&mut vec![(); n], |(), abort| {
+            gds::write(files, &regs, &plan, src, src_offset, &written, abort)
+        })?;
+        if durability == Durability::DataSync {
+            for file in files {
+                file.sync_data()?;
+            }
+        }
+        Ok(Transfer {
+            bytes: len as u64,
+            engine: Engine::Gds(mode),
+            lanes: n,
+            crc32c: None,
+        })
+    }
+
+    /// Writes `pieces` through the lanes: GPU → pinned staging → file.
+    fn write_staged(
+        &self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        files: &[&FileHandle],
+        pieces: &[Piece],
+        durability: Durability,
+    ) -> Result<Transfer> {
         let pool = self.lane_pool(src.gpu());
         let plan = self.plan(files, pieces, &pool)?;
         let old_lens = files.iter().map(|f| f.len()).collect::<Result<Vec<_>>>()?;
         let n = plan.count().clamp(1, self.config.lanes);
         let mut lanes = pool.take(n)?;
         let engine = lanes.first().map_or(self.engine, Lane::engine);
+        let written = AtomicUsize::new(0);
         let job = WriteJob {
             files,
             plan: &plan,
@@ -717,7 +736,7 @@ impl LocalIo {
             }
         }
         Ok(Transfer {
-            bytes: len as u64,
+            bytes: pieces.iter().map(|p| p.len).sum(),
             engine,
             lanes: n,
             crc32c: plan.crc32c(),

@@ -9,6 +9,61 @@
 use crate::file::FileHandle;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
+/// A contiguous range of one file and where it sits in the transfer's device range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Piece {
+    /// Index of the file in the transfer's file list.
+    pub(crate) file: usize,
+    /// File offset.
+    pub(crate) offset: u64,
+    /// Bytes.
+    pub(crate) len: u64,
+    /// Offset in the transfer's device range.
+    pub(crate) dev_off: u64,
+}
+
+/// Pieces `(file, offset, len)` laid end to end in device order.
+pub(crate) fn end_to_end(pieces: impl IntoIterator<Item = (usize, u64, u64)>) -> Vec<Piece> {
+    let mut dev_off = 0;
+    pieces
+        .into_iter()
+        .map(|(file, offset, len)| {
+            let p = Piece {
+                file,
+                offset,
+                len,
+                dev_off,
+            };
+            dev_off += len;
+            p
+        })
+        .collect()
+}
+
+/// Splits pieces into their `block`-aligned bodies and the partial blocks at their edges.
+pub(crate) fn split_at_blocks(pieces: &[Piece], block: u64) -> (Vec<Piece>, Vec<Piece>) {
+    let (mut bodies, mut edges) = (Vec::new(), Vec::new());
+    let part = |v: &mut Vec<Piece>, p: &Piece, from: u64, to: u64| {
+        if to > from {
+            v.push(Piece {
+                offset: from,
+                len: to - from,
+                dev_off: p.dev_off + (from - p.offset),
+                ..*p
+            });
+        }
+    };
+    for p in pieces {
+        let end = p.offset + p.len;
+        let body_start = p.offset.next_multiple_of(block).min(end);
+        let body_end = (end / block * block).max(body_start);
+        part(&mut edges, p, p.offset, body_start);
+        part(&mut bodies, p, body_start, body_end);
+        part(&mut edges, p, body_end, end);
+    }
+    (bodies, edges)
+}
+
 /// One chunk: the IO a slot does and the bytes of it the transfer wants.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Chunk {
@@ -49,20 +104,21 @@ pub(crate) struct Plan {
 }
 
 impl Plan {
-    /// A plan over the pieces `(file, file offset, length)` laid end to end in device order;
-    /// `chunk` bytes of IO at most per chunk, aligned as each file needs.
-    pub(crate) fn new(
-        files: &[&FileHandle],
-        pieces: impl IntoIterator<Item = (usize, u64, u64)>,
-        chunk: u64,
-        checksum: bool,
-    ) -> Self {
+    /// A plan over `pieces`, in device order; `chunk` bytes of IO at most per chunk, aligned
+    /// as each file needs.
+    pub(crate) fn new(files: &[&FileHandle], pieces: &[Piece], chunk: u64, checksum: bool) -> Self {
         let mut chunks = Vec::new();
-        let mut dev_off = 0u64;
-        for (file, offset, len) in pieces {
-            let align = files[file].required_alignment() as u64;
-            push_range(&mut chunks, file, offset, len, dev_off, align, chunk);
-            dev_off += len;
+        for p in pieces {
+            let align = files[p.file].required_alignment() as u64;
+            push_range(
+                &mut chunks,
+                p.file,
+                p.offset,
+                p.len,
+                p.dev_off,
+                align,
+                chunk,
+            );
         }
         let crcs = checksum.then(|| chunks.iter().map(|_| AtomicU32::new(0)).collect());
         Self {
@@ -179,7 +235,7 @@ mod tests {
     fn checksums_combine_in_device_order() {
         let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
         let file = FileHandle::from_file(tempfile::tempfile().unwrap(), "t", false);
-        let plan = Plan::new(&[&file], [(0, 0, 10_000)], 4096, true);
+        let plan = Plan::new(&[&file], &end_to_end([(0, 0, 10_000)]), 4096, true);
         assert_eq!(plan.count(), 3);
         // Chunks finish out of order; the result does not depend on it.
         for k in [2, 0, 1] {
@@ -187,10 +243,29 @@ mod tests {
             plan.checksum(k, &data[c.dev_off..c.dev_off + c.len]);
         }
         assert_eq!(plan.crc32c(), Some(crc32c::crc32c(&data)));
+        let ten = end_to_end([(0, 0, 10)]);
+        assert_eq!(Plan::new(&[&file], &ten, 4096, false).crc32c(), None);
+        assert_eq!(Plan::new(&[&file], &[], 4096, true).crc32c(), Some(0));
+    }
+
+    #[test]
+    fn pieces_split_into_aligned_bodies_and_edges() {
+        let pieces = end_to_end([(0, 100, 10_000), (1, 8192, 4096), (0, 5, 10)]);
+        let (bodies, edges) = split_at_blocks(&pieces, 4096);
+        let span = |v: &[Piece]| -> Vec<(usize, u64, u64, u64)> {
+            v.iter()
+                .map(|p| (p.file, p.offset, p.len, p.dev_off))
+                .collect()
+        };
         assert_eq!(
-            Plan::new(&[&file], [(0, 0, 10)], 4096, false).crc32c(),
-            None
+            span(&bodies),
+            vec![(0, 4096, 4096, 3996), (1, 8192, 4096, 10_000)]
         );
-        assert_eq!(Plan::new(&[&file], [], 4096, true).crc32c(), Some(0));
+        assert_eq!(
+            span(&edges),
+            vec![(0, 100, 3996, 0), (0, 8192, 1908, 8092), (0, 5, 10, 14_096)]
+        );
+        let total: u64 = bodies.iter().chain(&edges).map(|p| p.len).sum();
+        assert_eq!(total, 14_106);
     }
 }

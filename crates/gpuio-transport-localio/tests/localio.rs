@@ -500,7 +500,8 @@ fn cufile_runs_where_it_can_and_says_why_not_elsewhere() {
     let f = io.open(&path, forced).unwrap();
     let available = g.gds();
     eprintln!("cuFile: {available:?}; {}", io.explain(&g));
-    if std::env::var("GPUIO_REQUIRE_GDS").is_ok_and(|v| v == "1") {
+    let required = std::env::var("GPUIO_REQUIRE_GDS").is_ok_and(|v| v == "1");
+    if required {
         assert!(available.is_ok(), "{available:?}");
     }
     let Ok((mode, _)) = available else {
@@ -512,7 +513,14 @@ fn cufile_runs_where_it_can_and_says_why_not_elsewhere() {
         assert!(!matches!(t.engine, Engine::Gds(_)));
         return;
     };
-    let t = io.read_to_device(&f, 999, &dev, 0, len).unwrap();
+    let t = match io.read_to_device(&f, 999, &dev, 0, len) {
+        Err(e) if e.code() == ErrorCode::Unsupported && !required => {
+            // The driver opened but cannot serve this file system (cufile.log says why).
+            eprintln!("skipped: {e}");
+            return;
+        }
+        other => other.unwrap(),
+    };
     assert_eq!(t.engine, Engine::Gds(mode));
     assert_eq!(
         pattern::first_deviation(&device_bytes(&g, &dev, 0, len), 999, 31),

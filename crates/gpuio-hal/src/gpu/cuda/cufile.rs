@@ -191,11 +191,14 @@ impl Registration {
         // registration's life); cuFile writes the handle through the pointer.
         let status = unsafe { (lib.register)(&mut handle, &mut descr) };
         if status.err != 0 {
-            return Err(cufile_err(
-                "cuFileHandleRegister",
-                status.err as isize,
-                status,
-            ));
+            return Err(HalError::Unsupported {
+                what: "cuFile on this file",
+                reason: format!(
+                    "cuFileHandleRegister: {}; cufile.log says why (in containers, often \
+                     the file system's udev properties are missing)",
+                    describe(status)
+                ),
+            });
         }
         Ok(Self {
             lib,
