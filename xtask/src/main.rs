@@ -229,7 +229,8 @@ fn gpu_bundle() -> Result {
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # gpuio's GPU matrix, in one command: every test binary with CUDA required, the kernel compile
 # checks (nvcc and NVRTC), gpuio info, a 1 GiB file round trip through GPU memory, and the
-# MemIO benchmark against cudaMemcpy. Results (bench JSON, plot) go to $OUT or ./out.
+# MemIO and LocalIO benchmarks against their peers (fio: GPUIO_FIO; kvikio: on PYTHONPATH).
+# Results (bench JSON, plots) go to $OUT or ./out.
 set -u
 cd "$(dirname "$0")"
 export GPUIO_REQUIRE_CUDA=1
@@ -242,10 +243,22 @@ step() {
     echo "== $*"
     "$@" || { echo "FAILED: $*"; status=1; }
 }
+# cuFile asks udev for the file system of each disk; containers have no udev database. As
+# root, record each block device's real type (blkid) where udev has not.
+if [ "$(id -u)" = 0 ] && command -v blkid >/dev/null; then
+    mkdir -p /run/udev/data
+    for d in /sys/class/block/*; do
+        [ -r "$d/dev" ] || continue
+        db="/run/udev/data/b$(cat "$d/dev")"; [ -e "$db" ] && continue
+        t=$(blkid -o value -s TYPE "/dev/$(basename "$d")" 2>/dev/null) || continue
+        [ -n "$t" ] && printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=%s\n' "$t" >"$db"
+    done
+fi
 for t in tests/*; do step "$t" --test-threads=4; done
 step bin/xtask ptx --kernels kernels
 step bin/gpuio info
 step bin/gpuio bench memio --out "$out" ${GPUIO_BENCH_ARGS:-}
+step bin/gpuio bench localio --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out"
 echo "== gpu matrix: $([ $status = 0 ] && echo PASSED || echo FAILED)"
 exit $status
 "#;

@@ -665,9 +665,10 @@ impl LocalIo {
         let Some(mode) = self.use_gds(files, src.gpu(), len)? else {
             return self.write_staged(src, src_offset, files, pieces, durability);
         };
-        // cuFile gets whole blocks only, so that no two of its threads ever share one (its
-        // compat mode loses unaligned writes); partial blocks at the edges go through the
-        // lanes, which keep what the file holds around them.
+        // cuFile gets whole blocks only, so that no two of its threads ever share one (on an
+        // O_DIRECT descriptor cuFile writes a partial block by read-modify-write, which two
+        // threads would race on); partial blocks at the edges go through the lanes, which keep
+        // what the file holds around them.
         let (bodies, edges) = plan::split_at_blocks(pieces, GDS_BLOCK);
         if !edges.is_empty() {
             self.write_staged(src, src_offset, files, &edges, Durability::None)?;
