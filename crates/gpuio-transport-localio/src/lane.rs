@@ -19,6 +19,9 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A lane's DMAs in flight, oldest first, with the staging slot each holds.
+type Dmas = VecDeque<(usize, Inflight<HostBuffer>)>;
+
 /// Most blocks a block gather puts in one staging slot (one DMA each batch).
 pub(crate) const MAX_BATCH: usize = 256;
 
@@ -163,7 +166,7 @@ impl Lane {
 
     /// Waits for everything the lane has in flight and returns lent slots, also after an
     /// error, so the lane can be reused.
-    fn settle(&mut self, dmas: VecDeque<(usize, Inflight<HostBuffer>)>) {
+    fn settle(&mut self, dmas: Dmas) {
         for (slot, inflight) in dmas {
             if let Ok(buf) = inflight.wait() {
                 let _ = self.queue.put(slot, buf);
@@ -197,14 +200,42 @@ impl Lane {
         }
     }
 
-    /// Runs a read job until its chunks run out (or `abort` is set by a failing lane).
-    pub(crate) fn read(&mut self, job: &ReadJob<'_>, abort: &AtomicBool) -> Result<()> {
-        let ids = self.attach_all(job.files)?;
+    /// Attaches `files` and runs `body` with their ids and the lane's DMA queue; then waits
+    /// for everything the lane started and detaches them, also after an error.
+    fn with_files(
+        &mut self,
+        files: &[&FileHandle],
+        body: impl FnOnce(&mut Self, &[FileId], &mut Dmas) -> Result<()>,
+    ) -> Result<()> {
+        let ids = self.attach_all(files)?;
         let mut dmas = VecDeque::new();
-        let result = self.read_loop(job, &ids, abort, &mut dmas);
+        let result = body(self, &ids, &mut dmas);
         self.settle(dmas);
         self.detach_all(ids);
         result
+    }
+
+    /// Puts the slots of finished DMAs back into the queue, oldest first; with `wait`, waits
+    /// for the oldest if none has finished. Returns whether a slot came back.
+    fn reclaim(&mut self, dmas: &mut Dmas, free: &mut Vec<usize>, wait: bool) -> Result<bool> {
+        let mut any = false;
+        while let Some((_, f)) = dmas.front()
+            && (f.is_complete()? || (wait && !any))
+        {
+            if let Some((slot, f)) = dmas.pop_front() {
+                self.queue.put(slot, f.wait()?)?;
+                free.push(slot);
+                any = true;
+            }
+        }
+        Ok(any)
+    }
+
+    /// Runs a read job until its chunks run out (or `abort` is set by a failing lane).
+    pub(crate) fn read(&mut self, job: &ReadJob<'_>, abort: &AtomicBool) -> Result<()> {
+        self.with_files(job.files, |lane, ids, dmas| {
+            lane.read_loop(job, ids, abort, dmas)
+        })
     }
 
     fn read_loop(
@@ -212,7 +243,7 @@ impl Lane {
         job: &ReadJob<'_>,
         ids: &[FileId],
         abort: &AtomicBool,
-        dmas: &mut VecDeque<(usize, Inflight<HostBuffer>)>,
+        dmas: &mut Dmas,
     ) -> Result<()> {
         let mut free: Vec<usize> = (0..self.queue.slots()).collect();
         let mut reads = 0usize;
@@ -221,14 +252,7 @@ impl Lane {
         let mut resumed: HashMap<u64, usize> = HashMap::new();
         loop {
             // Slots whose DMA is done come back without waiting.
-            while let Some((_, f)) = dmas.front()
-                && f.is_complete()?
-            {
-                if let Some((slot, f)) = dmas.pop_front() {
-                    self.queue.put(slot, f.wait()?)?;
-                    free.push(slot);
-                }
-            }
+            self.reclaim(dmas, &mut free, false)?;
             while !exhausted && !abort.load(Ordering::Relaxed) && !free.is_empty() {
                 match job.plan.claim() {
                     Some((k, c)) => {
@@ -242,15 +266,13 @@ impl Lane {
                 }
             }
             if reads == 0 {
-                match dmas.pop_front() {
-                    Some((slot, f)) => {
-                        self.queue.put(slot, f.wait()?)?;
-                        free.push(slot);
-                        continue;
-                    }
-                    None if exhausted || abort.load(Ordering::Relaxed) => return Ok(()),
-                    None => continue,
+                // Nothing to reap: wait for a DMA to free a slot, or stop when all is done.
+                if !self.reclaim(dmas, &mut free, true)?
+                    && (exhausted || abort.load(Ordering::Relaxed))
+                {
+                    return Ok(());
                 }
+                continue;
             }
             for done in self.queue.complete(1)? {
                 reads -= 1;
@@ -288,12 +310,10 @@ impl Lane {
 
     /// Runs a block-gather job until its batches run out (or `abort` is set).
     pub(crate) fn read_blocks(&mut self, job: &BlocksJob<'_>, abort: &AtomicBool) -> Result<()> {
-        let file = self.queue.attach(job.file.shared())?;
-        let mut dmas = VecDeque::new();
-        let result = self.blocks_loop(job, file, abort, &mut dmas);
-        self.settle(dmas);
-        self.queue.detach(file);
-        result
+        self.with_files(&[job.file], |lane, ids, dmas| {
+            let file = *ids.first().ok_or_else(no_file)?;
+            lane.blocks_loop(job, file, abort, dmas)
+        })
     }
 
     fn blocks_loop(
@@ -301,7 +321,7 @@ impl Lane {
         job: &BlocksJob<'_>,
         file: FileId,
         abort: &AtomicBool,
-        dmas: &mut VecDeque<(usize, Inflight<HostBuffer>)>,
+        dmas: &mut Dmas,
     ) -> Result<()> {
         let slots = self.queue.slots();
         let mut free: Vec<usize> = (0..slots).collect();
@@ -312,14 +332,7 @@ impl Lane {
         let mut exhausted = false;
         let mut resumed: HashMap<u64, usize> = HashMap::new();
         loop {
-            while let Some((_, f)) = dmas.front()
-                && f.is_complete()?
-            {
-                if let Some((slot, f)) = dmas.pop_front() {
-                    self.queue.put(slot, f.wait()?)?;
-                    free.push(slot);
-                }
-            }
+            self.reclaim(dmas, &mut free, false)?;
             while !exhausted && !abort.load(Ordering::Relaxed) && !free.is_empty() {
                 let Some(b) = job.claim() else {
                     exhausted = true;
@@ -338,15 +351,13 @@ impl Lane {
                 }
             }
             if reads == 0 {
-                match dmas.pop_front() {
-                    Some((slot, f)) => {
-                        self.queue.put(slot, f.wait()?)?;
-                        free.push(slot);
-                        continue;
-                    }
-                    None if exhausted || abort.load(Ordering::Relaxed) => return Ok(()),
-                    None => continue,
+                // Nothing to reap: wait for a DMA to free a slot, or stop when all is done.
+                if !self.reclaim(dmas, &mut free, true)?
+                    && (exhausted || abort.load(Ordering::Relaxed))
+                {
+                    return Ok(());
                 }
+                continue;
             }
             for done in self.queue.complete(1)? {
                 reads -= 1;
@@ -383,12 +394,9 @@ impl Lane {
 
     /// Runs a write job until its chunks run out (or `abort` is set by a failing lane).
     pub(crate) fn write(&mut self, job: &WriteJob<'_>, abort: &AtomicBool) -> Result<()> {
-        let ids = self.attach_all(job.files)?;
-        let mut dmas = VecDeque::new();
-        let result = self.write_loop(job, &ids, abort, &mut dmas);
-        self.settle(dmas);
-        self.detach_all(ids);
-        result
+        self.with_files(job.files, |lane, ids, dmas| {
+            lane.write_loop(job, ids, abort, dmas)
+        })
     }
 
     fn write_loop(
@@ -396,7 +404,7 @@ impl Lane {
         job: &WriteJob<'_>,
         ids: &[FileId],
         abort: &AtomicBool,
-        dmas: &mut VecDeque<(usize, Inflight<HostBuffer>)>,
+        dmas: &mut Dmas,
     ) -> Result<()> {
         let mut free: Vec<usize> = (0..self.queue.slots()).collect();
         let mut writes = 0usize;

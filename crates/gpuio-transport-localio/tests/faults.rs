@@ -18,8 +18,8 @@ use gpuio_transport_localio::{
 };
 use std::ffi::OsStr;
 use std::path::Path;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
 
 const MIB: u64 = 1 << 20;
@@ -45,8 +45,9 @@ struct FaultFile {
     accepted: AtomicU64,
 }
 
+/// The file system; the test keeps a second handle on its files.
 struct FaultFs {
-    files: Vec<FaultFile>,
+    files: Arc<Vec<FaultFile>>,
 }
 
 const TTL: Duration = Duration::from_secs(0);
@@ -211,7 +212,7 @@ impl Filesystem for FaultFs {
 struct Mounted {
     dir: tempfile::TempDir,
     session: Option<fuser::BackgroundSession>,
-    fs: std::sync::Arc<FaultFs>,
+    files: Arc<Vec<FaultFile>>,
 }
 
 impl Drop for Mounted {
@@ -222,77 +223,9 @@ impl Drop for Mounted {
     }
 }
 
-/// Shares the file system between the mount and the test.
-struct Shared(std::sync::Arc<FaultFs>);
-
-impl Filesystem for Shared {
-    fn lookup(&self, r: &Request, p: INodeNo, n: &OsStr, reply: ReplyEntry) {
-        self.0.lookup(r, p, n, reply)
-    }
-    fn getattr(&self, r: &Request, i: INodeNo, fh: Option<FuseHandle>, reply: ReplyAttr) {
-        self.0.getattr(r, i, fh, reply)
-    }
-    #[allow(clippy::too_many_arguments)]
-    fn setattr(
-        &self,
-        r: &Request,
-        i: INodeNo,
-        mode: Option<u32>,
-        uid: Option<u32>,
-        gid: Option<u32>,
-        size: Option<u64>,
-        atime: Option<fuser::TimeOrNow>,
-        mtime: Option<fuser::TimeOrNow>,
-        ctime: Option<std::time::SystemTime>,
-        fh: Option<FuseHandle>,
-        crtime: Option<std::time::SystemTime>,
-        chgtime: Option<std::time::SystemTime>,
-        bkuptime: Option<std::time::SystemTime>,
-        flags: Option<fuser::BsdFileFlags>,
-        reply: ReplyAttr,
-    ) {
-        self.0.setattr(
-            r, i, mode, uid, gid, size, atime, mtime, ctime, fh, crtime, chgtime, bkuptime, flags,
-            reply,
-        )
-    }
-    fn open(&self, r: &Request, i: INodeNo, f: OpenFlags, reply: ReplyOpen) {
-        self.0.open(r, i, f, reply)
-    }
-    #[allow(clippy::too_many_arguments)]
-    fn read(
-        &self,
-        r: &Request,
-        i: INodeNo,
-        fh: FuseHandle,
-        off: u64,
-        size: u32,
-        f: OpenFlags,
-        l: Option<LockOwner>,
-        reply: ReplyData,
-    ) {
-        self.0.read(r, i, fh, off, size, f, l, reply)
-    }
-    #[allow(clippy::too_many_arguments)]
-    fn write(
-        &self,
-        r: &Request,
-        i: INodeNo,
-        fh: FuseHandle,
-        off: u64,
-        data: &[u8],
-        wf: WriteFlags,
-        f: OpenFlags,
-        l: Option<LockOwner>,
-        reply: ReplyWrite,
-    ) {
-        self.0.write(r, i, fh, off, data, wf, f, l, reply)
-    }
-}
-
 fn mount(files: Vec<(&'static str, Fault, Vec<u8>)>) -> Option<Mounted> {
-    let fs = std::sync::Arc::new(FaultFs {
-        files: files
+    let files: Arc<Vec<FaultFile>> = Arc::new(
+        files
             .into_iter()
             .map(|(name, fault, data)| FaultFile {
                 name,
@@ -301,16 +234,19 @@ fn mount(files: Vec<(&'static str, Fault, Vec<u8>)>) -> Option<Mounted> {
                 accepted: AtomicU64::new(0),
             })
             .collect(),
-    });
+    );
     let dir = tempfile::tempdir().unwrap();
     let mut config = fuser::Config::default();
     config.mount_options = vec![MountOption::FSName("gpuio-faults".into())];
     config.n_threads = Some(4);
-    match fuser::spawn_mount(Shared(fs.clone()), dir.path(), &config) {
+    let fs = FaultFs {
+        files: files.clone(),
+    };
+    match fuser::spawn_mount(fs, dir.path(), &config) {
         Ok(session) => Some(Mounted {
             dir,
             session: Some(session),
-            fs,
+            files,
         }),
         Err(e) => {
             let required = std::env::var("GPUIO_REQUIRE_FUSE").is_ok_and(|v| v == "1");
@@ -422,7 +358,7 @@ fn injected_faults_are_typed_errors_and_nothing_unwritten_is_reported() {
             short_reads_resume(&io, &g, &dev, &path("dribble"));
         }
         // A full file system after a partial write: NoSpace, never more than was accepted.
-        let fs_file = &m.fs.files[2];
+        let fs_file = &m.files[2];
         fs_file.data.lock().unwrap().clear();
         fs_file.accepted.store(0, Ordering::Relaxed);
         let f = io.open(path("full"), OpenOptions::CREATE).unwrap();

@@ -213,25 +213,19 @@ impl Registration {
     /// # Safety
     /// `dst..dst+len` must be device memory of the bound context, alive for the call.
     pub(crate) unsafe fn read(&self, dst: u64, len: usize, offset: u64) -> Result<usize> {
-        let mut done = 0usize;
-        while done < len {
+        whole("cuFileRead", len, |done| {
+            let at = (dst + done as u64) as *mut c_void;
             // SAFETY: the caller guarantees the device range; the handle is registered.
-            let n = unsafe {
+            unsafe {
                 (self.lib.read)(
                     self.handle,
-                    (dst + done as u64) as *mut c_void,
+                    at,
                     len - done,
                     (offset + done as u64) as i64,
                     0,
                 )
-            };
-            match n {
-                0 => break,
-                n if n > 0 => done += n as usize,
-                n => return Err(io_err("cuFileRead", n)),
             }
-        }
-        Ok(done)
+        })
     }
 
     /// Writes `len` bytes of device memory at `src` to the file at `offset`; the count
@@ -241,26 +235,34 @@ impl Registration {
     /// # Safety
     /// `src..src+len` must be device memory of the bound context, alive for the call.
     pub(crate) unsafe fn write(&self, src: u64, len: usize, offset: u64) -> Result<usize> {
-        let mut done = 0usize;
-        while done < len {
+        whole("cuFileWrite", len, |done| {
+            let at = (src + done as u64) as *const c_void;
             // SAFETY: the caller guarantees the device range; the handle is registered.
-            let n = unsafe {
+            unsafe {
                 (self.lib.write)(
                     self.handle,
-                    (src + done as u64) as *const c_void,
+                    at,
                     len - done,
                     (offset + done as u64) as i64,
                     0,
                 )
-            };
-            match n {
-                0 => break,
-                n if n > 0 => done += n as usize,
-                n => return Err(io_err("cuFileWrite", n)),
             }
-        }
-        Ok(done)
+        })
     }
+}
+
+/// Calls `io(done)` — one cuFile call for the rest of a `len`-byte range — until the range is
+/// done or a call moves nothing; the count moved.
+fn whole(op: &'static str, len: usize, mut io: impl FnMut(usize) -> isize) -> Result<usize> {
+    let mut done = 0usize;
+    while done < len {
+        match io(done) {
+            0 => break,
+            n if n > 0 => done += n as usize,
+            n => return Err(io_err(op, n)),
+        }
+    }
+    Ok(done)
 }
 
 impl Drop for Registration {
