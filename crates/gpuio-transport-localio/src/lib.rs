@@ -161,9 +161,9 @@ impl std::str::FromStr for EnginePreference {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum GdsPolicy {
-    /// cuFile where it is real GPUDirect Storage (nvidia-fs loaded), for transfers of at
-    /// least [`LocalIoConfig::gds_threshold`]; the lanes otherwise, which beat cuFile's
-    /// compat mode.
+    /// cuFile where it is real GPUDirect Storage (nvidia-fs loaded), for O_DIRECT files and
+    /// transfers of at least [`LocalIoConfig::gds_threshold`]; the lanes otherwise (they serve
+    /// the page cache, and beat cuFile's compat mode).
     #[default]
     Auto,
     /// cuFile wherever it runs, compat mode included, from the threshold up.
@@ -393,8 +393,12 @@ impl LocalIo {
         {
             return Ok(None);
         }
+        // Native GDS reads the device, never the page cache: AUTO keeps it to files opened
+        // O_DIRECT, whose readers asked to bypass the cache anyway.
+        let direct = files.iter().all(|f| f.is_direct());
         Ok(match (gpu.gds(), self.config.gds) {
-            (Ok((GdsMode::Native, _)), _) => Some(GdsMode::Native),
+            (Ok((GdsMode::Native, _)), GdsPolicy::Auto) if direct => Some(GdsMode::Native),
+            (Ok((GdsMode::Native, _)), GdsPolicy::On) => Some(GdsMode::Native),
             (Ok((GdsMode::Compat, _)), GdsPolicy::On) => Some(GdsMode::Compat),
             _ => None,
         })
@@ -414,7 +418,10 @@ impl LocalIo {
         let gds = match (gpu.gds(), self.config.gds) {
             (_, GdsPolicy::Off) => "cuFile off in the configuration".to_string(),
             (Err(e), _) => format!("no cuFile ({e}): gds=1 transfers fail"),
-            (Ok((GdsMode::Native, lib)), _) => {
+            (Ok((GdsMode::Native, lib)), GdsPolicy::Auto) => {
+                format!("O_DIRECT transfers from {from} up go through cuFile ({lib}, native GDS)")
+            }
+            (Ok((GdsMode::Native, lib)), GdsPolicy::On) => {
                 format!("transfers from {from} up go through cuFile ({lib}, native GDS)")
             }
             (Ok((GdsMode::Compat, lib)), GdsPolicy::On) => {

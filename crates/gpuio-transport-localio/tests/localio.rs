@@ -550,14 +550,21 @@ fn cufile_runs_where_it_can_and_says_why_not_elsewhere() {
     // Past the end: an error (which may leave the destination partly written).
     let err = io.read_to_device(&f, 1000, &dev, 0, len).unwrap_err();
     assert!(matches!(err, LocalIoError::UnexpectedEof { .. }), "{err}");
-    // The policy: AUTO takes cuFile only natively; ON takes it in compat mode too, from
-    // the threshold up.
+    // The policy: AUTO takes cuFile only natively and for O_DIRECT files; ON takes it in
+    // compat mode too, from the threshold up.
     let plain = io.open(&path, OpenOptions::READ).unwrap();
     let t = io.read_to_device(&plain, 0, &dev, 0, len).unwrap();
-    assert_eq!(
-        matches!(t.engine, Engine::Gds(_)),
-        mode == gpuio_hal::GdsMode::Native
+    assert!(
+        !matches!(t.engine, Engine::Gds(_)),
+        "buffered files use the page cache"
     );
+    if let Ok(direct) = io.open(&path, OpenOptions::READ.direct()) {
+        let t = io.read_to_device(&direct, 0, &dev, 0, len).unwrap();
+        assert_eq!(
+            matches!(t.engine, Engine::Gds(_)),
+            mode == gpuio_hal::GdsMode::Native
+        );
+    }
     let on = LocalIo::new(LocalIoConfig {
         gds: GdsPolicy::On,
         ..LocalIoConfig::default()
