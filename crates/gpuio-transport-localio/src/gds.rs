@@ -31,19 +31,15 @@ pub(crate) fn read(
     dst_offset: usize,
     abort: &AtomicBool,
 ) -> Result<()> {
-    while !abort.load(Ordering::Relaxed) {
-        let Some((_, c)) = plan.claim() else {
-            return Ok(());
-        };
-        let (file, reg) = pick(files, gds, &c)?;
+    each_chunk(files, gds, plan, abort, |file, reg, c| {
         let got = reg
             .read(c.start(), dst, dst_offset + c.dev_off, c.len)
             .map_err(|e| io_error(file, "read", c.start(), e))?;
         if got < c.len {
             return Err(file.eof(c.start(), c.len, got));
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Writes chunks of `plan` until they run out (or `abort` is set), counting confirmed bytes
@@ -57,25 +53,40 @@ pub(crate) fn write(
     written: &AtomicUsize,
     abort: &AtomicBool,
 ) -> Result<()> {
-    while !abort.load(Ordering::Relaxed) {
-        let Some((_, c)) = plan.claim() else {
-            return Ok(());
-        };
-        let (file, reg) = pick(files, gds, &c)?;
+    each_chunk(files, gds, plan, abort, |file, reg, c| {
         let result = reg.write(src, src_offset + c.dev_off, c.len, c.start());
         let before = written.load(Ordering::Relaxed);
         match result {
             Ok(n) if n == c.len => {
                 written.fetch_add(n, Ordering::Relaxed);
+                Ok(())
             }
-            Ok(n) => return Err(file.no_space(c.start(), c.len, before + n)),
+            Ok(n) => Err(file.no_space(c.start(), c.len, before + n)),
             Err(HalError::Os { source, .. })
                 if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) =>
             {
-                return Err(file.no_space(c.start(), c.len, before));
+                Err(file.no_space(c.start(), c.len, before))
             }
-            Err(e) => return Err(io_error(file, "write", c.start(), e)),
+            Err(e) => Err(io_error(file, "write", c.start(), e)),
         }
+    })
+}
+
+/// Claims chunks of `plan` and runs `io` on each, with its file and registration, until
+/// they run out, `abort` is set, or `io` fails.
+fn each_chunk(
+    files: &[&FileHandle],
+    gds: &[Arc<GdsFile>],
+    plan: &Plan,
+    abort: &AtomicBool,
+    mut io: impl FnMut(&FileHandle, &GdsFile, Chunk) -> Result<()>,
+) -> Result<()> {
+    while !abort.load(Ordering::Relaxed) {
+        let Some((_, c)) = plan.claim() else {
+            break;
+        };
+        let (file, reg) = pick(files, gds, &c)?;
+        io(file, reg, c)?;
     }
     Ok(())
 }

@@ -172,22 +172,7 @@ impl IoQueue {
             Self::Uring(r) => r
                 .read_fixed(FileSlot(file.0), offset, BufSlot(slot), range, tag)
                 .map_err(io_err),
-            Self::Posix(p) => {
-                let f = p.file(file)?;
-                let buf = p
-                    .slots
-                    .get_mut(slot)
-                    .and_then(Option::as_mut)
-                    .ok_or_else(|| lent(slot))?;
-                let dst = buf.get_mut(range).ok_or_else(|| bad_range(slot))?;
-                let result = read_full(&f, dst, offset);
-                p.done.push_back(Done {
-                    tag,
-                    result,
-                    buf: Some(BufSlot(slot)),
-                });
-                Ok(())
-            }
+            Self::Posix(p) => p.run(file, slot, range, tag, |f, buf| read_full(f, buf, offset)),
         }
     }
 
@@ -204,22 +189,7 @@ impl IoQueue {
             Self::Uring(r) => r
                 .write_fixed(FileSlot(file.0), offset, BufSlot(slot), range, tag)
                 .map_err(io_err),
-            Self::Posix(p) => {
-                let f = p.file(file)?;
-                let buf = p
-                    .slots
-                    .get(slot)
-                    .and_then(Option::as_ref)
-                    .ok_or_else(|| lent(slot))?;
-                let src = buf.get(range).ok_or_else(|| bad_range(slot))?;
-                let result = write_full(&f, src, offset);
-                p.done.push_back(Done {
-                    tag,
-                    result,
-                    buf: Some(BufSlot(slot)),
-                });
-                Ok(())
-            }
+            Self::Posix(p) => p.run(file, slot, range, tag, |f, buf| write_full(f, buf, offset)),
         }
     }
 
@@ -240,6 +210,31 @@ impl IoQueue {
 }
 
 impl PosixQueue {
+    /// Runs one positioned IO on `range` of `slot` now and queues its completion.
+    fn run(
+        &mut self,
+        file: FileId,
+        slot: usize,
+        range: Range<usize>,
+        tag: u64,
+        io: impl FnOnce(&File, &mut [u8]) -> std::io::Result<usize>,
+    ) -> Result<()> {
+        let f = self.file(file)?;
+        let buf = self
+            .slots
+            .get_mut(slot)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| lent(slot))?;
+        let bytes = buf.get_mut(range).ok_or_else(|| bad_range(slot))?;
+        let result = io(&f, bytes);
+        self.done.push_back(Done {
+            tag,
+            result,
+            buf: Some(BufSlot(slot)),
+        });
+        Ok(())
+    }
+
     fn file(&self, id: FileId) -> Result<Arc<File>> {
         self.files
             .get(id.0 as usize)
