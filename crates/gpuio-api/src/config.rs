@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 use bytesize::ByteSize;
-use gpuio_core::RetryPolicy;
+use gpuio_core::{Policy, RetryPolicy, SchedulerConfig};
 use gpuio_hal::BackendPreference;
 use gpuio_transport_localio::{EnginePreference, GdsPolicy, LocalIoConfig};
 use gpuio_transport_memio::MemIoConfig;
@@ -36,6 +36,8 @@ pub struct Config {
     pub memio: MemIoSection,
     /// LocalIO tuning.
     pub localio: LocalIoSection,
+    /// The request scheduler.
+    pub scheduler: SchedulerSection,
     /// Retry policy (SDD §7.2).
     pub retry: RetryPolicy,
     /// The file this configuration was read from, if any (not a setting).
@@ -79,6 +81,44 @@ pub struct LocalIoSection {
     pub gds_threshold: ByteSize,
 }
 
+/// `[scheduler]`: ordering, preemption points, backpressure.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerSection {
+    /// fifo, priority, deadline or adaptive.
+    pub policy: Policy,
+    /// Starvation bound, microseconds.
+    pub max_wait_us: u64,
+    /// ADAPTIVE: deadlines this close (microseconds) go first.
+    pub urgent_window_us: u64,
+    /// Requests above this size are queued as chunks of it.
+    pub chunk_size: ByteSize,
+    /// Bytes in flight per engine.
+    pub engine_in_flight: ByteSize,
+    /// Bytes in flight per session.
+    pub session_in_flight: ByteSize,
+    /// Adjacent small requests merge into transfers up to this size.
+    pub coalesce_max: ByteSize,
+    /// Idle workers spin this long (microseconds) before sleeping.
+    pub spin_us: u64,
+}
+
+impl Default for SchedulerSection {
+    fn default() -> Self {
+        let d = SchedulerConfig::default();
+        Self {
+            policy: d.policy,
+            max_wait_us: d.max_wait.as_micros() as u64,
+            urgent_window_us: d.urgent_window.as_micros() as u64,
+            chunk_size: ByteSize::b(d.chunk_size as u64),
+            engine_in_flight: ByteSize::b(d.engine_in_flight),
+            session_in_flight: ByteSize::b(d.session_in_flight),
+            coalesce_max: ByteSize::b(d.coalesce_max as u64),
+            spin_us: d.spin.as_micros() as u64,
+        }
+    }
+}
+
 impl Default for Config {
     fn default() -> Self {
         // The embedded file is the single source of the defaults; a unit test keeps it valid.
@@ -115,6 +155,7 @@ impl Config {
                 gds: GdsPolicy::Auto,
                 gds_threshold: ByteSize::mib(1),
             },
+            scheduler: SchedulerSection::default(),
             retry: RetryPolicy::default(),
             source: None,
         }
@@ -188,6 +229,13 @@ impl Config {
         if let Some(v) = get("GPUIO_WORKERS") {
             self.workers = parse("GPUIO_WORKERS", &v, "a number of threads")?;
         }
+        if let Some(v) = get("GPUIO_SCHED_POLICY") {
+            self.scheduler.policy = parse(
+                "GPUIO_SCHED_POLICY",
+                &v,
+                "fifo, priority, deadline or adaptive",
+            )?;
+        }
         if let Some(v) = get("GPUIO_STAGING_CHUNK") {
             self.memio.chunk_size = parse("GPUIO_STAGING_CHUNK", &v, "a size such as 4MiB")?;
         }
@@ -245,6 +293,22 @@ impl Config {
                 self.localio.lanes
             ));
         }
+        let sc = &self.scheduler;
+        if !(4096..=(1u64 << 30)).contains(&sc.chunk_size.as_u64()) {
+            return bad("scheduler.chunk_size must be from 4 KiB to 1 GiB".into());
+        }
+        if sc.engine_in_flight.as_u64() < 4096 || sc.session_in_flight.as_u64() < 4096 {
+            return bad("scheduler in-flight budgets must be at least 4 KiB".into());
+        }
+        if sc.coalesce_max.as_u64() > (1u64 << 30) {
+            return bad("scheduler.coalesce_max must be at most 1 GiB".into());
+        }
+        if sc.max_wait_us > 60_000_000 || sc.urgent_window_us > 60_000_000 || sc.spin_us > 10_000 {
+            return bad(
+                "scheduler: max_wait_us and urgent_window_us at most 60 s, spin_us at most 10 ms"
+                    .into(),
+            );
+        }
         if !(1..=64).contains(&self.host_devices) {
             return bad("host_devices must be 1 to 64".into());
         }
@@ -264,6 +328,23 @@ impl Config {
             slots_per_lane: self.memio.slots_per_lane,
             pipeline_min: self.memio.pipeline_min.as_u64() as usize,
             parallel_copy_min: default.parallel_copy_min,
+        }
+    }
+
+    /// The scheduler's configuration.
+    pub fn scheduler_config(&self) -> SchedulerConfig {
+        let sc = &self.scheduler;
+        SchedulerConfig {
+            workers: self.workers,
+            policy: sc.policy,
+            max_wait: std::time::Duration::from_micros(sc.max_wait_us),
+            urgent_window: std::time::Duration::from_micros(sc.urgent_window_us),
+            chunk_size: sc.chunk_size.as_u64() as usize,
+            engine_in_flight: sc.engine_in_flight.as_u64(),
+            session_in_flight: sc.session_in_flight.as_u64(),
+            coalesce_max: sc.coalesce_max.as_u64() as usize,
+            spin: std::time::Duration::from_micros(sc.spin_us),
+            ..SchedulerConfig::default()
         }
     }
 

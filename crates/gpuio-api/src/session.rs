@@ -5,8 +5,8 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::uri::Uri;
 use gpuio_core::{
-    BatchHandle, Completion, Dest, Dispatcher, Endpoint, Engines, HostMemory, Outcome, Request,
-    RequestHandle, Source, StatusCell,
+    BatchHandle, Completion, Dest, Endpoint, Engines, HostMemory, Outcome, Request, RequestHandle,
+    Scheduler, Source, Ticket,
 };
 use gpuio_hal::{DeviceBuffer, Gpu, Probe};
 use gpuio_transport_localio::{FileHandle, LocalIo, OpenOptions};
@@ -80,12 +80,12 @@ pub struct Session {
     config: Config,
     probe: Probe,
     engines: Engines,
-    dispatcher: Dispatcher,
+    scheduler: Scheduler,
 }
 
 impl Session {
     /// Opens a session: probes devices (per `config.backend`) and starts the engines and the
-    /// dispatcher's workers.
+    /// scheduler's workers.
     pub fn new(config: Config) -> Result<Self> {
         let mut probe = gpuio_hal::probe_with(config.backend, config.host_devices)?;
         if config.max_gpus > 0 {
@@ -94,13 +94,17 @@ impl Session {
         let memio = MemIo::new(probe.gpus.clone(), config.memio_config())?;
         let localio = LocalIo::new(config.localio_config())?;
         let engines = Engines::new(Arc::new(memio), Arc::new(localio));
-        let dispatcher = Dispatcher::new(engines.clone(), config.workers, config.retry.clone())?;
+        let scheduler = Scheduler::new(
+            engines.clone(),
+            config.scheduler_config(),
+            config.retry.clone(),
+        )?;
         tracing::debug!(gpus = probe.gpus.len(), cuda = %probe.cuda.detail, "session opened");
         Ok(Self {
             config,
             probe,
             engines,
-            dispatcher,
+            scheduler,
         })
     }
 
@@ -224,7 +228,7 @@ impl Session {
 
     /// Queues a request; the handle can be waited on, `.await`ed, or cancelled while queued.
     pub fn submit(&self, req: Request) -> Result<RequestHandle> {
-        Ok(self.dispatcher.submit(req)?)
+        Ok(self.scheduler.submit(req)?)
     }
 
     /// Queues a transfer between owned endpoints; see [`Session::submit`].
@@ -242,12 +246,17 @@ impl Session {
         &self,
         req: Request,
         callback: impl FnOnce(gpuio_core::Result<Completion>) + Send + 'static,
-    ) -> Result<Arc<StatusCell>> {
-        Ok(self.dispatcher.submit_with(req, callback)?)
+    ) -> Result<Ticket> {
+        Ok(self.scheduler.submit_with(req, callback)?)
+    }
+
+    /// The scheduler (sessions for tenants, statistics).
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
     }
 
     /// Queues a batch: sorted, adjacent requests coalesced, grouped by engine (SDD §8.1).
     pub fn submit_batch(&self, requests: Vec<Request>) -> Result<BatchHandle> {
-        Ok(self.dispatcher.submit_batch(requests)?)
+        Ok(self.scheduler.submit_batch(requests)?)
     }
 }

@@ -1,7 +1,7 @@
 //! Batch planning (SDD §8.1): sort requests by address for locality, coalesce adjacent ones
 //! into single transfers, group the transfers by engine.
 
-use crate::endpoint::Endpoint;
+use crate::endpoint::{Endpoint, ResourceKey};
 use crate::request::{EngineKind, Request};
 use std::collections::BTreeMap;
 
@@ -45,6 +45,7 @@ fn continues(seg: &Segment, next: &Request) -> bool {
         && end(&seg.dst) == Some(next.dst.offset())
         && seg.durable == next.flags.durable
         && seg.no_retry == next.flags.no_retry
+        && next.alternates.is_empty()
         && seg.len.checked_add(next.len).is_some()
 }
 
@@ -83,4 +84,43 @@ pub fn plan(requests: &[Request]) -> BatchPlan {
         }
     }
     plan
+}
+
+/// What decides whether whole requests can run merged: the resources on both sides, the
+/// options, and where each side starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct MergeKey {
+    src: ResourceKey,
+    dst: ResourceKey,
+    durable: bool,
+    no_retry: bool,
+    src_off: u64,
+    dst_off: u64,
+}
+
+impl MergeKey {
+    /// Whether `next` starts exactly where a run of `run_len` bytes starting at `self` ends,
+    /// on both sides, with the same options.
+    pub(crate) fn continued_by(&self, next: &MergeKey, run_len: usize) -> bool {
+        let end = |off: u64| off.checked_add(run_len as u64);
+        self.src == next.src
+            && self.dst == next.dst
+            && self.durable == next.durable
+            && self.no_retry == next.no_retry
+            && end(self.src_off) == Some(next.src_off)
+            && end(self.dst_off) == Some(next.dst_off)
+    }
+}
+
+/// The merge key of a request that may run merged with others (none with alternates).
+pub(crate) fn merge_key(req: &Option<Request>) -> Option<MergeKey> {
+    let r = req.as_ref()?;
+    r.alternates.is_empty().then(|| MergeKey {
+        src: r.src.resource(),
+        dst: r.dst.resource(),
+        durable: r.flags.durable,
+        no_retry: r.flags.no_retry,
+        src_off: r.src.offset(),
+        dst_off: r.dst.offset(),
+    })
 }

@@ -148,6 +148,24 @@ impl Endpoint {
         }
     }
 
+    /// The same resource `by` bytes further on.
+    pub fn advanced(&self, by: usize) -> Self {
+        match self {
+            Self::Host { mem, offset } => Self::Host {
+                mem: mem.clone(),
+                offset: offset.saturating_add(by),
+            },
+            Self::Device { buf, offset } => Self::Device {
+                buf: buf.clone(),
+                offset: offset.saturating_add(by),
+            },
+            Self::File { file, offset } => Self::File {
+                file: file.clone(),
+                offset: offset.saturating_add(by as u64),
+            },
+        }
+    }
+
     /// The resource it addresses.
     pub fn resource(&self) -> ResourceKey {
         let (kind, id) = match self {
@@ -156,6 +174,17 @@ impl Endpoint {
             Self::File { file, .. } => (EndpointKind::File, file.id()),
         };
         ResourceKey { kind, id }
+    }
+
+    /// A name for the resource, for load tracking and messages.
+    pub fn resource_name(&self) -> String {
+        match self {
+            Self::Host { mem, .. } => format!("host:{:x}", mem.id()),
+            Self::Device { buf, .. } => {
+                format!("gpu{}:{:x}", buf.gpu().ordinal(), buf.device_addr())
+            }
+            Self::File { file, .. } => format!("file:{}", file.path().display()),
+        }
     }
 
     /// The memory region `len` bytes from here cover (`None` for files or out of range).

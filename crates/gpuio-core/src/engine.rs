@@ -5,11 +5,14 @@
 use crate::endpoint::{Dest, Endpoint, EndpointKind, Source};
 use crate::error::{CoreError, Result};
 use crate::request::{EngineKind, Request};
+use crate::resources::ResourceTracker;
+use crate::retry::RetryPolicy;
 use gpuio_hal::{HostAllocOptions, HostBuffer, check_range};
 use gpuio_transport_localio::{Durability, LocalIo};
 use gpuio_transport_memio::MemIo;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// What a finished transfer reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -170,6 +173,7 @@ impl Engine for LocalIoEngine {
 pub struct Engines {
     memio: Arc<MemIoEngine>,
     localio: Arc<LocalIoEngine>,
+    tracker: ResourceTracker,
 }
 
 impl Engines {
@@ -178,7 +182,13 @@ impl Engines {
         Self {
             memio: Arc::new(MemIoEngine(memio)),
             localio: Arc::new(LocalIoEngine(localio)),
+            tracker: ResourceTracker::default(),
         }
+    }
+
+    /// The resource tracker the transfers report their load to.
+    pub fn tracker(&self) -> &ResourceTracker {
+        &self.tracker
     }
 
     /// The MemIO transport.
@@ -291,7 +301,54 @@ impl Engines {
         Ok(outcome)
     }
 
-    /// Carries out a request's transfer (status changes are the dispatcher's business).
+    /// The fault-tolerant transfer: tries the sources (replicas of the same bytes) least
+    /// loaded first, each with the retry policy (no retry starting after `until`); a source
+    /// that fails with anything but a caller error (an invalid argument or range) is left
+    /// for the next. With one source this is the retried transfer alone.
+    #[allow(clippy::too_many_arguments)]
+    pub fn execute_any(
+        &self,
+        sources: &[Endpoint],
+        dst: &Endpoint,
+        len: usize,
+        policy: &RetryPolicy,
+        until: Option<Instant>,
+        on_retry: &mut dyn FnMut(),
+        on_failover: &mut dyn FnMut(),
+    ) -> Result<Outcome> {
+        if let [src] = sources {
+            return policy.run_until(until, &mut *on_retry, || self.execute(src, dst, len, false));
+        }
+        let names: Vec<String> = sources.iter().map(|s| s.resource_name()).collect();
+        let mut order: Vec<usize> = (0..sources.len()).collect();
+        order.sort_by_key(|&i| self.tracker.load(&names[i]).bytes);
+        let mut last = None;
+        for (n, &i) in order.iter().enumerate() {
+            if n > 0 {
+                on_failover();
+            }
+            let _load = self.tracker.begin(names[i].clone(), len as u64);
+            let r = policy.run_until(until, &mut *on_retry, || {
+                self.execute(&sources[i], dst, len, false)
+            });
+            match r {
+                Ok(mut o) => {
+                    if n > 0 {
+                        o.route = format!("{} (failover to {})", o.route, sources[i]);
+                    }
+                    return Ok(o);
+                }
+                Err(e) if e.code() == gpuio_hal::ErrorCode::InvalidArg => return Err(e),
+                Err(e) => {
+                    tracing::warn!(source = %sources[i], error = %e, "source failed");
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| CoreError::InvalidRequest("no source".into())))
+    }
+
+    /// Carries out a request's transfer (status changes are the scheduler's business).
     pub fn execute_request(&self, req: &Request) -> Result<Outcome> {
         self.execute(&req.src, &req.dst, req.len, req.flags.durable)
     }

@@ -49,9 +49,15 @@ pub enum CoreError {
         /// The last error.
         last: Box<CoreError>,
     },
-    /// The dispatcher is shut down (or its workers died).
-    #[error("the dispatcher is shut down")]
+    /// The scheduler is shut down (or its workers died).
+    #[error("the scheduler is shut down")]
     ShutDown,
+    /// An in-flight budget is full (backpressure; `try_submit`).
+    #[error("busy: {0}")]
+    Busy(String),
+    /// The request's timeout passed before it could finish.
+    #[error("request {0} timed out")]
+    TimedOut(RequestId),
     /// A failure shared by several requests (e.g. the members of one coalesced transfer).
     #[error("{message}")]
     Failed {
@@ -83,7 +89,8 @@ impl CoreError {
             Self::IllegalTransition { .. } | Self::ShutDown | Self::Internal(_) => {
                 ErrorCode::General
             }
-            Self::RetriesExhausted { .. } => ErrorCode::Timeout,
+            Self::RetriesExhausted { .. } | Self::TimedOut(_) => ErrorCode::Timeout,
+            Self::Busy(_) => ErrorCode::Busy,
             Self::Failed { code, .. } => *code,
             Self::Batch(report) => report.failed.first().map_or(ErrorCode::General, |f| f.1),
         }

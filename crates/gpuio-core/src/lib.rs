@@ -12,14 +12,15 @@
 #![forbid(unsafe_code)]
 
 pub mod batch;
-mod dispatch;
 pub mod endpoint;
 pub mod engine;
 mod error;
+pub mod metrics;
 pub mod request;
+pub mod resources;
 pub mod retry;
+pub mod sched;
 
-pub use dispatch::{BatchHandle, BatchReport, Completion, Dispatcher, RequestHandle};
 pub use endpoint::{Dest, Endpoint, EndpointKind, HostMemory, Source};
 pub use engine::{Engine, Engines, LocalIoEngine, MemIoEngine, Outcome};
 pub use error::{CoreError, Result};
@@ -27,4 +28,9 @@ pub use gpuio_hal::ErrorCode;
 pub use request::{
     EngineKind, Priority, Request, RequestFlags, RequestId, RequestType, Status, StatusCell,
 };
+pub use resources::{Load, ResourceReport, ResourceTracker};
 pub use retry::RetryPolicy;
+pub use sched::{
+    BatchHandle, BatchReport, Completion, Policy, RequestHandle, SchedSession, SchedStats,
+    Scheduler, SchedulerConfig, SessionOptions, Ticket,
+};

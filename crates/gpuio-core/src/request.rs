@@ -8,7 +8,7 @@ use serde::Serialize;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// A request's identity, unique within a process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -221,8 +221,16 @@ pub struct Request {
     pub flags: RequestFlags,
     /// Scheduling class.
     pub priority: Priority,
-    /// When the caller needs it done by.
+    /// When the caller needs it done by (a scheduling target; see [`Request::timeout`] for a
+    /// limit).
     pub deadline: Option<Instant>,
+    /// Fail with a timeout if not done this long after submission: a request still queued
+    /// then fails without running, and retries stop. A transfer already running is not
+    /// interrupted.
+    pub timeout: Option<Duration>,
+    /// Other sources holding the same bytes (replicas), tried in order of load when the
+    /// source fails (failover) and used to balance load across devices.
+    pub alternates: Vec<Endpoint>,
     status: Arc<StatusCell>,
 }
 
@@ -241,6 +249,8 @@ impl Request {
             flags: RequestFlags::default(),
             priority: Priority::default(),
             deadline: None,
+            timeout: None,
+            alternates: Vec::new(),
             status: Arc::new(StatusCell::new(id)),
         })
     }
@@ -255,6 +265,26 @@ impl Request {
     pub fn with_deadline(mut self, deadline: Instant) -> Self {
         self.deadline = Some(deadline);
         self
+    }
+
+    /// Sets a timeout (see [`Request::timeout`]).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// Adds a replica of the source (see [`Request::alternates`]); it must be of the same
+    /// kind as the source.
+    pub fn with_alternate_source(mut self, src: Endpoint) -> Result<Self> {
+        if src.kind() != self.src.kind() {
+            return Err(CoreError::InvalidRequest(format!(
+                "an alternate source must be {:?} like the source, not {:?}",
+                self.src.kind(),
+                src.kind()
+            )));
+        }
+        self.alternates.push(src);
+        Ok(self)
     }
 
     /// Sets the flags.

@@ -2,7 +2,7 @@
 
 use crate::error::{CoreError, Result};
 use serde::{Deserialize, Serialize};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How often and how patiently to retry (SDD `gpuio_retry_policy_t`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -47,13 +47,27 @@ impl RetryPolicy {
 
     /// Runs `op` until it succeeds, fails with an error that is not retryable, or the retries
     /// run out (then [`CoreError::RetriesExhausted`], carrying the last error).
-    pub fn run<T>(&self, mut op: impl FnMut() -> Result<T>) -> Result<T> {
+    pub fn run<T>(&self, op: impl FnMut() -> Result<T>) -> Result<T> {
+        self.run_until(None, || {}, op)
+    }
+
+    /// Like [`run`](Self::run), but no retry starts after `until` (the request's timeout),
+    /// and `on_retry` hears of each retry.
+    pub fn run_until<T>(
+        &self,
+        until: Option<Instant>,
+        mut on_retry: impl FnMut(),
+        mut op: impl FnMut() -> Result<T>,
+    ) -> Result<T> {
         let mut attempt = 0;
         loop {
             match op() {
                 Ok(v) => return Ok(v),
                 Err(e) if !e.code().is_retryable() => return Err(e),
-                Err(e) if attempt >= self.max_retries => {
+                Err(e)
+                    if attempt >= self.max_retries
+                        || until.is_some_and(|t| Instant::now() + self.backoff(attempt) > t) =>
+                {
                     return Err(if attempt == 0 {
                         e
                     } else {
@@ -65,6 +79,7 @@ impl RetryPolicy {
                 }
                 Err(e) => {
                     tracing::debug!(attempt, error = %e, "retrying");
+                    on_retry();
                     std::thread::sleep(self.backoff(attempt));
                     attempt += 1;
                 }

@@ -1,6 +1,7 @@
 //! The core over real transports on the probed backend: routing, dispatch (blocking, future,
 //! callback), cancellation, shutdown, batches.
 
+use gpuio_core::Result;
 use gpuio_core::*;
 use gpuio_hal::{BackendPreference, HostAllocOptions, HostBuffer, pattern, probe};
 use gpuio_transport_localio::{LocalIo, LocalIoConfig, OpenOptions};
@@ -22,6 +23,14 @@ fn engines() -> Engines {
             .unwrap(),
         ),
     )
+}
+
+fn sched(e: &Engines, workers: usize, retry: RetryPolicy) -> Result<Scheduler> {
+    let cfg = SchedulerConfig {
+        workers,
+        ..SchedulerConfig::default()
+    };
+    Scheduler::new(e.clone(), cfg, retry)
 }
 
 fn host(len: usize, seed: u64) -> HostMemory {
@@ -68,7 +77,7 @@ fn transfers_route_to_their_engine() {
 #[test]
 fn requests_complete_by_wait_future_and_callback() {
     let e = engines();
-    let d = Dispatcher::new(e.clone(), 2, RetryPolicy::default()).unwrap();
+    let d = sched(&e, 2, RetryPolicy::default()).unwrap();
     let dev = e.memio().gpu(0).unwrap().alloc(4 << 20).unwrap();
     let src = host(4 << 20, 12);
     let dst = HostMemory::new(HostBuffer::alloc(4 << 20, &HostAllocOptions::default()).unwrap());
@@ -95,11 +104,11 @@ fn requests_complete_by_wait_future_and_callback() {
 
     let (tx, rx) = mpsc::channel();
     let again = Request::new(Endpoint::device(&dev, 0), Endpoint::host(&dst, 0), 4 << 20).unwrap();
-    let cell = d
+    let ticket = d
         .submit_with(again, move |r| tx.send(r.map(|c| c.outcome.bytes)).unwrap())
         .unwrap();
     assert_eq!(rx.recv().unwrap().unwrap(), 4 << 20);
-    assert_eq!(cell.get(), Status::Completed);
+    assert_eq!(ticket.status(), Status::Completed);
     // Once no request holds it, the caller can take the buffer back.
     let buf = dst.into_inner().expect("last handle");
     assert_eq!(pattern::first_deviation(&buf, 0, 12), None);
@@ -108,7 +117,7 @@ fn requests_complete_by_wait_future_and_callback() {
 #[test]
 fn queued_requests_can_be_cancelled_and_running_ones_cannot() {
     let e = engines();
-    let d = Dispatcher::new(e.clone(), 1, RetryPolicy::default()).unwrap();
+    let d = sched(&e, 1, RetryPolicy::default()).unwrap();
     let dev = e.memio().gpu(0).unwrap().alloc(4096).unwrap();
     let src = host(4096, 1);
     // Hold the source exclusively: the single worker blocks inside the first request.
@@ -133,7 +142,7 @@ fn queued_requests_can_be_cancelled_and_running_ones_cannot() {
 #[test]
 fn shutdown_finishes_what_was_acknowledged() {
     let e = engines();
-    let mut d = Dispatcher::new(e.clone(), 2, RetryPolicy::default()).unwrap();
+    let mut d = sched(&e, 2, RetryPolicy::default()).unwrap();
     let dev = e.memio().gpu(0).unwrap().alloc(64 << 20).unwrap();
     let src = host(1 << 20, 3);
     let handles: Vec<_> = (0..64)
@@ -158,7 +167,7 @@ fn shutdown_finishes_what_was_acknowledged() {
 #[test]
 fn failures_are_typed_and_final() {
     let e = engines();
-    let d = Dispatcher::new(e.clone(), 1, RetryPolicy::default()).unwrap();
+    let d = sched(&e, 1, RetryPolicy::default()).unwrap();
     let dev = e.memio().gpu(0).unwrap().alloc(100).unwrap();
     let src = host(100, 3);
     let r = Request::new(Endpoint::host(&src, 0), Endpoint::device(&dev, 50), 100).unwrap();
@@ -191,7 +200,7 @@ fn adjacent_requests_coalesce_into_one_transfer() {
         .collect();
     let plan = batch::plan(&reqs);
     assert_eq!(plan.segments(), 1);
-    let d = Dispatcher::new(e.clone(), 2, RetryPolicy::default()).unwrap();
+    let d = sched(&e, 2, RetryPolicy::default()).unwrap();
     let cells: Vec<_> = reqs.iter().map(|r| r.status_cell().clone()).collect();
     let report = d.submit_batch(reqs).unwrap().wait().unwrap();
     assert_eq!(report.requests, 256);
@@ -235,7 +244,7 @@ fn batches_group_by_engine_and_report_failures() {
     let plan = batch::plan(&reqs);
     assert_eq!(plan.groups[&EngineKind::MemIo].len(), 3);
     assert_eq!(plan.groups[&EngineKind::LocalIo].len(), 1);
-    let d = Dispatcher::new(e.clone(), 2, RetryPolicy::NONE).unwrap();
+    let d = sched(&e, 2, RetryPolicy::NONE).unwrap();
     let err = d.submit_batch(reqs).unwrap().wait().unwrap_err();
     assert_eq!(err.code(), ErrorCode::InvalidArg, "{err}");
     let CoreError::Batch(report) = err else {
@@ -250,7 +259,7 @@ fn batches_group_by_engine_and_report_failures() {
 #[test]
 fn opposite_host_transfers_do_not_deadlock() {
     let e = engines();
-    let d = Dispatcher::new(e.clone(), 4, RetryPolicy::default()).unwrap();
+    let d = sched(&e, 4, RetryPolicy::default()).unwrap();
     let a = host(1 << 16, 1);
     let b = host(1 << 16, 2);
     let handles: Vec<_> = (0..200)
@@ -268,7 +277,7 @@ fn opposite_host_transfers_do_not_deadlock() {
 #[test]
 fn a_request_that_cannot_be_queued_is_refused_once() {
     let e = engines();
-    let mut d = Dispatcher::new(e.clone(), 1, RetryPolicy::default()).unwrap();
+    let mut d = sched(&e, 1, RetryPolicy::default()).unwrap();
     d.shutdown();
     let dev = e.memio().gpu(0).unwrap().alloc(16).unwrap();
     let src = host(16, 1);
@@ -292,7 +301,7 @@ fn a_request_that_cannot_be_queued_is_refused_once() {
 #[test]
 fn batches_take_only_new_requests_and_leave_statuses_alone_otherwise() {
     let e = engines();
-    let d = Dispatcher::new(e.clone(), 1, RetryPolicy::default()).unwrap();
+    let d = sched(&e, 1, RetryPolicy::default()).unwrap();
     let dev = e.memio().gpu(0).unwrap().alloc(8192).unwrap();
     let src = host(8192, 1);
     let first = Request::new(Endpoint::host(&src, 0), Endpoint::device(&dev, 0), 4096).unwrap();
@@ -312,7 +321,7 @@ fn batches_take_only_new_requests_and_leave_statuses_alone_otherwise() {
 #[test]
 fn cancelling_one_member_of_a_coalesced_segment_runs_the_rest() {
     let e = engines();
-    let d = Dispatcher::new(e.clone(), 1, RetryPolicy::default()).unwrap();
+    let d = sched(&e, 1, RetryPolicy::default()).unwrap();
     let gpu = e.memio().gpu(0).unwrap().clone();
     let dev = gpu.alloc(4 * 4096).unwrap();
     let src = host(4 * 4096, 6);

@@ -1,0 +1,211 @@
+//! What a submitter holds: a [`Ticket`] to watch or cancel a queued request, a
+//! [`RequestHandle`] to also wait for it (blocking or as a future), a [`BatchHandle`] for a
+//! batch, and the [`Completion`] each finally delivers.
+
+use super::ticket::TicketInner;
+use crate::engine::Outcome;
+use crate::error::{CoreError, Result};
+use crate::request::{RequestId, Status, StatusCell};
+use gpuio_hal::ErrorCode;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+/// A finished request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// Which request.
+    pub id: RequestId,
+    /// What the engine reported.
+    pub outcome: Outcome,
+    /// Time from the first pickup by a worker to completion.
+    pub elapsed: Duration,
+    /// Time from submission to completion.
+    pub latency: Duration,
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The guarded states (a slot, a report, a ticket) are updated in single steps; a panic
+    // cannot leave them half-written.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A one-shot value, awaitable both by blocking and as a future.
+pub(crate) struct Slot<T> {
+    state: Mutex<(Option<T>, Option<Waker>)>,
+    ready: Condvar,
+}
+
+impl<T> Slot<T> {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new((None, None)),
+            ready: Condvar::new(),
+        })
+    }
+
+    pub(crate) fn put(&self, value: T) {
+        let mut s = lock(&self.state);
+        s.0 = Some(value);
+        if let Some(w) = s.1.take() {
+            w.wake();
+        }
+        self.ready.notify_all();
+    }
+
+    fn wait(&self) -> T {
+        let mut s = lock(&self.state);
+        loop {
+            if let Some(v) = s.0.take() {
+                return v;
+            }
+            s = self.ready.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn poll(&self, cx: &Context<'_>) -> Poll<T> {
+        let mut s = lock(&self.state);
+        match s.0.take() {
+            Some(v) => Poll::Ready(v),
+            None => {
+                s.1 = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// A submitted request: its status, and a way to cancel it while it is still queued. Holding
+/// a ticket does not keep the request alive.
+#[derive(Debug, Clone)]
+pub struct Ticket {
+    pub(crate) id: RequestId,
+    pub(crate) cell: Arc<StatusCell>,
+    pub(crate) inner: Weak<TicketInner>,
+}
+
+impl Ticket {
+    /// The request's id.
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// Its current status.
+    pub fn status(&self) -> Status {
+        self.cell.get()
+    }
+
+    /// Cancels it if no worker has picked it up yet; its completion ([`CoreError::Cancelled`])
+    /// is delivered at once, and its buffers are let go before that. Returns whether the
+    /// cancel won.
+    pub fn cancel(&self) -> bool {
+        self.inner.upgrade().is_some_and(|t| t.cancel())
+    }
+}
+
+/// A queued request: wait for it, `.await` it, or cancel it while it is still queued.
+pub struct RequestHandle {
+    pub(crate) ticket: Ticket,
+    pub(crate) slot: Arc<Slot<Result<Completion>>>,
+}
+
+impl std::fmt::Debug for RequestHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestHandle")
+            .field("id", &self.ticket.id)
+            .field("status", &self.status())
+            .finish()
+    }
+}
+
+impl RequestHandle {
+    /// The request's id.
+    pub fn id(&self) -> RequestId {
+        self.ticket.id
+    }
+
+    /// Its current status.
+    pub fn status(&self) -> Status {
+        self.ticket.status()
+    }
+
+    /// The ticket (to cancel from elsewhere).
+    pub fn ticket(&self) -> &Ticket {
+        &self.ticket
+    }
+
+    /// See [`Ticket::cancel`].
+    pub fn cancel(&self) -> bool {
+        self.ticket.cancel()
+    }
+
+    /// Blocks until it completes.
+    pub fn wait(self) -> Result<Completion> {
+        self.slot.wait()
+    }
+}
+
+impl Future for RequestHandle {
+    type Output = Result<Completion>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.slot.poll(cx)
+    }
+}
+
+/// What a batch did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BatchReport {
+    /// Requests submitted.
+    pub requests: usize,
+    /// Transfers issued after coalescing.
+    pub segments: usize,
+    /// Bytes moved by the requests that succeeded.
+    pub bytes: u64,
+    /// Requests that failed or were cancelled: id, code, reason.
+    pub failed: Vec<(RequestId, ErrorCode, String)>,
+}
+
+/// A queued batch: wait for it or `.await` it. It succeeds only if every request did; otherwise
+/// the error ([`CoreError::Batch`]) carries the report, naming each failure.
+pub struct BatchHandle {
+    pub(crate) tickets: Vec<Ticket>,
+    pub(crate) slot: Arc<Slot<Result<BatchReport>>>,
+}
+
+fn batch_result(r: Result<BatchReport>) -> Result<BatchReport> {
+    match r {
+        Ok(report) if !report.failed.is_empty() => Err(CoreError::Batch(Box::new(report))),
+        other => other,
+    }
+}
+
+impl std::fmt::Debug for BatchHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchHandle")
+            .field("requests", &self.tickets.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl BatchHandle {
+    /// The members' tickets, in submission order.
+    pub fn tickets(&self) -> &[Ticket] {
+        &self.tickets
+    }
+
+    /// Blocks until every request has finished.
+    pub fn wait(self) -> Result<BatchReport> {
+        batch_result(self.slot.wait())
+    }
+}
+
+impl Future for BatchHandle {
+    type Output = Result<BatchReport>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.slot.poll(cx).map(batch_result)
+    }
+}

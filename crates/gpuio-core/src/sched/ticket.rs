@@ -1,0 +1,476 @@
+//! A request inside the scheduler: its [`TicketInner`] carries the request, the completion to
+//! deliver, and the chunk count; the accounting it settles when it finishes (budgets,
+//! statistics, metrics); and the sessions that own requests.
+//!
+//! Exactly-once delivery rests on the status machine: only the caller whose compare-and-swap
+//! moves the status to a final state ([`Status::is_final`]) calls [`TicketInner::finish`]. A
+//! ticket dropped before it finished (its queue went away) finishes itself with
+//! [`CoreError::ShutDown`].
+
+use super::handle::{Completion, lock};
+use super::queue::SessionId;
+use crate::engine::Outcome;
+use crate::error::{CoreError, Result};
+use crate::metrics::SchedMetrics;
+use crate::request::{EngineKind, Priority, Request, RequestId, Status, StatusCell};
+use serde::Serialize;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+pub(crate) type Done = Box<dyn FnOnce(Result<Completion>) + Send>;
+
+/// A scheduling session's shared state.
+#[derive(Debug)]
+pub(crate) struct SessionState {
+    pub id: SessionId,
+    pub weight: u32,
+    pub limit: u64,
+    pub in_flight: AtomicU64,
+    pub closed: AtomicBool,
+}
+
+/// Takes `bytes` from a budget of `limit` if it fits; an idle budget admits anything, so a
+/// request larger than the limit still runs (alone).
+fn take(counter: &AtomicU64, limit: u64, bytes: u64) -> bool {
+    let mut cur = counter.load(Ordering::Relaxed);
+    loop {
+        if cur > 0 && cur.saturating_add(bytes) > limit {
+            return false;
+        }
+        match counter.compare_exchange_weak(
+            cur,
+            cur.saturating_add(bytes),
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        ) {
+            Ok(_) => return true,
+            Err(c) => cur = c,
+        }
+    }
+}
+
+/// Backpressure: bytes admitted and not yet completed, per engine and per session.
+pub(crate) struct Budgets {
+    engine: [AtomicU64; 3],
+    engine_limit: u64,
+    lock: Mutex<()>,
+    room: Condvar,
+    waiters: AtomicUsize,
+}
+
+impl Budgets {
+    pub fn new(engine_limit: u64) -> Self {
+        Self {
+            engine: Default::default(),
+            engine_limit: engine_limit.max(1),
+            lock: Mutex::new(()),
+            room: Condvar::new(),
+            waiters: AtomicUsize::new(0),
+        }
+    }
+
+    pub fn in_flight(&self, e: EngineKind) -> u64 {
+        self.engine[e as usize].load(Ordering::Relaxed)
+    }
+
+    fn try_take(&self, e: EngineKind, s: &SessionState, bytes: u64) -> bool {
+        let ec = &self.engine[e as usize];
+        if !take(ec, self.engine_limit, bytes) {
+            return false;
+        }
+        if !take(&s.in_flight, s.limit, bytes) {
+            ec.fetch_sub(bytes, Ordering::AcqRel);
+            return false;
+        }
+        true
+    }
+
+    /// Admits `bytes`: at once if they fit (or `force`), else waits for room, or with
+    /// `wait == false` fails with [`CoreError::Busy`].
+    pub fn acquire(
+        &self,
+        e: EngineKind,
+        s: &SessionState,
+        bytes: u64,
+        wait: bool,
+        force: bool,
+    ) -> Result<()> {
+        if self.try_take(e, s, bytes) {
+            return Ok(());
+        }
+        if force {
+            self.engine[e as usize].fetch_add(bytes, Ordering::AcqRel);
+            s.in_flight.fetch_add(bytes, Ordering::AcqRel);
+            return Ok(());
+        }
+        if !wait {
+            return Err(CoreError::Busy(format!(
+                "{e} has {} in flight (limit {}), the session {} (limit {})",
+                self.in_flight(e),
+                self.engine_limit,
+                s.in_flight.load(Ordering::Relaxed),
+                s.limit
+            )));
+        }
+        self.waiters.fetch_add(1, Ordering::AcqRel);
+        let mut g = lock(&self.lock);
+        while !self.try_take(e, s, bytes) {
+            // Timed, so a release racing with our check cannot strand us.
+            g = self
+                .room
+                .wait_timeout(g, Duration::from_millis(5))
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+        drop(g);
+        self.waiters.fetch_sub(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    pub fn release(&self, e: EngineKind, s: &SessionState, bytes: u64) {
+        self.engine[e as usize].fetch_sub(bytes, Ordering::AcqRel);
+        s.in_flight.fetch_sub(bytes, Ordering::AcqRel);
+        if self.waiters.load(Ordering::Acquire) > 0 {
+            let _g = lock(&self.lock);
+            self.room.notify_all();
+        }
+    }
+}
+
+/// Counters of the scheduler's life (see [`SchedStats`]).
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub submitted: AtomicU64,
+    pub completed: AtomicU64,
+    pub failed: AtomicU64,
+    pub cancelled: AtomicU64,
+    pub bytes: AtomicU64,
+    pub deadline_met: AtomicU64,
+    pub deadline_missed: AtomicU64,
+    pub coalesced: AtomicU64,
+    pub stolen: AtomicU64,
+    pub retries: AtomicU64,
+    pub failovers: AtomicU64,
+}
+
+/// A snapshot of the scheduler's counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct SchedStats {
+    /// Requests accepted.
+    pub submitted: u64,
+    /// Requests completed successfully.
+    pub completed: u64,
+    /// Requests that failed (including timeouts and shutdown).
+    pub failed: u64,
+    /// Requests cancelled before they ran.
+    pub cancelled: u64,
+    /// Bytes moved by completed requests.
+    pub bytes: u64,
+    /// Requests with a deadline that finished in time.
+    pub deadline_met: u64,
+    /// Requests with a deadline that finished late (or failed).
+    pub deadline_missed: u64,
+    /// Requests that ran merged with an adjacent one.
+    pub coalesced: u64,
+    /// Units a worker took from another worker's deque.
+    pub stolen: u64,
+    /// Retries of retryable errors.
+    pub retries: u64,
+    /// Switches to an alternate source after a failure.
+    pub failovers: u64,
+    /// Units waiting in the queues now.
+    pub queued: u64,
+    /// Bytes admitted and not yet completed, per engine (MemIO, LocalIO, RemoteIO).
+    pub in_flight_bytes: [u64; 3],
+}
+
+/// What every ticket settles when it finishes.
+pub(crate) struct Accounting {
+    pub budgets: Budgets,
+    pub counters: Counters,
+    pub metrics: SchedMetrics,
+}
+
+impl Counters {
+    pub fn snapshot(&self) -> SchedStats {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        SchedStats {
+            submitted: g(&self.submitted),
+            completed: g(&self.completed),
+            failed: g(&self.failed),
+            cancelled: g(&self.cancelled),
+            bytes: g(&self.bytes),
+            deadline_met: g(&self.deadline_met),
+            deadline_missed: g(&self.deadline_missed),
+            coalesced: g(&self.coalesced),
+            stolen: g(&self.stolen),
+            retries: g(&self.retries),
+            failovers: g(&self.failovers),
+            ..SchedStats::default()
+        }
+    }
+}
+
+pub(crate) struct TicketState {
+    pub req: Option<Request>,
+    done: Option<Done>,
+    pub chunks_left: usize,
+    pub error: Option<CoreError>,
+    pub started: Option<Instant>,
+    pub route: Option<String>,
+    finished: bool,
+}
+
+/// A request owned by the scheduler.
+pub(crate) struct TicketInner {
+    pub id: RequestId,
+    pub cell: Arc<StatusCell>,
+    pub engine: EngineKind,
+    pub class: Priority,
+    pub len: usize,
+    pub deadline: Option<Instant>,
+    pub expires: Option<Instant>,
+    pub submitted: Instant,
+    pub session: Arc<SessionState>,
+    pub acct: Arc<Accounting>,
+    pub state: Mutex<TicketState>,
+}
+
+impl TicketInner {
+    pub fn new(
+        req: Request,
+        done: Done,
+        chunks: usize,
+        session: Arc<SessionState>,
+        acct: Arc<Accounting>,
+    ) -> Self {
+        let now = Instant::now();
+        Self {
+            id: req.id,
+            cell: req.status_cell().clone(),
+            engine: req.engine,
+            class: req.priority,
+            len: req.len,
+            deadline: req.deadline,
+            expires: req.timeout.map(|t| now + t),
+            submitted: now,
+            session,
+            acct,
+            state: Mutex::new(TicketState {
+                req: Some(req),
+                done: Some(done),
+                chunks_left: chunks.max(1),
+                error: None,
+                started: None,
+                route: None,
+                finished: false,
+            }),
+        }
+    }
+
+    /// Forgets the completion (the request was refused at submission; the submitter reports
+    /// that instead).
+    pub fn disarm(&self) {
+        lock(&self.state).done = None;
+    }
+
+    /// Settles a request whose status is final; only the first call does anything.
+    pub fn finish(&self, result: Result<Outcome>) {
+        let (req, done, started) = {
+            let mut s = lock(&self.state);
+            if s.finished {
+                return;
+            }
+            s.finished = true;
+            (s.req.take(), s.done.take(), s.started)
+        };
+        // Release the request's buffers before saying it is done.
+        drop(req);
+        let now = Instant::now();
+        let acct = &self.acct;
+        acct.budgets
+            .release(self.engine, &self.session, self.len as u64);
+        acct.metrics
+            .engine(self.engine)
+            .in_flight
+            .set(acct.budgets.in_flight(self.engine) as f64);
+        let m = acct.metrics.class(self.engine, self.class);
+        let c = &acct.counters;
+        match &result {
+            Ok(_) => {
+                c.completed.fetch_add(1, Ordering::Relaxed);
+                c.bytes.fetch_add(self.len as u64, Ordering::Relaxed);
+                m.ok.increment(1);
+                acct.metrics
+                    .engine(self.engine)
+                    .bytes
+                    .increment(self.len as u64);
+            }
+            Err(CoreError::Cancelled(_)) => {
+                c.cancelled.fetch_add(1, Ordering::Relaxed);
+                m.cancelled.increment(1);
+            }
+            Err(_) => {
+                c.failed.fetch_add(1, Ordering::Relaxed);
+                m.failed.increment(1);
+            }
+        }
+        let latency = now - self.submitted;
+        m.latency.record(latency.as_secs_f64());
+        if let Some(d) = self.deadline
+            && !matches!(result, Err(CoreError::Cancelled(_)))
+        {
+            let (total, missed) = &acct.metrics.deadline[self.class as usize];
+            total.increment(1);
+            if now > d || result.is_err() {
+                missed.increment(1);
+                c.deadline_missed.fetch_add(1, Ordering::Relaxed);
+            } else {
+                c.deadline_met.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if let Some(done) = done {
+            done(result.map(|outcome| Completion {
+                id: self.id,
+                outcome,
+                elapsed: started.map_or(Duration::ZERO, |s| now - s),
+                latency,
+            }));
+        }
+    }
+
+    /// Cancels the request if it has not started; delivers the cancellation at once.
+    pub fn cancel(&self) -> bool {
+        if self.cell.advance(Status::Cancelled).is_ok() {
+            self.finish(Err(CoreError::Cancelled(self.id)));
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Fails the request if it has not started.
+    pub fn fail_unstarted(&self, e: CoreError) -> bool {
+        if self.cell.advance(Status::Error).is_ok() {
+            self.finish(Err(e));
+            true
+        } else {
+            false
+        }
+    }
+
+    /// A worker takes up one of its units: true if it should run. A request that expired in
+    /// the queue fails with a timeout; one whose session has closed is cancelled.
+    pub fn pick_up(&self) -> bool {
+        match self.cell.get() {
+            Status::Submitted => {
+                if self.expires.is_some_and(|t| Instant::now() > t) {
+                    self.fail_unstarted(CoreError::TimedOut(self.id));
+                    return false;
+                }
+                if self.session.closed.load(Ordering::Acquire) {
+                    self.cancel();
+                    return false;
+                }
+                match self.cell.advance(Status::InProgress) {
+                    Ok(()) => {
+                        let now = Instant::now();
+                        lock(&self.state).started = Some(now);
+                        self.acct
+                            .metrics
+                            .engine(self.engine)
+                            .queue_wait
+                            .record((now - self.submitted).as_secs_f64());
+                        true
+                    }
+                    // Another chunk's worker won the pickup, or a cancel did.
+                    Err(_) => self.cell.get() == Status::InProgress,
+                }
+            }
+            Status::InProgress => true,
+            // Made final through the status cell from outside: settle it here.
+            Status::Cancelled => {
+                self.finish(Err(CoreError::Cancelled(self.id)));
+                false
+            }
+            _ => {
+                self.finish(Err(CoreError::Internal(format!(
+                    "request {} was finished outside the scheduler",
+                    self.id
+                ))));
+                false
+            }
+        }
+    }
+
+    /// Records one chunk's end; the last chunk settles the request. `durable_sync` runs once,
+    /// after every chunk succeeded, before the request completes.
+    pub fn chunk_done(
+        &self,
+        result: Result<Outcome>,
+        durable_sync: impl FnOnce(&Request) -> Result<()>,
+    ) {
+        let mut s = lock(&self.state);
+        match result {
+            Ok(o) => {
+                if s.route.is_none() {
+                    s.route = Some(o.route);
+                }
+            }
+            Err(e) => {
+                if s.error.is_none() {
+                    s.error = Some(e);
+                }
+            }
+        }
+        s.chunks_left -= 1;
+        if s.chunks_left > 0 {
+            return;
+        }
+        let mut result = match s.error.take() {
+            Some(e) => Err(e),
+            None => Ok(Outcome {
+                bytes: self.len,
+                engine: self.engine,
+                route: s.route.take().unwrap_or_default(),
+            }),
+        };
+        if result.is_ok()
+            && let Some(req) = s.req.as_ref()
+            && let Err(e) = durable_sync(req)
+        {
+            result = Err(e);
+        }
+        drop(s);
+        let status = if result.is_ok() {
+            Status::Completed
+        } else {
+            Status::Error
+        };
+        if self.cell.advance(status).is_ok() {
+            self.finish(result);
+        }
+    }
+
+    /// Gives up a queued chunk of a started request (its session closed).
+    pub fn abandon_chunk(&self) {
+        if !self.cancel() && self.cell.get() == Status::InProgress {
+            self.chunk_done(Err(CoreError::Cancelled(self.id)), |_| Ok(()));
+        }
+    }
+}
+
+impl Drop for TicketInner {
+    fn drop(&mut self) {
+        // Never settled: its queue went away unrun.
+        if !self.cell.get().is_final() {
+            let _ = self.cell.advance(Status::Error);
+        }
+        let e = match self.cell.get() {
+            Status::Cancelled => CoreError::Cancelled(self.id),
+            _ => CoreError::ShutDown,
+        };
+        self.finish(Err(e));
+    }
+}
