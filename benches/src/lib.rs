@@ -13,6 +13,7 @@ pub mod memio;
 mod peers;
 mod plot;
 mod report;
+pub mod scheduler;
 
 pub use report::{Record, Target, render_table, write_outputs};
 

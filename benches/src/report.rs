@@ -140,8 +140,12 @@ pub fn write_outputs(
     let text = serde_json::to_string_pretty(&doc).map_err(|e| fail(&json, &e))?;
     std::fs::write(&json, text).map_err(|e| fail(&json, &e))?;
     let mut files = vec![json];
-    // A plot over sizes only where the suite sweeps sizes.
-    let sizes: std::collections::BTreeSet<usize> = records.iter().map(|r| r.bytes).collect();
+    // A bandwidth plot over sizes only where the suite sweeps sizes.
+    let sizes: std::collections::BTreeSet<usize> = records
+        .iter()
+        .filter(|r| r.unit == "GB/s")
+        .map(|r| r.bytes)
+        .collect();
     if sizes.len() > 1 {
         let svg = dir.join(format!("{suite}.svg"));
         crate::plot::bandwidth_plot(&svg, suite, records).map_err(|e| fail(&svg, &e))?;

@@ -3,16 +3,16 @@
 
 use bytesize::ByteSize;
 use gpuio_api::{Config, Error, Session};
-use gpuio_bench::{Budget, Record, Target, localio, memio, render_table, write_outputs};
+use gpuio_bench::{Budget, Record, Target, localio, memio, render_table, scheduler, write_outputs};
 use indicatif::ProgressBar;
 use std::path::PathBuf;
 
 /// The suites this build has.
-const SUITES: &[&str] = &[memio::SUITE, localio::SUITE];
+const SUITES: &[&str] = &[memio::SUITE, localio::SUITE, scheduler::SUITE];
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// Suites to run (default: all this build has: memio, localio).
+    /// Suites to run (default: all this build has: memio, localio, core).
     suites: Vec<String>,
     /// memio: transfer sizes, e.g. 4K,1M,64M,1G (default: up to 1 GiB on a GPU).
     #[arg(long, value_name = "LIST")]
@@ -93,6 +93,17 @@ pub fn run(config: Config, args: &BenchArgs) -> Result<(), Error> {
                     opts.random_reads = opts.random_reads.min(8192);
                 }
                 localio::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
+            }
+            scheduler::SUITE => {
+                let mut opts = if args.quick {
+                    scheduler::Options::quick()
+                } else {
+                    scheduler::Options::default()
+                };
+                if let Some(d) = &args.scratch {
+                    opts.scratch = d.clone();
+                }
+                scheduler::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
             }
             _ => continue,
         };

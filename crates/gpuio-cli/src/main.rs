@@ -9,6 +9,7 @@
 mod bench;
 mod cp;
 mod info;
+mod stat;
 
 use clap::{Parser, Subcommand};
 use gpuio_api::{Config, Error};
@@ -27,6 +28,14 @@ struct Cli {
     /// GPU backend: auto, cuda or host (overrides the configuration).
     #[arg(long, global = true, value_name = "BACKEND")]
     backend: Option<BackendPreference>,
+    /// Serve metrics for Prometheus on this address while the command runs (default
+    /// 127.0.0.1:9464 when given without a value).
+    #[arg(long, global = true, value_name = "HOST:PORT", num_args = 0..=1,
+          default_missing_value = stat::DEFAULT_ADDR)]
+    metrics_addr: Option<std::net::SocketAddr>,
+    /// Keep serving metrics this many seconds after the command ends (for a last scrape).
+    #[arg(long, global = true, value_name = "SECS", default_value_t = 0.0)]
+    metrics_linger: f64,
     /// More log output (-v: info, -vv: debug); GPUIO_LOG sets a full filter.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     verbose: u8,
@@ -42,6 +51,8 @@ enum Command {
     Cp(cp::CpArgs),
     /// Runs benchmark suites against their peers; prints a table, writes JSON and a plot.
     Bench(bench::BenchArgs),
+    /// Reads a running gpuio's metrics endpoint and prints a summary.
+    Stat(stat::StatArgs),
 }
 
 fn init_logging(config: &Config, verbose: u8) {
@@ -64,11 +75,19 @@ fn run(cli: Cli) -> Result<(), Error> {
         config.backend = b;
     }
     init_logging(&config, cli.verbose);
-    match cli.command {
+    if let Some(addr) = cli.metrics_addr {
+        stat::serve(addr)?;
+    }
+    let result = match cli.command {
         Command::Info(args) => info::run(config, &args),
         Command::Cp(args) => cp::run(config, &args),
         Command::Bench(args) => bench::run(config, &args),
+        Command::Stat(args) => stat::run(&args),
+    };
+    if cli.metrics_addr.is_some() && cli.metrics_linger > 0.0 {
+        std::thread::sleep(std::time::Duration::from_secs_f64(cli.metrics_linger));
     }
+    result
 }
 
 fn main() -> ExitCode {

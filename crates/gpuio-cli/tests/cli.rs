@@ -150,3 +150,58 @@ fn bench_writes_records_a_plot_and_a_table() {
     let svg = std::fs::read_to_string(dir.path().join("memio.svg")).unwrap();
     assert!(svg.starts_with("<svg"));
 }
+
+#[test]
+fn a_running_command_serves_metrics_that_stat_reads() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let out = tempfile::tempdir().unwrap();
+    let bin = std::env::var_os("GPUIO_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_gpuio")));
+    // The core suite runs its requests through the scheduler, which records metrics.
+    let mut child = Command::new(bin)
+        .args([
+            "--metrics-addr",
+            &addr,
+            "--metrics-linger",
+            "20",
+            "bench",
+            "core",
+            "--quick",
+        ])
+        .arg("--out")
+        .arg(out.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let text = loop {
+        let o = gpuio(&["stat", "--addr", &addr]);
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        if o.status.success() && text.contains("deadlines:") {
+            break text;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no metrics from {addr}: {text} {}",
+            stderr(&o)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    };
+    child.kill().ok();
+    child.wait().ok();
+    assert!(
+        text.contains("memio") && text.contains("latency p50"),
+        "{text}"
+    );
+    // Nothing listens: a typed error, not a hang.
+    let o = gpuio(&["stat", "--addr", "127.0.0.1:1"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("reading metrics"), "{}", stderr(&o));
+}

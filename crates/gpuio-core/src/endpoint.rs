@@ -71,6 +71,11 @@ impl HostMemory {
     pub(crate) fn id(&self) -> usize {
         Arc::as_ptr(&self.inner) as *const () as usize
     }
+
+    /// The shared buffer itself, for registrations that must keep it alive.
+    pub(crate) fn shared(&self) -> &Arc<RwLock<HostBuffer>> {
+        &self.inner
+    }
 }
 
 /// An owned end of a transfer.

@@ -303,8 +303,8 @@ impl Engines {
 
     /// The fault-tolerant transfer: tries the sources (replicas of the same bytes) least
     /// loaded first, each with the retry policy (no retry starting after `until`); a source
-    /// that fails with anything but a caller error (an invalid argument or range) is left
-    /// for the next. With one source this is the retried transfer alone.
+    /// that still fails is left for the next (a short or damaged replica fails over too), and
+    /// the last error is returned. With one source this is the retried transfer alone.
     #[allow(clippy::too_many_arguments)]
     pub fn execute_any(
         &self,
@@ -338,7 +338,6 @@ impl Engines {
                     }
                     return Ok(o);
                 }
-                Err(e) if e.code() == gpuio_hal::ErrorCode::InvalidArg => return Err(e),
                 Err(e) => {
                     tracing::warn!(source = %sources[i], error = %e, "source failed");
                     last = Some(e);

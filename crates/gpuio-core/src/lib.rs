@@ -1,21 +1,30 @@
 //! # gpuio-core
 //!
-//! The core layer (SAD §2.2): the request model and its status machine (SDD §2.3), the SDD
-//! §7.1 error codes (re-exported from the HAL) on one error type, the retry policy of SDD §7.2,
-//! the [`Engine`] abstraction that adapts each transport, the transport manager
-//! ([`Engines`]) that routes transfers, batch planning (SDD §8.1) and dispatch onto worker
-//! threads with exactly-once completions.
+//! The core engine layer (SAD §2.2): many clients with different priorities and deadlines
+//! share the transports fairly, fast and safely.
 //!
-//! This is the first cut; the scheduler with priorities, deadlines and fairness, the caches
-//! and the memory pool build on these types.
+//! - The request model and its status machine (SDD §2.3); one error type with the SDD §7.1
+//!   codes; the retry policy of SDD §7.2.
+//! - [`Engines`], the transport manager: routing to the transport [`Engine`]s, retries,
+//!   failover across replicas, load per resource ([`ResourceTracker`]).
+//! - [`Scheduler`] (SDD §3.1, §10.5): per-engine queues, EDF, CFS fairness across sessions,
+//!   the AI priority classes, work-stealing workers, chunking and coalescing, backpressure,
+//!   exactly-once completions; batch planning (SDD §8.1).
+//! - [`cache::BlockCache`] (SDD §3.2): L1 GPU / L2 host / L3 SSD with coherence states and a
+//!   prefetcher; [`pool::StagingPool`]: pinned staging memory under a limit;
+//!   [`regcache::RegistrationCache`] (SDD §3.3).
+//! - [`metrics`]: what all of this reports through the `metrics` facade.
 
 #![forbid(unsafe_code)]
 
 pub mod batch;
+pub mod cache;
 pub mod endpoint;
 pub mod engine;
 mod error;
 pub mod metrics;
+pub mod pool;
+pub mod regcache;
 pub mod request;
 pub mod resources;
 pub mod retry;

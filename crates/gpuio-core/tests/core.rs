@@ -1,43 +1,15 @@
 //! The core over real transports on the probed backend: routing, dispatch (blocking, future,
 //! callback), cancellation, shutdown, batches.
 
-use gpuio_core::Result;
+mod common;
+
+use common::{engines, host, sched};
 use gpuio_core::*;
-use gpuio_hal::{BackendPreference, HostAllocOptions, HostBuffer, pattern, probe};
-use gpuio_transport_localio::{LocalIo, LocalIoConfig, OpenOptions};
-use gpuio_transport_memio::{MemIo, MemIoConfig};
+use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
+use gpuio_transport_localio::OpenOptions;
 use proptest::prelude::*;
 use std::sync::Arc;
 use std::sync::mpsc;
-
-fn engines() -> Engines {
-    let p = probe(BackendPreference::Auto).unwrap();
-    let memio = MemIo::new(p.gpus, MemIoConfig::default()).unwrap();
-    Engines::new(
-        Arc::new(memio),
-        Arc::new(
-            LocalIo::new(LocalIoConfig {
-                chunk_size: 256 << 10,
-                ..LocalIoConfig::default()
-            })
-            .unwrap(),
-        ),
-    )
-}
-
-fn sched(e: &Engines, workers: usize, retry: RetryPolicy) -> Result<Scheduler> {
-    let cfg = SchedulerConfig {
-        workers,
-        ..SchedulerConfig::default()
-    };
-    Scheduler::new(e.clone(), cfg, retry)
-}
-
-fn host(len: usize, seed: u64) -> HostMemory {
-    let mut b = HostBuffer::alloc(len, &HostAllocOptions::default()).unwrap();
-    pattern::fill(&mut b, 0, seed);
-    HostMemory::new(b)
-}
 
 #[test]
 fn transfers_route_to_their_engine() {

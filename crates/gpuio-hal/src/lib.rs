@@ -39,7 +39,7 @@ pub mod uring;
 pub use error::{ErrorCode, HalError, Result, check_range};
 pub use gpu::{
     Backend, BackendPreference, Capability, DeviceBuffer, DeviceInfo, Event, GdsFile, GdsMode, Gpu,
-    Inflight, PcieLink, PinGuard, Probe, Stream, probe, probe_with,
+    Inflight, PcieLink, PinGuard, Probe, SharedPin, Stream, probe, probe_with,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::{HostAllocOptions, HostBuffer, Location, MemoryRegion, MemoryTier, Registration};

@@ -23,7 +23,7 @@ pub mod queue;
 mod ticket;
 
 pub use handle::{BatchHandle, BatchReport, Completion, RequestHandle, Ticket};
-pub use queue::{Policy, QueueConfig, ReadyQueue, SessionId};
+pub use queue::{Meta, Policy, QueueConfig, Rank, ReadyQueue, SessionId};
 pub use ticket::SchedStats;
 
 use crate::batch;
@@ -36,7 +36,6 @@ use crate::retry::RetryPolicy;
 use crossbeam_deque::{Steal, Stealer, Worker};
 pub(crate) use handle::lock as handle_lock;
 use handle::{Slot, lock};
-use queue::Meta;
 use serde::{Deserialize, Serialize};
 use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -145,6 +144,14 @@ impl Unit {
     }
 }
 
+/// What a worker runs a chunk on.
+enum Work {
+    /// The whole request, taken out of its ticket.
+    Owned(Request),
+    /// Sources (the source and its alternates) and destination, advanced to the chunk.
+    Shared(Vec<Endpoint>, Endpoint, bool),
+}
+
 struct State {
     queue: ReadyQueue<Unit>,
     closing: bool,
@@ -158,7 +165,7 @@ struct Shared {
     retry: RetryPolicy,
     state: Mutex<State>,
     work: Condvar,
-    queued: AtomicUsize,
+    queued: crossbeam_utils::CachePadded<AtomicUsize>,
     sleepers: AtomicUsize,
     acct: Arc<Accounting>,
     stealers: Vec<Stealer<Unit>>,
@@ -209,7 +216,7 @@ impl Shared {
             deadline: t.deadline,
             engine: t.engine,
             cost: cost as u64,
-            arrival: Instant::now(),
+            arrival: t.submitted,
         }
     }
 
@@ -309,59 +316,65 @@ impl Shared {
         true
     }
 
-    /// Merges whole small requests that continue each other on both sides.
+    /// Merges whole small requests that continue each other on both sides. A merged group
+    /// takes the place of its earliest member, so the policy's order otherwise stands.
     fn coalesce(&self, taken: Vec<Unit>) -> Vec<Unit> {
         if taken.len() < 2 || self.cfg.coalesce_max == 0 {
             return taken;
         }
-        let mut out = Vec::with_capacity(taken.len());
+        let mut out: Vec<(usize, Unit)> = Vec::with_capacity(taken.len());
         let mut cands = Vec::new();
-        for u in taken {
+        for (i, u) in taken.into_iter().enumerate() {
             match u {
                 Unit::Chunk { t, off: 0, len }
                     if len == t.len && len > 0 && len <= self.cfg.coalesce_max =>
                 {
                     let key = batch::merge_key(&lock(&t.state).req);
                     match key {
-                        Some(key) => cands.push((key, t)),
-                        None => out.push(Unit::Chunk { t, off: 0, len }),
+                        Some(key) => cands.push((key, i, t)),
+                        None => out.push((i, Unit::Chunk { t, off: 0, len })),
                     }
                 }
-                other => out.push(other),
+                other => out.push((i, other)),
             }
         }
-        cands.sort_by_key(|(k, _)| *k);
-        let mut run: Vec<Arc<TicketInner>> = Vec::new();
+        cands.sort_by_key(|(k, _, _)| *k);
+        let mut run: Vec<(usize, Arc<TicketInner>)> = Vec::new();
         let mut run_key: Option<batch::MergeKey> = None;
         let mut run_len = 0;
-        let flush = |run: &mut Vec<Arc<TicketInner>>, out: &mut Vec<Unit>| match run.len() {
-            0 => {}
-            1 => {
-                let t = run.pop().expect("one");
-                let len = t.len;
-                out.push(Unit::Chunk { t, off: 0, len });
-            }
-            n => {
-                self.acct
-                    .counters
-                    .coalesced
-                    .fetch_add(n as u64, Ordering::Relaxed);
-                out.push(Unit::Group(std::mem::take(run)));
+        let flush = |run: &mut Vec<(usize, Arc<TicketInner>)>, out: &mut Vec<(usize, Unit)>| {
+            let first = run.iter().map(|(i, _)| *i).min().unwrap_or(0);
+            match run.len() {
+                0 => {}
+                1 => {
+                    let (_, t) = run.pop().expect("one");
+                    let len = t.len;
+                    out.push((first, Unit::Chunk { t, off: 0, len }));
+                }
+                n => {
+                    self.acct
+                        .counters
+                        .coalesced
+                        .fetch_add(n as u64, Ordering::Relaxed);
+                    let ts = run.drain(..).map(|(_, t)| t).collect();
+                    out.push((first, Unit::Group(ts)));
+                }
             }
         };
-        for (key, t) in cands {
+        for (key, i, t) in cands {
             let joins = run_key.is_some_and(|k| k.continued_by(&key, run_len))
                 && run_len + t.len <= self.cfg.coalesce_max;
             if !joins {
                 flush(&mut run, &mut out);
                 run_len = 0;
+                run_key = Some(key);
             }
             run_len += t.len;
-            run_key = Some(if joins { run_key.expect("run") } else { key });
-            run.push(t);
+            run.push((i, t));
         }
         flush(&mut run, &mut out);
-        out
+        out.sort_by_key(|(i, _)| *i);
+        out.into_iter().map(|(_, u)| u).collect()
     }
 
     fn steal(&self, me: usize) -> Option<Unit> {
@@ -390,17 +403,11 @@ impl Shared {
     /// queue is empty (the worker exits).
     fn idle(&self) -> bool {
         let spin_until = Instant::now() + self.cfg.spin;
-        let mut i = 0u32;
         while Instant::now() < spin_until {
             if self.queued.load(Ordering::Acquire) > 0 || self.stealable() {
                 return true;
             }
-            i = i.wrapping_add(1);
-            if i % 64 == 0 {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
+            std::hint::spin_loop();
         }
         let mut st = lock(&self.state);
         loop {
@@ -436,47 +443,77 @@ impl Shared {
 
     /// Runs a picked-up chunk: retries, alternates on failure, then settles it.
     fn run_chunk(&self, t: &TicketInner, off: usize, len: usize) {
+        // A request of one chunk runs on this worker alone: take it out of the ticket
+        // instead of cloning its endpoints (shared reference counts are costly to touch).
         let work = {
-            let s = lock(&t.state);
-            match &s.req {
-                Some(r) if s.error.is_none() => Some((
-                    std::iter::once(&r.src)
-                        .chain(&r.alternates)
-                        .map(|e| e.advanced(off))
-                        .collect::<Vec<_>>(),
-                    r.dst.advanced(off),
-                    r.flags.no_retry,
-                )),
-                _ => None,
+            let mut s = lock(&t.state);
+            if s.error.is_some() {
+                None
+            } else if s.chunks_left == 1 && off == 0 && len == t.len {
+                s.req.take().map(Work::Owned)
+            } else {
+                s.req.as_ref().map(|r| {
+                    Work::Shared(
+                        std::iter::once(&r.src)
+                            .chain(&r.alternates)
+                            .map(|e| e.advanced(off))
+                            .collect(),
+                        r.dst.advanced(off),
+                        r.flags.no_retry,
+                    )
+                })
             }
         };
-        let Some((sources, dst, no_retry)) = work else {
+        let Some(work) = work else {
             // An earlier chunk failed: this one only counts down.
             t.chunk_done(Err(CoreError::Cancelled(t.id)), |_| Ok(()));
             return;
         };
         let span = tracing::debug_span!("request", id = t.id.0, engine = %t.engine, off, len);
         let _enter = span.enter();
-        let c = &self.acct.counters;
-        let m = &self.acct.metrics;
-        let result = guarded("request", || {
-            self.engines.execute_any(
-                &sources,
-                &dst,
-                len,
-                self.policy(no_retry),
-                t.expires,
-                &mut || {
-                    c.retries.fetch_add(1, Ordering::Relaxed);
-                    m.retries.increment(1);
-                },
-                &mut || {
-                    c.failovers.fetch_add(1, Ordering::Relaxed);
-                    m.failovers.increment(1);
-                },
-            )
-        });
-        t.chunk_done(result, durable_sync);
+        let run = |sources: &[Endpoint], dst: &Endpoint, no_retry: bool| {
+            let c = &self.acct.counters;
+            let m = &self.acct.metrics;
+            guarded("request", || {
+                self.engines.execute_any(
+                    sources,
+                    dst,
+                    len,
+                    self.policy(no_retry),
+                    t.expires,
+                    &mut || {
+                        c.retries.fetch_add(1, Ordering::Relaxed);
+                        m.retries.increment(1);
+                    },
+                    &mut || {
+                        c.failovers.fetch_add(1, Ordering::Relaxed);
+                        m.failovers.increment(1);
+                    },
+                )
+            })
+        };
+        match work {
+            Work::Owned(req) => {
+                let result = if req.alternates.is_empty() {
+                    run(std::slice::from_ref(&req.src), &req.dst, req.flags.no_retry)
+                } else {
+                    let sources: Vec<Endpoint> = std::iter::once(&req.src)
+                        .chain(&req.alternates)
+                        .cloned()
+                        .collect();
+                    run(&sources, &req.dst, req.flags.no_retry)
+                };
+                let result = result.and_then(|o| durable_sync(&req).map(|()| o));
+                // Let go of the buffers before the completion is delivered.
+                drop(req);
+                t.chunk_done(result, |_| Ok(()));
+            }
+            Work::Shared(sources, dst, no_retry) => {
+                let result = run(&sources, &dst, no_retry);
+                drop((sources, dst));
+                t.chunk_done(result, durable_sync);
+            }
+        }
     }
 
     /// Runs merged requests as one transfer; on failure (or if some were cancelled meanwhile)
@@ -602,7 +639,7 @@ impl Scheduler {
                 closing: false,
             }),
             work: Condvar::new(),
-            queued: AtomicUsize::new(0),
+            queued: Default::default(),
             sleepers: AtomicUsize::new(0),
             acct: Arc::new(Accounting {
                 budgets: Budgets::new(cfg.engine_in_flight),
@@ -730,7 +767,7 @@ impl SchedSession {
                     .max_in_flight
                     .unwrap_or(shared.cfg.session_in_flight)
                     .max(1),
-                in_flight: AtomicU64::new(0),
+                in_flight: Default::default(),
                 closed: AtomicBool::new(false),
             }),
             shared: shared.clone(),
@@ -748,7 +785,7 @@ impl SchedSession {
         self.state.in_flight.load(Ordering::Relaxed)
     }
 
-    fn ticket(&self, req: Request, done: Done) -> Result<Arc<TicketInner>> {
+    fn ticket(&self, req: Request, done: Done, now: Instant) -> Result<Arc<TicketInner>> {
         if req.status() != Status::Pending {
             return Err(CoreError::InvalidRequest(format!(
                 "request {} is already {:?}; submit takes new requests",
@@ -764,6 +801,7 @@ impl SchedSession {
             chunks,
             self.state.clone(),
             self.shared.acct.clone(),
+            now,
         )))
     }
 
@@ -783,19 +821,34 @@ impl SchedSession {
             return Err(CoreError::ShutDown);
         }
         let in_worker = IN_WORKER.with(Cell::get);
+        let budgets = &sh.acct.budgets;
+        // One admission for a whole single-engine submission where it fits: the shared
+        // counters are touched once instead of once per request.
+        let prepaid = match items.first() {
+            Some((first, _))
+                if items.len() > 1 && items.iter().all(|(r, _)| r.engine == first.engine) =>
+            {
+                let total: u64 = items.iter().map(|(r, _)| r.len as u64).sum();
+                budgets
+                    .acquire(first.engine, &self.state, total, false, false)
+                    .is_ok()
+            }
+            _ => false,
+        };
+        let now = Instant::now();
         let mut pending: Vec<Arc<TicketInner>> = Vec::new();
         let mut out = Vec::with_capacity(items.len());
         for (req, done) in items {
             let (engine, bytes) = (req.engine, req.len as u64);
-            let budgets = &sh.acct.budgets;
-            if budgets
-                .acquire(engine, &self.state, bytes, false, in_worker)
-                .is_err()
+            if !prepaid
+                && budgets
+                    .acquire(engine, &self.state, bytes, false, in_worker)
+                    .is_err()
             {
                 sh.enqueue(&std::mem::take(&mut pending))?;
                 budgets.acquire(engine, &self.state, bytes, wait, false)?;
             }
-            let t = match self.ticket(req, done) {
+            let t = match self.ticket(req, done, now) {
                 Ok(t) => t,
                 Err(e) => {
                     budgets.release(engine, &self.state, bytes);
@@ -854,7 +907,7 @@ impl SchedSession {
             .into_iter()
             .map(|r| {
                 let f = on_done.clone();
-                (r, Box::new(move |c| f(c)) as Done)
+                (r, Box::new(f) as Done)
             })
             .collect();
         self.submit_all(items, true)
@@ -914,7 +967,7 @@ impl SchedSession {
                 }
             });
             let made = admitted.and_then(|()| {
-                self.ticket(req, done).inspect_err(|_| {
+                self.ticket(req, done, Instant::now()).inspect_err(|_| {
                     sh.acct.budgets.release(engine, &self.state, bytes);
                 })
             });

@@ -2,7 +2,7 @@
 //! structure (the scheduler wraps it in its lock), so that its invariants can be tested as a
 //! state machine without threads.
 //!
-//! One [`EngineQueue`] per transport (SAD §2.2.1: MemIO, LocalIO, RemoteIO queues). Inside
+//! One `EngineQueue` per transport (SAD §2.2.1: MemIO, LocalIO, RemoteIO queues). Inside
 //! each, work waits in one of three places:
 //! - the **deadline queue**: requests with a deadline, earliest deadline first (DEADLINE and
 //!   ADAPTIVE policies);
@@ -381,7 +381,7 @@ impl<T> EngineQueue<T> {
     }
 }
 
-/// The scheduler's queues: one [`EngineQueue`] per transport.
+/// The scheduler's queues: one `EngineQueue` per transport.
 pub struct ReadyQueue<T> {
     cfg: QueueConfig,
     engines: [EngineQueue<T>; 3],

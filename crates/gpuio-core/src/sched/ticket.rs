@@ -13,6 +13,7 @@ use crate::engine::Outcome;
 use crate::error::{CoreError, Result};
 use crate::metrics::SchedMetrics;
 use crate::request::{EngineKind, Priority, Request, RequestId, Status, StatusCell};
+use crossbeam_utils::CachePadded;
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -26,7 +27,7 @@ pub(crate) struct SessionState {
     pub id: SessionId,
     pub weight: u32,
     pub limit: u64,
-    pub in_flight: AtomicU64,
+    pub in_flight: CachePadded<AtomicU64>,
     pub closed: AtomicBool,
 }
 
@@ -52,7 +53,8 @@ fn take(counter: &AtomicU64, limit: u64, bytes: u64) -> bool {
 
 /// Backpressure: bytes admitted and not yet completed, per engine and per session.
 pub(crate) struct Budgets {
-    engine: [AtomicU64; 3],
+    // Padded: submitters and every worker touch these; keep them off each other's lines.
+    engine: [CachePadded<AtomicU64>; 3],
     engine_limit: u64,
     lock: Mutex<()>,
     room: Condvar,
@@ -141,7 +143,8 @@ impl Budgets {
 /// Counters of the scheduler's life (see [`SchedStats`]).
 #[derive(Default)]
 pub(crate) struct Counters {
-    pub submitted: AtomicU64,
+    // Written by submitters; the rest by workers.
+    pub submitted: CachePadded<AtomicU64>,
     pub completed: AtomicU64,
     pub failed: AtomicU64,
     pub cancelled: AtomicU64,
@@ -244,8 +247,8 @@ impl TicketInner {
         chunks: usize,
         session: Arc<SessionState>,
         acct: Arc<Accounting>,
+        now: Instant,
     ) -> Self {
-        let now = Instant::now();
         Self {
             id: req.id,
             cell: req.status_cell().clone(),

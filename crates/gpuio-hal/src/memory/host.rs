@@ -9,6 +9,8 @@ use crate::gpu::{Gpu, PinGuard};
 use crate::sys;
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// How to allocate a [`HostBuffer`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,6 +57,25 @@ pub struct HostBuffer {
     huge_pages: bool,
     /// The GPU registration; Drop releases it before unmapping.
     pin: Option<PinGuard>,
+    /// Registrations that hold the buffer by `Arc<RwLock<..>>` rather than by borrow
+    /// ([`Gpu::pin_shared`], shared io_uring buffers). A holder of the lock could swap the
+    /// buffer out and drop it while they live; Drop then leaks the mapping instead of unmapping
+    /// registered memory.
+    holds: Arc<AtomicUsize>,
+}
+
+/// Keeps a [`HostBuffer`]'s mapping from being unmapped while alive (see `HostBuffer::holds`).
+/// Whoever registers memory drops its registration before this.
+#[derive(Debug)]
+pub(crate) struct MappingHold {
+    holds: Arc<AtomicUsize>,
+}
+
+impl Drop for MappingHold {
+    fn drop(&mut self) {
+        // Release: the registration dropped before this is visible to the buffer's Drop.
+        self.holds.fetch_sub(1, Ordering::Release);
+    }
 }
 
 // SAFETY: HostBuffer exclusively owns its mapping (like a Box<[u8]>): shared access goes
@@ -83,6 +104,7 @@ impl HostBuffer {
             },
             huge_pages: huge && sys::advise_huge_pages(ptr, map_len),
             pin: None,
+            holds: Arc::new(AtomicUsize::new(0)),
         };
         if let Some(node) = opts.numa {
             let topo = super::numa::NumaTopology::detect();
@@ -184,12 +206,36 @@ impl HostBuffer {
     pub(crate) fn raw_parts_mut(&mut self) -> (*mut u8, usize) {
         (self.ptr.as_ptr(), self.len.max(1))
     }
+
+    /// The first byte's address, for registrations that outlive a borrow; pair it with
+    /// [`hold_mapping`](Self::hold_mapping).
+    pub(crate) fn base_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Keeps this mapping alive (leaked if the buffer drops first) until the hold drops.
+    pub(crate) fn hold_mapping(&self) -> MappingHold {
+        self.holds.fetch_add(1, Ordering::Relaxed);
+        MappingHold {
+            holds: self.holds.clone(),
+        }
+    }
 }
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
         // Unregister before the pages go away.
         self.pin = None;
+        // Acquire: pairs with MappingHold's Release, so its registration is already gone.
+        if self.holds.load(Ordering::Acquire) > 0 {
+            // Swapped out of its shared lock and dropped while still registered elsewhere:
+            // leak the pages rather than unmap memory a device or the kernel may still use.
+            tracing::error!(
+                len = self.len,
+                "host buffer dropped while registered; leaking its mapping"
+            );
+            return;
+        }
         // SAFETY: ptr/len.max(1) is the mapping made in alloc; nothing borrows it any more.
         unsafe { sys::unmap(self.ptr, self.len.max(1)) };
     }

@@ -4,6 +4,7 @@
 mod host;
 pub mod numa;
 
+pub(crate) use host::MappingHold;
 pub use host::{HostAllocOptions, HostBuffer};
 use serde::Serialize;
 use std::fmt;

@@ -1,0 +1,250 @@
+//! Metrics: `--metrics-addr` serves gpuio's metrics for Prometheus while a command runs
+//! (loopback by default); `gpuio stat` reads such an endpoint and prints what matters:
+//! throughput, latency quantiles, queue depth, in-flight bytes, errors, deadline misses,
+//! cache and registration hit rates, pinned memory.
+
+use gpuio_api::Error;
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+/// Where `--metrics-addr` listens when given no address, and where `stat` looks.
+pub const DEFAULT_ADDR: &str = "127.0.0.1:9464";
+
+/// Installs the Prometheus exporter on `addr` (the listener runs on its own thread).
+pub fn serve(addr: SocketAddr) -> Result<(), Error> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .set_quantiles(&[0.5, 0.99])
+        .and_then(|b| b.install())
+        .map_err(|e| Error::Invalid(format!("metrics endpoint on {addr}: {e}")))?;
+    gpuio_core::metrics::describe();
+    tracing::info!(%addr, "serving metrics");
+    Ok(())
+}
+
+#[derive(Debug, clap::Args)]
+pub struct StatArgs {
+    /// The metrics endpoint of a running gpuio (its --metrics-addr).
+    #[arg(long, default_value = DEFAULT_ADDR, value_name = "HOST:PORT")]
+    addr: SocketAddr,
+    /// Print again every SECS seconds, with rates over the interval.
+    #[arg(long, value_name = "SECS")]
+    watch: Option<f64>,
+    /// Print the raw exposition text instead of the summary.
+    #[arg(long)]
+    raw: bool,
+}
+
+/// One sample: metric name, labels, value.
+type Samples = Vec<(String, BTreeMap<String, String>, f64)>;
+
+fn scrape(addr: SocketAddr) -> Result<String, Error> {
+    let fail = |e: std::io::Error| Error::Invalid(format!("reading metrics from {addr}: {e}"));
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(fail)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .map_err(fail)?;
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(fail)?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).map_err(fail)?;
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
+        let status = head.lines().next().unwrap_or("no response");
+        return Err(Error::Invalid(format!("{addr} answered {status:?}")));
+    }
+    Ok(body.to_string())
+}
+
+/// Parses the Prometheus text format (the subset the exporter writes).
+fn parse(text: &str) -> Samples {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let value: f64 = value.parse().ok()?;
+            let (name, labels) = match series.split_once('{') {
+                Some((n, rest)) => (n, rest.trim_end_matches('}')),
+                None => (series, ""),
+            };
+            let labels = labels
+                .split(',')
+                .filter_map(|kv| {
+                    let (k, v) = kv.split_once('=')?;
+                    Some((k.to_string(), v.trim_matches('"').to_string()))
+                })
+                .collect();
+            Some((name.to_string(), labels, value))
+        })
+        .collect()
+}
+
+fn sum(s: &Samples, name: &str, filter: &[(&str, &str)]) -> f64 {
+    s.iter()
+        .filter(|(n, l, _)| {
+            n == name
+                && filter
+                    .iter()
+                    .all(|(k, v)| l.get(*k).is_some_and(|x| x == v))
+        })
+        .map(|(_, _, v)| v)
+        .sum()
+}
+
+fn summary(s: &Samples, prev: Option<(&Samples, f64)>) -> String {
+    use gpuio_core::metrics as m;
+    let mut out = String::new();
+    let rate = |name: &str, f: &[(&str, &str)]| {
+        prev.map(|(p, secs)| (sum(s, name, f) - sum(p, name, f)) / secs)
+    };
+    for engine in ["memio", "localio", "remoteio"] {
+        let e = [("engine", engine)];
+        let submitted = sum(s, m::REQUESTS_SUBMITTED, &e);
+        if submitted == 0.0 {
+            continue;
+        }
+        let ok = sum(
+            s,
+            m::REQUESTS_FINISHED,
+            &[("engine", engine), ("outcome", "ok")],
+        );
+        let err = sum(
+            s,
+            m::REQUESTS_FINISHED,
+            &[("engine", engine), ("outcome", "error")],
+        );
+        let cancelled = sum(
+            s,
+            m::REQUESTS_FINISHED,
+            &[("engine", engine), ("outcome", "cancelled")],
+        );
+        let bytes = sum(s, m::BYTES, &e);
+        out += &format!(
+            "{engine:<9} requests {submitted:.0} (ok {ok:.0}, errors {err:.0}, cancelled {cancelled:.0}), {:.3} GB moved, in flight {:.1} MiB\n",
+            bytes / 1e9,
+            sum(s, m::IN_FLIGHT_BYTES, &e) / (1 << 20) as f64
+        );
+        if let Some(r) = rate(m::BYTES, &e) {
+            let q = rate(m::REQUESTS_SUBMITTED, &e).unwrap_or(0.0);
+            out += &format!("          now: {:.3} GB/s, {q:.0} requests/s\n", r / 1e9);
+        }
+        let mut classes: Vec<&String> = s
+            .iter()
+            .filter(|(n, l, _)| n == m::LATENCY && l.get("engine").is_some_and(|x| x == engine))
+            .filter_map(|(_, l, _)| l.get("class"))
+            .collect();
+        classes.dedup();
+        for class in classes {
+            let q = |quantile: &str| {
+                sum(
+                    s,
+                    m::LATENCY,
+                    &[("engine", engine), ("class", class), ("quantile", quantile)],
+                ) * 1e6
+            };
+            let n = sum(
+                s,
+                &format!("{}_count", m::LATENCY),
+                &[("engine", engine), ("class", class)],
+            );
+            if n > 0.0 {
+                out += &format!(
+                    "          {class:<20} latency p50 {:>9.1} us  p99 {:>9.1} us  ({n:.0})\n",
+                    q("0.5"),
+                    q("0.99")
+                );
+            }
+        }
+    }
+    out += &format!("queue depth {:.0}\n", sum(s, m::QUEUE_DEPTH, &[]));
+    let deadlines = sum(s, m::DEADLINE_REQUESTS, &[]);
+    if deadlines > 0.0 {
+        let missed = sum(s, m::DEADLINE_MISSES, &[]);
+        out += &format!(
+            "deadlines: {deadlines:.0} requests, {missed:.0} missed ({:.2}%)\n",
+            100.0 * missed / deadlines
+        );
+    }
+    out += &format!(
+        "retries {:.0}, failovers {:.0}\n",
+        sum(s, m::RETRIES, &[]),
+        sum(s, m::FAILOVERS, &[])
+    );
+    for level in ["l1", "l2", "l3"] {
+        let hit = sum(s, m::CACHE_LOOKUPS, &[("level", level), ("result", "hit")]);
+        let miss = sum(s, m::CACHE_LOOKUPS, &[("level", level), ("result", "miss")]);
+        if hit + miss > 0.0 {
+            out += &format!(
+                "cache {level}: {:.1}% hits of {:.0} lookups, {:.0} evictions\n",
+                100.0 * hit / (hit + miss),
+                hit + miss,
+                sum(s, m::CACHE_EVICTIONS, &[("level", level)])
+            );
+        }
+    }
+    let (rh, rm) = (
+        sum(s, m::REG_LOOKUPS, &[("result", "hit")]),
+        sum(s, m::REG_LOOKUPS, &[("result", "miss")]),
+    );
+    if rh + rm > 0.0 {
+        out += &format!(
+            "registrations: {:.1}% hits of {:.0} lookups\n",
+            100.0 * rh / (rh + rm),
+            rh + rm
+        );
+    }
+    let pinned = sum(s, m::POOL_PINNED_BYTES, &[]);
+    if pinned > 0.0 {
+        out += &format!(
+            "staging pool: {:.1} MiB pinned, {:.1} MiB in use\n",
+            pinned / (1 << 20) as f64,
+            sum(s, m::POOL_IN_USE_BYTES, &[]) / (1 << 20) as f64
+        );
+    }
+    out
+}
+
+pub fn run(args: &StatArgs) -> Result<(), Error> {
+    let mut prev: Option<Samples> = None;
+    loop {
+        let text = scrape(args.addr)?;
+        if args.raw {
+            print!("{text}");
+        } else {
+            let samples = parse(&text);
+            let secs = args.watch.unwrap_or(0.0);
+            print!(
+                "{}",
+                summary(&samples, prev.as_ref().map(|p| (p, secs.max(1e-3))))
+            );
+            prev = Some(samples);
+        }
+        match args.watch {
+            Some(secs) if secs > 0.0 => {
+                std::thread::sleep(Duration::from_secs_f64(secs));
+                println!();
+            }
+            _ => return Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_exposition_format_parses() {
+        let text =
+            "# TYPE x counter\nx{engine=\"memio\",class=\"a\"} 3\nx{engine=\"localio\"} 4\ny 1.5\n";
+        let s = parse(text);
+        assert_eq!(s.len(), 3);
+        assert_eq!(sum(&s, "x", &[]), 7.0);
+        assert_eq!(sum(&s, "x", &[("engine", "memio")]), 3.0);
+        assert_eq!(sum(&s, "y", &[]), 1.5);
+    }
+}
