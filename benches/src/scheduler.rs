@@ -101,7 +101,8 @@ fn record(case: &str, metric: &str, value: f64, unit: &str, peer: &str, peer_val
         unit: unit.into(),
         peer: peer.into(),
         peer_value,
-        ratio: if value > 0.0 { peer_value / value } else { 0.0 },
+        // Lower is better for these figures; a zero is floored so the ratio stays finite.
+        ratio: peer_value / value.max(0.01),
         bytes: SMALL,
         route: String::new(),
         device: "host".into(),
