@@ -259,7 +259,9 @@ proptest! {
                 }
                 Err(code) => {
                     prop_assert_eq!(code, ErrorCode::Canceled);
-                    prop_assert_eq!(t.status(), Status::Cancelled);
+                    // Cancelled before it started; or, chunked and under way when its session
+                    // closed, failed with the cancellation.
+                    prop_assert!(matches!(t.status(), Status::Cancelled | Status::Error));
                 }
             }
         }

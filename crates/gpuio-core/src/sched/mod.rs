@@ -820,30 +820,38 @@ impl SchedSession {
         if sh.closing.load(Ordering::Acquire) {
             return Err(CoreError::ShutDown);
         }
+        if let Some((r, _)) = items.iter().find(|(r, _)| r.status() != Status::Pending) {
+            return Err(CoreError::InvalidRequest(format!(
+                "request {} is already {:?}; submit takes new requests",
+                r.id,
+                r.status()
+            )));
+        }
         let in_worker = IN_WORKER.with(Cell::get);
         let budgets = &sh.acct.budgets;
         // One admission for a whole single-engine submission where it fits: the shared
         // counters are touched once instead of once per request.
-        let prepaid = match items.first() {
+        let mut prepaid: u64 = match items.first() {
             Some((first, _))
                 if items.len() > 1 && items.iter().all(|(r, _)| r.engine == first.engine) =>
             {
                 let total: u64 = items.iter().map(|(r, _)| r.len as u64).sum();
                 budgets
                     .acquire(first.engine, &self.state, total, false, false)
-                    .is_ok()
+                    .map_or(0, |()| total)
             }
-            _ => false,
+            _ => 0,
         };
         let now = Instant::now();
         let mut pending: Vec<Arc<TicketInner>> = Vec::new();
         let mut out = Vec::with_capacity(items.len());
         for (req, done) in items {
             let (engine, bytes) = (req.engine, req.len as u64);
-            if !prepaid
-                && budgets
-                    .acquire(engine, &self.state, bytes, false, in_worker)
-                    .is_err()
+            if prepaid > 0 {
+                prepaid -= bytes;
+            } else if budgets
+                .acquire(engine, &self.state, bytes, false, in_worker)
+                .is_err()
             {
                 sh.enqueue(&std::mem::take(&mut pending))?;
                 budgets.acquire(engine, &self.state, bytes, wait, false)?;
@@ -851,7 +859,8 @@ impl SchedSession {
             let t = match self.ticket(req, done, now) {
                 Ok(t) => t,
                 Err(e) => {
-                    budgets.release(engine, &self.state, bytes);
+                    // Its status changed under us: give back its bytes and the prepaid rest.
+                    budgets.release(engine, &self.state, bytes + prepaid);
                     sh.enqueue(&pending)?;
                     return Err(e);
                 }
