@@ -113,8 +113,7 @@ impl MergeKey {
 }
 
 /// The merge key of a request that may run merged with others (none with alternates).
-pub(crate) fn merge_key(req: &Option<Request>) -> Option<MergeKey> {
-    let r = req.as_ref()?;
+pub(crate) fn merge_key(r: &Request) -> Option<MergeKey> {
     r.alternates.is_empty().then(|| MergeKey {
         src: r.src.resource(),
         dst: r.dst.resource(),

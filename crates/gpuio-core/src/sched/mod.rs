@@ -329,8 +329,7 @@ impl Shared {
                 Unit::Chunk { t, off: 0, len }
                     if len == t.len && len > 0 && len <= self.cfg.coalesce_max =>
                 {
-                    let key = batch::merge_key(&lock(&t.state).req);
-                    match key {
+                    match t.merge {
                         Some(key) => cands.push((key, i, t)),
                         None => out.push((i, Unit::Chunk { t, off: 0, len })),
                     }

@@ -9,6 +9,7 @@
 
 use super::handle::{Completion, lock};
 use super::queue::SessionId;
+use crate::batch::MergeKey;
 use crate::engine::Outcome;
 use crate::error::{CoreError, Result};
 use crate::metrics::SchedMetrics;
@@ -237,6 +238,9 @@ pub(crate) struct TicketInner {
     pub submitted: Instant,
     pub session: Arc<SessionState>,
     pub acct: Arc<Accounting>,
+    /// Whether (and with what) it may run merged with adjacent requests; fixed at submission,
+    /// so workers read it without the lock.
+    pub merge: Option<MergeKey>,
     pub state: Mutex<TicketState>,
 }
 
@@ -260,6 +264,7 @@ impl TicketInner {
             submitted: now,
             session,
             acct,
+            merge: crate::batch::merge_key(&req),
             state: Mutex::new(TicketState {
                 req: Some(req),
                 done: Some(done),
