@@ -4,7 +4,9 @@
 //!   (submission to completion callback), against the same transfer called directly on the
 //!   engine: the difference is the scheduler's overhead per request (p50, p99).
 //! - `sched_throughput`: a stream of 4 KiB requests at random offsets (nothing to coalesce)
-//!   submitted from one thread, against the same transfers run back to back on one thread.
+//!   submitted from one thread, against the same transfers run back to back on one thread;
+//!   over an 8 MiB working set that stays in cache (the rate is the scheduler's own cost) and,
+//!   as `sched_throughput_dram`, over 64 MiB (the copies' DRAM traffic sets the rate).
 //! - `mixed`: small inference-class file reads with a deadline arriving at a steady rate while
 //!   a checkpoint stream writes large buffers to a file; the share of deadlines met under the
 //!   DEADLINE (and ADAPTIVE) policy against FIFO, on the same load in the same run.
@@ -130,27 +132,33 @@ pub fn run(
         met: Some(overhead <= 5.0),
     });
 
-    progress("sched_throughput");
-    let (rate, direct) = throughput(session, opts, seed)?;
-    let mut r = record(
-        "sched_throughput",
-        "requests/s",
-        rate / 1e6,
-        "M req/s",
-        "direct engine calls, 1 thread",
-        direct / 1e6,
-    );
-    r.ratio = rate / direct;
-    r.reps = opts.throughput_requests;
-    records.push(r);
-    targets.push(Target {
-        description: format!(
-            ">= 1 M requests/s through the scheduler ({} workers, 4 KiB)",
-            opts.workers
-        ),
-        measured: Some(format!("{:.2} M/s", rate / 1e6)),
-        met: Some(rate >= 1e6),
-    });
+    // Two working sets: 8 MiB stays in the last-level cache, so the copies are cheap and the
+    // rate is the scheduler's own; 64 MiB does not, and the copies' DRAM traffic sets it.
+    for (case, buffers) in [("sched_throughput", 4), ("sched_throughput_dram", 32)] {
+        progress(case);
+        let (rate, direct) = throughput(session, opts, seed, buffers)?;
+        let mut r = record(
+            case,
+            "requests/s",
+            rate / 1e6,
+            "M req/s",
+            "direct engine calls, 1 thread",
+            direct / 1e6,
+        );
+        r.ratio = rate / direct;
+        r.reps = opts.throughput_requests;
+        records.push(r);
+        if buffers == 4 {
+            targets.push(Target {
+                description: format!(
+                    ">= 1 M requests/s through the scheduler ({} workers, 4 KiB, cache-resident)",
+                    opts.workers
+                ),
+                measured: Some(format!("{:.2} M/s", rate / 1e6)),
+                met: Some(rate >= 1e6),
+            });
+        }
+    }
 
     let mut notes = Vec::new();
     let mut fifo = None;
@@ -292,21 +300,22 @@ fn latency(session: &Session, opts: &Options, seed: u64) -> Result<(f64, [Record
 }
 
 /// Returns (scheduler requests/s, direct requests/s).
-fn throughput(session: &Session, opts: &Options, seed: u64) -> Result<(f64, f64)> {
-    const BUFFERS: usize = 32;
+/// Requests per second through the scheduler and by direct calls, over `buffers` source and
+/// as many destination buffers of 1 MiB.
+fn throughput(session: &Session, opts: &Options, seed: u64, buffers: usize) -> Result<(f64, f64)> {
     const SLOTS: usize = 256; // 4 KiB slots per 1 MiB buffer
-    let src: Vec<HostMemory> = (0..BUFFERS)
+    let src: Vec<HostMemory> = (0..buffers)
         .map(|i| host(1 << 20, seed ^ i as u64))
         .collect::<Result<_>>()?;
-    let dst: Vec<HostMemory> = (0..BUFFERS)
+    let dst: Vec<HostMemory> = (0..buffers)
         .map(|_| host(1 << 20, 0))
         .collect::<Result<_>>()?;
     let n = opts.throughput_requests.max(1000);
     // Random buffers and slots: nothing adjacent to merge, little lock sharing.
     let pick = |i: usize| {
         let h = pattern::mix64(seed.wrapping_add(i as u64));
-        let (b, s) = ((h as usize) % BUFFERS, (h >> 32) as usize % SLOTS);
-        let (b2, s2) = ((h >> 16) as usize % BUFFERS, (h >> 48) as usize % SLOTS);
+        let (b, s) = ((h as usize) % buffers, (h >> 32) as usize % SLOTS);
+        let (b2, s2) = ((h >> 16) as usize % buffers, (h >> 48) as usize % SLOTS);
         (
             Endpoint::host(&src[b], s * SMALL),
             Endpoint::host(&dst[b2], s2 * SMALL),

@@ -17,6 +17,11 @@ use gpuio_hal::BackendPreference;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+// The scheduler hands every request from the submitting thread to a worker; glibc's malloc
+// makes such cross-thread frees expensive, mimalloc does not.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Moves data between GPU memory, host memory (DRAM, CXL) and storage, on the fastest path
 /// the machine has.
 #[derive(Debug, Parser)]

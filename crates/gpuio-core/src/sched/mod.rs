@@ -319,16 +319,32 @@ impl Shared {
     /// Merges whole small requests that continue each other on both sides. A merged group
     /// takes the place of its earliest member, so the policy's order otherwise stands.
     fn coalesce(&self, taken: Vec<Unit>) -> Vec<Unit> {
-        if taken.len() < 2 || self.cfg.coalesce_max == 0 {
+        let max = self.cfg.coalesce_max;
+        if taken.len() < 2 || max == 0 {
+            return taken;
+        }
+        // Most grabs hold nothing to merge: look at the sorted keys before rebuilding.
+        let mut keys: Vec<(batch::MergeKey, usize)> = taken
+            .iter()
+            .filter_map(|u| match u {
+                Unit::Chunk { t, off: 0, len } if *len == t.len && *len > 0 && *len <= max => {
+                    t.merge.map(|k| (k, *len))
+                }
+                _ => None,
+            })
+            .collect();
+        keys.sort_unstable_by_key(|(k, _)| *k);
+        let mergeable = keys
+            .windows(2)
+            .any(|w| w[0].0.continued_by(&w[1].0, w[0].1) && w[0].1 + w[1].1 <= max);
+        if !mergeable {
             return taken;
         }
         let mut out: Vec<(usize, Unit)> = Vec::with_capacity(taken.len());
         let mut cands = Vec::new();
         for (i, u) in taken.into_iter().enumerate() {
             match u {
-                Unit::Chunk { t, off: 0, len }
-                    if len == t.len && len > 0 && len <= self.cfg.coalesce_max =>
-                {
+                Unit::Chunk { t, off: 0, len } if len == t.len && len > 0 && len <= max => {
                     match t.merge {
                         Some(key) => cands.push((key, i, t)),
                         None => out.push((i, Unit::Chunk { t, off: 0, len })),
@@ -337,7 +353,7 @@ impl Shared {
                 other => out.push((i, other)),
             }
         }
-        cands.sort_by_key(|(k, _, _)| *k);
+        cands.sort_unstable_by_key(|(k, _, _)| *k);
         let mut run: Vec<(usize, Arc<TicketInner>)> = Vec::new();
         let mut run_key: Option<batch::MergeKey> = None;
         let mut run_len = 0;
@@ -361,8 +377,8 @@ impl Shared {
             }
         };
         for (key, i, t) in cands {
-            let joins = run_key.is_some_and(|k| k.continued_by(&key, run_len))
-                && run_len + t.len <= self.cfg.coalesce_max;
+            let joins =
+                run_key.is_some_and(|k| k.continued_by(&key, run_len)) && run_len + t.len <= max;
             if !joins {
                 flush(&mut run, &mut out);
                 run_len = 0;
@@ -372,7 +388,7 @@ impl Shared {
             run.push((i, t));
         }
         flush(&mut run, &mut out);
-        out.sort_by_key(|(i, _)| *i);
+        out.sort_unstable_by_key(|(i, _)| *i);
         out.into_iter().map(|(_, u)| u).collect()
     }
 

@@ -168,7 +168,8 @@ struct Flow<T> {
 
 /// One priority class: its sessions' flows, shared CFS-style.
 struct ClassQueue<T> {
-    flows: HashMap<SessionId, Flow<T>>,
+    /// Keyed by small counters on every push and pop: a fast hash, not SipHash.
+    flows: HashMap<SessionId, Flow<T>, foldhash::fast::RandomState>,
     /// Active (non-empty) flows by (vruntime, head arrival, session).
     active: BinaryHeap<Reverse<(u64, u64, SessionId)>>,
     min_vruntime: u64,
@@ -182,7 +183,7 @@ struct ClassQueue<T> {
 impl<T> Default for ClassQueue<T> {
     fn default() -> Self {
         Self {
-            flows: HashMap::new(),
+            flows: HashMap::default(),
             active: BinaryHeap::new(),
             min_vruntime: 0,
             vtime: 0,
