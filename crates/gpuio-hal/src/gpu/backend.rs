@@ -24,6 +24,13 @@ pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
     /// `ptr..ptr+len` must stay mapped until the returned guard is dropped.
     unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<Box<dyn HostPin>>;
 
+    /// The address under which this device's kernels reach pinned host memory at `ptr`
+    /// (zero-copy access).
+    ///
+    /// # Safety
+    /// `ptr` must lie in memory registered by [`pin`](Self::pin) and still registered.
+    unsafe fn mapped_addr(&self, ptr: *mut u8) -> Result<u64>;
+
     /// Whether `ptr..ptr+len` lies inside one page-locked host allocation known to the driver.
     fn is_pinned(&self, ptr: *const u8, len: usize) -> bool;
 

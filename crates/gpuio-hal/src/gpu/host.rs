@@ -140,6 +140,11 @@ impl DeviceBackend for HostDevice {
         Ok(Box::new(NoPin))
     }
 
+    unsafe fn mapped_addr(&self, ptr: *mut u8) -> Result<u64> {
+        // The host backend's "kernels" run on the CPU, in this address space.
+        Ok(ptr as u64)
+    }
+
     fn is_pinned(&self, _ptr: *const u8, _len: usize) -> bool {
         false
     }

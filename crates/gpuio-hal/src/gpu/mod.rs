@@ -243,9 +243,12 @@ impl Gpu {
         // SAFETY: HostBuffer drops its PinGuard before unmapping, so the range stays mapped
         // for the guard's whole life.
         let pin = unsafe { self.inner.pin(ptr, len)? };
+        // SAFETY: ptr is the start of the range just registered, and `pin` keeps it so.
+        let device_addr = unsafe { self.inner.mapped_addr(ptr)? };
         Ok(PinGuard {
             _pin: pin,
             gpu: self.ordinal(),
+            device_addr,
         })
     }
 
@@ -305,12 +308,18 @@ impl Gpu {
 pub struct PinGuard {
     _pin: Box<dyn HostPin>,
     gpu: u32,
+    device_addr: u64,
 }
 
 impl PinGuard {
     /// The ordinal of the device that registered the memory.
     pub fn gpu(&self) -> u32 {
         self.gpu
+    }
+
+    /// Where kernels reach the buffer's first byte (zero-copy access over PCIe).
+    pub fn device_addr(&self) -> u64 {
+        self.device_addr
     }
 }
 

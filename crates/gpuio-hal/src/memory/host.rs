@@ -155,6 +155,12 @@ impl HostBuffer {
         self.pin.is_some()
     }
 
+    /// The registration, while pinned: which device, and the address under which its
+    /// kernels reach this buffer's first byte (zero-copy access).
+    pub fn pinned(&self) -> Option<&PinGuard> {
+        self.pin.as_ref()
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len

@@ -322,6 +322,17 @@ impl DeviceBackend for CudaDevice {
         }))
     }
 
+    unsafe fn mapped_addr(&self, ptr: *mut u8) -> Result<u64> {
+        self.shared.bind()?;
+        let mut dptr: sys::CUdeviceptr = 0;
+        // SAFETY: ptr lies in memory registered with DEVICEMAP (caller's contract); the call
+        // writes one device pointer.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, ptr.cast(), 0) }
+            .result()
+            .map_err(cuda_err("cuMemHostGetDevicePointer"))?;
+        Ok(dptr)
+    }
+
     fn is_pinned(&self, ptr: *const u8, len: usize) -> bool {
         if self.shared.bind().is_err() {
             return false;
