@@ -8,11 +8,13 @@
 
 #![forbid(unsafe_code)]
 
+pub mod gather;
 pub mod localio;
 pub mod memio;
 mod peers;
 mod plot;
 mod report;
+pub mod ring;
 pub mod scheduler;
 
 pub use report::{Record, Target, render_table, write_outputs};

@@ -69,12 +69,12 @@ fn time_it(
     Ok(median(t))
 }
 
-fn api(e: impl Into<gpuio_api::Error>) -> crate::BenchError {
+pub(crate) fn api(e: impl Into<gpuio_api::Error>) -> crate::BenchError {
     crate::BenchError::Gpuio(e.into())
 }
 
 /// Writes the sequential test file (pattern `seed`), in parallel 64 MiB pieces.
-fn make_file(path: &Path, size: u64, seed: u64) -> Result<()> {
+pub(crate) fn make_file(path: &Path, size: u64, seed: u64) -> Result<()> {
     const PIECE: usize = 64 << 20;
     let f = FileHandle::open(path, OpenOptions::CREATE).map_err(api)?;
     let pieces = size.div_ceil(PIECE as u64) as usize;
@@ -649,7 +649,7 @@ fn peer(
 }
 
 /// Removes the suite's scratch files, however it ends.
-struct Cleanup(Vec<PathBuf>);
+pub(crate) struct Cleanup(pub(crate) Vec<PathBuf>);
 
 impl Drop for Cleanup {
     fn drop(&mut self) {

@@ -175,3 +175,72 @@ pub fn kvikio(
         iops: json["iops"].as_f64().unwrap_or(0.0),
     })
 }
+
+const TORCH_GATHER_SCRIPT: &str = include_str!("peers/torch_gather_peer.py");
+
+/// What the torch gather peer measured for one row size.
+#[derive(Debug, Clone, Copy)]
+pub struct TorchGather {
+    /// Row size in bytes.
+    pub row: usize,
+    /// Gather plus copy to the GPU, bytes of rows per second (median).
+    pub bytes_per_s: f64,
+    /// For the latency line: median seconds per call.
+    pub latency_s: Option<f64>,
+}
+
+/// Runs the CPU gather peer (`torch.index_select` on a pinned pool of `pool_bytes`, then a copy
+/// to the GPU) for each row size in `rows`, and the latency of `latency_rows` rows of the
+/// first size if non-zero. Errors say why it could not run.
+pub fn torch_gather(
+    pool_bytes: usize,
+    rows: &[usize],
+    max_bytes: usize,
+    max_rows: usize,
+    reps: usize,
+    latency_rows: usize,
+) -> Result<Vec<TorchGather>, String> {
+    let python = std::env::var("GPUIO_PYTHON").unwrap_or_else(|_| "python3".into());
+    let list = rows
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let out = Command::new(&python)
+        .arg("-c")
+        .arg(TORCH_GATHER_SCRIPT)
+        .args([
+            pool_bytes.to_string(),
+            list,
+            max_bytes.to_string(),
+            max_rows.to_string(),
+            reps.to_string(),
+            latency_rows.to_string(),
+        ])
+        .output()
+        .map_err(|e| format!("running {python}: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with('{')).collect();
+    if !out.status.success() || lines.is_empty() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(format!(
+            "torch unavailable: {}",
+            err.lines().last().unwrap_or("no output").trim()
+        ));
+    }
+    lines
+        .iter()
+        .map(|l| {
+            let j: serde_json::Value =
+                serde_json::from_str(l).map_err(|e| format!("torch peer output: {e}"))?;
+            let row = j["row"].as_u64().unwrap_or(0) as usize;
+            let latency_s = j["latency_p50_s"].as_f64();
+            let bytes_per_s = j["bytes_per_s"].as_f64().unwrap_or(0.0);
+            Ok(TorchGather {
+                row,
+                bytes_per_s,
+                latency_s,
+            })
+        })
+        .collect()
+}

@@ -328,6 +328,7 @@ impl Config {
             slots_per_lane: self.memio.slots_per_lane,
             pipeline_min: self.memio.pipeline_min.as_u64() as usize,
             parallel_copy_min: default.parallel_copy_min,
+            gather_threads: default.gather_threads,
         }
     }
 

@@ -3,16 +3,24 @@
 
 use bytesize::ByteSize;
 use gpuio_api::{Config, Error, Session};
-use gpuio_bench::{Budget, Record, Target, localio, memio, render_table, scheduler, write_outputs};
+use gpuio_bench::{
+    Budget, Record, Target, gather, localio, memio, render_table, ring, scheduler, write_outputs,
+};
 use indicatif::ProgressBar;
 use std::path::PathBuf;
 
 /// The suites this build has.
-const SUITES: &[&str] = &[memio::SUITE, localio::SUITE, scheduler::SUITE];
+const SUITES: &[&str] = &[
+    memio::SUITE,
+    localio::SUITE,
+    scheduler::SUITE,
+    gather::SUITE,
+    ring::SUITE,
+];
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// Suites to run (default: all this build has: memio, localio, core).
+    /// Suites to run (default: all this build has: memio, localio, core, gather, ring).
     suites: Vec<String>,
     /// memio: transfer sizes, e.g. 4K,1M,64M,1G (default: up to 1 GiB on a GPU).
     #[arg(long, value_name = "LIST")]
@@ -104,6 +112,25 @@ pub fn run(config: Config, args: &BenchArgs) -> Result<(), Error> {
                     opts.scratch = d.clone();
                 }
                 scheduler::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
+            }
+            gather::SUITE => {
+                let opts = if args.quick || gpu.backend() == gpuio_hal::Backend::Host {
+                    gather::Options::quick()
+                } else {
+                    gather::Options::default()
+                };
+                gather::run(&session, &opts, &budget, &mut |c| tick(suite, c)).map_err(bench_err)?
+            }
+            ring::SUITE => {
+                let mut opts = if args.quick {
+                    ring::Options::quick()
+                } else {
+                    ring::Options::default()
+                };
+                if let Some(d) = &args.scratch {
+                    opts.scratch = d.clone();
+                }
+                ring::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
             }
             _ => continue,
         };

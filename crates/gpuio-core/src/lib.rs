@@ -13,6 +13,8 @@
 //! - [`cache::BlockCache`] (SDD §3.2): L1 GPU / L2 host / L3 SSD with coherence states and a
 //!   prefetcher; [`pool::StagingPool`]: pinned staging memory under a limit;
 //!   [`regcache::RegistrationCache`] (SDD §3.3).
+//! - [`RingProxy`] (DESIGN.md §4.2): the host side of the GPU→host request ring — serves the
+//!   IO requests GPU threads post, through the engines.
 //! - [`metrics`]: what all of this reports through the `metrics` facade.
 
 #![forbid(unsafe_code)]
@@ -28,6 +30,7 @@ pub mod regcache;
 pub mod request;
 pub mod resources;
 pub mod retry;
+pub mod ring;
 pub mod sched;
 
 pub use endpoint::{Dest, Endpoint, EndpointKind, HostMemory, Source};
@@ -39,6 +42,7 @@ pub use request::{
 };
 pub use resources::{Load, ResourceReport, ResourceTracker};
 pub use retry::RetryPolicy;
+pub use ring::{RingConfig, RingProxy, RingStats};
 pub use sched::{
     BatchHandle, BatchReport, Completion, Policy, RequestHandle, SchedSession, SchedStats,
     Scheduler, SchedulerConfig, SessionOptions, Ticket,

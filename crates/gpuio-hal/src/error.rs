@@ -156,6 +156,14 @@ pub enum HalError {
         /// The buffer's length.
         limit: u64,
     },
+    /// A row index names a row past the end of its pool.
+    #[error("row index at position {position} is past the pool's {rows} rows")]
+    IndexOutOfRange {
+        /// Position of the (first) offending index in the index list.
+        position: u64,
+        /// Rows in the pool.
+        rows: u64,
+    },
     /// Two sides of an operation disagree on their length.
     #[error("{what}: source has {src} bytes but destination has {dst}")]
     LengthMismatch {
@@ -213,6 +221,24 @@ pub enum HalError {
         /// Why not.
         reason: String,
     },
+    /// The GPU request ring is shutting down or closed: the request was refused, or the ring
+    /// shut down before serving it.
+    #[error("the request ring is shut down")]
+    RingShutDown,
+    /// A GPU request-ring request completed with an error result.
+    #[error("ring request failed: {} ({code})", crate::ring::result_name(*code))]
+    RingRequest {
+        /// The negative result the proxy published (an SDD §7.1 code or a ring code).
+        code: i64,
+    },
+    /// A wait ran past its deadline.
+    #[error("{what}: timed out after {after:?}")]
+    TimedOut {
+        /// What was waited for.
+        what: &'static str,
+        /// How long.
+        after: std::time::Duration,
+    },
 }
 
 impl HalError {
@@ -224,11 +250,17 @@ impl HalError {
             Self::Compile { .. } => ErrorCode::General,
             Self::Os { source, .. } => ErrorCode::from_io(source),
             Self::OutOfRange { .. }
+            | Self::IndexOutOfRange { .. }
             | Self::LengthMismatch { .. }
             | Self::InvalidArgument(_)
             | Self::WrongDevice { .. } => ErrorCode::InvalidArg,
             Self::NoSuchNumaNode { .. } | Self::NoSuchDevice { .. } => ErrorCode::NotFound,
             Self::OutOfMemory { .. } => ErrorCode::NoMem,
+            Self::RingShutDown => ErrorCode::Canceled,
+            Self::RingRequest { code } => {
+                crate::ring::error_code_of(*code).unwrap_or(ErrorCode::General)
+            }
+            Self::TimedOut { .. } => ErrorCode::Timeout,
         }
     }
 

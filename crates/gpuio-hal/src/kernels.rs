@@ -19,5 +19,44 @@ pub const PATTERN: KernelSource = KernelSource {
     functions: &["gpuio_fill_pattern", "gpuio_find_mismatch"],
 };
 
+/// `kernels/gather.cu` with the device header `gpuio.cuh` (and the ring header it includes)
+/// in front: the row gather and scatter kernels and the naive baseline.
+pub const GATHER: KernelSource = KernelSource {
+    name: "gather.cu",
+    source: concat!(
+        include_str!("../../../kernels/gpuio_ring.cuh"),
+        include_str!("../../../kernels/gpuio.cuh"),
+        include_str!("../../../kernels/gather.cu")
+    ),
+    functions: &[
+        "gpuio_gather_16",
+        "gpuio_gather_8",
+        "gpuio_gather_4",
+        "gpuio_gather_1",
+        "gpuio_scatter_16",
+        "gpuio_scatter_8",
+        "gpuio_scatter_4",
+        "gpuio_scatter_1",
+        "gpuio_gather_naive",
+    ],
+};
+
+/// `kernels/ring_bench.cu` and `ring_layout.cu` with the ring header in front: kernels
+/// issuing reads through the request ring (many threads, and one thread timing round trips),
+/// and the layout report the GPU test compares with [`crate::ring::layout`].
+pub const RING_BENCH: KernelSource = KernelSource {
+    name: "ring_bench.cu",
+    source: concat!(
+        include_str!("../../../kernels/gpuio_ring.cuh"),
+        include_str!("../../../kernels/ring_bench.cu"),
+        include_str!("../../../kernels/ring_layout.cu")
+    ),
+    functions: &[
+        "gpuio_ring_read_blocks",
+        "gpuio_ring_ping",
+        "gpuio_ring_layout",
+    ],
+};
+
 /// Every source in `kernels/` that gpuio compiles at run time.
-pub const ALL: &[KernelSource] = &[PATTERN];
+pub const ALL: &[KernelSource] = &[PATTERN, GATHER, RING_BENCH];

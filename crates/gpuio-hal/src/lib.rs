@@ -33,14 +33,16 @@ pub mod gpu;
 pub mod kernels;
 pub mod memory;
 pub mod pattern;
+pub mod ring;
 mod sys;
 pub mod uring;
 
 pub use error::{ErrorCode, HalError, Result, check_range};
 pub use gpu::{
     Backend, BackendPreference, Capability, DeviceBuffer, DeviceInfo, Event, GdsFile, GdsMode, Gpu,
-    Inflight, PcieLink, PinGuard, Probe, SharedPin, Stream, probe, probe_with,
+    Inflight, PcieLink, PinGuard, Probe, RowIndices, RowKernel, SharedPin, Stream, probe,
+    probe_with,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::{HostAllocOptions, HostBuffer, Location, MemoryRegion, MemoryTier, Registration};
-pub use sys::{HUGE_PAGE, page_size};
+pub use sys::{HUGE_PAGE, page_size, prefetch};

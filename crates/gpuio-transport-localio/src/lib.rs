@@ -503,6 +503,7 @@ impl LocalIo {
         dst_offset: usize,
         len: usize,
     ) -> Result<Transfer> {
+        file_range(offset, len as u64)?;
         let pieces = plan::end_to_end([(0, offset, len as u64)]);
         self.read_pieces(&[file], &pieces, dst, dst_offset, len)
     }
@@ -517,6 +518,7 @@ impl LocalIo {
         dst_offset: usize,
         len: usize,
     ) -> Result<Transfer> {
+        file_range(offset, len as u64)?;
         let files: Vec<&FileHandle> = set.files().iter().collect();
         let pieces = plan::end_to_end(set.pieces(offset, len as u64));
         self.read_pieces(&files, &pieces, dst, dst_offset, len)
@@ -591,6 +593,9 @@ impl LocalIo {
                 pool.slot_len()
             ))));
         }
+        for &o in offsets {
+            file_range(o, block as u64)?;
+        }
         let align = file.required_alignment();
         if align > 1 && (block % align != 0 || offsets.iter().any(|o| o % align as u64 != 0)) {
             return Err(LocalIoError::Hal(HalError::InvalidArgument(format!(
@@ -636,6 +641,7 @@ impl LocalIo {
         len: usize,
         durability: Durability,
     ) -> Result<Transfer> {
+        file_range(offset, len as u64)?;
         let pieces = plan::end_to_end([(0, offset, len as u64)]);
         self.write_pieces(src, src_offset, &[file], &pieces, len, durability)
     }
@@ -651,6 +657,7 @@ impl LocalIo {
         len: usize,
         durability: Durability,
     ) -> Result<Transfer> {
+        file_range(offset, len as u64)?;
         let files: Vec<&FileHandle> = set.files().iter().collect();
         let pieces = plan::end_to_end(set.pieces(offset, len as u64));
         self.write_pieces(src, src_offset, &files, &pieces, len, durability)
@@ -758,5 +765,16 @@ fn human_size(n: usize) -> String {
         n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
         n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
         n => format!("{n} B"),
+    }
+}
+
+/// Refuses a file range that ends past the largest file offset (`i64::MAX`): nothing can be
+/// there, and the plan's arithmetic must not overflow.
+fn file_range(offset: u64, len: u64) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= i64::MAX as u64 => Ok(()),
+        _ => Err(LocalIoError::Hal(HalError::InvalidArgument(format!(
+            "file range {offset}+{len} ends past the largest file offset"
+        )))),
     }
 }

@@ -64,6 +64,26 @@ fn engines_are_chosen_and_explained() {
 }
 
 #[test]
+fn ranges_past_the_largest_file_offset_are_refused_not_overflowed() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f");
+    patterned_file(&path, 8192, 1);
+    let h = FileHandle::open(&path, OpenOptions::READ).unwrap();
+    let gpu = gpu();
+    let dev = gpu.alloc(8192).unwrap();
+    for io in engines(4096) {
+        for offset in [u64::MAX - 10, i64::MAX as u64 - 100] {
+            let e = io.read_to_device(&h, offset, &dev, 0, 4096).unwrap_err();
+            assert_eq!(e.code(), ErrorCode::InvalidArg, "{e}");
+            let e = io
+                .read_blocks_to_device(&h, &[0, offset / 4096 * 4096], 4096, &dev, 0)
+                .unwrap_err();
+            assert_eq!(e.code(), ErrorCode::InvalidArg, "{e}");
+        }
+    }
+}
+
+#[test]
 fn reads_stop_exactly_at_end_of_file() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("f");

@@ -17,9 +17,11 @@
 
 #![forbid(unsafe_code)]
 
+mod gather;
 mod pipeline;
 mod placement;
 
+pub use gather::{GatherOptions, GatherReport, GatherStrategy};
 pub use placement::HostPlacement;
 
 use gpuio_hal::{
@@ -29,7 +31,7 @@ use pipeline::LanePool;
 use rayon::prelude::*;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 /// MemIO's errors.
 #[derive(Debug, thiserror::Error)]
@@ -141,6 +143,9 @@ pub struct MemIoConfig {
     pub pipeline_min: usize,
     /// Host copies smaller than this run on one thread.
     pub parallel_copy_min: usize,
+    /// Threads (and staging lanes) of a CPU-staged gather: random row reads are bound by
+    /// memory latency, so every core helps.
+    pub gather_threads: usize,
 }
 
 impl Default for MemIoConfig {
@@ -152,6 +157,7 @@ impl Default for MemIoConfig {
             slots_per_lane: 3,
             pipeline_min: 4 << 20,
             parallel_copy_min: 4 << 20,
+            gather_threads: cores,
         }
     }
 }
@@ -185,6 +191,8 @@ struct DeviceState {
     gpu: Gpu,
     streams: Mutex<Vec<Stream>>,
     lanes: LanePool,
+    /// Pinned and device buffers for gather index lists, reused across calls.
+    index_stages: Mutex<Vec<gather::IndexStage>>,
 }
 
 /// The MemIO engine. Thread-safe; share it behind an `Arc`.
@@ -194,6 +202,10 @@ pub struct MemIo {
     pool: rayon::ThreadPool,
     topology: NumaTopology,
     counters: Counters,
+    /// Which gather path is faster, per shape, as measured.
+    planner: gather::Planner,
+    /// The CPU-staged gather's threads, started on first use.
+    gather_pool: OnceLock<std::result::Result<rayon::ThreadPool, String>>,
 }
 
 impl fmt::Debug for MemIo {
@@ -219,6 +231,7 @@ impl MemIo {
     pub fn new(gpus: Vec<Gpu>, config: MemIoConfig) -> Result<Self> {
         let config = MemIoConfig {
             threads: config.threads.clamp(1, MAX_THREADS),
+            gather_threads: config.gather_threads.clamp(1, MAX_THREADS),
             chunk_size: config.chunk_size.clamp(4096, MAX_CHUNK),
             slots_per_lane: config.slots_per_lane.clamp(2, 64),
             ..config
@@ -234,6 +247,7 @@ impl MemIo {
                 lanes: LanePool::new(gpu.clone(), config.chunk_size, config.slots_per_lane),
                 gpu,
                 streams: Mutex::new(Vec::new()),
+                index_stages: Mutex::new(Vec::new()),
             })
             .collect();
         Ok(Self {
@@ -242,6 +256,8 @@ impl MemIo {
             pool,
             topology: NumaTopology::detect(),
             counters: Counters::default(),
+            planner: gather::Planner::default(),
+            gather_pool: OnceLock::new(),
         })
     }
 
@@ -396,6 +412,43 @@ impl MemIo {
         lanes: &mut [pipeline::Lane],
         work: impl Fn(&mut pipeline::Lane, &AtomicBool) -> Result<()> + Sync,
     ) -> Result<()> {
+        self.run_lanes_on(&self.pool, lanes, work)
+    }
+
+    fn gather_threads(&self) -> usize {
+        self.config.gather_threads
+    }
+
+    fn gather_pool(&self) -> Result<&rayon::ThreadPool> {
+        let threads = self.config.gather_threads;
+        self.gather_pool
+            .get_or_init(|| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .thread_name(|i| format!("gpuio-gather-{i}"))
+                    .build()
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| MemIoError::Internal(format!("starting gather threads: {e}")))
+    }
+
+    fn count_h2d(&self, bytes: usize) {
+        self.counters.h2d.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    fn count_d2h(&self, bytes: usize) {
+        self.counters.d2h.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// Runs `work` on every lane at once, on `pool`'s threads; the first failure stops the
+    /// others from taking more chunks and is returned.
+    fn run_lanes_on(
+        &self,
+        pool: &rayon::ThreadPool,
+        lanes: &mut [pipeline::Lane],
+        work: impl Fn(&mut pipeline::Lane, &AtomicBool) -> Result<()> + Sync,
+    ) -> Result<()> {
         let Some((first, rest)) = lanes.split_first_mut() else {
             return Ok(());
         };
@@ -408,7 +461,7 @@ impl MemIo {
                 lock(&failure).get_or_insert(e);
             }
         };
-        self.pool.in_place_scope(|scope| {
+        pool.in_place_scope(|scope| {
             for lane in rest {
                 let (work, record, abort) = (&work, &record, &abort);
                 scope.spawn(move |_| record(work(lane, abort)));

@@ -196,6 +196,17 @@ impl<'a> Iterator for PiecesMut<'a> {
 }
 
 /// A lost staging buffer: the lane had none free and none in flight.
+/// What a chunk of an upload is made from knows its length in bytes.
+pub(crate) trait ChunkLen {
+    fn chunk_len(&self) -> usize;
+}
+
+impl ChunkLen for &[u8] {
+    fn chunk_len(&self) -> usize {
+        self.len()
+    }
+}
+
 fn no_slot() -> MemIoError {
     MemIoError::Internal("staging lane has no buffer free or in flight".into())
 }
@@ -209,21 +220,49 @@ impl Lane {
         dst: &DeviceBuffer,
         dst_offset: usize,
     ) -> Result<()> {
+        let pieces = || lock(work).next();
+        self.upload_filled(pieces, abort, dst, dst_offset, |piece, buf| {
+            buf.copy_from_slice(piece);
+            Ok(())
+        })
+    }
+
+    /// Uploads chunks that `fill` writes into staging: `next` yields (offset, what to
+    /// fill), `fill` writes a chunk's bytes into its staging buffer (the slice's length is
+    /// the chunk's), and the chunk goes to `dst` at `dst_offset + offset`.
+    pub(crate) fn upload_filled<W>(
+        &mut self,
+        mut next: impl FnMut() -> Option<(usize, W)>,
+        abort: &AtomicBool,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        fill: impl Fn(W, &mut [u8]) -> Result<()>,
+    ) -> Result<()>
+    where
+        W: ChunkLen,
+    {
         let mut pending: VecDeque<Inflight<HostBuffer>> = VecDeque::new();
         loop {
             if abort.load(Ordering::Relaxed) {
                 break;
             }
-            let Some((at, piece)) = lock(work).next() else {
+            let Some((at, what)) = next() else {
                 break;
             };
             let mut buf = match self.slots.pop() {
                 Some(b) => b,
                 None => pending.pop_front().ok_or_else(no_slot)?.wait()?,
             };
-            buf[..piece.len()].copy_from_slice(piece);
+            let len = what.chunk_len();
+            if let Err(e) = fill(what, &mut buf[..len]) {
+                self.slots.push(buf);
+                for p in pending {
+                    self.slots.push(p.wait()?);
+                }
+                return Err(e);
+            }
             let off = dst_offset + at;
-            pending.push_back(self.stream.upload_async(buf, 0..piece.len(), dst, off)?);
+            pending.push_back(self.stream.upload_async(buf, 0..len, dst, off)?);
         }
         for p in pending {
             self.slots.push(p.wait()?);

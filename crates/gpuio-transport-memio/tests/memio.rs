@@ -32,6 +32,7 @@ fn small_chunks() -> MemIoConfig {
         slots_per_lane: 2,
         pipeline_min: 256 << 10,
         parallel_copy_min: 128 << 10,
+        gather_threads: 3,
     }
 }
 

@@ -104,6 +104,78 @@ impl DevRange<'_> {
     }
 }
 
+/// Where a row job's pool or index list lives.
+#[derive(Clone, Copy)]
+pub(crate) enum RowMem<'a> {
+    /// Pinned host memory: `ptr` for the CPU, `addr` for the device's kernels.
+    Host {
+        ptr: *mut u8,
+        addr: u64,
+        len: usize,
+    },
+    Device(DevRange<'a>),
+}
+
+impl RowMem<'_> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Self::Host { len, .. } => *len,
+            Self::Device(r) => r.len,
+        }
+    }
+
+    /// The address the device's kernels use.
+    pub(crate) fn addr(&self) -> u64 {
+        match self {
+            Self::Host { addr, .. } => *addr,
+            Self::Device(r) => r.addr(),
+        }
+    }
+}
+
+/// A checked row job: `count` rows of `row_bytes` between `pool` rows `idx[i]` and the dense
+/// device range `rows` (`count * row_bytes` bytes); `idx` holds `count` little-endian u64s.
+/// A gather reads the pool and writes `rows`; a scatter the reverse.
+#[derive(Clone, Copy)]
+pub(crate) struct RowJob<'a> {
+    pub(crate) pool: RowMem<'a>,
+    pub(crate) row_bytes: usize,
+    pub(crate) count: usize,
+    pub(crate) idx: RowMem<'a>,
+    pub(crate) rows: DevRange<'a>,
+    pub(crate) scatter: bool,
+    /// The naive baseline kernel (gathers only).
+    pub(crate) naive: bool,
+}
+
+/// A checked launch of one of `kernels/ring_bench.cu`'s kernels.
+#[derive(Clone, Copy)]
+pub(crate) enum RingLaunch<'a> {
+    /// `count` blocks of `block` bytes at `offsets` (u64s) into `dst`, a result (i64) each
+    /// into `results`, with `threads` threads (requests in flight).
+    ReadBlocks {
+        ring: crate::ring::RingDevice,
+        resource: u32,
+        offsets: DevRange<'a>,
+        count: u64,
+        block: u64,
+        dst: DevRange<'a>,
+        results: DevRange<'a>,
+        threads: u32,
+    },
+    /// `iters` reads of `len` bytes into `dst`, one at a time; round trips (u64 ns) into `ns`.
+    Ping {
+        ring: crate::ring::RingDevice,
+        resource: u32,
+        iters: u64,
+        len: u64,
+        dst: DevRange<'a>,
+        ns: DevRange<'a>,
+    },
+    /// The ring layout as the device compiler sees it, into `out`.
+    Layout { out: DevRange<'a> },
+}
+
 /// An allocation of device memory; dropping it frees the memory.
 pub(crate) trait DeviceMemory: Send + Sync + fmt::Debug {
     /// The device address of the first byte.
@@ -151,6 +223,23 @@ pub(crate) trait StreamBackend: Send + Sync {
 
     /// Compares two device ranges of equal length; returns the first differing offset. Blocks.
     fn find_mismatch(&self, a: DevRange<'_>, b: DevRange<'_>) -> Result<Option<u64>>;
+
+    /// Runs a row gather or scatter (see [`RowJob`]) and waits for it; returns the position
+    /// of the first index that is out of the pool's range (those rows are skipped).
+    ///
+    /// # Safety
+    /// A host pool's pointer must be valid for its length until the call returns (writable,
+    /// and touched by nothing else, for a scatter), and registered with this device so that
+    /// `addr` reaches it; the same for a host index list (read only).
+    unsafe fn rows(&self, job: RowJob<'_>) -> Result<Option<u64>>;
+
+    /// Runs a kernel that issues IO through a request ring (or reports the ring layout) and
+    /// waits for it.
+    ///
+    /// # Safety
+    /// The ring's memory (header, slots, claim counter) stays mapped and registered until the
+    /// call returns.
+    unsafe fn ring_kernel(&self, launch: RingLaunch<'_>) -> Result<()>;
 
     /// Records an event after the work enqueued so far.
     fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>>;

@@ -5,7 +5,7 @@
 use super::GdsMode;
 use super::backend::{
     BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend, HostPin,
-    StreamBackend,
+    RingLaunch, RowJob, RowMem, StreamBackend,
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
 use crate::error::{HalError, Result};
@@ -238,6 +238,75 @@ impl StreamBackend for HostStream {
             )
         };
         Ok(pattern::first_mismatch(x, y).map(|i| i as u64))
+    }
+
+    unsafe fn rows<'a>(&self, job: RowJob<'a>) -> Result<Option<u64>> {
+        // Lock every allocation involved once, in address order, exclusively where written.
+        let mut mems = vec![(memory(&job.rows)?, !job.scatter)];
+        let mut cpu_ptr = |m: RowMem<'a>, write: bool| -> Result<*mut u8> {
+            Ok(match m {
+                RowMem::Host { ptr, .. } => ptr,
+                RowMem::Device(r) => {
+                    mems.push((memory(&r)?, write));
+                    r.addr() as *mut u8
+                }
+            })
+        };
+        let pool = cpu_ptr(job.pool, job.scatter)?;
+        let idx_ptr = cpu_ptr(job.idx, false)?;
+        mems.sort_by_key(|(m, _)| m.addr());
+        mems.dedup_by(|next, kept| {
+            let same = std::ptr::eq(next.0, kept.0);
+            kept.1 |= same && next.1;
+            same
+        });
+        let _guards: Vec<_> = mems
+            .iter()
+            .map(|&(m, write)| {
+                if write {
+                    (None, Some(write_lock(m)))
+                } else {
+                    (Some(read_lock(m)), None)
+                }
+            })
+            .collect();
+        let rb = job.row_bytes;
+        let rows = (job.pool.len() / rb) as u64;
+        // SAFETY: a checked range of a live allocation locked for reading above, or pinned host
+        // memory valid for the call (caller's contract).
+        let idx = unsafe { std::slice::from_raw_parts(idx_ptr as *const u8, job.idx.len()) };
+        let dense = job.rows.addr() as *mut u8;
+        let mut bad = None;
+        for (i, word) in idx.chunks_exact(8).take(job.count).enumerate() {
+            let row = u64::from_le_bytes(word.try_into().unwrap_or_default());
+            if row >= rows {
+                bad = bad.or(Some(i as u64));
+                continue;
+            }
+            let (p, d) = (
+                pool.wrapping_add(row as usize * rb),
+                dense.wrapping_add(i * rb),
+            );
+            // SAFETY: row < rows keeps p..p+rb inside the pool, i < count keeps d..d+rb inside
+            // the checked dense range; both are locked (or, for a host pool, valid and, for a
+            // scatter, exclusive by the caller's contract) and in different allocations.
+            unsafe {
+                if job.scatter {
+                    sys::copy_raw(d, p, rb);
+                } else {
+                    sys::copy_raw(p, d, rb);
+                }
+            }
+        }
+        Ok(bad)
+    }
+
+    unsafe fn ring_kernel(&self, _launch: RingLaunch<'_>) -> Result<()> {
+        Err(HalError::Unsupported {
+            what: "kernel-issued ring IO",
+            reason: "the host backend runs no kernels; ring::HostProducer plays the GPU's part"
+                .into(),
+        })
     }
 
     fn record(&self, _timing: bool) -> Result<Box<dyn EventBackend>> {

@@ -12,9 +12,12 @@ pub mod cuda;
 mod gds;
 mod host;
 mod info;
+mod ring_kernels;
+mod rows;
 
 pub use gds::{GdsFile, GdsMode};
 pub use info::{Backend, Capability, DeviceInfo, PcieLink};
+pub use rows::{RowIndices, RowKernel};
 
 use crate::error::{HalError, Result, check_range};
 use crate::memory::{HostBuffer, Location, MappingHold, MemoryRegion, Registration};

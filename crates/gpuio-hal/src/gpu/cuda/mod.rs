@@ -15,7 +15,7 @@ pub use nvrtc::compile_ptx;
 use super::GdsMode;
 use super::backend::{
     BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend, HostPin,
-    StreamBackend,
+    RingLaunch, RowJob, StreamBackend,
 };
 use super::info::{Backend, DeviceInfo, PcieLink, cxl_capability, pci_numa_node};
 use crate::error::{ErrorCode, HalError, Result};
@@ -64,6 +64,10 @@ struct Shared {
     multiprocessors: u32,
     /// The compiled `kernels/pattern.cu`, built on first use.
     pattern: OnceLock<std::result::Result<PatternKernels, String>>,
+    /// The compiled `kernels/gather.cu`, in `kernels::GATHER.functions` order.
+    rows: OnceLock<std::result::Result<Vec<CudaFunction>, String>>,
+    /// The compiled `kernels/ring_bench.cu`, in `kernels::RING_BENCH.functions` order.
+    ring: OnceLock<std::result::Result<Vec<CudaFunction>, String>>,
 }
 
 #[derive(Debug)]
@@ -80,30 +84,62 @@ impl Shared {
     }
 
     fn pattern(&self) -> Result<&PatternKernels> {
+        let src = &crate::kernels::PATTERN;
         self.pattern
             .get_or_init(|| {
-                let src = &crate::kernels::PATTERN;
-                let ptx =
-                    compile_ptx(src, Some(self.compute_capability)).map_err(|e| e.to_string())?;
-                let module = self
-                    .ctx
-                    .load_module(ptx)
-                    .map_err(|e| cuda_err("cuModuleLoadData")(e).to_string())?;
-                let load = |name| {
-                    module
-                        .load_function(name)
-                        .map_err(|e| cuda_err("cuModuleGetFunction")(e).to_string())
-                };
+                let f = self.load(src)?;
                 Ok(PatternKernels {
-                    fill: load("gpuio_fill_pattern")?,
-                    mismatch: load("gpuio_find_mismatch")?,
+                    fill: f[0].clone(),
+                    mismatch: f[1].clone(),
                 })
             })
             .as_ref()
             .map_err(|log| HalError::Compile {
-                kernel: crate::kernels::PATTERN.name.into(),
+                kernel: src.name.into(),
                 log: log.clone(),
             })
+    }
+
+    fn row_kernels(&self) -> Result<&[CudaFunction]> {
+        let src = &crate::kernels::GATHER;
+        self.rows
+            .get_or_init(|| self.load(src))
+            .as_deref()
+            .map_err(|log| HalError::Compile {
+                kernel: src.name.into(),
+                log: log.clone(),
+            })
+    }
+
+    fn ring_kernels(&self) -> Result<&[CudaFunction]> {
+        let src = &crate::kernels::RING_BENCH;
+        self.ring
+            .get_or_init(|| self.load(src))
+            .as_deref()
+            .map_err(|log| HalError::Compile {
+                kernel: src.name.into(),
+                log: log.clone(),
+            })
+    }
+
+    /// Compiles a source for this device and loads its functions, in the source's order.
+    fn load(
+        &self,
+        src: &crate::kernels::KernelSource,
+    ) -> std::result::Result<Vec<CudaFunction>, String> {
+        let ptx = compile_ptx(src, Some(self.compute_capability)).map_err(|e| e.to_string())?;
+        let module = self
+            .ctx
+            .load_module(ptx)
+            .map_err(|e| cuda_err("cuModuleLoadData")(e).to_string())?;
+        src.functions
+            .iter()
+            .map(|name| {
+                module
+                    .load_function(name)
+                    .map_err(|e| cuda_err("cuModuleGetFunction")(e).to_string())
+            })
+            .collect()
     }
 
     /// A grid-stride launch shape for `items` work items.
@@ -191,6 +227,8 @@ impl CudaDevice {
                 compute_capability: (major as u32, minor as u32),
                 multiprocessors,
                 pattern: OnceLock::new(),
+                rows: OnceLock::new(),
+                ring: OnceLock::new(),
             }),
             info,
         })
@@ -305,6 +343,7 @@ impl DeviceBackend for CudaDevice {
             shared: self.shared.clone(),
             stream,
             events: Arc::new(EventPool::default()),
+            scratch: Mutex::new(None),
         }))
     }
 
@@ -425,6 +464,30 @@ struct CudaStreamBackend {
     /// Idle events, reused: creating and destroying one per copy doubled the driver calls of
     /// the staging pipeline, whose lanes contend for the driver's context lock.
     events: Arc<EventPool>,
+    /// 8 bytes of device memory for a row kernel's error report, allocated on first use
+    /// (cuMemFree synchronizes the device: not something to do per call).
+    scratch: Mutex<Option<sys::CUdeviceptr>>,
+}
+
+impl Drop for CudaStreamBackend {
+    fn drop(&mut self) {
+        let scratch = self
+            .scratch
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(ptr) = scratch {
+            let freed = self.shared.bind().and_then(|()| {
+                // Work queued on this stream may still use it: drain first.
+                let _ = self.stream.synchronize();
+                // SAFETY: allocated by cuMemAlloc in this context, freed once, unused now.
+                unsafe { result::free_sync(ptr) }.map_err(cuda_err("cuMemFree"))
+            });
+            if let Err(e) = freed {
+                tracing::error!(error = %e, "freeing a stream's scratch memory failed");
+            }
+        }
+    }
 }
 
 /// Idle events of one stream, by timing capability.
@@ -551,6 +614,138 @@ impl StreamBackend for CudaStreamBackend {
             tracing::error!(error = %cuda_err("cuMemFree")(e), "freeing compare scratch failed");
         }
         Ok(Some(first?).filter(|&i| i != u64::MAX))
+    }
+
+    unsafe fn rows(&self, job: RowJob<'_>) -> Result<Option<u64>> {
+        let kernels = self.shared.row_kernels()?;
+        self.shared.bind()?;
+        let pool = job.pool.addr();
+        let (rows_addr, idx) = (job.rows.addr(), job.idx.addr());
+        let rb = job.row_bytes as u64;
+        // The widest piece that divides the row size and both base addresses.
+        let (slot, width) = [(0, 16u64), (1, 8), (2, 4), (3, 1)]
+            .into_iter()
+            .find(|(_, w)| rb % w == 0 && pool % w == 0 && rows_addr % w == 0)
+            .unwrap_or((3, 1));
+        let (func, cfg) = if job.naive {
+            (
+                &kernels[8],
+                self.shared.launch_config(job.count as u64 * 32),
+            )
+        } else {
+            let pieces = job.count as u64 * (rb / width);
+            let offset = if job.scatter { 4 } else { 0 };
+            // Each thread keeps GPUIO_UNROLL (4) loads in flight.
+            (
+                &kernels[offset + slot],
+                self.shared.launch_config(pieces.div_ceil(4)),
+            )
+        };
+        let scratch = {
+            let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            match *s {
+                Some(p) => p,
+                None => {
+                    // SAFETY: an 8-byte allocation owned by this stream, freed in its Drop.
+                    let p = unsafe { result::malloc_sync(8) }.map_err(cuda_err("cuMemAlloc"))?;
+                    *s = Some(p);
+                    p
+                }
+            }
+        };
+        let (rows, n) = ((job.pool.len() as u64) / rb, job.count as u64);
+        // SAFETY: the scratch word is 8 live bytes of this context owned by this stream.
+        unsafe { sys::cuMemsetD8Async(scratch, 0xff, 8, self.raw()) }
+            .result()
+            .map_err(cuda_err("cuMemsetD8Async"))?;
+        let mut launch = self.stream.launch_builder(func);
+        launch
+            .arg(&pool)
+            .arg(&rows)
+            .arg(&rb)
+            .arg(&idx)
+            .arg(&n)
+            .arg(&rows_addr)
+            .arg(&scratch);
+        // SAFETY: the arguments match every row kernel's (pool, rows, row_bytes, idx, n, dense,
+        // err) signature. The kernel touches only pool rows below `rows` (it checks each
+        // index), the checked idx range and dense range, and the scratch word; the host pool
+        // is registered and valid until this call returns (caller's contract), and we
+        // synchronize before returning.
+        unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel(gpuio row kernel)"))?;
+        let mut first = [0u8; 8];
+        // SAFETY: `first` is 8 writable bytes; we synchronize before reading it.
+        unsafe { sys::cuMemcpyDtoHAsync_v2(first.as_mut_ptr().cast(), scratch, 8, self.raw()) }
+            .result()
+            .map_err(cuda_err("cuMemcpyDtoHAsync"))?;
+        self.synchronize()?;
+        Ok(Some(u64::from_le_bytes(first)).filter(|&p| p != u64::MAX))
+    }
+
+    unsafe fn ring_kernel(&self, launch: RingLaunch<'_>) -> Result<()> {
+        let kernels = self.shared.ring_kernels()?;
+        self.shared.bind()?;
+        let one = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        match launch {
+            RingLaunch::ReadBlocks {
+                ring,
+                resource,
+                offsets,
+                count,
+                block,
+                dst,
+                results,
+                threads,
+            } => {
+                const BLOCK: u32 = 128;
+                let cfg = LaunchConfig {
+                    grid_dim: (threads.div_ceil(BLOCK).max(1), 1, 1),
+                    block_dim: (BLOCK, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let (o, d, r) = (offsets.addr(), dst.addr(), results.addr());
+                let mut l = self.stream.launch_builder(&kernels[0]);
+                l.arg(&ring.header).arg(&ring.slots).arg(&ring.claim);
+                l.arg(&ring.mask).arg(&ring.nslots).arg(&resource);
+                l.arg(&o).arg(&count).arg(&block).arg(&d).arg(&r);
+                // SAFETY: the arguments match gpuio_ring_read_blocks; the kernel reads the
+                // checked offsets range, writes the checked results range, and touches the
+                // ring's memory, which stays mapped until this call returns (caller's
+                // contract) because we synchronize below. dst is written by the host proxy,
+                // not by the kernel.
+                unsafe { l.launch(cfg) }
+                    .map_err(cuda_err("cuLaunchKernel(gpuio_ring_read_blocks)"))?;
+            }
+            RingLaunch::Ping {
+                ring,
+                resource,
+                iters,
+                len,
+                dst,
+                ns,
+            } => {
+                let (d, n) = (dst.addr(), ns.addr());
+                let mut l = self.stream.launch_builder(&kernels[1]);
+                l.arg(&ring.header).arg(&ring.slots).arg(&ring.claim);
+                l.arg(&ring.mask).arg(&ring.nslots).arg(&resource);
+                l.arg(&iters).arg(&len).arg(&d).arg(&n);
+                // SAFETY: as for ReadBlocks; the kernel writes only the checked ns range.
+                unsafe { l.launch(one) }.map_err(cuda_err("cuLaunchKernel(gpuio_ring_ping)"))?;
+            }
+            RingLaunch::Layout { out } => {
+                let o = out.addr();
+                let mut l = self.stream.launch_builder(&kernels[2]);
+                l.arg(&o);
+                // SAFETY: the kernel writes RingLayout::words().len() u64s at `out`, a range
+                // checked to hold them.
+                unsafe { l.launch(one) }.map_err(cuda_err("cuLaunchKernel(gpuio_ring_layout)"))?;
+            }
+        }
+        self.synchronize()
     }
 
     fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>> {

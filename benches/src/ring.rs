@@ -1,0 +1,248 @@
+//! The `ring` suite: IO started by GPU threads through the request ring (GPU machine only).
+//!
+//! - `ring_read_4k`: random 4 KiB reads of a warm file, each posted by a GPU thread
+//!   (`gpuio_read`, 1024 threads in flight) and served by the host proxy through LocalIO,
+//!   against the same reads issued by the host LocalIO engine (`read_blocks_to_device`).
+//! - `ring_round_trip`: one GPU thread posting minimal requests (8 bytes) one after another;
+//!   the p50 of post-to-result times on the GPU's clock.
+
+use crate::localio::{Cleanup, api, make_file};
+use crate::{BenchError, Record, Result, Target, fresh_seed};
+use gpuio_api::{OpenOptions, Session};
+use gpuio_core::{Endpoint, RingConfig, RingProxy};
+use gpuio_hal::{Backend, pattern};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// The suite's name.
+pub const SUITE: &str = "ring";
+
+/// Sizes of the suite.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Test file size.
+    pub file_size: u64,
+    /// Random reads per measurement.
+    pub reads: usize,
+    /// GPU threads posting reads (requests in flight).
+    pub threads: u32,
+    /// Round trips timed.
+    pub pings: usize,
+    /// Timed repetitions (median).
+    pub reps: usize,
+    /// Directory for the test file.
+    pub scratch: PathBuf,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            file_size: 1 << 30,
+            reads: 262_144,
+            threads: 1024,
+            pings: 2000,
+            reps: 3,
+            scratch: std::env::temp_dir(),
+        }
+    }
+}
+
+impl Options {
+    /// A short run.
+    pub fn quick() -> Self {
+        Self {
+            file_size: 64 << 20,
+            reads: 16_384,
+            pings: 200,
+            reps: 1,
+            ..Self::default()
+        }
+    }
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+/// Runs the suite; on the host backend it reports that it needs a GPU and records nothing.
+pub fn run(
+    session: &Session,
+    opts: &Options,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(Vec<Record>, Vec<Target>, Vec<String>)> {
+    let gpu = session.gpu(0)?.clone();
+    if gpu.backend() == Backend::Host {
+        return Ok((
+            Vec::new(),
+            Vec::new(),
+            vec!["ring: needs a GPU (kernels post the requests); the host backend's producer is tested in CI".into()],
+        ));
+    }
+    let io = session.localio();
+    let seed = fresh_seed();
+    let path = opts
+        .scratch
+        .join(format!("gpuio-ring-{}.bin", std::process::id()));
+    let _cleanup = Cleanup(vec![path.clone()]);
+    progress("writing the test file");
+    make_file(&path, opts.file_size, seed)?;
+    let file = io.open(&path, OpenOptions::READ).map_err(api)?;
+    let blocks = opts.file_size / 4096;
+    let n = opts.reads.min(blocks as usize);
+    let offsets: Vec<u64> = (0..n)
+        .map(|i| pattern::mix64(seed ^ (i as u64) << 1) % blocks * 4096)
+        .collect();
+    let stream = gpu.stream()?;
+    let offs = gpu.alloc(n * 8)?;
+    let bytes: Vec<u8> = offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
+    stream.upload(&bytes, &offs, 0)?;
+    let dst = gpu.alloc(n * 4096)?;
+    let results = gpu.alloc(n * 8)?;
+    let cfg = RingConfig {
+        slots: 4096,
+        threads: std::thread::available_parallelism()
+            .map_or(4, |c| c.get())
+            .min(16),
+        ..RingConfig::default()
+    };
+    let threads = cfg.threads;
+    let mut proxy = RingProxy::new(session.engines().clone(), &gpu, cfg).map_err(api)?;
+    let handle = proxy.register(Endpoint::file(&file, 0)).map_err(api)?;
+    proxy.register_device(&dst).map_err(api)?;
+
+    // Kernel-issued reads against the host engine's, alternating, page cache warm.
+    progress("ring_read_4k");
+    // Warm the page cache and the kernels' compilation.
+    io.read_blocks_to_device(&file, &offsets, 4096, &dst, 0)
+        .map_err(api)?;
+    stream.ring_read_blocks(
+        proxy.ring(),
+        handle,
+        &offs,
+        n,
+        4096,
+        &dst,
+        &results,
+        opts.threads,
+    )?;
+    let (mut ring_t, mut host_t) = (Vec::new(), Vec::new());
+    for _ in 0..opts.reps.max(1) {
+        let t = Instant::now();
+        stream.ring_read_blocks(
+            proxy.ring(),
+            handle,
+            &offs,
+            n,
+            4096,
+            &dst,
+            &results,
+            opts.threads,
+        )?;
+        ring_t.push(t.elapsed());
+        let t = Instant::now();
+        io.read_blocks_to_device(&file, &offsets, 4096, &dst, 0)
+            .map_err(api)?;
+        host_t.push(t.elapsed());
+    }
+    // The last ring run's data and results, checked.
+    stream.ring_read_blocks(
+        proxy.ring(),
+        handle,
+        &offs,
+        n,
+        4096,
+        &dst,
+        &results,
+        opts.threads,
+    )?;
+    let mut res = vec![0u8; n * 8];
+    stream.download(&results, 0, &mut res)?;
+    if let Some(k) = res
+        .chunks_exact(8)
+        .position(|w| i64::from_le_bytes(w.try_into().unwrap_or_default()) != 4096)
+    {
+        return Err(BenchError::Options(format!(
+            "ring read {k} returned {}",
+            i64::from_le_bytes(res[k * 8..k * 8 + 8].try_into().unwrap_or_default())
+        )));
+    }
+    let mut sample = vec![0u8; 4096];
+    for k in [0, n / 2, n - 1] {
+        stream.download(&dst, k * 4096, &mut sample)?;
+        if let Some(off) = pattern::first_deviation(&sample, offsets[k], seed) {
+            return Err(BenchError::Corrupt {
+                case: "ring_read_4k".into(),
+                size: 4096,
+                offset: off as u64,
+            });
+        }
+    }
+    let ring_iops = n as f64 / median(ring_t).as_secs_f64().max(1e-9);
+    let host_iops = n as f64 / median(host_t).as_secs_f64().max(1e-9);
+    let device = gpu.info().name.clone();
+    let mut records = vec![Record {
+        suite: SUITE.into(),
+        case: "ring_read_4k".into(),
+        metric: "iops".into(),
+        value: ring_iops / 1e6,
+        unit: "M IOPS".into(),
+        peer: "host LocalIO read_blocks_to_device".into(),
+        peer_value: host_iops / 1e6,
+        ratio: ring_iops / host_iops.max(1e-9),
+        bytes: 4096,
+        route: format!("{} GPU threads, {threads} proxy threads", opts.threads),
+        device: device.clone(),
+        reps: opts.reps,
+    }];
+    let mut targets = vec![Target {
+        description: "kernel-issued 4 KiB reads >= 0.8x the host engine's rate".into(),
+        measured: Some(format!(
+            "{:.2} M vs {:.2} M IOPS ({:.2}x)",
+            ring_iops / 1e6,
+            host_iops / 1e6,
+            ring_iops / host_iops.max(1e-9)
+        )),
+        met: Some(ring_iops >= 0.8 * host_iops),
+    }];
+
+    // Round trips of a minimal request.
+    progress("ring_round_trip");
+    let ns = gpu.alloc(opts.pings * 8)?;
+    stream.ring_ping(proxy.ring(), handle, opts.pings.min(100), 8, &dst, &ns)?;
+    stream.ring_ping(proxy.ring(), handle, opts.pings, 8, &dst, &ns)?;
+    let mut raw = vec![0u8; opts.pings * 8];
+    stream.download(&ns, 0, &mut raw)?;
+    let mut times: Vec<u64> = raw
+        .chunks_exact(8)
+        .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
+        .collect();
+    if times.contains(&u64::MAX) {
+        return Err(BenchError::Options("a ring round trip failed".into()));
+    }
+    times.sort_unstable();
+    let p50 = times[times.len() / 2] as f64 / 1e3;
+    let p99 = times[times.len() * 99 / 100] as f64 / 1e3;
+    records.push(Record {
+        suite: SUITE.into(),
+        case: "ring_round_trip".into(),
+        metric: "latency p50".into(),
+        value: p50,
+        unit: "us".into(),
+        peer: "p99".into(),
+        peer_value: p99,
+        ratio: p99 / p50.max(1e-9),
+        bytes: 8,
+        route: format!("{threads} proxy threads"),
+        device,
+        reps: opts.pings,
+    });
+    targets.push(Target {
+        description: "ring round trip of a minimal request, p50 <= 10 us".into(),
+        measured: Some(format!("{p50:.2} us (p99 {p99:.2} us)")),
+        met: Some(p50 <= 10.0),
+    });
+    let stats = proxy.shutdown().map_err(api)?;
+    let notes = vec![format!("ring proxy: {stats:?}")];
+    Ok((records, targets, notes))
+}

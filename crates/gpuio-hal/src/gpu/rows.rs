@@ -1,0 +1,218 @@
+//! Row gathers and scatters run by the device itself (zero-copy): rows of a pinned host pool
+//! (or a device pool) picked by an index list, moved to or from a dense device buffer by the
+//! `kernels/gather.cu` kernels. The checks live here, once, for every backend.
+
+use super::backend::{RowJob, RowMem};
+use super::{DeviceBuffer, Stream};
+use crate::error::{HalError, Result};
+use crate::memory::HostBuffer;
+
+/// Where a row job's index list (little-endian u64s) lives.
+#[derive(Debug, Clone, Copy)]
+pub enum RowIndices<'a> {
+    /// In device memory of the stream's device.
+    Device(&'a DeviceBuffer),
+    /// In pinned host memory, read by the kernel over PCIe as it goes (no separate copy).
+    Pinned(&'a HostBuffer),
+}
+
+impl<'a> From<&'a DeviceBuffer> for RowIndices<'a> {
+    fn from(b: &'a DeviceBuffer) -> Self {
+        Self::Device(b)
+    }
+}
+
+impl<'a> From<&'a HostBuffer> for RowIndices<'a> {
+    fn from(b: &'a HostBuffer) -> Self {
+        Self::Pinned(b)
+    }
+}
+
+/// Which kernel moves the rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RowKernel {
+    /// One thread per 4 to 16-byte piece, several loads in flight per thread.
+    #[default]
+    Tuned,
+    /// The baseline: one warp per row, one load in flight per lane (gathers only).
+    Naive,
+}
+
+impl Stream {
+    /// Gathers `count` rows of `row_bytes` from the pinned host `pool` into `dst` at
+    /// `dst_offset`: row `i` of the output is pool row `indices[i]` (`count` little-endian
+    /// u64s in device memory or pinned host memory). Waits for it. An index past the pool's last row fails the call
+    /// with [`HalError::IndexOutOfRange`]; the other rows are gathered.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather(
+        &self,
+        pool: &HostBuffer,
+        row_bytes: usize,
+        indices: RowIndices<'_>,
+        count: usize,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        kernel: RowKernel,
+    ) -> Result<()> {
+        let pool = self.host_pool(pool)?;
+        // SAFETY: the pool is borrowed (so mapped and registered) until this call returns.
+        unsafe {
+            self.run_rows(
+                pool, row_bytes, indices, count, dst, dst_offset, false, kernel,
+            )
+        }
+    }
+
+    /// Like [`gather`](Self::gather), from a pool in device memory of this device (the second
+    /// step of a deduplicated gather, or an on-device cache).
+    pub fn gather_device(
+        &self,
+        pool: &DeviceBuffer,
+        row_bytes: usize,
+        indices: RowIndices<'_>,
+        count: usize,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<()> {
+        self.gpu.check_owns("gather pool", pool)?;
+        if pool.same_buffer(dst) {
+            return Err(HalError::InvalidArgument(
+                "a gather's pool and destination must be different buffers".into(),
+            ));
+        }
+        let range = pool.range("gather pool", 0, pool.len())?;
+        // SAFETY: no host memory involved; the device ranges are borrowed for the call.
+        unsafe {
+            self.run_rows(
+                RowMem::Device(range),
+                row_bytes,
+                indices,
+                count,
+                dst,
+                dst_offset,
+                false,
+                RowKernel::Tuned,
+            )
+        }
+    }
+
+    /// Scatters `count` rows of `row_bytes` from `src` at `src_offset` into the pinned host
+    /// `pool`: pool row `indices[i]` becomes row `i` of the source. Waits for it. With
+    /// duplicate indices one of their rows lands, unspecified which.
+    pub fn scatter(
+        &self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        row_bytes: usize,
+        indices: RowIndices<'_>,
+        count: usize,
+        pool: &mut HostBuffer,
+    ) -> Result<()> {
+        let pool = self.host_pool(pool)?;
+        // SAFETY: the pool is borrowed mutably (so nothing else touches it) until this call
+        // returns, and is registered with a device.
+        unsafe {
+            self.run_rows(
+                pool,
+                row_bytes,
+                indices,
+                count,
+                src,
+                src_offset,
+                true,
+                RowKernel::Tuned,
+            )
+        }
+    }
+
+    fn host_pool(&self, pool: &HostBuffer) -> Result<RowMem<'static>> {
+        let pin = pool.pinned().ok_or_else(|| {
+            HalError::InvalidArgument(
+                "zero-copy host memory (a row pool or index list) must be pinned \
+                 (HostBuffer::pin) so the device reaches it"
+                    .into(),
+            )
+        })?;
+        Ok(RowMem::Host {
+            ptr: pool.base_ptr(),
+            addr: pin.device_addr(),
+            len: pool.len(),
+        })
+    }
+
+    /// Checks the job and runs it. (A host index list is borrowed by `indices` for the call.)
+    ///
+    /// # Safety
+    /// A host pool stays valid and registered until this returns; for a scatter, nothing else
+    /// touches it meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn run_rows(
+        &self,
+        pool: RowMem<'_>,
+        row_bytes: usize,
+        indices: RowIndices<'_>,
+        count: usize,
+        rows: &DeviceBuffer,
+        rows_offset: usize,
+        scatter: bool,
+        kernel: RowKernel,
+    ) -> Result<()> {
+        if row_bytes == 0 {
+            return Err(HalError::InvalidArgument(
+                "row size must be at least 1 byte".into(),
+            ));
+        }
+        if scatter && kernel == RowKernel::Naive {
+            return Err(HalError::InvalidArgument(
+                "the naive row kernel only gathers".into(),
+            ));
+        }
+        self.gpu.check_owns("rows", rows)?;
+        let overflow = || HalError::InvalidArgument(format!("{count} rows of {row_bytes} B"));
+        let idx_len = count.checked_mul(8).ok_or_else(overflow)?;
+        let rows_len = count.checked_mul(row_bytes).ok_or_else(overflow)?;
+        let idx = match indices {
+            RowIndices::Device(b) => {
+                self.gpu.check_owns("row indices", b)?;
+                if b.same_buffer(rows) {
+                    return Err(HalError::InvalidArgument(
+                        "row indices and rows must be different buffers".into(),
+                    ));
+                }
+                RowMem::Device(b.range("row indices", 0, idx_len)?)
+            }
+            RowIndices::Pinned(h) => {
+                crate::check_range("row indices", 0, idx_len, h.len())?;
+                self.host_pool(h)?
+            }
+        };
+        let dense = rows.range("rows", rows_offset, rows_len)?;
+        if count == 0 {
+            return Ok(());
+        }
+        if pool.len() < row_bytes {
+            return Err(HalError::InvalidArgument(format!(
+                "the pool ({} B) holds no row of {row_bytes} B",
+                pool.len()
+            )));
+        }
+        let job = RowJob {
+            pool,
+            row_bytes,
+            count,
+            idx,
+            rows: dense,
+            scatter,
+            naive: kernel == RowKernel::Naive,
+        };
+        // SAFETY: every range was checked against its live, borrowed allocation; the host
+        // pool's contract is the caller's.
+        match unsafe { self.inner.rows(job)? } {
+            None => Ok(()),
+            Some(position) => Err(HalError::IndexOutOfRange {
+                position,
+                rows: (pool.len() / row_bytes) as u64,
+            }),
+        }
+    }
+}

@@ -1,0 +1,229 @@
+//! Row gathers and scatters on the backend the probe finds (the tuned and naive CUDA kernels
+//! on the GPU machine with `GPUIO_REQUIRE_CUDA=1`; the host backend's CPU versions elsewhere),
+//! checked byte for byte against a CPU reference on fresh random data.
+
+use gpuio_hal::{
+    BackendPreference, ErrorCode, HalError, HostAllocOptions, HostBuffer, RowKernel, pattern, probe,
+};
+use gpuio_transport_memio::{GatherOptions, GatherStrategy, MemIo, MemIoConfig, MemIoError};
+
+fn engine() -> MemIo {
+    let p = probe(BackendPreference::Auto).unwrap();
+    let require = std::env::var("GPUIO_REQUIRE_CUDA").is_ok_and(|v| v == "1");
+    assert!(
+        !require || p.cuda.available,
+        "CUDA required: {}",
+        p.cuda.detail
+    );
+    let config = MemIoConfig {
+        chunk_size: 64 << 10,
+        gather_threads: 3,
+        ..MemIoConfig::default()
+    };
+    MemIo::new(p.gpus, config).unwrap()
+}
+
+fn seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+}
+
+fn pool(io: &MemIo, len: usize, seed: u64, pinned: bool) -> HostBuffer {
+    let gpu = io.gpu(0).unwrap();
+    let mut b = HostBuffer::alloc(len, &HostAllocOptions::default()).unwrap();
+    pattern::fill(&mut b, 0, seed);
+    if pinned {
+        b.pin(gpu).unwrap();
+    }
+    b
+}
+
+fn random_indices(n: usize, rows: usize, seed: u64) -> Vec<u64> {
+    (0..n)
+        .map(|i| pattern::mix64(seed ^ (i as u64).wrapping_mul(0x9e37)) % rows as u64)
+        .collect()
+}
+
+fn reference(pool: &[u8], rb: usize, idx: &[u64]) -> Vec<u8> {
+    idx.iter()
+        .flat_map(|&r| pool[r as usize * rb..(r as usize + 1) * rb].iter().copied())
+        .collect()
+}
+
+fn download(io: &MemIo, dev: &gpuio_hal::DeviceBuffer, off: usize, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    io.download(dev, off, &mut out).unwrap();
+    out
+}
+
+#[test]
+fn every_strategy_gathers_rows_of_any_size_and_alignment() {
+    let io = engine();
+    let gpu = io.gpu(0).unwrap().clone();
+    let s = seed();
+    // Sizes that take each piece width (16, 8, 4, 1 bytes) and rows larger than a chunk.
+    for (k, rb) in [1usize, 3, 4, 8, 24, 64, 160, 656, 4096, 65536]
+        .into_iter()
+        .enumerate()
+    {
+        let rows = (4 << 20) / rb;
+        let p = pool(&io, rows * rb, s ^ k as u64, true);
+        let n = 3000.min(rows * 2);
+        let idx = random_indices(n, rows, s.wrapping_add(k as u64));
+        let want = reference(&p, rb, &idx);
+        // An odd destination offset: rows are opaque bytes, alignment is not promised.
+        let off = 3;
+        let dst = gpu.alloc(off + n * rb).unwrap();
+        for strategy in [
+            GatherStrategy::ZeroCopy,
+            GatherStrategy::CpuStaged,
+            GatherStrategy::Hybrid,
+            GatherStrategy::Auto,
+        ] {
+            for dedup in [false, true] {
+                let opts = GatherOptions { strategy, dedup };
+                let r = io.gather(&p, rb, &idx, &dst, off, &opts).unwrap();
+                assert_ne!(r.strategy, GatherStrategy::Auto);
+                assert_eq!(r.rows, n);
+                assert!(r.rows_fetched <= n);
+                assert!(
+                    download(&io, &dst, off, n * rb) == want,
+                    "row size {rb}, {strategy:?}, dedup {dedup}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_naive_and_tuned_kernels_agree_with_the_reference() {
+    let io = engine();
+    let gpu = io.gpu(0).unwrap().clone();
+    let stream = gpu.stream().unwrap();
+    let s = seed();
+    for rb in [64usize, 160, 656, 4096, 100] {
+        let rows = (2 << 20) / rb;
+        let p = pool(&io, rows * rb, s ^ rb as u64, true);
+        let idx = random_indices(5000, rows, s);
+        let bytes: Vec<u8> = idx.iter().flat_map(|i| i.to_le_bytes()).collect();
+        let dev_idx = gpu.alloc(bytes.len()).unwrap();
+        stream.upload(&bytes, &dev_idx, 0).unwrap();
+        let dst = gpu.alloc(idx.len() * rb).unwrap();
+        for kernel in [RowKernel::Tuned, RowKernel::Naive] {
+            stream
+                .gather(&p, rb, (&dev_idx).into(), idx.len(), &dst, 0, kernel)
+                .unwrap();
+            assert!(download(&io, &dst, 0, idx.len() * rb) == reference(&p, rb, &idx));
+            // The same indices read in place from pinned host memory.
+            let mut pinned = HostBuffer::alloc(bytes.len(), &HostAllocOptions::default()).unwrap();
+            pinned.copy_from_slice(&bytes);
+            pinned.pin(&gpu).unwrap();
+            let zeros = vec![0u8; idx.len() * rb];
+            io.upload(&zeros, &dst, 0).unwrap();
+            stream
+                .gather(&p, rb, (&pinned).into(), idx.len(), &dst, 0, kernel)
+                .unwrap();
+            assert!(download(&io, &dst, 0, idx.len() * rb) == reference(&p, rb, &idx));
+        }
+    }
+}
+
+#[test]
+fn an_unpinned_pool_is_gathered_by_the_cpu() {
+    let io = engine();
+    let gpu = io.gpu(0).unwrap().clone();
+    let p = pool(&io, 1 << 20, seed(), false);
+    let idx = random_indices(500, (1 << 20) / 160, 7);
+    let dst = gpu.alloc(500 * 160).unwrap();
+    let opts = GatherOptions {
+        strategy: GatherStrategy::ZeroCopy,
+        dedup: false,
+    };
+    let r = io.gather(&p, 160, &idx, &dst, 0, &opts).unwrap();
+    assert_eq!(r.strategy, GatherStrategy::CpuStaged);
+    assert!(download(&io, &dst, 0, 500 * 160) == reference(&p, 160, &idx));
+}
+
+#[test]
+fn auto_measures_each_path_then_exploits_them() {
+    let io = engine();
+    let gpu = io.gpu(0).unwrap().clone();
+    let p = pool(&io, 1 << 20, seed(), true);
+    let idx = random_indices(2000, (1 << 20) / 256, 1);
+    let dst = gpu.alloc(2000 * 256).unwrap();
+    let used: Vec<GatherStrategy> = (0..8)
+        .map(|_| {
+            io.gather(&p, 256, &idx, &dst, 0, &GatherOptions::default())
+                .unwrap()
+                .strategy
+        })
+        .collect();
+    assert_eq!(used[0], GatherStrategy::ZeroCopy);
+    assert_eq!(used[1], GatherStrategy::CpuStaged);
+    assert_eq!(used[2], GatherStrategy::Hybrid);
+    // Then it exploits what it measured (which one depends on this machine).
+    assert!(used[3..].iter().all(|s| *s != GatherStrategy::Auto), "{used:?}");
+}
+
+#[test]
+fn bad_indices_and_sizes_are_typed_errors() {
+    let io = engine();
+    let gpu = io.gpu(0).unwrap().clone();
+    let p = pool(&io, 64 * 100, seed(), true);
+    let dst = gpu.alloc(64 * 10).unwrap();
+    let mut idx = vec![1u64; 10];
+    idx[7] = 100; // one past the last row
+    for strategy in [
+        GatherStrategy::ZeroCopy,
+        GatherStrategy::CpuStaged,
+        GatherStrategy::Hybrid,
+    ] {
+        let opts = GatherOptions {
+            strategy,
+            dedup: false,
+        };
+        match io.gather(&p, 64, &idx, &dst, 0, &opts) {
+            Err(MemIoError::Hal(HalError::IndexOutOfRange { position, rows })) => {
+                assert_eq!((position, rows), (7, 100), "{strategy:?}")
+            }
+            other => panic!("{strategy:?}: {other:?}"),
+        }
+    }
+    let e = io
+        .gather(&p, 64, &[0; 11], &dst, 0, &GatherOptions::default())
+        .unwrap_err();
+    assert_eq!(e.code(), ErrorCode::InvalidArg);
+    let e = io
+        .gather(&p, 0, &[0], &dst, 0, &GatherOptions::default())
+        .unwrap_err();
+    assert_eq!(e.code(), ErrorCode::InvalidArg);
+}
+
+#[test]
+fn scatter_puts_rows_back_where_gather_found_them() {
+    let io = engine();
+    let gpu = io.gpu(0).unwrap().clone();
+    let s = seed();
+    for rb in [64usize, 160, 13] {
+        let rows = 4096;
+        let mut p = pool(&io, rows * rb, s, true);
+        // Distinct indices, so the scatter has one writer per row.
+        let mut idx: Vec<u64> = (0..rows as u64).step_by(3).collect();
+        idx.reverse();
+        let src: Vec<u8> = (0..idx.len() * rb).map(|i| (i * 7 + rb) as u8).collect();
+        let dev = gpu.alloc(src.len()).unwrap();
+        io.upload(&src, &dev, 0).unwrap();
+        let before = p.to_vec();
+        io.scatter(&dev, 0, rb, &idx, &mut p).unwrap();
+        for (i, &r) in idx.iter().enumerate() {
+            let r = r as usize;
+            assert_eq!(&p[r * rb..(r + 1) * rb], &src[i * rb..(i + 1) * rb]);
+        }
+        // Rows not named are untouched.
+        for r in (0..rows).filter(|r| r % 3 != 0) {
+            assert_eq!(&p[r * rb..(r + 1) * rb], &before[r * rb..(r + 1) * rb]);
+        }
+    }
+}

@@ -1,0 +1,420 @@
+// gpuio request ring, device side: GPU threads post IO requests (resource handle, offset,
+// length, device address) into a ring in mapped pinned host memory; gpuio's host proxy
+// (gpuio_core::ring::RingProxy) carries them out through its engines and publishes completions
+// that the threads poll.
+//
+// The layout and constants mirror crates/gpuio-hal/src/ring.rs (`#[repr(C)]` RingHeader,
+// RingSlot, RingDevice); both sides check sizes and offsets (static_assert here, offsets only
+// where the compiler has offsetof, which NVRTC lacks; const asserts there; and the
+// gpuio_ring_layout kernel of ring_layout.cu compared with gpuio_hal::ring::layout() on the GPU
+// machine). Change both together and bump GPUIO_RING_VERSION.
+//
+// Protocol (no GPU atomics on host memory: PCIe does not make them atomic):
+// - post: claim ticket t with one warp-aggregated atomicAdd on a counter in device memory;
+//   wait until slot t & mask has turn == t and state == FREE (the ring is full meanwhile) or
+//   the ring is no longer OPEN (then the request is refused with GPUIO_ERROR_RING_SHUTDOWN);
+//   write the request fields, __threadfence_system(), store state = POSTED (release).
+// - the host consumer of ticket t copies the request, carries it out, writes result, stores
+//   state = DONE (release).
+// - poll: when turn == t and state == DONE (acquire), read result and free the slot for the
+//   next lap: turn = t + nslots, then state = FREE (release). If the ring is CLOSED and the
+//   slot is not DONE, the request was never served: GPUIO_ERROR_RING_SHUTDOWN.
+//
+// Rules for callers:
+// - Needs sm_70 or newer (independent thread scheduling lets lanes of one warp wait for each
+//   other's slots; acquire/release PTX). Older architectures compile a fallback but may hang.
+// - Every posted token must be waited for (gpuio_wait, or gpuio_poll until it returns 1): its
+//   slot is freed only then. A thread must not post while it holds tokens it has not waited
+//   for, unless the whole grid's outstanding requests fit in the ring (nslots): a post that
+//   waits for a full ring waits for other threads' tokens to be collected, and two threads
+//   waiting for each other's slots never finish.
+// - The ring's memory must outlive the kernels using it. Shutting the proxy down releases
+//   every waiting thread (refused posts, shutdown results).
+// - Destinations (READ) and sources (WRITE) must lie inside one device buffer registered with
+//   the proxy; otherwise the request completes with GPUIO_ERROR_RING_UNREGISTERED and no byte
+//   is read or written.
+// - Results are bytes moved (>= 0, always the full length on success) or a negative code:
+//   GPUIO_ERROR_* of SDD section 7.1 (-1 .. -11) or one of the two ring codes below.
+//
+// Compiled by NVRTC at run time (no include paths, no standard headers): gpuio embeds this text
+// before the sources that use it, so every `#include "gpuio_ring.cuh"` sits inside
+// #ifndef GPUIO_RING_CUH.
+#ifndef GPUIO_RING_CUH
+#define GPUIO_RING_CUH
+
+// ---- Constants (same values as crates/gpuio-hal/src/ring.rs) --------------------------------
+
+#define GPUIO_RING_MAGIC 0x4F495047u
+#define GPUIO_RING_VERSION 1u
+
+// gpuio_ring_header.state
+#define GPUIO_RING_OPEN 0u
+#define GPUIO_RING_STOPPING 1u
+#define GPUIO_RING_CLOSED 2u
+
+// gpuio_ring_slot.state
+#define GPUIO_SLOT_FREE 0u
+#define GPUIO_SLOT_POSTED 1u
+#define GPUIO_SLOT_DONE 2u
+
+// gpuio_ring_slot.op
+#define GPUIO_RING_OP_READ 1u
+#define GPUIO_RING_OP_WRITE 2u
+
+// gpuio_ring_slot.flags: a WRITE to a file reaches stable storage before it completes.
+#define GPUIO_RING_FLAG_DURABLE 1u
+
+// Error results: the SDD section 7.1 codes, and two of the ring's own.
+#ifndef GPUIO_ERROR_GENERAL
+#define GPUIO_ERROR_GENERAL (-1ll)
+#define GPUIO_ERROR_NOMEM (-2ll)
+#define GPUIO_ERROR_INVALID_ARG (-3ll)
+#define GPUIO_ERROR_NOT_FOUND (-4ll)
+#define GPUIO_ERROR_TIMEOUT (-5ll)
+#define GPUIO_ERROR_IO (-6ll)
+#define GPUIO_ERROR_NETWORK (-7ll)
+#define GPUIO_ERROR_UNSUPPORTED (-8ll)
+#define GPUIO_ERROR_PERMISSION (-9ll)
+#define GPUIO_ERROR_BUSY (-10ll)
+#define GPUIO_ERROR_CANCELED (-11ll)
+#endif
+// The device range is not inside one registered device buffer (nothing was touched).
+#define GPUIO_ERROR_RING_UNREGISTERED (-64ll)
+// The ring shut down before the request was served (or it was refused when posted).
+#define GPUIO_ERROR_RING_SHUTDOWN (-65ll)
+
+// ---- Shared layout ---------------------------------------------------------------------------
+
+// The ring's first cache line. Only the host writes it (state, at shutdown); the GPU polls it.
+struct __align__(64) gpuio_ring_header {
+    unsigned int magic;    // GPUIO_RING_MAGIC
+    unsigned int version;  // GPUIO_RING_VERSION
+    unsigned int slots;    // number of slots (a power of two)
+    unsigned int state;    // GPUIO_RING_OPEN / STOPPING / CLOSED
+    unsigned int reserved[12];
+};
+
+// One request slot, a cache line of its own. Slot i starts with turn = i, state = FREE.
+struct __align__(64) gpuio_ring_slot {
+    unsigned long long turn;      // the ticket allowed to use the slot now
+    unsigned int state;           // GPUIO_SLOT_FREE / POSTED / DONE
+    unsigned int op;              // GPUIO_RING_OP_READ / WRITE
+    unsigned int resource;        // resource handle registered with the proxy
+    unsigned int flags;           // GPUIO_RING_FLAG_*
+    unsigned long long offset;    // byte offset in the resource
+    unsigned long long len;       // bytes
+    unsigned long long dev_addr;  // destination (READ) or source (WRITE) in device memory
+    long long result;             // bytes moved (>= 0) or a negative GPUIO_ERROR_*
+    unsigned long long reserved;
+};
+
+// What a kernel receives (by value) to reach a ring: gpuio_hal::ring::RingDevice.
+struct gpuio_ring {
+    gpuio_ring_header* header;  // mapped host memory
+    gpuio_ring_slot* slots;     // mapped host memory, right after the header
+    unsigned long long* claim;  // producers' ticket counter, in device memory (starts at 0)
+    unsigned int mask;          // nslots - 1
+    unsigned int nslots;
+};
+
+// One posted request, owned by the thread that posted it.
+struct gpuio_token {
+    unsigned long long ticket;
+    long long result;   // valid once done
+    unsigned int done;  // 1 once the outcome is known (completed, refused or shut down)
+    unsigned int reserved;
+};
+
+// Sizes are checked by every compiler. Offsets are checked where the compiler has offsetof
+// (nvcc, host compilers); NVRTC has none, so there the gpuio_ring_layout kernel of
+// ring_layout.cu reports them at run time for the GPU test to compare.
+static_assert(sizeof(gpuio_ring_header) == 64, "gpuio_ring_header size");
+static_assert(alignof(gpuio_ring_header) == 64, "gpuio_ring_header alignment");
+static_assert(sizeof(gpuio_ring_slot) == 64, "gpuio_ring_slot size");
+static_assert(alignof(gpuio_ring_slot) == 64, "gpuio_ring_slot alignment");
+static_assert(sizeof(gpuio_ring) == 32, "gpuio_ring size");
+static_assert(sizeof(gpuio_token) == 24, "gpuio_token size");
+
+#ifndef __CUDACC_RTC__
+#define GPUIO_RING_OFFSETOF(T, F) __builtin_offsetof(T, F)
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_header, magic) == 0, "header.magic");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_header, version) == 4, "header.version");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_header, slots) == 8, "header.slots");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_header, state) == 12, "header.state");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_header, reserved) == 16, "header.reserved");
+
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, turn) == 0, "slot.turn");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, state) == 8, "slot.state");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, op) == 12, "slot.op");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, resource) == 16, "slot.resource");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, flags) == 20, "slot.flags");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, offset) == 24, "slot.offset");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, len) == 32, "slot.len");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, dev_addr) == 40, "slot.dev_addr");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, result) == 48, "slot.result");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, reserved) == 56, "slot.reserved");
+
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, header) == 0, "ring.header");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, slots) == 8, "ring.slots");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, claim) == 16, "ring.claim");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, mask) == 24, "ring.mask");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, nslots) == 28, "ring.nslots");
+#endif  // __CUDACC_RTC__
+
+// ---- System-scope loads and stores -----------------------------------------------------------
+
+__device__ __forceinline__ unsigned int gpuio_ring_ld_acquire32(const unsigned int* p) {
+    unsigned int v;
+#if __CUDA_ARCH__ >= 700
+    asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+#else
+    v = *(const volatile unsigned int*)p;
+    __threadfence_system();
+#endif
+    return v;
+}
+
+__device__ __forceinline__ unsigned long long gpuio_ring_ld_acquire64(
+    const unsigned long long* p) {
+    unsigned long long v;
+#if __CUDA_ARCH__ >= 700
+    asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+#else
+    v = *(const volatile unsigned long long*)p;
+    __threadfence_system();
+#endif
+    return v;
+}
+
+__device__ __forceinline__ void gpuio_ring_st_release32(unsigned int* p, unsigned int v) {
+#if __CUDA_ARCH__ >= 700
+    asm volatile("st.release.sys.u32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+#else
+    __threadfence_system();
+    *(volatile unsigned int*)p = v;
+#endif
+}
+
+__device__ __forceinline__ void gpuio_ring_st_release64(unsigned long long* p,
+                                                       unsigned long long v) {
+#if __CUDA_ARCH__ >= 700
+    asm volatile("st.release.sys.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+#else
+    __threadfence_system();
+    *(volatile unsigned long long*)p = v;
+#endif
+}
+
+// Waits a little longer each time (up to ~8 us), so that thousands of waiting threads do not
+// saturate PCIe with polls of host memory.
+__device__ __forceinline__ void gpuio_ring_backoff(unsigned int* ns) {
+#if __CUDA_ARCH__ >= 700
+    __nanosleep(*ns);
+#endif
+    if (*ns < 8192u) *ns *= 2u;
+}
+
+__device__ __forceinline__ unsigned int gpuio_ring_lane_id() {
+    unsigned int lane;
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+    return lane;
+}
+
+__device__ __forceinline__ unsigned int gpuio_ring_lanemask_lt() {
+    unsigned int mask;
+    asm volatile("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
+    return mask;
+}
+
+__device__ __forceinline__ unsigned long long gpuio_ring_now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// ---- Producer API ----------------------------------------------------------------------------
+
+// Claims one ticket per calling thread with a single atomicAdd per warp: the active lanes elect
+// a leader that adds their count, and each lane takes base + its rank among them.
+__device__ __forceinline__ unsigned long long gpuio_ring_claim(const gpuio_ring* r) {
+    const unsigned int active = __activemask();
+    const int leader = __ffs(active) - 1;
+    const unsigned int rank = __popc(active & gpuio_ring_lanemask_lt());
+    unsigned long long base = 0;
+    if ((int)gpuio_ring_lane_id() == leader) {
+        base = atomicAdd(r->claim, (unsigned long long)__popc(active));
+    }
+    base = __shfl_sync(active, base, leader);
+    return base + rank;
+}
+
+// Posts a request (op GPUIO_RING_OP_*, flags GPUIO_RING_FLAG_*). Waits while the ring is full.
+// Returns 0 when posted, or GPUIO_ERROR_RING_SHUTDOWN when refused because the ring is not open
+// (nothing posted; `tok` then holds that result, so gpuio_poll/gpuio_wait return it at once).
+__device__ __forceinline__ long long gpuio_post(const gpuio_ring* r, unsigned int op,
+                                                unsigned int resource, unsigned int flags,
+                                                unsigned long long offset, unsigned long long len,
+                                                unsigned long long dev_addr, gpuio_token* tok) {
+    const unsigned long long t = gpuio_ring_claim(r);
+    gpuio_ring_slot* s = r->slots + (t & r->mask);
+    tok->ticket = t;
+    tok->result = 0;
+    tok->done = 0u;
+    unsigned int ns = 32u;
+    for (;;) {
+        // The header first: nothing is posted after this thread saw the ring stop.
+        if (gpuio_ring_ld_acquire32(&r->header->state) != GPUIO_RING_OPEN) {
+            tok->result = GPUIO_ERROR_RING_SHUTDOWN;
+            tok->done = 1u;
+            return GPUIO_ERROR_RING_SHUTDOWN;
+        }
+        // turn before state: the turn of a new lap is stored after the old lap was DONE.
+        if (gpuio_ring_ld_acquire64(&s->turn) == t &&
+            gpuio_ring_ld_acquire32(&s->state) == GPUIO_SLOT_FREE) {
+            break;
+        }
+        gpuio_ring_backoff(&ns);
+    }
+    volatile gpuio_ring_slot* v = s;
+    v->op = op;
+    v->resource = resource;
+    v->flags = flags;
+    v->offset = offset;
+    v->len = len;
+    v->dev_addr = dev_addr;
+    __threadfence_system();
+    gpuio_ring_st_release32(&s->state, GPUIO_SLOT_POSTED);
+    return 0;
+}
+
+// Posts a READ: `len` bytes of `resource` from `offset` into device memory at `dst`.
+__device__ __forceinline__ long long gpuio_read_async(const gpuio_ring* r, unsigned int resource,
+                                                      unsigned long long offset,
+                                                      unsigned long long len, void* dst,
+                                                      gpuio_token* tok) {
+    return gpuio_post(r, GPUIO_RING_OP_READ, resource, 0u, offset, len, (unsigned long long)dst,
+                      tok);
+}
+
+// Posts a WRITE: `len` bytes of device memory at `src` to `resource` at `offset`. The bytes
+// must be written (by every thread that wrote them) before the post.
+__device__ __forceinline__ long long gpuio_write_async(const gpuio_ring* r, unsigned int resource,
+                                                       unsigned long long offset,
+                                                       unsigned long long len, const void* src,
+                                                       gpuio_token* tok) {
+    return gpuio_post(r, GPUIO_RING_OP_WRITE, resource, 0u, offset, len, (unsigned long long)src,
+                      tok);
+}
+
+// Collects the completion if it has arrived: reads the result, frees the slot.
+__device__ __forceinline__ int gpuio_ring_try_finish(const gpuio_ring* r, gpuio_token* tok) {
+    gpuio_ring_slot* s = r->slots + (tok->ticket & r->mask);
+    if (gpuio_ring_ld_acquire64(&s->turn) != tok->ticket ||
+        gpuio_ring_ld_acquire32(&s->state) != GPUIO_SLOT_DONE) {
+        return 0;
+    }
+    const long long result = *(volatile long long*)&s->result;
+    gpuio_ring_st_release64(&s->turn, tok->ticket + r->nslots);
+    gpuio_ring_st_release32(&s->state, GPUIO_SLOT_FREE);
+    tok->result = result;
+    tok->done = 1u;
+    return 1;
+}
+
+// Non-blocking: 1 when the request has finished (its result, bytes or a negative code, goes to
+// *result when result is not null), 0 while it is pending. Polling a finished token again
+// returns 1 and the same result.
+__device__ __forceinline__ int gpuio_poll(const gpuio_ring* r, gpuio_token* tok,
+                                          long long* result) {
+    if (!tok->done && !gpuio_ring_try_finish(r, tok)) {
+        if (gpuio_ring_ld_acquire32(&r->header->state) != GPUIO_RING_CLOSED) return 0;
+        // The host's final sweep happened before CLOSED: look once more, then it never comes.
+        if (!gpuio_ring_try_finish(r, tok)) {
+            tok->result = GPUIO_ERROR_RING_SHUTDOWN;
+            tok->done = 1u;
+        }
+    }
+    if (result) *result = tok->result;
+    return 1;
+}
+
+// Waits for the request's result (bytes or a negative code). Ends when the host completes the
+// request or the ring closes.
+__device__ __forceinline__ long long gpuio_wait(const gpuio_ring* r, gpuio_token* tok) {
+    long long result = 0;
+    unsigned int ns = 32u;
+    while (!gpuio_poll(r, tok, &result)) gpuio_ring_backoff(&ns);
+    return result;
+}
+
+// Waits at most `timeout_ns` nanoseconds: 1 with *result set when finished, 0 when still
+// pending (the token stays valid: wait again or poll later; it must still be collected).
+__device__ __forceinline__ int gpuio_wait_for(const gpuio_ring* r, gpuio_token* tok,
+                                              unsigned long long timeout_ns, long long* result) {
+    const unsigned long long start = gpuio_ring_now_ns();
+    unsigned int ns = 32u;
+    while (!gpuio_poll(r, tok, result)) {
+        if (gpuio_ring_now_ns() - start >= timeout_ns) return 0;
+        gpuio_ring_backoff(&ns);
+    }
+    return 1;
+}
+
+// Blocking READ by one thread: bytes read (always len) or a negative code.
+__device__ __forceinline__ long long gpuio_read(const gpuio_ring* r, unsigned int resource,
+                                                unsigned long long offset,
+                                                unsigned long long len, void* dst) {
+    gpuio_token tok;
+    gpuio_read_async(r, resource, offset, len, dst, &tok);
+    return gpuio_wait(r, &tok);
+}
+
+// Blocking WRITE by one thread: bytes written (always len) or a negative code.
+__device__ __forceinline__ long long gpuio_write(const gpuio_ring* r, unsigned int resource,
+                                                 unsigned long long offset,
+                                                 unsigned long long len, const void* src) {
+    gpuio_token tok;
+    gpuio_write_async(r, resource, offset, len, src, &tok);
+    return gpuio_wait(r, &tok);
+}
+
+// Pieces of a cooperative read are cut at multiples of this many bytes.
+#define GPUIO_RING_WARP_PIECE 4096ull
+
+// Blocking READ by the active lanes of a warp together: [offset, offset + len) of `resource`
+// into `dst`, cut into one piece per lane (multiples of GPUIO_RING_WARP_PIECE) posted and
+// waited for in parallel. Call it from every active lane; the lowest lane's arguments are used.
+// Every lane returns the same value: len, or the first lane's negative code if any piece
+// failed (other pieces may then have been read). len == 0 reads nothing and returns 0.
+__device__ __forceinline__ long long gpuio_read_warp(const gpuio_ring* r, unsigned int resource,
+                                                     unsigned long long offset,
+                                                     unsigned long long len, void* dst) {
+    const unsigned int active = __activemask();
+    const int leader = __ffs(active) - 1;
+    resource = __shfl_sync(active, resource, leader);
+    offset = __shfl_sync(active, offset, leader);
+    len = __shfl_sync(active, len, leader);
+    const unsigned long long base = __shfl_sync(active, (unsigned long long)dst, leader);
+    const unsigned int lanes = __popc(active);
+    const unsigned int rank = __popc(active & gpuio_ring_lanemask_lt());
+    unsigned long long piece = (len + lanes - 1) / lanes;
+    piece = (piece + GPUIO_RING_WARP_PIECE - 1) / GPUIO_RING_WARP_PIECE * GPUIO_RING_WARP_PIECE;
+    const unsigned long long begin = (unsigned long long)rank * piece;
+    long long mine = 0;
+    if (begin < len) {
+        const unsigned long long n = len - begin < piece ? len - begin : piece;
+        gpuio_token tok;
+        gpuio_read_async(r, resource, offset + begin, n, (void*)(base + begin), &tok);
+        mine = gpuio_wait(r, &tok);
+    }
+    __syncwarp(active);
+    const unsigned int failed = __ballot_sync(active, mine < 0);
+    if (failed) return __shfl_sync(active, mine, __ffs(failed) - 1);
+    long long total = 0;
+    for (unsigned int m = active; m != 0u; m &= m - 1u) {
+        total += __shfl_sync(active, mine, __ffs(m) - 1);
+    }
+    return total;
+}
+
+#endif  // GPUIO_RING_CUH
