@@ -63,6 +63,9 @@
 
 // gpuio_ring_slot.flags: a WRITE to a file reaches stable storage before it completes.
 #define GPUIO_RING_FLAG_DURABLE 1u
+// gpuio_ring_slot.flags: a READ may be delivered into the slot's bounce buffer (pinned host
+// memory); the waiting thread then copies it to its destination (no DMA per request).
+#define GPUIO_RING_FLAG_STAGE 2u
 
 // Error results: the SDD section 7.1 codes, and two of the ring's own.
 #ifndef GPUIO_ERROR_GENERAL
@@ -105,7 +108,7 @@ struct __align__(64) gpuio_ring_slot {
     unsigned long long len;       // bytes
     unsigned long long dev_addr;  // destination (READ) or source (WRITE) in device memory
     long long result;             // bytes moved (>= 0) or a negative GPUIO_ERROR_*
-    unsigned long long reserved;
+    unsigned long long staged;    // non-zero: the bytes are in the slot's bounce buffer
 };
 
 // What a kernel receives (by value) to reach a ring: gpuio_hal::ring::RingDevice.
@@ -115,6 +118,8 @@ struct gpuio_ring {
     unsigned long long* claim;  // producers' ticket counter, in device memory (starts at 0)
     unsigned int mask;          // nslots - 1
     unsigned int nslots;
+    unsigned char* bounce;      // slot 0's bounce buffer (mapped host memory), or null
+    unsigned long long bounce_bytes;  // bytes per slot's bounce buffer (0: none)
 };
 
 // One posted request, owned by the thread that posted it.
@@ -132,7 +137,7 @@ static_assert(sizeof(gpuio_ring_header) == 64, "gpuio_ring_header size");
 static_assert(alignof(gpuio_ring_header) == 64, "gpuio_ring_header alignment");
 static_assert(sizeof(gpuio_ring_slot) == 64, "gpuio_ring_slot size");
 static_assert(alignof(gpuio_ring_slot) == 64, "gpuio_ring_slot alignment");
-static_assert(sizeof(gpuio_ring) == 32, "gpuio_ring size");
+static_assert(sizeof(gpuio_ring) == 48, "gpuio_ring size");
 static_assert(sizeof(gpuio_token) == 24, "gpuio_token size");
 
 #ifndef __CUDACC_RTC__
@@ -152,13 +157,15 @@ static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, offset) == 24, "slot.offset")
 static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, len) == 32, "slot.len");
 static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, dev_addr) == 40, "slot.dev_addr");
 static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, result) == 48, "slot.result");
-static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, reserved) == 56, "slot.reserved");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, staged) == 56, "slot.staged");
 
 static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, header) == 0, "ring.header");
 static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, slots) == 8, "ring.slots");
 static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, claim) == 16, "ring.claim");
 static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, mask) == 24, "ring.mask");
 static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, nslots) == 28, "ring.nslots");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, bounce) == 32, "ring.bounce");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, bounce_bytes) == 40, "ring.bounce_bytes");
 #endif  // __CUDACC_RTC__
 
 // ---- System-scope loads and stores -----------------------------------------------------------
@@ -211,7 +218,9 @@ __device__ __forceinline__ void gpuio_ring_backoff(unsigned int* ns) {
 #if __CUDA_ARCH__ >= 700
     __nanosleep(*ns);
 #endif
-    if (*ns < 8192u) *ns *= 2u;
+    // Capped at 256 ns: a poll of host memory is a PCIe round trip (~1 us) already, and every
+    // extra nanosecond of sleep adds to the request's round trip.
+    if (*ns < 256u) *ns *= 2u;
 }
 
 __device__ __forceinline__ unsigned int gpuio_ring_lane_id() {
@@ -292,8 +301,11 @@ __device__ __forceinline__ long long gpuio_read_async(const gpuio_ring* r, unsig
                                                       unsigned long long offset,
                                                       unsigned long long len, void* dst,
                                                       gpuio_token* tok) {
-    return gpuio_post(r, GPUIO_RING_OP_READ, resource, 0u, offset, len, (unsigned long long)dst,
-                      tok);
+    // Small enough for the slot's bounce buffer: the host delivers there and the waiting
+    // thread copies, which spares the host a DMA and a driver call per request.
+    const unsigned int flags = (r->bounce && len <= r->bounce_bytes) ? GPUIO_RING_FLAG_STAGE : 0u;
+    return gpuio_post(r, GPUIO_RING_OP_READ, resource, flags, offset, len,
+                      (unsigned long long)dst, tok);
 }
 
 // Posts a WRITE: `len` bytes of device memory at `src` to `resource` at `offset`. The bytes
@@ -306,7 +318,40 @@ __device__ __forceinline__ long long gpuio_write_async(const gpuio_ring* r, unsi
                       tok);
 }
 
-// Collects the completion if it has arrived: reads the result, frees the slot.
+// Copies a staged read from its bounce buffer (mapped host memory) to its destination. Plain
+// loads are right here: they come after the system-scope acquire of DONE. Each is a PCIe round
+// trip, so GPUIO_RING_COPY_INFLIGHT of them are issued before any is stored; 16-byte pieces
+// where both ends allow, 8-byte ones next, bytes otherwise.
+#define GPUIO_RING_COPY_INFLIGHT 8
+template <typename T>
+__device__ __forceinline__ void gpuio_ring_copy_pieces(const T* from, T* to,
+                                                       unsigned long long n) {
+    unsigned long long i = 0;
+    for (; i + GPUIO_RING_COPY_INFLIGHT <= n; i += GPUIO_RING_COPY_INFLIGHT) {
+        T v[GPUIO_RING_COPY_INFLIGHT];
+#pragma unroll
+        for (int k = 0; k < GPUIO_RING_COPY_INFLIGHT; k++) v[k] = from[i + k];
+#pragma unroll
+        for (int k = 0; k < GPUIO_RING_COPY_INFLIGHT; k++) to[i + k] = v[k];
+    }
+    for (; i < n; i++) to[i] = from[i];
+}
+
+__device__ __forceinline__ void gpuio_ring_copy_staged(const unsigned char* from,
+                                                       unsigned char* to,
+                                                       unsigned long long n) {
+    const unsigned long long bits = (unsigned long long)from | (unsigned long long)to | n;
+    if ((bits & 15ull) == 0) {
+        gpuio_ring_copy_pieces((const uint4*)from, (uint4*)to, n / 16);
+    } else if ((bits & 7ull) == 0) {
+        gpuio_ring_copy_pieces((const unsigned long long*)from, (unsigned long long*)to, n / 8);
+    } else {
+        gpuio_ring_copy_pieces(from, to, n);
+    }
+}
+
+// Collects the completion if it has arrived: reads the result (copying staged bytes to their
+// destination), frees the slot.
 __device__ __forceinline__ int gpuio_ring_try_finish(const gpuio_ring* r, gpuio_token* tok) {
     gpuio_ring_slot* s = r->slots + (tok->ticket & r->mask);
     if (gpuio_ring_ld_acquire64(&s->turn) != tok->ticket ||
@@ -314,6 +359,11 @@ __device__ __forceinline__ int gpuio_ring_try_finish(const gpuio_ring* r, gpuio_
         return 0;
     }
     const long long result = *(volatile long long*)&s->result;
+    if (*(volatile unsigned long long*)&s->staged && result > 0) {
+        gpuio_ring_copy_staged(r->bounce + (tok->ticket & r->mask) * r->bounce_bytes,
+                               (unsigned char*)*(volatile unsigned long long*)&s->dev_addr,
+                               (unsigned long long)result);
+    }
     gpuio_ring_st_release64(&s->turn, tok->ticket + r->nslots);
     gpuio_ring_st_release32(&s->state, GPUIO_SLOT_FREE);
     tok->result = result;

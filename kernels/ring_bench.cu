@@ -6,8 +6,9 @@
 
 #define GPUIO_RING_ARGS                                                                        \
     gpuio_ring_header *header, gpuio_ring_slot *slots, unsigned long long *claim,             \
-        unsigned int mask, unsigned int nslots
-#define GPUIO_RING_MAKE gpuio_ring r = {header, slots, claim, mask, nslots};
+        unsigned int mask, unsigned int nslots, unsigned char *bounce,                         \
+        unsigned long long bounce_bytes
+#define GPUIO_RING_MAKE gpuio_ring r = {header, slots, claim, mask, nslots, bounce, bounce_bytes};
 
 // Block i of `n` (`block` bytes at offsets[i] of `resource`) into dst + i * block; its result
 // (bytes or a negative GPUIO_ERROR_*) into results[i]. Every thread keeps one read in flight.

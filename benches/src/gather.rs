@@ -217,6 +217,8 @@ pub fn run(
                 |_| gather(GatherStrategy::CpuStaged),
             )?;
             check(&io, &pool, rb, &idx, &dst, &case)?;
+            let (hybrid, _) = race(budget, |_| gather(GatherStrategy::Hybrid), |_| Ok(()))?;
+            check(&io, &pool, rb, &idx, &dst, &case)?;
             let (tuned, _) =
                 race(
                     budget,
@@ -237,11 +239,12 @@ pub fn run(
             let g = |t: crate::Timing| gbps(out, t.median);
             notes.push(format!(
                 "{case}: auto {:.1}, zero-copy {:.1} (kernel alone, device indices {:.1}), \
-                 CPU-staged {:.1}, naive kernel {:.1} GB/s",
+                 CPU-staged {:.1}, hybrid {:.1}, naive kernel {:.1} GB/s",
                 g(auto),
                 g(zero),
                 g(tuned),
                 g(staged),
+                g(hybrid),
                 g(naive)
             ));
             let mut r = record(
@@ -253,7 +256,7 @@ pub fn run(
                 auto.reps,
             );
             r.device = device.clone();
-            r.route = format!("{:?}", fastest(g(zero), g(staged)));
+            r.route = format!("{:?}", fastest(g(zero), g(staged), g(hybrid)));
             records.push(r);
             ours.push((rb, g(auto), g(naive), g(zero), g(staged)));
         }
@@ -362,8 +365,11 @@ pub fn run(
     Ok((records, targets, notes))
 }
 
-fn fastest(zero: f64, staged: f64) -> GatherStrategy {
-    if zero >= staged {
+/// Which forced path measured fastest (what `Auto` should settle on).
+fn fastest(zero: f64, staged: f64, hybrid: f64) -> GatherStrategy {
+    if hybrid >= zero.max(staged) {
+        GatherStrategy::Hybrid
+    } else if zero >= staged {
         GatherStrategy::ZeroCopy
     } else {
         GatherStrategy::CpuStaged

@@ -49,7 +49,7 @@
 //! proxy.shutdown().unwrap();
 //! ```
 
-use crate::endpoint::Endpoint;
+use crate::endpoint::{Dest, Endpoint, Source};
 use crate::engine::Engines;
 use crate::error::{CoreError, Result};
 use crate::metrics::{BYTES, REQUESTS_FINISHED};
@@ -73,6 +73,11 @@ pub struct RingConfig {
     /// Slots of the ring [`RingProxy::new`] allocates (a power of two, 2 to 2^20);
     /// [`RingProxy::with_ring`] serves the ring it is given.
     pub slots: usize,
+    /// Bytes of each slot's bounce buffer in pinned host memory (a multiple of 64, at most
+    /// 1 MiB; 0: none), for [`RingProxy::new`]. Kernel reads that fit are delivered there
+    /// and copied by the waiting GPU thread: no DMA and no driver call per request, which is
+    /// what small random reads need.
+    pub bounce_bytes: usize,
     /// Proxy threads (1 to 256): requests served at once.
     pub threads: usize,
     /// How idle proxy threads wait for requests.
@@ -85,6 +90,7 @@ impl Default for RingConfig {
     fn default() -> Self {
         Self {
             slots: 256,
+            bounce_bytes: 16 << 10,
             threads: 2,
             wait: WaitPolicy::default(),
             shutdown_timeout: Duration::from_secs(60),
@@ -216,8 +222,10 @@ impl Shared {
         read(&self.resources).get(index)?.clone()
     }
 
-    /// Checks and carries out one request; returns the bytes moved.
-    fn execute(&self, req: &RingRequest) -> Result<u64, Failure> {
+    /// Checks and carries out one request; returns the bytes moved. With `bounce` (a READ
+    /// that asked for staging, and the slot's bounce buffer), the bytes go there instead of
+    /// to the device: the producer copies them itself.
+    fn execute(&self, req: &RingRequest, bounce: Option<&mut [u8]>) -> Result<u64, Failure> {
         let invalid = |why: String| Failure::new(ErrorCode::InvalidArg, why);
         let Some(op) = req.operation() else {
             return Err(invalid(format!("unknown op {}", req.op)));
@@ -238,15 +246,6 @@ impl Shared {
                 format!("unknown resource handle {}", req.resource),
             ));
         };
-        let Some((buf, dev_off)) = self.device_range(req.dev_addr, req.len) else {
-            return Err(Failure {
-                code: ring::RESULT_UNREGISTERED,
-                why: format!(
-                    "device range {:#x}+{} is not inside one registered device buffer",
-                    req.dev_addr, req.len
-                ),
-            });
-        };
         let at = endpoint_at(&resource, req.offset)?;
         // File offsets are an off_t: refuse ranges that end past it here, before any engine
         // does arithmetic on them.
@@ -260,6 +259,20 @@ impl Shared {
                 req.len
             )));
         }
+        if let (Some(bounce), RingOp::Read) = (bounce, op)
+            && let Some(out) = bounce.get_mut(..len)
+        {
+            return self.read_into(&at, out);
+        }
+        let Some((buf, dev_off)) = self.device_range(req.dev_addr, req.len) else {
+            return Err(Failure {
+                code: ring::RESULT_UNREGISTERED,
+                why: format!(
+                    "device range {:#x}+{} is not inside one registered device buffer",
+                    req.dev_addr, req.len
+                ),
+            });
+        };
         let device = Endpoint::device(&buf, dev_off);
         let durable = req.flags & ring::FLAG_DURABLE != 0;
         let outcome = match op {
@@ -279,19 +292,57 @@ impl Shared {
         Ok(len as u64)
     }
 
-    /// Carries out a request and returns the result to publish; never panics.
-    fn serve(&self, req: &RingRequest) -> i64 {
-        let outcome = catch_unwind(AssertUnwindSafe(|| self.execute(req))).unwrap_or_else(|p| {
-            let msg = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
-            Err(Failure::new(
+    /// Reads `out.len()` bytes of `at` into host memory (a slot's bounce buffer).
+    fn read_into(&self, at: &Endpoint, out: &mut [u8]) -> Result<u64, Failure> {
+        let len = out.len();
+        let outcome = match at {
+            Endpoint::File { file, offset } => {
+                self.engines
+                    .transfer(Source::File(file, *offset), Dest::Host(out), len)?
+            }
+            Endpoint::Host { mem, offset } => {
+                let src = mem.read();
+                let bytes = src.get(*offset..).ok_or_else(|| {
+                    Failure::new(
+                        ErrorCode::InvalidArg,
+                        format!("offset {offset} is past the end"),
+                    )
+                })?;
+                self.engines
+                    .transfer(Source::Host(bytes), Dest::Host(out), len)?
+            }
+            Endpoint::Device { buf, offset } => {
+                self.engines
+                    .transfer(Source::Device(buf, *offset), Dest::Host(out), len)?
+            }
+        };
+        if outcome.bytes != len {
+            return Err(Failure::new(
                 ErrorCode::General,
-                format!("engine panicked: {msg}"),
-            ))
-        });
+                format!("moved {} of {len} bytes", outcome.bytes),
+            ));
+        }
+        match outcome.engine {
+            EngineKind::LocalIo => self.metrics.bytes_localio.increment(len as u64),
+            _ => self.metrics.bytes_memio.increment(len as u64),
+        }
+        Ok(len as u64)
+    }
+
+    /// Carries out a request and returns the result to publish; never panics.
+    fn serve(&self, req: &RingRequest, bounce: Option<&mut [u8]>) -> i64 {
+        let outcome =
+            catch_unwind(AssertUnwindSafe(|| self.execute(req, bounce))).unwrap_or_else(|p| {
+                let msg = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown panic".into());
+                Err(Failure::new(
+                    ErrorCode::General,
+                    format!("engine panicked: {msg}"),
+                ))
+            });
         match outcome {
             Ok(bytes) => {
                 self.counters.served.fetch_add(1, Ordering::Relaxed);
@@ -320,9 +371,16 @@ fn proxy_thread(shared: Arc<Shared>, wait: WaitPolicy) {
         let mut claim = ring.claim();
         loop {
             match claim.take(&wait, None) {
-                Take::Taken(taken) => {
-                    let result = shared.serve(taken.request());
-                    taken.complete(result);
+                Take::Taken(mut taken) => {
+                    let req = *taken.request();
+                    let bounce = taken.bounce();
+                    let staged = bounce.is_some();
+                    let result = shared.serve(&req, bounce);
+                    if staged && result >= 0 {
+                        taken.complete_staged(result as u64);
+                    } else {
+                        taken.complete(result);
+                    }
                     break;
                 }
                 // Only with a deadline; keep the ticket rather than lose its request.
@@ -353,9 +411,10 @@ impl fmt::Debug for RingProxy {
 }
 
 impl RingProxy {
-    /// A proxy with a new ring of `cfg.slots` slots pinned and mapped for `gpu`.
+    /// A proxy with a new ring of `cfg.slots` slots (and their bounce buffers) pinned and
+    /// mapped for `gpu`.
     pub fn new(engines: Engines, gpu: &Gpu, cfg: RingConfig) -> Result<Self> {
-        let ring = Arc::new(RingMemory::new(cfg.slots, gpu)?);
+        let ring = Arc::new(RingMemory::with_bounce(cfg.slots, cfg.bounce_bytes, gpu)?);
         Self::with_ring(engines, ring, cfg)
     }
 

@@ -629,3 +629,52 @@ fn configuration_and_exclusivity_are_checked() {
     let empty = gpu.alloc(0).unwrap();
     assert!(proxy.register_device(&empty).is_err());
 }
+
+#[test]
+fn staged_reads_arrive_in_the_slot_bounce_buffer() {
+    let (engines, gpu) = setup();
+    let dir = tempfile::tempdir().unwrap();
+    let file = pattern_file(&dir, "staged.bin", 1 << 20, 11);
+    let host = gpuio_core::HostMemory::new({
+        let mut b = gpuio_hal::HostBuffer::alloc(64 << 10, &gpuio_hal::HostAllocOptions::default())
+            .unwrap();
+        pattern::fill(&mut b, 0, 12);
+        b
+    });
+    let cfg = RingConfig {
+        slots: 8,
+        bounce_bytes: 4096,
+        threads: 3,
+        ..RingConfig::default()
+    };
+    let proxy = RingProxy::new(engines, &gpu, cfg).unwrap();
+    assert_eq!(proxy.ring().bounce_bytes(), 4096);
+    let from_file = proxy.register(Endpoint::file(&file, 0)).unwrap();
+    let from_host = proxy.register(Endpoint::host(&host, 0)).unwrap();
+    let producer = proxy.host_producer().unwrap();
+    within(Duration::from_secs(20), move || {
+        // Many staged reads through 8 slots, of every size up to the bounce buffer.
+        for k in 0..200u64 {
+            let len = 1 + (pattern::mix64(k) % 4096);
+            let off = pattern::mix64(k ^ 7) % ((1 << 20) - len);
+            let got = producer.read_staged(from_file, off, len, TIMEOUT).unwrap();
+            assert_eq!(got.len() as u64, len);
+            assert_eq!(pattern::first_deviation(&got, off, 11), None, "read {k}");
+            let hoff = off % ((64 << 10) - len);
+            let got = producer.read_staged(from_host, hoff, len, TIMEOUT).unwrap();
+            assert_eq!(
+                pattern::first_deviation(&got, hoff, 12),
+                None,
+                "host read {k}"
+            );
+        }
+        // Larger than the bounce buffer: it goes to the device address, here none.
+        let e = producer
+            .read_staged(from_file, 0, 4097, TIMEOUT)
+            .unwrap_err();
+        assert!(
+            matches!(e, HalError::RingRequest { code } if code == ring::RESULT_UNREGISTERED),
+            "{e}"
+        );
+    });
+}

@@ -1,6 +1,7 @@
 //! The request ring with real kernels as producers (the GPU machine, `GPUIO_REQUIRE_CUDA=1`):
 //! the layout the device compiler sees, thousands of GPU threads reading file blocks through
-//! a `RingProxy`, and round trips. On the host backend these report that they need a GPU.
+//! a `RingProxy` (delivered in the slots' bounce buffers), larger reads by DMA, and round
+//! trips. On the host backend these report that they need a GPU.
 
 use gpuio_core::ring::{RingConfig, RingProxy};
 use gpuio_core::{Endpoint, Engines};
@@ -76,13 +77,15 @@ fn gpu_threads_read_file_blocks_through_the_ring() {
     for (i, &o) in offsets.iter().enumerate() {
         assert!(got[i * 4096..(i + 1) * 4096] == data[o as usize..o as usize + 4096]);
     }
-    // A destination outside every registered buffer is refused, and nothing is written.
-    let stray = gpu.alloc(4096).unwrap();
+    // Reads too large for a slot's bounce buffer go to device memory from the host: a
+    // destination outside every registered buffer is refused there, and nothing is written.
+    let big = proxy.ring().bounce_bytes() * 2;
+    let stray = gpu.alloc(big).unwrap();
     let one = gpu.alloc(8).unwrap();
     stream.upload(&0u64.to_le_bytes(), &one, 0).unwrap();
     let res1 = gpu.alloc(8).unwrap();
     stream
-        .ring_read_blocks(proxy.ring(), handle, &one, 1, 4096, &stray, &res1, 1)
+        .ring_read_blocks(proxy.ring(), handle, &one, 1, big, &stray, &res1, 1)
         .unwrap();
     let mut r = [0u8; 8];
     stream.download(&res1, 0, &mut r).unwrap();

@@ -100,8 +100,12 @@ pub const OP_WRITE: u32 = 2;
 
 /// `GPUIO_RING_FLAG_DURABLE`: a WRITE to a file reaches stable storage before it completes.
 pub const FLAG_DURABLE: u32 = 1;
+/// Request flag (READ): the consumer may deliver the bytes into the slot's bounce buffer in
+/// pinned host memory instead of device memory; the producer then copies them to its
+/// destination itself (no DMA and no driver call per request on the host side).
+pub const FLAG_STAGE: u32 = 2;
 /// Every flag bit this version knows; a request with another bit set is refused.
-pub const FLAGS_KNOWN: u32 = FLAG_DURABLE;
+pub const FLAGS_KNOWN: u32 = FLAG_DURABLE | FLAG_STAGE;
 
 /// `GPUIO_ERROR_RING_UNREGISTERED`: the request's device range is not inside one device
 /// buffer registered with the proxy (nothing was read or written).
@@ -190,7 +194,8 @@ pub struct RingSlot {
     len: AtomicU64,
     dev_addr: AtomicU64,
     result: AtomicI64,
-    _reserved: AtomicU64,
+    /// Non-zero when the result's bytes are in the slot's bounce buffer (`FLAG_STAGE`).
+    staged: AtomicU64,
 }
 
 /// What a kernel receives by value to reach a ring (`struct gpuio_ring`): device addresses
@@ -209,6 +214,11 @@ pub struct RingDevice {
     pub mask: u32,
     /// Number of slots (a power of two).
     pub nslots: u32,
+    /// Device address of slot 0's bounce buffer (slot `i`'s is `i * bounce_bytes` on), or 0
+    /// for a ring without bounce buffers.
+    pub bounce: u64,
+    /// Bytes of each slot's bounce buffer (0: none).
+    pub bounce_bytes: u64,
 }
 
 /// Bytes of the header.
@@ -240,15 +250,17 @@ const _: () = {
     assert!(offset_of!(RingSlot, len) == 32);
     assert!(offset_of!(RingSlot, dev_addr) == 40);
     assert!(offset_of!(RingSlot, result) == 48);
-    assert!(offset_of!(RingSlot, _reserved) == 56);
+    assert!(offset_of!(RingSlot, staged) == 56);
 
-    assert!(size_of::<RingDevice>() == 32);
+    assert!(size_of::<RingDevice>() == 48);
     assert!(align_of::<RingDevice>() == 8);
     assert!(offset_of!(RingDevice, header) == 0);
     assert!(offset_of!(RingDevice, slots) == 8);
     assert!(offset_of!(RingDevice, claim) == 16);
     assert!(offset_of!(RingDevice, mask) == 24);
     assert!(offset_of!(RingDevice, nslots) == 28);
+    assert!(offset_of!(RingDevice, bounce) == 32);
+    assert!(offset_of!(RingDevice, bounce_bytes) == 40);
 };
 
 /// Where one field of a shared struct is.
@@ -328,12 +340,15 @@ pub fn layout() -> RingLayout {
         field_entry!(RingSlot, "gpuio_ring_slot", len),
         field_entry!(RingSlot, "gpuio_ring_slot", dev_addr),
         field_entry!(RingSlot, "gpuio_ring_slot", result),
+        field_entry!(RingSlot, "gpuio_ring_slot", staged),
         struct_entry!(RingDevice, "gpuio_ring"),
         field_entry!(RingDevice, "gpuio_ring", header),
         field_entry!(RingDevice, "gpuio_ring", slots),
         field_entry!(RingDevice, "gpuio_ring", claim),
         field_entry!(RingDevice, "gpuio_ring", mask),
         field_entry!(RingDevice, "gpuio_ring", nslots),
+        field_entry!(RingDevice, "gpuio_ring", bounce),
+        field_entry!(RingDevice, "gpuio_ring", bounce_bytes),
     ];
     let mut constants: Vec<(&'static str, i64)> = vec![
         ("GPUIO_RING_MAGIC", MAGIC.into()),
@@ -347,6 +362,7 @@ pub fn layout() -> RingLayout {
         ("GPUIO_RING_OP_READ", OP_READ.into()),
         ("GPUIO_RING_OP_WRITE", OP_WRITE.into()),
         ("GPUIO_RING_FLAG_DURABLE", FLAG_DURABLE.into()),
+        ("GPUIO_RING_FLAG_STAGE", FLAG_STAGE.into()),
     ];
     use ErrorCode::*;
     for code in [
@@ -478,6 +494,8 @@ struct Padded<T>(T);
 pub struct RingMemory {
     buf: HostBuffer,
     nslots: usize,
+    /// Bytes of each slot's bounce buffer (0: none); the buffers follow the slots.
+    bounce_bytes: usize,
     device_base: u64,
     device_claim: DeviceBuffer,
     gpu: Gpu,
@@ -511,13 +529,25 @@ impl RingMemory {
     /// A ring of `slots` slots (a power of two, [`MIN_SLOTS`] to [`MAX_SLOTS`]) in host memory
     /// pinned and mapped for `gpu`, with its claim counter in `gpu`'s memory, zeroed.
     pub fn new(slots: usize, gpu: &Gpu) -> Result<Self> {
+        Self::with_bounce(slots, 0, gpu)
+    }
+
+    /// Like [`new`](Self::new), with a bounce buffer of `bounce_bytes` (a multiple of 64, at
+    /// most 1 MiB) per slot after the slots, for reads delivered in host memory
+    /// ([`FLAG_STAGE`]).
+    pub fn with_bounce(slots: usize, bounce_bytes: usize, gpu: &Gpu) -> Result<Self> {
+        if bounce_bytes % 64 != 0 || bounce_bytes > 1 << 20 {
+            return Err(HalError::InvalidArgument(format!(
+                "a ring's bounce buffers hold a multiple of 64 bytes up to 1 MiB, not {bounce_bytes}"
+            )));
+        }
         if !slots.is_power_of_two() || !(MIN_SLOTS..=MAX_SLOTS).contains(&slots) {
             return Err(HalError::InvalidArgument(format!(
                 "a request ring needs a power-of-two slot count from {MIN_SLOTS} to \
                  {MAX_SLOTS}, not {slots}"
             )));
         }
-        let bytes = HEADER_BYTES + slots * SLOT_BYTES;
+        let bytes = HEADER_BYTES + slots * (SLOT_BYTES + bounce_bytes);
         let mut buf = HostBuffer::alloc(bytes, &HostAllocOptions::default())?;
         buf.pin(gpu)?;
         let device_base = buf
@@ -535,6 +565,7 @@ impl RingMemory {
         let ring = Self {
             buf,
             nslots: slots,
+            bounce_bytes,
             device_base,
             device_claim,
             gpu: gpu.clone(),
@@ -594,6 +625,19 @@ impl RingMemory {
         self.nslots
     }
 
+    /// Bytes of each slot's bounce buffer (0: none).
+    pub fn bounce_bytes(&self) -> usize {
+        self.bounce_bytes
+    }
+
+    /// The bounce buffer of `ticket`'s slot.
+    fn bounce_ptr(&self, ticket: u64) -> *mut u8 {
+        let at = HEADER_BYTES
+            + self.nslots * SLOT_BYTES
+            + (ticket & self.mask()) as usize * self.bounce_bytes;
+        self.buf.base_ptr().wrapping_add(at)
+    }
+
     /// The GPU the memory is pinned for.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
@@ -621,6 +665,12 @@ impl RingMemory {
             claim: self.device_claim.device_addr(),
             mask: self.mask() as u32,
             nslots: self.nslots as u32,
+            bounce: if self.bounce_bytes == 0 {
+                0
+            } else {
+                self.slots_device_addr() + (self.nslots * SLOT_BYTES) as u64
+            },
+            bounce_bytes: self.bounce_bytes as u64,
         })
     }
 
@@ -732,12 +782,31 @@ impl RingMemory {
     /// The completion of `ticket`, if published: reads the result and frees the slot for the
     /// next lap (the producer's part of the protocol).
     fn finish(&self, ticket: u64) -> Option<i64> {
+        self.finish_into(ticket, None)
+    }
+
+    /// Collects a completion; the bytes of a staged one go to `staged` (when given) before
+    /// the slot is handed on.
+    fn finish_into(&self, ticket: u64, staged: Option<&mut Vec<u8>>) -> Option<i64> {
         let s = self.slot(ticket);
         if s.turn.load(Ordering::Acquire) != ticket || s.state.load(Ordering::Acquire) != SLOT_DONE
         {
             return None;
         }
         let result = s.result.load(Ordering::Relaxed);
+        if let Some(out) = staged
+            && s.staged.load(Ordering::Relaxed) != 0
+            && result > 0
+        {
+            let n = (result as usize).min(self.bounce_bytes);
+            // SAFETY: the slot is DONE for this ticket and not yet handed on, so its consumer
+            // has finished writing the bounce buffer (its release store of DONE was acquired
+            // above) and no one writes it until we free the slot below; the buffer lies
+            // inside the ring's allocation, which `self` keeps alive.
+            let bytes = unsafe { std::slice::from_raw_parts(self.bounce_ptr(ticket), n) };
+            out.clear();
+            out.extend_from_slice(bytes);
+        }
         s.turn
             .store(ticket.wrapping_add(self.nslots as u64), Ordering::Release);
         s.state.store(SLOT_FREE, Ordering::Release);
@@ -889,6 +958,7 @@ impl<'r> RingClaim<'r> {
             claim: self,
             request,
             result: result_of(ErrorCode::General),
+            staged: false,
         })
     }
 
@@ -915,6 +985,7 @@ pub struct RingTaken<'r> {
     claim: RingClaim<'r>,
     request: RingRequest,
     result: i64,
+    staged: bool,
 }
 
 impl fmt::Debug for RingTaken<'_> {
@@ -936,12 +1007,37 @@ impl RingTaken<'_> {
     pub fn complete(mut self, result: i64) {
         self.result = result;
     }
+
+    /// The slot's bounce buffer, where a READ asking for [`FLAG_STAGE`] may be delivered
+    /// (`None` if the request did not ask or the ring has none); then
+    /// [`complete_staged`](Self::complete_staged).
+    pub fn bounce(&mut self) -> Option<&mut [u8]> {
+        let ring = self.claim.ring;
+        if self.request.flags & FLAG_STAGE == 0 || ring.bounce_bytes == 0 {
+            return None;
+        }
+        // SAFETY: the buffer lies inside the ring's allocation (alive as long as the ring
+        // this borrows). While a consumer holds the request taken, nothing else touches its
+        // slot's bounce buffer: the producer reads it only after DONE (published when this
+        // is dropped, after the returned borrow of `self` ended), and other tickets use
+        // other slots.
+        Some(unsafe {
+            std::slice::from_raw_parts_mut(ring.bounce_ptr(self.claim.ticket), ring.bounce_bytes)
+        })
+    }
+
+    /// Publishes `bytes` delivered in the slot's bounce buffer.
+    pub fn complete_staged(mut self, bytes: u64) {
+        self.result = bytes.min(i64::MAX as u64) as i64;
+        self.staged = true;
+    }
 }
 
 impl Drop for RingTaken<'_> {
     fn drop(&mut self) {
         let s = self.claim.ring.slot(self.claim.ticket);
         s.result.store(self.result, Ordering::Relaxed);
+        s.staged.store(u64::from(self.staged), Ordering::Relaxed);
         s.state.store(SLOT_DONE, Ordering::Release);
     }
 }
@@ -1124,6 +1220,14 @@ impl HostProducer {
     /// pending, [`HalError::RingRequest`] for a failed request, [`HalError::RingShutDown`] if
     /// the ring shut down before serving it. A completed token cannot be polled again.
     pub fn poll(&self, token: &mut RingToken) -> Result<Option<u64>> {
+        self.poll_into(token, None)
+    }
+
+    fn poll_into(
+        &self,
+        token: &mut RingToken,
+        mut staged: Option<&mut Vec<u8>>,
+    ) -> Result<Option<u64>> {
         if token.done {
             return Err(HalError::InvalidArgument(format!(
                 "ring token {} was already completed",
@@ -1135,14 +1239,14 @@ impl HostProducer {
                 "ring token of another ring".into(),
             ));
         }
-        if let Some(result) = self.ring.finish(token.ticket) {
+        if let Some(result) = self.ring.finish_into(token.ticket, staged.as_deref_mut()) {
             token.done = true;
             return outcome(result).map(Some);
         }
         if self.ring.state() == RingState::Closed {
             // The sweep happened before CLOSED; look once more, then it never comes.
             token.done = true;
-            return match self.ring.finish(token.ticket) {
+            return match self.ring.finish_into(token.ticket, staged) {
                 Some(result) => outcome(result).map(Some),
                 None => Err(HalError::RingShutDown),
             };
@@ -1158,6 +1262,47 @@ impl HostProducer {
         loop {
             if let Some(bytes) = self.poll(token)? {
                 return Ok(bytes);
+            }
+            if past(deadline) {
+                return Err(HalError::TimedOut {
+                    what: "waiting for a ring completion",
+                    after: timeout.unwrap_or_default(),
+                });
+            }
+            backoff.snooze();
+        }
+    }
+
+    /// Reads `len` bytes of `resource` at `offset` the way kernels do where the ring has
+    /// bounce buffers ([`FLAG_STAGE`]): delivered in the slot's bounce buffer and copied out
+    /// by the producer, here into the returned vector.
+    pub fn read_staged(
+        &self,
+        resource: u32,
+        offset: u64,
+        len: u64,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<u8>> {
+        let mut token = self.post(&RingPost {
+            op: OP_READ,
+            resource,
+            flags: FLAG_STAGE,
+            offset,
+            len,
+            dev_addr: 0,
+        })?;
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut backoff = Backoff::new(&self.wait);
+        let mut out = Vec::new();
+        loop {
+            if let Some(bytes) = self.poll_into(&mut token, Some(&mut out))? {
+                if out.len() as u64 != bytes {
+                    return Err(HalError::InvalidArgument(format!(
+                        "a staged read of {bytes} bytes came back with {} in its bounce buffer",
+                        out.len()
+                    )));
+                }
+                return Ok(out);
             }
             if past(deadline) {
                 return Err(HalError::TimedOut {
@@ -1229,12 +1374,15 @@ mod tests {
             ("len", 32, 8),
             ("dev_addr", 40, 8),
             ("result", 48, 8),
+            ("staged", 56, 8),
         ] {
             let f = find(&format!("gpuio_ring_slot.{name}"));
             assert_eq!((f.offset, f.size), (offset, size), "{name}");
         }
-        assert_eq!(find("gpuio_ring").size, 32);
+        assert_eq!(find("gpuio_ring").size, 48);
         assert_eq!(find("gpuio_ring.nslots").offset, 28);
+        assert_eq!(find("gpuio_ring.bounce").offset, 32);
+        assert_eq!(find("gpuio_ring.bounce_bytes").offset, 40);
         assert_eq!(l.words().len(), l.fields.len() * 2 + l.constants.len());
         assert_eq!(MAGIC, 0x4F49_5047);
         let names: Vec<_> = l.constants.iter().map(|c| c.0).collect();

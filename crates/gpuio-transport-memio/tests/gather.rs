@@ -126,6 +126,17 @@ fn the_naive_and_tuned_kernels_agree_with_the_reference() {
                 .gather(&p, rb, (&pinned).into(), idx.len(), &dst, 0, kernel)
                 .unwrap();
             assert!(download(&io, &dst, 0, idx.len() * rb) == reference(&p, rb, &idx));
+            // And copied to the device in stream order just before the kernel.
+            io.upload(&zeros, &dst, 0).unwrap();
+            let staged_to = gpu.alloc(bytes.len()).unwrap();
+            let staged = gpuio_hal::RowIndices::Staged {
+                host: &pinned,
+                device: &staged_to,
+            };
+            stream
+                .gather(&p, rb, staged, idx.len(), &dst, 0, kernel)
+                .unwrap();
+            assert!(download(&io, &dst, 0, idx.len() * rb) == reference(&p, rb, &idx));
         }
     }
 }
@@ -164,7 +175,10 @@ fn auto_measures_each_path_then_exploits_them() {
     assert_eq!(used[1], GatherStrategy::CpuStaged);
     assert_eq!(used[2], GatherStrategy::Hybrid);
     // Then it exploits what it measured (which one depends on this machine).
-    assert!(used[3..].iter().all(|s| *s != GatherStrategy::Auto), "{used:?}");
+    assert!(
+        used[3..].iter().all(|s| *s != GatherStrategy::Auto),
+        "{used:?}"
+    );
 }
 
 #[test]

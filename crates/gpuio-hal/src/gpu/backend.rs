@@ -142,6 +142,8 @@ pub(crate) struct RowJob<'a> {
     pub(crate) row_bytes: usize,
     pub(crate) count: usize,
     pub(crate) idx: RowMem<'a>,
+    /// Copy these pinned host bytes into `idx` (device memory) first, in stream order.
+    pub(crate) idx_upload: Option<*const u8>,
     pub(crate) rows: DevRange<'a>,
     pub(crate) scatter: bool,
     /// The naive baseline kernel (gathers only).
@@ -224,14 +226,15 @@ pub(crate) trait StreamBackend: Send + Sync {
     /// Compares two device ranges of equal length; returns the first differing offset. Blocks.
     fn find_mismatch(&self, a: DevRange<'_>, b: DevRange<'_>) -> Result<Option<u64>>;
 
-    /// Runs a row gather or scatter (see [`RowJob`]) and waits for it; returns the position
-    /// of the first index that is out of the pool's range (those rows are skipped).
+    /// Runs a row gather or scatter (see [`RowJob`]), calls `during` while the device works,
+    /// and waits for it; returns the position of the first index that is out of the pool's
+    /// range (those rows are skipped).
     ///
     /// # Safety
     /// A host pool's pointer must be valid for its length until the call returns (writable,
     /// and touched by nothing else, for a scatter), and registered with this device so that
     /// `addr` reaches it; the same for a host index list (read only).
-    unsafe fn rows(&self, job: RowJob<'_>) -> Result<Option<u64>>;
+    unsafe fn rows(&self, job: RowJob<'_>, during: &mut dyn FnMut()) -> Result<Option<u64>>;
 
     /// Runs a kernel that issues IO through a request ring (or reports the ring layout) and
     /// waits for it.

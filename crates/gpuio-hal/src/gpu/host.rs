@@ -240,7 +240,41 @@ impl StreamBackend for HostStream {
         Ok(pattern::first_mismatch(x, y).map(|i| i as u64))
     }
 
-    unsafe fn rows<'a>(&self, job: RowJob<'a>) -> Result<Option<u64>> {
+    unsafe fn rows<'a>(&self, job: RowJob<'a>, during: &mut dyn FnMut()) -> Result<Option<u64>> {
+        // SAFETY: forwarded from the caller's contract.
+        let bad = unsafe { self.rows_now(job) };
+        during();
+        bad
+    }
+
+    unsafe fn ring_kernel(&self, _launch: RingLaunch<'_>) -> Result<()> {
+        Err(HalError::Unsupported {
+            what: "kernel-issued ring IO",
+            reason: "the host backend runs no kernels; ring::HostProducer plays the GPU's part"
+                .into(),
+        })
+    }
+
+    fn record(&self, _timing: bool) -> Result<Box<dyn EventBackend>> {
+        Ok(Box::new(HostEvent { at: Instant::now() }))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl HostStream {
+    /// Runs a row job on the CPU.
+    ///
+    /// # Safety
+    /// As for `StreamBackend::rows`.
+    unsafe fn rows_now<'a>(&self, job: RowJob<'a>) -> Result<Option<u64>> {
+        if let (Some(src), RowMem::Device(idx)) = (job.idx_upload, job.idx) {
+            // SAFETY: the staged indices are borrowed by the caller for the call and hold at
+            // least the checked range's length.
+            unsafe { self.copy_h2d(src, idx)? };
+        }
         // Lock every allocation involved once, in address order, exclusively where written.
         let mut mems = vec![(memory(&job.rows)?, !job.scatter)];
         let mut cpu_ptr = |m: RowMem<'a>, write: bool| -> Result<*mut u8> {
@@ -299,22 +333,6 @@ impl StreamBackend for HostStream {
             }
         }
         Ok(bad)
-    }
-
-    unsafe fn ring_kernel(&self, _launch: RingLaunch<'_>) -> Result<()> {
-        Err(HalError::Unsupported {
-            what: "kernel-issued ring IO",
-            reason: "the host backend runs no kernels; ring::HostProducer plays the GPU's part"
-                .into(),
-        })
-    }
-
-    fn record(&self, _timing: bool) -> Result<Box<dyn EventBackend>> {
-        Ok(Box::new(HostEvent { at: Instant::now() }))
-    }
-
-    fn synchronize(&self) -> Result<()> {
-        Ok(())
     }
 }
 

@@ -14,6 +14,14 @@ pub enum RowIndices<'a> {
     Device(&'a DeviceBuffer),
     /// In pinned host memory, read by the kernel over PCIe as it goes (no separate copy).
     Pinned(&'a HostBuffer),
+    /// In pinned host memory, copied to the device buffer by DMA just before the kernel, in
+    /// the same stream (no wait in between): the kernel's index loads stay on the device.
+    Staged {
+        /// The indices (the first `count` u64s).
+        host: &'a HostBuffer,
+        /// Where they are copied to (at least `count * 8` bytes of this device).
+        device: &'a DeviceBuffer,
+    },
 }
 
 impl<'a> From<&'a DeviceBuffer> for RowIndices<'a> {
@@ -58,9 +66,53 @@ impl Stream {
         // SAFETY: the pool is borrowed (so mapped and registered) until this call returns.
         unsafe {
             self.run_rows(
-                pool, row_bytes, indices, count, dst, dst_offset, false, kernel,
+                pool,
+                row_bytes,
+                indices,
+                count,
+                dst,
+                dst_offset,
+                false,
+                kernel,
+                &mut || {},
             )
         }
+    }
+
+    /// Like [`gather`](Self::gather) with the tuned kernel, running `during` on this thread
+    /// while the device gathers (other work overlapped with the kernel: the CPU's share of a
+    /// hybrid gather). `during` runs once if the gather starts; its result comes back with
+    /// the gather's.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_while<R>(
+        &self,
+        pool: &HostBuffer,
+        row_bytes: usize,
+        indices: RowIndices<'_>,
+        count: usize,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        during: impl FnOnce() -> R,
+    ) -> Result<R> {
+        let pool = self.host_pool(pool)?;
+        let mut during = Some(during);
+        let mut out = None;
+        let mut run = || out = during.take().map(|f| f());
+        // SAFETY: the pool is borrowed (so mapped and registered) until this call returns.
+        unsafe {
+            self.run_rows(
+                pool,
+                row_bytes,
+                indices,
+                count,
+                dst,
+                dst_offset,
+                false,
+                RowKernel::Tuned,
+                &mut run,
+            )?
+        };
+        out.ok_or_else(|| HalError::InvalidArgument("the overlapped work did not run".into()))
     }
 
     /// Like [`gather`](Self::gather), from a pool in device memory of this device (the second
@@ -92,6 +144,7 @@ impl Stream {
                 dst_offset,
                 false,
                 RowKernel::Tuned,
+                &mut || {},
             )
         }
     }
@@ -121,6 +174,7 @@ impl Stream {
                 src_offset,
                 true,
                 RowKernel::Tuned,
+                &mut || {},
             )
         }
     }
@@ -156,6 +210,7 @@ impl Stream {
         rows_offset: usize,
         scatter: bool,
         kernel: RowKernel,
+        during: &mut dyn FnMut(),
     ) -> Result<()> {
         if row_bytes == 0 {
             return Err(HalError::InvalidArgument(
@@ -171,6 +226,7 @@ impl Stream {
         let overflow = || HalError::InvalidArgument(format!("{count} rows of {row_bytes} B"));
         let idx_len = count.checked_mul(8).ok_or_else(overflow)?;
         let rows_len = count.checked_mul(row_bytes).ok_or_else(overflow)?;
+        let mut idx_upload = None;
         let idx = match indices {
             RowIndices::Device(b) => {
                 self.gpu.check_owns("row indices", b)?;
@@ -185,9 +241,26 @@ impl Stream {
                 crate::check_range("row indices", 0, idx_len, h.len())?;
                 self.host_pool(h)?
             }
+            RowIndices::Staged { host, device } => {
+                crate::check_range("row indices", 0, idx_len, host.len())?;
+                self.gpu.check_owns("row indices", device)?;
+                if device.same_buffer(rows) {
+                    return Err(HalError::InvalidArgument(
+                        "row indices and rows must be different buffers".into(),
+                    ));
+                }
+                if !host.is_pinned() {
+                    return Err(HalError::InvalidArgument(
+                        "staged row indices must be in pinned memory".into(),
+                    ));
+                }
+                idx_upload = Some(host.base_ptr() as *const u8);
+                RowMem::Device(device.range("row indices", 0, idx_len)?)
+            }
         };
         let dense = rows.range("rows", rows_offset, rows_len)?;
         if count == 0 {
+            during();
             return Ok(());
         }
         if pool.len() < row_bytes {
@@ -201,13 +274,14 @@ impl Stream {
             row_bytes,
             count,
             idx,
+            idx_upload,
             rows: dense,
             scatter,
             naive: kernel == RowKernel::Naive,
         };
         // SAFETY: every range was checked against its live, borrowed allocation; the host
         // pool's contract is the caller's.
-        match unsafe { self.inner.rows(job)? } {
+        match unsafe { self.inner.rows(job, during)? } {
             None => Ok(()),
             Some(position) => Err(HalError::IndexOutOfRange {
                 position,

@@ -15,7 +15,7 @@ pub use nvrtc::compile_ptx;
 use super::GdsMode;
 use super::backend::{
     BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend, HostPin,
-    RingLaunch, RowJob, StreamBackend,
+    RingLaunch, RowJob, RowMem, StreamBackend,
 };
 use super::info::{Backend, DeviceInfo, PcieLink, cxl_capability, pci_numa_node};
 use crate::error::{ErrorCode, HalError, Result};
@@ -469,6 +469,17 @@ struct CudaStreamBackend {
     scratch: Mutex<Option<sys::CUdeviceptr>>,
 }
 
+/// Waits for a stream's work when dropped, on every path out of a scope (panics included).
+struct WaitOnDrop<'a>(&'a CudaStreamBackend);
+
+impl Drop for WaitOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.0.synchronize() {
+            tracing::error!(error = %e, "waiting for a row kernel failed");
+        }
+    }
+}
+
 impl Drop for CudaStreamBackend {
     fn drop(&mut self) {
         let scratch = self
@@ -616,7 +627,7 @@ impl StreamBackend for CudaStreamBackend {
         Ok(Some(first?).filter(|&i| i != u64::MAX))
     }
 
-    unsafe fn rows(&self, job: RowJob<'_>) -> Result<Option<u64>> {
+    unsafe fn rows(&self, job: RowJob<'_>, during: &mut dyn FnMut()) -> Result<Option<u64>> {
         let kernels = self.shared.row_kernels()?;
         self.shared.bind()?;
         let pool = job.pool.addr();
@@ -654,18 +665,29 @@ impl StreamBackend for CudaStreamBackend {
             }
         };
         let (rows, n) = ((job.pool.len() as u64) / rb, job.count as u64);
+        if let (Some(src), RowMem::Device(dst)) = (job.idx_upload, job.idx) {
+            // SAFETY: the staged indices are pinned host memory borrowed for the call, which
+            // synchronizes before returning; dst is a checked range of a live allocation.
+            unsafe { self.copy_h2d(src, dst)? };
+        }
         // SAFETY: the scratch word is 8 live bytes of this context owned by this stream.
         unsafe { sys::cuMemsetD8Async(scratch, 0xff, 8, self.raw()) }
             .result()
             .map_err(cuda_err("cuMemsetD8Async"))?;
+        // Gathers take (pool, .., dense); scatters (dense source, .., pool).
+        let (first, last) = if job.scatter {
+            (rows_addr, pool)
+        } else {
+            (pool, rows_addr)
+        };
         let mut launch = self.stream.launch_builder(func);
         launch
-            .arg(&pool)
+            .arg(&first)
             .arg(&rows)
             .arg(&rb)
             .arg(&idx)
             .arg(&n)
-            .arg(&rows_addr)
+            .arg(&last)
             .arg(&scratch);
         // SAFETY: the arguments match every row kernel's (pool, rows, row_bytes, idx, n, dense,
         // err) signature. The kernel touches only pool rows below `rows` (it checks each
@@ -673,13 +695,20 @@ impl StreamBackend for CudaStreamBackend {
         // is registered and valid until this call returns (caller's contract), and we
         // synchronize before returning.
         unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel(gpuio row kernel)"))?;
-        let mut first = [0u8; 8];
-        // SAFETY: `first` is 8 writable bytes; we synchronize before reading it.
-        unsafe { sys::cuMemcpyDtoHAsync_v2(first.as_mut_ptr().cast(), scratch, 8, self.raw()) }
+        let mut report = [0u8; 8];
+        // SAFETY: `report` is 8 writable bytes; we synchronize before reading it.
+        unsafe { sys::cuMemcpyDtoHAsync_v2(report.as_mut_ptr().cast(), scratch, 8, self.raw()) }
             .result()
             .map_err(cuda_err("cuMemcpyDtoHAsync"))?;
+        {
+            // Should `during` panic, the kernel must still be waited for before the borrows
+            // of the pool and buffers end.
+            let _wait = WaitOnDrop(self);
+            during();
+        }
+        // Already waited for; this reports an error the kernel ran into.
         self.synchronize()?;
-        Ok(Some(u64::from_le_bytes(first)).filter(|&p| p != u64::MAX))
+        Ok(Some(u64::from_le_bytes(report)).filter(|&p| p != u64::MAX))
     }
 
     unsafe fn ring_kernel(&self, launch: RingLaunch<'_>) -> Result<()> {
@@ -710,7 +739,8 @@ impl StreamBackend for CudaStreamBackend {
                 let (o, d, r) = (offsets.addr(), dst.addr(), results.addr());
                 let mut l = self.stream.launch_builder(&kernels[0]);
                 l.arg(&ring.header).arg(&ring.slots).arg(&ring.claim);
-                l.arg(&ring.mask).arg(&ring.nslots).arg(&resource);
+                l.arg(&ring.mask).arg(&ring.nslots);
+                l.arg(&ring.bounce).arg(&ring.bounce_bytes).arg(&resource);
                 l.arg(&o).arg(&count).arg(&block).arg(&d).arg(&r);
                 // SAFETY: the arguments match gpuio_ring_read_blocks; the kernel reads the
                 // checked offsets range, writes the checked results range, and touches the
@@ -731,7 +761,8 @@ impl StreamBackend for CudaStreamBackend {
                 let (d, n) = (dst.addr(), ns.addr());
                 let mut l = self.stream.launch_builder(&kernels[1]);
                 l.arg(&ring.header).arg(&ring.slots).arg(&ring.claim);
-                l.arg(&ring.mask).arg(&ring.nslots).arg(&resource);
+                l.arg(&ring.mask).arg(&ring.nslots);
+                l.arg(&ring.bounce).arg(&ring.bounce_bytes).arg(&resource);
                 l.arg(&iters).arg(&len).arg(&d).arg(&n);
                 // SAFETY: as for ReadBlocks; the kernel writes only the checked ns range.
                 unsafe { l.launch(one) }.map_err(cuda_err("cuLaunchKernel(gpuio_ring_ping)"))?;
