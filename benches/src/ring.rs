@@ -128,49 +128,30 @@ pub fn run(
 
     // Kernel-issued reads against the host engine's, alternating, page cache warm.
     progress("ring_read_4k");
+    let ring_reads = || -> Result<()> {
+        let t = opts.threads;
+        let r = proxy.ring();
+        Ok(stream.ring_read_blocks(r, handle, &offs, n, 4096, &dst, &results, t)?)
+    };
+    let host_reads = || -> Result<()> {
+        io.read_blocks_to_device(&file, &offsets, 4096, &dst, 0)
+            .map(|_| ())
+            .map_err(api)
+    };
     // Warm the page cache and the kernels' compilation.
-    io.read_blocks_to_device(&file, &offsets, 4096, &dst, 0)
-        .map_err(api)?;
-    stream.ring_read_blocks(
-        proxy.ring(),
-        handle,
-        &offs,
-        n,
-        4096,
-        &dst,
-        &results,
-        opts.threads,
-    )?;
+    host_reads()?;
+    ring_reads()?;
     let (mut ring_t, mut host_t) = (Vec::new(), Vec::new());
     for _ in 0..opts.reps.max(1) {
         let t = Instant::now();
-        stream.ring_read_blocks(
-            proxy.ring(),
-            handle,
-            &offs,
-            n,
-            4096,
-            &dst,
-            &results,
-            opts.threads,
-        )?;
+        ring_reads()?;
         ring_t.push(t.elapsed());
         let t = Instant::now();
-        io.read_blocks_to_device(&file, &offsets, 4096, &dst, 0)
-            .map_err(api)?;
+        host_reads()?;
         host_t.push(t.elapsed());
     }
     // The last ring run's data and results, checked.
-    stream.ring_read_blocks(
-        proxy.ring(),
-        handle,
-        &offs,
-        n,
-        4096,
-        &dst,
-        &results,
-        opts.threads,
-    )?;
+    ring_reads()?;
     let mut res = vec![0u8; n * 8];
     stream.download(&results, 0, &mut res)?;
     if let Some(k) = res

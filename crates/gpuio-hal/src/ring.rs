@@ -1257,10 +1257,19 @@ impl HostProducer {
     /// Waits for the completion (up to `timeout`; `None` waits until it arrives or the ring
     /// closes). On [`HalError::TimedOut`] the token is still pending and can be waited again.
     pub fn wait(&self, token: &mut RingToken, timeout: Option<Duration>) -> Result<u64> {
+        self.wait_into(token, timeout, None)
+    }
+
+    fn wait_into(
+        &self,
+        token: &mut RingToken,
+        timeout: Option<Duration>,
+        mut staged: Option<&mut Vec<u8>>,
+    ) -> Result<u64> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut backoff = Backoff::new(&self.wait);
         loop {
-            if let Some(bytes) = self.poll(token)? {
+            if let Some(bytes) = self.poll_into(token, staged.as_deref_mut())? {
                 return Ok(bytes);
             }
             if past(deadline) {
@@ -1291,27 +1300,15 @@ impl HostProducer {
             len,
             dev_addr: 0,
         })?;
-        let deadline = timeout.map(|t| Instant::now() + t);
-        let mut backoff = Backoff::new(&self.wait);
         let mut out = Vec::new();
-        loop {
-            if let Some(bytes) = self.poll_into(&mut token, Some(&mut out))? {
-                if out.len() as u64 != bytes {
-                    return Err(HalError::InvalidArgument(format!(
-                        "a staged read of {bytes} bytes came back with {} in its bounce buffer",
-                        out.len()
-                    )));
-                }
-                return Ok(out);
-            }
-            if past(deadline) {
-                return Err(HalError::TimedOut {
-                    what: "waiting for a ring completion",
-                    after: timeout.unwrap_or_default(),
-                });
-            }
-            backoff.snooze();
+        let bytes = self.wait_into(&mut token, timeout, Some(&mut out))?;
+        if out.len() as u64 != bytes {
+            return Err(HalError::InvalidArgument(format!(
+                "a staged read of {bytes} bytes came back with {} in its bounce buffer",
+                out.len()
+            )));
         }
+        Ok(out)
     }
 
     /// A blocking READ: posts it and waits for it (up to `timeout`).

@@ -164,6 +164,14 @@ fn log2(x: usize) -> u32 {
     usize::BITS - x.max(1).leading_zeros()
 }
 
+/// Index `ix` (at `position` in its list) as a row of a pool of `rows` rows.
+fn row_of(ix: u64, rows: usize, position: usize) -> Result<usize> {
+    usize::try_from(ix)
+        .ok()
+        .filter(|&r| r < rows)
+        .ok_or_else(|| bad_index(position, rows))
+}
+
 fn bad_index(position: usize, rows: usize) -> MemIoError {
     HalError::IndexOutOfRange {
         position: position as u64,
@@ -428,10 +436,7 @@ impl MemIo {
     ) -> Result<()> {
         let rows = pool.len() / row_bytes;
         for (i, &ix) in indices.iter().enumerate() {
-            let r = usize::try_from(ix)
-                .ok()
-                .filter(|&r| r < rows)
-                .ok_or_else(|| bad_index(i, rows))?;
+            let r = row_of(ix, rows, i)?;
             let src = &pool[r * row_bytes..(r + 1) * row_bytes];
             self.upload(src, dst, dst_offset + i * row_bytes)?;
         }
@@ -486,12 +491,7 @@ fn gather_into(
 ) -> Result<()> {
     let rb = chunk.row_bytes;
     let ix = &indices[chunk.rows.clone()];
-    let row = |k: usize| -> Result<usize> {
-        usize::try_from(ix[k])
-            .ok()
-            .filter(|&r| r < rows)
-            .ok_or_else(|| bad_index(chunk.rows.start + k, rows))
-    };
+    let row = |k: usize| row_of(ix[k], rows, chunk.rows.start + k);
     for k in 0..ix.len().min(PREFETCH_AHEAD) {
         let r = row(k)?;
         gpuio_hal::prefetch(&pool[r * rb..(r + 1) * rb]);
