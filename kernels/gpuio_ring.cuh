@@ -128,6 +128,7 @@ struct gpuio_token {
     long long result;   // valid once done
     unsigned int done;  // 1 once the outcome is known (completed, refused or shut down)
     unsigned int reserved;
+    unsigned long long dev_addr;  // the request's device address (a staged read lands there)
 };
 
 // Sizes are checked by every compiler. Offsets are checked where the compiler has offsetof
@@ -138,7 +139,7 @@ static_assert(alignof(gpuio_ring_header) == 64, "gpuio_ring_header alignment");
 static_assert(sizeof(gpuio_ring_slot) == 64, "gpuio_ring_slot size");
 static_assert(alignof(gpuio_ring_slot) == 64, "gpuio_ring_slot alignment");
 static_assert(sizeof(gpuio_ring) == 48, "gpuio_ring size");
-static_assert(sizeof(gpuio_token) == 24, "gpuio_token size");
+static_assert(sizeof(gpuio_token) == 32, "gpuio_token size");
 
 #ifndef __CUDACC_RTC__
 #define GPUIO_RING_OFFSETOF(T, F) __builtin_offsetof(T, F)
@@ -170,24 +171,34 @@ static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, bounce_bytes) == 40, "ring.bounce_
 
 // ---- System-scope loads and stores -----------------------------------------------------------
 
+// Every read of host memory is a PCIe round trip (~1 us), so the protocol's hot paths read two
+// neighbouring 8-byte words with one 16-byte load: a slot's (turn, state) and (result, staged).
+// Each word is read whole; the pair is not one atomic read, which the checks allow for (both
+// words must show the expected lap before anything is believed).
+__device__ __forceinline__ void gpuio_ring_ld_pair(const void* p, unsigned long long* a,
+                                                   unsigned long long* b) {
+    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
+                 : "=l"(*a), "=l"(*b)
+                 : "l"(p)
+                 : "memory");
+}
+
+// Whether `s` is at `turn` in `state`, with what follows ordered after the check (acquire).
+__device__ __forceinline__ int gpuio_ring_slot_is(const gpuio_ring_slot* s, unsigned long long turn,
+                                                  unsigned int state) {
+    unsigned long long t, w;
+    gpuio_ring_ld_pair(&s->turn, &t, &w);
+    if (t != turn || (unsigned int)w != state) return 0;  // state is the low half of word 1
+    __threadfence_system();
+    return 1;
+}
+
 __device__ __forceinline__ unsigned int gpuio_ring_ld_acquire32(const unsigned int* p) {
     unsigned int v;
 #if __CUDA_ARCH__ >= 700
     asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
 #else
     v = *(const volatile unsigned int*)p;
-    __threadfence_system();
-#endif
-    return v;
-}
-
-__device__ __forceinline__ unsigned long long gpuio_ring_ld_acquire64(
-    const unsigned long long* p) {
-    unsigned long long v;
-#if __CUDA_ARCH__ >= 700
-    asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-#else
-    v = *(const volatile unsigned long long*)p;
     __threadfence_system();
 #endif
     return v;
@@ -269,18 +280,16 @@ __device__ __forceinline__ long long gpuio_post(const gpuio_ring* r, unsigned in
     tok->ticket = t;
     tok->result = 0;
     tok->done = 0u;
+    tok->dev_addr = dev_addr;
     unsigned int ns = 32u;
-    for (;;) {
-        // The header first: nothing is posted after this thread saw the ring stop.
+    // The slot first (one round trip when it is free, the common case). A ring that stopped
+    // meanwhile is found by the waiter: the host writes nothing after CLOSED, and a request
+    // still POSTED then is reported shut down.
+    while (!gpuio_ring_slot_is(s, t, GPUIO_SLOT_FREE)) {
         if (gpuio_ring_ld_acquire32(&r->header->state) != GPUIO_RING_OPEN) {
             tok->result = GPUIO_ERROR_RING_SHUTDOWN;
             tok->done = 1u;
             return GPUIO_ERROR_RING_SHUTDOWN;
-        }
-        // turn before state: the turn of a new lap is stored after the old lap was DONE.
-        if (gpuio_ring_ld_acquire64(&s->turn) == t &&
-            gpuio_ring_ld_acquire32(&s->state) == GPUIO_SLOT_FREE) {
-            break;
         }
         gpuio_ring_backoff(&ns);
     }
@@ -350,24 +359,46 @@ __device__ __forceinline__ void gpuio_ring_copy_staged(const unsigned char* from
     }
 }
 
-// Collects the completion if it has arrived: reads the result (copying staged bytes to their
-// destination), frees the slot.
-__device__ __forceinline__ int gpuio_ring_try_finish(const gpuio_ring* r, gpuio_token* tok) {
+// Whether the completion has arrived; then its result and whether its bytes are staged in the
+// slot's bounce buffer. The slot is not handed on (gpuio_ring_release does that).
+__device__ __forceinline__ int gpuio_ring_arrived(const gpuio_ring* r, const gpuio_token* tok,
+                                                  long long* result, int* staged) {
     gpuio_ring_slot* s = r->slots + (tok->ticket & r->mask);
-    if (gpuio_ring_ld_acquire64(&s->turn) != tok->ticket ||
-        gpuio_ring_ld_acquire32(&s->state) != GPUIO_SLOT_DONE) {
-        return 0;
-    }
-    const long long result = *(volatile long long*)&s->result;
-    if (*(volatile unsigned long long*)&s->staged && result > 0) {
-        gpuio_ring_copy_staged(r->bounce + (tok->ticket & r->mask) * r->bounce_bytes,
-                               (unsigned char*)*(volatile unsigned long long*)&s->dev_addr,
-                               (unsigned long long)result);
-    }
+    if (!gpuio_ring_slot_is(s, tok->ticket, GPUIO_SLOT_DONE)) return 0;
+    unsigned long long res, stg;
+    gpuio_ring_ld_pair(&s->result, &res, &stg);
+    *result = (long long)res;
+    *staged = stg != 0ull && (long long)res > 0;
+    return 1;
+}
+
+// The slot's bounce buffer.
+__device__ __forceinline__ const unsigned char* gpuio_ring_bounce(const gpuio_ring* r,
+                                                                  const gpuio_token* tok) {
+    return r->bounce + (tok->ticket & r->mask) * r->bounce_bytes;
+}
+
+// Hands the slot of a collected completion to the next lap.
+__device__ __forceinline__ void gpuio_ring_release(const gpuio_ring* r, gpuio_token* tok,
+                                                   long long result) {
+    gpuio_ring_slot* s = r->slots + (tok->ticket & r->mask);
     gpuio_ring_st_release64(&s->turn, tok->ticket + r->nslots);
     gpuio_ring_st_release32(&s->state, GPUIO_SLOT_FREE);
     tok->result = result;
     tok->done = 1u;
+}
+
+// Collects the completion if it has arrived: reads the result (copying staged bytes to their
+// destination), frees the slot.
+__device__ __forceinline__ int gpuio_ring_try_finish(const gpuio_ring* r, gpuio_token* tok) {
+    long long result;
+    int staged;
+    if (!gpuio_ring_arrived(r, tok, &result, &staged)) return 0;
+    if (staged) {
+        gpuio_ring_copy_staged(gpuio_ring_bounce(r, tok), (unsigned char*)tok->dev_addr,
+                               (unsigned long long)result);
+    }
+    gpuio_ring_release(r, tok, result);
     return 1;
 }
 
@@ -426,6 +457,54 @@ __device__ __forceinline__ long long gpuio_write(const gpuio_ring* r, unsigned i
     gpuio_token tok;
     gpuio_write_async(r, resource, offset, len, src, &tok);
     return gpuio_wait(r, &tok);
+}
+
+// Blocking READs, one per active lane of a warp (each lane its own range and destination),
+// whose staged bytes the lanes copy together: 16-byte pieces side by side, so that the PCIe
+// reads of one block coalesce instead of one thread reading it piece after piece. Call it from
+// every active lane; each lane gets its own result (bytes or a negative code).
+__device__ __forceinline__ long long gpuio_read_each_warp(const gpuio_ring* r,
+                                                          unsigned int resource,
+                                                          unsigned long long offset,
+                                                          unsigned long long len, void* dst) {
+    const unsigned int active = __activemask();
+    gpuio_token tok;
+    long long result = gpuio_read_async(r, resource, offset, len, dst, &tok);
+    int arrived = 0, staged = 0;
+    if (result == 0) {
+        unsigned int ns = 32u;
+        while (!(arrived = gpuio_ring_arrived(r, &tok, &result, &staged))) {
+            if (gpuio_ring_ld_acquire32(&r->header->state) == GPUIO_RING_CLOSED) {
+                // The host's final sweep happened before CLOSED: look once more.
+                arrived = gpuio_ring_arrived(r, &tok, &result, &staged);
+                if (!arrived) result = GPUIO_ERROR_RING_SHUTDOWN;
+                break;
+            }
+            gpuio_ring_backoff(&ns);
+        }
+    }
+    const unsigned int lanes = __popc(active);
+    const unsigned int rank = __popc(active & gpuio_ring_lanemask_lt());
+    const unsigned long long from_mine =
+        staged ? (unsigned long long)gpuio_ring_bounce(r, &tok) : 0ull;
+    // Each lane acquired its own completion; this orders every lane's loads after all of them.
+    __syncwarp(active);
+    for (unsigned int pending = __ballot_sync(active, staged); pending; pending &= pending - 1) {
+        const int owner = __ffs(pending) - 1;
+        const unsigned char* from = (const unsigned char*)__shfl_sync(active, from_mine, owner);
+        unsigned char* to = (unsigned char*)__shfl_sync(active, tok.dev_addr, owner);
+        const unsigned long long n = __shfl_sync(active, (unsigned long long)result, owner);
+        if ((((unsigned long long)from | (unsigned long long)to | n) & 15ull) == 0) {
+            for (unsigned long long i = rank; i < n / 16; i += lanes) {
+                ((uint4*)to)[i] = ((const uint4*)from)[i];
+            }
+        } else {
+            for (unsigned long long i = rank; i < n; i += lanes) to[i] = from[i];
+        }
+    }
+    __syncwarp(active);
+    if (arrived) gpuio_ring_release(r, &tok, result);
+    return result;
 }
 
 // Pieces of a cooperative read are cut at multiples of this many bytes.

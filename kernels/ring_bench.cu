@@ -11,16 +11,21 @@
 #define GPUIO_RING_MAKE gpuio_ring r = {header, slots, claim, mask, nslots, bounce, bounce_bytes};
 
 // Block i of `n` (`block` bytes at offsets[i] of `resource`) into dst + i * block; its result
-// (bytes or a negative GPUIO_ERROR_*) into results[i]. Every thread keeps one read in flight.
+// (bytes or a negative GPUIO_ERROR_*) into results[i]. Every thread keeps one read in flight;
+// each warp copies its lanes' staged blocks together (gpuio_read_each_warp).
 extern "C" __global__ void gpuio_ring_read_blocks(GPUIO_RING_ARGS, unsigned int resource,
                                                   const unsigned long long* offsets,
                                                   unsigned long long n, unsigned long long block,
                                                   unsigned char* dst, long long* results) {
     GPUIO_RING_MAKE
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += stride) {
-        results[i] = gpuio_read(&r, resource, offsets[i], block, dst + i * block);
+    // Warp-uniform trip count, so that every lane of a warp reaches each collective call.
+    const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x;
+    for (unsigned long long base = first; base < n; base += stride) {
+        const unsigned long long i = base + threadIdx.x;
+        if (i < n) {
+            results[i] = gpuio_read_each_warp(&r, resource, offsets[i], block, dst + i * block);
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! The `ring` suite: IO started by GPU threads through the request ring (GPU machine only).
 //!
 //! - `ring_read_4k`: random 4 KiB reads of a warm file, each posted by a GPU thread
-//!   (`gpuio_read`, 1024 threads in flight) and served by the host proxy through LocalIO into
+//!   (`gpuio_read_each_warp`, 1024 threads in flight) and served by the host proxy through LocalIO into
 //!   the slot's bounce buffer (the thread copies it to its destination), against the same
 //!   reads issued by the host LocalIO engine (`read_blocks_to_device`).
 //! - `ring_round_trip`: one GPU thread posting minimal requests (8 bytes) one after another;

@@ -181,6 +181,18 @@ fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     l.write().unwrap_or_else(|e| e.into_inner())
 }
 
+/// File offsets are an off_t: refuses ranges that end past it, before any engine does
+/// arithmetic on them.
+fn file_range(offset: u64, len: u64) -> Result<(), Failure> {
+    match offset.checked_add(len) {
+        Some(end) if end <= i64::MAX as u64 => Ok(()),
+        _ => Err(Failure::new(
+            ErrorCode::InvalidArg,
+            format!("file range {offset}+{len} is beyond the largest file offset"),
+        )),
+    }
+}
+
 /// `base` moved `by` bytes on, refusing offsets that overflow.
 fn endpoint_at(base: &Endpoint, by: u64) -> Result<Endpoint, Failure> {
     let overflow = || {
@@ -217,11 +229,6 @@ impl Shared {
         (end <= buf.len() as u64).then(|| (buf.clone(), offset as usize))
     }
 
-    fn resource(&self, handle: u32) -> Option<Endpoint> {
-        let index = (handle as usize).checked_sub(1)?;
-        read(&self.resources).get(index)?.clone()
-    }
-
     /// Checks and carries out one request; returns the bytes moved. With `bounce` (a READ
     /// that asked for staging, and the slot's bounce buffer), the bytes go there instead of
     /// to the device: the producer copies them itself.
@@ -240,29 +247,28 @@ impl Shared {
             .ok()
             .filter(|_| i64::try_from(req.len).is_ok())
             .ok_or_else(|| invalid(format!("length {} is too large", req.len)))?;
-        let Some(resource) = self.resource(req.resource) else {
+        let resources = read(&self.resources);
+        let Some(base) = (req.resource as usize)
+            .checked_sub(1)
+            .and_then(|i| resources.get(i))
+            .and_then(Option::as_ref)
+        else {
             return Err(Failure::new(
                 ErrorCode::NotFound,
                 format!("unknown resource handle {}", req.resource),
             ));
         };
-        let at = endpoint_at(&resource, req.offset)?;
-        // File offsets are an off_t: refuse ranges that end past it here, before any engine
-        // does arithmetic on them.
-        if let Endpoint::File { offset, .. } = &at
-            && offset
-                .checked_add(req.len)
-                .is_none_or(|end| end > i64::MAX as u64)
-        {
-            return Err(invalid(format!(
-                "file range {offset}+{} is beyond the largest file offset",
-                req.len
-            )));
-        }
+        // A staged read borrows the resource under the table's read lock: no reference-count
+        // traffic on the resource, which every proxy thread would share.
         if let (Some(bounce), RingOp::Read) = (bounce, op)
             && let Some(out) = bounce.get_mut(..len)
         {
-            return self.read_into(&at, out);
+            return self.read_into(base, req.offset, out);
+        }
+        let at = endpoint_at(base, req.offset)?;
+        drop(resources);
+        if let Endpoint::File { offset, .. } = &at {
+            file_range(*offset, req.len)?;
         }
         let Some((buf, dev_off)) = self.device_range(req.dev_addr, req.len) else {
             return Err(Failure {
@@ -292,20 +298,36 @@ impl Shared {
         Ok(len as u64)
     }
 
-    /// Reads `out.len()` bytes of `at` into host memory (a slot's bounce buffer).
-    fn read_into(&self, at: &Endpoint, out: &mut [u8]) -> Result<u64, Failure> {
+    /// Reads `out.len()` bytes of `base` from `by` bytes on into host memory (a slot's bounce
+    /// buffer).
+    fn read_into(&self, base: &Endpoint, by: u64, out: &mut [u8]) -> Result<u64, Failure> {
         let len = out.len();
-        let outcome = match at {
+        let overflow = || {
+            Failure::new(
+                ErrorCode::InvalidArg,
+                format!("offset {by} overflows the resource's address range"),
+            )
+        };
+        let at = |offset: usize| {
+            usize::try_from(by)
+                .ok()
+                .and_then(|b| offset.checked_add(b))
+                .ok_or_else(overflow)
+        };
+        let outcome = match base {
             Endpoint::File { file, offset } => {
+                let from = offset.checked_add(by).ok_or_else(overflow)?;
+                file_range(from, len as u64)?;
                 self.engines
-                    .transfer(Source::File(file, *offset), Dest::Host(out), len)?
+                    .transfer(Source::File(file, from), Dest::Host(out), len)?
             }
             Endpoint::Host { mem, offset } => {
+                let from = at(*offset)?;
                 let src = mem.read();
-                let bytes = src.get(*offset..).ok_or_else(|| {
+                let bytes = src.get(from..).ok_or_else(|| {
                     Failure::new(
                         ErrorCode::InvalidArg,
-                        format!("offset {offset} is past the end"),
+                        format!("offset {from} is past the end"),
                     )
                 })?;
                 self.engines
@@ -313,7 +335,7 @@ impl Shared {
             }
             Endpoint::Device { buf, offset } => {
                 self.engines
-                    .transfer(Source::Device(buf, *offset), Dest::Host(out), len)?
+                    .transfer(Source::Device(buf, at(*offset)?), Dest::Host(out), len)?
             }
         };
         if outcome.bytes != len {
