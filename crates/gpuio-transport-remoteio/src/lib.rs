@@ -1,0 +1,98 @@
+//! # gpuio-transport-remoteio
+//!
+//! RemoteIO (SAD §2.3.3, SDD §4.3): a GPU program on one node reads and writes memory and files
+//! that another node exports. The exporting node runs the [`Agent`]; the reading node connects
+//! with a [`RemoteClient`].
+//!
+//! - [`wire`]: the SDD §6.2 protocol, decoded strictly (a corrupt, truncated or oversized
+//!   message is an error and ends that connection; the agent goes on serving the others).
+//! - [`auth`]: the HELLO challenge–response on a pre-shared key (HMAC-SHA-256 over both sides'
+//!   nonces; the key never crosses the wire) and the roles keys carry.
+//! - [`agent`]: the agent (tokio): named exports of host memory and files, each read-only or
+//!   read-write, every request checked against its export's bounds and the key's role,
+//!   graceful shutdown that finishes the requests in flight.
+//! - [`client`]: a blocking client over TCP: handshake, reads and writes of any size (split
+//!   into messages of at most [`wire::MAX_DATA`] bytes).
+//!
+//! Not here yet (issue 6 goes on): RDMA verbs, several connections per peer, the connection
+//! manager with failover, TLS, the etcd registry, the `gpuio agent` command and the engine
+//! in gpuio-core.
+
+#![forbid(unsafe_code)]
+
+pub mod agent;
+pub mod auth;
+pub mod client;
+pub mod wire;
+
+pub use agent::{Access, Agent, AgentConfig, AgentStats, Export, ExportSource};
+pub use auth::{Key, Role};
+pub use client::RemoteClient;
+
+use gpuio_hal::ErrorCode;
+
+/// RemoteIO's errors.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteIoError {
+    /// The network failed (connect, read, write, a peer that went away).
+    #[error("network: {0}")]
+    Network(#[from] std::io::Error),
+    /// The peer broke the protocol.
+    #[error("protocol: {0}")]
+    Protocol(#[from] wire::WireError),
+    /// The handshake failed: unknown key, wrong key, or a server that could not prove it holds
+    /// the key.
+    #[error("authentication failed: {0}")]
+    Auth(String),
+    /// The agent refused or failed a request.
+    #[error("the agent answered {code:?}: {message}")]
+    Remote {
+        /// The SDD §7.1 code it sent.
+        code: ErrorCode,
+        /// Its message.
+        message: String,
+    },
+    /// A bad argument on this side (configuration, sizes).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The peer did not answer in time.
+    #[error("timed out: {0}")]
+    TimedOut(String),
+}
+
+impl RemoteIoError {
+    /// The SDD §7.1 code of this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::Network(_) | Self::Protocol(_) => ErrorCode::Network,
+            Self::Auth(_) => ErrorCode::Permission,
+            Self::Remote { code, .. } => *code,
+            Self::InvalidArgument(_) => ErrorCode::InvalidArg,
+            Self::TimedOut(_) => ErrorCode::Timeout,
+        }
+    }
+}
+
+/// RemoteIO's result type.
+pub type Result<T, E = RemoteIoError> = std::result::Result<T, E>;
+
+/// The SDD §7.1 code with number `n` (an unknown number is `General`).
+pub(crate) fn code_from_i32(n: i32) -> ErrorCode {
+    use ErrorCode::*;
+    [
+        General,
+        NoMem,
+        InvalidArg,
+        NotFound,
+        Timeout,
+        Io,
+        Network,
+        Unsupported,
+        Permission,
+        Busy,
+        Canceled,
+    ]
+    .into_iter()
+    .find(|c| c.as_i32() == n)
+    .unwrap_or(General)
+}

@@ -1,0 +1,601 @@
+//! The RemoteIO wire protocol (SDD §6.2): a 28-byte little-endian header (magic `0x47505549`,
+//! version, message type, flags, request id, payload length) and one payload per message type.
+//! Decoding is strict: a wrong magic or version, an unknown type, a payload longer than the
+//! limits or not exactly the size its fields need is a [`WireError`], never a guess.
+
+use std::fmt;
+
+/// `GPUI` in the header's first four bytes.
+pub const MAGIC: u32 = 0x4750_5549;
+/// The protocol version this build speaks.
+pub const VERSION: u16 = 1;
+/// Bytes of the message header.
+pub const HEADER_LEN: usize = 28;
+/// Largest payload accepted (a READ/WRITE carries at most [`MAX_DATA`] bytes of data).
+pub const MAX_PAYLOAD: u64 = MAX_DATA as u64 + 4096;
+/// Largest data transfer in one READ or WRITE message; larger transfers are split.
+pub const MAX_DATA: usize = 16 << 20;
+/// Longest export or key name, in bytes.
+pub const MAX_NAME: usize = 255;
+/// Longest error message, in bytes.
+pub const MAX_MESSAGE: usize = 1024;
+/// Bytes of a HELLO nonce and of an HMAC-SHA-256 proof.
+pub const NONCE_LEN: usize = 32;
+
+/// HELLO flag: the client's proof (third message of the handshake).
+pub const FLAG_PROOF: u32 = 1;
+/// HELLO_ACK flag: the server accepted the client's proof (fourth message).
+pub const FLAG_WELCOME: u32 = 2;
+
+/// Message types (SDD §6.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u16)]
+pub enum MsgType {
+    /// Client greeting, then its proof.
+    Hello = 0x01,
+    /// Server challenge and proof, then its welcome.
+    HelloAck = 0x02,
+    /// Read a range of an export.
+    ReadReq = 0x10,
+    /// Write a range of an export.
+    WriteReq = 0x11,
+    /// The bytes read.
+    ReadResp = 0x12,
+    /// How many bytes were written.
+    WriteResp = 0x13,
+    /// RDMA connection information.
+    RdmaInfo = 0x20,
+    /// A refused or failed request (and, for a protocol error, the end of the connection).
+    Error = 0xFF,
+}
+
+impl MsgType {
+    fn from_u16(v: u16) -> Option<Self> {
+        Some(match v {
+            0x01 => Self::Hello,
+            0x02 => Self::HelloAck,
+            0x10 => Self::ReadReq,
+            0x11 => Self::WriteReq,
+            0x12 => Self::ReadResp,
+            0x13 => Self::WriteResp,
+            0x20 => Self::RdmaInfo,
+            0xFF => Self::Error,
+            _ => return None,
+        })
+    }
+}
+
+/// The fixed header in front of every message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// The message type.
+    pub msg_type: MsgType,
+    /// Type-specific flags.
+    pub flags: u32,
+    /// Chosen by the requester; echoed by the response.
+    pub request_id: u64,
+    /// Bytes of payload that follow.
+    pub payload_len: u64,
+}
+
+/// A wire protocol violation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    /// Not a gpuio message.
+    #[error("bad magic {0:#010x}")]
+    BadMagic(u32),
+    /// A version this build does not speak.
+    #[error("protocol version {0} (this build speaks {VERSION})")]
+    BadVersion(u16),
+    /// A message type this build does not know.
+    #[error("unknown message type {0:#06x}")]
+    UnknownType(u16),
+    /// A payload larger than the limits.
+    #[error("payload of {0} bytes exceeds the limit of {MAX_PAYLOAD}")]
+    TooLarge(u64),
+    /// A payload that does not hold what its type needs.
+    #[error("malformed {what}: {why}")]
+    Malformed {
+        /// The message type.
+        what: &'static str,
+        /// What is wrong.
+        why: String,
+    },
+}
+
+impl Header {
+    /// Encodes the header.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[6..8].copy_from_slice(&(self.msg_type as u16).to_le_bytes());
+        b[8..12].copy_from_slice(&self.flags.to_le_bytes());
+        b[12..20].copy_from_slice(&self.request_id.to_le_bytes());
+        b[20..28].copy_from_slice(&self.payload_len.to_le_bytes());
+        b
+    }
+
+    /// Decodes and checks a header: magic, version, type, payload limit.
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Self, WireError> {
+        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(w)
+        };
+        let magic = u32_at(0);
+        if magic != MAGIC {
+            return Err(WireError::BadMagic(magic));
+        }
+        let version = u16_at(4);
+        if version != VERSION {
+            return Err(WireError::BadVersion(version));
+        }
+        let t = u16_at(6);
+        let msg_type = MsgType::from_u16(t).ok_or(WireError::UnknownType(t))?;
+        let payload_len = u64_at(20);
+        if payload_len > MAX_PAYLOAD {
+            return Err(WireError::TooLarge(payload_len));
+        }
+        Ok(Self {
+            msg_type,
+            flags: u32_at(8),
+            request_id: u64_at(12),
+            payload_len,
+        })
+    }
+}
+
+/// RDMA connection information (`gpuio_rdma_info_t`), exchanged over the TCP control channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RdmaInfo {
+    /// Queue pair number.
+    pub qp_num: u32,
+    /// Local identifier (InfiniBand).
+    pub lid: u16,
+    /// Global identifier (RoCE).
+    pub gid: [u8; 16],
+    /// Remote key of the exposed region.
+    pub rkey: u32,
+    /// Virtual address of the exposed region.
+    pub vaddr: u64,
+}
+
+/// A decoded message: its header fields that matter, and its payload.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Message {
+    /// Client greeting: which key it holds, and its nonce.
+    Hello {
+        /// The key's name (the key itself never crosses the wire).
+        key_id: String,
+        /// Fresh random bytes.
+        nonce: [u8; NONCE_LEN],
+    },
+    /// Server challenge: its nonce and its proof of the key over both nonces.
+    Challenge {
+        /// Fresh random bytes.
+        nonce: [u8; NONCE_LEN],
+        /// HMAC of the key over the server label and both nonces.
+        proof: [u8; NONCE_LEN],
+    },
+    /// The client's proof of the key over both nonces.
+    Proof {
+        /// HMAC of the key over the client label and both nonces.
+        proof: [u8; NONCE_LEN],
+    },
+    /// The server accepted the proof.
+    Welcome,
+    /// Read `len` bytes of `export` at `offset`.
+    ReadReq {
+        /// The export's name.
+        export: String,
+        /// Byte offset in the export.
+        offset: u64,
+        /// Bytes to read (at most [`MAX_DATA`]).
+        len: u64,
+    },
+    /// Write `data` to `export` at `offset`.
+    WriteReq {
+        /// The export's name.
+        export: String,
+        /// Byte offset in the export.
+        offset: u64,
+        /// The bytes (at most [`MAX_DATA`]).
+        data: Vec<u8>,
+    },
+    /// The bytes read.
+    ReadResp {
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// Bytes written.
+    WriteResp {
+        /// How many.
+        written: u64,
+    },
+    /// RDMA connection information.
+    RdmaInfo(RdmaInfo),
+    /// A refused or failed request.
+    Error {
+        /// SDD §7.1 code (negative).
+        code: i32,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+impl fmt::Debug for Message {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Data payloads are summarised, and proofs and nonces are not printed.
+        match self {
+            Self::Hello { key_id, .. } => write!(f, "Hello {{ key_id: {key_id:?} }}"),
+            Self::Challenge { .. } => write!(f, "Challenge"),
+            Self::Proof { .. } => write!(f, "Proof"),
+            Self::Welcome => write!(f, "Welcome"),
+            Self::ReadReq {
+                export,
+                offset,
+                len,
+            } => write!(f, "ReadReq {{ {export:?}, {offset}+{len} }}"),
+            Self::WriteReq {
+                export,
+                offset,
+                data,
+            } => write!(f, "WriteReq {{ {export:?}, {offset}+{} }}", data.len()),
+            Self::ReadResp { data } => write!(f, "ReadResp {{ {} bytes }}", data.len()),
+            Self::WriteResp { written } => write!(f, "WriteResp {{ {written} }}"),
+            Self::RdmaInfo(i) => write!(f, "{i:?}"),
+            Self::Error { code, message } => write!(f, "Error {{ {code}: {message:?} }}"),
+        }
+    }
+}
+
+/// Appends a length-prefixed (u16) string.
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u16).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+/// Reads a payload field by field, refusing anything short, long or ill-formed.
+struct Reader<'a> {
+    what: &'static str,
+    b: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn bad(&self, why: impl Into<String>) -> WireError {
+        WireError::Malformed {
+            what: self.what,
+            why: why.into(),
+        }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
+        if self.b.len() < n {
+            return Err(self.bad(format!("{} bytes where {n} were needed", self.b.len())));
+        }
+        let (head, rest) = self.b.split_at(n);
+        self.b = rest;
+        Ok(head)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn u16(&mut self) -> Result<u16, WireError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+
+    fn u32(&mut self) -> Result<u32, WireError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> Result<u64, WireError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    fn string(&mut self, max: usize) -> Result<String, WireError> {
+        let n = self.u16()? as usize;
+        if n > max {
+            return Err(self.bad(format!("a string of {n} bytes (limit {max})")));
+        }
+        let bytes = self.take(n)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| self.bad("a string that is not UTF-8"))
+    }
+
+    fn data(&mut self) -> Result<Vec<u8>, WireError> {
+        let n = self.u64()?;
+        if n > MAX_DATA as u64 {
+            return Err(self.bad(format!("{n} bytes of data (limit {MAX_DATA})")));
+        }
+        Ok(self.take(n as usize)?.to_vec())
+    }
+
+    fn end(self) -> Result<(), WireError> {
+        if self.b.is_empty() {
+            Ok(())
+        } else {
+            Err(self.bad(format!("{} bytes left over", self.b.len())))
+        }
+    }
+}
+
+impl Message {
+    /// The message type this message is sent as.
+    pub fn msg_type(&self) -> MsgType {
+        match self {
+            Self::Hello { .. } | Self::Proof { .. } => MsgType::Hello,
+            Self::Challenge { .. } | Self::Welcome => MsgType::HelloAck,
+            Self::ReadReq { .. } => MsgType::ReadReq,
+            Self::WriteReq { .. } => MsgType::WriteReq,
+            Self::ReadResp { .. } => MsgType::ReadResp,
+            Self::WriteResp { .. } => MsgType::WriteResp,
+            Self::RdmaInfo(_) => MsgType::RdmaInfo,
+            Self::Error { .. } => MsgType::Error,
+        }
+    }
+
+    fn flags(&self) -> u32 {
+        match self {
+            Self::Proof { .. } => FLAG_PROOF,
+            Self::Welcome => FLAG_WELCOME,
+            _ => 0,
+        }
+    }
+
+    /// Encodes the whole message (header and payload) under `request_id`. Strings and data
+    /// beyond the limits are cut to them (a sender's bug must not produce an undecodable
+    /// message).
+    pub fn encode(&self, request_id: u64) -> Vec<u8> {
+        let mut p = Vec::new();
+        let name = |s: &str| -> String { truncate(s, MAX_NAME) };
+        match self {
+            Self::Hello { key_id, nonce } => {
+                put_str(&mut p, &name(key_id));
+                p.extend_from_slice(nonce);
+            }
+            Self::Challenge { nonce, proof } => {
+                p.extend_from_slice(nonce);
+                p.extend_from_slice(proof);
+            }
+            Self::Proof { proof } => p.extend_from_slice(proof),
+            Self::Welcome => {}
+            Self::ReadReq {
+                export,
+                offset,
+                len,
+            } => {
+                put_str(&mut p, &name(export));
+                p.extend_from_slice(&offset.to_le_bytes());
+                p.extend_from_slice(&len.to_le_bytes());
+            }
+            Self::WriteReq {
+                export,
+                offset,
+                data,
+            } => {
+                put_str(&mut p, &name(export));
+                p.extend_from_slice(&offset.to_le_bytes());
+                let d = &data[..data.len().min(MAX_DATA)];
+                p.extend_from_slice(&(d.len() as u64).to_le_bytes());
+                p.extend_from_slice(d);
+            }
+            Self::ReadResp { data } => {
+                let d = &data[..data.len().min(MAX_DATA)];
+                p.extend_from_slice(&(d.len() as u64).to_le_bytes());
+                p.extend_from_slice(d);
+            }
+            Self::WriteResp { written } => p.extend_from_slice(&written.to_le_bytes()),
+            Self::RdmaInfo(i) => {
+                p.extend_from_slice(&i.qp_num.to_le_bytes());
+                p.extend_from_slice(&i.lid.to_le_bytes());
+                p.extend_from_slice(&i.gid);
+                p.extend_from_slice(&i.rkey.to_le_bytes());
+                p.extend_from_slice(&i.vaddr.to_le_bytes());
+            }
+            Self::Error { code, message } => {
+                p.extend_from_slice(&code.to_le_bytes());
+                put_str(&mut p, &truncate(message, MAX_MESSAGE));
+            }
+        }
+        let header = Header {
+            msg_type: self.msg_type(),
+            flags: self.flags(),
+            request_id,
+            payload_len: p.len() as u64,
+        };
+        let mut out = Vec::with_capacity(HEADER_LEN + p.len());
+        out.extend_from_slice(&header.encode());
+        out.extend_from_slice(&p);
+        out
+    }
+
+    /// Decodes the payload of a message whose header was checked by [`Header::decode`].
+    pub fn decode(header: &Header, payload: &[u8]) -> Result<Self, WireError> {
+        if payload.len() as u64 != header.payload_len {
+            return Err(WireError::Malformed {
+                what: "message",
+                why: format!(
+                    "{} payload bytes where the header says {}",
+                    payload.len(),
+                    header.payload_len
+                ),
+            });
+        }
+        let what = match header.msg_type {
+            MsgType::Hello => "HELLO",
+            MsgType::HelloAck => "HELLO_ACK",
+            MsgType::ReadReq => "READ_REQ",
+            MsgType::WriteReq => "WRITE_REQ",
+            MsgType::ReadResp => "READ_RESP",
+            MsgType::WriteResp => "WRITE_RESP",
+            MsgType::RdmaInfo => "RDMA_INFO",
+            MsgType::Error => "ERROR",
+        };
+        let mut r = Reader { what, b: payload };
+        let flags = header.flags;
+        let msg = match (header.msg_type, flags) {
+            (MsgType::Hello, 0) => Self::Hello {
+                key_id: r.string(MAX_NAME)?,
+                nonce: r.array()?,
+            },
+            (MsgType::Hello, FLAG_PROOF) => Self::Proof { proof: r.array()? },
+            (MsgType::HelloAck, 0) => Self::Challenge {
+                nonce: r.array()?,
+                proof: r.array()?,
+            },
+            (MsgType::HelloAck, FLAG_WELCOME) => Self::Welcome,
+            (MsgType::ReadReq, 0) => {
+                let export = r.string(MAX_NAME)?;
+                let offset = r.u64()?;
+                let len = r.u64()?;
+                if len > MAX_DATA as u64 {
+                    return Err(r.bad(format!("a read of {len} bytes (limit {MAX_DATA})")));
+                }
+                Self::ReadReq {
+                    export,
+                    offset,
+                    len,
+                }
+            }
+            (MsgType::WriteReq, 0) => Self::WriteReq {
+                export: r.string(MAX_NAME)?,
+                offset: r.u64()?,
+                data: r.data()?,
+            },
+            (MsgType::ReadResp, 0) => Self::ReadResp { data: r.data()? },
+            (MsgType::WriteResp, 0) => Self::WriteResp { written: r.u64()? },
+            (MsgType::RdmaInfo, 0) => Self::RdmaInfo(RdmaInfo {
+                qp_num: r.u32()?,
+                lid: r.u16()?,
+                gid: r.array()?,
+                rkey: r.u32()?,
+                vaddr: r.u64()?,
+            }),
+            (MsgType::Error, 0) => {
+                let code = i32::from_le_bytes(r.array()?);
+                Self::Error {
+                    code,
+                    message: r.string(MAX_MESSAGE)?,
+                }
+            }
+            (_, f) => return Err(r.bad(format!("flags {f:#x}"))),
+        };
+        r.end()?;
+        Ok(msg)
+    }
+}
+
+/// `s` cut to at most `max` bytes at a character boundary.
+fn truncate(s: &str, max: usize) -> String {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip(m: Message) {
+        let bytes = m.encode(7);
+        let h = Header::decode(bytes[..HEADER_LEN].try_into().unwrap()).unwrap();
+        assert_eq!(h.request_id, 7);
+        assert_eq!(Message::decode(&h, &bytes[HEADER_LEN..]).unwrap(), m);
+    }
+
+    #[test]
+    fn every_message_round_trips() {
+        for m in [
+            Message::Hello {
+                key_id: "ops".into(),
+                nonce: [3; NONCE_LEN],
+            },
+            Message::Challenge {
+                nonce: [1; NONCE_LEN],
+                proof: [2; NONCE_LEN],
+            },
+            Message::Proof {
+                proof: [9; NONCE_LEN],
+            },
+            Message::Welcome,
+            Message::ReadReq {
+                export: "kv".into(),
+                offset: 1 << 40,
+                len: 4096,
+            },
+            Message::WriteReq {
+                export: "ckpt".into(),
+                offset: 12,
+                data: vec![5; 1000],
+            },
+            Message::ReadResp {
+                data: vec![1, 2, 3],
+            },
+            Message::WriteResp { written: 1000 },
+            Message::RdmaInfo(RdmaInfo {
+                qp_num: 0x12345,
+                lid: 7,
+                gid: [0xfe; 16],
+                rkey: 99,
+                vaddr: 0xdead_0000,
+            }),
+            Message::Error {
+                code: -9,
+                message: "read-only export".into(),
+            },
+        ] {
+            round_trip(m);
+        }
+    }
+
+    #[test]
+    fn bad_headers_and_payloads_are_refused() {
+        let good = Message::WriteResp { written: 1 }.encode(1);
+        let mut h: [u8; HEADER_LEN] = good[..HEADER_LEN].try_into().unwrap();
+        h[0] ^= 1;
+        assert!(matches!(Header::decode(&h), Err(WireError::BadMagic(_))));
+        let mut h: [u8; HEADER_LEN] = good[..HEADER_LEN].try_into().unwrap();
+        h[4] = 9;
+        assert!(matches!(Header::decode(&h), Err(WireError::BadVersion(9))));
+        let mut h: [u8; HEADER_LEN] = good[..HEADER_LEN].try_into().unwrap();
+        h[6] = 0x77;
+        assert!(matches!(
+            Header::decode(&h),
+            Err(WireError::UnknownType(0x77))
+        ));
+        let mut h: [u8; HEADER_LEN] = good[..HEADER_LEN].try_into().unwrap();
+        h[20..28].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(matches!(Header::decode(&h), Err(WireError::TooLarge(_))));
+        // A payload one byte short, and one byte long.
+        let h = Header::decode(good[..HEADER_LEN].try_into().unwrap()).unwrap();
+        let short = Header {
+            payload_len: 7,
+            ..h
+        };
+        assert!(Message::decode(&short, &good[HEADER_LEN..HEADER_LEN + 7]).is_err());
+        let mut long = good[HEADER_LEN..].to_vec();
+        long.push(0);
+        let longh = Header {
+            payload_len: 9,
+            ..h
+        };
+        assert!(Message::decode(&longh, &long).is_err());
+        // A read asking for more than one message may carry.
+        let big = Message::ReadReq {
+            export: "x".into(),
+            offset: 0,
+            len: MAX_DATA as u64 + 1,
+        }
+        .encode(1);
+        let bh = Header::decode(big[..HEADER_LEN].try_into().unwrap()).unwrap();
+        assert!(Message::decode(&bh, &big[HEADER_LEN..]).is_err());
+    }
+}
