@@ -7,6 +7,7 @@ use gpuio_core::{Policy, RetryPolicy, SchedulerConfig};
 use gpuio_hal::BackendPreference;
 use gpuio_transport_localio::{EnginePreference, GdsPolicy, LocalIoConfig};
 use gpuio_transport_memio::MemIoConfig;
+use gpuio_transport_remoteio::{Access, AgentConfig, Export, ExportSource, Key, Role};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -40,6 +41,8 @@ pub struct Config {
     pub scheduler: SchedulerSection,
     /// Retry policy (SDD §7.2).
     pub retry: RetryPolicy,
+    /// `gpuio agent`: what this node serves to others (RemoteIO).
+    pub agent: AgentSection,
     /// The file this configuration was read from, if any (not a setting).
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -79,6 +82,60 @@ pub struct LocalIoSection {
     pub gds: GdsPolicy,
     /// Smallest transfer sent through cuFile.
     pub gds_threshold: ByteSize,
+}
+
+/// `[agent]`: the RemoteIO agent (`gpuio agent`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentSection {
+    /// Address to listen on (`host:port`; port 0 picks a free one).
+    pub listen: String,
+    /// Milliseconds a new connection has to authenticate.
+    pub handshake_timeout_ms: u64,
+    /// Connections served at once.
+    pub max_connections: usize,
+    /// Runtime threads.
+    pub threads: usize,
+    /// Keys clients may present.
+    pub keys: Vec<AgentKey>,
+    /// What is served.
+    pub exports: Vec<AgentExport>,
+}
+
+/// `[[agent.keys]]`: a pre-shared key. The secret is read from the environment or a file,
+/// never written in the configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentKey {
+    /// The name clients send.
+    pub id: String,
+    /// `"read-only"` or `"read-write"`.
+    pub role: String,
+    /// Environment variable holding the secret.
+    #[serde(default)]
+    pub secret_env: Option<String>,
+    /// File holding the secret (its bytes, trailing newline removed).
+    #[serde(default)]
+    pub secret_file: Option<PathBuf>,
+}
+
+/// `[[agent.exports]]`: a file or a region of host memory served under a name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentExport {
+    /// The name clients ask for.
+    pub name: String,
+    /// `"read-only"` or `"read-write"`.
+    pub access: String,
+    /// A file to serve.
+    #[serde(default)]
+    pub file: Option<PathBuf>,
+    /// For a file: the size writes may grow it to (default: its size at start).
+    #[serde(default)]
+    pub max_size: Option<ByteSize>,
+    /// Host memory of this size to serve (zeroed at start).
+    #[serde(default)]
+    pub memory: Option<ByteSize>,
 }
 
 /// `[scheduler]`: ordering, preemption points, backpressure.
@@ -156,6 +213,14 @@ impl Config {
                 gds_threshold: ByteSize::mib(1),
             },
             scheduler: SchedulerSection::default(),
+            agent: AgentSection {
+                listen: "127.0.0.1:7470".into(),
+                handshake_timeout_ms: 5000,
+                max_connections: 256,
+                threads: 2,
+                keys: Vec::new(),
+                exports: Vec::new(),
+            },
             retry: RetryPolicy::default(),
             source: None,
         }
@@ -330,6 +395,98 @@ impl Config {
             parallel_copy_min: default.parallel_copy_min,
             gather_threads: default.gather_threads,
         }
+    }
+
+    /// The agent's configuration: addresses parsed, secrets read, memory exports allocated.
+    pub fn agent_config(&self) -> Result<AgentConfig> {
+        let a = &self.agent;
+        let bad = |message: String| Error::Config {
+            source_name: self
+                .source
+                .as_ref()
+                .map_or_else(|| "<built-in>".into(), |p| p.display().to_string()),
+            message,
+        };
+        let listen = a
+            .listen
+            .parse()
+            .map_err(|_| bad(format!("agent.listen {:?} is not host:port", a.listen)))?;
+        let mut cfg = AgentConfig::new(listen);
+        cfg.handshake_timeout = std::time::Duration::from_millis(a.handshake_timeout_ms);
+        cfg.max_connections = a.max_connections;
+        cfg.threads = a.threads;
+        for k in &a.keys {
+            let role = match k.role.as_str() {
+                "read-only" => Role::ReadOnly,
+                "read-write" => Role::ReadWrite,
+                other => {
+                    return Err(bad(format!(
+                        "key {:?}: role {other:?} is not read-only or read-write",
+                        k.id
+                    )));
+                }
+            };
+            let secret = match (&k.secret_env, &k.secret_file) {
+                (Some(var), None) => std::env::var(var)
+                    .map_err(|_| bad(format!("key {:?}: ${var} is not set", k.id)))?
+                    .into_bytes(),
+                (None, Some(path)) => {
+                    let mut bytes = std::fs::read(path)
+                        .map_err(|e| bad(format!("key {:?}: {}: {e}", k.id, path.display())))?;
+                    while bytes.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
+                        bytes.pop();
+                    }
+                    bytes
+                }
+                _ => {
+                    return Err(bad(format!(
+                        "key {:?}: give exactly one of secret_env, secret_file",
+                        k.id
+                    )));
+                }
+            };
+            cfg.keys.push(Key {
+                id: k.id.clone(),
+                secret,
+                role,
+            });
+        }
+        for e in &a.exports {
+            let access = match e.access.as_str() {
+                "read-only" => Access::ReadOnly,
+                "read-write" => Access::ReadWrite,
+                other => {
+                    return Err(bad(format!(
+                        "export {:?}: access {other:?} is not read-only or read-write",
+                        e.name
+                    )));
+                }
+            };
+            let source = match (&e.file, e.memory) {
+                (Some(path), None) => ExportSource::File {
+                    path: path.clone(),
+                    max_len: e.max_size.map(|s| s.as_u64()),
+                },
+                (None, Some(size)) => {
+                    let len = usize::try_from(size.as_u64())
+                        .map_err(|_| bad(format!("export {:?}: too large", e.name)))?;
+                    let buf = gpuio_hal::HostBuffer::alloc(len, &Default::default())?;
+                    ExportSource::Memory(std::sync::Arc::new(std::sync::RwLock::new(buf)))
+                }
+                _ => {
+                    return Err(bad(format!(
+                        "export {:?}: give exactly one of file, memory",
+                        e.name
+                    )));
+                }
+            };
+            cfg.exports.push(Export {
+                name: e.name.clone(),
+                source,
+                access,
+            });
+        }
+        Ok(cfg)
     }
 
     /// The scheduler's configuration.

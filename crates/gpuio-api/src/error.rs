@@ -105,6 +105,9 @@ pub enum Error {
     /// A transfer, allocation or device operation failed.
     #[error(transparent)]
     Core(#[from] CoreError),
+    /// RemoteIO failed (network, protocol, authentication, or the agent refused).
+    #[error(transparent)]
+    Remote(#[from] gpuio_transport_remoteio::RemoteIoError),
     /// A malformed resource URI.
     #[error("invalid URI {input:?}: {problem} (at byte {position})")]
     Uri {
@@ -159,6 +162,7 @@ impl Error {
     pub fn code(&self) -> ErrorCode {
         match self {
             Self::Core(e) => e.code(),
+            Self::Remote(e) => e.code(),
             Self::Uri { .. } | Self::Config { .. } | Self::ConfigEnv { .. } | Self::Invalid(_) => {
                 ErrorCode::InvalidArg
             }

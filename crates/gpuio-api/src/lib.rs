@@ -29,7 +29,10 @@ mod error;
 mod session;
 mod uri;
 
-pub use config::{API_VERSION, Config, DEFAULT_TOML, LocalIoSection, MemIoSection};
+pub use config::{
+    API_VERSION, AgentExport, AgentKey, AgentSection, Config, DEFAULT_TOML, LocalIoSection,
+    MemIoSection,
+};
 pub use copy::{CopyOptions, CopyReport};
 pub use error::{Error, Result, UriProblem};
 pub use session::{Access, Resource, Session};

@@ -6,6 +6,7 @@
 
 #![forbid(unsafe_code)]
 
+mod agent;
 mod bench;
 mod cp;
 mod info;
@@ -58,6 +59,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Reads a running gpuio's metrics endpoint and prints a summary.
     Stat(stat::StatArgs),
+    /// Serves this node's exports (`[agent]` in the configuration) to other nodes until
+    /// SIGINT or SIGTERM.
+    Agent(agent::AgentArgs),
 }
 
 fn init_logging(config: &Config, verbose: u8) {
@@ -88,6 +92,7 @@ fn run(cli: Cli) -> Result<(), Error> {
         Command::Cp(args) => cp::run(config, &args),
         Command::Bench(args) => bench::run(config, &args),
         Command::Stat(args) => stat::run(&args),
+        Command::Agent(args) => agent::run(config, &args),
     };
     if cli.metrics_addr.is_some() && cli.metrics_linger > 0.0 {
         std::thread::sleep(std::time::Duration::from_secs_f64(cli.metrics_linger));

@@ -5,6 +5,7 @@
 use gpuio_hal::pattern;
 use std::path::PathBuf;
 use std::process::{Command, Output};
+use std::time::Duration;
 
 fn gpuio(args: &[&str]) -> Output {
     let bin = std::env::var_os("GPUIO_BIN")
@@ -204,4 +205,75 @@ fn a_running_command_serves_metrics_that_stat_reads() {
     let o = gpuio(&["stat", "--addr", "127.0.0.1:1"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("reading metrics"), "{}", stderr(&o));
+}
+
+#[test]
+fn the_agent_serves_its_exports_until_sigterm() {
+    use gpuio_transport_remoteio::RemoteClient;
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    let file = dir.path().join("export.bin");
+    std::fs::write(&file, &data).unwrap();
+    let cfg = dir.path().join("agent.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"
+[agent]
+listen = "127.0.0.1:0"
+[[agent.keys]]
+id = "ops"
+role = "read-only"
+secret_env = "GPUIO_TEST_AGENT_SECRET"
+[[agent.exports]]
+name = "data"
+access = "read-only"
+file = "{}"
+"#,
+            file.display()
+        ),
+    )
+    .unwrap();
+    let secret = "a test secret of 32 bytes length";
+    let bin = std::env::var_os("GPUIO_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_gpuio")));
+    let mut child = std::process::Command::new(bin)
+        .args(["--config", cfg.to_str().unwrap(), "agent"])
+        .env("GPUIO_TEST_AGENT_SECRET", secret)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    out.read_line(&mut first).unwrap();
+    let addr = first
+        .trim()
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap_or_else(|_| panic!("no address in {first:?}"));
+    let mut c =
+        RemoteClient::connect(addr, "ops", secret.as_bytes(), Duration::from_secs(10)).unwrap();
+    let mut got = vec![0u8; 50_000];
+    c.read("data", 25_000, &mut got).unwrap();
+    assert!(got[..] == data[25_000..75_000]);
+    // A read-only key cannot write.
+    assert!(c.write("data", 0, &[1]).is_err());
+    drop(c);
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    let rest: Vec<String> = out.lines().map(|l| l.unwrap()).collect();
+    assert!(
+        rest.iter()
+            .any(|l| l.starts_with("served 1 requests (1 refused)")),
+        "{rest:?}"
+    );
 }

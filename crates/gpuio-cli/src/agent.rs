@@ -1,0 +1,60 @@
+//! `gpuio agent`: serves this node's exports (the `[agent]` section of the configuration) to
+//! other nodes over RemoteIO until SIGINT or SIGTERM, then shuts down gracefully: the requests
+//! in flight finish, and what was served is printed.
+
+use gpuio_api::{Config, Error};
+use gpuio_transport_remoteio::Agent;
+
+/// Arguments of `gpuio agent` (the agent is configured by `--config FILE`, `[agent]`).
+#[derive(Debug, clap::Args)]
+pub struct AgentArgs {}
+
+pub fn run(config: Config, _args: &AgentArgs) -> Result<(), Error> {
+    let cfg = config.agent_config()?;
+    if cfg.keys.is_empty() || cfg.exports.is_empty() {
+        return Err(Error::Invalid(
+            "the [agent] section has no keys or no exports: nothing would be served \
+             (see `gpuio info --show-config`)"
+                .into(),
+        ));
+    }
+    let names: Vec<String> = cfg.exports.iter().map(|e| e.name.clone()).collect();
+    let agent = Agent::start(cfg)?;
+    // The first line says where it listens (port 0 in the configuration picks one).
+    println!("gpuio agent listening on {}", agent.local_addr());
+    println!("exports: {}", names.join(", "));
+    wait_for_signal()?;
+    eprintln!("stopping: finishing the requests in flight");
+    let stats = agent.shutdown();
+    println!(
+        "served {} requests ({} refused) in {} sessions ({} refused, {} protocol errors); \
+         {} bytes read, {} written",
+        stats.served,
+        stats.refused,
+        stats.sessions,
+        stats.refused_sessions,
+        stats.protocol_errors,
+        stats.bytes_read,
+        stats.bytes_written
+    );
+    Ok(())
+}
+
+fn wait_for_signal() -> Result<(), Error> {
+    let io = |e: std::io::Error| Error::Invalid(format!("waiting for a signal: {e}"));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .map_err(io)?;
+    rt.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        Ok::<(), std::io::Error>(())
+    })
+    .map_err(io)
+}
