@@ -33,9 +33,29 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
+    /// Every code, in SDD §7.1 order.
+    pub const ALL: [ErrorCode; 11] = [
+        Self::General,
+        Self::NoMem,
+        Self::InvalidArg,
+        Self::NotFound,
+        Self::Timeout,
+        Self::Io,
+        Self::Network,
+        Self::Unsupported,
+        Self::Permission,
+        Self::Busy,
+        Self::Canceled,
+    ];
+
     /// The numeric value of SDD §7.1 (`GPUIO_SUCCESS` is 0 and has no variant).
     pub fn as_i32(self) -> i32 {
         self as i32
+    }
+
+    /// The code with SDD §7.1 value `n`, if there is one.
+    pub fn from_i32(n: i32) -> Option<Self> {
+        Self::ALL.into_iter().find(|c| c.as_i32() == n)
     }
 
     /// The C macro name of SDD §7.1, e.g. `GPUIO_ERROR_NOMEM`.

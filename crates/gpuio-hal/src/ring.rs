@@ -134,22 +134,10 @@ pub fn error_code_of(result: i64) -> Option<ErrorCode> {
     Some(match result {
         RESULT_UNREGISTERED => InvalidArg,
         RESULT_SHUT_DOWN => Canceled,
-        _ => [
-            General,
-            NoMem,
-            InvalidArg,
-            NotFound,
-            Timeout,
-            Io,
-            Network,
-            Unsupported,
-            Permission,
-            Busy,
-            Canceled,
-        ]
-        .into_iter()
-        .find(|c| result_of(*c) == result)
-        .unwrap_or(General),
+        _ => i32::try_from(result)
+            .ok()
+            .and_then(ErrorCode::from_i32)
+            .unwrap_or(General),
     })
 }
 
@@ -364,20 +352,7 @@ pub fn layout() -> RingLayout {
         ("GPUIO_RING_FLAG_DURABLE", FLAG_DURABLE.into()),
         ("GPUIO_RING_FLAG_STAGE", FLAG_STAGE.into()),
     ];
-    use ErrorCode::*;
-    for code in [
-        General,
-        NoMem,
-        InvalidArg,
-        NotFound,
-        Timeout,
-        Io,
-        Network,
-        Unsupported,
-        Permission,
-        Busy,
-        Canceled,
-    ] {
+    for code in ErrorCode::ALL {
         constants.push((code.name(), result_of(code)));
     }
     constants.push(("GPUIO_ERROR_RING_UNREGISTERED", RESULT_UNREGISTERED));

@@ -78,21 +78,5 @@ pub type Result<T, E = RemoteIoError> = std::result::Result<T, E>;
 
 /// The SDD §7.1 code with number `n` (an unknown number is `General`).
 pub(crate) fn code_from_i32(n: i32) -> ErrorCode {
-    use ErrorCode::*;
-    [
-        General,
-        NoMem,
-        InvalidArg,
-        NotFound,
-        Timeout,
-        Io,
-        Network,
-        Unsupported,
-        Permission,
-        Busy,
-        Canceled,
-    ]
-    .into_iter()
-    .find(|c| c.as_i32() == n)
-    .unwrap_or(General)
+    ErrorCode::from_i32(n).unwrap_or(ErrorCode::General)
 }
