@@ -471,7 +471,7 @@ impl Config {
                     let len = usize::try_from(size.as_u64())
                         .map_err(|_| bad(format!("export {:?}: too large", e.name)))?;
                     let buf = gpuio_hal::HostBuffer::alloc(len, &Default::default())?;
-                    ExportSource::Memory(std::sync::Arc::new(std::sync::RwLock::new(buf)))
+                    ExportSource::Memory(gpuio_transport_remoteio::shared_memory(buf))
                 }
                 _ => {
                     return Err(bad(format!(

@@ -209,7 +209,7 @@ fn a_running_command_serves_metrics_that_stat_reads() {
 
 #[test]
 fn the_agent_serves_its_exports_until_sigterm() {
-    use gpuio_transport_remoteio::RemoteClient;
+    use gpuio_transport_remoteio::{Credentials, PeerConfig, RemotePeer};
     use std::io::BufRead;
     let dir = tempfile::tempdir().unwrap();
     let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
@@ -255,8 +255,11 @@ file = "{}"
         .unwrap()
         .parse()
         .unwrap_or_else(|_| panic!("no address in {first:?}"));
-    let mut c =
-        RemoteClient::connect(addr, "ops", secret.as_bytes(), Duration::from_secs(10)).unwrap();
+    let creds = Credentials {
+        key_id: "ops".into(),
+        secret: secret.as_bytes().to_vec(),
+    };
+    let c = RemotePeer::connect(PeerConfig::new(addr, creds)).unwrap();
     let mut got = vec![0u8; 50_000];
     c.read("data", 25_000, &mut got).unwrap();
     assert!(got[..] == data[25_000..75_000]);

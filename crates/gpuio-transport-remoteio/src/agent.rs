@@ -1,15 +1,22 @@
 //! The gpuio agent: serves named exports of host memory and files to authenticated clients.
 //!
 //! One task per connection. A connection first completes the HELLO handshake (within
-//! `handshake_timeout`), then sends requests one at a time. Every request is checked against
-//! its export (exists, inside its bounds) and the key's role and the export's access (writes
-//! need both to allow them); a refused request gets an ERROR and the connection goes on. A
-//! protocol violation (a corrupt, truncated, oversized or unexpected message) gets an ERROR and
-//! ends that connection only. Shutdown stops accepting, lets every connection finish the
-//! request it is serving, and returns what was served.
+//! `handshake_timeout`), then its requests are served in order (clients pipeline them). Every
+//! request is checked against its export (exists, inside its bounds) and the key's role and
+//! the export's access (writes need both to allow them); a refused request gets an ERROR and
+//! the connection goes on. A protocol violation (a corrupt, truncated, oversized or unexpected
+//! message) gets an ERROR and ends that connection only. Shutdown stops accepting, lets every
+//! connection finish the request it is serving, and returns what was served.
+//!
+//! Memory exports are served without copies on this side: a read is sent straight from the
+//! export (under its read lock), a write is received straight into it (under its write lock).
+//! Each request must finish within `io_timeout`, so a stalled client cannot hold a lock.
+//!
+//! Limits per client: one request in flight per connection (at most [`MAX_DATA`] bytes), and
+//! at most `max_sessions_per_key` connections per key; more are refused with `Busy`.
 
 use crate::auth::{self, Key, Role};
-use crate::wire::{HEADER_LEN, Header, Message, WireError};
+use crate::wire::{self, HEADER_LEN, Header, MAX_DATA, Message, MsgType, WireError, WriteHead};
 use crate::{RemoteIoError, Result};
 use gpuio_hal::{ErrorCode, HostBuffer};
 use std::collections::HashMap;
@@ -17,11 +24,12 @@ use std::net::SocketAddr;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::RwLock;
 use tokio::sync::watch;
 
 /// Whether an export may be written.
@@ -33,11 +41,21 @@ pub enum Access {
     ReadWrite,
 }
 
+/// Host memory an agent exports, shared with the exporting program. Requests hold its lock
+/// while their bytes cross the network; the program takes it with `blocking_read` /
+/// `blocking_write` (outside async code) or `read().await` / `write().await`.
+pub type SharedMemory = Arc<RwLock<HostBuffer>>;
+
+/// Shares `buf` for export.
+pub fn shared_memory(buf: HostBuffer) -> SharedMemory {
+    Arc::new(RwLock::new(buf))
+}
+
 /// What an export serves.
 #[derive(Debug, Clone)]
 pub enum ExportSource {
     /// Host memory, shared with the exporting program.
-    Memory(Arc<RwLock<HostBuffer>>),
+    Memory(SharedMemory),
     /// A file. Reads stop at its length; writes may extend it up to `max_len` (default: its
     /// length when the agent starts).
     File {
@@ -72,6 +90,11 @@ pub struct AgentConfig {
     pub handshake_timeout: Duration,
     /// Connections served at once; more wait to be accepted.
     pub max_connections: usize,
+    /// Connections one key may hold at once; more are refused with `Busy`.
+    pub max_sessions_per_key: usize,
+    /// Time one request (its bytes in and out included) may take before its connection is
+    /// closed.
+    pub io_timeout: Duration,
     /// Runtime threads.
     pub threads: usize,
 }
@@ -85,6 +108,8 @@ impl AgentConfig {
             exports: Vec::new(),
             handshake_timeout: Duration::from_secs(5),
             max_connections: 256,
+            max_sessions_per_key: 64,
+            io_timeout: Duration::from_secs(30),
             threads: 2,
         }
     }
@@ -121,7 +146,7 @@ struct Counters {
 }
 
 enum Source {
-    Memory(Arc<RwLock<HostBuffer>>),
+    Memory(SharedMemory),
     File {
         file: Arc<std::fs::File>,
         max_len: u64,
@@ -137,6 +162,9 @@ struct Shared {
     keys: HashMap<String, Key>,
     exports: HashMap<String, Served>,
     handshake_timeout: Duration,
+    io_timeout: Duration,
+    max_sessions_per_key: usize,
+    sessions_per_key: Mutex<HashMap<String, usize>>,
     counters: Counters,
 }
 
@@ -221,6 +249,9 @@ impl Agent {
             keys,
             exports,
             handshake_timeout: cfg.handshake_timeout,
+            io_timeout: cfg.io_timeout,
+            max_sessions_per_key: cfg.max_sessions_per_key.max(1),
+            sessions_per_key: Mutex::new(HashMap::new()),
             counters: Counters::default(),
         });
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -319,8 +350,28 @@ impl Drop for Agent {
     }
 }
 
-/// Reads one message; `Ok(None)` at a clean end of stream between messages.
-async fn read_message(rd: &mut OwnedReadHalf) -> Result<Option<(Header, Message)>> {
+/// Why a connection ends.
+enum Fatal {
+    /// The client broke the protocol: it gets an ERROR, then the connection closes.
+    Protocol(RemoteIoError),
+    /// The network failed or the client left: just close.
+    Gone,
+}
+
+impl From<std::io::Error> for Fatal {
+    fn from(_: std::io::Error) -> Self {
+        Self::Gone
+    }
+}
+
+impl From<WireError> for Fatal {
+    fn from(e: WireError) -> Self {
+        Self::Protocol(e.into())
+    }
+}
+
+/// Reads a header; `Ok(None)` at a clean end of stream between messages.
+async fn read_header(rd: &mut OwnedReadHalf) -> Result<Option<Header>> {
     let mut h = [0u8; HEADER_LEN];
     let mut got = 0;
     while got < HEADER_LEN {
@@ -337,11 +388,24 @@ async fn read_message(rd: &mut OwnedReadHalf) -> Result<Option<(Header, Message)
         }
         got += n;
     }
-    let header = Header::decode(&h)?;
+    Ok(Some(Header::decode(&h)?))
+}
+
+/// Reads and decodes the payload of a message whose header was read.
+async fn read_payload(rd: &mut OwnedReadHalf, header: &Header) -> Result<Message> {
     // Bounded by Header::decode (MAX_PAYLOAD).
     let mut payload = vec![0u8; header.payload_len as usize];
     rd.read_exact(&mut payload).await?;
-    Ok(Some((header, Message::decode(&header, &payload)?)))
+    Ok(Message::decode(header, &payload)?)
+}
+
+/// Reads one whole message; `Ok(None)` at a clean end of stream.
+async fn read_message(rd: &mut OwnedReadHalf) -> Result<Option<(Header, Message)>> {
+    let Some(header) = read_header(rd).await? else {
+        return Ok(None);
+    };
+    let msg = read_payload(rd, &header).await?;
+    Ok(Some((header, msg)))
 }
 
 async fn send(wr: &mut OwnedWriteHalf, msg: &Message, request_id: u64) -> Result<()> {
@@ -358,6 +422,43 @@ async fn send_error(wr: &mut OwnedWriteHalf, code: ErrorCode, message: &str, req
     let _ = send(wr, &msg, request_id).await;
 }
 
+/// A key's hold on one of its sessions; released when the connection ends.
+struct SessionSlot<'a> {
+    sh: &'a Shared,
+    key: String,
+}
+
+impl Drop for SessionSlot<'_> {
+    fn drop(&mut self) {
+        let mut per_key = self
+            .sh
+            .sessions_per_key
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = per_key.get_mut(&self.key) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
+impl Shared {
+    fn take_session(&self, key: &str) -> Option<SessionSlot<'_>> {
+        let mut per_key = self
+            .sessions_per_key
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let n = per_key.entry(key.to_string()).or_insert(0);
+        if *n >= self.max_sessions_per_key {
+            return None;
+        }
+        *n += 1;
+        Some(SessionSlot {
+            sh: self,
+            key: key.to_string(),
+        })
+    }
+}
+
 async fn serve(
     sh: Arc<Shared>,
     stream: TcpStream,
@@ -366,96 +467,130 @@ async fn serve(
 ) {
     let _ = stream.set_nodelay(true);
     let (mut rd, mut wr) = stream.into_split();
-    let role =
-        match tokio::time::timeout(sh.handshake_timeout, handshake(&sh, &mut rd, &mut wr)).await {
-            Ok(Ok(role)) => {
-                sh.counters.sessions.fetch_add(1, Ordering::Relaxed);
-                role
-            }
-            Ok(Err(e)) => {
-                tracing::info!(%peer, error = %e, "handshake refused");
-                sh.counters.refused_sessions.fetch_add(1, Ordering::Relaxed);
-                send_error(&mut wr, e.code(), &e.to_string(), 0).await;
-                return;
-            }
-            Err(_) => {
-                sh.counters.refused_sessions.fetch_add(1, Ordering::Relaxed);
-                send_error(&mut wr, ErrorCode::Timeout, "handshake timed out", 0).await;
-                return;
-            }
-        };
+    let shake = tokio::time::timeout(sh.handshake_timeout, handshake(&sh, &mut rd, &mut wr));
+    let (role, _slot) = match shake.await {
+        Ok(Ok(accepted)) => {
+            sh.counters.sessions.fetch_add(1, Ordering::Relaxed);
+            accepted
+        }
+        Ok(Err(e)) => {
+            tracing::info!(%peer, error = %e, "handshake refused");
+            sh.counters.refused_sessions.fetch_add(1, Ordering::Relaxed);
+            send_error(&mut wr, e.code(), &e.to_string(), 0).await;
+            return;
+        }
+        Err(_) => {
+            sh.counters.refused_sessions.fetch_add(1, Ordering::Relaxed);
+            send_error(&mut wr, ErrorCode::Timeout, "handshake timed out", 0).await;
+            return;
+        }
+    };
+    // Reused for file exports (whose bytes pass through memory on this side).
+    let mut scratch = Vec::new();
     loop {
         let next = tokio::select! {
-            m = read_message(&mut rd) => m,
+            h = read_header(&mut rd) => h,
             _ = stop.changed() => return,
         };
-        let (header, msg) = match next {
-            Ok(Some(m)) => m,
+        let header = match next {
+            Ok(Some(h)) => h,
             Ok(None) => return,
-            Err(e) => {
-                sh.counters.protocol_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(%peer, error = %e, "closing a connection that broke the protocol");
-                send_error(&mut wr, ErrorCode::InvalidArg, &e.to_string(), 0).await;
+            Err(e) => return protocol_error(&sh, &mut wr, peer, e).await,
+        };
+        let served = tokio::time::timeout(
+            sh.io_timeout,
+            serve_one(&sh, role, &mut rd, &mut wr, header, &mut scratch),
+        );
+        match served.await {
+            Ok(Ok(())) => {}
+            Ok(Err(Fatal::Protocol(e))) => return protocol_error(&sh, &mut wr, peer, e).await,
+            Ok(Err(Fatal::Gone)) => return,
+            Err(_) => {
+                tracing::info!(%peer, "closing a connection whose request timed out");
                 return;
             }
-        };
-        let id = header.request_id;
-        let reply = match msg {
-            Message::ReadReq {
-                export,
-                offset,
-                len,
-            } => read(&sh, &export, offset, len).await.map(|data| {
-                sh.counters
-                    .bytes_read
-                    .fetch_add(data.len() as u64, Ordering::Relaxed);
-                Message::ReadResp { data }
-            }),
-            Message::WriteReq {
-                export,
-                offset,
-                data,
-            } => write(&sh, role, &export, offset, data)
-                .await
-                .map(|written| {
-                    sh.counters
-                        .bytes_written
-                        .fetch_add(written, Ordering::Relaxed);
-                    Message::WriteResp { written }
-                }),
-            other => {
-                sh.counters.protocol_errors.fetch_add(1, Ordering::Relaxed);
-                let why = format!("unexpected {other:?} after the handshake");
-                send_error(&mut wr, ErrorCode::InvalidArg, &why, id).await;
-                return;
-            }
-        };
-        let sent = match reply {
-            Ok(m) => {
-                sh.counters.served.fetch_add(1, Ordering::Relaxed);
-                send(&mut wr, &m, id).await
-            }
-            Err(r) => {
-                sh.counters.refused.fetch_add(1, Ordering::Relaxed);
-                send(
-                    &mut wr,
-                    &Message::Error {
-                        code: r.code.as_i32(),
-                        message: r.message,
-                    },
-                    id,
-                )
-                .await
-            }
-        };
-        if sent.is_err() {
-            return;
         }
     }
 }
 
-/// The HELLO exchange; the key's role on success.
-async fn handshake(sh: &Shared, rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf) -> Result<Role> {
+async fn protocol_error(sh: &Shared, wr: &mut OwnedWriteHalf, peer: SocketAddr, e: RemoteIoError) {
+    sh.counters.protocol_errors.fetch_add(1, Ordering::Relaxed);
+    tracing::info!(%peer, error = %e, "closing a connection that broke the protocol");
+    send_error(wr, ErrorCode::InvalidArg, &e.to_string(), 0).await;
+}
+
+/// Serves one request whose header was read, answering it (with its result or a refusal).
+async fn serve_one(
+    sh: &Shared,
+    role: Role,
+    rd: &mut OwnedReadHalf,
+    wr: &mut OwnedWriteHalf,
+    header: Header,
+    scratch: &mut Vec<u8>,
+) -> std::result::Result<(), Fatal> {
+    let id = header.request_id;
+    let result = if header.msg_type == MsgType::WriteReq {
+        let mut name_len = [0u8; 2];
+        rd.read_exact(&mut name_len).await?;
+        let mut prefix = vec![0u8; 2 + WriteHead::rest_len(name_len)];
+        prefix[..2].copy_from_slice(&name_len);
+        if prefix.len() as u64 > header.payload_len {
+            return Err(WireError::Malformed {
+                what: "WRITE_REQ",
+                why: "a name longer than the payload".into(),
+            }
+            .into());
+        }
+        rd.read_exact(&mut prefix[2..]).await?;
+        let head = WriteHead::decode(&header, &prefix)?;
+        write(sh, role, rd, head, scratch).await?
+    } else {
+        match read_payload(rd, &header).await.map_err(Fatal::Protocol)? {
+            Message::ReadReq {
+                export,
+                offset,
+                len,
+            } => return read(sh, wr, id, &export, offset, len, scratch).await,
+            Message::StatReq { export } => stat(sh, role, &export).await,
+            other => {
+                let why = format!("unexpected {other:?} after the handshake");
+                return Err(Fatal::Protocol(RemoteIoError::InvalidArgument(why)));
+            }
+        }
+    };
+    answer(sh, wr, id, result).await
+}
+
+/// Sends a small answer or a refusal, counting it.
+async fn answer(
+    sh: &Shared,
+    wr: &mut OwnedWriteHalf,
+    id: u64,
+    result: std::result::Result<Message, Refusal>,
+) -> std::result::Result<(), Fatal> {
+    let msg = match result {
+        Ok(m) => {
+            sh.counters.served.fetch_add(1, Ordering::Relaxed);
+            m
+        }
+        Err(r) => {
+            sh.counters.refused.fetch_add(1, Ordering::Relaxed);
+            Message::Error {
+                code: r.code.as_i32(),
+                message: r.message,
+            }
+        }
+    };
+    wr.write_all(&msg.encode(id)).await?;
+    Ok(())
+}
+
+/// The HELLO exchange; the key's role and its session slot on success.
+async fn handshake<'a>(
+    sh: &'a Shared,
+    rd: &mut OwnedReadHalf,
+    wr: &mut OwnedWriteHalf,
+) -> Result<(Role, SessionSlot<'a>)> {
     let refuse = |why: &str| RemoteIoError::Auth(why.into());
     let Some((_, Message::Hello { key_id, nonce: cn })) = read_message(rd).await? else {
         return Err(refuse("the first message must be HELLO"));
@@ -472,8 +607,17 @@ async fn handshake(sh: &Shared, rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf)
     if !auth::check_client(&key.secret, &cn, &sn, &proof) {
         return Err(refuse("wrong key"));
     }
+    let slot = sh
+        .take_session(&key_id)
+        .ok_or_else(|| RemoteIoError::Remote {
+            code: ErrorCode::Busy,
+            message: format!(
+                "key {key_id:?} already holds {} sessions",
+                sh.max_sessions_per_key
+            ),
+        })?;
     send(wr, &Message::Welcome, 0).await?;
-    Ok(key.role)
+    Ok((key.role, slot))
 }
 
 fn export<'a>(sh: &'a Shared, name: &str) -> std::result::Result<&'a Served, Refusal> {
@@ -482,86 +626,172 @@ fn export<'a>(sh: &'a Shared, name: &str) -> std::result::Result<&'a Served, Ref
         .ok_or_else(|| Refusal::new(ErrorCode::NotFound, format!("no export named {name:?}")))
 }
 
-fn out_of_bounds(name: &str, offset: u64, len: u64, size: u64) -> Refusal {
-    Refusal::new(
-        ErrorCode::InvalidArg,
-        format!("{offset}+{len} is outside export {name:?} ({size} bytes)"),
-    )
+fn may_write(ex: &Served, role: Role) -> bool {
+    ex.access == Access::ReadWrite && role == Role::ReadWrite
+}
+
+/// `offset..offset+len` inside `size` bytes, or a refusal naming the export.
+fn in_bounds(
+    name: &str,
+    offset: u64,
+    len: u64,
+    size: u64,
+) -> std::result::Result<std::ops::Range<usize>, Refusal> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(offset as usize..end as usize),
+        _ => Err(Refusal::new(
+            ErrorCode::InvalidArg,
+            format!("{offset}+{len} is outside export {name:?} ({size} bytes)"),
+        )),
+    }
 }
 
 fn io_refusal(e: std::io::Error) -> Refusal {
     Refusal::new(ErrorCode::from_io(&e), e.to_string())
 }
 
+async fn stat(sh: &Shared, role: Role, name: &str) -> std::result::Result<Message, Refusal> {
+    let ex = export(sh, name)?;
+    let size = match &ex.source {
+        Source::Memory(mem) => mem.read().await.len() as u64,
+        Source::File { file, .. } => file.metadata().map_err(io_refusal)?.len(),
+    };
+    Ok(Message::StatResp {
+        size,
+        writable: may_write(ex, role),
+    })
+}
+
+/// Serves a read: the data goes out straight from a memory export, or through `scratch` from
+/// a file.
 async fn read(
     sh: &Shared,
+    wr: &mut OwnedWriteHalf,
+    id: u64,
     name: &str,
     offset: u64,
     len: u64,
-) -> std::result::Result<Vec<u8>, Refusal> {
-    let ex = export(sh, name)?;
-    match &ex.source {
+    scratch: &mut Vec<u8>,
+) -> std::result::Result<(), Fatal> {
+    let ex = match export(sh, name) {
+        Ok(ex) => ex,
+        Err(r) => return answer(sh, wr, id, Err(r)).await,
+    };
+    let sent = match &ex.source {
         Source::Memory(mem) => {
-            let buf = mem.read().unwrap_or_else(|e| e.into_inner());
-            let size = buf.len() as u64;
-            let end = offset
-                .checked_add(len)
-                .filter(|&e| e <= size)
-                .ok_or_else(|| out_of_bounds(name, offset, len, size))?;
-            Ok(buf[offset as usize..end as usize].to_vec())
+            let buf = mem.read().await;
+            let range = match in_bounds(name, offset, len, buf.len() as u64) {
+                Ok(r) => r,
+                Err(r) => return answer(sh, wr, id, Err(r)).await,
+            };
+            wr.write_all(&wire::read_resp_head(id, range.len())).await?;
+            wr.write_all(&buf[range]).await?;
+            len
         }
         Source::File { file, .. } => {
-            let size = file.metadata().map_err(io_refusal)?.len();
-            if offset.checked_add(len).is_none_or(|e| e > size) {
-                return Err(out_of_bounds(name, offset, len, size));
+            let size = file.metadata().map(|m| m.len()).map_err(io_refusal);
+            if let Err(r) = size.and_then(|size| in_bounds(name, offset, len, size)) {
+                return answer(sh, wr, id, Err(r)).await;
             }
-            let file = file.clone();
-            tokio::task::spawn_blocking(move || {
-                let mut data = vec![0u8; len as usize];
-                file.read_exact_at(&mut data, offset).map(|()| data)
+            let (file, mut data) = (file.clone(), std::mem::take(scratch));
+            data.resize(len as usize, 0);
+            let done = tokio::task::spawn_blocking(move || {
+                let r = file.read_exact_at(&mut data, offset);
+                (r, data)
             })
-            .await
-            .map_err(|e| Refusal::new(ErrorCode::General, e.to_string()))?
-            .map_err(io_refusal)
+            .await;
+            let data = match done {
+                Ok((Ok(()), data)) => data,
+                Ok((Err(e), data)) => {
+                    *scratch = data;
+                    return answer(sh, wr, id, Err(io_refusal(e))).await;
+                }
+                Err(e) => {
+                    let r = Refusal::new(ErrorCode::General, e.to_string());
+                    return answer(sh, wr, id, Err(r)).await;
+                }
+            };
+            wr.write_all(&wire::read_resp_head(id, data.len())).await?;
+            wr.write_all(&data).await?;
+            *scratch = data;
+            len
         }
-    }
+    };
+    sh.counters.served.fetch_add(1, Ordering::Relaxed);
+    sh.counters.bytes_read.fetch_add(sent, Ordering::Relaxed);
+    Ok(())
 }
 
+/// Serves a write whose fields were read: its data is received straight into a memory
+/// export, or through `scratch` into a file. A refused write's data is read and dropped, so
+/// the connection stays in step.
 async fn write(
     sh: &Shared,
     role: Role,
-    name: &str,
-    offset: u64,
-    data: Vec<u8>,
-) -> std::result::Result<u64, Refusal> {
-    let ex = export(sh, name)?;
-    if ex.access != Access::ReadWrite || role != Role::ReadWrite {
-        return Err(Refusal::new(
+    rd: &mut OwnedReadHalf,
+    head: WriteHead,
+    scratch: &mut Vec<u8>,
+) -> std::result::Result<std::result::Result<Message, Refusal>, Fatal> {
+    let WriteHead {
+        export: name,
+        offset,
+        len,
+    } = head;
+    let refuse = async |rd: &mut OwnedReadHalf, r: Refusal| {
+        let skipped = tokio::io::copy(&mut rd.take(len), &mut tokio::io::sink()).await?;
+        if skipped < len {
+            return Err(Fatal::Gone);
+        }
+        Ok(Err(r))
+    };
+    let ex = match export(sh, &name) {
+        Ok(ex) => ex,
+        Err(r) => return refuse(rd, r).await,
+    };
+    if !may_write(ex, role) {
+        let r = Refusal::new(
             ErrorCode::Permission,
             format!("writing export {name:?} is not permitted"),
-        ));
+        );
+        return refuse(rd, r).await;
     }
-    let len = data.len() as u64;
     match &ex.source {
         Source::Memory(mem) => {
-            let mut buf = mem.write().unwrap_or_else(|e| e.into_inner());
-            let size = buf.len() as u64;
-            let end = offset
-                .checked_add(len)
-                .filter(|&e| e <= size)
-                .ok_or_else(|| out_of_bounds(name, offset, len, size))?;
-            buf.as_mut_slice()[offset as usize..end as usize].copy_from_slice(&data);
-            Ok(len)
+            let mut buf = mem.write().await;
+            let range = match in_bounds(&name, offset, len, buf.len() as u64) {
+                Ok(r) => r,
+                Err(r) => {
+                    drop(buf);
+                    return refuse(rd, r).await;
+                }
+            };
+            rd.read_exact(&mut buf.as_mut_slice()[range]).await?;
         }
         Source::File { file, max_len } => {
-            if offset.checked_add(len).is_none_or(|e| e > *max_len) {
-                return Err(out_of_bounds(name, offset, len, *max_len));
+            if let Err(r) = in_bounds(&name, offset, len, *max_len) {
+                return refuse(rd, r).await;
             }
+            let mut data = std::mem::take(scratch);
+            data.resize(len as usize, 0);
+            rd.read_exact(&mut data).await?;
             let file = file.clone();
-            tokio::task::spawn_blocking(move || file.write_all_at(&data, offset).map(|()| len))
-                .await
-                .map_err(|e| Refusal::new(ErrorCode::General, e.to_string()))?
-                .map_err(io_refusal)
+            let done = tokio::task::spawn_blocking(move || {
+                let r = file.write_all_at(&data, offset);
+                (r, data)
+            })
+            .await;
+            match done {
+                Ok((r, data)) => {
+                    *scratch = data;
+                    if let Err(e) = r {
+                        return Ok(Err(io_refusal(e)));
+                    }
+                }
+                Err(e) => return Ok(Err(Refusal::new(ErrorCode::General, e.to_string()))),
+            }
         }
     }
+    sh.counters.bytes_written.fetch_add(len, Ordering::Relaxed);
+    debug_assert!(len <= MAX_DATA as u64);
+    Ok(Ok(Message::WriteResp { written: len }))
 }

@@ -1,8 +1,8 @@
 //! # gpuio-transport-remoteio
 //!
 //! RemoteIO (SAD §2.3.3, SDD §4.3): a GPU program on one node reads and writes memory and files
-//! that another node exports. The exporting node runs the [`Agent`]; the reading node connects
-//! with a [`RemoteClient`].
+//! that another node exports. The exporting node runs the [`Agent`]; the reading node talks to
+//! it through a [`RemotePeer`] (a pool of [`Connection`]s).
 //!
 //! - [`wire`]: the SDD §6.2 protocol, decoded strictly (a corrupt, truncated or oversized
 //!   message is an error and ends that connection; the agent goes on serving the others).
@@ -11,23 +11,26 @@
 //! - [`agent`]: the agent (tokio): named exports of host memory and files, each read-only or
 //!   read-write, every request checked against its export's bounds and the key's role,
 //!   graceful shutdown that finishes the requests in flight.
-//! - [`client`]: a blocking client over TCP: handshake, reads and writes of any size (split
-//!   into messages of at most [`wire::MAX_DATA`] bytes).
+//! - [`connection`]: one blocking, authenticated TCP connection with pipelined requests; data
+//!   is received straight into and sent straight from the caller's memory.
+//! - [`peer`]: a pool of connections to one agent; large transfers are striped over several.
 //!
-//! Not here yet (issue 6 goes on): RDMA verbs, several connections per peer, the connection
-//! manager with failover, TLS, the etcd registry, the `gpuio agent` command and the engine
-//! in gpuio-core.
+//! Not here yet (issue 6 goes on): RDMA verbs and TLS.
 
 #![forbid(unsafe_code)]
 
 pub mod agent;
 pub mod auth;
-pub mod client;
+pub mod connection;
+pub mod peer;
 pub mod wire;
 
-pub use agent::{Access, Agent, AgentConfig, AgentStats, Export, ExportSource};
+pub use agent::{
+    Access, Agent, AgentConfig, AgentStats, Export, ExportSource, SharedMemory, shared_memory,
+};
 pub use auth::{Key, Role};
-pub use client::RemoteClient;
+pub use connection::{Connection, Credentials, ExportInfo};
+pub use peer::{PeerConfig, PeerStats, RemotePeer};
 
 use gpuio_hal::ErrorCode;
 

@@ -43,6 +43,10 @@ pub enum MsgType {
     ReadResp = 0x12,
     /// How many bytes were written.
     WriteResp = 0x13,
+    /// An export's size and access (gpuio extension).
+    StatReq = 0x14,
+    /// The answer to a STAT_REQ (gpuio extension).
+    StatResp = 0x15,
     /// RDMA connection information.
     RdmaInfo = 0x20,
     /// A refused or failed request (and, for a protocol error, the end of the connection).
@@ -58,6 +62,8 @@ impl MsgType {
             0x11 => Self::WriteReq,
             0x12 => Self::ReadResp,
             0x13 => Self::WriteResp,
+            0x14 => Self::StatReq,
+            0x15 => Self::StatResp,
             0x20 => Self::RdmaInfo,
             0xFF => Self::Error,
             _ => return None,
@@ -215,6 +221,18 @@ pub enum Message {
         /// How many.
         written: u64,
     },
+    /// Asks for an export's size and access.
+    StatReq {
+        /// The export's name.
+        export: String,
+    },
+    /// An export's size and access.
+    StatResp {
+        /// Bytes readable now.
+        size: u64,
+        /// Whether this session may write it.
+        writable: bool,
+    },
     /// RDMA connection information.
     RdmaInfo(RdmaInfo),
     /// A refused or failed request.
@@ -246,6 +264,10 @@ impl fmt::Debug for Message {
             } => write!(f, "WriteReq {{ {export:?}, {offset}+{} }}", data.len()),
             Self::ReadResp { data } => write!(f, "ReadResp {{ {} bytes }}", data.len()),
             Self::WriteResp { written } => write!(f, "WriteResp {{ {written} }}"),
+            Self::StatReq { export } => write!(f, "StatReq {{ {export:?} }}"),
+            Self::StatResp { size, writable } => {
+                write!(f, "StatResp {{ {size} bytes, writable: {writable} }}")
+            }
             Self::RdmaInfo(i) => write!(f, "{i:?}"),
             Self::Error { code, message } => write!(f, "Error {{ {code}: {message:?} }}"),
         }
@@ -335,6 +357,8 @@ impl Message {
             Self::WriteReq { .. } => MsgType::WriteReq,
             Self::ReadResp { .. } => MsgType::ReadResp,
             Self::WriteResp { .. } => MsgType::WriteResp,
+            Self::StatReq { .. } => MsgType::StatReq,
+            Self::StatResp { .. } => MsgType::StatResp,
             Self::RdmaInfo(_) => MsgType::RdmaInfo,
             Self::Error { .. } => MsgType::Error,
         }
@@ -379,18 +403,23 @@ impl Message {
                 offset,
                 data,
             } => {
-                put_str(&mut p, &name(export));
-                p.extend_from_slice(&offset.to_le_bytes());
                 let d = &data[..data.len().min(MAX_DATA)];
-                p.extend_from_slice(&(d.len() as u64).to_le_bytes());
-                p.extend_from_slice(d);
+                let mut out = write_req_head(request_id, export, *offset, d.len());
+                out.extend_from_slice(d);
+                return out;
             }
             Self::ReadResp { data } => {
                 let d = &data[..data.len().min(MAX_DATA)];
-                p.extend_from_slice(&(d.len() as u64).to_le_bytes());
-                p.extend_from_slice(d);
+                let mut out = read_resp_head(request_id, d.len()).to_vec();
+                out.extend_from_slice(d);
+                return out;
             }
             Self::WriteResp { written } => p.extend_from_slice(&written.to_le_bytes()),
+            Self::StatReq { export } => put_str(&mut p, &name(export)),
+            Self::StatResp { size, writable } => {
+                p.extend_from_slice(&size.to_le_bytes());
+                p.push(u8::from(*writable));
+            }
             Self::RdmaInfo(i) => {
                 p.extend_from_slice(&i.qp_num.to_le_bytes());
                 p.extend_from_slice(&i.lid.to_le_bytes());
@@ -434,6 +463,8 @@ impl Message {
             MsgType::WriteReq => "WRITE_REQ",
             MsgType::ReadResp => "READ_RESP",
             MsgType::WriteResp => "WRITE_RESP",
+            MsgType::StatReq => "STAT_REQ",
+            MsgType::StatResp => "STAT_RESP",
             MsgType::RdmaInfo => "RDMA_INFO",
             MsgType::Error => "ERROR",
         };
@@ -470,6 +501,18 @@ impl Message {
             },
             (MsgType::ReadResp, 0) => Self::ReadResp { data: r.data()? },
             (MsgType::WriteResp, 0) => Self::WriteResp { written: r.u64()? },
+            (MsgType::StatReq, 0) => Self::StatReq {
+                export: r.string(MAX_NAME)?,
+            },
+            (MsgType::StatResp, 0) => {
+                let size = r.u64()?;
+                let writable = match r.array::<1>()? {
+                    [0] => false,
+                    [1] => true,
+                    [b] => return Err(r.bad(format!("writable flag {b}"))),
+                };
+                Self::StatResp { size, writable }
+            }
             (MsgType::RdmaInfo, 0) => Self::RdmaInfo(RdmaInfo {
                 qp_num: r.u32()?,
                 lid: r.u16()?,
@@ -491,6 +534,119 @@ impl Message {
     }
 }
 
+/// Bytes in front of a READ_RESP's data: the header and the data length.
+pub const READ_RESP_HEAD: usize = HEADER_LEN + 8;
+
+/// The header and length of a READ_RESP carrying `len` bytes (at most [`MAX_DATA`]): the
+/// agent sends the data straight from the export after it, the client receives it straight
+/// into the destination.
+pub fn read_resp_head(request_id: u64, len: usize) -> [u8; READ_RESP_HEAD] {
+    let mut out = [0u8; READ_RESP_HEAD];
+    let header = Header {
+        msg_type: MsgType::ReadResp,
+        flags: 0,
+        request_id,
+        payload_len: 8 + len as u64,
+    };
+    out[..HEADER_LEN].copy_from_slice(&header.encode());
+    out[HEADER_LEN..].copy_from_slice(&(len as u64).to_le_bytes());
+    out
+}
+
+/// Checks the header and length in front of a READ_RESP's data against the `expected` bytes.
+pub fn check_read_resp(
+    header: &Header,
+    len_field: [u8; 8],
+    expected: usize,
+) -> Result<(), WireError> {
+    let len = u64::from_le_bytes(len_field);
+    if len != expected as u64 || header.payload_len != 8 + len || header.flags != 0 {
+        return Err(WireError::Malformed {
+            what: "READ_RESP",
+            why: format!(
+                "{len} bytes (payload {}) for a read of {expected}",
+                header.payload_len
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Everything of a WRITE_REQ but its data: the client sends the data from the caller's slice
+/// after it.
+pub fn write_req_head(request_id: u64, export: &str, offset: u64, len: usize) -> Vec<u8> {
+    let mut p = Vec::with_capacity(2 + export.len() + 16);
+    put_str(&mut p, &truncate(export, MAX_NAME));
+    p.extend_from_slice(&offset.to_le_bytes());
+    p.extend_from_slice(&(len as u64).to_le_bytes());
+    let header = Header {
+        msg_type: MsgType::WriteReq,
+        flags: 0,
+        request_id,
+        payload_len: (p.len() + len) as u64,
+    };
+    let mut out = Vec::with_capacity(HEADER_LEN + p.len() + len);
+    out.extend_from_slice(&header.encode());
+    out.extend_from_slice(&p);
+    out
+}
+
+/// The fields of a WRITE_REQ in front of its data, decoded by a receiver that streams the
+/// data into place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteHead {
+    /// The export's name.
+    pub export: String,
+    /// Byte offset in the export.
+    pub offset: u64,
+    /// Bytes of data that follow.
+    pub len: u64,
+}
+
+impl WriteHead {
+    /// Bytes of the fields after the name's 2-byte length: the name, the offset, the length.
+    pub fn rest_len(name_len: [u8; 2]) -> usize {
+        u16::from_le_bytes(name_len) as usize + 16
+    }
+
+    /// Decodes the fields (`prefix`: the name's length, the name, offset and length) and
+    /// checks them against the header: a known size, at most [`MAX_DATA`] bytes of data, and a
+    /// payload of exactly the fields and the data.
+    pub fn decode(header: &Header, prefix: &[u8]) -> Result<Self, WireError> {
+        let mut r = Reader {
+            what: "WRITE_REQ",
+            b: prefix,
+        };
+        if header.msg_type != MsgType::WriteReq || header.flags != 0 {
+            return Err(r.bad(format!("{:?} flags {:#x}", header.msg_type, header.flags)));
+        }
+        let export = r.string(MAX_NAME)?;
+        let offset = r.u64()?;
+        let len = r.u64()?;
+        r.end()?;
+        if len > MAX_DATA as u64 {
+            return Err(WireError::Malformed {
+                what: "WRITE_REQ",
+                why: format!("{len} bytes of data (limit {MAX_DATA})"),
+            });
+        }
+        if header.payload_len != prefix.len() as u64 + len {
+            return Err(WireError::Malformed {
+                what: "WRITE_REQ",
+                why: format!(
+                    "a payload of {} bytes for {len} bytes of data",
+                    header.payload_len
+                ),
+            });
+        }
+        Ok(Self {
+            export,
+            offset,
+            len,
+        })
+    }
+}
+
 /// `s` cut to at most `max` bytes at a character boundary.
 fn truncate(s: &str, max: usize) -> String {
     let mut end = s.len().min(max);
@@ -509,6 +665,38 @@ mod tests {
         let h = Header::decode(bytes[..HEADER_LEN].try_into().unwrap()).unwrap();
         assert_eq!(h.request_id, 7);
         assert_eq!(Message::decode(&h, &bytes[HEADER_LEN..]).unwrap(), m);
+    }
+
+    #[test]
+    fn streamed_heads_match_whole_messages() {
+        let w = Message::WriteReq {
+            export: "ckpt".into(),
+            offset: 99,
+            data: vec![4; 300],
+        }
+        .encode(5);
+        let h = Header::decode(w[..HEADER_LEN].try_into().unwrap()).unwrap();
+        let rest = WriteHead::rest_len([w[HEADER_LEN], w[HEADER_LEN + 1]]);
+        let prefix = &w[HEADER_LEN..HEADER_LEN + 2 + rest];
+        let head = WriteHead::decode(&h, prefix).unwrap();
+        assert_eq!(
+            (head.export.as_str(), head.offset, head.len),
+            ("ckpt", 99, 300)
+        );
+        assert_eq!(&w[HEADER_LEN + 2 + rest..], &[4; 300][..]);
+        // A header claiming more payload than the fields and data is refused.
+        let longer = Header {
+            payload_len: h.payload_len + 1,
+            ..h
+        };
+        assert!(WriteHead::decode(&longer, prefix).is_err());
+
+        let r = Message::ReadResp { data: vec![1; 77] }.encode(6);
+        assert_eq!(&r[..READ_RESP_HEAD], &read_resp_head(6, 77));
+        let h = Header::decode(r[..HEADER_LEN].try_into().unwrap()).unwrap();
+        let len: [u8; 8] = r[HEADER_LEN..READ_RESP_HEAD].try_into().unwrap();
+        assert!(check_read_resp(&h, len, 77).is_ok());
+        assert!(check_read_resp(&h, len, 78).is_err());
     }
 
     #[test]
@@ -540,6 +728,13 @@ mod tests {
                 data: vec![1, 2, 3],
             },
             Message::WriteResp { written: 1000 },
+            Message::StatReq {
+                export: "kv".into(),
+            },
+            Message::StatResp {
+                size: 1 << 33,
+                writable: true,
+            },
             Message::RdmaInfo(RdmaInfo {
                 qp_num: 0x12345,
                 lid: 7,

@@ -1,15 +1,16 @@
-//! The agent and client over real TCP on loopback: reads and writes of memory and file exports
-//! checked byte for byte, the handshake refusing wrong and unknown keys, permissions and
-//! bounds refused per request with the connection going on, broken and fuzzed messages ending
-//! only their own connection, and shutdown with requests in flight.
+//! The agent, connections and peers over real TCP on loopback: reads and writes of memory and
+//! file exports checked byte for byte (pipelined, and striped over several connections), the
+//! handshake refusing wrong and unknown keys and keys over their session limit, permissions
+//! and bounds refused per request with the connection going on, broken and fuzzed messages
+//! ending only their own connection, and shutdown with requests in flight.
 
 use gpuio_hal::{ErrorCode, HostAllocOptions, HostBuffer, pattern};
 use gpuio_transport_remoteio::wire::{HEADER_LEN, Message};
 use gpuio_transport_remoteio::{
-    Access, Agent, AgentConfig, Export, ExportSource, Key, RemoteClient, RemoteIoError, Role,
+    Access, Agent, AgentConfig, Connection, Credentials, Export, ExportInfo, ExportSource, Key,
+    PeerConfig, RemoteIoError, RemotePeer, Role, SharedMemory, shared_memory,
 };
 use proptest::prelude::*;
-use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);
@@ -19,7 +20,7 @@ const RO_KEY: &[u8] = b"read-only secret key 0123456789!";
 struct Setup {
     agent: Agent,
     _dir: tempfile::TempDir,
-    mem: Arc<RwLock<HostBuffer>>,
+    mem: SharedMemory,
     file_path: std::path::PathBuf,
 }
 
@@ -29,7 +30,7 @@ const FILE_LEN: usize = 3 << 20;
 fn setup() -> Setup {
     let mut buf = HostBuffer::alloc(MEM_LEN, &HostAllocOptions::default()).unwrap();
     pattern::fill(&mut buf, 0, 1);
-    let mem = Arc::new(RwLock::new(buf));
+    let mem = shared_memory(buf);
     let mut ro = HostBuffer::alloc(1 << 20, &HostAllocOptions::default()).unwrap();
     pattern::fill(&mut ro, 0, 2);
     let dir = tempfile::tempdir().unwrap();
@@ -58,7 +59,7 @@ fn setup() -> Setup {
         },
         Export {
             name: "weights".into(),
-            source: ExportSource::Memory(Arc::new(RwLock::new(ro))),
+            source: ExportSource::Memory(shared_memory(ro)),
             access: Access::ReadOnly,
         },
         Export {
@@ -79,8 +80,40 @@ fn setup() -> Setup {
     }
 }
 
-fn client(s: &Setup, key: &str, secret: &[u8]) -> RemoteClient {
-    RemoteClient::connect(s.agent.local_addr(), key, secret, T).unwrap()
+/// Messages of 1 MiB: a 33 MiB read is 33 pipelined requests.
+const CHUNK: usize = 1 << 20;
+
+fn creds(key: &str, secret: &[u8]) -> Credentials {
+    Credentials {
+        key_id: key.into(),
+        secret: secret.to_vec(),
+    }
+}
+
+fn connect(
+    addr: std::net::SocketAddr,
+    key: &str,
+    secret: &[u8],
+    t: Duration,
+) -> Result<Connection, RemoteIoError> {
+    Connection::connect(addr, &creds(key, secret), t)
+}
+
+/// A connection with the same calls as a peer (the chunk size fixed).
+struct Client(Connection);
+
+impl Client {
+    fn read(&mut self, export: &str, offset: u64, buf: &mut [u8]) -> Result<(), RemoteIoError> {
+        self.0.read(export, offset, buf, CHUNK)
+    }
+
+    fn write(&mut self, export: &str, offset: u64, data: &[u8]) -> Result<(), RemoteIoError> {
+        self.0.write(export, offset, data, CHUNK)
+    }
+}
+
+fn client(s: &Setup, key: &str, secret: &[u8]) -> Client {
+    Client(connect(s.agent.local_addr(), key, secret, T).unwrap())
 }
 
 fn remote_code(r: Result<impl std::fmt::Debug, RemoteIoError>) -> ErrorCode {
@@ -100,8 +133,8 @@ fn reads_and_writes_arrive_intact() {
     assert_eq!(pattern::first_deviation(&got, 12_345, 1), None);
     // A write, then the exporting program sees it and a read returns it.
     let data: Vec<u8> = (0..(17 << 20) + 3).map(|i| (i * 31 % 251) as u8).collect();
-    assert_eq!(c.write("kv", 777, &data).unwrap(), data.len() as u64);
-    assert!(s.mem.read().unwrap()[777..777 + data.len()] == data[..]);
+    c.write("kv", 777, &data).unwrap();
+    assert!(s.mem.blocking_read()[777..777 + data.len()] == data[..]);
     let mut back = vec![0u8; data.len()];
     c.read("kv", 777, &mut back).unwrap();
     assert!(back == data);
@@ -126,7 +159,7 @@ fn the_handshake_refuses_wrong_and_unknown_keys() {
         ("writer", &b"not the writer's secret at all!!"[..]),
         ("nobody", RW_KEY),
     ] {
-        match RemoteClient::connect(addr, key, secret, T) {
+        match connect(addr, key, secret, T) {
             Err(e @ RemoteIoError::Auth(_)) => assert_eq!(e.code(), ErrorCode::Permission),
             other => panic!("{key}: {other:?}"),
         }
@@ -189,12 +222,13 @@ fn a_broken_message_ends_its_connection_only() {
     // A header with a bad magic.
     let mut m = Message::WriteResp { written: 1 }.encode(9);
     m[0] ^= 0xff;
-    bad.send_raw(&m).unwrap();
+    bad.0.send_raw(&m).unwrap();
     let mut b = [0u8; 8];
     assert!(bad.read("kv", 0, &mut b).is_err());
     // A response type sent as a request, and a truncated message, on fresh connections.
     let mut odd = client(&s, "writer", RW_KEY);
-    odd.send_raw(&Message::WriteResp { written: 1 }.encode(3))
+    odd.0
+        .send_raw(&Message::WriteResp { written: 1 }.encode(3))
         .unwrap();
     assert!(odd.read("kv", 0, &mut b).is_err());
     let mut cut = client(&s, "writer", RW_KEY);
@@ -204,7 +238,7 @@ fn a_broken_message_ends_its_connection_only() {
         len: 8,
     }
     .encode(4);
-    cut.send_raw(&req[..HEADER_LEN + 3]).unwrap();
+    cut.0.send_raw(&req[..HEADER_LEN + 3]).unwrap();
     drop(cut);
     // The first connection is untouched.
     good.read("kv", 8, &mut b).unwrap();
@@ -228,13 +262,12 @@ proptest! {
         let addr = s.local_addr();
         if after_handshake {
             // A short timeout: a flipped length can leave the agent waiting for more bytes.
-            let mut c =
-                RemoteClient::connect(addr, "writer", RW_KEY, Duration::from_millis(500)).unwrap();
+            let mut c = Client(connect(addr, "writer", RW_KEY, Duration::from_millis(500)).unwrap());
             let mut msg = Message::ReadReq { export: "kv".into(), offset: 0, len: 16 }.encode(1);
             let i = flip_at % msg.len();
             msg[i] ^= flip;
             msg.extend_from_slice(&junk);
-            c.send_raw(&msg).unwrap();
+            c.0.send_raw(&msg).unwrap();
             let mut b = [0u8; 4];
             // Either the flip was harmless and this works, or the connection was refused.
             let _ = c.read("kv", 0, &mut b);
@@ -243,7 +276,7 @@ proptest! {
             let mut raw = std::net::TcpStream::connect(addr).unwrap();
             let _ = raw.write_all(&junk);
         }
-        let mut c = RemoteClient::connect(addr, "writer", RW_KEY, T).unwrap();
+        let mut c = Client(connect(addr, "writer", RW_KEY, T).unwrap());
         let mut b = [0u8; 32];
         c.read("kv", 64, &mut b).unwrap();
         prop_assert_eq!(pattern::first_deviation(&b, 64, 1), None);
@@ -262,7 +295,7 @@ fn fuzz_agent() -> Agent {
     }];
     cfg.exports = vec![Export {
         name: "kv".into(),
-        source: ExportSource::Memory(Arc::new(RwLock::new(buf))),
+        source: ExportSource::Memory(shared_memory(buf)),
         access: Access::ReadOnly,
     }];
     cfg.handshake_timeout = Duration::from_millis(300);
@@ -274,7 +307,7 @@ fn shutdown_finishes_requests_in_flight() {
     let s = setup();
     let addr = s.agent.local_addr();
     let reader = std::thread::spawn(move || {
-        let mut c = RemoteClient::connect(addr, "writer", RW_KEY, T).unwrap();
+        let mut c = Client(connect(addr, "writer", RW_KEY, T).unwrap());
         let mut ok = 0u32;
         let mut buf = vec![0u8; 8 << 20];
         loop {
@@ -298,5 +331,107 @@ fn shutdown_finishes_requests_in_flight() {
     );
     assert!(stats.served >= u64::from(ok));
     // Nothing listens any more.
-    assert!(RemoteClient::connect(addr, "writer", RW_KEY, Duration::from_millis(500)).is_err());
+    assert!(connect(addr, "writer", RW_KEY, Duration::from_millis(500)).is_err());
+}
+
+#[test]
+fn a_peer_stripes_large_transfers_over_several_connections() {
+    let s = setup();
+    let mut cfg = PeerConfig::new(s.agent.local_addr(), creds("writer", RW_KEY));
+    cfg.connections = 4;
+    cfg.stripe_bytes = 256 << 10;
+    let peer = RemotePeer::connect(cfg).unwrap();
+    assert_eq!(
+        peer.stat("kv").unwrap(),
+        ExportInfo {
+            size: MEM_LEN as u64,
+            writable: true
+        }
+    );
+    let mut got = vec![0u8; (9 << 20) + 17];
+    peer.read("kv", 3, &mut got).unwrap();
+    assert_eq!(pattern::first_deviation(&got, 3, 1), None);
+    let data: Vec<u8> = (0..(5 << 20) + 1).map(|i| (i * 7 % 253) as u8).collect();
+    peer.write("kv", 1 << 20, &data).unwrap();
+    assert!(s.mem.blocking_read()[1 << 20..(1 << 20) + data.len()] == data[..]);
+    // Four connections did it, and went back to the pool.
+    assert_eq!(peer.stats().connects, 4);
+    assert_eq!(s.agent.stats().sessions, 4);
+    // A striped read that runs past the end is refused as a whole; the pool is still usable.
+    let mut tail = vec![0u8; 2 << 20];
+    match peer.read("kv", MEM_LEN as u64 - (1 << 20), &mut tail) {
+        Err(RemoteIoError::Remote { code, .. }) => assert_eq!(code, ErrorCode::InvalidArg),
+        other => panic!("{other:?}"),
+    }
+    peer.read("kv", 7 << 20, &mut tail).unwrap();
+    assert_eq!(pattern::first_deviation(&tail, 7 << 20, 1), None);
+    assert_eq!(peer.stats().broken, 0);
+    // A peer of a read-only key sees the export as not writable.
+    let ro = RemotePeer::connect(PeerConfig::new(
+        s.agent.local_addr(),
+        creds("reader", RO_KEY),
+    ))
+    .unwrap();
+    assert!(!ro.stat("kv").unwrap().writable);
+    assert_eq!(ro.stat("ckpt").unwrap().size, FILE_LEN as u64);
+}
+
+#[test]
+fn a_pipelined_refusal_leaves_the_connection_in_step() {
+    let s = setup();
+    let mut c = client(&s, "writer", RW_KEY);
+    // Eight pieces in flight, the last ones past the end of the export.
+    let mut big = vec![0u8; 8 << 20];
+    assert!(matches!(
+        c.read("kv", MEM_LEN as u64 - (6 << 20), &mut big),
+        Err(RemoteIoError::Remote { .. })
+    ));
+    // Writes to a read-only export: every piece's data is skipped by the agent.
+    assert!(matches!(
+        c.write("weights", 0, &big[..3 << 20]),
+        Err(RemoteIoError::Remote {
+            code: ErrorCode::Permission,
+            ..
+        })
+    ));
+    let mut b = vec![0u8; 100];
+    c.read("kv", 5, &mut b).unwrap();
+    assert_eq!(pattern::first_deviation(&b, 5, 1), None);
+    assert!(!c.0.is_broken());
+}
+
+#[test]
+fn a_key_over_its_session_limit_is_refused_busy() {
+    let mut buf = HostBuffer::alloc(4096, &HostAllocOptions::default()).unwrap();
+    pattern::fill(&mut buf, 0, 1);
+    let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
+    cfg.keys = vec![Key {
+        id: "writer".into(),
+        secret: RW_KEY.to_vec(),
+        role: Role::ReadWrite,
+    }];
+    cfg.exports = vec![Export {
+        name: "kv".into(),
+        source: ExportSource::Memory(shared_memory(buf)),
+        access: Access::ReadOnly,
+    }];
+    cfg.max_sessions_per_key = 2;
+    let agent = Agent::start(cfg).unwrap();
+    let addr = agent.local_addr();
+    let a = connect(addr, "writer", RW_KEY, T).unwrap();
+    let _b = connect(addr, "writer", RW_KEY, T).unwrap();
+    match connect(addr, "writer", RW_KEY, T) {
+        Err(e) => assert_eq!(e.code(), ErrorCode::Busy, "{e}"),
+        Ok(_) => panic!("a third session was accepted"),
+    }
+    // A session that ends frees its slot.
+    drop(a);
+    let deadline = std::time::Instant::now() + T;
+    while connect(addr, "writer", RW_KEY, T).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the slot was never freed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

@@ -1,0 +1,382 @@
+//! One authenticated, blocking TCP connection to an agent: the HELLO handshake (the client
+//! checks the agent's proof too), then pipelined reads and writes. Data never passes through
+//! an intermediate buffer on this side: a read's bytes are received straight into the
+//! caller's slice, a write's bytes are sent straight from it.
+//!
+//! A connection keeps up to [`PIPELINE_DEPTH`] requests in flight, so the agent always has
+//! the next request while the network carries the last answer. A refusal (an ERROR for one
+//! request) leaves the connection usable: the answers still in flight are drained first. A
+//! network or protocol failure marks it [`broken`](Connection::is_broken).
+
+use crate::auth;
+use crate::wire::{
+    self, HEADER_LEN, Header, MAX_DATA, Message, MsgType, READ_RESP_HEAD, WireError,
+};
+use crate::{RemoteIoError, Result, code_from_i32};
+use std::collections::VecDeque;
+use std::io::{IoSlice, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+/// Requests a connection keeps in flight.
+pub const PIPELINE_DEPTH: usize = 4;
+
+/// A key to authenticate with: its name, and the secret that never crosses the wire.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Credentials {
+    /// The key's name, as the agent knows it.
+    pub key_id: String,
+    /// The shared secret.
+    pub secret: Vec<u8>,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Credentials {{ key_id: {:?} }}", self.key_id)
+    }
+}
+
+/// An export's size and whether this session may write it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExportInfo {
+    /// Bytes readable now.
+    pub size: u64,
+    /// Whether writes are permitted (by the export and the key's role).
+    pub writable: bool,
+}
+
+/// A connection to an agent.
+#[derive(Debug)]
+pub struct Connection {
+    stream: TcpStream,
+    next_id: u64,
+    broken: bool,
+}
+
+/// One piece of a pipelined transfer: an offset in the export and the caller's bytes.
+type Piece<'a, B> = (u64, B);
+
+impl Connection {
+    /// Connects to the agent at `addr` and authenticates. `timeout` bounds the connect and
+    /// every later wait for the agent.
+    pub fn connect(addr: SocketAddr, creds: &Credentials, timeout: Duration) -> Result<Self> {
+        let stream = TcpStream::connect_timeout(&addr, timeout)?;
+        stream.set_nodelay(true)?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        let mut c = Self {
+            stream,
+            next_id: 1,
+            broken: false,
+        };
+        let cn = auth::nonce()?;
+        c.send(
+            &Message::Hello {
+                key_id: creds.key_id.clone(),
+                nonce: cn,
+            },
+            0,
+        )?;
+        let (sn, proof) = match c.recv()?.1 {
+            Message::Challenge { nonce, proof } => (nonce, proof),
+            other => return Err(refused(other)),
+        };
+        if !auth::check_server(&creds.secret, &cn, &sn, &proof) {
+            return Err(RemoteIoError::Auth(
+                "the agent could not prove it holds the key".into(),
+            ));
+        }
+        let proof = auth::client_proof(&creds.secret, &cn, &sn)
+            .ok_or_else(|| RemoteIoError::Auth("unusable key".into()))?;
+        c.send(&Message::Proof { proof }, 0)?;
+        match c.recv()?.1 {
+            Message::Welcome => Ok(c),
+            other => Err(refused(other)),
+        }
+    }
+
+    /// Whether the connection failed (network or protocol) and must not be used again.
+    pub fn is_broken(&self) -> bool {
+        self.broken
+    }
+
+    /// The size of `export` and whether this session may write it.
+    pub fn stat(&mut self, export: &str) -> Result<ExportInfo> {
+        self.guard(|c| {
+            let id = c.id();
+            c.send(
+                &Message::StatReq {
+                    export: export.into(),
+                },
+                id,
+            )?;
+            match c.response(id)? {
+                Message::StatResp { size, writable } => Ok(ExportInfo { size, writable }),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
+    /// Reads `buf.len()` bytes of `export` at `offset`, in messages of at most `chunk` bytes.
+    pub fn read(&mut self, export: &str, offset: u64, buf: &mut [u8], chunk: usize) -> Result<()> {
+        let pieces = split_mut(offset, buf, chunk)?;
+        self.read_pieces(export, pieces)
+    }
+
+    /// Writes `data` to `export` at `offset`, in messages of at most `chunk` bytes.
+    pub fn write(&mut self, export: &str, offset: u64, data: &[u8], chunk: usize) -> Result<()> {
+        let pieces = split(offset, data, chunk)?;
+        self.write_pieces(export, pieces)
+    }
+
+    /// Reads every piece (each at most [`MAX_DATA`] bytes) of `export`, pipelined.
+    pub fn read_pieces(&mut self, export: &str, pieces: Vec<Piece<'_, &mut [u8]>>) -> Result<()> {
+        self.guard(|c| {
+            let mut todo = pieces.into_iter();
+            let mut in_flight: VecDeque<(u64, &mut [u8])> = VecDeque::new();
+            let mut first_refusal = None;
+            loop {
+                while in_flight.len() < PIPELINE_DEPTH
+                    && let Some((offset, buf)) = todo.next()
+                {
+                    let id = c.id();
+                    let req = Message::ReadReq {
+                        export: export.into(),
+                        offset,
+                        len: buf.len() as u64,
+                    };
+                    c.send(&req, id)?;
+                    in_flight.push_back((id, buf));
+                }
+                let Some((id, buf)) = in_flight.pop_front() else {
+                    break;
+                };
+                if let Err(e) = c.receive_read(id, buf) {
+                    if !matches!(e, RemoteIoError::Remote { .. }) {
+                        return Err(e);
+                    }
+                    // Refused: stop sending, collect what is in flight, report the refusal.
+                    first_refusal.get_or_insert(e);
+                    for _ in todo.by_ref() {}
+                }
+            }
+            first_refusal.map_or(Ok(()), Err)
+        })
+    }
+
+    /// Writes every piece (each at most [`MAX_DATA`] bytes) to `export`, pipelined.
+    pub fn write_pieces(&mut self, export: &str, pieces: Vec<Piece<'_, &[u8]>>) -> Result<()> {
+        self.guard(|c| {
+            let mut todo = pieces.into_iter();
+            let mut in_flight: VecDeque<(u64, usize)> = VecDeque::new();
+            let mut first_refusal = None;
+            loop {
+                while in_flight.len() < PIPELINE_DEPTH
+                    && let Some((offset, data)) = todo.next()
+                {
+                    let id = c.id();
+                    let head = wire::write_req_head(id, export, offset, data.len());
+                    write_all_vectored(&mut c.stream, &head, data)?;
+                    in_flight.push_back((id, data.len()));
+                }
+                let Some((id, n)) = in_flight.pop_front() else {
+                    break;
+                };
+                let answer = c.response(id).and_then(|m| match m {
+                    Message::WriteResp { written } if written == n as u64 => Ok(()),
+                    Message::WriteResp { written } => Err(malformed(
+                        "WRITE_RESP",
+                        format!("{written} bytes written of {n}"),
+                    )),
+                    other => Err(unexpected(&other)),
+                });
+                if let Err(e) = answer {
+                    if !matches!(e, RemoteIoError::Remote { .. }) {
+                        return Err(e);
+                    }
+                    first_refusal.get_or_insert(e);
+                    for _ in todo.by_ref() {}
+                }
+            }
+            first_refusal.map_or(Ok(()), Err)
+        })
+    }
+
+    /// Sends raw bytes (tests use it to break the protocol on purpose).
+    #[doc(hidden)]
+    pub fn send_raw(&mut self, bytes: &[u8]) -> Result<()> {
+        self.stream.write_all(bytes)?;
+        Ok(())
+    }
+
+    /// Runs `f`, marking the connection broken when it fails for any reason but a refusal.
+    fn guard<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        if self.broken {
+            return Err(RemoteIoError::Network(std::io::Error::new(
+                std::io::ErrorKind::NotConnected,
+                "the connection failed earlier",
+            )));
+        }
+        let r = f(self);
+        if let Err(e) = &r
+            && !matches!(e, RemoteIoError::Remote { .. })
+        {
+            self.broken = true;
+        }
+        r
+    }
+
+    fn id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    /// Receives the answer to read `id` straight into `buf`.
+    fn receive_read(&mut self, id: u64, buf: &mut [u8]) -> Result<()> {
+        let mut head = [0u8; READ_RESP_HEAD];
+        self.stream
+            .read_exact(&mut head[..HEADER_LEN])
+            .map_err(timeouts)?;
+        let header = Header::decode(head[..HEADER_LEN].try_into().unwrap_or(&[0; HEADER_LEN]))?;
+        if header.msg_type != MsgType::ReadResp {
+            let msg = self.payload(&header)?;
+            return Err(answer_error(&header, msg, id));
+        }
+        check_id(&header, id)?;
+        self.stream
+            .read_exact(&mut head[HEADER_LEN..])
+            .map_err(timeouts)?;
+        let len: [u8; 8] = head[HEADER_LEN..].try_into().unwrap_or([0; 8]);
+        wire::check_read_resp(&header, len, buf.len())?;
+        self.stream.read_exact(buf).map_err(timeouts)
+    }
+
+    /// The answer to request `id`: an ERROR becomes [`RemoteIoError::Remote`].
+    fn response(&mut self, id: u64) -> Result<Message> {
+        let (header, msg) = self.recv()?;
+        if matches!(msg, Message::Error { .. }) {
+            return Err(answer_error(&header, msg, id));
+        }
+        check_id(&header, id)?;
+        Ok(msg)
+    }
+
+    fn send(&mut self, msg: &Message, id: u64) -> Result<()> {
+        self.stream.write_all(&msg.encode(id))?;
+        Ok(())
+    }
+
+    fn recv(&mut self) -> Result<(Header, Message)> {
+        let mut h = [0u8; HEADER_LEN];
+        self.stream.read_exact(&mut h).map_err(timeouts)?;
+        let header = Header::decode(&h)?;
+        let msg = self.payload(&header)?;
+        Ok((header, msg))
+    }
+
+    fn payload(&mut self, header: &Header) -> Result<Message> {
+        // Bounded by Header::decode (MAX_PAYLOAD).
+        let mut payload = vec![0u8; header.payload_len as usize];
+        self.stream.read_exact(&mut payload).map_err(timeouts)?;
+        Ok(Message::decode(header, &payload)?)
+    }
+}
+
+/// `data` as pieces of at most `chunk` (and [`MAX_DATA`]) bytes with their export offsets.
+pub(crate) fn split(offset: u64, data: &[u8], chunk: usize) -> Result<Vec<Piece<'_, &[u8]>>> {
+    let chunk = chunk.clamp(1, MAX_DATA);
+    data.chunks(chunk)
+        .enumerate()
+        .map(|(i, c)| Ok((advance(offset, i * chunk)?, c)))
+        .collect()
+}
+
+/// `buf` as pieces of at most `chunk` (and [`MAX_DATA`]) bytes with their export offsets.
+pub(crate) fn split_mut(
+    offset: u64,
+    buf: &mut [u8],
+    chunk: usize,
+) -> Result<Vec<Piece<'_, &mut [u8]>>> {
+    let chunk = chunk.clamp(1, MAX_DATA);
+    buf.chunks_mut(chunk)
+        .enumerate()
+        .map(|(i, c)| Ok((advance(offset, i * chunk)?, c)))
+        .collect()
+}
+
+fn advance(offset: u64, by: usize) -> Result<u64> {
+    offset
+        .checked_add(by as u64)
+        .ok_or_else(|| RemoteIoError::InvalidArgument(format!("offset {offset}+{by} overflows")))
+}
+
+/// Writes `head` then `data` with as few system calls as the socket allows.
+fn write_all_vectored(stream: &mut TcpStream, head: &[u8], data: &[u8]) -> Result<()> {
+    let (mut h, mut d) = (head, data);
+    while !h.is_empty() {
+        let n = stream.write_vectored(&[IoSlice::new(h), IoSlice::new(d)])?;
+        if n == 0 {
+            return Err(std::io::Error::from(std::io::ErrorKind::WriteZero).into());
+        }
+        let from_head = n.min(h.len());
+        h = &h[from_head..];
+        d = &d[n - from_head..];
+    }
+    stream.write_all(d)?;
+    Ok(())
+}
+
+fn check_id(header: &Header, id: u64) -> Result<()> {
+    if header.request_id != id {
+        return Err(malformed(
+            "response",
+            format!("answers request {} instead of {id}", header.request_id),
+        ));
+    }
+    Ok(())
+}
+
+/// What an answer other than the expected one means: a refusal of request `id`, or a broken
+/// protocol.
+fn answer_error(header: &Header, msg: Message, id: u64) -> RemoteIoError {
+    match msg {
+        Message::Error { code, message } if header.request_id == id => RemoteIoError::Remote {
+            code: code_from_i32(code),
+            message,
+        },
+        // An ERROR for request 0 is the agent closing the connection on a protocol error.
+        Message::Error { message, .. } => malformed("response", message),
+        other => unexpected(&other),
+    }
+}
+
+/// The agent's refusal of a handshake: a permission refusal is [`RemoteIoError::Auth`], any
+/// other code (`Busy`: the key holds too many sessions) a [`RemoteIoError::Remote`].
+fn refused(msg: Message) -> RemoteIoError {
+    match msg {
+        Message::Error { code, message } => match code_from_i32(code) {
+            gpuio_hal::ErrorCode::Permission => RemoteIoError::Auth(message),
+            code => RemoteIoError::Remote { code, message },
+        },
+        other => unexpected(&other),
+    }
+}
+
+fn malformed(what: &'static str, why: String) -> RemoteIoError {
+    RemoteIoError::Protocol(WireError::Malformed { what, why })
+}
+
+fn unexpected(msg: &Message) -> RemoteIoError {
+    malformed("response", format!("unexpected {msg:?}"))
+}
+
+/// A read that hit the socket timeout is a timeout, not a network failure.
+fn timeouts(e: std::io::Error) -> RemoteIoError {
+    match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            RemoteIoError::TimedOut("waiting for the agent".into())
+        }
+        _ => RemoteIoError::Network(e),
+    }
+}

@@ -1,0 +1,243 @@
+//! A peer: a pool of pre-authenticated connections to one agent, shared by every thread that
+//! talks to it. Small transfers take one connection; large ones are cut into stripes spread
+//! over several connections, each pipelined, so one transfer uses several TCP streams (and
+//! cores) at once.
+//!
+//! A connection that fails is dropped, not returned to the pool; the next transfer connects
+//! afresh, retrying the connect with exponential backoff. A transfer that fails is not
+//! retried here: the caller (the core's retry policy and replica failover) decides.
+
+use crate::connection::{Connection, Credentials, ExportInfo, split, split_mut};
+use crate::{RemoteIoError, Result};
+use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// How a peer connects and stripes.
+#[derive(Debug, Clone)]
+pub struct PeerConfig {
+    /// The agent's address.
+    pub addr: SocketAddr,
+    /// The key to present.
+    pub credentials: Credentials,
+    /// Connections one transfer may stripe over, and idle connections kept for reuse.
+    pub connections: usize,
+    /// Bytes per stripe (and per message) of a large transfer; transfers up to this size use
+    /// one connection.
+    pub stripe_bytes: usize,
+    /// Bound on a connect and on every wait for the agent.
+    pub timeout: Duration,
+    /// Connect attempts before a transfer fails (with backoff between them).
+    pub connect_attempts: u32,
+    /// The first backoff; it doubles per attempt up to one second.
+    pub backoff: Duration,
+}
+
+impl PeerConfig {
+    /// Defaults for an agent at `addr`: 4 connections, 1 MiB stripes, 10 s timeout, 3 connect
+    /// attempts from 20 ms backoff.
+    pub fn new(addr: SocketAddr, credentials: Credentials) -> Self {
+        Self {
+            addr,
+            credentials,
+            connections: 4,
+            stripe_bytes: 1 << 20,
+            timeout: Duration::from_secs(10),
+            connect_attempts: 3,
+            backoff: Duration::from_millis(20),
+        }
+    }
+}
+
+/// What a peer has done.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PeerStats {
+    /// Connections opened (including reconnections).
+    pub connects: u64,
+    /// Connections dropped after a failure.
+    pub broken: u64,
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Bytes written.
+    pub bytes_written: u64,
+}
+
+/// A pool of connections to one agent. Thread-safe.
+#[derive(Debug)]
+pub struct RemotePeer {
+    cfg: PeerConfig,
+    idle: Mutex<Vec<Connection>>,
+    connects: AtomicU64,
+    broken: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+}
+
+impl RemotePeer {
+    /// A peer; nothing connects until the first transfer (or [`connect`](Self::connect)).
+    pub fn new(cfg: PeerConfig) -> Self {
+        Self {
+            cfg,
+            idle: Mutex::new(Vec::new()),
+            connects: AtomicU64::new(0),
+            broken: AtomicU64::new(0),
+            bytes_read: AtomicU64::new(0),
+            bytes_written: AtomicU64::new(0),
+        }
+    }
+
+    /// A peer with one connection opened now, so that a wrong address or key fails here.
+    pub fn connect(cfg: PeerConfig) -> Result<Self> {
+        let peer = Self::new(cfg);
+        let c = peer.checkout()?;
+        peer.checkin(c);
+        Ok(peer)
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> &PeerConfig {
+        &self.cfg
+    }
+
+    /// The agent's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.cfg.addr
+    }
+
+    /// What it has done so far.
+    pub fn stats(&self) -> PeerStats {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        PeerStats {
+            connects: get(&self.connects),
+            broken: get(&self.broken),
+            bytes_read: get(&self.bytes_read),
+            bytes_written: get(&self.bytes_written),
+        }
+    }
+
+    /// The size of `export` and whether this session may write it.
+    pub fn stat(&self, export: &str) -> Result<ExportInfo> {
+        self.with_connection(|c| c.stat(export))
+    }
+
+    /// Reads `buf.len()` bytes of `export` at `offset`, striped over the pool's connections.
+    pub fn read(&self, export: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let stripe = self.cfg.stripe_bytes;
+        let lanes = self.lanes(buf.len());
+        let len = buf.len() as u64;
+        if lanes == 1 {
+            self.with_connection(|c| c.read(export, offset, buf, stripe))?;
+        } else {
+            let mut shares: Vec<Vec<_>> = (0..lanes).map(|_| Vec::new()).collect();
+            for (i, piece) in split_mut(offset, buf, stripe)?.into_iter().enumerate() {
+                shares[i % lanes].push(piece);
+            }
+            self.in_parallel(shares, |c, share| c.read_pieces(export, share))?;
+        }
+        self.bytes_read.fetch_add(len, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Writes `data` to `export` at `offset`, striped over the pool's connections.
+    pub fn write(&self, export: &str, offset: u64, data: &[u8]) -> Result<()> {
+        let stripe = self.cfg.stripe_bytes;
+        let lanes = self.lanes(data.len());
+        if lanes == 1 {
+            self.with_connection(|c| c.write(export, offset, data, stripe))?;
+        } else {
+            let mut shares: Vec<Vec<_>> = (0..lanes).map(|_| Vec::new()).collect();
+            for (i, piece) in split(offset, data, stripe)?.into_iter().enumerate() {
+                shares[i % lanes].push(piece);
+            }
+            self.in_parallel(shares, |c, share| c.write_pieces(export, share))?;
+        }
+        self.bytes_written
+            .fetch_add(data.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Connections a transfer of `len` bytes uses.
+    fn lanes(&self, len: usize) -> usize {
+        let stripes = len.div_ceil(self.cfg.stripe_bytes.max(1));
+        stripes.clamp(1, self.cfg.connections.max(1))
+    }
+
+    /// Runs `f` on each share with a connection of its own: the caller's thread takes the
+    /// first, scoped threads the others. The first error wins; every share is finished or
+    /// failed before this returns.
+    fn in_parallel<S: Send>(
+        &self,
+        shares: Vec<S>,
+        f: impl Fn(&mut Connection, S) -> Result<()> + Sync,
+    ) -> Result<()> {
+        let f = &f;
+        let mut shares = shares.into_iter();
+        let Some(mine) = shares.next() else {
+            return Ok(());
+        };
+        std::thread::scope(|scope| {
+            let others: Vec<_> = shares
+                .map(|share| scope.spawn(move || self.with_connection(|c| f(c, share))))
+                .collect();
+            let mut result = self.with_connection(|c| f(c, mine));
+            for h in others {
+                let r = h.join().unwrap_or_else(|_| {
+                    Err(RemoteIoError::InvalidArgument(
+                        "a stripe's thread panicked".into(),
+                    ))
+                });
+                if result.is_ok() {
+                    result = r;
+                }
+            }
+            result
+        })
+    }
+
+    /// Runs `f` on a pooled connection; a connection that breaks is dropped.
+    fn with_connection<T>(&self, f: impl FnOnce(&mut Connection) -> Result<T>) -> Result<T> {
+        let mut c = self.checkout()?;
+        let r = f(&mut c);
+        self.checkin(c);
+        r
+    }
+
+    fn checkout(&self) -> Result<Connection> {
+        if let Some(c) = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+            return Ok(c);
+        }
+        let mut backoff = self.cfg.backoff;
+        let deadline = Instant::now() + self.cfg.timeout;
+        let mut attempt = 1;
+        loop {
+            match Connection::connect(self.cfg.addr, &self.cfg.credentials, self.cfg.timeout) {
+                Ok(c) => {
+                    self.connects.fetch_add(1, Ordering::Relaxed);
+                    return Ok(c);
+                }
+                // A refused key will be refused again; a network failure may pass.
+                Err(e @ RemoteIoError::Auth(_)) => return Err(e),
+                Err(e) if attempt >= self.cfg.connect_attempts.max(1) => return Err(e),
+                Err(e) if Instant::now() + backoff > deadline => return Err(e),
+                Err(e) => {
+                    tracing::debug!(addr = %self.cfg.addr, attempt, error = %e, "reconnecting");
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    attempt += 1;
+                }
+            }
+        }
+    }
+
+    fn checkin(&self, c: Connection) {
+        if c.is_broken() {
+            self.broken.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < self.cfg.connections.max(1) {
+            idle.push(c);
+        }
+    }
+}
