@@ -14,6 +14,7 @@ pub mod memio;
 mod peers;
 mod plot;
 mod report;
+pub mod remote;
 pub mod ring;
 pub mod scheduler;
 

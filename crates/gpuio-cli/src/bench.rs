@@ -4,7 +4,8 @@
 use bytesize::ByteSize;
 use gpuio_api::{Config, Error, Session};
 use gpuio_bench::{
-    Budget, Record, Target, gather, localio, memio, render_table, ring, scheduler, write_outputs,
+    Budget, Record, Target, gather, localio, memio, remote, render_table, ring, scheduler,
+    write_outputs,
 };
 use indicatif::ProgressBar;
 use std::path::PathBuf;
@@ -16,11 +17,12 @@ const SUITES: &[&str] = &[
     scheduler::SUITE,
     gather::SUITE,
     ring::SUITE,
+    remote::SUITE,
 ];
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// Suites to run (default: all this build has: memio, localio, core, gather, ring).
+    /// Suites to run (default: all this build has: memio, localio, core, gather, ring, remote).
     suites: Vec<String>,
     /// memio: transfer sizes, e.g. 4K,1M,64M,1G (default: up to 1 GiB on a GPU).
     #[arg(long, value_name = "LIST")]
@@ -131,6 +133,14 @@ pub fn run(config: Config, args: &BenchArgs) -> Result<(), Error> {
                     opts.scratch = d.clone();
                 }
                 ring::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
+            }
+            remote::SUITE => {
+                let opts = if args.quick {
+                    remote::Options::quick()
+                } else {
+                    remote::Options::default()
+                };
+                remote::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
             }
             _ => continue,
         };
