@@ -13,8 +13,8 @@ pub mod localio;
 pub mod memio;
 mod peers;
 mod plot;
-mod report;
 pub mod remote;
+mod report;
 pub mod ring;
 pub mod scheduler;
 

@@ -123,8 +123,8 @@ fn iperf3(seconds: f64, streams: usize) -> std::result::Result<f64, String> {
     let _ = server.kill();
     let _ = server.wait();
     let out = out.ok_or("iperf3 never ran")?;
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .map_err(|e| format!("iperf3 printed no JSON: {e}"))?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&out.stdout).map_err(|e| format!("iperf3 printed no JSON: {e}"))?;
     json["end"]["sum_received"]["bits_per_second"]
         .as_f64()
         .map(|bps| bps / 8e9)
@@ -134,7 +134,9 @@ fn iperf3(seconds: f64, streams: usize) -> std::result::Result<f64, String> {
 /// A bare request–response server: reads 36-byte requests, answers `size` bytes each.
 fn echo_server(size: usize) -> Result<(SocketAddr, std::thread::JoinHandle<()>)> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(|e| BenchError::Options(e.to_string()))?;
-    let addr = l.local_addr().map_err(|e| BenchError::Options(e.to_string()))?;
+    let addr = l
+        .local_addr()
+        .map_err(|e| BenchError::Options(e.to_string()))?;
     let h = std::thread::spawn(move || {
         let Ok((mut s, _)) = l.accept() else { return };
         let _ = s.set_nodelay(true);
@@ -235,7 +237,12 @@ pub fn run(
             .iter()
             .map(|&p| iperf3(opts.seconds, p))
             .collect::<Vec<_>>();
-        match best.iter().filter_map(|r| r.as_ref().ok()).copied().reduce(f64::max) {
+        match best
+            .iter()
+            .filter_map(|r| r.as_ref().ok())
+            .copied()
+            .reduce(f64::max)
+        {
             Some(v) => iperf.push(v),
             None => {
                 iperf_failed = best.into_iter().find_map(|r| r.err());

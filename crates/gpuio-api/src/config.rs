@@ -7,8 +7,12 @@ use gpuio_core::{Policy, RetryPolicy, SchedulerConfig};
 use gpuio_hal::BackendPreference;
 use gpuio_transport_localio::{EnginePreference, GdsPolicy, LocalIoConfig};
 use gpuio_transport_memio::MemIoConfig;
-use gpuio_transport_remoteio::{Access, AgentConfig, Export, ExportSource, Key, Role};
+use gpuio_transport_remoteio::wire::MAX_DATA;
+use gpuio_transport_remoteio::{
+    Access, AgentConfig, Credentials, Export, ExportSource, Key, PeerConfig, RegistryConfig, Role,
+};
 use serde::{Deserialize, Serialize};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 /// The built-in configuration file, with a comment on every setting.
@@ -43,6 +47,8 @@ pub struct Config {
     pub retry: RetryPolicy,
     /// `gpuio agent`: what this node serves to others (RemoteIO).
     pub agent: AgentSection,
+    /// RemoteIO clients: the key, connections, the registry.
+    pub remote: RemoteSection,
     /// The file this configuration was read from, if any (not a setting).
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -98,8 +104,38 @@ pub struct AgentSection {
     pub threads: usize,
     /// Keys clients may present.
     pub keys: Vec<AgentKey>,
+    /// The segment to register as serving (empty: no registration).
+    pub segment: String,
+    /// The address clients should use (empty: the listening address).
+    pub advertise: String,
+    /// This agent's name within the segment (empty: the advertised address).
+    pub name: String,
+    /// Seconds a registration outlives an agent that died without revoking it.
+    pub lease_ttl_s: u64,
     /// What is served.
     pub exports: Vec<AgentExport>,
+}
+
+/// `[remote]`: RemoteIO clients.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoteSection {
+    /// The key to present (empty: remoteio:// URIs are refused).
+    pub key_id: String,
+    /// Environment variable holding the key's secret.
+    pub secret_env: String,
+    /// File holding the key's secret.
+    pub secret_file: String,
+    /// Connections per agent.
+    pub connections: usize,
+    /// Stripe of a large transfer.
+    pub stripe_size: ByteSize,
+    /// Milliseconds to connect, and to wait for any answer.
+    pub timeout_ms: u64,
+    /// etcd endpoints resolving segment names (empty: none).
+    pub registry: Vec<String>,
+    /// Key prefix in etcd.
+    pub registry_prefix: String,
 }
 
 /// `[[agent.keys]]`: a pre-shared key. The secret is read from the environment or a file,
@@ -219,7 +255,21 @@ impl Config {
                 max_connections: 256,
                 threads: 2,
                 keys: Vec::new(),
+                segment: String::new(),
+                advertise: String::new(),
+                name: String::new(),
+                lease_ttl_s: 10,
                 exports: Vec::new(),
+            },
+            remote: RemoteSection {
+                key_id: String::new(),
+                secret_env: String::new(),
+                secret_file: String::new(),
+                connections: 4,
+                stripe_size: ByteSize::mib(1),
+                timeout_ms: 10_000,
+                registry: Vec::new(),
+                registry_prefix: "/gpuio".into(),
             },
             retry: RetryPolicy::default(),
             source: None,
@@ -426,25 +476,8 @@ impl Config {
                     )));
                 }
             };
-            let secret = match (&k.secret_env, &k.secret_file) {
-                (Some(var), None) => std::env::var(var)
-                    .map_err(|_| bad(format!("key {:?}: ${var} is not set", k.id)))?
-                    .into_bytes(),
-                (None, Some(path)) => {
-                    let mut bytes = std::fs::read(path)
-                        .map_err(|e| bad(format!("key {:?}: {}: {e}", k.id, path.display())))?;
-                    while bytes.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
-                        bytes.pop();
-                    }
-                    bytes
-                }
-                _ => {
-                    return Err(bad(format!(
-                        "key {:?}: give exactly one of secret_env, secret_file",
-                        k.id
-                    )));
-                }
-            };
+            let secret = read_secret(&k.id, k.secret_env.as_deref(), k.secret_file.as_deref())
+                .map_err(bad)?;
             cfg.keys.push(Key {
                 id: k.id.clone(),
                 secret,
@@ -487,6 +520,56 @@ impl Config {
             });
         }
         Ok(cfg)
+    }
+
+    fn config_error(&self, message: String) -> Error {
+        Error::Config {
+            source_name: self
+                .source
+                .as_ref()
+                .map_or_else(|| "<built-in>".into(), |p| p.display().to_string()),
+            message,
+        }
+    }
+
+    /// The credentials RemoteIO clients present (`None`: no `[remote] key_id`).
+    pub fn remote_credentials(&self) -> Result<Option<Credentials>> {
+        let r = &self.remote;
+        if r.key_id.is_empty() {
+            return Ok(None);
+        }
+        let nonempty = |s: &str| (!s.is_empty()).then(|| s.to_string());
+        let file = nonempty(&r.secret_file).map(PathBuf::from);
+        let secret = read_secret(
+            &r.key_id,
+            nonempty(&r.secret_env).as_deref(),
+            file.as_deref(),
+        )
+        .map_err(|m| self.config_error(format!("[remote] {m}")))?;
+        Ok(Some(Credentials {
+            key_id: r.key_id.clone(),
+            secret,
+        }))
+    }
+
+    /// How RemoteIO clients connect to the agent at `addr`.
+    pub fn peer_config(&self, addr: SocketAddr, credentials: Credentials) -> PeerConfig {
+        let r = &self.remote;
+        let mut cfg = PeerConfig::new(addr, credentials);
+        cfg.connections = r.connections.max(1);
+        cfg.stripe_bytes = (r.stripe_size.as_u64() as usize).clamp(4096, MAX_DATA);
+        cfg.timeout = std::time::Duration::from_millis(r.timeout_ms.max(1));
+        cfg
+    }
+
+    /// The registry's configuration (`None`: no `[remote] registry`).
+    pub fn registry_config(&self) -> Option<RegistryConfig> {
+        let r = &self.remote;
+        (!r.registry.is_empty()).then(|| RegistryConfig {
+            endpoints: r.registry.clone(),
+            prefix: r.registry_prefix.clone(),
+            timeout: std::time::Duration::from_millis(r.timeout_ms.clamp(100, 10_000)),
+        })
     }
 
     /// The scheduler's configuration.
@@ -532,6 +615,31 @@ impl Config {
 }
 
 /// Overlays `top` onto `base`, table by table.
+/// A key's secret, from exactly one of an environment variable and a file (whose trailing
+/// newline is dropped).
+fn read_secret(
+    key: &str,
+    env: Option<&str>,
+    file: Option<&Path>,
+) -> std::result::Result<Vec<u8>, String> {
+    match (env, file) {
+        (Some(var), None) => std::env::var(var)
+            .map(String::into_bytes)
+            .map_err(|_| format!("key {key:?}: ${var} is not set")),
+        (None, Some(path)) => {
+            let mut bytes =
+                std::fs::read(path).map_err(|e| format!("key {key:?}: {}: {e}", path.display()))?;
+            while bytes.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
+                bytes.pop();
+            }
+            Ok(bytes)
+        }
+        _ => Err(format!(
+            "key {key:?}: give exactly one of secret_env, secret_file"
+        )),
+    }
+}
+
 fn merge(base: &mut toml::Table, top: toml::Table) {
     for (k, v) in top {
         match (base.get_mut(&k), v) {

@@ -1,6 +1,11 @@
-//! Copying between URIs (what `gpuio cp` runs): a source with content (a file), a destination
-//! (a file, or memory that holds the bytes for the session's life), optionally staged through
-//! a memory tier (`--via gpu0`, `--via memio://cpu/dram?numa=1`, ...).
+//! Copying between URIs (what `gpuio cp` runs): a source with content (a file, or another
+//! node's export), a destination (a file, another node's export, or memory that holds the
+//! bytes for the session's life), optionally staged through a memory tier (`--via gpu0`,
+//! `--via memio://cpu/dram?numa=1`, ...).
+//!
+//! A remote source with several replicas (a registry segment) fails over: each window is read
+//! from the least loaded replica, with the retry policy, and from the next when it still
+//! fails. A remote destination with several replicas gets every window written to each.
 //!
 //! A file destination is written under a temporary name in the same directory and renamed
 //! over the destination only when every byte is written (and verified, if asked): a failed copy
@@ -151,6 +156,27 @@ impl PendingFile {
     }
 }
 
+impl Session {
+    /// Reads `len` bytes from any of `sources` (replicas of the same bytes) into `dst`: the
+    /// retry policy on each, failing over to the next (the engines' `execute_any`).
+    pub fn read_any(
+        &self,
+        sources: &[gpuio_core::Endpoint],
+        dst: &gpuio_core::Endpoint,
+        len: usize,
+    ) -> Result<gpuio_core::Outcome> {
+        Ok(self.engines().execute_any(
+            sources,
+            dst,
+            len,
+            &self.config().retry,
+            None,
+            &mut || {},
+            &mut || {},
+        )?)
+    }
+}
+
 fn same_file(a: &Path, b: &Path) -> bool {
     match (std::fs::metadata(a), std::fs::metadata(b)) {
         (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
@@ -168,17 +194,14 @@ impl Session {
         progress: &mut dyn FnMut(u64),
     ) -> Result<CopyReport> {
         let start = Instant::now();
-        let Uri::File { path: src_path, .. } = src else {
-            return Err(if src.is_memory() {
-                Error::Invalid(format!(
-                    "{src} is memory, which has no content to copy from: use it as a destination or --via"
-                ))
-            } else {
-                Error::Unsupported {
-                    what: format!("copying from {src}"),
-                    reason: "this build has no RemoteIO transport".into(),
-                }
-            });
+        if src.is_memory() {
+            return Err(Error::Invalid(format!(
+                "{src} is memory, which has no content to copy from: use it as a destination or --via"
+            )));
+        }
+        let src_path = match src {
+            Uri::File { path, .. } => Some(path),
+            _ => None,
         };
         let source = self.open(src, 0, Access::Read)?;
         let len = source.len()?;
@@ -195,7 +218,7 @@ impl Session {
         let mut pending = None;
         let destination = match dst {
             Uri::File { path, direct, gds } => {
-                if same_file(src_path, path) {
+                if src_path.is_some_and(|s| same_file(s, path)) {
                     return Err(Error::Invalid(format!("{src} and {dst} are the same file")));
                 }
                 let opts = OpenOptions {
@@ -221,22 +244,36 @@ impl Session {
         let mut done: u64 = 0;
         while done < len {
             let n = (len - done).min(window as u64) as usize;
-            let to = destination.at(done)?;
-            let from = source.at(done)?;
-            match &via {
+            let from = source.replicas_at(done)?;
+            let to = destination.replicas_at(done)?;
+            let routes = match &via {
                 Some(v) => {
-                    let a = self.transfer_owned(&from, &v.at(0)?, n)?;
-                    let b = self.transfer_owned(&v.at(0)?, &to, n)?;
-                    if stages.is_empty() {
-                        stages = vec![a.route, b.route];
+                    let v = v.at(0)?;
+                    let mut routes = vec![self.read_any(&from, &v, n)?.route];
+                    for t in &to {
+                        routes.push(self.transfer_owned(&v, t, n)?.route);
                     }
+                    routes
                 }
-                None => {
-                    let a = self.transfer_owned(&from, &to, n)?;
-                    if stages.is_empty() {
-                        stages = vec![a.route];
+                None => match to.as_slice() {
+                    [t] => vec![self.read_any(&from, t, n)?.route],
+                    many => {
+                        // Several destinations: read once into host memory, write each.
+                        let stage = Resource::Host(gpuio_core::HostMemory::new(HostBuffer::alloc(
+                            n,
+                            &HostAllocOptions::default(),
+                        )?));
+                        let s = stage.at(0)?;
+                        let mut routes = vec![self.read_any(&from, &s, n)?.route];
+                        for t in many {
+                            routes.push(self.transfer_owned(&s, t, n)?.route);
+                        }
+                        routes
                     }
-                }
+                },
+            };
+            if stages.is_empty() {
+                stages = routes;
             }
             done += n as u64;
             progress(done);
@@ -289,6 +326,19 @@ impl Session {
                     let g = m.read();
                     gpuio_hal::check_range("checksum", off as usize, n, g.len())?;
                     chunk.copy_from_slice(&g[off as usize..off as usize + n]);
+                }
+                Resource::Remote(replicas) => {
+                    // Any replica that answers (they hold the same bytes).
+                    let mut failed = None;
+                    for r in replicas {
+                        failed = r.peer().read(r.export(), off, chunk).err();
+                        if failed.is_none() {
+                            break;
+                        }
+                    }
+                    if let Some(e) = failed {
+                        return Err(e.into());
+                    }
                 }
             }
             crc = crc32c::crc32c_append(crc, chunk);

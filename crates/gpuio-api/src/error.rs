@@ -139,6 +139,9 @@ pub enum Error {
     /// A request that cannot be carried out as asked.
     #[error("{0}")]
     Invalid(String),
+    /// A named resource that does not exist (e.g. a segment no agent serves).
+    #[error("not found: {0}")]
+    NotFound(String),
     /// A path gpuio has but this build or machine does not.
     #[error("{what} is not supported: {reason}")]
     Unsupported {
@@ -167,6 +170,7 @@ impl Error {
                 ErrorCode::InvalidArg
             }
             Self::Unsupported { .. } => ErrorCode::Unsupported,
+            Self::NotFound(_) => ErrorCode::NotFound,
             Self::VerifyMismatch { .. } => ErrorCode::Io,
         }
     }

@@ -40,7 +40,8 @@ pub use uri::{RemoteTarget, RemoteTransport, Uri};
 
 pub use gpuio_core::{
     BatchHandle, BatchReport, Completion, Dest, Endpoint, EngineKind, ErrorCode, HostMemory,
-    Outcome, Priority, Request, RequestFlags, RequestHandle, RequestId, Source, Status,
+    Outcome, Priority, RemoteResource, Request, RequestFlags, RequestHandle, RequestId, Source,
+    Status,
 };
 pub use gpuio_hal::{DeviceBuffer, Gpu};
 pub use gpuio_transport_localio::{

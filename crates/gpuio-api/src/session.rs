@@ -4,15 +4,20 @@
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::uri::Uri;
+use crate::uri::{RemoteTarget, RemoteTransport};
 use gpuio_core::{
-    BatchHandle, Completion, Dest, Endpoint, Engines, HostMemory, Outcome, Request, RequestHandle,
-    Scheduler, Source, Ticket,
+    BatchHandle, Completion, Dest, Endpoint, Engines, HostMemory, Outcome, RemoteResource, Request,
+    RequestHandle, Scheduler, Source, Ticket,
 };
 use gpuio_hal::{DeviceBuffer, Gpu, Probe};
 use gpuio_transport_localio::{FileHandle, LocalIo, OpenOptions};
 use gpuio_transport_memio::{HostPlacement, MemIo};
+use gpuio_transport_remoteio::{Registry, RemotePeer};
+use std::collections::HashMap;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::{Mutex, OnceLock};
 
 /// A resource a URI names, opened or allocated.
 #[derive(Debug, Clone)]
@@ -23,6 +28,9 @@ pub enum Resource {
     Host(HostMemory),
     /// A file or block device.
     File(FileHandle),
+    /// An export of other nodes: one agent's, or every replica a registry segment names (in
+    /// the registry's order; reads fail over among them, writes go to all).
+    Remote(Vec<RemoteResource>),
 }
 
 impl Resource {
@@ -36,15 +44,39 @@ impl Resource {
             Self::Device(b) => Endpoint::device(b, small()?),
             Self::Host(m) => Endpoint::host(m, small()?),
             Self::File(f) => Endpoint::file(f, offset),
+            Self::Remote(replicas) => Endpoint::remote(first(replicas)?, offset),
         })
     }
 
-    /// Its length in bytes (a file's current size).
+    /// Every copy of the resource at `offset`: the replicas of a remote segment, or the one
+    /// endpoint of anything else. Reads may use any; writes must reach all.
+    pub fn replicas_at(&self, offset: u64) -> Result<Vec<Endpoint>> {
+        match self {
+            Self::Remote(replicas) => Ok(replicas
+                .iter()
+                .map(|r| Endpoint::remote(r, offset))
+                .collect()),
+            other => Ok(vec![other.at(offset)?]),
+        }
+    }
+
+    /// Its length in bytes (a file's current size; a remote export's size from the first
+    /// replica that answers).
     pub fn len(&self) -> Result<u64> {
         Ok(match self {
             Self::Device(b) => b.len() as u64,
             Self::Host(m) => m.len() as u64,
             Self::File(f) => f.len()?,
+            Self::Remote(replicas) => {
+                let mut last = None;
+                for r in replicas {
+                    match r.peer().stat(r.export()) {
+                        Ok(info) => return Ok(info.size),
+                        Err(e) => last = Some(e),
+                    }
+                }
+                return Err(last.map_or_else(|| no_replica(), Error::from));
+            }
         })
     }
 
@@ -52,6 +84,22 @@ impl Resource {
     pub fn is_empty(&self) -> Result<bool> {
         Ok(self.len()? == 0)
     }
+}
+
+fn no_replica() -> Error {
+    Error::Invalid("a remote resource with no replica".into())
+}
+
+fn first(replicas: &[RemoteResource]) -> Result<&RemoteResource> {
+    replicas.first().ok_or_else(no_replica)
+}
+
+/// The connection manager: one pooled peer per agent address, connected on first use and
+/// shared by every resource on that agent; the registry, connected on first use.
+#[derive(Debug, Default)]
+struct RemotePeers {
+    peers: Mutex<HashMap<SocketAddr, Arc<RemotePeer>>>,
+    registry: OnceLock<Arc<Registry>>,
 }
 
 /// Whether a resource is opened for reading or writing.
@@ -81,6 +129,7 @@ pub struct Session {
     probe: Probe,
     engines: Engines,
     scheduler: Scheduler,
+    remote: RemotePeers,
 }
 
 impl Session {
@@ -105,6 +154,7 @@ impl Session {
             probe,
             engines,
             scheduler,
+            remote: RemotePeers::default(),
         })
     }
 
@@ -192,11 +242,79 @@ impl Session {
                 };
                 Ok(Resource::File(self.open_file(path, opts)?))
             }
-            Uri::Remote { .. } => Err(Error::Unsupported {
-                what: uri.to_string(),
-                reason: "this build has no RemoteIO transport".into(),
-            }),
+            Uri::Remote {
+                target,
+                resource,
+                transport,
+                gdr,
+            } => {
+                if *transport == RemoteTransport::Rdma || *gdr {
+                    return Err(Error::Unsupported {
+                        what: uri.to_string(),
+                        reason: "this build has no RDMA verbs (cargo feature `rdma`); use \
+                                 transport=tcp"
+                            .into(),
+                    });
+                }
+                let addrs = match target {
+                    RemoteTarget::Address { host, port } => {
+                        let addr = (host.as_str(), *port)
+                            .to_socket_addrs()
+                            .map_err(|e| Error::Invalid(format!("{uri}: {host}: {e}")))?
+                            .next()
+                            .ok_or_else(|| {
+                                Error::Invalid(format!("{uri}: {host} has no address"))
+                            })?;
+                        vec![addr]
+                    }
+                    RemoteTarget::Segment(segment) => {
+                        let members = self.registry(uri)?.resolve(segment)?;
+                        if members.is_empty() {
+                            return Err(Error::NotFound(format!(
+                                "{uri}: no agent serves segment {segment:?}"
+                            )));
+                        }
+                        members.into_iter().map(|m| m.addr).collect()
+                    }
+                };
+                let replicas = addrs
+                    .into_iter()
+                    .map(|a| Ok(RemoteResource::new(self.peer(uri, a)?, resource.clone())))
+                    .collect::<Result<Vec<_>>>()?;
+                let _ = (len, access);
+                Ok(Resource::Remote(replicas))
+            }
         }
+    }
+
+    /// The pooled peer for the agent at `addr` (created on first use).
+    fn peer(&self, uri: &Uri, addr: SocketAddr) -> Result<Arc<RemotePeer>> {
+        let mut peers = self.remote.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = peers.get(&addr) {
+            return Ok(p.clone());
+        }
+        let creds = self.config.remote_credentials()?.ok_or_else(|| {
+            Error::Invalid(format!(
+                "{uri}: RemoteIO needs a key: set [remote] key_id and secret_env or secret_file"
+            ))
+        })?;
+        let peer = Arc::new(RemotePeer::new(self.config.peer_config(addr, creds)));
+        peers.insert(addr, peer.clone());
+        Ok(peer)
+    }
+
+    /// The registry (connected on first use).
+    fn registry(&self, uri: &Uri) -> Result<&Registry> {
+        if let Some(r) = self.remote.registry.get() {
+            return Ok(r);
+        }
+        let cfg = self.config.registry_config().ok_or_else(|| {
+            Error::Invalid(format!(
+                "{uri}: segment names need a registry: set [remote] registry"
+            ))
+        })?;
+        let registry = Arc::new(Registry::connect(cfg)?);
+        Ok(self.remote.registry.get_or_init(|| registry))
     }
 
     /// Blocking transfer of `len` bytes between borrowed endpoints, on the engine that serves

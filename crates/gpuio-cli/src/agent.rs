@@ -1,9 +1,14 @@
 //! `gpuio agent`: serves this node's exports (the `[agent]` section of the configuration) to
 //! other nodes over RemoteIO until SIGINT or SIGTERM, then shuts down gracefully: the requests
 //! in flight finish, and what was served is printed.
+//!
+//! With `[agent] segment` set, the agent registers in the registry (`[remote] registry`) as
+//! serving that segment, under a lease it renews; the registration is revoked at shutdown
+//! (and expires on its own if the agent dies).
 
 use gpuio_api::{Config, Error};
-use gpuio_transport_remoteio::Agent;
+use gpuio_transport_remoteio::{Agent, Registry, SegmentMember};
+use std::time::Duration;
 
 /// Arguments of `gpuio agent` (the agent is configured by `--config FILE`, `[agent]`).
 #[derive(Debug, clap::Args)]
@@ -23,7 +28,10 @@ pub fn run(config: Config, _args: &AgentArgs) -> Result<(), Error> {
     // The first line says where it listens (port 0 in the configuration picks one).
     println!("gpuio agent listening on {}", agent.local_addr());
     println!("exports: {}", names.join(", "));
+    let registration = register(&config, agent.local_addr())?;
     wait_for_signal()?;
+    // Leave the registry first, so no new client is sent here while we drain.
+    drop(registration);
     eprintln!("stopping: finishing the requests in flight");
     let stats = agent.shutdown();
     println!(
@@ -38,6 +46,48 @@ pub fn run(config: Config, _args: &AgentArgs) -> Result<(), Error> {
         stats.bytes_written
     );
     Ok(())
+}
+
+/// Registers the agent's segment, when it has one.
+fn register(
+    config: &Config,
+    listening: std::net::SocketAddr,
+) -> Result<Option<gpuio_transport_remoteio::Registration>, Error> {
+    let a = &config.agent;
+    if a.segment.is_empty() {
+        return Ok(None);
+    }
+    let registry = config.registry_config().ok_or_else(|| {
+        Error::Invalid(format!(
+            "[agent] segment {:?} needs a registry: set [remote] registry",
+            a.segment
+        ))
+    })?;
+    let addr = if a.advertise.is_empty() {
+        listening
+    } else {
+        a.advertise.parse().map_err(|_| {
+            Error::Invalid(format!(
+                "[agent] advertise {:?} is not host:port",
+                a.advertise
+            ))
+        })?
+    };
+    let member = SegmentMember {
+        agent: if a.name.is_empty() {
+            addr.to_string()
+        } else {
+            a.name.clone()
+        },
+        addr,
+    };
+    let registration = Registry::connect(registry)?.register(
+        &a.segment,
+        &member,
+        Duration::from_secs(a.lease_ttl_s),
+    )?;
+    println!("registered as {} in segment {}", member.agent, a.segment);
+    Ok(Some(registration))
 }
 
 fn wait_for_signal() -> Result<(), Error> {

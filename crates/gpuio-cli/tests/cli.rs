@@ -5,7 +5,6 @@
 use gpuio_hal::pattern;
 use std::path::PathBuf;
 use std::process::{Command, Output};
-use std::time::Duration;
 
 fn gpuio(args: &[&str]) -> Output {
     let bin = std::env::var_os("GPUIO_BIN")

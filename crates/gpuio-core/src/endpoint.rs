@@ -4,6 +4,7 @@
 
 use gpuio_hal::{DeviceBuffer, HostBuffer, MemoryRegion};
 use gpuio_transport_localio::FileHandle;
+use gpuio_transport_remoteio::RemotePeer;
 use std::fmt;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -16,12 +17,63 @@ pub enum EndpointKind {
     Device,
     /// A file or block device.
     File,
+    /// Memory or a file another node exports (RemoteIO).
+    Remote,
 }
 
 impl EndpointKind {
-    /// Whether this is storage (as opposed to memory).
+    /// Whether this is local storage (as opposed to memory or another node).
     pub fn is_storage(self) -> bool {
         matches!(self, Self::File)
+    }
+
+    /// Whether data comes from or goes to somewhere other than this node's memory: a read
+    /// from it, a write to it.
+    pub fn is_remote_or_storage(self) -> bool {
+        matches!(self, Self::File | Self::Remote)
+    }
+}
+
+/// An export of another node's agent, reached through a pooled [`RemotePeer`]. Clones share
+/// the peer.
+#[derive(Clone)]
+pub struct RemoteResource {
+    inner: Arc<(Arc<RemotePeer>, String)>,
+}
+
+impl RemoteResource {
+    /// Export `export` of the agent behind `peer`.
+    pub fn new(peer: Arc<RemotePeer>, export: impl Into<String>) -> Self {
+        Self {
+            inner: Arc::new((peer, export.into())),
+        }
+    }
+
+    /// The peer.
+    pub fn peer(&self) -> &RemotePeer {
+        &self.inner.0
+    }
+
+    /// The export's name.
+    pub fn export(&self) -> &str {
+        &self.inner.1
+    }
+
+    /// Identity of this handle (equal for clones).
+    pub(crate) fn id(&self) -> usize {
+        Arc::as_ptr(&self.inner) as *const () as usize
+    }
+}
+
+impl fmt::Debug for RemoteResource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self}")
+    }
+}
+
+impl fmt::Display for RemoteResource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "remoteio://{}/{}", self.peer().addr(), self.export())
     }
 }
 
@@ -102,6 +154,13 @@ pub enum Endpoint {
         /// Byte offset into it.
         offset: u64,
     },
+    /// Another node's export at an offset.
+    Remote {
+        /// The export.
+        res: RemoteResource,
+        /// Byte offset into it.
+        offset: u64,
+    },
 }
 
 /// Identifies the resource behind an endpoint (for sorting and coalescing), ignoring offsets.
@@ -136,12 +195,21 @@ impl Endpoint {
         }
     }
 
+    /// Another node's export at `offset`.
+    pub fn remote(res: &RemoteResource, offset: u64) -> Self {
+        Self::Remote {
+            res: res.clone(),
+            offset,
+        }
+    }
+
     /// Its kind.
     pub fn kind(&self) -> EndpointKind {
         match self {
             Self::Host { .. } => EndpointKind::Host,
             Self::Device { .. } => EndpointKind::Device,
             Self::File { .. } => EndpointKind::File,
+            Self::Remote { .. } => EndpointKind::Remote,
         }
     }
 
@@ -149,7 +217,7 @@ impl Endpoint {
     pub fn offset(&self) -> u64 {
         match self {
             Self::Host { offset, .. } | Self::Device { offset, .. } => *offset as u64,
-            Self::File { offset, .. } => *offset,
+            Self::File { offset, .. } | Self::Remote { offset, .. } => *offset,
         }
     }
 
@@ -168,6 +236,10 @@ impl Endpoint {
                 file: file.clone(),
                 offset: offset.saturating_add(by as u64),
             },
+            Self::Remote { res, offset } => Self::Remote {
+                res: res.clone(),
+                offset: offset.saturating_add(by as u64),
+            },
         }
     }
 
@@ -177,6 +249,7 @@ impl Endpoint {
             Self::Host { mem, .. } => (EndpointKind::Host, mem.id()),
             Self::Device { buf, .. } => (EndpointKind::Device, buf.device_addr() as usize),
             Self::File { file, .. } => (EndpointKind::File, file.id()),
+            Self::Remote { res, .. } => (EndpointKind::Remote, res.id()),
         };
         ResourceKey { kind, id }
     }
@@ -189,6 +262,7 @@ impl Endpoint {
                 format!("gpu{}:{:x}", buf.gpu().ordinal(), buf.device_addr())
             }
             Self::File { file, .. } => format!("file:{}", file.path().display()),
+            Self::Remote { res, .. } => res.to_string(),
         }
     }
 
@@ -197,7 +271,7 @@ impl Endpoint {
         match self {
             Self::Host { mem, offset } => mem.read().region().slice(*offset, len),
             Self::Device { buf, offset } => buf.region().slice(*offset, len),
-            Self::File { .. } => None,
+            Self::File { .. } | Self::Remote { .. } => None,
         }
     }
 }
@@ -208,6 +282,7 @@ impl fmt::Display for Endpoint {
             Self::Host { offset, .. } => write!(f, "host memory +{offset}"),
             Self::Device { buf, offset } => write!(f, "gpu{} +{offset}", buf.gpu().ordinal()),
             Self::File { file, offset } => write!(f, "{} +{offset}", file.path().display()),
+            Self::Remote { res, offset } => write!(f, "{res} +{offset}"),
         }
     }
 }
@@ -221,6 +296,8 @@ pub enum Source<'a> {
     Device(&'a DeviceBuffer, usize),
     /// A file from an offset.
     File(&'a FileHandle, u64),
+    /// Another node's export from an offset.
+    Remote(&'a RemoteResource, u64),
 }
 
 /// A borrowed destination of a blocking transfer.
@@ -232,6 +309,8 @@ pub enum Dest<'a> {
     Device(&'a DeviceBuffer, usize),
     /// A file from an offset.
     File(&'a FileHandle, u64),
+    /// Another node's export from an offset.
+    Remote(&'a RemoteResource, u64),
 }
 
 impl Source<'_> {
@@ -241,6 +320,7 @@ impl Source<'_> {
             Self::Host(_) => EndpointKind::Host,
             Self::Device(..) => EndpointKind::Device,
             Self::File(..) => EndpointKind::File,
+            Self::Remote(..) => EndpointKind::Remote,
         }
     }
 }
@@ -252,6 +332,7 @@ impl Dest<'_> {
             Self::Host(_) => EndpointKind::Host,
             Self::Device(..) => EndpointKind::Device,
             Self::File(..) => EndpointKind::File,
+            Self::Remote(..) => EndpointKind::Remote,
         }
     }
 }

@@ -2,16 +2,16 @@
 //! the others; here each is adapted to [`Engine`], and [`Engines`] routes a transfer to the one
 //! that serves its pair of endpoint kinds.
 
-use crate::endpoint::{Dest, Endpoint, EndpointKind, Source};
+use crate::endpoint::{Dest, Endpoint, EndpointKind, RemoteResource, Source};
 use crate::error::{CoreError, Result};
 use crate::request::{EngineKind, Request};
 use crate::resources::ResourceTracker;
 use crate::retry::RetryPolicy;
-use gpuio_hal::{HostAllocOptions, HostBuffer, check_range};
-use gpuio_transport_localio::{Durability, LocalIo};
-use gpuio_transport_memio::MemIo;
+use gpuio_hal::{DeviceBuffer, HostAllocOptions, HostBuffer, check_range};
+use gpuio_transport_localio::{Durability, FileHandle, LocalIo};
+use gpuio_transport_memio::{HostPlacement, MemIo};
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// What a finished transfer reports.
@@ -35,14 +35,19 @@ pub trait Engine: Send + Sync + fmt::Debug {
     fn transfer(&self, src: Source<'_>, dst: Dest<'_>, len: usize) -> Result<Outcome>;
 }
 
-/// The engine that serves transfers between these kinds of endpoint: anything touching a
-/// file goes to LocalIO, memory to memory to MemIO.
+/// The engine that serves transfers between these kinds of endpoint: anything touching
+/// another node goes to RemoteIO, then anything touching a file to LocalIO, memory to memory
+/// to MemIO.
 pub fn route(src: EndpointKind, dst: EndpointKind) -> Result<EngineKind> {
-    Ok(if src.is_storage() || dst.is_storage() {
-        EngineKind::LocalIo
-    } else {
-        EngineKind::MemIo
-    })
+    Ok(
+        if src == EndpointKind::Remote || dst == EndpointKind::Remote {
+            EngineKind::RemoteIo
+        } else if src.is_storage() || dst.is_storage() {
+            EngineKind::LocalIo
+        } else {
+            EngineKind::MemIo
+        },
+    )
 }
 
 fn host_prefix<'a>(what: &'static str, s: &'a [u8], len: usize) -> Result<&'a [u8]> {
@@ -167,19 +172,185 @@ impl Engine for LocalIoEngine {
     }
 }
 
+/// Bytes per staging buffer of a RemoteIO transfer between another node and GPU memory or a
+/// file.
+const REMOTE_STAGE: usize = 8 << 20;
+
+/// RemoteIO as an [`Engine`]. Host memory is read into and written from directly (the peer
+/// stripes it over its connections); GPU memory and files go through two pinned staging
+/// buffers, so that the network moves one while MemIO or LocalIO moves the other.
+pub struct RemoteIoEngine {
+    memio: Arc<MemIo>,
+    /// Idle staging buffers, kept for the next transfer.
+    staging: Mutex<Vec<HostBuffer>>,
+}
+
+impl fmt::Debug for RemoteIoEngine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteIoEngine").finish_non_exhaustive()
+    }
+}
+
+/// Where staged bytes come from or go to, on this node.
+enum Local<'a> {
+    Device(&'a DeviceBuffer, usize),
+    File(&'a FileHandle, u64),
+    Remote(&'a RemoteResource, u64),
+}
+
+impl RemoteIoEngine {
+    /// The engine; it stages through memory MemIO allocates and moves.
+    pub fn new(memio: Arc<MemIo>) -> Self {
+        Self {
+            memio,
+            staging: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn take_stage(&self) -> Result<HostBuffer> {
+        if let Some(b) = self.staging.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+            return Ok(b);
+        }
+        Ok(self
+            .memio
+            .alloc_host(HostPlacement::Dram { numa: None }, REMOTE_STAGE, true)?)
+    }
+
+    fn give_stage(&self, b: HostBuffer) {
+        let mut idle = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < 4 {
+            idle.push(b);
+        }
+    }
+
+    /// Moves `len` bytes from `from` to `to` in stages: a reader thread fills one staging
+    /// buffer while this thread drains another (at most three are in use).
+    fn staged(&self, from: Local<'_>, to: Local<'_>, len: usize) -> Result<()> {
+        let (full_tx, full_rx) = crossbeam_channel::bounded::<(usize, usize, HostBuffer)>(1);
+        let fill = |at: usize, buf: &mut [u8]| -> Result<()> {
+            match &from {
+                Local::Remote(r, off) => Ok(r.peer().read(r.export(), off + at as u64, buf)?),
+                Local::Device(d, off) => self.memio.download(d, off + at, buf).map(|_| ()),
+                Local::File(f, off) => Ok(f.read_exact_at(off + at as u64, buf)?),
+            }
+            .map_err(CoreError::from)
+        };
+        let drain = |at: usize, buf: &[u8]| -> Result<()> {
+            match &to {
+                Local::Remote(r, off) => Ok(r.peer().write(r.export(), off + at as u64, buf)?),
+                Local::Device(d, off) => self.memio.upload(buf, d, off + at).map(|_| ()),
+                Local::File(f, off) => Ok(f.write_all_at(off + at as u64, buf)?),
+            }
+            .map_err(CoreError::from)
+        };
+        std::thread::scope(|scope| {
+            let reader = scope.spawn(move || -> Result<()> {
+                let mut at = 0;
+                while at < len {
+                    let mut buf = self.take_stage()?;
+                    let n = REMOTE_STAGE.min(len - at);
+                    fill(at, &mut buf[..n])?;
+                    // A closed channel: the drainer failed, and reports why.
+                    if full_tx.send((at, n, buf)).is_err() {
+                        return Ok(());
+                    }
+                    at += n;
+                }
+                Ok(())
+            });
+            let mut drained = Ok(());
+            for (at, n, buf) in full_rx.iter() {
+                drained = drain(at, &buf[..n]);
+                self.give_stage(buf);
+                if drained.is_err() {
+                    break;
+                }
+            }
+            drop(full_rx);
+            let read = reader
+                .join()
+                .unwrap_or_else(|_| Err(CoreError::Internal("a staging thread panicked".into())));
+            read.and(drained)
+        })
+    }
+}
+
+impl Engine for RemoteIoEngine {
+    fn kind(&self) -> EngineKind {
+        EngineKind::RemoteIo
+    }
+
+    fn transfer(&self, src: Source<'_>, dst: Dest<'_>, len: usize) -> Result<Outcome> {
+        let route = match (src, dst) {
+            (Source::Remote(r, off), Dest::Host(d)) => {
+                r.peer()
+                    .read(r.export(), off, host_prefix_mut("destination", d, len)?)?;
+                format!("read from {}", r.peer().addr())
+            }
+            (Source::Host(s), Dest::Remote(r, off)) => {
+                r.peer()
+                    .write(r.export(), off, host_prefix("source", s, len)?)?;
+                format!("write to {}", r.peer().addr())
+            }
+            (Source::Remote(r, roff), d) => {
+                let to = match d {
+                    Dest::Device(d, off) => {
+                        check_range("destination", off, len, d.len())?;
+                        Local::Device(d, off)
+                    }
+                    Dest::File(f, off) => Local::File(f, off),
+                    Dest::Remote(r, off) => Local::Remote(r, off),
+                    Dest::Host(_) => return Err(CoreError::Internal("unreachable".into())),
+                };
+                self.staged(Local::Remote(r, roff), to, len)?;
+                format!("read from {} staged through pinned memory", r.peer().addr())
+            }
+            (s, Dest::Remote(r, roff)) => {
+                let from = match s {
+                    Source::Device(d, off) => {
+                        check_range("source", off, len, d.len())?;
+                        Local::Device(d, off)
+                    }
+                    Source::File(f, off) => Local::File(f, off),
+                    Source::Remote(..) | Source::Host(_) => {
+                        return Err(CoreError::Internal("unreachable".into()));
+                    }
+                };
+                self.staged(from, Local::Remote(r, roff), len)?;
+                format!("write to {} staged through pinned memory", r.peer().addr())
+            }
+            (s, d) => {
+                return Err(CoreError::InvalidRequest(format!(
+                    "RemoteIO does not move {:?} to {:?}",
+                    s.kind(),
+                    d.kind()
+                )));
+            }
+        };
+        Ok(Outcome {
+            bytes: len,
+            engine: EngineKind::RemoteIo,
+            route,
+        })
+    }
+}
+
 /// The transport manager: one engine per transport this build has, and the routing between
 /// them.
 #[derive(Debug, Clone)]
 pub struct Engines {
     memio: Arc<MemIoEngine>,
     localio: Arc<LocalIoEngine>,
+    remoteio: Arc<RemoteIoEngine>,
     tracker: ResourceTracker,
 }
 
 impl Engines {
-    /// Engines over these transports.
+    /// Engines over these transports (RemoteIO has no state of its own but its staging
+    /// buffers: its peers travel with the endpoints).
     pub fn new(memio: Arc<MemIo>, localio: Arc<LocalIo>) -> Self {
         Self {
+            remoteio: Arc::new(RemoteIoEngine::new(memio.clone())),
             memio: Arc::new(MemIoEngine(memio)),
             localio: Arc::new(LocalIoEngine(localio)),
             tracker: ResourceTracker::default(),
@@ -206,10 +377,7 @@ impl Engines {
         match kind {
             EngineKind::MemIo => Ok(self.memio.as_ref()),
             EngineKind::LocalIo => Ok(self.localio.as_ref()),
-            EngineKind::RemoteIo => Err(CoreError::Unsupported {
-                what: "RemoteIO".into(),
-                reason: "this build has no RemoteIO transport".into(),
-            }),
+            EngineKind::RemoteIo => Ok(self.remoteio.as_ref()),
         }
     }
 
@@ -357,6 +525,7 @@ fn storage_or_device_source(e: &Endpoint) -> Result<Source<'_>> {
     match e {
         Endpoint::Device { buf, offset } => Ok(Source::Device(buf, *offset)),
         Endpoint::File { file, offset } => Ok(Source::File(file, *offset)),
+        Endpoint::Remote { res, offset } => Ok(Source::Remote(res, *offset)),
         Endpoint::Host { .. } => Err(CoreError::Internal("host source taken unlocked".into())),
     }
 }
@@ -365,6 +534,7 @@ fn storage_or_device_dest(e: &Endpoint) -> Result<Dest<'_>> {
     match e {
         Endpoint::Device { buf, offset } => Ok(Dest::Device(buf, *offset)),
         Endpoint::File { file, offset } => Ok(Dest::File(file, *offset)),
+        Endpoint::Remote { res, offset } => Ok(Dest::Remote(res, *offset)),
         Endpoint::Host { .. } => Err(CoreError::Internal(
             "host destination taken unlocked".into(),
         )),

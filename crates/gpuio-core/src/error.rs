@@ -4,6 +4,7 @@ use crate::request::{RequestId, Status};
 use gpuio_hal::{ErrorCode, HalError};
 use gpuio_transport_localio::LocalIoError;
 use gpuio_transport_memio::MemIoError;
+use gpuio_transport_remoteio::RemoteIoError;
 
 /// Everything that can go wrong in the core, including the transports' errors it passes on.
 #[derive(Debug, thiserror::Error)]
@@ -17,6 +18,9 @@ pub enum CoreError {
     /// The LocalIO transport failed.
     #[error(transparent)]
     LocalIo(#[from] LocalIoError),
+    /// The RemoteIO transport failed.
+    #[error(transparent)]
+    RemoteIo(#[from] RemoteIoError),
     /// A request that cannot be carried out as described.
     #[error("invalid request: {0}")]
     InvalidRequest(String),
@@ -83,6 +87,7 @@ impl CoreError {
             Self::Hal(e) => e.code(),
             Self::MemIo(e) => e.code(),
             Self::LocalIo(e) => e.code(),
+            Self::RemoteIo(e) => e.code(),
             Self::InvalidRequest(_) => ErrorCode::InvalidArg,
             Self::Unsupported { .. } => ErrorCode::Unsupported,
             Self::Cancelled(_) => ErrorCode::Canceled,

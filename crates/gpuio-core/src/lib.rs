@@ -33,8 +33,8 @@ pub mod retry;
 pub mod ring;
 pub mod sched;
 
-pub use endpoint::{Dest, Endpoint, EndpointKind, HostMemory, Source};
-pub use engine::{Engine, Engines, LocalIoEngine, MemIoEngine, Outcome};
+pub use endpoint::{Dest, Endpoint, EndpointKind, HostMemory, RemoteResource, Source};
+pub use engine::{Engine, Engines, LocalIoEngine, MemIoEngine, Outcome, RemoteIoEngine};
 pub use error::{CoreError, Result};
 pub use gpuio_hal::ErrorCode;
 pub use request::{

@@ -48,7 +48,7 @@ pub enum RequestType {
 impl RequestType {
     /// The type of a transfer between two kinds of endpoint.
     pub fn of_transfer(src: EndpointKind, dst: EndpointKind) -> Self {
-        match (src.is_storage(), dst.is_storage()) {
+        match (src.is_remote_or_storage(), dst.is_remote_or_storage()) {
             (true, false) => Self::Read,
             (false, true) | (true, true) => Self::Write,
             (false, false) => Self::Copy,

@@ -124,6 +124,7 @@ struct RingMetrics {
     failed: Counter,
     bytes_memio: Counter,
     bytes_localio: Counter,
+    bytes_remoteio: Counter,
 }
 
 impl RingMetrics {
@@ -135,6 +136,7 @@ impl RingMetrics {
             failed: fin("error"),
             bytes_memio: counter!(BYTES, "engine" => "memio"),
             bytes_localio: counter!(BYTES, "engine" => "localio"),
+            bytes_remoteio: counter!(BYTES, "engine" => "remoteio"),
         }
     }
 }
@@ -215,6 +217,10 @@ fn endpoint_at(base: &Endpoint, by: u64) -> Result<Endpoint, Failure> {
             file: file.clone(),
             offset: offset.checked_add(by).ok_or_else(overflow)?,
         },
+        Endpoint::Remote { res, offset } => Endpoint::Remote {
+            res: res.clone(),
+            offset: offset.checked_add(by).ok_or_else(overflow)?,
+        },
     })
 }
 
@@ -293,7 +299,8 @@ impl Shared {
         }
         match outcome.engine {
             EngineKind::LocalIo => self.metrics.bytes_localio.increment(len as u64),
-            _ => self.metrics.bytes_memio.increment(len as u64),
+            EngineKind::RemoteIo => self.metrics.bytes_remoteio.increment(len as u64),
+            EngineKind::MemIo => self.metrics.bytes_memio.increment(len as u64),
         }
         Ok(len as u64)
     }
@@ -337,6 +344,11 @@ impl Shared {
                 self.engines
                     .transfer(Source::Device(buf, at(*offset)?), Dest::Host(out), len)?
             }
+            Endpoint::Remote { res, offset } => {
+                let from = offset.checked_add(by).ok_or_else(overflow)?;
+                self.engines
+                    .transfer(Source::Remote(res, from), Dest::Host(out), len)?
+            }
         };
         if outcome.bytes != len {
             return Err(Failure::new(
@@ -346,7 +358,8 @@ impl Shared {
         }
         match outcome.engine {
             EngineKind::LocalIo => self.metrics.bytes_localio.increment(len as u64),
-            _ => self.metrics.bytes_memio.increment(len as u64),
+            EngineKind::RemoteIo => self.metrics.bytes_remoteio.increment(len as u64),
+            EngineKind::MemIo => self.metrics.bytes_memio.increment(len as u64),
         }
         Ok(len as u64)
     }

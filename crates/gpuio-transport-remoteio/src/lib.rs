@@ -14,6 +14,8 @@
 //! - [`connection`]: one blocking, authenticated TCP connection with pipelined requests; data
 //!   is received straight into and sent straight from the caller's memory.
 //! - [`peer`]: a pool of connections to one agent; large transfers are striped over several.
+//! - [`registry`]: segments registered in etcd under leases the agents keep alive; a segment
+//!   name resolves to the agents serving it.
 //!
 //! Not here yet (issue 6 goes on): RDMA verbs and TLS.
 
@@ -23,6 +25,7 @@ pub mod agent;
 pub mod auth;
 pub mod connection;
 pub mod peer;
+pub mod registry;
 pub mod wire;
 
 pub use agent::{
@@ -31,6 +34,7 @@ pub use agent::{
 pub use auth::{Key, Role};
 pub use connection::{Connection, Credentials, ExportInfo};
 pub use peer::{PeerConfig, PeerStats, RemotePeer};
+pub use registry::{Registration, Registry, RegistryConfig, SegmentMember};
 
 use gpuio_hal::ErrorCode;
 
@@ -61,13 +65,16 @@ pub enum RemoteIoError {
     /// The peer did not answer in time.
     #[error("timed out: {0}")]
     TimedOut(String),
+    /// The registry (etcd) failed or could not be reached.
+    #[error("registry: {0}")]
+    Registry(String),
 }
 
 impl RemoteIoError {
     /// The SDD §7.1 code of this error.
     pub fn code(&self) -> ErrorCode {
         match self {
-            Self::Network(_) | Self::Protocol(_) => ErrorCode::Network,
+            Self::Network(_) | Self::Protocol(_) | Self::Registry(_) => ErrorCode::Network,
             Self::Auth(_) => ErrorCode::Permission,
             Self::Remote { code, .. } => *code,
             Self::InvalidArgument(_) => ErrorCode::InvalidArg,

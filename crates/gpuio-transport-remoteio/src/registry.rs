@@ -1,0 +1,270 @@
+//! The multi-node registry on etcd (SAD §6.2): agents register the segments they serve under
+//! leases they keep alive; clients resolve a segment name to the agents serving it.
+//!
+//! Layout: `<prefix>/segments/<segment>/<agent-id>` → the agent's `host:port`, attached to
+//! the agent's lease. An agent that dies stops renewing its lease, and etcd removes its keys
+//! when the lease's TTL runs out; one that stops cleanly revokes the lease at once.
+//!
+//! The API is blocking: the registry runs its own small tokio runtime, on which the lease
+//! keep-alive of every registration runs in the background.
+
+use crate::{RemoteIoError, Result};
+use etcd_client::{Client, ConnectOptions, GetOptions, PutOptions};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// Where the registry is and how patient to be with it.
+#[derive(Debug, Clone)]
+pub struct RegistryConfig {
+    /// etcd client endpoints (`http://host:port`).
+    pub endpoints: Vec<String>,
+    /// Key prefix, so that several deployments can share one etcd.
+    pub prefix: String,
+    /// Bound on connecting and on every request.
+    pub timeout: Duration,
+}
+
+impl RegistryConfig {
+    /// The given endpoints, prefix `/gpuio`, 5 s timeout.
+    pub fn new(endpoints: Vec<String>) -> Self {
+        Self {
+            endpoints,
+            prefix: "/gpuio".into(),
+            timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// An agent serving a segment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentMember {
+    /// The agent's name (unique within the segment).
+    pub agent: String,
+    /// Where clients connect.
+    pub addr: SocketAddr,
+}
+
+/// A connection to the registry. Cheap to share behind an `Arc`.
+pub struct Registry {
+    runtime: Arc<tokio::runtime::Runtime>,
+    client: Client,
+    cfg: RegistryConfig,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("endpoints", &self.cfg.endpoints)
+            .field("prefix", &self.cfg.prefix)
+            .finish()
+    }
+}
+
+fn etcd(e: etcd_client::Error) -> RemoteIoError {
+    RemoteIoError::Registry(e.to_string())
+}
+
+impl Registry {
+    /// Connects to etcd.
+    pub fn connect(cfg: RegistryConfig) -> Result<Self> {
+        if cfg.endpoints.is_empty() {
+            return Err(RemoteIoError::InvalidArgument(
+                "the registry needs at least one etcd endpoint".into(),
+            ));
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("gpuio-registry")
+            .enable_io()
+            .enable_time()
+            .build()?;
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(cfg.timeout)
+            .with_timeout(cfg.timeout);
+        let client = runtime
+            .block_on(Client::connect(&cfg.endpoints, Some(opts)))
+            .map_err(etcd)?;
+        Ok(Self {
+            runtime: Arc::new(runtime),
+            client,
+            cfg,
+        })
+    }
+
+    fn segment_prefix(&self, segment: &str) -> String {
+        format!("{}/segments/{segment}/", self.cfg.prefix)
+    }
+
+    /// The agents serving `segment` now (possibly none).
+    pub fn resolve(&self, segment: &str) -> Result<Vec<SegmentMember>> {
+        check_name("segment", segment)?;
+        let prefix = self.segment_prefix(segment);
+        let mut client = self.client.clone();
+        let resp = self
+            .runtime
+            .block_on(client.get(prefix.as_str(), Some(GetOptions::new().with_prefix())))
+            .map_err(etcd)?;
+        let mut members = Vec::new();
+        for kv in resp.kvs() {
+            let (Ok(key), Ok(value)) = (kv.key_str(), kv.value_str()) else {
+                continue;
+            };
+            let agent = key.strip_prefix(&prefix).unwrap_or(key).to_string();
+            match value.parse() {
+                Ok(addr) => members.push(SegmentMember { agent, addr }),
+                Err(_) => {
+                    tracing::warn!(%key, %value, "ignoring a registry entry that is not host:port")
+                }
+            }
+        }
+        Ok(members)
+    }
+
+    /// Registers `member` as serving `segment` under a lease of `ttl`, kept alive until the
+    /// returned [`Registration`] is dropped (which revokes it).
+    pub fn register(
+        &self,
+        segment: &str,
+        member: &SegmentMember,
+        ttl: Duration,
+    ) -> Result<Registration> {
+        check_name("segment", segment)?;
+        check_name("agent", &member.agent)?;
+        let ttl_s = ttl.as_secs().max(2) as i64;
+        let key = format!("{}{}", self.segment_prefix(segment), member.agent);
+        let value = member.addr.to_string();
+        let mut client = self.client.clone();
+        let lease = self
+            .runtime
+            .block_on(put_under_new_lease(&mut client, &key, &value, ttl_s))?;
+        let (stop, stopped) = watch::channel(false);
+        let keeper = self.runtime.spawn(keep_alive(
+            client.clone(),
+            key.clone(),
+            value,
+            ttl_s,
+            lease,
+            stopped,
+        ));
+        Ok(Registration {
+            runtime: self.runtime.clone(),
+            client,
+            key,
+            stop,
+            keeper: Some(keeper),
+        })
+    }
+}
+
+/// Segment and agent names become key components: no separators, nothing empty.
+fn check_name(what: &str, name: &str) -> Result<()> {
+    if name.is_empty() || name.len() > 255 || name.contains('/') {
+        return Err(RemoteIoError::InvalidArgument(format!(
+            "{what} name {name:?} must be 1 to 255 bytes without '/'"
+        )));
+    }
+    Ok(())
+}
+
+async fn put_under_new_lease(
+    client: &mut Client,
+    key: &str,
+    value: &str,
+    ttl_s: i64,
+) -> Result<i64> {
+    let lease = client.lease_grant(ttl_s, None).await.map_err(etcd)?.id();
+    client
+        .put(key, value, Some(PutOptions::new().with_lease(lease)))
+        .await
+        .map_err(etcd)?;
+    Ok(lease)
+}
+
+/// Renews the lease every third of its TTL. If etcd was unreachable for longer than the TTL
+/// (the lease expired and the key is gone), registers again under a new lease as soon as etcd
+/// answers. Ends by revoking the lease when told to stop.
+async fn keep_alive(
+    mut client: Client,
+    key: String,
+    value: String,
+    ttl_s: i64,
+    mut lease: i64,
+    mut stop: watch::Receiver<bool>,
+) {
+    let period = Duration::from_millis((ttl_s as u64 * 1000 / 3).max(200));
+    loop {
+        let renewed = async {
+            let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;
+            keeper.keep_alive().await?;
+            Ok::<_, etcd_client::Error>(answers.message().await?.map_or(0, |a| a.ttl()))
+        };
+        match renewed.await {
+            Ok(ttl) if ttl > 0 => {}
+            outcome => {
+                if let Err(e) = &outcome {
+                    tracing::warn!(%key, error = %e, "renewing the registry lease failed");
+                }
+                // Expired (TTL 0) or unknown: the key may be gone; put it back.
+                match put_under_new_lease(&mut client, &key, &value, ttl_s).await {
+                    Ok(l) => lease = l,
+                    Err(e) => tracing::warn!(%key, error = %e, "registering again failed"),
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(period) => {}
+            _ = stop.changed() => break,
+        }
+    }
+    if let Err(e) = client.lease_revoke(lease).await {
+        tracing::info!(%key, error = %e, "revoking the registry lease failed; it will expire");
+    }
+}
+
+/// A segment registration, kept alive in the background. Dropping it revokes the lease, so
+/// the agent disappears from the registry at once.
+pub struct Registration {
+    runtime: Arc<tokio::runtime::Runtime>,
+    client: Client,
+    key: String,
+    stop: watch::Sender<bool>,
+    keeper: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("key", &self.key)
+            .finish()
+    }
+}
+
+impl Registration {
+    /// The registry key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Whether the key is in the registry now.
+    pub fn is_registered(&self) -> Result<bool> {
+        let mut client = self.client.clone();
+        let resp = self
+            .runtime
+            .block_on(client.get(self.key.as_str(), None))
+            .map_err(etcd)?;
+        Ok(!resp.kvs().is_empty())
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(k) = self.keeper.take() {
+            let _ = self
+                .runtime
+                .block_on(async { tokio::time::timeout(Duration::from_secs(5), k).await });
+        }
+    }
+}
