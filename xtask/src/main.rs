@@ -1,6 +1,7 @@
 //! gpuio's project tasks (`cargo xtask <task>`):
 //!
-//! - `ci`: what `.ci/run` runs: formatting, clippy, the test suite, rustdoc.
+//! - `ci`: what `.ci/run` runs: the Debian packages the build and tests need (installed when
+//!   missing), formatting, clippy, the test suite, rustdoc.
 //! - `bench [ARGS]`: the benchmark suites this machine supports (`gpuio bench` in release).
 //! - `gpu-bundle`: release test and bench binaries for the GPU machine (no cargo there), with
 //!   `run.sh`, the one command that runs them there.
@@ -82,7 +83,55 @@ fn has(program: &str, arg: &str) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
+/// Debian packages the build and the tests need: (a command it provides, the package).
+/// protoc builds etcd-client; etcd serves the multi-node tests; iperf3 is the TCP peer of
+/// `gpuio bench remote`.
+const PACKAGES: &[(&str, &str)] = &[
+    ("protoc", "protobuf-compiler"),
+    ("etcd", "etcd-server"),
+    ("iperf3", "iperf3"),
+];
+
+/// Installs the missing [`PACKAGES`] with apt-get (as root), or says what to install.
+fn ensure_packages() -> Result {
+    let missing: Vec<&str> = PACKAGES
+        .iter()
+        .filter(|(cmd, _)| !has(cmd, "--version"))
+        .map(|(_, pkg)| *pkg)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0"));
+    if !root || !has("apt-get", "--version") {
+        return Err(format!(
+            "missing Debian packages: {} (apt-get install {})",
+            missing.join(", "),
+            missing.join(" ")
+        ));
+    }
+    let apt = |args: &[&str]| {
+        let mut c = Command::new("apt-get");
+        c.args(args).env("DEBIAN_FRONTEND", "noninteractive");
+        c
+    };
+    let mut install = apt(&["install", "-y", "-q", "--no-install-recommends"]);
+    install.args(&missing);
+    if run("install packages", &mut install).is_err() {
+        // A fresh machine may have no package lists yet.
+        run("apt-get update", &mut apt(&["update", "-q"]))?;
+        let mut install = apt(&["install", "-y", "-q", "--no-install-recommends"]);
+        install.args(&missing);
+        run("install packages", &mut install)?;
+    }
+    Ok(())
+}
+
 fn ci() -> Result {
+    ensure_packages()?;
     run("rustfmt", cargo().args(["fmt", "--all", "--", "--check"]))?;
     run(
         "clippy",
@@ -106,7 +155,8 @@ fn ci() -> Result {
             "tests (nextest)",
             cargo()
                 .args(["nextest", "run", "--workspace", "--no-fail-fast"])
-                .env("GPUIO_REQUIRE_FUSE", fuse),
+                .env("GPUIO_REQUIRE_FUSE", fuse)
+                .env("GPUIO_REQUIRE_ETCD", "1"),
         )?;
         // nextest does not run doctests.
         run("doctests", cargo().args(["test", "--workspace", "--doc"]))?;
@@ -115,7 +165,8 @@ fn ci() -> Result {
             "tests",
             cargo()
                 .args(["test", "--workspace", "--no-fail-fast"])
-                .env("GPUIO_REQUIRE_FUSE", fuse),
+                .env("GPUIO_REQUIRE_FUSE", fuse)
+                .env("GPUIO_REQUIRE_ETCD", "1"),
         )?;
     }
     run(
@@ -127,6 +178,7 @@ fn ci() -> Result {
 }
 
 fn bench(args: &[String]) -> Result {
+    ensure_packages()?;
     let mut cmd = cargo();
     cmd.args([
         "run",
