@@ -75,7 +75,7 @@ impl Resource {
                         Err(e) => last = Some(e),
                     }
                 }
-                return Err(last.map_or_else(|| no_replica(), Error::from));
+                return Err(last.map_or_else(no_replica, Error::from));
             }
         })
     }
