@@ -10,6 +10,7 @@ use gpuio_transport_memio::MemIoConfig;
 use gpuio_transport_remoteio::wire::MAX_DATA;
 use gpuio_transport_remoteio::{
     Access, AgentConfig, Credentials, Export, ExportSource, Key, PeerConfig, RegistryConfig, Role,
+    TlsClient, TlsServer,
 };
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
@@ -112,6 +113,10 @@ pub struct AgentSection {
     pub name: String,
     /// Seconds a registration outlives an agent that died without revoking it.
     pub lease_ttl_s: u64,
+    /// TLS certificate chain, PEM (empty: plain TCP).
+    pub tls_cert: String,
+    /// TLS private key, PEM.
+    pub tls_key: String,
     /// What is served.
     pub exports: Vec<AgentExport>,
 }
@@ -132,6 +137,10 @@ pub struct RemoteSection {
     pub stripe_size: ByteSize,
     /// Milliseconds to connect, and to wait for any answer.
     pub timeout_ms: u64,
+    /// TLS: CA certificates to trust, PEM (empty: plain TCP).
+    pub tls_ca: String,
+    /// TLS: the name agents' certificates carry (empty: their IP address).
+    pub tls_server_name: String,
     /// etcd endpoints resolving segment names (empty: none).
     pub registry: Vec<String>,
     /// Key prefix in etcd.
@@ -259,6 +268,8 @@ impl Config {
                 advertise: String::new(),
                 name: String::new(),
                 lease_ttl_s: 10,
+                tls_cert: String::new(),
+                tls_key: String::new(),
                 exports: Vec::new(),
             },
             remote: RemoteSection {
@@ -268,6 +279,8 @@ impl Config {
                 connections: 4,
                 stripe_size: ByteSize::mib(1),
                 timeout_ms: 10_000,
+                tls_ca: String::new(),
+                tls_server_name: String::new(),
                 registry: Vec::new(),
                 registry_prefix: "/gpuio".into(),
             },
@@ -465,6 +478,14 @@ impl Config {
         cfg.handshake_timeout = std::time::Duration::from_millis(a.handshake_timeout_ms);
         cfg.max_connections = a.max_connections;
         cfg.threads = a.threads;
+        cfg.tls = match (a.tls_cert.is_empty(), a.tls_key.is_empty()) {
+            (true, true) => None,
+            (false, false) => Some(
+                TlsServer::from_pem_files(Path::new(&a.tls_cert), Path::new(&a.tls_key))
+                    .map_err(|e| bad(format!("agent TLS: {e}")))?,
+            ),
+            _ => return Err(bad("agent.tls_cert and agent.tls_key go together".into())),
+        };
         for k in &a.keys {
             let role = match k.role.as_str() {
                 "read-only" => Role::ReadOnly,
@@ -552,14 +573,23 @@ impl Config {
         }))
     }
 
-    /// How RemoteIO clients connect to the agent at `addr`.
-    pub fn peer_config(&self, addr: SocketAddr, credentials: Credentials) -> PeerConfig {
+    /// How RemoteIO clients connect to the agent at `addr` (the TLS trust read here).
+    pub fn peer_config(&self, addr: SocketAddr, credentials: Credentials) -> Result<PeerConfig> {
         let r = &self.remote;
         let mut cfg = PeerConfig::new(addr, credentials);
         cfg.connections = r.connections.max(1);
         cfg.stripe_bytes = (r.stripe_size.as_u64() as usize).clamp(4096, MAX_DATA);
         cfg.timeout = std::time::Duration::from_millis(r.timeout_ms.max(1));
-        cfg
+        if !r.tls_ca.is_empty() {
+            cfg.tls = Some(
+                TlsClient::from_ca_pem_file(Path::new(&r.tls_ca))
+                    .map_err(|e| self.config_error(format!("[remote] tls_ca: {e}")))?,
+            );
+        }
+        if !r.tls_server_name.is_empty() {
+            cfg.server_name = Some(r.tls_server_name.clone());
+        }
+        Ok(cfg)
     }
 
     /// The registry's configuration (`None`: no `[remote] registry`).

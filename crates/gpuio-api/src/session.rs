@@ -298,7 +298,7 @@ impl Session {
                 "{uri}: RemoteIO needs a key: set [remote] key_id and secret_env or secret_file"
             ))
         })?;
-        let peer = Arc::new(RemotePeer::new(self.config.peer_config(addr, creds)));
+        let peer = Arc::new(RemotePeer::new(self.config.peer_config(addr, creds)?));
         peers.insert(addr, peer.clone());
         Ok(peer)
     }

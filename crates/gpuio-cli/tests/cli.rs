@@ -95,7 +95,16 @@ fn bad_input_gets_typed_errors_and_exit_codes() {
         (&["cp", s, "memio://cpu/dram?numa=999"], 4, "NUMA node 999"),
         (&["cp", "gpu0", s], 3, "no content"),
         (&["cp", s, s], 3, "same file"),
-        (&["cp", s, "remoteio://10.1.1.1:9/x"], 8, "RemoteIO"),
+        (
+            &["cp", s, "remoteio://10.1.1.1:9/x"],
+            3,
+            "RemoteIO needs a key",
+        ),
+        (
+            &["cp", s, "remoteio://10.1.1.1:9/x?transport=rdma"],
+            8,
+            "RDMA",
+        ),
         (&["bench", "nosuchsuite"], 3, "unknown suite"),
         (&["bench", "--sizes", "4Q"], 3, "bad size"),
     ];

@@ -16,6 +16,7 @@
 //! at most `max_sessions_per_key` connections per key; more are refused with `Busy`.
 
 use crate::auth::{self, Key, Role};
+use crate::tls::TlsServer;
 use crate::wire::{self, HEADER_LEN, Header, MAX_DATA, Message, MsgType, WireError, WriteHead};
 use crate::{RemoteIoError, Result};
 use gpuio_hal::{ErrorCode, HostBuffer};
@@ -26,9 +27,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::RwLock;
 use tokio::sync::watch;
 
@@ -97,6 +97,8 @@ pub struct AgentConfig {
     pub io_timeout: Duration,
     /// Runtime threads.
     pub threads: usize,
+    /// TLS: the agent's certificate (`None`: plain TCP).
+    pub tls: Option<TlsServer>,
 }
 
 impl AgentConfig {
@@ -111,6 +113,7 @@ impl AgentConfig {
             max_sessions_per_key: 64,
             io_timeout: Duration::from_secs(30),
             threads: 2,
+            tls: None,
         }
     }
 }
@@ -264,6 +267,7 @@ impl Agent {
         let addr = listener.local_addr()?;
         let (stop, stopped) = watch::channel(false);
         let limit = Arc::new(tokio::sync::Semaphore::new(cfg.max_connections.max(1)));
+        let tls = cfg.tls.map(|t| tokio_rustls::TlsAcceptor::from(t.config));
         let sh = shared.clone();
         let accept = runtime.spawn(async move {
             let mut conns = tokio::task::JoinSet::new();
@@ -282,10 +286,10 @@ impl Agent {
                 };
                 match accepted {
                     Ok((stream, peer)) => {
-                        let (sh, stop) = (sh.clone(), stopped.clone());
+                        let (sh, stop, tls) = (sh.clone(), stopped.clone(), tls.clone());
                         conns.spawn(async move {
                             let _permit = permit;
-                            serve(sh, stream, peer, stop).await;
+                            serve(sh, stream, peer, stop, tls).await;
                         });
                     }
                     Err(e) => tracing::warn!(error = %e, "accepting a connection failed"),
@@ -371,7 +375,7 @@ impl From<WireError> for Fatal {
 }
 
 /// Reads a header; `Ok(None)` at a clean end of stream between messages.
-async fn read_header(rd: &mut OwnedReadHalf) -> Result<Option<Header>> {
+async fn read_header(rd: &mut (impl AsyncRead + Unpin)) -> Result<Option<Header>> {
     let mut h = [0u8; HEADER_LEN];
     let mut got = 0;
     while got < HEADER_LEN {
@@ -392,7 +396,7 @@ async fn read_header(rd: &mut OwnedReadHalf) -> Result<Option<Header>> {
 }
 
 /// Reads and decodes the payload of a message whose header was read.
-async fn read_payload(rd: &mut OwnedReadHalf, header: &Header) -> Result<Message> {
+async fn read_payload(rd: &mut (impl AsyncRead + Unpin), header: &Header) -> Result<Message> {
     // Bounded by Header::decode (MAX_PAYLOAD).
     let mut payload = vec![0u8; header.payload_len as usize];
     rd.read_exact(&mut payload).await?;
@@ -400,7 +404,7 @@ async fn read_payload(rd: &mut OwnedReadHalf, header: &Header) -> Result<Message
 }
 
 /// Reads one whole message; `Ok(None)` at a clean end of stream.
-async fn read_message(rd: &mut OwnedReadHalf) -> Result<Option<(Header, Message)>> {
+async fn read_message(rd: &mut (impl AsyncRead + Unpin)) -> Result<Option<(Header, Message)>> {
     let Some(header) = read_header(rd).await? else {
         return Ok(None);
     };
@@ -408,12 +412,17 @@ async fn read_message(rd: &mut OwnedReadHalf) -> Result<Option<(Header, Message)
     Ok(Some((header, msg)))
 }
 
-async fn send(wr: &mut OwnedWriteHalf, msg: &Message, request_id: u64) -> Result<()> {
+async fn send(wr: &mut (impl AsyncWrite + Unpin), msg: &Message, request_id: u64) -> Result<()> {
     wr.write_all(&msg.encode(request_id)).await?;
     Ok(())
 }
 
-async fn send_error(wr: &mut OwnedWriteHalf, code: ErrorCode, message: &str, request_id: u64) {
+async fn send_error(
+    wr: &mut (impl AsyncWrite + Unpin),
+    code: ErrorCode,
+    message: &str,
+    request_id: u64,
+) {
     let msg = Message::Error {
         code: code.as_i32(),
         message: message.into(),
@@ -459,14 +468,43 @@ impl Shared {
     }
 }
 
+/// Serves one accepted connection: plain, or TLS first where the agent has a certificate.
 async fn serve(
     sh: Arc<Shared>,
     stream: TcpStream,
     peer: SocketAddr,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
     let _ = stream.set_nodelay(true);
-    let (mut rd, mut wr) = stream.into_split();
+    let Some(acceptor) = tls else {
+        let (rd, wr) = stream.into_split();
+        return serve_session(sh, rd, wr, peer, stop).await;
+    };
+    match tokio::time::timeout(sh.handshake_timeout, acceptor.accept(stream)).await {
+        Ok(Ok(tls)) => {
+            let (rd, wr) = tokio::io::split(tls);
+            serve_session(sh, rd, wr, peer, stop).await;
+        }
+        Ok(Err(e)) => {
+            tracing::info!(%peer, error = %e, "TLS handshake refused");
+            sh.counters.refused_sessions.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(_) => {
+            tracing::info!(%peer, "TLS handshake timed out");
+            sh.counters.refused_sessions.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Serves a connection's session: the HELLO handshake, then its requests in order.
+async fn serve_session(
+    sh: Arc<Shared>,
+    mut rd: impl AsyncRead + Unpin,
+    mut wr: impl AsyncWrite + Unpin,
+    peer: SocketAddr,
+    mut stop: watch::Receiver<bool>,
+) {
     let shake = tokio::time::timeout(sh.handshake_timeout, handshake(&sh, &mut rd, &mut wr));
     let (role, _slot) = match shake.await {
         Ok(Ok(accepted)) => {
@@ -513,7 +551,12 @@ async fn serve(
     }
 }
 
-async fn protocol_error(sh: &Shared, wr: &mut OwnedWriteHalf, peer: SocketAddr, e: RemoteIoError) {
+async fn protocol_error(
+    sh: &Shared,
+    wr: &mut (impl AsyncWrite + Unpin),
+    peer: SocketAddr,
+    e: RemoteIoError,
+) {
     sh.counters.protocol_errors.fetch_add(1, Ordering::Relaxed);
     tracing::info!(%peer, error = %e, "closing a connection that broke the protocol");
     send_error(wr, ErrorCode::InvalidArg, &e.to_string(), 0).await;
@@ -523,8 +566,8 @@ async fn protocol_error(sh: &Shared, wr: &mut OwnedWriteHalf, peer: SocketAddr, 
 async fn serve_one(
     sh: &Shared,
     role: Role,
-    rd: &mut OwnedReadHalf,
-    wr: &mut OwnedWriteHalf,
+    rd: &mut (impl AsyncRead + Unpin),
+    wr: &mut (impl AsyncWrite + Unpin),
     header: Header,
     scratch: &mut Vec<u8>,
 ) -> std::result::Result<(), Fatal> {
@@ -564,7 +607,7 @@ async fn serve_one(
 /// Sends a small answer or a refusal, counting it.
 async fn answer(
     sh: &Shared,
-    wr: &mut OwnedWriteHalf,
+    wr: &mut (impl AsyncWrite + Unpin),
     id: u64,
     result: std::result::Result<Message, Refusal>,
 ) -> std::result::Result<(), Fatal> {
@@ -588,8 +631,8 @@ async fn answer(
 /// The HELLO exchange; the key's role and its session slot on success.
 async fn handshake<'a>(
     sh: &'a Shared,
-    rd: &mut OwnedReadHalf,
-    wr: &mut OwnedWriteHalf,
+    rd: &mut (impl AsyncRead + Unpin),
+    wr: &mut (impl AsyncWrite + Unpin),
 ) -> Result<(Role, SessionSlot<'a>)> {
     let refuse = |why: &str| RemoteIoError::Auth(why.into());
     let Some((_, Message::Hello { key_id, nonce: cn })) = read_message(rd).await? else {
@@ -666,7 +709,7 @@ async fn stat(sh: &Shared, role: Role, name: &str) -> std::result::Result<Messag
 /// a file.
 async fn read(
     sh: &Shared,
-    wr: &mut OwnedWriteHalf,
+    wr: &mut (impl AsyncWrite + Unpin),
     id: u64,
     name: &str,
     offset: u64,
@@ -725,10 +768,10 @@ async fn read(
 /// Serves a write whose fields were read: its data is received straight into a memory
 /// export, or through `scratch` into a file. A refused write's data is read and dropped, so
 /// the connection stays in step.
-async fn write(
+async fn write<R: AsyncRead + Unpin>(
     sh: &Shared,
     role: Role,
-    rd: &mut OwnedReadHalf,
+    rd: &mut R,
     head: WriteHead,
     scratch: &mut Vec<u8>,
 ) -> std::result::Result<std::result::Result<Message, Refusal>, Fatal> {
@@ -737,8 +780,8 @@ async fn write(
         offset,
         len,
     } = head;
-    let refuse = async |rd: &mut OwnedReadHalf, r: Refusal| {
-        let skipped = tokio::io::copy(&mut rd.take(len), &mut tokio::io::sink()).await?;
+    let refuse = async |rd: &mut R, r: Refusal| {
+        let skipped = tokio::io::copy(&mut (&mut *rd).take(len), &mut tokio::io::sink()).await?;
         if skipped < len {
             return Err(Fatal::Gone);
         }

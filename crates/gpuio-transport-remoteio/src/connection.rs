@@ -9,6 +9,7 @@
 //! network or protocol failure marks it [`broken`](Connection::is_broken).
 
 use crate::auth;
+use crate::tls::TlsClient;
 use crate::wire::{
     self, HEADER_LEN, Header, MAX_DATA, Message, MsgType, READ_RESP_HEAD, WireError,
 };
@@ -45,10 +46,57 @@ pub struct ExportInfo {
     pub writable: bool,
 }
 
+/// The bytes under a connection: plain TCP, or TLS over it.
+enum Stream {
+    Plain(TcpStream),
+    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Self::Plain(s) => s.read(buf),
+            Self::Tls(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Self::Plain(s) => s.write(buf),
+            Self::Tls(s) => s.write(buf),
+        }
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
+        match self {
+            Self::Plain(s) => s.write_vectored(bufs),
+            Self::Tls(s) => s.write_vectored(bufs),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Self::Plain(s) => s.flush(),
+            Self::Tls(s) => s.flush(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Plain(_) => "tcp",
+            Self::Tls(_) => "tls",
+        })
+    }
+}
+
 /// A connection to an agent.
 #[derive(Debug)]
 pub struct Connection {
-    stream: TcpStream,
+    stream: Stream,
     next_id: u64,
     broken: bool,
 }
@@ -57,13 +105,31 @@ pub struct Connection {
 type Piece<'a, B> = (u64, B);
 
 impl Connection {
-    /// Connects to the agent at `addr` and authenticates. `timeout` bounds the connect and
-    /// every later wait for the agent.
+    /// Connects to the agent at `addr` over plain TCP and authenticates. `timeout` bounds
+    /// the connect and every later wait for the agent.
     pub fn connect(addr: SocketAddr, creds: &Credentials, timeout: Duration) -> Result<Self> {
-        let stream = TcpStream::connect_timeout(&addr, timeout)?;
-        stream.set_nodelay(true)?;
-        stream.set_read_timeout(Some(timeout))?;
-        stream.set_write_timeout(Some(timeout))?;
+        Self::connect_with(addr, creds, timeout, None)
+    }
+
+    /// Like [`connect`](Self::connect), over TLS when `tls` names the trust and the agent's
+    /// name (as its certificate has it).
+    pub fn connect_with(
+        addr: SocketAddr,
+        creds: &Credentials,
+        timeout: Duration,
+        tls: Option<(&TlsClient, &str)>,
+    ) -> Result<Self> {
+        let tcp = TcpStream::connect_timeout(&addr, timeout)?;
+        tcp.set_nodelay(true)?;
+        tcp.set_read_timeout(Some(timeout))?;
+        tcp.set_write_timeout(Some(timeout))?;
+        let stream = match tls {
+            None => Stream::Plain(tcp),
+            Some((client, name)) => Stream::Tls(Box::new(rustls::StreamOwned::new(
+                client.session(name)?,
+                tcp,
+            ))),
+        };
         let mut c = Self {
             stream,
             next_id: 1,
@@ -312,7 +378,7 @@ fn advance(offset: u64, by: usize) -> Result<u64> {
 }
 
 /// Writes `head` then `data` with as few system calls as the socket allows.
-fn write_all_vectored(stream: &mut TcpStream, head: &[u8], data: &[u8]) -> Result<()> {
+fn write_all_vectored(stream: &mut impl Write, head: &[u8], data: &[u8]) -> Result<()> {
     let (mut h, mut d) = (head, data);
     while !h.is_empty() {
         let n = stream.write_vectored(&[IoSlice::new(h), IoSlice::new(d)])?;

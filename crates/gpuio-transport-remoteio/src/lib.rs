@@ -17,7 +17,9 @@
 //! - [`registry`]: segments registered in etcd under leases the agents keep alive; a segment
 //!   name resolves to the agents serving it.
 //!
-//! Not here yet (issue 6 goes on): RDMA verbs and TLS.
+//! - [`tls`]: optional TLS (rustls): the agent's certificate, the clients' trusted CAs.
+//!
+//! Not here yet (issue 6 goes on): RDMA verbs.
 
 #![forbid(unsafe_code)]
 
@@ -26,6 +28,7 @@ pub mod auth;
 pub mod connection;
 pub mod peer;
 pub mod registry;
+pub mod tls;
 pub mod wire;
 
 pub use agent::{
@@ -35,6 +38,7 @@ pub use auth::{Key, Role};
 pub use connection::{Connection, Credentials, ExportInfo};
 pub use peer::{PeerConfig, PeerStats, RemotePeer};
 pub use registry::{Registration, Registry, RegistryConfig, SegmentMember};
+pub use tls::{TlsClient, TlsServer};
 
 use gpuio_hal::ErrorCode;
 

@@ -8,6 +8,7 @@
 //! retried here: the caller (the core's retry policy and replica failover) decides.
 
 use crate::connection::{Connection, Credentials, ExportInfo, split, split_mut};
+use crate::tls::TlsClient;
 use crate::{RemoteIoError, Result};
 use std::net::SocketAddr;
 use std::sync::Mutex;
@@ -32,6 +33,10 @@ pub struct PeerConfig {
     pub connect_attempts: u32,
     /// The first backoff; it doubles per attempt up to one second.
     pub backoff: Duration,
+    /// TLS: the CA certificates to trust (`None`: plain TCP).
+    pub tls: Option<TlsClient>,
+    /// The agent's name as its certificate has it (`None`: its IP address).
+    pub server_name: Option<String>,
 }
 
 impl PeerConfig {
@@ -46,6 +51,8 @@ impl PeerConfig {
             timeout: Duration::from_secs(10),
             connect_attempts: 3,
             backoff: Duration::from_millis(20),
+            tls: None,
+            server_name: None,
         }
     }
 }
@@ -210,8 +217,20 @@ impl RemotePeer {
         let mut backoff = self.cfg.backoff;
         let deadline = Instant::now() + self.cfg.timeout;
         let mut attempt = 1;
+        let name = self
+            .cfg
+            .server_name
+            .clone()
+            .unwrap_or_else(|| self.cfg.addr.ip().to_string());
+        let tls = self.cfg.tls.as_ref().map(|t| (t, name.as_str()));
         loop {
-            match Connection::connect(self.cfg.addr, &self.cfg.credentials, self.cfg.timeout) {
+            let c = Connection::connect_with(
+                self.cfg.addr,
+                &self.cfg.credentials,
+                self.cfg.timeout,
+                tls,
+            );
+            match c {
                 Ok(c) => {
                     self.connects.fetch_add(1, Ordering::Relaxed);
                     return Ok(c);
