@@ -20,10 +20,9 @@ fn creds() -> Credentials {
 
 /// A self-signed certificate for these names: (certificate PEM, private key PEM).
 fn certificate(names: &[&str]) -> (String, String) {
-    let c = rcgen::generate_simple_self_signed(
-        names.iter().map(|n| n.to_string()).collect::<Vec<_>>(),
-    )
-    .unwrap();
+    let c =
+        rcgen::generate_simple_self_signed(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+            .unwrap();
     (c.cert.pem(), c.signing_key.serialize_pem())
 }
 
