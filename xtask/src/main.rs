@@ -281,8 +281,8 @@ fn gpu_bundle() -> Result {
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # gpuio's GPU matrix, in one command: every test binary with CUDA required, the kernel compile
 # checks (nvcc and NVRTC), gpuio info, a 1 GiB file round trip through GPU memory, and the
-# MemIO, LocalIO, core, gather and ring benchmarks against their peers (fio: GPUIO_FIO; kvikio
-# and torch: on PYTHONPATH).
+# MemIO, LocalIO, core, gather, ring and remote benchmarks against their peers (fio: GPUIO_FIO;
+# kvikio and torch: on PYTHONPATH; iperf3 where installed).
 # Results (bench JSON, plots) go to $OUT or ./out.
 set -u
 cd "$(dirname "$0")"
@@ -315,6 +315,7 @@ step bin/gpuio bench localio --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out"
 step bin/gpuio bench core --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out"
 step bin/gpuio bench gather --out "$out"
 step bin/gpuio bench ring --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out"
+step bin/gpuio bench remote --out "$out"
 echo "== gpu matrix: $([ $status = 0 ] && echo PASSED || echo FAILED)"
 exit $status
 "#;
