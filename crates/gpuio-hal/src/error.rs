@@ -241,6 +241,17 @@ pub enum HalError {
         /// Why not.
         reason: String,
     },
+    /// An RDMA verb failed (cargo feature `rdma`).
+    #[error("RDMA {op}: {message}")]
+    Rdma {
+        /// What the HAL was doing.
+        op: &'static str,
+        /// The verbs library's or the completion's description.
+        message: String,
+        /// The code this maps to (a peer refusing access is `Permission`, a peer that stopped
+        /// answering `Network`).
+        code: ErrorCode,
+    },
     /// The GPU request ring is shutting down or closed: the request was refused, or the ring
     /// shut down before serving it.
     #[error("the request ring is shut down")]
@@ -281,6 +292,7 @@ impl HalError {
                 crate::ring::error_code_of(*code).unwrap_or(ErrorCode::General)
             }
             Self::TimedOut { .. } => ErrorCode::Timeout,
+            Self::Rdma { code, .. } => *code,
         }
     }
 

@@ -33,6 +33,8 @@ pub mod gpu;
 pub mod kernels;
 pub mod memory;
 pub mod pattern;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod ring;
 mod sys;
 pub mod uring;

@@ -99,6 +99,9 @@ pub struct AgentConfig {
     pub threads: usize,
     /// TLS: the agent's certificate (`None`: plain TCP).
     pub tls: Option<TlsServer>,
+    /// RDMA: the device to serve memory exports over (`None`: TCP only).
+    #[cfg(feature = "rdma")]
+    pub rdma: Option<crate::rdma::RdmaOptions>,
 }
 
 impl AgentConfig {
@@ -114,6 +117,8 @@ impl AgentConfig {
             io_timeout: Duration::from_secs(30),
             threads: 2,
             tls: None,
+            #[cfg(feature = "rdma")]
+            rdma: None,
         }
     }
 }
@@ -169,6 +174,8 @@ struct Shared {
     max_sessions_per_key: usize,
     sessions_per_key: Mutex<HashMap<String, usize>>,
     counters: Counters,
+    #[cfg(feature = "rdma")]
+    rdma: Option<Arc<gpuio_hal::rdma::RdmaDevice>>,
 }
 
 /// A running agent. Dropping it shuts it down (as [`shutdown`](Self::shutdown) does).
@@ -256,6 +263,11 @@ impl Agent {
             max_sessions_per_key: cfg.max_sessions_per_key.max(1),
             sessions_per_key: Mutex::new(HashMap::new()),
             counters: Counters::default(),
+            #[cfg(feature = "rdma")]
+            rdma: match &cfg.rdma {
+                Some(o) => Some(o.open()?),
+                None => None,
+            },
         });
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(cfg.threads.clamp(1, 64))
@@ -523,8 +535,7 @@ async fn serve_session(
             return;
         }
     };
-    // Reused for file exports (whose bytes pass through memory on this side).
-    let mut scratch = Vec::new();
+    let mut state = SessionState::default();
     loop {
         let next = tokio::select! {
             h = read_header(&mut rd) => h,
@@ -537,7 +548,7 @@ async fn serve_session(
         };
         let served = tokio::time::timeout(
             sh.io_timeout,
-            serve_one(&sh, role, &mut rd, &mut wr, header, &mut scratch),
+            serve_one(&sh, role, &mut rd, &mut wr, header, &mut state),
         );
         match served.await {
             Ok(Ok(())) => {}
@@ -569,9 +580,10 @@ async fn serve_one(
     rd: &mut (impl AsyncRead + Unpin),
     wr: &mut (impl AsyncWrite + Unpin),
     header: Header,
-    scratch: &mut Vec<u8>,
+    state: &mut SessionState,
 ) -> std::result::Result<(), Fatal> {
     let id = header.request_id;
+    let scratch = &mut state.scratch;
     let result = if header.msg_type == MsgType::WriteReq {
         let mut name_len = [0u8; 2];
         rd.read_exact(&mut name_len).await?;
@@ -595,6 +607,9 @@ async fn serve_one(
                 len,
             } => return read(sh, wr, id, &export, offset, len, scratch).await,
             Message::StatReq { export } => stat(sh, role, &export).await,
+            Message::RdmaRequest { info, export } => {
+                rdma_link(sh, role, &export, &info, state).await
+            }
             other => {
                 let why = format!("unexpected {other:?} after the handshake");
                 return Err(Fatal::Protocol(RemoteIoError::InvalidArgument(why)));
@@ -602,6 +617,60 @@ async fn serve_one(
         }
     };
     answer(sh, wr, id, result).await
+}
+
+/// What a session keeps between its requests.
+#[derive(Default)]
+struct SessionState {
+    /// Reused for file exports (whose bytes pass through memory on this side).
+    scratch: Vec<u8>,
+    /// RDMA links to this client (they live as long as the session).
+    #[cfg(feature = "rdma")]
+    links: Vec<crate::rdma::Link>,
+}
+
+/// Answers a client's RDMA_INFO request: exposes the memory export to its queue pair with the
+/// session's rights.
+#[cfg(feature = "rdma")]
+async fn rdma_link(
+    sh: &Shared,
+    role: Role,
+    name: &str,
+    client: &wire::RdmaInfo,
+    state: &mut SessionState,
+) -> std::result::Result<Message, Refusal> {
+    let Some(dev) = &sh.rdma else {
+        return Err(Refusal::new(
+            ErrorCode::Unsupported,
+            "this agent serves no RDMA device",
+        ));
+    };
+    let ex = export(sh, name)?;
+    let Source::Memory(mem) = &ex.source else {
+        return Err(Refusal::new(
+            ErrorCode::Unsupported,
+            format!("export {name:?} is a file: RDMA reaches memory exports only"),
+        ));
+    };
+    let buf = mem.read().await;
+    let (link, answer) = crate::rdma::accept(dev, &buf, may_write(ex, role), client)
+        .map_err(|e| Refusal::new(e.code(), e.to_string()))?;
+    state.links.push(link);
+    Ok(Message::RdmaInfo(answer))
+}
+
+#[cfg(not(feature = "rdma"))]
+async fn rdma_link(
+    _sh: &Shared,
+    _role: Role,
+    _name: &str,
+    _client: &wire::RdmaInfo,
+    _state: &mut SessionState,
+) -> std::result::Result<Message, Refusal> {
+    Err(Refusal::new(
+        ErrorCode::Unsupported,
+        "this agent was built without RDMA (cargo feature `rdma`)",
+    ))
 }
 
 /// Sends a small answer or a refusal, counting it.
@@ -800,15 +869,29 @@ async fn write<R: AsyncRead + Unpin>(
     }
     match &ex.source {
         Source::Memory(mem) => {
-            let mut buf = mem.write().await;
-            let range = match in_bounds(&name, offset, len, buf.len() as u64) {
-                Ok(r) => r,
-                Err(r) => {
-                    drop(buf);
-                    return refuse(rd, r).await;
-                }
-            };
-            rd.read_exact(&mut buf.as_mut_slice()[range]).await?;
+            // Straight into the export when nobody else holds it; otherwise (striped writes
+            // from several connections) receive into this session's buffer first and hold the
+            // lock only for the copy, so the connections' receives overlap.
+            if let Ok(mut buf) = mem.try_write() {
+                let range = match in_bounds(&name, offset, len, buf.len() as u64) {
+                    Ok(r) => r,
+                    Err(r) => {
+                        drop(buf);
+                        return refuse(rd, r).await;
+                    }
+                };
+                rd.read_exact(&mut buf.as_mut_slice()[range]).await?;
+            } else {
+                // A shared buffer's length never changes, so the range checked now holds later.
+                let size = mem.read().await.len() as u64;
+                let range = match in_bounds(&name, offset, len, size) {
+                    Ok(r) => r,
+                    Err(r) => return refuse(rd, r).await,
+                };
+                scratch.resize(len as usize, 0);
+                rd.read_exact(scratch).await?;
+                mem.write().await.as_mut_slice()[range].copy_from_slice(scratch);
+            }
         }
         Source::File { file, max_len } => {
             if let Err(r) = in_bounds(&name, offset, len, *max_len) {

@@ -11,7 +11,7 @@
 use crate::auth;
 use crate::tls::TlsClient;
 use crate::wire::{
-    self, HEADER_LEN, Header, MAX_DATA, Message, MsgType, READ_RESP_HEAD, WireError,
+    self, HEADER_LEN, Header, MAX_DATA, Message, MsgType, READ_RESP_HEAD, RdmaInfo, WireError,
 };
 use crate::{RemoteIoError, Result, code_from_i32};
 use std::collections::VecDeque;
@@ -178,6 +178,23 @@ impl Connection {
             )?;
             match c.response(id)? {
                 Message::StatResp { size, writable } => Ok(ExportInfo { size, writable }),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
+    /// Asks the agent to reach `export` over RDMA from the queue pair `ours`; returns the
+    /// agent's queue pair and the export's region.
+    pub fn rdma_exchange(&mut self, export: &str, ours: &RdmaInfo) -> Result<RdmaInfo> {
+        self.guard(|c| {
+            let id = c.id();
+            let req = Message::RdmaRequest {
+                info: *ours,
+                export: export.into(),
+            };
+            c.send(&req, id)?;
+            match c.response(id)? {
+                Message::RdmaInfo(info) => Ok(info),
                 other => Err(unexpected(&other)),
             }
         })

@@ -19,7 +19,8 @@
 //!
 //! - [`tls`]: optional TLS (rustls): the agent's certificate, the clients' trusted CAs.
 //!
-//! Not here yet (issue 6 goes on): RDMA verbs.
+//! - [`rdma`] (cargo feature `rdma`): one-sided reads, writes and atomics on memory exports
+//!   over RDMA verbs, set up through the TCP control connection.
 
 #![forbid(unsafe_code)]
 
@@ -27,6 +28,8 @@ pub mod agent;
 pub mod auth;
 pub mod connection;
 pub mod peer;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod registry;
 pub mod tls;
 pub mod wire;
@@ -72,6 +75,9 @@ pub enum RemoteIoError {
     /// The registry (etcd) failed or could not be reached.
     #[error("registry: {0}")]
     Registry(String),
+    /// A local verb or memory operation failed (RDMA, host memory).
+    #[error(transparent)]
+    Hal(#[from] gpuio_hal::HalError),
 }
 
 impl RemoteIoError {
@@ -83,6 +89,7 @@ impl RemoteIoError {
             Self::Remote { code, .. } => *code,
             Self::InvalidArgument(_) => ErrorCode::InvalidArg,
             Self::TimedOut(_) => ErrorCode::Timeout,
+            Self::Hal(e) => e.code(),
         }
     }
 }

@@ -26,6 +26,9 @@ pub const NONCE_LEN: usize = 32;
 pub const FLAG_PROOF: u32 = 1;
 /// HELLO_ACK flag: the server accepted the client's proof (fourth message).
 pub const FLAG_WELCOME: u32 = 2;
+/// RDMA_INFO flag: a client's request to reach an export over RDMA (its queue pair, then the
+/// export's name); the agent answers with a plain RDMA_INFO (its queue pair, the region).
+pub const FLAG_RDMA_REQUEST: u32 = 1;
 
 /// Message types (SDD §6.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -169,6 +172,26 @@ pub struct RdmaInfo {
     pub vaddr: u64,
 }
 
+impl RdmaInfo {
+    fn put(&self, p: &mut Vec<u8>) {
+        p.extend_from_slice(&self.qp_num.to_le_bytes());
+        p.extend_from_slice(&self.lid.to_le_bytes());
+        p.extend_from_slice(&self.gid);
+        p.extend_from_slice(&self.rkey.to_le_bytes());
+        p.extend_from_slice(&self.vaddr.to_le_bytes());
+    }
+
+    fn take(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        Ok(Self {
+            qp_num: r.u32()?,
+            lid: r.u16()?,
+            gid: r.array()?,
+            rkey: r.u32()?,
+            vaddr: r.u64()?,
+        })
+    }
+}
+
 /// A decoded message: its header fields that matter, and its payload.
 #[derive(Clone, PartialEq, Eq)]
 pub enum Message {
@@ -233,8 +256,16 @@ pub enum Message {
         /// Whether this session may write it.
         writable: bool,
     },
-    /// RDMA connection information.
+    /// RDMA connection information: the agent's queue pair and the export's region.
     RdmaInfo(RdmaInfo),
+    /// A client's request to reach `export` over RDMA from its queue pair `info` (its `rkey`
+    /// and `vaddr` are unused).
+    RdmaRequest {
+        /// The client's queue pair.
+        info: RdmaInfo,
+        /// The export to reach.
+        export: String,
+    },
     /// A refused or failed request.
     Error {
         /// SDD §7.1 code (negative).
@@ -269,6 +300,9 @@ impl fmt::Debug for Message {
                 write!(f, "StatResp {{ {size} bytes, writable: {writable} }}")
             }
             Self::RdmaInfo(i) => write!(f, "{i:?}"),
+            Self::RdmaRequest { info, export } => {
+                write!(f, "RdmaRequest {{ {export:?}, {info:?} }}")
+            }
             Self::Error { code, message } => write!(f, "Error {{ {code}: {message:?} }}"),
         }
     }
@@ -359,7 +393,7 @@ impl Message {
             Self::WriteResp { .. } => MsgType::WriteResp,
             Self::StatReq { .. } => MsgType::StatReq,
             Self::StatResp { .. } => MsgType::StatResp,
-            Self::RdmaInfo(_) => MsgType::RdmaInfo,
+            Self::RdmaInfo(_) | Self::RdmaRequest { .. } => MsgType::RdmaInfo,
             Self::Error { .. } => MsgType::Error,
         }
     }
@@ -368,6 +402,7 @@ impl Message {
         match self {
             Self::Proof { .. } => FLAG_PROOF,
             Self::Welcome => FLAG_WELCOME,
+            Self::RdmaRequest { .. } => FLAG_RDMA_REQUEST,
             _ => 0,
         }
     }
@@ -420,12 +455,10 @@ impl Message {
                 p.extend_from_slice(&size.to_le_bytes());
                 p.push(u8::from(*writable));
             }
-            Self::RdmaInfo(i) => {
-                p.extend_from_slice(&i.qp_num.to_le_bytes());
-                p.extend_from_slice(&i.lid.to_le_bytes());
-                p.extend_from_slice(&i.gid);
-                p.extend_from_slice(&i.rkey.to_le_bytes());
-                p.extend_from_slice(&i.vaddr.to_le_bytes());
+            Self::RdmaInfo(i) => i.put(&mut p),
+            Self::RdmaRequest { info, export } => {
+                info.put(&mut p);
+                put_str(&mut p, &name(export));
             }
             Self::Error { code, message } => {
                 p.extend_from_slice(&code.to_le_bytes());
@@ -513,13 +546,11 @@ impl Message {
                 };
                 Self::StatResp { size, writable }
             }
-            (MsgType::RdmaInfo, 0) => Self::RdmaInfo(RdmaInfo {
-                qp_num: r.u32()?,
-                lid: r.u16()?,
-                gid: r.array()?,
-                rkey: r.u32()?,
-                vaddr: r.u64()?,
-            }),
+            (MsgType::RdmaInfo, 0) => Self::RdmaInfo(RdmaInfo::take(&mut r)?),
+            (MsgType::RdmaInfo, FLAG_RDMA_REQUEST) => Self::RdmaRequest {
+                info: RdmaInfo::take(&mut r)?,
+                export: r.string(MAX_NAME)?,
+            },
             (MsgType::Error, 0) => {
                 let code = i32::from_le_bytes(r.array()?);
                 Self::Error {
@@ -734,6 +765,16 @@ mod tests {
             Message::StatResp {
                 size: 1 << 33,
                 writable: true,
+            },
+            Message::RdmaRequest {
+                info: RdmaInfo {
+                    qp_num: 9,
+                    lid: 0,
+                    gid: [7; 16],
+                    rkey: 0,
+                    vaddr: 0,
+                },
+                export: "kv".into(),
             },
             Message::RdmaInfo(RdmaInfo {
                 qp_num: 0x12345,

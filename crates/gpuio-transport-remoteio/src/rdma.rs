@@ -1,0 +1,191 @@
+//! RemoteIO over RDMA verbs (cargo feature `rdma`): one-sided reads and writes and remote
+//! atomics on an agent's memory export, after a TCP control connection has authenticated the
+//! client and exchanged queue pair information (RDMA_INFO).
+//!
+//! The agent exposes the export to the client's queue pair with exactly the rights the session
+//! has: remote reads always, remote writes and atomics only where both the export and the key
+//! allow writing. The NIC enforces both the rights and the bounds (the memory region is the
+//! export, nothing more). The queue pair and the registration live as long as the TCP session.
+//!
+//! The client's side, an [`RdmaChannel`], moves data through a registered staging buffer of
+//! its own (the caller's memory is not registered: that is the registration cache's job).
+
+use crate::connection::Connection;
+use crate::wire::RdmaInfo;
+use crate::{RemoteIoError, Result};
+use gpuio_hal::HostBuffer;
+use gpuio_hal::rdma::{
+    ExposedRegion, QueuePair, RdmaAccess, RdmaBuffer, RdmaDevice, RdmaEndpoint, RemoteRegion,
+};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Which RDMA device an agent or client uses.
+#[derive(Debug, Clone, Default)]
+pub struct RdmaOptions {
+    /// The device's name (`None`: the first one).
+    pub device: Option<String>,
+    /// The GID index on port 1 (RoCE: 1 is usually the first configured address).
+    pub gid_index: u8,
+}
+
+impl RdmaOptions {
+    /// Opens the device.
+    pub fn open(&self) -> Result<Arc<RdmaDevice>> {
+        Ok(RdmaDevice::open(self.device.as_deref(), self.gid_index)?)
+    }
+}
+
+fn endpoint(info: &RdmaInfo) -> RdmaEndpoint {
+    RdmaEndpoint {
+        qp_num: info.qp_num,
+        lid: info.lid,
+        gid: info.gid,
+    }
+}
+
+/// The agent's side of one client's RDMA link: kept by the session until it ends.
+#[derive(Debug)]
+pub(crate) struct Link {
+    _qp: QueuePair,
+    _region: ExposedRegion,
+}
+
+/// Exposes `mem` to the client's queue pair `client` with `writable` rights; returns the link
+/// to keep and the answer to send.
+pub(crate) fn accept(
+    dev: &Arc<RdmaDevice>,
+    mem: &HostBuffer,
+    writable: bool,
+    client: &RdmaInfo,
+) -> Result<(Link, RdmaInfo)> {
+    let region = ExposedRegion::new(
+        dev,
+        mem,
+        RdmaAccess {
+            remote_read: true,
+            remote_write: writable,
+            remote_atomic: writable,
+        },
+    )?;
+    let mut qp = QueuePair::new(dev, Duration::from_secs(10))?;
+    qp.connect(&endpoint(client))?;
+    let ours = qp.endpoint();
+    let remote = region.remote();
+    let answer = RdmaInfo {
+        qp_num: ours.qp_num,
+        lid: ours.lid,
+        gid: ours.gid,
+        rkey: remote.rkey,
+        vaddr: remote.addr,
+    };
+    Ok((
+        Link {
+            _qp: qp,
+            _region: region,
+        },
+        answer,
+    ))
+}
+
+/// A client's RDMA channel to one memory export.
+#[derive(Debug)]
+pub struct RdmaChannel {
+    // The QP first: destroyed while the control connection (which keeps the agent's side
+    // alive) still stands.
+    qp: QueuePair,
+    staging: RdmaBuffer,
+    scratch: RdmaBuffer,
+    remote: RemoteRegion,
+    _control: Connection,
+}
+
+impl RdmaChannel {
+    /// Opens a channel to `export` over the authenticated `control` connection: learns the
+    /// export's size, exchanges queue pairs, connects. `staging` bytes move per work request.
+    pub fn open(
+        mut control: Connection,
+        dev: &Arc<RdmaDevice>,
+        export: &str,
+        staging: usize,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let size = control.stat(export)?.size;
+        let mut qp = QueuePair::new(dev, timeout)?;
+        let ours = qp.endpoint();
+        let theirs = control.rdma_exchange(
+            export,
+            &RdmaInfo {
+                qp_num: ours.qp_num,
+                lid: ours.lid,
+                gid: ours.gid,
+                rkey: 0,
+                vaddr: 0,
+            },
+        )?;
+        qp.connect(&endpoint(&theirs))?;
+        Ok(Self {
+            qp,
+            staging: RdmaBuffer::new(dev, staging.max(4096))?,
+            scratch: RdmaBuffer::new(dev, 8)?,
+            remote: RemoteRegion {
+                addr: theirs.vaddr,
+                len: size,
+                rkey: theirs.rkey,
+            },
+            _control: control,
+        })
+    }
+
+    /// The export's size.
+    pub fn len(&self) -> u64 {
+        self.remote.len
+    }
+
+    /// Whether the export is empty.
+    pub fn is_empty(&self) -> bool {
+        self.remote.len == 0
+    }
+
+    /// Reads `buf.len()` bytes at `offset` (one-sided RDMA reads).
+    pub fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let step = self.staging.len();
+        for (i, chunk) in buf.chunks_mut(step).enumerate() {
+            let at = offset
+                .checked_add((i * step) as u64)
+                .ok_or_else(|| RemoteIoError::InvalidArgument("offset overflows".into()))?;
+            self.qp
+                .read(&mut self.staging, 0, &self.remote, at, chunk.len())?;
+            chunk.copy_from_slice(&self.staging.as_slice()[..chunk.len()]);
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `offset` (one-sided RDMA writes).
+    pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        let step = self.staging.len();
+        for (i, chunk) in data.chunks(step).enumerate() {
+            let at = offset
+                .checked_add((i * step) as u64)
+                .ok_or_else(|| RemoteIoError::InvalidArgument("offset overflows".into()))?;
+            self.staging.as_mut_slice()[..chunk.len()].copy_from_slice(chunk);
+            self.qp
+                .write(&self.staging, 0, &self.remote, at, chunk.len())?;
+        }
+        Ok(())
+    }
+
+    /// Atomic compare-and-swap of the 8-byte word at `offset`; returns the word it held.
+    pub fn compare_swap(&mut self, offset: u64, expect: u64, swap: u64) -> Result<u64> {
+        Ok(self
+            .qp
+            .compare_swap(&mut self.scratch, &self.remote, offset, expect, swap)?)
+    }
+
+    /// Atomic fetch-and-add on the 8-byte word at `offset`; returns the word it held.
+    pub fn fetch_add(&mut self, offset: u64, add: u64) -> Result<u64> {
+        Ok(self
+            .qp
+            .fetch_add(&mut self.scratch, &self.remote, offset, add)?)
+    }
+}
