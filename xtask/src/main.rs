@@ -591,10 +591,11 @@ fn qemu_rdma() -> Result {
             "echo \"== {name}\"; if GPUIO_REQUIRE_RDMA=1 RUST_BACKTRACE=1 /tests/{name} --test-threads=1; then echo \"QEMU-PASS {name}\"; else echo \"QEMU-FAIL {name}\"; fi\n"
         ));
     }
-    copy(
-        provider,
-        &guest.join(provider.strip_prefix("/").unwrap_or(provider)),
-    )?;
+    let provider_to = guest.join(provider.strip_prefix("/").unwrap_or(provider));
+    if let Some(dir) = provider_to.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    copy(provider, &provider_to)?;
     for b in &binaries {
         for lib in shared_libraries(b)? {
             let to = guest.join(lib.strip_prefix("/").unwrap_or(&lib));

@@ -40,6 +40,9 @@ fn rc_err(op: &'static str, rc: i32) -> HalError {
     }
 }
 
+/// `IBV_LINK_LAYER_ETHERNET` (an anonymous enum in verbs.h that the bindings leave out).
+const LINK_LAYER_ETHERNET: u8 = 2;
+
 /// How a peer's NIC may use a region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RdmaAccess {
@@ -173,7 +176,7 @@ impl RdmaDevice {
         }
         // SAFETY: every bit pattern of the union is a valid [u8; 16].
         let raw = unsafe { gid.raw };
-        if raw == [0; 16] && port_attr.link_layer == IBV_LINK_LAYER_ETHERNET as u8 {
+        if raw == [0; 16] && port_attr.link_layer == LINK_LAYER_ETHERNET {
             return Err(close(HalError::Unsupported {
                 what: "RDMA",
                 reason: format!("GID index {gid_index} of {dev_name} is not configured"),
