@@ -522,8 +522,10 @@ fn qemu_rdma() -> Result {
             "gpuio-hal",
             "-p",
             "gpuio-transport-remoteio",
+            "-p",
+            "gpuio-api",
             "--features",
-            "gpuio-hal/rdma,gpuio-transport-remoteio/rdma",
+            "gpuio-hal/rdma,gpuio-transport-remoteio/rdma,gpuio-api/rdma",
             "--test",
             "rdma",
         ])

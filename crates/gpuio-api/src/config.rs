@@ -117,6 +117,8 @@ pub struct AgentSection {
     pub tls_cert: String,
     /// TLS private key, PEM.
     pub tls_key: String,
+    /// Serve memory exports over RDMA too.
+    pub rdma: bool,
     /// What is served.
     pub exports: Vec<AgentExport>,
 }
@@ -141,6 +143,10 @@ pub struct RemoteSection {
     pub tls_ca: String,
     /// TLS: the name agents' certificates carry (empty: their IP address).
     pub tls_server_name: String,
+    /// RDMA device (empty: the first).
+    pub rdma_device: String,
+    /// RDMA GID index on port 1.
+    pub rdma_gid_index: u8,
     /// etcd endpoints resolving segment names (empty: none).
     pub registry: Vec<String>,
     /// Key prefix in etcd.
@@ -270,6 +276,7 @@ impl Config {
                 lease_ttl_s: 10,
                 tls_cert: String::new(),
                 tls_key: String::new(),
+                rdma: false,
                 exports: Vec::new(),
             },
             remote: RemoteSection {
@@ -281,6 +288,8 @@ impl Config {
                 timeout_ms: 10_000,
                 tls_ca: String::new(),
                 tls_server_name: String::new(),
+                rdma_device: String::new(),
+                rdma_gid_index: 1,
                 registry: Vec::new(),
                 registry_prefix: "/gpuio".into(),
             },
@@ -486,6 +495,16 @@ impl Config {
             ),
             _ => return Err(bad("agent.tls_cert and agent.tls_key go together".into())),
         };
+        if a.rdma {
+            #[cfg(feature = "rdma")]
+            {
+                cfg.rdma = Some(self.rdma_options());
+            }
+            #[cfg(not(feature = "rdma"))]
+            return Err(bad(
+                "agent.rdma: this build has no RDMA verbs (cargo feature `rdma`)".into(),
+            ));
+        }
         for k in &a.keys {
             let role = match k.role.as_str() {
                 "read-only" => Role::ReadOnly,
@@ -573,8 +592,14 @@ impl Config {
         }))
     }
 
-    /// How RemoteIO clients connect to the agent at `addr` (the TLS trust read here).
-    pub fn peer_config(&self, addr: SocketAddr, credentials: Credentials) -> Result<PeerConfig> {
+    /// How RemoteIO clients connect to the agent at `addr` (the TLS trust read here), over
+    /// RDMA verbs for memory exports when `rdma`.
+    pub fn peer_config(
+        &self,
+        addr: SocketAddr,
+        credentials: Credentials,
+        rdma: bool,
+    ) -> Result<PeerConfig> {
         let r = &self.remote;
         let mut cfg = PeerConfig::new(addr, credentials);
         cfg.connections = r.connections.max(1);
@@ -589,7 +614,34 @@ impl Config {
         if !r.tls_server_name.is_empty() {
             cfg.server_name = Some(r.tls_server_name.clone());
         }
+        if rdma {
+            cfg = self.with_rdma(cfg)?;
+        }
         Ok(cfg)
+    }
+
+    #[cfg(feature = "rdma")]
+    fn with_rdma(&self, mut cfg: PeerConfig) -> Result<PeerConfig> {
+        cfg.rdma = Some(self.rdma_options());
+        Ok(cfg)
+    }
+
+    #[cfg(not(feature = "rdma"))]
+    fn with_rdma(&self, _cfg: PeerConfig) -> Result<PeerConfig> {
+        Err(Error::Unsupported {
+            what: "RemoteIO over RDMA".into(),
+            reason: "this build has no RDMA verbs (cargo feature `rdma`); use transport=tcp".into(),
+        })
+    }
+
+    /// The RDMA device `[remote]` names.
+    #[cfg(feature = "rdma")]
+    pub fn rdma_options(&self) -> gpuio_transport_remoteio::rdma::RdmaOptions {
+        let r = &self.remote;
+        gpuio_transport_remoteio::rdma::RdmaOptions {
+            device: (!r.rdma_device.is_empty()).then(|| r.rdma_device.clone()),
+            gid_index: r.rdma_gid_index,
+        }
     }
 
     /// The registry's configuration (`None`: no `[remote] registry`).

@@ -94,11 +94,12 @@ fn first(replicas: &[RemoteResource]) -> Result<&RemoteResource> {
     replicas.first().ok_or_else(no_replica)
 }
 
-/// The connection manager: one pooled peer per agent address, connected on first use and
+/// The connection manager: one pooled peer per agent address (and transport), connected on first use and
 /// shared by every resource on that agent; the registry, connected on first use.
 #[derive(Debug, Default)]
 struct RemotePeers {
-    peers: Mutex<HashMap<SocketAddr, Arc<RemotePeer>>>,
+    /// Keyed by address and whether memory exports go over RDMA.
+    peers: Mutex<HashMap<(SocketAddr, bool), Arc<RemotePeer>>>,
     registry: OnceLock<Arc<Registry>>,
 }
 
@@ -248,7 +249,17 @@ impl Session {
                 transport,
                 gdr,
             } => {
-                if *transport == RemoteTransport::Rdma || *gdr {
+                if *gdr {
+                    return Err(Error::Unsupported {
+                        what: uri.to_string(),
+                        reason: "GPUDirect RDMA needs a NIC and driver (nvidia-peermem) that \
+                                 this machine lacks; without gdr=1, GPU memory is staged \
+                                 through host memory"
+                            .into(),
+                    });
+                }
+                let rdma = *transport == RemoteTransport::Rdma;
+                if rdma && !cfg!(feature = "rdma") {
                     return Err(Error::Unsupported {
                         what: uri.to_string(),
                         reason: "this build has no RDMA verbs (cargo feature `rdma`); use \
@@ -279,7 +290,12 @@ impl Session {
                 };
                 let replicas = addrs
                     .into_iter()
-                    .map(|a| Ok(RemoteResource::new(self.peer(uri, a)?, resource.clone())))
+                    .map(|a| {
+                        Ok(RemoteResource::new(
+                            self.peer(uri, a, rdma)?,
+                            resource.clone(),
+                        ))
+                    })
                     .collect::<Result<Vec<_>>>()?;
                 let _ = (len, access);
                 Ok(Resource::Remote(replicas))
@@ -288,9 +304,9 @@ impl Session {
     }
 
     /// The pooled peer for the agent at `addr` (created on first use).
-    fn peer(&self, uri: &Uri, addr: SocketAddr) -> Result<Arc<RemotePeer>> {
+    fn peer(&self, uri: &Uri, addr: SocketAddr, rdma: bool) -> Result<Arc<RemotePeer>> {
         let mut peers = self.remote.peers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = peers.get(&addr) {
+        if let Some(p) = peers.get(&(addr, rdma)) {
             return Ok(p.clone());
         }
         let creds = self.config.remote_credentials()?.ok_or_else(|| {
@@ -298,8 +314,8 @@ impl Session {
                 "{uri}: RemoteIO needs a key: set [remote] key_id and secret_env or secret_file"
             ))
         })?;
-        let peer = Arc::new(RemotePeer::new(self.config.peer_config(addr, creds)?));
-        peers.insert(addr, peer.clone());
+        let peer = Arc::new(RemotePeer::new(self.config.peer_config(addr, creds, rdma)?));
+        peers.insert((addr, rdma), peer.clone());
         Ok(peer)
     }
 

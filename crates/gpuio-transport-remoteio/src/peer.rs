@@ -37,6 +37,10 @@ pub struct PeerConfig {
     pub tls: Option<TlsClient>,
     /// The agent's name as its certificate has it (`None`: its IP address).
     pub server_name: Option<String>,
+    /// RDMA: memory exports are read and written over RDMA verbs through this device (files,
+    /// which RDMA cannot reach, still go over TCP). `None`: TCP only.
+    #[cfg(feature = "rdma")]
+    pub rdma: Option<crate::rdma::RdmaOptions>,
 }
 
 impl PeerConfig {
@@ -53,6 +57,8 @@ impl PeerConfig {
             backoff: Duration::from_millis(20),
             tls: None,
             server_name: None,
+            #[cfg(feature = "rdma")]
+            rdma: None,
         }
     }
 }
@@ -75,6 +81,8 @@ pub struct PeerStats {
 pub struct RemotePeer {
     cfg: PeerConfig,
     idle: Mutex<Vec<Connection>>,
+    #[cfg(feature = "rdma")]
+    rdma: crate::rdma::ChannelPool,
     connects: AtomicU64,
     broken: AtomicU64,
     bytes_read: AtomicU64,
@@ -87,6 +95,8 @@ impl RemotePeer {
         Self {
             cfg,
             idle: Mutex::new(Vec::new()),
+            #[cfg(feature = "rdma")]
+            rdma: crate::rdma::ChannelPool::default(),
             connects: AtomicU64::new(0),
             broken: AtomicU64::new(0),
             bytes_read: AtomicU64::new(0),
@@ -128,8 +138,16 @@ impl RemotePeer {
         self.with_connection(|c| c.stat(export))
     }
 
-    /// Reads `buf.len()` bytes of `export` at `offset`, striped over the pool's connections.
+    /// Reads `buf.len()` bytes of `export` at `offset`: over RDMA where configured and the
+    /// export is memory, else striped over the pool's TCP connections.
     pub fn read(&self, export: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
+        #[cfg(feature = "rdma")]
+        if let Some(done) = self.over_rdma(export, |ch| ch.read(offset, buf)) {
+            done?;
+            self.bytes_read
+                .fetch_add(buf.len() as u64, Ordering::Relaxed);
+            return Ok(());
+        }
         let stripe = self.cfg.stripe_bytes;
         let lanes = self.lanes(buf.len());
         let len = buf.len() as u64;
@@ -146,8 +164,16 @@ impl RemotePeer {
         Ok(())
     }
 
-    /// Writes `data` to `export` at `offset`, striped over the pool's connections.
+    /// Writes `data` to `export` at `offset`: over RDMA where configured and the export is
+    /// memory, else striped over the pool's TCP connections.
     pub fn write(&self, export: &str, offset: u64, data: &[u8]) -> Result<()> {
+        #[cfg(feature = "rdma")]
+        if let Some(done) = self.over_rdma(export, |ch| ch.write(offset, data)) {
+            done?;
+            self.bytes_written
+                .fetch_add(data.len() as u64, Ordering::Relaxed);
+            return Ok(());
+        }
         let stripe = self.cfg.stripe_bytes;
         let lanes = self.lanes(data.len());
         if lanes == 1 {
@@ -162,6 +188,39 @@ impl RemotePeer {
         self.bytes_written
             .fetch_add(data.len() as u64, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Atomic compare-and-swap of the 8-byte word of `export` at `offset` (RDMA only): if it
+    /// holds `expect` it becomes `swap`; returns the word it held.
+    #[cfg(feature = "rdma")]
+    pub fn compare_swap(&self, export: &str, offset: u64, expect: u64, swap: u64) -> Result<u64> {
+        self.over_rdma(export, |ch| ch.compare_swap(offset, expect, swap))
+            .unwrap_or_else(|| Err(no_atomics(export)))
+    }
+
+    /// Atomic fetch-and-add on the 8-byte word of `export` at `offset` (RDMA only); returns
+    /// the word it held.
+    #[cfg(feature = "rdma")]
+    pub fn fetch_add(&self, export: &str, offset: u64, add: u64) -> Result<u64> {
+        self.over_rdma(export, |ch| ch.fetch_add(offset, add))
+            .unwrap_or_else(|| Err(no_atomics(export)))
+    }
+
+    /// Runs `f` on a pooled RDMA channel to `export`; `None` where the peer has no RDMA or the
+    /// export cannot be reached over it (a file export: TCP serves it).
+    #[cfg(feature = "rdma")]
+    fn over_rdma<T>(
+        &self,
+        export: &str,
+        f: impl FnOnce(&mut crate::rdma::RdmaChannel) -> Result<T>,
+    ) -> Option<Result<T>> {
+        let opts = self.cfg.rdma.as_ref()?;
+        let timeout = self.cfg.timeout;
+        self.rdma.run(export, f, || {
+            let control = self.checkout()?;
+            let dev = self.rdma.device(opts)?;
+            crate::rdma::RdmaChannel::open(control, &dev, export, self.cfg.stripe_bytes, timeout)
+        })
     }
 
     /// Connections a transfer of `len` bytes uses.
@@ -258,5 +317,13 @@ impl RemotePeer {
         if idle.len() < self.cfg.connections.max(1) {
             idle.push(c);
         }
+    }
+}
+
+#[cfg(feature = "rdma")]
+fn no_atomics(export: &str) -> RemoteIoError {
+    RemoteIoError::Remote {
+        code: gpuio_hal::ErrorCode::Unsupported,
+        message: format!("atomics on {export:?} need RDMA to a memory export"),
     }
 }

@@ -13,11 +13,12 @@
 use crate::connection::Connection;
 use crate::wire::RdmaInfo;
 use crate::{RemoteIoError, Result};
-use gpuio_hal::HostBuffer;
 use gpuio_hal::rdma::{
     ExposedRegion, QueuePair, RdmaAccess, RdmaBuffer, RdmaDevice, RdmaEndpoint, RemoteRegion,
 };
-use std::sync::Arc;
+use gpuio_hal::{ErrorCode, HostBuffer};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 /// Which RDMA device an agent or client uses.
@@ -187,5 +188,81 @@ impl RdmaChannel {
         Ok(self
             .qp
             .fetch_add(&mut self.scratch, &self.remote, offset, add)?)
+    }
+}
+
+/// A peer's RDMA channels, pooled per export, and the exports RDMA cannot reach.
+#[derive(Debug, Default)]
+pub(crate) struct ChannelPool {
+    device: OnceLock<Arc<RdmaDevice>>,
+    idle: Mutex<HashMap<String, Vec<RdmaChannel>>>,
+    /// Exports the agent refused to expose (files): served over TCP from then on.
+    tcp_only: Mutex<Vec<String>>,
+}
+
+impl ChannelPool {
+    /// The device (opened on first use).
+    pub(crate) fn device(&self, opts: &RdmaOptions) -> Result<Arc<RdmaDevice>> {
+        if let Some(d) = self.device.get() {
+            return Ok(d.clone());
+        }
+        let d = opts.open()?;
+        Ok(self.device.get_or_init(|| d).clone())
+    }
+
+    /// Runs `f` on an idle channel to `export`, or on one `open` makes; a channel that fails
+    /// is dropped. `None` when the export is served over TCP only.
+    pub(crate) fn run<T>(
+        &self,
+        export: &str,
+        f: impl FnOnce(&mut RdmaChannel) -> Result<T>,
+        open: impl FnOnce() -> Result<RdmaChannel>,
+    ) -> Option<Result<T>> {
+        if self
+            .tcp_only
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|e| e == export)
+        {
+            return None;
+        }
+        let pooled = self
+            .idle
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(export)
+            .and_then(Vec::pop);
+        let mut ch = match pooled.map_or_else(open, Ok) {
+            Ok(ch) => ch,
+            Err(RemoteIoError::Remote {
+                code: ErrorCode::Unsupported,
+                message,
+            }) => {
+                tracing::debug!(export, %message, "served over TCP: RDMA cannot reach it");
+                self.tcp_only
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(export.to_string());
+                return None;
+            }
+            Err(e) => return Some(Err(e)),
+        };
+        let r = f(&mut ch);
+        // A range refused before anything was posted leaves the queue pair usable; a failed
+        // work request leaves it in the error state.
+        let usable = match &r {
+            Ok(_) => true,
+            Err(e) => e.code() == ErrorCode::InvalidArg,
+        };
+        if usable {
+            self.idle
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(export.to_string())
+                .or_default()
+                .push(ch);
+        }
+        Some(r)
     }
 }
