@@ -19,7 +19,7 @@
 //!
 //! - [`tls`]: optional TLS (rustls): the agent's certificate, the clients' trusted CAs.
 //!
-//! - [`rdma`] (cargo feature `rdma`): one-sided reads, writes and atomics on memory exports
+//! - `rdma` (cargo feature `rdma`): one-sided reads, writes and atomics on memory exports
 //!   over RDMA verbs, set up through the TCP control connection.
 
 #![forbid(unsafe_code)]
