@@ -4,6 +4,9 @@
 //!   (`gpuio_read_each_warp`, 1024 threads in flight) and served by the host proxy through LocalIO into
 //!   the slot's bounce buffer (the thread copies it to its destination), against the same
 //!   reads issued by the host LocalIO engine (`read_blocks_to_device`).
+//! - `ring_read_4k_sweep`: the same reads with 256, 1024 and 4096 GPU threads in flight and a
+//!   quarter, half and all-but-two of the cores as proxy threads (records only: where the
+//!   ring's rate comes from).
 //! - `ring_round_trip`: one GPU thread posting minimal requests (8 bytes) one after another;
 //!   the p50 of post-to-result times on the GPU's clock.
 
@@ -204,6 +207,54 @@ pub fn run(
 
     let stats = proxy.shutdown().map_err(api)?;
     let mut notes = vec![format!("ring proxy for reads: {stats:?}")];
+
+    // Where the ring's rate comes from: the same reads with fewer or more GPU threads in
+    // flight and proxy threads serving them (records only; the target above is the default).
+    let proxies = [(cores / 4).max(1), (cores / 2).max(1), threads];
+    for gpu_threads in [256u32, opts.threads, 4 * opts.threads] {
+        for &p in &proxies {
+            progress(&format!("ring_read_4k sweep: {gpu_threads} GPU, {p} proxy threads"));
+            let mut proxy =
+                RingProxy::new(session.engines().clone(), &gpu, ring_config(p)).map_err(api)?;
+            let handle = proxy.register(Endpoint::file(&file, 0)).map_err(api)?;
+            proxy.register_device(&dst).map_err(api)?;
+            let reads = || -> Result<()> {
+                Ok(stream.ring_read_blocks(
+                    proxy.ring(),
+                    handle,
+                    &offs,
+                    n,
+                    4096,
+                    &dst,
+                    &results,
+                    gpu_threads,
+                )?)
+            };
+            reads()?;
+            let mut t = Vec::new();
+            for _ in 0..opts.reps.max(1) {
+                let start = Instant::now();
+                reads()?;
+                t.push(start.elapsed());
+            }
+            let iops = n as f64 / median(t).as_secs_f64().max(1e-9);
+            records.push(Record {
+                suite: SUITE.into(),
+                case: "ring_read_4k_sweep".into(),
+                metric: "iops".into(),
+                value: iops / 1e6,
+                unit: "M IOPS".into(),
+                peer: "host LocalIO read_blocks_to_device".into(),
+                peer_value: host_iops / 1e6,
+                ratio: iops / host_iops.max(1e-9),
+                bytes: 4096,
+                route: format!("{gpu_threads} GPU threads, {p} proxy threads"),
+                device: device.clone(),
+                reps: opts.reps,
+            });
+            proxy.shutdown().map_err(api)?;
+        }
+    }
 
     // Round trips of a minimal request.
     progress("ring_round_trip");
