@@ -495,8 +495,25 @@ __device__ __forceinline__ long long gpuio_read_each_warp(const gpuio_ring* r,
         unsigned char* to = (unsigned char*)__shfl_sync(active, tok.dev_addr, owner);
         const unsigned long long n = __shfl_sync(active, (unsigned long long)result, owner);
         if ((((unsigned long long)from | (unsigned long long)to | n) & 15ull) == 0) {
-            for (unsigned long long i = rank; i < n / 16; i += lanes) {
-                ((uint4*)to)[i] = ((const uint4*)from)[i];
+            // Every load is a PCIe round trip: each lane issues GPUIO_RING_COPY_INFLIGHT of
+            // them before it stores any (a 4 KiB block is one round of the warp's loads, not
+            // eight in a row), side by side across the lanes so that each round coalesces.
+            const uint4* src = (const uint4*)from;
+            uint4* dst = (uint4*)to;
+            const unsigned long long pieces = n / 16;
+            for (unsigned long long base = rank; base < pieces;
+                 base += (unsigned long long)lanes * GPUIO_RING_COPY_INFLIGHT) {
+                uint4 v[GPUIO_RING_COPY_INFLIGHT];
+#pragma unroll
+                for (int k = 0; k < GPUIO_RING_COPY_INFLIGHT; k++) {
+                    const unsigned long long i = base + (unsigned long long)k * lanes;
+                    if (i < pieces) v[k] = src[i];
+                }
+#pragma unroll
+                for (int k = 0; k < GPUIO_RING_COPY_INFLIGHT; k++) {
+                    const unsigned long long i = base + (unsigned long long)k * lanes;
+                    if (i < pieces) dst[i] = v[k];
+                }
             }
         } else {
             for (unsigned long long i = rank; i < n; i += lanes) to[i] = from[i];

@@ -184,9 +184,12 @@ pub struct AgentExport {
     /// For a file: the size writes may grow it to (default: its size at start).
     #[serde(default)]
     pub max_size: Option<ByteSize>,
-    /// Host memory of this size to serve (zeroed at start).
+    /// Memory of this size to serve (zeroed at start): host memory, or GPU memory with `gpu`.
     #[serde(default)]
     pub memory: Option<ByteSize>,
+    /// Serve `memory` from this GPU instead of host memory.
+    #[serde(default)]
+    pub gpu: Option<u32>,
 }
 
 /// `[scheduler]`: ordering, preemption points, backpressure.
@@ -535,6 +538,12 @@ impl Config {
                     )));
                 }
             };
+            if e.gpu.is_some() && e.memory.is_none() {
+                return Err(bad(format!(
+                    "export {:?}: gpu goes with memory (its size)",
+                    e.name
+                )));
+            }
             let source = match (&e.file, e.memory) {
                 (Some(path), None) => ExportSource::File {
                     path: path.clone(),
@@ -543,8 +552,33 @@ impl Config {
                 (None, Some(size)) => {
                     let len = usize::try_from(size.as_u64())
                         .map_err(|_| bad(format!("export {:?}: too large", e.name)))?;
-                    let buf = gpuio_hal::HostBuffer::alloc(len, &Default::default())?;
-                    ExportSource::Memory(gpuio_transport_remoteio::shared_memory(buf))
+                    match e.gpu {
+                        None => {
+                            let buf = gpuio_hal::HostBuffer::alloc(len, &Default::default())?;
+                            ExportSource::Memory(gpuio_transport_remoteio::shared_memory(buf))
+                        }
+                        Some(n) => {
+                            let probe = gpuio_hal::probe_with(self.backend, self.host_devices)?;
+                            let gpu = probe.gpus.get(n as usize).ok_or_else(|| {
+                                bad(format!(
+                                    "export {:?}: gpu {n}, but this machine has {} GPUs",
+                                    e.name,
+                                    probe.gpus.len()
+                                ))
+                            })?;
+                            let buf = gpu.alloc(len)?;
+                            // Zeroed, like a host memory export.
+                            let zeros = vec![0u8; len.min(64 << 20)];
+                            let stream = gpu.stream()?;
+                            let mut at = 0;
+                            while at < len {
+                                let n = (len - at).min(zeros.len());
+                                stream.upload(&zeros[..n], &buf, at)?;
+                                at += n;
+                            }
+                            ExportSource::Device(buf)
+                        }
+                    }
                 }
                 _ => {
                     return Err(bad(format!(

@@ -19,7 +19,7 @@ use crate::auth::{self, Key, Role};
 use crate::tls::TlsServer;
 use crate::wire::{self, HEADER_LEN, Header, MAX_DATA, Message, MsgType, WireError, WriteHead};
 use crate::{RemoteIoError, Result};
-use gpuio_hal::{ErrorCode, HostBuffer};
+use gpuio_hal::{DeviceBuffer, ErrorCode, HostBuffer};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::unix::fs::FileExt;
@@ -56,6 +56,9 @@ pub fn shared_memory(buf: HostBuffer) -> SharedMemory {
 pub enum ExportSource {
     /// Host memory, shared with the exporting program.
     Memory(SharedMemory),
+    /// GPU memory (moved through the agent's host memory by the GPU's copy engines; RDMA
+    /// cannot reach it without GPUDirect).
+    Device(DeviceBuffer),
     /// A file. Reads stop at its length; writes may extend it up to `max_len` (default: its
     /// length when the agent starts).
     File {
@@ -155,6 +158,7 @@ struct Counters {
 
 enum Source {
     Memory(SharedMemory),
+    Device(DeviceBuffer),
     File {
         file: Arc<std::fs::File>,
         max_len: u64,
@@ -232,6 +236,7 @@ impl Agent {
         for e in cfg.exports {
             let source = match e.source {
                 ExportSource::Memory(m) => Source::Memory(m),
+                ExportSource::Device(d) => Source::Device(d),
                 ExportSource::File { path, max_len } => {
                     let file = std::fs::OpenOptions::new()
                         .read(true)
@@ -649,7 +654,10 @@ async fn rdma_link(
     let Source::Memory(mem) = &ex.source else {
         return Err(Refusal::new(
             ErrorCode::Unsupported,
-            format!("export {name:?} is a file: RDMA reaches memory exports only"),
+            format!(
+                "export {name:?} is not host memory: RDMA reaches host memory exports only \
+                 (GPU memory would need GPUDirect RDMA)"
+            ),
         ));
     };
     let buf = mem.read().await;
@@ -766,6 +774,7 @@ async fn stat(sh: &Shared, role: Role, name: &str) -> std::result::Result<Messag
     let ex = export(sh, name)?;
     let size = match &ex.source {
         Source::Memory(mem) => mem.read().await.len() as u64,
+        Source::Device(buf) => buf.len() as u64,
         Source::File { file, .. } => file.metadata().map_err(io_refusal)?.len(),
     };
     Ok(Message::StatResp {
@@ -798,6 +807,37 @@ async fn read(
             };
             wr.write_all(&wire::read_resp_head(id, range.len())).await?;
             wr.write_all(&buf[range]).await?;
+            len
+        }
+        Source::Device(buf) => {
+            if let Err(r) = in_bounds(name, offset, len, buf.len() as u64) {
+                return answer(sh, wr, id, Err(r)).await;
+            }
+            let (buf, mut data) = (buf.clone(), std::mem::take(scratch));
+            data.resize(len as usize, 0);
+            let done = tokio::task::spawn_blocking(move || {
+                let r = buf
+                    .gpu()
+                    .stream()
+                    .and_then(|s| s.download(&buf, offset as usize, &mut data));
+                (r, data)
+            })
+            .await;
+            let data = match done {
+                Ok((Ok(()), data)) => data,
+                Ok((Err(e), data)) => {
+                    *scratch = data;
+                    let r = Refusal::new(e.code(), e.to_string());
+                    return answer(sh, wr, id, Err(r)).await;
+                }
+                Err(e) => {
+                    let r = Refusal::new(ErrorCode::General, e.to_string());
+                    return answer(sh, wr, id, Err(r)).await;
+                }
+            };
+            wr.write_all(&wire::read_resp_head(id, data.len())).await?;
+            wr.write_all(&data).await?;
+            *scratch = data;
             len
         }
         Source::File { file, .. } => {
@@ -891,6 +931,32 @@ async fn write<R: AsyncRead + Unpin>(
                 scratch.resize(len as usize, 0);
                 rd.read_exact(scratch).await?;
                 mem.write().await.as_mut_slice()[range].copy_from_slice(scratch);
+            }
+        }
+        Source::Device(buf) => {
+            if let Err(r) = in_bounds(&name, offset, len, buf.len() as u64) {
+                return refuse(rd, r).await;
+            }
+            let mut data = std::mem::take(scratch);
+            data.resize(len as usize, 0);
+            rd.read_exact(&mut data).await?;
+            let buf = buf.clone();
+            let done = tokio::task::spawn_blocking(move || {
+                let r = buf
+                    .gpu()
+                    .stream()
+                    .and_then(|s| s.upload(&data, &buf, offset as usize));
+                (r, data)
+            })
+            .await;
+            match done {
+                Ok((r, data)) => {
+                    *scratch = data;
+                    if let Err(e) = r {
+                        return Ok(Err(Refusal::new(e.code(), e.to_string())));
+                    }
+                }
+                Err(e) => return Ok(Err(Refusal::new(ErrorCode::General, e.to_string()))),
             }
         }
         Source::File { file, max_len } => {

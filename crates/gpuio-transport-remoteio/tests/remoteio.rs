@@ -435,3 +435,41 @@ fn a_key_over_its_session_limit_is_refused_busy() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+#[test]
+fn gpu_memory_exports_are_served_through_the_copy_engines() {
+    let probe = gpuio_hal::probe(gpuio_hal::BackendPreference::Auto).unwrap();
+    let gpu = &probe.gpus[0];
+    let dev = gpu.alloc(3 << 20).unwrap();
+    let mut init = vec![0u8; 3 << 20];
+    pattern::fill(&mut init, 0, 8);
+    gpu.stream().unwrap().upload(&init, &dev, 0).unwrap();
+    let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
+    cfg.keys = vec![Key {
+        id: "writer".into(),
+        secret: RW_KEY.to_vec(),
+        role: Role::ReadWrite,
+    }];
+    cfg.exports = vec![Export {
+        name: "hbm".into(),
+        source: ExportSource::Device(dev.clone()),
+        access: Access::ReadWrite,
+    }];
+    let agent = Agent::start(cfg).unwrap();
+    let mut c = Client(connect(agent.local_addr(), "writer", RW_KEY, T).unwrap());
+    assert_eq!(c.0.stat("hbm").unwrap().size, 3 << 20);
+    let mut got = vec![0u8; (2 << 20) + 1];
+    c.read("hbm", 99, &mut got).unwrap();
+    assert_eq!(pattern::first_deviation(&got, 99, 8), None);
+    let data = vec![0x5au8; 100_000];
+    c.write("hbm", 1 << 20, &data).unwrap();
+    let mut back = vec![0u8; 100_000];
+    gpu.stream().unwrap().download(&dev, 1 << 20, &mut back).unwrap();
+    assert!(back == data);
+    // Past the end: refused, the connection goes on.
+    assert_eq!(
+        remote_code(c.read("hbm", (3 << 20) - 10, &mut back[..20])),
+        ErrorCode::InvalidArg
+    );
+    c.read("hbm", 0, &mut back[..16]).unwrap();
+}
