@@ -213,7 +213,9 @@ pub fn run(
     let proxies = [(cores / 4).max(1), (cores / 2).max(1), threads];
     for gpu_threads in [256u32, opts.threads, 4 * opts.threads] {
         for &p in &proxies {
-            progress(&format!("ring_read_4k sweep: {gpu_threads} GPU, {p} proxy threads"));
+            progress(&format!(
+                "ring_read_4k sweep: {gpu_threads} GPU, {p} proxy threads"
+            ));
             let mut proxy =
                 RingProxy::new(session.engines().clone(), &gpu, ring_config(p)).map_err(api)?;
             let handle = proxy.register(Endpoint::file(&file, 0)).map_err(api)?;

@@ -54,6 +54,7 @@ use crate::engine::Engines;
 use crate::error::{CoreError, Result};
 use crate::metrics::{BYTES, REQUESTS_FINISHED};
 use crate::request::EngineKind;
+use crossbeam_utils::CachePadded;
 use gpuio_hal::ring::{self, HostProducer, RingDevice, RingMemory, RingOp, RingRequest, Take};
 use gpuio_hal::{DeviceBuffer, ErrorCode, Gpu};
 use metrics::{Counter, counter};
@@ -166,12 +167,53 @@ struct Shared {
     engines: Engines,
     ring: Arc<RingMemory>,
     /// Handle `h` is `resources[h - 1]`; handles are never reused, so a stale handle in a
-    /// kernel fails instead of reaching another resource.
-    resources: RwLock<Vec<Option<Endpoint>>>,
+    /// kernel fails instead of reaching another resource. Replaced whole on every change
+    /// (rare), so proxy threads serve from a snapshot of their own without taking a lock per
+    /// request; `resources_version` tells them when to take a new one.
+    resources: RwLock<Arc<Vec<Option<Endpoint>>>>,
+    resources_version: AtomicU64,
     /// Registered device buffers by base device address.
     devices: RwLock<BTreeMap<u64, DeviceBuffer>>,
-    counters: Counters,
+    /// One shard per proxy thread (and one for the sweep), each on its own cache line: no
+    /// counter is shared between threads that serve millions of requests a second.
+    counters: Vec<CachePadded<Counters>>,
     metrics: RingMetrics,
+}
+
+impl Shared {
+    /// Replaces the resource table with `change` applied to a copy of it.
+    fn change_resources<T>(&self, change: impl FnOnce(&mut Vec<Option<Endpoint>>) -> T) -> T {
+        let mut table = write(&self.resources);
+        let mut next = (**table).clone();
+        let out = change(&mut next);
+        *table = Arc::new(next);
+        self.resources_version.fetch_add(1, Ordering::Release);
+        out
+    }
+}
+
+/// A proxy thread's snapshot of the resource table.
+struct Snapshot {
+    version: u64,
+    table: Arc<Vec<Option<Endpoint>>>,
+}
+
+impl Snapshot {
+    fn new(shared: &Shared) -> Self {
+        let version = shared.resources_version.load(Ordering::Acquire);
+        Self {
+            version,
+            table: read(&shared.resources).clone(),
+        }
+    }
+
+    /// The table as of now: refreshed if a registration changed it.
+    fn current(&mut self, shared: &Shared) -> &[Option<Endpoint>] {
+        if shared.resources_version.load(Ordering::Acquire) != self.version {
+            *self = Self::new(shared);
+        }
+        &self.table
+    }
 }
 
 fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
@@ -238,7 +280,12 @@ impl Shared {
     /// Checks and carries out one request; returns the bytes moved. With `bounce` (a READ
     /// that asked for staging, and the slot's bounce buffer), the bytes go there instead of
     /// to the device: the producer copies them itself.
-    fn execute(&self, req: &RingRequest, bounce: Option<&mut [u8]>) -> Result<u64, Failure> {
+    fn execute(
+        &self,
+        resources: &[Option<Endpoint>],
+        req: &RingRequest,
+        bounce: Option<&mut [u8]>,
+    ) -> Result<u64, Failure> {
         let invalid = |why: String| Failure::new(ErrorCode::InvalidArg, why);
         let Some(op) = req.operation() else {
             return Err(invalid(format!("unknown op {}", req.op)));
@@ -253,7 +300,6 @@ impl Shared {
             .ok()
             .filter(|_| i64::try_from(req.len).is_ok())
             .ok_or_else(|| invalid(format!("length {} is too large", req.len)))?;
-        let resources = read(&self.resources);
         let Some(base) = (req.resource as usize)
             .checked_sub(1)
             .and_then(|i| resources.get(i))
@@ -264,7 +310,7 @@ impl Shared {
                 format!("unknown resource handle {}", req.resource),
             ));
         };
-        // A staged read borrows the resource under the table's read lock: no reference-count
+        // A staged read borrows the resource from the thread's snapshot: no reference-count
         // traffic on the resource, which every proxy thread would share.
         if let (Some(bounce), RingOp::Read) = (bounce, op)
             && let Some(out) = bounce.get_mut(..len)
@@ -272,7 +318,6 @@ impl Shared {
             return self.read_into(base, req.offset, out);
         }
         let at = endpoint_at(base, req.offset)?;
-        drop(resources);
         if let Endpoint::File { offset, .. } = &at {
             file_range(*offset, req.len)?;
         }
@@ -365,9 +410,15 @@ impl Shared {
     }
 
     /// Carries out a request and returns the result to publish; never panics.
-    fn serve(&self, req: &RingRequest, bounce: Option<&mut [u8]>) -> i64 {
-        let outcome =
-            catch_unwind(AssertUnwindSafe(|| self.execute(req, bounce))).unwrap_or_else(|p| {
+    fn serve(
+        &self,
+        shard: &Counters,
+        resources: &[Option<Endpoint>],
+        req: &RingRequest,
+        bounce: Option<&mut [u8]>,
+    ) -> i64 {
+        let outcome = catch_unwind(AssertUnwindSafe(|| self.execute(resources, req, bounce)))
+            .unwrap_or_else(|p| {
                 let msg = p
                     .downcast_ref::<&str>()
                     .map(|s| s.to_string())
@@ -380,8 +431,8 @@ impl Shared {
             });
         match outcome {
             Ok(bytes) => {
-                self.counters.served.fetch_add(1, Ordering::Relaxed);
-                self.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+                shard.served.fetch_add(1, Ordering::Relaxed);
+                shard.bytes.fetch_add(bytes, Ordering::Relaxed);
                 self.metrics.ok.increment(1);
                 bytes as i64
             }
@@ -392,7 +443,7 @@ impl Shared {
                     why = %f.why,
                     "ring request failed"
                 );
-                self.counters.failed.fetch_add(1, Ordering::Relaxed);
+                shard.failed.fetch_add(1, Ordering::Relaxed);
                 self.metrics.failed.increment(1);
                 f.code
             }
@@ -400,8 +451,10 @@ impl Shared {
     }
 }
 
-fn proxy_thread(shared: Arc<Shared>, wait: WaitPolicy) {
+fn proxy_thread(shared: Arc<Shared>, index: usize, wait: WaitPolicy) {
     let ring = shared.ring.clone();
+    let shard = &shared.counters[index];
+    let mut snapshot = Snapshot::new(&shared);
     loop {
         let mut claim = ring.claim();
         loop {
@@ -410,7 +463,8 @@ fn proxy_thread(shared: Arc<Shared>, wait: WaitPolicy) {
                     let req = *taken.request();
                     let bounce = taken.bounce();
                     let staged = bounce.is_some();
-                    let result = shared.serve(&req, bounce);
+                    let resources = snapshot.current(&shared);
+                    let result = shared.serve(shard, resources, &req, bounce);
                     if staged && result >= 0 {
                         taken.complete_staged(result as u64);
                     } else {
@@ -469,9 +523,13 @@ impl RingProxy {
         let shared = Arc::new(Shared {
             engines,
             ring,
-            resources: RwLock::new(Vec::new()),
+            resources: RwLock::new(Arc::new(Vec::new())),
+            resources_version: AtomicU64::new(0),
             devices: RwLock::new(BTreeMap::new()),
-            counters: Counters::default(),
+            // One shard per thread, and the last for the sweep.
+            counters: (0..=cfg.threads)
+                .map(|_| CachePadded::new(Counters::default()))
+                .collect(),
             metrics: RingMetrics::new(),
         });
         let mut proxy = Self {
@@ -485,7 +543,7 @@ impl RingProxy {
             let wait = cfg.wait;
             let spawned = std::thread::Builder::new()
                 .name(format!("gpuio-ring-{i}"))
-                .spawn(move || proxy_thread(shared, wait));
+                .spawn(move || proxy_thread(shared, i, wait));
             match spawned {
                 Ok(handle) => proxy.threads.push(handle),
                 Err(e) => {
@@ -519,22 +577,25 @@ impl RingProxy {
     /// Registers a resource requests can name; its offset is the resource's origin (a
     /// request's offset counts from there). Returns the handle (never 0).
     pub fn register(&self, resource: Endpoint) -> Result<u32> {
-        let mut table = write(&self.shared.resources);
-        let handle = u32::try_from(table.len() + 1)
-            .map_err(|_| CoreError::InvalidRequest("the ring's resource table is full".into()))?;
-        table.push(Some(resource));
-        Ok(handle)
+        self.shared.change_resources(|table| {
+            let handle = u32::try_from(table.len() + 1).map_err(|_| {
+                CoreError::InvalidRequest("the ring's resource table is full".into())
+            })?;
+            table.push(Some(resource));
+            Ok(handle)
+        })
     }
 
     /// Unregisters a resource and returns it; later requests naming the handle fail with
     /// `GPUIO_ERROR_NOT_FOUND` (requests already running finish).
     pub fn unregister(&self, handle: u32) -> Result<Endpoint> {
-        let mut table = write(&self.shared.resources);
-        (handle as usize)
-            .checked_sub(1)
-            .and_then(|i| table.get_mut(i))
-            .and_then(Option::take)
-            .ok_or_else(|| CoreError::InvalidRequest(format!("no ring resource {handle}")))
+        self.shared.change_resources(|table| {
+            (handle as usize)
+                .checked_sub(1)
+                .and_then(|i| table.get_mut(i))
+                .and_then(Option::take)
+                .ok_or_else(|| CoreError::InvalidRequest(format!("no ring resource {handle}")))
+        })
     }
 
     /// Lets requests read from and write to `buf`: device addresses inside it are resolved to
@@ -561,12 +622,18 @@ impl RingProxy {
 
     /// What the proxy has done so far.
     pub fn stats(&self) -> RingStats {
-        let c = &self.shared.counters;
+        let sum = |f: fn(&Counters) -> &AtomicU64| {
+            self.shared
+                .counters
+                .iter()
+                .map(|c| f(c).load(Ordering::Relaxed))
+                .sum()
+        };
         RingStats {
-            served: c.served.load(Ordering::Relaxed),
-            failed: c.failed.load(Ordering::Relaxed),
-            bytes: c.bytes.load(Ordering::Relaxed),
-            swept: c.swept.load(Ordering::Relaxed),
+            served: sum(|c| &c.served),
+            failed: sum(|c| &c.failed),
+            bytes: sum(|c| &c.bytes),
+            swept: sum(|c| &c.swept),
         }
     }
 
@@ -591,10 +658,9 @@ impl RingProxy {
         if ring.state() == ring::RingState::Stopping {
             match ring.sweep(self.shutdown_timeout) {
                 Ok(swept) => {
-                    self.shared
-                        .counters
-                        .swept
-                        .fetch_add(swept as u64, Ordering::Relaxed);
+                    if let Some(c) = self.shared.counters.last() {
+                        c.swept.fetch_add(swept as u64, Ordering::Relaxed);
+                    }
                 }
                 Err(e) => {
                     first_error.get_or_insert(e.into());

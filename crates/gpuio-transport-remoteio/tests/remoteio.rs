@@ -464,7 +464,10 @@ fn gpu_memory_exports_are_served_through_the_copy_engines() {
     let data = vec![0x5au8; 100_000];
     c.write("hbm", 1 << 20, &data).unwrap();
     let mut back = vec![0u8; 100_000];
-    gpu.stream().unwrap().download(&dev, 1 << 20, &mut back).unwrap();
+    gpu.stream()
+        .unwrap()
+        .download(&dev, 1 << 20, &mut back)
+        .unwrap();
     assert!(back == data);
     // Past the end: refused, the connection goes on.
     assert_eq!(
