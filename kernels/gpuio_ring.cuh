@@ -56,6 +56,9 @@
 #define GPUIO_SLOT_FREE 0u
 #define GPUIO_SLOT_POSTED 1u
 #define GPUIO_SLOT_DONE 2u
+// A staged READ of at most 8 bytes is done and its bytes travel in the slot: result holds
+// their count, the staged word the bytes themselves (one host-memory read fewer).
+#define GPUIO_SLOT_DONE_INLINE 3u
 
 // gpuio_ring_slot.op
 #define GPUIO_RING_OP_READ 1u
@@ -359,17 +362,45 @@ __device__ __forceinline__ void gpuio_ring_copy_staged(const unsigned char* from
     }
 }
 
-// Whether the completion has arrived; then its result and whether its bytes are staged in the
-// slot's bounce buffer. The slot is not handed on (gpuio_ring_release does that).
+// Where a completion's bytes are, besides the destination.
+#define GPUIO_STAGED_NONE 0    // already at the destination (or none: an error)
+#define GPUIO_STAGED_BOUNCE 1  // in the slot's bounce buffer
+#define GPUIO_STAGED_INLINE 2  // in the slot's staged word (*inline_bytes)
+
+// Whether the completion has arrived; then its result and where its bytes are (a
+// GPUIO_STAGED_* value; inline ones are copied into *inline_bytes). The slot is not handed on
+// (gpuio_ring_release does that).
 __device__ __forceinline__ int gpuio_ring_arrived(const gpuio_ring* r, const gpuio_token* tok,
-                                                  long long* result, int* staged) {
+                                                  long long* result, int* staged,
+                                                  unsigned long long* inline_bytes) {
     gpuio_ring_slot* s = r->slots + (tok->ticket & r->mask);
-    if (!gpuio_ring_slot_is(s, tok->ticket, GPUIO_SLOT_DONE)) return 0;
+    unsigned long long t, w;
+    gpuio_ring_ld_pair(&s->turn, &t, &w);  // state is the low half of word 1
+    const unsigned int state = (unsigned int)w;
+    if (t != tok->ticket || (state != GPUIO_SLOT_DONE && state != GPUIO_SLOT_DONE_INLINE)) {
+        return 0;
+    }
+    __threadfence_system();
     unsigned long long res, stg;
     gpuio_ring_ld_pair(&s->result, &res, &stg);
     *result = (long long)res;
-    *staged = stg != 0ull && (long long)res > 0;
+    if (state == GPUIO_SLOT_DONE_INLINE && (long long)res > 0) {
+        *staged = GPUIO_STAGED_INLINE;
+        *inline_bytes = stg;
+    } else {
+        *staged = (stg != 0ull && (long long)res > 0) ? GPUIO_STAGED_BOUNCE : GPUIO_STAGED_NONE;
+    }
     return 1;
+}
+
+// Stores the n (at most 8) bytes of an inline completion at `to`.
+__device__ __forceinline__ void gpuio_ring_store_inline(unsigned char* to, unsigned long long word,
+                                                        unsigned long long n) {
+    if (n == 8 && ((unsigned long long)to & 7ull) == 0) {
+        *(unsigned long long*)to = word;
+        return;
+    }
+    for (unsigned long long i = 0; i < n && i < 8; i++) to[i] = (unsigned char)(word >> (8 * i));
 }
 
 // The slot's bounce buffer.
@@ -393,8 +424,11 @@ __device__ __forceinline__ void gpuio_ring_release(const gpuio_ring* r, gpuio_to
 __device__ __forceinline__ int gpuio_ring_try_finish(const gpuio_ring* r, gpuio_token* tok) {
     long long result;
     int staged;
-    if (!gpuio_ring_arrived(r, tok, &result, &staged)) return 0;
-    if (staged) {
+    unsigned long long word = 0;
+    if (!gpuio_ring_arrived(r, tok, &result, &staged, &word)) return 0;
+    if (staged == GPUIO_STAGED_INLINE) {
+        gpuio_ring_store_inline((unsigned char*)tok->dev_addr, word, (unsigned long long)result);
+    } else if (staged == GPUIO_STAGED_BOUNCE) {
         gpuio_ring_copy_staged(gpuio_ring_bounce(r, tok), (unsigned char*)tok->dev_addr,
                                (unsigned long long)result);
     }
@@ -470,13 +504,14 @@ __device__ __forceinline__ long long gpuio_read_each_warp(const gpuio_ring* r,
     const unsigned int active = __activemask();
     gpuio_token tok;
     long long result = gpuio_read_async(r, resource, offset, len, dst, &tok);
-    int arrived = 0, staged = 0;
+    int arrived = 0, staged = GPUIO_STAGED_NONE;
+    unsigned long long word = 0;
     if (result == 0) {
         unsigned int ns = 32u;
-        while (!(arrived = gpuio_ring_arrived(r, &tok, &result, &staged))) {
+        while (!(arrived = gpuio_ring_arrived(r, &tok, &result, &staged, &word))) {
             if (gpuio_ring_ld_acquire32(&r->header->state) == GPUIO_RING_CLOSED) {
                 // The host's final sweep happened before CLOSED: look once more.
-                arrived = gpuio_ring_arrived(r, &tok, &result, &staged);
+                arrived = gpuio_ring_arrived(r, &tok, &result, &staged, &word);
                 if (!arrived) result = GPUIO_ERROR_RING_SHUTDOWN;
                 break;
             }
@@ -485,11 +520,15 @@ __device__ __forceinline__ long long gpuio_read_each_warp(const gpuio_ring* r,
     }
     const unsigned int lanes = __popc(active);
     const unsigned int rank = __popc(active & gpuio_ring_lanemask_lt());
+    if (staged == GPUIO_STAGED_INLINE) {
+        gpuio_ring_store_inline((unsigned char*)tok.dev_addr, word, (unsigned long long)result);
+    }
+    const int bounced = staged == GPUIO_STAGED_BOUNCE;
     const unsigned long long from_mine =
-        staged ? (unsigned long long)gpuio_ring_bounce(r, &tok) : 0ull;
+        bounced ? (unsigned long long)gpuio_ring_bounce(r, &tok) : 0ull;
     // Each lane acquired its own completion; this orders every lane's loads after all of them.
     __syncwarp(active);
-    for (unsigned int pending = __ballot_sync(active, staged); pending; pending &= pending - 1) {
+    for (unsigned int pending = __ballot_sync(active, bounced); pending; pending &= pending - 1) {
         const int owner = __ffs(pending) - 1;
         const unsigned char* from = (const unsigned char*)__shfl_sync(active, from_mine, owner);
         unsigned char* to = (unsigned char*)__shfl_sync(active, tok.dev_addr, owner);

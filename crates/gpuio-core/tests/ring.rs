@@ -653,6 +653,18 @@ fn staged_reads_arrive_in_the_slot_bounce_buffer() {
     let from_host = proxy.register(Endpoint::host(&host, 0)).unwrap();
     let producer = proxy.host_producer().unwrap();
     within(Duration::from_secs(20), move || {
+        // Reads of up to 8 bytes come back inline in the slot; 9 through the bounce buffer.
+        for len in 1..=9u64 {
+            let got = producer
+                .read_staged(from_file, 1000 + len, len, TIMEOUT)
+                .unwrap();
+            assert_eq!(got.len() as u64, len);
+            assert_eq!(
+                pattern::first_deviation(&got, 1000 + len, 11),
+                None,
+                "{len} bytes"
+            );
+        }
         // Many staged reads through 8 slots, of every size up to the bounce buffer.
         for k in 0..200u64 {
             let len = 1 + (pattern::mix64(k) % 4096);

@@ -77,6 +77,37 @@ fn gpu_threads_read_file_blocks_through_the_ring() {
     for (i, &o) in offsets.iter().enumerate() {
         assert!(got[i * 4096..(i + 1) * 4096] == data[o as usize..o as usize + 4096]);
     }
+    // Reads of at most 8 bytes come back inline in the slot: 8-byte and 5-byte blocks (the
+    // latter stored byte by byte), every one checked.
+    for len in [8usize, 5] {
+        let pieces = 512usize;
+        stream
+            .ring_read_blocks(
+                proxy.ring(),
+                handle,
+                &offs,
+                pieces,
+                len,
+                &dst,
+                &results,
+                256,
+            )
+            .unwrap();
+        let mut res = vec![0u8; pieces * 8];
+        stream.download(&results, 0, &mut res).unwrap();
+        let mut got = vec![0u8; pieces * len];
+        stream.download(&dst, 0, &mut got).unwrap();
+        for (i, &o) in offsets[..pieces].iter().enumerate() {
+            assert_eq!(
+                i64::from_le_bytes(res[i * 8..i * 8 + 8].try_into().unwrap()),
+                len as i64
+            );
+            assert!(
+                got[i * len..(i + 1) * len] == data[o as usize..o as usize + len],
+                "{len}: {i}"
+            );
+        }
+    }
     // Reads too large for a slot's bounce buffer go to device memory from the host: a
     // destination outside every registered buffer is refused there, and nothing is written.
     let big = proxy.ring().bounce_bytes() * 2;
@@ -103,5 +134,5 @@ fn gpu_threads_read_file_blocks_through_the_ring() {
             .all(|w| u64::from_le_bytes(w.try_into().unwrap()) != u64::MAX)
     );
     let stats = proxy.shutdown().unwrap();
-    assert_eq!(stats.served, n as u64 + 100);
+    assert_eq!(stats.served, n as u64 + 2 * 512 + 100);
 }

@@ -92,6 +92,12 @@ pub const SLOT_FREE: u32 = 0;
 pub const SLOT_POSTED: u32 = 1;
 /// `GPUIO_SLOT_DONE`: `result` holds the outcome; the producer frees the slot.
 pub const SLOT_DONE: u32 = 2;
+/// `GPUIO_SLOT_DONE_INLINE`: a staged READ of at most [`INLINE_BYTES`] bytes is done and its
+/// bytes are in the slot itself: `result` holds their count, the `staged` word the bytes (in
+/// memory order). The producer reads them with the completion, one host-memory read fewer.
+pub const SLOT_DONE_INLINE: u32 = 3;
+/// Bytes a completion can carry inline (the `staged` word).
+pub const INLINE_BYTES: usize = 8;
 
 /// `GPUIO_RING_OP_READ`: resource → device memory.
 pub const OP_READ: u32 = 1;
@@ -347,6 +353,7 @@ pub fn layout() -> RingLayout {
         ("GPUIO_SLOT_FREE", SLOT_FREE.into()),
         ("GPUIO_SLOT_POSTED", SLOT_POSTED.into()),
         ("GPUIO_SLOT_DONE", SLOT_DONE.into()),
+        ("GPUIO_SLOT_DONE_INLINE", SLOT_DONE_INLINE.into()),
         ("GPUIO_RING_OP_READ", OP_READ.into()),
         ("GPUIO_RING_OP_WRITE", OP_WRITE.into()),
         ("GPUIO_RING_FLAG_DURABLE", FLAG_DURABLE.into()),
@@ -764,12 +771,21 @@ impl RingMemory {
     /// the slot is handed on.
     fn finish_into(&self, ticket: u64, staged: Option<&mut Vec<u8>>) -> Option<i64> {
         let s = self.slot(ticket);
-        if s.turn.load(Ordering::Acquire) != ticket || s.state.load(Ordering::Acquire) != SLOT_DONE
-        {
+        if s.turn.load(Ordering::Acquire) != ticket {
+            return None;
+        }
+        let state = s.state.load(Ordering::Acquire);
+        if state != SLOT_DONE && state != SLOT_DONE_INLINE {
             return None;
         }
         let result = s.result.load(Ordering::Relaxed);
-        if let Some(out) = staged
+        if state == SLOT_DONE_INLINE {
+            if let Some(out) = staged {
+                let word = s.staged.load(Ordering::Relaxed).to_ne_bytes();
+                out.clear();
+                out.extend_from_slice(&word[..(result.max(0) as usize).min(INLINE_BYTES)]);
+            }
+        } else if let Some(out) = staged
             && s.staged.load(Ordering::Relaxed) != 0
             && result > 0
         {
@@ -934,6 +950,7 @@ impl<'r> RingClaim<'r> {
             request,
             result: result_of(ErrorCode::General),
             staged: false,
+            inline: None,
         })
     }
 
@@ -961,6 +978,8 @@ pub struct RingTaken<'r> {
     request: RingRequest,
     result: i64,
     staged: bool,
+    /// The bytes of an inline completion ([`SLOT_DONE_INLINE`]).
+    inline: Option<u64>,
 }
 
 impl fmt::Debug for RingTaken<'_> {
@@ -1001,10 +1020,20 @@ impl RingTaken<'_> {
         })
     }
 
-    /// Publishes `bytes` delivered in the slot's bounce buffer.
+    /// Publishes `bytes` delivered in the slot's bounce buffer. Up to [`INLINE_BYTES`] of
+    /// them travel in the slot itself ([`SLOT_DONE_INLINE`]), so the producer needs no second
+    /// read of host memory.
     pub fn complete_staged(mut self, bytes: u64) {
         self.result = bytes.min(i64::MAX as u64) as i64;
         self.staged = true;
+        let n = bytes as usize;
+        if n <= INLINE_BYTES
+            && let Some(b) = self.bounce().and_then(|b| b.get(..n))
+        {
+            let mut word = [0u8; INLINE_BYTES];
+            word[..n].copy_from_slice(b);
+            self.inline = Some(u64::from_ne_bytes(word));
+        }
     }
 }
 
@@ -1012,8 +1041,16 @@ impl Drop for RingTaken<'_> {
     fn drop(&mut self) {
         let s = self.claim.ring.slot(self.claim.ticket);
         s.result.store(self.result, Ordering::Relaxed);
-        s.staged.store(u64::from(self.staged), Ordering::Relaxed);
-        s.state.store(SLOT_DONE, Ordering::Release);
+        match self.inline {
+            Some(word) => {
+                s.staged.store(word, Ordering::Relaxed);
+                s.state.store(SLOT_DONE_INLINE, Ordering::Release);
+            }
+            None => {
+                s.staged.store(u64::from(self.staged), Ordering::Relaxed);
+                s.state.store(SLOT_DONE, Ordering::Release);
+            }
+        }
     }
 }
 
