@@ -807,71 +807,91 @@ async fn read(
             };
             wr.write_all(&wire::read_resp_head(id, range.len())).await?;
             wr.write_all(&buf[range]).await?;
-            len
+            Some(len)
         }
+        // GPU memory and files: through the session's buffer, on a blocking thread.
         Source::Device(buf) => {
-            if let Err(r) = in_bounds(name, offset, len, buf.len() as u64) {
-                return answer(sh, wr, id, Err(r)).await;
-            }
-            let (buf, mut data) = (buf.clone(), std::mem::take(scratch));
-            data.resize(len as usize, 0);
-            let done = tokio::task::spawn_blocking(move || {
-                let r = buf
-                    .gpu()
-                    .stream()
-                    .and_then(|s| s.download(&buf, offset as usize, &mut data));
-                (r, data)
-            })
-            .await;
-            let data = match done {
-                Ok((Ok(()), data)) => data,
-                Ok((Err(e), data)) => {
-                    *scratch = data;
-                    let r = Refusal::new(e.code(), e.to_string());
-                    return answer(sh, wr, id, Err(r)).await;
+            let buf = buf.clone();
+            let filled = match in_bounds(name, offset, len, buf.len() as u64) {
+                Ok(_) => {
+                    through_scratch(scratch, len as usize, move |data| {
+                        buf.gpu()
+                            .stream()
+                            .and_then(|s| s.download(&buf, offset as usize, data))
+                            .map_err(hal_refusal)
+                    })
+                    .await
                 }
-                Err(e) => {
-                    let r = Refusal::new(ErrorCode::General, e.to_string());
-                    return answer(sh, wr, id, Err(r)).await;
-                }
+                Err(r) => Err(r),
             };
-            wr.write_all(&wire::read_resp_head(id, data.len())).await?;
-            wr.write_all(&data).await?;
-            *scratch = data;
-            len
+            send_scratch(sh, wr, id, filled, scratch).await?
         }
         Source::File { file, .. } => {
+            let file = file.clone();
             let size = file.metadata().map(|m| m.len()).map_err(io_refusal);
-            if let Err(r) = size.and_then(|size| in_bounds(name, offset, len, size)) {
-                return answer(sh, wr, id, Err(r)).await;
-            }
-            let (file, mut data) = (file.clone(), std::mem::take(scratch));
-            data.resize(len as usize, 0);
-            let done = tokio::task::spawn_blocking(move || {
-                let r = file.read_exact_at(&mut data, offset);
-                (r, data)
-            })
-            .await;
-            let data = match done {
-                Ok((Ok(()), data)) => data,
-                Ok((Err(e), data)) => {
-                    *scratch = data;
-                    return answer(sh, wr, id, Err(io_refusal(e))).await;
+            let filled = match size.and_then(|size| in_bounds(name, offset, len, size)) {
+                Ok(_) => {
+                    through_scratch(scratch, len as usize, move |data| {
+                        file.read_exact_at(data, offset).map_err(io_refusal)
+                    })
+                    .await
                 }
-                Err(e) => {
-                    let r = Refusal::new(ErrorCode::General, e.to_string());
-                    return answer(sh, wr, id, Err(r)).await;
-                }
+                Err(r) => Err(r),
             };
-            wr.write_all(&wire::read_resp_head(id, data.len())).await?;
-            wr.write_all(&data).await?;
-            *scratch = data;
-            len
+            send_scratch(sh, wr, id, filled, scratch).await?
         }
+    };
+    let Some(sent) = sent else {
+        return Ok(());
     };
     sh.counters.served.fetch_add(1, Ordering::Relaxed);
     sh.counters.bytes_read.fetch_add(sent, Ordering::Relaxed);
     Ok(())
+}
+
+/// Runs `op` on a blocking thread over `scratch` (sized to `len` first); the buffer comes
+/// back whatever happens.
+async fn through_scratch(
+    scratch: &mut Vec<u8>,
+    len: usize,
+    op: impl FnOnce(&mut [u8]) -> std::result::Result<(), Refusal> + Send + 'static,
+) -> std::result::Result<(), Refusal> {
+    let mut data = std::mem::take(scratch);
+    data.resize(len, 0);
+    let done = tokio::task::spawn_blocking(move || {
+        let r = op(&mut data);
+        (r, data)
+    })
+    .await;
+    match done {
+        Ok((r, data)) => {
+            *scratch = data;
+            r
+        }
+        Err(e) => Err(Refusal::new(ErrorCode::General, e.to_string())),
+    }
+}
+
+/// Answers a read whose bytes are in `scratch` (or its refusal); the bytes sent, if any.
+async fn send_scratch(
+    sh: &Shared,
+    wr: &mut (impl AsyncWrite + Unpin),
+    id: u64,
+    filled: std::result::Result<(), Refusal>,
+    scratch: &[u8],
+) -> std::result::Result<Option<u64>, Fatal> {
+    if let Err(r) = filled {
+        answer(sh, wr, id, Err(r)).await?;
+        return Ok(None);
+    }
+    wr.write_all(&wire::read_resp_head(id, scratch.len()))
+        .await?;
+    wr.write_all(scratch).await?;
+    Ok(Some(scratch.len() as u64))
+}
+
+fn hal_refusal(e: gpuio_hal::HalError) -> Refusal {
+    Refusal::new(e.code(), e.to_string())
 }
 
 /// Serves a write whose fields were read: its data is received straight into a memory
@@ -933,53 +953,37 @@ async fn write<R: AsyncRead + Unpin>(
                 mem.write().await.as_mut_slice()[range].copy_from_slice(scratch);
             }
         }
+        // GPU memory and files: received into the session's buffer, then moved on a
+        // blocking thread.
         Source::Device(buf) => {
             if let Err(r) = in_bounds(&name, offset, len, buf.len() as u64) {
                 return refuse(rd, r).await;
             }
-            let mut data = std::mem::take(scratch);
-            data.resize(len as usize, 0);
-            rd.read_exact(&mut data).await?;
+            scratch.resize(len as usize, 0);
+            rd.read_exact(scratch).await?;
             let buf = buf.clone();
-            let done = tokio::task::spawn_blocking(move || {
-                let r = buf
-                    .gpu()
+            let moved = through_scratch(scratch, len as usize, move |data| {
+                buf.gpu()
                     .stream()
-                    .and_then(|s| s.upload(&data, &buf, offset as usize));
-                (r, data)
-            })
-            .await;
-            match done {
-                Ok((r, data)) => {
-                    *scratch = data;
-                    if let Err(e) = r {
-                        return Ok(Err(Refusal::new(e.code(), e.to_string())));
-                    }
-                }
-                Err(e) => return Ok(Err(Refusal::new(ErrorCode::General, e.to_string()))),
+                    .and_then(|s| s.upload(data, &buf, offset as usize))
+                    .map_err(hal_refusal)
+            });
+            if let Err(r) = moved.await {
+                return Ok(Err(r));
             }
         }
         Source::File { file, max_len } => {
             if let Err(r) = in_bounds(&name, offset, len, *max_len) {
                 return refuse(rd, r).await;
             }
-            let mut data = std::mem::take(scratch);
-            data.resize(len as usize, 0);
-            rd.read_exact(&mut data).await?;
+            scratch.resize(len as usize, 0);
+            rd.read_exact(scratch).await?;
             let file = file.clone();
-            let done = tokio::task::spawn_blocking(move || {
-                let r = file.write_all_at(&data, offset);
-                (r, data)
-            })
-            .await;
-            match done {
-                Ok((r, data)) => {
-                    *scratch = data;
-                    if let Err(e) = r {
-                        return Ok(Err(io_refusal(e)));
-                    }
-                }
-                Err(e) => return Ok(Err(Refusal::new(ErrorCode::General, e.to_string()))),
+            let moved = through_scratch(scratch, len as usize, move |data| {
+                file.write_all_at(data, offset).map_err(io_refusal)
+            });
+            if let Err(r) = moved.await {
+                return Ok(Err(r));
             }
         }
     }
