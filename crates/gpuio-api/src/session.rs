@@ -297,7 +297,6 @@ impl Session {
                         ))
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let _ = (len, access);
                 Ok(Resource::Remote(replicas))
             }
         }
