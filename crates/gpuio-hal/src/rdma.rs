@@ -731,6 +731,12 @@ impl QueuePair {
                 return Err(rc_err("polling completions", n));
             }
             if n == 1 {
+                if wc.wr_id != id {
+                    // An older request's completion (one that timed out), whatever its status:
+                    // not this request's outcome. (A failure leaves the queue pair in error,
+                    // so this request then completes with a flush error of its own.)
+                    continue;
+                }
                 if wc.status != ibv_wc_status::IBV_WC_SUCCESS {
                     // SAFETY: ibv_wc_status_str returns a static C string for any status.
                     let why = unsafe { CStr::from_ptr(ibv_wc_status_str(wc.status)) };
@@ -748,11 +754,7 @@ impl QueuePair {
                         code,
                     });
                 }
-                if wc.wr_id == id {
-                    return Ok(wc.byte_len as usize);
-                }
-                // An older request's completion (one that timed out): skip it.
-                continue;
+                return Ok(wc.byte_len as usize);
             }
             if Instant::now() > deadline {
                 return Err(HalError::TimedOut {

@@ -285,8 +285,20 @@ proptest! {
 
 /// A small agent of its own per fuzz case (so one case's connections cannot affect the next).
 fn fuzz_agent() -> Agent {
+    let mut cfg = small_agent("kv", small_export(), Access::ReadOnly);
+    cfg.handshake_timeout = Duration::from_millis(300);
+    Agent::start(cfg).unwrap()
+}
+
+/// 4 KiB of host memory holding the pattern of seed 1.
+fn small_export() -> ExportSource {
     let mut buf = HostBuffer::alloc(4096, &HostAllocOptions::default()).unwrap();
     pattern::fill(&mut buf, 0, 1);
+    ExportSource::Memory(shared_memory(buf))
+}
+
+/// An agent configuration with the read-write key only and one export.
+fn small_agent(name: &str, source: ExportSource, access: Access) -> AgentConfig {
     let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
     cfg.keys = vec![Key {
         id: "writer".into(),
@@ -294,12 +306,11 @@ fn fuzz_agent() -> Agent {
         role: Role::ReadWrite,
     }];
     cfg.exports = vec![Export {
-        name: "kv".into(),
-        source: ExportSource::Memory(shared_memory(buf)),
-        access: Access::ReadOnly,
+        name: name.into(),
+        source,
+        access,
     }];
-    cfg.handshake_timeout = Duration::from_millis(300);
-    Agent::start(cfg).unwrap()
+    cfg
 }
 
 #[test]
@@ -402,19 +413,7 @@ fn a_pipelined_refusal_leaves_the_connection_in_step() {
 
 #[test]
 fn a_key_over_its_session_limit_is_refused_busy() {
-    let mut buf = HostBuffer::alloc(4096, &HostAllocOptions::default()).unwrap();
-    pattern::fill(&mut buf, 0, 1);
-    let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
-    cfg.keys = vec![Key {
-        id: "writer".into(),
-        secret: RW_KEY.to_vec(),
-        role: Role::ReadWrite,
-    }];
-    cfg.exports = vec![Export {
-        name: "kv".into(),
-        source: ExportSource::Memory(shared_memory(buf)),
-        access: Access::ReadOnly,
-    }];
+    let mut cfg = small_agent("kv", small_export(), Access::ReadOnly);
     cfg.max_sessions_per_key = 2;
     let agent = Agent::start(cfg).unwrap();
     let addr = agent.local_addr();
@@ -444,17 +443,7 @@ fn gpu_memory_exports_are_served_through_the_copy_engines() {
     let mut init = vec![0u8; 3 << 20];
     pattern::fill(&mut init, 0, 8);
     gpu.stream().unwrap().upload(&init, &dev, 0).unwrap();
-    let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
-    cfg.keys = vec![Key {
-        id: "writer".into(),
-        secret: RW_KEY.to_vec(),
-        role: Role::ReadWrite,
-    }];
-    cfg.exports = vec![Export {
-        name: "hbm".into(),
-        source: ExportSource::Device(dev.clone()),
-        access: Access::ReadWrite,
-    }];
+    let cfg = small_agent("hbm", ExportSource::Device(dev.clone()), Access::ReadWrite);
     let agent = Agent::start(cfg).unwrap();
     let mut c = Client(connect(agent.local_addr(), "writer", RW_KEY, T).unwrap());
     assert_eq!(c.0.stat("hbm").unwrap().size, 3 << 20);
