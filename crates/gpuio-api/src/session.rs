@@ -250,12 +250,20 @@ impl Session {
                 gdr,
             } => {
                 if *gdr {
+                    // What the probe found (device support, nvidia-peermem, an RDMA NIC).
+                    // Registering GPU memory with the NIC is not built: no machine this
+                    // project runs on has the three, so it could not be tested.
+                    let found = match self.gpu(0) {
+                        Ok(g) if !g.info().gdr.available => g.info().gdr.detail.clone(),
+                        Ok(_) => "registering GPU memory with the NIC is not built yet".into(),
+                        Err(e) => e.to_string(),
+                    };
                     return Err(Error::Unsupported {
                         what: uri.to_string(),
-                        reason: "GPUDirect RDMA needs a NIC and driver (nvidia-peermem) that \
-                                 this machine lacks; without gdr=1, GPU memory is staged \
-                                 through host memory"
-                            .into(),
+                        reason: format!(
+                            "GPUDirect RDMA: {found}; without gdr=1, GPU memory is staged \
+                             through pinned host memory"
+                        ),
                     });
                 }
                 let rdma = *transport == RemoteTransport::Rdma;

@@ -103,18 +103,52 @@ fn sessions_copy_over_rdma() {
         .unwrap();
     assert!(r.checksum.is_some());
     // File -> remote memory over RDMA writes.
-    let src = dir.path().join("src.bin");
+    let src_path = dir.path().join("src.bin");
     let mut fresh = vec![0u8; LEN];
     pattern::fill(&mut fresh, 0, 33);
-    std::fs::write(&src, &fresh).unwrap();
+    std::fs::write(&src_path, &fresh).unwrap();
     s.copy(
-        &Uri::parse(src.to_str().unwrap()).unwrap(),
+        &Uri::parse(src_path.to_str().unwrap()).unwrap(),
         &at("mem"),
         &verify,
         &mut |_| {},
     )
     .unwrap();
     assert!(mem.blocking_read()[..] == fresh[..]);
+    // Remote memory -> host memory and back through the engines: the NIC moves the bytes in
+    // place (the host buffer is registered through the cache, once).
+    let host =
+        gpuio_core::HostMemory::new(HostBuffer::alloc(LEN, &HostAllocOptions::default()).unwrap());
+    let res = |r: Resource| match r {
+        Resource::Remote(mut replicas) => replicas.remove(0),
+        _ => panic!("not a remote resource"),
+    };
+    let remote = res(s.open(&at("mem"), 0, gpuio_api::Access::Read).unwrap());
+    let src = gpuio_core::Endpoint::Remote {
+        res: remote.clone(),
+        offset: 4096,
+    };
+    let dst = gpuio_core::Endpoint::Host {
+        mem: host.clone(),
+        offset: 100,
+    };
+    let out = s.engines().execute(&src, &dst, LEN - 8192, false).unwrap();
+    assert!(out.route.contains("in place"), "{}", out.route);
+    assert!(host.read()[100..100 + LEN - 8192] == fresh[4096..LEN - 4096]);
+    pattern::fill(&mut host.write(), 0, 34);
+    let out = s.engines().execute(&dst, &src, LEN - 8192, false).unwrap();
+    assert!(out.route.contains("in place"), "{}", out.route);
+    assert!(mem.blocking_read()[4096..LEN - 4096] == host.read()[100..100 + LEN - 8192]);
+    let regs = s.engines().remoteio().rdma_registrations();
+    assert_eq!(regs.len(), 1, "one device, one cache: {regs:?}");
+    assert!(regs[0].hits >= 1 && regs[0].entries >= 1, "{regs:?}");
+    s.copy(
+        &Uri::parse(src_path.to_str().unwrap()).unwrap(),
+        &at("mem"),
+        &verify,
+        &mut |_| {},
+    )
+    .unwrap();
     // All of that went over RDMA: the agent served no bytes over TCP.
     let tcp = agent.stats();
     assert_eq!((tcp.bytes_read, tcp.bytes_written), (0, 0), "{tcp:?}");

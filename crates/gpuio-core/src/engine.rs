@@ -2,7 +2,7 @@
 //! the others; here each is adapted to [`Engine`], and [`Engines`] routes a transfer to the one
 //! that serves its pair of endpoint kinds.
 
-use crate::endpoint::{Dest, Endpoint, EndpointKind, RemoteResource, Source};
+use crate::endpoint::{Dest, Endpoint, EndpointKind, HostMemory, RemoteResource, Source};
 use crate::error::{CoreError, Result};
 use crate::request::{EngineKind, Request};
 use crate::resources::ResourceTracker;
@@ -177,13 +177,21 @@ impl Engine for LocalIoEngine {
 const REMOTE_STAGE: usize = 8 << 20;
 
 /// RemoteIO as an [`Engine`]. Host memory is read into and written from directly (the peer
-/// stripes it over its connections); GPU memory and files go through two pinned staging
-/// buffers, so that the network moves one while MemIO or LocalIO moves the other.
+/// stripes it over its connections; over RDMA, the memory is registered through a
+/// [`RegistrationCache`](crate::regcache::RegistrationCache) and the NIC moves it in place);
+/// GPU memory and files go through two pinned staging buffers, so that the network moves one
+/// while MemIO or LocalIO moves the other.
 pub struct RemoteIoEngine {
     memio: Arc<MemIo>,
     /// Idle staging buffers, kept for the next transfer.
-    staging: Mutex<Vec<HostBuffer>>,
+    staging: Mutex<Vec<HostMemory>>,
+    /// One registration cache per RDMA device the peers use.
+    #[cfg(feature = "rdma")]
+    rdma: Mutex<Vec<Arc<RdmaCache>>>,
 }
+
+#[cfg(feature = "rdma")]
+type RdmaCache = crate::regcache::RegistrationCache<crate::regcache::RdmaRegistrar>;
 
 impl fmt::Debug for RemoteIoEngine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -204,54 +212,176 @@ impl RemoteIoEngine {
         Self {
             memio,
             staging: Mutex::new(Vec::new()),
+            #[cfg(feature = "rdma")]
+            rdma: Mutex::new(Vec::new()),
         }
     }
 
-    fn take_stage(&self) -> Result<HostBuffer> {
+    /// The counters of the RDMA registration caches (one per device in use).
+    #[cfg(feature = "rdma")]
+    pub fn rdma_registrations(&self) -> Vec<crate::regcache::RegCacheStats> {
+        let caches = self.rdma.lock().unwrap_or_else(|e| e.into_inner());
+        caches.iter().map(|c| c.stats()).collect()
+    }
+
+    /// Reads `len` bytes of `remote` at `roff` into `mem` at `offset`.
+    pub fn read_to_host(
+        &self,
+        remote: &RemoteResource,
+        roff: u64,
+        mem: &HostMemory,
+        offset: usize,
+        len: usize,
+    ) -> Result<String> {
+        let peer = remote.peer();
+        #[cfg(feature = "rdma")]
+        if let Some(reg) = self.register(peer, mem, offset, len) {
+            let mut g = mem.write();
+            let dst = host_prefix_mut("destination", g.get_mut(offset..).unwrap_or_default(), len)?;
+            peer.read_registered(remote.export(), roff, reg.handle(), dst)?;
+            return Ok(format!(
+                "read from {} in place (RDMA-registered)",
+                peer.addr()
+            ));
+        }
+        let mut g = mem.write();
+        let dst = host_prefix_mut("destination", g.get_mut(offset..).unwrap_or_default(), len)?;
+        peer.read(remote.export(), roff, dst)?;
+        Ok(format!("read from {}", peer.addr()))
+    }
+
+    /// Writes `len` bytes of `mem` at `offset` to `remote` at `roff`.
+    pub fn write_from_host(
+        &self,
+        mem: &HostMemory,
+        offset: usize,
+        remote: &RemoteResource,
+        roff: u64,
+        len: usize,
+    ) -> Result<String> {
+        let peer = remote.peer();
+        #[cfg(feature = "rdma")]
+        if let Some(reg) = self.register(peer, mem, offset, len) {
+            let g = mem.read();
+            let src = host_prefix("source", g.get(offset..).unwrap_or_default(), len)?;
+            peer.write_registered(remote.export(), roff, reg.handle(), src)?;
+            return Ok(format!(
+                "write to {} in place (RDMA-registered)",
+                peer.addr()
+            ));
+        }
+        let g = mem.read();
+        let src = host_prefix("source", g.get(offset..).unwrap_or_default(), len)?;
+        peer.write(remote.export(), roff, src)?;
+        Ok(format!("write to {}", peer.addr()))
+    }
+
+    /// A registration of `mem`'s range with the peer's RDMA device; `None` for a TCP peer, or
+    /// where registering fails (the range overlaps one in use, the memlock limit): the bytes
+    /// then go through the channel's own registered buffer.
+    #[cfg(feature = "rdma")]
+    fn register(
+        &self,
+        peer: &gpuio_transport_remoteio::RemotePeer,
+        mem: &HostMemory,
+        offset: usize,
+        len: usize,
+    ) -> Option<crate::regcache::Registered<gpuio_hal::rdma::HostRegion>> {
+        let device = match peer.rdma_device()? {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::debug!(error = %e, "no RDMA device to register with");
+                return None;
+            }
+        };
+        let cache = {
+            let mut caches = self.rdma.lock().unwrap_or_else(|e| e.into_inner());
+            let found = caches
+                .iter()
+                .find(|c| Arc::ptr_eq(&c.registrar().device, &device))
+                .cloned();
+            found.unwrap_or_else(|| {
+                let registrar = crate::regcache::RdmaRegistrar { device };
+                let c = Arc::new(RdmaCache::new(registrar, Default::default()));
+                caches.push(c.clone());
+                c
+            })
+        };
+        match cache.get(mem, offset, len) {
+            Ok(reg) => Some(reg),
+            Err(e) => {
+                tracing::debug!(error = %e, "RDMA registration refused: staged instead");
+                None
+            }
+        }
+    }
+
+    fn take_stage(&self) -> Result<HostMemory> {
         if let Some(b) = self.staging.lock().unwrap_or_else(|e| e.into_inner()).pop() {
             return Ok(b);
         }
-        Ok(self
+        let buf = self
             .memio
-            .alloc_host(HostPlacement::Dram { numa: None }, REMOTE_STAGE, true)?)
+            .alloc_host(HostPlacement::Dram { numa: None }, REMOTE_STAGE, true)?;
+        Ok(HostMemory::new(buf))
     }
 
-    fn give_stage(&self, b: HostBuffer) {
+    fn give_stage(&self, b: HostMemory) {
         let mut idle = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         if idle.len() < 4 {
             idle.push(b);
+            return;
+        }
+        drop(idle);
+        // Not kept: its registrations go with it.
+        #[cfg(feature = "rdma")]
+        for cache in self.rdma.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            cache.purge(&b);
         }
     }
 
     /// Moves `len` bytes from `from` to `to` in stages: a reader thread fills one staging
-    /// buffer while this thread drains another (at most three are in use).
+    /// buffer while this thread drains another (at most three are in use). Staging buffers
+    /// are registered with the peer's RDMA device, so the network moves them in place.
     fn staged(&self, from: Local<'_>, to: Local<'_>, len: usize) -> Result<()> {
-        let (full_tx, full_rx) = crossbeam_channel::bounded::<(usize, usize, HostBuffer)>(1);
-        let fill = |at: usize, buf: &mut [u8]| -> Result<()> {
+        let (full_tx, full_rx) = crossbeam_channel::bounded::<(usize, usize, HostMemory)>(1);
+        let fill = |at: usize, stage: &HostMemory, n: usize| -> Result<()> {
             match &from {
-                Local::Remote(r, off) => Ok(r.peer().read(r.export(), off + at as u64, buf)?),
-                Local::Device(d, off) => self.memio.download(d, off + at, buf).map(|_| ()),
-                Local::File(f, off) => Ok(f.read_exact_at(off + at as u64, buf)?),
+                Local::Remote(r, off) => self
+                    .read_to_host(r, off + at as u64, stage, 0, n)
+                    .map(|_| ()),
+                Local::Device(d, off) => self
+                    .memio
+                    .download(d, off + at, &mut stage.write()[..n])
+                    .map(|_| ())
+                    .map_err(CoreError::from),
+                Local::File(f, off) => {
+                    Ok(f.read_exact_at(off + at as u64, &mut stage.write()[..n])?)
+                }
             }
-            .map_err(CoreError::from)
         };
-        let drain = |at: usize, buf: &[u8]| -> Result<()> {
+        let drain = |at: usize, stage: &HostMemory, n: usize| -> Result<()> {
             match &to {
-                Local::Remote(r, off) => Ok(r.peer().write(r.export(), off + at as u64, buf)?),
-                Local::Device(d, off) => self.memio.upload(buf, d, off + at).map(|_| ()),
-                Local::File(f, off) => Ok(f.write_all_at(off + at as u64, buf)?),
+                Local::Remote(r, off) => self
+                    .write_from_host(stage, 0, r, off + at as u64, n)
+                    .map(|_| ()),
+                Local::Device(d, off) => self
+                    .memio
+                    .upload(&stage.read()[..n], d, off + at)
+                    .map(|_| ())
+                    .map_err(CoreError::from),
+                Local::File(f, off) => Ok(f.write_all_at(off + at as u64, &stage.read()[..n])?),
             }
-            .map_err(CoreError::from)
         };
         std::thread::scope(|scope| {
             let reader = scope.spawn(move || -> Result<()> {
                 let mut at = 0;
                 while at < len {
-                    let mut buf = self.take_stage()?;
+                    let stage = self.take_stage()?;
                     let n = REMOTE_STAGE.min(len - at);
-                    fill(at, &mut buf[..n])?;
+                    fill(at, &stage, n)?;
                     // A closed channel: the drainer failed, and reports why.
-                    if full_tx.send((at, n, buf)).is_err() {
+                    if full_tx.send((at, n, stage)).is_err() {
                         return Ok(());
                     }
                     at += n;
@@ -259,9 +389,9 @@ impl RemoteIoEngine {
                 Ok(())
             });
             let mut drained = Ok(());
-            for (at, n, buf) in full_rx.iter() {
-                drained = drain(at, &buf[..n]);
-                self.give_stage(buf);
+            for (at, n, stage) in full_rx.iter() {
+                drained = drain(at, &stage, n);
+                self.give_stage(stage);
                 if drained.is_err() {
                     break;
                 }
@@ -372,6 +502,11 @@ impl Engines {
         &self.localio.0
     }
 
+    /// The RemoteIO engine.
+    pub fn remoteio(&self) -> &Arc<RemoteIoEngine> {
+        &self.remoteio
+    }
+
     /// The engine of a kind.
     pub fn engine(&self, kind: EngineKind) -> Result<&dyn Engine> {
         match kind {
@@ -439,6 +574,18 @@ impl Engines {
                 host(&w, *doff, "destination")?;
                 engine.transfer(Source::Host(&r[*so..]), Dest::Host(&mut w[*doff..]), len)?
             }
+            (Endpoint::Remote { res, offset: roff }, Endpoint::Host { mem, offset }) => Outcome {
+                bytes: len,
+                engine: EngineKind::RemoteIo,
+                route: self.remoteio.read_to_host(res, *roff, mem, *offset, len)?,
+            },
+            (Endpoint::Host { mem, offset }, Endpoint::Remote { res, offset: roff }) => Outcome {
+                bytes: len,
+                engine: EngineKind::RemoteIo,
+                route: self
+                    .remoteio
+                    .write_from_host(mem, *offset, res, *roff, len)?,
+            },
             (Endpoint::Host { mem, offset }, other) => {
                 let g = mem.read();
                 host(&g, *offset, "source")?;

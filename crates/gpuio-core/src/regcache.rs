@@ -1,5 +1,5 @@
 //! The memory registration cache (SDD §3.3): registering host memory for DMA
-//! (`cuMemHostRegister`, io_uring fixed buffers, later `ibv_reg_mr` and VFIO mappings) costs a
+//! (`cuMemHostRegister`, io_uring fixed buffers, `ibv_reg_mr`, later VFIO mappings) costs a
 //! page walk and lock per call, so registrations are kept and reused across transfers.
 //!
 //! Lookups are range-aware: an entry covering the asked range is a hit, also for a sub-range
@@ -10,8 +10,8 @@
 //! overlapping it fails with [`CoreError::Busy`], and eviction (least recently used first,
 //! when over [`RegCacheConfig::max_entries`] or [`RegCacheConfig::max_bytes`]) skips it.
 //!
-//! The kinds of registration are [`Registrar`]s: [`CudaHostRegistrar`] and
-//! [`UringRegistrar`]. Entries keep their [`HostMemory`] alive, so memory cannot be freed while
+//! The kinds of registration are [`Registrar`]s: [`CudaHostRegistrar`], [`UringRegistrar`]
+//! and (cargo feature `rdma`) [`RdmaRegistrar`]. Entries keep their [`HostMemory`] alive, so memory cannot be freed while
 //! registered.
 
 use crate::metrics::{REG_EVICTIONS, REG_LOOKUPS};
@@ -492,5 +492,44 @@ impl Registrar for UringRegistrar {
             ring: self.ring.clone(),
             index,
         })
+    }
+}
+
+/// Registers host memory with an RDMA device's protection domain (`ibv_reg_mr`) for local use:
+/// RemoteIO reads land in it and writes leave from it in place, with no staging copy.
+#[cfg(feature = "rdma")]
+#[derive(Debug, Clone)]
+pub struct RdmaRegistrar {
+    /// The device (its protection domain) the memory is registered with.
+    pub device: Arc<gpuio_hal::rdma::RdmaDevice>,
+}
+
+#[cfg(feature = "rdma")]
+impl Registrar for RdmaRegistrar {
+    type Handle = gpuio_hal::rdma::HostRegion;
+
+    fn kind(&self) -> &'static str {
+        "rdma"
+    }
+
+    fn register(
+        &self,
+        mem: &HostMemory,
+        offset: usize,
+        len: usize,
+    ) -> Result<gpuio_hal::rdma::HostRegion> {
+        let buf = mem.read();
+        let access = gpuio_hal::rdma::RdmaAccess::default();
+        Ok(gpuio_hal::rdma::HostRegion::new(
+            &self.device,
+            &buf,
+            offset..offset + len,
+            access,
+        )?)
+    }
+
+    /// Whole pages: the driver pins them whole anyway.
+    fn granularity(&self) -> usize {
+        gpuio_hal::page_size()
     }
 }

@@ -190,6 +190,58 @@ impl RemotePeer {
         Ok(())
     }
 
+    /// The RDMA device this peer's channels use (opened now if need be); `None` for a TCP
+    /// peer. Memory registered with it ([`HostRegion`](gpuio_hal::rdma::HostRegion)) can be
+    /// read into and written from in place.
+    #[cfg(feature = "rdma")]
+    pub fn rdma_device(&self) -> Option<Result<std::sync::Arc<gpuio_hal::rdma::RdmaDevice>>> {
+        let opts = self.cfg.rdma.as_ref()?;
+        Some(self.rdma.device(opts))
+    }
+
+    /// [`read`](Self::read) into `buf`, which lies in `region` (registered with
+    /// [`rdma_device`](Self::rdma_device)): RDMA reads land in place, with no staging copy.
+    /// Exports RDMA cannot reach are read over TCP as usual.
+    #[cfg(feature = "rdma")]
+    pub fn read_registered(
+        &self,
+        export: &str,
+        offset: u64,
+        region: &gpuio_hal::rdma::HostRegion,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        match self.over_rdma(export, |ch| ch.read_into(offset, region, buf)) {
+            Some(done) => {
+                done?;
+                self.bytes_read
+                    .fetch_add(buf.len() as u64, Ordering::Relaxed);
+                Ok(())
+            }
+            None => self.read(export, offset, buf),
+        }
+    }
+
+    /// [`write`](Self::write) from `data`, which lies in `region`: RDMA writes go out of it in
+    /// place.
+    #[cfg(feature = "rdma")]
+    pub fn write_registered(
+        &self,
+        export: &str,
+        offset: u64,
+        region: &gpuio_hal::rdma::HostRegion,
+        data: &[u8],
+    ) -> Result<()> {
+        match self.over_rdma(export, |ch| ch.write_from(offset, region, data)) {
+            Some(done) => {
+                done?;
+                self.bytes_written
+                    .fetch_add(data.len() as u64, Ordering::Relaxed);
+                Ok(())
+            }
+            None => self.write(export, offset, data),
+        }
+    }
+
     /// Atomic compare-and-swap of the 8-byte word of `export` at `offset` (RDMA only): if it
     /// holds `expect` it becomes `swap`; returns the word it held.
     #[cfg(feature = "rdma")]

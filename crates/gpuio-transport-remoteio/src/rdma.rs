@@ -7,18 +7,20 @@
 //! allow writing. The NIC enforces both the rights and the bounds (the memory region is the
 //! export, nothing more). The queue pair and the registration live as long as the TCP session.
 //!
-//! The client's side, an [`RdmaChannel`], moves data through a registered staging buffer of
-//! its own (the caller's memory is not registered: that is the registration cache's job).
+//! The client's side, an [`RdmaChannel`], reads and writes in place where the caller's memory
+//! is registered (a [`HostRegion`], from the core's registration cache), and through a
+//! registered staging buffer of its own otherwise. One device (and protection domain) serves
+//! the whole process, so every channel can use every registration.
 
 use crate::connection::Connection;
 use crate::wire::RdmaInfo;
 use crate::{RemoteIoError, Result};
 use gpuio_hal::rdma::{
-    ExposedRegion, QueuePair, RdmaAccess, RdmaBuffer, RdmaDevice, RdmaEndpoint, RemoteRegion,
+    HostRegion, QueuePair, RdmaAccess, RdmaBuffer, RdmaDevice, RdmaEndpoint, RemoteRegion,
 };
 use gpuio_hal::{ErrorCode, HostBuffer};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 /// Which RDMA device an agent or client uses.
@@ -30,10 +32,27 @@ pub struct RdmaOptions {
     pub gid_index: u8,
 }
 
+/// The devices this process has open, by options: memory registered with one protection
+/// domain serves only queue pairs of that domain, so peers and registration caches share them.
+type OpenDevices = Vec<((Option<String>, u8), Weak<RdmaDevice>)>;
+static DEVICES: Mutex<OpenDevices> = Mutex::new(Vec::new());
+
 impl RdmaOptions {
-    /// Opens the device.
+    /// The device: the one this process already has open with these options, or opened now.
     pub fn open(&self) -> Result<Arc<RdmaDevice>> {
-        Ok(RdmaDevice::open(self.device.as_deref(), self.gid_index)?)
+        let key = (self.device.clone(), self.gid_index);
+        let mut open = DEVICES.lock().unwrap_or_else(|e| e.into_inner());
+        open.retain(|(_, d)| d.strong_count() > 0);
+        if let Some(d) = open
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, d)| d.upgrade())
+        {
+            return Ok(d);
+        }
+        let d = RdmaDevice::open(self.device.as_deref(), self.gid_index)?;
+        open.push((key, Arc::downgrade(&d)));
+        Ok(d)
     }
 }
 
@@ -49,7 +68,7 @@ fn endpoint(info: &RdmaInfo) -> RdmaEndpoint {
 #[derive(Debug)]
 pub(crate) struct Link {
     _qp: QueuePair,
-    _region: ExposedRegion,
+    _region: HostRegion,
 }
 
 /// Exposes `mem` to the client's queue pair `client` with `writable` rights; returns the link
@@ -60,9 +79,10 @@ pub(crate) fn accept(
     writable: bool,
     client: &RdmaInfo,
 ) -> Result<(Link, RdmaInfo)> {
-    let region = ExposedRegion::new(
+    let region = HostRegion::new(
         dev,
         mem,
+        0..mem.len(),
         RdmaAccess {
             remote_read: true,
             remote_write: writable,
@@ -148,7 +168,19 @@ impl RdmaChannel {
         self.remote.len == 0
     }
 
-    /// Reads `buf.len()` bytes at `offset` (one-sided RDMA reads).
+    /// Reads `buf.len()` bytes at `offset` into `buf`, which lies in `region`: one-sided RDMA
+    /// reads straight into it.
+    pub fn read_into(&self, offset: u64, region: &HostRegion, buf: &mut [u8]) -> Result<()> {
+        Ok(self.qp.read_into(region, buf, &self.remote, offset)?)
+    }
+
+    /// Writes `data`, which lies in `region`, at `offset`: one-sided RDMA writes straight from
+    /// it.
+    pub fn write_from(&self, offset: u64, region: &HostRegion, data: &[u8]) -> Result<()> {
+        Ok(self.qp.write_from(region, data, &self.remote, offset)?)
+    }
+
+    /// Reads `buf.len()` bytes at `offset` (one-sided RDMA reads through the staging buffer).
     pub fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
         let step = self.staging.len();
         for (i, chunk) in buf.chunks_mut(step).enumerate() {
@@ -162,7 +194,7 @@ impl RdmaChannel {
         Ok(())
     }
 
-    /// Writes `data` at `offset` (one-sided RDMA writes).
+    /// Writes `data` at `offset` (one-sided RDMA writes through the staging buffer).
     pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
         let step = self.staging.len();
         for (i, chunk) in data.chunks(step).enumerate() {
@@ -250,12 +282,8 @@ impl ChannelPool {
         };
         let r = f(&mut ch);
         // A range refused before anything was posted leaves the queue pair usable; a failed
-        // work request leaves it in the error state.
-        let usable = match &r {
-            Ok(_) => true,
-            Err(e) => e.code() == ErrorCode::InvalidArg,
-        };
-        if usable {
+        // or timed-out work request leaves it in the error state.
+        if !ch.qp.is_failed() {
             self.idle
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
