@@ -36,6 +36,9 @@ __device__ __forceinline__ void gpuio_bad_index(gpuio_u64* err, gpuio_u64 pos) {
 // Copies rows: dst row i <- src row idx[i] (gather), or dst row idx[i] <- src row i (scatter),
 // in W-byte pieces. Every thread of the grid takes pieces tid, tid+stride, ...; GPUIO_UNROLL of
 // them are loaded before any is stored so that many PCIe reads are outstanding per thread.
+// The indices of the next round are loaded while this round's pieces are in flight: with the
+// index list in host memory, an index and the piece it names are two dependent PCIe round
+// trips, and this overlaps them instead of paying both in turn.
 // Rows whose index is >= rows are skipped and reported through `err`.
 template <int W, bool SCATTER>
 __device__ __forceinline__ void gpuio_rows(const unsigned char* __restrict__ src,
@@ -47,6 +50,12 @@ __device__ __forceinline__ void gpuio_rows(const unsigned char* __restrict__ src
     const gpuio_u64 items = n * per_row;
     const gpuio_u64 stride = (gpuio_u64)gridDim.x * blockDim.x;
     gpuio_u64 i = (gpuio_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    gpuio_u64 next[GPUIO_UNROLL];
+#pragma unroll
+    for (int u = 0; u < GPUIO_UNROLL; u++) {
+        gpuio_u64 k = i + u * stride;
+        next[u] = k < items ? idx[k / per_row] : 0;
+    }
     for (; i < items; i += stride * GPUIO_UNROLL) {
         P v[GPUIO_UNROLL];
         gpuio_u64 to[GPUIO_UNROLL];
@@ -56,7 +65,7 @@ __device__ __forceinline__ void gpuio_rows(const unsigned char* __restrict__ src
             to[u] = ~0ull;
             if (k < items) {
                 gpuio_u64 r = k / per_row, piece = k - r * per_row;
-                gpuio_u64 row = idx[r];
+                gpuio_u64 row = next[u];
                 if (row >= rows) {
                     gpuio_bad_index(err, r);
                     continue;
@@ -65,6 +74,12 @@ __device__ __forceinline__ void gpuio_rows(const unsigned char* __restrict__ src
                 to[u] = (SCATTER ? row : r) * per_row + piece;
                 v[u] = reinterpret_cast<const P*>(src)[from];
             }
+        }
+        const gpuio_u64 ahead = i + stride * GPUIO_UNROLL;
+#pragma unroll
+        for (int u = 0; u < GPUIO_UNROLL; u++) {
+            gpuio_u64 k = ahead + u * stride;
+            if (k < items) next[u] = idx[k / per_row];
         }
 #pragma unroll
         for (int u = 0; u < GPUIO_UNROLL; u++) {

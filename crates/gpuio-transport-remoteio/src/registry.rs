@@ -9,7 +9,9 @@
 //! keep-alive of every registration runs in the background.
 
 use crate::{RemoteIoError, Result};
-use etcd_client::{Client, ConnectOptions, GetOptions, PutOptions};
+use etcd_client::{
+    Client, ConnectOptions, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
+};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -194,19 +196,31 @@ async fn keep_alive(
     mut stop: watch::Receiver<bool>,
 ) {
     let period = Duration::from_millis((ttl_s as u64 * 1000 / 3).max(200));
+    // One keep-alive stream serves every renewal; it is opened again only after a failure.
+    let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
     loop {
         let renewed = async {
-            let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;
+            if stream.is_none() {
+                stream = Some(client.lease_keep_alive(lease).await?);
+            }
+            let Some((keeper, answers)) = stream.as_mut() else {
+                return Ok(0);
+            };
             keeper.keep_alive().await?;
             Ok::<_, etcd_client::Error>(answers.message().await?.map_or(0, |a| a.ttl()))
         };
-        match renewed.await {
-            Ok(ttl) if ttl > 0 => {}
+        // A cut network can leave the stream silent: a renewal gets one period to answer.
+        match tokio::time::timeout(period, renewed).await {
+            Ok(Ok(ttl)) if ttl > 0 => {}
             outcome => {
-                if let Err(e) = &outcome {
-                    tracing::warn!(%key, error = %e, "renewing the registry lease failed");
+                match &outcome {
+                    Ok(Err(e)) => tracing::warn!(%key, error = %e, "renewing the lease failed"),
+                    Err(_) => tracing::warn!(%key, "renewing the lease got no answer in time"),
+                    Ok(Ok(_)) => {}
                 }
-                // Expired (TTL 0) or unknown: the key may be gone; put it back.
+                stream = None;
+                // Expired (TTL 0), the stream ended, or unknown: the key may be gone; put it
+                // back under a new lease.
                 match put_under_new_lease(&mut client, &key, &value, ttl_s).await {
                     Ok(l) => lease = l,
                     Err(e) => tracing::warn!(%key, error = %e, "registering again failed"),
