@@ -11,8 +11,8 @@
 //! when over [`RegCacheConfig::max_entries`] or [`RegCacheConfig::max_bytes`]) skips it.
 //!
 //! The kinds of registration are [`Registrar`]s: [`CudaHostRegistrar`], [`UringRegistrar`]
-//! and (cargo feature `rdma`) [`RdmaRegistrar`]. Entries keep their [`HostMemory`] alive, so memory cannot be freed while
-//! registered.
+//! and (cargo feature `rdma`) `RdmaRegistrar`. Entries keep their [`HostMemory`] alive, so
+//! memory cannot be freed while registered.
 
 use crate::metrics::{REG_EVICTIONS, REG_LOOKUPS};
 use crate::{CoreError, ErrorCode, HostMemory, Result};
