@@ -889,13 +889,10 @@ impl QueuePair {
         remote: &RemoteRegion,
         remote_off: u64,
     ) -> Result<()> {
-        remote.at(remote_off, dst.len())?;
-        let rkey = remote.rkey;
-        let mut work = Vec::new();
-        for (i, piece) in dst.chunks(MAX_WORK_BYTES).enumerate() {
-            let addr = remote.addr + remote_off + (i * MAX_WORK_BYTES) as u64;
-            work.push((region.sge(piece)?, Op::Read { addr, rkey }));
-        }
+        let work = one_sided(region, dst, remote, remote_off, |addr, rkey| Op::Read {
+            addr,
+            rkey,
+        })?;
         self.run(&work, "RDMA read").map(|_| ())
     }
 
@@ -908,13 +905,10 @@ impl QueuePair {
         remote: &RemoteRegion,
         remote_off: u64,
     ) -> Result<()> {
-        remote.at(remote_off, src.len())?;
-        let rkey = remote.rkey;
-        let mut work = Vec::new();
-        for (i, piece) in src.chunks(MAX_WORK_BYTES).enumerate() {
-            let addr = remote.addr + remote_off + (i * MAX_WORK_BYTES) as u64;
-            work.push((region.sge(piece)?, Op::Write { addr, rkey }));
-        }
+        let work = one_sided(region, src, remote, remote_off, |addr, rkey| Op::Write {
+            addr,
+            rkey,
+        })?;
         self.run(&work, "RDMA write").map(|_| ())
     }
 
@@ -1126,6 +1120,26 @@ impl QueuePair {
             }
         }
     }
+}
+
+/// The work requests moving `bytes` (inside `region`) from or to the peer's `remote` region at
+/// `remote_off`: one per [`MAX_WORK_BYTES`], each made by `op` from its remote address and key.
+fn one_sided(
+    region: &HostRegion,
+    bytes: &[u8],
+    remote: &RemoteRegion,
+    remote_off: u64,
+    op: impl Fn(u64, u32) -> Op,
+) -> Result<Vec<(ibv_sge, Op)>> {
+    let start = remote.at(remote_off, bytes.len())?;
+    bytes
+        .chunks(MAX_WORK_BYTES)
+        .enumerate()
+        .map(|(i, piece)| {
+            let addr = start + (i * MAX_WORK_BYTES) as u64;
+            Ok((region.sge(piece)?, op(addr, remote.rkey)))
+        })
+        .collect()
 }
 
 /// The error of a completion that did not succeed.

@@ -44,18 +44,24 @@ fn pair_with(dev: &Arc<RdmaDevice>, t: Duration) -> (QueuePair, QueuePair) {
     (a, b)
 }
 
-#[test]
-fn one_sided_reads_writes_and_atomics() {
-    let Some(dev) = device() else { return };
-    let (a, _b) = pair(&dev);
-    let mut target = HostBuffer::alloc(1 << 20, &HostAllocOptions::default()).unwrap();
-    pattern::fill(&mut target, 0, 3);
+/// A buffer of `len` pattern bytes (`seed`) exposed to peers with every right.
+fn exposed_pattern(dev: &Arc<RdmaDevice>, len: usize, seed: u64) -> (HostBuffer, HostRegion) {
+    let mut target = HostBuffer::alloc(len, &HostAllocOptions::default()).unwrap();
+    pattern::fill(&mut target, 0, seed);
     let all = RdmaAccess {
         remote_read: true,
         remote_write: true,
         remote_atomic: true,
     };
-    let exposed = HostRegion::new(&dev, &target, 0..target.len(), all).unwrap();
+    let exposed = HostRegion::new(dev, &target, 0..len, all).unwrap();
+    (target, exposed)
+}
+
+#[test]
+fn one_sided_reads_writes_and_atomics() {
+    let Some(dev) = device() else { return };
+    let (a, _b) = pair(&dev);
+    let (mut target, exposed) = exposed_pattern(&dev, 1 << 20, 3);
     let remote = exposed.remote();
     let mut local = RdmaBuffer::new(&dev, 256 << 10).unwrap();
     // Read 100 KiB at an odd offset.
@@ -131,15 +137,8 @@ fn send_and_receive() {
 fn verbs_in_place_in_a_registered_range() {
     let Some(dev) = device() else { return };
     let (a, _b) = pair(&dev);
-    let mut target = HostBuffer::alloc(4 << 20, &HostAllocOptions::default()).unwrap();
-    pattern::fill(&mut target, 0, 5);
-    let all = RdmaAccess {
-        remote_read: true,
-        remote_write: true,
-        remote_atomic: true,
-    };
-    let remote = HostRegion::new(&dev, &target, 0..target.len(), all).unwrap();
-    let remote = remote.remote();
+    let (target, exposed) = exposed_pattern(&dev, 4 << 20, 5);
+    let remote = exposed.remote();
     // The caller's memory: only its middle is registered, for local use.
     let mut mine = HostBuffer::alloc(3 << 20, &HostAllocOptions::default()).unwrap();
     let region =
@@ -184,14 +183,7 @@ fn verbs_in_place_in_a_registered_range() {
 fn threads_share_a_queue_pair() {
     let Some(dev) = device() else { return };
     let (a, _b) = pair(&dev);
-    let mut target = HostBuffer::alloc(1 << 20, &HostAllocOptions::default()).unwrap();
-    pattern::fill(&mut target, 0, 8);
-    let all = RdmaAccess {
-        remote_read: true,
-        remote_write: true,
-        remote_atomic: true,
-    };
-    let exposed = HostRegion::new(&dev, &target, 0..target.len(), all).unwrap();
+    let (target, exposed) = exposed_pattern(&dev, 1 << 20, 8);
     let remote = exposed.remote();
     // Eight threads on one queue pair, each reading its own slice and counting on one word:
     // the completion thread hands every verb its own completions.
