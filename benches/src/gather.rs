@@ -185,19 +185,33 @@ pub fn run(
                 strategy,
                 dedup: false,
             };
-            let gather = |strategy| {
+            let report = |strategy| {
                 io.gather(&pool, rb, &idx, &dst, 0, &with(strategy))
-                    .map(|_| ())
                     .map_err(|e| BenchError::Gpuio(e.into()))
             };
-            // Auto explores both paths in its first calls: give it those before timing.
-            for _ in 0..4 {
+            let gather = |strategy| report(strategy).map(|_| ());
+            // Auto measures each path in its first calls and balances the hybrid's share over
+            // a few more: give it those before timing (a user's steady state is what counts).
+            for _ in 0..12 {
                 gather(GatherStrategy::Auto)?;
             }
+            // Which path Auto's timed calls took: [zero-copy, CPU-staged, hybrid].
+            let mut auto_paths = [0usize; 3];
             let (auto, naive) =
                 race(
                     budget,
-                    |_| gather(GatherStrategy::Auto),
+                    |_| {
+                        let r = report(GatherStrategy::Auto)?;
+                        let paths = [
+                            GatherStrategy::ZeroCopy,
+                            GatherStrategy::CpuStaged,
+                            GatherStrategy::Hybrid,
+                        ];
+                        if let Some(i) = paths.iter().position(|s| *s == r.strategy) {
+                            auto_paths[i] += 1;
+                        }
+                        Ok(())
+                    },
                     |_| {
                         Ok(stream.gather(
                             &pool,
@@ -237,14 +251,18 @@ pub fn run(
                 )?;
             check(&io, &pool, rb, &idx, &dst, &case)?;
             let g = |t: crate::Timing| gbps(out, t.median);
+            let plan = io.gather_plan(&pool, &gpu, rb);
             notes.push(format!(
-                "{case}: auto {:.1}, zero-copy {:.1} (kernel alone, device indices {:.1}), \
-                 CPU-staged {:.1}, hybrid {:.1}, naive kernel {:.1} GB/s",
+                "{case}: auto {:.1} (calls by zero-copy / CPU-staged / hybrid: {:?}), zero-copy \
+                 {:.1} (kernel alone, device indices {:.1}), CPU-staged {:.1}, hybrid {:.1} (GPU \
+                 share {:.2}), naive kernel {:.1} GB/s",
                 g(auto),
+                auto_paths,
                 g(zero),
                 g(tuned),
                 g(staged),
                 g(hybrid),
+                plan.map_or(0.0, |p| p.gpu_share),
                 g(naive)
             ));
             let mut r = record(

@@ -14,7 +14,7 @@
 //! [`GatherStrategy::Auto`] learns which is faster per (device, row size, pool size) class from
 //! the calls themselves: it tries both, keeps the faster, and re-checks the other now and then.
 
-use crate::pipeline::ChunkLen;
+use crate::pipeline::{ChunkLen, Schedule};
 use crate::{MemIo, MemIoError, Result, lock};
 use gpuio_hal::{
     DeviceBuffer, Gpu, HalError, HostAllocOptions, HostBuffer, RowIndices, RowKernel, Stream,
@@ -23,7 +23,7 @@ use rayon::prelude::*;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// How a gather moves its rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize)]
@@ -35,9 +35,10 @@ pub enum GatherStrategy {
     ZeroCopy,
     /// CPU threads gather into pinned staging; one DMA per staging buffer.
     CpuStaged,
-    /// Both at once on one call's rows: the GPU's threads take a share in proportion to the
-    /// two paths' measured rates, the CPU the rest. Where the device's address translation
-    /// limits zero-copy and the cores limit staging, neither limit is the link's.
+    /// Both at once on one call's rows: the GPU's threads take a share, the CPU the rest,
+    /// the share balanced from call to call so that both sides finish together. Where the
+    /// device's address translation limits zero-copy and the cores limit staging, each adds
+    /// to the other.
     Hybrid,
 }
 
@@ -62,6 +63,19 @@ pub struct GatherReport {
     pub rows_fetched: usize,
 }
 
+/// What [`GatherStrategy::Auto`] has learned about one shape of gather (device, row size and
+/// pool size class).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct GatherPlan {
+    /// The path `Auto` exploits now.
+    pub strategy: GatherStrategy,
+    /// The bytes/s estimated of zero-copy, CPU-staged and hybrid calls (the median of each
+    /// one's last three).
+    pub rates: [Option<f64>; 3],
+    /// The GPU's share of a hybrid call's rows.
+    pub gpu_share: f64,
+}
+
 /// Shape class of a gather, for the strategy choice: device, log2 row size, log2 pool size.
 type ShapeKey = (u32, u32, u32);
 
@@ -74,10 +88,41 @@ pub(crate) struct Planner {
 #[derive(Debug, Default)]
 struct Shape {
     calls: u64,
-    /// Latest bytes/s of [zero-copy, CPU-staged, hybrid].
-    rate: [Option<f64>; 3],
+    /// Recent bytes/s of [zero-copy, CPU-staged, hybrid].
+    rate: [Recent; 3],
     /// The path being exploited.
     current: usize,
+    /// The GPU's share of a hybrid call's rows, from the rates the two sides reached while
+    /// sharing the link in earlier hybrid calls.
+    gpu_share: Option<f64>,
+    /// Hybrid calls so far, and whether the last one left the share where it was.
+    hybrid_calls: u32,
+    share_settled: bool,
+}
+
+/// The last three rates measured of one path. Its estimate is their median, so that one
+/// slow call (a burst of page faults, a descheduled thread) does not move the choice.
+#[derive(Debug, Default, Clone, Copy)]
+struct Recent {
+    last: [f64; 3],
+    count: usize,
+}
+
+impl Recent {
+    fn push(&mut self, rate: f64) {
+        self.last[self.count % 3] = rate;
+        self.count += 1;
+    }
+
+    fn estimate(&self) -> Option<f64> {
+        let [a, b, c] = self.last;
+        match self.count {
+            0 => None,
+            1 => Some(a),
+            2 => Some((a + b) / 2.0),
+            _ => Some(a.max(b).min(a.min(b).max(c))),
+        }
+    }
 }
 
 /// How much faster another path must measure before the choice moves to it.
@@ -89,6 +134,16 @@ const STRATEGIES: [GatherStrategy; 3] = [
     GatherStrategy::Hybrid,
 ];
 
+/// The least share of a hybrid call's rows either side gets, so both rates stay measured.
+const MIN_SHARE: f64 = 0.02;
+
+/// A hybrid share is balanced once its two sides finish within this part of the call's
+/// time of each other.
+const SETTLED_IMBALANCE: f64 = 0.1;
+
+/// Most hybrid calls spent balancing the share before the paths are compared.
+const MAX_BALANCING_CALLS: u32 = 8;
+
 /// Re-measure the slower path once every this many calls of a shape.
 const RECHECK_EVERY: u64 = 32;
 
@@ -99,10 +154,14 @@ impl Planner {
         let mut shapes = lock(&self.shapes);
         let s = shapes.entry(key).or_default();
         s.calls += 1;
-        if let Some(i) = s.rate.iter().position(Option::is_none) {
+        if let Some(i) = s.rate.iter().position(|r| r.count == 0) {
             return STRATEGIES[i];
         }
-        let rate = |i: usize| s.rate[i].unwrap_or(0.0);
+        // A hybrid call with an unbalanced share understates the hybrid: balance it first.
+        if !s.share_settled && s.hybrid_calls < MAX_BALANCING_CALLS {
+            return GatherStrategy::Hybrid;
+        }
+        let rate = |i: usize| s.rate[i].estimate().unwrap_or(0.0);
         let mut best = (0..3)
             .max_by(|&a, &b| rate(a).total_cmp(&rate(b)))
             .unwrap_or(0);
@@ -120,11 +179,47 @@ impl Planner {
         }
     }
 
-    /// The share of rows a hybrid call gives the GPU: its part of the two paths' total rate.
+    fn plan(&self, key: ShapeKey) -> Option<GatherPlan> {
+        let gpu_share = self.gpu_share(key);
+        let shapes = lock(&self.shapes);
+        let s = shapes.get(&key)?;
+        Some(GatherPlan {
+            strategy: STRATEGIES[s.current],
+            rates: s.rate.map(|r| r.estimate()),
+            gpu_share,
+        })
+    }
+
+    /// The share of rows a hybrid call gives the GPU: what balanced the two sides in earlier
+    /// hybrid calls, or at first the GPU's part of the two paths' total rate alone.
     fn gpu_share(&self, key: ShapeKey) -> f64 {
-        match lock(&self.shapes).get(&key).map(|s| (s.rate[0], s.rate[1])) {
-            Some((Some(z), Some(c))) if z + c > 0.0 => z / (z + c),
+        let shapes = lock(&self.shapes);
+        let Some(s) = shapes.get(&key) else {
+            return 0.5;
+        };
+        match (s.gpu_share, s.rate[0].estimate(), s.rate[1].estimate()) {
+            (Some(share), _, _) => share,
+            (None, Some(z), Some(c)) if z + c > 0.0 => z / (z + c),
             _ => 0.5,
+        }
+    }
+
+    /// Moves the hybrid share most of the way to what would have had both sides of a hybrid
+    /// call with share `old` finish together, given the time each side took; not all the way, so one call's noise does not swing it. The share is
+    /// settled once the sides finish within [`SETTLED_IMBALANCE`] of each other.
+    fn balance(&self, key: ShapeKey, old: f64, gpu: Duration, cpu: Duration) {
+        let (g, c) = (gpu.as_secs_f64(), cpu.as_secs_f64());
+        if !(g > 0.0 && c > 0.0) {
+            return;
+        }
+        // Rates per unit share; their ratio is the balanced split.
+        let (gpu_rate, cpu_rate) = (old / g, (1.0 - old) / c);
+        let balanced = gpu_rate / (gpu_rate + cpu_rate);
+        if let Some(s) = lock(&self.shapes).get_mut(&key) {
+            let share = old + 0.75 * (balanced - old);
+            s.gpu_share = Some(share.clamp(MIN_SHARE, 1.0 - MIN_SHARE));
+            s.hybrid_calls += 1;
+            s.share_settled = (g - c).abs() / g.max(c) < SETTLED_IMBALANCE;
         }
     }
 
@@ -133,17 +228,27 @@ impl Planner {
             return;
         };
         if let Some(s) = lock(&self.shapes).get_mut(&key) {
-            s.rate[i] = Some(bytes as f64 / secs.max(1e-9));
+            s.rate[i].push(bytes as f64 / secs.max(1e-9));
         }
     }
 }
 
-/// Pinned host memory for an index list, which the kernels read over PCIe as they go.
-/// (Copying it to the device first, even in stream order with no wait between, measured
-/// slower for small rows on the H200: the copy runs before the kernel instead of alongside.)
+/// Pinned host memory for an index list, written piece by piece while the kernels read it
+/// over PCIe. (Copying it to the device first, even in stream order with no wait between,
+/// measured slower for small rows on the H200: the copy runs before the kernel instead of
+/// alongside.)
 pub(crate) struct IndexStage {
     host: HostBuffer,
+    /// Device memory of the same size, for lists copied to the device piece by piece
+    /// (allocated on first use).
+    device: Option<DeviceBuffer>,
 }
+
+/// From this row size on, each piece of an index list is copied to the device before its
+/// rows move (the copy is under 1% of the rows' bytes, and the kernel's index loads stop
+/// waiting on PCIe round trips); below it the kernel reads the list from pinned memory as
+/// it goes, because the copy would be 3–12% of the bytes, in series with the kernel.
+const DEVICE_INDICES_FROM: usize = 1024;
 
 /// A range of output rows, as one staged chunk.
 struct RowChunk {
@@ -224,8 +329,7 @@ impl MemIo {
                 self.gather_zero_copy(pool, row_bytes, indices, dst, dst_offset)?
             }
             GatherStrategy::Hybrid => {
-                let share = self.planner.gpu_share(key);
-                self.gather_hybrid(pool, row_bytes, indices, dst, dst_offset, share)?
+                self.gather_hybrid(pool, row_bytes, indices, dst, dst_offset, key)?
             }
             _ => self.gather_staged(pool, row_bytes, indices, dst, dst_offset)?,
         }
@@ -255,11 +359,22 @@ impl MemIo {
         }
         let gpu = src.gpu().clone();
         self.device(&gpu)?;
-        self.with_indices(&gpu, indices, |stream, idx| {
+        self.with_indices(&gpu, indices, row_bytes, |stream, idx| {
             Ok(stream.scatter(src, src_offset, row_bytes, idx, indices.len(), pool)?)
         })?;
         self.count_d2h(indices.len().saturating_mul(row_bytes));
         Ok(())
+    }
+
+    /// What `Auto` has learned so far about gathers of `row_bytes` rows from `pool` into
+    /// `gpu` (None before the first such call).
+    pub fn gather_plan(
+        &self,
+        pool: &HostBuffer,
+        gpu: &Gpu,
+        row_bytes: usize,
+    ) -> Option<GatherPlan> {
+        self.planner.plan(self.shape(pool, gpu, row_bytes))
     }
 
     fn shape(&self, pool: &HostBuffer, gpu: &Gpu, row_bytes: usize) -> ShapeKey {
@@ -289,6 +404,7 @@ impl MemIo {
         &self,
         gpu: &Gpu,
         indices: &[u64],
+        row_bytes: usize,
         f: impl FnOnce(&Stream, RowIndices<'_>) -> Result<T>,
     ) -> Result<T> {
         let dev = self.device(gpu)?;
@@ -308,29 +424,34 @@ impl MemIo {
                 };
                 IndexStage {
                     host: HostBuffer::alloc_pinned(cap, &opts, gpu)?,
+                    device: None,
                 }
             }
         };
-        let staged = &mut stage.host[..bytes];
-        let encode = |(out, ix): (&mut [u8], &[u64])| {
-            for (o, i) in out.chunks_exact_mut(8).zip(ix) {
+        if row_bytes >= DEVICE_INDICES_FROM && stage.device.is_none() {
+            stage.device = Some(gpu.alloc(stage.host.len())?);
+        }
+        // Written piece by piece on this thread while the kernels move the pieces before:
+        // the device starts after the first 4 Ki indices, and no pool threads are woken
+        // (waking them cost ~0.3 ms, more than the writing).
+        let mut encode = |range: Range<usize>, out: &mut [u8]| {
+            for (o, i) in out.chunks_exact_mut(8).zip(&indices[range]) {
                 o.copy_from_slice(&i.to_le_bytes());
             }
         };
-        // Up to 64 Ki indices are encoded on this core: splitting them over the pool measured
-        // 2% slower for 4 KiB rows from a 256 MiB pool (waking the pool costs more).
-        const PER_TASK: usize = 64 << 10;
-        if indices.len() > PER_TASK {
-            self.pool.install(|| {
-                staged
-                    .par_chunks_mut(PER_TASK * 8)
-                    .zip(indices.par_chunks(PER_TASK))
-                    .for_each(encode)
-            });
-        } else {
-            encode((staged, indices));
-        }
-        let out = self.with_stream(gpu, |s| f(s, RowIndices::Pinned(&stage.host)));
+        let out = self.with_stream(gpu, |s| {
+            f(
+                s,
+                RowIndices::Streamed {
+                    stage: &mut stage.host,
+                    encode: &mut encode,
+                    device: stage
+                        .device
+                        .as_ref()
+                        .filter(|_| row_bytes >= DEVICE_INDICES_FROM),
+                },
+            )
+        });
         lock(&dev.index_stages).push(stage);
         out
     }
@@ -343,14 +464,14 @@ impl MemIo {
         dst: &DeviceBuffer,
         dst_offset: usize,
     ) -> Result<()> {
-        self.with_indices(dst.gpu(), indices, |s, idx| {
+        self.with_indices(dst.gpu(), indices, row_bytes, |s, idx| {
             let n = indices.len();
             Ok(s.gather(pool, row_bytes, idx, n, dst, dst_offset, RowKernel::Tuned)?)
         })
     }
 
-    /// The first `share` of the rows by GPU threads, the rest by the CPU while the kernel
-    /// runs.
+    /// The GPU's share of the rows (first) by its threads, the rest by the CPU while the
+    /// kernel runs; the share follows the rates both sides reach together.
     fn gather_hybrid(
         &self,
         pool: &HostBuffer,
@@ -358,17 +479,31 @@ impl MemIo {
         indices: &[u64],
         dst: &DeviceBuffer,
         dst_offset: usize,
-        share: f64,
+        key: ShapeKey,
     ) -> Result<()> {
+        let share = self.planner.gpu_share(key);
         let split = ((indices.len() as f64 * share).round() as usize).min(indices.len());
         let (gpu_rows, cpu_rows) = indices.split_at(split);
         let cpu_offset = dst_offset + split * row_bytes;
-        let cpu_done = self.with_indices(dst.gpu(), gpu_rows, |s, idx| {
-            Ok(
-                s.gather_while(pool, row_bytes, idx, split, dst, dst_offset, || {
-                    self.gather_staged(pool, row_bytes, cpu_rows, dst, cpu_offset)
-                })?,
-            )
+        // The CPU's share starts first, on the gather threads, so that waking them (~0.3 ms
+        // when they have gone to sleep between calls) overlaps the GPU side's start; this
+        // thread writes the GPU's indices, launches its kernels and waits for them.
+        let mut cpu = None;
+        let gpu = self.gather_pool()?.in_place_scope(|scope| {
+            scope.spawn(|_| {
+                let t = Instant::now();
+                let done = self.gather_staged(pool, row_bytes, cpu_rows, dst, cpu_offset);
+                cpu = Some((done, t.elapsed()));
+            });
+            self.with_indices(dst.gpu(), gpu_rows, row_bytes, |s, idx| {
+                let ((), took) =
+                    s.gather_while(pool, row_bytes, idx, split, dst, dst_offset, || ())?;
+                Ok(took)
+            })
+        });
+        let gpu_time = gpu?;
+        let (cpu_done, cpu_time) = cpu.ok_or_else(|| {
+            MemIoError::Internal("the CPU share of a hybrid gather did not run".into())
         })?;
         // The CPU's positions count from the split.
         cpu_done.map_err(|e| match e {
@@ -376,7 +511,12 @@ impl MemIo {
                 bad_index(position as usize + split, rows as usize)
             }
             other => other,
-        })
+        })?;
+        if !gpu_rows.is_empty() && !cpu_rows.is_empty() {
+            let used = gpu_rows.len() as f64 / indices.len() as f64;
+            self.planner.balance(key, used, gpu_time, cpu_time);
+        }
+        Ok(())
     }
 
     fn gather_staged(
@@ -390,28 +530,32 @@ impl MemIo {
         let rows = pool.len() / row_bytes;
         let total = indices.len() * row_bytes;
         let threads = self.gather_threads();
-        // Several chunks per lane, so each lane's gathers overlap its earlier chunks' DMA;
-        // chunks of at least 256 KiB keep the copy engine efficient.
         let max = self.config.chunk_size;
-        let chunk = (total / (threads * 4)).clamp((256 << 10).min(max), max);
-        let chunk_rows = (chunk / row_bytes).max(1);
-        let chunks = indices.len().div_ceil(chunk_rows);
-        let lanes_wanted = chunks.min(threads);
-        let lanes = &self.device(dst.gpu())?.lanes;
-        if chunk_rows * row_bytes > self.config.chunk_size {
+        if row_bytes > max {
             // A row larger than a staging buffer: copy it on its own.
             return self.gather_rows_one_by_one(pool, row_bytes, indices, dst, dst_offset);
         }
+        // In rows: one small chunk per lane at each end — the first DMAs start soon, and the
+        // DMA still queued when every lane has gathered its last chunk is short — and between
+        // them several chunks per lane, so each lane's gathers overlap its earlier chunks'
+        // DMA, of at least 1 MiB to keep the copy engine efficient.
+        let small = (256 << 10).min(max);
+        let large = (total / (threads * 4)).clamp((1 << 20).min(max), max);
+        let schedule = Schedule {
+            small: (small / row_bytes).max(1),
+            large: (large / row_bytes).max(1),
+            ramp: threads,
+        };
+        let lanes_wanted = schedule.count(indices.len()).min(threads);
+        let lanes = &self.device(dst.gpu())?.lanes;
         let mut taken = lanes.take(lanes_wanted)?;
-        let next_chunk = Mutex::new(0..chunks);
+        let chunks = Mutex::new(schedule.ranges(indices.len()));
         let data = pool.as_slice();
         let res = self.run_lanes_on(self.gather_pool()?, &mut taken, |lane, abort| {
             let next = || {
-                let c = lock(&next_chunk).next()?;
-                let first = c * chunk_rows;
-                let range = first..(first + chunk_rows).min(indices.len());
+                let range = lock(&chunks).next()?;
                 Some((
-                    first * row_bytes,
+                    range.start * row_bytes,
                     RowChunk {
                         rows: range,
                         row_bytes,
@@ -472,7 +616,7 @@ impl MemIo {
             dedup: false,
         };
         let report = self.gather(pool, row_bytes, &unique, &scratch, 0, &inner)?;
-        self.with_indices(&gpu, &inverse, |s, idx| {
+        self.with_indices(&gpu, &inverse, row_bytes, |s, idx| {
             Ok(s.gather_device(&scratch, row_bytes, idx, indices.len(), dst, dst_offset)?)
         })?;
         Ok(GatherReport {
@@ -507,4 +651,82 @@ fn gather_into(
         out.copy_from_slice(&pool[r * rb..(r + 1) * rb]);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KEY: ShapeKey = (0, 7, 32);
+
+    /// One `Auto` call: choose, then report what the chosen path reached; a hybrid call
+    /// also reports how long each side took at the rates (rows' bytes/s) of `sides`.
+    fn call(p: &Planner, rates: [f64; 3], sides: (f64, f64)) -> GatherStrategy {
+        let s = p.choose(KEY);
+        if s == GatherStrategy::Hybrid {
+            let share = p.gpu_share(KEY);
+            let secs = |part: f64, rate: f64| Duration::from_secs_f64(part / rate);
+            p.balance(KEY, share, secs(share, sides.0), secs(1.0 - share, sides.1));
+        }
+        let i = STRATEGIES.iter().position(|x| *x == s).unwrap();
+        p.record(KEY, s, 1000, 1000.0 / rates[i]);
+        s
+    }
+
+    #[test]
+    fn the_median_of_three_ignores_one_outlier() {
+        let mut r = Recent::default();
+        assert_eq!(r.estimate(), None);
+        r.push(30.0);
+        assert_eq!(r.estimate(), Some(30.0));
+        r.push(10.0);
+        assert_eq!(r.estimate(), Some(20.0));
+        r.push(31.0);
+        assert_eq!(r.estimate(), Some(30.0));
+        r.push(29.0);
+        assert_eq!(r.estimate(), Some(29.0));
+    }
+
+    #[test]
+    fn auto_explores_balances_the_hybrid_then_keeps_the_fastest() {
+        let p = Planner::default();
+        let rates = [4.0, 23.0, 31.0];
+        // Each path once, then hybrid calls until the share stops moving.
+        assert_eq!(call(&p, rates, (0.0, 0.0)), GatherStrategy::ZeroCopy);
+        assert_eq!(call(&p, rates, (0.0, 0.0)), GatherStrategy::CpuStaged);
+        let first = p.gpu_share(KEY);
+        assert!((first - 4.0 / 27.0).abs() < 1e-9, "{first}");
+        for _ in 0..6 {
+            assert_eq!(call(&p, rates, (3.0, 28.0)), GatherStrategy::Hybrid);
+        }
+        let share = p.gpu_share(KEY);
+        assert!((share - 3.0 / 31.0).abs() < 0.01, "{share}");
+        // Hybrid is the fastest: exploited, with a slower path re-measured now and then.
+        let used: Vec<_> = (0..64).map(|_| call(&p, rates, (3.0, 28.0))).collect();
+        let hybrid = used
+            .iter()
+            .filter(|s| **s == GatherStrategy::Hybrid)
+            .count();
+        assert!(hybrid >= 60, "{used:?}");
+        // One slow hybrid call does not hand the choice to the CPU path.
+        let slow = [4.0, 23.0, 15.0];
+        call(&p, slow, (1.0, 10.0));
+        assert_eq!(call(&p, rates, (3.0, 28.0)), GatherStrategy::Hybrid);
+        assert_eq!(p.plan(KEY).unwrap().strategy, GatherStrategy::Hybrid);
+    }
+
+    #[test]
+    fn a_slower_hybrid_is_balanced_a_few_calls_then_left() {
+        let p = Planner::default();
+        let rates = [49.0, 33.0, 47.0];
+        call(&p, rates, (0.0, 0.0));
+        call(&p, rates, (0.0, 0.0));
+        // The sides' rates swing between calls, so the share never settles.
+        let hybrid = (0..40)
+            .map(|i| call(&p, rates, (40.0, if i % 2 == 0 { 2.0 } else { 20.0 })))
+            .filter(|s| *s == GatherStrategy::Hybrid)
+            .count();
+        assert!(hybrid <= MAX_BALANCING_CALLS as usize + 1, "{hybrid}");
+        assert_eq!(p.plan(KEY).unwrap().strategy, GatherStrategy::ZeroCopy);
+    }
 }

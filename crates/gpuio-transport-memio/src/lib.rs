@@ -21,7 +21,7 @@ mod gather;
 mod pipeline;
 mod placement;
 
-pub use gather::{GatherOptions, GatherReport, GatherStrategy};
+pub use gather::{GatherOptions, GatherPlan, GatherReport, GatherStrategy};
 pub use placement::HostPlacement;
 
 use gpuio_hal::{

@@ -7,6 +7,7 @@
 use crate::{MemIoError, Result, lock};
 use gpuio_hal::{DeviceBuffer, Gpu, HostAllocOptions, HostBuffer, Inflight, Stream};
 use std::collections::VecDeque;
+use std::ops::Range;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -124,6 +125,16 @@ impl Schedule {
             n += 1;
         }
         n
+    }
+
+    /// The chunks of a transfer of `len` units (bytes, or rows of a gather), in order.
+    pub(crate) fn ranges(self, len: usize) -> impl Iterator<Item = Range<usize>> {
+        let mut at = 0;
+        std::iter::from_fn(move || {
+            let start = at;
+            at += (at < len).then(|| self.size_at(start, len))?;
+            Some(start..at)
+        })
     }
 
     /// The chunks of `data`, each with its offset.
@@ -327,6 +338,8 @@ mod tests {
             vec![(0, 4), (4, 4), (8, 10), (18, 10), (28, 9), (37, 4), (41, 4)]
         );
         assert_eq!(s.count(45), 7);
+        let ranges: Vec<(usize, usize)> = s.ranges(45).map(|r| (r.start, r.len())).collect();
+        assert_eq!(ranges, pieces);
         // Short transfers are all small chunks.
         let short: Vec<usize> = s.pieces(&data[..10]).map(|(_, p)| p.len()).collect();
         assert_eq!(short, vec![4, 4, 2]);

@@ -216,6 +216,65 @@ fn bad_indices_and_sizes_are_typed_errors() {
 }
 
 #[test]
+fn long_index_lists_stream_in_pieces_and_report_positions_across_them() {
+    // 30 000 indices are written and moved in pieces: of 4 Ki, 8 Ki, 16 Ki and the rest for
+    // 24-byte rows (read by the kernels from pinned memory), of 4 Ki and the rest for 1 KiB
+    // rows (each piece copied to the device first).
+    let io = engine();
+    let gpu = io.gpu(0).unwrap().clone();
+    let n = 30_000;
+    for rb in [24, 1024] {
+        let rows = (2 << 20) / rb;
+        let p = pool(&io, rows * rb, seed(), true);
+        let mut idx = random_indices(n, rows, seed());
+        let dst = gpu.alloc(n * rb).unwrap();
+        let opts = GatherOptions {
+            strategy: GatherStrategy::ZeroCopy,
+            dedup: false,
+        };
+        io.gather(&p, rb, &idx, &dst, 0, &opts).unwrap();
+        assert!(
+            download(&io, &dst, 0, n * rb) == reference(&p, rb, &idx),
+            "{rb}"
+        );
+        // Out-of-range indices in two later pieces: the first is reported.
+        idx[29_000] = rows as u64 + 5;
+        idx[20_000] = u64::MAX;
+        for strategy in [GatherStrategy::ZeroCopy, GatherStrategy::Hybrid] {
+            let opts = GatherOptions {
+                strategy,
+                dedup: false,
+            };
+            match io.gather(&p, rb, &idx, &dst, 0, &opts) {
+                Err(MemIoError::Hal(HalError::IndexOutOfRange { position, .. })) => {
+                    if strategy == GatherStrategy::ZeroCopy {
+                        assert_eq!(position, 20_000, "{rb}");
+                    } else {
+                        // The hybrid's CPU share may find the later one first.
+                        assert!([20_000, 29_000].contains(&position), "{rb}: {position}");
+                    }
+                }
+                other => panic!("{rb} {strategy:?}: {other:?}"),
+            }
+        }
+        // Scatters stream their indices the same way (distinct rows here).
+        let idx: Vec<u64> = (0..n as u64).map(|i| (i * 5) % rows as u64).collect();
+        let idx = &idx[..n.min(rows)];
+        let mut target = pool(&io, rows * rb, seed(), true);
+        io.gather(&p, rb, idx, &dst, 0, &opts).unwrap();
+        io.scatter(&dst, 0, rb, idx, &mut target).unwrap();
+        for &r in idx.iter().step_by(97) {
+            let r = r as usize;
+            assert_eq!(
+                &target[r * rb..(r + 1) * rb],
+                &p[r * rb..(r + 1) * rb],
+                "{rb}"
+            );
+        }
+    }
+}
+
+#[test]
 fn scatter_puts_rows_back_where_gather_found_them() {
     let io = engine();
     let gpu = io.gpu(0).unwrap().clone();

@@ -95,6 +95,16 @@ impl DevRange<'_> {
         self.mem.addr() + self.offset as u64
     }
 
+    /// `len` bytes of this range from `offset`, checked.
+    pub(crate) fn part(&self, offset: usize, len: usize) -> Result<Self> {
+        crate::check_range("device range part", offset, len, self.len)?;
+        Ok(Self {
+            mem: self.mem,
+            offset: self.offset + offset,
+            len,
+        })
+    }
+
     /// Whether both ranges lie in the same allocation.
     pub(crate) fn same_allocation(&self, other: &DevRange<'_>) -> bool {
         std::ptr::addr_eq(
@@ -142,12 +152,33 @@ pub(crate) struct RowJob<'a> {
     pub(crate) row_bytes: usize,
     pub(crate) count: usize,
     pub(crate) idx: RowMem<'a>,
-    /// Copy these pinned host bytes into `idx` (device memory) first, in stream order.
+    /// Copy these pinned host bytes into `idx` (device memory), each piece's part just
+    /// before the piece, in stream order.
     pub(crate) idx_upload: Option<*const u8>,
     pub(crate) rows: DevRange<'a>,
     pub(crate) scatter: bool,
     /// The naive baseline kernel (gathers only).
     pub(crate) naive: bool,
+    /// Consecutive ranges of the `count` rows, moved one after another (one launch each);
+    /// at most `rows::MAX_PIECES`.
+    pub(crate) pieces: &'a [std::ops::Range<usize>],
+}
+
+/// What runs on the calling thread around a row job.
+pub(crate) struct RowHooks<'s, 'd> {
+    /// Called with piece `k` before the device reads that piece's indices: writes them.
+    pub(crate) stage: Option<&'s mut dyn FnMut(usize)>,
+    /// Runs while the device works.
+    pub(crate) during: Option<&'d mut dyn FnMut()>,
+}
+
+/// What a row job reports.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct RowsDone {
+    /// The position of the first index outside the pool (those rows were skipped).
+    pub(crate) bad_index: Option<u64>,
+    /// How long the device worked on the job, measured when work was overlapped with it.
+    pub(crate) device_time: Option<std::time::Duration>,
 }
 
 /// A checked launch of one of `kernels/ring_bench.cu`'s kernels.
@@ -226,15 +257,14 @@ pub(crate) trait StreamBackend: Send + Sync {
     /// Compares two device ranges of equal length; returns the first differing offset. Blocks.
     fn find_mismatch(&self, a: DevRange<'_>, b: DevRange<'_>) -> Result<Option<u64>>;
 
-    /// Runs a row gather or scatter (see [`RowJob`]), calls `during` while the device works,
-    /// and waits for it; returns the position of the first index that is out of the pool's
-    /// range (those rows are skipped).
+    /// Runs a row gather or scatter (see [`RowJob`]) piece by piece, calling `hooks.stage`
+    /// before each piece and `hooks.during` while the device works, and waits for it.
     ///
     /// # Safety
     /// A host pool's pointer must be valid for its length until the call returns (writable,
     /// and touched by nothing else, for a scatter), and registered with this device so that
     /// `addr` reaches it; the same for a host index list (read only).
-    unsafe fn rows(&self, job: RowJob<'_>, during: &mut dyn FnMut()) -> Result<Option<u64>>;
+    unsafe fn rows(&self, job: RowJob<'_>, hooks: RowHooks<'_, '_>) -> Result<RowsDone>;
 
     /// Runs a kernel that issues IO through a request ring (or reports the ring layout) and
     /// waits for it.

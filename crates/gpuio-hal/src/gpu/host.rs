@@ -5,7 +5,7 @@
 use super::GdsMode;
 use super::backend::{
     BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend, HostPin,
-    RingLaunch, RowJob, RowMem, StreamBackend,
+    RingLaunch, RowHooks, RowJob, RowMem, RowsDone, StreamBackend,
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
 use crate::error::{HalError, Result};
@@ -240,11 +240,21 @@ impl StreamBackend for HostStream {
         Ok(pattern::first_mismatch(x, y).map(|i| i as u64))
     }
 
-    unsafe fn rows<'a>(&self, job: RowJob<'a>, during: &mut dyn FnMut()) -> Result<Option<u64>> {
+    unsafe fn rows<'a>(&self, job: RowJob<'a>, hooks: RowHooks<'_, '_>) -> Result<RowsDone> {
+        // Every piece's indices are written before the rows move: this thread does both.
+        if let Some(stage) = hooks.stage {
+            (0..job.pieces.len()).for_each(stage);
+        }
+        let t = Instant::now();
         // SAFETY: forwarded from the caller's contract.
         let bad = unsafe { self.rows_now(job) };
-        during();
-        bad
+        let device_time = t.elapsed();
+        // The host backend's "device" is this thread: the overlapped work runs after it.
+        let timed = hooks.during.map(|f| f()).map(|()| device_time);
+        Ok(RowsDone {
+            bad_index: bad?,
+            device_time: timed,
+        })
     }
 
     unsafe fn ring_kernel(&self, _launch: RingLaunch<'_>) -> Result<()> {

@@ -2,13 +2,14 @@
 //! (or a device pool) picked by an index list, moved to or from a dense device buffer by the
 //! `kernels/gather.cu` kernels. The checks live here, once, for every backend.
 
-use super::backend::{RowJob, RowMem};
+use super::backend::{RowHooks, RowJob, RowMem};
 use super::{DeviceBuffer, Stream};
 use crate::error::{HalError, Result};
 use crate::memory::HostBuffer;
+use std::ops::Range;
+use std::time::Duration;
 
 /// Where a row job's index list (little-endian u64s) lives.
-#[derive(Debug, Clone, Copy)]
 pub enum RowIndices<'a> {
     /// In device memory of the stream's device.
     Device(&'a DeviceBuffer),
@@ -22,6 +23,74 @@ pub enum RowIndices<'a> {
         /// Where they are copied to (at least `count * 8` bytes of this device).
         device: &'a DeviceBuffer,
     },
+    /// Written into pinned host memory while the device works, piece after piece (the first
+    /// of 4 Ki indices, the next ones longer): the rows of a piece are moved as soon as its
+    /// indices are written, so the device starts after microseconds instead of after the
+    /// whole list, and writing the rest overlaps it.
+    Streamed {
+        /// Pinned memory for the indices (at least `count * 8` bytes).
+        stage: &'a mut HostBuffer,
+        /// Writes indices `range` (8 little-endian bytes each) into the bytes given.
+        encode: &'a mut dyn FnMut(Range<usize>, &mut [u8]),
+        /// Where each piece's indices are copied (DMA, in stream order) before its rows are
+        /// moved, so the kernel's index loads stay on the device; `None`: the kernel reads
+        /// them from `stage` over PCIe.
+        device: Option<&'a DeviceBuffer>,
+    },
+}
+
+impl std::fmt::Debug for RowIndices<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Device(b) => f.debug_tuple("Device").field(b).finish(),
+            Self::Pinned(h) => f.debug_tuple("Pinned").field(h).finish(),
+            Self::Staged { host, device } => f
+                .debug_struct("Staged")
+                .field("host", host)
+                .field("device", device)
+                .finish(),
+            Self::Streamed { stage, device, .. } => f
+                .debug_struct("Streamed")
+                .field("stage", stage)
+                .field("device", device)
+                .finish(),
+        }
+    }
+}
+
+/// A streamed index list cut into its pieces' bytes (each taken when written), and its
+/// encoder.
+type StreamedParts<'a> = (
+    Vec<Option<&'a mut [u8]>>,
+    &'a mut dyn FnMut(Range<usize>, &mut [u8]),
+);
+
+/// The first streamed piece's length in indices: a few microseconds of one core's writing.
+const FIRST_PIECE: usize = 4 << 10;
+
+/// Most pieces of one call (the last takes whatever is left).
+pub(crate) const MAX_PIECES: usize = 16;
+
+/// How `count` indices of rows of `row_bytes` are cut into the pieces that are written and
+/// moved one after another. Each piece is as long as the CPU can write while the device
+/// moves the one before (writing an index takes ~1 ns, moving a row ~row_bytes / 40 GB/s):
+/// twice the one before for 64-byte rows, up to 64 times for 2 KiB and more. Few pieces
+/// matter: each launch boundary drains the loads in flight.
+fn index_pieces(count: usize, row_bytes: usize) -> Vec<Range<usize>> {
+    let growth = (row_bytes / 32).clamp(2, 64);
+    let mut pieces = Vec::new();
+    let (mut at, mut len) = (0, FIRST_PIECE);
+    while at < count {
+        let end = if pieces.len() + 1 == MAX_PIECES {
+            count
+        } else {
+            count.min(at + len)
+        };
+        pieces.push(at..end);
+        at = end;
+        len = len.saturating_mul(growth);
+    }
+    pieces
 }
 
 impl<'a> From<&'a DeviceBuffer> for RowIndices<'a> {
@@ -66,23 +135,16 @@ impl Stream {
         // SAFETY: the pool is borrowed (so mapped and registered) until this call returns.
         unsafe {
             self.run_rows(
-                pool,
-                row_bytes,
-                indices,
-                count,
-                dst,
-                dst_offset,
-                false,
-                kernel,
-                &mut || {},
+                pool, row_bytes, indices, count, dst, dst_offset, false, kernel, None,
             )
         }
+        .map(drop)
     }
 
     /// Like [`gather`](Self::gather) with the tuned kernel, running `during` on this thread
     /// while the device gathers (other work overlapped with the kernel: the CPU's share of a
     /// hybrid gather). `during` runs once if the gather starts; its result comes back with
-    /// the gather's.
+    /// the gather's, and with how long the device took (its rate while sharing the link).
     #[allow(clippy::too_many_arguments)]
     pub fn gather_while<R>(
         &self,
@@ -93,13 +155,13 @@ impl Stream {
         dst: &DeviceBuffer,
         dst_offset: usize,
         during: impl FnOnce() -> R,
-    ) -> Result<R> {
+    ) -> Result<(R, Duration)> {
         let pool = self.host_pool(pool)?;
         let mut during = Some(during);
         let mut out = None;
         let mut run = || out = during.take().map(|f| f());
         // SAFETY: the pool is borrowed (so mapped and registered) until this call returns.
-        unsafe {
+        let device_time = unsafe {
             self.run_rows(
                 pool,
                 row_bytes,
@@ -109,10 +171,12 @@ impl Stream {
                 dst_offset,
                 false,
                 RowKernel::Tuned,
-                &mut run,
+                Some(&mut run),
             )?
         };
-        out.ok_or_else(|| HalError::InvalidArgument("the overlapped work did not run".into()))
+        let out =
+            out.ok_or_else(|| HalError::InvalidArgument("the overlapped work did not run".into()))?;
+        Ok((out, device_time.unwrap_or_default()))
     }
 
     /// Like [`gather`](Self::gather), from a pool in device memory of this device (the second
@@ -144,9 +208,10 @@ impl Stream {
                 dst_offset,
                 false,
                 RowKernel::Tuned,
-                &mut || {},
+                None,
             )
         }
+        .map(drop)
     }
 
     /// Scatters `count` rows of `row_bytes` from `src` at `src_offset` into the pinned host
@@ -174,9 +239,10 @@ impl Stream {
                 src_offset,
                 true,
                 RowKernel::Tuned,
-                &mut || {},
+                None,
             )
         }
+        .map(drop)
     }
 
     fn host_pool(&self, pool: &HostBuffer) -> Result<RowMem<'static>> {
@@ -210,8 +276,8 @@ impl Stream {
         rows_offset: usize,
         scatter: bool,
         kernel: RowKernel,
-        during: &mut dyn FnMut(),
-    ) -> Result<()> {
+        during: Option<&mut dyn FnMut()>,
+    ) -> Result<Option<Duration>> {
         if row_bytes == 0 {
             return Err(HalError::InvalidArgument(
                 "row size must be at least 1 byte".into(),
@@ -227,6 +293,12 @@ impl Stream {
         let idx_len = count.checked_mul(8).ok_or_else(overflow)?;
         let rows_len = count.checked_mul(row_bytes).ok_or_else(overflow)?;
         let mut idx_upload = None;
+        // A streamed list's pieces, each written just before its rows are moved.
+        let mut streamed: Option<StreamedParts<'_>> = None;
+        let pieces = match &indices {
+            RowIndices::Streamed { .. } => index_pieces(count, row_bytes),
+            _ => std::iter::once(0..count).collect(),
+        };
         let idx = match indices {
             RowIndices::Device(b) => {
                 self.gpu.check_owns("row indices", b)?;
@@ -257,12 +329,50 @@ impl Stream {
                 idx_upload = Some(host.base_ptr() as *const u8);
                 RowMem::Device(device.range("row indices", 0, idx_len)?)
             }
+            RowIndices::Streamed {
+                stage,
+                encode,
+                device,
+            } => {
+                crate::check_range("row indices", 0, idx_len, stage.len())?;
+                let mut mem = self.host_pool(stage)?;
+                if let Some(device) = device {
+                    self.gpu.check_owns("row indices", device)?;
+                    if device.same_buffer(rows) {
+                        return Err(HalError::InvalidArgument(
+                            "row indices and rows must be different buffers".into(),
+                        ));
+                    }
+                    idx_upload = Some(stage.base_ptr() as *const u8);
+                    mem = RowMem::Device(device.range("row indices", 0, idx_len)?);
+                }
+                // Disjoint pieces: the CPU writes one while the device reads those before.
+                let mut rest = &mut stage.as_mut_slice()[..idx_len];
+                let mut parts = Vec::with_capacity(pieces.len());
+                for p in &pieces {
+                    let (part, tail) = std::mem::take(&mut rest).split_at_mut(p.len() * 8);
+                    parts.push(Some(part));
+                    rest = tail;
+                }
+                streamed = Some((parts, encode));
+                mem
+            }
         };
         let dense = rows.range("rows", rows_offset, rows_len)?;
         if count == 0 {
-            during();
-            return Ok(());
+            return Ok(during.map(|f| {
+                f();
+                Duration::ZERO
+            }));
         }
+        let streaming = streamed.is_some();
+        let mut stage = |k: usize| {
+            if let Some((parts, encode)) = streamed.as_mut()
+                && let Some(part) = parts.get_mut(k).and_then(Option::take)
+            {
+                encode(pieces[k].clone(), part);
+            }
+        };
         if pool.len() < row_bytes {
             return Err(HalError::InvalidArgument(format!(
                 "the pool ({} B) holds no row of {row_bytes} B",
@@ -278,11 +388,18 @@ impl Stream {
             rows: dense,
             scatter,
             naive: kernel == RowKernel::Naive,
+            pieces: &pieces,
+        };
+        let hooks = RowHooks {
+            stage: streaming.then_some(&mut stage as &mut dyn FnMut(usize)),
+            during,
         };
         // SAFETY: every range was checked against its live, borrowed allocation; the host
-        // pool's contract is the caller's.
-        match unsafe { self.inner.rows(job, during)? } {
-            None => Ok(()),
+        // pool's contract is the caller's. A streamed list's pieces are written only through
+        // `stage`, each before the device reads it.
+        let done = unsafe { self.inner.rows(job, hooks)? };
+        match done.bad_index {
+            None => Ok(done.device_time),
             Some(position) => Err(HalError::IndexOutOfRange {
                 position,
                 rows: (pool.len() / row_bytes) as u64,

@@ -15,7 +15,7 @@ pub use nvrtc::compile_ptx;
 use super::GdsMode;
 use super::backend::{
     BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend, HostPin,
-    RingLaunch, RowJob, RowMem, StreamBackend,
+    RingLaunch, RowHooks, RowJob, RowMem, RowsDone, StreamBackend,
 };
 use super::info::{Backend, DeviceInfo, PcieLink, cxl_capability, pci_numa_node};
 use crate::error::{ErrorCode, HalError, Result};
@@ -26,6 +26,7 @@ use cudarc::driver::{
 use std::any::Any;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
 
 /// Converts a driver error into the HAL's error, naming the operation.
 pub(crate) fn cuda_err(op: &'static str) -> impl FnOnce(DriverError) -> HalError {
@@ -464,17 +465,28 @@ struct CudaStreamBackend {
     /// Idle events, reused: creating and destroying one per copy doubled the driver calls of
     /// the staging pipeline, whose lanes contend for the driver's context lock.
     events: Arc<EventPool>,
-    /// 8 bytes of device memory for a row kernel's error report, allocated on first use
+    /// Device memory for the row kernels' error reports (`REPORT_BYTES`), allocated on first use
     /// (cuMemFree synchronizes the device: not something to do per call).
     scratch: Mutex<Option<sys::CUdeviceptr>>,
 }
 
-/// Waits for a stream's work when dropped, on every path out of a scope (panics included).
-struct WaitOnDrop<'a>(&'a CudaStreamBackend);
+/// A stream's row-kernel report words: one per piece of a row job.
+const REPORT_BYTES: usize = super::rows::MAX_PIECES * 8;
+
+/// Waits for a stream's work on every path out of a scope (errors and panics included)
+/// unless [`WaitOnDrop::wait`] already did.
+struct WaitOnDrop<'a>(Option<&'a CudaStreamBackend>);
+
+impl WaitOnDrop<'_> {
+    /// Waits now, reporting an error the work ran into.
+    fn wait(mut self) -> Result<()> {
+        self.0.take().map_or(Ok(()), |s| s.synchronize())
+    }
+}
 
 impl Drop for WaitOnDrop<'_> {
     fn drop(&mut self) {
-        if let Err(e) = self.0.synchronize() {
+        if let Some(Err(e)) = self.0.map(|s| s.synchronize()) {
             tracing::error!(error = %e, "waiting for a row kernel failed");
         }
     }
@@ -627,7 +639,7 @@ impl StreamBackend for CudaStreamBackend {
         Ok(Some(first?).filter(|&i| i != u64::MAX))
     }
 
-    unsafe fn rows(&self, job: RowJob<'_>, during: &mut dyn FnMut()) -> Result<Option<u64>> {
+    unsafe fn rows(&self, job: RowJob<'_>, hooks: RowHooks<'_, '_>) -> Result<RowsDone> {
         let kernels = self.shared.row_kernels()?;
         self.shared.bind()?;
         let pool = job.pool.addr();
@@ -638,77 +650,125 @@ impl StreamBackend for CudaStreamBackend {
             .into_iter()
             .find(|(_, w)| rb % w == 0 && pool % w == 0 && rows_addr % w == 0)
             .unwrap_or((3, 1));
-        let (func, cfg) = if job.naive {
-            (
-                &kernels[8],
-                self.shared.launch_config(job.count as u64 * 32),
-            )
+        let func = if job.naive {
+            &kernels[8]
         } else {
-            let pieces = job.count as u64 * (rb / width);
-            let offset = if job.scatter { 4 } else { 0 };
-            // Each thread keeps GPUIO_UNROLL (4) loads in flight.
-            (
-                &kernels[offset + slot],
-                self.shared.launch_config(pieces.div_ceil(4)),
-            )
+            &kernels[if job.scatter { 4 } else { 0 } + slot]
         };
+        let config = |rows: u64| {
+            if job.naive {
+                self.shared.launch_config(rows * 32)
+            } else {
+                // Each thread keeps GPUIO_UNROLL (4) loads in flight.
+                self.shared.launch_config((rows * (rb / width)).div_ceil(4))
+            }
+        };
+        // One report word per piece: the first out-of-range index position within it.
+        let words = job.pieces.len().clamp(1, super::rows::MAX_PIECES);
         let scratch = {
             let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
             match *s {
                 Some(p) => p,
                 None => {
-                    // SAFETY: an 8-byte allocation owned by this stream, freed in its Drop.
-                    let p = unsafe { result::malloc_sync(8) }.map_err(cuda_err("cuMemAlloc"))?;
+                    // SAFETY: a fresh allocation owned by this stream, freed in its Drop.
+                    let p = unsafe { result::malloc_sync(REPORT_BYTES) }
+                        .map_err(cuda_err("cuMemAlloc"))?;
                     *s = Some(p);
                     p
                 }
             }
         };
-        let (rows, n) = ((job.pool.len() as u64) / rb, job.count as u64);
-        if let (Some(src), RowMem::Device(dst)) = (job.idx_upload, job.idx) {
-            // SAFETY: the staged indices are pinned host memory borrowed for the call, which
-            // synchronizes before returning; dst is a checked range of a live allocation.
-            unsafe { self.copy_h2d(src, dst)? };
-        }
-        // SAFETY: the scratch word is 8 live bytes of this context owned by this stream.
-        unsafe { sys::cuMemsetD8Async(scratch, 0xff, 8, self.raw()) }
+        let pool_rows = (job.pool.len() as u64) / rb;
+        // SAFETY: `words` report words fit the scratch allocation of this stream.
+        unsafe { sys::cuMemsetD8Async(scratch, 0xff, words * 8, self.raw()) }
             .result()
             .map_err(cuda_err("cuMemsetD8Async"))?;
-        // Gathers take (pool, .., dense); scatters (dense source, .., pool).
-        let (first, last) = if job.scatter {
-            (rows_addr, pool)
-        } else {
-            (pool, rows_addr)
-        };
-        let mut launch = self.stream.launch_builder(func);
-        launch
-            .arg(&first)
-            .arg(&rows)
-            .arg(&rb)
-            .arg(&idx)
-            .arg(&n)
-            .arg(&last)
-            .arg(&scratch);
-        // SAFETY: the arguments match every row kernel's (pool, rows, row_bytes, idx, n, dense,
-        // err) signature. The kernel touches only pool rows below `rows` (it checks each
-        // index), the checked idx range and dense range, and the scratch word; the host pool
-        // is registered and valid until this call returns (caller's contract), and we
-        // synchronize before returning.
-        unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel(gpuio row kernel)"))?;
-        let mut report = [0u8; 8];
-        // SAFETY: `report` is 8 writable bytes; we synchronize before reading it.
-        unsafe { sys::cuMemcpyDtoHAsync_v2(report.as_mut_ptr().cast(), scratch, 8, self.raw()) }
-            .result()
-            .map_err(cuda_err("cuMemcpyDtoHAsync"))?;
-        {
-            // Should `during` panic, the kernel must still be waited for before the borrows
-            // of the pool and buffers end.
-            let _wait = WaitOnDrop(self);
+        let RowHooks {
+            mut stage,
+            mut during,
+        } = hooks;
+        // Overlapped work is timed against the kernels: events bracket the launches.
+        let start = during.is_some().then(|| self.record(true)).transpose()?;
+        // From the first launch on, kernels may be running: every way out (an error, a panic
+        // in `stage` or `during`) waits for them before the borrows of the pool and buffers
+        // end.
+        let running = WaitOnDrop(Some(self));
+        for (k, piece) in job.pieces.iter().take(words).enumerate() {
+            if let Some(stage) = stage.as_mut() {
+                stage(k);
+            }
+            // The last word takes any pieces beyond MAX_PIECES (never made by rows.rs).
+            let end = if k + 1 == words { job.count } else { piece.end };
+            let (start_row, n) = (piece.start as u64, (end - piece.start) as u64);
+            if let (Some(src), RowMem::Device(dst)) = (job.idx_upload, job.idx) {
+                let part = dst.part(piece.start * 8, (end - piece.start) * 8)?;
+                // SAFETY: the staged indices are pinned host memory borrowed for the call
+                // (which synchronizes before returning), this piece's part written by
+                // `stage` already; `part` is a checked part of a live device range.
+                unsafe { self.copy_h2d(src.wrapping_add(piece.start * 8), part)? };
+            }
+            let idx = idx + start_row * 8;
+            let dense = rows_addr + start_row * rb;
+            let report = scratch + 8 * k as u64;
+            // Gathers take (pool, .., dense); scatters (dense source, .., pool).
+            let (first, last) = if job.scatter {
+                (dense, pool)
+            } else {
+                (pool, dense)
+            };
+            let mut launch = self.stream.launch_builder(func);
+            launch
+                .arg(&first)
+                .arg(&pool_rows)
+                .arg(&rb)
+                .arg(&idx)
+                .arg(&n)
+                .arg(&last)
+                .arg(&report);
+            // SAFETY: the arguments match every row kernel's (pool, rows, row_bytes, idx, n,
+            // dense, err) signature. The kernel touches only pool rows below `pool_rows` (it
+            // checks each index), this piece's part of the checked idx and dense ranges, and
+            // its report word; the host pool is registered and valid until this call returns
+            // (caller's contract), this piece's indices were written (`stage`) before the
+            // launch, and we synchronize before returning.
+            unsafe { launch.launch(config(n)) }
+                .map_err(cuda_err("cuLaunchKernel(gpuio row kernel)"))?;
+        }
+        let end = start.is_some().then(|| self.record(true)).transpose()?;
+        if let Some(during) = during.as_mut() {
             during();
         }
-        // Already waited for; this reports an error the kernel ran into.
-        self.synchronize()?;
-        Ok(Some(u64::from_le_bytes(report)).filter(|&p| p != u64::MAX))
+        // The report is fetched only now: a copy into pageable memory returns when it is
+        // done, so issued before `during` it would have kept `during` from overlapping.
+        let mut report = [0u8; REPORT_BYTES];
+        // SAFETY: `report` holds `words * 8` writable bytes; we synchronize before reading it.
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2(report.as_mut_ptr().cast(), scratch, words * 8, self.raw())
+        }
+        .result()
+        .map_err(cuda_err("cuMemcpyDtoHAsync"))?;
+        // This also reports an error a kernel ran into.
+        running.wait()?;
+        let device_time = match (start, end) {
+            (Some(start), Some(end)) => {
+                let ms = end.elapsed_ms_since(start.as_ref())?;
+                Some(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+            }
+            _ => None,
+        };
+        let bad_index =
+            report
+                .chunks_exact(8)
+                .take(words)
+                .zip(job.pieces)
+                .find_map(|(word, piece)| {
+                    let at = u64::from_le_bytes(word.try_into().unwrap_or([0xff; 8]));
+                    (at != u64::MAX).then(|| piece.start as u64 + at)
+                });
+        Ok(RowsDone {
+            bad_index,
+            device_time,
+        })
     }
 
     unsafe fn ring_kernel(&self, launch: RingLaunch<'_>) -> Result<()> {
