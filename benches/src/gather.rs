@@ -233,6 +233,17 @@ pub fn run(
             check(&io, &pool, rb, &idx, &dst, &case)?;
             let (hybrid, _) = race(budget, |_| gather(GatherStrategy::Hybrid), |_| Ok(()))?;
             check(&io, &pool, rb, &idx, &dst, &case)?;
+            // The same, each call right after the naive kernel's (as Auto's calls run): what
+            // a call pays for the idle CPU and the GPU state a long peer call leaves.
+            let naive_kernel = || {
+                stream.gather(&pool, rb, (&dev_idx).into(), n, &dst, 0, RowKernel::Naive)
+            };
+            let (hybrid_after, _) = race(
+                budget,
+                |_| gather(GatherStrategy::Hybrid),
+                |_| Ok(naive_kernel()?),
+            )?;
+            check(&io, &pool, rb, &idx, &dst, &case)?;
             let (tuned, _) =
                 race(
                     budget,
@@ -251,11 +262,11 @@ pub fn run(
                 )?;
             check(&io, &pool, rb, &idx, &dst, &case)?;
             let g = |t: crate::Timing| gbps(out, t.median);
-            let plan = io.gather_plan(&pool, &gpu, rb);
+            let plan = io.gather_plan(&pool, &gpu, rb, n);
             notes.push(format!(
                 "{case}: auto {:.1} (calls by zero-copy / CPU-staged / hybrid: {:?}), zero-copy \
                  {:.1} (kernel alone, device indices {:.1}), CPU-staged {:.1}, hybrid {:.1} (GPU \
-                 share {:.2}), naive kernel {:.1} GB/s",
+                 share {:.2}; {:.1} alternating with the naive kernel), naive kernel {:.1} GB/s",
                 g(auto),
                 auto_paths,
                 g(zero),
@@ -263,6 +274,7 @@ pub fn run(
                 g(staged),
                 g(hybrid),
                 plan.map_or(0.0, |p| p.gpu_share),
+                g(hybrid_after),
                 g(naive)
             ));
             let mut r = record(
@@ -288,7 +300,7 @@ pub fn run(
             let idx = indices(LATENCY_ROWS, rows, seed ^ 0x1a7);
             let dst = gpu.alloc(LATENCY_ROWS * LATENCY_ROW)?;
             let opts_auto = GatherOptions::default();
-            for _ in 0..8 {
+            for _ in 0..16 {
                 io.gather(&pool, LATENCY_ROW, &idx, &dst, 0, &opts_auto)
                     .map_err(|e| BenchError::Gpuio(e.into()))?;
             }

@@ -76,8 +76,10 @@ pub struct GatherPlan {
     pub gpu_share: f64,
 }
 
-/// Shape class of a gather, for the strategy choice: device, log2 row size, log2 pool size.
-type ShapeKey = (u32, u32, u32);
+/// Shape class of a gather, for the strategy choice: device, log2 row size, log2 pool size,
+/// log2 row count (a 2048-row call and a million-row one from the same pool can want
+/// different paths: the hybrid's second side costs more than it brings on a small call).
+type ShapeKey = (u32, u32, u32, u32);
 
 /// Measured rates per shape class.
 #[derive(Debug, Default)]
@@ -313,7 +315,7 @@ impl MemIo {
         self.device(dst.gpu())?;
         if indices.is_empty() {
             return Ok(GatherReport {
-                strategy: self.resolve(opts.strategy, pool, dst.gpu(), row_bytes),
+                strategy: self.resolve(opts.strategy, pool, dst.gpu(), row_bytes, 0),
                 rows: 0,
                 rows_fetched: 0,
             });
@@ -321,8 +323,9 @@ impl MemIo {
         if opts.dedup {
             return self.gather_dedup(pool, row_bytes, indices, dst, dst_offset, opts.strategy);
         }
-        let strategy = self.resolve(opts.strategy, pool, dst.gpu(), row_bytes);
-        let key = self.shape(pool, dst.gpu(), row_bytes);
+        let rows = indices.len();
+        let strategy = self.resolve(opts.strategy, pool, dst.gpu(), row_bytes, rows);
+        let key = self.shape(pool, dst.gpu(), row_bytes, rows);
         let t = Instant::now();
         match strategy {
             GatherStrategy::ZeroCopy => {
@@ -366,19 +369,20 @@ impl MemIo {
         Ok(())
     }
 
-    /// What `Auto` has learned so far about gathers of `row_bytes` rows from `pool` into
-    /// `gpu` (None before the first such call).
+    /// What `Auto` has learned so far about gathers of `rows` rows of `row_bytes` from
+    /// `pool` into `gpu` (None before the first call of that shape).
     pub fn gather_plan(
         &self,
         pool: &HostBuffer,
         gpu: &Gpu,
         row_bytes: usize,
+        rows: usize,
     ) -> Option<GatherPlan> {
-        self.planner.plan(self.shape(pool, gpu, row_bytes))
+        self.planner.plan(self.shape(pool, gpu, row_bytes, rows))
     }
 
-    fn shape(&self, pool: &HostBuffer, gpu: &Gpu, row_bytes: usize) -> ShapeKey {
-        (gpu.ordinal(), log2(row_bytes), log2(pool.len()))
+    fn shape(&self, pool: &HostBuffer, gpu: &Gpu, row_bytes: usize, rows: usize) -> ShapeKey {
+        (gpu.ordinal(), log2(row_bytes), log2(pool.len()), log2(rows))
     }
 
     fn resolve(
@@ -387,13 +391,14 @@ impl MemIo {
         pool: &HostBuffer,
         gpu: &Gpu,
         row_bytes: usize,
+        rows: usize,
     ) -> GatherStrategy {
         if !pool.is_pinned() {
             // The device cannot reach pageable memory; only the CPU can gather it.
             return GatherStrategy::CpuStaged;
         }
         match asked {
-            GatherStrategy::Auto => self.planner.choose(self.shape(pool, gpu, row_bytes)),
+            GatherStrategy::Auto => self.planner.choose(self.shape(pool, gpu, row_bytes, rows)),
             other => other,
         }
     }
@@ -657,7 +662,7 @@ fn gather_into(
 mod tests {
     use super::*;
 
-    const KEY: ShapeKey = (0, 7, 32);
+    const KEY: ShapeKey = (0, 7, 32, 20);
 
     /// One `Auto` call: choose, then report what the chosen path reached; a hybrid call
     /// also reports how long each side took at the rates (rows' bytes/s) of `sides`.
