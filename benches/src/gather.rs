@@ -235,9 +235,8 @@ pub fn run(
             check(&io, &pool, rb, &idx, &dst, &case)?;
             // The same, each call right after the naive kernel's (as Auto's calls run): what
             // a call pays for the idle CPU and the GPU state a long peer call leaves.
-            let naive_kernel = || {
-                stream.gather(&pool, rb, (&dev_idx).into(), n, &dst, 0, RowKernel::Naive)
-            };
+            let naive_kernel =
+                || stream.gather(&pool, rb, (&dev_idx).into(), n, &dst, 0, RowKernel::Naive);
             let (hybrid_after, _) = race(
                 budget,
                 |_| gather(GatherStrategy::Hybrid),
