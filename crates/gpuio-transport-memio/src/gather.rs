@@ -501,9 +501,7 @@ impl MemIo {
                 cpu = Some((done, t.elapsed()));
             });
             self.with_indices(dst.gpu(), gpu_rows, row_bytes, |s, idx| {
-                let ((), took) =
-                    s.gather_while(pool, row_bytes, idx, split, dst, dst_offset, || ())?;
-                Ok(took)
+                Ok(s.gather_timed(pool, row_bytes, idx, split, dst, dst_offset)?)
             })
         });
         let gpu_time = gpu?;

@@ -164,12 +164,12 @@ pub(crate) struct RowJob<'a> {
     pub(crate) pieces: &'a [std::ops::Range<usize>],
 }
 
-/// What runs on the calling thread around a row job.
-pub(crate) struct RowHooks<'s, 'd> {
+/// What a row job does besides moving the rows.
+pub(crate) struct RowHooks<'a> {
     /// Called with piece `k` before the device reads that piece's indices: writes them.
-    pub(crate) stage: Option<&'s mut dyn FnMut(usize)>,
-    /// Runs while the device works.
-    pub(crate) during: Option<&'d mut dyn FnMut()>,
+    pub(crate) stage: Option<&'a mut dyn FnMut(usize)>,
+    /// Time the device's work (events around the launches).
+    pub(crate) timed: bool,
 }
 
 /// What a row job reports.
@@ -177,7 +177,7 @@ pub(crate) struct RowHooks<'s, 'd> {
 pub(crate) struct RowsDone {
     /// The position of the first index outside the pool (those rows were skipped).
     pub(crate) bad_index: Option<u64>,
-    /// How long the device worked on the job, measured when work was overlapped with it.
+    /// How long the device worked on the job, when asked (`RowHooks::timed`).
     pub(crate) device_time: Option<std::time::Duration>,
 }
 
@@ -258,13 +258,13 @@ pub(crate) trait StreamBackend: Send + Sync {
     fn find_mismatch(&self, a: DevRange<'_>, b: DevRange<'_>) -> Result<Option<u64>>;
 
     /// Runs a row gather or scatter (see [`RowJob`]) piece by piece, calling `hooks.stage`
-    /// before each piece and `hooks.during` while the device works, and waits for it.
+    /// before each piece, and waits for it.
     ///
     /// # Safety
     /// A host pool's pointer must be valid for its length until the call returns (writable,
     /// and touched by nothing else, for a scatter), and registered with this device so that
     /// `addr` reaches it; the same for a host index list (read only).
-    unsafe fn rows(&self, job: RowJob<'_>, hooks: RowHooks<'_, '_>) -> Result<RowsDone>;
+    unsafe fn rows(&self, job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone>;
 
     /// Runs a kernel that issues IO through a request ring (or reports the ring layout) and
     /// waits for it.

@@ -240,7 +240,7 @@ impl StreamBackend for HostStream {
         Ok(pattern::first_mismatch(x, y).map(|i| i as u64))
     }
 
-    unsafe fn rows<'a>(&self, job: RowJob<'a>, hooks: RowHooks<'_, '_>) -> Result<RowsDone> {
+    unsafe fn rows<'a>(&self, job: RowJob<'a>, hooks: RowHooks<'_>) -> Result<RowsDone> {
         // Every piece's indices are written before the rows move: this thread does both.
         if let Some(stage) = hooks.stage {
             (0..job.pieces.len()).for_each(stage);
@@ -248,12 +248,9 @@ impl StreamBackend for HostStream {
         let t = Instant::now();
         // SAFETY: forwarded from the caller's contract.
         let bad = unsafe { self.rows_now(job) };
-        let device_time = t.elapsed();
-        // The host backend's "device" is this thread: the overlapped work runs after it.
-        let timed = hooks.during.map(|f| f()).map(|()| device_time);
         Ok(RowsDone {
             bad_index: bad?,
-            device_time: timed,
+            device_time: hooks.timed.then(|| t.elapsed()),
         })
     }
 

@@ -135,18 +135,17 @@ impl Stream {
         // SAFETY: the pool is borrowed (so mapped and registered) until this call returns.
         unsafe {
             self.run_rows(
-                pool, row_bytes, indices, count, dst, dst_offset, false, kernel, None,
+                pool, row_bytes, indices, count, dst, dst_offset, false, kernel, false,
             )
         }
         .map(drop)
     }
 
-    /// Like [`gather`](Self::gather) with the tuned kernel, running `during` on this thread
-    /// while the device gathers (other work overlapped with the kernel: the CPU's share of a
-    /// hybrid gather). `during` runs once if the gather starts; its result comes back with
-    /// the gather's, and with how long the device took (its rate while sharing the link).
+    /// Like [`gather`](Self::gather) with the tuned kernel; returns how long the device
+    /// worked on it (timed by events): its rate while other work shares the link, such as
+    /// the CPU's share of a hybrid gather.
     #[allow(clippy::too_many_arguments)]
-    pub fn gather_while<R>(
+    pub fn gather_timed(
         &self,
         pool: &HostBuffer,
         row_bytes: usize,
@@ -154,12 +153,8 @@ impl Stream {
         count: usize,
         dst: &DeviceBuffer,
         dst_offset: usize,
-        during: impl FnOnce() -> R,
-    ) -> Result<(R, Duration)> {
+    ) -> Result<Duration> {
         let pool = self.host_pool(pool)?;
-        let mut during = Some(during);
-        let mut out = None;
-        let mut run = || out = during.take().map(|f| f());
         // SAFETY: the pool is borrowed (so mapped and registered) until this call returns.
         let device_time = unsafe {
             self.run_rows(
@@ -171,12 +166,10 @@ impl Stream {
                 dst_offset,
                 false,
                 RowKernel::Tuned,
-                Some(&mut run),
+                true,
             )?
         };
-        let out =
-            out.ok_or_else(|| HalError::InvalidArgument("the overlapped work did not run".into()))?;
-        Ok((out, device_time.unwrap_or_default()))
+        Ok(device_time.unwrap_or_default())
     }
 
     /// Like [`gather`](Self::gather), from a pool in device memory of this device (the second
@@ -208,7 +201,7 @@ impl Stream {
                 dst_offset,
                 false,
                 RowKernel::Tuned,
-                None,
+                false,
             )
         }
         .map(drop)
@@ -239,7 +232,7 @@ impl Stream {
                 src_offset,
                 true,
                 RowKernel::Tuned,
-                None,
+                false,
             )
         }
         .map(drop)
@@ -276,7 +269,7 @@ impl Stream {
         rows_offset: usize,
         scatter: bool,
         kernel: RowKernel,
-        during: Option<&mut dyn FnMut()>,
+        timed: bool,
     ) -> Result<Option<Duration>> {
         if row_bytes == 0 {
             return Err(HalError::InvalidArgument(
@@ -360,10 +353,7 @@ impl Stream {
         };
         let dense = rows.range("rows", rows_offset, rows_len)?;
         if count == 0 {
-            return Ok(during.map(|f| {
-                f();
-                Duration::ZERO
-            }));
+            return Ok(timed.then_some(Duration::ZERO));
         }
         let streaming = streamed.is_some();
         let mut stage = |k: usize| {
@@ -392,7 +382,7 @@ impl Stream {
         };
         let hooks = RowHooks {
             stage: streaming.then_some(&mut stage as &mut dyn FnMut(usize)),
-            during,
+            timed,
         };
         // SAFETY: every range was checked against its live, borrowed allocation; the host
         // pool's contract is the caller's. A streamed list's pieces are written only through

@@ -639,7 +639,7 @@ impl StreamBackend for CudaStreamBackend {
         Ok(Some(first?).filter(|&i| i != u64::MAX))
     }
 
-    unsafe fn rows(&self, job: RowJob<'_>, hooks: RowHooks<'_, '_>) -> Result<RowsDone> {
+    unsafe fn rows(&self, job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone> {
         let kernels = self.shared.row_kernels()?;
         self.shared.bind()?;
         let pool = job.pool.addr();
@@ -683,15 +683,11 @@ impl StreamBackend for CudaStreamBackend {
         unsafe { sys::cuMemsetD8Async(scratch, 0xff, words * 8, self.raw()) }
             .result()
             .map_err(cuda_err("cuMemsetD8Async"))?;
-        let RowHooks {
-            mut stage,
-            mut during,
-        } = hooks;
-        // Overlapped work is timed against the kernels: events bracket the launches.
-        let start = during.is_some().then(|| self.record(true)).transpose()?;
+        let RowHooks { mut stage, timed } = hooks;
+        // Events bracket the launches when the device's time is asked for.
+        let start = timed.then(|| self.record(true)).transpose()?;
         // From the first launch on, kernels may be running: every way out (an error, a panic
-        // in `stage` or `during`) waits for them before the borrows of the pool and buffers
-        // end.
+        // in `stage`) waits for them before the borrows of the pool and buffers end.
         let running = WaitOnDrop(Some(self));
         for (k, piece) in job.pieces.iter().take(words).enumerate() {
             if let Some(stage) = stage.as_mut() {
@@ -735,11 +731,8 @@ impl StreamBackend for CudaStreamBackend {
                 .map_err(cuda_err("cuLaunchKernel(gpuio row kernel)"))?;
         }
         let end = start.is_some().then(|| self.record(true)).transpose()?;
-        if let Some(during) = during.as_mut() {
-            during();
-        }
-        // The report is fetched only now: a copy into pageable memory returns when it is
-        // done, so issued before `during` it would have kept `during` from overlapping.
+        // A copy into pageable memory returns only when it is done (so when the kernels
+        // are): issue it after everything else is queued.
         let mut report = [0u8; REPORT_BYTES];
         // SAFETY: `report` holds `words * 8` writable bytes; we synchronize before reading it.
         unsafe {
