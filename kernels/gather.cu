@@ -2,6 +2,9 @@
 // the kernels behind gpuio's `gather` / `scatter` calls, and the naive baseline they are
 // measured against. The tuned kernels are the gpuio.cuh functions, one entry point per piece
 // width (the host picks the widest that divides the row size and both base addresses).
+// Sorted gathers first order their index list by pool address on the device (gpuio_order_*,
+// a counting sort) so that loads issued together share address translations and read
+// requests; the ordered kernels then take (pool row, position) pairs.
 #ifndef GPUIO_CUH
 #include "gpuio.cuh"
 #endif
@@ -16,6 +19,13 @@
                                                  gpuio_u64 row_bytes, const gpuio_u64* idx,     \
                                                  gpuio_u64 n, void* pool, gpuio_u64* err) {     \
         gpuio_scatter_rows<W>(src, rows, row_bytes, idx, n, pool, err);                         \
+    }                                                                                           \
+    extern "C" __global__ void gpuio_gather_ordered_##W(const void* pool, gpuio_u64 rows,       \
+                                                        gpuio_u64 row_bytes,                    \
+                                                        const gpuio_u64* pairs, gpuio_u64 n,    \
+                                                        void* dst, gpuio_u64* err) {            \
+        gpuio_rows<W, false, true>((const unsigned char*)pool, (unsigned char*)dst, pairs, n,   \
+                                   rows, row_bytes, err);                                       \
     }
 
 GPUIO_ROW_KERNELS(16)
@@ -46,5 +56,105 @@ extern "C" __global__ void gpuio_gather_naive(const unsigned char* pool, gpuio_u
         } else {
             for (gpuio_u64 b = lane; b < row_bytes; b += 32) d[b] = s[b];
         }
+    }
+}
+
+// ---- Ordering an index list by pool address: a counting sort over buckets of 2^shift pool
+// bytes. count: each index's bucket gets one more (its rank in the bucket is the old count);
+// scan_blocks + scan_sums: exclusive prefix sums of the counts (4096 per block, then the
+// blocks' totals); place: each index's pair (row, position) goes to its bucket's start plus
+// its rank. Out-of-range indices sort into the last bucket; the gather reports them.
+
+typedef unsigned int gpuio_u32;
+
+#define GPUIO_SCAN_PER_BLOCK 4096
+
+__device__ __forceinline__ gpuio_u32 gpuio_bucket(gpuio_u64 row, gpuio_u64 rows,
+                                                  gpuio_u64 row_bytes, gpuio_u32 shift,
+                                                  gpuio_u32 buckets) {
+    gpuio_u64 b = row < rows ? (row * row_bytes) >> shift : buckets - 1;
+    return b < buckets ? (gpuio_u32)b : buckets - 1;
+}
+
+extern "C" __global__ void gpuio_order_count(const gpuio_u64* idx, gpuio_u64 n, gpuio_u64 rows,
+                                             gpuio_u64 row_bytes, gpuio_u32 shift,
+                                             gpuio_u32 buckets, gpuio_u32* counts,
+                                             gpuio_u32* rank) {
+    const gpuio_u64 stride = (gpuio_u64)gridDim.x * blockDim.x;
+    for (gpuio_u64 i = (gpuio_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        rank[i] = atomicAdd(&counts[gpuio_bucket(idx[i], rows, row_bytes, shift, buckets)], 1u);
+}
+
+// Exclusive scan of one value per thread across the block (blockDim.x a multiple of 32, at
+// most 1024); *total gets the block's sum.
+__device__ __forceinline__ gpuio_u32 gpuio_block_scan(gpuio_u32 v, gpuio_u32* total) {
+    __shared__ gpuio_u32 warp_sums[32];
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    gpuio_u32 x = v;
+    for (int d = 1; d < 32; d <<= 1) {
+        gpuio_u32 y = __shfl_up_sync(0xffffffffu, x, d);
+        if (lane >= d) x += y;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        gpuio_u32 s = lane < blockDim.x / 32 ? warp_sums[lane] : 0, z = s;
+        for (int d = 1; d < 32; d <<= 1) {
+            gpuio_u32 y = __shfl_up_sync(0xffffffffu, z, d);
+            if (lane >= d) z += y;
+        }
+        warp_sums[lane] = z - s;
+        if (lane == 31) *total = z;
+    }
+    __syncthreads();
+    gpuio_u32 before = warp_sums[warp] + x - v;
+    __syncthreads();
+    return before;
+}
+
+// 1024 threads per block, 4 counts each.
+extern "C" __global__ void gpuio_order_scan_blocks(gpuio_u32* counts, gpuio_u32 buckets,
+                                                   gpuio_u32* sums) {
+    __shared__ gpuio_u32 total;
+    const gpuio_u64 base = (gpuio_u64)blockIdx.x * GPUIO_SCAN_PER_BLOCK + threadIdx.x * 4;
+    gpuio_u32 v[4], t = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        v[k] = base + k < buckets ? counts[base + k] : 0;
+        t += v[k];
+    }
+    gpuio_u32 at = gpuio_block_scan(t, &total);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        if (base + k < buckets) counts[base + k] = at;
+        at += v[k];
+    }
+    if (threadIdx.x == 0) sums[blockIdx.x] = total;
+}
+
+// One block: the exclusive scan of the `m` block totals, in place.
+extern "C" __global__ void gpuio_order_scan_sums(gpuio_u32* sums, gpuio_u32 m) {
+    __shared__ gpuio_u32 total;
+    gpuio_u32 carry = 0;
+    for (gpuio_u32 at = 0; at < m; at += blockDim.x) {
+        const gpuio_u32 k = at + threadIdx.x;
+        const gpuio_u32 v = k < m ? sums[k] : 0;
+        const gpuio_u32 before = gpuio_block_scan(v, &total);
+        if (k < m) sums[k] = carry + before;
+        carry += total;
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void gpuio_order_place(const gpuio_u64* idx, gpuio_u64 n, gpuio_u64 rows,
+                                             gpuio_u64 row_bytes, gpuio_u32 shift,
+                                             gpuio_u32 buckets, const gpuio_u32* starts,
+                                             const gpuio_u32* sums, const gpuio_u32* rank,
+                                             ulonglong2* pairs) {
+    const gpuio_u64 stride = (gpuio_u64)gridDim.x * blockDim.x;
+    for (gpuio_u64 i = (gpuio_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const gpuio_u64 row = idx[i];
+        const gpuio_u32 b = gpuio_bucket(row, rows, row_bytes, shift, buckets);
+        pairs[starts[b] + sums[b / GPUIO_SCAN_PER_BLOCK] + rank[i]] = make_ulonglong2(row, i);
     }
 }

@@ -33,14 +33,24 @@ __device__ __forceinline__ void gpuio_bad_index(gpuio_u64* err, gpuio_u64 pos) {
     if (err) atomicMin(err, pos);
 }
 
+// Row k of a job: the pool row it names and its position in the dense buffer. A plain index
+// list gives (idx[k], k); an ordered list (see gather.cu's gpuio_order_* kernels) holds the
+// pairs themselves, sorted by pool address.
+template <bool ORDERED>
+__device__ __forceinline__ ulonglong2 gpuio_row_ref(const gpuio_u64* __restrict__ idx,
+                                                    gpuio_u64 k) {
+    if (ORDERED) return reinterpret_cast<const ulonglong2*>(idx)[k];
+    return make_ulonglong2(idx[k], k);
+}
+
 // Copies rows: dst row i <- src row idx[i] (gather), or dst row idx[i] <- src row i (scatter),
 // in W-byte pieces. Every thread of the grid takes pieces tid, tid+stride, ...; GPUIO_UNROLL of
 // them are loaded before any is stored so that many PCIe reads are outstanding per thread.
 // The indices of the next round are loaded while this round's pieces are in flight: with the
 // index list in host memory, an index and the piece it names are two dependent PCIe round
 // trips, and this overlaps them instead of paying both in turn.
-// Rows whose index is >= rows are skipped and reported through `err`.
-template <int W, bool SCATTER>
+// Rows whose index is >= rows are skipped and reported through `err` (by dense position).
+template <int W, bool SCATTER, bool ORDERED = false>
 __device__ __forceinline__ void gpuio_rows(const unsigned char* __restrict__ src,
                                            unsigned char* __restrict__ dst,
                                            const gpuio_u64* __restrict__ idx, gpuio_u64 n,
@@ -50,11 +60,11 @@ __device__ __forceinline__ void gpuio_rows(const unsigned char* __restrict__ src
     const gpuio_u64 items = n * per_row;
     const gpuio_u64 stride = (gpuio_u64)gridDim.x * blockDim.x;
     gpuio_u64 i = (gpuio_u64)blockIdx.x * blockDim.x + threadIdx.x;
-    gpuio_u64 next[GPUIO_UNROLL];
+    ulonglong2 next[GPUIO_UNROLL];
 #pragma unroll
     for (int u = 0; u < GPUIO_UNROLL; u++) {
         gpuio_u64 k = i + u * stride;
-        next[u] = k < items ? idx[k / per_row] : 0;
+        next[u] = k < items ? gpuio_row_ref<ORDERED>(idx, k / per_row) : make_ulonglong2(0, 0);
     }
     for (; i < items; i += stride * GPUIO_UNROLL) {
         P v[GPUIO_UNROLL];
@@ -64,8 +74,8 @@ __device__ __forceinline__ void gpuio_rows(const unsigned char* __restrict__ src
             gpuio_u64 k = i + u * stride;
             to[u] = ~0ull;
             if (k < items) {
-                gpuio_u64 r = k / per_row, piece = k - r * per_row;
-                gpuio_u64 row = next[u];
+                gpuio_u64 piece = k % per_row;
+                gpuio_u64 row = next[u].x, r = next[u].y;
                 if (row >= rows) {
                     gpuio_bad_index(err, r);
                     continue;
@@ -79,7 +89,7 @@ __device__ __forceinline__ void gpuio_rows(const unsigned char* __restrict__ src
 #pragma unroll
         for (int u = 0; u < GPUIO_UNROLL; u++) {
             gpuio_u64 k = ahead + u * stride;
-            if (k < items) next[u] = idx[k / per_row];
+            if (k < items) next[u] = gpuio_row_ref<ORDERED>(idx, k / per_row);
         }
 #pragma unroll
         for (int u = 0; u < GPUIO_UNROLL; u++) {

@@ -2,7 +2,7 @@
 //!
 //! A grid of row sizes × pool sizes. In each cell, the same fresh random index list (1 M rows or
 //! 256 MiB of rows, whichever is fewer) goes through gpuio's `gather` (strategy `Auto`, host
-//! indices, as a user calls it), through each of its two paths forced, and through the two
+//! indices, as a user calls it), through each of its paths forced, and through the two
 //! baselines of the issue: a naive warp-per-row zero-copy kernel (indices already on the
 //! device) and a CPU gather (`torch.index_select` on a pinned pool, all cores, then one copy;
 //! run as a Python peer right after ours on a pool of the same size). The target per cell:
@@ -190,23 +190,25 @@ pub fn run(
                     .map_err(|e| BenchError::Gpuio(e.into()))
             };
             let gather = |strategy| report(strategy).map(|_| ());
-            // Auto measures each path in its first calls and balances the hybrid's share over
-            // a few more: give it those before timing (a user's steady state is what counts).
-            for _ in 0..12 {
+            // Auto measures each path in its first calls (a warm-up and a measured call each)
+            // and balances the hybrid's share over a few more: give it those before timing (a
+            // user's steady state is what counts).
+            for _ in 0..20 {
                 gather(GatherStrategy::Auto)?;
             }
-            // Which path Auto's timed calls took: [zero-copy, CPU-staged, hybrid].
-            let mut auto_paths = [0usize; 3];
+            // Which path Auto's timed calls took.
+            let paths = [
+                GatherStrategy::ZeroCopy,
+                GatherStrategy::Sorted,
+                GatherStrategy::CpuStaged,
+                GatherStrategy::Hybrid,
+            ];
+            let mut auto_paths = [0usize; 4];
             let (auto, naive) =
                 race(
                     budget,
                     |_| {
                         let r = report(GatherStrategy::Auto)?;
-                        let paths = [
-                            GatherStrategy::ZeroCopy,
-                            GatherStrategy::CpuStaged,
-                            GatherStrategy::Hybrid,
-                        ];
                         if let Some(i) = paths.iter().position(|s| *s == r.strategy) {
                             auto_paths[i] += 1;
                         }
@@ -225,14 +227,17 @@ pub fn run(
                     },
                 )?;
             check(&io, &pool, rb, &idx, &dst, &case)?;
-            let (zero, staged) = race(
-                budget,
-                |_| gather(GatherStrategy::ZeroCopy),
-                |_| gather(GatherStrategy::CpuStaged),
-            )?;
-            check(&io, &pool, rb, &idx, &dst, &case)?;
-            let (hybrid, _) = race(budget, |_| gather(GatherStrategy::Hybrid), |_| Ok(()))?;
-            check(&io, &pool, rb, &idx, &dst, &case)?;
+            // Each path forced, back to back (alternating with another path would charge each
+            // for the state the other leaves: busy cores, a cold device).
+            let forced = |strategy| -> Result<crate::Timing> {
+                let (t, _) = race(budget, |_| gather(strategy), |_| Ok(()))?;
+                check(&io, &pool, rb, &idx, &dst, &case)?;
+                Ok(t)
+            };
+            let zero = forced(GatherStrategy::ZeroCopy)?;
+            let sorted = forced(GatherStrategy::Sorted)?;
+            let staged = forced(GatherStrategy::CpuStaged)?;
+            let hybrid = forced(GatherStrategy::Hybrid)?;
             // The same, each call right after the naive kernel's (as Auto's calls run): what
             // a call pays for the idle CPU and the GPU state a long peer call leaves.
             let naive_kernel =
@@ -243,33 +248,28 @@ pub fn run(
                 |_| Ok(naive_kernel()?),
             )?;
             check(&io, &pool, rb, &idx, &dst, &case)?;
-            let (tuned, _) =
-                race(
-                    budget,
-                    |_| {
-                        Ok(stream.gather(
-                            &pool,
-                            rb,
-                            (&dev_idx).into(),
-                            n,
-                            &dst,
-                            0,
-                            RowKernel::Tuned,
-                        )?)
-                    },
-                    |_| Ok(()),
-                )?;
+            // The kernels alone, with the index list already on the device.
+            let kernel_alone =
+                |kernel| stream.gather(&pool, rb, (&dev_idx).into(), n, &dst, 0, kernel);
+            let (tuned, tuned_sorted) = race(
+                budget,
+                |_| Ok(kernel_alone(RowKernel::Tuned)?),
+                |_| Ok(kernel_alone(RowKernel::Sorted)?),
+            )?;
             check(&io, &pool, rb, &idx, &dst, &case)?;
             let g = |t: crate::Timing| gbps(out, t.median);
             let plan = io.gather_plan(&pool, &gpu, rb, n);
             notes.push(format!(
-                "{case}: auto {:.1} (calls by zero-copy / CPU-staged / hybrid: {:?}), zero-copy \
-                 {:.1} (kernel alone, device indices {:.1}), CPU-staged {:.1}, hybrid {:.1} (GPU \
-                 share {:.2}; {:.1} alternating with the naive kernel), naive kernel {:.1} GB/s",
+                "{case}: auto {:.1} (calls by zero-copy / sorted / CPU-staged / hybrid: {:?}), \
+                 zero-copy {:.1} (kernel alone, device indices {:.1}), sorted {:.1} (kernel \
+                 alone {:.1}), CPU-staged {:.1}, hybrid {:.1} (GPU share {:.2}; {:.1} \
+                 alternating with the naive kernel), naive kernel {:.1} GB/s",
                 g(auto),
                 auto_paths,
                 g(zero),
                 g(tuned),
+                g(sorted),
+                g(tuned_sorted),
                 g(staged),
                 g(hybrid),
                 plan.map_or(0.0, |p| p.gpu_share),
@@ -285,7 +285,8 @@ pub fn run(
                 auto.reps,
             );
             r.device = device.clone();
-            r.route = format!("{:?}", fastest(g(zero), g(staged), g(hybrid)));
+            let forced = [g(zero), g(sorted), g(staged), g(hybrid)];
+            r.route = format!("{:?}", fastest(&paths, &forced));
             records.push(r);
             ours.push((rb, g(auto), g(naive), g(zero), g(staged)));
         }
@@ -395,14 +396,12 @@ pub fn run(
 }
 
 /// Which forced path measured fastest (what `Auto` should settle on).
-fn fastest(zero: f64, staged: f64, hybrid: f64) -> GatherStrategy {
-    if hybrid >= zero.max(staged) {
-        GatherStrategy::Hybrid
-    } else if zero >= staged {
-        GatherStrategy::ZeroCopy
-    } else {
-        GatherStrategy::CpuStaged
-    }
+fn fastest(paths: &[GatherStrategy], rates: &[f64]) -> GatherStrategy {
+    paths
+        .iter()
+        .zip(rates)
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map_or(GatherStrategy::Auto, |(p, _)| *p)
 }
 
 /// The pool the latency case uses: 2 GiB, or the largest below it.

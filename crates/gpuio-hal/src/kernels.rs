@@ -20,7 +20,8 @@ pub const PATTERN: KernelSource = KernelSource {
 };
 
 /// `kernels/gather.cu` with the device header `gpuio.cuh` (and the ring header it includes)
-/// in front: the row gather and scatter kernels and the naive baseline.
+/// in front: the row gather and scatter kernels, the naive baseline, and the sorted gather's
+/// ordering kernels.
 pub const GATHER: KernelSource = KernelSource {
     name: "gather.cu",
     source: concat!(
@@ -38,6 +39,14 @@ pub const GATHER: KernelSource = KernelSource {
         "gpuio_scatter_4",
         "gpuio_scatter_1",
         "gpuio_gather_naive",
+        "gpuio_gather_ordered_16",
+        "gpuio_gather_ordered_8",
+        "gpuio_gather_ordered_4",
+        "gpuio_gather_ordered_1",
+        "gpuio_order_count",
+        "gpuio_order_scan_blocks",
+        "gpuio_order_scan_sums",
+        "gpuio_order_place",
     ],
 };
 

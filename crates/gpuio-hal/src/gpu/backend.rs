@@ -157,8 +157,9 @@ pub(crate) struct RowJob<'a> {
     pub(crate) idx_upload: Option<*const u8>,
     pub(crate) rows: DevRange<'a>,
     pub(crate) scatter: bool,
-    /// The naive baseline kernel (gathers only).
-    pub(crate) naive: bool,
+    /// Which kernel moves the rows (`Naive` and `Sorted` gather only; `Sorted` has its
+    /// indices in device memory).
+    pub(crate) kernel: super::RowKernel,
     /// Consecutive ranges of the `count` rows, moved one after another (one launch each);
     /// at most `rows::MAX_PIECES`.
     pub(crate) pieces: &'a [std::ops::Range<usize>],

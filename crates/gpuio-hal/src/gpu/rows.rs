@@ -71,12 +71,25 @@ const FIRST_PIECE: usize = 4 << 10;
 /// Most pieces of one call (the last takes whatever is left).
 pub(crate) const MAX_PIECES: usize = 16;
 
+/// The shortest piece of a sorted gather's list: a piece costs a copy and a launch.
+const SORTED_PIECE_MIN: usize = 16 << 10;
+
 /// How `count` indices of rows of `row_bytes` are cut into the pieces that are written and
 /// moved one after another. Each piece is as long as the CPU can write while the device
 /// moves the one before (writing an index takes ~1 ns, moving a row ~row_bytes / 40 GB/s):
 /// twice the one before for 64-byte rows, up to 64 times for 2 KiB and more. Few pieces
 /// matter: each launch boundary drains the loads in flight.
-fn index_pieces(count: usize, row_bytes: usize) -> Vec<Range<usize>> {
+///
+/// A sorted gather's rows wait for the whole list, so its pieces only overlap writing one
+/// with copying the one before: eight of the same length, the last copy short.
+fn index_pieces(count: usize, row_bytes: usize, kernel: RowKernel) -> Vec<Range<usize>> {
+    if kernel == RowKernel::Sorted {
+        let len = count.div_ceil(8).max(SORTED_PIECE_MIN);
+        return (0..count)
+            .step_by(len)
+            .map(|at| at..count.min(at + len))
+            .collect();
+    }
     let growth = (row_bytes / 32).clamp(2, 64);
     let mut pieces = Vec::new();
     let (mut at, mut len) = (0, FIRST_PIECE);
@@ -111,6 +124,14 @@ pub enum RowKernel {
     /// One thread per 4 to 16-byte piece, several loads in flight per thread.
     #[default]
     Tuned,
+    /// The tuned kernel over the rows in pool address order (gathers from a host pool only):
+    /// the device first sorts the index list by address (a counting sort in device memory),
+    /// so that the loads in flight together fall on few pages and neighbouring rows share
+    /// read requests. Where the device's address translation limits random loads (small rows
+    /// from pools of gigabytes) this multiplies the rate; rows picked twice are read once.
+    /// The whole index list must be on the device before the first row moves (a `Device`,
+    /// `Staged` or `Streamed`-with-device list).
+    Sorted,
     /// The baseline: one warp per row, one load in flight per lane (gathers only).
     Naive,
 }
@@ -141,9 +162,9 @@ impl Stream {
         .map(drop)
     }
 
-    /// Like [`gather`](Self::gather) with the tuned kernel; returns how long the device
-    /// worked on it (timed by events): its rate while other work shares the link, such as
-    /// the CPU's share of a hybrid gather.
+    /// Like [`gather`](Self::gather); returns how long the device worked on it (timed by
+    /// events): its rate while other work shares the link, such as the CPU's share of a
+    /// hybrid gather.
     #[allow(clippy::too_many_arguments)]
     pub fn gather_timed(
         &self,
@@ -153,20 +174,13 @@ impl Stream {
         count: usize,
         dst: &DeviceBuffer,
         dst_offset: usize,
+        kernel: RowKernel,
     ) -> Result<Duration> {
         let pool = self.host_pool(pool)?;
         // SAFETY: the pool is borrowed (so mapped and registered) until this call returns.
         let device_time = unsafe {
             self.run_rows(
-                pool,
-                row_bytes,
-                indices,
-                count,
-                dst,
-                dst_offset,
-                false,
-                RowKernel::Tuned,
-                true,
+                pool, row_bytes, indices, count, dst, dst_offset, false, kernel, true,
             )?
         };
         Ok(device_time.unwrap_or_default())
@@ -276,10 +290,20 @@ impl Stream {
                 "row size must be at least 1 byte".into(),
             ));
         }
-        if scatter && kernel == RowKernel::Naive {
+        if scatter && kernel != RowKernel::Tuned {
+            return Err(HalError::InvalidArgument(format!(
+                "the {kernel:?} row kernel only gathers"
+            )));
+        }
+        if kernel == RowKernel::Sorted && !matches!(pool, RowMem::Host { .. }) {
             return Err(HalError::InvalidArgument(
-                "the naive row kernel only gathers".into(),
+                "sorted gathers read a host pool".into(),
             ));
+        }
+        if kernel == RowKernel::Sorted && u32::try_from(count).is_err() {
+            return Err(HalError::InvalidArgument(format!(
+                "a sorted gather takes fewer than 2^32 rows, not {count}"
+            )));
         }
         self.gpu.check_owns("rows", rows)?;
         let overflow = || HalError::InvalidArgument(format!("{count} rows of {row_bytes} B"));
@@ -289,7 +313,7 @@ impl Stream {
         // A streamed list's pieces, each written just before its rows are moved.
         let mut streamed: Option<StreamedParts<'_>> = None;
         let pieces = match &indices {
-            RowIndices::Streamed { .. } => index_pieces(count, row_bytes),
+            RowIndices::Streamed { .. } => index_pieces(count, row_bytes, kernel),
             _ => std::iter::once(0..count).collect(),
         };
         let idx = match indices {
@@ -351,6 +375,13 @@ impl Stream {
                 mem
             }
         };
+        if kernel == RowKernel::Sorted && !matches!(idx, RowMem::Device(_)) {
+            return Err(HalError::InvalidArgument(
+                "a sorted gather needs its index list on the device (a Device, Staged, or \
+                 Streamed-with-device list)"
+                    .into(),
+            ));
+        }
         let dense = rows.range("rows", rows_offset, rows_len)?;
         if count == 0 {
             return Ok(timed.then_some(Duration::ZERO));
@@ -377,7 +408,7 @@ impl Stream {
             idx_upload,
             rows: dense,
             scatter,
-            naive: kernel == RowKernel::Naive,
+            kernel,
             pieces: &pieces,
         };
         let hooks = RowHooks {
@@ -395,5 +426,48 @@ impl Stream {
                 rows: (pool.len() / row_bytes) as u64,
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn covers(pieces: &[Range<usize>], count: usize) {
+        assert!(pieces.len() <= MAX_PIECES, "{pieces:?}");
+        assert_eq!(pieces.first().map(|p| p.start), Some(0));
+        assert_eq!(pieces.last().map(|p| p.end), Some(count));
+        assert!(
+            pieces
+                .windows(2)
+                .all(|w| w[0].end == w[1].start && !w[0].is_empty())
+        );
+    }
+
+    #[test]
+    fn streamed_pieces_grow_with_the_row_size_and_cover_the_list() {
+        let small = index_pieces(1 << 20, 64, RowKernel::Tuned);
+        covers(&small, 1 << 20);
+        assert_eq!(small[0].len(), FIRST_PIECE);
+        assert_eq!(small[1].len(), 2 * FIRST_PIECE);
+        let large = index_pieces(1 << 20, 4096, RowKernel::Tuned);
+        covers(&large, 1 << 20);
+        assert_eq!(large[1].len(), 64 * FIRST_PIECE);
+        covers(
+            &index_pieces(usize::MAX / 2, 64, RowKernel::Tuned),
+            usize::MAX / 2,
+        );
+    }
+
+    #[test]
+    fn a_sorted_list_comes_in_eight_even_pieces() {
+        let pieces = index_pieces(1 << 20, 160, RowKernel::Sorted);
+        covers(&pieces, 1 << 20);
+        assert_eq!(pieces.len(), 8);
+        assert!(pieces.iter().all(|p| p.len() == 1 << 17));
+        // Short lists are not cut finer than SORTED_PIECE_MIN.
+        let short = index_pieces(20_000, 160, RowKernel::Sorted);
+        covers(&short, 20_000);
+        assert_eq!(short.len(), 2);
     }
 }

@@ -13,6 +13,7 @@ mod probe;
 pub use nvrtc::compile_ptx;
 
 use super::GdsMode;
+use super::RowKernel;
 use super::backend::{
     BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend, HostPin,
     RingLaunch, RowHooks, RowJob, RowMem, RowsDone, StreamBackend,
@@ -345,6 +346,7 @@ impl DeviceBackend for CudaDevice {
             stream,
             events: Arc::new(EventPool::default()),
             scratch: Mutex::new(None),
+            order: Mutex::new(OrderScratch::default()),
         }))
     }
 
@@ -468,10 +470,118 @@ struct CudaStreamBackend {
     /// Device memory for the row kernels' error reports (`REPORT_BYTES`), allocated on first use
     /// (cuMemFree synchronizes the device: not something to do per call).
     scratch: Mutex<Option<sys::CUdeviceptr>>,
+    /// Device memory for sorting index lists (sorted gathers), kept at its largest size.
+    order: Mutex<OrderScratch>,
 }
 
 /// A stream's row-kernel report words: one per piece of a row job.
 const REPORT_BYTES: usize = super::rows::MAX_PIECES * 8;
+
+/// Positions of the row kernels in `kernels::GATHER.functions`.
+mod row_fn {
+    /// `gpuio_gather_{16,8,4,1}`, by piece width slot.
+    pub(super) const GATHER: usize = 0;
+    /// `gpuio_scatter_{16,8,4,1}`.
+    pub(super) const SCATTER: usize = 4;
+    pub(super) const NAIVE: usize = 8;
+    /// `gpuio_gather_ordered_{16,8,4,1}`.
+    pub(super) const GATHER_ORDERED: usize = 9;
+    pub(super) const ORDER_COUNT: usize = 13;
+    pub(super) const ORDER_SCAN_BLOCKS: usize = 14;
+    pub(super) const ORDER_SCAN_SUMS: usize = 15;
+    pub(super) const ORDER_PLACE: usize = 16;
+}
+
+/// How a sorted gather orders its index list: a counting sort over buckets of `2^shift`
+/// pool bytes. Buckets of at least 128 B (a read request's span: a finer order buys
+/// nothing), about two per row, at most 2 Mi of them (8 MiB of counts).
+struct Ordering {
+    shift: u32,
+    buckets: u32,
+    /// Blocks of `gpuio_order_scan_blocks` (4096 counts each).
+    scan_blocks: u32,
+    count: usize,
+    /// Scratch bytes: pairs (16 B per row), ranks (4 B per row), counts, block sums.
+    bytes: usize,
+}
+
+/// Where an [`Ordering`]'s arrays lie in the sorting scratch.
+struct OrderAt {
+    pairs: u64,
+    rank: u64,
+    counts: u64,
+    sums: u64,
+}
+
+impl Ordering {
+    fn new(job: &RowJob<'_>) -> Self {
+        const MAX_BUCKETS: u64 = 1 << 21;
+        let pool = job.pool.len() as u64;
+        let target = (2 * job.count as u64).clamp(1, MAX_BUCKETS);
+        let mut shift = 7;
+        while pool >> shift > target {
+            shift += 1;
+        }
+        let buckets = pool.div_ceil(1 << shift).max(1);
+        let scan_blocks = buckets.div_ceil(4096);
+        Self {
+            shift,
+            buckets: buckets as u32,
+            scan_blocks: scan_blocks as u32,
+            count: job.count,
+            bytes: job.count * 20 + (buckets + scan_blocks) as usize * 4,
+        }
+    }
+
+    fn layout(&self, base: u64) -> OrderAt {
+        let n = self.count as u64;
+        let counts = base + n * 20;
+        OrderAt {
+            pairs: base,
+            rank: base + n * 16,
+            counts,
+            sums: counts + u64::from(self.buckets) * 4,
+        }
+    }
+}
+
+/// A stream's sorting scratch: grown to the largest sorted gather so far, never shrunk (a
+/// free synchronizes the device).
+#[derive(Default)]
+struct OrderScratch {
+    mem: Option<(sys::CUdeviceptr, usize)>,
+}
+
+impl OrderScratch {
+    /// At least `bytes` of scratch (its device address), reallocated if smaller.
+    fn reserve(&mut self, shared: &Shared, bytes: usize) -> Result<u64> {
+        if let Some((ptr, len)) = self.mem
+            && len >= bytes
+        {
+            return Ok(ptr);
+        }
+        self.release(shared);
+        let len = bytes.next_power_of_two();
+        // SAFETY: a fresh allocation owned by this scratch, freed in `release`.
+        let ptr = unsafe { result::malloc_sync(len) }.map_err(cuda_err("cuMemAlloc"))?;
+        self.mem = Some((ptr, len));
+        Ok(ptr)
+    }
+
+    /// Frees the scratch (no work may use it any more: every user synchronized).
+    fn release(&mut self, shared: &Shared) {
+        if let Some((ptr, _)) = self.mem.take() {
+            let freed = shared.bind().and_then(|()| {
+                // SAFETY: allocated by cuMemAlloc in this context, freed once; the jobs that
+                // used it synchronized before returning.
+                unsafe { result::free_sync(ptr) }.map_err(cuda_err("cuMemFree"))
+            });
+            if let Err(e) = freed {
+                tracing::error!(error = %e, "freeing a stream's sorting scratch failed");
+            }
+        }
+    }
+}
 
 /// Waits for a stream's work on every path out of a scope (errors and panics included)
 /// unless [`WaitOnDrop::wait`] already did.
@@ -494,19 +604,24 @@ impl Drop for WaitOnDrop<'_> {
 
 impl Drop for CudaStreamBackend {
     fn drop(&mut self) {
+        // Work queued on this stream may still use its scratch: drain first.
+        if let Err(e) = self.shared.bind() {
+            tracing::error!(error = %e, "binding a stream's context to free its scratch failed");
+            return;
+        }
+        let _ = self.stream.synchronize();
+        self.order
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .release(&self.shared);
         let scratch = self
             .scratch
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
             .take();
         if let Some(ptr) = scratch {
-            let freed = self.shared.bind().and_then(|()| {
-                // Work queued on this stream may still use it: drain first.
-                let _ = self.stream.synchronize();
-                // SAFETY: allocated by cuMemAlloc in this context, freed once, unused now.
-                unsafe { result::free_sync(ptr) }.map_err(cuda_err("cuMemFree"))
-            });
-            if let Err(e) = freed {
+            // SAFETY: allocated by cuMemAlloc in this context, freed once, unused now.
+            if let Err(e) = unsafe { result::free_sync(ptr) }.map_err(cuda_err("cuMemFree")) {
                 tracing::error!(error = %e, "freeing a stream's scratch memory failed");
             }
         }
@@ -529,6 +644,18 @@ impl EventPool {
 impl CudaStreamBackend {
     fn raw(&self) -> sys::CUstream {
         self.stream.cu_stream()
+    }
+
+    /// The row kernels' report words (`REPORT_BYTES` of device memory), allocated on first use.
+    fn report_scratch(&self) -> Result<sys::CUdeviceptr> {
+        let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = *s {
+            return Ok(p);
+        }
+        // SAFETY: a fresh allocation owned by this stream, freed in its Drop.
+        let p = unsafe { result::malloc_sync(REPORT_BYTES) }.map_err(cuda_err("cuMemAlloc"))?;
+        *s = Some(p);
+        Ok(p)
     }
 }
 
@@ -650,51 +777,60 @@ impl StreamBackend for CudaStreamBackend {
             .into_iter()
             .find(|(_, w)| rb % w == 0 && pool % w == 0 && rows_addr % w == 0)
             .unwrap_or((3, 1));
-        let func = if job.naive {
-            &kernels[8]
-        } else {
-            &kernels[if job.scatter { 4 } else { 0 } + slot]
+        let func = match job.kernel {
+            RowKernel::Naive => &kernels[row_fn::NAIVE],
+            RowKernel::Sorted => &kernels[row_fn::GATHER_ORDERED + slot],
+            RowKernel::Tuned if job.scatter => &kernels[row_fn::SCATTER + slot],
+            RowKernel::Tuned => &kernels[row_fn::GATHER + slot],
         };
         let config = |rows: u64| {
-            if job.naive {
+            if job.kernel == RowKernel::Naive {
                 self.shared.launch_config(rows * 32)
             } else {
                 // Each thread keeps GPUIO_UNROLL (4) loads in flight.
                 self.shared.launch_config((rows * (rb / width)).div_ceil(4))
             }
         };
-        // One report word per piece: the first out-of-range index position within it.
-        let words = job.pieces.len().clamp(1, super::rows::MAX_PIECES);
-        let scratch = {
-            let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-            match *s {
-                Some(p) => p,
-                None => {
-                    // SAFETY: a fresh allocation owned by this stream, freed in its Drop.
-                    let p = unsafe { result::malloc_sync(REPORT_BYTES) }
-                        .map_err(cuda_err("cuMemAlloc"))?;
-                    *s = Some(p);
-                    p
-                }
-            }
+        let launches = job.pieces.len().clamp(1, super::rows::MAX_PIECES);
+        // One report word per launch of the row kernel: the first out-of-range index
+        // position within its piece (a sorted job's single launch reports positions in the
+        // whole list).
+        let ordering = (job.kernel == RowKernel::Sorted).then(|| Ordering::new(&job));
+        let words = if ordering.is_some() { 1 } else { launches };
+        let report = self.report_scratch()?;
+        // Held for the call: the sorting scratch is this job's until it is done.
+        let mut order_scratch = self.order.lock().unwrap_or_else(|e| e.into_inner());
+        let order = match &ordering {
+            Some(o) => Some(o.layout(order_scratch.reserve(&self.shared, o.bytes)?)),
+            None => None,
         };
         let pool_rows = (job.pool.len() as u64) / rb;
-        // SAFETY: `words` report words fit the scratch allocation of this stream.
-        unsafe { sys::cuMemsetD8Async(scratch, 0xff, words * 8, self.raw()) }
+        // SAFETY: `words` report words fit the report scratch of this stream.
+        unsafe { sys::cuMemsetD8Async(report, 0xff, words * 8, self.raw()) }
             .result()
             .map_err(cuda_err("cuMemsetD8Async"))?;
+        if let (Some(o), Some(at)) = (&ordering, &order) {
+            // SAFETY: the bucket counts lie inside the reserved sorting scratch.
+            unsafe { sys::cuMemsetD32Async(at.counts, 0, o.buckets as usize, self.raw()) }
+                .result()
+                .map_err(cuda_err("cuMemsetD32Async"))?;
+        }
         let RowHooks { mut stage, timed } = hooks;
         // Events bracket the launches when the device's time is asked for.
         let start = timed.then(|| self.record(true)).transpose()?;
         // From the first launch on, kernels may be running: every way out (an error, a panic
         // in `stage`) waits for them before the borrows of the pool and buffers end.
         let running = WaitOnDrop(Some(self));
-        for (k, piece) in job.pieces.iter().take(words).enumerate() {
+        for (k, piece) in job.pieces.iter().take(launches).enumerate() {
             if let Some(stage) = stage.as_mut() {
                 stage(k);
             }
-            // The last word takes any pieces beyond MAX_PIECES (never made by rows.rs).
-            let end = if k + 1 == words { job.count } else { piece.end };
+            // The last launch takes any pieces beyond MAX_PIECES (never made by rows.rs).
+            let end = if k + 1 == launches {
+                job.count
+            } else {
+                piece.end
+            };
             let (start_row, n) = (piece.start as u64, (end - piece.start) as u64);
             if let (Some(src), RowMem::Device(dst)) = (job.idx_upload, job.idx) {
                 let part = dst.part(piece.start * 8, (end - piece.start) * 8)?;
@@ -704,8 +840,28 @@ impl StreamBackend for CudaStreamBackend {
                 unsafe { self.copy_h2d(src.wrapping_add(piece.start * 8), part)? };
             }
             let idx = idx + start_row * 8;
+            if let (Some(o), Some(at)) = (&ordering, &order) {
+                // A sorted job counts each piece's buckets as it arrives; the rows move once
+                // the whole list is ordered, after the loop.
+                let rank = at.rank + start_row * 4;
+                let mut launch = self.stream.launch_builder(&kernels[row_fn::ORDER_COUNT]);
+                launch.arg(&idx).arg(&n).arg(&pool_rows).arg(&rb);
+                launch
+                    .arg(&o.shift)
+                    .arg(&o.buckets)
+                    .arg(&at.counts)
+                    .arg(&rank);
+                // SAFETY: the arguments match gpuio_order_count(const u64*, u64, u64, u64,
+                // u32, u32, u32*, u32*); it reads this piece of the checked device index
+                // range and writes its ranks and the bucket counts, all inside the sorting
+                // scratch reserved (and locked) for this call, which synchronizes before
+                // returning.
+                unsafe { launch.launch(self.shared.launch_config(n)) }
+                    .map_err(cuda_err("cuLaunchKernel(gpuio_order_count)"))?;
+                continue;
+            }
             let dense = rows_addr + start_row * rb;
-            let report = scratch + 8 * k as u64;
+            let report = report + 8 * k as u64;
             // Gathers take (pool, .., dense); scatters (dense source, .., pool).
             let (first, last) = if job.scatter {
                 (dense, pool)
@@ -730,18 +886,70 @@ impl StreamBackend for CudaStreamBackend {
             unsafe { launch.launch(config(n)) }
                 .map_err(cuda_err("cuLaunchKernel(gpuio row kernel)"))?;
         }
+        if let (Some(o), Some(at)) = (&ordering, &order) {
+            let count = job.count as u64;
+            let block = |blocks: u32| LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (1024, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut launch = self
+                .stream
+                .launch_builder(&kernels[row_fn::ORDER_SCAN_BLOCKS]);
+            launch.arg(&at.counts).arg(&o.buckets).arg(&at.sums);
+            // SAFETY: matches gpuio_order_scan_blocks(u32*, u32, u32*); one block per 4096
+            // counts, all inside the reserved scratch, as are the `scan_blocks` sums.
+            unsafe { launch.launch(block(o.scan_blocks)) }
+                .map_err(cuda_err("cuLaunchKernel(gpuio_order_scan_blocks)"))?;
+            let mut launch = self
+                .stream
+                .launch_builder(&kernels[row_fn::ORDER_SCAN_SUMS]);
+            launch.arg(&at.sums).arg(&o.scan_blocks);
+            // SAFETY: matches gpuio_order_scan_sums(u32*, u32): the sums written just before.
+            unsafe { launch.launch(block(1)) }
+                .map_err(cuda_err("cuLaunchKernel(gpuio_order_scan_sums)"))?;
+            let mut launch = self.stream.launch_builder(&kernels[row_fn::ORDER_PLACE]);
+            launch.arg(&idx).arg(&count).arg(&pool_rows).arg(&rb);
+            launch
+                .arg(&o.shift)
+                .arg(&o.buckets)
+                .arg(&at.counts)
+                .arg(&at.sums);
+            launch.arg(&at.rank).arg(&at.pairs);
+            // SAFETY: matches gpuio_order_place(const u64*, u64, u64, u64, u32, u32, const
+            // u32*, const u32*, const u32*, ulonglong2*): it reads the whole checked index
+            // range and the scratch, and writes each of the `count` pairs once (a bucket's
+            // start plus a rank below its count).
+            unsafe { launch.launch(self.shared.launch_config(count)) }
+                .map_err(cuda_err("cuLaunchKernel(gpuio_order_place)"))?;
+            let mut launch = self.stream.launch_builder(func);
+            launch.arg(&pool).arg(&pool_rows).arg(&rb).arg(&at.pairs);
+            launch.arg(&count).arg(&rows_addr).arg(&report);
+            // SAFETY: matches gpuio_gather_ordered_W(pool, rows, row_bytes, pairs, n, dense,
+            // err): it reads the pairs just placed, pool rows below `pool_rows` (checked per
+            // pair), writes each pair's position of the checked dense range and report word
+            // 0; the pool stays registered until this call returns, and we synchronize first.
+            unsafe { launch.launch(config(count)) }
+                .map_err(cuda_err("cuLaunchKernel(gpuio_gather_ordered)"))?;
+        }
         let end = start.is_some().then(|| self.record(true)).transpose()?;
         // A copy into pageable memory returns only when it is done (so when the kernels
         // are): issue it after everything else is queued.
-        let mut report = [0u8; REPORT_BYTES];
-        // SAFETY: `report` holds `words * 8` writable bytes; we synchronize before reading it.
+        let mut words_back = [0u8; REPORT_BYTES];
+        // SAFETY: `words_back` holds `words * 8` writable bytes; we synchronize before reading.
         unsafe {
-            sys::cuMemcpyDtoHAsync_v2(report.as_mut_ptr().cast(), scratch, words * 8, self.raw())
+            sys::cuMemcpyDtoHAsync_v2(
+                words_back.as_mut_ptr().cast(),
+                report,
+                words * 8,
+                self.raw(),
+            )
         }
         .result()
         .map_err(cuda_err("cuMemcpyDtoHAsync"))?;
         // This also reports an error a kernel ran into.
         running.wait()?;
+        drop(order_scratch);
         let device_time = match (start, end) {
             (Some(start), Some(end)) => {
                 let ms = end.elapsed_ms_since(start.as_ref())?;
@@ -749,15 +957,18 @@ impl StreamBackend for CudaStreamBackend {
             }
             _ => None,
         };
-        let bad_index =
-            report
-                .chunks_exact(8)
-                .take(words)
-                .zip(job.pieces)
-                .find_map(|(word, piece)| {
-                    let at = u64::from_le_bytes(word.try_into().unwrap_or([0xff; 8]));
-                    (at != u64::MAX).then(|| piece.start as u64 + at)
-                });
+        let word = |k: usize| {
+            let at = words_back[8 * k..8 * k + 8].try_into().unwrap_or([0xff; 8]);
+            Some(u64::from_le_bytes(at)).filter(|&at| at != u64::MAX)
+        };
+        let bad_index = if ordering.is_some() {
+            word(0)
+        } else {
+            (0..words).find_map(|k| {
+                let start = job.pieces.get(k).map_or(0, |p| p.start as u64);
+                word(k).map(|at| start + at)
+            })
+        };
         Ok(RowsDone {
             bad_index,
             device_time,
