@@ -8,9 +8,10 @@
 //!   large rows, or pools small enough that their pages stay cached in its TLBs.
 //! - [`GatherStrategy::Sorted`]: the same kernels over the rows in pool address order — the
 //!   index list goes to the device, which sorts it first (a counting sort). Loads in flight
-//!   together then fall on few pages and neighbouring rows share read requests: 4–10× the
-//!   random order for small rows from pools of gigabytes, and rows picked twice are read
-//!   once. It costs the sort and waits for the whole index list before the first row moves.
+//!   together then fall on few pages and neighbouring rows share read requests: 2–10× the
+//!   random order for rows under 1 KiB from pools of gigabytes (H200), and rows picked twice
+//!   are read once. It costs the sort and waits for the whole index list before the first
+//!   row moves.
 //! - [`GatherStrategy::CpuStaged`]: all cores gather rows into pinned staging buffers (with
 //!   prefetching a few rows ahead) and each full buffer goes over as one DMA, overlapped with
 //!   the next buffer's gather. The CPU pays no per-page device translation, so this wins for
