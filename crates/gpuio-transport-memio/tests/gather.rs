@@ -147,6 +147,50 @@ fn the_naive_tuned_and_sorted_kernels_agree_with_the_reference() {
 }
 
 #[test]
+fn a_sorted_gather_counts_a_streamed_list_piece_by_piece() {
+    // 100 000 indices stream in 7 pieces of 16 Ki, each copied to the device and counted as
+    // it arrives; the rows move once the whole list is ordered.
+    let io = engine();
+    let gpu = io.gpu(0).unwrap().clone();
+    let stream = gpu.stream().unwrap();
+    let (n, rb) = (100_000, 24);
+    let rows = (2 << 20) / rb;
+    let p = pool(&io, rows * rb, seed(), true);
+    let mut idx = random_indices(n, rows, seed());
+    let mut stage = HostBuffer::alloc(n * 8, &HostAllocOptions::default()).unwrap();
+    stage.pin(&gpu).unwrap();
+    let on_device = gpu.alloc(n * 8).unwrap();
+    let dst = gpu.alloc(n * rb).unwrap();
+    let mut run = |idx: &[u64]| {
+        let mut pieces = 0;
+        let mut encode = |range: std::ops::Range<usize>, out: &mut [u8]| {
+            pieces += 1;
+            for (o, i) in out.chunks_exact_mut(8).zip(&idx[range]) {
+                o.copy_from_slice(&i.to_le_bytes());
+            }
+        };
+        let list = gpuio_hal::RowIndices::Streamed {
+            stage: &mut stage,
+            encode: &mut encode,
+            device: Some(&on_device),
+        };
+        let done = stream.gather(&p, rb, list, n, &dst, 0, RowKernel::Sorted);
+        (done, pieces)
+    };
+    let (done, pieces) = run(&idx);
+    done.unwrap();
+    assert_eq!(pieces, 7);
+    assert!(download(&io, &dst, 0, n * rb) == reference(&p, rb, &idx));
+    // Out-of-range indices in two pieces: the first position is reported.
+    idx[90_000] = rows as u64;
+    idx[40_000] = u64::MAX;
+    match run(&idx).0 {
+        Err(HalError::IndexOutOfRange { position, .. }) => assert_eq!(position, 40_000),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
 fn an_unpinned_pool_is_gathered_by_the_cpu() {
     let io = engine();
     let gpu = io.gpu(0).unwrap().clone();
