@@ -183,7 +183,7 @@ pub fn run(
             let out = n * rb;
             let with = |strategy| GatherOptions {
                 strategy,
-                dedup: false,
+                ..GatherOptions::default()
             };
             let report = |strategy| {
                 io.gather(&pool, rb, &idx, &dst, 0, &with(strategy))

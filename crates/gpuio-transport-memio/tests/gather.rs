@@ -59,6 +59,56 @@ fn download(io: &MemIo, dev: &gpuio_hal::DeviceBuffer, off: usize, len: usize) -
 }
 
 #[test]
+fn a_hybrid_gather_takes_the_callers_share_and_refuses_one_outside_0_to_1() {
+    let io = engine();
+    let gpu = io.gpu(0).unwrap().clone();
+    let s = seed();
+    let (rb, rows, n) = (160, 20_000, 5000);
+    let p = pool(&io, rows * rb, s, true);
+    let idx = random_indices(n, rows, s ^ 1);
+    let want = reference(&p, rb, &idx);
+    let dst = gpu.alloc(n * rb).unwrap();
+    // All on the CPU, all on the GPU, and splits between (the GPU's side may sort).
+    for share in [0.0, 0.3, 0.77, 1.0] {
+        io.upload(&vec![0u8; n * rb], &dst, 0).unwrap();
+        let opts = GatherOptions {
+            strategy: GatherStrategy::Hybrid,
+            gpu_share: Some(share),
+            ..GatherOptions::default()
+        };
+        let r = io.gather(&p, rb, &idx, &dst, 0, &opts).unwrap();
+        assert_eq!(r.strategy, GatherStrategy::Hybrid);
+        assert!(download(&io, &dst, 0, n * rb) == want, "share {share}");
+    }
+    for share in [-0.1, 1.5, f64::NAN] {
+        let opts = GatherOptions {
+            strategy: GatherStrategy::Hybrid,
+            gpu_share: Some(share),
+            ..GatherOptions::default()
+        };
+        match io.gather(&p, rb, &idx, &dst, 0, &opts) {
+            Err(MemIoError::Hal(HalError::InvalidArgument(m))) => {
+                assert!(m.contains("share"), "{m}")
+            }
+            other => panic!("share {share}: {other:?}"),
+        }
+    }
+    // A pinned share is the caller's: it moves neither Auto's share nor its rates.
+    for _ in 0..10 {
+        io.gather(&p, rb, &idx, &dst, 0, &GatherOptions::default())
+            .unwrap();
+    }
+    let before = io.gather_plan(&p, &gpu, rb, n).unwrap();
+    let opts = GatherOptions {
+        strategy: GatherStrategy::Hybrid,
+        gpu_share: Some(0.5),
+        ..GatherOptions::default()
+    };
+    io.gather(&p, rb, &idx, &dst, 0, &opts).unwrap();
+    assert_eq!(io.gather_plan(&p, &gpu, rb, n).unwrap(), before);
+}
+
+#[test]
 fn every_strategy_gathers_rows_of_any_size_and_alignment() {
     let io = engine();
     let gpu = io.gpu(0).unwrap().clone();
@@ -84,7 +134,11 @@ fn every_strategy_gathers_rows_of_any_size_and_alignment() {
             GatherStrategy::Auto,
         ] {
             for dedup in [false, true] {
-                let opts = GatherOptions { strategy, dedup };
+                let opts = GatherOptions {
+                    strategy,
+                    dedup,
+                    ..GatherOptions::default()
+                };
                 let r = io.gather(&p, rb, &idx, &dst, off, &opts).unwrap();
                 assert_ne!(r.strategy, GatherStrategy::Auto);
                 assert_eq!(r.rows, n);
@@ -199,7 +253,7 @@ fn an_unpinned_pool_is_gathered_by_the_cpu() {
     let dst = gpu.alloc(500 * 160).unwrap();
     let opts = GatherOptions {
         strategy: GatherStrategy::ZeroCopy,
-        dedup: false,
+        ..GatherOptions::default()
     };
     let r = io.gather(&p, 160, &idx, &dst, 0, &opts).unwrap();
     assert_eq!(r.strategy, GatherStrategy::CpuStaged);
@@ -253,7 +307,7 @@ fn bad_indices_and_sizes_are_typed_errors() {
     ] {
         let opts = GatherOptions {
             strategy,
-            dedup: false,
+            ..GatherOptions::default()
         };
         match io.gather(&p, 64, &idx, &dst, 0, &opts) {
             Err(MemIoError::Hal(HalError::IndexOutOfRange { position, rows })) => {
@@ -287,7 +341,7 @@ fn long_index_lists_stream_in_pieces_and_report_positions_across_them() {
         let dst = gpu.alloc(n * rb).unwrap();
         let opts = GatherOptions {
             strategy: GatherStrategy::ZeroCopy,
-            dedup: false,
+            ..GatherOptions::default()
         };
         io.gather(&p, rb, &idx, &dst, 0, &opts).unwrap();
         assert!(
@@ -304,7 +358,7 @@ fn long_index_lists_stream_in_pieces_and_report_positions_across_them() {
         ] {
             let opts = GatherOptions {
                 strategy,
-                dedup: false,
+                ..GatherOptions::default()
             };
             match io.gather(&p, rb, &idx, &dst, 0, &opts) {
                 Err(MemIoError::Hal(HalError::IndexOutOfRange { position, .. })) => {
