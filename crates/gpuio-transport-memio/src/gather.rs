@@ -61,9 +61,9 @@ pub struct GatherOptions {
     /// Fetch each distinct row once, in address order, and expand on the device: for index
     /// lists with many repeats.
     pub dedup: bool,
-    /// For [`GatherStrategy::Hybrid`]: the GPU's share of the rows (0 to 1), fixed by the
-    /// caller — to leave cores free, or to measure one split. `None`: `Auto`'s balancing
-    /// picks it.
+    /// For hybrid calls (forced, or chosen by `Auto`): the GPU's share of the rows (0 to 1),
+    /// fixed by the caller — to leave cores free, or to measure one split; a value outside
+    /// 0 to 1 fails any call. `None`: `Auto`'s balancing picks it.
     pub gpu_share: Option<f64>,
 }
 
@@ -410,6 +410,14 @@ impl MemIo {
             .ok_or_else(|| HalError::InvalidArgument("gather size overflows".into()))?;
         gpuio_hal::check_range("gather destination", dst_offset, out_len, dst.len())?;
         self.device(dst.gpu())?;
+        if let Some(s) = opts.gpu_share
+            && !(0.0..=1.0).contains(&s)
+        {
+            return Err(HalError::InvalidArgument(format!(
+                "a hybrid gather's GPU share must be between 0 and 1, not {s}"
+            ))
+            .into());
+        }
         if indices.is_empty() {
             return Ok(GatherReport {
                 strategy: self.resolve(opts.strategy, pool, dst.gpu(), row_bytes, 0),
@@ -608,16 +616,7 @@ impl MemIo {
         dst_offset: usize,
         HybridSplit { key, fixed }: HybridSplit,
     ) -> Result<()> {
-        let share = match fixed {
-            Some(s) if (0.0..=1.0).contains(&s) => s,
-            Some(s) => {
-                return Err(HalError::InvalidArgument(format!(
-                    "a hybrid gather's GPU share must be between 0 and 1, not {s}"
-                ))
-                .into());
-            }
-            None => self.planner.gpu_share(key),
-        };
+        let share = fixed.unwrap_or_else(|| self.planner.gpu_share(key));
         let kernel = self.planner.gpu_kernel(key);
         let path = IndexPath::of(kernel, row_bytes);
         let split = ((indices.len() as f64 * share).round() as usize).min(indices.len());

@@ -80,9 +80,13 @@ fn a_hybrid_gather_takes_the_callers_share_and_refuses_one_outside_0_to_1() {
         assert_eq!(r.strategy, GatherStrategy::Hybrid);
         assert!(download(&io, &dst, 0, n * rb) == want, "share {share}");
     }
-    for share in [-0.1, 1.5, f64::NAN] {
+    for (share, strategy) in [
+        (-0.1, GatherStrategy::Hybrid),
+        (1.5, GatherStrategy::Auto),
+        (f64::NAN, GatherStrategy::ZeroCopy),
+    ] {
         let opts = GatherOptions {
-            strategy: GatherStrategy::Hybrid,
+            strategy,
             gpu_share: Some(share),
             ..GatherOptions::default()
         };
