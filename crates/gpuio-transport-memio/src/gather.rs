@@ -20,8 +20,11 @@
 //!   share one call's rows.
 //!
 //! [`GatherStrategy::Auto`] learns which is fastest per (device, row size, pool size, row
-//! count) class from the calls themselves: it tries each, keeps the fastest, and re-checks the
-//! others now and then.
+//! count, index list place) class from the calls themselves: it tries each, keeps the
+//! fastest, and re-checks the others now and then.
+//!
+//! The index list may be in host memory or already in device memory ([`GatherIndices`]): the
+//! output of a top-k or hashing kernel need not come back to the host for the GPU's paths.
 
 use crate::pipeline::{ChunkLen, Schedule};
 use crate::{MemIo, MemIoError, Result, lock};
@@ -67,6 +70,74 @@ pub struct GatherOptions {
     pub gpu_share: Option<f64>,
 }
 
+/// A gather's index list: output row `i` is pool row `list[i]`.
+#[derive(Debug, Clone, Copy)]
+pub enum GatherIndices<'a> {
+    /// In host memory.
+    Host(&'a [u64]),
+    /// In device memory of the destination's GPU: the first `count` little-endian u64s of
+    /// `list`. The GPU's paths read it there; the CPU's (CPU-staged, a hybrid's CPU share,
+    /// `dedup`) first copy their part of it back, 8 bytes a row.
+    Device {
+        /// The list's buffer.
+        list: &'a DeviceBuffer,
+        /// Indices in it (rows to gather).
+        count: usize,
+    },
+}
+
+impl GatherIndices<'_> {
+    /// Rows to gather.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Host(list) => list.len(),
+            Self::Device { count, .. } => *count,
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Where the list lives.
+    pub fn place(&self) -> IndexPlace {
+        match self {
+            Self::Host(_) => IndexPlace::Host,
+            Self::Device { .. } => IndexPlace::Device,
+        }
+    }
+}
+
+impl<'a> From<&'a [u64]> for GatherIndices<'a> {
+    fn from(list: &'a [u64]) -> Self {
+        Self::Host(list)
+    }
+}
+
+impl<'a> From<&'a Vec<u64>> for GatherIndices<'a> {
+    fn from(list: &'a Vec<u64>) -> Self {
+        Self::Host(list)
+    }
+}
+
+impl<'a, const N: usize> From<&'a [u64; N]> for GatherIndices<'a> {
+    fn from(list: &'a [u64; N]) -> Self {
+        Self::Host(list)
+    }
+}
+
+/// Where a gather's index list lives. Part of `Auto`'s shape classes: a list in host memory
+/// must cross PCIe before the device can sort it, one on the device need not, so the same
+/// rows can want different paths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub enum IndexPlace {
+    /// Host memory.
+    Host,
+    /// Device memory.
+    Device,
+}
+
 /// What a gather did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct GatherReport {
@@ -91,10 +162,17 @@ pub struct GatherPlan {
     pub gpu_share: f64,
 }
 
-/// Shape class of a gather, for the strategy choice: device, log2 row size, log2 pool size,
-/// log2 row count (a 2048-row call and a million-row one from the same pool can want
-/// different paths: the hybrid's second side costs more than it brings on a small call).
-type ShapeKey = (u32, u32, u32, u32);
+/// Shape class of a gather, for the strategy choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct ShapeKey {
+    gpu: u32,
+    row_bytes_log2: u32,
+    pool_log2: u32,
+    /// A 2048-row call and a million-row one from the same pool can want different paths:
+    /// the hybrid's second side costs more than it brings on a small call.
+    rows_log2: u32,
+    indices: IndexPlace,
+}
 
 /// Measured rates per shape class.
 #[derive(Debug, Default)]
@@ -297,6 +375,41 @@ pub(crate) struct IndexStage {
     device: Option<DeviceBuffer>,
 }
 
+/// An index list the CPU reads: the caller's, or a device list's part copied back into a
+/// pinned stage, which goes back to the device's pool when this is dropped.
+enum HostList<'a> {
+    Borrowed(&'a [u64]),
+    Staged {
+        io: &'a MemIo,
+        gpu: &'a Gpu,
+        stage: Option<IndexStage>,
+        len: usize,
+    },
+}
+
+impl std::ops::Deref for HostList<'_> {
+    type Target = [u64];
+
+    fn deref(&self) -> &[u64] {
+        match self {
+            Self::Borrowed(list) => list,
+            Self::Staged { stage, len, .. } => stage
+                .as_ref()
+                .map_or(&[][..], |s| &s.host.as_u64s()[..*len]),
+        }
+    }
+}
+
+impl Drop for HostList<'_> {
+    fn drop(&mut self) {
+        if let Self::Staged { io, gpu, stage, .. } = self
+            && let Some(stage) = stage.take()
+        {
+            io.give_stage(gpu, stage);
+        }
+    }
+}
+
 /// From this row size on, each piece of an index list is copied to the device before its
 /// rows move (the copy is under 1% of the rows' bytes, and the kernel's index loads stop
 /// waiting on PCIe round trips); below it the kernel reads the list from pinned memory as
@@ -386,19 +499,21 @@ fn bad_index(position: usize, rows: usize) -> MemIoError {
 
 impl MemIo {
     /// Gathers rows of `row_bytes` from `pool` into `dst` at `dst_offset`: output row `i` is
-    /// pool row `indices[i]`. Rows are opaque bytes of any size and alignment. The pool may be
-    /// pinned (both paths open) or not (CPU-staged only). An index past the pool's last row
-    /// fails the call with [`HalError::IndexOutOfRange`]; the destination is then partly
+    /// pool row `indices[i]`, the list in host memory (a `&[u64]`) or device memory
+    /// ([`GatherIndices::Device`]). Rows are opaque bytes of any size and alignment. The pool
+    /// may be pinned (every path open) or not (CPU-staged only). An index past the pool's last
+    /// row fails the call with [`HalError::IndexOutOfRange`]; the destination is then partly
     /// written.
-    pub fn gather(
+    pub fn gather<'a>(
         &self,
         pool: &HostBuffer,
         row_bytes: usize,
-        indices: &[u64],
+        indices: impl Into<GatherIndices<'a>>,
         dst: &DeviceBuffer,
         dst_offset: usize,
         opts: &GatherOptions,
     ) -> Result<GatherReport> {
+        let indices = indices.into();
         if row_bytes == 0 {
             return Err(
                 HalError::InvalidArgument("row size must be at least 1 byte".into()).into(),
@@ -409,6 +524,18 @@ impl MemIo {
             .checked_mul(row_bytes)
             .ok_or_else(|| HalError::InvalidArgument("gather size overflows".into()))?;
         gpuio_hal::check_range("gather destination", dst_offset, out_len, dst.len())?;
+        if let GatherIndices::Device { list, count } = indices {
+            if list.gpu() != dst.gpu() {
+                return Err(HalError::InvalidArgument(
+                    "a device index list must be on the destination's GPU".into(),
+                )
+                .into());
+            }
+            let bytes = count
+                .checked_mul(8)
+                .ok_or_else(|| HalError::InvalidArgument("index list size overflows".into()))?;
+            gpuio_hal::check_range("gather index list", 0, bytes, list.len())?;
+        }
         self.device(dst.gpu())?;
         if let Some(s) = opts.gpu_share
             && !(0.0..=1.0).contains(&s)
@@ -418,19 +545,20 @@ impl MemIo {
             ))
             .into());
         }
+        let rows = indices.len();
+        let key = self.shape(pool, dst.gpu(), row_bytes, rows, indices.place());
         if indices.is_empty() {
             return Ok(GatherReport {
-                strategy: self.resolve(opts.strategy, pool, dst.gpu(), row_bytes, 0),
+                strategy: self.resolve(opts.strategy, pool, key),
                 rows: 0,
                 rows_fetched: 0,
             });
         }
         if opts.dedup {
-            return self.gather_dedup(pool, row_bytes, indices, dst, dst_offset, opts);
+            let list = self.host_indices(indices, 0..rows)?;
+            return self.gather_dedup(pool, row_bytes, &list, dst, dst_offset, opts);
         }
-        let rows = indices.len();
-        let strategy = self.resolve(opts.strategy, pool, dst.gpu(), row_bytes, rows);
-        let key = self.shape(pool, dst.gpu(), row_bytes, rows);
+        let strategy = self.resolve(opts.strategy, pool, key);
         let t = Instant::now();
         match strategy {
             GatherStrategy::ZeroCopy => {
@@ -446,7 +574,10 @@ impl MemIo {
                 };
                 self.gather_hybrid(pool, row_bytes, indices, dst, dst_offset, split)?
             }
-            _ => self.gather_staged(pool, row_bytes, indices, dst, dst_offset)?,
+            _ => {
+                let list = self.host_indices(indices, 0..rows)?;
+                self.gather_staged(pool, row_bytes, &list, dst, dst_offset)?
+            }
         }
         // A call with the caller's own hybrid share measures that split, not the hybrid's.
         if opts.gpu_share.is_none() || strategy != GatherStrategy::Hybrid {
@@ -456,8 +587,8 @@ impl MemIo {
         self.count_h2d(out_len);
         Ok(GatherReport {
             strategy,
-            rows: indices.len(),
-            rows_fetched: indices.len(),
+            rows,
+            rows_fetched: rows,
         })
     }
 
@@ -486,36 +617,100 @@ impl MemIo {
     }
 
     /// What `Auto` has learned so far about gathers of `rows` rows of `row_bytes` from
-    /// `pool` into `gpu` (None before the first call of that shape).
+    /// `pool` into `gpu` by an index list in `indices` memory (None before the first call of
+    /// that shape).
     pub fn gather_plan(
         &self,
         pool: &HostBuffer,
         gpu: &Gpu,
         row_bytes: usize,
         rows: usize,
+        indices: IndexPlace,
     ) -> Option<GatherPlan> {
-        self.planner.plan(self.shape(pool, gpu, row_bytes, rows))
+        self.planner
+            .plan(self.shape(pool, gpu, row_bytes, rows, indices))
     }
 
-    fn shape(&self, pool: &HostBuffer, gpu: &Gpu, row_bytes: usize, rows: usize) -> ShapeKey {
-        (gpu.ordinal(), log2(row_bytes), log2(pool.len()), log2(rows))
-    }
-
-    fn resolve(
+    fn shape(
         &self,
-        asked: GatherStrategy,
         pool: &HostBuffer,
         gpu: &Gpu,
         row_bytes: usize,
         rows: usize,
-    ) -> GatherStrategy {
+        indices: IndexPlace,
+    ) -> ShapeKey {
+        ShapeKey {
+            gpu: gpu.ordinal(),
+            row_bytes_log2: log2(row_bytes),
+            pool_log2: log2(pool.len()),
+            rows_log2: log2(rows),
+            indices,
+        }
+    }
+
+    fn resolve(&self, asked: GatherStrategy, pool: &HostBuffer, key: ShapeKey) -> GatherStrategy {
         if !pool.is_pinned() {
             // The device cannot reach pageable memory; only the CPU can gather it.
             return GatherStrategy::CpuStaged;
         }
         match asked {
-            GatherStrategy::Auto => self.planner.choose(self.shape(pool, gpu, row_bytes, rows)),
+            GatherStrategy::Auto => self.planner.choose(key),
             other => other,
+        }
+    }
+
+    /// Indices `range` of a list in host memory: borrowed from a host list; from a device
+    /// list, copied back by DMA into a pinned index stage (resident memory: a fresh vector
+    /// would fault in every page as the copy lands).
+    fn host_indices<'a>(
+        &'a self,
+        indices: GatherIndices<'a>,
+        range: Range<usize>,
+    ) -> Result<HostList<'a>> {
+        let list = match indices {
+            GatherIndices::Host(list) => return Ok(HostList::Borrowed(&list[range])),
+            GatherIndices::Device { list, .. } => list,
+        };
+        let gpu = list.gpu();
+        let len = range.len();
+        let mut stage = self.take_stage(gpu, len * 8)?;
+        let copied = self.with_stream(gpu, |s| {
+            Ok(s.download(
+                list,
+                range.start * 8,
+                &mut stage.host.as_mut_slice()[..len * 8],
+            )?)
+        });
+        if let Err(e) = copied {
+            self.give_stage(gpu, stage);
+            return Err(e);
+        }
+        for w in &mut stage.host.as_u64s_mut()[..len] {
+            *w = u64::from_le(*w);
+        }
+        Ok(HostList::Staged {
+            io: self,
+            gpu,
+            stage: Some(stage),
+            len,
+        })
+    }
+
+    /// Runs `f` with a stream and the first `count` indices where the device reads them: a
+    /// device list as it is, a host list staged by `path`.
+    fn with_gpu_indices<T>(
+        &self,
+        gpu: &Gpu,
+        indices: GatherIndices<'_>,
+        count: usize,
+        path: IndexPath,
+        f: impl FnOnce(&Stream, RowIndices<'_>) -> Result<T>,
+    ) -> Result<T> {
+        match indices {
+            GatherIndices::Host(list) => self.with_indices(gpu, &list[..count], path, f),
+            GatherIndices::Device { list, .. } => {
+                self.with_stream(gpu, |s| f(s, RowIndices::Device(list)))
+            }
         }
     }
 
@@ -529,27 +724,7 @@ impl MemIo {
         f: impl FnOnce(&Stream, RowIndices<'_>) -> Result<T>,
     ) -> Result<T> {
         let on_device = path != IndexPath::Pinned;
-        let dev = self.device(gpu)?;
-        let bytes = indices.len() * 8;
-        let pooled = {
-            let mut stages = lock(&dev.index_stages);
-            let at = stages.iter().position(|s| s.host.len() >= bytes);
-            at.map(|i| stages.swap_remove(i))
-        };
-        let mut stage = match pooled {
-            Some(s) => s,
-            None => {
-                let cap = bytes.next_power_of_two().max(64 << 10);
-                let opts = HostAllocOptions {
-                    numa: gpu.info().numa_node,
-                    ..HostAllocOptions::default()
-                };
-                IndexStage {
-                    host: HostBuffer::alloc_pinned(cap, &opts, gpu)?,
-                    device: None,
-                }
-            }
-        };
+        let mut stage = self.take_stage(gpu, indices.len() * 8)?;
         if on_device && stage.device.is_none() {
             stage.device = Some(gpu.alloc(stage.host.len())?);
         }
@@ -584,8 +759,36 @@ impl MemIo {
                 })
             }
         };
-        lock(&dev.index_stages).push(stage);
+        self.give_stage(gpu, stage);
         out
+    }
+
+    /// A pinned index stage of at least `bytes` from the device's pool (or a new one).
+    fn take_stage(&self, gpu: &Gpu, bytes: usize) -> Result<IndexStage> {
+        let dev = self.device(gpu)?;
+        let pooled = {
+            let mut stages = lock(&dev.index_stages);
+            let at = stages.iter().position(|s| s.host.len() >= bytes);
+            at.map(|i| stages.swap_remove(i))
+        };
+        if let Some(s) = pooled {
+            return Ok(s);
+        }
+        let cap = bytes.next_power_of_two().max(64 << 10);
+        let opts = HostAllocOptions {
+            numa: gpu.info().numa_node,
+            ..HostAllocOptions::default()
+        };
+        Ok(IndexStage {
+            host: HostBuffer::alloc_pinned(cap, &opts, gpu)?,
+            device: None,
+        })
+    }
+
+    fn give_stage(&self, gpu: &Gpu, stage: IndexStage) {
+        if let Ok(dev) = self.device(gpu) {
+            lock(&dev.index_stages).push(stage);
+        }
     }
 
     /// The GPU's threads load the rows, with `kernel` `Tuned` (in list order) or `Sorted`.
@@ -593,14 +796,14 @@ impl MemIo {
         &self,
         pool: &HostBuffer,
         row_bytes: usize,
-        indices: &[u64],
+        indices: GatherIndices<'_>,
         dst: &DeviceBuffer,
         dst_offset: usize,
         kernel: RowKernel,
     ) -> Result<()> {
         let path = IndexPath::of(kernel, row_bytes);
-        self.with_indices(dst.gpu(), indices, path, |s, idx| {
-            let n = indices.len();
+        let n = indices.len();
+        self.with_gpu_indices(dst.gpu(), indices, n, path, |s, idx| {
             Ok(s.gather(pool, row_bytes, idx, n, dst, dst_offset, kernel)?)
         })
     }
@@ -611,7 +814,7 @@ impl MemIo {
         &self,
         pool: &HostBuffer,
         row_bytes: usize,
-        indices: &[u64],
+        indices: GatherIndices<'_>,
         dst: &DeviceBuffer,
         dst_offset: usize,
         HybridSplit { key, fixed }: HybridSplit,
@@ -619,15 +822,19 @@ impl MemIo {
         let share = fixed.unwrap_or_else(|| self.planner.gpu_share(key));
         let kernel = self.planner.gpu_kernel(key);
         let path = IndexPath::of(kernel, row_bytes);
-        let split = ((indices.len() as f64 * share).round() as usize).min(indices.len());
+        let n = indices.len();
+        let split = ((n as f64 * share).round() as usize).min(n);
         // A caller's share of 0 or 1 leaves one side alone.
         if split == 0 {
-            return self.gather_staged(pool, row_bytes, indices, dst, dst_offset);
+            let list = self.host_indices(indices, 0..n)?;
+            return self.gather_staged(pool, row_bytes, &list, dst, dst_offset);
         }
-        if split == indices.len() {
+        if split == n {
             return self.gather_zero_copy(pool, row_bytes, indices, dst, dst_offset, kernel);
         }
-        let (gpu_rows, cpu_rows) = indices.split_at(split);
+        // The GPU's rows come first; the CPU's part of a device list is copied back first.
+        let cpu_rows = self.host_indices(indices, split..n)?;
+        let cpu_rows: &[u64] = &cpu_rows;
         let cpu_offset = dst_offset + split * row_bytes;
         // The CPU's share starts on the gather threads as soon as the GPU's index list is
         // handed over: after it is written whole by the copy threads for a sorted GPU share
@@ -635,7 +842,7 @@ impl MemIo {
         // thread writes piece by piece as its kernels go), so that waking the gather threads
         // (~0.3 ms when they have gone to sleep between calls) overlaps the GPU side's start.
         let mut cpu = None;
-        let gpu = self.with_indices(dst.gpu(), gpu_rows, path, |s, idx| {
+        let gpu = self.with_gpu_indices(dst.gpu(), indices, split, path, |s, idx| {
             self.gather_pool()?.in_place_scope(|scope| {
                 scope.spawn(|_| {
                     let t = Instant::now();
@@ -656,8 +863,8 @@ impl MemIo {
             }
             other => other,
         })?;
-        if fixed.is_none() && !gpu_rows.is_empty() && !cpu_rows.is_empty() {
-            let used = gpu_rows.len() as f64 / indices.len() as f64;
+        if fixed.is_none() {
+            let used = split as f64 / n as f64;
             self.planner.balance(key, used, gpu_time, cpu_time);
         }
         Ok(())
@@ -802,7 +1009,13 @@ fn gather_into(
 mod tests {
     use super::*;
 
-    const KEY: ShapeKey = (0, 7, 32, 20);
+    const KEY: ShapeKey = ShapeKey {
+        gpu: 0,
+        row_bytes_log2: 7,
+        pool_log2: 32,
+        rows_log2: 20,
+        indices: IndexPlace::Host,
+    };
 
     /// One `Auto` call: choose, then report what the chosen path reached; a hybrid call
     /// also reports how long each side took at the rates (rows' bytes/s) of `sides`.

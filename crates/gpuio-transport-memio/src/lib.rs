@@ -21,7 +21,9 @@ mod gather;
 mod pipeline;
 mod placement;
 
-pub use gather::{GatherOptions, GatherPlan, GatherReport, GatherStrategy};
+pub use gather::{
+    GatherIndices, GatherOptions, GatherPlan, GatherReport, GatherStrategy, IndexPlace,
+};
 pub use placement::HostPlacement;
 
 use gpuio_hal::{

@@ -5,7 +5,9 @@
 use gpuio_hal::{
     BackendPreference, ErrorCode, HalError, HostAllocOptions, HostBuffer, RowKernel, pattern, probe,
 };
-use gpuio_transport_memio::{GatherOptions, GatherStrategy, MemIo, MemIoConfig, MemIoError};
+use gpuio_transport_memio::{
+    GatherIndices, GatherOptions, GatherStrategy, IndexPlace, MemIo, MemIoConfig, MemIoError,
+};
 
 fn engine() -> MemIo {
     let p = probe(BackendPreference::Auto).unwrap();
@@ -102,14 +104,17 @@ fn a_hybrid_gather_takes_the_callers_share_and_refuses_one_outside_0_to_1() {
         io.gather(&p, rb, &idx, &dst, 0, &GatherOptions::default())
             .unwrap();
     }
-    let before = io.gather_plan(&p, &gpu, rb, n).unwrap();
+    let before = io.gather_plan(&p, &gpu, rb, n, IndexPlace::Host).unwrap();
     let opts = GatherOptions {
         strategy: GatherStrategy::Hybrid,
         gpu_share: Some(0.5),
         ..GatherOptions::default()
     };
     io.gather(&p, rb, &idx, &dst, 0, &opts).unwrap();
-    assert_eq!(io.gather_plan(&p, &gpu, rb, n).unwrap(), before);
+    assert_eq!(
+        io.gather_plan(&p, &gpu, rb, n, IndexPlace::Host).unwrap(),
+        before
+    );
 }
 
 #[test]
@@ -154,6 +159,92 @@ fn every_strategy_gathers_rows_of_any_size_and_alignment() {
             }
         }
     }
+}
+
+#[test]
+fn a_device_index_list_gathers_by_every_strategy_under_a_plan_of_its_own() {
+    let io = engine();
+    let gpu = io.gpu(0).unwrap().clone();
+    let s = seed();
+    for rb in [64usize, 656, 100] {
+        let rows = (2 << 20) / rb;
+        let p = pool(&io, rows * rb, s ^ rb as u64, true);
+        let n = 5000;
+        let mut idx = random_indices(n, rows, s);
+        let want = reference(&p, rb, &idx);
+        // The list lies at the start of a longer buffer (only `count` indices are read).
+        let list = gpu.alloc(n * 8 + 4096).unwrap();
+        let upload = |idx: &[u64]| {
+            let bytes: Vec<u8> = idx.iter().flat_map(|i| i.to_le_bytes()).collect();
+            io.upload(&bytes, &list, 0).unwrap();
+        };
+        upload(&idx);
+        let on_device = GatherIndices::Device {
+            list: &list,
+            count: n,
+        };
+        let dst = gpu.alloc(n * rb).unwrap();
+        let zeros = vec![0u8; n * rb];
+        for strategy in [
+            GatherStrategy::ZeroCopy,
+            GatherStrategy::Sorted,
+            GatherStrategy::CpuStaged,
+            GatherStrategy::Hybrid,
+            GatherStrategy::Auto,
+        ] {
+            for (dedup, gpu_share) in [(false, None), (true, None), (false, Some(0.3))] {
+                let opts = GatherOptions {
+                    strategy,
+                    dedup,
+                    gpu_share,
+                };
+                io.upload(&zeros, &dst, 0).unwrap();
+                let r = io.gather(&p, rb, on_device, &dst, 0, &opts).unwrap();
+                assert_eq!(r.rows, n);
+                assert!(
+                    download(&io, &dst, 0, n * rb) == want,
+                    "row size {rb}, {strategy:?}, dedup {dedup}, share {gpu_share:?}"
+                );
+            }
+        }
+        // Auto learns device lists as a shape of their own.
+        assert!(
+            io.gather_plan(&p, &gpu, rb, n, IndexPlace::Device)
+                .is_some()
+        );
+        // An index past the last row is reported by its position, whichever side finds it.
+        idx[4321] = rows as u64;
+        upload(&idx);
+        for strategy in [
+            GatherStrategy::ZeroCopy,
+            GatherStrategy::Sorted,
+            GatherStrategy::CpuStaged,
+            GatherStrategy::Hybrid,
+        ] {
+            let opts = GatherOptions {
+                strategy,
+                ..GatherOptions::default()
+            };
+            match io.gather(&p, rb, on_device, &dst, 0, &opts) {
+                Err(MemIoError::Hal(HalError::IndexOutOfRange { position, .. })) => {
+                    assert_eq!(position, 4321, "{rb} {strategy:?}")
+                }
+                other => panic!("{rb} {strategy:?}: {other:?}"),
+            }
+        }
+    }
+    // A count past the list's end is refused before anything moves.
+    let p = pool(&io, 64 << 10, s, true);
+    let list = gpu.alloc(80).unwrap();
+    let dst = gpu.alloc(64 * 11).unwrap();
+    let long = GatherIndices::Device {
+        list: &list,
+        count: 11,
+    };
+    let e = io
+        .gather(&p, 64, long, &dst, 0, &GatherOptions::default())
+        .unwrap_err();
+    assert_eq!(e.code(), ErrorCode::InvalidArg);
 }
 
 #[test]

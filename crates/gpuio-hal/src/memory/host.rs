@@ -189,6 +189,20 @@ impl HostBuffer {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 
+    /// The buffer as native-endian u64s (the first `len / 8` bytes' worth): index lists
+    /// read and written in place, without a copy.
+    pub fn as_u64s(&self) -> &[u64] {
+        // SAFETY: the mapping is page-aligned (so 8-aligned) and holds len / 8 whole words;
+        // every bit pattern is a valid u64; &self forbids concurrent mutation.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().cast::<u64>(), self.len / 8) }
+    }
+
+    /// [`as_u64s`](Self::as_u64s), mutably.
+    pub fn as_u64s_mut(&mut self) -> &mut [u64] {
+        // SAFETY: as for as_u64s, and &mut self makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().cast::<u64>(), self.len / 8) }
+    }
+
     /// The region this buffer covers.
     pub fn region(&self) -> MemoryRegion {
         MemoryRegion {

@@ -505,6 +505,26 @@ struct Ordering {
     bytes: usize,
 }
 
+/// Line slots per row for an ordered gather dealt out by pool line (gather.cu's
+/// `gpuio_rows_by_line`): how many 128-byte lines a row of `row_bytes` can touch in a pool at
+/// `pool`, or 0 to deal the pieces out densely, where that would idle more than half the
+/// lanes (short rows, rows in narrow pieces: measured only for 16-byte pieces).
+fn line_slots(pool: u64, row_bytes: u64, width: u64) -> u32 {
+    if width != 16 || row_bytes == 0 {
+        return 0;
+    }
+    // Rows start at pool + k * row_bytes: 128-byte offsets step by gcd(row_bytes, 128) from
+    // the pool's own, so the furthest a row starts into a line is 128 - step + the pool's
+    // offset within a step.
+    let step = 1u64 << row_bytes.trailing_zeros().min(7);
+    let furthest = 128 - step + (pool % 128) % step;
+    let lines = (row_bytes + furthest).div_ceil(128);
+    match u32::try_from(lines) {
+        Ok(l) if lines * 128 <= 2 * row_bytes => l,
+        _ => 0,
+    }
+}
+
 /// Where an [`Ordering`]'s arrays lie in the sorting scratch.
 struct OrderAt {
     pairs: u64,
@@ -783,9 +803,19 @@ impl StreamBackend for CudaStreamBackend {
             RowKernel::Tuned if job.scatter => &kernels[row_fn::SCATTER + slot],
             RowKernel::Tuned => &kernels[row_fn::GATHER + slot],
         };
+        // A sorted gather's rows are dealt out by pool line where that wastes at most half
+        // the lanes (see gather.cu's gpuio_rows_by_line).
+        let lines = match job.kernel {
+            RowKernel::Sorted => line_slots(pool, rb, width),
+            _ => 0,
+        };
         let config = |rows: u64| {
             if job.kernel == RowKernel::Naive {
                 self.shared.launch_config(rows * 32)
+            } else if lines > 0 {
+                // GPUIO_LINE_UNROLL (8) loads in flight per thread.
+                let items = rows * u64::from(lines) * (128 / width);
+                self.shared.launch_config(items.div_ceil(8))
             } else {
                 // Each thread keeps GPUIO_UNROLL (4) loads in flight.
                 self.shared.launch_config((rows * (rb / width)).div_ceil(4))
@@ -924,11 +954,12 @@ impl StreamBackend for CudaStreamBackend {
                 .map_err(cuda_err("cuLaunchKernel(gpuio_order_place)"))?;
             let mut launch = self.stream.launch_builder(func);
             launch.arg(&pool).arg(&pool_rows).arg(&rb).arg(&at.pairs);
-            launch.arg(&count).arg(&rows_addr).arg(&report);
+            launch.arg(&count).arg(&rows_addr).arg(&report).arg(&lines);
             // SAFETY: matches gpuio_gather_ordered_W(pool, rows, row_bytes, pairs, n, dense,
-            // err): it reads the pairs just placed, pool rows below `pool_rows` (checked per
-            // pair), writes each pair's position of the checked dense range and report word
-            // 0; the pool stays registered until this call returns, and we synchronize first.
+            // err, lines): it reads the pairs just placed, pool rows below `pool_rows`
+            // (checked per pair; by line it reads only the pieces inside the row), writes each
+            // pair's position of the checked dense range and report word 0; the pool stays
+            // registered until this call returns, and we synchronize first.
             unsafe { launch.launch(config(count)) }
                 .map_err(cuda_err("cuLaunchKernel(gpuio_gather_ordered)"))?;
         }
@@ -1135,5 +1166,47 @@ impl EventBackend for CudaEventBackend {
 
     fn as_any(&self) -> &dyn Any {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::line_slots;
+
+    #[test]
+    fn line_slots_cover_every_line_a_row_can_touch() {
+        // 656-byte rows start 16-byte steps into a line: up to 112 bytes in, 6 lines.
+        assert_eq!(line_slots(0, 656, 16), 6);
+        // 64-byte rows of an aligned pool never cross a line; 160-byte rows touch two.
+        assert_eq!(line_slots(4096, 64, 16), 1);
+        assert_eq!(line_slots(0, 160, 16), 2);
+        // A pool 16 bytes into a line shifts 64-byte rows across line boundaries.
+        assert_eq!(
+            line_slots(16, 64, 16),
+            0,
+            "2 lines for 64 bytes idles over half"
+        );
+        assert_eq!(line_slots(16, 4096, 16), 33);
+        assert_eq!(line_slots(0, 4096, 16), 32);
+        // Short rows and narrow pieces keep the dense order.
+        assert_eq!(line_slots(0, 16, 16), 0);
+        assert_eq!(line_slots(0, 656, 8), 0);
+        assert_eq!(line_slots(0, 0, 16), 0);
+        // Brute force: the slots reach the last byte of every row of a few pools.
+        for pool in [0u64, 16, 48, 112] {
+            for rb in (16..2048).step_by(16) {
+                let lines = u64::from(line_slots(pool, rb, 16));
+                if lines == 0 {
+                    continue;
+                }
+                for k in 0..256 {
+                    let start = pool + k * rb;
+                    assert!(
+                        start + rb <= (start & !127) + lines * 128,
+                        "{pool} {rb} {k}"
+                    );
+                }
+            }
+        }
     }
 }
