@@ -28,50 +28,22 @@ __device__ __forceinline__ void gpuio_rows_by_line(const unsigned char* __restri
                                                    gpuio_u64 n, gpuio_u64 rows,
                                                    gpuio_u64 row_bytes, gpuio_u32 lines,
                                                    gpuio_u64* err) {
-    typedef typename gpuio_piece<W>::t P;
     const gpuio_u64 per_row = (gpuio_u64)lines * (128 / W);
-    const gpuio_u64 items = n * per_row;
-    const gpuio_u64 stride = (gpuio_u64)gridDim.x * blockDim.x;
-    gpuio_u64 i = (gpuio_u64)blockIdx.x * blockDim.x + threadIdx.x;
-    ulonglong2 next[GPUIO_LINE_UNROLL];
-#pragma unroll
-    for (int u = 0; u < GPUIO_LINE_UNROLL; u++) {
-        gpuio_u64 k = i + u * stride;
-        next[u] = k < items ? pairs[k / per_row] : make_ulonglong2(0, 0);
-    }
-    for (; i < items; i += stride * GPUIO_LINE_UNROLL) {
-        P v[GPUIO_LINE_UNROLL];
-        gpuio_u64 to[GPUIO_LINE_UNROLL];
-#pragma unroll
-        for (int u = 0; u < GPUIO_LINE_UNROLL; u++) {
-            gpuio_u64 k = i + u * stride;
-            to[u] = ~0ull;
-            if (k < items) {
-                const gpuio_u64 row = next[u].x, r = next[u].y, slot = k % per_row;
-                if (row >= rows) {
-                    if (slot == 0) gpuio_bad_index(err, r);
-                    continue;
-                }
-                const unsigned char* start = pool + row * row_bytes;
-                const unsigned char* at =
-                    (const unsigned char*)((gpuio_u64)start & ~127ull) + slot * W;
-                if (at >= start && at < start + row_bytes) {
-                    to[u] = r * row_bytes + (gpuio_u64)(at - start);
-                    v[u] = *reinterpret_cast<const P*>(at);
-                }
+    gpuio_move_pieces<W, GPUIO_LINE_UNROLL>(
+        pool, dst, n * per_row, [&](gpuio_u64 k) { return pairs[k / per_row]; },
+        [&](gpuio_u64 k, ulonglong2 ref, gpuio_u64& from, gpuio_u64& to) {
+            const gpuio_u64 slot = k % per_row;
+            if (ref.x >= rows) {
+                if (slot == 0) gpuio_bad_index(err, ref.y);
+                return false;
             }
-        }
-        const gpuio_u64 ahead = i + stride * GPUIO_LINE_UNROLL;
-#pragma unroll
-        for (int u = 0; u < GPUIO_LINE_UNROLL; u++) {
-            gpuio_u64 k = ahead + u * stride;
-            if (k < items) next[u] = pairs[k / per_row];
-        }
-#pragma unroll
-        for (int u = 0; u < GPUIO_LINE_UNROLL; u++) {
-            if (to[u] != ~0ull) *reinterpret_cast<P*>(dst + to[u]) = v[u];
-        }
-    }
+            const gpuio_u64 start = (gpuio_u64)pool + ref.x * row_bytes;
+            const gpuio_u64 at = (start & ~127ull) + slot * W;
+            if (at < start || at >= start + row_bytes) return false;
+            from = at - (gpuio_u64)pool;
+            to = ref.y * row_bytes + (at - start);
+            return true;
+        });
 }
 
 #define GPUIO_ROW_KERNELS(W)                                                                    \

@@ -43,59 +43,72 @@ __device__ __forceinline__ ulonglong2 gpuio_row_ref(const gpuio_u64* __restrict_
     return make_ulonglong2(idx[k], k);
 }
 
+// The loop every row kernel shares. Every thread of the grid takes items tid, tid+stride, ...;
+// U of them are loaded before any is stored, so that many PCIe reads are outstanding per
+// thread, and the next round's row references are loaded while this round's pieces are in
+// flight: with the index list in host memory, an index and the piece it names are two
+// dependent PCIe round trips, and this overlaps them instead of paying both in turn.
+// `ref(k)` loads item k's row reference (pool row, dense position); `place(k, ref, from, to)`
+// sets the byte offsets its W-byte piece moves between (src + from -> dst + to), or returns
+// false where it has none (a lane past its row, an out-of-range index it has reported).
+template <int W, int U, class Ref, class Place>
+__device__ __forceinline__ void gpuio_move_pieces(const unsigned char* __restrict__ src,
+                                                  unsigned char* __restrict__ dst,
+                                                  gpuio_u64 items, Ref ref, Place place) {
+    typedef typename gpuio_piece<W>::t P;
+    const gpuio_u64 stride = (gpuio_u64)gridDim.x * blockDim.x;
+    gpuio_u64 i = (gpuio_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    ulonglong2 next[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        gpuio_u64 k = i + u * stride;
+        next[u] = k < items ? ref(k) : make_ulonglong2(0, 0);
+    }
+    for (; i < items; i += stride * U) {
+        P v[U];
+        gpuio_u64 to[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            gpuio_u64 k = i + u * stride, from = 0, at = 0;
+            const bool moves = k < items && place(k, next[u], from, at);
+            to[u] = moves ? at : ~0ull;
+            if (moves) v[u] = *reinterpret_cast<const P*>(src + from);
+        }
+        const gpuio_u64 ahead = i + stride * U;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            gpuio_u64 k = ahead + u * stride;
+            if (k < items) next[u] = ref(k);
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (to[u] != ~0ull) *reinterpret_cast<P*>(dst + to[u]) = v[u];
+        }
+    }
+}
+
 // Copies rows: dst row i <- src row idx[i] (gather), or dst row idx[i] <- src row i (scatter),
-// in W-byte pieces. Every thread of the grid takes pieces tid, tid+stride, ...; GPUIO_UNROLL of
-// them are loaded before any is stored so that many PCIe reads are outstanding per thread.
-// The indices of the next round are loaded while this round's pieces are in flight: with the
-// index list in host memory, an index and the piece it names are two dependent PCIe round
-// trips, and this overlaps them instead of paying both in turn.
+// in W-byte pieces dealt out in dense order, GPUIO_UNROLL loads in flight per thread.
 // Rows whose index is >= rows are skipped and reported through `err` (by dense position).
 template <int W, bool SCATTER, bool ORDERED = false>
 __device__ __forceinline__ void gpuio_rows(const unsigned char* __restrict__ src,
                                            unsigned char* __restrict__ dst,
                                            const gpuio_u64* __restrict__ idx, gpuio_u64 n,
                                            gpuio_u64 rows, gpuio_u64 row_bytes, gpuio_u64* err) {
-    typedef typename gpuio_piece<W>::t P;
     const gpuio_u64 per_row = row_bytes / W;
-    const gpuio_u64 items = n * per_row;
-    const gpuio_u64 stride = (gpuio_u64)gridDim.x * blockDim.x;
-    gpuio_u64 i = (gpuio_u64)blockIdx.x * blockDim.x + threadIdx.x;
-    ulonglong2 next[GPUIO_UNROLL];
-#pragma unroll
-    for (int u = 0; u < GPUIO_UNROLL; u++) {
-        gpuio_u64 k = i + u * stride;
-        next[u] = k < items ? gpuio_row_ref<ORDERED>(idx, k / per_row) : make_ulonglong2(0, 0);
-    }
-    for (; i < items; i += stride * GPUIO_UNROLL) {
-        P v[GPUIO_UNROLL];
-        gpuio_u64 to[GPUIO_UNROLL];
-#pragma unroll
-        for (int u = 0; u < GPUIO_UNROLL; u++) {
-            gpuio_u64 k = i + u * stride;
-            to[u] = ~0ull;
-            if (k < items) {
-                gpuio_u64 piece = k % per_row;
-                gpuio_u64 row = next[u].x, r = next[u].y;
-                if (row >= rows) {
-                    gpuio_bad_index(err, r);
-                    continue;
-                }
-                gpuio_u64 from = (SCATTER ? r : row) * per_row + piece;
-                to[u] = (SCATTER ? row : r) * per_row + piece;
-                v[u] = reinterpret_cast<const P*>(src)[from];
+    gpuio_move_pieces<W, GPUIO_UNROLL>(
+        src, dst, n * per_row,
+        [&](gpuio_u64 k) { return gpuio_row_ref<ORDERED>(idx, k / per_row); },
+        [&](gpuio_u64 k, ulonglong2 ref, gpuio_u64& from, gpuio_u64& to) {
+            if (ref.x >= rows) {
+                gpuio_bad_index(err, ref.y);
+                return false;
             }
-        }
-        const gpuio_u64 ahead = i + stride * GPUIO_UNROLL;
-#pragma unroll
-        for (int u = 0; u < GPUIO_UNROLL; u++) {
-            gpuio_u64 k = ahead + u * stride;
-            if (k < items) next[u] = gpuio_row_ref<ORDERED>(idx, k / per_row);
-        }
-#pragma unroll
-        for (int u = 0; u < GPUIO_UNROLL; u++) {
-            if (to[u] != ~0ull) reinterpret_cast<P*>(dst)[to[u]] = v[u];
-        }
-    }
+            const gpuio_u64 piece = (k % per_row) * W;
+            from = (SCATTER ? ref.y : ref.x) * row_bytes + piece;
+            to = (SCATTER ? ref.x : ref.y) * row_bytes + piece;
+            return true;
+        });
 }
 
 // Gathers n rows of `row_bytes` from `pool` (rows rows) into `dst` by index. `pool` may be
