@@ -204,6 +204,9 @@ pub fn run(
             for _ in 0..20 {
                 gather(GatherStrategy::Auto)?;
             }
+            // The naive peer; Auto's timed calls alternate with it.
+            let naive_kernel =
+                || stream.gather(&pool, rb, (&dev_idx).into(), n, &dst, 0, RowKernel::Naive);
             // Which path Auto's timed calls took.
             let paths = [
                 GatherStrategy::ZeroCopy,
@@ -212,28 +215,17 @@ pub fn run(
                 GatherStrategy::Hybrid,
             ];
             let mut auto_paths = [0usize; 4];
-            let (auto, naive) =
-                race(
-                    budget,
-                    |_| {
-                        let r = report(GatherStrategy::Auto)?;
-                        if let Some(i) = paths.iter().position(|s| *s == r.strategy) {
-                            auto_paths[i] += 1;
-                        }
-                        Ok(())
-                    },
-                    |_| {
-                        Ok(stream.gather(
-                            &pool,
-                            rb,
-                            (&dev_idx).into(),
-                            n,
-                            &dst,
-                            0,
-                            RowKernel::Naive,
-                        )?)
-                    },
-                )?;
+            let (auto, naive) = race(
+                budget,
+                |_| {
+                    let r = report(GatherStrategy::Auto)?;
+                    if let Some(i) = paths.iter().position(|s| *s == r.strategy) {
+                        auto_paths[i] += 1;
+                    }
+                    Ok(())
+                },
+                |_| Ok(naive_kernel()?),
+            )?;
             check(&io, &pool, rb, &idx, &dst, &case)?;
             // The same list already in device memory, where the naive kernel has it (and a
             // top-k kernel would leave it): Auto learns this shape on its own.
@@ -249,28 +241,17 @@ pub fn run(
                 device_call()?;
             }
             let mut device_paths = [0usize; 4];
-            let (auto_device, _) =
-                race(
-                    budget,
-                    |_| {
-                        let r = device_call()?;
-                        if let Some(i) = paths.iter().position(|s| *s == r.strategy) {
-                            device_paths[i] += 1;
-                        }
-                        Ok(())
-                    },
-                    |_| {
-                        Ok(stream.gather(
-                            &pool,
-                            rb,
-                            (&dev_idx).into(),
-                            n,
-                            &dst,
-                            0,
-                            RowKernel::Naive,
-                        )?)
-                    },
-                )?;
+            let (auto_device, _) = race(
+                budget,
+                |_| {
+                    let r = device_call()?;
+                    if let Some(i) = paths.iter().position(|s| *s == r.strategy) {
+                        device_paths[i] += 1;
+                    }
+                    Ok(())
+                },
+                |_| Ok(naive_kernel()?),
+            )?;
             check(&io, &pool, rb, &idx, &dst, &case)?;
             // Each path forced, back to back (alternating with another path would charge each
             // for the state the other leaves: busy cores, a cold device).
@@ -285,8 +266,6 @@ pub fn run(
             let hybrid = forced(GatherStrategy::Hybrid)?;
             // The same, each call right after the naive kernel's (as Auto's calls run): what
             // a call pays for the idle CPU and the GPU state a long peer call leaves.
-            let naive_kernel =
-                || stream.gather(&pool, rb, (&dev_idx).into(), n, &dst, 0, RowKernel::Naive);
             let (hybrid_after, _) = race(
                 budget,
                 |_| gather(GatherStrategy::Hybrid),

@@ -9,6 +9,14 @@ use gpuio_transport_memio::{
     GatherIndices, GatherOptions, GatherStrategy, IndexPlace, MemIo, MemIoConfig, MemIoError,
 };
 
+/// Every path a caller can force.
+const FORCED: [GatherStrategy; 4] = [
+    GatherStrategy::ZeroCopy,
+    GatherStrategy::Sorted,
+    GatherStrategy::CpuStaged,
+    GatherStrategy::Hybrid,
+];
+
 fn engine() -> MemIo {
     let p = probe(BackendPreference::Auto).unwrap();
     let require = std::env::var("GPUIO_REQUIRE_CUDA").is_ok_and(|v| v == "1");
@@ -215,12 +223,7 @@ fn a_device_index_list_gathers_by_every_strategy_under_a_plan_of_its_own() {
         // An index past the last row is reported by its position, whichever side finds it.
         idx[4321] = rows as u64;
         upload(&idx);
-        for strategy in [
-            GatherStrategy::ZeroCopy,
-            GatherStrategy::Sorted,
-            GatherStrategy::CpuStaged,
-            GatherStrategy::Hybrid,
-        ] {
+        for strategy in FORCED {
             let opts = GatherOptions {
                 strategy,
                 ..GatherOptions::default()
@@ -394,12 +397,7 @@ fn bad_indices_and_sizes_are_typed_errors() {
     let dst = gpu.alloc(64 * 10).unwrap();
     let mut idx = vec![1u64; 10];
     idx[7] = 100; // one past the last row
-    for strategy in [
-        GatherStrategy::ZeroCopy,
-        GatherStrategy::Sorted,
-        GatherStrategy::CpuStaged,
-        GatherStrategy::Hybrid,
-    ] {
+    for strategy in FORCED {
         let opts = GatherOptions {
             strategy,
             ..GatherOptions::default()
