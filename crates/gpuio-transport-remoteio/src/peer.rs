@@ -281,24 +281,43 @@ impl RemotePeer {
         stripes.clamp(1, self.cfg.connections.max(1))
     }
 
-    /// Runs `f` on each share with a connection of its own: the caller's thread takes the
-    /// first, scoped threads the others. The first error wins; every share is finished or
+    /// Runs `f` on each share with a connection of its own: the caller's thread runs the
+    /// first, scoped threads the others. Every share's connection is taken before any share
+    /// starts, so a share that finishes early cannot hand its connection to a later one: the
+    /// shares really run side by side. The first error wins; every share is finished or
     /// failed before this returns.
     fn in_parallel<S: Send>(
         &self,
         shares: Vec<S>,
         f: impl Fn(&mut Connection, S) -> Result<()> + Sync,
     ) -> Result<()> {
+        let mut conns = Vec::with_capacity(shares.len());
+        for _ in 0..shares.len() {
+            match self.checkout() {
+                Ok(c) => conns.push(c),
+                Err(e) => {
+                    conns.into_iter().for_each(|c| self.checkin(c));
+                    return Err(e);
+                }
+            }
+        }
         let f = &f;
-        let mut shares = shares.into_iter();
-        let Some(mine) = shares.next() else {
+        let mut work = conns.into_iter().zip(shares);
+        let Some((mut mine, my_share)) = work.next() else {
             return Ok(());
         };
         std::thread::scope(|scope| {
-            let others: Vec<_> = shares
-                .map(|share| scope.spawn(move || self.with_connection(|c| f(c, share))))
+            let others: Vec<_> = work
+                .map(|(mut c, share)| {
+                    scope.spawn(move || {
+                        let r = f(&mut c, share);
+                        self.checkin(c);
+                        r
+                    })
+                })
                 .collect();
-            let mut result = self.with_connection(|c| f(c, mine));
+            let mut result = f(&mut mine, my_share);
+            self.checkin(mine);
             for h in others {
                 let r = h.join().unwrap_or_else(|_| {
                     Err(RemoteIoError::InvalidArgument(
