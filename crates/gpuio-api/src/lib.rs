@@ -35,7 +35,7 @@ pub use config::{
 };
 pub use copy::{CopyOptions, CopyReport};
 pub use error::{Error, Result, UriProblem};
-pub use session::{Access, Resource, Session};
+pub use session::{Access, REGISTRY_ABSENT, Resource, Session};
 pub use uri::{RemoteTarget, RemoteTransport, Uri};
 
 pub use gpuio_core::{

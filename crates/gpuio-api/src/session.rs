@@ -12,12 +12,20 @@ use gpuio_core::{
 use gpuio_hal::{DeviceBuffer, Gpu, Probe};
 use gpuio_transport_localio::{FileHandle, LocalIo, OpenOptions};
 use gpuio_transport_memio::{HostPlacement, MemIo};
-use gpuio_transport_remoteio::{Registry, RemotePeer};
+#[cfg(feature = "registry")]
+use gpuio_transport_remoteio::Registry;
+use gpuio_transport_remoteio::{RemotePeer, SegmentMember};
 use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
+#[cfg(feature = "registry")]
+use std::sync::OnceLock;
+
+/// Why segment names cannot be resolved, in a build without the etcd registry.
+pub const REGISTRY_ABSENT: &str = "this build has no etcd registry (cargo feature `registry`, \
+                                   whose build needs protoc and protobuf's .proto files)";
 
 /// A resource a URI names, opened or allocated.
 #[derive(Debug, Clone)]
@@ -100,6 +108,7 @@ fn first(replicas: &[RemoteResource]) -> Result<&RemoteResource> {
 struct RemotePeers {
     /// Keyed by address and whether memory exports go over RDMA.
     peers: Mutex<HashMap<(SocketAddr, bool), Arc<RemotePeer>>>,
+    #[cfg(feature = "registry")]
     registry: OnceLock<Arc<Registry>>,
 }
 
@@ -287,7 +296,7 @@ impl Session {
                         vec![addr]
                     }
                     RemoteTarget::Segment(segment) => {
-                        let members = self.registry(uri)?.resolve(segment)?;
+                        let members = self.resolve_segment(uri, segment)?;
                         if members.is_empty() {
                             return Err(Error::NotFound(format!(
                                 "{uri}: no agent serves segment {segment:?}"
@@ -326,18 +335,31 @@ impl Session {
         Ok(peer)
     }
 
-    /// The registry (connected on first use).
-    fn registry(&self, uri: &Uri) -> Result<&Registry> {
-        if let Some(r) = self.remote.registry.get() {
-            return Ok(r);
-        }
-        let cfg = self.config.registry_config().ok_or_else(|| {
-            Error::Invalid(format!(
-                "{uri}: segment names need a registry: set [remote] registry"
-            ))
-        })?;
-        let registry = Arc::new(Registry::connect(cfg)?);
-        Ok(self.remote.registry.get_or_init(|| registry))
+    /// The agents serving `segment`, from the registry (connected on first use).
+    #[cfg(feature = "registry")]
+    fn resolve_segment(&self, uri: &Uri, segment: &str) -> Result<Vec<SegmentMember>> {
+        let registry = match self.remote.registry.get() {
+            Some(r) => r,
+            None => {
+                let cfg = self.config.registry_config().ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "{uri}: segment names need a registry: set [remote] registry"
+                    ))
+                })?;
+                let registry = Arc::new(Registry::connect(cfg)?);
+                self.remote.registry.get_or_init(|| registry)
+            }
+        };
+        Ok(registry.resolve(segment)?)
+    }
+
+    /// Without the registry, a segment name cannot be resolved.
+    #[cfg(not(feature = "registry"))]
+    fn resolve_segment(&self, uri: &Uri, _segment: &str) -> Result<Vec<SegmentMember>> {
+        Err(Error::Unsupported {
+            what: uri.to_string(),
+            reason: REGISTRY_ABSENT.into(),
+        })
     }
 
     /// Blocking transfer of `len` bytes between borrowed endpoints, on the engine that serves

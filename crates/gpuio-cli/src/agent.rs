@@ -7,8 +7,7 @@
 //! (and expires on its own if the agent dies).
 
 use gpuio_api::{Config, Error};
-use gpuio_transport_remoteio::{Agent, Registry, SegmentMember};
-use std::time::Duration;
+use gpuio_transport_remoteio::Agent;
 
 /// Arguments of `gpuio agent` (the agent is configured by `--config FILE`, `[agent]`).
 #[derive(Debug, clap::Args)]
@@ -49,10 +48,13 @@ pub fn run(config: Config, _args: &AgentArgs) -> Result<(), Error> {
 }
 
 /// Registers the agent's segment, when it has one.
+#[cfg(feature = "registry")]
 fn register(
     config: &Config,
     listening: std::net::SocketAddr,
 ) -> Result<Option<gpuio_transport_remoteio::Registration>, Error> {
+    use gpuio_transport_remoteio::{Registry, SegmentMember};
+    use std::time::Duration;
     let a = &config.agent;
     if a.segment.is_empty() {
         return Ok(None);
@@ -88,6 +90,18 @@ fn register(
     )?;
     println!("registered as {} in segment {}", member.agent, a.segment);
     Ok(Some(registration))
+}
+
+/// Without the registry, an agent with a segment refuses to start rather than serve unlisted.
+#[cfg(not(feature = "registry"))]
+fn register(config: &Config, _listening: std::net::SocketAddr) -> Result<Option<()>, Error> {
+    if config.agent.segment.is_empty() {
+        return Ok(None);
+    }
+    Err(Error::Unsupported {
+        what: format!("[agent] segment {:?}", config.agent.segment),
+        reason: gpuio_api::REGISTRY_ABSENT.into(),
+    })
 }
 
 fn wait_for_signal() -> Result<(), Error> {

@@ -9,6 +9,9 @@
 //!
 //! Needs `etcd` (Debian etcd-server) and, for namespaces, root and iproute2. Without etcd
 //! the test says so and passes, unless `GPUIO_REQUIRE_ETCD=1` (CI sets it) makes it fail.
+//! Built only with the CLI's (default) `registry` feature.
+
+#![cfg(feature = "registry")]
 
 use gpuio_api::{Access, Config, CopyOptions, ErrorCode, Resource, Session, Uri};
 use gpuio_transport_remoteio::{Registry, RegistryConfig};

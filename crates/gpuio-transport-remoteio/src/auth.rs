@@ -47,6 +47,58 @@ pub fn nonce() -> std::io::Result<[u8; NONCE_LEN]> {
     Ok(n)
 }
 
+/// The shortest secret an agent takes, in bytes.
+pub const MIN_SECRET_LEN: usize = 32;
+
+/// The least entropy an agent's secret must show, in bits (by [`secret_strength`]).
+pub const MIN_SECRET_BITS: f64 = 128.0;
+
+/// A new secret: 32 bytes from the operating system's generator (256 bits), as 64 hex
+/// characters, the form `gpuio agent keygen` writes.
+pub fn generate_secret() -> std::io::Result<String> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// An upper estimate of the entropy of `secret` in bits: its length times the Shannon entropy
+/// of its byte distribution. Random hex of 32 characters scores about 128; a repeated
+/// character, a short word or a short phrase scores far less. It cannot see that a long
+/// phrase is from a dictionary: it is a floor against the worst secrets, not a proof of a
+/// good one (use [`generate_secret`]).
+pub fn secret_strength(secret: &[u8]) -> f64 {
+    let mut counts = [0usize; 256];
+    for &b in secret {
+        counts[b as usize] += 1;
+    }
+    let n = secret.len() as f64;
+    let per_byte: f64 = counts
+        .iter()
+        .filter(|&&c| c > 0)
+        .map(|&c| {
+            let p = c as f64 / n;
+            -p * p.log2()
+        })
+        .sum();
+    per_byte * n
+}
+
+/// Whether `secret` is strong enough for an agent to accept: at least [`MIN_SECRET_LEN`]
+/// bytes and [`MIN_SECRET_BITS`] by [`secret_strength`]. The error says what to do.
+pub fn check_secret(key_id: &str, secret: &[u8]) -> Result<(), String> {
+    let bits = secret_strength(secret);
+    if secret.len() < MIN_SECRET_LEN || bits < MIN_SECRET_BITS {
+        return Err(format!(
+            "the secret of key {key_id:?} is too weak ({} bytes, about {bits:.0} bits; at least \
+             {MIN_SECRET_LEN} bytes and {MIN_SECRET_BITS:.0} bits are required, since a \
+             recorded handshake lets its guesses be tested offline): make one with \
+             `gpuio agent keygen`",
+            secret.len()
+        ));
+    }
+    Ok(())
+}
+
 /// The MAC over `label`, `first`, `second` (`None` only if the key were refused, which HMAC
 /// never does: it takes keys of any length).
 fn mac(secret: &[u8], label: &[u8], first: &[u8], second: &[u8]) -> Option<HmacSha256> {
@@ -128,5 +180,23 @@ mod tests {
             &server_proof(k, &cn, &sn).unwrap()
         ));
         assert_ne!(nonce().unwrap(), nonce().unwrap());
+    }
+
+    #[test]
+    fn weak_secrets_are_refused_and_generated_ones_pass() {
+        let generated = generate_secret().unwrap();
+        assert_eq!(generated.len(), 64);
+        assert!(generated.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_ne!(generated, generate_secret().unwrap());
+        assert!(check_secret("k", generated.as_bytes()).is_ok());
+        for weak in [
+            &b"correcthorsebatt"[..],                         // 16 characters: too short
+            &[b'a'; 64][..],                                  // long, but one symbol
+            &b"abababababababababababababababababababab"[..], // two symbols
+            &b"multinode test key of 32 bytes!"[..],
+        ] {
+            let e = check_secret("k", weak).unwrap_err();
+            assert!(e.contains("gpuio agent keygen"), "{e}");
+        }
     }
 }

@@ -15,7 +15,8 @@
 //!   is received straight into and sent straight from the caller's memory.
 //! - [`peer`]: a pool of connections to one agent; large transfers are striped over several.
 //! - [`registry`]: segments registered in etcd under leases the agents keep alive; a segment
-//!   name resolves to the agents serving it.
+//!   name resolves to the agents serving it (the etcd client needs the cargo feature
+//!   `registry`, whose build needs protoc).
 //!
 //! - [`tls`]: optional TLS (rustls): the agent's certificate, the clients' trusted CAs.
 //!
@@ -40,7 +41,9 @@ pub use agent::{
 pub use auth::{Key, Role};
 pub use connection::{Connection, Credentials, ExportInfo};
 pub use peer::{PeerConfig, PeerStats, RemotePeer};
-pub use registry::{Registration, Registry, RegistryConfig, SegmentMember};
+#[cfg(feature = "registry")]
+pub use registry::{Registration, Registry};
+pub use registry::{RegistryConfig, SegmentMember};
 pub use tls::{TlsClient, TlsServer};
 
 use gpuio_hal::ErrorCode;

@@ -10,7 +10,7 @@ mod cufile;
 mod nvrtc;
 mod probe;
 
-pub use nvrtc::compile_ptx;
+pub use nvrtc::{compile_ptx, compile_ptx_for};
 
 use super::GdsMode;
 use super::RowKernel;

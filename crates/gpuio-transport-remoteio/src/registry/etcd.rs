@@ -1,52 +1,13 @@
-//! The multi-node registry on etcd (SAD §6.2): agents register the segments they serve under
-//! leases they keep alive; clients resolve a segment name to the agents serving it.
-//!
-//! Layout: `<prefix>/segments/<segment>/<agent-id>` → the agent's `host:port`, attached to
-//! the agent's lease. An agent that dies stops renewing its lease, and etcd removes its keys
-//! when the lease's TTL runs out; one that stops cleanly revokes the lease at once.
-//!
-//! The API is blocking: the registry runs its own small tokio runtime, on which the lease
-//! keep-alive of every registration runs in the background.
+//! The registry on etcd (cargo feature `registry`; etcd-client's build runs protoc).
 
+use super::{RegistryConfig, SegmentMember};
 use crate::{RemoteIoError, Result};
 use etcd_client::{
     Client, ConnectOptions, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
 };
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
-
-/// Where the registry is and how patient to be with it.
-#[derive(Debug, Clone)]
-pub struct RegistryConfig {
-    /// etcd client endpoints (`http://host:port`).
-    pub endpoints: Vec<String>,
-    /// Key prefix, so that several deployments can share one etcd.
-    pub prefix: String,
-    /// Bound on connecting and on every request.
-    pub timeout: Duration,
-}
-
-impl RegistryConfig {
-    /// The given endpoints, prefix `/gpuio`, 5 s timeout.
-    pub fn new(endpoints: Vec<String>) -> Self {
-        Self {
-            endpoints,
-            prefix: "/gpuio".into(),
-            timeout: Duration::from_secs(5),
-        }
-    }
-}
-
-/// An agent serving a segment.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SegmentMember {
-    /// The agent's name (unique within the segment).
-    pub agent: String,
-    /// Where clients connect.
-    pub addr: SocketAddr,
-}
 
 /// A connection to the registry. Cheap to share behind an `Arc`.
 pub struct Registry {
