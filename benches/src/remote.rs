@@ -12,8 +12,8 @@ use crate::{BenchError, Record, Result, Target, fresh_seed, human};
 use gpuio_api::Session;
 use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
 use gpuio_transport_remoteio::{
-    Access, Agent, AgentConfig, Credentials, Export, ExportSource, Key, PeerConfig, RemoteIoError,
-    RemotePeer, Role, shared_memory,
+    Access, Agent, AgentConfig, Credentials, Export, ExportSource, Key, PeerConfig, RemoteExport,
+    RemoteIoError, RemotePeer, Role, shared_memory,
 };
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -67,7 +67,7 @@ impl Options {
     }
 }
 
-const KEY: &[u8] = b"gpuio bench key: loopback only!!";
+const KEY: &[u8] = b"66fd8c7ecfaa22ea152306a380bc87f8dd0c898feb7c2ac9f1ead0ea40a91bb8";
 
 fn remote(e: RemoteIoError) -> BenchError {
     BenchError::Gpuio(e.into())
@@ -187,6 +187,7 @@ pub fn run(
         key_id: "bench".into(),
         secret: KEY.to_vec(),
     };
+    let export = RemoteExport::new("mem");
     let transfer = opts.transfer.min(opts.export_bytes);
     let spots = (opts.export_bytes / transfer).max(1);
     let mut buf = vec![0u8; transfer];
@@ -215,7 +216,7 @@ pub fn run(
             reads[k].push(sustained(opts.seconds, transfer, || {
                 let at = (i % spots * transfer) as u64;
                 i += 1;
-                peer.read("mem", at, &mut buf).map_err(remote)
+                peer.read(&export, at, &mut buf).map_err(remote)
             })?);
             // The last read's bytes, checked.
             let at = ((i - 1) % spots * transfer) as u64;
@@ -229,7 +230,7 @@ pub fn run(
             progress(&format!("tcp_write, {conns} connections"));
             // Writing the export's own bytes back keeps it checkable.
             writes[k].push(sustained(opts.seconds, transfer, || {
-                peer.write("mem", at, &buf).map_err(remote)
+                peer.write(&export, at, &buf).map_err(remote)
             })?);
         }
         progress("iperf3");
@@ -285,7 +286,7 @@ pub fn run(
         for i in 0..opts.small_reads {
             let at = (pattern::mix64(seed ^ i as u64) % (opts.export_bytes - size) as u64) & !63;
             let t = Instant::now();
-            peer.read("mem", at, &mut small).map_err(remote)?;
+            peer.read(&export, at, &mut small).map_err(remote)?;
             ours.push(t.elapsed());
         }
         let (addr, server) = echo_server(size)?;

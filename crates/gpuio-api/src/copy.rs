@@ -9,15 +9,21 @@
 //!
 //! A file destination is written under a temporary name in the same directory and renamed
 //! over the destination only when every byte is written (and verified, if asked): a failed copy
-//! never leaves a partial file under the destination's name.
+//! never leaves a partial file under the destination's name ([`crate::partial`]).
+//!
+//! A remote destination must take the whole copy (its capacity and the key's rights, asked of
+//! every replica) before the first byte goes out. A remote source or destination whose agent
+//! restarts during the copy fails it (`Restarted`) rather than mixing two instances' bytes.
 
 use crate::error::{Error, Result};
+use crate::partial::PendingFile;
 use crate::session::{Access, Resource, Session};
 use crate::uri::Uri;
-use gpuio_hal::{HostAllocOptions, HostBuffer};
-use gpuio_transport_localio::{FileHandle, OpenOptions};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use gpuio_hal::{ErrorCode, HostAllocOptions, HostBuffer};
+use gpuio_transport_localio::OpenOptions;
+use gpuio_transport_remoteio::RemoteIoError;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 /// Options of [`Session::copy`].
@@ -66,93 +72,6 @@ impl CopyReport {
     /// Throughput in GB/s (10^9 bytes per second).
     pub fn gbps(&self) -> f64 {
         self.bytes as f64 / self.elapsed.as_secs_f64().max(1e-9) / 1e9
-    }
-}
-
-/// A destination file being written under a temporary name: created exclusively with a random
-/// name in the destination's directory (no symlink or concurrent copy can be written through
-/// it), removed if the copy fails, renamed over the destination when it succeeds.
-struct PendingFile {
-    handle: FileHandle,
-    temp: Option<tempfile::TempPath>,
-    target: PathBuf,
-}
-
-impl PendingFile {
-    /// A temporary file beside `target`, opened for writing with `opts` (O_DIRECT, GDS).
-    fn create(session: &Session, target: &Path, opts: OpenOptions) -> Result<Self> {
-        let existing = std::fs::metadata(target).ok();
-        // Block devices and other special files are written in place, never replaced.
-        if let Some(meta) = &existing
-            && !meta.is_file()
-        {
-            let handle = session.open_file(target, opts)?;
-            return Ok(Self {
-                handle,
-                temp: None,
-                target: target.into(),
-            });
-        }
-        let name = target
-            .file_name()
-            .ok_or_else(|| Error::Invalid(format!("{} names no file", target.display())))?;
-        let dir = match target.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
-        let io_err = |e: std::io::Error| -> Error {
-            gpuio_transport_localio::LocalIoError::Open {
-                path: target.to_path_buf(),
-                source: e,
-            }
-            .into()
-        };
-        let temp = tempfile::Builder::new()
-            .prefix(&format!(".{}.", name.to_string_lossy()))
-            .suffix(".gpuio-partial")
-            // Like any new file: 0666 less the umask; a replaced file keeps its mode.
-            .permissions(std::fs::Permissions::from_mode(0o666))
-            .tempfile_in(dir)
-            .map_err(io_err)?;
-        let (file, path) = temp.into_parts();
-        if let Some(meta) = &existing {
-            file.set_permissions(meta.permissions()).map_err(io_err)?;
-        }
-        let handle = if opts.direct || opts.gds.is_some() {
-            // Reopened with the flags asked for; `path` deletes the file if that fails.
-            session.open_file(&path, opts)?
-        } else {
-            FileHandle::from_file(file, path.to_path_buf(), true)
-        };
-        Ok(Self {
-            handle,
-            temp: Some(path),
-            target: target.into(),
-        })
-    }
-
-    /// Renames the finished file over the destination; with `durable`, also makes the rename
-    /// itself durable (fsync of the directory).
-    fn commit(mut self, durable: bool) -> Result<FileHandle> {
-        if let Some(temp) = self.temp.take() {
-            temp.persist(&self.target).map_err(|e| {
-                Error::Invalid(format!(
-                    "renaming into {}: {}",
-                    self.target.display(),
-                    e.error
-                ))
-            })?;
-            if durable {
-                let dir = match self.target.parent() {
-                    Some(p) if !p.as_os_str().is_empty() => p,
-                    _ => Path::new("."),
-                };
-                std::fs::File::open(dir)
-                    .and_then(|d| d.sync_all())
-                    .map_err(|e| Error::Invalid(format!("syncing {}: {e}", dir.display())))?;
-            }
-        }
-        Ok(self.handle.clone())
     }
 }
 
@@ -234,6 +153,25 @@ impl Session {
             }
             other => self.open(other, len_usize, Access::Write)?,
         };
+        if let Resource::Remote(replicas) = &destination {
+            // Every replica must take the whole copy before the first byte goes out: a copy
+            // that fails half-way would leave an export half overwritten.
+            for r in replicas {
+                let info = r.peer().stat(r.export())?;
+                if !info.writable {
+                    return Err(Error::Remote(RemoteIoError::Remote {
+                        code: ErrorCode::Permission,
+                        message: format!("{r} may not be written with this key"),
+                    }));
+                }
+                if len > info.capacity {
+                    return Err(Error::Invalid(format!(
+                        "{src} ({len} bytes) does not fit {r} ({} bytes): nothing was written",
+                        info.capacity
+                    )));
+                }
+            }
+        }
 
         let window = opts.window.clamp(4096, len_usize.max(4096));
         let via = match &opts.via {

@@ -26,6 +26,7 @@
 mod config;
 mod copy;
 mod error;
+mod partial;
 mod session;
 mod uri;
 
@@ -35,6 +36,7 @@ pub use config::{
 };
 pub use copy::{CopyOptions, CopyReport};
 pub use error::{Error, Result, UriProblem};
+pub use partial::discard_partial_copies;
 pub use session::{Access, REGISTRY_ABSENT, Resource, Session};
 pub use uri::{RemoteTarget, RemoteTransport, Uri};
 

@@ -12,7 +12,7 @@ use gpuio_transport_remoteio::{
     Access, Agent, AgentConfig, Export, ExportSource, Key, Role, shared_memory,
 };
 
-const SECRET: &str = "api rdma test key of 32 bytes!!";
+const SECRET: &str = "e28f3adb1c6b8ecff9f82659b212c138cc76fae7affcb691d561e47678a0044b";
 const LEN: usize = 6 << 20;
 
 #[test]
@@ -166,16 +166,17 @@ fn sessions_copy_over_rdma() {
     let Resource::Remote(replicas) = s.open(&at("mem"), 0, gpuio_api::Access::Read).unwrap() else {
         panic!("not a remote resource");
     };
-    let peer = replicas[0].peer();
+    let (peer, export) = (replicas[0].peer(), replicas[0].export());
     let before = u64::from_ne_bytes(fresh[8..16].try_into().unwrap());
-    assert_eq!(peer.fetch_add("mem", 8, 3).unwrap(), before);
+    assert_eq!(peer.fetch_add(export, 8, 3).unwrap(), before);
     assert_eq!(
-        peer.compare_swap("mem", 8, before + 3, 77).unwrap(),
+        peer.compare_swap(export, 8, before + 3, 77).unwrap(),
         before + 3
     );
     assert_eq!(
         u64::from_ne_bytes(mem.blocking_read()[8..16].try_into().unwrap()),
         77
     );
-    assert!(peer.fetch_add("file", 0, 1).is_err());
+    let file = gpuio_transport_remoteio::RemoteExport::new("file");
+    assert!(peer.fetch_add(&file, 0, 1).is_err());
 }

@@ -92,9 +92,16 @@ fn register(
     Ok(Some(registration))
 }
 
+/// No registration can exist in a build without the registry.
+#[cfg(not(feature = "registry"))]
+enum Unregistered {}
+
 /// Without the registry, an agent with a segment refuses to start rather than serve unlisted.
 #[cfg(not(feature = "registry"))]
-fn register(config: &Config, _listening: std::net::SocketAddr) -> Result<Option<()>, Error> {
+fn register(
+    config: &Config,
+    _listening: std::net::SocketAddr,
+) -> Result<Option<Unregistered>, Error> {
     if config.agent.segment.is_empty() {
         return Ok(None);
     }

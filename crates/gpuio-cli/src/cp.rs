@@ -1,4 +1,9 @@
 //! `gpuio cp SRC DST [--via URI] [--verify]`.
+//!
+//! A file destination is written under a temporary name and renamed when complete; SIGINT,
+//! SIGTERM or SIGHUP during the copy remove that partial file before gpuio exits (with 128 +
+//! the signal's number). SIGKILL cannot be caught: the next copy to the destination removes
+//! what it left.
 
 use bytesize::ByteSize;
 use gpuio_api::{Config, CopyOptions, Error, Resource, Session, Uri};
@@ -56,6 +61,9 @@ pub fn run(config: Config, args: &CpArgs) -> Result<(), Error> {
     if let Ok(Resource::File(f)) = session.open(&src, 0, gpuio_api::Access::Read) {
         bar.set_length(f.len().unwrap_or(0));
     }
+    if let Uri::File { path, .. } = &dst {
+        clean_up_on_signals(path.clone())?;
+    }
     let report = session.copy(&src, &dst, &opts, &mut |done| bar.set_position(done))?;
     bar.finish_and_clear();
     if !args.quiet {
@@ -81,5 +89,45 @@ pub fn run(config: Config, args: &CpArgs) -> Result<(), Error> {
             println!("note: {dst} is memory; its copy is released when gpuio exits");
         }
     }
+    Ok(())
+}
+
+/// Watches for SIGINT, SIGTERM and SIGHUP on a thread of its own: on one, removes this
+/// process's partial file for `target` and exits with 128 + the signal's number.
+fn clean_up_on_signals(target: std::path::PathBuf) -> Result<(), Error> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let io = |e: std::io::Error| Error::Invalid(format!("watching for signals: {e}"));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .map_err(io)?;
+    // Registered here, before the copy starts, so no signal can slip past the handlers.
+    let (mut int, mut term, mut hup) = rt
+        .block_on(async {
+            Ok::<_, std::io::Error>((
+                signal(SignalKind::interrupt())?,
+                signal(SignalKind::terminate())?,
+                signal(SignalKind::hangup())?,
+            ))
+        })
+        .map_err(io)?;
+    std::thread::Builder::new()
+        .name("gpuio-signals".into())
+        .spawn(move || {
+            let signo = rt.block_on(async {
+                tokio::select! {
+                    _ = int.recv() => 2,
+                    _ = term.recv() => 15,
+                    _ = hup.recv() => 1,
+                }
+            });
+            let removed = gpuio_api::discard_partial_copies(&target);
+            eprintln!(
+                "gpuio: interrupted by signal {signo}; removed {removed} partial file(s) of {}",
+                target.display()
+            );
+            std::process::exit(128 + signo);
+        })
+        .map_err(io)?;
     Ok(())
 }

@@ -217,7 +217,7 @@ fn a_running_command_serves_metrics_that_stat_reads() {
 
 #[test]
 fn the_agent_serves_its_exports_until_sigterm() {
-    use gpuio_transport_remoteio::{Credentials, PeerConfig, RemotePeer};
+    use gpuio_transport_remoteio::{Credentials, PeerConfig, RemoteExport, RemotePeer};
     use std::io::BufRead;
     let dir = tempfile::tempdir().unwrap();
     let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
@@ -243,7 +243,7 @@ file = "{}"
         ),
     )
     .unwrap();
-    let secret = "a test secret of 32 bytes length";
+    let secret = "0a793a63f3c6db9565388411301e184bd224ec8685f136c814522c2fd64352ae";
     let bin = std::env::var_os("GPUIO_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_gpuio")));
@@ -269,10 +269,11 @@ file = "{}"
     };
     let c = RemotePeer::connect(PeerConfig::new(addr, creds)).unwrap();
     let mut got = vec![0u8; 50_000];
-    c.read("data", 25_000, &mut got).unwrap();
+    let export = RemoteExport::new("data");
+    c.read(&export, 25_000, &mut got).unwrap();
     assert!(got[..] == data[25_000..75_000]);
-    // A read-only key cannot write.
-    assert!(c.write("data", 0, &[1]).is_err());
+    // A read-only key cannot write: refused before anything is sent.
+    assert!(c.write(&export, 0, &[1]).is_err());
     drop(c);
     let term = std::process::Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
@@ -284,7 +285,7 @@ file = "{}"
     let rest: Vec<String> = out.lines().map(|l| l.unwrap()).collect();
     assert!(
         rest.iter()
-            .any(|l| l.starts_with("served 1 requests (1 refused)")),
+            .any(|l| l.starts_with("served 2 requests (0 refused)")),
         "{rest:?}"
     );
 }

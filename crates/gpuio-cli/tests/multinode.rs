@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const SECRET: &str = "multinode test key of 32 bytes!";
+const SECRET: &str = "693a1244f390ccc97c9ddecf85fb617320ab613c2a6a2196e1b48af409529021";
 const AGENTS: usize = 2;
 const DATA: usize = 48 << 20;
 

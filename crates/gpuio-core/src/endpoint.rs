@@ -4,7 +4,7 @@
 
 use gpuio_hal::{DeviceBuffer, HostBuffer, MemoryRegion};
 use gpuio_transport_localio::FileHandle;
-use gpuio_transport_remoteio::RemotePeer;
+use gpuio_transport_remoteio::{RemoteExport, RemotePeer};
 use std::fmt;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -35,17 +35,19 @@ impl EndpointKind {
 }
 
 /// An export of another node's agent, reached through a pooled [`RemotePeer`]. Clones share
-/// the peer.
+/// the peer and the export, which remembers the agent instance it first met: once that agent
+/// restarts, transfers through this handle fail (`Restarted`) instead of mixing the two
+/// instances' bytes; a resource opened again meets the new instance.
 #[derive(Clone)]
 pub struct RemoteResource {
-    inner: Arc<(Arc<RemotePeer>, String)>,
+    inner: Arc<(Arc<RemotePeer>, RemoteExport)>,
 }
 
 impl RemoteResource {
     /// Export `export` of the agent behind `peer`.
     pub fn new(peer: Arc<RemotePeer>, export: impl Into<String>) -> Self {
         Self {
-            inner: Arc::new((peer, export.into())),
+            inner: Arc::new((peer, RemoteExport::new(export))),
         }
     }
 
@@ -54,8 +56,8 @@ impl RemoteResource {
         &self.inner.0
     }
 
-    /// The export's name.
-    pub fn export(&self) -> &str {
+    /// The export.
+    pub fn export(&self) -> &RemoteExport {
         &self.inner.1
     }
 
@@ -73,7 +75,12 @@ impl fmt::Debug for RemoteResource {
 
 impl fmt::Display for RemoteResource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "remoteio://{}/{}", self.peer().addr(), self.export())
+        write!(
+            f,
+            "remoteio://{}/{}",
+            self.peer().addr(),
+            self.export().name()
+        )
     }
 }
 

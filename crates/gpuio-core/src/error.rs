@@ -45,7 +45,8 @@ pub enum CoreError {
         /// The status asked for.
         to: Status,
     },
-    /// Every retry of the SDD §7.2 policy failed.
+    /// Every retry of the SDD §7.2 policy failed. Its code is the last error's: an agent that
+    /// never came back is a network error (connection refused), not a timeout.
     #[error("gave up after {attempts} attempts: {last}")]
     RetriesExhausted {
         /// Attempts made.
@@ -94,7 +95,8 @@ impl CoreError {
             Self::IllegalTransition { .. } | Self::ShutDown | Self::Internal(_) => {
                 ErrorCode::General
             }
-            Self::RetriesExhausted { .. } | Self::TimedOut(_) => ErrorCode::Timeout,
+            Self::RetriesExhausted { last, .. } => last.code(),
+            Self::TimedOut(_) => ErrorCode::Timeout,
             Self::Busy(_) => ErrorCode::Busy,
             Self::Failed { code, .. } => *code,
             Self::Batch(report) => report.failed.first().map_or(ErrorCode::General, |f| f.1),

@@ -46,7 +46,7 @@ impl RetryPolicy {
     }
 
     /// Runs `op` until it succeeds, fails with an error that is not retryable, or the retries
-    /// run out (then [`CoreError::RetriesExhausted`], carrying the last error).
+    /// run out (then [`CoreError::RetriesExhausted`], carrying the last error and its code).
     pub fn run<T>(&self, op: impl FnMut() -> Result<T>) -> Result<T> {
         self.run_until(None, || {}, op)
     }
@@ -145,7 +145,8 @@ mod tests {
             err,
             CoreError::RetriesExhausted { attempts: 3, .. }
         ));
-        assert_eq!(err.code(), ErrorCode::Timeout);
+        // The code is the last error's (busy), not a made-up timeout.
+        assert_eq!(err.code(), ErrorCode::Busy);
     }
 
     #[test]

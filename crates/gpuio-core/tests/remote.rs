@@ -15,7 +15,7 @@ use gpuio_transport_remoteio::{
 use std::sync::Arc;
 use std::time::Duration;
 
-const KEY: &[u8] = b"core remote test key, 32 bytes!!";
+const KEY: &[u8] = b"118a6cd83870277cd9048915603426c7ecec9d77b5b4a3df1e33b94d4c9f79be";
 /// More than two staging buffers' worth, at an odd size.
 const LEN: usize = (20 << 20) + 12_345;
 

@@ -233,6 +233,18 @@ pub enum HalError {
         /// The size asked for.
         len: usize,
     },
+    /// More host memory than the machine can back now: refused before any page is touched
+    /// (the pages are not reserved, so it would end in the OOM killer instead).
+    #[error(
+        "out of memory: {len} bytes of host memory asked for, but this machine can back about \
+         {available} bytes now (available memory and swap, within its cgroup's limit)"
+    )]
+    HostMemoryExceeded {
+        /// The size asked for.
+        len: usize,
+        /// What the machine could back when asked.
+        available: u64,
+    },
     /// A feature exists but not on this machine or in this build.
     #[error("{what} is not supported here: {reason}")]
     Unsupported {
@@ -286,7 +298,7 @@ impl HalError {
             | Self::InvalidArgument(_)
             | Self::WrongDevice { .. } => ErrorCode::InvalidArg,
             Self::NoSuchNumaNode { .. } | Self::NoSuchDevice { .. } => ErrorCode::NotFound,
-            Self::OutOfMemory { .. } => ErrorCode::NoMem,
+            Self::OutOfMemory { .. } | Self::HostMemoryExceeded { .. } => ErrorCode::NoMem,
             Self::RingShutDown => ErrorCode::Canceled,
             Self::RingRequest { code } => {
                 crate::ring::error_code_of(*code).unwrap_or(ErrorCode::General)

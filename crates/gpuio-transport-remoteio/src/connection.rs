@@ -1,5 +1,6 @@
 //! One authenticated, blocking TCP connection to an agent: the HELLO handshake (the client
-//! checks the agent's proof too), then pipelined reads and writes. Data never passes through
+//! proves its key first, then checks the agent's proof and learns which instance of the agent
+//! it reached), then pipelined reads and writes. Data never passes through
 //! an intermediate buffer on this side: a read's bytes are received straight into the
 //! caller's slice, a write's bytes are sent straight from it.
 //!
@@ -42,8 +43,13 @@ impl std::fmt::Debug for Credentials {
 pub struct ExportInfo {
     /// Bytes readable now.
     pub size: u64,
+    /// The most bytes writes may reach: the size of a memory export, the limit a file
+    /// export may grow to.
+    pub capacity: u64,
     /// Whether writes are permitted (by the export and the key's role).
     pub writable: bool,
+    /// The agent instance that answered (see [`Connection::instance`]).
+    pub instance: u64,
 }
 
 /// The bytes under a connection: plain TCP, or TLS over it.
@@ -99,6 +105,7 @@ pub struct Connection {
     stream: Stream,
     next_id: u64,
     broken: bool,
+    instance: u64,
 }
 
 /// One piece of a pipelined transfer: an offset in the export and the caller's bytes.
@@ -134,7 +141,10 @@ impl Connection {
             stream,
             next_id: 1,
             broken: false,
+            instance: 0,
         };
+        // The client proves its key first: an agent answers a HELLO with a bare challenge, so
+        // nobody without the key gets anything to test guesses against.
         let cn = auth::nonce()?;
         c.send(
             &Message::Hello {
@@ -143,8 +153,15 @@ impl Connection {
             },
             0,
         )?;
-        let (sn, proof) = match c.recv()?.1 {
-            Message::Challenge { nonce, proof } => (nonce, proof),
+        let sn = match c.recv()?.1 {
+            Message::Challenge { nonce } => nonce,
+            other => return Err(refused(other)),
+        };
+        let proof = auth::client_proof(&creds.secret, &cn, &sn)
+            .ok_or_else(|| RemoteIoError::Auth("unusable key".into()))?;
+        c.send(&Message::Proof { proof }, 0)?;
+        let (proof, instance) = match c.recv()?.1 {
+            Message::Welcome { proof, instance } => (proof, instance),
             other => return Err(refused(other)),
         };
         if !auth::check_server(&creds.secret, &cn, &sn, &proof) {
@@ -152,13 +169,33 @@ impl Connection {
                 "the agent could not prove it holds the key".into(),
             ));
         }
-        let proof = auth::client_proof(&creds.secret, &cn, &sn)
-            .ok_or_else(|| RemoteIoError::Auth("unusable key".into()))?;
-        c.send(&Message::Proof { proof }, 0)?;
-        match c.recv()?.1 {
-            Message::Welcome => Ok(c),
-            other => Err(refused(other)),
+        c.instance = instance;
+        Ok(c)
+    }
+
+    /// Which instance of the agent this connection reached: drawn at random when the agent
+    /// starts, so a restarted agent (whose memory exports start afresh) has another.
+    pub fn instance(&self) -> u64 {
+        self.instance
+    }
+
+    /// Whether an idle connection can still carry a request: not broken, and the agent has
+    /// neither closed it (it closes idle connections) nor sent anything unasked. Asked of the
+    /// socket without blocking.
+    pub fn is_alive(&self) -> bool {
+        if self.broken {
+            return false;
         }
+        let tcp = match &self.stream {
+            Stream::Plain(s) => s,
+            Stream::Tls(s) => s.get_ref(),
+        };
+        if tcp.set_nonblocking(true).is_err() {
+            return false;
+        }
+        let mut b = [0u8; 1];
+        let idle = matches!(tcp.peek(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+        tcp.set_nonblocking(false).is_ok() && idle
     }
 
     /// Whether the connection failed (network or protocol) and must not be used again.
@@ -177,7 +214,17 @@ impl Connection {
                 id,
             )?;
             match c.response(id)? {
-                Message::StatResp { size, writable } => Ok(ExportInfo { size, writable }),
+                Message::StatResp {
+                    size,
+                    capacity,
+                    writable,
+                    instance,
+                } => Ok(ExportInfo {
+                    size,
+                    capacity,
+                    writable,
+                    instance,
+                }),
                 other => Err(unexpected(&other)),
             }
         })

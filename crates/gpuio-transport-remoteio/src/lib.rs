@@ -40,7 +40,7 @@ pub use agent::{
 };
 pub use auth::{Key, Role};
 pub use connection::{Connection, Credentials, ExportInfo};
-pub use peer::{PeerConfig, PeerStats, RemotePeer};
+pub use peer::{PeerConfig, PeerStats, RemoteExport, RemotePeer};
 #[cfg(feature = "registry")]
 pub use registry::{Registration, Registry};
 pub use registry::{RegistryConfig, SegmentMember};
@@ -69,9 +69,39 @@ pub enum RemoteIoError {
         /// Its message.
         message: String,
     },
+    /// An export an agent was configured with cannot be served (missing, a directory, not
+    /// permitted).
+    #[error("export {export:?} ({path:?}): {source}")]
+    Export {
+        /// The export's name.
+        export: String,
+        /// Its file.
+        path: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
     /// A bad argument on this side (configuration, sizes).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The agent was restarted since the export was first used: it is another instance now,
+    /// whose memory exports started afresh. The transfer stopped before it moved any byte to
+    /// or from the new instance, so nothing mixes the two; a new [`RemoteExport`] (a resource
+    /// opened again) uses the new instance.
+    #[error(
+        "the agent at {agent} was restarted: export {export:?} is another instance now \
+         ({now:#018x}, was {was:#018x}); the transfer stopped before mixing their bytes (open \
+         it again to use the new instance)"
+    )]
+    Restarted {
+        /// The agent's address.
+        agent: std::net::SocketAddr,
+        /// The export's name.
+        export: String,
+        /// The instance the export was first used on.
+        was: u64,
+        /// The instance answering now.
+        now: u64,
+    },
     /// The peer did not answer in time.
     #[error("timed out: {0}")]
     TimedOut(String),
@@ -90,7 +120,10 @@ impl RemoteIoError {
             Self::Network(_) | Self::Protocol(_) | Self::Registry(_) => ErrorCode::Network,
             Self::Auth(_) => ErrorCode::Permission,
             Self::Remote { code, .. } => *code,
+            // Not retryable: every retry would meet the new instance again.
+            Self::Restarted { .. } => ErrorCode::Io,
             Self::InvalidArgument(_) => ErrorCode::InvalidArg,
+            Self::Export { source, .. } => ErrorCode::from_io(source),
             Self::TimedOut(_) => ErrorCode::Timeout,
             Self::Hal(e) => e.code(),
         }

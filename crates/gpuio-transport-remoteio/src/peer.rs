@@ -3,16 +3,22 @@
 //! over several connections, each pipelined, so one transfer uses several TCP streams (and
 //! cores) at once.
 //!
-//! A connection that fails is dropped, not returned to the pool; the next transfer connects
-//! afresh, retrying the connect with exponential backoff. A transfer that fails is not
-//! retried here: the caller (the core's retry policy and replica failover) decides.
+//! A connection that fails is dropped, not returned to the pool (nor is an idle one the agent
+//! has closed); the next transfer connects afresh, retrying the connect with exponential
+//! backoff. A transfer that fails is not retried here: the caller (the core's retry policy
+//! and replica failover) decides.
+//!
+//! Transfers name a [`RemoteExport`], which remembers the agent instance it first met: a
+//! transfer whose connections reach another instance (the agent was restarted, and its memory
+//! exports started afresh) fails with [`RemoteIoError::Restarted`] before it moves a byte
+//! through them, so no transfer ever mixes two instances' bytes.
 
 use crate::connection::{Connection, Credentials, ExportInfo, split, split_mut};
 use crate::tls::TlsClient;
 use crate::{RemoteIoError, Result};
 use std::net::SocketAddr;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// How a peer connects and stripes.
@@ -76,6 +82,37 @@ pub struct PeerStats {
     pub bytes_written: u64,
 }
 
+/// An export of one agent as transfers see it: its name and, from its first use on, what the
+/// agent instance serving it said of it (instance, size, capacity). Every transfer through it
+/// checks each connection against that instance; once the agent has restarted, transfers
+/// fail with [`RemoteIoError::Restarted`] until a new `RemoteExport` is made (which meets the
+/// new instance). Share it between threads freely.
+#[derive(Debug)]
+pub struct RemoteExport {
+    name: String,
+    pinned: OnceLock<ExportInfo>,
+}
+
+impl RemoteExport {
+    /// Export `name`, not yet met.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            pinned: OnceLock::new(),
+        }
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// What the agent said of it at first use (`None` before).
+    pub fn pinned(&self) -> Option<ExportInfo> {
+        self.pinned.get().copied()
+    }
+}
+
 /// A pool of connections to one agent. Thread-safe.
 #[derive(Debug)]
 pub struct RemotePeer {
@@ -133,16 +170,64 @@ impl RemotePeer {
         }
     }
 
-    /// The size of `export` and whether this session may write it.
-    pub fn stat(&self, export: &str) -> Result<ExportInfo> {
-        self.with_connection(|c| c.stat(export))
+    /// The size of `export` and whether this session may write it, asked now (and the
+    /// instance pinned, on first use).
+    pub fn stat(&self, export: &RemoteExport) -> Result<ExportInfo> {
+        let mut c = self.checkout()?;
+        let r = c.stat(&export.name).and_then(|info| {
+            let pinned = *export.pinned.get_or_init(|| info);
+            self.same_instance(export, &pinned, info.instance)?;
+            Ok(info)
+        });
+        self.checkin(c);
+        r
+    }
+
+    /// What `export`'s agent instance said of it, asked on its first use.
+    fn pin(&self, export: &RemoteExport) -> Result<ExportInfo> {
+        match export.pinned.get() {
+            Some(info) => Ok(*info),
+            None => self.stat(export),
+        }
+    }
+
+    /// Fails with [`RemoteIoError::Restarted`] where `instance` is not the one `export` met.
+    fn same_instance(
+        &self,
+        export: &RemoteExport,
+        pinned: &ExportInfo,
+        instance: u64,
+    ) -> Result<()> {
+        if pinned.instance == instance {
+            return Ok(());
+        }
+        Err(RemoteIoError::Restarted {
+            agent: self.cfg.addr,
+            export: export.name.clone(),
+            was: pinned.instance,
+            now: instance,
+        })
+    }
+
+    /// A connection for a transfer on `export`: pooled or new, and to the instance it met.
+    fn checkout_for(&self, export: &RemoteExport, pinned: &ExportInfo) -> Result<Connection> {
+        let c = self.checkout()?;
+        match self.same_instance(export, pinned, c.instance()) {
+            Ok(()) => Ok(c),
+            Err(e) => {
+                // Still a good connection, to the agent as it is now.
+                self.checkin(c);
+                Err(e)
+            }
+        }
     }
 
     /// Reads `buf.len()` bytes of `export` at `offset`: over RDMA where configured and the
     /// export is memory, else striped over the pool's TCP connections.
-    pub fn read(&self, export: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
+    pub fn read(&self, export: &RemoteExport, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let pinned = self.pin(export)?;
         #[cfg(feature = "rdma")]
-        if let Some(done) = self.over_rdma(export, |ch| ch.read(offset, buf)) {
+        if let Some(done) = self.over_rdma(export, &pinned, |ch| ch.read(offset, buf)) {
             done?;
             self.bytes_read
                 .fetch_add(buf.len() as u64, Ordering::Relaxed);
@@ -151,24 +236,30 @@ impl RemotePeer {
         let stripe = self.cfg.stripe_bytes;
         let lanes = self.lanes(buf.len());
         let len = buf.len() as u64;
+        let name = export.name();
         if lanes == 1 {
-            self.with_connection(|c| c.read(export, offset, buf, stripe))?;
+            self.with_connection(export, &pinned, |c| c.read(name, offset, buf, stripe))?;
         } else {
             let mut shares: Vec<Vec<_>> = (0..lanes).map(|_| Vec::new()).collect();
             for (i, piece) in split_mut(offset, buf, stripe)?.into_iter().enumerate() {
                 shares[i % lanes].push(piece);
             }
-            self.in_parallel(shares, |c, share| c.read_pieces(export, share))?;
+            self.in_parallel(export, &pinned, shares, |c, share| {
+                c.read_pieces(name, share)
+            })?;
         }
         self.bytes_read.fetch_add(len, Ordering::Relaxed);
         Ok(())
     }
 
     /// Writes `data` to `export` at `offset`: over RDMA where configured and the export is
-    /// memory, else striped over the pool's TCP connections.
-    pub fn write(&self, export: &str, offset: u64, data: &[u8]) -> Result<()> {
+    /// memory, else striped over the pool's TCP connections. A write that the export cannot
+    /// take whole (past its capacity, or not writable) is refused before any byte is sent.
+    pub fn write(&self, export: &RemoteExport, offset: u64, data: &[u8]) -> Result<()> {
+        let pinned = self.pin(export)?;
+        check_write(export, &pinned, offset, data.len())?;
         #[cfg(feature = "rdma")]
-        if let Some(done) = self.over_rdma(export, |ch| ch.write(offset, data)) {
+        if let Some(done) = self.over_rdma(export, &pinned, |ch| ch.write(offset, data)) {
             done?;
             self.bytes_written
                 .fetch_add(data.len() as u64, Ordering::Relaxed);
@@ -176,14 +267,17 @@ impl RemotePeer {
         }
         let stripe = self.cfg.stripe_bytes;
         let lanes = self.lanes(data.len());
+        let name = export.name();
         if lanes == 1 {
-            self.with_connection(|c| c.write(export, offset, data, stripe))?;
+            self.with_connection(export, &pinned, |c| c.write(name, offset, data, stripe))?;
         } else {
             let mut shares: Vec<Vec<_>> = (0..lanes).map(|_| Vec::new()).collect();
             for (i, piece) in split(offset, data, stripe)?.into_iter().enumerate() {
                 shares[i % lanes].push(piece);
             }
-            self.in_parallel(shares, |c, share| c.write_pieces(export, share))?;
+            self.in_parallel(export, &pinned, shares, |c, share| {
+                c.write_pieces(name, share)
+            })?;
         }
         self.bytes_written
             .fetch_add(data.len() as u64, Ordering::Relaxed);
@@ -205,12 +299,13 @@ impl RemotePeer {
     #[cfg(feature = "rdma")]
     pub fn read_registered(
         &self,
-        export: &str,
+        export: &RemoteExport,
         offset: u64,
         region: &gpuio_hal::rdma::HostRegion,
         buf: &mut [u8],
     ) -> Result<()> {
-        match self.over_rdma(export, |ch| ch.read_into(offset, region, buf)) {
+        let pinned = self.pin(export)?;
+        match self.over_rdma(export, &pinned, |ch| ch.read_into(offset, region, buf)) {
             Some(done) => {
                 done?;
                 self.bytes_read
@@ -226,12 +321,14 @@ impl RemotePeer {
     #[cfg(feature = "rdma")]
     pub fn write_registered(
         &self,
-        export: &str,
+        export: &RemoteExport,
         offset: u64,
         region: &gpuio_hal::rdma::HostRegion,
         data: &[u8],
     ) -> Result<()> {
-        match self.over_rdma(export, |ch| ch.write_from(offset, region, data)) {
+        let pinned = self.pin(export)?;
+        check_write(export, &pinned, offset, data.len())?;
+        match self.over_rdma(export, &pinned, |ch| ch.write_from(offset, region, data)) {
             Some(done) => {
                 done?;
                 self.bytes_written
@@ -245,33 +342,48 @@ impl RemotePeer {
     /// Atomic compare-and-swap of the 8-byte word of `export` at `offset` (RDMA only): if it
     /// holds `expect` it becomes `swap`; returns the word it held.
     #[cfg(feature = "rdma")]
-    pub fn compare_swap(&self, export: &str, offset: u64, expect: u64, swap: u64) -> Result<u64> {
-        self.over_rdma(export, |ch| ch.compare_swap(offset, expect, swap))
-            .unwrap_or_else(|| Err(no_atomics(export)))
+    pub fn compare_swap(
+        &self,
+        export: &RemoteExport,
+        offset: u64,
+        expect: u64,
+        swap: u64,
+    ) -> Result<u64> {
+        let pinned = self.pin(export)?;
+        self.over_rdma(export, &pinned, |ch| ch.compare_swap(offset, expect, swap))
+            .unwrap_or_else(|| Err(no_atomics(export.name())))
     }
 
     /// Atomic fetch-and-add on the 8-byte word of `export` at `offset` (RDMA only); returns
     /// the word it held.
     #[cfg(feature = "rdma")]
-    pub fn fetch_add(&self, export: &str, offset: u64, add: u64) -> Result<u64> {
-        self.over_rdma(export, |ch| ch.fetch_add(offset, add))
-            .unwrap_or_else(|| Err(no_atomics(export)))
+    pub fn fetch_add(&self, export: &RemoteExport, offset: u64, add: u64) -> Result<u64> {
+        let pinned = self.pin(export)?;
+        self.over_rdma(export, &pinned, |ch| ch.fetch_add(offset, add))
+            .unwrap_or_else(|| Err(no_atomics(export.name())))
     }
 
-    /// Runs `f` on a pooled RDMA channel to `export`; `None` where the peer has no RDMA or the
-    /// export cannot be reached over it (a file export: TCP serves it).
+    /// Runs `f` on a pooled RDMA channel to `export` (to the instance it met); `None` where
+    /// the peer has no RDMA or the export cannot be reached over it (a file export: TCP
+    /// serves it).
     #[cfg(feature = "rdma")]
     fn over_rdma<T>(
         &self,
-        export: &str,
+        export: &RemoteExport,
+        pinned: &ExportInfo,
         f: impl FnOnce(&mut crate::rdma::RdmaChannel) -> Result<T>,
     ) -> Option<Result<T>> {
         let opts = self.cfg.rdma.as_ref()?;
         let timeout = self.cfg.timeout;
-        self.rdma.run(export, f, || {
+        let name = export.name();
+        let checked = |ch: &mut crate::rdma::RdmaChannel| {
+            self.same_instance(export, pinned, ch.instance())?;
+            f(ch)
+        };
+        self.rdma.run(name, checked, || {
             let control = self.checkout()?;
             let dev = self.rdma.device(opts)?;
-            crate::rdma::RdmaChannel::open(control, &dev, export, self.cfg.stripe_bytes, timeout)
+            crate::rdma::RdmaChannel::open(control, &dev, name, self.cfg.stripe_bytes, timeout)
         })
     }
 
@@ -288,12 +400,14 @@ impl RemotePeer {
     /// failed before this returns.
     fn in_parallel<S: Send>(
         &self,
+        export: &RemoteExport,
+        pinned: &ExportInfo,
         shares: Vec<S>,
         f: impl Fn(&mut Connection, S) -> Result<()> + Sync,
     ) -> Result<()> {
         let mut conns = Vec::with_capacity(shares.len());
         for _ in 0..shares.len() {
-            match self.checkout() {
+            match self.checkout_for(export, pinned) {
                 Ok(c) => conns.push(c),
                 Err(e) => {
                     conns.into_iter().for_each(|c| self.checkin(c));
@@ -332,17 +446,32 @@ impl RemotePeer {
         })
     }
 
-    /// Runs `f` on a pooled connection; a connection that breaks is dropped.
-    fn with_connection<T>(&self, f: impl FnOnce(&mut Connection) -> Result<T>) -> Result<T> {
-        let mut c = self.checkout()?;
+    /// Runs `f` on a pooled connection to `export`'s instance; a connection that breaks is
+    /// dropped.
+    fn with_connection<T>(
+        &self,
+        export: &RemoteExport,
+        pinned: &ExportInfo,
+        f: impl FnOnce(&mut Connection) -> Result<T>,
+    ) -> Result<T> {
+        let mut c = self.checkout_for(export, pinned)?;
         let r = f(&mut c);
         self.checkin(c);
         r
     }
 
+    /// An idle connection that is still alive, else a new one.
     fn checkout(&self) -> Result<Connection> {
-        if let Some(c) = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop() {
-            return Ok(c);
+        loop {
+            let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            match idle {
+                Some(c) if c.is_alive() => return Ok(c),
+                // Closed by the agent (idle too long, or gone): never handed out.
+                Some(_) => {
+                    self.broken.fetch_add(1, Ordering::Relaxed);
+                }
+                None => break,
+            }
         }
         let mut backoff = self.cfg.backoff;
         let deadline = Instant::now() + self.cfg.timeout;
@@ -388,6 +517,24 @@ impl RemotePeer {
         if idle.len() < self.cfg.connections.max(1) {
             idle.push(c);
         }
+    }
+}
+
+/// Refuses a write that `export` cannot take whole, before anything is sent.
+fn check_write(export: &RemoteExport, pinned: &ExportInfo, offset: u64, len: usize) -> Result<()> {
+    if !pinned.writable {
+        return Err(RemoteIoError::Remote {
+            code: gpuio_hal::ErrorCode::Permission,
+            message: format!("writing export {:?} is not permitted", export.name()),
+        });
+    }
+    match offset.checked_add(len as u64) {
+        Some(end) if end <= pinned.capacity => Ok(()),
+        _ => Err(RemoteIoError::InvalidArgument(format!(
+            "{offset}+{len} is outside export {:?} ({} bytes)",
+            export.name(),
+            pinned.capacity
+        ))),
     }
 }
 

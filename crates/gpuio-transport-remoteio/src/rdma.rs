@@ -118,7 +118,8 @@ pub struct RdmaChannel {
     staging: RdmaBuffer,
     scratch: RdmaBuffer,
     remote: RemoteRegion,
-    _control: Connection,
+    /// Keeps the agent's side alive; names the instance.
+    control: Connection,
 }
 
 impl RdmaChannel {
@@ -154,8 +155,13 @@ impl RdmaChannel {
                 len: size,
                 rkey: theirs.rkey,
             },
-            _control: control,
+            control,
         })
+    }
+
+    /// The agent instance the channel reaches (its control connection's).
+    pub fn instance(&self) -> u64 {
+        self.control.instance()
     }
 
     /// The export's size.

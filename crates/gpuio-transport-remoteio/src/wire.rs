@@ -7,8 +7,9 @@ use std::fmt;
 
 /// `GPUI` in the header's first four bytes.
 pub const MAGIC: u32 = 0x4750_5549;
-/// The protocol version this build speaks.
-pub const VERSION: u16 = 1;
+/// The protocol version this build speaks. Version 2: the client proves its key first, the
+/// welcome carries the agent's proof and instance, STAT answers carry the instance.
+pub const VERSION: u16 = 2;
 /// Bytes of the message header.
 pub const HEADER_LEN: usize = 28;
 /// Largest payload accepted (a READ/WRITE carries at most [`MAX_DATA`] bytes of data).
@@ -21,10 +22,17 @@ pub const MAX_NAME: usize = 255;
 pub const MAX_MESSAGE: usize = 1024;
 /// Bytes of a HELLO nonce and of an HMAC-SHA-256 proof.
 pub const NONCE_LEN: usize = 32;
+/// Largest payload of a handshake message (a HELLO: the key's name and a nonce). An agent
+/// reads no more than this from a client that has not proven its key.
+pub const MAX_HANDSHAKE_PAYLOAD: u64 = (2 + MAX_NAME + NONCE_LEN) as u64;
+/// Largest payload of a request other than a WRITE_REQ (whose data streams): the agent never
+/// buffers more than this for one.
+pub const MAX_REQUEST_PAYLOAD: u64 = 1024;
 
 /// HELLO flag: the client's proof (third message of the handshake).
 pub const FLAG_PROOF: u32 = 1;
-/// HELLO_ACK flag: the server accepted the client's proof (fourth message).
+/// HELLO_ACK flag: the server accepted the client's proof and proves the key in turn (fourth
+/// message).
 pub const FLAG_WELCOME: u32 = 2;
 /// RDMA_INFO flag: a client's request to reach an export over RDMA (its queue pair, then the
 /// export's name); the agent answers with a plain RDMA_INFO (its queue pair, the region).
@@ -36,7 +44,7 @@ pub const FLAG_RDMA_REQUEST: u32 = 1;
 pub enum MsgType {
     /// Client greeting, then its proof.
     Hello = 0x01,
-    /// Server challenge and proof, then its welcome.
+    /// Server challenge, then its welcome (with its proof).
     HelloAck = 0x02,
     /// Read a range of an export.
     ReadReq = 0x10,
@@ -157,6 +165,24 @@ impl Header {
     }
 }
 
+impl Header {
+    /// Refuses a payload longer than `limit`: what a receiver buffers is bounded by what the
+    /// message type (and, before the handshake, the sender's standing) needs, not by
+    /// [`MAX_PAYLOAD`].
+    pub fn check_payload(&self, limit: u64) -> Result<(), WireError> {
+        if self.payload_len > limit {
+            return Err(WireError::Malformed {
+                what: "message",
+                why: format!(
+                    "a payload of {} bytes where at most {limit} are taken",
+                    self.payload_len
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// RDMA connection information (`gpuio_rdma_info_t`), exchanged over the TCP control channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RdmaInfo {
@@ -202,20 +228,26 @@ pub enum Message {
         /// Fresh random bytes.
         nonce: [u8; NONCE_LEN],
     },
-    /// Server challenge: its nonce and its proof of the key over both nonces.
+    /// Server challenge: its nonce. It proves nothing yet, so a client that holds no key
+    /// learns nothing to test guesses against (and an unknown key gets one just the same).
     Challenge {
         /// Fresh random bytes.
         nonce: [u8; NONCE_LEN],
-        /// HMAC of the key over the server label and both nonces.
-        proof: [u8; NONCE_LEN],
     },
     /// The client's proof of the key over both nonces.
     Proof {
         /// HMAC of the key over the client label and both nonces.
         proof: [u8; NONCE_LEN],
     },
-    /// The server accepted the proof.
-    Welcome,
+    /// The server accepted the client's proof: its own proof, and which instance of the agent
+    /// this is.
+    Welcome {
+        /// HMAC of the key over the server label and both nonces.
+        proof: [u8; NONCE_LEN],
+        /// Drawn at random when the agent starts: a restarted agent (whose memory exports
+        /// start empty) has another one, so no transfer can mix two instances' bytes.
+        instance: u64,
+    },
     /// Read `len` bytes of `export` at `offset`.
     ReadReq {
         /// The export's name.
@@ -253,8 +285,12 @@ pub enum Message {
     StatResp {
         /// Bytes readable now.
         size: u64,
+        /// The most bytes writes may reach (a file export may grow to it).
+        capacity: u64,
         /// Whether this session may write it.
         writable: bool,
+        /// The agent's instance (as in [`Message::Welcome`]).
+        instance: u64,
     },
     /// RDMA connection information: the agent's queue pair and the export's region.
     RdmaInfo(RdmaInfo),
@@ -282,7 +318,7 @@ impl fmt::Debug for Message {
             Self::Hello { key_id, .. } => write!(f, "Hello {{ key_id: {key_id:?} }}"),
             Self::Challenge { .. } => write!(f, "Challenge"),
             Self::Proof { .. } => write!(f, "Proof"),
-            Self::Welcome => write!(f, "Welcome"),
+            Self::Welcome { instance, .. } => write!(f, "Welcome {{ instance {instance:#x} }}"),
             Self::ReadReq {
                 export,
                 offset,
@@ -296,9 +332,16 @@ impl fmt::Debug for Message {
             Self::ReadResp { data } => write!(f, "ReadResp {{ {} bytes }}", data.len()),
             Self::WriteResp { written } => write!(f, "WriteResp {{ {written} }}"),
             Self::StatReq { export } => write!(f, "StatReq {{ {export:?} }}"),
-            Self::StatResp { size, writable } => {
-                write!(f, "StatResp {{ {size} bytes, writable: {writable} }}")
-            }
+            Self::StatResp {
+                size,
+                capacity,
+                writable,
+                instance,
+            } => write!(
+                f,
+                "StatResp {{ {size} of {capacity} bytes, writable: {writable}, instance \
+                 {instance:#x} }}"
+            ),
             Self::RdmaInfo(i) => write!(f, "{i:?}"),
             Self::RdmaRequest { info, export } => {
                 write!(f, "RdmaRequest {{ {export:?}, {info:?} }}")
@@ -386,7 +429,7 @@ impl Message {
     pub fn msg_type(&self) -> MsgType {
         match self {
             Self::Hello { .. } | Self::Proof { .. } => MsgType::Hello,
-            Self::Challenge { .. } | Self::Welcome => MsgType::HelloAck,
+            Self::Challenge { .. } | Self::Welcome { .. } => MsgType::HelloAck,
             Self::ReadReq { .. } => MsgType::ReadReq,
             Self::WriteReq { .. } => MsgType::WriteReq,
             Self::ReadResp { .. } => MsgType::ReadResp,
@@ -401,7 +444,7 @@ impl Message {
     fn flags(&self) -> u32 {
         match self {
             Self::Proof { .. } => FLAG_PROOF,
-            Self::Welcome => FLAG_WELCOME,
+            Self::Welcome { .. } => FLAG_WELCOME,
             Self::RdmaRequest { .. } => FLAG_RDMA_REQUEST,
             _ => 0,
         }
@@ -418,12 +461,12 @@ impl Message {
                 put_str(&mut p, &name(key_id));
                 p.extend_from_slice(nonce);
             }
-            Self::Challenge { nonce, proof } => {
-                p.extend_from_slice(nonce);
-                p.extend_from_slice(proof);
-            }
+            Self::Challenge { nonce } => p.extend_from_slice(nonce),
             Self::Proof { proof } => p.extend_from_slice(proof),
-            Self::Welcome => {}
+            Self::Welcome { proof, instance } => {
+                p.extend_from_slice(proof);
+                p.extend_from_slice(&instance.to_le_bytes());
+            }
             Self::ReadReq {
                 export,
                 offset,
@@ -451,9 +494,16 @@ impl Message {
             }
             Self::WriteResp { written } => p.extend_from_slice(&written.to_le_bytes()),
             Self::StatReq { export } => put_str(&mut p, &name(export)),
-            Self::StatResp { size, writable } => {
+            Self::StatResp {
+                size,
+                capacity,
+                writable,
+                instance,
+            } => {
                 p.extend_from_slice(&size.to_le_bytes());
+                p.extend_from_slice(&capacity.to_le_bytes());
                 p.push(u8::from(*writable));
+                p.extend_from_slice(&instance.to_le_bytes());
             }
             Self::RdmaInfo(i) => i.put(&mut p),
             Self::RdmaRequest { info, export } => {
@@ -509,11 +559,11 @@ impl Message {
                 nonce: r.array()?,
             },
             (MsgType::Hello, FLAG_PROOF) => Self::Proof { proof: r.array()? },
-            (MsgType::HelloAck, 0) => Self::Challenge {
-                nonce: r.array()?,
+            (MsgType::HelloAck, 0) => Self::Challenge { nonce: r.array()? },
+            (MsgType::HelloAck, FLAG_WELCOME) => Self::Welcome {
                 proof: r.array()?,
+                instance: r.u64()?,
             },
-            (MsgType::HelloAck, FLAG_WELCOME) => Self::Welcome,
             (MsgType::ReadReq, 0) => {
                 let export = r.string(MAX_NAME)?;
                 let offset = r.u64()?;
@@ -539,12 +589,18 @@ impl Message {
             },
             (MsgType::StatResp, 0) => {
                 let size = r.u64()?;
+                let capacity = r.u64()?;
                 let writable = match r.array::<1>()? {
                     [0] => false,
                     [1] => true,
                     [b] => return Err(r.bad(format!("writable flag {b}"))),
                 };
-                Self::StatResp { size, writable }
+                Self::StatResp {
+                    size,
+                    capacity,
+                    writable,
+                    instance: r.u64()?,
+                }
             }
             (MsgType::RdmaInfo, 0) => Self::RdmaInfo(RdmaInfo::take(&mut r)?),
             (MsgType::RdmaInfo, FLAG_RDMA_REQUEST) => Self::RdmaRequest {
@@ -739,12 +795,14 @@ mod tests {
             },
             Message::Challenge {
                 nonce: [1; NONCE_LEN],
-                proof: [2; NONCE_LEN],
             },
             Message::Proof {
                 proof: [9; NONCE_LEN],
             },
-            Message::Welcome,
+            Message::Welcome {
+                proof: [2; NONCE_LEN],
+                instance: 0x1234_5678_9abc_def0,
+            },
             Message::ReadReq {
                 export: "kv".into(),
                 offset: 1 << 40,
@@ -764,7 +822,9 @@ mod tests {
             },
             Message::StatResp {
                 size: 1 << 33,
+                capacity: 1 << 34,
                 writable: true,
+                instance: 42,
             },
             Message::RdmaRequest {
                 info: RdmaInfo {

@@ -13,8 +13,8 @@ use gpuio_transport_remoteio::{
 };
 use std::time::Duration;
 
-const RW: &[u8] = b"rdma read-write key, 32 bytes!!!";
-const RO: &[u8] = b"rdma read-only key, 32 bytes!!!!";
+const RW: &[u8] = b"f4e3b22b7ac5e013260a84bdb11b7888bfa98bdb4edb8685c6a403a5968e312d";
+const RO: &[u8] = b"ce2c41324a17db89852cee246a92321a474ee5f99c4976eb7a4a291287d59e1e";
 const LEN: usize = 8 << 20;
 
 fn options() -> Option<RdmaOptions> {

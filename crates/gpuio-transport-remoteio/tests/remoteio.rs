@@ -8,14 +8,14 @@ use gpuio_hal::{ErrorCode, HostAllocOptions, HostBuffer, pattern};
 use gpuio_transport_remoteio::wire::{HEADER_LEN, Message};
 use gpuio_transport_remoteio::{
     Access, Agent, AgentConfig, Connection, Credentials, Export, ExportInfo, ExportSource, Key,
-    PeerConfig, RemoteIoError, RemotePeer, Role, SharedMemory, shared_memory,
+    PeerConfig, RemoteExport, RemoteIoError, RemotePeer, Role, SharedMemory, shared_memory,
 };
 use proptest::prelude::*;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);
-const RW_KEY: &[u8] = b"read-write secret key 0123456789";
-const RO_KEY: &[u8] = b"read-only secret key 0123456789!";
+const RW_KEY: &[u8] = b"483f44b439143a50bd4b12c50314e5b77fc3d4234496b7a10b1f2423e63e64a2";
+const RO_KEY: &[u8] = b"0549fee7c1cc3f3934466ba5e112a1bbe011213175ef1e98701f842843fbaaf6";
 
 struct Setup {
     agent: Agent,
@@ -352,29 +352,39 @@ fn a_peer_stripes_large_transfers_over_several_connections() {
     cfg.connections = 4;
     cfg.stripe_bytes = 256 << 10;
     let peer = RemotePeer::connect(cfg).unwrap();
+    let kv = RemoteExport::new("kv");
     assert_eq!(
-        peer.stat("kv").unwrap(),
+        peer.stat(&kv).unwrap(),
         ExportInfo {
             size: MEM_LEN as u64,
-            writable: true
+            capacity: MEM_LEN as u64,
+            writable: true,
+            instance: s.agent.instance(),
         }
     );
     let mut got = vec![0u8; (9 << 20) + 17];
-    peer.read("kv", 3, &mut got).unwrap();
+    peer.read(&kv, 3, &mut got).unwrap();
     assert_eq!(pattern::first_deviation(&got, 3, 1), None);
     let data: Vec<u8> = (0..(5 << 20) + 1).map(|i| (i * 7 % 253) as u8).collect();
-    peer.write("kv", 1 << 20, &data).unwrap();
+    peer.write(&kv, 1 << 20, &data).unwrap();
     assert!(s.mem.blocking_read()[1 << 20..(1 << 20) + data.len()] == data[..]);
     // Four connections did it, and went back to the pool.
     assert_eq!(peer.stats().connects, 4);
     assert_eq!(s.agent.stats().sessions, 4);
     // A striped read that runs past the end is refused as a whole; the pool is still usable.
     let mut tail = vec![0u8; 2 << 20];
-    match peer.read("kv", MEM_LEN as u64 - (1 << 20), &mut tail) {
+    match peer.read(&kv, MEM_LEN as u64 - (1 << 20), &mut tail) {
         Err(RemoteIoError::Remote { code, .. }) => assert_eq!(code, ErrorCode::InvalidArg),
         other => panic!("{other:?}"),
     }
-    peer.read("kv", 7 << 20, &mut tail).unwrap();
+    // A write that would run past the end is refused before a byte is sent.
+    let written = s.agent.stats().bytes_written;
+    match peer.write(&kv, MEM_LEN as u64 - (1 << 20), &tail) {
+        Err(e @ RemoteIoError::InvalidArgument(_)) => assert_eq!(e.code(), ErrorCode::InvalidArg),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(s.agent.stats().bytes_written, written);
+    peer.read(&kv, 7 << 20, &mut tail).unwrap();
     assert_eq!(pattern::first_deviation(&tail, 7 << 20, 1), None);
     assert_eq!(peer.stats().broken, 0);
     // A peer of a read-only key sees the export as not writable.
@@ -383,8 +393,12 @@ fn a_peer_stripes_large_transfers_over_several_connections() {
         creds("reader", RO_KEY),
     ))
     .unwrap();
-    assert!(!ro.stat("kv").unwrap().writable);
-    assert_eq!(ro.stat("ckpt").unwrap().size, FILE_LEN as u64);
+    assert!(!ro.stat(&RemoteExport::new("kv")).unwrap().writable);
+    let ckpt = ro.stat(&RemoteExport::new("ckpt")).unwrap();
+    assert_eq!(
+        (ckpt.size, ckpt.capacity),
+        (FILE_LEN as u64, FILE_LEN as u64 + 4096)
+    );
 }
 
 #[test]

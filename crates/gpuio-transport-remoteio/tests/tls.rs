@@ -5,11 +5,11 @@
 use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
 use gpuio_transport_remoteio::{
     Access, Agent, AgentConfig, Connection, Credentials, Export, ExportSource, Key, PeerConfig,
-    RemotePeer, Role, TlsClient, TlsServer, shared_memory,
+    RemoteExport, RemotePeer, Role, TlsClient, TlsServer, shared_memory,
 };
 use std::time::Duration;
 
-const KEY: &[u8] = b"tls test key, thirty-two bytes!!";
+const KEY: &[u8] = b"3b298dfa760c30c461cef70377a6b4446a18accaf6110de835119470785a4a9e";
 
 fn creds() -> Credentials {
     Credentials {
@@ -60,11 +60,12 @@ fn data_crosses_tls_intact() {
     let (cert, key) = certificate(&["127.0.0.1"]);
     let (agent, mem) = agent(&cert, &key);
     let peer = RemotePeer::connect(tls_peer(agent.local_addr(), &cert, None)).unwrap();
+    let mem_export = RemoteExport::new("mem");
     let mut got = vec![0u8; (5 << 20) + 3];
-    peer.read("mem", 11, &mut got).unwrap();
+    peer.read(&mem_export, 11, &mut got).unwrap();
     assert_eq!(pattern::first_deviation(&got, 11, 5), None);
     let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 249) as u8).collect();
-    peer.write("mem", 100, &data).unwrap();
+    peer.write(&mem_export, 100, &data).unwrap();
     assert!(mem.blocking_read()[100..100 + data.len()] == data[..]);
     assert_eq!(agent.stats().refused_sessions, 0);
 }
@@ -84,7 +85,7 @@ fn untrusting_or_plain_clients_are_refused() {
     // The name the certificate does carry works, and the agent still serves.
     let peer = RemotePeer::connect(tls_peer(addr, &cert, Some("agent.example"))).unwrap();
     let mut b = [0u8; 64];
-    peer.read("mem", 0, &mut b).unwrap();
+    peer.read(&RemoteExport::new("mem"), 0, &mut b).unwrap();
     assert_eq!(pattern::first_deviation(&b, 0, 5), None);
     assert!(agent.stats().refused_sessions >= 2);
 }

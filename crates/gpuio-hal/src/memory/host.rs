@@ -85,8 +85,10 @@ unsafe impl Send for HostBuffer {}
 unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
-    /// Allocates `len` bytes (zeroed).
+    /// Allocates `len` bytes (zeroed). More than the machine can back now (available memory
+    /// and swap, within the cgroup's limit) is refused before any page is touched.
     pub fn alloc(len: usize, opts: &HostAllocOptions) -> Result<Self> {
+        super::backing::check(len)?;
         let huge = opts.huge_pages && len >= sys::HUGE_PAGE;
         let align = if huge {
             sys::HUGE_PAGE

@@ -1,6 +1,7 @@
 //! The memory vocabulary every gpuio layer shares (SDD §2.2): where a region lives, how long it
 //! is, and whether it is registered for DMA; plus the host buffer type and NUMA topology.
 
+pub mod backing;
 mod host;
 pub mod numa;
 

@@ -1,0 +1,164 @@
+//! Admission of connections that have not yet proven a key.
+//!
+//! Every accepted connection is admitted at once (nothing waits in the listen queue behind a
+//! stranger), but strangers share a small budget of their own: at most `per_address` pending
+//! handshakes per source address and `total` altogether. A newcomer past either bound evicts
+//! the oldest pending handshake (of its address, or of all): an idle socket cannot hold a
+//! place against a client that completes its handshake in a round trip, so a flood of silent
+//! connections costs the agent sockets that it closes, never its good clients.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use tokio::sync::Notify;
+
+/// The pending handshakes and their bounds.
+pub(super) struct Gate {
+    state: Mutex<State>,
+    per_address: usize,
+    total: usize,
+}
+
+#[derive(Default)]
+struct State {
+    next: u64,
+    /// Oldest first.
+    pending: VecDeque<Entry>,
+    per_address: HashMap<IpAddr, usize>,
+    evicted: u64,
+}
+
+struct Entry {
+    ticket: u64,
+    addr: IpAddr,
+    evict: Arc<Notify>,
+}
+
+/// A connection's place among the pending handshakes; given back when dropped (the handshake
+/// ended, one way or the other).
+pub(super) struct Pending {
+    gate: Arc<Gate>,
+    ticket: u64,
+    evict: Arc<Notify>,
+}
+
+impl Gate {
+    pub(super) fn new(per_address: usize, total: usize) -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(State::default()),
+            per_address: per_address.max(1),
+            total: total.max(1),
+        })
+    }
+
+    /// Admits a connection from `addr`, evicting the oldest pending handshake of its address
+    /// (or of all) where a bound is reached.
+    pub(super) fn admit(self: &Arc<Self>, addr: IpAddr) -> Pending {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mine = s.per_address.get(&addr).copied().unwrap_or(0);
+        if mine >= self.per_address {
+            if let Some(i) = s.pending.iter().position(|e| e.addr == addr) {
+                s.evict(i);
+            }
+        } else if s.pending.len() >= self.total {
+            s.evict(0);
+        }
+        let ticket = s.next;
+        s.next += 1;
+        let evict = Arc::new(Notify::new());
+        s.pending.push_back(Entry {
+            ticket,
+            addr,
+            evict: evict.clone(),
+        });
+        *s.per_address.entry(addr).or_insert(0) += 1;
+        Pending {
+            gate: self.clone(),
+            ticket,
+            evict,
+        }
+    }
+
+    /// Pending handshakes closed to make room for newer ones, so far.
+    pub(super) fn evicted(&self) -> u64 {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).evicted
+    }
+}
+
+impl State {
+    /// Removes entry `i` and tells its connection to close.
+    fn evict(&mut self, i: usize) {
+        if let Some(e) = self.remove(i) {
+            e.evict.notify_one();
+            self.evicted += 1;
+        }
+    }
+
+    fn remove(&mut self, i: usize) -> Option<Entry> {
+        let e = self.pending.remove(i)?;
+        if let Some(n) = self.per_address.get_mut(&e.addr) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_address.remove(&e.addr);
+            }
+        }
+        Some(e)
+    }
+}
+
+impl Pending {
+    /// Resolves when a newer connection took this one's place.
+    pub(super) async fn evicted(&self) {
+        self.evict.notified().await
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        let mut s = self.gate.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = s.pending.iter().position(|e| e.ticket == self.ticket) {
+            s.remove(i);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(last: u8) -> IpAddr {
+        IpAddr::from([10, 0, 0, last])
+    }
+
+    #[test]
+    fn the_oldest_gives_way_per_address_then_overall() {
+        let gate = Gate::new(2, 3);
+        let a1 = gate.admit(ip(1));
+        let a2 = gate.admit(ip(1));
+        // A third from the same address evicts its oldest, not another address's.
+        let b1 = gate.admit(ip(2));
+        let a3 = gate.admit(ip(1));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let evicted = |p: &Pending| {
+            rt.block_on(async {
+                tokio::time::timeout(std::time::Duration::from_millis(5), p.evicted())
+                    .await
+                    .is_ok()
+            })
+        };
+        assert!(evicted(&a1));
+        assert!(!evicted(&a2) && !evicted(&b1) && !evicted(&a3));
+        // Past the total, the oldest overall (a2) gives way.
+        let c1 = gate.admit(ip(3));
+        assert!(evicted(&a2));
+        assert!(!evicted(&b1) && !evicted(&c1));
+        assert_eq!(gate.evicted(), 2);
+        // Places come back when handshakes end.
+        drop((a1, a2, b1, a3, c1));
+        let s = gate.state.lock().unwrap();
+        assert!(s.pending.is_empty() && s.per_address.is_empty());
+    }
+}

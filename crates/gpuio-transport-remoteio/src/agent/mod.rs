@@ -1,0 +1,487 @@
+//! The gpuio agent: serves named exports of host memory, GPU memory and files to clients that
+//! prove they hold a key.
+//!
+//! One task per connection. A connection is accepted at once and admitted among the pending
+//! handshakes ([`gate`]: a small budget of their own, bounded per source address, the oldest
+//! giving way to newcomers), then must complete the HELLO handshake — the client proves its
+//! key first — within `handshake_timeout`, reading at most a HELLO's worth of bytes. Only then
+//! does it take one of `max_connections` session places, and its requests are served in order
+//! ([`session`]): each must arrive and be answered within `io_timeout`, and a connection idle
+//! for `idle_timeout` is closed. Every request is checked against its export and the key's
+//! role ([`serve`]); a refused request gets an ERROR and the connection goes on; a protocol
+//! violation ends that connection only.
+//!
+//! No export lock is ever held across socket IO: reads copy from memory exports into the
+//! session's buffer a chunk at a time, writes are received whole into it and then copied in.
+//! The buffers of all sessions together are bounded by `buffer_memory`, and an idle session
+//! gives its buffer back.
+//!
+//! Every agent draws a random instance number when it starts and tells it to clients (in the
+//! welcome and in STAT answers), so a client can tell a restarted agent — whose memory exports
+//! start afresh — from the one it was talking to.
+
+mod gate;
+mod serve;
+mod session;
+
+use crate::auth::{self, Key};
+use crate::tls::TlsServer;
+use crate::{RemoteIoError, Result};
+use gpuio_hal::{DeviceBuffer, HostBuffer};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{RwLock, Semaphore, watch};
+
+/// Whether an export may be written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// Reads only.
+    ReadOnly,
+    /// Reads and writes (by keys whose role allows writes).
+    ReadWrite,
+}
+
+/// Host memory an agent exports, shared with the exporting program. The agent holds its lock
+/// only while it copies bytes between the export and its own buffers, never while they cross
+/// the network; the program takes it with `blocking_read` / `blocking_write` (outside async
+/// code) or `read().await` / `write().await`.
+pub type SharedMemory = Arc<RwLock<HostBuffer>>;
+
+/// Shares `buf` for export.
+pub fn shared_memory(buf: HostBuffer) -> SharedMemory {
+    Arc::new(RwLock::new(buf))
+}
+
+/// What an export serves.
+#[derive(Debug, Clone)]
+pub enum ExportSource {
+    /// Host memory, shared with the exporting program.
+    Memory(SharedMemory),
+    /// GPU memory (moved through the agent's host memory by the GPU's copy engines; RDMA
+    /// cannot reach it without GPUDirect).
+    Device(DeviceBuffer),
+    /// A regular file. Reads stop at its length; writes may extend it up to `max_len`
+    /// (default: its length when the agent starts).
+    File {
+        /// The file.
+        path: PathBuf,
+        /// The largest size writes may grow it to.
+        max_len: Option<u64>,
+    },
+}
+
+/// A named export.
+#[derive(Debug, Clone)]
+pub struct Export {
+    /// The name clients ask for.
+    pub name: String,
+    /// What it serves.
+    pub source: ExportSource,
+    /// Whether it may be written.
+    pub access: Access,
+}
+
+/// How an agent runs. Every count and duration must be positive.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Where to listen (port 0: any free port; see [`Agent::local_addr`]).
+    pub listen: SocketAddr,
+    /// The keys clients may present (each secret must pass [`auth::check_secret`]).
+    pub keys: Vec<Key>,
+    /// What is served.
+    pub exports: Vec<Export>,
+    /// How long a new connection has to complete the handshake (TLS included).
+    pub handshake_timeout: Duration,
+    /// Connections still in their handshake, at most; past it the oldest is closed.
+    pub max_handshakes: usize,
+    /// Connections in their handshake from one source address, at most; past it that
+    /// address's oldest is closed.
+    pub max_handshakes_per_address: usize,
+    /// Authenticated sessions served at once; more are refused with `Busy`.
+    pub max_connections: usize,
+    /// Sessions one key may hold at once; more are refused with `Busy`.
+    pub max_sessions_per_key: usize,
+    /// Time one request may take, from its first byte to its answer's last, before its
+    /// connection is closed.
+    pub io_timeout: Duration,
+    /// Time a session may stay silent between requests before it is closed (clients
+    /// reconnect on their next request).
+    pub idle_timeout: Duration,
+    /// Bytes all sessions' request buffers may hold together (at least one message's,
+    /// [`MAX_DATA`](crate::wire::MAX_DATA)); a request waits for room.
+    pub buffer_memory: usize,
+    /// Runtime threads.
+    pub threads: usize,
+    /// TLS: the agent's certificate (`None`: plain TCP).
+    pub tls: Option<TlsServer>,
+    /// RDMA: the device to serve memory exports over (`None`: TCP only).
+    #[cfg(feature = "rdma")]
+    pub rdma: Option<crate::rdma::RdmaOptions>,
+}
+
+impl AgentConfig {
+    /// A configuration listening on `listen` with no keys or exports yet.
+    pub fn new(listen: SocketAddr) -> Self {
+        Self {
+            listen,
+            keys: Vec::new(),
+            exports: Vec::new(),
+            handshake_timeout: Duration::from_secs(3),
+            max_handshakes: 256,
+            max_handshakes_per_address: 32,
+            max_connections: 256,
+            max_sessions_per_key: 64,
+            io_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(120),
+            buffer_memory: 1 << 30,
+            threads: 2,
+            tls: None,
+            #[cfg(feature = "rdma")]
+            rdma: None,
+        }
+    }
+
+    /// Refuses settings that would hang, refuse everyone or leave the agent unbounded.
+    fn check(&self) -> Result<()> {
+        let zero = |what: &str| {
+            RemoteIoError::InvalidArgument(format!("the agent's {what} must be positive"))
+        };
+        for (what, d) in [
+            ("handshake_timeout", self.handshake_timeout),
+            ("io_timeout", self.io_timeout),
+            ("idle_timeout", self.idle_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(zero(what));
+            }
+        }
+        for (what, n) in [
+            ("max_handshakes", self.max_handshakes),
+            (
+                "max_handshakes_per_address",
+                self.max_handshakes_per_address,
+            ),
+            ("max_connections", self.max_connections),
+            ("max_sessions_per_key", self.max_sessions_per_key),
+            ("threads", self.threads),
+        ] {
+            if n == 0 {
+                return Err(zero(what));
+            }
+        }
+        if self.buffer_memory < crate::wire::MAX_DATA {
+            return Err(RemoteIoError::InvalidArgument(format!(
+                "the agent's buffer_memory ({} bytes) must hold one message ({} bytes)",
+                self.buffer_memory,
+                crate::wire::MAX_DATA
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What an agent has served.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AgentStats {
+    /// Connections that completed the handshake.
+    pub sessions: u64,
+    /// Connections refused in the handshake (wrong key, timed out, closed early, busy).
+    pub refused_sessions: u64,
+    /// Connections closed in their handshake to make room for newer ones.
+    pub evicted_handshakes: u64,
+    /// Requests served.
+    pub served: u64,
+    /// Requests refused (unknown export, out of bounds, not permitted, IO error).
+    pub refused: u64,
+    /// Connections ended for breaking the protocol.
+    pub protocol_errors: u64,
+    /// Bytes sent to clients.
+    pub bytes_read: u64,
+    /// Bytes written for clients.
+    pub bytes_written: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    sessions: AtomicU64,
+    refused_sessions: AtomicU64,
+    served: AtomicU64,
+    refused: AtomicU64,
+    protocol_errors: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+}
+
+impl Counters {
+    fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// An export as the agent serves it.
+enum Source {
+    Memory(SharedMemory),
+    Device(DeviceBuffer),
+    File {
+        file: Arc<std::fs::File>,
+        max_len: u64,
+    },
+}
+
+struct Served {
+    source: Source,
+    access: Access,
+}
+
+/// What every connection task shares.
+struct Shared {
+    instance: u64,
+    keys: HashMap<String, Key>,
+    /// Checked against unknown key ids, so that they take as long as wrong secrets.
+    dummy_secret: Vec<u8>,
+    exports: HashMap<String, Served>,
+    cfg: Limits,
+    sessions: Arc<Semaphore>,
+    sessions_per_key: Mutex<HashMap<String, usize>>,
+    /// Request buffers, in units of [`BUFFER_UNIT`] bytes.
+    buffers: Arc<Semaphore>,
+    counters: Counters,
+    #[cfg(feature = "rdma")]
+    rdma: Option<Arc<gpuio_hal::rdma::RdmaDevice>>,
+}
+
+/// The grain in which request buffers are counted against `buffer_memory`.
+const BUFFER_UNIT: usize = 1 << 20;
+
+/// The timing and limits every connection follows.
+#[derive(Clone, Copy)]
+struct Limits {
+    handshake_timeout: Duration,
+    io_timeout: Duration,
+    idle_timeout: Duration,
+    max_connections: usize,
+    max_sessions_per_key: usize,
+}
+
+/// A running agent. Dropping it shuts it down (as [`shutdown`](Self::shutdown) does).
+pub struct Agent {
+    runtime: Option<tokio::runtime::Runtime>,
+    addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    accept: Option<tokio::task::JoinHandle<()>>,
+    shared: Arc<Shared>,
+    gate: Arc<gate::Gate>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("addr", &self.addr)
+            .field("instance", &format_args!("{:#018x}", self.shared.instance))
+            .field("exports", &self.shared.exports.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl Agent {
+    /// Checks the configuration and the keys' secrets, opens the exports, binds the listener
+    /// and starts serving.
+    pub fn start(cfg: AgentConfig) -> Result<Self> {
+        cfg.check()?;
+        let mut keys = HashMap::new();
+        for k in cfg.keys {
+            auth::check_secret(&k.id, &k.secret).map_err(RemoteIoError::InvalidArgument)?;
+            if keys.insert(k.id.clone(), k).is_some() {
+                return Err(RemoteIoError::InvalidArgument(
+                    "two keys share a name".into(),
+                ));
+            }
+        }
+        let mut exports = HashMap::new();
+        for e in cfg.exports {
+            let source = match e.source {
+                ExportSource::Memory(m) => Source::Memory(m),
+                ExportSource::Device(d) => Source::Device(d),
+                ExportSource::File { path, max_len } => {
+                    let file = open_export_file(&e.name, &path, e.access)?;
+                    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+                    Source::File {
+                        file: Arc::new(file),
+                        max_len: max_len.unwrap_or(len),
+                    }
+                }
+            };
+            let served = Served {
+                source,
+                access: e.access,
+            };
+            if exports.insert(e.name.clone(), served).is_some() {
+                return Err(RemoteIoError::InvalidArgument(format!(
+                    "two exports are named {:?}",
+                    e.name
+                )));
+            }
+        }
+        let random = auth::nonce()?;
+        let instance = u64::from_le_bytes(random[..8].try_into().unwrap_or_default());
+        let shared = Arc::new(Shared {
+            instance,
+            keys,
+            dummy_secret: random[8..].to_vec(),
+            exports,
+            cfg: Limits {
+                handshake_timeout: cfg.handshake_timeout,
+                io_timeout: cfg.io_timeout,
+                idle_timeout: cfg.idle_timeout,
+                max_connections: cfg.max_connections,
+                max_sessions_per_key: cfg.max_sessions_per_key,
+            },
+            sessions: Arc::new(Semaphore::new(cfg.max_connections)),
+            sessions_per_key: Mutex::new(HashMap::new()),
+            buffers: Arc::new(Semaphore::new(cfg.buffer_memory / BUFFER_UNIT)),
+            counters: Counters::default(),
+            #[cfg(feature = "rdma")]
+            rdma: match &cfg.rdma {
+                Some(o) => Some(o.open()?),
+                None => None,
+            },
+        });
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(cfg.threads.clamp(1, 64))
+            .thread_name("gpuio-agent")
+            .enable_io()
+            .enable_time()
+            .build()?;
+        let listener = runtime.block_on(tokio::net::TcpListener::bind(cfg.listen))?;
+        let addr = listener.local_addr()?;
+        let (stop, stopped) = watch::channel(false);
+        let gate = gate::Gate::new(cfg.max_handshakes_per_address, cfg.max_handshakes);
+        let tls = cfg.tls.map(|t| tokio_rustls::TlsAcceptor::from(t.config));
+        let accept = runtime.spawn(accept_loop(
+            listener,
+            shared.clone(),
+            gate.clone(),
+            tls,
+            stopped,
+        ));
+        Ok(Self {
+            runtime: Some(runtime),
+            addr,
+            stop,
+            accept: Some(accept),
+            shared,
+            gate,
+        })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The random number this run of the agent tells its clients.
+    pub fn instance(&self) -> u64 {
+        self.shared.instance
+    }
+
+    /// What it has served so far.
+    pub fn stats(&self) -> AgentStats {
+        let c = &self.shared.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        AgentStats {
+            sessions: get(&c.sessions),
+            refused_sessions: get(&c.refused_sessions),
+            evicted_handshakes: self.gate.evicted(),
+            served: get(&c.served),
+            refused: get(&c.refused),
+            protocol_errors: get(&c.protocol_errors),
+            bytes_read: get(&c.bytes_read),
+            bytes_written: get(&c.bytes_written),
+        }
+    }
+
+    /// Stops accepting, waits for the requests being served, closes every connection.
+    pub fn shutdown(mut self) -> AgentStats {
+        self.stop_and_wait();
+        self.stats()
+    }
+
+    fn stop_and_wait(&mut self) {
+        let _ = self.stop.send(true);
+        if let (Some(rt), Some(accept)) = (self.runtime.as_ref(), self.accept.take())
+            && let Err(e) = rt.block_on(accept)
+        {
+            tracing::error!(error = %e, "the agent's accept task failed");
+        }
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_timeout(Duration::from_secs(5));
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.stop_and_wait();
+    }
+}
+
+/// Opens a file export: it must exist and be a regular file (a typed error names it if not).
+fn open_export_file(name: &str, path: &std::path::Path, access: Access) -> Result<std::fs::File> {
+    let fail = |source: std::io::Error| RemoteIoError::Export {
+        export: name.to_string(),
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(access == Access::ReadWrite)
+        .open(path)
+        .map_err(fail)?;
+    let meta = file.metadata().map_err(fail)?;
+    if !meta.is_file() {
+        return Err(fail(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        )));
+    }
+    Ok(file)
+}
+
+/// Accepts connections until told to stop, then lets every connection finish the request it
+/// is serving.
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    sh: Arc<Shared>,
+    gate: Arc<gate::Gate>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    stopped: watch::Receiver<bool>,
+) {
+    let mut conns = tokio::task::JoinSet::new();
+    let mut stop_rx = stopped.clone();
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stop_rx.changed() => break,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let pending = gate.admit(peer.ip());
+                let (sh, stop, tls) = (sh.clone(), stopped.clone(), tls.clone());
+                conns.spawn(session::serve(sh, stream, peer, stop, tls, pending));
+            }
+            Err(e) => {
+                // Out of file descriptors, most likely: let connections close before the
+                // next try instead of spinning.
+                tracing::warn!(error = %e, "accepting a connection failed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        // Reap finished connections as we go.
+        while conns.try_join_next().is_some() {}
+    }
+    while conns.join_next().await.is_some() {}
+}

@@ -1,0 +1,421 @@
+//! Serving one request whose header was read: STAT, READ, WRITE and the RDMA exchange, each
+//! checked against its export (exists, in bounds) and the key's role, answered with its result
+//! or a refusal. Export locks are held only while bytes are copied between the export and the
+//! session's buffer, never across socket IO.
+
+use super::session::{Buffer, read_payload};
+use super::{Access, Counters, Served, Shared, Source};
+use crate::RemoteIoError;
+use crate::auth::Role;
+use crate::wire::{self, Header, MAX_REQUEST_PAYLOAD, Message, MsgType, WireError, WriteHead};
+use gpuio_hal::ErrorCode;
+use std::os::unix::fs::FileExt;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// Bytes of a memory export copied under its read lock at a time: the lock is held for a
+/// memcpy of this size, then released while the bytes go out.
+const READ_CHUNK: usize = 1 << 20;
+
+/// Why a connection ends.
+pub(super) enum Fatal {
+    /// The client broke the protocol: it gets an ERROR, then the connection closes.
+    Protocol(RemoteIoError),
+    /// The network failed or the client left: just close.
+    Gone,
+}
+
+impl From<std::io::Error> for Fatal {
+    fn from(_: std::io::Error) -> Self {
+        Self::Gone
+    }
+}
+
+impl From<WireError> for Fatal {
+    fn from(e: WireError) -> Self {
+        Self::Protocol(e.into())
+    }
+}
+
+/// A refusal or failure to report to the client.
+pub(super) struct Refusal {
+    code: ErrorCode,
+    message: String,
+}
+
+impl Refusal {
+    fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+type Answer = std::result::Result<Message, Refusal>;
+
+/// What a session keeps between its requests.
+pub(super) struct SessionState {
+    /// Bytes on their way between the socket and an export.
+    pub(super) buffer: Buffer,
+    /// RDMA links to this client (they live as long as the session).
+    #[cfg(feature = "rdma")]
+    links: Vec<crate::rdma::Link>,
+}
+
+impl SessionState {
+    pub(super) fn new(buffer: Buffer) -> Self {
+        Self {
+            buffer,
+            #[cfg(feature = "rdma")]
+            links: Vec::new(),
+        }
+    }
+}
+
+/// Serves one request whose header was read, answering it (with its result or a refusal).
+pub(super) async fn serve_one(
+    sh: &Shared,
+    role: Role,
+    rd: &mut (impl AsyncRead + Unpin),
+    wr: &mut (impl AsyncWrite + Unpin),
+    header: Header,
+    state: &mut SessionState,
+) -> std::result::Result<(), Fatal> {
+    let id = header.request_id;
+    let result = if header.msg_type == MsgType::WriteReq {
+        let mut name_len = [0u8; 2];
+        rd.read_exact(&mut name_len).await?;
+        let mut prefix = vec![0u8; 2 + WriteHead::rest_len(name_len)];
+        prefix[..2].copy_from_slice(&name_len);
+        if prefix.len() as u64 > header.payload_len {
+            return Err(WireError::Malformed {
+                what: "WRITE_REQ",
+                why: "a name longer than the payload".into(),
+            }
+            .into());
+        }
+        rd.read_exact(&mut prefix[2..]).await?;
+        let head = WriteHead::decode(&header, &prefix)?;
+        write(sh, role, rd, head, &mut state.buffer).await?
+    } else {
+        // Only a WRITE_REQ carries data: nothing else is buffered beyond a few names.
+        header.check_payload(MAX_REQUEST_PAYLOAD)?;
+        match read_payload(rd, &header).await.map_err(Fatal::Protocol)? {
+            Message::ReadReq {
+                export,
+                offset,
+                len,
+            } => return read(sh, wr, id, &export, offset, len, &mut state.buffer).await,
+            Message::StatReq { export } => stat(sh, role, &export).await,
+            Message::RdmaRequest { info, export } => {
+                rdma_link(sh, role, &export, &info, state).await
+            }
+            other => {
+                let why = format!("unexpected {other:?} after the handshake");
+                return Err(Fatal::Protocol(RemoteIoError::InvalidArgument(why)));
+            }
+        }
+    };
+    answer(sh, wr, id, result).await
+}
+
+/// Answers a client's RDMA_INFO request: exposes the memory export to its queue pair with the
+/// session's rights.
+#[cfg(feature = "rdma")]
+async fn rdma_link(
+    sh: &Shared,
+    role: Role,
+    name: &str,
+    client: &wire::RdmaInfo,
+    state: &mut SessionState,
+) -> Answer {
+    let Some(dev) = &sh.rdma else {
+        return Err(Refusal::new(
+            ErrorCode::Unsupported,
+            "this agent serves no RDMA device",
+        ));
+    };
+    let ex = export(sh, name)?;
+    let Source::Memory(mem) = &ex.source else {
+        return Err(Refusal::new(
+            ErrorCode::Unsupported,
+            format!(
+                "export {name:?} is not host memory: RDMA reaches host memory exports only \
+                 (GPU memory would need GPUDirect RDMA)"
+            ),
+        ));
+    };
+    // Registering the export is local work (no network IO under the lock).
+    let buf = mem.read().await;
+    let (link, answer) = crate::rdma::accept(dev, &buf, may_write(ex, role), client)
+        .map_err(|e| Refusal::new(e.code(), e.to_string()))?;
+    state.links.push(link);
+    Ok(Message::RdmaInfo(answer))
+}
+
+#[cfg(not(feature = "rdma"))]
+async fn rdma_link(
+    _sh: &Shared,
+    _role: Role,
+    _name: &str,
+    _client: &wire::RdmaInfo,
+    _state: &mut SessionState,
+) -> Answer {
+    Err(Refusal::new(
+        ErrorCode::Unsupported,
+        "this agent was built without RDMA (cargo feature `rdma`)",
+    ))
+}
+
+/// Sends a small answer or a refusal, counting it.
+async fn answer(
+    sh: &Shared,
+    wr: &mut (impl AsyncWrite + Unpin),
+    id: u64,
+    result: Answer,
+) -> std::result::Result<(), Fatal> {
+    let msg = match result {
+        Ok(m) => {
+            Counters::add(&sh.counters.served, 1);
+            m
+        }
+        Err(r) => {
+            Counters::add(&sh.counters.refused, 1);
+            Message::Error {
+                code: r.code.as_i32(),
+                message: r.message,
+            }
+        }
+    };
+    wr.write_all(&msg.encode(id)).await?;
+    Ok(())
+}
+
+fn export<'a>(sh: &'a Shared, name: &str) -> std::result::Result<&'a Served, Refusal> {
+    sh.exports
+        .get(name)
+        .ok_or_else(|| Refusal::new(ErrorCode::NotFound, format!("no export named {name:?}")))
+}
+
+fn may_write(ex: &Served, role: Role) -> bool {
+    ex.access == Access::ReadWrite && role == Role::ReadWrite
+}
+
+/// `offset..offset+len` inside `size` bytes, or a refusal naming the export.
+fn in_bounds(
+    name: &str,
+    offset: u64,
+    len: u64,
+    size: u64,
+) -> std::result::Result<std::ops::Range<usize>, Refusal> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(offset as usize..end as usize),
+        _ => Err(Refusal::new(
+            ErrorCode::InvalidArg,
+            format!("{offset}+{len} is outside export {name:?} ({size} bytes)"),
+        )),
+    }
+}
+
+fn io_refusal(e: std::io::Error) -> Refusal {
+    Refusal::new(ErrorCode::from_io(&e), e.to_string())
+}
+
+fn hal_refusal(e: gpuio_hal::HalError) -> Refusal {
+    Refusal::new(e.code(), e.to_string())
+}
+
+async fn stat(sh: &Shared, role: Role, name: &str) -> Answer {
+    let ex = export(sh, name)?;
+    let (size, capacity) = match &ex.source {
+        Source::Memory(mem) => {
+            let n = mem.read().await.len() as u64;
+            (n, n)
+        }
+        Source::Device(buf) => (buf.len() as u64, buf.len() as u64),
+        Source::File { file, max_len } => {
+            let n = file.metadata().map_err(io_refusal)?.len();
+            (n, n.max(*max_len))
+        }
+    };
+    Ok(Message::StatResp {
+        size,
+        capacity,
+        writable: may_write(ex, role),
+        instance: sh.instance,
+    })
+}
+
+/// Serves a read: memory exports are copied out a chunk at a time under their read lock and
+/// sent with the lock released; GPU memory and files go through the session's buffer.
+async fn read(
+    sh: &Shared,
+    wr: &mut (impl AsyncWrite + Unpin),
+    id: u64,
+    name: &str,
+    offset: u64,
+    len: u64,
+    buffer: &mut Buffer,
+) -> std::result::Result<(), Fatal> {
+    let ex = match export(sh, name) {
+        Ok(ex) => ex,
+        Err(r) => return answer(sh, wr, id, Err(r)).await,
+    };
+    let filled = match &ex.source {
+        Source::Memory(mem) => {
+            let size = mem.read().await.len() as u64;
+            // A shared buffer's length never changes, so the range checked now holds later.
+            let range = match in_bounds(name, offset, len, size) {
+                Ok(r) => r,
+                Err(r) => return answer(sh, wr, id, Err(r)).await,
+            };
+            let chunk = buffer.get(READ_CHUNK.min(range.len())).await;
+            wr.write_all(&wire::read_resp_head(id, range.len())).await?;
+            let mut at = range.start;
+            while at < range.end {
+                let n = chunk.len().min(range.end - at);
+                chunk[..n].copy_from_slice(&mem.read().await[at..at + n]);
+                wr.write_all(&chunk[..n]).await?;
+                at += n;
+            }
+            Counters::add(&sh.counters.served, 1);
+            Counters::add(&sh.counters.bytes_read, len);
+            return Ok(());
+        }
+        Source::Device(buf) => {
+            let buf = buf.clone();
+            match in_bounds(name, offset, len, buf.len() as u64) {
+                Ok(_) => {
+                    through_buffer(buffer, len as usize, move |data| {
+                        buf.gpu()
+                            .stream()
+                            .and_then(|s| s.download(&buf, offset as usize, data))
+                            .map_err(hal_refusal)
+                    })
+                    .await
+                }
+                Err(r) => Err(r),
+            }
+        }
+        Source::File { file, .. } => {
+            let file = file.clone();
+            let size = file.metadata().map(|m| m.len()).map_err(io_refusal);
+            match size.and_then(|size| in_bounds(name, offset, len, size)) {
+                Ok(_) => {
+                    through_buffer(buffer, len as usize, move |data| {
+                        file.read_exact_at(data, offset).map_err(io_refusal)
+                    })
+                    .await
+                }
+                Err(r) => Err(r),
+            }
+        }
+    };
+    if let Err(r) = filled {
+        return answer(sh, wr, id, Err(r)).await;
+    }
+    let data = buffer.get(len as usize).await;
+    wr.write_all(&wire::read_resp_head(id, data.len())).await?;
+    wr.write_all(data).await?;
+    Counters::add(&sh.counters.served, 1);
+    Counters::add(&sh.counters.bytes_read, len);
+    Ok(())
+}
+
+/// Runs `op` on a blocking thread over the session's buffer (`len` bytes); the buffer comes
+/// back whatever happens.
+async fn through_buffer(
+    buffer: &mut Buffer,
+    len: usize,
+    op: impl FnOnce(&mut [u8]) -> std::result::Result<(), Refusal> + Send + 'static,
+) -> std::result::Result<(), Refusal> {
+    buffer.get(len).await;
+    let mut data = buffer.take();
+    let done = tokio::task::spawn_blocking(move || {
+        let r = op(&mut data);
+        (r, data)
+    })
+    .await;
+    match done {
+        Ok((r, data)) => {
+            buffer.put(data);
+            r
+        }
+        Err(e) => Err(Refusal::new(ErrorCode::General, e.to_string())),
+    }
+}
+
+/// Serves a write whose fields were read: its data is received whole into the session's
+/// buffer, then copied into a memory export under its write lock, or moved to GPU memory or
+/// a file on a blocking thread. A refused write's data is read and dropped, so the connection
+/// stays in step; a write whose data does not all arrive changes nothing.
+async fn write<R: AsyncRead + Unpin>(
+    sh: &Shared,
+    role: Role,
+    rd: &mut R,
+    head: WriteHead,
+    buffer: &mut Buffer,
+) -> std::result::Result<Answer, Fatal> {
+    let WriteHead {
+        export: name,
+        offset,
+        len,
+    } = head;
+    let refuse = async |rd: &mut R, r: Refusal| {
+        let skipped = tokio::io::copy(&mut (&mut *rd).take(len), &mut tokio::io::sink()).await?;
+        if skipped < len {
+            return Err(Fatal::Gone);
+        }
+        Ok(Err(r))
+    };
+    let ex = match export(sh, &name) {
+        Ok(ex) => ex,
+        Err(r) => return refuse(rd, r).await,
+    };
+    if !may_write(ex, role) {
+        let r = Refusal::new(
+            ErrorCode::Permission,
+            format!("writing export {name:?} is not permitted"),
+        );
+        return refuse(rd, r).await;
+    }
+    let capacity = match &ex.source {
+        Source::Memory(mem) => mem.read().await.len() as u64,
+        Source::Device(buf) => buf.len() as u64,
+        Source::File { max_len, .. } => *max_len,
+    };
+    let range = match in_bounds(&name, offset, len, capacity) {
+        Ok(r) => r,
+        Err(r) => return refuse(rd, r).await,
+    };
+    rd.read_exact(buffer.get(len as usize).await).await?;
+    let moved = match &ex.source {
+        Source::Memory(mem) => {
+            let data = buffer.get(len as usize).await;
+            mem.write().await.as_mut_slice()[range].copy_from_slice(data);
+            Ok(())
+        }
+        Source::Device(buf) => {
+            let buf = buf.clone();
+            through_buffer(buffer, len as usize, move |data| {
+                buf.gpu()
+                    .stream()
+                    .and_then(|s| s.upload(data, &buf, offset as usize))
+                    .map_err(hal_refusal)
+            })
+            .await
+        }
+        Source::File { file, .. } => {
+            let file = file.clone();
+            through_buffer(buffer, len as usize, move |data| {
+                file.write_all_at(data, offset).map_err(io_refusal)
+            })
+            .await
+        }
+    };
+    if let Err(r) = moved {
+        return Ok(Err(r));
+    }
+    Counters::add(&sh.counters.bytes_written, len);
+    Ok(Ok(Message::WriteResp { written: len }))
+}
