@@ -131,8 +131,9 @@ impl AgentConfig {
             keys: Vec::new(),
             exports: Vec::new(),
             handshake_timeout: Duration::from_secs(3),
-            max_handshakes: 256,
-            max_handshakes_per_address: 32,
+            max_handshakes: 512,
+            // A client node opens many connections at once (several per GPU worker).
+            max_handshakes_per_address: 128,
             max_connections: 256,
             max_sessions_per_key: 64,
             io_timeout: Duration::from_secs(30),
