@@ -256,6 +256,29 @@ pub unsafe fn copy_raw(src: *const u8, dst: *mut u8, len: usize) {
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
 }
 
+/// A peek at one byte of a socket without blocking and without consuming it: `Ok(0)` when
+/// the peer has closed it, `Ok(1)` when bytes are waiting, `Err(WouldBlock)` when it is open
+/// and quiet. One system call, whatever the socket's blocking mode.
+pub fn peek_nonblocking(socket: std::os::fd::BorrowedFd<'_>) -> std::io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    let mut byte = 0u8;
+    // SAFETY: recv writes at most one byte, into `byte`, which outlives the call; the
+    // descriptor is borrowed, so it is open for the call's duration.
+    let n = unsafe {
+        libc::recv(
+            socket.as_raw_fd(),
+            (&mut byte as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -186,16 +186,15 @@ impl Connection {
         if self.broken {
             return false;
         }
+        use std::os::fd::AsFd;
         let tcp = match &self.stream {
             Stream::Plain(s) => s,
             Stream::Tls(s) => s.get_ref(),
         };
-        if tcp.set_nonblocking(true).is_err() {
-            return false;
-        }
-        let mut b = [0u8; 1];
-        let idle = matches!(tcp.peek(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
-        tcp.set_nonblocking(false).is_ok() && idle
+        matches!(
+            gpuio_hal::peek_nonblocking(tcp.as_fd()),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock
+        )
     }
 
     /// Whether the connection failed (network or protocol) and must not be used again.
