@@ -288,3 +288,21 @@ file = "{}"
         "{rest:?}"
     );
 }
+
+#[test]
+fn wait_options_are_refused_when_they_make_no_sense() {
+    for bad in ["inf", "1e300", "-1", "NaN"] {
+        let o = gpuio(&[
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--metrics-linger",
+            bad,
+            "info",
+        ]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{bad}: {err}");
+        assert!(err.contains("--metrics-linger"), "{bad}: {err}");
+        let o = gpuio(&["stat", "--watch", bad]);
+        assert_eq!(o.status.code(), Some(2), "{bad}: {}", stderr(&o));
+    }
+}
