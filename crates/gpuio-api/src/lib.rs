@@ -34,9 +34,9 @@ pub use config::{
     MemIoSection,
 };
 pub use copy::{CopyOptions, CopyReport};
-pub use error::{Error, Result, UriProblem};
+pub use error::{Error, Result, UriProblem, escape, escape_path};
 pub use session::{Access, REGISTRY_ABSENT, Resource, Session};
-pub use uri::{RemoteTarget, RemoteTransport, Uri};
+pub use uri::{MAX_URI_NESTING, RemoteTarget, RemoteTransport, Uri};
 
 pub use gpuio_core::{
     BatchHandle, BatchReport, Completion, Dest, Endpoint, EngineKind, ErrorCode, HostMemory,

@@ -306,3 +306,29 @@ fn wait_options_are_refused_when_they_make_no_sense() {
         assert_eq!(o.status.code(), Some(2), "{bad}: {}", stderr(&o));
     }
 }
+
+#[test]
+fn errors_show_control_characters_escaped() {
+    let dir = tempfile::tempdir().unwrap();
+    let hostile = dir
+        .path()
+        .join("missing\u{1b}[2J\u{1b}]0;owned\u{7}\nfake: line\u{9b}31m");
+    let o = gpuio(&["cp", hostile.to_str().unwrap(), "gpu0"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(4), "{err}");
+    assert!(
+        !err.trim_end_matches('\n').chars().any(|c| c.is_control()),
+        "raw control characters reach the terminal: {err:?}"
+    );
+    assert!(
+        err.contains("missing\\x1b[2J\\x1b]0;owned\\x07\\nfake: line\\u{9b}31m"),
+        "{err}"
+    );
+    let o = gpuio(&["--config", hostile.to_str().unwrap(), "info"]);
+    let err = stderr(&o);
+    assert!(!o.status.success());
+    assert!(
+        !err.trim_end_matches('\n').chars().any(|c| c.is_control()),
+        "{err:?}"
+    );
+}
