@@ -31,7 +31,7 @@ mod uri;
 
 pub use config::{
     API_VERSION, AgentExport, AgentKey, AgentSection, Config, DEFAULT_TOML, LocalIoSection,
-    MemIoSection,
+    MAX_CONFIG_BYTES, MAX_SECRET_BYTES, MemIoSection,
 };
 pub use copy::{CopyOptions, CopyReport};
 pub use error::{Error, Result, UriProblem, escape, escape_path};

@@ -69,6 +69,8 @@ fn sessions_copy_over_rdma() {
     let agent = Agent::start(cfg).unwrap();
     let key = dir.path().join("key");
     std::fs::write(&key, SECRET).unwrap();
+    // Secret files must be private to their owner.
+    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let mut config = Config::default();
     config.remote.key_id = "ops".into();
     config.remote.secret_file = key.display().to_string();

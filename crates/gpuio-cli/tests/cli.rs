@@ -20,6 +20,46 @@ fn gpuio(args: &[&str]) -> Output {
     out
 }
 
+/// Runs gpuio with `env` added, failing the test (and killing it) if it runs past 60 s: the
+/// cases that use it once hung forever.
+fn gpuio_within(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let bin = std::env::var_os("GPUIO_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_gpuio")));
+    let mut child = Command::new(bin)
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("gpuio runs");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().ok();
+            child.wait().ok();
+            panic!("gpuio {args:?} hung");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert_ne!(
+        out.status.code(),
+        Some(101),
+        "gpuio panicked: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn mkfifo(path: &std::path::Path) {
+    let made = Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(made, "mkfifo {}", path.display());
+}
+
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -331,4 +371,31 @@ fn errors_show_control_characters_escaped() {
         !err.trim_end_matches('\n').chars().any(|c| c.is_control()),
         "{err:?}"
     );
+}
+
+#[test]
+fn a_configuration_that_is_not_a_small_regular_file_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("gpuio.toml");
+    mkfifo(&fifo);
+    let fifo = fifo.to_str().unwrap();
+    for (args, env, needle) in [
+        (&["--config", fifo, "info"][..], &[][..], "a FIFO"),
+        (&["info"][..], &[("GPUIO_CONFIG", fifo)][..], "a FIFO"),
+        (
+            &["--config", "/dev/zero", "info"][..],
+            &[][..],
+            "a character device",
+        ),
+        (
+            &["info"][..],
+            &[("GPUIO_CONFIG", "/dev/zero")][..],
+            "a character device",
+        ),
+    ] {
+        let o = gpuio_within(args, env);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(3), "{args:?} {env:?}: {err}");
+        assert!(err.contains(needle) && err.contains("regular"), "{err}");
+    }
 }

@@ -451,6 +451,8 @@ fn agents_on_several_hosts_serve_a_segment_through_the_registry() {
 fn secret_file(dir: &Path, name: &str, secret: &str) -> String {
     let p = dir.join(name);
     std::fs::write(&p, secret).unwrap();
+    // Secret files must be private to their owner.
+    std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     p.display().to_string()
 }
 
