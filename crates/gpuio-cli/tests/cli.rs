@@ -399,3 +399,38 @@ fn a_configuration_that_is_not_a_small_regular_file_is_refused() {
         assert!(err.contains(needle) && err.contains("regular"), "{err}");
     }
 }
+
+#[test]
+fn sources_that_cannot_be_sized_are_refused_and_leave_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    mkfifo(&fifo);
+    let out = dir.path().join("out");
+    let mut cases = vec![(fifo.to_str().unwrap().to_string(), "a FIFO")];
+    for (path, kind) in [
+        ("/dev/zero", "a character device"),
+        ("/dev/urandom", "a character device"),
+        ("/proc/cpuinfo", "has content"),
+        ("/proc/self/mem", "cannot be read"),
+    ] {
+        if std::path::Path::new(path).exists() {
+            cases.push((path.into(), kind));
+        }
+    }
+    for (src, kind) in &cases {
+        for extra in [&[][..], &["--via", "gpu0"][..]] {
+            let mut args = vec!["cp", src.as_str(), out.to_str().unwrap()];
+            args.extend_from_slice(extra);
+            let o = gpuio_within(&args, &[]);
+            let err = stderr(&o);
+            assert_eq!(o.status.code(), Some(3), "{args:?}: {err}");
+            assert!(
+                err.contains(src.as_str()) && err.contains(kind) && err.contains("cannot be sized"),
+                "{args:?}: {err}"
+            );
+            assert!(!out.exists(), "{args:?} left {}", out.display());
+            let leftovers = std::fs::read_dir(dir.path()).unwrap().count();
+            assert_eq!(leftovers, 1, "{args:?}: only the FIFO should be there");
+        }
+    }
+}
