@@ -434,3 +434,49 @@ fn sources_that_cannot_be_sized_are_refused_and_leave_nothing() {
         }
     }
 }
+
+#[test]
+fn info_reports_what_this_build_and_machine_have() {
+    let o = gpuio(&["info"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(!text.contains("is not in this build\n"), "{text}");
+    assert!(
+        !text.contains("RemoteIO is not in this build")
+            && !text.contains("GPU-initiated IO is not in this build"),
+        "{text}"
+    );
+    let o = gpuio(&["info", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let paths = v["paths"].as_array().unwrap();
+    let path = |engine: &str, name: &str| -> (bool, String) {
+        let p = paths
+            .iter()
+            .find(|p| p["engine"] == engine && p["path"].as_str().unwrap().contains(name))
+            .unwrap_or_else(|| panic!("no {engine} {name} in {paths:?}"));
+        (
+            p["available"].as_bool().unwrap(),
+            p["detail"].as_str().unwrap().to_string(),
+        )
+    };
+    assert!(path("remoteio", "TCP").0);
+    assert!(path("remoteio", "TLS").0);
+    let (rdma, detail) = path("remoteio", "RDMA verbs");
+    if cfg!(feature = "rdma") {
+        assert!(detail.starts_with("built in"), "{detail}");
+    } else {
+        assert!(!rdma && detail.contains("not in this build"), "{detail}");
+    }
+    assert!(!path("remoteio", "GPUDirect RDMA").0);
+    let (registry, detail) = path("remoteio", "etcd registry");
+    assert_eq!(registry, cfg!(feature = "registry"), "{detail}");
+    let (gathers, g_detail) = path("gpu-initiated", "row gathers");
+    let (ring, r_detail) = path("gpu-initiated", "request ring");
+    if v["backend"] == "host" {
+        assert!(gathers && g_detail.contains("CPU"), "{g_detail}");
+        assert!(!ring && r_detail.contains("runs no kernels"), "{r_detail}");
+    } else if std::env::var("GPUIO_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
+        assert!(gathers, "{g_detail}");
+        assert!(ring, "{r_detail}");
+    }
+}
