@@ -12,7 +12,8 @@ use gpuio_transport_remoteio::{
     Access, Agent, AgentConfig, Export, ExportSource, Key, Role, shared_memory,
 };
 
-const SECRET: &str = "api rdma test key of 32 bytes!!";
+/// Made by `gpuio agent keygen` (agents refuse weak secrets).
+const SECRET: &str = "2364734aef7a34601fbc7e950cc43a7a0da7942685a7875f0c6700334ee62a91";
 const LEN: usize = 6 << 20;
 
 #[test]

@@ -62,7 +62,7 @@ enum Command {
     /// Reads a running gpuio's metrics endpoint and prints a summary.
     Stat(stat::StatArgs),
     /// Serves this node's exports (`[agent]` in the configuration) to other nodes until
-    /// SIGINT or SIGTERM.
+    /// SIGINT or SIGTERM; `gpuio agent keygen` makes a key secret.
     Agent(agent::AgentArgs),
 }
 
@@ -99,6 +99,12 @@ fn init_logging(config: &Config, verbose: u8) {
 }
 
 fn run(cli: Cli) -> Result<(), Error> {
+    // Making a secret needs no configuration (and must not fail on a broken one).
+    if let Command::Agent(args) = &cli.command
+        && args.is_keygen()
+    {
+        return agent::keygen(args);
+    }
     let mut config = Config::load(cli.config.as_deref())?;
     if let Some(b) = cli.backend {
         config.backend = b;

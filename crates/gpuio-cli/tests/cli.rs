@@ -263,6 +263,14 @@ fn the_agent_serves_its_exports_until_sigterm() {
     let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
     let file = dir.path().join("export.bin");
     std::fs::write(&file, &data).unwrap();
+    // The key as an operator makes it: `gpuio agent keygen --out FILE`.
+    let key = dir.path().join("ops.key");
+    let o = gpuio(&["agent", "keygen", "--out", key.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let secret = std::fs::read_to_string(&key)
+        .unwrap()
+        .trim_end()
+        .to_string();
     let cfg = dir.path().join("agent.toml");
     std::fs::write(
         &cfg,
@@ -273,23 +281,22 @@ listen = "127.0.0.1:0"
 [[agent.keys]]
 id = "ops"
 role = "read-only"
-secret_env = "GPUIO_TEST_AGENT_SECRET"
+secret_file = "{}"
 [[agent.exports]]
 name = "data"
 access = "read-only"
 file = "{}"
 "#,
+            key.display(),
             file.display()
         ),
     )
     .unwrap();
-    let secret = "a test secret of 32 bytes length";
     let bin = std::env::var_os("GPUIO_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_gpuio")));
     let mut child = std::process::Command::new(bin)
         .args(["--config", cfg.to_str().unwrap(), "agent"])
-        .env("GPUIO_TEST_AGENT_SECRET", secret)
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -479,4 +486,51 @@ fn info_reports_what_this_build_and_machine_have() {
         assert!(gathers, "{g_detail}");
         assert!(ring, "{r_detail}");
     }
+}
+
+#[test]
+fn agent_keygen_makes_strong_private_secrets() {
+    use gpuio_transport_remoteio::auth::check_secret;
+    use std::os::unix::fs::PermissionsExt;
+    let printed = |o: &Output| String::from_utf8_lossy(&o.stdout).into_owned();
+    let a = gpuio(&["agent", "keygen"]);
+    let b = gpuio(&["agent", "keygen"]);
+    assert!(a.status.success() && b.status.success(), "{}", stderr(&a));
+    let (a, b) = (printed(&a), printed(&b));
+    for s in [&a, &b] {
+        let secret = s.strip_suffix('\n').expect("one line");
+        assert_eq!(secret.len(), 64, "{s:?}");
+        assert!(secret.bytes().all(|c| c.is_ascii_hexdigit()), "{s:?}");
+        check_secret("k", secret.as_bytes()).unwrap();
+    }
+    assert_ne!(a, b);
+    // No configuration is needed, and a broken one does not stop it.
+    let o = gpuio_within(
+        &["agent", "keygen"],
+        &[("GPUIO_CONFIG", "/nonexistent.toml")],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("k");
+    let k = key.to_str().unwrap();
+    let o = gpuio(&["agent", "keygen", "--out", k]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(printed(&o).is_empty(), "the secret goes to the file only");
+    let meta = std::fs::metadata(&key).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    let first = std::fs::read_to_string(&key).unwrap();
+    assert_eq!(first.len(), 65);
+    check_secret("k", first.trim_end().as_bytes()).unwrap();
+    // Never overwritten, not even through a symlink.
+    let o = gpuio(&["agent", "keygen", "--out", k]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("exists"), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(&key).unwrap(), first);
+    let target = dir.path().join("target");
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let o = gpuio(&["agent", "keygen", "--out", link.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(!target.exists());
 }
