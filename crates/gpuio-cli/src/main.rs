@@ -126,8 +126,33 @@ fn run(cli: Cli) -> Result<(), Error> {
     result
 }
 
+/// Parses the command line. A usage error quotes what was given, so it is printed with its
+/// control characters escaped (line by line: clap's own layout keeps its lines); help and
+/// version go out as clap writes them.
+fn parse_command_line() -> Result<Cli, ExitCode> {
+    use clap::error::ErrorKind;
+    Cli::try_parse().map_err(|e| {
+        if matches!(
+            e.kind(),
+            ErrorKind::DisplayHelp
+                | ErrorKind::DisplayVersion
+                | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+        ) {
+            e.exit();
+        }
+        // Display renders without styling, so no escape sequence is ours to keep.
+        let text = e.render().to_string();
+        let lines: Vec<_> = text.split('\n').map(gpuio_api::escape).collect();
+        eprint!("{}", lines.join("\n"));
+        ExitCode::from(e.exit_code().clamp(0, 255) as u8)
+    })
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match parse_command_line() {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -378,6 +378,12 @@ fn errors_show_control_characters_escaped() {
         !err.trim_end_matches('\n').chars().any(|c| c.is_control()),
         "{err:?}"
     );
+    // Usage errors quote the bad value: clap strips escape sequences, not lone controls.
+    let o = gpuio(&["stat", "--addr", "x\u{7}y\u{9b}2Jz\rw"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(!err.chars().any(|c| c.is_control() && c != '\n'), "{err:?}");
+    assert!(err.contains("\\u{9b}2Jz\\rw"), "{err}");
 }
 
 #[test]
