@@ -22,6 +22,12 @@ pub const DEFAULT_TOML: &str = include_str!("default.toml");
 /// The configuration format this build reads.
 pub const API_VERSION: u32 = 1;
 
+/// The largest configuration file read (the built-in one, every comment included, is 8 KiB).
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// The largest key secret file read (`gpuio agent keygen` writes 65 bytes).
+pub const MAX_SECRET_BYTES: u64 = 4096;
+
 /// A session's configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -324,12 +330,16 @@ impl Config {
         Ok(config)
     }
 
-    /// Reads a TOML file.
+    /// Reads a TOML file: a regular file of at most [`MAX_CONFIG_BYTES`] (a FIFO would block
+    /// the reader forever, a device such as `/dev/zero` never end).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Config {
+        let fail = |message: String| Error::Config {
             source_name: path.display().to_string(),
-            message: e.to_string(),
-        })?;
+            message,
+        };
+        let bytes =
+            read_small_file(path, MAX_CONFIG_BYTES, "configuration files", false).map_err(fail)?;
+        let text = String::from_utf8(bytes).map_err(|_| fail("is not UTF-8 text".into()))?;
         Self::from_toml(&text, Some(path))
     }
 
@@ -451,6 +461,84 @@ impl Config {
         }
         if !(1..=64).contains(&self.host_devices) {
             return bad("host_devices must be 1 to 64".into());
+        }
+        self.validate_retry_and_remote().or_else(bad)
+    }
+
+    /// The settings of `[retry]`, `[agent]` and `[remote]`: a zero that would hang (no
+    /// connection ever served, a timeout that has always expired, a lease that is gone before
+    /// it is renewed) or an unbounded count is refused, naming the key.
+    fn validate_retry_and_remote(&self) -> std::result::Result<(), String> {
+        fn within<T: PartialOrd + std::fmt::Display>(
+            key: &str,
+            value: T,
+            range: std::ops::RangeInclusive<T>,
+            unit: &str,
+        ) -> std::result::Result<(), String> {
+            if range.contains(&value) {
+                return Ok(());
+            }
+            Err(format!(
+                "{key} = {value}: must be {} to {}{unit}",
+                range.start(),
+                range.end()
+            ))
+        }
+        // Timeouts: from a millisecond to an hour.
+        const MAX_TIMEOUT_MS: u64 = 3_600_000;
+        let r = &self.retry;
+        within("retry.max_retries", r.max_retries, 0..=100, "")?;
+        within(
+            "retry.max_backoff_us",
+            r.max_backoff_us,
+            0..=60_000_000,
+            " (microseconds)",
+        )?;
+        within(
+            "retry.initial_backoff_us",
+            r.initial_backoff_us,
+            0..=r.max_backoff_us,
+            " (microseconds, at most max_backoff_us)",
+        )?;
+        if !(r.backoff_multiplier.is_finite() && (1.0..=1000.0).contains(&r.backoff_multiplier)) {
+            return Err(format!(
+                "retry.backoff_multiplier = {}: must be a number from 1 to 1000",
+                r.backoff_multiplier
+            ));
+        }
+        let a = &self.agent;
+        within(
+            "agent.handshake_timeout_ms",
+            a.handshake_timeout_ms,
+            1..=MAX_TIMEOUT_MS,
+            " (milliseconds)",
+        )?;
+        within("agent.max_connections", a.max_connections, 1..=65_536, "")?;
+        within("agent.threads", a.threads, 1..=64, "")?;
+        // Renewed every third of it; etcd's leases need a couple of seconds.
+        within("agent.lease_ttl_s", a.lease_ttl_s, 2..=86_400, " (seconds)")?;
+        for e in &a.exports {
+            if e.memory.is_some_and(|m| m.as_u64() == 0) {
+                return Err(format!(
+                    "agent.exports {:?}: memory = 0: nothing would be served",
+                    e.name
+                ));
+            }
+        }
+        let rm = &self.remote;
+        within("remote.connections", rm.connections, 1..=256, "")?;
+        within(
+            "remote.timeout_ms",
+            rm.timeout_ms,
+            1..=MAX_TIMEOUT_MS,
+            " (milliseconds)",
+        )?;
+        if !(4096..=MAX_DATA as u64).contains(&rm.stripe_size.as_u64()) {
+            return Err(format!(
+                "remote.stripe_size = {}: must be from 4 KiB to {} (a request's largest payload)",
+                rm.stripe_size,
+                ByteSize::b(MAX_DATA as u64).display().iec()
+            ));
         }
         Ok(())
     }
@@ -636,6 +724,7 @@ impl Config {
     ) -> Result<PeerConfig> {
         let r = &self.remote;
         let mut cfg = PeerConfig::new(addr, credentials);
+        // Checked when the configuration was loaded; the clamps keep a hand-built one sane.
         cfg.connections = r.connections.max(1);
         cfg.stripe_bytes = (r.stripe_size.as_u64() as usize).clamp(4096, MAX_DATA);
         cfg.timeout = std::time::Duration::from_millis(r.timeout_ms.max(1));
@@ -730,9 +819,9 @@ impl Config {
     }
 }
 
-/// Overlays `top` onto `base`, table by table.
 /// A key's secret, from exactly one of an environment variable and a file (whose trailing
-/// newline is dropped).
+/// newline is dropped). The file must be a regular file of at most [`MAX_SECRET_BYTES`] that
+/// only its owner can read or write, as ssh requires of private keys.
 fn read_secret(
     key: &str,
     env: Option<&str>,
@@ -743,8 +832,8 @@ fn read_secret(
             .map(String::into_bytes)
             .map_err(|_| format!("key {key:?}: ${var} is not set")),
         (None, Some(path)) => {
-            let mut bytes =
-                std::fs::read(path).map_err(|e| format!("key {key:?}: {}: {e}", path.display()))?;
+            let mut bytes = read_small_file(path, MAX_SECRET_BYTES, "secret files", true)
+                .map_err(|e| format!("key {key:?}: {}: {e}", path.display()))?;
             while bytes.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
                 bytes.pop();
             }
@@ -756,6 +845,85 @@ fn read_secret(
     }
 }
 
+/// What a file is, for an error that refuses it.
+fn file_kind(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_dir() {
+        "a directory"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// Reads a regular file of at most `cap` bytes (`what` names such files in the error). A
+/// special file is refused before it is opened (opening a device can have effects of its
+/// own); the open itself does not block (O_NONBLOCK: a FIFO swapped in meanwhile would wait
+/// for a writer forever) and its type is checked again on the open file. A `private` file
+/// (a secret) must not be readable or writable by group or others.
+fn read_small_file(
+    path: &Path,
+    cap: u64,
+    what: &str,
+    private: bool,
+) -> std::result::Result<Vec<u8>, String> {
+    use std::io::Read;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let regular = |meta: &std::fs::Metadata| {
+        if meta.is_file() {
+            Ok(())
+        } else {
+            Err(format!(
+                "is {}, and {what} must be regular files",
+                file_kind(meta.file_type())
+            ))
+        }
+    };
+    regular(&std::fs::metadata(path).map_err(|e| e.to_string())?)?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let meta = file.metadata().map_err(|e| e.to_string())?;
+    regular(&meta)?;
+    if private {
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(format!(
+                "is readable or writable by others (mode {mode:04o}): {what} must be private \
+                 to their owner; run `chmod 600 {}`",
+                path.display()
+            ));
+        }
+    }
+    if meta.len() > cap {
+        return Err(format!(
+            "is {} bytes; {what} are at most {cap} bytes",
+            meta.len()
+        ));
+    }
+    let mut bytes = Vec::new();
+    // The size can change after the check: never read more than the cap.
+    file.take(cap + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > cap {
+        return Err(format!(
+            "is larger than {cap} bytes, the most {what} may be"
+        ));
+    }
+    Ok(bytes)
+}
+
+/// Overlays `top` onto `base`, table by table.
 fn merge(base: &mut toml::Table, top: toml::Table) {
     for (k, v) in top {
         match (base.get_mut(&k), v) {
@@ -839,5 +1007,158 @@ mod tests {
             err.contains("GPUIO_MAX_GPUS") && err.contains("lots"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn settings_that_would_hang_or_overflow_are_refused_naming_the_key() {
+        let cases = [
+            (
+                "[agent]\nhandshake_timeout_ms = 0",
+                "agent.handshake_timeout_ms",
+            ),
+            (
+                "[agent]\nhandshake_timeout_ms = 9000000000",
+                "agent.handshake_timeout_ms",
+            ),
+            ("[agent]\nmax_connections = 0", "agent.max_connections"),
+            ("[agent]\nthreads = 0", "agent.threads"),
+            ("[agent]\nthreads = 65", "agent.threads"),
+            ("[agent]\nlease_ttl_s = 0", "agent.lease_ttl_s"),
+            (
+                "[agent]\nlease_ttl_s = 9223372036854775807",
+                "agent.lease_ttl_s",
+            ),
+            (
+                "[[agent.exports]]\nname = \"m\"\naccess = \"read-only\"\nmemory = \"0 B\"",
+                "memory = 0",
+            ),
+            ("[remote]\nconnections = 0", "remote.connections"),
+            ("[remote]\nconnections = 100000", "remote.connections"),
+            ("[remote]\ntimeout_ms = 0", "remote.timeout_ms"),
+            ("[remote]\nstripe_size = \"0 B\"", "remote.stripe_size"),
+            ("[remote]\nstripe_size = \"1 GiB\"", "remote.stripe_size"),
+            ("[retry]\nmax_retries = 4000000000", "retry.max_retries"),
+            (
+                "[retry]\nmax_backoff_us = 9223372036854775807",
+                "retry.max_backoff_us",
+            ),
+            (
+                "[retry]\ninitial_backoff_us = 200000",
+                "retry.initial_backoff_us",
+            ),
+            (
+                "[retry]\nbackoff_multiplier = nan",
+                "retry.backoff_multiplier",
+            ),
+            (
+                "[retry]\nbackoff_multiplier = inf",
+                "retry.backoff_multiplier",
+            ),
+            (
+                "[retry]\nbackoff_multiplier = -2.0",
+                "retry.backoff_multiplier",
+            ),
+        ];
+        for (text, key) in cases {
+            let e = Config::from_toml(text, None).expect_err(text);
+            assert_eq!(e.code(), gpuio_core::ErrorCode::InvalidArg, "{text}");
+            assert!(e.to_string().contains(key), "{text}: {e}");
+        }
+        // The edges of each range are taken.
+        let fine = "[agent]\nhandshake_timeout_ms = 1\nmax_connections = 1\nthreads = 64\n\
+                    lease_ttl_s = 2\n[remote]\nconnections = 1\ntimeout_ms = 3600000\n\
+                    stripe_size = \"16 MiB\"\n[retry]\nmax_retries = 0\nbackoff_multiplier = 1.0";
+        Config::from_toml(fine, None).unwrap();
+    }
+
+    /// Runs `f` on its own thread, failing if it does not return in 20 s (a FIFO read blocks).
+    fn within_20s<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(f()));
+        rx.recv_timeout(std::time::Duration::from_secs(20))
+            .expect("blocked: a special file was opened or read as if it were regular")
+    }
+
+    fn mkfifo(path: &Path) {
+        let ok = std::process::Command::new("mkfifo")
+            .arg(path)
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "mkfifo {}", path.display());
+    }
+
+    #[test]
+    fn configuration_files_must_be_small_regular_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo.toml");
+        mkfifo(&fifo);
+        let big = dir.path().join("big.toml");
+        // Valid TOML (comments) just over the cap.
+        let line = format!("# {}\n", "x".repeat(1021));
+        std::fs::write(&big, line.repeat((MAX_CONFIG_BYTES / 1024) as usize + 1)).unwrap();
+        let exact = dir.path().join("exact.toml");
+        let mut text = "workers = 3\n".to_string();
+        text += &"#".repeat(MAX_CONFIG_BYTES as usize - text.len());
+        std::fs::write(&exact, text).unwrap();
+        assert_eq!(Config::from_file(&exact).unwrap().workers, 3);
+        let cases = [
+            (fifo, "a FIFO"),
+            (PathBuf::from("/dev/zero"), "a character device"),
+            (dir.path().to_path_buf(), "a directory"),
+            (big, "bytes"),
+        ];
+        for (path, kind) in cases {
+            let e = within_20s(move || Config::from_file(&path).map(|_| ()));
+            let e = e.unwrap_err();
+            assert_eq!(e.code(), gpuio_core::ErrorCode::InvalidArg);
+            assert!(e.to_string().contains(kind), "{e}");
+        }
+    }
+
+    #[test]
+    fn secret_files_must_be_small_private_regular_files() {
+        use std::os::unix::fs::PermissionsExt;
+        const SECRET: &str = "4d1f0c9a7e3b52d86a0f1e9c3b7d5a2e8c6f4b1a9d3e7c5f2b8a6d4e1c9f7b3a";
+        let dir = tempfile::tempdir().unwrap();
+        let key = |path: &Path| -> Result<Vec<u8>> {
+            let text = format!(
+                "[[agent.keys]]\nid = \"k\"\nrole = \"read-only\"\nsecret_file = {:?}\n\
+                 [remote]\nkey_id = \"k\"\nsecret_file = {:?}",
+                path.display().to_string(),
+                path.display().to_string()
+            );
+            let c = Config::from_toml(&text, None)?;
+            let from_remote = c.remote_credentials()?.map(|k| k.secret);
+            let from_agent = c.agent_config()?.keys[0].secret.clone();
+            assert_eq!(from_remote.as_ref(), Some(&from_agent));
+            Ok(from_agent)
+        };
+        let file = dir.path().join("key");
+        std::fs::write(&file, format!("{SECRET}\n")).unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(key(&file).unwrap(), SECRET.as_bytes());
+        for mode in [0o644, 0o640, 0o604, 0o620, 0o602, 0o660] {
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
+            let e = key(&file).unwrap_err().to_string();
+            assert!(
+                e.contains("chmod 600") && e.contains("key \"k\""),
+                "{mode:o}: {e}"
+            );
+        }
+        let big = dir.path().join("big");
+        std::fs::write(&big, vec![b'a'; MAX_SECRET_BYTES as usize + 1]).unwrap();
+        std::fs::set_permissions(&big, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let fifo = dir.path().join("fifo");
+        mkfifo(&fifo);
+        std::fs::set_permissions(&fifo, std::fs::Permissions::from_mode(0o600)).unwrap();
+        for (path, kind) in [
+            (big, "at most"),
+            (fifo, "a FIFO"),
+            (PathBuf::from("/dev/zero"), "a character device"),
+        ] {
+            let e = within_20s(move || key(&path).map(|_| ())).unwrap_err();
+            assert_eq!(e.code(), gpuio_core::ErrorCode::InvalidArg);
+            assert!(e.to_string().contains(kind), "{e}");
+        }
     }
 }

@@ -5,7 +5,45 @@ use gpuio_core::{CoreError, ErrorCode};
 use gpuio_hal::HalError;
 use gpuio_transport_localio::LocalIoError;
 use gpuio_transport_memio::MemIoError;
+use std::borrow::Cow;
 use std::fmt;
+use std::path::Path;
+
+/// `text` with every control character (C0, DEL, C1) and every Unicode bidirectional control
+/// written as an escape (`\n`, `\0`, `\x1b`, `\u{202e}`), for printing text taken from a file
+/// name, a URI or a configuration: a hostile name then cannot move the cursor, recolour or
+/// rewrite a terminal, or hide text. Everything else, backslashes included, is kept, so
+/// escaping twice changes nothing.
+pub fn escape(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(needs_escape) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            '\0' => out.push_str("\\0"),
+            '\t' => out.push_str("\\t"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            c if (c as u32) < 0x80 && needs_escape(c) => {
+                out.push_str(&format!("\\x{:02x}", c as u32));
+            }
+            c if needs_escape(c) => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// A path as [`escape`]d text (bytes that are not UTF-8 shown as U+FFFD).
+pub fn escape_path(path: &Path) -> String {
+    escape(&path.to_string_lossy()).into_owned()
+}
+
+fn needs_escape(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
 
 /// What is wrong with a URI.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,6 +96,11 @@ pub enum UriProblem {
     BadPercentEncoding,
     /// `gpu` followed by something other than a device number.
     BadGpuShorthand(String),
+    /// `gpuio://gpuio/...` nested deeper than [`crate::MAX_URI_NESTING`].
+    TooDeep {
+        /// The deepest nesting accepted.
+        max: usize,
+    },
 }
 
 impl fmt::Display for UriProblem {
@@ -80,15 +123,29 @@ impl fmt::Display for UriProblem {
                 name,
                 value,
                 expected,
-            } => write!(f, "parameter {name}={value:?}: expected {expected}"),
+            } => write!(
+                f,
+                "parameter {}={}: expected {expected}",
+                escape(name),
+                escape(&format!("{value:?}"))
+            ),
             Self::UnknownParam { name, allowed } => {
                 write!(f, "unknown parameter {name:?} (allowed: {allowed})")
             }
             Self::DuplicateParam(n) => write!(f, "parameter {n:?} given twice"),
-            Self::MissingValue(n) => write!(f, "parameter {n:?} has no value (expected {n}=...)"),
+            Self::MissingValue(n) => write!(
+                f,
+                "parameter {} has no value (expected {}=...)",
+                escape(&format!("{n:?}")),
+                escape(n)
+            ),
             Self::BadPort(p) => write!(f, "port {p:?} is not a number from 1 to 65535"),
             Self::MissingHost => write!(f, "missing host:port or segment name"),
             Self::BadPercentEncoding => write!(f, "'%' must be followed by two hex digits"),
+            Self::TooDeep { max } => write!(
+                f,
+                "gpuio://gpuio/... nested more than {max} deep (gpuio://<engine>/... needs one level)"
+            ),
             Self::BadGpuShorthand(s) => {
                 write!(
                     f,
@@ -100,16 +157,25 @@ impl fmt::Display for UriProblem {
 }
 
 /// gpuio-api's errors.
+///
+/// Their messages show paths, URIs and other text given by users through [`escape`], so
+/// control characters in a hostile file name cannot drive the terminal that prints them
+/// (this covers the messages of the layers below too).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A transfer, allocation or device operation failed.
-    #[error(transparent)]
-    Core(#[from] CoreError),
+    // No `#[source]`: a chain printer would show the lower layer's message again, unescaped.
+    #[error("{}", escape(&.0.to_string()))]
+    Core(CoreError),
     /// RemoteIO failed (network, protocol, authentication, or the agent refused).
-    #[error(transparent)]
-    Remote(#[from] gpuio_transport_remoteio::RemoteIoError),
+    #[error("{}", escape(&.0.to_string()))]
+    Remote(gpuio_transport_remoteio::RemoteIoError),
     /// A malformed resource URI.
-    #[error("invalid URI {input:?}: {problem} (at byte {position})")]
+    #[error(
+        "invalid URI {}: {} (at byte {position})",
+        escape(&format!("{input:?}")),
+        escape(&problem.to_string())
+    )]
     Uri {
         /// The URI as given.
         input: String,
@@ -119,7 +185,7 @@ pub enum Error {
         problem: UriProblem,
     },
     /// A configuration file or value that cannot be used.
-    #[error("configuration {source_name}: {message}")]
+    #[error("configuration {}: {}", escape(.source_name), escape(.message))]
     Config {
         /// The file (or `<built-in>`, or `the environment`).
         source_name: String,
@@ -127,7 +193,10 @@ pub enum Error {
         message: String,
     },
     /// An environment override that does not parse.
-    #[error("environment variable {var}={value:?}: expected {expected}")]
+    #[error(
+        "environment variable {var}={}: expected {expected}",
+        escape(&format!("{value:?}"))
+    )]
     ConfigEnv {
         /// The variable.
         var: String,
@@ -137,13 +206,13 @@ pub enum Error {
         expected: String,
     },
     /// A request that cannot be carried out as asked.
-    #[error("{0}")]
+    #[error("{}", escape(.0))]
     Invalid(String),
     /// A named resource that does not exist (e.g. a segment no agent serves).
-    #[error("not found: {0}")]
+    #[error("not found: {}", escape(.0))]
     NotFound(String),
     /// A path gpuio has but this build or machine does not.
-    #[error("{what} is not supported: {reason}")]
+    #[error("{} is not supported: {}", escape(.what), escape(.reason))]
     Unsupported {
         /// What was asked.
         what: String,
@@ -176,6 +245,18 @@ impl Error {
     }
 }
 
+impl From<CoreError> for Error {
+    fn from(e: CoreError) -> Self {
+        Self::Core(e)
+    }
+}
+
+impl From<gpuio_transport_remoteio::RemoteIoError> for Error {
+    fn from(e: gpuio_transport_remoteio::RemoteIoError) -> Self {
+        Self::Remote(e)
+    }
+}
+
 impl From<HalError> for Error {
     fn from(e: HalError) -> Self {
         Self::Core(e.into())
@@ -196,3 +277,64 @@ impl From<LocalIoError> for Error {
 
 /// gpuio-api's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    #[test]
+    fn escape_shows_control_characters_and_keeps_the_rest() {
+        assert!(matches!(escape("plain/path ünï"), Cow::Borrowed(_)));
+        assert_eq!(
+            escape("a\u{1b}[31mb\0c\nd\re\tf\u{7f}g\u{9b}h\u{202e}i"),
+            "a\\x1b[31mb\\0c\\nd\\re\\tf\\x7fg\\u{9b}h\\u{202e}i"
+        );
+        let once = escape("x\u{1b}\\y").into_owned();
+        assert_eq!(escape(&once), once, "escaping twice changes nothing");
+        assert_eq!(
+            escape_path(Path::new("/tmp/\u{1b}]0;t\u{7}")),
+            "/tmp/\\x1b]0;t\\x07"
+        );
+    }
+
+    #[test]
+    fn error_messages_never_carry_raw_control_characters() {
+        let hostile = "/tmp/\u{1b}[2J\u{1b}]0;owned\u{7}\nfake line\0";
+        let errors: Vec<Error> = vec![
+            LocalIoError::Open {
+                path: PathBuf::from(hostile),
+                source: std::io::ErrorKind::NotFound.into(),
+            }
+            .into(),
+            Error::Invalid(format!("{hostile} is bad")),
+            Error::NotFound(hostile.into()),
+            Error::Unsupported {
+                what: hostile.into(),
+                reason: hostile.into(),
+            },
+            Error::Config {
+                source_name: hostile.into(),
+                message: hostile.into(),
+            },
+            Error::ConfigEnv {
+                var: "GPUIO_X".into(),
+                value: hostile.into(),
+                expected: "x".into(),
+            },
+            crate::Uri::parse(&format!("memio://cpu/dram?{hostile}=1")).unwrap_err(),
+            crate::Uri::parse("memio://cpu/dram?n\u{1b}").unwrap_err(),
+        ];
+        for e in errors {
+            let shown = e.to_string();
+            assert!(
+                !shown.chars().any(|c| c.is_control()),
+                "raw control character in {shown:?}"
+            );
+            assert!(
+                shown.contains("\\x1b") || shown.contains("\\u{1b}"),
+                "{shown}"
+            );
+        }
+    }
+}

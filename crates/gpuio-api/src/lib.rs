@@ -32,13 +32,13 @@ mod uri;
 
 pub use config::{
     API_VERSION, AgentExport, AgentKey, AgentSection, Config, DEFAULT_TOML, LocalIoSection,
-    MemIoSection,
+    MAX_CONFIG_BYTES, MAX_SECRET_BYTES, MemIoSection,
 };
 pub use copy::{CopyOptions, CopyReport};
-pub use error::{Error, Result, UriProblem};
+pub use error::{Error, Result, UriProblem, escape, escape_path};
 pub use partial::discard_partial_copies;
 pub use session::{Access, REGISTRY_ABSENT, Resource, Session};
-pub use uri::{RemoteTarget, RemoteTransport, Uri};
+pub use uri::{MAX_URI_NESTING, RemoteTarget, RemoteTransport, Uri};
 
 pub use gpuio_core::{
     BatchHandle, BatchReport, Completion, Dest, Endpoint, EngineKind, ErrorCode, HostMemory,

@@ -13,7 +13,7 @@
 //!
 //! Parse errors name the problem and the byte where it starts.
 
-use crate::error::{Error, Result, UriProblem};
+use crate::error::{Error, Result, UriProblem, escape};
 use gpuio_transport_memio::HostPlacement;
 use std::fmt;
 use std::path::PathBuf;
@@ -86,7 +86,7 @@ pub enum RemoteTransport {
 impl Uri {
     /// Parses a URI or a plain path.
     pub fn parse(input: &str) -> Result<Self> {
-        Parser { input }.parse()
+        Parser { input, depth: 0 }.parse()
     }
 
     /// The host memory tier this URI names, if it names one.
@@ -118,12 +118,16 @@ impl fmt::Display for Uri {
             Self::Gpu(n) => write!(f, "gpu{n}"),
             Self::Dram { numa: None } => write!(f, "memio://cpu/dram"),
             Self::Dram { numa: Some(n) } => write!(f, "memio://cpu/dram?numa={n}"),
-            Self::Cxl { pool, device } => write!(f, "memio://cxl/{pool}?device={device}"),
+            Self::Cxl { pool, device } => {
+                write!(f, "memio://cxl/{}?device={device}", escape(pool))
+            }
             Self::File { path, direct, gds } => {
                 let p = encode_path(&path.to_string_lossy());
                 match (direct, gds) {
                     (false, None) if path.is_absolute() => write!(f, "file://{p}"),
-                    (false, None) => write!(f, "{}", path.display()),
+                    // A plain path is taken as written (no percent-decoding): control
+                    // characters are shown escaped, for people, at the cost of the round trip.
+                    (false, None) => write!(f, "{}", escape(&path.to_string_lossy())),
                     (_, None) => write!(f, "localio://{p}?direct=1"),
                     (_, Some(g)) => {
                         write!(f, "localio://{p}?direct={}&gds={}", *direct as u8, *g as u8)
@@ -138,10 +142,12 @@ impl fmt::Display for Uri {
             } => {
                 match target {
                     RemoteTarget::Address { host, port } if host.contains(':') => {
-                        write!(f, "remoteio://[{host}]:{port}")?
+                        write!(f, "remoteio://[{}]:{port}", escape(host))?
                     }
-                    RemoteTarget::Address { host, port } => write!(f, "remoteio://{host}:{port}")?,
-                    RemoteTarget::Segment(s) => write!(f, "remoteio://{s}")?,
+                    RemoteTarget::Address { host, port } => {
+                        write!(f, "remoteio://{}:{port}", escape(host))?
+                    }
+                    RemoteTarget::Segment(s) => write!(f, "remoteio://{}", escape(s))?,
                 }
                 let t = match transport {
                     RemoteTransport::Tcp => "tcp",
@@ -169,8 +175,14 @@ fn encode_path(p: &str) -> String {
     out
 }
 
+/// How deep `gpuio://gpuio/...` may nest. One level is all the grammar needs; each level is
+/// a recursive call, so without a bound a long enough URI overflows the stack.
+pub const MAX_URI_NESTING: usize = 4;
+
 struct Parser<'a> {
     input: &'a str,
+    /// `gpuio://` levels around this one.
+    depth: usize,
 }
 
 /// `key=value` parameters with the byte offset of each.
@@ -250,8 +262,21 @@ impl<'a> Parser<'a> {
         } else {
             ""
         };
+        if self.depth >= MAX_URI_NESTING {
+            return Err(self.err(
+                0,
+                UriProblem::TooDeep {
+                    max: MAX_URI_NESTING,
+                },
+            ));
+        }
         let inner = format!("{engine}://{root}{tail}");
-        Uri::parse(&inner).map_err(|e| match e {
+        let parsed = Parser {
+            input: &inner,
+            depth: self.depth + 1,
+        }
+        .parse();
+        parsed.map_err(|e| match e {
             Error::Uri {
                 position, problem, ..
             } => {
@@ -722,6 +747,48 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(msg.contains("numa") && msg.contains("byte 17"), "{msg}");
+    }
+
+    #[test]
+    fn nesting_is_bounded_not_a_stack_overflow() {
+        // `levels` gpuio:// wrappers around `inner`.
+        let nest =
+            |levels: usize, inner: &str| format!("gpuio://{}{inner}", "gpuio/".repeat(levels - 1));
+        // Up to the bound, each level unwraps the next.
+        assert_eq!(ok(&nest(MAX_URI_NESTING, "localio/x")), ok("localio:///x"));
+        assert_eq!(
+            ok(&nest(MAX_URI_NESTING, "memio/cpu/dram")),
+            Uri::Dram { numa: None }
+        );
+        // Beyond it, a typed error; 100k levels used to overflow the stack (SIGABRT).
+        for levels in [MAX_URI_NESTING + 1, 100_000] {
+            let input = nest(levels, "memio/cpu/dram");
+            let (pos, p) = problem(&input);
+            assert_eq!(
+                p,
+                UriProblem::TooDeep {
+                    max: MAX_URI_NESTING
+                }
+            );
+            assert_eq!(pos, 8 + 6 * (MAX_URI_NESTING - 1), "{input}");
+            let e = Uri::parse(&input).unwrap_err();
+            assert_eq!(e.code(), gpuio_core::ErrorCode::InvalidArg);
+        }
+    }
+
+    #[test]
+    fn display_escapes_control_characters() {
+        for (uri, raw) in [
+            (ok("rel/\x1b[2Jx\ny"), "\x1b"),
+            (ok("memio://cxl/p\x1b]0;t\x07?device=0"), "\x07"),
+            (ok("remoteio://seg\x1bment/r"), "\x1b"),
+            (ok("remoteio://h\0st:9/r"), "\0"),
+            (ok("file:///a%1Bb%0A"), "\x1b"),
+        ] {
+            let shown = uri.to_string();
+            assert!(!shown.contains(raw) && !shown.contains('\n'), "{shown:?}");
+        }
+        assert_eq!(ok("rel/\x1bx").to_string(), "rel/\\x1bx");
     }
 
     fn any_uri() -> impl Strategy<Value = Uri> {

@@ -12,7 +12,8 @@ use gpuio_transport_remoteio::{
     Access, Agent, AgentConfig, Export, ExportSource, Key, Role, shared_memory,
 };
 
-const SECRET: &str = "e28f3adb1c6b8ecff9f82659b212c138cc76fae7affcb691d561e47678a0044b";
+/// Made by `gpuio agent keygen` (agents refuse weak secrets).
+const SECRET: &str = "2364734aef7a34601fbc7e950cc43a7a0da7942685a7875f0c6700334ee62a91";
 const LEN: usize = 6 << 20;
 
 #[test]
@@ -69,6 +70,8 @@ fn sessions_copy_over_rdma() {
     let agent = Agent::start(cfg).unwrap();
     let key = dir.path().join("key");
     std::fs::write(&key, SECRET).unwrap();
+    // Secret files must be private to their owner.
+    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let mut config = Config::default();
     config.remote.key_id = "ops".into();
     config.remote.secret_file = key.display().to_string();

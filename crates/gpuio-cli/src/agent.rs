@@ -5,13 +5,88 @@
 //! With `[agent] segment` set, the agent registers in the registry (`[remote] registry`) as
 //! serving that segment, under a lease it renews; the registration is revoked at shutdown
 //! (and expires on its own if the agent dies).
+//!
+//! `gpuio agent keygen [--out FILE]` makes a new key secret (32 random bytes as 64 hex
+//! characters) for `secret_env` / `secret_file`.
 
-use gpuio_api::{Config, Error};
+use gpuio_api::{Config, Error, escape, escape_path};
 use gpuio_transport_remoteio::Agent;
+use std::path::{Path, PathBuf};
 
 /// Arguments of `gpuio agent` (the agent is configured by `--config FILE`, `[agent]`).
 #[derive(Debug, clap::Args)]
-pub struct AgentArgs {}
+pub struct AgentArgs {
+    #[command(subcommand)]
+    command: Option<AgentCommand>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum AgentCommand {
+    /// Prints a new key secret (32 random bytes as 64 hex characters), or writes it to a new
+    /// file readable only by its owner, for [[agent.keys]] and [remote] secret_file or
+    /// secret_env.
+    Keygen {
+        /// Write the secret to this file (created with mode 0600; an existing file is never
+        /// overwritten) instead of printing it.
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+    },
+}
+
+impl AgentArgs {
+    /// Whether this is `gpuio agent keygen`, which needs no configuration.
+    pub fn is_keygen(&self) -> bool {
+        matches!(self.command, Some(AgentCommand::Keygen { .. }))
+    }
+}
+
+/// `gpuio agent keygen`.
+pub fn keygen(args: &AgentArgs) -> Result<(), Error> {
+    let Some(AgentCommand::Keygen { out }) = &args.command else {
+        return Err(Error::Invalid("not `gpuio agent keygen`".into()));
+    };
+    let secret = gpuio_transport_remoteio::auth::generate_secret()
+        .map_err(|e| Error::Invalid(format!("no random bytes from the operating system: {e}")))?;
+    match out {
+        None => println!("{secret}"),
+        Some(path) => {
+            write_new_private(path, format!("{secret}\n").as_bytes())?;
+            eprintln!(
+                "wrote a new secret to {} (mode 0600); name it in secret_file",
+                escape_path(path)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Creates `path` (never over an existing file, nor through a symlink) readable and writable
+/// by its owner only, and writes `bytes`; removes it again if the write fails.
+fn write_new_private(path: &Path, bytes: &[u8]) -> Result<(), Error> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let fail = |e: std::io::Error| {
+        let why = if e.kind() == std::io::ErrorKind::AlreadyExists {
+            "it exists already (a secret is never overwritten)".to_string()
+        } else {
+            e.to_string()
+        };
+        Error::Invalid(format!("cannot write {}: {why}", path.display()))
+    };
+    // create_new is O_CREAT | O_EXCL: no existing file or symlink is followed or replaced.
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(fail)?;
+    if let Err(e) = file.write_all(bytes).and_then(|()| file.sync_all()) {
+        drop(file);
+        let _ = std::fs::remove_file(path);
+        return Err(fail(e));
+    }
+    Ok(())
+}
 
 pub fn run(config: Config, _args: &AgentArgs) -> Result<(), Error> {
     let cfg = config.agent_config()?;
@@ -22,7 +97,11 @@ pub fn run(config: Config, _args: &AgentArgs) -> Result<(), Error> {
                 .into(),
         ));
     }
-    let names: Vec<String> = cfg.exports.iter().map(|e| e.name.clone()).collect();
+    let names: Vec<String> = cfg
+        .exports
+        .iter()
+        .map(|e| escape(&e.name).into_owned())
+        .collect();
     let agent = Agent::start(cfg)?;
     // The first line says where it listens (port 0 in the configuration picks one).
     println!("gpuio agent listening on {}", agent.local_addr());

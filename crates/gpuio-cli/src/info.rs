@@ -2,8 +2,8 @@
 //! and why not.
 
 use bytesize::ByteSize;
-use gpuio_api::{Config, Error, Session};
-use gpuio_hal::{Backend, Capability, DeviceInfo, NumaTopology};
+use gpuio_api::{Config, Error, Session, escape_path};
+use gpuio_hal::{Backend, Capability, DeviceInfo, Gpu, NumaTopology};
 use serde::Serialize;
 
 #[derive(Debug, clap::Args)]
@@ -46,10 +46,6 @@ struct Report {
     numa: NumaTopology,
     transparent_huge_pages: Option<String>,
     paths: Vec<IoPath>,
-}
-
-fn not_built(what: &str) -> Capability {
-    Capability::no(format!("{what} is not in this build"))
 }
 
 fn io_paths(session: &Session) -> Vec<IoPath> {
@@ -127,17 +123,145 @@ fn io_paths(session: &Session) -> Vec<IoPath> {
             Err(e) => Capability::no(e.to_string()),
         },
     ));
-    paths.push(IoPath::new(
-        "remoteio",
-        "TCP / RDMA / GPUDirect RDMA",
-        not_built("RemoteIO"),
-    ));
-    paths.push(IoPath::new(
-        "gpu-initiated",
-        "kernel loads/stores of host memory, request ring",
-        not_built("GPU-initiated IO"),
-    ));
+    paths.extend(remote_paths(session));
+    paths.extend(gpu_initiated_paths(gpu0));
     paths
+}
+
+/// RemoteIO: what this build has (cargo features) and what the machine has (RDMA devices).
+fn remote_paths(session: &Session) -> Vec<IoPath> {
+    let gpu0 = &session.gpus()[0];
+    let gdr = &gpu0.info().gdr;
+    let registry = if cfg!(feature = "registry") {
+        let n = session.config().remote.registry.len();
+        Capability::yes(if n == 0 {
+            "built in; no [remote] registry endpoints configured".to_string()
+        } else {
+            format!("built in; {n} endpoint(s) in [remote] registry")
+        })
+    } else {
+        Capability::no(gpuio_api::REGISTRY_ABSENT)
+    };
+    vec![
+        IoPath::new(
+            "remoteio",
+            "TCP (remoteio://host:port/..., gpuio agent)",
+            Capability::yes("always built in"),
+        ),
+        IoPath::new(
+            "remoteio",
+            "TLS (rustls)",
+            Capability::yes("always built in: [agent] tls_cert + tls_key, [remote] tls_ca"),
+        ),
+        IoPath::new("remoteio", "RDMA verbs (?transport=rdma)", rdma()),
+        IoPath::new(
+            "remoteio",
+            "GPUDirect RDMA (gdr=1)",
+            // Even where the machine has it, gpuio does not register GPU memory with a NIC.
+            Capability::no(format!(
+                "{}{}; GPU memory is staged through pinned host buffers (registering GPU \
+                 memory with a NIC is not built)",
+                if gdr.available {
+                    "the machine has it: "
+                } else {
+                    ""
+                },
+                gdr.detail
+            )),
+        ),
+        IoPath::new(
+            "remoteio",
+            "etcd registry (remoteio://<segment>/...)",
+            registry,
+        ),
+    ]
+}
+
+#[cfg(feature = "rdma")]
+fn rdma() -> Capability {
+    match gpuio_hal::rdma::device_names() {
+        Ok(names) if !names.is_empty() => {
+            Capability::yes(format!("built in; device(s): {}", names.join(", ")))
+        }
+        Ok(_) => Capability::no(
+            "built in, but no RDMA device found (no NIC with verbs, no rxe or siw soft device)",
+        ),
+        // libibverbs says ENOSYS where the kernel has no RDMA subsystem (no
+        // /sys/class/infiniband).
+        Err(gpuio_hal::HalError::Rdma {
+            code: gpuio_hal::ErrorCode::Unsupported,
+            ..
+        }) => Capability::no(
+            "built in, but this kernel has no RDMA devices (no /sys/class/infiniband)",
+        ),
+        Err(e) => Capability::no(format!("built in, but listing RDMA devices failed: {e}")),
+    }
+}
+
+#[cfg(not(feature = "rdma"))]
+fn rdma() -> Capability {
+    Capability::no("not in this build (cargo feature `rdma`, which needs libibverbs-dev)")
+}
+
+/// Row gathers and the request ring: GPU kernels on the CUDA backend (checked by compiling
+/// them with NVRTC and setting up a ring), the CPU on the host backend.
+fn gpu_initiated_paths(gpu0: &Gpu) -> Vec<IoPath> {
+    let info = gpu0.info();
+    let (gathers, ring) = match gpu0.backend() {
+        Backend::Host => (
+            Capability::yes(
+                "host backend: the row jobs run on the CPU (its emulation of the GPU kernels, \
+                 in list order), beside the CPU-staged path",
+            ),
+            Capability::no(
+                "the host backend runs no kernels; host threads can play the GPU's part \
+                 (ring::HostProducer) against the same RingProxy",
+            ),
+        ),
+        Backend::Cuda if !info.can_map_host_memory => {
+            let why = "this device cannot map host memory, which the kernels read and write";
+            (Capability::no(why), Capability::no(why))
+        }
+        Backend::Cuda => {
+            let compiled = |k: &gpuio_hal::kernels::KernelSource| {
+                gpuio_hal::gpu::cuda::compile_ptx(k, info.compute_capability)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            };
+            let gathers = match compiled(&gpuio_hal::kernels::GATHER) {
+                Ok(()) => Capability::yes(
+                    "GPU threads over mapped pinned memory (list or address order), CPU-staged \
+                     or hybrid: MemIo::gather measures and picks",
+                ),
+                Err(e) => Capability::no(format!("the row kernels do not compile: {e}")),
+            };
+            let ring = compiled(&gpuio_hal::kernels::RING_BENCH).and_then(|()| {
+                gpuio_hal::ring::RingMemory::new(gpuio_hal::ring::MIN_SLOTS, gpu0)
+                    .map(drop)
+                    .map_err(|e| format!("setting up a ring: {e}"))
+            });
+            let ring = match ring {
+                Ok(()) => Capability::yes(
+                    "kernels post IO through mapped pinned memory (kernels/gpuio.cuh); \
+                     RingProxy threads serve it through every engine",
+                ),
+                Err(e) => Capability::no(e),
+            };
+            (gathers, ring)
+        }
+    };
+    vec![
+        IoPath::new(
+            "gpu-initiated",
+            "row gathers / scatters (MemIo::gather)",
+            gathers,
+        ),
+        IoPath::new(
+            "gpu-initiated",
+            "request ring (gpuio_read from kernels)",
+            ring,
+        ),
+    ]
 }
 
 pub fn run(config: Config, args: &InfoArgs) -> Result<(), Error> {
@@ -148,7 +272,7 @@ pub fn run(config: Config, args: &InfoArgs) -> Result<(), Error> {
     let config_source = config
         .source
         .as_ref()
-        .map_or_else(|| "built-in defaults".into(), |p| p.display().to_string());
+        .map_or_else(|| "built-in defaults".into(), |p| escape_path(p));
     let session = Session::new(config)?;
     let report = Report {
         version: env!("CARGO_PKG_VERSION"),

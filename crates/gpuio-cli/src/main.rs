@@ -39,9 +39,11 @@ struct Cli {
     #[arg(long, global = true, value_name = "HOST:PORT", num_args = 0..=1,
           default_missing_value = stat::DEFAULT_ADDR)]
     metrics_addr: Option<std::net::SocketAddr>,
-    /// Keep serving metrics this many seconds after the command ends (for a last scrape).
-    #[arg(long, global = true, value_name = "SECS", default_value_t = 0.0)]
-    metrics_linger: f64,
+    /// Keep serving metrics this many seconds after the command ends (for a last scrape;
+    /// 0 to 86400, fractions allowed).
+    #[arg(long, global = true, value_name = "SECS", default_value = "0",
+          value_parser = parse_seconds, allow_negative_numbers = true)]
+    metrics_linger: std::time::Duration,
     /// More log output (-v: info, -vv: debug); GPUIO_LOG sets a full filter.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     verbose: u8,
@@ -60,8 +62,26 @@ enum Command {
     /// Reads a running gpuio's metrics endpoint and prints a summary.
     Stat(stat::StatArgs),
     /// Serves this node's exports (`[agent]` in the configuration) to other nodes until
-    /// SIGINT or SIGTERM.
+    /// SIGINT or SIGTERM; `gpuio agent keygen` makes a key secret.
     Agent(agent::AgentArgs),
+}
+
+/// The longest wait a command line may ask for (`--metrics-linger`, `stat --watch`).
+const MAX_SECONDS: f64 = 86_400.0;
+
+/// A number of seconds (fractions allowed) from 0 to a day, parsed by clap so that a bad
+/// value is a usage error, never a panic converting it (`inf`, `1e300`, `-1`, `NaN`).
+pub(crate) fn parse_seconds(s: &str) -> Result<std::time::Duration, String> {
+    let secs: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !(0.0..=MAX_SECONDS).contains(&secs) {
+        return Err(format!(
+            "{s:?} seconds is out of range: expected 0 to {MAX_SECONDS} (one day)"
+        ));
+    }
+    std::time::Duration::try_from_secs_f64(secs).map_err(|e| format!("{s:?} seconds: {e}"))
 }
 
 fn init_logging(config: &Config, verbose: u8) {
@@ -79,6 +99,12 @@ fn init_logging(config: &Config, verbose: u8) {
 }
 
 fn run(cli: Cli) -> Result<(), Error> {
+    // Making a secret needs no configuration (and must not fail on a broken one).
+    if let Command::Agent(args) = &cli.command
+        && args.is_keygen()
+    {
+        return agent::keygen(args);
+    }
     let mut config = Config::load(cli.config.as_deref())?;
     if let Some(b) = cli.backend {
         config.backend = b;
@@ -94,14 +120,39 @@ fn run(cli: Cli) -> Result<(), Error> {
         Command::Stat(args) => stat::run(&args),
         Command::Agent(args) => agent::run(config, &args),
     };
-    if cli.metrics_addr.is_some() && cli.metrics_linger > 0.0 {
-        std::thread::sleep(std::time::Duration::from_secs_f64(cli.metrics_linger));
+    if cli.metrics_addr.is_some() && !cli.metrics_linger.is_zero() {
+        std::thread::sleep(cli.metrics_linger);
     }
     result
 }
 
+/// Parses the command line. A usage error quotes what was given, so it is printed with its
+/// control characters escaped (line by line: clap's own layout keeps its lines); help and
+/// version go out as clap writes them.
+fn parse_command_line() -> Result<Cli, ExitCode> {
+    use clap::error::ErrorKind;
+    Cli::try_parse().map_err(|e| {
+        if matches!(
+            e.kind(),
+            ErrorKind::DisplayHelp
+                | ErrorKind::DisplayVersion
+                | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+        ) {
+            e.exit();
+        }
+        // Display renders without styling, so no escape sequence is ours to keep.
+        let text = e.render().to_string();
+        let lines: Vec<_> = text.split('\n').map(gpuio_api::escape).collect();
+        eprint!("{}", lines.join("\n"));
+        ExitCode::from(e.exit_code().clamp(0, 255) as u8)
+    })
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match parse_command_line() {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -134,5 +185,23 @@ mod tests {
         assert!(
             Cli::try_parse_from(["gpuio", "bench", "memio", "--quick", "--sizes", "4K,1M"]).is_ok()
         );
+    }
+
+    #[test]
+    fn waits_are_checked_when_parsed() {
+        let linger = |v: &str| {
+            Cli::try_parse_from(["gpuio", "--metrics-linger", v, "info"])
+                .map(|c| c.metrics_linger)
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(linger("2.5"), Ok(std::time::Duration::from_millis(2500)));
+        assert_eq!(linger("0"), Ok(std::time::Duration::ZERO));
+        for bad in ["inf", "1e300", "-1", "NaN", "-0.5", "86401", "soon"] {
+            let e = linger(bad).unwrap_err();
+            assert!(e.contains("--metrics-linger"), "{bad}: {e}");
+        }
+        let watch = |v: &str| Cli::try_parse_from(["gpuio", "stat", "--watch", v]).is_ok();
+        assert!(watch("0.5"));
+        assert!(!watch("inf") && !watch("NaN") && !watch("-2"));
     }
 }

@@ -30,8 +30,9 @@ pub struct StatArgs {
     #[arg(long, default_value = DEFAULT_ADDR, value_name = "HOST:PORT")]
     addr: SocketAddr,
     /// Print again every SECS seconds, with rates over the interval.
-    #[arg(long, value_name = "SECS")]
-    watch: Option<f64>,
+    #[arg(long, value_name = "SECS", value_parser = crate::parse_seconds,
+          allow_negative_numbers = true)]
+    watch: Option<Duration>,
     /// Print the raw exposition text instead of the summary.
     #[arg(long)]
     raw: bool,
@@ -216,7 +217,7 @@ pub fn run(args: &StatArgs) -> Result<(), Error> {
             print!("{text}");
         } else {
             let samples = parse(&text);
-            let secs = args.watch.unwrap_or(0.0);
+            let secs = args.watch.map_or(0.0, |w| w.as_secs_f64());
             print!(
                 "{}",
                 summary(&samples, prev.as_ref().map(|p| (p, secs.max(1e-3))))
@@ -224,8 +225,8 @@ pub fn run(args: &StatArgs) -> Result<(), Error> {
             prev = Some(samples);
         }
         match args.watch {
-            Some(secs) if secs > 0.0 => {
-                std::thread::sleep(Duration::from_secs_f64(secs));
+            Some(every) if !every.is_zero() => {
+                std::thread::sleep(every);
                 println!();
             }
             _ => return Ok(()),

@@ -21,7 +21,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const SECRET: &str = "693a1244f390ccc97c9ddecf85fb617320ab613c2a6a2196e1b48af409529021";
+/// Made by `gpuio agent keygen` (agents refuse weak secrets).
+const SECRET: &str = "da403df6ec318e1a90d34b08dea84289e43e5772774ff36f5e37bc611f478092";
 const AGENTS: usize = 2;
 const DATA: usize = 48 << 20;
 
@@ -370,7 +371,11 @@ fn agents_on_several_hosts_serve_a_segment_through_the_registry() {
     }
     let wrong = session(
         port,
-        &secret_file(dir.path(), "wrong", "not the key, but 32 bytes long!!"),
+        &secret_file(
+            dir.path(),
+            "wrong",
+            "135d227938f0b050778e65298d6a9a977fc79661c205cfee766304ae469225d6",
+        ),
     );
     let err = copy(&wrong, "remoteio://seg/data", &dir.path().join("no.bin")).unwrap_err();
     assert_eq!(err.code(), ErrorCode::Permission, "{err}");
@@ -451,6 +456,8 @@ fn agents_on_several_hosts_serve_a_segment_through_the_registry() {
 fn secret_file(dir: &Path, name: &str, secret: &str) -> String {
     let p = dir.join(name);
     std::fs::write(&p, secret).unwrap();
+    // Secret files must be private to their owner.
+    std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     p.display().to_string()
 }
 

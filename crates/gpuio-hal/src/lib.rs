@@ -47,4 +47,6 @@ pub use gpu::{
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::{HostAllocOptions, HostBuffer, Location, MemoryRegion, MemoryTier, Registration};
-pub use sys::{HUGE_PAGE, page_size, peek_nonblocking, prefetch, write_u64s_streaming};
+pub use sys::{
+    HUGE_PAGE, clear_nonblocking, page_size, peek_nonblocking, prefetch, write_u64s_streaming,
+};

@@ -1,4 +1,4 @@
-//! Every host operating-system call the HAL makes (mmap, madvise, mbind, move_pages), each
+//! Every host operating-system call the HAL makes (mmap, madvise, mbind, move_pages, fcntl), each
 //! behind a safe function with its `// SAFETY:` note. The rest of the crate calls these.
 
 use crate::error::{HalError, Result};
@@ -9,6 +9,28 @@ pub fn page_size() -> usize {
     // SAFETY: sysconf has no memory-safety preconditions.
     let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if size > 0 { size as usize } else { 4096 }
+}
+
+/// Clears `O_NONBLOCK` on an open file. A file opened non-blocking only so that the open itself
+/// could not wait (a read-only open of a FIFO waits for a writer) goes back to ordinary IO:
+/// io_uring fails reads with `EAGAIN` on non-blocking files of file systems that cannot read
+/// without waiting, instead of handing them to its workers.
+pub fn clear_nonblocking(file: &impl std::os::fd::AsFd) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_fd().as_raw_fd();
+    // SAFETY: F_GETFL reads the status flags of a descriptor the borrow keeps open.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(HalError::last_os("fcntl(F_GETFL)"));
+    }
+    if flags & libc::O_NONBLOCK != 0 {
+        // SAFETY: F_SETFL changes only that open file's status flags; no memory is involved.
+        let rc = unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) };
+        if rc < 0 {
+            return Err(HalError::last_os("fcntl(F_SETFL)"));
+        }
+    }
+    Ok(())
 }
 
 /// The size of a transparent huge page (2 MiB on x86-64).

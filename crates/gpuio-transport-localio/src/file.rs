@@ -83,10 +83,36 @@ const BOUNCE: usize = 1 << 20;
 
 impl FileHandle {
     /// Opens `path`.
+    ///
+    /// Opened only for reading, it must be something that can be sized: a regular file or a
+    /// block device. FIFOs, sockets, character devices and directories are refused with
+    /// [`LocalIoError::Unsized`] (without blocking on a FIFO), and so is a regular file whose
+    /// size reads as 0 while it has content (procfs, sysfs, debugfs). Opened for writing, any
+    /// file is taken (`/dev/null` is a fine destination).
     pub fn open(path: impl AsRef<Path>, opts: OpenOptions) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
         let writable = opts.write || opts.create || opts.truncate;
-        let mut flags = 0;
+        if !writable {
+            // Refused before it is opened: opening a device can do things of its own (a tape
+            // rewinds), and a socket cannot be opened at all. Where the path cannot be
+            // stat'ed, the open below says why.
+            if let Ok(meta) = std::fs::metadata(&path)
+                && let Some(kind) = special_kind(&meta)
+            {
+                return Err(LocalIoError::Unsized {
+                    path,
+                    kind: kind.into(),
+                });
+            }
+        }
+        // Should a FIFO be swapped in after that check, a read-only open would wait for a
+        // writer: O_NONBLOCK makes it return, and the open file's type is checked again.
+        // O_NOCTTY: opening a terminal must not make it ours.
+        let mut flags = if writable {
+            0
+        } else {
+            libc::O_NONBLOCK | libc::O_NOCTTY
+        };
         if opts.direct {
             flags |= libc::O_DIRECT;
         }
@@ -104,13 +130,52 @@ impl FileHandle {
                 path: path.clone(),
                 source,
             })?;
-        Ok(Self::from_parts(
-            file,
-            path,
-            writable,
-            opts.direct,
-            opts.gds,
-        ))
+        let handle = Self::from_parts(file, path, writable, opts.direct, opts.gds);
+        if !writable {
+            handle.check_sizable()?;
+        }
+        Ok(handle)
+    }
+
+    /// Refuses a read-only file whose length [`len`](Self::len) cannot tell (a copy from it
+    /// would block, never end, or end empty), then takes O_NONBLOCK off the rest.
+    fn check_sizable(&self) -> Result<()> {
+        let unsized_as = |kind: &str| LocalIoError::Unsized {
+            path: self.inner.path.clone(),
+            kind: kind.into(),
+        };
+        let meta = self
+            .inner
+            .file
+            .metadata()
+            .map_err(|e| self.io("stat", 0, e))?;
+        if let Some(kind) = special_kind(&meta) {
+            return Err(unsized_as(kind));
+        }
+        gpuio_hal::clear_nonblocking(&*self.inner.file)?;
+        if meta.is_file() && meta.len() == 0 {
+            // Pseudo-file systems report 0 for files that have content: one byte tells.
+            let mut probe = [0u8; 1];
+            match self.read_at(0, &mut probe) {
+                Ok(0) => {}
+                Ok(_) => {
+                    return Err(unsized_as(
+                        "a file whose size reads as 0 although it has content (a pseudo-file, \
+                         as in /proc or /sys)",
+                    ));
+                }
+                Err(e) => {
+                    let why = match e {
+                        LocalIoError::Io { source, .. } => source.to_string(),
+                        other => other.to_string(),
+                    };
+                    return Err(unsized_as(&format!(
+                        "a file whose size reads as 0 and which cannot be read ({why})"
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Wraps a file the caller opened (`writable`: opened for writing; buffered IO).
@@ -437,5 +502,50 @@ impl FileHandle {
             .file
             .set_len(len)
             .map_err(|e| self.io("truncate", len, e))
+    }
+}
+
+/// What a file is when it cannot be read as a sized source (`None`: a regular file or a block
+/// device, which seeking to the end sizes).
+fn special_kind(meta: &std::fs::Metadata) -> Option<&'static str> {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    if t.is_file() || t.is_block_device() {
+        None
+    } else if t.is_fifo() {
+        Some("a FIFO")
+    } else if t.is_socket() {
+        Some("a socket")
+    } else if t.is_char_device() {
+        Some("a character device")
+    } else if t.is_dir() {
+        Some("a directory")
+    } else {
+        Some("not a regular file")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The open file's status flags, from /proc (octal, as the kernel prints them).
+    fn status_flags(h: &FileHandle) -> Option<i32> {
+        let fdinfo = format!("/proc/self/fdinfo/{}", h.shared().as_raw_fd());
+        let text = std::fs::read_to_string(fdinfo).ok()?;
+        let line = text.lines().find(|l| l.starts_with("flags:"))?;
+        i32::from_str_radix(line.trim_start_matches("flags:").trim(), 8).ok()
+    }
+
+    #[test]
+    fn read_only_handles_do_not_stay_non_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        std::fs::write(&path, b"data").unwrap();
+        let h = FileHandle::open(&path, OpenOptions::READ).unwrap();
+        // io_uring fails reads of non-blocking files on some file systems with EAGAIN.
+        if let Some(flags) = status_flags(&h) {
+            assert_eq!(flags & libc::O_NONBLOCK, 0, "flags {flags:o}");
+        }
     }
 }

@@ -88,6 +88,16 @@ pub enum LocalIoError {
     /// A write to a file opened read-only.
     #[error("{0} was opened read-only")]
     ReadOnly(PathBuf),
+    /// A file that cannot be read as a source because its size is unknown: a FIFO, socket,
+    /// character device or directory, or a pseudo-file (procfs, sysfs, debugfs) whose size
+    /// reads as 0 although it has content. A copy would hang on it or end empty.
+    #[error("{path} is {kind}: it cannot be sized, so it cannot be read as a source")]
+    Unsized {
+        /// The file.
+        path: PathBuf,
+        /// What it is, e.g. `a FIFO`.
+        kind: String,
+    },
     /// A copy to or from GPU memory failed.
     #[error(transparent)]
     Hal(#[from] HalError),
@@ -115,6 +125,7 @@ impl LocalIoError {
             Self::UnexpectedEof { .. } => ErrorCode::InvalidArg,
             Self::NoSpace { .. } => ErrorCode::Io,
             Self::ReadOnly(_) => ErrorCode::Permission,
+            Self::Unsized { .. } => ErrorCode::InvalidArg,
             Self::Checksum { .. } => ErrorCode::Io,
             Self::Hal(e) => e.code(),
             Self::Internal(_) => ErrorCode::General,

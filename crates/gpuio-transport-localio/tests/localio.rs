@@ -645,3 +645,76 @@ fn cufile_runs_where_it_can_and_says_why_not_elsewhere() {
         Engine::Gds(_)
     ));
 }
+
+/// Opens `path` read-only on another thread, failing if that blocks for 20 s (a FIFO).
+fn open_for_reading(path: &Path) -> Result<FileHandle, LocalIoError> {
+    let path = path.to_path_buf();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(FileHandle::open(&path, OpenOptions::READ)));
+    rx.recv_timeout(std::time::Duration::from_secs(20))
+        .expect("opening for reading blocked")
+}
+
+#[test]
+fn sources_that_cannot_be_sized_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(made, "mkfifo");
+    let socket = dir.path().join("socket");
+    let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let mut cases = vec![
+        (fifo.clone(), "a FIFO"),
+        (socket, "a socket"),
+        (dir.path().to_path_buf(), "a directory"),
+    ];
+    for (path, kind) in [
+        ("/dev/zero", "a character device"),
+        ("/dev/urandom", "a character device"),
+        ("/proc/cpuinfo", "has content"),
+        ("/proc/self/status", "has content"),
+        ("/proc/self/mem", "cannot be read"),
+    ] {
+        if Path::new(path).exists() {
+            cases.push((path.into(), kind));
+        }
+    }
+    for (path, kind) in &cases {
+        let err = open_for_reading(path).unwrap_err();
+        assert!(
+            matches!(err, LocalIoError::Unsized { .. }),
+            "{}: {err:?}",
+            path.display()
+        );
+        assert_eq!(err.code(), ErrorCode::InvalidArg);
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&*path.to_string_lossy())
+                && msg.contains(kind)
+                && msg.contains("cannot be sized"),
+            "{msg}"
+        );
+    }
+    // Empty and non-empty regular files are sources; special files stay destinations.
+    let empty = dir.path().join("empty");
+    std::fs::write(&empty, b"").unwrap();
+    assert_eq!(open_for_reading(&empty).unwrap().len().unwrap(), 0);
+    let full = dir.path().join("full");
+    std::fs::write(&full, b"bytes").unwrap();
+    let h = open_for_reading(&full).unwrap();
+    let mut got = [0u8; 5];
+    h.read_exact_at(0, &mut got).unwrap();
+    assert_eq!(&got, b"bytes");
+    for sink in ["/dev/null", "/dev/full"] {
+        if Path::new(sink).exists() {
+            let opts = OpenOptions {
+                write: true,
+                ..OpenOptions::READ
+            };
+            assert!(FileHandle::open(sink, opts).unwrap().is_writable());
+        }
+    }
+}
