@@ -272,6 +272,7 @@ pub fn run(
                 route: format!("{conns} TCP connections, {} stripes", human(1 << 20)),
                 device: device.clone(),
                 reps: v.len(),
+                rows: None,
             });
         }
     }
@@ -319,6 +320,7 @@ pub fn run(
                 route: "one connection".into(),
                 device: device.clone(),
                 reps: opts.small_reads,
+                rows: None,
             });
         }
     }
