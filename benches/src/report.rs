@@ -170,7 +170,7 @@ fn size(bytes: u64) -> String {
 }
 
 /// Writes `<suite>.json` (records, targets, notes such as peers that could not run) and
-/// `<suite>.svg` (the plot) into `dir`.
+/// `<suite>.svg` (the plot; none without records) into `dir`.
 pub fn write_outputs(
     dir: &Path,
     suite: &str,
@@ -188,15 +188,9 @@ pub fn write_outputs(
     let text = serde_json::to_string_pretty(&doc).map_err(|e| fail(&json, &e))?;
     std::fs::write(&json, text).map_err(|e| fail(&json, &e))?;
     let mut files = vec![json];
-    // A bandwidth plot over sizes only where the suite sweeps sizes.
-    let sizes: std::collections::BTreeSet<usize> = records
-        .iter()
-        .filter(|r| r.unit == "GB/s")
-        .map(|r| r.bytes)
-        .collect();
-    if sizes.len() > 1 {
+    if !records.is_empty() {
         let svg = dir.join(format!("{suite}.svg"));
-        crate::plot::bandwidth_plot(&svg, suite, records).map_err(|e| fail(&svg, &e))?;
+        crate::plot::plot(&svg, suite, records).map_err(|e| fail(&svg, &e))?;
         files.push(svg);
     }
     Ok(files)

@@ -105,6 +105,28 @@ impl GridCase {
     pub fn cell(&self) -> String {
         format!("gather_{}B_pool{}M", self.row, self.pool_mib)
     }
+
+    /// Reads a name [`GridCase`]'s `Display` wrote; `None` for the suite's other cases.
+    pub fn parse(name: &str) -> Option<Self> {
+        let mut words = name.split(' ');
+        let cell = words.next()?.strip_prefix("gather_")?;
+        let (row, pool) = cell.split_once("B_pool")?;
+        let mut case = Self {
+            row: row.parse().ok()?,
+            pool_mib: pool.strip_suffix('M')?.parse().ok()?,
+            distinct: false,
+            device_list: false,
+        };
+        let rest: Vec<&str> = words.collect();
+        match rest.as_slice() {
+            [] => {}
+            ["distinct"] => case.distinct = true,
+            ["device", "list"] => case.device_list = true,
+            ["distinct", "device", "list"] => (case.distinct, case.device_list) = (true, true),
+            _ => return None,
+        }
+        Some(case)
+    }
 }
 
 impl fmt::Display for GridCase {
@@ -144,5 +166,25 @@ mod tests {
         let n = 100_000;
         let share = distinct_count(&uniform(n, n, 5)) as f64 / n as f64;
         assert!((0.62..0.645).contains(&share), "{share}");
+    }
+
+    #[test]
+    fn case_names_round_trip() {
+        for (distinct, device_list) in [(false, false), (true, false), (false, true), (true, true)]
+        {
+            let case = GridCase {
+                row: 656,
+                pool_mib: 256,
+                distinct,
+                device_list,
+            };
+            assert_eq!(GridCase::parse(&case.to_string()), Some(case));
+        }
+        assert_eq!(
+            GridCase::parse("gather_64B_pool2048M device list").map(|c| c.row),
+            Some(64)
+        );
+        assert_eq!(GridCase::parse("decode_layer_2048x656B"), None);
+        assert_eq!(GridCase::parse("gather_64B_pool2048M twice"), None);
     }
 }
