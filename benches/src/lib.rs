@@ -18,7 +18,7 @@ mod report;
 pub mod ring;
 pub mod scheduler;
 
-pub use report::{Record, Target, render_table, write_outputs};
+pub use report::{Record, RowBytes, Target, render_table, write_outputs};
 
 use std::time::{Duration, Instant};
 

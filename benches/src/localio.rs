@@ -176,6 +176,7 @@ pub fn run(
                 route: route.clone(),
                 device: device.clone(),
                 reps: opts.reps,
+                rows: None,
             });
         };
     let gbps = |t: Duration| size as f64 / t.as_secs_f64().max(1e-9) / 1e9;

@@ -98,6 +98,7 @@ pub fn run(
                     route,
                     device: device.clone(),
                     reps: ours.reps,
+                    rows: None,
                 });
             };
 

@@ -178,11 +178,13 @@ pub fn kvikio(
 
 const TORCH_GATHER_SCRIPT: &str = include_str!("peers/torch_gather_peer.py");
 
-/// What the torch gather peer measured for one row size.
+/// What the torch gather peer measured for one row size and index list.
 #[derive(Debug, Clone, Copy)]
 pub struct TorchGather {
     /// Row size in bytes.
     pub row: usize,
+    /// Whether it gathered the distinct-rows list (else the uniform one).
+    pub distinct: bool,
     /// Gather plus copy to the GPU, bytes of rows per second (median).
     pub bytes_per_s: f64,
     /// For the latency line: median seconds per call.
@@ -190,15 +192,15 @@ pub struct TorchGather {
 }
 
 /// Runs the CPU gather peer (`torch.index_select` on a pinned pool of `pool_bytes`, then a copy
-/// to the GPU) for each row size in `rows`, and the latency of `latency_rows` rows of the
-/// first size if non-zero. Errors say why it could not run.
+/// to the GPU) for each row size in `rows` on gpuio's own index lists, read from `lists`
+/// (`<row>-uniform.u64`, `<row>-distinct.u64`), and the latency of `latency.0` rows of
+/// `latency.1` bytes if the count is non-zero. Errors say why it could not run.
 pub fn torch_gather(
     pool_bytes: usize,
     rows: &[usize],
-    max_bytes: usize,
-    max_rows: usize,
+    lists: &Path,
     reps: usize,
-    latency_rows: usize,
+    latency: (usize, usize),
 ) -> Result<Vec<TorchGather>, String> {
     let python = std::env::var("GPUIO_PYTHON").unwrap_or_else(|_| "python3".into());
     let list = rows
@@ -209,14 +211,9 @@ pub fn torch_gather(
     let out = Command::new(&python)
         .arg("-c")
         .arg(TORCH_GATHER_SCRIPT)
-        .args([
-            pool_bytes.to_string(),
-            list,
-            max_bytes.to_string(),
-            max_rows.to_string(),
-            reps.to_string(),
-            latency_rows.to_string(),
-        ])
+        .args([pool_bytes.to_string(), list])
+        .arg(lists)
+        .args([reps, latency.0, latency.1].map(|n| n.to_string()))
         .output()
         .map_err(|e| format!("running {python}: {e}"))?;
     let text = String::from_utf8_lossy(&out.stdout);
@@ -233,13 +230,11 @@ pub fn torch_gather(
         .map(|l| {
             let j: serde_json::Value =
                 serde_json::from_str(l).map_err(|e| format!("torch peer output: {e}"))?;
-            let row = j["row"].as_u64().unwrap_or(0) as usize;
-            let latency_s = j["latency_p50_s"].as_f64();
-            let bytes_per_s = j["bytes_per_s"].as_f64().unwrap_or(0.0);
             Ok(TorchGather {
-                row,
-                bytes_per_s,
-                latency_s,
+                row: j["row"].as_u64().unwrap_or(0) as usize,
+                distinct: j["list"].as_str() == Some("distinct"),
+                bytes_per_s: j["bytes_per_s"].as_f64().unwrap_or(0.0),
+                latency_s: j["latency_p50_s"].as_f64(),
             })
         })
         .collect()

@@ -273,6 +273,7 @@ pub fn run(
                 route: format!("{conns} TCP connections, {} stripes", human(1 << 20)),
                 device: device.clone(),
                 reps: v.len(),
+                rows: None,
             });
         }
     }
@@ -320,6 +321,7 @@ pub fn run(
                 route: "one connection".into(),
                 device: device.clone(),
                 reps: opts.small_reads,
+                rows: None,
             });
         }
     }

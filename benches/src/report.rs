@@ -31,6 +31,20 @@ pub struct Record {
     pub device: String,
     /// Timed runs per side.
     pub reps: usize,
+    /// For cases that gather rows: how many of the bytes a call delivers are distinct rows.
+    #[serde(flatten)]
+    pub rows: Option<RowBytes>,
+}
+
+/// What one call of a row-gathering case moves. Both sides of the race gather the same index
+/// list, so one pair serves both. Where rows repeat, delivered bytes outrun the bytes that had
+/// to cross the link: a repeat may be served from a cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct RowBytes {
+    /// Rows × row size.
+    pub delivered_bytes: u64,
+    /// Distinct rows × row size.
+    pub unique_bytes: u64,
 }
 
 /// A performance target and whether this run met it.
@@ -67,26 +81,45 @@ impl Target {
     }
 }
 
-/// The table printed at the end of a run; columns as wide as their longest entry.
+/// The table printed at the end of a run; columns as wide as their longest entry. A suite
+/// whose records gather rows gets two more columns: bytes delivered per call and how much of
+/// that is distinct rows.
 pub fn render_table(records: &[Record], targets: &[Target]) -> String {
     let mut out = String::new();
     let case_of = |r: &Record| r.case.split('/').next().unwrap_or(&r.case).to_string();
     let value = |v: f64, unit: &str| format!("{v:.2} {unit}");
-    let cw = records.iter().map(|r| case_of(r).len()).max().unwrap_or(0);
-    let pw = records.iter().map(|r| r.peer.len()).max().unwrap_or(0);
+    let delivered = |r: &Record| r.rows.map_or(String::new(), |b| size(b.delivered_bytes));
+    let unique = |r: &Record| {
+        r.rows.map_or(String::new(), |b| {
+            let share = b.unique_bytes as f64 / b.delivered_bytes.max(1) as f64;
+            format!("{} ({:.0}%)", size(b.unique_bytes), 100.0 * share)
+        })
+    };
+    let width = |f: &dyn Fn(&Record) -> String| records.iter().map(|r| f(r).len()).max();
+    let cw = width(&case_of).unwrap_or(0);
+    let pw = width(&|r| r.peer.clone()).unwrap_or(0);
     let vw = records
         .iter()
         .flat_map(|r| [value(r.value, &r.unit), value(r.peer_value, &r.unit)])
         .map(|v| v.len())
         .max()
         .unwrap_or(0);
+    let dw = width(&delivered).unwrap_or(0).max("delivered".len());
+    let uw = width(&unique).unwrap_or(0).max("unique".len());
     let mut suite = "";
+    let mut rows = false;
     for r in records {
         if r.suite != suite {
             suite = &r.suite;
+            rows = records.iter().any(|o| o.suite == suite && o.rows.is_some());
             let head = format!("[{suite}] case");
+            let moved = if rows {
+                format!(" {:>dw$} {:>uw$}", "delivered", "unique")
+            } else {
+                String::new()
+            };
             out.push_str(&format!(
-                "\n{head:<cw$} {:>9} {:>vw$} {:<pw$} {:>vw$} {:>7}  route\n",
+                "\n{head:<cw$} {:>9}{moved} {:>vw$} {:<pw$} {:>vw$} {:>7}  route\n",
                 "size",
                 "gpuio",
                 "peer",
@@ -95,8 +128,13 @@ pub fn render_table(records: &[Record], targets: &[Target]) -> String {
                 cw = cw.max(head.len()),
             ));
         }
+        let moved = if rows {
+            format!(" {:>dw$} {:>uw$}", delivered(r), unique(r))
+        } else {
+            String::new()
+        };
         out.push_str(&format!(
-            "{:<cw$} {:>9} {:>vw$} {:<pw$} {:>vw$} {:>6.2}x  {}\n",
+            "{:<cw$} {:>9}{moved} {:>vw$} {:<pw$} {:>vw$} {:>6.2}x  {}\n",
             case_of(r),
             human(r.bytes),
             value(r.value, &r.unit),
@@ -121,8 +159,18 @@ pub fn render_table(records: &[Record], targets: &[Target]) -> String {
     out
 }
 
+/// A byte count to one decimal in the largest binary unit it fills.
+fn size(bytes: u64) -> String {
+    match bytes {
+        b if b >= 1 << 30 => format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64),
+        b if b >= 1 << 20 => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / (1u64 << 10) as f64),
+        b => format!("{b} B"),
+    }
+}
+
 /// Writes `<suite>.json` (records, targets, notes such as peers that could not run) and
-/// `<suite>.svg` (the plot) into `dir`.
+/// `<suite>.svg` (the plot; none without records) into `dir`.
 pub fn write_outputs(
     dir: &Path,
     suite: &str,
@@ -140,16 +188,60 @@ pub fn write_outputs(
     let text = serde_json::to_string_pretty(&doc).map_err(|e| fail(&json, &e))?;
     std::fs::write(&json, text).map_err(|e| fail(&json, &e))?;
     let mut files = vec![json];
-    // A bandwidth plot over sizes only where the suite sweeps sizes.
-    let sizes: std::collections::BTreeSet<usize> = records
-        .iter()
-        .filter(|r| r.unit == "GB/s")
-        .map(|r| r.bytes)
-        .collect();
-    if sizes.len() > 1 {
+    if !records.is_empty() {
         let svg = dir.join(format!("{suite}.svg"));
-        crate::plot::bandwidth_plot(&svg, suite, records).map_err(|e| fail(&svg, &e))?;
+        crate::plot::plot(&svg, suite, records).map_err(|e| fail(&svg, &e))?;
         files.push(svg);
     }
     Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(suite: &str, case: &str, rows: Option<RowBytes>) -> Record {
+        Record {
+            suite: suite.into(),
+            case: case.into(),
+            metric: "throughput".into(),
+            value: 64.6,
+            unit: "GB/s".into(),
+            peer: "naive kernel".into(),
+            peer_value: 47.1,
+            ratio: 64.6 / 47.1,
+            bytes: 656,
+            route: "Sorted".into(),
+            device: "gpu0".into(),
+            reps: 5,
+            rows,
+        }
+    }
+
+    #[test]
+    fn gathers_show_unique_beside_delivered_bytes() {
+        let rows = RowBytes {
+            delivered_bytes: 256 << 20,
+            unique_bytes: 161 << 20,
+        };
+        let records = [
+            record("memio", "h2d/1 MiB", None),
+            record("gather", "gather_656B_pool256M", Some(rows)),
+        ];
+        let table = render_table(&records, &[]);
+        let lines: Vec<&str> = table.lines().filter(|l| !l.is_empty()).collect();
+        assert!(!lines[0].contains("delivered"), "{table}");
+        assert!(lines[2].contains("delivered") && lines[2].contains("unique"));
+        assert!(lines[3].contains("256.0 MiB") && lines[3].contains("161.0 MiB (63%)"));
+        // In JSON the pair sits beside the record's other keys.
+        let json = serde_json::to_value(&records[1]).unwrap();
+        assert_eq!(json["delivered_bytes"], 256 << 20);
+        assert_eq!(json["unique_bytes"], 161 << 20);
+        assert!(
+            serde_json::to_value(&records[0])
+                .unwrap()
+                .get("unique_bytes")
+                .is_none()
+        );
+    }
 }

@@ -193,6 +193,7 @@ pub fn run(
         route: format!("{} GPU threads, {threads} proxy threads", opts.threads),
         device: device.clone(),
         reps: opts.reps,
+        rows: None,
     }];
     let mut targets = vec![Target {
         description: "kernel-issued 4 KiB reads >= 0.8x the host engine's rate".into(),
@@ -253,6 +254,7 @@ pub fn run(
                 route: format!("{gpu_threads} GPU threads, {p} proxy threads"),
                 device: device.clone(),
                 reps: opts.reps,
+                rows: None,
             });
             proxy.shutdown().map_err(api)?;
         }
@@ -291,6 +293,7 @@ pub fn run(
         route: "2 proxy threads".into(),
         device,
         reps: opts.pings,
+        rows: None,
     });
     targets.push(Target {
         description: "ring round trip of a minimal request, p50 <= 10 us".into(),

@@ -109,6 +109,7 @@ fn record(case: &str, metric: &str, value: f64, unit: &str, peer: &str, peer_val
         route: String::new(),
         device: "host".into(),
         reps: 0,
+        rows: None,
     }
 }
 

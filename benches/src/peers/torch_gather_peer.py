@@ -1,25 +1,28 @@
 # A CPU gather as a PyTorch user runs it, for gpuio-bench: torch.index_select on a pinned host
 # pool (all cores, torch's default intra-op threads) into pinned memory, then one copy to the
-# GPU. Arguments: pool_bytes, comma-separated row sizes, max output bytes, max rows, reps, and
-# latency rows (0: none). Prints one JSON line per row size:
-# {"row": B, "rows": N, "bytes_per_s": ..., "latency_p50_s": ... (latency line only)}.
+# GPU. Arguments: pool_bytes, comma-separated row sizes, the directory of gpuio's index lists
+# (`<row>-uniform.u64` and `<row>-distinct.u64`: little-endian int64, so torch gathers the very
+# rows gpuio did), reps, latency rows (0: none) and the latency case's row size. Prints one
+# JSON line per row size and list: {"row": B, "list": "uniform"|"distinct", "rows": N,
+# "bytes_per_s": ...}, then the latency line {"row": B, "rows": N, "latency_p50_s": ...}.
 import json
+import os
 import sys
 import time
 
 import torch
 
-pool_bytes, rows_arg, max_bytes, max_rows, reps, lat_rows = sys.argv[1:7]
-pool_bytes, max_bytes, max_rows, reps, lat_rows = map(int, (pool_bytes, max_bytes, max_rows, reps, lat_rows))
+pool_bytes, rows_arg, list_dir, reps, lat_rows, lat_row = sys.argv[1:7]
+pool_bytes, reps, lat_rows, lat_row = map(int, (pool_bytes, reps, lat_rows, lat_row))
 pool = torch.empty(pool_bytes, dtype=torch.uint8, pin_memory=True)
 pool.fill_(7)
 gen = torch.Generator().manual_seed(int(time.time_ns()) & 0xFFFFFFFF)
 
 
-def run(rb, n, reps):
+def run(rb, idx, reps):
+    n = idx.numel()
     rows = pool_bytes // rb
     table = pool[: rows * rb].view(rows, rb)
-    idx = torch.randint(rows, (n,), generator=gen)
     staged = torch.empty((n, rb), dtype=torch.uint8, pin_memory=True)
     dst = torch.empty((n, rb), dtype=torch.uint8, device="cuda")
 
@@ -39,11 +42,18 @@ def run(rb, n, reps):
     return times[len(times) // 2]
 
 
+def load(path):
+    with open(path, "rb") as f:
+        return torch.frombuffer(bytearray(f.read()), dtype=torch.int64)
+
+
 for rb in map(int, rows_arg.split(",")):
-    n = min(max_rows, max_bytes // rb)
-    t = run(rb, n, reps)
-    print(json.dumps({"row": rb, "rows": n, "bytes_per_s": n * rb / t}), flush=True)
+    for kind in ("uniform", "distinct"):
+        idx = load(os.path.join(list_dir, f"{rb}-{kind}.u64"))
+        t = run(rb, idx, reps)
+        n = idx.numel()
+        print(json.dumps({"row": rb, "list": kind, "rows": n, "bytes_per_s": n * rb / t}), flush=True)
 if lat_rows:
-    rb = int(rows_arg.split(",")[0])
-    t = run(rb, lat_rows, max(reps * 20, 100))
+    rb = lat_row
+    t = run(rb, torch.randint(pool_bytes // rb, (lat_rows,), generator=gen), max(reps * 20, 100))
     print(json.dumps({"row": rb, "rows": lat_rows, "latency_p50_s": t}), flush=True)
