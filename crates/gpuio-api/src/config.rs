@@ -105,8 +105,20 @@ pub struct AgentSection {
     pub listen: String,
     /// Milliseconds a new connection has to authenticate.
     pub handshake_timeout_ms: u64,
-    /// Connections served at once.
+    /// Connections still in their handshake, at most (the oldest gives way to a newcomer).
+    pub max_handshakes: usize,
+    /// Connections in their handshake from one source address, at most.
+    pub max_handshakes_per_address: usize,
+    /// Authenticated sessions served at once.
     pub max_connections: usize,
+    /// Sessions one key may hold at once.
+    pub max_sessions_per_key: usize,
+    /// Milliseconds one request may take, from its first byte to its answer's last.
+    pub io_timeout_ms: u64,
+    /// Milliseconds a session may stay silent before it is closed.
+    pub idle_timeout_ms: u64,
+    /// Bytes all sessions' request buffers may hold together.
+    pub buffer_memory: ByteSize,
     /// Runtime threads.
     pub threads: usize,
     /// Keys clients may present.
@@ -275,8 +287,14 @@ impl Config {
             scheduler: SchedulerSection::default(),
             agent: AgentSection {
                 listen: "127.0.0.1:7470".into(),
-                handshake_timeout_ms: 5000,
+                handshake_timeout_ms: 3000,
+                max_handshakes: 512,
+                max_handshakes_per_address: 128,
                 max_connections: 256,
+                max_sessions_per_key: 64,
+                io_timeout_ms: 30_000,
+                idle_timeout_ms: 120_000,
+                buffer_memory: ByteSize::gib(1),
                 threads: 2,
                 keys: Vec::new(),
                 segment: String::new(),
@@ -514,6 +532,32 @@ impl Config {
             " (milliseconds)",
         )?;
         within("agent.max_connections", a.max_connections, 1..=65_536, "")?;
+        within("agent.max_handshakes", a.max_handshakes, 1..=65_536, "")?;
+        within(
+            "agent.max_handshakes_per_address",
+            a.max_handshakes_per_address,
+            1..=65_536,
+            "",
+        )?;
+        within(
+            "agent.max_sessions_per_key",
+            a.max_sessions_per_key,
+            1..=65_536,
+            "",
+        )?;
+        for (key, ms) in [
+            ("agent.io_timeout_ms", a.io_timeout_ms),
+            ("agent.idle_timeout_ms", a.idle_timeout_ms),
+        ] {
+            within(key, ms, 1..=MAX_TIMEOUT_MS, " (milliseconds)")?;
+        }
+        if !(MAX_DATA as u64..=1 << 40).contains(&a.buffer_memory.as_u64()) {
+            return Err(format!(
+                "agent.buffer_memory = {}: must hold one message ({}) and be at most 1 TiB",
+                a.buffer_memory,
+                ByteSize::b(MAX_DATA as u64).display().iec()
+            ));
+        }
         within("agent.threads", a.threads, 1..=64, "")?;
         // Renewed every third of it; etcd's leases need a couple of seconds.
         within("agent.lease_ttl_s", a.lease_ttl_s, 2..=86_400, " (seconds)")?;
@@ -575,8 +619,15 @@ impl Config {
             .parse()
             .map_err(|_| bad(format!("agent.listen {:?} is not host:port", a.listen)))?;
         let mut cfg = AgentConfig::new(listen);
-        cfg.handshake_timeout = std::time::Duration::from_millis(a.handshake_timeout_ms);
+        let ms = std::time::Duration::from_millis;
+        cfg.handshake_timeout = ms(a.handshake_timeout_ms);
+        cfg.max_handshakes = a.max_handshakes;
+        cfg.max_handshakes_per_address = a.max_handshakes_per_address;
         cfg.max_connections = a.max_connections;
+        cfg.max_sessions_per_key = a.max_sessions_per_key;
+        cfg.io_timeout = ms(a.io_timeout_ms);
+        cfg.idle_timeout = ms(a.idle_timeout_ms);
+        cfg.buffer_memory = a.buffer_memory.as_u64() as usize;
         cfg.threads = a.threads;
         cfg.tls = match (a.tls_cert.is_empty(), a.tls_key.is_empty()) {
             (true, true) => None,
@@ -1021,6 +1072,15 @@ mod tests {
                 "agent.handshake_timeout_ms",
             ),
             ("[agent]\nmax_connections = 0", "agent.max_connections"),
+            ("[agent]\nmax_handshakes = 0", "agent.max_handshakes"),
+            (
+                "[agent]\nmax_handshakes_per_address = 0",
+                "agent.max_handshakes_per_address",
+            ),
+            ("[agent]\nmax_sessions_per_key = 0", "agent.max_sessions_per_key"),
+            ("[agent]\nio_timeout_ms = 0", "agent.io_timeout_ms"),
+            ("[agent]\nidle_timeout_ms = 0", "agent.idle_timeout_ms"),
+            ("[agent]\nbuffer_memory = \"1 MiB\"", "agent.buffer_memory"),
             ("[agent]\nthreads = 0", "agent.threads"),
             ("[agent]\nthreads = 65", "agent.threads"),
             ("[agent]\nlease_ttl_s = 0", "agent.lease_ttl_s"),

@@ -102,7 +102,16 @@ pub fn run(config: Config, _args: &AgentArgs) -> Result<(), Error> {
         .iter()
         .map(|e| escape(&e.name).into_owned())
         .collect();
+    let plain = cfg.tls.is_none();
     let agent = Agent::start(cfg)?;
+    if plain && !agent.local_addr().ip().is_loopback() {
+        eprintln!(
+            "warning: serving plain TCP on {}: keys are proven, but the messages after the \
+             handshake can be read or changed by anyone on the path; set [agent] tls_cert and \
+             tls_key on networks you do not trust",
+            agent.local_addr()
+        );
+    }
     // The first line says where it listens (port 0 in the configuration picks one).
     println!("gpuio agent listening on {}", agent.local_addr());
     println!("exports: {}", names.join(", "));
