@@ -1077,7 +1077,10 @@ mod tests {
                 "[agent]\nmax_handshakes_per_address = 0",
                 "agent.max_handshakes_per_address",
             ),
-            ("[agent]\nmax_sessions_per_key = 0", "agent.max_sessions_per_key"),
+            (
+                "[agent]\nmax_sessions_per_key = 0",
+                "agent.max_sessions_per_key",
+            ),
             ("[agent]\nio_timeout_ms = 0", "agent.io_timeout_ms"),
             ("[agent]\nidle_timeout_ms = 0", "agent.idle_timeout_ms"),
             ("[agent]\nbuffer_memory = \"1 MiB\"", "agent.buffer_memory"),

@@ -4,6 +4,9 @@
 //! stays bounded; restarted mid-copy (a copy must fail, never finish with the new instance's
 //! zeros); too small for what is written to it; sized past what the machine can back.
 
+mod common;
+
+use common::bin;
 use gpuio_api::{Access, Config, ErrorCode, Resource, Session, Uri};
 use gpuio_hal::pattern;
 use gpuio_transport_remoteio::{Credentials, PeerConfig, RemoteExport, RemotePeer};
@@ -16,12 +19,6 @@ use std::time::{Duration, Instant};
 const SECRET: &str = "9f3c2a7e51b04d8e6a1f0c3b7d2e94a8c5f61b0e3d7a2c9f4e8b1d6a0c3f5e72";
 const EXPORT: usize = 32 << 20;
 const SEED: u64 = 77;
-
-fn bin() -> PathBuf {
-    std::env::var_os("GPUIO_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_gpuio")))
-}
 
 /// A `gpuio agent` process, killed when dropped.
 struct AgentProc {
@@ -86,22 +83,7 @@ memory = "{EXPORT}"
 
 /// Starts `gpuio agent` with `cfg` and waits for it to listen.
 fn start_agent(cfg: &Path) -> AgentProc {
-    let mut child = Command::new(bin())
-        .args(["--config", cfg.to_str().unwrap(), "agent"])
-        .env("GPUIO_TEST_SECRET", SECRET)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut first = String::new();
-    out.read_line(&mut first).unwrap();
-    let addr = first
-        .trim()
-        .rsplit(' ')
-        .next()
-        .and_then(|a| a.parse().ok())
-        .unwrap_or_else(|| panic!("no address in {first:?}"));
+    let (child, addr, out) = common::spawn_agent(cfg, &[("GPUIO_TEST_SECRET", SECRET)]);
     // Keep draining its output so it never blocks on a full pipe.
     std::thread::spawn(move || for _ in out.lines() {});
     AgentProc { child, addr }
@@ -148,15 +130,17 @@ async fn stranger(source: [u8; 4], to: SocketAddr) -> Option<tokio::net::TcpStre
     s.connect(to).await.ok()
 }
 
-/// Floods `to` until `until`: `silent` sockets that say nothing and reconnect round-robin
-/// (from 127.0.0.2, and from 127.0.0.1, the good client's own address), and `big` sockets
-/// that declare a 16 MiB HELLO and send 1 MiB of it (from 127.0.0.3): an agent that buffered
-/// what a stranger declares would hold 250 MiB of it.
+/// Floods `to`: first `big` sockets that declare a 16 MiB HELLO and send 1 MiB of it (from
+/// 127.0.0.3: an agent that buffered what a stranger declares would hold 250 MiB of it), then
+/// `silent` sockets that say nothing (from 127.0.0.2, and every fourth from 127.0.0.1, the
+/// good client's own address). Once all are open it says so on `ready`, then reconnects the
+/// silent ones round-robin for `churn`. Returns the connections it opened.
 fn flood(
     to: SocketAddr,
     silent: usize,
     big: usize,
-    until: Instant,
+    churn: Duration,
+    ready: std::sync::mpsc::Sender<()>,
 ) -> std::thread::JoinHandle<u64> {
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -186,7 +170,8 @@ fn flood(
             let mut silent_socks = Vec::with_capacity(silent);
             let mut opened = 0u64;
             let mut i = 0usize;
-            while Instant::now() < until {
+            let mut until = None;
+            while until.is_none_or(|t| Instant::now() < t) {
                 let source = if i % 4 == 0 {
                     [127, 0, 0, 1]
                 } else {
@@ -201,6 +186,10 @@ fn flood(
                     }
                 }
                 i += 1;
+                if until.is_none() && silent_socks.len() == silent {
+                    let _ = ready.send(());
+                    until = Some(Instant::now() + churn);
+                }
                 if i % 200 == 0 {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
@@ -218,12 +207,16 @@ fn keyless_floods_never_deny_a_good_client_and_memory_stays_bounded() {
     fill(agent.addr);
     good_round(agent.addr, 0);
     let before = agent.rss_kib();
-    let until = Instant::now() + Duration::from_secs(4);
-    let attack = flood(agent.addr, 1500, 250, until);
-    std::thread::sleep(Duration::from_millis(300));
+    let churn = Duration::from_secs(3);
+    let (ready, flooding) = std::sync::mpsc::channel();
+    let attack = flood(agent.addr, 1500, 250, churn, ready);
+    flooding
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the flood never reached 1500 sockets");
+    let until = Instant::now() + churn - Duration::from_millis(300);
     let mut worst = Duration::ZERO;
     let mut rounds = 0;
-    while Instant::now() + Duration::from_millis(300) < until {
+    while Instant::now() < until {
         worst = worst.max(good_round(agent.addr, rounds));
         rounds += 1;
         std::thread::sleep(Duration::from_millis(50));
@@ -234,7 +227,6 @@ fn keyless_floods_never_deny_a_good_client_and_memory_stays_bounded() {
         "flood: {opened} connections; {rounds} good rounds, worst {worst:?}; agent RSS \
          {before} -> {during} KiB"
     );
-    assert!(opened >= 1500, "the flood opened only {opened} connections");
     assert!(rounds >= 10, "only {rounds} good rounds ran");
     assert!(
         worst < Duration::from_secs(1),

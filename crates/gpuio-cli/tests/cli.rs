@@ -2,6 +2,8 @@
 //! bundle sets it); `GPUIO_E2E_BYTES` sets the size of the round trip through GPU memory
 //! (64 MiB by default, 1 GiB in the GPU bundle).
 
+mod common;
+
 use gpuio_hal::pattern;
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -292,24 +294,7 @@ file = "{}"
         ),
     )
     .unwrap();
-    let bin = std::env::var_os("GPUIO_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_gpuio")));
-    let mut child = std::process::Command::new(bin)
-        .args(["--config", cfg.to_str().unwrap(), "agent"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut first = String::new();
-    out.read_line(&mut first).unwrap();
-    let addr = first
-        .trim()
-        .rsplit(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap_or_else(|_| panic!("no address in {first:?}"));
+    let (mut child, addr, out) = common::spawn_agent(&cfg, &[]);
     let creds = Credentials {
         key_id: "ops".into(),
         secret: secret.as_bytes().to_vec(),

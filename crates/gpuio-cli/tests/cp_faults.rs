@@ -4,15 +4,19 @@
 //! page is touched, never the OOM killer), and agent exports whose files are missing or are
 //! directories (typed errors, not network ones).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-fn bin() -> PathBuf {
-    std::env::var_os("GPUIO_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_gpuio")))
-}
+mod common;
+
+use common::bin;
+
+/// A strong secret for the agents these tests start (they must refuse to start anyway).
+const ENV: [(&str, &str); 1] = [(
+    "GPUIO_TEST_SECRET",
+    "0b6e2f9d4c1a8e7f3d5b9a0c2e4f6a8b1d3f5e7a9c0b2d4f6e8a1c3e5b7d9f0a",
+)];
 
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
@@ -134,14 +138,7 @@ fn sizes_the_host_cannot_back_are_out_of_memory_errors() {
          access = \"read-only\"\nmemory = \"1 TiB\"\n",
     )
     .unwrap();
-    let o = Command::new(bin())
-        .args(["--config", cfg.to_str().unwrap(), "agent"])
-        .env(
-            "GPUIO_TEST_SECRET",
-            "0b6e2f9d4c1a8e7f3d5b9a0c2e4f6a8b1d3f5e7a9c0b2d4f6e8a1c3e5b7d9f0a",
-        )
-        .output()
-        .unwrap();
+    let o = common::agent_refusing(&cfg, &ENV);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("out of memory"), "{}", stderr(&o));
 }
@@ -164,14 +161,7 @@ fn missing_or_directory_export_files_are_typed_errors() {
             ),
         )
         .unwrap();
-        let o = Command::new(bin())
-            .args(["--config", cfg.to_str().unwrap(), "agent"])
-            .env(
-                "GPUIO_TEST_SECRET",
-                "0b6e2f9d4c1a8e7f3d5b9a0c2e4f6a8b1d3f5e7a9c0b2d4f6e8a1c3e5b7d9f0a",
-            )
-            .output()
-            .unwrap();
+        let o = common::agent_refusing(&cfg, &ENV);
         assert_eq!(
             o.status.code(),
             Some(code),
