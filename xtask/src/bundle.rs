@@ -58,9 +58,10 @@ pub fn gpu_bundle() -> Result {
             let target = msg["target"]["name"].as_str().unwrap_or("test");
             let pkg = package_name(msg["package_id"].as_str().unwrap_or(""));
             // These read the source tree, which does not travel, or test the network on hosts
-            // the GPU machine lacks (etcd, namespaces); nothing in them needs a GPU.
+            // the GPU machine lacks (etcd, namespaces), or attack an agent process over
+            // loopback; nothing in them needs a GPU (and the bundle must stay under 64 MiB).
             if matches!(pkg, "gpuio-tests" | "xtask" | "gpuio-transport-remoteio")
-                || target == "multinode"
+                || matches!(target, "multinode" | "agent")
             {
                 continue;
             }

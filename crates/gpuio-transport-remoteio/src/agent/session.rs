@@ -278,13 +278,13 @@ async fn send(wr: &mut (impl AsyncWrite + Unpin), msg: &Message, request_id: u64
     Ok(())
 }
 
-/// Best effort: the peer may already be gone.
+/// Best effort: the peer may already be gone, or never read (then a second is all it gets).
 async fn send_error(wr: &mut (impl AsyncWrite + Unpin), code: ErrorCode, message: &str, id: u64) {
     let msg = Message::Error {
         code: code.as_i32(),
         message: message.into(),
     };
-    let _ = send(wr, &msg, id).await;
+    let _ = tokio::time::timeout(Duration::from_secs(1), send(wr, &msg, id)).await;
 }
 
 /// A key's hold on one of its sessions; released when the connection ends.
