@@ -12,9 +12,43 @@ use gpuio_hal::ErrorCode;
 use std::os::unix::fs::FileExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-/// Bytes of a memory export copied under its read lock at a time: the lock is held for a
-/// memcpy of this size, then released while the bytes go out.
+/// Bytes of a memory export copied under its read lock at a time where the answer cannot be
+/// written without waiting (TLS): the lock is held for a memcpy of this size, then released
+/// while the bytes go out.
 const READ_CHUNK: usize = 1 << 20;
+
+/// Where a session's answers go. Plain TCP takes bytes without waiting (`try_write`), so a
+/// memory export's bytes go straight from the export into the socket, its lock held only for
+/// each non-blocking write; TLS encrypts into buffers of its own, so the bytes are copied out
+/// of the export first.
+pub(super) trait Answers: AsyncWrite + Unpin + Send {
+    /// Whether [`write_now`](Self::write_now) works.
+    const WRITES_NOW: bool = false;
+
+    /// Writes what the socket takes now, without waiting (`WouldBlock` when it is full).
+    fn write_now(&mut self, _buf: &[u8]) -> std::io::Result<usize> {
+        Err(std::io::ErrorKind::Unsupported.into())
+    }
+
+    /// Waits until the socket takes more.
+    fn ready(&mut self) -> impl std::future::Future<Output = std::io::Result<()>> + Send {
+        std::future::ready(Ok(()))
+    }
+}
+
+impl Answers for tokio::net::tcp::OwnedWriteHalf {
+    const WRITES_NOW: bool = true;
+
+    fn write_now(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.try_write(buf)
+    }
+
+    fn ready(&mut self) -> impl std::future::Future<Output = std::io::Result<()>> + Send {
+        self.writable()
+    }
+}
+
+impl<T: AsyncRead + AsyncWrite + Send> Answers for tokio::io::WriteHalf<T> {}
 
 /// Why a connection ends.
 pub(super) enum Fatal {
@@ -77,7 +111,7 @@ pub(super) async fn serve_one(
     sh: &Shared,
     role: Role,
     rd: &mut (impl AsyncRead + Unpin),
-    wr: &mut (impl AsyncWrite + Unpin),
+    wr: &mut impl Answers,
     header: Header,
     state: &mut SessionState,
 ) -> std::result::Result<(), Fatal> {
@@ -250,7 +284,7 @@ async fn stat(sh: &Shared, role: Role, name: &str) -> Answer {
 /// sent with the lock released; GPU memory and files go through the session's buffer.
 async fn read(
     sh: &Shared,
-    wr: &mut (impl AsyncWrite + Unpin),
+    wr: &mut impl Answers,
     id: u64,
     name: &str,
     offset: u64,
@@ -269,15 +303,8 @@ async fn read(
                 Ok(r) => r,
                 Err(r) => return answer(sh, wr, id, Err(r)).await,
             };
-            let chunk = buffer.get(READ_CHUNK.min(range.len())).await;
             wr.write_all(&wire::read_resp_head(id, range.len())).await?;
-            let mut at = range.start;
-            while at < range.end {
-                let n = chunk.len().min(range.end - at);
-                chunk[..n].copy_from_slice(&mem.read().await[at..at + n]);
-                wr.write_all(&chunk[..n]).await?;
-                at += n;
-            }
+            send_memory(wr, mem, range, buffer).await?;
             Counters::add(&sh.counters.served, 1);
             Counters::add(&sh.counters.bytes_read, len);
             return Ok(());
@@ -319,6 +346,37 @@ async fn read(
     wr.write_all(data).await?;
     Counters::add(&sh.counters.served, 1);
     Counters::add(&sh.counters.bytes_read, len);
+    Ok(())
+}
+
+/// Sends `range` of a memory export, never holding its lock while waiting for the socket.
+async fn send_memory<W: Answers>(
+    wr: &mut W,
+    mem: &super::SharedMemory,
+    range: std::ops::Range<usize>,
+    buffer: &mut Buffer,
+) -> std::io::Result<()> {
+    let mut at = range.start;
+    if W::WRITES_NOW {
+        while at < range.end {
+            // The guard lives for one non-blocking write: a copy into the socket's buffer.
+            let wrote = wr.write_now(&mem.read().await[at..range.end]);
+            match wrote {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => at += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wr.ready().await?,
+                Err(e) => return Err(e),
+            }
+        }
+        return Ok(());
+    }
+    let chunk = buffer.get(READ_CHUNK.min(range.len())).await;
+    while at < range.end {
+        let n = chunk.len().min(range.end - at);
+        chunk[..n].copy_from_slice(&mem.read().await[at..at + n]);
+        wr.write_all(&chunk[..n]).await?;
+        at += n;
+    }
     Ok(())
 }
 

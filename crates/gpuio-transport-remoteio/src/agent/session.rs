@@ -95,7 +95,7 @@ struct Admitted<'a> {
 async fn serve_session(
     sh: Arc<Shared>,
     mut rd: impl AsyncRead + Unpin,
-    mut wr: impl AsyncWrite + Unpin,
+    mut wr: impl serve::Answers,
     peer: SocketAddr,
     mut stop: watch::Receiver<bool>,
     pending: Pending,
