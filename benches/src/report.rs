@@ -4,7 +4,7 @@ use crate::{BenchError, Result, human};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
-/// One measurement against its peer (DESIGN.md §6).
+/// One measurement against its peer.
 #[derive(Debug, Clone, Serialize)]
 pub struct Record {
     /// Suite, e.g. `memio`.

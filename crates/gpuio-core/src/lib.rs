@@ -13,7 +13,7 @@
 //! - [`cache::BlockCache`] (SDD §3.2): L1 GPU / L2 host / L3 SSD with coherence states and a
 //!   prefetcher; [`pool::StagingPool`]: pinned staging memory under a limit;
 //!   [`regcache::RegistrationCache`] (SDD §3.3).
-//! - [`RingProxy`] (DESIGN.md §4.2): the host side of the GPU→host request ring — serves the
+//! - [`RingProxy`]: the host side of the GPU→host request ring — serves the
 //!   IO requests GPU threads post, through the engines.
 //! - [`metrics`]: what all of this reports through the `metrics` facade.
 

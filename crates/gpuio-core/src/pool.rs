@@ -8,7 +8,7 @@
 //! first) to make room; only when nothing idle is left does a request fail with
 //! [`CoreError::Busy`] — or, with [`StagingPool::get`], wait for a buffer to come back.
 //!
-//! Each buffer is one [`HostBuffer`] (DESIGN.md §3: the unit of staging memory), so a pooled
+//! Each buffer is one [`HostBuffer`] (the unit of staging memory), so a pooled
 //! buffer serves as a DMA target, an O_DIRECT target or an io_uring fixed buffer alike.
 
 use crate::metrics::{POOL_IN_USE_BYTES, POOL_PINNED_BYTES};

@@ -1,4 +1,4 @@
-//! The host proxy of the GPU→host request ring (DESIGN.md §4.2, the on-demand flow of SAD
+//! The host proxy of the GPU→host request ring (the on-demand flow of SAD
 //! §3.1): GPU threads post IO requests into a [`RingMemory`] (`kernels/gpuio_ring.cuh`), and
 //! the proxy's threads carry each out through [`Engines`] and publish its completion.
 //!

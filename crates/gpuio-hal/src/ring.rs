@@ -1,4 +1,4 @@
-//! The GPU→host request ring (DESIGN.md §4.2): GPU kernel threads post IO requests into
+//! The GPU→host request ring: GPU kernel threads post IO requests into
 //! slots in mapped pinned host memory, host proxy threads carry them out and publish
 //! completions that the GPU polls.
 //!

@@ -2,7 +2,7 @@
 //! picked by an index list, the access pattern of embedding tables, sparse-attention KV blocks
 //! and graph features.
 //!
-//! Two ways to move the rows, and neither wins everywhere (DESIGN.md §6):
+//! Two ways to move the rows, and neither wins everywhere:
 //! - [`GatherStrategy::ZeroCopy`]: the GPU's own threads load the rows from pinned host memory
 //!   over PCIe (`kernels/gather.cu`). Fast while the device's address translation keeps up —
 //!   large rows, or pools small enough that their pages stay cached in its TLBs.

@@ -1,6 +1,6 @@
 //! The copies a user would make without gpuio — synchronous `cudaMemcpy` through the driver
 //! (a plain memcpy on the host backend) — kept here so benchmarks can measure gpuio against
-//! them in the same run (DESIGN.md §6) without leaving the HAL's safe interface.
+//! them in the same run without leaving the HAL's safe interface.
 
 use super::backend::BaselineCopy;
 use super::{DeviceBuffer, Gpu};

@@ -1,6 +1,5 @@
 //! Host buffers: anonymous mappings, huge-page backed where available, optionally bound to a
-//! NUMA node, and optionally pinned for a GPU. The unit of staging memory in gpuio (DESIGN.md
-//! §3): one such buffer serves as a DMA target, an O_DIRECT target, an io_uring fixed buffer
+//! NUMA node, and optionally pinned for a GPU. The unit of staging memory in gpuio: one such buffer serves as a DMA target, an O_DIRECT target, an io_uring fixed buffer
 //! and later an RDMA or VFIO region.
 
 use super::{Location, MemoryRegion, MemoryTier, Registration};
