@@ -115,10 +115,12 @@ pub fn run(config: Config, _args: &AgentArgs) -> Result<(), Error> {
     // The first line says where it listens (port 0 in the configuration picks one).
     println!("gpuio agent listening on {}", agent.local_addr());
     println!("exports: {}", names.join(", "));
-    let registration = register(&config, agent.local_addr())?;
-    wait_for_signal()?;
-    // Leave the registry first, so no new client is sent here while we drain.
-    drop(registration);
+    {
+        let _registration = register(&config, agent.local_addr())?;
+        wait_for_signal()?;
+        // Leaving this scope leaves the registry first, so no new client is sent here while
+        // we drain.
+    }
     eprintln!("stopping: finishing the requests in flight");
     let stats = agent.shutdown();
     println!(
