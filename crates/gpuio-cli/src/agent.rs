@@ -23,8 +23,8 @@ pub struct AgentArgs {
 #[derive(Debug, clap::Subcommand)]
 enum AgentCommand {
     /// Prints a new key secret (32 random bytes as 64 hex characters), or writes it to a new
-    /// file readable only by its owner, for [[agent.keys]] and [remote] secret_file or
-    /// secret_env.
+    /// file readable only by its owner: the secret_file (or what secret_env names) of an
+    /// agent's key and of the clients' remote section.
     Keygen {
         /// Write the secret to this file (created with mode 0600; an existing file is never
         /// overwritten) instead of printing it.

@@ -2,13 +2,13 @@
 //! prove they hold a key.
 //!
 //! One task per connection. A connection is accepted at once and admitted among the pending
-//! handshakes ([`gate`]: a small budget of their own, bounded per source address, the oldest
+//! handshakes (`gate.rs`: a small budget of their own, bounded per source address, the oldest
 //! giving way to newcomers), then must complete the HELLO handshake — the client proves its
 //! key first — within `handshake_timeout`, reading at most a HELLO's worth of bytes. Only then
 //! does it take one of `max_connections` session places, and its requests are served in order
-//! ([`session`]): each must arrive and be answered within `io_timeout`, and a connection idle
+//! (`session.rs`): each must arrive and be answered within `io_timeout`, and a connection idle
 //! for `idle_timeout` is closed. Every request is checked against its export and the key's
-//! role ([`serve`]); a refused request gets an ERROR and the connection goes on; a protocol
+//! role (`serve.rs`); a refused request gets an ERROR and the connection goes on; a protocol
 //! violation ends that connection only.
 //!
 //! No export lock is ever held across socket IO: reads copy from memory exports into the
