@@ -2,35 +2,30 @@
 //! over it only when complete, so a failed copy never leaves a partial file under the
 //! destination's name.
 //!
-//! A partial file is named `.<name>.<host>-<pid>.<random>.gpuio-partial`. It is removed when
-//! its copy fails, and by `gpuio cp` when SIGINT, SIGTERM or SIGHUP interrupts it
-//! ([`discard_partial_copies`]). SIGKILL leaves it behind; the next copy to the same
-//! destination removes it, having checked that its process (on this host) is gone.
+//! A partial file is named `.<name>.<random>.gpuio-partial` and, for as long as its copy
+//! runs, holds an exclusive `flock` on it. It is removed when its copy fails, and by
+//! `gpuio cp` when SIGINT, SIGTERM or SIGHUP interrupts it ([`discard_partial_copies`]).
+//! SIGKILL leaves it behind, unlocked (the kernel drops a dead process's locks); the next copy
+//! to the same destination removes partial files of that destination that belong to the same
+//! user and that nobody holds locked — which no process id, host name or PID namespace can
+//! get wrong.
 
 use crate::error::{Error, Result};
 use crate::session::Session;
+use gpuio_hal::HalError;
 use gpuio_transport_localio::{FileHandle, OpenOptions};
 use std::ffi::OsStr;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 const SUFFIX: &str = ".gpuio-partial";
 
-/// This host's name, as partial files carry it (a PID means nothing on another host).
-fn host() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().replace(['.', '/'], "_"))
-        .unwrap_or_default()
-}
+/// The partial files this process is writing now (what a signal handler must remove).
+static OURS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
-/// The start of the names of this process's partial files for destination file `name`.
-fn own_prefix(name: &OsStr) -> String {
-    format!(
-        ".{}.{}-{}.",
-        name.to_string_lossy(),
-        host(),
-        std::process::id()
-    )
+fn ours() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    OURS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The directory a destination path lies in.
@@ -41,45 +36,49 @@ fn parent_of(target: &Path) -> &Path {
     }
 }
 
-/// Removes this process's partial files for `target` (what an interrupted `gpuio cp` leaves);
-/// returns how many it removed.
-pub fn discard_partial_copies(target: &Path) -> usize {
-    let Some(name) = target.file_name() else {
-        return 0;
-    };
-    let prefix = own_prefix(name);
-    remove_where(parent_of(target), |file| {
-        file.starts_with(&prefix) && file.ends_with(SUFFIX)
-    })
+/// Removes the partial files of the copies this process is making (what an interrupted
+/// `gpuio cp` leaves); returns how many it removed. Safe to call from a signal-handling
+/// thread: it takes a lock no copy holds for long.
+pub fn discard_partial_copies() -> usize {
+    ours()
+        .drain(..)
+        .filter(|p| std::fs::remove_file(p).is_ok())
+        .count()
 }
 
-/// Removes the partial files for destination `name` in `dir` whose copies are gone: written
-/// on this host by a process that no longer runs.
-fn remove_abandoned(dir: &Path, name: &OsStr) -> usize {
-    let prefix = format!(".{}.{}-", name.to_string_lossy(), host());
-    remove_where(dir, |file| {
-        let Some(pid) = file
-            .strip_prefix(&prefix)
-            .and_then(|rest| rest.strip_suffix(SUFFIX))
-            .and_then(|rest| rest.split_once('.'))
-            .and_then(|(pid, _random)| pid.parse::<u32>().ok())
-        else {
-            return false;
-        };
-        pid != std::process::id() && !Path::new("/proc").join(pid.to_string()).exists()
-    })
-}
-
-fn remove_where(dir: &Path, mut doomed: impl FnMut(&str) -> bool) -> usize {
+/// Removes the partial files for destination `name` in `dir` whose copies are gone: named as
+/// this module names them, owned by `uid`, regular, and held locked by nobody.
+fn remove_abandoned(dir: &Path, name: &OsStr, uid: u32) -> usize {
+    let prefix = format!(".{}.", name.to_string_lossy());
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
     };
     let mut removed = 0;
     for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(file) = name.to_str() else { continue };
-        if doomed(file) && std::fs::remove_file(e.path()).is_ok() {
-            tracing::info!(path = %e.path().display(), "removed an abandoned partial copy");
+        let file = e.file_name();
+        let Some(random) = file
+            .to_str()
+            .and_then(|f| f.strip_prefix(&prefix))
+            .and_then(|f| f.strip_suffix(SUFFIX))
+        else {
+            continue;
+        };
+        // The random part has no dots: `.model.x.AbC123.gpuio-partial` belongs to `model.x`.
+        if random.is_empty() || !random.bytes().all(|b| b.is_ascii_alphanumeric()) {
+            continue;
+        }
+        let path = e.path();
+        let Ok(f) = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&path)
+        else {
+            continue;
+        };
+        let abandoned =
+            f.metadata().is_ok_and(|m| m.is_file() && m.uid() == uid) && f.try_lock().is_ok();
+        if abandoned && std::fs::remove_file(&path).is_ok() {
+            tracing::info!(path = %path.display(), "removed an abandoned partial copy");
             removed += 1;
         }
     }
@@ -92,6 +91,8 @@ fn remove_where(dir: &Path, mut doomed: impl FnMut(&str) -> bool) -> usize {
 pub(crate) struct PendingFile {
     pub(crate) handle: FileHandle,
     temp: Option<tempfile::TempPath>,
+    /// Holds the partial file's `flock` while the copy runs.
+    _lock: Option<std::fs::File>,
     target: PathBuf,
 }
 
@@ -107,6 +108,7 @@ impl PendingFile {
             return Ok(Self {
                 handle,
                 temp: None,
+                _lock: None,
                 target: target.into(),
             });
         }
@@ -121,15 +123,20 @@ impl PendingFile {
             }
             .into()
         };
-        remove_abandoned(dir, name);
         let temp = tempfile::Builder::new()
-            .prefix(&own_prefix(name))
+            .prefix(&format!(".{}.", name.to_string_lossy()))
             .suffix(SUFFIX)
             // Like any new file: 0666 less the umask; a replaced file keeps its mode.
             .permissions(std::fs::Permissions::from_mode(0o666))
             .tempfile_in(dir)
             .map_err(io_err)?;
         let (file, path) = temp.into_parts();
+        // Locked before anyone else can see it unlocked, for as long as the copy runs.
+        let lock = file.try_clone().map_err(io_err)?;
+        lock.try_lock().map_err(|e| io_err(e.into()))?;
+        ours().push(path.to_path_buf());
+        let uid = lock.metadata().map_err(io_err)?.uid();
+        remove_abandoned(dir, name, uid);
         if let Some(meta) = &existing {
             file.set_permissions(meta.permissions()).map_err(io_err)?;
         }
@@ -142,6 +149,7 @@ impl PendingFile {
         Ok(Self {
             handle,
             temp: Some(path),
+            _lock: Some(lock),
             target: target.into(),
         })
     }
@@ -150,20 +158,77 @@ impl PendingFile {
     /// itself durable (fsync of the directory).
     pub(crate) fn commit(mut self, durable: bool) -> Result<FileHandle> {
         if let Some(temp) = self.temp.take() {
-            temp.persist(&self.target).map_err(|e| {
-                Error::Invalid(format!(
-                    "renaming into {}: {}",
-                    self.target.display(),
-                    e.error
-                ))
+            let at = temp.to_path_buf();
+            let renamed = temp.persist(&self.target);
+            ours().retain(|p| *p != at);
+            renamed.map_err(|e| HalError::Os {
+                op: "rename a finished copy over its destination",
+                source: e.error,
             })?;
             if durable {
-                let dir = parent_of(&self.target);
-                std::fs::File::open(dir)
+                std::fs::File::open(parent_of(&self.target))
                     .and_then(|d| d.sync_all())
-                    .map_err(|e| Error::Invalid(format!("syncing {}: {e}", dir.display())))?;
+                    .map_err(|source| HalError::Os {
+                        op: "sync the destination's directory",
+                        source,
+                    })?;
             }
         }
         Ok(self.handle.clone())
+    }
+}
+
+impl Drop for PendingFile {
+    fn drop(&mut self) {
+        // An uncommitted copy's file goes with it (TempPath removes it); so does its entry.
+        if let Some(temp) = &self.temp {
+            let at: &Path = temp;
+            ours().retain(|p| p != at);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_abandoned_partials_of_the_same_destination_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let at = |n: &str| dir.path().join(n);
+        for n in [
+            ".model.AbC123.gpuio-partial",   // abandoned: removed
+            ".model.Live99.gpuio-partial",   // locked by a running copy: kept
+            ".model.x.Zz0000.gpuio-partial", // another destination's (model.x): kept
+            ".model.AbC123.gpuio-partial.keep",
+        ] {
+            std::fs::write(at(n), b"partial").unwrap();
+        }
+        // A link named like a partial is never followed (nor removed).
+        std::os::unix::fs::symlink(at("target"), at(".model.Link00.gpuio-partial")).unwrap();
+        std::fs::write(at("target"), b"not ours to remove").unwrap();
+        let live = std::fs::File::open(at(".model.Live99.gpuio-partial")).unwrap();
+        live.try_lock().unwrap();
+        let uid = std::fs::metadata(dir.path()).unwrap().uid();
+        assert_eq!(remove_abandoned(dir.path(), OsStr::new("model"), uid), 1);
+        assert!(!at(".model.AbC123.gpuio-partial").exists());
+        for kept in [
+            ".model.Live99.gpuio-partial",
+            ".model.x.Zz0000.gpuio-partial",
+            ".model.AbC123.gpuio-partial.keep",
+            "target",
+        ] {
+            assert!(at(kept).exists(), "{kept} was removed");
+        }
+        // Another user's abandoned partial is not ours to remove.
+        std::fs::write(at(".model.Other1.gpuio-partial"), b"partial").unwrap();
+        assert_eq!(
+            remove_abandoned(dir.path(), OsStr::new("model"), uid + 1),
+            0
+        );
+        assert!(at(".model.Other1.gpuio-partial").exists());
+        // Once its copy is gone (the lock with it), the live one is abandoned too.
+        drop(live);
+        assert_eq!(remove_abandoned(dir.path(), OsStr::new("model"), uid), 2);
     }
 }

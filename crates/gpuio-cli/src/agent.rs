@@ -103,6 +103,7 @@ pub fn run(config: Config, _args: &AgentArgs) -> Result<(), Error> {
         .map(|e| escape(&e.name).into_owned())
         .collect();
     let plain = cfg.tls.is_none();
+    check_descriptors(cfg.max_handshakes + cfg.max_connections)?;
     let agent = Agent::start(cfg)?;
     if plain && !agent.local_addr().ip().is_loopback() {
         eprintln!(
@@ -134,6 +135,24 @@ pub fn run(config: Config, _args: &AgentArgs) -> Result<(), Error> {
         stats.bytes_read,
         stats.bytes_written
     );
+    Ok(())
+}
+
+/// Raises the descriptor limit as far as it goes, and refuses a configuration whose
+/// connections (pending handshakes and sessions) could not all have one: past the limit,
+/// the agent could accept no one, good clients included.
+fn check_descriptors(connections: usize) -> Result<(), Error> {
+    // Exports, the runtime, the registry, logging: a margin for what is not a connection.
+    const MARGIN: u64 = 64;
+    let limit = gpuio_hal::raise_fd_limit()
+        .map_err(|e| Error::Invalid(format!("reading the file descriptor limit: {e}")))?;
+    if connections as u64 + MARGIN > limit {
+        return Err(Error::Invalid(format!(
+            "[agent] max_handshakes + max_connections = {connections} connections, but this \
+             process may open only {limit} files (ulimit -n; raise its hard limit or lower \
+             the settings)"
+        )));
+    }
     Ok(())
 }
 

@@ -121,7 +121,7 @@ fn clean_up_on_signals(target: std::path::PathBuf) -> Result<(), Error> {
                     _ = hup.recv() => 1,
                 }
             });
-            let removed = gpuio_api::discard_partial_copies(&target);
+            let removed = gpuio_api::discard_partial_copies();
             eprintln!(
                 "gpuio: interrupted by signal {signo}; removed {removed} partial file(s) of {}",
                 target.display()

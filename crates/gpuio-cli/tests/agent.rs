@@ -172,7 +172,7 @@ fn flood(
             let mut i = 0usize;
             let mut until = None;
             while until.is_none_or(|t| Instant::now() < t) {
-                let source = if i % 4 == 0 {
+                let source = if i.is_multiple_of(4) {
                     [127, 0, 0, 1]
                 } else {
                     [127, 0, 0, 2]
@@ -190,7 +190,7 @@ fn flood(
                     let _ = ready.send(());
                     until = Some(Instant::now() + churn);
                 }
-                if i % 200 == 0 {
+                if i.is_multiple_of(200) {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
             }

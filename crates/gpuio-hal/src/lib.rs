@@ -48,5 +48,6 @@ pub use gpu::{
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::{HostAllocOptions, HostBuffer, Location, MemoryRegion, MemoryTier, Registration};
 pub use sys::{
-    HUGE_PAGE, clear_nonblocking, page_size, peek_nonblocking, prefetch, write_u64s_streaming,
+    HUGE_PAGE, clear_nonblocking, page_size, peek_nonblocking, prefetch, raise_fd_limit,
+    write_u64s_streaming,
 };

@@ -29,7 +29,7 @@ pub fn fill(out: &mut [u8], first: u64, seed: u64) {
     let mut i = first;
     let mut rest = out;
     // Unaligned head, byte by byte, until the pattern index is word-aligned.
-    while i % 8 != 0 && !rest.is_empty() {
+    while !i.is_multiple_of(8) && !rest.is_empty() {
         rest[0] = byte_at(seed, i);
         rest = &mut rest[1..];
         i = i.wrapping_add(1);

@@ -953,7 +953,7 @@ impl QueuePair {
         remote_off: u64,
         op: impl FnOnce(u64, u32) -> Op,
     ) -> Result<u64> {
-        if remote_off % 8 != 0 {
+        if !remote_off.is_multiple_of(8) {
             return Err(HalError::InvalidArgument(format!(
                 "an atomic needs an 8-byte aligned offset, not {remote_off}"
             )));

@@ -518,7 +518,7 @@ impl RingMemory {
     /// most 1 MiB) per slot after the slots, for reads delivered in host memory
     /// ([`FLAG_STAGE`]).
     pub fn with_bounce(slots: usize, bounce_bytes: usize, gpu: &Gpu) -> Result<Self> {
-        if bounce_bytes % 64 != 0 || bounce_bytes > 1 << 20 {
+        if !bounce_bytes.is_multiple_of(64) || bounce_bytes > 1 << 20 {
             return Err(HalError::InvalidArgument(format!(
                 "a ring's bounce buffers hold a multiple of 64 bytes up to 1 MiB, not {bounce_bytes}"
             )));
@@ -536,7 +536,7 @@ impl RingMemory {
             .pinned()
             .map(|p| p.device_addr())
             .ok_or_else(|| HalError::InvalidArgument("ring memory is not pinned".into()))?;
-        if buf.base_ptr() as usize % 64 != 0 || device_base % 64 != 0 {
+        if !(buf.base_ptr() as usize).is_multiple_of(64) || device_base % 64 != 0 {
             return Err(HalError::InvalidArgument(
                 "ring memory is not 64-byte aligned".into(),
             ));

@@ -301,6 +301,31 @@ pub fn peek_nonblocking(socket: std::os::fd::BorrowedFd<'_>) -> std::io::Result<
     }
 }
 
+/// Raises this process's soft limit on open file descriptors to its hard limit; returns the
+/// limit now in force. A server that must hold many sockets calls it once at start (the soft
+/// limit is often 1024 while the hard one is far higher).
+pub fn raise_fd_limit() -> std::io::Result<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into `lim`, which lives across the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if lim.rlim_cur < lim.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: lim.rlim_max,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: setrlimit only reads `raised`, which lives across the call.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            lim.rlim_cur = lim.rlim_max;
+        }
+    }
+    Ok(lim.rlim_cur)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

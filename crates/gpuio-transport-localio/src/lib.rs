@@ -608,7 +608,9 @@ impl LocalIo {
             file_range(o, block as u64)?;
         }
         let align = file.required_alignment();
-        if align > 1 && (block % align != 0 || offsets.iter().any(|o| o % align as u64 != 0)) {
+        if align > 1
+            && (!block.is_multiple_of(align) || offsets.iter().any(|o| o % align as u64 != 0))
+        {
             return Err(LocalIoError::Hal(HalError::InvalidArgument(format!(
                 "{} is O_DIRECT: blocks and offsets must be multiples of {align} bytes",
                 file.path().display()

@@ -34,7 +34,7 @@ impl StripeSet {
         }
         if let Some(f) = files
             .iter()
-            .find(|f| stripe_size % f.required_alignment() as u64 != 0)
+            .find(|f| !stripe_size.is_multiple_of(f.required_alignment() as u64))
         {
             return Err(invalid(format!(
                 "stripe size {stripe_size} is not a multiple of the {}-byte O_DIRECT alignment of {}",

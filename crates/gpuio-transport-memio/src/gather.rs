@@ -279,7 +279,7 @@ impl Planner {
             best = s.current;
         }
         s.current = best;
-        if s.calls % RECHECK_EVERY == 0 {
+        if s.calls.is_multiple_of(RECHECK_EVERY) {
             let others = STRATEGIES.len() - 1;
             let other = (best + 1 + (s.calls / RECHECK_EVERY) as usize % others) % STRATEGIES.len();
             STRATEGIES[other]

@@ -12,13 +12,18 @@
 use crate::auth;
 use crate::tls::TlsClient;
 use crate::wire::{
-    self, HEADER_LEN, Header, MAX_DATA, Message, MsgType, READ_RESP_HEAD, RdmaInfo, WireError,
+    self, HEADER_LEN, Header, MAX_DATA, MAX_MESSAGE, Message, MsgType, READ_RESP_HEAD, RdmaInfo,
+    WireError,
 };
 use crate::{RemoteIoError, Result, code_from_i32};
 use std::collections::VecDeque;
 use std::io::{IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
+
+/// The largest answer taken from an agent before it has proven the key: a refusal (a code and
+/// a message) is the longest it may send.
+const HANDSHAKE_REPLY: u64 = 6 + MAX_MESSAGE as u64;
 
 /// Requests a connection keeps in flight.
 pub const PIPELINE_DEPTH: usize = 4;
@@ -153,14 +158,16 @@ impl Connection {
             },
             0,
         )?;
-        let sn = match c.recv()?.1 {
+        // Until the agent has proven the key, it is a stranger: no more than a handshake
+        // message's bytes (or a refusal's) are taken from it.
+        let sn = match c.recv_at_most(HANDSHAKE_REPLY)?.1 {
             Message::Challenge { nonce } => nonce,
             other => return Err(refused(other)),
         };
         let proof = auth::client_proof(&creds.secret, &cn, &sn)
             .ok_or_else(|| RemoteIoError::Auth("unusable key".into()))?;
         c.send(&Message::Proof { proof }, 0)?;
-        let (proof, instance) = match c.recv()?.1 {
+        let (proof, instance) = match c.recv_at_most(HANDSHAKE_REPLY)?.1 {
             Message::Welcome { proof, instance } => (proof, instance),
             other => return Err(refused(other)),
         };
@@ -397,9 +404,14 @@ impl Connection {
     }
 
     fn recv(&mut self) -> Result<(Header, Message)> {
+        self.recv_at_most(wire::MAX_PAYLOAD)
+    }
+
+    fn recv_at_most(&mut self, limit: u64) -> Result<(Header, Message)> {
         let mut h = [0u8; HEADER_LEN];
         self.stream.read_exact(&mut h).map_err(timeouts)?;
         let header = Header::decode(&h)?;
+        header.check_payload(limit)?;
         let msg = self.payload(&header)?;
         Ok((header, msg))
     }

@@ -117,7 +117,10 @@ impl RemoteIoError {
     /// The SDD §7.1 code of this error.
     pub fn code(&self) -> ErrorCode {
         match self {
-            Self::Network(_) | Self::Protocol(_) | Self::Registry(_) => ErrorCode::Network,
+            Self::Network(_) | Self::Registry(_) => ErrorCode::Network,
+            // A peer that breaks the protocol (or speaks another version) will do it again:
+            // not retryable.
+            Self::Protocol(_) => ErrorCode::InvalidArg,
             Self::Auth(_) => ErrorCode::Permission,
             Self::Remote { code, .. } => *code,
             // Not retryable: every retry would meet the new instance again.

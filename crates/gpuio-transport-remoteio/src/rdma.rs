@@ -265,12 +265,15 @@ impl ChannelPool {
         {
             return None;
         }
+        // A channel whose control connection the agent closed (it restarted, or dropped an
+        // idle session) reaches nothing any more: it is dropped, not used.
         let pooled = self
             .idle
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get_mut(export)
-            .and_then(Vec::pop);
+            .and_then(Vec::pop)
+            .filter(|ch| ch.control.is_alive());
         let mut ch = match pooled.map_or_else(open, Ok) {
             Ok(ch) => ch,
             Err(RemoteIoError::Remote {

@@ -9,12 +9,13 @@ use std::path::Path;
 /// check reads a few files).
 const CHECKED_FROM: usize = 64 << 20;
 
-/// Refuses `len` bytes of host memory where the machine cannot back them now.
-pub(crate) fn check(len: usize) -> Result<()> {
+/// Refuses `len` bytes of host memory where the machine cannot back them now; `swappable`
+/// says whether swap may back them (not for memory that will be pinned).
+pub(crate) fn check(len: usize, swappable: bool) -> Result<()> {
     if len < CHECKED_FROM {
         return Ok(());
     }
-    match backable_bytes() {
+    match backable_bytes(swappable) {
         Some(available) if len as u64 > available => {
             Err(HalError::HostMemoryExceeded { len, available })
         }
@@ -22,14 +23,19 @@ pub(crate) fn check(len: usize) -> Result<()> {
     }
 }
 
-/// Bytes of host memory the machine can back now: available RAM plus free swap
-/// (`/proc/meminfo`), within what this process's memory cgroup (v2 or v1) has left. `None`
-/// where none of it can be read.
-pub fn backable_bytes() -> Option<u64> {
+/// Bytes of host memory the machine can back now: available RAM (plus free swap where
+/// `swappable`), from `/proc/meminfo`, within what this process's memory cgroup and each of
+/// its ancestors (v2 or v1) have left. `None` where none of it can be read.
+pub fn backable_bytes(swappable: bool) -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
     let machine = meminfo.as_deref().and_then(|m| {
         let available = meminfo_kib(m, "MemAvailable:")?;
-        Some((available + meminfo_kib(m, "SwapFree:").unwrap_or(0)) * 1024)
+        let swap = if swappable {
+            meminfo_kib(m, "SwapFree:").unwrap_or(0)
+        } else {
+            0
+        };
+        Some((available + swap) * 1024)
     });
     match (machine, cgroup_room()) {
         (Some(m), Some(c)) => Some(m.min(c)),
@@ -42,58 +48,53 @@ fn meminfo_kib(meminfo: &str, field: &str) -> Option<u64> {
     line[field.len()..].split_whitespace().next()?.parse().ok()
 }
 
-/// What this process's memory cgroup has left below its limit (`None`: no limit, or none
-/// readable).
+/// The least any memory cgroup from this process's up to the root has left below its limit
+/// (`None`: no limit anywhere, or none readable). A limit on a parent (a job, a pod, a slice)
+/// binds as much as one on the process's own.
 fn cgroup_room() -> Option<u64> {
     let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let mut least: Option<u64> = None;
     for line in own.lines() {
         let mut parts = line.splitn(3, ':');
         let (Some(id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
         else {
             continue;
         };
-        let path = path.trim_start_matches('/');
-        let room = if id == "0" && controllers.is_empty() {
-            // v2: the unified hierarchy.
-            let dirs = [
-                Path::new("/sys/fs/cgroup").join(path),
-                "/sys/fs/cgroup".into(),
-            ];
-            limit_minus_usage(&dirs, "memory.max", "memory.current")
+        let (base, limit, usage) = if id == "0" && controllers.is_empty() {
+            ("/sys/fs/cgroup", "memory.max", "memory.current")
         } else if controllers.split(',').any(|c| c == "memory") {
-            let dirs = [
-                Path::new("/sys/fs/cgroup/memory").join(path),
-                "/sys/fs/cgroup/memory".into(),
-            ];
-            limit_minus_usage(&dirs, "memory.limit_in_bytes", "memory.usage_in_bytes")
+            (
+                "/sys/fs/cgroup/memory",
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            )
         } else {
             continue;
         };
-        if room.is_some() {
-            return room;
+        // The process's group and each ancestor. In a cgroup namespace the process's own
+        // group is mounted at the base, and its path is not found below it.
+        let mut dir = Path::new(base).join(path.trim_start_matches('/'));
+        loop {
+            if let Some(room) = limit_minus_usage(&dir, limit, usage) {
+                least = Some(least.map_or(room, |l| l.min(room)));
+            }
+            if dir == Path::new(base) || !dir.pop() {
+                break;
+            }
         }
     }
-    None
+    least
 }
 
-/// The room under the limit in the first of `dirs` that has both files (a cgroup namespace
-/// mounts the process's own cgroup at the root, so its path may not appear).
-fn limit_minus_usage(dirs: &[std::path::PathBuf], limit: &str, usage: &str) -> Option<u64> {
-    let read = |p: std::path::PathBuf| std::fs::read_to_string(p).ok();
-    for dir in dirs {
-        let (Some(l), Some(u)) = (read(dir.join(limit)), read(dir.join(usage))) else {
-            continue;
-        };
-        // "max" (v2) or a page-rounded i64::MAX (v1): no limit.
-        let Ok(l) = l.trim().parse::<u64>() else {
-            return None;
-        };
-        if l >= 1 << 62 {
-            return None;
-        }
-        return Some(l.saturating_sub(u.trim().parse().ok()?));
+/// The room under the limit of the group at `dir` (`None`: no limit, or not readable).
+fn limit_minus_usage(dir: &Path, limit: &str, usage: &str) -> Option<u64> {
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok();
+    // "max" (v2) or a page-rounded i64::MAX (v1): no limit.
+    let l = read(limit)?.trim().parse::<u64>().ok()?;
+    if l >= 1 << 62 {
+        return None;
     }
-    None
+    Some(l.saturating_sub(read(usage)?.trim().parse().ok()?))
 }
 
 #[cfg(test)]
@@ -102,10 +103,11 @@ mod tests {
 
     #[test]
     fn the_machine_can_back_something_and_not_everything() {
-        let n = backable_bytes().expect("/proc/meminfo is readable on Linux");
+        let n = backable_bytes(true).expect("/proc/meminfo is readable on Linux");
         assert!(n > 0);
-        assert!(check(1 << 20).is_ok());
-        let err = check(usize::MAX / 4).unwrap_err();
+        assert!(backable_bytes(false).unwrap() <= n);
+        assert!(check(1 << 20, true).is_ok());
+        let err = check(usize::MAX / 4, false).unwrap_err();
         assert!(matches!(err, HalError::HostMemoryExceeded { .. }), "{err}");
         assert_eq!(err.code(), crate::ErrorCode::NoMem);
         assert_eq!(

@@ -87,7 +87,7 @@ impl HostBuffer {
     /// Allocates `len` bytes (zeroed). More than the machine can back now (available memory
     /// and swap, within the cgroup's limit) is refused before any page is touched.
     pub fn alloc(len: usize, opts: &HostAllocOptions) -> Result<Self> {
-        super::backing::check(len)?;
+        super::backing::check(len, true)?;
         let huge = opts.huge_pages && len >= sys::HUGE_PAGE;
         let align = if huge {
             sys::HUGE_PAGE
@@ -132,6 +132,8 @@ impl HostBuffer {
 
     /// Allocates `len` bytes and pins them for `gpu`.
     pub fn alloc_pinned(len: usize, opts: &HostAllocOptions, gpu: &Gpu) -> Result<Self> {
+        // Pinned pages cannot be swapped out: only memory backs them.
+        super::backing::check(len, false)?;
         let mut buf = Self::alloc(len, opts)?;
         buf.pin(gpu)?;
         Ok(buf)

@@ -2,10 +2,11 @@
 //!
 //! Every accepted connection is admitted at once (nothing waits in the listen queue behind a
 //! stranger), but strangers share a small budget of their own: at most `per_address` pending
-//! handshakes per source address and `total` altogether. A newcomer past either bound evicts
-//! the oldest pending handshake (of its address, or of all): an idle socket cannot hold a
-//! place against a client that completes its handshake in a round trip, so a flood of silent
-//! connections costs the agent sockets that it closes, never its good clients.
+//! handshakes per source (an IPv4 address, an IPv6 /64) and `total` altogether. A newcomer
+//! past its source's bound evicts that source's oldest pending handshake; past the total, the
+//! oldest of the source holding the most places gives way. An idle socket cannot hold a place
+//! against a client that completes its handshake in a round trip, and a flood from a few
+//! sources evicts its own sockets, not the handshakes of the sources it does not control.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
@@ -51,17 +52,17 @@ impl Gate {
         })
     }
 
-    /// Admits a connection from `addr`, evicting the oldest pending handshake of its address
-    /// (or of all) where a bound is reached.
+    /// Admits a connection from `addr`, evicting a pending handshake where a bound is
+    /// reached: the oldest of its own source, or past the total, the oldest of the source that
+    /// holds the most.
     pub(super) fn admit(self: &Arc<Self>, addr: IpAddr) -> Pending {
+        let addr = source(addr);
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let mine = s.per_address.get(&addr).copied().unwrap_or(0);
         if mine >= self.per_address {
-            if let Some(i) = s.pending.iter().position(|e| e.addr == addr) {
-                s.evict(i);
-            }
+            s.evict_oldest_of(addr);
         } else if s.pending.len() >= self.total {
-            s.evict(0);
+            s.evict_from_largest();
         }
         let ticket = s.next;
         s.next += 1;
@@ -83,9 +84,53 @@ impl Gate {
     pub(super) fn evicted(&self) -> u64 {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).evicted
     }
+
+    /// Closes a pending handshake of the source holding the most (the process ran out of file
+    /// descriptors: a stranger's socket gives way to the next connection).
+    pub(super) fn make_room(&self) {
+        self.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .evict_from_largest();
+    }
+}
+
+/// The source a connection is counted under: an IPv4 address, or an IPv6 /64 (one host
+/// commonly holds a whole /64, so counting its addresses apart would bound nothing).
+fn source(addr: IpAddr) -> IpAddr {
+    match addr {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let mut o = v6.octets();
+                o[8..].fill(0);
+                IpAddr::V6(o.into())
+            }
+        },
+        v4 => v4,
+    }
 }
 
 impl State {
+    fn evict_oldest_of(&mut self, addr: IpAddr) {
+        if let Some(i) = self.pending.iter().position(|e| e.addr == addr) {
+            self.evict(i);
+        }
+    }
+
+    /// Evicts the oldest pending handshake of the source holding the most places (the oldest
+    /// overall among sources that hold as many).
+    fn evict_from_largest(&mut self) {
+        let most = self.per_address.values().copied().max().unwrap_or(0);
+        if let Some(i) = self
+            .pending
+            .iter()
+            .position(|e| self.per_address.get(&e.addr) == Some(&most))
+        {
+            self.evict(i);
+        }
+    }
+
     /// Removes entry `i` and tells its connection to close.
     fn evict(&mut self, i: usize) {
         if let Some(e) = self.remove(i) {
@@ -151,11 +196,22 @@ mod tests {
         };
         assert!(evicted(&a1));
         assert!(!evicted(&a2) && !evicted(&b1) && !evicted(&a3));
-        // Past the total, the oldest overall (a2) gives way.
+        // Past the total, the source holding the most (10.0.0.1, with a2 and a3) gives its
+        // oldest; b1, older but alone from its source, stays.
         let c1 = gate.admit(ip(3));
         assert!(evicted(&a2));
-        assert!(!evicted(&b1) && !evicted(&c1));
+        assert!(!evicted(&b1) && !evicted(&c1) && !evicted(&a3));
         assert_eq!(gate.evicted(), 2);
+        // IPv6 addresses of one /64 are one source; a mapped IPv4 address is that address.
+        assert_eq!(
+            source("2001:db8::1".parse().unwrap()),
+            source("2001:db8::ffff:2".parse().unwrap())
+        );
+        assert_ne!(
+            source("2001:db8::1".parse().unwrap()),
+            source("2001:db8:0:1::1".parse().unwrap())
+        );
+        assert_eq!(source("::ffff:10.0.0.1".parse().unwrap()), ip(1));
         // Places come back when handshakes end.
         drop((a1, a2, b1, a3, c1));
         let s = gate.state.lock().unwrap();

@@ -20,6 +20,7 @@
 //! welcome and in STAT answers), so a client can tell a restarted agent — whose memory exports
 //! start afresh — from the one it was talking to.
 
+mod buffer;
 mod gate;
 mod serve;
 mod session;
@@ -248,15 +249,14 @@ struct Shared {
     cfg: Limits,
     sessions: Arc<Semaphore>,
     sessions_per_key: Mutex<HashMap<String, usize>>,
-    /// Request buffers, in units of [`BUFFER_UNIT`] bytes.
+    /// Request buffers of all sessions, in units of [`buffer::BUFFER_UNIT`] bytes.
     buffers: Arc<Semaphore>,
+    /// Request buffers of each key's sessions (a quarter of the whole, at least a message).
+    key_buffers: HashMap<String, Arc<Semaphore>>,
     counters: Counters,
     #[cfg(feature = "rdma")]
     rdma: Option<Arc<gpuio_hal::rdma::RdmaDevice>>,
 }
-
-/// The grain in which request buffers are counted against `buffer_memory`.
-const BUFFER_UNIT: usize = 1 << 20;
 
 /// The timing and limits every connection follows.
 #[derive(Clone, Copy)]
@@ -327,12 +327,21 @@ impl Agent {
                 )));
             }
         }
+        let units = cfg.buffer_memory / buffer::BUFFER_UNIT;
+        let per_key = (units / 4).max(crate::wire::MAX_DATA / buffer::BUFFER_UNIT);
+        let key_buffers = keys
+            .keys()
+            .map(|id| (id.clone(), Arc::new(Semaphore::new(per_key))))
+            .collect();
         let random = auth::nonce()?;
         let instance = u64::from_le_bytes(random[..8].try_into().unwrap_or_default());
+        // As long as a generated secret (64 bytes), so that an unknown key id costs the HMAC
+        // the same work as most real keys.
+        let dummy_secret = [auth::nonce()?, auth::nonce()?].concat();
         let shared = Arc::new(Shared {
             instance,
             keys,
-            dummy_secret: random[8..].to_vec(),
+            dummy_secret,
             exports,
             cfg: Limits {
                 handshake_timeout: cfg.handshake_timeout,
@@ -343,7 +352,8 @@ impl Agent {
             },
             sessions: Arc::new(Semaphore::new(cfg.max_connections)),
             sessions_per_key: Mutex::new(HashMap::new()),
-            buffers: Arc::new(Semaphore::new(cfg.buffer_memory / BUFFER_UNIT)),
+            buffers: Arc::new(Semaphore::new(units)),
+            key_buffers,
             counters: Counters::default(),
             #[cfg(feature = "rdma")]
             rdma: match &cfg.rdma {
@@ -474,15 +484,31 @@ async fn accept_loop(
                 let (sh, stop, tls) = (sh.clone(), stopped.clone(), tls.clone());
                 conns.spawn(session::serve(sh, stream, peer, stop, tls, pending));
             }
-            Err(e) => {
-                // Out of file descriptors, most likely: let connections close before the
-                // next try instead of spinning.
-                tracing::warn!(error = %e, "accepting a connection failed");
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
+            Err(e) => match e.raw_os_error() {
+                // Out of descriptors or memory: a stranger's pending socket gives way, and
+                // the next try waits a moment instead of spinning.
+                Some(errno) if is_resource_shortage(errno) => {
+                    tracing::warn!(error = %e, "accepting a connection failed");
+                    gate.make_room();
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                // A connection that failed before it was accepted (reset, unreachable):
+                // nothing to wait for.
+                _ => tracing::debug!(error = %e, "a connection failed before it was accepted"),
+            },
         }
         // Reap finished connections as we go.
         while conns.try_join_next().is_some() {}
     }
+    // Refuse new clients at once while the connections drain.
+    drop(listener);
     while conns.join_next().await.is_some() {}
+}
+
+/// Whether an `accept` error number means the process is short of descriptors or memory.
+fn is_resource_shortage(errno: i32) -> bool {
+    matches!(
+        errno,
+        libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM
+    )
 }

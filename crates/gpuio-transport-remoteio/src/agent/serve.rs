@@ -3,7 +3,8 @@
 //! or a refusal. Export locks are held only while bytes are copied between the export and the
 //! session's buffer, never across socket IO.
 
-use super::session::{Buffer, read_payload};
+use super::buffer::Buffer;
+use super::session::read_payload;
 use super::{Access, Counters, Served, Shared, Source};
 use crate::RemoteIoError;
 use crate::auth::Role;
@@ -119,6 +120,13 @@ pub(super) async fn serve_one(
     let result = if header.msg_type == MsgType::WriteReq {
         let mut name_len = [0u8; 2];
         rd.read_exact(&mut name_len).await?;
+        if u16::from_le_bytes(name_len) as usize > wire::MAX_NAME {
+            return Err(WireError::Malformed {
+                what: "WRITE_REQ",
+                why: "an export name over 255 bytes".into(),
+            }
+            .into());
+        }
         let mut prefix = vec![0u8; 2 + WriteHead::rest_len(name_len)];
         prefix[..2].copy_from_slice(&name_len);
         if prefix.len() as u64 > header.payload_len {
@@ -259,22 +267,31 @@ fn hal_refusal(e: gpuio_hal::HalError) -> Refusal {
     Refusal::new(e.code(), e.to_string())
 }
 
+/// The bytes an export holds now.
+async fn size(source: &Source) -> std::result::Result<u64, Refusal> {
+    Ok(match source {
+        Source::Memory(mem) => mem.read().await.len() as u64,
+        Source::Device(buf) => buf.len() as u64,
+        Source::File { file, .. } => file.metadata().map_err(io_refusal)?.len(),
+    })
+}
+
+/// The most bytes writes may reach: what it holds, and for a file its limit if larger (a file
+/// grown past its limit since the agent started may still be written where it has bytes).
+/// STAT reports the same bound writes are checked against.
+async fn capacity(source: &Source) -> std::result::Result<u64, Refusal> {
+    let held = size(source).await?;
+    Ok(match source {
+        Source::File { max_len, .. } => held.max(*max_len),
+        _ => held,
+    })
+}
+
 async fn stat(sh: &Shared, role: Role, name: &str) -> Answer {
     let ex = export(sh, name)?;
-    let (size, capacity) = match &ex.source {
-        Source::Memory(mem) => {
-            let n = mem.read().await.len() as u64;
-            (n, n)
-        }
-        Source::Device(buf) => (buf.len() as u64, buf.len() as u64),
-        Source::File { file, max_len } => {
-            let n = file.metadata().map_err(io_refusal)?.len();
-            (n, n.max(*max_len))
-        }
-    };
     Ok(Message::StatResp {
-        size,
-        capacity,
+        size: size(&ex.source).await?,
+        capacity: capacity(&ex.source).await?,
         writable: may_write(ex, role),
         instance: sh.instance,
     })
@@ -298,7 +315,8 @@ async fn read(
     let filled = match &ex.source {
         Source::Memory(mem) => {
             let size = mem.read().await.len() as u64;
-            // A shared buffer's length never changes, so the range checked now holds later.
+            // Checked now, and each piece again as it is sent (the program may swap in a
+            // smaller buffer).
             let range = match in_bounds(name, offset, len, size) {
                 Ok(r) => r,
                 Err(r) => return answer(sh, wr, id, Err(r)).await,
@@ -360,7 +378,10 @@ async fn send_memory<W: Answers>(
     if W::WRITES_NOW {
         while at < range.end {
             // The guard lives for one non-blocking write: a copy into the socket's buffer.
-            let wrote = wr.write_now(&mem.read().await[at..range.end]);
+            let wrote = match mem.read().await.get(at..range.end) {
+                Some(bytes) => wr.write_now(bytes),
+                None => return Err(shrank()),
+            };
             match wrote {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
                 Ok(n) => at += n,
@@ -373,30 +394,39 @@ async fn send_memory<W: Answers>(
     let chunk = buffer.get(READ_CHUNK.min(range.len())).await;
     while at < range.end {
         let n = chunk.len().min(range.end - at);
-        chunk[..n].copy_from_slice(&mem.read().await[at..at + n]);
+        match mem.read().await.get(at..at + n) {
+            Some(bytes) => chunk[..n].copy_from_slice(bytes),
+            None => return Err(shrank()),
+        }
         wr.write_all(&chunk[..n]).await?;
         at += n;
     }
     Ok(())
 }
 
+/// An export swapped for a smaller buffer by its program in the middle of an answer: the
+/// answer cannot be finished, so its connection ends.
+fn shrank() -> std::io::Error {
+    std::io::Error::other("the export shrank under the read")
+}
+
 /// Runs `op` on a blocking thread over the session's buffer (`len` bytes); the buffer comes
-/// back whatever happens.
+/// back whatever happens, and if the request is abandoned meanwhile, its room is given back
+/// only when the thread is done with it.
 async fn through_buffer(
     buffer: &mut Buffer,
     len: usize,
     op: impl FnOnce(&mut [u8]) -> std::result::Result<(), Refusal> + Send + 'static,
 ) -> std::result::Result<(), Refusal> {
-    buffer.get(len).await;
-    let mut data = buffer.take();
+    let mut lent = buffer.lend(len).await;
     let done = tokio::task::spawn_blocking(move || {
-        let r = op(&mut data);
-        (r, data)
+        let r = op(&mut lent.bytes);
+        (r, lent)
     })
     .await;
     match done {
-        Ok((r, data)) => {
-            buffer.put(data);
+        Ok((r, lent)) => {
+            buffer.restore(lent);
             r
         }
         Err(e) => Err(Refusal::new(ErrorCode::General, e.to_string())),
@@ -437,10 +467,9 @@ async fn write<R: AsyncRead + Unpin>(
         );
         return refuse(rd, r).await;
     }
-    let capacity = match &ex.source {
-        Source::Memory(mem) => mem.read().await.len() as u64,
-        Source::Device(buf) => buf.len() as u64,
-        Source::File { max_len, .. } => *max_len,
+    let capacity = match capacity(&ex.source).await {
+        Ok(c) => c,
+        Err(r) => return refuse(rd, r).await,
     };
     let range = match in_bounds(&name, offset, len, capacity) {
         Ok(r) => r,
@@ -450,8 +479,17 @@ async fn write<R: AsyncRead + Unpin>(
     let moved = match &ex.source {
         Source::Memory(mem) => {
             let data = buffer.get(len as usize).await;
-            mem.write().await.as_mut_slice()[range].copy_from_slice(data);
-            Ok(())
+            // The exporting program may have swapped in a smaller buffer meanwhile.
+            match mem.write().await.as_mut_slice().get_mut(range) {
+                Some(to) => {
+                    to.copy_from_slice(data);
+                    Ok(())
+                }
+                None => Err(Refusal::new(
+                    ErrorCode::InvalidArg,
+                    format!("export {name:?} shrank under the write"),
+                )),
+            }
         }
         Source::Device(buf) => {
             let buf = buf.clone();

@@ -1,8 +1,9 @@
 //! One connection: TLS where configured, the HELLO handshake (the client proves its key
 //! first), then its requests in order, each within the agent's timeouts.
 
+use super::buffer::Buffer;
 use super::gate::Pending;
-use super::{BUFFER_UNIT, Counters, Shared, serve};
+use super::{Counters, Shared, serve};
 use crate::auth::{self, Role};
 use crate::wire::{HEADER_LEN, Header, MAX_HANDSHAKE_PAYLOAD, Message};
 use crate::{RemoteIoError, Result};
@@ -27,11 +28,13 @@ pub(super) async fn serve(
     pending: Pending,
 ) {
     let _ = stream.set_nodelay(true);
+    // One deadline for the whole handshake, TLS and HELLO together.
+    let deadline = tokio::time::Instant::now() + sh.cfg.handshake_timeout;
     let Some(acceptor) = tls else {
         let (rd, wr) = stream.into_split();
-        return serve_session(sh, rd, wr, peer, stop, pending).await;
+        return serve_session(sh, rd, wr, peer, stop, pending, deadline).await;
     };
-    let shake = tokio::time::timeout(sh.cfg.handshake_timeout, acceptor.accept(stream));
+    let shake = tokio::time::timeout_at(deadline, acceptor.accept(stream));
     let tls = tokio::select! {
         t = shake => t,
         _ = pending.evicted() => {
@@ -42,7 +45,7 @@ pub(super) async fn serve(
     match tls {
         Ok(Ok(tls)) => {
             let (rd, wr) = tokio::io::split(tls);
-            serve_session(sh, rd, wr, peer, stop, pending).await;
+            serve_session(sh, rd, wr, peer, stop, pending, deadline).await;
         }
         Ok(Err(e)) => {
             tracing::info!(%peer, error = %e, "TLS handshake refused");
@@ -87,7 +90,7 @@ fn refuse(message: &str) -> Refused {
 struct Admitted<'a> {
     role: Role,
     _session: OwnedSemaphorePermit,
-    _key: KeySlot<'a>,
+    key: KeySlot<'a>,
 }
 
 /// Serves a connection's session: the handshake (while it holds its pending place), then its
@@ -99,8 +102,9 @@ async fn serve_session(
     peer: SocketAddr,
     mut stop: watch::Receiver<bool>,
     pending: Pending,
+    deadline: tokio::time::Instant,
 ) {
-    let shake = tokio::time::timeout(sh.cfg.handshake_timeout, handshake(&sh, &mut rd, &mut wr));
+    let shake = tokio::time::timeout_at(deadline, handshake(&sh, &mut rd, &mut wr));
     let shaken = tokio::select! {
         s = shake => s,
         _ = pending.evicted() => {
@@ -126,7 +130,13 @@ async fn serve_session(
             return;
         }
     };
-    let mut state = serve::SessionState::new(Buffer::new(sh.buffers.clone()));
+    // Every key has its budget (made from the same keys); the agent's whole is the fallback.
+    let key_budget = sh
+        .key_buffers
+        .get(&admitted.key.key)
+        .cloned()
+        .unwrap_or_else(|| sh.buffers.clone());
+    let mut state = serve::SessionState::new(Buffer::new(key_budget, sh.buffers.clone()));
     loop {
         let first = tokio::select! {
             b = next_request(&sh, &mut rd, &mut state.buffer) => b,
@@ -269,7 +279,7 @@ async fn handshake<'a>(
     Ok(Admitted {
         role: key.role,
         _session: session,
-        _key: slot,
+        key: slot,
     })
 }
 
@@ -324,58 +334,5 @@ impl Drop for KeySlot<'_> {
                 per_key.remove(&self.key);
             }
         }
-    }
-}
-
-/// A session's request buffer, counted against the agent's `buffer_memory` in units of
-/// [`BUFFER_UNIT`] bytes: it grows (waiting for room) to the largest request, and is given
-/// back whole when the session goes idle.
-pub(super) struct Buffer {
-    bytes: Vec<u8>,
-    held: Option<OwnedSemaphorePermit>,
-    budget: Arc<tokio::sync::Semaphore>,
-}
-
-impl Buffer {
-    fn new(budget: Arc<tokio::sync::Semaphore>) -> Self {
-        Self {
-            bytes: Vec::new(),
-            held: None,
-            budget,
-        }
-    }
-
-    /// The buffer, `len` bytes long (room for it taken from the budget first). The bytes
-    /// are whatever an earlier request left.
-    pub(super) async fn get(&mut self, len: usize) -> &mut Vec<u8> {
-        let units = len.div_ceil(BUFFER_UNIT) as u32;
-        let held = self.held.as_ref().map_or(0, |p| p.num_permits() as u32);
-        if units > held {
-            // Give back what is held before waiting for the whole: no session holds room
-            // while it waits for more, so sessions never wait on each other in a cycle.
-            self.held = None;
-            self.bytes = Vec::new();
-            // The semaphore is never closed, so this only waits (within the request's time).
-            self.held = self.budget.clone().acquire_many_owned(units).await.ok();
-        }
-        self.bytes.resize(len, 0);
-        &mut self.bytes
-    }
-
-    /// Takes the bytes out (to lend them to a blocking thread); [`put`](Self::put) returns
-    /// them.
-    pub(super) fn take(&mut self) -> Vec<u8> {
-        std::mem::take(&mut self.bytes)
-    }
-
-    /// Returns bytes lent by [`take`](Self::take).
-    pub(super) fn put(&mut self, bytes: Vec<u8>) {
-        self.bytes = bytes;
-    }
-
-    /// Gives the memory and its room in the budget back.
-    fn release(&mut self) {
-        self.bytes = Vec::new();
-        self.held = None;
     }
 }

@@ -795,7 +795,7 @@ impl StreamBackend for CudaStreamBackend {
         // The widest piece that divides the row size and both base addresses.
         let (slot, width) = [(0, 16u64), (1, 8), (2, 4), (3, 1)]
             .into_iter()
-            .find(|(_, w)| rb % w == 0 && pool % w == 0 && rows_addr % w == 0)
+            .find(|(_, w)| rb.is_multiple_of(*w) && pool.is_multiple_of(*w) && rows_addr % w == 0)
             .unwrap_or((3, 1));
         let func = match job.kernel {
             RowKernel::Naive => &kernels[row_fn::NAIVE],
