@@ -1,7 +1,7 @@
 //! `cargo xtask gpu-bundle`: release test and bench binaries for the GPU machine (which has
 //! no cargo), with `run.sh`, the one command that runs them there.
 
-use crate::{Result, cargo, copy, make_executable, root, run};
+use crate::{Result, build_tests, cargo, copy, make_executable, root, run};
 use std::path::Path;
 
 /// The bundle carried to the GPU machine: `bin/` (gpuio, xtask), `tests/` (every test
@@ -31,43 +31,28 @@ pub fn gpu_bundle() -> Result {
             &out.join("bin").join(bin),
         )?;
     }
-    eprintln!("==> build test binaries");
-    let output = cargo()
-        .args([
-            "test",
-            "--workspace",
-            "--profile",
-            "bundle",
-            "--no-run",
-            "--message-format=json",
-        ])
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .map_err(|e| format!("cargo test --no-run: {e}"))?;
-    if !output.status.success() {
-        return Err("building test binaries failed".into());
-    }
+    let tests = build_tests(
+        "build test binaries",
+        &["--workspace", "--profile", "bundle"],
+    )?;
     let mut count = 0;
-    for line in String::from_utf8_lossy(&output.stdout).lines() {
-        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
+    for t in tests {
+        // These read the source tree, which does not travel, or test the network on hosts
+        // the GPU machine lacks (etcd, namespaces), or attack an agent process over loopback;
+        // nothing in them needs a GPU (and the bundle must stay under 64 MiB).
+        if matches!(
+            t.package.as_str(),
+            "gpuio-tests" | "xtask" | "gpuio-transport-remoteio"
+        ) || matches!(t.target.as_str(), "multinode" | "agent")
+        {
             continue;
-        };
-        let is_test = msg["profile"]["test"].as_bool() == Some(true);
-        if let (true, Some(exe)) = (is_test, msg["executable"].as_str()) {
-            let exe = Path::new(exe);
-            let target = msg["target"]["name"].as_str().unwrap_or("test");
-            let pkg = package_name(msg["package_id"].as_str().unwrap_or(""));
-            // These read the source tree, which does not travel, or test the network on hosts
-            // the GPU machine lacks (etcd, namespaces), or attack an agent process over
-            // loopback; nothing in them needs a GPU (and the bundle must stay under 64 MiB).
-            if matches!(pkg, "gpuio-tests" | "xtask" | "gpuio-transport-remoteio")
-                || matches!(target, "multinode" | "agent")
-            {
-                continue;
-            }
-            copy(exe, &out.join("tests").join(format!("{pkg}--{target}")))?;
-            count += 1;
         }
+        copy(
+            &t.path,
+            &out.join("tests")
+                .join(format!("{}--{}", t.package, t.target)),
+        )?;
+        count += 1;
     }
     for entry in std::fs::read_dir(root.join("kernels")).map_err(|e| format!("kernels/: {e}"))? {
         let path = entry.map_err(|e| e.to_string())?.path();
@@ -134,19 +119,6 @@ step bin/gpuio bench remote --out "$out"
 echo "== gpu matrix: $([ $status = 0 ] && echo PASSED || echo FAILED)"
 exit $status
 "#;
-
-/// The package name in a cargo package id (`path+file:///x/benches#gpuio-bench@0.1.0`, or
-/// `path+file:///x/crates/gpuio-hal#0.1.0` where the directory is the name).
-fn package_name(id: &str) -> &str {
-    let tail = id.rsplit('/').next().unwrap_or(id);
-    match tail.split_once('#') {
-        Some((dir, rest)) => match rest.split_once('@') {
-            Some((name, _)) => name,
-            None => dir,
-        },
-        None => tail,
-    }
-}
 
 fn dir_size(dir: &Path) -> u64 {
     std::fs::read_dir(dir)

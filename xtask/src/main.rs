@@ -109,6 +109,57 @@ fn bench(args: &[String]) -> Result {
     run("gpuio bench", &mut cmd)
 }
 
+/// A test executable cargo built: its path, package and target names.
+struct TestBinary {
+    path: PathBuf,
+    package: String,
+    target: String,
+}
+
+/// Runs `cargo test --no-run --message-format=json` with `args` and lists the test executables
+/// it built.
+fn build_tests(what: &str, args: &[&str]) -> Result<Vec<TestBinary>> {
+    eprintln!("==> {what}");
+    let output = cargo()
+        .args(["test", "--no-run", "--message-format=json"])
+        .args(args)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cargo test --no-run: {e}"))?;
+    if !output.status.success() {
+        return Err(format!("{what} failed"));
+    }
+    let mut tests = Vec::new();
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if let (Some(true), Some(exe)) =
+            (msg["profile"]["test"].as_bool(), msg["executable"].as_str())
+        {
+            tests.push(TestBinary {
+                path: PathBuf::from(exe),
+                package: package_name(msg["package_id"].as_str().unwrap_or("")).to_string(),
+                target: msg["target"]["name"].as_str().unwrap_or("test").to_string(),
+            });
+        }
+    }
+    Ok(tests)
+}
+
+/// The package name in a cargo package id (`path+file:///x/benches#gpuio-bench@0.1.0`, or
+/// `path+file:///x/crates/gpuio-hal#0.1.0` where the directory is the name).
+fn package_name(id: &str) -> &str {
+    let tail = id.rsplit('/').next().unwrap_or(id);
+    match tail.split_once('#') {
+        Some((dir, rest)) => match rest.split_once('@') {
+            Some((name, _)) => name,
+            None => dir,
+        },
+        None => tail,
+    }
+}
+
 fn copy(from: &Path, to: &Path) -> Result {
     std::fs::copy(from, to)
         .map(|_| ())

@@ -4,7 +4,7 @@
 //! printed. Every test binary must pass with `GPUIO_REQUIRE_RDMA=1`.
 
 use crate::ci::{RDMA_PACKAGES, ensure_packages};
-use crate::{Result, cargo, copy, make_executable, root, run};
+use crate::{Result, build_tests, copy, make_executable, root, run};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -60,12 +60,9 @@ pub fn qemu_rdma() -> Result {
         })
         .unwrap_or_default();
     // The RDMA tests, built with the feature.
-    eprintln!("==> build the RDMA tests");
-    let output = cargo()
-        .args([
-            "test",
-            "--no-run",
-            "--message-format=json",
+    let tests: Vec<PathBuf> = build_tests(
+        "build the RDMA tests",
+        &[
             "-p",
             "gpuio-hal",
             "-p",
@@ -76,24 +73,11 @@ pub fn qemu_rdma() -> Result {
             "gpuio-hal/rdma,gpuio-transport-remoteio/rdma,gpuio-api/rdma",
             "--test",
             "rdma",
-        ])
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .map_err(|e| format!("cargo test --no-run: {e}"))?;
-    if !output.status.success() {
-        return Err("building the RDMA tests failed".into());
-    }
-    let mut tests = Vec::new();
-    for line in String::from_utf8_lossy(&output.stdout).lines() {
-        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
-            continue;
-        };
-        if let (Some(true), Some(exe)) =
-            (msg["profile"]["test"].as_bool(), msg["executable"].as_str())
-        {
-            tests.push(PathBuf::from(exe));
-        }
-    }
+        ],
+    )?
+    .into_iter()
+    .map(|t| t.path)
+    .collect();
     if tests.is_empty() {
         return Err("no RDMA test binaries were built".into());
     }

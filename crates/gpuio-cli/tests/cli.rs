@@ -9,10 +9,10 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 fn gpuio(args: &[&str]) -> Output {
-    let bin = std::env::var_os("GPUIO_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_gpuio")));
-    let out = Command::new(bin).args(args).output().expect("gpuio runs");
+    let out = Command::new(common::bin())
+        .args(args)
+        .output()
+        .expect("gpuio runs");
     assert_ne!(
         out.status.code(),
         Some(101),
@@ -25,10 +25,7 @@ fn gpuio(args: &[&str]) -> Output {
 /// Runs gpuio with `env` added, failing the test (and killing it) if it runs past 60 s: the
 /// cases that use it once hung forever.
 fn gpuio_within(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let bin = std::env::var_os("GPUIO_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_gpuio")));
-    let mut child = Command::new(bin)
+    let mut child = Command::new(common::bin())
         .args(args)
         .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
