@@ -19,25 +19,13 @@ pub const QEMU_PACKAGES: &[&str] = &[
     "ibverbs-providers",
     "iproute2",
     "cpio",
+    "kmod",
 ];
 
-/// Kernel modules the guest loads, in order: virtio networking, then soft-RoCE.
-const GUEST_MODULES: &[&str] = &[
-    "virtio",
-    "virtio_ring",
-    "virtio_pci_legacy_dev",
-    "virtio_pci_modern_dev",
-    "virtio_pci",
-    "failover",
-    "net_failover",
-    "virtio_net",
-    "crc32_generic",
-    "udp_tunnel",
-    "ip6_udp_tunnel",
-    "ib_core",
-    "ib_uverbs",
-    "rdma_rxe",
-];
+/// Kernel modules the guest needs: virtio networking, then soft-RoCE. They are loaded with
+/// what each depends on first, as the guest kernel's `modinfo` says (the order changes between
+/// kernel updates: 6.1.0-56's virtio needs virtio_ring loaded before it).
+const GUEST_MODULES: &[&str] = &["virtio_pci", "virtio_net", "crc32_generic", "rdma_rxe"];
 
 pub fn qemu_rdma() -> Result {
     ensure_packages(&[RDMA_PACKAGES, QEMU_PACKAGES].concat())?;
@@ -99,10 +87,9 @@ pub fn qemu_rdma() -> Result {
     }
     copy(Path::new("/bin/busybox"), &guest.join("bin/busybox"))?;
     let modules = Path::new("/lib/modules").join(&release);
-    for m in GUEST_MODULES {
-        let found = find_file(&modules, &format!("{m}.ko"))
-            .ok_or_else(|| format!("module {m} not found under {}", modules.display()))?;
-        copy(&found, &guest.join(format!("lib/modules/{m}.ko")))?;
+    let load_order = with_dependencies(&modules, GUEST_MODULES)?;
+    for (m, found) in &load_order {
+        copy(found, &guest.join(format!("lib/modules/{m}.ko")))?;
     }
     let provider = Path::new("/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so");
     let mut binaries = vec![PathBuf::from("/usr/bin/rdma"), provider.to_path_buf()];
@@ -152,7 +139,11 @@ pub fn qemu_rdma() -> Result {
          {script}\
          echo QEMU-DONE\n\
          poweroff -f\n",
-        modules = GUEST_MODULES.join(" "),
+        modules = load_order
+            .iter()
+            .map(|(m, _)| m.as_str())
+            .collect::<Vec<_>>()
+            .join(" "),
     );
     let init_path = guest.join("init");
     std::fs::write(&init_path, init).map_err(|e| format!("init: {e}"))?;
@@ -224,6 +215,40 @@ pub fn qemu_rdma() -> Result {
     }
     println!("qemu-rdma: {passed} RDMA test binaries passed on soft-RoCE");
     Ok(())
+}
+
+/// `wanted` and every module they depend on (found under `modules`, uncompressed), each after
+/// what it depends on: the guest's insmod order.
+fn with_dependencies(modules: &Path, wanted: &[&str]) -> Result<Vec<(String, PathBuf)>> {
+    fn visit(
+        modules: &Path,
+        name: &str,
+        done: &mut Vec<(String, PathBuf)>,
+        seen: &mut Vec<String>,
+    ) -> Result {
+        if seen.iter().any(|s| s == name) {
+            return Ok(());
+        }
+        seen.push(name.to_string());
+        let file = find_file(modules, &format!("{name}.ko"))
+            .ok_or_else(|| format!("module {name} not found under {}", modules.display()))?;
+        let out = Command::new("modinfo")
+            .args(["-F", "depends"])
+            .arg(&file)
+            .output()
+            .map_err(|e| format!("modinfo: {e}"))?;
+        let depends = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        for dep in depends.split(',').filter(|d| !d.is_empty()) {
+            visit(modules, dep, done, seen)?;
+        }
+        done.push((name.to_string(), file));
+        Ok(())
+    }
+    let (mut done, mut seen) = (Vec::new(), Vec::new());
+    for w in wanted {
+        visit(modules, w, &mut done, &mut seen)?;
+    }
+    Ok(done)
 }
 
 /// The first file called `name` under `dir`.
