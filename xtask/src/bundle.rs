@@ -63,6 +63,7 @@ pub fn gpu_bundle() -> Result {
     let script = out.join("run.sh");
     std::fs::write(&script, RUN_SH).map_err(|e| format!("writing run.sh: {e}"))?;
     make_executable(&script)?;
+    carry_iperf3(&out.join("iperf3"))?;
     let size = dir_size(&out);
     eprintln!(
         "bundle: {} ({count} test binaries), {:.1} MiB",
@@ -78,47 +79,8 @@ pub fn gpu_bundle() -> Result {
     Ok(())
 }
 
-const RUN_SH: &str = r#"#!/usr/bin/env bash
-# gpuio's GPU matrix, in one command: every test binary with CUDA required, the kernel compile
-# checks (nvcc and NVRTC), gpuio info, a 1 GiB file round trip through GPU memory, and the
-# MemIO, LocalIO, core, gather, ring and remote benchmarks against their peers (fio: GPUIO_FIO;
-# kvikio and torch: on PYTHONPATH; iperf3 where installed).
-# Results (bench JSON, plots) go to $OUT or ./out.
-set -u
-cd "$(dirname "$0")"
-export GPUIO_REQUIRE_CUDA=1
-export GPUIO_BIN="$PWD/bin/gpuio"
-export GPUIO_E2E_BYTES="${GPUIO_E2E_BYTES:-1073741824}"
-out="${OUT:-$PWD/out}"
-mkdir -p "$out"
-status=0
-step() {
-    echo "== $*"
-    "$@" || { echo "FAILED: $*"; status=1; }
-}
-# cuFile asks udev for the file system of each disk; containers have no udev database. As
-# root, record each block device's real type (blkid) where udev has not.
-if [ "$(id -u)" = 0 ] && command -v blkid >/dev/null; then
-    mkdir -p /run/udev/data
-    for d in /sys/class/block/*; do
-        [ -r "$d/dev" ] || continue
-        db="/run/udev/data/b$(cat "$d/dev")"; [ -e "$db" ] && continue
-        t=$(blkid -o value -s TYPE "/dev/$(basename "$d")" 2>/dev/null) || continue
-        [ -n "$t" ] && printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=%s\n' "$t" >"$db"
-    done
-fi
-for t in tests/*; do step "$t" --test-threads=4; done
-step bin/xtask ptx --kernels kernels
-step bin/gpuio info
-step bin/gpuio bench memio --out "$out" ${GPUIO_BENCH_ARGS:-}
-step bin/gpuio bench localio --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out"
-step bin/gpuio bench core --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out"
-step bin/gpuio bench gather --out "$out"
-step bin/gpuio bench ring --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out"
-step bin/gpuio bench remote --out "$out"
-echo "== gpu matrix: $([ $status = 0 ] && echo PASSED || echo FAILED)"
-exit $status
-"#;
+/// The one command the GPU machine runs (`xtask/run.sh`, in parts that fit a device call).
+const RUN_SH: &str = include_str!("../run.sh");
 
 fn dir_size(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
@@ -133,4 +95,25 @@ fn dir_size(dir: &Path) -> u64 {
                 .sum()
         })
         .unwrap_or(0)
+}
+
+/// iperf3 (the TCP peer of `gpuio bench remote`) and the libraries of its own that a GPU
+/// machine lacks, where this machine has it (`cargo xtask ci` installs it); run.sh puts the
+/// folder on PATH and the loader's path.
+fn carry_iperf3(to: &Path) -> Result {
+    let bin = Path::new("/usr/bin/iperf3");
+    if !bin.exists() {
+        eprintln!("not carrying iperf3: it is not installed here");
+        return Ok(());
+    }
+    std::fs::create_dir_all(to).map_err(|e| format!("{}: {e}", to.display()))?;
+    copy(bin, &to.join("iperf3"))?;
+    for lib in crate::qemu::shared_libraries(bin)? {
+        let name = lib.file_name().map(|n| n.to_string_lossy().into_owned());
+        if let Some(name) = name.filter(|n| n.starts_with("libiperf") || n.starts_with("libsctp")) {
+            // The links resolved: a copy of the file the name points at.
+            copy(&lib, &to.join(name))?;
+        }
+    }
+    Ok(())
 }

@@ -268,7 +268,7 @@ fn find_file(dir: &Path, name: &str) -> Option<PathBuf> {
 }
 
 /// The shared libraries `binary` loads (as `ldd` resolves them), the loader included.
-fn shared_libraries(binary: &Path) -> Result<Vec<PathBuf>> {
+pub fn shared_libraries(binary: &Path) -> Result<Vec<PathBuf>> {
     let out = Command::new("ldd")
         .arg(binary)
         .output()

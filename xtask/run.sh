@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# gpuio's GPU matrix, from the bundle `cargo xtask gpu-bundle` builds: every test binary with
+# CUDA required (and NVRTC through gpuio-hal's kernels test), nvcc over kernels/ for sm_80,
+# sm_90 and sm_100, gpuio info, a 1 GiB file round trip through GPU memory, and the MemIO,
+# LocalIO, core, gather, ring and remote benchmarks against their peers (fio: GPUIO_FIO;
+# kvikio and torch: on PYTHONPATH; iperf3 where installed, or in ./iperf3 with its libraries).
+#
+#   ./run.sh [tests | bench-a | bench-b | all]     (default: all)
+#
+# The parts fit where one command may run ten minutes at most: tests (tests, kernels, info),
+# bench-a (memio, gather), bench-b (core, ring, remote, localio).
+# Results (bench JSON, plots, test logs) go to $OUT or ./out.
+set -u
+cd "$(dirname "$0")"
+part="${1:-all}"
+export GPUIO_REQUIRE_CUDA=1
+export GPUIO_BIN="$PWD/bin/gpuio"
+export GPUIO_E2E_BYTES="${GPUIO_E2E_BYTES:-1073741824}"
+[ -d iperf3 ] && export PATH="$PWD/iperf3:$PATH" LD_LIBRARY_PATH="$PWD/iperf3:${LD_LIBRARY_PATH:-}"
+out="${OUT:-$PWD/out}"
+mkdir -p "$out"
+status=0
+step() {
+    echo "== $*"
+    local t=$SECONDS
+    "$@" || { echo "FAILED: $*"; status=1; }
+    echo "   ($((SECONDS - t)) s)"
+}
+# cuFile asks udev for the file system of each disk; containers have no udev database. As
+# root, record each block device's real type (blkid) where udev has not.
+if [ "$(id -u)" = 0 ] && command -v blkid >/dev/null; then
+    mkdir -p /run/udev/data
+    for d in /sys/class/block/*; do
+        [ -r "$d/dev" ] || continue
+        db="/run/udev/data/b$(cat "$d/dev")"; [ -e "$db" ] && continue
+        t=$(blkid -o value -s TYPE "/dev/$(basename "$d")" 2>/dev/null) || continue
+        [ -n "$t" ] && printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=%s\n' "$t" >"$db"
+    done
+fi
+case "$part" in tests | all)
+    mkdir -p "$out/tests"
+    for t in tests/*; do
+        step "$t" --test-threads=4 >"$out/tests/$(basename "$t").log" 2>&1
+        grep -h "test result" "$out/tests/$(basename "$t").log" | sed "s|^|$(basename "$t"): |"
+    done
+    grep -h "test result" "$out"/tests/*.log | awk '{p += $4; f += $6} END {print "tests: " p " passed, " f " failed"}'
+    tar czf "$out/testlogs.tgz" -C "$out" tests && rm -r "$out/tests"
+    step bin/xtask ptx --kernels kernels
+    step bin/gpuio info ;;
+esac
+case "$part" in bench-a | all)
+    step bin/gpuio bench memio --out "$out" ${GPUIO_BENCH_ARGS:-}
+    step bin/gpuio bench gather --out "$out" ;;
+esac
+case "$part" in bench-b | all)
+    step bin/gpuio bench core --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out"
+    step bin/gpuio bench ring --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out"
+    step bin/gpuio bench remote --out "$out"
+    step bin/gpuio bench localio --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out" ;;
+esac
+echo "== gpu matrix ($part): $([ $status = 0 ] && echo PASSED || echo FAILED)"
+exit $status
