@@ -11,6 +11,7 @@
 //!   expander is a CPU-less NUMA node).
 //! - [`pattern`]: the deterministic byte pattern tests and benchmarks fill buffers with, also
 //!   computed on the GPU by `kernels/pattern.cu`.
+//! - [`sync`]: poison-tolerant locking, shared by every crate above.
 //! - [`ErrorCode`]: the SDD §7.1 codes every gpuio error maps to.
 //!
 //! ```
@@ -36,6 +37,7 @@ pub mod pattern;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod ring;
+pub mod sync;
 mod sys;
 pub mod uring;
 

@@ -25,9 +25,10 @@ pub use gpuio_hal::file::{DirectIoAlignment, Extent};
 pub use queue::Engine;
 pub use stripe::StripeSet;
 
+use gpuio_hal::sync::MutexExt;
 use gpuio_hal::uring::Ring;
 use gpuio_hal::{DeviceBuffer, ErrorCode, GdsMode, Gpu, HalError};
-use lane::{BlocksJob, Lane, LanePool, MAX_BATCH, ReadJob, WriteJob, lock};
+use lane::{BlocksJob, Lane, LanePool, MAX_BATCH, ReadJob, WriteJob};
 use plan::{Piece, Plan};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -369,7 +370,7 @@ impl LocalIo {
     }
 
     fn lane_pool(&self, gpu: &Gpu) -> Arc<LanePool> {
-        let mut pools = lock(&self.lanes);
+        let mut pools = self.lanes.lock_unpoisoned();
         if let Some((_, p)) = pools.iter().find(|(g, _)| g.same_device(gpu)) {
             return p.clone();
         }
@@ -488,7 +489,7 @@ impl LocalIo {
         let record = |r: Result<()>| {
             if let Err(e) = r {
                 abort.store(true, Ordering::Relaxed);
-                lock(&failure).get_or_insert(e);
+                failure.lock_unpoisoned().get_or_insert(e);
             }
         };
         self.pool.in_place_scope(|scope| {
@@ -498,7 +499,7 @@ impl LocalIo {
             }
             record(work(first, &abort));
         });
-        match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        match failure.into_inner_unpoisoned() {
             None => Ok(()),
             Some(e) => Err(e),
         }

@@ -34,8 +34,8 @@ use crate::metrics::SchedMetrics;
 use crate::request::{Request, Status};
 use crate::retry::RetryPolicy;
 use crossbeam_deque::{Steal, Stealer, Worker};
-pub(crate) use handle::lock as handle_lock;
-use handle::{Slot, lock};
+use gpuio_hal::sync::{CondvarExt, MutexExt};
+use handle::Slot;
 use serde::{Deserialize, Serialize};
 use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -263,7 +263,7 @@ impl Shared {
     }
 
     fn enqueue_units(&self, tickets: &[Arc<TicketInner>], units: Vec<(Meta, Unit)>) -> Result<()> {
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock_unpoisoned();
         if st.closing {
             drop(st);
             for t in tickets {
@@ -295,7 +295,7 @@ impl Shared {
         let now = Instant::now();
         let mut taken = Vec::new();
         {
-            let mut st = lock(&self.state);
+            let mut st = self.state.lock_unpoisoned();
             let mut bytes = 0u64;
             while let Some((meta, unit)) = st.queue.pop(now) {
                 bytes += meta.cost.max(4096);
@@ -424,7 +424,7 @@ impl Shared {
             }
             std::hint::spin_loop();
         }
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock_unpoisoned();
         loop {
             if !st.queue.is_empty() {
                 return true;
@@ -435,8 +435,7 @@ impl Shared {
             self.sleepers.fetch_add(1, Ordering::AcqRel);
             let (g, timeout) = self
                 .work
-                .wait_timeout(st, Duration::from_millis(50))
-                .unwrap_or_else(|e| e.into_inner());
+                .wait_timeout_unpoisoned(st, Duration::from_millis(50));
             st = g;
             self.sleepers.fetch_sub(1, Ordering::AcqRel);
             if timeout.timed_out() && self.stealable() {
@@ -461,7 +460,7 @@ impl Shared {
         // A request of one chunk runs on this worker alone: take it out of the ticket
         // instead of cloning its endpoints (shared reference counts are costly to touch).
         let work = {
-            let mut s = lock(&t.state);
+            let mut s = t.state.lock_unpoisoned();
             if s.error.is_some() {
                 None
             } else if s.chunks_left == 1 && off == 0 && len == t.len {
@@ -538,7 +537,7 @@ impl Shared {
         let picked: Vec<Arc<TicketInner>> = ts.into_iter().filter(|t| t.pick_up()).collect();
         if picked.len() == all && all > 1 {
             let first = {
-                let s = lock(&picked[0].state);
+                let s = picked[0].state.lock_unpoisoned();
                 s.req
                     .as_ref()
                     .map(|r| (r.src.clone(), r.dst.clone(), r.flags.no_retry))
@@ -552,7 +551,7 @@ impl Shared {
                     })
                 });
                 let synced = result.and_then(|o| {
-                    let s = lock(&picked[0].state);
+                    let s = picked[0].state.lock_unpoisoned();
                     s.req.as_ref().map_or(Ok(()), durable_sync).map(|()| o)
                 });
                 if let Ok(o) = synced {
@@ -730,7 +729,7 @@ impl Scheduler {
     /// Stops taking work, lets the workers finish what is queued, and joins them.
     pub fn shutdown(&mut self) {
         {
-            let mut st = lock(&self.shared.state);
+            let mut st = self.shared.state.lock_unpoisoned();
             st.closing = true;
             self.shared.closing.store(true, Ordering::Release);
             self.shared.work.notify_all();
@@ -742,7 +741,7 @@ impl Scheduler {
         }
         // Workers leave nothing queued; if one died, what it left fails here, once.
         let rest: Vec<Unit> = {
-            let mut st = lock(&self.shared.state);
+            let mut st = self.shared.state.lock_unpoisoned();
             std::iter::from_fn(|| st.queue.pop(Instant::now()).map(|(_, u)| u)).collect()
         };
         drop(rest);
@@ -963,7 +962,7 @@ impl SchedSession {
             n,
         )));
         if n == 0 {
-            slot.put(Ok(lock(&report).0.clone()));
+            slot.put(Ok(report.lock_unpoisoned().0.clone()));
             return Ok(BatchHandle {
                 tickets: Vec::new(),
                 slot,
@@ -980,7 +979,7 @@ impl SchedSession {
             let (report, slot) = (report.clone(), slot.clone());
             let id = req.id;
             let done: Done = Box::new(move |r| {
-                let mut g = lock(&report);
+                let mut g = report.lock_unpoisoned();
                 match r {
                     Ok(c) => g.0.bytes += c.outcome.bytes as u64,
                     Err(e) => g.0.failed.push((id, e.code(), e.to_string())),
@@ -1037,7 +1036,7 @@ impl SchedSession {
     /// Cancels every queued request of this session (running ones finish).
     pub fn cancel_queued(&self) -> usize {
         let drained = {
-            let mut st = lock(&self.shared.state);
+            let mut st = self.shared.state.lock_unpoisoned();
             let d = st.queue.drain_session(self.state.id);
             self.shared.queued.fetch_sub(d.len(), Ordering::AcqRel);
             self.shared

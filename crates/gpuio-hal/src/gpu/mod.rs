@@ -21,6 +21,7 @@ pub use rows::{RowIndices, RowKernel};
 
 use crate::error::{HalError, Result, check_range};
 use crate::memory::{HostBuffer, Location, MappingHold, MemoryRegion, Registration};
+use crate::sync::RwLockExt;
 use backend::{DevRange, DeviceBackend, DeviceMemory, EventBackend, HostPin, StreamBackend};
 use std::fmt;
 use std::ops::Range;
@@ -274,7 +275,7 @@ impl Gpu {
         }
         let (ptr, hold) = {
             // HostBuffer holds no invariants a panicking writer could break.
-            let buf = owner.read().unwrap_or_else(|e| e.into_inner());
+            let buf = owner.read_unpoisoned();
             check_range("shared pin", offset, len, buf.len())?;
             // Taken under the lock, so the hold is on the buffer whose address we register.
             (buf.base_ptr().wrapping_add(offset), buf.hold_mapping())
