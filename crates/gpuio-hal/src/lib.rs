@@ -48,7 +48,9 @@ pub use gpu::{
     probe_with,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
-pub use memory::{HostAllocOptions, HostBuffer, Location, MemoryRegion, MemoryTier, Registration};
+pub use memory::{
+    DmaRegistration, HostAllocOptions, HostBuffer, Location, MemoryRegion, MemoryTier,
+};
 pub use sys::{
     HUGE_PAGE, clear_nonblocking, page_size, peek_nonblocking, prefetch, raise_fd_limit,
     write_u64s_streaming,

@@ -7,7 +7,7 @@
 
 use crate::file::FileHandle;
 use crate::plan::Plan;
-use crate::queue::{Engine, FileId, IoQueue};
+use crate::queue::{FileId, IoEngine, IoQueue};
 use crate::{LocalIoError, Result};
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{DeviceBuffer, Gpu, HostAllocOptions, HostBuffer, Inflight, Stream};
@@ -31,7 +31,7 @@ pub(crate) struct Lane {
 /// memory costs milliseconds; a transfer must not pay it).
 pub(crate) struct LanePool {
     gpu: Gpu,
-    engine: Engine,
+    engine: IoEngine,
     slot_len: usize,
     slots: usize,
     /// Operations a lane's ring holds: a full block batch in every slot.
@@ -43,7 +43,7 @@ pub(crate) struct LanePool {
 impl LanePool {
     pub(crate) fn new(
         gpu: Gpu,
-        engine: Engine,
+        engine: IoEngine,
         slot_len: usize,
         slots: usize,
         sqpoll: bool,
@@ -156,7 +156,7 @@ pub(crate) struct WriteJob<'a> {
 }
 
 impl Lane {
-    pub(crate) fn engine(&self) -> Engine {
+    pub(crate) fn engine(&self) -> IoEngine {
         self.queue.engine()
     }
 

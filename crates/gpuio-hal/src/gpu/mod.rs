@@ -20,7 +20,7 @@ pub use info::{Backend, Capability, DeviceInfo, PcieLink};
 pub use rows::{RowIndices, RowKernel};
 
 use crate::error::{HalError, Result, check_range};
-use crate::memory::{HostBuffer, Location, MappingHold, MemoryRegion, Registration};
+use crate::memory::{DmaRegistration, HostBuffer, Location, MappingHold, MemoryRegion};
 use crate::sync::RwLockExt;
 use backend::{DevRange, DeviceBackend, DeviceMemory, EventBackend, HostPin, StreamBackend};
 use std::fmt;
@@ -425,7 +425,7 @@ impl DeviceBuffer {
             },
             addr: self.device_addr(),
             len: self.inner.len,
-            registration: Registration::Pinned,
+            registration: DmaRegistration::Pinned,
         }
     }
 
