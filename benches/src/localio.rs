@@ -11,7 +11,7 @@ use crate::{Record, Result, Target, human};
 use gpuio_api::{Durability, FileHandle};
 use gpuio_api::{OpenOptions, Session};
 use gpuio_hal::{Backend, DeviceBuffer, GdsMode, Gpu, pattern};
-use gpuio_transport_localio::{Engine, LocalIo, LocalIoConfig};
+use gpuio_transport_localio::{IoEngine, LocalIo, LocalIoConfig};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -625,9 +625,9 @@ pub fn targets(records: &[Record], lanes: usize) -> Vec<Target> {
 }
 
 /// A cuFile peer must have run on cuFile, not fallen back to the lanes.
-fn expect_cufile(engine: Engine) -> Result<()> {
+fn expect_cufile(engine: IoEngine) -> Result<()> {
     match engine {
-        Engine::Gds(_) => Ok(()),
+        IoEngine::Gds(_) => Ok(()),
         other => Err(crate::BenchError::Gpuio(gpuio_api::Error::Invalid(
             format!("the cuFile peer ran on {other}"),
         ))),

@@ -16,6 +16,7 @@ use gpuio_api::{OpenOptions, Session};
 use gpuio_core::{
     Endpoint, HostMemory, Policy, Priority, Request, RetryPolicy, Scheduler, SchedulerConfig,
 };
+use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -486,7 +487,7 @@ fn mixed(session: &Session, opts: &Options, policy: Policy, seed: u64) -> Result
         sched
             .submit_with(req, move |r| {
                 if let Ok(c) = r {
-                    lock(&lat).push(c.latency);
+                    lat.lock_unpoisoned().push(c.latency);
                 }
             })
             .map_err(err)?;
@@ -508,7 +509,7 @@ fn mixed(session: &Session, opts: &Options, policy: Policy, seed: u64) -> Result
         std::thread::sleep(Duration::from_millis(1));
     }
     let s = sched.stats();
-    let mut lat = std::mem::take(&mut *lock(&latencies));
+    let mut lat = std::mem::take(&mut *latencies.lock_unpoisoned());
     lat.sort();
     drop(sched);
     Ok(Mixed {
@@ -517,10 +518,6 @@ fn mixed(session: &Session, opts: &Options, policy: Policy, seed: u64) -> Result
         p99_us: us(percentile(&lat, 0.99)),
         checkpoint_gbps: bytes_at_stop as f64 / elapsed.as_secs_f64() / 1e9,
     })
-}
-
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A scratch directory removed on drop.

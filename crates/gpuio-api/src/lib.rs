@@ -47,6 +47,6 @@ pub use gpuio_core::{
 };
 pub use gpuio_hal::{DeviceBuffer, Gpu};
 pub use gpuio_transport_localio::{
-    Durability, Engine as LocalEngine, FileHandle, GdsPolicy, OpenOptions, StripeSet, Transfer,
+    Durability, FileHandle, GdsPolicy, IoEngine, OpenOptions, StripeSet, Transfer,
 };
 pub use gpuio_transport_memio::{HostPlacement, Route};

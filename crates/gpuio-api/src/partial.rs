@@ -13,6 +13,7 @@
 use crate::error::{Error, Result};
 use crate::session::Session;
 use gpuio_hal::HalError;
+use gpuio_hal::sync::MutexExt;
 use gpuio_transport_localio::{FileHandle, OpenOptions};
 use std::ffi::OsStr;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -25,7 +26,7 @@ const SUFFIX: &str = ".gpuio-partial";
 static OURS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
 fn ours() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
-    OURS.lock().unwrap_or_else(|e| e.into_inner())
+    OURS.lock_unpoisoned()
 }
 
 /// The directory a destination path lies in.

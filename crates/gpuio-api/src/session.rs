@@ -9,6 +9,7 @@ use gpuio_core::{
     BatchHandle, Completion, Dest, Endpoint, Engines, HostMemory, Outcome, RemoteResource, Request,
     RequestHandle, Scheduler, Source, Ticket,
 };
+use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{DeviceBuffer, Gpu, Probe};
 use gpuio_transport_localio::{FileHandle, LocalIo, OpenOptions};
 use gpuio_transport_memio::{HostPlacement, MemIo};
@@ -321,7 +322,7 @@ impl Session {
 
     /// The pooled peer for the agent at `addr` (created on first use).
     fn peer(&self, uri: &Uri, addr: SocketAddr, rdma: bool) -> Result<Arc<RemotePeer>> {
-        let mut peers = self.remote.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut peers = self.remote.peers.lock_unpoisoned();
         if let Some(p) = peers.get(&(addr, rdma)) {
             return Ok(p.clone());
         }

@@ -161,7 +161,7 @@ fn check_descriptors(connections: usize) -> Result<(), Error> {
 fn register(
     config: &Config,
     listening: std::net::SocketAddr,
-) -> Result<Option<gpuio_transport_remoteio::Registration>, Error> {
+) -> Result<Option<gpuio_transport_remoteio::SegmentRegistration>, Error> {
     use gpuio_transport_remoteio::{Registry, SegmentMember};
     use std::time::Duration;
     let a = &config.agent;

@@ -101,7 +101,7 @@ fn io_paths(session: &Session) -> Vec<IoPath> {
     paths.push(IoPath::new(
         "localio",
         "files: io_uring (fixed buffers and files, O_DIRECT)",
-        if engine == gpuio_api::LocalEngine::Uring {
+        if engine == gpuio_api::IoEngine::Uring {
             Capability::yes(why)
         } else {
             Capability::no(why)

@@ -2,6 +2,7 @@
 //! any buffer); [`Endpoint`] owns handles (for requests that outlive the call: queued,
 //! asynchronous, batched).
 
+use gpuio_hal::sync::RwLockExt;
 use gpuio_hal::{DeviceBuffer, HostBuffer, MemoryRegion};
 use gpuio_transport_localio::FileHandle;
 use gpuio_transport_remoteio::{RemoteExport, RemotePeer};
@@ -103,12 +104,12 @@ impl HostMemory {
     /// Shared access (waits for a running request that writes it).
     pub fn read(&self) -> RwLockReadGuard<'_, HostBuffer> {
         // HostBuffer holds no invariants a panicking writer could break.
-        self.inner.read().unwrap_or_else(|e| e.into_inner())
+        self.inner.read_unpoisoned()
     }
 
     /// Exclusive access (waits for running requests that use it).
     pub fn write(&self) -> RwLockWriteGuard<'_, HostBuffer> {
-        self.inner.write().unwrap_or_else(|e| e.into_inner())
+        self.inner.write_unpoisoned()
     }
 
     /// Length in bytes.
@@ -123,7 +124,7 @@ impl HostMemory {
 
     /// Takes the buffer back if this is the last handle.
     pub fn into_inner(self) -> Option<HostBuffer> {
-        Arc::into_inner(self.inner).map(|l| l.into_inner().unwrap_or_else(|e| e.into_inner()))
+        Arc::into_inner(self.inner).map(|l| l.into_inner_unpoisoned())
     }
 
     /// Identity of the shared buffer (equal for clones).

@@ -7,6 +7,7 @@ use crate::error::{CoreError, Result};
 use crate::request::{EngineKind, Request};
 use crate::resources::ResourceTracker;
 use crate::retry::RetryPolicy;
+use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{DeviceBuffer, HostAllocOptions, HostBuffer, check_range};
 use gpuio_transport_localio::{Durability, FileHandle, LocalIo};
 use gpuio_transport_memio::{HostPlacement, MemIo};
@@ -220,7 +221,7 @@ impl RemoteIoEngine {
     /// The counters of the RDMA registration caches (one per device in use).
     #[cfg(feature = "rdma")]
     pub fn rdma_registrations(&self) -> Vec<crate::regcache::RegCacheStats> {
-        let caches = self.rdma.lock().unwrap_or_else(|e| e.into_inner());
+        let caches = self.rdma.lock_unpoisoned();
         caches.iter().map(|c| c.stats()).collect()
     }
 
@@ -295,7 +296,7 @@ impl RemoteIoEngine {
             }
         };
         let cache = {
-            let mut caches = self.rdma.lock().unwrap_or_else(|e| e.into_inner());
+            let mut caches = self.rdma.lock_unpoisoned();
             let found = caches
                 .iter()
                 .find(|c| Arc::ptr_eq(&c.registrar().device, &device))
@@ -317,7 +318,7 @@ impl RemoteIoEngine {
     }
 
     fn take_stage(&self) -> Result<HostMemory> {
-        if let Some(b) = self.staging.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+        if let Some(b) = self.staging.lock_unpoisoned().pop() {
             return Ok(b);
         }
         let buf = self
@@ -327,7 +328,7 @@ impl RemoteIoEngine {
     }
 
     fn give_stage(&self, b: HostMemory) {
-        let mut idle = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let mut idle = self.staging.lock_unpoisoned();
         if idle.len() < 4 {
             idle.push(b);
             return;
@@ -335,7 +336,7 @@ impl RemoteIoEngine {
         drop(idle);
         // Not kept: its registrations go with it.
         #[cfg(feature = "rdma")]
-        for cache in self.rdma.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        for cache in self.rdma.lock_unpoisoned().iter() {
             cache.purge(&b);
         }
     }

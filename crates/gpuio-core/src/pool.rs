@@ -13,12 +13,13 @@
 
 use crate::metrics::{POOL_IN_USE_BYTES, POOL_PINNED_BYTES};
 use crate::{CoreError, Result};
+use gpuio_hal::sync::{CondvarExt, MutexExt};
 use gpuio_hal::{Gpu, HostAllocOptions, HostBuffer};
 use metrics::Gauge;
 use std::collections::VecDeque;
 use std::fmt;
 use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// How a [`StagingPool`] allocates and how much it may hold.
@@ -84,6 +85,8 @@ pub struct StagingPool {
 struct Inner {
     config: PoolConfig,
     alloc_opts: HostAllocOptions,
+    /// Taken poison-tolerant: every update of the state is completed before anything that
+    /// can panic.
     state: Mutex<State>,
     /// Signalled whenever bytes become available: a buffer returned, a reservation undone.
     returned: Condvar,
@@ -181,13 +184,13 @@ impl StagingPool {
 
     /// The pool's counters now.
     pub fn stats(&self) -> PoolStats {
-        self.inner.lock().stats
+        self.inner.state.lock_unpoisoned().stats
     }
 
     /// Releases every free buffer (unpinning and unmapping it); returns the bytes released.
     pub fn trim(&self) -> u64 {
         let victims: Vec<HostBuffer> = {
-            let mut st = self.inner.lock();
+            let mut st = self.inner.state.lock_unpoisoned();
             st.free
                 .iter_mut()
                 .flat_map(|list| list.drain(..).map(|(_, b)| b))
@@ -196,7 +199,7 @@ impl StagingPool {
         let bytes: u64 = victims.iter().map(|b| b.len() as u64).sum();
         let n = victims.len() as u64;
         drop(victims);
-        let mut st = self.inner.lock();
+        let mut st = self.inner.state.lock_unpoisoned();
         st.stats.pinned_bytes -= bytes;
         st.stats.releases += n;
         self.inner.publish(&st);
@@ -234,7 +237,7 @@ impl StagingPool {
         let (class, size) = self.class_of(len)?;
         let inner = &self.inner;
         let mut waited = false;
-        let mut st = inner.lock();
+        let mut st = inner.state.lock_unpoisoned();
         loop {
             match inner.step(&mut st, class, size) {
                 Step::Reused(buf) => {
@@ -246,7 +249,7 @@ impl StagingPool {
                     return match inner.allocate(size) {
                         Ok(buf) => Ok(self.hand_out(buf, len, class)),
                         Err(e) => {
-                            let mut st = inner.lock();
+                            let mut st = inner.state.lock_unpoisoned();
                             st.stats.pinned_bytes -= size as u64;
                             st.stats.in_use_bytes -= size as u64;
                             st.stats.failures += 1;
@@ -263,7 +266,7 @@ impl StagingPool {
                     let n = victims.len() as u64;
                     // Unpin and unmap outside the lock; the bytes stay counted until gone.
                     drop(victims);
-                    st = inner.lock();
+                    st = inner.state.lock_unpoisoned();
                     st.stats.pinned_bytes -= bytes;
                     st.stats.releases += n;
                     inner.publish(&st);
@@ -284,14 +287,8 @@ impl StagingPool {
                                 st.stats.waits += 1;
                             }
                             st = match left {
-                                Some(t) => {
-                                    inner
-                                        .returned
-                                        .wait_timeout(st, t)
-                                        .unwrap_or_else(|e| e.into_inner())
-                                        .0
-                                }
-                                None => inner.returned.wait(st).unwrap_or_else(|e| e.into_inner()),
+                                Some(t) => inner.returned.wait_timeout_unpoisoned(st, t).0,
+                                None => inner.returned.wait_unpoisoned(st),
                             };
                         }
                         None => {
@@ -318,11 +315,6 @@ impl StagingPool {
 }
 
 impl Inner {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // Every update of the state is completed before anything that can panic.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// One decision under the lock; the accounting of `Reused` and `Allocate` is done here.
     fn step(&self, st: &mut State, class: usize, size: usize) -> Step {
         let size64 = size as u64;
@@ -447,7 +439,7 @@ impl Drop for PooledBuffer {
     fn drop(&mut self) {
         let Some(buf) = self.buf.take() else { return };
         let pool = &self.pool;
-        let mut st = pool.lock();
+        let mut st = pool.state.lock_unpoisoned();
         st.stats.in_use_bytes -= buf.len() as u64;
         st.tick += 1;
         let tick = st.tick;

@@ -16,13 +16,14 @@
 
 use crate::metrics::{REG_EVICTIONS, REG_LOOKUPS};
 use crate::{CoreError, ErrorCode, HostMemory, Result};
+use gpuio_hal::sync::MutexExt;
 use gpuio_hal::uring::{BufIndex, Ring, RingOptions};
 use gpuio_hal::{Gpu, HalError, SharedPin};
 use metrics::Counter;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 /// One kind of registration of host memory.
 pub trait Registrar: Send + Sync {
@@ -147,6 +148,8 @@ struct State<H> {
 pub struct RegistrationCache<R: Registrar> {
     registrar: R,
     config: RegCacheConfig,
+    /// Taken poison-tolerant: every update of the state is completed before anything that
+    /// can panic.
     state: Mutex<State<R::Handle>>,
     hit: Counter,
     miss: Counter,
@@ -189,13 +192,14 @@ impl<R: Registrar> RegistrationCache<R> {
 
     /// The counters now.
     pub fn stats(&self) -> RegCacheStats {
-        self.lock().stats
+        self.state.lock_unpoisoned().stats
     }
 
     /// The registered ranges of `mem`, in order, each with whether it is in use.
     pub fn entries_of(&self, mem: &HostMemory) -> Vec<(Range<usize>, bool)> {
         let id = mem.id();
-        self.lock()
+        self.state
+            .lock_unpoisoned()
             .entries
             .range((id, 0)..=(id, usize::MAX))
             .map(|(&(_, start), e)| (start..e.end, e.in_use()))
@@ -221,7 +225,7 @@ impl<R: Registrar> RegistrationCache<R> {
             }
         };
         let id = mem.id();
-        let mut st = self.lock();
+        let mut st = self.state.lock_unpoisoned();
         st.tick += 1;
         let tick = st.tick;
 
@@ -311,7 +315,7 @@ impl<R: Registrar> RegistrationCache<R> {
     /// Deregisters every idle entry of `mem` (e.g. before it is freed); returns how many.
     pub fn purge(&self, mem: &HostMemory) -> usize {
         let id = mem.id();
-        let mut st = self.lock();
+        let mut st = self.state.lock_unpoisoned();
         let keys: Vec<Key> = st
             .entries
             .range((id, 0)..=(id, usize::MAX))
@@ -326,15 +330,10 @@ impl<R: Registrar> RegistrationCache<R> {
     /// Evicts idle entries until within the limits (entries become idle without telling the
     /// cache; lookups trim, and so does this).
     pub fn trim(&self) -> usize {
-        let mut st = self.lock();
+        let mut st = self.state.lock_unpoisoned();
         let evicted = self.evict(&mut st);
         drop(st);
         evicted.len()
-    }
-
-    fn lock(&self) -> MutexGuard<'_, State<R::Handle>> {
-        // Every update of the state is completed before anything that can panic.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn remove(&self, st: &mut State<R::Handle>, key: Key) -> Entry<R::Handle> {
@@ -467,7 +466,7 @@ impl UringBuffer {
 
 impl Drop for UringBuffer {
     fn drop(&mut self) {
-        let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ring = self.ring.lock_unpoisoned();
         if let Err(e) = ring.unregister_shared(self.index) {
             // The slot keeps its buffer (and its memory) until the ring drops.
             tracing::error!(error = %e, slot = self.index.0, "unregistering an io_uring buffer failed");
@@ -483,11 +482,10 @@ impl Registrar for UringRegistrar {
     }
 
     fn register(&self, mem: &HostMemory, offset: usize, len: usize) -> Result<UringBuffer> {
-        let index = self
-            .ring
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .register_shared(mem.shared().clone(), offset, len)?;
+        let index =
+            self.ring
+                .lock_unpoisoned()
+                .register_shared(mem.shared().clone(), offset, len)?;
         Ok(UringBuffer {
             ring: self.ring.clone(),
             index,

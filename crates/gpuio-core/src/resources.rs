@@ -3,7 +3,7 @@
 //! per pool (pinned staging, GPU cache arenas). The scheduler adds in-flight bytes per engine
 //! and queue depth ([`crate::SchedStats`]).
 
-use crate::sched::handle_lock as lock;
+use gpuio_hal::sync::MutexExt;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -48,7 +48,7 @@ pub struct LoadGuard {
 
 impl Drop for LoadGuard {
     fn drop(&mut self) {
-        let mut g = lock(&self.tracker.inner);
+        let mut g = self.tracker.inner.lock_unpoisoned();
         if let Some(l) = g.load.get_mut(&self.name) {
             l.requests -= 1;
             l.bytes -= self.bytes;
@@ -62,7 +62,7 @@ impl Drop for LoadGuard {
 impl ResourceTracker {
     /// A transfer of `bytes` starts on `name`.
     pub fn begin(&self, name: String, bytes: u64) -> LoadGuard {
-        let mut g = lock(&self.inner);
+        let mut g = self.inner.lock_unpoisoned();
         let l = g.load.entry(name.clone()).or_default();
         l.requests += 1;
         l.bytes += bytes;
@@ -75,7 +75,8 @@ impl ResourceTracker {
 
     /// The load on `name` now.
     pub fn load(&self, name: &str) -> Load {
-        lock(&self.inner)
+        self.inner
+            .lock_unpoisoned()
             .load
             .get(name)
             .copied()
@@ -84,7 +85,7 @@ impl ResourceTracker {
 
     /// Sets the bytes a memory pool holds.
     pub fn set_memory(&self, pool: &str, bytes: u64) {
-        let mut g = lock(&self.inner);
+        let mut g = self.inner.lock_unpoisoned();
         if bytes == 0 {
             g.memory.remove(pool);
         } else {
@@ -94,7 +95,7 @@ impl ResourceTracker {
 
     /// Adds to (or, negative, takes from) the bytes a memory pool holds.
     pub fn add_memory(&self, pool: &str, delta: i64) {
-        let mut g = lock(&self.inner);
+        let mut g = self.inner.lock_unpoisoned();
         let v = g.memory.entry(pool.to_string()).or_default();
         *v = v.saturating_add_signed(delta);
         if *v == 0 {
@@ -104,7 +105,7 @@ impl ResourceTracker {
 
     /// Everything tracked.
     pub fn report(&self) -> ResourceReport {
-        let g = lock(&self.inner);
+        let g = self.inner.lock_unpoisoned();
         ResourceReport {
             load: g.load.clone(),
             memory: g.memory.clone(),

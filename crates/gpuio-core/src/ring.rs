@@ -56,13 +56,14 @@ use crate::metrics::{BYTES, REQUESTS_FINISHED};
 use crate::request::EngineKind;
 use crossbeam_utils::CachePadded;
 use gpuio_hal::ring::{self, HostProducer, RingDevice, RingMemory, RingOp, RingRequest, Take};
+use gpuio_hal::sync::RwLockExt;
 use gpuio_hal::{DeviceBuffer, ErrorCode, Gpu};
 use metrics::{Counter, counter};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -163,6 +164,8 @@ impl From<CoreError> for Failure {
     }
 }
 
+/// The two tables are taken poison-tolerant: they hold no invariant a panicking writer could
+/// break.
 struct Shared {
     engines: Engines,
     ring: Arc<RingMemory>,
@@ -183,7 +186,7 @@ struct Shared {
 impl Shared {
     /// Replaces the resource table with `change` applied to a copy of it.
     fn change_resources<T>(&self, change: impl FnOnce(&mut Vec<Option<Endpoint>>) -> T) -> T {
-        let mut table = write(&self.resources);
+        let mut table = self.resources.write_unpoisoned();
         let mut next = (**table).clone();
         let out = change(&mut next);
         *table = Arc::new(next);
@@ -203,7 +206,7 @@ impl Snapshot {
         let version = shared.resources_version.load(Ordering::Acquire);
         Self {
             version,
-            table: read(&shared.resources).clone(),
+            table: shared.resources.read_unpoisoned().clone(),
         }
     }
 
@@ -214,15 +217,6 @@ impl Snapshot {
         }
         &self.table
     }
-}
-
-fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
-    // The tables hold no invariant a panicking writer could break.
-    l.read().unwrap_or_else(|e| e.into_inner())
-}
-
-fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
-    l.write().unwrap_or_else(|e| e.into_inner())
 }
 
 /// File offsets are an off_t: refuses ranges that end past it, before any engine does
@@ -270,7 +264,7 @@ impl Shared {
     /// The registered device buffer holding all of `[addr, addr + len)`, and the offset of
     /// `addr` in it.
     fn device_range(&self, addr: u64, len: u64) -> Option<(DeviceBuffer, usize)> {
-        let devices = read(&self.devices);
+        let devices = self.devices.read_unpoisoned();
         let (&base, buf) = devices.range(..=addr).next_back()?;
         let offset = addr - base;
         let end = offset.checked_add(len)?;
@@ -606,14 +600,17 @@ impl RingProxy {
                 "an empty device buffer cannot be a ring destination".into(),
             ));
         }
-        write(&self.shared.devices).insert(buf.device_addr(), buf.clone());
+        self.shared
+            .devices
+            .write_unpoisoned()
+            .insert(buf.device_addr(), buf.clone());
         Ok(())
     }
 
     /// Stops resolving device addresses to `buf`; returns whether it was registered. (Freeing
     /// device memory synchronizes a CUDA device: keep a handle until ring kernels are done.)
     pub fn unregister_device(&self, buf: &DeviceBuffer) -> bool {
-        let mut devices = write(&self.shared.devices);
+        let mut devices = self.shared.devices.write_unpoisoned();
         match devices.get(&buf.device_addr()) {
             Some(b) if b.same_buffer(buf) => devices.remove(&buf.device_addr()).is_some(),
             _ => false,

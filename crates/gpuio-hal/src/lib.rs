@@ -11,6 +11,7 @@
 //!   expander is a CPU-less NUMA node).
 //! - [`pattern`]: the deterministic byte pattern tests and benchmarks fill buffers with, also
 //!   computed on the GPU by `kernels/pattern.cu`.
+//! - [`sync`]: poison-tolerant locking, shared by every crate above.
 //! - [`ErrorCode`]: the SDD §7.1 codes every gpuio error maps to.
 //!
 //! ```
@@ -36,6 +37,7 @@ pub mod pattern;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod ring;
+pub mod sync;
 mod sys;
 pub mod uring;
 
@@ -46,7 +48,9 @@ pub use gpu::{
     probe_with,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
-pub use memory::{HostAllocOptions, HostBuffer, Location, MemoryRegion, MemoryTier, Registration};
+pub use memory::{
+    DmaRegistration, HostAllocOptions, HostBuffer, Location, MemoryRegion, MemoryTier,
+};
 pub use sys::{
     HUGE_PAGE, clear_nonblocking, page_size, peek_nonblocking, prefetch, raise_fd_limit,
     write_u64s_streaming,

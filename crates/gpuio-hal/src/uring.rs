@@ -13,6 +13,7 @@
 
 use crate::error::{HalError, Result, check_range};
 use crate::memory::{HostBuffer, MappingHold};
+use crate::sync::RwLockExt;
 use io_uring::{IoUring, opcode, squeue, types};
 use std::collections::HashMap;
 use std::fs::File;
@@ -237,7 +238,7 @@ impl Ring {
             })?;
         let (buffer, hold) = {
             // HostBuffer holds no invariants a panicking writer could break.
-            let buf = owner.read().unwrap_or_else(|e| e.into_inner());
+            let buf = owner.read_unpoisoned();
             check_range("shared ring buffer", offset, len, buf.len())?;
             // Taken under the lock, so the hold is on the buffer whose pages we register.
             (buf.base_ptr(), buf.hold_mapping())
@@ -333,7 +334,7 @@ impl Ring {
         let (owner, registered) = (slot.owner.clone(), slot.buffer);
         let addr = registered + slot.offset + range.start;
         // HostBuffer holds no invariants a panicking writer could break.
-        let guard = owner.write().unwrap_or_else(|e| e.into_inner());
+        let guard = owner.write_unpoisoned();
         if guard.base_ptr() as usize != registered {
             return Err(HalError::InvalidArgument(format!(
                 "the buffer registered in slot {} was replaced; register the new one",

@@ -4,6 +4,7 @@
 
 use crate::{LocalIoError, Result};
 use gpuio_hal::file::{DirectIoAlignment, Extent};
+use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{GdsFile, Gpu, HostAllocOptions, HostBuffer};
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -247,7 +248,7 @@ impl FileHandle {
     /// O_DIRECT descriptor; a buffered handle reopens its own file (through `/proc/self/fd`,
     /// so a rename cannot swap it) with O_DIRECT where the file system allows.
     pub(crate) fn gds_file(&self, gpu: &Gpu) -> Result<Arc<GdsFile>> {
-        let mut files = crate::lane::lock(&self.inner.gds_files);
+        let mut files = self.inner.gds_files.lock_unpoisoned();
         if let Some((_, f)) = files.iter().find(|(g, _)| g.same_device(gpu)) {
             return Ok(f.clone());
         }

@@ -7,17 +7,13 @@
 
 use crate::file::FileHandle;
 use crate::plan::Plan;
-use crate::queue::{Engine, FileId, IoQueue};
+use crate::queue::{FileId, IoEngine, IoQueue};
 use crate::{LocalIoError, Result};
+use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{DeviceBuffer, Gpu, HostAllocOptions, HostBuffer, Inflight, Stream};
 use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Pools of idle lanes and first-error slots cannot be left inconsistent by a panic.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// A lane's DMAs in flight, oldest first, with the staging slot each holds.
 type Dmas = VecDeque<(usize, Inflight<HostBuffer>)>;
@@ -35,7 +31,7 @@ pub(crate) struct Lane {
 /// memory costs milliseconds; a transfer must not pay it).
 pub(crate) struct LanePool {
     gpu: Gpu,
-    engine: Engine,
+    engine: IoEngine,
     slot_len: usize,
     slots: usize,
     /// Operations a lane's ring holds: a full block batch in every slot.
@@ -47,7 +43,7 @@ pub(crate) struct LanePool {
 impl LanePool {
     pub(crate) fn new(
         gpu: Gpu,
-        engine: Engine,
+        engine: IoEngine,
         slot_len: usize,
         slots: usize,
         sqpoll: bool,
@@ -71,7 +67,7 @@ impl LanePool {
     /// Takes `n` lanes, creating the missing ones; staging lives on the GPU's NUMA node.
     pub(crate) fn take(&self, n: usize) -> Result<Vec<Lane>> {
         let mut taken = {
-            let mut pool = lock(&self.lanes);
+            let mut pool = self.lanes.lock_unpoisoned();
             let keep = pool.len().saturating_sub(n);
             pool.split_off(keep)
         };
@@ -105,7 +101,7 @@ impl LanePool {
         let healthy = lanes
             .into_iter()
             .filter(|l| l.queue.in_flight() == 0 && l.queue.slots() == self.slots);
-        lock(&self.lanes).extend(healthy);
+        self.lanes.lock_unpoisoned().extend(healthy);
     }
 }
 
@@ -160,7 +156,7 @@ pub(crate) struct WriteJob<'a> {
 }
 
 impl Lane {
-    pub(crate) fn engine(&self) -> Engine {
+    pub(crate) fn engine(&self) -> IoEngine {
         self.queue.engine()
     }
 

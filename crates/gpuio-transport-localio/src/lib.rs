@@ -8,8 +8,8 @@
 //! - [`LocalIo`]: the file↔GPU pipeline. Lanes (a thread, a GPU stream and a queue of pinned
 //!   staging slots each) read chunks into their slots while earlier chunks are DMA'd to the
 //!   GPU, and the reverse for writes. The queue is io_uring with fixed buffers and files
-//!   ([`Engine::Uring`]); where io_uring is refused (seccomp, `kernel.io_uring_disabled`) the
-//!   same lanes run positioned reads and writes ([`Engine::Posix`]).
+//!   ([`IoEngine::Uring`]); where io_uring is refused (seccomp, `kernel.io_uring_disabled`) the
+//!   same lanes run positioned reads and writes ([`IoEngine::Posix`]).
 
 #![forbid(unsafe_code)]
 
@@ -22,12 +22,13 @@ mod stripe;
 
 pub use file::{FileHandle, OpenOptions};
 pub use gpuio_hal::file::{DirectIoAlignment, Extent};
-pub use queue::Engine;
+pub use queue::IoEngine;
 pub use stripe::StripeSet;
 
+use gpuio_hal::sync::MutexExt;
 use gpuio_hal::uring::Ring;
 use gpuio_hal::{DeviceBuffer, ErrorCode, GdsMode, Gpu, HalError};
-use lane::{BlocksJob, Lane, LanePool, MAX_BATCH, ReadJob, WriteJob, lock};
+use lane::{BlocksJob, Lane, LanePool, MAX_BATCH, ReadJob, WriteJob};
 use plan::{Piece, Plan};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -256,7 +257,7 @@ pub struct Transfer {
     /// Bytes moved.
     pub bytes: u64,
     /// The engine that moved them.
-    pub engine: Engine,
+    pub engine: IoEngine,
     /// Lanes used.
     pub lanes: usize,
     /// The crc32c of the bytes, in device order, as read from the file (reads) or from GPU
@@ -279,7 +280,7 @@ impl Transfer {
 impl std::fmt::Display for Transfer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.engine {
-            Engine::Gds(_) => write!(f, "{} x {} thread(s)", self.engine, self.lanes),
+            IoEngine::Gds(_) => write!(f, "{} x {} thread(s)", self.engine, self.lanes),
             _ => write!(
                 f,
                 "{} x {} lane(s), pinned staging + DMA",
@@ -292,7 +293,7 @@ impl std::fmt::Display for Transfer {
 /// The LocalIO engine. Thread-safe; share it behind an `Arc`.
 pub struct LocalIo {
     config: LocalIoConfig,
-    engine: Engine,
+    engine: IoEngine,
     engine_reason: String,
     pool: rayon::ThreadPool,
     lanes: Mutex<Vec<(Gpu, Arc<LanePool>)>>,
@@ -322,11 +323,11 @@ impl LocalIo {
         let uring = Ring::probe();
         let (engine, engine_reason) = match (config.engine, uring.available) {
             (EnginePreference::Posix, _) => {
-                (Engine::Posix, "asked for in the configuration".into())
+                (IoEngine::Posix, "asked for in the configuration".into())
             }
-            (_, true) => (Engine::Uring, uring.detail),
+            (_, true) => (IoEngine::Uring, uring.detail),
             (EnginePreference::Auto, false) => (
-                Engine::Posix,
+                IoEngine::Posix,
                 format!(
                     "io_uring is unavailable ({}); using pread/pwrite",
                     uring.detail
@@ -359,7 +360,7 @@ impl LocalIo {
     }
 
     /// The engine transfers use, and why.
-    pub fn engine(&self) -> (Engine, &str) {
+    pub fn engine(&self) -> (IoEngine, &str) {
         (self.engine, &self.engine_reason)
     }
 
@@ -369,7 +370,7 @@ impl LocalIo {
     }
 
     fn lane_pool(&self, gpu: &Gpu) -> Arc<LanePool> {
-        let mut pools = lock(&self.lanes);
+        let mut pools = self.lanes.lock_unpoisoned();
         if let Some((_, p)) = pools.iter().find(|(g, _)| g.same_device(gpu)) {
             return p.clone();
         }
@@ -488,7 +489,7 @@ impl LocalIo {
         let record = |r: Result<()>| {
             if let Err(e) = r {
                 abort.store(true, Ordering::Relaxed);
-                lock(&failure).get_or_insert(e);
+                failure.lock_unpoisoned().get_or_insert(e);
             }
         };
         self.pool.in_place_scope(|scope| {
@@ -498,7 +499,7 @@ impl LocalIo {
             }
             record(work(first, &abort));
         });
-        match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        match failure.into_inner_unpoisoned() {
             None => Ok(()),
             Some(e) => Err(e),
         }
@@ -553,7 +554,7 @@ impl LocalIo {
             })?;
             return Ok(Transfer {
                 bytes: len as u64,
-                engine: Engine::Gds(mode),
+                engine: IoEngine::Gds(mode),
                 lanes: n,
                 crc32c: None,
             });
@@ -714,7 +715,7 @@ impl LocalIo {
         }
         Ok(Transfer {
             bytes: len as u64,
-            engine: Engine::Gds(mode),
+            engine: IoEngine::Gds(mode),
             lanes: n,
             crc32c: None,
         })

@@ -12,9 +12,10 @@ use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
-/// Which engine moved a transfer.
+/// Which IO engine moved a transfer (what fio calls the `ioengine`): the queue a lane runs,
+/// or cuFile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub enum Engine {
+pub enum IoEngine {
     /// io_uring with fixed buffers and files, through pinned staging.
     Uring,
     /// `pread`/`pwrite` on the lane's thread, through pinned staging.
@@ -23,7 +24,7 @@ pub enum Engine {
     Gds(GdsMode),
 }
 
-impl std::fmt::Display for Engine {
+impl std::fmt::Display for IoEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Self::Uring => "io_uring",
@@ -58,12 +59,12 @@ fn io_err(e: gpuio_hal::HalError) -> LocalIoError {
 impl IoQueue {
     /// A queue of `buffers` slots; io_uring unless `engine` says otherwise or it is refused.
     pub(crate) fn new(
-        engine: Engine,
+        engine: IoEngine,
         buffers: Vec<HostBuffer>,
         depth: u32,
         sqpoll: bool,
     ) -> Result<Self> {
-        if engine == Engine::Uring {
+        if engine == IoEngine::Uring {
             let opts = RingOptions {
                 entries: depth.max(buffers.len() as u32).max(8),
                 sqpoll_idle_ms: sqpoll.then_some(50),
@@ -80,10 +81,10 @@ impl IoQueue {
         }))
     }
 
-    pub(crate) fn engine(&self) -> Engine {
+    pub(crate) fn engine(&self) -> IoEngine {
         match self {
-            Self::Uring(_) => Engine::Uring,
-            Self::Posix(_) => Engine::Posix,
+            Self::Uring(_) => IoEngine::Uring,
+            Self::Posix(_) => IoEngine::Posix,
         }
     }
 

@@ -14,7 +14,7 @@ use fuser::{
 };
 use gpuio_hal::{BackendPreference, ErrorCode, Gpu, pattern, probe};
 use gpuio_transport_localio::{
-    Durability, Engine, EnginePreference, LocalIo, LocalIoConfig, LocalIoError, OpenOptions,
+    Durability, EnginePreference, IoEngine, LocalIo, LocalIoConfig, LocalIoError, OpenOptions,
 };
 use std::ffi::OsStr;
 use std::path::Path;
@@ -354,7 +354,7 @@ fn injected_faults_are_typed_errors_and_nothing_unwritten_is_reported() {
         // pread: for a short FUSE direct-IO read, io_uring retries inside the kernel and
         // (seen on Linux 6.18) re-reads from the request's first byte, returning a full count
         // of wrong bytes that no caller can detect (`LocalIoConfig::checksum` would).
-        if engine == Engine::Posix {
+        if engine == IoEngine::Posix {
             short_reads_resume(&io, &g, &dev, &path("dribble"));
         }
         // A full file system after a partial write: NoSpace, never more than was accepted.

@@ -6,7 +6,7 @@
 
 use gpuio_hal::{BackendPreference, ErrorCode, Gpu, pattern, probe};
 use gpuio_transport_localio::{
-    Durability, Engine, EnginePreference, FileHandle, GdsPolicy, LocalIo, LocalIoConfig,
+    Durability, EnginePreference, FileHandle, GdsPolicy, IoEngine, LocalIo, LocalIoConfig,
     LocalIoError, OpenOptions, StripeSet,
 };
 use proptest::prelude::*;
@@ -99,7 +99,7 @@ fn engines_are_chosen_and_explained() {
     assert!(!why.is_empty());
     eprintln!("auto engine: {e} ({why})");
     let posix = engine(EnginePreference::Posix, 1 << 20).unwrap();
-    assert_eq!(posix.engine().0, Engine::Posix);
+    assert_eq!(posix.engine().0, IoEngine::Posix);
 }
 
 #[test]
@@ -576,7 +576,7 @@ fn cufile_runs_where_it_can_and_says_why_not_elsewhere() {
         // Files that leave it to the policy use the lanes.
         let plain = io.open(&path, OpenOptions::READ).unwrap();
         let t = io.read_to_device(&plain, 999, &dev, 0, len).unwrap();
-        assert!(!matches!(t.engine, Engine::Gds(_)));
+        assert!(!matches!(t.engine, IoEngine::Gds(_)));
         return;
     };
     let t = match io.read_to_device(&f, 999, &dev, 0, len) {
@@ -587,7 +587,7 @@ fn cufile_runs_where_it_can_and_says_why_not_elsewhere() {
         }
         other => other.unwrap(),
     };
-    assert_eq!(t.engine, Engine::Gds(mode));
+    assert_eq!(t.engine, IoEngine::Gds(mode));
     assert_eq!(
         pattern::first_deviation(&device_bytes(&g, &dev, 0, len), 999, 31),
         None
@@ -608,7 +608,7 @@ fn cufile_runs_where_it_can_and_says_why_not_elsewhere() {
         let t = io
             .write_from_device(&dev, 0, &out, 777, len, Durability::DataSync)
             .unwrap();
-        assert_eq!(t.engine, Engine::Gds(mode));
+        assert_eq!(t.engine, IoEngine::Gds(mode));
         let back = std::fs::read(&out_path).unwrap();
         assert_eq!(back.len(), 777 + len);
         assert_eq!(pattern::first_deviation(&back[777..], 999, 31), None);
@@ -621,13 +621,13 @@ fn cufile_runs_where_it_can_and_says_why_not_elsewhere() {
     let plain = io.open(&path, OpenOptions::READ).unwrap();
     let t = io.read_to_device(&plain, 0, &dev, 0, len).unwrap();
     assert!(
-        !matches!(t.engine, Engine::Gds(_)),
+        !matches!(t.engine, IoEngine::Gds(_)),
         "buffered files use the page cache"
     );
     if let Some(direct) = open(&io, &path, OpenOptions::READ.direct()) {
         let t = io.read_to_device(&direct, 0, &dev, 0, len).unwrap();
         assert_eq!(
-            matches!(t.engine, Engine::Gds(_)),
+            matches!(t.engine, IoEngine::Gds(_)),
             mode == gpuio_hal::GdsMode::Native
         );
     }
@@ -638,11 +638,11 @@ fn cufile_runs_where_it_can_and_says_why_not_elsewhere() {
     .unwrap();
     assert_eq!(
         on.read_to_device(&plain, 0, &dev, 0, len).unwrap().engine,
-        Engine::Gds(mode)
+        IoEngine::Gds(mode)
     );
     assert!(!matches!(
         on.read_to_device(&plain, 0, &dev, 0, 4096).unwrap().engine,
-        Engine::Gds(_)
+        IoEngine::Gds(_)
     ));
 }
 

@@ -27,7 +27,8 @@
 //! output of a top-k or hashing kernel need not come back to the host for the GPU's paths.
 
 use crate::pipeline::{ChunkLen, Schedule};
-use crate::{MemIo, MemIoError, Result, lock};
+use crate::{MemIo, MemIoError, Result};
+use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{
     DeviceBuffer, Gpu, HalError, HostAllocOptions, HostBuffer, RowIndices, RowKernel, Stream,
 };
@@ -259,7 +260,7 @@ impl Planner {
     /// The path for the next call of this shape: each one twice (a warm-up, then a measured
     /// call), then the fastest, with a slower one re-measured every [`RECHECK_EVERY`] calls.
     fn choose(&self, key: ShapeKey) -> GatherStrategy {
-        let mut shapes = lock(&self.shapes);
+        let mut shapes = self.shapes.lock_unpoisoned();
         let s = shapes.entry(key).or_default();
         s.calls += 1;
         if let Some(i) = s.rate.iter().position(|r| r.count == 0) {
@@ -290,7 +291,7 @@ impl Planner {
 
     fn plan(&self, key: ShapeKey) -> Option<GatherPlan> {
         let gpu_share = self.gpu_share(key);
-        let shapes = lock(&self.shapes);
+        let shapes = self.shapes.lock_unpoisoned();
         let s = shapes.get(&key)?;
         Some(GatherPlan {
             strategy: STRATEGIES[s.current],
@@ -302,7 +303,7 @@ impl Planner {
     /// The share of rows a hybrid call gives the GPU: what balanced the two sides in earlier
     /// hybrid calls, or at first the GPU's part of the two paths' total rate alone.
     fn gpu_share(&self, key: ShapeKey) -> f64 {
-        let shapes = lock(&self.shapes);
+        let shapes = self.shapes.lock_unpoisoned();
         let Some(s) = shapes.get(&key) else {
             return 0.5;
         };
@@ -321,7 +322,7 @@ impl Planner {
     /// The kernel order of a hybrid call's GPU side: sorted where sorted calls measured
     /// faster than zero-copy ones.
     fn gpu_kernel(&self, key: ShapeKey) -> RowKernel {
-        let shapes = lock(&self.shapes);
+        let shapes = self.shapes.lock_unpoisoned();
         let sorted_faster = shapes.get(&key).is_some_and(|s| {
             match (s.rate[ZERO_COPY].estimate(), s.rate[SORTED].estimate()) {
                 (Some(z), Some(o)) => o > z,
@@ -346,7 +347,7 @@ impl Planner {
         // Rates per unit share; their ratio is the balanced split.
         let (gpu_rate, cpu_rate) = (old / g, (1.0 - old) / c);
         let balanced = gpu_rate / (gpu_rate + cpu_rate);
-        if let Some(s) = lock(&self.shapes).get_mut(&key) {
+        if let Some(s) = self.shapes.lock_unpoisoned().get_mut(&key) {
             let share = old + 0.75 * (balanced - old);
             s.gpu_share = Some(share.clamp(MIN_SHARE, 1.0 - MIN_SHARE));
             s.hybrid_calls += 1;
@@ -358,7 +359,7 @@ impl Planner {
         let Some(i) = STRATEGIES.iter().position(|s| *s == strategy) else {
             return;
         };
-        if let Some(s) = lock(&self.shapes).get_mut(&key) {
+        if let Some(s) = self.shapes.lock_unpoisoned().get_mut(&key) {
             s.rate[i].push(bytes as f64 / secs.max(1e-9));
         }
     }
@@ -767,7 +768,7 @@ impl MemIo {
     fn take_stage(&self, gpu: &Gpu, bytes: usize) -> Result<IndexStage> {
         let dev = self.device(gpu)?;
         let pooled = {
-            let mut stages = lock(&dev.index_stages);
+            let mut stages = dev.index_stages.lock_unpoisoned();
             let at = stages.iter().position(|s| s.host.len() >= bytes);
             at.map(|i| stages.swap_remove(i))
         };
@@ -787,7 +788,7 @@ impl MemIo {
 
     fn give_stage(&self, gpu: &Gpu, stage: IndexStage) {
         if let Ok(dev) = self.device(gpu) {
-            lock(&dev.index_stages).push(stage);
+            dev.index_stages.lock_unpoisoned().push(stage);
         }
     }
 
@@ -904,7 +905,7 @@ impl MemIo {
         let data = pool.as_slice();
         let res = self.run_lanes_on(self.gather_pool()?, &mut taken, |lane, abort| {
             let next = || {
-                let range = lock(&chunks).next()?;
+                let range = chunks.lock_unpoisoned().next()?;
                 Some((
                     range.start * row_bytes,
                     RowChunk {

@@ -26,6 +26,7 @@ pub use gather::{
 };
 pub use placement::HostPlacement;
 
+use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{
     Backend, DeviceBuffer, ErrorCode, Gpu, HalError, HostBuffer, NumaTopology, Stream,
 };
@@ -33,7 +34,7 @@ use pipeline::LanePool;
 use rayon::prelude::*;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, OnceLock};
 
 /// MemIO's errors.
 #[derive(Debug, thiserror::Error)]
@@ -222,12 +223,6 @@ impl fmt::Debug for MemIo {
     }
 }
 
-/// Locks a mutex whose data a panic cannot leave inconsistent (pooled streams and lanes, a
-/// chunk iterator, a first error), using it as is if a holder panicked.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl MemIo {
     /// An engine over `gpus` (from [`gpuio_hal::probe`]).
     pub fn new(gpus: Vec<Gpu>, config: MemIoConfig) -> Result<Self> {
@@ -328,12 +323,12 @@ impl MemIo {
 
     fn with_stream<T>(&self, gpu: &Gpu, f: impl FnOnce(&Stream) -> Result<T>) -> Result<T> {
         let dev = self.device(gpu)?;
-        let stream = match lock(&dev.streams).pop() {
+        let stream = match dev.streams.lock_unpoisoned().pop() {
             Some(s) => s,
             None => dev.gpu.stream()?,
         };
         let out = f(&stream);
-        lock(&dev.streams).push(stream);
+        dev.streams.lock_unpoisoned().push(stream);
         out
     }
 
@@ -460,7 +455,7 @@ impl MemIo {
         let record = |r: Result<()>| {
             if let Err(e) = r {
                 abort.store(true, Ordering::Relaxed);
-                lock(&failure).get_or_insert(e);
+                failure.lock_unpoisoned().get_or_insert(e);
             }
         };
         pool.in_place_scope(|scope| {
@@ -470,7 +465,7 @@ impl MemIo {
             }
             record(work(first, &abort));
         });
-        match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        match failure.into_inner_unpoisoned() {
             None => Ok(()),
             Some(e) => Err(e),
         }

@@ -4,7 +4,8 @@
 //! chunks from a shared queue; each lane's CPU copy of one chunk overlaps the DMA of its
 //! previous ones, and the lanes' copies run in parallel.
 
-use crate::{MemIoError, Result, lock};
+use crate::{MemIoError, Result};
+use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{DeviceBuffer, Gpu, HostAllocOptions, HostBuffer, Inflight, Stream};
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -40,7 +41,7 @@ impl LanePool {
     /// node where the GPU reports one.
     pub(crate) fn take(&self, n: usize) -> Result<Vec<Lane>> {
         let mut taken = {
-            let mut pool = lock(&self.lanes);
+            let mut pool = self.lanes.lock_unpoisoned();
             let keep = pool.len().saturating_sub(n);
             pool.split_off(keep)
         };
@@ -74,12 +75,13 @@ impl LanePool {
         let whole = lanes
             .into_iter()
             .filter(|l| l.slots.len() == self.slots_per_lane);
-        lock(&self.lanes).extend(whole);
+        self.lanes.lock_unpoisoned().extend(whole);
     }
 
     /// Pinned staging memory held by idle lanes, in bytes.
     pub(crate) fn staged_bytes(&self) -> usize {
-        lock(&self.lanes)
+        self.lanes
+            .lock_unpoisoned()
             .iter()
             .map(|l| l.slots.len() * self.chunk)
             .sum()
@@ -231,7 +233,7 @@ impl Lane {
         dst: &DeviceBuffer,
         dst_offset: usize,
     ) -> Result<()> {
-        let pieces = || lock(work).next();
+        let pieces = || work.lock_unpoisoned().next();
         self.upload_filled(pieces, abort, dst, dst_offset, |piece, buf| {
             buf.copy_from_slice(piece);
             Ok(())
@@ -301,7 +303,7 @@ impl Lane {
             if abort.load(Ordering::Relaxed) {
                 break;
             }
-            let Some((at, out)) = lock(work).next() else {
+            let Some((at, out)) = work.lock_unpoisoned().next() else {
                 break;
             };
             let buf = match self.slots.pop() {

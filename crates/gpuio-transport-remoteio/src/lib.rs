@@ -42,7 +42,7 @@ pub use auth::{Key, Role};
 pub use connection::{Connection, Credentials, ExportInfo};
 pub use peer::{PeerConfig, PeerStats, RemoteExport, RemotePeer};
 #[cfg(feature = "registry")]
-pub use registry::{Registration, Registry};
+pub use registry::{Registry, SegmentRegistration};
 pub use registry::{RegistryConfig, SegmentMember};
 pub use tls::{TlsClient, TlsServer};
 

@@ -16,6 +16,7 @@
 use crate::connection::{Connection, Credentials, ExportInfo, split, split_mut};
 use crate::tls::TlsClient;
 use crate::{RemoteIoError, Result};
+use gpuio_hal::sync::MutexExt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -463,7 +464,7 @@ impl RemotePeer {
     /// An idle connection that is still alive, else a new one.
     fn checkout(&self) -> Result<Connection> {
         loop {
-            let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            let idle = self.idle.lock_unpoisoned().pop();
             match idle {
                 Some(c) if c.is_alive() => return Ok(c),
                 // Closed by the agent (idle too long, or gone): never handed out.
@@ -513,7 +514,7 @@ impl RemotePeer {
             self.broken.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let mut idle = self.idle.lock_unpoisoned();
         if idle.len() < self.cfg.connections.max(1) {
             idle.push(c);
         }

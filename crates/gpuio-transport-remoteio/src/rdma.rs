@@ -18,6 +18,7 @@ use crate::{RemoteIoError, Result};
 use gpuio_hal::rdma::{
     HostRegion, QueuePair, RdmaAccess, RdmaBuffer, RdmaDevice, RdmaEndpoint, RemoteRegion,
 };
+use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{ErrorCode, HostBuffer};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -41,7 +42,7 @@ impl RdmaOptions {
     /// The device: the one this process already has open with these options, or opened now.
     pub fn open(&self) -> Result<Arc<RdmaDevice>> {
         let key = (self.device.clone(), self.gid_index);
-        let mut open = DEVICES.lock().unwrap_or_else(|e| e.into_inner());
+        let mut open = DEVICES.lock_unpoisoned();
         open.retain(|(_, d)| d.strong_count() > 0);
         if let Some(d) = open
             .iter()
@@ -256,21 +257,14 @@ impl ChannelPool {
         f: impl FnOnce(&mut RdmaChannel) -> Result<T>,
         open: impl FnOnce() -> Result<RdmaChannel>,
     ) -> Option<Result<T>> {
-        if self
-            .tcp_only
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .any(|e| e == export)
-        {
+        if self.tcp_only.lock_unpoisoned().iter().any(|e| e == export) {
             return None;
         }
         // A channel whose control connection the agent closed (it restarted, or dropped an
         // idle session) reaches nothing any more: it is dropped, not used.
         let pooled = self
             .idle
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .lock_unpoisoned()
             .get_mut(export)
             .and_then(Vec::pop)
             .filter(|ch| ch.control.is_alive());
@@ -281,10 +275,7 @@ impl ChannelPool {
                 message,
             }) => {
                 tracing::debug!(export, %message, "served over TCP: RDMA cannot reach it");
-                self.tcp_only
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(export.to_string());
+                self.tcp_only.lock_unpoisoned().push(export.to_string());
                 return None;
             }
             Err(e) => return Some(Err(e)),
@@ -294,8 +285,7 @@ impl ChannelPool {
         // or timed-out work request leaves it in the error state.
         if !ch.qp.is_failed() {
             self.idle
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
+                .lock_unpoisoned()
                 .entry(export.to_string())
                 .or_default()
                 .push(ch);

@@ -21,6 +21,7 @@ pub mod prefetch;
 pub use prefetch::{Predictor, PrefetchConfig};
 
 use crate::{CoreError, Result};
+use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{DeviceBuffer, Gpu, HostAllocOptions, HostBuffer, Stream};
 use gpuio_transport_localio::{FileHandle, LocalIoError};
 use metrics::{Counter, counter};
@@ -29,7 +30,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// Largest accepted [`CacheConfig::block_size`].
 pub const MAX_BLOCK_SIZE: usize = 1 << 30;
@@ -406,11 +407,7 @@ impl BlockCache {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> CacheStats {
-        let d = self
-            .shared
-            .dir
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let d = self.shared.dir.lock_unpoisoned();
         CacheStats {
             levels: d
                 .tiers
@@ -432,21 +429,13 @@ impl BlockCache {
 
     /// Introspection (tests, debugging): the level holding block `block`, if any.
     pub fn level_of(&self, block: u64) -> Option<Level> {
-        let d = self
-            .shared
-            .dir
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let d = self.shared.dir.lock_unpoisoned();
         d.entries.get(&block).map(|e| d.tiers[e.tier].level)
     }
 
     /// Introspection (tests, debugging): the state of block `block`.
     pub fn state_of(&self, block: u64) -> BlockState {
-        let d = self
-            .shared
-            .dir
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let d = self.shared.dir.lock_unpoisoned();
         d.entries
             .get(&block)
             .map_or(BlockState::Invalid, |e| e.state)
@@ -995,7 +984,7 @@ impl Shared {
         drop(g);
         let res = self.backing.write_at(self.block_off(b), &data);
         // Poisoned or not, the block must be released, or it could never move again.
-        let mut g = self.dir.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut g = self.dir.lock_unpoisoned();
         if let Some(e) = g.entries.get_mut(&b) {
             e.busy = false;
             if e.state == BlockState::Flushing {

@@ -8,9 +8,10 @@
 
 use crate::{CoreError, Result};
 use crossbeam_channel::{Sender, TrySendError};
+use gpuio_hal::sync::MutexExt;
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
-use std::sync::{Mutex, PoisonError};
+use std::sync::Mutex;
 use std::thread::JoinHandle;
 
 /// Largest accepted [`PrefetchConfig::depth`].
@@ -211,7 +212,7 @@ impl Prefetcher {
     pub(crate) fn observe(&self, blocks: Range<u64>) {
         let Some(tx) = &self.tx else { return };
         // The predictor's state is a hint: after a panic elsewhere it is still usable.
-        let mut f = self.front.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut f = self.front.lock_unpoisoned();
         let f = &mut *f;
         for b in blocks.clone() {
             for p in f.predictor.observe(b) {

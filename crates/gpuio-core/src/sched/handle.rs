@@ -7,9 +7,10 @@ use crate::engine::Outcome;
 use crate::error::{CoreError, Result};
 use crate::request::{RequestId, Status, StatusCell};
 use gpuio_hal::ErrorCode;
+use gpuio_hal::sync::{CondvarExt, MutexExt};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -24,12 +25,6 @@ pub struct Completion {
     pub elapsed: Duration,
     /// Time from submission to completion.
     pub latency: Duration,
-}
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The guarded states (a slot, a report, a ticket) are updated in single steps; a panic
-    // cannot leave them half-written.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A one-shot value, awaitable both by blocking and as a future.
@@ -47,7 +42,7 @@ impl<T> Slot<T> {
     }
 
     pub(crate) fn put(&self, value: T) {
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock_unpoisoned();
         s.0 = Some(value);
         if let Some(w) = s.1.take() {
             w.wake();
@@ -56,17 +51,17 @@ impl<T> Slot<T> {
     }
 
     fn wait(&self) -> T {
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock_unpoisoned();
         loop {
             if let Some(v) = s.0.take() {
                 return v;
             }
-            s = self.ready.wait(s).unwrap_or_else(|e| e.into_inner());
+            s = self.ready.wait_unpoisoned(s);
         }
     }
 
     fn poll(&self, cx: &Context<'_>) -> Poll<T> {
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock_unpoisoned();
         match s.0.take() {
             Some(v) => Poll::Ready(v),
             None => {

@@ -17,146 +17,50 @@
 //! - **Completions** are delivered exactly once, after the request let go of its buffers: a
 //!   cancel delivers at once, a closed session cancels its queued work, and shutdown runs what
 //!   is queued.
+//!
+//! This file holds the [`Scheduler`] and its sessions (start, submission and admission,
+//! batches, cancellation, shutdown) and the state the workers share. `config.rs` holds the
+//! settings; `queue.rs` the ordering alone; `coalesce.rs` how requests are cut into queue
+//! units and small ones merged again; `worker.rs` the worker loop and how a unit runs;
+//! `ticket.rs` a request inside the scheduler and its exactly-once settlement; `handle.rs`
+//! what submitters hold.
 
+mod coalesce;
+mod config;
 mod handle;
 pub mod queue;
 mod ticket;
+mod worker;
 
+pub use config::{SchedulerConfig, SessionOptions};
 pub use handle::{BatchHandle, BatchReport, Completion, RequestHandle, Ticket};
 pub use queue::{Meta, Policy, QueueConfig, Rank, ReadyQueue, SessionId};
 pub use ticket::SchedStats;
 
 use crate::batch;
-use crate::endpoint::Endpoint;
-use crate::engine::{Engines, Outcome};
+use crate::engine::Engines;
 use crate::error::{CoreError, Result};
 use crate::metrics::SchedMetrics;
 use crate::request::{Request, Status};
 use crate::retry::RetryPolicy;
-use crossbeam_deque::{Steal, Stealer, Worker};
-pub(crate) use handle::lock as handle_lock;
-use handle::{Slot, lock};
-use serde::{Deserialize, Serialize};
-use std::cell::Cell;
-use std::panic::{AssertUnwindSafe, catch_unwind};
+use coalesce::Unit;
+use crossbeam_deque::{Stealer, Worker};
+use gpuio_hal::sync::MutexExt;
+use handle::Slot;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use ticket::{Accounting, Budgets, Counters, Done, SessionState, TicketInner};
 
-/// The scheduler's settings (the `[scheduler]` section of the configuration).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct SchedulerConfig {
-    /// Worker threads.
-    pub workers: usize,
-    /// Ordering policy.
-    pub policy: Policy,
-    /// Starvation bound: a class waiting this long while others run goes next.
-    #[serde(with = "micros")]
-    pub max_wait: Duration,
-    /// ADAPTIVE: deadlines closer than this are served first.
-    #[serde(with = "micros")]
-    pub urgent_window: Duration,
-    /// Requests larger than this are queued as chunks of this size (preemption points).
-    pub chunk_size: usize,
-    /// Bytes admitted and not yet completed, per engine.
-    pub engine_in_flight: u64,
-    /// Bytes admitted and not yet completed, per session.
-    pub session_in_flight: u64,
-    /// A worker takes units from the shared queue until they add up to this many bytes.
-    pub grab_bytes: u64,
-    /// Adjacent small requests are merged into transfers of at most this size.
-    pub coalesce_max: usize,
-    /// How long an idle worker spins before it sleeps.
-    #[serde(with = "micros")]
-    pub spin: Duration,
-}
-
-mod micros {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::time::Duration;
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(d.as_micros() as u64)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        u64::deserialize(d).map(Duration::from_micros)
-    }
-}
-
-impl Default for SchedulerConfig {
-    fn default() -> Self {
-        let q = QueueConfig::default();
-        Self {
-            workers: 4,
-            policy: q.policy,
-            max_wait: q.max_wait,
-            urgent_window: q.urgent_window,
-            chunk_size: 1 << 20,
-            engine_in_flight: 8 << 30,
-            session_in_flight: 2 << 30,
-            grab_bytes: 256 << 10,
-            coalesce_max: 1 << 20,
-            spin: Duration::from_micros(50),
-        }
-    }
-}
-
-/// How a session shares the engines.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SessionOptions {
-    /// Fair-share weight against other sessions of the same class (≥ 1).
-    pub weight: u32,
-    /// Bytes this session may have in flight (default: the scheduler's `session_in_flight`).
-    pub max_in_flight: Option<u64>,
-}
-
-impl Default for SessionOptions {
-    fn default() -> Self {
-        Self {
-            weight: 1,
-            max_in_flight: None,
-        }
-    }
-}
-
-/// A unit of work in the queues.
-enum Unit {
-    /// Bytes `off..off+len` of one request.
-    Chunk {
-        t: Arc<TicketInner>,
-        off: usize,
-        len: usize,
-    },
-    /// Whole requests, adjacent on both sides, run as one transfer.
-    Group(Vec<Arc<TicketInner>>),
-}
-
-impl Unit {
-    fn abandon(self) {
-        match self {
-            Unit::Chunk { t, .. } => t.abandon_chunk(),
-            Unit::Group(ts) => ts.iter().for_each(|t| t.abandon_chunk()),
-        }
-    }
-}
-
-/// What a worker runs a chunk on.
-enum Work {
-    /// The whole request, taken out of its ticket.
-    Owned(Request),
-    /// Sources (the source and its alternates) and destination, advanced to the chunk.
-    Shared(Vec<Endpoint>, Endpoint, bool),
-}
-
+/// What the shared queue's lock guards.
 struct State {
     queue: ReadyQueue<Unit>,
     closing: bool,
 }
 
+/// What the scheduler, its sessions and its workers share. Its methods are spread over the
+/// files by concern: queueing units in `coalesce.rs`, taking and running them in `worker.rs`.
 struct Shared {
     cfg: SchedulerConfig,
     /// Mirrors `State::closing`, so submissions are refused before they touch a request.
@@ -170,445 +74,6 @@ struct Shared {
     acct: Arc<Accounting>,
     stealers: Vec<Stealer<Unit>>,
     next_session: AtomicU64,
-}
-
-thread_local! {
-    static IN_WORKER: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Runs `f`, turning a panic into [`CoreError::Internal`].
-fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
-        let msg = panic
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown panic".into());
-        tracing::error!(%what, %msg, "engine panicked");
-        Err(CoreError::Internal(format!("{what} panicked: {msg}")))
-    })
-}
-
-fn durable_sync(req: &Request) -> Result<()> {
-    if req.flags.durable
-        && let Endpoint::File { file, .. } = &req.dst
-    {
-        file.sync_data()?;
-    }
-    Ok(())
-}
-
-impl Shared {
-    fn policy(&self, no_retry: bool) -> &RetryPolicy {
-        if no_retry {
-            &RetryPolicy::NONE
-        } else {
-            &self.retry
-        }
-    }
-
-    fn meta(&self, t: &TicketInner, cost: usize) -> Meta {
-        Meta {
-            seq: 0,
-            session: t.session.id,
-            weight: t.session.weight,
-            class: t.class,
-            deadline: t.deadline,
-            engine: t.engine,
-            cost: cost as u64,
-            arrival: t.submitted,
-        }
-    }
-
-    /// Queues units; wakes sleeping workers.
-    fn push(&self, st: &mut State, units: Vec<(Meta, Unit)>) {
-        let n = units.len();
-        for (meta, unit) in units {
-            st.queue.push(meta, unit);
-        }
-        self.queued.fetch_add(n, Ordering::AcqRel);
-        self.acct.metrics.queue_depth.set(st.queue.len() as f64);
-        let sleeping = self.sleepers.load(Ordering::Acquire);
-        if sleeping > 0 {
-            if n >= sleeping {
-                self.work.notify_all();
-            } else {
-                (0..n).for_each(|_| self.work.notify_one());
-            }
-        }
-    }
-
-    /// Queues admitted tickets (one unit per chunk); refuses them all if shutting down.
-    fn enqueue(&self, tickets: &[Arc<TicketInner>]) -> Result<()> {
-        let units: Vec<(Meta, Unit)> = tickets
-            .iter()
-            .flat_map(|t| {
-                let chunk = self.cfg.chunk_size.max(1);
-                let n = t.len.div_ceil(chunk).max(1);
-                (0..n).map(move |i| {
-                    let off = i * chunk;
-                    let len = chunk.min(t.len - off.min(t.len));
-                    (
-                        self.meta(t, len),
-                        Unit::Chunk {
-                            t: t.clone(),
-                            off,
-                            len,
-                        },
-                    )
-                })
-            })
-            .collect();
-        self.enqueue_units(tickets, units)
-    }
-
-    fn enqueue_units(&self, tickets: &[Arc<TicketInner>], units: Vec<(Meta, Unit)>) -> Result<()> {
-        let mut st = lock(&self.state);
-        if st.closing {
-            drop(st);
-            for t in tickets {
-                t.disarm();
-                t.fail_unstarted(CoreError::ShutDown);
-            }
-            return Err(CoreError::ShutDown);
-        }
-        for t in tickets {
-            let m = &self.acct.metrics;
-            m.class(t.engine, t.class).submitted.increment(1);
-            m.engine(t.engine)
-                .in_flight
-                .set(self.acct.budgets.in_flight(t.engine) as f64);
-        }
-        self.acct
-            .counters
-            .submitted
-            .fetch_add(tickets.len() as u64, Ordering::Relaxed);
-        self.push(&mut st, units);
-        Ok(())
-    }
-
-    /// Takes units from the shared queue into a worker's deque. False if there were none.
-    fn grab(&self, local: &Worker<Unit>) -> bool {
-        if self.queued.load(Ordering::Acquire) == 0 {
-            return false;
-        }
-        let now = Instant::now();
-        let mut taken = Vec::new();
-        {
-            let mut st = lock(&self.state);
-            let mut bytes = 0u64;
-            while let Some((meta, unit)) = st.queue.pop(now) {
-                bytes += meta.cost.max(4096);
-                taken.push(unit);
-                if bytes >= self.cfg.grab_bytes || taken.len() >= 64 {
-                    break;
-                }
-            }
-            self.queued.fetch_sub(taken.len(), Ordering::AcqRel);
-            self.acct.metrics.queue_depth.set(st.queue.len() as f64);
-        }
-        if taken.is_empty() {
-            return false;
-        }
-        for u in self.coalesce(taken) {
-            local.push(u);
-        }
-        true
-    }
-
-    /// Merges whole small requests that continue each other on both sides. A merged group
-    /// takes the place of its earliest member, so the policy's order otherwise stands.
-    fn coalesce(&self, taken: Vec<Unit>) -> Vec<Unit> {
-        let max = self.cfg.coalesce_max;
-        if taken.len() < 2 || max == 0 {
-            return taken;
-        }
-        // Most grabs hold nothing to merge: look at the sorted keys before rebuilding.
-        let mut keys: Vec<(batch::MergeKey, usize)> = taken
-            .iter()
-            .filter_map(|u| match u {
-                Unit::Chunk { t, off: 0, len } if *len == t.len && *len > 0 && *len <= max => {
-                    t.merge.map(|k| (k, *len))
-                }
-                _ => None,
-            })
-            .collect();
-        keys.sort_unstable_by_key(|(k, _)| *k);
-        let mergeable = keys
-            .windows(2)
-            .any(|w| w[0].0.continued_by(&w[1].0, w[0].1) && w[0].1 + w[1].1 <= max);
-        if !mergeable {
-            return taken;
-        }
-        let mut out: Vec<(usize, Unit)> = Vec::with_capacity(taken.len());
-        let mut cands = Vec::new();
-        for (i, u) in taken.into_iter().enumerate() {
-            match u {
-                Unit::Chunk { t, off: 0, len } if len == t.len && len > 0 && len <= max => {
-                    match t.merge {
-                        Some(key) => cands.push((key, i, t)),
-                        None => out.push((i, Unit::Chunk { t, off: 0, len })),
-                    }
-                }
-                other => out.push((i, other)),
-            }
-        }
-        cands.sort_unstable_by_key(|(k, _, _)| *k);
-        let mut run: Vec<(usize, Arc<TicketInner>)> = Vec::new();
-        let mut run_key: Option<batch::MergeKey> = None;
-        let mut run_len = 0;
-        let flush = |run: &mut Vec<(usize, Arc<TicketInner>)>, out: &mut Vec<(usize, Unit)>| {
-            let first = run.iter().map(|(i, _)| *i).min().unwrap_or(0);
-            match run.len() {
-                0 => {}
-                1 => {
-                    let (_, t) = run.pop().expect("one");
-                    let len = t.len;
-                    out.push((first, Unit::Chunk { t, off: 0, len }));
-                }
-                n => {
-                    self.acct
-                        .counters
-                        .coalesced
-                        .fetch_add(n as u64, Ordering::Relaxed);
-                    let ts = run.drain(..).map(|(_, t)| t).collect();
-                    out.push((first, Unit::Group(ts)));
-                }
-            }
-        };
-        for (key, i, t) in cands {
-            let joins =
-                run_key.is_some_and(|k| k.continued_by(&key, run_len)) && run_len + t.len <= max;
-            if !joins {
-                flush(&mut run, &mut out);
-                run_len = 0;
-                run_key = Some(key);
-            }
-            run_len += t.len;
-            run.push((i, t));
-        }
-        flush(&mut run, &mut out);
-        out.sort_unstable_by_key(|(i, _)| *i);
-        out.into_iter().map(|(_, u)| u).collect()
-    }
-
-    fn steal(&self, me: usize) -> Option<Unit> {
-        let n = self.stealers.len();
-        for i in 1..n {
-            let s = &self.stealers[(me + i) % n];
-            loop {
-                match s.steal() {
-                    Steal::Success(u) => {
-                        self.acct.counters.stolen.fetch_add(1, Ordering::Relaxed);
-                        return Some(u);
-                    }
-                    Steal::Empty => break,
-                    Steal::Retry => {}
-                }
-            }
-        }
-        None
-    }
-
-    fn stealable(&self) -> bool {
-        self.stealers.iter().any(|s| !s.is_empty())
-    }
-
-    /// Waits for work: spins, then sleeps. False when the scheduler is closing and the shared
-    /// queue is empty (the worker exits).
-    fn idle(&self) -> bool {
-        let spin_until = Instant::now() + self.cfg.spin;
-        while Instant::now() < spin_until {
-            if self.queued.load(Ordering::Acquire) > 0 || self.stealable() {
-                return true;
-            }
-            std::hint::spin_loop();
-        }
-        let mut st = lock(&self.state);
-        loop {
-            if !st.queue.is_empty() {
-                return true;
-            }
-            if st.closing {
-                return false;
-            }
-            self.sleepers.fetch_add(1, Ordering::AcqRel);
-            let (g, timeout) = self
-                .work
-                .wait_timeout(st, Duration::from_millis(50))
-                .unwrap_or_else(|e| e.into_inner());
-            st = g;
-            self.sleepers.fetch_sub(1, Ordering::AcqRel);
-            if timeout.timed_out() && self.stealable() {
-                return true;
-            }
-        }
-    }
-
-    fn run(&self, unit: Unit) {
-        match unit {
-            Unit::Chunk { t, off, len } => {
-                if t.pick_up() {
-                    self.run_chunk(&t, off, len);
-                }
-            }
-            Unit::Group(ts) => self.run_group(ts),
-        }
-    }
-
-    /// Runs a picked-up chunk: retries, alternates on failure, then settles it.
-    fn run_chunk(&self, t: &TicketInner, off: usize, len: usize) {
-        // A request of one chunk runs on this worker alone: take it out of the ticket
-        // instead of cloning its endpoints (shared reference counts are costly to touch).
-        let work = {
-            let mut s = lock(&t.state);
-            if s.error.is_some() {
-                None
-            } else if s.chunks_left == 1 && off == 0 && len == t.len {
-                s.req.take().map(Work::Owned)
-            } else {
-                s.req.as_ref().map(|r| {
-                    Work::Shared(
-                        std::iter::once(&r.src)
-                            .chain(&r.alternates)
-                            .map(|e| e.advanced(off))
-                            .collect(),
-                        r.dst.advanced(off),
-                        r.flags.no_retry,
-                    )
-                })
-            }
-        };
-        let Some(work) = work else {
-            // An earlier chunk failed: this one only counts down.
-            t.chunk_done(Err(CoreError::Cancelled(t.id)), |_| Ok(()));
-            return;
-        };
-        let span = tracing::debug_span!("request", id = t.id.0, engine = %t.engine, off, len);
-        let _enter = span.enter();
-        let run = |sources: &[Endpoint], dst: &Endpoint, no_retry: bool| {
-            let c = &self.acct.counters;
-            let m = &self.acct.metrics;
-            guarded("request", || {
-                self.engines.execute_any(
-                    sources,
-                    dst,
-                    len,
-                    self.policy(no_retry),
-                    t.expires,
-                    &mut || {
-                        c.retries.fetch_add(1, Ordering::Relaxed);
-                        m.retries.increment(1);
-                    },
-                    &mut || {
-                        c.failovers.fetch_add(1, Ordering::Relaxed);
-                        m.failovers.increment(1);
-                    },
-                )
-            })
-        };
-        match work {
-            Work::Owned(req) => {
-                let result = if req.alternates.is_empty() {
-                    run(std::slice::from_ref(&req.src), &req.dst, req.flags.no_retry)
-                } else {
-                    let sources: Vec<Endpoint> = std::iter::once(&req.src)
-                        .chain(&req.alternates)
-                        .cloned()
-                        .collect();
-                    run(&sources, &req.dst, req.flags.no_retry)
-                };
-                let result = result.and_then(|o| durable_sync(&req).map(|()| o));
-                // Let go of the buffers before the completion is delivered.
-                drop(req);
-                t.chunk_done(result, |_| Ok(()));
-            }
-            Work::Shared(sources, dst, no_retry) => {
-                let result = run(&sources, &dst, no_retry);
-                drop((sources, dst));
-                t.chunk_done(result, durable_sync);
-            }
-        }
-    }
-
-    /// Runs merged requests as one transfer; on failure (or if some were cancelled meanwhile)
-    /// runs them one by one, so one bad request fails alone.
-    fn run_group(&self, ts: Vec<Arc<TicketInner>>) {
-        let all = ts.len();
-        let picked: Vec<Arc<TicketInner>> = ts.into_iter().filter(|t| t.pick_up()).collect();
-        if picked.len() == all && all > 1 {
-            let first = {
-                let s = lock(&picked[0].state);
-                s.req
-                    .as_ref()
-                    .map(|r| (r.src.clone(), r.dst.clone(), r.flags.no_retry))
-            };
-            let total: usize = picked.iter().map(|t| t.len).sum();
-            let until = picked.iter().filter_map(|t| t.expires).min();
-            if let Some((src, dst, no_retry)) = first {
-                let result = guarded("coalesced requests", || {
-                    self.retry_policy_run(no_retry, until, || {
-                        self.engines.execute(&src, &dst, total, false)
-                    })
-                });
-                let synced = result.and_then(|o| {
-                    let s = lock(&picked[0].state);
-                    s.req.as_ref().map_or(Ok(()), durable_sync).map(|()| o)
-                });
-                if let Ok(o) = synced {
-                    let route = format!("{} ({all} requests coalesced)", o.route);
-                    for t in &picked {
-                        let outcome = Outcome {
-                            bytes: t.len,
-                            engine: o.engine,
-                            route: route.clone(),
-                        };
-                        t.chunk_done(Ok(outcome), |_| Ok(()));
-                    }
-                    return;
-                }
-            }
-        }
-        for t in &picked {
-            self.run_chunk(t, 0, t.len);
-        }
-    }
-
-    fn retry_policy_run<T>(
-        &self,
-        no_retry: bool,
-        until: Option<Instant>,
-        op: impl FnMut() -> Result<T>,
-    ) -> Result<T> {
-        let c = &self.acct.counters;
-        self.policy(no_retry).run_until(
-            until,
-            || {
-                c.retries.fetch_add(1, Ordering::Relaxed);
-            },
-            op,
-        )
-    }
-}
-
-fn worker_main(sh: Arc<Shared>, me: usize, local: Worker<Unit>) {
-    IN_WORKER.with(|w| w.set(true));
-    loop {
-        if let Some(u) = local.pop() {
-            sh.run(u);
-            continue;
-        }
-        if sh.grab(&local) {
-            continue;
-        }
-        if let Some(u) = sh.steal(me) {
-            sh.run(u);
-            continue;
-        }
-        if !sh.idle() {
-            return;
-        }
-    }
 }
 
 /// The scheduler: its worker pool and the default session (which it dereferences to, so
@@ -671,7 +136,7 @@ impl Scheduler {
             let sh = shared.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("gpuio-worker-{i}"))
-                .spawn(move || worker_main(sh, i, local));
+                .spawn(move || worker::worker_main(sh, i, local));
             match spawned {
                 Ok(h) => workers.push(h),
                 Err(e) => {
@@ -730,7 +195,7 @@ impl Scheduler {
     /// Stops taking work, lets the workers finish what is queued, and joins them.
     pub fn shutdown(&mut self) {
         {
-            let mut st = lock(&self.shared.state);
+            let mut st = self.shared.state.lock_unpoisoned();
             st.closing = true;
             self.shared.closing.store(true, Ordering::Release);
             self.shared.work.notify_all();
@@ -742,7 +207,7 @@ impl Scheduler {
         }
         // Workers leave nothing queued; if one died, what it left fails here, once.
         let rest: Vec<Unit> = {
-            let mut st = lock(&self.shared.state);
+            let mut st = self.shared.state.lock_unpoisoned();
             std::iter::from_fn(|| st.queue.pop(Instant::now()).map(|(_, u)| u)).collect()
         };
         drop(rest);
@@ -842,7 +307,7 @@ impl SchedSession {
                 r.status()
             )));
         }
-        let in_worker = IN_WORKER.with(Cell::get);
+        let in_worker = worker::in_worker();
         let budgets = &sh.acct.budgets;
         // One admission for a whole single-engine submission where it fits: the shared
         // counters are touched once instead of once per request.
@@ -963,13 +428,13 @@ impl SchedSession {
             n,
         )));
         if n == 0 {
-            slot.put(Ok(lock(&report).0.clone()));
+            slot.put(Ok(report.lock_unpoisoned().0.clone()));
             return Ok(BatchHandle {
                 tickets: Vec::new(),
                 slot,
             });
         }
-        let in_worker = IN_WORKER.with(Cell::get);
+        let in_worker = worker::in_worker();
         let mut tickets: Vec<Arc<TicketInner>> = Vec::with_capacity(n);
         for req in requests {
             let (engine, bytes) = (req.engine, req.len as u64);
@@ -980,7 +445,7 @@ impl SchedSession {
             let (report, slot) = (report.clone(), slot.clone());
             let id = req.id;
             let done: Done = Box::new(move |r| {
-                let mut g = lock(&report);
+                let mut g = report.lock_unpoisoned();
                 match r {
                     Ok(c) => g.0.bytes += c.outcome.bytes as u64,
                     Err(e) => g.0.failed.push((id, e.code(), e.to_string())),
@@ -1037,7 +502,7 @@ impl SchedSession {
     /// Cancels every queued request of this session (running ones finish).
     pub fn cancel_queued(&self) -> usize {
         let drained = {
-            let mut st = lock(&self.shared.state);
+            let mut st = self.shared.state.lock_unpoisoned();
             let d = st.queue.drain_session(self.state.id);
             self.shared.queued.fetch_sub(d.len(), Ordering::AcqRel);
             self.shared

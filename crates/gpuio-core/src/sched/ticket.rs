@@ -7,7 +7,7 @@
 //! ticket dropped before it finished (its queue went away) finishes itself with
 //! [`CoreError::ShutDown`].
 
-use super::handle::{Completion, lock};
+use super::handle::Completion;
 use super::queue::SessionId;
 use crate::batch::MergeKey;
 use crate::engine::Outcome;
@@ -15,6 +15,7 @@ use crate::error::{CoreError, Result};
 use crate::metrics::SchedMetrics;
 use crate::request::{EngineKind, Priority, Request, RequestId, Status, StatusCell};
 use crossbeam_utils::CachePadded;
+use gpuio_hal::sync::{CondvarExt, MutexExt};
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -117,14 +118,13 @@ impl Budgets {
             )));
         }
         self.waiters.fetch_add(1, Ordering::AcqRel);
-        let mut g = lock(&self.lock);
+        let mut g = self.lock.lock_unpoisoned();
         while !self.try_take(e, s, bytes) {
             // Timed, so a release racing with our check cannot strand us.
             g = self
                 .room
-                .wait_timeout(g, Duration::from_millis(5))
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
+                .wait_timeout_unpoisoned(g, Duration::from_millis(5))
+                .0;
         }
         drop(g);
         self.waiters.fetch_sub(1, Ordering::AcqRel);
@@ -135,7 +135,7 @@ impl Budgets {
         self.engine[e as usize].fetch_sub(bytes, Ordering::AcqRel);
         s.in_flight.fetch_sub(bytes, Ordering::AcqRel);
         if self.waiters.load(Ordering::Acquire) > 0 {
-            let _g = lock(&self.lock);
+            let _g = self.lock.lock_unpoisoned();
             self.room.notify_all();
         }
     }
@@ -280,13 +280,13 @@ impl TicketInner {
     /// Forgets the completion (the request was refused at submission; the submitter reports
     /// that instead).
     pub fn disarm(&self) {
-        lock(&self.state).done = None;
+        self.state.lock_unpoisoned().done = None;
     }
 
     /// Settles a request whose status is final; only the first call does anything.
     pub fn finish(&self, result: Result<Outcome>) {
         let (req, done, started) = {
-            let mut s = lock(&self.state);
+            let mut s = self.state.lock_unpoisoned();
             if s.finished {
                 return;
             }
@@ -384,7 +384,7 @@ impl TicketInner {
                 match self.cell.advance(Status::InProgress) {
                     Ok(()) => {
                         let now = Instant::now();
-                        lock(&self.state).started = Some(now);
+                        self.state.lock_unpoisoned().started = Some(now);
                         self.acct
                             .metrics
                             .engine(self.engine)
@@ -419,7 +419,7 @@ impl TicketInner {
         result: Result<Outcome>,
         durable_sync: impl FnOnce(&Request) -> Result<()>,
     ) {
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock_unpoisoned();
         match result {
             Ok(o) => {
                 if s.route.is_none() {

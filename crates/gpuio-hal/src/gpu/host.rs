@@ -10,6 +10,7 @@ use super::backend::{
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
 use crate::error::{HalError, Result};
 use crate::memory::{HostAllocOptions, HostBuffer};
+use crate::sync::RwLockExt;
 use crate::{pattern, sys};
 use std::any::Any;
 use std::fs::File;
@@ -83,11 +84,11 @@ fn memory<'a>(r: &DevRange<'a>) -> Result<&'a HostDeviceMemory> {
 
 fn read_lock(m: &HostDeviceMemory) -> RwLockReadGuard<'_, ()> {
     // The lock guards no data of its own; a panic while it was held leaves nothing to repair.
-    m.lock.read().unwrap_or_else(|e| e.into_inner())
+    m.lock.read_unpoisoned()
 }
 
 fn write_lock(m: &HostDeviceMemory) -> RwLockWriteGuard<'_, ()> {
-    m.lock.write().unwrap_or_else(|e| e.into_inner())
+    m.lock.write_unpoisoned()
 }
 
 /// Runs `f` with `src` readable and `dst` writable: one exclusive lock when they share an

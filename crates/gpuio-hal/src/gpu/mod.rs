@@ -20,7 +20,8 @@ pub use info::{Backend, Capability, DeviceInfo, PcieLink};
 pub use rows::{RowIndices, RowKernel};
 
 use crate::error::{HalError, Result, check_range};
-use crate::memory::{HostBuffer, Location, MappingHold, MemoryRegion, Registration};
+use crate::memory::{DmaRegistration, HostBuffer, Location, MappingHold, MemoryRegion};
+use crate::sync::RwLockExt;
 use backend::{DevRange, DeviceBackend, DeviceMemory, EventBackend, HostPin, StreamBackend};
 use std::fmt;
 use std::ops::Range;
@@ -274,7 +275,7 @@ impl Gpu {
         }
         let (ptr, hold) = {
             // HostBuffer holds no invariants a panicking writer could break.
-            let buf = owner.read().unwrap_or_else(|e| e.into_inner());
+            let buf = owner.read_unpoisoned();
             check_range("shared pin", offset, len, buf.len())?;
             // Taken under the lock, so the hold is on the buffer whose address we register.
             (buf.base_ptr().wrapping_add(offset), buf.hold_mapping())
@@ -424,7 +425,7 @@ impl DeviceBuffer {
             },
             addr: self.device_addr(),
             len: self.inner.len,
-            registration: Registration::Pinned,
+            registration: DmaRegistration::Pinned,
         }
     }
 

@@ -2,7 +2,7 @@
 //! NUMA node, and optionally pinned for a GPU. The unit of staging memory in gpuio: one such buffer serves as a DMA target, an O_DIRECT target, an io_uring fixed buffer
 //! and later an RDMA or VFIO region.
 
-use super::{Location, MemoryRegion, MemoryTier, Registration};
+use super::{DmaRegistration, Location, MemoryRegion, MemoryTier};
 use crate::error::{HalError, Result};
 use crate::gpu::{Gpu, PinGuard};
 use crate::sys;
@@ -213,9 +213,9 @@ impl HostBuffer {
             addr: self.ptr.as_ptr() as u64,
             len: self.len,
             registration: if self.is_pinned() {
-                Registration::Pinned
+                DmaRegistration::Pinned
             } else {
-                Registration::Pageable
+                DmaRegistration::Pageable
             },
         }
     }

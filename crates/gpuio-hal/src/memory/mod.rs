@@ -70,7 +70,7 @@ impl fmt::Display for Location {
 
 /// Whether a host region is registered (page-locked and mapped) for device DMA.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize)]
-pub enum Registration {
+pub enum DmaRegistration {
     /// Pageable memory: a DMA must go through a bounce buffer.
     #[default]
     Pageable,
@@ -89,8 +89,8 @@ pub struct MemoryRegion {
     pub addr: u64,
     /// Length in bytes.
     pub len: usize,
-    /// Registration state (always [`Registration::Pinned`] for device memory).
-    pub registration: Registration,
+    /// Registration state (always [`DmaRegistration::Pinned`] for device memory).
+    pub registration: DmaRegistration,
 }
 
 impl MemoryRegion {
@@ -121,7 +121,7 @@ mod tests {
             location: Location::Device { gpu: 0 },
             addr: 0x1000,
             len: 100,
-            registration: Registration::Pinned,
+            registration: DmaRegistration::Pinned,
         };
         let a = r.slice(0, 40).unwrap();
         let b = r.slice(40, 60).unwrap();

@@ -8,6 +8,7 @@
 //! against a client that completes its handshake in a round trip, and a flood from a few
 //! sources evicts its own sockets, not the handshakes of the sources it does not control.
 
+use gpuio_hal::sync::MutexExt;
 use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
@@ -57,7 +58,7 @@ impl Gate {
     /// holds the most.
     pub(super) fn admit(self: &Arc<Self>, addr: IpAddr) -> Pending {
         let addr = source(addr);
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = self.state.lock_unpoisoned();
         let mine = s.per_address.get(&addr).copied().unwrap_or(0);
         if mine >= self.per_address {
             s.evict_oldest_of(addr);
@@ -82,16 +83,13 @@ impl Gate {
 
     /// Pending handshakes closed to make room for newer ones, so far.
     pub(super) fn evicted(&self) -> u64 {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).evicted
+        self.state.lock_unpoisoned().evicted
     }
 
     /// Closes a pending handshake of the source holding the most (the process ran out of file
     /// descriptors: a stranger's socket gives way to the next connection).
     pub(super) fn make_room(&self) {
-        self.state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .evict_from_largest();
+        self.state.lock_unpoisoned().evict_from_largest();
     }
 }
 
@@ -160,7 +158,7 @@ impl Pending {
 
 impl Drop for Pending {
     fn drop(&mut self) {
-        let mut s = self.gate.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = self.gate.state.lock_unpoisoned();
         if let Some(i) = s.pending.iter().position(|e| e.ticket == self.ticket) {
             s.remove(i);
         }

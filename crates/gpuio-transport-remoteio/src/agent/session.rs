@@ -8,6 +8,7 @@ use crate::auth::{self, Role};
 use crate::wire::{HEADER_LEN, Header, MAX_HANDSHAKE_PAYLOAD, Message};
 use crate::{RemoteIoError, Result};
 use gpuio_hal::ErrorCode;
+use gpuio_hal::sync::MutexExt;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -305,10 +306,7 @@ struct KeySlot<'a> {
 
 impl<'a> KeySlot<'a> {
     fn take(sh: &'a Shared, key: &str) -> Option<Self> {
-        let mut per_key = sh
-            .sessions_per_key
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut per_key = sh.sessions_per_key.lock_unpoisoned();
         let n = per_key.entry(key.to_string()).or_insert(0);
         if *n >= sh.cfg.max_sessions_per_key {
             return None;
@@ -323,11 +321,7 @@ impl<'a> KeySlot<'a> {
 
 impl Drop for KeySlot<'_> {
     fn drop(&mut self) {
-        let mut per_key = self
-            .sh
-            .sessions_per_key
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut per_key = self.sh.sessions_per_key.lock_unpoisoned();
         if let Some(n) = per_key.get_mut(&self.key) {
             *n = n.saturating_sub(1);
             if *n == 0 {

@@ -86,13 +86,13 @@ impl Registry {
     }
 
     /// Registers `member` as serving `segment` under a lease of `ttl`, kept alive until the
-    /// returned [`Registration`] is dropped (which revokes it).
+    /// returned [`SegmentRegistration`] is dropped (which revokes it).
     pub fn register(
         &self,
         segment: &str,
         member: &SegmentMember,
         ttl: Duration,
-    ) -> Result<Registration> {
+    ) -> Result<SegmentRegistration> {
         check_name("segment", segment)?;
         check_name("agent", &member.agent)?;
         let ttl_s = ttl.as_secs().max(2) as i64;
@@ -111,7 +111,7 @@ impl Registry {
             lease,
             stopped,
         ));
-        Ok(Registration {
+        Ok(SegmentRegistration {
             runtime: self.runtime.clone(),
             client,
             key,
@@ -200,7 +200,7 @@ async fn keep_alive(
 
 /// A segment registration, kept alive in the background. Dropping it revokes the lease, so
 /// the agent disappears from the registry at once.
-pub struct Registration {
+pub struct SegmentRegistration {
     runtime: Arc<tokio::runtime::Runtime>,
     client: Client,
     key: String,
@@ -208,15 +208,15 @@ pub struct Registration {
     keeper: Option<tokio::task::JoinHandle<()>>,
 }
 
-impl std::fmt::Debug for Registration {
+impl std::fmt::Debug for SegmentRegistration {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Registration")
+        f.debug_struct("SegmentRegistration")
             .field("key", &self.key)
             .finish()
     }
 }
 
-impl Registration {
+impl SegmentRegistration {
     /// The registry key.
     pub fn key(&self) -> &str {
         &self.key
@@ -233,7 +233,7 @@ impl Registration {
     }
 }
 
-impl Drop for Registration {
+impl Drop for SegmentRegistration {
     fn drop(&mut self) {
         let _ = self.stop.send(true);
         if let Some(k) = self.keeper.take() {

@@ -9,14 +9,15 @@
 //! keep-alive of every registration runs in the background.
 //!
 //! [`RegistryConfig`] and [`SegmentMember`] are always here; the etcd client ([`Registry`],
-//! [`Registration`]) only with the cargo feature `registry`, because etcd-client's build runs
-//! `protoc` and needs protobuf's well-known `.proto` files (Debian: `protobuf-compiler` and
-//! `libprotobuf-dev`). A library user who does not name segments needs neither.
+//! [`SegmentRegistration`]) only with the cargo feature `registry`, because etcd-client's
+//! build runs `protoc` and needs protobuf's well-known `.proto` files (Debian:
+//! `protobuf-compiler` and `libprotobuf-dev`). A library user who does not name segments
+//! needs neither.
 
 #[cfg(feature = "registry")]
 mod etcd;
 #[cfg(feature = "registry")]
-pub use etcd::{Registration, Registry};
+pub use etcd::{Registry, SegmentRegistration};
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -1,0 +1,321 @@
+//! The worker threads. Each takes a few units at a time (up to `grab_bytes`) from the shared
+//! queue into its own deque, merging adjacent small requests on the way (`coalesce.rs`),
+//! steals from the others' deques when it has nothing, and spins briefly before it sleeps.
+//! It runs a unit through the engines — retries, failover to alternate sources, a panic
+//! turned into the request's error, a coalesced group that fails run again request by
+//! request — and settles it.
+
+use super::Shared;
+use super::coalesce::Unit;
+use super::ticket::TicketInner;
+use crate::endpoint::Endpoint;
+use crate::engine::Outcome;
+use crate::error::{CoreError, Result};
+use crate::request::Request;
+use crate::retry::RetryPolicy;
+use crossbeam_deque::{Steal, Worker};
+use gpuio_hal::sync::{CondvarExt, MutexExt};
+use std::cell::Cell;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// What a worker runs a chunk on.
+enum Work {
+    /// The whole request, taken out of its ticket.
+    Owned(Request),
+    /// Sources (the source and its alternates) and destination, advanced to the chunk.
+    Shared(Vec<Endpoint>, Endpoint, bool),
+}
+
+thread_local! {
+    static IN_WORKER: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the calling thread is one of the scheduler's workers (a completion callback
+/// submitting more work: always admitted, so it cannot deadlock the pool).
+pub(super) fn in_worker() -> bool {
+    IN_WORKER.with(Cell::get)
+}
+
+/// Runs `f`, turning a panic into [`CoreError::Internal`].
+fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let msg = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        tracing::error!(%what, %msg, "engine panicked");
+        Err(CoreError::Internal(format!("{what} panicked: {msg}")))
+    })
+}
+
+/// Syncs a durable request's destination file (before the request completes).
+fn durable_sync(req: &Request) -> Result<()> {
+    if req.flags.durable
+        && let Endpoint::File { file, .. } = &req.dst
+    {
+        file.sync_data()?;
+    }
+    Ok(())
+}
+
+/// A worker thread: its own deque first, then the shared queue, then the others' deques,
+/// then sleep; returns when the scheduler is closing and nothing is queued.
+pub(super) fn worker_main(sh: Arc<Shared>, me: usize, local: Worker<Unit>) {
+    IN_WORKER.with(|w| w.set(true));
+    loop {
+        if let Some(u) = local.pop() {
+            sh.run(u);
+            continue;
+        }
+        if sh.grab(&local) {
+            continue;
+        }
+        if let Some(u) = sh.steal(me) {
+            sh.run(u);
+            continue;
+        }
+        if !sh.idle() {
+            return;
+        }
+    }
+}
+
+impl Shared {
+    fn policy(&self, no_retry: bool) -> &RetryPolicy {
+        if no_retry {
+            &RetryPolicy::NONE
+        } else {
+            &self.retry
+        }
+    }
+
+    /// Takes units from the shared queue into a worker's deque. False if there were none.
+    fn grab(&self, local: &Worker<Unit>) -> bool {
+        if self.queued.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let now = Instant::now();
+        let mut taken = Vec::new();
+        {
+            let mut st = self.state.lock_unpoisoned();
+            let mut bytes = 0u64;
+            while let Some((meta, unit)) = st.queue.pop(now) {
+                bytes += meta.cost.max(4096);
+                taken.push(unit);
+                if bytes >= self.cfg.grab_bytes || taken.len() >= 64 {
+                    break;
+                }
+            }
+            self.queued.fetch_sub(taken.len(), Ordering::AcqRel);
+            self.acct.metrics.queue_depth.set(st.queue.len() as f64);
+        }
+        if taken.is_empty() {
+            return false;
+        }
+        for u in self.coalesce(taken) {
+            local.push(u);
+        }
+        true
+    }
+
+    fn steal(&self, me: usize) -> Option<Unit> {
+        let n = self.stealers.len();
+        for i in 1..n {
+            let s = &self.stealers[(me + i) % n];
+            loop {
+                match s.steal() {
+                    Steal::Success(u) => {
+                        self.acct.counters.stolen.fetch_add(1, Ordering::Relaxed);
+                        return Some(u);
+                    }
+                    Steal::Empty => break,
+                    Steal::Retry => {}
+                }
+            }
+        }
+        None
+    }
+
+    fn stealable(&self) -> bool {
+        self.stealers.iter().any(|s| !s.is_empty())
+    }
+
+    /// Waits for work: spins, then sleeps. False when the scheduler is closing and the shared
+    /// queue is empty (the worker exits).
+    fn idle(&self) -> bool {
+        let spin_until = Instant::now() + self.cfg.spin;
+        while Instant::now() < spin_until {
+            if self.queued.load(Ordering::Acquire) > 0 || self.stealable() {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        let mut st = self.state.lock_unpoisoned();
+        loop {
+            if !st.queue.is_empty() {
+                return true;
+            }
+            if st.closing {
+                return false;
+            }
+            self.sleepers.fetch_add(1, Ordering::AcqRel);
+            let (g, timeout) = self
+                .work
+                .wait_timeout_unpoisoned(st, Duration::from_millis(50));
+            st = g;
+            self.sleepers.fetch_sub(1, Ordering::AcqRel);
+            if timeout.timed_out() && self.stealable() {
+                return true;
+            }
+        }
+    }
+
+    fn run(&self, unit: Unit) {
+        match unit {
+            Unit::Chunk { t, off, len } => {
+                if t.pick_up() {
+                    self.run_chunk(&t, off, len);
+                }
+            }
+            Unit::Group(ts) => self.run_group(ts),
+        }
+    }
+
+    /// Runs a picked-up chunk: retries, alternates on failure, then settles it.
+    fn run_chunk(&self, t: &TicketInner, off: usize, len: usize) {
+        // A request of one chunk runs on this worker alone: take it out of the ticket
+        // instead of cloning its endpoints (shared reference counts are costly to touch).
+        let work = {
+            let mut s = t.state.lock_unpoisoned();
+            if s.error.is_some() {
+                None
+            } else if s.chunks_left == 1 && off == 0 && len == t.len {
+                s.req.take().map(Work::Owned)
+            } else {
+                s.req.as_ref().map(|r| {
+                    Work::Shared(
+                        std::iter::once(&r.src)
+                            .chain(&r.alternates)
+                            .map(|e| e.advanced(off))
+                            .collect(),
+                        r.dst.advanced(off),
+                        r.flags.no_retry,
+                    )
+                })
+            }
+        };
+        let Some(work) = work else {
+            // An earlier chunk failed: this one only counts down.
+            t.chunk_done(Err(CoreError::Cancelled(t.id)), |_| Ok(()));
+            return;
+        };
+        let span = tracing::debug_span!("request", id = t.id.0, engine = %t.engine, off, len);
+        let _enter = span.enter();
+        let run = |sources: &[Endpoint], dst: &Endpoint, no_retry: bool| {
+            let c = &self.acct.counters;
+            let m = &self.acct.metrics;
+            guarded("request", || {
+                self.engines.execute_any(
+                    sources,
+                    dst,
+                    len,
+                    self.policy(no_retry),
+                    t.expires,
+                    &mut || {
+                        c.retries.fetch_add(1, Ordering::Relaxed);
+                        m.retries.increment(1);
+                    },
+                    &mut || {
+                        c.failovers.fetch_add(1, Ordering::Relaxed);
+                        m.failovers.increment(1);
+                    },
+                )
+            })
+        };
+        match work {
+            Work::Owned(req) => {
+                let result = if req.alternates.is_empty() {
+                    run(std::slice::from_ref(&req.src), &req.dst, req.flags.no_retry)
+                } else {
+                    let sources: Vec<Endpoint> = std::iter::once(&req.src)
+                        .chain(&req.alternates)
+                        .cloned()
+                        .collect();
+                    run(&sources, &req.dst, req.flags.no_retry)
+                };
+                let result = result.and_then(|o| durable_sync(&req).map(|()| o));
+                // Let go of the buffers before the completion is delivered.
+                drop(req);
+                t.chunk_done(result, |_| Ok(()));
+            }
+            Work::Shared(sources, dst, no_retry) => {
+                let result = run(&sources, &dst, no_retry);
+                drop((sources, dst));
+                t.chunk_done(result, durable_sync);
+            }
+        }
+    }
+
+    /// Runs merged requests as one transfer; on failure (or if some were cancelled meanwhile)
+    /// runs them one by one, so one bad request fails alone.
+    fn run_group(&self, ts: Vec<Arc<TicketInner>>) {
+        let all = ts.len();
+        let picked: Vec<Arc<TicketInner>> = ts.into_iter().filter(|t| t.pick_up()).collect();
+        if picked.len() == all && all > 1 {
+            let first = {
+                let s = picked[0].state.lock_unpoisoned();
+                s.req
+                    .as_ref()
+                    .map(|r| (r.src.clone(), r.dst.clone(), r.flags.no_retry))
+            };
+            let total: usize = picked.iter().map(|t| t.len).sum();
+            let until = picked.iter().filter_map(|t| t.expires).min();
+            if let Some((src, dst, no_retry)) = first {
+                let result = guarded("coalesced requests", || {
+                    self.retry_policy_run(no_retry, until, || {
+                        self.engines.execute(&src, &dst, total, false)
+                    })
+                });
+                let synced = result.and_then(|o| {
+                    let s = picked[0].state.lock_unpoisoned();
+                    s.req.as_ref().map_or(Ok(()), durable_sync).map(|()| o)
+                });
+                if let Ok(o) = synced {
+                    let route = format!("{} ({all} requests coalesced)", o.route);
+                    for t in &picked {
+                        let outcome = Outcome {
+                            bytes: t.len,
+                            engine: o.engine,
+                            route: route.clone(),
+                        };
+                        t.chunk_done(Ok(outcome), |_| Ok(()));
+                    }
+                    return;
+                }
+            }
+        }
+        for t in &picked {
+            self.run_chunk(t, 0, t.len);
+        }
+    }
+
+    fn retry_policy_run<T>(
+        &self,
+        no_retry: bool,
+        until: Option<Instant>,
+        op: impl FnMut() -> Result<T>,
+    ) -> Result<T> {
+        let c = &self.acct.counters;
+        self.policy(no_retry).run_until(
+            until,
+            || {
+                c.retries.fetch_add(1, Ordering::Relaxed);
+            },
+            op,
+        )
+    }
+}

@@ -1,0 +1,175 @@
+//! Locks that go on after a panic: [`MutexExt`], [`RwLockExt`] and [`CondvarExt`] take a
+//! `std::sync` lock (or wait on a condition variable) and use the data as it is if a thread
+//! panicked while holding the lock, instead of failing with a `PoisonError`.
+//!
+//! ```
+//! use gpuio_hal::sync::MutexExt;
+//! use std::sync::Mutex;
+//! let idle = Mutex::new(vec![1, 2]);
+//! idle.lock_unpoisoned().push(3);
+//! assert_eq!(idle.into_inner_unpoisoned(), [1, 2, 3]);
+//! ```
+//!
+//! # Why poison is tolerated
+//!
+//! A lock is poisoned when its holder panics. Poison protects data a panic can leave half
+//! updated; the locks gpuio takes through these traits guard data no panic leaves so:
+//!
+//! - pools of idle things (streams, lanes, connections, staging buffers, RDMA channels and
+//!   devices): a push or a pop is one step, and a thing that was out when its
+//!   user panicked is simply not given back;
+//! - one-shot slots, first-error slots and batch reports: written in single assignments;
+//! - iterators handing out chunks: a chunk taken by a thread that then panicked is lost with
+//!   the transfer that panic fails anyway;
+//! - hints, counts and tables (the gather path's rates, prefetch predictions, the agent's
+//!   pending handshakes and sessions per key, load per resource, the ring proxy's resource
+//!   tables, pooled peers, partial files to remove): nothing that can panic runs between the
+//!   steps of an update;
+//! - state machines whose every update completes before anything that can panic (the staging
+//!   pool, the registration cache and its io_uring ring, a scheduler ticket);
+//! - locks that guard no data of their own (`()`: the host backend's device memory) or data
+//!   that holds no invariant across calls (a `HostBuffer` behind an `RwLock`).
+//!
+//! One is tolerated on weaker grounds: the scheduler's ready queue updates several structures
+//! per push and pop. Only the queue's own code runs under that lock (no engine, no callback),
+//! so a panic there is a bug in it, and going on is preferred to failing every later request.
+//!
+//! Refusing to go on in the cases above would turn one failed request (a panic inside an
+//! engine fails its request, not the worker) into every later request failing.
+//!
+//! Where a panic *can* leave the data inconsistent, do not use these: take the lock with
+//! `lock()` and turn poison into an error. The block cache's directory in gpuio-core does
+//! that (`the cache directory is poisoned`): a block's entry, its tier's LRU and its slot
+//! change in several steps, some around calls into the backing store, which may panic. Only
+//! its read-only introspection and the release of a block after its flush take it poisoned.
+
+use std::sync::{
+    Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, WaitTimeoutResult,
+};
+use std::time::Duration;
+
+/// Poison-tolerant [`Mutex`] access (see the [module](self) for when that is right).
+pub trait MutexExt<T: ?Sized> {
+    /// [`Mutex::lock`], taking the data as it is if a holder panicked.
+    fn lock_unpoisoned(&self) -> MutexGuard<'_, T>;
+
+    /// [`Mutex::into_inner`], taking the data as it is if a holder panicked.
+    fn into_inner_unpoisoned(self) -> T
+    where
+        Self: Sized,
+        T: Sized;
+}
+
+impl<T: ?Sized> MutexExt<T> for Mutex<T> {
+    fn lock_unpoisoned(&self) -> MutexGuard<'_, T> {
+        self.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn into_inner_unpoisoned(self) -> T
+    where
+        T: Sized,
+    {
+        self.into_inner().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Poison-tolerant [`RwLock`] access (see the [module](self) for when that is right).
+pub trait RwLockExt<T: ?Sized> {
+    /// [`RwLock::read`], taking the data as it is if a writer panicked.
+    fn read_unpoisoned(&self) -> RwLockReadGuard<'_, T>;
+
+    /// [`RwLock::write`], taking the data as it is if a writer panicked.
+    fn write_unpoisoned(&self) -> RwLockWriteGuard<'_, T>;
+
+    /// [`RwLock::into_inner`], taking the data as it is if a writer panicked.
+    fn into_inner_unpoisoned(self) -> T
+    where
+        Self: Sized,
+        T: Sized;
+}
+
+impl<T: ?Sized> RwLockExt<T> for RwLock<T> {
+    fn read_unpoisoned(&self) -> RwLockReadGuard<'_, T> {
+        self.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write_unpoisoned(&self) -> RwLockWriteGuard<'_, T> {
+        self.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn into_inner_unpoisoned(self) -> T
+    where
+        T: Sized,
+    {
+        self.into_inner().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Poison-tolerant [`Condvar`] waits, for mutexes taken with
+/// [`MutexExt::lock_unpoisoned`].
+pub trait CondvarExt {
+    /// [`Condvar::wait`], taking the data as it is if a holder panicked meanwhile.
+    fn wait_unpoisoned<'a, T>(&self, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T>;
+
+    /// [`Condvar::wait_timeout`], taking the data as it is if a holder panicked meanwhile.
+    fn wait_timeout_unpoisoned<'a, T>(
+        &self,
+        guard: MutexGuard<'a, T>,
+        timeout: Duration,
+    ) -> (MutexGuard<'a, T>, WaitTimeoutResult);
+}
+
+impl CondvarExt for Condvar {
+    fn wait_unpoisoned<'a, T>(&self, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+        self.wait(guard).unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn wait_timeout_unpoisoned<'a, T>(
+        &self,
+        guard: MutexGuard<'a, T>,
+        timeout: Duration,
+    ) -> (MutexGuard<'a, T>, WaitTimeoutResult) {
+        self.wait_timeout(guard, timeout)
+            .unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+
+    fn poison<T>(m: &Mutex<T>) {
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            let _g = m.lock().unwrap();
+            panic!("poisoning on purpose");
+        }));
+        assert!(m.is_poisoned());
+    }
+
+    #[test]
+    fn a_poisoned_mutex_is_still_usable() {
+        let m = Mutex::new(1);
+        poison(&m);
+        *m.lock_unpoisoned() += 1;
+        let c = Condvar::new();
+        let (g, t) = c.wait_timeout_unpoisoned(m.lock_unpoisoned(), Duration::from_millis(1));
+        assert!(t.timed_out());
+        assert_eq!(*g, 2);
+        drop(g);
+        assert_eq!(m.into_inner_unpoisoned(), 2);
+    }
+
+    #[test]
+    fn a_poisoned_rwlock_is_still_usable() {
+        let l = RwLock::new(1);
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            let _g = l.write().unwrap();
+            panic!("poisoning on purpose");
+        }));
+        assert!(l.is_poisoned());
+        *l.write_unpoisoned() += 1;
+        assert_eq!(*l.read_unpoisoned(), 2);
+        assert_eq!(l.into_inner_unpoisoned(), 2);
+    }
+}
