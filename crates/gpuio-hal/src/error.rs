@@ -126,6 +126,17 @@ impl fmt::Display for ErrorCode {
     }
 }
 
+/// How the negative `result` a request-ring completion publishes reads as an error: its C
+/// name and its SDD §7.1 code. The ring defines its result codes and implements this for `i64`
+/// (the type of [`HalError::RingRequest`]'s `code`), so errors do not depend on the ring.
+pub(crate) trait RingResultCode {
+    /// The C name, e.g. `GPUIO_ERROR_NOT_FOUND` ("success" for a result ≥ 0).
+    fn result_name(self) -> &'static str;
+
+    /// The SDD §7.1 code (`GPUIO_ERROR_GENERAL` for a result it does not know).
+    fn error_code(self) -> ErrorCode;
+}
+
 /// Everything that can go wrong in the HAL.
 #[derive(Debug, thiserror::Error)]
 pub enum HalError {
@@ -269,7 +280,7 @@ pub enum HalError {
     #[error("the request ring is shut down")]
     RingShutDown,
     /// A GPU request-ring request completed with an error result.
-    #[error("ring request failed: {} ({code})", crate::ring::result_name(*code))]
+    #[error("ring request failed: {} ({code})", RingResultCode::result_name(*code))]
     RingRequest {
         /// The negative result the proxy published (an SDD §7.1 code or a ring code).
         code: i64,
@@ -300,9 +311,7 @@ impl HalError {
             Self::NoSuchNumaNode { .. } | Self::NoSuchDevice { .. } => ErrorCode::NotFound,
             Self::OutOfMemory { .. } | Self::HostMemoryExceeded { .. } => ErrorCode::NoMem,
             Self::RingShutDown => ErrorCode::Canceled,
-            Self::RingRequest { code } => {
-                crate::ring::error_code_of(*code).unwrap_or(ErrorCode::General)
-            }
+            Self::RingRequest { code } => RingResultCode::error_code(*code),
             Self::TimedOut { .. } => ErrorCode::Timeout,
             Self::Rdma { code, .. } => *code,
         }

@@ -52,7 +52,7 @@ pub const GATHER: KernelSource = KernelSource {
 
 /// `kernels/ring_bench.cu` and `ring_layout.cu` with the ring header in front: kernels
 /// issuing reads through the request ring (many threads, and one thread timing round trips),
-/// and the layout report the GPU test compares with [`crate::ring::layout`].
+/// and the layout report the GPU test compares with [`crate::ring::layout()`].
 pub const RING_BENCH: KernelSource = KernelSource {
     name: "ring_bench.cu",
     source: concat!(

@@ -1,6 +1,6 @@
 //! Kernels that issue IO through a request ring (`kernels/ring_bench.cu`): many threads reading
 //! blocks with `gpuio_read`, one thread timing round trips, and the layout report that the GPU
-//! test compares with [`crate::ring::layout`]. The checks live here; the host backend runs no
+//! test compares with [`crate::ring::layout()`]. The checks live here; the host backend runs no
 //! kernels and refuses them (its producer is [`crate::ring::HostProducer`]).
 
 use super::backend::RingLaunch;

@@ -1,7 +1,7 @@
 //! Finding out what the CUDA installation can do without ever letting cudarc panic: library
 //! presence, driver symbols, GDS (libcufile + nvidia-fs), GPUDirect RDMA, pinned-memory queries.
 
-use super::cuda_err;
+use super::driver::cuda_err;
 use crate::error::{HalError, Result};
 use crate::gpu::info::Capability;
 use cudarc::driver::{result, sys};

@@ -1,0 +1,338 @@
+//! One CUDA device: its primary context and compiled kernels ([`Shared`], which its streams and
+//! allocations hold too), what it reports about itself ([`DeviceInfo`]), and the
+//! [`DeviceBackend`] it implements — allocations, streams, host pinning, peer access, the
+//! baseline copies and GPUDirect Storage. Driver calls go through [`driver`].
+
+use super::driver::{self, cuda_err};
+use super::memory::{CudaMemory, CudaPin};
+use super::stream::CudaStreamBackend;
+use super::{cufile, probe};
+use crate::error::{ErrorCode, HalError, Result};
+use crate::gpu::GdsMode;
+use crate::gpu::backend::{
+    BaselineCopy, DevRange, DeviceBackend, DeviceMemory, GdsFileBackend, HostPin, StreamBackend,
+};
+use crate::gpu::info::{Backend, DeviceInfo, PcieLink, cxl_capability, pci_numa_node};
+use crate::kernels::KernelSource;
+use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, sys};
+use std::any::Any;
+use std::sync::{Arc, OnceLock};
+
+/// State shared by a device and its streams.
+#[derive(Debug)]
+pub(super) struct Shared {
+    pub(super) ctx: Arc<CudaContext>,
+    compute_capability: (u32, u32),
+    multiprocessors: u32,
+    /// The compiled `kernels/pattern.cu`, built on first use.
+    pattern: OnceLock<std::result::Result<PatternKernels, String>>,
+    /// The compiled `kernels/gather.cu`, in `kernels::GATHER.functions` order.
+    rows: OnceLock<std::result::Result<Vec<CudaFunction>, String>>,
+    /// The compiled `kernels/ring_bench.cu`, in `kernels::RING_BENCH.functions` order.
+    ring: OnceLock<std::result::Result<Vec<CudaFunction>, String>>,
+}
+
+/// The functions of `kernels/pattern.cu`.
+#[derive(Debug)]
+pub(super) struct PatternKernels {
+    pub(super) fill: CudaFunction,
+    pub(super) mismatch: CudaFunction,
+}
+
+impl Shared {
+    /// Makes the device's context current on the calling thread.
+    pub(super) fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(cuda_err("cuCtxSetCurrent"))
+    }
+
+    pub(super) fn pattern(&self) -> Result<&PatternKernels> {
+        let src = &crate::kernels::PATTERN;
+        self.pattern
+            .get_or_init(|| {
+                let f = self.load(src)?;
+                Ok(PatternKernels {
+                    fill: f[0].clone(),
+                    mismatch: f[1].clone(),
+                })
+            })
+            .as_ref()
+            .map_err(|log| HalError::Compile {
+                kernel: src.name.into(),
+                log: log.clone(),
+            })
+    }
+
+    pub(super) fn row_kernels(&self) -> Result<&[CudaFunction]> {
+        let src = &crate::kernels::GATHER;
+        self.rows
+            .get_or_init(|| self.load(src))
+            .as_deref()
+            .map_err(|log| HalError::Compile {
+                kernel: src.name.into(),
+                log: log.clone(),
+            })
+    }
+
+    pub(super) fn ring_kernels(&self) -> Result<&[CudaFunction]> {
+        let src = &crate::kernels::RING_BENCH;
+        self.ring
+            .get_or_init(|| self.load(src))
+            .as_deref()
+            .map_err(|log| HalError::Compile {
+                kernel: src.name.into(),
+                log: log.clone(),
+            })
+    }
+
+    /// Compiles a source for this device and loads its functions, in the source's order.
+    fn load(&self, src: &KernelSource) -> std::result::Result<Vec<CudaFunction>, String> {
+        let ptx =
+            super::compile_ptx(src, Some(self.compute_capability)).map_err(|e| e.to_string())?;
+        let module = self
+            .ctx
+            .load_module(ptx)
+            .map_err(|e| cuda_err("cuModuleLoadData")(e).to_string())?;
+        src.functions
+            .iter()
+            .map(|name| {
+                module
+                    .load_function(name)
+                    .map_err(|e| cuda_err("cuModuleGetFunction")(e).to_string())
+            })
+            .collect()
+    }
+
+    /// A grid-stride launch shape for `items` work items.
+    pub(super) fn launch_config(&self, items: u64) -> LaunchConfig {
+        const BLOCK: u32 = 256;
+        let max_blocks = self.multiprocessors.max(1) * 32;
+        let blocks = items.div_ceil(BLOCK as u64).clamp(1, max_blocks as u64) as u32;
+        LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+/// One CUDA device.
+#[derive(Debug)]
+pub(crate) struct CudaDevice {
+    pub(super) shared: Arc<Shared>,
+    info: DeviceInfo,
+}
+
+/// Probes the driver and returns every CUDA device, with peer access enabled between the pairs
+/// that support it.
+pub(crate) fn devices() -> Result<Vec<CudaDevice>> {
+    probe::check_driver()?;
+    let count = CudaContext::device_count().map_err(cuda_err("cuDeviceGetCount"))?;
+    if count <= 0 {
+        return Err(HalError::CudaUnavailable {
+            reason: "the CUDA driver reports no devices".into(),
+        });
+    }
+    let driver_version = probe::driver_version();
+    let devices = (0..count as usize)
+        .map(|ordinal| CudaDevice::open(ordinal, driver_version))
+        .collect::<Result<Vec<_>>>()?;
+    for a in &devices {
+        for b in &devices {
+            if !std::ptr::eq(a, b) && a.can_access_peer(b) {
+                a.enable_peer_access(b);
+            }
+        }
+    }
+    Ok(devices)
+}
+
+impl CudaDevice {
+    fn open(ordinal: usize, driver_version: Option<(u32, u32)>) -> Result<Self> {
+        let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+        let attr = |a| ctx.attribute(a).map_err(cuda_err("cuDeviceGetAttribute"));
+        use sys::CUdevice_attribute as A;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(cuda_err("cuDeviceGetAttribute"))?;
+        let multiprocessors = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        let can_map_host_memory = attr(A::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)? != 0;
+        let bus_id = format!(
+            "{:04x}:{:02x}:{:02x}.0",
+            attr(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+            attr(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+            attr(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
+        );
+        let gdr_attr = attr(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED)? != 0;
+        let info = DeviceInfo {
+            ordinal: ordinal as u32,
+            backend: Backend::Cuda,
+            vendor: "NVIDIA".into(),
+            name: ctx.name().map_err(cuda_err("cuDeviceGetName"))?,
+            total_memory: ctx.total_mem().map_err(cuda_err("cuDeviceTotalMem"))? as u64,
+            compute_capability: Some((major as u32, minor as u32)),
+            multiprocessors,
+            copy_engines: attr(A::CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT)? as u32,
+            numa_node: pci_numa_node(&bus_id),
+            pcie: PcieLink::read(&bus_id),
+            pci_bus_id: Some(bus_id),
+            driver_version,
+            can_map_host_memory,
+            gds: probe::gds_capability(),
+            gdr: probe::gdr_capability(gdr_attr),
+            cxl: cxl_capability(can_map_host_memory),
+        };
+        Ok(Self {
+            shared: Arc::new(Shared {
+                ctx,
+                compute_capability: (major as u32, minor as u32),
+                multiprocessors,
+                pattern: OnceLock::new(),
+                rows: OnceLock::new(),
+                ring: OnceLock::new(),
+            }),
+            info,
+        })
+    }
+
+    fn enable_peer_access(&self, peer: &CudaDevice) {
+        let result = self.shared.bind().and_then(|()| {
+            // SAFETY: the peer's context is a live primary context (it holds an Arc of it);
+            // enabling access changes only the driver's mapping state.
+            unsafe { driver::ctx_enable_peer_access(peer.shared.ctx.cu_ctx()) }
+        });
+        if let Err(e) = result {
+            tracing::warn!(gpu = self.info.ordinal, peer = peer.info.ordinal, error = %e,
+                "peer access not enabled; peer copies will be staged by the driver");
+        }
+    }
+}
+
+impl DeviceBackend for CudaDevice {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn alloc(&self, len: usize) -> Result<Box<dyn DeviceMemory>> {
+        self.shared.bind()?;
+        // Only CUDA_ERROR_OUT_OF_MEMORY maps to NoMem.
+        let ptr = driver::mem_alloc(len).map_err(|e| match e {
+            HalError::Cuda {
+                code: ErrorCode::NoMem,
+                ..
+            } => HalError::OutOfMemory {
+                what: "device memory",
+                len,
+            },
+            other => other,
+        })?;
+        // SAFETY: a fresh cuMemAlloc in this (bound) context, owned by CudaMemory alone.
+        Ok(Box::new(unsafe {
+            CudaMemory::new(self.shared.clone(), ptr)
+        }))
+    }
+
+    fn new_stream(&self) -> Result<Box<dyn StreamBackend>> {
+        self.shared.bind()?;
+        Ok(Box::new(CudaStreamBackend::new(self.shared.clone())?))
+    }
+
+    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<Box<dyn HostPin>> {
+        self.shared.bind()?;
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: the caller keeps ptr..ptr+len mapped until the returned CudaPin drops, which
+        // unregisters it.
+        unsafe { driver::mem_host_register(ptr, len, flags)? };
+        // SAFETY: registered just above in this context; the pin alone unregisters it, and the
+        // caller keeps the range mapped until the pin drops.
+        Ok(Box::new(unsafe { CudaPin::new(self.shared.clone(), ptr) }))
+    }
+
+    unsafe fn mapped_addr(&self, ptr: *mut u8) -> Result<u64> {
+        self.shared.bind()?;
+        // SAFETY: ptr lies in memory registered with DEVICEMAP (caller's contract).
+        unsafe { driver::mem_host_get_device_pointer(ptr) }
+    }
+
+    fn is_pinned(&self, ptr: *const u8, len: usize) -> bool {
+        if self.shared.bind().is_err() {
+            return false;
+        }
+        probe::host_range_is_pinned(ptr, len)
+    }
+
+    fn can_access_peer(&self, other: &dyn DeviceBackend) -> bool {
+        let Some(other) = other.as_any().downcast_ref::<CudaDevice>() else {
+            return false;
+        };
+        matches!(
+            driver::device_can_access_peer(
+                self.shared.ctx.cu_device(),
+                other.shared.ctx.cu_device(),
+            ),
+            Ok(true)
+        )
+    }
+
+    unsafe fn baseline_copy(&self, copy: BaselineCopy<'_>) -> Result<()> {
+        self.shared.bind()?;
+        // SAFETY: the device ranges are checked ranges of live allocations and the host pointer
+        // is valid for the call (caller's contract). These are the synchronous legacy-stream
+        // copies cudaMemcpy makes; D2D returns before the copy ends, so the context is
+        // synchronized after it (while the caller's borrows keep both ranges live).
+        unsafe {
+            match copy {
+                BaselineCopy::HostToDevice { src, dst } => {
+                    driver::memcpy_htod(dst.addr(), src, dst.len)
+                }
+                BaselineCopy::DeviceToHost { src, dst } => {
+                    driver::memcpy_dtoh(dst, src.addr(), src.len)
+                }
+                BaselineCopy::DeviceToDevice { src, dst } => {
+                    driver::memcpy_dtod(dst.addr(), src.addr(), dst.len)
+                        .and_then(|()| driver::ctx_synchronize())
+                }
+            }
+        }
+        .map_err(driver::renamed("cudaMemcpy (baseline)"))
+    }
+
+    fn gds(&self) -> Result<(GdsMode, String)> {
+        self.shared.bind()?;
+        cufile::open()
+    }
+
+    fn gds_register(&self, file: Arc<std::fs::File>) -> Result<Box<dyn GdsFileBackend>> {
+        self.gds()?;
+        Ok(Box::new(CudaGdsFile {
+            shared: self.shared.clone(),
+            registration: cufile::Registration::new(file)?,
+        }))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A file registered with cuFile, doing IO in this device's context.
+struct CudaGdsFile {
+    shared: Arc<Shared>,
+    registration: cufile::Registration,
+}
+
+impl GdsFileBackend for CudaGdsFile {
+    fn read(&self, dst: DevRange<'_>, offset: u64) -> Result<usize> {
+        self.shared.bind()?;
+        // SAFETY: `dst` is a checked range of a live allocation of this context (the public
+        // type checked ownership and bounds, and borrows the buffer for the call).
+        unsafe { self.registration.read(dst.addr(), dst.len, offset) }
+    }
+
+    fn write(&self, src: DevRange<'_>, offset: u64) -> Result<usize> {
+        self.shared.bind()?;
+        // SAFETY: as for `read`.
+        unsafe { self.registration.write(src.addr(), src.len, offset) }
+    }
+}

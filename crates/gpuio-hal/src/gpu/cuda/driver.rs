@@ -1,0 +1,290 @@
+//! Every raw CUDA driver call the backend makes, each a thin function that returns the HAL's
+//! error: the one place in the backend where its calls cross into libcuda (as cudarc's
+//! `driver/result.rs` is for cudarc). The modules above it (`device`, `memory`, `stream`,
+//! `rows`, `event`) hold the logic and call only these and cudarc's safe API; kernel launches
+//! stay next to their argument lists there, because their contract is the kernel's signature.
+//!
+//! A function is `unsafe` where the call has a precondition the driver cannot check (live
+//! allocations, mapped host memory, memory no queued work still uses); its `# Safety` section
+//! says which, and each call site says why it holds. Every call works in the context current on
+//! the calling thread: callers bind their device's context first.
+//!
+//! The probe's calls (`probe.rs`: library and symbol checks, the driver version, pointer
+//! attributes) and cuFile's (`cufile.rs`, a separately `dlopen`ed library) stay with them.
+
+use crate::error::{ErrorCode, HalError, Result};
+use cudarc::driver::{DriverError, result, sys};
+use std::ffi::c_void;
+
+/// Converts a driver error into the HAL's error, naming the operation.
+pub(crate) fn cuda_err(op: &'static str) -> impl FnOnce(DriverError) -> HalError {
+    move |e: DriverError| {
+        use sys::cudaError_enum as E;
+        let code = match e.0 {
+            E::CUDA_ERROR_OUT_OF_MEMORY => ErrorCode::NoMem,
+            E::CUDA_ERROR_INVALID_VALUE
+            | E::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+            | E::CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED
+            | E::CUDA_ERROR_INVALID_DEVICE => ErrorCode::InvalidArg,
+            E::CUDA_ERROR_NOT_SUPPORTED => ErrorCode::Unsupported,
+            E::CUDA_ERROR_NOT_READY => ErrorCode::Busy,
+            E::CUDA_ERROR_NO_DEVICE | E::CUDA_ERROR_NOT_FOUND => ErrorCode::NotFound,
+            _ => ErrorCode::General,
+        };
+        HalError::Cuda {
+            op,
+            name: e.error_name().map_or_else(
+                |_| format!("{:?}", e.0),
+                |s| s.to_string_lossy().into_owned(),
+            ),
+            message: e
+                .error_string()
+                .map_or_else(|_| String::new(), |s| s.to_string_lossy().into_owned()),
+            code,
+        }
+    }
+}
+
+/// Renames the operation of a driver error (e.g. a sequence of calls reported as one), leaving
+/// any other error as it is.
+pub(super) fn renamed(op: &'static str) -> impl FnOnce(HalError) -> HalError {
+    move |e| match e {
+        HalError::Cuda {
+            name,
+            message,
+            code,
+            ..
+        } => HalError::Cuda {
+            op,
+            name,
+            message,
+            code,
+        },
+        other => other,
+    }
+}
+
+/// The result of a driver call as the HAL's, naming the call.
+fn check(rc: sys::CUresult, op: &'static str) -> Result<()> {
+    rc.result().map_err(cuda_err(op))
+}
+
+/// `cuCtxEnablePeerAccess`: lets the current context reach `peer`'s memory. Access that is
+/// already enabled counts as done.
+///
+/// # Safety
+/// `peer` is a live context (a device's retained primary context).
+pub(super) unsafe fn ctx_enable_peer_access(peer: sys::CUcontext) -> Result<()> {
+    // SAFETY: the caller's contract; the call changes only the driver's mapping state.
+    match unsafe { sys::cuCtxEnablePeerAccess(peer, 0) } {
+        sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+        rc => check(rc, "cuCtxEnablePeerAccess"),
+    }
+}
+
+/// `cuCtxSynchronize`: waits for all work of the current context.
+pub(super) fn ctx_synchronize() -> Result<()> {
+    // SAFETY: no arguments; the driver only waits (or reports that no context is current).
+    let rc = unsafe { sys::cuCtxSynchronize() };
+    check(rc, "cuCtxSynchronize")
+}
+
+/// `cuDeviceCanAccessPeer`: whether `dev` can reach `peer`'s memory directly.
+pub(super) fn device_can_access_peer(dev: sys::CUdevice, peer: sys::CUdevice) -> Result<bool> {
+    let mut can = 0;
+    // SAFETY: device handles are ordinals the driver checks; the call writes one int, `can`.
+    let rc = unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer) };
+    check(rc, "cuDeviceCanAccessPeer")?;
+    Ok(can != 0)
+}
+
+/// `cuMemAlloc`: `len` bytes of device memory in the current context, uninitialised. The
+/// caller owns the allocation (and frees it with [`mem_free`], or leaks it).
+pub(super) fn mem_alloc(len: usize) -> Result<sys::CUdeviceptr> {
+    // SAFETY: the call only writes the new pointer; no memory of ours is read or written, and
+    // the bytes behind the pointer are reached only through later driver calls and kernels.
+    unsafe { result::malloc_sync(len) }.map_err(cuda_err("cuMemAlloc"))
+}
+
+/// `cuMemFree`.
+///
+/// # Safety
+/// `ptr` came from [`mem_alloc`] in the current context, is freed once, and no queued or
+/// running work uses it any more.
+pub(super) unsafe fn mem_free(ptr: sys::CUdeviceptr) -> Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe { result::free_sync(ptr) }.map_err(cuda_err("cuMemFree"))
+}
+
+/// `cuMemHostRegister`: pins `len` bytes of host memory at `ptr` (and, with
+/// `CU_MEMHOSTREGISTER_DEVICEMAP` in `flags`, maps them for the device).
+///
+/// # Safety
+/// `ptr..ptr + len` is mapped host memory and stays mapped until [`mem_host_unregister`]
+/// unregisters it: the device may read and write it until then.
+pub(super) unsafe fn mem_host_register(ptr: *mut u8, len: usize, flags: u32) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let rc = unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, flags) };
+    check(rc, "cuMemHostRegister")
+}
+
+/// `cuMemHostUnregister`.
+///
+/// # Safety
+/// `ptr` is the start of a range registered by [`mem_host_register`], still mapped, and
+/// unregistered once.
+pub(super) unsafe fn mem_host_unregister(ptr: *mut u8) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let rc = unsafe { sys::cuMemHostUnregister(ptr.cast()) };
+    check(rc, "cuMemHostUnregister")
+}
+
+/// `cuMemHostGetDevicePointer`: the device address of registered host memory at `ptr`.
+///
+/// # Safety
+/// `ptr` lies in host memory registered with `CU_MEMHOSTREGISTER_DEVICEMAP`.
+pub(super) unsafe fn mem_host_get_device_pointer(ptr: *mut u8) -> Result<sys::CUdeviceptr> {
+    let mut dptr: sys::CUdeviceptr = 0;
+    // SAFETY: the caller's contract; the call writes one device pointer, `dptr`.
+    let rc = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, ptr.cast(), 0) };
+    check(rc, "cuMemHostGetDevicePointer")?;
+    Ok(dptr)
+}
+
+/// `cuMemcpyHtoD` (synchronous for pageable memory).
+///
+/// # Safety
+/// `dst..dst + len` is live device memory of the current context; `src` is readable for `len`
+/// bytes for the call.
+pub(super) unsafe fn memcpy_htod(dst: sys::CUdeviceptr, src: *const u8, len: usize) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let rc = unsafe { sys::cuMemcpyHtoD_v2(dst, src.cast::<c_void>(), len) };
+    check(rc, "cuMemcpyHtoD")
+}
+
+/// `cuMemcpyDtoH`.
+///
+/// # Safety
+/// `src..src + len` is live device memory of the current context; `dst` is writable for `len`
+/// bytes for the call.
+pub(super) unsafe fn memcpy_dtoh(dst: *mut u8, src: sys::CUdeviceptr, len: usize) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let rc = unsafe { sys::cuMemcpyDtoH_v2(dst.cast::<c_void>(), src, len) };
+    check(rc, "cuMemcpyDtoH")
+}
+
+/// `cuMemcpyDtoD`: queued on the legacy stream; it may return before the copy ends.
+///
+/// # Safety
+/// Both ranges of `len` bytes are live device memory of the current context, and stay so
+/// until the copy ends.
+pub(super) unsafe fn memcpy_dtod(
+    dst: sys::CUdeviceptr,
+    src: sys::CUdeviceptr,
+    len: usize,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let rc = unsafe { sys::cuMemcpyDtoD_v2(dst, src, len) };
+    check(rc, "cuMemcpyDtoD")
+}
+
+/// `cuMemcpyHtoDAsync`, queued on `stream`.
+///
+/// # Safety
+/// `stream` is a live stream of the current context; `src` stays readable and
+/// `dst..dst + len` live device memory until the copy completes.
+pub(super) unsafe fn memcpy_htod_async(
+    dst: sys::CUdeviceptr,
+    src: *const u8,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let rc = unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast::<c_void>(), len, stream) };
+    check(rc, "cuMemcpyHtoDAsync")
+}
+
+/// `cuMemcpyDtoHAsync`, queued on `stream`.
+///
+/// # Safety
+/// `stream` is a live stream of the current context; `dst` stays writable (and untouched by
+/// anything else) for `len` bytes and `src..src + len` live device memory until the copy
+/// completes.
+pub(super) unsafe fn memcpy_dtoh_async(
+    dst: *mut u8,
+    src: sys::CUdeviceptr,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let rc = unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src, len, stream) };
+    check(rc, "cuMemcpyDtoHAsync")
+}
+
+/// `cuMemcpyDtoDAsync` within one context, queued on `stream`.
+///
+/// # Safety
+/// `stream` is a live stream of the current context; both ranges of `len` bytes are live,
+/// non-overlapping device memory of that context until the copy completes.
+pub(super) unsafe fn memcpy_dtod_async(
+    dst: sys::CUdeviceptr,
+    src: sys::CUdeviceptr,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let rc = unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, stream) };
+    check(rc, "cuMemcpyDtoDAsync")
+}
+
+/// `cuMemcpyPeerAsync` between two contexts, queued on `stream`.
+///
+/// # Safety
+/// `stream` is a live stream of the current context; `dst_ctx` and `src_ctx` are live
+/// contexts, and `dst` and `src` ranges of `len` bytes live device memory of each until the
+/// copy completes.
+pub(super) unsafe fn memcpy_peer_async(
+    dst: sys::CUdeviceptr,
+    dst_ctx: sys::CUcontext,
+    src: sys::CUdeviceptr,
+    src_ctx: sys::CUcontext,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let rc = unsafe { sys::cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, len, stream) };
+    check(rc, "cuMemcpyPeerAsync")
+}
+
+/// `cuMemsetD8Async`: sets `len` bytes at `dst` to `value`, queued on `stream`.
+///
+/// # Safety
+/// `stream` is a live stream of the current context; `dst..dst + len` is live device memory
+/// of that context, which no other work uses concurrently, until the set completes.
+pub(super) unsafe fn memset_d8_async(
+    dst: sys::CUdeviceptr,
+    value: u8,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let rc = unsafe { sys::cuMemsetD8Async(dst, value, len, stream) };
+    check(rc, "cuMemsetD8Async")
+}
+
+/// `cuMemsetD32Async`: sets `count` 4-byte words at `dst` to `value`, queued on `stream`.
+///
+/// # Safety
+/// `stream` is a live stream of the current context; `dst` is 4-byte aligned and
+/// `dst..dst + 4 * count` live device memory of that context, which no other work uses
+/// concurrently, until the set completes.
+pub(super) unsafe fn memset_d32_async(
+    dst: sys::CUdeviceptr,
+    value: u32,
+    count: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let rc = unsafe { sys::cuMemsetD32Async(dst, value, count, stream) };
+    check(rc, "cuMemsetD32Async")
+}

@@ -1,0 +1,114 @@
+//! Events of the CUDA backend: each stream keeps a pool of idle events ([`EventPool`]) and
+//! records from it, and a recorded event ([`CudaEventBackend`]) goes back to the pool when
+//! dropped. Creating and destroying one per copy doubled the driver calls of the staging
+//! pipeline, whose lanes contend for the driver's context lock.
+
+use super::driver::cuda_err;
+use crate::error::{HalError, Result};
+use crate::gpu::backend::EventBackend;
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
+use std::any::Any;
+use std::sync::{Arc, Mutex, Weak};
+
+/// Idle events of one stream, by timing capability.
+#[derive(Default)]
+pub(super) struct EventPool {
+    plain: Mutex<Vec<CudaEvent>>,
+    timing: Mutex<Vec<CudaEvent>>,
+}
+
+impl EventPool {
+    fn list(&self, timing: bool) -> &Mutex<Vec<CudaEvent>> {
+        if timing { &self.timing } else { &self.plain }
+    }
+
+    /// Records an event after the work queued on `stream` so far: an idle one of the pool, or
+    /// a new one of `ctx` (with timing if `timing`).
+    pub(super) fn record(
+        self: &Arc<Self>,
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
+        timing: bool,
+    ) -> Result<CudaEventBackend> {
+        let pooled = self
+            .list(timing)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop();
+        let event = match pooled {
+            Some(e) => e,
+            None => {
+                let flags = if timing {
+                    sys::CUevent_flags::CU_EVENT_DEFAULT
+                } else {
+                    sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+                };
+                ctx.new_event(Some(flags))
+                    .map_err(cuda_err("cuEventCreate"))?
+            }
+        };
+        event.record(stream).map_err(cuda_err("cuEventRecord"))?;
+        Ok(CudaEventBackend {
+            event: Some(event),
+            timing,
+            pool: Arc::downgrade(self),
+        })
+    }
+}
+
+/// A recorded event; when dropped it goes back to its stream's pool (if the stream is still
+/// there) instead of being destroyed.
+pub(super) struct CudaEventBackend {
+    /// Always `Some` until dropped.
+    event: Option<CudaEvent>,
+    timing: bool,
+    pool: Weak<EventPool>,
+}
+
+impl CudaEventBackend {
+    fn event(&self) -> Result<&CudaEvent> {
+        self.event
+            .as_ref()
+            .ok_or_else(|| HalError::InvalidArgument("event already released".into()))
+    }
+}
+
+impl Drop for CudaEventBackend {
+    fn drop(&mut self) {
+        if let (Some(event), Some(pool)) = (self.event.take(), self.pool.upgrade()) {
+            pool.list(self.timing)
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(event);
+        }
+    }
+}
+
+impl EventBackend for CudaEventBackend {
+    fn synchronize(&self) -> Result<()> {
+        self.event()?
+            .synchronize()
+            .map_err(cuda_err("cuEventSynchronize"))
+    }
+
+    fn is_complete(&self) -> Result<bool> {
+        self.event()?
+            .try_is_complete()
+            .map_err(cuda_err("cuEventQuery"))
+    }
+
+    fn elapsed_ms_since(&self, start: &dyn EventBackend) -> Result<f32> {
+        let start = start
+            .as_any()
+            .downcast_ref::<CudaEventBackend>()
+            .ok_or_else(|| HalError::InvalidArgument("events of different backends".into()))?;
+        start
+            .event()?
+            .elapsed_ms(self.event()?)
+            .map_err(cuda_err("cuEventElapsedTime"))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

@@ -1,0 +1,434 @@
+//! Row gathers and scatters on a CUDA stream (`StreamBackend::rows`): choosing the kernel and
+//! piece width, one launch per piece of the index list (after its indices are staged), the
+//! counting sort of a sorted gather (count, two-level scan, place, then the ordered move, dealt
+//! out by pool line where rows allow), and the kernels' report of the first bad index. Also the
+//! per-stream scratch these keep between calls: report words and the sorting scratch. Driver
+//! calls go through [`driver`].
+
+use super::device::Shared;
+use super::driver::{self, cuda_err};
+use super::stream::CudaStreamBackend;
+use crate::error::Result;
+use crate::gpu::RowKernel;
+use crate::gpu::backend::{RowHooks, RowJob, RowMem, RowsDone, StreamBackend};
+use cudarc::driver::{LaunchConfig, PushKernelArg, sys};
+use std::time::Duration;
+
+/// A stream's row-kernel report words: one per piece of a row job.
+pub(super) const REPORT_BYTES: usize = crate::gpu::rows::MAX_PIECES * 8;
+
+/// Positions of the row kernels in `kernels::GATHER.functions`.
+mod row_fn {
+    /// `gpuio_gather_{16,8,4,1}`, by piece width slot.
+    pub(super) const GATHER: usize = 0;
+    /// `gpuio_scatter_{16,8,4,1}`.
+    pub(super) const SCATTER: usize = 4;
+    pub(super) const NAIVE: usize = 8;
+    /// `gpuio_gather_ordered_{16,8,4,1}`.
+    pub(super) const GATHER_ORDERED: usize = 9;
+    pub(super) const ORDER_COUNT: usize = 13;
+    pub(super) const ORDER_SCAN_BLOCKS: usize = 14;
+    pub(super) const ORDER_SCAN_SUMS: usize = 15;
+    pub(super) const ORDER_PLACE: usize = 16;
+}
+
+/// How a sorted gather orders its index list: a counting sort over buckets of `2^shift`
+/// pool bytes. Buckets of at least 128 B (a read request's span: a finer order buys
+/// nothing), about two per row, at most 2 Mi of them (8 MiB of counts).
+struct Ordering {
+    shift: u32,
+    buckets: u32,
+    /// Blocks of `gpuio_order_scan_blocks` (4096 counts each).
+    scan_blocks: u32,
+    count: usize,
+    /// Scratch bytes: pairs (16 B per row), ranks (4 B per row), counts, block sums.
+    bytes: usize,
+}
+
+/// Line slots per row for an ordered gather dealt out by pool line (gather.cu's
+/// `gpuio_rows_by_line`): how many 128-byte lines a row of `row_bytes` can touch in a pool at
+/// `pool`, or 0 to deal the pieces out densely, where that would idle more than half the
+/// lanes (short rows, rows in narrow pieces: measured only for 16-byte pieces).
+fn line_slots(pool: u64, row_bytes: u64, width: u64) -> u32 {
+    if width != 16 || row_bytes == 0 {
+        return 0;
+    }
+    // Rows start at pool + k * row_bytes: 128-byte offsets step by gcd(row_bytes, 128) from
+    // the pool's own, so the furthest a row starts into a line is 128 - step + the pool's
+    // offset within a step.
+    let step = 1u64 << row_bytes.trailing_zeros().min(7);
+    let furthest = 128 - step + (pool % 128) % step;
+    let lines = (row_bytes + furthest).div_ceil(128);
+    match u32::try_from(lines) {
+        Ok(l) if lines * 128 <= 2 * row_bytes => l,
+        _ => 0,
+    }
+}
+
+/// Where an [`Ordering`]'s arrays lie in the sorting scratch.
+struct OrderAt {
+    pairs: u64,
+    rank: u64,
+    counts: u64,
+    sums: u64,
+}
+
+impl Ordering {
+    fn new(job: &RowJob<'_>) -> Self {
+        const MAX_BUCKETS: u64 = 1 << 21;
+        let pool = job.pool.len() as u64;
+        let target = (2 * job.count as u64).clamp(1, MAX_BUCKETS);
+        let mut shift = 7;
+        while pool >> shift > target {
+            shift += 1;
+        }
+        let buckets = pool.div_ceil(1 << shift).max(1);
+        let scan_blocks = buckets.div_ceil(4096);
+        Self {
+            shift,
+            buckets: buckets as u32,
+            scan_blocks: scan_blocks as u32,
+            count: job.count,
+            bytes: job.count * 20 + (buckets + scan_blocks) as usize * 4,
+        }
+    }
+
+    fn layout(&self, base: u64) -> OrderAt {
+        let n = self.count as u64;
+        let counts = base + n * 20;
+        OrderAt {
+            pairs: base,
+            rank: base + n * 16,
+            counts,
+            sums: counts + u64::from(self.buckets) * 4,
+        }
+    }
+}
+
+/// A stream's sorting scratch: grown to the largest sorted gather so far, never shrunk (a
+/// free synchronizes the device).
+#[derive(Default)]
+pub(super) struct OrderScratch {
+    mem: Option<(sys::CUdeviceptr, usize)>,
+}
+
+impl OrderScratch {
+    /// At least `bytes` of scratch (its device address), reallocated if smaller.
+    fn reserve(&mut self, shared: &Shared, bytes: usize) -> Result<u64> {
+        if let Some((ptr, len)) = self.mem
+            && len >= bytes
+        {
+            return Ok(ptr);
+        }
+        self.release(shared);
+        let len = bytes.next_power_of_two();
+        // A fresh allocation owned by this scratch, freed in `release`.
+        let ptr = driver::mem_alloc(len)?;
+        self.mem = Some((ptr, len));
+        Ok(ptr)
+    }
+
+    /// Frees the scratch (no work may use it any more: every user synchronized).
+    pub(super) fn release(&mut self, shared: &Shared) {
+        if let Some((ptr, _)) = self.mem.take() {
+            let freed = shared.bind().and_then(|()| {
+                // SAFETY: allocated by cuMemAlloc in this context, freed once; the jobs that
+                // used it synchronized before returning.
+                unsafe { driver::mem_free(ptr) }
+            });
+            if let Err(e) = freed {
+                tracing::error!(error = %e, "freeing a stream's sorting scratch failed");
+            }
+        }
+    }
+}
+
+/// Waits for a stream's work on every path out of a scope (errors and panics included)
+/// unless [`WaitOnDrop::wait`] already did.
+struct WaitOnDrop<'a>(Option<&'a CudaStreamBackend>);
+
+impl WaitOnDrop<'_> {
+    /// Waits now, reporting an error the work ran into.
+    fn wait(mut self) -> Result<()> {
+        self.0.take().map_or(Ok(()), |s| s.synchronize())
+    }
+}
+
+impl Drop for WaitOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(Err(e)) = self.0.map(|s| s.synchronize()) {
+            tracing::error!(error = %e, "waiting for a row kernel failed");
+        }
+    }
+}
+
+impl CudaStreamBackend {
+    /// The row kernels' report words (`REPORT_BYTES` of device memory), allocated on first use.
+    fn report_scratch(&self) -> Result<sys::CUdeviceptr> {
+        let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = *s {
+            return Ok(p);
+        }
+        // A fresh allocation owned by this stream, freed in its Drop.
+        let p = driver::mem_alloc(REPORT_BYTES)?;
+        *s = Some(p);
+        Ok(p)
+    }
+
+    /// Runs a row job: [`StreamBackend::rows`].
+    ///
+    /// # Safety
+    /// That of [`StreamBackend::rows`]: a host pool (and a host index list) stays valid,
+    /// registered with this device, and (for a scatter's pool) untouched by anything else
+    /// until the call returns.
+    pub(super) unsafe fn run_rows(&self, job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone> {
+        let kernels = self.shared.row_kernels()?;
+        self.shared.bind()?;
+        let pool = job.pool.addr();
+        let (rows_addr, idx) = (job.rows.addr(), job.idx.addr());
+        let rb = job.row_bytes as u64;
+        // The widest piece that divides the row size and both base addresses.
+        let (slot, width) = [(0, 16u64), (1, 8), (2, 4), (3, 1)]
+            .into_iter()
+            .find(|(_, w)| rb.is_multiple_of(*w) && pool.is_multiple_of(*w) && rows_addr % w == 0)
+            .unwrap_or((3, 1));
+        let func = match job.kernel {
+            RowKernel::Naive => &kernels[row_fn::NAIVE],
+            RowKernel::Sorted => &kernels[row_fn::GATHER_ORDERED + slot],
+            RowKernel::Tuned if job.scatter => &kernels[row_fn::SCATTER + slot],
+            RowKernel::Tuned => &kernels[row_fn::GATHER + slot],
+        };
+        // A sorted gather's rows are dealt out by pool line where that wastes at most half
+        // the lanes (see gather.cu's gpuio_rows_by_line).
+        let lines = match job.kernel {
+            RowKernel::Sorted => line_slots(pool, rb, width),
+            _ => 0,
+        };
+        let config = |rows: u64| {
+            if job.kernel == RowKernel::Naive {
+                self.shared.launch_config(rows * 32)
+            } else if lines > 0 {
+                // GPUIO_LINE_UNROLL (8) loads in flight per thread.
+                let items = rows * u64::from(lines) * (128 / width);
+                self.shared.launch_config(items.div_ceil(8))
+            } else {
+                // Each thread keeps GPUIO_UNROLL (4) loads in flight.
+                self.shared.launch_config((rows * (rb / width)).div_ceil(4))
+            }
+        };
+        let launches = job.pieces.len().clamp(1, crate::gpu::rows::MAX_PIECES);
+        // One report word per launch of the row kernel: the first out-of-range index
+        // position within its piece (a sorted job's single launch reports positions in the
+        // whole list).
+        let ordering = (job.kernel == RowKernel::Sorted).then(|| Ordering::new(&job));
+        let words = if ordering.is_some() { 1 } else { launches };
+        let report = self.report_scratch()?;
+        // Held for the call: the sorting scratch is this job's until it is done.
+        let mut order_scratch = self.order.lock().unwrap_or_else(|e| e.into_inner());
+        let order = match &ordering {
+            Some(o) => Some(o.layout(order_scratch.reserve(&self.shared, o.bytes)?)),
+            None => None,
+        };
+        let pool_rows = (job.pool.len() as u64) / rb;
+        // SAFETY: `words` report words fit the report scratch of this stream.
+        unsafe { driver::memset_d8_async(report, 0xff, words * 8, self.raw())? };
+        if let (Some(o), Some(at)) = (&ordering, &order) {
+            // SAFETY: the bucket counts lie inside the reserved sorting scratch.
+            unsafe { driver::memset_d32_async(at.counts, 0, o.buckets as usize, self.raw())? };
+        }
+        let RowHooks { mut stage, timed } = hooks;
+        // Events bracket the launches when the device's time is asked for.
+        let start = timed.then(|| self.record(true)).transpose()?;
+        // From the first launch on, kernels may be running: every way out (an error, a panic
+        // in `stage`) waits for them before the borrows of the pool and buffers end.
+        let running = WaitOnDrop(Some(self));
+        for (k, piece) in job.pieces.iter().take(launches).enumerate() {
+            if let Some(stage) = stage.as_mut() {
+                stage(k);
+            }
+            // The last launch takes any pieces beyond MAX_PIECES (never made by rows.rs).
+            let end = if k + 1 == launches {
+                job.count
+            } else {
+                piece.end
+            };
+            let (start_row, n) = (piece.start as u64, (end - piece.start) as u64);
+            if let (Some(src), RowMem::Device(dst)) = (job.idx_upload, job.idx) {
+                let part = dst.part(piece.start * 8, (end - piece.start) * 8)?;
+                // SAFETY: the staged indices are pinned host memory borrowed for the call
+                // (which synchronizes before returning), this piece's part written by
+                // `stage` already; `part` is a checked part of a live device range.
+                unsafe { self.copy_h2d(src.wrapping_add(piece.start * 8), part)? };
+            }
+            let idx = idx + start_row * 8;
+            if let (Some(o), Some(at)) = (&ordering, &order) {
+                // A sorted job counts each piece's buckets as it arrives; the rows move once
+                // the whole list is ordered, after the loop.
+                let rank = at.rank + start_row * 4;
+                let mut launch = self.stream.launch_builder(&kernels[row_fn::ORDER_COUNT]);
+                launch.arg(&idx).arg(&n).arg(&pool_rows).arg(&rb);
+                launch
+                    .arg(&o.shift)
+                    .arg(&o.buckets)
+                    .arg(&at.counts)
+                    .arg(&rank);
+                // SAFETY: the arguments match gpuio_order_count(const u64*, u64, u64, u64,
+                // u32, u32, u32*, u32*); it reads this piece of the checked device index
+                // range and writes its ranks and the bucket counts, all inside the sorting
+                // scratch reserved (and locked) for this call, which synchronizes before
+                // returning.
+                unsafe { launch.launch(self.shared.launch_config(n)) }
+                    .map_err(cuda_err("cuLaunchKernel(gpuio_order_count)"))?;
+                continue;
+            }
+            let dense = rows_addr + start_row * rb;
+            let report = report + 8 * k as u64;
+            // Gathers take (pool, .., dense); scatters (dense source, .., pool).
+            let (first, last) = if job.scatter {
+                (dense, pool)
+            } else {
+                (pool, dense)
+            };
+            let mut launch = self.stream.launch_builder(func);
+            launch
+                .arg(&first)
+                .arg(&pool_rows)
+                .arg(&rb)
+                .arg(&idx)
+                .arg(&n)
+                .arg(&last)
+                .arg(&report);
+            // SAFETY: the arguments match every row kernel's (pool, rows, row_bytes, idx, n,
+            // dense, err) signature. The kernel touches only pool rows below `pool_rows` (it
+            // checks each index), this piece's part of the checked idx and dense ranges, and
+            // its report word; the host pool is registered and valid until this call returns
+            // (caller's contract), this piece's indices were written (`stage`) before the
+            // launch, and we synchronize before returning.
+            unsafe { launch.launch(config(n)) }
+                .map_err(cuda_err("cuLaunchKernel(gpuio row kernel)"))?;
+        }
+        if let (Some(o), Some(at)) = (&ordering, &order) {
+            let count = job.count as u64;
+            let block = |blocks: u32| LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (1024, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut launch = self
+                .stream
+                .launch_builder(&kernels[row_fn::ORDER_SCAN_BLOCKS]);
+            launch.arg(&at.counts).arg(&o.buckets).arg(&at.sums);
+            // SAFETY: matches gpuio_order_scan_blocks(u32*, u32, u32*); one block per 4096
+            // counts, all inside the reserved scratch, as are the `scan_blocks` sums.
+            unsafe { launch.launch(block(o.scan_blocks)) }
+                .map_err(cuda_err("cuLaunchKernel(gpuio_order_scan_blocks)"))?;
+            let mut launch = self
+                .stream
+                .launch_builder(&kernels[row_fn::ORDER_SCAN_SUMS]);
+            launch.arg(&at.sums).arg(&o.scan_blocks);
+            // SAFETY: matches gpuio_order_scan_sums(u32*, u32): the sums written just before.
+            unsafe { launch.launch(block(1)) }
+                .map_err(cuda_err("cuLaunchKernel(gpuio_order_scan_sums)"))?;
+            let mut launch = self.stream.launch_builder(&kernels[row_fn::ORDER_PLACE]);
+            launch.arg(&idx).arg(&count).arg(&pool_rows).arg(&rb);
+            launch
+                .arg(&o.shift)
+                .arg(&o.buckets)
+                .arg(&at.counts)
+                .arg(&at.sums);
+            launch.arg(&at.rank).arg(&at.pairs);
+            // SAFETY: matches gpuio_order_place(const u64*, u64, u64, u64, u32, u32, const
+            // u32*, const u32*, const u32*, ulonglong2*): it reads the whole checked index
+            // range and the scratch, and writes each of the `count` pairs once (a bucket's
+            // start plus a rank below its count).
+            unsafe { launch.launch(self.shared.launch_config(count)) }
+                .map_err(cuda_err("cuLaunchKernel(gpuio_order_place)"))?;
+            let mut launch = self.stream.launch_builder(func);
+            launch.arg(&pool).arg(&pool_rows).arg(&rb).arg(&at.pairs);
+            launch.arg(&count).arg(&rows_addr).arg(&report).arg(&lines);
+            // SAFETY: matches gpuio_gather_ordered_W(pool, rows, row_bytes, pairs, n, dense,
+            // err, lines): it reads the pairs just placed, pool rows below `pool_rows`
+            // (checked per pair; by line it reads only the pieces inside the row), writes each
+            // pair's position of the checked dense range and report word 0; the pool stays
+            // registered until this call returns, and we synchronize first.
+            unsafe { launch.launch(config(count)) }
+                .map_err(cuda_err("cuLaunchKernel(gpuio_gather_ordered)"))?;
+        }
+        let end = start.is_some().then(|| self.record(true)).transpose()?;
+        // A copy into pageable memory returns only when it is done (so when the kernels
+        // are): issue it after everything else is queued.
+        let mut words_back = [0u8; REPORT_BYTES];
+        // SAFETY: `words_back` holds `words * 8` writable bytes; we synchronize before reading.
+        unsafe {
+            driver::memcpy_dtoh_async(words_back.as_mut_ptr(), report, words * 8, self.raw())?
+        };
+        // This also reports an error a kernel ran into.
+        running.wait()?;
+        drop(order_scratch);
+        let device_time = match (start, end) {
+            (Some(start), Some(end)) => {
+                let ms = end.elapsed_ms_since(start.as_ref())?;
+                Some(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+            }
+            _ => None,
+        };
+        let word = |k: usize| {
+            let at = words_back[8 * k..8 * k + 8].try_into().unwrap_or([0xff; 8]);
+            Some(u64::from_le_bytes(at)).filter(|&at| at != u64::MAX)
+        };
+        let bad_index = if ordering.is_some() {
+            word(0)
+        } else {
+            (0..words).find_map(|k| {
+                let start = job.pieces.get(k).map_or(0, |p| p.start as u64);
+                word(k).map(|at| start + at)
+            })
+        };
+        Ok(RowsDone {
+            bad_index,
+            device_time,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::line_slots;
+
+    #[test]
+    fn line_slots_cover_every_line_a_row_can_touch() {
+        // 656-byte rows start 16-byte steps into a line: up to 112 bytes in, 6 lines.
+        assert_eq!(line_slots(0, 656, 16), 6);
+        // 64-byte rows of an aligned pool never cross a line; 160-byte rows touch two.
+        assert_eq!(line_slots(4096, 64, 16), 1);
+        assert_eq!(line_slots(0, 160, 16), 2);
+        // A pool 16 bytes into a line shifts 64-byte rows across line boundaries.
+        assert_eq!(
+            line_slots(16, 64, 16),
+            0,
+            "2 lines for 64 bytes idles over half"
+        );
+        assert_eq!(line_slots(16, 4096, 16), 33);
+        assert_eq!(line_slots(0, 4096, 16), 32);
+        // Short rows and narrow pieces keep the dense order.
+        assert_eq!(line_slots(0, 16, 16), 0);
+        assert_eq!(line_slots(0, 656, 8), 0);
+        assert_eq!(line_slots(0, 0, 16), 0);
+        // Brute force: the slots reach the last byte of every row of a few pools.
+        for pool in [0u64, 16, 48, 112] {
+            for rb in (16..2048).step_by(16) {
+                let lines = u64::from(line_slots(pool, rb, 16));
+                if lines == 0 {
+                    continue;
+                }
+                for k in 0..256 {
+                    let start = pool + k * rb;
+                    assert!(
+                        start + rb <= (start & !127) + lines * 128,
+                        "{pool} {rb} {k}"
+                    );
+                }
+            }
+        }
+    }
+}

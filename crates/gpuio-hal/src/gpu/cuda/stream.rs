@@ -1,0 +1,259 @@
+//! A CUDA stream ([`CudaStreamBackend`]): the [`StreamBackend`] the public `Stream` drives —
+//! async copies (host↔device, device↔device and between peers), the pattern kernels, the
+//! request-ring kernels, events and synchronization. Row gathers and scatters, with their
+//! per-stream scratch, are in `rows.rs`; driver calls go through [`driver`].
+
+use super::device::{CudaDevice, Shared};
+use super::driver::{self, cuda_err};
+use super::event::EventPool;
+use super::rows::OrderScratch;
+use crate::error::{HalError, Result};
+use crate::gpu::backend::{
+    DevRange, DeviceBackend, EventBackend, RingLaunch, RowHooks, RowJob, RowsDone, StreamBackend,
+};
+use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg, sys};
+use std::sync::{Arc, Mutex};
+
+/// A stream of one device, with the scratch its row jobs keep between calls.
+pub(super) struct CudaStreamBackend {
+    pub(super) shared: Arc<Shared>,
+    pub(super) stream: Arc<CudaStream>,
+    /// Idle events, reused: creating and destroying one per copy doubled the driver calls of
+    /// the staging pipeline, whose lanes contend for the driver's context lock.
+    events: Arc<EventPool>,
+    /// Device memory for the row kernels' error reports (`REPORT_BYTES`), allocated on first use
+    /// (cuMemFree synchronizes the device: not something to do per call).
+    pub(super) scratch: Mutex<Option<sys::CUdeviceptr>>,
+    /// Device memory for sorting index lists (sorted gathers), kept at its largest size.
+    pub(super) order: Mutex<OrderScratch>,
+}
+
+impl CudaStreamBackend {
+    /// A new stream of `shared`'s device, whose context the calling thread has bound.
+    pub(super) fn new(shared: Arc<Shared>) -> Result<Self> {
+        let stream = shared
+            .ctx
+            .new_stream()
+            .map_err(cuda_err("cuStreamCreate"))?;
+        Ok(Self {
+            shared,
+            stream,
+            events: Arc::new(EventPool::default()),
+            scratch: Mutex::new(None),
+            order: Mutex::new(OrderScratch::default()),
+        })
+    }
+
+    /// The driver's handle of the stream.
+    pub(super) fn raw(&self) -> sys::CUstream {
+        self.stream.cu_stream()
+    }
+}
+
+impl Drop for CudaStreamBackend {
+    fn drop(&mut self) {
+        // Work queued on this stream may still use its scratch: drain first.
+        if let Err(e) = self.shared.bind() {
+            tracing::error!(error = %e, "binding a stream's context to free its scratch failed");
+            return;
+        }
+        let _ = self.stream.synchronize();
+        self.order
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .release(&self.shared);
+        let scratch = self
+            .scratch
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(ptr) = scratch {
+            // SAFETY: allocated by cuMemAlloc in this context, freed once, unused now.
+            if let Err(e) = unsafe { driver::mem_free(ptr) } {
+                tracing::error!(error = %e, "freeing a stream's scratch memory failed");
+            }
+        }
+    }
+}
+
+impl StreamBackend for CudaStreamBackend {
+    unsafe fn copy_h2d(&self, src: *const u8, dst: DevRange<'_>) -> Result<()> {
+        self.shared.bind()?;
+        // SAFETY: the caller keeps src readable and dst's allocation live until completion;
+        // this stream belongs to the bound context.
+        unsafe { driver::memcpy_htod_async(dst.addr(), src, dst.len, self.raw()) }
+    }
+
+    unsafe fn copy_d2h(&self, src: DevRange<'_>, dst: *mut u8) -> Result<()> {
+        self.shared.bind()?;
+        // SAFETY: the caller keeps dst writable and untouched, and src's allocation live, until
+        // completion; this stream belongs to the bound context.
+        unsafe { driver::memcpy_dtoh_async(dst, src.addr(), src.len, self.raw()) }
+    }
+
+    unsafe fn copy_d2d(
+        &self,
+        src_dev: &dyn DeviceBackend,
+        src: DevRange<'_>,
+        dst_dev: &dyn DeviceBackend,
+        dst: DevRange<'_>,
+    ) -> Result<()> {
+        self.shared.bind()?;
+        let ctx_of = |d: &dyn DeviceBackend| {
+            d.as_any()
+                .downcast_ref::<CudaDevice>()
+                .map(|d| d.shared.ctx.clone())
+                .ok_or_else(|| HalError::InvalidArgument("peer is not a CUDA device".into()))
+        };
+        let (sctx, dctx) = (ctx_of(src_dev)?, ctx_of(dst_dev)?);
+        if sctx.cu_ctx() == dctx.cu_ctx() {
+            // SAFETY: both are live, non-overlapping ranges of this context (caller's contract).
+            unsafe { driver::memcpy_dtod_async(dst.addr(), src.addr(), dst.len, self.raw()) }
+        } else {
+            // SAFETY: both are live ranges of their contexts (caller's contract), which the
+            // Arcs held here keep alive for the call.
+            unsafe {
+                driver::memcpy_peer_async(
+                    dst.addr(),
+                    dctx.cu_ctx(),
+                    src.addr(),
+                    sctx.cu_ctx(),
+                    dst.len,
+                    self.raw(),
+                )
+            }
+        }
+    }
+
+    fn fill_pattern(&self, dst: DevRange<'_>, first: u64, seed: u64) -> Result<()> {
+        let kernels = self.shared.pattern()?;
+        self.shared.bind()?;
+        let (addr, len) = (dst.addr(), dst.len as u64);
+        let words = (first + len).div_ceil(8) - first / 8;
+        let cfg = self.shared.launch_config(words);
+        let mut launch = self.stream.launch_builder(&kernels.fill);
+        launch.arg(&addr).arg(&len).arg(&first).arg(&seed);
+        // SAFETY: the argument list matches gpuio_fill_pattern(u8*, u64, u64, u64); dst is a
+        // checked range of a live allocation, which the caller's borrow keeps alive until the
+        // synchronize below; the kernel writes only inside it.
+        unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel(gpuio_fill_pattern)"))?;
+        self.synchronize()
+    }
+
+    fn find_mismatch(&self, a: DevRange<'_>, b: DevRange<'_>) -> Result<Option<u64>> {
+        let kernels = self.shared.pattern()?;
+        self.shared.bind()?;
+        // An 8-byte allocation owned by this function and freed below.
+        let out = driver::mem_alloc(8)?;
+        let run = || -> Result<u64> {
+            // SAFETY: out is 8 live bytes of this context, used by nothing else.
+            unsafe { driver::memset_d8_async(out, 0xff, 8, self.raw())? };
+            let (pa, pb, len) = (a.addr(), b.addr(), a.len as u64);
+            let cfg = self.shared.launch_config(len.div_ceil(16));
+            let mut launch = self.stream.launch_builder(&kernels.mismatch);
+            launch.arg(&pa).arg(&pb).arg(&len).arg(&out);
+            // SAFETY: arguments match gpuio_find_mismatch(const u8*, const u8*, u64, u64*); the
+            // ranges are checked and live for this call, which synchronizes before returning;
+            // the kernel writes only *out.
+            unsafe { launch.launch(cfg) }
+                .map_err(cuda_err("cuLaunchKernel(gpuio_find_mismatch)"))?;
+            let mut first = [0u8; 8];
+            // SAFETY: `first` is 8 writable bytes; we synchronize before reading it.
+            unsafe { driver::memcpy_dtoh_async(first.as_mut_ptr(), out, 8, self.raw())? };
+            self.synchronize()?;
+            Ok(u64::from_le_bytes(first))
+        };
+        let first = run();
+        // A failed run may have left the kernel queued: drain before freeing its output.
+        let _ = self.synchronize();
+        // SAFETY: out was allocated above and no queued work uses it any more.
+        if let Err(e) = unsafe { driver::mem_free(out) } {
+            tracing::error!(error = %e, "freeing compare scratch failed");
+        }
+        Ok(Some(first?).filter(|&i| i != u64::MAX))
+    }
+
+    unsafe fn rows(&self, job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone> {
+        // SAFETY: the same contract, the caller's.
+        unsafe { self.run_rows(job, hooks) }
+    }
+
+    unsafe fn ring_kernel(&self, launch: RingLaunch<'_>) -> Result<()> {
+        let kernels = self.shared.ring_kernels()?;
+        self.shared.bind()?;
+        let one = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        match launch {
+            RingLaunch::ReadBlocks {
+                ring,
+                resource,
+                offsets,
+                count,
+                block,
+                dst,
+                results,
+                threads,
+            } => {
+                const BLOCK: u32 = 128;
+                let cfg = LaunchConfig {
+                    grid_dim: (threads.div_ceil(BLOCK).max(1), 1, 1),
+                    block_dim: (BLOCK, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let (o, d, r) = (offsets.addr(), dst.addr(), results.addr());
+                let mut l = self.stream.launch_builder(&kernels[0]);
+                l.arg(&ring.header).arg(&ring.slots).arg(&ring.claim);
+                l.arg(&ring.mask).arg(&ring.nslots);
+                l.arg(&ring.bounce).arg(&ring.bounce_bytes).arg(&resource);
+                l.arg(&o).arg(&count).arg(&block).arg(&d).arg(&r);
+                // SAFETY: the arguments match gpuio_ring_read_blocks; the kernel reads the
+                // checked offsets range, writes the checked results range, and touches the
+                // ring's memory, which stays mapped until this call returns (caller's
+                // contract) because we synchronize below. dst is written by the host proxy,
+                // not by the kernel.
+                unsafe { l.launch(cfg) }
+                    .map_err(cuda_err("cuLaunchKernel(gpuio_ring_read_blocks)"))?;
+            }
+            RingLaunch::Ping {
+                ring,
+                resource,
+                iters,
+                len,
+                dst,
+                ns,
+            } => {
+                let (d, n) = (dst.addr(), ns.addr());
+                let mut l = self.stream.launch_builder(&kernels[1]);
+                l.arg(&ring.header).arg(&ring.slots).arg(&ring.claim);
+                l.arg(&ring.mask).arg(&ring.nslots);
+                l.arg(&ring.bounce).arg(&ring.bounce_bytes).arg(&resource);
+                l.arg(&iters).arg(&len).arg(&d).arg(&n);
+                // SAFETY: as for ReadBlocks; the kernel writes only the checked ns range.
+                unsafe { l.launch(one) }.map_err(cuda_err("cuLaunchKernel(gpuio_ring_ping)"))?;
+            }
+            RingLaunch::Layout { out } => {
+                let o = out.addr();
+                let mut l = self.stream.launch_builder(&kernels[2]);
+                l.arg(&o);
+                // SAFETY: the kernel writes RingLayout::words().len() u64s at `out`, a range
+                // checked to hold them.
+                unsafe { l.launch(one) }.map_err(cuda_err("cuLaunchKernel(gpuio_ring_layout)"))?;
+            }
+        }
+        self.synchronize()
+    }
+
+    fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>> {
+        let event = self.events.record(&self.shared.ctx, &self.stream, timing)?;
+        Ok(Box::new(event))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))
+    }
+}

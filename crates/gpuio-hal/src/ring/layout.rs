@@ -1,0 +1,378 @@
+//! The request ring's one shared layout: the `#[repr(C)]` structs that GPU threads and host
+//! threads both read and write ([`RingHeader`], [`RingSlot`]), the descriptor kernels receive by
+//! value ([`RingDevice`]), and the constants of the protocol, all mirrored by
+//! `kernels/gpuio_ring.cuh`. It lives apart so that the one thing both sides must agree on is in
+//! one place: const asserts below pin every offset and size here, `static_assert`s pin them in
+//! the header, [`layout()`] lists them for the `gpuio_ring_layout` kernel's report (compared on
+//! the GPU), and the tests compare the header's `#define`s and the layout kernel's list.
+
+use super::result_of;
+use crate::error::ErrorCode;
+use std::mem::{align_of, offset_of, size_of};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64};
+
+// ---------------------------------------------------------------------------------------------
+// Constants shared with kernels/gpuio_ring.cuh (the `GPUIO_*` name of each is in `layout()`).
+
+/// `GPUIO_RING_MAGIC`: the header's first word, the bytes "GPIO".
+pub const MAGIC: u32 = u32::from_le_bytes(*b"GPIO");
+/// `GPUIO_RING_VERSION`: the layout version; bumped on any change of the shared structs.
+pub const VERSION: u32 = 1;
+
+/// `GPUIO_RING_OPEN`: requests are accepted and served.
+pub const RING_OPEN: u32 = 0;
+/// `GPUIO_RING_STOPPING`: no new requests are accepted; those being served finish.
+pub const RING_STOPPING: u32 = 1;
+/// `GPUIO_RING_CLOSED`: the host writes the ring no more.
+pub const RING_CLOSED: u32 = 2;
+
+/// `GPUIO_SLOT_FREE`: the slot waits for the producer of its `turn`.
+pub const SLOT_FREE: u32 = 0;
+/// `GPUIO_SLOT_POSTED`: a request is in the slot, waiting for (or with) a consumer.
+pub const SLOT_POSTED: u32 = 1;
+/// `GPUIO_SLOT_DONE`: `result` holds the outcome; the producer frees the slot.
+pub const SLOT_DONE: u32 = 2;
+/// `GPUIO_SLOT_DONE_INLINE`: a staged READ of at most [`INLINE_BYTES`] bytes is done and its
+/// bytes are in the slot itself: `result` holds their count, the `staged` word the bytes (in
+/// memory order). The producer reads them with the completion, one host-memory read fewer.
+pub const SLOT_DONE_INLINE: u32 = 3;
+/// Bytes a completion can carry inline (the `staged` word).
+pub const INLINE_BYTES: usize = 8;
+
+/// `GPUIO_RING_OP_READ`: resource → device memory.
+pub const OP_READ: u32 = 1;
+/// `GPUIO_RING_OP_WRITE`: device memory → resource.
+pub const OP_WRITE: u32 = 2;
+
+/// `GPUIO_RING_FLAG_DURABLE`: a WRITE to a file reaches stable storage before it completes.
+pub const FLAG_DURABLE: u32 = 1;
+/// Request flag (READ): the consumer may deliver the bytes into the slot's bounce buffer in
+/// pinned host memory instead of device memory; the producer then copies them to its
+/// destination itself (no DMA and no driver call per request on the host side).
+pub const FLAG_STAGE: u32 = 2;
+/// Every flag bit this version knows; a request with another bit set is refused.
+pub const FLAGS_KNOWN: u32 = FLAG_DURABLE | FLAG_STAGE;
+
+/// `GPUIO_ERROR_RING_UNREGISTERED`: the request's device range is not inside one device
+/// buffer registered with the proxy (nothing was read or written).
+pub const RESULT_UNREGISTERED: i64 = -64;
+/// `GPUIO_ERROR_RING_SHUTDOWN`: the ring shut down before the request was served.
+pub const RESULT_SHUT_DOWN: i64 = -65;
+
+// ---------------------------------------------------------------------------------------------
+// The shared layout.
+
+/// The ring's header, at the start of the ring memory (`struct gpuio_ring_header`): one cache
+/// line that the host writes rarely (only `state`, at shutdown) and the GPU polls.
+#[repr(C, align(64))]
+pub struct RingHeader {
+    pub(super) magic: AtomicU32,
+    pub(super) version: AtomicU32,
+    pub(super) slots: AtomicU32,
+    pub(super) state: AtomicU32,
+    _reserved: [AtomicU32; 12],
+}
+
+/// One request slot (`struct gpuio_ring_slot`), a cache line of its own. The producer writes
+/// `turn`, `state` (`POSTED`, `FREE`) and the request fields; the consumer writes `result` and
+/// `state` (`DONE`).
+#[repr(C, align(64))]
+pub struct RingSlot {
+    pub(super) turn: AtomicU64,
+    pub(super) state: AtomicU32,
+    pub(super) op: AtomicU32,
+    pub(super) resource: AtomicU32,
+    pub(super) flags: AtomicU32,
+    pub(super) offset: AtomicU64,
+    pub(super) len: AtomicU64,
+    pub(super) dev_addr: AtomicU64,
+    pub(super) result: AtomicI64,
+    /// Non-zero when the result's bytes are in the slot's bounce buffer (`FLAG_STAGE`).
+    pub(super) staged: AtomicU64,
+}
+
+/// What a kernel receives by value to reach a ring (`struct gpuio_ring`): device addresses
+/// of the header, the slots and the claim counter (8 bytes of device memory the GPU's
+/// producers `atomicAdd` on), and the slot mask.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingDevice {
+    /// Device address of the [`RingHeader`].
+    pub header: u64,
+    /// Device address of slot 0.
+    pub slots: u64,
+    /// Device address of the producers' claim counter (a `u64` that starts at zero).
+    pub claim: u64,
+    /// `nslots - 1`.
+    pub mask: u32,
+    /// Number of slots (a power of two).
+    pub nslots: u32,
+    /// Device address of slot 0's bounce buffer (slot `i`'s is `i * bounce_bytes` on), or 0
+    /// for a ring without bounce buffers.
+    pub bounce: u64,
+    /// Bytes of each slot's bounce buffer (0: none).
+    pub bounce_bytes: u64,
+}
+
+/// Bytes of the header.
+pub const HEADER_BYTES: usize = 64;
+/// Bytes of one slot.
+pub const SLOT_BYTES: usize = 64;
+
+const _: () = {
+    assert!(size_of::<AtomicU64>() == 8 && align_of::<AtomicU64>() == 8);
+    assert!(size_of::<AtomicI64>() == 8 && align_of::<AtomicI64>() == 8);
+    assert!(size_of::<AtomicU32>() == 4 && align_of::<AtomicU32>() == 4);
+
+    assert!(size_of::<RingHeader>() == HEADER_BYTES);
+    assert!(align_of::<RingHeader>() == 64);
+    assert!(offset_of!(RingHeader, magic) == 0);
+    assert!(offset_of!(RingHeader, version) == 4);
+    assert!(offset_of!(RingHeader, slots) == 8);
+    assert!(offset_of!(RingHeader, state) == 12);
+    assert!(offset_of!(RingHeader, _reserved) == 16);
+
+    assert!(size_of::<RingSlot>() == SLOT_BYTES);
+    assert!(align_of::<RingSlot>() == 64);
+    assert!(offset_of!(RingSlot, turn) == 0);
+    assert!(offset_of!(RingSlot, state) == 8);
+    assert!(offset_of!(RingSlot, op) == 12);
+    assert!(offset_of!(RingSlot, resource) == 16);
+    assert!(offset_of!(RingSlot, flags) == 20);
+    assert!(offset_of!(RingSlot, offset) == 24);
+    assert!(offset_of!(RingSlot, len) == 32);
+    assert!(offset_of!(RingSlot, dev_addr) == 40);
+    assert!(offset_of!(RingSlot, result) == 48);
+    assert!(offset_of!(RingSlot, staged) == 56);
+
+    assert!(size_of::<RingDevice>() == 48);
+    assert!(align_of::<RingDevice>() == 8);
+    assert!(offset_of!(RingDevice, header) == 0);
+    assert!(offset_of!(RingDevice, slots) == 8);
+    assert!(offset_of!(RingDevice, claim) == 16);
+    assert!(offset_of!(RingDevice, mask) == 24);
+    assert!(offset_of!(RingDevice, nslots) == 28);
+    assert!(offset_of!(RingDevice, bounce) == 32);
+    assert!(offset_of!(RingDevice, bounce_bytes) == 40);
+};
+
+/// Where one field of a shared struct is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FieldLayout {
+    /// `struct.field` with the C names (a whole struct is listed by its name, at offset 0).
+    pub name: &'static str,
+    /// Byte offset in its struct.
+    pub offset: u64,
+    /// Size in bytes.
+    pub size: u64,
+}
+
+/// The shared layout and constants, in the order `kernels/ring_layout.cu` writes them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RingLayout {
+    /// Every struct and field.
+    pub fields: Vec<FieldLayout>,
+    /// Every shared constant, by its C name.
+    pub constants: Vec<(&'static str, i64)>,
+}
+
+impl RingLayout {
+    /// What the `gpuio_ring_layout` kernel writes into its output array: `offset, size` of
+    /// each field, then each constant's value (negative ones in two's complement).
+    pub fn words(&self) -> Vec<u64> {
+        let mut out = Vec::with_capacity(self.fields.len() * 2 + self.constants.len());
+        for f in &self.fields {
+            out.push(f.offset);
+            out.push(f.size);
+        }
+        out.extend(self.constants.iter().map(|&(_, v)| v as u64));
+        out
+    }
+}
+
+fn field_size<S, F>(_: fn(&S) -> &F) -> usize {
+    size_of::<F>()
+}
+
+macro_rules! struct_entry {
+    ($ty:ty, $cname:literal) => {
+        FieldLayout {
+            name: $cname,
+            offset: 0,
+            size: size_of::<$ty>() as u64,
+        }
+    };
+}
+
+macro_rules! field_entry {
+    ($ty:ty, $cname:literal, $field:ident) => {
+        FieldLayout {
+            name: concat!($cname, ".", stringify!($field)),
+            offset: offset_of!($ty, $field) as u64,
+            size: field_size::<$ty, _>(|s| &s.$field) as u64,
+        }
+    };
+}
+
+/// The shared layout: what a device test compares against the `offsetof`/`sizeof` values the
+/// `gpuio_ring_layout` kernel of `kernels/ring_layout.cu` reports.
+pub fn layout() -> RingLayout {
+    let fields = vec![
+        struct_entry!(RingHeader, "gpuio_ring_header"),
+        field_entry!(RingHeader, "gpuio_ring_header", magic),
+        field_entry!(RingHeader, "gpuio_ring_header", version),
+        field_entry!(RingHeader, "gpuio_ring_header", slots),
+        field_entry!(RingHeader, "gpuio_ring_header", state),
+        struct_entry!(RingSlot, "gpuio_ring_slot"),
+        field_entry!(RingSlot, "gpuio_ring_slot", turn),
+        field_entry!(RingSlot, "gpuio_ring_slot", state),
+        field_entry!(RingSlot, "gpuio_ring_slot", op),
+        field_entry!(RingSlot, "gpuio_ring_slot", resource),
+        field_entry!(RingSlot, "gpuio_ring_slot", flags),
+        field_entry!(RingSlot, "gpuio_ring_slot", offset),
+        field_entry!(RingSlot, "gpuio_ring_slot", len),
+        field_entry!(RingSlot, "gpuio_ring_slot", dev_addr),
+        field_entry!(RingSlot, "gpuio_ring_slot", result),
+        field_entry!(RingSlot, "gpuio_ring_slot", staged),
+        struct_entry!(RingDevice, "gpuio_ring"),
+        field_entry!(RingDevice, "gpuio_ring", header),
+        field_entry!(RingDevice, "gpuio_ring", slots),
+        field_entry!(RingDevice, "gpuio_ring", claim),
+        field_entry!(RingDevice, "gpuio_ring", mask),
+        field_entry!(RingDevice, "gpuio_ring", nslots),
+        field_entry!(RingDevice, "gpuio_ring", bounce),
+        field_entry!(RingDevice, "gpuio_ring", bounce_bytes),
+    ];
+    let mut constants: Vec<(&'static str, i64)> = vec![
+        ("GPUIO_RING_MAGIC", MAGIC.into()),
+        ("GPUIO_RING_VERSION", VERSION.into()),
+        ("GPUIO_RING_OPEN", RING_OPEN.into()),
+        ("GPUIO_RING_STOPPING", RING_STOPPING.into()),
+        ("GPUIO_RING_CLOSED", RING_CLOSED.into()),
+        ("GPUIO_SLOT_FREE", SLOT_FREE.into()),
+        ("GPUIO_SLOT_POSTED", SLOT_POSTED.into()),
+        ("GPUIO_SLOT_DONE", SLOT_DONE.into()),
+        ("GPUIO_SLOT_DONE_INLINE", SLOT_DONE_INLINE.into()),
+        ("GPUIO_RING_OP_READ", OP_READ.into()),
+        ("GPUIO_RING_OP_WRITE", OP_WRITE.into()),
+        ("GPUIO_RING_FLAG_DURABLE", FLAG_DURABLE.into()),
+        ("GPUIO_RING_FLAG_STAGE", FLAG_STAGE.into()),
+    ];
+    for code in ErrorCode::ALL {
+        constants.push((code.name(), result_of(code)));
+    }
+    constants.push(("GPUIO_ERROR_RING_UNREGISTERED", RESULT_UNREGISTERED));
+    constants.push(("GPUIO_ERROR_RING_SHUTDOWN", RESULT_SHUT_DOWN));
+    RingLayout { fields, constants }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn layout_matches_the_protocol_document() {
+        let l = layout();
+        let find = |n: &str| *l.fields.iter().find(|f| f.name == n).unwrap();
+        assert_eq!(find("gpuio_ring_header").size, 64);
+        assert_eq!(find("gpuio_ring_header.state").offset, 12);
+        assert_eq!(find("gpuio_ring_slot").size, 64);
+        for (name, offset, size) in [
+            ("turn", 0, 8),
+            ("state", 8, 4),
+            ("op", 12, 4),
+            ("resource", 16, 4),
+            ("flags", 20, 4),
+            ("offset", 24, 8),
+            ("len", 32, 8),
+            ("dev_addr", 40, 8),
+            ("result", 48, 8),
+            ("staged", 56, 8),
+        ] {
+            let f = find(&format!("gpuio_ring_slot.{name}"));
+            assert_eq!((f.offset, f.size), (offset, size), "{name}");
+        }
+        assert_eq!(find("gpuio_ring").size, 48);
+        assert_eq!(find("gpuio_ring.nslots").offset, 28);
+        assert_eq!(find("gpuio_ring.bounce").offset, 32);
+        assert_eq!(find("gpuio_ring.bounce_bytes").offset, 40);
+        assert_eq!(l.words().len(), l.fields.len() * 2 + l.constants.len());
+        assert_eq!(MAGIC, 0x4F49_5047);
+        let names: Vec<_> = l.constants.iter().map(|c| c.0).collect();
+        let mut unique = names.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), names.len(), "constant names are unique");
+    }
+
+    /// `#define NAME VALUE` lines of the CUDA header, values parsed as C integer literals.
+    fn header_defines(text: &str) -> BTreeMap<String, i64> {
+        let mut out = BTreeMap::new();
+        for line in text.lines() {
+            let mut words = line.split_whitespace();
+            if words.next() != Some("#define") {
+                continue;
+            }
+            let (Some(name), Some(value)) = (words.next(), words.next()) else {
+                continue;
+            };
+            let v = value
+                .trim_start_matches('(')
+                .trim_end_matches(')')
+                .trim_end_matches(['u', 'U', 'l', 'L']);
+            let (neg, digits) = match v.strip_prefix('-') {
+                Some(d) => (true, d),
+                None => (false, v),
+            };
+            let parsed = match digits.strip_prefix("0x") {
+                Some(hex) => i64::from_str_radix(hex, 16),
+                None => digits.parse::<i64>(),
+            };
+            if let Ok(n) = parsed {
+                out.insert(name.to_string(), if neg { -n } else { n });
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn cuda_header_constants_match() {
+        let defines = header_defines(include_str!("../../../../kernels/gpuio_ring.cuh"));
+        for (name, value) in layout().constants {
+            assert_eq!(defines.get(name), Some(&value), "{name} in gpuio_ring.cuh");
+        }
+    }
+
+    #[test]
+    fn layout_kernel_lists_the_same_fields_in_the_same_order() {
+        let src = include_str!("../../../../kernels/ring_layout.cu");
+        let mut listed = Vec::new();
+        for line in src.lines().map(str::trim) {
+            let args = |prefix: &str| {
+                line.strip_prefix(prefix)
+                    .and_then(|r| r.split_once(')'))
+                    .map(|(a, _)| {
+                        a.split(',')
+                            .map(|s| s.trim().to_string())
+                            .collect::<Vec<_>>()
+                    })
+            };
+            if let Some(a) = args("GPUIO_LAYOUT_STRUCT(") {
+                listed.push(a[0].clone());
+            } else if let Some(a) = args("GPUIO_LAYOUT_FIELD(") {
+                listed.push(format!("{}.{}", a[0], a[1]));
+            } else if let Some(a) = args("GPUIO_LAYOUT_CONST(") {
+                listed.push(a[0].clone());
+            }
+        }
+        let l = layout();
+        let expected: Vec<String> = l
+            .fields
+            .iter()
+            .map(|f| f.name.to_string())
+            .chain(l.constants.iter().map(|c| c.0.to_string()))
+            .collect();
+        assert_eq!(listed, expected);
+    }
+}

@@ -1,0 +1,266 @@
+//! The GPU→host request ring: GPU kernel threads post IO requests into
+//! slots in mapped pinned host memory, host proxy threads carry them out and publish
+//! completions that the GPU polls.
+//!
+//! This module owns the shared layout ([`RingHeader`], [`RingSlot`], [`RingDevice`] and the
+//! constants, mirrored by `kernels/gpuio_ring.cuh` and checked on both sides through
+//! [`layout()`]), the ring memory ([`RingMemory`]), the consumer side of the protocol
+//! ([`RingMemory::claim`] → [`RingClaim::take`] → [`RingTaken::complete`]) and a producer that
+//! runs on host threads ([`HostProducer`]) and follows the protocol a GPU thread follows, so
+//! that CI tests the protocol without a GPU. What a request *does* (engines, resources) is
+//! gpuio-core's `RingProxy`.
+//!
+//! Its files: `layout.rs` (the `#[repr(C)]` structs, the constants and their const asserts),
+//! `memory.rs` ([`RingMemory`]), `consumer.rs` (claim, take, complete; stop, sweep, close),
+//! `producer.rs` ([`HostProducer`]); here, what all of them share: the result codes a completion
+//! publishes (and how [`HalError::RingRequest`](crate::HalError::RingRequest) reads them) and
+//! how each side waits ([`WaitPolicy`]).
+//!
+//! # Protocol
+//!
+//! The ring has `N` slots (a power of two). Ticket `t` uses slot `t & (N-1)`; slot `i` starts
+//! with `turn = i` and `state = FREE`.
+//!
+//! - **Producer** (a GPU thread): claims a ticket `t` from a counter outside the ring (device
+//!   memory; GPUs cannot do atomics on host memory over PCIe), waits until the slot has
+//!   `turn == t && state == FREE` (back-pressure) or the ring is no longer open (then the
+//!   request is refused), writes the request fields, fences, and stores `state = POSTED`
+//!   (release).
+//! - **Consumer** (a host proxy thread): claims the next consumer ticket `h` (host counter),
+//!   waits for `turn == h && state == POSTED` (acquire), copies the request out, carries it
+//!   out, writes `result`, and stores `state = DONE` (release).
+//! - **Completion**: the producer of `t` sees `turn == t && state == DONE` (acquire), reads
+//!   `result`, and frees the slot for the next lap: `turn = t + N`, then `state = FREE`
+//!   (both release).
+//! - **Shutdown**: the host stores `STOPPING`; consumers stop taking requests and finish the
+//!   ones they hold; a sweep completes every slot still `POSTED` with [`RESULT_SHUT_DOWN`];
+//!   then the host stores `CLOSED` and writes the ring no more. A producer waiting for a free
+//!   slot is refused once the ring is not open; one waiting for a completion that sees
+//!   `CLOSED` while its slot is not `DONE` (it posted after the sweep) gets the shutdown
+//!   error.
+//!
+//! Every load and store of shared ring memory here is a Rust atomic on a view made from the
+//! mapped pointer: the GPU writes the same lines, so no `&mut` to them ever exists. Readers
+//! check `turn` before `state`: `turn` is only advanced (with release) after the slot's
+//! previous lap was seen `DONE`, so a reader that sees the new `turn` cannot see a `state` of
+//! an earlier lap.
+//!
+//! ```
+//! use gpuio_hal::ring::{HostProducer, RingMemory, Take, WaitPolicy};
+//! use gpuio_hal::{BackendPreference, probe};
+//! use std::sync::Arc;
+//!
+//! let gpus = probe(BackendPreference::Host).unwrap();
+//! let ring = Arc::new(RingMemory::new(4, &gpus.gpus[0]).unwrap());
+//! let producer = HostProducer::new(ring.clone()).unwrap();
+//! let mut token = producer.post_read(7, 0, 4096, 0x1000).unwrap();
+//!
+//! // A consumer (normally gpuio-core's RingProxy) takes the request and completes it.
+//! match ring.claim().try_take() {
+//!     Take::Taken(taken) => {
+//!         assert_eq!(taken.request().resource, 7);
+//!         let len = taken.request().len as i64;
+//!         taken.complete(len);
+//!     }
+//!     _ => unreachable!("the request was posted"),
+//! }
+//! assert_eq!(producer.wait(&mut token, None).unwrap(), 4096);
+//! ring.close(std::time::Duration::from_secs(1)).unwrap();
+//! ```
+
+mod consumer;
+mod layout;
+mod memory;
+mod producer;
+
+pub use consumer::{RingClaim, RingOp, RingRequest, RingTaken, Take};
+pub use layout::{
+    FLAG_DURABLE, FLAG_STAGE, FLAGS_KNOWN, FieldLayout, HEADER_BYTES, INLINE_BYTES, MAGIC, OP_READ,
+    OP_WRITE, RESULT_SHUT_DOWN, RESULT_UNREGISTERED, RING_CLOSED, RING_OPEN, RING_STOPPING,
+    RingDevice, RingHeader, RingLayout, RingSlot, SLOT_BYTES, SLOT_DONE, SLOT_DONE_INLINE,
+    SLOT_FREE, SLOT_POSTED, VERSION, layout,
+};
+pub use memory::{MAX_SLOTS, MIN_SLOTS, RingMemory, RingState, SlotView};
+pub use producer::{HostProducer, RingPost, RingToken};
+
+use crate::error::{ErrorCode, RingResultCode};
+use std::time::{Duration, Instant};
+
+// ---------------------------------------------------------------------------------------------
+// Results: what a completion publishes, and how the error side of the HAL reads it.
+
+/// The `result` a completion publishes for an error of SDD §7.1 code `code` (a negative
+/// result is either such a code, -1 to -11, or one of the two ring codes).
+pub fn result_of(code: ErrorCode) -> i64 {
+    i64::from(code.as_i32())
+}
+
+/// The SDD §7.1 code of a negative `result` (the ring codes map to `InvalidArg` and
+/// `Canceled`); `None` for a success (≥ 0).
+pub fn error_code_of(result: i64) -> Option<ErrorCode> {
+    use ErrorCode::*;
+    if result >= 0 {
+        return None;
+    }
+    Some(match result {
+        RESULT_UNREGISTERED => InvalidArg,
+        RESULT_SHUT_DOWN => Canceled,
+        _ => i32::try_from(result)
+            .ok()
+            .and_then(ErrorCode::from_i32)
+            .unwrap_or(General),
+    })
+}
+
+/// The C name of a negative `result`, e.g. `GPUIO_ERROR_NOT_FOUND`.
+pub fn result_name(result: i64) -> &'static str {
+    match result {
+        r if r >= 0 => "success",
+        RESULT_UNREGISTERED => "GPUIO_ERROR_RING_UNREGISTERED",
+        RESULT_SHUT_DOWN => "GPUIO_ERROR_RING_SHUTDOWN",
+        r => match error_code_of(r) {
+            Some(c) if result_of(c) == r => c.name(),
+            _ => "unknown error",
+        },
+    }
+}
+
+/// How [`HalError::RingRequest`](crate::HalError::RingRequest) reads its `code`: the ring's
+/// result codes are defined here, so `error.rs` asks through this trait instead of depending
+/// on the ring.
+impl RingResultCode for i64 {
+    fn result_name(self) -> &'static str {
+        result_name(self)
+    }
+
+    fn error_code(self) -> ErrorCode {
+        error_code_of(self).unwrap_or(ErrorCode::General)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Waiting.
+
+/// How a side of the ring waits: spin, then yield, then sleep with growing pauses up to
+/// `max_sleep`. Spinning answers fastest; sleeping leaves the cores to others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WaitPolicy {
+    /// Busy-wait iterations (`spin_loop`) before yielding.
+    pub spins: u32,
+    /// `yield_now` calls before sleeping.
+    pub yields: u32,
+    /// The longest pause between checks once sleeping.
+    pub max_sleep: Duration,
+}
+
+impl Default for WaitPolicy {
+    fn default() -> Self {
+        Self {
+            spins: 256,
+            yields: 32,
+            max_sleep: Duration::from_micros(200),
+        }
+    }
+}
+
+struct Backoff {
+    policy: WaitPolicy,
+    step: u64,
+    sleep: Duration,
+}
+
+impl Backoff {
+    fn new(policy: &WaitPolicy) -> Self {
+        Self {
+            policy: *policy,
+            step: 0,
+            sleep: Duration::from_micros(10).min(policy.max_sleep),
+        }
+    }
+
+    fn snooze(&mut self) {
+        let spins = u64::from(self.policy.spins);
+        if self.step < spins {
+            std::hint::spin_loop();
+        } else if self.step < spins + u64::from(self.policy.yields) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(self.sleep);
+            self.sleep = (self.sleep * 2).min(self.policy.max_sleep);
+        }
+        self.step += 1;
+    }
+
+    /// Whether sleeping has begun (expensive checks are made only from then on).
+    fn sleeping(&self) -> bool {
+        self.step >= u64::from(self.policy.spins) + u64::from(self.policy.yields)
+    }
+}
+
+fn past(deadline: Option<Instant>) -> bool {
+    deadline.is_some_and(|d| Instant::now() >= d)
+}
+
+/// What the tests of the ring's modules share: a host-backend GPU and rings on it.
+#[cfg(test)]
+mod testing {
+    use super::RingMemory;
+    use crate::{BackendPreference, Gpu, probe};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    pub(super) fn host_gpu() -> Gpu {
+        probe(BackendPreference::Host).unwrap().gpus[0].clone()
+    }
+
+    pub(super) fn ring(slots: usize) -> Arc<RingMemory> {
+        Arc::new(RingMemory::new(slots, &host_gpu()).unwrap())
+    }
+
+    pub(super) const SECOND: Duration = Duration::from_secs(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::HalError;
+
+    #[test]
+    fn result_codes_round_trip() {
+        assert_eq!(result_of(ErrorCode::NotFound), -4);
+        assert_eq!(error_code_of(-4), Some(ErrorCode::NotFound));
+        assert_eq!(error_code_of(RESULT_SHUT_DOWN), Some(ErrorCode::Canceled));
+        assert_eq!(
+            error_code_of(RESULT_UNREGISTERED),
+            Some(ErrorCode::InvalidArg)
+        );
+        assert_eq!(error_code_of(-1000), Some(ErrorCode::General));
+        assert_eq!(error_code_of(5), None);
+        assert_eq!(result_name(-3), "GPUIO_ERROR_INVALID_ARG");
+        assert_eq!(result_name(RESULT_SHUT_DOWN), "GPUIO_ERROR_RING_SHUTDOWN");
+        assert_eq!(result_name(-1000), "unknown error");
+    }
+
+    #[test]
+    fn ring_request_errors_read_through_the_ring_codes() {
+        let e = HalError::RingRequest {
+            code: RESULT_UNREGISTERED,
+        };
+        assert_eq!(e.code(), ErrorCode::InvalidArg);
+        assert_eq!(
+            e.to_string(),
+            "ring request failed: GPUIO_ERROR_RING_UNREGISTERED (-64)"
+        );
+        let e = HalError::RingRequest {
+            code: result_of(ErrorCode::NotFound),
+        };
+        assert_eq!(e.code(), ErrorCode::NotFound);
+        assert_eq!(
+            e.to_string(),
+            "ring request failed: GPUIO_ERROR_NOT_FOUND (-4)"
+        );
+        let e = HalError::RingRequest { code: -1000 };
+        assert_eq!(e.code(), ErrorCode::General);
+        assert_eq!(e.to_string(), "ring request failed: unknown error (-1000)");
+    }
+}
