@@ -53,6 +53,9 @@ pub trait MutexExt<T: ?Sized> {
     /// [`Mutex::lock`], taking the data as it is if a holder panicked.
     fn lock_unpoisoned(&self) -> MutexGuard<'_, T>;
 
+    /// [`Mutex::get_mut`], taking the data as it is if a holder panicked.
+    fn get_mut_unpoisoned(&mut self) -> &mut T;
+
     /// [`Mutex::into_inner`], taking the data as it is if a holder panicked.
     fn into_inner_unpoisoned(self) -> T
     where
@@ -63,6 +66,10 @@ pub trait MutexExt<T: ?Sized> {
 impl<T: ?Sized> MutexExt<T> for Mutex<T> {
     fn lock_unpoisoned(&self) -> MutexGuard<'_, T> {
         self.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn get_mut_unpoisoned(&mut self) -> &mut T {
+        self.get_mut().unwrap_or_else(|e| e.into_inner())
     }
 
     fn into_inner_unpoisoned(self) -> T

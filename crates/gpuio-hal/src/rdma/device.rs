@@ -4,8 +4,9 @@
 //! request id ([`Completions`]), so threads sharing a queue pair each get their own. The id
 //! bookkeeping is kept apart from the verbs library so that it is tested without a NIC.
 
-use super::{lock, rdma_err};
+use super::rdma_err;
 use crate::error::{HalError, Result};
+use crate::sync::{CondvarExt, MutexExt};
 use rdma_sys::*;
 use std::collections::HashMap;
 use std::ffi::CStr;
@@ -190,7 +191,7 @@ pub(super) struct Completions {
 impl Completions {
     /// Hands over reaped completions (at least one) and wakes the waiters.
     fn deliver(&self, reaped: impl IntoIterator<Item = (u64, Completion)>) {
-        let mut done = lock(&self.done);
+        let mut done = self.done.lock_unpoisoned();
         let mut n = 0;
         for (id, c) in reaped {
             done.insert(id, c);
@@ -210,7 +211,7 @@ impl Completions {
 
     /// Waits until work request `id` completes, at most until `deadline`.
     pub(super) fn wait(&self, id: u64, deadline: Instant) -> Option<Completion> {
-        let mut done = lock(&self.done);
+        let mut done = self.done.lock_unpoisoned();
         loop {
             if let Some(c) = done.remove(&id) {
                 return Some(c);
@@ -219,11 +220,7 @@ impl Completions {
             if now >= deadline || self.broken.load(Ordering::Acquire) {
                 return None;
             }
-            done = self
-                .ready
-                .wait_timeout(done, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            done = self.ready.wait_timeout_unpoisoned(done, deadline - now).0;
         }
     }
 }
@@ -309,7 +306,7 @@ pub(super) struct Poller {
 impl Poller {
     /// Starts the thread, once.
     pub(super) fn start(self: &Arc<Self>) -> Result<()> {
-        let mut started = lock(&self.started);
+        let mut started = self.started.lock_unpoisoned();
         if !*started {
             let me = self.clone();
             std::thread::Builder::new()
@@ -326,14 +323,14 @@ impl Poller {
 
     /// Adds a queue to the polled list (its queue pair was just created).
     pub(super) fn add(&self, cq: Arc<Cq>) {
-        lock(&self.cqs).push(cq);
+        self.cqs.lock_unpoisoned().push(cq);
     }
 
     /// Counts a work request about to be posted on `cq` (and wakes the thread if it sleeps).
     pub(super) fn posted(&self, cq: &Completions) {
         cq.pending.fetch_add(1, Ordering::AcqRel);
         self.pending.fetch_add(1, Ordering::AcqRel);
-        if *lock(&self.sleeping) {
+        if *self.sleeping.lock_unpoisoned() {
             self.wake.notify_one();
         }
     }
@@ -347,7 +344,7 @@ impl Poller {
     /// Takes a queue out of the polled list (its queue pair is destroyed): its completions
     /// still outstanding will never come.
     pub(super) fn remove(&self, cq: &Arc<Cq>) {
-        let mut cqs = lock(&self.cqs);
+        let mut cqs = self.cqs.lock_unpoisoned();
         cqs.retain(|c| !Arc::ptr_eq(c, cq));
         self.pending.fetch_sub(
             cq.completions.pending.swap(0, Ordering::AcqRel),
@@ -357,7 +354,7 @@ impl Poller {
 
     fn shut_down(&self) {
         self.stop.store(true, Ordering::Release);
-        let _sleeping = lock(&self.sleeping);
+        let _sleeping = self.sleeping.lock_unpoisoned();
         self.wake.notify_one();
     }
 
@@ -367,22 +364,21 @@ impl Poller {
         let mut idle = 0u32;
         while !self.stop.load(Ordering::Acquire) {
             if self.pending.load(Ordering::Acquire) == 0 {
-                let mut sleeping = lock(&self.sleeping);
+                let mut sleeping = self.sleeping.lock_unpoisoned();
                 *sleeping = true;
                 while self.pending.load(Ordering::Acquire) == 0
                     && !self.stop.load(Ordering::Acquire)
                 {
                     sleeping = self
                         .wake
-                        .wait_timeout(sleeping, Duration::from_millis(100))
-                        .unwrap_or_else(|e| e.into_inner())
+                        .wait_timeout_unpoisoned(sleeping, Duration::from_millis(100))
                         .0;
                 }
                 *sleeping = false;
                 continue;
             }
             let mut reaped = 0;
-            for cq in lock(&self.cqs).iter() {
+            for cq in self.cqs.lock_unpoisoned().iter() {
                 reaped += cq.reap(&mut wcs);
             }
             if reaped > 0 {

@@ -33,7 +33,6 @@ pub use memory::{HostRegion, RdmaAccess, RdmaBuffer, RemoteRegion};
 pub use queue_pair::{QueuePair, RdmaEndpoint};
 
 use crate::error::{ErrorCode, HalError};
-use std::sync::{Mutex, MutexGuard};
 
 /// A verb that failed with `errno` set.
 fn rdma_err(op: &'static str) -> HalError {
@@ -53,12 +52,6 @@ fn rc_err(op: &'static str, rc: i32) -> HalError {
         code: ErrorCode::from_io(&e),
         message: e.to_string(),
     }
-}
-
-/// The poisoning-tolerant lock: every update under these locks completes before anything
-/// that can panic.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use super::layout::{
 use super::memory::{PRODUCERS_HOST, RingMemory, RingState};
 use super::{Backoff, WaitPolicy, past};
 use crate::error::{HalError, Result};
+use crate::sync::MutexExt;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{Ordering, fence};
@@ -62,7 +63,7 @@ impl RingMemory {
     }
 
     fn abandon(&self, ticket: u64) {
-        let mut list = self.abandoned.lock().unwrap_or_else(|e| e.into_inner());
+        let mut list = self.abandoned.lock_unpoisoned();
         list.push(ticket);
         self.abandoned_count.store(list.len(), Ordering::Release);
     }

@@ -6,6 +6,7 @@
 use super::driver::cuda_err;
 use crate::error::{HalError, Result};
 use crate::gpu::backend::EventBackend;
+use crate::sync::MutexExt;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use std::any::Any;
 use std::sync::{Arc, Mutex, Weak};
@@ -30,11 +31,7 @@ impl EventPool {
         stream: &Arc<CudaStream>,
         timing: bool,
     ) -> Result<CudaEventBackend> {
-        let pooled = self
-            .list(timing)
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop();
+        let pooled = self.list(timing).lock_unpoisoned().pop();
         let event = match pooled {
             Some(e) => e,
             None => {
@@ -76,10 +73,7 @@ impl CudaEventBackend {
 impl Drop for CudaEventBackend {
     fn drop(&mut self) {
         if let (Some(event), Some(pool)) = (self.event.take(), self.pool.upgrade()) {
-            pool.list(self.timing)
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(event);
+            pool.list(self.timing).lock_unpoisoned().push(event);
         }
     }
 }

@@ -11,6 +11,7 @@ use super::stream::CudaStreamBackend;
 use crate::error::Result;
 use crate::gpu::RowKernel;
 use crate::gpu::backend::{RowHooks, RowJob, RowMem, RowsDone, StreamBackend};
+use crate::sync::MutexExt;
 use cudarc::driver::{LaunchConfig, PushKernelArg, sys};
 use std::time::Duration;
 
@@ -165,7 +166,7 @@ impl Drop for WaitOnDrop<'_> {
 impl CudaStreamBackend {
     /// The row kernels' report words (`REPORT_BYTES` of device memory), allocated on first use.
     fn report_scratch(&self) -> Result<sys::CUdeviceptr> {
-        let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = self.scratch.lock_unpoisoned();
         if let Some(p) = *s {
             return Ok(p);
         }
@@ -224,7 +225,7 @@ impl CudaStreamBackend {
         let words = if ordering.is_some() { 1 } else { launches };
         let report = self.report_scratch()?;
         // Held for the call: the sorting scratch is this job's until it is done.
-        let mut order_scratch = self.order.lock().unwrap_or_else(|e| e.into_inner());
+        let mut order_scratch = self.order.lock_unpoisoned();
         let order = match &ordering {
             Some(o) => Some(o.layout(order_scratch.reserve(&self.shared, o.bytes)?)),
             None => None,

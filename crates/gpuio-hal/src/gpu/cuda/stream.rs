@@ -11,6 +11,7 @@ use crate::error::{HalError, Result};
 use crate::gpu::backend::{
     DevRange, DeviceBackend, EventBackend, RingLaunch, RowHooks, RowJob, RowsDone, StreamBackend,
 };
+use crate::sync::MutexExt;
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg, sys};
 use std::sync::{Arc, Mutex};
 
@@ -58,15 +59,8 @@ impl Drop for CudaStreamBackend {
             return;
         }
         let _ = self.stream.synchronize();
-        self.order
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .release(&self.shared);
-        let scratch = self
-            .scratch
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        self.order.get_mut_unpoisoned().release(&self.shared);
+        let scratch = self.scratch.get_mut_unpoisoned().take();
         if let Some(ptr) = scratch {
             // SAFETY: allocated by cuMemAlloc in this context, freed once, unused now.
             if let Err(e) = unsafe { driver::mem_free(ptr) } {
