@@ -34,7 +34,7 @@
 //   the proxy; otherwise the request completes with GPUIO_ERROR_RING_UNREGISTERED and no byte
 //   is read or written.
 // - Results are bytes moved (>= 0, always the full length on success) or a negative code:
-//   GPUIO_ERROR_* of SDD section 7.1 (-1 .. -11) or one of the two ring codes below.
+//   GPUIO_ERROR_* (-1 .. -11, docs/REFERENCE.md#error-codes) or one of the two ring codes below.
 //
 // Compiled by NVRTC at run time (no include paths, no standard headers): gpuio embeds this text
 // before the sources that use it, so every `#include "gpuio_ring.cuh"` sits inside
@@ -70,7 +70,7 @@
 // memory); the waiting thread then copies it to its destination (no DMA per request).
 #define GPUIO_RING_FLAG_STAGE 2u
 
-// Error results: the SDD section 7.1 codes, and two of the ring's own.
+// Error results: gpuio's error codes (docs/REFERENCE.md#error-codes) and two of the ring's own.
 #ifndef GPUIO_ERROR_GENERAL
 #define GPUIO_ERROR_GENERAL (-1ll)
 #define GPUIO_ERROR_NOMEM (-2ll)

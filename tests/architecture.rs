@@ -1,6 +1,9 @@
 //! The invariants of docs/ARCHITECTURE.md, checked: dependencies point strictly downward and
 //! transports never import each other; `unsafe` lives only in gpuio-hal, each block with a
-//! `// SAFETY:` note; every other crate forbids unsafe code; every crate has a README.
+//! `// SAFETY:` note; every other crate forbids unsafe code; every crate has a README. And the
+//! docs' references hold: every `docs/<path>.md` (and `docs/<path>.md#<anchor>`) named in a
+//! tracked source or doc file exists (and has that heading), and nothing cites design
+//! documents that are not in the repository: the design vocabulary is docs/REFERENCE.md.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -123,7 +126,211 @@ fn every_crate_has_a_readme() {
     for (name, dir) in crates() {
         assert!(dir.join("README.md").exists(), "{name} has no README.md");
     }
-    for doc in ["README.md", "docs/ARCHITECTURE.md"] {
+    for doc in ["README.md", "docs/ARCHITECTURE.md", "docs/REFERENCE.md"] {
         assert!(root().join(doc).exists(), "{doc} is missing");
     }
+}
+
+/// The extensions of the source and documentation files the reference checks read.
+const DOC_AND_SOURCE: &[&str] = &["rs", "md", "toml", "cu", "cuh", "sh"];
+
+/// The tracked source and documentation files, as paths relative to the root: what
+/// `git ls-files` lists, or where git cannot answer (a tree without `.git`), every such file
+/// outside `target` and hidden folders.
+fn tracked_files() -> Vec<String> {
+    let wanted = |p: &str| {
+        Path::new(p)
+            .extension()
+            .is_some_and(|x| DOC_AND_SOURCE.iter().any(|e| x == *e))
+    };
+    let git = std::process::Command::new("git")
+        .args(["ls-files", "-z"])
+        .current_dir(root())
+        .output();
+    if let Ok(out) = git
+        && out.status.success()
+        && !out.stdout.is_empty()
+    {
+        return String::from_utf8_lossy(&out.stdout)
+            .split('\0')
+            .filter(|p| wanted(p) && root().join(p).is_file())
+            .map(str::to_owned)
+            .collect();
+    }
+    fn walk(dir: &Path, rel: &str, out: &mut Vec<String>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let e = e.unwrap();
+            let name = e.file_name().to_string_lossy().into_owned();
+            let rel = if rel.is_empty() {
+                name.clone()
+            } else {
+                format!("{rel}/{name}")
+            };
+            if e.file_type().unwrap().is_dir() {
+                if !name.starts_with('.') && name != "target" {
+                    walk(&e.path(), &rel, out);
+                }
+            } else {
+                out.push(rel);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&root(), "", &mut out);
+    out.retain(|p| wanted(p));
+    out
+}
+
+/// GitHub's anchor of a Markdown heading: lower case, spaces to `-`, every other character
+/// but letters, digits, `-` and `_` dropped.
+fn anchor_of(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The anchors of a Markdown text's headings (outside code blocks), a repeated one numbered
+/// as GitHub does (`x`, `x-1`, ...).
+fn anchors(markdown: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut in_code = false;
+    for line in markdown.lines() {
+        if line.trim_start().starts_with("```") {
+            in_code = !in_code;
+            continue;
+        }
+        let hashes = line.chars().take_while(|&c| c == '#').count();
+        if in_code || !(1..=6).contains(&hashes) || !line[hashes..].starts_with(' ') {
+            continue;
+        }
+        let base = anchor_of(line[hashes..].trim_end_matches('#'));
+        let mut anchor = base.clone();
+        let mut n = 0;
+        while out.contains(&anchor) {
+            n += 1;
+            anchor = format!("{base}-{n}");
+        }
+        out.push(anchor);
+    }
+    out
+}
+
+/// The `docs/<path>.md` and `docs/<path>.md#<anchor>` references in a text, with their line
+/// numbers; an anchor is `None` where there is none.
+fn doc_references(text: &str) -> Vec<(usize, String, Option<String>)> {
+    let path_char = |c: char| c.is_ascii_alphanumeric() || "_./-".contains(c);
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        for (at, _) in line.match_indices("docs/") {
+            if line[..at].chars().next_back().is_some_and(path_char) {
+                continue; // part of a longer path: not relative to the root
+            }
+            let run: String = line[at..].chars().take_while(|&c| path_char(c)).collect();
+            let path = run.trim_end_matches('.');
+            if !path.ends_with(".md") {
+                continue;
+            }
+            let after = &line[at + run.len()..];
+            let anchor = (path.len() == run.len())
+                .then(|| after.strip_prefix('#'))
+                .flatten()
+                .map(|a| {
+                    a.chars()
+                        .take_while(|&c| c.is_alphanumeric() || c == '-' || c == '_')
+                        .collect::<String>()
+                })
+                .filter(|a| !a.is_empty());
+            out.push((i + 1, path.to_owned(), anchor));
+        }
+    }
+    out
+}
+
+#[test]
+fn references_to_docs_resolve() {
+    let files = tracked_files();
+    assert!(
+        files.len() > 50,
+        "found only {} source and doc files",
+        files.len()
+    );
+    let mut headings: BTreeMap<String, Option<Vec<String>>> = BTreeMap::new();
+    let mut problems = Vec::new();
+    let mut checked = 0;
+    for file in &files {
+        let text = std::fs::read_to_string(root().join(file)).unwrap();
+        let mut refs = doc_references(&text);
+        if file.ends_with(".md") {
+            // Links to a heading of the same page: [text](#anchor).
+            for (i, line) in text.lines().enumerate() {
+                for (at, _) in line.match_indices("](#") {
+                    let anchor: String = line[at + 3..].chars().take_while(|&c| c != ')').collect();
+                    refs.push((i + 1, file.clone(), Some(anchor)));
+                }
+            }
+        }
+        for (line, path, anchor) in refs {
+            checked += 1;
+            let known = headings.entry(path.clone()).or_insert_with(|| {
+                std::fs::read_to_string(root().join(&path))
+                    .ok()
+                    .map(|t| anchors(&t))
+            });
+            match (known, anchor) {
+                (None, _) => problems.push(format!("{file}:{line}: {path} does not exist")),
+                (Some(known), Some(a)) if !known.contains(&a) => {
+                    problems.push(format!("{file}:{line}: {path} has no heading #{a}"))
+                }
+                _ => {}
+            }
+        }
+    }
+    assert!(
+        checked > 0,
+        "no references to docs/ found: is the scan broken?"
+    );
+    assert!(
+        problems.is_empty(),
+        "dangling references:\n{}",
+        problems.join("\n")
+    );
+}
+
+#[test]
+fn no_citations_of_documents_outside_the_repository() {
+    // Spelled in pieces, so that this file does not cite what it forbids.
+    let words = [concat!("S", "AD"), concat!("S", "DD")];
+    let strings = [concat!("DESIGN", ".md"), concat!("docs/", "GPU.md")];
+    let word_at = |line: &str, at: usize, len: usize| {
+        let edge = |c: Option<char>| !c.is_some_and(|c| c.is_alphanumeric() || c == '_');
+        edge(line[..at].chars().next_back()) && edge(line[at + len..].chars().next())
+    };
+    let mut problems = Vec::new();
+    for file in tracked_files() {
+        let text = std::fs::read_to_string(root().join(&file)).unwrap();
+        for (i, line) in text.lines().enumerate() {
+            let word = words.iter().find(|w| {
+                line.match_indices(**w)
+                    .any(|(at, _)| word_at(line, at, w.len()))
+            });
+            if let Some(found) = word.or_else(|| strings.iter().find(|s| line.contains(**s))) {
+                problems.push(format!(
+                    "{file}:{}: {found}: cite docs/REFERENCE.md#<anchor> instead",
+                    i + 1
+                ));
+            }
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "citations of documents that are not in the repository:\n{}",
+        problems.join("\n")
+    );
 }

@@ -1,5 +1,5 @@
-//! Session configuration (SDD `gpuio_config_t`): built-in defaults (`default.toml`, embedded),
-//! an optional TOML file, then `GPUIO_*` environment overrides.
+//! Session configuration (`gpuio_config_t`, docs/REFERENCE.md#configuration): built-in defaults
+//! (`default.toml`, embedded), an optional TOML file, then `GPUIO_*` environment overrides.
 
 use crate::error::{Error, Result};
 use bytesize::ByteSize;
@@ -50,7 +50,7 @@ pub struct Config {
     pub localio: LocalIoSection,
     /// The request scheduler.
     pub scheduler: SchedulerSection,
-    /// Retry policy (SDD §7.2).
+    /// Retry policy (docs/REFERENCE.md#retry-policy).
     pub retry: RetryPolicy,
     /// `gpuio agent`: what this node serves to others (RemoteIO).
     pub agent: AgentSection,

@@ -1,5 +1,5 @@
 //! gpuio-api's error type: every failure a user of the library or the CLI can meet, each
-//! mapped to an SDD §7.1 code.
+//! mapped to an error code (docs/REFERENCE.md#error-codes).
 
 use gpuio_core::{CoreError, ErrorCode};
 use gpuio_hal::HalError;
@@ -230,7 +230,7 @@ pub enum Error {
 }
 
 impl Error {
-    /// The SDD §7.1 code of this error.
+    /// This error's code (docs/REFERENCE.md#error-codes).
     pub fn code(&self) -> ErrorCode {
         match self {
             Self::Core(e) => e.code(),

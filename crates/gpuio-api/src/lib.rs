@@ -1,9 +1,9 @@
 //! # gpuio-api
 //!
-//! The library interface of gpuio (SAD §2.1.2): a [`Session`] built from a [`Config`] (TOML,
-//! environment overrides), resources named by [`Uri`]s (SDD §6.1), and the explicit API —
+//! The library interface of gpuio (docs/REFERENCE.md#explicit-api): a [`Session`] built from a
+//! [`Config`] (TOML, environment overrides), resources named by [`Uri`]s, and the explicit API —
 //! blocking transfers, asynchronous ones (handles that are futures, or callbacks) and batches
-//! that are sorted, coalesced and grouped by engine (SDD §8.1). [`Session::copy`] is what
+//! that are sorted, coalesced and grouped by engine. [`Session::copy`] is what
 //! `gpuio cp` runs.
 //!
 //! ```

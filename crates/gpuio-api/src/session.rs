@@ -1,5 +1,6 @@
 //! The session: configuration, devices, engines and the dispatcher in one handle, and the
-//! explicit API of SAD §2.1.2 — blocking, asynchronous (futures, callbacks) and batched.
+//! explicit API (docs/REFERENCE.md#explicit-api) — blocking, asynchronous (futures, callbacks) and
+//! batched.
 
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -419,7 +420,8 @@ impl Session {
         &self.scheduler
     }
 
-    /// Queues a batch: sorted, adjacent requests coalesced, grouped by engine (SDD §8.1).
+    /// Queues a batch: sorted, adjacent requests coalesced, grouped by engine
+    /// (docs/REFERENCE.md#batches).
     pub fn submit_batch(&self, requests: Vec<Request>) -> Result<BatchHandle> {
         Ok(self.scheduler.submit_batch(requests)?)
     }

@@ -1,4 +1,4 @@
-//! Resource URIs (SDD §6.1): `<engine>://<resource>[?<params>]`.
+//! Resource URIs (docs/REFERENCE.md#resource-uris): `<engine>://<resource>[?<params>]`.
 //!
 //! ```text
 //! memio://cpu/dram[?numa=N]          host DRAM (on NUMA node N)

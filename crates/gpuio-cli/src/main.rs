@@ -1,8 +1,9 @@
 //! `gpuio`: what the machine can do (`info`), copies between any two resources (`cp`), and
 //! the benchmark suites against their peers (`bench`).
 //!
-//! Exit status: 0 on success; otherwise the magnitude of the SDD §7.1 error code (3 for an
-//! invalid argument, 4 for something not found, 8 for unsupported, ...); 2 for bad usage.
+//! Exit status: 0 on success; otherwise the magnitude of the error code
+//! (docs/REFERENCE.md#error-codes: 3 for an invalid argument, 4 for something not found, 8 for
+//! unsupported, ...); 2 for bad usage.
 
 #![forbid(unsafe_code)]
 

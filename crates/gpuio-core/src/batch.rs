@@ -1,5 +1,5 @@
-//! Batch planning (SDD §8.1): sort requests by address for locality, coalesce adjacent ones
-//! into single transfers, group the transfers by engine.
+//! Batch planning (docs/REFERENCE.md#batches): sort requests by address for locality, coalesce
+//! adjacent ones into single transfers, group the transfers by engine.
 
 use crate::endpoint::{Endpoint, ResourceKey};
 use crate::request::{EngineKind, Request};

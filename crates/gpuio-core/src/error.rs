@@ -35,7 +35,7 @@ pub enum CoreError {
     /// The request was cancelled before it ran.
     #[error("request {0} was cancelled")]
     Cancelled(RequestId),
-    /// A status change the state machine forbids (SDD §2.3).
+    /// A status change the state machine forbids (docs/REFERENCE.md#status-machine).
     #[error("request {id}: illegal status change {from:?} -> {to:?}")]
     IllegalTransition {
         /// The request.
@@ -45,8 +45,9 @@ pub enum CoreError {
         /// The status asked for.
         to: Status,
     },
-    /// Every retry of the SDD §7.2 policy failed. Its code is the last error's: an agent that
-    /// never came back is a network error (connection refused), not a timeout.
+    /// Every retry of the retry policy (docs/REFERENCE.md#retry-policy) failed. Its code is the
+    /// last error's: an agent that never came back is a network error (connection refused), not a
+    /// timeout.
     #[error("gave up after {attempts} attempts: {last}")]
     RetriesExhausted {
         /// Attempts made.
@@ -82,7 +83,7 @@ pub enum CoreError {
 }
 
 impl CoreError {
-    /// The SDD §7.1 code of this error.
+    /// This error's code (docs/REFERENCE.md#error-codes).
     pub fn code(&self) -> ErrorCode {
         match self {
             Self::Hal(e) => e.code(),

@@ -1,18 +1,19 @@
 //! # gpuio-core
 //!
-//! The core engine layer (SAD §2.2): many clients with different priorities and deadlines
-//! share the transports fairly, fast and safely.
+//! The core engine layer (docs/REFERENCE.md#layers): many clients with different priorities and
+//! deadlines share the transports fairly, fast and safely.
 //!
-//! - The request model and its status machine (SDD §2.3); one error type with the SDD §7.1
-//!   codes; the retry policy of SDD §7.2.
+//! - The request model and its status machine (docs/REFERENCE.md#requests); one error type
+//!   with the error codes (docs/REFERENCE.md#error-codes); the retry policy
+//!   (docs/REFERENCE.md#retry-policy).
 //! - [`Engines`], the transport manager: routing to the transport [`Engine`]s, retries,
 //!   failover across replicas, load per resource ([`ResourceTracker`]).
-//! - [`Scheduler`] (SDD §3.1, §10.5): per-engine queues, EDF, CFS fairness across sessions,
-//!   the AI priority classes, work-stealing workers, chunking and coalescing, backpressure,
-//!   exactly-once completions; batch planning (SDD §8.1).
-//! - [`cache::BlockCache`] (SDD §3.2): L1 GPU / L2 host / L3 SSD with coherence states and a
-//!   prefetcher; [`pool::StagingPool`]: pinned staging memory under a limit;
-//!   [`regcache::RegistrationCache`] (SDD §3.3).
+//! - [`Scheduler`] (docs/REFERENCE.md#scheduling): per-engine queues, EDF, CFS fairness across
+//!   sessions, the AI priority classes, work-stealing workers, chunking and coalescing,
+//!   backpressure, exactly-once completions; batch planning (docs/REFERENCE.md#batches).
+//! - [`cache::BlockCache`] (docs/REFERENCE.md#block-cache): L1 GPU / L2 host / L3 SSD with
+//!   coherence states and a prefetcher; [`pool::StagingPool`]: pinned staging memory under a limit;
+//!   [`regcache::RegistrationCache`] (docs/REFERENCE.md#registration-cache).
 //! - [`RingProxy`]: the host side of the GPU→host request ring — serves the
 //!   IO requests GPU threads post, through the engines.
 //! - [`metrics`]: what all of this reports through the `metrics` facade.

@@ -1,8 +1,8 @@
-//! Metrics (SAD §8.1) through the `metrics` facade: throughput, latency histograms, queue
-//! depths, error and deadline-miss rates, retries and failovers, cache and registration hit
-//! rates, pinned memory. Recording is a no-op until a recorder is installed; the CLI installs
-//! the Prometheus exporter (`--metrics-addr`) and `gpuio stat` reads it back. Handles are
-//! resolved once, so the hot path only touches atomics.
+//! Metrics (docs/REFERENCE.md#metrics) through the `metrics` facade: throughput, latency
+//! histograms, queue depths, error and deadline-miss rates, retries and failovers, cache and
+//! registration hit rates, pinned memory. Recording is a no-op until a recorder is installed; the
+//! CLI installs the Prometheus exporter (`--metrics-addr`) and `gpuio stat` reads it back. Handles
+//! are resolved once, so the hot path only touches atomics.
 
 use crate::request::{EngineKind, Priority};
 use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};

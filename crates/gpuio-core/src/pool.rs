@@ -1,4 +1,4 @@
-//! The pinned staging memory pool (SAD §2.2 memory management): page-locked host buffers in
+//! The pinned staging memory pool (docs/REFERENCE.md#staging-pool): page-locked host buffers in
 //! power-of-two size classes, reused rather than re-pinned, under a hard limit on pinned bytes.
 //!
 //! Pinning is slow (a `cuMemHostRegister` walks and locks every page) and pinned memory is

@@ -1,5 +1,5 @@
-//! The memory registration cache (SDD §3.3): registering host memory for DMA
-//! (`cuMemHostRegister`, io_uring fixed buffers, `ibv_reg_mr`, later VFIO mappings) costs a
+//! The memory registration cache (docs/REFERENCE.md#registration-cache): registering host memory
+//! for DMA (`cuMemHostRegister`, io_uring fixed buffers, `ibv_reg_mr`, later VFIO mappings) costs a
 //! page walk and lock per call, so registrations are kept and reused across transfers.
 //!
 //! Lookups are range-aware: an entry covering the asked range is a hit, also for a sub-range
@@ -144,7 +144,8 @@ struct State<H> {
     stats: RegCacheStats,
 }
 
-/// A cache of registrations of one kind (SDD §3.3). `Sync`: share it behind an `Arc`.
+/// A cache of registrations of one kind (docs/REFERENCE.md#registration-cache). `Sync`: share it
+/// behind an `Arc`.
 pub struct RegistrationCache<R: Registrar> {
     registrar: R,
     config: RegCacheConfig,

@@ -1,5 +1,5 @@
-//! The IO request, the core unit of work (SDD §2.3): what to move, where from and to, how
-//! urgently, and a status that only moves forward through
+//! The IO request, the core unit of work (docs/REFERENCE.md#requests): what to move, where from and
+//! to, how urgently, and a status that only moves forward through
 //! PENDING → SUBMITTED → IN_PROGRESS → COMPLETED / ERROR / CANCELLED.
 
 use crate::endpoint::{Endpoint, EndpointKind};
@@ -28,7 +28,7 @@ impl fmt::Display for RequestId {
     }
 }
 
-/// What a request does (SDD `gpuio_request_type_t`).
+/// What a request does (`gpuio_request_type_t`; docs/REFERENCE.md#requests).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub enum RequestType {
     /// From a storage or remote resource into memory.
@@ -56,7 +56,7 @@ impl RequestType {
     }
 }
 
-/// The transport that carries a request (SDD `gpuio_io_engine_t`).
+/// The transport that carries a request (`gpuio_io_engine_t`; docs/REFERENCE.md#transports).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub enum EngineKind {
     /// Host DRAM / CXL / GPU memory.
@@ -77,7 +77,7 @@ impl fmt::Display for EngineKind {
     }
 }
 
-/// Where a request is in its life (SDD `gpuio_status_t`).
+/// Where a request is in its life (`gpuio_status_t`; docs/REFERENCE.md#status-machine).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[repr(u8)]
 pub enum Status {
@@ -174,7 +174,7 @@ impl StatusCell {
     }
 }
 
-/// Priority classes for AI workloads (SDD §10.5), most urgent first.
+/// Priority classes for AI workloads (docs/REFERENCE.md#priority-classes), most urgent first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize)]
 pub enum Priority {
     /// User-facing inference.
@@ -195,13 +195,13 @@ pub enum Priority {
 /// Options of a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 pub struct RequestFlags {
-    /// Fail at the first error instead of retrying retryable ones (SDD §7.2).
+    /// Fail at the first error instead of retrying retryable ones (docs/REFERENCE.md#retry-policy).
     pub no_retry: bool,
     /// For writes to storage: flush to stable storage (`fdatasync`) before completing.
     pub durable: bool,
 }
 
-/// An IO request (SDD `gpuio_request_t`): the source and destination with their offsets,
+/// An IO request (`gpuio_request_t`): the source and destination with their offsets,
 /// the length, and how it should be scheduled.
 #[derive(Debug)]
 pub struct Request {

@@ -1,10 +1,11 @@
-//! The retry policy of SDD §7.2: retry retryable errors with exponential backoff.
+//! The retry policy (docs/REFERENCE.md#retry-policy): retry retryable errors with exponential
+//! backoff.
 
 use crate::error::{CoreError, Result};
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant};
 
-/// How often and how patiently to retry (SDD `gpuio_retry_policy_t`).
+/// How often and how patiently to retry (`gpuio_retry_policy_t`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct RetryPolicy {

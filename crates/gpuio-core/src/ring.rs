@@ -1,6 +1,7 @@
-//! The host proxy of the GPU→host request ring (the on-demand flow of SAD
-//! §3.1): GPU threads post IO requests into a [`RingMemory`] (`kernels/gpuio_ring.cuh`), and
-//! the proxy's threads carry each out through [`Engines`] and publish its completion.
+//! The host proxy of the GPU→host request ring (the on-demand flow,
+//! docs/REFERENCE.md#on-demand-access): GPU threads post IO requests into a [`RingMemory`]
+//! (`kernels/gpuio_ring.cuh`), and the proxy's threads carry each out through [`Engines`] and
+//! publish its completion.
 //!
 //! A request names a **resource** by the handle [`RingProxy::register`] gave it (a file, host
 //! memory or device memory, as an [`Endpoint`] whose offset is the resource's origin), an

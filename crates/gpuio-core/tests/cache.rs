@@ -1,5 +1,5 @@
-//! The multi-level block cache (SAD §2.2.2, SDD §3.2) over a real file, with L1 on the probed
-//! backend's GPU: a model check of random operations in both write modes, promotion and
+//! The multi-level block cache (docs/REFERENCE.md#block-cache) over a real file, with L1 on the
+//! probed backend's GPU: a model check of random operations in both write modes, promotion and
 //! demotion order, nothing lost on drop, prefetch, reads into device memory.
 
 use gpuio_core::CoreError;

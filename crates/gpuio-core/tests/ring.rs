@@ -433,7 +433,7 @@ fn bad_requests_complete_with_typed_errors_and_touch_nothing() {
                 ring::result_name(got)
             );
         }
-        // The error maps to the SDD code too.
+        // The error maps to the error code too.
         let err = post(read, 999, 0, 0, 16, base).unwrap_err();
         assert_eq!(err.code(), ErrorCode::NotFound);
 

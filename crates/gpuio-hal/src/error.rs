@@ -1,10 +1,11 @@
-//! The HAL's error type and the SDD §7.1 error codes every gpuio error maps to.
+//! The HAL's error type and the error codes every gpuio error maps to
+//! (docs/REFERENCE.md#error-codes).
 
 use serde::Serialize;
 use std::fmt;
 
-/// The error codes of SDD §7.1. Every error enum in gpuio maps onto one of these, so that
-/// callers (and the C-shaped world around them) can branch on a stable code.
+/// The error codes (docs/REFERENCE.md#error-codes). Every error enum in gpuio maps onto one of
+/// these, so that callers (and the C-shaped world around them) can branch on a stable code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[repr(i32)]
 pub enum ErrorCode {
@@ -33,7 +34,7 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
-    /// Every code, in SDD §7.1 order.
+    /// Every code, from -1 down to -11.
     pub const ALL: [ErrorCode; 11] = [
         Self::General,
         Self::NoMem,
@@ -48,17 +49,17 @@ impl ErrorCode {
         Self::Canceled,
     ];
 
-    /// The numeric value of SDD §7.1 (`GPUIO_SUCCESS` is 0 and has no variant).
+    /// The numeric value (`GPUIO_SUCCESS` is 0 and has no variant).
     pub fn as_i32(self) -> i32 {
         self as i32
     }
 
-    /// The code with SDD §7.1 value `n`, if there is one.
+    /// The code with value `n`, if there is one.
     pub fn from_i32(n: i32) -> Option<Self> {
         Self::ALL.into_iter().find(|c| c.as_i32() == n)
     }
 
-    /// The C macro name of SDD §7.1, e.g. `GPUIO_ERROR_NOMEM`.
+    /// The C macro name, e.g. `GPUIO_ERROR_NOMEM`.
     pub fn name(self) -> &'static str {
         match self {
             Self::General => "GPUIO_ERROR_GENERAL",
@@ -75,7 +76,7 @@ impl ErrorCode {
         }
     }
 
-    /// Whether the retry policy of SDD §7.2 may try again after this error.
+    /// Whether the retry policy (docs/REFERENCE.md#retry-policy) may try again after this error.
     pub fn is_retryable(self) -> bool {
         matches!(self, Self::Timeout | Self::Network | Self::Busy)
     }
@@ -127,13 +128,13 @@ impl fmt::Display for ErrorCode {
 }
 
 /// How the negative `result` a request-ring completion publishes reads as an error: its C
-/// name and its SDD §7.1 code. The ring defines its result codes and implements this for `i64`
+/// name and its error code (docs/REFERENCE.md#error-codes). The ring defines its result codes and implements this for `i64`
 /// (the type of [`HalError::RingRequest`]'s `code`), so errors do not depend on the ring.
 pub(crate) trait RingResultCode {
     /// The C name, e.g. `GPUIO_ERROR_NOT_FOUND` ("success" for a result ≥ 0).
     fn result_name(self) -> &'static str;
 
-    /// The SDD §7.1 code (`GPUIO_ERROR_GENERAL` for a result it does not know).
+    /// The error code (`GPUIO_ERROR_GENERAL` for a result it does not know).
     fn error_code(self) -> ErrorCode;
 }
 
@@ -282,7 +283,7 @@ pub enum HalError {
     /// A GPU request-ring request completed with an error result.
     #[error("ring request failed: {} ({code})", RingResultCode::result_name(*code))]
     RingRequest {
-        /// The negative result the proxy published (an SDD §7.1 code or a ring code).
+        /// The negative result the proxy published (an error code or a ring code).
         code: i64,
     },
     /// A wait ran past its deadline.
@@ -296,7 +297,7 @@ pub enum HalError {
 }
 
 impl HalError {
-    /// The SDD §7.1 code of this error.
+    /// This error's code.
     pub fn code(&self) -> ErrorCode {
         match self {
             Self::Cuda { code, .. } => *code,

@@ -12,7 +12,7 @@
 //! - [`pattern`]: the deterministic byte pattern tests and benchmarks fill buffers with, also
 //!   computed on the GPU by `kernels/pattern.cu`.
 //! - [`sync`]: poison-tolerant locking, shared by every crate above.
-//! - [`ErrorCode`]: the SDD §7.1 codes every gpuio error maps to.
+//! - [`ErrorCode`]: the error codes every gpuio error maps to (docs/REFERENCE.md#error-codes).
 //!
 //! ```
 //! use gpuio_hal::{probe, BackendPreference, HostBuffer, HostAllocOptions};

@@ -1,6 +1,6 @@
 //! # gpuio-transport-localio
 //!
-//! LocalIO (SAD §2.3.2, SDD §4.2): files and block devices to and from host and GPU memory.
+//! LocalIO (docs/REFERENCE.md#localio): files and block devices to and from host and GPU memory.
 //!
 //! - [`FileHandle`]: positioned IO that handles short transfers, `EINTR`, end of file and full
 //!   disks exactly — buffered, O_DIRECT (any range: aligned through a bounce buffer) or
@@ -119,7 +119,7 @@ pub enum LocalIoError {
 }
 
 impl LocalIoError {
-    /// The SDD §7.1 code of this error.
+    /// This error's code (docs/REFERENCE.md#error-codes).
     pub fn code(&self) -> ErrorCode {
         match self {
             Self::Open { source, .. } | Self::Io { source, .. } => ErrorCode::from_io(source),

@@ -1,6 +1,7 @@
-//! Striping (SDD `stripe_size`, `num_devices`): one logical byte stream laid RAID-0 style over
-//! several files, typically one per NVMe device, so a transfer reads or writes all of them at
-//! once. Stripe unit `k` of the stream lives in file `k % n` at offset `(k / n) * stripe_size`.
+//! Striping (`stripe_size`, `num_devices`; docs/REFERENCE.md#localio): one logical byte stream laid
+//! RAID-0 style over several files, typically one per NVMe device, so a transfer reads or writes
+//! all of them at once. Stripe unit `k` of the stream lives in file `k % n` at offset
+//! `(k / n) * stripe_size`.
 
 use crate::file::{FileHandle, OpenOptions};
 use crate::{LocalIoError, Result};

@@ -1,6 +1,6 @@
 //! # gpuio-transport-memio
 //!
-//! MemIO (SAD §2.3.1, SDD §4.1): copies between host DRAM, CXL memory and GPU memory, each on
+//! MemIO (docs/REFERENCE.md#memio): copies between host DRAM, CXL memory and GPU memory, each on
 //! the fastest route the machine has, and saying which ([`Route`]):
 //!
 //! | source → destination | route |
@@ -67,7 +67,7 @@ pub enum MemIoError {
 }
 
 impl MemIoError {
-    /// The SDD §7.1 code of this error.
+    /// This error's code (docs/REFERENCE.md#error-codes).
     pub fn code(&self) -> ErrorCode {
         match self {
             Self::Hal(e) => e.code(),
@@ -165,7 +165,7 @@ impl Default for MemIoConfig {
     }
 }
 
-/// Bytes moved, by kind (SDD `gpuio_memio_engine_t` statistics).
+/// Bytes moved, by kind (the `gpuio_memio_engine_t` statistics; docs/REFERENCE.md#memio).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct MemIoStats {
     /// Host to device.

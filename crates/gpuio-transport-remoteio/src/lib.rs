@@ -1,11 +1,12 @@
 //! # gpuio-transport-remoteio
 //!
-//! RemoteIO (SAD §2.3.3, SDD §4.3): a GPU program on one node reads and writes memory and files
-//! that another node exports. The exporting node runs the [`Agent`]; the reading node talks to
-//! it through a [`RemotePeer`] (a pool of [`Connection`]s).
+//! RemoteIO (docs/REFERENCE.md#remoteio): a GPU program on one node reads and writes memory and
+//! files that another node exports. The exporting node runs the [`Agent`]; the reading node talks
+//! to it through a [`RemotePeer`] (a pool of [`Connection`]s).
 //!
-//! - [`wire`]: the SDD §6.2 protocol, decoded strictly (a corrupt, truncated or oversized
-//!   message is an error and ends that connection; the agent goes on serving the others).
+//! - [`wire`]: the wire protocol (docs/REFERENCE.md#wire-protocol), decoded strictly (a corrupt,
+//!   truncated or oversized message is an error and ends that connection; the agent goes on serving
+//!   the others).
 //! - [`auth`]: the HELLO challenge–response on a pre-shared key (HMAC-SHA-256 over both sides'
 //!   nonces; the key never crosses the wire) and the roles keys carry.
 //! - [`agent`]: the agent (tokio): named exports of host memory and files, each read-only or
@@ -64,7 +65,7 @@ pub enum RemoteIoError {
     /// The agent refused or failed a request.
     #[error("the agent answered {code:?}: {message}")]
     Remote {
-        /// The SDD §7.1 code it sent.
+        /// The error code it sent.
         code: ErrorCode,
         /// Its message.
         message: String,
@@ -114,7 +115,7 @@ pub enum RemoteIoError {
 }
 
 impl RemoteIoError {
-    /// The SDD §7.1 code of this error.
+    /// This error's code (docs/REFERENCE.md#error-codes).
     pub fn code(&self) -> ErrorCode {
         match self {
             Self::Network(_) | Self::Registry(_) => ErrorCode::Network,
@@ -136,7 +137,7 @@ impl RemoteIoError {
 /// RemoteIO's result type.
 pub type Result<T, E = RemoteIoError> = std::result::Result<T, E>;
 
-/// The SDD §7.1 code with number `n` (an unknown number is `General`).
+/// The error code with number `n` (an unknown number is `General`).
 pub(crate) fn code_from_i32(n: i32) -> ErrorCode {
     ErrorCode::from_i32(n).unwrap_or(ErrorCode::General)
 }

@@ -1,7 +1,8 @@
-//! The RemoteIO wire protocol (SDD §6.2): a 28-byte little-endian header (magic `0x47505549`,
-//! version, message type, flags, request id, payload length) and one payload per message type.
-//! Decoding is strict: a wrong magic or version, an unknown type, a payload longer than the
-//! limits or not exactly the size its fields need is a [`WireError`], never a guess.
+//! The RemoteIO wire protocol (docs/REFERENCE.md#wire-protocol): a 28-byte little-endian header
+//! (magic `0x47505549`, version, message type, flags, request id, payload length) and one payload
+//! per message type. Decoding is strict: a wrong magic or version, an unknown type, a payload
+//! longer than the limits or not exactly the size its fields need is a [`WireError`], never a
+//! guess.
 
 use std::fmt;
 
@@ -38,7 +39,7 @@ pub const FLAG_WELCOME: u32 = 2;
 /// export's name); the agent answers with a plain RDMA_INFO (its queue pair, the region).
 pub const FLAG_RDMA_REQUEST: u32 = 1;
 
-/// Message types (SDD §6.2).
+/// Message types (docs/REFERENCE.md#wire-protocol).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u16)]
 pub enum MsgType {
@@ -304,7 +305,7 @@ pub enum Message {
     },
     /// A refused or failed request.
     Error {
-        /// SDD §7.1 code (negative).
+        /// The error code (negative; docs/REFERENCE.md#error-codes).
         code: i32,
         /// What went wrong.
         message: String,

@@ -1,4 +1,4 @@
-//! The multi-level block cache (SAD §2.2.2, SDD §3.2) in front of a [`BackingStore`].
+//! The multi-level block cache (docs/REFERENCE.md#block-cache) in front of a [`BackingStore`].
 //!
 //! Three levels, each optional: **L1** in GPU memory (one device arena), **L2** in host memory
 //! (one arena, pinned for the GPU where there is one), **L3** on a local SSD (one unlinked file
@@ -6,11 +6,12 @@
 //! hit below the top promotes the block to the top; a full level's LRU victim moves down one
 //! level, keeping its state; the lowest level's victim is written back if dirty, then dropped.
 //!
-//! Blocks follow the SDD coherence protocol ([`BlockState`]): a read miss loads a block as
-//! `Valid`; a write makes it `Dirty` (write-back) or writes the backing store too and leaves it
-//! `Valid` (write-through); a flush marks it `Flushing`, copies it out, writes it with the
-//! directory unlocked and makes it `Valid` again — unless a write landed meanwhile, which left
-//! it `Dirty`. A block with a flush in flight never moves, so the flush always finds it.
+//! Blocks follow the coherence protocol ([`BlockState`], docs/REFERENCE.md#coherence-states): a
+//! read miss loads a block as `Valid`; a write makes it `Dirty` (write-back) or writes the backing
+//! store too and leaves it `Valid` (write-through); a flush marks it `Flushing`, copies it out,
+//! writes it with the directory unlocked and makes it `Valid` again — unless a write landed
+//! meanwhile, which left it `Dirty`. A block with a flush in flight never moves, so the flush
+//! always finds it.
 //!
 //! One mutex guards the directory and the levels' storage; the only IO done without it is
 //! flushing and prefetch loads. A [`prefetch`] thread loads predicted blocks into L2 (or the
@@ -141,7 +142,7 @@ impl Level {
     }
 }
 
-/// A block's coherence state (SDD §3.2).
+/// A block's coherence state (docs/REFERENCE.md#coherence-states).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub enum BlockState {
     /// Not cached.

@@ -1,4 +1,4 @@
-//! Prefetching for the block cache (SDD §3.2 "prefetch engine"): a [`Predictor`] that watches
+//! Prefetching for the block cache (docs/REFERENCE.md#prefetch): a [`Predictor`] that watches
 //! the block access stream, and one background thread that loads what it predicts.
 //!
 //! The predictor is a pure function of the access sequence, so it is tested on its own; the

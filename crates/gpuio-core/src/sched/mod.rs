@@ -1,4 +1,4 @@
-//! The request scheduler (SAD §2.2.1, SDD §3.1, §10.5): many sessions with different priority
+//! The request scheduler (docs/REFERENCE.md#scheduling): many sessions with different priority
 //! classes and deadlines share the transports through one set of worker threads.
 //!
 //! - **Ordering** is the [`ReadyQueue`]'s: per-engine queues, earliest deadline first, CFS
@@ -402,8 +402,8 @@ impl SchedSession {
         self.submit_all(items, true)
     }
 
-    /// Plans a batch (sort, coalesce, group by engine; SDD §8.1) and queues its transfers.
-    /// Each request's status follows its own result; the handle reports them all.
+    /// Plans a batch (sort, coalesce, group by engine; docs/REFERENCE.md#batches) and queues its
+    /// transfers. Each request's status follows its own result; the handle reports them all.
     pub fn submit_batch(&self, requests: Vec<Request>) -> Result<BatchHandle> {
         let sh = &self.shared;
         if sh.closing.load(Ordering::Acquire) {

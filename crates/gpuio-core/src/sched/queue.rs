@@ -2,11 +2,11 @@
 //! structure (the scheduler wraps it in its lock), so that its invariants can be tested as a
 //! state machine without threads.
 //!
-//! One `EngineQueue` per transport (SAD §2.2.1: MemIO, LocalIO, RemoteIO queues). Inside
-//! each, work waits in one of three places:
+//! One `EngineQueue` per transport (the per-engine queues of docs/REFERENCE.md#layers: MemIO,
+//! LocalIO, RemoteIO). Inside each, work waits in one of three places:
 //! - the **deadline queue**: requests with a deadline, earliest deadline first (DEADLINE and
 //!   ADAPTIVE policies);
-//! - six **class queues** (SDD §10.5 priority classes); inside a class, each session is a
+//! - six **class queues** (docs/REFERENCE.md#priority-classes); inside a class, each session is a
 //!   *flow*, and flows share the class CFS-style: the flow with the least virtual runtime
 //!   (bytes served / session weight) goes next, and a flow that wakes up starts at the class's
 //!   minimum, so idling banks no credit;
@@ -22,7 +22,7 @@ use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-/// How the scheduler orders work (SDD `gpuio_sched_policy_t`).
+/// How the scheduler orders work (`gpuio_sched_policy_t`; docs/REFERENCE.md#scheduling).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Policy {

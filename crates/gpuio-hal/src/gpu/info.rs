@@ -1,5 +1,5 @@
-//! What a device is and can do: SDD `gpuio_device_info_t`, with a reason next to every
-//! capability that is missing.
+//! What a device is and can do: `gpuio_device_info_t` (docs/REFERENCE.md#devices), with a reason
+//! next to every capability that is missing.
 
 use serde::Serialize;
 use std::path::Path;
@@ -82,7 +82,7 @@ impl PcieLink {
     }
 }
 
-/// SDD `gpuio_device_info_t`: identity, memory, compute capability, link, and the GDS / GDR /
+/// `gpuio_device_info_t`: identity, memory, compute capability, link, and the GDS / GDR /
 /// CXL capabilities, each with a reason.
 #[derive(Debug, Clone, Serialize)]
 pub struct DeviceInfo {

@@ -1,5 +1,6 @@
-//! The memory vocabulary every gpuio layer shares (SDD §2.2): where a region lives, how long it
-//! is, and whether it is registered for DMA; plus the host buffer type and NUMA topology.
+//! The memory vocabulary every gpuio layer shares (docs/REFERENCE.md#memory-regions): where a
+//! region lives, how long it is, and whether it is registered for DMA; plus the host buffer type
+//! and NUMA topology.
 
 pub mod backing;
 mod host;
@@ -79,7 +80,7 @@ pub enum DmaRegistration {
     Pinned,
 }
 
-/// A description of a memory region: SDD `gpuio_memory_region_t` as plain data. Owned buffer
+/// A description of a memory region: `gpuio_memory_region_t` as plain data. Owned buffer
 /// types ([`HostBuffer`], [`crate::DeviceBuffer`]) describe themselves with one of these.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct MemoryRegion {

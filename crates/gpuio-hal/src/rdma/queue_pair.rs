@@ -2,7 +2,7 @@
 //! write (also in place in a [`HostRegion`], cut into work requests of at most 1 GiB posted
 //! together), send/receive, compare-and-swap, fetch-and-add. Each verb checks its ranges, posts
 //! its work requests in windows, and waits for their completions by id (handed over by the
-//! device's poller); a failed completion maps to an SDD code and a timed-out verb moves the queue
+//! device's poller); a failed completion maps to an error code and a timed-out verb moves the queue
 //! pair to the error state before it returns, so the NIC is done with the memory a verb borrows
 //! before the borrow ends. What one work request is, and how a verb becomes several, is
 //! `work.rs`.

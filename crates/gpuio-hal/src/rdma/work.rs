@@ -130,7 +130,7 @@ pub(super) fn completion_err(what: &'static str, status: ibv_wc_status::Type) ->
     }
 }
 
-/// The SDD code of a completion status that is not success: a peer refusing access (or a
+/// The error code of a completion status that is not success: a peer refusing access (or a
 /// local protection fault) is `Permission`, a peer that stopped answering `Network`.
 fn completion_code(status: ibv_wc_status::Type) -> ErrorCode {
     match status {

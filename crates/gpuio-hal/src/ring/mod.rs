@@ -89,13 +89,13 @@ use std::time::{Duration, Instant};
 // ---------------------------------------------------------------------------------------------
 // Results: what a completion publishes, and how the error side of the HAL reads it.
 
-/// The `result` a completion publishes for an error of SDD §7.1 code `code` (a negative
+/// The `result` a completion publishes for an error of code `code` (docs/REFERENCE.md#error-codes) (a negative
 /// result is either such a code, -1 to -11, or one of the two ring codes).
 pub fn result_of(code: ErrorCode) -> i64 {
     i64::from(code.as_i32())
 }
 
-/// The SDD §7.1 code of a negative `result` (the ring codes map to `InvalidArg` and
+/// The error code of a negative `result` (the ring codes map to `InvalidArg` and
 /// `Canceled`); `None` for a success (≥ 0).
 pub fn error_code_of(result: i64) -> Option<ErrorCode> {
     use ErrorCode::*;

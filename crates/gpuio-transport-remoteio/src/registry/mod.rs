@@ -1,5 +1,6 @@
-//! The multi-node registry on etcd (SAD §6.2): agents register the segments they serve under
-//! leases they keep alive; clients resolve a segment name to the agents serving it.
+//! The multi-node registry on etcd (docs/REFERENCE.md#multi-node-registry): agents register the
+//! segments they serve under leases they keep alive; clients resolve a segment name to the agents
+//! serving it.
 //!
 //! Layout: `<prefix>/segments/<segment>/<agent-id>` → the agent's `host:port`, attached to
 //! the agent's lease. An agent that dies stops renewing its lease, and etcd removes its keys
