@@ -44,17 +44,17 @@ impl RdmaAccess {
 }
 
 /// A memory registration; deregistered on drop.
-struct Registration {
+struct MemoryRegistration {
     mr: NonNull<ibv_mr>,
     _dev: Arc<RdmaDevice>,
 }
 
 // SAFETY: a memory region is a handle the NIC uses; deregistering it from any thread is allowed.
-unsafe impl Send for Registration {}
+unsafe impl Send for MemoryRegistration {}
 // SAFETY: no method mutates it.
-unsafe impl Sync for Registration {}
+unsafe impl Sync for MemoryRegistration {}
 
-impl Registration {
+impl MemoryRegistration {
     /// Registers `len` bytes at `addr`.
     ///
     /// # Safety
@@ -85,7 +85,7 @@ impl Registration {
     }
 }
 
-impl Drop for Registration {
+impl Drop for MemoryRegistration {
     fn drop(&mut self) {
         // SAFETY: registered in `new`, deregistered once; the memory is still mapped (the
         // owners drop their memory or mapping hold after this).
@@ -104,7 +104,7 @@ fn sge_at(addr: u64, len: usize, lkey: u32) -> Result<ibv_sge> {
 /// Host memory of its own, registered with a device: the local end of verbs.
 pub struct RdmaBuffer {
     // Declared first: deregistered before the memory goes.
-    reg: Registration,
+    reg: MemoryRegistration,
     buf: HostBuffer,
 }
 
@@ -123,7 +123,7 @@ impl RdmaBuffer {
         // SAFETY: the registration is dropped before `buf` (field order), which keeps the
         // memory mapped until then.
         let reg =
-            unsafe { Registration::new(dev, buf.base_ptr(), buf.len(), RdmaAccess::default())? };
+            unsafe { MemoryRegistration::new(dev, buf.base_ptr(), buf.len(), RdmaAccess::default())? };
         Ok(Self { reg, buf })
     }
 
@@ -168,7 +168,7 @@ impl RdmaBuffer {
 /// memory this registration covers.
 pub struct HostRegion {
     // Declared first: deregistered before the mapping hold is released.
-    reg: Registration,
+    reg: MemoryRegistration,
     _hold: MappingHold,
     addr: u64,
     len: usize,
@@ -204,7 +204,7 @@ impl HostRegion {
         // Remote writes race local readers of the bytes of an exposed region; the module docs
         // say why that is accepted (plain bytes, only copied, as with GPU-written mapped
         // memory).
-        let reg = unsafe { Registration::new(dev, start, range.len(), access)? };
+        let reg = unsafe { MemoryRegistration::new(dev, start, range.len(), access)? };
         Ok(Self {
             reg,
             _hold: hold,

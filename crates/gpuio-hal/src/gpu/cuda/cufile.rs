@@ -160,7 +160,7 @@ pub(crate) fn open() -> Result<(GdsMode, String)> {
 
 /// A file registered with cuFile; deregistered on drop. The registration refers to the
 /// descriptor, so the file is kept open here for as long.
-pub(crate) struct Registration {
+pub(crate) struct FileRegistration {
     lib: &'static Library,
     handle: *mut c_void,
     _file: std::sync::Arc<File>,
@@ -168,11 +168,11 @@ pub(crate) struct Registration {
 
 // SAFETY: a cuFile handle is an opaque token the library locks internally; cuFile documents
 // concurrent IO on one handle from many threads.
-unsafe impl Send for Registration {}
+unsafe impl Send for FileRegistration {}
 // SAFETY: as above.
-unsafe impl Sync for Registration {}
+unsafe impl Sync for FileRegistration {}
 
-impl Registration {
+impl FileRegistration {
     pub(crate) fn new(file: std::sync::Arc<File>) -> Result<Self> {
         let lib = library().map_err(|reason| HalError::Unsupported {
             what: "GPUDirect Storage (cuFile)",
@@ -265,7 +265,7 @@ fn whole(op: &'static str, len: usize, mut io: impl FnMut(usize) -> isize) -> Re
     Ok(done)
 }
 
-impl Drop for Registration {
+impl Drop for FileRegistration {
     fn drop(&mut self) {
         // SAFETY: the handle was registered once and is deregistered once; no IO on it can be
         // running (IO borrows the registration).

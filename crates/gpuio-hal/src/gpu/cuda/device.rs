@@ -307,7 +307,7 @@ impl DeviceBackend for CudaDevice {
         self.gds()?;
         Ok(Box::new(CudaGdsFile {
             shared: self.shared.clone(),
-            registration: cufile::Registration::new(file)?,
+            registration: cufile::FileRegistration::new(file)?,
         }))
     }
 
@@ -319,7 +319,7 @@ impl DeviceBackend for CudaDevice {
 /// A file registered with cuFile, doing IO in this device's context.
 struct CudaGdsFile {
     shared: Arc<Shared>,
-    registration: cufile::Registration,
+    registration: cufile::FileRegistration,
 }
 
 impl GdsFileBackend for CudaGdsFile {
