@@ -4,6 +4,9 @@
 //!
 //! [`probe`] returns [`Gpu`] handles. Every public operation checks its arguments here, once:
 //! buffer ownership, ranges and lengths; the backends behind it see only valid raw arguments.
+//!
+//! This file holds probing, [`Gpu`], host memory pinned for a device and [`DeviceBuffer`];
+//! `stream.rs` holds [`Stream`] (the checked copies and kernels), [`Inflight`] and [`Event`].
 
 mod backend;
 mod baseline;
@@ -14,15 +17,17 @@ mod host;
 mod info;
 mod ring_kernels;
 mod rows;
+mod stream;
 
 pub use gds::{GdsFile, GdsMode};
 pub use info::{Backend, Capability, DeviceInfo, PcieLink};
 pub use rows::{RowIndices, RowKernel};
+pub use stream::{Event, Inflight, Stream};
 
 use crate::error::{HalError, Result, check_range};
 use crate::memory::{DmaRegistration, HostBuffer, Location, MappingHold, MemoryRegion};
 use crate::sync::RwLockExt;
-use backend::{DevRange, DeviceBackend, DeviceMemory, EventBackend, HostPin, StreamBackend};
+use backend::{DevRange, DeviceBackend, DeviceMemory, HostPin};
 use std::fmt;
 use std::ops::Range;
 use std::sync::{Arc, RwLock};
@@ -436,307 +441,6 @@ impl DeviceBuffer {
             offset,
             len,
         })
-    }
-}
-
-/// An in-order queue of copies and kernels on one device.
-pub struct Stream {
-    gpu: Gpu,
-    inner: Box<dyn StreamBackend>,
-}
-
-impl fmt::Debug for Stream {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Stream").field("gpu", &self.gpu).finish()
-    }
-}
-
-impl Stream {
-    /// The device this stream runs on.
-    pub fn gpu(&self) -> &Gpu {
-        &self.gpu
-    }
-
-    /// Copies host memory into `dst` at `dst_offset` and waits for it. Pinned sources go as
-    /// direct DMA; pageable ones are staged by the driver (MemIO's pipeline is faster for
-    /// those).
-    pub fn upload(&self, src: &[u8], dst: &DeviceBuffer, dst_offset: usize) -> Result<()> {
-        self.gpu.check_owns("upload destination", dst)?;
-        let range = dst.range("upload destination", dst_offset, src.len())?;
-        if src.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: `src` and `dst` are borrowed until we synchronize below; the range was
-        // checked against the live allocation.
-        unsafe { self.inner.copy_h2d(src.as_ptr(), range)? };
-        self.inner.synchronize()
-    }
-
-    /// Copies `dst.len()` bytes of `src` from `src_offset` into host memory and waits for it.
-    pub fn download(&self, src: &DeviceBuffer, src_offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.gpu.check_owns("download source", src)?;
-        let range = src.range("download source", src_offset, dst.len())?;
-        if dst.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: `dst` is borrowed mutably, and `src` shared, until we synchronize below.
-        unsafe { self.inner.copy_d2h(range, dst.as_mut_ptr())? };
-        self.inner.synchronize()
-    }
-
-    /// Enqueues a device-to-device copy of `len` bytes; one side must belong to this stream's
-    /// device, the other may be a peer device of the same backend. Two ranges of one buffer
-    /// must not overlap. Returns at once; the returned handle waits for it.
-    pub fn copy_device_async(
-        &self,
-        src: &DeviceBuffer,
-        src_offset: usize,
-        dst: &DeviceBuffer,
-        dst_offset: usize,
-        len: usize,
-    ) -> Result<Inflight<()>> {
-        // SAFETY: the returned Inflight holds both buffers until the copy is done.
-        unsafe { self.enqueue_device_copy(src, src_offset, dst, dst_offset, len)? };
-        self.inflight((), vec![src.clone(), dst.clone()])
-    }
-
-    /// Copies between device buffers (same device or peers) and waits for it.
-    pub fn copy_device(
-        &self,
-        src: &DeviceBuffer,
-        src_offset: usize,
-        dst: &DeviceBuffer,
-        dst_offset: usize,
-        len: usize,
-    ) -> Result<()> {
-        // SAFETY: the borrows keep both buffers alive until the synchronize.
-        unsafe { self.enqueue_device_copy(src, src_offset, dst, dst_offset, len)? };
-        self.inner.synchronize()
-    }
-
-    /// Checks and enqueues a device copy.
-    ///
-    /// # Safety
-    /// The caller keeps both buffers alive until the copy completes.
-    unsafe fn enqueue_device_copy(
-        &self,
-        src: &DeviceBuffer,
-        src_offset: usize,
-        dst: &DeviceBuffer,
-        dst_offset: usize,
-        len: usize,
-    ) -> Result<()> {
-        if !src.gpu().same_device(&self.gpu) && !dst.gpu().same_device(&self.gpu) {
-            return Err(HalError::WrongDevice {
-                what: "device copy",
-                owner: format!("{} and {}", src.gpu(), dst.gpu()),
-                expected: self.gpu.to_string(),
-            });
-        }
-        if src.gpu().backend() != dst.gpu().backend() {
-            return Err(HalError::WrongDevice {
-                what: "device copy destination",
-                owner: dst.gpu().to_string(),
-                expected: format!("a device of the {} backend", src.gpu().backend().name()),
-            });
-        }
-        let s = src.range("copy source", src_offset, len)?;
-        let d = dst.range("copy destination", dst_offset, len)?;
-        if src.same_buffer(dst) && src_offset < dst_offset + len && dst_offset < src_offset + len {
-            return Err(HalError::InvalidArgument(format!(
-                "device copy within one buffer with overlapping ranges {src_offset}+{len} and {dst_offset}+{len}"
-            )));
-        }
-        if len > 0 {
-            // SAFETY: both ranges were checked against live buffers and do not overlap; the
-            // caller keeps the buffers alive until the copy is done.
-            unsafe {
-                self.inner
-                    .copy_d2d(src.gpu().inner.as_ref(), s, dst.gpu().inner.as_ref(), d)?
-            };
-        }
-        Ok(())
-    }
-
-    /// Enqueues a copy of `src[range]` into `dst` at `dst_offset` and returns at once. The
-    /// host buffer travels with the copy and comes back from [`Inflight::wait`]: ownership, not
-    /// a borrow, is what keeps it untouched while the DMA reads it.
-    pub fn upload_async(
-        &self,
-        src: HostBuffer,
-        range: Range<usize>,
-        dst: &DeviceBuffer,
-        dst_offset: usize,
-    ) -> Result<Inflight<HostBuffer>> {
-        self.gpu.check_owns("upload destination", dst)?;
-        let bytes = host_range("upload source", &src, &range)?;
-        let target = dst.range("upload destination", dst_offset, bytes.len())?;
-        if !bytes.is_empty() {
-            // SAFETY: the host buffer moves into the returned Inflight, which holds it (and
-            // the device buffer) until the copy has completed.
-            unsafe { self.inner.copy_h2d(bytes.as_ptr(), target)? };
-        }
-        self.inflight(src, vec![dst.clone()])
-    }
-
-    /// Enqueues a copy of `src[src_offset..]` into `dst[range]` and returns at once; the host
-    /// buffer comes back, filled, from [`Inflight::wait`].
-    pub fn download_async(
-        &self,
-        src: &DeviceBuffer,
-        src_offset: usize,
-        mut dst: HostBuffer,
-        range: Range<usize>,
-    ) -> Result<Inflight<HostBuffer>> {
-        self.gpu.check_owns("download source", src)?;
-        host_range("download destination", &dst, &range)?;
-        let source = src.range("download source", src_offset, range.len())?;
-        if !range.is_empty() {
-            let bytes = &mut dst.as_mut_slice()[range];
-            // SAFETY: the host buffer moves into the returned Inflight, which holds it until
-            // the copy has completed, so nothing else reads or frees it meanwhile.
-            unsafe { self.inner.copy_d2h(source, bytes.as_mut_ptr())? };
-        }
-        self.inflight(dst, vec![src.clone()])
-    }
-
-    /// Runs the pattern-fill kernel over `dst[offset..offset+len]` and waits for it: byte `i`
-    /// of the range becomes [`crate::pattern::byte_at`]`(seed, offset + i)`, the same bytes
-    /// [`crate::pattern::fill`] writes on the CPU.
-    pub fn fill_pattern(
-        &self,
-        dst: &DeviceBuffer,
-        offset: usize,
-        len: usize,
-        seed: u64,
-    ) -> Result<()> {
-        self.gpu.check_owns("pattern destination", dst)?;
-        let range = dst.range("pattern destination", offset, len)?;
-        if len == 0 {
-            return Ok(());
-        }
-        self.inner.fill_pattern(range, offset as u64, seed)
-    }
-
-    /// Compares `len` bytes of two buffers of this device on the device; returns the first
-    /// offset where they differ. Waits for the stream's earlier work first.
-    pub fn find_mismatch(
-        &self,
-        a: &DeviceBuffer,
-        a_offset: usize,
-        b: &DeviceBuffer,
-        b_offset: usize,
-        len: usize,
-    ) -> Result<Option<u64>> {
-        self.gpu.check_owns("compared buffer", a)?;
-        self.gpu.check_owns("compared buffer", b)?;
-        let ra = a.range("compared range", a_offset, len)?;
-        let rb = b.range("compared range", b_offset, len)?;
-        if len == 0 {
-            return Ok(None);
-        }
-        self.inner.find_mismatch(ra, rb)
-    }
-
-    /// Records a timing event after the work enqueued so far.
-    pub fn record_event(&self) -> Result<Event> {
-        Ok(Event {
-            inner: self.inner.record(true)?,
-        })
-    }
-
-    /// Blocks until all work enqueued on this stream is done.
-    pub fn synchronize(&self) -> Result<()> {
-        self.inner.synchronize()
-    }
-
-    fn inflight<T>(&self, payload: T, keep: Vec<DeviceBuffer>) -> Result<Inflight<T>> {
-        let event = match self.inner.record(false) {
-            Ok(event) => event,
-            Err(e) => {
-                // The copy may be queued: hold the payload until the stream drains, and leak it
-                // if even that cannot be confirmed.
-                if self.inner.synchronize().is_err() {
-                    std::mem::forget(payload);
-                }
-                return Err(e);
-            }
-        };
-        Ok(Inflight {
-            event,
-            payload: Some(payload),
-            _keep: keep,
-        })
-    }
-}
-
-fn host_range<'a>(
-    what: &'static str,
-    buf: &'a HostBuffer,
-    range: &Range<usize>,
-) -> Result<&'a [u8]> {
-    if range.start > range.end {
-        return Err(HalError::InvalidArgument(format!(
-            "{what}: reversed range {}..{}",
-            range.start, range.end
-        )));
-    }
-    check_range(what, range.start, range.len(), buf.len())?;
-    Ok(&buf.as_slice()[range.clone()])
-}
-
-/// Work enqueued on a stream, holding what it uses until it is done. Dropping it waits.
-#[must_use = "dropping an Inflight blocks until the copy is done"]
-pub struct Inflight<T> {
-    event: Box<dyn EventBackend>,
-    payload: Option<T>,
-    _keep: Vec<DeviceBuffer>,
-}
-
-impl<T> Inflight<T> {
-    /// Waits for the work and returns what it held. If the wait fails (a broken context), the
-    /// payload is leaked rather than freed: a DMA into freed memory must never be possible.
-    pub fn wait(mut self) -> Result<T> {
-        if let Err(e) = self.event.synchronize() {
-            std::mem::forget(self.payload.take());
-            return Err(e);
-        }
-        self.payload
-            .take()
-            .ok_or_else(|| HalError::InvalidArgument("in-flight payload already taken".into()))
-    }
-
-    /// Whether the work is done (so that [`Inflight::wait`] will not block).
-    pub fn is_complete(&self) -> Result<bool> {
-        self.event.is_complete()
-    }
-}
-
-impl<T> Drop for Inflight<T> {
-    fn drop(&mut self) {
-        if self.payload.is_some()
-            && let Err(e) = self.event.synchronize()
-        {
-            tracing::error!(error = %e, "in-flight copy failed while being dropped; leaking its buffer");
-            std::mem::forget(self.payload.take());
-        }
-    }
-}
-
-/// A timing event recorded on a stream.
-pub struct Event {
-    inner: Box<dyn EventBackend>,
-}
-
-impl Event {
-    /// Blocks until the work before the event is done.
-    pub fn synchronize(&self) -> Result<()> {
-        self.inner.synchronize()
-    }
-
-    /// Milliseconds of device time from `start` to this event.
-    pub fn elapsed_ms_since(&self, start: &Event) -> Result<f32> {
-        self.inner.elapsed_ms_since(start.inner.as_ref())
     }
 }
 

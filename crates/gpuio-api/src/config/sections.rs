@@ -1,0 +1,196 @@
+//! The sections of a [`Config`](super::Config): `[memio]`, `[localio]`, `[scheduler]`,
+//! `[agent]` (with its `[[agent.keys]]` and `[[agent.exports]]`) and `[remote]`, as they are
+//! written in TOML. What they become for the engines is built in `mod.rs` and `remote.rs`.
+
+use bytesize::ByteSize;
+use gpuio_core::{Policy, SchedulerConfig};
+use gpuio_transport_localio::{EnginePreference, GdsPolicy};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// `[memio]`: the staging pipeline.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemIoSection {
+    /// Largest staging chunk.
+    pub chunk_size: ByteSize,
+    /// Copy threads and lanes (0: min(cores, 8)).
+    pub threads: usize,
+    /// Staging buffers per lane.
+    pub slots_per_lane: usize,
+    /// Pageable copies below this size use the driver's staging.
+    pub pipeline_min: ByteSize,
+}
+
+/// `[localio]`: the file engine.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LocalIoSection {
+    /// io_uring, pread/pwrite, or automatic.
+    pub engine: EnginePreference,
+    /// Lanes per transfer (0: min(cores, 8)).
+    pub lanes: usize,
+    /// Chunk and staging slot size.
+    pub chunk_size: ByteSize,
+    /// Staging slots per lane.
+    pub slots_per_lane: usize,
+    /// io_uring submission polling.
+    pub sqpoll: bool,
+    /// crc32c of every sequential transfer, computed in staging.
+    pub checksum: bool,
+    /// When transfers go through cuFile.
+    pub gds: GdsPolicy,
+    /// Smallest transfer sent through cuFile.
+    pub gds_threshold: ByteSize,
+}
+
+/// `[agent]`: the RemoteIO agent (`gpuio agent`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentSection {
+    /// Address to listen on (`host:port`; port 0 picks a free one).
+    pub listen: String,
+    /// Milliseconds a new connection has to authenticate.
+    pub handshake_timeout_ms: u64,
+    /// Connections still in their handshake, at most (the oldest gives way to a newcomer).
+    pub max_handshakes: usize,
+    /// Connections in their handshake from one source address, at most.
+    pub max_handshakes_per_address: usize,
+    /// Authenticated sessions served at once.
+    pub max_connections: usize,
+    /// Sessions one key may hold at once.
+    pub max_sessions_per_key: usize,
+    /// Milliseconds one request may take, from its first byte to its answer's last.
+    pub io_timeout_ms: u64,
+    /// Milliseconds a session may stay silent before it is closed.
+    pub idle_timeout_ms: u64,
+    /// Bytes all sessions' request buffers may hold together.
+    pub buffer_memory: ByteSize,
+    /// Runtime threads.
+    pub threads: usize,
+    /// Keys clients may present.
+    pub keys: Vec<AgentKey>,
+    /// The segment to register as serving (empty: no registration).
+    pub segment: String,
+    /// The address clients should use (empty: the listening address).
+    pub advertise: String,
+    /// This agent's name within the segment (empty: the advertised address).
+    pub name: String,
+    /// Seconds a registration outlives an agent that died without revoking it.
+    pub lease_ttl_s: u64,
+    /// TLS certificate chain, PEM (empty: plain TCP).
+    pub tls_cert: String,
+    /// TLS private key, PEM.
+    pub tls_key: String,
+    /// Serve memory exports over RDMA too.
+    pub rdma: bool,
+    /// What is served.
+    pub exports: Vec<AgentExport>,
+}
+
+/// `[remote]`: RemoteIO clients.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoteSection {
+    /// The key to present (empty: remoteio:// URIs are refused).
+    pub key_id: String,
+    /// Environment variable holding the key's secret.
+    pub secret_env: String,
+    /// File holding the key's secret.
+    pub secret_file: String,
+    /// Connections per agent.
+    pub connections: usize,
+    /// Stripe of a large transfer.
+    pub stripe_size: ByteSize,
+    /// Milliseconds to connect, and to wait for any answer.
+    pub timeout_ms: u64,
+    /// TLS: CA certificates to trust, PEM (empty: plain TCP).
+    pub tls_ca: String,
+    /// TLS: the name agents' certificates carry (empty: their IP address).
+    pub tls_server_name: String,
+    /// RDMA device (empty: the first).
+    pub rdma_device: String,
+    /// RDMA GID index on port 1.
+    pub rdma_gid_index: u8,
+    /// etcd endpoints resolving segment names (empty: none).
+    pub registry: Vec<String>,
+    /// Key prefix in etcd.
+    pub registry_prefix: String,
+}
+
+/// `[[agent.keys]]`: a pre-shared key. The secret is read from the environment or a file,
+/// never written in the configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentKey {
+    /// The name clients send.
+    pub id: String,
+    /// `"read-only"` or `"read-write"`.
+    pub role: String,
+    /// Environment variable holding the secret.
+    #[serde(default)]
+    pub secret_env: Option<String>,
+    /// File holding the secret (its bytes, trailing newline removed).
+    #[serde(default)]
+    pub secret_file: Option<PathBuf>,
+}
+
+/// `[[agent.exports]]`: a file or a region of host memory served under a name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentExport {
+    /// The name clients ask for.
+    pub name: String,
+    /// `"read-only"` or `"read-write"`.
+    pub access: String,
+    /// A file to serve.
+    #[serde(default)]
+    pub file: Option<PathBuf>,
+    /// For a file: the size writes may grow it to (default: its size at start).
+    #[serde(default)]
+    pub max_size: Option<ByteSize>,
+    /// Memory of this size to serve (zeroed at start): host memory, or GPU memory with `gpu`.
+    #[serde(default)]
+    pub memory: Option<ByteSize>,
+    /// Serve `memory` from this GPU instead of host memory.
+    #[serde(default)]
+    pub gpu: Option<u32>,
+}
+
+/// `[scheduler]`: ordering, preemption points, backpressure.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerSection {
+    /// fifo, priority, deadline or adaptive.
+    pub policy: Policy,
+    /// Starvation bound, microseconds.
+    pub max_wait_us: u64,
+    /// ADAPTIVE: deadlines this close (microseconds) go first.
+    pub urgent_window_us: u64,
+    /// Requests above this size are queued as chunks of it.
+    pub chunk_size: ByteSize,
+    /// Bytes in flight per engine.
+    pub engine_in_flight: ByteSize,
+    /// Bytes in flight per session.
+    pub session_in_flight: ByteSize,
+    /// Adjacent small requests merge into transfers up to this size.
+    pub coalesce_max: ByteSize,
+    /// Idle workers spin this long (microseconds) before sleeping.
+    pub spin_us: u64,
+}
+
+impl Default for SchedulerSection {
+    fn default() -> Self {
+        let d = SchedulerConfig::default();
+        Self {
+            policy: d.policy,
+            max_wait_us: d.max_wait.as_micros() as u64,
+            urgent_window_us: d.urgent_window.as_micros() as u64,
+            chunk_size: ByteSize::b(d.chunk_size as u64),
+            engine_in_flight: ByteSize::b(d.engine_in_flight),
+            session_in_flight: ByteSize::b(d.session_in_flight),
+            coalesce_max: ByteSize::b(d.coalesce_max as u64),
+            spin_us: d.spin.as_micros() as u64,
+        }
+    }
+}

@@ -1,0 +1,272 @@
+//! Unit tests of URIs: the grammar's examples, shorthands, errors and where they point,
+//! bounded nesting, escaping, and (property tests) display round trips and arbitrary input.
+
+use super::*;
+use crate::error::UriProblem;
+use proptest::prelude::*;
+
+fn ok(s: &str) -> Uri {
+    Uri::parse(s).unwrap_or_else(|e| panic!("{s}: {e}"))
+}
+
+fn problem(s: &str) -> (usize, UriProblem) {
+    match Uri::parse(s) {
+        Err(Error::Uri {
+            position, problem, ..
+        }) => (position, problem),
+        other => panic!("{s}: expected a URI error, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_sdd_examples_parse() {
+    assert_eq!(ok("memio://cpu/dram?numa=0"), Uri::Dram { numa: Some(0) });
+    assert_eq!(
+        ok("memio://cxl/pool0?device=0"),
+        Uri::Cxl {
+            pool: "pool0".into(),
+            device: 0
+        }
+    );
+    assert_eq!(
+        ok("localio:///dev/nvme0n1"),
+        Uri::File {
+            path: "/dev/nvme0n1".into(),
+            direct: false,
+            gds: None
+        }
+    );
+    assert_eq!(
+        ok("localio:///mnt/data/file.dat?direct=1&gds=1"),
+        Uri::File {
+            path: "/mnt/data/file.dat".into(),
+            direct: true,
+            gds: Some(true)
+        }
+    );
+    assert_eq!(
+        ok("remoteio://192.168.1.100:5555/dataset?transport=rdma&gdr=1"),
+        Uri::Remote {
+            target: RemoteTarget::Address {
+                host: "192.168.1.100".into(),
+                port: 5555
+            },
+            resource: "dataset".into(),
+            transport: RemoteTransport::Rdma,
+            gdr: true
+        }
+    );
+}
+
+#[test]
+fn shorthands_and_aliases() {
+    assert_eq!(ok("gpu0"), Uri::Gpu(0));
+    assert_eq!(ok("gpu12"), Uri::Gpu(12));
+    assert_eq!(ok("memio://gpu/3"), Uri::Gpu(3));
+    assert_eq!(
+        ok("gpuio://memio/cpu/dram?numa=1"),
+        Uri::Dram { numa: Some(1) }
+    );
+    assert_eq!(
+        ok("gpuio://localio/mnt/x?direct=1"),
+        ok("localio:///mnt/x?direct=1")
+    );
+    assert_eq!(ok("file:///tmp/a%20b"), ok("localio:///tmp/a b"));
+    assert_eq!(
+        ok("data/x.bin"),
+        Uri::File {
+            path: "data/x.bin".into(),
+            direct: false,
+            gds: None
+        }
+    );
+    assert_eq!(
+        ok("remoteio://kv-segment/layer3"),
+        Uri::Remote {
+            target: RemoteTarget::Segment("kv-segment".into()),
+            resource: "layer3".into(),
+            transport: RemoteTransport::Tcp,
+            gdr: false
+        }
+    );
+    assert!(matches!(
+        ok("remoteio://[::1]:80/r"),
+        Uri::Remote { target: RemoteTarget::Address { ref host, port: 80 }, .. } if host == "::1"
+    ));
+}
+
+#[test]
+fn malformed_uris_say_what_and_where() {
+    assert_eq!(problem(""), (0, UriProblem::Empty));
+    assert_eq!(
+        problem("nvme://x").1,
+        UriProblem::UnknownScheme("nvme".into())
+    );
+    assert!(matches!(problem("1a://x").1, UriProblem::BadScheme(_)));
+    let (pos, p) = problem("memio://cpu/dram?numa=x");
+    assert_eq!(pos, 17);
+    assert!(matches!(p, UriProblem::BadParam { ref name, .. } if name == "numa"));
+    let (pos, p) = problem("memio://cpu/dram?numa=0&speed=9");
+    assert_eq!(pos, 24);
+    assert!(matches!(p, UriProblem::UnknownParam { ref name, .. } if name == "speed"));
+    assert!(matches!(
+        problem("memio://cpu/hbm").1,
+        UriProblem::UnknownResource { .. }
+    ));
+    assert!(matches!(
+        problem("memio://").1,
+        UriProblem::MissingResource { .. }
+    ));
+    assert!(matches!(
+        problem("memio://tape/x").1,
+        UriProblem::UnknownResource { .. }
+    ));
+    assert!(matches!(
+        problem("memio://cxl/?device=0").1,
+        UriProblem::MissingResource { .. }
+    ));
+    assert!(matches!(
+        problem("memio://gpu/x").1,
+        UriProblem::UnknownResource { .. }
+    ));
+    assert_eq!(
+        problem("memio://cpu/dram?numa=1&numa=2").1,
+        UriProblem::DuplicateParam("numa".into())
+    );
+    assert_eq!(
+        problem("memio://cpu/dram?numa").1,
+        UriProblem::MissingValue("numa".into())
+    );
+    assert!(matches!(
+        problem("localio://relative/path").1,
+        UriProblem::NotAbsolute(_)
+    ));
+    assert!(matches!(
+        problem("localio:///x?direct=maybe").1,
+        UriProblem::BadParam { .. }
+    ));
+    assert!(matches!(
+        problem("file:///x?direct=1").1,
+        UriProblem::UnknownParam { .. }
+    ));
+    assert_eq!(problem("file:///a%2").1, UriProblem::BadPercentEncoding);
+    assert_eq!(
+        problem("remoteio://h:0/r").1,
+        UriProblem::BadPort("0".into())
+    );
+    assert_eq!(
+        problem("remoteio://h:99999/r").1,
+        UriProblem::BadPort("99999".into())
+    );
+    assert_eq!(problem("remoteio:///r").1, UriProblem::MissingHost);
+    assert!(matches!(
+        problem("remoteio://h:1/").1,
+        UriProblem::MissingResource { .. }
+    ));
+    assert!(matches!(
+        problem("remoteio://h:1/r?transport=udp").1,
+        UriProblem::BadParam { .. }
+    ));
+    assert!(matches!(problem("gpu").1, UriProblem::BadGpuShorthand(_)));
+    assert!(matches!(problem("gpu0x").1, UriProblem::BadGpuShorthand(_)));
+    for bad in ["gpuio://memio/cpu/dram?numa=x", "gpuio://localio/x?numa=1"] {
+        let (pos, _) = problem(bad);
+        assert_eq!(&bad[pos..pos + 4], "numa", "{bad}");
+    }
+    let msg = Uri::parse("memio://cpu/dram?numa=x")
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("numa") && msg.contains("byte 17"), "{msg}");
+}
+
+#[test]
+fn nesting_is_bounded_not_a_stack_overflow() {
+    // `levels` gpuio:// wrappers around `inner`.
+    let nest =
+        |levels: usize, inner: &str| format!("gpuio://{}{inner}", "gpuio/".repeat(levels - 1));
+    // Up to the bound, each level unwraps the next.
+    assert_eq!(ok(&nest(MAX_URI_NESTING, "localio/x")), ok("localio:///x"));
+    assert_eq!(
+        ok(&nest(MAX_URI_NESTING, "memio/cpu/dram")),
+        Uri::Dram { numa: None }
+    );
+    // Beyond it, a typed error; 100k levels used to overflow the stack (SIGABRT).
+    for levels in [MAX_URI_NESTING + 1, 100_000] {
+        let input = nest(levels, "memio/cpu/dram");
+        let (pos, p) = problem(&input);
+        assert_eq!(
+            p,
+            UriProblem::TooDeep {
+                max: MAX_URI_NESTING
+            }
+        );
+        assert_eq!(pos, 8 + 6 * (MAX_URI_NESTING - 1), "{input}");
+        let e = Uri::parse(&input).unwrap_err();
+        assert_eq!(e.code(), gpuio_core::ErrorCode::InvalidArg);
+    }
+}
+
+#[test]
+fn display_escapes_control_characters() {
+    for (uri, raw) in [
+        (ok("rel/\x1b[2Jx\ny"), "\x1b"),
+        (ok("memio://cxl/p\x1b]0;t\x07?device=0"), "\x07"),
+        (ok("remoteio://seg\x1bment/r"), "\x1b"),
+        (ok("remoteio://h\0st:9/r"), "\0"),
+        (ok("file:///a%1Bb%0A"), "\x1b"),
+    ] {
+        let shown = uri.to_string();
+        assert!(!shown.contains(raw) && !shown.contains('\n'), "{shown:?}");
+    }
+    assert_eq!(ok("rel/\x1bx").to_string(), "rel/\\x1bx");
+}
+
+fn any_uri() -> impl Strategy<Value = Uri> {
+    prop_oneof![
+        (0u32..64).prop_map(Uri::Gpu),
+        proptest::option::of(0u32..8).prop_map(|numa| Uri::Dram { numa }),
+        ("[a-z][a-z0-9_]{0,8}", 0u32..4).prop_map(|(pool, device)| Uri::Cxl { pool, device }),
+        (
+            "(/[a-zA-Z0-9 ._%?#-]{1,12}){1,3}",
+            any::<bool>(),
+            proptest::option::of(any::<bool>())
+        )
+            .prop_map(|(p, direct, gds)| Uri::File {
+                path: p.into(),
+                direct,
+                gds
+            }),
+        (
+            "[a-z][a-z0-9.-]{0,10}",
+            1u16..,
+            "[a-z0-9/_]{1,10}",
+            any::<bool>(),
+            any::<bool>()
+        )
+            .prop_filter("resource must not start with /", |(_, _, r, _, _)| !r
+                .starts_with('/'))
+            .prop_map(|(host, port, resource, rdma, gdr)| Uri::Remote {
+                target: RemoteTarget::Address { host, port },
+                resource,
+                transport: if rdma {
+                    RemoteTransport::Rdma
+                } else {
+                    RemoteTransport::Tcp
+                },
+                gdr,
+            }),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn display_round_trips(u in any_uri()) {
+        let s = u.to_string();
+        prop_assert_eq!(Uri::parse(&s).unwrap(), u);
+    }
+
+    #[test]
+    fn arbitrary_input_never_panics(s in ".{0,64}") {
+        let _ = Uri::parse(&s);
+    }
+}
