@@ -348,7 +348,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn codes_match_sdd_values() {
+    fn codes_match_their_c_values() {
         assert_eq!(ErrorCode::General.as_i32(), -1);
         assert_eq!(ErrorCode::Canceled.as_i32(), -11);
         assert_eq!(ErrorCode::NoMem.name(), "GPUIO_ERROR_NOMEM");

@@ -19,7 +19,7 @@ fn problem(s: &str) -> (usize, UriProblem) {
 }
 
 #[test]
-fn the_sdd_examples_parse() {
+fn the_grammar_examples_parse() {
     assert_eq!(ok("memio://cpu/dram?numa=0"), Uri::Dram { numa: Some(0) });
     assert_eq!(
         ok("memio://cxl/pool0?device=0"),

@@ -122,8 +122,9 @@ impl RdmaBuffer {
         let buf = HostBuffer::alloc(len.max(8), &HostAllocOptions::default())?;
         // SAFETY: the registration is dropped before `buf` (field order), which keeps the
         // memory mapped until then.
-        let reg =
-            unsafe { MemoryRegistration::new(dev, buf.base_ptr(), buf.len(), RdmaAccess::default())? };
+        let reg = unsafe {
+            MemoryRegistration::new(dev, buf.base_ptr(), buf.len(), RdmaAccess::default())?
+        };
         Ok(Self { reg, buf })
     }
 

@@ -268,7 +268,7 @@ mod tests {
     }
 
     #[test]
-    fn completion_statuses_map_to_sdd_codes() {
+    fn completion_statuses_map_to_error_codes() {
         use ibv_wc_status::*;
         for (status, code) in [
             (IBV_WC_REM_ACCESS_ERR, ErrorCode::Permission),
