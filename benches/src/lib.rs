@@ -1,11 +1,4 @@
-//! # gpuio-bench
-//!
-//! The benchmark harness behind `gpuio bench` and `cargo xtask bench`. Every
-//! measurement races gpuio against the tool a user would otherwise use, interleaved in the
-//! same run on the same buffers, and reports the ratio. Output: JSON records
-//! `{"suite","case","metric","value","unit","peer","peer_value","ratio",...}` and an SVG plot
-//! under the output directory, and a table printed last.
-
+#![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
 pub mod gather;

@@ -1,26 +1,4 @@
-//! # gpuio-api
-//!
-//! The library interface of gpuio (docs/REFERENCE.md#explicit-api): a [`Session`] built from a
-//! [`Config`] (TOML, environment overrides), resources named by [`Uri`]s, and the explicit API —
-//! blocking transfers, asynchronous ones (handles that are futures, or callbacks) and batches
-//! that are sorted, coalesced and grouped by engine. [`Session::copy`] is what
-//! `gpuio cp` runs.
-//!
-//! ```
-//! use gpuio_api::{Config, Endpoint, Session, HostPlacement};
-//! # fn main() -> gpuio_api::Result<()> {
-//! let session = Session::new(Config::default())?;
-//! let dev = session.alloc_device(0, 4 << 20)?;
-//! let host = session.alloc_host(HostPlacement::Dram { numa: None }, 4 << 20, true)?;
-//! host.write().fill(3);
-//! // Asynchronous: the handle is a future, or can be waited on.
-//! let done = session
-//!     .transfer_async(Endpoint::host(&host, 0), Endpoint::device(&dev, 0), 4 << 20)?
-//!     .wait()?;
-//! assert_eq!(done.outcome.bytes, 4 << 20);
-//! # Ok(()) }
-//! ```
-
+#![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
 mod config;

@@ -11,10 +11,11 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Debug, clap::Args)]
 pub struct CpArgs {
-    /// Source: a file (path, file:///path or localio:///path).
+    /// Source: a file (path, file:///path or localio:///path) or another node's export
+    /// (remoteio://HOST:PORT/EXPORT, remoteio://SEGMENT/EXPORT).
     src: String,
-    /// Destination: a file, or memory (gpu0, memio://cpu/dram?numa=N, memio://cxl/POOL) that
-    /// holds the bytes until the command exits.
+    /// Destination: a file, another node's export, or memory (gpu0, memio://cpu/dram?numa=N,
+    /// memio://cxl/POOL) that holds the bytes until the command exits.
     dst: String,
     /// Stage through a memory tier, e.g. gpu0 or memio://cpu/dram?numa=1.
     #[arg(long, value_name = "URI")]

@@ -1,23 +1,4 @@
-//! # gpuio-core
-//!
-//! The core engine layer (docs/REFERENCE.md#layers): many clients with different priorities and
-//! deadlines share the transports fairly, fast and safely.
-//!
-//! - The request model and its status machine (docs/REFERENCE.md#requests); one error type
-//!   with the error codes (docs/REFERENCE.md#error-codes); the retry policy
-//!   (docs/REFERENCE.md#retry-policy).
-//! - [`Engines`], the transport manager: routing to the transport [`Engine`]s, retries,
-//!   failover across replicas, load per resource ([`ResourceTracker`]).
-//! - [`Scheduler`] (docs/REFERENCE.md#scheduling): per-engine queues, EDF, CFS fairness across
-//!   sessions, the AI priority classes, work-stealing workers, chunking and coalescing,
-//!   backpressure, exactly-once completions; batch planning (docs/REFERENCE.md#batches).
-//! - [`cache::BlockCache`] (docs/REFERENCE.md#block-cache): L1 GPU / L2 host / L3 SSD with
-//!   coherence states and a prefetcher; [`pool::StagingPool`]: pinned staging memory under a limit;
-//!   [`regcache::RegistrationCache`] (docs/REFERENCE.md#registration-cache).
-//! - [`RingProxy`]: the host side of the GPU→host request ring — serves the
-//!   IO requests GPU threads post, through the engines.
-//! - [`metrics`]: what all of this reports through the `metrics` facade.
-
+#![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
 pub mod batch;

@@ -1,16 +1,4 @@
-//! # gpuio-transport-localio
-//!
-//! LocalIO (docs/REFERENCE.md#localio): files and block devices to and from host and GPU memory.
-//!
-//! - [`FileHandle`]: positioned IO that handles short transfers, `EINTR`, end of file and full
-//!   disks exactly — buffered, O_DIRECT (any range: aligned through a bounce buffer) or
-//!   O_DSYNC — plus the alignment, extents (FIEMAP) and cache control device IO needs.
-//! - [`LocalIo`]: the file↔GPU pipeline. Lanes (a thread, a GPU stream and a queue of pinned
-//!   staging slots each) read chunks into their slots while earlier chunks are DMA'd to the
-//!   GPU, and the reverse for writes. The queue is io_uring with fixed buffers and files
-//!   ([`IoEngine::Uring`]); where io_uring is refused (seccomp, `kernel.io_uring_disabled`) the
-//!   same lanes run positioned reads and writes ([`IoEngine::Posix`]).
-
+#![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
 mod file;

@@ -1,20 +1,4 @@
-//! # gpuio-transport-memio
-//!
-//! MemIO (docs/REFERENCE.md#memio): copies between host DRAM, CXL memory and GPU memory, each on
-//! the fastest route the machine has, and saying which ([`Route`]):
-//!
-//! | source → destination | route |
-//! |---|---|
-//! | pinned host ↔ GPU | one DMA on a pooled stream ([`Route::DirectDma`]) |
-//! | pageable host ↔ GPU, large | lanes of pinned staging buffers, CPU copies overlapped with DMA ([`Route::StagedPipeline`]) |
-//! | pageable host ↔ GPU, small | the driver's own bounce buffer ([`Route::DriverStaged`]) |
-//! | GPU ↔ same GPU / peer GPU | device copy ([`Route::DeviceCopy`], [`Route::PeerCopy`]) |
-//! | host ↔ host | parallel memcpy ([`Route::HostCopy`]) |
-//! | anything on the host backend | one memcpy ([`Route::HostCopy`]) |
-//!
-//! Host memory for a tier comes from [`MemIo::alloc_host`] with a [`HostPlacement`]
-//! (`memio://cpu/dram?numa=N`, `memio://cxl/<pool>?device=N`).
-
+#![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
 mod gather;

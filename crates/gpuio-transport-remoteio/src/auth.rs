@@ -25,7 +25,8 @@ pub enum Role {
 pub struct Key {
     /// The name a client sends in HELLO.
     pub id: String,
-    /// The secret (at least 16 bytes).
+    /// The secret (an agent takes it only if it passes [`check_secret`]: at least
+    /// [`MIN_SECRET_LEN`] bytes and [`MIN_SECRET_BITS`] bits).
     pub secret: Vec<u8>,
     /// What holders of the key may do.
     pub role: Role,

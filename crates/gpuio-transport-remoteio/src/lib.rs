@@ -1,29 +1,4 @@
-//! # gpuio-transport-remoteio
-//!
-//! RemoteIO (docs/REFERENCE.md#remoteio): a GPU program on one node reads and writes memory and
-//! files that another node exports. The exporting node runs the [`Agent`]; the reading node talks
-//! to it through a [`RemotePeer`] (a pool of [`Connection`]s).
-//!
-//! - [`wire`]: the wire protocol (docs/REFERENCE.md#wire-protocol), decoded strictly (a corrupt,
-//!   truncated or oversized message is an error and ends that connection; the agent goes on serving
-//!   the others).
-//! - [`auth`]: the HELLO challenge–response on a pre-shared key (HMAC-SHA-256 over both sides'
-//!   nonces; the key never crosses the wire) and the roles keys carry.
-//! - [`agent`]: the agent (tokio): named exports of host memory and files, each read-only or
-//!   read-write, every request checked against its export's bounds and the key's role,
-//!   graceful shutdown that finishes the requests in flight.
-//! - [`connection`]: one blocking, authenticated TCP connection with pipelined requests; data
-//!   is received straight into and sent straight from the caller's memory.
-//! - [`peer`]: a pool of connections to one agent; large transfers are striped over several.
-//! - [`registry`]: segments registered in etcd under leases the agents keep alive; a segment
-//!   name resolves to the agents serving it (the etcd client needs the cargo feature
-//!   `registry`, whose build needs protoc).
-//!
-//! - [`tls`]: optional TLS (rustls): the agent's certificate, the clients' trusted CAs.
-//!
-//! - `rdma` (cargo feature `rdma`): one-sided reads, writes and atomics on memory exports
-//!   over RDMA verbs, set up through the TCP control connection.
-
+#![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
 pub mod agent;
