@@ -130,6 +130,20 @@ pub fn ci() -> Result {
             .args(["doc", "--workspace", "--no-deps"])
             .env("RUSTDOCFLAGS", "-D warnings"),
     )?;
+    // A library user's build: without the CLI, nothing turns the registry on.
+    run(
+        "rustdoc, no registry",
+        cargo()
+            .args([
+                "doc",
+                "-p",
+                "gpuio-transport-remoteio",
+                "-p",
+                "gpuio-api",
+                "--no-deps",
+            ])
+            .env("RUSTDOCFLAGS", "-D warnings"),
+    )?;
     crate::ptx::ptx(&["--wheels".to_string()])?;
     crate::qemu::qemu_rdma()
 }

@@ -9,8 +9,8 @@
 //! The API is blocking: the registry runs its own small tokio runtime, on which the lease
 //! keep-alive of every registration runs in the background.
 //!
-//! [`RegistryConfig`] and [`SegmentMember`] are always here; the etcd client ([`Registry`],
-//! [`SegmentRegistration`]) only with the cargo feature `registry`, because etcd-client's
+//! [`RegistryConfig`] and [`SegmentMember`] are always here; the etcd client (`Registry`,
+//! `SegmentRegistration`) only with the cargo feature `registry`, because etcd-client's
 //! build runs `protoc` and needs protobuf's well-known `.proto` files (Debian:
 //! `protobuf-compiler` and `libprotobuf-dev`). A library user who does not name segments
 //! needs neither.
