@@ -224,7 +224,7 @@ fn latency(session: &Session, opts: &Options, seed: u64) -> Result<(f64, [Record
         // Alternate which goes first, so neither always finds the caches warm.
         let mut direct_one = || -> Result<()> {
             let t = Instant::now();
-            engines.execute(&s, &d, SMALL, false).map_err(err)?;
+            engines.execute(&s, &d, SMALL).map_err(err)?;
             direct.push(t.elapsed());
             Ok(())
         };
@@ -328,7 +328,7 @@ fn throughput(session: &Session, opts: &Options, seed: u64, buffers: usize) -> R
     let t = Instant::now();
     for i in 0..direct_n {
         let (s, d) = pick(i);
-        engines.execute(&s, &d, SMALL, false).map_err(err)?;
+        engines.execute(&s, &d, SMALL).map_err(err)?;
     }
     let direct = direct_n as f64 / t.elapsed().as_secs_f64();
 

@@ -59,8 +59,9 @@ pub struct CopyReport {
     pub elapsed: Duration,
     /// Wall time of the verification, when asked for.
     pub verify_elapsed: Option<Duration>,
-    /// The route of each stage, e.g. `pread + staged DMA`.
-    pub stages: Vec<String>,
+    /// How each stage of the first window went (its [`Display`](std::fmt::Display) reads
+    /// e.g. `read: io_uring x 2 lane(s), pinned staging + DMA`).
+    pub stages: Vec<gpuio_core::Outcome>,
     /// The crc32c both sides agreed on, when verified.
     pub checksum: Option<u32>,
     /// Where the bytes ended up, when the destination is memory (it lives as long as this
@@ -187,14 +188,14 @@ impl Session {
             let routes = match &via {
                 Some(v) => {
                     let v = v.at(0)?;
-                    let mut routes = vec![self.read_any(&from, &v, n)?.route];
+                    let mut routes = vec![self.read_any(&from, &v, n)?];
                     for t in &to {
-                        routes.push(self.transfer_owned(&v, t, n)?.route);
+                        routes.push(self.transfer_owned(&v, t, n)?);
                     }
                     routes
                 }
                 None => match to.as_slice() {
-                    [t] => vec![self.read_any(&from, t, n)?.route],
+                    [t] => vec![self.read_any(&from, t, n)?],
                     many => {
                         // Several destinations: read once into host memory, write each.
                         let stage = Resource::Host(gpuio_core::HostMemory::new(HostBuffer::alloc(
@@ -202,9 +203,9 @@ impl Session {
                             &HostAllocOptions::default(),
                         )?));
                         let s = stage.at(0)?;
-                        let mut routes = vec![self.read_any(&from, &s, n)?.route];
+                        let mut routes = vec![self.read_any(&from, &s, n)?];
                         for t in many {
-                            routes.push(self.transfer_owned(&s, t, n)?.route);
+                            routes.push(self.transfer_owned(&s, t, n)?);
                         }
                         routes
                     }

@@ -372,7 +372,7 @@ impl Session {
 
     /// Blocking transfer between owned endpoints (host memory locked while it runs).
     pub fn transfer_owned(&self, src: &Endpoint, dst: &Endpoint, len: usize) -> Result<Outcome> {
-        Ok(self.engines.execute(src, dst, len, false)?)
+        Ok(self.engines.execute(src, dst, len)?)
     }
 
     /// Copies host memory (pinned or pageable) to GPU memory, blocking.

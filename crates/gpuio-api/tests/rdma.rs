@@ -135,12 +135,38 @@ fn sessions_copy_over_rdma() {
         mem: host.clone(),
         offset: 100,
     };
-    let out = s.engines().execute(&src, &dst, LEN - 8192, false).unwrap();
-    assert!(out.route.contains("in place"), "{}", out.route);
+    let out = s.engines().execute(&src, &dst, LEN - 8192).unwrap();
+    assert!(
+        matches!(
+            out.route,
+            gpuio_core::Route::RemoteRead {
+                via: gpuio_core::RemoteVia::Registered,
+                ..
+            } | gpuio_core::Route::RemoteWrite {
+                via: gpuio_core::RemoteVia::Registered,
+                ..
+            }
+        ),
+        "{}",
+        out.route
+    );
     assert!(host.read()[100..100 + LEN - 8192] == fresh[4096..LEN - 4096]);
     pattern::fill(&mut host.write(), 0, 34);
-    let out = s.engines().execute(&dst, &src, LEN - 8192, false).unwrap();
-    assert!(out.route.contains("in place"), "{}", out.route);
+    let out = s.engines().execute(&dst, &src, LEN - 8192).unwrap();
+    assert!(
+        matches!(
+            out.route,
+            gpuio_core::Route::RemoteRead {
+                via: gpuio_core::RemoteVia::Registered,
+                ..
+            } | gpuio_core::Route::RemoteWrite {
+                via: gpuio_core::RemoteVia::Registered,
+                ..
+            }
+        ),
+        "{}",
+        out.route
+    );
     assert!(mem.blocking_read()[4096..LEN - 4096] == host.read()[100..100 + LEN - 8192]);
     let regs = s.engines().remoteio().rdma_registrations();
     assert_eq!(regs.len(), 1, "one device, one cache: {regs:?}");

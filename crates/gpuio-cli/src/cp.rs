@@ -79,7 +79,12 @@ pub fn run(config: Config, args: &CpArgs) -> Result<(), Error> {
             report.elapsed.as_secs_f64(),
             report.gbps(),
             route.join(" -> "),
-            report.stages.join("; "),
+            report
+                .stages
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; "),
             match (report.checksum, report.verify_elapsed) {
                 (Some(c), Some(t)) =>
                     format!("; crc32c {c:08x} verified in {:.3} s", t.as_secs_f64()),

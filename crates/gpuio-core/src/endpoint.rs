@@ -284,6 +284,51 @@ impl Endpoint {
     }
 }
 
+impl Endpoint {
+    /// The endpoint as a transfer's source (nothing is locked or cloned).
+    pub fn source(&self) -> Source<'_> {
+        match self {
+            Self::Host { mem, offset } => Source::Memory(mem, *offset),
+            Self::Device { buf, offset } => Source::Device(buf, *offset),
+            Self::File { file, offset } => Source::File(file, *offset),
+            Self::Remote { res, offset } => Source::Remote(res, *offset),
+        }
+    }
+
+    /// The endpoint `by` bytes further on as a transfer's source; `None` where the offset
+    /// overflows.
+    pub fn source_at(&self, by: u64) -> Option<Source<'_>> {
+        let mem_at = |offset: &usize| usize::try_from(by).ok()?.checked_add(*offset);
+        Some(match self {
+            Self::Host { mem, offset } => Source::Memory(mem, mem_at(offset)?),
+            Self::Device { buf, offset } => Source::Device(buf, mem_at(offset)?),
+            Self::File { file, offset } => Source::File(file, offset.checked_add(by)?),
+            Self::Remote { res, offset } => Source::Remote(res, offset.checked_add(by)?),
+        })
+    }
+
+    /// The endpoint as a transfer's destination (nothing is locked or cloned).
+    pub fn dest(&self) -> Dest<'_> {
+        match self {
+            Self::Host { mem, offset } => Dest::Memory(mem, *offset),
+            Self::Device { buf, offset } => Dest::Device(buf, *offset),
+            Self::File { file, offset } => Dest::File(file, *offset),
+            Self::Remote { res, offset } => Dest::Remote(res, *offset),
+        }
+    }
+
+    /// Makes what was written to this endpoint durable: `fdatasync` for a file. Memory has
+    /// nothing to flush, and the agent protocol has no flush: a write to another node is as
+    /// durable as its agent's export. Called once when a durable request completes, however
+    /// many transfers carried it.
+    pub fn sync_data(&self) -> crate::Result<()> {
+        if let Self::File { file, .. } = self {
+            file.sync_data()?;
+        }
+        Ok(())
+    }
+}
+
 impl fmt::Display for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -295,11 +340,13 @@ impl fmt::Display for Endpoint {
     }
 }
 
-/// A borrowed source of a blocking transfer.
+/// A borrowed source of a transfer.
 #[derive(Debug, Clone, Copy)]
 pub enum Source<'a> {
-    /// Host memory (pinned or pageable; MemIO finds out which).
+    /// A caller's host memory (pinned or pageable; MemIO finds out which).
     Host(&'a [u8]),
+    /// Shared host memory from an offset, locked by the engine while it reads.
+    Memory(&'a HostMemory, usize),
     /// GPU memory from an offset.
     Device(&'a DeviceBuffer, usize),
     /// A file from an offset.
@@ -308,11 +355,13 @@ pub enum Source<'a> {
     Remote(&'a RemoteResource, u64),
 }
 
-/// A borrowed destination of a blocking transfer.
+/// A borrowed destination of a transfer.
 #[derive(Debug)]
 pub enum Dest<'a> {
-    /// Host memory.
+    /// A caller's host memory.
     Host(&'a mut [u8]),
+    /// Shared host memory from an offset, locked by the engine while it writes.
+    Memory(&'a HostMemory, usize),
     /// GPU memory from an offset.
     Device(&'a DeviceBuffer, usize),
     /// A file from an offset.
@@ -325,7 +374,7 @@ impl Source<'_> {
     /// Its kind.
     pub fn kind(&self) -> EndpointKind {
         match self {
-            Self::Host(_) => EndpointKind::Host,
+            Self::Host(_) | Self::Memory(..) => EndpointKind::Host,
             Self::Device(..) => EndpointKind::Device,
             Self::File(..) => EndpointKind::File,
             Self::Remote(..) => EndpointKind::Remote,
@@ -337,7 +386,7 @@ impl Dest<'_> {
     /// Its kind.
     pub fn kind(&self) -> EndpointKind {
         match self {
-            Self::Host(_) => EndpointKind::Host,
+            Self::Host(_) | Self::Memory(..) => EndpointKind::Host,
             Self::Device(..) => EndpointKind::Device,
             Self::File(..) => EndpointKind::File,
             Self::Remote(..) => EndpointKind::Remote,

@@ -4,6 +4,7 @@
 
 use crate::endpoint::{Endpoint, EndpointKind};
 use crate::error::{CoreError, Result};
+pub use crate::route::EngineKind;
 use serde::Serialize;
 use std::fmt;
 use std::sync::Arc;
@@ -53,27 +54,6 @@ impl RequestType {
             (false, true) | (true, true) => Self::Write,
             (false, false) => Self::Copy,
         }
-    }
-}
-
-/// The transport that carries a request (`gpuio_io_engine_t`; docs/REFERENCE.md#transports).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-pub enum EngineKind {
-    /// Host DRAM / CXL / GPU memory.
-    MemIo,
-    /// Files and block devices.
-    LocalIo,
-    /// Other nodes.
-    RemoteIo,
-}
-
-impl fmt::Display for EngineKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::MemIo => "memio",
-            Self::LocalIo => "localio",
-            Self::RemoteIo => "remoteio",
-        })
     }
 }
 
@@ -235,9 +215,9 @@ pub struct Request {
 }
 
 impl Request {
-    /// A transfer of `len` bytes from `src` to `dst`, routed to its engine.
+    /// A transfer of `len` bytes from `src` to `dst`, for the engine that serves them.
     pub fn new(src: Endpoint, dst: Endpoint, len: usize) -> Result<Self> {
-        let engine = crate::engine::route(src.kind(), dst.kind())?;
+        let engine = EngineKind::serving(src.kind(), dst.kind());
         let id = RequestId::next();
         Ok(Self {
             id,

@@ -1,11 +1,15 @@
-//! The resource tracker: what gpuio holds and has in flight, per resource — requests and bytes
-//! in flight per device or file (which the transport manager balances on), and memory held
-//! per pool (pinned staging, GPU cache arenas). The scheduler adds in-flight bytes per engine
-//! and queue depth ([`crate::SchedStats`]).
+//! The resource tracker: transfers and bytes in flight per resource, which failover reads to
+//! try the least loaded replica first.
+//!
+//! It counts what it balances: reads from a replicated source (a request with alternate
+//! sources), each from the replica it runs on. A single-source transfer has no choice to make
+//! and is not counted, which keeps a shared counter off every request's path (the scheduler's
+//! per-engine in-flight bytes, [`crate::SchedStats`], cover all requests).
 
+use crate::endpoint::ResourceKey;
 use gpuio_hal::sync::MutexExt;
 use serde::Serialize;
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 /// Work in flight on one resource.
@@ -17,98 +21,95 @@ pub struct Load {
     pub bytes: u64,
 }
 
-/// A snapshot of everything tracked.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct ResourceReport {
-    /// Load per resource (e.g. `file:/data/a.bin`, `gpu0`).
-    pub load: BTreeMap<String, Load>,
-    /// Bytes held per memory pool (e.g. `pinned staging`, `gpu0 cache`).
-    pub memory: BTreeMap<String, u64>,
-}
-
-#[derive(Debug, Default)]
-struct Inner {
-    load: BTreeMap<String, Load>,
-    memory: BTreeMap<String, u64>,
-}
-
 /// Shared, cheap to clone.
 #[derive(Debug, Clone, Default)]
 pub struct ResourceTracker {
-    inner: Arc<Mutex<Inner>>,
+    load: Arc<Mutex<HashMap<ResourceKey, Load>>>,
 }
 
 /// Ends a transfer's load when dropped.
 #[derive(Debug)]
 pub struct LoadGuard {
     tracker: ResourceTracker,
-    name: String,
+    key: ResourceKey,
     bytes: u64,
 }
 
 impl Drop for LoadGuard {
     fn drop(&mut self) {
-        let mut g = self.tracker.inner.lock_unpoisoned();
-        if let Some(l) = g.load.get_mut(&self.name) {
+        let mut g = self.tracker.load.lock_unpoisoned();
+        if let Some(l) = g.get_mut(&self.key) {
             l.requests -= 1;
             l.bytes -= self.bytes;
             if l.requests == 0 {
-                g.load.remove(&self.name);
+                g.remove(&self.key);
             }
         }
     }
 }
 
 impl ResourceTracker {
-    /// A transfer of `bytes` starts on `name`.
-    pub fn begin(&self, name: String, bytes: u64) -> LoadGuard {
-        let mut g = self.inner.lock_unpoisoned();
-        let l = g.load.entry(name.clone()).or_default();
+    /// A transfer of `bytes` starts on the resource `key`; it ends when the guard drops.
+    pub fn begin(&self, key: ResourceKey, bytes: u64) -> LoadGuard {
+        let mut g = self.load.lock_unpoisoned();
+        let l = g.entry(key).or_default();
         l.requests += 1;
         l.bytes += bytes;
         LoadGuard {
             tracker: self.clone(),
-            name,
+            key,
             bytes,
         }
     }
 
-    /// The load on `name` now.
-    pub fn load(&self, name: &str) -> Load {
-        self.inner
+    /// The load on `key` now.
+    pub fn load(&self, key: ResourceKey) -> Load {
+        self.load
             .lock_unpoisoned()
-            .load
-            .get(name)
+            .get(&key)
             .copied()
             .unwrap_or_default()
     }
+}
 
-    /// Sets the bytes a memory pool holds.
-    pub fn set_memory(&self, pool: &str, bytes: u64) {
-        let mut g = self.inner.lock_unpoisoned();
-        if bytes == 0 {
-            g.memory.remove(pool);
-        } else {
-            g.memory.insert(pool.to_string(), bytes);
-        }
-    }
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Endpoint, HostMemory};
+    use gpuio_hal::{HostAllocOptions, HostBuffer};
 
-    /// Adds to (or, negative, takes from) the bytes a memory pool holds.
-    pub fn add_memory(&self, pool: &str, delta: i64) {
-        let mut g = self.inner.lock_unpoisoned();
-        let v = g.memory.entry(pool.to_string()).or_default();
-        *v = v.saturating_add_signed(delta);
-        if *v == 0 {
-            g.memory.remove(pool);
-        }
-    }
-
-    /// Everything tracked.
-    pub fn report(&self) -> ResourceReport {
-        let g = self.inner.lock_unpoisoned();
-        ResourceReport {
-            load: g.load.clone(),
-            memory: g.memory.clone(),
-        }
+    #[test]
+    fn load_counts_running_transfers_and_ends_with_them() {
+        let mem = HostMemory::new(HostBuffer::alloc(64, &HostAllocOptions::default()).unwrap());
+        let (a, b) = (Endpoint::host(&mem, 0).resource(), {
+            let other =
+                HostMemory::new(HostBuffer::alloc(8, &HostAllocOptions::default()).unwrap());
+            Endpoint::host(&other, 0).resource()
+        });
+        let t = ResourceTracker::default();
+        let g1 = t.begin(a, 100);
+        let g2 = t.begin(a, 20);
+        assert_eq!(
+            t.load(a),
+            Load {
+                requests: 2,
+                bytes: 120
+            }
+        );
+        assert_eq!(t.load(b), Load::default());
+        drop(g1);
+        assert_eq!(
+            t.load(a),
+            Load {
+                requests: 1,
+                bytes: 20
+            }
+        );
+        drop(g2);
+        assert_eq!(t.load(a), Load::default());
+        assert!(
+            t.load.lock_unpoisoned().is_empty(),
+            "idle resources are forgotten"
+        );
     }
 }

@@ -326,10 +326,15 @@ impl Shared {
             });
         };
         let device = Endpoint::device(&buf, dev_off);
-        let durable = req.flags & ring::FLAG_DURABLE != 0;
         let outcome = match op {
-            RingOp::Read => self.engines.execute(&at, &device, len, false)?,
-            RingOp::Write => self.engines.execute(&device, &at, len, durable)?,
+            RingOp::Read => self.engines.execute(&at, &device, len)?,
+            RingOp::Write => {
+                let o = self.engines.execute(&device, &at, len)?;
+                if req.flags & ring::FLAG_DURABLE != 0 {
+                    at.sync_data()?;
+                }
+                o
+            }
         };
         if outcome.bytes != len {
             return Err(Failure::new(
@@ -349,47 +354,16 @@ impl Shared {
     /// buffer).
     fn read_into(&self, base: &Endpoint, by: u64, out: &mut [u8]) -> Result<u64, Failure> {
         let len = out.len();
-        let overflow = || {
-            Failure::new(
+        let Some(src) = base.source_at(by) else {
+            return Err(Failure::new(
                 ErrorCode::InvalidArg,
                 format!("offset {by} overflows the resource's address range"),
-            )
+            ));
         };
-        let at = |offset: usize| {
-            usize::try_from(by)
-                .ok()
-                .and_then(|b| offset.checked_add(b))
-                .ok_or_else(overflow)
-        };
-        let outcome = match base {
-            Endpoint::File { file, offset } => {
-                let from = offset.checked_add(by).ok_or_else(overflow)?;
-                file_range(from, len as u64)?;
-                self.engines
-                    .transfer(Source::File(file, from), Dest::Host(out), len)?
-            }
-            Endpoint::Host { mem, offset } => {
-                let from = at(*offset)?;
-                let src = mem.read();
-                let bytes = src.get(from..).ok_or_else(|| {
-                    Failure::new(
-                        ErrorCode::InvalidArg,
-                        format!("offset {from} is past the end"),
-                    )
-                })?;
-                self.engines
-                    .transfer(Source::Host(bytes), Dest::Host(out), len)?
-            }
-            Endpoint::Device { buf, offset } => {
-                self.engines
-                    .transfer(Source::Device(buf, at(*offset)?), Dest::Host(out), len)?
-            }
-            Endpoint::Remote { res, offset } => {
-                let from = offset.checked_add(by).ok_or_else(overflow)?;
-                self.engines
-                    .transfer(Source::Remote(res, from), Dest::Host(out), len)?
-            }
-        };
+        if let Source::File(_, from) = src {
+            file_range(from, len as u64)?;
+        }
+        let outcome = self.engines.transfer(src, Dest::Host(out), len)?;
         if outcome.bytes != len {
             return Err(Failure::new(
                 ErrorCode::General,

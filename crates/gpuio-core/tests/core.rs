@@ -40,10 +40,52 @@ fn transfers_route_to_their_engine() {
         .transfer(Source::Host(&src[..10]), Dest::Device(&dev, 0), 11)
         .unwrap_err();
     assert_eq!(err.code(), ErrorCode::InvalidArg);
-    assert_eq!(
-        e.engine(EngineKind::RemoteIo).unwrap().kind(),
-        EngineKind::RemoteIo
-    );
+}
+
+/// The routing of data (`Transfer::new`, over real endpoints of every kind) and the routing of
+/// queued requests (`EngineKind::serving`, over kinds) are one table, for all sixteen pairs.
+#[test]
+fn every_pair_of_endpoint_kinds_meets_the_engine_that_serves_it() {
+    use gpuio_transport_remoteio::{Credentials, PeerConfig, RemotePeer};
+    let e = engines();
+    let gpu = e.memio().gpu(0).unwrap().clone();
+    let dev = gpu.alloc(64).unwrap();
+    let mem = host(64, 1);
+    let dir = tempfile::tempdir().unwrap();
+    let f = e
+        .localio()
+        .open(dir.path().join("x"), OpenOptions::CREATE)
+        .unwrap();
+    // Never connected: routing does not touch the peer.
+    let peer = RemotePeer::new(PeerConfig::new(
+        "127.0.0.1:9".parse().unwrap(),
+        Credentials {
+            key_id: "k".into(),
+            secret: vec![0; 32],
+        },
+    ));
+    let res = RemoteResource::new(Arc::new(peer), "x");
+    let ends = [
+        Endpoint::host(&mem, 0),
+        Endpoint::device(&dev, 0),
+        Endpoint::file(&f, 0),
+        Endpoint::remote(&res, 0),
+    ];
+    let mut seen = std::collections::BTreeSet::new();
+    for s in &ends {
+        for d in &ends {
+            let routed = Transfer::new(s.source(), d.dest()).engine();
+            assert_eq!(
+                routed,
+                EngineKind::serving(s.kind(), d.kind()),
+                "{:?} -> {:?}",
+                s.kind(),
+                d.kind()
+            );
+            seen.insert((s.kind(), d.kind(), routed));
+        }
+    }
+    assert_eq!(seen.len(), 16);
 }
 
 #[test]

@@ -61,7 +61,7 @@ fn remote_memory_reaches_gpu_memory_and_files_and_back() {
         .transfer(Source::Remote(&res, 7), Dest::Device(&dev, 100), LEN)
         .unwrap();
     assert_eq!(o.engine, EngineKind::RemoteIo);
-    assert!(o.route.contains("staged"), "{}", o.route);
+    assert!(o.route.to_string().contains("staged"), "{}", o.route);
     let mut back = vec![0u8; LEN];
     e.transfer(Source::Device(&dev, 100), Dest::Host(&mut back), LEN)
         .unwrap();
@@ -151,7 +151,10 @@ fn refusals_write_nothing_and_replicas_fail_over() {
             &mut || failovers += 1,
         )
         .unwrap();
-    assert!(o.route.contains("failover"), "{}", o.route);
+    assert!(
+        o.failover.is_some() && o.to_string().contains("failover"),
+        "{o}"
+    );
     assert_eq!((retries, failovers), (1, 1));
     assert_eq!(pattern::first_deviation(&dst.read(), 0, 9), None);
 }

@@ -3,8 +3,8 @@
 //! batch, and the [`Completion`] each finally delivers.
 
 use super::ticket::TicketInner;
-use crate::engine::Outcome;
 use crate::error::{CoreError, Result};
+use crate::outcome::Outcome;
 use crate::request::{RequestId, Status, StatusCell};
 use gpuio_hal::ErrorCode;
 use gpuio_hal::sync::{CondvarExt, MutexExt};

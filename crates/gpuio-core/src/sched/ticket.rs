@@ -10,9 +10,10 @@
 use super::handle::Completion;
 use super::queue::SessionId;
 use crate::batch::MergeKey;
-use crate::engine::Outcome;
+use crate::endpoint::Endpoint;
 use crate::error::{CoreError, Result};
 use crate::metrics::SchedMetrics;
+use crate::outcome::Outcome;
 use crate::request::{EngineKind, Priority, Request, RequestId, Status, StatusCell};
 use crossbeam_utils::CachePadded;
 use gpuio_hal::sync::{CondvarExt, MutexExt};
@@ -222,7 +223,7 @@ pub(crate) struct TicketState {
     pub chunks_left: usize,
     pub error: Option<CoreError>,
     pub started: Option<Instant>,
-    pub route: Option<String>,
+    pub outcome: Option<Outcome>,
     finished: bool,
 }
 
@@ -241,6 +242,8 @@ pub(crate) struct TicketInner {
     /// Whether (and with what) it may run merged with adjacent requests; fixed at submission,
     /// so workers read it without the lock.
     pub merge: Option<MergeKey>,
+    /// A durable request's destination, made durable once every chunk has landed.
+    durable: Option<Endpoint>,
     pub state: Mutex<TicketState>,
 }
 
@@ -265,13 +268,14 @@ impl TicketInner {
             session,
             acct,
             merge: crate::batch::merge_key(&req),
+            durable: req.flags.durable.then(|| req.dst.clone()),
             state: Mutex::new(TicketState {
                 req: Some(req),
                 done: Some(done),
                 chunks_left: chunks.max(1),
                 error: None,
                 started: None,
-                route: None,
+                outcome: None,
                 finished: false,
             }),
         }
@@ -412,18 +416,14 @@ impl TicketInner {
         }
     }
 
-    /// Records one chunk's end; the last chunk settles the request. `durable_sync` runs once,
-    /// after every chunk succeeded, before the request completes.
-    pub fn chunk_done(
-        &self,
-        result: Result<Outcome>,
-        durable_sync: impl FnOnce(&Request) -> Result<()>,
-    ) {
+    /// Records one chunk's end; the last chunk settles the request. A durable request's
+    /// destination is synced once, after every chunk succeeded, before it completes.
+    pub fn chunk_done(&self, result: Result<Outcome>) {
         let mut s = self.state.lock_unpoisoned();
         match result {
             Ok(o) => {
-                if s.route.is_none() {
-                    s.route = Some(o.route);
+                if s.outcome.is_none() {
+                    s.outcome = Some(o);
                 }
             }
             Err(e) => {
@@ -436,21 +436,24 @@ impl TicketInner {
         if s.chunks_left > 0 {
             return;
         }
-        let mut result = match s.error.take() {
-            Some(e) => Err(e),
-            None => Ok(Outcome {
-                bytes: self.len,
-                engine: self.engine,
-                route: s.route.take().unwrap_or_default(),
-            }),
-        };
-        if result.is_ok()
-            && let Some(req) = s.req.as_ref()
-            && let Err(e) = durable_sync(req)
-        {
-            result = Err(e);
-        }
+        let error = s.error.take();
+        let first = s.outcome.take();
         drop(s);
+        let result = match (error, first) {
+            (Some(e), _) => Err(e),
+            (None, None) => Err(CoreError::Internal(format!(
+                "request {} finished without an outcome",
+                self.id
+            ))),
+            (None, Some(first)) => match self.durable.as_ref().map(Endpoint::sync_data) {
+                Some(Err(e)) => Err(e),
+                // The request's outcome: its bytes, the way its first chunk went.
+                _ => Ok(Outcome {
+                    bytes: self.len,
+                    ..first
+                }),
+            },
+        };
         let status = if result.is_ok() {
             Status::Completed
         } else {
@@ -464,7 +467,7 @@ impl TicketInner {
     /// Gives up a queued chunk of a started request (its session closed).
     pub fn abandon_chunk(&self) {
         if !self.cancel() && self.cell.get() == Status::InProgress {
-            self.chunk_done(Err(CoreError::Cancelled(self.id)), |_| Ok(()));
+            self.chunk_done(Err(CoreError::Cancelled(self.id)));
         }
     }
 }

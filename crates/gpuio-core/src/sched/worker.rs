@@ -9,8 +9,8 @@ use super::Shared;
 use super::coalesce::Unit;
 use super::ticket::TicketInner;
 use crate::endpoint::Endpoint;
-use crate::engine::Outcome;
 use crate::error::{CoreError, Result};
+use crate::outcome::Outcome;
 use crate::request::Request;
 use crate::retry::RetryPolicy;
 use crossbeam_deque::{Steal, Worker};
@@ -50,16 +50,6 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
         tracing::error!(%what, %msg, "engine panicked");
         Err(CoreError::Internal(format!("{what} panicked: {msg}")))
     })
-}
-
-/// Syncs a durable request's destination file (before the request completes).
-fn durable_sync(req: &Request) -> Result<()> {
-    if req.flags.durable
-        && let Endpoint::File { file, .. } = &req.dst
-    {
-        file.sync_data()?;
-    }
-    Ok(())
 }
 
 /// A worker thread: its own deque first, then the shared queue, then the others' deques,
@@ -210,7 +200,7 @@ impl Shared {
         };
         let Some(work) = work else {
             // An earlier chunk failed: this one only counts down.
-            t.chunk_done(Err(CoreError::Cancelled(t.id)), |_| Ok(()));
+            t.chunk_done(Err(CoreError::Cancelled(t.id)));
             return;
         };
         let span = tracing::debug_span!("request", id = t.id.0, engine = %t.engine, off, len);
@@ -247,15 +237,14 @@ impl Shared {
                         .collect();
                     run(&sources, &req.dst, req.flags.no_retry)
                 };
-                let result = result.and_then(|o| durable_sync(&req).map(|()| o));
                 // Let go of the buffers before the completion is delivered.
                 drop(req);
-                t.chunk_done(result, |_| Ok(()));
+                t.chunk_done(result);
             }
             Work::Shared(sources, dst, no_retry) => {
                 let result = run(&sources, &dst, no_retry);
                 drop((sources, dst));
-                t.chunk_done(result, durable_sync);
+                t.chunk_done(result);
             }
         }
     }
@@ -277,22 +266,17 @@ impl Shared {
             if let Some((src, dst, no_retry)) = first {
                 let result = guarded("coalesced requests", || {
                     self.retry_policy_run(no_retry, until, || {
-                        self.engines.execute(&src, &dst, total, false)
+                        self.engines.execute(&src, &dst, total)
                     })
                 });
-                let synced = result.and_then(|o| {
-                    let s = picked[0].state.lock_unpoisoned();
-                    s.req.as_ref().map_or(Ok(()), durable_sync).map(|()| o)
-                });
-                if let Ok(o) = synced {
-                    let route = format!("{} ({all} requests coalesced)", o.route);
+                if let Ok(o) = result {
                     for t in &picked {
                         let outcome = Outcome {
                             bytes: t.len,
-                            engine: o.engine,
-                            route: route.clone(),
+                            coalesced: all,
+                            ..o.clone()
                         };
-                        t.chunk_done(Ok(outcome), |_| Ok(()));
+                        t.chunk_done(Ok(outcome));
                     }
                     return;
                 }

@@ -1,0 +1,73 @@
+//! LocalIO behind the engine seam: a file and memory, or two files.
+
+use super::Engine;
+use crate::error::{CoreError, Result};
+use crate::outcome::Route;
+use crate::route::{EngineKind, FileAt, LocalTransfer};
+use gpuio_hal::{HostAllocOptions, HostBuffer};
+use gpuio_transport_localio::{Durability, LocalIo};
+use std::sync::Arc;
+
+/// LocalIO as an [`Engine`] (host staging for file-to-file copies).
+#[derive(Debug)]
+pub struct LocalIoEngine(pub Arc<LocalIo>);
+
+impl Engine for LocalIoEngine {
+    type Transfer<'a> = LocalTransfer<'a>;
+    const KIND: EngineKind = EngineKind::LocalIo;
+
+    fn transfer(&self, t: LocalTransfer<'_>, len: usize) -> Result<Route> {
+        let io = &self.0;
+        Ok(match t {
+            LocalTransfer::FileToHost(f, dst) => {
+                dst.with(len, |d| Ok(f.file.read_exact_at(f.offset, d)?))?;
+                Route::Pread
+            }
+            LocalTransfer::HostToFile(src, f) => {
+                src.with(len, |s| Ok(f.file.write_all_at(f.offset, s)?))?;
+                Route::Pwrite
+            }
+            LocalTransfer::FileToDevice(f, d) => {
+                Route::FileToDevice(io.read_to_device(f.file, f.offset, d.buf, d.offset, len)?)
+            }
+            LocalTransfer::DeviceToFile(d, f) => Route::DeviceToFile(io.write_from_device(
+                d.buf,
+                d.offset,
+                f.file,
+                f.offset,
+                len,
+                Durability::None,
+            )?),
+            LocalTransfer::FileToFile(src, dst) => {
+                self.file_to_file(src, dst, len)?;
+                Route::FileCopy
+            }
+        })
+    }
+}
+
+impl LocalIoEngine {
+    /// Copies through one host buffer of a chunk; a copy within one file with overlapping
+    /// ranges is refused (it would read bytes it has already overwritten).
+    fn file_to_file(&self, src: FileAt<'_>, dst: FileAt<'_>, len: usize) -> Result<()> {
+        let (soff, doff) = (src.offset, dst.offset);
+        let overlap =
+            soff < doff.saturating_add(len as u64) && doff < soff.saturating_add(len as u64);
+        if overlap && src.file.same_inode(dst.file)? {
+            return Err(CoreError::InvalidRequest(format!(
+                "copy within {} with overlapping ranges {soff}+{len} and {doff}+{len}",
+                src.file.path().display()
+            )));
+        }
+        let chunk = self.0.config().chunk_size.min(len.max(1));
+        let mut buf = HostBuffer::alloc(chunk, &HostAllocOptions::default())?;
+        let mut done = 0;
+        while done < len {
+            let n = chunk.min(len - done);
+            src.file.read_exact_at(soff + done as u64, &mut buf[..n])?;
+            dst.file.write_all_at(doff + done as u64, &buf[..n])?;
+            done += n;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,65 @@
+//! MemIO behind the engine seam: memory to memory on this node.
+
+use super::Engine;
+use crate::error::Result;
+use crate::outcome::Route;
+use crate::route::{EngineKind, HostDst, HostSrc, MemTransfer};
+use gpuio_hal::check_range;
+use gpuio_transport_memio::MemIo;
+use std::sync::Arc;
+
+/// MemIO as an [`Engine`].
+#[derive(Debug)]
+pub struct MemIoEngine(pub Arc<MemIo>);
+
+impl Engine for MemIoEngine {
+    type Transfer<'a> = MemTransfer<'a>;
+    const KIND: EngineKind = EngineKind::MemIo;
+
+    fn transfer(&self, t: MemTransfer<'_>, len: usize) -> Result<Route> {
+        let io = &self.0;
+        let route = match t {
+            MemTransfer::HostToDevice(src, d) => {
+                src.with(len, |s| Ok(io.upload(s, d.buf, d.offset)?))?
+            }
+            MemTransfer::DeviceToHost(s, dst) => {
+                dst.with(len, |d| Ok(io.download(s.buf, s.offset, d)?))?
+            }
+            MemTransfer::DeviceToDevice(s, d) => {
+                io.copy_device(s.buf, s.offset, d.buf, d.offset, len)?
+            }
+            MemTransfer::HostToHost(src, dst) => return self.host_to_host(src, dst, len),
+        };
+        Ok(Route::Mem(route))
+    }
+}
+
+impl MemIoEngine {
+    /// Host to host. Two shared buffers are locked in a global order (by identity), so that
+    /// copies in opposite directions cannot deadlock; one buffer on both sides takes one
+    /// exclusive lock and moves its bytes within itself.
+    fn host_to_host(&self, src: HostSrc<'_>, dst: HostDst<'_>, len: usize) -> Result<Route> {
+        let io = &self.0;
+        if let (HostSrc::Memory(a, from), HostDst::Memory(b, to)) = (&src, &dst) {
+            let (from, to) = (*from, *to);
+            if a.id() == b.id() {
+                let mut g = a.write();
+                check_range("source", from, len, g.len())?;
+                check_range("destination", to, len, g.len())?;
+                g.copy_within(from..from + len, to);
+                return Ok(Route::HostMove);
+            }
+            if a.id() > b.id() {
+                let mut w = b.write();
+                let r = a.read();
+                check_range("source", from, len, r.len())?;
+                check_range("destination", to, len, w.len())?;
+                let route = io.copy_host(&r[from..from + len], &mut w[to..to + len])?;
+                return Ok(Route::Mem(route));
+            }
+        }
+        // The source is locked first: the global order where both are shared.
+        src.with(len, |s| dst.with(len, |d| Ok(io.copy_host(s, d)?)))
+            .map(Route::Mem)
+    }
+}
