@@ -2,7 +2,8 @@
 //! adjacent ones into single transfers, group the transfers by engine.
 
 use crate::endpoint::{Endpoint, ResourceKey};
-use crate::request::{EngineKind, Request};
+use crate::request::Request;
+use crate::route::EngineKind;
 use std::collections::BTreeMap;
 
 /// One transfer a batch issues: one request, or several adjacent ones merged.

@@ -4,7 +4,8 @@
 //! CLI installs the Prometheus exporter (`--metrics-addr`) and `gpuio stat` reads it back. Handles
 //! are resolved once, so the hot path only touches atomics.
 
-use crate::request::{EngineKind, Priority};
+use crate::request::Priority;
+use crate::route::EngineKind;
 use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
 
 /// Requests submitted, by `engine` and `class`.

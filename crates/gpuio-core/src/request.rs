@@ -4,7 +4,7 @@
 
 use crate::endpoint::{Endpoint, EndpointKind};
 use crate::error::{CoreError, Result};
-pub use crate::route::EngineKind;
+use crate::route::EngineKind;
 use serde::Serialize;
 use std::fmt;
 use std::sync::Arc;

@@ -54,7 +54,7 @@ use crate::endpoint::{Dest, Endpoint, Source};
 use crate::engine::Engines;
 use crate::error::{CoreError, Result};
 use crate::metrics::{BYTES, REQUESTS_FINISHED};
-use crate::request::EngineKind;
+use crate::route::EngineKind;
 use crossbeam_utils::CachePadded;
 use gpuio_hal::ring::{self, HostProducer, RingDevice, RingMemory, RingOp, RingRequest, Take};
 use gpuio_hal::sync::RwLockExt;

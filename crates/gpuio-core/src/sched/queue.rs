@@ -16,7 +16,8 @@
 //! while other work ran) first, which bounds every class's wait; then deadlines; then classes
 //! (strictly by class under PRIORITY and DEADLINE, by weighted fair share under ADAPTIVE).
 
-use crate::request::{EngineKind, Priority};
+use crate::request::Priority;
+use crate::route::EngineKind;
 use serde::{Deserialize, Serialize};
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, HashMap, VecDeque};
