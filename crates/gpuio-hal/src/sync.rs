@@ -180,3 +180,67 @@ mod tests {
         assert_eq!(l.into_inner_unpoisoned(), 2);
     }
 }
+
+/// A counter many threads add to and few read: one cache line per slot, a thread always adds
+/// to its own slot, and a read sums them. A plain shared atomic makes every add from a
+/// different core take the line from the last one (about 100 ns on a server, per add); here
+/// the adds stay in the adding core's cache.
+#[derive(Debug, Default)]
+pub struct StripedCounter {
+    slots: [crossbeam_utils::CachePadded<std::sync::atomic::AtomicU64>; STRIPES],
+}
+
+const STRIPES: usize = 16;
+
+thread_local! {
+    /// This thread's slot; `usize::MAX` until its first add (a `const` slot costs one load).
+    static STRIPE: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
+}
+
+/// This thread's slot, handed out round-robin at its first add.
+#[inline]
+fn stripe() -> usize {
+    STRIPE.with(|s| {
+        let i = s.get();
+        if i != usize::MAX {
+            return i;
+        }
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let i = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % STRIPES;
+        s.set(i);
+        i
+    })
+}
+
+impl StripedCounter {
+    /// Adds `n`.
+    #[inline]
+    pub fn add(&self, n: u64) {
+        self.slots[stripe()].fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The sum of everything added (adds racing with the read may or may not be in it).
+    pub fn get(&self) -> u64 {
+        self.slots
+            .iter()
+            .map(|s| s.load(std::sync::atomic::Ordering::Relaxed))
+            .fold(0, u64::wrapping_add)
+    }
+}
+
+#[cfg(test)]
+mod striped_tests {
+    use super::StripedCounter;
+
+    #[test]
+    fn adds_from_many_threads_all_count() {
+        let c = StripedCounter::default();
+        std::thread::scope(|s| {
+            for t in 0..24u64 {
+                let c = &c;
+                s.spawn(move || (0..1000).for_each(|_| c.add(t)));
+            }
+        });
+        assert_eq!(c.get(), 1000 * (0..24).sum::<u64>());
+    }
+}

@@ -10,14 +10,14 @@ pub use gather::{
 };
 pub use placement::HostPlacement;
 
-use gpuio_hal::sync::MutexExt;
+use gpuio_hal::sync::{MutexExt, StripedCounter};
 use gpuio_hal::{
     Backend, DeviceBuffer, ErrorCode, Gpu, HalError, HostBuffer, NumaTopology, Stream,
 };
 use pipeline::LanePool;
 use rayon::prelude::*;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 /// MemIO's errors.
@@ -164,13 +164,14 @@ pub struct MemIoStats {
     pub staged: u64,
 }
 
+/// Bytes moved, by direction: added on every copy by whichever thread runs it, so striped.
 #[derive(Default)]
 struct Counters {
-    h2d: AtomicU64,
-    d2h: AtomicU64,
-    d2d: AtomicU64,
-    h2h: AtomicU64,
-    staged: AtomicU64,
+    h2d: StripedCounter,
+    d2h: StripedCounter,
+    d2d: StripedCounter,
+    h2h: StripedCounter,
+    staged: StripedCounter,
 }
 
 /// Per-device state: pooled streams and staging lanes.
@@ -269,11 +270,11 @@ impl MemIo {
     pub fn stats(&self) -> MemIoStats {
         let c = &self.counters;
         MemIoStats {
-            host_to_device: c.h2d.load(Ordering::Relaxed),
-            device_to_host: c.d2h.load(Ordering::Relaxed),
-            device_to_device: c.d2d.load(Ordering::Relaxed),
-            host_to_host: c.h2h.load(Ordering::Relaxed),
-            staged: c.staged.load(Ordering::Relaxed),
+            host_to_device: c.h2d.get(),
+            device_to_host: c.d2h.get(),
+            device_to_device: c.d2d.get(),
+            host_to_host: c.h2h.get(),
+            staged: c.staged.get(),
         }
     }
 
@@ -415,11 +416,11 @@ impl MemIo {
     }
 
     fn count_h2d(&self, bytes: usize) {
-        self.counters.h2d.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.counters.h2d.add(bytes as u64);
     }
 
     fn count_d2h(&self, bytes: usize) {
-        self.counters.d2h.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.counters.d2h.add(bytes as u64);
     }
 
     /// Runs `work` on every lane at once, on `pool`'s threads; the first failure stops the
@@ -469,9 +470,7 @@ impl MemIo {
                 return Err(MemIoError::Internal(format!("{route} for a host source")));
             }
         }
-        self.counters
-            .h2d
-            .fetch_add(src.len() as u64, Ordering::Relaxed);
+        self.counters.h2d.add(src.len() as u64);
         Ok(route)
     }
 
@@ -495,8 +494,8 @@ impl MemIo {
         pool.give_back(taken);
         res?;
         let n = src.len() as u64;
-        self.counters.staged.fetch_add(n, Ordering::Relaxed);
-        self.counters.h2d.fetch_add(n, Ordering::Relaxed);
+        self.counters.staged.add(n);
+        self.counters.h2d.add(n);
         Ok(Route::StagedPipeline {
             lanes,
             chunk: self.chunk_for(src.len()),
@@ -520,7 +519,7 @@ impl MemIo {
                 )));
             }
         }
-        self.counters.d2h.fetch_add(len as u64, Ordering::Relaxed);
+        self.counters.d2h.add(len as u64);
         Ok(route)
     }
 
@@ -546,10 +545,8 @@ impl MemIo {
         });
         pool.give_back(taken);
         res?;
-        self.counters
-            .staged
-            .fetch_add(len as u64, Ordering::Relaxed);
-        self.counters.d2h.fetch_add(len as u64, Ordering::Relaxed);
+        self.counters.staged.add(len as u64);
+        self.counters.d2h.add(len as u64);
         Ok(Route::StagedPipeline { lanes, chunk })
     }
 
@@ -566,7 +563,7 @@ impl MemIo {
         self.with_stream(dst.gpu(), |s| {
             Ok(s.copy_device(src, src_offset, dst, dst_offset, len)?)
         })?;
-        self.counters.d2d.fetch_add(len as u64, Ordering::Relaxed);
+        self.counters.d2d.add(len as u64);
         Ok(route)
     }
 
@@ -589,9 +586,7 @@ impl MemIo {
                     .for_each(|(d, s)| d.copy_from_slice(s))
             });
         }
-        self.counters
-            .h2h
-            .fetch_add(src.len() as u64, Ordering::Relaxed);
+        self.counters.h2h.add(src.len() as u64);
         Ok(Route::HostCopy { threads })
     }
 }

@@ -115,10 +115,7 @@ impl Shared {
                 .in_flight
                 .set(self.acct.budgets.in_flight(t.engine) as f64);
         }
-        self.acct
-            .counters
-            .submitted
-            .fetch_add(tickets.len() as u64, Ordering::Relaxed);
+        self.acct.counters.submitted.add(tickets.len() as u64);
         self.push(&mut st, units);
         Ok(())
     }
@@ -173,10 +170,7 @@ impl Shared {
                     out.push((first, Unit::Chunk { t, off: 0, len }));
                 }
                 n => {
-                    self.acct
-                        .counters
-                        .coalesced
-                        .fetch_add(n as u64, Ordering::Relaxed);
+                    self.acct.counters.coalesced.add(n as u64);
                     let ts = run.drain(..).map(|(_, t)| t).collect();
                     out.push((first, Unit::Group(ts)));
                 }

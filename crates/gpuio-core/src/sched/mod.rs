@@ -249,6 +249,7 @@ impl SchedSession {
                     .max(1),
                 in_flight: Default::default(),
                 closed: AtomicBool::new(false),
+                acct: shared.acct.clone(),
             }),
             shared: shared.clone(),
             cancel_on_drop,
@@ -280,7 +281,6 @@ impl SchedSession {
             done,
             chunks,
             self.state.clone(),
-            self.shared.acct.clone(),
             now,
         )))
     }

@@ -17,7 +17,7 @@ use crate::outcome::Outcome;
 use crate::request::{Priority, Request, RequestId, Status, StatusCell};
 use crate::route::EngineKind;
 use crossbeam_utils::CachePadded;
-use gpuio_hal::sync::{CondvarExt, MutexExt};
+use gpuio_hal::sync::{CondvarExt, MutexExt, StripedCounter};
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -33,6 +33,10 @@ pub(crate) struct SessionState {
     pub limit: u64,
     pub in_flight: CachePadded<AtomicU64>,
     pub closed: AtomicBool,
+    /// The scheduler's accounting, reached through the session so that a ticket holds one
+    /// shared reference, not two: each is a reference count the submitter and a worker both
+    /// touch per request.
+    pub acct: Arc<Accounting>,
 }
 
 /// Takes `bytes` from a budget of `limit` if it fits; an idle budget admits anything, so a
@@ -143,21 +147,21 @@ impl Budgets {
     }
 }
 
-/// Counters of the scheduler's life (see [`SchedStats`]).
+/// Counters of the scheduler's life (see [`SchedStats`]). Submitters and every worker add
+/// to them on each request, so each is striped (one cache line per thread's slot).
 #[derive(Default)]
 pub(crate) struct Counters {
-    // Written by submitters; the rest by workers.
-    pub submitted: CachePadded<AtomicU64>,
-    pub completed: AtomicU64,
-    pub failed: AtomicU64,
-    pub cancelled: AtomicU64,
-    pub bytes: AtomicU64,
-    pub deadline_met: AtomicU64,
-    pub deadline_missed: AtomicU64,
-    pub coalesced: AtomicU64,
-    pub stolen: AtomicU64,
-    pub retries: AtomicU64,
-    pub failovers: AtomicU64,
+    pub submitted: StripedCounter,
+    pub completed: StripedCounter,
+    pub failed: StripedCounter,
+    pub cancelled: StripedCounter,
+    pub bytes: StripedCounter,
+    pub deadline_met: StripedCounter,
+    pub deadline_missed: StripedCounter,
+    pub coalesced: StripedCounter,
+    pub stolen: StripedCounter,
+    pub retries: StripedCounter,
+    pub failovers: StripedCounter,
 }
 
 /// A snapshot of the scheduler's counters.
@@ -198,9 +202,15 @@ pub(crate) struct Accounting {
     pub metrics: SchedMetrics,
 }
 
+impl std::fmt::Debug for Accounting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Accounting").finish_non_exhaustive()
+    }
+}
+
 impl Counters {
     pub fn snapshot(&self) -> SchedStats {
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let g = |a: &StripedCounter| a.get();
         SchedStats {
             submitted: g(&self.submitted),
             completed: g(&self.completed),
@@ -239,7 +249,6 @@ pub(crate) struct TicketInner {
     pub expires: Option<Instant>,
     pub submitted: Instant,
     pub session: Arc<SessionState>,
-    pub acct: Arc<Accounting>,
     /// Whether (and with what) it may run merged with adjacent requests; fixed at submission,
     /// so workers read it without the lock.
     pub merge: Option<MergeKey>,
@@ -254,7 +263,6 @@ impl TicketInner {
         done: Done,
         chunks: usize,
         session: Arc<SessionState>,
-        acct: Arc<Accounting>,
         now: Instant,
     ) -> Self {
         Self {
@@ -267,7 +275,6 @@ impl TicketInner {
             expires: req.timeout.map(|t| now + t),
             submitted: now,
             session,
-            acct,
             merge: crate::batch::merge_key(&req),
             durable: req.flags.durable.then(|| req.dst.clone()),
             state: Mutex::new(TicketState {
@@ -301,7 +308,7 @@ impl TicketInner {
         // Release the request's buffers before saying it is done.
         drop(req);
         let now = Instant::now();
-        let acct = &self.acct;
+        let acct = &self.session.acct;
         acct.budgets
             .release(self.engine, &self.session, self.len as u64);
         acct.metrics
@@ -312,8 +319,8 @@ impl TicketInner {
         let c = &acct.counters;
         match &result {
             Ok(_) => {
-                c.completed.fetch_add(1, Ordering::Relaxed);
-                c.bytes.fetch_add(self.len as u64, Ordering::Relaxed);
+                c.completed.add(1);
+                c.bytes.add(self.len as u64);
                 m.ok.increment(1);
                 acct.metrics
                     .engine(self.engine)
@@ -321,11 +328,11 @@ impl TicketInner {
                     .increment(self.len as u64);
             }
             Err(CoreError::Cancelled(_)) => {
-                c.cancelled.fetch_add(1, Ordering::Relaxed);
+                c.cancelled.add(1);
                 m.cancelled.increment(1);
             }
             Err(_) => {
-                c.failed.fetch_add(1, Ordering::Relaxed);
+                c.failed.add(1);
                 m.failed.increment(1);
             }
         }
@@ -338,9 +345,9 @@ impl TicketInner {
             total.increment(1);
             if now > d || result.is_err() {
                 missed.increment(1);
-                c.deadline_missed.fetch_add(1, Ordering::Relaxed);
+                c.deadline_missed.add(1);
             } else {
-                c.deadline_met.fetch_add(1, Ordering::Relaxed);
+                c.deadline_met.add(1);
             }
         }
         if let Some(done) = done {
@@ -390,7 +397,8 @@ impl TicketInner {
                     Ok(()) => {
                         let now = Instant::now();
                         self.state.lock_unpoisoned().started = Some(now);
-                        self.acct
+                        self.session
+                            .acct
                             .metrics
                             .engine(self.engine)
                             .queue_wait

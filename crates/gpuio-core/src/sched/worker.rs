@@ -61,7 +61,8 @@ pub(super) fn worker_main(sh: Arc<Shared>, me: usize, local: Worker<Unit>) {
             sh.run(u);
             continue;
         }
-        if sh.grab(&local) {
+        if let Some(u) = sh.grab(&local) {
+            sh.run(u);
             continue;
         }
         if let Some(u) = sh.steal(me) {
@@ -83,10 +84,12 @@ impl Shared {
         }
     }
 
-    /// Takes units from the shared queue into a worker's deque. False if there were none.
-    fn grab(&self, local: &Worker<Unit>) -> bool {
+    /// Takes units from the shared queue: returns the first to run now and puts the rest in
+    /// the worker's deque (a lone unit never touches the deque, which idle workers poll).
+    /// `None` if there were none.
+    fn grab(&self, local: &Worker<Unit>) -> Option<Unit> {
         if self.queued.load(Ordering::Acquire) == 0 {
-            return false;
+            return None;
         }
         let now = Instant::now();
         let mut taken = Vec::new();
@@ -103,13 +106,12 @@ impl Shared {
             self.queued.fetch_sub(taken.len(), Ordering::AcqRel);
             self.acct.metrics.queue_depth.set(st.queue.len() as f64);
         }
-        if taken.is_empty() {
-            return false;
-        }
-        for u in self.coalesce(taken) {
+        let mut units = self.coalesce(taken).into_iter();
+        let first = units.next()?;
+        for u in units {
             local.push(u);
         }
-        true
+        Some(first)
     }
 
     fn steal(&self, me: usize) -> Option<Unit> {
@@ -119,7 +121,7 @@ impl Shared {
             loop {
                 match s.steal() {
                     Steal::Success(u) => {
-                        self.acct.counters.stolen.fetch_add(1, Ordering::Relaxed);
+                        self.acct.counters.stolen.add(1);
                         return Some(u);
                     }
                     Steal::Empty => break,
@@ -137,10 +139,23 @@ impl Shared {
     /// Waits for work: spins, then sleeps. False when the scheduler is closing and the shared
     /// queue is empty (the worker exits).
     fn idle(&self) -> bool {
+        // The shared queue's count is polled on every turn; the other workers' deques and the
+        // clock every 32nd: reading a deque takes its lines from the worker pushing and popping
+        // it, which slows that worker.
         let spin_until = Instant::now() + self.cfg.spin;
-        while Instant::now() < spin_until {
-            if self.queued.load(Ordering::Acquire) > 0 || self.stealable() {
+        let mut turn = 0u32;
+        loop {
+            if self.queued.load(Ordering::Acquire) > 0 {
                 return true;
+            }
+            turn = turn.wrapping_add(1);
+            if turn % 32 == 0 {
+                if self.stealable() {
+                    return true;
+                }
+                if Instant::now() >= spin_until {
+                    break;
+                }
             }
             std::hint::spin_loop();
         }
@@ -216,11 +231,11 @@ impl Shared {
                     self.policy(no_retry),
                     t.expires,
                     &mut || {
-                        c.retries.fetch_add(1, Ordering::Relaxed);
+                        c.retries.add(1);
                         m.retries.increment(1);
                     },
                     &mut || {
-                        c.failovers.fetch_add(1, Ordering::Relaxed);
+                        c.failovers.add(1);
                         m.failovers.increment(1);
                     },
                 )
@@ -297,7 +312,7 @@ impl Shared {
         self.policy(no_retry).run_until(
             until,
             || {
-                c.retries.fetch_add(1, Ordering::Relaxed);
+                c.retries.add(1);
             },
             op,
         )
