@@ -149,7 +149,7 @@ impl Shared {
                 return true;
             }
             turn = turn.wrapping_add(1);
-            if turn % 32 == 0 {
+            if turn.is_multiple_of(32) {
                 if self.stealable() {
                     return true;
                 }
