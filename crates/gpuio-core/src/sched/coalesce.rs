@@ -69,8 +69,30 @@ impl Shared {
         }
     }
 
-    /// Queues admitted tickets (one unit per chunk); refuses them all if shutting down.
+    /// Queues admitted tickets (one unit per chunk); refuses them all if shutting down. A
+    /// lone single-chunk request meeting an empty queue goes straight to a spinning worker
+    /// (`handoff.rs`).
     pub(super) fn enqueue(&self, tickets: &[Arc<TicketInner>]) -> Result<()> {
+        if let [t] = tickets
+            && t.len <= self.cfg.chunk_size
+            && self.queued.load(Ordering::Acquire) == 0
+            && !self.closing.load(Ordering::Acquire)
+        {
+            let mut unit = Unit::Chunk {
+                t: t.clone(),
+                off: 0,
+                len: t.len,
+            };
+            for h in &self.handoffs {
+                match h.give(unit) {
+                    Ok(()) => {
+                        self.account_queued(tickets);
+                        return Ok(());
+                    }
+                    Err(u) => unit = u,
+                }
+            }
+        }
         let units: Vec<(Meta, Unit)> = tickets
             .iter()
             .flat_map(|t| {
@@ -108,6 +130,13 @@ impl Shared {
             }
             return Err(CoreError::ShutDown);
         }
+        self.account_queued(tickets);
+        self.push(&mut st, units);
+        Ok(())
+    }
+
+    /// Counts tickets as submitted (statistics and metrics).
+    fn account_queued(&self, tickets: &[Arc<TicketInner>]) {
         for t in tickets {
             let m = &self.acct.metrics;
             m.class(t.engine, t.class).submitted.increment(1);
@@ -116,8 +145,6 @@ impl Shared {
                 .set(self.acct.budgets.in_flight(t.engine) as f64);
         }
         self.acct.counters.submitted.add(tickets.len() as u64);
-        self.push(&mut st, units);
-        Ok(())
     }
     /// Merges whole small requests that continue each other on both sides. A merged group
     /// takes the place of its earliest member, so the policy's order otherwise stands.

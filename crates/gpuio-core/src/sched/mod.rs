@@ -28,6 +28,7 @@
 mod coalesce;
 mod config;
 mod handle;
+mod handoff;
 pub mod queue;
 mod ticket;
 mod worker;
@@ -73,6 +74,8 @@ struct Shared {
     sleepers: AtomicUsize,
     acct: Arc<Accounting>,
     stealers: Vec<Stealer<Unit>>,
+    /// One per worker, each on its own cache line.
+    handoffs: Vec<crossbeam_utils::CachePadded<handoff::Handoff>>,
     next_session: AtomicU64,
 }
 
@@ -127,6 +130,7 @@ impl Scheduler {
                 metrics: SchedMetrics::new(),
             }),
             stealers: locals.iter().map(Worker::stealer).collect(),
+            handoffs: (0..n).map(|_| Default::default()).collect(),
             next_session: AtomicU64::new(1),
             closing: AtomicBool::new(false),
             cfg,

@@ -7,6 +7,7 @@
 
 use super::Shared;
 use super::coalesce::Unit;
+use super::handoff::Handoff;
 use super::ticket::TicketInner;
 use crate::endpoint::Endpoint;
 use crate::error::{CoreError, Result};
@@ -27,6 +28,16 @@ enum Work {
     Owned(Request),
     /// Sources (the source and its alternates) and destination, advanced to the chunk.
     Shared(Vec<Endpoint>, Endpoint, bool),
+}
+
+/// What an idle worker does next.
+enum Idle {
+    /// Runs the unit a submitter handed it.
+    Run(Unit),
+    /// Looks for work again.
+    Look,
+    /// Exits: the scheduler is closing.
+    Exit,
 }
 
 thread_local! {
@@ -69,8 +80,10 @@ pub(super) fn worker_main(sh: Arc<Shared>, me: usize, local: Worker<Unit>) {
             sh.run(u);
             continue;
         }
-        if !sh.idle() {
-            return;
+        match sh.idle(me) {
+            Idle::Run(u) => sh.run(u),
+            Idle::Look => {}
+            Idle::Exit => return,
         }
     }
 }
@@ -136,16 +149,31 @@ impl Shared {
         self.stealers.iter().any(|s| !s.is_empty())
     }
 
-    /// Waits for work: spins, then sleeps. False when the scheduler is closing and the shared
-    /// queue is empty (the worker exits).
-    fn idle(&self) -> bool {
-        // The shared queue's count is polled on every turn; the other workers' deques and the
-        // clock every 32nd: reading a deque takes its lines from the worker pushing and popping
-        // it, which slows that worker.
+    /// Waits for work: spins with its hand-off slot open, then sleeps. `Exit` when the
+    /// scheduler is closing and the shared queue is empty.
+    fn idle(&self, me: usize) -> Idle {
+        let handoff = &self.handoffs[me];
+        handoff.open();
+        let found = self.spin(handoff);
+        if let Some(u) = handoff.close() {
+            return Idle::Run(u);
+        }
+        if found {
+            return Idle::Look;
+        }
+        self.sleep()
+    }
+
+    /// Spins for a while: true when there is work in the queue or another worker's deque, or
+    /// in this worker's hand-off slot (which `idle` then takes).
+    fn spin(&self, handoff: &Handoff) -> bool {
+        // The shared queue's count and the slot are polled on every turn; the other workers'
+        // deques and the clock every 32nd: reading a deque takes its lines from the worker
+        // pushing and popping it, which slows that worker.
         let spin_until = Instant::now() + self.cfg.spin;
         let mut turn = 0u32;
         loop {
-            if self.queued.load(Ordering::Acquire) > 0 {
+            if self.queued.load(Ordering::Acquire) > 0 || handoff.is_full() {
                 return true;
             }
             turn = turn.wrapping_add(1);
@@ -154,18 +182,23 @@ impl Shared {
                     return true;
                 }
                 if Instant::now() >= spin_until {
-                    break;
+                    return false;
                 }
             }
             std::hint::spin_loop();
         }
+    }
+
+    /// Sleeps until work is queued (or another worker's deque has some after a timeout);
+    /// `Exit` when the scheduler is closing and nothing is queued.
+    fn sleep(&self) -> Idle {
         let mut st = self.state.lock_unpoisoned();
         loop {
             if !st.queue.is_empty() {
-                return true;
+                return Idle::Look;
             }
             if st.closing {
-                return false;
+                return Idle::Exit;
             }
             self.sleepers.fetch_add(1, Ordering::AcqRel);
             let (g, timeout) = self
@@ -174,7 +207,7 @@ impl Shared {
             st = g;
             self.sleepers.fetch_sub(1, Ordering::AcqRel);
             if timeout.timed_out() && self.stealable() {
-                return true;
+                return Idle::Look;
             }
         }
     }
