@@ -148,10 +148,7 @@ mod tests {
                     })
                 })
                 .collect();
-            let refused: Vec<u64> = givers
-                .into_iter()
-                .flat_map(|g| g.join().unwrap())
-                .collect();
+            let refused: Vec<u64> = givers.into_iter().flat_map(|g| g.join().unwrap()).collect();
             done.store(true, Ordering::Release);
             (worker.join().unwrap(), refused)
         });
