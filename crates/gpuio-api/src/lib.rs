@@ -20,11 +20,11 @@ pub use uri::{MAX_URI_NESTING, RemoteTarget, RemoteTransport, Uri};
 
 pub use gpuio_core::{
     BatchHandle, BatchReport, Completion, Dest, Endpoint, EngineKind, ErrorCode, HostMemory,
-    Outcome, Priority, RemoteResource, Request, RequestFlags, RequestHandle, RequestId, Source,
-    Status,
+    Outcome, Priority, RemoteResource, RemoteVia, Request, RequestFlags, RequestHandle, RequestId,
+    Route, Source, Status,
 };
 pub use gpuio_hal::{DeviceBuffer, Gpu};
 pub use gpuio_transport_localio::{
     Durability, FileHandle, GdsPolicy, IoEngine, OpenOptions, StripeSet, Transfer,
 };
-pub use gpuio_transport_memio::{HostPlacement, Route};
+pub use gpuio_transport_memio::{HostPlacement, Route as MemIoRoute};
