@@ -1,11 +1,18 @@
 //! `cargo xtask gpu-bundle`: release test and bench binaries for the GPU machine (which has
 //! no cargo), with `run.sh`, the one command that runs them there.
 
-use crate::{Result, build_tests, cargo, copy, make_executable, root, run};
+use crate::{Result, build_tests, cargo, copy, listed_tests, make_executable, root, run};
 use std::path::Path;
 
+/// Modules of bundled test binaries that `run.sh` skips (`--skip <module>::`, written to
+/// `tests/<binary>.args`), by package and test target: they test the network on hosts the GPU
+/// machine lacks (etcd, namespaces) or attack an agent process over loopback; nothing in them
+/// needs a GPU.
+const SKIPPED_MODULES: &[(&str, &str, &[&str])] = &[("gpuio-cli", "it", &["agent", "multinode"])];
+
 /// The bundle carried to the GPU machine: `bin/` (gpuio, xtask), `tests/` (every test
-/// binary), `kernels/`, and `run.sh`.
+/// binary, with `<binary>.args` where run.sh passes it more arguments), `kernels/`, and
+/// `run.sh`.
 pub fn gpu_bundle() -> Result {
     let root = root();
     let out = root.join("target/gpu-bundle");
@@ -27,7 +34,7 @@ pub fn gpu_bundle() -> Result {
     )?;
     for bin in ["gpuio", "xtask"] {
         copy(
-            &root.join("target/bundle").join(bin),
+            &crate::target_dir().join("bundle").join(bin),
             &out.join("bin").join(bin),
         )?;
     }
@@ -38,21 +45,36 @@ pub fn gpu_bundle() -> Result {
     let mut count = 0;
     for t in tests {
         // These read the source tree, which does not travel, or test the network on hosts
-        // the GPU machine lacks (etcd, namespaces), or attack an agent process over loopback;
-        // nothing in them needs a GPU (and the bundle must stay under 64 MiB).
+        // the GPU machine lacks (etcd, namespaces), or attack an agent process over loopback,
+        // or test the test support; nothing in them needs a GPU (and the bundle must stay
+        // under 64 MiB).
         if matches!(
             t.package.as_str(),
-            "gpuio-tests" | "xtask" | "gpuio-transport-remoteio"
-        ) || matches!(t.target.as_str(), "multinode" | "agent")
-        {
+            "gpuio-tests" | "xtask" | "gpuio-transport-remoteio" | "gpuio-testkit"
+        ) {
             continue;
         }
-        copy(
-            &t.path,
-            &out.join("tests")
-                .join(format!("{}--{}", t.package, t.target)),
-        )?;
+        let name = format!("{}--{}", t.package, t.target);
+        copy(&t.path, &out.join("tests").join(&name))?;
         count += 1;
+        let skipped = SKIPPED_MODULES
+            .iter()
+            .filter(|(package, target, _)| *package == t.package && *target == t.target)
+            .flat_map(|(_, _, modules)| modules.iter());
+        let mut args = Vec::new();
+        for module in skipped {
+            // A module that is gone (renamed) would no longer be skipped: say so here.
+            let filter = format!("{module}::");
+            if listed_tests(&t.path, &filter)?.is_empty() {
+                return Err(format!("{name} has no tests in `{filter}` to skip"));
+            }
+            args.push(format!("--skip {filter}"));
+        }
+        if !args.is_empty() {
+            let file = out.join("tests").join(format!("{name}.args"));
+            std::fs::write(&file, args.join(" ") + "\n")
+                .map_err(|e| format!("writing {}: {e}", file.display()))?;
+        }
     }
     for entry in std::fs::read_dir(root.join("kernels")).map_err(|e| format!("kernels/: {e}"))? {
         let path = entry.map_err(|e| e.to_string())?.path();

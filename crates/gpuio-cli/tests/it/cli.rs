@@ -2,7 +2,7 @@
 //! bundle sets it); `GPUIO_E2E_BYTES` sets the size of the round trip through GPU memory
 //! (64 MiB by default, 1 GiB in the GPU bundle).
 
-mod common;
+use crate::common;
 
 use gpuio_hal::pattern;
 use gpuio_testkit::Requirement;
