@@ -1,10 +1,11 @@
 //! The invariants of docs/ARCHITECTURE.md, checked: dependencies point strictly downward and
 //! transports never import each other; test support (gpuio-testkit) is only ever a
-//! dev-dependency; `unsafe` lives only in gpuio-hal, each block with a `// SAFETY:` note; every
-//! other crate forbids unsafe code; every crate has a README. And the docs' references hold:
-//! every `docs/<path>.md` (and `docs/<path>.md#<anchor>`) named in a tracked source or doc file
-//! exists (and has that heading), and nothing cites design documents that are not in the
-//! repository: the design vocabulary is docs/REFERENCE.md.
+//! dev-dependency; each crate's integration tests are one binary (`tests/it/`), any other
+//! saying why it needs a process of its own; `unsafe` lives only in gpuio-hal, each block with
+//! a `// SAFETY:` note; every other crate forbids unsafe code; every crate has a README. And
+//! the docs' references hold: every `docs/<path>.md` (and `docs/<path>.md#<anchor>`) named in
+//! a tracked source or doc file exists (and has that heading), and nothing cites design
+//! documents that are not in the repository: the design vocabulary is docs/REFERENCE.md.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -196,6 +197,45 @@ fn unsafe_code_lives_only_in_the_hal_with_safety_notes() {
             }
         }
     }
+}
+
+/// The phrase a test file outside `tests/it/` must have in its leading `//!` docs, with the
+/// reason it needs a process of its own.
+const OWN_BINARY: &str = "binary of its own";
+
+#[test]
+fn each_crate_has_one_test_binary_and_says_why_of_any_other() {
+    let mut problems = Vec::new();
+    for (name, dir) in crates() {
+        let Ok(entries) = std::fs::read_dir(dir.join("tests")) else {
+            continue;
+        };
+        for entry in entries {
+            let path = entry.unwrap().path();
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            if path.is_dir() {
+                if file != "it" || !path.join("main.rs").exists() {
+                    problems.push(format!(
+                        "{name}: tests/{file}/ is not tests/it/ with a main.rs: its files \
+                         belong in tests/it/"
+                    ));
+                }
+            } else if file.ends_with(".rs") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                let docs: Vec<&str> = text.lines().take_while(|l| l.starts_with("//!")).collect();
+                if !docs.join(" ").contains(OWN_BINARY) {
+                    let module = file.trim_end_matches(".rs");
+                    problems.push(format!(
+                        "{name}: tests/{file} is a test binary of its own: move it to \
+                         tests/it/{file} (with `mod {module};` in tests/it/main.rs), or say at \
+                         its top why it needs a process of its own (\"a test {OWN_BINARY}: \
+                         ...\")"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
 #[test]

@@ -4,15 +4,8 @@
 use crate::{Result, build_tests, cargo, copy, listed_tests, make_executable, root, run};
 use std::path::Path;
 
-/// Modules of bundled test binaries that `run.sh` skips (`--skip <module>::`, written to
-/// `tests/<binary>.args`), by package and test target: they test the network on hosts the GPU
-/// machine lacks (etcd, namespaces) or attack an agent process over loopback; nothing in them
-/// needs a GPU.
-const SKIPPED_MODULES: &[(&str, &str, &[&str])] = &[("gpuio-cli", "it", &["agent", "multinode"])];
-
 /// The bundle carried to the GPU machine: `bin/` (gpuio, xtask), `tests/` (every test
-/// binary, with `<binary>.args` where run.sh passes it more arguments), `kernels/`, and
-/// `run.sh`.
+/// binary), `kernels/`, and `run.sh`.
 pub fn gpu_bundle() -> Result {
     let root = root();
     let out = root.join("target/gpu-bundle");
@@ -32,11 +25,11 @@ pub fn gpu_bundle() -> Result {
             "xtask",
         ]),
     )?;
+    // Where cargo put them: CARGO_TARGET_DIR where set (worktrees share one), else target/.
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), Into::into);
     for bin in ["gpuio", "xtask"] {
-        copy(
-            &crate::target_dir().join("bundle").join(bin),
-            &out.join("bin").join(bin),
-        )?;
+        copy(&target.join("bundle").join(bin), &out.join("bin").join(bin))?;
     }
     let tests = build_tests(
         "build test binaries",
@@ -107,6 +100,12 @@ pub fn gpu_bundle() -> Result {
 
 /// The one command the GPU machine runs (`xtask/run.sh`, in parts that fit a device call).
 const RUN_SH: &str = include_str!("../run.sh");
+
+/// Modules of bundled test binaries that `run.sh` skips, by package and test target: they test
+/// the network on hosts the GPU machine lacks (etcd, namespaces) or attack an agent process
+/// over loopback; nothing in them needs a GPU. The bundle writes them to `tests/<binary>.args`
+/// (`--skip <module>::`), which run.sh adds to that binary's arguments.
+const SKIPPED_MODULES: &[(&str, &str, &[&str])] = &[("gpuio-cli", "it", &["agent", "multinode"])];
 
 fn dir_size(dir: &Path) -> u64 {
     std::fs::read_dir(dir)

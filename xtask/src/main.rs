@@ -62,15 +62,6 @@ fn root() -> PathBuf {
     }
 }
 
-/// Where cargo puts what it builds: `CARGO_TARGET_DIR` (relative to the root) where it is set,
-/// otherwise `target/`.
-fn target_dir() -> PathBuf {
-    match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(dir) if !dir.is_empty() => root().join(dir),
-        _ => root().join("target"),
-    }
-}
-
 fn cargo() -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     c.current_dir(root());

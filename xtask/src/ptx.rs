@@ -1,8 +1,7 @@
 //! `cargo xtask ptx`: every kernel compiled for every target architecture by nvcc (`.cu` files
 //! of `kernels/` to cubin: the front end and ptxas). With `--wheels` (CI) it also runs
-//! gpuio-hal's `kernels` tests (the `kernels::` module of its test binary), which compile the
-//! sources gpuio embeds with NVRTC as gpuio does at run time; on the GPU machine they run with
-//! the others. No GPU is needed to
+//! gpuio-hal's `kernels` test, which compiles the sources gpuio embeds with NVRTC as gpuio does
+//! at run time; on the GPU machine that test runs with the others. No GPU is needed to
 //! compile, so CI runs it with CUDA 13.0's compilers from PyPI.
 
 use crate::{Result, cargo, has, root, run, run_tests};
