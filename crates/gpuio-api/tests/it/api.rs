@@ -3,6 +3,7 @@
 
 use gpuio_api::*;
 use gpuio_hal::pattern;
+use gpuio_testkit::Requirement;
 use std::path::Path;
 use std::sync::mpsc;
 
@@ -132,10 +133,7 @@ fn uris_open_the_resources_they_name() {
         Ok(r) => assert_eq!(r.bytes, len),
         Err(e) => {
             assert_eq!(e.code(), ErrorCode::Unsupported, "{e}");
-            assert!(
-                !std::env::var("GPUIO_REQUIRE_GDS").is_ok_and(|v| v == "1"),
-                "cuFile is required here: {e}"
-            );
+            Requirement::Gds.missing(format_args!("cuFile: {e}"));
         }
     }
     let err = s

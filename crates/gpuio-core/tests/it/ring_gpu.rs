@@ -6,6 +6,7 @@
 use gpuio_core::ring::{RingConfig, RingProxy};
 use gpuio_core::{Endpoint, Engines};
 use gpuio_hal::{Backend, BackendPreference, Gpu, pattern, probe, ring};
+use gpuio_testkit::Requirement;
 use gpuio_transport_localio::{FileHandle, LocalIo, LocalIoConfig, OpenOptions};
 use gpuio_transport_memio::{MemIo, MemIoConfig};
 use std::sync::Arc;
@@ -13,13 +14,11 @@ use std::sync::Arc;
 /// CUDA engines and GPU 0, or None (with a note) where there is no GPU.
 fn cuda() -> Option<(Engines, Gpu)> {
     let p = probe(BackendPreference::Auto).unwrap();
-    let require = std::env::var("GPUIO_REQUIRE_CUDA").is_ok_and(|v| v == "1");
     if p.gpus[0].backend() == Backend::Host {
-        assert!(!require, "GPUIO_REQUIRE_CUDA=1 but: {}", p.cuda.detail);
-        eprintln!(
-            "skipped: kernels post ring requests only on a GPU ({})",
+        Requirement::Cuda.missing(format_args!(
+            "kernels post ring requests only on a GPU ({})",
             p.cuda.detail
-        );
+        ));
         return None;
     }
     let gpu = p.gpus[0].clone();

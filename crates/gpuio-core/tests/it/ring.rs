@@ -2,7 +2,7 @@
 //! through the same protocol GPU threads follow (`HostProducer`), a `RingProxy` serves them
 //! through the engines from real files and host memory into device buffers.
 
-mod common;
+use crate::common;
 
 use gpuio_core::ring::{RingConfig, RingProxy, WaitPolicy};
 use gpuio_core::{Endpoint, Engines, ErrorCode};

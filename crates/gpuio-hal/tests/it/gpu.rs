@@ -6,21 +6,16 @@ use gpuio_hal::{
     Backend, BackendPreference, ErrorCode, HalError, HostAllocOptions, HostBuffer, Probe, pattern,
     probe, probe_with,
 };
+use gpuio_testkit::Requirement;
 use proptest::prelude::*;
 
 fn devices() -> Probe {
     let p = probe(BackendPreference::Auto).expect("probe never fails with Auto");
-    let require = std::env::var("GPUIO_REQUIRE_CUDA").is_ok_and(|v| v == "1");
     if !p.cuda.available {
-        assert!(
-            !require,
-            "GPUIO_REQUIRE_CUDA=1 but CUDA is unavailable: {}",
+        Requirement::Cuda.missing(format_args!(
+            "CUDA is unavailable: {} (running on the host backend)",
             p.cuda.detail
-        );
-        eprintln!(
-            "skipped CUDA: {} (running on the host backend)",
-            p.cuda.detail
-        );
+        ));
     }
     p
 }

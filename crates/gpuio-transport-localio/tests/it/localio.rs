@@ -5,6 +5,7 @@
 //! reported written that was not.
 
 use gpuio_hal::{BackendPreference, ErrorCode, Gpu, pattern, probe};
+use gpuio_testkit::Requirement;
 use gpuio_transport_localio::{
     Durability, EnginePreference, FileHandle, GdsPolicy, IoEngine, LocalIo, LocalIoConfig,
     LocalIoError, OpenOptions, StripeSet,
@@ -56,12 +57,10 @@ fn skip_refused_direct(direct: bool, path: &Path, e: impl std::fmt::Display) {
     if !direct || fs_takes_direct_io(path) {
         panic!("opening {} (direct: {direct}): {e}", path.display());
     }
-    assert!(
-        std::env::var("GPUIO_REQUIRE_ODIRECT").as_deref() != Ok("1"),
-        "O_DIRECT is required (GPUIO_REQUIRE_ODIRECT=1) but {} refuses it: {e}",
+    Requirement::ODirect.missing(format_args!(
+        "the file system of {} refuses O_DIRECT: {e}",
         path.display()
-    );
-    eprintln!("skipped: this file system refuses O_DIRECT: {e}");
+    ));
 }
 
 /// Whether the file system holding `path` opens a file of its own with O_DIRECT (asked of
@@ -566,7 +565,7 @@ fn cufile_runs_where_it_can_and_says_why_not_elsewhere() {
     let f = io.open(&path, forced).unwrap();
     let available = g.gds();
     eprintln!("cuFile: {available:?}; {}", io.explain(&g));
-    let required = std::env::var("GPUIO_REQUIRE_GDS").is_ok_and(|v| v == "1");
+    let required = Requirement::Gds.required();
     if required {
         assert!(available.is_ok(), "{available:?}");
     }

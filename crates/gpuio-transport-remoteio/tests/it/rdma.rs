@@ -6,6 +6,7 @@
 #![cfg(feature = "rdma")]
 
 use gpuio_hal::{ErrorCode, HostAllocOptions, HostBuffer, pattern};
+use gpuio_testkit::Requirement;
 use gpuio_transport_remoteio::rdma::{RdmaChannel, RdmaOptions};
 use gpuio_transport_remoteio::{
     Access, Agent, AgentConfig, Connection, Credentials, Export, ExportSource, Key, Role,
@@ -20,11 +21,7 @@ const LEN: usize = 8 << 20;
 fn options() -> Option<RdmaOptions> {
     let names = gpuio_hal::rdma::device_names().unwrap_or_default();
     if names.is_empty() {
-        assert!(
-            std::env::var("GPUIO_REQUIRE_RDMA").as_deref() != Ok("1"),
-            "an RDMA device is required (GPUIO_REQUIRE_RDMA=1)"
-        );
-        eprintln!("skipped: no RDMA device");
+        Requirement::Rdma.missing("no RDMA device");
         return None;
     }
     // RoCE: GID 1 is the first configured address where there is one.

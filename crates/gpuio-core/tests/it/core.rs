@@ -1,7 +1,7 @@
 //! The core over real transports on the probed backend: routing, dispatch (blocking, future,
 //! callback), cancellation, shutdown, batches.
 
-mod common;
+use crate::common;
 
 use common::{engines, host, sched};
 use gpuio_core::*;

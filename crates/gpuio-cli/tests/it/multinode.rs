@@ -14,6 +14,7 @@
 #![cfg(feature = "registry")]
 
 use gpuio_api::{Access, Config, CopyOptions, ErrorCode, Resource, Session, Uri};
+use gpuio_testkit::Requirement;
 use gpuio_transport_remoteio::{Registry, RegistryConfig};
 use std::io::BufRead;
 use std::net::TcpListener;
@@ -178,11 +179,7 @@ impl Drop for Proc {
 /// A real etcd, listening on loopback and on each agent network's host address.
 fn start_etcd(dir: &Path, hosts: &Hosts) -> Option<(Proc, u16)> {
     if !sh(&["etcd", "--version"]) {
-        assert!(
-            std::env::var("GPUIO_REQUIRE_ETCD").as_deref() != Ok("1"),
-            "etcd is required (GPUIO_REQUIRE_ETCD=1): apt-get install etcd-server"
-        );
-        eprintln!("skipped: no etcd on this machine (apt-get install etcd-server)");
+        Requirement::Etcd.missing("no etcd on this machine (apt-get install etcd-server)");
         return None;
     }
     let (port, peer) = (free_port(), free_port());

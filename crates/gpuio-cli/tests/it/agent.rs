@@ -4,7 +4,7 @@
 //! stays bounded; restarted mid-copy (a copy must fail, never finish with the new instance's
 //! zeros); too small for what is written to it; sized past what the machine can back.
 
-mod common;
+use crate::common;
 
 use common::bin;
 use gpuio_api::{Access, Config, ErrorCode, Resource, Session, Uri};

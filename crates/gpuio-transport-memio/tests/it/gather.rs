@@ -5,6 +5,7 @@
 use gpuio_hal::{
     BackendPreference, ErrorCode, HalError, HostAllocOptions, HostBuffer, RowKernel, pattern, probe,
 };
+use gpuio_testkit::Requirement;
 use gpuio_transport_memio::{
     GatherIndices, GatherOptions, GatherStrategy, IndexPlace, MemIo, MemIoConfig, MemIoError,
 };
@@ -19,12 +20,12 @@ const FORCED: [GatherStrategy; 4] = [
 
 fn engine() -> MemIo {
     let p = probe(BackendPreference::Auto).unwrap();
-    let require = std::env::var("GPUIO_REQUIRE_CUDA").is_ok_and(|v| v == "1");
-    assert!(
-        !require || p.cuda.available,
-        "CUDA required: {}",
-        p.cuda.detail
-    );
+    if !p.cuda.available {
+        Requirement::Cuda.missing(format_args!(
+            "CUDA is unavailable: {} (running on the host backend)",
+            p.cuda.detail
+        ));
+    }
     let config = MemIoConfig {
         chunk_size: 64 << 10,
         gather_threads: 3,

@@ -5,22 +5,17 @@
 use gpuio_hal::{
     Backend, BackendPreference, ErrorCode, HostAllocOptions, HostBuffer, pattern, probe, probe_with,
 };
+use gpuio_testkit::Requirement;
 use gpuio_transport_memio::{HostPlacement, MemIo, MemIoConfig, MemIoError, Route};
 use proptest::prelude::*;
 
 fn engine(config: MemIoConfig) -> MemIo {
     let p = probe(BackendPreference::Auto).unwrap();
-    let require = std::env::var("GPUIO_REQUIRE_CUDA").is_ok_and(|v| v == "1");
     if !p.cuda.available {
-        assert!(
-            !require,
-            "GPUIO_REQUIRE_CUDA=1 but CUDA is unavailable: {}",
+        Requirement::Cuda.missing(format_args!(
+            "CUDA is unavailable: {} (running on the host backend)",
             p.cuda.detail
-        );
-        eprintln!(
-            "skipped CUDA: {} (running on the host backend)",
-            p.cuda.detail
-        );
+        ));
     }
     MemIo::new(p.gpus, config).unwrap()
 }

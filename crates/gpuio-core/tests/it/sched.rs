@@ -4,7 +4,7 @@
 //! completes exactly once; what is acknowledged landed), plus backpressure, timeouts,
 //! chunking and failover.
 
-mod common;
+use crate::common;
 
 use common::{engines, host, sched, sched_with, zeroed};
 use gpuio_core::sched::{Meta, QueueConfig, ReadyQueue, SessionId};

@@ -2,7 +2,7 @@
 //! machine): another node's memory into GPU memory and back through the staging buffers,
 //! into and out of files, replica failover, and refusals that write nothing.
 
-mod common;
+use crate::common;
 
 use common::engines;
 use gpuio_core::*;

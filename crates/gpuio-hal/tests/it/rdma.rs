@@ -8,17 +8,14 @@
 
 use gpuio_hal::rdma::{HostRegion, QueuePair, RdmaAccess, RdmaBuffer, RdmaDevice, device_names};
 use gpuio_hal::{ErrorCode, HostAllocOptions, HostBuffer, pattern};
+use gpuio_testkit::Requirement;
 use std::sync::Arc;
 use std::time::Duration;
 
 fn device() -> Option<Arc<RdmaDevice>> {
     let names = device_names().unwrap_or_default();
     if names.is_empty() {
-        assert!(
-            std::env::var("GPUIO_REQUIRE_RDMA").as_deref() != Ok("1"),
-            "an RDMA device is required (GPUIO_REQUIRE_RDMA=1)"
-        );
-        eprintln!("skipped: no RDMA device");
+        Requirement::Rdma.missing("no RDMA device");
         return None;
     }
     Some(

@@ -2,9 +2,10 @@
 //! bundle sets it); `GPUIO_E2E_BYTES` sets the size of the round trip through GPU memory
 //! (64 MiB by default, 1 GiB in the GPU bundle).
 
-mod common;
+use crate::common;
 
 use gpuio_hal::pattern;
+use gpuio_testkit::Requirement;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -82,7 +83,7 @@ fn info_lists_devices_and_paths() {
             .iter()
             .any(|p| p["engine"] == "memio")
     );
-    if std::env::var("GPUIO_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
+    if Requirement::Cuda.required() {
         assert_eq!(v["backend"], "cuda", "{v}");
     }
     let o = gpuio(&["info", "--show-config"]);
@@ -471,7 +472,7 @@ fn info_reports_what_this_build_and_machine_have() {
     if v["backend"] == "host" {
         assert!(gathers && g_detail.contains("CPU"), "{g_detail}");
         assert!(!ring && r_detail.contains("runs no kernels"), "{r_detail}");
-    } else if std::env::var("GPUIO_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
+    } else if Requirement::Cuda.required() {
         assert!(gathers, "{g_detail}");
         assert!(ring, "{r_detail}");
     }
