@@ -7,7 +7,6 @@ pub mod endpoint;
 pub mod engine;
 mod error;
 pub mod metrics;
-pub mod pool;
 pub mod regcache;
 pub mod request;
 pub mod resources;
