@@ -385,12 +385,12 @@ impl Lanes {
         lanes
     }
 
-    /// Keeps a lane idle, or gives it back when someone is waiting for room.
+    /// Keeps a lane idle, and gives the idle ones back when someone is waiting for room
+    /// (asked after parking: a request counts itself a waiter before it asks holders).
     fn park(&self, lane: (Vec<HostBuffer>, StagingLease)) {
+        self.idle.lock_unpoisoned().push(lane);
         if self.pool.is_waited_on() {
-            lane.1.give_back(lane.0);
-        } else {
-            self.idle.lock_unpoisoned().push(lane);
+            self.release_idle(u64::MAX);
         }
     }
 }

@@ -150,17 +150,20 @@ impl LanePool {
     }
 
     /// Returns lanes; one that lost a staging slot to an error is dropped (giving back what
-    /// it has). While a request of the staging pool waits for room, lanes go back to the
-    /// staging pool instead of waiting here idle.
+    /// it has). While a request of the staging pool waits for room, the idle lanes go back to
+    /// the staging pool instead of waiting here.
     pub(crate) fn give_back(&self, lanes: Vec<Lane>) {
-        let healthy = lanes
+        let healthy: Vec<Lane> = lanes
             .into_iter()
-            .filter(|l| l.queue.in_flight() == 0 && l.queue.slots() == self.slots);
-        if self.staging.is_waited_on() {
-            drop(healthy.collect::<Vec<_>>());
-            return;
-        }
+            .filter(|l| l.queue.in_flight() == 0 && l.queue.slots() == self.slots)
+            .collect();
         self.lanes.lock_unpoisoned().extend(healthy);
+        // Asked after the lanes are idle here: a request that starts waiting later counts
+        // itself a waiter before it asks this pool for idle lanes, so either it finds them
+        // or this sees it.
+        if self.staging.is_waited_on() {
+            self.release_idle(u64::MAX);
+        }
     }
 
     /// Pinned staging memory held by idle lanes, in bytes.

@@ -120,17 +120,20 @@ impl LanePool {
     }
 
     /// Returns lanes to the pool; a lane that lost staging buffers to an error is dropped
-    /// (giving back what it has). While a request of the staging pool waits for room, lanes
-    /// go back to the staging pool instead of waiting here idle.
+    /// (giving back what it has). While a request of the staging pool waits for room, the
+    /// idle lanes go back to the staging pool instead of waiting here.
     pub(crate) fn give_back(&self, lanes: Vec<Lane>) {
-        let whole = lanes
+        let whole: Vec<Lane> = lanes
             .into_iter()
-            .filter(|l| l.slots.len() == self.slots_per_lane);
-        if self.staging.is_waited_on() {
-            drop(whole.collect::<Vec<_>>());
-            return;
-        }
+            .filter(|l| l.slots.len() == self.slots_per_lane)
+            .collect();
         self.lanes.lock_unpoisoned().extend(whole);
+        // Asked after the lanes are idle here: a request that starts waiting later counts
+        // itself a waiter before it asks this pool for idle lanes, so either it finds them
+        // or this sees it.
+        if self.staging.is_waited_on() {
+            self.release_idle(u64::MAX);
+        }
     }
 
     /// Pinned staging memory held by idle lanes, in bytes.

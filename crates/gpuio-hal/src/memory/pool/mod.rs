@@ -383,7 +383,9 @@ impl StagingPool {
     }
 
     /// Whether a request is waiting for room (or about to): a holder should then give buffers
-    /// back rather than keep them idle.
+    /// back rather than keep them idle. A holder asks after making buffers idle, never
+    /// before: a request counts itself a waiter before it asks the holders, so either it finds
+    /// those buffers or the holder sees it.
     pub fn is_waited_on(&self) -> bool {
         self.inner.waiters.load(Ordering::SeqCst) > 0
     }
