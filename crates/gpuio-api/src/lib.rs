@@ -10,7 +10,7 @@ mod uri;
 
 pub use config::{
     API_VERSION, AgentExport, AgentKey, AgentSection, Config, DEFAULT_TOML, LocalIoSection,
-    MAX_CONFIG_BYTES, MAX_SECRET_BYTES, MemIoSection,
+    MAX_CONFIG_BYTES, MAX_SECRET_BYTES, MemIoSection, PoolSize,
 };
 pub use copy::{CopyOptions, CopyReport};
 pub use error::{Error, Result, UriProblem, escape, escape_path};
@@ -23,7 +23,7 @@ pub use gpuio_core::{
     Outcome, Priority, RemoteResource, RemoteVia, Request, RequestFlags, RequestHandle, RequestId,
     Route, Source, Status,
 };
-pub use gpuio_hal::{DeviceBuffer, Gpu};
+pub use gpuio_hal::{DeviceBuffer, Gpu, PoolStats, StagingPool};
 pub use gpuio_transport_localio::{
     Durability, FileHandle, GdsPolicy, IoEngine, OpenOptions, StripeSet, Transfer,
 };

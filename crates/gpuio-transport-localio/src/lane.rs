@@ -4,16 +4,25 @@
 //! GPU (and, for writes, DMAs of later chunks while earlier ones are written). A write fills
 //! a chunk's partial edge blocks from the file first (zeros past its end); the caller trims
 //! any O_DIRECT padding past the end afterwards.
+//!
+//! The staging slots come from the session's [`StagingPool`] (shared with MemIO, which bounds
+//! their pinned bytes together): a lane leases them once, when it is made, registers them with
+//! its io_uring ring, and keeps them while it is cached between transfers. They go back to the
+//! pool only when the lane goes (unregistered first): a transfer never touches the pool, so
+//! nothing is locked or allocated per chunk, and the ring's registration (a page walk) is paid
+//! once per lane, as when each lane pinned its own.
 
 use crate::file::FileHandle;
 use crate::plan::Plan;
 use crate::queue::{FileId, IoEngine, IoQueue};
 use crate::{LocalIoError, Result};
+use gpuio_hal::memory::pool::{StagingHolder, StagingLease, StagingPool};
 use gpuio_hal::sync::MutexExt;
-use gpuio_hal::{DeviceBuffer, Gpu, HostAllocOptions, HostBuffer, Inflight, Stream};
+use gpuio_hal::{DeviceBuffer, Gpu, HostBuffer, Inflight, Stream};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
 
 /// A lane's DMAs in flight, oldest first, with the staging slot each holds.
 type Dmas = VecDeque<(usize, Inflight<HostBuffer>)>;
@@ -21,10 +30,24 @@ type Dmas = VecDeque<(usize, Inflight<HostBuffer>)>;
 /// Most blocks a block gather puts in one staging slot (one DMA each batch).
 pub(crate) const MAX_BATCH: usize = 256;
 
+/// How long a transfer that can get no lane at all waits for the staging pool to have room
+/// (other transfers' lanes coming back) before it fails with `Busy`.
+pub(crate) const LANE_WAIT: Duration = Duration::from_secs(60);
+
 /// One lane.
 pub(crate) struct Lane {
     queue: IoQueue,
     stream: Stream,
+    /// `Some` until Drop gives the slots back.
+    lease: Option<StagingLease>,
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            lease.give_back(self.queue.release_buffers());
+        }
+    }
 }
 
 /// The idle lanes of one GPU, created on demand and reused (pinning and registering staging
@@ -37,25 +60,29 @@ pub(crate) struct LanePool {
     /// Operations a lane's ring holds: a full block batch in every slot.
     depth: u32,
     sqpoll: bool,
+    staging: StagingPool,
     lanes: Mutex<Vec<Lane>>,
 }
 
+/// What the lanes of a [`LanePool`] are made of.
+pub(crate) struct LaneSpec {
+    pub(crate) engine: IoEngine,
+    pub(crate) slot_len: usize,
+    pub(crate) slots: usize,
+    pub(crate) sqpoll: bool,
+}
+
 impl LanePool {
-    pub(crate) fn new(
-        gpu: Gpu,
-        engine: IoEngine,
-        slot_len: usize,
-        slots: usize,
-        sqpoll: bool,
-    ) -> Self {
-        let slots = slots.max(2);
+    pub(crate) fn new(gpu: Gpu, spec: LaneSpec, staging: StagingPool) -> Self {
+        let slots = spec.slots.max(2);
         Self {
             gpu,
-            engine,
-            slot_len,
+            engine: spec.engine,
+            slot_len: spec.slot_len,
             slots,
             depth: (slots * MAX_BATCH).min(4096) as u32,
-            sqpoll,
+            sqpoll: spec.sqpoll,
+            staging,
             lanes: Mutex::new(Vec::new()),
         }
     }
@@ -64,29 +91,28 @@ impl LanePool {
         self.slot_len
     }
 
-    /// Takes `n` lanes, creating the missing ones; staging lives on the GPU's NUMA node.
+    /// Takes up to `n` lanes, creating the missing ones; at least one. The first lane a
+    /// transfer makes may wait for room in the staging pool (up to [`LANE_WAIT`]), and takes
+    /// other holders' idle buffers if it must; further ones are made only from room the pool
+    /// has, so that where it is short a transfer runs on fewer lanes rather than tear down
+    /// the lanes others keep. Staging lives on the GPU's NUMA node.
     pub(crate) fn take(&self, n: usize) -> Result<Vec<Lane>> {
         let mut taken = {
             let mut pool = self.lanes.lock_unpoisoned();
             let keep = pool.len().saturating_sub(n);
             pool.split_off(keep)
         };
-        let opts = HostAllocOptions {
-            numa: self.gpu.info().numa_node,
-            ..HostAllocOptions::default()
-        };
-        while taken.len() < n {
-            let lane = (|| -> Result<Lane> {
-                let buffers = (0..self.slots)
-                    .map(|_| HostBuffer::alloc_pinned(self.slot_len, &opts, &self.gpu))
-                    .collect::<gpuio_hal::Result<Vec<_>>>()?;
-                Ok(Lane {
-                    queue: IoQueue::new(self.engine, buffers, self.depth, self.sqpoll)?,
-                    stream: self.gpu.stream()?,
-                })
-            })();
-            match lane {
-                Ok(l) => taken.push(l),
+        while taken.len() < n.max(1) {
+            match self.new_lane(!taken.is_empty()) {
+                Ok(Some(l)) => taken.push(l),
+                Ok(None) => {
+                    tracing::debug!(
+                        lanes = taken.len(),
+                        wanted = n,
+                        "staging pool short: fewer lanes"
+                    );
+                    break;
+                }
                 Err(e) => {
                     self.give_back(taken);
                     return Err(e);
@@ -96,12 +122,78 @@ impl LanePool {
         Ok(taken)
     }
 
-    /// Returns lanes; one that lost a staging slot to an error is dropped.
+    /// A new lane; `spare`: only from room the pool has now (`None` where it has none).
+    fn new_lane(&self, spare: bool) -> Result<Option<Lane>> {
+        let (gpu, len, slots) = (&self.gpu, self.slot_len, self.slots);
+        let leased = if spare {
+            self.staging.lease_spare_for(gpu, len, slots)?
+        } else {
+            Some(self.staging.lease_for(gpu, len, slots, LANE_WAIT)?)
+        };
+        let Some((buffers, lease)) = leased else {
+            return Ok(None);
+        };
+        let stream = match self.gpu.stream() {
+            Ok(s) => s,
+            Err(e) => {
+                lease.give_back(buffers);
+                return Err(e.into());
+            }
+        };
+        // A queue that cannot be made drops the buffers it was given: the lease forgets them.
+        let queue = IoQueue::new(self.engine, buffers, self.depth, self.sqpoll)?;
+        Ok(Some(Lane {
+            queue,
+            stream,
+            lease: Some(lease),
+        }))
+    }
+
+    /// Returns lanes; one that lost a staging slot to an error is dropped (giving back what
+    /// it has). While a request of the staging pool waits for room, the idle lanes go back to
+    /// the staging pool instead of waiting here.
     pub(crate) fn give_back(&self, lanes: Vec<Lane>) {
-        let healthy = lanes
+        let healthy: Vec<Lane> = lanes
             .into_iter()
-            .filter(|l| l.queue.in_flight() == 0 && l.queue.slots() == self.slots);
+            .filter(|l| l.queue.in_flight() == 0 && l.queue.slots() == self.slots)
+            .collect();
         self.lanes.lock_unpoisoned().extend(healthy);
+        // Asked after the lanes are idle here: a request that starts waiting later counts
+        // itself a waiter before it asks this pool for idle lanes, so either it finds them
+        // or this sees it.
+        if self.staging.is_waited_on() {
+            self.release_idle(u64::MAX);
+        }
+    }
+
+    /// Pinned staging memory held by idle lanes, in bytes.
+    pub(crate) fn staged_bytes(&self) -> u64 {
+        let lanes = self.lanes.lock_unpoisoned();
+        lanes
+            .iter()
+            .filter_map(|l| l.lease.as_ref())
+            .map(StagingLease::bytes)
+            .sum()
+    }
+}
+
+impl StagingHolder for LanePool {
+    fn release_idle(&self, wanted: u64) -> u64 {
+        let lane_bytes = |l: &Lane| l.lease.as_ref().map_or(0, StagingLease::bytes);
+        let gone: Vec<Lane> = {
+            let mut lanes = self.lanes.lock_unpoisoned();
+            // The longest idle first (lanes are taken from the end).
+            let (mut n, mut bytes) = (0, 0);
+            while n < lanes.len() && bytes < wanted {
+                bytes += lane_bytes(&lanes[n]);
+                n += 1;
+            }
+            lanes.drain(..n).collect()
+        };
+        let bytes = gone.iter().map(lane_bytes).sum();
+        // Outside the lock: each lane's slots are unregistered and go back to the pool.
+        drop(gone);
+        bytes
     }
 }
 

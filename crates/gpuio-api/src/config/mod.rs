@@ -14,7 +14,7 @@ mod tests;
 mod validate;
 
 pub use sections::{
-    AgentExport, AgentKey, AgentSection, LocalIoSection, MemIoSection, RemoteSection,
+    AgentExport, AgentKey, AgentSection, LocalIoSection, MemIoSection, PoolSize, RemoteSection,
     SchedulerSection,
 };
 
@@ -22,7 +22,8 @@ use crate::error::{Error, Result};
 use bytesize::ByteSize;
 use files::read_small_file;
 use gpuio_core::{RetryPolicy, SchedulerConfig};
-use gpuio_hal::BackendPreference;
+use gpuio_hal::memory::pool::PoolConfig;
+use gpuio_hal::{BackendPreference, Gpu};
 use gpuio_transport_localio::{EnginePreference, GdsPolicy, LocalIoConfig};
 use gpuio_transport_memio::MemIoConfig;
 use serde::{Deserialize, Serialize};
@@ -56,6 +57,9 @@ pub struct Config {
     pub log_level: String,
     /// Worker threads for asynchronous and batched requests.
     pub workers: usize,
+    /// The most pinned staging memory MemIO's and LocalIO's lanes may hold together
+    /// (docs/REFERENCE.md#staging-pool).
+    pub memory_pool_size: PoolSize,
     /// MemIO tuning.
     pub memio: MemIoSection,
     /// LocalIO tuning.
@@ -93,6 +97,7 @@ impl Config {
             host_devices: 1,
             log_level: "warn".into(),
             workers: 4,
+            memory_pool_size: PoolSize::Auto,
             memio: MemIoSection {
                 chunk_size: ByteSize::mib(4),
                 threads: 0,
@@ -222,6 +227,10 @@ impl Config {
         if let Some(v) = get("GPUIO_WORKERS") {
             self.workers = parse("GPUIO_WORKERS", &v, "a number of threads")?;
         }
+        if let Some(v) = get("GPUIO_MEMORY_POOL_SIZE") {
+            self.memory_pool_size =
+                parse("GPUIO_MEMORY_POOL_SIZE", &v, "a size such as 4GiB, or auto")?;
+        }
         if let Some(v) = get("GPUIO_SCHED_POLICY") {
             self.scheduler.policy = parse(
                 "GPUIO_SCHED_POLICY",
@@ -262,6 +271,39 @@ impl Config {
             parallel_copy_min: default.parallel_copy_min,
             gather_threads: default.gather_threads,
         }
+    }
+
+    /// The staging pool's configuration: the limit `memory_pool_size` gives (resolved now
+    /// where it is `auto`), size classes up to both transports' chunks, and buffers pinned for
+    /// `gpu` (the transports' lanes pin theirs for their own GPU).
+    pub fn pool_config(&self, gpu: Option<Gpu>) -> PoolConfig {
+        PoolConfig {
+            limit: self.memory_pool_size.bytes(),
+            gpu,
+            ..self.pool_classes()
+        }
+    }
+
+    /// The pool's size classes: the default ones, up to the larger transport chunk.
+    fn pool_classes(&self) -> PoolConfig {
+        let defaults = PoolConfig::default();
+        let chunk = self
+            .memio_config()
+            .chunk_size
+            .max(self.localio_config().effective_chunk_size());
+        PoolConfig {
+            max_class: chunk.next_power_of_two().max(defaults.max_class),
+            ..defaults
+        }
+    }
+
+    /// The pinned staging one lane needs, MemIO's or LocalIO's whichever is more: the least
+    /// `memory_pool_size` may be.
+    pub fn lane_staging_bytes(&self) -> u64 {
+        let classes = self.pool_classes();
+        let memio = self.memio_config().lane_staging_bytes(&classes);
+        let localio = self.localio_config().lane_staging_bytes(&classes);
+        memio.max(localio).unwrap_or(u64::MAX)
     }
 
     /// The scheduler's configuration.

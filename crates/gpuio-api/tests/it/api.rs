@@ -307,3 +307,61 @@ fn concurrent_copies_to_one_destination_do_not_mix_and_modes_are_kept() {
         .collect();
     assert_eq!(names.len(), 3, "temporary files left behind: {names:?}");
 }
+
+#[test]
+fn memio_and_localio_lanes_share_the_sessions_staging_pool() {
+    // The default pool: sized automatically, its counters published from the start.
+    let s = session();
+    let limit = s.staging_pool().stats().limit;
+    assert!(limit >= 1 << 30, "{limit}");
+    assert_eq!(
+        s.config().pool_config(None).limit / (1 << 20),
+        limit / (1 << 20)
+    );
+    drop(s);
+
+    // Room for one LocalIO lane (4 x 64 KiB), or two MemIO lanes (2 x 64 KiB each): each
+    // transport's transfers take the room the other's idle lane keeps, and reuse its buffers.
+    let config = Config::from_toml(
+        "memory_pool_size = \"256 KiB\"\n\
+         [memio]\nchunk_size = \"64 KiB\"\nslots_per_lane = 2\nthreads = 3\n\
+         [localio]\nchunk_size = \"64 KiB\"\nslots_per_lane = 4\nlanes = 3",
+        None,
+    )
+    .unwrap();
+    let s = Session::new(config).unwrap();
+    let pool = s.staging_pool();
+    assert_eq!(pool.stats().limit, 256 << 10);
+    let len = (1 << 20) + 99;
+    let mut data = vec![0u8; len];
+    pattern::fill(&mut data, 0, 8);
+    let dev = s.alloc_device(0, len).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("src");
+    std::fs::write(&path, &data).unwrap();
+    let file = s.open_file(&path, OpenOptions::READ).unwrap();
+    for round in 0..3 {
+        let r = s.memio().upload_staged(&data, &dev, 0).unwrap();
+        assert!(
+            matches!(r, MemIoRoute::StagedPipeline { lanes: 2, .. }),
+            "{r:?}"
+        );
+        let t = s.localio().read_to_device(&file, 0, &dev, 0, len).unwrap();
+        assert_eq!(t.lanes, 1, "round {round}");
+        let mut back = vec![0u8; len];
+        s.download(&dev, 0, &mut back).unwrap();
+        assert_eq!(pattern::first_deviation(&back, 0, 8), None);
+    }
+    let st = pool.stats();
+    assert!(st.peak_pinned_bytes <= 256 << 10, "{st:?}");
+    assert_eq!(st.failures, 0, "{st:?}");
+    assert!(
+        st.reclaimed_bytes >= 5 * (256 << 10),
+        "idle lanes gave way: {st:?}"
+    );
+    assert_eq!(
+        st.allocations, 4,
+        "the first lanes' buffers, reused ever since: {st:?}"
+    );
+    assert!(st.reuses >= 5 * 4, "{st:?}");
+}

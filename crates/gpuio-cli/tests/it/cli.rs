@@ -249,6 +249,11 @@ fn a_running_command_serves_metrics_that_stat_reads() {
         text.contains("memio") && text.contains("latency p50"),
         "{text}"
     );
+    // The session's staging pool reports from the start: its limit (memory_pool_size) and use.
+    assert!(
+        text.contains("staging pool: limit") && text.contains("failures"),
+        "{text}"
+    );
     // Nothing listens: a typed error, not a hang.
     let o = gpuio(&["stat", "--addr", "127.0.0.1:1"]);
     assert!(!o.status.success());

@@ -7,5 +7,6 @@
 mod gpu;
 #[cfg(feature = "cuda")]
 mod kernels;
+mod pool;
 #[cfg(feature = "rdma")]
 mod rdma;

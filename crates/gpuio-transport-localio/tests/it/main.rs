@@ -6,3 +6,4 @@
 
 mod faults;
 mod localio;
+mod staging;

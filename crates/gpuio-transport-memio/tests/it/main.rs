@@ -6,3 +6,4 @@
 
 mod gather;
 mod memio;
+mod staging;
