@@ -219,6 +219,13 @@ impl StripedCounter {
         self.slots[stripe()].fetch_add(n, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Takes `n` away (what this thread takes may have been added by another: slots wrap, the
+    /// sum does not).
+    #[inline]
+    pub fn sub(&self, n: u64) {
+        self.slots[stripe()].fetch_sub(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// The sum of everything added (adds racing with the read may or may not be in it).
     pub fn get(&self) -> u64 {
         self.slots
