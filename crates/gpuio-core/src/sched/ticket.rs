@@ -222,9 +222,10 @@ pub(crate) struct TicketState {
     pub req: Option<Request>,
     done: Option<Done>,
     pub chunks_left: usize,
-    pub error: Option<CoreError>,
+    pub error: Option<Box<CoreError>>,
     pub started: Option<Instant>,
-    pub outcome: Option<Outcome>,
+    /// The first chunk's outcome, kept for a request of several chunks.
+    pub first: Option<Box<Outcome>>,
     finished: bool,
 }
 
@@ -273,7 +274,7 @@ impl TicketInner {
                 chunks_left: chunks.max(1),
                 error: None,
                 started: None,
-                outcome: None,
+                first: None,
                 finished: false,
             }),
         }
@@ -415,34 +416,40 @@ impl TicketInner {
     /// destination is synced once, after every chunk succeeded, before it completes.
     pub fn chunk_done(&self, result: Result<Outcome>) {
         let mut s = self.state.lock_unpoisoned();
-        match result {
+        s.chunks_left -= 1;
+        let last = s.chunks_left == 0;
+        // Kept outside the ticket unless another chunk must see it: the ticket is written by
+        // the submitter and read by a worker, so every line it spans is a line to fetch.
+        let this = match result {
+            Ok(o) if last => Some(o),
             Ok(o) => {
-                if s.outcome.is_none() {
-                    s.outcome = Some(o);
+                if s.first.is_none() {
+                    s.first = Some(Box::new(o));
                 }
+                None
             }
             Err(e) => {
                 if s.error.is_none() {
-                    s.error = Some(e);
+                    s.error = Some(Box::new(e));
                 }
+                None
             }
-        }
-        s.chunks_left -= 1;
-        if s.chunks_left > 0 {
+        };
+        if !last {
             return;
         }
         let error = s.error.take();
-        let first = s.outcome.take();
+        let first = s.first.take();
         drop(s);
-        let result = match (error, first) {
-            (Some(e), _) => Err(e),
+        // The request's result: the first error, else its bytes the way its first chunk went.
+        let result = match (error, first.map(|o| *o).or(this)) {
+            (Some(e), _) => Err(*e),
             (None, None) => Err(CoreError::Internal(format!(
                 "request {} finished without an outcome",
                 self.id
             ))),
             (None, Some(first)) => match self.durable.as_ref().map(Endpoint::sync_data) {
                 Some(Err(e)) => Err(e),
-                // The request's outcome: its bytes, the way its first chunk went.
                 _ => Ok(Outcome {
                     bytes: self.len,
                     ..first
