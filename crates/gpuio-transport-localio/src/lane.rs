@@ -16,23 +16,17 @@ use crate::file::FileHandle;
 use crate::plan::Plan;
 use crate::queue::{FileId, IoEngine, IoQueue};
 use crate::{LocalIoError, Result};
-use gpuio_hal::memory::pool::{StagingHolder, StagingLease, StagingPool};
-use gpuio_hal::sync::MutexExt;
+use gpuio_hal::memory::pool::{LaneSet, StagingLane, StagingLease, StagingPool};
 use gpuio_hal::{DeviceBuffer, Gpu, HostBuffer, Inflight, Stream};
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Duration;
 
 /// A lane's DMAs in flight, oldest first, with the staging slot each holds.
 type Dmas = VecDeque<(usize, Inflight<HostBuffer>)>;
 
 /// Most blocks a block gather puts in one staging slot (one DMA each batch).
 pub(crate) const MAX_BATCH: usize = 256;
-
-/// How long a transfer that can get no lane at all waits for the staging pool to have room
-/// (other transfers' lanes coming back) before it fails with `Busy`.
-pub(crate) const LANE_WAIT: Duration = Duration::from_secs(60);
 
 /// One lane.
 pub(crate) struct Lane {
@@ -52,17 +46,7 @@ impl Drop for Lane {
 
 /// The idle lanes of one GPU, created on demand and reused (pinning and registering staging
 /// memory costs milliseconds; a transfer must not pay it).
-pub(crate) struct LanePool {
-    gpu: Gpu,
-    engine: IoEngine,
-    slot_len: usize,
-    slots: usize,
-    /// Operations a lane's ring holds: a full block batch in every slot.
-    depth: u32,
-    sqpoll: bool,
-    staging: StagingPool,
-    lanes: Mutex<Vec<Lane>>,
-}
+pub(crate) type LanePool = LaneSet<Lane>;
 
 /// What the lanes of a [`LanePool`] are made of.
 pub(crate) struct LaneSpec {
@@ -72,68 +56,37 @@ pub(crate) struct LaneSpec {
     pub(crate) sqpoll: bool,
 }
 
-impl LanePool {
-    pub(crate) fn new(gpu: Gpu, spec: LaneSpec, staging: StagingPool) -> Self {
-        let slots = spec.slots.max(2);
-        Self {
-            gpu,
-            engine: spec.engine,
-            slot_len: spec.slot_len,
-            slots,
-            depth: (slots * MAX_BATCH).min(4096) as u32,
-            sqpoll: spec.sqpoll,
-            staging,
-            lanes: Mutex::new(Vec::new()),
-        }
-    }
+/// What a lane's IO queue is made with.
+pub(crate) struct QueueSpec {
+    engine: IoEngine,
+    /// Operations a lane's ring holds: a full block batch in every slot.
+    depth: u32,
+    sqpoll: bool,
+}
 
-    pub(crate) fn slot_len(&self) -> usize {
-        self.slot_len
-    }
+/// The lanes of `gpu` made as `spec` says, their slots from `staging` (registered there as a
+/// holder of the idle ones).
+pub(crate) fn lane_pool(gpu: Gpu, spec: LaneSpec, staging: StagingPool) -> Arc<LanePool> {
+    let slots = spec.slots.max(2);
+    let queue = QueueSpec {
+        engine: spec.engine,
+        depth: (slots * MAX_BATCH).min(4096) as u32,
+        sqpoll: spec.sqpoll,
+    };
+    LaneSet::new(gpu, staging, spec.slot_len, slots, queue)
+}
 
-    /// Takes up to `n` lanes, creating the missing ones; at least one. The first lane a
-    /// transfer makes may wait for room in the staging pool (up to [`LANE_WAIT`]), and takes
-    /// other holders' idle buffers if it must; further ones are made only from room the pool
-    /// has, so that where it is short a transfer runs on fewer lanes rather than tear down
-    /// the lanes others keep. Staging lives on the GPU's NUMA node.
-    pub(crate) fn take(&self, n: usize) -> Result<Vec<Lane>> {
-        let mut taken = {
-            let mut pool = self.lanes.lock_unpoisoned();
-            let keep = pool.len().saturating_sub(n);
-            pool.split_off(keep)
-        };
-        while taken.len() < n.max(1) {
-            match self.new_lane(!taken.is_empty()) {
-                Ok(Some(l)) => taken.push(l),
-                Ok(None) => {
-                    tracing::debug!(
-                        lanes = taken.len(),
-                        wanted = n,
-                        "staging pool short: fewer lanes"
-                    );
-                    break;
-                }
-                Err(e) => {
-                    self.give_back(taken);
-                    return Err(e);
-                }
-            }
-        }
-        Ok(taken)
-    }
+impl StagingLane for Lane {
+    type Spec = QueueSpec;
+    type Error = LocalIoError;
 
-    /// A new lane; `spare`: only from room the pool has now (`None` where it has none).
-    fn new_lane(&self, spare: bool) -> Result<Option<Lane>> {
-        let (gpu, len, slots) = (&self.gpu, self.slot_len, self.slots);
-        let leased = if spare {
-            self.staging.lease_spare_for(gpu, len, slots)?
-        } else {
-            Some(self.staging.lease_for(gpu, len, slots, LANE_WAIT)?)
-        };
-        let Some((buffers, lease)) = leased else {
-            return Ok(None);
-        };
-        let stream = match self.gpu.stream() {
+    fn make(
+        spec: &QueueSpec,
+        gpu: &Gpu,
+        buffers: Vec<HostBuffer>,
+        lease: StagingLease,
+    ) -> Result<Self> {
+        let stream = match gpu.stream() {
             Ok(s) => s,
             Err(e) => {
                 lease.give_back(buffers);
@@ -141,59 +94,22 @@ impl LanePool {
             }
         };
         // A queue that cannot be made drops the buffers it was given: the lease forgets them.
-        let queue = IoQueue::new(self.engine, buffers, self.depth, self.sqpoll)?;
-        Ok(Some(Lane {
+        let queue = IoQueue::new(spec.engine, buffers, spec.depth, spec.sqpoll)?;
+        Ok(Lane {
             queue,
             stream,
             lease: Some(lease),
-        }))
+        })
     }
 
-    /// Returns lanes; one that lost a staging slot to an error is dropped (giving back what
-    /// it has). While a request of the staging pool waits for room, the idle lanes go back to
-    /// the staging pool instead of waiting here.
-    pub(crate) fn give_back(&self, lanes: Vec<Lane>) {
-        let healthy: Vec<Lane> = lanes
-            .into_iter()
-            .filter(|l| l.queue.in_flight() == 0 && l.queue.slots() == self.slots)
-            .collect();
-        self.lanes.lock_unpoisoned().extend(healthy);
-        // Asked after the lanes are idle here: a request that starts waiting later counts
-        // itself a waiter before it asks this pool for idle lanes, so either it finds them
-        // or this sees it.
-        if self.staging.is_waited_on() {
-            self.release_idle(u64::MAX);
-        }
+    /// A lane is kept only with nothing in flight in its ring and all its slots: one that lost
+    /// a staging slot to an error is dropped.
+    fn is_whole(&self, slots: usize) -> bool {
+        self.queue.in_flight() == 0 && self.queue.slots() == slots
     }
 
-    /// Pinned staging memory held by idle lanes, in bytes.
-    pub(crate) fn staged_bytes(&self) -> u64 {
-        let lanes = self.lanes.lock_unpoisoned();
-        lanes
-            .iter()
-            .filter_map(|l| l.lease.as_ref())
-            .map(StagingLease::bytes)
-            .sum()
-    }
-}
-
-impl StagingHolder for LanePool {
-    fn release_idle(&self, wanted: u64) -> u64 {
-        let lane_bytes = |l: &Lane| l.lease.as_ref().map_or(0, StagingLease::bytes);
-        let gone: Vec<Lane> = {
-            let mut lanes = self.lanes.lock_unpoisoned();
-            // The longest idle first (lanes are taken from the end).
-            let (mut n, mut bytes) = (0, 0);
-            while n < lanes.len() && bytes < wanted {
-                bytes += lane_bytes(&lanes[n]);
-                n += 1;
-            }
-            lanes.drain(..n).collect()
-        };
-        let bytes = gone.iter().map(lane_bytes).sum();
-        // Outside the lock: each lane's slots are unregistered and go back to the pool.
-        drop(gone);
-        bytes
+    fn lease(&self) -> Option<&StagingLease> {
+        self.lease.as_ref()
     }
 }
 

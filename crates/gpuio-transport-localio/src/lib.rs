@@ -15,7 +15,7 @@ pub use gpuio_hal::file::{DirectIoAlignment, Extent};
 pub use queue::IoEngine;
 pub use stripe::StripeSet;
 
-use gpuio_hal::memory::pool::{PoolConfig, StagingHolder, StagingPool, auto_limit};
+use gpuio_hal::memory::pool::{PoolConfig, StagingPool, auto_limit};
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::uring::Ring;
 use gpuio_hal::workers::{WorkerPanic, run_workers};
@@ -24,7 +24,7 @@ use lane::{BlocksJob, Lane, LanePool, LaneSpec, MAX_BATCH, ReadJob, WriteJob};
 use plan::{Piece, Plan};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 
 /// LocalIO's errors.
 #[derive(Debug, thiserror::Error)]
@@ -295,9 +295,7 @@ impl LocalIo {
             slots: self.config.slots_per_lane,
             sqpoll: self.config.sqpoll,
         };
-        let p = Arc::new(LanePool::new(gpu.clone(), spec, self.staging.clone()));
-        let holder: Weak<dyn StagingHolder> = Arc::downgrade(&p) as Weak<LanePool>;
-        self.staging.add_holder(holder);
+        let p = lane::lane_pool(gpu.clone(), spec, self.staging.clone());
         pools.push((gpu.clone(), p.clone()));
         p
     }
@@ -370,7 +368,7 @@ impl LocalIo {
     fn plan(&self, files: &[&FileHandle], pieces: &[Piece], pool: &LanePool) -> Result<Plan> {
         if let Some(f) = files
             .iter()
-            .find(|f| f.required_alignment() > pool.slot_len())
+            .find(|f| f.required_alignment() > pool.buffer_len())
         {
             return Err(LocalIoError::Hal(HalError::Unsupported {
                 what: "O_DIRECT on this file",
@@ -378,14 +376,14 @@ impl LocalIo {
                     "{} needs {}-byte alignment, above the {}-byte staging",
                     f.path().display(),
                     f.required_alignment(),
-                    pool.slot_len()
+                    pool.buffer_len()
                 ),
             }));
         }
         Ok(Plan::new(
             files,
             pieces,
-            pool.slot_len() as u64,
+            pool.buffer_len() as u64,
             self.config.checksum,
         ))
     }
@@ -496,10 +494,10 @@ impl LocalIo {
         })?;
         gpuio_hal::check_range("block gather destination", dst_offset, total, dst.len())?;
         let pool = self.lane_pool(dst.gpu());
-        if block == 0 || block > pool.slot_len() {
+        if block == 0 || block > pool.buffer_len() {
             return Err(LocalIoError::Hal(HalError::InvalidArgument(format!(
                 "block size {block} must be 1 to {} bytes",
-                pool.slot_len()
+                pool.buffer_len()
             ))));
         }
         for &o in offsets {
@@ -518,7 +516,7 @@ impl LocalIo {
             file,
             offsets,
             block,
-            batch: (pool.slot_len() / block).clamp(1, MAX_BATCH),
+            batch: (pool.buffer_len() / block).clamp(1, MAX_BATCH),
             dst,
             dst_offset,
             next: AtomicUsize::new(0),

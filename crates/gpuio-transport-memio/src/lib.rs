@@ -10,7 +10,7 @@ pub use gather::{
 };
 pub use placement::HostPlacement;
 
-use gpuio_hal::memory::pool::{PoolConfig, StagingHolder, StagingPool, auto_limit};
+use gpuio_hal::memory::pool::{PoolConfig, StagingPool, auto_limit};
 use gpuio_hal::sync::{MutexExt, StripedCounter};
 use gpuio_hal::workers::{WorkerPanic, run_workers};
 use gpuio_hal::{
@@ -20,7 +20,7 @@ use pipeline::LanePool;
 use rayon::prelude::*;
 use std::fmt;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// MemIO's errors.
 #[derive(Debug, thiserror::Error)]
@@ -268,14 +268,12 @@ impl MemIo {
         let devices = gpus
             .into_iter()
             .map(|gpu| {
-                let lanes = Arc::new(LanePool::new(
+                let lanes = pipeline::lane_pool(
                     gpu.clone(),
                     config.chunk_size,
                     config.slots_per_lane,
                     staging.clone(),
-                ));
-                let holder: Weak<dyn StagingHolder> = Arc::downgrade(&lanes) as Weak<LanePool>;
-                staging.add_holder(holder);
+                );
                 DeviceState {
                     lanes,
                     gpu,
@@ -338,7 +336,8 @@ impl MemIo {
 
     /// Pinned staging memory currently held by idle pipeline lanes.
     pub fn staging_bytes(&self) -> usize {
-        self.devices.iter().map(|d| d.lanes.staged_bytes()).sum()
+        let bytes: u64 = self.devices.iter().map(|d| d.lanes.staged_bytes()).sum();
+        bytes as usize
     }
 
     /// Allocates host memory on a tier, pinned for DMA when `pinned` (registered with the

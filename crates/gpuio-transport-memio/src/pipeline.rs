@@ -6,24 +6,20 @@
 //!
 //! The staging buffers come from the session's [`StagingPool`], which bounds the pinned
 //! staging of MemIO and LocalIO together. A lane leases its buffers once, when it is made, and
-//! keeps them while it is cached here between transfers; it gives them back to the pool only
-//! when it goes (a lane that lost a buffer to an error, the pool asking for idle buffers, the
-//! engine dropped). So a transfer costs the pool nothing: no lock and no allocation per chunk,
-//! none per transfer once its lanes exist — the same as when each lane pinned its own.
+//! keeps them while it is cached between transfers (in a [`LaneSet`]); it gives them back to
+//! the pool only when it goes (a lane that lost a buffer to an error, the pool asking for idle
+//! buffers, the engine dropped). So a transfer costs the pool nothing: no lock and no
+//! allocation per chunk, none per transfer once its lanes exist — the same as when each lane
+//! pinned its own.
 
 use crate::{MemIoError, Result};
-use gpuio_hal::memory::pool::{StagingHolder, StagingLease, StagingPool};
+use gpuio_hal::memory::pool::{LaneSet, StagingLane, StagingLease, StagingPool};
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{DeviceBuffer, Gpu, HostBuffer, Inflight, Stream};
 use std::collections::VecDeque;
 use std::ops::Range;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
-
-/// How long a transfer that can get no lane at all waits for the pool to have room (other
-/// transfers' lanes coming back) before it fails with `Busy`.
-pub(crate) const LANE_WAIT: Duration = Duration::from_secs(60);
+use std::sync::{Arc, Mutex};
 
 /// One lane: a stream and its pinned staging buffers, leased from the pool.
 pub(crate) struct Lane {
@@ -43,75 +39,30 @@ impl Drop for Lane {
 
 /// The lanes of one GPU, created on demand and reused across transfers (pinning memory costs
 /// milliseconds; a transfer must not pay it).
-pub(crate) struct LanePool {
+pub(crate) type LanePool = LaneSet<Lane>;
+
+/// The lanes of `gpu`: `slots_per_lane` staging buffers of `chunk` bytes each, from
+/// `staging` (registered there as a holder of the idle ones).
+pub(crate) fn lane_pool(
     gpu: Gpu,
     chunk: usize,
     slots_per_lane: usize,
     staging: StagingPool,
-    lanes: Mutex<Vec<Lane>>,
+) -> Arc<LanePool> {
+    LaneSet::new(gpu, staging, chunk, slots_per_lane, ())
 }
 
-impl LanePool {
-    pub(crate) fn new(gpu: Gpu, chunk: usize, slots_per_lane: usize, staging: StagingPool) -> Self {
-        Self {
-            gpu,
-            chunk,
-            slots_per_lane: slots_per_lane.max(2),
-            staging,
-            lanes: Mutex::new(Vec::new()),
-        }
-    }
+impl StagingLane for Lane {
+    type Spec = ();
+    type Error = MemIoError;
 
-    /// Takes up to `n` lanes, creating the missing ones; at least one. The first lane a
-    /// transfer makes may wait for room in the staging pool (up to [`LANE_WAIT`]), and takes
-    /// other holders' idle buffers if it must; further ones are made only from room the pool
-    /// has, so that where it is short a transfer runs on fewer lanes rather than tear down
-    /// the lanes others keep. Staging memory lives on the GPU's NUMA node where the GPU
-    /// reports one.
-    pub(crate) fn take(&self, n: usize) -> Result<Vec<Lane>> {
-        let mut taken = {
-            let mut pool = self.lanes.lock_unpoisoned();
-            let keep = pool.len().saturating_sub(n);
-            pool.split_off(keep)
-        };
-        while taken.len() < n.max(1) {
-            match self.new_lane(!taken.is_empty()) {
-                Ok(Some(lane)) => taken.push(lane),
-                Ok(None) => {
-                    tracing::debug!(
-                        lanes = taken.len(),
-                        wanted = n,
-                        "staging pool short: fewer lanes"
-                    );
-                    break;
-                }
-                Err(e) => {
-                    // Keep the lanes that exist for the next transfer.
-                    self.give_back(taken);
-                    return Err(e);
-                }
-            }
-        }
-        Ok(taken)
-    }
-
-    /// A new lane; `spare`: only from room the pool has now (`None` where it has none).
-    fn new_lane(&self, spare: bool) -> Result<Option<Lane>> {
-        let (gpu, chunk, slots) = (&self.gpu, self.chunk, self.slots_per_lane);
-        let leased = if spare {
-            self.staging.lease_spare_for(gpu, chunk, slots)?
-        } else {
-            Some(self.staging.lease_for(gpu, chunk, slots, LANE_WAIT)?)
-        };
-        let Some((slots, lease)) = leased else {
-            return Ok(None);
-        };
-        match self.gpu.stream() {
-            Ok(stream) => Ok(Some(Lane {
+    fn make(_: &(), gpu: &Gpu, slots: Vec<HostBuffer>, lease: StagingLease) -> Result<Self> {
+        match gpu.stream() {
+            Ok(stream) => Ok(Lane {
                 stream,
                 slots,
                 lease: Some(lease),
-            })),
+            }),
             Err(e) => {
                 lease.give_back(slots);
                 Err(e.into())
@@ -119,56 +70,13 @@ impl LanePool {
         }
     }
 
-    /// Returns lanes to the pool; a lane that lost staging buffers to an error is dropped
-    /// (giving back what it has). While a request of the staging pool waits for room, the
-    /// idle lanes go back to the staging pool instead of waiting here.
-    pub(crate) fn give_back(&self, lanes: Vec<Lane>) {
-        let whole: Vec<Lane> = lanes
-            .into_iter()
-            .filter(|l| l.slots.len() == self.slots_per_lane)
-            .collect();
-        self.lanes.lock_unpoisoned().extend(whole);
-        // Asked after the lanes are idle here: a request that starts waiting later counts
-        // itself a waiter before it asks this pool for idle lanes, so either it finds them
-        // or this sees it.
-        if self.staging.is_waited_on() {
-            self.release_idle(u64::MAX);
-        }
+    /// A lane that lost a staging buffer to an error is not whole.
+    fn is_whole(&self, buffers: usize) -> bool {
+        self.slots.len() == buffers
     }
 
-    /// Pinned staging memory held by idle lanes, in bytes.
-    pub(crate) fn staged_bytes(&self) -> usize {
-        self.lanes
-            .lock_unpoisoned()
-            .iter()
-            .map(|l| l.staged_bytes() as usize)
-            .sum()
-    }
-}
-
-impl Lane {
-    /// Pinned staging bytes the lane holds.
-    fn staged_bytes(&self) -> u64 {
-        self.slots.iter().map(|b| b.len() as u64).sum()
-    }
-}
-
-impl StagingHolder for LanePool {
-    fn release_idle(&self, wanted: u64) -> u64 {
-        let gone: Vec<Lane> = {
-            let mut lanes = self.lanes.lock_unpoisoned();
-            // The longest idle first (lanes are taken from the end).
-            let (mut n, mut bytes) = (0, 0);
-            while n < lanes.len() && bytes < wanted {
-                bytes += lanes[n].staged_bytes();
-                n += 1;
-            }
-            lanes.drain(..n).collect()
-        };
-        let bytes = gone.iter().map(Lane::staged_bytes).sum();
-        // Outside the lock: each lane's buffers go back to the staging pool.
-        drop(gone);
-        bytes
+    fn lease(&self) -> Option<&StagingLease> {
+        self.lease.as_ref()
     }
 }
 

@@ -26,11 +26,14 @@
 //! its whole life and gives it back when it goes, so the transfers themselves never touch the
 //! pool: no lock and no allocation per chunk or per transfer.
 //!
-//! The buffer types (`PooledBuffer`, `StagingLease`) are in `buffer.rs`.
+//! The buffer types (`PooledBuffer`, `StagingLease`) are in `buffer.rs`; a transport's cached
+//! lanes ([`LaneSet`], over its lane type's [`StagingLane`]) in `lanes.rs`.
 
 mod buffer;
+mod lanes;
 
 pub use buffer::{PooledBuffer, StagingLease};
+pub use lanes::{LANE_WAIT, LaneSet, StagingLane};
 
 use super::{HostAllocOptions, HostBuffer};
 use crate::error::{HalError, Result};
