@@ -39,6 +39,14 @@ pub(crate) struct SessionState {
     pub acct: Arc<Accounting>,
 }
 
+/// A budget's count read outside the admission lock: a worker's release (in its own slot) can
+/// be seen before the admission it undoes (in the submitter's), so the sum may dip below zero
+/// for a moment; it reads as zero then. Under the lock every admission is seen, so the sum there
+/// is never below the true count.
+pub(crate) fn held(c: &StripedCounter) -> u64 {
+    (c.get() as i64).max(0) as u64
+}
+
 /// Whether `bytes` fit in a budget of `limit` with `held` taken; an idle budget admits
 /// anything, so a request larger than the limit still runs (alone).
 fn fits(held: u64, limit: u64, bytes: u64) -> bool {
@@ -71,8 +79,9 @@ impl Budgets {
         }
     }
 
+    /// Bytes in flight on an engine, as a reader outside the admission lock sees them.
     pub fn in_flight(&self, e: EngineKind) -> u64 {
-        self.engine[e as usize].get()
+        held(&self.engine[e as usize])
     }
 
     /// Takes `bytes` from both budgets if they fit (the admission lock held).
@@ -110,7 +119,7 @@ impl Budgets {
                 "{e} has {} in flight (limit {}), the session {} (limit {})",
                 self.in_flight(e),
                 self.engine_limit,
-                s.in_flight.get(),
+                held(&s.in_flight),
                 s.limit
             )));
         }
