@@ -67,7 +67,8 @@ impl Config {
         if !(1..=64).contains(&self.host_devices) {
             return bad("host_devices must be 1 to 64".into());
         }
-        self.validate_retry_and_remote().or_else(bad)
+        self.validate_retry_and_remote().or_else(bad)?;
+        self.cache.validate().or_else(bad)
     }
 
     /// The settings of `[retry]`, `[agent]` and `[remote]`: a zero that would hang (no
