@@ -3,9 +3,11 @@
 //! measures the cache a user configured), into host memory and into GPU memory. Peers, on the
 //! same file and offsets in the same run: the reads without the cache, `pread` from the warm
 //! page cache (plus one `cudaMemcpy` per read for GPU memory), which is what a program does
-//! without gpuio's cache. The working set is three quarters of the cache's capacity (capped),
-//! so once warm it is all in the cache; each record's route gives the levels' hit rates over
-//! its case. With `--metrics-addr`, `gpuio stat` shows the same hit rates while it runs.
+//! without gpuio's cache, and for host memory also `pread` through O_DIRECT, what the reads
+//! cost where the page cache does not hold the working set. The working set is three quarters
+//! of the cache's capacity (capped), so once warm it is all in the cache; each record's route
+//! gives the levels' hit rates over its case. With `--metrics-addr`, `gpuio stat` shows the
+//! same hit rates while it runs.
 
 use crate::localio::{api, make_file};
 use crate::{Budget, Record, Result, Target, human, race};
@@ -128,7 +130,7 @@ pub fn run(
     make_file(&path, ws, seed)?;
     let cached = open(session, &path)?;
     let plain = cached.file().clone();
-    let notes = vec![format!(
+    let mut notes = vec![format!(
         "[cache] block {}, L1 {}, L2 {}, L3 {} ({}), {:?}, prefetch {}; working set {} ({} \
          of the cache's {})",
         c.block_size,
@@ -209,6 +211,37 @@ pub fn run(
         rate(theirs.median),
         hit_rates(&before, &cached.stats()),
     );
+    // The same reads from the device (O_DIRECT: what a working set the page cache does not
+    // hold costs), where the file system allows it.
+    match gpuio_api::FileHandle::open(&path, gpuio_api::OpenOptions::READ.direct()) {
+        Ok(direct) => {
+            let before = cached.stats();
+            let (ours, theirs) = race(
+                budget,
+                |_| {
+                    for &off in &offsets {
+                        cached.read(off, &mut buf).map_err(api)?;
+                    }
+                    Ok(())
+                },
+                |_| {
+                    let mut b = vec![0u8; rs];
+                    for &off in &offsets {
+                        direct.read_exact_at(off, &mut b).map_err(api)?;
+                    }
+                    Ok(())
+                },
+            )?;
+            record(
+                &case,
+                (rate(ours.median), ours.reps),
+                "O_DIRECT pread (from the device)",
+                rate(theirs.median),
+                hit_rates(&before, &cached.stats()),
+            );
+        }
+        Err(e) => notes.push(format!("O_DIRECT peer: {e}")),
+    }
 
     // 2. Random reads into GPU memory, each to its own place in a device buffer.
     let case = format!("hot_read_{}_to_gpu", human(rs).replace(' ', ""));

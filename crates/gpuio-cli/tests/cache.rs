@@ -85,7 +85,8 @@ fn stat_shows_the_hit_rates_of_a_cached_bench() {
     let json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&records).unwrap()).unwrap();
     let recs = json["records"].as_array().unwrap();
-    assert_eq!(recs.len(), 2, "{json}");
+    // Host and GPU memory against pread, and O_DIRECT where the scratch file system has it.
+    assert!(recs.len() == 2 || recs.len() == 3, "{json}");
     for r in recs {
         assert!(r["value"].as_f64().unwrap() > 0.0, "{r}");
         let route = r["route"].as_str().unwrap();
