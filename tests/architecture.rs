@@ -1,8 +1,10 @@
 //! The invariants of docs/ARCHITECTURE.md, checked: dependencies point strictly downward and
-//! transports never import each other; `unsafe` lives only in gpuio-hal, each block with a
-//! `// SAFETY:` note; every other crate forbids unsafe code; every crate has a README. And the
-//! docs' references hold: every `docs/<path>.md` (and `docs/<path>.md#<anchor>`) named in a
-//! tracked source or doc file exists (and has that heading), and nothing cites design
+//! transports never import each other; test support (gpuio-testkit) is only ever a
+//! dev-dependency; each crate's integration tests are one binary (`tests/it/`), any other
+//! saying why it needs a process of its own; `unsafe` lives only in gpuio-hal, each block with
+//! a `// SAFETY:` note; every other crate forbids unsafe code; every crate has a README. And
+//! the docs' references hold: every `docs/<path>.md` (and `docs/<path>.md#<anchor>`) named in
+//! a tracked source or doc file exists (and has that heading), and nothing cites design
 //! documents that are not in the repository: the design vocabulary is docs/REFERENCE.md.
 
 use std::collections::BTreeMap;
@@ -27,6 +29,10 @@ fn layer(name: &str) -> Option<u32> {
         _ => return None,
     })
 }
+
+/// Crates that only tests use: no layer, taken only as a dev-dependency, never published, and
+/// depending on no gpuio crate (so that every crate, gpuio-hal included, can use them).
+const DEV_ONLY: &[&str] = &["gpuio-testkit"];
 
 fn crates() -> Vec<(String, PathBuf)> {
     let mut out = Vec::new();
@@ -56,12 +62,17 @@ fn dependencies_point_strictly_downward() {
     for (name, dir) in crates() {
         let manifest: toml::Table =
             toml::from_str(&std::fs::read_to_string(dir.join("Cargo.toml")).unwrap()).unwrap();
-        let me = layer(&name).unwrap_or_else(|| panic!("{name} has no layer in this test"));
         let deps = manifest
             .get("dependencies")
             .and_then(|d| d.as_table())
             .cloned()
             .unwrap_or_default();
+        if DEV_ONLY.contains(&name.as_str()) {
+            let ours: Vec<_> = deps.keys().filter(|d| d.starts_with("gpuio-")).collect();
+            assert!(ours.is_empty(), "{name} (dev-only) depends on {ours:?}");
+            continue;
+        }
+        let me = layer(&name).unwrap_or_else(|| panic!("{name} has no layer in this test"));
         for dep in deps.keys().filter(|d| d.starts_with("gpuio-")) {
             let theirs = layer(dep).unwrap_or_else(|| panic!("{dep} has no layer"));
             assert!(
@@ -72,6 +83,73 @@ fn dependencies_point_strictly_downward() {
         }
     }
     assert!(edges.contains_key("gpuio-core -> gpuio-transport-memio"));
+}
+
+/// The dependency tables of a manifest that reach a build of the crate itself: `[dependencies]`
+/// and `[build-dependencies]`, also under `[target.'<cfg>']`, with the table's name.
+fn normal_dependency_tables(manifest: &toml::Table) -> Vec<(String, toml::Table)> {
+    let mut out = Vec::new();
+    let mut take = |prefix: &str, t: &toml::Table| {
+        for key in ["dependencies", "build-dependencies", "build_dependencies"] {
+            if let Some(deps) = t.get(key).and_then(|d| d.as_table()) {
+                out.push((format!("{prefix}{key}"), deps.clone()));
+            }
+        }
+    };
+    take("", manifest);
+    if let Some(targets) = manifest.get("target").and_then(|t| t.as_table()) {
+        for (cfg, t) in targets {
+            if let Some(t) = t.as_table() {
+                take(&format!("target.{cfg}."), t);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn dev_only_crates_are_only_dev_dependencies() {
+    let mut manifests: Vec<(String, PathBuf)> = crates();
+    manifests.push(("gpuio-tests".into(), root().join("tests")));
+    manifests.push(("xtask".into(), root().join("xtask")));
+    let mut used = Vec::new();
+    for (name, dir) in manifests {
+        let manifest: toml::Table =
+            toml::from_str(&std::fs::read_to_string(dir.join("Cargo.toml")).unwrap()).unwrap();
+        if DEV_ONLY.contains(&name.as_str()) {
+            let publish = manifest["package"].get("publish");
+            assert_eq!(
+                publish.and_then(|p| p.as_bool()),
+                Some(false),
+                "{name} must say `publish = false` itself"
+            );
+        }
+        for (table, deps) in normal_dependency_tables(&manifest) {
+            for dev_only in DEV_ONLY {
+                assert!(
+                    !deps.contains_key(*dev_only),
+                    "{name} has {dev_only} in [{table}]: it is test support, a dev-dependency only"
+                );
+            }
+        }
+        let dev = manifest
+            .get("dev-dependencies")
+            .and_then(|d| d.as_table())
+            .cloned()
+            .unwrap_or_default();
+        used.extend(
+            DEV_ONLY
+                .iter()
+                .filter(|d| dev.contains_key(**d))
+                .map(|d| (name.clone(), *d)),
+        );
+    }
+    for dev_only in DEV_ONLY {
+        assert!(
+            used.iter().any(|(_, d)| d == dev_only),
+            "no crate uses {dev_only}: is the scan broken?"
+        );
+    }
 }
 
 #[test]
@@ -119,6 +197,45 @@ fn unsafe_code_lives_only_in_the_hal_with_safety_notes() {
             }
         }
     }
+}
+
+/// The phrase a test file outside `tests/it/` must have in its leading `//!` docs, with the
+/// reason it needs a process of its own.
+const OWN_BINARY: &str = "binary of its own";
+
+#[test]
+fn each_crate_has_one_test_binary_and_says_why_of_any_other() {
+    let mut problems = Vec::new();
+    for (name, dir) in crates() {
+        let Ok(entries) = std::fs::read_dir(dir.join("tests")) else {
+            continue;
+        };
+        for entry in entries {
+            let path = entry.unwrap().path();
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            if path.is_dir() {
+                if file != "it" || !path.join("main.rs").exists() {
+                    problems.push(format!(
+                        "{name}: tests/{file}/ is not tests/it/ with a main.rs: its files \
+                         belong in tests/it/"
+                    ));
+                }
+            } else if file.ends_with(".rs") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                let docs: Vec<&str> = text.lines().take_while(|l| l.starts_with("//!")).collect();
+                if !docs.join(" ").contains(OWN_BINARY) {
+                    let module = file.trim_end_matches(".rs");
+                    problems.push(format!(
+                        "{name}: tests/{file} is a test binary of its own: move it to \
+                         tests/it/{file} (with `mod {module};` in tests/it/main.rs), or say at \
+                         its top why it needs a process of its own (\"a test {OWN_BINARY}: \
+                         ...\")"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! `cargo xtask gpu-bundle`: release test and bench binaries for the GPU machine (which has
 //! no cargo), with `run.sh`, the one command that runs them there.
 
-use crate::{Result, build_tests, cargo, copy, make_executable, root, run};
+use crate::{Result, build_tests, cargo, copy, listed_tests, make_executable, root, run};
 use std::path::Path;
 
 /// The bundle carried to the GPU machine: `bin/` (gpuio, xtask), `tests/` (every test
@@ -25,11 +25,11 @@ pub fn gpu_bundle() -> Result {
             "xtask",
         ]),
     )?;
+    // Where cargo put them: CARGO_TARGET_DIR where set (worktrees share one), else target/.
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), Into::into);
     for bin in ["gpuio", "xtask"] {
-        copy(
-            &root.join("target/bundle").join(bin),
-            &out.join("bin").join(bin),
-        )?;
+        copy(&target.join("bundle").join(bin), &out.join("bin").join(bin))?;
     }
     let tests = build_tests(
         "build test binaries",
@@ -38,21 +38,36 @@ pub fn gpu_bundle() -> Result {
     let mut count = 0;
     for t in tests {
         // These read the source tree, which does not travel, or test the network on hosts
-        // the GPU machine lacks (etcd, namespaces), or attack an agent process over loopback;
-        // nothing in them needs a GPU (and the bundle must stay under 64 MiB).
+        // the GPU machine lacks (etcd, namespaces), or attack an agent process over loopback,
+        // or test the test support; nothing in them needs a GPU (and the bundle must stay
+        // under 64 MiB).
         if matches!(
             t.package.as_str(),
-            "gpuio-tests" | "xtask" | "gpuio-transport-remoteio"
-        ) || matches!(t.target.as_str(), "multinode" | "agent")
-        {
+            "gpuio-tests" | "xtask" | "gpuio-transport-remoteio" | "gpuio-testkit"
+        ) {
             continue;
         }
-        copy(
-            &t.path,
-            &out.join("tests")
-                .join(format!("{}--{}", t.package, t.target)),
-        )?;
+        let name = format!("{}--{}", t.package, t.target);
+        copy(&t.path, &out.join("tests").join(&name))?;
         count += 1;
+        let skipped = SKIPPED_MODULES
+            .iter()
+            .filter(|(package, target, _)| *package == t.package && *target == t.target)
+            .flat_map(|(_, _, modules)| modules.iter());
+        let mut args = Vec::new();
+        for module in skipped {
+            // A module that is gone (renamed) would no longer be skipped: say so here.
+            let filter = format!("{module}::");
+            if listed_tests(&t.path, &filter)?.is_empty() {
+                return Err(format!("{name} has no tests in `{filter}` to skip"));
+            }
+            args.push(format!("--skip {filter}"));
+        }
+        if !args.is_empty() {
+            let file = out.join("tests").join(format!("{name}.args"));
+            std::fs::write(&file, args.join(" ") + "\n")
+                .map_err(|e| format!("writing {}: {e}", file.display()))?;
+        }
     }
     for entry in std::fs::read_dir(root.join("kernels")).map_err(|e| format!("kernels/: {e}"))? {
         let path = entry.map_err(|e| e.to_string())?.path();
@@ -85,6 +100,12 @@ pub fn gpu_bundle() -> Result {
 
 /// The one command the GPU machine runs (`xtask/run.sh`, in parts that fit a device call).
 const RUN_SH: &str = include_str!("../run.sh");
+
+/// Modules of bundled test binaries that `run.sh` skips, by package and test target: they test
+/// the network on hosts the GPU machine lacks (etcd, namespaces) or attack an agent process
+/// over loopback; nothing in them needs a GPU. The bundle writes them to `tests/<binary>.args`
+/// (`--skip <module>::`), which run.sh adds to that binary's arguments.
+const SKIPPED_MODULES: &[(&str, &str, &[&str])] = &[("gpuio-cli", "it", &["agent", "multinode"])];
 
 fn dir_size(dir: &Path) -> u64 {
     std::fs::read_dir(dir)

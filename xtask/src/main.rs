@@ -147,6 +147,66 @@ fn build_tests(what: &str, args: &[&str]) -> Result<Vec<TestBinary>> {
     Ok(tests)
 }
 
+/// The tests libtest reports passed in `output`: the sum over its `test result:` lines (none:
+/// 0).
+fn tests_passed(output: &str) -> u64 {
+    output
+        .lines()
+        .filter_map(|l| {
+            let (counts, _) = l.split_once("test result: ")?.1.split_once(" passed")?;
+            counts.rsplit(' ').next()?.parse::<u64>().ok()
+        })
+        .sum()
+}
+
+/// The names of the tests `binary` runs with the libtest filter `filter` (its `--list`, run
+/// here: listing runs no test, so it needs no device).
+fn listed_tests(binary: &Path, filter: &str) -> Result<Vec<String>> {
+    let out = Command::new(binary)
+        .args([filter, "--list"])
+        .output()
+        .map_err(|e| format!("{} --list: {e}", binary.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{} --list failed: {}",
+            binary.display(),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_suffix(": test"))
+        .map(str::to_owned)
+        .collect())
+}
+
+/// Runs `cmd`, a `cargo test` whose libtest filter must select tests: its output is shown,
+/// and it fails where the tests fail or where none ran (a filter that matches nothing passes
+/// in libtest's eyes).
+fn run_tests(what: &str, cmd: &mut Command) -> Result {
+    let start = Instant::now();
+    eprintln!("==> {what}");
+    let out = cmd
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("{what}: cannot start: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    print!("{text}");
+    let passed = tests_passed(&text);
+    eprintln!(
+        "    {what}: {} ({passed} passed) in {:.1} s",
+        if out.status.success() { "ok" } else { "FAILED" },
+        start.elapsed().as_secs_f64()
+    );
+    if !out.status.success() {
+        return Err(format!("{what} failed ({})", out.status));
+    }
+    if passed == 0 {
+        return Err(format!("{what}: no test ran (does the filter match?)"));
+    }
+    Ok(())
+}
+
 /// The package name in a cargo package id (`path+file:///x/benches#gpuio-bench@0.1.0`, or
 /// `path+file:///x/crates/gpuio-hal#0.1.0` where the directory is the name).
 fn package_name(id: &str) -> &str {

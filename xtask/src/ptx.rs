@@ -4,7 +4,7 @@
 //! at run time; on the GPU machine that test runs with the others. No GPU is needed to
 //! compile, so CI runs it with CUDA 13.0's compilers from PyPI.
 
-use crate::{Result, cargo, has, root, run};
+use crate::{Result, cargo, has, root, run, run_tests};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -80,10 +80,10 @@ pub fn ptx(args: &[String]) -> Result {
     }
     if opts.wheels {
         // NVRTC, as gpuio compiles the embedded sources, for every architecture.
-        let nvrtc = run(
-            "NVRTC over the embedded kernels (gpuio-hal's kernels test)",
+        let nvrtc = run_tests(
+            "NVRTC over the embedded kernels (gpuio-hal's kernels tests)",
             cargo()
-                .args(["test", "-p", "gpuio-hal", "--test", "kernels"])
+                .args(["test", "-p", "gpuio-hal", "--test", "it", "--", "kernels::"])
                 .env("GPUIO_REQUIRE_NVRTC", "1"),
         );
         if let Err(e) = nvrtc {

@@ -1,10 +1,12 @@
 //! `cargo xtask qemu-rdma`: the RDMA tests (cargo feature `rdma`) in a QEMU guest with
-//! soft-RoCE (rxe): builds them, packs them with busybox, the guest kernel's modules and
-//! libibverbs' rxe provider into an initramfs, boots it under TCG, and reports what they
-//! printed. Every test binary must pass with `GPUIO_REQUIRE_RDMA=1`.
+//! soft-RoCE (rxe): builds the test binaries of the crates that have them, packs them with
+//! busybox, the guest kernel's modules and libibverbs' rxe provider into an initramfs, boots
+//! it under TCG, runs each binary filtered to its `rdma` module with `GPUIO_REQUIRE_RDMA=1`,
+//! and reports what they printed. Each must pass exactly the tests its filter selects (listed
+//! here first, and at least one): a filter that matches nothing fails.
 
 use crate::ci::{RDMA_PACKAGES, ensure_packages};
-use crate::{Result, build_tests, copy, make_executable, root, run};
+use crate::{Result, build_tests, copy, listed_tests, make_executable, root, run, tests_passed};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -21,6 +23,13 @@ pub const QEMU_PACKAGES: &[&str] = &[
     "cpio",
     "kmod",
 ];
+
+/// The crates whose test binary (`tests/it`) has an `rdma` module, built with their `rdma`
+/// features.
+const RDMA_CRATES: &[&str] = &["gpuio-hal", "gpuio-transport-remoteio", "gpuio-api"];
+
+/// The libtest filter that selects the RDMA tests in those binaries.
+const RDMA_FILTER: &str = "rdma::";
 
 /// Kernel modules the guest needs: virtio networking, then soft-RoCE. They are loaded with
 /// what each depends on first, as the guest kernel's `modinfo` says (the order changes between
@@ -47,27 +56,35 @@ pub fn qemu_rdma() -> Result {
                 .to_string()
         })
         .unwrap_or_default();
-    // The RDMA tests, built with the feature.
-    let tests: Vec<PathBuf> = build_tests(
-        "build the RDMA tests",
-        &[
-            "-p",
-            "gpuio-hal",
-            "-p",
-            "gpuio-transport-remoteio",
-            "-p",
-            "gpuio-api",
-            "--features",
-            "gpuio-hal/rdma,gpuio-transport-remoteio/rdma,gpuio-api/rdma",
-            "--test",
-            "rdma",
-        ],
-    )?
-    .into_iter()
-    .map(|t| t.path)
-    .collect();
-    if tests.is_empty() {
-        return Err("no RDMA test binaries were built".into());
+    // The crates' test binaries, built with the feature; each with the RDMA tests its filter
+    // selects (listed here, where listing needs no device).
+    let features = RDMA_CRATES
+        .iter()
+        .map(|c| format!("{c}/rdma"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut args: Vec<&str> = RDMA_CRATES.iter().flat_map(|c| ["-p", *c]).collect();
+    args.extend(["--features", &features, "--test", "it"]);
+    let mut tests = Vec::new();
+    for t in build_tests("build the RDMA tests", &args)? {
+        let selected = listed_tests(&t.path, RDMA_FILTER)?;
+        if selected.is_empty() {
+            return Err(format!(
+                "{}'s test binary has no test matching `{RDMA_FILTER}`",
+                t.package
+            ));
+        }
+        tests.push((
+            format!("{}--{}", t.package, t.target),
+            t.path,
+            selected.len(),
+        ));
+    }
+    if tests.len() != RDMA_CRATES.len() {
+        return Err(format!(
+            "built {} RDMA test binaries, expected one for each of {RDMA_CRATES:?}",
+            tests.len()
+        ));
     }
     // The initramfs.
     let work = root().join("target/qemu-rdma");
@@ -99,17 +116,11 @@ pub fn qemu_rdma() -> Result {
     )?;
     copy(&PathBuf::from("/usr/bin/rdma"), &guest.join("bin/rdma"))?;
     let mut script = String::new();
-    for (i, t) in tests.iter().enumerate() {
-        let name = format!(
-            "t{i}-{}",
-            t.file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default()
-        );
-        copy(t, &guest.join("tests").join(&name))?;
-        binaries.push(t.clone());
+    for (name, path, _) in &tests {
+        copy(path, &guest.join("tests").join(name))?;
+        binaries.push(path.clone());
         script.push_str(&format!(
-            "echo \"== {name}\"; if GPUIO_REQUIRE_RDMA=1 RUST_BACKTRACE=1 /tests/{name} --test-threads=1; then echo \"QEMU-PASS {name}\"; else echo \"QEMU-FAIL {name}\"; fi\n"
+            "echo \"== {name}\"; if GPUIO_REQUIRE_RDMA=1 RUST_BACKTRACE=1 /tests/{name} {RDMA_FILTER} --test-threads=1; then echo \"QEMU-PASS {name}\"; else echo \"QEMU-FAIL {name}\"; fi\n"
         ));
     }
     let provider_to = guest.join(provider.strip_prefix("/").unwrap_or(provider));
@@ -194,7 +205,7 @@ pub fn qemu_rdma() -> Result {
             || l.contains("test result")
             || l.contains("panicked")
             || l.starts_with("test ")
-            || l.starts_with("== ")
+            || l.contains("== ")
     }) {
         println!("{line}");
     }
@@ -203,17 +214,34 @@ pub fn qemu_rdma() -> Result {
         started.elapsed().as_secs_f64(),
         log.display()
     );
-    let passed = text.matches("QEMU-PASS").count();
     if !text.contains("QEMU-DONE") {
         return Err("the guest did not finish (see the console log)".into());
     }
-    if text.contains("QEMU-FAIL") || passed != tests.len() {
+    // Per binary: it passed, and libtest counted as many passes as its filter selects.
+    let mut problems = Vec::new();
+    let mut counts = Vec::new();
+    for (name, _, selected) in &tests {
+        let output = text
+            .split_once(&format!("== {name}"))
+            .and_then(|(_, after)| after.split_once(&format!("QEMU-PASS {name}")))
+            .map(|(output, _)| output);
+        let passed = output.map_or(0, tests_passed);
+        counts.push(format!("{name}: {passed}"));
+        if output.is_none() || passed != *selected as u64 {
+            problems.push(format!("{name}: {passed} of {selected} passed"));
+        }
+    }
+    if text.contains("QEMU-FAIL") || !problems.is_empty() {
         return Err(format!(
-            "{passed} of {} RDMA test binaries passed",
-            tests.len()
+            "RDMA tests failed or did not run: {}",
+            problems.join("; ")
         ));
     }
-    println!("qemu-rdma: {passed} RDMA test binaries passed on soft-RoCE");
+    let total: usize = tests.iter().map(|(_, _, n)| n).sum();
+    println!(
+        "qemu-rdma: {total} RDMA tests passed on soft-RoCE ({})",
+        counts.join(", ")
+    );
     Ok(())
 }
 

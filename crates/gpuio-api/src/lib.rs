@@ -13,7 +13,7 @@ pub use cached::CachedFile;
 pub use config::{
     API_VERSION, AgentExport, AgentKey, AgentSection, CacheSection, Config, DEFAULT_TOML,
     LocalIoSection, MAX_CACHE_BLOCKS, MAX_CACHE_L3, MAX_CACHE_MEMORY, MAX_CONFIG_BYTES,
-    MAX_SECRET_BYTES, MIN_CACHE_BLOCK, MemIoSection, WritePolicy,
+    MAX_SECRET_BYTES, MIN_CACHE_BLOCK, MemIoSection, PoolSize, WritePolicy,
 };
 pub use copy::{CopyOptions, CopyReport};
 pub use error::{Error, Result, UriProblem, escape, escape_path};
@@ -24,11 +24,11 @@ pub use uri::{MAX_URI_NESTING, RemoteTarget, RemoteTransport, Uri};
 pub use gpuio_core::cache::{CacheStats, Level as CacheLevel, LevelStats as CacheLevelStats};
 pub use gpuio_core::{
     BatchHandle, BatchReport, Completion, Dest, Endpoint, EngineKind, ErrorCode, HostMemory,
-    Outcome, Priority, RemoteResource, Request, RequestFlags, RequestHandle, RequestId, Source,
-    Status,
+    Outcome, Priority, RemoteResource, RemoteVia, Request, RequestFlags, RequestHandle, RequestId,
+    Route, Source, Status,
 };
-pub use gpuio_hal::{DeviceBuffer, Gpu};
+pub use gpuio_hal::{DeviceBuffer, Gpu, PoolStats, StagingPool};
 pub use gpuio_transport_localio::{
     Durability, FileHandle, GdsPolicy, IoEngine, OpenOptions, StripeSet, Transfer,
 };
-pub use gpuio_transport_memio::{HostPlacement, Route};
+pub use gpuio_transport_memio::{HostPlacement, Route as MemIoRoute};

@@ -11,7 +11,7 @@ use gpuio_core::{
     RequestHandle, Scheduler, Source, Ticket,
 };
 use gpuio_hal::sync::MutexExt;
-use gpuio_hal::{DeviceBuffer, Gpu, Probe};
+use gpuio_hal::{DeviceBuffer, Gpu, Probe, StagingPool};
 use gpuio_transport_localio::{FileHandle, LocalIo, OpenOptions};
 use gpuio_transport_memio::{HostPlacement, MemIo};
 #[cfg(feature = "registry")]
@@ -145,15 +145,20 @@ pub struct Session {
 }
 
 impl Session {
-    /// Opens a session: probes devices (per `config.backend`) and starts the engines and the
-    /// scheduler's workers.
+    /// Opens a session: probes devices (per `config.backend`), makes the staging pool MemIO
+    /// and LocalIO share (`memory_pool_size`; it publishes its counters as metrics) and starts
+    /// the engines and the scheduler's workers.
     pub fn new(config: Config) -> Result<Self> {
         let mut probe = gpuio_hal::probe_with(config.backend, config.host_devices)?;
         if config.max_gpus > 0 {
             probe.gpus.truncate(config.max_gpus as usize);
         }
-        let memio = MemIo::new(probe.gpus.clone(), config.memio_config())?;
-        let localio = LocalIo::new(config.localio_config())?;
+        let staging = StagingPool::with_observer(
+            config.pool_config(probe.gpus.first().cloned()),
+            gpuio_core::metrics::pool_observer(),
+        )?;
+        let memio = MemIo::with_pool(probe.gpus.clone(), config.memio_config(), staging.clone())?;
+        let localio = LocalIo::with_pool(config.localio_config(), staging)?;
         let engines = Engines::new(Arc::new(memio), Arc::new(localio));
         let scheduler = Scheduler::new(
             engines.clone(),
@@ -208,6 +213,12 @@ impl Session {
     /// The LocalIO transport.
     pub fn localio(&self) -> &LocalIo {
         self.engines.localio()
+    }
+
+    /// The pool of pinned staging memory MemIO's and LocalIO's lanes share
+    /// (`memory_pool_size`), with its counters ([`StagingPool::stats`]).
+    pub fn staging_pool(&self) -> &StagingPool {
+        self.memio().staging_pool()
     }
 
     /// Allocates `len` bytes on GPU `gpu`.

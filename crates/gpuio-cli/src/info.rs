@@ -59,7 +59,7 @@ fn io_paths(session: &Session) -> Vec<IoPath> {
         "memio",
         "pinned host <-> GPU",
         if cuda {
-            Capability::yes(gpuio_api::Route::DirectDma.to_string())
+            Capability::yes(gpuio_api::MemIoRoute::DirectDma.to_string())
         } else {
             Capability::yes("CPU copy (host backend: no GPU)")
         },

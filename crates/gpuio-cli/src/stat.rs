@@ -1,7 +1,8 @@
 //! Metrics: `--metrics-addr` serves gpuio's metrics for Prometheus while a command runs
 //! (loopback by default); `gpuio stat` reads such an endpoint and prints what matters:
 //! throughput, latency quantiles, queue depth, in-flight bytes, errors, deadline misses,
-//! cache and registration hit rates, pinned memory.
+//! cache and registration hit rates, and the pinned staging pool (its `memory_pool_size`
+//! limit, bytes held, in use and at the high-water mark, waits and failures).
 
 use gpuio_api::Error;
 use std::collections::BTreeMap;
@@ -93,7 +94,9 @@ fn sum(s: &Samples, name: &str, filter: &[(&str, &str)]) -> f64 {
                     .all(|(k, v)| l.get(*k).is_some_and(|x| x == v))
         })
         .map(|(_, _, v)| v)
-        .sum()
+        .sum::<f64>()
+        // An empty sum of f64 is -0.0, which prints as "-0".
+        + 0.0
 }
 
 fn summary(s: &Samples, prev: Option<(&Samples, f64)>) -> String {
@@ -198,15 +201,35 @@ fn summary(s: &Samples, prev: Option<(&Samples, f64)>) -> String {
             rh + rm
         );
     }
-    let pinned = sum(s, m::POOL_PINNED_BYTES, &[]);
-    if pinned > 0.0 {
-        out += &format!(
-            "staging pool: {:.1} MiB pinned, {:.1} MiB in use\n",
-            pinned / (1 << 20) as f64,
-            sum(s, m::POOL_IN_USE_BYTES, &[]) / (1 << 20) as f64
-        );
-    }
+    out += &pool_summary(s);
     out
+}
+
+/// The staging pool's lines: its limit (`memory_pool_size`), what it holds, what the lanes
+/// have of it, its high-water mark, and how requests fared. Empty where no pool reports.
+fn pool_summary(s: &Samples) -> String {
+    use gpuio_core::metrics as m;
+    let limit = sum(s, m::POOL_LIMIT_BYTES, &[]);
+    if limit <= 0.0 {
+        return String::new();
+    }
+    let mib = |v: f64| v / (1 << 20) as f64;
+    let event = |e: &str| sum(s, m::POOL_EVENTS, &[("event", e)]);
+    format!(
+        "staging pool: limit {:.1} MiB; {:.1} MiB pinned, {:.1} MiB in use, high water {:.1} MiB\n\
+         \x20             {:.0} allocations, {:.0} reuses, {:.0} releases, {:.1} MiB reclaimed \
+         from idle lanes, {:.0} waits, {:.0} failures\n",
+        mib(limit),
+        mib(sum(s, m::POOL_PINNED_BYTES, &[])),
+        mib(sum(s, m::POOL_IN_USE_BYTES, &[])),
+        mib(sum(s, m::POOL_PEAK_BYTES, &[])),
+        event("allocation"),
+        event("reuse"),
+        event("release"),
+        mib(sum(s, m::POOL_RECLAIMED_BYTES, &[])),
+        event("wait"),
+        event("failure"),
+    )
 }
 
 pub fn run(args: &StatArgs) -> Result<(), Error> {
@@ -247,6 +270,26 @@ mod tests {
         assert_eq!(sum(&s, "x", &[]), 7.0);
         assert_eq!(sum(&s, "x", &[("engine", "memio")]), 3.0);
         assert_eq!(sum(&s, "y", &[]), 1.5);
+    }
+
+    #[test]
+    fn the_staging_pool_is_summarised_where_one_reports() {
+        assert_eq!(pool_summary(&parse("x 1\n")), "");
+        let text = "gpuio_pool_limit_bytes 1073741824\n\
+                    gpuio_pool_pinned_bytes 100663296\n\
+                    gpuio_pool_in_use_bytes 50331648\n\
+                    gpuio_pool_peak_pinned_bytes 134217728\n\
+                    gpuio_pool_events_total{event=\"allocation\"} 24\n\
+                    gpuio_pool_events_total{event=\"reuse\"} 7\n\
+                    gpuio_pool_events_total{event=\"wait\"} 2\n\
+                    gpuio_pool_reclaimed_bytes_total 8388608\n";
+        let out = pool_summary(&parse(text));
+        assert_eq!(
+            out,
+            "staging pool: limit 1024.0 MiB; 96.0 MiB pinned, 48.0 MiB in use, high water \
+             128.0 MiB\n              24 allocations, 7 reuses, 0 releases, 8.0 MiB reclaimed \
+             from idle lanes, 2 waits, 0 failures\n"
+        );
     }
 
     /// Cached reads through a session, recorded by a Prometheus recorder of the test's own

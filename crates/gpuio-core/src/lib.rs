@@ -8,7 +8,6 @@ pub mod engine;
 mod error;
 pub mod metrics;
 pub mod outcome;
-pub mod pool;
 pub mod regcache;
 pub mod request;
 pub mod resources;

@@ -6,6 +6,7 @@
 
 use crate::request::Priority;
 use crate::route::EngineKind;
+use gpuio_hal::PoolStats;
 use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
 
 /// Requests submitted, by `engine` and `class`.
@@ -40,10 +41,21 @@ pub const CACHE_WRITEBACKS: &str = "gpuio_cache_writebacks_total";
 pub const REG_LOOKUPS: &str = "gpuio_registration_lookups_total";
 /// Registrations evicted, by `kind`.
 pub const REG_EVICTIONS: &str = "gpuio_registration_evictions_total";
+/// The staging pool's limit in bytes (`memory_pool_size`).
+pub const POOL_LIMIT_BYTES: &str = "gpuio_pool_limit_bytes";
 /// Pinned bytes held by the staging pool.
 pub const POOL_PINNED_BYTES: &str = "gpuio_pool_pinned_bytes";
-/// Pinned bytes of the staging pool handed out.
+/// Pinned bytes of the staging pool handed out (the transports' lanes hold theirs while
+/// cached between transfers).
 pub const POOL_IN_USE_BYTES: &str = "gpuio_pool_in_use_bytes";
+/// The most pinned bytes the staging pool held at once.
+pub const POOL_PEAK_BYTES: &str = "gpuio_pool_peak_pinned_bytes";
+/// Staging pool events, by `event`: `allocation` (a buffer pinned), `reuse` (a free buffer
+/// served), `release` (a free buffer unpinned to make room), `wait` (a request that waited for
+/// room), `failure` (one that got none).
+pub const POOL_EVENTS: &str = "gpuio_pool_events_total";
+/// Idle bytes the staging pool's holders (the transports' cached lanes) gave back for room.
+pub const POOL_RECLAIMED_BYTES: &str = "gpuio_pool_reclaimed_bytes_total";
 
 /// Every metric with its help text, for exporters.
 pub fn describe() {
@@ -67,12 +79,57 @@ pub fn describe() {
     );
     describe_counter!(REG_LOOKUPS, "registration cache lookups");
     describe_counter!(REG_EVICTIONS, "registrations evicted");
+    describe_gauge!(
+        POOL_LIMIT_BYTES,
+        Unit::Bytes,
+        "pinned staging memory allowed"
+    );
     describe_gauge!(POOL_PINNED_BYTES, Unit::Bytes, "pinned staging memory held");
     describe_gauge!(
         POOL_IN_USE_BYTES,
         Unit::Bytes,
         "pinned staging memory handed out"
     );
+    describe_gauge!(
+        POOL_PEAK_BYTES,
+        Unit::Bytes,
+        "most pinned staging memory held at once"
+    );
+    describe_counter!(
+        POOL_EVENTS,
+        "staging pool allocations, reuses, releases, waits, failures"
+    );
+    describe_counter!(
+        POOL_RECLAIMED_BYTES,
+        Unit::Bytes,
+        "idle staging memory the transports gave back for room"
+    );
+}
+
+/// What a staging pool reports, as metrics: pass it to
+/// [`StagingPool::with_observer`](gpuio_hal::StagingPool::with_observer) (the session does), and
+/// the pool publishes its counters after every change. The handles are resolved here, once.
+pub fn pool_observer() -> impl Fn(&PoolStats) + Send + Sync + 'static {
+    let limit = gauge!(POOL_LIMIT_BYTES);
+    let pinned = gauge!(POOL_PINNED_BYTES);
+    let in_use = gauge!(POOL_IN_USE_BYTES);
+    let peak = gauge!(POOL_PEAK_BYTES);
+    let event = |e: &'static str| counter!(POOL_EVENTS, "event" => e);
+    let (allocations, reuses, releases) = (event("allocation"), event("reuse"), event("release"));
+    let (waits, failures) = (event("wait"), event("failure"));
+    let reclaimed = counter!(POOL_RECLAIMED_BYTES);
+    move |s: &PoolStats| {
+        limit.set(s.limit as f64);
+        pinned.set(s.pinned_bytes as f64);
+        in_use.set(s.in_use_bytes as f64);
+        peak.set(s.peak_pinned_bytes as f64);
+        allocations.absolute(s.allocations);
+        reuses.absolute(s.reuses);
+        releases.absolute(s.releases);
+        waits.absolute(s.waits);
+        failures.absolute(s.failures);
+        reclaimed.absolute(s.reclaimed_bytes);
+    }
 }
 
 const ENGINES: [EngineKind; 3] = [EngineKind::MemIo, EngineKind::LocalIo, EngineKind::RemoteIo];

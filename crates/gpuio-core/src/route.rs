@@ -166,6 +166,26 @@ pub enum StagedEnd<'a> {
     Remote(RemoteAt<'a>),
 }
 
+impl StagedEnd<'_> {
+    /// The same end `by` bytes further on.
+    pub fn advanced(self, by: usize) -> Self {
+        match self {
+            Self::Device(d) => Self::Device(DeviceAt {
+                offset: d.offset + by,
+                ..d
+            }),
+            Self::File(f) => Self::File(FileAt {
+                offset: f.offset + by as u64,
+                ..f
+            }),
+            Self::Remote(r) => Self::Remote(RemoteAt {
+                offset: r.offset + by as u64,
+                ..r
+            }),
+        }
+    }
+}
+
 /// What RemoteIO serves: anything touching another node.
 #[derive(Debug)]
 pub enum RemoteTransfer<'a> {

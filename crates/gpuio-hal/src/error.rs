@@ -286,6 +286,10 @@ pub enum HalError {
         /// The negative result the proxy published (an error code or a ring code).
         code: i64,
     },
+    /// A transient shortage (the staging pool has no room now); trying again later may
+    /// succeed.
+    #[error("busy: {0}")]
+    Busy(String),
     /// A wait ran past its deadline.
     #[error("{what}: timed out after {after:?}")]
     TimedOut {
@@ -314,6 +318,7 @@ impl HalError {
             Self::RingShutDown => ErrorCode::Canceled,
             Self::RingRequest { code } => RingResultCode::error_code(*code),
             Self::TimedOut { .. } => ErrorCode::Timeout,
+            Self::Busy(_) => ErrorCode::Busy,
             Self::Rdma { code, .. } => *code,
         }
     }

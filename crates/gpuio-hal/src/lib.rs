@@ -12,6 +12,7 @@ pub mod ring;
 pub mod sync;
 mod sys;
 pub mod uring;
+pub mod workers;
 
 pub use error::{ErrorCode, HalError, Result, check_range};
 pub use gpu::{
@@ -20,6 +21,7 @@ pub use gpu::{
     probe_with,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
+pub use memory::pool::{PoolConfig, PoolStats, PooledBuffer, StagingLease, StagingPool};
 pub use memory::{
     DmaRegistration, HostAllocOptions, HostBuffer, Location, MemoryRegion, MemoryTier,
 };

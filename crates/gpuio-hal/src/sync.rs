@@ -185,12 +185,18 @@ mod tests {
 /// to its own slot, and a read sums them. A plain shared atomic makes every add from a
 /// different core take the line from the last one (about 100 ns on a server, per add); here
 /// the adds stay in the adding core's cache.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct StripedCounter {
     slots: [crossbeam_utils::CachePadded<std::sync::atomic::AtomicU64>; STRIPES],
 }
 
 const STRIPES: usize = 16;
+
+impl Default for StripedCounter {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 thread_local! {
     /// This thread's slot; `usize::MAX` until its first add (a `const` slot costs one load).
@@ -213,17 +219,33 @@ fn stripe() -> usize {
 }
 
 impl StripedCounter {
+    /// A counter at zero (usable in a `static`).
+    pub const fn new() -> Self {
+        Self {
+            slots: [const { crossbeam_utils::CachePadded::new(std::sync::atomic::AtomicU64::new(0)) };
+                STRIPES],
+        }
+    }
+
     /// Adds `n`.
     #[inline]
     pub fn add(&self, n: u64) {
-        self.slots[stripe()].fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        self.slots[stripe()].fetch_add(n, std::sync::atomic::Ordering::Release);
     }
 
-    /// The sum of everything added (adds racing with the read may or may not be in it).
+    /// Takes `n` away (what this thread takes may have been added by another: slots wrap, the
+    /// sum does not).
+    #[inline]
+    pub fn sub(&self, n: u64) {
+        self.slots[stripe()].fetch_sub(n, std::sync::atomic::Ordering::Release);
+    }
+
+    /// The sum of everything added (adds racing with the read may or may not be in it). An
+    /// add seen here brings what its thread did before it (adds release, reads acquire).
     pub fn get(&self) -> u64 {
         self.slots
             .iter()
-            .map(|s| s.load(std::sync::atomic::Ordering::Relaxed))
+            .map(|s| s.load(std::sync::atomic::Ordering::Acquire))
             .fold(0, u64::wrapping_add)
     }
 }

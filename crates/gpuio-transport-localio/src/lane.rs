@@ -4,15 +4,22 @@
 //! GPU (and, for writes, DMAs of later chunks while earlier ones are written). A write fills
 //! a chunk's partial edge blocks from the file first (zeros past its end); the caller trims
 //! any O_DIRECT padding past the end afterwards.
+//!
+//! The staging slots come from the session's [`StagingPool`] (shared with MemIO, which bounds
+//! their pinned bytes together): a lane leases them once, when it is made, registers them with
+//! its io_uring ring, and keeps them while it is cached between transfers. They go back to the
+//! pool only when the lane goes (unregistered first): a transfer never touches the pool, so
+//! nothing is locked or allocated per chunk, and the ring's registration (a page walk) is paid
+//! once per lane, as when each lane pinned its own.
 
 use crate::file::FileHandle;
 use crate::plan::Plan;
 use crate::queue::{FileId, IoEngine, IoQueue};
 use crate::{LocalIoError, Result};
-use gpuio_hal::sync::MutexExt;
-use gpuio_hal::{DeviceBuffer, Gpu, HostAllocOptions, HostBuffer, Inflight, Stream};
+use gpuio_hal::memory::pool::{LaneSet, StagingLane, StagingLease, StagingPool};
+use gpuio_hal::{DeviceBuffer, Gpu, HostBuffer, Inflight, Stream};
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// A lane's DMAs in flight, oldest first, with the staging slot each holds.
@@ -25,83 +32,84 @@ pub(crate) const MAX_BATCH: usize = 256;
 pub(crate) struct Lane {
     queue: IoQueue,
     stream: Stream,
+    /// `Some` until Drop gives the slots back.
+    lease: Option<StagingLease>,
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            lease.give_back(self.queue.release_buffers());
+        }
+    }
 }
 
 /// The idle lanes of one GPU, created on demand and reused (pinning and registering staging
 /// memory costs milliseconds; a transfer must not pay it).
-pub(crate) struct LanePool {
-    gpu: Gpu,
+pub(crate) type LanePool = LaneSet<Lane>;
+
+/// What the lanes of a [`LanePool`] are made of.
+pub(crate) struct LaneSpec {
+    pub(crate) engine: IoEngine,
+    pub(crate) slot_len: usize,
+    pub(crate) slots: usize,
+    pub(crate) sqpoll: bool,
+}
+
+/// What a lane's IO queue is made with.
+pub(crate) struct QueueSpec {
     engine: IoEngine,
-    slot_len: usize,
-    slots: usize,
     /// Operations a lane's ring holds: a full block batch in every slot.
     depth: u32,
     sqpoll: bool,
-    lanes: Mutex<Vec<Lane>>,
 }
 
-impl LanePool {
-    pub(crate) fn new(
-        gpu: Gpu,
-        engine: IoEngine,
-        slot_len: usize,
-        slots: usize,
-        sqpoll: bool,
-    ) -> Self {
-        let slots = slots.max(2);
-        Self {
-            gpu,
-            engine,
-            slot_len,
-            slots,
-            depth: (slots * MAX_BATCH).min(4096) as u32,
-            sqpoll,
-            lanes: Mutex::new(Vec::new()),
-        }
-    }
+/// The lanes of `gpu` made as `spec` says, their slots from `staging` (registered there as a
+/// holder of the idle ones).
+pub(crate) fn lane_pool(gpu: Gpu, spec: LaneSpec, staging: StagingPool) -> Arc<LanePool> {
+    let slots = spec.slots.max(2);
+    let queue = QueueSpec {
+        engine: spec.engine,
+        depth: (slots * MAX_BATCH).min(4096) as u32,
+        sqpoll: spec.sqpoll,
+    };
+    LaneSet::new(gpu, staging, spec.slot_len, slots, queue)
+}
 
-    pub(crate) fn slot_len(&self) -> usize {
-        self.slot_len
-    }
+impl StagingLane for Lane {
+    type Spec = QueueSpec;
+    type Error = LocalIoError;
 
-    /// Takes `n` lanes, creating the missing ones; staging lives on the GPU's NUMA node.
-    pub(crate) fn take(&self, n: usize) -> Result<Vec<Lane>> {
-        let mut taken = {
-            let mut pool = self.lanes.lock_unpoisoned();
-            let keep = pool.len().saturating_sub(n);
-            pool.split_off(keep)
-        };
-        let opts = HostAllocOptions {
-            numa: self.gpu.info().numa_node,
-            ..HostAllocOptions::default()
-        };
-        while taken.len() < n {
-            let lane = (|| -> Result<Lane> {
-                let buffers = (0..self.slots)
-                    .map(|_| HostBuffer::alloc_pinned(self.slot_len, &opts, &self.gpu))
-                    .collect::<gpuio_hal::Result<Vec<_>>>()?;
-                Ok(Lane {
-                    queue: IoQueue::new(self.engine, buffers, self.depth, self.sqpoll)?,
-                    stream: self.gpu.stream()?,
-                })
-            })();
-            match lane {
-                Ok(l) => taken.push(l),
-                Err(e) => {
-                    self.give_back(taken);
-                    return Err(e);
-                }
+    fn make(
+        spec: &QueueSpec,
+        gpu: &Gpu,
+        buffers: Vec<HostBuffer>,
+        lease: StagingLease,
+    ) -> Result<Self> {
+        let stream = match gpu.stream() {
+            Ok(s) => s,
+            Err(e) => {
+                lease.give_back(buffers);
+                return Err(e.into());
             }
-        }
-        Ok(taken)
+        };
+        // A queue that cannot be made drops the buffers it was given: the lease forgets them.
+        let queue = IoQueue::new(spec.engine, buffers, spec.depth, spec.sqpoll)?;
+        Ok(Lane {
+            queue,
+            stream,
+            lease: Some(lease),
+        })
     }
 
-    /// Returns lanes; one that lost a staging slot to an error is dropped.
-    pub(crate) fn give_back(&self, lanes: Vec<Lane>) {
-        let healthy = lanes
-            .into_iter()
-            .filter(|l| l.queue.in_flight() == 0 && l.queue.slots() == self.slots);
-        self.lanes.lock_unpoisoned().extend(healthy);
+    /// A lane is kept only with nothing in flight in its ring and all its slots: one that lost
+    /// a staging slot to an error is dropped.
+    fn is_whole(&self, slots: usize) -> bool {
+        self.queue.in_flight() == 0 && self.queue.slots() == slots
+    }
+
+    fn lease(&self) -> Option<&StagingLease> {
+        self.lease.as_ref()
     }
 }
 

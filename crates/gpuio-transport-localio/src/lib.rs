@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
+mod config;
 mod file;
 mod gds;
 mod lane;
@@ -8,18 +9,21 @@ mod plan;
 mod queue;
 mod stripe;
 
+pub use config::{Durability, EnginePreference, GdsPolicy, LocalIoConfig};
 pub use file::{FileHandle, OpenOptions};
 pub use gpuio_hal::file::{DirectIoAlignment, Extent};
 pub use queue::IoEngine;
 pub use stripe::StripeSet;
 
+use gpuio_hal::memory::pool::{PoolConfig, StagingPool, auto_limit};
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::uring::Ring;
+use gpuio_hal::workers::{WorkerPanic, run_workers};
 use gpuio_hal::{DeviceBuffer, ErrorCode, GdsMode, Gpu, HalError};
-use lane::{BlocksJob, Lane, LanePool, MAX_BATCH, ReadJob, WriteJob};
+use lane::{BlocksJob, Lane, LanePool, LaneSpec, MAX_BATCH, ReadJob, WriteJob};
 use plan::{Piece, Plan};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Mutex};
 
 /// LocalIO's errors.
@@ -122,122 +126,17 @@ impl LocalIoError {
     }
 }
 
+impl From<WorkerPanic> for LocalIoError {
+    fn from(p: WorkerPanic) -> Self {
+        Self::Internal(p.to_string())
+    }
+}
+
 /// The block cuFile writes are cut to (the largest O_DIRECT alignment in use).
 const GDS_BLOCK: u64 = 4096;
 
 /// LocalIO's result type.
 pub type Result<T, E = LocalIoError> = std::result::Result<T, E>;
-
-/// Which engine [`LocalIo`] should use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum EnginePreference {
-    /// io_uring where the kernel allows it, else positioned reads and writes.
-    #[default]
-    Auto,
-    /// io_uring, or an error saying why not.
-    Uring,
-    /// Positioned reads and writes.
-    Posix,
-}
-
-impl std::str::FromStr for EnginePreference {
-    type Err = LocalIoError;
-
-    fn from_str(s: &str) -> Result<Self> {
-        match s.to_ascii_lowercase().as_str() {
-            "auto" => Ok(Self::Auto),
-            "uring" | "io_uring" => Ok(Self::Uring),
-            "posix" => Ok(Self::Posix),
-            other => Err(LocalIoError::Internal(format!(
-                "unknown LocalIO engine {other:?} (expected auto, uring or posix)"
-            ))),
-        }
-    }
-}
-
-/// When transfers go through cuFile (GPUDirect Storage) instead of the staged lanes. A file
-/// opened with [`OpenOptions::gds`] set overrides it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum GdsPolicy {
-    /// cuFile where it is real GPUDirect Storage (nvidia-fs loaded), for O_DIRECT files and
-    /// transfers of at least [`LocalIoConfig::gds_threshold`]; the lanes otherwise (they serve
-    /// the page cache, and beat cuFile's compat mode).
-    #[default]
-    Auto,
-    /// cuFile wherever it runs, compat mode included, from the threshold up.
-    On,
-    /// Never.
-    Off,
-}
-
-impl std::str::FromStr for GdsPolicy {
-    type Err = LocalIoError;
-
-    fn from_str(s: &str) -> Result<Self> {
-        match s.to_ascii_lowercase().as_str() {
-            "auto" => Ok(Self::Auto),
-            "on" | "1" | "true" => Ok(Self::On),
-            "off" | "0" | "false" => Ok(Self::Off),
-            other => Err(LocalIoError::Internal(format!(
-                "unknown GDS policy {other:?} (expected auto, on or off)"
-            ))),
-        }
-    }
-}
-
-/// When written data must be durable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Durability {
-    /// When the kernel gets to it.
-    #[default]
-    None,
-    /// `fdatasync` once the whole transfer is written; writeback of each chunk starts as soon
-    /// as it is written, so the flush overlaps the rest of the transfer. (For every write to be
-    /// durable as it happens, open the file with [`OpenOptions::dsync`].)
-    DataSync,
-}
-
-/// Tuning of the LocalIO engine.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LocalIoConfig {
-    /// The engine.
-    pub engine: EnginePreference,
-    /// Lanes (threads) per transfer.
-    pub lanes: usize,
-    /// Bytes per chunk (and per pinned staging slot).
-    pub chunk_size: usize,
-    /// Staging slots per lane: IO in flight per lane (at least 2, so IO overlaps DMA).
-    pub slots_per_lane: usize,
-    /// Kernel-side submission polling for io_uring (costs a kernel thread per lane).
-    pub sqpoll: bool,
-    /// Compute the crc32c of every sequential transfer's bytes as they pass through staging
-    /// ([`Transfer::crc32c`]); costs a pass over the data on the lane threads, and keeps
-    /// transfers off cuFile (whose bytes never touch host memory).
-    pub checksum: bool,
-    /// When cuFile is used.
-    pub gds: GdsPolicy,
-    /// Smallest transfer the policy sends through cuFile (smaller ones go through the lanes,
-    /// like kvikio's `gds_threshold`).
-    pub gds_threshold: usize,
-}
-
-impl Default for LocalIoConfig {
-    fn default() -> Self {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Self {
-            engine: EnginePreference::Auto,
-            lanes: cores.clamp(1, 8),
-            chunk_size: 4 << 20,
-            slots_per_lane: 4,
-            sqpoll: false,
-            checksum: false,
-            gds: GdsPolicy::Auto,
-            gds_threshold: 1 << 20,
-        }
-    }
-}
 
 /// What a transfer did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -284,6 +183,7 @@ pub struct LocalIo {
     engine: IoEngine,
     engine_reason: String,
     pool: rayon::ThreadPool,
+    staging: StagingPool,
     lanes: Mutex<Vec<(Gpu, Arc<LanePool>)>>,
 }
 
@@ -297,14 +197,29 @@ impl std::fmt::Debug for LocalIo {
 }
 
 impl LocalIo {
-    /// A new engine; probes io_uring once.
+    /// A new engine with a staging pool of its own, sized automatically ([`auto_limit`]);
+    /// probes io_uring once. [`with_pool`](Self::with_pool) shares a pool.
     pub fn new(config: LocalIoConfig) -> Result<Self> {
+        let defaults = PoolConfig::default();
+        let staging = StagingPool::new(PoolConfig {
+            limit: auto_limit(),
+            max_class: config
+                .effective_chunk_size()
+                .next_power_of_two()
+                .max(defaults.max_class),
+            ..defaults
+        })?;
+        Self::with_pool(config, staging)
+    }
+
+    /// A new engine whose lanes take their pinned staging slots from `staging` (shared with
+    /// MemIO in a session); probes io_uring once. The pool's largest class must take a chunk,
+    /// and its limit at least one lane ([`LocalIoConfig::lane_staging_bytes`]); else
+    /// transfers fail with the pool's error.
+    pub fn with_pool(config: LocalIoConfig, staging: StagingPool) -> Result<Self> {
         let config = LocalIoConfig {
             lanes: config.lanes.clamp(1, 256),
-            chunk_size: config
-                .chunk_size
-                .clamp(64 << 10, 1 << 30)
-                .next_multiple_of(4096),
+            chunk_size: config.effective_chunk_size(),
             slots_per_lane: config.slots_per_lane.clamp(2, 64),
             ..config
         };
@@ -338,8 +253,20 @@ impl LocalIo {
             engine,
             engine_reason,
             pool,
+            staging,
             lanes: Mutex::new(Vec::new()),
         })
+    }
+
+    /// The pool the lanes take their pinned staging slots from.
+    pub fn staging_pool(&self) -> &StagingPool {
+        &self.staging
+    }
+
+    /// Pinned staging memory currently held by idle lanes (all GPUs).
+    pub fn staging_bytes(&self) -> u64 {
+        let pools = self.lanes.lock_unpoisoned();
+        pools.iter().map(|(_, p)| p.staged_bytes()).sum()
     }
 
     /// The engine's configuration.
@@ -362,13 +289,13 @@ impl LocalIo {
         if let Some((_, p)) = pools.iter().find(|(g, _)| g.same_device(gpu)) {
             return p.clone();
         }
-        let p = Arc::new(LanePool::new(
-            gpu.clone(),
-            self.engine,
-            self.config.chunk_size,
-            self.config.slots_per_lane,
-            self.config.sqpoll,
-        ));
+        let spec = LaneSpec {
+            engine: self.engine,
+            slot_len: self.config.chunk_size,
+            slots: self.config.slots_per_lane,
+            sqpoll: self.config.sqpoll,
+        };
+        let p = lane::lane_pool(gpu.clone(), spec, self.staging.clone());
         pools.push((gpu.clone(), p.clone()));
         p
     }
@@ -441,7 +368,7 @@ impl LocalIo {
     fn plan(&self, files: &[&FileHandle], pieces: &[Piece], pool: &LanePool) -> Result<Plan> {
         if let Some(f) = files
             .iter()
-            .find(|f| f.required_alignment() > pool.slot_len())
+            .find(|f| f.required_alignment() > pool.buffer_len())
         {
             return Err(LocalIoError::Hal(HalError::Unsupported {
                 what: "O_DIRECT on this file",
@@ -449,48 +376,28 @@ impl LocalIo {
                     "{} needs {}-byte alignment, above the {}-byte staging",
                     f.path().display(),
                     f.required_alignment(),
-                    pool.slot_len()
+                    pool.buffer_len()
                 ),
             }));
         }
         Ok(Plan::new(
             files,
             pieces,
-            pool.slot_len() as u64,
+            pool.buffer_len() as u64,
             self.config.checksum,
         ))
     }
 
-    /// Runs `work` on every worker (a lane, or a cuFile thread's nothing) at once: the calling
-    /// thread takes the first itself, the others are handed to the pool together; the first
-    /// failure stops the rest.
+    /// Runs `work` on every worker (a lane, or a cuFile thread's nothing) at once on the IO
+    /// threads ([`run_workers`]: the calling thread takes the first, the others are handed to
+    /// the pool together); the first failure, or a worker's panic, stops the rest and is
+    /// returned.
     fn run_workers<W: Send>(
         &self,
         workers: &mut [W],
         work: impl Fn(&mut W, &AtomicBool) -> Result<()> + Sync,
     ) -> Result<()> {
-        let Some((first, rest)) = workers.split_first_mut() else {
-            return Ok(());
-        };
-        let abort = AtomicBool::new(false);
-        let failure: Mutex<Option<LocalIoError>> = Mutex::new(None);
-        let record = |r: Result<()>| {
-            if let Err(e) = r {
-                abort.store(true, Ordering::Relaxed);
-                failure.lock_unpoisoned().get_or_insert(e);
-            }
-        };
-        self.pool.in_place_scope(|scope| {
-            for worker in rest {
-                let (work, record, abort) = (&work, &record, &abort);
-                scope.spawn(move |_| record(work(worker, abort)));
-            }
-            record(work(first, &abort));
-        });
-        match failure.into_inner_unpoisoned() {
-            None => Ok(()),
-            Some(e) => Err(e),
-        }
+        run_workers(&self.pool, workers, work)
     }
 
     /// Reads `len` bytes of `file` at `offset` into `dst` at `dst_offset`. A file shorter than
@@ -549,8 +456,8 @@ impl LocalIo {
         }
         let pool = self.lane_pool(dst.gpu());
         let plan = self.plan(files, pieces, &pool)?;
-        let n = plan.count().clamp(1, self.config.lanes);
-        let mut lanes = pool.take(n)?;
+        let mut lanes = pool.take(plan.count().clamp(1, self.config.lanes))?;
+        let n = lanes.len();
         let engine = lanes.first().map_or(self.engine, Lane::engine);
         let job = ReadJob {
             files,
@@ -587,10 +494,10 @@ impl LocalIo {
         })?;
         gpuio_hal::check_range("block gather destination", dst_offset, total, dst.len())?;
         let pool = self.lane_pool(dst.gpu());
-        if block == 0 || block > pool.slot_len() {
+        if block == 0 || block > pool.buffer_len() {
             return Err(LocalIoError::Hal(HalError::InvalidArgument(format!(
                 "block size {block} must be 1 to {} bytes",
-                pool.slot_len()
+                pool.buffer_len()
             ))));
         }
         for &o in offsets {
@@ -609,16 +516,17 @@ impl LocalIo {
             file,
             offsets,
             block,
-            batch: (pool.slot_len() / block).clamp(1, MAX_BATCH),
+            batch: (pool.buffer_len() / block).clamp(1, MAX_BATCH),
             dst,
             dst_offset,
             next: AtomicUsize::new(0),
         };
-        let n = offsets
+        let wanted = offsets
             .len()
             .div_ceil(job.batch)
             .clamp(1, self.config.lanes);
-        let mut lanes = pool.take(n)?;
+        let mut lanes = pool.take(wanted)?;
+        let n = lanes.len();
         let engine = lanes.first().map_or(self.engine, Lane::engine);
         let result = self.run_workers(&mut lanes, |lane, abort| lane.read_blocks(&job, abort));
         pool.give_back(lanes);
@@ -721,8 +629,8 @@ impl LocalIo {
         let pool = self.lane_pool(src.gpu());
         let plan = self.plan(files, pieces, &pool)?;
         let old_lens = files.iter().map(|f| f.len()).collect::<Result<Vec<_>>>()?;
-        let n = plan.count().clamp(1, self.config.lanes);
-        let mut lanes = pool.take(n)?;
+        let mut lanes = pool.take(plan.count().clamp(1, self.config.lanes))?;
+        let n = lanes.len();
         let engine = lanes.first().map_or(self.engine, Lane::engine);
         let written = AtomicUsize::new(0);
         let job = WriteJob {

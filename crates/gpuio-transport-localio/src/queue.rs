@@ -202,6 +202,22 @@ impl IoQueue {
         }
     }
 
+    /// Waits for what is in flight and hands the staging buffers back (those not lent out),
+    /// unregistered; the queue has none afterwards. Where the ring cannot be waited on or
+    /// unregistered, it keeps them (and its drop frees them): none come back.
+    pub(crate) fn release_buffers(&mut self) -> Vec<HostBuffer> {
+        match self {
+            Self::Uring(r) => r.unregister_buffers().unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "staging buffers not returned from an io_uring");
+                Vec::new()
+            }),
+            Self::Posix(p) => {
+                p.done.clear();
+                p.slots.drain(..).flatten().collect()
+            }
+        }
+    }
+
     pub(crate) fn in_flight(&self) -> usize {
         match self {
             Self::Uring(r) => r.in_flight(),

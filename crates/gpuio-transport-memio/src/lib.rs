@@ -10,15 +10,17 @@ pub use gather::{
 };
 pub use placement::HostPlacement;
 
+use gpuio_hal::memory::pool::{PoolConfig, StagingPool, auto_limit};
 use gpuio_hal::sync::{MutexExt, StripedCounter};
+use gpuio_hal::workers::{WorkerPanic, run_workers};
 use gpuio_hal::{
     Backend, DeviceBuffer, ErrorCode, Gpu, HalError, HostBuffer, NumaTopology, Stream,
 };
 use pipeline::LanePool;
 use rayon::prelude::*;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// MemIO's errors.
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +61,12 @@ impl MemIoError {
             Self::LengthMismatch { .. } | Self::UnknownGpu(_) => ErrorCode::InvalidArg,
             Self::Internal(_) => ErrorCode::General,
         }
+    }
+}
+
+impl From<WorkerPanic> for MemIoError {
+    fn from(p: WorkerPanic) -> Self {
+        Self::Internal(p.to_string())
     }
 }
 
@@ -135,6 +143,18 @@ pub struct MemIoConfig {
     pub gather_threads: usize,
 }
 
+impl MemIoConfig {
+    /// The pinned staging one pipeline lane holds: its staging buffers, each of the staging
+    /// pool's class for [`chunk_size`](Self::chunk_size) (as [`MemIo::new`] clamps them);
+    /// `None` where the chunk is above the pool's largest class. A staging pool must hold at
+    /// least this much.
+    pub fn lane_staging_bytes(&self, pool: &PoolConfig) -> Option<u64> {
+        let chunk = self.chunk_size.clamp(4096, MAX_CHUNK);
+        let class = pool.class_size(chunk)? as u64;
+        Some(self.slots_per_lane.clamp(2, 64) as u64 * class)
+    }
+}
+
 impl Default for MemIoConfig {
     fn default() -> Self {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -178,7 +198,8 @@ struct Counters {
 struct DeviceState {
     gpu: Gpu,
     streams: Mutex<Vec<Stream>>,
-    lanes: LanePool,
+    /// Registered with the staging pool as a holder of idle buffers.
+    lanes: Arc<LanePool>,
     /// Pinned and device buffers for gather index lists, reused across calls.
     index_stages: Mutex<Vec<gather::IndexStage>>,
 }
@@ -188,6 +209,7 @@ pub struct MemIo {
     devices: Vec<DeviceState>,
     config: MemIoConfig,
     pool: rayon::ThreadPool,
+    staging: StagingPool,
     topology: NumaTopology,
     counters: Counters,
     /// Which gather path is faster, per shape, as measured.
@@ -209,8 +231,28 @@ impl fmt::Debug for MemIo {
 }
 
 impl MemIo {
-    /// An engine over `gpus` (from [`gpuio_hal::probe`]).
+    /// An engine over `gpus` (from [`gpuio_hal::probe`]) with a staging pool of its own, sized
+    /// automatically ([`auto_limit`]); [`with_pool`](Self::with_pool) shares one.
     pub fn new(gpus: Vec<Gpu>, config: MemIoConfig) -> Result<Self> {
+        let defaults = PoolConfig::default();
+        let staging = StagingPool::new(PoolConfig {
+            limit: auto_limit(),
+            max_class: config
+                .chunk_size
+                .clamp(4096, MAX_CHUNK)
+                .next_power_of_two()
+                .max(defaults.max_class),
+            gpu: gpus.first().cloned(),
+            ..defaults
+        })?;
+        Self::with_pool(gpus, config, staging)
+    }
+
+    /// An engine over `gpus` whose pipeline lanes take their pinned staging buffers from
+    /// `staging` (shared with LocalIO in a session). Its largest class must take a staging
+    /// chunk, and its limit at least one lane
+    /// ([`MemIoConfig::lane_staging_bytes`]); else transfers fail with the pool's error.
+    pub fn with_pool(gpus: Vec<Gpu>, config: MemIoConfig, staging: StagingPool) -> Result<Self> {
         let config = MemIoConfig {
             threads: config.threads.clamp(1, MAX_THREADS),
             gather_threads: config.gather_threads.clamp(1, MAX_THREADS),
@@ -225,17 +267,26 @@ impl MemIo {
             .map_err(|e| MemIoError::Internal(format!("starting copy threads: {e}")))?;
         let devices = gpus
             .into_iter()
-            .map(|gpu| DeviceState {
-                lanes: LanePool::new(gpu.clone(), config.chunk_size, config.slots_per_lane),
-                gpu,
-                streams: Mutex::new(Vec::new()),
-                index_stages: Mutex::new(Vec::new()),
+            .map(|gpu| {
+                let lanes = pipeline::lane_pool(
+                    gpu.clone(),
+                    config.chunk_size,
+                    config.slots_per_lane,
+                    staging.clone(),
+                );
+                DeviceState {
+                    lanes,
+                    gpu,
+                    streams: Mutex::new(Vec::new()),
+                    index_stages: Mutex::new(Vec::new()),
+                }
             })
             .collect();
         Ok(Self {
             devices,
             config,
             pool,
+            staging,
             topology: NumaTopology::detect(),
             counters: Counters::default(),
             planner: gather::Planner::default(),
@@ -278,9 +329,15 @@ impl MemIo {
         }
     }
 
+    /// The pool the pipeline lanes take their pinned staging buffers from.
+    pub fn staging_pool(&self) -> &StagingPool {
+        &self.staging
+    }
+
     /// Pinned staging memory currently held by idle pipeline lanes.
     pub fn staging_bytes(&self) -> usize {
-        self.devices.iter().map(|d| d.lanes.staged_bytes()).sum()
+        let bytes: u64 = self.devices.iter().map(|d| d.lanes.staged_bytes()).sum();
+        bytes as usize
     }
 
     /// Allocates host memory on a tier, pinned for DMA when `pinned` (registered with the
@@ -385,16 +442,15 @@ impl MemIo {
         }
     }
 
-    /// Runs `work` on every lane at once: the calling thread takes the first lane itself (no
-    /// wake-up to wait for), the others are handed to the pool together so that their threads
-    /// wake in parallel. (Waking parked pool threads one by one, as a splitting parallel
-    /// iterator does, cost ~270 us per transfer on the H200 machine.)
+    /// Runs `work` on every lane at once on the copy threads ([`run_workers`]: the calling
+    /// thread takes the first lane, the pool's threads wake together for the others); the
+    /// first failure, or a lane's panic, stops the others and is returned.
     fn run_lanes(
         &self,
         lanes: &mut [pipeline::Lane],
         work: impl Fn(&mut pipeline::Lane, &AtomicBool) -> Result<()> + Sync,
     ) -> Result<()> {
-        self.run_lanes_on(&self.pool, lanes, work)
+        run_workers(&self.pool, lanes, work)
     }
 
     fn gather_threads(&self) -> usize {
@@ -421,39 +477,6 @@ impl MemIo {
 
     fn count_d2h(&self, bytes: usize) {
         self.counters.d2h.add(bytes as u64);
-    }
-
-    /// Runs `work` on every lane at once, on `pool`'s threads; the first failure stops the
-    /// others from taking more chunks and is returned.
-    fn run_lanes_on(
-        &self,
-        pool: &rayon::ThreadPool,
-        lanes: &mut [pipeline::Lane],
-        work: impl Fn(&mut pipeline::Lane, &AtomicBool) -> Result<()> + Sync,
-    ) -> Result<()> {
-        let Some((first, rest)) = lanes.split_first_mut() else {
-            return Ok(());
-        };
-        // Set by the first lane that fails, so the others stop taking chunks.
-        let abort = AtomicBool::new(false);
-        let failure: Mutex<Option<MemIoError>> = Mutex::new(None);
-        let record = |r: Result<()>| {
-            if let Err(e) = r {
-                abort.store(true, Ordering::Relaxed);
-                failure.lock_unpoisoned().get_or_insert(e);
-            }
-        };
-        pool.in_place_scope(|scope| {
-            for lane in rest {
-                let (work, record, abort) = (&work, &record, &abort);
-                scope.spawn(move |_| record(work(lane, abort)));
-            }
-            record(work(first, &abort));
-        });
-        match failure.into_inner_unpoisoned() {
-            None => Ok(()),
-            Some(e) => Err(e),
-        }
     }
 
     /// Copies host memory (pinned or pageable) into `dst` at `dst_offset`; returns the route.
@@ -485,8 +508,8 @@ impl MemIo {
         gpuio_hal::check_range("upload destination", dst_offset, src.len(), dst.len())?;
         let pool = &self.device(dst.gpu())?.lanes;
         let schedule = self.schedule_for(src.len());
-        let lanes = schedule.count(src.len()).clamp(1, self.config.threads);
-        let mut taken = pool.take(lanes)?;
+        let mut taken = pool.take(schedule.count(src.len()).clamp(1, self.config.threads))?;
+        let lanes = taken.len();
         let work = Mutex::new(schedule.pieces(src));
         let res = self.run_lanes(&mut taken, |lane, abort| {
             lane.upload(&work, abort, dst, dst_offset)
@@ -537,8 +560,8 @@ impl MemIo {
         let len = dst.len();
         let schedule = self.schedule_for(len);
         let chunk = self.chunk_for(len);
-        let lanes = schedule.count(len).clamp(1, self.config.threads);
-        let mut taken = pool.take(lanes)?;
+        let mut taken = pool.take(schedule.count(len).clamp(1, self.config.threads))?;
+        let lanes = taken.len();
         let work = Mutex::new(schedule.pieces_mut(dst));
         let res = self.run_lanes(&mut taken, |lane, abort| {
             lane.download(&work, abort, src, src_offset)

@@ -3,88 +3,80 @@
 //! time. Here several lanes (a thread, a stream, and a few pinned staging buffers each) pull
 //! chunks from a shared queue; each lane's CPU copy of one chunk overlaps the DMA of its
 //! previous ones, and the lanes' copies run in parallel.
+//!
+//! The staging buffers come from the session's [`StagingPool`], which bounds the pinned
+//! staging of MemIO and LocalIO together. A lane leases its buffers once, when it is made, and
+//! keeps them while it is cached between transfers (in a [`LaneSet`]); it gives them back to
+//! the pool only when it goes (a lane that lost a buffer to an error, the pool asking for idle
+//! buffers, the engine dropped). So a transfer costs the pool nothing: no lock and no
+//! allocation per chunk, none per transfer once its lanes exist — the same as when each lane
+//! pinned its own.
 
 use crate::{MemIoError, Result};
+use gpuio_hal::memory::pool::{LaneSet, StagingLane, StagingLease, StagingPool};
 use gpuio_hal::sync::MutexExt;
-use gpuio_hal::{DeviceBuffer, Gpu, HostAllocOptions, HostBuffer, Inflight, Stream};
+use gpuio_hal::{DeviceBuffer, Gpu, HostBuffer, Inflight, Stream};
 use std::collections::VecDeque;
 use std::ops::Range;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
-/// One lane: a stream and its pinned staging buffers.
+/// One lane: a stream and its pinned staging buffers, leased from the pool.
 pub(crate) struct Lane {
     stream: Stream,
     slots: Vec<HostBuffer>,
+    /// `Some` until Drop gives the buffers back.
+    lease: Option<StagingLease>,
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            lease.give_back(self.slots.drain(..));
+        }
+    }
 }
 
 /// The lanes of one GPU, created on demand and reused across transfers (pinning memory costs
 /// milliseconds; a transfer must not pay it).
-pub(crate) struct LanePool {
+pub(crate) type LanePool = LaneSet<Lane>;
+
+/// The lanes of `gpu`: `slots_per_lane` staging buffers of `chunk` bytes each, from
+/// `staging` (registered there as a holder of the idle ones).
+pub(crate) fn lane_pool(
     gpu: Gpu,
     chunk: usize,
     slots_per_lane: usize,
-    lanes: Mutex<Vec<Lane>>,
+    staging: StagingPool,
+) -> Arc<LanePool> {
+    LaneSet::new(gpu, staging, chunk, slots_per_lane, ())
 }
 
-impl LanePool {
-    pub(crate) fn new(gpu: Gpu, chunk: usize, slots_per_lane: usize) -> Self {
-        Self {
-            gpu,
-            chunk,
-            slots_per_lane: slots_per_lane.max(2),
-            lanes: Mutex::new(Vec::new()),
-        }
-    }
+impl StagingLane for Lane {
+    type Spec = ();
+    type Error = MemIoError;
 
-    /// Takes `n` lanes, creating the missing ones. Staging memory lives on the GPU's NUMA
-    /// node where the GPU reports one.
-    pub(crate) fn take(&self, n: usize) -> Result<Vec<Lane>> {
-        let mut taken = {
-            let mut pool = self.lanes.lock_unpoisoned();
-            let keep = pool.len().saturating_sub(n);
-            pool.split_off(keep)
-        };
-        let opts = HostAllocOptions {
-            numa: self.gpu.info().numa_node,
-            ..HostAllocOptions::default()
-        };
-        while taken.len() < n {
-            let lane = (|| -> Result<Lane> {
-                Ok(Lane {
-                    slots: (0..self.slots_per_lane)
-                        .map(|_| HostBuffer::alloc_pinned(self.chunk, &opts, &self.gpu))
-                        .collect::<gpuio_hal::Result<Vec<_>>>()?,
-                    stream: self.gpu.stream()?,
-                })
-            })();
-            match lane {
-                Ok(lane) => taken.push(lane),
-                Err(e) => {
-                    // Keep the lanes that exist for the next transfer.
-                    self.give_back(taken);
-                    return Err(e);
-                }
+    fn make(_: &(), gpu: &Gpu, slots: Vec<HostBuffer>, lease: StagingLease) -> Result<Self> {
+        match gpu.stream() {
+            Ok(stream) => Ok(Lane {
+                stream,
+                slots,
+                lease: Some(lease),
+            }),
+            Err(e) => {
+                lease.give_back(slots);
+                Err(e.into())
             }
         }
-        Ok(taken)
     }
 
-    /// Returns lanes to the pool; a lane that lost staging buffers to an error is dropped.
-    pub(crate) fn give_back(&self, lanes: Vec<Lane>) {
-        let whole = lanes
-            .into_iter()
-            .filter(|l| l.slots.len() == self.slots_per_lane);
-        self.lanes.lock_unpoisoned().extend(whole);
+    /// A lane that lost a staging buffer to an error is not whole.
+    fn is_whole(&self, buffers: usize) -> bool {
+        self.slots.len() == buffers
     }
 
-    /// Pinned staging memory held by idle lanes, in bytes.
-    pub(crate) fn staged_bytes(&self) -> usize {
-        self.lanes
-            .lock_unpoisoned()
-            .iter()
-            .map(|l| l.slots.len() * self.chunk)
-            .sum()
+    fn lease(&self) -> Option<&StagingLease> {
+        self.lease.as_ref()
     }
 }
 

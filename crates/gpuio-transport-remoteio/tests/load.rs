@@ -2,6 +2,10 @@
 //! fresh bytes, read them back and compare, in mixed sizes, over loopback for
 //! `GPUIO_LOAD_SECONDS` (5 by default; 60 for the long run). No request may fail, no byte may
 //! differ, and the process's memory must stay flat once the agent's buffers are warm.
+//!
+//! A test binary of its own, not a module of `tests/it`: it samples this process's resident
+//! memory (`/proc/self/status`), which other tests running beside it in one process (their
+//! buffers, agents and threads) would move, and so make the check flaky or hide a leak.
 
 use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
 use gpuio_transport_remoteio::{

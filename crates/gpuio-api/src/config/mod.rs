@@ -19,7 +19,7 @@ pub use cache::{
     CacheSection, MAX_CACHE_BLOCKS, MAX_CACHE_L3, MAX_CACHE_MEMORY, MIN_CACHE_BLOCK, WritePolicy,
 };
 pub use sections::{
-    AgentExport, AgentKey, AgentSection, LocalIoSection, MemIoSection, RemoteSection,
+    AgentExport, AgentKey, AgentSection, LocalIoSection, MemIoSection, PoolSize, RemoteSection,
     SchedulerSection,
 };
 
@@ -27,7 +27,8 @@ use crate::error::{Error, Result};
 use bytesize::ByteSize;
 use files::read_small_file;
 use gpuio_core::{RetryPolicy, SchedulerConfig};
-use gpuio_hal::BackendPreference;
+use gpuio_hal::memory::pool::PoolConfig;
+use gpuio_hal::{BackendPreference, Gpu};
 use gpuio_transport_localio::{EnginePreference, GdsPolicy, LocalIoConfig};
 use gpuio_transport_memio::MemIoConfig;
 use serde::{Deserialize, Serialize};
@@ -39,7 +40,7 @@ pub const DEFAULT_TOML: &str = include_str!("../default.toml");
 /// The configuration format this build reads.
 pub const API_VERSION: u32 = 1;
 
-/// The largest configuration file read (the built-in one, every comment included, is 8 KiB).
+/// The largest configuration file read (the built-in one, every comment included, is 9 KiB).
 pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
 /// The largest key secret file read (`gpuio agent keygen` writes 65 bytes).
@@ -61,6 +62,9 @@ pub struct Config {
     pub log_level: String,
     /// Worker threads for asynchronous and batched requests.
     pub workers: usize,
+    /// The most pinned staging memory MemIO's and LocalIO's lanes may hold together
+    /// (docs/REFERENCE.md#staging-pool).
+    pub memory_pool_size: PoolSize,
     /// MemIO tuning.
     pub memio: MemIoSection,
     /// LocalIO tuning.
@@ -100,6 +104,7 @@ impl Config {
             host_devices: 1,
             log_level: "warn".into(),
             workers: 4,
+            memory_pool_size: PoolSize::Auto,
             memio: MemIoSection {
                 chunk_size: ByteSize::mib(4),
                 threads: 0,
@@ -230,6 +235,10 @@ impl Config {
         if let Some(v) = get("GPUIO_WORKERS") {
             self.workers = parse("GPUIO_WORKERS", &v, "a number of threads")?;
         }
+        if let Some(v) = get("GPUIO_MEMORY_POOL_SIZE") {
+            self.memory_pool_size =
+                parse("GPUIO_MEMORY_POOL_SIZE", &v, "a size such as 4GiB, or auto")?;
+        }
         if let Some(v) = get("GPUIO_SCHED_POLICY") {
             self.scheduler.policy = parse(
                 "GPUIO_SCHED_POLICY",
@@ -271,6 +280,39 @@ impl Config {
             parallel_copy_min: default.parallel_copy_min,
             gather_threads: default.gather_threads,
         }
+    }
+
+    /// The staging pool's configuration: the limit `memory_pool_size` gives (resolved now
+    /// where it is `auto`), size classes up to both transports' chunks, and buffers pinned for
+    /// `gpu` (the transports' lanes pin theirs for their own GPU).
+    pub fn pool_config(&self, gpu: Option<Gpu>) -> PoolConfig {
+        PoolConfig {
+            limit: self.memory_pool_size.bytes(),
+            gpu,
+            ..self.pool_classes()
+        }
+    }
+
+    /// The pool's size classes: the default ones, up to the larger transport chunk.
+    fn pool_classes(&self) -> PoolConfig {
+        let defaults = PoolConfig::default();
+        let chunk = self
+            .memio_config()
+            .chunk_size
+            .max(self.localio_config().effective_chunk_size());
+        PoolConfig {
+            max_class: chunk.next_power_of_two().max(defaults.max_class),
+            ..defaults
+        }
+    }
+
+    /// The pinned staging one lane needs, MemIO's or LocalIO's whichever is more: the least
+    /// `memory_pool_size` may be.
+    pub fn lane_staging_bytes(&self) -> u64 {
+        let classes = self.pool_classes();
+        let memio = self.memio_config().lane_staging_bytes(&classes);
+        let localio = self.localio_config().lane_staging_bytes(&classes);
+        memio.max(localio).unwrap_or(u64::MAX)
     }
 
     /// The scheduler's configuration.

@@ -1,12 +1,85 @@
 //! The sections of a [`Config`](super::Config): `[memio]`, `[localio]`, `[scheduler]`,
 //! `[agent]` (with its `[[agent.keys]]` and `[[agent.exports]]`) and `[remote]`, as they are
-//! written in TOML. What they become for the engines is built in `mod.rs` and `remote.rs`.
+//! written in TOML, and the top-level `memory_pool_size` ([`PoolSize`]). What they become for
+//! the engines is built in `mod.rs` and `remote.rs`.
 
 use bytesize::ByteSize;
 use gpuio_core::{Policy, SchedulerConfig};
 use gpuio_transport_localio::{EnginePreference, GdsPolicy};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
+
+/// `memory_pool_size`: the most pinned staging memory (MemIO's and LocalIO's lanes together)
+/// the session's staging pool may hold — a size, or `"auto"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PoolSize {
+    /// A quarter of the host memory the machine can back without swap when the session starts,
+    /// and at least 1 GiB ([`gpuio_hal::memory::pool::auto_limit`]): a bound on what staging
+    /// may pin, never a reservation — the pool pins only what the lanes ask for.
+    #[default]
+    Auto,
+    /// This many bytes.
+    Bytes(ByteSize),
+}
+
+impl PoolSize {
+    /// The limit in bytes (for `Auto`, what this machine gives now).
+    pub fn bytes(self) -> u64 {
+        match self {
+            Self::Auto => gpuio_hal::memory::pool::auto_limit(),
+            Self::Bytes(b) => b.as_u64(),
+        }
+    }
+}
+
+impl std::fmt::Display for PoolSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Auto => f.write_str("auto"),
+            Self::Bytes(b) => write!(f, "{}", b.display().iec()),
+        }
+    }
+}
+
+impl std::str::FromStr for PoolSize {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.trim().eq_ignore_ascii_case("auto") {
+            return Ok(Self::Auto);
+        }
+        s.trim().parse().map(Self::Bytes)
+    }
+}
+
+impl Serialize for PoolSize {
+    fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Auto => ser.serialize_str("auto"),
+            Self::Bytes(b) => b.serialize(ser),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for PoolSize {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        /// What TOML may hold there: a size as a string (or `"auto"`), or a number of bytes.
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Text(String),
+            Bytes(u64),
+        }
+        match Raw::deserialize(de)? {
+            Raw::Text(t) => t.parse().map_err(|e| {
+                serde::de::Error::custom(format!(
+                    "memory_pool_size {t:?}: expected a size such as \"4 GiB\" or \"auto\" ({e})"
+                ))
+            }),
+            Raw::Bytes(n) => Ok(Self::Bytes(ByteSize::b(n))),
+        }
+    }
+}
 
 /// `[memio]`: the staging pipeline.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -237,3 +237,85 @@ fn secret_files_must_be_small_private_regular_files() {
         assert!(e.to_string().contains(kind), "{e}");
     }
 }
+
+#[test]
+fn memory_pool_size_is_auto_a_size_or_refused_out_of_range() {
+    // The default: sized at start, at least 1 GiB, and the pool's classes take both chunks.
+    let c = Config::default();
+    assert_eq!(c.memory_pool_size, PoolSize::Auto);
+    assert!(c.to_toml().contains("memory_pool_size = \"auto\""));
+    let pool = c.pool_config(None);
+    assert!(pool.limit >= gpuio_hal::memory::pool::MIN_AUTO_LIMIT);
+    assert_eq!(pool.max_class, 64 << 20);
+    // One lane: LocalIO's 4 x 4 MiB outweighs MemIO's 3 x 4 MiB.
+    assert_eq!(c.lane_staging_bytes(), 16 << 20);
+
+    // Sizes as text or bytes, "auto" in any case; the environment overrides.
+    for (text, want) in [
+        (
+            "memory_pool_size = \"2 GiB\"",
+            PoolSize::Bytes(ByteSize::gib(2)),
+        ),
+        (
+            "memory_pool_size = 33554432",
+            PoolSize::Bytes(ByteSize::mib(32)),
+        ),
+        ("memory_pool_size = \"AUTO\"", PoolSize::Auto),
+        (
+            "memory_pool_size = \"16 MiB\"",
+            PoolSize::Bytes(ByteSize::mib(16)),
+        ),
+    ] {
+        let c = Config::from_toml(text, None).expect(text);
+        assert_eq!(c.memory_pool_size, want, "{text}");
+        assert_eq!(Config::from_toml(&c.to_toml(), None).unwrap(), c);
+    }
+    let c = Config::from_toml("memory_pool_size = \"64 MiB\"", None).unwrap();
+    assert_eq!(c.pool_config(None).limit, 64 << 20);
+    let mut c = Config::default();
+    c.apply_env(|k| (k == "GPUIO_MEMORY_POOL_SIZE").then(|| "48MiB".to_string()))
+        .unwrap();
+    assert_eq!(c.memory_pool_size, PoolSize::Bytes(ByteSize::mib(48)));
+    let err = c
+        .apply_env(|k| (k == "GPUIO_MEMORY_POOL_SIZE").then(|| "lots".to_string()))
+        .unwrap_err();
+    assert!(err.to_string().contains("GPUIO_MEMORY_POOL_SIZE"), "{err}");
+    let e = Config::from_toml("memory_pool_size = \"lots\"", None).unwrap_err();
+    assert!(e.to_string().contains("memory_pool_size"), "{e}");
+
+    // Below one lane, or above what the machine can back pinned: typed, naming the key and
+    // the bound.
+    for (text, bound) in [
+        ("memory_pool_size = 0", "16.0 MiB"),
+        ("memory_pool_size = 16777215", "one staging lane"),
+        (
+            "memory_pool_size = \"32 MiB\"\n[localio]\nchunk_size = \"3 MiB\"\nslots_per_lane = 9",
+            "36.0 MiB",
+        ),
+        ("memory_pool_size = \"1 PiB\"", "can back as pinned memory"),
+        ("GPUIO: env", "can back as pinned memory"),
+    ] {
+        let e = if text == "GPUIO: env" {
+            let mut c = Config::default();
+            c.apply_env(|k| (k == "GPUIO_MEMORY_POOL_SIZE").then(|| "1 PiB".to_string()))
+                .unwrap_err()
+        } else {
+            Config::from_toml(text, None).unwrap_err()
+        };
+        assert_eq!(e.code(), gpuio_core::ErrorCode::InvalidArg, "{text}");
+        assert!(matches!(e, Error::Config { .. }), "{text}: {e:?}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("memory_pool_size") && msg.contains(bound),
+            "{text}: {msg}"
+        );
+    }
+    // A larger chunk raises both the lane and the largest class.
+    let c = Config::from_toml(
+        "memory_pool_size = \"1 GiB\"\n[memio]\nchunk_size = \"100 MiB\"",
+        None,
+    )
+    .unwrap();
+    assert_eq!(c.pool_config(None).max_class, 128 << 20);
+    assert_eq!(c.lane_staging_bytes(), 3 * (128 << 20));
+}

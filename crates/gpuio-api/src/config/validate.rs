@@ -2,7 +2,7 @@
 //! built-in file, a user's file or the environment): a value out of range is refused with the
 //! key it was given under, so no session starts with a setting that would hang or overflow.
 
-use super::{API_VERSION, Config};
+use super::{API_VERSION, Config, PoolSize};
 use crate::error::{Error, Result};
 use bytesize::ByteSize;
 use gpuio_transport_remoteio::wire::MAX_DATA;
@@ -67,8 +67,51 @@ impl Config {
         if !(1..=64).contains(&self.host_devices) {
             return bad("host_devices must be 1 to 64".into());
         }
+        self.validate_pool_size().or_else(bad)?;
         self.validate_retry_and_remote().or_else(bad)?;
         self.cache.validate().or_else(bad)
+    }
+
+    /// `memory_pool_size`: `auto`, or room for at least one lane of either transport (a
+    /// transfer needs one) and no more than the machine can back as pinned memory now
+    /// (available memory within the cgroup, without swap: pinned pages cannot be swapped).
+    fn validate_pool_size(&self) -> std::result::Result<(), String> {
+        let PoolSize::Bytes(size) = self.memory_pool_size else {
+            return Ok(());
+        };
+        let iec = |n: u64| ByteSize::b(n).display().iec().to_string();
+        let lane = self.lane_staging_bytes();
+        if size.as_u64() < lane {
+            let memio = format!(
+                "{} x {}",
+                self.memio.slots_per_lane,
+                self.memio.chunk_size.display().iec()
+            );
+            let localio = format!(
+                "{} x {}",
+                self.localio.slots_per_lane,
+                self.localio.chunk_size.display().iec()
+            );
+            return Err(format!(
+                "memory_pool_size = {}: below what one staging lane needs ({}: a MemIO lane \
+                 holds {memio}, a LocalIO lane {localio}, each buffer rounded up to a power \
+                 of two); give at least that, or \"auto\"",
+                size.display().iec(),
+                iec(lane)
+            ));
+        }
+        if let Some(most) = gpuio_hal::memory::backing::backable_bytes(false)
+            && size.as_u64() > most
+        {
+            return Err(format!(
+                "memory_pool_size = {}: above what this machine can back as pinned memory now \
+                 ({}: available memory within its cgroup, without swap); give at most that, or \
+                 \"auto\"",
+                size.display().iec(),
+                iec(most)
+            ));
+        }
+        Ok(())
     }
 
     /// The settings of `[retry]`, `[agent]` and `[remote]`: a zero that would hang (no

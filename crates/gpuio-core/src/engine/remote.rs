@@ -164,40 +164,25 @@ impl RemoteIoEngine {
             }
         }
         let (full_tx, full_rx) = crossbeam_channel::bounded::<(usize, usize, HostMemory)>(1);
+        // Both ends as they stand `at` bytes into the transfer.
         let fill = |at: usize, stage: &HostMemory, n: usize| -> Result<()> {
             let stage = HostDst::Memory(stage, 0);
-            match from {
-                StagedEnd::Remote(r) => {
-                    let r = RemoteAt {
-                        res: r.res,
-                        offset: r.offset + at as u64,
-                    };
-                    self.read_to_host(r, stage, n).map(|_| ())
-                }
+            match from.advanced(at) {
+                StagedEnd::Remote(r) => self.read_to_host(r, stage, n).map(|_| ()),
                 StagedEnd::Device(d) => stage.with(n, |s| {
-                    Ok(self.memio.download(d.buf, d.offset + at, s).map(|_| ())?)
+                    Ok(self.memio.download(d.buf, d.offset, s).map(|_| ())?)
                 }),
-                StagedEnd::File(f) => {
-                    stage.with(n, |s| Ok(f.file.read_exact_at(f.offset + at as u64, s)?))
-                }
+                StagedEnd::File(f) => stage.with(n, |s| Ok(f.file.read_exact_at(f.offset, s)?)),
             }
         };
         let drain = |at: usize, stage: &HostMemory, n: usize| -> Result<()> {
             let stage = HostSrc::Memory(stage, 0);
-            match to {
-                StagedEnd::Remote(r) => {
-                    let r = RemoteAt {
-                        res: r.res,
-                        offset: r.offset + at as u64,
-                    };
-                    self.write_from_host(stage, r, n).map(|_| ())
-                }
+            match to.advanced(at) {
+                StagedEnd::Remote(r) => self.write_from_host(stage, r, n).map(|_| ()),
                 StagedEnd::Device(d) => stage.with(n, |s| {
-                    Ok(self.memio.upload(s, d.buf, d.offset + at).map(|_| ())?)
+                    Ok(self.memio.upload(s, d.buf, d.offset).map(|_| ())?)
                 }),
-                StagedEnd::File(f) => {
-                    stage.with(n, |s| Ok(f.file.write_all_at(f.offset + at as u64, s)?))
-                }
+                StagedEnd::File(f) => stage.with(n, |s| Ok(f.file.write_all_at(f.offset, s)?)),
             }
         };
         std::thread::scope(|scope| {

@@ -9,6 +9,7 @@ use super::ticket::TicketInner;
 use super::{Shared, State};
 use crate::batch;
 use crate::error::{CoreError, Result};
+use crate::route::EngineKind;
 use gpuio_hal::sync::MutexExt;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -135,16 +136,32 @@ impl Shared {
         Ok(())
     }
 
-    /// Counts tickets as submitted (statistics and metrics).
+    /// Counts tickets as submitted (statistics and metrics). The in-flight gauge is set once
+    /// per submission, not per request: summing the budget's stripes fetches lines the
+    /// workers write.
     fn account_queued(&self, tickets: &[Arc<TicketInner>]) {
+        let m = &self.acct.metrics;
         for t in tickets {
-            let m = &self.acct.metrics;
             m.class(t.engine, t.class).submitted.increment(1);
+        }
+        if let Some(t) = tickets.first() {
             m.engine(t.engine)
                 .in_flight
                 .set(self.acct.budgets.in_flight(t.engine) as f64);
         }
         self.acct.counters.submitted.add(tickets.len() as u64);
+    }
+
+    /// Sets the in-flight gauges from the budgets (workers do it per grab and before they
+    /// sleep, so the gauge settles once the work does).
+    pub(super) fn publish_in_flight(&self) {
+        for e in [EngineKind::MemIo, EngineKind::LocalIo, EngineKind::RemoteIo] {
+            self.acct
+                .metrics
+                .engine(e)
+                .in_flight
+                .set(self.acct.budgets.in_flight(e) as f64);
+        }
     }
     /// Merges whole small requests that continue each other on both sides. A merged group
     /// takes the place of its earliest member, so the policy's order otherwise stands.

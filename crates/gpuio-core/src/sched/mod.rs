@@ -267,7 +267,7 @@ impl SchedSession {
 
     /// Bytes this session has admitted and not yet completed.
     pub fn in_flight_bytes(&self) -> u64 {
-        self.state.in_flight.load(Ordering::Relaxed)
+        ticket::held(&self.state.in_flight)
     }
 
     fn ticket(&self, req: Request, done: Done, now: Instant) -> Result<Arc<TicketInner>> {

@@ -16,10 +16,9 @@ use crate::metrics::SchedMetrics;
 use crate::outcome::Outcome;
 use crate::request::{Priority, Request, RequestId, Status, StatusCell};
 use crate::route::EngineKind;
-use crossbeam_utils::CachePadded;
 use gpuio_hal::sync::{CondvarExt, MutexExt, StripedCounter};
 use serde::Serialize;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -31,7 +30,8 @@ pub(crate) struct SessionState {
     pub id: SessionId,
     pub weight: u32,
     pub limit: u64,
-    pub in_flight: CachePadded<AtomicU64>,
+    /// Bytes admitted and not yet completed (see [`Budgets`]).
+    pub in_flight: StripedCounter,
     pub closed: AtomicBool,
     /// The scheduler's accounting, reached through the session so that a ticket holds one
     /// shared reference, not two: each is a reference count the submitter and a worker both
@@ -39,31 +39,30 @@ pub(crate) struct SessionState {
     pub acct: Arc<Accounting>,
 }
 
-/// Takes `bytes` from a budget of `limit` if it fits; an idle budget admits anything, so a
-/// request larger than the limit still runs (alone).
-fn take(counter: &AtomicU64, limit: u64, bytes: u64) -> bool {
-    let mut cur = counter.load(Ordering::Relaxed);
-    loop {
-        if cur > 0 && cur.saturating_add(bytes) > limit {
-            return false;
-        }
-        match counter.compare_exchange_weak(
-            cur,
-            cur.saturating_add(bytes),
-            Ordering::AcqRel,
-            Ordering::Relaxed,
-        ) {
-            Ok(_) => return true,
-            Err(c) => cur = c,
-        }
-    }
+/// A budget's count read outside the admission lock: a worker's release (in its own slot) can
+/// be seen before the admission it undoes (in the submitter's), so the sum may dip below zero
+/// for a moment; it reads as zero then. Under the lock every admission is seen, so the sum there
+/// is never below the true count.
+pub(crate) fn held(c: &StripedCounter) -> u64 {
+    (c.get() as i64).max(0) as u64
+}
+
+/// Whether `bytes` fit in a budget of `limit` with `held` taken; an idle budget admits
+/// anything, so a request larger than the limit still runs (alone).
+fn fits(held: u64, limit: u64, bytes: u64) -> bool {
+    held == 0 || held.saturating_add(bytes) <= limit
 }
 
 /// Backpressure: bytes admitted and not yet completed, per engine and per session.
+///
+/// Counts are striped (`StripedCounter`): a worker releases a request's bytes into its own
+/// cache line, so completing a request touches no line the submitter or the other workers
+/// write. Admission reads the sums and adds under one lock, so admissions cannot both pass a
+/// check that only one fits; releases only lower the sums, so they need no lock.
 pub(crate) struct Budgets {
-    // Padded: submitters and every worker touch these; keep them off each other's lines.
-    engine: [CachePadded<AtomicU64>; 3],
+    engine: [StripedCounter; 3],
     engine_limit: u64,
+    /// Admission, and waiting for room.
     lock: Mutex<()>,
     room: Condvar,
     waiters: AtomicUsize,
@@ -80,19 +79,19 @@ impl Budgets {
         }
     }
 
+    /// Bytes in flight on an engine, as a reader outside the admission lock sees them.
     pub fn in_flight(&self, e: EngineKind) -> u64 {
-        self.engine[e as usize].load(Ordering::Relaxed)
+        held(&self.engine[e as usize])
     }
 
+    /// Takes `bytes` from both budgets if they fit (the admission lock held).
     fn try_take(&self, e: EngineKind, s: &SessionState, bytes: u64) -> bool {
         let ec = &self.engine[e as usize];
-        if !take(ec, self.engine_limit, bytes) {
+        if !fits(ec.get(), self.engine_limit, bytes) || !fits(s.in_flight.get(), s.limit, bytes) {
             return false;
         }
-        if !take(&s.in_flight, s.limit, bytes) {
-            ec.fetch_sub(bytes, Ordering::AcqRel);
-            return false;
-        }
+        ec.add(bytes);
+        s.in_flight.add(bytes);
         true
     }
 
@@ -106,12 +105,13 @@ impl Budgets {
         wait: bool,
         force: bool,
     ) -> Result<()> {
+        let mut g = self.lock.lock_unpoisoned();
         if self.try_take(e, s, bytes) {
             return Ok(());
         }
         if force {
-            self.engine[e as usize].fetch_add(bytes, Ordering::AcqRel);
-            s.in_flight.fetch_add(bytes, Ordering::AcqRel);
+            self.engine[e as usize].add(bytes);
+            s.in_flight.add(bytes);
             return Ok(());
         }
         if !wait {
@@ -119,12 +119,11 @@ impl Budgets {
                 "{e} has {} in flight (limit {}), the session {} (limit {})",
                 self.in_flight(e),
                 self.engine_limit,
-                s.in_flight.load(Ordering::Relaxed),
+                held(&s.in_flight),
                 s.limit
             )));
         }
-        self.waiters.fetch_add(1, Ordering::AcqRel);
-        let mut g = self.lock.lock_unpoisoned();
+        self.waiters.fetch_add(1, Ordering::SeqCst);
         while !self.try_take(e, s, bytes) {
             // Timed, so a release racing with our check cannot strand us.
             g = self
@@ -133,14 +132,14 @@ impl Budgets {
                 .0;
         }
         drop(g);
-        self.waiters.fetch_sub(1, Ordering::AcqRel);
+        self.waiters.fetch_sub(1, Ordering::SeqCst);
         Ok(())
     }
 
     pub fn release(&self, e: EngineKind, s: &SessionState, bytes: u64) {
-        self.engine[e as usize].fetch_sub(bytes, Ordering::AcqRel);
-        s.in_flight.fetch_sub(bytes, Ordering::AcqRel);
-        if self.waiters.load(Ordering::Acquire) > 0 {
+        self.engine[e as usize].sub(bytes);
+        s.in_flight.sub(bytes);
+        if self.waiters.load(Ordering::SeqCst) > 0 {
             let _g = self.lock.lock_unpoisoned();
             self.room.notify_all();
         }
@@ -232,9 +231,10 @@ pub(crate) struct TicketState {
     pub req: Option<Request>,
     done: Option<Done>,
     pub chunks_left: usize,
-    pub error: Option<CoreError>,
+    pub error: Option<Box<CoreError>>,
     pub started: Option<Instant>,
-    pub outcome: Option<Outcome>,
+    /// The first chunk's outcome, kept for a request of several chunks.
+    pub first: Option<Box<Outcome>>,
     finished: bool,
 }
 
@@ -283,7 +283,7 @@ impl TicketInner {
                 chunks_left: chunks.max(1),
                 error: None,
                 started: None,
-                outcome: None,
+                first: None,
                 finished: false,
             }),
         }
@@ -311,10 +311,6 @@ impl TicketInner {
         let acct = &self.session.acct;
         acct.budgets
             .release(self.engine, &self.session, self.len as u64);
-        acct.metrics
-            .engine(self.engine)
-            .in_flight
-            .set(acct.budgets.in_flight(self.engine) as f64);
         let m = acct.metrics.class(self.engine, self.class);
         let c = &acct.counters;
         match &result {
@@ -429,34 +425,40 @@ impl TicketInner {
     /// destination is synced once, after every chunk succeeded, before it completes.
     pub fn chunk_done(&self, result: Result<Outcome>) {
         let mut s = self.state.lock_unpoisoned();
-        match result {
+        s.chunks_left -= 1;
+        let last = s.chunks_left == 0;
+        // Kept outside the ticket unless another chunk must see it: the ticket is written by
+        // the submitter and read by a worker, so every line it spans is a line to fetch.
+        let this = match result {
+            Ok(o) if last => Some(o),
             Ok(o) => {
-                if s.outcome.is_none() {
-                    s.outcome = Some(o);
+                if s.first.is_none() {
+                    s.first = Some(Box::new(o));
                 }
+                None
             }
             Err(e) => {
                 if s.error.is_none() {
-                    s.error = Some(e);
+                    s.error = Some(Box::new(e));
                 }
+                None
             }
-        }
-        s.chunks_left -= 1;
-        if s.chunks_left > 0 {
+        };
+        if !last {
             return;
         }
         let error = s.error.take();
-        let first = s.outcome.take();
+        let first = s.first.take();
         drop(s);
-        let result = match (error, first) {
-            (Some(e), _) => Err(e),
+        // The request's result: the first error, else its bytes the way its first chunk went.
+        let result = match (error, first.map(|o| *o).or(this)) {
+            (Some(e), _) => Err(*e),
             (None, None) => Err(CoreError::Internal(format!(
                 "request {} finished without an outcome",
                 self.id
             ))),
             (None, Some(first)) => match self.durable.as_ref().map(Endpoint::sync_data) {
                 Some(Err(e)) => Err(e),
-                // The request's outcome: its bytes, the way its first chunk went.
                 _ => Ok(Outcome {
                     bytes: self.len,
                     ..first

@@ -119,6 +119,7 @@ impl Shared {
             self.queued.fetch_sub(taken.len(), Ordering::AcqRel);
             self.acct.metrics.queue_depth.set(st.queue.len() as f64);
         }
+        self.publish_in_flight();
         let mut units = self.coalesce(taken).into_iter();
         let first = units.next()?;
         for u in units {
@@ -192,6 +193,7 @@ impl Shared {
     /// Sleeps until work is queued (or another worker's deque has some after a timeout);
     /// `Exit` when the scheduler is closing and nothing is queued.
     fn sleep(&self) -> Idle {
+        self.publish_in_flight();
         let mut st = self.state.lock_unpoisoned();
         loop {
             if !st.queue.is_empty() {

@@ -1,10 +1,12 @@
 //! The memory vocabulary every gpuio layer shares (docs/REFERENCE.md#memory-regions): where a
-//! region lives, how long it is, and whether it is registered for DMA; plus the host buffer type
-//! and NUMA topology.
+//! region lives, how long it is, and whether it is registered for DMA; plus the host buffer
+//! type, the pinned staging pool the transports draw their staging buffers from
+//! ([`pool::StagingPool`], docs/REFERENCE.md#staging-pool) and NUMA topology.
 
 pub mod backing;
 mod host;
 pub mod numa;
+pub mod pool;
 
 pub(crate) use host::MappingHold;
 pub use host::{HostAllocOptions, HostBuffer};

@@ -254,6 +254,33 @@ impl Ring {
         }
     }
 
+    /// Waits for every operation in flight, unregisters the fixed buffers and hands them back
+    /// (a buffer lent with [`Ring::take_buffer`] and not put back is not among them), so that
+    /// their owner can reuse them elsewhere; the ring then has none and may register others.
+    /// On an error the ring keeps them (and frees them when dropped).
+    pub fn unregister_buffers(&mut self) -> Result<Vec<HostBuffer>> {
+        while !self.pending.is_empty() {
+            self.complete(1)?;
+        }
+        if self.slots.is_empty() {
+            return Ok(Vec::new());
+        }
+        // No operation is in flight, so the kernel touches none of the buffers any more.
+        self.ring
+            .submitter()
+            .unregister_buffers()
+            .map_err(os("io_uring_unregister(buffers)"))?;
+        self.bases.clear();
+        Ok(self
+            .slots
+            .drain(..)
+            .filter_map(|s| match s {
+                Slot::Idle(b) | Slot::Busy(b, _) => Some(b),
+                Slot::Lent => None,
+            })
+            .collect())
+    }
+
     /// Marks an idle buffer busy and returns the address of `range` in it.
     fn claim(&mut self, slot: BufSlot, range: &Range<usize>) -> Result<*mut u8> {
         let (base, len) = *self.bases.get(slot.0).ok_or_else(|| busy(slot))?;

@@ -137,3 +137,43 @@ fn shared_buffers_in_a_sparse_table() {
     assert_eq!(Arc::strong_count(&owner), 1);
     std::fs::remove_file(path).unwrap();
 }
+
+#[test]
+fn buffers_come_back_out_of_a_ring_after_its_operations() {
+    let Ok(mut ring) = Ring::new(RingOptions::default()) else {
+        eprintln!("skipped: io_uring unavailable: {}", Ring::probe().detail);
+        return;
+    };
+    let mut data = vec![0u8; 16 << 10];
+    crate::pattern::fill(&mut data, 0, 9);
+    let (path, file) = file_with(&data);
+    let bufs: Vec<HostBuffer> = (0..3)
+        .map(|_| HostBuffer::alloc(8 << 10, &HostAllocOptions::default()).unwrap())
+        .collect();
+    let addrs: Vec<usize> = bufs.iter().map(|b| b.as_ptr() as usize).collect();
+    ring.register_buffers(bufs).unwrap();
+    let f = ring.register_file(file).unwrap();
+    // One read still in flight, one buffer lent out: the read is waited for, the lent buffer
+    // stays with whoever holds it.
+    ring.read_fixed(f, 0, BufSlot(0), 0..8192, 1).unwrap();
+    let lent = ring.take_buffer(BufSlot(2)).unwrap();
+    let back = ring.unregister_buffers().unwrap();
+    assert_eq!(ring.in_flight(), 0);
+    assert_eq!(ring.buffers(), 0);
+    let got: Vec<usize> = back.iter().map(|b| b.as_ptr() as usize).collect();
+    assert_eq!(got, addrs[..2]);
+    assert_eq!(
+        crate::pattern::first_deviation(&back[0][..8192], 0, 9),
+        None
+    );
+    assert!(
+        ring.put_buffer(BufSlot(2), lent).is_err(),
+        "no slot any more"
+    );
+    // The ring takes buffers again.
+    ring.register_buffers(back).unwrap();
+    assert_eq!(ring.buffers(), 2);
+    assert!(ring.unregister_buffers().unwrap().len() == 2);
+    assert!(ring.unregister_buffers().unwrap().is_empty());
+    std::fs::remove_file(path).unwrap();
+}

@@ -9,6 +9,7 @@ use super::{GatherIndices, GatherOptions, GatherReport};
 use crate::pipeline::{ChunkLen, Schedule};
 use crate::{MemIo, MemIoError, Result};
 use gpuio_hal::sync::MutexExt;
+use gpuio_hal::workers::run_workers;
 use gpuio_hal::{DeviceBuffer, HalError, HostBuffer, RowKernel};
 use rayon::prelude::*;
 use std::ops::Range;
@@ -165,7 +166,7 @@ impl MemIo {
         let mut taken = lanes.take(lanes_wanted)?;
         let chunks = Mutex::new(schedule.ranges(indices.len()));
         let data = pool.as_slice();
-        let res = self.run_lanes_on(self.gather_pool()?, &mut taken, |lane, abort| {
+        let res = run_workers(self.gather_pool()?, &mut taken, |lane, abort| {
             let next = || {
                 let range = chunks.lock_unpoisoned().next()?;
                 Some((

@@ -1,0 +1,9 @@
+//! gpuio-api's integration tests: one test binary, a module per area, so that the crate's
+//! dependencies are linked once and `cargo test -p gpuio-api --test it <module>::` runs one
+//! area. Each module's docs say what it covers. Tests that need a device or a privilege this
+//! machine may lack skip with a printed reason, unless `GPUIO_REQUIRE_<X>=1` makes that a
+//! failure (`gpuio_testkit::Requirement`).
+
+mod api;
+#[cfg(feature = "rdma")]
+mod rdma;

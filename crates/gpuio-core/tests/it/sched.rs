@@ -1,0 +1,526 @@
+//! The scheduler's invariants: the ready queue as a state machine (nothing lost or served
+//! twice, EDF among deadline requests, bounded wait for the lowest class), and the running
+//! scheduler under random submissions, cancels, session drops and shutdown (every request
+//! completes exactly once; what is acknowledged landed), plus backpressure, timeouts,
+//! chunking and failover.
+
+use crate::common;
+
+use common::{engines, host, sched, sched_with, zeroed};
+use gpuio_core::sched::{Meta, QueueConfig, ReadyQueue, SessionId};
+use gpuio_core::*;
+use gpuio_hal::pattern;
+use gpuio_transport_localio::OpenOptions;
+use proptest::prelude::*;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const CLASSES: [Priority; 6] = [
+    Priority::InferenceRealtime,
+    Priority::TrainingForward,
+    Priority::TrainingBackward,
+    Priority::Checkpoint,
+    Priority::EngramSync,
+    Priority::Background,
+];
+
+#[derive(Debug, Clone)]
+enum Op {
+    Push {
+        session: u64,
+        class: usize,
+        deadline_ms: Option<u64>,
+        cost: u64,
+        engine: usize,
+    },
+    Pop,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0u64..4, 0usize..6, proptest::option::of(0u64..50), 1u64..(1 << 20), 0usize..2)
+            .prop_map(|(session, class, deadline_ms, cost, engine)| Op::Push {
+                session, class, deadline_ms, cost, engine
+            }),
+        2 => Just(Op::Pop),
+    ]
+}
+
+fn policy() -> impl Strategy<Value = Policy> {
+    prop_oneof![
+        Just(Policy::Fifo),
+        Just(Policy::Priority),
+        Just(Policy::Deadline),
+        Just(Policy::Adaptive)
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Random pushes and pops (virtual time advancing 1 ms per pop): every item comes out
+    /// exactly once; under DEADLINE each popped deadline item is the earliest queued (unless a
+    /// starving class preempted it); FIFO pops in arrival order.
+    #[test]
+    fn the_ready_queue_loses_nothing_and_keeps_edf(ops in proptest::collection::vec(op(), 1..300),
+                                                   policy in policy()) {
+        let t0 = Instant::now();
+        let max_wait = Duration::from_millis(40);
+        let mut q = ReadyQueue::new(QueueConfig { policy, max_wait, urgent_window: Duration::from_millis(5) });
+        let mut now = t0;
+        let mut queued: BTreeMap<u32, (Option<Instant>, u64)> = BTreeMap::new();
+        let mut seen = std::collections::HashSet::new();
+        let mut next = 0u32;
+        let mut check_pop = |q: &mut ReadyQueue<u32>, queued: &mut BTreeMap<u32, (Option<Instant>, u64)>, now: Instant| -> Result<(), TestCaseError> {
+            let Some((meta, item)) = q.pop(now) else {
+                prop_assert!(queued.is_empty());
+                return Ok(());
+            };
+            prop_assert!(seen.insert(item), "item {} served twice", item);
+            let (deadline, seq) = queued.remove(&item).expect("popped an item never queued");
+            prop_assert_eq!(meta.seq, seq);
+            match policy {
+                Policy::Fifo => {
+                    let oldest = queued.values().map(|v| v.1).min();
+                    prop_assert!(oldest.is_none_or(|o| o > seq), "FIFO out of order");
+                }
+                Policy::Deadline => if let Some(d) = deadline {
+                    let earliest = queued.values().filter_map(|v| v.0).min();
+                    prop_assert!(earliest.is_none_or(|e| e >= d), "EDF violated");
+                }
+                _ => {}
+            }
+            Ok(())
+        };
+        for op in ops {
+            match op {
+                Op::Push { session, class, deadline_ms, cost, engine } => {
+                    let deadline = deadline_ms.map(|ms| now + Duration::from_millis(ms));
+                    let meta = Meta {
+                        seq: 0,
+                        session: SessionId(session),
+                        weight: 1,
+                        class: CLASSES[class],
+                        deadline,
+                        engine: [EngineKind::MemIo, EngineKind::LocalIo][engine],
+                        cost,
+                        arrival: now,
+                    };
+                    let seq = q.push(meta, next);
+                    queued.insert(next, (deadline, seq));
+                    next += 1;
+                }
+                Op::Pop => {
+                    now += Duration::from_millis(1);
+                    check_pop(&mut q, &mut queued, now)?;
+                }
+            }
+            prop_assert_eq!(q.len(), queued.len());
+        }
+        while !queued.is_empty() {
+            now += Duration::from_millis(1);
+            check_pop(&mut q, &mut queued, now)?;
+        }
+        prop_assert!(q.is_empty());
+    }
+
+    /// Under a sustained stream of realtime work, a background request waits at most about
+    /// `max_wait`, under every policy.
+    #[test]
+    fn the_lowest_class_does_not_starve(policy in policy(), backlog in 1usize..50, with_deadlines: bool) {
+        let max_wait = Duration::from_millis(20);
+        let step = Duration::from_millis(1);
+        let mut q = ReadyQueue::new(QueueConfig { policy, max_wait, urgent_window: Duration::from_millis(5) });
+        let t0 = Instant::now();
+        let mut now = t0;
+        let meta = |class: Priority, now: Instant, deadline: Option<Instant>| Meta {
+            seq: 0, session: SessionId(1), weight: 1, class, deadline,
+            engine: EngineKind::MemIo, cost: 4096, arrival: now,
+        };
+        for i in 0..backlog {
+            q.push(meta(Priority::InferenceRealtime, now, None), i as u32);
+        }
+        q.push(meta(Priority::Background, now, None), u32::MAX);
+        let mut served_at = None;
+        for i in 0..10_000u32 {
+            // One realtime arrival per step, as urgent as it gets.
+            let d = with_deadlines.then_some(now + step);
+            q.push(meta(Priority::InferenceRealtime, now, d), 1_000 + i);
+            now += step;
+            if q.pop(now).is_some_and(|(_, item)| item == u32::MAX) {
+                served_at = Some(now);
+                break;
+            }
+        }
+        let waited = served_at.expect("the background request was never served") - t0;
+        let bound = match policy {
+            // FIFO serves by arrival: the backlog, then it.
+            Policy::Fifo => step * (backlog as u32 + 1),
+            _ => max_wait + 2 * step,
+        };
+        prop_assert!(waited <= bound, "waited {:?} > {:?}", waited, bound);
+    }
+}
+
+/// What happened to each request in a randomized run.
+#[derive(Default)]
+struct Outcomes {
+    done: Mutex<HashMap<RequestId, Vec<std::result::Result<usize, ErrorCode>>>>,
+}
+
+impl Outcomes {
+    fn record(&self, id: RequestId, r: Result<Completion>) {
+        let mut g = self.done.lock().unwrap();
+        g.entry(id)
+            .or_default()
+            .push(r.map(|c| c.outcome.bytes).map_err(|e| e.code()));
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Act {
+    Submit {
+        session: usize,
+        class: usize,
+        deadline: bool,
+        slot: usize,
+        len: usize,
+    },
+    Cancel(usize),
+    DropSession(usize),
+}
+
+fn act() -> impl Strategy<Value = Act> {
+    prop_oneof![
+        6 => (0usize..3, 0usize..6, any::<bool>(), 0usize..64, 1usize..(64 << 10))
+            .prop_map(|(session, class, deadline, slot, len)| Act::Submit { session, class, deadline, slot, len }),
+        2 => (0usize..1000).prop_map(Act::Cancel),
+        1 => (0usize..3).prop_map(Act::DropSession),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+
+    /// The running scheduler: random submissions over three sessions (with chunking: the
+    /// chunk size is small), random cancels and session drops, then shutdown. Every request
+    /// completes exactly once; a successful one's bytes are at its destination; a cancelled
+    /// one never ran.
+    #[test]
+    fn every_request_completes_exactly_once(acts in proptest::collection::vec(act(), 1..120),
+                                            policy in policy(), workers in 1usize..4) {
+        let e = engines();
+        let cfg = SchedulerConfig { workers, policy, chunk_size: 16 << 10, ..SchedulerConfig::default() };
+        let mut s = sched_with(&e, cfg, RetryPolicy::NONE).unwrap();
+        let src = host(64 << 10, 77);
+        // One destination buffer per request slot, so results can be checked independently.
+        let dsts: Vec<HostMemory> = (0..64).map(|_| zeroed(64 << 10)).collect();
+        let outcomes = Arc::new(Outcomes::default());
+        let mut sessions: Vec<Option<SchedSession>> =
+            (0..3).map(|_| Some(s.session(SessionOptions::default()))).collect();
+        let mut tickets: Vec<(Ticket, usize, usize)> = Vec::new();
+        let mut slot_owner: HashMap<usize, usize> = HashMap::new();
+        for a in acts {
+            match a {
+                Act::Submit { session, class, deadline, slot, len } => {
+                    // One live request per destination slot, so its final bytes are known.
+                    if slot_owner.contains_key(&slot) { continue; }
+                    let Some(sess) = sessions[session].as_ref() else { continue };
+                    let mut r = Request::new(Endpoint::host(&src, 0), Endpoint::host(&dsts[slot], 0), len)
+                        .unwrap()
+                        .with_priority(CLASSES[class]);
+                    if deadline { r = r.with_deadline(Instant::now() + Duration::from_millis(1)); }
+                    let o = outcomes.clone();
+                    let id = r.id;
+                    let t = sess.submit_with(r, move |c| o.record(id, c)).unwrap();
+                    slot_owner.insert(slot, tickets.len());
+                    tickets.push((t, slot, len));
+                }
+                Act::Cancel(i) => if let Some((t, _, _)) = tickets.get(i % tickets.len().max(1)) {
+                    t.cancel();
+                },
+                Act::DropSession(i) => { sessions[i] = None; }
+            }
+        }
+        drop(sessions);
+        s.shutdown();
+        let done = outcomes.done.lock().unwrap();
+        for (t, slot, len) in &tickets {
+            let rs = done.get(&t.id()).map(Vec::as_slice).unwrap_or(&[]);
+            prop_assert_eq!(rs.len(), 1, "request {} completed {} times", t.id(), rs.len());
+            match rs[0] {
+                Ok(n) => {
+                    prop_assert_eq!(n, *len);
+                    prop_assert_eq!(t.status(), Status::Completed);
+                    let g = dsts[*slot].read();
+                    prop_assert_eq!(pattern::first_deviation(&g[..*len], 0, 77), None);
+                }
+                Err(code) => {
+                    prop_assert_eq!(code, ErrorCode::Canceled);
+                    // Cancelled before it started; or, chunked and under way when its session
+                    // closed, failed with the cancellation.
+                    prop_assert!(matches!(t.status(), Status::Cancelled | Status::Error));
+                }
+            }
+        }
+        let st = s.stats();
+        prop_assert_eq!(st.submitted as usize, tickets.len());
+        prop_assert_eq!((st.completed + st.cancelled) as usize, tickets.len());
+        prop_assert_eq!(st.in_flight_bytes, [0, 0, 0]);
+    }
+}
+
+/// Blocks the only worker of `s` until the returned guard drops: a request reading `src`
+/// holds it while the guard holds `src` for writing.
+fn occupy(s: &SchedSession, src: &HostMemory, dst: &HostMemory) -> RequestHandle {
+    s.submit(Request::new(Endpoint::host(src, 0), Endpoint::host(dst, 0), 16).unwrap())
+        .unwrap()
+}
+
+#[test]
+fn dropping_a_session_cancels_its_queued_work_and_keeps_what_ran() {
+    let e = engines();
+    let s = sched(&e, 1, RetryPolicy::NONE).unwrap();
+    let gate = host(4096, 1);
+    let src = host(1 << 20, 5);
+    let dst = zeroed(1 << 20);
+    let guard = gate.write();
+    let blocker = occupy(&s, &gate, &dst);
+    while blocker.status() != Status::InProgress {
+        std::thread::yield_now();
+    }
+    let tenant = s.session(SessionOptions::default());
+    let queued: Vec<RequestHandle> = (0..8)
+        .map(|i| {
+            tenant
+                .submit(
+                    Request::new(
+                        Endpoint::host(&src, i * 4096),
+                        Endpoint::host(&dst, i * 4096),
+                        4096,
+                    )
+                    .unwrap(),
+                )
+                .unwrap()
+        })
+        .collect();
+    drop(tenant);
+    for h in queued {
+        assert_eq!(h.wait().unwrap_err().code(), ErrorCode::Canceled);
+    }
+    drop(guard);
+    blocker.wait().unwrap();
+    // Nothing of the cancelled requests reached the destination.
+    assert!(dst.read()[16..8 * 4096].iter().all(|&b| b == 0));
+}
+
+#[test]
+fn backpressure_bounds_a_session_and_frees_on_completion() {
+    let e = engines();
+    let s = sched(&e, 1, RetryPolicy::NONE).unwrap();
+    let gate = host(4096, 1);
+    let src = host(1 << 20, 5);
+    let dst = zeroed(1 << 20);
+    let tenant = s.session(SessionOptions {
+        weight: 1,
+        max_in_flight: Some(64 << 10),
+    });
+    let guard = gate.write();
+    let blocker = occupy(&tenant, &gate, &dst);
+    let req = |i: usize| {
+        Request::new(
+            Endpoint::host(&src, i * 4096),
+            Endpoint::host(&dst, i * 4096),
+            32 << 10,
+        )
+        .unwrap()
+    };
+    let first = tenant.try_submit(req(1)).unwrap();
+    // 16 + 32 KiB in flight: another 32 KiB does not fit in 64 KiB.
+    let err = tenant.try_submit(req(20)).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Busy, "{err}");
+    assert!(tenant.in_flight_bytes() <= 64 << 10);
+    // A blocking submit waits until the blocker and the first finish.
+    let waiter = std::thread::scope(|sc| {
+        let h = sc.spawn(|| tenant.submit(req(40)).unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!h.is_finished(), "submit should wait for room");
+        drop(guard);
+        h.join().unwrap()
+    });
+    blocker.wait().unwrap();
+    first.wait().unwrap();
+    waiter.wait().unwrap();
+    assert_eq!(tenant.in_flight_bytes(), 0);
+}
+
+#[test]
+fn a_request_past_its_timeout_fails_without_running() {
+    let e = engines();
+    let s = sched(&e, 1, RetryPolicy::NONE).unwrap();
+    let gate = host(4096, 1);
+    let src = host(4096, 5);
+    let dst = zeroed(8192);
+    let guard = gate.write();
+    let blocker = occupy(&s, &gate, &dst);
+    let late = s
+        .submit(
+            Request::new(Endpoint::host(&src, 0), Endpoint::host(&dst, 4096), 4096)
+                .unwrap()
+                .with_timeout(Duration::from_millis(5)),
+        )
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    drop(guard);
+    blocker.wait().unwrap();
+    let err = late.wait().unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Timeout, "{err}");
+    assert!(dst.read()[4096..].iter().all(|&b| b == 0));
+}
+
+#[test]
+fn large_requests_run_as_chunks_and_urgent_work_passes_them() {
+    let e = engines();
+    let cfg = SchedulerConfig {
+        workers: 1,
+        chunk_size: 64 << 10,
+        ..SchedulerConfig::default()
+    };
+    let s = sched_with(&e, cfg, RetryPolicy::NONE).unwrap();
+    let gate = host(4096, 1);
+    let big_src = host(8 << 20, 9);
+    let big_dst = zeroed(8 << 20);
+    let guard = gate.write();
+    let blocker = occupy(&s, &gate, &big_dst);
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let o = order.clone();
+    s.submit_with(
+        Request::new(
+            Endpoint::host(&big_src, 0),
+            Endpoint::host(&big_dst, 0),
+            8 << 20,
+        )
+        .unwrap()
+        .with_priority(Priority::Checkpoint),
+        move |r| o.lock().unwrap().push(("bulk", r.is_ok())),
+    )
+    .unwrap();
+    let small_dst = zeroed(4096);
+    let o = order.clone();
+    s.submit_with(
+        Request::new(
+            Endpoint::host(&big_src, 0),
+            Endpoint::host(&small_dst, 0),
+            4096,
+        )
+        .unwrap()
+        .with_priority(Priority::InferenceRealtime)
+        .with_deadline(Instant::now() + Duration::from_millis(50)),
+        move |r| o.lock().unwrap().push(("urgent", r.is_ok())),
+    )
+    .unwrap();
+    drop(guard);
+    blocker.wait().unwrap();
+    while order.lock().unwrap().len() < 2 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(
+        *order.lock().unwrap(),
+        [("urgent", true), ("bulk", true)],
+        "the urgent request should pass the queued chunks"
+    );
+    assert_eq!(
+        pattern::first_deviation(&big_dst.read()[..], 0, 9),
+        None,
+        "the chunked copy is complete"
+    );
+}
+
+#[test]
+fn a_failed_source_fails_over_to_its_replica() {
+    let e = engines();
+    let s = sched(&e, 2, RetryPolicy::NONE).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good");
+    let mut data = vec![0u8; 1 << 20];
+    pattern::fill(&mut data, 0, 31);
+    std::fs::write(&good, &data).unwrap();
+    let broken = dir.path().join("broken");
+    std::fs::write(&broken, b"short").unwrap();
+    let open = |p| e.localio().open(p, OpenOptions::READ).unwrap();
+    let (primary, replica) = (open(&broken), open(&good));
+    let dst = zeroed(1 << 20);
+    let c = s
+        .submit(
+            Request::new(
+                Endpoint::file(&primary, 0),
+                Endpoint::host(&dst, 0),
+                1 << 20,
+            )
+            .unwrap()
+            .with_alternate_source(Endpoint::file(&replica, 0))
+            .unwrap(),
+        )
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(c.outcome.failover.is_some(), "{}", c.outcome);
+    assert_eq!(s.stats().failovers, 1);
+    assert_eq!(pattern::first_deviation(&dst.read()[..], 0, 31), None);
+    // With no good replica the error is the last source's, typed.
+    let err = s
+        .submit(
+            Request::new(
+                Endpoint::file(&primary, 0),
+                Endpoint::host(&dst, 0),
+                1 << 20,
+            )
+            .unwrap()
+            .with_alternate_source(Endpoint::file(&primary, 0))
+            .unwrap(),
+        )
+        .unwrap()
+        .wait()
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::InvalidArg, "{err}");
+}
+
+#[test]
+fn small_adjacent_requests_are_merged_by_the_workers() {
+    let e = engines();
+    let s = sched(&e, 1, RetryPolicy::NONE).unwrap();
+    let gate = host(4096, 1);
+    let src = host(1 << 20, 12);
+    let dst = zeroed(1 << 20);
+    let guard = gate.write();
+    let blocker = occupy(&s, &gate, &zeroed(16));
+    let count = Arc::new(AtomicU64::new(0));
+    let c = count.clone();
+    let reqs: Vec<Request> = (0..64)
+        .map(|i| {
+            Request::new(
+                Endpoint::host(&src, i * 4096),
+                Endpoint::host(&dst, i * 4096),
+                4096,
+            )
+            .unwrap()
+        })
+        .collect();
+    s.submit_each(reqs, move |r| {
+        assert!(r.is_ok());
+        c.fetch_add(1, Ordering::Relaxed);
+    })
+    .unwrap();
+    drop(guard);
+    blocker.wait().unwrap();
+    while count.load(Ordering::Relaxed) < 64 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(s.stats().coalesced >= 2, "{:?}", s.stats());
+    assert_eq!(
+        pattern::first_deviation(&dst.read()[..256 << 10], 0, 12),
+        None
+    );
+}

@@ -1,0 +1,14 @@
+//! gpuio-transport-remoteio's integration tests: one test binary, a module per area, so that
+//! the crate's dependencies are linked once and `cargo test -p gpuio-transport-remoteio --test
+//! it <module>::` runs one area. Each module's docs say what it covers. Tests that need a
+//! device or a privilege this machine may lack skip with a printed reason, unless
+//! `GPUIO_REQUIRE_<X>=1` makes that a failure (`gpuio_testkit::Requirement`).
+//!
+//! `tests/load.rs` is a binary of its own: it samples the process's resident memory, which
+//! tests running beside it in one process would move.
+
+mod hostile;
+#[cfg(feature = "rdma")]
+mod rdma;
+mod remoteio;
+mod tls;
