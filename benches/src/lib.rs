@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
+pub mod cache;
 pub mod gather;
 pub mod localio;
 pub mod memio;

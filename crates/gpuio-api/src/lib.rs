@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
+mod cached;
 mod config;
 mod copy;
 mod error;
@@ -8,9 +9,11 @@ mod partial;
 mod session;
 mod uri;
 
+pub use cached::CachedFile;
 pub use config::{
-    API_VERSION, AgentExport, AgentKey, AgentSection, Config, DEFAULT_TOML, LocalIoSection,
-    MAX_CONFIG_BYTES, MAX_SECRET_BYTES, MemIoSection, PoolSize,
+    API_VERSION, AgentExport, AgentKey, AgentSection, CacheSection, Config, DEFAULT_TOML,
+    LocalIoSection, MAX_CACHE_BLOCKS, MAX_CACHE_L3, MAX_CACHE_MEMORY, MAX_CONFIG_BYTES,
+    MAX_SECRET_BYTES, MIN_CACHE_BLOCK, MemIoSection, PoolSize, WritePolicy,
 };
 pub use copy::{CopyOptions, CopyReport};
 pub use error::{Error, Result, UriProblem, escape, escape_path};
@@ -18,6 +21,7 @@ pub use partial::discard_partial_copies;
 pub use session::{Access, REGISTRY_ABSENT, Resource, Session};
 pub use uri::{MAX_URI_NESTING, RemoteTarget, RemoteTransport, Uri};
 
+pub use gpuio_core::cache::{CacheStats, Level as CacheLevel, LevelStats as CacheLevelStats};
 pub use gpuio_core::{
     BatchHandle, BatchReport, Completion, Dest, Endpoint, EngineKind, ErrorCode, HostMemory,
     Outcome, Priority, RemoteResource, RemoteVia, Request, RequestFlags, RequestHandle, RequestId,

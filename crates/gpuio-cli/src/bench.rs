@@ -4,7 +4,7 @@
 use bytesize::ByteSize;
 use gpuio_api::{Config, Error, Session};
 use gpuio_bench::{
-    Budget, Record, Target, gather, localio, memio, remote, render_table, ring, scheduler,
+    Budget, Record, Target, cache, gather, localio, memio, remote, render_table, ring, scheduler,
     write_outputs,
 };
 use indicatif::ProgressBar;
@@ -18,11 +18,13 @@ const SUITES: &[&str] = &[
     gather::SUITE,
     ring::SUITE,
     remote::SUITE,
+    cache::SUITE,
 ];
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// Suites to run (default: all this build has: memio, localio, core, gather, ring, remote).
+    /// Suites to run (default: all this build has: memio, localio, core, gather, ring, remote,
+    /// cache).
     suites: Vec<String>,
     /// memio: transfer sizes, e.g. 4K,1M,64M,1G (default: up to 1 GiB on a GPU).
     #[arg(long, value_name = "LIST")]
@@ -30,7 +32,8 @@ pub struct BenchArgs {
     /// localio: size of the test file (default: 4 GiB on a GPU, 256 MiB without).
     #[arg(long, value_name = "SIZE")]
     size: Option<ByteSize>,
-    /// localio: directory for the test files (default: the temporary directory).
+    /// Directory for the test files (localio, core, ring, cache; default: the temporary
+    /// directory).
     #[arg(long, value_name = "DIR")]
     scratch: Option<PathBuf>,
     /// Shorter measurements (smoke runs, CI).
@@ -141,6 +144,17 @@ pub fn run(config: Config, args: &BenchArgs) -> Result<(), Error> {
                     remote::Options::default()
                 };
                 remote::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
+            }
+            cache::SUITE => {
+                let mut opts = if args.quick {
+                    cache::Options::quick()
+                } else {
+                    cache::Options::default()
+                };
+                if let Some(d) = &args.scratch {
+                    opts.scratch = d.clone();
+                }
+                cache::run(&session, &opts, &budget, &mut |c| tick(suite, c)).map_err(bench_err)?
             }
             _ => continue,
         };

@@ -291,4 +291,57 @@ mod tests {
              from idle lanes, 2 waits, 0 failures\n"
         );
     }
+
+    /// Cached reads through a session, recorded by a Prometheus recorder of the test's own
+    /// (what `--metrics-addr` installs), rendered as the endpoint serves it: the summary shows
+    /// each level's hit rate and evictions, equal to the cache's own counters.
+    #[test]
+    fn cached_reads_show_their_hit_rates_per_level() {
+        use gpuio_api::{Access, CacheLevel, Config, Session, Uri};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        let mut data = vec![0u8; 64 * 4096];
+        gpuio_hal::pattern::fill(&mut data, 0, 5);
+        std::fs::write(&path, &data).unwrap();
+        // L1: 4 blocks of 4 KiB; L2: 16; no prefetching, so every lookup is the test's.
+        let cfg = Config::from_toml(
+            "[cache]\nblock_size = \"4 KiB\"\nl1_size = \"16 KiB\"\nl2_size = \"64 KiB\"\n\
+             prefetch = false\n",
+            None,
+        )
+        .unwrap();
+        let session = Session::new(cfg).unwrap();
+        let uri = Uri::parse(path.to_str().unwrap()).unwrap();
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        // The cache binds its counters to the recorder in effect when it is built.
+        let file =
+            metrics::with_local_recorder(&recorder, || session.open_cached(&uri, Access::Read))
+                .unwrap();
+        let mut buf = vec![0u8; 8 * 4096];
+        // Blocks 0-7 miss both levels; 4-7 end in L1, 0-3 were pushed down to L2.
+        file.read(0, &mut buf).unwrap();
+        assert_eq!(gpuio_hal::pattern::first_deviation(&buf, 0, 5), None);
+        // 4-7 hit L1; 0-3 miss L1, hit L2 and move up, pushing 4-7 down.
+        file.read(4 * 4096, &mut buf[..4 * 4096]).unwrap();
+        file.read(0, &mut buf[..4 * 4096]).unwrap();
+        assert_eq!(gpuio_hal::pattern::first_deviation(&buf, 0, 5), None);
+        let stats = file.stats();
+        let l1 = stats.level(CacheLevel::L1).unwrap();
+        let l2 = stats.level(CacheLevel::L2).unwrap();
+        assert_eq!((l1.hits, l1.misses, l1.evictions), (4, 12, 8));
+        assert_eq!((l2.hits, l2.misses, l2.evictions), (4, 8, 0));
+
+        let text = handle.render();
+        let out = summary(&parse(&text), None);
+        assert!(
+            out.contains("cache l1: 25.0% hits of 16 lookups, 8 evictions\n"),
+            "{out}\n{text}"
+        );
+        assert!(
+            out.contains("cache l2: 33.3% hits of 12 lookups, 0 evictions\n"),
+            "{out}\n{text}"
+        );
+        assert!(!out.contains("cache l3"), "{out}");
+    }
 }

@@ -1,5 +1,6 @@
 //! File-system facts for direct and device-initiated IO: the alignment O_DIRECT needs, where a
-//! file's bytes are on the device (FIEMAP), and dropping a file's cached pages.
+//! file's bytes are on the device (FIEMAP), dropping a file's cached pages, and how much room a
+//! file system has left.
 
 use crate::error::{HalError, Result};
 use serde::Serialize;
@@ -230,6 +231,25 @@ pub fn start_writeback(file: &File, offset: u64, len: u64) -> Result<()> {
     Ok(())
 }
 
+/// Bytes an unprivileged process may still write to the file system holding `path` (a file or
+/// a directory): `statvfs`'s available blocks times its fragment size.
+pub fn available_space(path: &std::path::Path) -> Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| HalError::Os {
+        op: "statvfs",
+        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "a NUL byte in the path"),
+    })?;
+    // SAFETY: an all-zero statvfs is a valid value of this plain C struct.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path that outlives the call; `st` is a valid, writable
+    // statvfs the call fills in.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    if rc != 0 {
+        return Err(HalError::last_os("statvfs"));
+    }
+    Ok((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,5 +294,17 @@ mod tests {
         start_writeback(&f, 0, 1 << 20).unwrap();
         drop_cached_pages(&f, 0, 0).unwrap();
         std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn available_space_is_what_the_file_system_has_left() {
+        let dir = std::env::temp_dir();
+        let free = available_space(&dir).unwrap();
+        // The file system can take a small file, and does not claim more than an exabyte.
+        assert!(free > 4096 && free < 1 << 60, "{free}");
+        assert!(available_space(std::path::Path::new("/nonexistent/gpuio")).is_err());
+        use std::os::unix::ffi::OsStrExt;
+        let nul = std::ffi::OsStr::from_bytes(b"/tmp/a\0b");
+        assert!(available_space(std::path::Path::new(nul)).is_err());
     }
 }

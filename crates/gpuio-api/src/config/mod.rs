@@ -4,8 +4,10 @@
 //! This file holds [`Config`] itself, loading (defaults, file, environment) and the engines'
 //! configurations built from it. The sections' types are in `sections.rs`, the bounds every
 //! setting is checked against in `validate.rs`, RemoteIO's agent and client configurations in
-//! `remote.rs`, and the reading of configuration and secret files in `files.rs`.
+//! `remote.rs`, the reading of configuration and secret files in `files.rs`, and `[cache]`
+//! (its type, overrides, bounds and the block cache's configuration) in `cache.rs`.
 
+mod cache;
 mod files;
 mod remote;
 mod sections;
@@ -13,6 +15,9 @@ mod sections;
 mod tests;
 mod validate;
 
+pub use cache::{
+    CacheSection, MAX_CACHE_BLOCKS, MAX_CACHE_L3, MAX_CACHE_MEMORY, MIN_CACHE_BLOCK, WritePolicy,
+};
 pub use sections::{
     AgentExport, AgentKey, AgentSection, LocalIoSection, MemIoSection, PoolSize, RemoteSection,
     SchedulerSection,
@@ -35,7 +40,7 @@ pub const DEFAULT_TOML: &str = include_str!("../default.toml");
 /// The configuration format this build reads.
 pub const API_VERSION: u32 = 1;
 
-/// The largest configuration file read (the built-in one, every comment included, is 8 KiB).
+/// The largest configuration file read (the built-in one, every comment included, is 9 KiB).
 pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
 /// The largest key secret file read (`gpuio agent keygen` writes 65 bytes).
@@ -72,6 +77,8 @@ pub struct Config {
     pub agent: AgentSection,
     /// RemoteIO clients: the key, connections, the registry.
     pub remote: RemoteSection,
+    /// The block cache of files opened with `Session::open_cached`.
+    pub cache: CacheSection,
     /// The file this configuration was read from, if any (not a setting).
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -151,6 +158,7 @@ impl Config {
                 registry_prefix: "/gpuio".into(),
             },
             retry: RetryPolicy::default(),
+            cache: CacheSection::default(),
             source: None,
         }
     }
@@ -253,6 +261,7 @@ impl Config {
         if let Some(v) = get("GPUIO_PIPELINE_THREADS") {
             self.memio.threads = parse("GPUIO_PIPELINE_THREADS", &v, "a number of threads")?;
         }
+        self.cache.apply_env(&get)?;
         self.validate("the environment")
     }
 

@@ -145,7 +145,7 @@ impl Config {
         Ok(cfg)
     }
 
-    fn config_error(&self, message: String) -> Error {
+    pub(super) fn config_error(&self, message: String) -> Error {
         Error::Config {
             source_name: self
                 .source

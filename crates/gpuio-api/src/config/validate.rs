@@ -68,7 +68,8 @@ impl Config {
             return bad("host_devices must be 1 to 64".into());
         }
         self.validate_pool_size().or_else(bad)?;
-        self.validate_retry_and_remote().or_else(bad)
+        self.validate_retry_and_remote().or_else(bad)?;
+        self.cache.validate().or_else(bad)
     }
 
     /// `memory_pool_size`: `auto`, or room for at least one lane of either transport (a

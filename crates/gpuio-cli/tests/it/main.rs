@@ -7,6 +7,7 @@
 mod common;
 
 mod agent;
+mod cache;
 mod cli;
 mod cp_faults;
 #[cfg(feature = "registry")]

@@ -48,6 +48,10 @@ use std::sync::{Arc, Condvar, Mutex};
 /// Largest accepted [`CacheConfig::block_size`].
 pub const MAX_BLOCK_SIZE: usize = 1 << 30;
 
+/// Upload streams a cache keeps between [`BlockCache::read_to_device`] calls (one per reader
+/// running at once, up to this many).
+const KEPT_STREAMS: usize = 16;
+
 /// What the cache sits in front of: a fixed-size byte store with positioned IO.
 pub trait BackingStore: Send + Sync + fmt::Debug {
     /// Length in bytes.
@@ -209,6 +213,9 @@ impl CacheStats {
 pub struct BlockCache {
     shared: Arc<Shared>,
     prefetcher: Option<Prefetcher>,
+    /// Streams that uploaded blocks not in L1, kept for the next reads to device memory:
+    /// making a stream is a driver call, which would cost more than a small read.
+    uploads: Mutex<Vec<Stream>>,
 }
 
 impl fmt::Debug for BlockCache {
@@ -303,7 +310,11 @@ impl BlockCache {
         } else {
             None
         };
-        Ok(Self { shared, prefetcher })
+        Ok(Self {
+            shared,
+            prefetcher,
+            uploads: Mutex::new(Vec::new()),
+        })
     }
 
     /// Bytes the cache serves (the backing store's length when the cache was built).
@@ -359,16 +370,38 @@ impl BlockCache {
         }
         let blocks = s.check(off, len)?;
         self.observe(blocks);
-        // Made on first use: a range entirely in L1 needs no stream of dst's device.
+        // Taken on first use: a range entirely in L1 needs no stream of dst's device.
         let mut stream: Option<Stream> = None;
+        let copied = self.copy_to_device(off, len, dst, dst_off, &mut stream);
+        // Kept only after success: a stream that failed may be unusable.
+        if let (Some(st), Ok(())) = (stream, &copied) {
+            let mut kept = self.uploads.lock_unpoisoned();
+            if kept.len() < KEPT_STREAMS {
+                kept.push(st);
+            }
+        }
+        copied
+    }
+
+    /// [`read_to_device`](Self::read_to_device)'s copies, uploading through `stream` (taken
+    /// from the kept ones, or made, when first needed).
+    fn copy_to_device(
+        &self,
+        off: u64,
+        len: usize,
+        dst: &DeviceBuffer,
+        dst_off: usize,
+        stream: &mut Option<Stream>,
+    ) -> Result<()> {
+        let s = &*self.shared;
         let mut bounce = Vec::new();
         let mut done = 0;
         for (b, at, n) in s.pieces(off, len) {
             let to = dst_off + done;
             let mut upload = |data: &[u8]| -> Result<()> {
-                let st = match &stream {
+                let st = match stream {
                     Some(st) => st,
-                    None => stream.insert(dst.gpu().stream()?),
+                    None => stream.insert(self.upload_stream(dst.gpu())?),
                 };
                 Ok(st.upload(data, dst, to)?)
             };
@@ -388,6 +421,18 @@ impl BlockCache {
             done += n;
         }
         Ok(())
+    }
+
+    /// A kept upload stream of `gpu`, or a new one.
+    fn upload_stream(&self, gpu: &Gpu) -> Result<Stream> {
+        let mut kept = self.uploads.lock_unpoisoned();
+        match kept.iter().position(|st| st.gpu().same_device(gpu)) {
+            Some(i) => Ok(kept.swap_remove(i)),
+            None => {
+                drop(kept);
+                Ok(gpu.stream()?)
+            }
+        }
     }
 
     /// Writes `data` at `off`.
@@ -456,7 +501,10 @@ impl BlockCache {
 
     fn observe(&self, blocks: std::ops::Range<u64>) {
         if let Some(p) = &self.prefetcher {
-            p.observe(blocks);
+            p.observe(blocks, |hints| {
+                let d = self.shared.dir.lock_unpoisoned();
+                hints.retain(|b| !d.entries.contains_key(b));
+            });
         }
     }
 }

@@ -208,28 +208,39 @@ impl Prefetcher {
         })
     }
 
-    /// Records an access to `blocks` (one request, in order) and hints what follows.
-    pub(crate) fn observe(&self, blocks: Range<u64>) {
+    /// Records an access to `blocks` (one request, in order) and hints what follows, except
+    /// what `cached` removes from the candidates (the blocks cached already: hinting them
+    /// would only wake the loader to find them there, and make it contend with the readers
+    /// for the directory).
+    pub(crate) fn observe(&self, blocks: Range<u64>, cached: impl FnOnce(&mut Vec<u64>)) {
         let Some(tx) = &self.tx else { return };
         // The predictor's state is a hint: after a panic elsewhere it is still usable.
         let mut f = self.front.lock_unpoisoned();
         let f = &mut *f;
+        let mut hints = Vec::new();
         for b in blocks.clone() {
             for p in f.predictor.observe(b) {
                 if p >= self.nblocks || blocks.contains(&p) || f.recent.contains(&p) {
                     continue;
                 }
-                match tx.try_send(p) {
-                    Ok(()) => {
-                        f.recent.push_back(p);
-                        if f.recent.len() > f.recent_cap {
-                            f.recent.pop_front();
-                        }
-                    }
-                    // Full: the loader is behind, and later hints would be later still.
-                    Err(TrySendError::Full(_)) => break,
-                    Err(TrySendError::Disconnected(_)) => return,
+                // Considered now: not again while it is recent, hinted or found cached.
+                f.recent.push_back(p);
+                if f.recent.len() > f.recent_cap {
+                    f.recent.pop_front();
                 }
+                hints.push(p);
+            }
+        }
+        if hints.is_empty() {
+            return;
+        }
+        cached(&mut hints);
+        for p in hints {
+            match tx.try_send(p) {
+                Ok(()) => {}
+                // Full: the loader is behind, and later hints would be later still.
+                Err(TrySendError::Full(_)) => break,
+                Err(TrySendError::Disconnected(_)) => return,
             }
         }
     }
@@ -324,11 +335,32 @@ mod tests {
         };
         let mut pf = Prefetcher::start(&cfg, 6, move |b| tx.send(b).unwrap()).unwrap();
         for b in 0..6 {
-            pf.observe(b..b + 1);
+            pf.observe(b..b + 1, |_| {});
         }
         pf.stop();
         let got: Vec<u64> = rx.try_iter().collect();
         // 0 predicts nothing; then each run step adds one new block; nothing past the end.
         assert_eq!(got, vec![2, 3, 4, 5]);
+    }
+
+    #[test]
+    fn cached_blocks_are_not_hinted() {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let cfg = PrefetchConfig {
+            enabled: true,
+            depth: 4,
+            history: 8,
+        };
+        let mut pf = Prefetcher::start(&cfg, 100, move |b| tx.send(b).unwrap()).unwrap();
+        let mut offered = Vec::new();
+        pf.observe(10..11, |_| {});
+        pf.observe(11..12, |h| {
+            offered = h.clone();
+            h.retain(|&b| b != 13);
+        });
+        pf.stop();
+        // 11 predicts 12-15; 13 was taken out as cached, the rest went to the loader.
+        assert_eq!(offered, vec![12, 13, 14, 15]);
+        assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![12, 14, 15]);
     }
 }

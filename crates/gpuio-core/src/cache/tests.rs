@@ -1,5 +1,6 @@
 //! Unit tests of the block cache's internals: a flush racing a write, how requests are cut
-//! into blocks, and the checks of a cache's configuration.
+//! into blocks, the checks of a cache's configuration, and the upload streams kept between
+//! reads to device memory.
 
 use super::*;
 use std::sync::mpsc;
@@ -125,4 +126,45 @@ fn a_cache_needs_a_level_and_a_sane_block_size() {
         BlockCache::new(store, zero),
         Err(CoreError::InvalidRequest(_))
     ));
+}
+
+#[test]
+fn reads_to_device_reuse_their_upload_stream() {
+    let mut data = vec![0u8; 8192];
+    gpuio_hal::pattern::fill(&mut data, 0, 3);
+    let store = Arc::new(Gated {
+        data: Mutex::new(data),
+        ..Gated::default()
+    });
+    let cache = BlockCache::new(
+        store,
+        CacheConfig {
+            block_size: 1024,
+            l2_blocks: 8,
+            prefetch: PrefetchConfig {
+                enabled: false,
+                ..PrefetchConfig::default()
+            },
+            ..CacheConfig::default()
+        },
+    )
+    .unwrap();
+    let gpu = gpuio_hal::probe_with(gpuio_hal::BackendPreference::Host, 1)
+        .unwrap()
+        .gpus
+        .remove(0);
+    let dst = gpu.alloc(4096).unwrap();
+    let mut back = vec![0u8; 3000];
+    for (i, off) in [100u64, 5000, 100].into_iter().enumerate() {
+        cache.read_to_device(off, 3000, &dst, 7).unwrap();
+        gpu.stream().unwrap().download(&dst, 7, &mut back).unwrap();
+        assert_eq!(gpuio_hal::pattern::first_deviation(&back, off, 3), None);
+        // The miss, the hit and the second hit each uploaded through the one kept stream.
+        let kept = cache.uploads.lock().unwrap();
+        assert_eq!(kept.len(), 1, "read {i}");
+        assert!(kept[0].gpu().same_device(&gpu));
+    }
+    // A refused read takes no stream and loses none.
+    assert!(cache.read_to_device(0, 10_000, &dst, 0).is_err());
+    assert_eq!(cache.uploads.lock().unwrap().len(), 1);
 }
