@@ -1,7 +1,7 @@
 //! `cargo xtask ci`, what `.ci/run` runs on a fresh machine: the Debian packages every step
 //! needs (installed when missing), formatting, clippy over every feature set that ships, the
-//! test suite, rustdoc, every kernel compiled for every architecture (compilers from PyPI), and
-//! the RDMA tests on soft-RoCE in a QEMU guest.
+//! test suite, rustdoc, every kernel compiled for every architecture (compilers from PyPI) and
+//! the embedded PTX checked against `kernels/`, and the RDMA tests on soft-RoCE in a QEMU guest.
 
 use crate::{Result, cargo, has, run};
 use std::process::Command;
@@ -144,6 +144,6 @@ pub fn ci() -> Result {
             ])
             .env("RUSTDOCFLAGS", "-D warnings"),
     )?;
-    crate::ptx::ptx(&["--wheels".to_string()])?;
+    crate::ptx::ptx(&["--wheels".to_string(), "--check".to_string()])?;
     crate::qemu::qemu_rdma()
 }

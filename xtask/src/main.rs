@@ -6,9 +6,10 @@
 //! - `bench [ARGS]`: the benchmark suites this machine supports (`gpuio bench` in release).
 //! - `gpu-bundle` ([`bundle`]): release test and bench binaries for the GPU machine (no cargo
 //!   there), with `run.sh`, the one command that runs them there.
-//! - `ptx [--kernels DIR] [--arch SM].. [--wheels]` ([`ptx`]): every kernel compiled for
-//!   sm_80, sm_90 and sm_100 by nvcc and NVRTC (with `--wheels`: CUDA 13.0's compilers from
-//!   PyPI, no GPU needed). Runs from the bundle on the GPU machine too.
+//! - `ptx [--kernels DIR] [--arch SM].. [--wheels] [--write | --check]` ([`ptx`]): every
+//!   kernel compiled for sm_80, sm_90 and sm_100 by nvcc and NVRTC (with `--wheels`: CUDA
+//!   13.0's compilers from PyPI, no GPU needed); `--write` writes the PTX gpuio-hal embeds,
+//!   `--check` fails where it is stale. Runs from the bundle on the GPU machine too.
 //! - `qemu-rdma` ([`qemu`]): the RDMA tests (cargo feature `rdma`) on soft-RoCE in a QEMU
 //!   guest.
 
@@ -38,7 +39,7 @@ fn main() -> ExitCode {
         "qemu-rdma" => qemu::qemu_rdma(),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench [ARGS] | gpu-bundle | ptx [--kernels DIR] [--arch SM].. [--wheels] | qemu-rdma>"
+                "usage: cargo xtask <ci | bench [ARGS] | gpu-bundle | ptx [--kernels DIR] [--arch SM].. [--wheels] [--write | --check] | qemu-rdma>"
             );
             return ExitCode::from(2);
         }

@@ -1,8 +1,13 @@
 //! `cargo xtask ptx`: every kernel compiled for every target architecture by nvcc (`.cu` files
 //! of `kernels/` to cubin: the front end and ptxas). With `--wheels` (CI) it also runs
 //! gpuio-hal's `kernels` test, which compiles the sources gpuio embeds with NVRTC as gpuio does
-//! at run time; on the GPU machine that test runs with the others. No GPU is needed to
-//! compile, so CI runs it with CUDA 13.0's compilers from PyPI.
+//! where no embedded PTX fits; on the GPU machine that test runs with the others. No GPU is
+//! needed to compile, so CI runs it with CUDA 13.0's compilers from PyPI.
+//!
+//! The embedded PTX (`crates/gpuio-hal/ptx/<module>.<arch>.ptx`, loaded by the driver at run
+//! time) is built here too: `--write` (re)writes it from `kernels/`, and `--check` (CI) builds
+//! it afresh in a temporary directory, twice, and fails naming every committed file that
+//! differs. Both need nvcc 13.0.88 (`--wheels`): the files are that compiler's output.
 
 use crate::{Result, cargo, has, root, run, run_tests};
 use std::path::{Path, PathBuf};
@@ -25,11 +30,38 @@ const WHEELS: &[&str] = &[
 /// Set in the child that runs with the wheels' libraries on its loader path.
 const WHEELS_ENV: &str = "GPUIO_XTASK_CUDA_WHEELS";
 
+/// The modules gpuio-hal embeds (`gpuio_hal::kernels::ALL`): each module's name and the files
+/// of `kernels/` whose text, in this order, is its source, as `src/kernels.rs` there puts it
+/// together. The first line of each PTX file records a hash of that text, which gpuio-hal's
+/// tests compare with the source it embeds: the two lists cannot drift apart unnoticed.
+const MODULES: &[(&str, &[&str])] = &[
+    ("pattern.cu", &["pattern.cu"]),
+    ("gather.cu", &["gpuio_ring.cuh", "gpuio.cuh", "gather.cu"]),
+    (
+        "ring_bench.cu",
+        &["gpuio_ring.cuh", "ring_bench.cu", "ring_layout.cu"],
+    ),
+];
+
+/// The virtual architectures of the embedded PTX (`gpuio_hal::kernels::PTX_ARCHS`, which says
+/// why these).
+const PTX_ARCHS: &[&str] = &["compute_80", "compute_100"];
+
+/// The nvcc whose output the committed PTX is (what `--wheels` installs).
+const NVCC_VERSION: &str = "V13.0.88";
+
+/// Where the embedded PTX lives, relative to the workspace root.
+const PTX_DIR: &str = "crates/gpuio-hal/ptx";
+
 struct Options {
     kernels: PathBuf,
     archs: Vec<String>,
     /// Install the compilers from PyPI where missing, and fail if either is still missing.
     wheels: bool,
+    /// Only (re)write the embedded PTX.
+    write: bool,
+    /// Also check the embedded PTX against a fresh build.
+    check: bool,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
@@ -37,6 +69,8 @@ fn parse(args: &[String]) -> Result<Options> {
         kernels: root().join("kernels"),
         archs: Vec::new(),
         wheels: false,
+        write: false,
+        check: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -46,8 +80,13 @@ fn parse(args: &[String]) -> Result<Options> {
                 .archs
                 .push(it.next().ok_or("--arch needs e.g. sm_90")?.clone()),
             "--wheels" => opts.wheels = true,
+            "--write" => opts.write = true,
+            "--check" => opts.check = true,
             other => return Err(format!("unknown argument {other}")),
         }
+    }
+    if opts.write && opts.check {
+        return Err("--write and --check exclude each other".into());
     }
     if opts.archs.is_empty() {
         opts.archs = ARCHS.iter().map(|a| a.to_string()).collect();
@@ -64,11 +103,15 @@ fn arch_number(arch: &str) -> Option<&str> {
 }
 
 /// Compiles every kernel for every architecture with every compiler present; fails if one
-/// rejects a source, and (with `--wheels`) if a compiler could not be had.
+/// rejects a source, and (with `--wheels`) if a compiler could not be had. With `--write`,
+/// only writes the embedded PTX; with `--check`, also fails if it is stale.
 pub fn ptx(args: &[String]) -> Result {
     let opts = parse(args)?;
     if opts.wheels && std::env::var_os(WHEELS_ENV).is_none() {
         return rerun_with_wheels(args);
+    }
+    if opts.write {
+        return write_ptx(&opts.kernels);
     }
     let mut failed = Vec::new();
     if has("nvcc", "--version") {
@@ -89,6 +132,11 @@ pub fn ptx(args: &[String]) -> Result {
         if let Err(e) = nvrtc {
             failed.push(e);
         }
+    }
+    if opts.check
+        && let Err(e) = check_ptx(&opts.kernels)
+    {
+        failed.push(e);
     }
     if failed.is_empty() {
         Ok(())
@@ -125,6 +173,189 @@ fn nvcc(opts: &Options) -> Result<Vec<String>> {
     }
     let _ = std::fs::remove_dir_all(&tmp);
     Ok(failed)
+}
+
+/// A fresh temporary directory, named for this process and `tag`.
+fn temp_dir(tag: &str) -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("gpuio-ptx-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    Ok(dir)
+}
+
+fn read(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn write(path: &Path, text: &str) -> Result {
+    std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The 64-bit FNV-1a hash (`gpuio_hal::kernels::KernelSource::source_hash`).
+fn fnv1a64(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Fails unless `nvcc` is the version whose output the committed PTX is.
+fn require_pinned_nvcc() -> Result {
+    let out = Command::new("nvcc")
+        .arg("--version")
+        .output()
+        .map_err(|e| {
+            format!("the embedded PTX is built by nvcc, which did not run ({e}): add --wheels")
+        })?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if text.contains(NVCC_VERSION) {
+        return Ok(());
+    }
+    let found = text.lines().last().unwrap_or("no version");
+    Err(format!(
+        "the embedded PTX is built by CUDA 13.0's nvcc ({NVCC_VERSION}), not by this one \
+         ({found}): add --wheels"
+    ))
+}
+
+/// Builds every module's PTX for every architecture of [`PTX_ARCHS`] from the sources in
+/// `kernels` into `out`, and returns the file names. Each file is a line naming the module,
+/// the architecture and the hash of the source, a line saying where it came from, then
+/// nvcc's output (which names the compiler's version but no path or time: the same sources give
+/// the same bytes, which `--check` verifies by building twice).
+fn generate(kernels: &Path, out: &Path) -> Result<Vec<String>> {
+    let work = out.join("src");
+    std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
+    let mut files = Vec::new();
+    for (name, parts) in MODULES {
+        let mut source = String::new();
+        for part in *parts {
+            source.push_str(&read(&kernels.join(part))?);
+        }
+        let stem = name.strip_suffix(".cu").unwrap_or(name);
+        let cu = work.join(name);
+        write(&cu, &source)?;
+        for arch in PTX_ARCHS {
+            let file = format!("{stem}.{arch}.ptx");
+            let built = work.join(&file);
+            let what = format!("nvcc -ptx -arch={arch} {name}");
+            let mut cmd = Command::new("nvcc");
+            cmd.args(["-ptx", "-arch", arch, "-o"]).arg(&built).arg(&cu);
+            run(&what, &mut cmd)?;
+            let ptx = read(&built)?;
+            if ptx.contains(&*work.to_string_lossy()) {
+                return Err(format!(
+                    "{what}: the PTX names the build directory, so it would differ from one \
+                     build to the next"
+                ));
+            }
+            let header = format!(
+                "// gpuio-ptx: {name} {arch} source-fnv1a64 {:016x}\n\
+                 // Built by `cargo xtask ptx --write` from kernels/{}; do not edit.\n",
+                fnv1a64(&source),
+                parts.join(" + kernels/"),
+            );
+            write(&out.join(&file), &(header + &ptx))?;
+            files.push(file);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&work);
+    Ok(files)
+}
+
+/// The `.ptx` files in `dir`, by name (none where `dir` does not exist).
+fn ptx_files(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".ptx"))
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// `--write`: builds the embedded PTX and replaces what differs in [`PTX_DIR`], removing PTX
+/// files that no module and architecture make any more.
+fn write_ptx(kernels: &Path) -> Result {
+    require_pinned_nvcc()?;
+    let tmp = temp_dir("write")?;
+    let files = generate(kernels, &tmp)?;
+    let dir = root().join(PTX_DIR);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut changed = 0;
+    for file in &files {
+        let text = read(&tmp.join(file))?;
+        if std::fs::read_to_string(dir.join(file)).ok().as_deref() != Some(text.as_str()) {
+            write(&dir.join(file), &text)?;
+            eprintln!("wrote {PTX_DIR}/{file}");
+            changed += 1;
+        }
+    }
+    for old in ptx_files(&dir).into_iter().filter(|f| !files.contains(f)) {
+        std::fs::remove_file(dir.join(&old)).map_err(|e| format!("{old}: {e}"))?;
+        eprintln!("removed {PTX_DIR}/{old}");
+        changed += 1;
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+    eprintln!("embedded PTX: {} files, {changed} changed", files.len());
+    Ok(())
+}
+
+/// `--check`: builds the embedded PTX twice in temporary directories and fails, naming each
+/// file, where the two builds differ (the compiler is not reproducible) or where the
+/// committed files differ from them (stale, missing, or left over).
+fn check_ptx(kernels: &Path) -> Result {
+    require_pinned_nvcc()?;
+    let (a, b) = (temp_dir("check-a")?, temp_dir("check-b")?);
+    let files = generate(kernels, &a)?;
+    generate(kernels, &b)?;
+    let dir = root().join(PTX_DIR);
+    let mut problems = Vec::new();
+    for file in &files {
+        let fresh = read(&a.join(file))?;
+        if read(&b.join(file))? != fresh {
+            problems.push(format!(
+                "{file}: nvcc built it differently twice from the same source, so it cannot \
+                 be checked"
+            ));
+            continue;
+        }
+        match std::fs::read_to_string(dir.join(file)) {
+            Err(_) => problems.push(format!("{PTX_DIR}/{file} is missing")),
+            Ok(committed) if committed != fresh => {
+                let line = committed
+                    .lines()
+                    .zip(fresh.lines())
+                    .position(|(c, f)| c != f)
+                    .unwrap_or_else(|| committed.lines().count().min(fresh.lines().count()));
+                problems.push(format!(
+                    "{PTX_DIR}/{file} is stale: it differs from what nvcc builds from kernels/ \
+                     now, first at line {}",
+                    line + 1
+                ));
+            }
+            Ok(_) => {}
+        }
+    }
+    for extra in ptx_files(&dir).into_iter().filter(|f| !files.contains(f)) {
+        problems.push(format!(
+            "{PTX_DIR}/{extra} is built from no module and architecture any more"
+        ));
+    }
+    let _ = std::fs::remove_dir_all(&a);
+    let _ = std::fs::remove_dir_all(&b);
+    if problems.is_empty() {
+        eprintln!("embedded PTX: {} files match kernels/", files.len());
+        return Ok(());
+    }
+    Err(format!(
+        "the embedded PTX does not match kernels/:\n  {}\n(after changing kernels/, run \
+         `cargo xtask ptx --wheels --write` and commit {PTX_DIR})",
+        problems.join("\n  ")
+    ))
 }
 
 /// Installs the pinned wheels under `target/cuda-wheels` (once) and runs this task again with

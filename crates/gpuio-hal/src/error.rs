@@ -167,6 +167,15 @@ pub enum HalError {
         /// The compiler's log, or why the compiler could not be loaded.
         log: String,
     },
+    /// A kernel module could not be loaded: neither its embedded PTX nor NVRTC's build of its
+    /// source.
+    #[error("kernel module {kernel} could not be loaded: {reason}")]
+    KernelLoad {
+        /// The module's name (its file in `kernels/`).
+        kernel: String,
+        /// What failed, for each way tried.
+        reason: String,
+    },
     /// An operating-system call failed.
     #[error("{op}: {source}")]
     Os {
@@ -306,7 +315,7 @@ impl HalError {
         match self {
             Self::Cuda { code, .. } => *code,
             Self::CudaUnavailable { .. } | Self::Unsupported { .. } => ErrorCode::Unsupported,
-            Self::Compile { .. } => ErrorCode::General,
+            Self::Compile { .. } | Self::KernelLoad { .. } => ErrorCode::General,
             Self::Os { source, .. } => ErrorCode::from_io(source),
             Self::OutOfRange { .. }
             | Self::IndexOutOfRange { .. }

@@ -1,15 +1,135 @@
-//! The device-side sources in `kernels/`, embedded so that a binary carries them and NVRTC can
-//! compile them at run time for the device it finds.
+//! The device-side code in `kernels/`, embedded twice: as PTX that nvcc built ahead of time
+//! (`crates/gpuio-hal/ptx/`, written by `cargo xtask ptx --write`), which the driver loads and
+//! JIT-compiles for the device it finds, and as CUDA C source, which NVRTC compiles at run time
+//! where no embedded PTX fits the device or the driver refuses it (a driver older than the PTX
+//! ISA, say). A binary therefore needs only the driver to run every kernel, and NVRTC only as
+//! the fallback.
+//!
+//! Every module the CUDA backend loads is one of [`ALL`]. `cargo xtask ptx --check` (CI) checks
+//! that the embedded PTX is what nvcc builds from the current sources; the first line of each
+//! PTX file records a hash of the source it was built from, which this crate's tests compare
+//! with [`KernelSource::source_hash`] without a compiler.
 
-/// A CUDA C source file of `kernels/`.
+use std::fmt;
+use std::time::Duration;
+
+/// A CUDA C source file of `kernels/` (with the headers it uses in front): one module.
 #[derive(Debug, Clone, Copy)]
 pub struct KernelSource {
     /// File name within `kernels/`.
     pub name: &'static str,
-    /// The source text.
+    /// The source text, as NVRTC compiles it.
     pub source: &'static str,
     /// The `extern "C"` kernels it defines.
     pub functions: &'static [&'static str],
+    /// The PTX nvcc built from `source` ahead of time, one per architecture of [`PTX_ARCHS`],
+    /// oldest first.
+    pub ptx: &'static [EmbeddedPtx],
+}
+
+/// PTX built ahead of time for one virtual architecture.
+#[derive(Debug, Clone, Copy)]
+pub struct EmbeddedPtx {
+    /// The virtual architecture as major × 10 + minor: 80 is `compute_80`.
+    pub arch: u32,
+    /// The PTX text: a line naming the source and its hash, then nvcc's output.
+    pub text: &'static str,
+}
+
+/// The virtual architectures every module's PTX is built for (major × 10 + minor).
+///
+/// `compute_80` covers Ampere and Hopper: the kernels use nothing newer than sm_70 (acquire and
+/// release loads, `__nanosleep`), and nvcc's `compute_90` PTX of them differs from
+/// `compute_80`'s only in its `.target` line, so the driver's JIT makes the same code for
+/// sm_90 from either. `compute_100` is there because CUDA 13 compiles Blackwell targets with a
+/// newer front end, so its PTX is not the same code: Blackwell devices get what NVRTC would
+/// give them.
+pub const PTX_ARCHS: &[u32] = &[80, 100];
+
+/// The embedded PTX of `kernels/<stem>.cu` for every architecture of [`PTX_ARCHS`].
+macro_rules! embedded_ptx {
+    ($stem:literal) => {
+        &[
+            EmbeddedPtx {
+                arch: 80,
+                text: include_str!(concat!("../ptx/", $stem, ".compute_80.ptx")),
+            },
+            EmbeddedPtx {
+                arch: 100,
+                text: include_str!(concat!("../ptx/", $stem, ".compute_100.ptx")),
+            },
+        ]
+    };
+}
+
+impl KernelSource {
+    /// The newest embedded PTX that a device of compute capability `cc` can load (whose
+    /// architecture is not above the device's), or `None` where the device predates them all.
+    pub fn ptx_for(&self, cc: (u32, u32)) -> Option<&'static EmbeddedPtx> {
+        let device = cc.0 * 10 + cc.1;
+        self.ptx
+            .iter()
+            .filter(|p| p.arch <= device)
+            .max_by_key(|p| p.arch)
+    }
+
+    /// The 64-bit FNV-1a hash of [`source`](Self::source): what the first line of each of its
+    /// PTX files records as `source-fnv1a64`, so that a test can tell stale PTX without a
+    /// compiler.
+    pub fn source_hash(&self) -> u64 {
+        self.source.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
+    }
+}
+
+/// Where a loaded kernel module's device code came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelOrigin {
+    /// The embedded PTX for `compute_<arch>`, JIT-compiled by the driver.
+    EmbeddedPtx {
+        /// Its virtual architecture (major × 10 + minor).
+        arch: u32,
+    },
+    /// The source, compiled by NVRTC at run time (then JIT-compiled by the driver).
+    Nvrtc,
+}
+
+impl fmt::Display for KernelOrigin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::EmbeddedPtx { arch } => write!(f, "embedded compute_{arch} PTX"),
+            Self::Nvrtc => f.write_str("NVRTC"),
+        }
+    }
+}
+
+/// One way of loading a module, for measuring it alone ([`crate::Gpu::time_kernel_load`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelPath {
+    /// The newest embedded PTX that fits the device, loaded by the driver.
+    EmbeddedPtx,
+    /// NVRTC compiling the source for the device, then the driver loading its PTX.
+    Nvrtc,
+}
+
+/// What loading a fresh copy of a module took ([`crate::Gpu::time_kernel_load`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelLoad {
+    /// Where the code came from.
+    pub origin: KernelOrigin,
+    /// NVRTC's compile (zero for embedded PTX).
+    pub compile: Duration,
+    /// The driver loading the PTX (`cuModuleLoadData`, which JIT-compiles it unless the
+    /// driver's JIT cache has it) and looking up every function.
+    pub load: Duration,
+}
+
+impl KernelLoad {
+    /// Compile and load together: what first use of the module costs.
+    pub fn total(&self) -> Duration {
+        self.compile + self.load
+    }
 }
 
 /// `kernels/pattern.cu`: the data pattern fill and the on-device compare.
@@ -17,6 +137,7 @@ pub const PATTERN: KernelSource = KernelSource {
     name: "pattern.cu",
     source: include_str!("../../../kernels/pattern.cu"),
     functions: &["gpuio_fill_pattern", "gpuio_find_mismatch"],
+    ptx: embedded_ptx!("pattern"),
 };
 
 /// `kernels/gather.cu` with the device header `gpuio.cuh` (and the ring header it includes)
@@ -48,6 +169,7 @@ pub const GATHER: KernelSource = KernelSource {
         "gpuio_order_scan_sums",
         "gpuio_order_place",
     ],
+    ptx: embedded_ptx!("gather"),
 };
 
 /// `kernels/ring_bench.cu` and `ring_layout.cu` with the ring header in front: kernels
@@ -65,7 +187,53 @@ pub const RING_BENCH: KernelSource = KernelSource {
         "gpuio_ring_ping",
         "gpuio_ring_layout",
     ],
+    ptx: embedded_ptx!("ring_bench"),
 };
 
-/// Every source in `kernels/` that gpuio compiles at run time.
+/// Every module of `kernels/` that gpuio loads: the CUDA backend loads no other.
 pub const ALL: &[KernelSource] = &[PATTERN, GATHER, RING_BENCH];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_module_defined_here_is_in_all() {
+        let text = include_str!("kernels.rs");
+        let defined = text
+            .matches(concat!(": KernelSource", " = KernelSource {"))
+            .count();
+        assert_eq!(
+            defined,
+            ALL.len(),
+            "a KernelSource constant is missing from ALL"
+        );
+    }
+
+    #[test]
+    fn the_newest_ptx_not_above_the_device_is_chosen() {
+        let arch = |cc| PATTERN.ptx_for(cc).map(|p| p.arch);
+        assert_eq!(arch((7, 5)), None, "Turing predates every embedded PTX");
+        assert_eq!(arch((8, 0)), Some(80));
+        assert_eq!(arch((8, 9)), Some(80));
+        assert_eq!(arch((9, 0)), Some(80));
+        assert_eq!(arch((10, 0)), Some(100));
+        assert_eq!(arch((12, 0)), Some(100));
+    }
+
+    #[test]
+    fn the_source_hash_is_fnv1a() {
+        let empty = KernelSource {
+            name: "x.cu",
+            source: "",
+            functions: &[],
+            ptx: &[],
+        };
+        assert_eq!(empty.source_hash(), 0xcbf2_9ce4_8422_2325);
+        let a = KernelSource {
+            source: "a",
+            ..empty
+        };
+        assert_eq!(a.source_hash(), 0xaf63_dc4c_8601_ec8c);
+    }
+}

@@ -4,6 +4,7 @@
 
 use super::{DeviceInfo, GdsMode};
 use crate::error::Result;
+use crate::kernels::{KernelLoad, KernelOrigin, KernelPath, KernelSource};
 use std::any::Any;
 use std::fmt;
 use std::fs::File;
@@ -44,6 +45,13 @@ pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
     /// The host pointer of `copy` must be valid for the range's length (readable for a source,
     /// writable and otherwise untouched for a destination) until the call returns.
     unsafe fn baseline_copy(&self, copy: BaselineCopy<'_>) -> Result<()>;
+
+    /// Loads one of `kernels::ALL`'s modules for this device's kernels to use (kept), and says
+    /// where its code came from.
+    fn load_kernels(&self, src: &KernelSource) -> Result<KernelOrigin>;
+
+    /// Loads a fresh copy of a module by `path` alone (no fallback), times it, and unloads it.
+    fn time_kernel_load(&self, src: &KernelSource, path: KernelPath) -> Result<KernelLoad>;
 
     /// cuFile on this device: its mode and library, or why it cannot run here.
     fn gds(&self) -> Result<(GdsMode, String)>;

@@ -1,12 +1,33 @@
-//! The copies a user would make without gpuio — synchronous `cudaMemcpy` through the driver
-//! (a plain memcpy on the host backend) — kept here so benchmarks can measure gpuio against
-//! them in the same run without leaving the HAL's safe interface.
+//! What gpuio is measured against, kept here so benchmarks can race it in the same run without
+//! leaving the HAL's safe interface: the copies a user would make without gpuio (synchronous
+//! `cudaMemcpy` through the driver; a plain memcpy on the host backend), and loading a kernel
+//! module by one way alone (embedded PTX, or NVRTC as every module was loaded before PTX was
+//! embedded).
 
 use super::backend::BaselineCopy;
 use super::{DeviceBuffer, Gpu};
 use crate::error::{HalError, Result};
+use crate::kernels::{KernelLoad, KernelOrigin, KernelPath, KernelSource};
 
 impl Gpu {
+    /// Loads `src` (one of [`crate::kernels::ALL`]) for this device's kernels as they load it
+    /// on first use — its embedded PTX through the driver, NVRTC where none fits or the driver
+    /// refuses it — and says where its code came from. The module stays loaded for the
+    /// device's own use; a later call returns at once. The host backend has no modules
+    /// ([`HalError::Unsupported`]).
+    pub fn load_kernels(&self, src: &KernelSource) -> Result<KernelOrigin> {
+        self.inner.load_kernels(src)
+    }
+
+    /// Loads a fresh copy of `src` by `path` alone (no fallback: an error where that way cannot
+    /// serve this device), then unloads it, and returns what each step took: how benchmarks
+    /// time first use. The device's own copy of the module is not touched. Unless the driver's
+    /// JIT cache is off (`CUDA_CACHE_DISABLE=1`), a PTX the driver has JIT-compiled before
+    /// loads from its cache.
+    pub fn time_kernel_load(&self, src: &KernelSource, path: KernelPath) -> Result<KernelLoad> {
+        self.inner.time_kernel_load(src, path)
+    }
+
     /// `cudaMemcpy(dst + dst_offset, src, HostToDevice)`: synchronous; pageable sources are
     /// staged by the driver.
     pub fn baseline_upload(&self, src: &[u8], dst: &DeviceBuffer, dst_offset: usize) -> Result<()> {

@@ -9,6 +9,7 @@ use super::backend::{
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
 use crate::error::{HalError, Result};
+use crate::kernels::{KernelLoad, KernelOrigin, KernelPath, KernelSource};
 use crate::memory::{HostAllocOptions, HostBuffer};
 use crate::sync::RwLockExt;
 use crate::{pattern, sys};
@@ -167,6 +168,14 @@ impl DeviceBackend for HostDevice {
         }
     }
 
+    fn load_kernels(&self, _src: &KernelSource) -> Result<KernelOrigin> {
+        Err(no_modules())
+    }
+
+    fn time_kernel_load(&self, _src: &KernelSource, _path: KernelPath) -> Result<KernelLoad> {
+        Err(no_modules())
+    }
+
     fn gds(&self) -> Result<(GdsMode, String)> {
         Err(no_gds())
     }
@@ -177,6 +186,13 @@ impl DeviceBackend for HostDevice {
 
     fn as_any(&self) -> &dyn Any {
         self
+    }
+}
+
+fn no_modules() -> HalError {
+    HalError::Unsupported {
+        what: "kernel modules",
+        reason: "the host backend runs its kernels as Rust".into(),
     }
 }
 

@@ -222,6 +222,45 @@ fn device_compare_finds_the_first_difference() {
     }
 }
 
+/// Every module loads from its embedded PTX where one fits the device (no NVRTC at first use),
+/// and by each way alone when asked; the host backend has no modules to load. Prints what each
+/// way took (`gpuio bench kernels` measures it properly).
+#[test]
+fn kernel_modules_load_from_embedded_ptx() {
+    use gpuio_hal::kernels::{ALL, KernelOrigin, KernelPath};
+    let p = devices();
+    let gpu = &p.gpus[0];
+    if gpu.backend() == Backend::Host {
+        let e = gpu.load_kernels(&ALL[0]).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Unsupported);
+        eprintln!("skipped kernel modules: the host backend has none");
+        return;
+    }
+    let cc = gpu
+        .info()
+        .compute_capability
+        .expect("CUDA devices have a CC");
+    for src in ALL {
+        let origin = gpu.load_kernels(src).unwrap();
+        match src.ptx_for(cc) {
+            Some(ptx) => assert_eq!(origin, KernelOrigin::EmbeddedPtx { arch: ptx.arch }),
+            None => assert_eq!(origin, KernelOrigin::Nvrtc),
+        }
+        let embedded = gpu.time_kernel_load(src, KernelPath::EmbeddedPtx);
+        let nvrtc = gpu.time_kernel_load(src, KernelPath::Nvrtc);
+        match (&embedded, &nvrtc) {
+            (Ok(e), Ok(n)) => eprintln!(
+                "{}: {} loaded in {:?}; NVRTC compiled in {:?} and loaded in {:?}",
+                src.name, e.origin, e.load, n.compile, n.load
+            ),
+            _ => eprintln!("{}: embedded PTX {embedded:?}, NVRTC {nvrtc:?}", src.name),
+        }
+        if src.ptx_for(cc).is_some() {
+            embedded.unwrap();
+        }
+    }
+}
+
 #[test]
 fn events_time_device_work() {
     let p = devices();

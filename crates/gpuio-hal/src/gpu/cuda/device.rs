@@ -1,10 +1,12 @@
-//! One CUDA device: its primary context and compiled kernels ([`Shared`], which its streams and
-//! allocations hold too), what it reports about itself ([`DeviceInfo`]), and the
-//! [`DeviceBackend`] it implements — allocations, streams, host pinning, peer access, the
-//! baseline copies and GPUDirect Storage. Driver calls go through [`driver`].
+//! One CUDA device: its primary context and kernel modules ([`Shared`], which its streams and
+//! allocations hold too; `module.rs` loads them), what it reports about itself
+//! ([`DeviceInfo`]), and the [`DeviceBackend`] it implements — allocations, streams, host
+//! pinning, peer access, kernel loading, the baseline copies and GPUDirect Storage. Driver calls
+//! go through [`driver`].
 
 use super::driver::{self, cuda_err};
 use super::memory::{CudaMemory, CudaPin};
+use super::module::{self, Loaded};
 use super::stream::CudaStreamBackend;
 use super::{cufile, probe};
 use crate::error::{ErrorCode, HalError, Result};
@@ -13,7 +15,7 @@ use crate::gpu::backend::{
     BaselineCopy, DevRange, DeviceBackend, DeviceMemory, GdsFileBackend, HostPin, StreamBackend,
 };
 use crate::gpu::info::{Backend, DeviceInfo, PcieLink, cxl_capability, pci_numa_node};
-use crate::kernels::KernelSource;
+use crate::kernels::{self, KernelLoad, KernelOrigin, KernelPath, KernelSource};
 use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, sys};
 use std::any::Any;
 use std::sync::{Arc, OnceLock};
@@ -24,19 +26,16 @@ pub(super) struct Shared {
     pub(super) ctx: Arc<CudaContext>,
     compute_capability: (u32, u32),
     multiprocessors: u32,
-    /// The compiled `kernels/pattern.cu`, built on first use.
-    pattern: OnceLock<std::result::Result<PatternKernels, String>>,
-    /// The compiled `kernels/gather.cu`, in `kernels::GATHER.functions` order.
-    rows: OnceLock<std::result::Result<Vec<CudaFunction>, String>>,
-    /// The compiled `kernels/ring_bench.cu`, in `kernels::RING_BENCH.functions` order.
-    ring: OnceLock<std::result::Result<Vec<CudaFunction>, String>>,
+    /// The modules of `kernels::ALL`, in that order, each loaded on first use (or the reason it
+    /// could not be, kept for every later caller).
+    modules: Vec<OnceLock<std::result::Result<Loaded, String>>>,
 }
 
 /// The functions of `kernels/pattern.cu`.
 #[derive(Debug)]
-pub(super) struct PatternKernels {
-    pub(super) fill: CudaFunction,
-    pub(super) mismatch: CudaFunction,
+pub(super) struct PatternKernels<'a> {
+    pub(super) fill: &'a CudaFunction,
+    pub(super) mismatch: &'a CudaFunction,
 }
 
 impl Shared {
@@ -47,61 +46,42 @@ impl Shared {
             .map_err(cuda_err("cuCtxSetCurrent"))
     }
 
-    pub(super) fn pattern(&self) -> Result<&PatternKernels> {
-        let src = &crate::kernels::PATTERN;
-        self.pattern
-            .get_or_init(|| {
-                let f = self.load(src)?;
-                Ok(PatternKernels {
-                    fill: f[0].clone(),
-                    mismatch: f[1].clone(),
-                })
-            })
-            .as_ref()
-            .map_err(|log| HalError::Compile {
-                kernel: src.name.into(),
-                log: log.clone(),
-            })
-    }
-
-    pub(super) fn row_kernels(&self) -> Result<&[CudaFunction]> {
-        let src = &crate::kernels::GATHER;
-        self.rows
-            .get_or_init(|| self.load(src))
-            .as_deref()
-            .map_err(|log| HalError::Compile {
-                kernel: src.name.into(),
-                log: log.clone(),
-            })
-    }
-
-    pub(super) fn ring_kernels(&self) -> Result<&[CudaFunction]> {
-        let src = &crate::kernels::RING_BENCH;
-        self.ring
-            .get_or_init(|| self.load(src))
-            .as_deref()
-            .map_err(|log| HalError::Compile {
-                kernel: src.name.into(),
-                log: log.clone(),
-            })
-    }
-
-    /// Compiles a source for this device and loads its functions, in the source's order.
-    fn load(&self, src: &KernelSource) -> std::result::Result<Vec<CudaFunction>, String> {
-        let ptx =
-            super::compile_ptx(src, Some(self.compute_capability)).map_err(|e| e.to_string())?;
-        let module = self
-            .ctx
-            .load_module(ptx)
-            .map_err(|e| cuda_err("cuModuleLoadData")(e).to_string())?;
-        src.functions
+    /// A module of `kernels::ALL`, loaded on first use (`module.rs`: embedded PTX, or NVRTC).
+    fn module(&self, src: &KernelSource) -> Result<&Loaded> {
+        let slot = kernels::ALL
             .iter()
-            .map(|name| {
-                module
-                    .load_function(name)
-                    .map_err(|e| cuda_err("cuModuleGetFunction")(e).to_string())
+            .position(|k| k.name == src.name)
+            .and_then(|i| self.modules.get(i))
+            .ok_or_else(|| {
+                HalError::InvalidArgument(format!(
+                    "{} is not one of gpuio's kernel modules",
+                    src.name
+                ))
+            })?;
+        slot.get_or_init(|| module::load(&self.ctx, self.compute_capability, src))
+            .as_ref()
+            .map_err(|reason| HalError::KernelLoad {
+                kernel: src.name.into(),
+                reason: reason.clone(),
             })
-            .collect()
+    }
+
+    pub(super) fn pattern(&self) -> Result<PatternKernels<'_>> {
+        let f = &self.module(&kernels::PATTERN)?.functions;
+        Ok(PatternKernels {
+            fill: &f[0],
+            mismatch: &f[1],
+        })
+    }
+
+    /// `kernels/gather.cu`'s functions, in `kernels::GATHER.functions` order.
+    pub(super) fn row_kernels(&self) -> Result<&[CudaFunction]> {
+        Ok(&self.module(&kernels::GATHER)?.functions)
+    }
+
+    /// `kernels/ring_bench.cu`'s functions, in `kernels::RING_BENCH.functions` order.
+    pub(super) fn ring_kernels(&self) -> Result<&[CudaFunction]> {
+        Ok(&self.module(&kernels::RING_BENCH)?.functions)
     }
 
     /// A grid-stride launch shape for `items` work items.
@@ -188,9 +168,7 @@ impl CudaDevice {
                 ctx,
                 compute_capability: (major as u32, minor as u32),
                 multiprocessors,
-                pattern: OnceLock::new(),
-                rows: OnceLock::new(),
-                ring: OnceLock::new(),
+                modules: kernels::ALL.iter().map(|_| OnceLock::new()).collect(),
             }),
             info,
         })
@@ -296,6 +274,15 @@ impl DeviceBackend for CudaDevice {
             }
         }
         .map_err(driver::renamed("cudaMemcpy (baseline)"))
+    }
+
+    fn load_kernels(&self, src: &KernelSource) -> Result<KernelOrigin> {
+        Ok(self.shared.module(src)?.origin)
+    }
+
+    fn time_kernel_load(&self, src: &KernelSource, path: KernelPath) -> Result<KernelLoad> {
+        let shared = &self.shared;
+        module::time_load(&shared.ctx, shared.compute_capability, src, path)
     }
 
     fn gds(&self) -> Result<(GdsMode, String)> {

@@ -13,14 +13,18 @@
 //!   `DeviceBackend`; `memory.rs`: the allocations and host registrations it owns.
 //! - `stream.rs`: a stream's copies, pattern and ring kernels; `rows.rs`: its row gathers and
 //!   scatters; `event.rs`: its pooled events.
+//! - `module.rs`: loading a module of `kernels/`: its embedded PTX through the driver, or
+//!   NVRTC's build of its source where no PTX fits or the driver refuses it; `nvrtc.rs`:
+//!   compiling `kernels/` with NVRTC.
 //! - `probe.rs`: what the installation can do, checked without letting cudarc panic;
-//!   `nvrtc.rs`: compiling `kernels/`; `cufile.rs`: GPUDirect Storage.
+//!   `cufile.rs`: GPUDirect Storage.
 
 mod cufile;
 mod device;
 mod driver;
 mod event;
 mod memory;
+mod module;
 mod nvrtc;
 mod probe;
 mod rows;

@@ -125,7 +125,7 @@ impl StreamBackend for CudaStreamBackend {
         let (addr, len) = (dst.addr(), dst.len as u64);
         let words = (first + len).div_ceil(8) - first / 8;
         let cfg = self.shared.launch_config(words);
-        let mut launch = self.stream.launch_builder(&kernels.fill);
+        let mut launch = self.stream.launch_builder(kernels.fill);
         launch.arg(&addr).arg(&len).arg(&first).arg(&seed);
         // SAFETY: the argument list matches gpuio_fill_pattern(u8*, u64, u64, u64); dst is a
         // checked range of a live allocation, which the caller's borrow keeps alive until the
@@ -144,7 +144,7 @@ impl StreamBackend for CudaStreamBackend {
             unsafe { driver::memset_d8_async(out, 0xff, 8, self.raw())? };
             let (pa, pb, len) = (a.addr(), b.addr(), a.len as u64);
             let cfg = self.shared.launch_config(len.div_ceil(16));
-            let mut launch = self.stream.launch_builder(&kernels.mismatch);
+            let mut launch = self.stream.launch_builder(kernels.mismatch);
             launch.arg(&pa).arg(&pb).arg(&len).arg(&out);
             // SAFETY: arguments match gpuio_find_mismatch(const u8*, const u8*, u64, u64*); the
             // ranges are checked and live for this call, which synchronizes before returning;

@@ -1,0 +1,204 @@
+//! Loading a module of `kernels/` into a device's context. The embedded PTX comes first: the
+//! newest whose architecture the device reaches (`KernelSource::ptx_for`), which the driver
+//! JIT-compiles (`cuModuleLoadData`), so no compiler runs in the process. NVRTC compiles the
+//! source instead only where no embedded PTX fits the device (older than `compute_80`), or
+//! where the driver refuses the PTX (an ISA newer than the driver knows, a JIT that fails or
+//! is disabled); the log says which, once per module and device.
+
+use super::driver::cuda_err;
+use crate::error::{HalError, Result};
+use crate::kernels::{EmbeddedPtx, KernelLoad, KernelOrigin, KernelPath, KernelSource};
+use cudarc::driver::{CudaContext, CudaFunction, DriverError, sys};
+use cudarc::nvrtc::Ptx;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A module loaded for use: its functions in the source's order, and where its code came from.
+#[derive(Debug)]
+pub(super) struct Loaded {
+    pub(super) functions: Vec<CudaFunction>,
+    pub(super) origin: KernelOrigin,
+}
+
+/// Why loading an embedded PTX failed.
+enum Failure {
+    /// The driver will not take this PTX (why, and the error), where NVRTC's build of the
+    /// source may still serve.
+    Refused(&'static str, HalError),
+    /// Anything else (out of memory, a lost context), which NVRTC's build would meet too.
+    Failed(HalError),
+}
+
+impl Failure {
+    fn from_driver(op: &'static str, e: DriverError) -> Self {
+        use sys::cudaError_enum as E;
+        let why = match e.0 {
+            E::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => {
+                "its PTX ISA is newer than this driver knows (PTX from CUDA 13.0 needs a CUDA \
+                 13.0 driver, r580, or newer)"
+            }
+            E::CUDA_ERROR_INVALID_PTX | E::CUDA_ERROR_INVALID_IMAGE => {
+                "the driver's JIT compiler rejected it"
+            }
+            E::CUDA_ERROR_NO_BINARY_FOR_GPU => "the driver found no code in it for this device",
+            E::CUDA_ERROR_JIT_COMPILER_NOT_FOUND | E::CUDA_ERROR_JIT_COMPILATION_DISABLED => {
+                "the driver cannot JIT-compile PTX here"
+            }
+            E::CUDA_ERROR_NOT_FOUND => "it lacks a function the source defines (is it stale?)",
+            _ => return Self::Failed(cuda_err(op)(e)),
+        };
+        Self::Refused(why, cuda_err(op)(e))
+    }
+
+    /// As the HAL's error, for callers that do not fall back.
+    fn into_error(self, src: &KernelSource) -> HalError {
+        match self {
+            Self::Refused(why, error) => HalError::KernelLoad {
+                kernel: src.name.into(),
+                reason: format!("the driver refused the embedded PTX ({why}): {error}"),
+            },
+            Self::Failed(error) => error,
+        }
+    }
+}
+
+/// Loads PTX text and looks up every function of `src`, timing both.
+fn load_ptx(
+    ctx: &Arc<CudaContext>,
+    src: &KernelSource,
+    ptx: Ptx,
+) -> std::result::Result<(Vec<CudaFunction>, Duration), Failure> {
+    let start = Instant::now();
+    let module = ctx
+        .load_module(ptx)
+        .map_err(|e| Failure::from_driver("cuModuleLoadData", e))?;
+    let functions = src
+        .functions
+        .iter()
+        .map(|name| module.load_function(name))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| Failure::from_driver("cuModuleGetFunction", e))?;
+    Ok((functions, start.elapsed()))
+}
+
+/// The driver loading an embedded PTX.
+fn load_embedded(
+    ctx: &Arc<CudaContext>,
+    src: &KernelSource,
+    ptx: &EmbeddedPtx,
+) -> std::result::Result<(Vec<CudaFunction>, Duration), Failure> {
+    if ptx.text.as_bytes().contains(&0) {
+        // The driver reads a C string (gpuio-hal's tests keep NULs out of the embedded PTX).
+        return Err(Failure::Refused(
+            "it contains a NUL byte",
+            HalError::InvalidArgument(format!("{}'s compute_{} PTX", src.name, ptx.arch)),
+        ));
+    }
+    load_ptx(ctx, src, Ptx::from_src(ptx.text))
+}
+
+/// NVRTC compiling the source for `cc`, then the driver loading its PTX; the compile's and the
+/// load's times.
+fn load_nvrtc(
+    ctx: &Arc<CudaContext>,
+    cc: (u32, u32),
+    src: &KernelSource,
+) -> Result<(Vec<CudaFunction>, Duration, Duration)> {
+    let start = Instant::now();
+    let ptx = super::compile_ptx(src, Some(cc))?;
+    let compile = start.elapsed();
+    let (functions, load) = load_ptx(ctx, src, ptx).map_err(|f| match f {
+        Failure::Refused(_, e) | Failure::Failed(e) => e,
+    })?;
+    Ok((functions, compile, load))
+}
+
+/// Loads `src` for use: its embedded PTX where one fits the device and the driver takes it,
+/// NVRTC otherwise. The error is a message (the device keeps it for later callers) naming what
+/// each way tried met.
+pub(super) fn load(
+    ctx: &Arc<CudaContext>,
+    cc: (u32, u32),
+    src: &KernelSource,
+) -> std::result::Result<Loaded, String> {
+    let gpu = ctx.ordinal();
+    let kernel = src.name;
+    let refused = match src.ptx_for(cc) {
+        Some(ptx) => match load_embedded(ctx, src, ptx) {
+            Ok((functions, load)) => {
+                let origin = KernelOrigin::EmbeddedPtx { arch: ptx.arch };
+                tracing::debug!(gpu, kernel, %origin, load_ms = ms(load), "kernel module loaded");
+                return Ok(Loaded { functions, origin });
+            }
+            Err(Failure::Refused(why, error)) => {
+                tracing::warn!(gpu, kernel, arch = ptx.arch, %error,
+                    "the driver refused the embedded PTX ({why}); compiling with NVRTC");
+                format!(
+                    "the driver refused the embedded compute_{} PTX ({why}: {error})",
+                    ptx.arch
+                )
+            }
+            Err(Failure::Failed(error)) => return Err(error.to_string()),
+        },
+        None => {
+            tracing::info!(gpu, kernel, compute_capability = %format!("{}.{}", cc.0, cc.1),
+                "no embedded PTX is old enough for this device; compiling with NVRTC");
+            format!(
+                "no embedded PTX fits compute capability {}.{} (the oldest is compute_{})",
+                cc.0,
+                cc.1,
+                src.ptx.first().map_or(0, |p| p.arch)
+            )
+        }
+    };
+    match load_nvrtc(ctx, cc, src) {
+        Ok((functions, compile, load)) => {
+            tracing::debug!(gpu, kernel, origin = %KernelOrigin::Nvrtc, compile_ms = ms(compile),
+                load_ms = ms(load), "kernel module loaded");
+            Ok(Loaded {
+                functions,
+                origin: KernelOrigin::Nvrtc,
+            })
+        }
+        Err(e) => Err(format!("{refused}; and NVRTC's way failed: {e}")),
+    }
+}
+
+/// Loads a fresh copy of `src` by `path` alone (no fallback) and drops it again, timing it:
+/// what first use costs each way (`Gpu::time_kernel_load`).
+pub(super) fn time_load(
+    ctx: &Arc<CudaContext>,
+    cc: (u32, u32),
+    src: &KernelSource,
+    path: KernelPath,
+) -> Result<KernelLoad> {
+    match path {
+        KernelPath::EmbeddedPtx => {
+            let ptx = src.ptx_for(cc).ok_or_else(|| HalError::Unsupported {
+                what: "embedded PTX",
+                reason: format!(
+                    "none of {}'s fits compute capability {}.{}",
+                    src.name, cc.0, cc.1
+                ),
+            })?;
+            let (_, load) = load_embedded(ctx, src, ptx).map_err(|f| f.into_error(src))?;
+            Ok(KernelLoad {
+                origin: KernelOrigin::EmbeddedPtx { arch: ptx.arch },
+                compile: Duration::ZERO,
+                load,
+            })
+        }
+        KernelPath::Nvrtc => {
+            let (_, compile, load) = load_nvrtc(ctx, cc, src)?;
+            Ok(KernelLoad {
+                origin: KernelOrigin::Nvrtc,
+                compile,
+                load,
+            })
+        }
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
