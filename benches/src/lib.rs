@@ -3,6 +3,7 @@
 
 pub mod cache;
 pub mod gather;
+pub mod kernels;
 pub mod localio;
 pub mod memio;
 mod peers;

@@ -4,8 +4,8 @@
 use bytesize::ByteSize;
 use gpuio_api::{Config, Error, Session};
 use gpuio_bench::{
-    Budget, Record, Target, cache, gather, localio, memio, remote, render_table, ring, scheduler,
-    write_outputs,
+    Budget, Record, Target, cache, gather, kernels, localio, memio, remote, render_table, ring,
+    scheduler, write_outputs,
 };
 use indicatif::ProgressBar;
 use std::path::PathBuf;
@@ -19,12 +19,13 @@ const SUITES: &[&str] = &[
     ring::SUITE,
     remote::SUITE,
     cache::SUITE,
+    kernels::SUITE,
 ];
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
     /// Suites to run (default: all this build has: memio, localio, core, gather, ring, remote,
-    /// cache).
+    /// cache, kernels).
     suites: Vec<String>,
     /// memio: transfer sizes, e.g. 4K,1M,64M,1G (default: up to 1 GiB on a GPU).
     #[arg(long, value_name = "LIST")]
@@ -155,6 +156,9 @@ pub fn run(config: Config, args: &BenchArgs) -> Result<(), Error> {
                     opts.scratch = d.clone();
                 }
                 cache::run(&session, &opts, &budget, &mut |c| tick(suite, c)).map_err(bench_err)?
+            }
+            kernels::SUITE => {
+                kernels::run(&session, &budget, &mut |c| tick(suite, c)).map_err(bench_err)?
             }
             _ => continue,
         };

@@ -203,8 +203,8 @@ fn rdma() -> Capability {
     Capability::no("not in this build (cargo feature `rdma`, which needs libibverbs-dev)")
 }
 
-/// Row gathers and the request ring: GPU kernels on the CUDA backend (checked by compiling
-/// them with NVRTC and setting up a ring), the CPU on the host backend.
+/// Row gathers and the request ring: GPU kernels on the CUDA backend (checked by loading them
+/// as gpuio does, and setting up a ring), the CPU on the host backend.
 fn gpu_initiated_paths(gpu0: &Gpu) -> Vec<IoPath> {
     let info = gpu0.info();
     let (gathers, ring) = match gpu0.backend() {
@@ -223,28 +223,27 @@ fn gpu_initiated_paths(gpu0: &Gpu) -> Vec<IoPath> {
             (Capability::no(why), Capability::no(why))
         }
         Backend::Cuda => {
-            let compiled = |k: &gpuio_hal::kernels::KernelSource| {
-                gpuio_hal::gpu::cuda::compile_ptx(k, info.compute_capability)
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
+            // Loaded as gpuio loads them: embedded PTX, or NVRTC where none fits the device.
+            let loaded = |k: &gpuio_hal::kernels::KernelSource| {
+                gpu0.load_kernels(k).map_err(|e| e.to_string())
             };
-            let gathers = match compiled(&gpuio_hal::kernels::GATHER) {
-                Ok(()) => Capability::yes(
+            let gathers = match loaded(&gpuio_hal::kernels::GATHER) {
+                Ok(origin) => Capability::yes(format!(
                     "GPU threads over mapped pinned memory (list or address order), CPU-staged \
-                     or hybrid: MemIo::gather measures and picks",
-                ),
-                Err(e) => Capability::no(format!("the row kernels do not compile: {e}")),
+                     or hybrid: MemIo::gather measures and picks (kernels: {origin})"
+                )),
+                Err(e) => Capability::no(format!("the row kernels do not load: {e}")),
             };
-            let ring = compiled(&gpuio_hal::kernels::RING_BENCH).and_then(|()| {
+            let ring = loaded(&gpuio_hal::kernels::RING_BENCH).and_then(|origin| {
                 gpuio_hal::ring::RingMemory::new(gpuio_hal::ring::MIN_SLOTS, gpu0)
-                    .map(drop)
+                    .map(|_| origin)
                     .map_err(|e| format!("setting up a ring: {e}"))
             });
             let ring = match ring {
-                Ok(()) => Capability::yes(
+                Ok(origin) => Capability::yes(format!(
                     "kernels post IO through mapped pinned memory (kernels/gpuio.cuh); \
-                     RingProxy threads serve it through every engine",
-                ),
+                     RingProxy threads serve it through every engine (test kernels: {origin})"
+                )),
                 Err(e) => Capability::no(e),
             };
             (gathers, ring)

@@ -1,0 +1,128 @@
+//! The `kernels` suite: what first use of gpuio's kernel modules costs a process (GPU machine
+//! only). Each module of `kernels/` is loaded fresh, again and again, from its embedded PTX
+//! (the driver JIT-compiles it) against the way every module was loaded before PTX was
+//! embedded: NVRTC compiling the source, then the driver loading NVRTC's PTX. `all` loads every
+//! module, which is what a process that uses every GPU feature pays once.
+//!
+//! The driver keeps what it JIT-compiles in its cache (`~/.nv/ComputeCache`), so after the
+//! warm-up both sides load cached code and the difference is NVRTC's compile; run with
+//! `CUDA_CACHE_DISABLE=1` to time the JIT itself too, as on a machine's first run.
+
+use crate::{Budget, Record, Result, Target, race};
+use gpuio_api::Session;
+use gpuio_hal::kernels::{ALL, KernelPath, KernelSource};
+use gpuio_hal::{Backend, Gpu};
+use std::time::Duration;
+
+/// The suite's name.
+pub const SUITE: &str = "kernels";
+
+/// The peer's name in the records.
+const PEER: &str = "NVRTC + driver load";
+
+/// One module (or `all`) raced both ways.
+fn case(
+    gpu: &Gpu,
+    name: &str,
+    modules: &[KernelSource],
+    budget: &Budget,
+    notes: &mut Vec<String>,
+) -> Result<Record> {
+    let (mut ptx_load, mut nvrtc_compile, mut nvrtc_load) = (Vec::new(), Vec::new(), Vec::new());
+    let mut route = String::new();
+    let (ours, peer) = race(
+        budget,
+        |_| {
+            let mut load = Duration::ZERO;
+            for src in modules {
+                let l = gpu.time_kernel_load(src, KernelPath::EmbeddedPtx)?;
+                load += l.load;
+                route = l.origin.to_string();
+            }
+            ptx_load.push(load);
+            Ok(())
+        },
+        |_| {
+            let (mut compile, mut load) = (Duration::ZERO, Duration::ZERO);
+            for src in modules {
+                let l = gpu.time_kernel_load(src, KernelPath::Nvrtc)?;
+                compile += l.compile;
+                load += l.load;
+            }
+            nvrtc_compile.push(compile);
+            nvrtc_load.push(load);
+            Ok(())
+        },
+    )?;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    // The closures ran for the warm-up first; the split is over the timed runs alone.
+    let timed = |v: Vec<Duration>| ms(median(v.into_iter().skip(budget.warmup).collect()));
+    notes.push(format!(
+        "{name}: embedded PTX: driver load {:.1} ms; NVRTC: compile {:.1} ms + driver load \
+         {:.1} ms (medians of {} timed runs each)",
+        timed(ptx_load),
+        timed(nvrtc_compile),
+        timed(nvrtc_load),
+        ours.reps
+    ));
+    let (value, peer_value) = (ms(ours.median), ms(peer.median));
+    Ok(Record {
+        suite: SUITE.into(),
+        case: name.into(),
+        metric: "first-use load".into(),
+        value,
+        unit: "ms".into(),
+        peer: PEER.into(),
+        peer_value,
+        // Lower is better; a zero is floored so the ratio stays finite.
+        ratio: peer_value / value.max(0.001),
+        bytes: modules
+            .iter()
+            .filter_map(|m| m.ptx_for(gpu.info().compute_capability.unwrap_or((0, 0))))
+            .map(|p| p.text.len())
+            .sum(),
+        route,
+        device: gpu.info().name.clone(),
+        reps: ours.reps,
+        rows: None,
+    })
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+/// Runs the suite; on the host backend (no modules to load) it says so and records nothing.
+/// Records carry the PTX's size in bytes and, as the route, which embedded PTX was loaded.
+pub fn run(
+    session: &Session,
+    budget: &Budget,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(Vec<Record>, Vec<Target>, Vec<String>)> {
+    let gpu = session.gpu(0)?.clone();
+    if gpu.backend() == Backend::Host {
+        return Ok((
+            Vec::new(),
+            Vec::new(),
+            vec!["kernels: needs a CUDA device (the host backend runs its kernels as Rust)".into()],
+        ));
+    }
+    let mut notes = vec![format!(
+        "kernels: the driver's JIT cache is {}",
+        if std::env::var("CUDA_CACHE_DISABLE").is_ok_and(|v| v == "1") {
+            "off (CUDA_CACHE_DISABLE=1): every load JIT-compiles, as on a machine's first run"
+        } else {
+            "on: after the warm-up, loads find JIT-compiled code in it (CUDA_CACHE_DISABLE=1 \
+             times the JIT too)"
+        }
+    )];
+    let mut records = Vec::new();
+    for src in ALL {
+        progress(src.name);
+        records.push(case(&gpu, src.name, &[*src], budget, &mut notes)?);
+    }
+    progress("all");
+    records.push(case(&gpu, "all", ALL, budget, &mut notes)?);
+    Ok((records, Vec::new(), notes))
+}
