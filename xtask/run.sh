@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # gpuio's GPU matrix, from the bundle `cargo xtask gpu-bundle` builds: every test binary with
 # CUDA required (and NVRTC through gpuio-hal's kernels test), nvcc over kernels/ for sm_80,
-# sm_90 and sm_100, gpuio info, a 1 GiB file round trip through GPU memory, and the MemIO,
+# sm_90 and sm_100, gpuio info, a 1 GiB file round trip through GPU memory, the MemIO,
 # LocalIO, core, gather, ring and remote benchmarks against their peers (fio: GPUIO_FIO;
-# kvikio and torch: on PYTHONPATH; iperf3 where installed, or in ./iperf3 with its libraries).
+# kvikio and torch: on PYTHONPATH; iperf3 where installed, or in ./iperf3 with its libraries),
+# and the first use of the kernel modules: embedded PTX against NVRTC.
 #
-#   ./run.sh [tests | bench-a | bench-b | all]     (default: all)
+#   ./run.sh [tests | bench-a | bench-b | kernel-load | all]     (default: all)
 #
 # The parts fit where one command may run ten minutes at most: tests (tests, kernels, info),
-# bench-a (memio, gather), bench-b (core, ring, remote, localio).
+# bench-a (memio, gather), bench-b (core, ring, remote, localio), kernel-load (the kernels
+# suite: first use of each module, with the driver's JIT cache off and on).
 # Results (bench JSON, plots, test logs) go to $OUT or ./out.
 set -u
 cd "$(dirname "$0")"
@@ -20,6 +22,12 @@ export GPUIO_E2E_BYTES="${GPUIO_E2E_BYTES:-1073741824}"
 out="${OUT:-$PWD/out}"
 mkdir -p "$out"
 status=0
+# The executables travel gzipped (the bundle and the tree must fit the 64 MiB a call carries):
+# unpack each once.
+for z in bin/*.gz tests/*.gz; do
+    [ -e "$z" ] || continue
+    gzip -dc "$z" >"${z%.gz}" && chmod +x "${z%.gz}" && rm "$z" || { echo "cannot unpack $z"; exit 1; }
+done
 step() {
     echo "== $*"
     local t=$SECONDS
@@ -60,6 +68,13 @@ case "$part" in bench-b | all)
     step bin/gpuio bench ring --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out"
     step bin/gpuio bench remote --out "$out"
     step bin/gpuio bench localio --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out" ;;
+esac
+case "$part" in kernel-load | all)
+    # First use of each kernel module: embedded PTX (the driver JIT-compiles it) against NVRTC
+    # compiling the source first. With the JIT cache off every load JIT-compiles, as on a
+    # machine's first run; with it on, a process finds what an earlier one compiled.
+    step env CUDA_CACHE_DISABLE=1 bin/gpuio bench kernels --out "$out/kernel-load-jit-cache-off"
+    step bin/gpuio bench kernels --out "$out/kernel-load-jit-cache-on" ;;
 esac
 echo "== gpu matrix ($part): $([ $status = 0 ] && echo PASSED || echo FAILED)"
 exit $status

@@ -1,11 +1,13 @@
 //! `cargo xtask gpu-bundle`: release test and bench binaries for the GPU machine (which has
-//! no cargo), with `run.sh`, the one command that runs them there.
+//! no cargo), with `run.sh`, the one command that runs them there. The executables travel
+//! gzipped, and `run.sh` unpacks them: what travels must fit 64 MiB with the working tree, and
+//! every binary that links gpuio-hal carries the embedded PTX.
 
 use crate::{Result, build_tests, cargo, copy, listed_tests, make_executable, root, run};
 use std::path::Path;
 
-/// The bundle carried to the GPU machine: `bin/` (gpuio, xtask), `tests/` (every test
-/// binary), `kernels/`, and `run.sh`.
+/// The bundle carried to the GPU machine: `bin/` (gpuio, xtask) and `tests/` (every test
+/// binary), gzipped; `kernels/`, and `run.sh`.
 pub fn gpu_bundle() -> Result {
     let root = root();
     let out = root.join("target/gpu-bundle");
@@ -75,6 +77,9 @@ pub fn gpu_bundle() -> Result {
             copy(&path, &out.join("kernels").join(name))?;
         }
     }
+    for d in ["bin", "tests"] {
+        gzip_all(&out.join(d))?;
+    }
     let script = out.join("run.sh");
     std::fs::write(&script, RUN_SH).map_err(|e| format!("writing run.sh: {e}"))?;
     make_executable(&script)?;
@@ -96,6 +101,19 @@ pub fn gpu_bundle() -> Result {
         ));
     }
     Ok(())
+}
+
+/// Gzips every file in `dir` in place (`x` becomes `x.gz`); `run.sh` unpacks them.
+fn gzip_all(dir: &Path) -> Result {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect();
+    files.sort();
+    run(
+        &format!("gzip {}", dir.display()),
+        std::process::Command::new("gzip").arg("-f").args(&files),
+    )
 }
 
 /// The one command the GPU machine runs (`xtask/run.sh`, in parts that fit a device call).
