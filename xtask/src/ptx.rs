@@ -326,15 +326,24 @@ fn check_ptx(kernels: &Path) -> Result {
         match std::fs::read_to_string(dir.join(file)) {
             Err(_) => problems.push(format!("{PTX_DIR}/{file} is missing")),
             Ok(committed) if committed != fresh => {
-                let line = committed
+                // The first two lines name the source (and its hash); the rest is nvcc's.
+                let code = committed
                     .lines()
                     .zip(fresh.lines())
+                    .skip(2)
                     .position(|(c, f)| c != f)
-                    .unwrap_or_else(|| committed.lines().count().min(fresh.lines().count()));
+                    .map(|i| i + 3)
+                    .or_else(|| {
+                        let (c, f) = (committed.lines().count(), fresh.lines().count());
+                        (c != f).then_some(c.min(f) + 1)
+                    });
+                let detail = match code {
+                    Some(line) => format!("the PTX itself first differs at line {line}"),
+                    None => "only its header differs (the source changed, not the code)".into(),
+                };
                 problems.push(format!(
-                    "{PTX_DIR}/{file} is stale: it differs from what nvcc builds from kernels/ \
-                     now, first at line {}",
-                    line + 1
+                    "{PTX_DIR}/{file} is stale: it is not what nvcc builds from kernels/ now; \
+                     {detail}"
                 ));
             }
             Ok(_) => {}
