@@ -7,8 +7,9 @@
 // - The GPU->host request ring: gpuio_read_async / gpuio_write_async / gpuio_poll / gpuio_wait /
 //   gpuio_read, in gpuio_ring.cuh (included below).
 //
-// Compiled by NVRTC at run time (no include paths, no standard headers): gpuio embeds this text
-// before the sources that use it, so every `#include "gpuio.cuh"` sits inside #ifndef GPUIO_CUH.
+// Built without include paths or standard headers (nvcc ahead of time to PTX, NVRTC at run time
+// as the fallback): gpuio puts this text before the sources that use it, so every
+// `#include "gpuio.cuh"` sits inside #ifndef GPUIO_CUH.
 #ifndef GPUIO_CUH
 #define GPUIO_CUH
 

@@ -36,9 +36,9 @@
 // - Results are bytes moved (>= 0, always the full length on success) or a negative code:
 //   GPUIO_ERROR_* (-1 .. -11, docs/REFERENCE.md#error-codes) or one of the two ring codes below.
 //
-// Compiled by NVRTC at run time (no include paths, no standard headers): gpuio embeds this text
-// before the sources that use it, so every `#include "gpuio_ring.cuh"` sits inside
-// #ifndef GPUIO_RING_CUH.
+// Built without include paths or standard headers (nvcc ahead of time to PTX, NVRTC at run time
+// as the fallback): gpuio puts this text before the sources that use it, so every
+// `#include "gpuio_ring.cuh"` sits inside #ifndef GPUIO_RING_CUH.
 #ifndef GPUIO_RING_CUH
 #define GPUIO_RING_CUH
 
