@@ -24,7 +24,7 @@ const PEER: &str = "NVRTC + driver load";
 fn case(
     gpu: &Gpu,
     name: &str,
-    modules: &[KernelSource],
+    modules: &[&KernelSource],
     budget: &Budget,
     notes: &mut Vec<String>,
 ) -> Result<Record> {

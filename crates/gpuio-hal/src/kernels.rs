@@ -133,7 +133,7 @@ impl KernelLoad {
 }
 
 /// `kernels/pattern.cu`: the data pattern fill and the on-device compare.
-pub const PATTERN: KernelSource = KernelSource {
+pub static PATTERN: KernelSource = KernelSource {
     name: "pattern.cu",
     source: include_str!("../../../kernels/pattern.cu"),
     functions: &["gpuio_fill_pattern", "gpuio_find_mismatch"],
@@ -143,7 +143,7 @@ pub const PATTERN: KernelSource = KernelSource {
 /// `kernels/gather.cu` with the device header `gpuio.cuh` (and the ring header it includes)
 /// in front: the row gather and scatter kernels, the naive baseline, and the sorted gather's
 /// ordering kernels.
-pub const GATHER: KernelSource = KernelSource {
+pub static GATHER: KernelSource = KernelSource {
     name: "gather.cu",
     source: concat!(
         include_str!("../../../kernels/gpuio_ring.cuh"),
@@ -175,7 +175,7 @@ pub const GATHER: KernelSource = KernelSource {
 /// `kernels/ring_bench.cu` and `ring_layout.cu` with the ring header in front: kernels
 /// issuing reads through the request ring (many threads, and one thread timing round trips),
 /// and the layout report the GPU test compares with [`crate::ring::layout()`].
-pub const RING_BENCH: KernelSource = KernelSource {
+pub static RING_BENCH: KernelSource = KernelSource {
     name: "ring_bench.cu",
     source: concat!(
         include_str!("../../../kernels/gpuio_ring.cuh"),
@@ -191,7 +191,10 @@ pub const RING_BENCH: KernelSource = KernelSource {
 };
 
 /// Every module of `kernels/` that gpuio loads: the CUDA backend loads no other.
-pub const ALL: &[KernelSource] = &[PATTERN, GATHER, RING_BENCH];
+///
+/// The modules are statics, not constants, so that a binary holds one copy of their text
+/// however many crates name them (a constant's data is copied into each crate that uses it).
+pub static ALL: &[&KernelSource] = &[&PATTERN, &GATHER, &RING_BENCH];
 
 #[cfg(test)]
 mod tests {

@@ -231,7 +231,7 @@ fn kernel_modules_load_from_embedded_ptx() {
     let p = devices();
     let gpu = &p.gpus[0];
     if gpu.backend() == Backend::Host {
-        let e = gpu.load_kernels(&ALL[0]).unwrap_err();
+        let e = gpu.load_kernels(ALL[0]).unwrap_err();
         assert_eq!(e.code(), ErrorCode::Unsupported);
         eprintln!("skipped kernel modules: the host backend has none");
         return;
