@@ -29,25 +29,34 @@ enum Failure {
     Failed(HalError),
 }
 
+/// Why the driver refused a PTX image with `code`, where that leaves NVRTC's build of the
+/// source a chance; `None` for errors that any image would meet (out of memory, a lost
+/// context).
+fn refusal(code: sys::CUresult) -> Option<&'static str> {
+    use sys::cudaError_enum as E;
+    Some(match code {
+        E::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => {
+            "its PTX ISA is newer than this driver knows (PTX from CUDA 13.0 needs a CUDA 13.0 \
+             driver, r580, or newer)"
+        }
+        E::CUDA_ERROR_INVALID_PTX | E::CUDA_ERROR_INVALID_IMAGE => {
+            "the driver's JIT compiler rejected it"
+        }
+        E::CUDA_ERROR_NO_BINARY_FOR_GPU => "the driver found no code in it for this device",
+        E::CUDA_ERROR_JIT_COMPILER_NOT_FOUND | E::CUDA_ERROR_JIT_COMPILATION_DISABLED => {
+            "the driver cannot JIT-compile PTX here"
+        }
+        E::CUDA_ERROR_NOT_FOUND => "it lacks a function the source defines (is it stale?)",
+        _ => return None,
+    })
+}
+
 impl Failure {
     fn from_driver(op: &'static str, e: DriverError) -> Self {
-        use sys::cudaError_enum as E;
-        let why = match e.0 {
-            E::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => {
-                "its PTX ISA is newer than this driver knows (PTX from CUDA 13.0 needs a CUDA \
-                 13.0 driver, r580, or newer)"
-            }
-            E::CUDA_ERROR_INVALID_PTX | E::CUDA_ERROR_INVALID_IMAGE => {
-                "the driver's JIT compiler rejected it"
-            }
-            E::CUDA_ERROR_NO_BINARY_FOR_GPU => "the driver found no code in it for this device",
-            E::CUDA_ERROR_JIT_COMPILER_NOT_FOUND | E::CUDA_ERROR_JIT_COMPILATION_DISABLED => {
-                "the driver cannot JIT-compile PTX here"
-            }
-            E::CUDA_ERROR_NOT_FOUND => "it lacks a function the source defines (is it stale?)",
-            _ => return Self::Failed(cuda_err(op)(e)),
-        };
-        Self::Refused(why, cuda_err(op)(e))
+        match refusal(e.0) {
+            Some(why) => Self::Refused(why, cuda_err(op)(e)),
+            None => Self::Failed(cuda_err(op)(e)),
+        }
     }
 
     /// As the HAL's error, for callers that do not fall back.
@@ -201,4 +210,30 @@ pub(super) fn time_load(
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sys::cudaError_enum as E;
+
+    #[test]
+    fn nvrtc_serves_where_the_driver_refuses_the_ptx_itself() {
+        for code in [
+            E::CUDA_ERROR_UNSUPPORTED_PTX_VERSION,
+            E::CUDA_ERROR_INVALID_PTX,
+            E::CUDA_ERROR_NO_BINARY_FOR_GPU,
+            E::CUDA_ERROR_JIT_COMPILER_NOT_FOUND,
+            E::CUDA_ERROR_NOT_FOUND,
+        ] {
+            assert!(refusal(code).is_some(), "{code:?}");
+        }
+        for code in [
+            E::CUDA_ERROR_OUT_OF_MEMORY,
+            E::CUDA_ERROR_INVALID_CONTEXT,
+            E::CUDA_ERROR_LAUNCH_FAILED,
+        ] {
+            assert!(refusal(code).is_none(), "{code:?}");
+        }
+    }
 }
