@@ -6,7 +6,9 @@
 //!
 //! The driver keeps what it JIT-compiles in its cache (`~/.nv/ComputeCache`), so after the
 //! warm-up both sides load cached code and the difference is NVRTC's compile; run with
-//! `CUDA_CACHE_DISABLE=1` to time the JIT itself too, as on a machine's first run.
+//! `CUDA_CACHE_DISABLE=1` to time the JIT itself too, as on a machine's first run. The warm-up
+//! also absorbs what a process pays once whichever way it loads (opening libnvrtc, the driver's
+//! JIT compiler): the figures are per module.
 
 use crate::{Budget, Record, Result, Target, race};
 use gpuio_api::Session;
