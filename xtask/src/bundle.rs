@@ -103,11 +103,13 @@ pub fn gpu_bundle() -> Result {
     Ok(())
 }
 
-/// Gzips every file in `dir` in place (`x` becomes `x.gz`); `run.sh` unpacks them.
+/// Gzips every executable in `dir` in place (`x` becomes `x.gz`; the `.args` files stay as
+/// they are); `run.sh` unpacks them.
 fn gzip_all(dir: &Path) -> Result {
     let mut files: Vec<_> = std::fs::read_dir(dir)
         .map_err(|e| format!("{}: {e}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_none_or(|x| x != "args"))
         .collect();
     files.sort();
     run(

@@ -8,5 +8,6 @@ mod gpu;
 #[cfg(feature = "cuda")]
 mod kernels;
 mod pool;
+mod ptx;
 #[cfg(feature = "rdma")]
 mod rdma;
