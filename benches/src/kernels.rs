@@ -22,6 +22,37 @@ pub const SUITE: &str = "kernels";
 /// The peer's name in the records.
 const PEER: &str = "NVRTC + driver load";
 
+/// How many loads the suite times.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Timed loads of each side per case (after one untimed), the median recorded. A fixed
+    /// count rather than a time budget: the embedded side is so much faster that a minimum
+    /// time for it would run NVRTC hundreds of times.
+    pub reps: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self { reps: 9 }
+    }
+}
+
+impl Options {
+    /// A short run.
+    pub fn quick() -> Self {
+        Self { reps: 3 }
+    }
+
+    fn budget(&self) -> Budget {
+        Budget {
+            warmup: 1,
+            min_reps: self.reps.max(1),
+            max_reps: self.reps.max(1),
+            min_time: Duration::ZERO,
+        }
+    }
+}
+
 /// One module (or `all`) raced both ways.
 fn case(
     gpu: &Gpu,
@@ -99,9 +130,10 @@ fn median(mut v: Vec<Duration>) -> Duration {
 /// Records carry the PTX's size in bytes and, as the route, which embedded PTX was loaded.
 pub fn run(
     session: &Session,
-    budget: &Budget,
+    opts: &Options,
     progress: &mut dyn FnMut(&str),
 ) -> Result<(Vec<Record>, Vec<Target>, Vec<String>)> {
+    let budget = &opts.budget();
     let gpu = session.gpu(0)?.clone();
     if gpu.backend() == Backend::Host {
         return Ok((

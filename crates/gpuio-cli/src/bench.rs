@@ -158,7 +158,12 @@ pub fn run(config: Config, args: &BenchArgs) -> Result<(), Error> {
                 cache::run(&session, &opts, &budget, &mut |c| tick(suite, c)).map_err(bench_err)?
             }
             kernels::SUITE => {
-                kernels::run(&session, &budget, &mut |c| tick(suite, c)).map_err(bench_err)?
+                let opts = if args.quick {
+                    kernels::Options::quick()
+                } else {
+                    kernels::Options::default()
+                };
+                kernels::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
             }
             _ => continue,
         };
