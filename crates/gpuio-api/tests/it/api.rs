@@ -314,9 +314,12 @@ fn memio_and_localio_lanes_share_the_sessions_staging_pool() {
     let s = session();
     let limit = s.staging_pool().stats().limit;
     assert!(limit >= 1 << 30, "{limit}");
-    assert_eq!(
-        s.config().pool_config(None).limit / (1 << 20),
-        limit / (1 << 20)
+    // "auto" is a share of the memory the machine can back now, which moves a little between
+    // the session's start and this second reading on a busy machine.
+    let again = s.config().pool_config(None).limit;
+    assert!(
+        again.abs_diff(limit) <= limit / 100,
+        "the session's pool ({limit}) is not the configured auto size ({again})"
     );
     drop(s);
 
