@@ -317,15 +317,15 @@ impl Endpoint {
         }
     }
 
-    /// Makes what was written to this endpoint durable: `fdatasync` for a file. Memory has
-    /// nothing to flush, and the agent protocol has no flush: a write to another node is as
-    /// durable as its agent's export. Called once when a durable request completes, however
-    /// many transfers carried it.
-    pub fn sync_data(&self) -> crate::Result<()> {
-        if let Self::File { file, .. } = self {
-            file.sync_data()?;
+    /// What a durable write to this endpoint must flush (`fdatasync`) before it completes: the
+    /// file, or nothing. Memory has nothing to flush, and the agent protocol has no flush: a
+    /// write to another node is as durable as its agent's export. Whoever completes a durable
+    /// request flushes it once, however many transfers carried it.
+    pub fn durable_file(&self) -> Option<&FileHandle> {
+        match self {
+            Self::File { file, .. } => Some(file),
+            Self::Host { .. } | Self::Device { .. } | Self::Remote { .. } => None,
         }
-        Ok(())
     }
 }
 

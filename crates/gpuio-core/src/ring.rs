@@ -330,8 +330,10 @@ impl Shared {
             RingOp::Read => self.engines.execute(&at, &device, len)?,
             RingOp::Write => {
                 let o = self.engines.execute(&device, &at, len)?;
-                if req.flags & ring::FLAG_DURABLE != 0 {
-                    at.sync_data()?;
+                if req.flags & ring::FLAG_DURABLE != 0
+                    && let Some(file) = at.durable_file()
+                {
+                    file.sync_data().map_err(CoreError::from)?;
                 }
                 o
             }

@@ -167,19 +167,20 @@ pub enum StagedEnd<'a> {
 }
 
 impl StagedEnd<'_> {
-    /// The same end `by` bytes further on.
+    /// The same end `by` bytes further on (saturating: an offset past any file or export then
+    /// fails there, with its error).
     pub fn advanced(self, by: usize) -> Self {
         match self {
             Self::Device(d) => Self::Device(DeviceAt {
-                offset: d.offset + by,
+                offset: d.offset.saturating_add(by),
                 ..d
             }),
             Self::File(f) => Self::File(FileAt {
-                offset: f.offset + by as u64,
+                offset: f.offset.saturating_add(by as u64),
                 ..f
             }),
             Self::Remote(r) => Self::Remote(RemoteAt {
-                offset: r.offset + by as u64,
+                offset: r.offset.saturating_add(by as u64),
                 ..r
             }),
         }

@@ -79,19 +79,16 @@ impl Shared {
             && self.queued.load(Ordering::Acquire) == 0
             && !self.closing.load(Ordering::Acquire)
         {
-            let mut unit = Unit::Chunk {
-                t: t.clone(),
-                off: 0,
-                len: t.len,
-            };
-            for h in &self.handoffs {
-                match h.give(unit) {
-                    Ok(()) => {
-                        self.account_queued(tickets);
-                        return Ok(());
-                    }
-                    Err(u) => unit = u,
-                }
+            // Counted between the claim and the fill: before the worker can finish it, and
+            // only if it is handed over.
+            if let Some(h) = self.handoffs.iter().find(|h| h.claim()) {
+                self.account_queued(tickets);
+                h.fill(Unit::Chunk {
+                    t: t.clone(),
+                    off: 0,
+                    len: t.len,
+                });
+                return Ok(());
             }
         }
         let units: Vec<(Meta, Unit)> = tickets

@@ -79,18 +79,29 @@ impl<T> Handoff<T> {
         }
     }
 
-    /// A submitter: hands `unit` to the worker if it is spinning, else gives it back.
-    pub fn give(&self, unit: T) -> Result<(), T> {
-        if self.state.load(Ordering::Relaxed) != OPEN
-            || self
+    /// A submitter claims the slot if its worker is spinning; a claim must be filled (the
+    /// worker waits for it).
+    pub fn claim(&self) -> bool {
+        self.state.load(Ordering::Relaxed) == OPEN
+            && self
                 .state
                 .compare_exchange(OPEN, CLAIMED, Ordering::AcqRel, Ordering::Relaxed)
-                .is_err()
-        {
-            return Err(unit);
-        }
+                .is_ok()
+    }
+
+    /// Fills a claimed slot.
+    pub fn fill(&self, unit: T) {
         *self.unit.lock_unpoisoned() = Some(unit);
         self.state.store(FULL, Ordering::Release);
+    }
+
+    /// Hands `unit` to the worker if it is spinning, else gives it back.
+    #[cfg(test)]
+    pub fn give(&self, unit: T) -> Result<(), T> {
+        if !self.claim() {
+            return Err(unit);
+        }
+        self.fill(unit);
         Ok(())
     }
 }

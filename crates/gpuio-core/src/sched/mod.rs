@@ -438,14 +438,22 @@ impl SchedSession {
                 slot,
             });
         }
-        let in_worker = worker::in_worker();
+        // Admitted as a whole: admitting member by member could wait for room that only
+        // earlier members, not yet queued, would free.
+        let mut parts: Vec<(crate::EngineKind, u64)> = Vec::new();
+        for r in &requests {
+            match parts.iter_mut().find(|(e, _)| *e == r.engine) {
+                Some((_, b)) => *b += r.len as u64,
+                None => parts.push((r.engine, r.len as u64)),
+            }
+        }
+        sh.acct
+            .budgets
+            .acquire_all(&parts, &self.state, worker::in_worker())?;
         let mut tickets: Vec<Arc<TicketInner>> = Vec::with_capacity(n);
-        for req in requests {
+        let mut requests = requests.into_iter();
+        while let Some(req) = requests.next() {
             let (engine, bytes) = (req.engine, req.len as u64);
-            let admitted = sh
-                .acct
-                .budgets
-                .acquire(engine, &self.state, bytes, true, in_worker);
             let (report, slot) = (report.clone(), slot.clone());
             let id = req.id;
             let done: Done = Box::new(move |r| {
@@ -459,19 +467,18 @@ impl SchedSession {
                     slot.put(Ok(g.0.clone()));
                 }
             });
-            let made = admitted.and_then(|()| {
-                self.ticket(req, done, Instant::now()).inspect_err(|_| {
-                    sh.acct.budgets.release(engine, &self.state, bytes);
-                })
-            });
-            match made {
+            match self.ticket(req, done, Instant::now()) {
                 Ok(t) => tickets.push(t),
                 Err(e) => {
-                    // Nothing was queued: the ones made so far fail quietly (releasing
-                    // their budget); the caller hears the error.
+                    // Nothing was queued: the ones made so far fail quietly (releasing their
+                    // budget), the rest give theirs back; the caller hears the error.
                     for t in &tickets {
                         t.disarm();
                         t.fail_unstarted(CoreError::ShutDown);
+                    }
+                    sh.acct.budgets.release(engine, &self.state, bytes);
+                    for r in requests {
+                        sh.acct.budgets.release(r.engine, &self.state, r.len as u64);
                     }
                     return Err(e);
                 }

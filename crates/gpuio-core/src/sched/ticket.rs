@@ -10,13 +10,13 @@
 use super::handle::Completion;
 use super::queue::SessionId;
 use crate::batch::MergeKey;
-use crate::endpoint::Endpoint;
 use crate::error::{CoreError, Result};
 use crate::metrics::SchedMetrics;
 use crate::outcome::Outcome;
 use crate::request::{Priority, Request, RequestId, Status, StatusCell};
 use crate::route::EngineKind;
 use gpuio_hal::sync::{CondvarExt, MutexExt, StripedCounter};
+use gpuio_transport_localio::FileHandle;
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -136,6 +136,41 @@ impl Budgets {
         Ok(())
     }
 
+    /// Admits a batch as a whole: every engine's share and the session's total at once, so a
+    /// batch never waits for room that only its own, not yet queued, members would free. An
+    /// idle budget admits anything, as for one request.
+    pub fn acquire_all(
+        &self,
+        parts: &[(EngineKind, u64)],
+        s: &SessionState,
+        force: bool,
+    ) -> Result<()> {
+        let total: u64 = parts.iter().map(|(_, b)| b).sum();
+        let fit = || {
+            parts
+                .iter()
+                .all(|&(e, b)| fits(self.engine[e as usize].get(), self.engine_limit, b))
+                && fits(s.in_flight.get(), s.limit, total)
+        };
+        let mut g = self.lock.lock_unpoisoned();
+        if !force && !fit() {
+            self.waiters.fetch_add(1, Ordering::SeqCst);
+            while !fit() {
+                g = self
+                    .room
+                    .wait_timeout_unpoisoned(g, Duration::from_millis(5))
+                    .0;
+            }
+            self.waiters.fetch_sub(1, Ordering::SeqCst);
+        }
+        for &(e, b) in parts {
+            self.engine[e as usize].add(b);
+        }
+        s.in_flight.add(total);
+        drop(g);
+        Ok(())
+    }
+
     pub fn release(&self, e: EngineKind, s: &SessionState, bytes: u64) {
         self.engine[e as usize].sub(bytes);
         s.in_flight.sub(bytes);
@@ -235,6 +270,9 @@ pub(crate) struct TicketState {
     pub started: Option<Instant>,
     /// The first chunk's outcome, kept for a request of several chunks.
     pub first: Option<Box<Outcome>>,
+    /// A durable request's file, flushed once every chunk has landed (then let go, before the
+    /// completion is delivered).
+    pub durable: Option<FileHandle>,
     finished: bool,
 }
 
@@ -252,8 +290,6 @@ pub(crate) struct TicketInner {
     /// Whether (and with what) it may run merged with adjacent requests; fixed at submission,
     /// so workers read it without the lock.
     pub merge: Option<MergeKey>,
-    /// A durable request's destination, made durable once every chunk has landed.
-    durable: Option<Endpoint>,
     pub state: Mutex<TicketState>,
 }
 
@@ -265,6 +301,11 @@ impl TicketInner {
         session: Arc<SessionState>,
         now: Instant,
     ) -> Self {
+        let durable = req
+            .flags
+            .durable
+            .then(|| req.dst.durable_file().cloned())
+            .flatten();
         Self {
             id: req.id,
             cell: req.status_cell().clone(),
@@ -276,7 +317,6 @@ impl TicketInner {
             submitted: now,
             session,
             merge: crate::batch::merge_key(&req),
-            durable: req.flags.durable.then(|| req.dst.clone()),
             state: Mutex::new(TicketState {
                 req: Some(req),
                 done: Some(done),
@@ -284,6 +324,7 @@ impl TicketInner {
                 error: None,
                 started: None,
                 first: None,
+                durable,
                 finished: false,
             }),
         }
@@ -421,6 +462,17 @@ impl TicketInner {
         }
     }
 
+    /// Takes a durable request's file out (a coalesced group flushes it once for all its
+    /// members); [`restore_durable`](Self::restore_durable) puts it back.
+    pub fn take_durable(&self) -> Option<FileHandle> {
+        self.state.lock_unpoisoned().durable.take()
+    }
+
+    /// Puts back what [`take_durable`](Self::take_durable) took.
+    pub fn restore_durable(&self, file: Option<FileHandle>) {
+        self.state.lock_unpoisoned().durable = file;
+    }
+
     /// Records one chunk's end; the last chunk settles the request. A durable request's
     /// destination is synced once, after every chunk succeeded, before it completes.
     pub fn chunk_done(&self, result: Result<Outcome>) {
@@ -449,6 +501,7 @@ impl TicketInner {
         }
         let error = s.error.take();
         let first = s.first.take();
+        let durable = s.durable.take();
         drop(s);
         // The request's result: the first error, else its bytes the way its first chunk went.
         let result = match (error, first.map(|o| *o).or(this)) {
@@ -457,8 +510,8 @@ impl TicketInner {
                 "request {} finished without an outcome",
                 self.id
             ))),
-            (None, Some(first)) => match self.durable.as_ref().map(Endpoint::sync_data) {
-                Some(Err(e)) => Err(e),
+            (None, Some(first)) => match durable.map(|f| f.sync_data()) {
+                Some(Err(e)) => Err(e.into()),
                 _ => Ok(Outcome {
                     bytes: self.len,
                     ..first

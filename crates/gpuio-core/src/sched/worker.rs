@@ -319,16 +319,31 @@ impl Shared {
                         self.engines.execute(&src, &dst, total)
                     })
                 });
-                if let Ok(o) = result {
-                    for t in &picked {
-                        let outcome = Outcome {
-                            bytes: t.len,
-                            coalesced: all,
-                            ..o.clone()
-                        };
-                        t.chunk_done(Ok(outcome));
+                // Durable members write one file: it is flushed once for the group. If that
+                // fails, each member runs (and flushes) again on its own.
+                let durable: Vec<_> = picked.iter().map(|t| t.take_durable()).collect();
+                let synced = result.and_then(|o| match durable.iter().flatten().next() {
+                    Some(file) => file.sync_data().map(|()| o).map_err(CoreError::from),
+                    None => Ok(o),
+                });
+                match synced {
+                    Ok(o) => {
+                        drop(durable);
+                        for t in &picked {
+                            let outcome = Outcome {
+                                bytes: t.len,
+                                coalesced: all,
+                                ..o.clone()
+                            };
+                            t.chunk_done(Ok(outcome));
+                        }
+                        return;
                     }
-                    return;
+                    Err(_) => {
+                        for (t, file) in picked.iter().zip(durable) {
+                            t.restore_durable(file);
+                        }
+                    }
                 }
             }
         }

@@ -524,3 +524,104 @@ fn small_adjacent_requests_are_merged_by_the_workers() {
         None
     );
 }
+
+/// Durable writes coalesced into one transfer land whole in their file, and a durable request
+/// lets go of its buffers before its completion is delivered (the file it flushes included).
+#[test]
+fn durable_requests_flush_their_file_and_let_go_before_completing() {
+    let e = engines();
+    let s = sched(&e, 1, RetryPolicy::NONE).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = e
+        .localio()
+        .open(dir.path().join("journal"), OpenOptions::CREATE)
+        .unwrap();
+    let gate = host(4096, 1);
+    let src = host(64 << 10, 21);
+    let guard = gate.write();
+    let blocker = occupy(&s, &gate, &zeroed(16));
+    let durable = RequestFlags {
+        durable: true,
+        ..RequestFlags::default()
+    };
+    let reqs: Vec<Request> = (0..16)
+        .map(|i| {
+            Request::new(
+                Endpoint::host(&src, i * 4096),
+                Endpoint::file(&file, (i * 4096) as u64),
+                4096,
+            )
+            .unwrap()
+            .with_flags(durable)
+        })
+        .collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    s.submit_each(reqs, move |r| {
+        tx.send(r.map(|c| c.outcome.coalesced)).unwrap()
+    })
+    .unwrap();
+    drop(guard);
+    blocker.wait().unwrap();
+    let merged: Vec<usize> = (0..16).map(|_| rx.recv().unwrap().unwrap()).collect();
+    assert!(
+        merged.iter().any(|&n| n > 1),
+        "nothing coalesced: {merged:?}"
+    );
+    let mut back = vec![0u8; 64 << 10];
+    file.read_exact_at(0, &mut back).unwrap();
+    assert_eq!(pattern::first_deviation(&back, 0, 21), None);
+
+    // A durable request to host memory: nothing to flush, and the buffer is free again once
+    // the completion arrives.
+    let dst = zeroed(4096);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let req = Request::new(Endpoint::host(&src, 0), Endpoint::host(&dst, 0), 4096)
+        .unwrap()
+        .with_flags(durable);
+    s.submit_with(req, move |r| {
+        tx.send(r.is_ok()).unwrap();
+        // Slow to return: whatever the worker still holds now, it holds past the completion.
+        std::thread::sleep(Duration::from_millis(50));
+    })
+    .unwrap();
+    assert!(rx.recv().unwrap());
+    let buf = dst
+        .into_inner()
+        .expect("the completed request let go of its destination");
+    assert_eq!(pattern::first_deviation(&buf, 0, 21), None);
+}
+
+/// A batch larger than its session's in-flight limit runs (admitted as a whole while the
+/// session is idle) instead of waiting for room only its own unqueued members would free.
+#[test]
+fn a_batch_larger_than_the_session_limit_runs() {
+    let e = engines();
+    let s = sched(&e, 2, RetryPolicy::NONE).unwrap();
+    let tenant = s.session(SessionOptions {
+        max_in_flight: Some(1 << 20),
+        ..SessionOptions::default()
+    });
+    let src = host(4 << 20, 33);
+    let dst = zeroed(4 << 20);
+    let reqs: Vec<Request> = (0..4)
+        .map(|i| {
+            Request::new(
+                Endpoint::host(&src, i << 20),
+                Endpoint::host(&dst, i << 20),
+                1 << 20,
+            )
+            .unwrap()
+        })
+        .collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let report = tenant.submit_batch(reqs).and_then(|h| h.wait());
+        tx.send(report.map(|r| r.bytes)).unwrap();
+    });
+    let bytes = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the batch waited for room only it could free")
+        .unwrap();
+    assert_eq!(bytes, 4 << 20);
+    assert_eq!(pattern::first_deviation(&dst.read(), 0, 33), None);
+}
