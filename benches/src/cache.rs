@@ -183,64 +183,44 @@ pub fn run(
     // 1. Random reads into host memory.
     let case = format!("hot_read_{}", human(rs).replace(' ', ""));
     progress(&case);
-    let before = cached.stats();
-    let (ours, theirs) = race(
-        budget,
-        |_| {
-            for &off in &offsets {
-                cached.read(off, &mut buf).map_err(api)?;
-            }
-            Ok(())
-        },
-        |_| {
-            let mut b = vec![0u8; rs];
-            for &off in &offsets {
-                plain.read_exact_at(off, &mut b).map_err(api)?;
-            }
-            Ok(())
-        },
-    )?;
-    for &off in offsets.iter().step_by(97) {
-        cached.read(off, &mut buf).map_err(api)?;
-        check(&case, &buf, off, seed)?;
-    }
-    record(
-        &case,
-        (rate(ours.median), ours.reps),
-        "pread (page cache warm)",
-        rate(theirs.median),
-        hit_rates(&before, &cached.stats()),
-    );
+    // The cache's reads raced against the same reads from `peer`, recorded under `name`.
+    let mut race_reads = |peer: &gpuio_api::FileHandle, name: &str| -> Result<()> {
+        let before = cached.stats();
+        let (ours, theirs) = race(
+            budget,
+            |_| {
+                for &off in &offsets {
+                    cached.read(off, &mut buf).map_err(api)?;
+                }
+                Ok(())
+            },
+            |_| {
+                let mut b = vec![0u8; rs];
+                for &off in &offsets {
+                    peer.read_exact_at(off, &mut b).map_err(api)?;
+                }
+                Ok(())
+            },
+        )?;
+        record(
+            &case,
+            (rate(ours.median), ours.reps),
+            name,
+            rate(theirs.median),
+            hit_rates(&before, &cached.stats()),
+        );
+        Ok(())
+    };
+    race_reads(&plain, "pread (page cache warm)")?;
     // The same reads from the device (O_DIRECT: what a working set the page cache does not
     // hold costs), where the file system allows it.
     match gpuio_api::FileHandle::open(&path, gpuio_api::OpenOptions::READ.direct()) {
-        Ok(direct) => {
-            let before = cached.stats();
-            let (ours, theirs) = race(
-                budget,
-                |_| {
-                    for &off in &offsets {
-                        cached.read(off, &mut buf).map_err(api)?;
-                    }
-                    Ok(())
-                },
-                |_| {
-                    let mut b = vec![0u8; rs];
-                    for &off in &offsets {
-                        direct.read_exact_at(off, &mut b).map_err(api)?;
-                    }
-                    Ok(())
-                },
-            )?;
-            record(
-                &case,
-                (rate(ours.median), ours.reps),
-                "O_DIRECT pread (from the device)",
-                rate(theirs.median),
-                hit_rates(&before, &cached.stats()),
-            );
-        }
+        Ok(direct) => race_reads(&direct, "O_DIRECT pread (from the device)")?,
         Err(e) => notes.push(format!("O_DIRECT peer: {e}")),
+    }
+    for &off in offsets.iter().step_by(97) {
+        cached.read(off, &mut buf).map_err(api)?;
+        check(&case, &buf, off, seed)?;
     }
 
     // 2. Random reads into GPU memory, each to its own place in a device buffer.
