@@ -262,18 +262,6 @@ impl Endpoint {
         ResourceKey { kind, id }
     }
 
-    /// A name for the resource, for load tracking and messages.
-    pub fn resource_name(&self) -> String {
-        match self {
-            Self::Host { mem, .. } => format!("host:{:x}", mem.id()),
-            Self::Device { buf, .. } => {
-                format!("gpu{}:{:x}", buf.gpu().ordinal(), buf.device_addr())
-            }
-            Self::File { file, .. } => format!("file:{}", file.path().display()),
-            Self::Remote { res, .. } => res.to_string(),
-        }
-    }
-
     /// The memory region `len` bytes from here cover (`None` for files or out of range).
     pub fn region(&self, len: usize) -> Option<MemoryRegion> {
         match self {

@@ -3,7 +3,7 @@
 use super::Engine;
 use crate::error::{CoreError, Result};
 use crate::outcome::Route;
-use crate::route::{EngineKind, FileAt, LocalTransfer};
+use crate::route::{FileAt, LocalTransfer};
 use gpuio_hal::{HostAllocOptions, HostBuffer};
 use gpuio_transport_localio::{Durability, LocalIo};
 use std::sync::Arc;
@@ -14,7 +14,6 @@ pub struct LocalIoEngine(pub Arc<LocalIo>);
 
 impl Engine for LocalIoEngine {
     type Transfer<'a> = LocalTransfer<'a>;
-    const KIND: EngineKind = EngineKind::LocalIo;
 
     fn transfer(&self, t: LocalTransfer<'_>, len: usize) -> Result<Route> {
         let io = &self.0;

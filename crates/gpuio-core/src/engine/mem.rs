@@ -3,7 +3,7 @@
 use super::Engine;
 use crate::error::Result;
 use crate::outcome::Route;
-use crate::route::{EngineKind, HostDst, HostSrc, MemTransfer};
+use crate::route::{HostDst, HostSrc, MemTransfer};
 use gpuio_hal::check_range;
 use gpuio_transport_memio::MemIo;
 use std::sync::Arc;
@@ -14,7 +14,6 @@ pub struct MemIoEngine(pub Arc<MemIo>);
 
 impl Engine for MemIoEngine {
     type Transfer<'a> = MemTransfer<'a>;
-    const KIND: EngineKind = EngineKind::MemIo;
 
     fn transfer(&self, t: MemTransfer<'_>, len: usize) -> Result<Route> {
         let io = &self.0;

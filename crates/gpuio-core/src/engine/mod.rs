@@ -17,7 +17,7 @@ use crate::error::{CoreError, Result};
 use crate::outcome::{Outcome, Route};
 use crate::resources::ResourceTracker;
 use crate::retry::RetryPolicy;
-use crate::route::{EngineKind, Transfer};
+use crate::route::Transfer;
 use gpuio_transport_localio::LocalIo;
 use gpuio_transport_memio::MemIo;
 use std::fmt;
@@ -28,9 +28,6 @@ use std::time::Instant;
 pub trait Engine: Send + Sync + fmt::Debug {
     /// The transfers this engine serves (one variant per pair of endpoint kinds).
     type Transfer<'a>;
-
-    /// Which transport this is.
-    const KIND: EngineKind;
 
     /// Moves `len` bytes; says how. A host slice must hold at least `len` bytes; the first
     /// `len` are used.

@@ -4,7 +4,7 @@ use super::Engine;
 use crate::endpoint::HostMemory;
 use crate::error::{CoreError, Result};
 use crate::outcome::{RemoteVia, Route};
-use crate::route::{EngineKind, HostDst, HostSrc, RemoteAt, RemoteTransfer, StagedEnd};
+use crate::route::{HostDst, HostSrc, RemoteAt, RemoteTransfer, StagedEnd};
 use gpuio_hal::check_range;
 use gpuio_hal::sync::MutexExt;
 use gpuio_transport_memio::{HostPlacement, MemIo};
@@ -219,7 +219,6 @@ impl RemoteIoEngine {
 
 impl Engine for RemoteIoEngine {
     type Transfer<'a> = RemoteTransfer<'a>;
-    const KIND: EngineKind = EngineKind::RemoteIo;
 
     fn transfer(&self, t: RemoteTransfer<'_>, len: usize) -> Result<Route> {
         Ok(match t {

@@ -478,46 +478,35 @@ impl TicketInner {
     pub fn chunk_done(&self, result: Result<Outcome>) {
         let mut s = self.state.lock_unpoisoned();
         s.chunks_left -= 1;
-        let last = s.chunks_left == 0;
-        // Kept outside the ticket unless another chunk must see it: the ticket is written by
-        // the submitter and read by a worker, so every line it spans is a line to fetch.
-        let this = match result {
-            Ok(o) if last => Some(o),
-            Ok(o) => {
-                if s.first.is_none() {
-                    s.first = Some(Box::new(o));
-                }
-                None
+        if s.chunks_left > 0 {
+            // Kept in the ticket only because a later chunk must see it: the ticket is written
+            // by the submitter and read by a worker, so every line it spans is a line to fetch.
+            match result {
+                Ok(o) if s.first.is_none() => s.first = Some(Box::new(o)),
+                Err(e) if s.error.is_none() => s.error = Some(Box::new(e)),
+                _ => {}
             }
-            Err(e) => {
-                if s.error.is_none() {
-                    s.error = Some(Box::new(e));
-                }
-                None
-            }
-        };
-        if !last {
             return;
         }
-        let error = s.error.take();
+        let earlier = s.error.take();
         let first = s.first.take();
         let durable = s.durable.take();
         drop(s);
-        // The request's result: the first error, else its bytes the way its first chunk went.
-        let result = match (error, first.map(|o| *o).or(this)) {
-            (Some(e), _) => Err(*e),
-            (None, None) => Err(CoreError::Internal(format!(
-                "request {} finished without an outcome",
-                self.id
-            ))),
-            (None, Some(first)) => match durable.map(|f| f.sync_data()) {
-                Some(Err(e)) => Err(e.into()),
-                _ => Ok(Outcome {
-                    bytes: self.len,
-                    ..first
-                }),
-            },
-        };
+        // The request's result: the first error, else its bytes the way its first chunk went,
+        // once its file (if durable) is flushed.
+        let result = match earlier {
+            Some(e) => Err(*e),
+            None => result.map(|last| first.map_or(last, |f| *f)),
+        }
+        .and_then(|o| {
+            if let Some(file) = durable {
+                file.sync_data()?;
+            }
+            Ok(Outcome {
+                bytes: self.len,
+                ..o
+            })
+        });
         let status = if result.is_ok() {
             Status::Completed
         } else {
