@@ -20,7 +20,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 // The scheduler hands every request from the submitting thread to a worker; glibc's malloc
-// makes such cross-thread frees expensive, mimalloc does not.
+// makes such cross-thread frees expensive, mimalloc does not. Its v2 series: v3 collected
+// pages in the freeing worker (`mi_free_try_collect_mt`), which cost the scheduler's
+// 4 KiB request rate up to 7% on the GPU machine (docs/PERF.md).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

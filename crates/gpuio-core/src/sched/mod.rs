@@ -77,6 +77,10 @@ struct Shared {
     /// One per worker, each on its own cache line.
     handoffs: Vec<crossbeam_utils::CachePadded<handoff::Handoff>>,
     next_session: AtomicU64,
+    /// Tickets the workers are done with, handed back in bulk so that a submitting thread
+    /// (which allocated them) lets them go: a worker freeing them itself would write a line
+    /// of the submitter's heap and of the session's reference count for every request.
+    spent: crossbeam_utils::CachePadded<Mutex<Vec<Arc<TicketInner>>>>,
 }
 
 /// The scheduler: its worker pool and the default session (which it dereferences to, so
@@ -132,6 +136,7 @@ impl Scheduler {
             stealers: locals.iter().map(Worker::stealer).collect(),
             handoffs: (0..n).map(|_| Default::default()).collect(),
             next_session: AtomicU64::new(1),
+            spent: Default::default(),
             closing: AtomicBool::new(false),
             cfg,
         });
@@ -312,6 +317,9 @@ impl SchedSession {
             )));
         }
         let in_worker = worker::in_worker();
+        // Let go of what the workers handed back (skipped if a worker is handing some now).
+        let spent = sh.spent.try_lock().map(|mut v| std::mem::take(&mut *v));
+        drop(spent);
         let budgets = &sh.acct.budgets;
         // One admission for a whole single-engine submission where it fits: the shared
         // counters are touched once instead of once per request.

@@ -67,26 +67,32 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
 /// then sleep; returns when the scheduler is closing and nothing is queued.
 pub(super) fn worker_main(sh: Arc<Shared>, me: usize, local: Worker<Unit>) {
     IN_WORKER.with(|w| w.set(true));
+    let mut spent = Vec::with_capacity(SPENT_BATCH);
     loop {
-        if let Some(u) = local.pop() {
-            sh.run(u);
-            continue;
-        }
-        if let Some(u) = sh.grab(&local) {
-            sh.run(u);
-            continue;
-        }
-        if let Some(u) = sh.steal(me) {
-            sh.run(u);
-            continue;
-        }
-        match sh.idle(me) {
-            Idle::Run(u) => sh.run(u),
-            Idle::Look => {}
-            Idle::Exit => return,
+        let unit = match local.pop() {
+            Some(u) => u,
+            None => match sh.grab(&local).or_else(|| sh.steal(me)) {
+                Some(u) => u,
+                None => {
+                    // Idle: nothing to save by handing these back now.
+                    spent.clear();
+                    match sh.idle(me) {
+                        Idle::Run(u) => u,
+                        Idle::Look => continue,
+                        Idle::Exit => return,
+                    }
+                }
+            },
+        };
+        sh.run(unit, &mut spent);
+        if spent.len() >= SPENT_BATCH {
+            sh.spent.lock_unpoisoned().append(&mut spent);
         }
     }
 }
+
+/// Settled tickets a worker gathers before handing them back (one lock per this many).
+const SPENT_BATCH: usize = 64;
 
 impl Shared {
     fn policy(&self, no_retry: bool) -> &RetryPolicy {
@@ -214,14 +220,19 @@ impl Shared {
         }
     }
 
-    fn run(&self, unit: Unit) {
+    /// Runs a unit and puts its tickets in `spent`.
+    fn run(&self, unit: Unit, spent: &mut Vec<Arc<TicketInner>>) {
         match unit {
             Unit::Chunk { t, off, len } => {
                 if t.pick_up() {
                     self.run_chunk(&t, off, len);
                 }
+                spent.push(t);
             }
-            Unit::Group(ts) => self.run_group(ts),
+            Unit::Group(ts) => {
+                self.run_group(&ts);
+                spent.extend(ts);
+            }
         }
     }
 
@@ -301,9 +312,9 @@ impl Shared {
 
     /// Runs merged requests as one transfer; on failure (or if some were cancelled meanwhile)
     /// runs them one by one, so one bad request fails alone.
-    fn run_group(&self, ts: Vec<Arc<TicketInner>>) {
+    fn run_group(&self, ts: &[Arc<TicketInner>]) {
         let all = ts.len();
-        let picked: Vec<Arc<TicketInner>> = ts.into_iter().filter(|t| t.pick_up()).collect();
+        let picked: Vec<&Arc<TicketInner>> = ts.iter().filter(|t| t.pick_up()).collect();
         if picked.len() == all && all > 1 {
             let first = {
                 let s = picked[0].state.lock_unpoisoned();

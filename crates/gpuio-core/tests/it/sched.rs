@@ -625,3 +625,49 @@ fn a_batch_larger_than_the_session_limit_runs() {
     assert_eq!(bytes, 4 << 20);
     assert_eq!(pattern::first_deviation(&dst.read(), 0, 33), None);
 }
+
+/// Workers hand settled tickets back to be freed by a submitting thread; none stay behind:
+/// once the workers are idle and another request came, every finished request's ticket is
+/// gone (seen through its status cell, which only the caller's clone still holds).
+#[test]
+fn settled_tickets_are_let_go() {
+    let e = engines();
+    let s = sched(&e, 2, RetryPolicy::NONE).unwrap();
+    let (src, dst) = (host(1 << 20, 3), zeroed(1 << 20));
+    let copy = |i: usize| {
+        Request::new(
+            Endpoint::host(&src, i * 4096),
+            Endpoint::host(&dst, i * 4096),
+            4096,
+        )
+        .unwrap()
+    };
+    let reqs: Vec<Request> = (0..256).map(copy).collect();
+    let cells: Vec<_> = reqs.iter().map(|r| r.status_cell().clone()).collect();
+    let done = Arc::new(AtomicU64::new(0));
+    let d = done.clone();
+    drop(
+        s.submit_each(reqs, move |r| {
+            assert!(r.is_ok());
+            d.fetch_add(1, Ordering::AcqRel);
+        })
+        .unwrap(),
+    );
+    let until = Instant::now() + Duration::from_secs(20);
+    while done.load(Ordering::Acquire) < 256 {
+        assert!(Instant::now() < until, "requests never finished");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(cells.iter().all(|c| c.get() == Status::Completed));
+    // A worker may still be between a completion and handing its ticket back: submit again
+    // until the hand-backs have all been collected.
+    let mut rounds = 0;
+    while cells.iter().any(|c| Arc::strong_count(c) > 1) {
+        assert!(Instant::now() < until, "settled tickets were kept");
+        std::thread::sleep(Duration::from_millis(5));
+        s.submit(copy(0)).unwrap().wait().unwrap();
+        rounds += 1;
+    }
+    assert!(rounds >= 1, "the first submission after the batch collects its tickets");
+    assert_eq!(pattern::first_deviation(&dst.read(), 0, 3), None);
+}
