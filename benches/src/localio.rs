@@ -10,8 +10,8 @@ use crate::peers::{self, FioJob, KvikioMode, PeerResult};
 use crate::{Record, Result, Target, human};
 use gpuio_api::{Durability, FileHandle};
 use gpuio_api::{OpenOptions, Session};
-use gpuio_hal::{Backend, DeviceBuffer, GdsMode, Gpu, pattern};
-use gpuio_transport_localio::{IoEngine, LocalIo, LocalIoConfig};
+use gpuio_hal::{Backend, DeviceBuffer, GdsMode, Gpu, HostAllocOptions, HostBuffer, pattern};
+use gpuio_transport_localio::{IoEngine, LocalIo, LocalIoConfig, PageCachePolicy};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -161,8 +161,18 @@ pub fn run(
         "{engine} x {lanes} lanes, {} KiB chunks, {slots} slots/lane",
         chunk >> 10
     );
+    // The warm read's route as the engine reports it (page cache or lanes, and why).
+    let warm_route = io
+        .read_to_device(&buffered, 0, &dev, 0, len)
+        .map_err(api)?
+        .to_string();
     let mut record =
         |case: &str, metric: &str, unit: &str, value: f64, peer: &str, peer_value: f64| {
+            let route = if case == "seq_read_warm" {
+                &warm_route
+            } else {
+                &route
+            };
             records.push(Record {
                 suite: SUITE.into(),
                 case: format!("{case}/{}", human(len)),
@@ -258,6 +268,45 @@ pub fn run(
             ours,
             "fio (to host memory)",
             f.bytes_per_s / 1e9,
+        );
+    }
+
+    // 1a. The same read through the staged lanes (the page cache path off), and the copy
+    // engine's rate from pinned memory: the ceiling of any read into GPU memory.
+    progress("seq_read_warm staged");
+    let staged = LocalIo::new(LocalIoConfig {
+        page_cache: PageCachePolicy::Off,
+        ..io.config().clone()
+    })
+    .map_err(api)?;
+    let t = time_it(opts.reps, no_prep, || {
+        staged
+            .read_to_device(&buffered, 0, &dev, 0, len)
+            .map_err(api)
+            .map(drop)
+    })?;
+    check_device(&gpu, &dev, &reference, len, seed, "seq_read_warm staged")?;
+    drop(staged);
+    record(
+        "seq_read_warm",
+        "bandwidth",
+        "GB/s",
+        ours,
+        &format!("gpuio staged lanes ({lanes})"),
+        gbps(t),
+    );
+    if gpu.info().backend == Backend::Cuda {
+        let pinned = HostBuffer::alloc_pinned(len, &HostAllocOptions::default(), &gpu)?;
+        let t = time_it(opts.reps, no_prep, || {
+            Ok(gpu.baseline_upload(&pinned, &dev, 0)?)
+        })?;
+        record(
+            "seq_read_warm",
+            "bandwidth",
+            "GB/s",
+            ours,
+            "cudaMemcpy from pinned memory",
+            gbps(t),
         );
     }
 

@@ -340,7 +340,12 @@ fn print_human(r: &Report) {
                 .map_or_else(String::new, |(a, b)| format!("  driver CUDA {a}.{b}"));
             println!("      PCI {bus}  {link}  NUMA node {numa}{driver}");
         }
-        for (name, c) in [("GDS", &d.gds), ("GDR", &d.gdr), ("CXL", &d.cxl)] {
+        for (name, c) in [
+            ("GDS", &d.gds),
+            ("GDR", &d.gdr),
+            ("CXL", &d.cxl),
+            ("page cache DMA", &d.page_cache_dma),
+        ] {
             println!("      {name}  {}  {}", yes_no(c.available), c.detail);
         }
     }

@@ -5,11 +5,12 @@ mod config;
 mod file;
 mod gds;
 mod lane;
+mod page_cache;
 mod plan;
 mod queue;
 mod stripe;
 
-pub use config::{Durability, EnginePreference, GdsPolicy, LocalIoConfig};
+pub use config::{Durability, EnginePreference, GdsPolicy, LocalIoConfig, PageCachePolicy};
 pub use file::{FileHandle, OpenOptions};
 pub use gpuio_hal::file::{DirectIoAlignment, Extent};
 pub use queue::IoEngine;
@@ -150,6 +151,9 @@ pub struct Transfer {
     /// The crc32c of the bytes, in device order, as read from the file (reads) or from GPU
     /// memory (writes); kept when [`LocalIoConfig::checksum`] is on.
     pub crc32c: Option<u32>,
+    /// Bytes the copy engine read straight from the page cache ([`IoEngine::PageCache`]); the
+    /// rest went through the lanes.
+    pub page_cache_bytes: u64,
 }
 
 impl Transfer {
@@ -168,6 +172,16 @@ impl std::fmt::Display for Transfer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.engine {
             IoEngine::Gds(_) => write!(f, "{} x {} thread(s)", self.engine, self.lanes),
+            IoEngine::PageCache if self.page_cache_bytes < self.bytes => write!(
+                f,
+                "{}% {} ({} registering thread(s)), the rest through the staged lanes",
+                self.page_cache_bytes * 100 / self.bytes.max(1),
+                self.engine,
+                self.lanes
+            ),
+            IoEngine::PageCache => {
+                write!(f, "{} ({} registering thread(s))", self.engine, self.lanes)
+            }
             _ => write!(
                 f,
                 "{} x {} lane(s), pinned staging + DMA",
@@ -361,7 +375,23 @@ impl LocalIo {
                  used only for gds=1"
             ),
         };
-        format!("{lanes}; {gds}")
+        let page_cache = match (self.config.page_cache, &gpu.info().page_cache_dma) {
+            (PageCachePolicy::Off, _) => "page cache reads off in the configuration".to_string(),
+            (PageCachePolicy::Auto, c) if !c.available => {
+                format!(
+                    "no page cache reads ({}): warm files are staged too",
+                    c.detail
+                )
+            }
+            (PageCachePolicy::Auto, _) => format!(
+                "warm reads from {} up come straight from the page cache (its pages registered \
+                 read-only, {} registering thread(s); cold chunks staged, O_DIRECT and \
+                 checksummed reads staged)",
+                human_size(self.config.page_cache_threshold),
+                self.config.page_cache_threads.clamp(1, 8)
+            ),
+        };
+        format!("{lanes}; {gds}; {page_cache}")
     }
 
     /// Cuts `pieces` of `files` into chunks of one staging slot each.
@@ -411,6 +441,10 @@ impl LocalIo {
         len: usize,
     ) -> Result<Transfer> {
         file_range(offset, len as u64)?;
+        gpuio_hal::check_range("file read destination", dst_offset, len, dst.len())?;
+        if let Some(t) = self.read_from_page_cache(file, offset, dst, dst_offset, len)? {
+            return Ok(t);
+        }
         let pieces = plan::end_to_end([(0, offset, len as u64)]);
         self.read_pieces(&[file], &pieces, dst, dst_offset, len)
     }
@@ -452,6 +486,7 @@ impl LocalIo {
                 engine: IoEngine::Gds(mode),
                 lanes: n,
                 crc32c: None,
+                page_cache_bytes: 0,
             });
         }
         let pool = self.lane_pool(dst.gpu());
@@ -473,6 +508,7 @@ impl LocalIo {
             engine,
             lanes: n,
             crc32c: plan.crc32c(),
+            page_cache_bytes: 0,
         })
     }
 
@@ -537,6 +573,7 @@ impl LocalIo {
             lanes: n,
             // Scattered blocks have no single byte stream to checksum.
             crc32c: None,
+            page_cache_bytes: 0,
         })
     }
 
@@ -614,6 +651,7 @@ impl LocalIo {
             engine: IoEngine::Gds(mode),
             lanes: n,
             crc32c: None,
+            page_cache_bytes: 0,
         })
     }
 
@@ -665,6 +703,7 @@ impl LocalIo {
             engine,
             lanes: n,
             crc32c: plan.crc32c(),
+            page_cache_bytes: 0,
         })
     }
 }

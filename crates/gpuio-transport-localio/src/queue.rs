@@ -22,6 +22,9 @@ pub enum IoEngine {
     Posix,
     /// cuFile (GPUDirect Storage), in the mode the machine allows.
     Gds(GdsMode),
+    /// The page cache itself: the file's mapping registered read-only with the device, read by
+    /// its copy engine (no CPU copy).
+    PageCache,
 }
 
 impl std::fmt::Display for IoEngine {
@@ -31,6 +34,7 @@ impl std::fmt::Display for IoEngine {
             Self::Posix => "pread/pwrite",
             Self::Gds(GdsMode::Native) => "cuFile (GDS)",
             Self::Gds(GdsMode::Compat) => "cuFile (compat mode)",
+            Self::PageCache => "page cache, registered read-only (zero-copy DMA)",
         })
     }
 }

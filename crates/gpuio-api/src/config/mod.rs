@@ -29,7 +29,7 @@ use files::read_small_file;
 use gpuio_core::{RetryPolicy, SchedulerConfig};
 use gpuio_hal::memory::pool::PoolConfig;
 use gpuio_hal::{BackendPreference, Gpu};
-use gpuio_transport_localio::{EnginePreference, GdsPolicy, LocalIoConfig};
+use gpuio_transport_localio::{EnginePreference, GdsPolicy, LocalIoConfig, PageCachePolicy};
 use gpuio_transport_memio::MemIoConfig;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -120,6 +120,9 @@ impl Config {
                 checksum: false,
                 gds: GdsPolicy::Auto,
                 gds_threshold: ByteSize::mib(1),
+                page_cache: PageCachePolicy::Auto,
+                page_cache_threshold: ByteSize::mib(64),
+                page_cache_threads: 2,
             },
             scheduler: SchedulerSection::default(),
             agent: AgentSection {
@@ -348,6 +351,13 @@ impl Config {
             checksum: self.localio.checksum,
             gds: self.localio.gds,
             gds_threshold: self.localio.gds_threshold.as_u64().min(usize::MAX as u64) as usize,
+            page_cache: self.localio.page_cache,
+            page_cache_threshold: self
+                .localio
+                .page_cache_threshold
+                .as_u64()
+                .min(usize::MAX as u64) as usize,
+            page_cache_threads: self.localio.page_cache_threads,
         }
     }
 

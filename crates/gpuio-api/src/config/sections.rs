@@ -5,7 +5,7 @@
 
 use bytesize::ByteSize;
 use gpuio_core::{Policy, SchedulerConfig};
-use gpuio_transport_localio::{EnginePreference, GdsPolicy};
+use gpuio_transport_localio::{EnginePreference, GdsPolicy, PageCachePolicy};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -115,6 +115,12 @@ pub struct LocalIoSection {
     pub gds: GdsPolicy,
     /// Smallest transfer sent through cuFile.
     pub gds_threshold: ByteSize,
+    /// Whether warm reads into GPU memory come straight from the page cache (auto or off).
+    pub page_cache: PageCachePolicy,
+    /// Smallest read taken from the page cache.
+    pub page_cache_threshold: ByteSize,
+    /// Threads registering page cache chunks ahead of the copy.
+    pub page_cache_threads: usize,
 }
 
 /// `[agent]`: the RemoteIO agent (`gpuio agent`).

@@ -668,6 +668,9 @@ fn settled_tickets_are_let_go() {
         s.submit(copy(0)).unwrap().wait().unwrap();
         rounds += 1;
     }
-    assert!(rounds >= 1, "the first submission after the batch collects its tickets");
+    assert!(
+        rounds >= 1,
+        "the first submission after the batch collects its tickets"
+    );
     assert_eq!(pattern::first_deviation(&dst.read(), 0, 3), None);
 }

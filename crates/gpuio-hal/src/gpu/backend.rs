@@ -25,6 +25,13 @@ pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
     /// `ptr..ptr+len` must stay mapped until the returned guard is dropped.
     unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<Box<dyn HostPin>>;
 
+    /// Registers `ptr..ptr+len` (whole pages of a read-only file mapping) read-only, for the
+    /// copy engine to read; unregistered when the returned pin drops.
+    ///
+    /// # Safety
+    /// The range must stay mapped until the returned pin is dropped.
+    unsafe fn pin_read_only(&self, ptr: *mut u8, len: usize) -> Result<Box<dyn HostPin>>;
+
     /// The address under which this device's kernels reach pinned host memory at `ptr`
     /// (zero-copy access).
     ///

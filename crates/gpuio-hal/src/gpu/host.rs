@@ -51,10 +51,14 @@ impl HostDevice {
                 gds: Capability::no("host backend: no GPU to DMA into"),
                 gdr: Capability::no("host backend: no GPU to DMA into"),
                 cxl: cxl_capability(true),
+                page_cache_dma: Capability::no(HOST_NO_PAGE_CACHE_DMA),
             },
         }
     }
 }
+
+const HOST_NO_PAGE_CACHE_DMA: &str = "the host backend has no copy engine: its copies run on \
+    the CPU, which a file shrinking under the mapping would fault";
 
 /// Host memory standing in for device memory. Device buffers are shared handles that several
 /// threads may use at once, so every operation locks the allocations it touches (readers
@@ -140,6 +144,13 @@ impl DeviceBackend for HostDevice {
     unsafe fn pin(&self, _ptr: *mut u8, _len: usize) -> Result<Box<dyn HostPin>> {
         // Host memory is already where "device" memory is; there is nothing to lock.
         Ok(Box::new(NoPin))
+    }
+
+    unsafe fn pin_read_only(&self, _ptr: *mut u8, _len: usize) -> Result<Box<dyn HostPin>> {
+        Err(HalError::Unsupported {
+            what: "registering a file mapping for DMA",
+            reason: HOST_NO_PAGE_CACHE_DMA.into(),
+        })
     }
 
     unsafe fn mapped_addr(&self, ptr: *mut u8) -> Result<u64> {

@@ -118,6 +118,9 @@ pub struct DeviceInfo {
     pub gdr: Capability,
     /// CXL memory reachable from the device (a CPU-less NUMA node in host memory).
     pub cxl: Capability,
+    /// Whether the copy engine can read a file's pages straight from the page cache: a
+    /// read-only file mapping registered with the device ([`Gpu::pin_mapping`](crate::Gpu::pin_mapping)).
+    pub page_cache_dma: Capability,
 }
 
 /// The NUMA node of a PCI device from sysfs (`-1`, i.e. unknown, becomes `None`).

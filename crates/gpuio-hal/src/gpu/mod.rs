@@ -25,9 +25,11 @@ pub use rows::{RowIndices, RowKernel};
 pub use stream::{Event, Inflight, Stream};
 
 use crate::error::{HalError, Result, check_range};
+use crate::memory::mapped::{FileMapping, MappingPin};
 use crate::memory::{DmaRegistration, HostBuffer, Location, MappingHold, MemoryRegion};
 use crate::sync::RwLockExt;
-use backend::{DevRange, DeviceBackend, DeviceMemory, HostPin};
+pub(crate) use backend::HostPin;
+use backend::{DevRange, DeviceBackend, DeviceMemory};
 use std::fmt;
 use std::ops::Range;
 use std::sync::{Arc, RwLock};
@@ -297,6 +299,22 @@ impl Gpu {
             len,
             gpu: self.ordinal(),
         })
+    }
+
+    /// Registers `range` of the wanted bytes of `map` read-only with this device (whole pages:
+    /// two ranges of one mapping registered at once must not share a page), so the copy engine
+    /// reads the page cache directly. Pages not resident are read in from the file now.
+    /// [`HalError::Unsupported`] where the backend cannot: the host backend has no copy
+    /// engine, and a CPU copy from a file mapping would fault if the file shrank meanwhile.
+    pub fn pin_mapping(&self, map: &Arc<FileMapping>, range: Range<usize>) -> Result<MappingPin> {
+        let pages = map.pages(&range)?;
+        // SAFETY: the span lies inside the live mapping, which the returned pin keeps alive
+        // (it drops the registration before its reference to the mapping).
+        let pin = unsafe {
+            self.inner
+                .pin_read_only(map.base.wrapping_add(pages.start), pages.end - pages.start)?
+        };
+        Ok(MappingPin::new(pin, map.clone(), range, self.clone()))
     }
 
     fn check_owns(&self, what: &'static str, buf: &DeviceBuffer) -> Result<()> {

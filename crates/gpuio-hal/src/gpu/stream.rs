@@ -43,6 +43,29 @@ impl Stream {
         self.inner.synchronize()
     }
 
+    /// Copies `len` bytes at `src` into `dst` at `dst_offset` and waits for it.
+    ///
+    /// # Safety
+    /// `src..src+len` must be host memory registered with this stream's device (pinned, so
+    /// the copy engine reads it without faulting) until this call returns.
+    pub(crate) unsafe fn copy_pinned_h2d(
+        &self,
+        src: *const u8,
+        len: usize,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<()> {
+        self.gpu.check_owns("copy destination", dst)?;
+        let range = dst.range("copy destination", dst_offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller keeps `src` registered through the wait below; `dst` is borrowed
+        // until then and its range was checked against the live allocation.
+        unsafe { self.inner.copy_h2d(src, range)? };
+        self.inner.synchronize()
+    }
+
     /// Copies `dst.len()` bytes of `src` from `src_offset` into host memory and waits for it.
     pub fn download(&self, src: &DeviceBuffer, src_offset: usize, dst: &mut [u8]) -> Result<()> {
         self.gpu.check_owns("download source", src)?;

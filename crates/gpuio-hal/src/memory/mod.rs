@@ -5,6 +5,7 @@
 
 pub mod backing;
 mod host;
+pub mod mapped;
 pub mod numa;
 pub mod pool;
 

@@ -6,4 +6,5 @@
 
 mod faults;
 mod localio;
+mod page_cache;
 mod staging;

@@ -14,7 +14,7 @@ use crate::gpu::GdsMode;
 use crate::gpu::backend::{
     BaselineCopy, DevRange, DeviceBackend, DeviceMemory, GdsFileBackend, HostPin, StreamBackend,
 };
-use crate::gpu::info::{Backend, DeviceInfo, PcieLink, cxl_capability, pci_numa_node};
+use crate::gpu::info::{Backend, Capability, DeviceInfo, PcieLink, cxl_capability, pci_numa_node};
 use crate::kernels::{self, KernelLoad, KernelOrigin, KernelPath, KernelSource};
 use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, sys};
 use std::any::Any;
@@ -162,6 +162,12 @@ impl CudaDevice {
             gds: probe::gds_capability(),
             gdr: probe::gdr_capability(gdr_attr),
             cxl: cxl_capability(can_map_host_memory),
+            page_cache_dma: if attr(A::CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED)? != 0
+            {
+                Capability::yes("read-only host registration of file mappings")
+            } else {
+                Capability::no("the device cannot register read-only host memory")
+            },
         };
         Ok(Self {
             shared: Arc::new(Shared {
@@ -224,6 +230,18 @@ impl DeviceBackend for CudaDevice {
         unsafe { driver::mem_host_register(ptr, len, flags)? };
         // SAFETY: registered just above in this context; the pin alone unregisters it, and the
         // caller keeps the range mapped until the pin drops.
+        Ok(Box::new(unsafe { CudaPin::new(self.shared.clone(), ptr) }))
+    }
+
+    unsafe fn pin_read_only(&self, ptr: *mut u8, len: usize) -> Result<Box<dyn HostPin>> {
+        self.shared.bind()?;
+        // READ_ONLY is what lets the driver pin pages of a read-only mapping (without it the
+        // registration fails); PORTABLE makes the pin good for every context.
+        let flags = sys::CU_MEMHOSTREGISTER_READ_ONLY | sys::CU_MEMHOSTREGISTER_PORTABLE;
+        // SAFETY: the caller keeps ptr..ptr+len mapped until the returned CudaPin drops, which
+        // unregisters it.
+        unsafe { driver::mem_host_register(ptr, len, flags)? };
+        // SAFETY: registered just above in this context; the pin alone unregisters it.
         Ok(Box::new(unsafe { CudaPin::new(self.shared.clone(), ptr) }))
     }
 

@@ -1,0 +1,205 @@
+//! Read-only mappings of file ranges, for DMA straight from the page cache.
+//!
+//! A warm file's pages are already in host memory. Mapping them (`mmap(PROT_READ,
+//! MAP_SHARED)`) and registering the mapping with the device read-only (`cuMemHostRegister`
+//! with `READ_ONLY`) lets the copy engine read them where they are: no CPU copy into staging.
+//!
+//! The CPU never reads through a [`FileMapping`]: a file that shrinks under a mapping turns
+//! such reads into `SIGBUS`. A registered range is pinned (its pages are held by the driver),
+//! so the DMA never faults; what a shrink or rewrite can do is leave the pinned pages holding
+//! the file's old bytes, which the caller detects by checking the file's identity (size,
+//! times, inode) before and after and redoing the read another way.
+
+use crate::error::{HalError, Result};
+use crate::gpu::{DeviceBuffer, Gpu, HostPin, Stream};
+use std::fs::File;
+use std::ops::Range;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+/// A read-only shared mapping of `len` bytes of a file. Its bytes are only ever handed to a
+/// device's copy engine through a [`MappingPin`].
+#[derive(Debug)]
+pub struct FileMapping {
+    /// Page-aligned start of the mapping.
+    pub(crate) base: *mut u8,
+    /// Bytes mapped (whole pages).
+    map_len: usize,
+    /// Where the wanted bytes start inside the mapping.
+    head: usize,
+    /// Wanted bytes.
+    len: usize,
+    page: usize,
+}
+
+// SAFETY: the mapping's address is only passed to the kernel (`mincore`, `munmap`) and the
+// driver (registration and DMA); no CPU access goes through it, so sharing it between threads
+// shares no Rust-visible data.
+unsafe impl Send for FileMapping {}
+// SAFETY: as above.
+unsafe impl Sync for FileMapping {}
+
+impl FileMapping {
+    /// Maps `len` bytes of `file` from `offset` (any alignment), read-only and shared with the
+    /// page cache. The range should lie inside the file: pages past its end cannot be
+    /// registered.
+    pub fn new(file: &File, offset: u64, len: usize) -> Result<Self> {
+        if len == 0 {
+            return Err(HalError::InvalidArgument(
+                "cannot map an empty file range".into(),
+            ));
+        }
+        let page = crate::sys::page_size();
+        let head = (offset % page as u64) as usize;
+        let start = offset - head as u64;
+        let map_len = (head + len)
+            .checked_next_multiple_of(page)
+            .ok_or_else(|| HalError::InvalidArgument("file mapping size overflows".into()))?;
+        let start = libc::off_t::try_from(start)
+            .map_err(|_| HalError::InvalidArgument(format!("file offset {offset} too large")))?;
+        // SAFETY: a fresh read-only shared mapping chosen by the kernel (null hint); it aliases
+        // no Rust memory, and is unmapped once, in Drop.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                start,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(HalError::Os {
+                op: "mmap",
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(Self {
+            base: base.cast(),
+            map_len,
+            head,
+            len,
+            page,
+        })
+    }
+
+    /// Bytes mapped (those asked for, not the page padding).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no bytes are mapped (never: an empty range is refused).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The page size the mapping is cut in.
+    pub fn page_size(&self) -> usize {
+        self.page
+    }
+
+    /// The pages (as a byte range of the mapping, padding included) that `range` of the wanted
+    /// bytes touches.
+    pub(crate) fn pages(&self, range: &Range<usize>) -> Result<Range<usize>> {
+        if range.start >= range.end || range.end > self.len {
+            return Err(HalError::InvalidArgument(format!(
+                "range {range:?} of a {}-byte file mapping",
+                self.len
+            )));
+        }
+        let start = (self.head + range.start) / self.page * self.page;
+        let end = (self.head + range.end).next_multiple_of(self.page);
+        Ok(start..end)
+    }
+
+    /// How many bytes of `range` (of the wanted bytes, counted in whole pages) are in the page
+    /// cache now (`mincore`): what a read from memory would find without going to the disk.
+    pub fn resident(&self, range: Range<usize>) -> Result<usize> {
+        let pages = self.pages(&range)?;
+        let mut vec = vec![0u8; (pages.end - pages.start) / self.page];
+        // SAFETY: the address is page-aligned and the span lies inside our live mapping;
+        // mincore writes one byte per page into `vec`, which has exactly that many.
+        let rc = unsafe {
+            libc::mincore(
+                self.base.wrapping_add(pages.start).cast(),
+                pages.end - pages.start,
+                vec.as_mut_ptr(),
+            )
+        };
+        if rc != 0 {
+            return Err(HalError::Os {
+                op: "mincore",
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        let resident = vec.iter().filter(|&&b| b & 1 != 0).count();
+        Ok((resident * self.page).min(range.end - range.start))
+    }
+}
+
+impl Drop for FileMapping {
+    fn drop(&mut self) {
+        // SAFETY: base/map_len are the mapping made in `new`, unmapped exactly once; every
+        // registration of it holds an Arc to it, so none is alive now.
+        unsafe { libc::munmap(self.base.cast(), self.map_len) };
+    }
+}
+
+/// Part of a [`FileMapping`] registered read-only with a device (its pages pinned), so the
+/// copy engine reads them directly. Unregistered when dropped; holds the mapping until then.
+#[derive(Debug)]
+pub struct MappingPin {
+    // Dropped before `map`: the registration ends before the mapping can go.
+    _pin: Box<dyn HostPin>,
+    map: Arc<FileMapping>,
+    range: Range<usize>,
+    gpu: Gpu,
+}
+
+impl MappingPin {
+    /// Takes over `pin`, the registration of [`FileMapping::pages`] of `range` with `gpu`.
+    pub(crate) fn new(
+        pin: Box<dyn HostPin>,
+        map: Arc<FileMapping>,
+        range: Range<usize>,
+        gpu: Gpu,
+    ) -> Self {
+        Self {
+            _pin: pin,
+            map,
+            range,
+            gpu,
+        }
+    }
+
+    /// The wanted bytes it covers.
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    /// Copies the pinned bytes into `dst` at `dst_offset` on `stream` and waits for the copy.
+    pub fn copy_to_device(
+        &self,
+        stream: &Stream,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<()> {
+        if !stream.gpu().same_device(&self.gpu) {
+            return Err(HalError::WrongDevice {
+                what: "registered file range",
+                owner: self.gpu.to_string(),
+                expected: stream.gpu().to_string(),
+            });
+        }
+        let src = self
+            .map
+            .base
+            .wrapping_add(self.map.head + self.range.start)
+            .cast_const();
+        // SAFETY: the range is registered (pinned) with this device for the pin's life, which
+        // spans the copy and the wait in `copy_pinned_h2d`, so the DMA reads pinned pages and
+        // never faults, whatever happens to the file meanwhile.
+        unsafe { stream.copy_pinned_h2d(src, self.range.len(), dst, dst_offset) }
+    }
+}
