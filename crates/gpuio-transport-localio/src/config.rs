@@ -135,6 +135,10 @@ pub struct LocalIoConfig {
     /// Threads registering the next chunks while the calling thread copies (each registers
     /// about 40 GB/s of pages; the copy engine reads about 55).
     pub page_cache_threads: usize,
+    /// Pinned bytes the registrations kept for hot files may hold (0: none kept). A file read
+    /// from the page cache a second time, unchanged, keeps its registration; later reads are
+    /// one copy from pinned pages.
+    pub page_cache_keep: u64,
 }
 
 impl LocalIoConfig {
@@ -170,6 +174,7 @@ impl Default for LocalIoConfig {
             page_cache: PageCachePolicy::Auto,
             page_cache_threshold: 64 << 20,
             page_cache_threads: 2,
+            page_cache_keep: gpuio_hal::memory::pool::auto_limit(),
         }
     }
 }

@@ -13,6 +13,7 @@ mod stripe;
 pub use config::{Durability, EnginePreference, GdsPolicy, LocalIoConfig, PageCachePolicy};
 pub use file::{FileHandle, OpenOptions};
 pub use gpuio_hal::file::{DirectIoAlignment, Extent};
+pub use page_cache::PageCacheStats;
 pub use queue::IoEngine;
 pub use stripe::StripeSet;
 
@@ -179,6 +180,9 @@ impl std::fmt::Display for Transfer {
                 self.engine,
                 self.lanes
             ),
+            IoEngine::PageCache if self.lanes == 0 => {
+                write!(f, "{}, registration kept from an earlier read", self.engine)
+            }
             IoEngine::PageCache => {
                 write!(f, "{} ({} registering thread(s))", self.engine, self.lanes)
             }
@@ -199,6 +203,7 @@ pub struct LocalIo {
     pool: rayon::ThreadPool,
     staging: StagingPool,
     lanes: Mutex<Vec<(Gpu, Arc<LanePool>)>>,
+    kept: page_cache::KeptFiles,
 }
 
 impl std::fmt::Debug for LocalIo {
@@ -263,6 +268,7 @@ impl LocalIo {
             .build()
             .map_err(|e| LocalIoError::Internal(format!("starting IO threads: {e}")))?;
         Ok(Self {
+            kept: page_cache::KeptFiles::new(config.page_cache_keep),
             config,
             engine,
             engine_reason,

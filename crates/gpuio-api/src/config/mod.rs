@@ -123,6 +123,7 @@ impl Config {
                 page_cache: PageCachePolicy::Auto,
                 page_cache_threshold: ByteSize::mib(64),
                 page_cache_threads: 2,
+                page_cache_keep: PoolSize::Auto,
             },
             scheduler: SchedulerSection::default(),
             agent: AgentSection {
@@ -358,6 +359,7 @@ impl Config {
                 .as_u64()
                 .min(usize::MAX as u64) as usize,
             page_cache_threads: self.localio.page_cache_threads,
+            page_cache_keep: self.localio.page_cache_keep.bytes(),
         }
     }
 

@@ -121,6 +121,9 @@ pub struct LocalIoSection {
     pub page_cache_threshold: ByteSize,
     /// Threads registering page cache chunks ahead of the copy.
     pub page_cache_threads: usize,
+    /// Pinned bytes kept registered for hot files (a size, 0 for none, or `"auto"`: a quarter
+    /// of the memory the machine can back, like `memory_pool_size`).
+    pub page_cache_keep: PoolSize,
 }
 
 /// `[agent]`: the RemoteIO agent (`gpuio agent`).

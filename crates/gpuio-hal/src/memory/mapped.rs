@@ -113,6 +113,33 @@ impl FileMapping {
         Ok(start..end)
     }
 
+    /// Maps the pages of `range` (of the wanted bytes) into this process's page tables ahead
+    /// of a registration (`MADV_POPULATE_READ`), reading in those not resident. Registering
+    /// populated pages is faster, and several threads can populate at once where the
+    /// registration itself is serialized. Kernels before 5.14 lack it: nothing is done there.
+    pub fn populate(&self, range: Range<usize>) -> Result<()> {
+        let pages = self.pages(&range)?;
+        // SAFETY: the span is page-aligned and inside our live mapping; the advice only maps
+        // (and reads in) its pages, which are read-only to us, and touches no Rust memory.
+        let rc = unsafe {
+            libc::madvise(
+                self.base.wrapping_add(pages.start).cast(),
+                pages.end - pages.start,
+                libc::MADV_POPULATE_READ,
+            )
+        };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINVAL) {
+                return Err(HalError::Os {
+                    op: "madvise(MADV_POPULATE_READ)",
+                    source: e,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// How many bytes of `range` (of the wanted bytes, counted in whole pages) are in the page
     /// cache now (`mincore`): what a read from memory would find without going to the disk.
     pub fn resident(&self, range: Range<usize>) -> Result<usize> {
@@ -178,13 +205,21 @@ impl MappingPin {
         self.range.clone()
     }
 
-    /// Copies the pinned bytes into `dst` at `dst_offset` on `stream` and waits for the copy.
+    /// Copies `part` of the pinned bytes (a range of the mapping's wanted bytes, inside
+    /// [`range`](Self::range)) into `dst` at `dst_offset` on `stream`, and waits for the copy.
     pub fn copy_to_device(
         &self,
+        part: Range<usize>,
         stream: &Stream,
         dst: &DeviceBuffer,
         dst_offset: usize,
     ) -> Result<()> {
+        if part.start > part.end || part.start < self.range.start || part.end > self.range.end {
+            return Err(HalError::InvalidArgument(format!(
+                "range {part:?} is outside the registered {:?}",
+                self.range
+            )));
+        }
         if !stream.gpu().same_device(&self.gpu) {
             return Err(HalError::WrongDevice {
                 what: "registered file range",
@@ -195,11 +230,11 @@ impl MappingPin {
         let src = self
             .map
             .base
-            .wrapping_add(self.map.head + self.range.start)
+            .wrapping_add(self.map.head + part.start)
             .cast_const();
-        // SAFETY: the range is registered (pinned) with this device for the pin's life, which
-        // spans the copy and the wait in `copy_pinned_h2d`, so the DMA reads pinned pages and
-        // never faults, whatever happens to the file meanwhile.
-        unsafe { stream.copy_pinned_h2d(src, self.range.len(), dst, dst_offset) }
+        // SAFETY: `part` lies in the range registered (pinned) with this device for the pin's
+        // life, which spans the copy and the wait in `copy_pinned_h2d`, so the DMA reads
+        // pinned pages and never faults, whatever happens to the file meanwhile.
+        unsafe { stream.copy_pinned_h2d(src, part.len(), dst, dst_offset) }
     }
 }

@@ -231,3 +231,76 @@ fn on_tmpfs(path: &std::path::Path) -> bool {
         .max()
         .is_some_and(|(_, tmpfs)| tmpfs)
 }
+
+/// A file read a second time, unchanged, keeps its registration: later reads (of any part of
+/// it) are one copy from its pinned pages. A changed file is let go and read staged; a file
+/// larger than `page_cache_keep` is never kept.
+#[test]
+fn a_hot_file_keeps_its_registration_until_it_changes() {
+    let gpu = gpu();
+    let len = 300 << 20;
+    let f = Scratch::new("hot", len, 75);
+    f.warm();
+    let io = LocalIo::new(LocalIoConfig {
+        lanes: 4,
+        page_cache_keep: 1 << 30,
+        ..LocalIoConfig::default()
+    })
+    .unwrap();
+    let file = io.open(&f.0, OpenOptions::READ).unwrap();
+    let dev = gpu.alloc(len).unwrap();
+    let read = |off: usize, n: usize| {
+        let t = io.read_to_device(&file, off as u64, &dev, off, n).unwrap();
+        check(&gpu, &dev, len, 75);
+        t
+    };
+    let first = read(0, len);
+    // Four lanes outrun a one-off registration: the first read is staged.
+    assert_ne!(first.engine, IoEngine::PageCache, "{first}");
+    if !gpu.info().page_cache_dma.available {
+        Requirement::Cuda.missing("kept page cache registrations need a GPU");
+        let again = read(0, len);
+        assert_ne!(again.engine, IoEngine::PageCache);
+        assert_eq!(io.page_cache_stats().kept_files, 0);
+        return;
+    }
+    let second = read(0, len);
+    assert_eq!(
+        (second.engine, second.lanes),
+        (IoEngine::PageCache, 0),
+        "{second}"
+    );
+    let third = read(100 << 20, 64 << 20);
+    assert_eq!(
+        (third.engine, third.page_cache_bytes),
+        (IoEngine::PageCache, 64 << 20)
+    );
+    assert!(third.to_string().contains("kept"), "{third}");
+    let s = io.page_cache_stats();
+    assert_eq!((s.kept_files, s.kept_bytes), (1, len as u64), "{s:?}");
+    assert!(s.hits >= 1, "{s:?}");
+
+    // Rewritten (same bytes, new times): the registration is let go, the read staged.
+    std::thread::sleep(std::time::Duration::from_millis(10));
+    let mut data = vec![0u8; len];
+    pattern::fill(&mut data, 0, 75);
+    std::fs::write(&f.0, &data).unwrap();
+    let changed = read(0, len);
+    assert_ne!(changed.engine, IoEngine::PageCache, "{changed}");
+    let s = io.page_cache_stats();
+    assert_eq!(s.kept_files, 0, "{s:?}");
+    assert!(s.released >= 1, "{s:?}");
+
+    // A file above the limit is never kept.
+    let small = LocalIo::new(LocalIoConfig {
+        lanes: 4,
+        page_cache_keep: 64 << 20,
+        ..LocalIoConfig::default()
+    })
+    .unwrap();
+    for _ in 0..3 {
+        let t = small.read_to_device(&file, 0, &dev, 0, len).unwrap();
+        assert_ne!(t.engine, IoEngine::PageCache, "{t}");
+    }
+    assert_eq!(small.page_cache_stats().kept_files, 0);
+}

@@ -1,0 +1,283 @@
+//! Registrations kept for hot files. A file read from the page cache a second time, unchanged,
+//! keeps its whole registration (in chunks from its start), so later reads of it skip
+//! registering: one copy from pinned pages, at the copy engine's pinned rate, for weights
+//! loaded again and again, onto several GPUs (the registration is portable across devices).
+//! Bounded in pinned bytes (the least recently used go first), let go when the file changes,
+//! and all let go when the machine runs short of memory.
+
+use super::{Identity, chunks};
+use crate::Result;
+use gpuio_hal::memory::backing::backable_bytes;
+use gpuio_hal::memory::mapped::{FileMapping, MappingPin};
+use gpuio_hal::sync::MutexExt;
+use gpuio_hal::{DeviceBuffer, Gpu, Stream};
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Files remembered as read once, waiting for a second read to be kept.
+const SEEN: usize = 64;
+
+/// Below this much memory the machine could still back, every kept registration is let go.
+const FLOOR: u64 = 1 << 30;
+
+/// A file's whole registration.
+pub(crate) struct Kept {
+    identity: Identity,
+    /// Consecutive chunks from the file's start.
+    pins: Vec<MappingPin>,
+}
+
+impl Kept {
+    /// Registers all of `map` (the whole file, unchanged since `identity` was read) with
+    /// `threads` threads; `None` if any chunk fails (nothing is kept then).
+    pub(super) fn register(
+        gpu: &Gpu,
+        map: &Arc<FileMapping>,
+        identity: Identity,
+        threads: usize,
+    ) -> Option<Self> {
+        let all = chunks(0, map.len(), map.page_size());
+        let threads = threads.clamp(1, all.len().max(1));
+        let mut parts: Vec<Vec<(usize, MappingPin)>> = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads)
+                .map(|k| {
+                    let all = &all;
+                    s.spawn(move || {
+                        let mut out = Vec::new();
+                        for (i, r) in all.iter().enumerate().skip(k).step_by(threads) {
+                            // Populated pages register faster (see `copy_registered`).
+                            let _ = map.populate(r.clone());
+                            out.push((i, gpu.pin_mapping(map, r.clone()).ok()?));
+                        }
+                        Some(out)
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| w.join().ok().flatten())
+                .collect::<Option<Vec<_>>>()
+        })?;
+        let mut pins: Vec<(usize, MappingPin)> = parts.drain(..).flatten().collect();
+        pins.sort_by_key(|(i, _)| *i);
+        Some(Self {
+            identity,
+            pins: pins.into_iter().map(|(_, p)| p).collect(),
+        })
+    }
+
+    fn bytes(&self) -> u64 {
+        self.identity.len
+    }
+
+    /// Copies file bytes `offset..offset + len` into `dst` at `dst_offset`.
+    pub(super) fn copy(
+        &self,
+        stream: &Stream,
+        offset: u64,
+        len: usize,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<()> {
+        let want = offset as usize..offset as usize + len;
+        for pin in &self.pins {
+            let r = pin.range();
+            let part: Range<usize> = r.start.max(want.start)..r.end.min(want.end);
+            if part.is_empty() {
+                continue;
+            }
+            let at = dst_offset + (part.start - want.start);
+            pin.copy_to_device(part, stream, dst, at)?;
+        }
+        Ok(())
+    }
+}
+
+/// Counters of the kept registrations, for `gpuio stat`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PageCacheStats {
+    /// Pinned bytes the kept registrations may hold (`page_cache_keep`).
+    pub limit: u64,
+    /// Pinned bytes they hold now.
+    pub kept_bytes: u64,
+    /// Files kept.
+    pub kept_files: u64,
+    /// Reads served by a kept registration.
+    pub hits: u64,
+    /// Reads from the page cache that had to register.
+    pub misses: u64,
+    /// Registrations let go (for room, a changed file, or memory pressure).
+    pub released: u64,
+}
+
+#[derive(Default)]
+struct State {
+    /// Least recently used first.
+    kept: Vec<Arc<Kept>>,
+    seen: Vec<Identity>,
+    bytes: u64,
+}
+
+/// The kept registrations of one LocalIO engine.
+pub(crate) struct KeptFiles {
+    limit: u64,
+    state: Mutex<State>,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    released: AtomicU64,
+}
+
+impl KeptFiles {
+    pub(crate) fn new(limit: u64) -> Self {
+        Self {
+            limit,
+            state: Mutex::new(State::default()),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            released: AtomicU64::new(0),
+        }
+    }
+
+    /// The kept registration of the file `now` identifies, if it is kept and unchanged; one
+    /// kept for an earlier state of the file is let go.
+    pub(super) fn get(&self, now: &Identity) -> Option<Arc<Kept>> {
+        let mut st = self.state.lock_unpoisoned();
+        self.relieve_pressure(&mut st);
+        let i = st.kept.iter().position(|k| k.identity.same_file(now));
+        let Some(i) = i else {
+            self.misses.fetch_add(1, Ordering::Relaxed);
+            return None;
+        };
+        let k = st.kept.remove(i);
+        if k.identity != *now {
+            st.bytes -= k.bytes();
+            self.released.fetch_add(1, Ordering::Relaxed);
+            self.misses.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        st.kept.push(k.clone());
+        self.hits.fetch_add(1, Ordering::Relaxed);
+        Some(k)
+    }
+
+    /// Whether to keep the registration of this file: the second read of it unchanged, when
+    /// it fits under the limit. The first read is remembered.
+    pub(super) fn wants(&self, now: &Identity) -> bool {
+        if now.len > self.limit {
+            return false;
+        }
+        let mut st = self.state.lock_unpoisoned();
+        if let Some(i) = st.seen.iter().position(|s| s.same_file(now)) {
+            let seen = st.seen.remove(i);
+            if seen == *now {
+                return true;
+            }
+        }
+        if st.seen.len() >= SEEN {
+            st.seen.remove(0);
+        }
+        st.seen.push(now.clone());
+        false
+    }
+
+    /// Keeps `kept`, letting the least recently used go to make room.
+    pub(super) fn insert(&self, kept: Kept) -> Arc<Kept> {
+        let kept = Arc::new(kept);
+        let mut st = self.state.lock_unpoisoned();
+        st.kept.retain(|k| !k.identity.same_file(&kept.identity));
+        st.bytes = st.kept.iter().map(|k| k.bytes()).sum();
+        while st.bytes + kept.bytes() > self.limit && !st.kept.is_empty() {
+            let gone = st.kept.remove(0);
+            st.bytes -= gone.bytes();
+            self.released.fetch_add(1, Ordering::Relaxed);
+        }
+        st.bytes += kept.bytes();
+        st.kept.push(kept.clone());
+        kept
+    }
+
+    /// Lets go of the file's kept registration (it changed under a read).
+    pub(super) fn forget(&self, file: &Identity) {
+        let mut st = self.state.lock_unpoisoned();
+        let before = st.kept.len();
+        st.kept.retain(|k| !k.identity.same_file(file));
+        st.bytes = st.kept.iter().map(|k| k.bytes()).sum();
+        self.released
+            .fetch_add((before - st.kept.len()) as u64, Ordering::Relaxed);
+    }
+
+    /// Lets go of everything when the machine can back less than [`FLOOR`] more.
+    fn relieve_pressure(&self, st: &mut State) {
+        if st.kept.is_empty() || backable_bytes(false).is_none_or(|b| b >= FLOOR) {
+            return;
+        }
+        tracing::warn!(
+            bytes = st.bytes,
+            "memory is short: letting go of kept page cache registrations"
+        );
+        self.released
+            .fetch_add(st.kept.len() as u64, Ordering::Relaxed);
+        st.kept.clear();
+        st.bytes = 0;
+    }
+
+    pub(super) fn stats(&self) -> PageCacheStats {
+        let st = self.state.lock_unpoisoned();
+        PageCacheStats {
+            limit: self.limit,
+            kept_bytes: st.bytes,
+            kept_files: st.kept.len() as u64,
+            hits: self.hits.load(Ordering::Relaxed),
+            misses: self.misses.load(Ordering::Relaxed),
+            released: self.released.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(ino: u64, len: u64, mtime: i64) -> Identity {
+        Identity {
+            len,
+            mtime: (mtime, 0),
+            ctime: (mtime, 0),
+            ino,
+            dev: 1,
+        }
+    }
+
+    #[test]
+    fn a_file_is_wanted_on_its_second_unchanged_read_under_the_limit() {
+        let k = KeptFiles::new(1000);
+        assert!(
+            !k.wants(&id(1, 100, 5)),
+            "the first read is only remembered"
+        );
+        assert!(k.wants(&id(1, 100, 5)));
+        // Changed in between: remembered again, not wanted yet.
+        assert!(!k.wants(&id(2, 100, 5)));
+        assert!(!k.wants(&id(2, 100, 6)));
+        assert!(k.wants(&id(2, 100, 6)));
+        // Above the limit: never.
+        assert!(!k.wants(&id(3, 2000, 1)));
+        assert!(!k.wants(&id(3, 2000, 1)));
+        // Nothing kept: every lookup misses.
+        assert!(k.get(&id(1, 100, 5)).is_none());
+        assert_eq!(k.stats().misses, 1);
+    }
+
+    #[test]
+    fn only_so_many_files_are_remembered() {
+        let k = KeptFiles::new(u64::MAX);
+        for ino in 0..=SEEN as u64 {
+            assert!(!k.wants(&id(ino, 1, 1)));
+        }
+        // The oldest was forgotten to make room; the newest is still remembered.
+        assert!(!k.wants(&id(0, 1, 1)));
+        assert!(k.wants(&id(SEEN as u64, 1, 1)));
+    }
+}
