@@ -202,7 +202,29 @@ fn summary(s: &Samples, prev: Option<(&Samples, f64)>) -> String {
         );
     }
     out += &pool_summary(s);
+    out += &page_cache_summary(s);
     out
+}
+
+/// The page cache registrations kept for hot files: what they pin against their limit
+/// (`page_cache_keep`), and how reads fared. Empty where none were reported.
+fn page_cache_summary(s: &Samples) -> String {
+    use gpuio_core::metrics as m;
+    let limit = sum(s, m::PAGE_CACHE_LIMIT_BYTES, &[]);
+    if limit <= 0.0 {
+        return String::new();
+    }
+    let mib = |v: f64| v / (1 << 20) as f64;
+    format!(
+        "page cache: {:.0} hot file(s) kept registered, {:.1} MiB pinned of {:.1} MiB; \
+         {:.0} of {:.0} reads served by a kept registration, {:.0} let go\n",
+        sum(s, m::PAGE_CACHE_KEPT_FILES, &[]),
+        mib(sum(s, m::PAGE_CACHE_KEPT_BYTES, &[])),
+        mib(limit),
+        sum(s, m::PAGE_CACHE_READS, &[("result", "hit")]),
+        sum(s, m::PAGE_CACHE_READS, &[]),
+        sum(s, m::PAGE_CACHE_RELEASED, &[]),
+    )
 }
 
 /// The staging pool's lines: its limit (`memory_pool_size`), what it holds, what the lanes
@@ -270,6 +292,22 @@ mod tests {
         assert_eq!(sum(&s, "x", &[]), 7.0);
         assert_eq!(sum(&s, "x", &[("engine", "memio")]), 3.0);
         assert_eq!(sum(&s, "y", &[]), 1.5);
+    }
+
+    #[test]
+    fn kept_page_cache_registrations_are_summarised_where_reported() {
+        assert_eq!(page_cache_summary(&parse("x 1\n")), "");
+        let text = "gpuio_page_cache_keep_limit_bytes 2147483648\n\
+                    gpuio_page_cache_kept_bytes 1073741824\n\
+                    gpuio_page_cache_kept_files 1\n\
+                    gpuio_page_cache_reads_total{result=\"hit\"} 5\n\
+                    gpuio_page_cache_reads_total{result=\"miss\"} 2\n\
+                    gpuio_page_cache_released_total 1\n";
+        assert_eq!(
+            page_cache_summary(&parse(text)),
+            "page cache: 1 hot file(s) kept registered, 1024.0 MiB pinned of 2048.0 MiB; \
+             5 of 7 reads served by a kept registration, 1 let go\n"
+        );
     }
 
     #[test]

@@ -57,6 +57,28 @@ pub const POOL_EVENTS: &str = "gpuio_pool_events_total";
 /// Idle bytes the staging pool's holders (the transports' cached lanes) gave back for room.
 pub const POOL_RECLAIMED_BYTES: &str = "gpuio_pool_reclaimed_bytes_total";
 
+/// Pinned bytes the page cache registrations kept for hot files may hold (`page_cache_keep`).
+pub const PAGE_CACHE_LIMIT_BYTES: &str = "gpuio_page_cache_keep_limit_bytes";
+/// Pinned bytes of page cache kept registered for hot files.
+pub const PAGE_CACHE_KEPT_BYTES: &str = "gpuio_page_cache_kept_bytes";
+/// Hot files whose page cache registration is kept.
+pub const PAGE_CACHE_KEPT_FILES: &str = "gpuio_page_cache_kept_files";
+/// Reads into GPU memory the page cache policy looked at, by `result`: `hit` (a kept
+/// registration served it) or `miss` (registered for the read, or staged).
+pub const PAGE_CACHE_READS: &str = "gpuio_page_cache_reads_total";
+/// Kept registrations let go (for room, a changed file, or memory pressure).
+pub const PAGE_CACHE_RELEASED: &str = "gpuio_page_cache_released_total";
+
+/// Publishes LocalIO's kept page cache registrations (after a read into GPU memory).
+pub(crate) fn page_cache(s: &gpuio_transport_localio::PageCacheStats) {
+    gauge!(PAGE_CACHE_LIMIT_BYTES).set(s.limit as f64);
+    gauge!(PAGE_CACHE_KEPT_BYTES).set(s.kept_bytes as f64);
+    gauge!(PAGE_CACHE_KEPT_FILES).set(s.kept_files as f64);
+    counter!(PAGE_CACHE_READS, "result" => "hit").absolute(s.hits);
+    counter!(PAGE_CACHE_READS, "result" => "miss").absolute(s.misses);
+    counter!(PAGE_CACHE_RELEASED).absolute(s.released);
+}
+
 /// Every metric with its help text, for exporters.
 pub fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
@@ -99,6 +121,19 @@ pub fn describe() {
         POOL_EVENTS,
         "staging pool allocations, reuses, releases, waits, failures"
     );
+    describe_gauge!(
+        PAGE_CACHE_LIMIT_BYTES,
+        Unit::Bytes,
+        "page cache pinned for hot files, at most"
+    );
+    describe_gauge!(
+        PAGE_CACHE_KEPT_BYTES,
+        Unit::Bytes,
+        "page cache kept registered for hot files"
+    );
+    describe_gauge!(PAGE_CACHE_KEPT_FILES, "hot files kept registered");
+    describe_counter!(PAGE_CACHE_READS, "page cache reads by result (hit: kept)");
+    describe_counter!(PAGE_CACHE_RELEASED, "kept registrations let go");
     describe_counter!(
         POOL_RECLAIMED_BYTES,
         Unit::Bytes,

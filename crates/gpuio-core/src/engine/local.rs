@@ -27,7 +27,11 @@ impl Engine for LocalIoEngine {
                 Route::Pwrite
             }
             LocalTransfer::FileToDevice(f, d) => {
-                Route::FileToDevice(io.read_to_device(f.file, f.offset, d.buf, d.offset, len)?)
+                let t = io.read_to_device(f.file, f.offset, d.buf, d.offset, len)?;
+                if d.buf.gpu().info().page_cache_dma.available {
+                    crate::metrics::page_cache(&io.page_cache_stats());
+                }
+                Route::FileToDevice(t)
             }
             LocalTransfer::DeviceToFile(d, f) => Route::DeviceToFile(io.write_from_device(
                 d.buf,
