@@ -29,6 +29,7 @@ pub use gpuio_core::{
 };
 pub use gpuio_hal::{DeviceBuffer, Gpu, PoolStats, StagingPool};
 pub use gpuio_transport_localio::{
-    Durability, FileHandle, GdsPolicy, IoEngine, OpenOptions, StripeSet, Transfer,
+    Durability, FileHandle, GdsPolicy, IoEngine, OpenOptions, PageCachePolicy, PageCacheStats,
+    StripeSet, Transfer,
 };
 pub use gpuio_transport_memio::{HostPlacement, Route as MemIoRoute};
