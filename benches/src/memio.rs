@@ -65,6 +65,7 @@ pub fn run(
     let device = gpu.info().name.clone();
     let stream = gpu.stream()?;
     let mut records = Vec::new();
+    let mut extra = Vec::new();
 
     for &size in sizes {
         let k = ROTATE_BYTES.div_ceil(size).clamp(1, 8);
@@ -179,6 +180,66 @@ pub fn run(
             record(case, route, t);
         }
 
+        // Pageable memory registered for one copy (register, one DMA, unregister) against the
+        // staged pipeline on 4 threads and on the configured ones: where registering pays, a
+        // one-off copy could skip staging. (The driver serializes registration with copies,
+        // so pipelining registrations of chunks gains nothing over one.)
+        if backend == Backend::Cuda && size >= 64 << 20 {
+            progress(&format!("pageable registered {}", human(size)));
+            let four = gpuio_transport_memio::MemIo::new(
+                session.gpus().to_vec(),
+                gpuio_transport_memio::MemIoConfig {
+                    threads: 4,
+                    ..memio.config().clone()
+                },
+            )
+            .map_err(gpuio_api::Error::from)?;
+            let buf = RefCell::new(&mut pageable[0]);
+            let up = |registered: bool| -> Result<()> {
+                let mut b = buf.borrow_mut();
+                if registered {
+                    gpu.with_registered(&mut b[..], |b| stream.upload(b, &dev_a, 0))??;
+                } else {
+                    four.upload(&b[..], &dev_a, 0)
+                        .map_err(gpuio_api::Error::from)?;
+                }
+                Ok(())
+            };
+            let h2d = race(budget, |_| up(true), |_| up(false))?;
+            let down = |registered: bool| -> Result<()> {
+                let mut b = buf.borrow_mut();
+                if registered {
+                    gpu.with_registered(&mut b[..], |b| stream.download(&dev_a, 0, b))??;
+                } else {
+                    four.download(&dev_a, 0, &mut b[..])
+                        .map_err(gpuio_api::Error::from)?;
+                }
+                Ok(())
+            };
+            let d2h = race(budget, |_| down(true), |_| down(false))?;
+            let gbps = |t: crate::Timing| size as f64 / t.median.as_secs_f64().max(1e-12) / 1e9;
+            for (case, (ours, theirs)) in [
+                ("h2d_pageable_registered", h2d),
+                ("d2h_pageable_registered", d2h),
+            ] {
+                extra.push(Record {
+                    suite: SUITE.into(),
+                    case: format!("{case}/{}", human(size)),
+                    metric: "bandwidth".into(),
+                    value: gbps(ours),
+                    unit: "GB/s".into(),
+                    peer: "gpuio staged pipeline (4 threads)".into(),
+                    peer_value: gbps(theirs),
+                    ratio: gbps(ours) / gbps(theirs),
+                    bytes: size,
+                    route: "cuMemHostRegister, one DMA, cuMemHostUnregister".into(),
+                    device: device.clone(),
+                    reps: ours.reps,
+                    rows: None,
+                });
+            }
+        }
+
         // Device to device.
         progress(&format!("d2d {}", human(size)));
         let mut route = String::new();
@@ -209,6 +270,7 @@ pub fn run(
     } else {
         Vec::new()
     };
+    records.extend(extra);
     Ok((records, targets))
 }
 
