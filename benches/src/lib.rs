@@ -6,6 +6,7 @@ pub mod gather;
 pub mod kernels;
 pub mod localio;
 pub mod memio;
+mod model_load;
 mod peers;
 mod plot;
 pub mod remote;

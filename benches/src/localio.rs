@@ -106,7 +106,7 @@ fn pattern_crc32c(size: u64, seed: u64) -> u32 {
         .fold(0, |crc, (c, n)| crc32c::crc32c_combine(crc, c, n))
 }
 
-fn check_device(
+pub(crate) fn check_device(
     gpu: &Gpu,
     dev: &DeviceBuffer,
     reference: &DeviceBuffer,
@@ -378,6 +378,8 @@ pub fn run(
     let cpu = cpu_seconds() - cpu;
     check_device(&gpu, &dev, &reference, len, seed, "seq_read_hot")?;
     let hot = gbps(t);
+    // Kept registrations pin the file's pages: the cold cases below must be able to drop them.
+    io.release_page_cache();
     notes.push(format!(
         "seq_read_hot: {:.3} CPU seconds per GB read ({} reads)",
         cpu / (size as f64 * (opts.reps.max(1) + 1) as f64 / 1e9),
@@ -620,7 +622,10 @@ pub fn run(
         }
     }
 
-    // 4. Random 4 KiB reads, page cache warm, gathered into GPU memory.
+    // 4. A model load: a directory of safetensors-sized files, cold, warm and hot.
+    let model = crate::model_load::run(&gpu, io, opts, &mut notes, progress)?;
+
+    // 5. Random 4 KiB reads, page cache warm, gathered into GPU memory.
     progress("rand_read_4k");
     let n = opts.random_reads.min(len / 4096);
     let offsets: Vec<u64> = (0..n)
@@ -692,6 +697,7 @@ pub fn run(
         n as f64 / t.as_secs_f64().max(1e-9),
     );
 
+    records.extend(model);
     let targets = if gpu.backend() == Backend::Cuda {
         targets(&records, lanes)
     } else {
@@ -792,7 +798,7 @@ fn expect_cufile(engine: IoEngine) -> Result<()> {
 }
 
 /// A peer's result, or a note saying why it could not run.
-fn peer(
+pub(crate) fn peer(
     notes: &mut Vec<String>,
     name: &str,
     r: std::result::Result<PeerResult, String>,

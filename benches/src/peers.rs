@@ -176,6 +176,37 @@ pub fn kvikio(
     })
 }
 
+const TORCH_LOAD_SCRIPT: &str = include_str!("peers/torch_load_peer.py");
+
+/// Runs the torch model-load peer (each file read whole, then `.cuda()`) over `paths`, `mode`
+/// "cold" (pages dropped before each load) or "warm"; errors say why it could not run.
+pub fn torch_load(paths: &[PathBuf], mode: &str, reps: usize) -> Result<PeerResult, String> {
+    let python = std::env::var("GPUIO_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = Command::new(&python)
+        .arg("-c")
+        .arg(TORCH_LOAD_SCRIPT)
+        .arg(mode)
+        .arg(reps.to_string())
+        .args(paths)
+        .output()
+        .map_err(|e| format!("running {python}: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let last = text.lines().last().unwrap_or("");
+    if !out.status.success() || !last.starts_with('{') {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(format!(
+            "torch unavailable: {}",
+            err.lines().last().unwrap_or(last).trim()
+        ));
+    }
+    let json: serde_json::Value =
+        serde_json::from_str(last).map_err(|e| format!("torch load output: {e}"))?;
+    Ok(PeerResult {
+        bytes_per_s: json["bytes_per_s"].as_f64().unwrap_or(0.0),
+        iops: 0.0,
+    })
+}
+
 const TORCH_GATHER_SCRIPT: &str = include_str!("peers/torch_gather_peer.py");
 
 /// What the torch gather peer measured for one row size and index list.

@@ -208,6 +208,15 @@ impl KeptFiles {
             .fetch_add((before - st.kept.len()) as u64, Ordering::Relaxed);
     }
 
+    /// Lets go of every kept registration.
+    pub(super) fn clear(&self) {
+        let mut st = self.state.lock_unpoisoned();
+        self.released
+            .fetch_add(st.kept.len() as u64, Ordering::Relaxed);
+        st.kept.clear();
+        st.bytes = 0;
+    }
+
     /// Lets go of everything when the machine can back less than [`FLOOR`] more.
     fn relieve_pressure(&self, st: &mut State) {
         if st.kept.is_empty() || backable_bytes(false).is_none_or(|b| b >= FLOOR) {

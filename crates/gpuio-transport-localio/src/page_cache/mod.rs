@@ -244,6 +244,14 @@ impl LocalIo {
     pub fn page_cache_stats(&self) -> PageCacheStats {
         self.kept.stats()
     }
+
+    /// Lets go of every registration kept for hot files, unpinning their pages (a read in
+    /// flight finishes first with the one it holds). Pinned pages stay in the page cache
+    /// whatever is asked of it, `posix_fadvise(DONTNEED)` included: let go of them before
+    /// dropping a file's cached pages to read it cold.
+    pub fn release_page_cache(&self) {
+        self.kept.clear();
+    }
 }
 
 /// The pieces (of file 0) that read `ranges` of the wanted bytes from file offset `offset`.

@@ -290,6 +290,21 @@ fn a_hot_file_keeps_its_registration_until_it_changes() {
     let s = io.page_cache_stats();
     assert_eq!(s.kept_files, 0, "{s:?}");
     assert!(s.released >= 1, "{s:?}");
+    // Read again unchanged, it is kept again; released, its pages are unpinned.
+    let kept_again = read(0, len);
+    assert_eq!(
+        (kept_again.engine, kept_again.lanes),
+        (IoEngine::PageCache, 0)
+    );
+    assert_eq!(io.page_cache_stats().kept_files, 1);
+    io.release_page_cache();
+    assert_eq!(io.page_cache_stats().kept_bytes, 0);
+    let after = read(0, len);
+    assert_ne!(
+        (after.engine, after.lanes),
+        (IoEngine::PageCache, 0),
+        "{after}"
+    );
 
     // A file above the limit is never kept.
     let small = LocalIo::new(LocalIoConfig {
