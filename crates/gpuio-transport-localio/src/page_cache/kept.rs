@@ -12,6 +12,7 @@ use gpuio_hal::memory::mapped::{FileMapping, MappingPin};
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{DeviceBuffer, Gpu, Stream};
 
+use std::fs::File;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -25,6 +26,8 @@ const FLOOR: u64 = 1 << 30;
 /// A file's whole registration.
 pub(crate) struct Kept {
     identity: Identity,
+    /// The file, to notice it changed or was deleted while nobody reads it.
+    file: Arc<File>,
     /// Consecutive chunks from the file's start.
     pins: Vec<MappingPin>,
 }
@@ -34,6 +37,7 @@ impl Kept {
     /// `threads` threads; `None` if any chunk fails (nothing is kept then).
     pub(super) fn register(
         gpu: &Gpu,
+        file: Arc<File>,
         map: &Arc<FileMapping>,
         identity: Identity,
         threads: usize,
@@ -64,12 +68,19 @@ impl Kept {
         pins.sort_by_key(|(i, _)| *i);
         Some(Self {
             identity,
+            file,
             pins: pins.into_iter().map(|(_, p)| p).collect(),
         })
     }
 
     fn bytes(&self) -> u64 {
         self.identity.len
+    }
+
+    /// Whether the file is as it was when registered, and still has a name (a deleted file's
+    /// registration would only hold pinned memory that no read can use).
+    fn still_current(&self) -> bool {
+        Identity::of(&self.file).is_ok_and(|(now, links)| now == self.identity && links > 0)
     }
 
     /// Copies file bytes `offset..offset + len` into `dst` at `dst_offset`.
@@ -145,6 +156,14 @@ impl KeptFiles {
     pub(super) fn get(&self, now: &Identity) -> Option<Arc<Kept>> {
         let mut st = self.state.lock_unpoisoned();
         self.relieve_pressure(&mut st);
+        // Files changed or deleted since they were kept (one `fstat` each) go now.
+        let before = st.kept.len();
+        st.kept.retain(|k| k.still_current());
+        if st.kept.len() < before {
+            st.bytes = st.kept.iter().map(|k| k.bytes()).sum();
+            self.released
+                .fetch_add((before - st.kept.len()) as u64, Ordering::Relaxed);
+        }
         let i = st.kept.iter().position(|k| k.identity.same_file(now));
         let Some(i) = i else {
             self.misses.fetch_add(1, Ordering::Relaxed);

@@ -69,18 +69,25 @@ impl Identity {
     }
 }
 
+impl Identity {
+    /// The identity of an open file, and its number of names (links).
+    fn of(file: &std::fs::File) -> std::io::Result<(Identity, u64)> {
+        let m = file.metadata()?;
+        let id = Identity {
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+            ino: m.ino(),
+            dev: m.dev(),
+        };
+        Ok((id, m.nlink()))
+    }
+}
+
 fn identity(file: &FileHandle) -> Result<Identity> {
-    let m = file
-        .shared()
-        .metadata()
-        .map_err(|e| file.io("stat", 0, e))?;
-    Ok(Identity {
-        len: m.len(),
-        mtime: (m.mtime(), m.mtime_nsec()),
-        ctime: (m.ctime(), m.ctime_nsec()),
-        ino: m.ino(),
-        dev: m.dev(),
-    })
+    Identity::of(&file.shared())
+        .map(|(id, _)| id)
+        .map_err(|e| file.io("stat", 0, e))
 }
 
 /// `len` bytes from file offset `offset` cut into chunks whose boundaries fall on page
@@ -133,7 +140,16 @@ impl LocalIo {
             None => None,
         };
         let transfer = if let Some(kept) = kept {
-            kept.copy(&dst.gpu().stream()?, offset, len, dst, dst_offset)?;
+            let copied = dst
+                .gpu()
+                .stream()
+                .map_err(LocalIoError::from)
+                .and_then(|s| kept.copy(&s, offset, len, dst, dst_offset));
+            if let Err(e) = copied {
+                tracing::warn!(error = %e, "a kept page cache registration failed; using the lanes");
+                self.kept.forget(&before);
+                return Ok(None);
+            }
             Transfer {
                 bytes: len as u64,
                 engine: IoEngine::PageCache,
@@ -175,7 +191,10 @@ impl LocalIo {
             return Ok(None);
         }
         let threads = self.config.page_cache_threads.clamp(1, 8);
-        Ok(kept::Kept::register(gpu, &map, identity.clone(), threads).map(|k| self.kept.insert(k)))
+        Ok(
+            kept::Kept::register(gpu, file.shared(), &map, identity.clone(), threads)
+                .map(|k| self.kept.insert(k)),
+        )
     }
 
     /// A one-off read: warm chunks registered and copied, cold ones through the lanes at the

@@ -305,6 +305,18 @@ fn a_hot_file_keeps_its_registration_until_it_changes() {
         (IoEngine::PageCache, 0),
         "{after}"
     );
+    // Kept again, then deleted: the next lookup lets the registration go (it could serve no
+    // read by name), though the open handle still reads the file.
+    read(0, len);
+    assert_eq!(io.page_cache_stats().kept_files, 1);
+    std::fs::remove_file(&f.0).unwrap();
+    let orphan = read(0, len);
+    assert_ne!(
+        (orphan.engine, orphan.lanes),
+        (IoEngine::PageCache, 0),
+        "{orphan}"
+    );
+    assert_eq!(io.page_cache_stats().kept_files, 0);
 
     // A file above the limit is never kept.
     let small = LocalIo::new(LocalIoConfig {
