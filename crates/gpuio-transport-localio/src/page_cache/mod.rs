@@ -186,10 +186,11 @@ impl LocalIo {
         gpu: &Gpu,
     ) -> Result<Option<Arc<kept::Kept>>> {
         let len = identity.len as usize;
-        let map = Arc::new(FileMapping::new(&file.shared(), 0, len)?);
-        if !is_warm(map.resident(0..len)?, len) {
+        // A mapping the kernel refuses is a reason to read another way, not to fail.
+        let Some(map) = map_warm(file, 0, len, |map| Ok(is_warm(map.resident(0..len)?, len)))
+        else {
             return Ok(None);
-        }
+        };
         let threads = self.config.page_cache_threads.clamp(1, 8);
         Ok(
             kept::Kept::register(gpu, file.shared(), &map, identity.clone(), threads)
@@ -209,19 +210,20 @@ impl LocalIo {
         len: usize,
     ) -> Result<Option<Transfer>> {
         debug_assert!(offset + len as u64 <= before.len);
-        let map = Arc::new(FileMapping::new(&file.shared(), offset, len)?);
         let mut warm = Vec::new();
         let mut cold = Vec::new();
-        for c in chunks(offset, len, map.page_size()) {
-            if is_warm(map.resident(c.clone())?, c.len()) {
-                warm.push(c);
-            } else {
-                cold.push(c);
+        let Some(map) = map_warm(file, offset, len, |map| {
+            for c in chunks(offset, len, map.page_size()) {
+                if is_warm(map.resident(c.clone())?, c.len()) {
+                    warm.push(c);
+                } else {
+                    cold.push(c);
+                }
             }
-        }
-        if warm.is_empty() {
+            Ok(!warm.is_empty())
+        }) else {
             return Ok(None);
-        }
+        };
         let threads = self.config.page_cache_threads.clamp(1, 8).min(warm.len());
         let (copied, result) = std::thread::scope(|s| {
             let cold_read = (!cold.is_empty()).then(|| {
@@ -270,6 +272,27 @@ impl LocalIo {
     /// dropping a file's cached pages to read it cold.
     pub fn release_page_cache(&self) {
         self.kept.clear();
+    }
+}
+
+/// Maps `len` bytes of `file` from `offset` when `warm` says the mapping is worth reading from;
+/// `None` where it is not, or where the kernel refuses the mapping or its residency (logged:
+/// the read then goes through the lanes, which report any real fault of the file).
+fn map_warm(
+    file: &FileHandle,
+    offset: u64,
+    len: usize,
+    warm: impl FnOnce(&FileMapping) -> gpuio_hal::Result<bool>,
+) -> Option<Arc<FileMapping>> {
+    let mapped = FileMapping::new(&file.shared(), offset, len)
+        .and_then(|map| Ok(warm(&map)?.then_some(map)));
+    match mapped {
+        Ok(map) => map.map(Arc::new),
+        Err(e) => {
+            tracing::debug!(path = %file.path().display(), error = %e,
+                "no page cache read: the file could not be mapped");
+            None
+        }
     }
 }
 
