@@ -344,7 +344,9 @@ impl TicketInner {
                 return;
             }
             s.finished = true;
-            (s.req.take(), s.done.take(), s.started)
+            // A durable file still here was never flushed for this request (it was cancelled
+            // or failed before it ran): let it go with the buffers.
+            ((s.req.take(), s.durable.take()), s.done.take(), s.started)
         };
         // Release the request's buffers before saying it is done.
         drop(req);

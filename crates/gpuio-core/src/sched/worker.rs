@@ -74,8 +74,10 @@ pub(super) fn worker_main(sh: Arc<Shared>, me: usize, local: Worker<Unit>) {
             None => match sh.grab(&local).or_else(|| sh.steal(me)) {
                 Some(u) => u,
                 None => {
-                    // Idle: nothing to save by handing these back now.
+                    // Idle: nothing to save by handing these back, or by leaving the ones
+                    // handed back for the next submission to free.
                     spent.clear();
+                    drop(sh.spent.try_lock().map(|mut v| std::mem::take(&mut *v)));
                     match sh.idle(me) {
                         Idle::Run(u) => u,
                         Idle::Look => continue,

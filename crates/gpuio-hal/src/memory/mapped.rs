@@ -52,8 +52,9 @@ impl FileMapping {
         let page = crate::sys::page_size();
         let head = (offset % page as u64) as usize;
         let start = offset - head as u64;
-        let map_len = (head + len)
-            .checked_next_multiple_of(page)
+        let map_len = head
+            .checked_add(len)
+            .and_then(|n| n.checked_next_multiple_of(page))
             .ok_or_else(|| HalError::InvalidArgument("file mapping size overflows".into()))?;
         let start = libc::off_t::try_from(start)
             .map_err(|_| HalError::InvalidArgument(format!("file offset {offset} too large")))?;
@@ -206,7 +207,8 @@ impl MappingPin {
     }
 
     /// Copies `part` of the pinned bytes (a range of the mapping's wanted bytes, inside
-    /// [`range`](Self::range)) into `dst` at `dst_offset` on `stream`, and waits for the copy.
+    /// [`range`](Self::range)) into `dst` at `dst_offset` on `stream` (of any device of the
+    /// backend that registered it), and waits for the copy.
     pub fn copy_to_device(
         &self,
         part: Range<usize>,
@@ -220,7 +222,8 @@ impl MappingPin {
                 self.range
             )));
         }
-        if !stream.gpu().same_device(&self.gpu) {
+        // Registrations are portable: any device of the backend that made one can read it.
+        if stream.gpu().backend() != self.gpu.backend() {
             return Err(HalError::WrongDevice {
                 what: "registered file range",
                 owner: self.gpu.to_string(),

@@ -128,7 +128,23 @@ struct State {
     /// Least recently used first.
     kept: Vec<Arc<Kept>>,
     seen: Vec<Identity>,
+    /// Files being registered to keep, their bytes reserved under the limit.
+    registering: Vec<Identity>,
+    /// Bytes kept, and reserved for the files being registered: together never above the
+    /// limit.
     bytes: u64,
+    reserved: u64,
+}
+
+impl State {
+    /// Takes out the kept files `gone` says to let go, counting them; their pins are dropped
+    /// by the caller, outside the lock (unregistering takes milliseconds per gigabyte).
+    fn take(&mut self, gone: impl Fn(&Kept) -> bool) -> Vec<Arc<Kept>> {
+        let (out, keep): (Vec<_>, Vec<_>) = self.kept.drain(..).partition(|k| gone(k));
+        self.kept = keep;
+        self.bytes = self.kept.iter().map(|k| k.bytes()).sum();
+        out
+    }
 }
 
 /// The kept registrations of one LocalIO engine.
@@ -151,104 +167,129 @@ impl KeptFiles {
         }
     }
 
-    /// The kept registration of the file `now` identifies, if it is kept and unchanged; one
-    /// kept for an earlier state of the file is let go.
-    pub(super) fn get(&self, now: &Identity) -> Option<Arc<Kept>> {
-        let mut st = self.state.lock_unpoisoned();
-        self.relieve_pressure(&mut st);
-        // Files changed or deleted since they were kept (one `fstat` each) go now.
-        let before = st.kept.len();
-        st.kept.retain(|k| k.still_current());
-        if st.kept.len() < before {
-            st.bytes = st.kept.iter().map(|k| k.bytes()).sum();
-            self.released
-                .fetch_add((before - st.kept.len()) as u64, Ordering::Relaxed);
-        }
-        let i = st.kept.iter().position(|k| k.identity.same_file(now));
-        let Some(i) = i else {
-            self.misses.fetch_add(1, Ordering::Relaxed);
-            return None;
-        };
-        let k = st.kept.remove(i);
-        if k.identity != *now {
-            st.bytes -= k.bytes();
-            self.released.fetch_add(1, Ordering::Relaxed);
-            self.misses.fetch_add(1, Ordering::Relaxed);
-            return None;
-        }
-        st.kept.push(k.clone());
-        self.hits.fetch_add(1, Ordering::Relaxed);
-        Some(k)
+    /// Counts `gone` as let go and drops them (unregistering, outside the lock).
+    fn release(&self, gone: Vec<Arc<Kept>>) {
+        self.released
+            .fetch_add(gone.len() as u64, Ordering::Relaxed);
+        drop(gone);
     }
 
-    /// Whether to keep the registration of this file: the second read of it unchanged, when
-    /// it fits under the limit. The first read is remembered.
+    /// The kept registration of the file `now` identifies, if it is kept and unchanged. Kept
+    /// files changed or deleted since are let go first, and all of them under memory pressure.
+    pub(super) fn get(&self, now: &Identity) -> Option<Arc<Kept>> {
+        let mut st = self.state.lock_unpoisoned();
+        let mut gone = if self.pressed(&st) {
+            tracing::warn!(
+                bytes = st.bytes,
+                "memory is short: letting go of kept page cache registrations"
+            );
+            st.take(|_| true)
+        } else {
+            // One `fstat` per kept file.
+            st.take(|k| !k.still_current())
+        };
+        let found = st.kept.iter().position(|k| k.identity == *now);
+        let hit = found.map(|i| {
+            let k = st.kept.remove(i);
+            st.kept.push(k.clone());
+            k
+        });
+        if hit.is_none() {
+            gone.extend(st.take(|k| k.identity.same_file(now)));
+        }
+        drop(st);
+        self.release(gone);
+        let counter = if hit.is_some() {
+            &self.hits
+        } else {
+            &self.misses
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        hit
+    }
+
+    /// Whether to keep the registration of this file now: the second read of it unchanged,
+    /// when no other read is registering it and room is made for it under the limit (the
+    /// least recently used kept files let go). `true` reserves its bytes until
+    /// [`insert`](Self::insert) or [`abandon`](Self::abandon). The first read is remembered.
     pub(super) fn wants(&self, now: &Identity) -> bool {
         if now.len > self.limit {
             return false;
         }
         let mut st = self.state.lock_unpoisoned();
-        if let Some(i) = st.seen.iter().position(|s| s.same_file(now)) {
-            let seen = st.seen.remove(i);
-            if seen == *now {
-                return true;
+        if st.registering.iter().any(|r| r.same_file(now)) {
+            return false;
+        }
+        let seen = st.seen.iter().position(|s| s == now);
+        let Some(i) = seen else {
+            st.seen.retain(|s| !s.same_file(now));
+            if st.seen.len() >= SEEN {
+                st.seen.remove(0);
             }
+            st.seen.push(now.clone());
+            return false;
+        };
+        let mut gone = Vec::new();
+        while st.bytes + st.reserved + now.len > self.limit && !st.kept.is_empty() {
+            let k = st.kept.remove(0);
+            st.bytes -= k.bytes();
+            gone.push(k);
         }
-        if st.seen.len() >= SEEN {
-            st.seen.remove(0);
+        let fits = st.bytes + st.reserved + now.len <= self.limit;
+        if fits {
+            st.seen.remove(i);
+            st.registering.push(now.clone());
+            st.reserved += now.len;
         }
-        st.seen.push(now.clone());
-        false
+        drop(st);
+        self.release(gone);
+        fits
     }
 
-    /// Keeps `kept`, letting the least recently used go to make room.
+    /// Keeps `kept`, whose room [`wants`](Self::wants) reserved.
     pub(super) fn insert(&self, kept: Kept) -> Arc<Kept> {
         let kept = Arc::new(kept);
         let mut st = self.state.lock_unpoisoned();
-        st.kept.retain(|k| !k.identity.same_file(&kept.identity));
-        st.bytes = st.kept.iter().map(|k| k.bytes()).sum();
-        while st.bytes + kept.bytes() > self.limit && !st.kept.is_empty() {
-            let gone = st.kept.remove(0);
-            st.bytes -= gone.bytes();
-            self.released.fetch_add(1, Ordering::Relaxed);
-        }
+        Self::unreserve(&mut st, &kept.identity);
         st.bytes += kept.bytes();
         st.kept.push(kept.clone());
         kept
     }
 
+    /// Gives back the room [`wants`](Self::wants) reserved for a file that was not kept.
+    pub(super) fn abandon(&self, file: &Identity) {
+        Self::unreserve(&mut self.state.lock_unpoisoned(), file);
+    }
+
+    fn unreserve(st: &mut State, file: &Identity) {
+        if let Some(i) = st.registering.iter().position(|r| r == file) {
+            st.registering.remove(i);
+            st.reserved -= file.len;
+        }
+    }
+
     /// Lets go of the file's kept registration (it changed under a read).
     pub(super) fn forget(&self, file: &Identity) {
-        let mut st = self.state.lock_unpoisoned();
-        let before = st.kept.len();
-        st.kept.retain(|k| !k.identity.same_file(file));
-        st.bytes = st.kept.iter().map(|k| k.bytes()).sum();
-        self.released
-            .fetch_add((before - st.kept.len()) as u64, Ordering::Relaxed);
+        let gone = self
+            .state
+            .lock_unpoisoned()
+            .take(|k| k.identity.same_file(file));
+        self.release(gone);
     }
 
-    /// Lets go of every kept registration.
+    /// Lets go of every kept registration (reads holding one finish with it first).
     pub(super) fn clear(&self) {
-        let mut st = self.state.lock_unpoisoned();
-        self.released
-            .fetch_add(st.kept.len() as u64, Ordering::Relaxed);
-        st.kept.clear();
-        st.bytes = 0;
+        let gone = self.state.lock_unpoisoned().take(|_| true);
+        self.release(gone);
     }
 
-    /// Lets go of everything when the machine can back less than [`FLOOR`] more.
-    fn relieve_pressure(&self, st: &mut State) {
-        if st.kept.is_empty() || backable_bytes(false).is_none_or(|b| b >= FLOOR) {
-            return;
-        }
-        tracing::warn!(
-            bytes = st.bytes,
-            "memory is short: letting go of kept page cache registrations"
-        );
-        self.released
-            .fetch_add(st.kept.len() as u64, Ordering::Relaxed);
-        st.kept.clear();
-        st.bytes = 0;
+    /// Whether the machine can back less than [`FLOOR`] more. The kernel counts the page
+    /// cache pages the kept registrations pin as reclaimable, which they are not: they are
+    /// taken off what it reports.
+    fn pressed(&self, st: &State) -> bool {
+        !st.kept.is_empty()
+            && backable_bytes(false)
+                .is_some_and(|b| b.saturating_sub(st.bytes + st.reserved) < FLOOR)
     }
 
     pub(super) fn stats(&self) -> PageCacheStats {
@@ -296,6 +337,23 @@ mod tests {
         // Nothing kept: every lookup misses.
         assert!(k.get(&id(1, 100, 5)).is_none());
         assert_eq!(k.stats().misses, 1);
+    }
+
+    #[test]
+    fn room_is_reserved_while_a_file_registers_and_given_back_if_it_is_not_kept() {
+        let k = KeptFiles::new(150);
+        let (a, b) = (id(1, 100, 1), id(2, 100, 1));
+        for f in [&a, &b] {
+            assert!(!k.wants(f));
+        }
+        assert!(k.wants(&a), "a's second read registers it");
+        assert!(
+            !k.wants(&a),
+            "a second reader of a file being registered does not"
+        );
+        assert!(!k.wants(&b), "no room beside a's 100 reserved bytes");
+        k.abandon(&a);
+        assert!(k.wants(&b), "room given back");
     }
 
     #[test]

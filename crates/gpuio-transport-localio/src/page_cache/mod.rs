@@ -187,15 +187,18 @@ impl LocalIo {
     ) -> Result<Option<Arc<kept::Kept>>> {
         let len = identity.len as usize;
         // A mapping the kernel refuses is a reason to read another way, not to fail.
-        let Some(map) = map_warm(file, 0, len, |map| Ok(is_warm(map.resident(0..len)?, len)))
-        else {
-            return Ok(None);
-        };
+        let map = map_warm(file, 0, len, |map| Ok(is_warm(map.resident(0..len)?, len)));
         let threads = self.config.page_cache_threads.clamp(1, 8);
-        Ok(
+        let kept = map.and_then(|map| {
             kept::Kept::register(gpu, file.shared(), &map, identity.clone(), threads)
-                .map(|k| self.kept.insert(k)),
-        )
+        });
+        Ok(match kept {
+            Some(k) => Some(self.kept.insert(k)),
+            None => {
+                self.kept.abandon(identity);
+                None
+            }
+        })
     }
 
     /// A one-off read: warm chunks registered and copied, cold ones through the lanes at the

@@ -236,7 +236,8 @@ impl DeviceBackend for CudaDevice {
     unsafe fn pin_read_only(&self, ptr: *mut u8, len: usize) -> Result<Box<dyn HostPin>> {
         self.shared.bind()?;
         // READ_ONLY is what lets the driver pin pages of a read-only mapping (without it the
-        // registration fails); PORTABLE makes the pin good for every context.
+        // registration fails); PORTABLE makes the pin good for every context, so every device
+        // can copy from it (`MappingPin::copy_to_device` relies on that).
         let flags = sys::CU_MEMHOSTREGISTER_READ_ONLY | sys::CU_MEMHOSTREGISTER_PORTABLE;
         // SAFETY: the caller keeps ptr..ptr+len mapped until the returned CudaPin drops, which
         // unregisters it.
