@@ -229,6 +229,10 @@ impl KeptFiles {
             st.seen.push(now.clone());
             return false;
         };
+        // Room held for files being registered cannot be made: evict nothing in vain.
+        if st.reserved + now.len > self.limit {
+            return false;
+        }
         let mut gone = Vec::new();
         while st.bytes + st.reserved + now.len > self.limit && !st.kept.is_empty() {
             let k = st.kept.remove(0);
