@@ -303,6 +303,10 @@ impl<T> EngineQueue<T> {
 
     /// The best candidate and its rank.
     fn best(&self, cfg: &QueueConfig, now: Instant) -> Option<(Rank, Source)> {
+        // Every pop asks each engine's queue; most are empty.
+        if self.len == 0 {
+            return None;
+        }
         if cfg.policy == Policy::Fifo {
             return self
                 .fifo
