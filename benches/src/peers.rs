@@ -140,40 +140,54 @@ pub fn kvikio(
     mode: KvikioMode,
     reps: usize,
 ) -> Result<PeerResult, String> {
-    let python = std::env::var("GPUIO_PYTHON").unwrap_or_else(|_| "python3".into());
     let mode = match mode {
         KvikioMode::Warm => "warm",
         KvikioMode::Cold => "cold",
         KvikioMode::Random4k => "rand4k",
     };
-    let out = Command::new(&python)
-        .arg("-c")
-        .arg(KVIKIO_SCRIPT)
-        .arg(path)
-        .arg(size.to_string())
-        .arg(mode)
-        .arg(reps.to_string())
-        .env("KVIKIO_NTHREADS", threads.to_string())
-        // kvikio's own POSIX path, its best without nvidia-fs (the reference figures);
-        // cuFile's compat mode is measured as a peer of its own.
-        .env("KVIKIO_COMPAT_MODE", "ON")
-        .output()
-        .map_err(|e| format!("running {python}: {e}"))?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let last = text.lines().last().unwrap_or("");
-    if !out.status.success() || !last.starts_with('{') {
-        let err = String::from_utf8_lossy(&out.stderr);
-        return Err(format!(
-            "kvikio unavailable: {}",
-            err.lines().last().unwrap_or(last).trim()
-        ));
-    }
-    let json: serde_json::Value =
-        serde_json::from_str(last).map_err(|e| format!("kvikio output: {e}"))?;
+    let out = python_peer("kvikio", KVIKIO_SCRIPT, |cmd| {
+        cmd.arg(path)
+            .arg(size.to_string())
+            .arg(mode)
+            .arg(reps.to_string())
+            .env("KVIKIO_NTHREADS", threads.to_string())
+            // kvikio's own POSIX path, its best without nvidia-fs (the reference
+            // figures); cuFile's compat mode is measured as a peer of its own.
+            .env("KVIKIO_COMPAT_MODE", "ON");
+    })?;
+    let json = out.last().ok_or("kvikio printed no result")?;
     Ok(PeerResult {
         bytes_per_s: json["bytes_per_s"].as_f64().unwrap_or(0.0),
         iops: json["iops"].as_f64().unwrap_or(0.0),
     })
+}
+
+/// Runs `script` with the Python of `GPUIO_PYTHON` (else `python3`), its arguments and
+/// environment set by `args`; returns the JSON objects it printed, one per line, or why it
+/// could not run (`<what> unavailable:` and its last error line).
+fn python_peer(
+    what: &str,
+    script: &str,
+    args: impl FnOnce(&mut Command),
+) -> Result<Vec<serde_json::Value>, String> {
+    let python = std::env::var("GPUIO_PYTHON").unwrap_or_else(|_| "python3".into());
+    let mut cmd = Command::new(&python);
+    cmd.arg("-c").arg(script);
+    args(&mut cmd);
+    let out = cmd.output().map_err(|e| format!("running {python}: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with('{')).collect();
+    if !out.status.success() || lines.is_empty() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(format!(
+            "{what} unavailable: {}",
+            err.lines().last().unwrap_or("no output").trim()
+        ));
+    }
+    lines
+        .iter()
+        .map(|l| serde_json::from_str(l).map_err(|e| format!("{what} output: {e}")))
+        .collect()
 }
 
 const TORCH_LOAD_SCRIPT: &str = include_str!("peers/torch_load_peer.py");
@@ -181,26 +195,10 @@ const TORCH_LOAD_SCRIPT: &str = include_str!("peers/torch_load_peer.py");
 /// Runs the torch model-load peer (each file read whole, then `.cuda()`) over `paths`, `mode`
 /// "cold" (pages dropped before each load) or "warm"; errors say why it could not run.
 pub fn torch_load(paths: &[PathBuf], mode: &str, reps: usize) -> Result<PeerResult, String> {
-    let python = std::env::var("GPUIO_PYTHON").unwrap_or_else(|_| "python3".into());
-    let out = Command::new(&python)
-        .arg("-c")
-        .arg(TORCH_LOAD_SCRIPT)
-        .arg(mode)
-        .arg(reps.to_string())
-        .args(paths)
-        .output()
-        .map_err(|e| format!("running {python}: {e}"))?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let last = text.lines().last().unwrap_or("");
-    if !out.status.success() || !last.starts_with('{') {
-        let err = String::from_utf8_lossy(&out.stderr);
-        return Err(format!(
-            "torch unavailable: {}",
-            err.lines().last().unwrap_or(last).trim()
-        ));
-    }
-    let json: serde_json::Value =
-        serde_json::from_str(last).map_err(|e| format!("torch load output: {e}"))?;
+    let out = python_peer("torch", TORCH_LOAD_SCRIPT, |cmd| {
+        cmd.arg(mode).arg(reps.to_string()).args(paths);
+    })?;
+    let json = out.last().ok_or("torch printed no result")?;
     Ok(PeerResult {
         bytes_per_s: json["bytes_per_s"].as_f64().unwrap_or(0.0),
         iops: 0.0,
@@ -233,40 +231,23 @@ pub fn torch_gather(
     reps: usize,
     latency: (usize, usize),
 ) -> Result<Vec<TorchGather>, String> {
-    let python = std::env::var("GPUIO_PYTHON").unwrap_or_else(|_| "python3".into());
     let list = rows
         .iter()
         .map(|r| r.to_string())
         .collect::<Vec<_>>()
         .join(",");
-    let out = Command::new(&python)
-        .arg("-c")
-        .arg(TORCH_GATHER_SCRIPT)
-        .args([pool_bytes.to_string(), list])
-        .arg(lists)
-        .args([reps, latency.0, latency.1].map(|n| n.to_string()))
-        .output()
-        .map_err(|e| format!("running {python}: {e}"))?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with('{')).collect();
-    if !out.status.success() || lines.is_empty() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        return Err(format!(
-            "torch unavailable: {}",
-            err.lines().last().unwrap_or("no output").trim()
-        ));
-    }
-    lines
+    let out = python_peer("torch", TORCH_GATHER_SCRIPT, |cmd| {
+        cmd.args([pool_bytes.to_string(), list])
+            .arg(lists)
+            .args([reps, latency.0, latency.1].map(|n| n.to_string()));
+    })?;
+    Ok(out
         .iter()
-        .map(|l| {
-            let j: serde_json::Value =
-                serde_json::from_str(l).map_err(|e| format!("torch peer output: {e}"))?;
-            Ok(TorchGather {
-                row: j["row"].as_u64().unwrap_or(0) as usize,
-                distinct: j["list"].as_str() == Some("distinct"),
-                bytes_per_s: j["bytes_per_s"].as_f64().unwrap_or(0.0),
-                latency_s: j["latency_p50_s"].as_f64(),
-            })
+        .map(|j| TorchGather {
+            row: j["row"].as_u64().unwrap_or(0) as usize,
+            distinct: j["list"].as_str() == Some("distinct"),
+            bytes_per_s: j["bytes_per_s"].as_f64().unwrap_or(0.0),
+            latency_s: j["latency_p50_s"].as_f64(),
         })
-        .collect()
+        .collect())
 }
