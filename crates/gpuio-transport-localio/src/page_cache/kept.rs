@@ -16,12 +16,16 @@ use std::fs::File;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Files remembered as read once, waiting for a second read to be kept.
 const SEEN: usize = 64;
 
 /// Below this much memory the machine could still back, every kept registration is let go.
 const FLOOR: u64 = 1 << 30;
+
+/// How often a lookup reads how much memory the machine can back.
+const PRESSURE_EVERY: Duration = Duration::from_millis(100);
 
 /// A file's whole registration.
 pub(crate) struct Kept {
@@ -134,6 +138,8 @@ struct State {
     /// limit.
     bytes: u64,
     reserved: u64,
+    /// When the machine's memory was last read (`pressed`).
+    pressure_read: Option<Instant>,
 }
 
 impl State {
@@ -178,7 +184,7 @@ impl KeptFiles {
     /// files changed or deleted since are let go first, and all of them under memory pressure.
     pub(super) fn get(&self, now: &Identity) -> Option<Arc<Kept>> {
         let mut st = self.state.lock_unpoisoned();
-        let mut gone = if self.pressed(&st) {
+        let mut gone = if self.pressed(&mut st) {
             tracing::warn!(
                 bytes = st.bytes,
                 "memory is short: letting go of kept page cache registrations"
@@ -290,10 +296,19 @@ impl KeptFiles {
     /// Whether the machine can back less than [`FLOOR`] more. The kernel counts the page
     /// cache pages the kept registrations pin as reclaimable, which they are not: they are
     /// taken off what it reports.
-    fn pressed(&self, st: &State) -> bool {
-        !st.kept.is_empty()
-            && backable_bytes(false)
-                .is_some_and(|b| b.saturating_sub(st.bytes + st.reserved) < FLOOR)
+    ///
+    /// Read at most every [`PRESSURE_EVERY`]: reading it takes a few files of `/proc` and the
+    /// cgroup tree, tens of microseconds against a millisecond's read.
+    fn pressed(&self, st: &mut State) -> bool {
+        if st.kept.is_empty()
+            || st
+                .pressure_read
+                .is_some_and(|t| t.elapsed() < PRESSURE_EVERY)
+        {
+            return false;
+        }
+        st.pressure_read = Some(Instant::now());
+        backable_bytes(false).is_some_and(|b| b.saturating_sub(st.bytes + st.reserved) < FLOOR)
     }
 
     pub(super) fn stats(&self) -> PageCacheStats {
