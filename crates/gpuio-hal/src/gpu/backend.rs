@@ -17,6 +17,10 @@ pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
     /// Allocates `len` bytes of device memory (`len > 0`).
     fn alloc(&self, len: usize) -> Result<Box<dyn DeviceMemory>>;
 
+    /// Device memory another library allocated, at `addr..addr + len` (`len > 0`), checked
+    /// to lie inside one live allocation of this device; never freed by gpuio.
+    fn borrow(&self, addr: u64, len: usize) -> Result<Box<dyn DeviceMemory>>;
+
     fn new_stream(&self) -> Result<Box<dyn StreamBackend>>;
 
     /// Page-locks and registers host memory for DMA; the guard unregisters it when dropped.

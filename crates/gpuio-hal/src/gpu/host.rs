@@ -146,6 +146,13 @@ impl DeviceBackend for HostDevice {
         Ok(Box::new(NoPin))
     }
 
+    fn borrow(&self, _addr: u64, _len: usize) -> Result<Box<dyn DeviceMemory>> {
+        Err(HalError::Unsupported {
+            what: "device memory allocated outside gpuio",
+            reason: "the host backend has no GPU whose memory another library could own".into(),
+        })
+    }
+
     unsafe fn pin_read_only(&self, _ptr: *mut u8, _len: usize) -> Result<Box<dyn HostPin>> {
         Err(HalError::Unsupported {
             what: "registering a file mapping for DMA",

@@ -347,3 +347,39 @@ proptest! {
         prop_assert_eq!(pattern::first_deviation(&back, 0, seed), None);
     }
 }
+
+#[test]
+fn borrowed_device_memory_is_checked_against_its_allocation() {
+    let p = devices();
+    let gpu = &p.gpus[0];
+    let owned = gpu.alloc(1 << 20).unwrap();
+    let base = owned.device_addr();
+    if gpu.backend() == Backend::Host {
+        let e = gpu.borrow_device(base, 4096).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Unsupported, "{e}");
+        return;
+    }
+    // A view of the middle of another allocation moves bytes like the allocation itself.
+    let view = gpu.borrow_device(base + 4096, 8192).unwrap();
+    let stream = gpu.stream().unwrap();
+    let data: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();
+    stream.upload(&data, &view, 0).unwrap();
+    let mut back = vec![0u8; 8192];
+    stream.download(&owned, 4096, &mut back).unwrap();
+    assert_eq!(back, data);
+    // Past the allocation's end, a host address, zero bytes: typed errors, nothing copied.
+    for (addr, len) in [
+        (base + (1 << 20) - 100, 200),
+        (data.as_ptr() as u64, 16),
+        (base, 0),
+    ] {
+        let e = gpu.borrow_device(addr, len).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::InvalidArg, "{addr:#x}+{len}: {e}");
+    }
+    if let Ok(other) = p.gpu(1)
+        && other.backend() == Backend::Cuda
+    {
+        let e = other.borrow_device(base, 4096).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::InvalidArg, "{e}");
+    }
+}

@@ -5,7 +5,7 @@
 //! go through [`driver`].
 
 use super::driver::{self, cuda_err};
-use super::memory::{CudaMemory, CudaPin};
+use super::memory::{CudaMemory, CudaPin, ForeignMemory};
 use super::module::{self, Loaded};
 use super::stream::CudaStreamBackend;
 use super::{cufile, probe};
@@ -215,6 +215,29 @@ impl DeviceBackend for CudaDevice {
         Ok(Box::new(unsafe {
             CudaMemory::new(self.shared.clone(), ptr)
         }))
+    }
+
+    fn borrow(&self, addr: u64, len: usize) -> Result<Box<dyn DeviceMemory>> {
+        self.shared.bind()?;
+        let r = driver::pointer_range(addr)?;
+        let invalid = |why: String| HalError::InvalidArgument(format!("{addr:#x}+{len}: {why}"));
+        if r.mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            return Err(invalid("not device memory the CUDA driver knows".into()));
+        }
+        if r.ordinal != self.info.ordinal as i32 {
+            return Err(invalid(format!(
+                "memory of GPU {}, not GPU {}",
+                r.ordinal, self.info.ordinal
+            )));
+        }
+        let end = addr.checked_add(len as u64);
+        if addr < r.start || end.is_none_or(|e| e > r.start + r.size as u64) {
+            return Err(invalid(format!(
+                "outside its allocation ({:#x}+{})",
+                r.start, r.size
+            )));
+        }
+        Ok(Box::new(ForeignMemory { ptr: addr }))
     }
 
     fn new_stream(&self) -> Result<Box<dyn StreamBackend>> {

@@ -151,6 +151,47 @@ pub(super) unsafe fn mem_host_get_device_pointer(ptr: *mut u8) -> Result<sys::CU
     Ok(dptr)
 }
 
+/// What the driver knows of the allocation holding the device address `ptr`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PointerRange {
+    /// `CU_MEMORYTYPE_*` (0 when the driver does not know the address).
+    pub mem_type: u32,
+    /// The allocation's first address and length.
+    pub start: u64,
+    pub size: usize,
+    /// The ordinal of the device that owns it.
+    pub ordinal: i32,
+}
+
+/// `cuPointerGetAttributes`: the type, extent and device of the allocation holding `ptr`.
+/// An address the driver does not know gives memory type 0, not an error.
+pub(super) fn pointer_range(ptr: u64) -> Result<PointerRange> {
+    use sys::CUpointer_attribute as A;
+    let mut attrs = [
+        A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+    ];
+    let mut r = PointerRange {
+        mem_type: 0,
+        start: 0,
+        size: 0,
+        ordinal: -1,
+    };
+    let mut data: [*mut c_void; 4] = [
+        (&mut r.mem_type as *mut u32).cast(),
+        (&mut r.start as *mut u64).cast(),
+        (&mut r.size as *mut usize).cast(),
+        (&mut r.ordinal as *mut i32).cast(),
+    ];
+    // SAFETY: attrs and data have 4 entries each, pointing at fields of the sizes the
+    // attributes write; the address is only a value the driver looks up.
+    let rc = unsafe { sys::cuPointerGetAttributes(4, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) };
+    check(rc, "cuPointerGetAttributes")?;
+    Ok(r)
+}
+
 /// `cuMemcpyHtoD` (synchronous for pageable memory).
 ///
 /// # Safety

@@ -1,6 +1,7 @@
 //! What the CUDA backend owns in memory and gives back on drop: device allocations
 //! ([`CudaMemory`], freed with `cuMemFree`) and host ranges registered with the driver
-//! ([`CudaPin`], unregistered with `cuMemHostUnregister`), each in its device's context.
+//! ([`CudaPin`], unregistered with `cuMemHostUnregister`), each in its device's context; and
+//! device memory other libraries own ([`ForeignMemory`]), which it never frees.
 
 use super::device::Shared;
 use super::driver;
@@ -47,6 +48,23 @@ impl Drop for CudaMemory {
         if let Err(e) = freed {
             tracing::error!(error = %e, "freeing device memory failed");
         }
+    }
+}
+
+/// Device memory another library allocated (a framework's tensor): gpuio reads and writes it
+/// but never frees it; its owner keeps it alive while gpuio uses it.
+#[derive(Debug)]
+pub(super) struct ForeignMemory {
+    pub(super) ptr: sys::CUdeviceptr,
+}
+
+impl DeviceMemory for ForeignMemory {
+    fn addr(&self) -> u64 {
+        self.ptr
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
     }
 }
 
