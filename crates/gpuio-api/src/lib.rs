@@ -25,9 +25,9 @@ pub use gpuio_core::cache::{CacheStats, Level as CacheLevel, LevelStats as Cache
 pub use gpuio_core::{
     BatchHandle, BatchReport, Completion, Dest, Endpoint, EngineKind, ErrorCode, HostMemory,
     Outcome, Priority, RemoteResource, RemoteVia, Request, RequestFlags, RequestHandle, RequestId,
-    Route, Source, Status,
+    Route, Source, Status, Ticket,
 };
-pub use gpuio_hal::{DeviceBuffer, Gpu, PoolStats, StagingPool};
+pub use gpuio_hal::{Backend, DeviceBuffer, Gpu, PoolStats, StagingPool};
 pub use gpuio_transport_localio::{
     Durability, FileHandle, GdsPolicy, IoEngine, OpenOptions, PageCachePolicy, PageCacheStats,
     StripeSet, Transfer,

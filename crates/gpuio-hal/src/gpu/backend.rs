@@ -17,6 +17,9 @@ pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
     /// Allocates `len` bytes of device memory (`len > 0`).
     fn alloc(&self, len: usize) -> Result<Box<dyn DeviceMemory>>;
 
+    /// Waits for all work queued on the device, by gpuio or any other library.
+    fn synchronize(&self) -> Result<()>;
+
     /// Device memory another library allocated, at `addr..addr + len` (`len > 0`), checked
     /// to lie inside one live allocation of this device; never freed by gpuio.
     fn borrow(&self, addr: u64, len: usize) -> Result<Box<dyn DeviceMemory>>;

@@ -146,6 +146,11 @@ impl DeviceBackend for HostDevice {
         Ok(Box::new(NoPin))
     }
 
+    fn synchronize(&self) -> Result<()> {
+        // Every host-backend operation is done when it returns.
+        Ok(())
+    }
+
     fn borrow(&self, _addr: u64, _len: usize) -> Result<Box<dyn DeviceMemory>> {
         Err(HalError::Unsupported {
             what: "device memory allocated outside gpuio",

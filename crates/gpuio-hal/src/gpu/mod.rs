@@ -211,6 +211,12 @@ impl Gpu {
         })
     }
 
+    /// Waits for all work queued on this device, by gpuio or any other library sharing its
+    /// primary context (PyTorch, CuPy): what a borrowed buffer's producer queued is then done.
+    pub fn synchronize(&self) -> Result<()> {
+        self.inner.synchronize()
+    }
+
     /// A buffer over device memory another library allocated (a PyTorch or CuPy tensor, a
     /// C caller's `cudaMalloc`): `len` bytes at device address `addr`, checked with the driver
     /// to lie inside one live allocation of this GPU. gpuio never frees it; its owner must

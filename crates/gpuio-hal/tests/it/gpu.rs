@@ -354,6 +354,7 @@ fn borrowed_device_memory_is_checked_against_its_allocation() {
     let gpu = &p.gpus[0];
     let owned = gpu.alloc(1 << 20).unwrap();
     let base = owned.device_addr();
+    gpu.synchronize().unwrap();
     if gpu.backend() == Backend::Host {
         let e = gpu.borrow_device(base, 4096).unwrap_err();
         assert_eq!(e.code(), ErrorCode::Unsupported, "{e}");

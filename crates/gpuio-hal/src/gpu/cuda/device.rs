@@ -217,6 +217,11 @@ impl DeviceBackend for CudaDevice {
         }))
     }
 
+    fn synchronize(&self) -> Result<()> {
+        self.shared.bind()?;
+        driver::ctx_synchronize()
+    }
+
     fn borrow(&self, addr: u64, len: usize) -> Result<Box<dyn DeviceMemory>> {
         self.shared.bind()?;
         let r = driver::pointer_range(addr)?;

@@ -1,0 +1,216 @@
+"""The binding on whatever backend the machine has (the host backend in CI): NumPy, bytes-like
+objects and gpuio buffers through files, host and device memory; bad input refused with a
+clear exception and nothing written."""
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import gpuio
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def s():
+    return gpuio.Session()
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    data = np.random.default_rng(7).integers(0, 256, 4 * MiB, dtype=np.uint8)
+    path = tmp_path / "data.bin"
+    path.write_bytes(data.tobytes())
+    return str(path), data
+
+
+def test_import_loads_neither_torch_nor_numpy():
+    code = "import gpuio, sys; print('torch' in sys.modules, 'numpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_info_lists_devices():
+    info = gpuio.info()
+    assert info["version"] == gpuio.__version__
+    assert info["devices"] and info["devices"][0]["total_memory"] > 0
+
+
+def test_reads_into_every_host_kind(s, data_file):
+    path, data = data_file
+    f = s.open(path)
+    assert f.size() == data.nbytes
+    as_f32 = np.zeros(data.nbytes // 4, dtype=np.float32)
+    assert s.read(f, as_f32) == data.nbytes
+    assert as_f32.tobytes() == data.tobytes()
+    buf = bytearray(MiB)
+    assert s.read(path, buf, offset=MiB) == MiB
+    assert buf == data[MiB : 2 * MiB].tobytes()
+    view = memoryview(bytearray(4096))
+    s.read(f, view[1024:], offset=10)
+    assert view[1024:].tobytes() == data[10 : 10 + 3072].tobytes()
+    host = s.alloc_host(2 * MiB)
+    assert s.read(f, host) == 2 * MiB
+    assert np.array_equal(np.asarray(host), data[: 2 * MiB])
+
+
+def test_writes_from_every_host_kind(s, tmp_path, data_file):
+    _, data = data_file
+    for i, src in enumerate([data, data.tobytes(), bytearray(data.tobytes()), memoryview(data)]):
+        out = tmp_path / f"out{i}.bin"
+        assert s.write(str(out), src) == data.nbytes
+        assert out.read_bytes() == data.tobytes()
+    w = s.open(str(tmp_path / "at.bin"), write=True)
+    s.write(w, b"tail", offset=100)
+    assert (tmp_path / "at.bin").read_bytes() == bytes(100) + b"tail"
+
+
+def test_host_device_round_trip(s, data_file):
+    _, data = data_file
+    dev = s.alloc_device(data.nbytes)
+    assert s.copy(data, dev) == data.nbytes
+    back = np.empty_like(data)
+    assert s.copy(dev, back) == data.nbytes
+    assert np.array_equal(back, data)
+    pinned = s.alloc_host(data.nbytes)
+    s.copy(dev, pinned, size=MiB, src_offset=MiB)
+    assert np.array_equal(np.asarray(pinned)[:MiB], data[MiB : 2 * MiB])
+
+
+def test_bad_input_is_refused_and_nothing_is_written(s, data_file):
+    path, data = data_file
+    before = np.full(MiB, 9, dtype=np.uint8)
+
+    strided = np.full(2 * MiB, 9, dtype=np.uint8)[::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        s.read(path, strided)
+    assert (strided == 9).all()
+
+    read_only = before.copy()
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        s.read(path, read_only)
+    with pytest.raises(ValueError, match="read-only"):
+        s.read(path, b"\0" * 16)
+    assert (read_only == 9).all()
+
+    small = before.copy()
+    with pytest.raises(gpuio.Error) as e:
+        s.read(path, small, size=2 * MiB)
+    assert e.value.code == -3 and e.value.name == "GPUIO_ERROR_INVALID_ARG"
+    assert (small == 9).all()
+
+    past_end = before.copy()
+    with pytest.raises(gpuio.Error):
+        s.read(path, past_end, offset=data.nbytes - 100)
+
+    with pytest.raises(TypeError, match="cannot move data of a object"):
+        s.read(path, object())
+    with pytest.raises(gpuio.Error) as e:
+        s.read(path + ".missing", before.copy())
+    assert e.value.name == "GPUIO_ERROR_NOT_FOUND"
+    with pytest.raises(gpuio.Error) as e:
+        s.open("nosuchscheme://x")
+    assert e.value.code == -3
+
+
+def test_dlpack_producers_without_the_buffer_protocol(s, data_file):
+    path, data = data_file
+
+    class CpuTensor:  # what a CPU torch tensor offers: DLPack, no buffer protocol
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kwargs):
+            return self.a.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    out = np.zeros(MiB, dtype=np.uint8)
+    assert s.read(path, CpuTensor(out)) == MiB
+    assert np.array_equal(out, data[:MiB])
+
+
+def test_async_requests_poll_wait_and_await(s, data_file):
+    path, data = data_file
+    f = s.open(path)
+    host = s.alloc_host(MiB)
+    r = s.read_async(f, host, offset=MiB)
+    assert r.wait() == MiB and r.done() and r.status == "completed"
+    assert r.wait() == MiB  # the result stays
+    assert np.array_equal(np.asarray(host), data[MiB : 2 * MiB])
+
+    async def both():
+        a, b = s.alloc_host(MiB), s.alloc_host(MiB)
+        n = await asyncio.gather(s.read_async(f, a), s.read_async(f, b, offset=2 * MiB))
+        return n, np.asarray(a).copy(), np.asarray(b).copy()
+
+    n, a, b = asyncio.run(both())
+    assert n == [MiB, MiB]
+    assert np.array_equal(a, data[:MiB]) and np.array_equal(b, data[2 * MiB : 3 * MiB])
+
+    with pytest.raises(TypeError, match="asynchronous"):
+        s.read_async(f, np.zeros(16, dtype=np.uint8))
+    bad = s.read_async(f, s.alloc_host(MiB), offset=data.nbytes)
+    with pytest.raises(gpuio.Error):
+        bad.wait()
+    assert bad.status == "error"
+
+
+def test_batch_reads_many_ranges(s, data_file):
+    path, data = data_file
+    f = s.open(path)
+    host = s.alloc_host(4 * MiB)
+    dev = s.alloc_device(4 * MiB)
+    ops = [(f, host, MiB, i * MiB, i * MiB) for i in range(4)]
+    report = s.batch(ops)
+    assert report["requests"] == 4 and report["bytes"] == 4 * MiB
+    assert np.array_equal(np.asarray(host), data)
+    s.batch([(host, dev, 4 * MiB)])
+    back = np.empty_like(data)
+    s.copy(dev, back)
+    assert np.array_equal(back, data)
+
+
+def test_gather_rows_into_device_memory(s):
+    rows, row = 1000, 256
+    pool = s.alloc_host(rows * row)
+    table = np.random.default_rng(3).integers(0, 256, (rows, row), dtype=np.uint8)
+    np.asarray(pool)[:] = table.reshape(-1)
+    idx = np.array([5, 999, 0, 5, 123], dtype=np.int64)
+    out = s.alloc_device(len(idx) * row)
+    report = s.gather(pool, idx, out)
+    assert report["rows"] == len(idx)
+    back = np.empty(len(idx) * row, dtype=np.uint8)
+    s.copy(out, back)
+    assert np.array_equal(back.reshape(len(idx), row), table[idx])
+    assert s.gather(pool, [1, 2], out, row_bytes=row)["rows"] == 2
+
+    with pytest.raises(TypeError, match="64-bit"):
+        s.gather(pool, idx.astype(np.float64), out)
+    with pytest.raises(TypeError, match="HostBuffer"):
+        s.gather(bytearray(16), idx, out)
+    with pytest.raises(gpuio.Error) as e:
+        s.gather(pool, [rows], out, row_bytes=row)
+    assert e.value.code == -3
+
+
+def test_configuration_text_and_environment(tmp_path):
+    s = gpuio.Session(toml="[scheduler]\npolicy = \"fifo\"\n")
+    assert s.alloc_host(16, pinned=False).nbytes == 16
+    with pytest.raises(gpuio.Error) as e:
+        gpuio.Session(toml="[scheduler]\npolicy = 3\n")
+    assert e.value.code == -3
+    with pytest.raises(gpuio.Error):
+        gpuio.Session(config=str(tmp_path / "missing.toml"))
+    with pytest.raises(gpuio.Error):
+        gpuio.Session(config="a", toml="b")
+    env = dict(os.environ, GPUIO_SCHED_POLICY="nonsense")
+    code = "import gpuio\ntry:\n    gpuio.Session()\nexcept gpuio.Error as e:\n    print(e.code)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "-3", out.stderr

@@ -1,0 +1,172 @@
+"""gpuio: move data between GPU memory, host memory, files and other nodes.
+
+    import gpuio, torch
+    s = gpuio.Session()
+    t = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    s.read("weights.bin", t)            # file -> CUDA tensor, in place
+    s.write("copy.bin", t)              # CUDA tensor -> file
+
+Ends of a transfer may be URIs or opened resources (``s.open``), gpuio buffers
+(``s.alloc_host``, ``s.alloc_device``), CUDA tensors and arrays (PyTorch, CuPy, JAX: borrowed in
+place), NumPy arrays, ``bytearray``/``memoryview``/``bytes`` (copied through). Every call
+releases the GIL while data moves; failures raise :class:`gpuio.Error`, whose ``code`` is one
+of the ``GPUIO_ERROR_*`` codes the C API shares.
+"""
+
+import json
+
+from . import _gpuio, _interop
+from ._gpuio import DeviceBuffer, Error, HostBuffer, Resource, __version__
+
+__all__ = [
+    "DeviceBuffer",
+    "Error",
+    "HostBuffer",
+    "Request",
+    "Resource",
+    "Session",
+    "__version__",
+    "info",
+]
+
+Error.message = property(lambda e: e.args[0], doc="What went wrong.")
+Error.code = property(lambda e: e.args[1], doc="The GPUIO_ERROR_* code (a negative int).")
+Error.name = property(lambda e: e.args[2], doc="The code's name, e.g. GPUIO_ERROR_IO.")
+
+
+def info():
+    """Devices, capabilities and IO paths (what ``gpuio info`` prints), as a dict."""
+    return json.loads(_gpuio.info_json())
+
+
+class Request:
+    """An asynchronous transfer: ``done()`` polls, ``wait()`` blocks and returns the bytes
+    moved (or raises its error), ``await request`` works in asyncio, ``cancel()`` stops it
+    while it is still queued. It keeps both ends alive until it is done."""
+
+    __slots__ = ("_handle",)
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def done(self):
+        return self._handle.done()
+
+    def wait(self):
+        return self._handle.wait()
+
+    def cancel(self):
+        return self._handle.cancel()
+
+    @property
+    def status(self):
+        return self._handle.status
+
+    def __await__(self):
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(None, self._handle.wait).__await__()
+
+
+class Session(_gpuio.Session):
+    """A gpuio session: ``Session()`` (defaults, ``$GPUIO_CONFIG``), ``Session(config=path)``
+    or ``Session(toml=text)``; ``GPUIO_*`` environment variables override either."""
+
+    def _resource(self, end, write):
+        return self.open(end, write=write) if isinstance(end, str) else end
+
+    def _ends(self, src, dst, write_dst):
+        s = _interop.resolve(self, self._resource(src, False), writable=False)
+        d = _interop.resolve(self, self._resource(dst, write_dst), writable=True)
+        return s, d
+
+    def _move(self, s, src_offset, d, dst_offset, size):
+        if isinstance(s, memoryview):
+            s = s.tobytes()  # host memory gpuio does not own: one copy, then moved
+        if isinstance(d, memoryview):
+            if dst_offset < 0 or size < 0 or dst_offset + size > d.nbytes:
+                raise Error(
+                    f"{size} bytes at offset {dst_offset} do not fit a {d.nbytes}-byte destination",
+                    -3,
+                    "GPUIO_ERROR_INVALID_ARG",
+                )
+            d[dst_offset : dst_offset + size] = self._read_bytes(s, src_offset, size)
+            return size
+        return self._transfer(s, src_offset, d, dst_offset, size)
+
+    def read(self, src, dst, offset=0, size=None):
+        """Reads ``size`` bytes (default: all of ``dst``) from ``src`` (a URI or resource) at
+        ``offset`` into ``dst``; returns the bytes read."""
+        s, d = self._ends(src, dst, write_dst=False)
+        return self._move(s, offset, d, 0, _interop.nbytes(d) if size is None else size)
+
+    def write(self, dst, src, offset=0, size=None):
+        """Writes ``size`` bytes (default: all of ``src``) of ``src`` to ``dst`` (a URI, whose
+        file is created or truncated, or a resource) at ``offset``; returns the bytes
+        written."""
+        s, d = self._ends(src, dst, write_dst=True)
+        return self._move(s, 0, d, offset, _interop.nbytes(s) if size is None else size)
+
+    def copy(self, src, dst, size=None, src_offset=0, dst_offset=0):
+        """Copies ``size`` bytes (default: the smaller of the two) between any two ends (a URI
+        destination's file is created or truncated)."""
+        s, d = self._ends(src, dst, write_dst=True)
+        if size is None:
+            size = min(_interop.nbytes(s) - src_offset, _interop.nbytes(d) - dst_offset)
+        return self._move(s, src_offset, d, dst_offset, size)
+
+    def _submit_ends(self, s, src_offset, d, dst_offset, size):
+        if isinstance(s, (memoryview, bytes)) or isinstance(d, memoryview):
+            raise TypeError(
+                "asynchronous transfers run after the call returns, so both ends must be "
+                "memory gpuio can hold: gpuio buffers, CUDA tensors or resources"
+            )
+        return Request(self._submit(s, src_offset, d, dst_offset, size))
+
+    def read_async(self, src, dst, offset=0, size=None):
+        """:meth:`read`, queued on the scheduler: returns a :class:`Request`."""
+        s, d = self._ends(src, dst, write_dst=False)
+        return self._submit_ends(s, offset, d, 0, _interop.nbytes(d) if size is None else size)
+
+    def write_async(self, dst, src, offset=0, size=None):
+        """:meth:`write`, queued on the scheduler: returns a :class:`Request`."""
+        s, d = self._ends(src, dst, write_dst=True)
+        return self._submit_ends(s, 0, d, offset, _interop.nbytes(s) if size is None else size)
+
+    def copy_async(self, src, dst, size=None, src_offset=0, dst_offset=0):
+        """:meth:`copy`, queued on the scheduler: returns a :class:`Request`."""
+        s, d = self._ends(src, dst, write_dst=True)
+        if size is None:
+            size = min(_interop.nbytes(s) - src_offset, _interop.nbytes(d) - dst_offset)
+        return self._submit_ends(s, src_offset, d, dst_offset, size)
+
+    def batch(self, transfers):
+        """Runs ``(src, dst, size, src_offset, dst_offset)`` tuples (the offsets optional) as
+        one batch: sorted, adjacent transfers merged, grouped by engine; waits for all and
+        returns a report (requests, segments, bytes). One failure raises, naming each."""
+        ops = []
+        for t in transfers:
+            src, dst, size, src_offset, dst_offset = (tuple(t) + (0, 0))[:5]
+            s, d = self._ends(src, dst, write_dst=False)
+            if isinstance(s, (memoryview, bytes)) or isinstance(d, memoryview):
+                raise TypeError("a batch moves between gpuio buffers, CUDA tensors and resources")
+            ops.append((s, src_offset, d, dst_offset, size))
+        return self._batch(ops)
+
+    def gather(self, pool, indices, out, row_bytes=None, out_offset=0):
+        """Gathers rows from ``pool`` (a gpuio HostBuffer, pinned for the GPU's paths) into
+        ``out`` (GPU memory): output row ``i`` is pool row ``indices[i]``. ``row_bytes``
+        defaults to ``out``'s size over the number of indices."""
+        if not isinstance(pool, HostBuffer):
+            raise TypeError("a gather's pool is a gpuio HostBuffer (Session.alloc_host)")
+        d = _interop.resolve(self, out, writable=True)
+        if not isinstance(d, DeviceBuffer):
+            raise TypeError("a gather writes GPU memory: a CUDA tensor or a gpuio DeviceBuffer")
+        idx = _interop.indices_bytes(indices)
+        count = len(idx) // 8
+        if row_bytes is None:
+            if count == 0 or (len(d) - out_offset) % count:
+                raise ValueError("give row_bytes: it does not follow from out's size")
+            row_bytes = (len(d) - out_offset) // count
+        return self._gather(pool, row_bytes, idx, d, out_offset)

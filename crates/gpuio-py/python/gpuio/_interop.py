@@ -1,0 +1,177 @@
+"""How Python objects become the ends of a gpuio transfer.
+
+gpuio's own buffers and opened resources pass through. CUDA memory (anything with
+``__cuda_array_interface__``, or ``__dlpack__`` on a CUDA device: PyTorch, CuPy, JAX, Numba) is
+borrowed in place, checked with the driver. Other host memory (NumPy arrays, ``bytearray``,
+``memoryview``, CPU tensors through DLPack) becomes a C-contiguous byte ``memoryview``, which
+the session copies through. NumPy is imported only when a CPU DLPack producer needs it.
+"""
+
+import ctypes
+
+from . import _gpuio
+
+NATIVE = (_gpuio.HostBuffer, _gpuio.DeviceBuffer, _gpuio.Resource)
+
+# DLPack device types (dlpack.h).
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST = 1, 2, 3
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    # The first member of the DLManagedTensor a "dltensor" capsule points to.
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _contiguous(shape, strides, itemsize):
+    """Whether element strides (in bytes) describe a C-contiguous array."""
+    expect = itemsize
+    for dim, stride in zip(reversed(shape), reversed(strides)):
+        if dim > 1 and stride != expect:
+            return False
+        expect *= dim
+    return True
+
+
+def _product(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _borrow(session, owner, address, nbytes, gpu):
+    if nbytes == 0:
+        raise ValueError("an empty CUDA array has no bytes to move")
+    return session._borrow_device(gpu, address, nbytes, owner)
+
+
+def _from_cuda_array_interface(session, obj, cai, writable):
+    address, read_only = cai["data"]
+    if writable and read_only:
+        raise ValueError("this CUDA array is read-only")
+    itemsize = int(cai["typestr"][2:])
+    shape = tuple(cai["shape"])
+    strides = cai.get("strides")
+    if strides is not None and not _contiguous(shape, strides, itemsize):
+        raise ValueError("gpuio moves contiguous memory: call .contiguous() first")
+    gpu = obj.device.index if hasattr(obj, "device") and hasattr(obj.device, "index") else None
+    return _borrow(session, obj, address, _product(shape) * itemsize, gpu)
+
+
+def _from_dlpack(session, obj, device_type):
+    # Stream 1 (the legacy default stream): the producer orders its pending work before it;
+    # borrowing then waits for the whole device, so that work is done.
+    capsule = obj.__dlpack__(stream=1) if device_type == _DL_CUDA else obj.__dlpack__()
+    t = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
+    shape = [t.shape[i] for i in range(t.ndim)]
+    itemsize = t.dtype.bits * t.dtype.lanes // 8
+    if t.strides and not _contiguous(shape, [t.strides[i] * itemsize for i in range(t.ndim)], itemsize):
+        raise ValueError("gpuio moves contiguous memory: call .contiguous() first")
+    address = (t.data or 0) + t.byte_offset
+    # The capsule keeps the producer's memory alive; it is never consumed, so its own
+    # destructor gives the memory back when the borrowed buffer lets go of it.
+    return _borrow(session, (obj, capsule), address, _product(shape) * itemsize, t.device.device_id)
+
+
+def _host_view(view, writable):
+    if not view.c_contiguous:
+        raise ValueError("gpuio moves contiguous memory: pass a C-contiguous array")
+    if writable and view.readonly:
+        raise ValueError("this buffer is read-only")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def resolve(session, obj, writable):
+    """The transfer end for ``obj``: gpuio memory or a resource, ``bytes`` (read-only), or a
+    byte ``memoryview`` of other host memory. Raises TypeError for objects that hold no
+    memory, ValueError for memory gpuio cannot use (read-only where written, strided)."""
+    if isinstance(obj, NATIVE):
+        return obj
+    if isinstance(obj, bytes):
+        if writable:
+            raise ValueError("bytes are read-only: pass a bytearray, an array or a tensor")
+        return obj
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        return _from_cuda_array_interface(session, obj, cai, writable)
+    if hasattr(obj, "__dlpack_device__") and hasattr(obj, "__dlpack__"):
+        device_type, _ = obj.__dlpack_device__()
+        if device_type == _DL_CUDA:
+            return _from_dlpack(session, obj, device_type)
+        if device_type in (_DL_CPU, _DL_CUDA_HOST) and not _has_buffer(obj):
+            import numpy  # only for CPU DLPack producers without the buffer protocol
+
+            return _host_view(memoryview(numpy.from_dlpack(obj)), writable)
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise TypeError(
+            f"gpuio cannot move data of a {type(obj).__name__}: pass a tensor, an array, "
+            "bytes, a bytearray, a memoryview, or gpuio memory"
+        ) from None
+    return _host_view(view, writable)
+
+
+def _has_buffer(obj):
+    try:
+        memoryview(obj)
+        return True
+    except TypeError:
+        return False
+
+
+def nbytes(end):
+    """The size in bytes of a resolved transfer end."""
+    if isinstance(end, _gpuio.Resource):
+        return end.size()
+    if isinstance(end, memoryview):
+        return end.nbytes
+    return len(end)
+
+
+def indices_bytes(indices):
+    """A gather's row indices as little-endian u64 bytes (a list of ints, or a host array or
+    tensor of 64-bit integers)."""
+    if isinstance(indices, (list, tuple, range)):
+        import struct
+
+        try:
+            return struct.pack(f"<{len(indices)}Q", *indices)
+        except struct.error as e:
+            raise ValueError(f"indices must be integers from 0 to 2**64-1: {e}") from None
+    if getattr(indices, "__cuda_array_interface__", None) is not None:
+        raise TypeError("gather indices must be in host memory")
+    if _has_buffer(indices):
+        view = memoryview(indices)
+    elif hasattr(indices, "__dlpack__"):
+        import numpy  # only for CPU DLPack producers without the buffer protocol
+
+        view = memoryview(numpy.from_dlpack(indices))
+    else:
+        raise TypeError("indices must be a list of ints or a host array of 64-bit integers")
+    if not view.c_contiguous:
+        raise ValueError("indices must be contiguous")
+    if view.itemsize != 8 or view.format[-1:] not in ("q", "Q", "l", "L"):
+        raise TypeError(f"indices must be 64-bit integers, not format {view.format!r}")
+    return view.tobytes()

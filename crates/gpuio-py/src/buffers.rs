@@ -1,0 +1,223 @@
+//! What Python holds of gpuio: host and device buffers (with the array interfaces that let
+//! NumPy, PyTorch and CuPy view them without a copy) and opened resources; and [`Target`],
+//! the one argument type of every transfer.
+
+use crate::error::to_py;
+use gpuio_api::{Endpoint, HostMemory};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+/// Host memory gpuio allocated (pinned where asked): `numpy.asarray(buf)` and
+/// `torch.from_numpy` view it in place. Python must not write it while a transfer uses it.
+#[pyclass(module = "gpuio", frozen)]
+pub struct HostBuffer {
+    pub(crate) mem: HostMemory,
+    addr: u64,
+    len: usize,
+    pinned: bool,
+}
+
+impl HostBuffer {
+    pub(crate) fn new(mem: HostMemory) -> Self {
+        let (addr, len, pinned) = {
+            let b = mem.read();
+            (b.as_slice().as_ptr() as u64, b.len(), b.is_pinned())
+        };
+        Self {
+            mem,
+            addr,
+            len,
+            pinned,
+        }
+    }
+}
+
+#[pymethods]
+impl HostBuffer {
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    /// Its size in bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is page-locked for DMA.
+    #[getter]
+    fn pinned(&self) -> bool {
+        self.pinned
+    }
+
+    /// The address of its first byte.
+    #[getter]
+    fn address(&self) -> u64 {
+        self.addr
+    }
+
+    /// NumPy's array interface (version 3): one dimension of bytes, writable.
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("version", 3)?;
+        d.set_item("shape", (self.len,))?;
+        d.set_item("typestr", "|u1")?;
+        d.set_item("data", (self.addr, false))?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "gpuio.HostBuffer({} bytes{})",
+            self.len,
+            if self.pinned { ", pinned" } else { "" }
+        )
+    }
+}
+
+/// GPU memory: allocated by gpuio, or another library's (a tensor's) that gpuio borrows and
+/// keeps a reference to. On CUDA, `__cuda_array_interface__` lets PyTorch and CuPy view it.
+#[pyclass(module = "gpuio", frozen)]
+pub struct DeviceBuffer {
+    pub(crate) buf: gpuio_api::DeviceBuffer,
+    /// The Python object whose memory this is, kept alive with it.
+    owner: Option<Py<PyAny>>,
+}
+
+impl DeviceBuffer {
+    pub(crate) fn new(buf: gpuio_api::DeviceBuffer, owner: Option<Py<PyAny>>) -> Self {
+        Self { buf, owner }
+    }
+}
+
+#[pymethods]
+impl DeviceBuffer {
+    fn __len__(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Its size in bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The GPU's ordinal.
+    #[getter]
+    fn gpu(&self) -> u32 {
+        self.buf.gpu().ordinal()
+    }
+
+    /// The device address of its first byte.
+    #[getter]
+    fn address(&self) -> u64 {
+        self.buf.device_addr()
+    }
+
+    /// The object whose memory this is (`None` when gpuio allocated it).
+    #[getter]
+    fn owner(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.owner.as_ref().map(|o| o.clone_ref(py))
+    }
+
+    /// The CUDA array interface (version 3): one dimension of bytes. Absent on the host
+    /// backend, whose "device" memory is host memory no CUDA library may touch.
+    #[getter]
+    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        if self.buf.gpu().backend() != gpuio_api::Backend::Cuda {
+            return Err(pyo3::exceptions::PyAttributeError::new_err(
+                "host-backend device memory has no CUDA array interface",
+            ));
+        }
+        let d = PyDict::new(py);
+        d.set_item("version", 3)?;
+        d.set_item("shape", (self.buf.len(),))?;
+        d.set_item("typestr", "|u1")?;
+        d.set_item("data", (self.buf.device_addr(), false))?;
+        // gpuio's calls return with their work done: nothing to wait for.
+        d.set_item("stream", py.None())?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "gpuio.DeviceBuffer(gpu {}, {} bytes{})",
+            self.buf.gpu().ordinal(),
+            self.buf.len(),
+            if self.owner.is_some() {
+                ", borrowed"
+            } else {
+                ""
+            }
+        )
+    }
+}
+
+/// A resource a URI names, opened once for many transfers (a file, a remote export, or
+/// memory a `gpu0`/`dram` URI allocated).
+#[pyclass(module = "gpuio", frozen)]
+pub struct Resource {
+    pub(crate) res: gpuio_api::Resource,
+    uri: String,
+}
+
+impl Resource {
+    pub(crate) fn new(res: gpuio_api::Resource, uri: String) -> Self {
+        Self { res, uri }
+    }
+}
+
+#[pymethods]
+impl Resource {
+    /// The URI it was opened from.
+    #[getter]
+    fn uri(&self) -> &str {
+        &self.uri
+    }
+
+    /// Its size in bytes now (a file's current length; asks a remote agent).
+    fn size(&self, py: Python<'_>) -> PyResult<u64> {
+        py.detach(|| self.res.len()).map_err(to_py)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("gpuio.Resource({:?})", self.uri)
+    }
+}
+
+/// One end of a transfer as Python passes it: gpuio memory, an opened resource, or (as a
+/// source only) immutable `bytes`. Other objects are resolved into these by the Python half.
+#[derive(FromPyObject)]
+pub(crate) enum Target<'py> {
+    Host(Bound<'py, HostBuffer>),
+    Device(Bound<'py, DeviceBuffer>),
+    Resource(Bound<'py, Resource>),
+    Bytes(Bound<'py, PyBytes>),
+}
+
+impl Target<'_> {
+    /// The endpoint `offset` bytes in (`None` for `bytes`, which only a blocking call reads).
+    pub(crate) fn endpoint(&self, offset: u64) -> PyResult<Option<Endpoint>> {
+        let small = || {
+            usize::try_from(offset)
+                .map_err(|_| crate::error::invalid(format!("offset {offset} too large")))
+        };
+        Ok(Some(match self {
+            Self::Host(h) => Endpoint::host(&h.get().mem, small()?),
+            Self::Device(d) => Endpoint::device(&d.get().buf, small()?),
+            Self::Resource(r) => r.get().res.at(offset).map_err(to_py)?,
+            Self::Bytes(_) => return Ok(None),
+        }))
+    }
+
+    /// The Python object, kept alive by an asynchronous request that uses it.
+    pub(crate) fn object(&self) -> Py<PyAny> {
+        match self {
+            Self::Host(h) => h.clone().into_any().unbind(),
+            Self::Device(d) => d.clone().into_any().unbind(),
+            Self::Resource(r) => r.clone().into_any().unbind(),
+            Self::Bytes(b) => b.clone().into_any().unbind(),
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! gpuio errors as one Python exception class, `gpuio.Error`, whose arguments are the message,
+//! the numeric error code (`GPUIO_ERROR_*`, the same table as the C API's) and its name.
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+
+create_exception!(
+    gpuio,
+    Error,
+    PyException,
+    "A gpuio failure: `args` are (message, code, name), the code one of `GPUIO_ERROR_*`."
+);
+
+/// The Python exception for a gpuio error.
+pub(crate) fn to_py(e: gpuio_api::Error) -> PyErr {
+    let code = e.code();
+    Error::new_err((e.to_string(), code.as_i32(), code.name()))
+}
+
+/// A malformed argument the binding itself refuses (gpuio's `InvalidArg`).
+pub(crate) fn invalid(msg: impl Into<String>) -> PyErr {
+    to_py(gpuio_api::Error::Invalid(msg.into()))
+}

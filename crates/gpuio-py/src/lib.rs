@@ -1,0 +1,43 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+
+//! The extension module `gpuio._gpuio`: the Rust half of the binding. Python objects are
+//! resolved into gpuio buffers in the package's Python half (`python/gpuio/`), which is also
+//! where the public names live; this half only maps gpuio-api calls, releasing the GIL for
+//! every one that moves data.
+
+mod buffers;
+mod error;
+mod session;
+
+use pyo3::prelude::*;
+
+/// Devices and capabilities as JSON (what `gpuio info` prints), probed once per call.
+#[pyfunction]
+fn info_json(py: Python<'_>) -> PyResult<String> {
+    let probe = py
+        .detach(|| gpuio_api::Session::new(gpuio_api::Config::default()))
+        .map_err(error::to_py)?
+        .probe()
+        .clone();
+    let devices: Vec<_> = probe.gpus.iter().map(|g| g.info().clone()).collect();
+    let doc = serde_json::json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "cuda": probe.cuda,
+        "devices": devices,
+    });
+    Ok(doc.to_string())
+}
+
+#[pymodule]
+fn _gpuio(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("Error", m.py().get_type::<error::Error>())?;
+    m.add_function(wrap_pyfunction!(info_json, m)?)?;
+    m.add_class::<session::Session>()?;
+    m.add_class::<session::Handle>()?;
+    m.add_class::<buffers::HostBuffer>()?;
+    m.add_class::<buffers::DeviceBuffer>()?;
+    m.add_class::<buffers::Resource>()?;
+    Ok(())
+}

@@ -1,0 +1,312 @@
+//! `gpuio._gpuio.Session` (subclassed by `gpuio.Session` in Python) and the handle of an
+//! asynchronous request. Every call that moves data releases the GIL.
+
+use crate::buffers::{DeviceBuffer, HostBuffer, Resource, Target};
+use crate::error::{invalid, to_py};
+use gpuio_api::{
+    Access, Config, Dest, HostPlacement, Request, RequestHandle, Source, Status, Ticket, Uri,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// A gpuio session: devices, engines and the scheduler, shared by every call made through it.
+#[pyclass(module = "gpuio", subclass, frozen)]
+pub struct Session {
+    inner: Arc<gpuio_api::Session>,
+}
+
+/// A transfer's result, in bytes.
+fn moved(o: gpuio_api::Outcome) -> usize {
+    o.bytes
+}
+
+#[pymethods]
+impl Session {
+    /// `config`: a TOML file's path; `toml`: the configuration's text. Neither: the defaults,
+    /// or `$GPUIO_CONFIG`. `GPUIO_*` environment overrides apply in every case.
+    #[new]
+    #[pyo3(signature = (config=None, toml=None))]
+    fn new(py: Python<'_>, config: Option<&str>, toml: Option<&str>) -> PyResult<Self> {
+        let config = match (config, toml) {
+            (Some(_), Some(_)) => return Err(invalid("give a configuration path or text, not both")),
+            (_, Some(text)) => Config::from_toml(text, None).and_then(|mut c| {
+                c.apply_env(|k| std::env::var(k).ok())?;
+                Ok(c)
+            }),
+            (path, None) => Config::load(path.map(Path::new)),
+        }
+        .map_err(to_py)?;
+        let inner = py.detach(|| gpuio_api::Session::new(config)).map_err(to_py)?;
+        Ok(Self {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// Opens a file or remote export (or allocates the memory a `gpu0`/`dram` URI names, of
+    /// `size` bytes) for reading, or with `write=True` for writing (files are created).
+    #[pyo3(signature = (uri, write=false, size=0))]
+    fn open(&self, py: Python<'_>, uri: &str, write: bool, size: usize) -> PyResult<Resource> {
+        let parsed = Uri::parse(uri).map_err(to_py)?;
+        let access = if write { Access::Write } else { Access::Read };
+        let res = py
+            .detach(|| self.inner.open(&parsed, size, access))
+            .map_err(to_py)?;
+        Ok(Resource::new(res, uri.to_string()))
+    }
+
+    /// `size` bytes of host memory, page-locked for DMA unless `pinned=False`.
+    #[pyo3(signature = (size, pinned=true))]
+    fn alloc_host(&self, py: Python<'_>, size: usize, pinned: bool) -> PyResult<HostBuffer> {
+        let dram = HostPlacement::Dram { numa: None };
+        let mem = py
+            .detach(|| self.inner.alloc_host(dram, size, pinned))
+            .map_err(to_py)?;
+        Ok(HostBuffer::new(mem))
+    }
+
+    /// `size` bytes of memory on GPU `gpu`.
+    #[pyo3(signature = (size, gpu=0))]
+    fn alloc_device(&self, py: Python<'_>, size: usize, gpu: u32) -> PyResult<DeviceBuffer> {
+        let buf = py
+            .detach(|| self.inner.alloc_device(gpu, size))
+            .map_err(to_py)?;
+        Ok(DeviceBuffer::new(buf, None))
+    }
+
+    /// Borrows `size` bytes of another library's GPU memory at `address` on GPU `gpu` (the
+    /// GPU whose allocation holds it, when `None`), checked with the driver, keeping `owner`
+    /// alive; waits for the GPU's queued work first, so what the owner's streams were
+    /// writing is in place.
+    fn _borrow_device(
+        &self,
+        py: Python<'_>,
+        gpu: Option<u32>,
+        address: u64,
+        size: usize,
+        owner: Py<PyAny>,
+    ) -> PyResult<DeviceBuffer> {
+        let borrow = |g: &gpuio_api::Gpu| -> gpuio_api::Result<_> {
+            let b = g.borrow_device(address, size)?;
+            g.synchronize()?;
+            Ok(b)
+        };
+        let buf = py
+            .detach(|| match gpu {
+                Some(n) => borrow(self.inner.gpu(n)?),
+                None => {
+                    let gpus = self.inner.gpus();
+                    let mut first_err = None;
+                    for g in gpus {
+                        match borrow(g) {
+                            Ok(b) => return Ok(b),
+                            Err(e) => {
+                                first_err.get_or_insert(e);
+                            }
+                        }
+                    }
+                    Err(first_err.unwrap_or_else(|| {
+                        gpuio_api::Error::Invalid("this session has no GPU".into())
+                    }))
+                }
+            })
+            .map_err(to_py)?;
+        Ok(DeviceBuffer::new(buf, Some(owner)))
+    }
+
+    /// Moves `size` bytes, blocking: from `src` at `src_offset` to `dst` at `dst_offset`.
+    fn _transfer(
+        &self,
+        py: Python<'_>,
+        src: Target<'_>,
+        src_offset: u64,
+        dst: Target<'_>,
+        dst_offset: u64,
+        size: usize,
+    ) -> PyResult<usize> {
+        let d = dst
+            .endpoint(dst_offset)?
+            .ok_or_else(|| invalid("bytes are immutable: a destination must be writable"))?;
+        let outcome = if let Target::Bytes(b) = &src {
+            let data = b.as_bytes();
+            let part = usize::try_from(src_offset)
+                .ok()
+                .and_then(|start| data.get(start..))
+                .ok_or_else(|| invalid(format!("offset {src_offset} past the bytes' end")))?;
+            py.detach(|| self.inner.transfer(Source::Host(part), d.dest(), size))
+        } else {
+            let s = src
+                .endpoint(src_offset)?
+                .ok_or_else(|| invalid("a source with no endpoint"))?;
+            py.detach(|| self.inner.transfer_owned(&s, &d, size))
+        };
+        outcome
+        .map(moved)
+        .map_err(to_py)
+    }
+
+    /// Reads `size` bytes from `src` at `offset` into new `bytes` (for destinations gpuio
+    /// cannot write in place: the Python half copies them over).
+    fn _read_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        src: Target<'py>,
+        offset: u64,
+        size: usize,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let s = src
+            .endpoint(offset)?
+            .ok_or_else(|| invalid("reading from bytes needs no gpuio call"))?;
+        PyBytes::new_with(py, size, |buf| {
+            py.detach(|| self.inner.transfer(s.source(), Dest::Host(buf), size))
+                .map(drop)
+                .map_err(to_py)
+        })
+    }
+
+    /// Queues a transfer on the scheduler; the handle keeps both ends alive until it is done.
+    fn _submit(
+        &self,
+        src: Target<'_>,
+        src_offset: u64,
+        dst: Target<'_>,
+        dst_offset: u64,
+        size: usize,
+    ) -> PyResult<Handle> {
+        let (Some(s), Some(d)) = (src.endpoint(src_offset)?, dst.endpoint(dst_offset)?) else {
+            return Err(invalid(
+                "an asynchronous transfer needs gpuio memory, a tensor or a resource on both \
+                 ends, not bytes",
+            ));
+        };
+        let req = Request::new(s, d, size).map_err(|e| to_py(e.into()))?;
+        let h = self.inner.submit(req).map_err(to_py)?;
+        Ok(Handle {
+            ticket: h.ticket().clone(),
+            waiter: Mutex::new((Some(h), None)),
+            _keep: [src.object(), dst.object()],
+        })
+    }
+
+    /// Runs transfers `(src, src_offset, dst, dst_offset, size)` as one batch (sorted,
+    /// adjacent ones merged, grouped by engine) and waits for all; fails with the first error.
+    fn _batch<'py>(
+        &self,
+        py: Python<'py>,
+        ops: Vec<(Target<'py>, u64, Target<'py>, u64, usize)>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let mut reqs = Vec::with_capacity(ops.len());
+        for (src, so, dst, dof, size) in &ops {
+            let (Some(s), Some(d)) = (src.endpoint(*so)?, dst.endpoint(*dof)?) else {
+                return Err(invalid("a batch moves between gpuio memory, tensors and resources"));
+            };
+            reqs.push(Request::new(s, d, *size).map_err(|e| to_py(e.into()))?);
+        }
+        let report = py
+            .detach(|| self.inner.submit_batch(reqs)?.wait().map_err(Into::into))
+            .map_err(to_py)?;
+        let d = PyDict::new(py);
+        d.set_item("requests", report.requests)?;
+        d.set_item("segments", report.segments)?;
+        d.set_item("bytes", report.bytes)?;
+        Ok(d)
+    }
+
+    /// Gathers rows of `row_bytes` from `pool` into `out` at `out_offset`: output row `i` is
+    /// pool row `indices[i]`, `indices` the little-endian u64s of a bytes object.
+    fn _gather<'py>(
+        &self,
+        py: Python<'py>,
+        pool: &HostBuffer,
+        row_bytes: usize,
+        indices: &[u8],
+        out: &DeviceBuffer,
+        out_offset: usize,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        if !indices.len().is_multiple_of(8) {
+            return Err(invalid("indices must be 64-bit integers"));
+        }
+        let list: Vec<u64> = indices
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect();
+        let report = py
+            .detach(|| {
+                let pool = pool.mem.read();
+                self.inner.memio().gather(
+                    &pool,
+                    row_bytes,
+                    list.as_slice(),
+                    &out.buf,
+                    out_offset,
+                    &Default::default(),
+                )
+            })
+            .map_err(|e| to_py(e.into()))?;
+        let d = PyDict::new(py);
+        d.set_item("rows", report.rows)?;
+        d.set_item("rows_fetched", report.rows_fetched)?;
+        d.set_item("path", format!("{:?}", report.strategy))?;
+        Ok(d)
+    }
+}
+
+/// A request's result as the handle keeps it: bytes moved, or the error's parts.
+type Settled = Result<usize, (String, i32, &'static str)>;
+
+/// An asynchronous request: `done()` polls, `wait()` blocks (without the GIL), `await` works
+/// in asyncio (see the Python half), `cancel()` stops it while it is still queued.
+#[pyclass(module = "gpuio", frozen)]
+pub struct Handle {
+    ticket: Ticket,
+    /// Taken by the first `wait`, which keeps the result for later ones.
+    waiter: Mutex<(Option<RequestHandle>, Option<Settled>)>,
+    /// The Python objects whose memory the request uses, alive as long as the handle.
+    _keep: [Py<PyAny>; 2],
+}
+
+#[pymethods]
+impl Handle {
+    /// Whether it has finished (successfully or not).
+    fn done(&self) -> bool {
+        self.ticket.status().is_final()
+    }
+
+    /// Its status: pending, submitted, in_progress, completed, error or cancelled.
+    #[getter]
+    fn status(&self) -> &'static str {
+        match self.ticket.status() {
+            Status::Pending => "pending",
+            Status::Submitted => "submitted",
+            Status::InProgress => "in_progress",
+            Status::Completed => "completed",
+            Status::Error => "error",
+            Status::Cancelled => "cancelled",
+        }
+    }
+
+    /// Cancels it if no worker has picked it up yet; returns whether the cancel won.
+    fn cancel(&self) -> bool {
+        self.ticket.cancel()
+    }
+
+    /// Waits for it and returns the bytes moved, or raises its error (every call alike).
+    fn wait(&self, py: Python<'_>) -> PyResult<usize> {
+        let settled = py.detach(|| {
+            let mut w = self.waiter.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(h) = w.0.take() {
+                w.1 = Some(h.wait().map(|c| c.outcome.bytes).map_err(|e| {
+                    let e = gpuio_api::Error::from(e);
+                    (e.to_string(), e.code().as_i32(), e.code().name())
+                }));
+            }
+            w.1.clone()
+        });
+        match settled {
+            Some(Ok(n)) => Ok(n),
+            Some(Err(parts)) => Err(crate::error::Error::new_err(parts)),
+            None => Err(invalid("the request's handle was lost")),
+        }
+    }
+}
