@@ -9,6 +9,7 @@ pub mod memio;
 mod model_load;
 mod peers;
 mod plot;
+pub mod python;
 pub mod remote;
 mod report;
 pub mod ring;

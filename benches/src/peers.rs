@@ -251,3 +251,16 @@ pub fn torch_gather(
         })
         .collect())
 }
+
+const PYTHON_SUITE_SCRIPT: &str = include_str!("peers/python_suite.py");
+
+/// Runs gpuio's Python binding through `python_suite.py` in `mode` with `args`; returns the
+/// JSON object it printed, or why it could not run (the package not importable, no torch).
+pub fn python_binding(mode: &str, args: &[String]) -> Result<serde_json::Value, String> {
+    let out = python_peer("gpuio's Python binding", PYTHON_SUITE_SCRIPT, |cmd| {
+        cmd.arg(mode).args(args);
+    })?;
+    out.into_iter()
+        .last()
+        .ok_or_else(|| "the Python binding printed no result".into())
+}

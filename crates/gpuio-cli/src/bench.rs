@@ -4,8 +4,8 @@
 use bytesize::ByteSize;
 use gpuio_api::{Config, Error, Session};
 use gpuio_bench::{
-    Budget, Record, Target, cache, gather, kernels, localio, memio, remote, render_table, ring,
-    scheduler, write_outputs,
+    Budget, Record, Target, cache, gather, kernels, localio, memio, python, remote, render_table,
+    ring, scheduler, write_outputs,
 };
 use indicatif::ProgressBar;
 use std::path::PathBuf;
@@ -20,12 +20,13 @@ const SUITES: &[&str] = &[
     remote::SUITE,
     cache::SUITE,
     kernels::SUITE,
+    python::SUITE,
 ];
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
     /// Suites to run (default: all this build has: memio, localio, core, gather, ring, remote,
-    /// cache, kernels).
+    /// cache, kernels, python).
     suites: Vec<String>,
     /// memio: transfer sizes, e.g. 4K,1M,64M,1G (default: up to 1 GiB on a GPU).
     #[arg(long, value_name = "LIST")]
@@ -33,7 +34,7 @@ pub struct BenchArgs {
     /// localio: size of the test file (default: 4 GiB on a GPU, 256 MiB without).
     #[arg(long, value_name = "SIZE")]
     size: Option<ByteSize>,
-    /// Directory for the test files (localio, core, ring, cache; default: the temporary
+    /// Directory for the test files (localio, core, ring, cache, python; default: the temporary
     /// directory).
     #[arg(long, value_name = "DIR")]
     scratch: Option<PathBuf>,
@@ -156,6 +157,16 @@ pub fn run(config: Config, args: &BenchArgs) -> Result<(), Error> {
                     opts.scratch = d.clone();
                 }
                 cache::run(&session, &opts, &budget, &mut |c| tick(suite, c)).map_err(bench_err)?
+            }
+            python::SUITE => {
+                let mut opts = python::Options::for_backend(gpu.backend());
+                if args.quick {
+                    opts = opts.quick();
+                }
+                if let Some(d) = &args.scratch {
+                    opts.scratch = d.clone();
+                }
+                python::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
             }
             kernels::SUITE => {
                 let opts = if args.quick {

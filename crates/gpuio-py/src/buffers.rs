@@ -188,7 +188,6 @@ impl Resource {
 
 /// One end of a transfer as Python passes it: gpuio memory, an opened resource, or (as a
 /// source only) immutable `bytes`. Other objects are resolved into these by the Python half.
-#[derive(FromPyObject)]
 pub(crate) enum Target<'py> {
     Host(Bound<'py, HostBuffer>),
     Device(Bound<'py, DeviceBuffer>),
@@ -196,7 +195,26 @@ pub(crate) enum Target<'py> {
     Bytes(Bound<'py, PyBytes>),
 }
 
-impl Target<'_> {
+impl<'py> Target<'py> {
+    /// The end `obj` is. Checked by type, one cast after another: a failed cast costs a type
+    /// comparison, where a failed extraction would build an exception (a microsecond a call).
+    pub(crate) fn of(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if let Ok(r) = obj.cast::<Resource>() {
+            Ok(Self::Resource(r.clone()))
+        } else if let Ok(h) = obj.cast::<HostBuffer>() {
+            Ok(Self::Host(h.clone()))
+        } else if let Ok(d) = obj.cast::<DeviceBuffer>() {
+            Ok(Self::Device(d.clone()))
+        } else if let Ok(b) = obj.cast::<PyBytes>() {
+            Ok(Self::Bytes(b.clone()))
+        } else {
+            Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "a transfer end must be gpuio memory, a resource or bytes, not {}",
+                obj.get_type().name()?
+            )))
+        }
+    }
+
     /// The endpoint `offset` bytes in (`None` for `bytes`, which only a blocking call reads).
     pub(crate) fn endpoint(&self, offset: u64) -> PyResult<Option<Endpoint>> {
         let small = || {

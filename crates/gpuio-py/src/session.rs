@@ -17,6 +17,10 @@ pub struct Session {
     inner: Arc<gpuio_api::Session>,
 }
 
+/// One transfer of a batch as Python passes it: source, its offset, destination, its offset,
+/// size.
+type BatchOp<'py> = (Bound<'py, PyAny>, u64, Bound<'py, PyAny>, u64, usize);
+
 /// A transfer's result, in bytes.
 fn moved(o: gpuio_api::Outcome) -> usize {
     o.bytes
@@ -30,7 +34,9 @@ impl Session {
     #[pyo3(signature = (config=None, toml=None))]
     fn new(py: Python<'_>, config: Option<&str>, toml: Option<&str>) -> PyResult<Self> {
         let config = match (config, toml) {
-            (Some(_), Some(_)) => return Err(invalid("give a configuration path or text, not both")),
+            (Some(_), Some(_)) => {
+                return Err(invalid("give a configuration path or text, not both"));
+            }
             (_, Some(text)) => Config::from_toml(text, None).and_then(|mut c| {
                 c.apply_env(|k| std::env::var(k).ok())?;
                 Ok(c)
@@ -38,7 +44,9 @@ impl Session {
             (path, None) => Config::load(path.map(Path::new)),
         }
         .map_err(to_py)?;
-        let inner = py.detach(|| gpuio_api::Session::new(config)).map_err(to_py)?;
+        let inner = py
+            .detach(|| gpuio_api::Session::new(config))
+            .map_err(to_py)?;
         Ok(Self {
             inner: Arc::new(inner),
         })
@@ -119,12 +127,13 @@ impl Session {
     fn _transfer(
         &self,
         py: Python<'_>,
-        src: Target<'_>,
+        src: &Bound<'_, PyAny>,
         src_offset: u64,
-        dst: Target<'_>,
+        dst: &Bound<'_, PyAny>,
         dst_offset: u64,
         size: usize,
     ) -> PyResult<usize> {
+        let (src, dst) = (Target::of(src)?, Target::of(dst)?);
         let d = dst
             .endpoint(dst_offset)?
             .ok_or_else(|| invalid("bytes are immutable: a destination must be writable"))?;
@@ -141,9 +150,7 @@ impl Session {
                 .ok_or_else(|| invalid("a source with no endpoint"))?;
             py.detach(|| self.inner.transfer_owned(&s, &d, size))
         };
-        outcome
-        .map(moved)
-        .map_err(to_py)
+        outcome.map(moved).map_err(to_py)
     }
 
     /// Reads `size` bytes from `src` at `offset` into new `bytes` (for destinations gpuio
@@ -151,11 +158,11 @@ impl Session {
     fn _read_bytes<'py>(
         &self,
         py: Python<'py>,
-        src: Target<'py>,
+        src: &Bound<'py, PyAny>,
         offset: u64,
         size: usize,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let s = src
+        let s = Target::of(src)?
             .endpoint(offset)?
             .ok_or_else(|| invalid("reading from bytes needs no gpuio call"))?;
         PyBytes::new_with(py, size, |buf| {
@@ -168,12 +175,13 @@ impl Session {
     /// Queues a transfer on the scheduler; the handle keeps both ends alive until it is done.
     fn _submit(
         &self,
-        src: Target<'_>,
+        src: &Bound<'_, PyAny>,
         src_offset: u64,
-        dst: Target<'_>,
+        dst: &Bound<'_, PyAny>,
         dst_offset: u64,
         size: usize,
     ) -> PyResult<Handle> {
+        let (src, dst) = (Target::of(src)?, Target::of(dst)?);
         let (Some(s), Some(d)) = (src.endpoint(src_offset)?, dst.endpoint(dst_offset)?) else {
             return Err(invalid(
                 "an asynchronous transfer needs gpuio memory, a tensor or a resource on both \
@@ -191,15 +199,14 @@ impl Session {
 
     /// Runs transfers `(src, src_offset, dst, dst_offset, size)` as one batch (sorted,
     /// adjacent ones merged, grouped by engine) and waits for all; fails with the first error.
-    fn _batch<'py>(
-        &self,
-        py: Python<'py>,
-        ops: Vec<(Target<'py>, u64, Target<'py>, u64, usize)>,
-    ) -> PyResult<Bound<'py, PyDict>> {
+    fn _batch<'py>(&self, py: Python<'py>, ops: Vec<BatchOp<'py>>) -> PyResult<Bound<'py, PyDict>> {
         let mut reqs = Vec::with_capacity(ops.len());
         for (src, so, dst, dof, size) in &ops {
+            let (src, dst) = (Target::of(src)?, Target::of(dst)?);
             let (Some(s), Some(d)) = (src.endpoint(*so)?, dst.endpoint(*dof)?) else {
-                return Err(invalid("a batch moves between gpuio memory, tensors and resources"));
+                return Err(invalid(
+                    "a batch moves between gpuio memory, tensors and resources",
+                ));
             };
             reqs.push(Request::new(s, d, *size).map_err(|e| to_py(e.into()))?);
         }

@@ -29,6 +29,9 @@ __all__ = [
     "info",
 ]
 
+# gpuio memory: a transfer end as it is.
+_MEMORY = (HostBuffer, DeviceBuffer)
+
 Error.message = property(lambda e: e.args[0], doc="What went wrong.")
 Error.code = property(lambda e: e.args[1], doc="The GPUIO_ERROR_* code (a negative int).")
 Error.name = property(lambda e: e.args[2], doc="The code's name, e.g. GPUIO_ERROR_IO.")
@@ -98,6 +101,8 @@ class Session(_gpuio.Session):
     def read(self, src, dst, offset=0, size=None):
         """Reads ``size`` bytes (default: all of ``dst``) from ``src`` (a URI or resource) at
         ``offset`` into ``dst``; returns the bytes read."""
+        if type(src) is Resource and type(dst) in _MEMORY:  # the hot call: nothing to resolve
+            return self._transfer(src, offset, dst, 0, len(dst) if size is None else size)
         s, d = self._ends(src, dst, write_dst=False)
         return self._move(s, offset, d, 0, _interop.nbytes(d) if size is None else size)
 
@@ -105,6 +110,8 @@ class Session(_gpuio.Session):
         """Writes ``size`` bytes (default: all of ``src``) of ``src`` to ``dst`` (a URI, whose
         file is created or truncated, or a resource) at ``offset``; returns the bytes
         written."""
+        if type(dst) is Resource and type(src) in _MEMORY:  # the hot call: nothing to resolve
+            return self._transfer(src, 0, dst, offset, len(src) if size is None else size)
         s, d = self._ends(src, dst, write_dst=True)
         return self._move(s, 0, d, offset, _interop.nbytes(s) if size is None else size)
 
