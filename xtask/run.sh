@@ -6,11 +6,12 @@
 # kvikio and torch: on PYTHONPATH; iperf3 where installed, or in ./iperf3 with its libraries),
 # and the first use of the kernel modules: embedded PTX against NVRTC.
 #
-#   ./run.sh [tests | bench-a | bench-b | kernel-load | all]     (default: all)
+#   ./run.sh [tests | bench-a | bench-b | kernel-load | python | all]     (default: all)
 #
 # The parts fit where one command may run ten minutes at most: tests (tests, kernels, info),
 # bench-a (memio, gather), bench-b (core, ring, remote, localio), kernel-load (the kernels
-# suite: first use of each module, with the driver's JIT cache off and on).
+# suite: first use of each module, with the driver's JIT cache off and on), python (the wheel
+# installed beside torch: its pytests with CUDA required, and the python bench suite).
 # Results (bench JSON, plots, test logs) go to $OUT or ./out.
 set -u
 cd "$(dirname "$0")"
@@ -68,6 +69,16 @@ case "$part" in bench-b | all)
     step bin/gpuio bench ring --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out"
     step bin/gpuio bench remote --out "$out"
     step bin/gpuio bench localio --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out" ;;
+esac
+case "$part" in python | all)
+    # The wheel and pytest's wheels into a directory of their own, found through PYTHONPATH;
+    # torch and NumPy are the machine's.
+    py="${GPUIO_PYTHON:-python3}"
+    site="$PWD/python/site"
+    step "$py" -m pip install --quiet --no-deps --no-index --target "$site" python/*.whl python/deps/*.whl
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    step "$py" -m pytest -q -p no:cacheprovider ../../crates/gpuio-py/pytests
+    step bin/gpuio bench python --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out" ;;
 esac
 case "$part" in kernel-load | all)
     # First use of each kernel module: embedded PTX (the driver JIT-compiles it) against NVRTC

@@ -1,7 +1,8 @@
 //! `cargo xtask gpu-bundle`: release test and bench binaries for the GPU machine (which has
 //! no cargo), with `run.sh`, the one command that runs them there. The executables travel
 //! gzipped, and `run.sh` unpacks them: what travels must fit 64 MiB with the working tree, and
-//! every binary that links gpuio-hal carries the embedded PTX.
+//! every binary that links gpuio-hal carries the embedded PTX. The Python binding travels as a
+//! release wheel, with the wheels pytest needs.
 
 use crate::{Result, build_tests, cargo, copy, listed_tests, make_executable, root, run};
 use std::path::Path;
@@ -77,6 +78,7 @@ pub fn gpu_bundle() -> Result {
             copy(&path, &out.join("kernels").join(name))?;
         }
     }
+    bundle_python(&out.join("python"))?;
     for d in ["bin", "tests"] {
         gzip_all(&out.join(d))?;
     }
@@ -101,6 +103,37 @@ pub fn gpu_bundle() -> Result {
         ));
     }
     Ok(())
+}
+
+/// The Python binding's release wheel in `dir`, and in `dir/deps` the pure-Python wheels pytest
+/// needs (the GPU machine has no network; its torch brings NumPy).
+fn bundle_python(dir: &Path) -> Result {
+    let python = crate::python::venv()?;
+    crate::python::wheel(&python, true, dir)?;
+    run(
+        "download pytest's wheels",
+        std::process::Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--only-binary=:all:",
+            ])
+            .args([
+                "--python-version",
+                "3.10",
+                "--platform",
+                "any",
+                "--implementation",
+                "py",
+            ])
+            .arg("--dest")
+            .arg(dir.join("deps"))
+            .args(crate::python::PYTEST_WHEELS)
+            .env("PIP_DISABLE_PIP_VERSION_CHECK", "1"),
+    )
 }
 
 /// Gzips every executable in `dir` in place (`x` becomes `x.gz`; the `.args` files stay as

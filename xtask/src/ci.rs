@@ -144,6 +144,7 @@ pub fn ci() -> Result {
             ])
             .env("RUSTDOCFLAGS", "-D warnings"),
     )?;
+    crate::python::python()?;
     crate::ptx::ptx(&["--wheels".to_string(), "--check".to_string()])?;
     crate::qemu::qemu_rdma()
 }

@@ -2,7 +2,7 @@
 //!
 //! - `ci` ([`ci`]): what `.ci/run` runs: the Debian packages every step needs (installed
 //!   when missing), formatting, clippy over every feature set, the test suite, rustdoc, the
-//!   kernels, the RDMA tests in QEMU.
+//!   Python binding's tests, the kernels, the RDMA tests in QEMU.
 //! - `bench [ARGS]`: the benchmark suites this machine supports (`gpuio bench` in release).
 //! - `gpu-bundle` ([`bundle`]): release test and bench binaries for the GPU machine (no cargo
 //!   there), with `run.sh`, the one command that runs them there.
@@ -10,6 +10,8 @@
 //!   kernel compiled for sm_80, sm_90 and sm_100 by nvcc and NVRTC (with `--wheels`: CUDA
 //!   13.0's compilers from PyPI, no GPU needed); `--write` writes the PTX gpuio-hal embeds,
 //!   `--check` fails where it is stale. Runs from the bundle on the GPU machine too.
+//! - `python` ([`python`]): the Python binding's wheel built by maturin, installed into a
+//!   virtual environment under `target/pyenv`, and its pytests.
 //! - `qemu-rdma` ([`qemu`]): the RDMA tests (cargo feature `rdma`) on soft-RoCE in a QEMU
 //!   guest.
 
@@ -18,6 +20,7 @@
 mod bundle;
 mod ci;
 mod ptx;
+mod python;
 mod qemu;
 
 use std::path::{Path, PathBuf};
@@ -36,10 +39,11 @@ fn main() -> ExitCode {
         "bench" => bench(rest),
         "gpu-bundle" => bundle::gpu_bundle(),
         "ptx" => ptx::ptx(rest),
+        "python" => python::python(),
         "qemu-rdma" => qemu::qemu_rdma(),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench [ARGS] | gpu-bundle | ptx [--kernels DIR] [--arch SM].. [--wheels] [--write | --check] | qemu-rdma>"
+                "usage: cargo xtask <ci | bench [ARGS] | gpu-bundle | ptx [--kernels DIR] [--arch SM].. [--wheels] [--write | --check] | python | qemu-rdma>"
             );
             return ExitCode::from(2);
         }

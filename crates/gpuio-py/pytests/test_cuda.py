@@ -1,0 +1,147 @@
+"""torch CUDA tensors through the binding (the GPU machine): round trips through files and host
+pools, borrowed in place through the CUDA array interface and DLPack. Skipped where torch or
+CUDA is missing, unless GPUIO_REQUIRE_CUDA=1 makes that a failure."""
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+import gpuio
+
+REQUIRE = os.environ.get("GPUIO_REQUIRE_CUDA") == "1"
+try:
+    import torch
+except ImportError:
+    if REQUIRE:
+        raise
+    pytest.skip("torch is not installed", allow_module_level=True)
+if not torch.cuda.is_available():
+    if REQUIRE:
+        raise RuntimeError("GPUIO_REQUIRE_CUDA=1 but torch sees no CUDA device")
+    pytest.skip("torch sees no CUDA device", allow_module_level=True)
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def s():
+    session = gpuio.Session()
+    assert gpuio.info()["devices"][0]["backend"] == "Cuda"
+    return session
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    data = np.random.default_rng(11).integers(0, 256, 16 * MiB, dtype=np.uint8)
+    path = tmp_path / "data.bin"
+    path.write_bytes(data.tobytes())
+    return str(path), data
+
+
+def cpu(t):
+    return t.cpu().numpy().view(np.uint8).reshape(-1)
+
+
+def test_file_to_tensor_and_back(s, data_file, tmp_path):
+    path, data = data_file
+    t = torch.empty(data.nbytes // 2, dtype=torch.float16, device="cuda")
+    assert s.read(path, t) == data.nbytes
+    assert np.array_equal(cpu(t), data)
+    # The tensor is usable at once on torch's stream.
+    assert torch.equal((t.view(torch.uint8).to(torch.int32) + 1 - 1).to(torch.uint8), t.view(torch.uint8))
+    out = tmp_path / "out.bin"
+    assert s.write(str(out), t) == data.nbytes
+    assert out.read_bytes() == data.tobytes()
+    part = torch.zeros(MiB, dtype=torch.uint8, device="cuda")
+    s.read(s.open(path), part, offset=3 * MiB)
+    assert np.array_equal(cpu(part), data[3 * MiB : 4 * MiB])
+
+
+def test_work_queued_by_torch_is_done_before_gpuio_reads_the_tensor(s, tmp_path):
+    t = torch.zeros(64 * MiB, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for _ in range(20):
+            t.add_(1)  # queued, not yet run, when gpuio is called
+    out = tmp_path / "queued.bin"
+    s.write(str(out), t)
+    assert set(out.read_bytes()[: 1 << 16]) == {20}
+
+
+def test_host_pools_and_device_copies(s, data_file):
+    _, data = data_file
+    pool = s.alloc_host(data.nbytes)
+    assert pool.pinned
+    host = torch.from_numpy(np.asarray(pool))  # the pinned pool as a CPU tensor, no copy
+    host.copy_(torch.from_numpy(data))
+    t = torch.empty(data.nbytes, dtype=torch.uint8, device="cuda")
+    assert s.copy(pool, t) == data.nbytes
+    assert np.array_equal(cpu(t), data)
+    dev = s.alloc_device(data.nbytes)
+    view = torch.as_tensor(dev, device="cuda")  # gpuio's memory seen by torch
+    s.copy(t, dev)
+    assert torch.equal(view, t)
+    back = np.zeros_like(data)
+    s.copy(dev, back)
+    assert np.array_equal(back, data)
+
+
+def test_gather_into_a_tensor_matches_index_select(s):
+    rows, row = 4096, 512
+    pool = s.alloc_host(rows * row)
+    table = torch.from_numpy(np.asarray(pool)).view(rows, row)
+    table.copy_(torch.randint(0, 256, (rows, row), dtype=torch.uint8))
+    idx = torch.randint(0, rows, (1000,), dtype=torch.int64)
+    out = torch.empty(1000, row, dtype=torch.uint8, device="cuda")
+    assert s.gather(pool, idx, out)["rows"] == 1000
+    assert torch.equal(out.cpu(), table.index_select(0, idx))
+
+
+def test_dlpack_only_producers_are_borrowed_in_place(s, data_file):
+    path, data = data_file
+
+    class DlpackOnly:  # JAX-like: DLPack, no CUDA array interface
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack__(self, stream=None):
+            return self.t.__dlpack__(stream=stream)
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+    t = torch.zeros(MiB, dtype=torch.uint8, device="cuda")
+    s.read(path, DlpackOnly(t))
+    assert np.array_equal(cpu(t), data[:MiB])
+
+
+def test_bad_tensors_are_refused_and_nothing_is_written(s, data_file):
+    path, _ = data_file
+    base = torch.zeros(2 * MiB, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="contiguous"):
+        s.read(path, base[::2])
+    assert int(base.sum()) == 0
+    with pytest.raises(gpuio.Error) as e:
+        s.read(path, base, size=64 * MiB)
+    assert e.value.code == -3
+    assert int(base.sum()) == 0
+    with pytest.raises(ValueError, match="empty"):
+        s.read(path, torch.empty(0, dtype=torch.uint8, device="cuda"))
+
+
+def test_async_reads_into_tensors(s, data_file):
+    path, data = data_file
+    f = s.open(path)
+    a = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+    b = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+
+    async def both():
+        return await asyncio.gather(s.read_async(f, a), s.read_async(f, b, offset=MiB))
+
+    assert asyncio.run(both()) == [MiB, MiB]
+    assert np.array_equal(cpu(a), data[:MiB]) and np.array_equal(cpu(b), data[MiB : 2 * MiB])
+    r = s.read_async(f, a, offset=5 * MiB)
+    assert r.wait() == MiB and r.done()
+    assert np.array_equal(cpu(a), data[5 * MiB : 6 * MiB])
