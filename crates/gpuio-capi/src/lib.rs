@@ -1,0 +1,25 @@
+#![doc = include_str!("../README.md")]
+// The C ABI is the second place unsafe code lives (docs/ARCHITECTURE.md, I1): C hands over raw
+// pointers, and only this crate turns them into Rust references, each at one call site with
+// its SAFETY note (the checks on every pointer are in `ptr.rs`).
+#![deny(unsafe_op_in_unsafe_fn)]
+#![allow(non_camel_case_types)]
+
+mod context;
+mod error;
+mod memory;
+mod ptr;
+mod transfer;
+
+pub use context::{gpuio_config_t, gpuio_context_t, gpuio_device_info_t};
+pub use error::*;
+pub use memory::{gpuio_handle_t, gpuio_mem_t};
+pub use transfer::{gpuio_callback_t, gpuio_end_t, gpuio_request_t, gpuio_transfer_t};
+
+/// The C API's version: `GPUIO_API_VERSION` goes in `gpuio_config_t.api_version`.
+pub const GPUIO_API_VERSION: u32 = 1;
+
+/// `gpuio_open` flag: open for reading (the file must exist).
+pub const GPUIO_OPEN_READ: u32 = 0;
+/// `gpuio_open` flag: open for writing (a file is created or truncated).
+pub const GPUIO_OPEN_WRITE: u32 = 1;
