@@ -7,7 +7,6 @@ use crate::error::{CoreError, Result};
 use crate::route::EngineKind;
 use serde::Serialize;
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -108,7 +107,7 @@ impl Status {
     }
 }
 
-/// A request's status, shared between the request and whoever waits for it. Transitions are
+/// A request's status, kept in the scheduler's ticket and read by its handles. Transitions are
 /// atomic compare-and-swaps, so a cancel and a worker's pickup never both win.
 #[derive(Debug)]
 pub struct StatusCell {
@@ -119,9 +118,14 @@ pub struct StatusCell {
 impl StatusCell {
     /// A cell in [`Status::Pending`].
     pub fn new(id: RequestId) -> Self {
+        Self::at(id, Status::Pending)
+    }
+
+    /// A cell in `status`.
+    pub(crate) fn at(id: RequestId, status: Status) -> Self {
         Self {
             id,
-            state: AtomicU8::new(Status::Pending as u8),
+            state: AtomicU8::new(status as u8),
         }
     }
 
@@ -211,7 +215,6 @@ pub struct Request {
     /// Other sources holding the same bytes (replicas), tried in order of load when the
     /// source fails (failover) and used to balance load across devices.
     pub alternates: Vec<Endpoint>,
-    status: Arc<StatusCell>,
 }
 
 impl Request {
@@ -231,7 +234,6 @@ impl Request {
             deadline: None,
             timeout: None,
             alternates: Vec::new(),
-            status: Arc::new(StatusCell::new(id)),
         })
     }
 
@@ -272,21 +274,12 @@ impl Request {
         self.flags = flags;
         self
     }
-
-    /// The current status.
-    pub fn status(&self) -> Status {
-        self.status.get()
-    }
-
-    /// The shared status cell (what a handle to the request watches).
-    pub fn status_cell(&self) -> &Arc<StatusCell> {
-        &self.status
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     #[test]
     fn the_status_machine_only_moves_forward() {

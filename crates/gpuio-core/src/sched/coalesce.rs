@@ -9,6 +9,7 @@ use super::ticket::TicketInner;
 use super::{Shared, State};
 use crate::batch;
 use crate::error::{CoreError, Result};
+use crate::request::Status;
 use crate::route::EngineKind;
 use gpuio_hal::sync::MutexExt;
 use std::sync::Arc;
@@ -27,6 +28,20 @@ pub(super) enum Unit {
 }
 
 impl Unit {
+    /// Fails the unit's requests as shut down (the scheduler closed with it queued). Settled
+    /// here, not left to the tickets' drop: a handle may still hold one.
+    pub(super) fn shut_down(self) {
+        let fail = |t: &TicketInner| {
+            if !t.fail_unstarted(CoreError::ShutDown) && t.cell.get() == Status::InProgress {
+                t.chunk_done(Err(CoreError::ShutDown));
+            }
+        };
+        match self {
+            Unit::Chunk { t, .. } => fail(&t),
+            Unit::Group(ts) => ts.iter().for_each(|t| fail(t)),
+        }
+    }
+
     /// Gives the unit up (its session closed): each request in it is cancelled, or if it
     /// already started, this chunk of it counts down as cancelled.
     pub(super) fn abandon(self) {

@@ -5,12 +5,12 @@
 use super::ticket::TicketInner;
 use crate::error::{CoreError, Result};
 use crate::outcome::Outcome;
-use crate::request::{RequestId, Status, StatusCell};
+use crate::request::{RequestId, Status};
 use gpuio_hal::ErrorCode;
 use gpuio_hal::sync::{CondvarExt, MutexExt};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -73,12 +73,21 @@ impl<T> Slot<T> {
 }
 
 /// A submitted request: its status, and a way to cancel it while it is still queued. Holding
-/// a ticket does not keep the request alive.
-#[derive(Debug, Clone)]
+/// a ticket keeps its status readable, not the request's buffers: those are let go when it
+/// finishes.
+#[derive(Clone)]
 pub struct Ticket {
     pub(crate) id: RequestId,
-    pub(crate) cell: Arc<StatusCell>,
-    pub(crate) inner: Weak<TicketInner>,
+    pub(crate) inner: Arc<TicketInner>,
+}
+
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticket")
+            .field("id", &self.id)
+            .field("status", &self.status())
+            .finish()
+    }
 }
 
 impl Ticket {
@@ -89,14 +98,14 @@ impl Ticket {
 
     /// Its current status.
     pub fn status(&self) -> Status {
-        self.cell.get()
+        self.inner.cell.get()
     }
 
     /// Cancels it if no worker has picked it up yet; its completion ([`CoreError::Cancelled`])
     /// is delivered at once, and its buffers are let go before that. Returns whether the
     /// cancel won.
     pub fn cancel(&self) -> bool {
-        self.inner.upgrade().is_some_and(|t| t.cancel())
+        self.inner.cancel()
     }
 }
 

@@ -30,6 +30,8 @@ mod config;
 mod handle;
 mod handoff;
 pub mod queue;
+#[cfg(test)]
+mod tests;
 mod ticket;
 mod worker;
 
@@ -42,7 +44,7 @@ use crate::batch;
 use crate::engine::Engines;
 use crate::error::{CoreError, Result};
 use crate::metrics::SchedMetrics;
-use crate::request::{Request, Status};
+use crate::request::Request;
 use crate::retry::RetryPolicy;
 use coalesce::Unit;
 use crossbeam_deque::{Stealer, Worker};
@@ -219,7 +221,7 @@ impl Scheduler {
             let mut st = self.shared.state.lock_unpoisoned();
             std::iter::from_fn(|| st.queue.pop(Instant::now()).map(|(_, u)| u)).collect()
         };
-        drop(rest);
+        rest.into_iter().for_each(Unit::shut_down);
     }
 }
 
@@ -275,30 +277,15 @@ impl SchedSession {
         ticket::held(&self.state.in_flight)
     }
 
-    fn ticket(&self, req: Request, done: Done, now: Instant) -> Result<Arc<TicketInner>> {
-        if req.status() != Status::Pending {
-            return Err(CoreError::InvalidRequest(format!(
-                "request {} is already {:?}; submit takes new requests",
-                req.id,
-                req.status()
-            )));
-        }
+    fn ticket(&self, req: Request, done: Done, now: Instant) -> Arc<TicketInner> {
         let chunks = req.len.div_ceil(self.shared.cfg.chunk_size.max(1));
-        req.status_cell().advance(Status::Submitted)?;
-        Ok(Arc::new(TicketInner::new(
-            req,
-            done,
-            chunks,
-            self.state.clone(),
-            now,
-        )))
+        Arc::new(TicketInner::new(req, done, chunks, self.state.clone(), now))
     }
 
     fn public(t: &Arc<TicketInner>) -> Ticket {
         Ticket {
             id: t.id,
-            cell: t.cell.clone(),
-            inner: Arc::downgrade(t),
+            inner: t.clone(),
         }
     }
 
@@ -308,13 +295,6 @@ impl SchedSession {
         let sh = &self.shared;
         if sh.closing.load(Ordering::Acquire) {
             return Err(CoreError::ShutDown);
-        }
-        if let Some((r, _)) = items.iter().find(|(r, _)| r.status() != Status::Pending) {
-            return Err(CoreError::InvalidRequest(format!(
-                "request {} is already {:?}; submit takes new requests",
-                r.id,
-                r.status()
-            )));
         }
         let in_worker = worker::in_worker();
         // Let go of what the workers handed back (skipped if a worker is handing some now).
@@ -348,15 +328,7 @@ impl SchedSession {
                 sh.enqueue(&std::mem::take(&mut pending))?;
                 budgets.acquire(engine, &self.state, bytes, wait, false)?;
             }
-            let t = match self.ticket(req, done, now) {
-                Ok(t) => t,
-                Err(e) => {
-                    // Its status changed under us: give back its bytes and the prepaid rest.
-                    budgets.release(engine, &self.state, bytes + prepaid);
-                    sh.enqueue(&pending)?;
-                    return Err(e);
-                }
-            };
+            let t = self.ticket(req, done, now);
             out.push(Self::public(&t));
             pending.push(t);
         }
@@ -421,13 +393,6 @@ impl SchedSession {
         if sh.closing.load(Ordering::Acquire) {
             return Err(CoreError::ShutDown);
         }
-        if let Some(r) = requests.iter().find(|r| r.status() != Status::Pending) {
-            return Err(CoreError::InvalidRequest(format!(
-                "request {} is already {:?}; a batch takes new requests",
-                r.id,
-                r.status()
-            )));
-        }
         let plan = batch::plan(&requests);
         let n = requests.len();
         let slot = Slot::new();
@@ -459,9 +424,7 @@ impl SchedSession {
             .budgets
             .acquire_all(&parts, &self.state, worker::in_worker())?;
         let mut tickets: Vec<Arc<TicketInner>> = Vec::with_capacity(n);
-        let mut requests = requests.into_iter();
-        while let Some(req) = requests.next() {
-            let (engine, bytes) = (req.engine, req.len as u64);
+        for req in requests {
             let (report, slot) = (report.clone(), slot.clone());
             let id = req.id;
             let done: Done = Box::new(move |r| {
@@ -475,22 +438,7 @@ impl SchedSession {
                     slot.put(Ok(g.0.clone()));
                 }
             });
-            match self.ticket(req, done, Instant::now()) {
-                Ok(t) => tickets.push(t),
-                Err(e) => {
-                    // Nothing was queued: the ones made so far fail quietly (releasing their
-                    // budget), the rest give theirs back; the caller hears the error.
-                    for t in &tickets {
-                        t.disarm();
-                        t.fail_unstarted(CoreError::ShutDown);
-                    }
-                    sh.acct.budgets.release(engine, &self.state, bytes);
-                    for r in requests {
-                        sh.acct.budgets.release(r.engine, &self.state, r.len as u64);
-                    }
-                    return Err(e);
-                }
-            }
+            tickets.push(self.ticket(req, done, Instant::now()));
         }
         let public = tickets.iter().map(Self::public).collect();
         let mut units = Vec::new();

@@ -279,7 +279,8 @@ pub(crate) struct TicketState {
 /// A request owned by the scheduler.
 pub(crate) struct TicketInner {
     pub id: RequestId,
-    pub cell: Arc<StatusCell>,
+    /// The request's status, on the ticket's first lines (which its worker reads anyway).
+    pub cell: StatusCell,
     pub engine: EngineKind,
     pub class: Priority,
     pub len: usize,
@@ -308,7 +309,7 @@ impl TicketInner {
             .flatten();
         Self {
             id: req.id,
-            cell: req.status_cell().clone(),
+            cell: StatusCell::at(req.id, Status::Submitted),
             engine: req.engine,
             class: req.priority,
             len: req.len,
@@ -449,7 +450,7 @@ impl TicketInner {
                 }
             }
             Status::InProgress => true,
-            // Made final through the status cell from outside: settle it here.
+            // Cancelled between the grab and the pickup: settle it here.
             Status::Cancelled => {
                 self.finish(Err(CoreError::Cancelled(self.id)));
                 false
