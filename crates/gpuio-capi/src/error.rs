@@ -1,6 +1,6 @@
-//! Error codes (the SDD's table, shared with Rust's `ErrorCode` and Python's `gpuio.Error`),
-//! the calling thread's last error message, and [`call`]: how every entry point runs, so that
-//! no panic crosses into C.
+//! Error codes (docs/REFERENCE.md#error-codes, shared with Rust's `ErrorCode` and Python's
+//! `gpuio.Error`), the calling thread's last error message, and [`call`]: how every entry
+//! point runs, so that no panic crosses into C.
 
 use gpuio_api::ErrorCode;
 use std::cell::RefCell;
