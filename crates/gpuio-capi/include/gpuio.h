@@ -118,8 +118,9 @@ typedef struct gpuio_end_t {
 } gpuio_end_t;
 
 // Called once when an asynchronous request finishes, on one of gpuio's worker threads (or on
-// the thread that cancels it): `status` is `GPUIO_SUCCESS` or an error code, `bytes` what
-// moved. It must not call `gpuio_request_free` on its own request.
+// the thread that cancels it), before `gpuio_request_test` or `gpuio_request_wait` see it
+// finished: `status` is `GPUIO_SUCCESS` or an error code, `bytes` what moved. It must not
+// free or wait for its own request, nor finalize the context.
 typedef void (*gpuio_callback_t)(void *user_data, int status, size_t bytes);
 
 // One transfer of a batch.
@@ -141,8 +142,8 @@ extern "C" {
 // `ctx` is valid for writing a pointer.
 int gpuio_init(const struct gpuio_config_t *config, struct gpuio_context_t **ctx);
 
-// Ends a context (NULL: nothing). Requests still queued fail as shut down; their callbacks
-// run before this returns.
+// Ends a context (NULL: nothing). Requests still queued run to their end first, and their
+// callbacks have run when this returns. Not from inside a request's callback.
 //
 // # Safety
 // `ctx` is NULL or came from `gpuio_init`, and nothing uses it during or after the call.
@@ -229,7 +230,8 @@ int gpuio_mem_register_device(const struct gpuio_context_t *ctx,
                               size_t len,
                               struct gpuio_mem_t **out);
 
-// The host address of host memory (NULL for GPU memory or a null `mem`).
+// The host address of host memory (NULL for GPU memory or a null `mem`). Do not read or
+// write it while a request that uses the memory runs.
 //
 // # Safety
 // `mem` is NULL or came from a `gpuio_mem_*` function and is not freed.
@@ -285,7 +287,8 @@ int gpuio_write(const struct gpuio_context_t *ctx,
                 size_t len);
 
 // Queues a transfer of `len` bytes from `src` to `dst` on the scheduler, into `*out`;
-// `callback` (may be NULL) runs with `user_data` when it finishes.
+// `callback` (may be NULL) runs with `user_data` when it finishes. Waits for room when the
+// scheduler's in-flight budget is full.
 //
 // # Safety
 // `ctx` came from `gpuio_init`; the ends' pointers are NULL or live handles; `out` is

@@ -101,6 +101,7 @@ pub unsafe extern "C" fn gpuio_init(
     ctx: *mut *mut gpuio_context_t,
 ) -> c_int {
     call(|| {
+        ptr::out(ctx, "ctx")?;
         let config = if config.is_null() {
             Config::load(None)?
         } else {
@@ -113,8 +114,8 @@ pub unsafe extern "C" fn gpuio_init(
     })
 }
 
-/// Ends a context (NULL: nothing). Requests still queued fail as shut down; their callbacks
-/// run before this returns.
+/// Ends a context (NULL: nothing). Requests still queued run to their end first, and their
+/// callbacks have run when this returns. Not from inside a request's callback.
 ///
 /// # Safety
 /// `ctx` is NULL or came from `gpuio_init`, and nothing uses it during or after the call.

@@ -49,6 +49,7 @@ pub unsafe extern "C" fn gpuio_open(
     out: *mut *mut gpuio_handle_t,
 ) -> c_int {
     call(|| {
+        ptr::out(out, "out")?;
         // SAFETY: the caller's contract.
         let (ctx, uri) = unsafe { (ptr::object(ctx, "ctx")?, ptr::text(uri, "uri")?) };
         let access = match flags {
@@ -108,6 +109,7 @@ pub unsafe extern "C" fn gpuio_mem_alloc_host(
     out: *mut *mut gpuio_mem_t,
 ) -> c_int {
     call(|| {
+        ptr::out(out, "out")?;
         // SAFETY: the caller's contract.
         let ctx = unsafe { ptr::object(ctx, "ctx") }?;
         let dram = HostPlacement::Dram { numa: None };
@@ -133,6 +135,7 @@ pub unsafe extern "C" fn gpuio_mem_alloc_device(
     out: *mut *mut gpuio_mem_t,
 ) -> c_int {
     call(|| {
+        ptr::out(out, "out")?;
         // SAFETY: the caller's contract.
         let ctx = unsafe { ptr::object(ctx, "ctx") }?;
         let id = u32::try_from(device_id).map_err(|_| invalid(format!("device {device_id}")))?;
@@ -167,12 +170,13 @@ pub unsafe extern "C" fn gpuio_mem_register_device(
     out: *mut *mut gpuio_mem_t,
 ) -> c_int {
     call(|| {
+        ptr::out(out, "out")?;
         // SAFETY: the caller's contract.
         let ctx = unsafe { ptr::object(ctx, "ctx") }?;
         let id = u32::try_from(device_id).map_err(|_| invalid(format!("device {device_id}")))?;
         let gpu = ctx.session.gpu(id)?;
         let buf = gpu
-            .borrow_device(addr, len)
+            .borrow_device(addr, len, ())
             .map_err(gpuio_api::Error::from)?;
         gpu.synchronize().map_err(gpuio_api::Error::from)?;
         // SAFETY: the caller's contract.
@@ -188,7 +192,8 @@ pub unsafe extern "C" fn gpuio_mem_register_device(
     })
 }
 
-/// The host address of host memory (NULL for GPU memory or a null `mem`).
+/// The host address of host memory (NULL for GPU memory or a null `mem`). Do not read or
+/// write it while a request that uses the memory runs.
 ///
 /// # Safety
 /// `mem` is NULL or came from a `gpuio_mem_*` function and is not freed.

@@ -28,6 +28,14 @@ pub(crate) unsafe fn put<T>(p: *mut T, v: T, what: &str) -> Result<(), Failure> 
     Ok(())
 }
 
+/// Refuses a null output pointer before any work is done (so nothing made for it leaks).
+pub(crate) fn out<T>(p: *mut T, what: &str) -> Result<(), Failure> {
+    if p.is_null() {
+        return Err(invalid(format!("{what} is null")));
+    }
+    Ok(())
+}
+
 fn span(p: *const c_void, len: usize, what: &str) -> Result<(), Failure> {
     if p.is_null() && len > 0 {
         return Err(invalid(format!("{what} is null")));

@@ -30,8 +30,9 @@ pub struct gpuio_transfer_t {
 }
 
 /// Called once when an asynchronous request finishes, on one of gpuio's worker threads (or on
-/// the thread that cancels it): `status` is `GPUIO_SUCCESS` or an error code, `bytes` what
-/// moved. It must not call `gpuio_request_free` on its own request.
+/// the thread that cancels it), before `gpuio_request_test` or `gpuio_request_wait` see it
+/// finished: `status` is `GPUIO_SUCCESS` or an error code, `bytes` what moved. It must not
+/// free or wait for its own request, nor finalize the context.
 pub type gpuio_callback_t =
     Option<unsafe extern "C" fn(user_data: *mut c_void, status: c_int, bytes: usize)>;
 
@@ -158,7 +159,8 @@ pub struct gpuio_request_t {
 }
 
 /// Queues a transfer of `len` bytes from `src` to `dst` on the scheduler, into `*out`;
-/// `callback` (may be NULL) runs with `user_data` when it finishes.
+/// `callback` (may be NULL) runs with `user_data` when it finishes. Waits for room when the
+/// scheduler's in-flight budget is full.
 ///
 /// # Safety
 /// `ctx` came from `gpuio_init`; the ends' pointers are NULL or live handles; `out` is
@@ -174,9 +176,7 @@ pub unsafe extern "C" fn gpuio_submit(
     out: *mut *mut gpuio_request_t,
 ) -> c_int {
     call(|| {
-        if out.is_null() {
-            return Err(invalid("out is null"));
-        }
+        ptr::out(out, "out")?;
         // SAFETY: the caller's contract.
         let (ctx, s, d) = unsafe {
             (
@@ -194,14 +194,16 @@ pub unsafe extern "C" fn gpuio_submit(
                 Ok(c) => (crate::GPUIO_SUCCESS, c.outcome.bytes, String::new()),
                 Err(e) => (e.code().as_i32(), 0, e.to_string()),
             };
-            *mine.result.lock().unwrap_or_else(PoisonError::into_inner) =
-                Some((status, bytes, message));
-            mine.done.notify_all();
+            // The callback first: once a waiter sees the result, the caller may free what
+            // `user_data` points to.
             if let Some(cb) = cb {
                 // SAFETY: the caller's callback with its own argument (gpuio_submit's
                 // contract); it runs once.
                 unsafe { (cb.f)(cb.user_data, status, bytes) };
             }
+            *mine.result.lock().unwrap_or_else(PoisonError::into_inner) =
+                Some((status, bytes, message));
+            mine.done.notify_all();
         })?;
         let r = gpuio_request_t { ticket, settled };
         // SAFETY: the caller's contract; checked non-null above.

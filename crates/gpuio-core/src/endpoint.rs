@@ -91,13 +91,19 @@ impl fmt::Display for RemoteResource {
 #[derive(Debug, Clone)]
 pub struct HostMemory {
     inner: Arc<RwLock<HostBuffer>>,
+    /// The length it was made with, known without the lock: submitting a request must never
+    /// wait for a buffer the caller (or a running request) holds. The engines check the
+    /// buffer itself, under its lock, when they move bytes.
+    len: usize,
 }
 
 impl HostMemory {
     /// Wraps a buffer.
     pub fn new(buf: HostBuffer) -> Self {
+        let len = buf.len();
         Self {
             inner: Arc::new(RwLock::new(buf)),
+            len,
         }
     }
 
@@ -112,9 +118,10 @@ impl HostMemory {
         self.inner.write_unpoisoned()
     }
 
-    /// Length in bytes.
+    /// Length in bytes (as made: a buffer swapped for another through `write` keeps its
+    /// handle's length; transfers check the buffer itself).
     pub fn len(&self) -> usize {
-        self.read().len()
+        self.len
     }
 
     /// Whether it has no bytes.
@@ -260,6 +267,42 @@ impl Endpoint {
             Self::Remote { res, .. } => (EndpointKind::Remote, res.id()),
         };
         ResourceKey { kind, id }
+    }
+
+    /// Bytes from here to the end of the memory it names (`None` for files and remote
+    /// exports, whose size can change).
+    pub fn room(&self) -> Option<usize> {
+        match self {
+            Self::Host { mem, offset } => Some(mem.len().saturating_sub(*offset)),
+            Self::Device { buf, offset } => Some(buf.len().saturating_sub(*offset)),
+            Self::File { .. } | Self::Remote { .. } => None,
+        }
+    }
+
+    /// Whether `len` bytes from here and `len` bytes from `other` share any byte: the same
+    /// host buffer, file or export at intersecting offsets, or intersecting device addresses
+    /// of one GPU (two views of one allocation included).
+    pub fn overlaps(&self, other: &Endpoint, len: usize) -> bool {
+        let span = |e: &Endpoint| -> (EndpointKind, usize, u64) {
+            match e {
+                Self::Device { buf, offset } => (
+                    EndpointKind::Device,
+                    buf.gpu().ordinal() as usize,
+                    buf.device_addr().saturating_add(*offset as u64),
+                ),
+                _ => {
+                    let key = e.resource();
+                    (key.kind, key.id, e.offset())
+                }
+            }
+        };
+        let ((k1, space1, a), (k2, space2, b)) = (span(self), span(other));
+        let len = len as u64;
+        k1 == k2
+            && space1 == space2
+            && len > 0
+            && a < b.saturating_add(len)
+            && b < a.saturating_add(len)
     }
 
     /// The memory region `len` bytes from here cover (`None` for files or out of range).

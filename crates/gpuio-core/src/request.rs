@@ -158,6 +158,10 @@ impl StatusCell {
     }
 }
 
+/// The longest request the scheduler cuts into chunks (16 TiB, 16 M chunks of 1 MiB); a longer
+/// one runs whole.
+pub const MAX_SPLIT_BYTES: usize = 1 << 44;
+
 /// Priority classes for AI workloads (docs/REFERENCE.md#priority-classes), most urgent first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize)]
 pub enum Priority {
@@ -267,6 +271,23 @@ impl Request {
         }
         self.alternates.push(src);
         Ok(self)
+    }
+
+    /// Whether the request may run as chunks in any order, on any workers: its memory ends
+    /// hold all of it, it is at most [`MAX_SPLIT_BYTES`], and its source and destination do not
+    /// overlap. Otherwise it runs whole: a request longer than its memory then fails in the
+    /// engine with its own error (not after a chunk list the size of a mistaken length was
+    /// built), and overlapping ends are moved as `memmove` does or refused by the engine,
+    /// where chunks in any order would read bytes an earlier chunk had written.
+    pub(crate) fn splittable(&self) -> bool {
+        let fits = |e: &Endpoint| e.room().is_none_or(|room| room >= self.len);
+        self.len <= MAX_SPLIT_BYTES
+            && fits(&self.src)
+            && fits(&self.dst)
+            && self.alternates.iter().all(fits)
+            && !std::iter::once(&self.src)
+                .chain(&self.alternates)
+                .any(|s| s.overlaps(&self.dst, self.len))
     }
 
     /// Sets the flags.

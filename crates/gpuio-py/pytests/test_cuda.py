@@ -131,6 +131,18 @@ def test_bad_tensors_are_refused_and_nothing_is_written(s, data_file):
         s.read(path, torch.empty(0, dtype=torch.uint8, device="cuda"))
 
 
+def test_a_queued_request_keeps_its_tensor_alive(s, tmp_path):
+    import weakref
+
+    path = tmp_path / "big.bin"
+    path.write_bytes(os.urandom(256 * MiB))
+    t = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    alive = weakref.ref(t)
+    s.read_async(str(path), t)  # the request's handle is dropped at once
+    del t
+    assert alive() is not None, "the tensor was freed while a transfer could still write it"
+
+
 def test_async_reads_into_tensors(s, data_file):
     path, data = data_file
     f = s.open(path)

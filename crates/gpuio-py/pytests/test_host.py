@@ -214,3 +214,52 @@ def test_configuration_text_and_environment(tmp_path):
     code = "import gpuio\ntry:\n    gpuio.Session()\nexcept gpuio.Error as e:\n    print(e.code)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "-3", out.stderr
+
+
+def test_overlapping_and_oversized_requests_are_safe(s):
+    buf = s.alloc_host(4 * MiB)
+    view = np.asarray(buf)
+    view[:] = np.random.default_rng(5).integers(0, 256, 4 * MiB, dtype=np.uint8)
+    expect = view.copy()
+    expect[MiB:] = expect[: 3 * MiB].copy()  # memmove semantics
+    assert s.copy_async(buf, buf, size=3 * MiB, dst_offset=MiB).wait() == 3 * MiB
+    assert np.array_equal(view, expect)
+    with pytest.raises(gpuio.Error) as e:
+        s.copy_async(buf, s.alloc_host(MiB), size=1 << 62).wait()
+    assert e.value.code == -3
+    with pytest.raises(gpuio.Error):
+        s.batch([(buf, s.alloc_host(MiB), 1 << 62)])
+
+
+def test_negative_sizes_and_offsets_are_invalid_arguments(s, data_file):
+    path, _ = data_file
+    f = s.open(path)
+    host = s.alloc_host(MiB)
+    for call in (
+        lambda: s.read(f, host, offset=-1),
+        lambda: s.read(f, bytearray(16), size=-1),
+        lambda: s.read_async(f, host, offset=-4096),
+        lambda: s.copy(host, s.alloc_host(MiB), src_offset=-1),
+        lambda: s.batch([(f, host, -1)]),
+    ):
+        with pytest.raises(gpuio.Error) as e:
+            call()
+        assert e.value.code == -3
+
+
+def test_host_copies_uris_and_batches_that_write(s, tmp_path, data_file):
+    path, data = data_file
+    a, b = bytearray(data[:4096].tobytes()), bytearray(4096)
+    assert s.copy(a, b) == 4096 and a == b
+    with pytest.raises(gpuio.Error, match="onto itself"):
+        s.copy(path, path)
+    assert os.path.getsize(path) == data.nbytes  # not truncated
+    host = s.alloc_host(2 * MiB)
+    s.read(path, host)
+    out = str(tmp_path / "batched.bin")
+    report = s.batch([(host, out, MiB, 0, 0), (host, out, MiB, MiB, MiB)])
+    assert report["bytes"] == 2 * MiB
+    with open(out, "rb") as fh:
+        assert fh.read() == data[: 2 * MiB].tobytes()
+    with pytest.raises(gpuio.Error, match="both read and written"):
+        s.batch([(out, host, MiB), (host, out, MiB)])

@@ -95,29 +95,29 @@ impl Session {
         size: usize,
         owner: Py<PyAny>,
     ) -> PyResult<DeviceBuffer> {
-        let borrow = |g: &gpuio_api::Gpu| -> gpuio_api::Result<_> {
-            let b = g.borrow_device(address, size)?;
-            g.synchronize()?;
-            Ok(b)
+        // The buffer (and every queued transfer's clone of it) holds the owner: dropping the
+        // Python objects early cannot free memory a transfer still writes.
+        let gpus: Vec<&gpuio_api::Gpu> = match gpu {
+            Some(n) => vec![self.inner.gpu(n).map_err(to_py)?],
+            None => self.inner.gpus().iter().collect(),
         };
+        let owners: Vec<Py<PyAny>> = gpus.iter().map(|_| owner.clone_ref(py)).collect();
         let buf = py
-            .detach(|| match gpu {
-                Some(n) => borrow(self.inner.gpu(n)?),
-                None => {
-                    let gpus = self.inner.gpus();
-                    let mut first_err = None;
-                    for g in gpus {
-                        match borrow(g) {
-                            Ok(b) => return Ok(b),
-                            Err(e) => {
-                                first_err.get_or_insert(e);
-                            }
+            .detach(|| {
+                let mut first_err = None;
+                for (g, keep) in gpus.into_iter().zip(owners) {
+                    let borrowed = g
+                        .borrow_device(address, size, keep)
+                        .and_then(|b| g.synchronize().map(|()| b));
+                    match borrowed {
+                        Ok(b) => return Ok(b),
+                        Err(e) => {
+                            first_err.get_or_insert(gpuio_api::Error::from(e));
                         }
                     }
-                    Err(first_err.unwrap_or_else(|| {
-                        gpuio_api::Error::Invalid("this session has no GPU".into())
-                    }))
                 }
+                Err(first_err
+                    .unwrap_or_else(|| gpuio_api::Error::Invalid("this session has no GPU".into())))
             })
             .map_err(to_py)?;
         Ok(DeviceBuffer::new(buf, Some(owner)))
@@ -175,6 +175,7 @@ impl Session {
     /// Queues a transfer on the scheduler; the handle keeps both ends alive until it is done.
     fn _submit(
         &self,
+        py: Python<'_>,
         src: &Bound<'_, PyAny>,
         src_offset: u64,
         dst: &Bound<'_, PyAny>,
@@ -189,7 +190,8 @@ impl Session {
             ));
         };
         let req = Request::new(s, d, size).map_err(|e| to_py(e.into()))?;
-        let h = self.inner.submit(req).map_err(to_py)?;
+        // Submission waits for room under backpressure: not with the GIL held.
+        let h = py.detach(|| self.inner.submit(req)).map_err(to_py)?;
         Ok(Handle {
             ticket: h.ticket().clone(),
             waiter: Mutex::new((Some(h), None)),

@@ -109,9 +109,12 @@ impl Shared {
         let units: Vec<(Meta, Unit)> = tickets
             .iter()
             .flat_map(|t| {
-                let chunk = self.cfg.chunk_size.max(1);
-                let n = t.len.div_ceil(chunk).max(1);
-                (0..n).map(move |i| {
+                let chunk = if t.chunks == 1 {
+                    t.len.max(1)
+                } else {
+                    self.cfg.chunk_size.max(1)
+                };
+                (0..t.chunks).map(move |i| {
                     let off = i * chunk;
                     let len = chunk.min(t.len - off.min(t.len));
                     (

@@ -278,7 +278,11 @@ impl SchedSession {
     }
 
     fn ticket(&self, req: Request, done: Done, now: Instant) -> Arc<TicketInner> {
-        let chunks = req.len.div_ceil(self.shared.cfg.chunk_size.max(1));
+        let chunks = if req.splittable() {
+            req.len.div_ceil(self.shared.cfg.chunk_size.max(1)).max(1)
+        } else {
+            1
+        };
         Arc::new(TicketInner::new(req, done, chunks, self.state.clone(), now))
     }
 

@@ -284,6 +284,9 @@ pub(crate) struct TicketInner {
     pub engine: EngineKind,
     pub class: Priority,
     pub len: usize,
+    /// Units it is queued as: chunks of `chunk_size`, or 1 for a request that runs whole
+    /// (`Request::splittable`).
+    pub chunks: usize,
     pub deadline: Option<Instant>,
     pub expires: Option<Instant>,
     pub submitted: Instant,
@@ -313,6 +316,7 @@ impl TicketInner {
             engine: req.engine,
             class: req.priority,
             len: req.len,
+            chunks: chunks.max(1),
             deadline: req.deadline,
             expires: req.timeout.map(|t| now + t),
             submitted: now,

@@ -625,3 +625,71 @@ fn a_batch_larger_than_the_session_limit_runs() {
     assert_eq!(bytes, 4 << 20);
     assert_eq!(pattern::first_deviation(&dst.read(), 0, 33), None);
 }
+
+/// A request whose source and destination overlap runs whole, as one `memmove` (host memory)
+/// or refused (device memory): chunks on several workers in any order would read bytes an
+/// earlier chunk had already overwritten, and report success with wrong data.
+#[test]
+fn overlapping_ends_run_whole_or_are_refused_never_corrupted() {
+    let e = engines();
+    let s = sched(&e, 4, RetryPolicy::NONE).unwrap();
+    let (len, shift) = (3 << 20, 1 << 20);
+    let mem = host(4 << 20, 5);
+    let mut expect = mem.read().to_vec();
+    expect.copy_within(0..len, shift);
+    let forward = Request::new(Endpoint::host(&mem, 0), Endpoint::host(&mem, shift), len).unwrap();
+    assert_eq!(
+        s.submit(forward).unwrap().wait().unwrap().outcome.bytes,
+        len
+    );
+    assert!(
+        mem.read()[..] == expect[..],
+        "the overlapping copy moved the wrong bytes"
+    );
+    let mut expect = mem.read().to_vec();
+    expect.copy_within(shift..shift + len, 0);
+    let back = Request::new(Endpoint::host(&mem, shift), Endpoint::host(&mem, 0), len).unwrap();
+    let batch = s.submit_batch(vec![back]).unwrap().wait().unwrap();
+    assert_eq!(batch.bytes, len as u64);
+    assert!(
+        mem.read()[..] == expect[..],
+        "the batched overlapping copy moved the wrong bytes"
+    );
+
+    let gpu = e.memio().gpu(0).unwrap();
+    let dev = gpu.alloc(4 << 20).unwrap();
+    let r = Request::new(
+        Endpoint::device(&dev, 0),
+        Endpoint::device(&dev, shift),
+        len,
+    )
+    .unwrap();
+    let err = s.submit(r).unwrap().wait().unwrap_err();
+    assert_eq!(err.code(), ErrorCode::InvalidArg, "{err}");
+}
+
+/// A length far past the memory it names fails at once with a typed error, not after a chunk
+/// list sized by that length (which, at 2^62 bytes, could not even be allocated).
+#[test]
+fn a_length_past_its_memory_fails_whole_and_at_once() {
+    let e = engines();
+    let s = sched(&e, 2, RetryPolicy::NONE).unwrap();
+    let (src, dst) = (host(1 << 20, 1), zeroed(1 << 20));
+    let t = Instant::now();
+    for len in [(1 << 20) + 1, 1 << 40, 1 << 62] {
+        let r = Request::new(Endpoint::host(&src, 0), Endpoint::host(&dst, 0), len).unwrap();
+        let err = s.submit(r).unwrap().wait().unwrap_err();
+        assert_eq!(err.code(), ErrorCode::InvalidArg, "{len}: {err}");
+        let r = Request::new(Endpoint::host(&src, 0), Endpoint::host(&dst, 0), len).unwrap();
+        assert!(s.submit_batch(vec![r]).unwrap().wait().is_err());
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(
+        dst.read().iter().all(|&b| b == 0),
+        "a failed request wrote its destination"
+    );
+}

@@ -10,6 +10,9 @@ use std::fmt;
 use std::fs::File;
 use std::sync::Arc;
 
+/// What keeps a borrowed allocation alive (a framework's tensor, a DLPack capsule).
+pub(crate) type Owner = Box<dyn Any + Send + Sync>;
+
 /// One GPU (or, for the host backend, the CPU standing in for one).
 pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
     fn info(&self) -> &DeviceInfo;
@@ -21,8 +24,9 @@ pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
     fn synchronize(&self) -> Result<()>;
 
     /// Device memory another library allocated, at `addr..addr + len` (`len > 0`), checked
-    /// to lie inside one live allocation of this device; never freed by gpuio.
-    fn borrow(&self, addr: u64, len: usize) -> Result<Box<dyn DeviceMemory>>;
+    /// to lie inside one live allocation of this device; never freed by gpuio, and holding
+    /// `owner` (what keeps it allocated) for as long as it lives.
+    fn borrow(&self, addr: u64, len: usize, owner: Owner) -> Result<Box<dyn DeviceMemory>>;
 
     fn new_stream(&self) -> Result<Box<dyn StreamBackend>>;
 

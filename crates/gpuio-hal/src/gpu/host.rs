@@ -5,7 +5,7 @@
 use super::GdsMode;
 use super::backend::{
     BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend, HostPin,
-    RingLaunch, RowHooks, RowJob, RowMem, RowsDone, StreamBackend,
+    Owner, RingLaunch, RowHooks, RowJob, RowMem, RowsDone, StreamBackend,
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
 use crate::error::{HalError, Result};
@@ -151,7 +151,7 @@ impl DeviceBackend for HostDevice {
         Ok(())
     }
 
-    fn borrow(&self, _addr: u64, _len: usize) -> Result<Box<dyn DeviceMemory>> {
+    fn borrow(&self, _addr: u64, _len: usize, _owner: Owner) -> Result<Box<dyn DeviceMemory>> {
         Err(HalError::Unsupported {
             what: "device memory allocated outside gpuio",
             reason: "the host backend has no GPU whose memory another library could own".into(),

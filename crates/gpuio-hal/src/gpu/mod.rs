@@ -219,16 +219,22 @@ impl Gpu {
 
     /// A buffer over device memory another library allocated (a PyTorch or CuPy tensor, a
     /// C caller's `cudaMalloc`): `len` bytes at device address `addr`, checked with the driver
-    /// to lie inside one live allocation of this GPU. gpuio never frees it; its owner must
-    /// keep it allocated while transfers use it (a freed range only faults the GPU's copies,
-    /// it cannot touch host memory). The host backend refuses it (`Unsupported`).
-    pub fn borrow_device(&self, addr: u64, len: usize) -> Result<DeviceBuffer> {
+    /// to lie inside one live allocation of this GPU. gpuio never frees it; the buffer and
+    /// every clone (a queued transfer's) hold `owner`, the object that keeps it allocated
+    /// (`()` where the caller vouches for that itself: a freed range only faults the GPU's
+    /// copies, it cannot touch host memory). The host backend refuses it (`Unsupported`).
+    pub fn borrow_device(
+        &self,
+        addr: u64,
+        len: usize,
+        owner: impl std::any::Any + Send + Sync,
+    ) -> Result<DeviceBuffer> {
         if len == 0 {
             return Err(HalError::InvalidArgument(
                 "a borrowed device range needs at least one byte".into(),
             ));
         }
-        let mem = self.inner.borrow(addr, len)?;
+        let mem = self.inner.borrow(addr, len, Box::new(owner))?;
         Ok(DeviceBuffer {
             inner: Arc::new(DeviceAlloc {
                 gpu: self.clone(),

@@ -356,31 +356,39 @@ fn borrowed_device_memory_is_checked_against_its_allocation() {
     let base = owned.device_addr();
     gpu.synchronize().unwrap();
     if gpu.backend() == Backend::Host {
-        let e = gpu.borrow_device(base, 4096).unwrap_err();
+        let e = gpu.borrow_device(base, 4096, ()).unwrap_err();
         assert_eq!(e.code(), ErrorCode::Unsupported, "{e}");
         return;
     }
     // A view of the middle of another allocation moves bytes like the allocation itself.
-    let view = gpu.borrow_device(base + 4096, 8192).unwrap();
+    // The view holds its owner for as long as any clone of it lives.
+    let owner = std::sync::Arc::new(());
+    let view = gpu.borrow_device(base + 4096, 8192, owner.clone()).unwrap();
+    let clone = view.clone();
+    assert_eq!(std::sync::Arc::strong_count(&owner), 2);
     let stream = gpu.stream().unwrap();
     let data: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();
     stream.upload(&data, &view, 0).unwrap();
     let mut back = vec![0u8; 8192];
     stream.download(&owned, 4096, &mut back).unwrap();
     assert_eq!(back, data);
+    drop(view);
+    assert_eq!(std::sync::Arc::strong_count(&owner), 2);
+    drop(clone);
+    assert_eq!(std::sync::Arc::strong_count(&owner), 1);
     // Past the allocation's end, a host address, zero bytes: typed errors, nothing copied.
     for (addr, len) in [
         (base + (1 << 20) - 100, 200),
         (data.as_ptr() as u64, 16),
         (base, 0),
     ] {
-        let e = gpu.borrow_device(addr, len).unwrap_err();
+        let e = gpu.borrow_device(addr, len, ()).unwrap_err();
         assert_eq!(e.code(), ErrorCode::InvalidArg, "{addr:#x}+{len}: {e}");
     }
     if let Ok(other) = p.gpu(1)
         && other.backend() == Backend::Cuda
     {
-        let e = other.borrow_device(base, 4096).unwrap_err();
+        let e = other.borrow_device(base, 4096, ()).unwrap_err();
         assert_eq!(e.code(), ErrorCode::InvalidArg, "{e}");
     }
 }

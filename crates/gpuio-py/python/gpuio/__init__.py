@@ -37,6 +37,16 @@ Error.code = property(lambda e: e.args[1], doc="The GPUIO_ERROR_* code (a negati
 Error.name = property(lambda e: e.args[2], doc="The code's name, e.g. GPUIO_ERROR_IO.")
 
 
+def _invalid(message):
+    return Error(message, -3, "GPUIO_ERROR_INVALID_ARG")
+
+
+def _nonnegative(**values):
+    for name, v in values.items():
+        if v is not None and v < 0:
+            raise _invalid(f"{name} {v} is negative")
+
+
 def info():
     """Devices, capabilities and IO paths (what ``gpuio info`` prints), as a dict."""
     return json.loads(_gpuio.info_json())
@@ -80,28 +90,34 @@ class Session(_gpuio.Session):
         return self.open(end, write=write) if isinstance(end, str) else end
 
     def _ends(self, src, dst, write_dst):
+        if write_dst and isinstance(src, str) and src == dst:
+            raise _invalid(f"{src} onto itself: opening the destination would truncate it")
         s = _interop.resolve(self, self._resource(src, False), writable=False)
         d = _interop.resolve(self, self._resource(dst, write_dst), writable=True)
         return s, d
 
     def _move(self, s, src_offset, d, dst_offset, size):
+        _nonnegative(offset=src_offset, dst_offset=dst_offset, size=size)
         if isinstance(s, memoryview):
             s = s.tobytes()  # host memory gpuio does not own: one copy, then moved
         if isinstance(d, memoryview):
-            if dst_offset < 0 or size < 0 or dst_offset + size > d.nbytes:
-                raise Error(
-                    f"{size} bytes at offset {dst_offset} do not fit a {d.nbytes}-byte destination",
-                    -3,
-                    "GPUIO_ERROR_INVALID_ARG",
+            if dst_offset + size > d.nbytes:
+                raise _invalid(
+                    f"{size} bytes at offset {dst_offset} do not fit a {d.nbytes}-byte destination"
                 )
-            d[dst_offset : dst_offset + size] = self._read_bytes(s, src_offset, size)
+            if isinstance(s, bytes):  # host to host, neither gpuio's: a plain copy
+                if src_offset + size > len(s):
+                    raise _invalid(f"{size} bytes at offset {src_offset} of a {len(s)}-byte source")
+                d[dst_offset : dst_offset + size] = s[src_offset : src_offset + size]
+            else:
+                d[dst_offset : dst_offset + size] = self._read_bytes(s, src_offset, size)
             return size
         return self._transfer(s, src_offset, d, dst_offset, size)
 
     def read(self, src, dst, offset=0, size=None):
         """Reads ``size`` bytes (default: all of ``dst``) from ``src`` (a URI or resource) at
         ``offset`` into ``dst``; returns the bytes read."""
-        if type(src) is Resource and type(dst) in _MEMORY:  # the hot call: nothing to resolve
+        if type(src) is Resource and type(dst) in _MEMORY and offset >= 0:  # the hot call
             return self._transfer(src, offset, dst, 0, len(dst) if size is None else size)
         s, d = self._ends(src, dst, write_dst=False)
         return self._move(s, offset, d, 0, _interop.nbytes(d) if size is None else size)
@@ -110,7 +126,7 @@ class Session(_gpuio.Session):
         """Writes ``size`` bytes (default: all of ``src``) of ``src`` to ``dst`` (a URI, whose
         file is created or truncated, or a resource) at ``offset``; returns the bytes
         written."""
-        if type(dst) is Resource and type(src) in _MEMORY:  # the hot call: nothing to resolve
+        if type(dst) is Resource and type(src) in _MEMORY and offset >= 0:  # the hot call
             return self._transfer(src, 0, dst, offset, len(src) if size is None else size)
         s, d = self._ends(src, dst, write_dst=True)
         return self._move(s, 0, d, offset, _interop.nbytes(s) if size is None else size)
@@ -124,6 +140,7 @@ class Session(_gpuio.Session):
         return self._move(s, src_offset, d, dst_offset, size)
 
     def _submit_ends(self, s, src_offset, d, dst_offset, size):
+        _nonnegative(offset=src_offset, dst_offset=dst_offset, size=size)
         if isinstance(s, (memoryview, bytes)) or isinstance(d, memoryview):
             raise TypeError(
                 "asynchronous transfers run after the call returns, so both ends must be "
@@ -152,10 +169,23 @@ class Session(_gpuio.Session):
         """Runs ``(src, dst, size, src_offset, dst_offset)`` tuples (the offsets optional) as
         one batch: sorted, adjacent transfers merged, grouped by engine; waits for all and
         returns a report (requests, segments, bytes). One failure raises, naming each."""
-        ops = []
+        ops, opened = [], {}
+
+        def end(x, write):
+            # Each URI opened once per batch (a destination's file created or truncated once).
+            if not isinstance(x, str):
+                return x
+            if (x, not write) in opened:
+                raise _invalid(f"{x} is both read and written in one batch")
+            if (x, write) not in opened:
+                opened[(x, write)] = self.open(x, write=write)
+            return opened[(x, write)]
+
         for t in transfers:
             src, dst, size, src_offset, dst_offset = (tuple(t) + (0, 0))[:5]
-            s, d = self._ends(src, dst, write_dst=False)
+            _nonnegative(size=size, src_offset=src_offset, dst_offset=dst_offset)
+            s = _interop.resolve(self, end(src, False), writable=False)
+            d = _interop.resolve(self, end(dst, True), writable=True)
             if isinstance(s, (memoryview, bytes)) or isinstance(d, memoryview):
                 raise TypeError("a batch moves between gpuio buffers, CUDA tensors and resources")
             ops.append((s, src_offset, d, dst_offset, size))
@@ -170,6 +200,7 @@ class Session(_gpuio.Session):
         d = _interop.resolve(self, out, writable=True)
         if not isinstance(d, DeviceBuffer):
             raise TypeError("a gather writes GPU memory: a CUDA tensor or a gpuio DeviceBuffer")
+        _nonnegative(out_offset=out_offset, row_bytes=row_bytes)
         idx = _interop.indices_bytes(indices)
         count = len(idx) // 8
         if row_bytes is None:

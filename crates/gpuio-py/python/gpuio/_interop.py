@@ -38,6 +38,24 @@ class _DLTensor(ctypes.Structure):
     ]
 
 
+class _DLManagedTensorVersioned(ctypes.Structure):
+    # What a "dltensor_versioned" capsule points to (DLPack 1.0): flags say read-only.
+    _fields_ = [
+        ("major", ctypes.c_uint32),
+        ("minor", ctypes.c_uint32),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", _DLTensor),
+    ]
+
+
+_DL_FLAG_READ_ONLY = 1
+
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype = ctypes.c_char_p
+_capsule_name.argtypes = [ctypes.py_object]
+
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
@@ -79,11 +97,22 @@ def _from_cuda_array_interface(session, obj, cai, writable):
     return _borrow(session, obj, address, _product(shape) * itemsize, gpu)
 
 
-def _from_dlpack(session, obj, device_type):
+def _from_dlpack(session, obj, writable):
     # Stream 1 (the legacy default stream): the producer orders its pending work before it;
-    # borrowing then waits for the whole device, so that work is done.
-    capsule = obj.__dlpack__(stream=1) if device_type == _DL_CUDA else obj.__dlpack__()
-    t = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
+    # borrowing then waits for the whole device, so that work is done. DLPack 1.0 capsules
+    # say whether the memory is read-only; a producer that predates them is taken as writable.
+    try:
+        capsule = obj.__dlpack__(stream=1, max_version=(1, 0))
+    except TypeError:
+        capsule = obj.__dlpack__(stream=1)
+    name = _capsule_name(capsule)
+    if name == b"dltensor_versioned":
+        m = _DLManagedTensorVersioned.from_address(_capsule_pointer(capsule, name))
+        if writable and m.flags & _DL_FLAG_READ_ONLY:
+            raise ValueError("this CUDA array is read-only")
+        t = m.dl_tensor
+    else:
+        t = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
     shape = [t.shape[i] for i in range(t.ndim)]
     itemsize = t.dtype.bits * t.dtype.lanes // 8
     if t.strides and not _contiguous(shape, [t.strides[i] * itemsize for i in range(t.ndim)], itemsize):
@@ -118,7 +147,7 @@ def resolve(session, obj, writable):
     if hasattr(obj, "__dlpack_device__") and hasattr(obj, "__dlpack__"):
         device_type, _ = obj.__dlpack_device__()
         if device_type == _DL_CUDA:
-            return _from_dlpack(session, obj, device_type)
+            return _from_dlpack(session, obj, writable)
         if device_type in (_DL_CPU, _DL_CUDA_HOST) and not _has_buffer(obj):
             import numpy  # only for CPU DLPack producers without the buffer protocol
 

@@ -12,7 +12,8 @@ use super::{cufile, probe};
 use crate::error::{ErrorCode, HalError, Result};
 use crate::gpu::GdsMode;
 use crate::gpu::backend::{
-    BaselineCopy, DevRange, DeviceBackend, DeviceMemory, GdsFileBackend, HostPin, StreamBackend,
+    BaselineCopy, DevRange, DeviceBackend, DeviceMemory, GdsFileBackend, HostPin, Owner,
+    StreamBackend,
 };
 use crate::gpu::info::{Backend, Capability, DeviceInfo, PcieLink, cxl_capability, pci_numa_node};
 use crate::kernels::{self, KernelLoad, KernelOrigin, KernelPath, KernelSource};
@@ -222,7 +223,7 @@ impl DeviceBackend for CudaDevice {
         driver::ctx_synchronize()
     }
 
-    fn borrow(&self, addr: u64, len: usize) -> Result<Box<dyn DeviceMemory>> {
+    fn borrow(&self, addr: u64, len: usize, owner: Owner) -> Result<Box<dyn DeviceMemory>> {
         self.shared.bind()?;
         let r = driver::pointer_range(addr)?;
         let invalid = |why: String| HalError::InvalidArgument(format!("{addr:#x}+{len}: {why}"));
@@ -242,7 +243,10 @@ impl DeviceBackend for CudaDevice {
                 r.start, r.size
             )));
         }
-        Ok(Box::new(ForeignMemory { ptr: addr }))
+        Ok(Box::new(ForeignMemory {
+            ptr: addr,
+            _owner: owner,
+        }))
     }
 
     fn new_stream(&self) -> Result<Box<dyn StreamBackend>> {

@@ -5,7 +5,7 @@
 
 use super::device::Shared;
 use super::driver;
-use crate::gpu::backend::{DeviceMemory, HostPin};
+use crate::gpu::backend::{DeviceMemory, HostPin, Owner};
 use cudarc::driver::sys;
 use std::any::Any;
 use std::sync::Arc;
@@ -52,10 +52,19 @@ impl Drop for CudaMemory {
 }
 
 /// Device memory another library allocated (a framework's tensor): gpuio reads and writes it
-/// but never frees it; its owner keeps it alive while gpuio uses it.
-#[derive(Debug)]
+/// but never frees it, and holds what keeps it allocated for as long as any transfer can use
+/// it.
 pub(super) struct ForeignMemory {
     pub(super) ptr: sys::CUdeviceptr,
+    pub(super) _owner: Owner,
+}
+
+impl std::fmt::Debug for ForeignMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForeignMemory")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .finish_non_exhaustive()
+    }
 }
 
 impl DeviceMemory for ForeignMemory {
