@@ -80,9 +80,13 @@ def test_host_pools_and_device_copies(s, data_file):
     assert s.copy(pool, t) == data.nbytes
     assert np.array_equal(cpu(t), data)
     dev = s.alloc_device(data.nbytes)
-    view = torch.as_tensor(dev, device="cuda")  # gpuio's memory seen by torch
+    view = torch.as_tensor(dev, device="cuda")  # gpuio's memory seen by torch (CUDA array interface)
     s.copy(t, dev)
     assert torch.equal(view, t)
+    shared = torch.from_dlpack(dev)  # ... and through DLPack
+    assert shared.device.type == "cuda" and torch.equal(shared, t)
+    shared[:4096] = 0
+    assert int(view[:4096].sum()) == 0
     back = np.zeros_like(data)
     s.copy(dev, back)
     assert np.array_equal(back, data)

@@ -263,3 +263,17 @@ def test_host_copies_uris_and_batches_that_write(s, tmp_path, data_file):
         assert fh.read() == data[: 2 * MiB].tobytes()
     with pytest.raises(gpuio.Error, match="both read and written"):
         s.batch([(out, host, MiB), (host, out, MiB)])
+
+
+def test_gpuio_buffers_export_dlpack(s):
+    buf = s.alloc_host(4096)
+    view = np.from_dlpack(buf)  # shares the memory
+    view[:] = 7
+    back = bytearray(4096)
+    s.copy(buf, back)
+    assert back == bytes([7]) * 4096
+    assert buf.__dlpack_device__() == (1, 0)
+    dev = s.alloc_device(4096)
+    if gpuio.info()["devices"][0]["backend"] != "Cuda":
+        with pytest.raises(BufferError):
+            dev.__dlpack__()

@@ -67,6 +67,22 @@ impl HostBuffer {
         Ok(d)
     }
 
+    /// DLPack export (through NumPy's view of it): `torch.from_dlpack(buf)` shares it.
+    #[pyo3(signature = (**kwargs))]
+    fn __dlpack__<'py>(
+        slf: &Bound<'py, Self>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let view = py.import("numpy")?.call_method1("asarray", (slf,))?;
+        view.call_method("__dlpack__", (), kwargs)
+    }
+
+    /// `(kDLCPU, 0)`.
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (1, 0)
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "gpuio.HostBuffer({} bytes{})",
@@ -138,6 +154,33 @@ impl DeviceBuffer {
         // gpuio's calls return with their work done: nothing to wait for.
         d.set_item("stream", py.None())?;
         Ok(d)
+    }
+
+    /// DLPack export (a "dltensor" capsule of bytes on its CUDA device): `torch.from_dlpack`
+    /// and CuPy share it. The stream argument is accepted and needs nothing: gpuio's calls
+    /// return with their work done.
+    #[pyo3(signature = (**_kwargs))]
+    fn __dlpack__<'py>(
+        slf: &Bound<'py, Self>,
+        _kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if slf.get().buf.gpu().backend() != gpuio_api::Backend::Cuda {
+            return Err(pyo3::exceptions::PyBufferError::new_err(
+                "host-backend device memory cannot be exported as CUDA memory",
+            ));
+        }
+        let py = slf.py();
+        py.import("gpuio._interop")?
+            .call_method1("export_device", (slf,))
+    }
+
+    /// `(kDLCUDA, gpu)`; `(kDLCPU, 0)` on the host backend, whose export refuses.
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        if self.buf.gpu().backend() == gpuio_api::Backend::Cuda {
+            (2, self.buf.gpu().ordinal() as i32)
+        } else {
+            (1, 0)
+        }
     }
 
     fn __repr__(&self) -> String {

@@ -204,3 +204,57 @@ def indices_bytes(indices):
     if view.itemsize != 8 or view.format[-1:] not in ("q", "Q", "l", "L"):
         raise TypeError(f"indices must be 64-bit integers, not format {view.format!r}")
     return view.tobytes()
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [
+    ("dl_tensor", _DLTensor),
+    ("manager_ctx", ctypes.c_void_p),
+    ("deleter", _DELETER),
+]
+_CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.py_object)
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CAPSULE_DESTRUCTOR]
+_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
+_capsule_is_valid.restype = ctypes.c_int
+_capsule_is_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+# Exported tensors, alive until their consumer (or the unconsumed capsule) lets go: each
+# keeps its gpuio buffer, so the memory outlives every view of it.
+_exported = {}
+
+
+@_DELETER
+def _release(managed):
+    _exported.pop(ctypes.addressof(managed.contents), None)
+
+
+@_CAPSULE_DESTRUCTOR
+def _capsule_gone(capsule):
+    # Renamed "used_dltensor" by a consumer, which calls the deleter itself.
+    if _capsule_is_valid(capsule, b"dltensor"):
+        _release(ctypes.cast(_capsule_pointer(capsule, b"dltensor"), ctypes.POINTER(_DLManagedTensor)))
+
+
+def export_device(buf):
+    """A DLPack capsule ("dltensor", one dimension of bytes on the buffer's CUDA device) for
+    a gpuio DeviceBuffer. gpuio's calls return with their work done, so there is nothing for
+    the consumer's stream to wait for."""
+    shape = (ctypes.c_int64 * 1)(buf.nbytes)
+    managed = _DLManagedTensor()
+    t = managed.dl_tensor
+    t.data = buf.address
+    t.device = _DLDevice(_DL_CUDA, buf.gpu)
+    t.ndim = 1
+    t.dtype = _DLDataType(1, 8, 1)  # kDLUInt, 8 bits, 1 lane
+    t.shape = shape
+    t.strides = None
+    t.byte_offset = 0
+    managed.deleter = _release
+    _exported[ctypes.addressof(managed)] = (managed, shape, buf)
+    return _capsule_new(ctypes.addressof(managed), b"dltensor", _capsule_gone)
