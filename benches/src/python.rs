@@ -64,24 +64,10 @@ const SMALL: usize = 4096;
 const FILE: u64 = 64 << 20;
 
 fn record(case: &str, metric: &str, value: f64, unit: &str, peer: &str, peer_value: f64) -> Record {
+    let rate = metric == "bandwidth";
     Record {
-        suite: SUITE.into(),
-        case: case.into(),
-        metric: metric.into(),
-        value,
-        unit: unit.into(),
-        peer: peer.into(),
-        peer_value,
-        ratio: if metric == "bandwidth" {
-            value / peer_value.max(1e-9)
-        } else {
-            peer_value / value.max(1e-3)
-        },
         bytes: SMALL,
-        route: String::new(),
-        device: String::new(),
-        reps: 0,
-        rows: None,
+        ..Record::versus(SUITE, (case, metric, unit), value, peer, peer_value, rate)
     }
 }
 

@@ -36,6 +36,41 @@ pub struct Record {
     pub rows: Option<RowBytes>,
 }
 
+impl Record {
+    /// gpuio's `value` against the peer's in `suite`'s `case`; the ratio says how many times
+    /// better gpuio is (`higher_is_better` for rates, else for times; a zero is floored so the
+    /// ratio stays finite). Bytes, route and device are left for the caller to set.
+    pub fn versus(
+        suite: &str,
+        (case, metric, unit): (&str, &str, &str),
+        value: f64,
+        peer: &str,
+        peer_value: f64,
+        higher_is_better: bool,
+    ) -> Self {
+        let ratio = if higher_is_better {
+            value / peer_value.max(1e-9)
+        } else {
+            peer_value / value.max(0.01)
+        };
+        Self {
+            suite: suite.into(),
+            case: case.into(),
+            metric: metric.into(),
+            value,
+            unit: unit.into(),
+            peer: peer.into(),
+            peer_value,
+            ratio,
+            bytes: 0,
+            route: String::new(),
+            device: String::new(),
+            reps: 0,
+            rows: None,
+        }
+    }
+}
+
 /// What one call of a row-gathering case moves. Both sides of the race gather the same index
 /// list, so one pair serves both. Where rows repeat, delivered bytes outrun the bytes that had
 /// to cross the link: a repeat may be served from a cache.

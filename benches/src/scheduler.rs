@@ -96,21 +96,11 @@ fn scheduler(session: &Session, workers: usize, policy: Policy) -> Result<Schedu
 }
 
 fn record(case: &str, metric: &str, value: f64, unit: &str, peer: &str, peer_value: f64) -> Record {
+    // Lower is better for these figures; the rates set their own ratio.
     Record {
-        suite: SUITE.into(),
-        case: case.into(),
-        metric: metric.into(),
-        value,
-        unit: unit.into(),
-        peer: peer.into(),
-        peer_value,
-        // Lower is better for these figures; a zero is floored so the ratio stays finite.
-        ratio: peer_value / value.max(0.01),
         bytes: SMALL,
-        route: String::new(),
         device: "host".into(),
-        reps: 0,
-        rows: None,
+        ..Record::versus(SUITE, (case, metric, unit), value, peer, peer_value, false)
     }
 }
 

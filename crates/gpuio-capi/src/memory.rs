@@ -35,6 +35,15 @@ impl gpuio_mem_t {
     }
 }
 
+/// Hands `kind` to the caller as a new `gpuio_mem_t` in `*out`.
+///
+/// # Safety
+/// `out` is writable (checked non-null by the caller).
+unsafe fn give(out: *mut *mut gpuio_mem_t, kind: Mem) -> Result<(), crate::error::Failure> {
+    // SAFETY: the caller's contract.
+    unsafe { ptr::put(out, ptr::handle(gpuio_mem_t { kind }), "out") }
+}
+
 /// Opens the resource `uri` names (a path, `localio://..`, `remoteio://..`): for reading, or
 /// with `GPUIO_OPEN_WRITE` for writing (a file is created or truncated). Close with
 /// `gpuio_close`.
@@ -115,11 +124,8 @@ pub unsafe extern "C" fn gpuio_mem_alloc_host(
         let dram = HostPlacement::Dram { numa: None };
         let mem = ctx.session.alloc_host(dram, len, pinned != 0)?;
         let ptr = mem.read().as_slice().as_ptr() as usize;
-        let m = gpuio_mem_t {
-            kind: Mem::Host { mem, ptr },
-        };
-        // SAFETY: the caller's contract.
-        unsafe { ptr::put(out, ptr::handle(m), "out") }
+        // SAFETY: the caller's contract: out is writable.
+        unsafe { give(out, Mem::Host { mem, ptr }) }
     })
 }
 
@@ -140,16 +146,8 @@ pub unsafe extern "C" fn gpuio_mem_alloc_device(
         let ctx = unsafe { ptr::object(ctx, "ctx") }?;
         let id = u32::try_from(device_id).map_err(|_| invalid(format!("device {device_id}")))?;
         let buf = ctx.session.alloc_device(id, len)?;
-        // SAFETY: the caller's contract.
-        unsafe {
-            ptr::put(
-                out,
-                ptr::handle(gpuio_mem_t {
-                    kind: Mem::Device(buf),
-                }),
-                "out",
-            )
-        }
+        // SAFETY: the caller's contract: out is writable.
+        unsafe { give(out, Mem::Device(buf)) }
     })
 }
 
@@ -179,16 +177,8 @@ pub unsafe extern "C" fn gpuio_mem_register_device(
             .borrow_device(addr, len, ())
             .map_err(gpuio_api::Error::from)?;
         gpu.synchronize().map_err(gpuio_api::Error::from)?;
-        // SAFETY: the caller's contract.
-        unsafe {
-            ptr::put(
-                out,
-                ptr::handle(gpuio_mem_t {
-                    kind: Mem::Device(buf),
-                }),
-                "out",
-            )
-        }
+        // SAFETY: the caller's contract: out is writable.
+        unsafe { give(out, Mem::Device(buf)) }
     })
 }
 
