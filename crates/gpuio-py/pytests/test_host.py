@@ -277,3 +277,30 @@ def test_gpuio_buffers_export_dlpack(s):
     if gpuio.info()["devices"][0]["backend"] != "Cuda":
         with pytest.raises(BufferError):
             dev.__dlpack__()
+
+
+def test_device_dlpack_capsules_release_their_buffer_consumed_or_not():
+    import ctypes
+    import gc
+
+    from gpuio import _interop
+
+    class Buffer:  # what export_device reads of a DeviceBuffer
+        nbytes, address, gpu = 4096, 0x10000, 0
+
+    for _ in range(100):
+        _interop.export_device(Buffer())  # never consumed: its destructor releases it
+    gc.collect()
+    assert not _interop._exported
+    capsule = _interop.export_device(Buffer())
+    managed = ctypes.cast(
+        _interop._capsule_pointer(capsule, b"dltensor"), ctypes.POINTER(_interop._DLManagedTensor)
+    )
+    assert managed.contents.dl_tensor.shape[0] == 4096
+    rename = ctypes.pythonapi.PyCapsule_SetName
+    rename.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    rename(capsule, b"used_dltensor")  # what a consumer does, then it calls the deleter
+    managed.contents.deleter(managed)
+    del capsule
+    gc.collect()
+    assert not _interop._exported

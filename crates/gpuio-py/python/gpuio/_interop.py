@@ -216,13 +216,18 @@ _DLManagedTensor._fields_ = [
     ("manager_ctx", ctypes.c_void_p),
     ("deleter", _DELETER),
 ]
-_CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.py_object)
+# A capsule's destructor gets the dying capsule as a raw pointer: taking it as a Python object
+# would touch its reference count while it is being freed.
+_CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object
 _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CAPSULE_DESTRUCTOR]
-_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
-_capsule_is_valid.restype = ctypes.c_int
-_capsule_is_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_raw_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi)
+)
+_raw_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
 
 # Exported tensors, alive until their consumer (or the unconsumed capsule) lets go: each
 # keeps its gpuio buffer, so the memory outlives every view of it.
@@ -237,8 +242,9 @@ def _release(managed):
 @_CAPSULE_DESTRUCTOR
 def _capsule_gone(capsule):
     # Renamed "used_dltensor" by a consumer, which calls the deleter itself.
-    if _capsule_is_valid(capsule, b"dltensor"):
-        _release(ctypes.cast(_capsule_pointer(capsule, b"dltensor"), ctypes.POINTER(_DLManagedTensor)))
+    if _raw_is_valid(capsule, b"dltensor"):
+        managed = _raw_pointer(capsule, b"dltensor")
+        _release(ctypes.cast(managed, ctypes.POINTER(_DLManagedTensor)))
 
 
 def export_device(buf):
