@@ -6,6 +6,7 @@ use crate::error::to_py;
 use gpuio_api::{Endpoint, HostMemory};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Host memory gpuio allocated (pinned where asked): `numpy.asarray(buf)` and
 /// `torch.from_numpy` view it in place. Python must not write it while a transfer uses it.
@@ -99,11 +100,25 @@ pub struct DeviceBuffer {
     pub(crate) buf: gpuio_api::DeviceBuffer,
     /// The Python object whose memory this is, kept alive with it.
     owner: Option<Py<PyAny>>,
+    /// Whether another library was given a view of it (CUDA array interface, DLPack): its
+    /// work on that view is queued on its own streams, so a transfer waits for the device
+    /// first.
+    shared: AtomicBool,
 }
 
 impl DeviceBuffer {
     pub(crate) fn new(buf: gpuio_api::DeviceBuffer, owner: Option<Py<PyAny>>) -> Self {
-        Self { buf, owner }
+        Self {
+            buf,
+            owner,
+            shared: AtomicBool::new(false),
+        }
+    }
+
+    /// The GPU to wait for before a transfer uses it, if another library may have work queued
+    /// on it.
+    pub(crate) fn shared_with(&self) -> Option<&gpuio_api::Gpu> {
+        self.shared.load(Ordering::Acquire).then(|| self.buf.gpu())
     }
 }
 
@@ -146,6 +161,7 @@ impl DeviceBuffer {
                 "host-backend device memory has no CUDA array interface",
             ));
         }
+        self.shared.store(true, Ordering::Release);
         let d = PyDict::new(py);
         d.set_item("version", 3)?;
         d.set_item("shape", (self.buf.len(),))?;
@@ -169,6 +185,7 @@ impl DeviceBuffer {
                 "host-backend device memory cannot be exported as CUDA memory",
             ));
         }
+        slf.get().shared.store(true, Ordering::Release);
         let py = slf.py();
         py.import("gpuio._interop")?
             .call_method1("export_device", (slf,))
@@ -270,6 +287,14 @@ impl<'py> Target<'py> {
             Self::Resource(r) => r.get().res.at(offset).map_err(to_py)?,
             Self::Bytes(_) => return Ok(None),
         }))
+    }
+
+    /// The GPU to wait for first, for gpuio device memory another library has a view of.
+    pub(crate) fn shared_gpu(&self) -> Option<gpuio_api::Gpu> {
+        match self {
+            Self::Device(d) => d.get().shared_with().cloned(),
+            _ => None,
+        }
     }
 
     /// The Python object, kept alive by an asynchronous request that uses it.

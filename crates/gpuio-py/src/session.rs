@@ -21,6 +21,19 @@ pub struct Session {
 /// size.
 type BatchOp<'py> = (Bound<'py, PyAny>, u64, Bound<'py, PyAny>, u64, usize);
 
+/// What must happen before a transfer touches `ends`: the devices of gpuio buffers another
+/// library has a view of are synchronized (its writes through that view are queued on its own
+/// streams). Runs without the GIL.
+fn settle(ends: &[&Target<'_>]) -> impl Fn() -> gpuio_api::Result<()> + Send + use<> {
+    let gpus: Vec<gpuio_api::Gpu> = ends.iter().filter_map(|t| t.shared_gpu()).collect();
+    move || {
+        for g in &gpus {
+            g.synchronize()?;
+        }
+        Ok(())
+    }
+}
+
 /// A transfer's result, in bytes.
 fn moved(o: gpuio_api::Outcome) -> usize {
     o.bytes
@@ -134,6 +147,7 @@ impl Session {
         size: usize,
     ) -> PyResult<usize> {
         let (src, dst) = (Target::of(src)?, Target::of(dst)?);
+        let wait = settle(&[&src, &dst]);
         let d = dst
             .endpoint(dst_offset)?
             .ok_or_else(|| invalid("bytes are immutable: a destination must be writable"))?;
@@ -143,12 +157,18 @@ impl Session {
                 .ok()
                 .and_then(|start| data.get(start..))
                 .ok_or_else(|| invalid(format!("offset {src_offset} past the bytes' end")))?;
-            py.detach(|| self.inner.transfer(Source::Host(part), d.dest(), size))
+            py.detach(|| {
+                wait()?;
+                self.inner.transfer(Source::Host(part), d.dest(), size)
+            })
         } else {
             let s = src
                 .endpoint(src_offset)?
                 .ok_or_else(|| invalid("a source with no endpoint"))?;
-            py.detach(|| self.inner.transfer_owned(&s, &d, size))
+            py.detach(|| {
+                wait()?;
+                self.inner.transfer_owned(&s, &d, size)
+            })
         };
         outcome.map(moved).map_err(to_py)
     }
@@ -162,13 +182,18 @@ impl Session {
         offset: u64,
         size: usize,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let s = Target::of(src)?
+        let src = Target::of(src)?;
+        let wait = settle(&[&src]);
+        let s = src
             .endpoint(offset)?
             .ok_or_else(|| invalid("reading from bytes needs no gpuio call"))?;
         PyBytes::new_with(py, size, |buf| {
-            py.detach(|| self.inner.transfer(s.source(), Dest::Host(buf), size))
-                .map(drop)
-                .map_err(to_py)
+            py.detach(|| {
+                wait()?;
+                self.inner.transfer(s.source(), Dest::Host(buf), size)
+            })
+            .map(drop)
+            .map_err(to_py)
         })
     }
 
@@ -191,7 +216,13 @@ impl Session {
         };
         let req = Request::new(s, d, size).map_err(|e| to_py(e.into()))?;
         // Submission waits for room under backpressure: not with the GIL held.
-        let h = py.detach(|| self.inner.submit(req)).map_err(to_py)?;
+        let wait = settle(&[&src, &dst]);
+        let h = py
+            .detach(|| {
+                wait()?;
+                self.inner.submit(req)
+            })
+            .map_err(to_py)?;
         Ok(Handle {
             ticket: h.ticket().clone(),
             waiter: Mutex::new((Some(h), None)),
@@ -203,8 +234,10 @@ impl Session {
     /// adjacent ones merged, grouped by engine) and waits for all; fails with the first error.
     fn _batch<'py>(&self, py: Python<'py>, ops: Vec<BatchOp<'py>>) -> PyResult<Bound<'py, PyDict>> {
         let mut reqs = Vec::with_capacity(ops.len());
+        let mut gpus = Vec::new();
         for (src, so, dst, dof, size) in &ops {
             let (src, dst) = (Target::of(src)?, Target::of(dst)?);
+            gpus.extend([&src, &dst].into_iter().filter_map(|t| t.shared_gpu()));
             let (Some(s), Some(d)) = (src.endpoint(*so)?, dst.endpoint(*dof)?) else {
                 return Err(invalid(
                     "a batch moves between gpuio memory, tensors and resources",
@@ -213,7 +246,12 @@ impl Session {
             reqs.push(Request::new(s, d, *size).map_err(|e| to_py(e.into()))?);
         }
         let report = py
-            .detach(|| self.inner.submit_batch(reqs)?.wait().map_err(Into::into))
+            .detach(|| {
+                for g in &gpus {
+                    g.synchronize()?;
+                }
+                self.inner.submit_batch(reqs)?.wait().map_err(Into::into)
+            })
             .map_err(to_py)?;
         let d = PyDict::new(py);
         d.set_item("requests", report.requests)?;
@@ -242,6 +280,9 @@ impl Session {
             .collect();
         let report = py
             .detach(|| {
+                if let Some(g) = out.shared_with() {
+                    g.synchronize()?;
+                }
                 let pool = pool.mem.read();
                 self.inner.memio().gather(
                     &pool,
