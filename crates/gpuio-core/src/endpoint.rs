@@ -280,8 +280,8 @@ impl Endpoint {
     }
 
     /// Whether `len` bytes from here and `len` bytes from `other` share any byte: the same
-    /// host buffer, file or export at intersecting offsets, or intersecting device addresses
-    /// of one GPU (two views of one allocation included).
+    /// host buffer, file (however opened) or export at intersecting offsets, or intersecting
+    /// device addresses of one GPU (two views of one allocation included).
     pub fn overlaps(&self, other: &Endpoint, len: usize) -> bool {
         let span = |e: &Endpoint| -> (EndpointKind, usize, u64) {
             match e {
@@ -298,11 +298,15 @@ impl Endpoint {
         };
         let ((k1, space1, a), (k2, space2, b)) = (span(self), span(other));
         let len = len as u64;
-        k1 == k2
-            && space1 == space2
-            && len > 0
-            && a < b.saturating_add(len)
-            && b < a.saturating_add(len)
+        let same = match (self, other) {
+            // Two opens of one file (a path twice, a link) are one file; a failed stat counts
+            // as the same, which only makes the request run whole.
+            (Self::File { file: f, .. }, Self::File { file: g, .. }) => {
+                space1 == space2 || f.same_inode(g).unwrap_or(true)
+            }
+            _ => space1 == space2,
+        };
+        k1 == k2 && same && len > 0 && a < b.saturating_add(len) && b < a.saturating_add(len)
     }
 
     /// The memory region `len` bytes from here cover (`None` for files or out of range).

@@ -158,9 +158,9 @@ impl StatusCell {
     }
 }
 
-/// The longest request the scheduler cuts into chunks (16 TiB, 16 M chunks of 1 MiB); a longer
-/// one runs whole.
-pub const MAX_SPLIT_BYTES: usize = 1 << 44;
+/// The most chunks the scheduler cuts one request into (256 GiB in the default 1 MiB chunks;
+/// each queued chunk costs about 100 bytes); a longer request runs whole.
+pub const MAX_SPLIT_CHUNKS: usize = 1 << 18;
 
 /// Priority classes for AI workloads (docs/REFERENCE.md#priority-classes), most urgent first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize)]
@@ -273,15 +273,16 @@ impl Request {
         Ok(self)
     }
 
-    /// Whether the request may run as chunks in any order, on any workers: its memory ends
-    /// hold all of it, it is at most [`MAX_SPLIT_BYTES`], and its source and destination do not
-    /// overlap. Otherwise it runs whole: a request longer than its memory then fails in the
-    /// engine with its own error (not after a chunk list the size of a mistaken length was
-    /// built), and overlapping ends are moved as `memmove` does or refused by the engine,
-    /// where chunks in any order would read bytes an earlier chunk had written.
-    pub(crate) fn splittable(&self) -> bool {
+    /// Whether the request may run as chunks of `chunk` bytes in any order, on any workers:
+    /// its memory ends hold all of it, it is at most [`MAX_SPLIT_CHUNKS`] chunks, and its
+    /// source and destination do not overlap. Otherwise it runs whole: a request longer than
+    /// its memory then fails in the engine with its own error (not after a chunk list the size
+    /// of a mistaken length was built), and overlapping ends are moved as `memmove` does or
+    /// refused by the engine, where chunks in any order would read bytes an earlier chunk had
+    /// written.
+    pub(crate) fn splittable(&self, chunk: usize) -> bool {
         let fits = |e: &Endpoint| e.room().is_none_or(|room| room >= self.len);
-        self.len <= MAX_SPLIT_BYTES
+        self.len.div_ceil(chunk.max(1)) <= MAX_SPLIT_CHUNKS
             && fits(&self.src)
             && fits(&self.dst)
             && self.alternates.iter().all(fits)

@@ -16,9 +16,17 @@ pub struct HostBuffer {
     addr: u64,
     len: usize,
     pinned: bool,
+    /// Whether another library was given a view of it: a GPU copy it queued (a non-blocking
+    /// `.to("cuda")`) may still read or write it, so a transfer waits for the GPUs first.
+    shared: AtomicBool,
 }
 
 impl HostBuffer {
+    /// Whether another library was given a view of it.
+    pub(crate) fn is_shared(&self) -> bool {
+        self.shared.load(Ordering::Acquire)
+    }
+
     pub(crate) fn new(mem: HostMemory) -> Self {
         let (addr, len, pinned) = {
             let b = mem.read();
@@ -29,6 +37,7 @@ impl HostBuffer {
             addr,
             len,
             pinned,
+            shared: AtomicBool::new(false),
         }
     }
 }
@@ -60,6 +69,7 @@ impl HostBuffer {
     /// NumPy's array interface (version 3): one dimension of bytes, writable.
     #[getter]
     fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.shared.store(true, Ordering::Release);
         let d = PyDict::new(py);
         d.set_item("version", 3)?;
         d.set_item("shape", (self.len,))?;
@@ -289,11 +299,13 @@ impl<'py> Target<'py> {
         }))
     }
 
-    /// The GPU to wait for first, for gpuio device memory another library has a view of.
-    pub(crate) fn shared_gpu(&self) -> Option<gpuio_api::Gpu> {
+    /// The GPUs to wait for first: a gpuio device buffer's, or every GPU for a gpuio host
+    /// buffer, once another library has a view of it (its copies are queued on its streams).
+    pub(crate) fn shared_gpus(&self, session: &gpuio_api::Session) -> Vec<gpuio_api::Gpu> {
         match self {
-            Self::Device(d) => d.get().shared_with().cloned(),
-            _ => None,
+            Self::Device(d) => d.get().shared_with().cloned().into_iter().collect(),
+            Self::Host(h) if h.get().is_shared() => session.gpus().to_vec(),
+            _ => Vec::new(),
         }
     }
 

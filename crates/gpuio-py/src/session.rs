@@ -21,11 +21,15 @@ pub struct Session {
 /// size.
 type BatchOp<'py> = (Bound<'py, PyAny>, u64, Bound<'py, PyAny>, u64, usize);
 
-/// What must happen before a transfer touches `ends`: the devices of gpuio buffers another
-/// library has a view of are synchronized (its writes through that view are queued on its own
-/// streams). Runs without the GIL.
-fn settle(ends: &[&Target<'_>]) -> impl Fn() -> gpuio_api::Result<()> + Send + use<> {
-    let gpus: Vec<gpuio_api::Gpu> = ends.iter().filter_map(|t| t.shared_gpu()).collect();
+/// What must happen before a transfer touches `ends`: the GPUs another library may have
+/// queued copies of gpuio buffers on (it was given a view of them) are synchronized. Runs
+/// without the GIL.
+fn settle(
+    session: &gpuio_api::Session,
+    ends: &[&Target<'_>],
+) -> impl Fn() -> gpuio_api::Result<()> + Send + use<> {
+    let mut gpus: Vec<gpuio_api::Gpu> = ends.iter().flat_map(|t| t.shared_gpus(session)).collect();
+    gpus.dedup_by_key(|g| g.ordinal());
     move || {
         for g in &gpus {
             g.synchronize()?;
@@ -147,7 +151,7 @@ impl Session {
         size: usize,
     ) -> PyResult<usize> {
         let (src, dst) = (Target::of(src)?, Target::of(dst)?);
-        let wait = settle(&[&src, &dst]);
+        let wait = settle(&self.inner, &[&src, &dst]);
         let d = dst
             .endpoint(dst_offset)?
             .ok_or_else(|| invalid("bytes are immutable: a destination must be writable"))?;
@@ -183,7 +187,7 @@ impl Session {
         size: usize,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let src = Target::of(src)?;
-        let wait = settle(&[&src]);
+        let wait = settle(&self.inner, &[&src]);
         let s = src
             .endpoint(offset)?
             .ok_or_else(|| invalid("reading from bytes needs no gpuio call"))?;
@@ -216,7 +220,7 @@ impl Session {
         };
         let req = Request::new(s, d, size).map_err(|e| to_py(e.into()))?;
         // Submission waits for room under backpressure: not with the GIL held.
-        let wait = settle(&[&src, &dst]);
+        let wait = settle(&self.inner, &[&src, &dst]);
         let h = py
             .detach(|| {
                 wait()?;
@@ -237,7 +241,11 @@ impl Session {
         let mut gpus = Vec::new();
         for (src, so, dst, dof, size) in &ops {
             let (src, dst) = (Target::of(src)?, Target::of(dst)?);
-            gpus.extend([&src, &dst].into_iter().filter_map(|t| t.shared_gpu()));
+            gpus.extend(
+                [&src, &dst]
+                    .into_iter()
+                    .flat_map(|t| t.shared_gpus(&self.inner)),
+            );
             let (Some(s), Some(d)) = (src.endpoint(*so)?, dst.endpoint(*dof)?) else {
                 return Err(invalid(
                     "a batch moves between gpuio memory, tensors and resources",
@@ -274,13 +282,17 @@ impl Session {
         if !indices.len().is_multiple_of(8) {
             return Err(invalid("indices must be 64-bit integers"));
         }
+        let mut gpus: Vec<gpuio_api::Gpu> = out.shared_with().cloned().into_iter().collect();
+        if pool.is_shared() {
+            gpus = self.inner.gpus().to_vec();
+        }
         let list: Vec<u64> = indices
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
             .collect();
         let report = py
             .detach(|| {
-                if let Some(g) = out.shared_with() {
+                for g in &gpus {
                     g.synchronize()?;
                 }
                 let pool = pool.mem.read();

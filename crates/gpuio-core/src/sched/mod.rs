@@ -216,11 +216,23 @@ impl Scheduler {
                 tracing::error!("a gpuio worker thread panicked");
             }
         }
-        // Workers leave nothing queued; if one died, what it left fails here, once.
-        let rest: Vec<Unit> = {
+        // Workers leave nothing queued; if one died, what it left (in the shared queue or its
+        // own deque) fails here, once: a handle may be waiting for it.
+        let mut rest: Vec<Unit> = {
             let mut st = self.shared.state.lock_unpoisoned();
             std::iter::from_fn(|| st.queue.pop(Instant::now()).map(|(_, u)| u)).collect()
         };
+        for s in &self.shared.stealers {
+            rest.extend(std::iter::from_fn(|| {
+                loop {
+                    match s.steal() {
+                        crossbeam_deque::Steal::Success(u) => return Some(u),
+                        crossbeam_deque::Steal::Empty => return None,
+                        crossbeam_deque::Steal::Retry => {}
+                    }
+                }
+            }));
+        }
         rest.into_iter().for_each(Unit::shut_down);
     }
 }
@@ -278,8 +290,9 @@ impl SchedSession {
     }
 
     fn ticket(&self, req: Request, done: Done, now: Instant) -> Arc<TicketInner> {
-        let chunks = if req.splittable() {
-            req.len.div_ceil(self.shared.cfg.chunk_size.max(1)).max(1)
+        let chunk = self.shared.cfg.chunk_size.max(1);
+        let chunks = if req.splittable(chunk) {
+            req.len.div_ceil(chunk).max(1)
         } else {
             1
         };

@@ -18,6 +18,7 @@ use crate::route::EngineKind;
 use gpuio_hal::sync::{CondvarExt, MutexExt, StripedCounter};
 use gpuio_transport_localio::FileHandle;
 use serde::Serialize;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -395,12 +396,18 @@ impl TicketInner {
             }
         }
         if let Some(done) = done {
-            done(result.map(|outcome| Completion {
+            let completion = result.map(|outcome| Completion {
                 id: self.id,
                 outcome,
                 elapsed: started.map_or(Duration::ZERO, |s| now - s),
                 latency,
-            }));
+            });
+            // A caller's callback that panics must not take the worker (and the requests it
+            // holds) with it.
+            let delivered = catch_unwind(AssertUnwindSafe(|| done(completion)));
+            if delivered.is_err() {
+                tracing::error!(id = self.id.0, "a completion callback panicked");
+            }
         }
     }
 

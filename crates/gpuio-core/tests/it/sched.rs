@@ -693,3 +693,55 @@ fn a_length_past_its_memory_fails_whole_and_at_once() {
         "a failed request wrote its destination"
     );
 }
+
+/// Chunks bounded by count, not bytes: with 4 KiB chunks, a file request far past the file's
+/// end runs whole and fails at once; a copy between two opens of one file whose ranges
+/// overlap across chunks runs whole and is refused, leaving the file as it was.
+#[test]
+fn file_requests_are_cut_within_bounds_and_never_across_an_overlap() {
+    let e = engines();
+    let cfg = SchedulerConfig {
+        workers: 2,
+        chunk_size: 4096,
+        ..SchedulerConfig::default()
+    };
+    let s = sched_with(&e, cfg, RetryPolicy::NONE).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f");
+    let data: Vec<u8> = (0..64 * 1024u32).map(|i| (i * 13) as u8).collect();
+    std::fs::write(&path, &data).unwrap();
+    let rw = OpenOptions {
+        write: true,
+        ..OpenOptions::READ
+    };
+    let (f, g) = (
+        e.localio().open(&path, rw).unwrap(),
+        e.localio().open(&path, OpenOptions::READ).unwrap(),
+    );
+    let t = Instant::now();
+    let r = Request::new(Endpoint::file(&g, 0), Endpoint::file(&f, 1 << 40), 1 << 40).unwrap();
+    assert!(s.submit(r).unwrap().wait().is_err());
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    let r = Request::new(Endpoint::file(&g, 0), Endpoint::file(&f, 5000), 20_000).unwrap();
+    let err = s.submit(r).unwrap().wait().unwrap_err();
+    assert_eq!(err.code(), ErrorCode::InvalidArg, "{err}");
+    assert_eq!(std::fs::read(&path).unwrap(), data);
+}
+
+/// A completion callback that panics is the caller's bug: the worker survives it, and the
+/// requests after it complete.
+#[test]
+fn a_panicking_callback_does_not_take_the_worker_down() {
+    let e = engines();
+    let s = sched(&e, 1, RetryPolicy::NONE).unwrap();
+    let (src, dst) = (host(8192, 4), zeroed(8192));
+    let r = Request::new(Endpoint::host(&src, 0), Endpoint::host(&dst, 0), 4096).unwrap();
+    s.submit_with(r, |_| panic!("the caller's bug")).unwrap();
+    let r = Request::new(Endpoint::host(&src, 4096), Endpoint::host(&dst, 4096), 4096).unwrap();
+    assert_eq!(s.submit(r).unwrap().wait().unwrap().outcome.bytes, 4096);
+    assert_eq!(pattern::first_deviation(&dst.read(), 0, 4), None);
+}

@@ -108,6 +108,8 @@ def _from_dlpack(session, obj, writable):
     name = _capsule_name(capsule)
     if name == b"dltensor_versioned":
         m = _DLManagedTensorVersioned.from_address(_capsule_pointer(capsule, name))
+        if m.major != 1:
+            raise BufferError(f"DLPack {m.major}.{m.minor} is newer than gpuio reads (1.x)")
         if writable and m.flags & _DL_FLAG_READ_ONLY:
             raise ValueError("this CUDA array is read-only")
         t = m.dl_tensor
