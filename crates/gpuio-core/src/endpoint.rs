@@ -298,15 +298,18 @@ impl Endpoint {
         };
         let ((k1, space1, a), (k2, space2, b)) = (span(self), span(other));
         let len = len as u64;
-        let same = match (self, other) {
-            // Two opens of one file (a path twice, a link) are one file; a failed stat counts
-            // as the same, which only makes the request run whole.
-            (Self::File { file: f, .. }, Self::File { file: g, .. }) => {
-                space1 == space2 || f.same_inode(g).unwrap_or(true)
+        if k1 != k2 || len == 0 || a >= b.saturating_add(len) || b >= a.saturating_add(len) {
+            return false;
+        }
+        // Two opens of one file (a path twice, a link) are one file: asked of the kernel only
+        // once the ranges meet, so a request pays no stat otherwise. A failed stat counts as the
+        // same file, which only makes the request run whole.
+        match (self, other) {
+            (Self::File { file: f, .. }, Self::File { file: g, .. }) if space1 != space2 => {
+                f.same_inode(g).unwrap_or(true)
             }
             _ => space1 == space2,
-        };
-        k1 == k2 && same && len > 0 && a < b.saturating_add(len) && b < a.saturating_add(len)
+        }
     }
 
     /// The memory region `len` bytes from here cover (`None` for files or out of range).

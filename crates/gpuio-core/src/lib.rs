@@ -21,7 +21,7 @@ pub use engine::{Engine, Engines, LocalIoEngine, MemIoEngine, RemoteIoEngine};
 pub use error::{CoreError, Result};
 pub use gpuio_hal::ErrorCode;
 pub use outcome::{Outcome, RemoteVia, Route};
-pub use request::{Priority, Request, RequestFlags, RequestId, RequestType, Status, StatusCell};
+pub use request::{Priority, Request, RequestFlags, RequestId, RequestType, Status};
 pub use resources::{Load, ResourceTracker};
 pub use retry::RetryPolicy;
 pub use ring::{RingConfig, RingProxy, RingStats};

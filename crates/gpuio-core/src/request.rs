@@ -110,17 +110,12 @@ impl Status {
 /// A request's status, kept in the scheduler's ticket and read by its handles. Transitions are
 /// atomic compare-and-swaps, so a cancel and a worker's pickup never both win.
 #[derive(Debug)]
-pub struct StatusCell {
+pub(crate) struct StatusCell {
     id: RequestId,
     state: AtomicU8,
 }
 
 impl StatusCell {
-    /// A cell in [`Status::Pending`].
-    pub fn new(id: RequestId) -> Self {
-        Self::at(id, Status::Pending)
-    }
-
     /// A cell in `status`.
     pub(crate) fn at(id: RequestId, status: Status) -> Self {
         Self {
@@ -331,7 +326,7 @@ mod tests {
     #[test]
     fn cancel_and_pickup_race_has_one_winner() {
         for _ in 0..200 {
-            let cell = Arc::new(StatusCell::new(RequestId::next()));
+            let cell = Arc::new(StatusCell::at(RequestId::next(), Status::Pending));
             cell.advance(Status::Submitted).unwrap();
             let c2 = cell.clone();
             let t = std::thread::spawn(move || c2.advance(Status::Cancelled).is_ok());
