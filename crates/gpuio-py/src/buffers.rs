@@ -308,14 +308,4 @@ impl<'py> Target<'py> {
             _ => Vec::new(),
         }
     }
-
-    /// The Python object, kept alive by an asynchronous request that uses it.
-    pub(crate) fn object(&self) -> Py<PyAny> {
-        match self {
-            Self::Host(h) => h.clone().into_any().unbind(),
-            Self::Device(d) => d.clone().into_any().unbind(),
-            Self::Resource(r) => r.clone().into_any().unbind(),
-            Self::Bytes(b) => b.clone().into_any().unbind(),
-        }
-    }
 }

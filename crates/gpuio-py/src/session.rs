@@ -201,7 +201,8 @@ impl Session {
         })
     }
 
-    /// Queues a transfer on the scheduler; the handle keeps both ends alive until it is done.
+    /// Queues a transfer on the scheduler. The request holds both ends until it is done (a
+    /// borrowed tensor through its buffer's owner), whatever becomes of the handle.
     fn _submit(
         &self,
         py: Python<'_>,
@@ -230,7 +231,6 @@ impl Session {
         Ok(Handle {
             ticket: h.ticket().clone(),
             waiter: Mutex::new((Some(h), None)),
-            _keep: [src.object(), dst.object()],
         })
     }
 
@@ -324,8 +324,6 @@ pub struct Handle {
     ticket: Ticket,
     /// Taken by the first `wait`, which keeps the result for later ones.
     waiter: Mutex<(Option<RequestHandle>, Option<Settled>)>,
-    /// The Python objects whose memory the request uses, alive as long as the handle.
-    _keep: [Py<PyAny>; 2],
 }
 
 #[pymethods]

@@ -55,7 +55,8 @@ def info():
 class Request:
     """An asynchronous transfer: ``done()`` polls, ``wait()`` blocks and returns the bytes
     moved (or raises its error), ``await request`` works in asyncio, ``cancel()`` stops it
-    while it is still queued. It keeps both ends alive until it is done."""
+    while it is still queued. The transfer holds both ends until it is done, even if the
+    request object is dropped."""
 
     __slots__ = ("_handle",)
 
