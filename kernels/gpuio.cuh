@@ -6,6 +6,8 @@
 //   several loads in flight per thread, which is what hides PCIe latency for small rows.
 // - The GPU->host request ring: gpuio_read_async / gpuio_write_async / gpuio_poll / gpuio_wait /
 //   gpuio_read, in gpuio_ring.cuh (included below).
+// - On-demand arrays: gpuio_array<T> over a page cache in GPU memory, in gpuio_array.cuh
+//   (included below).
 //
 // Built without include paths or standard headers (nvcc ahead of time to PTX, NVRTC at run time
 // as the fallback): gpuio puts this text before the sources that use it, so every
@@ -15,6 +17,9 @@
 
 #ifndef GPUIO_RING_CUH
 #include "gpuio_ring.cuh"
+#endif
+#ifndef GPUIO_ARRAY_CUH
+#include "gpuio_array.cuh"
 #endif
 
 typedef unsigned long long gpuio_u64;

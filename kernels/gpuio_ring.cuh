@@ -67,7 +67,8 @@
 // gpuio_ring_slot.flags: a WRITE to a file reaches stable storage before it completes.
 #define GPUIO_RING_FLAG_DURABLE 1u
 // gpuio_ring_slot.flags: a READ may be delivered into the slot's bounce buffer (pinned host
-// memory); the waiting thread then copies it to its destination (no DMA per request).
+// memory); the waiting thread then copies it to its destination (no DMA per request). A WRITE's
+// bytes are in the bounce buffer already (the posting thread put them there).
 #define GPUIO_RING_FLAG_STAGE 2u
 
 // Error results: gpuio's error codes (docs/REFERENCE.md#error-codes) and two of the ring's own.
@@ -271,30 +272,40 @@ __device__ __forceinline__ unsigned long long gpuio_ring_claim(const gpuio_ring*
     return base + rank;
 }
 
-// Posts a request (op GPUIO_RING_OP_*, flags GPUIO_RING_FLAG_*). Waits while the ring is full.
-// Returns 0 when posted, or GPUIO_ERROR_RING_SHUTDOWN when refused because the ring is not open
-// (nothing posted; `tok` then holds that result, so gpuio_poll/gpuio_wait return it at once).
-__device__ __forceinline__ long long gpuio_post(const gpuio_ring* r, unsigned int op,
-                                                unsigned int resource, unsigned int flags,
-                                                unsigned long long offset, unsigned long long len,
-                                                unsigned long long dev_addr, gpuio_token* tok) {
-    const unsigned long long t = gpuio_ring_claim(r);
+// Writes a request into the slot of ticket `tok->ticket` if that slot is free for it: 1 when
+// posted, 0 when the slot is still busy with an earlier lap (try again), or
+// GPUIO_ERROR_RING_SHUTDOWN when the ring is no longer open (nothing posted; `tok` then holds
+// that result). Never waits.
+__device__ __forceinline__ long long gpuio_ring_try_post(const gpuio_ring* r, gpuio_token* tok,
+                                                         unsigned int op, unsigned int resource,
+                                                         unsigned int flags,
+                                                         unsigned long long offset,
+                                                         unsigned long long len,
+                                                         const unsigned char* stage_from = 0) {
+    const unsigned long long t = tok->ticket;
     gpuio_ring_slot* s = r->slots + (t & r->mask);
-    tok->ticket = t;
-    tok->result = 0;
-    tok->done = 0u;
-    tok->dev_addr = dev_addr;
-    unsigned int ns = 32u;
     // The slot first (one round trip when it is free, the common case). A ring that stopped
     // meanwhile is found by the waiter: the host writes nothing after CLOSED, and a request
     // still POSTED then is reported shut down.
-    while (!gpuio_ring_slot_is(s, t, GPUIO_SLOT_FREE)) {
+    if (!gpuio_ring_slot_is(s, t, GPUIO_SLOT_FREE)) {
         if (gpuio_ring_ld_acquire32(&r->header->state) != GPUIO_RING_OPEN) {
             tok->result = GPUIO_ERROR_RING_SHUTDOWN;
             tok->done = 1u;
             return GPUIO_ERROR_RING_SHUTDOWN;
         }
-        gpuio_ring_backoff(&ns);
+        return 0;
+    }
+    if (stage_from) {
+        // A staged WRITE: its bytes go into the slot's bounce buffer before the post (stores
+        // to mapped host memory are posted writes: no round trip each).
+        unsigned char* to = r->bounce + (t & r->mask) * r->bounce_bytes;
+        if ((((unsigned long long)stage_from | (unsigned long long)to | len) & 15ull) == 0) {
+            for (unsigned long long i = 0; i < len / 16; i++) {
+                ((uint4*)to)[i] = ((const uint4*)stage_from)[i];
+            }
+        } else {
+            for (unsigned long long i = 0; i < len; i++) to[i] = stage_from[i];
+        }
     }
     volatile gpuio_ring_slot* v = s;
     v->op = op;
@@ -302,10 +313,37 @@ __device__ __forceinline__ long long gpuio_post(const gpuio_ring* r, unsigned in
     v->flags = flags;
     v->offset = offset;
     v->len = len;
-    v->dev_addr = dev_addr;
+    v->dev_addr = tok->dev_addr;
     __threadfence_system();
     gpuio_ring_st_release32(&s->state, GPUIO_SLOT_POSTED);
-    return 0;
+    return 1;
+}
+
+// Claims a ticket for the calling thread into a fresh token for a request at `dev_addr`.
+__device__ __forceinline__ void gpuio_ring_ticket(const gpuio_ring* r, gpuio_token* tok,
+                                                  unsigned long long dev_addr) {
+    tok->ticket = gpuio_ring_claim(r);
+    tok->result = 0;
+    tok->done = 0u;
+    tok->dev_addr = dev_addr;
+}
+
+// Posts a request (op GPUIO_RING_OP_*, flags GPUIO_RING_FLAG_*). Waits while the ring is full.
+// Returns 0 when posted, or GPUIO_ERROR_RING_SHUTDOWN when refused because the ring is not open
+// (nothing posted; `tok` then holds that result, so gpuio_poll/gpuio_wait return it at once).
+__device__ __forceinline__ long long gpuio_post(const gpuio_ring* r, unsigned int op,
+                                                unsigned int resource, unsigned int flags,
+                                                unsigned long long offset, unsigned long long len,
+                                                unsigned long long dev_addr, gpuio_token* tok,
+                                                const unsigned char* stage_from = 0) {
+    gpuio_ring_ticket(r, tok, dev_addr);
+    unsigned int ns = 32u;
+    for (;;) {
+        const long long posted =
+            gpuio_ring_try_post(r, tok, op, resource, flags, offset, len, stage_from);
+        if (posted != 0) return posted < 0 ? posted : 0;
+        gpuio_ring_backoff(&ns);
+    }
 }
 
 // Posts a READ: `len` bytes of `resource` from `offset` into device memory at `dst`.
@@ -321,13 +359,18 @@ __device__ __forceinline__ long long gpuio_read_async(const gpuio_ring* r, unsig
 }
 
 // Posts a WRITE: `len` bytes of device memory at `src` to `resource` at `offset`. The bytes
-// must be written (by every thread that wrote them) before the post.
+// must be written (by every thread that wrote them) before the post. Small enough for the
+// slot's bounce buffer, they are copied there by this thread and the host writes them from
+// it: no DMA and no driver call on the host side, so nothing there waits for the device
+// (whose kernels are running).
 __device__ __forceinline__ long long gpuio_write_async(const gpuio_ring* r, unsigned int resource,
                                                        unsigned long long offset,
                                                        unsigned long long len, const void* src,
                                                        gpuio_token* tok) {
-    return gpuio_post(r, GPUIO_RING_OP_WRITE, resource, 0u, offset, len, (unsigned long long)src,
-                      tok);
+    const int stage = r->bounce && len <= r->bounce_bytes;
+    return gpuio_post(r, GPUIO_RING_OP_WRITE, resource, stage ? GPUIO_RING_FLAG_STAGE : 0u,
+                      offset, len, (unsigned long long)src, tok,
+                      stage ? (const unsigned char*)src : (const unsigned char*)0);
 }
 
 // Copies a staged read from its bounce buffer (mapped host memory) to its destination. Plain
@@ -493,74 +536,116 @@ __device__ __forceinline__ long long gpuio_write(const gpuio_ring* r, unsigned i
     return gpuio_wait(r, &tok);
 }
 
+// Blocking READs by the active lanes of a warp whose `post` is non-zero (each its own range
+// and destination), whose staged bytes all active lanes copy together: 16-byte pieces side by
+// side, so that the PCIe reads of one block coalesce instead of one thread reading it piece
+// after piece. Call it from every active lane; each posting lane gets its own result (bytes or
+// a negative code), the others 0.
+//
+// The lanes go round together: post where the slot is free, look for completions, copy the
+// blocks that arrived, free their slots. No lane holds a slot while it waits for another lane,
+// so any number of threads may call it on a ring of any size (a lane that kept its completed
+// slot until its neighbours had posted could wait for slots that lanes of other warps keep
+// the same way).
+__device__ __forceinline__ long long gpuio_read_each_warp_if(const gpuio_ring* r, int post,
+                                                             unsigned int resource,
+                                                             unsigned long long offset,
+                                                             unsigned long long len, void* dst) {
+    const unsigned int active = __activemask();
+    const unsigned int lanes = __popc(active);
+    const unsigned int rank = __popc(active & gpuio_ring_lanemask_lt());
+    gpuio_token tok;
+    tok.dev_addr = (unsigned long long)dst;
+    if (post) gpuio_ring_ticket(r, &tok, (unsigned long long)dst);
+    // Small enough for the slot's bounce buffer: delivered there and copied by the warp.
+    const unsigned int flags = (r->bounce && len <= r->bounce_bytes) ? GPUIO_RING_FLAG_STAGE : 0u;
+    long long result = 0;
+    int pending = post, posted = 0;
+    unsigned int ns = 32u;
+    while (__any_sync(active, pending)) {
+        int arrived = 0, staged = GPUIO_STAGED_NONE;
+        unsigned long long word = 0;
+        if (pending && !posted) {
+            const long long p =
+                gpuio_ring_try_post(r, &tok, GPUIO_RING_OP_READ, resource, flags, offset, len);
+            if (p < 0) {
+                result = p;
+                pending = 0;
+            }
+            posted = p > 0;
+        }
+        if (pending && posted) {
+            arrived = gpuio_ring_arrived(r, &tok, &result, &staged, &word);
+            if (!arrived &&
+                gpuio_ring_ld_acquire32(&r->header->state) == GPUIO_RING_CLOSED) {
+                // The host's final sweep happened before CLOSED: look once more.
+                arrived = gpuio_ring_arrived(r, &tok, &result, &staged, &word);
+                if (!arrived) {
+                    result = GPUIO_ERROR_RING_SHUTDOWN;
+                    pending = 0;
+                }
+            }
+        }
+        if (staged == GPUIO_STAGED_INLINE) {
+            gpuio_ring_store_inline((unsigned char*)tok.dev_addr, word,
+                                    (unsigned long long)result);
+        }
+        const int bounced = staged == GPUIO_STAGED_BOUNCE;
+        const unsigned long long from_mine =
+            bounced ? (unsigned long long)gpuio_ring_bounce(r, &tok) : 0ull;
+        // Each lane acquired its own completion; this orders every lane's loads after them.
+        __syncwarp(active);
+        for (unsigned int owners = __ballot_sync(active, bounced); owners;
+             owners &= owners - 1) {
+            const int owner = __ffs(owners) - 1;
+            const unsigned char* from =
+                (const unsigned char*)__shfl_sync(active, from_mine, owner);
+            unsigned char* to = (unsigned char*)__shfl_sync(active, tok.dev_addr, owner);
+            const unsigned long long n = __shfl_sync(active, (unsigned long long)result, owner);
+            if ((((unsigned long long)from | (unsigned long long)to | n) & 15ull) == 0) {
+                // Every load is a PCIe round trip: each lane issues GPUIO_RING_COPY_INFLIGHT
+                // of them before it stores any (a 4 KiB block is one round of the warp's
+                // loads, not eight in a row), side by side across the lanes so that each
+                // round coalesces.
+                const uint4* src = (const uint4*)from;
+                uint4* out = (uint4*)to;
+                const unsigned long long pieces = n / 16;
+                for (unsigned long long base = rank; base < pieces;
+                     base += (unsigned long long)lanes * GPUIO_RING_COPY_INFLIGHT) {
+                    uint4 v[GPUIO_RING_COPY_INFLIGHT];
+#pragma unroll
+                    for (int k = 0; k < GPUIO_RING_COPY_INFLIGHT; k++) {
+                        const unsigned long long i = base + (unsigned long long)k * lanes;
+                        if (i < pieces) v[k] = src[i];
+                    }
+#pragma unroll
+                    for (int k = 0; k < GPUIO_RING_COPY_INFLIGHT; k++) {
+                        const unsigned long long i = base + (unsigned long long)k * lanes;
+                        if (i < pieces) out[i] = v[k];
+                    }
+                }
+            } else {
+                for (unsigned long long i = rank; i < n; i += lanes) to[i] = from[i];
+            }
+        }
+        __syncwarp(active);
+        if (arrived) {
+            gpuio_ring_release(r, &tok, result);
+            pending = 0;
+        }
+        if (pending) gpuio_ring_backoff(&ns);
+    }
+    return result;
+}
+
 // Blocking READs, one per active lane of a warp (each lane its own range and destination),
-// whose staged bytes the lanes copy together: 16-byte pieces side by side, so that the PCIe
-// reads of one block coalesce instead of one thread reading it piece after piece. Call it from
-// every active lane; each lane gets its own result (bytes or a negative code).
+// copied together as gpuio_read_each_warp_if does. Call it from every active lane; each lane
+// gets its own result (bytes or a negative code).
 __device__ __forceinline__ long long gpuio_read_each_warp(const gpuio_ring* r,
                                                           unsigned int resource,
                                                           unsigned long long offset,
                                                           unsigned long long len, void* dst) {
-    const unsigned int active = __activemask();
-    gpuio_token tok;
-    long long result = gpuio_read_async(r, resource, offset, len, dst, &tok);
-    int arrived = 0, staged = GPUIO_STAGED_NONE;
-    unsigned long long word = 0;
-    if (result == 0) {
-        unsigned int ns = 32u;
-        while (!(arrived = gpuio_ring_arrived(r, &tok, &result, &staged, &word))) {
-            if (gpuio_ring_ld_acquire32(&r->header->state) == GPUIO_RING_CLOSED) {
-                // The host's final sweep happened before CLOSED: look once more.
-                arrived = gpuio_ring_arrived(r, &tok, &result, &staged, &word);
-                if (!arrived) result = GPUIO_ERROR_RING_SHUTDOWN;
-                break;
-            }
-            gpuio_ring_backoff(&ns);
-        }
-    }
-    const unsigned int lanes = __popc(active);
-    const unsigned int rank = __popc(active & gpuio_ring_lanemask_lt());
-    if (staged == GPUIO_STAGED_INLINE) {
-        gpuio_ring_store_inline((unsigned char*)tok.dev_addr, word, (unsigned long long)result);
-    }
-    const int bounced = staged == GPUIO_STAGED_BOUNCE;
-    const unsigned long long from_mine =
-        bounced ? (unsigned long long)gpuio_ring_bounce(r, &tok) : 0ull;
-    // Each lane acquired its own completion; this orders every lane's loads after all of them.
-    __syncwarp(active);
-    for (unsigned int pending = __ballot_sync(active, bounced); pending; pending &= pending - 1) {
-        const int owner = __ffs(pending) - 1;
-        const unsigned char* from = (const unsigned char*)__shfl_sync(active, from_mine, owner);
-        unsigned char* to = (unsigned char*)__shfl_sync(active, tok.dev_addr, owner);
-        const unsigned long long n = __shfl_sync(active, (unsigned long long)result, owner);
-        if ((((unsigned long long)from | (unsigned long long)to | n) & 15ull) == 0) {
-            // Every load is a PCIe round trip: each lane issues GPUIO_RING_COPY_INFLIGHT of
-            // them before it stores any (a 4 KiB block is one round of the warp's loads, not
-            // eight in a row), side by side across the lanes so that each round coalesces.
-            const uint4* src = (const uint4*)from;
-            uint4* dst = (uint4*)to;
-            const unsigned long long pieces = n / 16;
-            for (unsigned long long base = rank; base < pieces;
-                 base += (unsigned long long)lanes * GPUIO_RING_COPY_INFLIGHT) {
-                uint4 v[GPUIO_RING_COPY_INFLIGHT];
-#pragma unroll
-                for (int k = 0; k < GPUIO_RING_COPY_INFLIGHT; k++) {
-                    const unsigned long long i = base + (unsigned long long)k * lanes;
-                    if (i < pieces) v[k] = src[i];
-                }
-#pragma unroll
-                for (int k = 0; k < GPUIO_RING_COPY_INFLIGHT; k++) {
-                    const unsigned long long i = base + (unsigned long long)k * lanes;
-                    if (i < pieces) dst[i] = v[k];
-                }
-            }
-        } else {
-            for (unsigned long long i = rank; i < n; i += lanes) to[i] = from[i];
-        }
-    }
-    __syncwarp(active);
-    if (arrived) gpuio_ring_release(r, &tok, result);
-    return result;
+    return gpuio_read_each_warp_if(r, 1, resource, offset, len, dst);
 }
 
 // Pieces of a cooperative read are cut at multiples of this many bytes.

@@ -2,22 +2,15 @@
 //
 // Byte i of pattern stream `seed` is byte (i % 8) of word_at(seed, i / 8), little-endian; the
 // CPU reference is crates/gpuio-hal/src/pattern.rs and both must stay bit-identical (the CUDA
-// tests compare them). Compiled at run time by NVRTC (gpuio-hal) and checked with nvcc by
-// `cargo xtask ptx`. Self-contained: no includes, so NVRTC needs no header paths.
+// tests compare them). gpuio puts gpuio_pattern.cuh in front of it (NVRTC gets no include
+// paths).
+
+#ifndef GPUIO_PATTERN_CUH
+#include "gpuio_pattern.cuh"
+#endif
 
 typedef unsigned long long u64;
 typedef unsigned char u8;
-
-__device__ __forceinline__ u64 gpuio_mix64(u64 x) {
-    u64 z = x + 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-__device__ __forceinline__ u64 gpuio_word_at(u64 seed, u64 k) {
-    return gpuio_mix64(seed ^ (k * 0xD6E8FEB86659FD93ull));
-}
 
 // Writes pattern bytes first..first+len of `seed` to dst[0..len). One thread per pattern word;
 // whole words go out as one 8-byte store when dst is aligned with the pattern.

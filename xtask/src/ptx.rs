@@ -35,11 +35,28 @@ const WHEELS_ENV: &str = "GPUIO_XTASK_CUDA_WHEELS";
 /// together. The first line of each PTX file records a hash of that text, which gpuio-hal's
 /// tests compare with the source it embeds: the two lists cannot drift apart unnoticed.
 const MODULES: &[(&str, &[&str])] = &[
-    ("pattern.cu", &["pattern.cu"]),
-    ("gather.cu", &["gpuio_ring.cuh", "gpuio.cuh", "gather.cu"]),
+    ("pattern.cu", &["gpuio_pattern.cuh", "pattern.cu"]),
+    (
+        "gather.cu",
+        &[
+            "gpuio_ring.cuh",
+            "gpuio_array.cuh",
+            "gpuio.cuh",
+            "gather.cu",
+        ],
+    ),
     (
         "ring_bench.cu",
         &["gpuio_ring.cuh", "ring_bench.cu", "ring_layout.cu"],
+    ),
+    (
+        "ondemand.cu",
+        &[
+            "gpuio_ring.cuh",
+            "gpuio_array.cuh",
+            "gpuio_pattern.cuh",
+            "ondemand.cu",
+        ],
     ),
 ];
 

@@ -7,6 +7,7 @@ pub mod endpoint;
 pub mod engine;
 mod error;
 pub mod metrics;
+pub mod ondemand;
 pub mod outcome;
 pub mod regcache;
 pub mod request;

@@ -305,12 +305,15 @@ impl Shared {
                 format!("unknown resource handle {}", req.resource),
             ));
         };
-        // A staged read borrows the resource from the thread's snapshot: no reference-count
+        // Staged requests borrow the resource from the thread's snapshot: no reference-count
         // traffic on the resource, which every proxy thread would share.
-        if let (Some(bounce), RingOp::Read) = (bounce, op)
-            && let Some(out) = bounce.get_mut(..len)
+        if let Some(bounce) = bounce
+            && let Some(bytes) = bounce.get_mut(..len)
         {
-            return self.read_into(base, req.offset, out);
+            return match op {
+                RingOp::Read => self.read_into(base, req.offset, bytes),
+                RingOp::Write => self.write_from(base, req.offset, bytes),
+            };
         }
         let at = endpoint_at(base, req.offset)?;
         if let Endpoint::File { offset, .. } = &at {
@@ -380,6 +383,25 @@ impl Shared {
         Ok(len as u64)
     }
 
+    /// Writes `bytes` (a staged WRITE's, in the slot's bounce buffer) to `base` from `by`
+    /// bytes on.
+    fn write_from(&self, base: &Endpoint, by: u64, bytes: &[u8]) -> Result<u64, Failure> {
+        let at = endpoint_at(base, by)?;
+        if let Endpoint::File { offset, .. } = &at {
+            file_range(*offset, bytes.len() as u64)?;
+        }
+        let outcome = self
+            .engines
+            .transfer(Source::Host(bytes), at.dest(), bytes.len())?;
+        if outcome.bytes != bytes.len() {
+            return Err(Failure::new(
+                ErrorCode::General,
+                format!("moved {} of {} bytes", outcome.bytes, bytes.len()),
+            ));
+        }
+        Ok(bytes.len() as u64)
+    }
+
     /// Carries out a request and returns the result to publish; never panics.
     fn serve(
         &self,
@@ -433,7 +455,8 @@ fn proxy_thread(shared: Arc<Shared>, index: usize, wait: WaitPolicy) {
                 Take::Taken(mut taken) => {
                     let req = *taken.request();
                     let bounce = taken.bounce();
-                    let staged = bounce.is_some();
+                    // Only a READ's result travels in the bounce buffer.
+                    let staged = bounce.is_some() && req.operation() == Some(RingOp::Read);
                     let resources = snapshot.current(&shared);
                     let result = shared.serve(shard, resources, &req, bounce);
                     if staged && result >= 0 {

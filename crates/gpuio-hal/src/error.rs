@@ -138,6 +138,20 @@ pub(crate) trait RingResultCode {
     fn error_code(self) -> ErrorCode;
 }
 
+/// What an on-demand array's failure code means: the three the page cache records itself
+/// (an index past the end, a store to a read-only array, no frame to be had), else the
+/// ring's name for it.
+fn ondemand_reason(code: i64) -> String {
+    match code {
+        -3 => "an index past the array's end (GPUIO_ERROR_INVALID_ARG)".into(),
+        -9 => "a store to a read-only array (GPUIO_ERROR_PERMISSION)".into(),
+        -10 => "no cache frame could be freed: every frame was pinned or being filled; the \
+                cache is too small for the threads using it (GPUIO_ERROR_BUSY)"
+            .into(),
+        other => format!("{} ({other})", RingResultCode::result_name(other)),
+    }
+}
+
 /// Everything that can go wrong in the HAL.
 #[derive(Debug, thiserror::Error)]
 pub enum HalError {
@@ -295,6 +309,14 @@ pub enum HalError {
         /// The negative result the proxy published (an error code or a ring code).
         code: i64,
     },
+    /// An on-demand array access failed on the device side of the page cache (an index past
+    /// the end, a store to a read-only array, no frame to be had), or a GPU thread's miss or
+    /// write-back did (the ring's result code).
+    #[error("on-demand array access failed: {}", ondemand_reason(*code))]
+    OnDemand {
+        /// The negative result recorded (a `GPUIO_ERROR_*` or ring code).
+        code: i64,
+    },
     /// A transient shortage (the staging pool has no room now); trying again later may
     /// succeed.
     #[error("busy: {0}")]
@@ -325,7 +347,9 @@ impl HalError {
             Self::NoSuchNumaNode { .. } | Self::NoSuchDevice { .. } => ErrorCode::NotFound,
             Self::OutOfMemory { .. } | Self::HostMemoryExceeded { .. } => ErrorCode::NoMem,
             Self::RingShutDown => ErrorCode::Canceled,
-            Self::RingRequest { code } => RingResultCode::error_code(*code),
+            Self::RingRequest { code } | Self::OnDemand { code } => {
+                RingResultCode::error_code(*code)
+            }
             Self::TimedOut { .. } => ErrorCode::Timeout,
             Self::Busy(_) => ErrorCode::Busy,
             Self::Rdma { code, .. } => *code,

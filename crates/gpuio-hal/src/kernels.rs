@@ -135,18 +135,23 @@ impl KernelLoad {
 /// `kernels/pattern.cu`: the data pattern fill and the on-device compare.
 pub static PATTERN: KernelSource = KernelSource {
     name: "pattern.cu",
-    source: include_str!("../../../kernels/pattern.cu"),
+    source: concat!(
+        include_str!("../../../kernels/gpuio_pattern.cuh"),
+        include_str!("../../../kernels/pattern.cu")
+    ),
     functions: &["gpuio_fill_pattern", "gpuio_find_mismatch"],
     ptx: embedded_ptx!("pattern"),
 };
 
-/// `kernels/gather.cu` with the device header `gpuio.cuh` (and the ring header it includes)
+/// `kernels/gather.cu` with the device header `gpuio.cuh` (and the ring and array headers it
+/// includes)
 /// in front: the row gather and scatter kernels, the naive baseline, and the sorted gather's
 /// ordering kernels.
 pub static GATHER: KernelSource = KernelSource {
     name: "gather.cu",
     source: concat!(
         include_str!("../../../kernels/gpuio_ring.cuh"),
+        include_str!("../../../kernels/gpuio_array.cuh"),
         include_str!("../../../kernels/gpuio.cuh"),
         include_str!("../../../kernels/gather.cu")
     ),
@@ -190,11 +195,36 @@ pub static RING_BENCH: KernelSource = KernelSource {
     ptx: embedded_ptx!("ring_bench"),
 };
 
+/// `kernels/ondemand.cu` with the ring, array and pattern headers in front: the on-demand
+/// array kernels the host API launches (prefetch, flush) and those of the GPU tests (checked
+/// reads, stores, the layout report compared with [`crate::ondemand::constants()`]).
+pub static ONDEMAND: KernelSource = KernelSource {
+    name: "ondemand.cu",
+    source: concat!(
+        include_str!("../../../kernels/gpuio_ring.cuh"),
+        include_str!("../../../kernels/gpuio_array.cuh"),
+        include_str!("../../../kernels/gpuio_pattern.cuh"),
+        include_str!("../../../kernels/ondemand.cu")
+    ),
+    functions: &[
+        "gpuio_array_touch",
+        "gpuio_array_flush",
+        "gpuio_array_test_read",
+        "gpuio_array_test_store",
+        "gpuio_array_layout",
+        "gpuio_array_bench_rows",
+        "gpuio_plain_bench_rows",
+        "gpuio_array_bench_elements",
+        "gpuio_plain_bench_elements",
+    ],
+    ptx: embedded_ptx!("ondemand"),
+};
+
 /// Every module of `kernels/` that gpuio loads: the CUDA backend loads no other.
 ///
 /// The modules are statics, not constants, so that a binary holds one copy of their text
 /// however many crates name them (a constant's data is copied into each crate that uses it).
-pub static ALL: &[&KernelSource] = &[&PATTERN, &GATHER, &RING_BENCH];
+pub static ALL: &[&KernelSource] = &[&PATTERN, &GATHER, &RING_BENCH, &ONDEMAND];
 
 #[cfg(test)]
 mod tests {

@@ -9,6 +9,8 @@ mod common;
 mod cache;
 mod core;
 mod memory;
+mod ondemand;
+mod ondemand_gpu;
 mod remote;
 mod ring;
 mod ring_gpu;

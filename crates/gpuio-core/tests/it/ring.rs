@@ -690,3 +690,58 @@ fn staged_reads_arrive_in_the_slot_bounce_buffer() {
         );
     });
 }
+
+#[test]
+fn staged_writes_go_from_the_slot_bounce_buffer() {
+    let (engines, gpu) = setup();
+    let dir = tempfile::tempdir().unwrap();
+    let file = pattern_file(&dir, "written.bin", 1 << 20, 21);
+    let host = gpuio_core::HostMemory::new(
+        gpuio_hal::HostBuffer::alloc(64 << 10, &gpuio_hal::HostAllocOptions::default()).unwrap(),
+    );
+    let cfg = RingConfig {
+        slots: 4,
+        bounce_bytes: 4096,
+        threads: 2,
+        ..RingConfig::default()
+    };
+    let proxy = RingProxy::new(engines, &gpu, cfg).unwrap();
+    let to_file = proxy.register(Endpoint::file(&file, 0)).unwrap();
+    let to_host = proxy.register(Endpoint::host(&host, 0)).unwrap();
+    let producer = proxy.host_producer().unwrap();
+    let path = dir.path().join("written.bin");
+    let host2 = host.clone();
+    within(Duration::from_secs(20), move || {
+        let mut want = std::fs::read(&path).unwrap();
+        for k in 0..100u64 {
+            let len = 1 + (pattern::mix64(k) % 4096) as usize;
+            let off = pattern::mix64(k ^ 3) % ((1 << 20) - len as u64);
+            let mut bytes = vec![0u8; len];
+            pattern::fill(&mut bytes, off, 22 + k);
+            let n = producer
+                .write_staged(to_file, off, &bytes, TIMEOUT)
+                .unwrap();
+            assert_eq!(n, len as u64);
+            want[off as usize..off as usize + len].copy_from_slice(&bytes);
+            let hoff = off % ((64 << 10) - len as u64);
+            producer
+                .write_staged(to_host, hoff, &bytes, TIMEOUT)
+                .unwrap();
+            let g = host2.read();
+            assert_eq!(
+                &g[hoff as usize..hoff as usize + len],
+                &bytes[..],
+                "host write {k}"
+            );
+        }
+        assert!(
+            std::fs::read(&path).unwrap() == want,
+            "the file holds every staged write"
+        );
+        // More than the bounce buffer holds is refused before anything is posted.
+        let e = producer
+            .write_staged(to_file, 0, &[0u8; 4097], TIMEOUT)
+            .unwrap_err();
+        assert!(matches!(e, HalError::InvalidArgument(_)), "{e}");
+    });
+}

@@ -236,6 +236,36 @@ pub(crate) enum RingLaunch<'a> {
     Layout { out: DevRange<'a> },
 }
 
+/// An on-demand array kernel (`kernels/ondemand.cu`) and its arguments.
+pub(crate) enum ArrayLaunch<'a> {
+    /// Pages `first .. first + count` brought in (`flush == false`) or written back if dirty.
+    Pages {
+        array: crate::ondemand::ArrayDevice,
+        flush: bool,
+        first: u64,
+        count: u64,
+    },
+    /// `reads` checked random reads of u64 elements; counts into `out` (3 u64s).
+    TestRead {
+        array: crate::ondemand::ArrayDevice,
+        reads: u64,
+        salt: u64,
+        seed: u64,
+        every: u64,
+        written: u64,
+        out: DevRange<'a>,
+        threads: u32,
+    },
+    /// Stores of pattern `written` at every multiple of `every`.
+    TestStore {
+        array: crate::ondemand::ArrayDevice,
+        every: u64,
+        written: u64,
+    },
+    /// The layout constants as the device compiler sees them, into `out`.
+    Layout { out: DevRange<'a> },
+}
+
 /// An allocation of device memory; dropping it frees the memory.
 pub(crate) trait DeviceMemory: Send + Sync + fmt::Debug {
     /// The device address of the first byte.
@@ -300,6 +330,13 @@ pub(crate) trait StreamBackend: Send + Sync {
     /// The ring's memory (header, slots, claim counter) stays mapped and registered until the
     /// call returns.
     unsafe fn ring_kernel(&self, launch: RingLaunch<'_>) -> Result<()>;
+
+    /// Runs an on-demand array kernel and waits for it.
+    ///
+    /// # Safety
+    /// The array's cache, page tables and ring must stay allocated (and the ring mapped)
+    /// until this call returns, and the ring's proxy must be serving it.
+    unsafe fn array_kernel(&self, launch: ArrayLaunch<'_>) -> Result<()>;
 
     /// Records an event after the work enqueued so far.
     fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>>;

@@ -4,8 +4,8 @@
 
 use super::GdsMode;
 use super::backend::{
-    BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend, HostPin,
-    Owner, RingLaunch, RowHooks, RowJob, RowMem, RowsDone, StreamBackend,
+    ArrayLaunch, BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend,
+    HostPin, Owner, RingLaunch, RowHooks, RowJob, RowMem, RowsDone, StreamBackend,
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
 use crate::error::{HalError, Result};
@@ -291,6 +291,15 @@ impl StreamBackend for HostStream {
         Ok(RowsDone {
             bad_index: bad?,
             device_time: hooks.timed.then(|| t.elapsed()),
+        })
+    }
+
+    unsafe fn array_kernel(&self, _launch: ArrayLaunch<'_>) -> Result<()> {
+        Err(HalError::Unsupported {
+            what: "on-demand array kernels",
+            reason: "the host backend runs no kernels; ondemand::HostAccessor plays the GPU's \
+                     part"
+                .into(),
         })
     }
 

@@ -8,6 +8,7 @@
 //! This file holds probing, [`Gpu`], host memory pinned for a device and [`DeviceBuffer`];
 //! `stream.rs` holds [`Stream`] (the checked copies and kernels), [`Inflight`] and [`Event`].
 
+mod array_kernels;
 mod backend;
 mod baseline;
 #[cfg(feature = "cuda")]
@@ -19,6 +20,7 @@ mod ring_kernels;
 mod rows;
 mod stream;
 
+pub use array_kernels::ArrayReadCheck;
 pub use gds::{GdsFile, GdsMode};
 pub use info::{Backend, Capability, DeviceInfo, PcieLink};
 pub use rows::{RowIndices, RowKernel};

@@ -248,8 +248,8 @@ impl RingTaken<'_> {
     }
 
     /// The slot's bounce buffer, where a READ asking for [`FLAG_STAGE`] may be delivered
-    /// (`None` if the request did not ask or the ring has none); then
-    /// [`complete_staged`](Self::complete_staged).
+    /// (then [`complete_staged`](Self::complete_staged)) and where a staged WRITE's bytes
+    /// are (`None` if the request did not ask or the ring has none).
     pub fn bounce(&mut self) -> Option<&mut [u8]> {
         let ring = self.claim.ring;
         if self.request.flags & FLAG_STAGE == 0 || ring.bounce_bytes == 0 {
@@ -257,9 +257,10 @@ impl RingTaken<'_> {
         }
         // SAFETY: the buffer lies inside the ring's allocation (alive as long as the ring
         // this borrows). While a consumer holds the request taken, nothing else touches its
-        // slot's bounce buffer: the producer reads it only after DONE (published when this
-        // is dropped, after the returned borrow of `self` ended), and other tickets use
-        // other slots.
+        // slot's bounce buffer: the producer wrote a staged WRITE's bytes before POSTED
+        // (acquired when the request was taken) and reads a READ's only after DONE
+        // (published when this is dropped, after the returned borrow of `self` ended), and
+        // other tickets use other slots.
         Some(unsafe {
             std::slice::from_raw_parts_mut(ring.bounce_ptr(self.claim.ticket), ring.bounce_bytes)
         })

@@ -46,9 +46,10 @@ pub const OP_WRITE: u32 = 2;
 
 /// `GPUIO_RING_FLAG_DURABLE`: a WRITE to a file reaches stable storage before it completes.
 pub const FLAG_DURABLE: u32 = 1;
-/// Request flag (READ): the consumer may deliver the bytes into the slot's bounce buffer in
-/// pinned host memory instead of device memory; the producer then copies them to its
-/// destination itself (no DMA and no driver call per request on the host side).
+/// Request flag: a READ's bytes may be delivered into the slot's bounce buffer in pinned host
+/// memory instead of device memory (the producer then copies them to its destination
+/// itself); a WRITE's bytes are in the bounce buffer already (the producer put them there
+/// before posting). Either way the host side needs no DMA and no driver call per request.
 pub const FLAG_STAGE: u32 = 2;
 /// Every flag bit this version knows; a request with another bit set is refused.
 pub const FLAGS_KNOWN: u32 = FLAG_DURABLE | FLAG_STAGE;

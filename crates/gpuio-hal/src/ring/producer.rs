@@ -198,7 +198,22 @@ impl HostProducer {
     /// the ring is full), writes the request and marks it posted. Refused with
     /// [`HalError::RingShutDown`] (nothing posted) once the ring is not open.
     pub fn post(&self, req: &RingPost) -> Result<RingToken> {
+        self.post_staging(req, None)
+    }
+
+    /// Posts `req`, first putting `stage` (a staged WRITE's bytes, at most the bounce
+    /// buffer's size) into its slot's bounce buffer.
+    fn post_staging(&self, req: &RingPost, stage: Option<&[u8]>) -> Result<RingToken> {
         let ring = &self.ring;
+        if let Some(bytes) = stage
+            && bytes.len() > ring.bounce_bytes
+        {
+            return Err(HalError::InvalidArgument(format!(
+                "{} staged bytes do not fit a bounce buffer of {}",
+                bytes.len(),
+                ring.bounce_bytes
+            )));
+        }
         let ticket = ring.host_claim.0.fetch_add(1, Ordering::Relaxed);
         let s = ring.slot(ticket);
         let mut backoff = Backoff::new(&self.wait);
@@ -216,6 +231,15 @@ impl HostProducer {
                 ring.reap_abandoned();
             }
             backoff.snooze();
+        }
+        if let Some(bytes) = stage {
+            // SAFETY: the slot is FREE for this ticket, so nobody reads or writes its bounce
+            // buffer until the POSTED store below (the consumer reads it after acquiring
+            // that); the buffer lies inside the ring's allocation, which `ring` keeps alive,
+            // and holds `bytes` (checked above).
+            unsafe {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), ring.bounce_ptr(ticket), bytes.len())
+            };
         }
         s.op.store(req.op, Ordering::Relaxed);
         s.resource.store(req.resource, Ordering::Relaxed);
@@ -362,6 +386,27 @@ impl HostProducer {
         timeout: Option<Duration>,
     ) -> Result<u64> {
         let mut token = self.post_read(resource, offset, len, dst)?;
+        self.wait(&mut token, timeout)
+    }
+
+    /// A blocking staged WRITE: `bytes` go to `resource` at `offset` through the slot's
+    /// bounce buffer (as a GPU thread's `gpuio_write` of a small range does).
+    pub fn write_staged(
+        &self,
+        resource: u32,
+        offset: u64,
+        bytes: &[u8],
+        timeout: Option<Duration>,
+    ) -> Result<u64> {
+        let req = RingPost {
+            op: OP_WRITE,
+            resource,
+            flags: FLAG_STAGE,
+            offset,
+            len: bytes.len() as u64,
+            dev_addr: 0,
+        };
+        let mut token = self.post_staging(&req, Some(bytes))?;
         self.wait(&mut token, timeout)
     }
 

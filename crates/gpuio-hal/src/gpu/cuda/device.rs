@@ -85,6 +85,11 @@ impl Shared {
         Ok(&self.module(&kernels::RING_BENCH)?.functions)
     }
 
+    /// `kernels/ondemand.cu`'s functions, in `kernels::ONDEMAND.functions` order.
+    pub(super) fn array_kernels(&self) -> Result<&[CudaFunction]> {
+        Ok(&self.module(&kernels::ONDEMAND)?.functions)
+    }
+
     /// A grid-stride launch shape for `items` work items.
     pub(super) fn launch_config(&self, items: u64) -> LaunchConfig {
         const BLOCK: u32 = 256;

@@ -19,6 +19,7 @@
 //! - `probe.rs`: what the installation can do, checked without letting cudarc panic;
 //!   `cufile.rs`: GPUDirect Storage.
 
+mod array;
 mod cufile;
 mod device;
 mod driver;

@@ -9,7 +9,8 @@ use super::event::EventPool;
 use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
 use crate::gpu::backend::{
-    DevRange, DeviceBackend, EventBackend, RingLaunch, RowHooks, RowJob, RowsDone, StreamBackend,
+    ArrayLaunch, DevRange, DeviceBackend, EventBackend, RingLaunch, RowHooks, RowJob, RowsDone,
+    StreamBackend,
 };
 use crate::sync::MutexExt;
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg, sys};
@@ -238,6 +239,11 @@ impl StreamBackend for CudaStreamBackend {
             }
         }
         self.synchronize()
+    }
+
+    unsafe fn array_kernel(&self, launch: ArrayLaunch<'_>) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.launch_array(launch) }
     }
 
     fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>> {

@@ -1,0 +1,440 @@
+//! On-demand arrays: GPU threads index data bigger than GPU memory (a file, host or CXL
+//! memory, a remote export) as `gpuio_array<T>` in their kernels (`kernels/gpuio_array.cuh`),
+//! through a page cache in GPU memory whose misses go through the request ring to a
+//! [`RingProxy`] and its engines.
+//!
+//! A [`PageCache`] owns the frames (its capacity in GPU memory, cut into pages of 512 B to
+//! 64 KiB) and the ring proxy; it holds up to 64 [`OnDemandArray`]s at once, which share its
+//! frames. An array hands its kernels a descriptor ([`OnDemandArray::device`]); between
+//! kernels the host can prefetch pages, write dirty pages back ([`OnDemandArray::synchronize`])
+//! and read the array's counters ([`OnDemandArray::stats`]). The protocol, the layout and the
+//! write-back order are gpuio-hal's `ondemand` module's.
+//!
+//! ```
+//! # use gpuio_core::{Endpoint, Engines, HostMemory};
+//! # use gpuio_core::ondemand::{ArrayMode, PageCache, PageCacheConfig};
+//! # use gpuio_hal::{BackendPreference, HostAllocOptions, HostBuffer, pattern, probe};
+//! # use gpuio_transport_localio::{LocalIo, LocalIoConfig};
+//! # use gpuio_transport_memio::{MemIo, MemIoConfig};
+//! # use std::sync::Arc;
+//! let gpus = probe(BackendPreference::Host).unwrap();
+//! let gpu = gpus.gpus[0].clone();
+//! let engines = Engines::new(
+//!     Arc::new(MemIo::new(gpus.gpus, MemIoConfig::default()).unwrap()),
+//!     Arc::new(LocalIo::new(LocalIoConfig::default()).unwrap()),
+//! );
+//! // 64 KiB of u64s in host memory, behind a cache of four 4 KiB pages.
+//! let mut src = HostBuffer::alloc(64 << 10, &HostAllocOptions::default()).unwrap();
+//! pattern::fill(&mut src, 0, 7);
+//! let cfg = PageCacheConfig { page_size: 4096, capacity: 4 * 4096, ..Default::default() };
+//! let cache = PageCache::new(engines, &gpu, cfg).unwrap();
+//! let array = cache
+//!     .array::<u64>(Endpoint::host(&HostMemory::new(src), 0), 8192, ArrayMode::ReadWrite)
+//!     .unwrap();
+//! // A GPU kernel would take array.device(); on the host backend host threads play its part.
+//! let access = array.host_accessor().unwrap();
+//! assert_eq!(access.load_u64(5000).unwrap(), pattern::word_at(7, 5000));
+//! access.store_u64(5000, 42).unwrap();
+//! array.synchronize().unwrap();
+//! assert_eq!(array.stats().unwrap().misses, 1);
+//! ```
+
+use crate::endpoint::Endpoint;
+use crate::engine::Engines;
+use crate::error::{CoreError, Result};
+use crate::ring::{RingConfig, RingProxy, WaitPolicy};
+use gpuio_hal::ondemand::{ArrayCounters, ArrayDevice, HostAccessor, PageCacheMemory, PageTable};
+use gpuio_hal::ring::RingMemory;
+use gpuio_hal::sync::MutexExt;
+use gpuio_hal::{Backend, Gpu, HalError};
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex};
+
+pub use gpuio_hal::ondemand::{MAX_ARRAYS, MAX_PAGE, MIN_PAGE};
+
+/// Most pinned host memory a cache's ring gives its bounce buffers.
+const BOUNCE_MEMORY: usize = 64 << 20;
+
+/// How a [`PageCache`] is made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PageCacheConfig {
+    /// Bytes per page: a power of two from 512 B to 64 KiB. Misses read whole pages.
+    pub page_size: usize,
+    /// GPU memory for the frames, in bytes (whole pages).
+    pub capacity: usize,
+    /// The request ring misses and write-backs go through: slots, proxy threads, how they
+    /// wait. Its bounce buffers are made at least a page (pages are delivered there and
+    /// copied by the missing warp, and written back from there), and its slots cut so that
+    /// the buffers take at most 64 MiB of pinned memory.
+    pub ring: RingConfig,
+}
+
+impl Default for PageCacheConfig {
+    fn default() -> Self {
+        Self {
+            page_size: 4096,
+            capacity: 256 << 20,
+            // Misses wait for the proxy: its threads spin (about a millisecond) before they
+            // yield or sleep, since a sleeping proxy adds its sleep to every miss.
+            ring: RingConfig {
+                slots: 4096,
+                threads: 8,
+                wait: WaitPolicy {
+                    spins: 1 << 18,
+                    yields: 1 << 10,
+                    max_sleep: std::time::Duration::from_micros(20),
+                },
+                ..RingConfig::default()
+            },
+        }
+    }
+}
+
+/// Whether kernels may store into an array.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArrayMode {
+    /// Loads only; a store is refused (recorded as an error).
+    ReadOnly,
+    /// Loads and stores; dirty pages are written back on eviction and by `synchronize`.
+    ReadWrite,
+}
+
+/// An array's element type: plain numbers, whose every bit pattern is a value.
+pub trait Element: Copy + Send + Sync + 'static + private::Sealed {}
+
+mod private {
+    pub trait Sealed {}
+}
+
+macro_rules! elements {
+    ($($t:ty),*) => {$(
+        impl private::Sealed for $t {}
+        impl Element for $t {}
+    )*};
+}
+elements!(u8, u16, u32, u64, i8, i16, i32, i64, f32, f64);
+
+/// A page cache in one GPU's memory, with the ring proxy that serves its misses. Cheap to
+/// clone; the proxy shuts down when the cache and every array of it are gone.
+#[derive(Clone)]
+pub struct PageCache {
+    inner: Arc<CacheInner>,
+}
+
+struct CacheInner {
+    memory: Arc<PageCacheMemory>,
+    proxy: Mutex<RingProxy>,
+}
+
+impl Drop for CacheInner {
+    fn drop(&mut self) {
+        let mut proxy = self.proxy.lock_unpoisoned();
+        if let Err(e) = proxy.shutdown() {
+            tracing::warn!(error = %e, "shutting down a page cache's ring proxy");
+        }
+    }
+}
+
+impl std::fmt::Debug for PageCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PageCache")
+            .field("page_size", &self.page_size())
+            .field("frames", &self.frames())
+            .finish()
+    }
+}
+
+impl PageCache {
+    /// A cache of `cfg.capacity` bytes of `gpu`'s memory, and a ring proxy serving its misses
+    /// through `engines`.
+    pub fn new(engines: Engines, gpu: &Gpu, cfg: PageCacheConfig) -> Result<Self> {
+        let memory = Arc::new(PageCacheMemory::new(gpu, cfg.page_size, cfg.capacity)?);
+        // Every miss and write-back goes through a bounce buffer (no DMA and no driver call on
+        // the host side, which must never wait for the device while kernels run), so they
+        // hold a page; being pinned host memory, at most 64 MiB of them.
+        let mut ring = cfg.ring;
+        ring.bounce_bytes = ring.bounce_bytes.max(cfg.page_size);
+        let fit = (BOUNCE_MEMORY / ring.bounce_bytes).max(2);
+        ring.slots = ring.slots.min(1 << fit.ilog2());
+        let proxy = RingProxy::new(engines, gpu, ring)?;
+        proxy.register_device(memory.frame_memory())?;
+        Ok(Self {
+            inner: Arc::new(CacheInner {
+                memory,
+                proxy: Mutex::new(proxy),
+            }),
+        })
+    }
+
+    /// Bytes per page.
+    pub fn page_size(&self) -> usize {
+        self.inner.memory.page_size()
+    }
+
+    /// Shuts the ring proxy down: misses being served finish, waiting ones fail with the
+    /// shutdown error, and every later miss fails (hits still read cached pages).
+    pub fn shutdown(&self) -> Result<crate::ring::RingStats> {
+        self.inner.proxy.lock_unpoisoned().shutdown()
+    }
+
+    /// Frames (pages the cache holds at once).
+    pub fn frames(&self) -> usize {
+        self.inner.memory.frames()
+    }
+
+    /// An array of `len` elements of `T` over `source` (from its offset on), which must hold
+    /// `len * size_of::<T>()` bytes: a read past its end fails the access. Every page starts
+    /// uncached.
+    pub fn array<T: Element>(
+        &self,
+        source: Endpoint,
+        len: u64,
+        mode: ArrayMode,
+    ) -> Result<OnDemandArray<T>> {
+        let size = size_of::<T>() as u64;
+        let bytes = len
+            .checked_mul(size)
+            .filter(|&b| b > 0)
+            .ok_or_else(|| CoreError::InvalidRequest(format!("an array of {len} elements")))?;
+        if let Some(room) = source.room()
+            && (room as u64) < bytes
+        {
+            return Err(CoreError::InvalidRequest(format!(
+                "the source holds {room} bytes from its offset; the array needs {bytes}"
+            )));
+        }
+        let proxy = self.inner.proxy.lock_unpoisoned();
+        let resource = proxy.register(source.clone())?;
+        let table = match self
+            .inner
+            .memory
+            .add_array(bytes, resource, mode == ArrayMode::ReadWrite)
+        {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = proxy.unregister(resource);
+                return Err(e.into());
+            }
+        };
+        Ok(OnDemandArray {
+            cache: self.clone(),
+            table: Some(table),
+            source,
+            len,
+            _element: PhantomData,
+        })
+    }
+}
+
+/// Counters of one array since it was made.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ArrayStats {
+    /// Accesses (per warp and page) that found the page cached.
+    pub hits: u64,
+    /// Pages read from the source.
+    pub misses: u64,
+    /// Accesses that waited for another warp's fill or write-back of their page.
+    pub waits: u64,
+    /// Pages evicted.
+    pub evictions: u64,
+    /// Dirty pages written back.
+    pub writebacks: u64,
+    /// Bytes read from the source.
+    pub bytes_in: u64,
+    /// Bytes written back.
+    pub bytes_out: u64,
+    /// Fills and write-backs that failed.
+    pub failures: u64,
+    /// Median miss latency (ns, to within 19%), if there were misses.
+    pub miss_p50_ns: Option<u64>,
+    /// 99th-percentile miss latency (ns, to within 19%).
+    pub miss_p99_ns: Option<u64>,
+}
+
+impl From<ArrayCounters> for ArrayStats {
+    fn from(c: ArrayCounters) -> Self {
+        Self {
+            miss_p50_ns: c.miss_quantile_ns(0.5),
+            miss_p99_ns: c.miss_quantile_ns(0.99),
+            hits: c.hits,
+            misses: c.misses,
+            waits: c.waits,
+            evictions: c.evictions,
+            writebacks: c.writebacks,
+            bytes_in: c.bytes_in,
+            bytes_out: c.bytes_out,
+            failures: c.failures,
+        }
+    }
+}
+
+/// An array of `T` over a source, read (and written) by GPU threads through a [`PageCache`].
+/// Dropping it writes dirty pages back (logging a failure; call [`close`](Self::close) to see
+/// it) and frees its frames; do that only while no kernel uses it.
+pub struct OnDemandArray<T: Element> {
+    cache: PageCache,
+    table: Option<PageTable>,
+    source: Endpoint,
+    len: u64,
+    _element: PhantomData<T>,
+}
+
+impl<T: Element> std::fmt::Debug for OnDemandArray<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OnDemandArray")
+            .field("len", &self.len)
+            .field("source", &self.source.to_string())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: Element> OnDemandArray<T> {
+    fn table(&self) -> &PageTable {
+        self.table.as_ref().expect("an open array has its table")
+    }
+
+    /// Elements.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it has no elements (never: arrays have at least one).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Pages.
+    pub fn pages(&self) -> u64 {
+        self.table().pages()
+    }
+
+    /// The cache it lives in.
+    pub fn cache(&self) -> &PageCache {
+        &self.cache
+    }
+
+    /// The descriptor a kernel takes by value as `gpuio_array_desc` (wrap it in
+    /// `gpuio_array<T>`). Only kernels on a GPU can use it: the host backend's part is
+    /// played by [`host_accessor`](Self::host_accessor).
+    pub fn device(&self) -> Result<ArrayDevice> {
+        let memory = &self.cache.inner.memory;
+        if memory.gpu().backend() == Backend::Host {
+            return Err(HalError::Unsupported {
+                what: "an on-demand array's kernel descriptor",
+                reason: "the host backend runs no kernels; use host_accessor()".into(),
+            }
+            .into());
+        }
+        let proxy = self.cache.inner.proxy.lock_unpoisoned();
+        Ok(memory.array_device(proxy.device()?, self.table()))
+    }
+
+    /// The HAL's parts of the array (its cache's memory, its page table, the ring), for
+    /// gpuio's own kernels (the GPU tests' checked reads and stores).
+    pub fn hal_parts(&self) -> (&Arc<PageCacheMemory>, &PageTable, Arc<RingMemory>) {
+        let ring = self.cache.inner.proxy.lock_unpoisoned().ring().clone();
+        (&self.cache.inner.memory, self.table(), ring)
+    }
+
+    /// Host threads' access to the array through the cache protocol (the host backend's
+    /// stand-in for GPU threads).
+    pub fn host_accessor(&self) -> Result<HostAccessor> {
+        let producer = self.cache.inner.proxy.lock_unpoisoned().host_producer()?;
+        Ok(HostAccessor::new(
+            self.cache.inner.memory.clone(),
+            self.table(),
+            producer,
+        )?)
+    }
+
+    /// Brings the pages holding elements `start .. start + count` into the cache (as many
+    /// as fit: a prefetch larger than the cache evicts its own first pages).
+    pub fn prefetch(&self, start: u64, count: u64) -> Result<()> {
+        let end = start
+            .checked_add(count)
+            .filter(|&e| e <= self.len)
+            .ok_or_else(|| {
+                CoreError::InvalidRequest(format!(
+                    "elements {start}..+{count} of an array of {}",
+                    self.len
+                ))
+            })?;
+        if count == 0 {
+            return Ok(());
+        }
+        let ps = self.cache.page_size() as u64;
+        let size = size_of::<T>() as u64;
+        let pages = start * size / ps..(end * size).div_ceil(ps);
+        self.run_pages(pages, false)
+    }
+
+    /// Writes every dirty page back to the source and waits for it (a file's data is then
+    /// flushed to storage). Call it after the kernels that stored into the array finished;
+    /// it also reports the first error a kernel's access met since the last check.
+    pub fn synchronize(&self) -> Result<()> {
+        self.run_pages(0..self.pages(), true)?;
+        if let Some(file) = self.source.durable_file() {
+            file.sync_data()?;
+        }
+        Ok(())
+    }
+
+    /// The first error kernels' accesses met since the last check (an index past the end, a
+    /// store to a read-only array, a failed miss or write-back), as an error: call it after
+    /// each kernel, since a failed access reads as zero.
+    pub fn check(&self) -> Result<()> {
+        match self.cache.inner.memory.take_error(self.table())? {
+            Some(code) => Err(HalError::OnDemand { code }.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// The array's counters.
+    pub fn stats(&self) -> Result<ArrayStats> {
+        Ok(self.cache.inner.memory.counters(self.table())?.into())
+    }
+
+    /// Writes dirty pages back and takes the array out of its cache.
+    pub fn close(mut self) -> Result<()> {
+        self.release()
+    }
+
+    fn run_pages(&self, pages: std::ops::Range<u64>, flush: bool) -> Result<()> {
+        let ring = self.cache.inner.proxy.lock_unpoisoned().ring().clone();
+        Ok(self
+            .cache
+            .inner
+            .memory
+            .run_pages(self.table(), &ring, pages, flush)?)
+    }
+
+    fn release(&mut self) -> Result<()> {
+        let Some(table) = self.table.as_ref() else {
+            return Ok(());
+        };
+        let flushed = if table.writable() {
+            self.synchronize()
+        } else {
+            Ok(())
+        };
+        let table = self.table.take().expect("checked above");
+        let resource = table.resource();
+        let removed = self.cache.inner.memory.remove_array(table);
+        let _ = self
+            .cache
+            .inner
+            .proxy
+            .lock_unpoisoned()
+            .unregister(resource);
+        flushed?;
+        Ok(removed?)
+    }
+}
+
+impl<T: Element> Drop for OnDemandArray<T> {
+    fn drop(&mut self) {
+        if let Err(e) = self.release() {
+            tracing::warn!(error = %e, "closing an on-demand array");
+        }
+    }
+}

@@ -1,0 +1,183 @@
+//! On-demand arrays with real kernels (the GPU machine, `GPUIO_REQUIRE_CUDA=1`): the layout
+//! the device compiler sees; GPU threads reading random elements of a file four times the
+//! cache and checking each against the data pattern; stores, `synchronize` and the file
+//! checked byte for byte; a page-size sweep. On the host backend these report that they need
+//! a GPU (the protocol itself runs in CI through `ondemand.rs`).
+
+use gpuio_core::ondemand::{ArrayMode, PageCache, PageCacheConfig};
+use gpuio_core::ring::RingConfig;
+use gpuio_core::{Endpoint, Engines};
+use gpuio_hal::{Backend, BackendPreference, Gpu, ondemand, pattern, probe};
+use gpuio_testkit::Requirement;
+use gpuio_transport_localio::{FileHandle, LocalIo, LocalIoConfig, OpenOptions};
+use gpuio_transport_memio::{MemIo, MemIoConfig};
+use std::sync::Arc;
+
+fn cuda() -> Option<(Engines, Gpu)> {
+    let p = probe(BackendPreference::Auto).unwrap();
+    if p.gpus[0].backend() == Backend::Host {
+        Requirement::Cuda.missing(format_args!(
+            "on-demand array kernels run only on a GPU ({})",
+            p.cuda.detail
+        ));
+        return None;
+    }
+    let gpu = p.gpus[0].clone();
+    let memio = MemIo::new(p.gpus, MemIoConfig::default()).unwrap();
+    let localio = LocalIo::new(LocalIoConfig::default()).unwrap();
+    Some((Engines::new(Arc::new(memio), Arc::new(localio)), gpu))
+}
+
+#[test]
+fn the_device_compiler_sees_the_same_array_layout() {
+    let Some((_, gpu)) = cuda() else { return };
+    let words = gpu.stream().unwrap().array_layout_words().unwrap();
+    let want: Vec<u64> = ondemand::constants().iter().map(|c| c.1).collect();
+    assert_eq!(words, want, "{:?}", ondemand::constants());
+}
+
+#[test]
+fn kernels_read_and_write_a_file_four_times_the_cache() {
+    let Some((engines, gpu)) = cuda() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("array.bin");
+    let seed = 0x0d0d;
+    for page in [512usize, 4096, 65536] {
+        let capacity = 16usize << 20;
+        let bytes = 4 * capacity as u64;
+        let mut data = vec![0u8; bytes as usize];
+        pattern::fill(&mut data, 0, seed);
+        std::fs::write(&path, &data).unwrap();
+        drop(data);
+        let file = FileHandle::open(
+            &path,
+            OpenOptions {
+                write: true,
+                ..OpenOptions::READ
+            },
+        )
+        .unwrap();
+        let cfg = PageCacheConfig {
+            page_size: page,
+            capacity,
+            // Fewer slots than GPU threads: posts wait for slots.
+            ring: RingConfig {
+                slots: 1024,
+                ..PageCacheConfig::default().ring
+            },
+        };
+        let cache = PageCache::new(engines.clone(), &gpu, cfg).unwrap();
+        let array = cache
+            .array::<u64>(Endpoint::file(&file, 0), bytes / 8, ArrayMode::ReadWrite)
+            .unwrap();
+        let (memory, table, ring) = array.hal_parts();
+        let stream = gpu.stream().unwrap();
+        let reads = 1u64 << 18;
+        let t = std::time::Instant::now();
+        let check = stream
+            .array_test_read(memory, table, &ring, reads, 8192, 1, seed, None)
+            .unwrap();
+        assert_eq!(check.reads, reads, "page {page}");
+        assert_eq!(
+            check.mismatches, 0,
+            "page {page}: first bad {:?}",
+            check.first_bad
+        );
+        array.check().unwrap();
+        let s = array.stats().unwrap();
+        assert!(
+            s.misses > 0 && s.evictions > 0 && s.failures == 0,
+            "page {page}: {s:?}"
+        );
+        println!(
+            "page {page}: {reads} checked reads in {:?}: {s:?}",
+            t.elapsed()
+        );
+        let t = std::time::Instant::now();
+
+        // Stores into every page (every 7th element), many evicted dirty along the way.
+        let (every, written) = (7u64, 0xbeef);
+        stream
+            .array_test_store(memory, table, &ring, every, written)
+            .unwrap();
+        array.check().unwrap();
+        println!("page {page}: stores in {:?}", t.elapsed());
+        let check = stream
+            .array_test_read(
+                memory,
+                table,
+                &ring,
+                reads,
+                8192,
+                2,
+                seed,
+                Some((every, written)),
+            )
+            .unwrap();
+        assert_eq!(
+            check.mismatches, 0,
+            "page {page} after stores: {:?}",
+            check.first_bad
+        );
+        let t = std::time::Instant::now();
+        array.synchronize().unwrap();
+        println!("page {page}: synchronize in {:?}", t.elapsed());
+        let s = array.stats().unwrap();
+        assert!(s.writebacks > 0 && s.bytes_out > 0, "page {page}: {s:?}");
+        let back = std::fs::read(&path).unwrap();
+        for (i, w) in back.chunks_exact(8).enumerate() {
+            let i = i as u64;
+            let want = if i.is_multiple_of(every) {
+                pattern::word_at(written, i)
+            } else {
+                pattern::word_at(seed, i)
+            };
+            assert_eq!(
+                u64::from_le_bytes(w.try_into().unwrap()),
+                want,
+                "page {page} element {i}"
+            );
+        }
+        println!(
+            "page {page}: {} misses, {} evictions, {} write-backs, miss p50 {:?} ns p99 {:?} ns",
+            s.misses, s.evictions, s.writebacks, s.miss_p50_ns, s.miss_p99_ns
+        );
+        array.close().unwrap();
+    }
+}
+
+#[test]
+fn kernel_errors_are_reported_not_read_as_data() {
+    let Some((engines, gpu)) = cuda() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("short.bin");
+    let mut data = vec![0u8; 1 << 20];
+    pattern::fill(&mut data, 0, 3);
+    std::fs::write(&path, &data).unwrap();
+    let file = FileHandle::open(&path, OpenOptions::READ).unwrap();
+    let cfg = PageCacheConfig {
+        capacity: 1 << 20,
+        ..PageCacheConfig::default()
+    };
+    let cache = PageCache::new(engines, &gpu, cfg).unwrap();
+    // Twice the file: reads of the second half fail.
+    let array = cache
+        .array::<u64>(Endpoint::file(&file, 0), (2 << 20) / 8, ArrayMode::ReadOnly)
+        .unwrap();
+    let (memory, table, ring) = array.hal_parts();
+    let stream = gpu.stream().unwrap();
+    let check = stream
+        .array_test_read(memory, table, &ring, 4096, 1024, 3, 3, None)
+        .unwrap();
+    assert!(
+        check.mismatches > 0,
+        "reads past the file's end came back as data"
+    );
+    assert!(array.check().is_err());
+    // Stores into a read-only array are refused and recorded.
+    stream
+        .array_test_store(memory, table, &ring, 64, 9)
+        .unwrap();
+    let e = array.check().unwrap_err();
+    assert!(e.to_string().contains("read-only"), "{e}");
+}

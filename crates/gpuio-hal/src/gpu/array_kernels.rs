@@ -1,0 +1,156 @@
+//! On-demand array kernels (`kernels/ondemand.cu`): bringing pages in or writing them back
+//! (what `OnDemandArray::prefetch` and `::synchronize` launch), the GPU tests' checked reads
+//! and stores, and the layout report compared with [`crate::ondemand::constants()`]. The host
+//! backend runs no kernels and refuses them ([`crate::ondemand::HostAccessor`] plays the
+//! GPU's part there).
+
+use super::Stream;
+use super::backend::ArrayLaunch;
+use crate::error::{HalError, Result};
+use crate::ondemand::{PageCacheMemory, PageTable};
+use crate::ring::RingMemory;
+use std::ops::Range;
+
+/// What the GPU test's checked reads found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArrayReadCheck {
+    /// Reads made.
+    pub reads: u64,
+    /// Reads whose value was not the expected one.
+    pub mismatches: u64,
+    /// The smallest index read wrong, if any.
+    pub first_bad: Option<u64>,
+}
+
+impl Stream {
+    /// Brings pages `pages` of `table` into `cache` (`flush == false`) or writes back those
+    /// of them that are dirty, with one GPU thread per page, misses and write-backs going
+    /// through `ring` (whose proxy must be serving it). Waits for the kernel.
+    pub(crate) fn array_pages(
+        &self,
+        cache: &PageCacheMemory,
+        table: &PageTable,
+        ring: &RingMemory,
+        pages: Range<u64>,
+        flush: bool,
+    ) -> Result<()> {
+        let array = self.array_device(cache, table, ring)?;
+        if pages.start > pages.end || pages.end > table.pages() {
+            return Err(HalError::InvalidArgument(format!(
+                "pages {pages:?} of an array of {} pages",
+                table.pages()
+            )));
+        }
+        let launch = ArrayLaunch::Pages {
+            array,
+            flush,
+            first: pages.start,
+            count: pages.end - pages.start,
+        };
+        // SAFETY: cache, table and ring are borrowed (allocated, the ring mapped) until this
+        // synchronous call returns; the caller keeps the proxy serving.
+        unsafe { self.inner.array_kernel(launch) }
+    }
+
+    /// The GPU test's reads: `threads` GPU threads make `reads` reads of random u64 elements
+    /// (from `salt`) of `table` and check each against word `i` of pattern `seed` (or of
+    /// `written` where `i` is a multiple of `every`, `every > 0`). Waits for the kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub fn array_test_read(
+        &self,
+        cache: &PageCacheMemory,
+        table: &PageTable,
+        ring: &RingMemory,
+        reads: u64,
+        threads: u32,
+        salt: u64,
+        seed: u64,
+        written: Option<(u64, u64)>,
+    ) -> Result<ArrayReadCheck> {
+        let array = self.array_device(cache, table, ring)?;
+        let (every, written) = written.unwrap_or((0, 0));
+        let out = self.gpu.alloc(24)?;
+        let mut init = [0u8; 24];
+        init[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        self.upload(&init, &out, 0)?;
+        let launch = ArrayLaunch::TestRead {
+            array,
+            reads,
+            salt,
+            seed,
+            every,
+            written,
+            out: out.range("array test counts", 0, 24)?,
+            threads,
+        };
+        // SAFETY: as for array_pages; `out` lives until the download below.
+        unsafe { self.inner.array_kernel(launch)? };
+        let mut raw = [0u8; 24];
+        self.download(&out, 0, &mut raw)?;
+        let w = |i: usize| u64::from_le_bytes(raw[i * 8..i * 8 + 8].try_into().unwrap_or_default());
+        Ok(ArrayReadCheck {
+            reads: w(2),
+            mismatches: w(0),
+            first_bad: (w(1) != u64::MAX).then(|| w(1)),
+        })
+    }
+
+    /// The GPU test's stores: word `i` of pattern `written` into every element `i` of `table`
+    /// that is a multiple of `every` (> 0). Waits for the kernel.
+    pub fn array_test_store(
+        &self,
+        cache: &PageCacheMemory,
+        table: &PageTable,
+        ring: &RingMemory,
+        every: u64,
+        written: u64,
+    ) -> Result<()> {
+        if every == 0 {
+            return Err(HalError::InvalidArgument("store every 0th element".into()));
+        }
+        let array = self.array_device(cache, table, ring)?;
+        let launch = ArrayLaunch::TestStore {
+            array,
+            every,
+            written,
+        };
+        // SAFETY: as for array_pages.
+        unsafe { self.inner.array_kernel(launch) }
+    }
+
+    /// The on-demand layout's constants as this device's compiler sees them, in the order of
+    /// [`crate::ondemand::constants()`].
+    pub fn array_layout_words(&self) -> Result<Vec<u64>> {
+        let n = crate::ondemand::constants().len();
+        let out = self.gpu.alloc(n * 8)?;
+        let launch = ArrayLaunch::Layout {
+            out: out.range("array layout", 0, n * 8)?,
+        };
+        // SAFETY: no cache or ring memory is involved; `out` lives until the download.
+        unsafe { self.inner.array_kernel(launch)? };
+        let mut bytes = vec![0u8; n * 8];
+        self.download(&out, 0, &mut bytes)?;
+        Ok(bytes
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
+            .collect())
+    }
+
+    fn array_device(
+        &self,
+        cache: &PageCacheMemory,
+        table: &PageTable,
+        ring: &RingMemory,
+    ) -> Result<crate::ondemand::ArrayDevice> {
+        for (what, gpu) in [("page cache", cache.gpu()), ("request ring", ring.gpu())] {
+            if !gpu.same_device(&self.gpu) {
+                return Err(HalError::WrongDevice {
+                    what,
+                    owner: gpu.to_string(),
+                    expected: self.gpu.to_string(),
+                });
+            }
+        }
+        Ok(cache.array_device(ring.device()?, table))
+    }
+}

@@ -1,0 +1,91 @@
+//! Launches of the on-demand array kernels (`kernels/ondemand.cu`).
+
+use super::driver::cuda_err;
+use super::stream::CudaStreamBackend;
+use crate::error::Result;
+use crate::gpu::backend::ArrayLaunch;
+use crate::ondemand::ArrayDevice;
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+
+// SAFETY: ArrayDevice is `#[repr(C)]` of plain integers with no padding (its const asserts
+// pin every offset), the exact bytes `struct gpuio_array_desc` expects by value.
+unsafe impl DeviceRepr for ArrayDevice {}
+
+impl CudaStreamBackend {
+    /// Runs one on-demand array kernel and waits for it.
+    ///
+    /// # Safety
+    /// As `StreamBackend::array_kernel`: the cache, tables and ring the descriptor names stay
+    /// allocated (the ring mapped and served) until this returns.
+    pub(super) unsafe fn launch_array(&self, launch: ArrayLaunch<'_>) -> Result<()> {
+        let kernels = self.shared.array_kernels()?;
+        self.shared.bind()?;
+        match launch {
+            ArrayLaunch::Pages {
+                array,
+                flush,
+                first,
+                count,
+            } => {
+                let cfg = self.shared.launch_config(count);
+                let mut l = self
+                    .stream
+                    .launch_builder(&kernels[if flush { 1 } else { 0 }]);
+                l.arg(&array).arg(&first).arg(&count);
+                // SAFETY: the arguments match gpuio_array_touch / gpuio_array_flush; they
+                // touch the pages first..first+count of the array (the caller checked the
+                // range) and the cache's memory, alive until the synchronize below.
+                unsafe { l.launch(cfg) }.map_err(cuda_err("cuLaunchKernel(gpuio_array_pages)"))?;
+            }
+            ArrayLaunch::TestRead {
+                array,
+                reads,
+                salt,
+                seed,
+                every,
+                written,
+                out,
+                threads,
+            } => {
+                let cfg = self.shared.launch_config(u64::from(threads.max(1)));
+                let o = out.addr();
+                let mut l = self.stream.launch_builder(&kernels[2]);
+                l.arg(&array).arg(&reads).arg(&salt).arg(&seed);
+                l.arg(&every).arg(&written).arg(&o);
+                // SAFETY: matches gpuio_array_test_read, which writes three u64s at `out` (a
+                // range checked to hold them) and reads through the array as above.
+                unsafe { l.launch(cfg) }
+                    .map_err(cuda_err("cuLaunchKernel(gpuio_array_test_read)"))?;
+            }
+            ArrayLaunch::TestStore {
+                array,
+                every,
+                written,
+            } => {
+                let count = (array.bytes / 8).div_ceil(every.max(1));
+                let cfg = self.shared.launch_config(count);
+                let mut l = self.stream.launch_builder(&kernels[3]);
+                l.arg(&array).arg(&every).arg(&written);
+                // SAFETY: matches gpuio_array_test_store, which stores through the array only.
+                unsafe { l.launch(cfg) }
+                    .map_err(cuda_err("cuLaunchKernel(gpuio_array_test_store)"))?;
+            }
+            ArrayLaunch::Layout { out } => {
+                let o = out.addr();
+                let one = LaunchConfig {
+                    grid_dim: (1, 1, 1),
+                    block_dim: (1, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut l = self.stream.launch_builder(&kernels[4]);
+                l.arg(&o);
+                // SAFETY: the kernel writes ondemand::constants().len() u64s at `out`, a range
+                // checked to hold them.
+                unsafe { l.launch(one) }.map_err(cuda_err("cuLaunchKernel(gpuio_array_layout)"))?;
+            }
+        }
+        self.stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))
+    }
+}

@@ -1,0 +1,58 @@
+//! On-demand arrays' GPU-resident page cache: the memory and the protocol that GPU threads
+//! (`kernels/gpuio_array.cuh`) and host threads ([`HostAccessor`]) follow to read and write
+//! elements of an array bigger than GPU memory, with misses and write-backs going through the
+//! request ring ([`crate::ring`]). What an array *is* to users (its source, prefetch,
+//! synchronize, statistics) is gpuio-core's `OnDemandArray`.
+//!
+//! Its files: `layout.rs` (entry and owner bits, the slot and statistics blocks, the
+//! descriptors kernels receive; mirrored by `gpuio_array.cuh`), `memory.rs`
+//! ([`PageCacheMemory`], [`PageTable`]: allocation, arrays in and out, counters, errors, all
+//! between kernels), `twin.rs` ([`HostAccessor`]: the protocol on host threads).
+//!
+//! # Protocol
+//!
+//! A cache has `nframes` frames of `page_size` bytes in device memory, shared by up to 64
+//! arrays. Each array has a page table of one u64 **entry** per page: a state (EMPTY,
+//! FILLING, VALID, EVICTING), a dirty bit, a pin count and a frame. Each frame has an
+//! **owner** word (free, or the slot and page it holds, with a LOCKED bit) and a reference
+//! bit.
+//!
+//! - **Hit**: add a pin to the entry (one atomic add). If the old value was VALID, the frame
+//!   is this thread's to read (and, for a store, to write after setting DIRTY) until it
+//!   takes the pin off. Otherwise it takes the pin off again.
+//! - **Miss**: a thread that finds the entry EMPTY claims it with a compare-and-swap to
+//!   FILLING; others wait for it (a page is read once however many threads want it). The
+//!   claimer takes a frame, reads the page into it through the ring, and turns the entry
+//!   VALID with its own pin already added (so the page it paid for is its to read).
+//! - **Taking a frame** (CLOCK): advance the shared hand; skip frames referenced since the
+//!   last pass (clearing the bit: a second chance) and frames LOCKED by another thread; lock
+//!   one with a compare-and-swap of its owner. A free frame is taken. An
+//!   owned one is evicted only if its page's entry is VALID, unpinned and points at it: one
+//!   compare-and-swap of the entry turns it EVICTING, which no pin can race, since the pins
+//!   live in the same word. A dirty page is written back through the ring before the entry
+//!   is emptied; if that fails, the page stays VALID and dirty and the miss fails. A GPU lane
+//!   looks at 128 frames per round of its warp and tries again next round, so that the lanes
+//!   of its warp holding frames for their fills finish them meanwhile (a lane spinning for a
+//!   frame while its own warp holds frames could wait for ever); after 5 s without a frame
+//!   the miss fails with `RESULT_NO_FRAME` (every frame stayed pinned), so a kernel gets an
+//!   error instead of hanging.
+//! - **Flush**: a VALID dirty page with no pins goes EVICTING with its dirty bit cleared, is
+//!   written back, and goes VALID again (dirty again if the write-back failed). A store after
+//!   that sets the bit again.
+//!
+//! Write-back order: a page reaches its source when it is evicted or flushed, each page as
+//! one ring WRITE of the page (the last page of the source only up to its end). Nothing
+//! orders write-backs of different pages; a flush returns once every page it wrote back is
+//! written (`OnDemandArray::synchronize`).
+//!
+//! Errors: a device access that fails records the first failure's code in the array's slot
+//! (`ArraySlot::error`); the host reads it with [`PageCacheMemory::take_error`] after the
+//! kernel, so a kernel's failed reads never pass for data.
+
+mod layout;
+mod memory;
+mod twin;
+
+pub use layout::*;
+pub use memory::{ArrayCounters, PageCacheMemory, PageTable};
+pub use twin::HostAccessor;

@@ -1,0 +1,565 @@
+// gpuio on-demand arrays, device side: gpuio_array<T> indexes an array bigger than GPU memory
+// (a file, host or CXL memory, a remote export) through a page cache in GPU memory. A miss is
+// read through the request ring (gpuio_ring.cuh) by one thread of the warps that want the page,
+// however many there are; hits touch only the page table and the frame.
+//
+// The layout and constants mirror crates/gpuio-hal/src/ondemand/layout.rs and the protocol its
+// mod.rs documents (HostAccessor in twin.rs follows it on host threads for CI). Change both
+// together and bump GPUIO_ARRAY_VERSION.
+//
+// Rules for callers:
+// - Needs sm_70 or newer (acquire/release atomics, independent thread scheduling).
+// - Every access is warp-cooperative over the lanes active at the call (as
+//   gpuio_read_each_warp is): call get/store/gather from converged code, not from a lane
+//   waiting for another lane of its warp.
+// - A failed access (an index past the end, a store to a read-only array, a failed read or
+//   write-back, no free frame) returns T() and records the first error in the array's slot;
+//   the host reads it after the kernel (OnDemandArray::check), so failures never pass as data.
+// - Stores to one element from two threads race as they would in a plain array.
+#ifndef GPUIO_ARRAY_CUH
+#define GPUIO_ARRAY_CUH
+
+#ifndef GPUIO_RING_CUH
+#include "gpuio_ring.cuh"
+#endif
+
+#define GPUIO_ARRAY_VERSION 1u
+
+// Page-table entry (one u64 per page).
+#define GPUIO_PAGE_FRAME_MASK 0xFFFFFFFFull
+#define GPUIO_PAGE_PIN_ONE (1ull << 32)
+#define GPUIO_PAGE_PIN_MASK (0xFFFFFFull << 32)
+#define GPUIO_PAGE_DIRTY (1ull << 58)
+#define GPUIO_PAGE_STATE_SHIFT 60
+#define GPUIO_PAGE_STATE_MASK (3ull << 60)
+#define GPUIO_PAGE_EMPTY 0ull
+#define GPUIO_PAGE_FILLING 1ull
+#define GPUIO_PAGE_VALID 2ull
+#define GPUIO_PAGE_EVICTING 3ull
+
+// Frame owner word (one u64 per frame).
+#define GPUIO_FRAME_FREE 0ull
+#define GPUIO_FRAME_LOCKED (1ull << 63)
+#define GPUIO_FRAME_OWNED (1ull << 62)
+#define GPUIO_FRAME_SLOT_SHIFT 48
+#define GPUIO_FRAME_PAGE_MASK ((1ull << 48) - 1ull)
+
+#define GPUIO_ARRAY_MAX_ARRAYS 64
+#define GPUIO_ARRAY_LIVE 1u
+#define GPUIO_ARRAY_WRITABLE 2u
+// How long (ns) a miss looks for a frame before it gives up with GPUIO_ERROR_BUSY: frames
+// locked by fills in progress come free as those finish, so only a cache whose every frame
+// stays pinned runs into it.
+#define GPUIO_ARRAY_NO_FRAME_NS 5000000000ull
+
+// Statistics: per array, STAT_STRIPES lines of 8 counters, then the miss-latency histogram.
+#define GPUIO_STAT_STRIPES 16
+#define GPUIO_STAT_COUNTERS 8
+#define GPUIO_STAT_HITS 0
+#define GPUIO_STAT_MISSES 1
+#define GPUIO_STAT_WAITS 2
+#define GPUIO_STAT_EVICTIONS 3
+#define GPUIO_STAT_WRITEBACKS 4
+#define GPUIO_STAT_BYTES_IN 5
+#define GPUIO_STAT_BYTES_OUT 6
+#define GPUIO_STAT_FAILURES 7
+#define GPUIO_STAT_BUCKETS 128
+#define GPUIO_STAT_WORDS (GPUIO_STAT_STRIPES * GPUIO_STAT_COUNTERS + GPUIO_STAT_BUCKETS)
+
+// One array's entry in the cache's slot table (gpuio_hal::ondemand::ArraySlot).
+struct __align__(64) gpuio_array_slot {
+    unsigned long long table;
+    unsigned long long pages;
+    unsigned long long bytes;
+    unsigned int resource;
+    unsigned int flags;
+    long long error;
+    unsigned long long reserved[3];
+};
+
+// A page cache (gpuio_hal::ondemand::CacheDevice).
+struct gpuio_cache {
+    gpuio_ring ring;
+    unsigned long long frames;
+    unsigned long long owners;
+    unsigned long long refs;
+    unsigned long long slots;
+    unsigned long long stats;
+    unsigned long long clock;
+    unsigned long long nframes;
+    unsigned long long page_size;
+    unsigned int page_shift;
+    unsigned int version;
+};
+
+// One array (gpuio_hal::ondemand::ArrayDevice): what OnDemandArray::device() returns.
+struct gpuio_array_desc {
+    gpuio_cache cache;
+    unsigned long long table;
+    unsigned long long pages;
+    unsigned long long bytes;
+    unsigned int resource;
+    unsigned int slot;
+    unsigned int flags;
+    unsigned int reserved;
+};
+
+static_assert(sizeof(gpuio_array_slot) == 64, "gpuio_array_slot size");
+static_assert(sizeof(gpuio_cache) == 120, "gpuio_cache size");
+static_assert(sizeof(gpuio_array_desc) == 160, "gpuio_array_desc size");
+#ifndef __CUDACC_RTC__
+static_assert(__builtin_offsetof(gpuio_array_slot, error) == 32, "slot.error");
+static_assert(__builtin_offsetof(gpuio_cache, frames) == 48, "cache.frames");
+static_assert(__builtin_offsetof(gpuio_cache, page_shift) == 112, "cache.page_shift");
+static_assert(__builtin_offsetof(gpuio_array_desc, table) == 120, "array.table");
+static_assert(__builtin_offsetof(gpuio_array_desc, resource) == 144, "array.resource");
+static_assert(__builtin_offsetof(gpuio_array_desc, flags) == 152, "array.flags");
+#endif
+
+// ---- Device-scope atomics with ordering (PTX, sm_70+) ----------------------------------------
+
+__device__ __forceinline__ unsigned long long gpuio_atom_add(unsigned long long* p,
+                                                            unsigned long long v) {
+    unsigned long long old;
+    asm volatile("atom.add.acq_rel.gpu.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+    return old;
+}
+
+__device__ __forceinline__ unsigned long long gpuio_atom_cas(unsigned long long* p,
+                                                            unsigned long long cmp,
+                                                            unsigned long long v) {
+    unsigned long long old;
+    asm volatile("atom.cas.acq_rel.gpu.b64 %0, [%1], %2, %3;"
+                 : "=l"(old)
+                 : "l"(p), "l"(cmp), "l"(v)
+                 : "memory");
+    return old;
+}
+
+__device__ __forceinline__ unsigned long long gpuio_atom_and(unsigned long long* p,
+                                                            unsigned long long v) {
+    unsigned long long old;
+    asm volatile("atom.and.acq_rel.gpu.b64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+    return old;
+}
+
+__device__ __forceinline__ unsigned long long gpuio_atom_or(unsigned long long* p,
+                                                           unsigned long long v) {
+    unsigned long long old;
+    asm volatile("atom.or.acq_rel.gpu.b64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+    return old;
+}
+
+__device__ __forceinline__ unsigned long long gpuio_ld_acquire(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void gpuio_st_release(unsigned long long* p, unsigned long long v) {
+    asm volatile("st.release.gpu.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+}
+
+// ---- The protocol -----------------------------------------------------------------------------
+
+__device__ __forceinline__ unsigned long long gpuio_page_state(unsigned long long e) {
+    return (e & GPUIO_PAGE_STATE_MASK) >> GPUIO_PAGE_STATE_SHIFT;
+}
+
+__device__ __forceinline__ unsigned long long* gpuio_array_entry(const gpuio_array_desc* a,
+                                                                 unsigned long long page) {
+    return (unsigned long long*)a->table + page;
+}
+
+__device__ __forceinline__ unsigned char* gpuio_frame(const gpuio_cache* c, unsigned int f) {
+    return (unsigned char*)c->frames + ((unsigned long long)f << c->page_shift);
+}
+
+__device__ __forceinline__ unsigned long long* gpuio_array_stats(const gpuio_cache* c,
+                                                                 unsigned int slot) {
+    return (unsigned long long*)c->stats + (unsigned long long)slot * GPUIO_STAT_WORDS;
+}
+
+__device__ __forceinline__ void gpuio_array_count(const gpuio_cache* c, unsigned int slot,
+                                                  int counter, unsigned long long n) {
+    unsigned int sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    atomicAdd(gpuio_array_stats(c, slot) + (sm % GPUIO_STAT_STRIPES) * GPUIO_STAT_COUNTERS +
+                  counter,
+              n);
+}
+
+// Quarter-octave bucket of a latency in ns (gpuio_hal::ondemand::latency_bucket).
+__device__ __forceinline__ unsigned int gpuio_latency_bucket(unsigned long long ns) {
+    if (ns < 4ull) return (unsigned int)ns;
+    const unsigned int msb = 63u - (unsigned int)__clzll((long long)ns);
+    const unsigned int b = (msb - 1u) * 4u + (unsigned int)((ns >> (msb - 2u)) & 3ull);
+    return b < GPUIO_STAT_BUCKETS ? b : GPUIO_STAT_BUCKETS - 1;
+}
+
+// Records the array's first error (the host reads and clears it).
+__device__ __forceinline__ void gpuio_array_fail(const gpuio_cache* c, unsigned int slot,
+                                                 long long code) {
+    gpuio_array_slot* s = (gpuio_array_slot*)c->slots + slot;
+    atomicCAS((unsigned long long*)&s->error, 0ull, (unsigned long long)code);
+}
+
+__device__ __forceinline__ void gpuio_frame_reference(const gpuio_cache* c, unsigned int f) {
+    unsigned int* r = (unsigned int*)c->refs + f;
+    if (*(volatile unsigned int*)r == 0u) *(volatile unsigned int*)r = 1u;
+}
+
+// Bytes of `page` in a source of `bytes` bytes.
+__device__ __forceinline__ unsigned long long gpuio_page_len(const gpuio_cache* c,
+                                                             unsigned long long bytes,
+                                                             unsigned long long page) {
+    const unsigned long long rest = bytes - (page << c->page_shift);
+    return rest < c->page_size ? rest : c->page_size;
+}
+
+// Writes frame f, holding `page` of the array in slot `slot`, back to its source (one thread).
+__device__ __forceinline__ long long gpuio_write_back(const gpuio_cache* c, unsigned int slot,
+                                                      unsigned long long page, unsigned int f) {
+    const gpuio_array_slot* s = (const gpuio_array_slot*)c->slots + slot;
+    const unsigned long long len = gpuio_page_len(c, s->bytes, page);
+    const long long res =
+        gpuio_write(&c->ring, s->resource, page << c->page_shift, len, gpuio_frame(c, f));
+    if (res < 0) {
+        gpuio_array_count(c, slot, GPUIO_STAT_FAILURES, 1);
+        gpuio_array_fail(c, slot, res);
+    } else {
+        gpuio_array_count(c, slot, GPUIO_STAT_WRITEBACKS, 1);
+        gpuio_array_count(c, slot, GPUIO_STAT_BYTES_OUT, len);
+    }
+    return res;
+}
+
+// Evicts the page frame f (locked by this thread) holds: 1 done, 0 not now, < 0 its
+// write-back failed (the page stays cached and dirty).
+__device__ __forceinline__ long long gpuio_evict(const gpuio_cache* c, unsigned int f,
+                                                 unsigned long long owner) {
+    const unsigned int slot = (unsigned int)((owner >> GPUIO_FRAME_SLOT_SHIFT) & 0xffull);
+    const unsigned long long page = owner & GPUIO_FRAME_PAGE_MASK;
+    const gpuio_array_slot* s = (const gpuio_array_slot*)c->slots + slot;
+    if (!(s->flags & GPUIO_ARRAY_LIVE) || page >= s->pages) return 1;  // its array is gone
+    unsigned long long* e = (unsigned long long*)s->table + page;
+    const unsigned long long cur = gpuio_ld_acquire(e);
+    if (gpuio_page_state(cur) != GPUIO_PAGE_VALID || (cur & GPUIO_PAGE_PIN_MASK) != 0ull ||
+        (unsigned int)(cur & GPUIO_PAGE_FRAME_MASK) != f) {
+        return 0;
+    }
+    const unsigned long long evicting =
+        (cur & ~GPUIO_PAGE_STATE_MASK) | (GPUIO_PAGE_EVICTING << GPUIO_PAGE_STATE_SHIFT);
+    if (gpuio_atom_cas(e, cur, evicting) != cur) return 0;
+    if (cur & GPUIO_PAGE_DIRTY) {
+        const long long res = gpuio_write_back(c, slot, page, f);
+        if (res < 0) {
+            gpuio_atom_add(e, 0ull - ((GPUIO_PAGE_EVICTING - GPUIO_PAGE_VALID)
+                                      << GPUIO_PAGE_STATE_SHIFT));
+            return res;
+        }
+    }
+    gpuio_atom_and(e, GPUIO_PAGE_PIN_MASK);
+    gpuio_array_count(c, slot, GPUIO_STAT_EVICTIONS, 1);
+    return 1;
+}
+
+// gpuio_try_take_frame found no frame this time: try again after the warp's round.
+#define GPUIO_ARRAY_RETRY (-(1ll << 62))
+// Frames the clock examines per try.
+#define GPUIO_ARRAY_TRIES 128u
+
+// A frame for `page` of the array in `slot`, locked and owned by it; GPUIO_ARRAY_RETRY when
+// none came free in GPUIO_ARRAY_TRIES frames (the caller's warp goes on meanwhile: lanes that
+// hold frames for their fills finish them, so nobody waits for a frame while its own warp
+// holds one); or a negative code (a failed write-back, or none for GPUIO_ARRAY_NO_FRAME_NS
+// since `since`).
+__device__ __forceinline__ long long gpuio_try_take_frame(const gpuio_cache* c, unsigned int slot,
+                                                          unsigned long long page,
+                                                          unsigned long long since) {
+    unsigned long long* clock = (unsigned long long*)c->clock;
+    unsigned long long* owners = (unsigned long long*)c->owners;
+    unsigned int* refs = (unsigned int*)c->refs;
+    // The hand moves by the whole try at once: one atomic per try, not per frame (thousands
+    // of lanes adding to one word one frame at a time made the clock the bottleneck).
+    const unsigned long long hand = atomicAdd(clock, (unsigned long long)GPUIO_ARRAY_TRIES);
+    for (unsigned int attempt = 0; attempt < GPUIO_ARRAY_TRIES; attempt++) {
+        const unsigned int f = (unsigned int)((hand + attempt) % c->nframes);
+        // CLOCK: a frame used since the hand last passed gets a second chance.
+        if (*(volatile unsigned int*)(refs + f) != 0u) {
+            *(volatile unsigned int*)(refs + f) = 0u;
+            continue;
+        }
+        const unsigned long long cur = gpuio_ld_acquire(owners + f);
+        if ((cur & GPUIO_FRAME_LOCKED) ||
+            gpuio_atom_cas(owners + f, cur, cur | GPUIO_FRAME_LOCKED) != cur) {
+            continue;
+        }
+        if (cur & GPUIO_FRAME_OWNED) {
+            const long long ev = gpuio_evict(c, f, cur);
+            if (ev <= 0) {
+                gpuio_st_release(owners + f, cur);
+                if (ev < 0) return ev;
+                continue;
+            }
+        }
+        gpuio_st_release(owners + f, GPUIO_FRAME_LOCKED | GPUIO_FRAME_OWNED |
+                                         ((unsigned long long)slot << GPUIO_FRAME_SLOT_SHIFT) |
+                                         (page & GPUIO_FRAME_PAGE_MASK));
+        return (long long)f;
+    }
+    if (gpuio_ring_now_ns() - since > GPUIO_ARRAY_NO_FRAME_NS) {
+        gpuio_array_fail(c, slot, GPUIO_ERROR_BUSY);
+        return GPUIO_ERROR_BUSY;
+    }
+    return GPUIO_ARRAY_RETRY;
+}
+
+// A lead lane's progress on a miss, kept across the rounds of its warp.
+struct gpuio_miss {
+    int frameless;             // it claimed the page (FILLING) and looks for a frame
+    int waited;                // it found the page being filled or written back by another
+    unsigned long long start;  // when it claimed the page (ns)
+};
+
+// One round of a warp's accesses: every active lane calls it together, each with its own
+// page; `lead` is non-zero for one lane per page wanted (the `n` lanes wanting it share the
+// pin). A lead lane gets its page's frame pinned `n` times (>= 0), GPUIO_ARRAY_RETRY (not
+// yet: the page is being filled or written back by another warp, or no frame came free), or a
+// negative code. Misses claimed in this round are read through the ring together, their
+// staged bytes copied by the whole warp. No pin outlives the round (gpuio_array_visit takes
+// them off), and no lane waits in it for anything another warp's pins could hold up: a warp
+// that kept pins while its lanes waited for frames could starve every other warp of them.
+__device__ __forceinline__ long long gpuio_array_round(const gpuio_array_desc* a, int lead,
+                                                      unsigned long long page,
+                                                      unsigned long long n, gpuio_miss* m) {
+    const unsigned int active = __activemask();
+    const gpuio_cache* c = &a->cache;
+    unsigned long long* e = lead ? gpuio_array_entry(a, page) : (unsigned long long*)0;
+    long long result = GPUIO_ARRAY_RETRY;
+    int claimed = 0;
+    if (lead && !m->frameless) {
+        const unsigned long long old = gpuio_atom_add(e, n * GPUIO_PAGE_PIN_ONE);
+        if (gpuio_page_state(old) == GPUIO_PAGE_VALID) {
+            result = (long long)(old & GPUIO_PAGE_FRAME_MASK);
+            gpuio_frame_reference(c, (unsigned int)result);
+            gpuio_array_count(c, a->slot, m->waited ? GPUIO_STAT_WAITS : GPUIO_STAT_HITS, n);
+        } else {
+            gpuio_atom_add(e, 0ull - n * GPUIO_PAGE_PIN_ONE);
+            const unsigned long long cur = gpuio_ld_acquire(e);
+            if (gpuio_page_state(cur) == GPUIO_PAGE_EMPTY &&
+                gpuio_atom_cas(e, cur, cur | (GPUIO_PAGE_FILLING << GPUIO_PAGE_STATE_SHIFT)) ==
+                    cur) {
+                m->frameless = 1;
+                m->start = gpuio_ring_now_ns();
+            } else if (gpuio_page_state(cur) != GPUIO_PAGE_EMPTY) {
+                m->waited = 1;
+            }
+        }
+    }
+    if (lead && m->frameless) {
+        const long long f = gpuio_try_take_frame(c, a->slot, page, m->start);
+        if (f >= 0) {
+            gpuio_atom_or(e, (unsigned long long)f);
+            result = f;
+            claimed = 1;
+            m->frameless = 0;
+        } else if (f != GPUIO_ARRAY_RETRY) {
+            gpuio_atom_and(e, GPUIO_PAGE_PIN_MASK);
+            result = f;
+            m->frameless = 0;
+        }
+    }
+    // The claimed pages' reads, their staged bytes copied by the whole warp together.
+    if (__any_sync(active, claimed)) {
+        const unsigned long long len = claimed ? gpuio_page_len(c, a->bytes, page) : 0ull;
+        const long long res = gpuio_read_each_warp_if(
+            &c->ring, claimed, a->resource, claimed ? page << c->page_shift : 0ull, len,
+            claimed ? gpuio_frame(c, (unsigned int)result) : (unsigned char*)0);
+        // Every lane's share of the copied bytes is visible before the page turns VALID.
+        __threadfence();
+        if (claimed) {
+            unsigned long long* owner = (unsigned long long*)c->owners + result;
+            if (res < 0) {
+                gpuio_st_release(owner, GPUIO_FRAME_FREE);
+                gpuio_atom_and(e, GPUIO_PAGE_PIN_MASK);
+                gpuio_array_count(c, a->slot, GPUIO_STAT_FAILURES, 1);
+                gpuio_array_fail(c, a->slot, res);
+                result = res;
+            } else {
+                gpuio_st_release(owner, GPUIO_FRAME_OWNED |
+                                            ((unsigned long long)a->slot
+                                             << GPUIO_FRAME_SLOT_SHIFT) |
+                                            page);
+                gpuio_frame_reference(c, (unsigned int)result);
+                // VALID with this round's pins already on: the page it paid for is its own.
+                gpuio_atom_add(e, ((GPUIO_PAGE_VALID - GPUIO_PAGE_FILLING)
+                                   << GPUIO_PAGE_STATE_SHIFT) +
+                                      n * GPUIO_PAGE_PIN_ONE);
+                gpuio_array_count(c, a->slot, GPUIO_STAT_MISSES, 1);
+                gpuio_array_count(c, a->slot, GPUIO_STAT_BYTES_IN, len);
+                unsigned long long* hist =
+                    gpuio_array_stats(c, a->slot) + GPUIO_STAT_STRIPES * GPUIO_STAT_COUNTERS;
+                atomicAdd(hist + gpuio_latency_bucket(gpuio_ring_now_ns() - m->start), 1ull);
+                if (n > 1ull) gpuio_array_count(c, a->slot, GPUIO_STAT_WAITS, n - 1ull);
+            }
+        }
+    }
+    return result;
+}
+
+// Takes the pins of a round off again.
+__device__ __forceinline__ void gpuio_array_unpin(const gpuio_array_desc* a,
+                                                  unsigned long long page, unsigned long long n) {
+    gpuio_atom_add(gpuio_array_entry(a, page), 0ull - n * GPUIO_PAGE_PIN_ONE);
+}
+
+// Every active lane of a warp calls it together, each for its own page (`want` zero: none);
+// `use(frame)` runs once per wanting lane, in the round its page is pinned, with the frame
+// (>= 0) or the access's negative code; the pins come off right after. Lanes wanting one page
+// share one pin, and the warp's misses are read together.
+template <class Use>
+__device__ __forceinline__ void gpuio_array_visit(const gpuio_array_desc* a, int want,
+                                                  unsigned long long page, Use use) {
+    const unsigned int active = __activemask();
+    gpuio_miss m = {0, 0, 0ull};
+    int finished = !want;
+    unsigned int ns = 32u;
+    while (__any_sync(active, !finished)) {
+        const unsigned int peers = __match_any_sync(active, finished ? ~0ull : page);
+        const int leader = __ffs(peers) - 1;
+        const int lead = !finished && (int)gpuio_ring_lane_id() == leader;
+        const unsigned long long n = __popc(peers);
+        const long long mine = gpuio_array_round(a, lead, page, n, &m);
+        const long long frame = __shfl_sync(active, mine, leader);
+        const int retry = !finished && frame == GPUIO_ARRAY_RETRY;
+        if (!finished && !retry) {
+            use(frame);
+            finished = 1;
+        }
+        // Every lane is done with the frame before its leader takes the pins off.
+        __syncwarp(active);
+        if (lead && mine >= 0) gpuio_array_unpin(a, page, n);
+        if (retry) gpuio_ring_backoff(&ns);
+    }
+}
+
+// Writes `page` back if cached and dirty (one thread; waits for its pins to go).
+__device__ __forceinline__ long long gpuio_array_flush_page(const gpuio_array_desc* a,
+                                                            unsigned long long page) {
+    unsigned long long* e = gpuio_array_entry(a, page);
+    unsigned int ns = 32u;
+    for (;;) {
+        const unsigned long long cur = gpuio_ld_acquire(e);
+        if (gpuio_page_state(cur) != GPUIO_PAGE_VALID || !(cur & GPUIO_PAGE_DIRTY)) return 0;
+        if ((cur & GPUIO_PAGE_PIN_MASK) == 0ull) {
+            const unsigned long long ev =
+                (cur & ~(GPUIO_PAGE_STATE_MASK | GPUIO_PAGE_DIRTY)) |
+                (GPUIO_PAGE_EVICTING << GPUIO_PAGE_STATE_SHIFT);
+            if (gpuio_atom_cas(e, cur, ev) == cur) {
+                const long long res = gpuio_write_back(
+                    &a->cache, a->slot, page, (unsigned int)(cur & GPUIO_PAGE_FRAME_MASK));
+                gpuio_atom_add(e, 0ull - ((GPUIO_PAGE_EVICTING - GPUIO_PAGE_VALID)
+                                          << GPUIO_PAGE_STATE_SHIFT));
+                if (res < 0) gpuio_atom_or(e, GPUIO_PAGE_DIRTY);
+                return res < 0 ? res : 0;
+            }
+        }
+        gpuio_ring_backoff(&ns);
+    }
+}
+
+// ---- gpuio_array<T> ----------------------------------------------------------------------------
+
+template <typename T>
+struct gpuio_array {
+    gpuio_array_desc d;
+
+    __device__ gpuio_array(const gpuio_array_desc& desc) : d(desc) {}
+
+    // Elements.
+    __device__ __forceinline__ unsigned long long size() const { return d.bytes / sizeof(T); }
+
+    // The element at `i` (T() and a recorded error if it cannot be had).
+    __device__ __forceinline__ T get(unsigned long long i) const { return access(i, 0, T()); }
+
+    __device__ __forceinline__ T operator[](unsigned long long i) const { return get(i); }
+
+    // Stores `v` at `i` (the page becomes dirty; eviction or synchronize writes it back).
+    __device__ __forceinline__ void store(unsigned long long i, T v) const { access(i, 1, v); }
+
+    // out[k] = arr[idx[k]] for k < n, the grid's threads taking k = tid, tid + stride, ...
+    // (warp-coalesced: lanes wanting one page pin it once).
+    __device__ __forceinline__ void gather(const unsigned long long* idx, T* out,
+                                           unsigned long long n) const {
+        const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+        const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x;
+        // A warp-uniform trip count: every lane reaches each collective call.
+        for (unsigned long long base = first; base < n; base += stride) {
+            const unsigned long long k = base + threadIdx.x;
+            if (k < n) out[k] = get(idx[k]);
+        }
+    }
+
+    // Elements first .. first + count into out, by the calling warp's active lanes together
+    // (every lane passes the same arguments): each page of the span pinned once.
+    __device__ __forceinline__ void read_span(unsigned long long first, unsigned long long count,
+                                              T* out) const {
+        const unsigned int active = __activemask();
+        const unsigned int lanes = __popc(active);
+        const unsigned int rank = __popc(active & gpuio_ring_lanemask_lt());
+        const gpuio_cache* c = &d.cache;
+        if (first > size() || count > size() - first) {
+            if (rank == 0) gpuio_array_fail(c, d.slot, GPUIO_ERROR_INVALID_ARG);
+            for (unsigned long long j = rank; j < count; j += lanes) out[j] = T();
+            return;
+        }
+        for (unsigned long long done = 0; done < count;) {
+            const unsigned long long byte = (first + done) * sizeof(T);
+            const unsigned long long at = byte & (c->page_size - 1ull);
+            const unsigned long long left = count - done;
+            const unsigned long long in_page = (c->page_size - at) / sizeof(T);
+            const unsigned long long n = in_page < left ? in_page : left;
+            T* to = out + done;
+            gpuio_array_visit(&d, 1, byte >> c->page_shift, [&](long long frame) {
+                const T* from = (const T*)(gpuio_frame(c, (unsigned int)frame) + at);
+                for (unsigned long long j = rank; j < n; j += lanes) {
+                    to[j] = frame >= 0 ? from[j] : T();
+                }
+            });
+            done += n;
+        }
+    }
+
+    // One access by every active lane (each its own index): lanes wanting one page share
+    // one pin; `write` stores `v` instead of reading.
+    __device__ __forceinline__ T access(unsigned long long i, int write, T v) const {
+        const gpuio_cache* c = &d.cache;
+        const int ok_index = i < size();
+        const int ok_mode = !write || (d.flags & GPUIO_ARRAY_WRITABLE);
+        if (!ok_index) gpuio_array_fail(c, d.slot, GPUIO_ERROR_INVALID_ARG);
+        if (ok_index && !ok_mode) gpuio_array_fail(c, d.slot, GPUIO_ERROR_PERMISSION);
+        const int want = ok_index && ok_mode;
+        const unsigned long long byte = want ? i * sizeof(T) : 0ull;
+        const unsigned long long page = byte >> c->page_shift;
+        T out = T();
+        const gpuio_array_desc* desc = &d;
+        gpuio_array_visit(&d, want, page, [&](long long frame) {
+            if (frame < 0) return;
+            T* at = (T*)(gpuio_frame(c, (unsigned int)frame) + (byte & (c->page_size - 1ull)));
+            if (write) {
+                unsigned long long* e = gpuio_array_entry(desc, page);
+                if (!(*(volatile unsigned long long*)e & GPUIO_PAGE_DIRTY)) {
+                    gpuio_atom_or(e, GPUIO_PAGE_DIRTY);
+                }
+                *at = v;
+                __threadfence();  // the store is visible before the pins go
+            } else {
+                out = *at;
+            }
+        });
+        return out;
+    }
+};
+
+#endif  // GPUIO_ARRAY_CUH

@@ -1,0 +1,155 @@
+// On-demand array kernels: the ones gpuio's host API launches (OnDemandArray::prefetch and
+// ::synchronize) and the GPU tests' (reads and stores checked against the data pattern, and the
+// layout as the device compiler sees it). gpuio puts gpuio_ring.cuh, gpuio_array.cuh and
+// gpuio_pattern.cuh in front of it.
+#ifndef GPUIO_ARRAY_CUH
+#include "gpuio_array.cuh"
+#endif
+#ifndef GPUIO_PATTERN_CUH
+#include "gpuio_pattern.cuh"
+#endif
+
+// Pages first .. first + count of the array, one per thread: brought in (touch) or written
+// back if dirty (flush).
+extern "C" __global__ void gpuio_array_touch(gpuio_array_desc a, unsigned long long first,
+                                             unsigned long long count) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long start = (unsigned long long)blockIdx.x * blockDim.x;
+    for (unsigned long long base = start; base < count; base += stride) {
+        const unsigned long long k = base + threadIdx.x;
+        gpuio_array_visit(&a, k < count, first + k, [](long long) {});
+    }
+}
+
+extern "C" __global__ void gpuio_array_flush(gpuio_array_desc a, unsigned long long first,
+                                             unsigned long long count) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long k = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         k < count; k += stride) {
+        gpuio_array_flush_page(&a, first + k);
+    }
+}
+
+// The value element i should hold: word i of pattern `seed`, or of `written` where i is a
+// multiple of `every` (what gpuio_array_test_store wrote; every == 0: nothing written).
+__device__ __forceinline__ unsigned long long gpuio_array_expected(unsigned long long i,
+                                                                  unsigned long long seed,
+                                                                  unsigned long long every,
+                                                                  unsigned long long written) {
+    return every != 0ull && i % every == 0ull ? gpuio_word_at(written, i) : gpuio_word_at(seed, i);
+}
+
+// `reads` reads of u64 elements at random indices (from `salt`), each checked: out[0] counts
+// mismatches, out[1] (starting at ~0) is the smallest index read wrong, out[2] counts reads.
+// Half the threads read through gpuio_array::get, the other half through gather.
+extern "C" __global__ void gpuio_array_test_read(gpuio_array_desc d, unsigned long long reads,
+                                                 unsigned long long salt, unsigned long long seed,
+                                                 unsigned long long every,
+                                                 unsigned long long written,
+                                                 unsigned long long* out) {
+    const gpuio_array<unsigned long long> a(d);
+    const unsigned long long n = a.size();
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long start = (unsigned long long)blockIdx.x * blockDim.x;
+    for (unsigned long long base = start; base < reads; base += stride) {
+        const unsigned long long k = base + threadIdx.x;
+        const int mine = k < reads;
+        const unsigned long long i = mine ? gpuio_mix64(salt ^ k) % n : 0ull;
+        const unsigned long long v = a.get(i);
+        if (mine) {
+            atomicAdd(out + 2, 1ull);
+            if (v != gpuio_array_expected(i, seed, every, written)) {
+                atomicAdd(out, 1ull);
+                atomicMin(out + 1, i);
+            }
+        }
+    }
+}
+
+// Stores word i of pattern `written` at every element i that is a multiple of `every`.
+extern "C" __global__ void gpuio_array_test_store(gpuio_array_desc d, unsigned long long every,
+                                                  unsigned long long written) {
+    const gpuio_array<unsigned long long> a(d);
+    const unsigned long long count = (a.size() + every - 1ull) / every;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long start = (unsigned long long)blockIdx.x * blockDim.x;
+    for (unsigned long long base = start; base < count; base += stride) {
+        const unsigned long long k = base + threadIdx.x;
+        if (k < count) a.store(k * every, gpuio_word_at(written, k * every));
+    }
+}
+
+// The constants of gpuio_hal::ondemand::constants(), in its order, as this compiler sees them.
+extern "C" __global__ void gpuio_array_layout(unsigned long long* out) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    unsigned int i = 0;
+    out[i++] = GPUIO_ARRAY_VERSION;
+    out[i++] = GPUIO_PAGE_PIN_ONE;
+    out[i++] = GPUIO_PAGE_PIN_MASK;
+    out[i++] = GPUIO_PAGE_DIRTY;
+    out[i++] = GPUIO_PAGE_STATE_SHIFT;
+    out[i++] = GPUIO_FRAME_LOCKED;
+    out[i++] = GPUIO_FRAME_OWNED;
+    out[i++] = GPUIO_FRAME_SLOT_SHIFT;
+    out[i++] = GPUIO_ARRAY_MAX_ARRAYS;
+    out[i++] = GPUIO_STAT_STRIPES;
+    out[i++] = GPUIO_STAT_WORDS;
+    out[i++] = sizeof(gpuio_array_slot);
+    out[i++] = sizeof(gpuio_cache);
+    out[i++] = sizeof(gpuio_array_desc);
+    out[i++] = gpuio_latency_bucket(1000ull);
+    out[i++] = gpuio_latency_bucket(123456789ull);
+}
+
+// ---- Benchmark kernels (`gpuio bench ondemand`) ------------------------------------------------
+
+// Rows of `row_words` u64s: row rows[k] of the array into out + k * row_words, one warp per row
+// (the warp's lanes pin each page of the row once and copy it together).
+extern "C" __global__ void gpuio_array_bench_rows(gpuio_array_desc d,
+                                                  const unsigned long long* rows,
+                                                  unsigned long long n,
+                                                  unsigned long long row_words,
+                                                  unsigned long long* out) {
+    const gpuio_array<unsigned long long> a(d);
+    const unsigned long long warp = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const unsigned long long warps = ((unsigned long long)gridDim.x * blockDim.x) / 32;
+    for (unsigned long long k = warp; k < n; k += warps) {
+        a.read_span(rows[k] * row_words, row_words, out + k * row_words);
+    }
+}
+
+// The same rows from a plain device array (the hit path's peer).
+extern "C" __global__ void gpuio_plain_bench_rows(const unsigned long long* src,
+                                                  const unsigned long long* rows,
+                                                  unsigned long long n,
+                                                  unsigned long long row_words,
+                                                  unsigned long long* out) {
+    const unsigned long long warp = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const unsigned long long warps = ((unsigned long long)gridDim.x * blockDim.x) / 32;
+    const unsigned int lane = threadIdx.x % 32;
+    for (unsigned long long k = warp; k < n; k += warps) {
+        const unsigned long long* from = src + rows[k] * row_words;
+        unsigned long long* to = out + k * row_words;
+        for (unsigned long long j = lane; j < row_words; j += 32) to[j] = from[j];
+    }
+}
+
+// Random u64 elements: out[k] = a[idx[k]] (one thread per element).
+extern "C" __global__ void gpuio_array_bench_elements(gpuio_array_desc d,
+                                                      const unsigned long long* idx,
+                                                      unsigned long long n,
+                                                      unsigned long long* out) {
+    const gpuio_array<unsigned long long> a(d);
+    a.gather(idx, out, n);
+}
+
+extern "C" __global__ void gpuio_plain_bench_elements(const unsigned long long* src,
+                                                      const unsigned long long* idx,
+                                                      unsigned long long n,
+                                                      unsigned long long* out) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long k = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; k < n;
+         k += stride) {
+        out[k] = src[idx[k]];
+    }
+}
