@@ -531,6 +531,58 @@ struct gpuio_array {
         }
     }
 
+    // Elements first .. first + count into out, each active lane its own span (the warp's
+    // lanes together: their misses are read at once, many per warp in flight). Each lane
+    // copies its own bytes out of the pinned frame.
+    __device__ __forceinline__ void read_each(unsigned long long first, unsigned long long count,
+                                              T* out) const {
+        const unsigned int active = __activemask();
+        const gpuio_cache* c = &d.cache;
+        const int ok = first <= size() && count <= size() - first;
+        if (!ok) {
+            gpuio_array_fail(c, d.slot, GPUIO_ERROR_INVALID_ARG);
+            for (unsigned long long j = 0; j < count; j++) out[j] = T();
+        }
+        unsigned long long done = ok ? 0ull : count;
+        while (__any_sync(active, done < count)) {
+            const int want = done < count;
+            const unsigned long long byte = (first + done) * sizeof(T);
+            const unsigned long long at = byte & (c->page_size - 1ull);
+            const unsigned long long left = count - done;
+            const unsigned long long in_page = (c->page_size - at) / sizeof(T);
+            const unsigned long long n = want ? (in_page < left ? in_page : left) : 0ull;
+            T* to = out + done;
+            gpuio_array_visit(&d, want, byte >> c->page_shift, [&](long long frame) {
+                if (frame < 0) {
+                    for (unsigned long long j = 0; j < n; j++) to[j] = T();
+                    return;
+                }
+                const unsigned char* from = gpuio_frame(c, (unsigned int)frame) + at;
+                const unsigned long long bytes = n * sizeof(T);
+                if ((((unsigned long long)from | (unsigned long long)to | bytes) & 15ull) == 0) {
+                    // Several 16-byte loads in flight before any store.
+                    const uint4* src = (const uint4*)from;
+                    uint4* dst = (uint4*)to;
+                    const unsigned long long pieces = bytes / 16;
+                    for (unsigned long long i = 0; i < pieces; i += 8) {
+                        uint4 v[8];
+#pragma unroll
+                        for (int k = 0; k < 8; k++) {
+                            if (i + k < pieces) v[k] = src[i + k];
+                        }
+#pragma unroll
+                        for (int k = 0; k < 8; k++) {
+                            if (i + k < pieces) dst[i + k] = v[k];
+                        }
+                    }
+                } else {
+                    for (unsigned long long j = 0; j < n; j++) to[j] = ((const T*)from)[j];
+                }
+            });
+            done += n;
+        }
+    }
+
     // One access by every active lane (each its own index): lanes wanting one page share
     // one pin; `write` stores `v` instead of reading.
     __device__ __forceinline__ T access(unsigned long long i, int write, T v) const {

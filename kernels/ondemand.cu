@@ -103,34 +103,22 @@ extern "C" __global__ void gpuio_array_layout(unsigned long long* out) {
 
 // ---- Benchmark kernels (`gpuio bench ondemand`) ------------------------------------------------
 
-// Rows of `row_words` u64s: row rows[k] of the array into out + k * row_words, one warp per row
-// (the warp's lanes pin each page of the row once and copy it together).
+// Rows of `row_words` u64s: row rows[k] of the array into out + k * row_words, a thread per row
+// (a warp has 32 rows' misses in flight).
 extern "C" __global__ void gpuio_array_bench_rows(gpuio_array_desc d,
                                                   const unsigned long long* rows,
                                                   unsigned long long n,
                                                   unsigned long long row_words,
                                                   unsigned long long* out) {
     const gpuio_array<unsigned long long> a(d);
-    const unsigned long long warp = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    const unsigned long long warps = ((unsigned long long)gridDim.x * blockDim.x) / 32;
-    for (unsigned long long k = warp; k < n; k += warps) {
-        a.read_span(rows[k] * row_words, row_words, out + k * row_words);
-    }
-}
-
-// The same rows from a plain device array (the hit path's peer).
-extern "C" __global__ void gpuio_plain_bench_rows(const unsigned long long* src,
-                                                  const unsigned long long* rows,
-                                                  unsigned long long n,
-                                                  unsigned long long row_words,
-                                                  unsigned long long* out) {
-    const unsigned long long warp = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    const unsigned long long warps = ((unsigned long long)gridDim.x * blockDim.x) / 32;
-    const unsigned int lane = threadIdx.x % 32;
-    for (unsigned long long k = warp; k < n; k += warps) {
-        const unsigned long long* from = src + rows[k] * row_words;
-        unsigned long long* to = out + k * row_words;
-        for (unsigned long long j = lane; j < row_words; j += 32) to[j] = from[j];
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long start = (unsigned long long)blockIdx.x * blockDim.x;
+    // A warp-uniform trip count: every lane reaches each collective call.
+    for (unsigned long long base = start; base < n; base += stride) {
+        const unsigned long long k = base + threadIdx.x;
+        const int mine = k < n;
+        a.read_each(mine ? rows[k] * row_words : 0ull, mine ? row_words : 0ull,
+                    out + (mine ? k : 0ull) * row_words);
     }
 }
 
@@ -143,13 +131,17 @@ extern "C" __global__ void gpuio_array_bench_elements(gpuio_array_desc d,
     a.gather(idx, out, n);
 }
 
+// The same reads from a plain device array of `len` elements (the hit path's peer); an index
+// past it reads 0.
 extern "C" __global__ void gpuio_plain_bench_elements(const unsigned long long* src,
+                                                      unsigned long long len,
                                                       const unsigned long long* idx,
                                                       unsigned long long n,
                                                       unsigned long long* out) {
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long k = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; k < n;
          k += stride) {
-        out[k] = src[idx[k]];
+        const unsigned long long i = idx[k];
+        out[k] = i < len ? src[i] : 0ull;
     }
 }

@@ -6,10 +6,11 @@
 # kvikio and torch: on PYTHONPATH; iperf3 where installed, or in ./iperf3 with its libraries),
 # and the first use of the kernel modules: embedded PTX against NVRTC.
 #
-#   ./run.sh [tests | bench-a | bench-b | kernel-load | python | all]     (default: all)
+#   ./run.sh [tests | bench-a | bench-b | ondemand | kernel-load | python | all]   (default: all)
 #
 # The parts fit where one command may run ten minutes at most: tests (tests, kernels, info),
-# bench-a (memio, gather), bench-b (core, ring, remote, localio), kernel-load (the kernels
+# bench-a (memio, gather), bench-b (core, ring, remote, localio), ondemand (on-demand arrays
+# against the host engine, a CPU gather, plain device arrays and the raw ring), kernel-load (the kernels
 # suite: first use of each module, with the driver's JIT cache off and on), python (the wheel
 # installed beside torch: its pytests with CUDA required, and the python bench suite).
 # Results (bench JSON, plots, test logs) go to $OUT or ./out.
@@ -69,6 +70,9 @@ case "$part" in bench-b | all)
     step bin/gpuio bench ring --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out"
     step bin/gpuio bench remote --out "$out"
     step bin/gpuio bench localio --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out" ;;
+esac
+case "$part" in ondemand | all)
+    step bin/gpuio bench ondemand --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out" ;;
 esac
 case "$part" in python | all)
     # The wheel and pytest's wheels into a directory of their own, found through PYTHONPATH;

@@ -4,8 +4,8 @@
 use bytesize::ByteSize;
 use gpuio_api::{Config, Error, Session};
 use gpuio_bench::{
-    Budget, Record, Target, cache, gather, kernels, localio, memio, python, remote, render_table,
-    ring, scheduler, write_outputs,
+    Budget, Record, Target, cache, gather, kernels, localio, memio, ondemand, python, remote,
+    render_table, ring, scheduler, write_outputs,
 };
 use indicatif::ProgressBar;
 use std::path::PathBuf;
@@ -17,6 +17,7 @@ const SUITES: &[&str] = &[
     scheduler::SUITE,
     gather::SUITE,
     ring::SUITE,
+    ondemand::SUITE,
     remote::SUITE,
     cache::SUITE,
     kernels::SUITE,
@@ -25,8 +26,8 @@ const SUITES: &[&str] = &[
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// Suites to run (default: all this build has: memio, localio, core, gather, ring, remote,
-    /// cache, kernels, python).
+    /// Suites to run (default: all this build has: memio, localio, core, gather, ring,
+    /// ondemand, remote, cache, kernels, python).
     suites: Vec<String>,
     /// memio: transfer sizes, e.g. 4K,1M,64M,1G (default: up to 1 GiB on a GPU).
     #[arg(long, value_name = "LIST")]
@@ -138,6 +139,17 @@ pub fn run(config: Config, args: &BenchArgs) -> Result<(), Error> {
                     opts.scratch = d.clone();
                 }
                 ring::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
+            }
+            ondemand::SUITE => {
+                let mut opts = if args.quick {
+                    ondemand::Options::quick()
+                } else {
+                    ondemand::Options::default()
+                };
+                if let Some(d) = &args.scratch {
+                    opts.scratch = d.clone();
+                }
+                ondemand::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
             }
             remote::SUITE => {
                 let opts = if args.quick {

@@ -213,7 +213,6 @@ pub static ONDEMAND: KernelSource = KernelSource {
         "gpuio_array_test_store",
         "gpuio_array_layout",
         "gpuio_array_bench_rows",
-        "gpuio_plain_bench_rows",
         "gpuio_array_bench_elements",
         "gpuio_plain_bench_elements",
     ],

@@ -118,6 +118,54 @@ impl Stream {
         unsafe { self.inner.array_kernel(launch) }
     }
 
+    /// Benchmark reads (`gpuio bench ondemand`): `n` rows of `row_bytes` (a multiple of 8;
+    /// 0: single u64 elements) named by `rows` (u64s on this device: row numbers, or element
+    /// indices) into `out`, through the array (`source: Ok`), or, for elements, from a plain
+    /// device array holding the same bytes (`source: Err`; an index past it reads 0), with
+    /// `threads` GPU threads (a thread per row or element).
+    /// Waits for the kernel. The caller checks the data.
+    #[allow(clippy::too_many_arguments)]
+    pub fn array_bench_reads(
+        &self,
+        source: std::result::Result<
+            (&PageCacheMemory, &PageTable, &RingMemory),
+            &super::DeviceBuffer,
+        >,
+        rows: &super::DeviceBuffer,
+        n: usize,
+        row_bytes: usize,
+        out: &super::DeviceBuffer,
+        threads: u32,
+    ) -> Result<()> {
+        if !row_bytes.is_multiple_of(8) {
+            return Err(HalError::InvalidArgument(format!(
+                "rows of {row_bytes} bytes: a multiple of 8"
+            )));
+        }
+        let each = row_bytes.max(8);
+        let out_len = n
+            .checked_mul(each)
+            .ok_or_else(|| HalError::InvalidArgument("rows overflow".into()))?;
+        let (array, plain) = match source {
+            Ok((cache, table, ring)) => (Some(self.array_device(cache, table, ring)?), None),
+            Err(buf) => {
+                self.gpu.check_owns("plain bench source", buf)?;
+                (None, Some(buf.range("plain bench source", 0, buf.len())?))
+            }
+        };
+        let launch = ArrayLaunch::Bench {
+            array,
+            plain,
+            rows: rows.range("bench rows", 0, n * 8)?,
+            n: n as u64,
+            row_words: (row_bytes / 8) as u64,
+            out: out.range("bench output", 0, out_len)?,
+            threads,
+        };
+        // SAFETY: as for array_pages; the buffers are borrowed until the kernel is done.
+        unsafe { self.inner.array_kernel(launch) }
+    }
+
     /// The on-demand layout's constants as this device's compiler sees them, in the order of
     /// [`crate::ondemand::constants()`].
     pub fn array_layout_words(&self) -> Result<Vec<u64>> {

@@ -264,6 +264,18 @@ pub(crate) enum ArrayLaunch<'a> {
     },
     /// The layout constants as the device compiler sees them, into `out`.
     Layout { out: DevRange<'a> },
+    /// Benchmark reads (`kernels/ondemand.cu`): `n` rows of `row_words` u64s (`rows`: u64
+    /// row numbers) or `n` single u64 elements (`row_words == 0`; `rows`: element indices)
+    /// into `out`, from the array (`array: Some`) or from the plain device array `plain`.
+    Bench {
+        array: Option<crate::ondemand::ArrayDevice>,
+        plain: Option<DevRange<'a>>,
+        rows: DevRange<'a>,
+        n: u64,
+        row_words: u64,
+        out: DevRange<'a>,
+        threads: u32,
+    },
 }
 
 /// An allocation of device memory; dropping it frees the memory.

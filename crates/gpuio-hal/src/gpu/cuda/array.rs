@@ -70,6 +70,48 @@ impl CudaStreamBackend {
                 unsafe { l.launch(cfg) }
                     .map_err(cuda_err("cuLaunchKernel(gpuio_array_test_store)"))?;
             }
+            ArrayLaunch::Bench {
+                array,
+                plain,
+                rows,
+                n,
+                row_words,
+                out,
+                threads,
+            } => {
+                let cfg = self.shared.launch_config(u64::from(threads.max(32)));
+                let (r, o) = (rows.addr(), out.addr());
+                let plain = plain.map(|p| (p.addr(), (p.len / 8) as u64));
+                let mut l;
+                match (&array, &plain) {
+                    (Some(a), _) => {
+                        l = self
+                            .stream
+                            .launch_builder(&kernels[if row_words > 0 { 5 } else { 6 }]);
+                        l.arg(a);
+                    }
+                    (None, Some(p)) if row_words == 0 => {
+                        l = self.stream.launch_builder(&kernels[7]);
+                        l.arg(&p.0).arg(&p.1);
+                    }
+                    _ => {
+                        return Err(crate::HalError::InvalidArgument(
+                            "benchmark reads: rows through an array, elements through either"
+                                .into(),
+                        ));
+                    }
+                }
+                l.arg(&r).arg(&n);
+                if row_words > 0 {
+                    l.arg(&row_words);
+                }
+                l.arg(&o);
+                // SAFETY: the arguments match the gpuio_*_bench_* kernel chosen above; it
+                // reads `n` checked entries of `rows`, the array or the checked plain range
+                // (indices past it read 0), and writes `n` rows or elements into the checked
+                // `out` range.
+                unsafe { l.launch(cfg) }.map_err(cuda_err("cuLaunchKernel(gpuio bench reads)"))?;
+            }
             ArrayLaunch::Layout { out } => {
                 let o = out.addr();
                 let one = LaunchConfig {
