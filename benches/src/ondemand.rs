@@ -356,8 +356,8 @@ fn gnn_gather(ctx: &Ctx<'_>, row: usize, zipf: bool, case: &str) -> Result<(Reco
         "{case}: ours {ours_r:.2}, host engine {host_r:.2}, CPU gather + copy {cpu_r:.2} M rows/s; \
          {:.0}% of rows missed (over every pass, the first cold), miss p50 {:?} ns, p99 {:?} ns",
         100.0 * stats.misses as f64 / (passes * n as f64),
-        stats.miss_p50_ns,
-        stats.miss_p99_ns
+        stats.miss_quantile_ns(0.5),
+        stats.miss_quantile_ns(0.99)
     );
     Ok((r, note))
 }

@@ -43,13 +43,16 @@ use crate::endpoint::Endpoint;
 use crate::engine::Engines;
 use crate::error::{CoreError, Result};
 use crate::ring::{RingConfig, RingProxy, WaitPolicy};
-use gpuio_hal::ondemand::{ArrayCounters, ArrayDevice, HostAccessor, PageCacheMemory, PageTable};
+use gpuio_hal::ondemand::{ArrayDevice, HostAccessor, PageCacheMemory, PageTable};
 use gpuio_hal::ring::RingMemory;
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{Backend, Gpu, HalError};
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
+/// Counters of one array since it was made (hits, misses, waits, evictions, write-backs,
+/// bytes in and out, failures, and the miss-latency histogram with its quantiles).
+pub use gpuio_hal::ondemand::ArrayCounters as ArrayStats;
 pub use gpuio_hal::ondemand::{MAX_ARRAYS, MAX_PAGE, MIN_PAGE};
 
 /// Most pinned host memory a cache's ring gives its bounce buffers.
@@ -226,48 +229,6 @@ impl PageCache {
     }
 }
 
-/// Counters of one array since it was made.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct ArrayStats {
-    /// Accesses (per warp and page) that found the page cached.
-    pub hits: u64,
-    /// Pages read from the source.
-    pub misses: u64,
-    /// Accesses that waited for another warp's fill or write-back of their page.
-    pub waits: u64,
-    /// Pages evicted.
-    pub evictions: u64,
-    /// Dirty pages written back.
-    pub writebacks: u64,
-    /// Bytes read from the source.
-    pub bytes_in: u64,
-    /// Bytes written back.
-    pub bytes_out: u64,
-    /// Fills and write-backs that failed.
-    pub failures: u64,
-    /// Median miss latency (ns, to within 19%), if there were misses.
-    pub miss_p50_ns: Option<u64>,
-    /// 99th-percentile miss latency (ns, to within 19%).
-    pub miss_p99_ns: Option<u64>,
-}
-
-impl From<ArrayCounters> for ArrayStats {
-    fn from(c: ArrayCounters) -> Self {
-        Self {
-            miss_p50_ns: c.miss_quantile_ns(0.5),
-            miss_p99_ns: c.miss_quantile_ns(0.99),
-            hits: c.hits,
-            misses: c.misses,
-            waits: c.waits,
-            evictions: c.evictions,
-            writebacks: c.writebacks,
-            bytes_in: c.bytes_in,
-            bytes_out: c.bytes_out,
-            failures: c.failures,
-        }
-    }
-}
-
 /// An array of `T` over a source, read (and written) by GPU threads through a [`PageCache`].
 /// Dropping it writes dirty pages back (logging a failure; call [`close`](Self::close) to see
 /// it) and frees its frames; do that only while no kernel uses it.
@@ -391,7 +352,7 @@ impl<T: Element> OnDemandArray<T> {
 
     /// The array's counters.
     pub fn stats(&self) -> Result<ArrayStats> {
-        Ok(self.cache.inner.memory.counters(self.table())?.into())
+        Ok(self.cache.inner.memory.counters(self.table())?)
     }
 
     /// Writes dirty pages back and takes the array out of its cache.

@@ -4,33 +4,17 @@
 //! checked byte for byte; a page-size sweep. On the host backend these report that they need
 //! a GPU (the protocol itself runs in CI through `ondemand.rs`).
 
+use gpuio_core::Endpoint;
 use gpuio_core::ondemand::{ArrayMode, PageCache, PageCacheConfig};
 use gpuio_core::ring::RingConfig;
-use gpuio_core::{Endpoint, Engines};
-use gpuio_hal::{Backend, BackendPreference, Gpu, ondemand, pattern, probe};
-use gpuio_testkit::Requirement;
-use gpuio_transport_localio::{FileHandle, LocalIo, LocalIoConfig, OpenOptions};
-use gpuio_transport_memio::{MemIo, MemIoConfig};
-use std::sync::Arc;
-
-fn cuda() -> Option<(Engines, Gpu)> {
-    let p = probe(BackendPreference::Auto).unwrap();
-    if p.gpus[0].backend() == Backend::Host {
-        Requirement::Cuda.missing(format_args!(
-            "on-demand array kernels run only on a GPU ({})",
-            p.cuda.detail
-        ));
-        return None;
-    }
-    let gpu = p.gpus[0].clone();
-    let memio = MemIo::new(p.gpus, MemIoConfig::default()).unwrap();
-    let localio = LocalIo::new(LocalIoConfig::default()).unwrap();
-    Some((Engines::new(Arc::new(memio), Arc::new(localio)), gpu))
-}
+use gpuio_hal::{ondemand, pattern};
+use gpuio_transport_localio::{FileHandle, OpenOptions};
 
 #[test]
 fn the_device_compiler_sees_the_same_array_layout() {
-    let Some((_, gpu)) = cuda() else { return };
+    let Some((_, gpu)) = super::common::cuda("on-demand array kernels run") else {
+        return;
+    };
     let words = gpu.stream().unwrap().array_layout_words().unwrap();
     let want: Vec<u64> = ondemand::constants().iter().map(|c| c.1).collect();
     assert_eq!(words, want, "{:?}", ondemand::constants());
@@ -38,7 +22,9 @@ fn the_device_compiler_sees_the_same_array_layout() {
 
 #[test]
 fn kernels_read_and_write_a_file_four_times_the_cache() {
-    let Some((engines, gpu)) = cuda() else { return };
+    let Some((engines, gpu)) = super::common::cuda("on-demand array kernels run") else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("array.bin");
     let seed = 0x0d0d;
@@ -140,7 +126,11 @@ fn kernels_read_and_write_a_file_four_times_the_cache() {
         }
         println!(
             "page {page}: {} misses, {} evictions, {} write-backs, miss p50 {:?} ns p99 {:?} ns",
-            s.misses, s.evictions, s.writebacks, s.miss_p50_ns, s.miss_p99_ns
+            s.misses,
+            s.evictions,
+            s.writebacks,
+            s.miss_quantile_ns(0.5),
+            s.miss_quantile_ns(0.99)
         );
         array.close().unwrap();
     }
@@ -148,7 +138,9 @@ fn kernels_read_and_write_a_file_four_times_the_cache() {
 
 #[test]
 fn kernel_errors_are_reported_not_read_as_data() {
-    let Some((engines, gpu)) = cuda() else { return };
+    let Some((engines, gpu)) = super::common::cuda("on-demand array kernels run") else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("short.bin");
     let mut data = vec![0u8; 1 << 20];

@@ -3,40 +3,25 @@
 //! a `RingProxy` (delivered in the slots' bounce buffers), larger reads by DMA, and round
 //! trips. On the host backend these report that they need a GPU.
 
+use gpuio_core::Endpoint;
 use gpuio_core::ring::{RingConfig, RingProxy};
-use gpuio_core::{Endpoint, Engines};
-use gpuio_hal::{Backend, BackendPreference, Gpu, pattern, probe, ring};
-use gpuio_testkit::Requirement;
-use gpuio_transport_localio::{FileHandle, LocalIo, LocalIoConfig, OpenOptions};
-use gpuio_transport_memio::{MemIo, MemIoConfig};
-use std::sync::Arc;
-
-/// CUDA engines and GPU 0, or None (with a note) where there is no GPU.
-fn cuda() -> Option<(Engines, Gpu)> {
-    let p = probe(BackendPreference::Auto).unwrap();
-    if p.gpus[0].backend() == Backend::Host {
-        Requirement::Cuda.missing(format_args!(
-            "kernels post ring requests only on a GPU ({})",
-            p.cuda.detail
-        ));
-        return None;
-    }
-    let gpu = p.gpus[0].clone();
-    let memio = MemIo::new(p.gpus, MemIoConfig::default()).unwrap();
-    let localio = LocalIo::new(LocalIoConfig::default()).unwrap();
-    Some((Engines::new(Arc::new(memio), Arc::new(localio)), gpu))
-}
+use gpuio_hal::{pattern, ring};
+use gpuio_transport_localio::{FileHandle, OpenOptions};
 
 #[test]
 fn the_device_compiler_sees_the_same_layout() {
-    let Some((_, gpu)) = cuda() else { return };
+    let Some((_, gpu)) = super::common::cuda("kernels post ring requests") else {
+        return;
+    };
     let words = gpu.stream().unwrap().ring_layout_words().unwrap();
     assert_eq!(words, ring::layout().words());
 }
 
 #[test]
 fn gpu_threads_read_file_blocks_through_the_ring() {
-    let Some((engines, gpu)) = cuda() else { return };
+    let Some((engines, gpu)) = super::common::cuda("kernels post ring requests") else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("blocks.bin");
     let (size, seed) = (16u64 << 20, 0x5eed);

@@ -85,13 +85,11 @@ impl Stream {
         };
         // SAFETY: as for array_pages; `out` lives until the download below.
         unsafe { self.inner.array_kernel(launch)? };
-        let mut raw = [0u8; 24];
-        self.download(&out, 0, &mut raw)?;
-        let w = |i: usize| u64::from_le_bytes(raw[i * 8..i * 8 + 8].try_into().unwrap_or_default());
+        let w = self.download_u64s(&out, 3)?;
         Ok(ArrayReadCheck {
-            reads: w(2),
-            mismatches: w(0),
-            first_bad: (w(1) != u64::MAX).then(|| w(1)),
+            reads: w[2],
+            mismatches: w[0],
+            first_bad: (w[1] != u64::MAX).then_some(w[1]),
         })
     }
 
@@ -176,12 +174,7 @@ impl Stream {
         };
         // SAFETY: no cache or ring memory is involved; `out` lives until the download.
         unsafe { self.inner.array_kernel(launch)? };
-        let mut bytes = vec![0u8; n * 8];
-        self.download(&out, 0, &mut bytes)?;
-        Ok(bytes
-            .chunks_exact(8)
-            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
-            .collect())
+        self.download_u64s(&out, n)
     }
 
     fn array_device(

@@ -89,12 +89,7 @@ impl Stream {
         };
         // SAFETY: no ring memory is involved; `out` lives until after the download below.
         unsafe { self.inner.ring_kernel(launch)? };
-        let mut bytes = vec![0u8; n * 8];
-        self.download(&out, 0, &mut bytes)?;
-        Ok(bytes
-            .chunks_exact(8)
-            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
-            .collect())
+        self.download_u64s(&out, n)
     }
 
     fn ring_device(&self, ring: &RingMemory) -> Result<crate::ring::RingDevice> {

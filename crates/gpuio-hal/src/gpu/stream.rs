@@ -66,6 +66,16 @@ impl Stream {
         self.inner.synchronize()
     }
 
+    /// The first `n` little-endian u64s of `src` (a kernel's report).
+    pub(crate) fn download_u64s(&self, src: &DeviceBuffer, n: usize) -> Result<Vec<u64>> {
+        let mut bytes = vec![0u8; n * 8];
+        self.download(src, 0, &mut bytes)?;
+        Ok(bytes
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
+            .collect())
+    }
+
     /// Copies `dst.len()` bytes of `src` from `src_offset` into host memory and waits for it.
     pub fn download(&self, src: &DeviceBuffer, src_offset: usize, dst: &mut [u8]) -> Result<()> {
         self.gpu.check_owns("download source", src)?;
