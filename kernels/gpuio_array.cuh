@@ -501,36 +501,6 @@ struct gpuio_array {
         }
     }
 
-    // Elements first .. first + count into out, by the calling warp's active lanes together
-    // (every lane passes the same arguments): each page of the span pinned once.
-    __device__ __forceinline__ void read_span(unsigned long long first, unsigned long long count,
-                                              T* out) const {
-        const unsigned int active = __activemask();
-        const unsigned int lanes = __popc(active);
-        const unsigned int rank = __popc(active & gpuio_ring_lanemask_lt());
-        const gpuio_cache* c = &d.cache;
-        if (first > size() || count > size() - first) {
-            if (rank == 0) gpuio_array_fail(c, d.slot, GPUIO_ERROR_INVALID_ARG);
-            for (unsigned long long j = rank; j < count; j += lanes) out[j] = T();
-            return;
-        }
-        for (unsigned long long done = 0; done < count;) {
-            const unsigned long long byte = (first + done) * sizeof(T);
-            const unsigned long long at = byte & (c->page_size - 1ull);
-            const unsigned long long left = count - done;
-            const unsigned long long in_page = (c->page_size - at) / sizeof(T);
-            const unsigned long long n = in_page < left ? in_page : left;
-            T* to = out + done;
-            gpuio_array_visit(&d, 1, byte >> c->page_shift, [&](long long frame) {
-                const T* from = (const T*)(gpuio_frame(c, (unsigned int)frame) + at);
-                for (unsigned long long j = rank; j < n; j += lanes) {
-                    to[j] = frame >= 0 ? from[j] : T();
-                }
-            });
-            done += n;
-        }
-    }
-
     // Elements first .. first + count into out, each active lane its own span (the warp's
     // lanes together: their misses are read at once, many per warp in flight). Each lane
     // copies its own bytes out of the pinned frame.
