@@ -173,3 +173,74 @@ fn kernel_errors_are_reported_not_read_as_data() {
     let e = array.check().unwrap_err();
     assert!(e.to_string().contains("read-only"), "{e}");
 }
+
+#[test]
+fn row_and_element_gathers_read_every_byte_right() {
+    let Some((engines, gpu)) = super::common::cuda("on-demand array kernels run") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rows.bin");
+    let (seed, bytes) = (0x5eed, 32usize << 20);
+    let mut data = vec![0u8; bytes];
+    pattern::fill(&mut data, 0, seed);
+    std::fs::write(&path, &data).unwrap();
+    let file = FileHandle::open(&path, OpenOptions::READ).unwrap();
+    let stream = gpu.stream().unwrap();
+    for row in [512usize, 4096, 16384] {
+        // Pages of 4 KiB: 512 B rows share pages, 16 KiB rows span four.
+        let cfg = PageCacheConfig {
+            page_size: 4096,
+            capacity: 8 << 20,
+            ..PageCacheConfig::default()
+        };
+        let cache = PageCache::new(engines.clone(), &gpu, cfg).unwrap();
+        let array = cache
+            .array::<u64>(
+                Endpoint::file(&file, 0),
+                (bytes / 8) as u64,
+                ArrayMode::ReadOnly,
+            )
+            .unwrap();
+        let (memory, table, ring) = array.hal_parts();
+        let n = 8192usize;
+        let ids: Vec<u64> = (0..n as u64)
+            .map(|k| pattern::mix64(k ^ row as u64) % (bytes / row) as u64)
+            .collect();
+        let rows = gpu.alloc(n * 8).unwrap();
+        let raw: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+        stream.upload(&raw, &rows, 0).unwrap();
+        let out = gpu.alloc(n * row).unwrap();
+        stream
+            .array_bench_reads(
+                Ok((memory.as_ref(), table, &ring)),
+                &rows,
+                n,
+                row,
+                &out,
+                4096,
+            )
+            .unwrap();
+        array.check().unwrap();
+        let mut got = vec![0u8; n * row];
+        stream.download(&out, 0, &mut got).unwrap();
+        for (k, id) in ids.iter().enumerate() {
+            let at = (id * row as u64) as usize;
+            assert!(
+                got[k * row..(k + 1) * row] == data[at..at + row],
+                "row {k} ({row} B)"
+            );
+        }
+        // Elements, through gather: the row numbers as element indices.
+        stream
+            .array_bench_reads(Ok((memory.as_ref(), table, &ring)), &rows, n, 0, &out, 4096)
+            .unwrap();
+        array.check().unwrap();
+        let mut got = vec![0u8; n * 8];
+        stream.download(&out, 0, &mut got).unwrap();
+        for (k, id) in ids.iter().enumerate() {
+            let word = u64::from_le_bytes(got[k * 8..k * 8 + 8].try_into().unwrap());
+            assert_eq!(word, pattern::word_at(seed, *id), "element {id}");
+        }
+    }
+}
