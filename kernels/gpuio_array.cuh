@@ -189,6 +189,20 @@ __device__ __forceinline__ void gpuio_array_count(const gpuio_cache* c, unsigned
               n);
 }
 
+// Adds the active lanes' hits and waits with one atomic per counter and warp (not one per
+// lane: the hit path's counters would be its most contended lines).
+__device__ __forceinline__ void gpuio_array_count_warp(const gpuio_cache* c, unsigned int slot,
+                                                       unsigned int active, unsigned int hits,
+                                                       unsigned int waits) {
+#if __CUDA_ARCH__ >= 800
+    hits = __reduce_add_sync(active, hits);
+    waits = __reduce_add_sync(active, waits);
+    if ((int)gpuio_ring_lane_id() != __ffs(active) - 1) return;
+#endif
+    if (hits) gpuio_array_count(c, slot, GPUIO_STAT_HITS, hits);
+    if (waits) gpuio_array_count(c, slot, GPUIO_STAT_WAITS, waits);
+}
+
 // Quarter-octave bucket of a latency in ns (gpuio_hal::ondemand::latency_bucket).
 __device__ __forceinline__ unsigned int gpuio_latency_bucket(unsigned long long ns) {
     if (ns < 4ull) return (unsigned int)ns;
@@ -338,12 +352,17 @@ __device__ __forceinline__ long long gpuio_array_round(const gpuio_array_desc* a
     unsigned long long* e = lead ? gpuio_array_entry(a, page) : (unsigned long long*)0;
     long long result = GPUIO_ARRAY_RETRY;
     int claimed = 0;
+    unsigned int hits = 0u, waits = 0u;  // this lane's, counted once per warp below
     if (lead && !m->frameless) {
         const unsigned long long old = gpuio_atom_add(e, n * GPUIO_PAGE_PIN_ONE);
         if (gpuio_page_state(old) == GPUIO_PAGE_VALID) {
             result = (long long)(old & GPUIO_PAGE_FRAME_MASK);
             gpuio_frame_reference(c, (unsigned int)result);
-            gpuio_array_count(c, a->slot, m->waited ? GPUIO_STAT_WAITS : GPUIO_STAT_HITS, n);
+            if (m->waited) {
+                waits = (unsigned int)n;
+            } else {
+                hits = (unsigned int)n;
+            }
         } else {
             gpuio_atom_add(e, 0ull - n * GPUIO_PAGE_PIN_ONE);
             const unsigned long long cur = gpuio_ld_acquire(e);
@@ -370,6 +389,7 @@ __device__ __forceinline__ long long gpuio_array_round(const gpuio_array_desc* a
             m->frameless = 0;
         }
     }
+    gpuio_array_count_warp(c, a->slot, active, hits, waits);
     // The claimed pages' reads, their staged bytes copied by the whole warp together.
     if (__any_sync(active, claimed)) {
         const unsigned long long len = claimed ? gpuio_page_len(c, a->bytes, page) : 0ull;
@@ -411,7 +431,12 @@ __device__ __forceinline__ long long gpuio_array_round(const gpuio_array_desc* a
 // Takes the pins of a round off again.
 __device__ __forceinline__ void gpuio_array_unpin(const gpuio_array_desc* a,
                                                   unsigned long long page, unsigned long long n) {
-    gpuio_atom_add(gpuio_array_entry(a, page), 0ull - n * GPUIO_PAGE_PIN_ONE);
+    // A release reduction: what the lanes did with the frame is visible before the pins go,
+    // and nothing waits for the old value.
+    asm volatile("red.release.gpu.global.add.u64 [%0], %1;"
+                 :
+                 : "l"(gpuio_array_entry(a, page)), "l"(0ull - n * GPUIO_PAGE_PIN_ONE)
+                 : "memory");
 }
 
 // Every active lane of a warp calls it together, each for its own page (`want` zero: none);
