@@ -232,6 +232,16 @@ fn file_range(offset: u64, len: u64) -> Result<(), Failure> {
     }
 }
 
+/// A WRITE asking for [`ring::FLAG_DURABLE`] reaches stable storage before it completes.
+fn durable(req: &RingRequest, at: &Endpoint) -> Result<(), Failure> {
+    if req.flags & ring::FLAG_DURABLE != 0
+        && let Some(file) = at.durable_file()
+    {
+        file.sync_data().map_err(CoreError::from)?;
+    }
+    Ok(())
+}
+
 /// `base` moved `by` bytes on, refusing offsets that overflow.
 fn endpoint_at(base: &Endpoint, by: u64) -> Result<Endpoint, Failure> {
     let overflow = || {
@@ -312,7 +322,7 @@ impl Shared {
         {
             return match op {
                 RingOp::Read => self.read_into(base, req.offset, bytes),
-                RingOp::Write => self.write_from(base, req.offset, bytes),
+                RingOp::Write => self.write_from(base, req, bytes),
             };
         }
         let at = endpoint_at(base, req.offset)?;
@@ -333,26 +343,11 @@ impl Shared {
             RingOp::Read => self.engines.execute(&at, &device, len)?,
             RingOp::Write => {
                 let o = self.engines.execute(&device, &at, len)?;
-                if req.flags & ring::FLAG_DURABLE != 0
-                    && let Some(file) = at.durable_file()
-                {
-                    file.sync_data().map_err(CoreError::from)?;
-                }
+                durable(req, &at)?;
                 o
             }
         };
-        if outcome.bytes != len {
-            return Err(Failure::new(
-                ErrorCode::General,
-                format!("moved {} of {len} bytes", outcome.bytes),
-            ));
-        }
-        match outcome.engine {
-            EngineKind::LocalIo => self.metrics.bytes_localio.increment(len as u64),
-            EngineKind::RemoteIo => self.metrics.bytes_remoteio.increment(len as u64),
-            EngineKind::MemIo => self.metrics.bytes_memio.increment(len as u64),
-        }
-        Ok(len as u64)
+        self.landed(&outcome, len)
     }
 
     /// Reads `out.len()` bytes of `base` from `by` bytes on into host memory (a slot's bounce
@@ -369,6 +364,24 @@ impl Shared {
             file_range(from, len as u64)?;
         }
         let outcome = self.engines.transfer(src, Dest::Host(out), len)?;
+        self.landed(&outcome, len)
+    }
+
+    /// Writes `bytes` (a staged WRITE's, in the slot's bounce buffer) to `base` at the
+    /// request's offset.
+    fn write_from(&self, base: &Endpoint, req: &RingRequest, bytes: &[u8]) -> Result<u64, Failure> {
+        let len = bytes.len();
+        let at = endpoint_at(base, req.offset)?;
+        if let Endpoint::File { offset, .. } = &at {
+            file_range(*offset, len as u64)?;
+        }
+        let outcome = self.engines.transfer(Source::Host(bytes), at.dest(), len)?;
+        durable(req, &at)?;
+        self.landed(&outcome, len)
+    }
+
+    /// Checks that a request's transfer moved all `len` bytes and counts them by engine.
+    fn landed(&self, outcome: &crate::Outcome, len: usize) -> Result<u64, Failure> {
         if outcome.bytes != len {
             return Err(Failure::new(
                 ErrorCode::General,
@@ -381,25 +394,6 @@ impl Shared {
             EngineKind::MemIo => self.metrics.bytes_memio.increment(len as u64),
         }
         Ok(len as u64)
-    }
-
-    /// Writes `bytes` (a staged WRITE's, in the slot's bounce buffer) to `base` from `by`
-    /// bytes on.
-    fn write_from(&self, base: &Endpoint, by: u64, bytes: &[u8]) -> Result<u64, Failure> {
-        let at = endpoint_at(base, by)?;
-        if let Endpoint::File { offset, .. } = &at {
-            file_range(*offset, bytes.len() as u64)?;
-        }
-        let outcome = self
-            .engines
-            .transfer(Source::Host(bytes), at.dest(), bytes.len())?;
-        if outcome.bytes != bytes.len() {
-            return Err(Failure::new(
-                ErrorCode::General,
-                format!("moved {} of {} bytes", outcome.bytes, bytes.len()),
-            ));
-        }
-        Ok(bytes.len() as u64)
     }
 
     /// Carries out a request and returns the result to publish; never panics.
