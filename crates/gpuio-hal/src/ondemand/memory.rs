@@ -26,11 +26,11 @@ pub struct PageCacheMemory {
     page_size: usize,
     nframes: usize,
     frames: DeviceBuffer,
-    owners: DeviceBuffer,
-    refs: DeviceBuffer,
-    slots: DeviceBuffer,
-    stats: DeviceBuffer,
-    clock: DeviceBuffer,
+    pub(super) owners: DeviceBuffer,
+    pub(super) refs: DeviceBuffer,
+    pub(super) slots: DeviceBuffer,
+    pub(super) stats: DeviceBuffer,
+    pub(super) clock: DeviceBuffer,
     /// The arrays' tables and slots, as the host knows them: the host protocol resolves a
     /// victim's array here, not through device memory, so that it never follows a stale
     /// address.
@@ -437,18 +437,6 @@ impl PageCacheMemory {
             .cloned()
             .flatten()
             .filter(|(_, s)| s.flags & ARRAY_LIVE != 0)
-    }
-
-    /// Buffers the host protocol works on, for [`super::HostAccessor`].
-    pub(super) fn buffers(&self) -> [&DeviceBuffer; 6] {
-        [
-            &self.frames,
-            &self.owners,
-            &self.refs,
-            &self.slots,
-            &self.stats,
-            &self.clock,
-        ]
     }
 }
 

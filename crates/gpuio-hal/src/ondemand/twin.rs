@@ -278,7 +278,7 @@ impl HostAccessor {
         let ps = self.cache.page_size() as u64;
         let len = (self.bytes - page * ps).min(ps);
         let dst = self.cache.frame_memory().device_addr() + frame as u64 * ps;
-        let owner = word_in(self.cache_owners(), frame as u64);
+        let owner = word_in(&self.cache.owners, frame as u64);
         match self.producer.read(self.resource, page * ps, len, dst, None) {
             Ok(_) => {
                 owner.store(frame_owner(self.slot, page), Ordering::Release);
@@ -306,8 +306,8 @@ impl HostAccessor {
     /// and owned by `page`.
     fn take_frame(&self, page: u64) -> Result<u32> {
         let nframes = self.cache.frames() as u64;
-        let [_, owners, refs, _, _, clock] = self.cache.buffers();
-        let clock = word_in(clock, 0);
+        let (owners, refs) = (&self.cache.owners, &self.cache.refs);
+        let clock = word_in(&self.cache.clock, 0);
         let start = Instant::now();
         let mut spins = 0u32;
         for attempt in 0u64.. {
@@ -420,10 +420,6 @@ impl HostAccessor {
         }
     }
 
-    fn cache_owners(&self) -> &DeviceBuffer {
-        self.cache.buffers()[1]
-    }
-
     fn ref_bit<'a>(&self, refs: &'a DeviceBuffer, f: u64) -> &'a AtomicU32 {
         assert!(
             (f + 1) * 4 <= refs.len() as u64,
@@ -436,7 +432,7 @@ impl HostAccessor {
 
     /// Marks frame `f` recently used (written only when clear, to spare the line).
     fn reference(&self, f: u32) {
-        let r = self.ref_bit(self.cache.buffers()[2], f as u64);
+        let r = self.ref_bit(&self.cache.refs, f as u64);
         if r.load(Ordering::Relaxed) == 0 {
             r.store(1, Ordering::Relaxed);
         }
@@ -444,7 +440,7 @@ impl HostAccessor {
 
     fn stat(&self, slot: u32, word: usize) -> &AtomicU64 {
         word_in(
-            self.cache.buffers()[4],
+            &self.cache.stats,
             (slot as usize * STAT_WORDS + word) as u64,
         )
     }
@@ -473,7 +469,7 @@ impl HostAccessor {
     }
 
     fn record(&self, code: i64) {
-        let slots = self.cache.buffers()[3];
+        let slots = &self.cache.slots;
         let at = (self.slot as usize * size_of::<super::ArraySlot>()
             + std::mem::offset_of!(super::ArraySlot, error)) as u64;
         // The word holds an i64; zero means no error yet.
