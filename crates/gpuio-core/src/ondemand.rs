@@ -206,6 +206,16 @@ impl PageCache {
                 "the source holds {room} bytes from its offset; the array needs {bytes}"
             )));
         }
+        if mode == ArrayMode::ReadWrite
+            && let Endpoint::File { file, .. } = &source
+            && !file.is_writable()
+        {
+            // Refused now rather than by every write-back later.
+            return Err(CoreError::InvalidRequest(format!(
+                "a read-write array over {} opened read-only",
+                file.path().display()
+            )));
+        }
         let proxy = self.inner.proxy.lock_unpoisoned();
         let resource = proxy.register(source.clone())?;
         let table = match self

@@ -212,6 +212,13 @@ fn bad_accesses_fail_with_typed_errors_and_are_reported() {
     assert!(short.check().is_err());
     assert_eq!(short.stats().unwrap().failures, 1);
 
+    // A read-write array over a read-only file is refused up front.
+    let ro_file = FileHandle::open(dir.path().join("array.bin"), OpenOptions::READ).unwrap();
+    let e = cache
+        .array::<u64>(Endpoint::file(&ro_file, 0), 1024, ArrayMode::ReadWrite)
+        .unwrap_err();
+    assert_eq!(e.code(), ErrorCode::InvalidArg, "{e}");
+
     // Memory sources are checked up front.
     let mem = super::common::host(4096, 1);
     let e = cache
