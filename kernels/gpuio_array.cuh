@@ -16,6 +16,9 @@
 //   write-back, no free frame) returns T() and records the first error in the array's slot;
 //   the host reads it after the kernel (OnDemandArray::check), so failures never pass as data.
 // - Stores to one element from two threads race as they would in a plain array.
+// - get_async/wait (issue, compute, wait): every future is waited for, a thread's futures in
+//   the order it made them, and between the two a thread touches no array or ring and waits
+//   at no barrier for threads that do (a future may hold a ring slot meanwhile).
 #ifndef GPUIO_ARRAY_CUH
 #define GPUIO_ARRAY_CUH
 
@@ -23,7 +26,7 @@
 #include "gpuio_ring.cuh"
 #endif
 
-#define GPUIO_ARRAY_VERSION 1u
+#define GPUIO_ARRAY_VERSION 2u
 
 // Page-table entry (one u64 per page).
 #define GPUIO_PAGE_FRAME_MASK 0xFFFFFFFFull
@@ -74,7 +77,12 @@ struct __align__(64) gpuio_array_slot {
     unsigned int resource;
     unsigned int flags;
     long long error;
-    unsigned long long reserved[3];
+    // Write-backs of the array's pages begun (before each is posted) and ended (after each
+    // completes, well or not): get_async trusts bytes it fetched without claiming their page
+    // only if none was in flight when it posted the read and none began since.
+    unsigned long long writebacks_begun;
+    unsigned long long writebacks_ended;
+    unsigned long long reserved;
 };
 
 // A page cache (gpuio_hal::ondemand::CacheDevice).
@@ -109,6 +117,8 @@ static_assert(sizeof(gpuio_cache) == 120, "gpuio_cache size");
 static_assert(sizeof(gpuio_array_desc) == 160, "gpuio_array_desc size");
 #ifndef __CUDACC_RTC__
 static_assert(__builtin_offsetof(gpuio_array_slot, error) == 32, "slot.error");
+static_assert(__builtin_offsetof(gpuio_array_slot, writebacks_begun) == 40, "slot.begun");
+static_assert(__builtin_offsetof(gpuio_array_slot, writebacks_ended) == 48, "slot.ended");
 static_assert(__builtin_offsetof(gpuio_cache, frames) == 48, "cache.frames");
 static_assert(__builtin_offsetof(gpuio_cache, page_shift) == 112, "cache.page_shift");
 static_assert(__builtin_offsetof(gpuio_array_desc, table) == 120, "array.table");
@@ -122,6 +132,16 @@ __device__ __forceinline__ unsigned long long gpuio_atom_add(unsigned long long*
                                                             unsigned long long v) {
     unsigned long long old;
     asm volatile("atom.add.acq_rel.gpu.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+    return old;
+}
+
+// A pin: what the pinning thread then reads of the frame is ordered after it (acquire); it
+// publishes nothing itself, so it needs no release half (whose fence would wait for every
+// earlier store of the thread on the hit path).
+__device__ __forceinline__ unsigned long long gpuio_atom_add_acquire(unsigned long long* p,
+                                                                    unsigned long long v) {
+    unsigned long long old;
+    asm volatile("atom.add.acquire.gpu.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
     return old;
 }
 
@@ -234,10 +254,12 @@ __device__ __forceinline__ unsigned long long gpuio_page_len(const gpuio_cache* 
 // Writes frame f, holding `page` of the array in slot `slot`, back to its source (one thread).
 __device__ __forceinline__ long long gpuio_write_back(const gpuio_cache* c, unsigned int slot,
                                                       unsigned long long page, unsigned int f) {
-    const gpuio_array_slot* s = (const gpuio_array_slot*)c->slots + slot;
+    gpuio_array_slot* s = (gpuio_array_slot*)c->slots + slot;
     const unsigned long long len = gpuio_page_len(c, s->bytes, page);
+    gpuio_atom_add(&s->writebacks_begun, 1ull);
     const long long res =
         gpuio_write(&c->ring, s->resource, page << c->page_shift, len, gpuio_frame(c, f));
+    gpuio_atom_add(&s->writebacks_ended, 1ull);
     if (res < 0) {
         gpuio_array_count(c, slot, GPUIO_STAT_FAILURES, 1);
         gpuio_array_fail(c, slot, res);
@@ -248,10 +270,10 @@ __device__ __forceinline__ long long gpuio_write_back(const gpuio_cache* c, unsi
     return res;
 }
 
-// Evicts the page frame f (locked by this thread) holds: 1 done, 0 not now, < 0 its
-// write-back failed (the page stays cached and dirty).
+// Evicts the page frame f (locked by this thread) holds: 1 done, 0 not now (or dirty, where
+// `clean_only`), < 0 its write-back failed (the page stays cached and dirty).
 __device__ __forceinline__ long long gpuio_evict(const gpuio_cache* c, unsigned int f,
-                                                 unsigned long long owner) {
+                                                 unsigned long long owner, int clean_only) {
     const unsigned int slot = (unsigned int)((owner >> GPUIO_FRAME_SLOT_SHIFT) & 0xffull);
     const unsigned long long page = owner & GPUIO_FRAME_PAGE_MASK;
     const gpuio_array_slot* s = (const gpuio_array_slot*)c->slots + slot;
@@ -259,7 +281,8 @@ __device__ __forceinline__ long long gpuio_evict(const gpuio_cache* c, unsigned 
     unsigned long long* e = (unsigned long long*)s->table + page;
     const unsigned long long cur = gpuio_ld_acquire(e);
     if (gpuio_page_state(cur) != GPUIO_PAGE_VALID || (cur & GPUIO_PAGE_PIN_MASK) != 0ull ||
-        (unsigned int)(cur & GPUIO_PAGE_FRAME_MASK) != f) {
+        (unsigned int)(cur & GPUIO_PAGE_FRAME_MASK) != f ||
+        (clean_only && (cur & GPUIO_PAGE_DIRTY))) {
         return 0;
     }
     const unsigned long long evicting =
@@ -287,10 +310,11 @@ __device__ __forceinline__ long long gpuio_evict(const gpuio_cache* c, unsigned 
 // none came free in GPUIO_ARRAY_TRIES frames (the caller's warp goes on meanwhile: lanes that
 // hold frames for their fills finish them, so nobody waits for a frame while its own warp
 // holds one); or a negative code (a failed write-back, or none for GPUIO_ARRAY_NO_FRAME_NS
-// since `since`).
+// since `since`). `clean_only`: no dirty victim (whose write-back needs a ring slot).
 __device__ __forceinline__ long long gpuio_try_take_frame(const gpuio_cache* c, unsigned int slot,
                                                           unsigned long long page,
-                                                          unsigned long long since) {
+                                                          unsigned long long since,
+                                                          int clean_only) {
     unsigned long long* clock = (unsigned long long*)c->clock;
     unsigned long long* owners = (unsigned long long*)c->owners;
     unsigned int* refs = (unsigned int*)c->refs;
@@ -310,7 +334,7 @@ __device__ __forceinline__ long long gpuio_try_take_frame(const gpuio_cache* c, 
             continue;
         }
         if (cur & GPUIO_FRAME_OWNED) {
-            const long long ev = gpuio_evict(c, f, cur);
+            const long long ev = gpuio_evict(c, f, cur, clean_only);
             if (ev <= 0) {
                 gpuio_st_release(owners + f, cur);
                 if (ev < 0) return ev;
@@ -336,6 +360,38 @@ struct gpuio_miss {
     unsigned long long start;  // when it claimed the page (ns)
 };
 
+// Ends the fill of `page` into frame f (claimed FILLING, frame locked by this thread) once its
+// bytes are in the frame (`res` >= 0, visible device-wide) or its read failed (`res` < 0):
+// the page turns VALID with `n` pins already on (the lanes that paid for it own it this
+// round), or EMPTY with the frame free again. Returns f or the failure.
+__device__ __forceinline__ long long gpuio_array_filled(const gpuio_array_desc* a,
+                                                       unsigned long long page, unsigned int f,
+                                                       long long res, unsigned long long n,
+                                                       unsigned long long start) {
+    const gpuio_cache* c = &a->cache;
+    unsigned long long* e = gpuio_array_entry(a, page);
+    unsigned long long* owner = (unsigned long long*)c->owners + f;
+    if (res < 0) {
+        gpuio_st_release(owner, GPUIO_FRAME_FREE);
+        gpuio_atom_and(e, GPUIO_PAGE_PIN_MASK);
+        gpuio_array_count(c, a->slot, GPUIO_STAT_FAILURES, 1);
+        gpuio_array_fail(c, a->slot, res);
+        return res;
+    }
+    gpuio_st_release(owner, GPUIO_FRAME_OWNED |
+                                ((unsigned long long)a->slot << GPUIO_FRAME_SLOT_SHIFT) | page);
+    gpuio_frame_reference(c, f);
+    gpuio_atom_add(e, ((GPUIO_PAGE_VALID - GPUIO_PAGE_FILLING) << GPUIO_PAGE_STATE_SHIFT) +
+                          n * GPUIO_PAGE_PIN_ONE);
+    gpuio_array_count(c, a->slot, GPUIO_STAT_MISSES, 1);
+    gpuio_array_count(c, a->slot, GPUIO_STAT_BYTES_IN, gpuio_page_len(c, a->bytes, page));
+    unsigned long long* hist =
+        gpuio_array_stats(c, a->slot) + GPUIO_STAT_STRIPES * GPUIO_STAT_COUNTERS;
+    atomicAdd(hist + gpuio_latency_bucket(gpuio_ring_now_ns() - start), 1ull);
+    if (n > 1ull) gpuio_array_count(c, a->slot, GPUIO_STAT_WAITS, n - 1ull);
+    return (long long)f;
+}
+
 // One round of a warp's accesses: every active lane calls it together, each with its own
 // page; `lead` is non-zero for one lane per page wanted (the `n` lanes wanting it share the
 // pin). A lead lane gets its page's frame pinned `n` times (>= 0), GPUIO_ARRAY_RETRY (not
@@ -354,7 +410,7 @@ __device__ __forceinline__ long long gpuio_array_round(const gpuio_array_desc* a
     int claimed = 0;
     unsigned int hits = 0u, waits = 0u;  // this lane's, counted once per warp below
     if (lead && !m->frameless) {
-        const unsigned long long old = gpuio_atom_add(e, n * GPUIO_PAGE_PIN_ONE);
+        const unsigned long long old = gpuio_atom_add_acquire(e, n * GPUIO_PAGE_PIN_ONE);
         if (gpuio_page_state(old) == GPUIO_PAGE_VALID) {
             result = (long long)(old & GPUIO_PAGE_FRAME_MASK);
             gpuio_frame_reference(c, (unsigned int)result);
@@ -377,7 +433,7 @@ __device__ __forceinline__ long long gpuio_array_round(const gpuio_array_desc* a
         }
     }
     if (lead && m->frameless) {
-        const long long f = gpuio_try_take_frame(c, a->slot, page, m->start);
+        const long long f = gpuio_try_take_frame(c, a->slot, page, m->start, 0);
         if (f >= 0) {
             gpuio_atom_or(e, (unsigned long long)f);
             result = f;
@@ -398,32 +454,7 @@ __device__ __forceinline__ long long gpuio_array_round(const gpuio_array_desc* a
             claimed ? gpuio_frame(c, (unsigned int)result) : (unsigned char*)0);
         // Every lane's share of the copied bytes is visible before the page turns VALID.
         __threadfence();
-        if (claimed) {
-            unsigned long long* owner = (unsigned long long*)c->owners + result;
-            if (res < 0) {
-                gpuio_st_release(owner, GPUIO_FRAME_FREE);
-                gpuio_atom_and(e, GPUIO_PAGE_PIN_MASK);
-                gpuio_array_count(c, a->slot, GPUIO_STAT_FAILURES, 1);
-                gpuio_array_fail(c, a->slot, res);
-                result = res;
-            } else {
-                gpuio_st_release(owner, GPUIO_FRAME_OWNED |
-                                            ((unsigned long long)a->slot
-                                             << GPUIO_FRAME_SLOT_SHIFT) |
-                                            page);
-                gpuio_frame_reference(c, (unsigned int)result);
-                // VALID with this round's pins already on: the page it paid for is its own.
-                gpuio_atom_add(e, ((GPUIO_PAGE_VALID - GPUIO_PAGE_FILLING)
-                                   << GPUIO_PAGE_STATE_SHIFT) +
-                                      n * GPUIO_PAGE_PIN_ONE);
-                gpuio_array_count(c, a->slot, GPUIO_STAT_MISSES, 1);
-                gpuio_array_count(c, a->slot, GPUIO_STAT_BYTES_IN, len);
-                unsigned long long* hist =
-                    gpuio_array_stats(c, a->slot) + GPUIO_STAT_STRIPES * GPUIO_STAT_COUNTERS;
-                atomicAdd(hist + gpuio_latency_bucket(gpuio_ring_now_ns() - m->start), 1ull);
-                if (n > 1ull) gpuio_array_count(c, a->slot, GPUIO_STAT_WAITS, n - 1ull);
-            }
-        }
+        if (claimed) result = gpuio_array_filled(a, page, (unsigned int)result, res, n, m->start);
     }
     return result;
 }
@@ -493,6 +524,52 @@ __device__ __forceinline__ long long gpuio_array_flush_page(const gpuio_array_de
         gpuio_ring_backoff(&ns);
     }
 }
+
+// Claims `page` for bytes fetched ahead (get_async) without waiting for anything: the page
+// must be EMPTY, no write-back of the array may have begun since `writebacks` (the count when
+// the read was posted, none in flight then: the bytes are what the source holds), and a clean
+// frame must come free in one try (a dirty victim's write-back would need a ring slot while
+// the caller holds one). Returns the frame, locked and owned, with the page FILLING, or -1.
+__device__ __forceinline__ long long gpuio_array_claim_fetched(const gpuio_array_desc* a,
+                                                              unsigned long long page,
+                                                              unsigned long long writebacks) {
+    const gpuio_cache* c = &a->cache;
+    unsigned long long* e = gpuio_array_entry(a, page);
+    const unsigned long long cur = gpuio_ld_acquire(e);
+    if (gpuio_page_state(cur) != GPUIO_PAGE_EMPTY ||
+        gpuio_atom_cas(e, cur, cur | (GPUIO_PAGE_FILLING << GPUIO_PAGE_STATE_SHIFT)) != cur) {
+        return -1;
+    }
+    // Checked with the page claimed: a write-back of it that began after this check is
+    // impossible (it is not VALID), and one that began before has been counted.
+    gpuio_array_slot* s = (gpuio_array_slot*)c->slots + a->slot;
+    long long f = -1;
+    if (gpuio_ld_acquire(&s->writebacks_begun) == writebacks) {
+        f = gpuio_try_take_frame(c, a->slot, page, gpuio_ring_now_ns(), 1);
+    }
+    if (f < 0) {
+        gpuio_atom_and(e, GPUIO_PAGE_PIN_MASK);
+        return -1;
+    }
+    gpuio_atom_or(e, (unsigned long long)f);
+    return f;
+}
+
+// A read started by gpuio_array<T>::get_async, finished by wait (which every future needs:
+// it may hold a ring slot).
+#define GPUIO_FUTURE_READY 0     // value holds the element (T() after a failed access)
+#define GPUIO_FUTURE_LATER 1     // wait reads it (its page was cached, or being brought in)
+#define GPUIO_FUTURE_FETCHING 2  // this lane's staged read of the page is posted (or to be)
+template <typename T>
+struct gpuio_array_future {
+    unsigned long long index;
+    unsigned long long writebacks;  // the array's write-backs begun when the read was posted
+    unsigned long long start;       // when it was (ns)
+    gpuio_token tok;
+    T value;
+    int state;
+    int posted;
+};
 
 // ---- gpuio_array<T> ----------------------------------------------------------------------------
 
@@ -578,15 +655,153 @@ struct gpuio_array {
         }
     }
 
+    // Starts reading the element at `i` and returns at once (AGILE's issue, compute, wait):
+    // the lowest lane of a warp wanting a page that is not cached posts a staged read of it
+    // through the ring, without claiming the page, so that nothing waits for this warp
+    // meanwhile; wait() puts those bytes into a frame, or, where the page came in otherwise
+    // or may have changed at its source, reads the element as get() does. Every active lane
+    // calls it together (warp-cooperative, like get), and every future must be waited for.
+    //
+    // Between get_async and wait a thread may compute, but must not access an array or post
+    // ring requests, nor wait at a barrier for threads that do, unless the grid's outstanding
+    // requests fit in the ring's slots: each future may hold one slot, and a ring full of
+    // held slots makes posts wait for them.
+    __device__ __forceinline__ gpuio_array_future<T> get_async(unsigned long long i) const {
+        const unsigned int active = __activemask();
+        const gpuio_cache* c = &d.cache;
+        gpuio_array_future<T> f;
+        f.index = i;
+        f.writebacks = 0ull;
+        f.start = 0ull;
+        f.value = T();
+        f.state = GPUIO_FUTURE_READY;
+        f.posted = 0;
+        f.tok.done = 1u;
+        const int ok = i < size();
+        if (!ok) gpuio_array_fail(c, d.slot, GPUIO_ERROR_INVALID_ARG);
+        const unsigned long long page = ok ? (i * sizeof(T)) >> c->page_shift : ~0ull;
+        const unsigned int peers = __match_any_sync(active, page);
+        if (!ok) return f;
+        f.state = GPUIO_FUTURE_LATER;
+        const unsigned long long len = gpuio_page_len(c, d.bytes, page);
+        const gpuio_ring* r = &c->ring;
+        if ((int)gpuio_ring_lane_id() != __ffs(peers) - 1 || !r->bounce ||
+            len > r->bounce_bytes ||
+            gpuio_page_state(gpuio_ld_acquire(gpuio_array_entry(&d, page))) !=
+                GPUIO_PAGE_EMPTY) {
+            return f;
+        }
+        gpuio_array_slot* s = (gpuio_array_slot*)c->slots + d.slot;
+        const unsigned long long ended = gpuio_ld_acquire(&s->writebacks_ended);
+        const unsigned long long begun = gpuio_ld_acquire(&s->writebacks_begun);
+        if (begun != ended) return f;  // a write-back in flight: its bytes may not be there yet
+        f.writebacks = begun;
+        f.start = gpuio_ring_now_ns();
+        f.state = GPUIO_FUTURE_FETCHING;
+        // The ticket's slot is the future's from now on: posted here if free, else by wait.
+        gpuio_ring_ticket(r, &f.tok, 0ull);
+        const long long p = gpuio_ring_try_post(r, &f.tok, GPUIO_RING_OP_READ, d.resource,
+                                                GPUIO_RING_FLAG_STAGE, page << c->page_shift, len);
+        if (p < 0) f.state = GPUIO_FUTURE_LATER;  // the ring shut down: get() reports it
+        f.posted = p > 0;
+        return f;
+    }
+
+    // The element get_async started reading (T() and a recorded error if it cannot be had).
+    // Every active lane calls it together; a thread waits for its futures in the order it
+    // made them. The lanes go round together, as gpuio_read_each_warp_if's do: post where the
+    // slot was busy at get_async, collect what arrived, put fetched pages into frames (the
+    // lanes wanting them read their elements under the pins the fill brings), hand the slots
+    // back; no lane holds a completed slot while it waits for another. What no fetch brought
+    // (a page cached or being brought in by others at get_async, or fetched bytes that could
+    // not be trusted or placed) is read as get() reads it.
+    __device__ __forceinline__ T wait(gpuio_array_future<T>& f) const {
+        const unsigned int active = __activemask();
+        const gpuio_cache* c = &d.cache;
+        const gpuio_ring* r = &c->ring;
+        const int want = f.state != GPUIO_FUTURE_READY;
+        const unsigned long long page = want ? (f.index * sizeof(T)) >> c->page_shift : ~0ull;
+        const unsigned long long len = want ? gpuio_page_len(c, d.bytes, page) : 0ull;
+        const unsigned long long at = (f.index * sizeof(T)) & (c->page_size - 1ull);
+        int fetching = f.state == GPUIO_FUTURE_FETCHING, done = !want;
+        unsigned int ns = 32u;
+        while (__any_sync(active, fetching)) {
+            long long result = 0;
+            int arrived = 0, staged = GPUIO_STAGED_NONE;
+            unsigned long long word = 0ull;
+            if (fetching && !f.posted) {
+                const long long p =
+                    gpuio_ring_try_post(r, &f.tok, GPUIO_RING_OP_READ, d.resource,
+                                        GPUIO_RING_FLAG_STAGE, page << c->page_shift, len);
+                if (p < 0) fetching = 0;  // refused (shut down): no slot to hand back
+                f.posted = p > 0;
+            }
+            if (fetching && f.posted) {
+                arrived = gpuio_ring_arrived(r, &f.tok, &result, &staged, &word);
+                // The ring's state costs a PCIe round trip of its own: every 16th poll only.
+                if (!arrived && (++f.tok.polls & 15u) == 0u &&
+                    gpuio_ring_ld_acquire32(&r->header->state) == GPUIO_RING_CLOSED) {
+                    // The host's final sweep happened before CLOSED: look once more.
+                    arrived = gpuio_ring_arrived(r, &f.tok, &result, &staged, &word);
+                    if (!arrived) fetching = 0;  // never served
+                }
+            }
+            // Lanes still wanting one page share what any of them fetched for it.
+            const int usable =
+                arrived && staged == GPUIO_STAGED_BOUNCE && result == (long long)len;
+            const unsigned int peers = __match_any_sync(active, done ? ~0ull : page);
+            const int leader = __ffs(peers) - 1;
+            const int lead = !done && (int)gpuio_ring_lane_id() == leader;
+            const unsigned int have = __ballot_sync(active, usable && !done) & peers;
+            const int source = have ? __ffs(have) - 1 : leader;
+            const unsigned long long from = __shfl_sync(
+                active, usable ? (unsigned long long)gpuio_ring_bounce(r, &f.tok) : 0ull, source);
+            const unsigned long long writebacks = __shfl_sync(active, f.writebacks, source);
+            const unsigned long long start = __shfl_sync(active, f.start, source);
+            const unsigned long long n = __popc(peers);
+            long long frame = -1;
+            if (lead && have) frame = gpuio_array_claim_fetched(&d, page, writebacks);
+            const int claimed = frame >= 0;
+            gpuio_ring_copy_blocks_warp(
+                active, claimed, (const unsigned char*)from,
+                claimed ? gpuio_frame(c, (unsigned int)frame) : (unsigned char*)0, len);
+            // Every lane's share of the copied bytes is visible before the page turns VALID.
+            __threadfence();
+            if (claimed) frame = gpuio_array_filled(&d, page, (unsigned int)frame, 0, n, start);
+            const long long filled = __shfl_sync(active, frame, leader);
+            if (!done && filled >= 0) {
+                f.value = *(const T*)(gpuio_frame(c, (unsigned int)filled) + at);
+                done = 1;
+            }
+            __syncwarp(active);
+            if (claimed) gpuio_array_unpin(&d, page, n);
+            if (arrived) {
+                gpuio_ring_release(r, &f.tok, result);
+                fetching = 0;
+            }
+            if (fetching) gpuio_ring_backoff(&ns);
+        }
+        const T later = access_if(!done, f.index, 0, T());
+        if (!done) f.value = later;
+        f.state = GPUIO_FUTURE_READY;
+        return f.value;
+    }
+
     // One access by every active lane (each its own index): lanes wanting one page share
     // one pin; `write` stores `v` instead of reading.
     __device__ __forceinline__ T access(unsigned long long i, int write, T v) const {
+        return access_if(1, i, write, v);
+    }
+
+    // access() by the lanes whose `go` is non-zero (the others take part in the warp's
+    // collective steps and get T()).
+    __device__ __forceinline__ T access_if(int go, unsigned long long i, int write, T v) const {
         const gpuio_cache* c = &d.cache;
-        const int ok_index = i < size();
-        const int ok_mode = !write || (d.flags & GPUIO_ARRAY_WRITABLE);
+        const int ok_index = !go || i < size();
+        const int ok_mode = !go || !write || (d.flags & GPUIO_ARRAY_WRITABLE);
         if (!ok_index) gpuio_array_fail(c, d.slot, GPUIO_ERROR_INVALID_ARG);
         if (ok_index && !ok_mode) gpuio_array_fail(c, d.slot, GPUIO_ERROR_PERMISSION);
-        const int want = ok_index && ok_mode;
+        const int want = go && ok_index && ok_mode;
         const unsigned long long byte = want ? i * sizeof(T) : 0ull;
         const unsigned long long page = byte >> c->page_shift;
         T out = T();

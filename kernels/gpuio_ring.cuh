@@ -130,8 +130,8 @@ struct gpuio_ring {
 struct gpuio_token {
     unsigned long long ticket;
     long long result;   // valid once done
-    unsigned int done;  // 1 once the outcome is known (completed, refused or shut down)
-    unsigned int reserved;
+    unsigned int done;   // 1 once the outcome is known (completed, refused or shut down)
+    unsigned int polls;  // polls that found it pending (the ring's state is read every 16th)
     unsigned long long dev_addr;  // the request's device address (a staged read lands there)
 };
 
@@ -187,13 +187,25 @@ __device__ __forceinline__ void gpuio_ring_ld_pair(const void* p, unsigned long 
                  : "memory");
 }
 
+// Orders the loads and stores after it after the loads before it (the acquire half of a
+// message from the host: a load that saw the host's release, then this). An acquire-release
+// fence, not __threadfence_system's sequentially consistent one: nothing here needs a total
+// order across locations, and each .sys fence may wait for the GPU's writes to host memory.
+__device__ __forceinline__ void gpuio_ring_fence_acquire() {
+#if __CUDA_ARCH__ >= 700
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+#else
+    __threadfence_system();
+#endif
+}
+
 // Whether `s` is at `turn` in `state`, with what follows ordered after the check (acquire).
 __device__ __forceinline__ int gpuio_ring_slot_is(const gpuio_ring_slot* s, unsigned long long turn,
                                                   unsigned int state) {
     unsigned long long t, w;
     gpuio_ring_ld_pair(&s->turn, &t, &w);
     if (t != turn || (unsigned int)w != state) return 0;  // state is the low half of word 1
-    __threadfence_system();
+    gpuio_ring_fence_acquire();
     return 1;
 }
 
@@ -314,7 +326,7 @@ __device__ __forceinline__ long long gpuio_ring_try_post(const gpuio_ring* r, gp
     v->offset = offset;
     v->len = len;
     v->dev_addr = tok->dev_addr;
-    __threadfence_system();
+    // The release store orders the fields (and a staged WRITE's bytes) before POSTED.
     gpuio_ring_st_release32(&s->state, GPUIO_SLOT_POSTED);
     return 1;
 }
@@ -325,6 +337,7 @@ __device__ __forceinline__ void gpuio_ring_ticket(const gpuio_ring* r, gpuio_tok
     tok->ticket = gpuio_ring_claim(r);
     tok->result = 0;
     tok->done = 0u;
+    tok->polls = 0u;
     tok->dev_addr = dev_addr;
 }
 
@@ -423,7 +436,7 @@ __device__ __forceinline__ int gpuio_ring_arrived(const gpuio_ring* r, const gpu
     if (t != tok->ticket || (state != GPUIO_SLOT_DONE && state != GPUIO_SLOT_DONE_INLINE)) {
         return 0;
     }
-    __threadfence_system();
+    gpuio_ring_fence_acquire();
     unsigned long long res, stg;
     gpuio_ring_ld_pair(&s->result, &res, &stg);
     *result = (long long)res;
@@ -452,11 +465,13 @@ __device__ __forceinline__ const unsigned char* gpuio_ring_bounce(const gpuio_ri
     return r->bounce + (tok->ticket & r->mask) * r->bounce_bytes;
 }
 
-// Hands the slot of a collected completion to the next lap.
+// Hands the slot of a collected completion to the next lap. One release store (FREE) orders
+// this thread's reads of the slot and its bounce buffer before the next lap can post: that
+// producer needs both the new turn and FREE, so the turn itself needs no fence of its own.
 __device__ __forceinline__ void gpuio_ring_release(const gpuio_ring* r, gpuio_token* tok,
                                                    long long result) {
     gpuio_ring_slot* s = r->slots + (tok->ticket & r->mask);
-    gpuio_ring_st_release64(&s->turn, tok->ticket + r->nslots);
+    *(volatile unsigned long long*)&s->turn = tok->ticket + r->nslots;
     gpuio_ring_st_release32(&s->state, GPUIO_SLOT_FREE);
     tok->result = result;
     tok->done = 1u;
@@ -485,7 +500,11 @@ __device__ __forceinline__ int gpuio_ring_try_finish(const gpuio_ring* r, gpuio_
 __device__ __forceinline__ int gpuio_poll(const gpuio_ring* r, gpuio_token* tok,
                                           long long* result) {
     if (!tok->done && !gpuio_ring_try_finish(r, tok)) {
-        if (gpuio_ring_ld_acquire32(&r->header->state) != GPUIO_RING_CLOSED) return 0;
+        // The ring's state costs a PCIe round trip of its own: read every 16th poll only.
+        if ((++tok->polls & 15u) != 0u ||
+            gpuio_ring_ld_acquire32(&r->header->state) != GPUIO_RING_CLOSED) {
+            return 0;
+        }
         // The host's final sweep happened before CLOSED: look once more, then it never comes.
         if (!gpuio_ring_try_finish(r, tok)) {
             tok->result = GPUIO_ERROR_RING_SHUTDOWN;
@@ -536,6 +555,53 @@ __device__ __forceinline__ long long gpuio_write(const gpuio_ring* r, unsigned i
     return gpuio_wait(r, &tok);
 }
 
+// Every active lane of a warp calls it; each lane with `mine` non-zero has `n` bytes at
+// `from` (a bounce buffer whose completion it acquired) for `to`. The warp copies those
+// blocks one after another, all lanes together: 16-byte pieces side by side, so that the PCIe
+// reads of one block coalesce instead of one thread reading it piece after piece. Returns
+// once every lane's stores are made (the caller fences where others must see them).
+__device__ __forceinline__ void gpuio_ring_copy_blocks_warp(unsigned int active, int mine,
+                                                            const unsigned char* from,
+                                                            unsigned char* to,
+                                                            unsigned long long n) {
+    const unsigned int lanes = __popc(active);
+    const unsigned int rank = __popc(active & gpuio_ring_lanemask_lt());
+    // Each lane acquired its own completion; this orders every lane's loads after them.
+    __syncwarp(active);
+    for (unsigned int owners = __ballot_sync(active, mine); owners; owners &= owners - 1) {
+        const int owner = __ffs(owners) - 1;
+        const unsigned char* src8 =
+            (const unsigned char*)__shfl_sync(active, (unsigned long long)from, owner);
+        unsigned char* dst8 = (unsigned char*)__shfl_sync(active, (unsigned long long)to, owner);
+        const unsigned long long len = __shfl_sync(active, n, owner);
+        if ((((unsigned long long)src8 | (unsigned long long)dst8 | len) & 15ull) == 0) {
+            // Every load is a PCIe round trip: each lane issues GPUIO_RING_COPY_INFLIGHT of
+            // them before it stores any (a 4 KiB block is one round of the warp's loads, not
+            // eight in a row), side by side across the lanes so that each round coalesces.
+            const uint4* src = (const uint4*)src8;
+            uint4* out = (uint4*)dst8;
+            const unsigned long long pieces = len / 16;
+            for (unsigned long long base = rank; base < pieces;
+                 base += (unsigned long long)lanes * GPUIO_RING_COPY_INFLIGHT) {
+                uint4 v[GPUIO_RING_COPY_INFLIGHT];
+#pragma unroll
+                for (int k = 0; k < GPUIO_RING_COPY_INFLIGHT; k++) {
+                    const unsigned long long i = base + (unsigned long long)k * lanes;
+                    if (i < pieces) v[k] = src[i];
+                }
+#pragma unroll
+                for (int k = 0; k < GPUIO_RING_COPY_INFLIGHT; k++) {
+                    const unsigned long long i = base + (unsigned long long)k * lanes;
+                    if (i < pieces) out[i] = v[k];
+                }
+            }
+        } else {
+            for (unsigned long long i = rank; i < len; i += lanes) dst8[i] = src8[i];
+        }
+    }
+    __syncwarp(active);
+}
+
 // Blocking READs by the active lanes of a warp whose `post` is non-zero (each its own range
 // and destination), whose staged bytes all active lanes copy together: 16-byte pieces side by
 // side, so that the PCIe reads of one block coalesce instead of one thread reading it piece
@@ -552,8 +618,6 @@ __device__ __forceinline__ long long gpuio_read_each_warp_if(const gpuio_ring* r
                                                              unsigned long long offset,
                                                              unsigned long long len, void* dst) {
     const unsigned int active = __activemask();
-    const unsigned int lanes = __popc(active);
-    const unsigned int rank = __popc(active & gpuio_ring_lanemask_lt());
     gpuio_token tok;
     tok.dev_addr = (unsigned long long)dst;
     if (post) gpuio_ring_ticket(r, &tok, (unsigned long long)dst);
@@ -576,7 +640,8 @@ __device__ __forceinline__ long long gpuio_read_each_warp_if(const gpuio_ring* r
         }
         if (pending && posted) {
             arrived = gpuio_ring_arrived(r, &tok, &result, &staged, &word);
-            if (!arrived &&
+            // The ring's state costs a PCIe round trip of its own: read every 16th poll only.
+            if (!arrived && (++tok.polls & 15u) == 0u &&
                 gpuio_ring_ld_acquire32(&r->header->state) == GPUIO_RING_CLOSED) {
                 // The host's final sweep happened before CLOSED: look once more.
                 arrived = gpuio_ring_arrived(r, &tok, &result, &staged, &word);
@@ -591,44 +656,9 @@ __device__ __forceinline__ long long gpuio_read_each_warp_if(const gpuio_ring* r
                                     (unsigned long long)result);
         }
         const int bounced = staged == GPUIO_STAGED_BOUNCE;
-        const unsigned long long from_mine =
-            bounced ? (unsigned long long)gpuio_ring_bounce(r, &tok) : 0ull;
-        // Each lane acquired its own completion; this orders every lane's loads after them.
-        __syncwarp(active);
-        for (unsigned int owners = __ballot_sync(active, bounced); owners;
-             owners &= owners - 1) {
-            const int owner = __ffs(owners) - 1;
-            const unsigned char* from =
-                (const unsigned char*)__shfl_sync(active, from_mine, owner);
-            unsigned char* to = (unsigned char*)__shfl_sync(active, tok.dev_addr, owner);
-            const unsigned long long n = __shfl_sync(active, (unsigned long long)result, owner);
-            if ((((unsigned long long)from | (unsigned long long)to | n) & 15ull) == 0) {
-                // Every load is a PCIe round trip: each lane issues GPUIO_RING_COPY_INFLIGHT
-                // of them before it stores any (a 4 KiB block is one round of the warp's
-                // loads, not eight in a row), side by side across the lanes so that each
-                // round coalesces.
-                const uint4* src = (const uint4*)from;
-                uint4* out = (uint4*)to;
-                const unsigned long long pieces = n / 16;
-                for (unsigned long long base = rank; base < pieces;
-                     base += (unsigned long long)lanes * GPUIO_RING_COPY_INFLIGHT) {
-                    uint4 v[GPUIO_RING_COPY_INFLIGHT];
-#pragma unroll
-                    for (int k = 0; k < GPUIO_RING_COPY_INFLIGHT; k++) {
-                        const unsigned long long i = base + (unsigned long long)k * lanes;
-                        if (i < pieces) v[k] = src[i];
-                    }
-#pragma unroll
-                    for (int k = 0; k < GPUIO_RING_COPY_INFLIGHT; k++) {
-                        const unsigned long long i = base + (unsigned long long)k * lanes;
-                        if (i < pieces) out[i] = v[k];
-                    }
-                }
-            } else {
-                for (unsigned long long i = rank; i < n; i += lanes) to[i] = from[i];
-            }
-        }
-        __syncwarp(active);
+        gpuio_ring_copy_blocks_warp(active, bounced,
+                                    bounced ? gpuio_ring_bounce(r, &tok) : (const unsigned char*)0,
+                                    (unsigned char*)tok.dev_addr, (unsigned long long)result);
         if (arrived) {
             gpuio_ring_release(r, &tok, result);
             pending = 0;

@@ -41,7 +41,8 @@ __device__ __forceinline__ unsigned long long gpuio_array_expected(unsigned long
 
 // `reads` reads of u64 elements at random indices (from `salt`), each checked: out[0] counts
 // mismatches, out[1] (starting at ~0) is the smallest index read wrong, out[2] counts reads.
-// Half the threads read through gpuio_array::get, the other half through gather.
+// Even warps read through gpuio_array::get; odd warps through get_async and wait, each
+// thread checking one element while the next is on its way.
 extern "C" __global__ void gpuio_array_test_read(gpuio_array_desc d, unsigned long long reads,
                                                  unsigned long long salt, unsigned long long seed,
                                                  unsigned long long every,
@@ -51,19 +52,36 @@ extern "C" __global__ void gpuio_array_test_read(gpuio_array_desc d, unsigned lo
     const unsigned long long n = a.size();
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     const unsigned long long start = (unsigned long long)blockIdx.x * blockDim.x;
-    for (unsigned long long base = start; base < reads; base += stride) {
-        const unsigned long long k = base + threadIdx.x;
-        const int mine = k < reads;
-        const unsigned long long i = mine ? gpuio_mix64(salt ^ k) % n : 0ull;
-        const unsigned long long v = a.get(i);
-        if (mine) {
-            atomicAdd(out + 2, 1ull);
-            if (v != gpuio_array_expected(i, seed, every, written)) {
-                atomicAdd(out, 1ull);
-                atomicMin(out + 1, i);
-            }
+    const auto check = [&](unsigned long long i, unsigned long long v) {
+        atomicAdd(out + 2, 1ull);
+        if (v != gpuio_array_expected(i, seed, every, written)) {
+            atomicAdd(out, 1ull);
+            atomicMin(out + 1, i);
         }
+    };
+    const auto index = [&](unsigned long long k) { return gpuio_mix64(salt ^ k) % n; };
+    if (((start + threadIdx.x) / 32u) % 2u == 0u) {
+        for (unsigned long long base = start; base < reads; base += stride) {
+            const unsigned long long k = base + threadIdx.x;
+            const int mine = k < reads;
+            const unsigned long long i = mine ? index(k) : 0ull;
+            const unsigned long long v = a.get(i);
+            if (mine) check(i, v);
+        }
+        return;
     }
+    // A warp-uniform trip count; a lane past the end asks for element 0 and checks nothing.
+    unsigned long long k = start + threadIdx.x;
+    gpuio_array_future<unsigned long long> ahead = a.get_async(k < reads ? index(k) : 0ull);
+    for (unsigned long long base = start; base < reads; base += stride) {
+        const unsigned long long next = base + stride < reads ? k + stride : reads;
+        const unsigned long long v = a.wait(ahead);
+        const unsigned long long i = ahead.index;
+        ahead = a.get_async(next < reads ? index(next) : 0ull);
+        if (k < reads) check(i, v);
+        k = next;
+    }
+    a.wait(ahead);
 }
 
 // Stores word i of pattern `written` at every element i that is a multiple of `every`.

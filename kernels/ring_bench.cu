@@ -29,16 +29,51 @@ extern "C" __global__ void gpuio_ring_read_blocks(GPUIO_RING_ARGS, unsigned int 
     }
 }
 
-// One thread: `iters` reads of `len` bytes at offset 0 of `resource` into dst, one at a time;
-// ns[k] is the k-th round trip in nanoseconds (post to result), or ~0 if it failed.
+// One thread: `iters` reads of `len` bytes at offset 0 of `resource` into dst, one at a time,
+// each timed by phase on the GPU's clock: ns[4k .. 4k + 4] are the nanoseconds from the k-th
+// read's start to its ticket claimed, its request posted, its completion seen and its slot
+// handed back (the round trip); all four ~0 if it failed. The steps are gpuio_read's.
 extern "C" __global__ void gpuio_ring_ping(GPUIO_RING_ARGS, unsigned int resource,
                                            unsigned long long iters, unsigned long long len,
                                            unsigned char* dst, unsigned long long* ns) {
     GPUIO_RING_MAKE
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const unsigned int flags = (r.bounce && len <= r.bounce_bytes) ? GPUIO_RING_FLAG_STAGE : 0u;
     for (unsigned long long k = 0; k < iters; k++) {
+        unsigned long long* t = ns + 4 * k;
         const unsigned long long t0 = gpuio_ring_now_ns();
-        const long long res = gpuio_read(&r, resource, 0, len, dst);
-        ns[k] = res < 0 ? ~0ull : gpuio_ring_now_ns() - t0;
+        gpuio_token tok;
+        gpuio_ring_ticket(&r, &tok, (unsigned long long)dst);
+        t[0] = gpuio_ring_now_ns() - t0;
+        long long posted;
+        unsigned int wait_ns = 32u;
+        while ((posted = gpuio_ring_try_post(&r, &tok, GPUIO_RING_OP_READ, resource, flags, 0ull,
+                                             len)) == 0) {
+            gpuio_ring_backoff(&wait_ns);
+        }
+        t[1] = gpuio_ring_now_ns() - t0;
+        long long res = posted < 0 ? posted : 0;
+        int staged = GPUIO_STAGED_NONE;
+        unsigned long long word = 0ull;
+        wait_ns = 32u;
+        while (posted > 0 && !gpuio_ring_arrived(&r, &tok, &res, &staged, &word)) {
+            if ((++tok.polls & 15u) == 0u &&
+                gpuio_ring_ld_acquire32(&r.header->state) == GPUIO_RING_CLOSED) {
+                res = GPUIO_ERROR_RING_SHUTDOWN;
+                break;
+            }
+            gpuio_ring_backoff(&wait_ns);
+        }
+        t[2] = gpuio_ring_now_ns() - t0;
+        if (posted > 0 && res != GPUIO_ERROR_RING_SHUTDOWN) {
+            if (staged == GPUIO_STAGED_INLINE) {
+                gpuio_ring_store_inline(dst, word, (unsigned long long)res);
+            } else if (staged == GPUIO_STAGED_BOUNCE) {
+                gpuio_ring_copy_staged(gpuio_ring_bounce(&r, &tok), dst, (unsigned long long)res);
+            }
+            gpuio_ring_release(&r, &tok, res);
+        }
+        t[3] = gpuio_ring_now_ns() - t0;
+        if (res < 0) t[0] = t[1] = t[2] = t[3] = ~0ull;
     }
 }

@@ -219,6 +219,16 @@ pub static ONDEMAND: KernelSource = KernelSource {
     ptx: embedded_ptx!("ondemand"),
 };
 
+/// The device API's headers (`gpuio_ring.cuh`, `gpuio_array.cuh`, `gpuio.cuh`) as one text,
+/// for user kernels compiled at run time (NVRTC, CuPy's `RawModule`): put it in front of a
+/// source that uses `gpuio_array<T>` or the request ring (each header is in it once; their
+/// `#include`s sit inside `#ifndef` guards). nvcc users include `kernels/gpuio.cuh`.
+pub static DEVICE_HEADER: &str = concat!(
+    include_str!("../../../kernels/gpuio_ring.cuh"),
+    include_str!("../../../kernels/gpuio_array.cuh"),
+    include_str!("../../../kernels/gpuio.cuh"),
+);
+
 /// Every module of `kernels/` that gpuio loads: the CUDA backend loads no other.
 ///
 /// The modules are statics, not constants, so that a binary holds one copy of their text

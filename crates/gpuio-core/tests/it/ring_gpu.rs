@@ -106,17 +106,22 @@ fn gpu_threads_read_file_blocks_through_the_ring() {
     stream.download(&res1, 0, &mut r).unwrap();
     assert_eq!(i64::from_le_bytes(r), ring::RESULT_UNREGISTERED);
 
-    // Round trips of a minimal request.
-    let ns = gpu.alloc(100 * 8).unwrap();
+    // Round trips of a minimal request, each phase later than the one before.
+    let phases = gpuio_hal::gpu::RING_PING_PHASES;
+    let ns = gpu.alloc(100 * 8 * phases).unwrap();
     stream
         .ring_ping(proxy.ring(), handle, 100, 8, &dst, &ns)
         .unwrap();
-    let mut t = vec![0u8; 800];
+    let mut t = vec![0u8; 800 * phases];
     stream.download(&ns, 0, &mut t).unwrap();
-    assert!(
-        t.chunks_exact(8)
-            .all(|w| u64::from_le_bytes(w.try_into().unwrap()) != u64::MAX)
-    );
+    let t: Vec<u64> = t
+        .chunks_exact(8)
+        .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+        .collect();
+    for trip in t.chunks_exact(phases) {
+        assert!(trip[phases - 1] != u64::MAX, "a round trip failed");
+        assert!(trip.windows(2).all(|w| w[0] <= w[1]), "phases {trip:?}");
+    }
     let stats = proxy.shutdown().unwrap();
     assert_eq!(stats.served, n as u64 + 2 * 512 + 100);
 }

@@ -23,6 +23,7 @@ mod stream;
 pub use array_kernels::ArrayReadCheck;
 pub use gds::{GdsFile, GdsMode};
 pub use info::{Backend, Capability, DeviceInfo, PcieLink};
+pub use ring_kernels::RING_PING_PHASES;
 pub use rows::{RowIndices, RowKernel};
 pub use stream::{Event, Inflight, Stream};
 

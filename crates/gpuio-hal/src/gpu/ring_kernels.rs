@@ -8,6 +8,9 @@ use super::{DeviceBuffer, Stream};
 use crate::error::{HalError, Result};
 use crate::ring::RingMemory;
 
+/// Timestamps [`Stream::ring_ping`] records per round trip.
+pub const RING_PING_PHASES: usize = 4;
+
 impl Stream {
     /// Launches `threads` GPU threads that read `count` blocks of `block` bytes of ring
     /// resource `resource` at `offsets` (`count` little-endian u64s on this device) through
@@ -51,8 +54,10 @@ impl Stream {
     }
 
     /// One GPU thread reads `len` bytes at offset 0 of ring resource `resource` into `dst`,
-    /// `iters` times one after another, and stores each round trip (post to result, u64
-    /// nanoseconds of the GPU's global timer; `u64::MAX` where the read failed) in `ns`.
+    /// `iters` times one after another, timing each by phase on the GPU's global timer: `ns`
+    /// gets [`RING_PING_PHASES`] u64s per read, the nanoseconds from its start to its ticket
+    /// claimed, its request posted, its completion seen and its slot handed back (the round
+    /// trip); all `u64::MAX` where the read failed.
     pub fn ring_ping(
         &self,
         ring: &RingMemory,
@@ -65,7 +70,7 @@ impl Stream {
         self.gpu.check_owns("ring ping destination", dst)?;
         self.gpu.check_owns("ring ping timings", ns)?;
         let words = iters
-            .checked_mul(8)
+            .checked_mul(8 * RING_PING_PHASES)
             .ok_or_else(|| HalError::InvalidArgument("too many round trips".into()))?;
         let launch = RingLaunch::Ping {
             ring: self.ring_device(ring)?,

@@ -8,7 +8,7 @@ use crate::ring::RingDevice;
 use std::mem::{offset_of, size_of};
 
 /// Version of this layout; bumped with any change to it (and to `gpuio_array.cuh`).
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 // ---- Page-table entry: one u64 per page of an array ------------------------------------------
 
@@ -113,8 +113,14 @@ pub struct ArraySlot {
     /// The first error a device access met (0: none), a negative `GPUIO_ERROR_*`; the host
     /// reads and clears it.
     pub error: i64,
+    /// Write-backs of the array's pages begun (counted before each is posted).
+    pub writebacks_begun: u64,
+    /// Write-backs of the array's pages ended, well or not (counted after each completes).
+    /// An asynchronous read (`get_async`) trusts bytes it fetched without claiming the page
+    /// only where no write-back was in flight when it was posted and none began since.
+    pub writebacks_ended: u64,
     /// Unused.
-    pub reserved: [u64; 3],
+    pub reserved: u64,
 }
 
 // ---- Statistics: per array, striped so that threads on different SMs add to different lines --
@@ -222,6 +228,50 @@ pub struct ArrayDevice {
     pub reserved: u32,
 }
 
+impl ArrayDevice {
+    /// The descriptor's bytes as `struct gpuio_array_desc` lays them out (little-endian, as
+    /// every GPU gpuio supports is): for a kernel launched by another library, which takes
+    /// the descriptor by value or from device memory.
+    pub fn to_bytes(&self) -> [u8; size_of::<ArrayDevice>()] {
+        let (c, r) = (&self.cache, &self.cache.ring);
+        // Every field in order; the C layout has no padding (the const asserts below).
+        let words: [(u64, usize); 24] = [
+            (r.header, 8),
+            (r.slots, 8),
+            (r.claim, 8),
+            (r.mask as u64, 4),
+            (r.nslots as u64, 4),
+            (r.bounce, 8),
+            (r.bounce_bytes, 8),
+            (c.frames, 8),
+            (c.owners, 8),
+            (c.refs, 8),
+            (c.slots, 8),
+            (c.stats, 8),
+            (c.clock, 8),
+            (c.nframes, 8),
+            (c.page_size, 8),
+            (c.page_shift as u64, 4),
+            (c.version as u64, 4),
+            (self.table, 8),
+            (self.pages, 8),
+            (self.bytes, 8),
+            (self.resource as u64, 4),
+            (self.slot as u64, 4),
+            (self.flags as u64, 4),
+            (self.reserved as u64, 4),
+        ];
+        let mut out = [0u8; size_of::<ArrayDevice>()];
+        let mut at = 0;
+        for (v, n) in words {
+            out[at..at + n].copy_from_slice(&v.to_le_bytes()[..n]);
+            at += n;
+        }
+        debug_assert_eq!(at, out.len());
+        out
+    }
+}
+
 const _: () = {
     assert!(size_of::<RingDevice>() == 48);
     assert!(size_of::<ArraySlot>() == 64);
@@ -231,6 +281,8 @@ const _: () = {
     assert!(offset_of!(ArraySlot, resource) == 24);
     assert!(offset_of!(ArraySlot, flags) == 28);
     assert!(offset_of!(ArraySlot, error) == 32);
+    assert!(offset_of!(ArraySlot, writebacks_begun) == 40);
+    assert!(offset_of!(ArraySlot, writebacks_ended) == 48);
 
     assert!(size_of::<CacheDevice>() == 120);
     assert!(offset_of!(CacheDevice, ring) == 0);
@@ -307,6 +359,57 @@ mod tests {
         }
         // 1000 ns = 0b1111101000: leading bit 9, next two bits 11.
         assert_eq!(latency_bucket(1000), 35);
+    }
+
+    #[test]
+    fn descriptor_bytes_put_each_field_at_its_offset() {
+        let ring = RingDevice {
+            header: 0x1111,
+            slots: 0x2222,
+            claim: 0x3333,
+            mask: 1023,
+            nslots: 1024,
+            bounce: 0x4444,
+            bounce_bytes: 4096,
+        };
+        let d = ArrayDevice {
+            cache: CacheDevice {
+                ring,
+                frames: 0x5555,
+                owners: 0x6666,
+                refs: 0x7777,
+                slots: 0x8888,
+                stats: 0x9999,
+                clock: 0xaaaa,
+                nframes: 4096,
+                page_size: 4096,
+                page_shift: 12,
+                version: VERSION,
+            },
+            table: 0xbbbb,
+            pages: 99,
+            bytes: 99 * 4096 - 5,
+            resource: 7,
+            slot: 3,
+            flags: ARRAY_LIVE | ARRAY_WRITABLE,
+            reserved: 0,
+        };
+        let b = d.to_bytes();
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        assert_eq!(u64_at(offset_of!(RingDevice, claim)), 0x3333);
+        assert_eq!(u32_at(offset_of!(RingDevice, nslots)), 1024);
+        assert_eq!(u64_at(offset_of!(RingDevice, bounce_bytes)), 4096);
+        assert_eq!(u64_at(offset_of!(CacheDevice, clock)), 0xaaaa);
+        assert_eq!(u32_at(offset_of!(CacheDevice, page_shift)), 12);
+        assert_eq!(u32_at(offset_of!(CacheDevice, version)), VERSION);
+        assert_eq!(u64_at(offset_of!(ArrayDevice, table)), 0xbbbb);
+        assert_eq!(u64_at(offset_of!(ArrayDevice, bytes)), 99 * 4096 - 5);
+        assert_eq!(u32_at(offset_of!(ArrayDevice, slot)), 3);
+        assert_eq!(
+            u32_at(offset_of!(ArrayDevice, flags)),
+            ARRAY_LIVE | ARRAY_WRITABLE
+        );
     }
 
     #[test]

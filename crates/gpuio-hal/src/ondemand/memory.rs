@@ -269,7 +269,9 @@ impl PageCacheMemory {
                 resource,
                 flags: ARRAY_LIVE | if writable { ARRAY_WRITABLE } else { 0 },
                 error: 0,
-                reserved: [0; 3],
+                writebacks_begun: 0,
+                writebacks_ended: 0,
+                reserved: 0,
             };
             let zeros = vec![0u8; STAT_WORDS * 8];
             stream.upload(&zeros, &self.stats, slot * STAT_WORDS * 8)?;
@@ -448,7 +450,7 @@ fn slot_bytes(s: &ArraySlot) -> Vec<u8> {
     v.extend_from_slice(&s.resource.to_le_bytes());
     v.extend_from_slice(&s.flags.to_le_bytes());
     v.extend_from_slice(&s.error.to_le_bytes());
-    for r in s.reserved {
+    for r in [s.writebacks_begun, s.writebacks_ended, s.reserved] {
         v.extend_from_slice(&r.to_le_bytes());
     }
     debug_assert_eq!(v.len(), size_of::<ArraySlot>());

@@ -390,9 +390,32 @@ impl HostAccessor {
     fn write_back(&self, slot: u32, resource: u32, bytes: u64, page: u64, f: u32) -> Result<()> {
         let ps = self.cache.page_size() as u64;
         let len = (bytes - page * ps).min(ps);
+        // Begun before the write is posted, ended after it completes (as a GPU thread counts
+        // them, for the device's asynchronous reads).
+        let begun = std::mem::offset_of!(super::ArraySlot, writebacks_begun);
+        let ended = std::mem::offset_of!(super::ArraySlot, writebacks_ended);
+        self.slot_word(slot, begun).fetch_add(1, Ordering::AcqRel);
+        let written = self.write_page(resource, page, len, f);
+        self.slot_word(slot, ended).fetch_add(1, Ordering::AcqRel);
+        match written {
+            Ok(_) => {
+                self.count(slot, STAT_WRITEBACKS, 1);
+                self.count(slot, STAT_BYTES_OUT, len);
+                Ok(())
+            }
+            Err(err) => {
+                self.count(slot, STAT_FAILURES, 1);
+                Err(self.fail_with(err))
+            }
+        }
+    }
+
+    /// Writes `len` bytes of frame `f` to `resource` at `page`'s offset, through the ring.
+    fn write_page(&self, resource: u32, page: u64, len: u64, f: u32) -> Result<u64> {
+        let ps = self.cache.page_size() as u64;
         // Staged through the slot's bounce buffer where it fits, as a GPU thread does.
         let staged = (len as usize) <= self.producer.ring().bounce_bytes();
-        let written = if staged {
+        if staged {
             let words_per_page = ps / 8;
             let mut bytes: Vec<u8> = (0..len.div_ceil(8))
                 .flat_map(|w| {
@@ -406,17 +429,6 @@ impl HostAccessor {
         } else {
             let src = self.cache.frame_memory().device_addr() + f as u64 * ps;
             self.producer.write(resource, page * ps, len, src, None)
-        };
-        match written {
-            Ok(_) => {
-                self.count(slot, STAT_WRITEBACKS, 1);
-                self.count(slot, STAT_BYTES_OUT, len);
-                Ok(())
-            }
-            Err(err) => {
-                self.count(slot, STAT_FAILURES, 1);
-                Err(self.fail_with(err))
-            }
         }
     }
 
@@ -469,16 +481,16 @@ impl HostAccessor {
     }
 
     fn record(&self, code: i64) {
-        let slots = &self.cache.slots;
-        let at = (self.slot as usize * size_of::<super::ArraySlot>()
-            + std::mem::offset_of!(super::ArraySlot, error)) as u64;
         // The word holds an i64; zero means no error yet.
-        let _ = word_in(slots, at / 8).compare_exchange(
-            0,
-            code as u64,
-            Ordering::AcqRel,
-            Ordering::Relaxed,
-        );
+        let _ = self
+            .slot_word(self.slot, std::mem::offset_of!(super::ArraySlot, error))
+            .compare_exchange(0, code as u64, Ordering::AcqRel, Ordering::Relaxed);
+    }
+
+    /// The u64 at byte `field` of the slot table's entry `slot`.
+    fn slot_word(&self, slot: u32, field: usize) -> &AtomicU64 {
+        let at = slot as usize * size_of::<super::ArraySlot>() + field;
+        word_in(&self.cache.slots, at as u64 / 8)
     }
 }
 
