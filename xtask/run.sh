@@ -12,7 +12,8 @@
 # bench-a (memio, gather), bench-b (core, ring, remote, localio), ondemand (on-demand arrays
 # against the host engine, a CPU gather, plain device arrays and the raw ring), kernel-load (the kernels
 # suite: first use of each module, with the driver's JIT cache off and on), python (the wheel
-# installed beside torch: its pytests with CUDA required, and the python bench suite).
+# installed beside torch: its pytests with CUDA required, the CuPy on-demand example, and the
+# python bench suite).
 # Results (bench JSON, plots, test logs) go to $OUT or ./out.
 set -u
 cd "$(dirname "$0")"
@@ -82,6 +83,12 @@ case "$part" in python | all)
     step "$py" -m pip install --quiet --no-deps --no-index --target "$site" python/*.whl python/deps/*.whl
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     step "$py" -m pytest -q -p no:cacheprovider ../../crates/gpuio-py/pytests
+    # The on-demand example (a CuPy kernel over a file 4x its cache), where CuPy is installed.
+    if "$py" -c "import cupy" 2>/dev/null; then
+        step "$py" ../../crates/gpuio-py/examples/ondemand_cupy.py --scratch "${GPUIO_SCRATCH:-/tmp}"
+    else
+        echo "== skipped the CuPy example: CuPy is not installed"
+    fi
     step bin/gpuio bench python --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out" ;;
 esac
 case "$part" in kernel-load | all)

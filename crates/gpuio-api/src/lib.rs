@@ -22,11 +22,16 @@ pub use session::{Access, REGISTRY_ABSENT, Resource, Session};
 pub use uri::{MAX_URI_NESTING, RemoteTarget, RemoteTransport, Uri};
 
 pub use gpuio_core::cache::{CacheStats, Level as CacheLevel, LevelStats as CacheLevelStats};
+pub use gpuio_core::ondemand::{
+    ArrayMode, ArrayStats, Element, OnDemandArray, PageCache, PageCacheConfig,
+};
 pub use gpuio_core::{
     BatchHandle, BatchReport, Completion, Dest, Endpoint, EngineKind, ErrorCode, HostMemory,
     Outcome, Priority, RemoteResource, RemoteVia, Request, RequestFlags, RequestHandle, RequestId,
     Route, Source, Status, Ticket,
 };
+pub use gpuio_hal::kernels::DEVICE_HEADER;
+pub use gpuio_hal::ondemand::ArrayDevice;
 pub use gpuio_hal::{Backend, DeviceBuffer, Gpu, PoolStats, StagingPool};
 pub use gpuio_transport_localio::{
     Durability, FileHandle, GdsPolicy, IoEngine, OpenOptions, PageCachePolicy, PageCacheStats,

@@ -6,6 +6,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::uri::Uri;
 use crate::uri::{RemoteTarget, RemoteTransport};
+use gpuio_core::ondemand::{PageCache, PageCacheConfig};
 use gpuio_core::{
     BatchHandle, Completion, Dest, Endpoint, Engines, HostMemory, Outcome, RemoteResource, Request,
     RequestHandle, Scheduler, Source, Ticket,
@@ -121,6 +122,9 @@ pub enum Access {
     Read,
     /// Write; files are created or truncated.
     Write,
+    /// Read and write in place; files must exist and keep their bytes (a read-write
+    /// on-demand array's source, say).
+    Update,
 }
 
 /// A gpuio session. Thread-safe: share it behind an `Arc`.
@@ -205,6 +209,15 @@ impl Session {
         &self.engines
     }
 
+    /// A page cache of `cfg.capacity` bytes in GPU `gpu`'s memory for on-demand arrays, its
+    /// misses and write-backs carried out through this session's engines
+    /// (docs/REFERENCE.md#on-demand-arrays). `cache.array::<T>(source, len, mode)` makes the
+    /// arrays; their `device()` descriptors go to kernels that include `gpuio_array.cuh`
+    /// ([`DEVICE_HEADER`](crate::DEVICE_HEADER) is the headers' text, for a run-time compiler).
+    pub fn page_cache(&self, gpu: u32, cfg: PageCacheConfig) -> Result<PageCache> {
+        Ok(PageCache::new(self.engines.clone(), self.gpu(gpu)?, cfg)?)
+    }
+
     /// The MemIO transport.
     pub fn memio(&self) -> &MemIo {
         self.engines.memio()
@@ -257,6 +270,10 @@ impl Session {
                 let opts = match access {
                     Access::Read => OpenOptions::READ,
                     Access::Write => OpenOptions::CREATE,
+                    Access::Update => OpenOptions {
+                        write: true,
+                        ..OpenOptions::READ
+                    },
                 };
                 let opts = OpenOptions {
                     direct: *direct,

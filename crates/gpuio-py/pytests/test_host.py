@@ -304,3 +304,54 @@ def test_device_dlpack_capsules_release_their_buffer_consumed_or_not():
     del capsule
     gc.collect()
     assert not _interop._exported
+
+
+def test_on_demand_arrays_from_python(s, data_file):
+    path, data = data_file
+    cache = s.page_cache(page_size=4096, capacity=MiB)
+    assert cache.page_size == 4096 and cache.frames == 256
+    arr = cache.array(path, dtype=np.uint32)
+    assert len(arr) == data.nbytes // 4 and arr.nbytes == data.nbytes
+    if gpuio.info()["devices"][0]["backend"] == "Cuda":
+        d = arr.descriptor  # struct gpuio_array_desc: the cache's page size, the source's bytes
+        assert len(d) == 160
+        assert int.from_bytes(d[104:112], "little") == 4096
+        assert int.from_bytes(d[136:144], "little") == data.nbytes
+    else:  # no kernels run there: refused with the reason, never a descriptor to nothing
+        with pytest.raises(gpuio.Error, match="host backend") as e:
+            arr.descriptor
+        assert e.value.name == "GPUIO_ERROR_UNSUPPORTED"
+    arr.prefetch(1024, 2048)  # elements 1024..3072: pages 1 and 2
+    st = arr.stats()
+    assert st["misses"] == 2 and st["bytes_in"] == 8192 and st["failures"] == 0, st
+    assert st["miss_p50_ns"] is not None
+    arr.check()
+    arr.synchronize()
+    with pytest.raises(gpuio.Error) as e:
+        arr.prefetch(len(arr), 1)
+    assert e.value.name == "GPUIO_ERROR_INVALID_ARG"
+    arr.close()
+    arr.close()
+    with pytest.raises(gpuio.Error, match="closed"):
+        arr.stats()
+
+
+def test_on_demand_arrays_refuse_bad_sources(s, data_file, tmp_path):
+    path, _ = data_file
+    cache = s.page_cache(capacity=MiB)
+    host = s.alloc_host(4096)
+    with pytest.raises(gpuio.Error) as e:  # memory is length-checked when the array is made
+        cache.array(host, dtype=np.uint8, length=8192)
+    assert e.value.name == "GPUIO_ERROR_INVALID_ARG"
+    with pytest.raises(gpuio.Error, match="whole number"):
+        cache._array(host, 4095, 4)
+    with pytest.raises(gpuio.Error, match="resource or gpuio memory"):
+        cache._array(b"abcd", 4)
+    with pytest.raises(gpuio.Error) as e:  # read-write in place: the file must exist
+        cache.array(str(tmp_path / "absent.bin"), writable=True)
+    assert e.value.name == "GPUIO_ERROR_NOT_FOUND"
+    assert os.path.getsize(path) == 4 * MiB  # a writable array opens without truncating
+    arr = cache.array(path, dtype="uint64", writable=True)
+    assert len(arr) == MiB // 2 and os.path.getsize(path) == 4 * MiB
+    arr.close()
+    assert len(cache.array(host, dtype=np.float32)) == 1024

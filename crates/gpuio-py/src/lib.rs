@@ -8,6 +8,7 @@
 
 mod buffers;
 mod error;
+mod ondemand;
 mod session;
 
 use pyo3::prelude::*;
@@ -29,15 +30,25 @@ fn info_json(py: Python<'_>) -> PyResult<String> {
     Ok(doc.to_string())
 }
 
+/// The device API's headers as one text, for kernels compiled at run time (CuPy's
+/// `RawModule`, NVRTC): put it in front of a source that uses `gpuio_array<T>`.
+#[pyfunction]
+fn device_header() -> &'static str {
+    gpuio_api::DEVICE_HEADER
+}
+
 #[pymodule]
 fn _gpuio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("Error", m.py().get_type::<error::Error>())?;
     m.add_function(wrap_pyfunction!(info_json, m)?)?;
+    m.add_function(wrap_pyfunction!(device_header, m)?)?;
     m.add_class::<session::Session>()?;
     m.add_class::<session::Handle>()?;
     m.add_class::<buffers::HostBuffer>()?;
     m.add_class::<buffers::DeviceBuffer>()?;
     m.add_class::<buffers::Resource>()?;
+    m.add_class::<ondemand::PageCache>()?;
+    m.add_class::<ondemand::OnDemandArray>()?;
     Ok(())
 }

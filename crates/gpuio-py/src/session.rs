@@ -43,6 +43,13 @@ fn moved(o: gpuio_api::Outcome) -> usize {
     o.bytes
 }
 
+impl Session {
+    /// The gpuio-api session behind it.
+    pub(crate) fn session(&self) -> &Arc<gpuio_api::Session> {
+        &self.inner
+    }
+}
+
 #[pymethods]
 impl Session {
     /// `config`: a TOML file's path; `toml`: the configuration's text. Neither: the defaults,
@@ -70,11 +77,24 @@ impl Session {
     }
 
     /// Opens a file or remote export (or allocates the memory a `gpu0`/`dram` URI names, of
-    /// `size` bytes) for reading, or with `write=True` for writing (files are created).
-    #[pyo3(signature = (uri, write=false, size=0))]
-    fn open(&self, py: Python<'_>, uri: &str, write: bool, size: usize) -> PyResult<Resource> {
+    /// `size` bytes) for reading, or with `write=True` for writing (files are created or
+    /// truncated), or with `update=True` for reading and writing in place (files must exist).
+    #[pyo3(signature = (uri, write=false, size=0, update=false))]
+    fn open(
+        &self,
+        py: Python<'_>,
+        uri: &str,
+        write: bool,
+        size: usize,
+        update: bool,
+    ) -> PyResult<Resource> {
         let parsed = Uri::parse(uri).map_err(to_py)?;
-        let access = if write { Access::Write } else { Access::Read };
+        let access = match (write, update) {
+            (false, false) => Access::Read,
+            (true, false) => Access::Write,
+            (false, true) => Access::Update,
+            (true, true) => return Err(invalid("open for write or for update, not both")),
+        };
         let res = py
             .detach(|| self.inner.open(&parsed, size, access))
             .map_err(to_py)?;

@@ -50,8 +50,9 @@ impl Session {
     /// checked against what the machine can back now, and a level it cannot back is refused
     /// with [`Error::Config`] naming the key).
     ///
-    /// [`Access::Read`] opens the file read-only; [`Access::Write`] opens it for reading and
-    /// writing — unlike [`Session::open`], it must exist and keeps its bytes and size. Only
+    /// [`Access::Read`] opens the file read-only; [`Access::Write`] (or [`Access::Update`])
+    /// opens it for reading and writing — unlike [`Session::open`] with `Write`, it must exist
+    /// and keeps its bytes and size. Only
     /// file URIs (paths, `file://`, `localio://`) can be cached: memory URIs name memory
     /// already, and remote exports are not cached ([`Error::Unsupported`]).
     pub fn open_cached(&self, uri: &Uri, access: Access) -> Result<CachedFile> {
@@ -64,7 +65,7 @@ impl Session {
             });
         };
         let opts = OpenOptions {
-            write: access == Access::Write,
+            write: access != Access::Read,
             direct: *direct,
             ..OpenOptions::READ
         };

@@ -16,16 +16,20 @@ of the ``GPUIO_ERROR_*`` codes the C API shares.
 import json
 
 from . import _gpuio, _interop
-from ._gpuio import DeviceBuffer, Error, HostBuffer, Resource, __version__
+from ._gpuio import DeviceBuffer, Error, HostBuffer, OnDemandArray, Resource, __version__
+from ._gpuio import device_header
 
 __all__ = [
     "DeviceBuffer",
     "Error",
     "HostBuffer",
+    "OnDemandArray",
+    "PageCache",
     "Request",
     "Resource",
     "Session",
     "__version__",
+    "device_header",
     "info",
 ]
 
@@ -209,3 +213,40 @@ class Session(_gpuio.Session):
                 raise ValueError("give row_bytes: it does not follow from out's size")
             row_bytes = (len(d) - out_offset) // count
         return self._gather(pool, row_bytes, idx, d, out_offset)
+
+    def page_cache(self, gpu=0, page_size=4096, capacity=256 << 20, slots=None):
+        """A :class:`PageCache` of ``capacity`` bytes of GPU ``gpu``'s memory for on-demand
+        arrays, its misses served through this session."""
+        return PageCache(self, gpu, page_size, capacity, slots)
+
+
+def _itemsize(dtype):
+    size = getattr(dtype, "itemsize", None)  # a torch or NumPy dtype instance
+    if not isinstance(size, int):  # a name, or a scalar type such as numpy.float32
+        import numpy
+
+        size = numpy.dtype(dtype).itemsize
+    return size
+
+
+class PageCache(_gpuio.PageCache):
+    """A page cache in GPU memory for on-demand arrays (``Session.page_cache``): kernels
+    index arrays bigger than GPU memory through it, compiled with :func:`device_header` in
+    front (``gpuio_array<T> a(desc); a[i]``), each taking an array's ``descriptor``."""
+
+    def __init__(self, session, gpu=0, page_size=4096, capacity=256 << 20, slots=None):
+        self._session = session
+
+    def array(self, source, dtype="uint8", length=None, offset=0, writable=False):
+        """An :class:`OnDemandArray` of ``length`` elements of ``dtype`` (default: as many as
+        ``source`` holds from ``offset``) over ``source``: a URI or path (opened for reading,
+        or for reading and writing where ``writable``), an opened resource, or gpuio memory.
+        ``writable``: pages kernels store into go back to the source."""
+        _nonnegative(offset=offset, length=length)
+        if isinstance(source, str):
+            source = self._session.open(source, update=writable)
+        item = _itemsize(dtype)
+        if length is None:
+            total = source.size() if isinstance(source, Resource) else len(source)
+            length = max(total - offset, 0) // item
+        return self._array(source, length * item, item, offset, writable)

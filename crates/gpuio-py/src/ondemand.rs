@@ -1,0 +1,216 @@
+//! `gpuio._gpuio.PageCache` and `OnDemandArray`: on-demand arrays for kernels that another
+//! library compiles and launches (CuPy's `RawModule`, a torch extension, Numba): gpuio keeps
+//! the page cache in GPU memory and serves its misses; the kernel takes the array's
+//! descriptor (`descriptor`, the bytes of `struct gpuio_array_desc`) and indexes it through
+//! `gpuio_array<T>` (`device_header()` is the text to compile it with).
+
+use crate::buffers::Target;
+use crate::error::{invalid, to_py};
+use crate::session::Session;
+use gpuio_api::{ArrayMode, PageCacheConfig};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use std::sync::{Mutex, PoisonError};
+
+/// A core or HAL error (what the array calls return) as `gpuio.Error`.
+fn core(e: impl Into<gpuio_api::Error>) -> PyErr {
+    to_py(e.into())
+}
+
+/// A page cache in one GPU's memory, shared by the arrays made from it.
+#[pyclass(module = "gpuio", subclass, frozen)]
+pub struct PageCache {
+    inner: gpuio_api::PageCache,
+}
+
+#[pymethods]
+impl PageCache {
+    /// `capacity` bytes of GPU `gpu`'s memory in pages of `page_size` bytes (a power of two,
+    /// 512 B to 64 KiB), its misses served through `session`'s engines by a ring of `slots`
+    /// slots (the default where `None`).
+    #[new]
+    #[pyo3(signature = (session, gpu=0, page_size=4096, capacity=256 << 20, slots=None))]
+    fn new(
+        py: Python<'_>,
+        session: &Bound<'_, Session>,
+        gpu: u32,
+        page_size: usize,
+        capacity: usize,
+        slots: Option<usize>,
+    ) -> PyResult<Self> {
+        let mut cfg = PageCacheConfig {
+            page_size,
+            capacity,
+            ..PageCacheConfig::default()
+        };
+        if let Some(n) = slots {
+            cfg.ring.slots = n;
+        }
+        let session = session.get().session();
+        let session = session.as_ref();
+        let inner = py.detach(|| session.page_cache(gpu, cfg)).map_err(to_py)?;
+        Ok(Self { inner })
+    }
+
+    /// Bytes per page.
+    #[getter]
+    fn page_size(&self) -> usize {
+        self.inner.page_size()
+    }
+
+    /// Pages the cache holds at once.
+    #[getter]
+    fn frames(&self) -> usize {
+        self.inner.frames()
+    }
+
+    /// An array of `nbytes` bytes of `source` (an opened resource or gpuio memory) from
+    /// `offset`, seen by kernels as elements of `itemsize` bytes; `writable`: pages kernels
+    /// store into go back to the source (on eviction, `synchronize` and `close`).
+    #[pyo3(signature = (source, nbytes, itemsize=1, offset=0, writable=false))]
+    fn _array(
+        &self,
+        py: Python<'_>,
+        source: &Bound<'_, PyAny>,
+        nbytes: u64,
+        itemsize: u64,
+        offset: u64,
+        writable: bool,
+    ) -> PyResult<OnDemandArray> {
+        if itemsize == 0 || !nbytes.is_multiple_of(itemsize) {
+            return Err(invalid(format!(
+                "{nbytes} bytes are not a whole number of {itemsize}-byte elements"
+            )));
+        }
+        let endpoint = Target::of(source)?
+            .endpoint(offset)?
+            .ok_or_else(|| invalid("an on-demand array's source is a resource or gpuio memory"))?;
+        let mode = if writable {
+            ArrayMode::ReadWrite
+        } else {
+            ArrayMode::ReadOnly
+        };
+        let array = py
+            .detach(|| self.inner.array::<u8>(endpoint, nbytes, mode))
+            .map_err(core)?;
+        Ok(OnDemandArray {
+            inner: Mutex::new(Some(array)),
+            itemsize,
+            nbytes,
+        })
+    }
+
+    /// Shuts the cache's ring down: misses after it fail (hits still read cached pages).
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.shutdown()).map_err(core)?;
+        Ok(())
+    }
+}
+
+/// An array over a source, read (and written) by GPU threads through a [`PageCache`].
+#[pyclass(module = "gpuio", frozen)]
+pub struct OnDemandArray {
+    /// `None` once closed.
+    inner: Mutex<Option<gpuio_api::OnDemandArray<u8>>>,
+    itemsize: u64,
+    nbytes: u64,
+}
+
+impl OnDemandArray {
+    /// Runs `f` on the array unless it was closed.
+    fn with<R: Send, E: Into<gpuio_api::Error>>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&gpuio_api::OnDemandArray<u8>) -> Result<R, E> + Send,
+    ) -> PyResult<R> {
+        py.detach(|| {
+            let guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+            match guard.as_ref() {
+                Some(a) => f(a).map_err(core),
+                None => Err(invalid("the on-demand array is closed")),
+            }
+        })
+    }
+
+    /// Elements `start .. start + count` as bytes, checked against the array.
+    fn byte_range(&self, start: u64, count: u64) -> PyResult<(u64, u64)> {
+        let bytes = |n: u64| n.checked_mul(self.itemsize);
+        match (bytes(start), bytes(count)) {
+            (Some(s), Some(c)) if s.checked_add(c).is_some_and(|e| e <= self.nbytes) => Ok((s, c)),
+            _ => Err(invalid(format!(
+                "elements {start} + {count} of an array of {}",
+                self.nbytes / self.itemsize
+            ))),
+        }
+    }
+}
+
+#[pymethods]
+impl OnDemandArray {
+    /// Elements.
+    fn __len__(&self) -> usize {
+        (self.nbytes / self.itemsize) as usize
+    }
+
+    /// Bytes of the source the array covers.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.nbytes
+    }
+
+    /// The kernel's descriptor: the bytes of `struct gpuio_array_desc`, to pass by value or
+    /// to copy into device memory for a kernel taking `const gpuio_array_desc*`.
+    #[getter]
+    fn descriptor<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let d = self.with(py, |a| a.device())?;
+        Ok(PyBytes::new(py, &d.to_bytes()))
+    }
+
+    /// Brings elements `start .. start + count` into the cache.
+    fn prefetch(&self, py: Python<'_>, start: u64, count: u64) -> PyResult<()> {
+        let (s, c) = self.byte_range(start, count)?;
+        self.with(py, |a| a.prefetch(s, c))
+    }
+
+    /// Writes dirty pages back and makes a file source's data durable.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |a| a.synchronize())
+    }
+
+    /// Raises the first error kernels' accesses met since the last check (a failed access
+    /// reads as zero, so call it after every kernel whose data matters).
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |a| a.check())
+    }
+
+    /// Hits, misses, waits, evictions, write-backs, bytes in and out, failures, and miss
+    /// latency p50 / p99 in ns (`None` before any miss).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.with(py, |a| a.stats())?;
+        let d = PyDict::new(py);
+        d.set_item("hits", s.hits)?;
+        d.set_item("misses", s.misses)?;
+        d.set_item("waits", s.waits)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("writebacks", s.writebacks)?;
+        d.set_item("bytes_in", s.bytes_in)?;
+        d.set_item("bytes_out", s.bytes_out)?;
+        d.set_item("failures", s.failures)?;
+        d.set_item("miss_p50_ns", s.miss_quantile_ns(0.5))?;
+        d.set_item("miss_p99_ns", s.miss_quantile_ns(0.99))?;
+        Ok(d)
+    }
+
+    /// Writes dirty pages back and frees the array's frames; only while no kernel uses it.
+    /// Later calls raise; closing again does nothing.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            let array = self
+                .inner
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            array.map_or(Ok(()), |a| a.close().map_err(core))
+        })
+    }
+}
