@@ -82,7 +82,10 @@ struct __align__(64) gpuio_array_slot {
     // only if none was in flight when it posted the read and none began since.
     unsigned long long writebacks_begun;
     unsigned long long writebacks_ended;
-    unsigned long long reserved;
+    // Where kernels read the source in place (a read-only array over a file whose page cache
+    // pages are pinned for the device): a miss is one copy by the warp, no ring round trip.
+    // 0: misses go through the ring.
+    unsigned long long direct;
 };
 
 // A page cache (gpuio_hal::ondemand::CacheDevice).
@@ -119,6 +122,7 @@ static_assert(sizeof(gpuio_array_desc) == 160, "gpuio_array_desc size");
 static_assert(__builtin_offsetof(gpuio_array_slot, error) == 32, "slot.error");
 static_assert(__builtin_offsetof(gpuio_array_slot, writebacks_begun) == 40, "slot.begun");
 static_assert(__builtin_offsetof(gpuio_array_slot, writebacks_ended) == 48, "slot.ended");
+static_assert(__builtin_offsetof(gpuio_array_slot, direct) == 56, "slot.direct");
 static_assert(__builtin_offsetof(gpuio_cache, frames) == 48, "cache.frames");
 static_assert(__builtin_offsetof(gpuio_cache, page_shift) == 112, "cache.page_shift");
 static_assert(__builtin_offsetof(gpuio_array_desc, table) == 120, "array.table");
@@ -446,12 +450,24 @@ __device__ __forceinline__ long long gpuio_array_round(const gpuio_array_desc* a
         }
     }
     gpuio_array_count_warp(c, a->slot, active, hits, waits);
-    // The claimed pages' reads, their staged bytes copied by the whole warp together.
+    // The claimed pages' reads, their bytes copied by the whole warp together: staged by the
+    // ring's proxy, or in place where the array's source is readable by the device.
     if (__any_sync(active, claimed)) {
         const unsigned long long len = claimed ? gpuio_page_len(c, a->bytes, page) : 0ull;
-        const long long res = gpuio_read_each_warp_if(
-            &c->ring, claimed, a->resource, claimed ? page << c->page_shift : 0ull, len,
-            claimed ? gpuio_frame(c, (unsigned int)result) : (unsigned char*)0);
+        const unsigned long long direct =
+            claimed ? ((const gpuio_array_slot*)c->slots + a->slot)->direct : 0ull;
+        unsigned char* frame = claimed ? gpuio_frame(c, (unsigned int)result) : (unsigned char*)0;
+        const int through_ring = claimed && !direct;
+        long long res = (long long)len;
+        if (__any_sync(active, through_ring)) {
+            const long long r = gpuio_read_each_warp_if(
+                &c->ring, through_ring, a->resource, through_ring ? page << c->page_shift : 0ull,
+                len, frame);
+            if (through_ring) res = r;
+        }
+        gpuio_ring_copy_blocks_warp(
+            active, claimed && direct,
+            (const unsigned char*)(direct ? direct + (page << c->page_shift) : 0ull), frame, len);
         // Every lane's share of the copied bytes is visible before the page turns VALID.
         __threadfence();
         if (claimed) result = gpuio_array_filled(a, page, (unsigned int)result, res, n, m->start);
@@ -685,13 +701,14 @@ struct gpuio_array {
         f.state = GPUIO_FUTURE_LATER;
         const unsigned long long len = gpuio_page_len(c, d.bytes, page);
         const gpuio_ring* r = &c->ring;
+        gpuio_array_slot* s = (gpuio_array_slot*)c->slots + d.slot;
+        // In-place arrays read a miss with no ring round trip: wait does it, as get() does.
         if ((int)gpuio_ring_lane_id() != __ffs(peers) - 1 || !r->bounce ||
-            len > r->bounce_bytes ||
+            len > r->bounce_bytes || s->direct ||
             gpuio_page_state(gpuio_ld_acquire(gpuio_array_entry(&d, page))) !=
                 GPUIO_PAGE_EMPTY) {
             return f;
         }
-        gpuio_array_slot* s = (gpuio_array_slot*)c->slots + d.slot;
         const unsigned long long ended = gpuio_ld_acquire(&s->writebacks_ended);
         const unsigned long long begun = gpuio_ld_acquire(&s->writebacks_begun);
         if (begun != ended) return f;  // a write-back in flight: its bytes may not be there yet

@@ -7,12 +7,15 @@
 //!   timed passes); peers in the same run: the same rows read into GPU memory by the host
 //!   LocalIO engine (`read_blocks_to_device`: what a host program driving kvikio does, and
 //!   gpuio's engine is ahead of kvikio there), and a CPU gather (threads `pread` each row into
-//!   pinned memory) followed by one bulk copy.
+//!   pinned memory) followed by one bulk copy. The array reads misses in place (the file's
+//!   page cache pages pinned for the device, each miss one copy by the warp); the same
+//!   gather with misses through the request ring is in the case's note.
 //! - `hit_path`: random u64 elements of a fully cached array (`gpuio_array::gather`) against
 //!   the same kernel shape reading a plain device array holding the same bytes.
 //! - `miss_path`: distinct random 4 KiB pages of a cold cache (every access a miss), against
 //!   the request ring's raw rate (`ring_read_blocks`, the same reads with no cache) and the
-//!   host LocalIO engine.
+//!   host LocalIO engine; `miss_path_in_place`: the same misses read in place, against the
+//!   host engine.
 
 use crate::localio::{Cleanup, api, make_file};
 use crate::{BenchError, Record, Result, Target, fresh_seed};
@@ -153,7 +156,9 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn cache(&self, page: usize, capacity: usize) -> Result<PageCache> {
+    /// A cache whose read-only arrays over warm files read misses in place or (`in_place`
+    /// false) through the ring.
+    fn cache(&self, page: usize, capacity: usize, in_place: bool) -> Result<PageCache> {
         let cfg = PageCacheConfig {
             page_size: page,
             capacity,
@@ -161,6 +166,7 @@ impl Ctx<'_> {
                 threads: self.proxies,
                 ..PageCacheConfig::default().ring
             },
+            in_place,
         };
         PageCache::new(self.session.engines().clone(), &self.gpu, cfg).map_err(api)
     }
@@ -270,7 +276,7 @@ pub fn run(
     });
     records.push(r);
     progress("miss_path");
-    let (ring_r, host_r) = miss_path(&ctx)?;
+    let (ring_r, host_r, in_place_r) = miss_path(&ctx)?;
     targets.push(Target {
         description: "miss path: cold 4 KiB page misses >= 0.8x the ring's raw rate".into(),
         measured: Some(format!(
@@ -281,6 +287,7 @@ pub fn run(
     });
     records.push(ring_r);
     records.push(host_r);
+    records.push(in_place_r);
     let device = ctx.gpu.info().name.clone();
     for r in &mut records {
         r.device = device.clone();
@@ -297,13 +304,23 @@ fn gnn_gather(ctx: &Ctx<'_>, row: usize, zipf: bool, case: &str) -> Result<(Reco
     let rows = upload_u64s(&ctx.gpu, &ctx.stream, &ids)?;
     let out = ctx.gpu.alloc(n * row)?;
 
-    let cache = ctx.cache(row, ctx.opts.cache)?;
-    let array = ctx.array(&cache, ctx.size)?;
-    let ours = timed(ctx.opts.reps, || {
-        ctx.array_rows(&array, &rows, n, row, &out)
-    })?;
-    check_rows(&ctx.stream, &out, &offsets, row, ctx.seed, case)?;
-    let stats = array.stats().map_err(api)?;
+    // Through the ring, then in place (the default where the file's pages can be pinned).
+    let mut through = Vec::new();
+    for in_place in [false, true] {
+        let cache = ctx.cache(row, ctx.opts.cache, in_place)?;
+        let array = ctx.array(&cache, ctx.size)?;
+        let t = timed(ctx.opts.reps, || {
+            ctx.array_rows(&array, &rows, n, row, &out)
+        })?;
+        check_rows(&ctx.stream, &out, &offsets, row, ctx.seed, case)?;
+        through.push((
+            t,
+            array.stats().map_err(api)?,
+            array.miss_path().to_string(),
+        ));
+    }
+    let (ring_t, _, _) = through.remove(0);
+    let (ours, stats, miss_path) = through.remove(0);
 
     let io = ctx.session.localio();
     let host = timed(ctx.opts.reps, || {
@@ -329,6 +346,7 @@ fn gnn_gather(ctx: &Ctx<'_>, row: usize, zipf: bool, case: &str) -> Result<(Reco
 
     let rate = |t: Duration| n as f64 / t.as_secs_f64().max(1e-9) / 1e6;
     let (ours_r, host_r, cpu_r) = (rate(ours), rate(host), rate(cpu));
+    let ring_r = rate(ring_t);
     let (peer, peer_r) = if host_r >= cpu_r {
         ("host LocalIO read_blocks_to_device", host_r)
     } else {
@@ -344,17 +362,18 @@ fn gnn_gather(ctx: &Ctx<'_>, row: usize, zipf: bool, case: &str) -> Result<(Reco
     );
     r.bytes = row;
     r.route = format!(
-        "{} GPU threads, {} proxy threads, {} MiB cache of {} MiB",
+        "{} GPU threads, {} MiB cache of {} MiB, misses {miss_path}",
         ctx.opts.gpu_threads,
-        ctx.proxies,
         ctx.opts.cache >> 20,
         ctx.size >> 20
     );
     // Each pass reads n rows of one page each: the share of them that missed.
     let passes = (ctx.opts.reps.max(1) + 1) as f64;
     let note = format!(
-        "{case}: ours {ours_r:.2}, host engine {host_r:.2}, CPU gather + copy {cpu_r:.2} M rows/s; \
-         {:.0}% of rows missed (over every pass, the first cold), miss p50 {:?} ns, p99 {:?} ns",
+        "{case}: ours {ours_r:.2} (misses {miss_path}; through the ring, {} proxy threads: \
+         {ring_r:.2}), host engine {host_r:.2}, CPU gather + copy {cpu_r:.2} M rows/s; {:.0}% of \
+         rows missed (over every pass, the first cold), miss p50 {:?} ns, p99 {:?} ns",
+        ctx.proxies,
         100.0 * stats.misses as f64 / (passes * n as f64),
         stats.miss_quantile_ns(0.5),
         stats.miss_quantile_ns(0.99)
@@ -372,7 +391,7 @@ fn hit_path(ctx: &Ctx<'_>) -> Result<Record> {
         .collect();
     let idx_buf = upload_u64s(&ctx.gpu, &ctx.stream, &idx)?;
     let out = ctx.gpu.alloc(n * 8)?;
-    let cache = ctx.cache(4096, ctx.opts.cache)?;
+    let cache = ctx.cache(4096, ctx.opts.cache, true)?;
     let array = ctx.array(&cache, bytes)?;
     array.prefetch(0, words).map_err(api)?;
     let plain = ctx.gpu.alloc(bytes as usize)?;
@@ -428,8 +447,9 @@ fn hit_path(ctx: &Ctx<'_>) -> Result<Record> {
     Ok(r)
 }
 
-/// Cold 4 KiB page misses per second against the ring's raw reads and the host engine.
-fn miss_path(ctx: &Ctx<'_>) -> Result<(Record, Record)> {
+/// Cold 4 KiB page misses per second against the ring's raw reads and the host engine (misses
+/// through the ring), and read in place against the host engine.
+fn miss_path(ctx: &Ctx<'_>) -> Result<(Record, Record, Record)> {
     let n = (ctx.opts.rows / 4).max(1024);
     let pages = ctx.size / 4096;
     // Distinct pages: an odd multiplier permutes the page numbers.
@@ -441,25 +461,36 @@ fn miss_path(ctx: &Ctx<'_>) -> Result<(Record, Record)> {
     let offs = upload_u64s(&ctx.gpu, &ctx.stream, &offsets)?;
     let out = ctx.gpu.alloc(n * 4096)?;
     // A fresh array each pass (its pages all uncached, the cache's frames all free): every
-    // access misses. The cache and its ring proxy stay, as they would in a program.
-    let cache = ctx.cache(4096, ctx.opts.cache)?;
-    let mut times = Vec::new();
-    for _ in 0..=ctx.opts.reps.max(1) {
-        let array = ctx.array(&cache, ctx.size)?;
-        let start = Instant::now();
-        ctx.array_rows(&array, &rows, n, 4096, &out)?;
-        times.push(start.elapsed());
-        let s = array.stats().map_err(api)?;
-        if s.misses != n as u64 {
-            return Err(BenchError::Options(format!(
-                "miss_path: {} misses for {n} cold pages",
-                s.misses
-            )));
+    // access misses. The cache and its ring proxy stay, as they would in a program. Misses
+    // through the ring, then read in place.
+    let cold = |in_place: bool| -> Result<Duration> {
+        let cache = ctx.cache(4096, ctx.opts.cache, in_place)?;
+        let mut times = Vec::new();
+        for _ in 0..=ctx.opts.reps.max(1) {
+            let array = ctx.array(&cache, ctx.size)?;
+            if array.reads_in_place() != in_place {
+                return Err(BenchError::Options(format!(
+                    "miss_path: misses {}",
+                    array.miss_path()
+                )));
+            }
+            let start = Instant::now();
+            ctx.array_rows(&array, &rows, n, 4096, &out)?;
+            times.push(start.elapsed());
+            let s = array.stats().map_err(api)?;
+            if s.misses != n as u64 {
+                return Err(BenchError::Options(format!(
+                    "miss_path: {} misses for {n} cold pages",
+                    s.misses
+                )));
+            }
         }
-    }
-    times.remove(0); // the first pass loads the kernels
-    let ours = median(times);
-    check_rows(&ctx.stream, &out, &offsets, 4096, ctx.seed, "miss_path")?;
+        times.remove(0); // the first pass loads the kernels
+        check_rows(&ctx.stream, &out, &offsets, 4096, ctx.seed, "miss_path")?;
+        Ok(median(times))
+    };
+    let ours = cold(false)?;
+    let in_place = cold(true)?;
 
     let cfg = RingConfig {
         threads: ctx.proxies,
@@ -517,5 +548,15 @@ fn miss_path(ctx: &Ctx<'_>) -> Result<(Record, Record)> {
     );
     b.bytes = 4096;
     b.route = a.route.clone();
-    Ok((a, b))
+    let mut c = Record::versus(
+        SUITE,
+        ("miss_path_in_place", "misses/s", "M/s"),
+        rate(in_place),
+        "host LocalIO read_blocks_to_device",
+        rate(host),
+        true,
+    );
+    c.bytes = 4096;
+    c.route = format!("{n} distinct cold pages, read in place from the pinned page cache");
+    Ok((a, b, c))
 }

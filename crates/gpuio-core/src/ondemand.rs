@@ -43,11 +43,13 @@ use crate::endpoint::Endpoint;
 use crate::engine::Engines;
 use crate::error::{CoreError, Result};
 use crate::ring::{RingConfig, RingProxy, WaitPolicy};
+use gpuio_hal::memory::mapped::MappingPin;
 use gpuio_hal::ondemand::{ArrayDevice, HostAccessor, PageCacheMemory, PageTable};
 use gpuio_hal::ring::RingMemory;
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{Backend, Gpu, HalError};
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Counters of one array since it was made (hits, misses, waits, evictions, write-backs,
@@ -70,6 +72,12 @@ pub struct PageCacheConfig {
     /// copied by the missing warp, and written back from there), and its slots cut so that
     /// the buffers take at most 64 MiB of pinned memory.
     pub ring: RingConfig,
+    /// Read-only arrays over warm files are read in place where the device can register page
+    /// cache pages: the file's range is pinned read-only for the array's life (up to a
+    /// quarter of the memory the machine can back, over every array), and a miss is one copy
+    /// by the missing warp from those pages, with no ring round trip
+    /// ([`OnDemandArray::miss_path`] says which path an array took, and why).
+    pub in_place: bool,
 }
 
 impl Default for PageCacheConfig {
@@ -89,6 +97,7 @@ impl Default for PageCacheConfig {
                 },
                 ..RingConfig::default()
             },
+            in_place: true,
         }
     }
 }
@@ -127,6 +136,9 @@ pub struct PageCache {
 struct CacheInner {
     memory: Arc<PageCacheMemory>,
     proxy: Mutex<RingProxy>,
+    in_place: bool,
+    /// Bytes of files pinned for in-place reads by this cache's arrays.
+    pinned: Arc<AtomicU64>,
 }
 
 impl Drop for CacheInner {
@@ -165,6 +177,8 @@ impl PageCache {
             inner: Arc::new(CacheInner {
                 memory,
                 proxy: Mutex::new(proxy),
+                in_place: cfg.in_place,
+                pinned: Arc::new(AtomicU64::new(0)),
             }),
         })
     }
@@ -216,26 +230,111 @@ impl PageCache {
                 file.path().display()
             )));
         }
+        let (in_place, miss_path) = self.in_place(&source, bytes, mode);
+        let direct = in_place.as_ref().map_or(0, |p| p.pin.device_addr());
         let proxy = self.inner.proxy.lock_unpoisoned();
         let resource = proxy.register(source.clone())?;
-        let table = match self
-            .inner
-            .memory
-            .add_array(bytes, resource, mode == ArrayMode::ReadWrite)
-        {
-            Ok(t) => t,
-            Err(e) => {
-                let _ = proxy.unregister(resource);
-                return Err(e.into());
-            }
-        };
+        let table =
+            match self
+                .inner
+                .memory
+                .add_array(bytes, resource, mode == ArrayMode::ReadWrite, direct)
+            {
+                Ok(t) => t,
+                Err(e) => {
+                    let _ = proxy.unregister(resource);
+                    return Err(e.into());
+                }
+            };
         Ok(OnDemandArray {
             cache: self.clone(),
             table: Some(table),
             source,
             len,
+            miss_path,
+            _in_place: in_place,
             _element: PhantomData,
         })
+    }
+
+    /// The pin of `bytes` of a file source for in-place reads, where this cache reads
+    /// in place, the array is read-only, the budget allows and the file's pages can be
+    /// pinned; and the array's miss path in words either way.
+    fn in_place(
+        &self,
+        source: &Endpoint,
+        bytes: u64,
+        mode: ArrayMode,
+    ) -> (Option<InPlacePin>, String) {
+        const RING: &str = "through the ring";
+        let Endpoint::File { file, offset } = source else {
+            return (None, format!("{RING} (the source is not a file)"));
+        };
+        if !self.inner.in_place || mode == ArrayMode::ReadWrite {
+            let why = if mode == ArrayMode::ReadWrite {
+                "a writable array's pages go back through it"
+            } else {
+                "in-place reads are off"
+            };
+            return (None, format!("{RING} ({why})"));
+        }
+        let budget = gpuio_hal::memory::backing::backable_bytes(false).map_or(0, |b| b / 4);
+        let pinned = &self.inner.pinned;
+        let taken = pinned.fetch_add(bytes, Ordering::AcqRel) + bytes;
+        if taken > budget {
+            pinned.fetch_sub(bytes, Ordering::AcqRel);
+            return (
+                None,
+                format!(
+                    "{RING} (pinning {bytes} more bytes of files would pass the budget, a \
+                     quarter of the {} bytes the machine can back)",
+                    budget * 4
+                ),
+            );
+        }
+        match file.len() {
+            Ok(size) if size >= offset.saturating_add(bytes) => {}
+            Ok(size) => {
+                pinned.fetch_sub(bytes, Ordering::AcqRel);
+                let why = format!("the file holds {size} bytes: reads past its end must fail");
+                return (None, format!("{RING} ({why})"));
+            }
+            Err(e) => {
+                pinned.fetch_sub(bytes, Ordering::AcqRel);
+                return (None, format!("{RING} ({e})"));
+            }
+        }
+        let gpu = self.inner.memory.gpu();
+        match usize::try_from(bytes)
+            .map_err(|_| CoreError::InvalidRequest(format!("{bytes} bytes to pin")))
+            .and_then(|len| Ok(file.pin_page_cache(gpu, *offset, len)?))
+        {
+            Ok(pin) => (
+                Some(InPlacePin {
+                    pin,
+                    bytes,
+                    pinned: pinned.clone(),
+                }),
+                "in place, from the file's page cache pages pinned for the device".into(),
+            ),
+            Err(e) => {
+                pinned.fetch_sub(bytes, Ordering::AcqRel);
+                (None, format!("{RING} ({e})"))
+            }
+        }
+    }
+}
+
+/// A file range pinned for in-place reads, counted against its cache's budget until dropped.
+struct InPlacePin {
+    pin: MappingPin,
+    bytes: u64,
+    pinned: Arc<AtomicU64>,
+}
+
+impl Drop for InPlacePin {
+    fn drop(&mut self) {
+        self.pinned.fetch_sub(self.bytes, Ordering::AcqRel);
     }
 }
 
@@ -247,6 +346,10 @@ pub struct OnDemandArray<T: Element> {
     table: Option<PageTable>,
     source: Endpoint,
     len: u64,
+    miss_path: String,
+    // Declared after `table`, which drop (`Drop for OnDemandArray`) removes first: kernels
+    // stop reading the pinned pages before they are let go.
+    _in_place: Option<InPlacePin>,
     _element: PhantomData<T>,
 }
 
@@ -277,6 +380,17 @@ impl<T: Element> OnDemandArray<T> {
     /// Pages.
     pub fn pages(&self) -> u64 {
         self.table().pages()
+    }
+
+    /// How misses are read: in place from a file's pinned page cache pages, or through the
+    /// ring (and why not in place).
+    pub fn miss_path(&self) -> &str {
+        &self.miss_path
+    }
+
+    /// Whether misses are read in place (see [`PageCacheConfig::in_place`]).
+    pub fn reads_in_place(&self) -> bool {
+        self._in_place.is_some()
     }
 
     /// The cache it lives in.

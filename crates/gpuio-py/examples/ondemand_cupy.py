@@ -75,6 +75,7 @@ def main():
     want = 2.0 * sign * (idx % 65536).astype(cp.float32)
     bad = int(cp.count_nonzero(out != want))
     st = arr.stats()
+    print(f"misses read {arr.miss_path}")
     print(
         f"{n} random reads of a {4 * args.mib} MiB file through a {args.mib} MiB cache in "
         f"{seconds * 1e3:.1f} ms ({n / seconds / 1e6:.2f} M reads/s): {bad} wrong; "

@@ -321,6 +321,7 @@ def test_on_demand_arrays_from_python(s, data_file):
         with pytest.raises(gpuio.Error, match="host backend") as e:
             arr.descriptor
         assert e.value.name == "GPUIO_ERROR_UNSUPPORTED"
+    assert arr.miss_path.startswith(("in place", "through the ring ("))
     arr.prefetch(1024, 2048)  # elements 1024..3072: pages 1 and 2
     st = arr.stats()
     assert st["misses"] == 2 and st["bytes_in"] == 8192 and st["failures"] == 0, st

@@ -27,9 +27,10 @@ pub struct PageCache {
 impl PageCache {
     /// `capacity` bytes of GPU `gpu`'s memory in pages of `page_size` bytes (a power of two,
     /// 512 B to 64 KiB), its misses served through `session`'s engines by a ring of `slots`
-    /// slots (the default where `None`).
+    /// slots (the default where `None`); `in_place`: read-only arrays over warm files read
+    /// misses from the file's pinned page cache pages where the device can (no ring).
     #[new]
-    #[pyo3(signature = (session, gpu=0, page_size=4096, capacity=256 << 20, slots=None))]
+    #[pyo3(signature = (session, gpu=0, page_size=4096, capacity=256 << 20, slots=None, in_place=true))]
     fn new(
         py: Python<'_>,
         session: &Bound<'_, Session>,
@@ -37,10 +38,12 @@ impl PageCache {
         page_size: usize,
         capacity: usize,
         slots: Option<usize>,
+        in_place: bool,
     ) -> PyResult<Self> {
         let mut cfg = PageCacheConfig {
             page_size,
             capacity,
+            in_place,
             ..PageCacheConfig::default()
         };
         if let Some(n) = slots {
@@ -150,6 +153,13 @@ impl OnDemandArray {
     /// Elements.
     fn __len__(&self) -> usize {
         (self.nbytes / self.itemsize) as usize
+    }
+
+    /// How misses are read: in place from the file's pinned page cache pages, or through the
+    /// ring (and why not in place).
+    #[getter]
+    fn miss_path(&self, py: Python<'_>) -> PyResult<String> {
+        self.with(py, |a| Ok::<_, gpuio_api::Error>(a.miss_path().to_string()))
     }
 
     /// Bytes of the source the array covers.

@@ -235,6 +235,20 @@ impl FileHandle {
         }
     }
 
+    /// Registers `len` bytes from `offset` with `gpu` for its kernels to read in place over
+    /// PCIe ([`MappingPin::device_addr`](gpuio_hal::memory::mapped::MappingPin::device_addr)),
+    /// from the pages the page cache holds, pinned until the returned pin drops. Refused
+    /// (`Unsupported`, with the reason) where the device cannot register page cache pages or
+    /// less than three quarters of the range is resident.
+    pub fn pin_page_cache(
+        &self,
+        gpu: &Gpu,
+        offset: u64,
+        len: usize,
+    ) -> Result<gpuio_hal::memory::mapped::MappingPin> {
+        crate::page_cache::pin_warm(self, offset, len, gpu)
+    }
+
     pub(crate) fn shared(&self) -> Arc<File> {
         self.inner.file.clone()
     }

@@ -33,6 +33,7 @@ fn cache(page: usize, frames: usize) -> PageCache {
             threads: 2,
             ..RingConfig::default()
         },
+        in_place: true,
     };
     PageCache::new(engines, &gpu, cfg).unwrap()
 }
@@ -137,6 +138,30 @@ proptest! {
         let array = Arc::into_inner(array).unwrap();
         array.close().unwrap();
     }
+}
+
+#[test]
+fn misses_say_why_they_are_not_read_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = file(dir.path(), 4096);
+    let c = cache(4096, 4);
+    // The host backend pins no page cache pages for a device: the ring, with the reason.
+    let a = c
+        .array::<u64>(Endpoint::file(&f, 0), 4096, ArrayMode::ReadOnly)
+        .unwrap();
+    assert!(!a.reads_in_place());
+    assert!(
+        a.miss_path().starts_with("through the ring ("),
+        "{}",
+        a.miss_path()
+    );
+    let w = c
+        .array::<u64>(Endpoint::file(&f, 0), 4096, ArrayMode::ReadWrite)
+        .unwrap();
+    assert!(w.miss_path().contains("writable"), "{}", w.miss_path());
+    // Reads are right either way.
+    let acc = a.host_accessor().unwrap();
+    assert_eq!(acc.load_u64(77).unwrap(), pattern::word_at(SEED, 77));
 }
 
 #[test]

@@ -51,6 +51,7 @@ fn kernels_read_and_write_a_file_four_times_the_cache() {
                 slots: 1024,
                 ..PageCacheConfig::default().ring
             },
+            in_place: true,
         };
         let cache = PageCache::new(engines.clone(), &gpu, cfg).unwrap();
         let array = cache
@@ -134,6 +135,75 @@ fn kernels_read_and_write_a_file_four_times_the_cache() {
         );
         array.close().unwrap();
     }
+}
+
+#[test]
+fn read_only_arrays_over_warm_files_read_misses_in_place() {
+    let Some((engines, gpu)) = super::common::cuda("on-demand array kernels run") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("warm.bin");
+    let seed = 0x1f1f;
+    let capacity = 8usize << 20;
+    let bytes = 4 * capacity as u64;
+    let mut data = vec![0u8; bytes as usize];
+    pattern::fill(&mut data, 0, seed);
+    std::fs::write(&path, &data).unwrap(); // its pages stay in the page cache: warm
+    drop(data);
+    let file = FileHandle::open(&path, OpenOptions::READ).unwrap();
+    let can = gpu.info().page_cache_dma.clone();
+    for page in [512usize, 4096, 65536] {
+        for in_place in [true, false] {
+            let cfg = PageCacheConfig {
+                page_size: page,
+                capacity,
+                in_place,
+                ..PageCacheConfig::default()
+            };
+            let cache = PageCache::new(engines.clone(), &gpu, cfg).unwrap();
+            let array = cache
+                .array::<u64>(Endpoint::file(&file, 0), bytes / 8, ArrayMode::ReadOnly)
+                .unwrap();
+            assert_eq!(
+                array.reads_in_place(),
+                in_place && can.available,
+                "page {page}: misses {} ({can:?})",
+                array.miss_path()
+            );
+            let (memory, table, ring) = array.hal_parts();
+            let stream = gpu.stream().unwrap();
+            let reads = 1u64 << 18;
+            let check = stream
+                .array_test_read(memory, table, &ring, reads, 8192, 5, seed, None)
+                .unwrap();
+            assert_eq!(check.reads, reads);
+            assert_eq!(
+                check.mismatches, 0,
+                "page {page} in place {in_place}: {check:?}"
+            );
+            array.check().unwrap();
+            let s = array.stats().unwrap();
+            assert!(s.misses > 0 && s.evictions > 0 && s.failures == 0, "{s:?}");
+            println!(
+                "page {page}, misses {}: {} misses, miss p50 {:?} ns",
+                array.miss_path(),
+                s.misses,
+                s.miss_quantile_ns(0.5)
+            );
+        }
+    }
+    // An array longer than its file is never read in place: reads past the end must fail.
+    let cache = PageCache::new(engines, &gpu, PageCacheConfig::default()).unwrap();
+    let long = cache
+        .array::<u64>(Endpoint::file(&file, 0), bytes / 8 + 1, ArrayMode::ReadOnly)
+        .unwrap();
+    assert!(!long.reads_in_place(), "{}", long.miss_path());
+    assert!(
+        long.miss_path().contains("past its end"),
+        "{}",
+        long.miss_path()
+    );
 }
 
 #[test]

@@ -346,11 +346,20 @@ impl Gpu {
         let pages = map.pages(&range)?;
         // SAFETY: the span lies inside the live mapping, which the returned pin keeps alive
         // (it drops the registration before its reference to the mapping).
-        let pin = unsafe {
-            self.inner
-                .pin_read_only(map.base.wrapping_add(pages.start), pages.end - pages.start)?
-        };
-        Ok(MappingPin::new(pin, map.clone(), range, self.clone()))
+        let first = map.base.wrapping_add(pages.start);
+        let pin = unsafe { self.inner.pin_read_only(first, pages.end - pages.start)? };
+        // SAFETY: `first` starts the range just registered (with DEVICEMAP), which `pin` keeps
+        // registered.
+        let device_first = unsafe { self.inner.mapped_addr(first)? };
+        // Where kernels read the first wanted byte of `range`.
+        let device_addr = device_first + (map.head + range.start - pages.start) as u64;
+        Ok(MappingPin::new(
+            pin,
+            map.clone(),
+            range,
+            self.clone(),
+            device_addr,
+        ))
     }
 
     fn check_owns(&self, what: &'static str, buf: &DeviceBuffer) -> Result<()> {

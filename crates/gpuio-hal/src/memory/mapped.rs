@@ -26,7 +26,7 @@ pub struct FileMapping {
     /// Bytes mapped (whole pages).
     map_len: usize,
     /// Where the wanted bytes start inside the mapping.
-    head: usize,
+    pub(crate) head: usize,
     /// Wanted bytes.
     len: usize,
     page: usize,
@@ -183,22 +183,33 @@ pub struct MappingPin {
     map: Arc<FileMapping>,
     range: Range<usize>,
     gpu: Gpu,
+    device_addr: u64,
 }
 
 impl MappingPin {
-    /// Takes over `pin`, the registration of [`FileMapping::pages`] of `range` with `gpu`.
+    /// Takes over `pin`, the registration of [`FileMapping::pages`] of `range` with `gpu`,
+    /// whose kernels read `range.start` at `device_addr`.
     pub(crate) fn new(
         pin: Box<dyn HostPin>,
         map: Arc<FileMapping>,
         range: Range<usize>,
         gpu: Gpu,
+        device_addr: u64,
     ) -> Self {
         Self {
             _pin: pin,
             map,
             range,
             gpu,
+            device_addr,
         }
+    }
+
+    /// Where kernels of the device that registered it read the first byte of
+    /// [`range`](Self::range) in place (over PCIe, from the pinned page cache pages), for as
+    /// long as the pin lives.
+    pub fn device_addr(&self) -> u64 {
+        self.device_addr
     }
 
     /// The wanted bytes it covers.

@@ -119,8 +119,10 @@ pub struct ArraySlot {
     /// An asynchronous read (`get_async`) trusts bytes it fetched without claiming the page
     /// only where no write-back was in flight when it was posted and none began since.
     pub writebacks_ended: u64,
-    /// Unused.
-    pub reserved: u64,
+    /// Where kernels read the source in place (its first byte's device address: a read-only
+    /// array over a file whose page cache pages are registered with the device), so that a
+    /// miss is one copy by the warp, with no ring round trip; 0: misses go through the ring.
+    pub direct: u64,
 }
 
 // ---- Statistics: per array, striped so that threads on different SMs add to different lines --
@@ -283,6 +285,7 @@ const _: () = {
     assert!(offset_of!(ArraySlot, error) == 32);
     assert!(offset_of!(ArraySlot, writebacks_begun) == 40);
     assert!(offset_of!(ArraySlot, writebacks_ended) == 48);
+    assert!(offset_of!(ArraySlot, direct) == 56);
 
     assert!(size_of::<CacheDevice>() == 120);
     assert!(offset_of!(CacheDevice, ring) == 0);

@@ -231,12 +231,26 @@ impl PageCacheMemory {
     }
 
     /// Adds an array over `bytes` bytes of ring resource `resource`: takes a free slot and
-    /// allocates its page table, every page empty and every counter zero. Call it while no
+    /// allocates its page table, every page empty and every counter zero. `direct`: where
+    /// kernels read the source in place ([`ArraySlot::direct`]; 0: through the ring), for a
+    /// read-only array only, and readable there for the array's life. Call it while no
     /// kernel uses the cache.
-    pub fn add_array(&self, bytes: u64, resource: u32, writable: bool) -> Result<PageTable> {
+    pub fn add_array(
+        &self,
+        bytes: u64,
+        resource: u32,
+        writable: bool,
+        direct: u64,
+    ) -> Result<PageTable> {
         if bytes == 0 {
             return Err(HalError::InvalidArgument(
                 "an on-demand array needs at least one byte".into(),
+            ));
+        }
+        if writable && direct != 0 {
+            return Err(HalError::InvalidArgument(
+                "a writable array's pages go back through the ring: it cannot be read in place"
+                    .into(),
             ));
         }
         let pages = bytes.div_ceil(self.page_size as u64);
@@ -271,7 +285,7 @@ impl PageCacheMemory {
                 error: 0,
                 writebacks_begun: 0,
                 writebacks_ended: 0,
-                reserved: 0,
+                direct,
             };
             let zeros = vec![0u8; STAT_WORDS * 8];
             stream.upload(&zeros, &self.stats, slot * STAT_WORDS * 8)?;
@@ -450,7 +464,7 @@ fn slot_bytes(s: &ArraySlot) -> Vec<u8> {
     v.extend_from_slice(&s.resource.to_le_bytes());
     v.extend_from_slice(&s.flags.to_le_bytes());
     v.extend_from_slice(&s.error.to_le_bytes());
-    for r in [s.writebacks_begun, s.writebacks_ended, s.reserved] {
+    for r in [s.writebacks_begun, s.writebacks_ended, s.direct] {
         v.extend_from_slice(&r.to_le_bytes());
     }
     debug_assert_eq!(v.len(), size_of::<ArraySlot>());
@@ -493,7 +507,10 @@ mod tests {
             bounce_bytes: 0,
         };
         assert_eq!(m.device(ring).page_shift, 12);
-        let e = m.add_array(0, 1, false).unwrap_err();
+        let e = m.add_array(0, 1, false, 0).unwrap_err();
+        assert!(matches!(e, HalError::InvalidArgument(_)), "{e}");
+        // In-place reads never meet a dirty page: a writable array cannot have them.
+        let e = m.add_array(4096, 1, true, 0x1000).unwrap_err();
         assert!(matches!(e, HalError::InvalidArgument(_)), "{e}");
     }
 
@@ -501,16 +518,19 @@ mod tests {
     fn slots_run_out_and_come_back() {
         let m = PageCacheMemory::new(&gpu(), 512, 4096).unwrap();
         let mut tables: Vec<PageTable> = (0..MAX_ARRAYS)
-            .map(|i| m.add_array(1000 + i as u64, i as u32, i % 2 == 0).unwrap())
+            .map(|i| {
+                m.add_array(1000 + i as u64, i as u32, i % 2 == 0, 0)
+                    .unwrap()
+            })
             .collect();
         assert_eq!(tables[3].pages(), 2);
         assert!(tables[0].writable() && !tables[1].writable());
-        let e = m.add_array(10, 0, false).unwrap_err();
+        let e = m.add_array(10, 0, false, 0).unwrap_err();
         assert!(matches!(e, HalError::Busy(_)), "{e}");
         let t = tables.remove(7);
         assert_eq!(t.slot(), 7);
         m.remove_array(t).unwrap();
-        assert_eq!(m.add_array(10, 0, false).unwrap().slot(), 7);
+        assert_eq!(m.add_array(10, 0, false, 0).unwrap().slot(), 7);
         let c = m.counters(&tables[0]).unwrap();
         assert_eq!(
             c,

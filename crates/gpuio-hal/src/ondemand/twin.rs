@@ -2,7 +2,9 @@
 //! in `kernels/gpuio_array.cuh`, with misses and write-backs posted to the request ring by a
 //! [`HostProducer`]: CI runs the protocol, and gpuio-core's ring proxy behind it, without a
 //! GPU. It works on the host backend only, where device memory is host memory at its device
-//! address.
+//! address. Two device paths have no twin, since the host backend cannot make them: misses
+//! read in place (`ArraySlot::direct`: the host backend pins no page cache pages for a
+//! device) and `get_async` (a kernel API over the same protocol, tested on the GPU machine).
 //!
 //! Every word of the tables is a Rust atomic on a view of that memory. A frame's bytes are
 //! read and written as `u64` atomics too (relaxed): the protocol orders them (a fill's bytes

@@ -278,6 +278,38 @@ impl LocalIo {
     }
 }
 
+/// Registers `len` bytes of `file` from `offset` with `gpu` for kernels to read in place (an
+/// on-demand array's misses, say), where the device can register page cache pages and the
+/// range is warm (three quarters resident: registering reads in the rest, and an on-demand
+/// source is not meant to be read whole). The pin holds the pages until it drops; a file
+/// rewritten meanwhile may leave it holding the old bytes.
+pub(crate) fn pin_warm(
+    file: &FileHandle,
+    offset: u64,
+    len: usize,
+    gpu: &Gpu,
+) -> Result<MappingPin> {
+    let refuse = |reason: String| {
+        LocalIoError::Hal(gpuio_hal::HalError::Unsupported {
+            what: "reading a file in place from kernels",
+            reason,
+        })
+    };
+    if !gpu.info().page_cache_dma.available {
+        return Err(refuse(gpu.info().page_cache_dma.detail.clone()));
+    }
+    let map = FileMapping::new(&file.shared(), offset, len)?;
+    let resident = map.resident(0..len)?;
+    if !is_warm(resident, len) {
+        return Err(refuse(format!(
+            "{} has {resident} of these {len} bytes in the page cache (a quarter or more \
+             would be read in whole to register them)",
+            file.path().display()
+        )));
+    }
+    Ok(gpu.pin_mapping(&Arc::new(map), 0..len)?)
+}
+
 /// Maps `len` bytes of `file` from `offset` when `warm` says the mapping is worth reading from;
 /// `None` where it is not, or where the kernel refuses the mapping or its residency (logged:
 /// the read then goes through the lanes, which report any real fault of the file).

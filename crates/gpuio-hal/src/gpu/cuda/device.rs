@@ -274,8 +274,11 @@ impl DeviceBackend for CudaDevice {
         self.shared.bind()?;
         // READ_ONLY is what lets the driver pin pages of a read-only mapping (without it the
         // registration fails); PORTABLE makes the pin good for every context, so every device
-        // can copy from it (`MappingPin::copy_to_device` relies on that).
-        let flags = sys::CU_MEMHOSTREGISTER_READ_ONLY | sys::CU_MEMHOSTREGISTER_PORTABLE;
+        // can copy from it (`MappingPin::copy_to_device` relies on that); DEVICEMAP gives
+        // kernels an address to read it at (`MappingPin::device_addr`).
+        let flags = sys::CU_MEMHOSTREGISTER_READ_ONLY
+            | sys::CU_MEMHOSTREGISTER_PORTABLE
+            | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the caller keeps ptr..ptr+len mapped until the returned CudaPin drops, which
         // unregisters it.
         unsafe { driver::mem_host_register(ptr, len, flags)? };
