@@ -22,8 +22,14 @@
 //!   takes the pin off. Otherwise it takes the pin off again.
 //! - **Miss**: a thread that finds the entry EMPTY claims it with a compare-and-swap to
 //!   FILLING; others wait for it (a page is read once however many threads want it). The
-//!   claimer takes a frame, reads the page into it through the ring, and turns the entry
-//!   VALID with its own pin already added (so the page it paid for is its to read).
+//!   claimer takes a frame, reads the page into it through the ring (or, for a read-only array
+//!   over a file pinned for the device, copies it from the page cache pages in place:
+//!   `ArraySlot::direct`), and turns the entry VALID with its own pin already added (so the
+//!   page it paid for is its to read).
+//! - **Fetched ahead** (`get_async`): a staged ring read of a page not cached, posted without
+//!   claiming it; `wait` claims the page only if it is still EMPTY, no write-back of the array
+//!   began since the read was posted and none was in flight then (the slot's
+//!   `writebacks_begun` / `writebacks_ended`), and a clean frame comes free at once.
 //! - **Taking a frame** (CLOCK): advance the shared hand; skip frames referenced since the
 //!   last pass (clearing the bit: a second chance) and frames LOCKED by another thread; lock
 //!   one with a compare-and-swap of its owner. A free frame is taken. An
