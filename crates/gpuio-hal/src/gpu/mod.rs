@@ -344,9 +344,9 @@ impl Gpu {
     /// engine, and a CPU copy from a file mapping would fault if the file shrank meanwhile.
     pub fn pin_mapping(&self, map: &Arc<FileMapping>, range: Range<usize>) -> Result<MappingPin> {
         let pages = map.pages(&range)?;
+        let first = map.base.wrapping_add(pages.start);
         // SAFETY: the span lies inside the live mapping, which the returned pin keeps alive
         // (it drops the registration before its reference to the mapping).
-        let first = map.base.wrapping_add(pages.start);
         let pin = unsafe { self.inner.pin_read_only(first, pages.end - pages.start)? };
         // SAFETY: `first` starts the range just registered (with DEVICEMAP), which `pin` keeps
         // registered.
