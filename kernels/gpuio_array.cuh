@@ -16,9 +16,10 @@
 //   write-back, no free frame) returns T() and records the first error in the array's slot;
 //   the host reads it after the kernel (OnDemandArray::check), so failures never pass as data.
 // - Stores to one element from two threads race as they would in a plain array.
-// - get_async/wait (issue, compute, wait): every future is waited for, a thread's futures in
-//   the order it made them, and between the two a thread touches no array or ring and waits
-//   at no barrier for threads that do (a future may hold a ring slot meanwhile).
+// - get_async/wait (issue, compute, wait): every future is waited for; a thread holds one
+//   future at a time (several only where the grid's outstanding futures fit the ring's
+//   slots); between the two a thread touches no array or ring and waits at no barrier for
+//   threads that do (a future holds a ring slot meanwhile).
 #ifndef GPUIO_ARRAY_CUH
 #define GPUIO_ARRAY_CUH
 
@@ -678,10 +679,12 @@ struct gpuio_array {
     // or may have changed at its source, reads the element as get() does. Every active lane
     // calls it together (warp-cooperative, like get), and every future must be waited for.
     //
-    // Between get_async and wait a thread may compute, but must not access an array or post
-    // ring requests, nor wait at a barrier for threads that do, unless the grid's outstanding
-    // requests fit in the ring's slots: each future may hold one slot, and a ring full of
-    // held slots makes posts wait for them.
+    // A thread holds one future at a time; between get_async and wait it may compute, but must
+    // not access an array or post ring requests, nor wait at a barrier for threads that do,
+    // unless the grid's outstanding futures fit in the ring's slots: each future holds one
+    // slot, and a ring full of held slots makes posts wait for them. get_async itself waits
+    // while the ring is full (as gpuio_read does), so no ticket is left unposted across the
+    // thread's compute, where the proxy thread serving it would wait for it.
     __device__ __forceinline__ gpuio_array_future<T> get_async(unsigned long long i) const {
         const unsigned int active = __activemask();
         const gpuio_cache* c = &d.cache;
@@ -715,18 +718,22 @@ struct gpuio_array {
         f.writebacks = begun;
         f.start = gpuio_ring_now_ns();
         f.state = GPUIO_FUTURE_FETCHING;
-        // The ticket's slot is the future's from now on: posted here if free, else by wait.
+        // The ticket's slot is the future's from now on.
         gpuio_ring_ticket(r, &f.tok, 0ull);
-        const long long p = gpuio_ring_try_post(r, &f.tok, GPUIO_RING_OP_READ, d.resource,
-                                                GPUIO_RING_FLAG_STAGE, page << c->page_shift, len);
+        unsigned int ns = 32u;
+        long long p;
+        while ((p = gpuio_ring_try_post(r, &f.tok, GPUIO_RING_OP_READ, d.resource,
+                                        GPUIO_RING_FLAG_STAGE, page << c->page_shift, len)) ==
+               0) {
+            gpuio_ring_backoff(&ns);
+        }
         if (p < 0) f.state = GPUIO_FUTURE_LATER;  // the ring shut down: get() reports it
         f.posted = p > 0;
         return f;
     }
 
     // The element get_async started reading (T() and a recorded error if it cannot be had).
-    // Every active lane calls it together; a thread waits for its futures in the order it
-    // made them. The lanes go round together, as gpuio_read_each_warp_if's do: post where the
+    // Every active lane calls it together. The lanes go round together, as gpuio_read_each_warp_if's do: post where the
     // slot was busy at get_async, collect what arrived, put fetched pages into frames (the
     // lanes wanting them read their elements under the pins the fill brings), hand the slots
     // back; no lane holds a completed slot while it waits for another. What no fetch brought

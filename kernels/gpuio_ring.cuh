@@ -13,12 +13,14 @@
 // - post: claim ticket t with one warp-aggregated atomicAdd on a counter in device memory;
 //   wait until slot t & mask has turn == t and state == FREE (the ring is full meanwhile) or
 //   the ring is no longer OPEN (then the request is refused with GPUIO_ERROR_RING_SHUTDOWN);
-//   write the request fields, __threadfence_system(), store state = POSTED (release).
+//   write the request fields, store state = POSTED (release: the fields before it).
 // - the host consumer of ticket t copies the request, carries it out, writes result, stores
 //   state = DONE (release).
-// - poll: when turn == t and state == DONE (acquire), read result and free the slot for the
-//   next lap: turn = t + nslots, then state = FREE (release). If the ring is CLOSED and the
-//   slot is not DONE, the request was never served: GPUIO_ERROR_RING_SHUTDOWN.
+// - poll: when turn == t and state == DONE (acquire: a load, then an acquire-release fence),
+//   read result and free the slot for the next lap: turn = t + nslots (plain), then state =
+//   FREE (release; the next lap needs both). If the ring is CLOSED and the slot is not DONE,
+//   the request was never served: GPUIO_ERROR_RING_SHUTDOWN (the state is read every 16th
+//   failed poll: a PCIe round trip of its own).
 //
 // Rules for callers:
 // - Needs sm_70 or newer (independent thread scheduling lets lanes of one warp wait for each

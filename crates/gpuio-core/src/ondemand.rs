@@ -74,7 +74,7 @@ pub struct PageCacheConfig {
     pub ring: RingConfig,
     /// Read-only arrays over warm files are read in place where the device can register page
     /// cache pages: the file's range is pinned read-only for the array's life (up to a
-    /// quarter of the memory the machine can back, over every array), and a miss is one copy
+    /// quarter of the memory the machine can back, over the cache's arrays), and a miss is one copy
     /// by the missing warp from those pages, with no ring round trip
     /// ([`OnDemandArray::miss_path`] says which path an array took, and why).
     pub in_place: bool,
@@ -280,9 +280,10 @@ impl PageCache {
         }
         let budget = gpuio_hal::memory::backing::backable_bytes(false).map_or(0, |b| b / 4);
         let pinned = &self.inner.pinned;
-        let taken = pinned.fetch_add(bytes, Ordering::AcqRel) + bytes;
-        if taken > budget {
-            pinned.fetch_sub(bytes, Ordering::AcqRel);
+        let taken = pinned.fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
+            p.checked_add(bytes).filter(|&t| t <= budget)
+        });
+        if taken.is_err() {
             return (
                 None,
                 format!(

@@ -97,7 +97,7 @@ impl PageCache {
             .detach(|| self.inner.array::<u8>(endpoint, nbytes, mode))
             .map_err(core)?;
         Ok(OnDemandArray {
-            inner: Mutex::new(Some(array)),
+            inner: Mutex::new(Some(Box::new(array))),
             itemsize,
             nbytes,
         })
@@ -113,8 +113,9 @@ impl PageCache {
 /// An array over a source, read (and written) by GPU threads through a [`PageCache`].
 #[pyclass(module = "gpuio", frozen)]
 pub struct OnDemandArray {
-    /// `None` once closed.
-    inner: Mutex<Option<gpuio_api::OnDemandArray<u8>>>,
+    /// `None` once closed. Boxed: the array holds 64-byte-aligned slot copies, more than a
+    /// Python object's memory is aligned to.
+    inner: Mutex<Option<Box<gpuio_api::OnDemandArray<u8>>>>,
     itemsize: u64,
     nbytes: u64,
 }
@@ -169,7 +170,8 @@ impl OnDemandArray {
     }
 
     /// The kernel's descriptor: the bytes of `struct gpuio_array_desc`, to pass by value or
-    /// to copy into device memory for a kernel taking `const gpuio_array_desc*`.
+    /// to copy into device memory for a kernel taking `const gpuio_array_desc*`. Good until
+    /// the array is closed: kernels using it must have finished by then (synchronize first).
     #[getter]
     fn descriptor<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         let d = self.with(py, |a| a.device())?;
@@ -220,7 +222,7 @@ impl OnDemandArray {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .take();
-            array.map_or(Ok(()), |a| a.close().map_err(core))
+            array.map_or(Ok(()), |a| (*a).close().map_err(core))
         })
     }
 }

@@ -248,6 +248,8 @@ class PageCache(_gpuio.PageCache):
         if isinstance(source, str):
             source = self._session.open(source, update=writable)
         item = _itemsize(dtype)
+        if item <= 0:
+            raise _invalid(f"elements of {item} bytes")
         if length is None:
             total = source.size() if isinstance(source, Resource) else len(source)
             length = max(total - offset, 0) // item
