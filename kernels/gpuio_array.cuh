@@ -576,7 +576,7 @@ __device__ __forceinline__ long long gpuio_array_claim_fetched(const gpuio_array
 // it may hold a ring slot).
 #define GPUIO_FUTURE_READY 0     // value holds the element (T() after a failed access)
 #define GPUIO_FUTURE_LATER 1     // wait reads it (its page was cached, or being brought in)
-#define GPUIO_FUTURE_FETCHING 2  // this lane's staged read of the page is posted (or to be)
+#define GPUIO_FUTURE_FETCHING 2  // this lane's staged read of the page is posted
 template <typename T>
 struct gpuio_array_future {
     unsigned long long index;
@@ -585,7 +585,6 @@ struct gpuio_array_future {
     gpuio_token tok;
     T value;
     int state;
-    int posted;
 };
 
 // ---- gpuio_array<T> ----------------------------------------------------------------------------
@@ -694,7 +693,6 @@ struct gpuio_array {
         f.start = 0ull;
         f.value = T();
         f.state = GPUIO_FUTURE_READY;
-        f.posted = 0;
         f.tok.done = 1u;
         const int ok = i < size();
         if (!ok) gpuio_array_fail(c, d.slot, GPUIO_ERROR_INVALID_ARG);
@@ -717,24 +715,16 @@ struct gpuio_array {
         if (begun != ended) return f;  // a write-back in flight: its bytes may not be there yet
         f.writebacks = begun;
         f.start = gpuio_ring_now_ns();
-        f.state = GPUIO_FUTURE_FETCHING;
-        // The ticket's slot is the future's from now on.
-        gpuio_ring_ticket(r, &f.tok, 0ull);
-        unsigned int ns = 32u;
-        long long p;
-        while ((p = gpuio_ring_try_post(r, &f.tok, GPUIO_RING_OP_READ, d.resource,
-                                        GPUIO_RING_FLAG_STAGE, page << c->page_shift, len)) ==
-               0) {
-            gpuio_ring_backoff(&ns);
-        }
-        if (p < 0) f.state = GPUIO_FUTURE_LATER;  // the ring shut down: get() reports it
-        f.posted = p > 0;
+        // The ticket's slot is the future's from now on (the ring shut down: get() reports it).
+        const long long p = gpuio_post(r, GPUIO_RING_OP_READ, d.resource, GPUIO_RING_FLAG_STAGE,
+                                       page << c->page_shift, len, 0ull, &f.tok);
+        f.state = p < 0 ? GPUIO_FUTURE_LATER : GPUIO_FUTURE_FETCHING;
         return f;
     }
 
     // The element get_async started reading (T() and a recorded error if it cannot be had).
-    // Every active lane calls it together. The lanes go round together, as gpuio_read_each_warp_if's do: post where the
-    // slot was busy at get_async, collect what arrived, put fetched pages into frames (the
+    // Every active lane calls it together. The lanes go round together, as those of
+    // gpuio_read_each_warp_if do: collect what arrived, put fetched pages into frames (the
     // lanes wanting them read their elements under the pins the fill brings), hand the slots
     // back; no lane holds a completed slot while it waits for another. What no fetch brought
     // (a page cached or being brought in by others at get_async, or fetched bytes that could
@@ -753,14 +743,7 @@ struct gpuio_array {
             long long result = 0;
             int arrived = 0, staged = GPUIO_STAGED_NONE;
             unsigned long long word = 0ull;
-            if (fetching && !f.posted) {
-                const long long p =
-                    gpuio_ring_try_post(r, &f.tok, GPUIO_RING_OP_READ, d.resource,
-                                        GPUIO_RING_FLAG_STAGE, page << c->page_shift, len);
-                if (p < 0) fetching = 0;  // refused (shut down): no slot to hand back
-                f.posted = p > 0;
-            }
-            if (fetching && f.posted) {
+            if (fetching) {
                 arrived = gpuio_ring_arrived(r, &f.tok, &result, &staged, &word);
                 // The ring's state costs a PCIe round trip of its own: every 16th poll only.
                 if (!arrived && (++f.tok.polls & 15u) == 0u &&

@@ -231,16 +231,6 @@ __device__ __forceinline__ void gpuio_ring_st_release32(unsigned int* p, unsigne
 #endif
 }
 
-__device__ __forceinline__ void gpuio_ring_st_release64(unsigned long long* p,
-                                                       unsigned long long v) {
-#if __CUDA_ARCH__ >= 700
-    asm volatile("st.release.sys.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
-#else
-    __threadfence_system();
-    *(volatile unsigned long long*)p = v;
-#endif
-}
-
 // Waits a little longer each time (up to ~8 us), so that thousands of waiting threads do not
 // saturate PCIe with polls of host memory.
 __device__ __forceinline__ void gpuio_ring_backoff(unsigned int* ns) {

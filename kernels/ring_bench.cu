@@ -53,19 +53,21 @@ extern "C" __global__ void gpuio_ring_ping(GPUIO_RING_ARGS, unsigned int resourc
         }
         t[1] = gpuio_ring_now_ns() - t0;
         long long res = posted < 0 ? posted : 0;
-        int staged = GPUIO_STAGED_NONE;
+        int staged = GPUIO_STAGED_NONE, arrived = 0;
         unsigned long long word = 0ull;
         wait_ns = 32u;
-        while (posted > 0 && !gpuio_ring_arrived(&r, &tok, &res, &staged, &word)) {
+        while (posted > 0 && !(arrived = gpuio_ring_arrived(&r, &tok, &res, &staged, &word))) {
             if ((++tok.polls & 15u) == 0u &&
                 gpuio_ring_ld_acquire32(&r.header->state) == GPUIO_RING_CLOSED) {
-                res = GPUIO_ERROR_RING_SHUTDOWN;
+                // The host's final sweep happened before CLOSED: look once more.
+                arrived = gpuio_ring_arrived(&r, &tok, &res, &staged, &word);
+                if (!arrived) res = GPUIO_ERROR_RING_SHUTDOWN;
                 break;
             }
             gpuio_ring_backoff(&wait_ns);
         }
         t[2] = gpuio_ring_now_ns() - t0;
-        if (posted > 0 && res != GPUIO_ERROR_RING_SHUTDOWN) {
+        if (arrived) {
             if (staged == GPUIO_STAGED_INLINE) {
                 gpuio_ring_store_inline(dst, word, (unsigned long long)res);
             } else if (staged == GPUIO_STAGED_BOUNCE) {

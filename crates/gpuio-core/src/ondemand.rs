@@ -283,27 +283,30 @@ impl PageCache {
         let taken = pinned.fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
             p.checked_add(bytes).filter(|&t| t <= budget)
         });
-        if taken.is_err() {
-            return (
-                None,
-                format!(
-                    "{RING} (pinning {bytes} more bytes of files would pass the budget, a \
+        // Given back when dropped: on any refusal below, or with the pin that holds it.
+        let reserved = match taken {
+            Ok(_) => Reserved {
+                bytes,
+                pinned: pinned.clone(),
+            },
+            Err(_) => {
+                return (
+                    None,
+                    format!(
+                        "{RING} (pinning {bytes} more bytes of files would pass the budget, a \
                      quarter of the {} bytes the machine can back)",
-                    budget * 4
-                ),
-            );
-        }
+                        budget * 4
+                    ),
+                );
+            }
+        };
         match file.len() {
             Ok(size) if size >= offset.saturating_add(bytes) => {}
             Ok(size) => {
-                pinned.fetch_sub(bytes, Ordering::AcqRel);
                 let why = format!("the file holds {size} bytes: reads past its end must fail");
                 return (None, format!("{RING} ({why})"));
             }
-            Err(e) => {
-                pinned.fetch_sub(bytes, Ordering::AcqRel);
-                return (None, format!("{RING} ({e})"));
-            }
+            Err(e) => return (None, format!("{RING} ({e})")),
         }
         let gpu = self.inner.memory.gpu();
         match usize::try_from(bytes)
@@ -313,15 +316,11 @@ impl PageCache {
             Ok(pin) => (
                 Some(InPlacePin {
                     pin,
-                    bytes,
-                    pinned: pinned.clone(),
+                    _reserved: reserved,
                 }),
                 "in place, from the file's page cache pages pinned for the device".into(),
             ),
-            Err(e) => {
-                pinned.fetch_sub(bytes, Ordering::AcqRel);
-                (None, format!("{RING} ({e})"))
-            }
+            Err(e) => (None, format!("{RING} ({e})")),
         }
     }
 }
@@ -329,11 +328,16 @@ impl PageCache {
 /// A file range pinned for in-place reads, counted against its cache's budget until dropped.
 struct InPlacePin {
     pin: MappingPin,
+    _reserved: Reserved,
+}
+
+/// Bytes counted against a cache's in-place budget, given back when dropped.
+struct Reserved {
     bytes: u64,
     pinned: Arc<AtomicU64>,
 }
 
-impl Drop for InPlacePin {
+impl Drop for Reserved {
     fn drop(&mut self) {
         self.pinned.fetch_sub(self.bytes, Ordering::AcqRel);
     }
