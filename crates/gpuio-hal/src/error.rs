@@ -317,6 +317,21 @@ pub enum HalError {
         /// The negative result recorded (a `GPUIO_ERROR_*` or ring code).
         code: i64,
     },
+    /// An NVMe command completed with an error status.
+    #[error("NVMe {op} failed: {status}")]
+    NvmeCommand {
+        /// The command.
+        op: &'static str,
+        /// The controller's status.
+        status: crate::nvme::Status,
+    },
+    /// An NVMe controller cannot be driven: it failed (fatal status), is disabled, broke the
+    /// queue protocol, or could not be opened.
+    #[error("NVMe controller: {reason}")]
+    NvmeController {
+        /// What happened.
+        reason: String,
+    },
     /// A transient shortage (the staging pool has no room now); trying again later may
     /// succeed.
     #[error("busy: {0}")]
@@ -353,6 +368,8 @@ impl HalError {
             Self::TimedOut { .. } => ErrorCode::Timeout,
             Self::Busy(_) => ErrorCode::Busy,
             Self::Rdma { code, .. } => *code,
+            Self::NvmeCommand { status, .. } => status.error_code(),
+            Self::NvmeController { .. } => ErrorCode::Io,
         }
     }
 

@@ -5,6 +5,7 @@ pub mod file;
 pub mod gpu;
 pub mod kernels;
 pub mod memory;
+pub mod nvme;
 pub mod ondemand;
 pub mod pattern;
 #[cfg(feature = "rdma")]

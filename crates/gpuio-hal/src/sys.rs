@@ -93,11 +93,35 @@ pub fn map_anonymous(len: usize, align: usize) -> Result<NonNull<u8>> {
     NonNull::new(start as *mut u8).ok_or_else(|| HalError::last_os("mmap"))
 }
 
-/// Unmaps a region made by [`map_anonymous`].
+/// A shared read-write mapping of `len` bytes of `fd` from `offset` (a device region: a VFIO
+/// BAR). Undo with [`unmap`].
+#[cfg_attr(not(feature = "nvme-vfio"), allow(dead_code))]
+pub fn map_shared(fd: std::os::fd::RawFd, offset: u64, len: usize) -> Result<NonNull<u8>> {
+    let offset = libc::off_t::try_from(offset)
+        .map_err(|_| HalError::InvalidArgument(format!("mapping offset {offset} too large")))?;
+    // SAFETY: a shared mapping at a kernel-chosen address cannot alias memory Rust owns; the
+    // result is checked against MAP_FAILED before use.
+    let raw = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            offset,
+        )
+    };
+    if raw == libc::MAP_FAILED {
+        return Err(HalError::last_os("mmap (device region)"));
+    }
+    NonNull::new(raw.cast()).ok_or_else(|| HalError::last_os("mmap (device region)"))
+}
+
+/// Unmaps a region made by [`map_anonymous`] or [`map_shared`].
 ///
 /// # Safety
-/// `ptr`/`len` must be exactly a live mapping returned by [`map_anonymous`], and nothing may
-/// use it afterwards.
+/// `ptr`/`len` must be exactly a live mapping returned by one of those, and nothing may use it
+/// afterwards.
 pub unsafe fn unmap(ptr: NonNull<u8>, len: usize) {
     let page = page_size();
     let len = len.div_ceil(page) * page;

@@ -22,11 +22,14 @@ pub enum Requirement {
     Etcd,
     /// A scratch file system that takes O_DIRECT (`GPUIO_REQUIRE_ODIRECT`).
     ODirect,
+    /// An NVMe controller bound to vfio-pci, in `cargo xtask qemu-nvme`'s guest
+    /// (`GPUIO_REQUIRE_NVME`).
+    Nvme,
 }
 
 impl Requirement {
     /// Every requirement.
-    pub const ALL: [Requirement; 7] = [
+    pub const ALL: [Requirement; 8] = [
         Requirement::Cuda,
         Requirement::Nvrtc,
         Requirement::Gds,
@@ -34,6 +37,7 @@ impl Requirement {
         Requirement::Fuse,
         Requirement::Etcd,
         Requirement::ODirect,
+        Requirement::Nvme,
     ];
 
     /// The variable that makes this requirement's absence a failure: `GPUIO_REQUIRE_<NAME>`.
@@ -46,6 +50,7 @@ impl Requirement {
             Requirement::Fuse => "GPUIO_REQUIRE_FUSE",
             Requirement::Etcd => "GPUIO_REQUIRE_ETCD",
             Requirement::ODirect => "GPUIO_REQUIRE_ODIRECT",
+            Requirement::Nvme => "GPUIO_REQUIRE_NVME",
         }
     }
 

@@ -7,6 +7,7 @@
 mod gpu;
 #[cfg(feature = "cuda")]
 mod kernels;
+mod nvme;
 mod pool;
 mod ptx;
 #[cfg(feature = "rdma")]

@@ -1,0 +1,28 @@
+//! NVMe from user space: the protocol's vocabulary, a polling controller driver, and the two
+//! controllers it drives.
+//!
+//! - [`spec`]: registers, queue entries, opcodes, status codes and Identify data, with their
+//!   layouts asserted.
+//! - [`prp`]: PRP entries and lists for a transfer.
+//! - [`dma`]: DMA memory, register files ([`Mmio`]) and IO address mapping ([`DmaMapper`]).
+//! - [`Controller`] (`controller`, with `queue` below it): reset, enable, admin queue,
+//!   Identify, I/O queue pairs and block IO, by polling; errors typed, a hung or failed
+//!   controller disabled before any error returns.
+//! - [`soft`]: a software controller served by a host thread, with injected faults, for where
+//!   no NVMe is reachable (CI, and the GPU machine).
+//! - `vfio` (cargo feature `nvme-vfio`): a real controller bound to `vfio-pci`, its BAR0
+//!   mapped and its DMA through the IOMMU; tested in the QEMU guest (`cargo xtask qemu-nvme`).
+
+mod controller;
+pub mod dma;
+pub mod prp;
+mod queue;
+pub mod soft;
+pub mod spec;
+#[cfg(feature = "nvme-vfio")]
+pub mod vfio;
+
+pub use controller::{BlockIo, Controller, ControllerOptions, IoQueuePair, Namespace};
+pub use dma::{DmaBuffer, DmaMapper, DmaMemory, IovaSpace, Mmio};
+pub use soft::{SoftConfig, SoftController, SoftFaults};
+pub use spec::{Cap, ControllerIdentity, NamespaceIdentity, Status};
