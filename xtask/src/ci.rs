@@ -146,5 +146,6 @@ pub fn ci() -> Result {
     )?;
     crate::python::python()?;
     crate::ptx::ptx(&["--wheels".to_string(), "--check".to_string()])?;
-    crate::qemu::qemu_rdma()
+    crate::qemu::rdma::qemu_rdma()?;
+    crate::qemu::nvme::qemu_nvme()
 }

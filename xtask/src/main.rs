@@ -12,8 +12,8 @@
 //!   `--check` fails where it is stale. Runs from the bundle on the GPU machine too.
 //! - `python` ([`python`]): the Python binding's wheel built by maturin, installed into a
 //!   virtual environment under `target/pyenv`, and its pytests.
-//! - `qemu-rdma` ([`qemu`]): the RDMA tests (cargo feature `rdma`) on soft-RoCE in a QEMU
-//!   guest.
+//! - `qemu-rdma` and `qemu-nvme` ([`qemu`]): the RDMA tests on soft-RoCE, and the NVMe driver
+//!   against QEMU's emulated NVMe through VFIO, each in a QEMU guest.
 
 #![forbid(unsafe_code)]
 
@@ -40,10 +40,11 @@ fn main() -> ExitCode {
         "gpu-bundle" => bundle::gpu_bundle(),
         "ptx" => ptx::ptx(rest),
         "python" => python::python(),
-        "qemu-rdma" => qemu::qemu_rdma(),
+        "qemu-rdma" => qemu::rdma::qemu_rdma(),
+        "qemu-nvme" => qemu::nvme::qemu_nvme(),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench [ARGS] | gpu-bundle | ptx [--kernels DIR] [--arch SM].. [--wheels] [--write | --check] | python | qemu-rdma>"
+                "usage: cargo xtask <ci | bench [ARGS] | gpu-bundle | ptx [--kernels DIR] [--arch SM].. [--wheels] [--write | --check] | python | qemu-rdma | qemu-nvme>"
             );
             return ExitCode::from(2);
         }

@@ -109,13 +109,11 @@ impl Controller {
         regs.write32(reg::AQA, size << 16 | size)?;
         regs.write64(reg::ASQ, asq)?;
         regs.write64(reg::ACQ, acq)?;
-        // Interrupts stay masked: the driver polls.
-        regs.write32(reg::INTMS, u32::MAX)?;
-        regs.write32(reg::CC, cc::EN | cc::IOSQES_64 | cc::IOCQES_16)?;
-        wait_ready(&regs, true, cap.timeout)?;
         let max_queues = (cap.max_queue_entries.min(u16::MAX as u32)) as u16;
+        // From here on, dropping `shared` (on any error below) disables the controller before
+        // the admin queue's memory is freed.
         let mut shared = Shared {
-            regs,
+            regs: regs.clone(),
             mapper,
             cap,
             identity: ControllerIdentity::parse(&[0; PAGE]),
@@ -125,6 +123,10 @@ impl Controller {
             free_qids: Mutex::new((1..=64u16.min(max_queues)).rev().collect()),
             options,
         };
+        // Interrupts stay masked: the driver polls.
+        regs.write32(reg::INTMS, u32::MAX)?;
+        regs.write32(reg::CC, cc::EN | cc::IOSQES_64 | cc::IOCQES_16)?;
+        wait_ready(&regs, true, cap.timeout)?;
         let data = shared.identify(admin::CNS_CONTROLLER, 0)?;
         shared.identity = ControllerIdentity::parse(&data);
         let list = shared.identify(admin::CNS_ACTIVE_NAMESPACES, 0)?;
@@ -382,7 +384,12 @@ impl IoQueuePair {
             let mut done = 0;
             while done < op.len {
                 let n = (op.len - done).min(max);
-                let lba = op.lba + (done / block) as u64;
+                let lba = op.lba.checked_add((done / block) as u64).ok_or_else(|| {
+                    HalError::InvalidArgument(format!(
+                        "LBA {} plus {} bytes overflows",
+                        op.lba, op.len
+                    ))
+                })?;
                 let opcode = if op.write { io::WRITE } else { io::READ };
                 let sqe = Sqe::rw(opcode, ns.nsid, lba, (n / block) as u32);
                 commands.push((sqe, buf.iova() + (op.offset + done) as u64, n));

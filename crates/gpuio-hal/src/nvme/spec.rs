@@ -309,6 +309,12 @@ impl Status {
         Status::with(2, sc)
     }
 
+    /// The status code type and code alone, without the More, Do Not Retry and retry-delay
+    /// bits: what to compare against the named statuses.
+    pub fn code(self) -> Status {
+        Status::with(self.sct() as u16, self.sc() as u16)
+    }
+
     /// Status code type.
     pub fn sct(self) -> u8 {
         (self.0 >> 8 & 0x7) as u8
@@ -332,7 +338,7 @@ impl Status {
     /// The gpuio error code for this status: the caller's mistake (a bad field, namespace or
     /// LBA) is `InvalidArg`, everything else `Io`.
     pub fn error_code(self) -> crate::ErrorCode {
-        match Status::with(self.sct() as u16, self.sc() as u16) {
+        match self.code() {
             Status::INVALID_FIELD | Status::INVALID_NAMESPACE | Status::LBA_OUT_OF_RANGE => {
                 crate::ErrorCode::InvalidArg
             }
@@ -342,7 +348,7 @@ impl Status {
 
     /// The specification's name for this status, where the driver knows it.
     pub fn name(self) -> &'static str {
-        match Status::with(self.sct() as u16, self.sc() as u16) {
+        match self.code() {
             Status::SUCCESS => "successful completion",
             Status::INVALID_OPCODE => "invalid command opcode",
             Status::INVALID_FIELD => "invalid field in command",

@@ -1,0 +1,329 @@
+//! The QEMU matrix: test binaries run in a QEMU guest (TCG) that has what this machine lacks.
+//! [`Guest`] packs test binaries with busybox, the guest kernel's modules and the shared
+//! libraries they load into an initramfs, boots Debian's kernel on it, and checks that each
+//! binary passed exactly the tests its filter selects (listed here first, at least one).
+//!
+//! - `qemu-rdma` ([`rdma`]): the RDMA tests on soft-RoCE.
+//! - `qemu-nvme` ([`nvme`]): the NVMe driver against QEMU's emulated NVMe, bound to vfio-pci
+//!   behind an emulated IOMMU.
+
+pub mod nvme;
+pub mod rdma;
+
+use crate::{Result, build_tests, copy, listed_tests, make_executable, root, run, tests_passed};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+/// Debian packages the QEMU matrix needs: the guest kernel, busybox, QEMU, and what the
+/// guests run (the rxe provider, the `rdma` tool).
+pub const QEMU_PACKAGES: &[&str] = &[
+    "qemu-system-x86",
+    "busybox-static",
+    "linux-image-amd64",
+    "rdma-core",
+    "ibverbs-providers",
+    "iproute2",
+    "cpio",
+    "kmod",
+];
+
+/// One test binary in the guest: its name there, the filter it runs with, and how many tests
+/// that filter selects.
+struct GuestTest {
+    name: String,
+    filter: String,
+    env: String,
+    selected: usize,
+}
+
+/// A guest being put together under `target/<name>`.
+pub struct Guest {
+    work: PathBuf,
+    root: PathBuf,
+    kernel: PathBuf,
+    modules_dir: PathBuf,
+    modules: Vec<String>,
+    libraries_for: Vec<PathBuf>,
+    tests: Vec<GuestTest>,
+}
+
+impl Guest {
+    /// An empty guest: busybox and the directories init needs.
+    pub fn new(name: &str) -> Result<Self> {
+        let kernel = std::fs::read_dir("/boot")
+            .map_err(|e| format!("/boot: {e}"))?
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-"))
+            })
+            .max()
+            .ok_or("no guest kernel under /boot (apt-get install linux-image-amd64)")?;
+        let release = kernel
+            .file_name()
+            .map(|n| {
+                n.to_string_lossy()
+                    .trim_start_matches("vmlinuz-")
+                    .to_string()
+            })
+            .unwrap_or_default();
+        let work = root().join("target").join(name);
+        let _ = std::fs::remove_dir_all(&work);
+        let guest = work.join("root");
+        for d in ["bin", "lib/modules", "dev", "proc", "sys", "tmp", "tests"] {
+            std::fs::create_dir_all(guest.join(d)).map_err(|e| format!("{d}: {e}"))?;
+        }
+        copy(Path::new("/bin/busybox"), &guest.join("bin/busybox"))?;
+        Ok(Self {
+            work,
+            root: guest,
+            kernel,
+            modules_dir: Path::new("/lib/modules").join(release),
+            modules: Vec::new(),
+            libraries_for: Vec::new(),
+            tests: Vec::new(),
+        })
+    }
+
+    /// The guest's working directory on this machine (disk images go here).
+    pub fn work(&self) -> &Path {
+        &self.work
+    }
+
+    /// Kernel modules init loads, each after what it depends on (as `modinfo` says: the
+    /// order changes between kernel updates).
+    pub fn modules(&mut self, wanted: &[&str]) -> Result {
+        for (m, found) in with_dependencies(&self.modules_dir, wanted)? {
+            if !self.modules.contains(&m) {
+                copy(&found, &self.root.join(format!("lib/modules/{m}.ko")))?;
+                self.modules.push(m);
+            }
+        }
+        Ok(())
+    }
+
+    /// `from` at the same path in the guest, with the shared libraries it loads.
+    pub fn file(&mut self, from: &Path) -> Result {
+        let to = self.root.join(from.strip_prefix("/").unwrap_or(from));
+        if let Some(dir) = to.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        }
+        copy(from, &to)?;
+        self.libraries_for.push(from.to_path_buf());
+        Ok(())
+    }
+
+    /// The test binaries of `crates` built with `features`, each run in the guest with
+    /// `filter` and `env`; each must have a test the filter selects.
+    pub fn tests(&mut self, crates: &[&str], features: &str, filter: &str, env: &str) -> Result {
+        let mut args: Vec<&str> = crates.iter().flat_map(|c| ["-p", *c]).collect();
+        args.extend(["--features", features, "--test", "it"]);
+        let built = build_tests("build the guest's tests", &args)?;
+        if built.len() != crates.len() {
+            return Err(format!(
+                "built {} test binaries, expected one for each of {crates:?}",
+                built.len()
+            ));
+        }
+        for t in built {
+            let selected = listed_tests(&t.path, filter)?.len();
+            if selected == 0 {
+                return Err(format!(
+                    "{}'s test binary has no test matching `{filter}`",
+                    t.package
+                ));
+            }
+            let name = format!("{}--{}", t.package, t.target);
+            copy(&t.path, &self.root.join("tests").join(&name))?;
+            self.libraries_for.push(t.path.clone());
+            self.tests.push(GuestTest {
+                name,
+                filter: filter.into(),
+                env: env.into(),
+                selected,
+            });
+        }
+        Ok(())
+    }
+
+    /// Boots the guest: init loads the modules, runs `setup` (shell), then every test binary;
+    /// `qemu` adds devices, `append` kernel arguments. Returns how many tests passed.
+    pub fn boot(mut self, setup: &str, qemu: &[String], append: &str) -> Result<usize> {
+        let mut script = String::new();
+        for t in &self.tests {
+            script.push_str(&format!(
+                "echo \"== {n}\"; if {env} RUST_BACKTRACE=1 /tests/{n} {f} --test-threads=1; then echo \"QEMU-PASS {n}\"; else echo \"QEMU-FAIL {n}\"; fi\n",
+                n = t.name,
+                env = t.env,
+                f = t.filter
+            ));
+        }
+        let init = format!(
+            "#!/bin/busybox sh\n\
+             /bin/busybox --install -s /bin\n\
+             mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev\n\
+             for m in {modules}; do insmod /lib/modules/$m.ko || echo \"insmod $m failed\"; done\n\
+             export TMPDIR=/tmp\n\
+             {setup}\n\
+             {script}\
+             echo QEMU-DONE\n\
+             poweroff -f\n",
+            modules = self.modules.join(" "),
+        );
+        let init_path = self.root.join("init");
+        std::fs::write(&init_path, init).map_err(|e| format!("init: {e}"))?;
+        make_executable(&init_path)?;
+        for b in std::mem::take(&mut self.libraries_for) {
+            for lib in shared_libraries(&b)? {
+                let to = self.root.join(lib.strip_prefix("/").unwrap_or(&lib));
+                if let Some(dir) = to.parent() {
+                    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+                }
+                if !to.exists() {
+                    copy(&lib, &to)?;
+                }
+            }
+        }
+        let initrd = self.work.join("initrd.cpio");
+        run(
+            "pack the initramfs",
+            Command::new("sh").arg("-c").arg(format!(
+                "cd {} && find . | cpio -o -H newc --quiet > {}",
+                self.root.display(),
+                initrd.display()
+            )),
+        )?;
+        eprintln!("==> boot {} in QEMU (TCG)", self.kernel.display());
+        let started = Instant::now();
+        let out = Command::new("timeout")
+            .arg("900")
+            .arg("qemu-system-x86_64")
+            .args([
+                "-m",
+                "2048",
+                "-smp",
+                "2",
+                "-nographic",
+                "-no-reboot",
+                "-kernel",
+            ])
+            .arg(&self.kernel)
+            .arg("-initrd")
+            .arg(&initrd)
+            .arg("-append")
+            .arg(format!("console=ttyS0 quiet panic=-1 {append}"))
+            .args(qemu)
+            .output()
+            .map_err(|e| format!("qemu: {e}"))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let log = self.work.join("guest.log");
+        let _ = std::fs::write(&log, text.as_bytes());
+        for line in text.lines().filter(|l| {
+            l.contains("QEMU-")
+                || l.contains("test result")
+                || l.contains("panicked")
+                || l.starts_with("test ")
+                || l.contains("== ")
+        }) {
+            println!("{line}");
+        }
+        eprintln!(
+            "    guest ran {:.1} s; its console is in {}",
+            started.elapsed().as_secs_f64(),
+            log.display()
+        );
+        if !text.contains("QEMU-DONE") {
+            return Err("the guest did not finish (see the console log)".into());
+        }
+        // Per binary: it passed, and libtest counted as many passes as its filter selects.
+        let mut problems = Vec::new();
+        for t in &self.tests {
+            let output = text
+                .split_once(&format!("== {}", t.name))
+                .and_then(|(_, after)| after.split_once(&format!("QEMU-PASS {}", t.name)))
+                .map(|(output, _)| output);
+            let passed = output.map_or(0, tests_passed);
+            if output.is_none() || passed != t.selected as u64 {
+                problems.push(format!("{}: {passed} of {} passed", t.name, t.selected));
+            }
+        }
+        if text.contains("QEMU-FAIL") || !problems.is_empty() {
+            return Err(format!(
+                "guest tests failed or did not run: {}",
+                problems.join("; ")
+            ));
+        }
+        Ok(self.tests.iter().map(|t| t.selected).sum())
+    }
+}
+
+/// `wanted` and every module they depend on (found under `modules`, uncompressed), each after
+/// what it depends on: the guest's insmod order.
+fn with_dependencies(modules: &Path, wanted: &[&str]) -> Result<Vec<(String, PathBuf)>> {
+    fn visit(
+        modules: &Path,
+        name: &str,
+        done: &mut Vec<(String, PathBuf)>,
+        seen: &mut Vec<String>,
+    ) -> Result {
+        let name = &name.replace('-', "_");
+        if seen.iter().any(|s| s == name) {
+            return Ok(());
+        }
+        seen.push(name.to_string());
+        let file = find_file(modules, &format!("{name}.ko"))
+            .ok_or_else(|| format!("module {name} not found under {}", modules.display()))?;
+        let out = Command::new("modinfo")
+            .args(["-F", "depends"])
+            .arg(&file)
+            .output()
+            .map_err(|e| format!("modinfo: {e}"))?;
+        let depends = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        for dep in depends.split(',').filter(|d| !d.is_empty()) {
+            visit(modules, dep, done, seen)?;
+        }
+        done.push((name.to_string(), file));
+        Ok(())
+    }
+    let (mut done, mut seen) = (Vec::new(), Vec::new());
+    for w in wanted {
+        visit(modules, w, &mut done, &mut seen)?;
+    }
+    Ok(done)
+}
+
+/// The first file called `name` under `dir`, `-` and `_` alike (module names use `_`, some
+/// module files `-`).
+fn find_file(dir: &Path, name: &str) -> Option<PathBuf> {
+    let name = name.replace('-', "_");
+    let entries = std::fs::read_dir(dir).ok()?;
+    for e in entries.filter_map(|e| e.ok()) {
+        let p = e.path();
+        if p.is_dir() {
+            if let Some(f) = find_file(&p, &name) {
+                return Some(f);
+            }
+        } else if p
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().replace('-', "_") == name)
+        {
+            return Some(p);
+        }
+    }
+    None
+}
+
+/// The shared libraries `binary` loads (as `ldd` resolves them), the loader included.
+pub fn shared_libraries(binary: &Path) -> Result<Vec<PathBuf>> {
+    let out = Command::new("ldd")
+        .arg(binary)
+        .output()
+        .map_err(|e| format!("ldd: {e}"))?;
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .filter(|w| w.starts_with('/'))
+        .map(PathBuf::from)
+        .collect())
+}

@@ -1,0 +1,46 @@
+//! `cargo xtask qemu-rdma`: the RDMA tests (cargo feature `rdma`) in a QEMU guest with
+//! soft-RoCE (rxe): each crate's test binary filtered to its `rdma` module, with
+//! `GPUIO_REQUIRE_RDMA=1`, over a virtio NIC with an rxe device on it.
+
+use super::{Guest, QEMU_PACKAGES};
+use crate::ci::{RDMA_PACKAGES, ensure_packages};
+use std::path::Path;
+
+/// The crates whose test binary (`tests/it`) has an `rdma` module, built with their `rdma`
+/// features.
+const RDMA_CRATES: &[&str] = &["gpuio-hal", "gpuio-transport-remoteio", "gpuio-api"];
+
+/// Kernel modules the guest needs: virtio networking, then soft-RoCE.
+const GUEST_MODULES: &[&str] = &["virtio_pci", "virtio_net", "crc32_generic", "rdma_rxe"];
+
+pub fn qemu_rdma() -> crate::Result {
+    ensure_packages(&[RDMA_PACKAGES, QEMU_PACKAGES].concat())?;
+    let mut guest = Guest::new("qemu-rdma")?;
+    guest.modules(GUEST_MODULES)?;
+    let features = RDMA_CRATES
+        .iter()
+        .map(|c| format!("{c}/rdma"))
+        .collect::<Vec<_>>()
+        .join(",");
+    guest.tests(RDMA_CRATES, &features, "rdma::", "GPUIO_REQUIRE_RDMA=1")?;
+    guest.file(Path::new("/usr/bin/rdma"))?;
+    guest.file(Path::new("/etc/libibverbs.d/rxe.driver"))?;
+    guest.file(Path::new(
+        "/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so",
+    ))?;
+    let setup = "ip link set lo up; ip link set eth0 up; ip addr add 10.0.2.15/24 dev eth0\n\
+                 rdma link add rxe0 type rxe netdev eth0 || echo 'QEMU-FAIL rxe'";
+    let qemu: Vec<String> = [
+        "-M",
+        "q35",
+        "-netdev",
+        "user,id=n0",
+        "-device",
+        "virtio-net-pci,netdev=n0",
+    ]
+    .map(String::from)
+    .to_vec();
+    let total = guest.boot(setup, &qemu, "")?;
+    println!("qemu-rdma: {total} RDMA tests passed on soft-RoCE");
+    Ok(())
+}
