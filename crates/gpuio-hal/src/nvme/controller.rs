@@ -74,6 +74,18 @@ pub struct BlockIo {
     pub len: usize,
 }
 
+impl BlockIo {
+    /// A write (`write`) or read of `len` bytes between block `lba` and the buffer at `offset`.
+    pub fn new(write: bool, lba: u64, offset: usize, len: usize) -> Self {
+        Self {
+            write,
+            lba,
+            offset,
+            len,
+        }
+    }
+}
+
 impl Controller {
     /// Resets the controller behind `regs`, sets up its admin queue with memory mapped
     /// through `mapper`, enables it, and reads its identity and active namespaces.
@@ -325,13 +337,7 @@ impl IoQueuePair {
         offset: usize,
         len: usize,
     ) -> Result<()> {
-        let op = BlockIo {
-            write: false,
-            lba,
-            offset,
-            len,
-        };
-        self.run(ns, buf, &[op])
+        self.run(ns, buf, &[BlockIo::new(false, lba, offset, len)])
     }
 
     /// Writes `len` bytes of `buf` from `offset` to `lba`.
@@ -343,13 +349,7 @@ impl IoQueuePair {
         offset: usize,
         len: usize,
     ) -> Result<()> {
-        let op = BlockIo {
-            write: true,
-            lba,
-            offset,
-            len,
-        };
-        self.run(ns, buf, &[op])
+        self.run(ns, buf, &[BlockIo::new(true, lba, offset, len)])
     }
 
     /// Makes the namespace's completed writes durable (FLUSH).
