@@ -7,6 +7,7 @@ pub mod kernels;
 pub mod localio;
 pub mod memio;
 mod model_load;
+pub mod nvme;
 pub mod ondemand;
 mod peers;
 mod plot;

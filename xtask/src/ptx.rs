@@ -58,6 +58,10 @@ const MODULES: &[(&str, &[&str])] = &[
             "ondemand.cu",
         ],
     ),
+    (
+        "nvme.cu",
+        &["gpuio_nvme.cuh", "gpuio_pattern.cuh", "nvme.cu"],
+    ),
 ];
 
 /// The virtual architectures of the embedded PTX (`gpuio_hal::kernels::PTX_ARCHS`, which says

@@ -4,7 +4,7 @@
 use bytesize::ByteSize;
 use gpuio_api::{Config, Error, Session};
 use gpuio_bench::{
-    Budget, Record, Target, cache, gather, kernels, localio, memio, ondemand, python, remote,
+    Budget, Record, Target, cache, gather, kernels, localio, memio, nvme, ondemand, python, remote,
     render_table, ring, scheduler, write_outputs,
 };
 use indicatif::ProgressBar;
@@ -18,6 +18,7 @@ const SUITES: &[&str] = &[
     gather::SUITE,
     ring::SUITE,
     ondemand::SUITE,
+    nvme::SUITE,
     remote::SUITE,
     cache::SUITE,
     kernels::SUITE,
@@ -27,7 +28,7 @@ const SUITES: &[&str] = &[
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
     /// Suites to run (default: all this build has: memio, localio, core, gather, ring,
-    /// ondemand, remote, cache, kernels, python).
+    /// ondemand, nvme, remote, cache, kernels, python).
     suites: Vec<String>,
     /// memio: transfer sizes, e.g. 4K,1M,64M,1G (default: up to 1 GiB on a GPU).
     #[arg(long, value_name = "LIST")]
@@ -139,6 +140,14 @@ pub fn run(config: Config, args: &BenchArgs) -> Result<(), Error> {
                     opts.scratch = d.clone();
                 }
                 ring::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
+            }
+            nvme::SUITE => {
+                let opts = if args.quick {
+                    nvme::Options::quick()
+                } else {
+                    nvme::Options::default()
+                };
+                nvme::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
             }
             ondemand::SUITE => {
                 let mut opts = if args.quick {

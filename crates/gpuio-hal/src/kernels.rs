@@ -195,6 +195,20 @@ pub static RING_BENCH: KernelSource = KernelSource {
     ptx: embedded_ptx!("ring_bench"),
 };
 
+/// `kernels/nvme.cu` with the NVMe queue and pattern headers in front: GPU threads driving
+/// NVMe queue pairs (checked reads, writes, flushes), and the layout report the GPU test
+/// compares with [`crate::nvme::gpu::layout_words`].
+pub static NVME: KernelSource = KernelSource {
+    name: "nvme.cu",
+    source: concat!(
+        include_str!("../../../kernels/gpuio_nvme.cuh"),
+        include_str!("../../../kernels/gpuio_pattern.cuh"),
+        include_str!("../../../kernels/nvme.cu")
+    ),
+    functions: &["gpuio_nvme_io", "gpuio_nvme_layout"],
+    ptx: embedded_ptx!("nvme"),
+};
+
 /// `kernels/ondemand.cu` with the ring, array and pattern headers in front: the on-demand
 /// array kernels the host API launches (prefetch, flush) and those of the GPU tests (checked
 /// reads, stores, the layout report compared with [`crate::ondemand::constants()`]).
@@ -233,7 +247,7 @@ pub static DEVICE_HEADER: &str = concat!(
 ///
 /// The modules are statics, not constants, so that a binary holds one copy of their text
 /// however many crates name them (a constant's data is copied into each crate that uses it).
-pub static ALL: &[&KernelSource] = &[&PATTERN, &GATHER, &RING_BENCH, &ONDEMAND];
+pub static ALL: &[&KernelSource] = &[&PATTERN, &GATHER, &RING_BENCH, &ONDEMAND, &NVME];
 
 #[cfg(test)]
 mod tests {

@@ -5,7 +5,7 @@
 use super::GdsMode;
 use super::backend::{
     ArrayLaunch, BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend,
-    HostPin, Owner, RingLaunch, RowHooks, RowJob, RowMem, RowsDone, StreamBackend,
+    HostPin, NvmeLaunch, Owner, RingLaunch, RowHooks, RowJob, RowMem, RowsDone, StreamBackend,
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
 use crate::error::{HalError, Result};
@@ -165,6 +165,13 @@ impl DeviceBackend for HostDevice {
         })
     }
 
+    unsafe fn pin_io(&self, _ptr: *mut u8, _len: usize) -> Result<Box<dyn HostPin>> {
+        Err(HalError::Unsupported {
+            what: "registering device memory (a BAR) for kernels",
+            reason: "the host backend runs no kernels on a device".into(),
+        })
+    }
+
     unsafe fn mapped_addr(&self, ptr: *mut u8) -> Result<u64> {
         // The host backend's "kernels" run on the CPU, in this address space.
         Ok(ptr as u64)
@@ -299,6 +306,15 @@ impl StreamBackend for HostStream {
             what: "on-demand array kernels",
             reason: "the host backend runs no kernels; ondemand::HostAccessor plays the GPU's \
                      part"
+                .into(),
+        })
+    }
+
+    unsafe fn nvme_kernel(&self, _launch: NvmeLaunch<'_>) -> Result<()> {
+        Err(HalError::Unsupported {
+            what: "GPU-driven NVMe queues",
+            reason: "the host backend runs no kernels; IoQueuePair drives the queues from host \
+                     threads"
                 .into(),
         })
     }

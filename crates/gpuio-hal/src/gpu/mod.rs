@@ -16,6 +16,7 @@ pub mod cuda;
 mod gds;
 mod host;
 mod info;
+mod nvme_kernels;
 mod ring_kernels;
 mod rows;
 mod stream;
@@ -297,6 +298,31 @@ impl Gpu {
             gpu: self.ordinal(),
             device_addr,
         })
+    }
+
+    /// Registers `ptr..ptr+len` with this device, mapped for its kernels: host memory, or
+    /// (`io`) device memory mapped into this process, such as an NVMe BAR. Returns the pin
+    /// (unregistering on drop) and the address kernels reach `ptr` at.
+    ///
+    /// # Safety
+    /// The range must stay mapped until the pin drops.
+    pub(crate) unsafe fn pin_mapped(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        io: bool,
+    ) -> Result<(Box<dyn HostPin>, u64)> {
+        // SAFETY: the caller keeps the range mapped for the pin's life.
+        let pin = unsafe {
+            if io {
+                self.inner.pin_io(ptr, len)?
+            } else {
+                self.inner.pin(ptr, len)?
+            }
+        };
+        // SAFETY: `ptr` starts the range just registered with DEVICEMAP, which `pin` keeps.
+        let addr = unsafe { self.inner.mapped_addr(ptr)? };
+        Ok((pin, addr))
     }
 
     /// Page-locks and registers `offset..offset+len` of a shared host buffer with this device

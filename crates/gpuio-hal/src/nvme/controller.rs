@@ -50,6 +50,16 @@ struct Shared {
     /// I/O queue identifiers not in use.
     free_qids: Mutex<Vec<u16>>,
     options: ControllerOptions,
+    /// The register file registered with GPUs (by ordinal), for their kernels' doorbells.
+    gpu_registers: Mutex<Vec<(u32, RegisterPin)>>,
+}
+
+/// The register file registered with one GPU.
+struct RegisterPin {
+    // Field order is drop order: unregister, then let the mapping go.
+    _pin: Box<dyn crate::gpu::HostPin>,
+    _owner: Arc<dyn std::any::Any + Send + Sync>,
+    addr: u64,
 }
 
 /// One namespace: its identifier and format.
@@ -134,6 +144,7 @@ impl Controller {
             // Queue identifiers the register file has doorbells for, up to 64 pairs.
             free_qids: Mutex::new((1..=64u16.min(max_queues)).rev().collect()),
             options,
+            gpu_registers: Mutex::new(Vec::new()),
         };
         // Interrupts stay masked: the driver polls.
         regs.write32(reg::INTMS, u32::MAX)?;
@@ -228,6 +239,36 @@ impl Controller {
                 Err(e)
             }
         }
+    }
+
+    /// Where `gpu`'s kernels reach this controller's register file (its doorbells): the
+    /// register file registered with the GPU once, for the controller's life (as IO memory
+    /// where it is a BAR).
+    pub(crate) fn doorbells_for(&self, gpu: &crate::gpu::Gpu) -> Result<u64> {
+        let s = &self.shared;
+        let mut pins = s.gpu_registers.lock_unpoisoned();
+        if let Some((_, pin)) = pins.iter().find(|(g, _)| *g == gpu.ordinal()) {
+            return Ok(pin.addr);
+        }
+        let (base, len, io, owner) = s.regs.parts();
+        // SAFETY: `owner` keeps the register file mapped, and RegisterPin drops the pin before
+        // its reference to the owner.
+        let (pin, addr) =
+            unsafe { gpu.pin_mapped(base, len, io) }.map_err(|e| HalError::NvmeController {
+                reason: format!(
+                    "the controller's doorbells cannot be registered with {gpu}{}: {e}",
+                    if io { " as IO memory" } else { "" }
+                ),
+            })?;
+        pins.push((
+            gpu.ordinal(),
+            RegisterPin {
+                _pin: pin,
+                _owner: owner,
+                addr,
+            },
+        ));
+        Ok(addr)
     }
 
     /// DMA memory this controller can reach, `len` bytes rounded up to pages.
@@ -326,6 +367,16 @@ impl IoQueuePair {
     /// Entries per queue.
     pub fn depth(&self) -> u16 {
         self.qp.depth()
+    }
+
+    /// The SQ's and CQ's memory (for registering them with a GPU).
+    pub(crate) fn queue_memory(&self) -> (&DmaBuffer, &DmaBuffer) {
+        self.qp.memory()
+    }
+
+    /// Register offsets of the SQ tail and CQ head doorbells.
+    pub(crate) fn doorbell_offsets(&self) -> (usize, usize) {
+        self.qp.doorbells()
     }
 
     /// Reads `len` bytes from `lba` into `buf` at `offset`.

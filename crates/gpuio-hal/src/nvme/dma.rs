@@ -120,7 +120,9 @@ impl Drop for DmaMemory {
 pub struct Mmio {
     base: NonNull<u8>,
     len: usize,
-    _owner: Arc<dyn Any + Send + Sync>,
+    /// Device memory (a BAR), not host memory: registered with a GPU as IO memory.
+    io_memory: bool,
+    owner: Arc<dyn Any + Send + Sync>,
 }
 
 // SAFETY: register accesses are volatile reads and writes through a raw pointer that `_owner`
@@ -136,7 +138,8 @@ impl std::fmt::Debug for Mmio {
 }
 
 impl Mmio {
-    /// Registers at `base`, `len` bytes, mapped for as long as `owner` lives.
+    /// Registers at `base`, `len` bytes, mapped for as long as `owner` lives; `io_memory`
+    /// where they are a device's memory (a BAR) rather than host memory.
     ///
     /// # Safety
     /// `base..base+len` must stay mapped and readable and writable with 32-bit accesses for
@@ -144,13 +147,26 @@ impl Mmio {
     pub(crate) unsafe fn new(
         base: NonNull<u8>,
         len: usize,
+        io_memory: bool,
         owner: Arc<dyn Any + Send + Sync>,
     ) -> Self {
         Self {
             base,
             len,
-            _owner: owner,
+            io_memory,
+            owner,
         }
+    }
+
+    /// The registers' address, length, whether they are device memory, and what keeps them
+    /// mapped.
+    pub(crate) fn parts(&self) -> (*mut u8, usize, bool, Arc<dyn Any + Send + Sync>) {
+        (
+            self.base.as_ptr(),
+            self.len,
+            self.io_memory,
+            self.owner.clone(),
+        )
     }
 
     /// Registers in host memory (the software controller's register page).
@@ -158,7 +174,7 @@ impl Mmio {
         let (base, len) = (mem.ptr, mem.len);
         // SAFETY: `mem` is kept alive by the owner handle and is accessed only through raw
         // pointers.
-        unsafe { Self::new(base, len, mem) }
+        unsafe { Self::new(base, len, false, mem) }
     }
 
     /// Its size in bytes.

@@ -8,6 +8,9 @@
 //! - [`Controller`] (`controller`, with `queue` below it): reset, enable, admin queue,
 //!   Identify, I/O queue pairs and block IO, by polling; errors typed, a hung or failed
 //!   controller disabled before any error returns.
+//! - [`gpu`]: queue pairs GPU threads drive (`kernels/gpuio_nvme.cuh`), their memory and the
+//!   controller's doorbells registered with the GPU; `Stream::nvme_io` launches the test and
+//!   bench kernels.
 //! - [`soft`]: a software controller served by a host thread, with injected faults, for where
 //!   no NVMe is reachable (CI, and the GPU machine).
 //! - `vfio` (cargo feature `nvme-vfio`): a real controller bound to `vfio-pci`, its BAR0
@@ -15,6 +18,7 @@
 
 mod controller;
 pub mod dma;
+pub mod gpu;
 pub mod prp;
 mod queue;
 pub mod soft;
@@ -24,5 +28,6 @@ pub mod vfio;
 
 pub use controller::{BlockIo, Controller, ControllerOptions, IoQueuePair, Namespace};
 pub use dma::{DmaBuffer, DmaMapper, DmaMemory, IovaSpace, Mmio};
+pub use gpu::{GpuMappedBuffer, GpuNvmeOp, GpuQueuePair, NvmeQueueDevice};
 pub use soft::{SoftConfig, SoftController, SoftFaults};
 pub use spec::{Cap, ControllerIdentity, NamespaceIdentity, Status};

@@ -91,6 +91,16 @@ impl QueuePair {
         (self.sq.iova(), self.cq.iova())
     }
 
+    /// The SQ's and CQ's memory.
+    pub(crate) fn memory(&self) -> (&DmaBuffer, &DmaBuffer) {
+        (&self.sq, &self.cq)
+    }
+
+    /// Register offsets of the SQ tail and CQ head doorbells.
+    pub(crate) fn doorbells(&self) -> (usize, usize) {
+        (self.sq_doorbell, self.cq_doorbell)
+    }
+
     /// Commands that can be submitted before one completes.
     pub(crate) fn room(&self) -> usize {
         self.free.len()

@@ -226,6 +226,18 @@ impl SoftController {
         self.state.served.load(Ordering::Relaxed)
     }
 
+    /// Fills namespace `nsid` with the data pattern of `seed` (byte `i` of the namespace is
+    /// pattern byte `i`).
+    pub fn fill_pattern(&self, nsid: u32, seed: u64) -> Result<()> {
+        let mut namespaces = self.state.namespaces.lock_unpoisoned();
+        let ns = (nsid as usize)
+            .checked_sub(1)
+            .and_then(|i| namespaces.get_mut(i))
+            .ok_or_else(|| HalError::InvalidArgument(format!("no namespace {nsid}")))?;
+        crate::pattern::fill(ns, 0, seed);
+        Ok(())
+    }
+
     /// A copy of namespace `nsid`'s bytes (`None`: no such namespace).
     pub fn namespace_bytes(&self, nsid: u32) -> Option<Vec<u8>> {
         let namespaces = self.state.namespaces.lock_unpoisoned();

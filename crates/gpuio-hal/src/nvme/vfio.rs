@@ -53,7 +53,7 @@ pub fn open(pci: &str, options: ControllerOptions) -> Result<Controller> {
     });
     // SAFETY: the BAR stays mapped until `Bar` drops, which the register file's owner handle
     // keeps alive; register accesses are 32-bit volatile ones, and nothing references it.
-    let regs = unsafe { Mmio::new(base, len, bar) };
+    let regs = unsafe { Mmio::new(base, len, true, bar) };
     let mapper = Arc::new(VfioMapper {
         container,
         space: IovaSpace::new(1 << 20, 1 << 39),

@@ -85,6 +85,11 @@ impl Shared {
         Ok(&self.module(&kernels::RING_BENCH)?.functions)
     }
 
+    /// `kernels/nvme.cu`'s functions, in `kernels::NVME.functions` order.
+    pub(super) fn nvme_kernels(&self) -> Result<&[CudaFunction]> {
+        Ok(&self.module(&kernels::NVME)?.functions)
+    }
+
     /// `kernels/ondemand.cu`'s functions, in `kernels::ONDEMAND.functions` order.
     pub(super) fn array_kernels(&self) -> Result<&[CudaFunction]> {
         Ok(&self.module(&kernels::ONDEMAND)?.functions)
@@ -279,6 +284,16 @@ impl DeviceBackend for CudaDevice {
         let flags = sys::CU_MEMHOSTREGISTER_READ_ONLY
             | sys::CU_MEMHOSTREGISTER_PORTABLE
             | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: the caller keeps ptr..ptr+len mapped until the returned CudaPin drops, which
+        // unregisters it.
+        unsafe { driver::mem_host_register(ptr, len, flags)? };
+        // SAFETY: registered just above in this context; the pin alone unregisters it.
+        Ok(Box::new(unsafe { CudaPin::new(self.shared.clone(), ptr) }))
+    }
+
+    unsafe fn pin_io(&self, ptr: *mut u8, len: usize) -> Result<Box<dyn HostPin>> {
+        self.shared.bind()?;
+        let flags = sys::CU_MEMHOSTREGISTER_IOMEMORY | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the caller keeps ptr..ptr+len mapped until the returned CudaPin drops, which
         // unregisters it.
         unsafe { driver::mem_host_register(ptr, len, flags)? };
