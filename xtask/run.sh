@@ -6,11 +6,12 @@
 # kvikio and torch: on PYTHONPATH; iperf3 where installed, or in ./iperf3 with its libraries),
 # and the first use of the kernel modules: embedded PTX against NVRTC.
 #
-#   ./run.sh [tests | bench-a | bench-b | ondemand | kernel-load | python | all]   (default: all)
+#   ./run.sh [tests | bench-a | bench-b | ondemand | nvme | kernel-load | python | all]   (default: all)
 #
 # The parts fit where one command may run ten minutes at most: tests (tests, kernels, info),
 # bench-a (memio, gather), bench-b (core, ring, remote, localio), ondemand (on-demand arrays
-# against the host engine, a CPU gather, plain device arrays and the raw ring), kernel-load (the kernels
+# against the host engine, a CPU gather, plain device arrays and the raw ring), nvme (GPU-driven
+# NVMe queues on the software controller against the request ring), kernel-load (the kernels
 # suite: first use of each module, with the driver's JIT cache off and on), python (the wheel
 # installed beside torch: its pytests with CUDA required, the CuPy on-demand example, and the
 # python bench suite).
@@ -74,6 +75,9 @@ case "$part" in bench-b | all)
 esac
 case "$part" in ondemand | all)
     step bin/gpuio bench ondemand --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out" ;;
+esac
+case "$part" in nvme | all)
+    step bin/gpuio bench nvme --out "$out" ;;
 esac
 case "$part" in python | all)
     # The wheel and pytest's wheels into a directory of their own, found through PYTHONPATH;

@@ -249,7 +249,7 @@ fn gpu_initiated_paths(gpu0: &Gpu) -> Vec<IoPath> {
             (gathers, ring)
         }
     };
-    vec![
+    let mut paths = vec![
         IoPath::new(
             "gpu-initiated",
             "row gathers / scatters (MemIo::gather)",
@@ -260,7 +260,15 @@ fn gpu_initiated_paths(gpu0: &Gpu) -> Vec<IoPath> {
             "request ring (gpuio_read from kernels)",
             ring,
         ),
-    ]
+    ];
+    for (tier, cap) in gpuio_hal::nvme::tiers::tiers(gpu0) {
+        paths.push(IoPath::new(
+            "gpu-initiated",
+            format!("NVMe queues: {tier}"),
+            cap,
+        ));
+    }
+    paths
 }
 
 pub fn run(config: Config, args: &InfoArgs) -> Result<(), Error> {

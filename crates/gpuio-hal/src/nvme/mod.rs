@@ -13,6 +13,7 @@
 //!   bench kernels.
 //! - [`soft`]: a software controller served by a host thread, with injected faults, for where
 //!   no NVMe is reachable (CI, and the GPU machine).
+//! - [`tiers`]: which tiers of device-initiated IO this machine supports, and why not.
 //! - `vfio` (cargo feature `nvme-vfio`): a real controller bound to `vfio-pci`, its BAR0
 //!   mapped and its DMA through the IOMMU; tested in the QEMU guest (`cargo xtask qemu-nvme`).
 
@@ -23,6 +24,7 @@ pub mod prp;
 mod queue;
 pub mod soft;
 pub mod spec;
+pub mod tiers;
 #[cfg(feature = "nvme-vfio")]
 pub mod vfio;
 

@@ -7,7 +7,7 @@ use super::controller::{Controller, ControllerOptions};
 use super::dma::{DmaMapper, DmaMemory, IovaSpace, Mmio};
 use crate::error::{HalError, Result};
 use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioOps};
@@ -21,8 +21,6 @@ const REGION_MMAP: u32 = 1 << 2;
 /// PCI command register: memory space and bus master enable.
 const PCI_COMMAND: u64 = 4;
 const COMMAND_MEMORY_AND_MASTER: u16 = 0x2 | 0x4;
-/// PCI class of an NVMe controller: mass storage, non-volatile memory, NVMe.
-const NVME_CLASS: &str = "0x010802";
 
 /// Opens the NVMe controller at PCI address `pci` (e.g. `0000:00:04.0`), which must be bound
 /// to `vfio-pci`, and enables it.
@@ -63,24 +61,11 @@ pub fn open(pci: &str, options: ControllerOptions) -> Result<Controller> {
 
 /// The PCI addresses of NVMe controllers bound to `vfio-pci` on this machine.
 pub fn bound_controllers() -> Vec<String> {
-    let Ok(entries) = std::fs::read_dir("/sys/bus/pci/devices") else {
-        return Vec::new();
-    };
-    let mut found: Vec<String> = entries
-        .filter_map(|e| e.ok())
-        .filter(|e| {
-            let class = std::fs::read_to_string(e.path().join("class")).unwrap_or_default();
-            class.trim() == NVME_CLASS && driver(&e.path()).as_deref() == Some("vfio-pci")
-        })
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    found.sort();
-    found
-}
-
-fn driver(path: &Path) -> Option<String> {
-    let link: PathBuf = std::fs::read_link(path.join("driver")).ok()?;
-    Some(link.file_name()?.to_string_lossy().into_owned())
+    super::tiers::pci_controllers()
+        .into_iter()
+        .filter(|c| c.driver.as_deref() == Some("vfio-pci"))
+        .map(|c| c.address)
+        .collect()
 }
 
 fn check_bound(path: &Path, pci: &str) -> Result<()> {
@@ -89,7 +74,10 @@ fn check_bound(path: &Path, pci: &str) -> Result<()> {
             reason: format!("no PCI device {pci}"),
         });
     }
-    match driver(path) {
+    let driver = std::fs::read_link(path.join("driver"))
+        .ok()
+        .and_then(|l| l.file_name().map(|n| n.to_string_lossy().into_owned()));
+    match driver {
         Some(d) if d == "vfio-pci" => Ok(()),
         other => Err(HalError::NvmeController {
             reason: format!(
