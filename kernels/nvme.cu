@@ -10,10 +10,12 @@
 // Command i (i < n) is `opcode` on namespace `nsid` at lbas[i], `blocks` blocks of
 // `block_bytes` (FLUSH: no data). Each warp owns 32 data slots of blocks * block_bytes bytes
 // in host memory (mapped at `data`, IO address `data_iova`): slot (global warp * 32 + lane).
-// A WRITE's lane fills its slot with pattern stream `seed` at the command's byte offset in the
-// namespace (lba * block_bytes) first; a READ's lane checks its slot against the same pattern
-// after the completion and counts mismatched 8-byte words in `mismatches`. Block b's warps use
-// queue pair queues[b % nqueues]. statuses[i] gets command i's status field (0: success).
+// A WRITE's slot is filled with pattern stream `seed` at the command's byte offset in the
+// namespace (lba * block_bytes) first; a READ's slot is checked against the same pattern
+// after the completion, and mismatched 8-byte words are counted in `mismatches`. The whole
+// warp fills or checks one slot at a time, 16 bytes a lane, so each access is one coalesced
+// transfer over the bus. Block b's warps use queue pair queues[b % nqueues]. statuses[i] gets
+// command i's status field (0: success).
 extern "C" __global__ void gpuio_nvme_io(const gpuio_nvme_queue* queues, unsigned int nqueues,
                                          unsigned int opcode, unsigned int nsid,
                                          const unsigned long long* lbas, unsigned long long n,
@@ -27,33 +29,45 @@ extern "C" __global__ void gpuio_nvme_io(const gpuio_nvme_queue* queues, unsigne
     const unsigned long long warp =
         (unsigned long long)blockIdx.x * (blockDim.x / 32u) + threadIdx.x / 32u;
     const unsigned long long bytes = (unsigned long long)blocks * block_bytes;
-    const unsigned long long slot = (warp * 32ull + lane) * bytes;
+    unsigned char* slots = data + warp * 32ull * bytes;
     unsigned long long bad = 0;
     // Warp-uniform trip count: every lane reaches each batch.
     for (unsigned long long base = warp * 32ull; base < n; base += warps * 32ull) {
         const unsigned long long i = base + lane;
         const bool active = i < n;
         const unsigned long long lba = active ? lbas[i] : 0ull;
-        const unsigned long long first_word = lba * block_bytes / 8ull;
-        volatile unsigned long long* mine = (volatile unsigned long long*)(data + slot);
         gpuio_nvme_sqe sqe;
         if (opcode == GPUIO_NVME_FLUSH) {
             sqe = gpuio_nvme_flush(nsid);
         } else {
-            sqe = gpuio_nvme_rw(opcode, nsid, lba, blocks, data_iova + slot, bytes);
-            if (active && opcode == GPUIO_NVME_WRITE) {
-                for (unsigned long long w = 0; w < bytes / 8ull; ++w) {
-                    mine[w] = gpuio_word_at(seed, first_word + w);
+            sqe = gpuio_nvme_rw(opcode, nsid, lba, blocks, data_iova + (slots - data) + lane * bytes,
+                                bytes);
+        }
+        if (opcode == GPUIO_NVME_WRITE) {
+            const unsigned int fill = __ballot_sync(0xffffffffu, active);
+            for (unsigned int k = 0; k < 32u; ++k) {
+                if (((fill >> k) & 1u) == 0u) continue;
+                const unsigned long long first = __shfl_sync(0xffffffffu, lba, k) * block_bytes / 8ull;
+                ulonglong2* slot = (ulonglong2*)(slots + k * bytes);
+                for (unsigned long long p = lane; p < bytes / 16ull; p += 32ull) {
+                    __stwt(slot + p, make_ulonglong2(gpuio_word_at(seed, first + 2ull * p),
+                                                     gpuio_word_at(seed, first + 2ull * p + 1ull)));
                 }
-                __threadfence_system();
             }
+            __threadfence_system();
         }
         const unsigned int status = gpuio_nvme_warp_submit(q, active, sqe);
-        if (active) {
-            statuses[i] = status;
-            if (status == 0u && opcode == GPUIO_NVME_READ) {
-                for (unsigned long long w = 0; w < bytes / 8ull; ++w) {
-                    if (mine[w] != gpuio_word_at(seed, first_word + w)) bad++;
+        if (active) statuses[i] = status;
+        if (opcode == GPUIO_NVME_READ) {
+            const unsigned int check = __ballot_sync(0xffffffffu, active && status == 0u);
+            for (unsigned int k = 0; k < 32u; ++k) {
+                if (((check >> k) & 1u) == 0u) continue;
+                const unsigned long long first = __shfl_sync(0xffffffffu, lba, k) * block_bytes / 8ull;
+                const ulonglong2* slot = (const ulonglong2*)(slots + k * bytes);
+                for (unsigned long long p = lane; p < bytes / 16ull; p += 32ull) {
+                    const ulonglong2 v = __ldcv(slot + p);
+                    bad += (v.x != gpuio_word_at(seed, first + 2ull * p)) +
+                           (v.y != gpuio_word_at(seed, first + 2ull * p + 1ull));
                 }
             }
         }

@@ -132,8 +132,10 @@ fn check_disabled(ctrl: &Controller, ns: &Namespace) {
 
 #[test]
 fn soft_controller_brings_up_and_moves_data() {
+    // Three workers serve the queue pairs of the four threads below.
     let (dev, ctrl) = soft(SoftConfig {
         namespaces: vec![32768, 1024],
+        io_threads: 3,
         ..SoftConfig::default()
     });
     let nss = check_bring_up(&ctrl, 2);
