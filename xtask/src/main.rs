@@ -168,8 +168,14 @@ fn tests_passed(output: &str) -> u64 {
 /// The names of the tests `binary` runs with the libtest filter `filter` (its `--list`, run
 /// here: listing runs no test, so it needs no device).
 fn listed_tests(binary: &Path, filter: &str) -> Result<Vec<String>> {
+    listed_tests_with(binary, &[filter])
+}
+
+/// The names of the tests `binary` lists with libtest arguments `args` (`--list` added).
+fn listed_tests_with(binary: &Path, args: &[&str]) -> Result<Vec<String>> {
     let out = Command::new(binary)
-        .args([filter, "--list"])
+        .args(args)
+        .arg("--list")
         .output()
         .map_err(|e| format!("{} --list: {e}", binary.display()))?;
     if !out.status.success() {

@@ -10,7 +10,10 @@
 pub mod nvme;
 pub mod rdma;
 
-use crate::{Result, build_tests, copy, listed_tests, make_executable, root, run, tests_passed};
+use crate::{
+    Result, build_tests, copy, listed_tests, listed_tests_with, make_executable, root, run,
+    tests_passed,
+};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -28,13 +31,17 @@ pub const QEMU_PACKAGES: &[&str] = &[
     "kmod",
 ];
 
-/// One test binary in the guest: its name there, the filter it runs with, and how many tests
-/// that filter selects.
-struct GuestTest {
-    name: String,
-    filter: String,
-    env: String,
-    selected: usize,
+/// One step of the guest's script: shell, or a test binary run with a filter, which must
+/// pass as many tests as the filter selects.
+enum Step {
+    Shell(String),
+    Tests {
+        label: String,
+        binary: String,
+        args: String,
+        env: String,
+        selected: usize,
+    },
 }
 
 /// A guest being put together under `target/<name>`.
@@ -45,7 +52,9 @@ pub struct Guest {
     modules_dir: PathBuf,
     modules: Vec<String>,
     libraries_for: Vec<PathBuf>,
-    tests: Vec<GuestTest>,
+    /// Test binaries in the guest (its name there, its path here).
+    binaries: Vec<(String, PathBuf)>,
+    steps: Vec<Step>,
 }
 
 impl Guest {
@@ -83,7 +92,8 @@ impl Guest {
             modules_dir: Path::new("/lib/modules").join(release),
             modules: Vec::new(),
             libraries_for: Vec::new(),
-            tests: Vec::new(),
+            binaries: Vec::new(),
+            steps: Vec::new(),
         })
     }
 
@@ -115,9 +125,8 @@ impl Guest {
         Ok(())
     }
 
-    /// The test binaries of `crates` built with `features`, each run in the guest with
-    /// `filter` and `env`; each must have a test the filter selects.
-    pub fn tests(&mut self, crates: &[&str], features: &str, filter: &str, env: &str) -> Result {
+    /// Builds the test binaries of `crates` with `features` into the guest; their names there.
+    pub fn build_tests(&mut self, crates: &[&str], features: &str) -> Result<Vec<String>> {
         let mut args: Vec<&str> = crates.iter().flat_map(|c| ["-p", *c]).collect();
         args.extend(["--features", features, "--test", "it"]);
         let built = build_tests("build the guest's tests", &args)?;
@@ -127,38 +136,75 @@ impl Guest {
                 built.len()
             ));
         }
+        let mut names = Vec::new();
         for t in built {
-            let selected = listed_tests(&t.path, filter)?.len();
-            if selected == 0 {
-                return Err(format!(
-                    "{}'s test binary has no test matching `{filter}`",
-                    t.package
-                ));
-            }
             let name = format!("{}--{}", t.package, t.target);
             copy(&t.path, &self.root.join("tests").join(&name))?;
             self.libraries_for.push(t.path.clone());
-            self.tests.push(GuestTest {
-                name,
-                filter: filter.into(),
-                env: env.into(),
-                selected,
-            });
+            self.binaries.push((name.clone(), t.path));
+            names.push(name);
         }
+        Ok(names)
+    }
+
+    /// A step running test binary `name` with `filter` (the ignored tests it selects where
+    /// `ignored`) and `env`; it must select a test, and pass every one it selects.
+    pub fn run_tests(&mut self, name: &str, filter: &str, env: &str, ignored: bool) -> Result {
+        let path = self
+            .binaries
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, p)| p.clone())
+            .ok_or_else(|| format!("no test binary {name} in the guest"))?;
+        let ignored_ones = listed_tests_with(&path, &[filter, "--ignored"])?.len();
+        let selected = if ignored {
+            ignored_ones
+        } else {
+            listed_tests(&path, filter)?.len() - ignored_ones
+        };
+        if selected == 0 {
+            return Err(format!("{name} has no test matching `{filter}`"));
+        }
+        let args = if ignored {
+            format!("{filter} --ignored")
+        } else {
+            filter.to_string()
+        };
+        self.steps.push(Step::Tests {
+            label: format!("{name} {args}"),
+            binary: name.into(),
+            args,
+            env: env.into(),
+            selected,
+        });
         Ok(())
     }
 
-    /// Boots the guest: init loads the modules, runs `setup` (shell), then every test binary;
-    /// `qemu` adds devices, `append` kernel arguments. Returns how many tests passed.
-    pub fn boot(mut self, setup: &str, qemu: &[String], append: &str) -> Result<usize> {
+    /// A shell step.
+    pub fn shell(&mut self, script: &str) {
+        self.steps.push(Step::Shell(script.into()));
+    }
+
+    /// Boots the guest: init loads the modules, then runs the steps in order; `qemu` adds
+    /// devices, `append` kernel arguments. Returns how many tests passed.
+    pub fn boot(mut self, qemu: &[String], append: &str) -> Result<usize> {
         let mut script = String::new();
-        for t in &self.tests {
-            script.push_str(&format!(
-                "echo \"== {n}\"; if {env} RUST_BACKTRACE=1 /tests/{n} {f} --test-threads=1; then echo \"QEMU-PASS {n}\"; else echo \"QEMU-FAIL {n}\"; fi\n",
-                n = t.name,
-                env = t.env,
-                f = t.filter
-            ));
+        for step in &self.steps {
+            match step {
+                Step::Shell(s) => {
+                    script.push_str(s);
+                    script.push('\n');
+                }
+                Step::Tests {
+                    label,
+                    binary,
+                    args,
+                    env,
+                    ..
+                } => script.push_str(&format!(
+                    "echo \"== {label}\"; if {env} RUST_BACKTRACE=1 /tests/{binary} {args} --test-threads=1; then echo \"QEMU-PASS {label}\"; else echo \"QEMU-FAIL {label}\"; fi\n"
+                )),
+            }
         }
         let init = format!(
             "#!/bin/busybox sh\n\
@@ -166,7 +212,6 @@ impl Guest {
              mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev\n\
              for m in {modules}; do insmod /lib/modules/$m.ko || echo \"insmod $m failed\"; done\n\
              export TMPDIR=/tmp\n\
-             {setup}\n\
              {script}\
              echo QEMU-DONE\n\
              poweroff -f\n",
@@ -217,7 +262,8 @@ impl Guest {
             .args(qemu)
             .output()
             .map_err(|e| format!("qemu: {e}"))?;
-        let text = String::from_utf8_lossy(&out.stdout);
+        // The serial console ends lines with CR LF.
+        let text = String::from_utf8_lossy(&out.stdout).replace("\r\n", "\n");
         let log = self.work.join("guest.log");
         let _ = std::fs::write(&log, text.as_bytes());
         for line in text.lines().filter(|l| {
@@ -239,15 +285,23 @@ impl Guest {
         }
         // Per binary: it passed, and libtest counted as many passes as its filter selects.
         let mut problems = Vec::new();
-        for t in &self.tests {
+        let mut total = 0;
+        for step in &self.steps {
+            let Step::Tests {
+                label, selected, ..
+            } = step
+            else {
+                continue;
+            };
             let output = text
-                .split_once(&format!("== {}", t.name))
-                .and_then(|(_, after)| after.split_once(&format!("QEMU-PASS {}", t.name)))
+                .split_once(&format!("== {label}\n"))
+                .and_then(|(_, after)| after.split_once(&format!("QEMU-PASS {label}\n")))
                 .map(|(output, _)| output);
             let passed = output.map_or(0, tests_passed);
-            if output.is_none() || passed != t.selected as u64 {
-                problems.push(format!("{}: {passed} of {} passed", t.name, t.selected));
+            if output.is_none() || passed != *selected as u64 {
+                problems.push(format!("{label}: {passed} of {selected} passed"));
             }
+            total += selected;
         }
         if text.contains("QEMU-FAIL") || !problems.is_empty() {
             return Err(format!(
@@ -255,7 +309,7 @@ impl Guest {
                 problems.join("; ")
             ));
         }
-        Ok(self.tests.iter().map(|t| t.selected).sum())
+        Ok(total)
     }
 }
 

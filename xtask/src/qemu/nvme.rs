@@ -1,27 +1,39 @@
 //! `cargo xtask qemu-nvme`: the NVMe driver against a real controller, QEMU's emulated NVMe
-//! with two namespaces, on a q35 machine with an emulated Intel IOMMU. The guest binds the
-//! controller to vfio-pci and runs gpuio-hal's NVMe tests (cargo feature `nvme-vfio`) with
-//! `GPUIO_REQUIRE_NVME=1`: under TCG, so functional, not a performance measurement.
+//! with two namespaces, on a q35 machine with an emulated Intel IOMMU. First, under the
+//! kernel's NVMe driver, namespace 2 gets an ext4 file system and a test writes a file there
+//! and records its extents; then the guest unmounts it, binds the controller to vfio-pci and
+//! runs gpuio-hal's NVMe tests (cargo feature `nvme-vfio`) with `GPUIO_REQUIRE_NVME=1`, among
+//! them reading that file through its extents. Under TCG: functional, not a performance
+//! measurement.
 
 use super::{Guest, QEMU_PACKAGES};
 use crate::ci::ensure_packages;
+use std::path::Path;
 
-/// Kernel modules the guest needs: vfio-pci and the IOMMU type-1 backend.
-const GUEST_MODULES: &[&str] = &["vfio_iommu_type1", "vfio_pci"];
+/// Kernel modules the guest needs: vfio-pci and the IOMMU type-1 backend; the kernel's NVMe
+/// driver and ext4, for the file whose extents the driver then reads.
+const GUEST_MODULES: &[&str] = &[
+    "vfio_iommu_type1",
+    "vfio_pci",
+    "nvme",
+    "crc32c_generic",
+    "ext4",
+];
+
+/// Where the guest keeps the extent list between the two phases.
+const EXTENTS: &str = "/tmp/extents";
 
 /// The namespaces' sizes in MiB.
 const NAMESPACES: [u64; 2] = [64, 32];
 
 pub fn qemu_nvme() -> crate::Result {
-    ensure_packages(QEMU_PACKAGES)?;
+    ensure_packages(&[QEMU_PACKAGES, &["e2fsprogs"]].concat())?;
     let mut guest = Guest::new("qemu-nvme")?;
     guest.modules(GUEST_MODULES)?;
-    guest.tests(
-        &["gpuio-hal"],
-        "gpuio-hal/nvme-vfio",
-        "nvme::",
-        "GPUIO_REQUIRE_NVME=1",
-    )?;
+    guest.file(Path::new("/usr/sbin/mke2fs"))?;
+    guest.file(Path::new("/etc/mke2fs.conf"))?;
+    let tests = guest.build_tests(&["gpuio-hal"], "gpuio-hal/nvme-vfio")?;
+    let hal = &tests[0];
     let mut qemu: Vec<String> = [
         "-M",
         "q35",
@@ -47,14 +59,37 @@ pub fn qemu_nvme() -> crate::Result {
         qemu.push("-device".into());
         qemu.push(format!("nvme-ns,drive=ns{n},bus=nvme0,nsid={n}", n = i + 1));
     }
-    // Bind every NVMe controller (class 0x010802) to vfio-pci.
-    let setup = "for d in /sys/bus/pci/devices/*; do\n\
-                   if [ \"$(cat $d/class)\" = 0x010802 ]; then\n\
-                     echo vfio-pci > $d/driver_override; echo ${d##*/} > /sys/bus/pci/drivers_probe\n\
-                     echo \"bound ${d##*/} to $(basename $(readlink $d/driver)), IOMMU group $(basename $(readlink $d/iommu_group))\"\n\
-                   fi\n\
-                 done; ls /dev/vfio";
-    let total = guest.boot(setup, &qemu, "intel_iommu=on iommu=pt")?;
-    println!("qemu-nvme: {total} NVMe tests passed against QEMU's NVMe through VFIO");
+    // With the kernel's driver: ext4 on namespace 2, a file written there and its extents
+    // recorded (FIEMAP); then the file system is unmounted.
+    guest.shell(
+        "for i in $(seq 50); do [ -b /dev/nvme0n2 ] && break; sleep 0.1; done\n\
+         mkdir -p /mnt; /usr/sbin/mke2fs -q -t ext4 -F /dev/nvme0n2 && mount -t ext4 /dev/nvme0n2 /mnt \
+         || echo 'QEMU-FAIL ext4 on namespace 2'",
+    );
+    guest.run_tests(
+        hal,
+        "nvme::vfio::ext4_file_written_and_its_extents_recorded",
+        &format!("GPUIO_REQUIRE_NVME=1 GPUIO_NVME_EXT4_DIR=/mnt GPUIO_NVME_EXTENTS={EXTENTS}"),
+        true,
+    )?;
+    // Then every NVMe controller (class 0x010802) to vfio-pci, and the driver's tests.
+    guest.shell(
+        "umount /mnt\n\
+         for d in /sys/bus/pci/devices/*; do\n\
+           if [ \"$(cat $d/class)\" = 0x010802 ]; then\n\
+             [ -e $d/driver ] && echo ${d##*/} > $d/driver/unbind\n\
+             echo vfio-pci > $d/driver_override; echo ${d##*/} > /sys/bus/pci/drivers_probe\n\
+             echo \"bound ${d##*/} to $(basename $(readlink $d/driver)), IOMMU group $(basename $(readlink $d/iommu_group))\"\n\
+           fi\n\
+         done",
+    );
+    guest.run_tests(
+        hal,
+        "nvme::",
+        &format!("GPUIO_REQUIRE_NVME=1 GPUIO_NVME_EXTENTS={EXTENTS}"),
+        false,
+    )?;
+    let total = guest.boot(&qemu, "intel_iommu=on iommu=pt")?;
+    println!("qemu-nvme: {total} NVMe tests passed against QEMU's NVMe (ext4 and vfio-pci)");
     Ok(())
 }

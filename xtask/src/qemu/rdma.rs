@@ -22,14 +22,17 @@ pub fn qemu_rdma() -> crate::Result {
         .map(|c| format!("{c}/rdma"))
         .collect::<Vec<_>>()
         .join(",");
-    guest.tests(RDMA_CRATES, &features, "rdma::", "GPUIO_REQUIRE_RDMA=1")?;
+    let setup = "ip link set lo up; ip link set eth0 up; ip addr add 10.0.2.15/24 dev eth0\n\
+                 rdma link add rxe0 type rxe netdev eth0 || echo 'QEMU-FAIL rxe'";
+    guest.shell(setup);
+    for name in guest.build_tests(RDMA_CRATES, &features)? {
+        guest.run_tests(&name, "rdma::", "GPUIO_REQUIRE_RDMA=1", false)?;
+    }
     guest.file(Path::new("/usr/bin/rdma"))?;
     guest.file(Path::new("/etc/libibverbs.d/rxe.driver"))?;
     guest.file(Path::new(
         "/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so",
     ))?;
-    let setup = "ip link set lo up; ip link set eth0 up; ip addr add 10.0.2.15/24 dev eth0\n\
-                 rdma link add rxe0 type rxe netdev eth0 || echo 'QEMU-FAIL rxe'";
     let qemu: Vec<String> = [
         "-M",
         "q35",
@@ -40,7 +43,7 @@ pub fn qemu_rdma() -> crate::Result {
     ]
     .map(String::from)
     .to_vec();
-    let total = guest.boot(setup, &qemu, "")?;
+    let total = guest.boot(&qemu, "")?;
     println!("qemu-rdma: {total} RDMA tests passed on soft-RoCE");
     Ok(())
 }

@@ -41,10 +41,7 @@ impl FileExtents {
     pub fn of(file: &File) -> Result<Self> {
         let len = file
             .metadata()
-            .map_err(|source| HalError::Os {
-                op: "stat",
-                source,
-            })?
+            .map_err(|source| HalError::Os { op: "stat", source })?
             .len();
         if len == 0 {
             return Ok(Self {
@@ -76,7 +73,9 @@ impl FileExtents {
             covered = e.logical.saturating_add(e.length);
         }
         if covered < len {
-            return Err(refused(format!("its bytes from {covered} on have no extent")));
+            return Err(refused(format!(
+                "its bytes from {covered} on have no extent"
+            )));
         }
         Ok(Self { len, extents })
     }
@@ -186,14 +185,23 @@ mod tests {
 
     #[test]
     fn what_the_device_does_not_hold_is_refused_with_the_reason() {
-        for (flags, word) in [(0x800, "unwritten"), (0x2000, "shared"), (0x200, "inline"), (0x2, "unknown")] {
+        for (flags, word) in [
+            (0x800, "unwritten"),
+            (0x2000, "shared"),
+            (0x200, "inline"),
+            (0x2, "unknown"),
+        ] {
             let err = FileExtents::from_fiemap(4096, &[extent(0, 0, 4096, flags)]).unwrap_err();
             assert!(err.to_string().contains(word), "{err}");
         }
-        let hole = [extent(0, 0, 4096, 0), extent(8192, 8192, 4096, Extent::LAST)];
+        let hole = [
+            extent(0, 0, 4096, 0),
+            extent(8192, 8192, 4096, Extent::LAST),
+        ];
         let err = FileExtents::from_fiemap(12288, &hole).unwrap_err();
         assert!(err.to_string().contains("hole"), "{err}");
-        let short = FileExtents::from_fiemap(9000, &[extent(0, 0, 4096, Extent::LAST)]).unwrap_err();
+        let short =
+            FileExtents::from_fiemap(9000, &[extent(0, 0, 4096, Extent::LAST)]).unwrap_err();
         assert!(short.to_string().contains("no extent"), "{short}");
     }
 }

@@ -8,6 +8,8 @@
 //! - [`Controller`] (`controller`, with `queue` below it): reset, enable, admin queue,
 //!   Identify, I/O queue pairs and block IO, by polling; errors typed, a hung or failed
 //!   controller disabled before any error returns.
+//! - [`extents`]: a file's extents (FIEMAP), checked to be plainly on the device, read
+//!   through a queue pair from the raw namespace.
 //! - [`gpu`]: queue pairs GPU threads drive (`kernels/gpuio_nvme.cuh`), their memory and the
 //!   controller's doorbells registered with the GPU; `Stream::nvme_io` launches the test and
 //!   bench kernels.
@@ -19,6 +21,7 @@
 
 mod controller;
 pub mod dma;
+pub mod extents;
 pub mod gpu;
 pub mod prp;
 mod queue;
@@ -30,6 +33,7 @@ pub mod vfio;
 
 pub use controller::{BlockIo, Controller, ControllerOptions, IoQueuePair, Namespace};
 pub use dma::{DmaBuffer, DmaMapper, DmaMemory, IovaSpace, Mmio};
+pub use extents::FileExtents;
 pub use gpu::{GpuMappedBuffer, GpuNvmeOp, GpuQueuePair, NvmeQueueDevice};
 pub use soft::{SoftConfig, SoftController, SoftFaults};
 pub use spec::{Cap, ControllerIdentity, NamespaceIdentity, Status};
