@@ -12,6 +12,8 @@
 //!   `--check` fails where it is stale. Runs from the bundle on the GPU machine too.
 //! - `python` ([`python`]): the Python binding's wheel built by maturin, installed into a
 //!   virtual environment under `target/pyenv`, and its pytests.
+//! - `kmod [--kdir DIR]` ([`kmod`]): gpuio's kernel module built against a kernel's build
+//!   tree (the QEMU guest's by default).
 //! - `qemu-rdma` and `qemu-nvme` ([`qemu`]): the RDMA tests on soft-RoCE, and the NVMe driver
 //!   against QEMU's emulated NVMe through VFIO, each in a QEMU guest.
 
@@ -19,6 +21,7 @@
 
 mod bundle;
 mod ci;
+mod kmod;
 mod ptx;
 mod python;
 mod qemu;
@@ -42,9 +45,10 @@ fn main() -> ExitCode {
         "python" => python::python(),
         "qemu-rdma" => qemu::rdma::qemu_rdma(),
         "qemu-nvme" => qemu::nvme::qemu_nvme(),
+        "kmod" => kmod::kmod(rest),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench [ARGS] | gpu-bundle | ptx [--kernels DIR] [--arch SM].. [--wheels] [--write | --check] | python | qemu-rdma | qemu-nvme>"
+                "usage: cargo xtask <ci | bench [ARGS] | gpu-bundle | ptx [--kernels DIR] [--arch SM].. [--wheels] [--write | --check] | python | qemu-rdma | qemu-nvme | kmod [--kdir DIR]>"
             );
             return ExitCode::from(2);
         }

@@ -11,8 +11,7 @@ pub mod nvme;
 pub mod rdma;
 
 use crate::{
-    Result, build_tests, copy, listed_tests, listed_tests_with, make_executable, root, run,
-    tests_passed,
+    Result, build_tests, copy, listed_tests_with, make_executable, root, run, tests_passed,
 };
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -147,28 +146,29 @@ impl Guest {
         Ok(names)
     }
 
-    /// A step running test binary `name` with `filter` (the ignored tests it selects where
-    /// `ignored`) and `env`; it must select a test, and pass every one it selects.
-    pub fn run_tests(&mut self, name: &str, filter: &str, env: &str, ignored: bool) -> Result {
+    /// A step running test binary `name` with libtest arguments `args` (a filter, `--skip`s;
+    /// the ignored tests they select where `ignored`) and `env`; it must select a test, and
+    /// pass every one it selects.
+    pub fn run_tests(&mut self, name: &str, args: &[&str], env: &str, ignored: bool) -> Result {
         let path = self
             .binaries
             .iter()
             .find(|(n, _)| n == name)
             .map(|(_, p)| p.clone())
             .ok_or_else(|| format!("no test binary {name} in the guest"))?;
-        let ignored_ones = listed_tests_with(&path, &[filter, "--ignored"])?.len();
+        let ignored_ones = listed_tests_with(&path, &[args, &["--ignored"]].concat())?.len();
         let selected = if ignored {
             ignored_ones
         } else {
-            listed_tests(&path, filter)?.len() - ignored_ones
+            listed_tests_with(&path, args)?.len() - ignored_ones
         };
         if selected == 0 {
-            return Err(format!("{name} has no test matching `{filter}`"));
+            return Err(format!("{name} has no test matching `{}`", args.join(" ")));
         }
         let args = if ignored {
-            format!("{filter} --ignored")
+            format!("{} --ignored", args.join(" "))
         } else {
-            filter.to_string()
+            args.join(" ")
         };
         self.steps.push(Step::Tests {
             label: format!("{name} {args}"),
@@ -177,6 +177,17 @@ impl Guest {
             env: env.into(),
             selected,
         });
+        Ok(())
+    }
+
+    /// `from` (a kernel module built here) into the guest, loaded after the others.
+    pub fn module_file(&mut self, from: &Path) -> Result {
+        let name = from
+            .file_stem()
+            .map(|n| n.to_string_lossy().into_owned())
+            .ok_or_else(|| format!("{}: not a module file", from.display()))?;
+        copy(from, &self.root.join(format!("lib/modules/{name}.ko")))?;
+        self.modules.push(name);
         Ok(())
     }
 

@@ -1,10 +1,11 @@
 //! `cargo xtask qemu-nvme`: the NVMe driver against a real controller, QEMU's emulated NVMe
 //! with two namespaces, on a q35 machine with an emulated Intel IOMMU. First, under the
 //! kernel's NVMe driver, namespace 2 gets an ext4 file system and a test writes a file there
-//! and records its extents; then the guest unmounts it, binds the controller to vfio-pci and
-//! runs gpuio-hal's NVMe tests (cargo feature `nvme-vfio`) with `GPUIO_REQUIRE_NVME=1`, among
-//! them reading that file through its extents. Under TCG: functional, not a performance
-//! measurement.
+//! and records its extents; the guest unmounts it and hands the controller to gpuio's kernel
+//! module (`cargo xtask kmod` builds it for the guest's kernel), whose test drives it through
+//! the module's BAR mapping and DMA buffers; then to vfio-pci, for the rest of gpuio-hal's NVMe
+//! tests (cargo feature `nvme-vfio`), among them reading that file through its extents. All
+//! with `GPUIO_REQUIRE_NVME=1`. Under TCG: functional, not a performance measurement.
 
 use super::{Guest, QEMU_PACKAGES};
 use crate::ci::ensure_packages;
@@ -28,8 +29,10 @@ const NAMESPACES: [u64; 2] = [64, 32];
 
 pub fn qemu_nvme() -> crate::Result {
     ensure_packages(&[QEMU_PACKAGES, &["e2fsprogs"]].concat())?;
+    let kmod = crate::kmod::build(None)?;
     let mut guest = Guest::new("qemu-nvme")?;
     guest.modules(GUEST_MODULES)?;
+    guest.module_file(&kmod)?;
     guest.file(Path::new("/usr/sbin/mke2fs"))?;
     guest.file(Path::new("/etc/mke2fs.conf"))?;
     let tests = guest.build_tests(&["gpuio-hal"], "gpuio-hal/nvme-vfio")?;
@@ -68,28 +71,38 @@ pub fn qemu_nvme() -> crate::Result {
     );
     guest.run_tests(
         hal,
-        "nvme::vfio::ext4_file_written_and_its_extents_recorded",
+        &["nvme::vfio::ext4_file_written_and_its_extents_recorded"],
         &format!("GPUIO_REQUIRE_NVME=1 GPUIO_NVME_EXT4_DIR=/mnt GPUIO_NVME_EXTENTS={EXTENTS}"),
         true,
     )?;
-    // Then every NVMe controller (class 0x010802) to vfio-pci, and the driver's tests.
-    guest.shell(
-        "umount /mnt\n\
-         for d in /sys/bus/pci/devices/*; do\n\
-           if [ \"$(cat $d/class)\" = 0x010802 ]; then\n\
-             [ -e $d/driver ] && echo ${d##*/} > $d/driver/unbind\n\
-             echo vfio-pci > $d/driver_override; echo ${d##*/} > /sys/bus/pci/drivers_probe\n\
-             echo \"bound ${d##*/} to $(basename $(readlink $d/driver)), IOMMU group $(basename $(readlink $d/iommu_group))\"\n\
-           fi\n\
-         done",
-    );
+    // Then the controller to gpuio's kernel module, and the driver through it; then to
+    // vfio-pci, and every other NVMe test.
+    guest.shell(&format!("umount /mnt\n{}", bind("gpuio_nvme")));
+    guest.shell("for i in $(seq 50); do [ -c /dev/gpuio-nvme0 ] && break; sleep 0.1; done");
+    guest.run_tests(hal, &["nvme::kmod::"], "GPUIO_REQUIRE_NVME=1", false)?;
+    guest.shell(&bind("vfio-pci"));
     guest.run_tests(
         hal,
-        "nvme::",
+        &["nvme::", "--skip", "nvme::kmod::"],
         &format!("GPUIO_REQUIRE_NVME=1 GPUIO_NVME_EXTENTS={EXTENTS}"),
         false,
     )?;
     let total = guest.boot(&qemu, "intel_iommu=on iommu=pt")?;
-    println!("qemu-nvme: {total} NVMe tests passed against QEMU's NVMe (ext4 and vfio-pci)");
+    println!(
+        "qemu-nvme: {total} NVMe tests passed against QEMU's NVMe (ext4, gpuio_nvme, vfio-pci)"
+    );
     Ok(())
+}
+
+/// Shell that hands every NVMe controller (class 0x010802) to `driver`.
+fn bind(driver: &str) -> String {
+    format!(
+        "for d in /sys/bus/pci/devices/*; do\n\
+           if [ \"$(cat $d/class)\" = 0x010802 ]; then\n\
+             [ -e $d/driver ] && echo ${{d##*/}} > $d/driver/unbind\n\
+             echo {driver} > $d/driver_override; echo ${{d##*/}} > /sys/bus/pci/drivers_probe\n\
+             echo \"bound ${{d##*/}} to $(basename $(readlink $d/driver))\"\n\
+           fi\n\
+         done"
+    )
 }

@@ -26,7 +26,7 @@ pub fn qemu_rdma() -> crate::Result {
                  rdma link add rxe0 type rxe netdev eth0 || echo 'QEMU-FAIL rxe'";
     guest.shell(setup);
     for name in guest.build_tests(RDMA_CRATES, &features)? {
-        guest.run_tests(&name, "rdma::", "GPUIO_REQUIRE_RDMA=1", false)?;
+        guest.run_tests(&name, &["rdma::"], "GPUIO_REQUIRE_RDMA=1", false)?;
     }
     guest.file(Path::new("/usr/bin/rdma"))?;
     guest.file(Path::new("/etc/libibverbs.d/rxe.driver"))?;

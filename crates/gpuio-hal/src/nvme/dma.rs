@@ -13,11 +13,20 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Page-aligned, zeroed host memory for DMA: queues, PRP lists and data buffers.
-#[derive(Debug)]
+/// Page-aligned, zeroed host memory for DMA: queues, PRP lists and data buffers. Anonymous
+/// memory the process maps, or memory a kernel module allocated and mapped in (its owner
+/// frees it after the mapping goes).
 pub struct DmaMemory {
     ptr: NonNull<u8>,
     len: usize,
+    /// Dropped after the mapping is unmapped: what gives kernel-allocated memory back.
+    owner: Option<Box<dyn Any + Send + Sync>>,
+}
+
+impl std::fmt::Debug for DmaMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DmaMemory").field("len", &self.len).finish()
+    }
 }
 
 // SAFETY: the memory is only ever accessed through raw pointers (copies and volatile
@@ -39,12 +48,32 @@ impl DmaMemory {
             })?;
         crate::memory::backing::check(len, false)?;
         let ptr = crate::sys::map_anonymous(len, PAGE)?;
-        let mem = Self { ptr, len };
+        let mem = Self {
+            ptr,
+            len,
+            owner: None,
+        };
         // Touch every page so the device never meets an unpopulated one.
         for page in (0..len).step_by(PAGE) {
             mem.store(page, 0u8)?;
         }
         Ok(mem)
+    }
+
+    /// Memory mapped in from a device file (a kernel module's DMA buffer): `len` bytes at
+    /// `offset` of `fd`, unmapped on drop, after which `owner` drops.
+    pub(crate) fn map_device_file(
+        fd: std::os::fd::RawFd,
+        offset: u64,
+        len: usize,
+        owner: Box<dyn Any + Send + Sync>,
+    ) -> Result<Self> {
+        let ptr = crate::sys::map_shared(fd, offset, len)?;
+        Ok(Self {
+            ptr,
+            len,
+            owner: Some(owner),
+        })
     }
 
     /// Its size in bytes.
@@ -110,8 +139,10 @@ impl DmaMemory {
 
 impl Drop for DmaMemory {
     fn drop(&mut self) {
-        // SAFETY: `ptr`/`len` are the mapping `new` made, and this is its only owner.
+        // SAFETY: `ptr`/`len` are the mapping `new` or `map_device_file` made, and this is its
+        // only owner.
         unsafe { crate::sys::unmap(self.ptr, self.len) };
+        drop(self.owner.take());
     }
 }
 
@@ -225,13 +256,22 @@ impl Mmio {
 }
 
 /// Makes host memory reachable by a controller, at an IO virtual address (an IOMMU mapping
-/// under VFIO; a translation table the software controller consults).
+/// under VFIO; a translation table the software controller consults; a bus address a kernel
+/// module allocated).
 pub trait DmaMapper: Send + Sync {
     /// Maps all of `mem` for the device's reads and writes; returns its IO address.
     fn map(&self, mem: &DmaMemory) -> Result<u64>;
 
     /// Removes a mapping `map` made (`iova`, `len` as it returned and `mem.len()`).
     fn unmap(&self, iova: u64, len: usize);
+
+    /// `len` bytes of zeroed DMA memory and its IO address: anonymous memory mapped with
+    /// [`map`](Self::map), unless the mapper must allocate the memory itself.
+    fn alloc(&self, len: usize) -> Result<(DmaMemory, u64)> {
+        let mem = DmaMemory::new(len)?;
+        let iova = self.map(&mem)?;
+        Ok((mem, iova))
+    }
 }
 
 /// DMA memory mapped for one controller; unmapped before it is freed.
@@ -253,8 +293,7 @@ impl std::fmt::Debug for DmaBuffer {
 impl DmaBuffer {
     /// `len` bytes (whole pages), zeroed, mapped through `mapper`.
     pub fn new(len: usize, mapper: Arc<dyn DmaMapper>) -> Result<Self> {
-        let mem = DmaMemory::new(len)?;
-        let iova = mapper.map(&mem)?;
+        let (mem, iova) = mapper.alloc(len)?;
         Ok(Self { iova, mapper, mem })
     }
 

@@ -15,6 +15,8 @@
 //!   bench kernels.
 //! - [`soft`]: a software controller served by a host thread, with injected faults, for where
 //!   no NVMe is reachable (CI, and the GPU machine).
+//! - [`kmod`]: a controller bound to gpuio's kernel module (`kmod/`) instead of VFIO: BAR0
+//!   and DMA-coherent buffers from its character device.
 //! - [`tiers`]: which tiers of device-initiated IO this machine supports, and why not.
 //! - `vfio` (cargo feature `nvme-vfio`): a real controller bound to `vfio-pci`, its BAR0
 //!   mapped and its DMA through the IOMMU; tested in the QEMU guest (`cargo xtask qemu-nvme`).
@@ -23,6 +25,7 @@ mod controller;
 pub mod dma;
 pub mod extents;
 pub mod gpu;
+pub mod kmod;
 pub mod prp;
 mod queue;
 pub mod soft;

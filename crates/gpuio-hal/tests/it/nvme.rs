@@ -278,6 +278,34 @@ fn soft_controller_faults_become_typed_errors() {
         .unwrap();
 }
 
+/// A controller bound to gpuio's kernel module (`kmod/gpuio_nvme.c`; `cargo xtask qemu-nvme`
+/// loads it and binds QEMU's NVMe to it): BAR0 mapped from its device file, queues and data
+/// in the DMA-coherent buffers it allocates. Namespace 2 holds the ext4 file a later test
+/// reads, so only namespace 1 is written.
+mod kmod {
+    use super::*;
+    use gpuio_testkit::Requirement;
+
+    #[test]
+    fn kmod_controller_brings_up_and_moves_data() {
+        let found = gpuio_hal::nvme::kmod::devices();
+        let Some(path) = found.first() else {
+            Requirement::Nvme.missing("no NVMe controller is bound to gpuio_nvme");
+            return;
+        };
+        let ctrl = gpuio_hal::nvme::kmod::open(path, ControllerOptions::default()).unwrap();
+        let again = gpuio_hal::nvme::kmod::open(path, ControllerOptions::default()).unwrap_err();
+        assert!(
+            again.to_string().contains("busy"),
+            "one opener at a time: {again}"
+        );
+        let nss = check_bring_up(&ctrl, 2);
+        check_random_io(&ctrl, &nss[0], 2, 30);
+        check_errors(&ctrl, &nss[0]);
+        check_disabled(&ctrl, &nss[0]);
+    }
+}
+
 #[cfg(feature = "nvme-vfio")]
 mod vfio {
     use super::*;

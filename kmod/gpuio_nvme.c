@@ -1,0 +1,293 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+/*
+ * gpuio_nvme: hands an NVMe controller to a user-space driver where VFIO is not wanted or the
+ * machine has no IOMMU. Bound explicitly (driver_override), it makes one character device per
+ * controller, /dev/gpuio-nvmeN, whose single opener can
+ *   - mmap offset 0: the controller's BAR0 (registers and doorbells), uncached;
+ *   - ioctl GPUIO_NVME_IOC_ALLOC: a DMA-coherent buffer, returning its bus address (what the
+ *     controller is given in PRPs and queue base registers) and the mmap offset to map it at;
+ *   - ioctl GPUIO_NVME_IOC_FREE: free one again;
+ *   - ioctl GPUIO_NVME_IOC_INFO: BAR0's size.
+ * Bus mastering is on only while the device is open; on release it is turned off before the
+ * buffers are freed, so a controller left running by a dead process cannot write freed memory.
+ * The interface is mirrored in crates/gpuio-hal/src/nvme/kmod.rs.
+ */
+#include <linux/dma-mapping.h>
+#include <linux/fs.h>
+#include <linux/idr.h>
+#include <linux/list.h>
+#include <linux/miscdevice.h>
+#include <linux/mm.h>
+#include <linux/module.h>
+#include <linux/mutex.h>
+#include <linux/pci.h>
+#include <linux/slab.h>
+#include <linux/uaccess.h>
+
+struct gpuio_nvme_alloc {
+	__u64 size;     /* in: bytes (rounded up to pages) */
+	__u64 bus_addr; /* out: the controller's address of byte 0 */
+	__u64 offset;   /* out: the mmap offset that maps it */
+};
+
+struct gpuio_nvme_info {
+	__u64 bar_size;
+};
+
+#define GPUIO_NVME_IOC_ALLOC _IOWR('g', 1, struct gpuio_nvme_alloc)
+#define GPUIO_NVME_IOC_FREE _IOW('g', 2, __u64)
+#define GPUIO_NVME_IOC_INFO _IOR('g', 3, struct gpuio_nvme_info)
+
+/* Buffers are mapped at offsets from here up; offset 0 is BAR0. */
+#define GPUIO_NVME_BUF_BASE (1ULL << 40)
+/* The most one opener may hold, in bytes. */
+#define GPUIO_NVME_MAX_BYTES (1ULL << 32)
+
+struct gpuio_nvme_buf {
+	struct list_head node;
+	void *cpu;
+	dma_addr_t bus;
+	size_t size;
+	u64 offset;
+};
+
+struct gpuio_nvme_dev {
+	struct pci_dev *pdev;
+	struct miscdevice misc;
+	char name[32];
+	int index;
+	struct mutex lock;
+	bool open;
+	struct list_head bufs;
+	u64 next_offset;
+	u64 held;
+};
+
+static DEFINE_IDA(gpuio_nvme_ida);
+
+static struct gpuio_nvme_dev *to_dev(struct file *f)
+{
+	return container_of(f->private_data, struct gpuio_nvme_dev, misc);
+}
+
+static void free_all(struct gpuio_nvme_dev *d)
+{
+	struct gpuio_nvme_buf *b, *n;
+
+	list_for_each_entry_safe(b, n, &d->bufs, node) {
+		dma_free_coherent(&d->pdev->dev, b->size, b->cpu, b->bus);
+		list_del(&b->node);
+		kfree(b);
+	}
+	d->held = 0;
+}
+
+static int gpuio_nvme_open(struct inode *inode, struct file *f)
+{
+	struct gpuio_nvme_dev *d = to_dev(f);
+	int ret = 0;
+
+	mutex_lock(&d->lock);
+	if (d->open) {
+		ret = -EBUSY;
+	} else {
+		d->open = true;
+		d->next_offset = GPUIO_NVME_BUF_BASE;
+		pci_set_master(d->pdev);
+	}
+	mutex_unlock(&d->lock);
+	return ret;
+}
+
+static int gpuio_nvme_release(struct inode *inode, struct file *f)
+{
+	struct gpuio_nvme_dev *d = to_dev(f);
+
+	mutex_lock(&d->lock);
+	/* No DMA may reach the buffers once they are freed. */
+	pci_clear_master(d->pdev);
+	free_all(d);
+	d->open = false;
+	mutex_unlock(&d->lock);
+	return 0;
+}
+
+static long gpuio_nvme_ioctl(struct file *f, unsigned int cmd, unsigned long arg)
+{
+	struct gpuio_nvme_dev *d = to_dev(f);
+	void __user *uarg = (void __user *)arg;
+	long ret = 0;
+
+	mutex_lock(&d->lock);
+	switch (cmd) {
+	case GPUIO_NVME_IOC_ALLOC: {
+		struct gpuio_nvme_alloc a;
+		struct gpuio_nvme_buf *b;
+
+		if (copy_from_user(&a, uarg, sizeof(a))) {
+			ret = -EFAULT;
+			break;
+		}
+		a.size = PAGE_ALIGN(a.size);
+		if (a.size == 0 || a.size > GPUIO_NVME_MAX_BYTES - d->held) {
+			ret = a.size == 0 ? -EINVAL : -ENOMEM;
+			break;
+		}
+		b = kzalloc(sizeof(*b), GFP_KERNEL);
+		if (!b) {
+			ret = -ENOMEM;
+			break;
+		}
+		b->size = a.size;
+		b->cpu = dma_alloc_coherent(&d->pdev->dev, b->size, &b->bus, GFP_KERNEL);
+		if (!b->cpu) {
+			kfree(b);
+			ret = -ENOMEM;
+			break;
+		}
+		b->offset = d->next_offset;
+		d->next_offset += b->size;
+		d->held += b->size;
+		list_add(&b->node, &d->bufs);
+		a.bus_addr = b->bus;
+		a.offset = b->offset;
+		if (copy_to_user(uarg, &a, sizeof(a)))
+			ret = -EFAULT;
+		break;
+	}
+	case GPUIO_NVME_IOC_FREE: {
+		struct gpuio_nvme_buf *b, *n;
+		__u64 offset;
+
+		if (copy_from_user(&offset, uarg, sizeof(offset))) {
+			ret = -EFAULT;
+			break;
+		}
+		ret = -ENOENT;
+		list_for_each_entry_safe(b, n, &d->bufs, node) {
+			if (b->offset == offset) {
+				dma_free_coherent(&d->pdev->dev, b->size, b->cpu, b->bus);
+				d->held -= b->size;
+				list_del(&b->node);
+				kfree(b);
+				ret = 0;
+				break;
+			}
+		}
+		break;
+	}
+	case GPUIO_NVME_IOC_INFO: {
+		struct gpuio_nvme_info info = { .bar_size = pci_resource_len(d->pdev, 0) };
+
+		if (copy_to_user(uarg, &info, sizeof(info)))
+			ret = -EFAULT;
+		break;
+	}
+	default:
+		ret = -ENOTTY;
+	}
+	mutex_unlock(&d->lock);
+	return ret;
+}
+
+static int gpuio_nvme_mmap(struct file *f, struct vm_area_struct *vma)
+{
+	struct gpuio_nvme_dev *d = to_dev(f);
+	unsigned long len = vma->vm_end - vma->vm_start;
+	u64 offset = (u64)vma->vm_pgoff << PAGE_SHIFT;
+	struct gpuio_nvme_buf *b;
+	int ret = -EINVAL;
+
+	if (offset == 0) {
+		if (len > pci_resource_len(d->pdev, 0))
+			return -EINVAL;
+		vma->vm_page_prot = pgprot_noncached(vma->vm_page_prot);
+		return io_remap_pfn_range(vma, vma->vm_start,
+					  pci_resource_start(d->pdev, 0) >> PAGE_SHIFT, len,
+					  vma->vm_page_prot);
+	}
+	mutex_lock(&d->lock);
+	list_for_each_entry(b, &d->bufs, node) {
+		if (b->offset == offset && len <= b->size) {
+			/* dma_mmap_coherent reads vm_pgoff as an offset into the buffer. */
+			vma->vm_pgoff = 0;
+			ret = dma_mmap_coherent(&d->pdev->dev, vma, b->cpu, b->bus, len);
+			break;
+		}
+	}
+	mutex_unlock(&d->lock);
+	return ret;
+}
+
+static const struct file_operations gpuio_nvme_fops = {
+	.owner = THIS_MODULE,
+	.open = gpuio_nvme_open,
+	.release = gpuio_nvme_release,
+	.unlocked_ioctl = gpuio_nvme_ioctl,
+	.mmap = gpuio_nvme_mmap,
+};
+
+static int gpuio_nvme_probe(struct pci_dev *pdev, const struct pci_device_id *id)
+{
+	struct gpuio_nvme_dev *d;
+	int ret;
+
+	d = devm_kzalloc(&pdev->dev, sizeof(*d), GFP_KERNEL);
+	if (!d)
+		return -ENOMEM;
+	ret = pcim_enable_device(pdev);
+	if (ret)
+		return ret;
+	ret = dma_set_mask_and_coherent(&pdev->dev, DMA_BIT_MASK(64));
+	if (ret)
+		return ret;
+	ret = pcim_iomap_regions(pdev, BIT(0), "gpuio_nvme");
+	if (ret)
+		return ret;
+	d->index = ida_alloc(&gpuio_nvme_ida, GFP_KERNEL);
+	if (d->index < 0)
+		return d->index;
+	d->pdev = pdev;
+	mutex_init(&d->lock);
+	INIT_LIST_HEAD(&d->bufs);
+	snprintf(d->name, sizeof(d->name), "gpuio-nvme%d", d->index);
+	d->misc.minor = MISC_DYNAMIC_MINOR;
+	d->misc.name = d->name;
+	d->misc.fops = &gpuio_nvme_fops;
+	d->misc.parent = &pdev->dev;
+	ret = misc_register(&d->misc);
+	if (ret) {
+		ida_free(&gpuio_nvme_ida, d->index);
+		return ret;
+	}
+	pci_set_drvdata(pdev, d);
+	dev_info(&pdev->dev, "gpuio_nvme: /dev/%s\n", d->name);
+	return 0;
+}
+
+static void gpuio_nvme_remove(struct pci_dev *pdev)
+{
+	struct gpuio_nvme_dev *d = pci_get_drvdata(pdev);
+
+	misc_deregister(&d->misc);
+	pci_clear_master(pdev);
+	free_all(d);
+	ida_free(&gpuio_nvme_ida, d->index);
+}
+
+/* No IDs: the driver takes only controllers handed to it with driver_override. */
+static const struct pci_device_id gpuio_nvme_ids[] = {
+	{ 0 },
+};
+MODULE_DEVICE_TABLE(pci, gpuio_nvme_ids);
+
+static struct pci_driver gpuio_nvme_driver = {
+	.name = "gpuio_nvme",
+	.id_table = gpuio_nvme_ids,
+	.probe = gpuio_nvme_probe,
+	.remove = gpuio_nvme_remove,
+};
+module_pci_driver(gpuio_nvme_driver);
+
+MODULE_DESCRIPTION("gpuio: NVMe BAR0 and DMA buffers for a user-space driver");
+MODULE_LICENSE("Dual MIT/GPL");
