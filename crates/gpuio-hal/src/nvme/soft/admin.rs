@@ -3,8 +3,8 @@
 //! taking effect only once every worker has taken it up.
 
 use super::super::spec::{PAGE, Sqe, Status, admin, cc, csts, doorbell, reg};
-use super::queues::{self, CqSpec, QueueTable, SoftCq, SoftSq, SqSpec};
-use super::{SOFT_QUEUES, SoftFaults, State};
+use super::queues::{self, CqSpec, QueueTable, Server, SoftCq, SoftSq, SqSpec};
+use super::{DSTRD, MapView, SOFT_QUEUES, SoftFaults, State};
 use crate::sync::MutexExt;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -13,14 +13,20 @@ pub(super) struct Admin {
     state: Arc<State>,
     enabled: bool,
     queue: Option<(SoftSq, SoftCq)>,
+    view: Option<MapView>,
 }
+
+/// The admin thread's index among the controller's threads (workers follow).
+const INDEX: usize = 0;
 
 impl Admin {
     pub(super) fn new(state: Arc<State>) -> Self {
+        let view = state.mapper.view(INDEX);
         Self {
             state,
             enabled: false,
             queue: None,
+            view: Some(view),
         }
     }
 
@@ -33,12 +39,23 @@ impl Admin {
             } else if cc & cc::EN == 0 && self.enabled {
                 self.reset();
             }
+            let mut view = self
+                .view
+                .take()
+                .unwrap_or_else(|| self.state.mapper.view(INDEX));
+            self.state.mapper.refresh(&mut view);
             let worked = match self.queue.take() {
                 Some((mut sq, mut cq)) if !self.state.fatal.load(Ordering::Relaxed) => {
                     let none = SoftFaults::default();
                     let state = self.state.clone();
-                    let worked =
-                        queues::serve(&state, 0, &mut sq, &mut cq, &none, |sqe| self.admin(sqe));
+                    let mut srv = Server {
+                        state: &state,
+                        view: &mut view,
+                        index: INDEX,
+                    };
+                    let worked = queues::serve(&mut srv, 0, &mut sq, &mut cq, &none, |srv, sqe| {
+                        self.admin(srv, sqe)
+                    });
                     self.queue = Some((sq, cq));
                     worked
                 }
@@ -47,6 +64,7 @@ impl Admin {
                     false
                 }
             };
+            self.view = Some(view);
             if worked {
                 idle = 0;
             } else {
@@ -61,8 +79,8 @@ impl Admin {
         self.update(|t| *t = QueueTable::default());
         self.queue = None;
         for qid in 0..=SOFT_QUEUES {
-            self.state.set_reg(doorbell(qid, false, 0), 0);
-            self.state.set_reg(doorbell(qid, true, 0), 0);
+            self.state.set_reg(doorbell(qid, false, DSTRD), 0);
+            self.state.set_reg(doorbell(qid, true, DSTRD), 0);
         }
         self.enabled = false;
         self.state.fatal.store(false, Ordering::SeqCst);
@@ -79,8 +97,8 @@ impl Admin {
         if sq_size < 2 || cq_size < 2 || !asq.is_multiple_of(page) || !acq.is_multiple_of(page) {
             s.go_fatal();
         } else {
-            s.set_reg(doorbell(0, false, 0), 0);
-            s.set_reg(doorbell(0, true, 0), 0);
+            s.set_reg(doorbell(0, false, DSTRD), 0);
+            s.set_reg(doorbell(0, true, DSTRD), 0);
             let sq = SoftSq::new(SqSpec {
                 base: asq,
                 size: sq_size,
@@ -113,13 +131,13 @@ impl Admin {
         result
     }
 
-    fn admin(&mut self, sqe: &Sqe) -> (Status, u32) {
+    fn admin(&mut self, srv: &mut Server<'_>, sqe: &Sqe) -> (Status, u32) {
         let qid = sqe.cdw10 as u16;
         let size = (sqe.cdw10 >> 16) + 1;
         let bad_size = size < 2 || size > self.state.config.max_queue_entries;
         let bad_memory = sqe.cdw11 & 1 == 0 || !sqe.prp1.is_multiple_of(PAGE as u64);
         let status = match sqe.opcode() {
-            admin::IDENTIFY => self.identify(sqe),
+            admin::IDENTIFY => self.identify(srv, sqe),
             admin::CREATE_CQ => self.update(|t| {
                 if qid == 0 || qid > SOFT_QUEUES || t.cqs.contains_key(&qid) {
                     Status::INVALID_QUEUE_ID
@@ -129,7 +147,7 @@ impl Admin {
                     Status::INVALID_FIELD
                 } else {
                     // A new queue starts at 0, whatever its doorbell was written to before.
-                    self.state.set_reg(doorbell(qid, true, 0), 0);
+                    self.state.set_reg(doorbell(qid, true, DSTRD), 0);
                     let spec = CqSpec {
                         base: sqe.prp1,
                         size: size as u16,
@@ -149,7 +167,7 @@ impl Admin {
                 } else if bad_memory {
                     Status::INVALID_FIELD
                 } else {
-                    self.state.set_reg(doorbell(qid, false, 0), 0);
+                    self.state.set_reg(doorbell(qid, false, DSTRD), 0);
                     let spec = SqSpec {
                         base: sqe.prp1,
                         size: size as u16,
@@ -178,7 +196,7 @@ impl Admin {
         (status, 0)
     }
 
-    fn identify(&self, sqe: &Sqe) -> Status {
+    fn identify(&self, srv: &mut Server<'_>, sqe: &Sqe) -> Status {
         let config = &self.state.config;
         let count = config.namespaces.len() as u32;
         let mut data = [0u8; PAGE];
@@ -208,7 +226,7 @@ impl Admin {
             }
             _ => return Status::INVALID_FIELD,
         }
-        queues::transfer_out(&self.state, sqe, &data)
+        queues::transfer_out(srv, sqe, &data)
     }
 }
 

@@ -22,6 +22,7 @@ use super::dma::{DmaMapper, DmaMemory, IovaSpace, Mmio};
 use super::spec::{Cap, doorbell, reg};
 use crate::error::{HalError, Result};
 use crate::sync::{MutexExt, RwLockExt};
+use crossbeam_utils::CachePadded;
 use queues::QueueTable;
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -32,6 +33,10 @@ use std::time::Duration;
 
 /// I/O queue pairs the software controller has doorbells for.
 pub const SOFT_QUEUES: u16 = 64;
+
+/// The doorbell stride exponent (CAP.DSTRD): doorbells 64 bytes apart, each on a cache line
+/// of its own, so the threads serving different queues and the GPU writing them share none.
+const DSTRD: u8 = 4;
 
 /// Faults the software controller injects.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -75,55 +80,131 @@ impl Default for SoftConfig {
     }
 }
 
-/// IO addresses for the software controller: a table from IO address to host memory, which
-/// its threads consult (holding the table for reading) for every access.
+/// Where mapped IO addresses lead: IO address → (host address, length).
+type Table = BTreeMap<u64, (usize, usize)>;
+
+/// IO addresses for the software controller: a table from IO address to host memory. Each
+/// controller thread reads a snapshot of it, without locking; a thread takes a new snapshot
+/// at the top of its loop (and on a miss), and acknowledges the version it holds. Unmapping
+/// waits until every thread holds a snapshot without the range, so no thread can still reach
+/// memory that is about to be freed.
 #[derive(Debug)]
 pub struct SoftMapper {
     space: IovaSpace,
-    table: RwLock<BTreeMap<u64, (usize, usize)>>,
+    table: RwLock<Arc<Table>>,
+    version: AtomicU64,
+    acked: Vec<CachePadded<AtomicU64>>,
+    /// The controller's threads have ended: nothing reads the table any more.
+    stopped: AtomicBool,
+}
+
+/// One controller thread's snapshot of the mapper's table.
+pub(super) struct MapView {
+    snapshot: Arc<Table>,
+    version: u64,
+    index: usize,
 }
 
 impl DmaMapper for SoftMapper {
     fn map(&self, mem: &DmaMemory) -> Result<u64> {
         let iova = self.space.take(mem.len())?;
-        self.table
-            .write_unpoisoned()
-            .insert(iova, (mem.addr(0) as usize, mem.len()));
+        self.change(|t| {
+            t.insert(iova, (mem.addr(0) as usize, mem.len()));
+        });
         Ok(iova)
     }
 
     fn unmap(&self, iova: u64, _len: usize) {
-        self.table.write_unpoisoned().remove(&iova);
+        let version = self.change(|t| {
+            t.remove(&iova);
+        });
+        let mut rounds = 0u32;
+        while !self.stopped.load(Ordering::Acquire)
+            && self
+                .acked
+                .iter()
+                .any(|a| a.load(Ordering::Acquire) < version)
+        {
+            rounds = rounds.saturating_add(1);
+            if rounds > 64 {
+                std::thread::sleep(Duration::from_micros(20));
+            } else {
+                std::thread::yield_now();
+            }
+        }
     }
 }
 
 impl SoftMapper {
-    fn new() -> Self {
+    fn new(threads: usize) -> Self {
         Self {
             space: IovaSpace::new(0x10_0000, 1 << 39),
-            table: RwLock::new(BTreeMap::new()),
+            table: RwLock::new(Arc::new(Table::new())),
+            version: AtomicU64::new(0),
+            acked: (0..threads)
+                .map(|_| CachePadded::new(AtomicU64::new(0)))
+                .collect(),
+            stopped: AtomicBool::new(false),
+        }
+    }
+
+    /// Publishes a changed table; its version.
+    fn change(&self, f: impl FnOnce(&mut Table)) -> u64 {
+        let mut table = self.table.write_unpoisoned();
+        let mut next = Table::clone(&table);
+        f(&mut next);
+        *table = Arc::new(next);
+        self.version.fetch_add(1, Ordering::AcqRel) + 1
+    }
+
+    /// Thread `index`'s view, holding the current table.
+    pub(super) fn view(&self, index: usize) -> MapView {
+        let mut view = MapView {
+            snapshot: Arc::new(Table::new()),
+            version: u64::MAX,
+            index,
+        };
+        self.refresh(&mut view);
+        view
+    }
+
+    /// Takes the current table where it changed, and acknowledges its version.
+    pub(super) fn refresh(&self, view: &mut MapView) {
+        let version = self.version.load(Ordering::Acquire);
+        if version != view.version {
+            view.snapshot = self.table.read_unpoisoned().clone();
+            view.version = version;
+            self.acked[view.index].store(version, Ordering::Release);
         }
     }
 
     /// Copies `len` bytes between IO address `iova` and `host` (`to_device`: host → IO
-    /// memory). False where the range is not inside one mapping.
+    /// memory). False where the range is not inside one mapping (after a fresh look).
     ///
     /// # Safety
     /// `host..host+len` must be valid for reads (and writes, unless `to_device`), and not
     /// inside memory mapped here.
-    unsafe fn copy(&self, iova: u64, host: *mut u8, len: usize, to_device: bool) -> bool {
-        let table = self.table.read_unpoisoned();
-        let Some((&base, &(addr, size))) = table.range(..=iova).next_back() else {
+    unsafe fn copy(
+        &self,
+        view: &mut MapView,
+        iova: u64,
+        host: *mut u8,
+        len: usize,
+        to_device: bool,
+    ) -> bool {
+        let mut at = find(&view.snapshot, iova, len);
+        if at.is_none() {
+            // A buffer mapped since this thread last looked.
+            self.refresh(view);
+            at = find(&view.snapshot, iova, len);
+        }
+        let Some(at) = at else {
             return false;
         };
-        let off = (iova - base) as usize;
-        if off.checked_add(len).is_none_or(|end| end > size) {
-            return false;
-        }
-        let at = (addr + off) as *mut u8;
-        // SAFETY: [at, at+len) lies inside a live DmaMemory mapping: entries leave the table
-        // (under its write lock, excluded here) before their memory is unmapped. `host` is
-        // valid and distinct from it (the caller's contract).
+        // SAFETY: [at, at+len) lies inside a DmaMemory mapping in this thread's snapshot; its
+        // memory is not freed before this thread acknowledges a table without it (`unmap`
+        // waits), which it does only between copies. `host` is valid and distinct from it
+        // (the caller's contract).
         unsafe {
             if to_device {
                 std::ptr::copy_nonoverlapping(host, at, len);
@@ -134,20 +215,21 @@ impl SoftMapper {
         true
     }
 
-    fn read_into(&self, iova: u64, out: &mut [u8]) -> bool {
+    pub(super) fn read_into(&self, view: &mut MapView, iova: u64, out: &mut [u8]) -> bool {
         // SAFETY: `out` is the caller's own buffer, never DMA memory.
-        unsafe { self.copy(iova, out.as_mut_ptr(), out.len(), false) }
+        unsafe { self.copy(view, iova, out.as_mut_ptr(), out.len(), false) }
     }
 
-    fn write_from(&self, iova: u64, data: &[u8]) -> bool {
+    pub(super) fn write_from(&self, view: &mut MapView, iova: u64, data: &[u8]) -> bool {
         // SAFETY: as above; the copy only reads `data`.
-        unsafe { self.copy(iova, data.as_ptr().cast_mut(), data.len(), true) }
+        unsafe { self.copy(view, iova, data.as_ptr().cast_mut(), data.len(), true) }
     }
 
     /// Copies between IO memory and `bytes` bytes of namespace memory at `offset` (which the
     /// caller checked lies inside it).
-    fn with_namespace(
+    pub(super) fn with_namespace(
         &self,
+        view: &mut MapView,
         iova: u64,
         ns: &DmaMemory,
         offset: usize,
@@ -156,8 +238,17 @@ impl SoftMapper {
     ) -> bool {
         // SAFETY: the caller checked the range lies in `ns`, a mapping of its own that is
         // never mapped for DMA.
-        unsafe { self.copy(iova, ns.addr(offset), bytes, to_device) }
+        unsafe { self.copy(view, iova, ns.addr(offset), bytes, to_device) }
     }
+}
+
+/// Where `len` bytes at `iova` lie in host memory, if inside one mapping of `table`.
+fn find(table: &Table, iova: u64, len: usize) -> Option<*mut u8> {
+    let (&base, &(addr, size)) = table.range(..=iova).next_back()?;
+    let off = (iova - base) as usize;
+    off.checked_add(len)
+        .filter(|&end| end <= size)
+        .map(|_| (addr + off) as *mut u8)
 }
 
 /// What the controller's threads share.
@@ -170,7 +261,8 @@ struct State {
     /// Bumped whenever `faults` changes, so workers re-read it only then.
     faults_version: AtomicU64,
     namespaces: Vec<DmaMemory>,
-    served: AtomicU64,
+    /// Commands served, per thread (the admin thread first).
+    served: Vec<CachePadded<AtomicU64>>,
     /// A fatal status is set: nothing is served until a reset.
     fatal: AtomicBool,
     queues: Mutex<QueueTable>,
@@ -194,7 +286,12 @@ impl State {
         self.set_reg(reg::CSTS, super::spec::csts::RDY | super::spec::csts::CFS);
     }
 
-    /// Waits while `cond` holds, sleeping a little between looks, until the controller stops.
+    /// Commands served by all threads.
+    fn served_total(&self) -> u64 {
+        self.served.iter().map(|s| s.load(Ordering::Relaxed)).sum()
+    }
+
+    /// One idle round of a controller thread: a spin, then short sleeps.
     fn idle(&self, rounds: &mut u32) {
         *rounds = rounds.saturating_add(1);
         if *rounds > 2048 {
@@ -235,12 +332,12 @@ impl SoftController {
             crate::memory::backing::check(bytes, true)?;
             namespaces.push(DmaMemory::new(bytes)?);
         }
-        let regs = Arc::new(DmaMemory::new(doorbell(SOFT_QUEUES, true, 0) + 4)?);
+        let regs = Arc::new(DmaMemory::new(doorbell(SOFT_QUEUES, true, DSTRD) + 4)?);
         let cap = Cap {
             max_queue_entries: config.max_queue_entries,
             contiguous_queues: true,
             timeout: Duration::from_millis(2000),
-            dstrd: 0,
+            dstrd: DSTRD,
             nvm_command_set: true,
             mpsmin: 0,
             mpsmax: 0,
@@ -252,11 +349,13 @@ impl SoftController {
             stop: AtomicBool::new(false),
             config,
             regs,
-            mapper: Arc::new(SoftMapper::new()),
+            mapper: Arc::new(SoftMapper::new(workers + 1)),
             faults: Mutex::new(SoftFaults::default()),
             faults_version: AtomicU64::new(0),
             namespaces,
-            served: AtomicU64::new(0),
+            served: (0..=workers)
+                .map(|_| CachePadded::new(AtomicU64::new(0)))
+                .collect(),
             fatal: AtomicBool::new(false),
             queues: Mutex::new(QueueTable::default()),
             queues_version: AtomicU64::new(0),
@@ -308,7 +407,7 @@ impl SoftController {
 
     /// Commands served so far (admin and I/O).
     pub fn served(&self) -> u64 {
-        self.state.served.load(Ordering::Relaxed)
+        self.state.served_total()
     }
 
     /// Fills namespace `nsid` with the data pattern of `seed` (byte `i` of the namespace is
@@ -346,5 +445,7 @@ impl Drop for SoftController {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+        // Only now is no thread reading the mapper's table: unmapping need not wait.
+        self.state.mapper.stopped.store(true, Ordering::Release);
     }
 }

@@ -4,7 +4,7 @@
 
 use super::super::prp;
 use super::super::spec::{Cqe, PAGE, Sqe, Status, doorbell};
-use super::{SoftFaults, State};
+use super::{DSTRD, MapView, SoftFaults, State};
 use std::collections::BTreeMap;
 use std::sync::atomic::{Ordering, fence};
 
@@ -64,17 +64,26 @@ impl SoftCq {
     }
 }
 
+/// The thread serving queues: the controller's shared state, the thread's view of the IO
+/// address table, and its index (for its served-commands counter).
+pub(super) struct Server<'a> {
+    pub(super) state: &'a State,
+    pub(super) view: &'a mut MapView,
+    pub(super) index: usize,
+}
+
 /// Serves submission queue `qid` (`sq`, posting to `cq`) until it runs dry or its completion
 /// queue fills; `execute` runs each command. Whether anything was done.
 pub(super) fn serve(
-    state: &State,
+    srv: &mut Server<'_>,
     qid: u16,
     sq: &mut SoftSq,
     cq: &mut SoftCq,
     faults: &SoftFaults,
-    mut execute: impl FnMut(&Sqe) -> (Status, u32),
+    mut execute: impl FnMut(&mut Server<'_>, &Sqe) -> (Status, u32),
 ) -> bool {
-    let tail = state.reg(doorbell(qid, false, 0));
+    let state = srv.state;
+    let tail = state.reg(doorbell(qid, false, DSTRD));
     if tail >= sq.spec.size as u32 {
         // An invalid doorbell write is a fatal error for a real controller too.
         state.go_fatal();
@@ -84,13 +93,13 @@ pub(super) fn serve(
     while sq.head != tail as u16 && has_room(state, cq) {
         let mut raw = [0u8; size_of::<Sqe>()];
         let at = sq.spec.base + sq.head as u64 * raw.len() as u64;
-        if !state.mapper.read_into(at, &mut raw) {
+        if !state.mapper.read_into(srv.view, at, &mut raw) {
             state.go_fatal();
             return true;
         }
         let sqe = sqe_from_bytes(&raw);
         sq.head = (sq.head + 1) % sq.spec.size;
-        let (status, result) = execute(&sqe);
+        let (status, result) = execute(srv, &sqe);
         let cqe = Cqe {
             result,
             rsvd: 0,
@@ -99,10 +108,13 @@ pub(super) fn serve(
             cid: sqe.cid(),
             status: status.0 << 1,
         };
-        complete(state, cq, cqe, faults);
+        complete(srv, cq, cqe, faults);
         worked = true;
-        let served = state.served.fetch_add(1, Ordering::Relaxed) + 1;
-        if faults.fatal_after.is_some_and(|n| served >= n) {
+        state.served[srv.index].fetch_add(1, Ordering::Relaxed);
+        if faults
+            .fatal_after
+            .is_some_and(|n| state.served_total() >= n)
+        {
             state.go_fatal();
             return true;
         }
@@ -110,7 +122,7 @@ pub(super) fn serve(
     // Post what reordering holds once the queue runs dry.
     if !cq.held.is_empty() {
         for cqe in std::mem::take(&mut cq.held).into_iter().rev() {
-            post(state, cq, cqe, faults);
+            post(srv, cq, cqe, faults);
         }
     }
     worked
@@ -119,26 +131,26 @@ pub(super) fn serve(
 /// Whether `cq` has room for one more entry (counting held ones), as its head doorbell says.
 fn has_room(state: &State, cq: &SoftCq) -> bool {
     let size = cq.spec.size as u32;
-    let head = state.reg(doorbell(cq.id, true, 0));
+    let head = state.reg(doorbell(cq.id, true, DSTRD));
     let used = (cq.tail as u32 + size - head % size) % size + cq.held.len() as u32;
     used + 1 < size
 }
 
-fn complete(state: &State, cq: &mut SoftCq, cqe: Cqe, faults: &SoftFaults) {
+fn complete(srv: &mut Server<'_>, cq: &mut SoftCq, cqe: Cqe, faults: &SoftFaults) {
     if faults.reorder > 1 {
         cq.held.push(cqe);
         if cq.held.len() >= faults.reorder {
             for cqe in std::mem::take(&mut cq.held).into_iter().rev() {
-                post(state, cq, cqe, faults);
+                post(srv, cq, cqe, faults);
             }
         }
     } else {
-        post(state, cq, cqe, faults);
+        post(srv, cq, cqe, faults);
     }
 }
 
 /// Writes a completion: its body, then (after a release fence) its status and phase.
-fn post(state: &State, cq: &mut SoftCq, mut cqe: Cqe, faults: &SoftFaults) {
+fn post(srv: &mut Server<'_>, cq: &mut SoftCq, mut cqe: Cqe, faults: &SoftFaults) {
     if !faults.delay.is_zero() {
         std::thread::sleep(faults.delay);
     }
@@ -149,10 +161,11 @@ fn post(state: &State, cq: &mut SoftCq, mut cqe: Cqe, faults: &SoftFaults) {
     if cq.tail == 0 {
         cq.phase = !cq.phase;
     }
-    let body = state.mapper.write_from(at, &bytes[..14]);
+    let mapper = &srv.state.mapper;
+    let body = mapper.write_from(srv.view, at, &bytes[..14]);
     fence(Ordering::Release);
-    if !body || !state.mapper.write_from(at + 14, &bytes[14..]) {
-        state.go_fatal();
+    if !body || !mapper.write_from(srv.view, at + 14, &bytes[14..]) {
+        srv.state.go_fatal();
     }
 }
 
@@ -160,17 +173,19 @@ fn post(state: &State, cq: &mut SoftCq, mut cqe: Cqe, faults: &SoftFaults) {
 /// is called with each (IO address, offset into the transfer, length) piece and says whether
 /// it could move it.
 pub(super) fn transfer(
-    state: &State,
+    srv: &mut Server<'_>,
     sqe: &Sqe,
     len: usize,
-    mut copy: impl FnMut(u64, usize, usize) -> bool,
+    mut copy: impl FnMut(&mut Server<'_>, u64, usize, usize) -> bool,
 ) -> Status {
     if !sqe.prp1.is_multiple_of(4) {
         return Status::INVALID_PRP_OFFSET;
     }
+    let mapper = &srv.state.mapper;
+    let view = &mut *srv.view;
     let pieces = prp::walk(sqe.prp1, sqe.prp2, len, |at, n| {
         let mut raw = vec![0u8; 8 * n];
-        state.mapper.read_into(at, &mut raw).then(|| {
+        mapper.read_into(view, at, &mut raw).then(|| {
             raw.chunks_exact(8)
                 .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
                 .collect()
@@ -181,7 +196,7 @@ pub(super) fn transfer(
     };
     let mut done = 0;
     for (at, n) in pieces {
-        if !copy(at, done, n) {
+        if !copy(srv, at, done, n) {
             return Status::DATA_TRANSFER_ERROR;
         }
         done += n;
@@ -190,9 +205,11 @@ pub(super) fn transfer(
 }
 
 /// Copies `data` to the memory the command's PRPs name (Identify data).
-pub(super) fn transfer_out(state: &State, sqe: &Sqe, data: &[u8; PAGE]) -> Status {
-    transfer(state, sqe, PAGE, |at, off, n| {
-        state.mapper.write_from(at, &data[off..off + n])
+pub(super) fn transfer_out(srv: &mut Server<'_>, sqe: &Sqe, data: &[u8; PAGE]) -> Status {
+    transfer(srv, sqe, PAGE, |srv, at, off, n| {
+        srv.state
+            .mapper
+            .write_from(srv.view, at, &data[off..off + n])
     })
 }
 

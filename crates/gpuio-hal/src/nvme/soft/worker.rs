@@ -2,8 +2,8 @@
 //! own modulo the worker count, reading and writing the RAM namespaces.
 
 use super::super::spec::{Sqe, Status, io};
-use super::queues::{self, SoftCq, SoftSq};
-use super::{SoftFaults, State};
+use super::queues::{self, Server, SoftCq, SoftSq};
+use super::{MapView, SoftFaults, State};
 use crate::sync::MutexExt;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -18,11 +18,15 @@ pub(super) struct Worker {
     cqs: BTreeMap<u16, SoftCq>,
     faults: SoftFaults,
     faults_version: u64,
+    view: MapView,
 }
 
 impl Worker {
     pub(super) fn new(state: Arc<State>, index: usize) -> Self {
+        // Thread 0 is the admin thread.
+        let view = state.mapper.view(index + 1);
         Self {
+            view,
             state,
             index,
             version: 0,
@@ -45,16 +49,22 @@ impl Worker {
                 self.faults = self.state.faults.lock_unpoisoned().clone();
                 self.faults_version = faults_version;
             }
+            self.state.mapper.refresh(&mut self.view);
             let mut worked = false;
             if !self.faults.hang && !self.state.fatal.load(Ordering::Relaxed) {
-                let state = &self.state;
+                let state = &*self.state;
                 let faults = &self.faults;
+                let mut srv = Server {
+                    state,
+                    view: &mut self.view,
+                    index: self.index + 1,
+                };
                 for (&qid, sq) in self.sqs.iter_mut() {
                     let Some(cq) = self.cqs.get_mut(&sq.spec.cqid) else {
                         continue;
                     };
-                    worked |= queues::serve(state, qid, sq, cq, faults, |sqe| {
-                        (execute(state, sqe, faults), 0)
+                    worked |= queues::serve(&mut srv, qid, sq, cq, faults, |srv, sqe| {
+                        (execute(srv, sqe, faults), 0)
                     });
                     if state.fatal.load(Ordering::Relaxed) {
                         break;
@@ -100,7 +110,8 @@ impl Worker {
 }
 
 /// Runs one I/O command against the namespaces.
-fn execute(state: &State, sqe: &Sqe, faults: &SoftFaults) -> Status {
+fn execute(srv: &mut Server<'_>, sqe: &Sqe, faults: &SoftFaults) -> Status {
+    let state = srv.state;
     let config = &state.config;
     let count = config.namespaces.len() as u32;
     if sqe.nsid == 0 || sqe.nsid > count {
@@ -128,8 +139,11 @@ fn execute(state: &State, sqe: &Sqe, faults: &SoftFaults) -> Status {
             let (from, len) = (lba as usize * bs, n as usize * bs);
             let ns = &state.namespaces[index];
             // A read moves namespace bytes to the device side; a write the other way.
-            queues::transfer(state, sqe, len, |at, off, piece| {
-                state.mapper.with_namespace(at, ns, from + off, piece, read)
+            queues::transfer(srv, sqe, len, |srv, at, off, piece| {
+                let view = &mut *srv.view;
+                state
+                    .mapper
+                    .with_namespace(view, at, ns, from + off, piece, read)
             })
         }
         _ => Status::INVALID_OPCODE,
