@@ -53,12 +53,21 @@ pub fn pci_controllers() -> Vec<PciController> {
     found
 }
 
-/// Tier 1, 2 and 3 for `gpu`, each available or why not.
+/// Tier 1, 2 and 3 for `gpu`, each available or why not. Tier 2 would need the kernel
+/// module's `nvidia_p2p` mapping of GPU memory, which is not built.
 pub fn tiers(gpu: &Gpu) -> [(&'static str, Capability); 3] {
     let controllers = pci_controllers();
-    let vfio_bound: Vec<&PciController> = controllers
+    // Controllers this driver can open: bound to vfio-pci (with VFIO present) or to gpuio's
+    // kernel module.
+    let vfio = Path::new("/dev/vfio/vfio").exists();
+    let drivable: Vec<PciController> = controllers
         .iter()
-        .filter(|c| c.driver.as_deref() == Some("vfio-pci"))
+        .filter(|c| match c.driver.as_deref() {
+            Some("vfio-pci") => vfio,
+            Some("gpuio_nvme") => true,
+            _ => false,
+        })
+        .cloned()
         .collect();
     let gpu_side = match gpu.backend() {
         Backend::Host => Err("no CUDA device: GPU threads cannot drive queues".to_string()),
@@ -73,21 +82,19 @@ pub fn tiers(gpu: &Gpu) -> [(&'static str, Capability); 3] {
              `gpuio bench nvme`)"
                 .to_string(),
         )
-    } else if !Path::new("/dev/vfio/vfio").exists() {
+    } else if drivable.is_empty() {
         Err(format!(
-            "{} NVMe controller(s), but no /dev/vfio/vfio (load vfio-pci)",
-            controllers.len()
-        ))
-    } else if vfio_bound.is_empty() {
-        Err(format!(
-            "{} NVMe controller(s), none bound to vfio-pci ({})",
+            "{} NVMe controller(s), none bound to vfio-pci{} or to gpuio_nvme (kmod/): {}",
             controllers.len(),
+            if vfio {
+                ""
+            } else {
+                " (no /dev/vfio/vfio: load vfio-pci)"
+            },
             describe(&controllers)
         ))
     } else {
-        Ok(describe(
-            &vfio_bound.into_iter().cloned().collect::<Vec<_>>(),
-        ))
+        Ok(describe(&drivable))
     };
     let tier1 = match (host_side, gpu_side) {
         (Ok(bound), Ok(())) => Capability::yes(format!(
