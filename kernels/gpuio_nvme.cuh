@@ -73,8 +73,15 @@ static_assert(sizeof(gpuio_nvme_state) == 16, "queue state is 16 bytes");
 #define GPUIO_NVME_WRITE 0x01u
 #define GPUIO_NVME_READ 0x02u
 #define GPUIO_NVME_PAGE 4096ull
-// A status no controller returns (the field is 15 bits): the completion did not come in time.
+// Statuses no controller returns (the field is 15 bits): the completion did not come in
+// time; the queue pair is broken (an earlier batch timed out), so nothing was submitted.
 #define GPUIO_NVME_TIMED_OUT 0xffffu
+#define GPUIO_NVME_BROKEN 0xfffeu
+// Lock word values: free, held by a warp's leader, broken for good (the host sees it and
+// disables the controller: a late completion must not land in a later batch's slots).
+#define GPUIO_NVME_LOCK_FREE 0u
+#define GPUIO_NVME_LOCK_HELD 1u
+#define GPUIO_NVME_LOCK_BROKEN 2u
 // How long a lane polls its completion before giving up.
 #define GPUIO_NVME_TIMEOUT_NS 10000000000ull
 
@@ -85,7 +92,8 @@ __device__ __forceinline__ unsigned long long gpuio_nvme_now() {
 }
 
 // A READ or WRITE of `blocks` blocks at `lba` moving `bytes` bytes at IO address `iova`
-// (dword-aligned; at most two memory pages: PRP1 and PRP2, no PRP list).
+// (dword-aligned; at most two memory pages, iova % 4096 + bytes <= 8192: PRP1 and PRP2, no
+// PRP list — a longer transfer would make the controller read PRP2 as a list).
 __device__ __forceinline__ gpuio_nvme_sqe gpuio_nvme_rw(unsigned int opcode, unsigned int nsid,
                                                         unsigned long long lba,
                                                         unsigned int blocks,
@@ -112,7 +120,8 @@ __device__ __forceinline__ gpuio_nvme_sqe gpuio_nvme_flush(unsigned int nsid) {
 }
 
 // Submits each active lane's `sqe` on queue pair `q` as one batch and waits for all of them;
-// returns the lane's status field (0: success; GPUIO_NVME_TIMED_OUT where no completion came).
+// returns the lane's status field (0: success; GPUIO_NVME_TIMED_OUT where no completion came
+// in time, after which the pair is broken; GPUIO_NVME_BROKEN where it already was).
 // Every lane of the warp that is running must call it together (inactive lanes pass
 // `active = false`). The data a command reads is in its buffer once this returns: the
 // completion is posted after the data (NVMe orders them), and the lane fences before reading.
@@ -127,14 +136,23 @@ __device__ unsigned int gpuio_nvme_warp_submit(const gpuio_nvme_queue* q, bool a
     const unsigned int n = __popc(act);
     const unsigned int depth = q->depth;
     gpuio_nvme_state* st = (gpuio_nvme_state*)q->state;
-    unsigned int tail = 0, head = 0, phase = 0;
+    unsigned int tail = 0, head = 0, phase = 0, broken = 0;
     if (lane == leader) {
-        while (atomicCAS(&st->lock, 0u, 1u) != 0u) __nanosleep(64);
+        unsigned int was;
+        while ((was = atomicCAS(&st->lock, GPUIO_NVME_LOCK_FREE, GPUIO_NVME_LOCK_HELD)) !=
+               GPUIO_NVME_LOCK_FREE) {
+            if (was == GPUIO_NVME_LOCK_BROKEN) {
+                broken = 1;
+                break;
+            }
+            __nanosleep(64);
+        }
         __threadfence();
         tail = ((volatile gpuio_nvme_state*)st)->sq_tail;
         head = ((volatile gpuio_nvme_state*)st)->cq_head;
         phase = ((volatile gpuio_nvme_state*)st)->phase;
     }
+    if (__shfl_sync(warp, broken, leader)) return GPUIO_NVME_BROKEN;
     tail = __shfl_sync(warp, tail, leader);
     head = __shfl_sync(warp, head, leader);
     phase = __shfl_sync(warp, phase, leader);
@@ -182,7 +200,17 @@ __device__ unsigned int gpuio_nvme_warp_submit(const gpuio_nvme_queue* q, bool a
         const unsigned int v = __shfl_sync(warp, status, src);
         if (active && c == rank) mine = v;
     }
+    const unsigned int late = __ballot_sync(warp, active && status == GPUIO_NVME_TIMED_OUT);
     __syncwarp(warp);
+    if (late != 0) {
+        // A completion may still come, into slots a later batch would poll: the pair is
+        // broken for good, its doorbells left as they are.
+        if (lane == leader) {
+            __threadfence();
+            atomicExch(&st->lock, GPUIO_NVME_LOCK_BROKEN);
+        }
+        return mine;
+    }
     if (lane == leader) {
         const unsigned int end = head + n;
         const unsigned int new_head = end % depth;
@@ -190,7 +218,7 @@ __device__ unsigned int gpuio_nvme_warp_submit(const gpuio_nvme_queue* q, bool a
         st->cq_head = new_head;
         st->phase = phase ^ (end >= depth ? 1u : 0u);
         __threadfence();
-        atomicExch(&st->lock, 0u);
+        atomicExch(&st->lock, GPUIO_NVME_LOCK_FREE);
     }
     return mine;
 }

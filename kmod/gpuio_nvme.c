@@ -8,13 +8,19 @@
  *     controller is given in PRPs and queue base registers) and the mmap offset to map it at;
  *   - ioctl GPUIO_NVME_IOC_FREE: free one again;
  *   - ioctl GPUIO_NVME_IOC_INFO: BAR0's size.
- * Bus mastering is on only while the device is open; on release it is turned off before the
- * buffers are freed, so a controller left running by a dead process cannot write freed memory.
+ * Bus mastering is on only while the device is open. Before buffers are freed (on release,
+ * FREE, or the controller's removal) the controller is reset and bus mastering turned off,
+ * and user mappings of what is freed are zapped, so neither a controller left running by a
+ * dead process nor a stale mapping reaches freed memory. An open file may outlive the
+ * controller's binding: the device structure is reference-counted, and its calls then fail.
  * The interface is mirrored in crates/gpuio-hal/src/nvme/kmod.rs.
  */
 #include <linux/dma-mapping.h>
 #include <linux/fs.h>
+#include <linux/delay.h>
 #include <linux/idr.h>
+#include <linux/io-64-nonatomic-lo-hi.h>
+#include <linux/kref.h>
 #include <linux/list.h>
 #include <linux/miscdevice.h>
 #include <linux/mm.h>
@@ -40,8 +46,14 @@ struct gpuio_nvme_info {
 
 /* Buffers are mapped at offsets from here up; offset 0 is BAR0. */
 #define GPUIO_NVME_BUF_BASE (1ULL << 40)
-/* The most one opener may hold, in bytes. */
+/* The most one opener may hold, in bytes, and the largest single buffer (the page
+ * allocator's largest block without CMA: larger requests fail instead of warning). */
 #define GPUIO_NVME_MAX_BYTES (1ULL << 32)
+#define GPUIO_NVME_MAX_BUFFER (4ULL << 20)
+/* NVMe controller registers the module touches itself. */
+#define NVME_REG_CAP 0x00
+#define NVME_REG_CC 0x14
+#define NVME_REG_CSTS 0x1c
 
 struct gpuio_nvme_buf {
 	struct list_head node;
@@ -52,12 +64,17 @@ struct gpuio_nvme_buf {
 };
 
 struct gpuio_nvme_dev {
+	struct kref ref; /* probe's, and the open file's */
 	struct pci_dev *pdev;
+	void __iomem *bar;
 	struct miscdevice misc;
 	char name[32];
 	int index;
 	struct mutex lock;
 	bool open;
+	bool removed;
+	/* The open file's mappings: zapped before memory they reach is freed. */
+	struct address_space *mapping;
 	struct list_head bufs;
 	u64 next_offset;
 	u64 held;
@@ -70,16 +87,49 @@ static struct gpuio_nvme_dev *to_dev(struct file *f)
 	return container_of(f->private_data, struct gpuio_nvme_dev, misc);
 }
 
+static void gpuio_nvme_free_dev(struct kref *ref)
+{
+	kfree(container_of(ref, struct gpuio_nvme_dev, ref));
+}
+
+/* Zaps user mappings of [offset, offset + len) (len 0: all) so nothing reaches memory
+ * about to be freed: a later access faults instead. Called with d->lock held. */
+static void zap(struct gpuio_nvme_dev *d, u64 offset, u64 len)
+{
+	if (d->open && d->mapping)
+		unmap_mapping_range(d->mapping, offset, len, 1);
+}
+
+static void free_buf(struct gpuio_nvme_dev *d, struct gpuio_nvme_buf *b)
+{
+	zap(d, b->offset, b->size);
+	dma_free_coherent(&d->pdev->dev, b->size, b->cpu, b->bus);
+	d->held -= b->size;
+	list_del(&b->node);
+	kfree(b);
+}
+
 static void free_all(struct gpuio_nvme_dev *d)
 {
 	struct gpuio_nvme_buf *b, *n;
 
-	list_for_each_entry_safe(b, n, &d->bufs, node) {
-		dma_free_coherent(&d->pdev->dev, b->size, b->cpu, b->bus);
-		list_del(&b->node);
-		kfree(b);
-	}
-	d->held = 0;
+	list_for_each_entry_safe(b, n, &d->bufs, node)
+		free_buf(d, b);
+}
+
+/* Resets the controller (CC.EN to 0) and waits, up to CAP.TO, for it to stop: a
+ * controller left enabled by a process that died must not DMA into memory about to be
+ * freed or handed to the next opener. Called with d->lock held. */
+static void stop_controller(struct gpuio_nvme_dev *d)
+{
+	u64 cap = lo_hi_readq(d->bar + NVME_REG_CAP);
+	unsigned long deadline = jiffies + msecs_to_jiffies(500 * max_t(u32, (cap >> 24) & 0xff, 1));
+
+	if (readl(d->bar + NVME_REG_CSTS) == ~0u)
+		return;
+	writel(0, d->bar + NVME_REG_CC);
+	while ((readl(d->bar + NVME_REG_CSTS) & 1) && time_before(jiffies, deadline))
+		msleep(1);
 }
 
 static int gpuio_nvme_open(struct inode *inode, struct file *f)
@@ -88,12 +138,17 @@ static int gpuio_nvme_open(struct inode *inode, struct file *f)
 	int ret = 0;
 
 	mutex_lock(&d->lock);
-	if (d->open) {
+	if (d->removed) {
+		ret = -ENODEV;
+	} else if (d->open) {
 		ret = -EBUSY;
 	} else {
 		d->open = true;
+		d->mapping = f->f_mapping;
 		d->next_offset = GPUIO_NVME_BUF_BASE;
+		stop_controller(d);
 		pci_set_master(d->pdev);
+		kref_get(&d->ref);
 	}
 	mutex_unlock(&d->lock);
 	return ret;
@@ -104,11 +159,16 @@ static int gpuio_nvme_release(struct inode *inode, struct file *f)
 	struct gpuio_nvme_dev *d = to_dev(f);
 
 	mutex_lock(&d->lock);
-	/* No DMA may reach the buffers once they are freed. */
-	pci_clear_master(d->pdev);
-	free_all(d);
+	if (!d->removed) {
+		/* No DMA may reach the buffers once they are freed. */
+		stop_controller(d);
+		pci_clear_master(d->pdev);
+		free_all(d);
+	}
 	d->open = false;
+	d->mapping = NULL;
 	mutex_unlock(&d->lock);
+	kref_put(&d->ref, gpuio_nvme_free_dev);
 	return 0;
 }
 
@@ -118,76 +178,83 @@ static long gpuio_nvme_ioctl(struct file *f, unsigned int cmd, unsigned long arg
 	void __user *uarg = (void __user *)arg;
 	long ret = 0;
 
-	mutex_lock(&d->lock);
+	/* Arguments are copied in and out without d->lock: a fault there takes mmap_lock,
+	 * which mmap holds while it takes d->lock. */
 	switch (cmd) {
 	case GPUIO_NVME_IOC_ALLOC: {
 		struct gpuio_nvme_alloc a;
 		struct gpuio_nvme_buf *b;
 
-		if (copy_from_user(&a, uarg, sizeof(a))) {
-			ret = -EFAULT;
-			break;
-		}
+		if (copy_from_user(&a, uarg, sizeof(a)))
+			return -EFAULT;
+		if (a.size == 0 || a.size > GPUIO_NVME_MAX_BUFFER)
+			return a.size == 0 ? -EINVAL : -E2BIG;
 		a.size = PAGE_ALIGN(a.size);
-		if (a.size == 0 || a.size > GPUIO_NVME_MAX_BYTES - d->held) {
-			ret = a.size == 0 ? -EINVAL : -ENOMEM;
-			break;
-		}
 		b = kzalloc(sizeof(*b), GFP_KERNEL);
-		if (!b) {
+		if (!b)
+			return -ENOMEM;
+		mutex_lock(&d->lock);
+		if (d->removed) {
+			ret = -ENODEV;
+		} else if (a.size > GPUIO_NVME_MAX_BYTES - d->held) {
 			ret = -ENOMEM;
-			break;
+		} else {
+			b->size = a.size;
+			b->cpu = dma_alloc_coherent(&d->pdev->dev, b->size, &b->bus,
+						    GFP_KERNEL | __GFP_NOWARN);
+			if (!b->cpu) {
+				ret = -ENOMEM;
+			} else {
+				b->offset = d->next_offset;
+				d->next_offset += b->size;
+				d->held += b->size;
+				list_add(&b->node, &d->bufs);
+				a.bus_addr = b->bus;
+				a.offset = b->offset;
+			}
 		}
-		b->size = a.size;
-		b->cpu = dma_alloc_coherent(&d->pdev->dev, b->size, &b->bus, GFP_KERNEL);
-		if (!b->cpu) {
+		mutex_unlock(&d->lock);
+		if (ret) {
 			kfree(b);
-			ret = -ENOMEM;
-			break;
+			return ret;
 		}
-		b->offset = d->next_offset;
-		d->next_offset += b->size;
-		d->held += b->size;
-		list_add(&b->node, &d->bufs);
-		a.bus_addr = b->bus;
-		a.offset = b->offset;
-		if (copy_to_user(uarg, &a, sizeof(a)))
-			ret = -EFAULT;
-		break;
+		if (copy_to_user(uarg, &a, sizeof(a))) {
+			mutex_lock(&d->lock);
+			if (!d->removed)
+				free_buf(d, b);
+			mutex_unlock(&d->lock);
+			return -EFAULT;
+		}
+		return 0;
 	}
 	case GPUIO_NVME_IOC_FREE: {
 		struct gpuio_nvme_buf *b, *n;
 		__u64 offset;
 
-		if (copy_from_user(&offset, uarg, sizeof(offset))) {
-			ret = -EFAULT;
-			break;
-		}
+		if (copy_from_user(&offset, uarg, sizeof(offset)))
+			return -EFAULT;
 		ret = -ENOENT;
+		mutex_lock(&d->lock);
 		list_for_each_entry_safe(b, n, &d->bufs, node) {
 			if (b->offset == offset) {
-				dma_free_coherent(&d->pdev->dev, b->size, b->cpu, b->bus);
-				d->held -= b->size;
-				list_del(&b->node);
-				kfree(b);
+				free_buf(d, b);
 				ret = 0;
 				break;
 			}
 		}
-		break;
+		mutex_unlock(&d->lock);
+		return ret;
 	}
 	case GPUIO_NVME_IOC_INFO: {
 		struct gpuio_nvme_info info = { .bar_size = pci_resource_len(d->pdev, 0) };
 
 		if (copy_to_user(uarg, &info, sizeof(info)))
-			ret = -EFAULT;
-		break;
+			return -EFAULT;
+		return 0;
 	}
 	default:
-		ret = -ENOTTY;
+		return -ENOTTY;
 	}
-	mutex_unlock(&d->lock);
-	return ret;
 }
 
 static int gpuio_nvme_mmap(struct file *f, struct vm_area_struct *vma)
@@ -198,20 +265,26 @@ static int gpuio_nvme_mmap(struct file *f, struct vm_area_struct *vma)
 	struct gpuio_nvme_buf *b;
 	int ret = -EINVAL;
 
-	if (offset == 0) {
-		if (len > pci_resource_len(d->pdev, 0))
-			return -EINVAL;
-		vma->vm_page_prot = pgprot_noncached(vma->vm_page_prot);
-		return io_remap_pfn_range(vma, vma->vm_start,
-					  pci_resource_start(d->pdev, 0) >> PAGE_SHIFT, len,
-					  vma->vm_page_prot);
-	}
 	mutex_lock(&d->lock);
+	if (d->removed) {
+		ret = -ENODEV;
+	} else if (offset == 0) {
+		if (len <= pci_resource_len(d->pdev, 0)) {
+			vma->vm_page_prot = pgprot_noncached(vma->vm_page_prot);
+			ret = io_remap_pfn_range(vma, vma->vm_start,
+						 pci_resource_start(d->pdev, 0) >> PAGE_SHIFT,
+						 len, vma->vm_page_prot);
+		}
+		mutex_unlock(&d->lock);
+		return ret;
+	}
 	list_for_each_entry(b, &d->bufs, node) {
 		if (b->offset == offset && len <= b->size) {
-			/* dma_mmap_coherent reads vm_pgoff as an offset into the buffer. */
+			/* dma_mmap_coherent reads vm_pgoff as an offset into the buffer; the file
+			 * offset goes back after, so that zap() finds the mapping by its range. */
 			vma->vm_pgoff = 0;
 			ret = dma_mmap_coherent(&d->pdev->dev, vma, b->cpu, b->bus, len);
+			vma->vm_pgoff = offset >> PAGE_SHIFT;
 			break;
 		}
 	}
@@ -232,9 +305,6 @@ static int gpuio_nvme_probe(struct pci_dev *pdev, const struct pci_device_id *id
 	struct gpuio_nvme_dev *d;
 	int ret;
 
-	d = devm_kzalloc(&pdev->dev, sizeof(*d), GFP_KERNEL);
-	if (!d)
-		return -ENOMEM;
 	ret = pcim_enable_device(pdev);
 	if (ret)
 		return ret;
@@ -244,9 +314,18 @@ static int gpuio_nvme_probe(struct pci_dev *pdev, const struct pci_device_id *id
 	ret = pcim_iomap_regions(pdev, BIT(0), "gpuio_nvme");
 	if (ret)
 		return ret;
+	/* Not device-managed: an open file may outlive the device's binding. */
+	d = kzalloc(sizeof(*d), GFP_KERNEL);
+	if (!d)
+		return -ENOMEM;
+	kref_init(&d->ref);
+	d->bar = pcim_iomap_table(pdev)[0];
 	d->index = ida_alloc(&gpuio_nvme_ida, GFP_KERNEL);
-	if (d->index < 0)
-		return d->index;
+	if (d->index < 0) {
+		ret = d->index;
+		kfree(d);
+		return ret;
+	}
 	d->pdev = pdev;
 	mutex_init(&d->lock);
 	INIT_LIST_HEAD(&d->bufs);
@@ -258,6 +337,7 @@ static int gpuio_nvme_probe(struct pci_dev *pdev, const struct pci_device_id *id
 	ret = misc_register(&d->misc);
 	if (ret) {
 		ida_free(&gpuio_nvme_ida, d->index);
+		kfree(d);
 		return ret;
 	}
 	pci_set_drvdata(pdev, d);
@@ -270,9 +350,16 @@ static void gpuio_nvme_remove(struct pci_dev *pdev)
 	struct gpuio_nvme_dev *d = pci_get_drvdata(pdev);
 
 	misc_deregister(&d->misc);
+	mutex_lock(&d->lock);
+	/* An open file stays, but reaches nothing: its mappings are zapped, its calls fail. */
+	stop_controller(d);
 	pci_clear_master(pdev);
+	zap(d, 0, 0);
 	free_all(d);
+	d->removed = true;
+	mutex_unlock(&d->lock);
 	ida_free(&gpuio_nvme_ida, d->index);
+	kref_put(&d->ref, gpuio_nvme_free_dev);
 }
 
 /* No IDs: the driver takes only controllers handed to it with driver_override. */

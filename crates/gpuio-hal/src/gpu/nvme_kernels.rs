@@ -19,7 +19,8 @@ impl Stream {
     /// Each warp's data slots (32 of `blocks` blocks each) lie in `data` in warp order, so it
     /// must hold `grid * 4 * 32` slots. Command `i`'s status field goes to `statuses[i]` (u32,
     /// 0 success); the 8-byte words a checked read found wrong are returned. Waits for the
-    /// kernel; a controller must be serving the queues.
+    /// kernel; a controller must be serving the queues. A batch that got no completion in
+    /// time breaks its pair for good: this then disables the controller and fails.
     #[allow(clippy::too_many_arguments)]
     pub fn nvme_io(
         &self,
@@ -43,15 +44,29 @@ impl Stream {
             gpu.check_owns("NVMe kernel buffer", b)?;
         }
         let block_bytes = ns.identity.block_size;
-        let bytes = blocks as usize * block_bytes as usize;
-        if op != GpuNvmeOp::Flush && (blocks == 0 || bytes > 2 * crate::nvme::spec::PAGE) {
+        let bytes = if op == GpuNvmeOp::Flush {
+            0
+        } else {
+            blocks as usize * block_bytes as usize
+        };
+        // A GPU command names at most two pages (PRP1 and PRP2, no list): every slot, at a
+        // multiple of `bytes` from a page boundary, must stay within two.
+        let page = crate::nvme::spec::PAGE;
+        if op != GpuNvmeOp::Flush
+            && !(bytes > 0 && (page.is_multiple_of(bytes) || bytes == 2 * page))
+        {
             return Err(HalError::InvalidArgument(format!(
-                "a GPU-issued NVMe command moves 1 block to 8 KiB, not {blocks} blocks of {block_bytes}"
+                "a GPU-issued NVMe command moves a power-of-two share of a 4 KiB page, 4 KiB or \
+                 8 KiB (its slots must not cross a third page), not {blocks} blocks of \
+                 {block_bytes} bytes"
             )));
         }
         let grid = grid.max(1);
         let slots = grid as usize * (THREADS as usize / 32) * 32;
-        check_range("GPU NVMe data slots", 0, slots * bytes, data.len)?;
+        let slot_bytes = slots
+            .checked_mul(bytes)
+            .ok_or_else(|| HalError::InvalidArgument("GPU NVMe data slots overflow".into()))?;
+        check_range("GPU NVMe data slots", 0, slot_bytes, data.len)?;
         let descriptors: Vec<u8> = queues.iter().flat_map(|q| q.descriptor_bytes()).collect();
         let table = gpu.alloc(descriptors.len())?;
         self.upload(&descriptors, &table, 0)?;
@@ -82,6 +97,9 @@ impl Stream {
         // SAFETY: the queue pairs (their memory pinned, their doorbells' register file pinned
         // by their controller) and `data` are borrowed until this synchronous call returns.
         unsafe { self.inner.nvme_kernel(launch)? };
+        for q in queues {
+            q.check_broken(self)?;
+        }
         Ok(self.download_u64s(&mismatches, 1)?[0])
     }
 

@@ -131,7 +131,6 @@ impl Controller {
         regs.write32(reg::AQA, size << 16 | size)?;
         regs.write64(reg::ASQ, asq)?;
         regs.write64(reg::ACQ, acq)?;
-        let max_queues = (cap.max_queue_entries.min(u16::MAX as u32)) as u16;
         // From here on, dropping `shared` (on any error below) disables the controller before
         // the admin queue's memory is freed.
         let mut shared = Shared {
@@ -141,8 +140,8 @@ impl Controller {
             identity: ControllerIdentity::parse(&[0; PAGE]),
             namespaces: Vec::new(),
             admin: Mutex::new(admin),
-            // Queue identifiers the register file has doorbells for, up to 64 pairs.
-            free_qids: Mutex::new((1..=64u16.min(max_queues)).rev().collect()),
+            // Set once the controller says how many pairs it gives (Set Features).
+            free_qids: Mutex::new(Vec::new()),
             options,
             gpu_registers: Mutex::new(Vec::new()),
         };
@@ -150,6 +149,13 @@ impl Controller {
         regs.write32(reg::INTMS, u32::MAX)?;
         regs.write32(reg::CC, cc::EN | cc::IOSQES_64 | cc::IOCQES_16)?;
         wait_ready(&regs, true, cap.timeout)?;
+        // Ask for 64 I/O queue pairs; the controller says how many it gives (0-based).
+        let mut queues = Sqe::new(admin::SET_FEATURES, 0);
+        queues.cdw10 = admin::FEATURE_NUMBER_OF_QUEUES;
+        queues.cdw11 = 63 | 63 << 16;
+        let granted = shared.admin_command("Set Features (Number of Queues)", queues)?;
+        let pairs = ((granted & 0xffff).min(granted >> 16) + 1).min(64) as u16;
+        *shared.free_qids.lock_unpoisoned() = (1..=pairs).rev().collect();
         let data = shared.identify(admin::CNS_CONTROLLER, 0)?;
         shared.identity = ControllerIdentity::parse(&data);
         let list = shared.identify(admin::CNS_ACTIVE_NAMESPACES, 0)?;
@@ -211,21 +217,23 @@ impl Controller {
                 HalError::Busy("every NVMe I/O queue identifier is in use".into())
             })?;
         let created = (|| {
-            let qp = QueuePair::new(qid, depth, s.cap.dstrd, s.regs.clone(), &s.mapper)?;
+            let qp = QueuePair::new(qid, depth, s.cap.dstrd, s.regs.clone(), &s.mapper)
+                .map_err(|e| (e, true))?;
             let (sq, cq) = qp.addresses();
             let size = (depth as u32 - 1) << 16 | qid as u32;
             let mut create_cq = Sqe::new(admin::CREATE_CQ, 0);
             create_cq.prp1 = cq;
             create_cq.cdw10 = size;
             create_cq.cdw11 = 1; // physically contiguous, interrupts off
-            s.admin_command("Create I/O Completion Queue", create_cq)?;
+            s.admin_command("Create I/O Completion Queue", create_cq)
+                .map_err(|e| (e, true))?;
             let mut create_sq = Sqe::new(admin::CREATE_SQ, 0);
             create_sq.prp1 = sq;
             create_sq.cdw10 = size;
             create_sq.cdw11 = (qid as u32) << 16 | 1; // its CQ; physically contiguous
             if let Err(e) = s.admin_command("Create I/O Submission Queue", create_sq) {
-                let _ = s.delete_queue(admin::DELETE_CQ, qid);
-                return Err(e);
+                // The identifier is free again only if its completion queue is gone too.
+                return Err((e, s.delete_queue(admin::DELETE_CQ, qid).is_ok()));
             }
             Ok(qp)
         })();
@@ -234,8 +242,10 @@ impl Controller {
                 qp,
                 shared: s.clone(),
             }),
-            Err(e) => {
-                s.free_qids.lock_unpoisoned().push(qid);
+            Err((e, free)) => {
+                if free {
+                    s.free_qids.lock_unpoisoned().push(qid);
+                }
                 Err(e)
             }
         }
@@ -369,6 +379,11 @@ impl IoQueuePair {
         self.qp.depth()
     }
 
+    /// Disables the controller this pair is on (a GPU batch on it timed out).
+    pub(crate) fn disable_controller(&self) -> Result<()> {
+        self.shared.disable()
+    }
+
     /// The SQ's and CQ's memory (for registering them with a GPU).
     pub(crate) fn queue_memory(&self) -> (&DmaBuffer, &DmaBuffer) {
         self.qp.memory()
@@ -423,6 +438,15 @@ impl IoQueuePair {
             .min(super::prp::MAX_TRANSFER)
             / block
             * block;
+        if max == 0 {
+            return Err(HalError::Unsupported {
+                what: "this namespace's block size",
+                reason: format!(
+                    "one command moves at most {:?} bytes, less than a {block}-byte block",
+                    self.shared.identity.max_transfer()
+                ),
+            });
+        }
         let mut commands = Vec::new();
         for op in ops {
             crate::error::check_range("NVMe transfer buffer", op.offset, op.len, buf.len())?;

@@ -258,18 +258,30 @@ impl Mmio {
 /// Makes host memory reachable by a controller, at an IO virtual address (an IOMMU mapping
 /// under VFIO; a translation table the software controller consults; a bus address a kernel
 /// module allocated).
+///
+/// Use it through [`DmaBuffer`], which keeps memory and mapping together: a device may reach
+/// mapped memory until it is unmapped, so memory freed first would be memory a device writes.
 pub trait DmaMapper: Send + Sync {
     /// Maps all of `mem` for the device's reads and writes; returns its IO address.
-    fn map(&self, mem: &DmaMemory) -> Result<u64>;
+    ///
+    /// # Safety
+    /// `mem` must stay allocated until [`unmap`](Self::unmap) has removed the mapping.
+    unsafe fn map(&self, mem: &DmaMemory) -> Result<u64>;
 
-    /// Removes a mapping `map` made (`iova`, `len` as it returned and `mem.len()`).
+    /// Removes a mapping `map` made (`iova`, `len` as it returned and `mem.len()`); once it
+    /// returns, the device no longer reaches the memory through it.
     fn unmap(&self, iova: u64, len: usize);
 
     /// `len` bytes of zeroed DMA memory and its IO address: anonymous memory mapped with
     /// [`map`](Self::map), unless the mapper must allocate the memory itself.
-    fn alloc(&self, len: usize) -> Result<(DmaMemory, u64)> {
+    ///
+    /// # Safety
+    /// The memory must stay allocated until [`unmap`](Self::unmap) has removed the mapping.
+    unsafe fn alloc(&self, len: usize) -> Result<(DmaMemory, u64)> {
         let mem = DmaMemory::new(len)?;
-        let iova = self.map(&mem)?;
+        // SAFETY: the caller keeps `mem` until the mapping is removed (this function's
+        // contract).
+        let iova = unsafe { self.map(&mem)? };
         Ok((mem, iova))
     }
 }
@@ -293,7 +305,9 @@ impl std::fmt::Debug for DmaBuffer {
 impl DmaBuffer {
     /// `len` bytes (whole pages), zeroed, mapped through `mapper`.
     pub fn new(len: usize, mapper: Arc<dyn DmaMapper>) -> Result<Self> {
-        let (mem, iova) = mapper.alloc(len)?;
+        // SAFETY: the buffer owns the memory and unmaps it in its drop, before the memory
+        // (a field) is freed.
+        let (mem, iova) = unsafe { mapper.alloc(len)? };
         Ok(Self { iova, mapper, mem })
     }
 

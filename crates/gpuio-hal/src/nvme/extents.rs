@@ -26,7 +26,7 @@ const UNREADABLE: &[(u32, &str)] = &[
     (0x2000, "it is shared with another file (reflink)"),
 ];
 
-/// Where a file's bytes lie on its device.
+/// Where a file's bytes lie on the whole device (the namespace) its file system is on.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FileExtents {
     /// The file's length in bytes.
@@ -37,12 +37,15 @@ pub struct FileExtents {
 }
 
 impl FileExtents {
-    /// The extents of `file` (synced first), or why its bytes cannot be read from the device.
+    /// The extents of `file` (synced first), as byte offsets in the whole device its file
+    /// system lies on (a partition's start added), or why its bytes cannot be read from it.
     pub fn of(file: &File) -> Result<Self> {
-        let len = file
+        use std::os::unix::fs::MetadataExt;
+        let meta = file
             .metadata()
-            .map_err(|source| HalError::Os { op: "stat", source })?
-            .len();
+            .map_err(|source| HalError::Os { op: "stat", source })?;
+        let len = meta.len();
+        let start = partition_start(meta.dev())?;
         if len == 0 {
             return Ok(Self {
                 len,
@@ -50,13 +53,12 @@ impl FileExtents {
             });
         }
         let found = crate::file::extents(file, 0, len)?;
-        Self::from_fiemap(len, &found)
+        Self::from_fiemap(len, &found, start)
     }
 
-    /// Checks FIEMAP's extents of a `len`-byte file.
-    pub fn from_fiemap(len: u64, found: &[Extent]) -> Result<Self> {
-        let mut extents = Vec::with_capacity(found.len());
-        let mut covered = 0u64;
+    /// Checks FIEMAP's extents of a `len`-byte file whose file system starts `start` bytes
+    /// into its device.
+    pub fn from_fiemap(len: u64, found: &[Extent], start: u64) -> Result<Self> {
         for e in found {
             if let Some((_, why)) = UNREADABLE.iter().find(|(f, _)| e.flags & f != 0) {
                 return Err(refused(format!(
@@ -64,20 +66,38 @@ impl FileExtents {
                     e.logical, e.length
                 )));
             }
-            if e.logical != covered {
+        }
+        let extents = found
+            .iter()
+            .map(|e| {
+                let physical = e.physical.checked_add(start).ok_or_else(|| {
+                    refused(format!("its extent at {} overflows the device", e.physical))
+                })?;
+                Ok((e.logical, physical, e.length))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let checked = Self { len, extents };
+        checked.check()?;
+        Ok(checked)
+    }
+
+    /// That the extents cover `0..len` in order, without holes.
+    fn check(&self) -> Result<()> {
+        let mut covered = 0u64;
+        for &(logical, _, length) in &self.extents {
+            if logical != covered {
                 return Err(refused(format!(
                     "it has a hole at file offset {covered} (sparse files read holes as zeros)"
                 )));
             }
-            extents.push((e.logical, e.physical, e.length));
-            covered = e.logical.saturating_add(e.length);
+            covered = logical.saturating_add(length);
         }
-        if covered < len {
+        if covered < self.len {
             return Err(refused(format!(
                 "its bytes from {covered} on have no extent"
             )));
         }
-        Ok(Self { len, extents })
+        Ok(())
     }
 
     /// One line per extent: `file-offset device-offset length`, after a `len` line.
@@ -110,8 +130,40 @@ impl FileExtents {
                 }
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { len, extents })
+        let read = Self { len, extents };
+        read.check()?;
+        Ok(read)
     }
+}
+
+/// Where the file system on block device `dev` starts in its whole device, in bytes (0 for a
+/// whole disk); refused for device-mapper and md devices, whose blocks are not one device's.
+fn partition_start(dev: u64) -> Result<u64> {
+    let (major, minor) = (
+        (dev >> 8 & 0xfff) | (dev >> 32 & !0xfff),
+        (dev & 0xff) | (dev >> 12 & !0xff),
+    );
+    let sys = std::path::PathBuf::from(format!("/sys/dev/block/{major}:{minor}"));
+    if !sys.exists() {
+        return Err(refused(format!(
+            "its file system is not on a block device ({major}:{minor})"
+        )));
+    }
+    if sys.join("dm").exists() || sys.join("md").exists() {
+        return Err(refused(
+            "its file system is on a device-mapper or md device, whose blocks are not one \
+             namespace's"
+                .into(),
+        ));
+    }
+    if !sys.join("partition").exists() {
+        return Ok(0);
+    }
+    let sectors: u64 = std::fs::read_to_string(sys.join("start"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .ok_or_else(|| refused(format!("the start of partition {major}:{minor} is unknown")))?;
+    Ok(sectors * 512)
 }
 
 fn refused(why: String) -> HalError {
@@ -176,11 +228,17 @@ mod tests {
             extent(0, 1 << 20, 8192, 0),
             extent(8192, 4 << 20, 4096, Extent::LAST),
         ];
-        let e = FileExtents::from_fiemap(10_000, &found).unwrap();
+        let e = FileExtents::from_fiemap(10_000, &found, 0).unwrap();
+        let moved = FileExtents::from_fiemap(10_000, &found, 1 << 20).unwrap();
+        assert_eq!(moved.extents[0].1, 2 << 20, "a partition's start is added");
         assert_eq!(e.extents.len(), 2);
         assert_eq!(FileExtents::from_text(&e.to_text()).unwrap(), e);
         assert!(FileExtents::from_text("len x\n").is_err());
         assert!(FileExtents::from_text("len 5\n1 2\n").is_err());
+        assert!(
+            FileExtents::from_text("len 8192\n0 0 4096\n").is_err(),
+            "a list that does not cover the file is refused"
+        );
     }
 
     #[test]
@@ -191,17 +249,17 @@ mod tests {
             (0x200, "inline"),
             (0x2, "unknown"),
         ] {
-            let err = FileExtents::from_fiemap(4096, &[extent(0, 0, 4096, flags)]).unwrap_err();
+            let err = FileExtents::from_fiemap(4096, &[extent(0, 0, 4096, flags)], 0).unwrap_err();
             assert!(err.to_string().contains(word), "{err}");
         }
         let hole = [
             extent(0, 0, 4096, 0),
             extent(8192, 8192, 4096, Extent::LAST),
         ];
-        let err = FileExtents::from_fiemap(12288, &hole).unwrap_err();
+        let err = FileExtents::from_fiemap(12288, &hole, 0).unwrap_err();
         assert!(err.to_string().contains("hole"), "{err}");
         let short =
-            FileExtents::from_fiemap(9000, &[extent(0, 0, 4096, Extent::LAST)]).unwrap_err();
+            FileExtents::from_fiemap(9000, &[extent(0, 0, 4096, Extent::LAST)], 0).unwrap_err();
         assert!(short.to_string().contains("no extent"), "{short}");
     }
 }

@@ -12,6 +12,9 @@ use crate::gpu::{DeviceBuffer, Gpu, HostPin};
 use std::marker::PhantomData;
 use std::mem::{offset_of, size_of};
 
+/// The lock word of a pair a timed-out batch broke (`GPUIO_NVME_LOCK_BROKEN`).
+const LOCK_BROKEN: u32 = 2;
+
 /// The smallest queue a GPU pair may have: a warp's batch of 32 commands, plus the slot NVMe
 /// keeps empty.
 pub const MIN_GPU_DEPTH: u16 = 33;
@@ -40,7 +43,7 @@ pub struct NvmeQueueDevice {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(C)]
 pub struct NvmeQueueState {
-    /// 0 free, 1 held by a warp's leader.
+    /// 0 free, 1 held by a warp's leader, 2 broken (a batch timed out).
     pub lock: u32,
     /// The next SQ slot.
     pub sq_tail: u32,
@@ -123,6 +126,25 @@ impl GpuQueuePair {
     /// The GPU whose kernels drive it.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// Whether a GPU batch on this pair timed out (its lock word says broken): a completion
+    /// may still arrive, so the pair can never be used again. The controller is disabled
+    /// when this is found, so that nothing more lands in memory the caller takes back.
+    pub(crate) fn check_broken(&self, stream: &crate::gpu::Stream) -> Result<()> {
+        let mut word = [0u8; 4];
+        stream.download(&self._state, 0, &mut word)?;
+        if u32::from_le_bytes(word) == LOCK_BROKEN {
+            let _ = self._io.disable_controller();
+            return Err(HalError::NvmeController {
+                reason: format!(
+                    "a GPU-issued command on queue {} got no completion in time; the queue \
+                     pair is broken and the controller disabled",
+                    self.device.qid
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// The descriptor's bytes, as kernels read a `gpuio_nvme_queue`.

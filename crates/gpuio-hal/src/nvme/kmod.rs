@@ -146,7 +146,7 @@ impl Drop for KmodBuffer {
 }
 
 impl DmaMapper for KmodMapper {
-    fn map(&self, _mem: &DmaMemory) -> Result<u64> {
+    unsafe fn map(&self, _mem: &DmaMemory) -> Result<u64> {
         Err(HalError::Unsupported {
             what: "mapping process memory for a gpuio_nvme controller",
             reason: "the kernel module hands out its own DMA buffers (no IOMMU to map others)"
@@ -156,7 +156,7 @@ impl DmaMapper for KmodMapper {
 
     fn unmap(&self, _iova: u64, _len: usize) {}
 
-    fn alloc(&self, len: usize) -> Result<(DmaMemory, u64)> {
+    unsafe fn alloc(&self, len: usize) -> Result<(DmaMemory, u64)> {
         let mut a = Alloc {
             size: len as u64,
             ..Alloc::default()

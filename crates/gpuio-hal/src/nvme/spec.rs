@@ -115,6 +115,10 @@ pub mod admin {
     pub const CREATE_CQ: u8 = 0x05;
     /// Identify.
     pub const IDENTIFY: u8 = 0x06;
+    /// Set Features.
+    pub const SET_FEATURES: u8 = 0x09;
+    /// Feature: Number of Queues (CDW11: I/O SQs and CQs wanted, 0-based; the result: given).
+    pub const FEATURE_NUMBER_OF_QUEUES: u32 = 0x07;
     /// Identify CNS: a namespace's data structure.
     pub const CNS_NAMESPACE: u32 = 0x00;
     /// Identify CNS: the controller's data structure.

@@ -54,7 +54,9 @@ pub fn open(pci: &str, options: ControllerOptions) -> Result<Controller> {
     let regs = unsafe { Mmio::new(base, len, true, bar) };
     let mapper = Arc::new(VfioMapper {
         container,
-        space: IovaSpace::new(1 << 20, 1 << 39),
+        // From 4 GiB up: below lie the x86 MSI window (0xfee00000) and other ranges IOMMUs
+        // reserve; 2^39 is the smallest IOMMU address width.
+        space: IovaSpace::new(1 << 32, 1 << 39),
     });
     Controller::enable(regs, mapper, options)
 }
@@ -124,11 +126,11 @@ struct VfioMapper {
 }
 
 impl DmaMapper for VfioMapper {
-    fn map(&self, mem: &DmaMemory) -> Result<u64> {
+    unsafe fn map(&self, mem: &DmaMemory) -> Result<u64> {
         let iova = self.space.take(mem.len())?;
         // SAFETY: `DmaMemory` is never referenced by Rust (only raw copies and volatile
-        // accesses), which is what the mapping requires while it lasts; its owner unmaps it
-        // (`DmaBuffer`'s drop) before the memory is freed.
+        // accesses), which is what the mapping requires while it lasts; the caller keeps it
+        // allocated until it is unmapped (this function's contract).
         unsafe { self.container.vfio_dma_map(iova, mem.len(), mem.addr(0)) }
             .map_err(|e| vfio("map DMA memory", e))?;
         Ok(iova)

@@ -188,6 +188,22 @@ fn soft_controller_splits_at_its_transfer_limit_and_recycles_queues() {
     }
     let depth = ctrl.io_queue_pair(5000).unwrap_err();
     assert_eq!(depth.code(), ErrorCode::InvalidArg);
+
+    // A transfer limit below one block: refused, not a loop of empty commands.
+    let (_dev, ctrl) = soft(SoftConfig {
+        mdts: 1,
+        block_size: 65536,
+        namespaces: vec![64],
+        ..SoftConfig::default()
+    });
+    let ns = ctrl.namespace(1).unwrap();
+    let buf = ctrl.dma_buffer(65536).unwrap();
+    let err = ctrl
+        .io_queue_pair(4)
+        .unwrap()
+        .read(&ns, 0, &buf, 0, 65536)
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Unsupported, "{err}");
 }
 
 #[test]
@@ -506,6 +522,40 @@ mod gpu {
         let stream = gpu.stream().unwrap();
         let err = stream.nvme_layout_words().unwrap_err();
         assert_eq!(err.code(), ErrorCode::Unsupported, "{err}");
+        // What a launch would get wrong is refused before any launch: commands whose data
+        // slots would cross a third page (the controller would read PRP2 as a list).
+        let (_dev, ctrl) = soft(SoftConfig::default());
+        let ns = ctrl.namespace(1).unwrap();
+        let pair = ctrl.gpu_queue_pair(gpu, 64).unwrap();
+        assert_eq!(
+            ctrl.gpu_queue_pair(gpu, 32).unwrap_err().code(),
+            ErrorCode::InvalidArg
+        );
+        let data = ctrl.dma_buffer(128 * 8192).unwrap();
+        let mapped = data.map_for_gpu(gpu).unwrap();
+        let lbas = upload_u64s(&stream, gpu, &[0; 32]);
+        let st = gpu.alloc(32 * 4).unwrap();
+        for (blocks, refused) in [(15, true), (3, true), (4, false), (16, false)] {
+            let err = stream
+                .nvme_io(
+                    &[&pair],
+                    GpuNvmeOp::ReadChecked(1),
+                    &ns,
+                    &lbas,
+                    32,
+                    blocks,
+                    &mapped,
+                    &st,
+                    1,
+                )
+                .unwrap_err();
+            let want = if refused {
+                ErrorCode::InvalidArg
+            } else {
+                ErrorCode::Unsupported
+            };
+            assert_eq!(err.code(), want, "{blocks} blocks: {err}");
+        }
     }
 
     #[test]
@@ -664,6 +714,32 @@ mod gpu {
         assert!(others.clone().all(|(_, &s)| s == 0));
         // The odd 4 KiB slots still hold the first pattern (the writes took the even ones).
         assert_eq!(bad, 0, "reads under reordered and late completions");
+        dev.set_faults(SoftFaults::default());
+
+        // A controller that stops answering: the batch times out on the GPU (10 s), the
+        // pair is broken for good, and the host disables the controller and fails.
+        dev.set_faults(SoftFaults {
+            hang: true,
+            ..SoftFaults::default()
+        });
+        let n = 64usize;
+        let lba_buf = upload_u64s(&stream, &gpu, &vec![8; n]);
+        let st = gpu.alloc(n * 4).unwrap();
+        let err = stream
+            .nvme_io(
+                &queues[..1],
+                GpuNvmeOp::ReadChecked(SEED),
+                &ns,
+                &lba_buf,
+                n,
+                8,
+                &mapped,
+                &st,
+                1,
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("broken"), "{err}");
+        assert!(!ctrl.is_ready(), "the controller is disabled");
         dev.set_faults(SoftFaults::default());
         drop(mapped);
         drop(pairs);

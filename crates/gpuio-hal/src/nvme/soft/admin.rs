@@ -191,6 +191,12 @@ impl Admin {
                     Status::SUCCESS
                 }
             }),
+            admin::SET_FEATURES if sqe.cdw10 & 0xff == admin::FEATURE_NUMBER_OF_QUEUES => {
+                // Every doorbell the register page has: SOFT_QUEUES pairs.
+                let n = (SOFT_QUEUES - 1) as u32;
+                return (Status::SUCCESS, n | n << 16);
+            }
+            admin::SET_FEATURES => Status::INVALID_FIELD,
             _ => Status::INVALID_OPCODE,
         };
         (status, 0)
@@ -220,7 +226,7 @@ impl Admin {
                 data[128 + 2] = config.block_size.trailing_zeros() as u8;
             }
             admin::CNS_ACTIVE_NAMESPACES => {
-                for (i, nsid) in (sqe.nsid + 1..=count).take(1024).enumerate() {
+                for (i, nsid) in (sqe.nsid.saturating_add(1)..=count).take(1024).enumerate() {
                     data[4 * i..4 * i + 4].copy_from_slice(&nsid.to_le_bytes());
                 }
             }

@@ -106,7 +106,7 @@ pub(super) struct MapView {
 }
 
 impl DmaMapper for SoftMapper {
-    fn map(&self, mem: &DmaMemory) -> Result<u64> {
+    unsafe fn map(&self, mem: &DmaMemory) -> Result<u64> {
         let iova = self.space.take(mem.len())?;
         self.change(|t| {
             t.insert(iova, (mem.addr(0) as usize, mem.len()));

@@ -84,6 +84,8 @@ pub(super) fn serve(
 ) -> bool {
     let state = srv.state;
     let tail = state.reg(doorbell(qid, false, DSTRD));
+    // The entries the doorbell announces were written before it.
+    fence(Ordering::Acquire);
     if tail >= sq.spec.size as u32 {
         // An invalid doorbell write is a fatal error for a real controller too.
         state.go_fatal();
