@@ -8,7 +8,7 @@
 #endif
 
 // Command i (i < n) is `opcode` on namespace `nsid` at lbas[i], `blocks` blocks of
-// `block_bytes` (FLUSH: no data). Each warp owns 32 data slots of blocks * block_bytes bytes
+// `block_bytes` (FLUSH: no data, and `lbas` is not read). Each warp owns 32 data slots of blocks * block_bytes bytes
 // in host memory (mapped at `data`, IO address `data_iova`): slot (global warp * 32 + lane).
 // A WRITE's slot is filled with pattern stream `seed` at the command's byte offset in the
 // namespace (lba * block_bytes) first; a READ's slot is checked against the same pattern
@@ -35,7 +35,7 @@ extern "C" __global__ void gpuio_nvme_io(const gpuio_nvme_queue* queues, unsigne
     for (unsigned long long base = warp * 32ull; base < n; base += warps * 32ull) {
         const unsigned long long i = base + lane;
         const bool active = i < n;
-        const unsigned long long lba = active ? lbas[i] : 0ull;
+        const unsigned long long lba = (active && opcode != GPUIO_NVME_FLUSH) ? lbas[i] : 0ull;
         gpuio_nvme_sqe sqe;
         if (opcode == GPUIO_NVME_FLUSH) {
             sqe = gpuio_nvme_flush(nsid);

@@ -14,7 +14,7 @@ const THREADS: u32 = 128;
 
 impl Stream {
     /// GPU threads submit `count` commands, command `i` at LBA `lbas[i]` (u64s on this
-    /// device) of `blocks` blocks of `ns` (at most two memory pages per command), on `queues`
+    /// device; not read for flushes) of `blocks` blocks of `ns` (at most two memory pages per command), on `queues`
     /// (block `b` of the grid using `queues[b % len]`), with `grid` blocks of 128 threads.
     /// Each warp's data slots (32 of `blocks` blocks each) lie in `data` in warp order, so it
     /// must hold `grid * 4 * 32` slots. Command `i`'s status field goes to `statuses[i]` (u32,
@@ -82,7 +82,16 @@ impl Stream {
             nqueues: queues.len() as u32,
             opcode: opcode as u32,
             nsid: ns.nsid,
-            lbas: lbas.range("NVMe LBAs", 0, count.saturating_mul(8))?,
+            // A flush reads no LBA.
+            lbas: lbas.range(
+                "NVMe LBAs",
+                0,
+                if op == GpuNvmeOp::Flush {
+                    0
+                } else {
+                    count.saturating_mul(8)
+                },
+            )?,
             count: count as u64,
             blocks,
             block_bytes,
