@@ -13,7 +13,7 @@
 //!   threads on all but two cores), in the same run.
 
 use crate::localio::api;
-use crate::{BenchError, Record, Result, Target, fresh_seed};
+use crate::{BenchError, Record, Result, Target, fresh_seed, median};
 use gpuio_api::Session;
 use gpuio_core::ring::WaitPolicy;
 use gpuio_core::{Endpoint, HostMemory, RingConfig, RingProxy};
@@ -65,11 +65,6 @@ impl Options {
             ..Self::default()
         }
     }
-}
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v.get(v.len() / 2).copied().unwrap_or_default()
 }
 
 fn hal(e: gpuio_hal::HalError) -> BenchError {
