@@ -302,6 +302,24 @@ impl State {
     }
 }
 
+/// Held by each controller thread: when the thread ends, however it ends (a panic
+/// included), it stops counting in the acknowledgements others wait for, so no unmap and no
+/// queue-table change waits for a thread that is gone.
+struct Departure {
+    state: Arc<State>,
+    /// The thread's index among all (the admin thread is 0).
+    index: usize,
+}
+
+impl Drop for Departure {
+    fn drop(&mut self) {
+        self.state.mapper.acked[self.index].store(u64::MAX, Ordering::Release);
+        if let Some(worker) = self.index.checked_sub(1) {
+            self.state.acked[worker].store(u64::MAX, Ordering::Release);
+        }
+    }
+}
+
 /// The software controller; its threads stop when this is dropped.
 pub struct SoftController {
     state: Arc<State>,
@@ -377,13 +395,25 @@ impl SoftController {
         let s = state.clone();
         controller.threads.push(spawn(
             "gpuio-soft-nvme".into(),
-            Box::new(move || admin::Admin::new(s).serve()),
+            Box::new(move || {
+                let _leaving = Departure {
+                    state: s.clone(),
+                    index: 0,
+                };
+                admin::Admin::new(s).serve()
+            }),
         )?);
         for w in 0..workers {
             let s = state.clone();
             controller.threads.push(spawn(
                 format!("gpuio-soft-nvme-io{w}"),
-                Box::new(move || worker::Worker::new(s, w).serve()),
+                Box::new(move || {
+                    let _leaving = Departure {
+                        state: s.clone(),
+                        index: w + 1,
+                    };
+                    worker::Worker::new(s, w).serve()
+                }),
             )?);
         }
         Ok(controller)
