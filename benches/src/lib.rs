@@ -108,6 +108,22 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v.get(v.len() / 2).copied().unwrap_or_default()
 }
 
+/// What a suite run gives: its records, its targets judged, and notes.
+pub type SuiteOutcome = (Vec<Record>, Vec<Target>, Vec<String>);
+
+/// The session's GPU 0 where it is a CUDA device; else the outcome of a suite that needs
+/// one: nothing recorded, and `why` as its note.
+fn cuda_gpu(
+    session: &gpuio_api::Session,
+    why: &str,
+) -> Result<std::result::Result<gpuio_hal::Gpu, SuiteOutcome>> {
+    let gpu = session.gpu(0)?.clone();
+    if gpu.backend() == gpuio_hal::Backend::Host {
+        return Ok(Err((Vec::new(), Vec::new(), vec![why.to_string()])));
+    }
+    Ok(Ok(gpu))
+}
+
 /// Runs `ours` and `peer` alternately (so drift hits both alike), swapping which goes first
 /// every repetition (so neither always finds the other's data warm in the caches), and
 /// returns their medians. Each closure gets the repetition number, to rotate among inputs.

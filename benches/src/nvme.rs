@@ -18,7 +18,7 @@ use gpuio_api::Session;
 use gpuio_core::ring::WaitPolicy;
 use gpuio_core::{Endpoint, HostMemory, RingConfig, RingProxy};
 use gpuio_hal::nvme::{Controller, ControllerOptions, GpuNvmeOp, SoftConfig, SoftController};
-use gpuio_hal::{Backend, HostAllocOptions, HostBuffer, pattern};
+use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
 use std::time::{Duration, Instant};
 
 /// The suite's name.
@@ -77,17 +77,13 @@ pub fn run(
     opts: &Options,
     progress: &mut dyn FnMut(&str),
 ) -> Result<(Vec<Record>, Vec<Target>, Vec<String>)> {
-    let gpu = session.gpu(0)?.clone();
-    if gpu.backend() == Backend::Host {
-        return Ok((
-            Vec::new(),
-            Vec::new(),
-            vec![
-                "nvme: needs a GPU (kernels drive the queues); the host driver is tested in CI"
-                    .into(),
-            ],
-        ));
-    }
+    let gpu = match crate::cuda_gpu(
+        session,
+        "nvme: needs a GPU (kernels drive the queues); the host driver is tested in CI",
+    )? {
+        Ok(gpu) => gpu,
+        Err(nothing) => return Ok(nothing),
+    };
     let seed = fresh_seed();
     let blocks = opts.namespace / 512;
     progress("software controller and namespace");

@@ -22,7 +22,7 @@ use crate::{BenchError, Record, Result, Target, fresh_seed};
 use gpuio_api::{OpenOptions, Session};
 use gpuio_core::ondemand::{ArrayMode, OnDemandArray, PageCache, PageCacheConfig};
 use gpuio_core::{Endpoint, RingConfig, RingProxy};
-use gpuio_hal::{Backend, DeviceBuffer, Gpu, HostAllocOptions, HostBuffer, Stream, pattern};
+use gpuio_hal::{DeviceBuffer, Gpu, HostAllocOptions, HostBuffer, Stream, pattern};
 use rayon::prelude::*;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
@@ -209,14 +209,13 @@ pub fn run(
     opts: &Options,
     progress: &mut dyn FnMut(&str),
 ) -> Result<(Vec<Record>, Vec<Target>, Vec<String>)> {
-    let gpu = session.gpu(0)?.clone();
-    if gpu.backend() == Backend::Host {
-        return Ok((
-            Vec::new(),
-            Vec::new(),
-            vec!["ondemand: needs a GPU (kernels index the arrays); the host backend's accessor is tested in CI".into()],
-        ));
-    }
+    let gpu = match crate::cuda_gpu(
+        session,
+        "ondemand: needs a GPU (kernels index the arrays); the host backend's accessor is tested in CI",
+    )? {
+        Ok(gpu) => gpu,
+        Err(nothing) => return Ok(nothing),
+    };
     let seed = fresh_seed();
     let path = opts
         .scratch

@@ -16,7 +16,7 @@ use crate::{BenchError, Record, Result, Target, fresh_seed};
 use gpuio_api::{OpenOptions, Session};
 use gpuio_core::ring::WaitPolicy;
 use gpuio_core::{Endpoint, RingConfig, RingProxy};
-use gpuio_hal::{Backend, pattern};
+use gpuio_hal::pattern;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -93,14 +93,13 @@ pub fn run(
     opts: &Options,
     progress: &mut dyn FnMut(&str),
 ) -> Result<(Vec<Record>, Vec<Target>, Vec<String>)> {
-    let gpu = session.gpu(0)?.clone();
-    if gpu.backend() == Backend::Host {
-        return Ok((
-            Vec::new(),
-            Vec::new(),
-            vec!["ring: needs a GPU (kernels post the requests); the host backend's producer is tested in CI".into()],
-        ));
-    }
+    let gpu = match crate::cuda_gpu(
+        session,
+        "ring: needs a GPU (kernels post the requests); the host backend's producer is tested in CI",
+    )? {
+        Ok(gpu) => gpu,
+        Err(nothing) => return Ok(nothing),
+    };
     let io = session.localio();
     let seed = fresh_seed();
     let path = opts
