@@ -54,6 +54,8 @@ struct gpuio_nvme_queue {
     unsigned long long state;        // a gpuio_nvme_state in GPU memory
     unsigned int depth;
     unsigned int qid;
+    unsigned long long lists;       // one 4 KiB PRP list page per command identifier
+    unsigned long long lists_iova;  // the controller's address of the first
 };
 
 // Where the GPU's side of a queue pair stands between batches.
@@ -66,7 +68,7 @@ struct gpuio_nvme_state {
 
 static_assert(sizeof(gpuio_nvme_sqe) == 64, "SQE is 64 bytes");
 static_assert(sizeof(gpuio_nvme_cqe) == 16, "CQE is 16 bytes");
-static_assert(sizeof(gpuio_nvme_queue) == 48, "queue descriptor is 48 bytes");
+static_assert(sizeof(gpuio_nvme_queue) == 64, "queue descriptor is 64 bytes");
 static_assert(sizeof(gpuio_nvme_state) == 16, "queue state is 16 bytes");
 
 #define GPUIO_NVME_FLUSH 0x00u
@@ -91,9 +93,17 @@ __device__ __forceinline__ unsigned long long gpuio_nvme_now() {
     return t;
 }
 
+// Whether `bytes` at IO address `iova` touch more than two memory pages (PRP2 must then
+// name a PRP list).
+__device__ __forceinline__ bool gpuio_nvme_needs_list(unsigned long long iova,
+                                                      unsigned long long bytes) {
+    return iova % GPUIO_NVME_PAGE + bytes > 2ull * GPUIO_NVME_PAGE;
+}
+
 // A READ or WRITE of `blocks` blocks at `lba` moving `bytes` bytes at IO address `iova`
-// (dword-aligned; at most two memory pages, iova % 4096 + bytes <= 8192: PRP1 and PRP2, no
-// PRP list — a longer transfer would make the controller read PRP2 as a list).
+// (dword-aligned). PRP1 and, where the transfer touches exactly two pages, PRP2 are set; a
+// transfer over more pages needs a PRP list, which gpuio_nvme_warp_rw writes (PRP2 stays 0
+// here).
 __device__ __forceinline__ gpuio_nvme_sqe gpuio_nvme_rw(unsigned int opcode, unsigned int nsid,
                                                         unsigned long long lba,
                                                         unsigned int blocks,
@@ -104,7 +114,7 @@ __device__ __forceinline__ gpuio_nvme_sqe gpuio_nvme_rw(unsigned int opcode, uns
     e.nsid = nsid;
     e.prp1 = iova;
     const unsigned long long second = (iova / GPUIO_NVME_PAGE + 1) * GPUIO_NVME_PAGE;
-    e.prp2 = (iova + bytes > second) ? second : 0ull;
+    e.prp2 = (iova + bytes > second && !gpuio_nvme_needs_list(iova, bytes)) ? second : 0ull;
     e.cdw10 = (unsigned int)lba;
     e.cdw11 = (unsigned int)(lba >> 32);
     e.cdw12 = (blocks - 1u) & 0xffffu;
@@ -119,14 +129,16 @@ __device__ __forceinline__ gpuio_nvme_sqe gpuio_nvme_flush(unsigned int nsid) {
     return e;
 }
 
-// Submits each active lane's `sqe` on queue pair `q` as one batch and waits for all of them;
+// Submits each active lane's `sqe` on queue pair `q` as one batch and waits for all of them,
+// calling `prepare(sqe, command identifier)` on each lane's entry under the pair's lock;
 // returns the lane's status field (0: success; GPUIO_NVME_TIMED_OUT where no completion came
 // in time, after which the pair is broken; GPUIO_NVME_BROKEN where it already was).
 // Every lane of the warp that is running must call it together (inactive lanes pass
 // `active = false`). The data a command reads is in its buffer once this returns: the
 // completion is posted after the data (NVMe orders them), and the lane fences before reading.
-__device__ unsigned int gpuio_nvme_warp_submit(const gpuio_nvme_queue* q, bool active,
-                                               gpuio_nvme_sqe sqe) {
+template <class Prepare>
+__device__ unsigned int gpuio_nvme_warp_batch(const gpuio_nvme_queue* q, bool active,
+                                              gpuio_nvme_sqe sqe, Prepare prepare) {
     const unsigned int warp = __activemask();
     const unsigned int act = __ballot_sync(warp, active);
     if (act == 0) return 0;
@@ -157,6 +169,9 @@ __device__ unsigned int gpuio_nvme_warp_submit(const gpuio_nvme_queue* q, bool a
     head = __shfl_sync(warp, head, leader);
     phase = __shfl_sync(warp, phase, leader);
     if (active) {
+        // The command identifier is the lane's rank; its PRP list page is the pair's
+        // page of that identifier, the warp's while it holds the lock.
+        prepare(sqe, rank);
         sqe.cdw0 = (sqe.cdw0 & 0xffffu) | (rank << 16);
         volatile unsigned long long* to =
             (volatile unsigned long long*)(q->sq + (unsigned long long)((tail + rank) % depth) * 64ull);
@@ -221,6 +236,34 @@ __device__ unsigned int gpuio_nvme_warp_submit(const gpuio_nvme_queue* q, bool a
         atomicExch(&st->lock, GPUIO_NVME_LOCK_FREE);
     }
     return mine;
+}
+
+// Submits each active lane's `sqe` (its PRPs complete: at most two pages) as one batch.
+__device__ unsigned int gpuio_nvme_warp_submit(const gpuio_nvme_queue* q, bool active,
+                                               gpuio_nvme_sqe sqe) {
+    return gpuio_nvme_warp_batch(q, active, sqe, [](gpuio_nvme_sqe&, unsigned int) {});
+}
+
+// Each active lane's READ or WRITE (gpuio_nvme_rw's arguments; `bytes` up to 2 MiB and the
+// controller's transfer limit) as one batch: a transfer over more than two pages gets its
+// PRP list written into the pair's list page of its command identifier.
+__device__ unsigned int gpuio_nvme_warp_rw(const gpuio_nvme_queue* q, bool active,
+                                           unsigned int opcode, unsigned int nsid,
+                                           unsigned long long lba, unsigned int blocks,
+                                           unsigned long long iova, unsigned long long bytes) {
+    const gpuio_nvme_sqe sqe = gpuio_nvme_rw(opcode, nsid, lba, blocks, iova, bytes);
+    const bool list = gpuio_nvme_needs_list(iova, bytes);
+    return gpuio_nvme_warp_batch(q, active, sqe, [&](gpuio_nvme_sqe& e, unsigned int cid) {
+        if (!list) return;
+        volatile unsigned long long* page =
+            (volatile unsigned long long*)(q->lists + (unsigned long long)cid * GPUIO_NVME_PAGE);
+        unsigned int i = 0;
+        for (unsigned long long at = (iova / GPUIO_NVME_PAGE + 1) * GPUIO_NVME_PAGE;
+             at < iova + bytes; at += GPUIO_NVME_PAGE) {
+            page[i++] = at;
+        }
+        e.prp2 = q->lists_iova + (unsigned long long)cid * GPUIO_NVME_PAGE;
+    });
 }
 
 #endif  // GPUIO_NVME_CUH

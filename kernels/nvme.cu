@@ -36,13 +36,6 @@ extern "C" __global__ void gpuio_nvme_io(const gpuio_nvme_queue* queues, unsigne
         const unsigned long long i = base + lane;
         const bool active = i < n;
         const unsigned long long lba = (active && opcode != GPUIO_NVME_FLUSH) ? lbas[i] : 0ull;
-        gpuio_nvme_sqe sqe;
-        if (opcode == GPUIO_NVME_FLUSH) {
-            sqe = gpuio_nvme_flush(nsid);
-        } else {
-            sqe = gpuio_nvme_rw(opcode, nsid, lba, blocks, data_iova + (slots - data) + lane * bytes,
-                                bytes);
-        }
         if (opcode == GPUIO_NVME_WRITE) {
             const unsigned int fill = __ballot_sync(0xffffffffu, active);
             for (unsigned int k = 0; k < 32u; ++k) {
@@ -56,7 +49,11 @@ extern "C" __global__ void gpuio_nvme_io(const gpuio_nvme_queue* queues, unsigne
             }
             __threadfence_system();
         }
-        const unsigned int status = gpuio_nvme_warp_submit(q, active, sqe);
+        const unsigned int status =
+            opcode == GPUIO_NVME_FLUSH
+                ? gpuio_nvme_warp_submit(q, active, gpuio_nvme_flush(nsid))
+                : gpuio_nvme_warp_rw(q, active, opcode, nsid, lba, blocks,
+                                     data_iova + (slots - data) + lane * bytes, bytes);
         if (active) statuses[i] = status;
         if (opcode == GPUIO_NVME_READ) {
             const unsigned int check = __ballot_sync(0xffffffffu, active && status == 0u);
@@ -105,6 +102,8 @@ extern "C" __global__ void gpuio_nvme_layout(unsigned long long* out) {
     GPUIO_NVME_FIELD(gpuio_nvme_queue, state)
     GPUIO_NVME_FIELD(gpuio_nvme_queue, depth)
     GPUIO_NVME_FIELD(gpuio_nvme_queue, qid)
+    GPUIO_NVME_FIELD(gpuio_nvme_queue, lists)
+    GPUIO_NVME_FIELD(gpuio_nvme_queue, lists_iova)
     out[i++] = sizeof(gpuio_nvme_state);
     GPUIO_NVME_FIELD(gpuio_nvme_state, lock)
     GPUIO_NVME_FIELD(gpuio_nvme_state, sq_tail)

@@ -14,8 +14,10 @@ const THREADS: u32 = 128;
 
 impl Stream {
     /// GPU threads submit `count` commands, command `i` at LBA `lbas[i]` (u64s on this
-    /// device; not read for flushes) of `blocks` blocks of `ns` (at most two memory pages per command), on `queues`
-    /// (block `b` of the grid using `queues[b % len]`), with `grid` blocks of 128 threads.
+    /// device; not read for flushes) of `blocks` blocks of `ns` (up to the controller's
+    /// transfer limit; the GPU writes a PRP list where a command spans more than two pages),
+    /// on `queues` (block `b` of the grid using `queues[b % len]`), with `grid` blocks of 128
+    /// threads.
     /// Each warp's data slots (32 of `blocks` blocks each) lie in `data` in warp order, so it
     /// must hold `grid * 4 * 32` slots. Command `i`'s status field goes to `statuses[i]` (u32,
     /// 0 success); the 8-byte words a checked read found wrong are returned. Waits for the
@@ -49,15 +51,12 @@ impl Stream {
         } else {
             blocks as usize * block_bytes as usize
         };
-        // A GPU command names at most two pages (PRP1 and PRP2, no list): every slot, at a
-        // multiple of `bytes` from a page boundary, must stay within two.
-        let page = crate::nvme::spec::PAGE;
-        if op != GpuNvmeOp::Flush
-            && !(bytes > 0 && (page.is_multiple_of(bytes) || bytes == 2 * page))
-        {
+        // One command moves at most what every pair's controller takes and one PRP list
+        // page names.
+        let max = queues.iter().map(|q| q.max_transfer()).min().unwrap_or(0);
+        if op != GpuNvmeOp::Flush && (bytes == 0 || bytes > max) {
             return Err(HalError::InvalidArgument(format!(
-                "a GPU-issued NVMe command moves a power-of-two share of a 4 KiB page, 4 KiB or \
-                 8 KiB (its slots must not cross a third page), not {blocks} blocks of \
+                "a GPU-issued NVMe command moves 1 block to {max} bytes, not {blocks} blocks of \
                  {block_bytes} bytes"
             )));
         }

@@ -384,8 +384,8 @@ impl IoQueuePair {
         self.shared.disable()
     }
 
-    /// The SQ's and CQ's memory (for registering them with a GPU).
-    pub(crate) fn queue_memory(&self) -> (&DmaBuffer, &DmaBuffer) {
+    /// The SQ's, the CQ's and the PRP list pages' memory (for registering with a GPU).
+    pub(crate) fn queue_memory(&self) -> (&DmaBuffer, &DmaBuffer, &DmaBuffer) {
         self.qp.memory()
     }
 

@@ -37,6 +37,10 @@ pub struct NvmeQueueDevice {
     pub depth: u32,
     /// The queue identifier.
     pub qid: u32,
+    /// Kernels' address of the pair's PRP list pages (one 4 KiB page per command identifier).
+    pub lists: u64,
+    /// The controller's address of the first list page.
+    pub lists_iova: u64,
 }
 
 /// The GPU's side of a queue pair between batches (`gpuio_nvme_state`), in GPU memory.
@@ -54,7 +58,7 @@ pub struct NvmeQueueState {
 }
 
 const _: () = {
-    assert!(size_of::<NvmeQueueDevice>() == 48);
+    assert!(size_of::<NvmeQueueDevice>() == 64);
     assert!(size_of::<NvmeQueueState>() == 16);
 };
 
@@ -86,6 +90,8 @@ pub fn layout_words() -> Vec<u64> {
     field!(w, NvmeQueueDevice, state);
     field!(w, NvmeQueueDevice, depth);
     field!(w, NvmeQueueDevice, qid);
+    field!(w, NvmeQueueDevice, lists);
+    field!(w, NvmeQueueDevice, lists_iova);
     w.push(size_of::<NvmeQueueState>() as u64);
     field!(w, NvmeQueueState, lock);
     field!(w, NvmeQueueState, sq_tail);
@@ -100,7 +106,10 @@ pub struct GpuQueuePair {
     // Field order is drop order: unregister before the queue memory is freed.
     _sq_pin: Box<dyn HostPin>,
     _cq_pin: Box<dyn HostPin>,
+    _lists_pin: Box<dyn HostPin>,
     _state: DeviceBuffer,
+    /// The most one command moves (the controller's limit, and one list page's).
+    max_transfer: usize,
     device: NvmeQueueDevice,
     gpu: Gpu,
     // Keeps the queues on the controller (deleted when dropped, after the pins above).
@@ -126,6 +135,11 @@ impl GpuQueuePair {
     /// The GPU whose kernels drive it.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// The most one command on this pair moves, in bytes.
+    pub fn max_transfer(&self) -> usize {
+        self.max_transfer
     }
 
     /// Whether a GPU batch on this pair timed out (its lock word says broken): a completion
@@ -165,11 +179,15 @@ impl Controller {
         }
         let doorbells = self.doorbells_for(gpu)?;
         let io = self.io_queue_pair(depth)?;
-        let (sq, cq) = io.queue_memory();
-        // SAFETY: the queue memory lives in `io`, which GpuQueuePair drops after both pins.
+        let (sq, cq, lists) = io.queue_memory();
+        // SAFETY: the queue memory lives in `io`, which GpuQueuePair drops after the pins.
         let (sq_pin, sq_addr) = unsafe { gpu.pin_mapped(sq.memory().addr(0), sq.len(), false)? };
         // SAFETY: as above.
         let (cq_pin, cq_addr) = unsafe { gpu.pin_mapped(cq.memory().addr(0), cq.len(), false)? };
+        // SAFETY: as above.
+        let (lists_pin, lists_addr) =
+            unsafe { gpu.pin_mapped(lists.memory().addr(0), lists.len(), false)? };
+        let lists_iova = lists.iova();
         let state = gpu.alloc(size_of::<NvmeQueueState>())?;
         let initial = NvmeQueueState {
             phase: 1,
@@ -185,11 +203,20 @@ impl Controller {
             state: state.device_addr(),
             depth: depth as u32,
             qid: io.qid() as u32,
+            lists: lists_addr,
+            lists_iova,
         };
+        let max_transfer = self
+            .identity()
+            .max_transfer()
+            .unwrap_or(usize::MAX)
+            .min(super::prp::MAX_TRANSFER);
         Ok(GpuQueuePair {
             _sq_pin: sq_pin,
             _cq_pin: cq_pin,
+            _lists_pin: lists_pin,
             _state: state,
+            max_transfer,
             device,
             gpu: gpu.clone(),
             _io: io,
@@ -244,12 +271,15 @@ pub enum GpuNvmeOp {
 }
 
 fn descriptor_bytes(d: &NvmeQueueDevice) -> Vec<u8> {
-    let mut b = Vec::with_capacity(48);
+    let mut b = Vec::with_capacity(64);
     for v in [d.sq, d.cq, d.sq_doorbell, d.cq_doorbell, d.state] {
         b.extend_from_slice(&v.to_le_bytes());
     }
     b.extend_from_slice(&d.depth.to_le_bytes());
     b.extend_from_slice(&d.qid.to_le_bytes());
+    for v in [d.lists, d.lists_iova] {
+        b.extend_from_slice(&v.to_le_bytes());
+    }
     b
 }
 
@@ -262,7 +292,17 @@ mod tests {
         let w = layout_words();
         assert_eq!(w[0], 64, "SQE");
         assert_eq!(&w[1..3], &[4, 4], "nsid");
-        assert_eq!(w.len(), 1 + 10 + 1 + 6 + 1 + 14 + 1 + 8);
-        assert_eq!(descriptor_bytes(&NvmeQueueDevice::default()).len(), 48);
+        assert_eq!(w.len(), 1 + 10 + 1 + 6 + 1 + 18 + 1 + 8);
+        let d = NvmeQueueDevice {
+            lists_iova: 0x1122,
+            ..NvmeQueueDevice::default()
+        };
+        let bytes = descriptor_bytes(&d);
+        assert_eq!(bytes.len(), 64);
+        assert_eq!(
+            bytes[56..64],
+            0x1122u64.to_le_bytes(),
+            "lists_iova at its offset"
+        );
     }
 }

@@ -91,9 +91,9 @@ impl QueuePair {
         (self.sq.iova(), self.cq.iova())
     }
 
-    /// The SQ's and CQ's memory.
-    pub(crate) fn memory(&self) -> (&DmaBuffer, &DmaBuffer) {
-        (&self.sq, &self.cq)
+    /// The SQ's, the CQ's and the PRP list pages' memory.
+    pub(crate) fn memory(&self) -> (&DmaBuffer, &DmaBuffer, &DmaBuffer) {
+        (&self.sq, &self.cq, &self.lists)
     }
 
     /// Register offsets of the SQ tail and CQ head doorbells.

@@ -523,8 +523,8 @@ mod gpu {
         let stream = gpu.stream().unwrap();
         let err = stream.nvme_layout_words().unwrap_err();
         assert_eq!(err.code(), ErrorCode::Unsupported, "{err}");
-        // What a launch would get wrong is refused before any launch: commands whose data
-        // slots would cross a third page (the controller would read PRP2 as a list).
+        // What a launch would get wrong is refused before any launch: commands of no blocks,
+        // or over the controller's transfer limit.
         let (_dev, ctrl) = soft(SoftConfig::default());
         let ns = ctrl.namespace(1).unwrap();
         let pair = ctrl.gpu_queue_pair(gpu, 64).unwrap();
@@ -532,11 +532,12 @@ mod gpu {
             ctrl.gpu_queue_pair(gpu, 32).unwrap_err().code(),
             ErrorCode::InvalidArg
         );
-        let data = ctrl.dma_buffer(128 * 8192).unwrap();
+        let data = ctrl.dma_buffer(128 * 128 * 1024).unwrap();
         let mapped = data.map_for_gpu(gpu).unwrap();
         let lbas = upload_u64s(&stream, gpu, &[0; 32]);
         let st = gpu.alloc(32 * 4).unwrap();
-        for (blocks, refused) in [(15, true), (3, true), (4, false), (16, false)] {
+        // Up to the controller's transfer limit (MDTS 5: 128 KiB), any block count.
+        for (blocks, refused) in [(0, true), (257, true), (15, false), (256, false)] {
             let err = stream
                 .nvme_io(
                     &[&pair],
@@ -580,13 +581,19 @@ mod gpu {
             .collect();
         let queues: Vec<_> = pairs.iter().collect();
         let grid = 8u32;
-        let data = ctrl.dma_buffer(grid as usize * 128 * 8192).unwrap();
+        let data = ctrl.dma_buffer(grid as usize * 128 * 65536).unwrap();
         let mapped = data.map_for_gpu(&gpu).unwrap();
 
-        // Checked reads: 4 KiB at random 4 KiB-aligned LBAs, then 8 KiB (PRP1 + PRP2).
-        for (blocks, n) in [(8u32, 100_000usize), (16, 20_000)] {
+        // Checked reads: 4 KiB at random 4 KiB-aligned LBAs, 8 KiB (PRP1 + PRP2), 7.5 KiB
+        // (slots crossing three pages) and 64 KiB (PRP lists the GPU writes).
+        for (blocks, n) in [
+            (8u32, 100_000usize),
+            (16, 20_000),
+            (15, 20_000),
+            (128, 8_000),
+        ] {
             let lbas: Vec<u64> = (0..n as u64)
-                .map(|i| pattern::mix64(i ^ blocks as u64) % (131072 / 16) * 16)
+                .map(|i| pattern::mix64(i ^ blocks as u64) % ((131072 - blocks as u64) / 16) * 16)
                 .collect();
             let lba_buf = upload_u64s(&stream, &gpu, &lbas);
             let st = gpu.alloc(n * 4).unwrap();
