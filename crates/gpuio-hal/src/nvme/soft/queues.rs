@@ -41,6 +41,8 @@ pub(super) struct SoftCq {
     pub(super) id: u16,
     pub(super) spec: CqSpec,
     tail: u16,
+    /// The head doorbell as last read.
+    head: u32,
     phase: bool,
     /// Completions held back (reordering).
     held: Vec<Cqe>,
@@ -58,6 +60,7 @@ impl SoftCq {
             id,
             spec,
             tail: 0,
+            head: 0,
             phase: true,
             held: Vec::new(),
         }
@@ -130,12 +133,20 @@ pub(super) fn serve(
     worked
 }
 
-/// Whether `cq` has room for one more entry (counting held ones), as its head doorbell says.
-fn has_room(state: &State, cq: &SoftCq) -> bool {
+/// Whether `cq` has room for one more entry (counting held ones). The head doorbell (a line
+/// the host or GPU writes) is read again only when the head last read leaves no room: the
+/// head only moves forward, so room seen once stays.
+fn has_room(state: &State, cq: &mut SoftCq) -> bool {
     let size = cq.spec.size as u32;
-    let head = state.reg(doorbell(cq.id, true, DSTRD));
-    let used = (cq.tail as u32 + size - head % size) % size + cq.held.len() as u32;
-    used + 1 < size
+    let room = |head: u32| {
+        let used = (cq.tail as u32 + size - head % size) % size + cq.held.len() as u32;
+        used + 1 < size
+    };
+    if room(cq.head) {
+        return true;
+    }
+    cq.head = state.reg(doorbell(cq.id, true, DSTRD));
+    room(cq.head)
 }
 
 fn complete(srv: &mut Server<'_>, cq: &mut SoftCq, cqe: Cqe, faults: &SoftFaults) {
