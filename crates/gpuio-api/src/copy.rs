@@ -152,8 +152,22 @@ impl Session {
                 pending = Some(p);
                 Resource::File(handle)
             }
+            Uri::Nvme { .. } if src == dst => {
+                return Err(Error::Invalid(format!(
+                    "{src} and {dst} are the same namespace"
+                )));
+            }
             other => self.open(other, len_usize, Access::Write)?,
         };
+        if let Resource::File(f) = &destination
+            && let Some(ns) = f.nvme_device()
+            && len > ns.len()
+        {
+            return Err(Error::Invalid(format!(
+                "{src} ({len} bytes) does not fit {dst} ({} bytes): nothing was written",
+                ns.len()
+            )));
+        }
         if let Resource::Remote(replicas) = &destination {
             // Every replica must take the whole copy before the first byte goes out: a copy
             // that fails half-way would leave an export half overwritten.

@@ -13,7 +13,7 @@ use gpuio_core::{
 };
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{DeviceBuffer, Gpu, Probe, StagingPool};
-use gpuio_transport_localio::{FileHandle, LocalIo, OpenOptions};
+use gpuio_transport_localio::{FileHandle, LocalIo, NvmeDevice, OpenOptions};
 use gpuio_transport_memio::{HostPlacement, MemIo};
 #[cfg(feature = "registry")]
 use gpuio_transport_remoteio::Registry;
@@ -281,6 +281,13 @@ impl Session {
                     ..opts
                 };
                 Ok(Resource::File(self.open_file(path, opts)?))
+            }
+            Uri::Nvme { address, nsid } => {
+                let device = NvmeDevice::open(address, *nsid)?;
+                Ok(Resource::File(FileHandle::nvme(
+                    device,
+                    access != Access::Read,
+                )))
             }
             Uri::Remote {
                 target,

@@ -2,6 +2,7 @@
 //! file and full disks exactly, buffered or O_DIRECT (aligned through a bounce buffer where the
 //! caller's range or memory is not), and the file facts device IO needs (alignment, extents).
 
+use crate::nvme::NvmeDevice;
 use crate::{LocalIoError, Result};
 use gpuio_hal::file::{DirectIoAlignment, Extent};
 use gpuio_hal::sync::MutexExt;
@@ -60,7 +61,8 @@ impl OpenOptions {
     }
 }
 
-/// An open file or block device. Cheap to clone; positioned IO needs no shared cursor, so
+/// An open file or block device: one the kernel serves, or an NVMe namespace gpuio's own
+/// driver serves ([`NvmeDevice`]). Cheap to clone; positioned IO needs no shared cursor, so
 /// clones may read and write concurrently.
 #[derive(Debug, Clone)]
 pub struct FileHandle {
@@ -69,9 +71,23 @@ pub struct FileHandle {
 
 #[derive(Debug)]
 struct FileInner {
-    file: Arc<File>,
     path: PathBuf,
     writable: bool,
+    backing: Backing,
+}
+
+/// What serves a handle's IO.
+#[derive(Debug)]
+enum Backing {
+    /// The kernel, through a file descriptor.
+    Os(OsFile),
+    /// gpuio's NVMe driver.
+    Nvme(NvmeDevice),
+}
+
+#[derive(Debug)]
+struct OsFile {
+    file: Arc<File>,
     direct: bool,
     alignment: DirectIoAlignment,
     gds: Option<bool>,
@@ -145,15 +161,12 @@ impl FileHandle {
             path: self.inner.path.clone(),
             kind: kind.into(),
         };
-        let meta = self
-            .inner
-            .file
-            .metadata()
-            .map_err(|e| self.io("stat", 0, e))?;
+        let file = self.os_file()?;
+        let meta = file.metadata().map_err(|e| self.io("stat", 0, e))?;
         if let Some(kind) = special_kind(&meta) {
             return Err(unsized_as(kind));
         }
-        gpuio_hal::clear_nonblocking(&*self.inner.file)?;
+        gpuio_hal::clear_nonblocking(&*file)?;
         if meta.is_file() && meta.len() == 0 {
             // Pseudo-file systems report 0 for files that have content: one byte tells.
             let mut probe = [0u8; 1];
@@ -194,15 +207,56 @@ impl FileHandle {
         let alignment = gpuio_hal::file::direct_io_alignment(&file);
         Self {
             inner: Arc::new(FileInner {
-                file: Arc::new(file),
                 path,
                 writable,
-                direct,
-                alignment,
-                gds,
-                gds_files: Mutex::new(Vec::new()),
+                backing: Backing::Os(OsFile {
+                    file: Arc::new(file),
+                    direct,
+                    alignment,
+                    gds,
+                    gds_files: Mutex::new(Vec::new()),
+                }),
             }),
         }
+    }
+
+    /// An NVMe namespace served by gpuio's driver, as a file of the namespace's size (its
+    /// path is the device's name, `nvme://<address>/<nsid>`). Writes past its end are
+    /// [`LocalIoError::NoSpace`]; `sync_data` is an NVMe FLUSH.
+    pub fn nvme(device: NvmeDevice, writable: bool) -> Self {
+        Self {
+            inner: Arc::new(FileInner {
+                path: device.name().into(),
+                writable,
+                backing: Backing::Nvme(device),
+            }),
+        }
+    }
+
+    /// The NVMe namespace behind this handle, where gpuio's driver serves it.
+    pub fn nvme_device(&self) -> Option<&NvmeDevice> {
+        match &self.inner.backing {
+            Backing::Nvme(d) => Some(d),
+            Backing::Os(_) => None,
+        }
+    }
+
+    fn os(&self) -> Option<&OsFile> {
+        match &self.inner.backing {
+            Backing::Os(f) => Some(f),
+            Backing::Nvme(_) => None,
+        }
+    }
+
+    /// The kernel's file under this handle; an NVMe namespace gpuio drives has none, which
+    /// the paths that need one say.
+    pub(crate) fn os_file(&self) -> Result<Arc<File>> {
+        self.os().map(|f| f.file.clone()).ok_or_else(|| {
+            LocalIoError::Hal(gpuio_hal::HalError::Unsupported {
+                what: "this operation on an NVMe namespace gpuio's driver serves",
+                reason: format!("{} has no kernel file under it", self.inner.path.display()),
+            })
+        })
     }
 
     /// The path it was opened with.
@@ -212,7 +266,7 @@ impl FileHandle {
 
     /// Whether it was opened with O_DIRECT.
     pub fn is_direct(&self) -> bool {
-        self.inner.direct
+        self.os().is_some_and(|f| f.direct)
     }
 
     /// Whether it was opened for writing.
@@ -222,16 +276,24 @@ impl FileHandle {
 
     /// The O_DIRECT alignment of the file system or device under it.
     pub fn direct_io_alignment(&self) -> DirectIoAlignment {
-        self.inner.alignment
+        match &self.inner.backing {
+            Backing::Os(f) => f.alignment,
+            Backing::Nvme(d) => {
+                let block = d.namespace().identity.block_size as usize;
+                DirectIoAlignment {
+                    memory: 4,
+                    offset: block,
+                }
+            }
+        }
     }
 
     /// The alignment transfers on this handle must keep: the O_DIRECT offset alignment for a
     /// direct file, 1 otherwise.
     pub fn required_alignment(&self) -> usize {
-        if self.inner.direct {
-            self.inner.alignment.offset.max(self.inner.alignment.memory)
-        } else {
-            1
+        match self.os() {
+            Some(f) if f.direct => f.alignment.offset.max(f.alignment.memory),
+            _ => 1,
         }
     }
 
@@ -249,34 +311,32 @@ impl FileHandle {
         crate::page_cache::pin_warm(self, offset, len, gpu)
     }
 
-    pub(crate) fn shared(&self) -> Arc<File> {
-        self.inner.file.clone()
-    }
-
     /// Whether this file asked for cuFile ([`OpenOptions::gds`]).
     pub fn gds(&self) -> Option<bool> {
-        self.inner.gds
+        self.os().and_then(|f| f.gds)
     }
 
     /// This file's cuFile registration for `gpu`, made on first use. cuFile wants an
     /// O_DIRECT descriptor; a buffered handle reopens its own file (through `/proc/self/fd`,
     /// so a rename cannot swap it) with O_DIRECT where the file system allows.
     pub(crate) fn gds_file(&self, gpu: &Gpu) -> Result<Arc<GdsFile>> {
-        let mut files = self.inner.gds_files.lock_unpoisoned();
+        let file = self.os_file()?;
+        let os = self.os().expect("an OS file, as os_file said");
+        let mut files = os.gds_files.lock_unpoisoned();
         if let Some((_, f)) = files.iter().find(|(g, _)| g.same_device(gpu)) {
             return Ok(f.clone());
         }
-        let fd = if self.inner.direct {
-            self.inner.file.clone()
+        let fd = if os.direct {
+            file
         } else {
-            let own = format!("/proc/self/fd/{}", self.inner.file.as_raw_fd());
+            let own = format!("/proc/self/fd/{}", file.as_raw_fd());
             std::fs::OpenOptions::new()
                 .read(true)
                 .write(self.inner.writable)
                 .custom_flags(libc::O_DIRECT)
                 .open(own)
                 .map(Arc::new)
-                .unwrap_or_else(|_| self.inner.file.clone())
+                .unwrap_or(file)
         };
         let registered = Arc::new(GdsFile::register(gpu, fd)?);
         files.push((gpu.clone(), registered.clone()));
@@ -287,16 +347,13 @@ impl FileHandle {
     /// each was opened.
     pub fn same_inode(&self, other: &FileHandle) -> Result<bool> {
         use std::os::unix::fs::MetadataExt;
-        let a = self
-            .inner
-            .file
-            .metadata()
-            .map_err(|e| self.io("stat", 0, e))?;
-        let b = other
-            .inner
-            .file
-            .metadata()
-            .map_err(|e| other.io("stat", 0, e))?;
+        let (a, b) = match (&self.inner.backing, &other.inner.backing) {
+            (Backing::Os(a), Backing::Os(b)) => (&a.file, &b.file),
+            (Backing::Nvme(a), Backing::Nvme(b)) => return Ok(a.same_namespace(b)),
+            _ => return Ok(false),
+        };
+        let a = a.metadata().map_err(|e| self.io("stat", 0, e))?;
+        let b = b.metadata().map_err(|e| other.io("stat", 0, e))?;
         Ok(a.dev() == b.dev() && a.ino() == b.ino())
     }
 
@@ -307,17 +364,17 @@ impl FileHandle {
 
     /// Current length in bytes (for block devices: the device size).
     pub fn len(&self) -> Result<u64> {
-        let meta = self
-            .inner
-            .file
-            .metadata()
-            .map_err(|e| self.io("stat", 0, e))?;
+        let file = match &self.inner.backing {
+            Backing::Os(f) => &f.file,
+            Backing::Nvme(d) => return Ok(d.len()),
+        };
+        let meta = file.metadata().map_err(|e| self.io("stat", 0, e))?;
         if meta.is_file() {
             return Ok(meta.len());
         }
         // Block devices report 0 in st_size; their size is where a seek to the end lands.
         use std::io::Seek;
-        (&*self.inner.file)
+        (&**file)
             .seek(std::io::SeekFrom::End(0))
             .map_err(|e| self.io("stat", 0, e))
     }
@@ -329,12 +386,16 @@ impl FileHandle {
 
     /// Where `offset..offset+len` lives on the device (FIEMAP), for device-initiated IO.
     pub fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
-        Ok(gpuio_hal::file::extents(&self.inner.file, offset, len)?)
+        Ok(gpuio_hal::file::extents(&*self.os_file()?, offset, len)?)
     }
 
     /// Drops the file's clean cached pages (so the next read is a cold read).
+    /// An NVMe namespace gpuio drives has no cache to drop.
     pub fn drop_cache(&self) -> Result<()> {
-        Ok(gpuio_hal::file::drop_cached_pages(&self.inner.file, 0, 0)?)
+        match self.os() {
+            Some(f) => Ok(gpuio_hal::file::drop_cached_pages(&f.file, 0, 0)?),
+            None => Ok(()),
+        }
     }
 
     pub(crate) fn io(&self, op: &'static str, offset: u64, source: std::io::Error) -> LocalIoError {
@@ -374,11 +435,11 @@ impl FileHandle {
 
     /// Positioned read, looping over short reads and EINTR; returns the bytes read (fewer than
     /// asked only at end of file). `buf` and `offset` must suit the handle's alignment.
-    fn pread(&self, offset: u64, buf: &mut [u8]) -> Result<usize> {
+    fn pread(&self, file: &File, offset: u64, buf: &mut [u8]) -> Result<usize> {
         let mut done = 0;
         while done < buf.len() {
             let at = offset + done as u64;
-            match self.inner.file.read_at(&mut buf[done..], at) {
+            match file.read_at(&mut buf[done..], at) {
                 Ok(0) => break,
                 Ok(n) => done += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -390,11 +451,11 @@ impl FileHandle {
 
     /// Positioned write of all of `buf`; a full disk (or quota) is [`LocalIoError::NoSpace`]
     /// naming how much reached the file.
-    fn pwrite(&self, offset: u64, buf: &[u8]) -> Result<()> {
+    fn pwrite(&self, file: &File, offset: u64, buf: &[u8]) -> Result<()> {
         let mut done = 0;
         while done < buf.len() {
             let at = offset + done as u64;
-            match self.inner.file.write_at(&buf[done..], at) {
+            match file.write_at(&buf[done..], at) {
                 Ok(0) => return Err(self.no_space(offset, buf.len(), done)),
                 Ok(n) => done += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -410,8 +471,12 @@ impl FileHandle {
     /// Reads into `buf` from `offset` until it is full or the file ends; returns the bytes
     /// read (less than `buf.len()` only at end of file). Any range works on a direct file.
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<usize> {
-        if !self.inner.direct {
-            return self.pread(offset, buf);
+        let os = match &self.inner.backing {
+            Backing::Os(f) => f,
+            Backing::Nvme(d) => return d.read_at(offset, buf),
+        };
+        if !os.direct {
+            return self.pread(&os.file, offset, buf);
         }
         let a = self.required_alignment() as u64;
         let cap = BOUNCE
@@ -425,7 +490,7 @@ impl FileHandle {
             let head = (at - start) as usize;
             let want = (buf.len() - done).min(bounce.len() - head);
             let span = (head + want).next_multiple_of(a as usize).min(bounce.len());
-            let got = self.pread(start, &mut bounce[..span])?;
+            let got = self.pread(&os.file, start, &mut bounce[..span])?;
             let useful = got.saturating_sub(head).min(want);
             buf[done..done + useful].copy_from_slice(&bounce[head..head + useful]);
             done += useful;
@@ -450,8 +515,12 @@ impl FileHandle {
     /// partial edge blocks, and a write past the end trims the alignment padding afterwards.
     pub fn write_all_at(&self, offset: u64, buf: &[u8]) -> Result<()> {
         self.check_writable()?;
-        if !self.inner.direct {
-            return self.pwrite(offset, buf);
+        let os = match &self.inner.backing {
+            Backing::Os(f) => f,
+            Backing::Nvme(d) => return d.write_at(offset, buf),
+        };
+        if !os.direct {
+            return self.pwrite(&os.file, offset, buf);
         }
         let a = self.required_alignment();
         let old_len = self.len()?;
@@ -471,16 +540,17 @@ impl FileHandle {
             if head != 0 || span != head + n {
                 bounce[..span].fill(0);
                 if start < old_len {
-                    self.pread(start, &mut bounce[..span])?;
+                    self.pread(&os.file, start, &mut bounce[..span])?;
                 }
             }
             bounce[head..head + n].copy_from_slice(&buf[done..done + n]);
-            self.pwrite(start, &bounce[..span]).map_err(|e| match e {
-                LocalIoError::NoSpace { written, .. } => {
-                    self.no_space(offset, buf.len(), done + written.saturating_sub(head))
-                }
-                other => other,
-            })?;
+            self.pwrite(&os.file, start, &bounce[..span])
+                .map_err(|e| match e {
+                    LocalIoError::NoSpace { written, .. } => {
+                        self.no_space(offset, buf.len(), done + written.saturating_sub(head))
+                    }
+                    other => other,
+                })?;
             done += n;
         }
         if end > old_len {
@@ -490,33 +560,39 @@ impl FileHandle {
     }
 
     /// Starts writing back `offset..offset+len` without waiting (buffered files only; a
-    /// no-op on direct ones, which have nothing cached).
+    /// no-op on direct ones, which have nothing cached, and on NVMe namespaces gpuio drives).
     pub(crate) fn start_writeback(&self, offset: u64, len: u64) -> Result<()> {
-        if self.inner.direct {
-            return Ok(());
+        match self.os() {
+            Some(f) if !f.direct => Ok(gpuio_hal::file::start_writeback(&f.file, offset, len)?),
+            _ => Ok(()),
         }
-        Ok(gpuio_hal::file::start_writeback(
-            &self.inner.file,
-            offset,
-            len,
-        )?)
     }
 
-    /// Flushes written data to stable storage (`fdatasync`).
+    /// Flushes written data to stable storage (`fdatasync`; NVMe FLUSH on a namespace gpuio
+    /// drives).
     pub fn sync_data(&self) -> Result<()> {
-        self.inner
-            .file
-            .sync_data()
-            .map_err(|e| self.io("sync", 0, e))
+        match &self.inner.backing {
+            Backing::Os(f) => f.file.sync_data().map_err(|e| self.io("sync", 0, e)),
+            Backing::Nvme(d) => d.flush(),
+        }
     }
 
-    /// Sets the file's length (extending with a hole, or truncating).
+    /// Sets the file's length (extending with a hole, or truncating). A namespace gpuio
+    /// drives has a fixed size: asking for that size does nothing, any other is refused.
     pub fn set_len(&self, len: u64) -> Result<()> {
         self.check_writable()?;
-        self.inner
-            .file
-            .set_len(len)
-            .map_err(|e| self.io("truncate", len, e))
+        match &self.inner.backing {
+            Backing::Os(f) => f.file.set_len(len).map_err(|e| self.io("truncate", len, e)),
+            Backing::Nvme(d) if d.len() == len => Ok(()),
+            Backing::Nvme(d) => Err(self.io(
+                "truncate",
+                len,
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("an NVMe namespace has a fixed size ({} bytes)", d.len()),
+                ),
+            )),
+        }
     }
 }
 
@@ -546,7 +622,7 @@ mod tests {
 
     /// The open file's status flags, from /proc (octal, as the kernel prints them).
     fn status_flags(h: &FileHandle) -> Option<i32> {
-        let fdinfo = format!("/proc/self/fdinfo/{}", h.shared().as_raw_fd());
+        let fdinfo = format!("/proc/self/fdinfo/{}", h.os_file().ok()?.as_raw_fd());
         let text = std::fs::read_to_string(fdinfo).ok()?;
         let line = text.lines().find(|l| l.starts_with("flags:"))?;
         i32::from_str_radix(line.trim_start_matches("flags:").trim(), 8).ok()

@@ -187,7 +187,7 @@ impl Lane {
     fn attach_all(&mut self, files: &[&FileHandle]) -> Result<Vec<FileId>> {
         let mut ids = Vec::with_capacity(files.len());
         for f in files {
-            match self.queue.attach(f.shared()) {
+            match f.os_file().and_then(|file| self.queue.attach(file)) {
                 Ok(id) => ids.push(id),
                 Err(e) => {
                     self.detach_all(ids);

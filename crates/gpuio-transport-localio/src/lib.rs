@@ -5,6 +5,7 @@ mod config;
 mod file;
 mod gds;
 mod lane;
+mod nvme;
 mod page_cache;
 mod plan;
 mod queue;
@@ -13,6 +14,7 @@ mod stripe;
 pub use config::{Durability, EnginePreference, GdsPolicy, LocalIoConfig, PageCachePolicy};
 pub use file::{FileHandle, OpenOptions};
 pub use gpuio_hal::file::{DirectIoAlignment, Extent};
+pub use nvme::NvmeDevice;
 pub use page_cache::PageCacheStats;
 pub use queue::IoEngine;
 pub use stripe::StripeSet;
@@ -480,6 +482,9 @@ impl LocalIo {
         len: usize,
     ) -> Result<Transfer> {
         gpuio_hal::check_range("file read destination", dst_offset, len, dst.len())?;
+        if files.iter().any(|f| f.nvme_device().is_some()) {
+            return self.nvme_read_pieces(files, pieces, dst, dst_offset);
+        }
         if let Some(mode) = self.use_gds(files, dst.gpu(), len)? {
             let plan = Plan::new(files, pieces, self.config.chunk_size as u64, false);
             let regs = gds::register(files, dst.gpu())?;
@@ -544,6 +549,17 @@ impl LocalIo {
         }
         for &o in offsets {
             file_range(o, block as u64)?;
+        }
+        if file.nvme_device().is_some() {
+            let pieces: Vec<Piece> = (offsets.iter().enumerate())
+                .map(|(k, &offset)| Piece {
+                    file: 0,
+                    offset,
+                    len: block as u64,
+                    dev_off: (k * block) as u64,
+                })
+                .collect();
+            return self.nvme_read_pieces(&[file], &pieces, dst, dst_offset);
         }
         let align = file.required_alignment();
         if align > 1
@@ -628,6 +644,9 @@ impl LocalIo {
         gpuio_hal::check_range("file write source", src_offset, len, src.len())?;
         if let Some(f) = files.iter().find(|f| !f.is_writable()) {
             return Err(LocalIoError::ReadOnly(f.path().to_path_buf()));
+        }
+        if files.iter().any(|f| f.nvme_device().is_some()) {
+            return self.nvme_write_pieces(src, src_offset, files, pieces, durability);
         }
         let Some(mode) = self.use_gds(files, src.gpu(), len)? else {
             return self.write_staged(src, src_offset, files, pieces, durability);

@@ -25,6 +25,8 @@ pub enum IoEngine {
     /// The page cache itself: the file's mapping registered read-only with the device, read by
     /// its copy engine (no CPU copy).
     PageCache,
+    /// gpuio's own NVMe driver (`nvme://`), through pinned host memory.
+    Nvme,
 }
 
 impl std::fmt::Display for IoEngine {
@@ -35,6 +37,7 @@ impl std::fmt::Display for IoEngine {
             Self::Gds(GdsMode::Native) => "cuFile (GDS)",
             Self::Gds(GdsMode::Compat) => "cuFile (compat mode)",
             Self::PageCache => "page cache, registered read-only (zero-copy DMA)",
+            Self::Nvme => "gpuio's NVMe driver (user space), staged through pinned memory",
         })
     }
 }

@@ -8,6 +8,8 @@
 //! file:///path   or   a plain path   a file
 //! remoteio://host:port/resource[?transport=tcp|rdma&gdr=1]
 //! remoteio://<segment>/resource      through the registry
+//! nvme://0000:00:04.0/1              namespace 1 of the NVMe controller at that PCI address,
+//!                                    driven by gpuio's own driver (vfio-pci or gpuio_nvme)
 //! gpuio://<engine>/<resource>        the same, engine in the path
 //! ```
 //!
@@ -52,6 +54,13 @@ pub enum Uri {
         /// GPUDirect Storage: `Some(true)` for `gds=1` (cuFile or an error), `Some(false)` for
         /// `gds=0` (never cuFile), `None` to leave it to the engine's policy.
         gds: Option<bool>,
+    },
+    /// An NVMe namespace gpuio's own driver serves, as a block device (byte offsets).
+    Nvme {
+        /// The controller's PCI address, `0000:00:04.0`.
+        address: String,
+        /// The namespace identifier, from 1.
+        nsid: u32,
     },
     /// A resource exported by another node.
     Remote {
@@ -136,6 +145,7 @@ impl fmt::Display for Uri {
                     }
                 }
             }
+            Self::Nvme { address, nsid } => write!(f, "nvme://{}/{nsid}", escape(address)),
             Self::Remote {
                 target,
                 resource,

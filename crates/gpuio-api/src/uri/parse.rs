@@ -58,6 +58,7 @@ impl<'a> Parser<'a> {
             "localio" => self.parse_file(rest_at, true),
             "file" => self.parse_file(rest_at, false),
             "remoteio" => self.parse_remote(rest_at),
+            "nvme" => self.parse_nvme(rest_at),
             "gpuio" => self.parse_gpuio(rest_at),
             _ => Err(self.err(0, UriProblem::UnknownScheme(scheme.into()))),
         }
@@ -375,6 +376,35 @@ impl<'a> Parser<'a> {
             transport,
             gdr: self.flag(&params, "gdr")?.unwrap_or(false),
         })
+    }
+
+    /// `nvme://<PCI address>/<nsid>`.
+    fn parse_nvme(&self, at: usize) -> Result<Uri> {
+        let (authority, path, query) = self.split(at);
+        let address = gpuio_hal::nvme::full_address(authority).map_err(|_| {
+            self.err(
+                at,
+                UriProblem::UnknownResource {
+                    found: authority.into(),
+                    expected: "a PCI address: nvme://0000:00:04.0/<namespace>",
+                },
+            )
+        })?;
+        let segment = path.trim_start_matches('/');
+        let nsid = match segment.parse::<u32>() {
+            Ok(n) if n > 0 && n != u32::MAX => n,
+            _ => {
+                return Err(self.err(
+                    at + authority.len(),
+                    UriProblem::UnknownResource {
+                        found: segment.into(),
+                        expected: "a namespace identifier from 1: nvme://<address>/1",
+                    },
+                ));
+            }
+        };
+        self.check_allowed(&self.params(query)?, "")?;
+        Ok(Uri::Nvme { address, nsid })
     }
 
     fn port(&self, s: &str, at: usize) -> Result<u16> {

@@ -99,8 +99,8 @@ fn shorthands_and_aliases() {
 fn malformed_uris_say_what_and_where() {
     assert_eq!(problem(""), (0, UriProblem::Empty));
     assert_eq!(
-        problem("nvme://x").1,
-        UriProblem::UnknownScheme("nvme".into())
+        problem("nvmf://x").1,
+        UriProblem::UnknownScheme("nvmf".into())
     );
     assert!(matches!(problem("1a://x").1, UriProblem::BadScheme(_)));
     let (pos, p) = problem("memio://cpu/dram?numa=x");
@@ -226,6 +226,8 @@ fn any_uri() -> impl Strategy<Value = Uri> {
         (0u32..64).prop_map(Uri::Gpu),
         proptest::option::of(0u32..8).prop_map(|numa| Uri::Dram { numa }),
         ("[a-z][a-z0-9_]{0,8}", 0u32..4).prop_map(|(pool, device)| Uri::Cxl { pool, device }),
+        ("[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\\.[0-7]", 1u32..1024)
+            .prop_map(|(address, nsid)| Uri::Nvme { address, nsid }),
         (
             "(/[a-zA-Z0-9 ._%?#-]{1,12}){1,3}",
             any::<bool>(),
@@ -256,6 +258,38 @@ fn any_uri() -> impl Strategy<Value = Uri> {
                 gdr,
             }),
     ]
+}
+
+#[test]
+fn nvme_namespaces_parse_and_bad_ones_are_pointed_at() {
+    let want = |address: &str, nsid| Uri::Nvme {
+        address: address.into(),
+        nsid,
+    };
+    assert_eq!(ok("nvme://0000:00:04.0/1"), want("0000:00:04.0", 1));
+    assert_eq!(ok("nvme://3B:00.1/2"), want("0000:3b:00.1", 2));
+    assert_eq!(ok("gpuio://nvme/00:04.0/1"), want("0000:00:04.0", 1));
+    assert_eq!(
+        ok("nvme://0000:00:04.0/1").to_string(),
+        "nvme://0000:00:04.0/1"
+    );
+    for (bad, at) in [
+        ("nvme://localhost/1", 7),
+        ("nvme:///1", 7),
+        ("nvme://0000:00:04.0", 19),
+        ("nvme://0000:00:04.0/0", 19),
+        ("nvme://0000:00:04.0/x", 19),
+        ("nvme://0000:00:04.0/1/2", 19),
+    ] {
+        let (position, problem) = problem(bad);
+        assert!(
+            matches!(problem, UriProblem::UnknownResource { .. }),
+            "{bad}: {problem:?}"
+        );
+        assert_eq!(position, at, "{bad}");
+    }
+    let (_, p) = problem("nvme://0000:00:04.0/1?direct=1");
+    assert!(matches!(p, UriProblem::UnknownParam { .. }), "{p:?}");
 }
 
 proptest! {

@@ -17,6 +17,7 @@
 //!   no NVMe is reachable (CI, and the GPU machine).
 //! - [`kmod`]: a controller bound to gpuio's kernel module (`kmod/`) instead of VFIO: BAR0
 //!   and DMA-coherent buffers from its character device.
+//! - [`open`] (`pci`): a controller by PCI address, through the driver it is bound to.
 //! - [`tiers`]: which tiers of device-initiated IO this machine supports, and why not.
 //! - `vfio` (cargo feature `nvme-vfio`): a real controller bound to `vfio-pci`, its BAR0
 //!   mapped and its DMA through the IOMMU; tested in the QEMU guest (`cargo xtask qemu-nvme`).
@@ -26,6 +27,7 @@ pub mod dma;
 pub mod extents;
 pub mod gpu;
 pub mod kmod;
+mod pci;
 pub mod prp;
 mod queue;
 pub mod soft;
@@ -38,5 +40,6 @@ pub use controller::{BlockIo, Controller, ControllerOptions, IoQueuePair, Namesp
 pub use dma::{DmaBuffer, DmaMapper, DmaMemory, IovaSpace, Mmio};
 pub use extents::FileExtents;
 pub use gpu::{GpuMappedBuffer, GpuNvmeOp, GpuQueuePair, NvmeQueueDevice};
+pub use pci::{full_address, open};
 pub use soft::{SoftConfig, SoftController, SoftFaults};
 pub use spec::{Cap, ControllerIdentity, NamespaceIdentity, Status};

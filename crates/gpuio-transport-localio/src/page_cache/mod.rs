@@ -85,7 +85,7 @@ impl Identity {
 }
 
 fn identity(file: &FileHandle) -> Result<Identity> {
-    Identity::of(&file.shared())
+    Identity::of(&*file.os_file()?)
         .map(|(id, _)| id)
         .map_err(|e| file.io("stat", 0, e))
 }
@@ -109,6 +109,7 @@ impl LocalIo {
     /// Whether the policy sends this read through the page cache, before looking at the pages.
     fn page_cache_applies(&self, file: &FileHandle, gpu: &Gpu, len: usize) -> bool {
         self.config.page_cache == PageCachePolicy::Auto
+            && file.nvme_device().is_none()
             && len >= self.config.page_cache_threshold.max(1)
             && !self.config.checksum
             && !file.is_direct()
@@ -190,7 +191,7 @@ impl LocalIo {
         let map = map_warm(file, 0, len, |map| Ok(is_warm(map.resident(0..len)?, len)));
         let threads = self.config.page_cache_threads.clamp(1, 8);
         let kept = map.and_then(|map| {
-            kept::Kept::register(gpu, file.shared(), &map, identity.clone(), threads)
+            kept::Kept::register(gpu, file.os_file().ok()?, &map, identity.clone(), threads)
         });
         Ok(match kept {
             Some(k) => Some(self.kept.insert(k)),
@@ -298,7 +299,7 @@ pub(crate) fn pin_warm(
     if !gpu.info().page_cache_dma.available {
         return Err(refuse(gpu.info().page_cache_dma.detail.clone()));
     }
-    let map = FileMapping::new(&file.shared(), offset, len)?;
+    let map = FileMapping::new(&*file.os_file()?, offset, len)?;
     let resident = map.resident(0..len)?;
     if !is_warm(resident, len) {
         return Err(refuse(format!(
@@ -319,8 +320,9 @@ fn map_warm(
     len: usize,
     warm: impl FnOnce(&FileMapping) -> gpuio_hal::Result<bool>,
 ) -> Option<Arc<FileMapping>> {
-    let mapped = FileMapping::new(&file.shared(), offset, len)
-        .and_then(|map| Ok(warm(&map)?.then_some(map)));
+    let file_ref = file.os_file().ok()?;
+    let mapped =
+        FileMapping::new(&file_ref, offset, len).and_then(|map| Ok(warm(&map)?.then_some(map)));
     match mapped {
         Ok(map) => map.map(Arc::new),
         Err(e) => {

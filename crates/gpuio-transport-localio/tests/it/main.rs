@@ -6,5 +6,6 @@
 
 mod faults;
 mod localio;
+mod nvme;
 mod page_cache;
 mod staging;
