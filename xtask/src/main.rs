@@ -126,6 +126,35 @@ struct TestBinary {
     target: String,
 }
 
+/// The executable of binary target `bin` of `package`, built with `features` (`cargo build
+/// --message-format=json`).
+fn build_binary(package: &str, bin: &str, features: &str) -> Result<PathBuf> {
+    let what = format!("build {package}'s {bin}");
+    eprintln!("==> {what}");
+    let output = cargo()
+        .args([
+            "build",
+            "--message-format=json",
+            "-p",
+            package,
+            "--bin",
+            bin,
+        ])
+        .args(["--features", features])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cargo build: {e}"))?;
+    if !output.status.success() {
+        return Err(format!("{what} failed"));
+    }
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|m| m["target"]["name"] == bin && m["executable"].is_string())
+        .and_then(|m| m["executable"].as_str().map(PathBuf::from))
+        .ok_or_else(|| format!("{what}: cargo named no executable"))
+}
+
 /// Runs `cargo test --no-run --message-format=json` with `args` and lists the test executables
 /// it built.
 fn build_tests(what: &str, args: &[&str]) -> Result<Vec<TestBinary>> {

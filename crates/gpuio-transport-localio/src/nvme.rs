@@ -88,6 +88,14 @@ impl NvmeDevice {
     /// Namespace `nsid` of a controller the caller brought up (the software controller, say),
     /// shown as `name`.
     pub fn on(controller: Arc<Controller>, nsid: u32, name: String) -> Result<Self> {
+        if !controller.namespaces().contains(&nsid) {
+            return Err(LocalIoError::Hal(gpuio_hal::HalError::InvalidArgument(
+                format!(
+                    "{name}: the controller has no active namespace {nsid} (it has {:?})",
+                    controller.namespaces()
+                ),
+            )));
+        }
         let ns = controller.namespace(nsid)?;
         Ok(Self {
             controller,

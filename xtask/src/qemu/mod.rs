@@ -146,6 +146,14 @@ impl Guest {
         Ok(names)
     }
 
+    /// A program built here, as `/tests/<name>` in the guest, with the shared libraries it
+    /// loads.
+    pub fn program(&mut self, from: &Path, name: &str) -> Result {
+        copy(from, &self.root.join("tests").join(name))?;
+        self.libraries_for.push(from.to_path_buf());
+        Ok(())
+    }
+
     /// A step running test binary `name` with libtest arguments `args` (a filter, `--skip`s;
     /// the ignored tests they select where `ignored`) and `env`; it must select a test, and
     /// pass every one it selects.

@@ -12,3 +12,4 @@ mod cli;
 mod cp_faults;
 #[cfg(feature = "registry")]
 mod multinode;
+mod nvme;
