@@ -7,9 +7,13 @@
  *   - ioctl GPUIO_NVME_IOC_ALLOC: a DMA-coherent buffer, returning its bus address (what the
  *     controller is given in PRPs and queue base registers) and the mmap offset to map it at;
  *   - ioctl GPUIO_NVME_IOC_FREE: free one again;
- *   - ioctl GPUIO_NVME_IOC_INFO: BAR0's size.
- * Bus mastering is on only while the device is open. Before buffers are freed (on release,
- * FREE, or the controller's removal) the controller is reset and bus mastering turned off,
+ *   - ioctl GPUIO_NVME_IOC_INFO: BAR0's size;
+ *   - ioctl GPUIO_NVME_IOC_IMPORT: attach a dma-buf (another device's memory: a GPU's, exported
+ *     by its driver) to the controller, peer-to-peer allowed, pin and map it, and return the
+ *     bus address segments the controller reaches it at (Tier 2: data in GPU memory);
+ *   - ioctl GPUIO_NVME_IOC_RELEASE: unmap and detach one again.
+ * Bus mastering is on only while the device is open. Before buffers are freed or imports
+ * released on close or the controller's removal, the controller is reset and bus mastering turned off,
  * and user mappings of what is freed are zapped, so neither a controller left running by a
  * dead process nor a stale mapping reaches freed memory. An open file may outlive the
  * controller's binding: the device structure is reference-counted, and its calls then fail.
@@ -18,6 +22,8 @@
 #include <linux/dma-mapping.h>
 #include <linux/fs.h>
 #include <linux/delay.h>
+#include <linux/dma-buf.h>
+#include <linux/dma-resv.h>
 #include <linux/idr.h>
 #include <linux/io-64-nonatomic-lo-hi.h>
 #include <linux/kref.h>
@@ -27,6 +33,7 @@
 #include <linux/module.h>
 #include <linux/mutex.h>
 #include <linux/pci.h>
+#include <linux/scatterlist.h>
 #include <linux/slab.h>
 #include <linux/uaccess.h>
 
@@ -44,12 +51,32 @@ struct gpuio_nvme_info {
 #define GPUIO_NVME_IOC_FREE _IOW('g', 2, __u64)
 #define GPUIO_NVME_IOC_INFO _IOR('g', 3, struct gpuio_nvme_info)
 
+struct gpuio_nvme_segment {
+	__u64 bus_addr;
+	__u64 len;
+};
+
+struct gpuio_nvme_import {
+	__s32 fd;           /* in: a dma-buf */
+	__u32 max_segments; /* in: room at segments */
+	__u64 segments;     /* in: user address of struct gpuio_nvme_segment[max_segments] */
+	__u64 size;         /* out: the dma-buf's size */
+	__u32 count;        /* out: segments written (contiguous runs merged) */
+	__u32 id;           /* out: what RELEASE takes */
+};
+
+#define GPUIO_NVME_IOC_IMPORT _IOWR('g', 4, struct gpuio_nvme_import)
+#define GPUIO_NVME_IOC_RELEASE _IOW('g', 5, __u32)
+
 /* Buffers are mapped at offsets from here up; offset 0 is BAR0. */
 #define GPUIO_NVME_BUF_BASE (1ULL << 40)
 /* The most one opener may hold, in bytes, and the largest single buffer (the page
  * allocator's largest block without CMA: larger requests fail instead of warning). */
 #define GPUIO_NVME_MAX_BYTES (1ULL << 32)
 #define GPUIO_NVME_MAX_BUFFER (4ULL << 20)
+/* Imports one opener may hold, and segments one import may return (16 bytes each). */
+#define GPUIO_NVME_MAX_IMPORTS 256
+#define GPUIO_NVME_MAX_SEGMENTS (1U << 18)
 /* NVMe controller registers the module touches itself. */
 #define NVME_REG_CAP 0x00
 #define NVME_REG_CC 0x14
@@ -61,6 +88,15 @@ struct gpuio_nvme_buf {
 	dma_addr_t bus;
 	size_t size;
 	u64 offset;
+};
+
+/* An imported dma-buf: attached to the controller, pinned, mapped. */
+struct gpuio_nvme_peer {
+	struct list_head node;
+	struct dma_buf *buf;
+	struct dma_buf_attachment *attach;
+	struct sg_table *sgt;
+	u32 id;
 };
 
 struct gpuio_nvme_dev {
@@ -78,6 +114,9 @@ struct gpuio_nvme_dev {
 	struct list_head bufs;
 	u64 next_offset;
 	u64 held;
+	struct list_head peers;
+	u32 next_peer;
+	u32 peers_held;
 };
 
 static DEFINE_IDA(gpuio_nvme_ida);
@@ -109,12 +148,136 @@ static void free_buf(struct gpuio_nvme_dev *d, struct gpuio_nvme_buf *b)
 	kfree(b);
 }
 
+/* Unmaps, unpins and detaches an import. Called with d->lock held, once nothing the
+ * controller runs targets it. */
+static void release_peer(struct gpuio_nvme_dev *d, struct gpuio_nvme_peer *p)
+{
+	dma_resv_lock(p->buf->resv, NULL);
+	dma_buf_unmap_attachment(p->attach, p->sgt, DMA_BIDIRECTIONAL);
+	dma_buf_unpin(p->attach);
+	dma_resv_unlock(p->buf->resv);
+	dma_buf_detach(p->buf, p->attach);
+	dma_buf_put(p->buf);
+	list_del(&p->node);
+	d->peers_held--;
+	kfree(p);
+}
+
 static void free_all(struct gpuio_nvme_dev *d)
 {
 	struct gpuio_nvme_buf *b, *n;
+	struct gpuio_nvme_peer *p, *q;
 
 	list_for_each_entry_safe(b, n, &d->bufs, node)
 		free_buf(d, b);
+	list_for_each_entry_safe(p, q, &d->peers, node)
+		release_peer(d, p);
+}
+
+/* The exporter is about to move memory the controller may reach. Imports are pinned, so an
+ * exporter that honours pins never calls this; one that does gets a controller told to stop
+ * (CC.EN = 0, without waiting: this runs under the exporter's reservation lock). */
+static void gpuio_nvme_move_notify(struct dma_buf_attachment *attach)
+{
+	struct gpuio_nvme_dev *d = attach->importer_priv;
+
+	writel(0, d->bar + NVME_REG_CC);
+}
+
+static const struct dma_buf_attach_ops gpuio_nvme_importer = {
+	.allow_peer2peer = true,
+	.move_notify = gpuio_nvme_move_notify,
+};
+
+/* Attaches, pins and maps the dma-buf im->fd, and writes its bus address runs to segs.
+ * Called with d->lock held. */
+static long import_peer(struct gpuio_nvme_dev *d, struct gpuio_nvme_import *im,
+			struct gpuio_nvme_segment *segs)
+{
+	struct gpuio_nvme_peer *p;
+	struct scatterlist *sg;
+	unsigned int i;
+	long ret = 0;
+
+	if (d->peers_held >= GPUIO_NVME_MAX_IMPORTS)
+		return -EMFILE;
+	p = kzalloc(sizeof(*p), GFP_KERNEL);
+	if (!p)
+		return -ENOMEM;
+	p->buf = dma_buf_get(im->fd);
+	if (IS_ERR(p->buf)) {
+		ret = PTR_ERR(p->buf);
+		kfree(p);
+		return ret;
+	}
+	p->attach = dma_buf_dynamic_attach(p->buf, &d->pdev->dev, &gpuio_nvme_importer, d);
+	if (IS_ERR(p->attach)) {
+		ret = PTR_ERR(p->attach);
+		goto put;
+	}
+	dma_resv_lock(p->buf->resv, NULL);
+	ret = dma_buf_pin(p->attach);
+	if (!ret) {
+		p->sgt = dma_buf_map_attachment(p->attach, DMA_BIDIRECTIONAL);
+		if (IS_ERR(p->sgt)) {
+			ret = PTR_ERR(p->sgt);
+			dma_buf_unpin(p->attach);
+		}
+	}
+	dma_resv_unlock(p->buf->resv);
+	if (ret)
+		goto detach;
+	im->count = 0;
+	for_each_sgtable_dma_sg(p->sgt, sg, i) {
+		dma_addr_t addr = sg_dma_address(sg);
+		u64 len = sg_dma_len(sg);
+		struct gpuio_nvme_segment *last = im->count ? &segs[im->count - 1] : NULL;
+
+		if (last && last->bus_addr + last->len == addr) {
+			last->len += len;
+			continue;
+		}
+		if (im->count == im->max_segments) {
+			ret = -E2BIG;
+			goto unmap;
+		}
+		segs[im->count].bus_addr = addr;
+		segs[im->count].len = len;
+		im->count++;
+	}
+	im->size = p->buf->size;
+	if (++d->next_peer == 0)
+		d->next_peer = 1;
+	p->id = d->next_peer;
+	im->id = p->id;
+	list_add(&p->node, &d->peers);
+	d->peers_held++;
+	return 0;
+unmap:
+	dma_resv_lock(p->buf->resv, NULL);
+	dma_buf_unmap_attachment(p->attach, p->sgt, DMA_BIDIRECTIONAL);
+	dma_buf_unpin(p->attach);
+	dma_resv_unlock(p->buf->resv);
+detach:
+	dma_buf_detach(p->buf, p->attach);
+put:
+	dma_buf_put(p->buf);
+	kfree(p);
+	return ret;
+}
+
+/* Releases import `id`; -ENOENT if there is none. Called with d->lock held. */
+static long release_peer_id(struct gpuio_nvme_dev *d, u32 id)
+{
+	struct gpuio_nvme_peer *p, *q;
+
+	list_for_each_entry_safe(p, q, &d->peers, node) {
+		if (p->id == id) {
+			release_peer(d, p);
+			return 0;
+		}
+	}
+	return -ENOENT;
 }
 
 /* Resets the controller (CC.EN to 0) and waits, up to CAP.TO, for it to stop: a
@@ -245,6 +408,42 @@ static long gpuio_nvme_ioctl(struct file *f, unsigned int cmd, unsigned long arg
 		mutex_unlock(&d->lock);
 		return ret;
 	}
+	case GPUIO_NVME_IOC_IMPORT: {
+		struct gpuio_nvme_import im;
+		struct gpuio_nvme_segment *segs;
+
+		if (copy_from_user(&im, uarg, sizeof(im)))
+			return -EFAULT;
+		if (im.max_segments == 0 || im.max_segments > GPUIO_NVME_MAX_SEGMENTS)
+			return -EINVAL;
+		segs = kvcalloc(im.max_segments, sizeof(*segs), GFP_KERNEL);
+		if (!segs)
+			return -ENOMEM;
+		mutex_lock(&d->lock);
+		ret = d->removed ? -ENODEV : import_peer(d, &im, segs);
+		mutex_unlock(&d->lock);
+		if (!ret && (copy_to_user(u64_to_user_ptr(im.segments), segs,
+					  (size_t)im.count * sizeof(*segs)) ||
+			     copy_to_user(uarg, &im, sizeof(im)))) {
+			mutex_lock(&d->lock);
+			if (!d->removed)
+				release_peer_id(d, im.id);
+			mutex_unlock(&d->lock);
+			ret = -EFAULT;
+		}
+		kvfree(segs);
+		return ret;
+	}
+	case GPUIO_NVME_IOC_RELEASE: {
+		__u32 id;
+
+		if (copy_from_user(&id, uarg, sizeof(id)))
+			return -EFAULT;
+		mutex_lock(&d->lock);
+		ret = d->removed ? -ENODEV : release_peer_id(d, id);
+		mutex_unlock(&d->lock);
+		return ret;
+	}
 	case GPUIO_NVME_IOC_INFO: {
 		struct gpuio_nvme_info info = { .bar_size = pci_resource_len(d->pdev, 0) };
 
@@ -329,6 +528,7 @@ static int gpuio_nvme_probe(struct pci_dev *pdev, const struct pci_device_id *id
 	d->pdev = pdev;
 	mutex_init(&d->lock);
 	INIT_LIST_HEAD(&d->bufs);
+	INIT_LIST_HEAD(&d->peers);
 	snprintf(d->name, sizeof(d->name), "gpuio-nvme%d", d->index);
 	d->misc.minor = MISC_DYNAMIC_MINOR;
 	d->misc.name = d->name;
@@ -376,5 +576,6 @@ static struct pci_driver gpuio_nvme_driver = {
 };
 module_pci_driver(gpuio_nvme_driver);
 
-MODULE_DESCRIPTION("gpuio: NVMe BAR0 and DMA buffers for a user-space driver");
+MODULE_DESCRIPTION("gpuio: NVMe BAR0, DMA buffers and dma-buf imports for a user-space driver");
+MODULE_IMPORT_NS(DMA_BUF);
 MODULE_LICENSE("Dual MIT/GPL");

@@ -353,6 +353,7 @@ fn print_human(r: &Report) {
             ("GDR", &d.gdr),
             ("CXL", &d.cxl),
             ("page cache DMA", &d.page_cache_dma),
+            ("dma-buf export", &d.dma_buf),
         ] {
             println!("      {name}  {}  {}", yes_no(c.available), c.detail);
         }

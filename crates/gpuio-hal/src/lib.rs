@@ -18,9 +18,9 @@ pub mod workers;
 
 pub use error::{ErrorCode, HalError, Result, check_range};
 pub use gpu::{
-    Backend, BackendPreference, Capability, DeviceBuffer, DeviceInfo, Event, GdsFile, GdsMode, Gpu,
-    Inflight, PcieLink, PinGuard, Probe, RowIndices, RowKernel, SharedPin, Stream, probe,
-    probe_with,
+    Backend, BackendPreference, Capability, DeviceBuffer, DeviceInfo, DmaBufExport, Event, GdsFile,
+    GdsMode, Gpu, Inflight, PcieLink, PinGuard, Probe, RowIndices, RowKernel, SharedPin, Stream,
+    probe, probe_with,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::pool::{PoolConfig, PoolStats, PooledBuffer, StagingLease, StagingPool};

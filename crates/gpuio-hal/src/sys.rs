@@ -36,6 +36,15 @@ pub fn clear_nonblocking(file: &impl std::os::fd::AsFd) -> Result<()> {
 /// The size of a transparent huge page (2 MiB on x86-64).
 pub const HUGE_PAGE: usize = 2 << 20;
 
+/// The size of what `fd` refers to, as a seek to its end finds it (a dma-buf's size: its
+/// file's `st_size` is 0). Leaves the descriptor's position at the end.
+pub fn seekable_size(fd: std::os::fd::BorrowedFd<'_>) -> Result<u64> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: lseek on a descriptor the borrow keeps open; no memory is involved.
+    let end = unsafe { libc::lseek(fd.as_raw_fd(), 0, libc::SEEK_END) };
+    u64::try_from(end).map_err(|_| HalError::last_os("lseek to the end"))
+}
+
 /// An anonymous private mapping of `len` bytes whose start is aligned to `align`
 /// (a power of two, at least the page size). Returns the aligned start; the mapping is exactly
 /// `len` bytes rounded up to a page, so [`unmap`] takes the same rounded length.

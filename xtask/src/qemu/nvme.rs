@@ -18,13 +18,16 @@ use crate::ci::ensure_packages;
 use std::path::Path;
 
 /// Kernel modules the guest needs: vfio-pci and the IOMMU type-1 backend; the kernel's NVMe
-/// driver and ext4, for the file whose extents the driver then reads.
+/// driver and ext4, for the file whose extents the driver then reads; vgem, a dma-buf exporter
+/// with no hardware, for the kernel module's imports (Tier 2's path, with a stand-in for a
+/// GPU's memory).
 const GUEST_MODULES: &[&str] = &[
     "vfio_iommu_type1",
     "vfio_pci",
     "nvme",
     "crc32c_generic",
     "ext4",
+    "vgem",
 ];
 
 /// Where the guest keeps the extent list between the phases.

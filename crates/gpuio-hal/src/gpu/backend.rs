@@ -82,6 +82,10 @@ pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
     /// cuFile on this device: its mode and library, or why it cannot run here.
     fn gds(&self) -> Result<(GdsMode, String)>;
 
+    /// A dma-buf of `len` bytes of device memory at `addr` (a range of a live allocation of
+    /// this device, host-page aligned).
+    fn export_dmabuf(&self, addr: u64, len: usize) -> Result<std::os::fd::OwnedFd>;
+
     /// Registers an open file with cuFile for IO to and from this device's memory.
     fn gds_register(&self, file: Arc<File>) -> Result<Box<dyn GdsFileBackend>>;
 

@@ -52,6 +52,7 @@ impl HostDevice {
                 gdr: Capability::no("host backend: no GPU to DMA into"),
                 cxl: cxl_capability(true),
                 page_cache_dma: Capability::no(HOST_NO_PAGE_CACHE_DMA),
+                dma_buf: Capability::no("the host backend's memory is no device's to export"),
             },
         }
     }
@@ -208,6 +209,13 @@ impl DeviceBackend for HostDevice {
 
     fn gds(&self) -> Result<(GdsMode, String)> {
         Err(no_gds())
+    }
+
+    fn export_dmabuf(&self, _addr: u64, _len: usize) -> Result<std::os::fd::OwnedFd> {
+        Err(HalError::Unsupported {
+            what: "dma-buf export of device memory",
+            reason: self.info.dma_buf.detail.clone(),
+        })
     }
 
     fn gds_register(&self, _file: Arc<File>) -> Result<Box<dyn GdsFileBackend>> {

@@ -121,6 +121,10 @@ pub struct DeviceInfo {
     /// Whether the copy engine can read a file's pages straight from the page cache: a
     /// read-only file mapping registered with the device ([`Gpu::pin_mapping`](crate::Gpu::pin_mapping)).
     pub page_cache_dma: Capability,
+    /// Whether device memory can be exported as a dma-buf
+    /// ([`DeviceBuffer::export_dmabuf`](crate::DeviceBuffer::export_dmabuf)): what another
+    /// device's driver imports to reach it peer-to-peer (NVMe Tier 2).
+    pub dma_buf: Capability,
 }
 
 /// The NUMA node of a PCI device from sysfs (`-1`, i.e. unknown, becomes `None`).

@@ -13,6 +13,7 @@ mod backend;
 mod baseline;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod dmabuf;
 mod gds;
 mod host;
 mod info;
@@ -22,6 +23,7 @@ mod rows;
 mod stream;
 
 pub use array_kernels::ArrayReadCheck;
+pub use dmabuf::DmaBufExport;
 pub use gds::{GdsFile, GdsMode};
 pub use info::{Backend, Capability, DeviceInfo, PcieLink};
 pub use ring_kernels::RING_PING_PHASES;

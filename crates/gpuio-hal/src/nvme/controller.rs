@@ -6,7 +6,8 @@
 //! disables the controller before the error returns, so no DMA can land in a buffer the
 //! caller has taken back; every later command then fails with a typed error.
 
-use super::dma::{DmaBuffer, DmaMapper, Mmio};
+use super::dma::{DmaBuffer, DmaMapper, DmaTarget, Mmio};
+use super::peer::PeerBuffer;
 use super::queue::QueuePair;
 use super::spec::{
     Cap, ControllerIdentity, NamespaceIdentity, PAGE, Sqe, Status, admin, cc, csts, io, reg,
@@ -286,6 +287,14 @@ impl Controller {
         DmaBuffer::new(len, self.shared.mapper.clone())
     }
 
+    /// Maps the dma-buf `fd` — another device's memory, such as a GPU's
+    /// ([`DeviceBuffer::export_dmabuf`](crate::DeviceBuffer::export_dmabuf)) — for this
+    /// controller to reach peer-to-peer (Tier 2). Only a controller bound to gpuio's kernel
+    /// module can; the others refuse with the reason.
+    pub fn import_dmabuf(&self, fd: std::os::fd::BorrowedFd<'_>) -> Result<PeerBuffer> {
+        self.shared.mapper.import_dmabuf(fd)
+    }
+
     /// Whether the controller is enabled and ready.
     pub fn is_ready(&self) -> bool {
         self.shared.is_ready()
@@ -399,7 +408,7 @@ impl IoQueuePair {
         &mut self,
         ns: &Namespace,
         lba: u64,
-        buf: &DmaBuffer,
+        buf: &impl DmaTarget,
         offset: usize,
         len: usize,
     ) -> Result<()> {
@@ -411,7 +420,7 @@ impl IoQueuePair {
         &mut self,
         ns: &Namespace,
         lba: u64,
-        buf: &DmaBuffer,
+        buf: &impl DmaTarget,
         offset: usize,
         len: usize,
     ) -> Result<()> {
@@ -425,10 +434,12 @@ impl IoQueuePair {
         command_status("Flush", cqe.status())
     }
 
-    /// Runs `ops` against `buf`, as many in flight at once as the queue holds, each split into
-    /// commands the controller accepts. Returns once none is in flight: with the first error
-    /// where any failed.
-    pub fn run(&mut self, ns: &Namespace, buf: &DmaBuffer, ops: &[BlockIo]) -> Result<()> {
+    /// Runs `ops` against `buf` (a [`DmaBuffer`], or a [`PeerBuffer`](super::PeerBuffer) in
+    /// another device's memory), as many in flight at once as the queue holds, each split
+    /// into commands the controller accepts (at its transfer limit, and where the buffer's bus
+    /// addresses stop being contiguous, which must be at a block boundary). Returns once none
+    /// is in flight: with the first error where any failed.
+    pub fn run(&mut self, ns: &Namespace, buf: &impl DmaTarget, ops: &[BlockIo]) -> Result<()> {
         let block = ns.identity.block_size as usize;
         let max = self
             .shared
@@ -449,7 +460,7 @@ impl IoQueuePair {
         }
         let mut commands = Vec::new();
         for op in ops {
-            crate::error::check_range("NVMe transfer buffer", op.offset, op.len, buf.len())?;
+            crate::error::check_range("NVMe transfer buffer", op.offset, op.len, buf.target_len())?;
             if op.len == 0 || op.len % block != 0 {
                 return Err(HalError::InvalidArgument(format!(
                     "an NVMe transfer is whole {block}-byte blocks, not {} bytes",
@@ -458,7 +469,18 @@ impl IoQueuePair {
             }
             let mut done = 0;
             while done < op.len {
-                let n = (op.len - done).min(max);
+                let (addr, contiguous) = buf.bus_run(op.offset + done).ok_or_else(|| {
+                    HalError::InvalidArgument("an NVMe transfer runs past its buffer".into())
+                })?;
+                let n = (op.len - done).min(max).min(contiguous);
+                if n % block != 0 {
+                    return Err(HalError::InvalidArgument(format!(
+                        "the buffer's bus addresses break {} bytes into a {block}-byte block \
+                         (at byte {} of the buffer)",
+                        n % block,
+                        op.offset + done + n
+                    )));
+                }
                 let lba = op.lba.checked_add((done / block) as u64).ok_or_else(|| {
                     HalError::InvalidArgument(format!(
                         "LBA {} plus {} bytes overflows",
@@ -467,7 +489,7 @@ impl IoQueuePair {
                 })?;
                 let opcode = if op.write { io::WRITE } else { io::READ };
                 let sqe = Sqe::rw(opcode, ns.nsid, lba, (n / block) as u32);
-                commands.push((sqe, buf.iova() + (op.offset + done) as u64, n));
+                commands.push((sqe, addr, n));
                 done += n;
             }
         }

@@ -6,9 +6,11 @@
 //! same holds for [`Mmio`], a register file (a mapped BAR0, or the software controller's
 //! register page).
 
+use super::peer::PeerBuffer;
 use super::spec::PAGE;
 use crate::error::{HalError, Result, check_range};
 use std::any::Any;
+use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -283,6 +285,39 @@ pub trait DmaMapper: Send + Sync {
         // contract).
         let iova = unsafe { self.map(&mem)? };
         Ok((mem, iova))
+    }
+
+    /// Maps the dma-buf `fd` (another device's memory) for the controller, peer to peer.
+    /// Only gpuio's kernel module can; other mappers refuse with the reason.
+    fn import_dmabuf(&self, fd: BorrowedFd<'_>) -> Result<PeerBuffer> {
+        let _ = fd;
+        Err(HalError::Unsupported {
+            what: "dma-buf imports (Tier 2: data in GPU memory)",
+            reason: "only a controller bound to gpuio's kernel module takes them: VFIO maps \
+                     process memory only, and the software controller has no bus"
+                .into(),
+        })
+    }
+}
+
+/// Memory a controller moves data to or from: a [`DmaBuffer`] (one run of IO addresses) or a
+/// [`PeerBuffer`] (another device's memory, a run per contiguous piece).
+pub trait DmaTarget {
+    /// Its size in bytes.
+    fn target_len(&self) -> usize;
+
+    /// The IO address of byte `offset`, and how many bytes from there are contiguous; `None`
+    /// past the end.
+    fn bus_run(&self, offset: usize) -> Option<(u64, usize)>;
+}
+
+impl DmaTarget for DmaBuffer {
+    fn target_len(&self) -> usize {
+        self.len()
+    }
+
+    fn bus_run(&self, offset: usize) -> Option<(u64, usize)> {
+        (offset < self.len()).then(|| (self.iova + offset as u64, self.len() - offset))
     }
 }
 

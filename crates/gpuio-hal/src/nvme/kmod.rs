@@ -1,14 +1,16 @@
 //! NVMe controllers handed to gpuio's kernel module (`kmod/gpuio_nvme.c`) instead of VFIO: for
 //! machines without an IOMMU, or where VFIO is not wanted. The module's character device
 //! `/dev/gpuio-nvmeN` maps BAR0 at offset 0, allocates DMA-coherent buffers (their bus
-//! addresses are what the controller is given), and maps each at the offset it returns. Its
+//! addresses are what the controller is given), and maps each at the offset it returns; it
+//! also imports dma-bufs (a GPU's memory) for the controller to reach peer-to-peer. Its
 //! interface is mirrored here: the ioctl numbers and argument layouts.
 
 use super::controller::{Controller, ControllerOptions};
 use super::dma::{DmaMapper, DmaMemory, Mmio};
+use super::peer::PeerBuffer;
 use crate::error::{HalError, Result};
 use std::fs::File;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -28,6 +30,29 @@ struct Info {
     bar_size: u64,
 }
 
+/// `struct gpuio_nvme_segment`.
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct Segment {
+    bus_addr: u64,
+    len: u64,
+}
+
+/// `struct gpuio_nvme_import`.
+#[repr(C)]
+#[derive(Default)]
+struct Import {
+    fd: i32,
+    max_segments: u32,
+    segments: u64,
+    size: u64,
+    count: u32,
+    id: u32,
+}
+
+/// The most segments one import may return (`GPUIO_NVME_MAX_SEGMENTS`).
+const MAX_SEGMENTS: usize = 1 << 18;
+
 /// `_IOC(dir, 'g', nr, size)` as `<asm-generic/ioctl.h>` builds it.
 const fn ioc(dir: u64, nr: u64, size: usize) -> u64 {
     dir << 30 | (size as u64) << 16 | (b'g' as u64) << 8 | nr
@@ -35,6 +60,8 @@ const fn ioc(dir: u64, nr: u64, size: usize) -> u64 {
 const IOC_ALLOC: u64 = ioc(3, 1, size_of::<Alloc>());
 const IOC_FREE: u64 = ioc(1, 2, size_of::<u64>());
 const IOC_INFO: u64 = ioc(2, 3, size_of::<Info>());
+const IOC_IMPORT: u64 = ioc(3, 4, size_of::<Import>());
+const IOC_RELEASE: u64 = ioc(1, 5, size_of::<u32>());
 
 /// The device files of controllers the module holds.
 pub fn devices() -> Vec<String> {
@@ -174,6 +201,49 @@ impl DmaMapper for KmodMapper {
         let mem = DmaMemory::map_device_file(self.device.fd(), a.offset, len, Box::new(owner))?;
         Ok((mem, a.bus_addr))
     }
+
+    fn import_dmabuf(&self, fd: BorrowedFd<'_>) -> Result<PeerBuffer> {
+        let size = crate::sys::seekable_size(fd)?;
+        let len = usize::try_from(size).map_err(|_| {
+            HalError::InvalidArgument(format!("a dma-buf of {size} bytes is too large"))
+        })?;
+        // One segment per page at worst (contiguous runs come back merged).
+        let room = (len / 4096 + 1).min(MAX_SEGMENTS);
+        let mut segments = vec![Segment::default(); room];
+        let mut im = Import {
+            fd: fd.as_raw_fd(),
+            max_segments: room as u32,
+            segments: segments.as_mut_ptr() as u64,
+            ..Import::default()
+        };
+        self.device
+            .ioctl("GPUIO_NVME_IOC_IMPORT", IOC_IMPORT, (&raw mut im).cast())?;
+        let release = KmodImport {
+            device: self.device.clone(),
+            id: im.id,
+        };
+        segments.truncate(im.count as usize);
+        let runs = segments.iter().map(|s| (s.bus_addr, s.len)).collect();
+        PeerBuffer::new(len.min(im.size as usize), runs, Box::new(release))
+    }
+}
+
+/// Releases a module import (unmapped, unpinned, detached) once its `PeerBuffer` is gone.
+struct KmodImport {
+    device: Arc<Device>,
+    id: u32,
+}
+
+impl Drop for KmodImport {
+    fn drop(&mut self) {
+        let mut id = self.id;
+        if let Err(e) =
+            self.device
+                .ioctl("GPUIO_NVME_IOC_RELEASE", IOC_RELEASE, (&raw mut id).cast())
+        {
+            tracing::warn!(error = %e, "gpuio_nvme dma-buf import not released");
+        }
+    }
 }
 
 #[cfg(test)]
@@ -182,9 +252,12 @@ mod tests {
 
     #[test]
     fn ioctl_numbers_match_the_module() {
-        // _IOWR('g', 1, 24 bytes), _IOW('g', 2, 8 bytes), _IOR('g', 3, 8 bytes).
+        // _IOWR('g', 1, 24 bytes), _IOW('g', 2, 8 bytes), _IOR('g', 3, 8 bytes),
+        // _IOWR('g', 4, 32 bytes), _IOW('g', 5, 4 bytes).
         assert_eq!(IOC_ALLOC, 0xc018_6701);
         assert_eq!(IOC_FREE, 0x4008_6702);
         assert_eq!(IOC_INFO, 0x8008_6703);
+        assert_eq!(IOC_IMPORT, 0xc020_6704);
+        assert_eq!(IOC_RELEASE, 0x4004_6705);
     }
 }

@@ -18,6 +18,8 @@
 //! - [`kmod`]: a controller bound to gpuio's kernel module (`kmod/`) instead of VFIO: BAR0
 //!   and DMA-coherent buffers from its character device.
 //! - [`open`] (`pci`): a controller by PCI address, through the driver it is bound to.
+//! - [`peer`]: another device's memory (a GPU's, as a dma-buf) mapped for a controller through
+//!   the kernel module (Tier 2).
 //! - [`tiers`]: which tiers of device-initiated IO this machine supports, and why not.
 //! - `vfio` (cargo feature `nvme-vfio`): a real controller bound to `vfio-pci`, its BAR0
 //!   mapped and its DMA through the IOMMU; tested in the QEMU guest (`cargo xtask qemu-nvme`).
@@ -28,6 +30,7 @@ pub mod extents;
 pub mod gpu;
 pub mod kmod;
 mod pci;
+pub mod peer;
 pub mod prp;
 mod queue;
 pub mod soft;
@@ -37,9 +40,10 @@ pub mod tiers;
 pub mod vfio;
 
 pub use controller::{BlockIo, Controller, ControllerOptions, IoQueuePair, Namespace};
-pub use dma::{DmaBuffer, DmaMapper, DmaMemory, IovaSpace, Mmio};
+pub use dma::{DmaBuffer, DmaMapper, DmaMemory, DmaTarget, IovaSpace, Mmio};
 pub use extents::FileExtents;
 pub use gpu::{GpuMappedBuffer, GpuNvmeOp, GpuQueuePair, NvmeQueueDevice};
 pub use pci::{full_address, open};
+pub use peer::PeerBuffer;
 pub use soft::{SoftConfig, SoftController, SoftFaults};
 pub use spec::{Cap, ControllerIdentity, NamespaceIdentity, Status};

@@ -2,8 +2,8 @@
 //!
 //! - Tier 1: queues and data in host memory pinned for the GPU; GPU threads write the
 //!   controller's doorbells in its BAR0 (registered with the GPU as IO memory).
-//! - Tier 2: data in GPU memory, which the controller reaches peer-to-peer (the kernel module's
-//!   `nvidia_p2p` mapping).
+//! - Tier 2: data in GPU memory, which the controller reaches peer-to-peer: the GPU's memory
+//!   exported as a dma-buf, imported by the kernel module for the controller.
 //! - Tier 3: queues in GPU memory as well.
 //!
 //! Nothing here opens or resets a controller: the report reads sysfs and `/dev`, and what
@@ -53,8 +53,7 @@ pub fn pci_controllers() -> Vec<PciController> {
     found
 }
 
-/// Tier 1, 2 and 3 for `gpu`, each available or why not. Tier 2 would need the kernel
-/// module's `nvidia_p2p` mapping of GPU memory, which is not built.
+/// Tier 1, 2 and 3 for `gpu`, each available or why not.
 pub fn tiers(gpu: &Gpu) -> [(&'static str, Capability); 3] {
     let controllers = pci_controllers();
     // Controllers this driver can open: bound to vfio-pci (with VFIO present) or to gpuio's
@@ -105,11 +104,33 @@ pub fn tiers(gpu: &Gpu) -> [(&'static str, Capability); 3] {
         (Ok(_), Err(g)) => Capability::no(g),
         (Err(h), Err(g)) => Capability::no(format!("{h}; {g}")),
     };
-    let tier2 = Capability::no(
-        "not built: data in GPU memory needs the controller to reach it peer-to-peer \
-         (nvidia_p2p through a kernel module); gpuio keeps data in pinned host memory",
+    let kmod_bound: Vec<PciController> = drivable
+        .iter()
+        .filter(|c| c.driver.as_deref() == Some("gpuio_nvme"))
+        .cloned()
+        .collect();
+    let tier2 = match (&tier1, kmod_bound.is_empty(), &gpu.info().dma_buf) {
+        (t, _, _) if !t.available => Capability::no(format!("needs Tier 1: {}", t.detail)),
+        (_, _, export) if !export.available => Capability::no(format!(
+            "GPU memory cannot be exported as a dma-buf: {}",
+            export.detail
+        )),
+        (_, true, _) => Capability::no(
+            "only gpuio's kernel module imports a GPU's dma-buf for a controller, and none is \
+             bound to it (VFIO maps process memory only)",
+        ),
+        (_, false, _) => Capability::yes(format!(
+            "{}; GPU memory exported as a dma-buf (DeviceBuffer::export_dmabuf) and imported \
+             for the controller (Controller::import_dmabuf), whose PCIe path to the GPU decides \
+             whether peer-to-peer DMA succeeds",
+            describe(&kmod_bound)
+        )),
+    };
+    let tier3 = Capability::no(
+        "not built: queues in GPU memory would need the GPU to read the controller's \
+         completions from its own memory and the controller to fetch commands from it, which \
+         no machine here can try (none has an NVMe beside a GPU)",
     );
-    let tier3 = Capability::no("not built: queues in GPU memory need Tier 2's peer mapping first");
     [
         ("Tier 1 (queues and data in pinned host memory)", tier1),
         ("Tier 2 (data in GPU memory, P2P)", tier2),

@@ -320,6 +320,219 @@ mod kmod {
         check_errors(&ctrl, &nss[0]);
         check_disabled(&ctrl, &nss[0]);
     }
+
+    /// Tier 2's import path: a dma-buf (vgem's: a kernel exporter with no hardware behind
+    /// it, standing in for a GPU's) imported through the module, and the controller writing
+    /// from it and reading into it at scattered offsets, in and out of order. Namespace 1
+    /// from LBA 1000 only.
+    #[test]
+    fn kmod_controller_moves_data_through_an_imported_dmabuf() {
+        use std::os::fd::AsFd;
+        let found = gpuio_hal::nvme::kmod::devices();
+        let Some(path) = found.first() else {
+            Requirement::Nvme.missing("no NVMe controller is bound to gpuio_nvme");
+            return;
+        };
+        const LEN: usize = 1 << 20;
+        let exported = match super::vgem::Buffer::new(LEN) {
+            Ok(b) => b,
+            Err(why) => {
+                Requirement::Nvme.missing(format_args!("no dma-buf exporter: {why}"));
+                return;
+            }
+        };
+        let ctrl = gpuio_hal::nvme::kmod::open(path, ControllerOptions::default()).unwrap();
+        let ns = ctrl.namespace(1).unwrap();
+        let peer = ctrl.import_dmabuf(exported.as_fd()).unwrap();
+        eprintln!(
+            "imported {} bytes as {} bus address run(s)",
+            peer.len(),
+            peer.runs().len()
+        );
+        assert_eq!(peer.len(), LEN);
+        let mut qp = ctrl.io_queue_pair(32).unwrap();
+        let mut data = vec![0u8; LEN];
+        pattern::fill(&mut data, 0, 0x7e2);
+        exported.write(0, &data);
+        qp.run(&ns, &peer, &[BlockIo::new(true, 1000, 0, LEN)])
+            .unwrap();
+        let dma = ctrl.dma_buffer(LEN).unwrap();
+        qp.read(&ns, 1000, &dma, 0, LEN).unwrap();
+        let mut got = vec![0u8; LEN];
+        dma.read(0, &mut got).unwrap();
+        assert_eq!(
+            pattern::first_mismatch(&got, &data),
+            None,
+            "written from the dma-buf"
+        );
+        // Reads into it: 8 KiB pieces landing in reverse order of their blocks.
+        exported.write(0, &vec![0u8; LEN]);
+        const PIECE: usize = 8192;
+        let pieces = LEN / PIECE;
+        let blocks = (PIECE / ns.identity.block_size as usize) as u64;
+        let ops: Vec<BlockIo> = (0..pieces)
+            .map(|k| {
+                BlockIo::new(
+                    false,
+                    1000 + (pieces - 1 - k) as u64 * blocks,
+                    k * PIECE,
+                    PIECE,
+                )
+            })
+            .collect();
+        qp.run(&ns, &peer, &ops).unwrap();
+        let got = exported.read();
+        for k in 0..pieces {
+            let from = (pieces - 1 - k) * PIECE;
+            assert!(
+                got[k * PIECE..(k + 1) * PIECE] == data[from..from + PIECE],
+                "piece {k}"
+            );
+        }
+        // Past its end, and something that is not a dma-buf: typed errors.
+        let e = qp.read(&ns, 1000, &peer, LEN - 512, 1024).unwrap_err();
+        assert!(matches!(e, HalError::OutOfRange { .. }), "{e}");
+        let not_a_dmabuf = std::fs::File::open("/dev/null").unwrap();
+        let e = ctrl.import_dmabuf(not_a_dmabuf.as_fd()).unwrap_err();
+        assert!(e.to_string().contains("IMPORT"), "{e}");
+        drop(peer);
+    }
+}
+
+/// A dma-buf exporter with no hardware: the kernel's virtual GEM driver (vgem, loaded in
+/// `cargo xtask qemu-nvme`'s guest), a dumb buffer exported through PRIME and mapped here.
+mod vgem {
+    use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+
+    /// `struct drm_mode_create_dumb`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct CreateDumb {
+        height: u32,
+        width: u32,
+        bpp: u32,
+        flags: u32,
+        handle: u32,
+        pitch: u32,
+        size: u64,
+    }
+
+    /// `struct drm_prime_handle`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct PrimeHandle {
+        handle: u32,
+        flags: u32,
+        fd: i32,
+    }
+
+    /// `DRM_IOWR(0xB2, struct drm_mode_create_dumb)`, `DRM_IOWR(0x2d, struct drm_prime_handle)`.
+    const CREATE_DUMB: u64 = 0xc020_64b2;
+    const PRIME_HANDLE_TO_FD: u64 = 0xc00c_642d;
+
+    pub struct Buffer {
+        _card: std::fs::File,
+        dmabuf: OwnedFd,
+        map: *mut u8,
+        len: usize,
+    }
+
+    impl Buffer {
+        /// `len` bytes (whole 4 KiB rows), exported and mapped; why not where vgem is absent.
+        pub fn new(len: usize) -> Result<Self, String> {
+            let card = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/dri/card0")
+                .map_err(|e| format!("/dev/dri/card0: {e} (load vgem)"))?;
+            let mut create = CreateDumb {
+                width: 1024,
+                bpp: 32,
+                height: (len / 4096) as u32,
+                ..CreateDumb::default()
+            };
+            let ioctl = |request: u64, arg: *mut libc::c_void, what: &str| {
+                // SAFETY: each request's argument is the `#[repr(C)]` struct the DRM ioctl
+                // reads and writes, living across the call.
+                let rc = unsafe { libc::ioctl(card.as_raw_fd(), request as libc::c_ulong, arg) };
+                if rc < 0 {
+                    return Err(format!("{what}: {}", std::io::Error::last_os_error()));
+                }
+                Ok(())
+            };
+            ioctl(
+                CREATE_DUMB,
+                (&raw mut create).cast(),
+                "DRM_IOCTL_MODE_CREATE_DUMB",
+            )?;
+            let mut prime = PrimeHandle {
+                handle: create.handle,
+                flags: (libc::O_RDWR | libc::O_CLOEXEC) as u32,
+                fd: -1,
+            };
+            ioctl(
+                PRIME_HANDLE_TO_FD,
+                (&raw mut prime).cast(),
+                "DRM_IOCTL_PRIME_HANDLE_TO_FD",
+            )?;
+            // SAFETY: the ioctl returned a new descriptor that nothing else owns.
+            let dmabuf = unsafe { OwnedFd::from_raw_fd(prime.fd) };
+            // SAFETY: a fresh shared mapping of the dma-buf; the kernel picks the address.
+            let map = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    dmabuf.as_raw_fd(),
+                    0,
+                )
+            };
+            if map == libc::MAP_FAILED {
+                return Err(format!(
+                    "mmap of the dma-buf: {}",
+                    std::io::Error::last_os_error()
+                ));
+            }
+            Ok(Self {
+                _card: card,
+                dmabuf,
+                map: map.cast(),
+                len,
+            })
+        }
+
+        /// Copies `data` in at `offset`.
+        pub fn write(&self, offset: usize, data: &[u8]) {
+            assert!(offset + data.len() <= self.len);
+            // SAFETY: in bounds of the mapping, which lives as long as `self`; no DMA runs
+            // while the test writes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(data.as_ptr(), self.map.add(offset), data.len())
+            };
+        }
+
+        /// All of its bytes.
+        pub fn read(&self) -> Vec<u8> {
+            let mut out = vec![0u8; self.len];
+            // SAFETY: as in `write`: the whole mapping, read after the DMA completed.
+            unsafe { std::ptr::copy_nonoverlapping(self.map, out.as_mut_ptr(), self.len) };
+            out
+        }
+    }
+
+    impl AsFd for Buffer {
+        fn as_fd(&self) -> BorrowedFd<'_> {
+            self.dmabuf.as_fd()
+        }
+    }
+
+    impl Drop for Buffer {
+        fn drop(&mut self) {
+            // SAFETY: the mapping `new` made, unmapped once.
+            unsafe { libc::munmap(self.map.cast(), self.len) };
+        }
+    }
 }
 
 #[cfg(feature = "nvme-vfio")]
@@ -501,6 +714,17 @@ mod fio {
             ours / fio
         );
     }
+}
+
+/// Only the kernel module imports dma-bufs: the software controller says why it cannot.
+#[test]
+fn soft_controller_refuses_dmabuf_imports() {
+    use std::os::fd::AsFd;
+    let (_dev, ctrl) = soft(SoftConfig::default());
+    let f = std::fs::File::open("/dev/null").unwrap();
+    let e = ctrl.import_dmabuf(f.as_fd()).unwrap_err();
+    assert!(matches!(e, HalError::Unsupported { .. }), "{e}");
+    assert!(e.to_string().contains("kernel module"), "{e}");
 }
 
 /// Batches of writes to distinct random slots, then reads of every slot, each batch under a

@@ -179,6 +179,14 @@ impl CudaDevice {
             } else {
                 Capability::no("the device cannot register read-only host memory")
             },
+            dma_buf: if attr(A::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)? != 0 {
+                Capability::yes("device memory exports as dma-bufs (cuMemGetHandleForAddressRange)")
+            } else {
+                Capability::no(
+                    "the driver does not export dma-bufs (NVIDIA's open kernel modules do, from \
+                     release 515)",
+                )
+            },
         };
         Ok(Self {
             shared: Arc::new(Shared {
@@ -357,6 +365,19 @@ impl DeviceBackend for CudaDevice {
     fn time_kernel_load(&self, src: &KernelSource, path: KernelPath) -> Result<KernelLoad> {
         let shared = &self.shared;
         module::time_load(&shared.ctx, shared.compute_capability, src, path)
+    }
+
+    fn export_dmabuf(&self, addr: u64, len: usize) -> Result<std::os::fd::OwnedFd> {
+        if !self.info.dma_buf.available {
+            return Err(HalError::Unsupported {
+                what: "dma-buf export of device memory",
+                reason: self.info.dma_buf.detail.clone(),
+            });
+        }
+        self.shared.bind()?;
+        // SAFETY: the caller (`DeviceBuffer::export_dmabuf`) passes a range of a live
+        // allocation of this device, kept alive by the export it returns.
+        unsafe { driver::mem_dmabuf_fd(addr, len) }
     }
 
     fn gds(&self) -> Result<(GdsMode, String)> {

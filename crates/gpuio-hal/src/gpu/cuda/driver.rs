@@ -15,6 +15,7 @@
 use crate::error::{ErrorCode, HalError, Result};
 use cudarc::driver::{DriverError, result, sys};
 use std::ffi::c_void;
+use std::os::fd::{FromRawFd, OwnedFd};
 
 /// Converts a driver error into the HAL's error, naming the operation.
 pub(crate) fn cuda_err(op: &'static str) -> impl FnOnce(DriverError) -> HalError {
@@ -104,6 +105,29 @@ pub(super) fn mem_alloc(len: usize) -> Result<sys::CUdeviceptr> {
     // SAFETY: the call only writes the new pointer; no memory of ours is read or written, and
     // the bytes behind the pointer are reached only through later driver calls and kernels.
     unsafe { result::malloc_sync(len) }.map_err(cuda_err("cuMemAlloc"))
+}
+
+/// `cuMemGetHandleForAddressRange` with `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD`: a new dma-buf
+/// file descriptor for `len` bytes of device memory at `addr` (both multiples of the host page
+/// size).
+///
+/// # Safety
+/// `addr..addr + len` lies in a live allocation of the current context.
+pub(super) unsafe fn mem_dmabuf_fd(addr: sys::CUdeviceptr, len: usize) -> Result<OwnedFd> {
+    let mut fd: std::ffi::c_int = -1;
+    // SAFETY: the caller's contract for the range; the call writes one int, `fd`.
+    let rc = unsafe {
+        sys::cuMemGetHandleForAddressRange(
+            (&raw mut fd).cast(),
+            addr,
+            len,
+            sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+            0,
+        )
+    };
+    check(rc, "cuMemGetHandleForAddressRange")?;
+    // SAFETY: on success the driver returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// `cuMemFree`.
