@@ -129,7 +129,8 @@ fn bad_input_gets_typed_errors_and_exit_codes() {
     let s = src.to_str().unwrap();
     let cases: &[(&[&str], i32, &str)] = &[
         (&["cp", "memio://cpu/dram?numa=x", "gpu0"], 3, "numa"),
-        (&["cp", "nvme://x", "gpu0"], 3, "unknown scheme"),
+        (&["cp", "nvmf://x", "gpu0"], 3, "unknown scheme"),
+        (&["cp", "nvme://x", "gpu0"], 3, "a PCI address"),
         (&["cp", "/nonexistent/file", "gpu0"], 4, "No such file"),
         (&["cp", s, "gpu99"], 4, "GPU 99"),
         (&["cp", s, "memio://cpu/dram?numa=999"], 4, "NUMA node 999"),
