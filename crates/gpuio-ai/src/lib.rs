@@ -1,11 +1,5 @@
-//! gpuio's AI memory tier, on top of the library (nothing in gpuio depends on it): KV-cache
-//! compression and tiers for sparse attention, Engram tables, graph gathers for retrieval, and
-//! the context that maps AI work onto the scheduler's priority classes.
-//!
-//! - [`compress`]: KV quantization (FP16, FP8 E4M3, INT8, 4-bit) with error bounds, and LZ4 /
-//!   ZSTD frames verified by crc32c.
-//! - [`graph`]: Graph RAG — top-k candidates, k-hop expansion over CSR adjacency, and the
-//!   subgraph's embeddings gathered from host memory or a file into one device buffer.
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
 
 pub mod compress;
 pub mod graph;
