@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 pub mod compress;
+pub mod engram;
 pub mod graph;
 
 use gpuio_hal::ErrorCode;

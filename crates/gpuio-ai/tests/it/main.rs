@@ -2,4 +2,5 @@
 //! --test it <module>::`). They run on whatever backend the session probes: the host backend
 //! in CI, CUDA on the GPU machine.
 
+mod engram;
 mod graph;
