@@ -4,6 +4,7 @@
 pub mod compress;
 pub mod engram;
 pub mod graph;
+pub mod kv;
 
 use gpuio_hal::ErrorCode;
 

@@ -28,10 +28,17 @@ fn lookups_read_the_rows_asked_for_and_stores_land() {
     let dst = session.alloc_device(0, ids.len() * ROW).unwrap();
     let r = table.lookup(&session, &ids, &dst, 0).unwrap();
     assert_eq!(r.rows, ids.len());
-    assert!(r.rows_fetched < ids.len(), "a skewed batch has repeats: {r:?}");
+    assert!(
+        r.rows_fetched < ids.len(),
+        "a skewed batch has repeats: {r:?}"
+    );
     let check = |dst: &gpuio_api::DeviceBuffer, ids: &[u64]| {
         let mut out = vec![0u8; ids.len() * ROW];
-        dst.gpu().stream().unwrap().download(dst, 0, &mut out).unwrap();
+        dst.gpu()
+            .stream()
+            .unwrap()
+            .download(dst, 0, &mut out)
+            .unwrap();
         let t = table.memory().read();
         for (i, &id) in ids.iter().enumerate() {
             let want = &t[id as usize * ROW..(id as usize + 1) * ROW];
@@ -49,7 +56,12 @@ fn lookups_read_the_rows_asked_for_and_stores_land() {
     let again = session.alloc_device(0, updated.len() * ROW).unwrap();
     table.lookup(&session, &updated, &again, 0).unwrap();
     let mut out = vec![0u8; fresh.len()];
-    again.gpu().stream().unwrap().download(&again, 0, &mut out).unwrap();
+    again
+        .gpu()
+        .stream()
+        .unwrap()
+        .download(&again, 0, &mut out)
+        .unwrap();
     assert!(out == fresh, "stored rows did not come back");
     // Refused: an id past the table, a destination too small, a table of no bytes.
     assert!(table.lookup(&session, &[rows], &dst, 0).is_err());

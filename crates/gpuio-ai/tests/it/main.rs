@@ -4,3 +4,4 @@
 
 mod engram;
 mod graph;
+mod kv;
