@@ -57,7 +57,7 @@ fn overlapping_selections_load_exactly_what_was_stored() {
         let layer = (step % 2) as usize;
         // Keep ~90% of the previous selection, replace the rest at random.
         for (i, p) in selection.iter_mut().enumerate() {
-            if pattern::mix64(step << 20 ^ i as u64) % 10 == 0 {
+            if pattern::mix64(step << 20 ^ i as u64).is_multiple_of(10) {
                 *p = pattern::mix64(step ^ (i as u64) << 32) % tokens;
             }
         }
