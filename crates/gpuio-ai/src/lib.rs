@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 pub mod compress;
+pub mod context;
 pub mod engram;
 pub mod graph;
 pub mod kv;
@@ -35,3 +36,5 @@ impl AiError {
 
 /// gpuio-ai's result type.
 pub type Result<T, E = AiError> = std::result::Result<T, E>;
+
+pub use context::{AiContext, AiWork, Criticality, InferenceQos};
