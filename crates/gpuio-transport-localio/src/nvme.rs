@@ -122,7 +122,8 @@ impl NvmeDevice {
 
     /// Size in bytes.
     pub fn len(&self) -> u64 {
-        self.ns.identity.blocks * self.block() as u64
+        // Saturating: a controller's Identify data is not trusted to multiply.
+        self.ns.identity.blocks.saturating_mul(self.block() as u64)
     }
 
     /// Whether it has no blocks (never, for an active namespace).
