@@ -18,6 +18,9 @@ pub enum AiError {
     /// Data that fails its own checks (a damaged frame, a checksum that does not match).
     #[error("{0}")]
     Corrupt(String),
+    /// A tier has no room for what must go there.
+    #[error("{0}")]
+    TierFull(String),
     /// The library below failed.
     #[error(transparent)]
     Api(#[from] gpuio_api::Error),
@@ -29,6 +32,7 @@ impl AiError {
         match self {
             Self::InvalidArgument(_) => ErrorCode::InvalidArg,
             Self::Corrupt(_) => ErrorCode::Io,
+            Self::TierFull(_) => ErrorCode::NoMem,
             Self::Api(e) => e.code(),
         }
     }

@@ -93,6 +93,7 @@ fn requests_carry_their_class_and_land_their_bytes() {
         layers: 1,
         entry_bytes: 64,
         max_tokens: 100,
+        warm_entries: 100,
         hot_slots: 8,
         max_selection: 4,
         gpu: 0,

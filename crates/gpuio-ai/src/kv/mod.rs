@@ -1,0 +1,521 @@
+//! The DSA KV pool: one sequence's sparse-attention KV entries (DeepSeek V3.2: 656 bytes per
+//! token per layer, FP8 with scales) in three tiers.
+//!
+//! - **Hot**: per layer, a buffer of device-memory slots refilled by LRU — HiSparse's scheme
+//!   (`hot.rs`).
+//! - **Warm**: entries in pinned host memory (DRAM or CXL), `warm_entries` of them.
+//! - **Cold**: entries evicted from host memory, compressed into a file (`cold.rs`), where a
+//!   cold tier is attached; without one, evicted entries are dropped.
+//!
+//! Each decode step's top-k selection (2048 positions per layer) is [`load`](KvPool::load)ed
+//! into one contiguous device buffer. Entries in the hot buffer come from there; misses come
+//! from host memory by MemIO's row gather (cold ones brought back to host memory first), and
+//! then replace the least recently selected slots, so the next step — whose selection overlaps
+//! this one by 80–95% — finds them. A load is three device operations:
+//! 1. the misses gathered from host memory into the staging rows behind the layer's slots;
+//! 2. the output gathered from slots and staging rows in selection order;
+//! 3. where there were misses, the slots rebuilt into a spare buffer with the misses in their
+//!    new places (the spare and the layer's buffer then trade places).
+//!
+//! [`store`](KvPool::store) writes entries to host memory and drops their hot copies, so a
+//! load never returns a stale entry. [`evict_by_importance`](KvPool::evict_by_importance)
+//! frees host memory from the least important entries.
+
+mod cold;
+mod hot;
+
+pub use cold::ColdTier;
+
+use crate::{AiError, Result};
+use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
+use gpuio_hal::{HostAllocOptions, HostBuffer, RowIndices};
+use gpuio_transport_memio::GatherOptions;
+use hot::HotLayer;
+
+/// The shape of a KV pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvPoolConfig {
+    /// Attention layers.
+    pub layers: usize,
+    /// Bytes per entry (one token of one layer): 656 for DeepSeek V3.2.
+    pub entry_bytes: usize,
+    /// Tokens the sequence may hold.
+    pub max_tokens: u64,
+    /// Entries host memory holds, over all layers (at most `layers × max_tokens`).
+    pub warm_entries: u64,
+    /// Slots of each layer's hot buffer in device memory.
+    pub hot_slots: usize,
+    /// The largest selection one load takes (the top-k: 2048); at most `hot_slots`.
+    pub max_selection: usize,
+    /// The GPU whose memory holds the hot buffers.
+    pub gpu: u32,
+    /// Where the warm tier lives (DRAM on a node, or CXL).
+    pub placement: HostPlacement,
+}
+
+impl KvPoolConfig {
+    /// DeepSeek V3.2's shape for one sequence of `max_tokens`, all of it in host memory: 61
+    /// layers of 656-byte entries, top-2048 selections, 4096 hot slots per layer.
+    pub fn deepseek_v32(max_tokens: u64) -> Self {
+        Self {
+            layers: 61,
+            entry_bytes: 656,
+            max_tokens,
+            warm_entries: 61 * max_tokens,
+            hot_slots: 4096,
+            max_selection: 2048,
+            gpu: 0,
+            placement: HostPlacement::Dram { numa: None },
+        }
+    }
+}
+
+/// What one load did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoadReport {
+    /// Entries written to the destination.
+    pub selected: usize,
+    /// Of them, found in the hot buffer.
+    pub hits: usize,
+    /// Distinct entries read from host memory.
+    pub misses: usize,
+    /// Of those, brought back from the cold tier first.
+    pub from_cold: usize,
+    /// Bytes that crossed from host memory.
+    pub bytes_from_host: u64,
+}
+
+/// What an eviction did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EvictReport {
+    /// Entries that left host memory.
+    pub evicted: usize,
+    /// Of them, kept compressed in the cold tier (the rest are gone).
+    pub to_cold: usize,
+    /// Host memory freed, in bytes.
+    pub bytes_freed: u64,
+}
+
+/// Where an entry is kept (a hot copy in device memory may exist beside it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    /// Host memory.
+    Warm,
+    /// Compressed in the cold tier.
+    Cold,
+    /// Evicted with no cold tier: gone.
+    Dropped,
+}
+
+/// Where an entry is: its warm row, `COLD | frame`, or nowhere.
+const ABSENT: u64 = u64::MAX;
+const COLD: u64 = 1 << 63;
+
+/// A sequence's KV entries across the tiers. Not shared between threads: one decode loop
+/// drives it.
+pub struct KvPool {
+    cfg: KvPoolConfig,
+    warm: HostMemory,
+    free_rows: Vec<u64>,
+    /// Per layer, per position: where the entry is (positions below the layer's length).
+    residence: Vec<Vec<u64>>,
+    /// Importance scores per layer, by position.
+    importance: Vec<Vec<f32>>,
+    hot: Vec<HotLayer>,
+    /// The buffer a layer's slots are rebuilt into, then traded for the layer's own.
+    spare: DeviceBuffer,
+    /// Row indices for the device gathers, pinned, and their device copy.
+    idx_host: HostBuffer,
+    idx_dev: DeviceBuffer,
+    cold: Option<ColdTier>,
+    step: u64,
+}
+
+impl std::fmt::Debug for KvPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvPool")
+            .field("config", &self.cfg)
+            .field("warm_free", &self.free_rows.len())
+            .field("cold", &self.cold)
+            .finish()
+    }
+}
+
+impl KvPool {
+    /// A pool of `cfg`'s shape, its host memory and hot buffers allocated now; a size the
+    /// machine cannot back is refused first.
+    pub fn new(session: &Session, cfg: KvPoolConfig) -> Result<Self> {
+        let bad = |why: String| Err(AiError::InvalidArgument(format!("KV pool: {why}")));
+        let entries = (cfg.layers as u64).checked_mul(cfg.max_tokens);
+        if cfg.layers == 0 || cfg.entry_bytes == 0 || cfg.max_tokens == 0 || cfg.warm_entries == 0 {
+            return bad(format!("{cfg:?} has nothing to hold"));
+        }
+        if entries.is_none_or(|n| cfg.warm_entries > n) {
+            return bad(format!(
+                "{} warm entries, more than the {} layers × {} tokens",
+                cfg.warm_entries, cfg.layers, cfg.max_tokens
+            ));
+        }
+        if cfg.max_selection == 0 || cfg.max_selection > cfg.hot_slots {
+            return bad(format!(
+                "a selection of up to {} needs 1 to {} hot slots",
+                cfg.max_selection, cfg.hot_slots
+            ));
+        }
+        let warm_len = cfg
+            .warm_entries
+            .checked_mul(cfg.entry_bytes as u64)
+            .and_then(|b| usize::try_from(b).ok());
+        let hot_rows = cfg.hot_slots + cfg.max_selection;
+        let (Some(warm_len), Some(hot_len)) = (warm_len, hot_rows.checked_mul(cfg.entry_bytes))
+        else {
+            return bad(format!("{cfg:?} overflows"));
+        };
+        let warm = session.alloc_host(cfg.placement, warm_len, true)?;
+        let gpu = session.gpu(cfg.gpu)?.clone();
+        let mut hot = Vec::with_capacity(cfg.layers);
+        for _ in 0..cfg.layers {
+            hot.push(HotLayer::new(
+                session.alloc_device(cfg.gpu, hot_len)?,
+                cfg.hot_slots,
+            ));
+        }
+        let idx_len = hot_rows * 8;
+        Ok(Self {
+            spare: session.alloc_device(cfg.gpu, hot_len)?,
+            idx_host: HostBuffer::alloc_pinned(idx_len, &HostAllocOptions::default(), &gpu)
+                .map_err(gpuio_api::Error::from)?,
+            idx_dev: session.alloc_device(cfg.gpu, idx_len)?,
+            free_rows: (0..cfg.warm_entries).rev().collect(),
+            residence: vec![Vec::new(); cfg.layers],
+            importance: vec![Vec::new(); cfg.layers],
+            cfg,
+            warm,
+            hot,
+            cold: None,
+            step: 0,
+        })
+    }
+
+    /// Evicted entries go to `tier` from now on, compressed, instead of being dropped.
+    pub fn attach_cold_tier(&mut self, tier: ColdTier) {
+        self.cold = Some(tier);
+    }
+
+    /// The cold tier, where one is attached.
+    pub fn cold_tier(&self) -> Option<&ColdTier> {
+        self.cold.as_ref()
+    }
+
+    /// Its shape.
+    pub fn config(&self) -> &KvPoolConfig {
+        &self.cfg
+    }
+
+    /// Tokens stored in `layer` (0 for a layer that is not there).
+    pub fn len(&self, layer: usize) -> u64 {
+        self.residence.get(layer).map_or(0, |r| r.len() as u64)
+    }
+
+    /// Whether no layer holds a token.
+    pub fn is_empty(&self) -> bool {
+        self.residence.iter().all(Vec::is_empty)
+    }
+
+    /// Entries host memory has room for now.
+    pub fn warm_free(&self) -> u64 {
+        self.free_rows.len() as u64
+    }
+
+    /// Entries of `layer` in the hot buffer now.
+    pub fn hot_entries(&self, layer: usize) -> usize {
+        self.hot.get(layer).map_or(0, HotLayer::len)
+    }
+
+    /// Where entry (`layer`, `pos`) is kept; `None` where it was never stored.
+    pub fn tier_of(&self, layer: usize, pos: u64) -> Option<Tier> {
+        let r = *self.residence.get(layer)?.get(pos as usize)?;
+        Some(match r {
+            ABSENT => Tier::Dropped,
+            r if r & COLD != 0 => Tier::Cold,
+            _ => Tier::Warm,
+        })
+    }
+
+    /// The importance score of an entry (0 where none was given).
+    pub fn importance(&self, layer: usize, pos: u64) -> f32 {
+        self.importance
+            .get(layer)
+            .and_then(|v| v.get(pos as usize))
+            .copied()
+            .unwrap_or(0.0)
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<()> {
+        if layer >= self.cfg.layers {
+            return Err(AiError::InvalidArgument(format!(
+                "layer {layer} of a {}-layer KV pool",
+                self.cfg.layers
+            )));
+        }
+        Ok(())
+    }
+
+    fn full(&self, needed: usize) -> AiError {
+        AiError::TierFull(format!(
+            "host memory holds {} more KV entries, {needed} needed: evict_by_importance first",
+            self.free_rows.len()
+        ))
+    }
+
+    /// Stores `count` entries of `layer` from `src` at `src_offset` (entry after entry) at
+    /// positions `first..first + count`, with their importance scores where given (one per
+    /// entry). Entries may be written again, but not past the end with a gap
+    /// (`first <= len(layer)`). They go to host memory (room for them is checked first) and
+    /// their hot copies are dropped.
+    #[allow(clippy::too_many_arguments)]
+    pub fn store(
+        &mut self,
+        session: &Session,
+        layer: usize,
+        first: u64,
+        count: usize,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        scores: Option<&[f32]>,
+    ) -> Result<()> {
+        self.check_layer(layer)?;
+        let len = self.len(layer);
+        let end = first.checked_add(count as u64);
+        if first > len || end.is_none_or(|e| e > self.cfg.max_tokens) {
+            return Err(AiError::InvalidArgument(format!(
+                "storing positions {first}..{first}+{count} of layer {layer}, which holds {len} \
+                 of at most {} tokens",
+                self.cfg.max_tokens
+            )));
+        }
+        if scores.is_some_and(|s| s.len() != count) {
+            return Err(AiError::InvalidArgument(format!(
+                "{count} entries with {} importance scores",
+                scores.map_or(0, <[f32]>::len)
+            )));
+        }
+        let end = first + count as u64;
+        let res = &self.residence[layer];
+        let needed = (first..end)
+            .filter(|&p| res.get(p as usize).is_none_or(|&r| r & COLD != 0))
+            .count();
+        if needed > self.free_rows.len() {
+            return Err(self.full(needed));
+        }
+        let res = &mut self.residence[layer];
+        if res.len() < end as usize {
+            res.resize(end as usize, ABSENT);
+        }
+        let mut rows = Vec::with_capacity(count);
+        for p in first..end {
+            let r = &mut res[p as usize];
+            if *r & COLD != 0 {
+                *r = self.free_rows.pop().expect("room was checked");
+            }
+            rows.push(*r);
+        }
+        {
+            let mut warm = self.warm.write();
+            session
+                .memio()
+                .scatter(src, src_offset, self.cfg.entry_bytes, &rows, &mut warm)
+                .map_err(gpuio_api::Error::from)?;
+        }
+        let hot = &mut self.hot[layer];
+        (first..end).for_each(|p| hot.drop_entry(p));
+        let imp = &mut self.importance[layer];
+        if imp.len() < end as usize {
+            imp.resize(end as usize, 0.0);
+        }
+        if let Some(s) = scores {
+            imp[first as usize..end as usize].copy_from_slice(s);
+        }
+        Ok(())
+    }
+
+    /// Loads the entries of `layer` at `selection` (positions, each stored) into `dst` from
+    /// `dst_offset`, entry `i` being position `selection[i]`; the misses then take the least
+    /// recently selected slots of the layer's hot buffer. A position may appear more than
+    /// once. A miss evicted without a cold tier is an error, and so is a cold miss when host
+    /// memory has no room to bring it back ([`AiError::TierFull`]).
+    pub fn load(
+        &mut self,
+        session: &Session,
+        layer: usize,
+        selection: &[u64],
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<LoadReport> {
+        self.check_layer(layer)?;
+        let (e, slots) = (self.cfg.entry_bytes, self.cfg.hot_slots);
+        if selection.len() > self.cfg.max_selection {
+            return Err(AiError::InvalidArgument(format!(
+                "a selection of {} entries, more than the pool's {}",
+                selection.len(),
+                self.cfg.max_selection
+            )));
+        }
+        if let Some(p) = selection.iter().find(|&&p| p >= self.len(layer)) {
+            return Err(AiError::InvalidArgument(format!(
+                "position {p} of layer {layer}, which holds {} tokens",
+                self.len(layer)
+            )));
+        }
+        gpuio_hal::check_range(
+            "KV load destination",
+            dst_offset,
+            selection.len() * e,
+            dst.len(),
+        )
+        .map_err(gpuio_api::Error::from)?;
+        if selection.is_empty() {
+            return Ok(LoadReport::default());
+        }
+        self.step += 1;
+        let step = self.step;
+        let plan = self.hot[layer].plan(selection, step);
+        let from_cold = self.bring_back(layer, &plan.misses)?;
+        let hot = &mut self.hot[layer];
+        let stream = dst.gpu().stream().map_err(gpuio_api::Error::from)?;
+        if !plan.misses.is_empty() {
+            let res = &self.residence[layer];
+            let rows: Vec<u64> = plan.misses.iter().map(|&p| res[p as usize]).collect();
+            let warm = self.warm.read();
+            session
+                .memio()
+                .gather(
+                    &warm,
+                    e,
+                    &rows[..],
+                    &hot.buf,
+                    slots * e,
+                    &GatherOptions::default(),
+                )
+                .map_err(gpuio_api::Error::from)?;
+        }
+        write_indices(&mut self.idx_host, &plan.rows);
+        let indices = RowIndices::Staged {
+            host: &self.idx_host,
+            device: &self.idx_dev,
+        };
+        stream
+            .gather_device(&hot.buf, e, indices, plan.rows.len(), dst, dst_offset)
+            .map_err(gpuio_api::Error::from)?;
+        if !plan.misses.is_empty() {
+            let source = hot.install(&plan.misses, step);
+            write_indices(&mut self.idx_host, &source);
+            let indices = RowIndices::Staged {
+                host: &self.idx_host,
+                device: &self.idx_dev,
+            };
+            stream
+                .gather_device(&hot.buf, e, indices, slots, &self.spare, 0)
+                .map_err(gpuio_api::Error::from)?;
+            std::mem::swap(&mut hot.buf, &mut self.spare);
+        }
+        Ok(LoadReport {
+            selected: selection.len(),
+            hits: plan.hits,
+            misses: plan.misses.len(),
+            from_cold,
+            bytes_from_host: (plan.misses.len() * e) as u64,
+        })
+    }
+
+    /// Brings the cold ones among `misses` back to host memory (checked and decompressed);
+    /// how many. Refused before any moves where one was dropped or host memory lacks room.
+    fn bring_back(&mut self, layer: usize, misses: &[u64]) -> Result<usize> {
+        let res = &self.residence[layer];
+        if let Some(p) = misses.iter().find(|&&p| res[p as usize] == ABSENT) {
+            return Err(AiError::InvalidArgument(format!(
+                "position {p} of layer {layer} was evicted with no cold tier to keep it"
+            )));
+        }
+        let cold: Vec<u64> = misses
+            .iter()
+            .copied()
+            .filter(|&p| res[p as usize] & COLD != 0)
+            .collect();
+        if cold.len() > self.free_rows.len() {
+            return Err(self.full(cold.len()));
+        }
+        let e = self.cfg.entry_bytes;
+        for &p in &cold {
+            let frame = self.residence[layer][p as usize] & !COLD;
+            let tier = self.cold.as_ref().ok_or_else(|| {
+                AiError::Corrupt(format!(
+                    "position {p} of layer {layer} is cold, with no tier"
+                ))
+            })?;
+            let row = *self.free_rows.last().expect("room was checked");
+            let at = row as usize * e;
+            tier.get(frame, &mut self.warm.write()[at..at + e])?;
+            self.free_rows.pop();
+            self.residence[layer][p as usize] = row;
+        }
+        Ok(cold.len())
+    }
+
+    /// Frees host memory of at least `required` bytes (as far as there are such entries)
+    /// from entries whose importance is below `threshold`, least important first: each goes
+    /// to the cold tier, compressed, or is dropped where there is none. Their hot copies stay
+    /// (they are still right).
+    pub fn evict_by_importance(&mut self, required: u64, threshold: f32) -> Result<EvictReport> {
+        let mut candidates: Vec<(f32, usize, u64)> = Vec::new();
+        for (layer, res) in self.residence.iter().enumerate() {
+            for (pos, &r) in res.iter().enumerate() {
+                let imp = self.importance(layer, pos as u64);
+                if r & COLD == 0 && imp < threshold {
+                    candidates.push((imp, layer, pos as u64));
+                }
+            }
+        }
+        candidates.sort_by(|a, b| a.0.total_cmp(&b.0).then((a.1, a.2).cmp(&(b.1, b.2))));
+        let e = self.cfg.entry_bytes;
+        let mut report = EvictReport::default();
+        let mut entry = vec![0u8; e];
+        for (_, layer, pos) in candidates {
+            if report.bytes_freed >= required {
+                break;
+            }
+            let row = self.residence[layer][pos as usize];
+            let next = match self.cold.as_mut() {
+                Some(tier) => {
+                    let at = row as usize * e;
+                    entry.copy_from_slice(&self.warm.read()[at..at + e]);
+                    report.to_cold += 1;
+                    COLD | tier.put(&entry)?
+                }
+                None => ABSENT,
+            };
+            self.residence[layer][pos as usize] = next;
+            self.free_rows.push(row);
+            report.evicted += 1;
+            report.bytes_freed += e as u64;
+        }
+        Ok(report)
+    }
+
+    /// Moves every entry below `threshold` to the cold tier (which must be attached).
+    pub fn compact(&mut self, threshold: f32) -> Result<EvictReport> {
+        if self.cold.is_none() {
+            return Err(AiError::InvalidArgument(
+                "compact needs a cold tier (attach_cold_tier)".into(),
+            ));
+        }
+        self.evict_by_importance(u64::MAX, threshold)
+    }
+}
+
+/// `rows` as little-endian u64s at the start of `host`.
+fn write_indices(host: &mut HostBuffer, rows: &[u64]) {
+    for (i, r) in rows.iter().enumerate() {
+        host[8 * i..8 * i + 8].copy_from_slice(&r.to_le_bytes());
+    }
+}
