@@ -4,12 +4,15 @@
 //! result, and a header cannot make a reader allocate more than the caller allows.
 //!
 //! Layout (little endian): `b"GAIZ"`, codec (1 byte: 1 LZ4, 2 ZSTD), 3 zero bytes, the
-//! decompressed length (u64), its crc32c (u32), then the codec's payload.
+//! decompressed length (u64), its crc32c (u32), the payload's length (u32), then the codec's
+//! payload — so frames laid one after another can be read back one by one.
 
 use crate::{AiError, Result};
 
 const MAGIC: [u8; 4] = *b"GAIZ";
-const HEADER: usize = 20;
+/// Bytes of a frame's header.
+pub const FRAME_HEADER: usize = 24;
+const HEADER: usize = FRAME_HEADER;
 
 /// A lossless codec.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +35,8 @@ pub struct FrameInfo {
     pub raw_len: u64,
     /// crc32c of the decompressed bytes.
     pub crc32c: u32,
+    /// The whole frame's length, header included.
+    pub frame_len: u64,
 }
 
 impl Codec {
@@ -49,14 +54,19 @@ impl Codec {
         out.extend_from_slice(&[self.id(), 0, 0, 0]);
         out.extend_from_slice(&(data.len() as u64).to_le_bytes());
         out.extend_from_slice(&crc32c::crc32c(data).to_le_bytes());
-        match self {
-            Self::Lz4 => out.extend_from_slice(&lz4_flex::block::compress(data)),
-            Self::Zstd { level } => {
-                let payload = zstd::bulk::compress(data, level)
-                    .map_err(|e| AiError::InvalidArgument(format!("zstd level {level}: {e}")))?;
-                out.extend_from_slice(&payload);
-            }
-        }
+        let payload = match self {
+            Self::Lz4 => lz4_flex::block::compress(data),
+            Self::Zstd { level } => zstd::bulk::compress(data, level)
+                .map_err(|e| AiError::InvalidArgument(format!("zstd level {level}: {e}")))?,
+        };
+        let payload_len = u32::try_from(payload.len()).map_err(|_| {
+            AiError::InvalidArgument(format!(
+                "{} bytes compress to more than a frame holds (4 GiB): compress in chunks",
+                data.len()
+            ))
+        })?;
+        out.extend_from_slice(&payload_len.to_le_bytes());
+        out.extend_from_slice(&payload);
         Ok(out)
     }
 }
@@ -88,6 +98,7 @@ pub fn frame_info(frame: &[u8]) -> Result<FrameInfo> {
         codec,
         raw_len: word(8, 8),
         crc32c: word(16, 4) as u32,
+        frame_len: HEADER as u64 + word(20, 4),
     })
 }
 
@@ -104,6 +115,13 @@ pub fn decompress(frame: &[u8], max_len: usize) -> Result<Vec<u8>> {
                 info.raw_len
             ))
         })?;
+    if frame.len() as u64 != info.frame_len {
+        return Err(AiError::Corrupt(format!(
+            "compressed frame: {} bytes where the header says {}",
+            frame.len(),
+            info.frame_len
+        )));
+    }
     let payload = &frame[HEADER..];
     let corrupt = |e: String| AiError::Corrupt(format!("compressed frame: {e}"));
     let data = match info.codec {
@@ -181,6 +199,10 @@ mod tests {
         let e = decompress(&frame, 1 << 30).unwrap_err();
         assert!(matches!(e, AiError::InvalidArgument(_)), "{e}");
         assert!(decompress(b"GAIZ", 10).is_err());
+        // A frame cut short, or with bytes after it.
+        let frame = Codec::Lz4.compress(b"hello hello").unwrap();
+        assert!(decompress(&frame[..frame.len() - 1], 100).is_err());
+        assert!(decompress(&[&frame[..], &[0]].concat(), 100).is_err());
         assert!(decompress(&[0; 40], 10).is_err());
         // Compressible data gets smaller.
         let zeros = vec![0u8; 1 << 16];

@@ -1,9 +1,12 @@
 //! Compression for the AI tier: lossy KV quantization ([`KvFormat`]: FP16, FP8 E4M3, INT8,
 //! 4-bit, with documented error bounds) and lossless frames for engrams and cold tiers
-//! ([`Codec`]: LZ4, ZSTD; verified by crc32c where they arrive).
+//! ([`Codec`]: LZ4, ZSTD; verified by crc32c where they arrive), and transfers that carry
+//! them to files and other nodes' exports ([`transfer_compressed`], [`read_compressed`]).
 
 mod codec;
 mod quant;
+mod transfer;
 
-pub use codec::{Codec, FrameInfo, decompress, frame_info};
+pub use codec::{Codec, FRAME_HEADER, FrameInfo, decompress, frame_info};
 pub use quant::{KvFormat, QuantizedKv};
+pub use transfer::{CHUNK, CompressedReport, read_compressed, transfer_compressed};

@@ -2,6 +2,7 @@
 //! --test it <module>::`). They run on whatever backend the session probes: the host backend
 //! in CI, CUDA on the GPU machine.
 
+mod compressed;
 mod context;
 mod engram;
 mod graph;
