@@ -24,8 +24,9 @@ fn layer(name: &str) -> Option<u32> {
         "gpuio-transport-memio" | "gpuio-transport-localio" | "gpuio-transport-remoteio" => 1,
         "gpuio-core" => 2,
         "gpuio-api" => 3,
-        "gpuio-ai" | "gpuio-bench" | "gpuio-py" | "gpuio-capi" => 4,
-        "gpuio-cli" => 5,
+        "gpuio-ai" | "gpuio-py" | "gpuio-capi" => 4,
+        "gpuio-bench" => 5,
+        "gpuio-cli" => 6,
         _ => return None,
     })
 }

@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
+pub mod ai;
 pub mod cache;
 pub mod gather;
 pub mod kernels;

@@ -264,3 +264,45 @@ pub fn python_binding(mode: &str, args: &[String]) -> Result<serde_json::Value, 
         .last()
         .ok_or_else(|| "the Python binding printed no result".into())
 }
+
+const DSA_SCRIPT: &str = include_str!("peers/dsa_peer.py");
+
+/// One peer's figures for one trace of the DSA decode race.
+#[derive(Debug, Clone)]
+pub struct DsaPeer {
+    /// Which of the traces given.
+    pub trace: usize,
+    /// `torch index_select` or `triton UVA`.
+    pub mode: String,
+    /// Exposed time per layer, median and 99th percentile, µs.
+    pub p50_us: f64,
+    /// The 99th percentile.
+    pub p99_us: f64,
+}
+
+/// Runs the DSA decode peers (`dsa_peer.py`) over `traces` (one file per overlap: `steps`
+/// steps after `warmup`, each `batch` selections of `topk` u64 positions) with the same
+/// hot-buffer scheme; errors say why they could not run.
+pub fn dsa(
+    ctx: u64,
+    batch: usize,
+    topk: usize,
+    hot_slots: usize,
+    warmup: usize,
+    steps: usize,
+    traces: &[&Path],
+) -> Result<Vec<DsaPeer>, String> {
+    let out = python_peer("the DSA peers", DSA_SCRIPT, |cmd| {
+        cmd.args([ctx as usize, batch, topk, hot_slots, warmup, steps].map(|n| n.to_string()))
+            .args(traces);
+    })?;
+    Ok(out
+        .iter()
+        .map(|j| DsaPeer {
+            trace: j["trace"].as_u64().unwrap_or(0) as usize,
+            mode: j["mode"].as_str().unwrap_or("peer").to_string(),
+            p50_us: j["p50_us"].as_f64().unwrap_or(0.0),
+            p99_us: j["p99_us"].as_f64().unwrap_or(0.0),
+        })
+        .collect())
+}

@@ -4,8 +4,8 @@
 use bytesize::ByteSize;
 use gpuio_api::{Config, Error, Session};
 use gpuio_bench::{
-    Budget, Record, Target, cache, gather, kernels, localio, memio, nvme, ondemand, python, remote,
-    render_table, ring, scheduler, write_outputs,
+    Budget, Record, Target, ai, cache, gather, kernels, localio, memio, nvme, ondemand, python,
+    remote, render_table, ring, scheduler, write_outputs,
 };
 use indicatif::ProgressBar;
 use std::path::PathBuf;
@@ -23,12 +23,13 @@ const SUITES: &[&str] = &[
     cache::SUITE,
     kernels::SUITE,
     python::SUITE,
+    ai::SUITE,
 ];
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
     /// Suites to run (default: all this build has: memio, localio, core, gather, ring,
-    /// ondemand, nvme, remote, cache, kernels, python).
+    /// ondemand, nvme, remote, cache, kernels, python, ai).
     suites: Vec<String>,
     /// memio: transfer sizes, e.g. 4K,1M,64M,1G (default: up to 1 GiB on a GPU).
     #[arg(long, value_name = "LIST")]
@@ -36,7 +37,7 @@ pub struct BenchArgs {
     /// localio: size of the test file (default: 4 GiB on a GPU, 256 MiB without).
     #[arg(long, value_name = "SIZE")]
     size: Option<ByteSize>,
-    /// Directory for the test files (localio, core, ring, cache, python; default: the temporary
+    /// Directory for the test files (localio, core, ring, cache, python, ai; default: the temporary
     /// directory).
     #[arg(long, value_name = "DIR")]
     scratch: Option<PathBuf>,
@@ -159,6 +160,17 @@ pub fn run(config: Config, args: &BenchArgs) -> Result<(), Error> {
                     opts.scratch = d.clone();
                 }
                 ondemand::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
+            }
+            ai::SUITE => {
+                let mut opts = if args.quick {
+                    ai::Options::quick()
+                } else {
+                    ai::Options::default()
+                };
+                if let Some(d) = &args.scratch {
+                    opts.scratch = d.clone();
+                }
+                ai::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
             }
             remote::SUITE => {
                 let opts = if args.quick {

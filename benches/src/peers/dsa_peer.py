@@ -1,0 +1,139 @@
+# The DSA decode peers for gpuio-bench's `ai` suite: the hot-buffer scheme gpuio's KvPool runs
+# (per request a pool of KV entries in pinned host memory and a buffer of `hot_slots` device
+# slots; each step's misses replace the slots selected longest ago, never one this step
+# selected), planned here in NumPy before any clock starts, so that the peers are timed only
+# moving data:
+#   torch index_select: the misses gathered on the CPU from the pinned pool, copied to the GPU
+#     and put in their slots, then the selection gathered from the slots on the device;
+#   triton UVA: a Triton kernel reads the misses straight from the pinned pool over unified
+#     addressing into their slots (vLLM's design), then the same device gather.
+# Arguments: ctx, batch, topk, hot_slots, warmup, steps, then one trace file per overlap:
+# (warmup + steps) x batch x topk little-endian int64 positions. Prints one JSON line per
+# trace and peer: {"trace": i, "mode": ..., "p50_us": ..., "p99_us": ...}; a peer that cannot
+# run says why on stderr.
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+ENTRY = 656
+ctx, batch, topk, hot, warmup, steps = map(int, sys.argv[1:7])
+traces = sys.argv[7:]
+dev = torch.device("cuda")
+total = warmup + steps
+
+pools = [torch.empty((ctx, ENTRY), dtype=torch.uint8, pin_memory=True) for _ in range(batch)]
+staged = [torch.empty((topk, ENTRY), dtype=torch.uint8, pin_memory=True) for _ in range(batch)]
+hots = [torch.empty((hot, ENTRY), dtype=torch.uint8, device=dev) for _ in range(batch)]
+outs = [torch.empty((topk, ENTRY), dtype=torch.uint8, device=dev) for _ in range(batch)]
+
+
+def plan(path):
+    """Per step, per request: the distinct misses, the slots they take, and each selected
+    entry's slot afterwards."""
+    sel_all = np.fromfile(path, dtype="<i8").reshape(total, batch, topk)
+    state = [
+        (np.full(ctx, -1, np.int64), np.full(hot, -1, np.int64), np.zeros(hot, np.int64))
+        for _ in range(batch)
+    ]
+    plans = []
+    for s in range(total):
+        step = s + 1
+        row = []
+        for r in range(batch):
+            slot_of, pos_of, last = state[r]
+            sel = sel_all[s, r]
+            slots = slot_of[sel]
+            hit = slots >= 0
+            last[slots[hit]] = step
+            miss = np.unique(sel[~hit])
+            m = len(miss)
+            victims = np.empty(0, np.int64)
+            if m:
+                cand = np.nonzero(last != step)[0]
+                if m < len(cand):
+                    victims = cand[np.argpartition(last[cand], m - 1)[:m]]
+                else:
+                    victims = cand[:m]
+                old = pos_of[victims]
+                slot_of[old[old >= 0]] = -1
+                pos_of[victims] = miss
+                slot_of[miss] = victims
+                last[victims] = step
+            row.append((miss, victims, slot_of[sel].copy()))
+        plans.append(row)
+    return plans
+
+
+def torch_step(row):
+    for r, (miss, victims, out_slots) in enumerate(row):
+        if len(miss):
+            st = staged[r][: len(miss)]
+            torch.index_select(pools[r], 0, torch.from_numpy(miss), out=st)
+            vi = torch.from_numpy(victims).to(dev, non_blocking=True)
+            hots[r].index_copy_(0, vi, st.to(dev, non_blocking=True))
+        oi = torch.from_numpy(out_slots).to(dev, non_blocking=True)
+        torch.index_select(hots[r], 0, oi, out=outs[r])
+    torch.cuda.synchronize()
+
+
+def make_triton_step():
+    import cupy
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_rows(src, dst, src_rows, dst_rows, row_bytes, BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        s = tl.load(src_rows + i)
+        d = tl.load(dst_rows + i)
+        o = tl.arange(0, BLOCK)
+        m = o < row_bytes
+        v = tl.load(src + s * row_bytes + o, mask=m)
+        tl.store(dst + d * row_bytes + o, v, mask=m)
+
+    def uva(t):
+        n = t.numel()
+        ptr = cupy.cuda.runtime.hostGetDevicePointer(t.data_ptr(), 0)
+        mem = cupy.cuda.UnownedMemory(ptr, n, t)
+        arr = cupy.ndarray((n,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        return torch.as_tensor(arr, device=dev)
+
+    views = [uva(p) for p in pools]
+
+    def step(row):
+        for r, (miss, victims, out_slots) in enumerate(row):
+            if len(miss):
+                mi = torch.from_numpy(miss).to(dev, non_blocking=True)
+                vi = torch.from_numpy(victims).to(dev, non_blocking=True)
+                copy_rows[(len(miss),)](views[r], hots[r], mi, vi, ENTRY, BLOCK=1024)
+            oi = torch.from_numpy(out_slots).to(dev, non_blocking=True)
+            torch.index_select(hots[r], 0, oi, out=outs[r])
+        torch.cuda.synchronize()
+
+    return step
+
+
+modes = [("torch index_select", torch_step)]
+try:
+    modes.append(("triton UVA", make_triton_step()))
+except Exception as e:  # noqa: BLE001 - any reason the peer cannot run is reported
+    print(f"triton UVA peer unavailable: {e}", file=sys.stderr)
+
+for i, path in enumerate(traces):
+    plans = plan(path)
+    for name, step in modes:
+        times = []
+        for s, row in enumerate(plans):
+            t = time.perf_counter()
+            step(row)
+            if s >= warmup:
+                times.append((time.perf_counter() - t) * 1e6)
+        times.sort()
+        p99 = times[min(len(times) - 1, round((len(times) - 1) * 0.99))]
+        print(
+            json.dumps({"trace": i, "mode": name, "p50_us": times[len(times) // 2], "p99_us": p99}),
+            flush=True,
+        )
