@@ -216,7 +216,7 @@ pub fn run(
                 ));
                 let steps = opts.warmup + opts.steps;
                 let t = trace(ctx, batch, steps, opts.topk, overlap, seed ^ batch as u64);
-                let ours = run_gpuio(session, &mut pools[..batch], &outs, &t, batch, opts)?;
+                let ours = run_gpuio(&mut pools[..batch], &outs, &t, batch, opts)?;
                 check_output(&gpu, &outs[0], &t[(steps - 1) * batch], seed)?;
                 let path = opts
                     .scratch
@@ -273,7 +273,10 @@ pub fn run(
                     false,
                 );
                 match &peers {
-                    Ok(found) => {
+                    Ok((found, missing)) => {
+                        if i == 0 {
+                            notes.extend(missing.iter().map(|m| format!("{case}: {m}")));
+                        }
                         for p in found.iter().filter(|p| p.trace == i) {
                             push(
                                 "exposed p50 per layer",
@@ -291,7 +294,7 @@ pub fn run(
                     }
                     Err(why) => notes.push(format!("{case}: {why}")),
                 }
-                let hot_per_request = LAYERS * ((opts.hot_slots + opts.topk) * ENTRY) as u64 * 2;
+                let hot_per_request = LAYERS * ((opts.hot_slots + opts.topk) * ENTRY) as u64;
                 let all_per_request = LAYERS * ctx * ENTRY as u64;
                 notes.push(format!(
                     "{case}: HBM {} GiB fits {} requests with hot buffers ({} MiB each over {LAYERS} \
@@ -342,7 +345,6 @@ fn ai(e: gpuio_ai::AiError) -> BenchError {
 
 /// gpuio's loads over the trace: a step is every request's load, back to back.
 fn run_gpuio(
-    session: &Session,
     pools: &mut [KvPool],
     outs: &[gpuio_api::DeviceBuffer],
     trace: &[Vec<u64>],
@@ -354,7 +356,7 @@ fn run_gpuio(
         let t = Instant::now();
         let mut step_bytes = 0;
         for (r, sel) in sels.iter().enumerate() {
-            let rep = pools[r].load(session, 0, sel, &outs[r], 0).map_err(ai)?;
+            let rep = pools[r].load(0, sel, &outs[r], 0).map_err(ai)?;
             if step >= opts.warmup {
                 hits += rep.hits;
                 selected += rep.selected;
@@ -429,7 +431,10 @@ mod tests {
                 if i >= batch {
                     let before: HashSet<u64> = t[i - batch].iter().copied().collect();
                     let kept = set.intersection(&before).count() as f64 / topk as f64;
-                    assert!((kept - overlap).abs() < 0.04, "overlap {overlap}: kept {kept}");
+                    assert!(
+                        (kept - overlap).abs() < 0.04,
+                        "overlap {overlap}: kept {kept}"
+                    );
                 }
             }
         }

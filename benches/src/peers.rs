@@ -282,7 +282,7 @@ pub struct DsaPeer {
 
 /// Runs the DSA decode peers (`dsa_peer.py`) over `traces` (one file per overlap: `steps`
 /// steps after `warmup`, each `batch` selections of `topk` u64 positions) with the same
-/// hot-buffer scheme; errors say why they could not run.
+/// hot-buffer scheme, and why any peer could not run; errors say why none could.
 pub fn dsa(
     ctx: u64,
     batch: usize,
@@ -291,12 +291,13 @@ pub fn dsa(
     warmup: usize,
     steps: usize,
     traces: &[&Path],
-) -> Result<Vec<DsaPeer>, String> {
+) -> Result<(Vec<DsaPeer>, Vec<String>), String> {
     let out = python_peer("the DSA peers", DSA_SCRIPT, |cmd| {
         cmd.args([ctx as usize, batch, topk, hot_slots, warmup, steps].map(|n| n.to_string()))
             .args(traces);
     })?;
-    Ok(out
+    let (errors, results): (Vec<_>, Vec<_>) = out.iter().partition(|j| j["error"].is_string());
+    let peers = results
         .iter()
         .map(|j| DsaPeer {
             trace: j["trace"].as_u64().unwrap_or(0) as usize,
@@ -304,5 +305,10 @@ pub fn dsa(
             p50_us: j["p50_us"].as_f64().unwrap_or(0.0),
             p99_us: j["p99_us"].as_f64().unwrap_or(0.0),
         })
-        .collect())
+        .collect();
+    let errors = errors
+        .iter()
+        .filter_map(|j| j["error"].as_str().map(String::from))
+        .collect();
+    Ok((peers, errors))
 }

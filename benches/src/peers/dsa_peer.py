@@ -10,7 +10,7 @@
 # Arguments: ctx, batch, topk, hot_slots, warmup, steps, then one trace file per overlap:
 # (warmup + steps) x batch x topk little-endian int64 positions. Prints one JSON line per
 # trace and peer: {"trace": i, "mode": ..., "p50_us": ..., "p99_us": ...}; a peer that cannot
-# run says why on stderr.
+# run says why: {"error": ...}.
 import json
 import sys
 import time
@@ -120,7 +120,7 @@ modes = [("torch index_select", torch_step)]
 try:
     modes.append(("triton UVA", make_triton_step()))
 except Exception as e:  # noqa: BLE001 - any reason the peer cannot run is reported
-    print(f"triton UVA peer unavailable: {e}", file=sys.stderr)
+    print(json.dumps({"error": f"triton UVA peer unavailable: {type(e).__name__}: {e}"}), flush=True)
 
 for i, path in enumerate(traces):
     plans = plan(path)

@@ -28,8 +28,7 @@ pub use cold::ColdTier;
 
 use crate::{AiError, Result};
 use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
-use gpuio_hal::{HostAllocOptions, HostBuffer, RowIndices};
-use gpuio_transport_memio::GatherOptions;
+use gpuio_hal::{HostAllocOptions, HostBuffer, RowIndices, RowKernel};
 use hot::HotLayer;
 
 /// The shape of a KV pool.
@@ -122,8 +121,6 @@ pub struct KvPool {
     /// Importance scores per layer, by position.
     importance: Vec<Vec<f32>>,
     hot: Vec<HotLayer>,
-    /// The buffer a layer's slots are rebuilt into, then traded for the layer's own.
-    spare: DeviceBuffer,
     /// Row indices for the device gathers, pinned, and their device copy.
     idx_host: HostBuffer,
     idx_dev: DeviceBuffer,
@@ -182,7 +179,6 @@ impl KvPool {
         }
         let idx_len = hot_rows * 8;
         Ok(Self {
-            spare: session.alloc_device(cfg.gpu, hot_len)?,
             idx_host: HostBuffer::alloc_pinned(idx_len, &HostAllocOptions::default(), &gpu)
                 .map_err(gpuio_api::Error::from)?,
             idx_dev: session.alloc_device(cfg.gpu, idx_len)?,
@@ -346,7 +342,6 @@ impl KvPool {
     /// memory has no room to bring it back ([`AiError::TierFull`]).
     pub fn load(
         &mut self,
-        session: &Session,
         layer: usize,
         selection: &[u64],
         dst: &DeviceBuffer,
@@ -379,24 +374,24 @@ impl KvPool {
         }
         self.step += 1;
         let step = self.step;
-        let plan = self.hot[layer].plan(selection, step);
+        let len = self.len(layer);
+        let plan = self.hot[layer].plan(selection, step, len);
         let from_cold = self.bring_back(layer, &plan.misses)?;
         let hot = &mut self.hot[layer];
         let stream = dst.gpu().stream().map_err(gpuio_api::Error::from)?;
-        if !plan.misses.is_empty() {
+        let m = plan.misses.len();
+        if m > 0 {
+            // The misses, read by the device's threads straight from pinned host memory.
             let res = &self.residence[layer];
             let rows: Vec<u64> = plan.misses.iter().map(|&p| res[p as usize]).collect();
+            write_indices(&mut self.idx_host, &rows);
+            let indices = RowIndices::Staged {
+                host: &self.idx_host,
+                device: &self.idx_dev,
+            };
             let warm = self.warm.read();
-            session
-                .memio()
-                .gather(
-                    &warm,
-                    e,
-                    &rows[..],
-                    &hot.buf,
-                    slots * e,
-                    &GatherOptions::default(),
-                )
+            stream
+                .gather(&warm, e, indices, m, &hot.buf, slots * e, RowKernel::Tuned)
                 .map_err(gpuio_api::Error::from)?;
         }
         write_indices(&mut self.idx_host, &plan.rows);
@@ -407,17 +402,17 @@ impl KvPool {
         stream
             .gather_device(&hot.buf, e, indices, plan.rows.len(), dst, dst_offset)
             .map_err(gpuio_api::Error::from)?;
-        if !plan.misses.is_empty() {
-            let source = hot.install(&plan.misses, step);
-            write_indices(&mut self.idx_host, &source);
+        if m > 0 {
+            // The misses into the slots they take, moved within the buffer.
+            let victims = hot.install(&plan.misses, step);
+            write_indices(&mut self.idx_host, &victims);
             let indices = RowIndices::Staged {
                 host: &self.idx_host,
                 device: &self.idx_dev,
             };
             stream
-                .gather_device(&hot.buf, e, indices, slots, &self.spare, 0)
+                .scatter_within(&hot.buf, slots, e, indices, m, slots * e)
                 .map_err(gpuio_api::Error::from)?;
-            std::mem::swap(&mut hot.buf, &mut self.spare);
         }
         Ok(LoadReport {
             selected: selection.len(),

@@ -75,7 +75,7 @@ fn overlapping_selections_load_exactly_what_was_stored() {
                 pool.store(&session, layer, p, 1, &src, 0, None).unwrap();
             }
         }
-        let r = pool.load(&session, layer, &selection, &dst, 0).unwrap();
+        let r = pool.load(layer, &selection, &dst, 0).unwrap();
         assert_eq!(r.selected, selection.len());
         assert!(pool.hot_entries(layer) <= cfg.hot_slots);
         hits += r.hits;
@@ -94,7 +94,7 @@ fn overlapping_selections_load_exactly_what_was_stored() {
             );
         }
         // The same selection again: every entry is in the hot buffer now.
-        let again = pool.load(&session, layer, &selection, &dst, 0).unwrap();
+        let again = pool.load(layer, &selection, &dst, 0).unwrap();
         assert_eq!(
             (again.hits, again.misses),
             (selection.len(), 0),
@@ -125,16 +125,13 @@ fn bad_arguments_are_refused_before_anything_moves() {
             .is_err()
     );
     // Loads of unstored positions, too many, too small a destination.
-    assert!(pool.load(&session, 0, &[4], &dst, 0).is_err());
+    assert!(pool.load(0, &[4], &dst, 0).is_err());
     assert!(
-        pool.load(&session, 0, &vec![0; cfg.max_selection + 1], &dst, 0)
+        pool.load(0, &vec![0; cfg.max_selection + 1], &dst, 0)
             .is_err()
     );
-    assert!(
-        pool.load(&session, 0, &[0, 1], &dst, dst.len() - E)
-            .is_err()
-    );
-    assert_eq!(pool.load(&session, 0, &[], &dst, 0).unwrap().selected, 0);
+    assert!(pool.load(0, &[0, 1], &dst, dst.len() - E).is_err());
+    assert_eq!(pool.load(0, &[], &dst, 0).unwrap().selected, 0);
     // Shapes that cannot work.
     for bad in [
         KvPoolConfig {
@@ -226,7 +223,7 @@ fn evicted_entries_go_cold_least_important_first_and_come_back_exact() {
         .take(40)
         .collect();
     let dst = session.alloc_device(0, picked.len() * E).unwrap();
-    let r = pool.load(&session, 0, &picked, &dst, 0).unwrap();
+    let r = pool.load(0, &picked, &dst, 0).unwrap();
     assert_eq!(r.from_cold, picked.len());
     let mut out = vec![0u8; picked.len() * E];
     dst.gpu()
@@ -249,7 +246,7 @@ fn evicted_entries_go_cold_least_important_first_and_come_back_exact() {
     let still_cold = (0..500)
         .find(|&p| pool.tier_of(0, p) == Some(Tier::Cold))
         .unwrap();
-    let e = pool.load(&session, 0, &[still_cold], &dst, 0).unwrap_err();
+    let e = pool.load(0, &[still_cold], &dst, 0).unwrap_err();
     assert!(matches!(e, AiError::TierFull(_)), "{e}");
     assert!(pool.cold_tier().unwrap().raw_bytes() >= 200 * E as u64);
 }
@@ -264,12 +261,12 @@ fn without_a_cold_tier_evicted_entries_are_dropped_and_say_so() {
     assert_eq!((r.evicted, r.to_cold), (1, 0));
     assert_eq!(pool.tier_of(0, 0), Some(Tier::Dropped));
     let dst = session.alloc_device(0, E).unwrap();
-    let e = pool.load(&session, 0, &[0], &dst, 0).unwrap_err();
+    let e = pool.load(0, &[0], &dst, 0).unwrap_err();
     assert!(e.to_string().contains("evicted"), "{e}");
     // Stored again, it is back.
     fill(&session, &mut pool, 0, 0, 1, |_| 5.0).unwrap();
     assert_eq!(pool.tier_of(0, 0), Some(Tier::Warm));
-    pool.load(&session, 0, &[0], &dst, 0).unwrap();
+    pool.load(0, &[0], &dst, 0).unwrap();
 }
 
 proptest::proptest! {
@@ -316,7 +313,7 @@ fn a_damaged_cold_tier_is_an_error_never_wrong_bytes() {
     std::fs::write(&path, &bytes).unwrap();
     let dst = session.alloc_device(0, 10 * E).unwrap();
     let e = pool
-        .load(&session, 0, &(0..10).collect::<Vec<_>>(), &dst, 0)
+        .load(0, &(0..10).collect::<Vec<_>>(), &dst, 0)
         .unwrap_err();
     assert!(matches!(e, AiError::Corrupt(_)), "{e}");
 }

@@ -392,3 +392,47 @@ fn borrowed_device_memory_is_checked_against_its_allocation() {
         assert_eq!(e.code(), ErrorCode::InvalidArg, "{e}");
     }
 }
+
+/// Rows staged behind an on-device pool move into the pool rows their indices name, and
+/// nothing else in the pool changes; a dense run that would overlap the pool is refused.
+#[test]
+fn rows_scatter_within_one_buffer() {
+    for gpu in &devices().gpus {
+        let (row, pool_rows, dense) = (656usize, 16usize, 5usize);
+        let len = (pool_rows + dense) * row;
+        let buf = gpu.alloc(len).unwrap();
+        let stream = gpu.stream().unwrap();
+        stream.fill_pattern(&buf, 0, len, 3).unwrap();
+        let mut before = vec![0u8; len];
+        stream.download(&buf, 0, &mut before).unwrap();
+        let targets = [9u64, 0, 15, 4, 7];
+        let words: Vec<u8> = targets.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let mut host =
+            gpuio_hal::HostBuffer::alloc_pinned(words.len(), &Default::default(), gpu).unwrap();
+        host.copy_from_slice(&words);
+        let idx = gpu.alloc(words.len()).unwrap();
+        let indices = gpuio_hal::RowIndices::Staged {
+            host: &host,
+            device: &idx,
+        };
+        stream
+            .scatter_within(&buf, pool_rows, row, indices, dense, pool_rows * row)
+            .unwrap();
+        let mut after = vec![0u8; len];
+        stream.download(&buf, 0, &mut after).unwrap();
+        let mut want = before.clone();
+        for (i, &t) in targets.iter().enumerate() {
+            let from = (pool_rows + i) * row;
+            want.copy_within(from..from + row, t as usize * row);
+        }
+        assert!(after == want, "{}", gpu.info().name);
+        let indices = gpuio_hal::RowIndices::Staged {
+            host: &host,
+            device: &idx,
+        };
+        let e = stream
+            .scatter_within(&buf, pool_rows, row, indices, dense, pool_rows * row - 1)
+            .unwrap_err();
+        assert!(e.to_string().contains("past"), "{e}");
+    }
+}
