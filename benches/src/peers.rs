@@ -171,10 +171,17 @@ fn python_peer(
     args: impl FnOnce(&mut Command),
 ) -> Result<Vec<serde_json::Value>, String> {
     let python = std::env::var("GPUIO_PYTHON").unwrap_or_else(|_| "python3".into());
+    // Run from a file, not `-c`: Triton compiles only functions it can find the source of.
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let file = std::env::temp_dir().join(format!("gpuio-peer-{}-{n}.py", std::process::id()));
+    std::fs::write(&file, script).map_err(|e| format!("{}: {e}", file.display()))?;
     let mut cmd = Command::new(&python);
-    cmd.arg("-c").arg(script);
+    cmd.arg(&file);
     args(&mut cmd);
-    let out = cmd.output().map_err(|e| format!("running {python}: {e}"))?;
+    let out = cmd.output();
+    let _ = std::fs::remove_file(&file);
+    let out = out.map_err(|e| format!("running {python}: {e}"))?;
     let text = String::from_utf8_lossy(&out.stdout);
     let lines: Vec<&str> = text.lines().filter(|l| l.starts_with('{')).collect();
     if !out.status.success() || lines.is_empty() {

@@ -95,13 +95,20 @@ def make_triton_step():
         tl.store(dst + d * row_bytes + o, v, mask=m)
 
     def uva(t):
+        # Under unified addressing a pinned allocation's device address is its host address.
         n = t.numel()
-        ptr = cupy.cuda.runtime.hostGetDevicePointer(t.data_ptr(), 0)
-        mem = cupy.cuda.UnownedMemory(ptr, n, t)
+        mem = cupy.cuda.UnownedMemory(t.data_ptr(), n, t)
         arr = cupy.ndarray((n,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
         return torch.as_tensor(arr, device=dev)
 
     views = [uva(p) for p in pools]
+    # Check the view once: two rows copied by the kernel must be the pool's rows.
+    pools[0][:2].copy_(torch.arange(2 * ENTRY, dtype=torch.int64).remainder(251).view(2, ENTRY))
+    rows = torch.tensor([1, 0], device=dev)
+    copy_rows[(2,)](views[0], hots[0], rows, torch.tensor([0, 1], device=dev), ENTRY, BLOCK=1024)
+    torch.cuda.synchronize()
+    if not torch.equal(hots[0][:2].cpu(), pools[0][[1, 0]]):
+        raise RuntimeError("the unified-addressing view of pinned memory read wrong bytes")
 
     def step(row):
         for r, (miss, victims, out_slots) in enumerate(row):
