@@ -297,6 +297,14 @@ impl KvPool {
             )));
         }
         let end = first + count as u64;
+        let e = self.cfg.entry_bytes;
+        gpuio_hal::check_range(
+            "KV store source",
+            src_offset,
+            count.saturating_mul(e),
+            src.len(),
+        )
+        .map_err(gpuio_api::Error::from)?;
         let res = &self.residence[layer];
         let needed = (first..end)
             .filter(|&p| res.get(p as usize).is_none_or(|&r| r & COLD != 0))
@@ -305,23 +313,35 @@ impl KvPool {
             return Err(self.full(needed));
         }
         let res = &mut self.residence[layer];
+        let old_len = res.len();
         if res.len() < end as usize {
             res.resize(end as usize, ABSENT);
         }
         let mut rows = Vec::with_capacity(count);
+        let mut taken = Vec::new();
         for p in first..end {
             let r = &mut res[p as usize];
             if *r & COLD != 0 {
+                taken.push((p, *r));
                 *r = self.free_rows.pop().expect("room was checked");
             }
             rows.push(*r);
         }
-        {
+        let scattered = {
             let mut warm = self.warm.write();
             session
                 .memio()
-                .scatter(src, src_offset, self.cfg.entry_bytes, &rows, &mut warm)
-                .map_err(gpuio_api::Error::from)?;
+                .scatter(src, src_offset, e, &rows, &mut warm)
+        };
+        if let Err(err) = scattered {
+            // Nothing stored: the entries keep where they were, the rows go back.
+            let res = &mut self.residence[layer];
+            for &(p, old) in taken.iter().rev() {
+                self.free_rows.push(res[p as usize]);
+                res[p as usize] = old;
+            }
+            res.truncate(old_len);
+            return Err(gpuio_api::Error::from(err).into());
         }
         let hot = &mut self.hot[layer];
         (first..end).for_each(|p| hot.drop_entry(p));
@@ -410,9 +430,12 @@ impl KvPool {
                 host: &self.idx_host,
                 device: &self.idx_dev,
             };
-            stream
-                .scatter_within(&hot.buf, slots, e, indices, m, slots * e)
-                .map_err(gpuio_api::Error::from)?;
+            let moved = stream.scatter_within(&hot.buf, slots, e, indices, m, slots * e);
+            if let Err(err) = moved {
+                // The slots did not get their entries: forget them rather than serve them.
+                plan.misses.iter().for_each(|&p| hot.drop_entry(p));
+                return Err(gpuio_api::Error::from(err).into());
+            }
         }
         Ok(LoadReport {
             selected: selection.len(),

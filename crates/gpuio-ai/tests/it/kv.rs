@@ -124,6 +124,10 @@ fn bad_arguments_are_refused_before_anything_moves() {
         pool.store(&session, 0, 0, 2, &src, 0, Some(&[1.0]))
             .is_err()
     );
+    // A source too short for the entries: refused, and the pool holds what it held.
+    let free = pool.warm_free();
+    assert!(pool.store(&session, 0, 4, 10, &src, 0, None).is_err());
+    assert_eq!((pool.len(0), pool.warm_free()), (4, free));
     // Loads of unstored positions, too many, too small a destination.
     assert!(pool.load(0, &[4], &dst, 0).is_err());
     assert!(
