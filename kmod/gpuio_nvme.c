@@ -445,8 +445,16 @@ static long gpuio_nvme_ioctl(struct file *f, unsigned int cmd, unsigned long arg
 		return ret;
 	}
 	case GPUIO_NVME_IOC_INFO: {
-		struct gpuio_nvme_info info = { .bar_size = pci_resource_len(d->pdev, 0) };
+		struct gpuio_nvme_info info;
 
+		/* The PCI device is reached only while it is bound. */
+		mutex_lock(&d->lock);
+		ret = d->removed ? -ENODEV : 0;
+		if (!ret)
+			info.bar_size = pci_resource_len(d->pdev, 0);
+		mutex_unlock(&d->lock);
+		if (ret)
+			return ret;
 		if (copy_to_user(uarg, &info, sizeof(info)))
 			return -EFAULT;
 		return 0;

@@ -28,16 +28,41 @@ const DEPTH: u16 = 64;
 /// a second open of the same one (another namespace, another handle) must share the first.
 static CONTROLLERS: Mutex<Vec<(String, Weak<Controller>)>> = Mutex::new(Vec::new());
 
+/// Each namespace's edge lock, by (controller, nsid): every handle on one namespace must take
+/// the same one, however it was opened. A live lock keeps its controller alive (its holders
+/// own the controller), so the controller's address is not reused while its entry counts.
+type EdgeKey = (usize, u32);
+static EDGES: Mutex<Vec<(EdgeKey, Weak<RwLock<()>>)>> = Mutex::new(Vec::new());
+
+fn edge_lock(controller: &Arc<Controller>, nsid: u32) -> Arc<RwLock<()>> {
+    let key = (Arc::as_ptr(controller) as usize, nsid);
+    let mut all = EDGES.lock_unpoisoned();
+    all.retain(|(_, l)| l.strong_count() > 0);
+    if let Some(l) = all
+        .iter()
+        .find(|(k, _)| *k == key)
+        .and_then(|(_, l)| l.upgrade())
+    {
+        return l;
+    }
+    let l = Arc::new(RwLock::new(()));
+    all.push((key, Arc::downgrade(&l)));
+    l
+}
+
 /// One namespace of an NVMe controller driven by gpuio's driver, as a block device of fixed
 /// size.
 pub struct NvmeDevice {
+    // Field order is drop order: the lanes' queue pairs are deleted before the controller
+    // handle goes.
+    lanes: Mutex<Lanes>,
+    lane_freed: Condvar,
+    /// The namespace's edge lock: held exclusively by writes with partial blocks, shared by
+    /// the rest, across every handle on the namespace.
+    edges: Arc<RwLock<()>>,
     controller: Arc<Controller>,
     ns: Namespace,
     name: String,
-    lanes: Mutex<Lanes>,
-    lane_freed: Condvar,
-    /// Held exclusively by writes with partial blocks, shared by the rest.
-    edges: RwLock<()>,
 }
 
 struct Lanes {
@@ -98,15 +123,15 @@ impl NvmeDevice {
         }
         let ns = controller.namespace(nsid)?;
         Ok(Self {
-            controller,
-            ns,
-            name,
             lanes: Mutex::new(Lanes {
                 idle: Vec::new(),
                 made: 0,
             }),
             lane_freed: Condvar::new(),
-            edges: RwLock::new(()),
+            edges: edge_lock(&controller, nsid),
+            controller,
+            ns,
+            name,
         })
     }
 
@@ -239,23 +264,44 @@ impl NvmeDevice {
                 lanes = self.lane_freed.wait_unpoisoned(lanes);
             }
         };
+        // Counted as made until it is back or given up, a panic in `f` included.
+        let mut guard = LaneGuard {
+            device: self,
+            lane: None,
+        };
         let result = f(&mut lane);
-        let mut lanes = self.lanes.lock_unpoisoned();
         if result.is_ok() {
-            lanes.idle.push(lane);
-        } else {
-            lanes.made -= 1;
+            guard.lane = Some(lane);
         }
-        drop(lanes);
-        self.lane_freed.notify_one();
+        drop(guard);
         result
     }
 
     fn new_lane(&self) -> Result<Lane> {
+        let depth = DEPTH.min(self.controller.cap().max_queue_entries.min(u16::MAX as u32) as u16);
         Ok(Lane {
-            qp: self.controller.io_queue_pair(DEPTH)?,
+            qp: self.controller.io_queue_pair(depth)?,
             bounce: self.controller.dma_buffer(BOUNCE)?,
         })
+    }
+}
+
+/// Hands a lane back to the idle ones (or, where its IO failed or panicked, gives up its
+/// count) and wakes a waiter.
+struct LaneGuard<'a> {
+    device: &'a NvmeDevice,
+    lane: Option<Lane>,
+}
+
+impl Drop for LaneGuard<'_> {
+    fn drop(&mut self) {
+        let mut lanes = self.device.lanes.lock_unpoisoned();
+        match self.lane.take() {
+            Some(l) => lanes.idle.push(l),
+            None => lanes.made -= 1,
+        }
+        drop(lanes);
+        self.device.lane_freed.notify_one();
     }
 }
 

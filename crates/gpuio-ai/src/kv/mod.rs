@@ -163,9 +163,14 @@ impl KvPool {
             .warm_entries
             .checked_mul(cfg.entry_bytes as u64)
             .and_then(|b| usize::try_from(b).ok());
-        let hot_rows = cfg.hot_slots + cfg.max_selection;
-        let (Some(warm_len), Some(hot_len)) = (warm_len, hot_rows.checked_mul(cfg.entry_bytes))
-        else {
+        // Slots are numbered in u32, with u32::MAX for none.
+        let hot_rows = cfg
+            .hot_slots
+            .checked_add(cfg.max_selection)
+            .filter(|_| cfg.hot_slots < u32::MAX as usize);
+        let hot_len = hot_rows.and_then(|r| r.checked_mul(cfg.entry_bytes));
+        let idx_len = hot_rows.and_then(|r| r.checked_mul(8));
+        let (Some(warm_len), Some(hot_len), Some(idx_len)) = (warm_len, hot_len, idx_len) else {
             return bad(format!("{cfg:?} overflows"));
         };
         let warm = session.alloc_host(cfg.placement, warm_len, true)?;
@@ -177,7 +182,6 @@ impl KvPool {
                 cfg.hot_slots,
             ));
         }
-        let idx_len = hot_rows * 8;
         Ok(Self {
             idx_host: HostBuffer::alloc_pinned(idx_len, &HostAllocOptions::default(), &gpu)
                 .map_err(gpuio_api::Error::from)?,
@@ -193,9 +197,17 @@ impl KvPool {
         })
     }
 
-    /// Evicted entries go to `tier` from now on, compressed, instead of being dropped.
-    pub fn attach_cold_tier(&mut self, tier: ColdTier) {
+    /// Evicted entries go to `tier` from now on, compressed, instead of being dropped. A
+    /// pool keeps one cold tier for its life: a second is refused (the entries in the first
+    /// are found by their place in it).
+    pub fn attach_cold_tier(&mut self, tier: ColdTier) -> Result<()> {
+        if self.cold.is_some() {
+            return Err(AiError::InvalidArgument(
+                "this KV pool has a cold tier already".into(),
+            ));
+        }
         self.cold = Some(tier);
+        Ok(())
     }
 
     /// The cold tier, where one is attached.
@@ -317,6 +329,11 @@ impl KvPool {
         if res.len() < end as usize {
             res.resize(end as usize, ABSENT);
         }
+        // Hot copies go first: a scatter that fails half-way must not leave them beside
+        // changed host rows.
+        let hot = &mut self.hot[layer];
+        (first..end).for_each(|p| hot.drop_entry(p));
+        let res = &mut self.residence[layer];
         let mut rows = Vec::with_capacity(count);
         let mut taken = Vec::new();
         for p in first..end {
@@ -343,8 +360,6 @@ impl KvPool {
             res.truncate(old_len);
             return Err(gpuio_api::Error::from(err).into());
         }
-        let hot = &mut self.hot[layer];
-        (first..end).for_each(|p| hot.drop_entry(p));
         let imp = &mut self.importance[layer];
         if imp.len() < end as usize {
             imp.resize(end as usize, 0.0);

@@ -168,7 +168,8 @@ fn tiered(session: &Session, cold: bool) -> (KvPool, Option<tempfile::TempDir>) 
     let file = session
         .open_file(dir.path().join("cold"), gpuio_api::OpenOptions::CREATE)
         .unwrap();
-    pool.attach_cold_tier(ColdTier::new(file, Codec::Lz4).unwrap());
+    pool.attach_cold_tier(ColdTier::new(file, Codec::Lz4).unwrap())
+        .unwrap();
     (pool, Some(dir))
 }
 
@@ -253,6 +254,17 @@ fn evicted_entries_go_cold_least_important_first_and_come_back_exact() {
     let e = pool.load(0, &[still_cold], &dst, 0).unwrap_err();
     assert!(matches!(e, AiError::TierFull(_)), "{e}");
     assert!(pool.cold_tier().unwrap().raw_bytes() >= 200 * E as u64);
+    // One cold tier for the pool's life.
+    let other = session
+        .open_file(
+            _dir.as_ref().unwrap().path().join("other"),
+            gpuio_api::OpenOptions::CREATE,
+        )
+        .unwrap();
+    assert!(
+        pool.attach_cold_tier(ColdTier::new(other, Codec::Lz4).unwrap())
+            .is_err()
+    );
 }
 
 #[test]

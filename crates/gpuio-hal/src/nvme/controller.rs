@@ -458,6 +458,13 @@ impl IoQueuePair {
                 ),
             });
         }
+        if buf.mapped_by() != super::dma::mapper_id(&self.shared.mapper) {
+            return Err(HalError::InvalidArgument(
+                "the buffer is mapped for another NVMe controller: its addresses mean nothing \
+                 (or something else) to this one"
+                    .into(),
+            ));
+        }
         let mut commands = Vec::new();
         for op in ops {
             crate::error::check_range("NVMe transfer buffer", op.offset, op.len, buf.target_len())?;
@@ -473,6 +480,13 @@ impl IoQueuePair {
                     HalError::InvalidArgument("an NVMe transfer runs past its buffer".into())
                 })?;
                 let n = (op.len - done).min(max).min(contiguous);
+                // Checked here, before any command goes: PRPs need dword-aligned addresses.
+                if !addr.is_multiple_of(4) {
+                    return Err(HalError::InvalidArgument(format!(
+                        "an NVMe transfer needs a dword-aligned buffer offset, not {}",
+                        op.offset + done
+                    )));
+                }
                 if n % block != 0 {
                     return Err(HalError::InvalidArgument(format!(
                         "the buffer's bus addresses break {} bytes into a {block}-byte block \

@@ -309,6 +309,14 @@ pub trait DmaTarget {
     /// The IO address of byte `offset`, and how many bytes from there are contiguous; `None`
     /// past the end.
     fn bus_run(&self, offset: usize) -> Option<(u64, usize)>;
+
+    /// The mapper its addresses belong to: they mean something to that controller only.
+    fn mapped_by(&self) -> *const ();
+}
+
+/// The identity of a mapper, as [`DmaTarget::mapped_by`] gives it.
+pub(crate) fn mapper_id(mapper: &Arc<dyn DmaMapper>) -> *const () {
+    Arc::as_ptr(mapper) as *const ()
 }
 
 impl DmaTarget for DmaBuffer {
@@ -318,6 +326,10 @@ impl DmaTarget for DmaBuffer {
 
     fn bus_run(&self, offset: usize) -> Option<(u64, usize)> {
         (offset < self.len()).then(|| (self.iova + offset as u64, self.len() - offset))
+    }
+
+    fn mapped_by(&self) -> *const () {
+        mapper_id(&self.mapper)
     }
 }
 

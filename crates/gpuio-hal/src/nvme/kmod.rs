@@ -224,7 +224,8 @@ impl DmaMapper for KmodMapper {
         };
         segments.truncate(im.count as usize);
         let runs = segments.iter().map(|s| (s.bus_addr, s.len)).collect();
-        PeerBuffer::new(len.min(im.size as usize), runs, Box::new(release))
+        let me = self as *const Self as *const ();
+        PeerBuffer::new(len.min(im.size as usize), runs, me, Box::new(release))
     }
 }
 

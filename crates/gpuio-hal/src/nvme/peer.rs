@@ -18,6 +18,8 @@ pub struct PeerBuffer {
     runs: Vec<(u64, u64)>,
     /// The run each byte offset starts: `starts[i]` is run `i`'s first offset.
     starts: Vec<usize>,
+    /// The mapper (controller) the runs were mapped for.
+    mapped_by: usize,
     _release: Box<dyn Any + Send + Sync>,
 }
 
@@ -26,6 +28,7 @@ impl PeerBuffer {
     pub(crate) fn new(
         len: usize,
         runs: Vec<(u64, u64)>,
+        mapped_by: *const (),
         release: Box<dyn Any + Send + Sync>,
     ) -> Result<Self> {
         let mut starts = Vec::with_capacity(runs.len());
@@ -51,6 +54,7 @@ impl PeerBuffer {
             len,
             runs,
             starts,
+            mapped_by: mapped_by as usize,
             _release: release,
         })
     }
@@ -86,6 +90,10 @@ impl DmaTarget for PeerBuffer {
         let left = (n as usize - within).min(self.len - offset);
         Some((addr + within as u64, left))
     }
+
+    fn mapped_by(&self) -> *const () {
+        self.mapped_by as *const ()
+    }
 }
 
 impl std::fmt::Debug for PeerBuffer {
@@ -103,15 +111,22 @@ mod tests {
 
     #[test]
     fn offsets_find_their_run_and_what_is_left_of_it() {
-        let b =
-            PeerBuffer::new(10_000, vec![(0x1000, 4096), (0x9000, 8192)], Box::new(())).unwrap();
+        let b = PeerBuffer::new(
+            10_000,
+            vec![(0x1000, 4096), (0x9000, 8192)],
+            std::ptr::null(),
+            Box::new(()),
+        )
+        .unwrap();
         assert_eq!(b.bus_run(0), Some((0x1000, 4096)));
         assert_eq!(b.bus_run(4095), Some((0x1fff, 1)));
         assert_eq!(b.bus_run(4096), Some((0x9000, 10_000 - 4096)));
         assert_eq!(b.bus_run(5000), Some((0x9000 + 904, 5000)));
         assert_eq!(b.bus_run(10_000), None);
-        assert!(PeerBuffer::new(10_000, vec![(0, 4096)], Box::new(())).is_err());
-        assert!(PeerBuffer::new(1, vec![(u64::MAX, 2)], Box::new(())).is_err());
-        assert!(PeerBuffer::new(1, vec![(0, 0), (0, 4096)], Box::new(())).is_err());
+        assert!(PeerBuffer::new(10_000, vec![(0, 4096)], std::ptr::null(), Box::new(())).is_err());
+        assert!(PeerBuffer::new(1, vec![(u64::MAX, 2)], std::ptr::null(), Box::new(())).is_err());
+        assert!(
+            PeerBuffer::new(1, vec![(0, 0), (0, 4096)], std::ptr::null(), Box::new(())).is_err()
+        );
     }
 }

@@ -716,6 +716,33 @@ mod fio {
     }
 }
 
+/// A buffer mapped for one controller is refused by another's queue pairs (its addresses mean
+/// nothing, or something else, there), and a misaligned offset is refused before any command
+/// of the call goes.
+#[test]
+fn buffers_belong_to_their_controller() {
+    let (_a, ctrl_a) = soft(SoftConfig::default());
+    let (b, ctrl_b) = soft(SoftConfig::default());
+    let ns = ctrl_b.namespace(1).unwrap();
+    let foreign = ctrl_a.dma_buffer(4096).unwrap();
+    let mut qp = ctrl_b.io_queue_pair(8).unwrap();
+    let e = qp.read(&ns, 0, &foreign, 0, 512).unwrap_err();
+    assert!(e.to_string().contains("another NVMe controller"), "{e}");
+    let own = ctrl_b.dma_buffer(8192).unwrap();
+    own.write(0, &[0xee; 512]).unwrap();
+    let served = b.served();
+    let ops = [BlockIo::new(true, 0, 0, 512), BlockIo::new(true, 1, 2, 512)];
+    assert!(matches!(
+        qp.run(&ns, &own, &ops),
+        Err(HalError::InvalidArgument(_))
+    ));
+    assert_eq!(
+        b.served(),
+        served,
+        "a command went before the bad one was refused"
+    );
+}
+
 /// Only the kernel module imports dma-bufs: the software controller says why it cannot.
 #[test]
 fn soft_controller_refuses_dmabuf_imports() {
