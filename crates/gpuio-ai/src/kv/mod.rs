@@ -12,10 +12,11 @@
 //! from host memory by MemIO's row gather (cold ones brought back to host memory first), and
 //! then replace the least recently selected slots, so the next step — whose selection overlaps
 //! this one by 80–95% — finds them. A load is three device operations:
-//! 1. the misses gathered from host memory into the staging rows behind the layer's slots;
+//! 1. the misses read by the device's threads from pinned host memory into the staging rows
+//!    behind the layer's slots;
 //! 2. the output gathered from slots and staging rows in selection order;
-//! 3. where there were misses, the slots rebuilt into a spare buffer with the misses in their
-//!    new places (the spare and the layer's buffer then trade places).
+//! 3. where there were misses, the staging rows moved into the slots they take
+//!    (`Stream::scatter_within`).
 //!
 //! [`store`](KvPool::store) writes entries to host memory and drops their hot copies, so a
 //! load never returns a stale entry. [`evict_by_importance`](KvPool::evict_by_importance)
