@@ -251,7 +251,11 @@ impl FileHandle {
     /// The kernel's file under this handle; an NVMe namespace gpuio drives has none, which
     /// the paths that need one say.
     pub(crate) fn os_file(&self) -> Result<Arc<File>> {
-        self.os().map(|f| f.file.clone()).ok_or_else(|| {
+        Ok(self.os_required()?.file.clone())
+    }
+
+    fn os_required(&self) -> Result<&OsFile> {
+        self.os().ok_or_else(|| {
             LocalIoError::Hal(gpuio_hal::HalError::Unsupported {
                 what: "this operation on an NVMe namespace gpuio's driver serves",
                 reason: format!("{} has no kernel file under it", self.inner.path.display()),
@@ -320,8 +324,8 @@ impl FileHandle {
     /// O_DIRECT descriptor; a buffered handle reopens its own file (through `/proc/self/fd`,
     /// so a rename cannot swap it) with O_DIRECT where the file system allows.
     pub(crate) fn gds_file(&self, gpu: &Gpu) -> Result<Arc<GdsFile>> {
-        let file = self.os_file()?;
-        let os = self.os().expect("an OS file, as os_file said");
+        let os = self.os_required()?;
+        let file = os.file.clone();
         let mut files = os.gds_files.lock_unpoisoned();
         if let Some((_, f)) = files.iter().find(|(g, _)| g.same_device(gpu)) {
             return Ok(f.clone());

@@ -11,9 +11,10 @@
 
 use crate::plan::Piece;
 use crate::{Durability, FileHandle, IoEngine, LocalIo, LocalIoError, Result, Transfer};
+use gpuio_hal::memory::pool::LANE_WAIT;
 use gpuio_hal::nvme::{Controller, ControllerOptions, DmaBuffer, IoQueuePair, Namespace};
 use gpuio_hal::sync::{CondvarExt, MutexExt, RwLockExt};
-use gpuio_hal::{DeviceBuffer, HostAllocOptions, HostBuffer};
+use gpuio_hal::{DeviceBuffer, HostBuffer};
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
 
@@ -317,21 +318,10 @@ impl LocalIo {
         dst_offset: usize,
     ) -> Result<Transfer> {
         let stream = dst.gpu().stream()?;
-        let total: u64 = pieces.iter().map(|p| p.len).sum();
-        let mut host = self.nvme_staging(total, dst.gpu())?;
-        let mut crc = self.config.checksum.then_some(0u32);
-        for p in pieces {
-            let mut done = 0;
-            while done < p.len {
-                let n = (p.len - done).min(host.len() as u64) as usize;
-                let at = p.offset + done;
-                files[p.file].read_exact_at(at, &mut host[..n])?;
-                crc = crc.map(|c| crc32c::crc32c_append(c, &host[..n]));
-                stream.upload(&host[..n], dst, dst_offset + (p.dev_off + done) as usize)?;
-                done += n as u64;
-            }
-        }
-        Ok(nvme_transfer(total, crc))
+        self.nvme_staged(pieces, dst.gpu(), |host, p, done| {
+            files[p.file].read_exact_at(p.offset + done, host)?;
+            Ok(stream.upload(host, dst, dst_offset + (p.dev_off + done) as usize)?)
+        })
     }
 
     /// GPU memory to namespaces gpuio's driver serves, through a pinned host buffer; FLUSHed
@@ -345,47 +335,58 @@ impl LocalIo {
         durability: Durability,
     ) -> Result<Transfer> {
         let stream = src.gpu().stream()?;
-        let total: u64 = pieces.iter().map(|p| p.len).sum();
-        let mut host = self.nvme_staging(total, src.gpu())?;
-        let mut crc = self.config.checksum.then_some(0u32);
-        for p in pieces {
-            let mut done = 0;
-            while done < p.len {
-                let n = (p.len - done).min(host.len() as u64) as usize;
-                stream.download(
-                    src,
-                    src_offset + (p.dev_off + done) as usize,
-                    &mut host[..n],
-                )?;
-                crc = crc.map(|c| crc32c::crc32c_append(c, &host[..n]));
-                files[p.file].write_all_at(p.offset + done, &host[..n])?;
-                done += n as u64;
-            }
-        }
+        let t = self.nvme_staged(pieces, src.gpu(), |host, p, done| {
+            stream.download(src, src_offset + (p.dev_off + done) as usize, host)?;
+            files[p.file].write_all_at(p.offset + done, host)
+        })?;
         if durability == Durability::DataSync {
             for file in files {
                 file.sync_data()?;
             }
         }
-        Ok(nvme_transfer(total, crc))
+        Ok(t)
     }
 
-    fn nvme_staging(&self, total: u64, gpu: &gpuio_hal::Gpu) -> Result<HostBuffer> {
-        let len = (total.clamp(1, BOUNCE as u64)) as usize;
-        Ok(HostBuffer::alloc_pinned(
-            len,
-            &HostAllocOptions::default(),
-            gpu,
-        )?)
-    }
-}
-
-fn nvme_transfer(bytes: u64, crc32c: Option<u32>) -> Transfer {
-    Transfer {
-        bytes,
-        engine: IoEngine::Nvme,
-        lanes: 1,
-        crc32c,
-        page_cache_bytes: 0,
+    /// Runs `chunk` over `pieces` a piece at a time in chunks of one staging buffer (leased
+    /// from the staging pool, pinned for `gpu`), with each chunk's bytes in the buffer after
+    /// the call (a read) or before it (a write); their crc32c in device order when checksums
+    /// are on.
+    fn nvme_staged(
+        &self,
+        pieces: &[Piece],
+        gpu: &gpuio_hal::Gpu,
+        mut chunk: impl FnMut(&mut [u8], &Piece, u64) -> Result<()>,
+    ) -> Result<Transfer> {
+        let total: u64 = pieces.iter().map(|p| p.len).sum();
+        let len = total.clamp(1, BOUNCE as u64) as usize;
+        let (mut bufs, lease) = self.staging.lease_for(gpu, len, 1, LANE_WAIT)?;
+        let mut crc = self.config.checksum.then_some(0u32);
+        let mut run = |host: &mut HostBuffer| -> Result<()> {
+            for p in pieces {
+                let mut done = 0;
+                while done < p.len {
+                    let n = (p.len - done).min(len as u64) as usize;
+                    chunk(&mut host[..n], p, done)?;
+                    crc = crc.map(|c| crc32c::crc32c_append(c, &host[..n]));
+                    done += n as u64;
+                }
+            }
+            Ok(())
+        };
+        let result = match bufs.first_mut() {
+            Some(host) => run(host),
+            None => Err(LocalIoError::Internal(
+                "the staging pool leased no buffer".into(),
+            )),
+        };
+        lease.give_back(bufs);
+        result?;
+        Ok(Transfer {
+            bytes: total,
+            engine: IoEngine::Nvme,
+            lanes: 1,
+            crc32c: crc,
+            page_cache_bytes: 0,
+        })
     }
 }
