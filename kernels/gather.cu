@@ -73,6 +73,79 @@ GPUIO_ROW_KERNELS(8)
 GPUIO_ROW_KERNELS(4)
 GPUIO_ROW_KERNELS(1)
 
+// ---- Tiered gathers: rows from a hot tier in device memory and a warm tier in mapped host
+// memory, for several jobs (one per grid row `blockIdx.y`) in one launch. Each output row has a
+// code: bit 63 clear, a hot row; set, a warm row in bits 0..39 that is also written to the hot
+// row in bits 40..62 (all ones: none), so a miss is read once and installed on the way.
+#define GPUIO_TIER_WARM (1ull << 63)
+#define GPUIO_TIER_ROW_BITS 40
+#define GPUIO_TIER_NO_SLOT 0x7fffffull
+
+// One job of a tiered gather (64 bytes, as the host writes it).
+struct gpuio_tier_job {
+    gpuio_u64 hot, hot_rows, warm, warm_rows, dst, first, count, unused;
+};
+
+template <int W>
+__device__ __forceinline__ void gpuio_tiered_rows(const gpuio_tier_job* __restrict__ jobs,
+                                                  const gpuio_u64* __restrict__ codes,
+                                                  gpuio_u64 row_bytes, gpuio_u64* err) {
+    typedef typename gpuio_piece<W>::t P;
+    const gpuio_tier_job job = jobs[blockIdx.y];
+    const gpuio_u64 per_row = row_bytes / W, items = job.count * per_row;
+    const gpuio_u64 stride = (gpuio_u64)gridDim.x * blockDim.x;
+    for (gpuio_u64 i = (gpuio_u64)blockIdx.x * blockDim.x + threadIdx.x; i < items;
+         i += stride * GPUIO_UNROLL) {
+        P v[GPUIO_UNROLL];
+        gpuio_u64 to[GPUIO_UNROLL], also[GPUIO_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GPUIO_UNROLL; u++) {
+            const gpuio_u64 k = i + u * stride;
+            to[u] = 0;
+            also[u] = 0;
+            if (k >= items) continue;
+            const gpuio_u64 r = k / per_row, piece = (k % per_row) * W;
+            const gpuio_u64 code = codes[job.first + r];
+            gpuio_u64 from;
+            if (code & GPUIO_TIER_WARM) {
+                const gpuio_u64 row = code & ((1ull << GPUIO_TIER_ROW_BITS) - 1);
+                const gpuio_u64 slot = (code >> GPUIO_TIER_ROW_BITS) & GPUIO_TIER_NO_SLOT;
+                if (row >= job.warm_rows ||
+                    (slot != GPUIO_TIER_NO_SLOT && slot >= job.hot_rows)) {
+                    gpuio_bad_index(err, job.first + r);
+                    continue;
+                }
+                from = job.warm + row * row_bytes + piece;
+                if (slot != GPUIO_TIER_NO_SLOT) also[u] = job.hot + slot * row_bytes + piece;
+            } else {
+                if (code >= job.hot_rows) {
+                    gpuio_bad_index(err, job.first + r);
+                    continue;
+                }
+                from = job.hot + code * row_bytes + piece;
+            }
+            to[u] = job.dst + r * row_bytes + piece;
+            v[u] = *reinterpret_cast<const P*>(from);
+        }
+#pragma unroll
+        for (int u = 0; u < GPUIO_UNROLL; u++) {
+            if (to[u]) *reinterpret_cast<P*>(to[u]) = v[u];
+            if (also[u]) *reinterpret_cast<P*>(also[u]) = v[u];
+        }
+    }
+}
+
+#define GPUIO_TIERED_KERNEL(W)                                                                  \
+    extern "C" __global__ void gpuio_gather_tiered_##W(const void* jobs, const gpuio_u64* codes, \
+                                                       gpuio_u64 row_bytes, gpuio_u64* err) {   \
+        gpuio_tiered_rows<W>((const gpuio_tier_job*)jobs, codes, row_bytes, err);               \
+    }
+
+GPUIO_TIERED_KERNEL(16)
+GPUIO_TIERED_KERNEL(8)
+GPUIO_TIERED_KERNEL(4)
+GPUIO_TIERED_KERNEL(1)
+
 // The baseline: one warp per row, each lane copying 16-byte pieces (bytes where unaligned)
 // of it, one row after another, one load in flight per lane.
 extern "C" __global__ void gpuio_gather_naive(const unsigned char* pool, gpuio_u64 rows,

@@ -4,9 +4,9 @@
 //! before by 0.8, 0.9 or 0.95 (a synthetic trace). One layer stands for all: the work per
 //! layer is the same and independent.
 //!
-//! gpuio's `KvPool::load` (its own bookkeeping included in the time) races two peers given the
-//! same trace and the same hot-buffer scheme, whose hits, misses and slots are planned in
-//! NumPy before their clock starts (they move only the misses): `torch.index_select` from a
+//! gpuio's `KvBatch::load` of every request's selection (its own bookkeeping included in the
+//! time) races two peers given the same trace and the same hot-buffer scheme, whose hits,
+//! misses and slots are planned in NumPy before their clock starts (they move only the misses): `torch.index_select` from a
 //! pinned host tensor, a copy and a device gather; and a Triton kernel reading the misses
 //! from pinned host memory over unified addressing (vLLM's design), then the same device
 //! gather. Reported per context, batch and overlap: exposed µs per layer (the wall time of a
@@ -15,7 +15,7 @@
 //! context fit in HBM with hot buffers against keeping all KV there (computed, 61 layers).
 
 use crate::{BenchError, Record, Result, SuiteOutcome, Target};
-use gpuio_ai::kv::{KvPool, KvPoolConfig};
+use gpuio_ai::kv::{KvBatch, KvLoad, KvPool, KvPoolConfig};
 use gpuio_api::{HostPlacement, Session};
 use gpuio_hal::pattern::mix64;
 use gpuio_hal::{HostAllocOptions, HostBuffer};
@@ -294,7 +294,7 @@ pub fn run(
                     }
                     Err(why) => notes.push(format!("{case}: {why}")),
                 }
-                let hot_per_request = LAYERS * ((opts.hot_slots + opts.topk) * ENTRY) as u64;
+                let hot_per_request = LAYERS * (opts.hot_slots * ENTRY) as u64;
                 let all_per_request = LAYERS * ctx * ENTRY as u64;
                 notes.push(format!(
                     "{case}: HBM {} GiB fits {} requests with hot buffers ({} MiB each over {LAYERS} \
@@ -343,7 +343,7 @@ fn ai(e: gpuio_ai::AiError) -> BenchError {
     }
 }
 
-/// gpuio's loads over the trace: a step is every request's load, back to back.
+/// gpuio's loads over the trace: a step is one `KvBatch::load` of every request's selection.
 fn run_gpuio(
     pools: &mut [KvPool],
     outs: &[gpuio_api::DeviceBuffer],
@@ -352,20 +352,30 @@ fn run_gpuio(
     opts: &Options,
 ) -> Result<Measured> {
     let (mut times, mut hits, mut selected, mut bytes) = (Vec::new(), 0usize, 0usize, 0u64);
+    let mut loader = KvBatch::new();
     for (step, sels) in trace.chunks(batch).enumerate() {
         let t = Instant::now();
-        let mut step_bytes = 0;
-        for (r, sel) in sels.iter().enumerate() {
-            let rep = pools[r].load(0, sel, &outs[r], 0).map_err(ai)?;
-            if step >= opts.warmup {
+        let mut loads: Vec<KvLoad<'_>> = pools
+            .iter_mut()
+            .zip(sels)
+            .zip(outs)
+            .map(|((pool, selection), dst)| KvLoad {
+                pool,
+                layer: 0,
+                selection,
+                dst,
+                dst_offset: 0,
+            })
+            .collect();
+        let reports = loader.load(&mut loads).map_err(ai)?;
+        let elapsed = t.elapsed().as_secs_f64() * 1e6;
+        if step >= opts.warmup {
+            times.push(elapsed);
+            for rep in reports {
                 hits += rep.hits;
                 selected += rep.selected;
-                step_bytes += rep.bytes_from_host;
+                bytes += rep.bytes_from_host;
             }
-        }
-        if step >= opts.warmup {
-            times.push(t.elapsed().as_secs_f64() * 1e6);
-            bytes += step_bytes;
         }
     }
     let n = times.len().max(1) as f64;

@@ -145,8 +145,8 @@ pub static PATTERN: KernelSource = KernelSource {
 
 /// `kernels/gather.cu` with the device header `gpuio.cuh` (and the ring and array headers it
 /// includes)
-/// in front: the row gather and scatter kernels, the naive baseline, and the sorted gather's
-/// ordering kernels.
+/// in front: the row gather and scatter kernels, the naive baseline, the sorted gather's
+/// ordering kernels, and the tiered gather.
 pub static GATHER: KernelSource = KernelSource {
     name: "gather.cu",
     source: concat!(
@@ -173,6 +173,10 @@ pub static GATHER: KernelSource = KernelSource {
         "gpuio_order_scan_blocks",
         "gpuio_order_scan_sums",
         "gpuio_order_place",
+        "gpuio_gather_tiered_16",
+        "gpuio_gather_tiered_8",
+        "gpuio_gather_tiered_4",
+        "gpuio_gather_tiered_1",
     ],
     ptx: embedded_ptx!("gather"),
 };

@@ -1,30 +1,29 @@
-//! One layer's hot buffer: `hot_slots` device slots of entries, then `max_selection` staging
-//! rows for a step's misses, with which position each slot holds and the step it was last
-//! selected in (LRU). Positions map to slots through a table indexed by position (a lookup
+//! One layer's hot buffer: `hot_slots` device slots of entries, with which position each slot
+//! holds and the step it was last selected in (LRU). Positions map to slots through a table indexed by position (a lookup
 //! per selected entry is one load, not a hash).
 
 use gpuio_api::DeviceBuffer;
 
-/// No slot, no staging row.
+/// No slot, no miss.
 const NONE: u32 = u32::MAX;
 
 pub(super) struct HotLayer {
     pub(super) buf: DeviceBuffer,
     /// By position: its slot, or `NONE`.
     slot_of: Vec<u32>,
-    /// By position, during `plan` only: its staging row, or `NONE`.
-    staged: Vec<u32>,
+    /// By position, during `plan` only: its place among the misses, or `NONE`.
+    missing: Vec<u32>,
     holder: Vec<Option<u64>>,
     /// The step each slot was last selected in (0: never).
     last_used: Vec<u64>,
     held: usize,
 }
 
-/// Where a selection's entries come from in the layer's buffer.
+/// Where a selection's entries come from.
 pub(super) struct Plan {
-    /// Per selected entry: its slot, or its staging row.
+    /// Per selected entry: its slot, or the number of slots plus its place among the misses.
     pub(super) rows: Vec<u64>,
-    /// Distinct positions missing, in staging-row order.
+    /// Distinct positions missing, in order of first selection.
     pub(super) misses: Vec<u64>,
     /// Selected entries found in a slot.
     pub(super) hits: usize,
@@ -35,7 +34,7 @@ impl HotLayer {
         Self {
             buf,
             slot_of: Vec::new(),
-            staged: Vec::new(),
+            missing: Vec::new(),
             holder: vec![None; slots],
             last_used: vec![0; slots],
             held: 0,
@@ -64,7 +63,7 @@ impl HotLayer {
     pub(super) fn plan(&mut self, selection: &[u64], step: u64, len: u64) -> Plan {
         if self.slot_of.len() < len as usize {
             self.slot_of.resize(len as usize, NONE);
-            self.staged.resize(len as usize, NONE);
+            self.missing.resize(len as usize, NONE);
         }
         let slots = self.holder.len() as u64;
         let mut plan = Plan {
@@ -80,20 +79,20 @@ impl HotLayer {
                 plan.hits += 1;
                 plan.rows.push(slot as u64);
             } else {
-                if self.staged[p] == NONE {
-                    self.staged[p] = plan.misses.len() as u32;
+                if self.missing[p] == NONE {
+                    self.missing[p] = plan.misses.len() as u32;
                     plan.misses.push(pos);
                 }
-                plan.rows.push(slots + self.staged[p] as u64);
+                plan.rows.push(slots + self.missing[p] as u64);
             }
         }
         for &pos in &plan.misses {
-            self.staged[pos as usize] = NONE;
+            self.missing[pos as usize] = NONE;
         }
         plan
     }
 
-    /// Gives `misses` (staged in this order) the slots selected longest ago, never one
+    /// Gives `misses` (in this order) the slots selected longest ago, never one
     /// `step` selected; returns each miss's slot. There are always enough such slots: a step
     /// selects at most as many entries as there are slots.
     pub(super) fn install(&mut self, misses: &[u64], step: u64) -> Vec<u64> {

@@ -8,15 +8,12 @@
 //!   cold tier is attached; without one, evicted entries are dropped.
 //!
 //! Each decode step's top-k selection (2048 positions per layer) is [`load`](KvPool::load)ed
-//! into one contiguous device buffer. Entries in the hot buffer come from there; misses come
-//! from host memory by MemIO's row gather (cold ones brought back to host memory first), and
-//! then replace the least recently selected slots, so the next step — whose selection overlaps
-//! this one by 80–95% — finds them. A load is three device operations:
-//! 1. the misses read by the device's threads from pinned host memory into the staging rows
-//!    behind the layer's slots;
-//! 2. the output gathered from slots and staging rows in selection order;
-//! 3. where there were misses, the staging rows moved into the slots they take
-//!    (`Stream::scatter_within`).
+//! into one contiguous device buffer — or every request's at once, by [`KvBatch`]. Entries in
+//! the hot buffer come from there; misses are read by the device's threads from pinned host
+//! memory (cold ones brought back to host memory first) and written, on the way, into the
+//! least recently selected slots, so the next step — whose selection overlaps this one by
+//! 80–95% — finds them. A load is one upload of a code per entry, one kernel and one wait
+//! (`load.rs`).
 //!
 //! [`store`](KvPool::store) writes entries to host memory and drops their hot copies, so a
 //! load never returns a stale entry. [`evict_by_importance`](KvPool::evict_by_importance)
@@ -24,13 +21,16 @@
 
 mod cold;
 mod hot;
+mod load;
 
 pub use cold::ColdTier;
+pub use load::{KvBatch, KvLoad};
 
 use crate::{AiError, Result};
 use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
-use gpuio_hal::{HostAllocOptions, HostBuffer, RowIndices, RowKernel};
+use gpuio_hal::{TIER_MAX_HOT_ROWS, TIER_MAX_WARM_ROWS, tiered_stage_len};
 use hot::HotLayer;
+use load::Stage;
 
 /// The shape of a KV pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,9 +122,8 @@ pub struct KvPool {
     /// Importance scores per layer, by position.
     importance: Vec<Vec<f32>>,
     hot: Vec<HotLayer>,
-    /// Row indices for the device gathers, pinned, and their device copy.
-    idx_host: HostBuffer,
-    idx_dev: DeviceBuffer,
+    /// A load's codes; taken out for the length of a load.
+    stage: Option<Stage>,
     cold: Option<ColdTier>,
     step: u64,
 }
@@ -160,18 +159,21 @@ impl KvPool {
                 cfg.max_selection, cfg.hot_slots
             ));
         }
+        if cfg.hot_slots as u64 >= TIER_MAX_HOT_ROWS || cfg.warm_entries >= TIER_MAX_WARM_ROWS {
+            return bad(format!(
+                "{} hot slots and {} warm entries: at most {} and {}",
+                cfg.hot_slots,
+                cfg.warm_entries,
+                TIER_MAX_HOT_ROWS - 1,
+                TIER_MAX_WARM_ROWS - 1
+            ));
+        }
         let warm_len = cfg
             .warm_entries
             .checked_mul(cfg.entry_bytes as u64)
             .and_then(|b| usize::try_from(b).ok());
-        // Slots are numbered in u32, with u32::MAX for none.
-        let hot_rows = cfg
-            .hot_slots
-            .checked_add(cfg.max_selection)
-            .filter(|_| cfg.hot_slots < u32::MAX as usize);
-        let hot_len = hot_rows.and_then(|r| r.checked_mul(cfg.entry_bytes));
-        let idx_len = hot_rows.and_then(|r| r.checked_mul(8));
-        let (Some(warm_len), Some(hot_len), Some(idx_len)) = (warm_len, hot_len, idx_len) else {
+        let hot_len = cfg.hot_slots.checked_mul(cfg.entry_bytes);
+        let (Some(warm_len), Some(hot_len)) = (warm_len, hot_len) else {
             return bad(format!("{cfg:?} overflows"));
         };
         let warm = session.alloc_host(cfg.placement, warm_len, true)?;
@@ -184,9 +186,7 @@ impl KvPool {
             ));
         }
         Ok(Self {
-            idx_host: HostBuffer::alloc_pinned(idx_len, &HostAllocOptions::default(), &gpu)
-                .map_err(gpuio_api::Error::from)?,
-            idx_dev: session.alloc_device(cfg.gpu, idx_len)?,
+            stage: Some(Stage::new(&gpu, tiered_stage_len(cfg.max_selection, 1))?),
             free_rows: (0..cfg.warm_entries).rev().collect(),
             residence: vec![Vec::new(); cfg.layers],
             importance: vec![Vec::new(); cfg.layers],
@@ -383,83 +383,20 @@ impl KvPool {
         dst: &DeviceBuffer,
         dst_offset: usize,
     ) -> Result<LoadReport> {
-        self.check_layer(layer)?;
-        let (e, slots) = (self.cfg.entry_bytes, self.cfg.hot_slots);
-        if selection.len() > self.cfg.max_selection {
-            return Err(AiError::InvalidArgument(format!(
-                "a selection of {} entries, more than the pool's {}",
-                selection.len(),
-                self.cfg.max_selection
-            )));
-        }
-        if let Some(p) = selection.iter().find(|&&p| p >= self.len(layer)) {
-            return Err(AiError::InvalidArgument(format!(
-                "position {p} of layer {layer}, which holds {} tokens",
-                self.len(layer)
-            )));
-        }
-        gpuio_hal::check_range(
-            "KV load destination",
+        let mut stage = self
+            .stage
+            .take()
+            .ok_or_else(|| AiError::InvalidArgument("the KV pool's stage is in use".into()))?;
+        let mut one = [KvLoad {
+            pool: self,
+            layer,
+            selection,
+            dst,
             dst_offset,
-            selection.len() * e,
-            dst.len(),
-        )
-        .map_err(gpuio_api::Error::from)?;
-        if selection.is_empty() {
-            return Ok(LoadReport::default());
-        }
-        self.step += 1;
-        let step = self.step;
-        let len = self.len(layer);
-        let plan = self.hot[layer].plan(selection, step, len);
-        let from_cold = self.bring_back(layer, &plan.misses)?;
-        let hot = &mut self.hot[layer];
-        let stream = dst.gpu().stream().map_err(gpuio_api::Error::from)?;
-        let m = plan.misses.len();
-        if m > 0 {
-            // The misses, read by the device's threads straight from pinned host memory.
-            let res = &self.residence[layer];
-            let rows: Vec<u64> = plan.misses.iter().map(|&p| res[p as usize]).collect();
-            write_indices(&mut self.idx_host, &rows);
-            let indices = RowIndices::Staged {
-                host: &self.idx_host,
-                device: &self.idx_dev,
-            };
-            let warm = self.warm.read();
-            stream
-                .gather(&warm, e, indices, m, &hot.buf, slots * e, RowKernel::Tuned)
-                .map_err(gpuio_api::Error::from)?;
-        }
-        write_indices(&mut self.idx_host, &plan.rows);
-        let indices = RowIndices::Staged {
-            host: &self.idx_host,
-            device: &self.idx_dev,
-        };
-        stream
-            .gather_device(&hot.buf, e, indices, plan.rows.len(), dst, dst_offset)
-            .map_err(gpuio_api::Error::from)?;
-        if m > 0 {
-            // The misses into the slots they take, moved within the buffer.
-            let victims = hot.install(&plan.misses, step);
-            write_indices(&mut self.idx_host, &victims);
-            let indices = RowIndices::Staged {
-                host: &self.idx_host,
-                device: &self.idx_dev,
-            };
-            let moved = stream.scatter_within(&hot.buf, slots, e, indices, m, slots * e);
-            if let Err(err) = moved {
-                // The slots did not get their entries: forget them rather than serve them.
-                plan.misses.iter().for_each(|&p| hot.drop_entry(p));
-                return Err(gpuio_api::Error::from(err).into());
-            }
-        }
-        Ok(LoadReport {
-            selected: selection.len(),
-            hits: plan.hits,
-            misses: plan.misses.len(),
-            from_cold,
-            bytes_from_host: (plan.misses.len() * e) as u64,
-        })
+        }];
+        let done = load::run(&mut one, &mut stage);
+        self.stage = Some(stage);
+        Ok(done?.pop().unwrap_or_default())
     }
 
     /// Brings the cold ones among `misses` back to host memory (checked and decompressed);
@@ -544,12 +481,5 @@ impl KvPool {
             ));
         }
         self.evict_by_importance(u64::MAX, threshold)
-    }
-}
-
-/// `rows` as little-endian u64s at the start of `host`.
-fn write_indices(host: &mut HostBuffer, rows: &[u64]) {
-    for (i, r) in rows.iter().enumerate() {
-        host[8 * i..8 * i + 8].copy_from_slice(&r.to_le_bytes());
     }
 }

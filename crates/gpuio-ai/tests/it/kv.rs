@@ -333,3 +333,110 @@ fn a_damaged_cold_tier_is_an_error_never_wrong_bytes() {
         .unwrap_err();
     assert!(matches!(e, AiError::Corrupt(_)), "{e}");
 }
+
+/// A batch of requests loaded by one call gives each request exactly what a load of its own
+/// would: several pools, overlapping steps, outputs packed at offsets of one buffer. A batch
+/// with one bad load moves nothing, and the pools keep serving right bytes afterwards.
+#[test]
+fn a_batch_loads_every_request_as_its_own_load_would() {
+    use gpuio_ai::kv::{KvBatch, KvLoad};
+    let session = Session::new(Config::default()).unwrap();
+    let cfg = KvPoolConfig {
+        layers: 1,
+        warm_entries: 3000,
+        ..config()
+    };
+    let tokens = 800u64;
+    let requests = 5;
+    let mut pools: Vec<KvPool> = (0..requests)
+        .map(|r| {
+            let mut pool = KvPool::new(&session, cfg).unwrap();
+            let bytes: Vec<u8> = (0..tokens).flat_map(|p| entry(r, p, 0)).collect();
+            let src = upload(&session, &bytes);
+            pool.store(&session, 0, 0, tokens as usize, &src, 0, None)
+                .unwrap();
+            pool
+        })
+        .collect();
+    let stride = cfg.max_selection * E + 16;
+    let dst = session.alloc_device(0, requests * stride).unwrap();
+    let mut batch = KvBatch::new();
+    let mut selections: Vec<Vec<u64>> = (0..requests)
+        .map(|r| (0..cfg.max_selection as u64 - r as u64).collect())
+        .collect();
+    let mut hits = 0;
+    for step in 0..30u64 {
+        for (r, sel) in selections.iter_mut().enumerate() {
+            for (i, p) in sel.iter_mut().enumerate() {
+                if pattern::mix64(step << 20 ^ (r as u64) << 10 ^ i as u64).is_multiple_of(8) {
+                    *p = pattern::mix64(step ^ (i as u64) << 32 ^ r as u64) % tokens;
+                }
+            }
+        }
+        let mut loads: Vec<KvLoad<'_>> = pools
+            .iter_mut()
+            .zip(&selections)
+            .enumerate()
+            .map(|(r, (pool, sel))| KvLoad {
+                pool,
+                layer: 0,
+                selection: sel,
+                dst: &dst,
+                dst_offset: r * stride,
+            })
+            .collect();
+        let reports = batch.load(&mut loads).unwrap();
+        for (r, (rep, sel)) in reports.iter().zip(&selections).enumerate() {
+            assert_eq!(rep.selected, sel.len());
+            hits += rep.hits;
+            let mut got = vec![0u8; sel.len() * E];
+            dst.gpu()
+                .stream()
+                .unwrap()
+                .download(&dst, r * stride, &mut got)
+                .unwrap();
+            for (i, &p) in sel.iter().enumerate() {
+                assert!(
+                    got[i * E..(i + 1) * E] == entry(r, p, 0)[..],
+                    "step {step}, request {r}, entry {i} (position {p})"
+                );
+            }
+        }
+    }
+    assert!(hits > 0, "the overlapping steps never hit the hot buffers");
+    // Request 3's destination overlaps request 2's: refused, nothing moves.
+    let before: Vec<usize> = pools.iter().map(|p| p.hot_entries(0)).collect();
+    let mut loads: Vec<KvLoad<'_>> = pools
+        .iter_mut()
+        .zip(&selections)
+        .enumerate()
+        .map(|(r, (pool, sel))| KvLoad {
+            pool,
+            layer: 0,
+            selection: &sel[..],
+            dst: &dst,
+            dst_offset: if r == 3 { 2 * stride + E } else { r * stride },
+        })
+        .collect();
+    let e = batch.load(&mut loads).unwrap_err();
+    assert!(e.to_string().contains("overlap"), "{e}");
+    drop(loads);
+    let after: Vec<usize> = pools.iter().map(|p| p.hot_entries(0)).collect();
+    assert!(after.iter().zip(&before).all(|(a, b)| a <= b));
+    // The pools still load right bytes on their own.
+    for (r, pool) in pools.iter_mut().enumerate() {
+        pool.load(0, &selections[r], &dst, 0).unwrap();
+        let mut got = vec![0u8; selections[r].len() * E];
+        dst.gpu()
+            .stream()
+            .unwrap()
+            .download(&dst, 0, &mut got)
+            .unwrap();
+        for (i, &p) in selections[r].iter().enumerate() {
+            assert!(
+                got[i * E..(i + 1) * E] == entry(r, p, 0)[..],
+                "request {r} after the refusal"
+            );
+        }
+    }
+}

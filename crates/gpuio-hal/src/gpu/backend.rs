@@ -220,6 +220,30 @@ pub(crate) struct RowsDone {
     pub(crate) device_time: Option<std::time::Duration>,
 }
 
+/// One job of a checked tiered gather (see [`super::Stream::gather_tiered`]).
+pub(crate) struct TieredPart<'a> {
+    /// The whole hot tier (whole rows).
+    pub(crate) hot: DevRange<'a>,
+    /// The warm pool (pinned host memory).
+    pub(crate) warm: RowMem<'a>,
+    /// The destination range (`count` rows).
+    pub(crate) dst: DevRange<'a>,
+    /// Its first code's position among all codes.
+    pub(crate) first: usize,
+    pub(crate) count: usize,
+}
+
+/// A checked tiered gather: `total` codes at the start of the pinned `upload` bytes and the
+/// jobs' table at `table_offset` after them, both copied into `stage` before the kernel.
+pub(crate) struct TieredJob<'a> {
+    pub(crate) row_bytes: usize,
+    pub(crate) parts: &'a [TieredPart<'a>],
+    pub(crate) upload: *const u8,
+    pub(crate) stage: DevRange<'a>,
+    pub(crate) table_offset: usize,
+    pub(crate) total: usize,
+}
+
 /// A checked launch of one of `kernels/ring_bench.cu`'s kernels.
 #[derive(Clone, Copy)]
 pub(crate) enum RingLaunch<'a> {
@@ -373,6 +397,14 @@ pub(crate) trait StreamBackend: Send + Sync {
     /// and touched by nothing else, for a scatter), and registered with this device so that
     /// `addr` reaches it; the same for a host index list (read only).
     unsafe fn rows(&self, job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone>;
+
+    /// Runs a tiered gather (see [`TieredJob`]) and waits for it; the position of the first
+    /// code naming a row outside its tier, if any (its row is left unwritten).
+    ///
+    /// # Safety
+    /// The upload bytes and every warm pool must stay valid and registered with this device
+    /// until the call returns.
+    unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<Option<u64>>;
 
     /// Runs a kernel that issues IO through a request ring (or reports the ring layout) and
     /// waits for it.

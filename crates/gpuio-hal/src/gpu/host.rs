@@ -3,9 +3,11 @@
 //! It runs gpuio's logic for real on machines without a GPU (CI); it simulates no PCIe.
 
 use super::GdsMode;
+use super::TieredSource;
 use super::backend::{
     ArrayLaunch, BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend,
     HostPin, NvmeLaunch, Owner, RingLaunch, RowHooks, RowJob, RowMem, RowsDone, StreamBackend,
+    TieredJob,
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
 use crate::error::{HalError, Result};
@@ -309,6 +311,11 @@ impl StreamBackend for HostStream {
         })
     }
 
+    unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<Option<u64>> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.tiered_now(job) }
+    }
+
     unsafe fn array_kernel(&self, _launch: ArrayLaunch<'_>) -> Result<()> {
         Err(HalError::Unsupported {
             what: "on-demand array kernels",
@@ -368,22 +375,7 @@ impl HostStream {
         };
         let pool = cpu_ptr(job.pool, job.scatter)?;
         let idx_ptr = cpu_ptr(job.idx, false)?;
-        mems.sort_by_key(|(m, _)| m.addr());
-        mems.dedup_by(|next, kept| {
-            let same = std::ptr::eq(next.0, kept.0);
-            kept.1 |= same && next.1;
-            same
-        });
-        let _guards: Vec<_> = mems
-            .iter()
-            .map(|&(m, write)| {
-                if write {
-                    (None, Some(write_lock(m)))
-                } else {
-                    (Some(read_lock(m)), None)
-                }
-            })
-            .collect();
+        let _guards = lock_all(mems);
         let rb = job.row_bytes;
         let rows = (job.pool.len() / rb) as u64;
         // SAFETY: a checked range of a live allocation locked for reading above, or pinned host
@@ -409,6 +401,92 @@ impl HostStream {
                     sys::copy_raw(d, p, rb);
                 } else {
                     sys::copy_raw(p, d, rb);
+                }
+            }
+        }
+        Ok(bad)
+    }
+}
+
+/// Locks every allocation once, in address order, exclusively where any use writes it.
+fn lock_all(mut mems: Vec<(&HostDeviceMemory, bool)>) -> Vec<HeldLock<'_>> {
+    mems.sort_by_key(|(m, _)| m.addr());
+    mems.dedup_by(|next, kept| {
+        let same = std::ptr::eq(next.0, kept.0);
+        kept.1 |= same && next.1;
+        same
+    });
+    mems.iter()
+        .map(|&(m, write)| {
+            if write {
+                HeldLock::Write(write_lock(m))
+            } else {
+                HeldLock::Read(read_lock(m))
+            }
+        })
+        .collect()
+}
+
+/// A lock `lock_all` holds.
+enum HeldLock<'a> {
+    Read(#[allow(dead_code)] RwLockReadGuard<'a, ()>),
+    Write(#[allow(dead_code)] RwLockWriteGuard<'a, ()>),
+}
+
+impl HostStream {
+    /// Runs a tiered gather on the CPU, job after job.
+    ///
+    /// # Safety
+    /// As for `StreamBackend::tiered_rows`.
+    unsafe fn tiered_now(&self, job: TieredJob<'_>) -> Result<Option<u64>> {
+        // SAFETY: the caller's upload holds the stage range's length of readable bytes.
+        unsafe { self.copy_h2d(job.upload, job.stage)? };
+        let mut mems = vec![(memory(&job.stage)?, false)];
+        for p in job.parts {
+            mems.push((memory(&p.hot)?, true));
+            mems.push((memory(&p.dst)?, true));
+        }
+        let _guards = lock_all(mems);
+        // SAFETY: the first `total` codes of the stage range, locked for reading above.
+        let codes =
+            unsafe { std::slice::from_raw_parts(job.stage.addr() as *const u8, job.total * 8) };
+        let rb = job.row_bytes;
+        let mut bad = None;
+        for p in job.parts {
+            let RowMem::Host { ptr: warm, len, .. } = p.warm else {
+                return Err(HalError::InvalidArgument(
+                    "a tiered gather's warm tier is host memory".into(),
+                ));
+            };
+            let (hot_rows, warm_rows) = ((p.hot.len / rb) as u64, (len / rb) as u64);
+            let (hot, dst) = (p.hot.addr() as *mut u8, p.dst.addr() as *mut u8);
+            for r in 0..p.count {
+                let at = 8 * (p.first + r);
+                let code = u64::from_le_bytes(codes[at..at + 8].try_into().unwrap_or_default());
+                let (from, install) = match TieredSource::from_code(code) {
+                    TieredSource::Hot(s) if s < hot_rows => {
+                        (hot.wrapping_add(s as usize * rb), None)
+                    }
+                    TieredSource::Warm { row, install }
+                        if row < warm_rows && install.is_none_or(|s| s < hot_rows) =>
+                    {
+                        let to = install.map(|s| hot.wrapping_add(s as usize * rb));
+                        (warm.wrapping_add(row as usize * rb), to)
+                    }
+                    _ => {
+                        bad = bad.or(Some((p.first + r) as u64));
+                        continue;
+                    }
+                };
+                // SAFETY: rows below their tier's row count lie inside the hot range or the
+                // warm pool (valid for the call by the caller's contract); output row r < count
+                // inside the checked destination; the hot and destination ranges are locked
+                // for writing and, like the warm pool, disjoint (checked by the caller).
+                unsafe {
+                    sys::copy_raw(from, dst.wrapping_add(r * rb), rb);
+                    if let Some(to) = install {
+                        sys::copy_raw(from, to, rb);
+                    }
                 }
             }
         }

@@ -21,6 +21,7 @@ mod nvme_kernels;
 mod ring_kernels;
 mod rows;
 mod stream;
+mod tiered;
 
 pub use array_kernels::ArrayReadCheck;
 pub use dmabuf::DmaBufExport;
@@ -29,6 +30,10 @@ pub use info::{Backend, Capability, DeviceInfo, PcieLink};
 pub use ring_kernels::RING_PING_PHASES;
 pub use rows::{RowIndices, RowKernel};
 pub use stream::{Event, Inflight, Stream};
+pub use tiered::{
+    TIER_MAX_HOT_ROWS, TIER_MAX_JOBS, TIER_MAX_WARM_ROWS, TieredRows, TieredSource,
+    tiered_stage_len,
+};
 
 use crate::error::{HalError, Result, check_range};
 use crate::memory::mapped::{FileMapping, MappingPin};

@@ -296,7 +296,7 @@ impl Stream {
         .map(drop)
     }
 
-    fn host_pool(&self, pool: &HostBuffer) -> Result<RowMem<'static>> {
+    pub(super) fn host_pool(&self, pool: &HostBuffer) -> Result<RowMem<'static>> {
         let pin = pool.pinned().ok_or_else(|| {
             HalError::InvalidArgument(
                 "zero-copy host memory (a row pool or index list) must be pinned \

@@ -12,3 +12,4 @@ mod pool;
 mod ptx;
 #[cfg(feature = "rdma")]
 mod rdma;
+mod tiered;

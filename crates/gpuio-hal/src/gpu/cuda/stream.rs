@@ -10,7 +10,7 @@ use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
 use crate::gpu::backend::{
     ArrayLaunch, DevRange, DeviceBackend, EventBackend, NvmeLaunch, RingLaunch, RowHooks, RowJob,
-    RowsDone, StreamBackend,
+    RowsDone, StreamBackend, TieredJob,
 };
 use crate::sync::MutexExt;
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg, sys};
@@ -308,6 +308,11 @@ impl StreamBackend for CudaStreamBackend {
             }
         }
         self.synchronize()
+    }
+
+    unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<Option<u64>> {
+        // SAFETY: the same contract, the caller's.
+        unsafe { self.run_tiered(job) }
     }
 
     unsafe fn array_kernel(&self, launch: ArrayLaunch<'_>) -> Result<()> {

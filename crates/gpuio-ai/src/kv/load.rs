@@ -1,0 +1,262 @@
+//! Loads: a selection planned against the hot buffer (hits, misses, the slots the misses take),
+//! written as one code per entry, and every load of a call moved by one tiered gather — an
+//! upload of the codes, one kernel, one wait — whether one request's
+//! ([`KvPool::load`](super::KvPool::load)) or a whole batch's ([`KvBatch::load`]). The kernel
+//! copies each hit from its slot and each miss from pinned host memory, writing a miss into the
+//! slot it takes on the way (slots this step reads are never taken, so no slot is written while
+//! read).
+
+use super::{KvPool, LoadReport};
+use crate::{AiError, Result};
+use gpuio_api::DeviceBuffer;
+use gpuio_hal::{HostAllocOptions, HostBuffer, Stream, TieredRows, TieredSource, tiered_stage_len};
+
+/// One request's load within a batch: the entries of `layer` at `selection` into `dst` from
+/// `dst_offset`, as [`KvPool::load`](super::KvPool::load) takes them.
+#[derive(Debug)]
+pub struct KvLoad<'a> {
+    /// The request's pool.
+    pub pool: &'a mut KvPool,
+    /// The layer.
+    pub layer: usize,
+    /// The positions, in output order.
+    pub selection: &'a [u64],
+    /// Where the entries go.
+    pub dst: &'a DeviceBuffer,
+    /// Byte offset in `dst`.
+    pub dst_offset: usize,
+}
+
+/// The codes' stage: pinned host memory and its device copy, and the stream that moves them.
+pub(super) struct Stage {
+    pub(super) host: HostBuffer,
+    pub(super) device: DeviceBuffer,
+    pub(super) stream: Stream,
+}
+
+impl Stage {
+    /// A stage of at least `len` bytes on `gpu`.
+    pub(super) fn new(gpu: &gpuio_api::Gpu, len: usize) -> Result<Self> {
+        let api = |e: gpuio_hal::HalError| AiError::Api(e.into());
+        Ok(Self {
+            host: HostBuffer::alloc_pinned(len, &HostAllocOptions::default(), gpu).map_err(api)?,
+            device: gpu.alloc(len).map_err(api)?,
+            stream: gpu.stream().map_err(api)?,
+        })
+    }
+}
+
+/// What `prepare` did to a pool, kept to undo it if the gather fails.
+pub(super) struct Prepared {
+    pub(super) report: LoadReport,
+    /// The misses, each given a slot before the gather fills it.
+    misses: Vec<u64>,
+}
+
+impl KvPool {
+    /// Checks a load, plans it against the hot buffer (the misses take their slots now),
+    /// brings cold misses back to host memory and writes one code per selected entry into
+    /// `codes` (8 bytes each).
+    pub(super) fn prepare(
+        &mut self,
+        layer: usize,
+        selection: &[u64],
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        codes: &mut [u8],
+    ) -> Result<Prepared> {
+        self.check_layer(layer)?;
+        self.check_selection(selection)?;
+        let (e, slots) = (self.cfg.entry_bytes, self.cfg.hot_slots as u64);
+        let len = self.len(layer);
+        if let Some(p) = selection.iter().find(|&&p| p >= len) {
+            return Err(AiError::InvalidArgument(format!(
+                "position {p} of layer {layer}, which holds {len} tokens"
+            )));
+        }
+        gpuio_hal::check_range(
+            "KV load destination",
+            dst_offset,
+            selection.len() * e,
+            dst.len(),
+        )
+        .map_err(gpuio_api::Error::from)?;
+        if selection.is_empty() {
+            return Ok(Prepared {
+                report: LoadReport::default(),
+                misses: Vec::new(),
+            });
+        }
+        self.step += 1;
+        let plan = self.hot[layer].plan(selection, self.step, len);
+        let from_cold = self.bring_back(layer, &plan.misses)?;
+        let victims = match plan.misses.len() {
+            0 => Vec::new(),
+            _ => self.hot[layer].install(&plan.misses, self.step),
+        };
+        let res = &self.residence[layer];
+        let mut installed = vec![false; plan.misses.len()];
+        for (word, &row) in codes.chunks_exact_mut(8).zip(&plan.rows) {
+            let source = match row.checked_sub(slots) {
+                None => TieredSource::Hot(row),
+                Some(j) => {
+                    let j = j as usize;
+                    // Installed by its first occurrence only.
+                    let first = !std::mem::replace(&mut installed[j], true);
+                    TieredSource::Warm {
+                        row: res[plan.misses[j] as usize],
+                        install: first.then(|| victims[j]),
+                    }
+                }
+            };
+            // Every row fits a code: `KvPool::new` bounds the slots and the warm rows.
+            word.copy_from_slice(&source.code().unwrap_or(u64::MAX).to_le_bytes());
+        }
+        Ok(Prepared {
+            report: LoadReport {
+                selected: selection.len(),
+                hits: plan.hits,
+                misses: plan.misses.len(),
+                from_cold,
+                bytes_from_host: (plan.misses.len() * e) as u64,
+            },
+            misses: plan.misses,
+        })
+    }
+
+    fn check_selection(&self, selection: &[u64]) -> Result<()> {
+        if selection.len() > self.cfg.max_selection {
+            return Err(AiError::InvalidArgument(format!(
+                "a selection of {} entries, more than the pool's {}",
+                selection.len(),
+                self.cfg.max_selection
+            )));
+        }
+        Ok(())
+    }
+
+    /// Undoes a prepared load whose gather failed: its misses' slots did not get their
+    /// entries, so they are forgotten rather than served.
+    fn unprepare(&mut self, layer: usize, prepared: &Prepared) {
+        let hot = &mut self.hot[layer];
+        prepared.misses.iter().for_each(|&p| hot.drop_entry(p));
+    }
+}
+
+/// Runs `loads` as one tiered gather through `stage` (large enough for them all).
+pub(super) fn run(loads: &mut [KvLoad<'_>], stage: &mut Stage) -> Result<Vec<LoadReport>> {
+    let Some(first) = loads.first() else {
+        return Ok(Vec::new());
+    };
+    let e = first.pool.cfg.entry_bytes;
+    if let Some(l) = loads.iter().find(|l| l.pool.cfg.entry_bytes != e) {
+        return Err(AiError::InvalidArgument(format!(
+            "one batch of {e}-byte and {}-byte KV entries",
+            l.pool.cfg.entry_bytes
+        )));
+    }
+    for l in loads.iter() {
+        l.pool.check_selection(l.selection)?;
+    }
+    let rows = loads.iter().map(|l| l.selection.len()).sum();
+    if tiered_stage_len(rows, loads.len()) > stage.host.len() {
+        return Err(AiError::InvalidArgument(format!(
+            "{rows} entries of {} loads overflow the stage",
+            loads.len()
+        )));
+    }
+    let mut prepared = Vec::with_capacity(loads.len());
+    let mut at = 0;
+    for l in loads.iter_mut() {
+        let codes = &mut stage.host[8 * at..8 * (at + l.selection.len())];
+        match l
+            .pool
+            .prepare(l.layer, l.selection, l.dst, l.dst_offset, codes)
+        {
+            Ok(p) => prepared.push(p),
+            Err(err) => {
+                undo(loads, &prepared);
+                return Err(err);
+            }
+        }
+        at += l.selection.len();
+    }
+    let moved = {
+        let warm: Vec<_> = loads.iter().map(|l| l.pool.warm.read()).collect();
+        let jobs: Vec<TieredRows<'_>> = loads
+            .iter()
+            .zip(&warm)
+            .map(|(l, warm)| TieredRows {
+                hot: &l.pool.hot[l.layer].buf,
+                warm,
+                dst: l.dst,
+                dst_offset: l.dst_offset,
+                count: l.selection.len(),
+            })
+            .collect();
+        stage
+            .stream
+            .gather_tiered(e, &jobs, &mut stage.host, &stage.device)
+    };
+    if let Err(err) = moved {
+        undo(loads, &prepared);
+        return Err(gpuio_api::Error::from(err).into());
+    }
+    Ok(prepared.into_iter().map(|p| p.report).collect())
+}
+
+fn undo(loads: &mut [KvLoad<'_>], prepared: &[Prepared]) {
+    for (l, p) in loads.iter_mut().zip(prepared) {
+        l.pool.unprepare(l.layer, p);
+    }
+}
+
+/// Loads for a batch of requests at once — a decode step's loads of one layer for every
+/// request: all their codes in one upload, one kernel, one wait, instead of a round trip per
+/// request. Keeps its stage between calls, grown as batches need.
+#[derive(Default)]
+pub struct KvBatch {
+    stage: Option<Stage>,
+}
+
+impl std::fmt::Debug for KvBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvBatch")
+            .field("stage_bytes", &self.stage.as_ref().map(|s| s.host.len()))
+            .finish()
+    }
+}
+
+impl KvBatch {
+    /// A batch loader with no stage yet (the first load makes one).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Loads every request's selection, as [`KvPool::load`](super::KvPool::load) does one;
+    /// their reports in order. Every destination must be on one GPU, with every pool's
+    /// entries of one size; a pool appears once (each load borrows its own). Where one load
+    /// is refused, none is made, and pools are left as they were but for cold entries
+    /// brought back to host memory.
+    pub fn load(&mut self, loads: &mut [KvLoad<'_>]) -> Result<Vec<LoadReport>> {
+        let Some(first) = loads.first() else {
+            return Ok(Vec::new());
+        };
+        let gpu = first.dst.gpu().clone();
+        let rows = loads.iter().map(|l| l.selection.len()).sum();
+        let need = tiered_stage_len(rows, loads.len());
+        let fits = self
+            .stage
+            .as_ref()
+            .is_some_and(|s| s.host.len() >= need && s.device.gpu().same_device(&gpu));
+        if !fits {
+            self.stage = None;
+            self.stage = Some(Stage::new(&gpu, need.next_power_of_two())?);
+        }
+        let stage = self
+            .stage
+            .as_mut()
+            .ok_or_else(|| AiError::InvalidArgument("the batch loader has no stage".into()))?;
+        run(loads, stage)
+    }
+}
