@@ -274,14 +274,14 @@ pub fn python_binding(mode: &str, args: &[String]) -> Result<serde_json::Value, 
 
 const DSA_SCRIPT: &str = include_str!("peers/dsa_peer.py");
 
-/// One peer's figures for one trace of the DSA decode race.
+/// One peer's figures for one trace of a race (DSA decode, Engram lookups).
 #[derive(Debug, Clone)]
-pub struct DsaPeer {
+pub struct PeerTiming {
     /// Which of the traces given.
     pub trace: usize,
-    /// `torch index_select` or `triton UVA`.
+    /// The peer, e.g. `torch index_select` or `triton UVA`.
     pub mode: String,
-    /// Exposed time per layer, median and 99th percentile, µs.
+    /// Its time per step (a layer's loads, a batch's lookups), median, µs.
     pub p50_us: f64,
     /// The 99th percentile.
     pub p99_us: f64,
@@ -298,15 +298,40 @@ pub fn dsa(
     warmup: usize,
     steps: usize,
     traces: &[&Path],
-) -> Result<(Vec<DsaPeer>, Vec<String>), String> {
+) -> Result<(Vec<PeerTiming>, Vec<String>), String> {
     let out = python_peer("the DSA peers", DSA_SCRIPT, |cmd| {
         cmd.args([ctx as usize, batch, topk, hot_slots, warmup, steps].map(|n| n.to_string()))
             .args(traces);
     })?;
+    Ok(timings(&out))
+}
+
+const ENGRAM_SCRIPT: &str = include_str!("peers/engram_peer.py");
+
+/// Runs the Engram lookup peers (`engram_peer.py`: a Triton gather over unified addressing,
+/// and a CPU gather plus one copy) on two tables of `rows` rows of `row_bytes`, over `traces`
+/// (one file per batch size: `warmup + steps` steps of two tables' ids), and why any peer
+/// could not run; errors say why none could.
+pub fn engram(
+    rows: u64,
+    row_bytes: usize,
+    warmup: usize,
+    steps: usize,
+    traces: &[&Path],
+) -> Result<(Vec<PeerTiming>, Vec<String>), String> {
+    let out = python_peer("the Engram peers", ENGRAM_SCRIPT, |cmd| {
+        cmd.args([rows as usize, row_bytes, warmup, steps].map(|n| n.to_string()))
+            .args(traces);
+    })?;
+    Ok(timings(&out))
+}
+
+/// A peer script's timings, and the reasons it gave for peers that could not run.
+fn timings(out: &[serde_json::Value]) -> (Vec<PeerTiming>, Vec<String>) {
     let (errors, results): (Vec<_>, Vec<_>) = out.iter().partition(|j| j["error"].is_string());
     let peers = results
         .iter()
-        .map(|j| DsaPeer {
+        .map(|j| PeerTiming {
             trace: j["trace"].as_u64().unwrap_or(0) as usize,
             mode: j["mode"].as_str().unwrap_or("peer").to_string(),
             p50_us: j["p50_us"].as_f64().unwrap_or(0.0),
@@ -317,5 +342,5 @@ pub fn dsa(
         .iter()
         .filter_map(|j| j["error"].as_str().map(String::from))
         .collect();
-    Ok((peers, errors))
+    (peers, errors)
 }

@@ -21,6 +21,9 @@ pub enum AiError {
     /// A tier has no room for what must go there.
     #[error("{0}")]
     TierFull(String),
+    /// A fault inside gpuio-ai (a worker thread that panicked).
+    #[error("internal error: {0}")]
+    Internal(String),
     /// The library below failed.
     #[error(transparent)]
     Api(#[from] gpuio_api::Error),
@@ -33,8 +36,15 @@ impl AiError {
             Self::InvalidArgument(_) => ErrorCode::InvalidArg,
             Self::Corrupt(_) => ErrorCode::Io,
             Self::TierFull(_) => ErrorCode::NoMem,
+            Self::Internal(_) => ErrorCode::General,
             Self::Api(e) => e.code(),
         }
+    }
+}
+
+impl From<gpuio_hal::workers::WorkerPanic> for AiError {
+    fn from(p: gpuio_hal::workers::WorkerPanic) -> Self {
+        Self::Internal(p.to_string())
     }
 }
 

@@ -143,8 +143,34 @@ impl KvPool {
     }
 }
 
-/// Runs `loads` as one tiered gather through `stage` (large enough for them all).
-pub(super) fn run(loads: &mut [KvLoad<'_>], stage: &mut Stage) -> Result<Vec<LoadReport>> {
+/// One worker's share of a batch's planning: consecutive loads and their codes' bytes.
+struct Share<'l, 'a> {
+    loads: &'l mut [KvLoad<'a>],
+    codes: &'l mut [u8],
+    done: Vec<Result<Prepared>>,
+}
+
+impl Share<'_, '_> {
+    fn prepare(&mut self) {
+        let mut at = 0;
+        for l in self.loads.iter_mut() {
+            let codes = &mut self.codes[at..at + 8 * l.selection.len()];
+            let r = l
+                .pool
+                .prepare(l.layer, l.selection, l.dst, l.dst_offset, codes);
+            self.done.push(r);
+            at += codes.len();
+        }
+    }
+}
+
+/// Runs `loads` as one tiered gather through `stage` (large enough for them all), planning
+/// them on `workers` where given (each load's planning is its own pool's: independent).
+pub(super) fn run(
+    loads: &mut [KvLoad<'_>],
+    stage: &mut Stage,
+    workers: Option<&rayon::ThreadPool>,
+) -> Result<Vec<LoadReport>> {
     let Some(first) = loads.first() else {
         return Ok(Vec::new());
     };
@@ -158,29 +184,14 @@ pub(super) fn run(loads: &mut [KvLoad<'_>], stage: &mut Stage) -> Result<Vec<Loa
     for l in loads.iter() {
         l.pool.check_selection(l.selection)?;
     }
-    let rows = loads.iter().map(|l| l.selection.len()).sum();
+    let rows: usize = loads.iter().map(|l| l.selection.len()).sum();
     if tiered_stage_len(rows, loads.len()) > stage.host.len() {
         return Err(AiError::InvalidArgument(format!(
             "{rows} entries of {} loads overflow the stage",
             loads.len()
         )));
     }
-    let mut prepared = Vec::with_capacity(loads.len());
-    let mut at = 0;
-    for l in loads.iter_mut() {
-        let codes = &mut stage.host[8 * at..8 * (at + l.selection.len())];
-        match l
-            .pool
-            .prepare(l.layer, l.selection, l.dst, l.dst_offset, codes)
-        {
-            Ok(p) => prepared.push(p),
-            Err(err) => {
-                undo(loads, &prepared);
-                return Err(err);
-            }
-        }
-        at += l.selection.len();
-    }
+    let prepared = prepare_all(loads, &mut stage.host[..8 * rows], workers)?;
     let moved = {
         let warm: Vec<_> = loads.iter().map(|l| l.pool.warm.read()).collect();
         let jobs: Vec<TieredRows<'_>> = loads
@@ -205,6 +216,72 @@ pub(super) fn run(loads: &mut [KvLoad<'_>], stage: &mut Stage) -> Result<Vec<Loa
     Ok(prepared.into_iter().map(|p| p.report).collect())
 }
 
+/// Plans every load, writing its codes; where one is refused, undoes the others.
+fn prepare_all(
+    loads: &mut [KvLoad<'_>],
+    mut codes: &mut [u8],
+    workers: Option<&rayon::ThreadPool>,
+) -> Result<Vec<Prepared>> {
+    let count = loads.len();
+    let threads = workers
+        .map_or(1, |w| w.current_num_threads())
+        .clamp(1, count);
+    let per = loads.len().div_ceil(threads);
+    let mut shares = Vec::with_capacity(threads);
+    let mut rest = &mut *loads;
+    while !rest.is_empty() {
+        let (mine, others) = rest.split_at_mut(per.min(rest.len()));
+        let bytes = 8 * mine.iter().map(|l| l.selection.len()).sum::<usize>();
+        let (own, after) = codes.split_at_mut(bytes);
+        shares.push(Share {
+            loads: mine,
+            codes: own,
+            done: Vec::with_capacity(per),
+        });
+        (rest, codes) = (others, after);
+    }
+    let ran = match workers {
+        Some(pool) if shares.len() > 1 => {
+            gpuio_hal::workers::run_workers(pool, &mut shares, |s, _| {
+                s.prepare();
+                Ok::<(), AiError>(())
+            })
+        }
+        _ => {
+            shares.iter_mut().for_each(Share::prepare);
+            Ok(())
+        }
+    };
+    // Per load, in order: what its planning gave (none where its worker panicked first).
+    let mut outcome: Vec<Option<Result<Prepared>>> = Vec::with_capacity(count);
+    for s in shares {
+        let end = outcome.len() + s.loads.len();
+        outcome.extend(s.done.into_iter().map(Some));
+        outcome.resize_with(end, || None);
+    }
+    let mut first_err = ran.err();
+    let mut prepared = Vec::with_capacity(outcome.len());
+    for r in outcome {
+        prepared.push(match r {
+            Some(Ok(p)) => Some(p),
+            Some(Err(e)) => {
+                first_err.get_or_insert(e);
+                None
+            }
+            None => None,
+        });
+    }
+    if let Some(e) = first_err {
+        for (l, p) in loads.iter_mut().zip(&prepared) {
+            if let Some(p) = p {
+                l.pool.unprepare(l.layer, p);
+            }
+        }
+        return Err(e);
+    }
+    Ok(prepared.into_iter().flatten().collect())
+}
+
 fn undo(loads: &mut [KvLoad<'_>], prepared: &[Prepared]) {
     for (l, p) in loads.iter_mut().zip(prepared) {
         l.pool.unprepare(l.layer, p);
@@ -213,10 +290,13 @@ fn undo(loads: &mut [KvLoad<'_>], prepared: &[Prepared]) {
 
 /// Loads for a batch of requests at once — a decode step's loads of one layer for every
 /// request: all their codes in one upload, one kernel, one wait, instead of a round trip per
-/// request. Keeps its stage between calls, grown as batches need.
+/// request; the loads are planned on a thread per core. Keeps its stage and threads between
+/// calls, the stage grown as batches need.
 #[derive(Default)]
 pub struct KvBatch {
     stage: Option<Stage>,
+    /// Threads that plan a batch's loads in parallel, started with the first batch.
+    workers: Option<rayon::ThreadPool>,
 }
 
 impl std::fmt::Debug for KvBatch {
@@ -257,6 +337,15 @@ impl KvBatch {
             .stage
             .as_mut()
             .ok_or_else(|| AiError::InvalidArgument("the batch loader has no stage".into()))?;
-        run(loads, stage)
+        if self.workers.is_none() && loads.len() > 1 {
+            // Planning one load takes tens of microseconds: a thread per core pays off.
+            let threads = std::thread::available_parallelism().map_or(4, |n| n.get().min(16));
+            self.workers = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("gpuio-kv-plan-{i}"))
+                .build()
+                .ok();
+        }
+        run(loads, stage, self.workers.as_ref())
     }
 }

@@ -394,7 +394,7 @@ impl KvPool {
             dst,
             dst_offset,
         }];
-        let done = load::run(&mut one, &mut stage);
+        let done = load::run(&mut one, &mut stage, None);
         self.stage = Some(stage);
         Ok(done?.pop().unwrap_or_default())
     }
