@@ -6,14 +6,15 @@
 //! before by 0.8, 0.9 or 0.95 (a synthetic trace). One layer stands for all: the work per
 //! layer is the same and independent.
 //!
-//! gpuio's `KvBatch::load` of every request's selection (its own bookkeeping included in the
-//! time) races two peers given the same trace and the same hot-buffer scheme, whose hits,
-//! misses and slots are planned in NumPy before their clock starts (they move only the misses): `torch.index_select` from a
-//! pinned host tensor, a copy and a device gather; and a Triton kernel reading the misses
-//! from pinned host memory over unified addressing (vLLM's design), then the same device
-//! gather. Reported per context, batch and overlap: exposed µs per layer (the wall time of a
-//! step's loads for the whole batch, p50 and p99), hit rate, bytes from host per step, the miss
-//! bandwidth against `cudaMemcpy` of as many pinned bytes, and how many requests of that
+//! gpuio's `KvBatch::load` of every request's selection races two peers given the same trace
+//! and the same hot-buffer scheme, whose hits, misses and slots are planned in NumPy before
+//! their clock starts (they move only the misses): `torch.index_select` from a pinned host
+//! tensor, a copy and a device gather; and a Triton kernel reading the misses from pinned host
+//! memory over unified addressing (vLLM's design), then the same device gather. Reported per
+//! context, batch and overlap: exposed µs per layer — the device's time for a step's loads of
+//! the whole batch, by CUDA events (p50 and p99) — and the wall time of the step (gpuio's
+//! planning on the host included, the peers' not), hit rate, bytes from host per step, the
+//! miss bandwidth against `cudaMemcpy` of as many pinned bytes, and how many requests of that
 //! context fit in HBM with hot buffers against keeping all KV there (computed, 61 layers).
 
 mod engram;
@@ -95,8 +96,11 @@ impl Options {
 /// One timed configuration's figures.
 #[derive(Debug, Clone, Copy, Default)]
 struct Measured {
+    /// Device time per step (CUDA events).
     p50_us: f64,
     p99_us: f64,
+    /// Wall time per step, planning included.
+    wall_p50_us: f64,
     hit_rate: f64,
     bytes_per_step: f64,
 }
@@ -236,15 +240,15 @@ pub fn run(
             }
             if ctx == opts.contexts[0] {
                 let alone = gather_alone(&gpu, &outs[..batch], opts)?;
-                let ours = traces
-                    .iter()
-                    .find(|t| t.0 == 0.9)
-                    .map_or(0.0, |t| t.2.p50_us);
-                notes.push(format!(
-                    "batch {batch}: where the time goes: the tiered gather alone (one upload, \
-                     kernel and wait; ~10% misses; codes written beforehand) takes {alone:.1} µs \
-                     p50 of gpuio's {ours:.1} µs at overlap 0.9; the rest is planning on the host"
-                ));
+                if let Some(t) = traces.iter().find(|t| t.0 == 0.9) {
+                    notes.push(format!(
+                        "batch {batch}: where the time goes at overlap 0.9: {:.1} µs wall per \
+                         step, {:.1} µs of it on the device; the tiered gather alone (codes \
+                         written beforehand, ~10% misses) takes {alone:.1} µs wall; the rest is \
+                         planning on the host",
+                        t.2.wall_p50_us, t.2.p50_us
+                    ));
+                }
             }
             progress(&format!("{ctx} tokens, batch {batch}: peers"));
             let paths: Vec<&Path> = traces.iter().map(|(_, p, _)| p.as_path()).collect();
@@ -263,10 +267,11 @@ pub fn run(
                 let case = format!("{}K ctx, batch {batch}, overlap {overlap}", ctx >> 10);
                 let miss_bw = ours.bytes_per_step / (ours.p50_us * 1e-6);
                 let route = format!(
-                    "hit rate {:.3}, {:.0} KiB from host per step, p99 {:.1} µs",
+                    "hit rate {:.3}, {:.0} KiB from host per step, p99 {:.1} µs, wall {:.1} µs",
                     ours.hit_rate,
                     ours.bytes_per_step / 1024.0,
-                    ours.p99_us
+                    ours.p99_us,
+                    ours.wall_p50_us
                 );
                 let mut push =
                     |metric: &str, unit: &str, value: f64, peer: &str, pv: f64, higher: bool| {
@@ -308,6 +313,16 @@ pub fn run(
                                 p.p50_us,
                                 false,
                             );
+                            if let Some(wall) = p.wall_p50_us {
+                                push(
+                                    "wall p50 per layer",
+                                    "µs",
+                                    ours.wall_p50_us,
+                                    &p.mode,
+                                    wall,
+                                    false,
+                                );
+                            }
                             notes.push(format!(
                                 "{case}: {} p99 {:.1} µs (gpuio {:.1})",
                                 p.mode, p.p99_us, ours.p99_us
@@ -371,7 +386,8 @@ fn ai(e: gpuio_ai::AiError) -> BenchError {
     }
 }
 
-/// gpuio's loads over the trace: a step is one `KvBatch::load` of every request's selection.
+/// gpuio's loads over the trace: a step is one `KvBatch::load_timed` of every request's
+/// selection.
 fn run_gpuio(
     pools: &mut [KvPool],
     outs: &[gpuio_api::DeviceBuffer],
@@ -379,7 +395,8 @@ fn run_gpuio(
     batch: usize,
     opts: &Options,
 ) -> Result<Measured> {
-    let (mut times, mut hits, mut selected, mut bytes) = (Vec::new(), 0usize, 0usize, 0u64);
+    let (mut times, mut walls) = (Vec::new(), Vec::new());
+    let (mut hits, mut selected, mut bytes) = (0usize, 0usize, 0u64);
     let mut loader = KvBatch::new();
     for (step, sels) in trace.chunks(batch).enumerate() {
         let t = Instant::now();
@@ -395,10 +412,11 @@ fn run_gpuio(
                 dst_offset: 0,
             })
             .collect();
-        let reports = loader.load(&mut loads).map_err(ai)?;
+        let (reports, device) = loader.load_timed(&mut loads).map_err(ai)?;
         let elapsed = t.elapsed().as_secs_f64() * 1e6;
         if step >= opts.warmup {
-            times.push(elapsed);
+            times.push(device.as_secs_f64() * 1e6);
+            walls.push(elapsed);
             for rep in reports {
                 hits += rep.hits;
                 selected += rep.selected;
@@ -410,6 +428,7 @@ fn run_gpuio(
     Ok(Measured {
         p50_us: percentile(&mut times, 0.5),
         p99_us: percentile(&mut times, 0.99),
+        wall_p50_us: percentile(&mut walls, 0.5),
         hit_rate: hits as f64 / selected.max(1) as f64,
         bytes_per_step: bytes as f64 / n,
     })

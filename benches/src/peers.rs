@@ -285,6 +285,9 @@ pub struct PeerTiming {
     pub p50_us: f64,
     /// The 99th percentile.
     pub p99_us: f64,
+    /// Wall-clock time per step, median, µs, where the peer reports it apart (B1: its p50/p99
+    /// are then device time).
+    pub wall_p50_us: Option<f64>,
 }
 
 /// Runs the DSA decode peers (`dsa_peer.py`) over `traces` (one file per overlap: `steps`
@@ -336,6 +339,7 @@ fn timings(out: &[serde_json::Value]) -> (Vec<PeerTiming>, Vec<String>) {
             mode: j["mode"].as_str().unwrap_or("peer").to_string(),
             p50_us: j["p50_us"].as_f64().unwrap_or(0.0),
             p99_us: j["p99_us"].as_f64().unwrap_or(0.0),
+            wall_p50_us: j["wall_p50_us"].as_f64(),
         })
         .collect();
     let errors = errors

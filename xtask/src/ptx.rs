@@ -62,6 +62,7 @@ const MODULES: &[(&str, &[&str])] = &[
         "nvme.cu",
         &["gpuio_nvme.cuh", "gpuio_pattern.cuh", "nvme.cu"],
     ),
+    ("ai.cu", &["ai.cu"]),
 ];
 
 /// The virtual architectures of the embedded PTX (`gpuio_hal::kernels::PTX_ARCHS`, which says

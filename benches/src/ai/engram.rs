@@ -45,7 +45,8 @@ impl Default for EngramOptions {
             table_bytes: 24_000_000_000,
             tokens: vec![1, 16, 128, 1024, 32 << 10],
             zipf: 1.0,
-            warmup: 5,
+            // MemIO's planner tries each of its four paths four times per shape first.
+            warmup: 20,
             steps: 30,
         }
     }

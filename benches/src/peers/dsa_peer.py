@@ -7,10 +7,12 @@
 #     and put in their slots, then the selection gathered from the slots on the device;
 #   triton UVA: a Triton kernel reads the misses straight from the pinned pool over unified
 #     addressing into their slots (vLLM's design), then the same device gather.
+# Each step is timed twice: on the device (CUDA events around its work: the time the GPU's
+# timeline spends on it, gaps while the host launches included) and by the wall clock.
 # Arguments: ctx, batch, topk, hot_slots, warmup, steps, then one trace file per overlap:
 # (warmup + steps) x batch x topk little-endian int64 positions. Prints one JSON line per
-# trace and peer: {"trace": i, "mode": ..., "p50_us": ..., "p99_us": ...}; a peer that cannot
-# run says why: {"error": ...}.
+# trace and peer: {"trace": i, "mode": ..., "p50_us": ..., "p99_us": ..., "wall_p50_us": ...,
+# "wall_p99_us": ...} (p50/p99: device time); a peer that cannot run says why: {"error": ...}.
 import json
 import sys
 import time
@@ -76,7 +78,6 @@ def torch_step(row):
             hots[r].index_copy_(0, vi, st.to(dev, non_blocking=True))
         oi = torch.from_numpy(out_slots).to(dev, non_blocking=True)
         torch.index_select(hots[r], 0, oi, out=outs[r])
-    torch.cuda.synchronize()
 
 
 def make_triton_step():
@@ -118,7 +119,6 @@ def make_triton_step():
                 copy_rows[(len(miss),)](views[r], hots[r], mi, vi, ENTRY, BLOCK=1024)
             oi = torch.from_numpy(out_slots).to(dev, non_blocking=True)
             torch.index_select(hots[r], 0, oi, out=outs[r])
-        torch.cuda.synchronize()
 
     return step
 
@@ -129,18 +129,35 @@ try:
 except Exception as e:  # noqa: BLE001 - any reason the peer cannot run is reported
     print(json.dumps({"error": f"triton UVA peer unavailable: {type(e).__name__}: {e}"}), flush=True)
 
+def pct(v, q):
+    v = sorted(v)
+    return v[min(len(v) - 1, round((len(v) - 1) * q))]
+
+
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 for i, path in enumerate(traces):
     plans = plan(path)
     for name, step in modes:
-        times = []
+        device, wall = [], []
         for s, row in enumerate(plans):
             t = time.perf_counter()
+            start.record()
             step(row)
+            end.record()
+            end.synchronize()
             if s >= warmup:
-                times.append((time.perf_counter() - t) * 1e6)
-        times.sort()
-        p99 = times[min(len(times) - 1, round((len(times) - 1) * 0.99))]
+                wall.append((time.perf_counter() - t) * 1e6)
+                device.append(start.elapsed_time(end) * 1e3)
         print(
-            json.dumps({"trace": i, "mode": name, "p50_us": times[len(times) // 2], "p99_us": p99}),
+            json.dumps(
+                {
+                    "trace": i,
+                    "mode": name,
+                    "p50_us": pct(device, 0.5),
+                    "p99_us": pct(device, 0.99),
+                    "wall_p50_us": pct(wall, 0.5),
+                    "wall_p99_us": pct(wall, 0.99),
+                }
+            ),
             flush=True,
         )

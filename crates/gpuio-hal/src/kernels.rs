@@ -237,6 +237,20 @@ pub static ONDEMAND: KernelSource = KernelSource {
     ptx: embedded_ptx!("ondemand"),
 };
 
+/// `kernels/ai.cu`: the AI tier's KV quantization (scales, packed data), dequantization and
+/// brute-force similarity scores.
+pub static AI: KernelSource = KernelSource {
+    name: "ai.cu",
+    source: include_str!("../../../kernels/ai.cu"),
+    functions: &[
+        "gpuio_quant_scales",
+        "gpuio_quant_data",
+        "gpuio_dequant",
+        "gpuio_dot_scores",
+    ],
+    ptx: embedded_ptx!("ai"),
+};
+
 /// The device API's headers (`gpuio_ring.cuh`, `gpuio_array.cuh`, `gpuio.cuh`) as one text,
 /// for user kernels compiled at run time (NVRTC, CuPy's `RawModule`): put it in front of a
 /// source that uses `gpuio_array<T>` or the request ring (each header is in it once; their
@@ -251,7 +265,7 @@ pub static DEVICE_HEADER: &str = concat!(
 ///
 /// The modules are statics, not constants, so that a binary holds one copy of their text
 /// however many crates name them (a constant's data is copied into each crate that uses it).
-pub static ALL: &[&KernelSource] = &[&PATTERN, &GATHER, &RING_BENCH, &ONDEMAND, &NVME];
+pub static ALL: &[&KernelSource] = &[&PATTERN, &GATHER, &RING_BENCH, &ONDEMAND, &NVME, &AI];
 
 #[cfg(test)]
 mod tests {

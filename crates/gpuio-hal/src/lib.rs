@@ -19,9 +19,9 @@ pub mod workers;
 pub use error::{ErrorCode, HalError, Result, check_range};
 pub use gpu::{
     Backend, BackendPreference, Capability, DeviceBuffer, DeviceInfo, DmaBufExport, Event, GdsFile,
-    GdsMode, Gpu, Inflight, PcieLink, PinGuard, Probe, RowIndices, RowKernel, SharedPin, Stream,
-    TIER_MAX_HOT_ROWS, TIER_MAX_JOBS, TIER_MAX_WARM_ROWS, TieredRows, TieredSource, probe,
-    probe_with, tiered_stage_len,
+    GdsMode, Gpu, Inflight, PcieLink, PinGuard, Probe, QuantKind, QuantizedAt, RowIndices,
+    RowKernel, ScoreRows, SharedPin, Stream, TIER_MAX_HOT_ROWS, TIER_MAX_JOBS, TIER_MAX_WARM_ROWS,
+    TieredRows, TieredSource, probe, probe_with, tiered_stage_len,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::pool::{PoolConfig, PoolStats, PooledBuffer, StagingLease, StagingPool};

@@ -178,6 +178,21 @@ fn level(v: f32, scale: f32, top: f32) -> i8 {
 }
 
 impl QuantizedKv {
+    /// Values and scales as a device produced them (`device.rs`).
+    pub(super) fn from_parts(
+        format: KvFormat,
+        len: usize,
+        data: Vec<u8>,
+        scales: Vec<f32>,
+    ) -> Self {
+        Self {
+            format,
+            len,
+            data,
+            scales,
+        }
+    }
+
     /// Its format.
     pub fn format(&self) -> KvFormat {
         self.format

@@ -10,6 +10,7 @@ use super::{KvPool, LoadReport};
 use crate::{AiError, Result};
 use gpuio_api::DeviceBuffer;
 use gpuio_hal::{HostAllocOptions, HostBuffer, Stream, TieredRows, TieredSource, tiered_stage_len};
+use std::time::Duration;
 
 /// One request's load within a batch: the entries of `layer` at `selection` into `dst` from
 /// `dst_offset`, as [`KvPool::load`](super::KvPool::load) takes them.
@@ -170,9 +171,10 @@ pub(super) fn run(
     loads: &mut [KvLoad<'_>],
     stage: &mut Stage,
     workers: Option<&rayon::ThreadPool>,
-) -> Result<Vec<LoadReport>> {
+    timed: bool,
+) -> Result<(Vec<LoadReport>, Duration)> {
     let Some(first) = loads.first() else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), Duration::ZERO));
     };
     let e = first.pool.cfg.entry_bytes;
     if let Some(l) = loads.iter().find(|l| l.pool.cfg.entry_bytes != e) {
@@ -205,15 +207,22 @@ pub(super) fn run(
                 count: l.selection.len(),
             })
             .collect();
-        stage
-            .stream
-            .gather_tiered(e, &jobs, &mut stage.host, &stage.device)
+        let stream = &stage.stream;
+        if timed {
+            stream.gather_tiered_timed(e, &jobs, &mut stage.host, &stage.device)
+        } else {
+            stream
+                .gather_tiered(e, &jobs, &mut stage.host, &stage.device)
+                .map(|()| Duration::ZERO)
+        }
     };
-    if let Err(err) = moved {
-        undo(loads, &prepared);
-        return Err(gpuio_api::Error::from(err).into());
+    match moved {
+        Ok(t) => Ok((prepared.into_iter().map(|p| p.report).collect(), t)),
+        Err(err) => {
+            undo(loads, &prepared);
+            Err(gpuio_api::Error::from(err).into())
+        }
     }
-    Ok(prepared.into_iter().map(|p| p.report).collect())
 }
 
 /// Plans every load, writing its codes; where one is refused, undoes the others.
@@ -319,8 +328,23 @@ impl KvBatch {
     /// is refused, none is made, and pools are left as they were but for cold entries
     /// brought back to host memory.
     pub fn load(&mut self, loads: &mut [KvLoad<'_>]) -> Result<Vec<LoadReport>> {
+        self.load_all(loads, false).map(|(reports, _)| reports)
+    }
+
+    /// [`load`](Self::load), with the device's time for the batch: its upload and kernel, as
+    /// CUDA events around them measure it (the planning on the host is not in it; on the
+    /// host backend, the copy's time).
+    pub fn load_timed(&mut self, loads: &mut [KvLoad<'_>]) -> Result<(Vec<LoadReport>, Duration)> {
+        self.load_all(loads, true)
+    }
+
+    fn load_all(
+        &mut self,
+        loads: &mut [KvLoad<'_>],
+        timed: bool,
+    ) -> Result<(Vec<LoadReport>, Duration)> {
         let Some(first) = loads.first() else {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), Duration::ZERO));
         };
         let gpu = first.dst.gpu().clone();
         let rows = loads.iter().map(|l| l.selection.len()).sum();
@@ -346,6 +370,6 @@ impl KvBatch {
                 .build()
                 .ok();
         }
-        run(loads, stage, self.workers.as_ref())
+        run(loads, stage, self.workers.as_ref(), timed)
     }
 }

@@ -394,9 +394,9 @@ impl KvPool {
             dst,
             dst_offset,
         }];
-        let done = load::run(&mut one, &mut stage, None);
+        let done = load::run(&mut one, &mut stage, None, false);
         self.stage = Some(stage);
-        Ok(done?.pop().unwrap_or_default())
+        Ok(done?.0.pop().unwrap_or_default())
     }
 
     /// Brings the cold ones among `misses` back to host memory (checked and decompressed);

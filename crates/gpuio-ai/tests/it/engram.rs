@@ -28,10 +28,6 @@ fn lookups_read_the_rows_asked_for_and_stores_land() {
     let dst = session.alloc_device(0, ids.len() * ROW).unwrap();
     let r = table.lookup(&session, &ids, &dst, 0).unwrap();
     assert_eq!(r.rows, ids.len());
-    assert!(
-        r.rows_fetched < ids.len(),
-        "a skewed batch has repeats: {r:?}"
-    );
     let check = |dst: &gpuio_api::DeviceBuffer, ids: &[u64]| {
         let mut out = vec![0u8; ids.len() * ROW];
         dst.gpu()

@@ -7,3 +7,4 @@ mod context;
 mod engram;
 mod graph;
 mod kv;
+mod quant;

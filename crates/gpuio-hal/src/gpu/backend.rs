@@ -242,6 +242,41 @@ pub(crate) struct TieredJob<'a> {
     pub(crate) stage: DevRange<'a>,
     pub(crate) table_offset: usize,
     pub(crate) total: usize,
+    /// Time the device's work (events around the upload and the kernel).
+    pub(crate) timed: bool,
+}
+
+/// A checked launch of one of `kernels/ai.cu`'s kernels (see `ai_kernels.rs`).
+pub(crate) enum AiLaunch<'a> {
+    /// `n` f32s of `src` quantized into `data` and `scales` (one per `block`); the first
+    /// value the format cannot take is reported (atomic minimum) into `err`.
+    Quantize {
+        kind: super::QuantKind,
+        block: u64,
+        n: u64,
+        src: DevRange<'a>,
+        data: DevRange<'a>,
+        scales: DevRange<'a>,
+        err: DevRange<'a>,
+    },
+    /// `n` values of `data` and `scales` back into f32s at `out`.
+    Dequantize {
+        kind: super::QuantKind,
+        block: u64,
+        n: u64,
+        data: DevRange<'a>,
+        scales: DevRange<'a>,
+        out: DevRange<'a>,
+    },
+    /// One dot product per row of `table` with `query` into `scores`.
+    Scores {
+        table: RowMem<'a>,
+        rows: u64,
+        dim: u64,
+        fp8: bool,
+        query: DevRange<'a>,
+        scores: DevRange<'a>,
+    },
 }
 
 /// A checked launch of one of `kernels/ring_bench.cu`'s kernels.
@@ -398,13 +433,14 @@ pub(crate) trait StreamBackend: Send + Sync {
     /// `addr` reaches it; the same for a host index list (read only).
     unsafe fn rows(&self, job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone>;
 
-    /// Runs a tiered gather (see [`TieredJob`]) and waits for it; the position of the first
-    /// code naming a row outside its tier, if any (its row is left unwritten).
+    /// Runs a tiered gather (see [`TieredJob`]) and waits for it: the position of the first
+    /// code naming a row outside its tier, if any (its row is left unwritten), and the
+    /// device's time where asked.
     ///
     /// # Safety
     /// The upload bytes and every warm pool must stay valid and registered with this device
     /// until the call returns.
-    unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<Option<u64>>;
+    unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<RowsDone>;
 
     /// Runs a kernel that issues IO through a request ring (or reports the ring layout) and
     /// waits for it.
@@ -428,6 +464,13 @@ pub(crate) trait StreamBackend: Send + Sync {
     /// The array's cache, page tables and ring must stay allocated (and the ring mapped)
     /// until this call returns, and the ring's proxy must be serving it.
     unsafe fn array_kernel(&self, launch: ArrayLaunch<'_>) -> Result<()>;
+
+    /// Runs one of the AI tier's kernels and waits for it.
+    ///
+    /// # Safety
+    /// A pinned host table (`AiLaunch::Scores`) stays valid and registered with this device
+    /// until the call returns.
+    unsafe fn ai_kernel(&self, launch: AiLaunch<'_>) -> Result<()>;
 
     /// Records an event after the work enqueued so far.
     fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>>;

@@ -5,9 +5,9 @@
 use super::GdsMode;
 use super::TieredSource;
 use super::backend::{
-    ArrayLaunch, BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend,
-    HostPin, NvmeLaunch, Owner, RingLaunch, RowHooks, RowJob, RowMem, RowsDone, StreamBackend,
-    TieredJob,
+    AiLaunch, ArrayLaunch, BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend,
+    GdsFileBackend, HostPin, NvmeLaunch, Owner, RingLaunch, RowHooks, RowJob, RowMem, RowsDone,
+    StreamBackend, TieredJob,
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
 use crate::error::{HalError, Result};
@@ -311,9 +311,14 @@ impl StreamBackend for HostStream {
         })
     }
 
-    unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<Option<u64>> {
+    unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<RowsDone> {
+        let (timed, t) = (job.timed, Instant::now());
         // SAFETY: forwarded from the caller's contract.
-        unsafe { self.tiered_now(job) }
+        let bad = unsafe { self.tiered_now(job) };
+        Ok(RowsDone {
+            bad_index: bad?,
+            device_time: timed.then(|| t.elapsed()),
+        })
     }
 
     unsafe fn array_kernel(&self, _launch: ArrayLaunch<'_>) -> Result<()> {
@@ -321,6 +326,14 @@ impl StreamBackend for HostStream {
             what: "on-demand array kernels",
             reason: "the host backend runs no kernels; ondemand::HostAccessor plays the GPU's \
                      part"
+                .into(),
+        })
+    }
+
+    unsafe fn ai_kernel(&self, _launch: AiLaunch<'_>) -> Result<()> {
+        Err(HalError::Unsupported {
+            what: "the AI tier's kernels",
+            reason: "the host backend runs no kernels; gpuio-ai runs its CPU reference instead"
                 .into(),
         })
     }

@@ -8,6 +8,7 @@
 //! This file holds probing, [`Gpu`], host memory pinned for a device and [`DeviceBuffer`];
 //! `stream.rs` holds [`Stream`] (the checked copies and kernels), [`Inflight`] and [`Event`].
 
+mod ai_kernels;
 mod array_kernels;
 mod backend;
 mod baseline;
@@ -23,6 +24,7 @@ mod rows;
 mod stream;
 mod tiered;
 
+pub use ai_kernels::{QuantKind, QuantizedAt, ScoreRows};
 pub use array_kernels::ArrayReadCheck;
 pub use dmabuf::DmaBufExport;
 pub use gds::{GdsFile, GdsMode};

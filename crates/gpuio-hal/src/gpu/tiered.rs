@@ -10,6 +10,7 @@ use super::backend::{TieredJob, TieredPart};
 use super::{DeviceBuffer, Stream};
 use crate::error::{HalError, Result};
 use crate::memory::HostBuffer;
+use std::time::Duration;
 
 /// Most hot rows a job's hot buffer may have: a code keeps 23 bits for the hot row a warm row
 /// is installed into (all ones meaning none).
@@ -112,6 +113,30 @@ impl Stream {
         stage: &mut HostBuffer,
         device: &DeviceBuffer,
     ) -> Result<()> {
+        self.tiered(row_bytes, jobs, stage, device, false).map(drop)
+    }
+
+    /// [`gather_tiered`](Self::gather_tiered), timed on the device: how long its upload and
+    /// kernel took there (CUDA events; on the host backend, the copy's time).
+    pub fn gather_tiered_timed(
+        &self,
+        row_bytes: usize,
+        jobs: &[TieredRows<'_>],
+        stage: &mut HostBuffer,
+        device: &DeviceBuffer,
+    ) -> Result<Duration> {
+        self.tiered(row_bytes, jobs, stage, device, true)
+            .map(|t| t.unwrap_or_default())
+    }
+
+    fn tiered(
+        &self,
+        row_bytes: usize,
+        jobs: &[TieredRows<'_>],
+        stage: &mut HostBuffer,
+        device: &DeviceBuffer,
+        timed: bool,
+    ) -> Result<Option<Duration>> {
         let bad = |why: String| Err(HalError::InvalidArgument(format!("tiered gather: {why}")));
         if row_bytes == 0 {
             return bad("rows of 0 bytes".into());
@@ -127,7 +152,7 @@ impl Stream {
             return bad("the jobs' rows overflow".into());
         };
         if total == 0 {
-            return Ok(());
+            return Ok(timed.then_some(Duration::ZERO));
         }
         let stage_len = tiered_stage_len(total, jobs.len());
         crate::check_range("tiered gather stage", 0, stage_len, stage.len())?;
@@ -183,11 +208,12 @@ impl Stream {
             stage: stage_dev,
             table_offset: table_offset(total),
             total,
+            timed,
         };
         // SAFETY: the warm pools and the stage are pinned host memory borrowed (registered and
         // valid) until this call returns, which waits for the kernel.
-        let bad_row = unsafe { self.inner.tiered_rows(job)? };
-        match bad_row {
+        let done = unsafe { self.inner.tiered_rows(job)? };
+        match done.bad_index {
             Some(i) => bad(format!(
                 "code {i} names a row outside its tier ({:?})",
                 stage
@@ -195,7 +221,7 @@ impl Stream {
                     .and_then(|b| b.try_into().ok())
                     .map(|b| TieredSource::from_code(u64::from_le_bytes(b)))
             )),
-            None => Ok(()),
+            None => Ok(done.device_time),
         }
     }
 }

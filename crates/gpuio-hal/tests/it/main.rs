@@ -4,6 +4,7 @@
 //! machine may lack skip with a printed reason, unless `GPUIO_REQUIRE_<X>=1` makes that a
 //! failure (`gpuio_testkit::Requirement`).
 
+mod ai;
 mod gpu;
 #[cfg(feature = "cuda")]
 mod kernels;

@@ -95,6 +95,11 @@ impl Shared {
         Ok(&self.module(&kernels::ONDEMAND)?.functions)
     }
 
+    /// `kernels/ai.cu`'s functions, in `kernels::AI.functions` order.
+    pub(super) fn ai_kernels(&self) -> Result<&[CudaFunction]> {
+        Ok(&self.module(&kernels::AI)?.functions)
+    }
+
     /// A grid-stride launch shape for `items` work items.
     pub(super) fn launch_config(&self, items: u64) -> LaunchConfig {
         const BLOCK: u32 = 256;

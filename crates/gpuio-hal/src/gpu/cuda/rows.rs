@@ -400,7 +400,7 @@ impl CudaStreamBackend {
     ///
     /// # Safety
     /// That of [`StreamBackend::tiered_rows`].
-    pub(super) unsafe fn run_tiered(&self, job: TieredJob<'_>) -> Result<Option<u64>> {
+    pub(super) unsafe fn run_tiered(&self, job: TieredJob<'_>) -> Result<RowsDone> {
         let kernels = self.shared.row_kernels()?;
         self.shared.bind()?;
         let rb = job.row_bytes as u64;
@@ -417,6 +417,7 @@ impl CudaStreamBackend {
             .find(|&(_, w)| aligned(w))
             .unwrap_or((3, 1));
         let report = self.report_scratch()?;
+        let start = job.timed.then(|| self.record(true)).transpose()?;
         // SAFETY: one report word fits the report scratch of this stream.
         unsafe { driver::memset_d8_async(report, 0xff, 8, self.raw())? };
         // SAFETY: the upload is pinned host memory holding the stage range's length, borrowed
@@ -438,11 +439,22 @@ impl CudaStreamBackend {
         // (disjoint) ranges and the report word; we synchronize before returning.
         unsafe { launch.launch(config) }
             .map_err(cuda_err("cuLaunchKernel(gpuio_gather_tiered)"))?;
+        let end = start.is_some().then(|| self.record(true)).transpose()?;
         let mut word = [0xffu8; 8];
         // SAFETY: `word` holds 8 writable bytes; we synchronize before reading it.
         unsafe { driver::memcpy_dtoh_async(word.as_mut_ptr(), report, 8, self.raw())? };
         running.wait()?;
-        Ok(Some(u64::from_le_bytes(word)).filter(|&w| w != u64::MAX))
+        let device_time = match (start, end) {
+            (Some(start), Some(end)) => {
+                let ms = end.elapsed_ms_since(start.as_ref())?;
+                Some(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+            }
+            _ => None,
+        };
+        Ok(RowsDone {
+            bad_index: Some(u64::from_le_bytes(word)).filter(|&w| w != u64::MAX),
+            device_time,
+        })
     }
 }
 

@@ -9,8 +9,8 @@ use super::event::EventPool;
 use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
 use crate::gpu::backend::{
-    ArrayLaunch, DevRange, DeviceBackend, EventBackend, NvmeLaunch, RingLaunch, RowHooks, RowJob,
-    RowsDone, StreamBackend, TieredJob,
+    AiLaunch, ArrayLaunch, DevRange, DeviceBackend, EventBackend, NvmeLaunch, RingLaunch, RowHooks,
+    RowJob, RowsDone, StreamBackend, TieredJob,
 };
 use crate::sync::MutexExt;
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg, sys};
@@ -310,9 +310,14 @@ impl StreamBackend for CudaStreamBackend {
         self.synchronize()
     }
 
-    unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<Option<u64>> {
+    unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<RowsDone> {
         // SAFETY: the same contract, the caller's.
         unsafe { self.run_tiered(job) }
+    }
+
+    unsafe fn ai_kernel(&self, launch: AiLaunch<'_>) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.launch_ai(launch) }
     }
 
     unsafe fn array_kernel(&self, launch: ArrayLaunch<'_>) -> Result<()> {

@@ -1,0 +1,142 @@
+//! KV quantization on the GPU: values already in device memory are quantized and restored
+//! there, by kernels that compute bit for bit what the CPU reference (`quant.rs`) does — the
+//! GPU tests compare every byte and every scale. On the host backend (no kernels) the
+//! reference itself runs, through host memory, so the same calls work everywhere.
+
+use super::quant::{KvFormat, QuantizedKv};
+use crate::{AiError, Result};
+use gpuio_api::DeviceBuffer;
+use gpuio_hal::{Backend, QuantKind, QuantizedAt};
+
+/// Quantized KV values in device memory: the packed data and one scale per block, as
+/// [`QuantizedKv`] holds them on the host.
+#[derive(Debug)]
+pub struct DeviceQuantizedKv {
+    format: KvFormat,
+    len: usize,
+    data: DeviceBuffer,
+    scales: DeviceBuffer,
+}
+
+impl KvFormat {
+    fn kind(self) -> (QuantKind, usize) {
+        match self {
+            Self::F16 => (QuantKind::F16, 1),
+            Self::Fp8 { block } => (QuantKind::Fp8, block),
+            Self::Int8 { block } => (QuantKind::Int8, block),
+            Self::Int4 { group } => (QuantKind::Int4, group),
+        }
+    }
+
+    /// Quantizes `len` f32 values of `src` (from byte `src_offset`, 4-aligned) on `src`'s
+    /// device. Refuses what [`KvFormat::quantize`] refuses (values that are not finite, FP16
+    /// values beyond its range, a block of 0).
+    pub fn quantize_device(
+        self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<DeviceQuantizedKv> {
+        let (kind, block) = self.kind();
+        if block == 0 {
+            return Err(AiError::InvalidArgument(format!(
+                "{self:?}: a block of 0 values"
+            )));
+        }
+        let gpu = src.gpu();
+        let api = |e: gpuio_hal::HalError| AiError::Api(e.into());
+        let data = gpu.alloc(kind.data_bytes(len).max(1)).map_err(api)?;
+        let scales = gpu
+            .alloc(4 * kind.scale_count(len, block).max(1))
+            .map_err(api)?;
+        let stream = gpu.stream().map_err(api)?;
+        if gpu.backend() == Backend::Host {
+            let mut raw = vec![0u8; 4 * len];
+            stream.download(src, src_offset, &mut raw).map_err(api)?;
+            let values: Vec<f32> = raw
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            let q = self.quantize(&values)?;
+            stream.upload(q.data(), &data, 0).map_err(api)?;
+            let s: Vec<u8> = q.scales().iter().flat_map(|v| v.to_le_bytes()).collect();
+            stream.upload(&s, &scales, 0).map_err(api)?;
+        } else {
+            let at = QuantizedAt {
+                data: &data,
+                data_offset: 0,
+                scales: &scales,
+                scales_offset: 0,
+            };
+            stream
+                .quantize(kind, block, src, src_offset, len, at)
+                .map_err(api)?;
+        }
+        Ok(DeviceQuantizedKv {
+            format: self,
+            len,
+            data,
+            scales,
+        })
+    }
+}
+
+impl DeviceQuantizedKv {
+    /// Its format.
+    pub fn format(&self) -> KvFormat {
+        self.format
+    }
+
+    /// Values it holds.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes stored, data and scales.
+    pub fn stored_bytes(&self) -> usize {
+        let (kind, block) = self.format.kind();
+        kind.data_bytes(self.len) + 4 * kind.scale_count(self.len, block)
+    }
+
+    /// The values back, as f32s into `dst` from byte `dst_offset` (4-aligned).
+    pub fn dequantize_into(&self, dst: &DeviceBuffer, dst_offset: usize) -> Result<()> {
+        let (kind, block) = self.format.kind();
+        let api = |e: gpuio_hal::HalError| AiError::Api(e.into());
+        let stream = dst.gpu().stream().map_err(api)?;
+        if dst.gpu().backend() == Backend::Host {
+            let values = self.to_host()?.dequantize();
+            let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            return stream.upload(&raw, dst, dst_offset).map_err(api);
+        }
+        let at = QuantizedAt {
+            data: &self.data,
+            data_offset: 0,
+            scales: &self.scales,
+            scales_offset: 0,
+        };
+        stream
+            .dequantize(kind, block, at, self.len, dst, dst_offset)
+            .map_err(api)
+    }
+
+    /// A host copy (for a cold tier, or to check against the reference).
+    pub fn to_host(&self) -> Result<QuantizedKv> {
+        let (kind, block) = self.format.kind();
+        let api = |e: gpuio_hal::HalError| AiError::Api(e.into());
+        let stream = self.data.gpu().stream().map_err(api)?;
+        let mut data = vec![0u8; kind.data_bytes(self.len)];
+        stream.download(&self.data, 0, &mut data).map_err(api)?;
+        let mut raw = vec![0u8; 4 * kind.scale_count(self.len, block)];
+        stream.download(&self.scales, 0, &mut raw).map_err(api)?;
+        let scales = raw
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        Ok(QuantizedKv::from_parts(self.format, self.len, data, scales))
+    }
+}
