@@ -1,4 +1,5 @@
-//! The `ai` suite (GPU machine only): B1 here, B2 in `engram.rs`.
+//! The `ai` suite (GPU machine only): B1 here, B2 in `engram.rs`, compression in
+//! `compress.rs`.
 //!
 //! B1 — DSA decode: each request's sparse-attention KV
 //! (656-byte entries, DeepSeek V3.2) for one layer in pinned host memory, a 4096-slot hot
@@ -17,6 +18,7 @@
 //! miss bandwidth against `cudaMemcpy` of as many pinned bytes, and how many requests of that
 //! context fit in HBM with hot buffers against keeping all KV there (computed, 61 layers).
 
+mod compress;
 mod engram;
 
 pub use engram::EngramOptions;
@@ -60,6 +62,8 @@ pub struct Options {
     pub scratch: PathBuf,
     /// B2's sizes; `None` skips it.
     pub engram: Option<EngramOptions>,
+    /// Whether to measure compression (quantization on the GPU and CPU, the codecs).
+    pub compression: bool,
 }
 
 impl Default for Options {
@@ -74,6 +78,7 @@ impl Default for Options {
             steps: 40,
             scratch: std::env::temp_dir(),
             engram: Some(EngramOptions::default()),
+            compression: true,
         }
     }
 }
@@ -370,6 +375,12 @@ pub fn run(
             "x",
         ),
     ];
+    if opts.compression {
+        let (r, t, n) = compress::run(session, &device, progress)?;
+        records.extend(r);
+        targets.extend(t);
+        notes.extend(n);
+    }
     if let Some(b2) = &opts.engram {
         let (r, t, n) = engram::run(session, b2, &opts.scratch, &device, progress)?;
         records.extend(r);

@@ -7,13 +7,20 @@
 //! A lookup is a row gather (MemIO's `gather`: zero-copy, sorted, CPU-staged or hybrid, picked
 //! per shape by what earlier calls measured), so the table is read in place: nothing is
 //! cached on the device behind the caller's back, and a row written by [`EngramTable::store`]
-//! is what the next lookup reads. Repeated ids (Zipf-distributed n-grams repeat a lot) are
+//! is what the next lookup reads. [`EngramTable::prefetch`] and [`EngramTable::store_async`]
+//! run a lookup or a write-back on a side thread (and its own stream), so a model gathers the
+//! next layer's rows or writes updated ones while it computes; [`EngramTable::similar`] scores
+//! every row against a query on the GPU (brute force) for similarity lookups. Repeated ids (Zipf-distributed n-grams repeat a lot) are
 //! not deduplicated on the host — sorting a prefill's 1.5 M ids costs more than the reads it
 //! saves: the device's cache serves a row read again, and the sorted path reads it once.
 
+use crate::context::AiWork;
 use crate::{AiError, Result};
-use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
+use gpuio_api::{Backend, DeviceBuffer, HostMemory, HostPlacement, Session};
+use gpuio_hal::ScoreRows;
 use gpuio_transport_memio::{GatherOptions, GatherStrategy};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 
 /// An Engram table in pinned host memory.
 #[derive(Debug, Clone)]
@@ -132,4 +139,200 @@ impl EngramTable {
             .map_err(gpuio_api::Error::from)?;
         Ok(())
     }
+}
+
+/// How a table's rows read as vectors, for similarity queries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowValues {
+    /// Little-endian f32s (`row_bytes / 4` of them).
+    F32,
+    /// FP8 E4M3 bytes, unscaled (`row_bytes` of them).
+    Fp8,
+}
+
+/// Work running on a side thread: a prefetch or a write-back. Dropping it waits for it (the
+/// buffers it moves must outlive it).
+#[derive(Debug)]
+pub struct Pending<T: Send + 'static> {
+    work: AiWork,
+    thread: Option<JoinHandle<Result<T>>>,
+}
+
+impl<T: Send + 'static> Pending<T> {
+    fn spawn(work: AiWork, f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<Self> {
+        let thread = std::thread::Builder::new()
+            .name(
+                match work {
+                    AiWork::Prefetch => "gpuio-prefetch",
+                    _ => "gpuio-engram-wb",
+                }
+                .into(),
+            )
+            .spawn(f)
+            .map_err(|e| AiError::Internal(format!("starting an Engram side thread: {e}")))?;
+        Ok(Self {
+            work,
+            thread: Some(thread),
+        })
+    }
+
+    /// The work it does, and so its scheduler class ([`AiWork::priority`]).
+    pub fn work(&self) -> AiWork {
+        self.work
+    }
+
+    /// Whether it has finished.
+    pub fn is_done(&self) -> bool {
+        self.thread.as_ref().is_none_or(JoinHandle::is_finished)
+    }
+
+    /// Waits for it: its result.
+    pub fn wait(mut self) -> Result<T> {
+        self.join()
+    }
+
+    fn join(&mut self) -> Result<T> {
+        let thread = self
+            .thread
+            .take()
+            .ok_or_else(|| AiError::Internal("Engram side work waited for twice".into()))?;
+        thread
+            .join()
+            .map_err(|_| AiError::Internal("an Engram side thread panicked".into()))?
+    }
+}
+
+impl<T: Send + 'static> Drop for Pending<T> {
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            let _ = self.join();
+        }
+    }
+}
+
+impl EngramTable {
+    /// Starts [`lookup`](Self::lookup) of `ids` into `dst` on a side thread, with its own
+    /// stream, and returns at once: the upcoming layer's rows arrive while the caller
+    /// computes. [`AiWork::Prefetch`]: `Background` class.
+    pub fn prefetch(
+        &self,
+        session: &Arc<Session>,
+        ids: Vec<u64>,
+        dst: DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<Pending<Lookup>> {
+        self.check_ids(&ids)?;
+        let (table, session) = (self.clone(), Arc::clone(session));
+        Pending::spawn(AiWork::Prefetch, move || {
+            table.lookup(&session, &ids, &dst, dst_offset)
+        })
+    }
+
+    /// Starts [`store`](Self::store) of `src`'s rows at `ids` on a side thread and returns
+    /// at once. [`AiWork::EngramSync`]: its class.
+    pub fn store_async(
+        &self,
+        session: &Arc<Session>,
+        ids: Vec<u64>,
+        src: DeviceBuffer,
+        src_offset: usize,
+    ) -> Result<Pending<()>> {
+        self.check_ids(&ids)?;
+        let (table, session) = (self.clone(), Arc::clone(session));
+        Pending::spawn(AiWork::EngramSync, move || {
+            table.store(&session, &ids, &src, src_offset)
+        })
+    }
+
+    /// The `k` rows most similar to `query` (the largest dot products), best first, with
+    /// their scores. Brute force: the GPU of `gpu` reads every row of the table over the bus
+    /// (nothing copied first) and scores it, and the top `k` are chosen on the host from the
+    /// scores; on the host backend the CPU scores the rows. The query has one value per row
+    /// value ([`RowValues`]).
+    pub fn similar(
+        &self,
+        session: &Session,
+        gpu: u32,
+        query: &[f32],
+        values: RowValues,
+        k: usize,
+    ) -> Result<Vec<(u64, f32)>> {
+        let size = match values {
+            RowValues::F32 => 4,
+            RowValues::Fp8 => 1,
+        };
+        let dim = self.row_bytes / size;
+        if dim == 0 || !self.row_bytes.is_multiple_of(size) || query.len() != dim {
+            return Err(AiError::InvalidArgument(format!(
+                "a query of {} values for rows of {} bytes read as {values:?}",
+                query.len(),
+                self.row_bytes
+            )));
+        }
+        let rows = self.rows as usize;
+        let device = session.gpu(gpu)?;
+        let scores = if device.backend() == Backend::Host {
+            let table = self.mem.read();
+            table
+                .chunks_exact(self.row_bytes)
+                .map(|row| dot(row, query, values))
+                .collect()
+        } else {
+            let api = |e: gpuio_hal::HalError| AiError::Api(e.into());
+            let stream = device.stream().map_err(api)?;
+            let q = session.alloc_device(gpu, 4 * dim)?;
+            let qb: Vec<u8> = query.iter().flat_map(|v| v.to_le_bytes()).collect();
+            stream.upload(&qb, &q, 0).map_err(api)?;
+            let out = session.alloc_device(gpu, 4 * rows)?;
+            {
+                let table = self.mem.read();
+                let fp8 = values == RowValues::Fp8;
+                stream
+                    .dot_scores(ScoreRows::Pinned(&table), rows, dim, fp8, &q, &out)
+                    .map_err(api)?;
+            }
+            let mut raw = vec![0u8; 4 * rows];
+            stream.download(&out, 0, &mut raw).map_err(api)?;
+            raw.chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect::<Vec<f32>>()
+        };
+        Ok(top_k(&scores, k))
+    }
+}
+
+/// A row's dot product with the query (the host's scoring).
+fn dot(row: &[u8], query: &[f32], values: RowValues) -> f32 {
+    match values {
+        RowValues::F32 => row
+            .chunks_exact(4)
+            .zip(query)
+            .map(|(b, q)| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * q)
+            .sum(),
+        RowValues::Fp8 => row
+            .iter()
+            .zip(query)
+            .map(|(&b, q)| float8::F8E4M3::from_bits(b).to_f32() * q)
+            .sum(),
+    }
+}
+
+/// The `k` best (largest) scores with their rows, best first; ties go to the lower row. NaN
+/// scores rank last.
+fn top_k(scores: &[f32], k: usize) -> Vec<(u64, f32)> {
+    let key = |s: f32| if s.is_nan() { f32::NEG_INFINITY } else { s };
+    let better = |a: &(u64, f32), b: &(u64, f32)| key(b.1).total_cmp(&key(a.1)).then(a.0.cmp(&b.0));
+    let mut all: Vec<(u64, f32)> = scores
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| (i as u64, s))
+        .collect();
+    let k = k.min(all.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    all.select_nth_unstable_by(k - 1, better);
+    all.truncate(k);
+    all.sort_by(better);
+    all
 }

@@ -66,3 +66,111 @@ fn lookups_read_the_rows_asked_for_and_stores_land() {
     assert!(EngramTable::new(&session, 0, ROW, HostPlacement::Dram { numa: None }).is_err());
     assert!(EngramTable::new(&session, u64::MAX, ROW, HostPlacement::Dram { numa: None }).is_err());
 }
+
+/// A prefetch and a write-back run on side threads while the caller goes on, and land what a
+/// lookup and a store would; bad ids are refused before any thread starts.
+#[test]
+fn prefetch_and_write_back_run_beside_the_caller() {
+    use std::sync::Arc;
+    let session = Arc::new(Session::new(Config::default()).unwrap());
+    let rows = 4096u64;
+    let table = EngramTable::new(&session, rows, ROW, HostPlacement::Dram { numa: None }).unwrap();
+    pattern::fill(&mut table.memory().write(), 0, 0x51);
+    let ids = skewed_ids(48 * 16, rows, 3);
+    let dst = session.alloc_device(0, ids.len() * ROW).unwrap();
+    let pending = table
+        .prefetch(&session, ids.clone(), dst.clone(), 0)
+        .unwrap();
+    assert_eq!(pending.work().priority(), gpuio_api::Priority::Background);
+    let got = pending.wait().unwrap();
+    assert_eq!(got.rows, ids.len());
+    let mut out = vec![0u8; ids.len() * ROW];
+    dst.gpu()
+        .stream()
+        .unwrap()
+        .download(&dst, 0, &mut out)
+        .unwrap();
+    {
+        let t = table.memory().read();
+        for (i, &id) in ids.iter().enumerate() {
+            assert!(
+                out[i * ROW..(i + 1) * ROW] == t[id as usize * ROW..][..ROW],
+                "row {i}"
+            );
+        }
+    }
+    // Write rows 0..8 back from a device buffer of new bytes.
+    let mut fresh = vec![0u8; 8 * ROW];
+    pattern::fill(&mut fresh, 0, 0x77);
+    let src = session.alloc_device(0, fresh.len()).unwrap();
+    src.gpu().stream().unwrap().upload(&fresh, &src, 0).unwrap();
+    let back = table
+        .store_async(&session, (0..8).collect(), src.clone(), 0)
+        .unwrap();
+    assert_eq!(back.work().priority(), gpuio_api::Priority::EngramSync);
+    back.wait().unwrap();
+    assert!(table.memory().read()[..8 * ROW] == fresh[..]);
+    let e = table
+        .prefetch(&session, vec![rows], dst.clone(), 0)
+        .unwrap_err();
+    assert!(e.to_string().contains("past"), "{e}");
+    // Dropped without a wait: the drop waits, and the rows land.
+    drop(
+        table
+            .store_async(&session, (8..16).collect(), src, 0)
+            .unwrap(),
+    );
+    assert!(table.memory().read()[8 * ROW..16 * ROW] == fresh[..]);
+}
+
+/// Similarity: rows planted as multiples of the query rank first, in order of their
+/// multiple, as f32 rows and as FP8 rows; a query of the wrong length is refused.
+#[test]
+fn similar_rows_come_back_best_first() {
+    use gpuio_ai::engram::RowValues;
+    let session = Session::new(Config::default()).unwrap();
+    let rows = 2000u64;
+    for (values, size) in [(RowValues::F32, 4usize), (RowValues::Fp8, 1)] {
+        let dim = ROW / size;
+        let table =
+            EngramTable::new(&session, rows, ROW, HostPlacement::Dram { numa: None }).unwrap();
+        let query: Vec<f32> = (0..dim)
+            .map(|d| if d % 3 == 0 { 1.0 } else { 0.0 })
+            .collect();
+        {
+            let mut t = table.memory().write();
+            // Background rows: small values (score well below the planted ones).
+            for r in 0..rows as usize {
+                for d in 0..dim {
+                    let v = ((pattern::mix64((r * dim + d) as u64) % 5) as f32 - 2.0) / 64.0;
+                    put(&mut t[r * ROW..], d, v, values);
+                }
+            }
+            // Planted: row 1500 = 4q, row 7 = 3q, row 999 = 2q.
+            for (r, m) in [(1500usize, 4.0f32), (7, 3.0), (999, 2.0)] {
+                for (d, q) in query.iter().enumerate() {
+                    put(&mut t[r * ROW..], d, m * q, values);
+                }
+            }
+        }
+        let best = table.similar(&session, 0, &query, values, 3).unwrap();
+        let ids: Vec<u64> = best.iter().map(|b| b.0).collect();
+        assert_eq!(ids, [1500, 7, 999], "{values:?}: {best:?}");
+        let third = query.iter().filter(|&&q| q != 0.0).count() as f32;
+        assert!(
+            (best[0].1 - 4.0 * third).abs() < 1e-3,
+            "{values:?}: {best:?}"
+        );
+        let e = table
+            .similar(&session, 0, &query[1..], values, 3)
+            .unwrap_err();
+        assert!(e.to_string().contains("query"), "{e}");
+    }
+}
+
+fn put(row: &mut [u8], d: usize, v: f32, values: gpuio_ai::engram::RowValues) {
+    match values {
+        gpuio_ai::engram::RowValues::F32 => row[4 * d..4 * d + 4].copy_from_slice(&v.to_le_bytes()),
+        gpuio_ai::engram::RowValues::Fp8 => row[d] = float8::F8E4M3::from_f32(v).to_bits(),
+    }
+}

@@ -21,17 +21,33 @@ fn check(session: &Session, format: KvFormat, values: &[f32]) -> Result<(), Test
     let got = q.to_host().unwrap();
     prop_assert_eq!(got.data(), want.data(), "{:?}: packed data", format);
     let bits = |s: &[f32]| s.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-    prop_assert_eq!(bits(got.scales()), bits(want.scales()), "{:?}: scales", format);
+    prop_assert_eq!(
+        bits(got.scales()),
+        bits(want.scales()),
+        "{:?}: scales",
+        format
+    );
     prop_assert_eq!(q.stored_bytes(), want.stored_bytes());
-    let out = session.alloc_device(0, 4 * values.len().max(1) + 8).unwrap();
+    let out = session
+        .alloc_device(0, 4 * values.len().max(1) + 8)
+        .unwrap();
     q.dequantize_into(&out, 8).unwrap();
     let mut raw = vec![0u8; 4 * values.len()];
-    out.gpu().stream().unwrap().download(&out, 8, &mut raw).unwrap();
+    out.gpu()
+        .stream()
+        .unwrap()
+        .download(&out, 8, &mut raw)
+        .unwrap();
     let back: Vec<u32> = raw
         .chunks_exact(4)
         .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect();
-    prop_assert_eq!(back, bits(&want.dequantize()), "{:?}: values restored", format);
+    prop_assert_eq!(
+        back,
+        bits(&want.dequantize()),
+        "{:?}: values restored",
+        format
+    );
     Ok(())
 }
 
@@ -81,5 +97,9 @@ fn values_the_format_cannot_take_are_refused_on_the_device_too() {
     let src = upload(&session, &[1.0, 70000.0]);
     let e = KvFormat::F16.quantize_device(&src, 4, 2).unwrap_err();
     assert!(e.to_string().contains("1"), "{e}");
-    assert!(KvFormat::Int8 { block: 0 }.quantize_device(&src, 4, 2).is_err());
+    assert!(
+        KvFormat::Int8 { block: 0 }
+            .quantize_device(&src, 4, 2)
+            .is_err()
+    );
 }

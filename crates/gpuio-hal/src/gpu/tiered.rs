@@ -47,9 +47,9 @@ impl TieredSource {
         match self {
             Self::Hot(slot) => (slot < TIER_MAX_HOT_ROWS).then_some(slot),
             Self::Warm { row, install } => {
-                let slot = install.unwrap_or(NO_SLOT);
-                (row < TIER_MAX_WARM_ROWS && slot <= NO_SLOT)
-                    .then_some(WARM | slot << ROW_BITS | row)
+                // All ones means no install: a real slot is below it.
+                let fits = row < TIER_MAX_WARM_ROWS && install.is_none_or(|s| s < NO_SLOT);
+                fits.then(|| WARM | install.unwrap_or(NO_SLOT) << ROW_BITS | row)
             }
         }
     }

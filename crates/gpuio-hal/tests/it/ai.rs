@@ -38,9 +38,13 @@ fn dot_scores_match_a_cpu_dot_product() {
         let mut fp8 =
             HostBuffer::alloc_pinned(rows * dim, &HostAllocOptions::default(), &gpu).unwrap();
         pattern::fill(&mut fp8, 0, 9);
-        fp8.iter_mut().filter(|b| **b & 0x7f == 0x7f).for_each(|b| *b ^= 1);
-        let cases: [(ScoreRows<'_>, bool); 2] =
-            [(ScoreRows::Device(&t), false), (ScoreRows::Pinned(&fp8), true)];
+        fp8.iter_mut()
+            .filter(|b| **b & 0x7f == 0x7f)
+            .for_each(|b| *b ^= 1);
+        let cases: [(ScoreRows<'_>, bool); 2] = [
+            (ScoreRows::Device(&t), false),
+            (ScoreRows::Pinned(&fp8), true),
+        ];
         for (table_rows, is_fp8) in cases {
             let done = stream.dot_scores(table_rows, rows, dim, is_fp8, &q, &scores);
             if gpu.backend() == Backend::Host {
@@ -64,7 +68,10 @@ fn dot_scores_match_a_cpu_dot_product() {
                     .sum();
                 let scale: f32 = (0..dim).map(|d| query[d].abs()).sum::<f32>().max(1.0);
                 let tol = 1e-5 * scale * if is_fp8 { 448.0 } else { 1.0 };
-                assert!((got - want).abs() <= tol, "fp8 {is_fp8} row {r}: {got} vs {want}");
+                assert!(
+                    (got - want).abs() <= tol,
+                    "fp8 {is_fp8} row {r}: {got} vs {want}"
+                );
             }
         }
         // Shapes refused before anything runs.
