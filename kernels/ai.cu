@@ -97,7 +97,7 @@ __device__ __forceinline__ int gpuio_q_level(float v, float scale, float top) {
 }
 
 // Pass 2: the packed data, one thread per output byte (two values per byte for INT4, so that
-// no two threads share a byte), FP16 two bytes per value. FP16 reports values beyond its range
+// no two threads share a byte), FP16 one little-endian half per value (the data 2-aligned). FP16 reports values beyond its range
 // and values that are not finite.
 extern "C" __global__ void gpuio_quant_data(const float* x, gpuio_u64 n, gpuio_u64 block,
                                             int format, const float* scales,
@@ -108,9 +108,7 @@ extern "C" __global__ void gpuio_quant_data(const float* x, gpuio_u64 n, gpuio_u
         if (format == GPUIO_Q_F16) {
             const float v = x[k];
             if (!gpuio_finite(v) || fabsf(v) > 65504.0f) gpuio_q_bad(err, k);
-            const unsigned short h = gpuio_to_f16(v);
-            data[2 * k] = (unsigned char)h;
-            data[2 * k + 1] = (unsigned char)(h >> 8);
+            reinterpret_cast<unsigned short*>(data)[k] = gpuio_to_f16(v);
         } else if (format == GPUIO_Q_FP8) {
             const float y = fminf(fmaxf(x[k] / scales[k / block], -448.0f), 448.0f);
             data[k] = gpuio_to_e4m3(y);
@@ -136,7 +134,7 @@ extern "C" __global__ void gpuio_dequant(const unsigned char* data, const float*
     for (gpuio_u64 i = (gpuio_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         float v;
         if (format == GPUIO_Q_F16) {
-            v = gpuio_from_f16((unsigned short)(data[2 * i] | data[2 * i + 1] << 8));
+            v = gpuio_from_f16(reinterpret_cast<const unsigned short*>(data)[i]);
         } else {
             const float scale = scales[i / block];
             if (format == GPUIO_Q_FP8) {

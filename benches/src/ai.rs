@@ -1,5 +1,5 @@
-//! The `ai` suite (GPU machine only): B1 here, B2 in `engram.rs`, compression in
-//! `compress.rs`.
+//! The `ai` suite (GPU machine only): B1 here, B2 in `engram.rs`, B4 in `graph.rs`,
+//! compression in `compress.rs`.
 //!
 //! B1 — DSA decode: each request's sparse-attention KV
 //! (656-byte entries, DeepSeek V3.2) for one layer in pinned host memory, a 4096-slot hot
@@ -20,8 +20,10 @@
 
 mod compress;
 mod engram;
+mod graph;
 
 pub use engram::EngramOptions;
+pub use graph::GraphOptions;
 
 use crate::{BenchError, Record, Result, SuiteOutcome, Target};
 use gpuio_ai::kv::{KvBatch, KvLoad, KvPool, KvPoolConfig};
@@ -64,6 +66,8 @@ pub struct Options {
     pub engram: Option<EngramOptions>,
     /// Whether to measure compression (quantization on the GPU and CPU, the codecs).
     pub compression: bool,
+    /// B4's sizes; `None` skips it.
+    pub graph: Option<GraphOptions>,
 }
 
 impl Default for Options {
@@ -79,6 +83,7 @@ impl Default for Options {
             scratch: std::env::temp_dir(),
             engram: Some(EngramOptions::default()),
             compression: true,
+            graph: Some(GraphOptions::default()),
         }
     }
 }
@@ -93,6 +98,7 @@ impl Options {
             warmup: 3,
             steps: 10,
             engram: Some(EngramOptions::quick()),
+            graph: Some(GraphOptions::quick()),
             ..Self::default()
         }
     }
@@ -377,6 +383,12 @@ pub fn run(
     ];
     if opts.compression {
         let (r, t, n) = compress::run(session, &device, progress)?;
+        records.extend(r);
+        targets.extend(t);
+        notes.extend(n);
+    }
+    if let Some(b4) = &opts.graph {
+        let (r, t, n) = graph::run(session, b4, &opts.scratch, &device, progress)?;
         records.extend(r);
         targets.extend(t);
         notes.extend(n);

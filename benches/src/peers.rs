@@ -348,3 +348,28 @@ fn timings(out: &[serde_json::Value]) -> (Vec<PeerTiming>, Vec<String>) {
         .collect();
     (peers, errors)
 }
+
+const GRAPH_SCRIPT: &str = include_str!("peers/graph_peer.py");
+
+/// Runs the graph gather peer (`graph_peer.py`: NumPy neighbour sampling, a CPU gather from a
+/// pinned tensor or a memory map of the embeddings file, one copy) over the same graph files,
+/// seeds and embeddings: its timings by mode (`host memory`, `file`).
+pub fn graph(
+    offsets: &Path,
+    neighbors: &Path,
+    seeds: &Path,
+    embeddings: &Path,
+    row_bytes: usize,
+    opts: &crate::ai::GraphOptions,
+) -> Result<Vec<PeerTiming>, String> {
+    let out = python_peer("the graph peer", GRAPH_SCRIPT, |cmd| {
+        cmd.args([offsets, neighbors, seeds, embeddings]).args(
+            [row_bytes, opts.seeds, opts.fanout, opts.warmup, opts.steps].map(|n| n.to_string()),
+        );
+    })?;
+    let (found, errors) = timings(&out);
+    if found.is_empty() {
+        return Err(errors.join("; "));
+    }
+    Ok(found)
+}

@@ -67,7 +67,7 @@ impl EngramOptions {
 
 /// Zipf-distributed ranks in `1..=n` (exponent `s`) by inverting the continuous law's
 /// distribution function, each hashed to a row of the table, as n-gram hashes spread them.
-fn zipf_ids(n: u64, s: f64, count: usize, seed: u64) -> Vec<u64> {
+pub(super) fn zipf_ids(n: u64, s: f64, count: usize, seed: u64) -> Vec<u64> {
     let nf = n as f64 + 1.0;
     (0..count as u64)
         .map(|k| {

@@ -73,8 +73,8 @@ pub enum ScoreRows<'a> {
 }
 
 impl Stream {
-    /// Quantizes `n` f32 values of `src` (from byte `src_offset`, 4-aligned) into `out`, one
-    /// scale per `block` values (ignored for FP16), and waits. A value that is not finite (or,
+    /// Quantizes `n` f32 values of `src` (from byte `src_offset`, 4-aligned) into `out` (FP16
+    /// data 2-aligned), one scale per `block` values (ignored for FP16), and waits. A value that is not finite (or,
     /// for FP16, beyond ±65504) is an error naming the first such, the output then
     /// unspecified.
     pub fn quantize(
@@ -210,10 +210,17 @@ impl Stream {
         n: usize,
         at: &QuantizedAt<'b>,
     ) -> Result<(super::backend::DevRange<'b>, super::backend::DevRange<'b>)> {
-        self.gpu.check_owns("quantized data", at.data)?;
-        let data = at
-            .data
-            .range("quantized data", at.data_offset, kind.data_bytes(n))?;
+        // FP16 data is stored a half at a time.
+        let data = match kind {
+            QuantKind::F16 => {
+                self.aligned_range("quantized data", at.data, at.data_offset, n, 2)?
+            }
+            _ => {
+                self.gpu.check_owns("quantized data", at.data)?;
+                at.data
+                    .range("quantized data", at.data_offset, kind.data_bytes(n))?
+            }
+        };
         let scales = self.aligned_range(
             "quantization scales",
             at.scales,

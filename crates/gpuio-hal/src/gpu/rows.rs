@@ -221,50 +221,6 @@ impl Stream {
         .map(drop)
     }
 
-    /// Moves `count` rows of `row_bytes` within `buf`, from a dense run to a pool before it:
-    /// dense row `i` (at `src_offset + i * row_bytes`) becomes row `indices[i]` of the pool,
-    /// the buffer's first `pool_rows` rows — an on-device cache taking in rows staged behind
-    /// it. The dense run must start past the pool. Waits for it. With duplicate indices one of
-    /// their rows lands, unspecified which.
-    #[allow(clippy::too_many_arguments)]
-    pub fn scatter_within(
-        &self,
-        buf: &DeviceBuffer,
-        pool_rows: usize,
-        row_bytes: usize,
-        indices: RowIndices<'_>,
-        count: usize,
-        src_offset: usize,
-    ) -> Result<()> {
-        self.gpu.check_owns("scatter buffer", buf)?;
-        let pool_len = pool_rows
-            .checked_mul(row_bytes)
-            .filter(|&l| l <= src_offset);
-        let Some(pool_len) = pool_len else {
-            return Err(HalError::InvalidArgument(format!(
-                "a scatter within one buffer needs its dense rows (from byte {src_offset}) past \
-                 its {pool_rows} pool rows of {row_bytes} B"
-            )));
-        };
-        let pool = buf.range("scatter pool", 0, pool_len)?;
-        // SAFETY: no host memory involved; the pool and the dense rows are disjoint ranges of
-        // one device buffer, borrowed for the call.
-        unsafe {
-            self.run_rows(
-                RowMem::Device(pool),
-                row_bytes,
-                indices,
-                count,
-                buf,
-                src_offset,
-                true,
-                RowKernel::Tuned,
-                false,
-            )
-        }
-        .map(drop)
-    }
-
     /// Scatters `count` rows of `row_bytes` from `src` at `src_offset` into the pinned host
     /// `pool`: pool row `indices[i]` becomes row `i` of the source. Waits for it. With
     /// duplicate indices one of their rows lands, unspecified which.

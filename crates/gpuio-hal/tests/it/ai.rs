@@ -81,3 +81,57 @@ fn dot_scores_match_a_cpu_dot_product() {
         assert_eq!(e.unwrap_err().code(), ErrorCode::InvalidArg);
     }
 }
+
+/// FP16 and FP8 codes of values worked out by hand: every byte as the formats define it
+/// (round to nearest, ties to even); the host backend refuses.
+#[test]
+fn quantized_bytes_are_the_formats_own() {
+    use gpuio_hal::{QuantKind, QuantizedAt};
+    for gpu in probe(BackendPreference::Auto).unwrap().gpus {
+        let stream = gpu.stream().unwrap();
+        let values = [
+            -485.15594f32,
+            1.0,
+            0.5,
+            300.0,
+            1.0 + 1.0 / 2048.0,
+            1.0 + 3.0 / 2048.0,
+        ];
+        let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let src = gpu.alloc(raw.len()).unwrap();
+        stream.upload(&raw, &src, 0).unwrap();
+        let data = gpu.alloc(2 * values.len()).unwrap();
+        let scales = gpu.alloc(64).unwrap();
+        let at = QuantizedAt {
+            data: &data,
+            data_offset: 0,
+            scales: &scales,
+            scales_offset: 0,
+        };
+        let done = stream.quantize(QuantKind::F16, 1, &src, 0, values.len(), at);
+        if gpu.backend() == Backend::Host {
+            assert_eq!(done.unwrap_err().code(), ErrorCode::Unsupported);
+            continue;
+        }
+        done.unwrap();
+        let mut got = vec![0u8; 2 * values.len()];
+        stream.download(&data, 0, &mut got).unwrap();
+        let words: Vec<u16> = got
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        // 1 + 2^-11 is a tie that rounds down to even, 1 + 3·2^-11 one that rounds up.
+        assert_eq!(
+            words,
+            [0xdf95, 0x3c00, 0x3800, 0x5cb0, 0x3c00, 0x3c02],
+            "{got:02x?}"
+        );
+        // FP8 with one block: the largest magnitude (485.15594) maps to 448 (0xfe, negative).
+        stream
+            .quantize(QuantKind::Fp8, 8, &src, 0, values.len(), at)
+            .unwrap();
+        let mut fp8 = vec![0u8; values.len()];
+        stream.download(&data, 0, &mut fp8).unwrap();
+        assert_eq!(fp8[0], 0xfe, "{fp8:02x?}");
+    }
+}
