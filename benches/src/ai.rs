@@ -1,5 +1,5 @@
-//! The `ai` suite (GPU machine only): B1 here, B2 in `engram.rs`, B4 in `graph.rs`,
-//! compression in `compress.rs`.
+//! The `ai` suite (GPU machine only): B1 here, B2 in `engram.rs`, B4 in `graph.rs`, B5 in
+//! `priority.rs`, compression in `compress.rs`.
 //!
 //! B1 — DSA decode: each request's sparse-attention KV
 //! (656-byte entries, DeepSeek V3.2) for one layer in pinned host memory, a 4096-slot hot
@@ -21,6 +21,7 @@
 mod compress;
 mod engram;
 mod graph;
+mod priority;
 
 pub use engram::EngramOptions;
 pub use graph::GraphOptions;
@@ -68,6 +69,8 @@ pub struct Options {
     pub compression: bool,
     /// B4's sizes; `None` skips it.
     pub graph: Option<GraphOptions>,
+    /// Whether to run B5 (B1 at 32K tokens, batch 8, overlap 0.9 under a 1 GB checkpoint).
+    pub priority: bool,
 }
 
 impl Default for Options {
@@ -84,6 +87,7 @@ impl Default for Options {
             engram: Some(EngramOptions::default()),
             compression: true,
             graph: Some(GraphOptions::default()),
+            priority: true,
         }
     }
 }
@@ -243,6 +247,22 @@ pub fn run(
                 let t = trace(ctx, batch, steps, opts.topk, overlap, seed ^ batch as u64);
                 let ours = run_gpuio(&mut pools[..batch], &outs, &t, batch, opts)?;
                 check_output(&gpu, &outs[0], &t[(steps - 1) * batch], seed)?;
+                if opts.priority && ctx == opts.contexts[0] && batch == 8 && overlap == 0.9 {
+                    progress(&format!("{ctx} tokens, batch {batch}: under a checkpoint"));
+                    let case = format!("{}K ctx, batch {batch}, overlap {overlap}", ctx >> 10);
+                    let (r, n) = priority::run(
+                        session,
+                        &mut pools[..batch],
+                        &outs,
+                        &t,
+                        batch,
+                        opts,
+                        &case,
+                        &device,
+                    )?;
+                    records.extend(r);
+                    notes.extend(n);
+                }
                 let path = opts
                     .scratch
                     .join(format!("gpuio-dsa-{ctx}-{batch}-{overlap}.u64"));

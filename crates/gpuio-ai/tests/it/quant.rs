@@ -108,8 +108,15 @@ fn values_the_format_cannot_take_are_refused_on_the_device_too() {
 #[test]
 fn known_cases_match_the_reference() {
     let session = Session::new(Config::default()).unwrap();
-    for values in [vec![-485.15594f32], vec![1.0 + 1.0 / 2048.0, -0.0, 3.0e-5, 65504.0]] {
-        for format in [KvFormat::F16, KvFormat::Fp8 { block: 3 }, KvFormat::Int4 { group: 1 }] {
+    for values in [
+        vec![-485.15594f32],
+        vec![1.0 + 1.0 / 2048.0, -0.0, 3.0e-5, 65504.0],
+    ] {
+        for format in [
+            KvFormat::F16,
+            KvFormat::Fp8 { block: 3 },
+            KvFormat::Int4 { group: 1 },
+        ] {
             check(&session, format, &values).unwrap();
         }
     }
