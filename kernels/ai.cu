@@ -69,9 +69,9 @@ __device__ __forceinline__ float gpuio_from_f16(unsigned short h) {
     return v;
 }
 
-// Pass 1 of a scaled quantization: one warp per block of `block` values, its scale (the
-// block's largest magnitude over the format's top level; 1 for an all-zero block). A value
-// that is not finite is reported by its index.
+// Pass 1 of a scaled quantization: one warp per block of `block` values (at most n: the host
+// clamps it), its scale (the block's largest magnitude over the format's top level; 1 where
+// that is 0). A value that is not finite is reported by its index.
 extern "C" __global__ void gpuio_quant_scales(const float* x, gpuio_u64 n, gpuio_u64 block,
                                               int format, float* scales, gpuio_u64* err) {
     const gpuio_u64 warp = ((gpuio_u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
@@ -87,7 +87,9 @@ extern "C" __global__ void gpuio_quant_scales(const float* x, gpuio_u64 n, gpuio
             m = fmaxf(m, fabsf(v));
         }
         for (int d = 16; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
-        if (lane == 0) scales[b] = m == 0.0f ? 1.0f : m / gpuio_q_top(format);
+        // 1 where the scale is 0: an all-zero block, or one whose scale underflows.
+        const float scale = m / gpuio_q_top(format);
+        if (lane == 0) scales[b] = scale == 0.0f ? 1.0f : scale;
     }
 }
 

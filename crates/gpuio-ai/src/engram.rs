@@ -151,7 +151,8 @@ pub enum RowValues {
 }
 
 /// Work running on a side thread: a prefetch or a write-back. Dropping it waits for it (the
-/// buffers it moves must outlive it).
+/// buffers it moves must outlive it) — so do not drop one while holding the table's memory
+/// locked for writing: the work waits for that lock.
 #[derive(Debug)]
 pub struct Pending<T: Send + 'static> {
     work: AiWork,
@@ -176,7 +177,9 @@ impl<T: Send + 'static> Pending<T> {
         })
     }
 
-    /// The work it does, and so its scheduler class ([`AiWork::priority`]).
+    /// The work it does, and the scheduler class that names ([`AiWork::priority`]) — a
+    /// label here: the work is a gather or scatter on its own stream, which the scheduler does
+    /// not order.
     pub fn work(&self) -> AiWork {
         self.work
     }
@@ -213,7 +216,7 @@ impl<T: Send + 'static> Drop for Pending<T> {
 impl EngramTable {
     /// Starts [`lookup`](Self::lookup) of `ids` into `dst` on a side thread, with its own
     /// stream, and returns at once: the upcoming layer's rows arrive while the caller
-    /// computes. [`AiWork::Prefetch`]: `Background` class.
+    /// computes. Labelled [`AiWork::Prefetch`] (`Background`).
     pub fn prefetch(
         &self,
         session: &Arc<Session>,
@@ -229,7 +232,7 @@ impl EngramTable {
     }
 
     /// Starts [`store`](Self::store) of `src`'s rows at `ids` on a side thread and returns
-    /// at once. [`AiWork::EngramSync`]: its class.
+    /// at once. Labelled [`AiWork::EngramSync`].
     pub fn store_async(
         &self,
         session: &Arc<Session>,
@@ -318,21 +321,58 @@ fn dot(row: &[u8], query: &[f32], values: RowValues) -> f32 {
 }
 
 /// The `k` best (largest) scores with their rows, best first; ties go to the lower row. NaN
-/// scores rank last.
+/// scores rank last. Memory for `k` candidates, not for every row.
 fn top_k(scores: &[f32], k: usize) -> Vec<(u64, f32)> {
-    let key = |s: f32| if s.is_nan() { f32::NEG_INFINITY } else { s };
-    let better = |a: &(u64, f32), b: &(u64, f32)| key(b.1).total_cmp(&key(a.1)).then(a.0.cmp(&b.0));
-    let mut all: Vec<(u64, f32)> = scores
-        .iter()
-        .enumerate()
-        .map(|(i, &s)| (i as u64, s))
-        .collect();
-    let k = k.min(all.len());
+    use std::cmp::{Ordering, Reverse};
+    use std::collections::BinaryHeap;
+    /// Ordered best first: a larger score, then a lower row.
+    #[derive(PartialEq)]
+    struct Ranked(f32, u64);
+    impl Eq for Ranked {}
+    impl Ord for Ranked {
+        fn cmp(&self, other: &Self) -> Ordering {
+            let key = |s: f32| if s.is_nan() { f32::NEG_INFINITY } else { s };
+            key(self.0)
+                .total_cmp(&key(other.0))
+                .then(other.1.cmp(&self.1))
+        }
+    }
+    impl PartialOrd for Ranked {
+        fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+            Some(self.cmp(other))
+        }
+    }
     if k == 0 {
         return Vec::new();
     }
-    all.select_nth_unstable_by(k - 1, better);
-    all.truncate(k);
-    all.sort_by(better);
-    all
+    // The worst kept candidate on top, replaced by anything better.
+    let mut kept: BinaryHeap<Reverse<Ranked>> = BinaryHeap::with_capacity(k + 1);
+    for (i, &s) in scores.iter().enumerate() {
+        let r = Ranked(s, i as u64);
+        if kept.len() < k {
+            kept.push(Reverse(r));
+        } else if kept.peek().is_some_and(|w| r > w.0) {
+            kept.pop();
+            kept.push(Reverse(r));
+        }
+    }
+    let mut best: Vec<(u64, f32)> = kept.into_iter().map(|Reverse(r)| (r.1, r.0)).collect();
+    best.sort_by_key(|&(row, score)| std::cmp::Reverse(Ranked(score, row)));
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::top_k;
+
+    #[test]
+    fn top_k_is_best_first_ties_to_the_lower_row_nan_last() {
+        let s = [0.5, f32::NAN, 0.9, 0.5, -1.0, 0.9];
+        assert_eq!(top_k(&s, 3), vec![(2, 0.9), (5, 0.9), (0, 0.5)]);
+        let all = top_k(&s, 10);
+        assert_eq!(all.len(), 6);
+        assert_eq!(all[4], (4, -1.0));
+        assert!(all[5].1.is_nan());
+        assert!(top_k(&s, 0).is_empty());
+    }
 }

@@ -38,9 +38,10 @@ impl KvFormat {
         len: usize,
     ) -> Result<DeviceQuantizedKv> {
         let (kind, block) = self.kind();
-        if block == 0 {
+        if block == 0 || !src_offset.is_multiple_of(4) {
             return Err(AiError::InvalidArgument(format!(
-                "{self:?}: a block of 0 values"
+                "{self:?} of values at byte {src_offset}: a block of at least one value, f32s \
+                 at a 4-aligned offset"
             )));
         }
         let gpu = src.gpu();
@@ -106,6 +107,11 @@ impl DeviceQuantizedKv {
     /// The values back, as f32s into `dst` from byte `dst_offset` (4-aligned).
     pub fn dequantize_into(&self, dst: &DeviceBuffer, dst_offset: usize) -> Result<()> {
         let (kind, block) = self.format.kind();
+        if !dst_offset.is_multiple_of(4) {
+            return Err(AiError::InvalidArgument(format!(
+                "f32s at byte {dst_offset}: a 4-aligned offset"
+            )));
+        }
         let api = |e: gpuio_hal::HalError| AiError::Api(e.into());
         let stream = dst.gpu().stream().map_err(api)?;
         if dst.gpu().backend() == Backend::Host {

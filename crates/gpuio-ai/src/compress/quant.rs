@@ -104,9 +104,17 @@ impl KvFormat {
                 "{self:?}: a block of 0 values"
             )));
         }
-        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        // The first value the format cannot take (for FP16 also one beyond its range).
+        let f16 = self == Self::F16;
+        let bad = |v: &f32| !v.is_finite() || (f16 && v.abs() > F16_MAX);
+        if let Some(i) = values.iter().position(bad) {
+            let why = if values[i].is_finite() {
+                format!("beyond FP16's ±{F16_MAX}")
+            } else {
+                "not finite: only finite values quantize".into()
+            };
             return Err(AiError::InvalidArgument(format!(
-                "KV value {i} is {}: only finite values quantize",
+                "KV value {i} ({}) is {why}",
                 values[i]
             )));
         }
@@ -115,12 +123,6 @@ impl KvFormat {
         let mut scales = Vec::with_capacity(scale_count);
         match self {
             Self::F16 => {
-                if let Some(i) = values.iter().position(|v| v.abs() > F16_MAX) {
-                    return Err(AiError::InvalidArgument(format!(
-                        "KV value {i} ({}) is beyond FP16's ±{F16_MAX}",
-                        values[i]
-                    )));
-                }
                 for (out, v) in data.chunks_exact_mut(2).zip(values) {
                     out.copy_from_slice(&f16::from_f32(*v).to_le_bytes());
                 }
@@ -166,10 +168,12 @@ impl KvFormat {
     }
 }
 
-/// The scale that maps a block's largest magnitude to `top` (1 for an all-zero block).
+/// The scale that maps a block's largest magnitude to `top`; 1 where that is 0 (an all-zero
+/// block, or one so small that its scale underflows: every level is then 0, within bound).
 fn scale_for(chunk: &[f32], top: f32) -> f32 {
     let max = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
-    if max == 0.0 { 1.0 } else { max / top }
+    let scale = max / top;
+    if scale == 0.0 { 1.0 } else { scale }
 }
 
 /// `v / scale` rounded to the nearest integer level in `-top..=top`.

@@ -325,8 +325,9 @@ impl KvBatch {
     /// Loads every request's selection, as [`KvPool::load`](super::KvPool::load) does one;
     /// their reports in order. Every destination must be on one GPU, with every pool's
     /// entries of one size; a pool appears once (each load borrows its own). Where one load
-    /// is refused, none is made, and pools are left as they were but for cold entries
-    /// brought back to host memory.
+    /// is refused, or the gather fails, no destination is written and no pool serves a wrong
+    /// entry afterwards; but cold entries may have been brought back to host memory, and the
+    /// slots the misses took from other entries are left empty (those entries miss next time).
     pub fn load(&mut self, loads: &mut [KvLoad<'_>]) -> Result<Vec<LoadReport>> {
         self.load_all(loads, false).map(|(reports, _)| reports)
     }
@@ -346,6 +347,10 @@ impl KvBatch {
         let Some(first) = loads.first() else {
             return Ok((Vec::new(), Duration::ZERO));
         };
+        // Refused before a stage is sized for them.
+        for l in loads.iter() {
+            l.pool.check_selection(l.selection)?;
+        }
         let gpu = first.dst.gpu().clone();
         let rows = loads.iter().map(|l| l.selection.len()).sum();
         let need = tiered_stage_len(rows, loads.len());

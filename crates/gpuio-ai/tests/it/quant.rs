@@ -121,3 +121,28 @@ fn known_cases_match_the_reference() {
         }
     }
 }
+
+/// Blocks whose scale underflows to 0 (they take a scale of 1, every level 0), and blocks
+/// longer than the values (one scale for all): the device matches the reference, and every
+/// value comes back finite.
+#[test]
+fn tiny_blocks_and_long_blocks_match_the_reference() {
+    let session = Session::new(Config::default()).unwrap();
+    for values in [
+        vec![1e-45f32, 0.0],
+        vec![7e-45, 0.0, -4e-45],
+        vec![3.0, -1.0, 0.25],
+    ] {
+        for block in [2, usize::MAX] {
+            for format in [
+                KvFormat::Fp8 { block },
+                KvFormat::Int8 { block },
+                KvFormat::Int4 { group: block },
+            ] {
+                check(&session, format, &values).unwrap();
+                let q = format.quantize(&values).unwrap();
+                assert!(q.dequantize().iter().all(|v| v.is_finite()), "{format:?}");
+            }
+        }
+    }
+}

@@ -2,7 +2,8 @@
 //! similarity scores. The checks live here; the host backend runs no kernels and refuses them
 //! (gpuio-ai keeps the CPU reference the kernels are checked against, and uses it there).
 
-use super::backend::{AiLaunch, RowMem};
+use super::backend::{AiLaunch, DevRange, RowMem};
+use super::tiered::check_disjoint;
 use super::{DeviceBuffer, Stream};
 use crate::error::{HalError, Result};
 use crate::memory::HostBuffer;
@@ -57,7 +58,7 @@ pub struct QuantizedAt<'a> {
     pub data: &'a DeviceBuffer,
     /// Its byte offset.
     pub data_offset: usize,
-    /// The scales' buffer (any buffer, unused, for FP16).
+    /// The scales' buffer (one of this device's; unused for FP16, but still checked).
     pub scales: &'a DeviceBuffer,
     /// Its byte offset (a multiple of 4).
     pub scales_offset: usize,
@@ -86,9 +87,13 @@ impl Stream {
         n: usize,
         out: QuantizedAt<'_>,
     ) -> Result<()> {
-        let block = check_block(kind, block)?;
+        let block = check_block(kind, block, n)?;
         let (data, scales) = self.quantized_ranges(kind, block, n, &out)?;
         let src = self.aligned_range("quantize source", src, src_offset, n, 4)?;
+        disjoint(
+            [&src, &data, &scales],
+            "quantization source, data and scales",
+        )?;
         if n == 0 {
             return Ok(());
         }
@@ -130,9 +135,13 @@ impl Stream {
         dst: &DeviceBuffer,
         dst_offset: usize,
     ) -> Result<()> {
-        let block = check_block(kind, block)?;
+        let block = check_block(kind, block, n)?;
         let (data, scales) = self.quantized_ranges(kind, block, n, &from)?;
         let out = self.aligned_range("dequantize destination", dst, dst_offset, n, 4)?;
+        disjoint(
+            [&data, &scales, &out],
+            "dequantization data, scales and destination",
+        )?;
         if n == 0 {
             return Ok(());
         }
@@ -186,6 +195,11 @@ impl Stream {
         };
         let query = self.aligned_range("query", query, 0, dim, 4)?;
         let scores = self.aligned_range("scores", scores, 0, count, 4)?;
+        let mut spans = vec![(query.addr(), query.len), (scores.addr(), scores.len)];
+        if let RowMem::Device(t) = &table {
+            spans.push((t.addr(), t.len));
+        }
+        check_disjoint(spans, "scored rows, query and scores")?;
         if count == 0 {
             return Ok(());
         }
@@ -254,13 +268,19 @@ impl Stream {
     }
 }
 
-/// A block of at least one value for the scaled formats (FP16 takes any).
-fn check_block(kind: QuantKind, block: usize) -> Result<usize> {
+/// A block of at least one value for the scaled formats (FP16 takes any), at most `n`: a
+/// longer block means the same (one scale for every value) and keeps the kernels' block count
+/// from overflowing.
+fn check_block(kind: QuantKind, block: usize, n: usize) -> Result<usize> {
     match (kind, block) {
         (QuantKind::F16, _) => Ok(1),
         (_, 0) => Err(HalError::InvalidArgument(format!(
             "{kind:?} quantization: a block of 0 values"
         ))),
-        (_, b) => Ok(b),
+        (_, b) => Ok(b.min(n.max(1))),
     }
+}
+
+fn disjoint(ranges: [&DevRange<'_>; 3], what: &str) -> Result<()> {
+    check_disjoint(ranges.iter().map(|r| (r.addr(), r.len)).collect(), what)
 }

@@ -92,7 +92,20 @@ pub fn tiered_stage_len(rows: usize, jobs: usize) -> usize {
 }
 
 fn table_offset(rows: usize) -> usize {
-    rows.saturating_mul(8).next_multiple_of(JOB_BYTES)
+    rows.checked_mul(8)
+        .and_then(|b| b.checked_next_multiple_of(JOB_BYTES))
+        .unwrap_or(usize::MAX)
+}
+
+/// Refuses device ranges (address, length) of one call that overlap: a kernel writing one
+/// while reading another would give unspecified bytes.
+pub(super) fn check_disjoint(mut spans: Vec<(u64, usize)>, what: &str) -> Result<()> {
+    spans.retain(|&(_, len)| len > 0);
+    spans.sort_unstable();
+    if spans.windows(2).any(|w| w[0].0 + w[0].1 as u64 > w[1].0) {
+        return Err(HalError::InvalidArgument(format!("{what} overlap")));
+    }
+    Ok(())
 }
 
 impl Stream {
@@ -195,11 +208,10 @@ impl Stream {
             });
             first += j.count;
         }
-        spans.retain(|&(_, len)| len > 0);
-        spans.sort_unstable();
-        if spans.windows(2).any(|w| w[0].0 + w[0].1 as u64 > w[1].0) {
-            return bad("hot buffers, destinations and the device stage overlap".into());
-        }
+        check_disjoint(
+            spans,
+            "tiered gather: hot buffers, destinations and the device stage",
+        )?;
         write_table(stage, total, row_bytes, &parts);
         let job = TieredJob {
             row_bytes,
@@ -291,5 +303,6 @@ mod tests {
         assert_eq!(tiered_stage_len(1, 1), 128);
         assert_eq!(tiered_stage_len(8, 2), 64 + 128);
         assert_eq!(tiered_stage_len(9, 1), 128 + 64);
+        assert_eq!(tiered_stage_len(usize::MAX, 1), usize::MAX);
     }
 }

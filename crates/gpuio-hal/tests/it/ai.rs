@@ -126,6 +126,12 @@ fn quantized_bytes_are_the_formats_own() {
             [0xdf95, 0x3c00, 0x3800, 0x5cb0, 0x3c00, 0x3c02],
             "{got:02x?}"
         );
+        // In place (data over the source it reads): refused before anything runs.
+        let onto_src = QuantizedAt { data: &src, ..at };
+        let e = stream
+            .quantize(QuantKind::Int8, 4, &src, 0, values.len(), onto_src)
+            .unwrap_err();
+        assert!(e.to_string().contains("overlap"), "{e}");
         // FP8 with one block: the largest magnitude (485.15594) maps to 448 (0xfe, negative).
         stream
             .quantize(QuantKind::Fp8, 8, &src, 0, values.len(), at)
