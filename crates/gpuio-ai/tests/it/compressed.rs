@@ -109,3 +109,99 @@ fn frames_to_files_and_exports_come_back_exact() {
     .unwrap_err();
     assert!(matches!(e, AiError::Corrupt(_)), "{e}");
 }
+
+/// A KV pool's cold tier on another node's memory export: evicted entries are written there
+/// compressed, come back exact when selected, and a tier that is full says so.
+#[test]
+fn a_kv_cold_tier_on_a_remote_export() {
+    use gpuio_ai::kv::{ColdTier, KvPool, KvPoolConfig, Tier};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let session = Arc::new(session_with_key(dir.path()));
+    let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
+    cfg.keys = vec![Key {
+        id: "ops".into(),
+        secret: SECRET.as_bytes().to_vec(),
+        role: Role::ReadWrite,
+    }];
+    let capacity = 64 << 10;
+    let export = HostBuffer::alloc(capacity, &HostAllocOptions::default()).unwrap();
+    cfg.exports = vec![Export {
+        name: "kv-cold".into(),
+        source: ExportSource::Memory(shared_memory(export)),
+        access: ExportAccess::ReadWrite,
+    }];
+    let agent = Agent::start(cfg).unwrap();
+    let uri = Uri::parse(&format!("remoteio://{}/kv-cold", agent.local_addr())).unwrap();
+    let Resource::Remote(remote) = session.open(&uri, 0, Access::Update).unwrap() else {
+        panic!("{uri} is not remote");
+    };
+    let at = Endpoint::remote(&remote[0], 0);
+    let e = ColdTier::remote(
+        &session,
+        Endpoint::host(
+            &session
+                .alloc_host(HostPlacement::Dram { numa: None }, 8, false)
+                .unwrap(),
+            0,
+        ),
+        8,
+        Codec::Lz4,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("export"), "{e}");
+    let (entry, tokens) = (656usize, 200u64);
+    let kv = KvPoolConfig {
+        layers: 1,
+        entry_bytes: entry,
+        max_tokens: tokens,
+        warm_entries: tokens,
+        hot_slots: 64,
+        max_selection: 32,
+        gpu: 0,
+        placement: HostPlacement::Dram { numa: None },
+    };
+    let mut pool = KvPool::new(&session, kv).unwrap();
+    pool.attach_cold_tier(
+        ColdTier::remote(&session, at, capacity as u64, Codec::Zstd { level: 3 }).unwrap(),
+    )
+    .unwrap();
+    // KV-like entries: structured, so they compress.
+    let bytes: Vec<u8> = (0..tokens as usize * entry)
+        .map(|i| (pattern::mix64(i as u64 / 16) % 5) as u8)
+        .collect();
+    let src = session.alloc_device(0, bytes.len()).unwrap();
+    src.gpu().stream().unwrap().upload(&bytes, &src, 0).unwrap();
+    let scores: Vec<f32> = (0..tokens).map(|p| p as f32).collect();
+    pool.store(&session, 0, 0, tokens as usize, &src, 0, Some(&scores))
+        .unwrap();
+    let moved = pool.compact(100.0).unwrap();
+    assert_eq!(moved.to_cold, 100);
+    assert_eq!(pool.tier_of(0, 3), Some(Tier::Cold));
+    let cold = pool.cold_tier().unwrap();
+    assert!(cold.file_bytes() < cold.raw_bytes() / 2, "{cold:?}");
+    // Cold positions selected: read back from the export, checked, exact.
+    let selection: Vec<u64> = (0..32).map(|i| i * 3).collect();
+    let dst = session.alloc_device(0, selection.len() * entry).unwrap();
+    let r = pool.load(0, &selection, &dst, 0).unwrap();
+    assert_eq!(r.from_cold, selection.iter().filter(|&&p| p < 100).count());
+    let mut got = vec![0u8; selection.len() * entry];
+    dst.gpu()
+        .stream()
+        .unwrap()
+        .download(&dst, 0, &mut got)
+        .unwrap();
+    for (i, &p) in selection.iter().enumerate() {
+        let want = &bytes[p as usize * entry..][..entry];
+        assert!(got[i * entry..(i + 1) * entry] == *want, "position {p}");
+    }
+    // Entries that do not compress fill the 64 KiB export: a typed refusal.
+    let noise: Vec<u8> = (0..tokens as usize * entry)
+        .map(|i| pattern::mix64(i as u64) as u8)
+        .collect();
+    src.gpu().stream().unwrap().upload(&noise, &src, 0).unwrap();
+    pool.store(&session, 0, 0, tokens as usize, &src, 0, Some(&scores))
+        .unwrap();
+    let e = pool.compact(1000.0).unwrap_err();
+    assert!(matches!(e, AiError::TierFull(_)), "{e}");
+}
