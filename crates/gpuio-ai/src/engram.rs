@@ -247,8 +247,8 @@ impl EngramTable {
         })
     }
 
-    /// The `k` rows most similar to `query` (the largest dot products), best first, with
-    /// their scores. Brute force: the GPU of `gpu` reads every row of the table over the bus
+    /// The `k` rows most similar to `query` (the largest dot products), best first (ties to
+    /// the lower row, NaN scores never), with their scores. Brute force: the GPU of `gpu` reads every row of the table over the bus
     /// (nothing copied first) and scores it, and the top `k` are chosen on the host from the
     /// scores; on the host backend the CPU scores the rows. The query has one value per row
     /// value ([`RowValues`]).
@@ -300,7 +300,8 @@ impl EngramTable {
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .collect::<Vec<f32>>()
         };
-        Ok(top_k(&scores, k))
+        let best = crate::graph::graph_scatter(&scores, k);
+        Ok(best.into_iter().map(|i| (i, scores[i as usize])).collect())
     }
 }
 
@@ -317,62 +318,5 @@ fn dot(row: &[u8], query: &[f32], values: RowValues) -> f32 {
             .zip(query)
             .map(|(&b, q)| float8::F8E4M3::from_bits(b).to_f32() * q)
             .sum(),
-    }
-}
-
-/// The `k` best (largest) scores with their rows, best first; ties go to the lower row. NaN
-/// scores rank last. Memory for `k` candidates, not for every row.
-fn top_k(scores: &[f32], k: usize) -> Vec<(u64, f32)> {
-    use std::cmp::{Ordering, Reverse};
-    use std::collections::BinaryHeap;
-    /// Ordered best first: a larger score, then a lower row.
-    #[derive(PartialEq)]
-    struct Ranked(f32, u64);
-    impl Eq for Ranked {}
-    impl Ord for Ranked {
-        fn cmp(&self, other: &Self) -> Ordering {
-            let key = |s: f32| if s.is_nan() { f32::NEG_INFINITY } else { s };
-            key(self.0)
-                .total_cmp(&key(other.0))
-                .then(other.1.cmp(&self.1))
-        }
-    }
-    impl PartialOrd for Ranked {
-        fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-            Some(self.cmp(other))
-        }
-    }
-    if k == 0 {
-        return Vec::new();
-    }
-    // The worst kept candidate on top, replaced by anything better.
-    let mut kept: BinaryHeap<Reverse<Ranked>> = BinaryHeap::with_capacity(k + 1);
-    for (i, &s) in scores.iter().enumerate() {
-        let r = Ranked(s, i as u64);
-        if kept.len() < k {
-            kept.push(Reverse(r));
-        } else if kept.peek().is_some_and(|w| r > w.0) {
-            kept.pop();
-            kept.push(Reverse(r));
-        }
-    }
-    let mut best: Vec<(u64, f32)> = kept.into_iter().map(|Reverse(r)| (r.1, r.0)).collect();
-    best.sort_by_key(|&(row, score)| std::cmp::Reverse(Ranked(score, row)));
-    best
-}
-
-#[cfg(test)]
-mod tests {
-    use super::top_k;
-
-    #[test]
-    fn top_k_is_best_first_ties_to_the_lower_row_nan_last() {
-        let s = [0.5, f32::NAN, 0.9, 0.5, -1.0, 0.9];
-        assert_eq!(top_k(&s, 3), vec![(2, 0.9), (5, 0.9), (0, 0.5)]);
-        let all = top_k(&s, 10);
-        assert_eq!(all.len(), 6);
-        assert_eq!(all[4], (4, -1.0));
-        assert!(all[5].1.is_nan());
-        assert!(top_k(&s, 0).is_empty());
     }
 }

@@ -6,7 +6,7 @@
 use super::quant::{KvFormat, QuantizedKv};
 use crate::{AiError, Result};
 use gpuio_api::DeviceBuffer;
-use gpuio_hal::{Backend, QuantKind, QuantizedAt};
+use gpuio_hal::{Backend, QuantizedAt};
 
 /// Quantized KV values in device memory: the packed data and one scale per block, as
 /// [`QuantizedKv`] holds them on the host.
@@ -19,15 +19,6 @@ pub struct DeviceQuantizedKv {
 }
 
 impl KvFormat {
-    fn kind(self) -> (QuantKind, usize) {
-        match self {
-            Self::F16 => (QuantKind::F16, 1),
-            Self::Fp8 { block } => (QuantKind::Fp8, block),
-            Self::Int8 { block } => (QuantKind::Int8, block),
-            Self::Int4 { group } => (QuantKind::Int4, group),
-        }
-    }
-
     /// Quantizes `len` f32 values of `src` (from byte `src_offset`, 4-aligned) on `src`'s
     /// device. Refuses what [`KvFormat::quantize`] refuses (values that are not finite, FP16
     /// values beyond its range, a block of 0).
@@ -100,8 +91,8 @@ impl DeviceQuantizedKv {
 
     /// Bytes stored, data and scales.
     pub fn stored_bytes(&self) -> usize {
-        let (kind, block) = self.format.kind();
-        kind.data_bytes(self.len) + 4 * kind.scale_count(self.len, block)
+        let (data, scales) = self.format.sizes(self.len);
+        data + 4 * scales
     }
 
     /// The values back, as f32s into `dst` from byte `dst_offset` (4-aligned).

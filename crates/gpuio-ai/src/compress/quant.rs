@@ -8,6 +8,7 @@
 
 use crate::{AiError, Result};
 use float8::F8E4M3;
+use gpuio_hal::QuantKind;
 use half::f16;
 
 /// The largest magnitude E4M3 represents.
@@ -67,12 +68,20 @@ impl KvFormat {
         ((data + 4 * scales) * 8) as f64 / len as f64
     }
 
-    /// Bytes of data and number of scales for `len` values.
-    fn sizes(self, len: usize) -> (usize, usize) {
+    /// Bytes of data and number of scales for `len` values (the kernels' layout, so one
+    /// definition serves both sides).
+    pub(super) fn sizes(self, len: usize) -> (usize, usize) {
+        let (kind, block) = self.kind();
+        (kind.data_bytes(len), kind.scale_count(len, block))
+    }
+
+    /// The kernels' name for the format, and its block (1 for FP16).
+    pub(super) fn kind(self) -> (QuantKind, usize) {
         match self {
-            Self::F16 => (2 * len, 0),
-            Self::Fp8 { block } | Self::Int8 { block } => (len, len.div_ceil(block.max(1))),
-            Self::Int4 { group } => (len.div_ceil(2), len.div_ceil(group.max(1))),
+            Self::F16 => (QuantKind::F16, 1),
+            Self::Fp8 { block } => (QuantKind::Fp8, block),
+            Self::Int8 { block } => (QuantKind::Int8, block),
+            Self::Int4 { group } => (QuantKind::Int4, group),
         }
     }
 

@@ -31,6 +31,14 @@ fn entry(layer: usize, pos: u64, generation: u64) -> Vec<u8> {
     v
 }
 
+/// `len` bytes of `buf` from `offset`.
+fn download(buf: &DeviceBuffer, offset: usize, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    let stream = buf.gpu().stream().unwrap();
+    stream.download(buf, offset, &mut out).unwrap();
+    out
+}
+
 fn upload(session: &Session, bytes: &[u8]) -> DeviceBuffer {
     let buf = session.alloc_device(0, bytes.len().max(1)).unwrap();
     buf.gpu().stream().unwrap().upload(bytes, &buf, 0).unwrap();
@@ -80,12 +88,7 @@ fn overlapping_selections_load_exactly_what_was_stored() {
         assert!(pool.hot_entries(layer) <= cfg.hot_slots);
         hits += r.hits;
         seen += r.selected;
-        let mut out = vec![0u8; selection.len() * E];
-        dst.gpu()
-            .stream()
-            .unwrap()
-            .download(&dst, 0, &mut out)
-            .unwrap();
+        let out = download(&dst, 0, selection.len() * E);
         for (i, &p) in selection.iter().enumerate() {
             let want = entry(layer, p, generation[layer][p as usize]);
             assert!(
@@ -230,12 +233,7 @@ fn evicted_entries_go_cold_least_important_first_and_come_back_exact() {
     let dst = session.alloc_device(0, picked.len() * E).unwrap();
     let r = pool.load(0, &picked, &dst, 0).unwrap();
     assert_eq!(r.from_cold, picked.len());
-    let mut out = vec![0u8; picked.len() * E];
-    dst.gpu()
-        .stream()
-        .unwrap()
-        .download(&dst, 0, &mut out)
-        .unwrap();
+    let out = download(&dst, 0, picked.len() * E);
     for (i, &p) in picked.iter().enumerate() {
         assert!(
             out[i * E..(i + 1) * E] == entry(0, p, 0)[..],
@@ -389,12 +387,7 @@ fn a_batch_loads_every_request_as_its_own_load_would() {
         for (r, (rep, sel)) in reports.iter().zip(&selections).enumerate() {
             assert_eq!(rep.selected, sel.len());
             hits += rep.hits;
-            let mut got = vec![0u8; sel.len() * E];
-            dst.gpu()
-                .stream()
-                .unwrap()
-                .download(&dst, r * stride, &mut got)
-                .unwrap();
+            let got = download(&dst, r * stride, sel.len() * E);
             for (i, &p) in sel.iter().enumerate() {
                 assert!(
                     got[i * E..(i + 1) * E] == entry(r, p, 0)[..],
@@ -426,12 +419,7 @@ fn a_batch_loads_every_request_as_its_own_load_would() {
     // The pools still load right bytes on their own.
     for (r, pool) in pools.iter_mut().enumerate() {
         pool.load(0, &selections[r], &dst, 0).unwrap();
-        let mut got = vec![0u8; selections[r].len() * E];
-        dst.gpu()
-            .stream()
-            .unwrap()
-            .download(&dst, 0, &mut got)
-            .unwrap();
+        let got = download(&dst, 0, selections[r].len() * E);
         for (i, &p) in selections[r].iter().enumerate() {
             assert!(
                 got[i * E..(i + 1) * E] == entry(r, p, 0)[..],
