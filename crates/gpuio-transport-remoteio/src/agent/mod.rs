@@ -367,7 +367,7 @@ impl Agent {
             .enable_io()
             .enable_time()
             .build()?;
-        let listener = runtime.block_on(tokio::net::TcpListener::bind(cfg.listen))?;
+        let listener = runtime.block_on(listen(cfg.listen))?;
         let addr = listener.local_addr()?;
         let (stop, stopped) = watch::channel(false);
         let gate = gate::Gate::new(cfg.max_handshakes_per_address, cfg.max_handshakes);
@@ -511,4 +511,21 @@ fn is_resource_shortage(errno: i32) -> bool {
         errno,
         libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM
     )
+}
+
+/// Connections the kernel may hold ready for `accept` (capped by `net.core.somaxconn`). A
+/// flood of strangers' connects must not fill the queue and make a good client's SYN wait
+/// for its one-second retransmit: tokio's default is 1024.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// A listening socket on `addr`, as `TcpListener::bind` makes one (address reuse on), with
+/// [`LISTEN_BACKLOG`].
+async fn listen(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = match addr {
+        std::net::SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        std::net::SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
