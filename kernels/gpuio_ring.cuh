@@ -11,16 +11,20 @@
 //
 // Protocol (no GPU atomics on host memory: PCIe does not make them atomic):
 // - post: claim ticket t with one warp-aggregated atomicAdd on a counter in device memory;
-//   wait until slot t & mask has turn == t and state == FREE (the ring is full meanwhile) or
-//   the ring is no longer OPEN (then the request is refused with GPUIO_ERROR_RING_SHUTDOWN);
-//   write the request fields, store state = POSTED (release: the fields before it).
-// - the host consumer of ticket t copies the request, carries it out, writes result, stores
-//   state = DONE (release).
-// - poll: when turn == t and state == DONE (acquire: a load, then an acquire-release fence),
-//   read result and free the slot for the next lap: turn = t + nslots (plain), then state =
-//   FREE (release; the next lap needs both). If the ring is CLOSED and the slot is not DONE,
-//   the request was never served: GPUIO_ERROR_RING_SHUTDOWN (the state is read every 16th
-//   failed poll: a PCIe round trip of its own).
+//   wait until the slot's free turn (device memory, beside the counter: only producers free
+//   slots, so the check stays on the GPU) equals t (the ring is full meanwhile) or the ring is
+//   no longer OPEN (then the request is refused with GPUIO_ERROR_RING_SHUTDOWN); write the
+//   request fields and turn = t, store status = POSTED (release: the fields before it).
+// - the host consumer of ticket t sees POSTED with turn == t, copies the request, carries it
+//   out, and stores status = DONE* with the result in the same word (release; an inline
+//   completion's bytes before it).
+// - poll: one 16-byte load of (status, inline bytes); when the state is DONE* (then an
+//   acquire fence) the result and any inline bytes are in hand. No lap check: this thread
+//   stored this lap's POSTED itself and no later lap posts before it frees the slot. Free
+//   the slot for the next lap: free turn = t + nslots (release, device memory). If the ring
+//   is CLOSED and the slot is not DONE*, the request was never served:
+//   GPUIO_ERROR_RING_SHUTDOWN (the ring's state is read every 16th failed poll: a PCIe round
+//   trip of its own).
 //
 // Rules for callers:
 // - Needs sm_70 or newer (independent thread scheduling lets lanes of one warp wait for each
@@ -47,20 +51,27 @@
 // ---- Constants (same values as crates/gpuio-hal/src/ring/layout.rs) -------------------------
 
 #define GPUIO_RING_MAGIC 0x4F495047u
-#define GPUIO_RING_VERSION 1u
+#define GPUIO_RING_VERSION 2u
 
 // gpuio_ring_header.state
 #define GPUIO_RING_OPEN 0u
 #define GPUIO_RING_STOPPING 1u
 #define GPUIO_RING_CLOSED 2u
 
-// gpuio_ring_slot.state
+// gpuio_ring_slot.status: the state in the low GPUIO_SLOT_STATE_BITS bits, the result (bytes
+// moved or a negative code) above them, so one store publishes a completion.
+#define GPUIO_SLOT_STATE_BITS 8u
 #define GPUIO_SLOT_FREE 0u
 #define GPUIO_SLOT_POSTED 1u
+// Done; the bytes (if any) are at their destination.
 #define GPUIO_SLOT_DONE 2u
-// A staged READ of at most 8 bytes is done and its bytes travel in the slot: result holds
-// their count, the staged word the bytes themselves (one host-memory read fewer).
+// A staged READ of at most 8 bytes is done and its bytes travel in the slot's inline_bytes
+// word, read with the status (no second read of host memory).
 #define GPUIO_SLOT_DONE_INLINE 3u
+// A staged READ is done and its bytes are in the slot's bounce buffer.
+#define GPUIO_SLOT_DONE_BOUNCE 4u
+// A producer's inline_bytes marker is this times (ticket + 1): see gpuio_ring_inline_marker.
+#define GPUIO_RING_INLINE_MARKER 0x9E3779B97F4A7C15ull
 
 // gpuio_ring_slot.op
 #define GPUIO_RING_OP_READ 1u
@@ -103,25 +114,28 @@ struct __align__(64) gpuio_ring_header {
     unsigned int reserved[12];
 };
 
-// One request slot, a cache line of its own. Slot i starts with turn = i, state = FREE.
+// One request slot, a cache line of its own. The status and the inline bytes come first, in
+// one aligned 16 bytes, so that a completion is polled with one load.
 struct __align__(64) gpuio_ring_slot {
-    unsigned long long turn;      // the ticket allowed to use the slot now
-    unsigned int state;           // GPUIO_SLOT_FREE / POSTED / DONE
-    unsigned int op;              // GPUIO_RING_OP_READ / WRITE
-    unsigned int resource;        // resource handle registered with the proxy
-    unsigned int flags;           // GPUIO_RING_FLAG_*
+    unsigned long long status;        // GPUIO_SLOT_* | result << GPUIO_SLOT_STATE_BITS
+    unsigned long long inline_bytes;  // a DONE_INLINE completion's bytes
+    unsigned long long turn;          // the ticket posted in the slot
+    unsigned int op;                  // GPUIO_RING_OP_READ / WRITE
+    unsigned int resource;            // resource handle registered with the proxy
+    unsigned int flags;               // GPUIO_RING_FLAG_*
+    unsigned int reserved;
     unsigned long long offset;    // byte offset in the resource
     unsigned long long len;       // bytes
     unsigned long long dev_addr;  // destination (READ) or source (WRITE) in device memory
-    long long result;             // bytes moved (>= 0) or a negative GPUIO_ERROR_*
-    unsigned long long staged;    // non-zero: the bytes are in the slot's bounce buffer
 };
 
 // What a kernel receives (by value) to reach a ring: gpuio_hal::ring::RingDevice.
 struct gpuio_ring {
     gpuio_ring_header* header;  // mapped host memory
     gpuio_ring_slot* slots;     // mapped host memory, right after the header
-    unsigned long long* claim;  // producers' ticket counter, in device memory (starts at 0)
+    // Producers' memory, on the device: claim[0] the ticket counter (starts at 0), claim[1 + i]
+    // slot i's free turn, the ticket that may post in it next (starts at i).
+    unsigned long long* claim;
     unsigned int mask;          // nslots - 1
     unsigned int nslots;
     unsigned char* bounce;      // slot 0's bounce buffer (mapped host memory), or null
@@ -155,16 +169,15 @@ static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_header, slots) == 8, "header.slots"
 static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_header, state) == 12, "header.state");
 static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_header, reserved) == 16, "header.reserved");
 
-static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, turn) == 0, "slot.turn");
-static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, state) == 8, "slot.state");
-static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, op) == 12, "slot.op");
-static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, resource) == 16, "slot.resource");
-static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, flags) == 20, "slot.flags");
-static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, offset) == 24, "slot.offset");
-static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, len) == 32, "slot.len");
-static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, dev_addr) == 40, "slot.dev_addr");
-static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, result) == 48, "slot.result");
-static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, staged) == 56, "slot.staged");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, status) == 0, "slot.status");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, inline_bytes) == 8, "slot.inline_bytes");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, turn) == 16, "slot.turn");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, op) == 24, "slot.op");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, resource) == 28, "slot.resource");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, flags) == 32, "slot.flags");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, offset) == 40, "slot.offset");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, len) == 48, "slot.len");
+static_assert(GPUIO_RING_OFFSETOF(gpuio_ring_slot, dev_addr) == 56, "slot.dev_addr");
 
 static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, header) == 0, "ring.header");
 static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, slots) == 8, "ring.slots");
@@ -177,10 +190,10 @@ static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, bounce_bytes) == 40, "ring.bounce_
 
 // ---- System-scope loads and stores -----------------------------------------------------------
 
-// Every read of host memory is a PCIe round trip (~1 us), so the protocol's hot paths read two
-// neighbouring 8-byte words with one 16-byte load: a slot's (turn, state) and (result, staged).
-// Each word is read whole; the pair is not one atomic read, which the checks allow for (both
-// words must show the expected lap before anything is believed).
+// Every read of host memory is a PCIe round trip (~1 us), so a completion is polled with one
+// 16-byte load of a slot's (status, inline_bytes). Each word is read whole; the pair is not
+// one atomic read, which is why the inline bytes are written before the status (release) and
+// trusted only after a DONE_INLINE status was seen and the acquire fence made.
 __device__ __forceinline__ void gpuio_ring_ld_pair(const void* p, unsigned long long* a,
                                                    unsigned long long* b) {
     asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
@@ -201,14 +214,28 @@ __device__ __forceinline__ void gpuio_ring_fence_acquire() {
 #endif
 }
 
-// Whether `s` is at `turn` in `state`, with what follows ordered after the check (acquire).
-__device__ __forceinline__ int gpuio_ring_slot_is(const gpuio_ring_slot* s, unsigned long long turn,
-                                                  unsigned int state) {
-    unsigned long long t, w;
-    gpuio_ring_ld_pair(&s->turn, &t, &w);
-    if (t != turn || (unsigned int)w != state) return 0;  // state is the low half of word 1
-    gpuio_ring_fence_acquire();
-    return 1;
+// The free turns live in device memory and only GPU threads use them: gpu-scope acquire and
+// release, no PCIe.
+__device__ __forceinline__ unsigned long long gpuio_ring_ld_acquire_gpu64(
+    const unsigned long long* p) {
+    unsigned long long v;
+#if __CUDA_ARCH__ >= 700
+    asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+#else
+    v = *(const volatile unsigned long long*)p;
+    __threadfence();
+#endif
+    return v;
+}
+
+__device__ __forceinline__ void gpuio_ring_st_release_gpu64(unsigned long long* p,
+                                                             unsigned long long v) {
+#if __CUDA_ARCH__ >= 700
+    asm volatile("st.release.gpu.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+#else
+    __threadfence();
+    *(volatile unsigned long long*)p = v;
+#endif
 }
 
 __device__ __forceinline__ unsigned int gpuio_ring_ld_acquire32(const unsigned int* p) {
@@ -222,12 +249,14 @@ __device__ __forceinline__ unsigned int gpuio_ring_ld_acquire32(const unsigned i
     return v;
 }
 
-__device__ __forceinline__ void gpuio_ring_st_release32(unsigned int* p, unsigned int v) {
+// A status word's POSTED store: the release orders the request's fields before it.
+__device__ __forceinline__ void gpuio_ring_st_release_sys64(unsigned long long* p,
+                                                             unsigned long long v) {
 #if __CUDA_ARCH__ >= 700
-    asm volatile("st.release.sys.u32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+    asm volatile("st.release.sys.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
 #else
     __threadfence_system();
-    *(volatile unsigned int*)p = v;
+    *(volatile unsigned long long*)p = v;
 #endif
 }
 
@@ -276,6 +305,12 @@ __device__ __forceinline__ unsigned long long gpuio_ring_claim(const gpuio_ring*
     return base + rank;
 }
 
+// What a producer stores in its slot's inline_bytes when it posts: an inline completion's
+// bytes that differ from it cannot be an earlier lap's (see gpuio_ring_arrived).
+__device__ __forceinline__ unsigned long long gpuio_ring_inline_marker(unsigned long long t) {
+    return GPUIO_RING_INLINE_MARKER * (t + 1ull);
+}
+
 // Writes a request into the slot of ticket `tok->ticket` if that slot is free for it: 1 when
 // posted, 0 when the slot is still busy with an earlier lap (try again), or
 // GPUIO_ERROR_RING_SHUTDOWN when the ring is no longer open (nothing posted; `tok` then holds
@@ -288,11 +323,13 @@ __device__ __forceinline__ long long gpuio_ring_try_post(const gpuio_ring* r, gp
                                                          const unsigned char* stage_from = 0) {
     const unsigned long long t = tok->ticket;
     gpuio_ring_slot* s = r->slots + (t & r->mask);
-    // The slot first (one round trip when it is free, the common case). A ring that stopped
-    // meanwhile is found by the waiter: the host writes nothing after CLOSED, and a request
-    // still POSTED then is reported shut down.
-    if (!gpuio_ring_slot_is(s, t, GPUIO_SLOT_FREE)) {
-        if (gpuio_ring_ld_acquire32(&r->header->state) != GPUIO_RING_OPEN) {
+    // The slot's free turn first, in device memory (L2, no PCIe): free when it is this
+    // ticket's. A ring that stopped meanwhile is found by the waiter: the host writes nothing
+    // after CLOSED, and a request still POSTED then is reported shut down.
+    if (gpuio_ring_ld_acquire_gpu64(r->claim + 1 + (t & r->mask)) != t) {
+        // A full ring: the ring's state costs a PCIe round trip, so every 16th try only.
+        if ((++tok->polls & 15u) == 0u &&
+            gpuio_ring_ld_acquire32(&r->header->state) != GPUIO_RING_OPEN) {
             tok->result = GPUIO_ERROR_RING_SHUTDOWN;
             tok->done = 1u;
             return GPUIO_ERROR_RING_SHUTDOWN;
@@ -318,8 +355,10 @@ __device__ __forceinline__ long long gpuio_ring_try_post(const gpuio_ring* r, gp
     v->offset = offset;
     v->len = len;
     v->dev_addr = tok->dev_addr;
+    v->turn = t;
+    v->inline_bytes = gpuio_ring_inline_marker(t);
     // The release store orders the fields (and a staged WRITE's bytes) before POSTED.
-    gpuio_ring_st_release32(&s->state, GPUIO_SLOT_POSTED);
+    gpuio_ring_st_release_sys64(&s->status, GPUIO_SLOT_POSTED);
     return 1;
 }
 
@@ -413,7 +452,7 @@ __device__ __forceinline__ void gpuio_ring_copy_staged(const unsigned char* from
 // Where a completion's bytes are, besides the destination.
 #define GPUIO_STAGED_NONE 0    // already at the destination (or none: an error)
 #define GPUIO_STAGED_BOUNCE 1  // in the slot's bounce buffer
-#define GPUIO_STAGED_INLINE 2  // in the slot's staged word (*inline_bytes)
+#define GPUIO_STAGED_INLINE 2  // in the slot's inline_bytes word (*inline_bytes)
 
 // Whether the completion has arrived; then its result and where its bytes are (a
 // GPUIO_STAGED_* value; inline ones are copied into *inline_bytes). The slot is not handed on
@@ -421,22 +460,27 @@ __device__ __forceinline__ void gpuio_ring_copy_staged(const unsigned char* from
 __device__ __forceinline__ int gpuio_ring_arrived(const gpuio_ring* r, const gpuio_token* tok,
                                                   long long* result, int* staged,
                                                   unsigned long long* inline_bytes) {
-    gpuio_ring_slot* s = r->slots + (tok->ticket & r->mask);
-    unsigned long long t, w;
-    gpuio_ring_ld_pair(&s->turn, &t, &w);  // state is the low half of word 1
-    const unsigned int state = (unsigned int)w;
-    if (t != tok->ticket || (state != GPUIO_SLOT_DONE && state != GPUIO_SLOT_DONE_INLINE)) {
-        return 0;
-    }
+    const gpuio_ring_slot* s = r->slots + (tok->ticket & r->mask);
+    unsigned long long status, word;
+    gpuio_ring_ld_pair(&s->status, &status, &word);
+    const unsigned int state = (unsigned int)(status & ((1ull << GPUIO_SLOT_STATE_BITS) - 1ull));
+    if (state < GPUIO_SLOT_DONE || state > GPUIO_SLOT_DONE_BOUNCE) return 0;  // POSTED: not yet
     gpuio_ring_fence_acquire();
-    unsigned long long res, stg;
-    gpuio_ring_ld_pair(&s->result, &res, &stg);
-    *result = (long long)res;
-    if (state == GPUIO_SLOT_DONE_INLINE && (long long)res > 0) {
+    const long long res = (long long)status >> GPUIO_SLOT_STATE_BITS;
+    *result = res;
+    *staged = GPUIO_STAGED_NONE;
+    if (res > 0 && state == GPUIO_SLOT_DONE_INLINE) {
+        // The word was loaded with the status, not after it: it is the producer's marker
+        // (stored when this ticket posted, by this thread or one ordered before it) or the
+        // consumer's bytes, the only later store before the
+        // next lap. Bytes that happen to equal the marker are read again, after the fence.
+        if (word == gpuio_ring_inline_marker(tok->ticket)) {
+            word = *(const volatile unsigned long long*)&s->inline_bytes;
+        }
         *staged = GPUIO_STAGED_INLINE;
-        *inline_bytes = stg;
-    } else {
-        *staged = (stg != 0ull && (long long)res > 0) ? GPUIO_STAGED_BOUNCE : GPUIO_STAGED_NONE;
+        *inline_bytes = word;
+    } else if (res > 0 && state == GPUIO_SLOT_DONE_BOUNCE) {
+        *staged = GPUIO_STAGED_BOUNCE;
     }
     return 1;
 }
@@ -457,14 +501,12 @@ __device__ __forceinline__ const unsigned char* gpuio_ring_bounce(const gpuio_ri
     return r->bounce + (tok->ticket & r->mask) * r->bounce_bytes;
 }
 
-// Hands the slot of a collected completion to the next lap. One release store (FREE) orders
-// this thread's reads of the slot and its bounce buffer before the next lap can post: that
-// producer needs both the new turn and FREE, so the turn itself needs no fence of its own.
+// Hands the slot of a collected completion to the next lap: its free turn, in device memory.
+// The release orders this thread's reads of the slot and its bounce buffer before the next
+// lap's producer (a GPU thread, which acquires the free turn) writes them.
 __device__ __forceinline__ void gpuio_ring_release(const gpuio_ring* r, gpuio_token* tok,
                                                    long long result) {
-    gpuio_ring_slot* s = r->slots + (tok->ticket & r->mask);
-    *(volatile unsigned long long*)&s->turn = tok->ticket + r->nslots;
-    gpuio_ring_st_release32(&s->state, GPUIO_SLOT_FREE);
+    gpuio_ring_st_release_gpu64(r->claim + 1 + (tok->ticket & r->mask), tok->ticket + r->nslots);
     tok->result = result;
     tok->done = 1u;
 }

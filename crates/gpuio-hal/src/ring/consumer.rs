@@ -7,7 +7,8 @@
 
 use super::layout::{
     FLAG_STAGE, INLINE_BYTES, OP_READ, OP_WRITE, RESULT_SHUT_DOWN, RING_CLOSED, RING_OPEN,
-    RING_STOPPING, SLOT_DONE, SLOT_DONE_INLINE, SLOT_POSTED,
+    RING_STOPPING, SLOT_DONE, SLOT_DONE_BOUNCE, SLOT_DONE_INLINE, SLOT_POSTED, status_state,
+    status_word,
 };
 use super::memory::{RingMemory, RingState};
 use super::{Backoff, WaitPolicy, past, result_of};
@@ -66,9 +67,9 @@ impl RingMemory {
         for s in self.slot_array() {
             // The consumers' completions happened before (live_claims), so POSTED here is a
             // request nobody serves; its producer waits and touches nothing until DONE.
-            if s.state.load(Ordering::Acquire) == SLOT_POSTED {
-                s.result.store(RESULT_SHUT_DOWN, Ordering::Relaxed);
-                s.state.store(SLOT_DONE, Ordering::Release);
+            if status_state(s.status.load(Ordering::Acquire)) == SLOT_POSTED {
+                s.status
+                    .store(status_word(SLOT_DONE, RESULT_SHUT_DOWN), Ordering::Release);
                 swept += 1;
             }
         }
@@ -175,8 +176,10 @@ impl<'r> RingClaim<'r> {
             return Take::Stopped;
         }
         let s = self.ring.slot(self.ticket);
-        if s.turn.load(Ordering::Acquire) != self.ticket
-            || s.state.load(Ordering::Acquire) != SLOT_POSTED
+        // POSTED first (acquire), then the turn its producer wrote before it: a POSTED of an
+        // earlier lap, still waiting for its own consumer, shows that lap's ticket.
+        if status_state(s.status.load(Ordering::Acquire)) != SLOT_POSTED
+            || s.turn.load(Ordering::Relaxed) != self.ticket
         {
             return Take::Pending(self);
         }
@@ -266,9 +269,9 @@ impl RingTaken<'_> {
         })
     }
 
-    /// Publishes `bytes` delivered in the slot's bounce buffer. Up to [`INLINE_BYTES`] of
-    /// them travel in the slot itself ([`SLOT_DONE_INLINE`]), so the producer needs no second
-    /// read of host memory.
+    /// Publishes `bytes` delivered in the slot's bounce buffer ([`SLOT_DONE_BOUNCE`]). Up to
+    /// [`INLINE_BYTES`] of them travel in the slot itself ([`SLOT_DONE_INLINE`]), read with the
+    /// completion: the producer needs no second read of host memory.
     pub fn complete_staged(mut self, bytes: u64) {
         self.result = bytes.min(i64::MAX as u64) as i64;
         self.staged = true;
@@ -286,17 +289,17 @@ impl RingTaken<'_> {
 impl Drop for RingTaken<'_> {
     fn drop(&mut self) {
         let s = self.claim.ring.slot(self.claim.ticket);
-        s.result.store(self.result, Ordering::Relaxed);
-        match self.inline {
+        let state = match self.inline {
             Some(word) => {
-                s.staged.store(word, Ordering::Relaxed);
-                s.state.store(SLOT_DONE_INLINE, Ordering::Release);
+                s.inline_bytes.store(word, Ordering::Relaxed);
+                SLOT_DONE_INLINE
             }
-            None => {
-                s.staged.store(u64::from(self.staged), Ordering::Relaxed);
-                s.state.store(SLOT_DONE, Ordering::Release);
-            }
-        }
+            None if self.staged && self.result > 0 => SLOT_DONE_BOUNCE,
+            None => SLOT_DONE,
+        };
+        // One store publishes the state and the result (the inline bytes before it).
+        s.status
+            .store(status_word(state, self.result), Ordering::Release);
     }
 }
 

@@ -9,7 +9,7 @@
 use super::result_of;
 use crate::error::ErrorCode;
 use std::mem::{align_of, offset_of, size_of};
-use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicU32, AtomicU64};
 
 // ---------------------------------------------------------------------------------------------
 // Constants shared with kernels/gpuio_ring.cuh (the `GPUIO_*` name of each is in `layout()`).
@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64};
 /// `GPUIO_RING_MAGIC`: the header's first word, the bytes "GPIO".
 pub const MAGIC: u32 = u32::from_le_bytes(*b"GPIO");
 /// `GPUIO_RING_VERSION`: the layout version; bumped on any change of the shared structs.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 /// `GPUIO_RING_OPEN`: requests are accepted and served.
 pub const RING_OPEN: u32 = 0;
@@ -26,18 +26,63 @@ pub const RING_STOPPING: u32 = 1;
 /// `GPUIO_RING_CLOSED`: the host writes the ring no more.
 pub const RING_CLOSED: u32 = 2;
 
-/// `GPUIO_SLOT_FREE`: the slot waits for the producer of its `turn`.
+/// `GPUIO_SLOT_FREE`: the state a slot starts in. A collected slot keeps its last `DONE`
+/// state until the next lap posts: whose turn a slot is, and when it is free for it, only
+/// the producers track (in their claim memory, see [`RingDevice::claim`]).
 pub const SLOT_FREE: u32 = 0;
 /// `GPUIO_SLOT_POSTED`: a request is in the slot, waiting for (or with) a consumer.
 pub const SLOT_POSTED: u32 = 1;
-/// `GPUIO_SLOT_DONE`: `result` holds the outcome; the producer frees the slot.
+/// `GPUIO_SLOT_DONE`: the status word holds the outcome; the bytes (if any) are at their
+/// destination.
 pub const SLOT_DONE: u32 = 2;
 /// `GPUIO_SLOT_DONE_INLINE`: a staged READ of at most [`INLINE_BYTES`] bytes is done and its
-/// bytes are in the slot itself: `result` holds their count, the `staged` word the bytes (in
-/// memory order). The producer reads them with the completion, one host-memory read fewer.
+/// bytes are in the slot's `inline_bytes` word (in memory order), beside the status: the
+/// producer reads them with the completion.
 pub const SLOT_DONE_INLINE: u32 = 3;
-/// Bytes a completion can carry inline (the `staged` word).
+/// `GPUIO_SLOT_DONE_BOUNCE`: a staged READ is done and its bytes are in the slot's bounce
+/// buffer; the producer copies them to the destination.
+pub const SLOT_DONE_BOUNCE: u32 = 4;
+/// Bytes a completion can carry inline (the `inline_bytes` word).
 pub const INLINE_BYTES: usize = 8;
+/// `GPUIO_RING_INLINE_MARKER`: a producer stores `INLINE_MARKER * (ticket + 1)` in its slot's
+/// `inline_bytes` when it posts ([`inline_marker`]). A GPU thread reads that word in the same
+/// load as the status, unordered after it; a value other than its own marker can then only
+/// be the consumer's bytes of this lap (a marker-valued one is read again after the acquire).
+pub const INLINE_MARKER: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// The marker a producer of `ticket` stores in the slot's `inline_bytes` when it posts.
+pub const fn inline_marker(ticket: u64) -> u64 {
+    INLINE_MARKER.wrapping_mul(ticket.wrapping_add(1))
+}
+/// `GPUIO_SLOT_STATE_BITS`: a status word is `state | result << STATE_BITS`, so that one
+/// 8-byte store publishes a completion and one 16-byte load (status and inline bytes) reads
+/// all of it: a PCIe round trip for the GPU, not two.
+pub const STATE_BITS: u32 = 8;
+
+/// The status word of `state` with `result` (bytes moved or a negative code; results beyond
+/// the word's 56 bits, which no transfer reaches, saturate).
+pub const fn status_word(state: u32, result: i64) -> u64 {
+    const MAX: i64 = i64::MAX >> STATE_BITS;
+    const MIN: i64 = i64::MIN >> STATE_BITS;
+    let r = if result > MAX {
+        MAX
+    } else if result < MIN {
+        MIN
+    } else {
+        result
+    };
+    ((r << STATE_BITS) as u64) | (state & 0xff) as u64
+}
+
+/// The state of a status word.
+pub const fn status_state(word: u64) -> u32 {
+    (word & 0xff) as u32
+}
+
+/// The result of a status word (arithmetic shift: negative codes stay negative).
+pub const fn status_result(word: u64) -> i64 {
+    (word as i64) >> STATE_BITS
+}
 
 /// `GPUIO_RING_OP_READ`: resource → device memory.
 pub const OP_READ: u32 = 1;
@@ -75,26 +120,28 @@ pub struct RingHeader {
 }
 
 /// One request slot (`struct gpuio_ring_slot`), a cache line of its own. The producer writes
-/// `turn`, `state` (`POSTED`, `FREE`) and the request fields; the consumer writes `result` and
-/// `state` (`DONE`).
+/// the request fields, `turn` and the status `POSTED`; the consumer writes the status `DONE*`
+/// (with the result) and an inline completion's bytes. The status and the inline bytes come
+/// first, in one aligned 16 bytes, so that a GPU thread polls a completion with one load.
 #[repr(C, align(64))]
 pub struct RingSlot {
+    /// `state | result << STATE_BITS` ([`status_word`]).
+    pub(super) status: AtomicU64,
+    /// The bytes of a `DONE_INLINE` completion.
+    pub(super) inline_bytes: AtomicU64,
+    /// The ticket posted in the slot (the consumer of that ticket takes it).
     pub(super) turn: AtomicU64,
-    pub(super) state: AtomicU32,
     pub(super) op: AtomicU32,
     pub(super) resource: AtomicU32,
     pub(super) flags: AtomicU32,
+    _reserved: AtomicU32,
     pub(super) offset: AtomicU64,
     pub(super) len: AtomicU64,
     pub(super) dev_addr: AtomicU64,
-    pub(super) result: AtomicI64,
-    /// Non-zero when the result's bytes are in the slot's bounce buffer (`FLAG_STAGE`).
-    pub(super) staged: AtomicU64,
 }
 
 /// What a kernel receives by value to reach a ring (`struct gpuio_ring`): device addresses
-/// of the header, the slots and the claim counter (8 bytes of device memory the GPU's
-/// producers `atomicAdd` on), and the slot mask.
+/// of the header, the slots and the producers' claim memory, and the slot mask.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RingDevice {
@@ -102,7 +149,11 @@ pub struct RingDevice {
     pub header: u64,
     /// Device address of slot 0.
     pub slots: u64,
-    /// Device address of the producers' claim counter (a `u64` that starts at zero).
+    /// Device address of the producers' claim memory, `1 + nslots` `u64`s in device memory:
+    /// the ticket counter the GPU's producers `atomicAdd` on (starts at zero), then slot `i`'s
+    /// free turn (starts at `i`): the ticket that may post in it next. Only producers read
+    /// and write these (the GPU frees every slot), so a post checks the GPU's own memory, not
+    /// the slot across PCIe.
     pub claim: u64,
     /// `nslots - 1`.
     pub mask: u32,
@@ -122,7 +173,6 @@ pub const SLOT_BYTES: usize = 64;
 
 const _: () = {
     assert!(size_of::<AtomicU64>() == 8 && align_of::<AtomicU64>() == 8);
-    assert!(size_of::<AtomicI64>() == 8 && align_of::<AtomicI64>() == 8);
     assert!(size_of::<AtomicU32>() == 4 && align_of::<AtomicU32>() == 4);
 
     assert!(size_of::<RingHeader>() == HEADER_BYTES);
@@ -135,16 +185,16 @@ const _: () = {
 
     assert!(size_of::<RingSlot>() == SLOT_BYTES);
     assert!(align_of::<RingSlot>() == 64);
-    assert!(offset_of!(RingSlot, turn) == 0);
-    assert!(offset_of!(RingSlot, state) == 8);
-    assert!(offset_of!(RingSlot, op) == 12);
-    assert!(offset_of!(RingSlot, resource) == 16);
-    assert!(offset_of!(RingSlot, flags) == 20);
-    assert!(offset_of!(RingSlot, offset) == 24);
-    assert!(offset_of!(RingSlot, len) == 32);
-    assert!(offset_of!(RingSlot, dev_addr) == 40);
-    assert!(offset_of!(RingSlot, result) == 48);
-    assert!(offset_of!(RingSlot, staged) == 56);
+    assert!(offset_of!(RingSlot, status) == 0);
+    assert!(offset_of!(RingSlot, inline_bytes) == 8);
+    assert!(offset_of!(RingSlot, turn) == 16);
+    assert!(offset_of!(RingSlot, op) == 24);
+    assert!(offset_of!(RingSlot, resource) == 28);
+    assert!(offset_of!(RingSlot, flags) == 32);
+    assert!(offset_of!(RingSlot, _reserved) == 36);
+    assert!(offset_of!(RingSlot, offset) == 40);
+    assert!(offset_of!(RingSlot, len) == 48);
+    assert!(offset_of!(RingSlot, dev_addr) == 56);
 
     assert!(size_of::<RingDevice>() == 48);
     assert!(align_of::<RingDevice>() == 8);
@@ -225,16 +275,15 @@ pub fn layout() -> RingLayout {
         field_entry!(RingHeader, "gpuio_ring_header", slots),
         field_entry!(RingHeader, "gpuio_ring_header", state),
         struct_entry!(RingSlot, "gpuio_ring_slot"),
+        field_entry!(RingSlot, "gpuio_ring_slot", status),
+        field_entry!(RingSlot, "gpuio_ring_slot", inline_bytes),
         field_entry!(RingSlot, "gpuio_ring_slot", turn),
-        field_entry!(RingSlot, "gpuio_ring_slot", state),
         field_entry!(RingSlot, "gpuio_ring_slot", op),
         field_entry!(RingSlot, "gpuio_ring_slot", resource),
         field_entry!(RingSlot, "gpuio_ring_slot", flags),
         field_entry!(RingSlot, "gpuio_ring_slot", offset),
         field_entry!(RingSlot, "gpuio_ring_slot", len),
         field_entry!(RingSlot, "gpuio_ring_slot", dev_addr),
-        field_entry!(RingSlot, "gpuio_ring_slot", result),
-        field_entry!(RingSlot, "gpuio_ring_slot", staged),
         struct_entry!(RingDevice, "gpuio_ring"),
         field_entry!(RingDevice, "gpuio_ring", header),
         field_entry!(RingDevice, "gpuio_ring", slots),
@@ -254,6 +303,8 @@ pub fn layout() -> RingLayout {
         ("GPUIO_SLOT_POSTED", SLOT_POSTED.into()),
         ("GPUIO_SLOT_DONE", SLOT_DONE.into()),
         ("GPUIO_SLOT_DONE_INLINE", SLOT_DONE_INLINE.into()),
+        ("GPUIO_SLOT_DONE_BOUNCE", SLOT_DONE_BOUNCE.into()),
+        ("GPUIO_SLOT_STATE_BITS", STATE_BITS.into()),
         ("GPUIO_RING_OP_READ", OP_READ.into()),
         ("GPUIO_RING_OP_WRITE", OP_WRITE.into()),
         ("GPUIO_RING_FLAG_DURABLE", FLAG_DURABLE.into()),
@@ -280,16 +331,15 @@ mod tests {
         assert_eq!(find("gpuio_ring_header.state").offset, 12);
         assert_eq!(find("gpuio_ring_slot").size, 64);
         for (name, offset, size) in [
-            ("turn", 0, 8),
-            ("state", 8, 4),
-            ("op", 12, 4),
-            ("resource", 16, 4),
-            ("flags", 20, 4),
-            ("offset", 24, 8),
-            ("len", 32, 8),
-            ("dev_addr", 40, 8),
-            ("result", 48, 8),
-            ("staged", 56, 8),
+            ("status", 0, 8),
+            ("inline_bytes", 8, 8),
+            ("turn", 16, 8),
+            ("op", 24, 4),
+            ("resource", 28, 4),
+            ("flags", 32, 4),
+            ("offset", 40, 8),
+            ("len", 48, 8),
+            ("dev_addr", 56, 8),
         ] {
             let f = find(&format!("gpuio_ring_slot.{name}"));
             assert_eq!((f.offset, f.size), (offset, size), "{name}");
@@ -305,6 +355,30 @@ mod tests {
         unique.sort();
         unique.dedup();
         assert_eq!(unique.len(), names.len(), "constant names are unique");
+    }
+
+    #[test]
+    fn status_words_carry_state_and_result() {
+        for state in [
+            SLOT_FREE,
+            SLOT_POSTED,
+            SLOT_DONE,
+            SLOT_DONE_INLINE,
+            SLOT_DONE_BOUNCE,
+        ] {
+            for result in [0, 1, 8, 4096, 1 << 40, -1, -64, -65] {
+                let w = status_word(state, result);
+                assert_eq!((status_state(w), status_result(w)), (state, result));
+            }
+        }
+        // Beyond 56 bits a result saturates instead of wrapping into another state or sign.
+        let big = status_word(SLOT_DONE, i64::MAX);
+        assert_eq!(status_state(big), SLOT_DONE);
+        assert_eq!(status_result(big), i64::MAX >> STATE_BITS);
+        assert_eq!(
+            status_result(status_word(SLOT_DONE, i64::MIN)),
+            i64::MIN >> STATE_BITS
+        );
     }
 
     /// `#define NAME VALUE` lines of the CUDA header, values parsed as C integer literals.
@@ -343,6 +417,13 @@ mod tests {
         for (name, value) in layout().constants {
             assert_eq!(defines.get(name), Some(&value), "{name} in gpuio_ring.cuh");
         }
+    }
+
+    #[test]
+    fn cuda_header_inline_marker_matches() {
+        let text = include_str!("../../../../kernels/gpuio_ring.cuh");
+        let line = format!("#define GPUIO_RING_INLINE_MARKER {INLINE_MARKER:#X}ull");
+        assert!(text.contains(&line.replace("0X", "0x")), "{line}");
     }
 
     #[test]

@@ -1,13 +1,13 @@
 //! The memory of one request ring ([`RingMemory`]): a page-aligned host buffer holding the
 //! header, the slots and their bounce buffers, pinned and mapped for a GPU; the producers' claim
-//! counter in that GPU's memory; the host-only counters. Here are its creation (the shared
+//! memory (ticket counter and free turns) in that GPU's memory; the host-only counters. Here are its creation (the shared
 //! layout initialised), the views of the shared memory the protocol's two sides work on, the
 //! descriptor kernels receive, and its state. The two sides' parts of the protocol are in
 //! `consumer.rs` and `producer.rs`.
 
 use super::layout::{
     HEADER_BYTES, MAGIC, RING_OPEN, RING_STOPPING, RingDevice, RingHeader, RingSlot, SLOT_BYTES,
-    SLOT_FREE, VERSION,
+    SLOT_FREE, VERSION, status_result, status_state, status_word,
 };
 use crate::error::{HalError, Result};
 use crate::gpu::{DeviceBuffer, Gpu, Stream};
@@ -54,8 +54,8 @@ const PRODUCERS_DEVICE: u8 = 2;
 pub(super) struct Padded<T>(pub(super) T);
 
 /// The memory of one request ring: a page-aligned [`HostBuffer`] holding the header and the
-/// slots, pinned (and mapped) for a GPU, plus the producers' claim counter in that GPU's
-/// memory and the host-only counters of the consumers. Share it in an `Arc` between the
+/// slots, pinned (and mapped) for a GPU, plus the producers' claim memory in that GPU's
+/// memory (see [`RingDevice::claim`]) and the host-only counters of the consumers. Share it in an `Arc` between the
 /// proxy (consumers) and the producers.
 ///
 /// Kernels reach it through [`device`](Self::device). The memory is unmapped when the last
@@ -67,6 +67,7 @@ pub struct RingMemory {
     /// Bytes of each slot's bounce buffer (0: none); the buffers follow the slots.
     pub(super) bounce_bytes: usize,
     pub(super) device_base: u64,
+    /// Kernels' ticket counter and slots' free turns ([`RingDevice::claim`]).
     pub(super) device_claim: DeviceBuffer,
     pub(super) gpu: Gpu,
     /// Held for the ring's life. On CUDA (cudarc with event tracking) creating a context's
@@ -75,6 +76,9 @@ pub struct RingMemory {
     /// create while serving requests are never a context's first.
     pub(super) _stream: Stream,
     pub(super) host_claim: Padded<AtomicU64>,
+    /// Host producers' free turns: the ticket that may post in each slot next (the twin of
+    /// the kernels' ones in `device_claim`).
+    pub(super) host_free_turns: Box<[AtomicU64]>,
     pub(super) consumer_next: Padded<AtomicU64>,
     /// Consumer claims alive; the sweep and close wait for none.
     pub(super) live_claims: AtomicUsize,
@@ -97,7 +101,7 @@ impl fmt::Debug for RingMemory {
 
 impl RingMemory {
     /// A ring of `slots` slots (a power of two, [`MIN_SLOTS`] to [`MAX_SLOTS`]) in host memory
-    /// pinned and mapped for `gpu`, with its claim counter in `gpu`'s memory, zeroed.
+    /// pinned and mapped for `gpu`, with its producers' claim memory in `gpu`'s memory.
     pub fn new(slots: usize, gpu: &Gpu) -> Result<Self> {
         Self::with_bounce(slots, 0, gpu)
     }
@@ -129,9 +133,14 @@ impl RingMemory {
                 "ring memory is not 64-byte aligned".into(),
             ));
         }
-        let device_claim = gpu.alloc(8)?;
+        // The ticket counter (0), then each slot's first free turn (its index).
+        let claim_words: Vec<u8> = std::iter::once(0u64)
+            .chain(0..slots as u64)
+            .flat_map(u64::to_le_bytes)
+            .collect();
+        let device_claim = gpu.alloc(claim_words.len())?;
         let stream = gpu.stream()?;
-        stream.upload(&[0u8; 8], &device_claim, 0)?;
+        stream.upload(&claim_words, &device_claim, 0)?;
         let ring = Self {
             buf,
             nslots: slots,
@@ -141,6 +150,7 @@ impl RingMemory {
             gpu: gpu.clone(),
             _stream: stream,
             host_claim: Padded(AtomicU64::new(0)),
+            host_free_turns: (0..slots as u64).map(AtomicU64::new).collect(),
             consumer_next: Padded(AtomicU64::new(0)),
             live_claims: AtomicUsize::new(0),
             producers: AtomicU8::new(PRODUCERS_UNSET),
@@ -154,7 +164,7 @@ impl RingMemory {
         h.state.store(RING_OPEN, Ordering::Relaxed);
         for (i, s) in ring.slot_array().iter().enumerate() {
             s.turn.store(i as u64, Ordering::Relaxed);
-            s.state.store(SLOT_FREE, Ordering::Relaxed);
+            s.status.store(status_word(SLOT_FREE, 0), Ordering::Relaxed);
         }
         // Publishes the initial contents to host threads (they receive the ring through an
         // Arc, which synchronizes too) and orders them before any later kernel launch.
@@ -271,12 +281,11 @@ impl RingMemory {
     /// A slot's current contents, for diagnostics (`None` past the last slot).
     pub fn slot_view(&self, index: usize) -> Option<SlotView> {
         let s = self.slot_array().get(index)?;
-        let turn = s.turn.load(Ordering::Acquire);
-        let state = s.state.load(Ordering::Acquire);
+        let status = s.status.load(Ordering::Acquire);
         Some(SlotView {
-            turn,
-            state,
-            result: s.result.load(Ordering::Relaxed),
+            turn: s.turn.load(Ordering::Relaxed),
+            state: status_state(status),
+            result: status_result(status),
         })
     }
 }
@@ -284,9 +293,10 @@ impl RingMemory {
 /// A snapshot of one slot (diagnostics).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlotView {
-    /// The ticket allowed to use the slot now.
+    /// The ticket last posted in the slot (its index before the first post).
     pub turn: u64,
-    /// `SLOT_FREE`, `SLOT_POSTED` or `SLOT_DONE`.
+    /// `SLOT_FREE` (never posted), `SLOT_POSTED` or one of the `SLOT_DONE*` states (kept
+    /// after the completion is collected, until the next post).
     pub state: u32,
     /// The last published result.
     pub result: i64,
@@ -315,6 +325,18 @@ mod tests {
             assert_eq!((v.turn, v.state), (i as u64, SLOT_FREE));
         }
         assert!(r.slot_view(8).is_none());
+        // Kernels' claim memory: the ticket counter, then each slot's first free turn.
+        let mut words = vec![0u8; 8 * 9];
+        r.gpu()
+            .stream()
+            .unwrap()
+            .download(&r.device_claim, 0, &mut words)
+            .unwrap();
+        let words: Vec<u64> = words
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+            .collect();
+        assert_eq!(words, [0, 0, 1, 2, 3, 4, 5, 6, 7]);
     }
 
     #[test]

@@ -18,32 +18,37 @@
 //!
 //! # Protocol
 //!
-//! The ring has `N` slots (a power of two). Ticket `t` uses slot `t & (N-1)`; slot `i` starts
-//! with `turn = i` and `state = FREE`.
+//! The ring has `N` slots (a power of two). Ticket `t` uses slot `t & (N-1)`. A slot's
+//! `status` word holds its state and, once done, the result (`state | result << 8`), so one
+//! store publishes a completion and one 16-byte load reads it with its inline bytes.
 //!
 //! - **Producer** (a GPU thread): claims a ticket `t` from a counter outside the ring (device
-//!   memory; GPUs cannot do atomics on host memory over PCIe), waits until the slot has
-//!   `turn == t && state == FREE` (back-pressure) or the ring is no longer open (then the
-//!   request is refused), writes the request fields, fences, and stores `state = POSTED`
-//!   (release).
+//!   memory; GPUs cannot do atomics on host memory over PCIe). Whose turn a slot is lives
+//!   beside that counter, not in the slot: slot `i`'s *free turn* starts at `i`, and the
+//!   producer waits until it equals `t` (back-pressure) or the ring is no longer open (then
+//!   the request is refused). The check reads the GPU's own memory, not host memory across
+//!   PCIe: only producers free slots, so only they need to know. It then writes the request
+//!   fields and `turn = t`, and stores `status = POSTED` (release).
 //! - **Consumer** (a host proxy thread): claims the next consumer ticket `h` (host counter),
-//!   waits for `turn == h && state == POSTED` (acquire), copies the request out, carries it
-//!   out, writes `result`, and stores `state = DONE` (release).
-//! - **Completion**: the producer of `t` sees `turn == t && state == DONE` (acquire), reads
-//!   `result`, and frees the slot for the next lap: `turn = t + N`, then `state = FREE`
-//!   (both release).
+//!   waits for `status == POSTED` (acquire) with `turn == h`, copies the request out, carries
+//!   it out, and stores `status = DONE*` with the result (release): `DONE`, `DONE_INLINE`
+//!   (at most 8 bytes, in the slot's `inline_bytes`) or `DONE_BOUNCE` (in the slot's bounce
+//!   buffer).
+//! - **Completion**: the producer of `t` sees a `DONE*` state (acquire) with its result, takes
+//!   the bytes, and frees the slot for the next lap: free turn `t + N` (release). The slot
+//!   keeps its `DONE*` status until that lap posts. No lap check is needed: the producer
+//!   itself stored this lap's `POSTED`, and no later lap posts before it frees the slot.
 //! - **Shutdown**: the host stores `STOPPING`; consumers stop taking requests and finish the
 //!   ones they hold; a sweep completes every slot still `POSTED` with [`RESULT_SHUT_DOWN`];
 //!   then the host stores `CLOSED` and writes the ring no more. A producer waiting for a free
 //!   slot is refused once the ring is not open; one waiting for a completion that sees
-//!   `CLOSED` while its slot is not `DONE` (it posted after the sweep) gets the shutdown
+//!   `CLOSED` while its slot is not `DONE*` (it posted after the sweep) gets the shutdown
 //!   error.
 //!
 //! Every load and store of shared ring memory here is a Rust atomic on a view made from the
-//! mapped pointer: the GPU writes the same lines, so no `&mut` to them ever exists. Readers
-//! check `turn` before `state`: `turn` is only advanced (with release) after the slot's
-//! previous lap was seen `DONE`, so a reader that sees the new `turn` cannot see a `state` of
-//! an earlier lap.
+//! mapped pointer: the GPU writes the same lines, so no `&mut` to them ever exists. A
+//! consumer reads `status` before `turn`: a `POSTED` of an earlier lap (still waiting for its
+//! own consumer) shows that lap's ticket.
 //!
 //! ```
 //! use gpuio_hal::ring::{HostProducer, RingMemory, Take, WaitPolicy};
@@ -77,8 +82,9 @@ pub use consumer::{RingClaim, RingOp, RingRequest, RingTaken, Take};
 pub use layout::{
     FLAG_DURABLE, FLAG_STAGE, FLAGS_KNOWN, FieldLayout, HEADER_BYTES, INLINE_BYTES, MAGIC, OP_READ,
     OP_WRITE, RESULT_SHUT_DOWN, RESULT_UNREGISTERED, RING_CLOSED, RING_OPEN, RING_STOPPING,
-    RingDevice, RingHeader, RingLayout, RingSlot, SLOT_BYTES, SLOT_DONE, SLOT_DONE_INLINE,
-    SLOT_FREE, SLOT_POSTED, VERSION, layout,
+    RingDevice, RingHeader, RingLayout, RingSlot, SLOT_BYTES, SLOT_DONE, SLOT_DONE_BOUNCE,
+    SLOT_DONE_INLINE, SLOT_FREE, SLOT_POSTED, STATE_BITS, VERSION, inline_marker, layout,
+    status_result, status_state, status_word,
 };
 pub use memory::{MAX_SLOTS, MIN_SLOTS, RingMemory, RingState, SlotView};
 pub use producer::{HostProducer, RingPost, RingToken};

@@ -6,8 +6,8 @@
 //! Tokens dropped before their completion are freed by later posts.
 
 use super::layout::{
-    FLAG_STAGE, INLINE_BYTES, OP_READ, OP_WRITE, RESULT_SHUT_DOWN, SLOT_DONE, SLOT_DONE_INLINE,
-    SLOT_FREE, SLOT_POSTED,
+    FLAG_STAGE, INLINE_BYTES, OP_READ, OP_WRITE, RESULT_SHUT_DOWN, SLOT_DONE, SLOT_DONE_BOUNCE,
+    SLOT_DONE_INLINE, SLOT_POSTED, inline_marker, status_result, status_state, status_word,
 };
 use super::memory::{PRODUCERS_HOST, RingMemory, RingState};
 use super::{Backoff, WaitPolicy, past};
@@ -15,7 +15,7 @@ use crate::error::{HalError, Result};
 use crate::sync::MutexExt;
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{Ordering, fence};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 impl RingMemory {
@@ -29,36 +29,34 @@ impl RingMemory {
     /// the slot is handed on.
     fn finish_into(&self, ticket: u64, staged: Option<&mut Vec<u8>>) -> Option<i64> {
         let s = self.slot(ticket);
-        if s.turn.load(Ordering::Acquire) != ticket {
+        // No lap check: this ticket's POSTED was written before (by this producer, or one
+        // that handed the token over), and no later lap posts before this one frees the slot,
+        // so a DONE state here is this ticket's.
+        let status = s.status.load(Ordering::Acquire);
+        let state = status_state(status);
+        if !matches!(state, SLOT_DONE | SLOT_DONE_INLINE | SLOT_DONE_BOUNCE) {
             return None;
         }
-        let state = s.state.load(Ordering::Acquire);
-        if state != SLOT_DONE && state != SLOT_DONE_INLINE {
-            return None;
-        }
-        let result = s.result.load(Ordering::Relaxed);
-        if state == SLOT_DONE_INLINE {
-            if let Some(out) = staged {
-                let word = s.staged.load(Ordering::Relaxed).to_ne_bytes();
+        let result = status_result(status);
+        if let Some(out) = staged {
+            if state == SLOT_DONE_INLINE {
+                let word = s.inline_bytes.load(Ordering::Relaxed).to_ne_bytes();
                 out.clear();
                 out.extend_from_slice(&word[..(result.max(0) as usize).min(INLINE_BYTES)]);
+            } else if state == SLOT_DONE_BOUNCE {
+                let n = (result.max(0) as usize).min(self.bounce_bytes);
+                // SAFETY: the slot is DONE for this ticket and not yet handed on, so its
+                // consumer has finished writing the bounce buffer (its release store of DONE
+                // was acquired above) and no one writes it until we free the slot below; the
+                // buffer lies inside the ring's allocation, which `self` keeps alive.
+                let bytes = unsafe { std::slice::from_raw_parts(self.bounce_ptr(ticket), n) };
+                out.clear();
+                out.extend_from_slice(bytes);
             }
-        } else if let Some(out) = staged
-            && s.staged.load(Ordering::Relaxed) != 0
-            && result > 0
-        {
-            let n = (result as usize).min(self.bounce_bytes);
-            // SAFETY: the slot is DONE for this ticket and not yet handed on, so its consumer
-            // has finished writing the bounce buffer (its release store of DONE was acquired
-            // above) and no one writes it until we free the slot below; the buffer lies
-            // inside the ring's allocation, which `self` keeps alive.
-            let bytes = unsafe { std::slice::from_raw_parts(self.bounce_ptr(ticket), n) };
-            out.clear();
-            out.extend_from_slice(bytes);
         }
-        s.turn
+        // The next lap may post (release: this thread's reads of the slot come first).
+        self.host_free_turns[(ticket & self.mask()) as usize]
             .store(ticket.wrapping_add(self.nslots as u64), Ordering::Release);
-        s.state.store(SLOT_FREE, Ordering::Release);
         Some(result)
     }
 
@@ -216,15 +214,15 @@ impl HostProducer {
         }
         let ticket = ring.host_claim.0.fetch_add(1, Ordering::Relaxed);
         let s = ring.slot(ticket);
+        let free_turn = &ring.host_free_turns[(ticket & ring.mask()) as usize];
         let mut backoff = Backoff::new(&self.wait);
         loop {
             // Header first: nothing is posted after this producer saw the ring stop.
             if !ring.is_open() {
                 return Err(HalError::RingShutDown);
             }
-            if s.turn.load(Ordering::Acquire) == ticket
-                && s.state.load(Ordering::Acquire) == SLOT_FREE
-            {
+            // The slot's free turn (the GPU keeps it in its own memory, not in the slot).
+            if free_turn.load(Ordering::Acquire) == ticket {
                 break;
             }
             if backoff.sleeping() {
@@ -247,9 +245,12 @@ impl HostProducer {
         s.offset.store(req.offset, Ordering::Relaxed);
         s.len.store(req.len, Ordering::Relaxed);
         s.dev_addr.store(req.dev_addr, Ordering::Relaxed);
-        // The GPU's __threadfence_system(); the release store alone would do on the host.
-        fence(Ordering::Release);
-        s.state.store(SLOT_POSTED, Ordering::Release);
+        s.turn.store(ticket, Ordering::Relaxed);
+        s.inline_bytes
+            .store(inline_marker(ticket), Ordering::Relaxed);
+        // The release store orders the fields (and staged bytes) before POSTED.
+        s.status
+            .store(status_word(SLOT_POSTED, 0), Ordering::Release);
         Ok(RingToken {
             ring: ring.clone(),
             ticket,
@@ -508,9 +509,10 @@ mod tests {
             p.poll(&mut tok).is_err(),
             "a completed token is not polled twice"
         );
-        // The slot went back to its producer's next lap.
-        assert_eq!(r.slot_view(0).unwrap().turn, 4);
-        assert_eq!(r.slot_view(0).unwrap().state, SLOT_FREE);
+        // The slot went back to its producer's next lap; it keeps the completion until then.
+        assert_eq!(r.host_free_turns[0].load(Ordering::Acquire), 4);
+        let view = r.slot_view(0).unwrap();
+        assert_eq!((view.turn, view.state, view.result), (0, SLOT_DONE, -4));
     }
 
     #[test]
