@@ -10,7 +10,7 @@ use super::layout::{
     RING_STOPPING, SLOT_DONE, SLOT_DONE_BOUNCE, SLOT_DONE_INLINE, SLOT_POSTED, status_state,
     status_word,
 };
-use super::memory::{RingMemory, RingState};
+use super::memory::{RingMemory, RingState, claim_stripe};
 use super::{Backoff, WaitPolicy, past, result_of};
 use crate::error::{ErrorCode, HalError, Result};
 use std::fmt;
@@ -21,11 +21,17 @@ impl RingMemory {
     /// Takes the next consumer ticket: the claim is for the request posted under the same
     /// ticket. Every claim must end in a completion, unless the ring stops first.
     pub fn claim(&self) -> RingClaim<'_> {
-        // SeqCst with the state loads in `take` and in `wait_consumers`: a consumer that
-        // claims after a sweep counted no claims sees the ring no longer open.
-        self.live_claims.fetch_add(1, Ordering::SeqCst);
+        // SeqCst with the state loads in `take` and in `wait_consumers`: a consumer whose
+        // stripe a sweep read as zero before this increment sees the ring no longer open
+        // (the sweep stored STOPPING before it read the stripes).
+        let stripe = claim_stripe();
+        self.live_claims[stripe].0.fetch_add(1, Ordering::SeqCst);
         let ticket = self.consumer_next.0.fetch_add(1, Ordering::Relaxed);
-        RingClaim { ring: self, ticket }
+        RingClaim {
+            ring: self,
+            ticket,
+            stripe,
+        }
     }
 
     /// Starts the shutdown: `OPEN` → `STOPPING`. Consumers stop taking requests; producers
@@ -40,7 +46,11 @@ impl RingMemory {
     fn wait_consumers(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let mut backoff = Backoff::new(&WaitPolicy::default());
-        while self.live_claims.load(Ordering::SeqCst) != 0 {
+        while self
+            .live_claims
+            .iter()
+            .any(|c| c.0.load(Ordering::SeqCst) != 0)
+        {
             if Instant::now() >= deadline {
                 return Err(HalError::TimedOut {
                     what: "waiting for the ring's consumers to finish",
@@ -134,6 +144,8 @@ pub enum RingOp {
 pub struct RingClaim<'r> {
     ring: &'r RingMemory,
     ticket: u64,
+    /// The live-claim stripe it counts in.
+    stripe: usize,
 }
 
 impl fmt::Debug for RingClaim<'_> {
@@ -148,7 +160,9 @@ impl Drop for RingClaim<'_> {
     fn drop(&mut self) {
         // SeqCst (a release): the completion written before this is visible to the sweep and
         // close that see the count reach zero.
-        self.ring.live_claims.fetch_sub(1, Ordering::SeqCst);
+        self.ring.live_claims[self.stripe]
+            .0
+            .fetch_sub(1, Ordering::SeqCst);
     }
 }
 
