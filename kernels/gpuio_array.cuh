@@ -20,6 +20,9 @@
 //   future at a time (several only where the grid's outstanding futures fit the ring's
 //   slots); between the two a thread touches no array or ring and waits at no barrier for
 //   threads that do (a future holds a ring slot meanwhile).
+// - gpuio_resident_array<T> (a read-only array held in the cache by the host,
+//   OnDemandArray::resident): plain reads through an immutable frame table, no pins; valid
+//   only while the host's ResidentArray lives.
 #ifndef GPUIO_ARRAY_CUH
 #define GPUIO_ARRAY_CUH
 
@@ -27,7 +30,7 @@
 #include "gpuio_ring.cuh"
 #endif
 
-#define GPUIO_ARRAY_VERSION 2u
+#define GPUIO_ARRAY_VERSION 3u
 
 // Page-table entry (one u64 per page).
 #define GPUIO_PAGE_FRAME_MASK 0xFFFFFFFFull
@@ -828,6 +831,58 @@ struct gpuio_array {
             }
         });
         return out;
+    }
+};
+
+// ---- Resident arrays ---------------------------------------------------------------------------
+
+// A read-only array whose every page the host holds in the cache (one pin each, taken by
+// gpuio_array_hold and kept until gpuio_array_let_go): no page can be evicted or change while
+// it is held, so a read needs no pin and no check, only the page's frame from a table that
+// stays as it is (gpuio_hal::ondemand::ResidentDevice).
+struct gpuio_resident_desc {
+    const unsigned int* frames;   // the frame holding each page
+    unsigned long long base;      // the cache's frame 0
+    unsigned long long bytes;     // bytes of the array
+    unsigned long long slots;     // the cache's slot table (errors are recorded there)
+    unsigned int page_shift;
+    unsigned int slot;            // the array's slot
+};
+static_assert(sizeof(gpuio_resident_desc) == 40, "gpuio_resident_desc size");
+
+template <typename T>
+struct gpuio_resident_array {
+    gpuio_resident_desc d;
+
+    __device__ __forceinline__ explicit gpuio_resident_array(const gpuio_resident_desc& desc)
+        : d(desc) {}
+
+    __device__ __forceinline__ unsigned long long size() const { return d.bytes / sizeof(T); }
+
+    // Element i: two loads through the read-only cache, the frame and the element (both stay
+    // as they are while the array is held). An index past the end reads T() and records
+    // GPUIO_ERROR_INVALID_ARG for OnDemandArray::check.
+    __device__ __forceinline__ T operator[](unsigned long long i) const {
+        if (i >= size()) {
+            gpuio_array_slot* s = (gpuio_array_slot*)d.slots + d.slot;
+            atomicCAS((unsigned long long*)&s->error, 0ull,
+                      (unsigned long long)GPUIO_ERROR_INVALID_ARG);
+            return T();
+        }
+        const unsigned long long byte = i * sizeof(T);
+        const unsigned int f = __ldg(d.frames + (byte >> d.page_shift));
+        const unsigned long long mask = (1ull << d.page_shift) - 1ull;
+        return __ldg((const T*)(d.base + ((unsigned long long)f << d.page_shift) + (byte & mask)));
+    }
+
+    // out[k] = (*this)[idx[k]] for k < n, grid-stride over the calling grid.
+    __device__ __forceinline__ void gather(const unsigned long long* idx, T* out,
+                                           unsigned long long n) const {
+        const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+        for (unsigned long long k = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+             k < n; k += stride) {
+            out[k] = (*this)[idx[k]];
+        }
     }
 };
 

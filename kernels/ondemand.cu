@@ -30,6 +30,38 @@ extern "C" __global__ void gpuio_array_flush(gpuio_array_desc a, unsigned long l
     }
 }
 
+// Holds pages first .. first + count, one per thread: each is brought in if needed and keeps
+// one pin until gpuio_array_let_go takes it off; frames[page] gets its frame (0xFFFFFFFF for a
+// page that could not be held: its error is recorded for OnDemandArray::check).
+extern "C" __global__ void gpuio_array_hold(gpuio_array_desc a, unsigned long long first,
+                                            unsigned long long count, unsigned int* frames) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long start = (unsigned long long)blockIdx.x * blockDim.x;
+    for (unsigned long long base = start; base < count; base += stride) {
+        const unsigned long long k = base + threadIdx.x;
+        const unsigned long long page = first + k;
+        gpuio_array_visit(&a, k < count, page, [&](long long frame) {
+            if (frame >= 0) {
+                // Taken while the visit's own pin holds the page: it stays after that goes.
+                gpuio_atom_add(gpuio_array_entry(&a, page), GPUIO_PAGE_PIN_ONE);
+            }
+            frames[page] = frame >= 0 ? (unsigned int)frame : 0xFFFFFFFFu;
+        });
+    }
+}
+
+// Takes off the pins gpuio_array_hold left on pages first .. first + count (those whose
+// frames entry is not 0xFFFFFFFF).
+extern "C" __global__ void gpuio_array_let_go(gpuio_array_desc a, unsigned long long first,
+                                              unsigned long long count,
+                                              const unsigned int* frames) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long k = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         k < count; k += stride) {
+        if (frames[first + k] != 0xFFFFFFFFu) gpuio_array_unpin(&a, first + k, 1ull);
+    }
+}
+
 // The value element i should hold: word i of pattern `seed`, or of `written` where i is a
 // multiple of `every` (what gpuio_array_test_store wrote; every == 0: nothing written).
 __device__ __forceinline__ unsigned long long gpuio_array_expected(unsigned long long i,
@@ -115,6 +147,7 @@ extern "C" __global__ void gpuio_array_layout(unsigned long long* out) {
     out[i++] = sizeof(gpuio_array_slot);
     out[i++] = sizeof(gpuio_cache);
     out[i++] = sizeof(gpuio_array_desc);
+    out[i++] = sizeof(gpuio_resident_desc);
     out[i++] = gpuio_latency_bucket(1000ull);
     out[i++] = gpuio_latency_bucket(123456789ull);
 }
@@ -162,4 +195,13 @@ extern "C" __global__ void gpuio_plain_bench_elements(const unsigned long long* 
         const unsigned long long i = idx[k];
         out[k] = i < len ? src[i] : 0ull;
     }
+}
+
+// The same reads from a resident array (the hit path without pins).
+extern "C" __global__ void gpuio_resident_bench_elements(gpuio_resident_desc d,
+                                                         const unsigned long long* idx,
+                                                         unsigned long long n,
+                                                         unsigned long long* out) {
+    const gpuio_resident_array<unsigned long long> a(d);
+    a.gather(idx, out, n);
 }

@@ -23,7 +23,7 @@ pub use uri::{MAX_URI_NESTING, RemoteTarget, RemoteTransport, Uri};
 
 pub use gpuio_core::cache::{CacheStats, Level as CacheLevel, LevelStats as CacheLevelStats};
 pub use gpuio_core::ondemand::{
-    ArrayMode, ArrayStats, Element, OnDemandArray, PageCache, PageCacheConfig,
+    ArrayMode, ArrayStats, Element, OnDemandArray, PageCache, PageCacheConfig, ResidentArray,
 };
 pub use gpuio_core::{
     BatchHandle, BatchReport, Completion, Dest, Endpoint, EngineKind, ErrorCode, HostMemory,
@@ -31,7 +31,7 @@ pub use gpuio_core::{
     Route, Source, Status, Ticket,
 };
 pub use gpuio_hal::kernels::DEVICE_HEADER;
-pub use gpuio_hal::ondemand::ArrayDevice;
+pub use gpuio_hal::ondemand::{ArrayDevice, ResidentDevice};
 pub use gpuio_hal::{Backend, DeviceBuffer, Gpu, PoolStats, StagingPool};
 pub use gpuio_transport_localio::{
     Durability, FileHandle, GdsPolicy, IoEngine, OpenOptions, PageCachePolicy, PageCacheStats,

@@ -44,7 +44,9 @@ use crate::engine::Engines;
 use crate::error::{CoreError, Result};
 use crate::ring::{RingConfig, RingProxy, WaitPolicy};
 use gpuio_hal::memory::mapped::MappingPin;
-use gpuio_hal::ondemand::{ArrayDevice, HostAccessor, PageCacheMemory, PageTable};
+use gpuio_hal::ondemand::{
+    ArrayDevice, HeldPages, HostAccessor, PageCacheMemory, PageTable, ResidentDevice,
+};
 use gpuio_hal::ring::RingMemory;
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{Backend, Gpu, HalError};
@@ -458,6 +460,18 @@ impl<T: Element> OnDemandArray<T> {
         self.run_pages(pages, false)
     }
 
+    /// Holds every page of this read-only array in the cache, bringing in those not cached,
+    /// until the returned view drops: kernels then read it through `gpuio_resident_array<T>`
+    /// with no pin or check per access (the hit path of an array known to fit). Refused for
+    /// a read-write array (a held dirty page could never be written back) and for one with
+    /// more pages than the cache has frames; held pages count against the cache's frames
+    /// until let go.
+    pub fn resident(&self) -> Result<ResidentArray<'_, T>> {
+        let ring = self.cache.inner.proxy.lock_unpoisoned().ring().clone();
+        let held = self.cache.inner.memory.hold(self.table(), &ring)?;
+        Ok(ResidentArray { array: self, held })
+    }
+
     /// Writes every dirty page back to the source and waits for it (a file's data is then
     /// flushed to storage). Call it after the kernels that stored into the array finished;
     /// it also reports the first error a kernel's access met since the last check.
@@ -526,5 +540,54 @@ impl<T: Element> Drop for OnDemandArray<T> {
         if let Err(e) = self.release() {
             tracing::warn!(error = %e, "closing an on-demand array");
         }
+    }
+}
+
+/// A read-only [`OnDemandArray`] held in its cache ([`OnDemandArray::resident`]): no page is
+/// evicted or moves while it lives, so kernels read it through `gpuio_resident_array<T>`
+/// (`gpuio_array.cuh`) with two loads per element, the page's frame and the element. Dropping
+/// it lets the pages go (a failure is logged; [`release`](Self::release) reports it). Reads
+/// through it are not counted in the array's statistics.
+pub struct ResidentArray<'a, T: Element> {
+    array: &'a OnDemandArray<T>,
+    held: HeldPages,
+}
+
+impl<T: Element> std::fmt::Debug for ResidentArray<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResidentArray")
+            .field("array", self.array)
+            .field("held", &self.held)
+            .finish()
+    }
+}
+
+impl<T: Element> ResidentArray<'_, T> {
+    /// The array held.
+    pub fn array(&self) -> &OnDemandArray<T> {
+        self.array
+    }
+
+    /// The descriptor a kernel takes by value as `gpuio_resident_desc` (wrap it in
+    /// `gpuio_resident_array<T>`), valid while this view lives. Only kernels on a GPU use it.
+    pub fn device(&self) -> Result<ResidentDevice> {
+        if self.array.cache.inner.memory.gpu().backend() == Backend::Host {
+            return Err(HalError::Unsupported {
+                what: "a resident array's kernel descriptor",
+                reason: "the host backend runs no kernels".into(),
+            }
+            .into());
+        }
+        Ok(self.held.device())
+    }
+
+    /// The HAL's hold (its frame table), for gpuio's own kernels and tests.
+    pub fn held(&self) -> &HeldPages {
+        &self.held
+    }
+
+    /// Lets the pages go, reporting a failure.
+    pub fn release(mut self) -> Result<()> {
+        Ok(self.held.let_go()?)
     }
 }

@@ -233,6 +233,9 @@ pub static ONDEMAND: KernelSource = KernelSource {
         "gpuio_array_bench_rows",
         "gpuio_array_bench_elements",
         "gpuio_plain_bench_elements",
+        "gpuio_array_hold",
+        "gpuio_array_let_go",
+        "gpuio_resident_bench_elements",
     ],
     ptx: embedded_ptx!("ondemand"),
 };

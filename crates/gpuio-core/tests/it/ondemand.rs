@@ -9,6 +9,7 @@
 use gpuio_core::ondemand::{ArrayMode, OnDemandArray, PageCache, PageCacheConfig};
 use gpuio_core::ring::RingConfig;
 use gpuio_core::{Endpoint, Engines};
+use gpuio_hal::ondemand::{PAGE_VALID, page_frame, page_pins, page_state};
 use gpuio_hal::{BackendPreference, ErrorCode, HalError, pattern, probe};
 use gpuio_transport_localio::{FileHandle, LocalIo, LocalIoConfig, OpenOptions};
 use gpuio_transport_memio::{MemIo, MemIoConfig};
@@ -336,4 +337,93 @@ fn shutdown_in_the_middle_of_misses_completes_or_fails_every_access() {
         failed > 0,
         "the shutdown came after every access: {results:?}"
     );
+}
+
+/// The frame table of a hold and the entries of its array (over the file from word `first`):
+/// every page pinned `pins` times, and where held, in the frame the table names, holding the
+/// source's bytes.
+fn check_held(array: &OnDemandArray<u64>, first: u64, frames: &[u32], pins: u64) {
+    let (memory, table, _) = array.hal_parts();
+    let stream = memory.gpu().stream().unwrap();
+    let mut raw = vec![0u8; table.pages() as usize * 8];
+    stream.download(table.table(), 0, &mut raw).unwrap();
+    for (page, e) in raw.chunks_exact(8).enumerate() {
+        let e = u64::from_le_bytes(e.try_into().unwrap());
+        assert_eq!(page_pins(e), pins, "page {page}");
+        if pins > 0 {
+            assert_eq!(page_frame(e), frames[page], "page {page}");
+            assert_eq!(page_state(e), PAGE_VALID, "page {page}");
+        }
+    }
+    if pins == 0 {
+        return;
+    }
+    let per_page = memory.page_size() as u64 / 8;
+    for i in (0..array.len()).step_by(97) {
+        let at = frames[(i / per_page) as usize] as usize * memory.page_size()
+            + (i % per_page) as usize * 8;
+        let mut word = [0u8; 8];
+        stream
+            .download(memory.frame_memory(), at, &mut word)
+            .unwrap();
+        let want = pattern::word_at(SEED, first + i);
+        assert_eq!(u64::from_le_bytes(word), want, "element {i}");
+    }
+}
+
+#[test]
+fn a_resident_array_stays_in_its_frames_while_others_thrash() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = file(dir.path(), 1 << 13);
+    let cache = cache(4096, 12);
+    // 8 of the 12 frames held; another array of 16 pages thrashes through the other 4.
+    let held = cache
+        .array::<u64>(Endpoint::file(&f, 0), 4096, ArrayMode::ReadOnly)
+        .unwrap();
+    let resident = held.resident().unwrap();
+    let frames = resident.held().frames().unwrap();
+    assert_eq!(frames.len(), 8);
+    let mut distinct = frames.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), 8, "{frames:?}");
+    assert!(frames.iter().all(|&f| (f as usize) < cache.frames()));
+    check_held(&held, 0, &frames, 1);
+    let e = resident.device().unwrap_err();
+    assert_eq!(e.code(), ErrorCode::Unsupported, "{e}");
+
+    let other = cache
+        .array::<u64>(Endpoint::file(&f, 0), 1 << 13, ArrayMode::ReadOnly)
+        .unwrap();
+    let acc = other.host_accessor().unwrap();
+    for k in 0..1000u64 {
+        let i = pattern::mix64(k) % (1 << 13);
+        assert_eq!(acc.load_u64(i).unwrap(), pattern::word_at(SEED, i));
+    }
+    assert!(other.stats().unwrap().evictions > 100);
+    assert_eq!(resident.held().frames().unwrap(), frames);
+    check_held(&held, 0, &frames, 1);
+
+    // Refused: a writable array, and one larger than the cache.
+    let rw = cache
+        .array::<u64>(Endpoint::file(&f, 0), 512, ArrayMode::ReadWrite)
+        .unwrap();
+    assert_eq!(rw.resident().unwrap_err().code(), ErrorCode::InvalidArg);
+    assert_eq!(other.resident().unwrap_err().code(), ErrorCode::InvalidArg);
+    // Fits the cache, not the frames left free: the pages it got are let go again.
+    let second = cache
+        .array::<u64>(Endpoint::file(&f, 32 << 10), 4096, ArrayMode::ReadOnly)
+        .unwrap();
+    second.resident().unwrap_err();
+    check_held(&second, 4096, &[], 0);
+    for k in 0..200u64 {
+        let i = pattern::mix64(k) % (1 << 13);
+        assert_eq!(acc.load_u64(i).unwrap(), pattern::word_at(SEED, i));
+    }
+
+    // Let go: no pins left; the second array fits now.
+    resident.release().unwrap();
+    check_held(&held, 0, &[], 0);
+    let again = second.resident().unwrap();
+    check_held(&second, 4096, &again.held().frames().unwrap(), 1);
 }

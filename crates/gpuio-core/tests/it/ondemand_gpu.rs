@@ -314,3 +314,95 @@ fn row_and_element_gathers_read_every_byte_right() {
         }
     }
 }
+
+#[test]
+fn resident_arrays_read_right_while_other_arrays_thrash_the_cache() {
+    let Some((engines, gpu)) = super::common::cuda("on-demand array kernels run") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("resident.bin");
+    let (seed, bytes) = (0x4e5d, 64usize << 20);
+    let mut data = vec![0u8; bytes];
+    pattern::fill(&mut data, 0, seed);
+    std::fs::write(&path, &data).unwrap();
+    drop(data);
+    let file = FileHandle::open(&path, OpenOptions::READ).unwrap();
+    let stream = gpu.stream().unwrap();
+    // 16 MiB held in a 24 MiB cache; a 64 MiB array thrashes through the other 8 MiB.
+    let cfg = PageCacheConfig {
+        page_size: 4096,
+        capacity: 24 << 20,
+        ..PageCacheConfig::default()
+    };
+    let cache = PageCache::new(engines, &gpu, cfg).unwrap();
+    let words = (16u64 << 20) / 8;
+    let held = cache
+        .array::<u64>(Endpoint::file(&file, 0), words, ArrayMode::ReadOnly)
+        .unwrap();
+    let other = cache
+        .array::<u64>(
+            Endpoint::file(&file, 0),
+            (bytes / 8) as u64,
+            ArrayMode::ReadOnly,
+        )
+        .unwrap();
+    let resident = held.resident().unwrap();
+    let frames = resident.held().frames().unwrap();
+    assert_eq!(frames.len() as u64, held.pages());
+    assert!(!frames.contains(&ondemand::NOT_HELD));
+
+    let n = 1usize << 20;
+    let idx: Vec<u64> = (0..n as u64).map(|k| pattern::mix64(k) % words).collect();
+    let idx_buf = gpu.alloc(n * 8).unwrap();
+    let raw: Vec<u8> = idx.iter().flat_map(|i| i.to_le_bytes()).collect();
+    stream.upload(&raw, &idx_buf, 0).unwrap();
+    let out = gpu.alloc(n * 8).unwrap();
+    let check = |what: &str| {
+        stream
+            .resident_bench_reads(resident.held(), &idx_buf, n, &out, 8192)
+            .unwrap();
+        held.check().unwrap();
+        let mut got = vec![0u8; n * 8];
+        stream.download(&out, 0, &mut got).unwrap();
+        for (k, i) in idx.iter().enumerate() {
+            let word = u64::from_le_bytes(got[k * 8..k * 8 + 8].try_into().unwrap());
+            assert_eq!(word, pattern::word_at(seed, *i), "{what}: element {i}");
+        }
+    };
+    check("held");
+    // The other array misses through the frames left: none of the held ones moves.
+    let (memory, table, ring) = other.hal_parts();
+    let c = stream
+        .array_test_read(memory, table, &ring, 1 << 18, 8192, 7, seed, None)
+        .unwrap();
+    assert_eq!(c.mismatches, 0, "first bad {:?}", c.first_bad);
+    let s = other.stats().unwrap();
+    assert!(s.evictions > 1000, "{s:?}");
+    assert_eq!(resident.held().frames().unwrap(), frames);
+    check("held, after the thrash");
+    // An index past the end reads 0 and is reported.
+    let past = gpu.alloc(8).unwrap();
+    stream.upload(&words.to_le_bytes(), &past, 0).unwrap();
+    stream
+        .resident_bench_reads(resident.held(), &past, 1, &out, 32)
+        .unwrap();
+    assert_eq!(
+        held.check().unwrap_err().code(),
+        gpuio_hal::ErrorCode::InvalidArg
+    );
+    // Let go: no pins are left on the held array's pages.
+    resident.release().unwrap();
+    let (memory, table, _) = held.hal_parts();
+    let mut raw = vec![0u8; table.pages() as usize * 8];
+    memory
+        .gpu()
+        .stream()
+        .unwrap()
+        .download(table.table(), 0, &mut raw)
+        .unwrap();
+    for (page, e) in raw.chunks_exact(8).enumerate() {
+        let e = u64::from_le_bytes(e.try_into().unwrap());
+        assert_eq!(ondemand::page_pins(e), 0, "page {page}");
+    }
+}

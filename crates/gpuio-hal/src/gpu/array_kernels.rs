@@ -164,6 +164,51 @@ impl Stream {
         unsafe { self.inner.array_kernel(launch) }
     }
 
+    /// Holds every page of `array` (`hold`: one more pin each, frames into `frames`) or lets
+    /// them go (the pages `frames` names). Waits for the kernel.
+    pub(crate) fn array_hold(
+        &self,
+        array: crate::ondemand::ArrayDevice,
+        frames: &super::DeviceBuffer,
+        hold: bool,
+    ) -> Result<()> {
+        self.gpu.check_owns("held frame table", frames)?;
+        let launch = ArrayLaunch::Hold {
+            array,
+            frames: frames.range("held frame table", 0, array.pages as usize * 4)?,
+            hold,
+        };
+        // SAFETY: the caller (HeldPages) keeps the cache, the table and the ring allocated
+        // and served while the hold lives; `frames` is borrowed until the kernel is done.
+        unsafe { self.inner.array_kernel(launch) }
+    }
+
+    /// Benchmark reads of `n` u64 elements (indices in `idx`, u64s on this device) of a held
+    /// array into `out`, with `threads` GPU threads and no pin per read
+    /// (`gpuio_resident_array`). Waits for the kernel. The caller checks the data.
+    pub fn resident_bench_reads(
+        &self,
+        held: &crate::ondemand::HeldPages,
+        idx: &super::DeviceBuffer,
+        n: usize,
+        out: &super::DeviceBuffer,
+        threads: u32,
+    ) -> Result<()> {
+        let bytes = n
+            .checked_mul(8)
+            .ok_or_else(|| HalError::InvalidArgument("reads overflow".into()))?;
+        let launch = ArrayLaunch::ResidentBench {
+            array: held.device(),
+            idx: idx.range("bench indices", 0, bytes)?,
+            n: n as u64,
+            out: out.range("bench output", 0, bytes)?,
+            threads,
+        };
+        // SAFETY: `held` keeps every page of the array pinned and its frame table allocated
+        // until the kernel is done; the ranges are checked.
+        unsafe { self.inner.array_kernel(launch) }
+    }
+
     /// The on-demand layout's constants as this device's compiler sees them, in the order of
     /// [`crate::ondemand::constants()`].
     pub fn array_layout_words(&self) -> Result<Vec<u64>> {

@@ -362,6 +362,21 @@ pub(crate) enum ArrayLaunch<'a> {
     },
     /// The layout constants as the device compiler sees them, into `out`.
     Layout { out: DevRange<'a> },
+    /// Every page of the array held (`hold`: pinned once more, its frame into `frames`, a
+    /// `u32` per page) or let go (the pins of the pages `frames` names taken off).
+    Hold {
+        array: crate::ondemand::ArrayDevice,
+        frames: DevRange<'a>,
+        hold: bool,
+    },
+    /// Benchmark reads of `n` u64 elements (`idx`) of a held array into `out`.
+    ResidentBench {
+        array: crate::ondemand::ResidentDevice,
+        idx: DevRange<'a>,
+        n: u64,
+        out: DevRange<'a>,
+        threads: u32,
+    },
     /// Benchmark reads (`kernels/ondemand.cu`): `n` rows of `row_words` u64s (`rows`: u64
     /// row numbers) or `n` single u64 elements (`row_words == 0`; `rows`: element indices)
     /// into `out`, from the array (`array: Some`) or from the plain device array `plain`.

@@ -8,7 +8,7 @@ use crate::ring::RingDevice;
 use std::mem::{offset_of, size_of};
 
 /// Version of this layout; bumped with any change to it (and to `gpuio_array.cuh`).
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 
 // ---- Page-table entry: one u64 per page of an array ------------------------------------------
 
@@ -274,6 +274,26 @@ impl ArrayDevice {
     }
 }
 
+/// A read-only array held in its cache (`struct gpuio_resident_desc`, for
+/// `gpuio_resident_array<T>`): every page keeps one pin while it is held, so the frame table
+/// does not change and a read needs neither pin nor check.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResidentDevice {
+    /// Device address of the frame table (a `u32` frame per page).
+    pub frames: u64,
+    /// Device address of the cache's frame 0.
+    pub base: u64,
+    /// Bytes of the array.
+    pub bytes: u64,
+    /// Device address of the cache's slot table (where an out-of-range read is recorded).
+    pub slots: u64,
+    /// log2 of the page size.
+    pub page_shift: u32,
+    /// The array's slot.
+    pub slot: u32,
+}
+
 const _: () = {
     assert!(size_of::<RingDevice>() == 48);
     assert!(size_of::<ArraySlot>() == 64);
@@ -309,6 +329,14 @@ const _: () = {
     assert!(offset_of!(ArrayDevice, slot) == 148);
     assert!(offset_of!(ArrayDevice, flags) == 152);
 
+    assert!(size_of::<ResidentDevice>() == 40);
+    assert!(offset_of!(ResidentDevice, frames) == 0);
+    assert!(offset_of!(ResidentDevice, base) == 8);
+    assert!(offset_of!(ResidentDevice, bytes) == 16);
+    assert!(offset_of!(ResidentDevice, slots) == 24);
+    assert!(offset_of!(ResidentDevice, page_shift) == 32);
+    assert!(offset_of!(ResidentDevice, slot) == 36);
+
     // The fields of an entry do not overlap.
     assert!(PAGE_FRAME_MASK & PAGE_PIN_MASK == 0);
     assert!((PAGE_FRAME_MASK | PAGE_PIN_MASK) & (PAGE_DIRTY | PAGE_STATE_MASK) == 0);
@@ -335,6 +363,7 @@ pub fn constants() -> Vec<(&'static str, u64)> {
         ("sizeof(ArraySlot)", size_of::<ArraySlot>() as u64),
         ("sizeof(CacheDevice)", size_of::<CacheDevice>() as u64),
         ("sizeof(ArrayDevice)", size_of::<ArrayDevice>() as u64),
+        ("sizeof(ResidentDevice)", size_of::<ResidentDevice>() as u64),
         ("latency_bucket(1000)", latency_bucket(1000) as u64),
         (
             "latency_bucket(123456789)",

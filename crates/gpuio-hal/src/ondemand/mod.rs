@@ -51,14 +51,21 @@
 //! orders write-backs of different pages; a flush returns once every page it wrote back is
 //! written (`OnDemandArray::synchronize`).
 //!
+//! Holding ([`HeldPages`]): every page of a read-only array pinned once more until the hold is
+//! let go, so no held page is evicted or moves, and kernels read it through the hold's frame
+//! table (`gpuio_resident_array<T>`) with no pin per access. Held pages count against the
+//! cache's frames; a hold that cannot get every page lets go of what it had.
+//!
 //! Errors: a device access that fails records the first failure's code in the array's slot
 //! (`ArraySlot::error`); the host reads it with [`PageCacheMemory::take_error`] after the
 //! kernel, so a kernel's failed reads never pass for data.
 
+mod held;
 mod layout;
 mod memory;
 mod twin;
 
+pub use held::{HeldPages, NOT_HELD};
 pub use layout::*;
 pub use memory::{ArrayCounters, PageCacheMemory, PageTable};
 pub use twin::HostAccessor;

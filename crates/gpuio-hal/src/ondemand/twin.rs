@@ -167,6 +167,22 @@ impl HostAccessor {
         Ok(())
     }
 
+    /// Holds `page` in the cache (brought in if needed): it keeps one pin, so it is neither
+    /// evicted nor moved, until [`let_go`](Self::let_go). Returns its frame.
+    pub fn hold(&self, page: u64) -> Result<u32> {
+        if page >= self.pages {
+            return Err(self.fail(RESULT_OUT_OF_RANGE));
+        }
+        self.pin(page)
+    }
+
+    /// Takes off the pin [`hold`](Self::hold) left on `page`.
+    pub fn let_go(&self, page: u64) {
+        if page < self.pages {
+            self.unpin(page);
+        }
+    }
+
     /// Writes `page` back if it is cached and dirty, leaving it cached and clean. Waits for
     /// threads that have it pinned.
     pub fn flush(&self, page: u64) -> Result<()> {

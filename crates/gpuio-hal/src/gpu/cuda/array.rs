@@ -4,12 +4,14 @@ use super::driver::cuda_err;
 use super::stream::CudaStreamBackend;
 use crate::error::Result;
 use crate::gpu::backend::ArrayLaunch;
-use crate::ondemand::ArrayDevice;
+use crate::ondemand::{ArrayDevice, ResidentDevice};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
 // SAFETY: ArrayDevice is `#[repr(C)]` of plain integers with no padding (its const asserts
 // pin every offset), the exact bytes `struct gpuio_array_desc` expects by value.
 unsafe impl DeviceRepr for ArrayDevice {}
+// SAFETY: as ArrayDevice: `#[repr(C)]` integers without padding, `struct gpuio_resident_desc`.
+unsafe impl DeviceRepr for ResidentDevice {}
 
 impl CudaStreamBackend {
     /// Runs one on-demand array kernel and waits for it.
@@ -111,6 +113,40 @@ impl CudaStreamBackend {
                 // (indices past it read 0), and writes `n` rows or elements into the checked
                 // `out` range.
                 unsafe { l.launch(cfg) }.map_err(cuda_err("cuLaunchKernel(gpuio bench reads)"))?;
+            }
+            ArrayLaunch::Hold {
+                array,
+                frames,
+                hold,
+            } => {
+                let (first, count) = (0u64, array.pages);
+                let cfg = self.shared.launch_config(count);
+                let f = frames.addr();
+                let mut l = self
+                    .stream
+                    .launch_builder(&kernels[if hold { 8 } else { 9 }]);
+                l.arg(&array).arg(&first).arg(&count).arg(&f);
+                // SAFETY: matches gpuio_array_hold / gpuio_array_let_go, which touch the
+                // array's pages and `count` u32s at `frames` (a range the caller checked to
+                // hold one per page).
+                unsafe { l.launch(cfg) }.map_err(cuda_err("cuLaunchKernel(gpuio_array_hold)"))?;
+            }
+            ArrayLaunch::ResidentBench {
+                array,
+                idx,
+                n,
+                out,
+                threads,
+            } => {
+                let cfg = self.shared.launch_config(u64::from(threads.max(32)));
+                let (i, o) = (idx.addr(), out.addr());
+                let mut l = self.stream.launch_builder(&kernels[10]);
+                l.arg(&array).arg(&i).arg(&n).arg(&o);
+                // SAFETY: matches gpuio_resident_bench_elements: it reads `n` indices and
+                // writes `n` u64s (checked ranges) and reads the held array's frames, which
+                // stay allocated and pinned while the caller's hold lives.
+                unsafe { l.launch(cfg) }
+                    .map_err(cuda_err("cuLaunchKernel(gpuio_resident_bench_elements)"))?;
             }
             ArrayLaunch::Layout { out } => {
                 let o = out.addr();
