@@ -14,10 +14,10 @@
 //   wait until the slot's free turn (device memory, beside the counter: only producers free
 //   slots, so the check stays on the GPU) equals t (the ring is full meanwhile) or the ring is
 //   no longer OPEN (then the request is refused with GPUIO_ERROR_RING_SHUTDOWN); write the
-//   request fields and turn = t, store status = POSTED (release: the fields before it).
-// - the host consumer of ticket t sees POSTED with turn == t, copies the request, carries it
-//   out, and stores status = DONE* with the result in the same word (release; an inline
-//   completion's bytes before it).
+//   request fields, store status = POSTED | t << 8 (release: the fields before it).
+// - the host consumer of ticket t sees exactly POSTED | t << 8 (a POSTED of an earlier lap
+//   carries that lap's ticket), copies the request, carries it out, and stores status = DONE*
+//   with the result in the same word (release; an inline completion's bytes before it).
 // - poll: one 16-byte load of (status, inline bytes); when the state is DONE* (then an
 //   acquire fence) the result and any inline bytes are in hand. No lap check: this thread
 //   stored this lap's POSTED itself and no later lap posts before it frees the slot. Free
@@ -119,7 +119,7 @@ struct __align__(64) gpuio_ring_header {
 struct __align__(64) gpuio_ring_slot {
     unsigned long long status;        // GPUIO_SLOT_* | result << GPUIO_SLOT_STATE_BITS
     unsigned long long inline_bytes;  // a DONE_INLINE completion's bytes
-    unsigned long long turn;          // the ticket posted in the slot
+    unsigned long long turn;          // the ticket posted in the slot (diagnostics)
     unsigned int op;                  // GPUIO_RING_OP_READ / WRITE
     unsigned int resource;            // resource handle registered with the proxy
     unsigned int flags;               // GPUIO_RING_FLAG_*
@@ -192,8 +192,9 @@ static_assert(GPUIO_RING_OFFSETOF(gpuio_ring, bounce_bytes) == 40, "ring.bounce_
 
 // Every read of host memory is a PCIe round trip (~1 us), so a completion is polled with one
 // 16-byte load of a slot's (status, inline_bytes). Each word is read whole; the pair is not
-// one atomic read, which is why the inline bytes are written before the status (release) and
-// trusted only after a DONE_INLINE status was seen and the acquire fence made.
+// one atomic read, so the inline word may be older than the status beside it. The producer's
+// marker makes that visible (see gpuio_ring_arrived): a word that is not the marker is the
+// consumer's bytes, and one that is gets read again after the acquire fence.
 __device__ __forceinline__ void gpuio_ring_ld_pair(const void* p, unsigned long long* a,
                                                    unsigned long long* b) {
     asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
@@ -357,8 +358,9 @@ __device__ __forceinline__ long long gpuio_ring_try_post(const gpuio_ring* r, gp
     v->dev_addr = tok->dev_addr;
     v->turn = t;
     v->inline_bytes = gpuio_ring_inline_marker(t);
-    // The release store orders the fields (and a staged WRITE's bytes) before POSTED.
-    gpuio_ring_st_release_sys64(&s->status, GPUIO_SLOT_POSTED);
+    // The release store orders the fields (and a staged WRITE's bytes) before POSTED, which
+    // carries the ticket: the consumer of this ticket waits for exactly this word.
+    gpuio_ring_st_release_sys64(&s->status, GPUIO_SLOT_POSTED | (t << GPUIO_SLOT_STATE_BITS));
     return 1;
 }
 

@@ -414,8 +414,10 @@ fn a_resident_array_stays_in_its_frames_while_others_thrash() {
     let second = cache
         .array::<u64>(Endpoint::file(&f, 32 << 10), 4096, ArrayMode::ReadOnly)
         .unwrap();
-    second.resident().unwrap_err();
+    let e = second.resident().unwrap_err();
     check_held(&second, 4096, &[], 0);
+    // The failure stays recorded for check, as a kernel's failed access would.
+    assert_eq!(second.check().unwrap_err().code(), e.code(), "{e}");
     for k in 0..200u64 {
         let i = pattern::mix64(k) % (1 << 13);
         assert_eq!(acc.load_u64(i).unwrap(), pattern::word_at(SEED, i));

@@ -178,8 +178,10 @@ impl Stream {
             frames: frames.range("held frame table", 0, array.pages as usize * 4)?,
             hold,
         };
-        // SAFETY: the caller (HeldPages) keeps the cache, the table and the ring allocated
-        // and served while the hold lives; `frames` is borrowed until the kernel is done.
+        // SAFETY: the caller (HeldPages) keeps the cache and the table allocated while the
+        // hold lives, and the array's owner keeps the ring mapped and served (a hold's misses
+        // go through it; letting go touches only the table); `frames` is borrowed until the
+        // kernel is done.
         unsafe { self.inner.array_kernel(launch) }
     }
 

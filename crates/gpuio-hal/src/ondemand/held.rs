@@ -13,15 +13,19 @@ use std::sync::Arc;
 /// A frame-table entry of a page that is not held.
 pub const NOT_HELD: u32 = u32::MAX;
 
-/// Who takes the pins off again: a kernel on a GPU, host threads on the host backend.
+/// Who takes the pins off again: a kernel on a GPU, host threads on the host backend (with
+/// the frames they hold, kept here so that letting go needs no device memory read).
 enum Holder {
     Gpu(ArrayDevice),
-    Host(HostAccessor),
+    Host(HostAccessor, Vec<u32>),
 }
 
 /// Every page of one read-only array held in its cache, and the table of the frames holding
 /// them (device memory, a `u32` per page). Dropping it lets the pages go again (logging a
-/// failure; [`let_go`](Self::let_go) reports it). The array must stay in its cache meanwhile.
+/// failure; [`let_go`](Self::let_go) reports it). The array must stay in its cache meanwhile:
+/// removing it frees its frames pins or not, and readers of the frame table would then read
+/// whatever other pages the frames come to hold (`OnDemandArray::resident` borrows the array,
+/// so its users cannot).
 pub struct HeldPages {
     cache: Arc<PageCacheMemory>,
     /// The array's page table, kept allocated while pins on it are outstanding.
@@ -77,8 +81,8 @@ impl PageCacheMemory {
                     match acc.hold(page) {
                         Ok(f) => got.push(f),
                         Err(e) => {
+                            // The failure stays recorded for `check`, as a kernel's would.
                             (0..page).for_each(|p| acc.let_go(p));
-                            self.take_error(table)?;
                             return Err(e);
                         }
                     }
@@ -92,7 +96,7 @@ impl PageCacheMemory {
                     (0..pages).for_each(|p| acc.let_go(p));
                     return Err(e);
                 }
-                Holder::Host(acc)
+                Holder::Host(acc, got)
             }
             _ => Holder::Gpu(self.array_device(ring.device()?, table)),
         };
@@ -115,9 +119,10 @@ impl PageCacheMemory {
         if let Holder::Gpu(array) = &held.holder {
             let stream = self.gpu().stream()?;
             stream.array_hold(*array, &held.frames, true)?;
-            // Pages that could not be held recorded why; the hold lets go of the others.
+            // Pages that could not be held recorded why (left recorded for `check`); the hold
+            // lets go of the others.
             if held.frames()?.contains(&NOT_HELD) {
-                let why = self.take_error(table)?;
+                let why = self.recorded_error(table)?;
                 held.let_go()?;
                 return Err(match why {
                     Some(code) => HalError::OnDemand { code },
@@ -155,13 +160,14 @@ impl HeldPages {
     }
 
     /// Lets every held page go (they may be evicted again). Done once; later calls do nothing.
+    /// On a GPU a failed let-go is not tried again (a kernel that ran in part would take pins
+    /// off twice): its pages stay held until the array leaves the cache.
     pub fn let_go(&mut self) -> Result<()> {
         if !std::mem::replace(&mut self.held, false) {
             return Ok(());
         }
         match &self.holder {
-            Holder::Host(acc) => {
-                let frames = self.frames()?;
+            Holder::Host(acc, frames) => {
                 for (page, &f) in frames.iter().enumerate() {
                     if f != NOT_HELD {
                         acc.let_go(page as u64);

@@ -367,17 +367,27 @@ impl PageCacheMemory {
     /// The first error device accesses to the array met since the last call (a negative
     /// `GPUIO_ERROR_*`), cleared. Call it after the kernels that used the array finished.
     pub fn take_error(&self, table: &PageTable) -> Result<Option<i64>> {
-        let stream = self.gpu.stream()?;
-        let at =
-            table.slot as usize * size_of::<ArraySlot>() + std::mem::offset_of!(ArraySlot, error);
-        let mut raw = [0u8; 8];
-        stream.download(&self.slots, at, &mut raw)?;
-        let code = i64::from_le_bytes(raw);
-        if code == 0 {
-            return Ok(None);
+        let code = self.recorded_error(table)?;
+        if code.is_some() {
+            let stream = self.gpu.stream()?;
+            stream.upload(&0i64.to_le_bytes(), &self.slots, Self::error_at(table))?;
         }
-        stream.upload(&0i64.to_le_bytes(), &self.slots, at)?;
-        Ok(Some(code))
+        Ok(code)
+    }
+
+    /// The first error recorded for `table`'s array, left recorded (see
+    /// [`take_error`](Self::take_error)).
+    pub fn recorded_error(&self, table: &PageTable) -> Result<Option<i64>> {
+        let mut raw = [0u8; 8];
+        self.gpu
+            .stream()?
+            .download(&self.slots, Self::error_at(table), &mut raw)?;
+        let code = i64::from_le_bytes(raw);
+        Ok((code != 0).then_some(code))
+    }
+
+    fn error_at(table: &PageTable) -> usize {
+        table.slot as usize * size_of::<ArraySlot>() + std::mem::offset_of!(ArraySlot, error)
     }
 
     /// Brings pages `pages` of `table` in (`flush == false`: a prefetch) or writes back those

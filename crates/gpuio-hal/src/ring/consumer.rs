@@ -7,8 +7,8 @@
 
 use super::layout::{
     FLAG_STAGE, INLINE_BYTES, OP_READ, OP_WRITE, RESULT_SHUT_DOWN, RING_CLOSED, RING_OPEN,
-    RING_STOPPING, SLOT_DONE, SLOT_DONE_BOUNCE, SLOT_DONE_INLINE, SLOT_POSTED, status_state,
-    status_word,
+    RING_STOPPING, SLOT_DONE, SLOT_DONE_BOUNCE, SLOT_DONE_INLINE, SLOT_POSTED, posted_word,
+    status_state, status_word,
 };
 use super::memory::{RingMemory, RingState, claim_stripe};
 use super::{Backoff, WaitPolicy, past, result_of};
@@ -190,11 +190,10 @@ impl<'r> RingClaim<'r> {
             return Take::Stopped;
         }
         let s = self.ring.slot(self.ticket);
-        // POSTED first (acquire), then the turn its producer wrote before it: a POSTED of an
-        // earlier lap, still waiting for its own consumer, shows that lap's ticket.
-        if status_state(s.status.load(Ordering::Acquire)) != SLOT_POSTED
-            || s.turn.load(Ordering::Relaxed) != self.ticket
-        {
+        // One acquire load: POSTED under this ticket. A POSTED of an earlier lap, still
+        // waiting for its own consumer, carries that lap's ticket (a separate turn word, read
+        // after it, could already show this lap's while its POSTED had not landed).
+        if s.status.load(Ordering::Acquire) != posted_word(self.ticket) {
             return Take::Pending(self);
         }
         // Ordered after the acquire load of POSTED, so these are the producer's values.
@@ -322,6 +321,28 @@ mod tests {
     use super::*;
     use crate::ring::HostProducer;
     use crate::ring::testing::{SECOND, ring};
+
+    #[test]
+    fn a_consumer_takes_only_its_own_laps_post() {
+        // Two slots, consumers of tickets 0, 1 and 2 waiting at once: tickets 0 and 2 share
+        // slot 0. Ticket 0 is posted; the producer of ticket 2 has written the slot's turn
+        // (it does before its POSTED) but its POSTED has not landed.
+        let r = ring(2);
+        let p = HostProducer::new(r.clone()).unwrap();
+        let _t0 = p.post_read(1, 0, 8, 0).unwrap();
+        let (c0, c1, c2) = (r.claim(), r.claim(), r.claim());
+        assert_eq!(c2.ticket(), 2);
+        r.slot(2).turn.store(2, Ordering::Relaxed);
+        assert!(
+            matches!(c2.try_take(), Take::Pending(_)),
+            "ticket 2 must not take ticket 0's request"
+        );
+        assert!(matches!(c1.try_take(), Take::Pending(_)));
+        let Take::Taken(t) = c0.try_take() else {
+            panic!("ticket 0 was posted")
+        };
+        t.complete(8);
+    }
 
     #[test]
     fn a_dropped_taken_request_completes_with_an_error() {

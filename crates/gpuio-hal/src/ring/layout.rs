@@ -30,7 +30,8 @@ pub const RING_CLOSED: u32 = 2;
 /// state until the next lap posts: whose turn a slot is, and when it is free for it, only
 /// the producers track (in their claim memory, see [`RingDevice::claim`]).
 pub const SLOT_FREE: u32 = 0;
-/// `GPUIO_SLOT_POSTED`: a request is in the slot, waiting for (or with) a consumer.
+/// `GPUIO_SLOT_POSTED`: a request is in the slot, waiting for (or with) a consumer. Its status
+/// word carries the ticket it was posted under where a result goes ([`posted_word`]).
 pub const SLOT_POSTED: u32 = 1;
 /// `GPUIO_SLOT_DONE`: the status word holds the outcome; the bytes (if any) are at their
 /// destination.
@@ -72,6 +73,13 @@ pub const fn status_word(state: u32, result: i64) -> u64 {
         result
     };
     ((r << STATE_BITS) as u64) | (state & 0xff) as u64
+}
+
+/// The status word of a request posted under `ticket`: `POSTED` with the ticket's low 56 bits
+/// above the state. One acquire load tells a consumer that its own ticket's request is there:
+/// a `POSTED` of an earlier lap (still waiting for its consumer) carries that lap's ticket.
+pub const fn posted_word(ticket: u64) -> u64 {
+    (ticket << STATE_BITS) | SLOT_POSTED as u64
 }
 
 /// The state of a status word.
@@ -120,7 +128,8 @@ pub struct RingHeader {
 }
 
 /// One request slot (`struct gpuio_ring_slot`), a cache line of its own. The producer writes
-/// the request fields, `turn` and the status `POSTED`; the consumer writes the status `DONE*`
+/// the request fields, `turn` and the status `POSTED` (with its ticket); the consumer writes
+/// the status `DONE*`
 /// (with the result) and an inline completion's bytes. The status and the inline bytes come
 /// first, in one aligned 16 bytes, so that a GPU thread polls a completion with one load.
 #[repr(C, align(64))]
@@ -129,7 +138,7 @@ pub struct RingSlot {
     pub(super) status: AtomicU64,
     /// The bytes of a `DONE_INLINE` completion.
     pub(super) inline_bytes: AtomicU64,
-    /// The ticket posted in the slot (the consumer of that ticket takes it).
+    /// The ticket last posted in the slot (diagnostics: the status word carries it too).
     pub(super) turn: AtomicU64,
     pub(super) op: AtomicU32,
     pub(super) resource: AtomicU32,
@@ -371,6 +380,13 @@ mod tests {
                 assert_eq!((status_state(w), status_result(w)), (state, result));
             }
         }
+        // A posted word carries its ticket (the low 56 bits) and reads as POSTED.
+        for t in [0u64, 1, 4095, 1 << 40, u64::MAX] {
+            let w = posted_word(t);
+            assert_eq!(status_state(w), SLOT_POSTED);
+            assert_eq!(w >> STATE_BITS, t & (u64::MAX >> STATE_BITS));
+        }
+        assert_ne!(posted_word(5), posted_word(5 + 4096));
         // Beyond 56 bits a result saturates instead of wrapping into another state or sign.
         let big = status_word(SLOT_DONE, i64::MAX);
         assert_eq!(status_state(big), SLOT_DONE);

@@ -7,7 +7,7 @@
 
 use super::layout::{
     HEADER_BYTES, MAGIC, RING_OPEN, RING_STOPPING, RingDevice, RingHeader, RingSlot, SLOT_BYTES,
-    SLOT_FREE, VERSION, status_result, status_state, status_word,
+    SLOT_DONE, SLOT_FREE, VERSION, status_result, status_state, status_word,
 };
 use crate::error::{HalError, Result};
 use crate::gpu::{DeviceBuffer, Gpu, Stream};
@@ -299,10 +299,16 @@ impl RingMemory {
     pub fn slot_view(&self, index: usize) -> Option<SlotView> {
         let s = self.slot_array().get(index)?;
         let status = s.status.load(Ordering::Acquire);
+        let state = status_state(status);
         Some(SlotView {
             turn: s.turn.load(Ordering::Relaxed),
-            state: status_state(status),
-            result: status_result(status),
+            state,
+            // A POSTED word carries its ticket where a result goes.
+            result: if state >= SLOT_DONE {
+                status_result(status)
+            } else {
+                0
+            },
         })
     }
 }
@@ -315,7 +321,7 @@ pub struct SlotView {
     /// `SLOT_FREE` (never posted), `SLOT_POSTED` or one of the `SLOT_DONE*` states (kept
     /// after the completion is collected, until the next post).
     pub state: u32,
-    /// The last published result.
+    /// The last published result (0 before the first completion and while posted).
     pub result: i64,
 }
 

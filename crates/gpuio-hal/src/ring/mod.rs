@@ -28,9 +28,10 @@
 //!   producer waits until it equals `t` (back-pressure) or the ring is no longer open (then
 //!   the request is refused). The check reads the GPU's own memory, not host memory across
 //!   PCIe: only producers free slots, so only they need to know. It then writes the request
-//!   fields and `turn = t`, and stores `status = POSTED` (release).
+//!   fields, and stores `status = POSTED` with the ticket in the word (release).
 //! - **Consumer** (a host proxy thread): claims the next consumer ticket `h` (host counter),
-//!   waits for `status == POSTED` (acquire) with `turn == h`, copies the request out, carries
+//!   waits for `status == POSTED | h << 8` (acquire: a `POSTED` of an earlier lap, still
+//!   waiting for its own consumer, carries that lap's ticket), copies the request out, carries
 //!   it out, and stores `status = DONE*` with the result (release): `DONE`, `DONE_INLINE`
 //!   (at most 8 bytes, in the slot's `inline_bytes`) or `DONE_BOUNCE` (in the slot's bounce
 //!   buffer).
@@ -46,9 +47,8 @@
 //!   error.
 //!
 //! Every load and store of shared ring memory here is a Rust atomic on a view made from the
-//! mapped pointer: the GPU writes the same lines, so no `&mut` to them ever exists. A
-//! consumer reads `status` before `turn`: a `POSTED` of an earlier lap (still waiting for its
-//! own consumer) shows that lap's ticket.
+//! mapped pointer: the GPU writes the same lines, so no `&mut` to them ever exists. The slot's
+//! `turn` (the ticket last posted) is for diagnostics only.
 //!
 //! ```
 //! use gpuio_hal::ring::{HostProducer, RingMemory, Take, WaitPolicy};

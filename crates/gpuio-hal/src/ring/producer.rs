@@ -7,7 +7,7 @@
 
 use super::layout::{
     FLAG_STAGE, INLINE_BYTES, OP_READ, OP_WRITE, RESULT_SHUT_DOWN, SLOT_DONE, SLOT_DONE_BOUNCE,
-    SLOT_DONE_INLINE, SLOT_POSTED, inline_marker, status_result, status_state, status_word,
+    SLOT_DONE_INLINE, inline_marker, posted_word, status_result, status_state,
 };
 use super::memory::{PRODUCERS_HOST, RingMemory, RingState};
 use super::{Backoff, WaitPolicy, past};
@@ -231,10 +231,11 @@ impl HostProducer {
             backoff.snooze();
         }
         if let Some(bytes) = stage {
-            // SAFETY: the slot is FREE for this ticket, so nobody reads or writes its bounce
-            // buffer until the POSTED store below (the consumer reads it after acquiring
-            // that); the buffer lies inside the ring's allocation, which `ring` keeps alive,
-            // and holds `bytes` (checked above).
+            // SAFETY: the slot's free turn is this ticket's (acquired from the release of the
+            // producer that collected the previous lap, after its last read of the slot), so
+            // nobody reads or writes its bounce buffer until the POSTED store below (the
+            // consumer reads it after acquiring that); the buffer lies inside the ring's
+            // allocation, which `ring` keeps alive, and holds `bytes` (checked above).
             unsafe {
                 std::ptr::copy_nonoverlapping(bytes.as_ptr(), ring.bounce_ptr(ticket), bytes.len())
             };
@@ -249,8 +250,7 @@ impl HostProducer {
         s.inline_bytes
             .store(inline_marker(ticket), Ordering::Relaxed);
         // The release store orders the fields (and staged bytes) before POSTED.
-        s.status
-            .store(status_word(SLOT_POSTED, 0), Ordering::Release);
+        s.status.store(posted_word(ticket), Ordering::Release);
         Ok(RingToken {
             ring: ring.clone(),
             ticket,
