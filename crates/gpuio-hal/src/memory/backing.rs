@@ -105,7 +105,9 @@ mod tests {
     fn the_machine_can_back_something_and_not_everything() {
         let n = backable_bytes(true).expect("/proc/meminfo is readable on Linux");
         assert!(n > 0);
-        assert!(backable_bytes(false).unwrap() <= n);
+        // Without swap no more than with it; the two reads are moments apart on a machine
+        // whose free memory moves (a build beside the tests), so within a GiB of churn.
+        assert!(backable_bytes(false).unwrap() <= n + (1 << 30));
         assert!(check(1 << 20, true).is_ok());
         let err = check(usize::MAX / 4, false).unwrap_err();
         assert!(matches!(err, HalError::HostMemoryExceeded { .. }), "{err}");
