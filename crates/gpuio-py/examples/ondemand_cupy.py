@@ -65,7 +65,8 @@ def main():
     idx = cp.random.randint(0, len(arr), size=n, dtype=cp.int64).astype(cp.uint64)
     out = cp.empty(n, dtype=cp.float32)
     t = time.perf_counter()
-    # 8192 threads: about as many as the ring has slots (misses poll host memory for theirs).
+    # 8192 threads: about as many as the ring has slots (each miss polls host memory for its
+    # completion).
     kernel((64,), (128,), (desc, idx, np.float32(2.0), out, np.uint64(n)))
     cp.cuda.Device().synchronize()
     seconds = time.perf_counter() - t
