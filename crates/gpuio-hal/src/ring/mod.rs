@@ -80,11 +80,11 @@ mod producer;
 
 pub use consumer::{RingClaim, RingOp, RingRequest, RingTaken, Take};
 pub use layout::{
-    FLAG_DURABLE, FLAG_STAGE, FLAGS_KNOWN, FieldLayout, HEADER_BYTES, INLINE_BYTES, MAGIC, OP_READ,
-    OP_WRITE, RESULT_SHUT_DOWN, RESULT_UNREGISTERED, RING_CLOSED, RING_OPEN, RING_STOPPING,
-    RingDevice, RingHeader, RingLayout, RingSlot, SLOT_BYTES, SLOT_DONE, SLOT_DONE_BOUNCE,
-    SLOT_DONE_INLINE, SLOT_FREE, SLOT_POSTED, STATE_BITS, VERSION, inline_marker, layout,
-    status_result, status_state, status_word,
+    FLAG_DURABLE, FLAG_STAGE, FLAGS_KNOWN, FieldLayout, HEADER_BYTES, INLINE_BYTES, INLINE_MARKER,
+    MAGIC, OP_READ, OP_WRITE, RESULT_SHUT_DOWN, RESULT_UNREGISTERED, RING_CLOSED, RING_OPEN,
+    RING_STOPPING, RingDevice, RingHeader, RingLayout, RingSlot, SLOT_BYTES, SLOT_DONE,
+    SLOT_DONE_BOUNCE, SLOT_DONE_INLINE, SLOT_FREE, SLOT_POSTED, STATE_BITS, VERSION, inline_marker,
+    layout, posted_word, status_result, status_state, status_word,
 };
 pub use memory::{MAX_SLOTS, MIN_SLOTS, RingMemory, RingState, SlotView};
 pub use producer::{HostProducer, RingPost, RingToken};
