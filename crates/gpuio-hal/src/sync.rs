@@ -190,7 +190,10 @@ pub struct StripedCounter {
     slots: [crossbeam_utils::CachePadded<std::sync::atomic::AtomicU64>; STRIPES],
 }
 
-const STRIPES: usize = 16;
+const STRIPES: usize = THREAD_STRIPES;
+
+/// How many stripes [`thread_stripe`] hands out.
+pub(crate) const THREAD_STRIPES: usize = 16;
 
 impl Default for StripedCounter {
     fn default() -> Self {
@@ -203,9 +206,10 @@ thread_local! {
     static STRIPE: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
 }
 
-/// This thread's slot, handed out round-robin at its first add.
+/// This thread's stripe (below [`THREAD_STRIPES`]), handed out round-robin at its first use:
+/// what per-thread counters index, so that a thread's adds stay in its own cache line.
 #[inline]
-fn stripe() -> usize {
+pub(crate) fn thread_stripe() -> usize {
     STRIPE.with(|s| {
         let i = s.get();
         if i != usize::MAX {
@@ -230,14 +234,14 @@ impl StripedCounter {
     /// Adds `n`.
     #[inline]
     pub fn add(&self, n: u64) {
-        self.slots[stripe()].fetch_add(n, std::sync::atomic::Ordering::Release);
+        self.slots[thread_stripe()].fetch_add(n, std::sync::atomic::Ordering::Release);
     }
 
     /// Takes `n` away (what this thread takes may have been added by another: slots wrap, the
     /// sum does not).
     #[inline]
     pub fn sub(&self, n: u64) {
-        self.slots[stripe()].fetch_sub(n, std::sync::atomic::Ordering::Release);
+        self.slots[thread_stripe()].fetch_sub(n, std::sync::atomic::Ordering::Release);
     }
 
     /// The sum of everything added (adds racing with the read may or may not be in it). An

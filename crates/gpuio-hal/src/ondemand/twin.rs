@@ -25,7 +25,7 @@ use crate::error::{HalError, Result};
 use crate::gpu::{Backend, DeviceBuffer};
 use crate::ring::HostProducer;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
 /// How long a miss looks for a frame before it gives up with `RESULT_NO_FRAME`: frames
@@ -54,14 +54,6 @@ impl std::fmt::Debug for HostAccessor {
             .field("pages", &self.pages)
             .finish_non_exhaustive()
     }
-}
-
-thread_local! {
-    /// This thread's counter stripe (as a GPU thread's is its SM's).
-    static STRIPE: usize = {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        NEXT.fetch_add(1, Ordering::Relaxed) % STAT_STRIPES
-    };
 }
 
 /// A word of host-backend device memory.
@@ -476,7 +468,8 @@ impl HostAccessor {
     }
 
     fn count(&self, slot: u32, counter: usize, n: u64) {
-        let stripe = STRIPE.with(|s| *s);
+        // This thread's counter stripe (as a GPU thread's is its SM's).
+        let stripe = crate::sync::thread_stripe() % STAT_STRIPES;
         self.stat(slot, stripe * STAT_COUNTERS + counter)
             .fetch_add(n, Ordering::Relaxed);
     }

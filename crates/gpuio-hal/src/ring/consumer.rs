@@ -10,7 +10,7 @@ use super::layout::{
     RING_STOPPING, SLOT_DONE, SLOT_DONE_BOUNCE, SLOT_DONE_INLINE, SLOT_POSTED, posted_word,
     status_state, status_word,
 };
-use super::memory::{RingMemory, RingState, claim_stripe};
+use super::memory::{RingMemory, RingState};
 use super::{Backoff, WaitPolicy, past, result_of};
 use crate::error::{ErrorCode, HalError, Result};
 use std::fmt;
@@ -24,7 +24,7 @@ impl RingMemory {
         // SeqCst with the state loads in `take` and in `wait_consumers`: a consumer whose
         // stripe a sweep read as zero before this increment sees the ring no longer open
         // (the sweep stored STOPPING before it read the stripes).
-        let stripe = claim_stripe();
+        let stripe = crate::sync::thread_stripe();
         self.live_claims[stripe].0.fetch_add(1, Ordering::SeqCst);
         let ticket = self.consumer_next.0.fetch_add(1, Ordering::Relaxed);
         RingClaim {

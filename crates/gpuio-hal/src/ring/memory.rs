@@ -12,6 +12,7 @@ use super::layout::{
 use crate::error::{HalError, Result};
 use crate::gpu::{DeviceBuffer, Gpu, Stream};
 use crate::memory::{HostAllocOptions, HostBuffer};
+use crate::sync::THREAD_STRIPES;
 use std::fmt;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering, fence};
@@ -49,19 +50,6 @@ const PRODUCERS_UNSET: u8 = 0;
 pub(super) const PRODUCERS_HOST: u8 = 1;
 const PRODUCERS_DEVICE: u8 = 2;
 
-/// Stripes of the live-claim count.
-const CLAIM_STRIPES: usize = 16;
-
-/// The live-claim stripe of the calling thread: threads take stripes in turn when they first
-/// claim, so a proxy thread's count stays in its own cache.
-pub(super) fn claim_stripe() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static STRIPE: usize = NEXT.fetch_add(1, Ordering::Relaxed) % CLAIM_STRIPES;
-    }
-    STRIPE.with(|s| *s)
-}
-
 /// Keeps a hot host-only counter on a cache line of its own.
 #[repr(align(64))]
 pub(super) struct Padded<T>(pub(super) T);
@@ -93,7 +81,7 @@ pub struct RingMemory {
     /// the kernels' ones in `device_claim`).
     pub(super) host_free_turns: Box<[AtomicU64]>,
     pub(super) consumer_next: Padded<AtomicU64>,
-    /// Consumer claims alive, striped by consumer thread ([`claim_stripe`]); the sweep and
+    /// Consumer claims alive, striped by consumer thread (`sync::thread_stripe`); the sweep and
     /// close wait for none. One shared count took two contended read-modify-writes per
     /// request on a line that also held the fields every consumer reads.
     pub(super) live_claims: Box<[Padded<AtomicUsize>]>,
@@ -167,7 +155,7 @@ impl RingMemory {
             host_claim: Padded(AtomicU64::new(0)),
             host_free_turns: (0..slots as u64).map(AtomicU64::new).collect(),
             consumer_next: Padded(AtomicU64::new(0)),
-            live_claims: (0..CLAIM_STRIPES)
+            live_claims: (0..THREAD_STRIPES)
                 .map(|_| Padded(AtomicUsize::new(0)))
                 .collect(),
             producers: AtomicU8::new(PRODUCERS_UNSET),
