@@ -173,3 +173,209 @@ extern "C" __global__ void gpuio_dot_scores(const void* table, gpuio_u64 rows, g
         if (lane == 0) scores[r] = s;
     }
 }
+
+// ---- Swap-in planning: HiSparse's hot buffer, refilled by the device (swap_in.rs in the HAL) --
+//
+// A job is one request's layer: a top-k selection of positions (u32s in device memory), a
+// hot buffer of `slots` device rows, and a state in device memory — a step counter, each
+// position's slot, each slot's position, each slot's last step. One block per job plans a
+// load: a selected position with a slot is a hit (its code names the slot, the slot is marked
+// used this step); the others are misses, numbered in selection order, each given a victim
+// slot — the slots not selected this step, oldest first (ages capped at 255 steps; among
+// equal ages, lower slots first), the victims taken in slot order — and a code that reads the
+// entry from pinned host memory (warm row `warm_first + position`) and installs it in its
+// slot. The tiered gather (gather.cu) then moves the rows, reading this job's gather entry,
+// whose count the plan writes (0 when the plan fails). The host backend runs the same plan in
+// Rust (swap_in.rs): the two agree code for code. A state is trusted for nothing: a slot or
+// position out of its table's bounds is reported (kind 4), never followed.
+
+#define GPUIO_SWAP_NONE 0xffffffffu
+#define GPUIO_SWAP_PENDING 0xfffffffeu
+#define GPUIO_SWAP_MAX_SELECTION 4096
+#define GPUIO_SWAP_THREADS 1024
+// As gather.cu's tiered codes: the warm bit, then the slot above the 40-bit warm row.
+#define GPUIO_SWAP_WARM (1ull << 63)
+#define GPUIO_SWAP_ROW_BITS 40
+
+// One job's plan (64 bytes, as the host writes it).
+struct gpuio_swap_job {
+    gpuio_u64 selection;   // u32 positions
+    gpuio_u64 control;     // pinned host memory, mapped: the layer's length, the selection's count
+    gpuio_u64 state;       // u32 step, u32 unused, slot_of[positions], holder[slots], last_used[slots]
+    gpuio_u64 gather_job;  // this job's entry of the gather table (its count is word 6)
+    gpuio_u64 warm_first;  // the warm row of position 0
+    gpuio_u64 first;       // this job's first code
+    gpuio_u32 positions, slots, max_count, unused;
+};
+
+// The first failure wins (an atomic minimum): kind, job, value (an entry or a position).
+__device__ __forceinline__ void gpuio_swap_bad(gpuio_u64* report, gpuio_u64 kind, gpuio_u64 job,
+                                               gpuio_u64 value) {
+    atomicMin(report, kind << 60 | job << 32 | (value & 0xffffffffull));
+}
+
+// Exclusive prefix sum of `v` over the block (GPUIO_SWAP_THREADS threads), the total in
+// `*total`. Every thread of the block must call it.
+__device__ gpuio_u32 gpuio_swap_scan(gpuio_u32 v, gpuio_u32* sums, gpuio_u32* total) {
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    gpuio_u32 x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const gpuio_u32 y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= (unsigned)o) x += y;
+    }
+    if (lane == 31) sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        const gpuio_u32 w = sums[lane];
+        gpuio_u32 s = w;
+        for (int o = 1; o < 32; o <<= 1) {
+            const gpuio_u32 y = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= (unsigned)o) s += y;
+        }
+        sums[lane] = s - w;
+        if (lane == 31) sums[32] = s;
+    }
+    __syncthreads();
+    const gpuio_u32 before = sums[warp] + x - v;
+    *total = sums[32];
+    __syncthreads();  // `sums` is reused by the next scan
+    return before;
+}
+
+extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_THREADS)
+    gpuio_swap_in_plan(const gpuio_swap_job* jobs, gpuio_u64* codes, gpuio_u64* report) {
+    __shared__ gpuio_u32 miss_pos[GPUIO_SWAP_MAX_SELECTION], miss_at[GPUIO_SWAP_MAX_SELECTION];
+    __shared__ gpuio_u32 hist[256], sums[33];
+    __shared__ gpuio_u64 s_len, s_count;
+    __shared__ gpuio_u32 s_step, s_exhausted, s_oldest, s_older;
+    const gpuio_swap_job job = jobs[blockIdx.x];
+    const unsigned tid = threadIdx.x, lane = tid & 31;
+    gpuio_u32* st = (gpuio_u32*)job.state;
+    gpuio_u32* slot_of = st + 2;
+    gpuio_u32* holder = slot_of + job.positions;
+    gpuio_u32* last_used = holder + job.slots;
+    gpuio_u64* gather_count = (gpuio_u64*)job.gather_job + 6;
+    if (tid == 0) {
+        const volatile gpuio_u64* control = (const volatile gpuio_u64*)job.control;
+        s_len = control[0];
+        s_count = control[1];
+        s_exhausted = st[0] == 0xffffffffu;
+        s_step = st[0] + 1;
+    }
+    if (tid < 256) hist[tid] = 0;
+    __syncthreads();
+    const gpuio_u64 len = s_len, want = s_count;
+    const gpuio_u32 step = s_step;
+    if (want > job.max_count || s_exhausted) {
+        if (tid == 0) {
+            gpuio_swap_bad(report, s_exhausted ? 3 : 2, blockIdx.x, want);
+            *gather_count = 0;
+            report[2 + blockIdx.x] = 0;
+        }
+        return;
+    }
+    const gpuio_u32 count = (gpuio_u32)want;
+
+    // Hits and misses, in selection order.
+    gpuio_u32 misses = 0, hits = 0;
+    int failed = 0;
+    for (gpuio_u32 c = 0; c < count; c += GPUIO_SWAP_THREADS) {
+        const gpuio_u32 i = c + tid;
+        int miss = 0, hit = 0, bad = 0;
+        gpuio_u32 pos = 0;
+        if (i < count) {
+            pos = ((const gpuio_u32*)job.selection)[i];
+            if (pos >= len) {
+                bad = 1;
+                gpuio_swap_bad(report, 0, blockIdx.x, i);
+            } else {
+                const gpuio_u32 slot = atomicCAS(&slot_of[pos], GPUIO_SWAP_NONE, GPUIO_SWAP_PENDING);
+                if (slot == GPUIO_SWAP_NONE) {
+                    miss = 1;
+                } else if (slot != GPUIO_SWAP_PENDING && slot >= job.slots) {
+                    bad = 1;
+                    gpuio_swap_bad(report, 4, blockIdx.x, pos);
+                } else if (slot == GPUIO_SWAP_PENDING || atomicExch(&last_used[slot], step) == step) {
+                    bad = 1;
+                    gpuio_swap_bad(report, 1, blockIdx.x, pos);
+                } else {
+                    hit = 1;
+                    codes[job.first + i] = slot;
+                }
+            }
+        }
+        gpuio_u32 total;
+        const gpuio_u32 at = misses + gpuio_swap_scan(miss, sums, &total);
+        if (miss) {
+            miss_pos[at] = pos;
+            miss_at[at] = i;
+        }
+        misses += total;
+        hits += __syncthreads_count(hit);
+        failed |= __syncthreads_or(bad);
+    }
+    if (failed) {
+        // Nothing installed: the misses' marks are taken back; the step is spent (the hits
+        // were marked with it).
+        for (gpuio_u32 j = tid; j < misses; j += GPUIO_SWAP_THREADS) slot_of[miss_pos[j]] = GPUIO_SWAP_NONE;
+        if (tid == 0) {
+            *gather_count = 0;
+            st[0] = step;
+            report[2 + blockIdx.x] = 0;
+        }
+        return;
+    }
+
+    if (misses > 0) {
+        // How many unselected slots are each age (warp-aggregated: many share one).
+        for (gpuio_u32 c = 0; c < job.slots; c += GPUIO_SWAP_THREADS) {
+            const gpuio_u32 s = c + tid;
+            const gpuio_u32 lu = s < job.slots ? last_used[s] : step;
+            const gpuio_u32 age = lu == step ? 256 : min(step - lu, 255u);
+            const unsigned same = __match_any_sync(0xffffffffu, age);
+            if (age < 256 && lane == (unsigned)__ffs(same) - 1) atomicAdd(&hist[age], __popc(same));
+        }
+        __syncthreads();
+        // The youngest age the victims reach, and how many unselected slots are older.
+        const gpuio_u32 n = tid < 256 ? hist[255 - tid] : 0;
+        gpuio_u32 all;
+        const gpuio_u32 older = gpuio_swap_scan(n, sums, &all);
+        if (tid < 256 && older < misses && older + n >= misses) {
+            s_oldest = 255 - tid;
+            s_older = older;
+        }
+        __syncthreads();
+        const gpuio_u32 edge = s_oldest, from_edge = misses - s_older;
+        gpuio_u32 edge_seen = 0, taken = 0;
+        for (gpuio_u32 c = 0; c < job.slots && taken < misses; c += GPUIO_SWAP_THREADS) {
+            const gpuio_u32 s = c + tid;
+            const gpuio_u32 lu = s < job.slots ? last_used[s] : step;
+            const gpuio_u32 age = min(step - lu, 255u);
+            const int free = s < job.slots && lu != step;
+            gpuio_u32 t1, t2;
+            const gpuio_u32 rank = edge_seen + gpuio_swap_scan(free && age == edge, sums, &t1);
+            edge_seen += t1;
+            const int victim = free && (age > edge || (age == edge && rank < from_edge));
+            const gpuio_u32 j = taken + gpuio_swap_scan(victim, sums, &t2);
+            taken += t2;
+            if (victim) {
+                const gpuio_u32 pos = miss_pos[j], old = holder[s];
+                if (old < job.positions) {
+                    slot_of[old] = GPUIO_SWAP_NONE;
+                } else if (old != GPUIO_SWAP_NONE) {
+                    gpuio_swap_bad(report, 4, blockIdx.x, s);
+                }
+                holder[s] = pos;
+                slot_of[pos] = s;
+                last_used[s] = step;
+                codes[job.first + miss_at[j]] =
+                    GPUIO_SWAP_WARM | (gpuio_u64)s << GPUIO_SWAP_ROW_BITS | (job.warm_first + pos);
+            }
+        }
+    }
+    if (tid == 0) {
+        *gather_count = count;
+        st[0] = step;
+        report[2 + blockIdx.x] = hits | (gpuio_u64)misses << 32;
+    }
+}

@@ -240,8 +240,8 @@ pub static ONDEMAND: KernelSource = KernelSource {
     ptx: embedded_ptx!("ondemand"),
 };
 
-/// `kernels/ai.cu`: the AI tier's KV quantization (scales, packed data), dequantization and
-/// brute-force similarity scores.
+/// `kernels/ai.cu`: the AI tier's KV quantization (scales, packed data), dequantization,
+/// brute-force similarity scores and the swap-in plan of device-planned loads.
 pub static AI: KernelSource = KernelSource {
     name: "ai.cu",
     source: include_str!("../../../kernels/ai.cu"),
@@ -250,6 +250,7 @@ pub static AI: KernelSource = KernelSource {
         "gpuio_quant_data",
         "gpuio_dequant",
         "gpuio_dot_scores",
+        "gpuio_swap_in_plan",
     ],
     ptx: embedded_ptx!("ai"),
 };

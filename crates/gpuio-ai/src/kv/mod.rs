@@ -15,6 +15,10 @@
 //! 80–95% — finds them. A load is one upload of a code per entry, one kernel and one wait
 //! (`load.rs`).
 //!
+//! [`SwapInKv`] serves the same selections with the planning on the device (HiSparse's
+//! swap-in kernel): every entry in host memory, appended only, selections already in device
+//! memory, no host work per load (`swap.rs`).
+//!
 //! [`store`](KvPool::store) writes entries to host memory and drops their hot copies, so a
 //! load never returns a stale entry. [`evict_by_importance`](KvPool::evict_by_importance)
 //! frees host memory from the least important entries.
@@ -22,9 +26,11 @@
 mod cold;
 mod hot;
 mod load;
+mod swap;
 
 pub use cold::ColdTier;
 pub use load::{KvBatch, KvLoad};
+pub use swap::{SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget};
 
 use crate::{AiError, Result};
 use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};

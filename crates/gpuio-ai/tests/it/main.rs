@@ -8,3 +8,4 @@ mod engram;
 mod graph;
 mod kv;
 mod quant;
+mod swap_in;

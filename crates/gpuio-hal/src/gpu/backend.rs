@@ -246,6 +246,45 @@ pub(crate) struct TieredJob<'a> {
     pub(crate) timed: bool,
 }
 
+/// One job of a checked device-planned load (see `swap_in.rs`).
+pub(crate) struct SwapInPart<'a> {
+    pub(crate) hot: DevRange<'a>,
+    pub(crate) state: DevRange<'a>,
+    pub(crate) selection: DevRange<'a>,
+    /// The destination's `max_count` rows.
+    pub(crate) dst: DevRange<'a>,
+    /// Pinned host memory.
+    pub(crate) warm: RowMem<'a>,
+    /// This call's length and count (also in the pinned control words the device reads).
+    pub(crate) load: super::SwapInLoad,
+    pub(crate) positions: u64,
+    pub(crate) slots: usize,
+    pub(crate) warm_first: u64,
+    /// Its first code's position among all codes.
+    pub(crate) first: usize,
+}
+
+/// A checked device-planned load: `table` holds the gather jobs (from 0), the plan jobs (from
+/// `plans_at`), the codes (from `codes_at`) and the report words (from `report_at`: the plan's
+/// failure, the gather's bad code, then each job's hits and misses).
+pub(crate) struct SwapInLaunch<'a> {
+    pub(crate) row_bytes: usize,
+    pub(crate) table: DevRange<'a>,
+    pub(crate) plans_at: usize,
+    pub(crate) codes_at: usize,
+    pub(crate) report_at: usize,
+    pub(crate) parts: &'a [SwapInPart<'a>],
+    /// Time the device's work (events around the plan and the gather).
+    pub(crate) timed: bool,
+}
+
+/// What a device-planned load reported: the report words (2 + one per job) and, when asked,
+/// the device's time.
+pub(crate) struct SwapInRan {
+    pub(crate) report: Vec<u64>,
+    pub(crate) device_time: Option<std::time::Duration>,
+}
+
 /// A checked launch of one of `kernels/ai.cu`'s kernels (see `ai_kernels.rs`).
 pub(crate) enum AiLaunch<'a> {
     /// `n` f32s of `src` quantized into `data` and `scales` (one per `block`); the first
@@ -486,6 +525,14 @@ pub(crate) trait StreamBackend: Send + Sync {
     /// A pinned host table (`AiLaunch::Scores`) stays valid and registered with this device
     /// until the call returns.
     unsafe fn ai_kernel(&self, launch: AiLaunch<'_>) -> Result<()>;
+
+    /// Plans and gathers a device-planned load (see `SwapInLaunch`), waits for it and returns
+    /// its report words, their failure words reset for the next call.
+    ///
+    /// # Safety
+    /// The warm pools and the table's control words stay valid and registered with this
+    /// device until the call returns.
+    unsafe fn swap_in(&self, launch: SwapInLaunch<'_>) -> Result<SwapInRan>;
 
     /// Records an event after the work enqueued so far.
     fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>>;

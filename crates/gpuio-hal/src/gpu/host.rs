@@ -7,9 +7,10 @@ use super::TieredSource;
 use super::backend::{
     AiLaunch, ArrayLaunch, BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend,
     GdsFileBackend, HostPin, NvmeLaunch, Owner, RingLaunch, RowHooks, RowJob, RowMem, RowsDone,
-    StreamBackend, TieredJob,
+    StreamBackend, SwapInLaunch, SwapInRan, TieredJob, TieredPart,
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
+use super::swap_in;
 use crate::error::{HalError, Result};
 use crate::kernels::{KernelLoad, KernelOrigin, KernelPath, KernelSource};
 use crate::memory::{HostAllocOptions, HostBuffer};
@@ -330,6 +331,16 @@ impl StreamBackend for HostStream {
         })
     }
 
+    unsafe fn swap_in(&self, launch: SwapInLaunch<'_>) -> Result<SwapInRan> {
+        let (timed, t) = (launch.timed, Instant::now());
+        // SAFETY: forwarded from the caller's contract.
+        let report = unsafe { self.swap_in_now(launch)? };
+        Ok(SwapInRan {
+            report,
+            device_time: timed.then(|| t.elapsed()),
+        })
+    }
+
     unsafe fn ai_kernel(&self, _launch: AiLaunch<'_>) -> Result<()> {
         Err(HalError::Unsupported {
             what: "the AI tier's kernels",
@@ -462,49 +473,127 @@ impl HostStream {
         let _guards = lock_all(mems);
         // SAFETY: the first `total` codes of the stage range, locked for reading above.
         let codes =
-            unsafe { std::slice::from_raw_parts(job.stage.addr() as *const u8, job.total * 8) };
-        let rb = job.row_bytes;
-        let mut bad = None;
-        for p in job.parts {
-            let RowMem::Host { ptr: warm, len, .. } = p.warm else {
-                return Err(HalError::InvalidArgument(
-                    "a tiered gather's warm tier is host memory".into(),
-                ));
+            unsafe { std::slice::from_raw_parts(job.stage.addr() as *const u64, job.total) };
+        // SAFETY: the caller's contract (the warm pools), the locks above (the rest).
+        unsafe { copy_tiered(job.parts, codes, job.row_bytes) }
+    }
+
+    /// Runs a device-planned load on the CPU: each job's plan (`swap_in::plan_on_host`, what
+    /// the kernel does), then the tiered copy of its codes.
+    ///
+    /// # Safety
+    /// As for `StreamBackend::swap_in`.
+    unsafe fn swap_in_now(&self, launch: SwapInLaunch<'_>) -> Result<Vec<u64>> {
+        let mut mems = vec![(memory(&launch.table)?, true)];
+        for p in launch.parts {
+            swap_in::check_part(p, launch.row_bytes)?;
+            mems.extend([(memory(&p.hot)?, true), (memory(&p.state)?, true)]);
+            mems.extend([(memory(&p.selection)?, false), (memory(&p.dst)?, true)]);
+        }
+        let _guards = lock_all(mems);
+        let total: usize = launch
+            .parts
+            .iter()
+            .map(|p| p.first + p.load.count)
+            .max()
+            .unwrap_or(0);
+        let codes_at = launch.table.addr() as usize + launch.codes_at;
+        if !codes_at.is_multiple_of(8) || launch.codes_at + 8 * total > launch.table.len {
+            return Err(HalError::InvalidArgument(
+                "swap-in: a misshapen table".into(),
+            ));
+        }
+        // SAFETY: `total` codes fit the table range (checked), locked for writing above.
+        let codes = unsafe { std::slice::from_raw_parts_mut(codes_at as *mut u64, total) };
+        let mut report = vec![u64::MAX, u64::MAX];
+        let mut tiered = Vec::with_capacity(launch.parts.len());
+        for (j, p) in launch.parts.iter().enumerate() {
+            let words = swap_in::state_words(p.positions, p.slots);
+            // SAFETY: the state range holds `words` u32s (check_part), 4-aligned (words_at),
+            // locked for writing above; the selection range holds `count` u32s (the table
+            // checked `max_count` of them and the call `count <= max_count`), locked for
+            // reading.
+            let (state, selection) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(swap_in::words_at(&p.state)?, words),
+                    std::slice::from_raw_parts(swap_in::words_at(&p.selection)?, p.load.count),
+                )
             };
-            let (hot_rows, warm_rows) = ((p.hot.len / rb) as u64, (len / rb) as u64);
-            let (hot, dst) = (p.hot.addr() as *mut u8, p.dst.addr() as *mut u8);
-            for r in 0..p.count {
-                let at = 8 * (p.first + r);
-                let code = u64::from_le_bytes(codes[at..at + 8].try_into().unwrap_or_default());
-                let (from, install) = match TieredSource::from_code(code) {
-                    TieredSource::Hot(s) if s < hot_rows => {
-                        (hot.wrapping_add(s as usize * rb), None)
-                    }
-                    TieredSource::Warm { row, install }
-                        if row < warm_rows && install.is_none_or(|s| s < hot_rows) =>
-                    {
-                        let to = install.map(|s| hot.wrapping_add(s as usize * rb));
-                        (warm.wrapping_add(row as usize * rb), to)
-                    }
-                    _ => {
-                        bad = bad.or(Some((p.first + r) as u64));
-                        continue;
-                    }
-                };
-                // SAFETY: rows below their tier's row count lie inside the hot range or the
-                // warm pool (valid for the call by the caller's contract); output row r < count
-                // inside the checked destination; the hot and destination ranges are locked
-                // for writing and, like the warm pool, disjoint (checked by the caller).
-                unsafe {
-                    sys::copy_raw(from, dst.wrapping_add(r * rb), rb);
-                    if let Some(to) = install {
-                        sys::copy_raw(from, to, rb);
-                    }
+            let mine = &mut codes[p.first..p.first + p.load.count];
+            let shape = swap_in::HostPlan {
+                positions: p.positions as usize,
+                slots: p.slots,
+                len: p.load.len,
+                warm_first: p.warm_first,
+                job: j,
+            };
+            let plan = swap_in::plan_on_host(state, selection, mine, &shape);
+            let (count, stats) = match plan {
+                Ok((hits, misses)) => (p.load.count, hits as u64 | (misses as u64) << 32),
+                Err(word) => {
+                    report[0] = report[0].min(word);
+                    (0, 0)
+                }
+            };
+            report.push(stats);
+            tiered.push(TieredPart {
+                hot: p.hot,
+                warm: p.warm,
+                dst: p.dst,
+                first: p.first,
+                count,
+            });
+        }
+        // Jobs whose plan failed copy nothing (count 0), as on the device.
+        // SAFETY: the caller's contract (the warm pools), the locks above (the rest).
+        report[1] = unsafe { copy_tiered(&tiered, codes, launch.row_bytes)? }.unwrap_or(u64::MAX);
+        Ok(report)
+    }
+}
+
+/// Copies each part's rows as its codes name them (a tiered gather on the CPU); the position
+/// of the first code outside its tier, whose row is skipped.
+///
+/// # Safety
+/// The parts' warm pools are valid host memory; their hot and destination ranges are locked
+/// for writing by the caller and disjoint.
+unsafe fn copy_tiered(parts: &[TieredPart<'_>], codes: &[u64], rb: usize) -> Result<Option<u64>> {
+    let mut bad = None;
+    for p in parts {
+        let RowMem::Host { ptr: warm, len, .. } = p.warm else {
+            return Err(HalError::InvalidArgument(
+                "a tiered gather's warm tier is host memory".into(),
+            ));
+        };
+        let (hot_rows, warm_rows) = ((p.hot.len / rb) as u64, (len / rb) as u64);
+        let (hot, dst) = (p.hot.addr() as *mut u8, p.dst.addr() as *mut u8);
+        for r in 0..p.count {
+            let (from, install) = match TieredSource::from_code(codes[p.first + r]) {
+                TieredSource::Hot(s) if s < hot_rows => (hot.wrapping_add(s as usize * rb), None),
+                TieredSource::Warm { row, install }
+                    if row < warm_rows && install.is_none_or(|s| s < hot_rows) =>
+                {
+                    let to = install.map(|s| hot.wrapping_add(s as usize * rb));
+                    (warm.wrapping_add(row as usize * rb), to)
+                }
+                _ => {
+                    bad = bad.or(Some((p.first + r) as u64));
+                    continue;
+                }
+            };
+            // SAFETY: rows below their tier's row count lie inside the hot range or the warm
+            // pool (valid by the caller's contract); output row r < count inside the checked
+            // destination; the hot and destination ranges are locked for writing and, like
+            // the warm pool, disjoint (the caller's contract).
+            unsafe {
+                sys::copy_raw(from, dst.wrapping_add(r * rb), rb);
+                if let Some(to) = install {
+                    sys::copy_raw(from, to, rb);
                 }
             }
         }
-        Ok(bad)
     }
+    Ok(bad)
 }
 
 struct HostEvent {

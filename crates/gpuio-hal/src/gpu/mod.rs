@@ -22,6 +22,7 @@ mod nvme_kernels;
 mod ring_kernels;
 mod rows;
 mod stream;
+mod swap_in;
 mod tiered;
 
 pub use ai_kernels::{QuantKind, QuantizedAt, ScoreRows};
@@ -32,6 +33,10 @@ pub use info::{Backend, Capability, DeviceInfo, PcieLink};
 pub use ring_kernels::RING_PING_PHASES;
 pub use rows::{RowIndices, RowKernel};
 pub use stream::{Event, Inflight, Stream};
+pub use swap_in::{
+    SWAP_IN_MAX_SELECTION, SwapInCounts, SwapInDone, SwapInJob, SwapInLoad, SwapInTable,
+    swap_in_state_len,
+};
 pub use tiered::{
     TIER_MAX_HOT_ROWS, TIER_MAX_JOBS, TIER_MAX_WARM_ROWS, TieredRows, TieredSource,
     tiered_stage_len,

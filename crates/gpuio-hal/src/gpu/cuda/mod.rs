@@ -32,6 +32,7 @@ mod nvrtc;
 mod probe;
 mod rows;
 mod stream;
+mod swap_in;
 
 pub(crate) use device::devices;
 pub use nvrtc::{compile_ptx, compile_ptx_for};

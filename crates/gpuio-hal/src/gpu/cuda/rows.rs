@@ -19,7 +19,7 @@ use std::time::Duration;
 pub(super) const REPORT_BYTES: usize = crate::gpu::rows::MAX_PIECES * 8;
 
 /// Positions of the row kernels in `kernels::GATHER.functions`.
-mod row_fn {
+pub(super) mod row_fn {
     /// `gpuio_gather_{16,8,4,1}`, by piece width slot.
     pub(super) const GATHER: usize = 0;
     /// `gpuio_scatter_{16,8,4,1}`.
@@ -32,7 +32,7 @@ mod row_fn {
     pub(super) const ORDER_SCAN_SUMS: usize = 15;
     pub(super) const ORDER_PLACE: usize = 16;
     /// `gpuio_gather_tiered_{16,8,4,1}`.
-    pub(super) const TIERED: usize = 17;
+    pub(in crate::gpu::cuda) const TIERED: usize = 17;
 }
 
 /// How a sorted gather orders its index list: a counting sort over buckets of `2^shift`
@@ -148,11 +148,11 @@ impl OrderScratch {
 
 /// Waits for a stream's work on every path out of a scope (errors and panics included)
 /// unless [`WaitOnDrop::wait`] already did.
-struct WaitOnDrop<'a>(Option<&'a CudaStreamBackend>);
+pub(super) struct WaitOnDrop<'a>(pub(super) Option<&'a CudaStreamBackend>);
 
 impl WaitOnDrop<'_> {
     /// Waits now, reporting an error the work ran into.
-    fn wait(mut self) -> Result<()> {
+    pub(super) fn wait(mut self) -> Result<()> {
         self.0.take().map_or(Ok(()), |s| s.synchronize())
     }
 }

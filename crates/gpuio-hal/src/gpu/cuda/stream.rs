@@ -10,7 +10,7 @@ use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
 use crate::gpu::backend::{
     AiLaunch, ArrayLaunch, DevRange, DeviceBackend, EventBackend, NvmeLaunch, RingLaunch, RowHooks,
-    RowJob, RowsDone, StreamBackend, TieredJob,
+    RowJob, RowsDone, StreamBackend, SwapInLaunch, SwapInRan, TieredJob,
 };
 use crate::sync::MutexExt;
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg, sys};
@@ -313,6 +313,11 @@ impl StreamBackend for CudaStreamBackend {
     unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<RowsDone> {
         // SAFETY: the same contract, the caller's.
         unsafe { self.run_tiered(job) }
+    }
+
+    unsafe fn swap_in(&self, launch: SwapInLaunch<'_>) -> Result<SwapInRan> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.run_swap_in(launch) }
     }
 
     unsafe fn ai_kernel(&self, launch: AiLaunch<'_>) -> Result<()> {

@@ -1,0 +1,393 @@
+//! HiSparse's scheme with the planning on the device: a sequence's whole sparse KV in pinned
+//! host memory, a hot buffer per layer in HBM, and loads whose hits, misses and victims a
+//! kernel works out from a selection already in device memory (where the model's indexer
+//! leaves its top-k). The host plans nothing and uploads nothing per load: a load is the HAL's
+//! [`Stream::swap_in`] — a plan kernel, the tiered gather, one wait.
+//!
+//! [`KvPool`](super::KvPool) is the other way to serve the same selections: planned on the
+//! host, over three tiers (a cold one, importance eviction, entries rewritten in place). A
+//! [`SwapInKv`] keeps every entry in host memory and only appends, which is what lets the
+//! device own the hot buffer's bookkeeping.
+
+use super::LoadReport;
+use crate::{AiError, Result};
+use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
+use gpuio_hal::{
+    SWAP_IN_MAX_SELECTION, Stream, SwapInJob, SwapInLoad, SwapInTable, swap_in_state_len,
+};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+/// The shape of a [`SwapInKv`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SwapInConfig {
+    /// Attention layers.
+    pub layers: usize,
+    /// Bytes per entry (one token of one layer): 656 for DeepSeek V3.2.
+    pub entry_bytes: usize,
+    /// Tokens the sequence may hold (below `u32::MAX - 1`).
+    pub max_tokens: u64,
+    /// Slots of each layer's hot buffer.
+    pub hot_slots: usize,
+    /// The largest selection one load takes (the top-k); at most `hot_slots` and 4096.
+    pub max_selection: usize,
+    /// The GPU whose memory holds the hot buffers.
+    pub gpu: u32,
+    /// Where the entries live (DRAM on a node, or CXL).
+    pub placement: HostPlacement,
+}
+
+impl SwapInConfig {
+    /// DeepSeek V3.2's shape for one sequence of `max_tokens`: 61 layers of 656-byte
+    /// entries, top-2048 selections, 4096 hot slots per layer.
+    pub fn deepseek_v32(max_tokens: u64) -> Self {
+        Self {
+            layers: 61,
+            entry_bytes: 656,
+            max_tokens,
+            hot_slots: 4096,
+            max_selection: 2048,
+            gpu: 0,
+            placement: HostPlacement::Dram { numa: None },
+        }
+    }
+}
+
+/// One layer's device side: the hot buffer, the plan's state, the length, and whether a
+/// batch holds it.
+#[derive(Debug)]
+struct Layer {
+    hot: DeviceBuffer,
+    state: DeviceBuffer,
+    len: AtomicU64,
+    in_batch: AtomicBool,
+}
+
+#[derive(Debug)]
+struct Inner {
+    cfg: SwapInConfig,
+    /// Every layer's entries, layer after layer, pinned.
+    warm: HostMemory,
+    layers: Vec<Layer>,
+}
+
+/// One sequence's sparse KV for device-planned loads. A shared handle: clones are the same
+/// sequence. Entries are appended ([`append`](Self::append)) and loaded through a
+/// [`SwapInBatch`].
+#[derive(Debug, Clone)]
+pub struct SwapInKv {
+    inner: Arc<Inner>,
+}
+
+impl SwapInKv {
+    /// A sequence of `cfg`'s shape: its host memory (pinned), hot buffers and states allocated
+    /// now, every hot buffer empty.
+    pub fn new(session: &Session, cfg: SwapInConfig) -> Result<Self> {
+        let bad = |why: String| Err(AiError::InvalidArgument(format!("swap-in KV: {why}")));
+        if cfg.layers == 0 || cfg.entry_bytes == 0 || cfg.max_tokens == 0 || cfg.hot_slots == 0 {
+            return bad(format!("{cfg:?} has nothing to hold"));
+        }
+        if cfg.max_selection == 0
+            || cfg.max_selection > cfg.hot_slots.min(SWAP_IN_MAX_SELECTION)
+            || cfg.max_tokens >= u64::from(u32::MAX - 1)
+        {
+            return bad(format!(
+                "a selection of {} from {} tokens: 1 to min(hot slots, \
+                 {SWAP_IN_MAX_SELECTION}) from fewer than 2^32 - 2",
+                cfg.max_selection, cfg.max_tokens
+            ));
+        }
+        let layer_bytes = cfg.max_tokens.checked_mul(cfg.entry_bytes as u64);
+        let warm_len = layer_bytes
+            .and_then(|b| b.checked_mul(cfg.layers as u64))
+            .and_then(|b| usize::try_from(b).ok());
+        let state_len = swap_in_state_len(cfg.max_tokens, cfg.hot_slots);
+        let hot_len = cfg.hot_slots.checked_mul(cfg.entry_bytes);
+        let (Some(warm_len), Some(state_len), Some(hot_len)) = (warm_len, state_len, hot_len)
+        else {
+            return bad(format!("{cfg:?} overflows"));
+        };
+        let warm = session.alloc_host(cfg.placement, warm_len, true)?;
+        let stream = session.gpu(cfg.gpu)?.stream().map_err(api)?;
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for _ in 0..cfg.layers {
+            let state = session.alloc_device(cfg.gpu, state_len)?;
+            stream
+                .swap_in_reset(&state, cfg.max_tokens, cfg.hot_slots)
+                .map_err(api)?;
+            layers.push(Layer {
+                hot: session.alloc_device(cfg.gpu, hot_len)?,
+                state,
+                len: AtomicU64::new(0),
+                in_batch: AtomicBool::new(false),
+            });
+        }
+        Ok(Self {
+            inner: Arc::new(Inner { cfg, warm, layers }),
+        })
+    }
+
+    /// Its shape.
+    pub fn config(&self) -> &SwapInConfig {
+        &self.inner.cfg
+    }
+
+    /// Tokens stored in `layer` (0 for a layer that is not there).
+    pub fn len(&self, layer: usize) -> u64 {
+        self.inner
+            .layers
+            .get(layer)
+            .map_or(0, |l| l.len.load(Ordering::Acquire))
+    }
+
+    /// Whether no layer holds a token.
+    pub fn is_empty(&self) -> bool {
+        (0..self.inner.cfg.layers).all(|l| self.len(l) == 0)
+    }
+
+    /// Appends whole entries (`entries.len()` a multiple of the entry size) to `layer`;
+    /// returns the position of the first. Refused, storing nothing, past `max_tokens`.
+    pub fn append(&self, layer: usize, entries: &[u8]) -> Result<u64> {
+        let cfg = &self.inner.cfg;
+        let l = self.layer(layer)?;
+        if !entries.len().is_multiple_of(cfg.entry_bytes) {
+            return Err(AiError::InvalidArgument(format!(
+                "{} bytes are not whole {}-byte entries",
+                entries.len(),
+                cfg.entry_bytes
+            )));
+        }
+        let n = (entries.len() / cfg.entry_bytes) as u64;
+        // The write lock orders appends to one sequence; the length is published after the
+        // bytes (Release), so a load that reads it finds them.
+        let mut warm = self.inner.warm.write();
+        let first = l.len.load(Ordering::Acquire);
+        if first + n > cfg.max_tokens {
+            return Err(AiError::TierFull(format!(
+                "layer {layer} holds {first} of {} tokens: no room for {n} more",
+                cfg.max_tokens
+            )));
+        }
+        let at = (layer as u64 * cfg.max_tokens + first) as usize * cfg.entry_bytes;
+        warm[at..at + entries.len()].copy_from_slice(entries);
+        l.len.store(first + n, Ordering::Release);
+        Ok(first)
+    }
+
+    /// Entry (`layer`, `pos`) as stored.
+    pub fn entry(&self, layer: usize, pos: u64) -> Result<Vec<u8>> {
+        let e = self.inner.cfg.entry_bytes;
+        if pos >= self.len(layer) {
+            return Err(AiError::InvalidArgument(format!(
+                "position {pos} of layer {layer}, which holds {} tokens",
+                self.len(layer)
+            )));
+        }
+        let at = (layer as u64 * self.inner.cfg.max_tokens + pos) as usize * e;
+        Ok(self.inner.warm.read()[at..at + e].to_vec())
+    }
+
+    fn layer(&self, layer: usize) -> Result<&Layer> {
+        self.inner.layers.get(layer).ok_or_else(|| {
+            AiError::InvalidArgument(format!("layer {layer} of {}", self.inner.cfg.layers))
+        })
+    }
+}
+
+fn api(e: gpuio_hal::HalError) -> AiError {
+    AiError::Api(e.into())
+}
+
+/// One sequence's part in a [`SwapInBatch`]: its selection (little-endian u32 positions in
+/// device memory, up to the sequence's `max_selection`) and where its entries go.
+#[derive(Debug, Clone, Copy)]
+pub struct SwapInTarget<'a> {
+    /// The sequence.
+    pub kv: &'a SwapInKv,
+    /// Its selection.
+    pub selection: &'a DeviceBuffer,
+    /// Where its entries go, in selection order.
+    pub dst: &'a DeviceBuffer,
+    /// Byte offset in `dst`.
+    pub dst_offset: usize,
+}
+
+/// One layer's loads for a batch of sequences: made once, then [`load`](Self::load)ed every
+/// step, all sequences planned and moved in one call. A sequence's layer belongs to one batch
+/// at a time (its hot buffer's state is the batch's while it lives); its hot buffer carries
+/// over from one batch to the next.
+#[derive(Debug)]
+pub struct SwapInBatch {
+    layer: usize,
+    kvs: Vec<SwapInKv>,
+    stream: Stream,
+    table: SwapInTable,
+}
+
+impl SwapInBatch {
+    /// A batch of `targets` for `layer`, its tables written to the device now. Refused where
+    /// a sequence is in another batch for this layer (or twice in this one), or the
+    /// sequences are on different GPUs.
+    pub fn new(session: &Session, layer: usize, targets: &[SwapInTarget<'_>]) -> Result<Self> {
+        let Some(first) = targets.first() else {
+            return Err(AiError::InvalidArgument(
+                "a swap-in batch of nothing".into(),
+            ));
+        };
+        let gpu = first.kv.inner.cfg.gpu;
+        let entry = first.kv.inner.cfg.entry_bytes;
+        if let Some(t) = targets
+            .iter()
+            .find(|t| t.kv.inner.cfg.gpu != gpu || t.kv.inner.cfg.entry_bytes != entry)
+        {
+            return Err(AiError::InvalidArgument(format!(
+                "a batch mixes GPUs or entry sizes ({:?} against GPU {gpu}, {entry} B)",
+                t.kv.inner.cfg
+            )));
+        }
+        let mut kvs: Vec<SwapInKv> = Vec::with_capacity(targets.len());
+        for t in targets {
+            t.kv.layer(layer)?;
+            let claimed = t.kv.inner.layers[layer]
+                .in_batch
+                .swap(true, Ordering::AcqRel);
+            if claimed {
+                release(&kvs, layer);
+                return Err(AiError::InvalidArgument(format!(
+                    "layer {layer} of a sequence is in another swap-in batch (or twice in this one)"
+                )));
+            }
+            kvs.push(t.kv.clone());
+        }
+        let made = Self::table(session, layer, targets, gpu, entry);
+        match made {
+            Ok((stream, table)) => Ok(Self {
+                layer,
+                kvs,
+                stream,
+                table,
+            }),
+            Err(e) => {
+                release(&kvs, layer);
+                Err(e)
+            }
+        }
+    }
+
+    fn table(
+        session: &Session,
+        layer: usize,
+        targets: &[SwapInTarget<'_>],
+        gpu: u32,
+        entry: usize,
+    ) -> Result<(Stream, SwapInTable)> {
+        let stream = session.gpu(gpu)?.stream().map_err(api)?;
+        let guards: Vec<_> = targets.iter().map(|t| t.kv.inner.warm.read()).collect();
+        let jobs: Vec<SwapInJob<'_>> = targets
+            .iter()
+            .zip(&guards)
+            .map(|(t, warm)| {
+                let cfg = &t.kv.inner.cfg;
+                let l = &t.kv.inner.layers[layer];
+                SwapInJob {
+                    hot: &l.hot,
+                    slots: cfg.hot_slots,
+                    state: &l.state,
+                    positions: cfg.max_tokens,
+                    warm,
+                    warm_first: layer as u64 * cfg.max_tokens,
+                    selection: t.selection,
+                    max_count: cfg.max_selection,
+                    dst: t.dst,
+                    dst_offset: t.dst_offset,
+                }
+            })
+            .collect();
+        let table = stream.swap_in_table(entry, &jobs).map_err(api)?;
+        Ok((stream, table))
+    }
+
+    /// Sequences in the batch.
+    pub fn len(&self) -> usize {
+        self.kvs.len()
+    }
+
+    /// Whether the batch is empty (never: a batch has a sequence).
+    pub fn is_empty(&self) -> bool {
+        self.kvs.is_empty()
+    }
+
+    /// Loads the first `counts[i]` positions of sequence `i`'s selection into its
+    /// destination and waits. A sequence whose selection holds a position twice or one the
+    /// layer has not stored installs and writes nothing; the others are loaded all the same,
+    /// and the call returns the error.
+    pub fn load(&mut self, counts: &[usize]) -> Result<Vec<LoadReport>> {
+        self.run(counts, false).map(|(r, _)| r)
+    }
+
+    /// [`load`](Self::load), with the device's time for the plan and the gather (CUDA
+    /// events).
+    pub fn load_timed(&mut self, counts: &[usize]) -> Result<(Vec<LoadReport>, Duration)> {
+        self.run(counts, true)
+            .map(|(r, t)| (r, t.unwrap_or_default()))
+    }
+
+    fn run(
+        &mut self,
+        counts: &[usize],
+        timed: bool,
+    ) -> Result<(Vec<LoadReport>, Option<Duration>)> {
+        if counts.len() != self.kvs.len() {
+            return Err(AiError::InvalidArgument(format!(
+                "{} counts for {} sequences",
+                counts.len(),
+                self.kvs.len()
+            )));
+        }
+        let loads: Vec<SwapInLoad> = self
+            .kvs
+            .iter()
+            .zip(counts)
+            .map(|(kv, &count)| SwapInLoad {
+                len: kv.len(self.layer),
+                count,
+            })
+            .collect();
+        let guards: Vec<_> = self.kvs.iter().map(|kv| kv.inner.warm.read()).collect();
+        let warm: Vec<&gpuio_hal::HostBuffer> = guards.iter().map(|g| &**g).collect();
+        let done = self
+            .stream
+            .swap_in(&mut self.table, &warm, &loads, timed)
+            .map_err(api)?;
+        let entry = self.kvs[0].inner.cfg.entry_bytes as u64;
+        let reports = done
+            .counts
+            .iter()
+            .zip(counts)
+            .map(|(c, &selected)| LoadReport {
+                selected,
+                hits: c.hits,
+                misses: c.misses,
+                from_cold: 0,
+                bytes_from_host: c.misses as u64 * entry,
+            })
+            .collect();
+        Ok((reports, done.device_time))
+    }
+}
+
+/// Lets the batch's sequences' layer be claimed again.
+fn release(kvs: &[SwapInKv], layer: usize) {
+    for kv in kvs {
+        kv.inner.layers[layer]
+            .in_batch
+            .store(false, Ordering::Release);
+    }
+}
+
+impl Drop for SwapInBatch {
+    fn drop(&mut self) {
+        release(&self.kvs, self.layer);
+    }
+}

@@ -1,0 +1,345 @@
+//! Device-planned KV loads (`SwapInKv`, `SwapInBatch`) against a model written the plain
+//! way: each sequence's hot buffer as a map and a sort — victims the unselected slots
+//! selected longest ago (ages capped at 255 steps), lower slots first. Every load's bytes are
+//! checked against what was appended, its hits and misses against the model's. Batches of
+//! several sequences, hot buffers small enough to thrash, appends between steps, refused
+//! selections (a position twice, one not stored) beside good ones, and batches that claim a
+//! layer. On the GPU machine the same tests check the plan kernel against the model.
+
+use gpuio_ai::AiError;
+use gpuio_ai::kv::{SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget};
+use gpuio_api::{Config, DeviceBuffer, HostPlacement, Session};
+use gpuio_hal::pattern;
+use std::collections::HashMap;
+
+const E: usize = 80;
+
+fn config(max_tokens: u64, hot_slots: usize, max_selection: usize) -> SwapInConfig {
+    SwapInConfig {
+        layers: 2,
+        entry_bytes: E,
+        max_tokens,
+        hot_slots,
+        max_selection,
+        gpu: 0,
+        placement: HostPlacement::Dram { numa: None },
+    }
+}
+
+fn entry(seq: usize, layer: usize, pos: u64) -> Vec<u8> {
+    let mut v = vec![0u8; E];
+    pattern::fill(&mut v, 0, (seq as u64) << 56 ^ (layer as u64) << 48 ^ pos);
+    v
+}
+
+fn append(kv: &SwapInKv, seq: usize, layer: usize, upto: u64) {
+    let from = kv.len(layer);
+    let bytes: Vec<u8> = (from..upto).flat_map(|p| entry(seq, layer, p)).collect();
+    assert_eq!(kv.append(layer, &bytes).unwrap(), from);
+}
+
+fn upload(stream: &gpuio_hal::Stream, buf: &DeviceBuffer, sel: &[u32]) {
+    let bytes: Vec<u8> = sel.iter().flat_map(|p| p.to_le_bytes()).collect();
+    stream.upload(&bytes, buf, 0).unwrap();
+}
+
+fn download(stream: &gpuio_hal::Stream, buf: &DeviceBuffer, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    stream.download(buf, 0, &mut out).unwrap();
+    out
+}
+
+/// One sequence's hot buffer, the plain way.
+struct Model {
+    slot_of: HashMap<u32, usize>,
+    holder: Vec<Option<u32>>,
+    last_used: Vec<u32>,
+    step: u32,
+}
+
+impl Model {
+    fn new(slots: usize) -> Self {
+        Self {
+            slot_of: HashMap::new(),
+            holder: vec![None; slots],
+            last_used: vec![0; slots],
+            step: 0,
+        }
+    }
+
+    /// A load that succeeds: (hits, misses).
+    fn load(&mut self, sel: &[u32]) -> (usize, usize) {
+        self.step += 1;
+        let step = self.step;
+        let mut misses = Vec::new();
+        for &p in sel {
+            match self.slot_of.get(&p) {
+                Some(&s) => self.last_used[s] = step,
+                None => misses.push(p),
+            }
+        }
+        let mut free: Vec<usize> = (0..self.holder.len())
+            .filter(|&s| self.last_used[s] != step)
+            .collect();
+        let age = |lu: u32| (step - lu).min(255);
+        free.sort_by_key(|&s| (std::cmp::Reverse(age(self.last_used[s])), s));
+        let mut victims = free[..misses.len()].to_vec();
+        victims.sort_unstable();
+        for (&s, &p) in victims.iter().zip(&misses) {
+            if let Some(old) = self.holder[s].replace(p) {
+                self.slot_of.remove(&old);
+            }
+            self.slot_of.insert(p, s);
+            self.last_used[s] = step;
+        }
+        (sel.len() - misses.len(), misses.len())
+    }
+
+    /// A refused load: the step is spent and its hits marked.
+    fn refused(&mut self, sel: &[u32], len: u64) {
+        self.step += 1;
+        for p in sel.iter().filter(|&&p| u64::from(p) < len) {
+            if let Some(&s) = self.slot_of.get(p) {
+                self.last_used[s] = self.step;
+            }
+        }
+    }
+}
+
+/// A selection of `k` distinct positions below `len` keeping about `keep` of `prev`.
+fn next_selection(prev: &[u32], len: u64, k: usize, keep: f64, rng: &mut u64) -> Vec<u32> {
+    let mut next = |bound: u64| {
+        *rng = pattern::mix64(*rng);
+        *rng % bound
+    };
+    let mut out: Vec<u32> = Vec::with_capacity(k);
+    for &p in prev {
+        if out.len() < k && u64::from(p) < len && (next(1000) as f64) < keep * 1000.0 {
+            out.push(p);
+        }
+    }
+    while out.len() < k.min(len as usize) {
+        let p = next(len) as u32;
+        if !out.contains(&p) {
+            out.push(p);
+        }
+    }
+    out
+}
+
+struct Rig {
+    session: Session,
+    stream: gpuio_hal::Stream,
+    kvs: Vec<SwapInKv>,
+    sels: Vec<DeviceBuffer>,
+    dsts: Vec<DeviceBuffer>,
+}
+
+fn rig(n: usize, cfg: SwapInConfig) -> Rig {
+    let session = Session::new(Config::default()).unwrap();
+    let stream = session.gpu(0).unwrap().stream().unwrap();
+    let kvs = (0..n)
+        .map(|_| SwapInKv::new(&session, cfg).unwrap())
+        .collect();
+    let sels = (0..n)
+        .map(|_| session.alloc_device(0, 4 * cfg.max_selection).unwrap())
+        .collect();
+    let dsts = (0..n)
+        .map(|_| session.alloc_device(0, E * cfg.max_selection).unwrap())
+        .collect();
+    Rig {
+        session,
+        stream,
+        kvs,
+        sels,
+        dsts,
+    }
+}
+
+impl Rig {
+    fn batch(&self, layer: usize) -> gpuio_ai::Result<SwapInBatch> {
+        let targets: Vec<SwapInTarget<'_>> = (0..self.kvs.len())
+            .map(|i| SwapInTarget {
+                kv: &self.kvs[i],
+                selection: &self.sels[i],
+                dst: &self.dsts[i],
+                dst_offset: 0,
+            })
+            .collect();
+        SwapInBatch::new(&self.session, layer, &targets)
+    }
+}
+
+/// Runs `steps` decode steps of `rig`'s sequences on `layer`, appending a few tokens to each
+/// before every load, checking bytes and counts against the model.
+fn decode(rig: &Rig, layer: usize, steps: usize, keep: f64, seed: u64) {
+    let cfg = *rig.kvs[0].config();
+    let mut batch = rig.batch(layer).unwrap();
+    let mut models: Vec<Model> = (0..rig.kvs.len())
+        .map(|_| Model::new(cfg.hot_slots))
+        .collect();
+    let mut prev = vec![Vec::new(); rig.kvs.len()];
+    let mut rng = seed;
+    for step in 0..steps {
+        let mut counts = Vec::new();
+        for (i, kv) in rig.kvs.iter().enumerate() {
+            let len = (kv.len(layer) + 3 + i as u64).min(cfg.max_tokens);
+            append(kv, i, layer, len);
+            let k = cfg.max_selection - (step + i) % 3;
+            prev[i] = next_selection(&prev[i], len, k, keep, &mut rng);
+            upload(&rig.stream, &rig.sels[i], &prev[i]);
+            counts.push(prev[i].len());
+        }
+        let reports = batch.load(&counts).unwrap();
+        for (i, r) in reports.iter().enumerate() {
+            let (hits, misses) = models[i].load(&prev[i]);
+            assert_eq!(
+                (r.hits, r.misses, r.selected),
+                (hits, misses, prev[i].len()),
+                "step {step}, sequence {i}"
+            );
+            let got = download(&rig.stream, &rig.dsts[i], counts[i] * E);
+            for (j, &p) in prev[i].iter().enumerate() {
+                assert_eq!(
+                    got[j * E..(j + 1) * E],
+                    entry(i, layer, u64::from(p))[..],
+                    "step {step}, sequence {i}, entry {j} (position {p})"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn device_planned_loads_match_the_lru_model_byte_for_byte() {
+    let rig = rig(3, config(400, 24, 16));
+    for i in 0..3 {
+        append(&rig.kvs[i], i, 1, 40);
+    }
+    decode(&rig, 1, 60, 0.8, 7);
+    // Layer 0 is its own: empty until now, its hot buffer untouched by layer 1's loads.
+    decode(&rig, 0, 20, 0.5, 8);
+}
+
+#[test]
+fn ages_past_255_steps_count_as_equally_old() {
+    let rig = rig(1, config(100, 8, 4));
+    append(&rig.kvs[0], 0, 0, 20);
+    let mut batch = rig.batch(0).unwrap();
+    let mut load = |sel: &[u32]| {
+        upload(&rig.stream, &rig.sels[0], sel);
+        let r = batch.load(&[sel.len()]).unwrap()[0];
+        (r.hits, r.misses)
+    };
+    assert_eq!(load(&[0, 1, 2, 3]), (0, 4)); // slots 0..3, step 1
+    assert_eq!(load(&[4, 5, 6, 7]), (0, 4)); // slots 4..7, step 2
+    assert_eq!(load(&[0, 5, 6, 7]), (4, 0)); // slot 0 used at step 3
+    for _ in 0..300 {
+        assert_eq!(load(&[5, 6, 7]), (3, 0));
+    }
+    // Slot 0 (step 3) is younger than slots 1..3 (step 1), but both are past 255 steps:
+    // equally old, so the lowest slot, 0, takes the miss — position 0 goes, 1 stays.
+    assert_eq!(load(&[5, 6, 7, 9]), (3, 1));
+    assert_eq!(load(&[1, 5, 6, 7]), (4, 0));
+    assert_eq!(load(&[0, 1, 5, 6]), (3, 1));
+}
+
+#[test]
+fn a_refused_selection_installs_nothing_and_later_loads_stay_exact() {
+    let rig = rig(2, config(100, 8, 6));
+    for i in 0..2 {
+        append(&rig.kvs[i], i, 0, 30);
+    }
+    let mut batch = rig.batch(0).unwrap();
+    let mut models = [Model::new(8), Model::new(8)];
+    let good = [vec![1u32, 2, 3, 4], vec![5u32, 6, 7]];
+    for (i, sel) in good.iter().enumerate() {
+        upload(&rig.stream, &rig.sels[i], sel);
+    }
+    batch.load(&[4, 3]).unwrap();
+    models[0].load(&good[0]);
+    models[1].load(&good[1]);
+    for (bad, why) in [(vec![2u32, 9, 2], "twice"), (vec![3u32, 30], "length")] {
+        upload(&rig.stream, &rig.sels[1], &bad);
+        let e = batch.load(&[4, bad.len()]).unwrap_err();
+        assert!(e.to_string().contains(why), "{e}");
+        // The good sequence was loaded all the same; the bad one installed nothing.
+        assert_eq!(models[0].load(&good[0]), (4, 0));
+        let got = download(&rig.stream, &rig.dsts[0], 4 * E);
+        assert_eq!(got[E..2 * E], entry(0, 0, 2)[..]);
+        models[1].refused(&bad, 30);
+        upload(&rig.stream, &rig.sels[1], &good[1]);
+    }
+    // Both sequences go on exactly: nothing of the refused selections was installed.
+    let next = [vec![4u32, 8, 1], vec![6u32, 9, 5, 29]];
+    for (i, sel) in next.iter().enumerate() {
+        upload(&rig.stream, &rig.sels[i], sel);
+    }
+    let r = batch.load(&[3, 4]).unwrap();
+    for i in 0..2 {
+        assert_eq!((r[i].hits, r[i].misses), models[i].load(&next[i]));
+        let got = download(&rig.stream, &rig.dsts[i], next[i].len() * E);
+        for (j, &p) in next[i].iter().enumerate() {
+            assert_eq!(got[j * E..(j + 1) * E], entry(i, 0, u64::from(p))[..]);
+        }
+    }
+    // A count past the table's selection is refused before anything runs.
+    assert!(matches!(
+        batch.load(&[7, 1]),
+        Err(AiError::Api(_)) | Err(AiError::InvalidArgument(_))
+    ));
+    assert!(batch.load(&[1]).is_err(), "one count for two sequences");
+}
+
+#[test]
+fn a_layer_belongs_to_one_batch_and_its_hot_buffer_carries_over() {
+    let rig = rig(1, config(100, 8, 4));
+    append(&rig.kvs[0], 0, 0, 50);
+    let sel = [10u32, 11, 12, 13];
+    upload(&rig.stream, &rig.sels[0], &sel);
+    let mut first = rig.batch(0).unwrap();
+    assert_eq!(first.load(&[4]).unwrap()[0].misses, 4);
+    assert!(rig.batch(0).is_err(), "layer 0 is the first batch's");
+    assert!(rig.batch(1).is_ok(), "layer 1 is free");
+    let twice = [SwapInTarget {
+        kv: &rig.kvs[0],
+        selection: &rig.sels[0],
+        dst: &rig.dsts[0],
+        dst_offset: 0,
+    }; 2];
+    drop(first);
+    assert!(SwapInBatch::new(&rig.session, 0, &twice).is_err());
+    let mut second = rig
+        .batch(0)
+        .expect("free again after the first batch dropped");
+    assert_eq!(
+        second.load(&[4]).unwrap()[0].hits,
+        4,
+        "the hot buffer carried over"
+    );
+}
+
+#[test]
+fn appends_and_shapes_are_checked() {
+    let session = Session::new(Config::default()).unwrap();
+    let kv = SwapInKv::new(&session, config(10, 8, 4)).unwrap();
+    assert!(matches!(
+        kv.append(0, &[0u8; E + 1]),
+        Err(AiError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        kv.append(2, &[0u8; E]),
+        Err(AiError::InvalidArgument(_))
+    ));
+    assert_eq!(kv.append(0, &vec![7u8; 10 * E]).unwrap(), 0);
+    assert!(matches!(kv.append(0, &[0u8; E]), Err(AiError::TierFull(_))));
+    assert_eq!(kv.len(0), 10);
+    assert_eq!(kv.entry(0, 9).unwrap(), vec![7u8; E]);
+    for bad in [
+        config(10, 8, 9),
+        config(10, 0, 0),
+        config(u64::from(u32::MAX), 8, 4),
+    ] {
+        assert!(SwapInKv::new(&session, bad).is_err(), "{bad:?}");
+    }
+}
