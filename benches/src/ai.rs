@@ -17,11 +17,16 @@
 //! planning on the host included, the peers' not), hit rate, bytes from host per step, the
 //! miss bandwidth against `cudaMemcpy` of as many pinned bytes, and how many requests of that
 //! context fit in HBM with hot buffers against keeping all KV there (computed, 61 layers).
+//!
+//! The same trace is also served with the planning on the device (`swap.rs`: `SwapInBatch`,
+//! each request's selection uploaded before its step's clock starts); its figures carry the
+//! suffix " (device-planned)" and are judged against the same targets.
 
 mod compress;
 mod engram;
 mod graph;
 mod priority;
+mod swap;
 
 pub use engram::EngramOptions;
 pub use graph::GraphOptions;
@@ -41,6 +46,8 @@ pub const SUITE: &str = "ai";
 
 /// Bytes per KV entry (one token of one layer).
 const ENTRY: usize = 656;
+/// The metrics' suffix for loads planned on the device (`SwapInBatch`).
+const DEVICE_PLANNED: &str = " (device-planned)";
 /// Layers of the model the HBM arithmetic assumes.
 const LAYERS: u64 = 61;
 
@@ -233,6 +240,7 @@ pub fn run(
                 .map_err(ai)?;
             pools.push(pool);
         }
+        let sequences = swap::Sequences::new(session, max_batch, ctx, &source, opts)?;
         drop(source);
         let outs = (0..max_batch)
             .map(|_| session.alloc_device(0, opts.topk * ENTRY))
@@ -247,6 +255,11 @@ pub fn run(
                 let t = trace(ctx, batch, steps, opts.topk, overlap, seed ^ batch as u64);
                 let ours = run_gpuio(&mut pools[..batch], &outs, &t, batch, opts)?;
                 check_output(&gpu, &outs[0], &t[(steps - 1) * batch], seed)?;
+                progress(&format!(
+                    "{ctx} tokens, batch {batch}, overlap {overlap}: gpuio, device-planned"
+                ));
+                let planned = sequences.run(session, &outs, &t, batch, opts)?;
+                check_output(&gpu, &outs[batch - 1], &t[steps * batch - 1], seed)?;
                 if opts.priority && ctx == opts.contexts[0] && batch == 8 && overlap == 0.9 {
                     progress(&format!("{ctx} tokens, batch {batch}: under a checkpoint"));
                     let case = format!("{}K ctx, batch {batch}, overlap {overlap}", ctx >> 10);
@@ -267,7 +280,7 @@ pub fn run(
                     .scratch
                     .join(format!("gpuio-dsa-{ctx}-{batch}-{overlap}.u64"));
                 write_trace(&path, &t)?;
-                traces.push((overlap, path, ours));
+                traces.push((overlap, path, ours, planned));
             }
             if ctx == opts.contexts[0] {
                 let alone = gather_alone(&gpu, &outs[..batch], opts)?;
@@ -282,7 +295,7 @@ pub fn run(
                 }
             }
             progress(&format!("{ctx} tokens, batch {batch}: peers"));
-            let paths: Vec<&Path> = traces.iter().map(|(_, p, _)| p.as_path()).collect();
+            let paths: Vec<&Path> = traces.iter().map(|t| t.1.as_path()).collect();
             let peers = crate::peers::dsa(
                 ctx,
                 batch,
@@ -292,75 +305,58 @@ pub fn run(
                 opts.steps,
                 &paths,
             );
-            for (i, (overlap, path, ours)) in traces.iter().enumerate() {
+            for (i, (overlap, path, ours, planned)) in traces.iter().enumerate() {
                 let _ = std::fs::remove_file(path);
-                let memcpy = memcpy_rate(&gpu, ours.bytes_per_step as usize)?;
                 let case = format!("{}K ctx, batch {batch}, overlap {overlap}", ctx >> 10);
-                let miss_bw = ours.bytes_per_step / (ours.p50_us * 1e-6);
-                let route = format!(
-                    "hit rate {:.3}, {:.0} KiB from host per step, p99 {:.1} µs, wall {:.1} µs",
-                    ours.hit_rate,
-                    ours.bytes_per_step / 1024.0,
-                    ours.p99_us,
-                    ours.wall_p50_us
-                );
-                let mut push =
-                    |metric: &str, unit: &str, value: f64, peer: &str, pv: f64, higher: bool| {
+                for (mode, m) in [("", ours), (DEVICE_PLANNED, planned)] {
+                    let memcpy = memcpy_rate(&gpu, m.bytes_per_step as usize)?;
+                    let route = format!(
+                        "hit rate {:.3}, {:.0} KiB from host per step, p99 {:.1} µs, wall {:.1} µs",
+                        m.hit_rate,
+                        m.bytes_per_step / 1024.0,
+                        m.p99_us,
+                        m.wall_p50_us
+                    );
+                    let mut push = |metric: &str, unit: &str, value: f64, peer: &str, pv: f64| {
+                        let metric = format!("{metric}{mode}");
+                        let higher = unit == "GB/s";
                         let mut r =
-                            Record::versus(SUITE, (&case, metric, unit), value, peer, pv, higher);
+                            Record::versus(SUITE, (&case, &metric, unit), value, peer, pv, higher);
                         r.route = route.clone();
                         r.device = device.clone();
                         r.reps = opts.steps;
-                        r.bytes = ours.bytes_per_step as usize;
+                        r.bytes = m.bytes_per_step as usize;
                         records.push(r);
                     };
-                push(
-                    "miss bandwidth",
-                    "GB/s",
-                    miss_bw / 1e9,
-                    "cudaMemcpy (pinned)",
-                    memcpy / 1e9,
-                    true,
-                );
-                push(
-                    "exposed p50 per layer",
-                    "µs",
-                    ours.p50_us,
-                    "the 8 µs target",
-                    8.0,
-                    false,
-                );
-                match &peers {
-                    Ok((found, missing)) => {
-                        if i == 0 {
-                            notes.extend(missing.iter().map(|m| format!("{case}: {m}")));
-                        }
-                        for p in found.iter().filter(|p| p.trace == i) {
-                            push(
-                                "exposed p50 per layer",
-                                "µs",
-                                ours.p50_us,
-                                &p.mode,
-                                p.p50_us,
-                                false,
-                            );
-                            if let Some(wall) = p.wall_p50_us {
-                                push(
-                                    "wall p50 per layer",
-                                    "µs",
-                                    ours.wall_p50_us,
-                                    &p.mode,
-                                    wall,
-                                    false,
-                                );
+                    let miss_bw = m.bytes_per_step / (m.p50_us * 1e-6);
+                    let exposed = "exposed p50 per layer";
+                    push(
+                        "miss bandwidth",
+                        "GB/s",
+                        miss_bw / 1e9,
+                        "cudaMemcpy (pinned)",
+                        memcpy / 1e9,
+                    );
+                    push(exposed, "µs", m.p50_us, "the 8 µs target", 8.0);
+                    match &peers {
+                        Ok((found, missing)) => {
+                            if i == 0 && mode.is_empty() {
+                                notes.extend(missing.iter().map(|m| format!("{case}: {m}")));
                             }
-                            notes.push(format!(
-                                "{case}: {} p99 {:.1} µs (gpuio {:.1})",
-                                p.mode, p.p99_us, ours.p99_us
-                            ));
+                            for p in found.iter().filter(|p| p.trace == i) {
+                                push(exposed, "µs", m.p50_us, &p.mode, p.p50_us);
+                                if let Some(wall) = p.wall_p50_us {
+                                    push("wall p50 per layer", "µs", m.wall_p50_us, &p.mode, wall);
+                                }
+                                notes.push(format!(
+                                    "{case}: {} p99 {:.1} µs (gpuio{mode} {:.1})",
+                                    p.mode, p.p99_us, m.p99_us
+                                ));
+                            }
                         }
+                        Err(why) if mode.is_empty() => notes.push(format!("{case}: {why}")),
+                        Err(_) => {}
                     }
-                    Err(why) => notes.push(format!("{case}: {why}")),
                 }
                 let hot_per_request = LAYERS * (opts.hot_slots * ENTRY) as u64;
                 let all_per_request = LAYERS * ctx * ENTRY as u64;
@@ -375,32 +371,44 @@ pub fn run(
             }
         }
     }
-    let mut targets = vec![
-        Target::judge(
-            "B1: exposed time per layer at overlap 0.9, batch 1, p50 ≤ 8 µs (as 8 µs / p50)",
-            &records,
-            |r| r.peer == "the 8 µs target" && r.case.ends_with("batch 1, overlap 0.9"),
-            |r| r.ratio,
-            1.0,
-            "x",
-        ),
-        Target::judge(
-            "B1: miss bandwidth ≥ 0.8× cudaMemcpy at batch 64",
-            &records,
-            |r| r.metric == "miss bandwidth" && r.case.contains("batch 64,"),
-            |r| r.ratio,
-            0.8,
-            "x",
-        ),
-        Target::judge(
-            "B1: ≥ 2× each peer at every batch (exposed time per layer)",
-            &records,
-            |r| r.metric == "exposed p50 per layer" && r.peer != "the 8 µs target",
-            |r| r.ratio,
-            2.0,
-            "x",
-        ),
-    ];
+    let mut targets = Vec::new();
+    for mode in ["", DEVICE_PLANNED] {
+        let metric = |m: &str| format!("{m}{mode}");
+        let (exposed, miss) = (metric("exposed p50 per layer"), metric("miss bandwidth"));
+        targets.extend([
+            Target::judge(
+                &format!(
+                    "B1{mode}: exposed time per layer at overlap 0.9, batch 1, p50 ≤ 8 µs (as 8 \
+                     µs / p50)"
+                ),
+                &records,
+                |r| {
+                    r.metric == exposed
+                        && r.peer == "the 8 µs target"
+                        && r.case.ends_with("batch 1, overlap 0.9")
+                },
+                |r| r.ratio,
+                1.0,
+                "x",
+            ),
+            Target::judge(
+                &format!("B1{mode}: miss bandwidth ≥ 0.8× cudaMemcpy at batch 64"),
+                &records,
+                |r| r.metric == miss && r.case.contains("batch 64,"),
+                |r| r.ratio,
+                0.8,
+                "x",
+            ),
+            Target::judge(
+                &format!("B1{mode}: ≥ 2× each peer at every batch (exposed time per layer)"),
+                &records,
+                |r| r.metric == exposed && r.peer != "the 8 µs target",
+                |r| r.ratio,
+                2.0,
+                "x",
+            ),
+        ]);
+    }
     if opts.compression {
         let (r, t, n) = compress::run(session, &device, progress)?;
         records.extend(r);
