@@ -100,6 +100,30 @@ impl Default for Options {
 }
 
 impl Options {
+    /// Keeps only the named parts (b1, b2, b4, b5, compression); an unknown name is refused.
+    pub fn keep_parts(&mut self, parts: &[String]) -> Result<()> {
+        let known = ["b1", "b2", "b4", "b5", "compression"];
+        if let Some(p) = parts.iter().find(|p| !known.contains(&p.as_str())) {
+            return Err(BenchError::Options(format!(
+                "ai part {p:?}: the parts are {}",
+                known.join(", ")
+            )));
+        }
+        let has = |p: &str| parts.iter().any(|q| q == p);
+        if !has("b1") {
+            self.contexts.clear();
+        }
+        if !has("b2") {
+            self.engram = None;
+        }
+        if !has("b4") {
+            self.graph = None;
+        }
+        self.priority &= has("b5");
+        self.compression &= has("compression");
+        Ok(())
+    }
+
     /// A short run.
     pub fn quick() -> Self {
         Self {

@@ -44,6 +44,9 @@ pub struct BenchArgs {
     /// Shorter measurements (smoke runs, CI).
     #[arg(long)]
     quick: bool,
+    /// ai: the parts to run, of b1, b2, b4, b5 and compression (default: all).
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    ai_parts: Option<Vec<String>>,
     /// Directory for the JSON records and plots.
     #[arg(long, default_value = "target/bench", value_name = "DIR")]
     out: PathBuf,
@@ -169,6 +172,9 @@ pub fn run(config: Config, args: &BenchArgs) -> Result<(), Error> {
                 };
                 if let Some(d) = &args.scratch {
                     opts.scratch = d.clone();
+                }
+                if let Some(parts) = &args.ai_parts {
+                    opts.keep_parts(parts).map_err(bench_err)?;
                 }
                 ai::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
             }
