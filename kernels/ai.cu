@@ -192,6 +192,7 @@ extern "C" __global__ void gpuio_dot_scores(const void* table, gpuio_u64 rows, g
 #define GPUIO_SWAP_NONE 0xffffffffu
 #define GPUIO_SWAP_PENDING 0xfffffffeu
 #define GPUIO_SWAP_MAX_SELECTION 4096
+#define GPUIO_SWAP_MAX_SLOTS 8192
 #define GPUIO_SWAP_THREADS 1024
 // As gather.cu's tiered codes: the warm bit, then the slot above the 40-bit warm row.
 #define GPUIO_SWAP_WARM (1ull << 63)
@@ -242,12 +243,20 @@ __device__ gpuio_u32 gpuio_swap_scan(gpuio_u32 v, gpuio_u32* sums, gpuio_u32* to
     return before;
 }
 
+// Each thread owns up to GPUIO_SWAP_PER_THREAD consecutive selection entries and up to
+// GPUIO_SWAP_SLOTS_PER_THREAD consecutive slots, so one scan over the block numbers misses in
+// selection order and victims in slot order. Everything the plan reads from memory — the
+// control words, the step, the selection, every slot's last step and position — is loaded at
+// the start, together: the plan is one round of loads, one of atomics, then shared memory.
+#define GPUIO_SWAP_PER_THREAD (GPUIO_SWAP_MAX_SELECTION / GPUIO_SWAP_THREADS)
+#define GPUIO_SWAP_SLOTS_PER_THREAD (GPUIO_SWAP_MAX_SLOTS / GPUIO_SWAP_THREADS)
+
 extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_THREADS)
     gpuio_swap_in_plan(const gpuio_swap_job* jobs, gpuio_u64* codes, gpuio_u64* report) {
     __shared__ gpuio_u32 miss_pos[GPUIO_SWAP_MAX_SELECTION], miss_at[GPUIO_SWAP_MAX_SELECTION];
-    __shared__ gpuio_u32 hist[256], sums[33];
+    __shared__ gpuio_u32 hit[GPUIO_SWAP_MAX_SLOTS / 32], hist[256], sums[33];
     __shared__ gpuio_u64 s_len, s_count;
-    __shared__ gpuio_u32 s_step, s_exhausted, s_oldest, s_older;
+    __shared__ gpuio_u32 s_state, s_oldest, s_older;
     const gpuio_swap_job job = jobs[blockIdx.x];
     const unsigned tid = threadIdx.x, lane = tid & 31;
     gpuio_u32* st = (gpuio_u32*)job.state;
@@ -255,20 +264,38 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_THREADS)
     gpuio_u32* holder = slot_of + job.positions;
     gpuio_u32* last_used = holder + job.slots;
     gpuio_u64* gather_count = (gpuio_u64*)job.gather_job + 6;
+    const gpuio_u32 per = (job.max_count + GPUIO_SWAP_THREADS - 1) / GPUIO_SWAP_THREADS;
+    const gpuio_u32 per_slot = (job.slots + GPUIO_SWAP_THREADS - 1) / GPUIO_SWAP_THREADS;
+
+    // One round of loads.
     if (tid == 0) {
         const volatile gpuio_u64* control = (const volatile gpuio_u64*)job.control;
         s_len = control[0];
         s_count = control[1];
-        s_exhausted = st[0] == 0xffffffffu;
-        s_step = st[0] + 1;
+        s_state = st[0];
+    }
+    gpuio_u32 pos[GPUIO_SWAP_PER_THREAD], lu[GPUIO_SWAP_SLOTS_PER_THREAD],
+        held[GPUIO_SWAP_SLOTS_PER_THREAD];
+#pragma unroll
+    for (int k = 0; k < GPUIO_SWAP_PER_THREAD; k++) {
+        const gpuio_u32 i = tid * per + k;
+        pos[k] = (k < (int)per && i < job.max_count) ? ((const gpuio_u32*)job.selection)[i] : 0;
+    }
+#pragma unroll
+    for (int k = 0; k < GPUIO_SWAP_SLOTS_PER_THREAD; k++) {
+        const gpuio_u32 s = tid * per_slot + k;
+        const bool mine = k < (int)per_slot && s < job.slots;
+        lu[k] = mine ? last_used[s] : 0;
+        held[k] = mine ? holder[s] : GPUIO_SWAP_NONE;
     }
     if (tid < 256) hist[tid] = 0;
+    for (gpuio_u32 w = tid; w < GPUIO_SWAP_MAX_SLOTS / 32; w += GPUIO_SWAP_THREADS) hit[w] = 0;
     __syncthreads();
     const gpuio_u64 len = s_len, want = s_count;
-    const gpuio_u32 step = s_step;
-    if (want > job.max_count || s_exhausted) {
+    const gpuio_u32 step = s_state + 1;
+    if (want > job.max_count || s_state == 0xffffffffu) {
         if (tid == 0) {
-            gpuio_swap_bad(report, s_exhausted ? 3 : 2, blockIdx.x, want);
+            gpuio_swap_bad(report, s_state == 0xffffffffu ? 3 : 2, blockIdx.x, want);
             *gather_count = 0;
             report[2 + blockIdx.x] = 0;
         }
@@ -276,45 +303,54 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_THREADS)
     }
     const gpuio_u32 count = (gpuio_u32)want;
 
-    // Hits and misses, in selection order.
-    gpuio_u32 misses = 0, hits = 0;
-    int failed = 0;
-    for (gpuio_u32 c = 0; c < count; c += GPUIO_SWAP_THREADS) {
-        const gpuio_u32 i = c + tid;
-        int miss = 0, hit = 0, bad = 0;
-        gpuio_u32 pos = 0;
-        if (i < count) {
-            pos = ((const gpuio_u32*)job.selection)[i];
-            if (pos >= len) {
-                bad = 1;
-                gpuio_swap_bad(report, 0, blockIdx.x, i);
-            } else {
-                const gpuio_u32 slot = atomicCAS(&slot_of[pos], GPUIO_SWAP_NONE, GPUIO_SWAP_PENDING);
-                if (slot == GPUIO_SWAP_NONE) {
-                    miss = 1;
-                } else if (slot != GPUIO_SWAP_PENDING && slot >= job.slots) {
-                    bad = 1;
-                    gpuio_swap_bad(report, 4, blockIdx.x, pos);
-                } else if (slot == GPUIO_SWAP_PENDING || atomicExch(&last_used[slot], step) == step) {
-                    bad = 1;
-                    gpuio_swap_bad(report, 1, blockIdx.x, pos);
-                } else {
-                    hit = 1;
-                    codes[job.first + i] = slot;
-                }
-            }
-        }
-        gpuio_u32 total;
-        const gpuio_u32 at = misses + gpuio_swap_scan(miss, sums, &total);
-        if (miss) {
-            miss_pos[at] = pos;
-            miss_at[at] = i;
-        }
-        misses += total;
-        hits += __syncthreads_count(hit);
-        failed |= __syncthreads_or(bad);
+    // One round of atomics: a selected position with a slot is a hit, one without is marked
+    // pending (a miss); a position marked twice, or a slot hit twice, is selected twice.
+    gpuio_u32 slot[GPUIO_SWAP_PER_THREAD];
+#pragma unroll
+    for (int k = 0; k < GPUIO_SWAP_PER_THREAD; k++) {
+        const gpuio_u32 i = tid * per + k;
+        slot[k] = GPUIO_SWAP_NONE;
+        if (k < (int)per && i < count && pos[k] < len)
+            slot[k] = atomicCAS(&slot_of[pos[k]], GPUIO_SWAP_NONE, GPUIO_SWAP_PENDING);
     }
-    if (failed) {
+    gpuio_u32 misses_here = 0, hits_here = 0;
+    int bad = 0;
+#pragma unroll
+    for (int k = 0; k < GPUIO_SWAP_PER_THREAD; k++) {
+        const gpuio_u32 i = tid * per + k;
+        if (k >= (int)per || i >= count) continue;
+        if (pos[k] >= len) {
+            bad = 1;
+            gpuio_swap_bad(report, 0, blockIdx.x, i);
+        } else if (slot[k] == GPUIO_SWAP_NONE) {
+            misses_here++;
+        } else if (slot[k] == GPUIO_SWAP_PENDING || slot[k] >= job.slots) {
+            bad = 1;
+            gpuio_swap_bad(report, slot[k] == GPUIO_SWAP_PENDING ? 1 : 4, blockIdx.x, pos[k]);
+        } else if (atomicOr(&hit[slot[k] / 32], 1u << (slot[k] % 32)) & (1u << (slot[k] % 32))) {
+            bad = 1;
+            gpuio_swap_bad(report, 1, blockIdx.x, pos[k]);
+        } else {
+            hits_here++;
+            last_used[slot[k]] = step;
+            codes[job.first + i] = slot[k];
+        }
+    }
+    // Misses numbered in selection order; hits and misses counted (16 bits each: at most
+    // 4096 of either).
+    gpuio_u32 totals;
+    gpuio_u32 at = gpuio_swap_scan(misses_here | hits_here << 16, sums, &totals) & 0xffff;
+#pragma unroll
+    for (int k = 0; k < GPUIO_SWAP_PER_THREAD; k++) {
+        const gpuio_u32 i = tid * per + k;
+        if (k < (int)per && i < count && pos[k] < len && slot[k] == GPUIO_SWAP_NONE) {
+            miss_pos[at] = pos[k];
+            miss_at[at] = i;
+            at++;
+        }
+    }
+    const gpuio_u32 misses = totals & 0xffff, hits = totals >> 16;
+    if (__syncthreads_or(bad)) {
         // Nothing installed: the misses' marks are taken back; the step is spent (the hits
         // were marked with it).
         for (gpuio_u32 j = tid; j < misses; j += GPUIO_SWAP_THREADS) slot_of[miss_pos[j]] = GPUIO_SWAP_NONE;
@@ -328,12 +364,14 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_THREADS)
 
     if (misses > 0) {
         // How many unselected slots are each age (warp-aggregated: many share one).
-        for (gpuio_u32 c = 0; c < job.slots; c += GPUIO_SWAP_THREADS) {
-            const gpuio_u32 s = c + tid;
-            const gpuio_u32 lu = s < job.slots ? last_used[s] : step;
-            const gpuio_u32 age = lu == step ? 256 : min(step - lu, 255u);
-            const unsigned same = __match_any_sync(0xffffffffu, age);
-            if (age < 256 && lane == (unsigned)__ffs(same) - 1) atomicAdd(&hist[age], __popc(same));
+        gpuio_u32 age[GPUIO_SWAP_SLOTS_PER_THREAD];
+#pragma unroll
+        for (int k = 0; k < GPUIO_SWAP_SLOTS_PER_THREAD; k++) {
+            const gpuio_u32 s = tid * per_slot + k;
+            const bool free = k < (int)per_slot && s < job.slots && !(hit[s / 32] >> (s % 32) & 1);
+            age[k] = free ? min(step - lu[k], 255u) : 256;
+            const unsigned same = __match_any_sync(0xffffffffu, age[k]);
+            if (age[k] < 256 && lane == (unsigned)__ffs(same) - 1) atomicAdd(&hist[age[k]], __popc(same));
         }
         __syncthreads();
         // The youngest age the victims reach, and how many unselected slots are older.
@@ -346,31 +384,34 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_THREADS)
         }
         __syncthreads();
         const gpuio_u32 edge = s_oldest, from_edge = misses - s_older;
-        gpuio_u32 edge_seen = 0, taken = 0;
-        for (gpuio_u32 c = 0; c < job.slots && taken < misses; c += GPUIO_SWAP_THREADS) {
-            const gpuio_u32 s = c + tid;
-            const gpuio_u32 lu = s < job.slots ? last_used[s] : step;
-            const gpuio_u32 age = min(step - lu, 255u);
-            const int free = s < job.slots && lu != step;
-            gpuio_u32 t1, t2;
-            const gpuio_u32 rank = edge_seen + gpuio_swap_scan(free && age == edge, sums, &t1);
-            edge_seen += t1;
-            const int victim = free && (age > edge || (age == edge && rank < from_edge));
-            const gpuio_u32 j = taken + gpuio_swap_scan(victim, sums, &t2);
-            taken += t2;
-            if (victim) {
-                const gpuio_u32 pos = miss_pos[j], old = holder[s];
-                if (old < job.positions) {
-                    slot_of[old] = GPUIO_SWAP_NONE;
-                } else if (old != GPUIO_SWAP_NONE) {
-                    gpuio_swap_bad(report, 4, blockIdx.x, s);
-                }
-                holder[s] = pos;
-                slot_of[pos] = s;
-                last_used[s] = step;
-                codes[job.first + miss_at[j]] =
-                    GPUIO_SWAP_WARM | (gpuio_u64)s << GPUIO_SWAP_ROW_BITS | (job.warm_first + pos);
+        gpuio_u32 at_edge = 0;
+#pragma unroll
+        for (int k = 0; k < GPUIO_SWAP_SLOTS_PER_THREAD; k++) at_edge += age[k] == edge;
+        gpuio_u32 t1, t2;
+        gpuio_u32 rank = gpuio_swap_scan(at_edge, sums, &t1);
+        int victim[GPUIO_SWAP_SLOTS_PER_THREAD];
+        gpuio_u32 victims = 0;
+#pragma unroll
+        for (int k = 0; k < GPUIO_SWAP_SLOTS_PER_THREAD; k++) {
+            victim[k] = age[k] < 256 && (age[k] > edge || (age[k] == edge && rank++ < from_edge));
+            victims += victim[k];
+        }
+        gpuio_u32 j = gpuio_swap_scan(victims, sums, &t2);
+#pragma unroll
+        for (int k = 0; k < GPUIO_SWAP_SLOTS_PER_THREAD; k++) {
+            if (!victim[k]) continue;
+            const gpuio_u32 s = tid * per_slot + k, p = miss_pos[j], old = held[k];
+            if (old < job.positions) {
+                slot_of[old] = GPUIO_SWAP_NONE;
+            } else if (old != GPUIO_SWAP_NONE) {
+                gpuio_swap_bad(report, 4, blockIdx.x, s);
             }
+            holder[s] = p;
+            slot_of[p] = s;
+            last_used[s] = step;
+            codes[job.first + miss_at[j]] =
+                GPUIO_SWAP_WARM | (gpuio_u64)s << GPUIO_SWAP_ROW_BITS | (job.warm_first + p);
+            j++;
         }
     }
     if (tid == 0) {

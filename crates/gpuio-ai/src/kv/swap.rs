@@ -13,7 +13,8 @@ use super::LoadReport;
 use crate::{AiError, Result};
 use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
 use gpuio_hal::{
-    SWAP_IN_MAX_SELECTION, Stream, SwapInJob, SwapInLoad, SwapInTable, swap_in_state_len,
+    SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, Stream, SwapInJob, SwapInLoad, SwapInTable,
+    swap_in_state_len,
 };
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -28,7 +29,7 @@ pub struct SwapInConfig {
     pub entry_bytes: usize,
     /// Tokens the sequence may hold (below `u32::MAX - 1`).
     pub max_tokens: u64,
-    /// Slots of each layer's hot buffer.
+    /// Slots of each layer's hot buffer (at most 8192).
     pub hot_slots: usize,
     /// The largest selection one load takes (the top-k); at most `hot_slots` and 4096.
     pub max_selection: usize,
@@ -87,6 +88,12 @@ impl SwapInKv {
         let bad = |why: String| Err(AiError::InvalidArgument(format!("swap-in KV: {why}")));
         if cfg.layers == 0 || cfg.entry_bytes == 0 || cfg.max_tokens == 0 || cfg.hot_slots == 0 {
             return bad(format!("{cfg:?} has nothing to hold"));
+        }
+        if cfg.hot_slots > SWAP_IN_MAX_SLOTS {
+            return bad(format!(
+                "{} hot slots: the device's plan takes up to {SWAP_IN_MAX_SLOTS}",
+                cfg.hot_slots
+            ));
         }
         if cfg.max_selection == 0
             || cfg.max_selection > cfg.hot_slots.min(SWAP_IN_MAX_SELECTION)

@@ -338,6 +338,7 @@ fn appends_and_shapes_are_checked() {
     for bad in [
         config(10, 8, 9),
         config(10, 0, 0),
+        config(10, 9000, 4),
         config(u64::from(u32::MAX), 8, 4),
     ] {
         assert!(SwapInKv::new(&session, bad).is_err(), "{bad:?}");

@@ -22,13 +22,16 @@
 
 use super::backend::{DevRange, RowMem, SwapInLaunch, SwapInPart};
 use super::tiered::check_disjoint;
-use super::{DeviceBuffer, Stream, TIER_MAX_HOT_ROWS, TIER_MAX_JOBS, TIER_MAX_WARM_ROWS};
+use super::{DeviceBuffer, Stream, TIER_MAX_JOBS, TIER_MAX_WARM_ROWS};
 use crate::error::{HalError, Result, check_range};
 use crate::memory::{HostAllocOptions, HostBuffer};
 use std::time::Duration;
 
 /// Most positions one selection may hold (the plan keeps its misses in shared memory).
 pub const SWAP_IN_MAX_SELECTION: usize = 4096;
+/// Most slots one job's hot buffer may have (the plan keeps every slot's state in its
+/// threads' registers).
+pub const SWAP_IN_MAX_SLOTS: usize = 8192;
 /// A position with no slot, a slot with no position.
 pub(crate) const NONE: u32 = u32::MAX;
 /// A position this plan found missing, before its slot is chosen.
@@ -60,7 +63,7 @@ pub fn swap_in_state_len(positions: u64, slots: usize) -> Option<usize> {
 pub struct SwapInJob<'a> {
     /// The hot buffer: `slots` rows from its start.
     pub hot: &'a DeviceBuffer,
-    /// Slots in the hot buffer.
+    /// Slots in the hot buffer (at most [`SWAP_IN_MAX_SLOTS`]).
     pub slots: usize,
     /// The job's state ([`swap_in_state_len`] bytes from its start), reset by the table.
     pub state: &'a DeviceBuffer,
@@ -193,7 +196,7 @@ impl Stream {
             };
             let warm_rows = (j.warm.len() / row_bytes) as u64;
             let limits = [
-                (j.slots == 0 || j.slots as u64 > TIER_MAX_HOT_ROWS, "slots"),
+                (j.slots == 0 || j.slots > SWAP_IN_MAX_SLOTS, "slots"),
                 (
                     j.positions == 0 || j.positions >= u64::from(PENDING),
                     "positions",
@@ -209,7 +212,7 @@ impl Stream {
             ];
             if let Some((_, what)) = limits.iter().find(|l| l.0) {
                 return bad(format!(
-                    "job {i}: {what} out of bounds ({} slots up to {TIER_MAX_HOT_ROWS}, {} \
+                    "job {i}: {what} out of bounds ({} slots up to {SWAP_IN_MAX_SLOTS}, {} \
                      positions, a selection of up to {} of at most {SWAP_IN_MAX_SELECTION}, \
                      warm rows {}..{} of {warm_rows})",
                     j.slots,
@@ -475,6 +478,8 @@ pub(crate) fn plan_on_host(
     let step = head[0] + 1;
     let mut worst = u64::MAX;
     let (mut hits, mut misses) = (0usize, Vec::new());
+    // Slots selected this step (the kernel's shared bitmap).
+    let mut hit = vec![false; slots];
     for (i, &pos) in selection.iter().enumerate() {
         if u64::from(pos) >= len {
             worst = worst.min(failure(PAST_LEN, job, i as u64));
@@ -486,11 +491,11 @@ pub(crate) fn plan_on_host(
             misses.push((pos, i));
         } else if slot != PENDING && slot as usize >= slots {
             worst = worst.min(failure(CORRUPT, job, u64::from(pos)));
-        } else if slot == PENDING || std::mem::replace(&mut last_used[slot as usize], step) == step
-        {
+        } else if slot == PENDING || std::mem::replace(&mut hit[slot as usize], true) {
             worst = worst.min(failure(TWICE, job, u64::from(pos)));
         } else {
             hits += 1;
+            last_used[slot as usize] = step;
             codes[i] = u64::from(slot);
         }
     }
@@ -507,8 +512,10 @@ pub(crate) fn plan_on_host(
     }
     let age = |lu: u32| step.wrapping_sub(lu).min(OLDEST) as usize;
     let mut by_age = [0usize; OLDEST as usize + 1];
-    for &lu in last_used.iter().filter(|&&lu| lu != step) {
-        by_age[age(lu)] += 1;
+    for (s, &lu) in last_used.iter().enumerate() {
+        if !hit[s] {
+            by_age[age(lu)] += 1;
+        }
     }
     // The youngest age the victims reach, and how many unselected slots are older.
     let (mut edge, mut older) = (0, 0);
@@ -524,11 +531,10 @@ pub(crate) fn plan_on_host(
         if taken == m {
             break;
         }
-        let lu = last_used[s];
-        if lu == step {
+        if hit[s] {
             continue;
         }
-        let victim = match age(lu).cmp(&edge) {
+        let victim = match age(last_used[s]).cmp(&edge) {
             std::cmp::Ordering::Greater => true,
             std::cmp::Ordering::Equal => {
                 at_edge += 1;
