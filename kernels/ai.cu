@@ -243,59 +243,56 @@ __device__ gpuio_u32 gpuio_swap_scan(gpuio_u32 v, gpuio_u32* sums, gpuio_u32* to
     return before;
 }
 
-// Each thread owns up to GPUIO_SWAP_PER_THREAD consecutive selection entries and up to
-// GPUIO_SWAP_SLOTS_PER_THREAD consecutive slots, so one scan over the block numbers misses in
-// selection order and victims in slot order. Everything the plan reads from memory — the
-// control words, the step, the selection, every slot's last step and position — is loaded at
-// the start, together: the plan is one round of loads, one of atomics, then shared memory.
-#define GPUIO_SWAP_PER_THREAD (GPUIO_SWAP_MAX_SELECTION / GPUIO_SWAP_THREADS)
-#define GPUIO_SWAP_SLOTS_PER_THREAD (GPUIO_SWAP_MAX_SLOTS / GPUIO_SWAP_THREADS)
+// Each thread owns PER consecutive selection entries and SLOTS consecutive slots (the
+// smallest powers of two that cover the job: the kernel picks the instance), so one scan over
+// the block numbers misses in selection order and victims in slot order. Everything the plan
+// reads from memory — the control words, the step, the selection, every slot's last step and
+// position — is loaded at the start, together: the plan is one round of loads, one of
+// atomics, then shared memory and registers.
+struct gpuio_swap_shared {
+    gpuio_u32 miss_pos[GPUIO_SWAP_MAX_SELECTION], miss_at[GPUIO_SWAP_MAX_SELECTION];
+    gpuio_u32 hit[GPUIO_SWAP_MAX_SLOTS / 32], hist[256], sums[33];
+    gpuio_u64 len, count;
+    gpuio_u32 state, oldest, older;
+};
 
-extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_THREADS)
-    gpuio_swap_in_plan(const gpuio_swap_job* jobs, gpuio_u64* codes, gpuio_u64* report) {
-    __shared__ gpuio_u32 miss_pos[GPUIO_SWAP_MAX_SELECTION], miss_at[GPUIO_SWAP_MAX_SELECTION];
-    __shared__ gpuio_u32 hit[GPUIO_SWAP_MAX_SLOTS / 32], hist[256], sums[33];
-    __shared__ gpuio_u64 s_len, s_count;
-    __shared__ gpuio_u32 s_state, s_oldest, s_older;
-    const gpuio_swap_job job = jobs[blockIdx.x];
+template <int PER, int SLOTS>
+__device__ __forceinline__ void gpuio_swap_plan(const gpuio_swap_job& job, gpuio_u64* codes,
+                                                gpuio_u64* report, gpuio_swap_shared& sh) {
     const unsigned tid = threadIdx.x, lane = tid & 31;
     gpuio_u32* st = (gpuio_u32*)job.state;
     gpuio_u32* slot_of = st + 2;
     gpuio_u32* holder = slot_of + job.positions;
     gpuio_u32* last_used = holder + job.slots;
     gpuio_u64* gather_count = (gpuio_u64*)job.gather_job + 6;
-    const gpuio_u32 per = (job.max_count + GPUIO_SWAP_THREADS - 1) / GPUIO_SWAP_THREADS;
-    const gpuio_u32 per_slot = (job.slots + GPUIO_SWAP_THREADS - 1) / GPUIO_SWAP_THREADS;
 
     // One round of loads.
     if (tid == 0) {
         const volatile gpuio_u64* control = (const volatile gpuio_u64*)job.control;
-        s_len = control[0];
-        s_count = control[1];
-        s_state = st[0];
+        sh.len = control[0];
+        sh.count = control[1];
+        sh.state = st[0];
     }
-    gpuio_u32 pos[GPUIO_SWAP_PER_THREAD], lu[GPUIO_SWAP_SLOTS_PER_THREAD],
-        held[GPUIO_SWAP_SLOTS_PER_THREAD];
+    gpuio_u32 pos[PER], lu[SLOTS], held[SLOTS];
 #pragma unroll
-    for (int k = 0; k < GPUIO_SWAP_PER_THREAD; k++) {
-        const gpuio_u32 i = tid * per + k;
-        pos[k] = (k < (int)per && i < job.max_count) ? ((const gpuio_u32*)job.selection)[i] : 0;
+    for (int k = 0; k < PER; k++) {
+        const gpuio_u32 i = tid * PER + k;
+        pos[k] = i < job.max_count ? ((const gpuio_u32*)job.selection)[i] : 0;
     }
 #pragma unroll
-    for (int k = 0; k < GPUIO_SWAP_SLOTS_PER_THREAD; k++) {
-        const gpuio_u32 s = tid * per_slot + k;
-        const bool mine = k < (int)per_slot && s < job.slots;
-        lu[k] = mine ? last_used[s] : 0;
-        held[k] = mine ? holder[s] : GPUIO_SWAP_NONE;
+    for (int k = 0; k < SLOTS; k++) {
+        const gpuio_u32 s = tid * SLOTS + k;
+        lu[k] = s < job.slots ? last_used[s] : 0;
+        held[k] = s < job.slots ? holder[s] : GPUIO_SWAP_NONE;
     }
-    if (tid < 256) hist[tid] = 0;
-    for (gpuio_u32 w = tid; w < GPUIO_SWAP_MAX_SLOTS / 32; w += GPUIO_SWAP_THREADS) hit[w] = 0;
+    if (tid < 256) sh.hist[tid] = 0;
+    for (gpuio_u32 w = tid; w < GPUIO_SWAP_MAX_SLOTS / 32; w += GPUIO_SWAP_THREADS) sh.hit[w] = 0;
     __syncthreads();
-    const gpuio_u64 len = s_len, want = s_count;
-    const gpuio_u32 step = s_state + 1;
-    if (want > job.max_count || s_state == 0xffffffffu) {
+    const gpuio_u64 len = sh.len, want = sh.count;
+    const gpuio_u32 step = sh.state + 1;
+    if (want > job.max_count || sh.state == 0xffffffffu) {
         if (tid == 0) {
-            gpuio_swap_bad(report, s_state == 0xffffffffu ? 3 : 2, blockIdx.x, want);
+            gpuio_swap_bad(report, sh.state == 0xffffffffu ? 3 : 2, blockIdx.x, want);
             *gather_count = 0;
             report[2 + blockIdx.x] = 0;
         }
@@ -305,20 +302,20 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_THREADS)
 
     // One round of atomics: a selected position with a slot is a hit, one without is marked
     // pending (a miss); a position marked twice, or a slot hit twice, is selected twice.
-    gpuio_u32 slot[GPUIO_SWAP_PER_THREAD];
+    gpuio_u32 slot[PER];
 #pragma unroll
-    for (int k = 0; k < GPUIO_SWAP_PER_THREAD; k++) {
-        const gpuio_u32 i = tid * per + k;
+    for (int k = 0; k < PER; k++) {
+        const gpuio_u32 i = tid * PER + k;
         slot[k] = GPUIO_SWAP_NONE;
-        if (k < (int)per && i < count && pos[k] < len)
+        if (i < count && pos[k] < len)
             slot[k] = atomicCAS(&slot_of[pos[k]], GPUIO_SWAP_NONE, GPUIO_SWAP_PENDING);
     }
     gpuio_u32 misses_here = 0, hits_here = 0;
     int bad = 0;
 #pragma unroll
-    for (int k = 0; k < GPUIO_SWAP_PER_THREAD; k++) {
-        const gpuio_u32 i = tid * per + k;
-        if (k >= (int)per || i >= count) continue;
+    for (int k = 0; k < PER; k++) {
+        const gpuio_u32 i = tid * PER + k;
+        if (i >= count) continue;
         if (pos[k] >= len) {
             bad = 1;
             gpuio_swap_bad(report, 0, blockIdx.x, i);
@@ -327,7 +324,7 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_THREADS)
         } else if (slot[k] == GPUIO_SWAP_PENDING || slot[k] >= job.slots) {
             bad = 1;
             gpuio_swap_bad(report, slot[k] == GPUIO_SWAP_PENDING ? 1 : 4, blockIdx.x, pos[k]);
-        } else if (atomicOr(&hit[slot[k] / 32], 1u << (slot[k] % 32)) & (1u << (slot[k] % 32))) {
+        } else if (atomicOr(&sh.hit[slot[k] / 32], 1u << (slot[k] % 32)) & (1u << (slot[k] % 32))) {
             bad = 1;
             gpuio_swap_bad(report, 1, blockIdx.x, pos[k]);
         } else {
@@ -339,21 +336,66 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_THREADS)
     // Misses numbered in selection order; hits and misses counted (16 bits each: at most
     // 4096 of either).
     gpuio_u32 totals;
-    gpuio_u32 at = gpuio_swap_scan(misses_here | hits_here << 16, sums, &totals) & 0xffff;
+    gpuio_u32 at = gpuio_swap_scan(misses_here | hits_here << 16, sh.sums, &totals) & 0xffff;
 #pragma unroll
-    for (int k = 0; k < GPUIO_SWAP_PER_THREAD; k++) {
-        const gpuio_u32 i = tid * per + k;
-        if (k < (int)per && i < count && pos[k] < len && slot[k] == GPUIO_SWAP_NONE) {
-            miss_pos[at] = pos[k];
-            miss_at[at] = i;
+    for (int k = 0; k < PER; k++) {
+        const gpuio_u32 i = tid * PER + k;
+        if (i < count && pos[k] < len && slot[k] == GPUIO_SWAP_NONE) {
+            sh.miss_pos[at] = pos[k];
+            sh.miss_at[at] = i;
             at++;
         }
     }
     const gpuio_u32 misses = totals & 0xffff, hits = totals >> 16;
-    if (__syncthreads_or(bad)) {
+    int victim[SLOTS];
+    gpuio_u32 j = 0;
+    if (!__syncthreads_or(bad) && misses > 0) {
+        // How many unselected slots are each age (warp-aggregated: many share one).
+        gpuio_u32 age[SLOTS];
+#pragma unroll
+        for (int k = 0; k < SLOTS; k++) {
+            const gpuio_u32 s = tid * SLOTS + k;
+            const bool free = s < job.slots && !(sh.hit[s / 32] >> (s % 32) & 1);
+            age[k] = free ? min(step - lu[k], 255u) : 256;
+            const unsigned same = __match_any_sync(0xffffffffu, age[k]);
+            if (age[k] < 256 && lane == (unsigned)__ffs(same) - 1) atomicAdd(&sh.hist[age[k]], __popc(same));
+        }
+        __syncthreads();
+        // The youngest age the victims reach, and how many unselected slots are older.
+        const gpuio_u32 n = tid < 256 ? sh.hist[255 - tid] : 0;
+        gpuio_u32 all;
+        const gpuio_u32 older = gpuio_swap_scan(n, sh.sums, &all);
+        if (tid < 256 && older < misses && older + n >= misses) {
+            sh.oldest = 255 - tid;
+            sh.older = older;
+        }
+        __syncthreads();
+        const gpuio_u32 edge = sh.oldest, from_edge = misses - sh.older;
+        gpuio_u32 at_edge = 0;
+#pragma unroll
+        for (int k = 0; k < SLOTS; k++) at_edge += age[k] == edge;
+        gpuio_u32 t1, t2;
+        gpuio_u32 rank = gpuio_swap_scan(at_edge, sh.sums, &t1);
+        gpuio_u32 victims = 0;
+#pragma unroll
+        for (int k = 0; k < SLOTS; k++) {
+            victim[k] = age[k] < 256 && (age[k] > edge || (age[k] == edge && rank++ < from_edge));
+            victims += victim[k];
+            // A victim's position is followed below: one outside the table fails the plan.
+            if (victim[k] && held[k] >= job.positions && held[k] != GPUIO_SWAP_NONE) {
+                bad = 1;
+                gpuio_swap_bad(report, 4, blockIdx.x, tid * SLOTS + k);
+            }
+        }
+        j = gpuio_swap_scan(victims, sh.sums, &t2);
+        bad = __syncthreads_or(bad);
+    } else {
+        bad = __syncthreads_or(bad);
+    }
+    if (bad) {
         // Nothing installed: the misses' marks are taken back; the step is spent (the hits
         // were marked with it).
-        for (gpuio_u32 j = tid; j < misses; j += GPUIO_SWAP_THREADS) slot_of[miss_pos[j]] = GPUIO_SWAP_NONE;
+        for (gpuio_u32 m = tid; m < misses; m += GPUIO_SWAP_THREADS) slot_of[sh.miss_pos[m]] = GPUIO_SWAP_NONE;
         if (tid == 0) {
             *gather_count = 0;
             st[0] = step;
@@ -361,55 +403,16 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_THREADS)
         }
         return;
     }
-
     if (misses > 0) {
-        // How many unselected slots are each age (warp-aggregated: many share one).
-        gpuio_u32 age[GPUIO_SWAP_SLOTS_PER_THREAD];
 #pragma unroll
-        for (int k = 0; k < GPUIO_SWAP_SLOTS_PER_THREAD; k++) {
-            const gpuio_u32 s = tid * per_slot + k;
-            const bool free = k < (int)per_slot && s < job.slots && !(hit[s / 32] >> (s % 32) & 1);
-            age[k] = free ? min(step - lu[k], 255u) : 256;
-            const unsigned same = __match_any_sync(0xffffffffu, age[k]);
-            if (age[k] < 256 && lane == (unsigned)__ffs(same) - 1) atomicAdd(&hist[age[k]], __popc(same));
-        }
-        __syncthreads();
-        // The youngest age the victims reach, and how many unselected slots are older.
-        const gpuio_u32 n = tid < 256 ? hist[255 - tid] : 0;
-        gpuio_u32 all;
-        const gpuio_u32 older = gpuio_swap_scan(n, sums, &all);
-        if (tid < 256 && older < misses && older + n >= misses) {
-            s_oldest = 255 - tid;
-            s_older = older;
-        }
-        __syncthreads();
-        const gpuio_u32 edge = s_oldest, from_edge = misses - s_older;
-        gpuio_u32 at_edge = 0;
-#pragma unroll
-        for (int k = 0; k < GPUIO_SWAP_SLOTS_PER_THREAD; k++) at_edge += age[k] == edge;
-        gpuio_u32 t1, t2;
-        gpuio_u32 rank = gpuio_swap_scan(at_edge, sums, &t1);
-        int victim[GPUIO_SWAP_SLOTS_PER_THREAD];
-        gpuio_u32 victims = 0;
-#pragma unroll
-        for (int k = 0; k < GPUIO_SWAP_SLOTS_PER_THREAD; k++) {
-            victim[k] = age[k] < 256 && (age[k] > edge || (age[k] == edge && rank++ < from_edge));
-            victims += victim[k];
-        }
-        gpuio_u32 j = gpuio_swap_scan(victims, sums, &t2);
-#pragma unroll
-        for (int k = 0; k < GPUIO_SWAP_SLOTS_PER_THREAD; k++) {
+        for (int k = 0; k < SLOTS; k++) {
             if (!victim[k]) continue;
-            const gpuio_u32 s = tid * per_slot + k, p = miss_pos[j], old = held[k];
-            if (old < job.positions) {
-                slot_of[old] = GPUIO_SWAP_NONE;
-            } else if (old != GPUIO_SWAP_NONE) {
-                gpuio_swap_bad(report, 4, blockIdx.x, s);
-            }
+            const gpuio_u32 s = tid * SLOTS + k, p = sh.miss_pos[j], old = held[k];
+            if (old != GPUIO_SWAP_NONE) slot_of[old] = GPUIO_SWAP_NONE;
             holder[s] = p;
             slot_of[p] = s;
             last_used[s] = step;
-            codes[job.first + miss_at[j]] =
+            codes[job.first + sh.miss_at[j]] =
                 GPUIO_SWAP_WARM | (gpuio_u64)s << GPUIO_SWAP_ROW_BITS | (job.warm_first + p);
             j++;
         }
@@ -419,4 +422,22 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_THREADS)
         st[0] = step;
         report[2 + blockIdx.x] = hits | (gpuio_u64)misses << 32;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_THREADS)
+    gpuio_swap_in_plan(const gpuio_swap_job* jobs, gpuio_u64* codes, gpuio_u64* report) {
+    __shared__ gpuio_swap_shared sh;
+    const gpuio_swap_job job = jobs[blockIdx.x];
+    const gpuio_u32 per = (job.max_count + GPUIO_SWAP_THREADS - 1) / GPUIO_SWAP_THREADS;
+    const gpuio_u32 slots = (job.slots + GPUIO_SWAP_THREADS - 1) / GPUIO_SWAP_THREADS;
+    // The host bounds max_count by 4096 and slots by 8192: per <= 4, slots <= 8.
+#define GPUIO_SWAP_SLOTS_CASES(P)                                            \
+    if (slots <= 1) return gpuio_swap_plan<P, 1>(job, codes, report, sh);   \
+    if (slots <= 2) return gpuio_swap_plan<P, 2>(job, codes, report, sh);   \
+    if (slots <= 4) return gpuio_swap_plan<P, 4>(job, codes, report, sh);   \
+    return gpuio_swap_plan<P, 8>(job, codes, report, sh);
+    if (per <= 1) { GPUIO_SWAP_SLOTS_CASES(1) }
+    if (per <= 2) { GPUIO_SWAP_SLOTS_CASES(2) }
+    GPUIO_SWAP_SLOTS_CASES(4)
+#undef GPUIO_SWAP_SLOTS_CASES
 }

@@ -12,12 +12,13 @@
 use super::LoadReport;
 use crate::{AiError, Result};
 use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
+use gpuio_hal::HostBuffer;
 use gpuio_hal::{
     SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, Stream, SwapInJob, SwapInLoad, SwapInTable,
     swap_in_state_len,
 };
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, RwLockReadGuard};
 use std::time::Duration;
 
 /// The shape of a [`SwapInKv`].
@@ -226,10 +227,40 @@ pub struct SwapInTarget<'a> {
 /// over from one batch to the next.
 #[derive(Debug)]
 pub struct SwapInBatch {
-    layer: usize,
-    kvs: Vec<SwapInKv>,
+    claims: Claims,
     stream: Stream,
     table: SwapInTable,
+}
+
+/// The batch's sequences, their layer claimed until this drops (however the batch ends).
+#[derive(Debug)]
+struct Claims {
+    kvs: Vec<SwapInKv>,
+    layer: usize,
+}
+
+impl Drop for Claims {
+    fn drop(&mut self) {
+        for kv in &self.kvs {
+            kv.inner.layers[self.layer]
+                .in_batch
+                .store(false, Ordering::Release);
+        }
+    }
+}
+
+/// Read guards on the sequences' host memory, in their order, taken in one global order (by
+/// address): batches that lock overlapping sets never wait on each other in a cycle behind a
+/// writer (`append`).
+fn read_all<'a>(kvs: &[&'a SwapInKv]) -> Vec<RwLockReadGuard<'a, HostBuffer>> {
+    let mut order: Vec<usize> = (0..kvs.len()).collect();
+    order.sort_by_key(|&i| Arc::as_ptr(&kvs[i].inner) as usize);
+    let mut guards: Vec<Option<RwLockReadGuard<'a, HostBuffer>>> =
+        kvs.iter().map(|_| None).collect();
+    for i in order {
+        guards[i] = Some(kvs[i].inner.warm.read());
+    }
+    guards.into_iter().flatten().collect()
 }
 
 impl SwapInBatch {
@@ -253,33 +284,33 @@ impl SwapInBatch {
                 t.kv.inner.cfg
             )));
         }
-        let mut kvs: Vec<SwapInKv> = Vec::with_capacity(targets.len());
+        if let Some(t) = targets.iter().find(|t| layer >= t.kv.inner.cfg.layers) {
+            return Err(AiError::InvalidArgument(format!(
+                "layer {layer} of a sequence of {} layers",
+                t.kv.inner.cfg.layers
+            )));
+        }
+        let mut claims = Claims {
+            kvs: Vec::with_capacity(targets.len()),
+            layer,
+        };
         for t in targets {
-            t.kv.layer(layer)?;
-            let claimed = t.kv.inner.layers[layer]
+            if t.kv.inner.layers[layer]
                 .in_batch
-                .swap(true, Ordering::AcqRel);
-            if claimed {
-                release(&kvs, layer);
+                .swap(true, Ordering::AcqRel)
+            {
                 return Err(AiError::InvalidArgument(format!(
                     "layer {layer} of a sequence is in another swap-in batch (or twice in this one)"
                 )));
             }
-            kvs.push(t.kv.clone());
+            claims.kvs.push(t.kv.clone());
         }
-        let made = Self::table(session, layer, targets, gpu, entry);
-        match made {
-            Ok((stream, table)) => Ok(Self {
-                layer,
-                kvs,
-                stream,
-                table,
-            }),
-            Err(e) => {
-                release(&kvs, layer);
-                Err(e)
-            }
-        }
+        let (stream, table) = Self::table(session, layer, targets, gpu, entry)?;
+        Ok(Self {
+            claims,
+            stream,
+            table,
+        })
     }
 
     fn table(
@@ -290,7 +321,8 @@ impl SwapInBatch {
         entry: usize,
     ) -> Result<(Stream, SwapInTable)> {
         let stream = session.gpu(gpu)?.stream().map_err(api)?;
-        let guards: Vec<_> = targets.iter().map(|t| t.kv.inner.warm.read()).collect();
+        let kvs: Vec<&SwapInKv> = targets.iter().map(|t| t.kv).collect();
+        let guards = read_all(&kvs);
         let jobs: Vec<SwapInJob<'_>> = targets
             .iter()
             .zip(&guards)
@@ -317,12 +349,12 @@ impl SwapInBatch {
 
     /// Sequences in the batch.
     pub fn len(&self) -> usize {
-        self.kvs.len()
+        self.claims.kvs.len()
     }
 
     /// Whether the batch is empty (never: a batch has a sequence).
     pub fn is_empty(&self) -> bool {
-        self.kvs.is_empty()
+        self.claims.kvs.is_empty()
     }
 
     /// Loads the first `counts[i]` positions of sequence `i`'s selection into its
@@ -345,29 +377,31 @@ impl SwapInBatch {
         counts: &[usize],
         timed: bool,
     ) -> Result<(Vec<LoadReport>, Option<Duration>)> {
-        if counts.len() != self.kvs.len() {
+        if counts.len() != self.claims.kvs.len() {
             return Err(AiError::InvalidArgument(format!(
                 "{} counts for {} sequences",
                 counts.len(),
-                self.kvs.len()
+                self.claims.kvs.len()
             )));
         }
         let loads: Vec<SwapInLoad> = self
+            .claims
             .kvs
             .iter()
             .zip(counts)
             .map(|(kv, &count)| SwapInLoad {
-                len: kv.len(self.layer),
+                len: kv.len(self.claims.layer),
                 count,
             })
             .collect();
-        let guards: Vec<_> = self.kvs.iter().map(|kv| kv.inner.warm.read()).collect();
-        let warm: Vec<&gpuio_hal::HostBuffer> = guards.iter().map(|g| &**g).collect();
+        let kvs: Vec<&SwapInKv> = self.claims.kvs.iter().collect();
+        let guards = read_all(&kvs);
+        let warm: Vec<&HostBuffer> = guards.iter().map(|g| &**g).collect();
         let done = self
             .stream
             .swap_in(&mut self.table, &warm, &loads, timed)
             .map_err(api)?;
-        let entry = self.kvs[0].inner.cfg.entry_bytes as u64;
+        let entry = self.claims.kvs[0].inner.cfg.entry_bytes as u64;
         let reports = done
             .counts
             .iter()
@@ -381,20 +415,5 @@ impl SwapInBatch {
             })
             .collect();
         Ok((reports, done.device_time))
-    }
-}
-
-/// Lets the batch's sequences' layer be claimed again.
-fn release(kvs: &[SwapInKv], layer: usize) {
-    for kv in kvs {
-        kv.inner.layers[layer]
-            .in_batch
-            .store(false, Ordering::Release);
-    }
-}
-
-impl Drop for SwapInBatch {
-    fn drop(&mut self) {
-        release(&self.kvs, self.layer);
     }
 }

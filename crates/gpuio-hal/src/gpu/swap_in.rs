@@ -133,6 +133,7 @@ struct Kept {
 /// every job's device buffers alive.
 #[derive(Debug)]
 pub struct SwapInTable {
+    gpu: super::Gpu,
     row_bytes: usize,
     /// The gather table, the plan table, the codes, the report words.
     device: DeviceBuffer,
@@ -168,9 +169,10 @@ impl Stream {
     }
 
     /// Checks `jobs` and writes their tables to the device. The states are used as they are:
-    /// reset each first ([`swap_in_reset`](Self::swap_in_reset)); one another table uses
-    /// carries its hot buffer over. Hot buffers, states, selections and destinations must not
-    /// overlap.
+    /// reset each first ([`swap_in_reset`](Self::swap_in_reset)); one another table used
+    /// carries its hot buffer over. A state belongs to one hot buffer, warm pool, `warm_first`
+    /// and row size: paired with others it serves other rows (memory stays safe: every index
+    /// is checked). Hot buffers, states, selections and destinations must not overlap.
     pub fn swap_in_table(&self, row_bytes: usize, jobs: &[SwapInJob<'_>]) -> Result<SwapInTable> {
         if row_bytes == 0 || jobs.is_empty() || jobs.len() > TIER_MAX_JOBS {
             return bad(format!(
@@ -300,6 +302,7 @@ impl Stream {
         words(report_at, &mut bytes, &[u64::MAX, u64::MAX]);
         self.upload(&bytes, &device, 0)?;
         Ok(SwapInTable {
+            gpu: self.gpu.clone(),
             row_bytes,
             device,
             control,
@@ -314,7 +317,8 @@ impl Stream {
     /// from its slot, or from `warm[j]` (the pinned buffer the table was made with) into the
     /// output and the slot it takes. A job whose selection holds a position twice or one at
     /// or past its length installs and writes nothing; the others are loaded, and the call
-    /// returns that error.
+    /// returns that error (without their counts). Where the device itself fails (a launch,
+    /// a copy), the states may name rows their hot buffers did not receive: reset them.
     pub fn swap_in(
         &self,
         table: &mut SwapInTable,
@@ -323,6 +327,12 @@ impl Stream {
         timed: bool,
     ) -> Result<SwapInDone> {
         let n = table.jobs.len();
+        if !table.gpu.same_device(&self.gpu) {
+            return bad(format!(
+                "a table made on {} used on a stream of {}",
+                table.gpu, self.gpu
+            ));
+        }
         if warm.len() != n || loads.len() != n {
             return bad(format!(
                 "{n} jobs, {} warm pools and {} loads",
@@ -526,43 +536,44 @@ pub(crate) fn plan_on_host(
         }
         older += by_age[a];
     }
-    let (mut at_edge, mut taken, mut corrupt) = (0, 0, u64::MAX);
-    for s in 0..slots {
-        if taken == m {
-            break;
-        }
-        if hit[s] {
-            continue;
-        }
-        let victim = match age(last_used[s]).cmp(&edge) {
+    let mut at_edge = 0;
+    let victims: Vec<usize> = (0..slots)
+        .filter(|&s| !hit[s])
+        .filter(|&s| match age(last_used[s]).cmp(&edge) {
             std::cmp::Ordering::Greater => true,
             std::cmp::Ordering::Equal => {
                 at_edge += 1;
                 at_edge <= m - older
             }
             std::cmp::Ordering::Less => false,
-        };
-        if victim {
-            let (pos, i) = misses[taken];
-            taken += 1;
-            if (holder[s] as usize) < positions {
-                slot_of[holder[s] as usize] = NONE;
-            } else if holder[s] != NONE {
-                corrupt = corrupt.min(failure(CORRUPT, job, s as u64));
-            }
-            holder[s] = pos;
-            slot_of[pos as usize] = s as u32;
-            last_used[s] = step;
-            codes[i] = super::TieredSource::Warm {
-                row: warm_first + u64::from(pos),
-                install: Some(s as u64),
-            }
-            .code()
-            .unwrap_or(u64::MAX);
+        })
+        .collect();
+    // A victim's position is followed: one outside the table fails the plan, installing
+    // nothing.
+    let corrupt = victims
+        .iter()
+        .filter(|&&s| holder[s] != NONE && holder[s] as usize >= positions)
+        .map(|&s| failure(CORRUPT, job, s as u64))
+        .min();
+    if let Some(word) = corrupt {
+        for &(pos, _) in &misses {
+            slot_of[pos as usize] = NONE;
         }
+        return Err(word);
     }
-    if corrupt != u64::MAX {
-        return Err(corrupt);
+    for (&s, &(pos, i)) in victims.iter().zip(&misses) {
+        if holder[s] != NONE {
+            slot_of[holder[s] as usize] = NONE;
+        }
+        holder[s] = pos;
+        slot_of[pos as usize] = s as u32;
+        last_used[s] = step;
+        codes[i] = super::TieredSource::Warm {
+            row: warm_first + u64::from(pos),
+            install: Some(s as u64),
+        }
+        .code()
+        .unwrap_or(u64::MAX);
     }
     Ok((hits, m))
 }
@@ -692,8 +703,14 @@ mod tests {
         assert_eq!(e, failure(CORRUPT, 0, 3));
         let mut st = fresh(p, s);
         st[2 + p] = 99; // slot 0 "holds" position 99 of 8
+        let before = st.clone();
         let e = plan_on_host(&mut st, &[1], &mut codes, &shape(p, s, 8, 0)).unwrap_err();
         assert_eq!(e, failure(CORRUPT, 0, 0));
+        assert_eq!(
+            st[1..],
+            before[1..],
+            "nothing installed; only the step was spent"
+        );
     }
 
     #[test]
