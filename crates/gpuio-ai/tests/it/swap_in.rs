@@ -373,8 +373,8 @@ fn batches_over_the_same_sequences_in_opposite_orders_never_wait_on_each_other()
     // A stress test: two batches lock [a, b] and [b, a] (layers 0 and 1) while appends wait
     // for each sequence's host memory. Locked in target order, a batch holding a's lock and
     // waiting for b's behind a waiting append could wait forever on the other batch; locked
-    // in one global order, this finishes. (The window is narrow: the old order did not hang
-    // here in four runs of 20,000 loads, but did in a longer run.)
+    // in one global order, this finishes. (The window is narrow: target order hung in a
+    // review's longer run, not in four runs of 20,000 loads of this test.)
     let rig = std::sync::Arc::new(rig(2, config(6_000, 8, 4)));
     for i in 0..2 {
         for layer in 0..2 {
