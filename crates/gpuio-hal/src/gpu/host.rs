@@ -471,7 +471,8 @@ impl HostStream {
             mems.push((memory(&p.dst)?, true));
         }
         let _guards = lock_all(mems);
-        // SAFETY: the first `total` codes of the stage range, locked for reading above.
+        // SAFETY: the first `total` codes of the stage range, locked for reading above; the
+        // stage starts its allocation (page-aligned host memory), so the u64s are aligned.
         let codes =
             unsafe { std::slice::from_raw_parts(job.stage.addr() as *const u64, job.total) };
         // SAFETY: the caller's contract (the warm pools), the locks above (the rest).

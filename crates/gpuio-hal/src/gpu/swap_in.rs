@@ -65,7 +65,8 @@ pub struct SwapInJob<'a> {
     pub hot: &'a DeviceBuffer,
     /// Slots in the hot buffer (at most [`SWAP_IN_MAX_SLOTS`]).
     pub slots: usize,
-    /// The job's state ([`swap_in_state_len`] bytes from its start), reset by the table.
+    /// The job's state ([`swap_in_state_len`] bytes from its start), reset by
+    /// [`Stream::swap_in_reset`] before its first load.
     pub state: &'a DeviceBuffer,
     /// Positions the state tracks (the layer's capacity, at most `u32::MAX - 1`).
     pub positions: u64,
@@ -403,7 +404,10 @@ impl Stream {
                  than this table's loads"
             ));
         }
-        let counts = ran.report[2..]
+        let counts = ran
+            .report
+            .get(2..)
+            .unwrap_or_default()
             .iter()
             .map(|&w| SwapInCounts {
                 hits: (w & 0xffff_ffff) as usize,
