@@ -726,6 +726,48 @@ mod tests {
         assert_eq!(e >> 60, EXHAUSTED);
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Any state words and any selection: the plan answers (a count or a failure word)
+        /// without panicking, its codes name rows inside their tiers, and a failed plan
+        /// installs nothing (only the step and its hits' last steps may change).
+        #[test]
+        fn any_state_and_selection_is_answered_never_followed_out_of_bounds(
+            words in proptest::collection::vec(proptest::prelude::any::<u32>(), 2 + 24 + 2 * 6),
+            small in proptest::collection::vec(0u32..30, 38),
+            use_small in proptest::prelude::any::<bool>(),
+            selection in proptest::collection::vec(0u32..30, 0..7),
+            len in 0u64..=24,
+        ) {
+            let (p, s) = (24, 6);
+            // Random words reach the checks; small ones reach the plan's deeper steps.
+            let mut st = if use_small { small } else { words };
+            st[0] %= 1 << 20;
+            let before = st.clone();
+            let mut codes = vec![u64::MAX; selection.len()];
+            match plan_on_host(&mut st, &selection, &mut codes, &shape(p, s, len, 0)) {
+                Ok((hits, misses)) => {
+                    proptest::prop_assert_eq!(hits + misses, selection.len());
+                    for c in codes {
+                        match crate::gpu::TieredSource::from_code(c) {
+                            crate::gpu::TieredSource::Hot(slot) => {
+                                proptest::prop_assert!(slot < s as u64)
+                            }
+                            crate::gpu::TieredSource::Warm { row, install } => {
+                                proptest::prop_assert!(row >= 100 && row < 100 + len);
+                                proptest::prop_assert!(install.is_some_and(|i| i < s as u64));
+                            }
+                        }
+                    }
+                }
+                Err(_) => {
+                    proptest::prop_assert_eq!(&st[2..2 + p + s], &before[2..2 + p + s]);
+                }
+            }
+        }
+    }
+
     #[test]
     fn state_lengths_count_every_table() {
         assert_eq!(swap_in_state_len(10, 3), Some(4 * (2 + 10 + 6)));
