@@ -32,14 +32,14 @@ pub use engram::EngramOptions;
 pub use graph::GraphOptions;
 
 use crate::{BenchError, Record, Result, SuiteOutcome, Target};
-use gpuio_ai::kv::{KvBatch, KvLoad, KvPool, KvPoolConfig};
+use gpuio_ai::kv::{KvBatch, KvLoad, KvPool, KvPoolConfig, LoadReport};
 use gpuio_api::{HostPlacement, Session};
 use gpuio_hal::pattern::mix64;
 use gpuio_hal::{HostAllocOptions, HostBuffer};
 use std::collections::HashSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The suite's name.
 pub const SUITE: &str = "ai";
@@ -470,8 +470,7 @@ fn run_gpuio(
     batch: usize,
     opts: &Options,
 ) -> Result<Measured> {
-    let (mut times, mut walls) = (Vec::new(), Vec::new());
-    let (mut hits, mut selected, mut bytes) = (0usize, 0usize, 0u64);
+    let mut steps = Steps::default();
     let mut loader = KvBatch::new();
     for (step, sels) in trace.chunks(batch).enumerate() {
         let t = Instant::now();
@@ -488,25 +487,45 @@ fn run_gpuio(
             })
             .collect();
         let (reports, device) = loader.load_timed(&mut loads).map_err(ai)?;
-        let elapsed = t.elapsed().as_secs_f64() * 1e6;
         if step >= opts.warmup {
-            times.push(device.as_secs_f64() * 1e6);
-            walls.push(elapsed);
-            for rep in reports {
-                hits += rep.hits;
-                selected += rep.selected;
-                bytes += rep.bytes_from_host;
-            }
+            steps.record(device, t.elapsed(), &reports);
         }
     }
-    let n = times.len().max(1) as f64;
-    Ok(Measured {
-        p50_us: percentile(&mut times, 0.5),
-        p99_us: percentile(&mut times, 0.99),
-        wall_p50_us: percentile(&mut walls, 0.5),
-        hit_rate: hits as f64 / selected.max(1) as f64,
-        bytes_per_step: bytes as f64 / n,
-    })
+    Ok(steps.measured())
+}
+
+/// The timed steps of one mode, summed up.
+#[derive(Default)]
+struct Steps {
+    /// Device and wall time per step, µs.
+    times: Vec<f64>,
+    walls: Vec<f64>,
+    hits: usize,
+    selected: usize,
+    bytes: u64,
+}
+
+impl Steps {
+    fn record(&mut self, device: Duration, wall: Duration, reports: &[LoadReport]) {
+        self.times.push(device.as_secs_f64() * 1e6);
+        self.walls.push(wall.as_secs_f64() * 1e6);
+        for r in reports {
+            self.hits += r.hits;
+            self.selected += r.selected;
+            self.bytes += r.bytes_from_host;
+        }
+    }
+
+    fn measured(mut self) -> Measured {
+        let n = self.times.len().max(1) as f64;
+        Measured {
+            p50_us: percentile(&mut self.times, 0.5),
+            p99_us: percentile(&mut self.times, 0.99),
+            wall_p50_us: percentile(&mut self.walls, 0.5),
+            hit_rate: self.hits as f64 / self.selected.max(1) as f64,
+            bytes_per_step: self.bytes as f64 / n,
+        }
+    }
 }
 
 /// The tiered gather of a step alone, without the pool's planning: per request 2048 entries,

@@ -3,7 +3,7 @@
 //! the whole batch. Each request's selection is uploaded to device memory before its step's
 //! clock starts (a model's indexer leaves its top-k there); the timed part is the load call.
 
-use super::{ENTRY, Measured, Options, ai, percentile};
+use super::{ENTRY, Measured, Options, Steps, ai};
 use crate::Result;
 use gpuio_ai::kv::{SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget};
 use gpuio_api::{DeviceBuffer, HostPlacement, Session};
@@ -67,8 +67,7 @@ impl Sequences {
             })
             .collect();
         let mut loader = SwapInBatch::new(session, 0, &targets).map_err(ai)?;
-        let (mut times, mut walls) = (Vec::new(), Vec::new());
-        let (mut hits, mut selected, mut bytes) = (0usize, 0usize, 0u64);
+        let mut steps = Steps::default();
         let mut words = Vec::with_capacity(4 * opts.topk);
         for (step, sels) in trace.chunks(batch).enumerate() {
             for (sel, buf) in sels.iter().zip(&self.selections) {
@@ -79,24 +78,10 @@ impl Sequences {
             let counts: Vec<usize> = sels.iter().map(Vec::len).collect();
             let t = Instant::now();
             let (reports, device) = loader.load_timed(&counts).map_err(ai)?;
-            let wall = t.elapsed().as_secs_f64() * 1e6;
             if step >= opts.warmup {
-                times.push(device.as_secs_f64() * 1e6);
-                walls.push(wall);
-                for r in reports {
-                    hits += r.hits;
-                    selected += r.selected;
-                    bytes += r.bytes_from_host;
-                }
+                steps.record(device, t.elapsed(), &reports);
             }
         }
-        let n = times.len().max(1) as f64;
-        Ok(Measured {
-            p50_us: percentile(&mut times, 0.5),
-            p99_us: percentile(&mut times, 0.99),
-            wall_p50_us: percentile(&mut walls, 0.5),
-            hit_rate: hits as f64 / selected.max(1) as f64,
-            bytes_per_step: bytes as f64 / n,
-        })
+        Ok(steps.measured())
     }
 }

@@ -281,21 +281,18 @@ impl EngramTable {
                 .map(|row| dot(row, query, values))
                 .collect()
         } else {
-            let api = |e: gpuio_hal::HalError| AiError::Api(e.into());
-            let stream = device.stream().map_err(api)?;
+            let stream = device.stream()?;
             let q = session.alloc_device(gpu, 4 * dim)?;
             let qb: Vec<u8> = query.iter().flat_map(|v| v.to_le_bytes()).collect();
-            stream.upload(&qb, &q, 0).map_err(api)?;
+            stream.upload(&qb, &q, 0)?;
             let out = session.alloc_device(gpu, 4 * rows)?;
             {
                 let table = self.mem.read();
                 let fp8 = values == RowValues::Fp8;
-                stream
-                    .dot_scores(ScoreRows::Pinned(&table), rows, dim, fp8, &q, &out)
-                    .map_err(api)?;
+                stream.dot_scores(ScoreRows::Pinned(&table), rows, dim, fp8, &q, &out)?;
             }
             let mut raw = vec![0u8; 4 * rows];
-            stream.download(&out, 0, &mut raw).map_err(api)?;
+            stream.download(&out, 0, &mut raw)?;
             raw.chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .collect::<Vec<f32>>()

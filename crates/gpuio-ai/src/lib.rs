@@ -42,6 +42,12 @@ impl AiError {
     }
 }
 
+impl From<gpuio_hal::HalError> for AiError {
+    fn from(e: gpuio_hal::HalError) -> Self {
+        Self::Api(e.into())
+    }
+}
+
 impl From<gpuio_hal::workers::WorkerPanic> for AiError {
     fn from(p: gpuio_hal::workers::WorkerPanic) -> Self {
         Self::Internal(p.to_string())

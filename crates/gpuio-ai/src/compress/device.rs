@@ -36,23 +36,20 @@ impl KvFormat {
             )));
         }
         let gpu = src.gpu();
-        let api = |e: gpuio_hal::HalError| AiError::Api(e.into());
-        let data = gpu.alloc(kind.data_bytes(len).max(1)).map_err(api)?;
-        let scales = gpu
-            .alloc(4 * kind.scale_count(len, block).max(1))
-            .map_err(api)?;
-        let stream = gpu.stream().map_err(api)?;
+        let data = gpu.alloc(kind.data_bytes(len).max(1))?;
+        let scales = gpu.alloc(4 * kind.scale_count(len, block).max(1))?;
+        let stream = gpu.stream()?;
         if gpu.backend() == Backend::Host {
             let mut raw = vec![0u8; 4 * len];
-            stream.download(src, src_offset, &mut raw).map_err(api)?;
+            stream.download(src, src_offset, &mut raw)?;
             let values: Vec<f32> = raw
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .collect();
             let q = self.quantize(&values)?;
-            stream.upload(q.data(), &data, 0).map_err(api)?;
+            stream.upload(q.data(), &data, 0)?;
             let s: Vec<u8> = q.scales().iter().flat_map(|v| v.to_le_bytes()).collect();
-            stream.upload(&s, &scales, 0).map_err(api)?;
+            stream.upload(&s, &scales, 0)?;
         } else {
             let at = QuantizedAt {
                 data: &data,
@@ -60,9 +57,7 @@ impl KvFormat {
                 scales: &scales,
                 scales_offset: 0,
             };
-            stream
-                .quantize(kind, block, src, src_offset, len, at)
-                .map_err(api)?;
+            stream.quantize(kind, block, src, src_offset, len, at)?;
         }
         Ok(DeviceQuantizedKv {
             format: self,
@@ -103,12 +98,11 @@ impl DeviceQuantizedKv {
                 "f32s at byte {dst_offset}: a 4-aligned offset"
             )));
         }
-        let api = |e: gpuio_hal::HalError| AiError::Api(e.into());
-        let stream = dst.gpu().stream().map_err(api)?;
+        let stream = dst.gpu().stream()?;
         if dst.gpu().backend() == Backend::Host {
             let values = self.to_host()?.dequantize();
             let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            return stream.upload(&raw, dst, dst_offset).map_err(api);
+            return stream.upload(&raw, dst, dst_offset).map_err(AiError::from);
         }
         let at = QuantizedAt {
             data: &self.data,
@@ -118,18 +112,17 @@ impl DeviceQuantizedKv {
         };
         stream
             .dequantize(kind, block, at, self.len, dst, dst_offset)
-            .map_err(api)
+            .map_err(AiError::from)
     }
 
     /// A host copy (for a cold tier, or to check against the reference).
     pub fn to_host(&self) -> Result<QuantizedKv> {
         let (kind, block) = self.format.kind();
-        let api = |e: gpuio_hal::HalError| AiError::Api(e.into());
-        let stream = self.data.gpu().stream().map_err(api)?;
+        let stream = self.data.gpu().stream()?;
         let mut data = vec![0u8; kind.data_bytes(self.len)];
-        stream.download(&self.data, 0, &mut data).map_err(api)?;
+        stream.download(&self.data, 0, &mut data)?;
         let mut raw = vec![0u8; 4 * kind.scale_count(self.len, block)];
-        stream.download(&self.scales, 0, &mut raw).map_err(api)?;
+        stream.download(&self.scales, 0, &mut raw)?;
         let scales = raw
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))

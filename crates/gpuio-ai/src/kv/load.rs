@@ -38,11 +38,10 @@ pub(super) struct Stage {
 impl Stage {
     /// A stage of at least `len` bytes on `gpu`.
     pub(super) fn new(gpu: &gpuio_api::Gpu, len: usize) -> Result<Self> {
-        let api = |e: gpuio_hal::HalError| AiError::Api(e.into());
         Ok(Self {
-            host: HostBuffer::alloc_pinned(len, &HostAllocOptions::default(), gpu).map_err(api)?,
-            device: gpu.alloc(len).map_err(api)?,
-            stream: gpu.stream().map_err(api)?,
+            host: HostBuffer::alloc_pinned(len, &HostAllocOptions::default(), gpu)?,
+            device: gpu.alloc(len)?,
+            stream: gpu.stream()?,
         })
     }
 }

@@ -117,13 +117,11 @@ impl SwapInKv {
             return bad(format!("{cfg:?} overflows"));
         };
         let warm = session.alloc_host(cfg.placement, warm_len, true)?;
-        let stream = session.gpu(cfg.gpu)?.stream().map_err(api)?;
+        let stream = session.gpu(cfg.gpu)?.stream()?;
         let mut layers = Vec::with_capacity(cfg.layers);
         for _ in 0..cfg.layers {
             let state = session.alloc_device(cfg.gpu, state_len)?;
-            stream
-                .swap_in_reset(&state, cfg.max_tokens, cfg.hot_slots)
-                .map_err(api)?;
+            stream.swap_in_reset(&state, cfg.max_tokens, cfg.hot_slots)?;
             layers.push(Layer {
                 hot: session.alloc_device(cfg.gpu, hot_len)?,
                 state,
@@ -201,10 +199,6 @@ impl SwapInKv {
             AiError::InvalidArgument(format!("layer {layer} of {}", self.inner.cfg.layers))
         })
     }
-}
-
-fn api(e: gpuio_hal::HalError) -> AiError {
-    AiError::Api(e.into())
 }
 
 /// One sequence's part in a [`SwapInBatch`]: its selection (little-endian u32 positions in
@@ -320,7 +314,7 @@ impl SwapInBatch {
         gpu: u32,
         entry: usize,
     ) -> Result<(Stream, SwapInTable)> {
-        let stream = session.gpu(gpu)?.stream().map_err(api)?;
+        let stream = session.gpu(gpu)?.stream()?;
         let kvs: Vec<&SwapInKv> = targets.iter().map(|t| t.kv).collect();
         let guards = read_all(&kvs);
         let jobs: Vec<SwapInJob<'_>> = targets
@@ -343,7 +337,7 @@ impl SwapInBatch {
                 }
             })
             .collect();
-        let table = stream.swap_in_table(entry, &jobs).map_err(api)?;
+        let table = stream.swap_in_table(entry, &jobs)?;
         Ok((stream, table))
     }
 
@@ -397,10 +391,7 @@ impl SwapInBatch {
         let kvs: Vec<&SwapInKv> = self.claims.kvs.iter().collect();
         let guards = read_all(&kvs);
         let warm: Vec<&HostBuffer> = guards.iter().map(|g| &**g).collect();
-        let done = self
-            .stream
-            .swap_in(&mut self.table, &warm, &loads, timed)
-            .map_err(api)?;
+        let done = self.stream.swap_in(&mut self.table, &warm, &loads, timed)?;
         let entry = self.claims.kvs[0].inner.cfg.entry_bytes as u64;
         let reports = done
             .counts

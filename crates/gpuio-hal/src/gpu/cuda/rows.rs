@@ -10,7 +10,9 @@ use super::driver::{self, cuda_err};
 use super::stream::CudaStreamBackend;
 use crate::error::Result;
 use crate::gpu::RowKernel;
-use crate::gpu::backend::{RowHooks, RowJob, RowMem, RowsDone, StreamBackend, TieredJob};
+use crate::gpu::backend::{
+    EventBackend, RowHooks, RowJob, RowMem, RowsDone, StreamBackend, TieredJob,
+};
 use crate::sync::MutexExt;
 use cudarc::driver::{LaunchConfig, PushKernelArg, sys};
 use std::time::Duration;
@@ -165,6 +167,34 @@ impl Drop for WaitOnDrop<'_> {
     }
 }
 
+/// The widest piece (16, 8, 4 or 1 bytes) that divides the row size and every address a row
+/// kernel starts rows at: its kernels' slot among the `_16/_8/_4/_1` variants, and the width.
+pub(super) fn widest_piece(
+    row_bytes: u64,
+    addrs: impl IntoIterator<Item = u64> + Clone,
+) -> (usize, u64) {
+    [(0, 16u64), (1, 8), (2, 4), (3, 1)]
+        .into_iter()
+        .find(|&(_, w)| {
+            row_bytes.is_multiple_of(w) && addrs.clone().into_iter().all(|a| a.is_multiple_of(w))
+        })
+        .unwrap_or((3, 1))
+}
+
+/// The device's time between two timing events, where both were recorded.
+pub(super) fn event_time(
+    start: Option<Box<dyn EventBackend>>,
+    end: Option<Box<dyn EventBackend>>,
+) -> Result<Option<Duration>> {
+    match (start, end) {
+        (Some(start), Some(end)) => {
+            let ms = end.elapsed_ms_since(start.as_ref())?;
+            Ok(Some(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3)))
+        }
+        _ => Ok(None),
+    }
+}
+
 impl CudaStreamBackend {
     /// The row kernels' report words (`REPORT_BYTES` of device memory), allocated on first use.
     fn report_scratch(&self) -> Result<sys::CUdeviceptr> {
@@ -190,11 +220,7 @@ impl CudaStreamBackend {
         let pool = job.pool.addr();
         let (rows_addr, idx) = (job.rows.addr(), job.idx.addr());
         let rb = job.row_bytes as u64;
-        // The widest piece that divides the row size and both base addresses.
-        let (slot, width) = [(0, 16u64), (1, 8), (2, 4), (3, 1)]
-            .into_iter()
-            .find(|(_, w)| rb.is_multiple_of(*w) && pool.is_multiple_of(*w) && rows_addr % w == 0)
-            .unwrap_or((3, 1));
+        let (slot, width) = widest_piece(rb, [pool, rows_addr]);
         let func = match job.kernel {
             RowKernel::Naive => &kernels[row_fn::NAIVE],
             RowKernel::Sorted => &kernels[row_fn::GATHER_ORDERED + slot],
@@ -368,13 +394,7 @@ impl CudaStreamBackend {
         // This also reports an error a kernel ran into.
         running.wait()?;
         drop(order_scratch);
-        let device_time = match (start, end) {
-            (Some(start), Some(end)) => {
-                let ms = end.elapsed_ms_since(start.as_ref())?;
-                Some(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
-            }
-            _ => None,
-        };
+        let device_time = event_time(start, end)?;
         let word = |k: usize| {
             let at = words_back[8 * k..8 * k + 8].try_into().unwrap_or([0xff; 8]);
             Some(u64::from_le_bytes(at)).filter(|&at| at != u64::MAX)
@@ -404,18 +424,11 @@ impl CudaStreamBackend {
         let kernels = self.shared.row_kernels()?;
         self.shared.bind()?;
         let rb = job.row_bytes as u64;
-        let aligned = |w: u64| {
-            rb.is_multiple_of(w)
-                && job.parts.iter().all(|p| {
-                    p.hot.addr().is_multiple_of(w)
-                        && p.warm.addr().is_multiple_of(w)
-                        && p.dst.addr().is_multiple_of(w)
-                })
-        };
-        let (slot, width) = [(0, 16u64), (1, 8), (2, 4), (3, 1)]
-            .into_iter()
-            .find(|&(_, w)| aligned(w))
-            .unwrap_or((3, 1));
+        let starts = job
+            .parts
+            .iter()
+            .flat_map(|p| [p.hot.addr(), p.warm.addr(), p.dst.addr()]);
+        let (slot, width) = widest_piece(rb, starts);
         let report = self.report_scratch()?;
         let start = job.timed.then(|| self.record(true)).transpose()?;
         // SAFETY: one report word fits the report scratch of this stream.
@@ -444,13 +457,7 @@ impl CudaStreamBackend {
         // SAFETY: `word` holds 8 writable bytes; we synchronize before reading it.
         unsafe { driver::memcpy_dtoh_async(word.as_mut_ptr(), report, 8, self.raw())? };
         running.wait()?;
-        let device_time = match (start, end) {
-            (Some(start), Some(end)) => {
-                let ms = end.elapsed_ms_since(start.as_ref())?;
-                Some(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
-            }
-            _ => None,
-        };
+        let device_time = event_time(start, end)?;
         Ok(RowsDone {
             bad_index: Some(u64::from_le_bytes(word)).filter(|&w| w != u64::MAX),
             device_time,

@@ -3,12 +3,11 @@
 //! report's download and reset — one wait for all of it.
 
 use super::driver::{self, cuda_err};
-use super::rows::{WaitOnDrop, row_fn};
+use super::rows::{WaitOnDrop, event_time, row_fn, widest_piece};
 use super::stream::CudaStreamBackend;
 use crate::error::Result;
 use crate::gpu::backend::{StreamBackend, SwapInLaunch, SwapInRan};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use std::time::Duration;
 
 /// `gpuio_swap_in_plan`'s position in `kernels::AI.functions`.
 const PLAN: usize = 4;
@@ -25,18 +24,11 @@ impl CudaStreamBackend {
         let gather_fns = self.shared.row_kernels()?;
         self.shared.bind()?;
         let rb = launch.row_bytes as u64;
-        let aligned = |w: u64| {
-            rb.is_multiple_of(w)
-                && launch.parts.iter().all(|p| {
-                    p.hot.addr().is_multiple_of(w)
-                        && p.warm.addr().is_multiple_of(w)
-                        && p.dst.addr().is_multiple_of(w)
-                })
-        };
-        let (slot, width) = [(0, 16u64), (1, 8), (2, 4), (3, 1)]
-            .into_iter()
-            .find(|&(_, w)| aligned(w))
-            .unwrap_or((3, 1));
+        let starts = launch
+            .parts
+            .iter()
+            .flat_map(|p| [p.hot.addr(), p.warm.addr(), p.dst.addr()]);
+        let (slot, width) = widest_piece(rb, starts);
         let jobs = launch.parts.len();
         let base = launch.table.addr();
         let (plans, codes) = (base + launch.plans_at as u64, base + launch.codes_at as u64);
@@ -91,16 +83,9 @@ impl CudaStreamBackend {
             driver::memset_d8_async(report, 0xff, 16, self.raw())?;
         }
         running.wait()?;
-        let device_time = match (start, end) {
-            (Some(start), Some(end)) => {
-                let ms = end.elapsed_ms_since(start.as_ref())?;
-                Some(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
-            }
-            _ => None,
-        };
         Ok(SwapInRan {
             report: words,
-            device_time,
+            device_time: event_time(start, end)?,
         })
     }
 }
