@@ -158,6 +158,26 @@ pub fn run(
         }
     }
 
+    progress("sched_one_large_request");
+    let (ours, direct) = one_large_request(session, opts, seed)?;
+    let mut r = record(
+        "sched_one_large_request",
+        "bandwidth",
+        ours,
+        "GB/s",
+        "the same copy called directly on the engine, 1 thread",
+        direct,
+    );
+    r.ratio = ours / direct;
+    r.bytes = LARGE;
+    records.push(r);
+    notes.push(format!(
+        "sched_one_large_request: one {} MiB host-to-host request, cut into the scheduler's \
+         chunks and run by its {} workers into one destination buffer",
+        LARGE >> 20,
+        opts.workers
+    ));
+
     let mut fifo = None;
     for policy in [Policy::Fifo, Policy::Deadline, Policy::Adaptive] {
         progress(&format!("mixed: {policy:?}"));
@@ -388,6 +408,32 @@ fn throughput(
         )));
     }
     Ok((rate, direct, submitting.as_secs_f64() / total.as_secs_f64()))
+}
+
+const LARGE: usize = 64 << 20;
+
+/// One large host-to-host request through the scheduler (its chunks spread over the workers,
+/// all writing one buffer) against the same copy called on the engine: median GB/s of each.
+fn one_large_request(session: &Session, opts: &Options, seed: u64) -> Result<(f64, f64)> {
+    let sched = scheduler(session, opts.workers, Policy::default())?;
+    let (src, dst) = (host(LARGE, seed)?, host(LARGE, 0)?);
+    let (s, d) = (Endpoint::host(&src, 0), Endpoint::host(&dst, 0));
+    let gbps = |t: Instant| LARGE as f64 / t.elapsed().as_secs_f64() / 1e9;
+    let (mut ours, mut direct) = (Vec::new(), Vec::new());
+    for _ in 0..10 {
+        let t = Instant::now();
+        let req = Request::new(s.clone(), d.clone(), LARGE).map_err(err)?;
+        sched.submit(req).map_err(err)?.wait().map_err(err)?;
+        ours.push(gbps(t));
+        let t = Instant::now();
+        session.engines().execute(&s, &d, LARGE).map_err(err)?;
+        direct.push(gbps(t));
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok((median(&mut ours), median(&mut direct)))
 }
 
 const READ: usize = 16 << 10;

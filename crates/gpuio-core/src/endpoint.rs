@@ -2,12 +2,15 @@
 //! any buffer); [`Endpoint`] owns handles (for requests that outlive the call: queued,
 //! asynchronous, batched).
 
-use gpuio_hal::sync::RwLockExt;
-use gpuio_hal::{DeviceBuffer, HostBuffer, MemoryRegion};
+use crate::error::Result;
+use gpuio_hal::{
+    DeviceBuffer, HostBuffer, HostRead, HostWrite, MemoryRegion, RangeRead, RangeWrite,
+    SharedHostBuffer,
+};
 use gpuio_transport_localio::FileHandle;
 use gpuio_transport_remoteio::{RemoteExport, RemotePeer};
 use std::fmt;
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::Arc;
 
 /// What kind of resource an endpoint is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
@@ -85,12 +88,12 @@ impl fmt::Display for RemoteResource {
     }
 }
 
-/// Host memory shared between the caller and queued requests. Requests lock it while they
-/// run (readers share, a writer excludes), so the caller never sees a half-written buffer
-/// through a reference.
+/// Host memory shared between the caller and queued requests. A request locks the range it
+/// touches while it runs (readers share, a writer excludes; requests on disjoint ranges run
+/// at once), so the caller never sees a half-written range through a reference.
 #[derive(Debug, Clone)]
 pub struct HostMemory {
-    inner: Arc<RwLock<HostBuffer>>,
+    inner: Arc<SharedHostBuffer>,
     /// The length it was made with, known without the lock: submitting a request must never
     /// wait for a buffer the caller (or a running request) holds. The engines check the
     /// buffer itself, under its lock, when they move bytes.
@@ -102,20 +105,30 @@ impl HostMemory {
     pub fn new(buf: HostBuffer) -> Self {
         let len = buf.len();
         Self {
-            inner: Arc::new(RwLock::new(buf)),
+            inner: Arc::new(SharedHostBuffer::new(buf)),
             len,
         }
     }
 
-    /// Shared access (waits for a running request that writes it).
-    pub fn read(&self) -> RwLockReadGuard<'_, HostBuffer> {
-        // HostBuffer holds no invariants a panicking writer could break.
-        self.inner.read_unpoisoned()
+    /// Shared access to the whole buffer (waits for running requests that write any of it).
+    pub fn read(&self) -> HostRead<'_> {
+        self.inner.read()
     }
 
-    /// Exclusive access (waits for running requests that use it).
-    pub fn write(&self) -> RwLockWriteGuard<'_, HostBuffer> {
-        self.inner.write_unpoisoned()
+    /// Exclusive access to the whole buffer (waits for running requests that use any of it).
+    pub fn write(&self) -> HostWrite<'_> {
+        self.inner.write()
+    }
+
+    /// Shared access to `len` bytes from `offset` (waits only for writers of nearby bytes);
+    /// a range past the end is an error.
+    pub fn read_range(&self, offset: usize, len: usize) -> Result<RangeRead<'_>> {
+        Ok(self.inner.read_range(offset, len)?)
+    }
+
+    /// Exclusive access to `len` bytes from `offset` (waits only for users of nearby bytes).
+    pub fn write_range(&self, offset: usize, len: usize) -> Result<RangeWrite<'_>> {
+        Ok(self.inner.write_range(offset, len)?)
     }
 
     /// Length in bytes (as made: a buffer swapped for another through `write` keeps its
@@ -131,7 +144,7 @@ impl HostMemory {
 
     /// Takes the buffer back if this is the last handle.
     pub fn into_inner(self) -> Option<HostBuffer> {
-        Arc::into_inner(self.inner).map(|l| l.into_inner_unpoisoned())
+        Arc::into_inner(self.inner).map(SharedHostBuffer::into_inner)
     }
 
     /// Identity of the shared buffer (equal for clones).
@@ -140,7 +153,7 @@ impl HostMemory {
     }
 
     /// The shared buffer itself, for registrations that must keep it alive.
-    pub(crate) fn shared(&self) -> &Arc<RwLock<HostBuffer>> {
+    pub(crate) fn shared(&self) -> &Arc<SharedHostBuffer> {
         &self.inner
     }
 }

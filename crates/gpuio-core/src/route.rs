@@ -53,7 +53,8 @@ impl fmt::Display for EngineKind {
 pub enum HostSrc<'a> {
     /// A caller's slice, borrowed for the call.
     Slice(&'a [u8]),
-    /// Shared host memory from an offset; the engine holds its read lock while it reads.
+    /// Shared host memory from an offset; the engine holds the range's read guard while it
+    /// reads.
     Memory(&'a HostMemory, usize),
 }
 
@@ -65,11 +66,7 @@ impl HostSrc<'_> {
                 check_range("source", 0, len, s.len())?;
                 f(&s[..len])
             }
-            Self::Memory(mem, offset) => {
-                let g = mem.read();
-                check_range("source", offset, len, g.len())?;
-                f(&g[offset..offset + len])
-            }
+            Self::Memory(mem, offset) => f(&mem.read_range(offset, len)?),
         }
     }
 }
@@ -79,7 +76,8 @@ impl HostSrc<'_> {
 pub enum HostDst<'a> {
     /// A caller's slice, borrowed for the call.
     Slice(&'a mut [u8]),
-    /// Shared host memory from an offset; the engine holds its write lock while it writes.
+    /// Shared host memory from an offset; the engine holds the range's write guard while it
+    /// writes.
     Memory(&'a HostMemory, usize),
 }
 
@@ -91,11 +89,7 @@ impl HostDst<'_> {
                 check_range("destination", 0, len, s.len())?;
                 f(&mut s[..len])
             }
-            Self::Memory(mem, offset) => {
-                let mut g = mem.write();
-                check_range("destination", offset, len, g.len())?;
-                f(&mut g[offset..offset + len])
-            }
+            Self::Memory(mem, offset) => f(&mut mem.write_range(offset, len)?),
         }
     }
 }

@@ -28,7 +28,8 @@ pub use gpu::{
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::pool::{PoolConfig, PoolStats, PooledBuffer, StagingLease, StagingPool};
 pub use memory::{
-    DmaRegistration, HostAllocOptions, HostBuffer, Location, MemoryRegion, MemoryTier,
+    DmaRegistration, HostAllocOptions, HostBuffer, HostRead, HostWrite, Location, MemoryRegion,
+    MemoryTier, RangeRead, RangeWrite, SharedHostBuffer,
 };
 pub use sys::{
     HUGE_PAGE, clear_nonblocking, page_size, peek_nonblocking, prefetch, raise_fd_limit,

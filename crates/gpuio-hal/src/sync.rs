@@ -27,8 +27,10 @@
 //!   steps of an update;
 //! - state machines whose every update completes before anything that can panic (the staging
 //!   pool, the registration cache and its io_uring ring, a scheduler ticket);
-//! - locks that guard no data of their own (`()`: the host backend's device memory) or data
-//!   that holds no invariant across calls (a `HostBuffer` behind an `RwLock`).
+//! - locks that guard no data of their own (`()`: the host backend's device memory).
+//!
+//! Shared host buffers ([`SharedHostBuffer`](crate::SharedHostBuffer)) use `parking_lot`'s
+//! raw locks, which have no poison: their bytes hold no invariant a panic could break.
 //!
 //! One is tolerated on weaker grounds: the scheduler's ready queue updates several structures
 //! per push and pop. Only the queue's own code runs under that lock (no engine, no callback),

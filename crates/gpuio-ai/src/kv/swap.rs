@@ -12,13 +12,13 @@
 use super::LoadReport;
 use crate::{AiError, Result};
 use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
-use gpuio_hal::HostBuffer;
+use gpuio_hal::{HostBuffer, HostRead};
 use gpuio_hal::{
     SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, Stream, SwapInJob, SwapInLoad, SwapInTable,
     swap_in_state_len,
 };
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLockReadGuard};
 use std::time::Duration;
 
 /// The shape of a [`SwapInKv`].
@@ -246,11 +246,10 @@ impl Drop for Claims {
 /// Read guards on the sequences' host memory, in their order, taken in one global order (by
 /// address): batches that lock overlapping sets never wait on each other in a cycle behind a
 /// writer (`append`).
-fn read_all<'a>(kvs: &[&'a SwapInKv]) -> Vec<RwLockReadGuard<'a, HostBuffer>> {
+fn read_all<'a>(kvs: &[&'a SwapInKv]) -> Vec<HostRead<'a>> {
     let mut order: Vec<usize> = (0..kvs.len()).collect();
     order.sort_by_key(|&i| Arc::as_ptr(&kvs[i].inner) as usize);
-    let mut guards: Vec<Option<RwLockReadGuard<'a, HostBuffer>>> =
-        kvs.iter().map(|_| None).collect();
+    let mut guards: Vec<Option<HostRead<'a>>> = kvs.iter().map(|_| None).collect();
     for i in order {
         guards[i] = Some(kvs[i].inner.warm.read());
     }

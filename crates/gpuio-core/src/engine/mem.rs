@@ -36,25 +36,24 @@ impl Engine for MemIoEngine {
 impl MemIoEngine {
     /// Host to host. Two shared buffers are locked in a global order (by identity), so that
     /// copies in opposite directions cannot deadlock; one buffer on both sides takes one
-    /// exclusive lock and moves its bytes within itself.
+    /// exclusive guard over both ranges and moves its bytes within itself.
     fn host_to_host(&self, src: HostSrc<'_>, dst: HostDst<'_>, len: usize) -> Result<Route> {
         let io = &self.0;
         if let (HostSrc::Memory(a, from), HostDst::Memory(b, to)) = (&src, &dst) {
             let (from, to) = (*from, *to);
             if a.id() == b.id() {
-                let mut g = a.write();
-                check_range("source", from, len, g.len())?;
-                check_range("destination", to, len, g.len())?;
-                g.copy_within(from..from + len, to);
+                // Neither end overflows; the guard checks the span against the buffer.
+                check_range("source", from, len, usize::MAX)?;
+                check_range("destination", to, len, usize::MAX)?;
+                let low = from.min(to);
+                let mut g = a.write_range(low, from.max(to) + len - low)?;
+                g.copy_within(from - low..from - low + len, to - low);
                 return Ok(Route::HostMove);
             }
             if a.id() > b.id() {
-                let mut w = b.write();
-                let r = a.read();
-                check_range("source", from, len, r.len())?;
-                check_range("destination", to, len, w.len())?;
-                let route = io.copy_host(&r[from..from + len], &mut w[to..to + len])?;
-                return Ok(Route::Mem(route));
+                let mut w = b.write_range(to, len)?;
+                let r = a.read_range(from, len)?;
+                return Ok(Route::Mem(io.copy_host(&r, &mut w)?));
             }
         }
         // The source is locked first: the global order where both are shared.

@@ -10,6 +10,7 @@ use gpuio_transport_localio::OpenOptions;
 use proptest::prelude::*;
 use std::sync::Arc;
 use std::sync::mpsc;
+use std::time::Duration;
 
 #[test]
 fn transfers_route_to_their_engine() {
@@ -287,6 +288,48 @@ fn opposite_host_transfers_do_not_deadlock() {
     for h in handles {
         h.wait().unwrap();
     }
+}
+
+/// Transfers lock only the bytes they touch: one into a part of a buffer runs while the
+/// caller holds another part; one into the held part waits for it.
+#[test]
+fn transfers_wait_only_for_the_bytes_they_touch() {
+    let e = engines();
+    let src = host(1 << 20, 3);
+    let dst = common::zeroed(1 << 20);
+    let run = |to: usize| {
+        let (tx, rx) = mpsc::channel();
+        let (e, from, into) = (
+            e.clone(),
+            Endpoint::host(&src, to),
+            Endpoint::host(&dst, to),
+        );
+        std::thread::spawn(move || tx.send(e.execute(&from, &into, 4096).map(|o| o.bytes)));
+        rx
+    };
+    let held = dst.write_range(0, 4096).unwrap();
+    let apart = run(512 << 10)
+        .recv_timeout(Duration::from_secs(20))
+        .expect("a transfer into another part of the buffer waited for the held part");
+    assert_eq!(apart.unwrap(), 4096);
+    let inside = run(1024);
+    assert!(
+        inside.recv_timeout(Duration::from_millis(200)).is_err(),
+        "a transfer into held bytes ran"
+    );
+    drop(held);
+    assert_eq!(
+        inside
+            .recv_timeout(Duration::from_secs(20))
+            .unwrap()
+            .unwrap(),
+        4096
+    );
+    let (s, d) = (src.read(), dst.read());
+    for at in [1024, 512 << 10] {
+        assert_eq!(d[at..at + 4096], s[at..at + 4096]);
+    }
+    assert!(d[..1024].iter().all(|&b| b == 0));
 }
 
 #[test]

@@ -44,13 +44,14 @@ pub use tiered::{
 
 use crate::error::{HalError, Result, check_range};
 use crate::memory::mapped::{FileMapping, MappingPin};
-use crate::memory::{DmaRegistration, HostBuffer, Location, MappingHold, MemoryRegion};
-use crate::sync::RwLockExt;
+use crate::memory::{
+    DmaRegistration, HostBuffer, Location, MappingHold, MemoryRegion, SharedHostBuffer,
+};
 pub(crate) use backend::HostPin;
 use backend::{DevRange, DeviceBackend, DeviceMemory};
 use std::fmt;
 use std::ops::Range;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 /// Which backend [`probe`] should use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -342,12 +343,12 @@ impl Gpu {
     /// Page-locks and registers `offset..offset+len` of a shared host buffer with this device
     /// (`cuMemHostRegister`) until the returned [`SharedPin`] drops. The pin keeps `owner`, so
     /// the memory cannot be freed while registered; the registration itself touches no bytes,
-    /// so `owner` stays readable and writable through its lock meanwhile. On CUDA, a range
+    /// so `owner` stays readable and writable through its guards meanwhile. On CUDA, a range
     /// overlapping another registration is refused (`CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`).
-    /// Waits for a writer holding `owner`'s lock.
+    /// Waits for writers of any part of `owner`.
     pub fn pin_shared(
         &self,
-        owner: Arc<RwLock<HostBuffer>>,
+        owner: Arc<SharedHostBuffer>,
         offset: usize,
         len: usize,
     ) -> Result<SharedPin> {
@@ -357,8 +358,7 @@ impl Gpu {
             ));
         }
         let (ptr, hold) = {
-            // HostBuffer holds no invariants a panicking writer could break.
-            let buf = owner.read_unpoisoned();
+            let buf = owner.read();
             check_range("shared pin", offset, len, buf.len())?;
             // Taken under the lock, so the hold is on the buffer whose address we register.
             (buf.base_ptr().wrapping_add(offset), buf.hold_mapping())
@@ -441,7 +441,7 @@ pub struct SharedPin {
     // Field order is drop order: unregister first, then let the mapping go, then the buffer.
     _pin: Box<dyn HostPin>,
     _hold: MappingHold,
-    owner: Arc<RwLock<HostBuffer>>,
+    owner: Arc<SharedHostBuffer>,
     offset: usize,
     len: usize,
     gpu: u32,
@@ -469,7 +469,7 @@ impl SharedPin {
     }
 
     /// The buffer the range belongs to.
-    pub fn owner(&self) -> &Arc<RwLock<HostBuffer>> {
+    pub fn owner(&self) -> &Arc<SharedHostBuffer> {
         &self.owner
     }
 }
@@ -552,8 +552,8 @@ mod tests {
     use super::*;
     use crate::memory::HostAllocOptions;
 
-    fn shared(len: usize) -> Arc<RwLock<HostBuffer>> {
-        Arc::new(RwLock::new(
+    fn shared(len: usize) -> Arc<SharedHostBuffer> {
+        Arc::new(SharedHostBuffer::new(
             HostBuffer::alloc(len, &HostAllocOptions::default()).unwrap(),
         ))
     }
@@ -589,12 +589,12 @@ mod tests {
         // A lock holder replaces the registered buffer and drops it: its pages must stay mapped
         // until the pin is gone, so the old buffer's Drop leaks them.
         let old = std::mem::replace(
-            &mut *owner.write().unwrap(),
+            &mut *owner.write(),
             HostBuffer::alloc(4096, &HostAllocOptions::default()).unwrap(),
         );
         drop(old);
         drop(pin);
-        assert_eq!(owner.read().unwrap().len(), 4096);
+        assert_eq!(owner.read().len(), 4096);
     }
 
     #[test]

@@ -56,7 +56,7 @@ pub struct HostBuffer {
     huge_pages: bool,
     /// The GPU registration; Drop releases it before unmapping.
     pin: Option<PinGuard>,
-    /// Registrations that hold the buffer by `Arc<RwLock<..>>` rather than by borrow
+    /// Registrations that hold the buffer by `Arc<SharedHostBuffer>` rather than by borrow
     /// ([`Gpu::pin_shared`], shared io_uring buffers). A holder of the lock could swap the
     /// buffer out and drop it while they live; Drop then leaks the mapping instead of unmapping
     /// registered memory.

@@ -1,17 +1,20 @@
 //! The memory vocabulary every gpuio layer shares (docs/REFERENCE.md#memory-regions): where a
 //! region lives, how long it is, and whether it is registered for DMA; plus the host buffer
-//! type, the pinned staging pool the transports draw their staging buffers from
-//! ([`pool::StagingPool`], docs/REFERENCE.md#staging-pool) and NUMA topology.
+//! type and its range-locked shared form ([`SharedHostBuffer`]), the pinned staging pool the
+//! transports draw their staging buffers from ([`pool::StagingPool`],
+//! docs/REFERENCE.md#staging-pool) and NUMA topology.
 
 pub mod backing;
 mod host;
 pub mod mapped;
 pub mod numa;
 pub mod pool;
+mod shared;
 
 pub(crate) use host::MappingHold;
 pub use host::{HostAllocOptions, HostBuffer};
 use serde::Serialize;
+pub use shared::{HostRead, HostWrite, RangeRead, RangeWrite, SharedHostBuffer};
 use std::fmt;
 
 /// Which kind of host memory a region is in.

@@ -5,7 +5,7 @@
 //! fixed files and the ring holds them open. Dropping the ring waits for everything in flight.
 //!
 //! A ring made with [`Ring::with_buffer_table`] instead has a sparse table whose slots register
-//! ranges of *shared* buffers (`Arc<RwLock<HostBuffer>>`, which stay usable by others): the slot
+//! ranges of *shared* buffers (`Arc<SharedHostBuffer>`, which stay usable by others): the slot
 //! keeps the buffer, and [`Ring::read_fixed_shared`] holds its write lock while the kernel fills
 //! the range.
 //!

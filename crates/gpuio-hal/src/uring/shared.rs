@@ -1,19 +1,18 @@
 //! A ring's sparse table of fixed buffers ([`Ring::with_buffer_table`]): each slot registers a
-//! range of a *shared* buffer (`Arc<RwLock<HostBuffer>>`, usable by others meanwhile) and keeps
+//! range of a *shared* buffer (`Arc<SharedHostBuffer>`, usable by others meanwhile) and keeps
 //! the buffer, and its pages mapped, until the slot is emptied or the ring drops.
-//! [`Ring::read_fixed_shared`] holds the buffer's write lock while the kernel fills the range.
+//! [`Ring::read_fixed_shared`] holds the range's write guard while the kernel fills it.
 
 use super::{BufIndex, FileSlot, Ring, RingOptions, os};
 use crate::error::{HalError, Result, check_range};
-use crate::memory::{HostBuffer, MappingHold};
-use crate::sync::RwLockExt;
+use crate::memory::{MappingHold, SharedHostBuffer};
 use io_uring::{opcode, types};
 use std::ops::Range;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 /// A range of a shared buffer registered in a sparse table slot.
 pub(super) struct SharedSlot {
-    owner: Arc<RwLock<HostBuffer>>,
+    owner: Arc<SharedHostBuffer>,
     /// Keeps the registered pages mapped even if a lock holder swaps the buffer out.
     _hold: MappingHold,
     /// The owner buffer's address when registered (to notice a swapped-out buffer).
@@ -69,7 +68,7 @@ impl Ring {
     /// buffer stays usable through its lock meanwhile. Waits for a writer holding that lock.
     pub fn register_shared(
         &mut self,
-        owner: Arc<RwLock<HostBuffer>>,
+        owner: Arc<SharedHostBuffer>,
         offset: usize,
         len: usize,
     ) -> Result<BufIndex> {
@@ -88,8 +87,7 @@ impl Ring {
                 HalError::InvalidArgument("no free slot in the buffer table".into())
             })?;
         let (buffer, hold) = {
-            // HostBuffer holds no invariants a panicking writer could break.
-            let buf = owner.read_unpoisoned();
+            let buf = owner.read();
             check_range("shared ring buffer", offset, len, buf.len())?;
             // Taken under the lock, so the hold is on the buffer whose pages we register.
             (buf.base_ptr(), buf.hold_mapping())
@@ -151,19 +149,17 @@ impl Ring {
     }
 
     /// The buffer and range registered in a slot of the sparse table.
-    pub fn shared_range(
-        &self,
-        index: BufIndex,
-    ) -> Result<(&Arc<RwLock<HostBuffer>>, Range<usize>)> {
+    pub fn shared_range(&self, index: BufIndex) -> Result<(&Arc<SharedHostBuffer>, Range<usize>)> {
         let s = self.shared_slot(index)?;
         Ok((&s.owner, s.offset..s.offset + s.len))
     }
 
     /// Reads from `file` at `offset` into `range` (relative to the registered range) of the
-    /// shared buffer in slot `index`, as a `ReadFixed`. Holds the buffer's write lock until
-    /// the kernel is done (so no reference to the bytes exists while it writes them): the
-    /// call waits for its own completion, which the next [`Ring::complete`] returns under
-    /// `tag` like any other. Must not be called while this thread holds that buffer's lock.
+    /// shared buffer in slot `index`, as a `ReadFixed`. Holds that range's write guard until
+    /// the kernel is done (so no reference to the bytes exists while it writes them; other
+    /// parts of the buffer stay usable): the call waits for its own completion, which the
+    /// next [`Ring::complete`] returns under `tag` like any other. Must not be called while
+    /// this thread holds a guard on that buffer.
     pub fn read_fixed_shared(
         &mut self,
         file: FileSlot,
@@ -184,9 +180,8 @@ impl Ring {
         }
         let (owner, registered) = (slot.owner.clone(), slot.buffer);
         let addr = registered + slot.offset + range.start;
-        // HostBuffer holds no invariants a panicking writer could break.
-        let guard = owner.write_unpoisoned();
-        if guard.base_ptr() as usize != registered {
+        let guard = owner.write_range(slot.offset + range.start, range.len())?;
+        if guard.as_ptr() as usize != addr {
             return Err(HalError::InvalidArgument(format!(
                 "the buffer registered in slot {} was replaced; register the new one",
                 index.0
