@@ -7,6 +7,12 @@
 // mod.rs documents (HostAccessor in twin.rs follows it on host threads for CI). Change both
 // together and bump GPUIO_ARRAY_VERSION.
 //
+// Why one long header: every path below (hit, miss, eviction, write-back, futures, resident
+// reads) moves the same page-entry state machine, and a reviewer checks it against its Rust
+// twin transition by transition; split, the transitions of one state would sit in different
+// files, and the NVRTC fallback and `cargo xtask ptx` would have one more header to keep in
+// order.
+//
 // Rules for callers:
 // - Needs sm_70 or newer (acquire/release atomics, independent thread scheduling).
 // - Every access is warp-cooperative over the lanes active at the call (as

@@ -1,0 +1,84 @@
+//! The LocalIO suite's targets, judged on a run's records.
+
+use crate::{Record, Target};
+
+/// The LocalIO issue's targets, judged on this run's records.
+pub fn targets(records: &[Record], lanes: usize) -> Vec<Target> {
+    let peer_is = |case: &'static str, peer: &'static str| {
+        move |r: &Record| r.case.starts_with(case) && r.peer.starts_with(peer)
+    };
+    vec![
+        Target::judge(
+            "warm read -> GPU >= 1.1x kvikio (same threads)",
+            records,
+            peer_is("seq_read_warm", "kvikio"),
+            |r| r.ratio,
+            1.1,
+            "x",
+        ),
+        Target::judge(
+            &format!("warm read -> GPU >= 50 GB/s ({lanes} lanes, at most 8)"),
+            records,
+            |r| r.case.starts_with("seq_read_warm/") && lanes <= 8,
+            |r| r.value,
+            50.0,
+            " GB/s",
+        ),
+        Target::judge(
+            "hot file (kept registration) -> GPU >= 0.98x pinned cudaMemcpy",
+            records,
+            peer_is("seq_read_hot", "cudaMemcpy"),
+            |r| r.ratio,
+            0.98,
+            "x",
+        ),
+        Target::judge(
+            "warm read -> GPU >= 50 GB/s with 2 threads",
+            records,
+            |r| r.case.starts_with("seq_read_warm_2threads/"),
+            |r| r.value,
+            50.0,
+            " GB/s",
+        ),
+        Target::judge(
+            "cold O_DIRECT read -> GPU >= 0.95x fio O_DIRECT read",
+            records,
+            peer_is("seq_read_cold", "fio"),
+            |r| r.ratio,
+            0.95,
+            "x",
+        ),
+        Target::judge(
+            "cold read -> GPU >= 1.3x kvikio cold",
+            records,
+            peer_is("seq_read_cold", "kvikio"),
+            |r| r.ratio,
+            1.3,
+            "x",
+        ),
+        Target::judge(
+            "GPU -> file + fdatasync >= 0.95x fio write",
+            records,
+            peer_is("seq_write_sync", "fio"),
+            |r| r.ratio,
+            0.95,
+            "x",
+        ),
+        Target::judge(
+            "random 4 KiB -> GPU >= 10x kvikio futures",
+            records,
+            peer_is("rand_read_4k", "kvikio"),
+            |r| r.ratio,
+            10.0,
+            "x",
+        ),
+        Target::judge(
+            "random 4 KiB -> GPU >= 0.8x fio io_uring IOPS",
+            records,
+            peer_is("rand_read_4k", "fio"),
+            |r| r.ratio,
+            0.8,
+            "x",
+        ),
+    ]
+}
