@@ -29,7 +29,7 @@ pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::pool::{PoolConfig, PoolStats, PooledBuffer, StagingLease, StagingPool};
 pub use memory::{
     DmaRegistration, HostAllocOptions, HostBuffer, HostRead, HostWrite, Location, MemoryRegion,
-    MemoryTier, RangeRead, RangeWrite, SharedHostBuffer,
+    MemoryTier, RangeGuard, RangeRead, RangeWrite, SharedHostBuffer, WholeGuard,
 };
 pub use sys::{
     HUGE_PAGE, clear_nonblocking, page_size, peek_nonblocking, prefetch, raise_fd_limit,

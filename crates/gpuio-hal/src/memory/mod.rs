@@ -14,7 +14,9 @@ mod shared;
 pub(crate) use host::MappingHold;
 pub use host::{HostAllocOptions, HostBuffer};
 use serde::Serialize;
-pub use shared::{HostRead, HostWrite, RangeRead, RangeWrite, SharedHostBuffer};
+pub use shared::{
+    HostRead, HostWrite, RangeGuard, RangeRead, RangeWrite, SharedHostBuffer, WholeGuard,
+};
 use std::fmt;
 
 /// Which kind of host memory a region is in.

@@ -58,40 +58,36 @@ impl SharedHostBuffer {
     /// The whole buffer, shared (waits for writers of any part of it).
     pub fn read(&self) -> HostRead<'_> {
         self.lock(ALL, false);
-        HostRead { owner: self }
+        WholeGuard { owner: self }
     }
 
     /// The whole buffer, exclusive (waits for every other guard).
     pub fn write(&self) -> HostWrite<'_> {
         self.lock(ALL, true);
-        HostWrite { owner: self }
+        WholeGuard { owner: self }
     }
 
     /// `len` bytes from `offset`, shared: waits only for writers of granules they share.
     /// A range past the buffer's end is refused once its locks are held.
     pub fn read_range(&self, offset: usize, len: usize) -> Result<RangeRead<'_>> {
-        let mask = self.mask(offset, len);
-        self.lock(mask, false);
-        let guard = RangeRead {
-            owner: self,
-            mask,
-            ptr: self.checked_ptr(offset, len, false)?,
-            len,
-        };
-        Ok(guard)
+        self.range(offset, len)
     }
 
     /// `len` bytes from `offset`, exclusive: waits only for guards on granules they share.
     pub fn write_range(&self, offset: usize, len: usize) -> Result<RangeWrite<'_>> {
+        self.range(offset, len)
+    }
+
+    fn range<const WRITE: bool>(&self, offset: usize, len: usize) -> Result<RangeGuard<'_, WRITE>> {
         let mask = self.mask(offset, len);
-        self.lock(mask, true);
-        let guard = RangeWrite {
+        self.lock(mask, WRITE);
+        let ptr = self.checked_ptr(offset, len, WRITE)?;
+        Ok(RangeGuard {
             owner: self,
             mask,
-            ptr: self.checked_ptr(offset, len, true)?,
+            ptr,
             len,
-        };
-        Ok(guard)
+        })
     }
 
     /// [`write_range`](Self::write_range) without waiting: `None` while another guard holds
@@ -101,7 +97,7 @@ impl SharedHostBuffer {
         if !self.try_lock_exclusive(mask) {
             return None;
         }
-        Some(self.checked_ptr(offset, len, true).map(|ptr| RangeWrite {
+        Some(self.checked_ptr(offset, len, true).map(|ptr| RangeGuard {
             owner: self,
             mask,
             ptr,
@@ -208,102 +204,74 @@ impl fmt::Debug for SharedHostBuffer {
     }
 }
 
+/// The whole buffer: shared (`WRITE = false`, [`HostRead`]) or exclusive ([`HostWrite`]).
+pub struct WholeGuard<'a, const WRITE: bool> {
+    owner: &'a SharedHostBuffer,
+}
+
 /// The whole buffer, shared ([`SharedHostBuffer::read`]).
-pub struct HostRead<'a> {
-    owner: &'a SharedHostBuffer,
-}
+pub type HostRead<'a> = WholeGuard<'a, false>;
+/// The whole buffer, exclusive ([`SharedHostBuffer::write`]): the buffer itself may be replaced.
+pub type HostWrite<'a> = WholeGuard<'a, true>;
 
-impl Deref for HostRead<'_> {
+impl<const WRITE: bool> Deref for WholeGuard<'_, WRITE> {
     type Target = HostBuffer;
     fn deref(&self) -> &HostBuffer {
-        // SAFETY: every lock is held shared: no guard can write any byte or the buffer.
+        // SAFETY: every lock is held, shared or exclusive: no guard can write any byte or the
+        // buffer, or (exclusive) none but this one exists.
         unsafe { &*self.owner.buf.get() }
     }
 }
 
-impl Drop for HostRead<'_> {
-    fn drop(&mut self) {
-        self.owner.unlock(ALL, false);
-    }
-}
-
-/// The whole buffer, exclusive ([`SharedHostBuffer::write`]).
-pub struct HostWrite<'a> {
-    owner: &'a SharedHostBuffer,
-}
-
-impl Deref for HostWrite<'_> {
-    type Target = HostBuffer;
-    fn deref(&self) -> &HostBuffer {
-        // SAFETY: every lock is held exclusive: this guard is the only access.
-        unsafe { &*self.owner.buf.get() }
-    }
-}
-
-impl DerefMut for HostWrite<'_> {
+impl DerefMut for WholeGuard<'_, true> {
     fn deref_mut(&mut self) -> &mut HostBuffer {
-        // SAFETY: as for deref, and &mut self makes this the only reference through it.
+        // SAFETY: every lock is held exclusive, and &mut self makes this the only reference
+        // through the one guard there is.
         unsafe { &mut *self.owner.buf.get() }
     }
 }
 
-impl Drop for HostWrite<'_> {
+impl<const WRITE: bool> Drop for WholeGuard<'_, WRITE> {
     fn drop(&mut self) {
-        self.owner.unlock(ALL, true);
+        self.owner.unlock(ALL, WRITE);
     }
+}
+
+/// Bytes of a shared buffer: shared (`WRITE = false`, [`RangeRead`]) or exclusive
+/// ([`RangeWrite`]).
+pub struct RangeGuard<'a, const WRITE: bool> {
+    owner: &'a SharedHostBuffer,
+    mask: Mask,
+    ptr: *mut u8,
+    len: usize,
 }
 
 /// Bytes of a shared buffer, shared ([`SharedHostBuffer::read_range`]).
-pub struct RangeRead<'a> {
-    owner: &'a SharedHostBuffer,
-    mask: Mask,
-    ptr: *mut u8,
-    len: usize,
-}
+pub type RangeRead<'a> = RangeGuard<'a, false>;
+/// Bytes of a shared buffer, exclusive ([`SharedHostBuffer::write_range`]).
+pub type RangeWrite<'a> = RangeGuard<'a, true>;
 
-impl Deref for RangeRead<'_> {
+impl<const WRITE: bool> Deref for RangeGuard<'_, WRITE> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         // SAFETY: ptr..ptr+len was checked inside the live buffer, whose mapping cannot go
-        // (replacing the buffer takes every lock); the locks of its granules are held shared,
-        // so no guard writes these bytes.
+        // (replacing the buffer takes every lock); the locks of its granules are held, so no
+        // other guard writes these bytes.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
 
-impl Drop for RangeRead<'_> {
-    fn drop(&mut self) {
-        self.owner.unlock(self.mask, false);
-    }
-}
-
-/// Bytes of a shared buffer, exclusive ([`SharedHostBuffer::write_range`]).
-pub struct RangeWrite<'a> {
-    owner: &'a SharedHostBuffer,
-    mask: Mask,
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl Deref for RangeWrite<'_> {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        // SAFETY: as for RangeRead, with the locks held exclusive: no other guard reaches
-        // these bytes.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-}
-
-impl DerefMut for RangeWrite<'_> {
+impl DerefMut for RangeGuard<'_, true> {
     fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as for deref, and &mut self makes this the only reference through it.
+        // SAFETY: as for deref, with the locks held exclusive (no other guard reaches these
+        // bytes), and &mut self makes this the only reference through this guard.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }
 
-impl Drop for RangeWrite<'_> {
+impl<const WRITE: bool> Drop for RangeGuard<'_, WRITE> {
     fn drop(&mut self) {
-        self.owner.unlock(self.mask, true);
+        self.owner.unlock(self.mask, WRITE);
     }
 }
 
