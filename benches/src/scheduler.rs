@@ -124,8 +124,8 @@ pub fn run(
         met: Some(overhead <= 2.5),
     });
 
-    // The rates below move with the machine's kernel more than with anything else measured:
-    // a sandboxing one (gVisor reports 4.4.0) makes every futex wait and wake cost more.
+    // Recorded so that runs on different leases can be told apart: a sandboxing kernel (gVisor
+    // reports 4.4.0) makes every system call, futex waits and wakes among them, cost more.
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let mut notes = vec![format!("kernel {}", kernel.trim())];
     // Two working sets: 8 MiB stays in the last-level cache, so the copies are cheap and the
