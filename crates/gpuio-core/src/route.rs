@@ -10,7 +10,7 @@
 
 use crate::endpoint::{Dest, EndpointKind, HostMemory, RemoteResource, Source};
 use crate::error::Result;
-use gpuio_hal::{DeviceBuffer, check_range};
+use gpuio_hal::{DeviceBuffer, HalError, check_range};
 use gpuio_transport_localio::FileHandle;
 use serde::Serialize;
 use std::fmt;
@@ -66,8 +66,26 @@ impl HostSrc<'_> {
                 check_range("source", 0, len, s.len())?;
                 f(&s[..len])
             }
-            Self::Memory(mem, offset) => f(&mem.read_range(offset, len)?),
+            Self::Memory(mem, offset) => f(&mem
+                .shared()
+                .read_range(offset, len)
+                .map_err(side("source"))?),
         }
+    }
+}
+
+/// Names the side of a transfer a host-memory range error is on.
+pub(crate) fn side(what: &'static str) -> impl FnOnce(HalError) -> HalError {
+    move |e| match e {
+        HalError::OutOfRange {
+            offset, len, limit, ..
+        } => HalError::OutOfRange {
+            what,
+            offset,
+            len,
+            limit,
+        },
+        other => other,
     }
 }
 
@@ -89,7 +107,10 @@ impl HostDst<'_> {
                 check_range("destination", 0, len, s.len())?;
                 f(&mut s[..len])
             }
-            Self::Memory(mem, offset) => f(&mut mem.write_range(offset, len)?),
+            Self::Memory(mem, offset) => f(&mut mem
+                .shared()
+                .write_range(offset, len)
+                .map_err(side("destination"))?),
         }
     }
 }

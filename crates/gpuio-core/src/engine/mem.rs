@@ -3,8 +3,8 @@
 use super::Engine;
 use crate::error::Result;
 use crate::outcome::Route;
-use crate::route::{HostDst, HostSrc, MemTransfer};
-use gpuio_hal::check_range;
+use crate::route::{HostDst, HostSrc, MemTransfer, side};
+use gpuio_hal::{HalError, check_range};
 use gpuio_transport_memio::MemIo;
 use std::sync::Arc;
 
@@ -42,17 +42,30 @@ impl MemIoEngine {
         if let (HostSrc::Memory(a, from), HostDst::Memory(b, to)) = (&src, &dst) {
             let (from, to) = (*from, *to);
             if a.id() == b.id() {
-                // Neither end overflows; the guard checks the span against the buffer.
+                // One guard over both ranges; a span refused is put down to the side it
+                // overruns.
                 check_range("source", from, len, usize::MAX)?;
                 check_range("destination", to, len, usize::MAX)?;
                 let low = from.min(to);
-                let mut g = a.write_range(low, from.max(to) + len - low)?;
+                let mut g = match a.shared().write_range(low, from.max(to) + len - low) {
+                    Ok(g) => g,
+                    Err(e) => {
+                        if let HalError::OutOfRange { limit, .. } = &e {
+                            check_range("source", from, len, *limit as usize)?;
+                            check_range("destination", to, len, *limit as usize)?;
+                        }
+                        return Err(e.into());
+                    }
+                };
                 g.copy_within(from - low..from - low + len, to - low);
                 return Ok(Route::HostMove);
             }
             if a.id() > b.id() {
-                let mut w = b.write_range(to, len)?;
-                let r = a.read_range(from, len)?;
+                let mut w = b
+                    .shared()
+                    .write_range(to, len)
+                    .map_err(side("destination"))?;
+                let r = a.shared().read_range(from, len).map_err(side("source"))?;
                 return Ok(Route::Mem(io.copy_host(&r, &mut w)?));
             }
         }

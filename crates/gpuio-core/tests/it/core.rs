@@ -332,6 +332,44 @@ fn transfers_wait_only_for_the_bytes_they_touch() {
     assert!(d[..1024].iter().all(|&b| b == 0));
 }
 
+/// A range past the end of host memory is refused naming its side, also where one buffer is
+/// both (whose move locks one span over both ranges).
+#[test]
+fn host_range_errors_name_their_side() {
+    let e = engines();
+    let (a, b) = (host(64 << 10, 1), common::zeroed(64 << 10));
+    let err = |s: Endpoint, d: Endpoint| e.execute(&s, &d, 4096).unwrap_err().to_string();
+    let cases = [
+        (
+            Endpoint::host(&a, 62 << 10),
+            Endpoint::host(&b, 0),
+            "source",
+        ),
+        (
+            Endpoint::host(&a, 0),
+            Endpoint::host(&b, 62 << 10),
+            "destination",
+        ),
+        (
+            Endpoint::host(&a, 0),
+            Endpoint::host(&a, 62 << 10),
+            "destination",
+        ),
+        (
+            Endpoint::host(&a, 62 << 10),
+            Endpoint::host(&a, 0),
+            "source",
+        ),
+    ];
+    for (s, d, side) in cases {
+        let msg = err(s, d);
+        assert!(
+            msg.starts_with(side) || msg.contains(&format!(" {side}")),
+            "{side}: {msg}"
+        );
+    }
+}
+
 #[test]
 fn a_request_that_cannot_be_queued_is_refused_once() {
     let e = engines();

@@ -345,7 +345,7 @@ impl Gpu {
     /// the memory cannot be freed while registered; the registration itself touches no bytes,
     /// so `owner` stays readable and writable through its guards meanwhile. On CUDA, a range
     /// overlapping another registration is refused (`CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`).
-    /// Waits for writers of any part of `owner`.
+    /// Waits for writers of that range.
     pub fn pin_shared(
         &self,
         owner: Arc<SharedHostBuffer>,
@@ -357,12 +357,9 @@ impl Gpu {
                 "cannot register an empty host range".into(),
             ));
         }
-        let (ptr, hold) = {
-            let buf = owner.read();
-            check_range("shared pin", offset, len, buf.len())?;
-            // Taken under the lock, so the hold is on the buffer whose address we register.
-            (buf.base_ptr().wrapping_add(offset), buf.hold_mapping())
-        };
+        // Taken under the range's locks, so the hold is on the buffer whose address we
+        // register.
+        let (ptr, hold) = owner.hold_range(offset, len)?;
         // SAFETY: the range was checked against the buffer, and `hold` keeps that buffer's
         // mapping from being unmapped (it is leaked if the buffer drops first) until after the
         // pin is dropped: SharedPin declares `_pin` before `_hold`.

@@ -10,13 +10,14 @@
 //! everyone else on its bytes. Locks are always taken in ascending index order, so no two
 //! holders can wait for each other.
 
-use super::HostBuffer;
+use super::{HostBuffer, MappingHold};
 use crate::error::{Result, check_range};
 use crossbeam_utils::CachePadded;
 use parking_lot::RawRwLock;
 use parking_lot::lock_api::RawRwLock as _;
 use std::cell::UnsafeCell;
 use std::fmt;
+use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 
 /// Locks per buffer.
@@ -58,13 +59,19 @@ impl SharedHostBuffer {
     /// The whole buffer, shared (waits for writers of any part of it).
     pub fn read(&self) -> HostRead<'_> {
         self.lock(ALL, false);
-        WholeGuard { owner: self }
+        WholeGuard {
+            owner: self,
+            _here: PhantomData,
+        }
     }
 
     /// The whole buffer, exclusive (waits for every other guard).
     pub fn write(&self) -> HostWrite<'_> {
         self.lock(ALL, true);
-        WholeGuard { owner: self }
+        WholeGuard {
+            owner: self,
+            _here: PhantomData,
+        }
     }
 
     /// `len` bytes from `offset`, shared: waits only for writers of granules they share.
@@ -103,6 +110,17 @@ impl SharedHostBuffer {
             ptr,
             len,
         }))
+    }
+
+    /// The address of `offset..offset+len` and a hold on the mapping it lies in, taken under
+    /// the range's read locks: for registrations that keep the pages mapped while the buffer
+    /// stays usable (and even if a whole-buffer writer replaces it meanwhile).
+    pub(crate) fn hold_range(&self, offset: usize, len: usize) -> Result<(*mut u8, MappingHold)> {
+        let guard = self.read_range(offset, len)?;
+        // SAFETY: the guard holds at least one lock, so no `&mut HostBuffer` exists; the hold
+        // reads the buffer's fields, not its bytes.
+        let hold = unsafe { &*self.buf.get() }.hold_mapping();
+        Ok((guard.ptr, hold))
     }
 
     /// Takes the buffer back.
@@ -174,10 +192,11 @@ impl SharedHostBuffer {
     }
 }
 
-/// The granule for a buffer of `len` bytes: about a sixteenth of it, within bounds.
+/// The granule for a buffer of `len` bytes: a sixteenth of it rounded down to a power of two
+/// (so all 16 locks are used), within bounds.
 fn granule_shift(len: usize) -> u32 {
-    let sixteenth = len.div_ceil(STRIPES as usize).max(1);
-    let shift = sixteenth.next_power_of_two().trailing_zeros();
+    let sixteenth = (len / STRIPES as usize).max(1);
+    let shift = usize::BITS - 1 - sixteenth.leading_zeros();
     shift.clamp(*GRANULE_SHIFTS.start(), *GRANULE_SHIFTS.end())
 }
 
@@ -207,6 +226,8 @@ impl fmt::Debug for SharedHostBuffer {
 /// The whole buffer: shared (`WRITE = false`, [`HostRead`]) or exclusive ([`HostWrite`]).
 pub struct WholeGuard<'a, const WRITE: bool> {
     owner: &'a SharedHostBuffer,
+    /// Not Send: the raw locks are released on the thread that took them.
+    _here: PhantomData<*const ()>,
 }
 
 /// The whole buffer, shared ([`SharedHostBuffer::read`]).
@@ -290,7 +311,10 @@ mod tests {
         assert_eq!(granule_shift(4096), 12);
         assert_eq!(granule_shift(0), 12);
         assert_eq!(granule_shift(1 << 30), 20);
-        assert_eq!(granule_shift(100_000), 13);
+        assert_eq!(granule_shift(100_000), 12);
+        // Rounded down: a buffer a little over 1 MiB still spreads over all 16 locks.
+        assert_eq!(granule_shift((1 << 20) + 4096), 16);
+        assert_eq!(granule_shift((2 << 20) - 1), 16);
     }
 
     #[test]

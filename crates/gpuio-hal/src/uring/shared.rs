@@ -4,7 +4,7 @@
 //! [`Ring::read_fixed_shared`] holds the range's write guard while the kernel fills it.
 
 use super::{BufIndex, FileSlot, Ring, RingOptions, os};
-use crate::error::{HalError, Result, check_range};
+use crate::error::{HalError, Result};
 use crate::memory::{MappingHold, SharedHostBuffer};
 use io_uring::{opcode, types};
 use std::ops::Range;
@@ -86,14 +86,10 @@ impl Ring {
             self.table.iter().position(Option::is_none).ok_or_else(|| {
                 HalError::InvalidArgument("no free slot in the buffer table".into())
             })?;
-        let (buffer, hold) = {
-            let buf = owner.read();
-            check_range("shared ring buffer", offset, len, buf.len())?;
-            // Taken under the lock, so the hold is on the buffer whose pages we register.
-            (buf.base_ptr(), buf.hold_mapping())
-        };
+        // Taken under the range's locks, so the hold is on the buffer whose pages we register.
+        let (start, hold) = owner.hold_range(offset, len)?;
         let iov = libc::iovec {
-            iov_base: buffer.wrapping_add(offset).cast(),
+            iov_base: start.cast(),
             iov_len: len,
         };
         // SAFETY: the iovec lies inside a live mapping (range checked above) that `hold` keeps
@@ -108,7 +104,7 @@ impl Ring {
         self.table[index] = Some(SharedSlot {
             owner,
             _hold: hold,
-            buffer: buffer as usize,
+            buffer: (start as usize).wrapping_sub(offset),
             offset,
             len,
         });
@@ -180,12 +176,21 @@ impl Ring {
         }
         let (owner, registered) = (slot.owner.clone(), slot.buffer);
         let addr = registered + slot.offset + range.start;
-        let guard = owner.write_range(slot.offset + range.start, range.len())?;
-        if guard.as_ptr() as usize != addr {
-            return Err(HalError::InvalidArgument(format!(
+        let replaced = || {
+            HalError::InvalidArgument(format!(
                 "the buffer registered in slot {} was replaced; register the new one",
                 index.0
-            )));
+            ))
+        };
+        // The range lies inside the registered one, so a guard refused as out of range means a
+        // smaller buffer took the registered one's place.
+        let guard = match owner.write_range(slot.offset + range.start, range.len()) {
+            Ok(g) => g,
+            Err(HalError::OutOfRange { .. }) => return Err(replaced()),
+            Err(e) => return Err(e),
+        };
+        if guard.as_ptr() as usize != addr {
+            return Err(replaced());
         }
         let entry = opcode::ReadFixed::new(
             types::Fixed(file.0),

@@ -132,6 +132,12 @@ fn shared_buffers_in_a_sparse_table() {
     // Slots are reused; a ring dropped with a registered slot releases it.
     let again = ring.register_shared(owner.clone(), 0, 4096).unwrap();
     assert_eq!(again, idx);
+    // A buffer put in the registered one's place is refused by name, the same size or smaller.
+    for len in [64 << 10, 2048] {
+        *owner.write() = HostBuffer::alloc(len, &HostAllocOptions::default()).unwrap();
+        let e = ring.read_fixed_shared(f, 0, again, 0..4096, 4).unwrap_err();
+        assert!(e.to_string().contains("was replaced"), "{len}: {e}");
+    }
     drop(ring);
     assert_eq!(Arc::strong_count(&owner), 1);
     std::fs::remove_file(path).unwrap();
