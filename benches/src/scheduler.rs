@@ -132,10 +132,17 @@ pub fn run(
     // rate is the scheduler's own; 64 MiB does not, and the copies' DRAM traffic sets it.
     for (case, buffers) in [("sched_throughput", 4), ("sched_throughput_dram", 32)] {
         progress(case);
-        let (rate, direct, busy) = throughput(session, opts, seed, buffers)?;
+        let Stream {
+            rate,
+            direct,
+            busy,
+            build_ns,
+            submit_ns,
+        } = throughput(session, opts, seed, buffers)?;
         notes.push(format!(
             "{case}: the submitting thread was busy {:.0}% of the run (near 100%: it, not the \
-             workers, sets the rate)",
+             workers, sets the rate): {build_ns:.0} ns a request making it, {submit_ns:.0} ns \
+             submitting it",
             busy * 100.0
         ));
         let mut r = record(
@@ -319,15 +326,22 @@ fn latency(session: &Session, opts: &Options, seed: u64) -> Result<(f64, [Record
     ))
 }
 
+/// A stream's rate (requests a second) against the direct calls', and where the submitting
+/// thread's time went.
+struct Stream {
+    rate: f64,
+    direct: f64,
+    /// The share of the run the submitting thread was not waiting for room.
+    busy: f64,
+    /// Per request: making it (endpoints and `Request::new`), and in `submit_each`.
+    build_ns: f64,
+    submit_ns: f64,
+}
+
 /// Requests per second through the scheduler and by direct calls, over `buffers` source and
 /// as many destination buffers of 1 MiB, and the share of the scheduler's run the submitting
 /// thread spent submitting (not waiting for room in its window).
-fn throughput(
-    session: &Session,
-    opts: &Options,
-    seed: u64,
-    buffers: usize,
-) -> Result<(f64, f64, f64)> {
+fn throughput(session: &Session, opts: &Options, seed: u64, buffers: usize) -> Result<Stream> {
     const SLOTS: usize = 256; // 4 KiB slots per 1 MiB buffer
     let src: Vec<HostMemory> = (0..buffers)
         .map(|i| host(1 << 20, seed ^ i as u64))
@@ -371,6 +385,7 @@ fn throughput(
     let t = Instant::now();
     let mut submitted = 0u64;
     let mut waited = Duration::ZERO;
+    let mut built = Duration::ZERO;
     while (submitted as usize) < n {
         // Sleep rather than spin: on a small machine the workers need this core.
         if submitted - completed() > WINDOW {
@@ -381,6 +396,7 @@ fn throughput(
             waited += w.elapsed();
         }
         let m = BATCH.min(n - submitted as usize);
+        let building = Instant::now();
         let reqs = (0..m)
             .map(|k| {
                 let (s, d) = pick(submitted as usize + k);
@@ -388,6 +404,7 @@ fn throughput(
             })
             .collect::<gpuio_core::Result<Vec<_>>>()
             .map_err(err)?;
+        built += building.elapsed();
         sched
             .submit_each(reqs, |r| {
                 if r.is_err() {
@@ -410,7 +427,14 @@ fn throughput(
             failed.load(Ordering::Relaxed)
         )));
     }
-    Ok((rate, direct, submitting.as_secs_f64() / total.as_secs_f64()))
+    let per_request = |d: Duration| d.as_secs_f64() * 1e9 / n as f64;
+    Ok(Stream {
+        rate,
+        direct,
+        busy: submitting.as_secs_f64() / total.as_secs_f64(),
+        build_ns: per_request(built),
+        submit_ns: per_request(submitting.saturating_sub(built)),
+    })
 }
 
 const LARGE: usize = 64 << 20;
