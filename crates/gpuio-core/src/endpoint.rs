@@ -88,9 +88,10 @@ impl fmt::Display for RemoteResource {
     }
 }
 
-/// Host memory shared between the caller and queued requests. A request locks the range it
-/// touches while it runs (readers share, a writer excludes; requests on disjoint ranges run
-/// at once), so the caller never sees a half-written range through a reference.
+/// Host memory shared between the caller and queued requests. A request locks the part it
+/// touches while it runs (readers share, a writer excludes; requests on different granules —
+/// about a sixteenth of the buffer each — run at once), so the caller never sees a
+/// half-written range through a reference.
 #[derive(Debug, Clone)]
 pub struct HostMemory {
     inner: Arc<SharedHostBuffer>,

@@ -1,14 +1,14 @@
 //! Host memory shared between threads and locked by range ([`SharedHostBuffer`]): requests
-//! touching disjoint parts of one buffer run at once, where a single lock would run them one
-//! after another (two workers writing different slots of one buffer, the chunks of one large
-//! read spread over workers).
+//! touching different parts of one buffer run at once, where a single lock would run them one
+//! after another (the chunks of one large read spread over workers).
 //!
-//! The buffer is cut into granules (4 KiB to 1 MiB, about a sixteenth of the buffer) that map
-//! onto 16 reader-writer locks in turn, each on its own cache line. A range takes the locks of
-//! the granules it covers — all 16 once it spans 16 granules — and the whole buffer takes all
-//! 16. Any two ranges that share a byte share a granule, hence a lock, so a writer excludes
-//! everyone else on its bytes. Locks are always taken in ascending index order, so no two
-//! holders can wait for each other.
+//! The buffer is cut into granules (a sixteenth of its length rounded down to a power of two,
+//! 4 KiB to 1 MiB, fixed when it is made) that map onto 16 reader-writer locks in turn, each on
+//! its own cache line. A range takes the locks of the granules it covers — all 16 once it spans
+//! 16 granules — and the whole buffer takes all 16. Any two ranges that share a byte share a
+//! granule, hence a lock, so a writer excludes everyone else on its bytes; ranges in one
+//! granule (or in granules 16 apart) take turns even where their bytes differ. Locks are
+//! always taken in ascending index order, so no two holders can wait for each other.
 
 use super::{HostBuffer, MappingHold};
 use crate::error::{Result, check_range};
