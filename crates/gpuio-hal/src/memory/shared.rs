@@ -340,6 +340,31 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// The soundness of range guards rests on this: two ranges that share a byte share a
+        /// lock, whatever the granule, offsets and lengths (empty ranges included).
+        #[test]
+        fn ranges_sharing_a_byte_share_a_lock(
+            shift in 12u32..=20,
+            // In granules and a part of one: up to 40 granules in, up to 20 long, so that
+            // ranges wrap round the 16 locks and stop short of all of them.
+            (ga, oa, ka, ja) in (0usize..40, 0usize..(1 << 20), 0usize..20, 0usize..(1 << 20)),
+            (gb, ob, kb, jb) in (0usize..40, 0usize..(1 << 20), 0usize..20, 0usize..(1 << 20)),
+        ) {
+            let g = 1usize << shift;
+            let (a, alen) = (ga * g + oa % g, ka * g + ja % g);
+            let (b, blen) = (gb * g + ob % g, kb * g + jb % g);
+            let (ma, mb) = (mask(shift, a, alen), mask(shift, b, blen));
+            proptest::prop_assert_ne!(ma, 0);
+            proptest::prop_assert_ne!(mb, 0);
+            // An empty range reads the length at its offset's granule: count it as one byte.
+            let (ea, eb) = (a + alen.max(1), b + blen.max(1));
+            if a < eb && b < ea {
+                proptest::prop_assert_ne!(ma & mb, 0, "{}+{} and {}+{}", a, alen, b, blen);
+            }
+        }
+    }
+
     #[test]
     fn disjoint_ranges_write_at_once_and_overlapping_ones_wait() {
         let s = shared(1 << 20); // 64 KiB granules
