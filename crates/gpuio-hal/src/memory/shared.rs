@@ -98,8 +98,9 @@ impl SharedHostBuffer {
     }
 
     /// [`write_range`](Self::write_range) without waiting: `None` while another guard holds
-    /// any of its locks.
-    pub fn try_write_range(&self, offset: usize, len: usize) -> Option<Result<RangeWrite<'_>>> {
+    /// any of its locks (the tests' way to see which locks are held).
+    #[cfg(test)]
+    fn try_write_range(&self, offset: usize, len: usize) -> Option<Result<RangeWrite<'_>>> {
         let mask = self.mask(offset, len);
         if !self.try_lock_exclusive(mask) {
             return None;
@@ -163,6 +164,7 @@ impl SharedHostBuffer {
         }
     }
 
+    #[cfg(test)]
     fn try_lock_exclusive(&self, mask: Mask) -> bool {
         for (i, l) in self.locks.iter().enumerate() {
             if mask & (1 << i) != 0 && !l.try_lock_exclusive() {
