@@ -467,9 +467,28 @@ impl<T: Element> OnDemandArray<T> {
     /// more pages than the cache has frames; held pages count against the cache's frames
     /// until let go.
     pub fn resident(&self) -> Result<ResidentArray<'_, T>> {
+        let held = self.hold()?;
+        Ok(ResidentArray {
+            array: Holds::Borrowed(self),
+            held,
+        })
+    }
+
+    /// [`resident`](Self::resident) for an array shared through an `Arc`: the view keeps the
+    /// array alive instead of borrowing it, for owners that cannot express a borrow (the
+    /// Python binding). The array cannot be closed while such a view lives, since closing
+    /// takes it by value.
+    pub fn resident_shared(self: &Arc<Self>) -> Result<ResidentArray<'static, T>> {
+        let held = self.hold()?;
+        Ok(ResidentArray {
+            array: Holds::Shared(self.clone()),
+            held,
+        })
+    }
+
+    fn hold(&self) -> Result<HeldPages> {
         let ring = self.cache.inner.proxy.lock_unpoisoned().ring().clone();
-        let held = self.cache.inner.memory.hold(self.table(), &ring)?;
-        Ok(ResidentArray { array: self, held })
+        Ok(self.cache.inner.memory.hold(self.table(), &ring)?)
     }
 
     /// Writes every dirty page back to the source and waits for it (a file's data is then
@@ -549,14 +568,33 @@ impl<T: Element> Drop for OnDemandArray<T> {
 /// it lets the pages go (a failure is logged; [`release`](Self::release) reports it). Reads
 /// through it are not counted in the array's statistics.
 pub struct ResidentArray<'a, T: Element> {
-    array: &'a OnDemandArray<T>,
+    // Dropped first: the pages are let go while the array is still in its cache (a shared
+    // array's last handle may be this view's).
     held: HeldPages,
+    array: Holds<'a, T>,
+}
+
+/// How a [`ResidentArray`] keeps its array in its cache: by borrowing it, or by sharing it.
+enum Holds<'a, T: Element> {
+    Borrowed(&'a OnDemandArray<T>),
+    Shared(Arc<OnDemandArray<T>>),
+}
+
+impl<T: Element> std::ops::Deref for Holds<'_, T> {
+    type Target = OnDemandArray<T>;
+
+    fn deref(&self) -> &OnDemandArray<T> {
+        match self {
+            Holds::Borrowed(a) => a,
+            Holds::Shared(a) => a,
+        }
+    }
 }
 
 impl<T: Element> std::fmt::Debug for ResidentArray<'_, T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResidentArray")
-            .field("array", self.array)
+            .field("array", &*self.array)
             .field("held", &self.held)
             .finish()
     }
@@ -565,7 +603,7 @@ impl<T: Element> std::fmt::Debug for ResidentArray<'_, T> {
 impl<T: Element> ResidentArray<'_, T> {
     /// The array held.
     pub fn array(&self) -> &OnDemandArray<T> {
-        self.array
+        &self.array
     }
 
     /// The descriptor a kernel takes by value as `gpuio_resident_desc` (wrap it in

@@ -7,6 +7,8 @@ gpuio keeps the cache and serves its misses (through the request ring, from the 
 kernel is compiled by CuPy with gpuio's device header in front and takes the array's
 descriptor. Each thread starts its read with get_async, does its own work, then waits (AGILE's
 issue, compute, wait). The result is checked against NumPy, and the cache's counters printed.
+Then a part of the file that fits the cache is held there (``resident()``) and read through
+``gpuio_resident_array<float>``: no pin or check per access, the hit path of data known to fit.
 Needs a CUDA GPU, CuPy and NumPy.
 """
 
@@ -35,6 +37,13 @@ extern "C" __global__ void scaled_gather(const gpuio_array_desc* desc,
         const float v = a.wait(f);                       // wait
         if (k < n) out[k] = w * v;
     }
+}
+
+extern "C" __global__ void resident_gather(const gpuio_resident_desc* desc,
+                                           const unsigned long long* idx, float* out,
+                                           unsigned long long n) {
+    const gpuio_resident_array<float> a(*desc);
+    a.gather(idx, out, n);
 }
 """
 
@@ -84,9 +93,27 @@ def main():
         f"{st['evictions']}, miss p50 {st['miss_p50_ns']} ns, p99 {st['miss_p99_ns']} ns"
     )
     arr.close()
+
+    # An eighth of the file fits half the cache: hold it there and read it with plain loads.
+    part = cache.array(path, dtype=np.float32, length=elements // 8)
+    gather = module.get_function("resident_gather")
+    ridx = cp.random.randint(0, len(part), size=n, dtype=cp.int64).astype(cp.uint64)
+    with part.resident() as view:
+        rdesc = cp.asarray(np.frombuffer(view.descriptor, dtype=np.uint8))
+        t = time.perf_counter()
+        gather((256,), (256,), (rdesc, ridx, out, np.uint64(n)))
+        cp.cuda.Device().synchronize()
+        seconds = time.perf_counter() - t
+    part.check()
+    rbad = int(cp.count_nonzero(out != (ridx % 65536).astype(cp.float32)))
+    print(
+        f"{n} random reads of a resident {args.mib // 2} MiB array in {seconds * 1e3:.2f} ms "
+        f"({n / seconds / 1e9:.2f} G reads/s): {rbad} wrong"
+    )
+    part.close()
     os.remove(path)
-    if bad:
-        raise SystemExit(f"{bad} elements read wrong")
+    if bad or rbad:
+        raise SystemExit(f"{bad + rbad} elements read wrong")
 
 
 if __name__ == "__main__":

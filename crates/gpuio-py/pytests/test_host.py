@@ -337,6 +337,45 @@ def test_on_demand_arrays_from_python(s, data_file):
         arr.stats()
 
 
+def test_resident_views_hold_arrays_until_released(s, data_file):
+    path, data = data_file
+    cache = s.page_cache(page_size=4096, capacity=MiB)
+    whole = cache.array(path, dtype=np.uint32)
+    with pytest.raises(gpuio.Error) as e:  # 1024 pages for 256 frames
+        whole.resident()
+    assert e.value.name == "GPUIO_ERROR_INVALID_ARG"
+    arr = cache.array(path, dtype=np.uint32, length=MiB // 8)  # 128 pages
+    view = arr.resident()
+    assert arr.stats()["misses"] == 128  # every page brought in to be held
+    if gpuio.info()["devices"][0]["backend"] == "Cuda":
+        d = view.descriptor  # struct gpuio_resident_desc: the array's bytes, its page shift
+        assert len(d) == 40
+        assert int.from_bytes(d[16:24], "little") == MiB // 2
+        assert int.from_bytes(d[32:36], "little") == 12
+    else:
+        with pytest.raises(gpuio.Error, match="host backend"):
+            view.descriptor
+    with pytest.raises(gpuio.Error, match="resident view"):
+        arr.close()  # refused while held, and the array stays open
+    assert arr.stats()["misses"] == 128
+    # Held pages count against the frames: 129 more pages do not fit beside them.
+    with pytest.raises(gpuio.Error):
+        cache.array(path, dtype=np.uint32, offset=MiB, length=129 * 1024).resident()
+    view.release()
+    view.release()
+    with pytest.raises(gpuio.Error, match="released"):
+        view.descriptor
+    with arr.resident():  # again, for a block; let go at its end
+        pass
+    arr.close()
+    with pytest.raises(gpuio.Error, match="closed"):
+        arr.resident()
+    rw = cache.array(path, dtype=np.uint32, length=1024, writable=True)
+    with pytest.raises(gpuio.Error) as e:
+        rw.resident()
+    assert e.value.name == "GPUIO_ERROR_INVALID_ARG"
+
+
 def test_on_demand_arrays_refuse_bad_sources(s, data_file, tmp_path):
     path, _ = data_file
     cache = s.page_cache(capacity=MiB)

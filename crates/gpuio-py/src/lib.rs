@@ -50,5 +50,6 @@ fn _gpuio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<buffers::Resource>()?;
     m.add_class::<ondemand::PageCache>()?;
     m.add_class::<ondemand::OnDemandArray>()?;
+    m.add_class::<ondemand::ResidentArray>()?;
     Ok(())
 }

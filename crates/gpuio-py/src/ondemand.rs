@@ -2,7 +2,9 @@
 //! library compiles and launches (CuPy's `RawModule`, a torch extension, Numba): gpuio keeps
 //! the page cache in GPU memory and serves its misses; the kernel takes the array's
 //! descriptor (`descriptor`, the bytes of `struct gpuio_array_desc`) and indexes it through
-//! `gpuio_array<T>` (`device_header()` is the text to compile it with).
+//! `gpuio_array<T>` (`device_header()` is the text to compile it with). A read-only array that
+//! fits its cache can be held there (`resident()`): kernels then read it through
+//! `gpuio_resident_array<T>` with no pin or check per access.
 
 use crate::buffers::Target;
 use crate::error::{invalid, to_py};
@@ -10,7 +12,7 @@ use crate::session::Session;
 use gpuio_api::{ArrayMode, PageCacheConfig};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// A core or HAL error (what the array calls return) as `gpuio.Error`.
 fn core(e: impl Into<gpuio_api::Error>) -> PyErr {
@@ -97,7 +99,7 @@ impl PageCache {
             .detach(|| self.inner.array::<u8>(endpoint, nbytes, mode))
             .map_err(core)?;
         Ok(OnDemandArray {
-            inner: Mutex::new(Some(Box::new(array))),
+            inner: Mutex::new(Some(Arc::new(array))),
             itemsize,
             nbytes,
         })
@@ -113,9 +115,9 @@ impl PageCache {
 /// An array over a source, read (and written) by GPU threads through a [`PageCache`].
 #[pyclass(module = "gpuio", frozen)]
 pub struct OnDemandArray {
-    /// `None` once closed. Boxed: the array holds 64-byte-aligned slot copies, more than a
-    /// Python object's memory is aligned to.
-    inner: Mutex<Option<Box<gpuio_api::OnDemandArray<u8>>>>,
+    /// `None` once closed. On the heap: the array holds 64-byte-aligned slot copies, more
+    /// than a Python object's memory is aligned to. Shared with its resident views.
+    inner: Mutex<Option<Arc<gpuio_api::OnDemandArray<u8>>>>,
     itemsize: u64,
     nbytes: u64,
 }
@@ -127,9 +129,10 @@ impl OnDemandArray {
         py: Python<'_>,
         f: impl FnOnce(&gpuio_api::OnDemandArray<u8>) -> Result<R, E> + Send,
     ) -> PyResult<R> {
+        // The lock is held throughout, so a close waits for calls under way.
         py.detach(|| {
             let guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-            match guard.as_ref() {
+            match guard.as_deref() {
                 Some(a) => f(a).map_err(core),
                 None => Err(invalid("the on-demand array is closed")),
             }
@@ -213,16 +216,92 @@ impl OnDemandArray {
         Ok(d)
     }
 
+    /// Holds every page of this read-only array in the cache (bringing in those not cached)
+    /// until the returned view is released: kernels then read it through
+    /// `gpuio_resident_array<T>` with no pin or check per access. Raises for a writable array
+    /// and for one with more pages than the cache has frames free. The array cannot be
+    /// closed while a view holds it.
+    fn resident(&self, py: Python<'_>) -> PyResult<ResidentArray> {
+        let view = py.detach(|| {
+            let guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+            match guard.as_ref() {
+                Some(a) => a.resident_shared().map_err(core),
+                None => Err(invalid("the on-demand array is closed")),
+            }
+        })?;
+        Ok(ResidentArray {
+            inner: Mutex::new(Some(view)),
+        })
+    }
+
     /// Writes dirty pages back and frees the array's frames; only while no kernel uses it.
-    /// Later calls raise; closing again does nothing.
+    /// Later calls raise; closing again does nothing. Raises, leaving the array open, while a
+    /// resident view holds it.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| {
-            let array = self
+            let mut guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+            let Some(array) = guard.take() else {
+                return Ok(());
+            };
+            match Arc::try_unwrap(array) {
+                Ok(a) => a.close().map_err(core),
+                Err(shared) => {
+                    *guard = Some(shared);
+                    Err(invalid(
+                        "the on-demand array is held by a resident view: release it first",
+                    ))
+                }
+            }
+        })
+    }
+}
+
+/// A read-only [`OnDemandArray`] held in its cache (`OnDemandArray.resident()`): kernels read
+/// it through `gpuio_resident_array<T>` from its `descriptor` (the bytes of
+/// `struct gpuio_resident_desc`) until `release()` (or the end of a `with` block) lets the
+/// pages go.
+#[pyclass(module = "gpuio", frozen)]
+pub struct ResidentArray {
+    /// `None` once released.
+    inner: Mutex<Option<gpuio_api::ResidentArray<'static, u8>>>,
+}
+
+#[pymethods]
+impl ResidentArray {
+    /// The kernel's descriptor, the bytes of `struct gpuio_resident_desc`: good until the
+    /// view is released (kernels using it must have finished by then).
+    #[getter]
+    fn descriptor<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let d = py.detach(|| {
+            let guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+            match guard.as_ref() {
+                Some(view) => view.device().map_err(core),
+                None => Err(invalid("the resident view was released")),
+            }
+        })?;
+        Ok(PyBytes::new(py, &d.to_bytes()))
+    }
+
+    /// Lets the pages go (only once no kernel reads through the view); releasing again does
+    /// nothing.
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            let view = self
                 .inner
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .take();
-            array.map_or(Ok(()), |a| (*a).close().map_err(core))
+            view.map_or(Ok(()), |v| v.release().map_err(core))
         })
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.release(py)?;
+        Ok(false)
     }
 }

@@ -429,3 +429,29 @@ fn a_resident_array_stays_in_its_frames_while_others_thrash() {
     let again = second.resident().unwrap();
     check_held(&second, 4096, &again.held().frames().unwrap(), 1);
 }
+
+#[test]
+fn a_shared_resident_view_keeps_its_array_and_lets_go_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = file(dir.path(), 1 << 13);
+    let cache = cache(4096, 12);
+    let array = Arc::new(
+        cache
+            .array::<u64>(Endpoint::file(&f, 0), 4096, ArrayMode::ReadOnly)
+            .unwrap(),
+    );
+    let resident = array.resident_shared().unwrap();
+    let frames = resident.held().frames().unwrap();
+    assert_eq!(frames.len(), 8);
+    check_held(&array, 0, &frames, 1);
+    // The view is the last handle: dropping it lets the pages go, then closes the array, so
+    // every frame is free for an array of the whole cache's size.
+    drop(array);
+    check_held(resident.array(), 0, &frames, 1);
+    drop(resident);
+    let whole = cache
+        .array::<u64>(Endpoint::file(&f, 0), 12 * 512, ArrayMode::ReadOnly)
+        .unwrap();
+    let again = whole.resident().unwrap();
+    check_held(&whole, 0, &again.held().frames().unwrap(), 1);
+}

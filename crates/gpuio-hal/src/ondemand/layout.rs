@@ -294,6 +294,21 @@ pub struct ResidentDevice {
     pub slot: u32,
 }
 
+impl ResidentDevice {
+    /// The descriptor's bytes as `struct gpuio_resident_desc` lays them out (little-endian),
+    /// for a kernel launched by another library.
+    pub fn to_bytes(&self) -> [u8; size_of::<ResidentDevice>()] {
+        let mut out = [0u8; size_of::<ResidentDevice>()];
+        let words = [self.frames, self.base, self.bytes, self.slots];
+        for (k, w) in words.iter().enumerate() {
+            out[k * 8..k * 8 + 8].copy_from_slice(&w.to_le_bytes());
+        }
+        out[32..36].copy_from_slice(&self.page_shift.to_le_bytes());
+        out[36..40].copy_from_slice(&self.slot.to_le_bytes());
+        out
+    }
+}
+
 const _: () = {
     assert!(size_of::<RingDevice>() == 48);
     assert!(size_of::<ArraySlot>() == 64);
@@ -442,6 +457,27 @@ mod tests {
             u32_at(offset_of!(ArrayDevice, flags)),
             ARRAY_LIVE | ARRAY_WRITABLE
         );
+    }
+
+    #[test]
+    fn resident_descriptor_bytes_put_each_field_at_its_offset() {
+        let d = ResidentDevice {
+            frames: 0x1111,
+            base: 0x2222,
+            bytes: 0x3333,
+            slots: 0x4444,
+            page_shift: 12,
+            slot: 9,
+        };
+        let b = d.to_bytes();
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        assert_eq!(u64_at(offset_of!(ResidentDevice, frames)), 0x1111);
+        assert_eq!(u64_at(offset_of!(ResidentDevice, base)), 0x2222);
+        assert_eq!(u64_at(offset_of!(ResidentDevice, bytes)), 0x3333);
+        assert_eq!(u64_at(offset_of!(ResidentDevice, slots)), 0x4444);
+        assert_eq!(u32_at(offset_of!(ResidentDevice, page_shift)), 12);
+        assert_eq!(u32_at(offset_of!(ResidentDevice, slot)), 9);
     }
 
     #[test]

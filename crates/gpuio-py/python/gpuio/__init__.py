@@ -16,7 +16,15 @@ of the ``GPUIO_ERROR_*`` codes the C API shares.
 import json
 
 from . import _gpuio, _interop
-from ._gpuio import DeviceBuffer, Error, HostBuffer, OnDemandArray, Resource, __version__
+from ._gpuio import (
+    DeviceBuffer,
+    Error,
+    HostBuffer,
+    OnDemandArray,
+    ResidentArray,
+    Resource,
+    __version__,
+)
 from ._gpuio import device_header
 
 __all__ = [
@@ -26,6 +34,7 @@ __all__ = [
     "OnDemandArray",
     "PageCache",
     "Request",
+    "ResidentArray",
     "Resource",
     "Session",
     "__version__",
