@@ -4,6 +4,9 @@
 //!   (`gpuio_read_each_warp`, 1024 threads in flight) and served by the host proxy through LocalIO into
 //!   the slot's bounce buffer (the thread copies it to its destination), against the same
 //!   reads issued by the host LocalIO engine (`read_blocks_to_device`).
+//! - `ring_read_4k_vs_pread`: the same ring reads against the proxy's threads reading the same
+//!   blocks with `pread` alone (no ring, no GPU): what a proxy serving each request with one
+//!   positioned read can reach on this machine, the kernel's page cache copy included.
 //! - `ring_read_4k_sweep`: the same reads with 256, 1024 and 4096 GPU threads in flight and a
 //!   quarter, half and all-but-two of the cores as proxy threads (records only: where the
 //!   ring's rate comes from).
@@ -47,7 +50,7 @@ impl Default for Options {
             reads: 262_144,
             threads: 1024,
             pings: 2000,
-            reps: 3,
+            reps: 5,
             scratch: std::env::temp_dir(),
         }
     }
@@ -141,17 +144,43 @@ pub fn run(
             .map(|_| ())
             .map_err(api)
     };
+    // The proxy's threads reading the same blocks with pread alone: the ceiling of serving
+    // each request with one positioned read.
+    let pread_alone = || -> Result<()> {
+        let per = n.div_ceil(threads);
+        std::thread::scope(|s| {
+            let workers: Vec<_> = offsets
+                .chunks(per)
+                .map(|part| {
+                    s.spawn(|| {
+                        let mut block = vec![0u8; 4096];
+                        part.iter()
+                            .try_for_each(|&o| file.read_exact_at(o, &mut block))
+                    })
+                })
+                .collect();
+            workers.into_iter().try_for_each(|w| {
+                w.join()
+                    .map_err(|_| BenchError::Options("a pread thread panicked".into()))?
+                    .map_err(api)
+            })
+        })
+    };
     // Warm the page cache and the kernels' compilation.
     host_reads()?;
     ring_reads()?;
-    let (mut ring_t, mut host_t) = (Vec::new(), Vec::new());
+    pread_alone()?;
+    let (mut ring_t, mut host_t, mut pread_t) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..opts.reps.max(1) {
-        let t = Instant::now();
-        ring_reads()?;
-        ring_t.push(t.elapsed());
-        let t = Instant::now();
-        host_reads()?;
-        host_t.push(t.elapsed());
+        for (run, times) in [
+            (&ring_reads as &dyn Fn() -> Result<()>, &mut ring_t),
+            (&host_reads, &mut host_t),
+            (&pread_alone, &mut pread_t),
+        ] {
+            let t = Instant::now();
+            run()?;
+            times.push(t.elapsed());
+        }
     }
     // The last ring run's data and results, checked.
     ring_reads()?;
@@ -179,6 +208,7 @@ pub fn run(
     }
     let ring_iops = n as f64 / median(ring_t).as_secs_f64().max(1e-9);
     let host_iops = n as f64 / median(host_t).as_secs_f64().max(1e-9);
+    let pread_iops = n as f64 / median(pread_t).as_secs_f64().max(1e-9);
     let device = gpu.info().name.clone();
     let mut records = vec![Record {
         suite: SUITE.into(),
@@ -195,6 +225,19 @@ pub fn run(
         reps: opts.reps,
         rows: None,
     }];
+    let mut vs_pread = Record::versus(
+        SUITE,
+        ("ring_read_4k_vs_pread", "iops", "M IOPS"),
+        ring_iops / 1e6,
+        &format!("pread alone on {threads} threads (no ring, no GPU)"),
+        pread_iops / 1e6,
+        true,
+    );
+    vs_pread.bytes = 4096;
+    vs_pread.route = records[0].route.clone();
+    vs_pread.device = device.clone();
+    vs_pread.reps = opts.reps;
+    records.push(vs_pread);
     let mut targets = vec![Target {
         description: "kernel-issued 4 KiB reads >= 1.0x the host engine's rate".into(),
         measured: Some(format!(
