@@ -209,10 +209,14 @@ struct gpuio_swap_job {
     gpuio_u32 positions, slots, max_count, unused;
 };
 
-// The first failure wins (an atomic minimum): kind, job, value (an entry or a position).
+// The first failure wins (an atomic minimum): kind, job, value (an entry or a position), in
+// the call's word and, with bit 63 set, in the job's own word (which otherwise receives its
+// counts; both start as all ones).
 __device__ __forceinline__ void gpuio_swap_bad(gpuio_u64* report, gpuio_u64 kind, gpuio_u64 job,
                                                gpuio_u64 value) {
-    atomicMin(report, kind << 60 | job << 32 | (value & 0xffffffffull));
+    const gpuio_u64 word = kind << 60 | job << 32 | (value & 0xffffffffull);
+    atomicMin(report, word);
+    atomicMin(report + 2 + job, word | 1ull << 63);
 }
 
 // Exclusive prefix sum of `v` over the block (GPUIO_SWAP_THREADS threads), the total in
@@ -294,7 +298,6 @@ __device__ __forceinline__ void gpuio_swap_plan(const gpuio_swap_job& job, gpuio
         if (tid == 0) {
             gpuio_swap_bad(report, sh.state == 0xffffffffu ? 3 : 2, blockIdx.x, want);
             *gather_count = 0;
-            report[2 + blockIdx.x] = 0;
         }
         return;
     }
@@ -399,7 +402,6 @@ __device__ __forceinline__ void gpuio_swap_plan(const gpuio_swap_job& job, gpuio
         if (tid == 0) {
             *gather_count = 0;
             st[0] = step;
-            report[2 + blockIdx.x] = 0;
         }
         return;
     }

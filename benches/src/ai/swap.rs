@@ -78,6 +78,8 @@ impl Sequences {
             let counts: Vec<usize> = sels.iter().map(Vec::len).collect();
             let t = Instant::now();
             let (reports, device) = loader.load_timed(&counts).map_err(ai)?;
+            let reports = reports.into_iter().collect::<gpuio_ai::Result<Vec<_>>>();
+            let reports = reports.map_err(ai)?;
             if step >= opts.warmup {
                 steps.record(device, t.elapsed(), &reports);
             }

@@ -351,16 +351,20 @@ impl SwapInBatch {
     }
 
     /// Loads the first `counts[i]` positions of sequence `i`'s selection into its
-    /// destination and waits. A sequence whose selection holds a position twice or one the
-    /// layer has not stored installs and writes nothing; the others are loaded all the same,
-    /// and the call returns the error.
-    pub fn load(&mut self, counts: &[usize]) -> Result<Vec<LoadReport>> {
+    /// destination and waits; returns each sequence's report. A sequence whose selection
+    /// holds a position twice or one the layer has not stored is refused (its entry is the
+    /// error): it installs and writes nothing, and the others are loaded all the same. The
+    /// outer error is a call that did not run (bad counts, a device failure).
+    pub fn load(&mut self, counts: &[usize]) -> Result<Vec<Result<LoadReport>>> {
         self.run(counts, false).map(|(r, _)| r)
     }
 
     /// [`load`](Self::load), with the device's time for the plan and the gather (CUDA
     /// events).
-    pub fn load_timed(&mut self, counts: &[usize]) -> Result<(Vec<LoadReport>, Duration)> {
+    pub fn load_timed(
+        &mut self,
+        counts: &[usize],
+    ) -> Result<(Vec<Result<LoadReport>>, Duration)> {
         self.run(counts, true)
             .map(|(r, t)| (r, t.unwrap_or_default()))
     }
@@ -369,7 +373,7 @@ impl SwapInBatch {
         &mut self,
         counts: &[usize],
         timed: bool,
-    ) -> Result<(Vec<LoadReport>, Option<Duration>)> {
+    ) -> Result<(Vec<Result<LoadReport>>, Option<Duration>)> {
         if counts.len() != self.claims.kvs.len() {
             return Err(AiError::InvalidArgument(format!(
                 "{} counts for {} sequences",
@@ -393,15 +397,18 @@ impl SwapInBatch {
         let done = self.stream.swap_in(&mut self.table, &warm, &loads, timed)?;
         let entry = self.claims.kvs[0].inner.cfg.entry_bytes as u64;
         let reports = done
-            .counts
-            .iter()
+            .jobs
+            .into_iter()
             .zip(counts)
-            .map(|(c, &selected)| LoadReport {
-                selected,
-                hits: c.hits,
-                misses: c.misses,
-                from_cold: 0,
-                bytes_from_host: c.misses as u64 * entry,
+            .map(|(job, &selected)| {
+                let c = job.map_err(|r| AiError::InvalidArgument(r.to_string()))?;
+                Ok(LoadReport {
+                    selected,
+                    hits: c.hits,
+                    misses: c.misses,
+                    from_cold: 0,
+                    bytes_from_host: c.misses as u64 * entry,
+                })
             })
             .collect();
         Ok((reports, done.device_time))

@@ -7,9 +7,9 @@
 //! layer. On the GPU machine the same tests check the plan kernel against the model.
 
 use gpuio_ai::AiError;
-use gpuio_ai::kv::{SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget};
+use gpuio_ai::kv::{LoadReport, SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget};
 use gpuio_api::{Config, DeviceBuffer, HostPlacement, Session};
-use gpuio_hal::pattern;
+use gpuio_hal::{ErrorCode, pattern};
 use std::collections::HashMap;
 
 const E: usize = 80;
@@ -106,6 +106,11 @@ impl Model {
     }
 }
 
+/// Every sequence's report of a call that loaded them all.
+fn loaded(call: gpuio_ai::Result<Vec<gpuio_ai::Result<LoadReport>>>) -> Vec<LoadReport> {
+    call.unwrap().into_iter().map(Result::unwrap).collect()
+}
+
 /// A selection of `k` distinct positions below `len` keeping about `keep` of `prev`.
 fn next_selection(prev: &[u32], len: u64, k: usize, keep: f64, rng: &mut u64) -> Vec<u32> {
     let mut next = |bound: u64| {
@@ -190,7 +195,7 @@ fn decode(rig: &Rig, layer: usize, steps: usize, keep: f64, seed: u64) {
             upload(&rig.stream, &rig.sels[i], &prev[i]);
             counts.push(prev[i].len());
         }
-        let reports = batch.load(&counts).unwrap();
+        let reports = loaded(batch.load(&counts));
         for (i, r) in reports.iter().enumerate() {
             let (hits, misses) = models[i].load(&prev[i]);
             assert_eq!(
@@ -228,7 +233,7 @@ fn ages_past_255_steps_count_as_equally_old() {
     let mut batch = rig.batch(0).unwrap();
     let mut load = |sel: &[u32]| {
         upload(&rig.stream, &rig.sels[0], sel);
-        let r = batch.load(&[sel.len()]).unwrap()[0];
+        let r = loaded(batch.load(&[sel.len()]))[0];
         (r.hits, r.misses)
     };
     assert_eq!(load(&[0, 1, 2, 3]), (0, 4)); // slots 0..3, step 1
@@ -256,15 +261,20 @@ fn a_refused_selection_installs_nothing_and_later_loads_stay_exact() {
     for (i, sel) in good.iter().enumerate() {
         upload(&rig.stream, &rig.sels[i], sel);
     }
-    batch.load(&[4, 3]).unwrap();
+    loaded(batch.load(&[4, 3]));
     models[0].load(&good[0]);
     models[1].load(&good[1]);
     for (bad, why) in [(vec![2u32, 9, 2], "twice"), (vec![3u32, 30], "length")] {
         upload(&rig.stream, &rig.sels[1], &bad);
-        let e = batch.load(&[4, bad.len()]).unwrap_err();
+        let mut r = batch.load(&[4, bad.len()]).unwrap();
+        let e = r.pop().unwrap().unwrap_err();
         assert!(e.to_string().contains(why), "{e}");
-        // The good sequence was loaded all the same; the bad one installed nothing.
-        assert_eq!(models[0].load(&good[0]), (4, 0));
+        assert_eq!(e.code(), ErrorCode::InvalidArg);
+        // The good sequence was loaded all the same, and its counts reported; the bad one
+        // installed nothing.
+        let ok = r.pop().unwrap().unwrap();
+        assert_eq!((ok.hits, ok.misses), models[0].load(&good[0]));
+        assert_eq!((ok.hits, ok.misses), (4, 0));
         let got = download(&rig.stream, &rig.dsts[0], 4 * E);
         assert_eq!(got[E..2 * E], entry(0, 0, 2)[..]);
         models[1].refused(&bad, 30);
@@ -275,7 +285,7 @@ fn a_refused_selection_installs_nothing_and_later_loads_stay_exact() {
     for (i, sel) in next.iter().enumerate() {
         upload(&rig.stream, &rig.sels[i], sel);
     }
-    let r = batch.load(&[3, 4]).unwrap();
+    let r = loaded(batch.load(&[3, 4]));
     for i in 0..2 {
         assert_eq!((r[i].hits, r[i].misses), models[i].load(&next[i]));
         let got = download(&rig.stream, &rig.dsts[i], next[i].len() * E);
@@ -298,7 +308,7 @@ fn a_layer_belongs_to_one_batch_and_its_hot_buffer_carries_over() {
     let sel = [10u32, 11, 12, 13];
     upload(&rig.stream, &rig.sels[0], &sel);
     let mut first = rig.batch(0).unwrap();
-    assert_eq!(first.load(&[4]).unwrap()[0].misses, 4);
+    assert_eq!(loaded(first.load(&[4]))[0].misses, 4);
     assert!(rig.batch(0).is_err(), "layer 0 is the first batch's");
     assert!(rig.batch(1).is_ok(), "layer 1 is free");
     let twice = [SwapInTarget {
@@ -313,7 +323,7 @@ fn a_layer_belongs_to_one_batch_and_its_hot_buffer_carries_over() {
         .batch(0)
         .expect("free again after the first batch dropped");
     assert_eq!(
-        second.load(&[4]).unwrap()[0].hits,
+        loaded(second.load(&[4]))[0].hits,
         4,
         "the hot buffer carried over"
     );
@@ -399,7 +409,7 @@ fn batches_over_the_same_sequences_in_opposite_orders_never_wait_on_each_other()
                 .collect();
             let mut batch = SwapInBatch::new(&rig.session, layer, &targets).unwrap();
             for _ in 0..5_000 {
-                batch.load(&[4, 4]).unwrap();
+                loaded(batch.load(&[4, 4]));
             }
         }));
     }

@@ -533,7 +533,7 @@ impl HostStream {
                 Ok((hits, misses)) => (p.load.count, hits as u64 | (misses as u64) << 32),
                 Err(word) => {
                     report[0] = report[0].min(word);
-                    (0, 0)
+                    (0, word | 1 << 63)
                 }
             };
             report.push(stats);

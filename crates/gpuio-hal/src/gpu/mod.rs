@@ -34,7 +34,7 @@ pub use ring_kernels::RING_PING_PHASES;
 pub use rows::{RowIndices, RowKernel};
 pub use stream::{Event, Inflight, Stream};
 pub use swap_in::{
-    SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, SwapInCounts, SwapInDone, SwapInJob, SwapInLoad,
+    SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, SwapInCounts, SwapInDone, SwapInJob, SwapInLoad, SwapInRefused,
     SwapInTable, swap_in_state_len,
 };
 pub use tiered::{

@@ -17,8 +17,9 @@
 //!
 //! Victims are exact LRU up to 255 steps of age; older slots count as equally old, lower slots
 //! first. A selection must not hold a position twice or a position past the layer's length:
-//! that job installs nothing and writes no output (its hits are marked used), the call's other
-//! jobs are loaded, and the call returns the error.
+//! that job is refused — it installs nothing and writes no output (its hits are marked used) —
+//! while the call's other jobs are loaded; the call reports each job's outcome, counts or
+//! refusal.
 
 use super::backend::{DevRange, RowMem, SwapInLaunch, SwapInPart};
 use super::tiered::check_disjoint;
@@ -103,11 +104,23 @@ pub struct SwapInCounts {
     pub misses: usize,
 }
 
-/// A call's outcome: each job's counts, and the device's time when asked.
+/// Why one job of a call installed and wrote nothing (its selection, or its state).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("swap-in: {0}")]
+pub struct SwapInRefused(pub String);
+
+impl From<SwapInRefused> for HalError {
+    fn from(r: SwapInRefused) -> Self {
+        HalError::InvalidArgument(r.to_string())
+    }
+}
+
+/// A call's outcome: each job's counts or why it was refused, and the device's time when
+/// asked.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SwapInDone {
     /// Per job, in the table's order.
-    pub counts: Vec<SwapInCounts>,
+    pub jobs: Vec<std::result::Result<SwapInCounts, SwapInRefused>>,
     /// The plan and the gather on the device (CUDA events; on the host backend, their
     /// time on the CPU).
     pub device_time: Option<Duration>,
@@ -300,7 +313,9 @@ impl Stream {
             ];
             words((n + i) * JOB_BYTES, &mut bytes, &plan);
         }
-        words(report_at, &mut bytes, &[u64::MAX, u64::MAX]);
+        // The call's two failure words and each job's word, all ones until something is
+        // reported (the kernel keeps minima in them).
+        words(report_at, &mut bytes, &vec![u64::MAX; 2 + n]);
         self.upload(&bytes, &device, 0)?;
         Ok(SwapInTable {
             gpu: self.gpu.clone(),
@@ -317,9 +332,11 @@ impl Stream {
     /// `loads[j].count` selected positions are written, in order, to its destination — each
     /// from its slot, or from `warm[j]` (the pinned buffer the table was made with) into the
     /// output and the slot it takes. A job whose selection holds a position twice or one at
-    /// or past its length installs and writes nothing; the others are loaded, and the call
-    /// returns that error (without their counts). Where the device itself fails (a launch,
-    /// a copy), the states may name rows their hot buffers did not receive: reset them.
+    /// or past its length is refused: it installs and writes nothing, the others are loaded,
+    /// and [`SwapInDone::jobs`] says which, with the refused jobs' reasons. An error is
+    /// returned only where the call as a whole failed. Where the device itself fails (a
+    /// launch, a copy), the states may name rows their hot buffers did not receive: reset
+    /// them.
     pub fn swap_in(
         &self,
         table: &mut SwapInTable,
@@ -394,28 +411,28 @@ impl Stream {
         // are held by the table; the warm pools and the control words are pinned host memory
         // borrowed (registered) for the call, which waits for the device before returning.
         let ran = unsafe { self.inner.swap_in(launch)? };
-        let failure = ran.report.first().copied().unwrap_or(u64::MAX);
-        if failure != u64::MAX {
-            return Err(plan_failure(failure, &parts));
-        }
         if let Some(&i) = ran.report.get(1).filter(|&&w| w != u64::MAX) {
             return bad(format!(
                 "code {i} names a row outside its tier: a state was written by something other \
                  than this table's loads"
             ));
         }
-        let counts = ran
-            .report
-            .get(2..)
-            .unwrap_or_default()
+        let words = ran.report.get(2..).unwrap_or_default();
+        if words.len() != n {
+            return bad(format!("{} job words for {n} jobs", words.len()));
+        }
+        let jobs = words
             .iter()
-            .map(|&w| SwapInCounts {
-                hits: (w & 0xffff_ffff) as usize,
-                misses: (w >> 32) as usize,
+            .map(|&w| match w {
+                w if w >> 63 == 1 => Err(plan_failure(w & !(1 << 63), &parts)),
+                w => Ok(SwapInCounts {
+                    hits: (w & 0xffff_ffff) as usize,
+                    misses: (w >> 32) as usize,
+                }),
             })
             .collect();
         Ok(SwapInDone {
-            counts,
+            jobs,
             device_time: ran.device_time,
         })
     }
@@ -430,8 +447,8 @@ fn initial_state(positions: u64, slots: usize) -> Vec<u8> {
     words.iter().flat_map(|w| w.to_le_bytes()).collect()
 }
 
-/// The error a plan's report word names.
-fn plan_failure(word: u64, parts: &[SwapInPart<'_>]) -> HalError {
+/// The refusal a plan's failure word names.
+fn plan_failure(word: u64, parts: &[SwapInPart<'_>]) -> SwapInRefused {
     let (kind, job, value) = (word >> 60, (word >> 32) & 0x0fff_ffff, word & 0xffff_ffff);
     let load = parts.get(job as usize).map(|p| p.load);
     let why = match kind {
@@ -448,7 +465,7 @@ fn plan_failure(word: u64, parts: &[SwapInPart<'_>]) -> HalError {
         ),
         _ => format!("job {job}: unknown plan failure {word:#x}"),
     };
-    HalError::InvalidArgument(format!("swap-in: {why}"))
+    SwapInRefused(why)
 }
 
 /// A report word naming one failure (the kernel's `gpuio_swap_bad`).

@@ -79,8 +79,9 @@ impl CudaStreamBackend {
                 8 * words.len(),
                 self.raw(),
             )?;
-            // Reset the failure words for the next call, after the download in stream order.
-            driver::memset_d8_async(report, 0xff, 16, self.raw())?;
+            // Reset the failure and job words for the next call, after the download in
+            // stream order.
+            driver::memset_d8_async(report, 0xff, 8 * words.len(), self.raw())?;
         }
         running.wait()?;
         Ok(SwapInRan {
