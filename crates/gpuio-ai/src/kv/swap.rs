@@ -361,10 +361,7 @@ impl SwapInBatch {
 
     /// [`load`](Self::load), with the device's time for the plan and the gather (CUDA
     /// events).
-    pub fn load_timed(
-        &mut self,
-        counts: &[usize],
-    ) -> Result<(Vec<Result<LoadReport>>, Duration)> {
+    pub fn load_timed(&mut self, counts: &[usize]) -> Result<(Vec<Result<LoadReport>>, Duration)> {
         self.run(counts, true)
             .map(|(r, t)| (r, t.unwrap_or_default()))
     }
