@@ -190,6 +190,11 @@ impl PageCache {
         self.inner.memory.page_size()
     }
 
+    /// The GPU whose memory holds the cache.
+    pub fn gpu(&self) -> &Gpu {
+        self.inner.memory.gpu()
+    }
+
     /// Shuts the ring proxy down: misses being served finish, waiting ones fail with the
     /// shutdown error, and every later miss fails (hits still read cached pages).
     pub fn shutdown(&self) -> Result<crate::ring::RingStats> {

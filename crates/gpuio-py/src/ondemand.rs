@@ -12,6 +12,7 @@ use crate::session::Session;
 use gpuio_api::{ArrayMode, PageCacheConfig};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// A core or HAL error (what the array calls return) as `gpuio.Error`.
@@ -99,7 +100,11 @@ impl PageCache {
             .detach(|| self.inner.array::<u8>(endpoint, nbytes, mode))
             .map_err(core)?;
         Ok(OnDemandArray {
-            inner: Mutex::new(Some(Arc::new(array))),
+            inner: Mutex::new(Some(Open {
+                views: BTreeMap::new(),
+                next_view: 0,
+                array: Arc::new(array),
+            })),
             itemsize,
             nbytes,
         })
@@ -115,11 +120,40 @@ impl PageCache {
 /// An array over a source, read (and written) by GPU threads through a [`PageCache`].
 #[pyclass(module = "gpuio", frozen)]
 pub struct OnDemandArray {
-    /// `None` once closed. On the heap: the array holds 64-byte-aligned slot copies, more
-    /// than a Python object's memory is aligned to. Shared with its resident views.
-    inner: Mutex<Option<Arc<gpuio_api::OnDemandArray<u8>>>>,
+    /// `None` once closed.
+    inner: Mutex<Option<Open>>,
     itemsize: u64,
     nbytes: u64,
+}
+
+/// An open array and the resident views it holds. The views live here, not in the Python
+/// objects that name them, so a view object collected while kernels still use its
+/// descriptor (`desc = arr.resident().descriptor`) lets nothing go: only `release()` or
+/// closing the array does.
+struct Open {
+    // Dropped before the array: their pages are let go while it is still in its cache.
+    views: BTreeMap<u64, gpuio_api::ResidentArray<'static, u8>>,
+    next_view: u64,
+    /// On the heap: the array holds 64-byte-aligned slot copies, more than a Python object's
+    /// memory is aligned to. Shared with its views.
+    array: Arc<gpuio_api::OnDemandArray<u8>>,
+}
+
+impl Open {
+    /// Waits for the GPU's queued work (kernels another library launched may still read
+    /// through a view), then lets every view go; the first failure.
+    fn let_views_go(&mut self) -> Result<(), gpuio_api::Error> {
+        if self.views.is_empty() {
+            return Ok(());
+        }
+        let mut first = self.array.cache().gpu().synchronize().err().map(Into::into);
+        for (_, view) in std::mem::take(&mut self.views) {
+            if let Err(e) = view.release() {
+                first.get_or_insert(e.into());
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
 }
 
 impl OnDemandArray {
@@ -132,8 +166,8 @@ impl OnDemandArray {
         // The lock is held throughout, so a close waits for calls under way.
         py.detach(|| {
             let guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-            match guard.as_deref() {
-                Some(a) => f(a).map_err(core),
+            match guard.as_ref() {
+                Some(open) => f(&open.array).map_err(core),
                 None => Err(invalid("the on-demand array is closed")),
             }
         })
@@ -217,64 +251,77 @@ impl OnDemandArray {
     }
 
     /// Holds every page of this read-only array in the cache (bringing in those not cached)
-    /// until the returned view is released: kernels then read it through
-    /// `gpuio_resident_array<T>` with no pin or check per access. Raises for a writable array
-    /// and for one with more pages than the cache has frames free. The array cannot be
-    /// closed while a view holds it.
-    fn resident(&self, py: Python<'_>) -> PyResult<ResidentArray> {
-        let view = py.detach(|| {
-            let guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-            match guard.as_ref() {
-                Some(a) => a.resident_shared().map_err(core),
-                None => Err(invalid("the on-demand array is closed")),
-            }
+    /// until the returned view is released (`release()`, the end of a `with` block, or
+    /// closing the array; not the view's garbage collection, so a descriptor taken from it
+    /// stays good): kernels then read it through `gpuio_resident_array<T>` with no pin or
+    /// check per access. Raises for a writable array and for one with more pages than the
+    /// cache has frames free.
+    fn resident(slf: &Bound<'_, Self>) -> PyResult<ResidentArray> {
+        let this = slf.get();
+        let id = slf.py().detach(|| {
+            let mut guard = this.inner.lock().unwrap_or_else(PoisonError::into_inner);
+            let Some(open) = guard.as_mut() else {
+                return Err(invalid("the on-demand array is closed"));
+            };
+            let view = open.array.resident_shared().map_err(core)?;
+            let id = open.next_view;
+            open.next_view += 1;
+            open.views.insert(id, view);
+            Ok(id)
         })?;
         Ok(ResidentArray {
-            inner: Mutex::new(Some(view)),
+            array: slf.clone().unbind(),
+            id,
         })
     }
 
-    /// Writes dirty pages back and frees the array's frames; only while no kernel uses it.
-    /// Later calls raise; closing again does nothing. Raises, leaving the array open, while a
-    /// resident view holds it.
+    /// Lets its resident views go (after waiting for the GPU's queued work), writes dirty
+    /// pages back and frees the array's frames; only while no kernel uses it. Later calls
+    /// raise; closing again does nothing.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| {
-            let mut guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-            let Some(array) = guard.take() else {
+            let taken = self
+                .inner
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            let Some(mut open) = taken else {
                 return Ok(());
             };
-            match Arc::try_unwrap(array) {
-                Ok(a) => a.close().map_err(core),
-                Err(shared) => {
-                    *guard = Some(shared);
-                    Err(invalid(
-                        "the on-demand array is held by a resident view: release it first",
-                    ))
-                }
-            }
+            let released = open.let_views_go();
+            let closed = match Arc::try_unwrap(open.array) {
+                Ok(a) => a.close(),
+                // Nothing else keeps a handle: the views were its only other owners.
+                Err(_) => Ok(()),
+            };
+            released.map_err(to_py)?;
+            closed.map_err(core)
         })
     }
 }
 
 /// A read-only [`OnDemandArray`] held in its cache (`OnDemandArray.resident()`): kernels read
 /// it through `gpuio_resident_array<T>` from its `descriptor` (the bytes of
-/// `struct gpuio_resident_desc`) until `release()` (or the end of a `with` block) lets the
-/// pages go.
+/// `struct gpuio_resident_desc`) until `release()`, the end of a `with` block, or the array's
+/// `close()` lets the pages go. The hold belongs to the array: collecting this object lets
+/// nothing go.
 #[pyclass(module = "gpuio", frozen)]
 pub struct ResidentArray {
-    /// `None` once released.
-    inner: Mutex<Option<gpuio_api::ResidentArray<'static, u8>>>,
+    array: Py<OnDemandArray>,
+    /// The view's key in the array's views.
+    id: u64,
 }
 
 #[pymethods]
 impl ResidentArray {
     /// The kernel's descriptor, the bytes of `struct gpuio_resident_desc`: good until the
-    /// view is released (kernels using it must have finished by then).
+    /// view is released.
     #[getter]
     fn descriptor<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let array = self.array.get();
         let d = py.detach(|| {
-            let guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-            match guard.as_ref() {
+            let guard = array.inner.lock().unwrap_or_else(PoisonError::into_inner);
+            match guard.as_ref().and_then(|open| open.views.get(&self.id)) {
                 Some(view) => view.device().map_err(core),
                 None => Err(invalid("the resident view was released")),
             }
@@ -282,16 +329,20 @@ impl ResidentArray {
         Ok(PyBytes::new(py, &d.to_bytes()))
     }
 
-    /// Lets the pages go (only once no kernel reads through the view); releasing again does
-    /// nothing.
+    /// Waits for the GPU's queued work (kernels reading through the view), then lets the
+    /// pages go; releasing again does nothing.
     fn release(&self, py: Python<'_>) -> PyResult<()> {
+        let array = self.array.get();
         py.detach(|| {
-            let view = self
-                .inner
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .take();
-            view.map_or(Ok(()), |v| v.release().map_err(core))
+            let mut guard = array.inner.lock().unwrap_or_else(PoisonError::into_inner);
+            let Some(open) = guard.as_mut() else {
+                return Ok(());
+            };
+            let Some(view) = open.views.remove(&self.id) else {
+                return Ok(());
+            };
+            open.array.cache().gpu().synchronize().map_err(core)?;
+            view.release().map_err(core)
         })
     }
 
