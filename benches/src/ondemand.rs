@@ -14,15 +14,15 @@
 //!   (`gpuio_array::gather`; the same array held, `gpuio_resident_array`) against
 //!   the same kernel shape reading a plain device array holding the same bytes.
 //! - `miss_path`: distinct random 4 KiB pages of a cold cache (every access a miss), against
-//!   the request ring's raw rate (`ring_read_blocks`, the same reads with no cache) and the
-//!   host LocalIO engine; `miss_path_in_place`: the same misses read in place, against the
-//!   host engine.
+//!   the request ring's raw rate (`ring_read_blocks`: the same reads through the same ring and
+//!   proxy, with no cache; passes alternate) and the host LocalIO engine;
+//!   `miss_path_in_place`: the same misses read in place, against the host engine.
 
 use crate::localio::{Cleanup, api, make_file};
 use crate::{BenchError, Record, Result, Target, fresh_seed};
 use gpuio_api::{OpenOptions, Session};
 use gpuio_core::ondemand::{ArrayMode, OnDemandArray, PageCache, PageCacheConfig};
-use gpuio_core::{Endpoint, RingConfig, RingProxy};
+use gpuio_core::{Endpoint, RingConfig};
 use gpuio_hal::{DeviceBuffer, Gpu, HostAllocOptions, HostBuffer, Stream, pattern};
 use rayon::prelude::*;
 use std::os::unix::fs::FileExt;
@@ -495,12 +495,15 @@ fn miss_path(ctx: &Ctx<'_>) -> Result<(Record, Record, Record)> {
     let offs = upload_u64s(&ctx.gpu, &ctx.stream, &offsets)?;
     let out = ctx.gpu.alloc(n * 4096)?;
     // A fresh array each pass (its pages all uncached): every access misses. The cache and
-    // its ring proxy stay, as they would in a program. Through the ring, each pass alternates
-    // with a pass of raw ring reads of the same pages (a proxy of as many threads), so both
-    // see the same machine: the ratio is the median of the pairs'. Then read in place.
-    let cold_pass = |cache: &PageCache, in_place: bool| -> Result<Duration> {
+    // its ring proxy stay, as they would in a program. Through the ring, each array pass is
+    // paired with a pass of raw ring reads of the same pages through the same ring and proxy
+    // (the array's resource handle): both see the same machine and the same proxy threads,
+    // and the ratio is the median of the pairs'. Then read in place, on a cache of its own.
+    let results = ctx.gpu.alloc(n * 8)?;
+    let raw_out = ctx.gpu.alloc(n * 4096)?;
+    let pair = |cache: &PageCache| -> Result<(Duration, Duration)> {
         let array = ctx.array(cache, ctx.size)?;
-        if array.reads_in_place() != in_place {
+        if array.reads_in_place() {
             return Err(BenchError::Options(format!(
                 "miss_path: misses {}",
                 array.miss_path()
@@ -508,7 +511,7 @@ fn miss_path(ctx: &Ctx<'_>) -> Result<(Record, Record, Record)> {
         }
         let start = Instant::now();
         ctx.array_rows(&array, &rows, n, 4096, &out)?;
-        let t = start.elapsed();
+        let ours = start.elapsed();
         let s = array.stats().map_err(api)?;
         if s.misses != n as u64 {
             return Err(BenchError::Options(format!(
@@ -516,23 +519,11 @@ fn miss_path(ctx: &Ctx<'_>) -> Result<(Record, Record, Record)> {
                 s.misses
             )));
         }
-        Ok(t)
-    };
-    let cache = ctx.cache(4096, ctx.opts.cache, false)?;
-    let cfg = RingConfig {
-        threads: ctx.proxies,
-        ..PageCacheConfig::default().ring
-    };
-    let mut proxy = RingProxy::new(ctx.session.engines().clone(), &ctx.gpu, cfg).map_err(api)?;
-    let handle = proxy.register(Endpoint::file(&ctx.file, 0)).map_err(api)?;
-    let raw_out = ctx.gpu.alloc(n * 4096)?;
-    proxy.register_device(&raw_out).map_err(api)?;
-    let results = ctx.gpu.alloc(n * 8)?;
-    let raw_pass = || -> Result<Duration> {
+        let (_, table, ring) = array.hal_parts();
         let start = Instant::now();
         ctx.stream.ring_read_blocks(
-            proxy.ring(),
-            handle,
+            &ring,
+            table.resource(),
             &offs,
             n,
             4096,
@@ -540,19 +531,18 @@ fn miss_path(ctx: &Ctx<'_>) -> Result<(Record, Record, Record)> {
             &results,
             4096,
         )?;
-        Ok(start.elapsed())
+        Ok((ours, start.elapsed()))
     };
-    // The first pair loads the kernels and starts the proxies.
-    cold_pass(&cache, false)?;
-    raw_pass()?;
+    let cache = ctx.cache(4096, ctx.opts.cache, false)?;
+    pair(&cache)?; // loads the kernels and starts the proxy
     let (mut ours_t, mut ring_t, mut pairs) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..ctx.opts.reps.max(5) {
-        let a = cold_pass(&cache, false)?;
-        let r = raw_pass()?;
+        let (a, r) = pair(&cache)?;
         pairs.push(r.as_secs_f64() / a.as_secs_f64().max(1e-9));
         ours_t.push(a);
         ring_t.push(r);
     }
+    drop(cache);
     check_rows(&ctx.stream, &out, &offsets, 4096, ctx.seed, "miss_path")?;
     check_rows(
         &ctx.stream,
@@ -562,19 +552,40 @@ fn miss_path(ctx: &Ctx<'_>) -> Result<(Record, Record, Record)> {
         ctx.seed,
         "miss_path (ring)",
     )?;
-    proxy.shutdown().map_err(api)?;
-    drop(cache);
+    let mut res = vec![0u8; n * 8];
+    ctx.stream.download(&results, 0, &mut res)?;
+    if let Some(k) = res
+        .chunks_exact(8)
+        .position(|w| i64::from_le_bytes(w.try_into().unwrap_or_default()) != 4096)
+    {
+        return Err(BenchError::Options(format!(
+            "miss_path: raw ring read {k} returned {}",
+            i64::from_le_bytes(res[k * 8..k * 8 + 8].try_into().unwrap_or_default())
+        )));
+    }
     let (ours, ring) = (median(ours_t), median(ring_t));
     pairs.sort_by(f64::total_cmp);
     let in_place = {
         let cache = ctx.cache(4096, ctx.opts.cache, true)?;
-        cold_pass(&cache, true)?;
-        let mut t = Vec::new();
-        for _ in 0..ctx.opts.reps.max(1) {
-            t.push(cold_pass(&cache, true)?);
-        }
+        let pass = || -> Result<()> {
+            let array = ctx.array(&cache, ctx.size)?;
+            if !array.reads_in_place() {
+                return Err(BenchError::Options(format!(
+                    "miss_path: misses {}",
+                    array.miss_path()
+                )));
+            }
+            ctx.array_rows(&array, &rows, n, 4096, &out)?;
+            match array.stats().map_err(api)?.misses {
+                m if m == n as u64 => Ok(()),
+                m => Err(BenchError::Options(format!(
+                    "miss_path: {m} misses for {n} cold pages"
+                ))),
+            }
+        };
+        let t = timed(ctx.opts.reps, pass)?;
         check_rows(&ctx.stream, &out, &offsets, 4096, ctx.seed, "miss_path")?;
-        median(t)
+        t
     };
     let io = ctx.session.localio();
     let host = timed(ctx.opts.reps, || {
@@ -587,15 +598,16 @@ fn miss_path(ctx: &Ctx<'_>) -> Result<(Record, Record, Record)> {
         SUITE,
         ("miss_path", "misses/s", "M/s"),
         rate(ours),
-        "ring raw reads (ring_read_blocks, 4096 GPU threads)",
+        "raw reads through the same ring (ring_read_blocks, 4096 GPU threads)",
         rate(ring),
         true,
     );
     a.bytes = 4096;
+    a.reps = pairs.len();
     a.ratio = pairs[pairs.len() / 2];
     a.route = format!(
-        "{n} distinct cold pages, {} proxy threads; ratio: median of {} alternating pairs \
-         (range {:.2}-{:.2})",
+        "{n} distinct cold pages, {} proxy threads (one ring for both); ratio: median of {} \
+         alternating pairs (range {:.2}-{:.2})",
         ctx.proxies,
         pairs.len(),
         pairs[0],

@@ -126,7 +126,11 @@ pub fn run(
     let cores = std::thread::available_parallelism().map_or(2, |c| c.get());
     // Throughput: proxy threads on all but two cores (the driver and the launching thread
     // keep theirs). Latency: two, so that spinning proxies never crowd the cores.
-    let cfg = ring_config(cores.saturating_sub(2).clamp(1, 16));
+    let mut cfg = ring_config(cores.saturating_sub(2).clamp(1, 16));
+    // Idle while the peers run: its threads sleep up to 200 us between polls rather than 20,
+    // so they do not wake hundreds of thousands of times a second on the peers' cores (a
+    // ring pass may start up to 200 us late, under 0.5 % of it).
+    cfg.wait.max_sleep = Duration::from_micros(200);
     let threads = cfg.threads;
     let mut proxy = RingProxy::new(session.engines().clone(), &gpu, cfg).map_err(api)?;
     let handle = proxy.register(Endpoint::file(&file, 0)).map_err(api)?;

@@ -34,6 +34,11 @@ impl CudaStreamBackend {
         let (plans, codes) = (base + launch.plans_at as u64, base + launch.codes_at as u64);
         let report = base + launch.report_at as u64;
         let gather_report = report + 8;
+        let words_len = 8 * (2 + jobs);
+        // The failure and job words all ones before the plan, in stream order: whatever an
+        // earlier call left (one that failed before its download) never reads as this one's.
+        // SAFETY: the report range is 2 + jobs u64s of the table's device memory (its layout).
+        unsafe { driver::memset_d8_async(report, 0xff, words_len, self.raw())? };
         let start = launch.timed.then(|| self.record(true)).transpose()?;
         let running = WaitOnDrop(Some(self));
         let mut l = self.stream.launch_builder(plan_fn);
@@ -73,16 +78,8 @@ impl CudaStreamBackend {
         // SAFETY: `words` holds 2 + jobs writable u64s, untouched until the wait below; the
         // report range is that long (the table's layout).
         unsafe {
-            driver::memcpy_dtoh_async(
-                words.as_mut_ptr().cast(),
-                report,
-                8 * words.len(),
-                self.raw(),
-            )?;
-            // Reset the failure and job words for the next call, after the download in
-            // stream order.
-            driver::memset_d8_async(report, 0xff, 8 * words.len(), self.raw())?;
-        }
+            driver::memcpy_dtoh_async(words.as_mut_ptr().cast(), report, words_len, self.raw())?
+        };
         running.wait()?;
         Ok(SwapInRan {
             report: words,
