@@ -21,9 +21,9 @@ pub use gpu::{
     Backend, BackendPreference, Capability, DeviceBuffer, DeviceInfo, DmaBufExport, Event, GdsFile,
     GdsMode, Gpu, Inflight, PcieLink, PinGuard, Probe, QuantKind, QuantizedAt, RowIndices,
     RowKernel, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, ScoreRows, SharedPin, Stream,
-    SwapInCounts, SwapInDone, SwapInJob, SwapInLoad, SwapInRefused, SwapInTable, TIER_MAX_HOT_ROWS,
-    TIER_MAX_JOBS, TIER_MAX_WARM_ROWS, TieredRows, TieredSource, probe, probe_with,
-    swap_in_state_len, tiered_stage_len,
+    SwapInCounts, SwapInDone, SwapInFault, SwapInJob, SwapInLoad, SwapInRefused, SwapInTable,
+    TIER_MAX_HOT_ROWS, TIER_MAX_JOBS, TIER_MAX_WARM_ROWS, TieredRows, TieredSource, probe,
+    probe_with, swap_in_state_len, tiered_stage_len,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::pool::{PoolConfig, PoolStats, PooledBuffer, StagingLease, StagingPool};

@@ -14,8 +14,8 @@ use crate::{AiError, Result};
 use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
 use gpuio_hal::{HostBuffer, HostRead};
 use gpuio_hal::{
-    SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, Stream, SwapInJob, SwapInLoad, SwapInTable,
-    swap_in_state_len,
+    SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, Stream, SwapInFault, SwapInJob, SwapInLoad,
+    SwapInTable, swap_in_state_len,
 };
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -179,6 +179,30 @@ impl SwapInKv {
         warm[at..at + entries.len()].copy_from_slice(entries);
         l.len.store(first + n, Ordering::Release);
         Ok(first)
+    }
+
+    /// Empties layer `layer`'s hot buffer: its state forgets every slot, so the next load
+    /// reads every selected entry from host memory again. What a layer needs after a load
+    /// refused for its state (`AiError::Corrupt`) or a device failure during a load. Refused
+    /// while the layer is in a batch.
+    pub fn reset(&self, session: &Session, layer: usize) -> Result<()> {
+        let l = self.layer(layer)?;
+        if l.in_batch
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return Err(AiError::InvalidArgument(format!(
+                "layer {layer} is in a batch: drop the batch before resetting it"
+            )));
+        }
+        let cfg = &self.inner.cfg;
+        let reset = || -> Result<()> {
+            let stream = session.gpu(cfg.gpu)?.stream()?;
+            Ok(stream.swap_in_reset(&l.state, cfg.max_tokens, cfg.hot_slots)?)
+        };
+        let done = reset();
+        l.in_batch.store(false, Ordering::Release);
+        done
     }
 
     /// Entry (`layer`, `pos`) as stored.
@@ -398,7 +422,12 @@ impl SwapInBatch {
             .into_iter()
             .zip(counts)
             .map(|(job, &selected)| {
-                let c = job.map_err(|r| AiError::InvalidArgument(r.to_string()))?;
+                let c = job.map_err(|r| match r.fault {
+                    SwapInFault::Selection => AiError::InvalidArgument(r.to_string()),
+                    // Not the caller's selection: the state in device memory cannot be
+                    // trusted; `SwapInKv::reset` empties the layer's hot buffer.
+                    SwapInFault::State => AiError::Corrupt(format!("{r}; reset the layer")),
+                })?;
                 Ok(LoadReport {
                     selected,
                     hits: c.hits,

@@ -302,6 +302,32 @@ fn a_refused_selection_installs_nothing_and_later_loads_stay_exact() {
 }
 
 #[test]
+fn a_reset_layer_reads_every_entry_again_and_waits_for_its_batch() {
+    let rig = rig(1, config(100, 8, 4));
+    append(&rig.kvs[0], 0, 0, 50);
+    append(&rig.kvs[0], 0, 1, 50);
+    let sel = [20u32, 21, 22, 23];
+    upload(&rig.stream, &rig.sels[0], &sel);
+    let mut batch = rig.batch(0).unwrap();
+    assert_eq!(loaded(batch.load(&[4]))[0].misses, 4);
+    let e = rig.kvs[0].reset(&rig.session, 0).unwrap_err();
+    assert!(e.to_string().contains("in a batch"), "{e}");
+    assert_eq!(loaded(batch.load(&[4]))[0].hits, 4, "not reset");
+    drop(batch);
+    rig.kvs[0].reset(&rig.session, 0).unwrap();
+    assert!(rig.kvs[0].reset(&rig.session, 9).is_err(), "no layer 9");
+    let mut batch = rig.batch(0).expect("a reset leaves the layer free");
+    let r = loaded(batch.load(&[4]))[0];
+    assert_eq!((r.hits, r.misses), (0, 4), "every entry read again");
+    let got = download(&rig.stream, &rig.dsts[0], 4 * E);
+    for (j, &p) in sel.iter().enumerate() {
+        assert_eq!(got[j * E..(j + 1) * E], entry(0, 0, u64::from(p))[..]);
+    }
+    // Layer 1 was never in a batch and keeps nothing: resetting it is harmless.
+    rig.kvs[0].reset(&rig.session, 1).unwrap();
+}
+
+#[test]
 fn a_layer_belongs_to_one_batch_and_its_hot_buffer_carries_over() {
     let rig = rig(1, config(100, 8, 4));
     append(&rig.kvs[0], 0, 0, 50);

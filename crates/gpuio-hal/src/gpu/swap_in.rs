@@ -104,10 +104,26 @@ pub struct SwapInCounts {
     pub misses: usize,
 }
 
-/// Why one job of a call installed and wrote nothing (its selection, or its state).
+/// Why one job of a call installed and wrote nothing.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("swap-in: {0}")]
-pub struct SwapInRefused(pub String);
+#[error("swap-in: {why}")]
+pub struct SwapInRefused {
+    /// Whose fault it is: the call's selection, or the job's state.
+    pub fault: SwapInFault,
+    /// What the plan found.
+    pub why: String,
+}
+
+/// What a refused job needs before it loads again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SwapInFault {
+    /// The selection holds a position twice or one past the layer's length (or more
+    /// positions than the table allows): the next call with a good selection loads.
+    Selection,
+    /// The state has run out of steps, or names slots or positions outside its tables:
+    /// reset it ([`Stream::swap_in_reset`]) before the job loads again.
+    State,
+}
 
 impl From<SwapInRefused> for HalError {
     fn from(r: SwapInRefused) -> Self {
@@ -451,6 +467,10 @@ fn initial_state(positions: u64, slots: usize) -> Vec<u8> {
 fn plan_failure(word: u64, parts: &[SwapInPart<'_>]) -> SwapInRefused {
     let (kind, job, value) = (word >> 60, (word >> 32) & 0x0fff_ffff, word & 0xffff_ffff);
     let load = parts.get(job as usize).map(|p| p.load);
+    let fault = match kind {
+        EXHAUSTED | CORRUPT => SwapInFault::State,
+        _ => SwapInFault::Selection,
+    };
     let why = match kind {
         PAST_LEN => format!(
             "job {job}: selection entry {value} is at or past the layer's length ({:?})",
@@ -465,7 +485,7 @@ fn plan_failure(word: u64, parts: &[SwapInPart<'_>]) -> SwapInRefused {
         ),
         _ => format!("job {job}: unknown plan failure {word:#x}"),
     };
-    SwapInRefused(why)
+    SwapInRefused { fault, why }
 }
 
 /// A report word naming one failure (the kernel's `gpuio_swap_bad`).
@@ -732,6 +752,21 @@ mod tests {
             before[1..],
             "nothing installed; only the step was spent"
         );
+    }
+
+    #[test]
+    fn refusals_say_whether_the_selection_or_the_state_is_at_fault() {
+        for (kind, fault) in [
+            (PAST_LEN, SwapInFault::Selection),
+            (TWICE, SwapInFault::Selection),
+            (TOO_MANY, SwapInFault::Selection),
+            (EXHAUSTED, SwapInFault::State),
+            (CORRUPT, SwapInFault::State),
+        ] {
+            let r = plan_failure(failure(kind, 0, 7), &[]);
+            assert_eq!(r.fault, fault, "{r}");
+            assert!(r.to_string().starts_with("swap-in: job 0: "), "{r}");
+        }
     }
 
     #[test]
