@@ -19,6 +19,7 @@
 //!   `miss_path_in_place`: the same misses read in place, against the host engine.
 
 use crate::localio::{Cleanup, api, make_file};
+use crate::ring::check_results;
 use crate::{BenchError, Record, Result, Target, fresh_seed};
 use gpuio_api::{OpenOptions, Session};
 use gpuio_core::ondemand::{ArrayMode, OnDemandArray, PageCache, PageCacheConfig};
@@ -501,9 +502,11 @@ fn miss_path(ctx: &Ctx<'_>) -> Result<(Record, Record, Record)> {
     // and the ratio is the median of the pairs'. Then read in place, on a cache of its own.
     let results = ctx.gpu.alloc(n * 8)?;
     let raw_out = ctx.gpu.alloc(n * 4096)?;
-    let pair = |cache: &PageCache| -> Result<(Duration, Duration)> {
+    // A fresh array's pass over the cold pages (timed: the misses only, since making an
+    // array may pin the file's page cache pages); the array is returned for the raw pass.
+    let cold_pass = |cache: &PageCache, in_place: bool| -> Result<(OnDemandArray<u64>, Duration)> {
         let array = ctx.array(cache, ctx.size)?;
-        if array.reads_in_place() {
+        if array.reads_in_place() != in_place {
             return Err(BenchError::Options(format!(
                 "miss_path: misses {}",
                 array.miss_path()
@@ -511,14 +514,16 @@ fn miss_path(ctx: &Ctx<'_>) -> Result<(Record, Record, Record)> {
         }
         let start = Instant::now();
         ctx.array_rows(&array, &rows, n, 4096, &out)?;
-        let ours = start.elapsed();
-        let s = array.stats().map_err(api)?;
-        if s.misses != n as u64 {
-            return Err(BenchError::Options(format!(
-                "miss_path: {} misses for {n} cold pages",
-                s.misses
-            )));
+        let t = start.elapsed();
+        match array.stats().map_err(api)?.misses {
+            m if m == n as u64 => Ok((array, t)),
+            m => Err(BenchError::Options(format!(
+                "miss_path: {m} misses for {n} cold pages"
+            ))),
         }
+    };
+    let pair = |cache: &PageCache| -> Result<(Duration, Duration)> {
+        let (array, ours) = cold_pass(cache, false)?;
         let (_, table, ring) = array.hal_parts();
         let start = Instant::now();
         ctx.stream.ring_read_blocks(
@@ -552,44 +557,15 @@ fn miss_path(ctx: &Ctx<'_>) -> Result<(Record, Record, Record)> {
         ctx.seed,
         "miss_path (ring)",
     )?;
-    let mut res = vec![0u8; n * 8];
-    ctx.stream.download(&results, 0, &mut res)?;
-    if let Some(k) = res
-        .chunks_exact(8)
-        .position(|w| i64::from_le_bytes(w.try_into().unwrap_or_default()) != 4096)
-    {
-        return Err(BenchError::Options(format!(
-            "miss_path: raw ring read {k} returned {}",
-            i64::from_le_bytes(res[k * 8..k * 8 + 8].try_into().unwrap_or_default())
-        )));
-    }
+    check_results(&ctx.stream, &results, n, 4096, "miss_path: raw ring read")?;
     let (ours, ring) = (median(ours_t), median(ring_t));
     pairs.sort_by(f64::total_cmp);
     let in_place = {
         let cache = ctx.cache(4096, ctx.opts.cache, true)?;
-        // Timed: the misses only (making an array pins the file's page cache pages).
-        let pass = || -> Result<Duration> {
-            let array = ctx.array(&cache, ctx.size)?;
-            if !array.reads_in_place() {
-                return Err(BenchError::Options(format!(
-                    "miss_path: misses {}",
-                    array.miss_path()
-                )));
-            }
-            let start = Instant::now();
-            ctx.array_rows(&array, &rows, n, 4096, &out)?;
-            let t = start.elapsed();
-            match array.stats().map_err(api)?.misses {
-                m if m == n as u64 => Ok(t),
-                m => Err(BenchError::Options(format!(
-                    "miss_path: {m} misses for {n} cold pages"
-                ))),
-            }
-        };
-        pass()?;
+        cold_pass(&cache, true)?;
         let mut t = Vec::new();
         for _ in 0..ctx.opts.reps.max(1) {
-            t.push(pass()?);
+            t.push(cold_pass(&cache, true)?.1);
         }
         check_rows(&ctx.stream, &out, &offsets, 4096, ctx.seed, "miss_path")?;
         median(t)

@@ -19,7 +19,7 @@ use crate::{BenchError, Record, Result, Target, fresh_seed};
 use gpuio_api::{OpenOptions, Session};
 use gpuio_core::ring::WaitPolicy;
 use gpuio_core::{Endpoint, RingConfig, RingProxy};
-use gpuio_hal::pattern;
+use gpuio_hal::{DeviceBuffer, Stream, pattern};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -82,6 +82,27 @@ fn ring_config(threads: usize) -> RingConfig {
             max_sleep: Duration::from_micros(20),
         },
         ..RingConfig::default()
+    }
+}
+
+/// Checks the `n` result words `ring_read_blocks` stored in `results`: each `want` bytes.
+pub(crate) fn check_results(
+    stream: &Stream,
+    results: &DeviceBuffer,
+    n: usize,
+    want: i64,
+    what: &str,
+) -> Result<()> {
+    let mut res = vec![0u8; n * 8];
+    stream.download(results, 0, &mut res)?;
+    let words = res.chunks_exact(8).map(|w| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(w);
+        i64::from_le_bytes(b)
+    });
+    match words.enumerate().find(|&(_, r)| r != want) {
+        Some((k, r)) => Err(BenchError::Options(format!("{what} {k} returned {r}"))),
+        None => Ok(()),
     }
 }
 
@@ -188,17 +209,7 @@ pub fn run(
     }
     // The last ring run's data and results, checked.
     ring_reads()?;
-    let mut res = vec![0u8; n * 8];
-    stream.download(&results, 0, &mut res)?;
-    if let Some(k) = res
-        .chunks_exact(8)
-        .position(|w| i64::from_le_bytes(w.try_into().unwrap_or_default()) != 4096)
-    {
-        return Err(BenchError::Options(format!(
-            "ring read {k} returned {}",
-            i64::from_le_bytes(res[k * 8..k * 8 + 8].try_into().unwrap_or_default())
-        )));
-    }
+    check_results(&stream, &results, n, 4096, "ring read")?;
     let mut sample = vec![0u8; 4096];
     for k in [0, n / 2, n - 1] {
         stream.download(&dst, k * 4096, &mut sample)?;

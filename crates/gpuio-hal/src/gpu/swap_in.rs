@@ -125,12 +125,6 @@ pub enum SwapInFault {
     State,
 }
 
-impl From<SwapInRefused> for HalError {
-    fn from(r: SwapInRefused) -> Self {
-        HalError::InvalidArgument(r.to_string())
-    }
-}
-
 /// A call's outcome: each job's counts or why it was refused, and the device's time when
 /// asked.
 #[derive(Debug, Clone, PartialEq)]
