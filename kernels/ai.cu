@@ -174,49 +174,173 @@ extern "C" __global__ void gpuio_dot_scores(const void* table, gpuio_u64 rows, g
     }
 }
 
-// ---- Swap-in planning: HiSparse's hot buffer, refilled by the device (swap_in.rs in the HAL) --
+// ---- Swap-in: HiSparse's hot buffer, refilled by the device (swap_in.rs in the HAL) ----------
 //
 // A job is one request's layer: a top-k selection of positions (u32s in device memory), a
-// hot buffer of `slots` device rows, and a state in device memory — a step counter, each
-// position's slot, each slot's position, each slot's last step. One block per job plans a
-// load: a selected position with a slot is a hit (its code names the slot, the slot is marked
-// used this step); the others are misses, numbered in selection order, each given a victim
-// slot — the slots not selected this step, oldest first (ages capped at 255 steps; among
-// equal ages, lower slots first), the victims taken in slot order — and a code that reads the
-// entry from pinned host memory (warm row `warm_first + position`) and installs it in its
-// slot. The tiered gather (gather.cu) then moves the rows, reading this job's gather entry,
-// whose count the plan writes (0 when the plan fails). The host backend runs the same plan in
-// Rust (swap_in.rs): the two agree code for code. A state is trusted for nothing: a slot or
-// position out of its table's bounds is reported (kind 4), never followed.
+// hot buffer of `slots` device rows, a state in device memory (a step counter, a bad-state
+// flag, each position's slot, each slot's position, each slot's last step) and the layer's
+// entries in pinned host memory (position p at warm row warm_first + p). A load is two
+// kernels, because only the first is on the critical path:
+//
+// - The fetch (many blocks per job) looks up each selected position's slot and copies its
+//   row into the output: from the slot on a hit, from pinned host memory on a miss (and then
+//   also into the job's staging rows). A hit is marked in the position's slot word (SEL), a
+//   miss with PENDING; the caller reads the counts and failures as soon as it ends.
+// - The install (a block per job) finishes the step off the critical path: the misses,
+//   numbered in selection order, take the slots not selected this step, oldest first (ages
+//   capped at 255 steps; among equal ages, lower slots first; victims taken in slot order);
+//   each miss's row goes from staging into its slot; the marks are cleared, the step
+//   counted, and the report words reset for the next call. It reads only what the table and
+//   the state own (the fetch keeps a copy of the selection): once the fetch is done, the
+//   caller may write its selection and destination again.
+//
+// The host backend runs the same steps in Rust (swap_in.rs); the two agree state for state.
+// A state is trusted for nothing: a slot or position out of its table's bounds is reported
+// (kind 4), never followed. A refused job installs nothing (its hits are marked used, the
+// step is spent); its output may hold some of its rows. A victim whose position is out of
+// bounds is found by the install, after the rows went out: the job's rows are right, nothing
+// is installed, and the state is flagged bad, so that its next load is refused (kind 4).
 
 #define GPUIO_SWAP_NONE 0xffffffffu
 #define GPUIO_SWAP_PENDING 0xfffffffeu
+// A slot word's mark for a hit this step (slots are below 8192; NONE and PENDING have it).
+#define GPUIO_SWAP_SEL (1u << 30)
 #define GPUIO_SWAP_MAX_SELECTION 4096
 #define GPUIO_SWAP_MAX_SLOTS 8192
 #define GPUIO_SWAP_THREADS 1024
-// As gather.cu's tiered codes: the warm bit, then the slot above the 40-bit warm row.
-#define GPUIO_SWAP_WARM (1ull << 63)
-#define GPUIO_SWAP_ROW_BITS 40
+#define GPUIO_SWAP_FETCH_THREADS 256
+#define GPUIO_SWAP_FETCH_ENTRIES 32
+// Failure kinds, in the order the first is reported (swap_in.rs names them).
+#define GPUIO_SWAP_PAST_LEN 0ull
+#define GPUIO_SWAP_TWICE 1ull
+#define GPUIO_SWAP_TOO_MANY 2ull
+#define GPUIO_SWAP_EXHAUSTED 3ull
+#define GPUIO_SWAP_CORRUPT 4ull
 
-// One job's plan (64 bytes, as the host writes it).
+// One job (88 bytes, as the host writes it).
 struct gpuio_swap_job {
     gpuio_u64 selection;   // u32 positions
-    gpuio_u64 control;     // pinned host memory, mapped: the layer's length, the selection's count
-    gpuio_u64 state;       // u32 step, u32 unused, slot_of[positions], holder[slots], last_used[slots]
-    gpuio_u64 gather_job;  // this job's entry of the gather table (its count is word 6)
+    gpuio_u64 control;     // device memory, uploaded per call: the layer's length, the count
+    gpuio_u64 state;       // u32 step, u32 bad, slot_of[positions], holder[slots], last_used[slots]
+    gpuio_u64 warm;        // warm row 0, pinned host memory through its device address
     gpuio_u64 warm_first;  // the warm row of position 0
-    gpuio_u64 first;       // this job's first code
+    gpuio_u64 hot;         // `slots` rows
+    gpuio_u64 dst;         // `max_count` rows
+    gpuio_u64 staging;     // `max_count` rows: the misses' rows from the fetch to the install
+    gpuio_u64 seen;        // `max_count` u32s: the selection as the fetch read it, for the install
     gpuio_u32 positions, slots, max_count, unused;
 };
 
-// The first failure wins (an atomic minimum): kind, job, value (an entry or a position), in
-// the call's word and, with bit 63 set, in the job's own word (which otherwise receives its
-// counts; both start as all ones).
+// The report words: the call's first failure, each job's first failure (all ones where none:
+// atomic minima), each job's hits | misses << 32.
 __device__ __forceinline__ void gpuio_swap_bad(gpuio_u64* report, gpuio_u64 kind, gpuio_u64 job,
                                                gpuio_u64 value) {
     const gpuio_u64 word = kind << 60 | job << 32 | (value & 0xffffffffull);
     atomicMin(report, word);
-    atomicMin(report + 2 + job, word | 1ull << 63);
+    atomicMin(report + 1 + job, word);
+}
+
+// A refusal of the whole job before anything is marked (the same test in both kernels):
+// its kind, or -1 when the job may run.
+__device__ __forceinline__ int gpuio_swap_refused(gpuio_u32 step, gpuio_u32 bad, gpuio_u64 want,
+                                                  gpuio_u32 max_count) {
+    if (step == GPUIO_SWAP_NONE) return (int)GPUIO_SWAP_EXHAUSTED;
+    if (want > max_count) return (int)GPUIO_SWAP_TOO_MANY;
+    if (bad) return (int)GPUIO_SWAP_CORRUPT;
+    return -1;
+}
+
+// The fetch's copies: row e of `from` to `to[e]` and, where set, `also[e]`, for the 32 rows
+// named (null `from` rows skipped), `rb` bytes each in pieces of W, with the block's threads;
+// each thread's loads of a round (8 pieces) are in flight together before its stores.
+template <typename W>
+__device__ __forceinline__ void gpuio_swap_fetch_rows(const char* const* from, char* const* to,
+                                                      char* const* also, gpuio_u64 rb) {
+    const gpuio_u32 per_row = (gpuio_u32)(rb / sizeof(W));
+    const gpuio_u32 total = GPUIO_SWAP_FETCH_ENTRIES * per_row;
+    for (gpuio_u32 base = 0; base < total; base += 8 * blockDim.x) {
+        W v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const gpuio_u32 c = base + threadIdx.x + k * blockDim.x, e = c / per_row;
+            if (c < total && from[e]) v[k] = ((const W*)from[e])[c % per_row];
+        }
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const gpuio_u32 c = base + threadIdx.x + k * blockDim.x, e = c / per_row;
+            if (c < total && from[e]) {
+                ((W*)to[e])[c % per_row] = v[k];
+                if (also[e]) ((W*)also[e])[c % per_row] = v[k];
+            }
+        }
+    }
+}
+
+// The fetch: grid (entries / 32, jobs), GPUIO_SWAP_FETCH_THREADS threads; a block looks up 32
+// entries of its job (a thread each), then copies their rows. `width` divides the row size
+// and every row address (the host picks it).
+extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_FETCH_THREADS)
+    gpuio_swap_in_fetch(const gpuio_swap_job* jobs, gpuio_u64 rb, gpuio_u64 width,
+                        gpuio_u64* report) {
+    __shared__ const char* from[GPUIO_SWAP_FETCH_ENTRIES];
+    __shared__ char* to[GPUIO_SWAP_FETCH_ENTRIES];
+    __shared__ char* also[GPUIO_SWAP_FETCH_ENTRIES];
+    const gpuio_u32 j = blockIdx.y, n = gridDim.y, first = blockIdx.x * GPUIO_SWAP_FETCH_ENTRIES;
+    const gpuio_swap_job& job = jobs[j];
+    gpuio_u32* st = (gpuio_u32*)job.state;
+    gpuio_u32* slot_of = st + 2;
+    const gpuio_u64 len = ((const gpuio_u64*)job.control)[0];
+    const gpuio_u64 want = ((const gpuio_u64*)job.control)[1];
+    const int refused = gpuio_swap_refused(st[0], st[1], want, job.max_count);
+    if (refused >= 0) {
+        if (blockIdx.x == 0 && threadIdx.x == 0)
+            gpuio_swap_bad(report, refused, j, refused == (int)GPUIO_SWAP_CORRUPT ? GPUIO_SWAP_NONE : want);
+        return;
+    }
+    if (first >= want) return;
+    if (threadIdx.x < GPUIO_SWAP_FETCH_ENTRIES) {
+        const gpuio_u32 t = threadIdx.x, i = first + t;
+        const char* f = 0;
+        bool hit = false, miss = false;
+        if (i < want) {
+            const gpuio_u32 p = ((const gpuio_u32*)job.selection)[i];
+            ((gpuio_u32*)job.seen)[i] = p;
+            if (p >= len) {
+                gpuio_swap_bad(report, GPUIO_SWAP_PAST_LEN, j, i);
+            } else {
+                // One atomic marks a hit; a miss is claimed by a second (NONE and PENDING
+                // already carry the mark, so the first leaves them as they are).
+                const gpuio_u32 old = atomicOr(&slot_of[p], GPUIO_SWAP_SEL);
+                if (old == GPUIO_SWAP_NONE) {
+                    miss = atomicCAS(&slot_of[p], GPUIO_SWAP_NONE, GPUIO_SWAP_PENDING) == GPUIO_SWAP_NONE;
+                    if (!miss) gpuio_swap_bad(report, GPUIO_SWAP_TWICE, j, p);
+                } else if (old == GPUIO_SWAP_PENDING) {
+                    gpuio_swap_bad(report, GPUIO_SWAP_TWICE, j, p);
+                } else if ((old & ~GPUIO_SWAP_SEL) >= job.slots) {
+                    // Not followed, and left as it was.
+                    if (!(old & GPUIO_SWAP_SEL)) atomicAnd(&slot_of[p], ~GPUIO_SWAP_SEL);
+                    gpuio_swap_bad(report, GPUIO_SWAP_CORRUPT, j, p);
+                } else if (old & GPUIO_SWAP_SEL) {
+                    gpuio_swap_bad(report, GPUIO_SWAP_TWICE, j, p);
+                } else {
+                    hit = true;
+                }
+                if (hit) f = (const char*)job.hot + (gpuio_u64)old * rb;
+                if (miss) f = (const char*)job.warm + (job.warm_first + p) * rb;
+            }
+        }
+        from[t] = f;
+        to[t] = (char*)job.dst + (gpuio_u64)i * rb;
+        also[t] = miss ? (char*)job.staging + (gpuio_u64)i * rb : 0;
+        const gpuio_u64 hits = __popc(__ballot_sync(0xffffffffu, hit));
+        const gpuio_u64 misses = __popc(__ballot_sync(0xffffffffu, miss));
+        if (t == 0 && (hits | misses)) atomicAdd(report + 1 + n + j, hits | misses << 32);
+    }
+    __syncthreads();
+    if (width == 16) gpuio_swap_fetch_rows<uint4>(from, to, also, rb);
+    else if (width == 8) gpuio_swap_fetch_rows<gpuio_u64>(from, to, also, rb);
+    else if (width == 4) gpuio_swap_fetch_rows<gpuio_u32>(from, to, also, rb);
+    else gpuio_swap_fetch_rows<unsigned char>(from, to, also, rb);
 }
 
 // Exclusive prefix sum of `v` over the block (GPUIO_SWAP_THREADS threads), the total in
@@ -247,197 +371,190 @@ __device__ gpuio_u32 gpuio_swap_scan(gpuio_u32 v, gpuio_u32* sums, gpuio_u32* to
     return before;
 }
 
-// Each thread owns PER consecutive selection entries and SLOTS consecutive slots (the
-// smallest powers of two that cover the job: the kernel picks the instance), so one scan over
-// the block numbers misses in selection order and victims in slot order. Everything the plan
-// reads from memory — the control words, the step, the selection, every slot's last step and
-// position — is loaded at the start, together: the plan is one round of loads, one of
-// atomics, then shared memory and registers.
+// The install's shared memory. Each thread owns PER consecutive selection entries and SLOTS
+// consecutive slots (the smallest powers of two that cover the job: the kernel picks the
+// instance), so one scan over the block numbers misses in selection order and victims in
+// slot order.
 struct gpuio_swap_shared {
+    // Per miss in selection order: its position, then (once chosen) its slot; its entry.
     gpuio_u32 miss_pos[GPUIO_SWAP_MAX_SELECTION], miss_at[GPUIO_SWAP_MAX_SELECTION];
     gpuio_u32 hit[GPUIO_SWAP_MAX_SLOTS / 32], hist[256], sums[33];
-    gpuio_u64 len, count;
-    gpuio_u32 state, oldest, older;
+    gpuio_u32 oldest, older;
 };
 
+// Each miss's row from staging (its entry's row) into its slot, with the block's threads,
+// four pieces of W per thread in flight at a time.
+template <typename W>
+__device__ __forceinline__ void gpuio_swap_install_rows(const gpuio_swap_job& job,
+                                                        const gpuio_swap_shared& sh,
+                                                        gpuio_u32 misses, gpuio_u64 rb) {
+    const gpuio_u32 per_row = (gpuio_u32)(rb / sizeof(W)), total = misses * per_row;
+    for (gpuio_u32 base = 0; base < total; base += 4 * blockDim.x) {
+        W v[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const gpuio_u32 c = base + threadIdx.x + k * blockDim.x;
+            if (c < total) v[k] = ((const W*)(job.staging + sh.miss_at[c / per_row] * rb))[c % per_row];
+        }
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const gpuio_u32 c = base + threadIdx.x + k * blockDim.x;
+            if (c < total) ((W*)(job.hot + sh.miss_pos[c / per_row] * rb))[c % per_row] = v[k];
+        }
+    }
+}
+
 template <int PER, int SLOTS>
-__device__ __forceinline__ void gpuio_swap_plan(const gpuio_swap_job& job, gpuio_u64* codes,
-                                                gpuio_u64* report, gpuio_swap_shared& sh) {
+__device__ __forceinline__ void gpuio_swap_install_job(const gpuio_swap_job& job, gpuio_u64 rb,
+                                                       gpuio_u64 width, gpuio_u64* report,
+                                                       gpuio_swap_shared& sh) {
     const unsigned tid = threadIdx.x, lane = tid & 31;
+    const gpuio_u32 j = blockIdx.x, n = gridDim.x;
     gpuio_u32* st = (gpuio_u32*)job.state;
     gpuio_u32* slot_of = st + 2;
     gpuio_u32* holder = slot_of + job.positions;
     gpuio_u32* last_used = holder + job.slots;
-    gpuio_u64* gather_count = (gpuio_u64*)job.gather_job + 6;
-
-    // One round of loads.
-    if (tid == 0) {
-        const volatile gpuio_u64* control = (const volatile gpuio_u64*)job.control;
-        sh.len = control[0];
-        sh.count = control[1];
-        sh.state = st[0];
-    }
-    gpuio_u32 pos[PER], lu[SLOTS], held[SLOTS];
+    const gpuio_u64 len = ((const gpuio_u64*)job.control)[0];
+    const gpuio_u64 want = ((const gpuio_u64*)job.control)[1];
+    const gpuio_u32 state = st[0], flagged = st[1];
+    const bool refused = report[1 + j] != ~0ull;
+    __syncthreads();  // every thread has read the words reset below
+    if (gpuio_swap_refused(state, flagged, want, job.max_count) >= 0) {
+        // The fetch touched nothing.
+    } else {
+        const gpuio_u32 count = (gpuio_u32)want, step = state + 1;
+        // Every input in one round of loads.
+        gpuio_u32 pos[PER], lu[SLOTS], held[SLOTS];
 #pragma unroll
-    for (int k = 0; k < PER; k++) {
-        const gpuio_u32 i = tid * PER + k;
-        pos[k] = i < job.max_count ? ((const gpuio_u32*)job.selection)[i] : 0;
-    }
-#pragma unroll
-    for (int k = 0; k < SLOTS; k++) {
-        const gpuio_u32 s = tid * SLOTS + k;
-        lu[k] = s < job.slots ? last_used[s] : 0;
-        held[k] = s < job.slots ? holder[s] : GPUIO_SWAP_NONE;
-    }
-    if (tid < 256) sh.hist[tid] = 0;
-    for (gpuio_u32 w = tid; w < GPUIO_SWAP_MAX_SLOTS / 32; w += GPUIO_SWAP_THREADS) sh.hit[w] = 0;
-    __syncthreads();
-    const gpuio_u64 len = sh.len, want = sh.count;
-    const gpuio_u32 step = sh.state + 1;
-    if (want > job.max_count || sh.state == 0xffffffffu) {
-        if (tid == 0) {
-            gpuio_swap_bad(report, sh.state == 0xffffffffu ? 3 : 2, blockIdx.x, want);
-            *gather_count = 0;
+        for (int k = 0; k < PER; k++) {
+            const gpuio_u32 i = tid * PER + k;
+            // The caller may write its selection again once the fetch is done.
+            pos[k] = i < count ? ((const gpuio_u32*)job.seen)[i] : GPUIO_SWAP_NONE;
         }
-        return;
-    }
-    const gpuio_u32 count = (gpuio_u32)want;
-
-    // One round of atomics: a selected position with a slot is a hit, one without is marked
-    // pending (a miss); a position marked twice, or a slot hit twice, is selected twice.
-    gpuio_u32 slot[PER];
-#pragma unroll
-    for (int k = 0; k < PER; k++) {
-        const gpuio_u32 i = tid * PER + k;
-        slot[k] = GPUIO_SWAP_NONE;
-        if (i < count && pos[k] < len)
-            slot[k] = atomicCAS(&slot_of[pos[k]], GPUIO_SWAP_NONE, GPUIO_SWAP_PENDING);
-    }
-    gpuio_u32 misses_here = 0, hits_here = 0;
-    int bad = 0;
-#pragma unroll
-    for (int k = 0; k < PER; k++) {
-        const gpuio_u32 i = tid * PER + k;
-        if (i >= count) continue;
-        if (pos[k] >= len) {
-            bad = 1;
-            gpuio_swap_bad(report, 0, blockIdx.x, i);
-        } else if (slot[k] == GPUIO_SWAP_NONE) {
-            misses_here++;
-        } else if (slot[k] == GPUIO_SWAP_PENDING || slot[k] >= job.slots) {
-            bad = 1;
-            gpuio_swap_bad(report, slot[k] == GPUIO_SWAP_PENDING ? 1 : 4, blockIdx.x, pos[k]);
-        } else if (atomicOr(&sh.hit[slot[k] / 32], 1u << (slot[k] % 32)) & (1u << (slot[k] % 32))) {
-            bad = 1;
-            gpuio_swap_bad(report, 1, blockIdx.x, pos[k]);
-        } else {
-            hits_here++;
-            last_used[slot[k]] = step;
-            codes[job.first + i] = slot[k];
-        }
-    }
-    // Misses numbered in selection order; hits and misses counted (16 bits each: at most
-    // 4096 of either).
-    gpuio_u32 totals;
-    gpuio_u32 at = gpuio_swap_scan(misses_here | hits_here << 16, sh.sums, &totals) & 0xffff;
-#pragma unroll
-    for (int k = 0; k < PER; k++) {
-        const gpuio_u32 i = tid * PER + k;
-        if (i < count && pos[k] < len && slot[k] == GPUIO_SWAP_NONE) {
-            sh.miss_pos[at] = pos[k];
-            sh.miss_at[at] = i;
-            at++;
-        }
-    }
-    const gpuio_u32 misses = totals & 0xffff, hits = totals >> 16;
-    int victim[SLOTS];
-    gpuio_u32 j = 0;
-    if (!__syncthreads_or(bad) && misses > 0) {
-        // How many unselected slots are each age (warp-aggregated: many share one).
-        gpuio_u32 age[SLOTS];
 #pragma unroll
         for (int k = 0; k < SLOTS; k++) {
             const gpuio_u32 s = tid * SLOTS + k;
-            const bool free = s < job.slots && !(sh.hit[s / 32] >> (s % 32) & 1);
-            age[k] = free ? min(step - lu[k], 255u) : 256;
-            const unsigned same = __match_any_sync(0xffffffffu, age[k]);
-            if (age[k] < 256 && lane == (unsigned)__ffs(same) - 1) atomicAdd(&sh.hist[age[k]], __popc(same));
+            lu[k] = s < job.slots ? last_used[s] : 0;
+            held[k] = s < job.slots ? holder[s] : GPUIO_SWAP_NONE;
         }
-        __syncthreads();
-        // The youngest age the victims reach, and how many unselected slots are older.
-        const gpuio_u32 n = tid < 256 ? sh.hist[255 - tid] : 0;
-        gpuio_u32 all;
-        const gpuio_u32 older = gpuio_swap_scan(n, sh.sums, &all);
-        if (tid < 256 && older < misses && older + n >= misses) {
-            sh.oldest = 255 - tid;
-            sh.older = older;
-        }
-        __syncthreads();
-        const gpuio_u32 edge = sh.oldest, from_edge = misses - sh.older;
-        gpuio_u32 at_edge = 0;
+        if (tid < 256) sh.hist[tid] = 0;
+        for (gpuio_u32 w = tid; w < GPUIO_SWAP_MAX_SLOTS / 32; w += GPUIO_SWAP_THREADS) sh.hit[w] = 0;
+        gpuio_u32 mark[PER];
 #pragma unroll
-        for (int k = 0; k < SLOTS; k++) at_edge += age[k] == edge;
-        gpuio_u32 t1, t2;
-        gpuio_u32 rank = gpuio_swap_scan(at_edge, sh.sums, &t1);
-        gpuio_u32 victims = 0;
+        for (int k = 0; k < PER; k++) mark[k] = pos[k] < len ? slot_of[pos[k]] : GPUIO_SWAP_NONE;
+        __syncthreads();
+        // The fetch's marks: a hit's is cleared and its slot used this step; a miss is counted
+        // (or, in a refused job, unmarked). Other words are as the fetch found them.
+        gpuio_u32 misses_here = 0;
 #pragma unroll
-        for (int k = 0; k < SLOTS; k++) {
-            victim[k] = age[k] < 256 && (age[k] > edge || (age[k] == edge && rank++ < from_edge));
-            victims += victim[k];
-            // A victim's position is followed below: one outside the table fails the plan.
-            if (victim[k] && held[k] >= job.positions && held[k] != GPUIO_SWAP_NONE) {
-                bad = 1;
-                gpuio_swap_bad(report, 4, blockIdx.x, tid * SLOTS + k);
+        for (int k = 0; k < PER; k++) {
+            const gpuio_u32 m = mark[k];
+            if (m == GPUIO_SWAP_PENDING) {
+                if (refused) slot_of[pos[k]] = GPUIO_SWAP_NONE;
+                else misses_here++;
+            } else if ((m & GPUIO_SWAP_SEL) && (m & ~GPUIO_SWAP_SEL) < job.slots) {
+                const gpuio_u32 s = m & ~GPUIO_SWAP_SEL;
+                slot_of[pos[k]] = s;
+                last_used[s] = step;
+                atomicOr(&sh.hit[s / 32], 1u << (s % 32));
             }
         }
-        j = gpuio_swap_scan(victims, sh.sums, &t2);
-        bad = __syncthreads_or(bad);
-    } else {
-        bad = __syncthreads_or(bad);
-    }
-    if (bad) {
-        // Nothing installed: the misses' marks are taken back; the step is spent (the hits
-        // were marked with it).
-        for (gpuio_u32 m = tid; m < misses; m += GPUIO_SWAP_THREADS) slot_of[sh.miss_pos[m]] = GPUIO_SWAP_NONE;
-        if (tid == 0) {
-            *gather_count = 0;
-            st[0] = step;
-        }
-        return;
-    }
-    if (misses > 0) {
+        gpuio_u32 misses;
+        gpuio_u32 at = gpuio_swap_scan(misses_here, sh.sums, &misses);
 #pragma unroll
-        for (int k = 0; k < SLOTS; k++) {
-            if (!victim[k]) continue;
-            const gpuio_u32 s = tid * SLOTS + k, p = sh.miss_pos[j], old = held[k];
-            if (old != GPUIO_SWAP_NONE) slot_of[old] = GPUIO_SWAP_NONE;
-            holder[s] = p;
-            slot_of[p] = s;
-            last_used[s] = step;
-            codes[job.first + sh.miss_at[j]] =
-                GPUIO_SWAP_WARM | (gpuio_u64)s << GPUIO_SWAP_ROW_BITS | (job.warm_first + p);
-            j++;
+        for (int k = 0; k < PER; k++) {
+            if (!refused && mark[k] == GPUIO_SWAP_PENDING) {
+                sh.miss_pos[at] = pos[k];
+                sh.miss_at[at] = tid * PER + k;
+                at++;
+            }
         }
+        int victim[SLOTS];
+        gpuio_u32 v = 0;
+        int bad = 0;
+        if (misses > 0) {
+            // How many unselected slots are each age (warp-aggregated: many share one).
+            gpuio_u32 age[SLOTS];
+#pragma unroll
+            for (int k = 0; k < SLOTS; k++) {
+                const gpuio_u32 s = tid * SLOTS + k;
+                const bool free = s < job.slots && !(sh.hit[s / 32] >> (s % 32) & 1);
+                age[k] = free ? min(step - lu[k], 255u) : 256;
+                const unsigned same = __match_any_sync(0xffffffffu, age[k]);
+                if (age[k] < 256 && lane == (unsigned)__ffs(same) - 1) atomicAdd(&sh.hist[age[k]], __popc(same));
+            }
+            __syncthreads();
+            // The youngest age the victims reach, and how many unselected slots are older.
+            const gpuio_u32 nth = tid < 256 ? sh.hist[255 - tid] : 0;
+            gpuio_u32 all;
+            const gpuio_u32 older = gpuio_swap_scan(nth, sh.sums, &all);
+            if (tid < 256 && older < misses && older + nth >= misses) {
+                sh.oldest = 255 - tid;
+                sh.older = older;
+            }
+            __syncthreads();
+            const gpuio_u32 edge = sh.oldest, from_edge = misses - sh.older;
+            gpuio_u32 at_edge = 0;
+#pragma unroll
+            for (int k = 0; k < SLOTS; k++) at_edge += age[k] == edge;
+            gpuio_u32 t1, t2;
+            gpuio_u32 rank = gpuio_swap_scan(at_edge, sh.sums, &t1);
+            gpuio_u32 victims = 0;
+#pragma unroll
+            for (int k = 0; k < SLOTS; k++) {
+                victim[k] = age[k] < 256 && (age[k] > edge || (age[k] == edge && rank++ < from_edge));
+                victims += victim[k];
+                // A victim's position is followed below: one outside the table flags the state.
+                if (victim[k] && held[k] >= job.positions && held[k] != GPUIO_SWAP_NONE) bad = 1;
+            }
+            v = gpuio_swap_scan(victims, sh.sums, &t2);
+            bad = __syncthreads_or(bad);
+        }
+        if (bad) {
+            // The rows went out; nothing is installed, and the next load is refused.
+            for (gpuio_u32 m = tid; m < misses; m += GPUIO_SWAP_THREADS) slot_of[sh.miss_pos[m]] = GPUIO_SWAP_NONE;
+            if (tid == 0) st[1] = 1;
+        } else if (misses > 0) {
+#pragma unroll
+            for (int k = 0; k < SLOTS; k++) {
+                if (!victim[k]) continue;
+                const gpuio_u32 s = tid * SLOTS + k, p = sh.miss_pos[v], old = held[k];
+                if (old != GPUIO_SWAP_NONE) slot_of[old] = GPUIO_SWAP_NONE;
+                holder[s] = p;
+                slot_of[p] = s;
+                last_used[s] = step;
+                sh.miss_pos[v] = s;
+                v++;
+            }
+            __syncthreads();
+            if (width == 16) gpuio_swap_install_rows<uint4>(job, sh, misses, rb);
+            else if (width == 8) gpuio_swap_install_rows<gpuio_u64>(job, sh, misses, rb);
+            else if (width == 4) gpuio_swap_install_rows<gpuio_u32>(job, sh, misses, rb);
+            else gpuio_swap_install_rows<unsigned char>(job, sh, misses, rb);
+        }
+        if (tid == 0) st[0] = step;
     }
+    // The report words back to their start for the next call (the caller has read them).
     if (tid == 0) {
-        *gather_count = count;
-        st[0] = step;
-        report[2 + blockIdx.x] = hits | (gpuio_u64)misses << 32;
+        report[1 + j] = ~0ull;
+        report[1 + n + j] = 0;
+        if (j == 0) report[0] = ~0ull;
     }
 }
 
 extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_THREADS)
-    gpuio_swap_in_plan(const gpuio_swap_job* jobs, gpuio_u64* codes, gpuio_u64* report) {
+    gpuio_swap_in_install(const gpuio_swap_job* jobs, gpuio_u64 rb, gpuio_u64 width,
+                          gpuio_u64* report) {
     __shared__ gpuio_swap_shared sh;
-    const gpuio_swap_job job = jobs[blockIdx.x];
+    const gpuio_swap_job& job = jobs[blockIdx.x];
     const gpuio_u32 per = (job.max_count + GPUIO_SWAP_THREADS - 1) / GPUIO_SWAP_THREADS;
     const gpuio_u32 slots = (job.slots + GPUIO_SWAP_THREADS - 1) / GPUIO_SWAP_THREADS;
     // The host bounds max_count by 4096 and slots by 8192: per <= 4, slots <= 8.
-#define GPUIO_SWAP_SLOTS_CASES(P)                                            \
-    if (slots <= 1) return gpuio_swap_plan<P, 1>(job, codes, report, sh);   \
-    if (slots <= 2) return gpuio_swap_plan<P, 2>(job, codes, report, sh);   \
-    if (slots <= 4) return gpuio_swap_plan<P, 4>(job, codes, report, sh);   \
-    return gpuio_swap_plan<P, 8>(job, codes, report, sh);
+#define GPUIO_SWAP_SLOTS_CASES(P)                                                       \
+    if (slots <= 1) return gpuio_swap_install_job<P, 1>(job, rb, width, report, sh);   \
+    if (slots <= 2) return gpuio_swap_install_job<P, 2>(job, rb, width, report, sh);   \
+    if (slots <= 4) return gpuio_swap_install_job<P, 4>(job, rb, width, report, sh);   \
+    return gpuio_swap_install_job<P, 8>(job, rb, width, report, sh);
     if (per <= 1) { GPUIO_SWAP_SLOTS_CASES(1) }
     if (per <= 2) { GPUIO_SWAP_SLOTS_CASES(2) }
     GPUIO_SWAP_SLOTS_CASES(4)

@@ -1,7 +1,8 @@
 //! B1's device-planned mode: the same trace served by `SwapInKv` and `SwapInBatch` — the
-//! hot buffer's bookkeeping on the device, a step one plan kernel and one tiered gather for
-//! the whole batch. Each request's selection is uploaded to device memory before its step's
-//! clock starts (a model's indexer leaves its top-k there); the timed part is the load call.
+//! hot buffer's bookkeeping on the device, a step one fetch kernel (the critical path, timed)
+//! and one install kernel after it (timed apart) for the whole batch. Each request's
+//! selection is uploaded to device memory before its step's clock starts (a model's indexer
+//! leaves its top-k there); the timed part is the load call.
 
 use super::{ENTRY, Measured, Options, Steps, ai};
 use crate::Result;
@@ -77,11 +78,13 @@ impl Sequences {
             }
             let counts: Vec<usize> = sels.iter().map(Vec::len).collect();
             let t = Instant::now();
-            let (reports, device) = loader.load_timed(&counts).map_err(ai)?;
+            let (reports, times) = loader.load_timed(&counts).map_err(ai)?;
+            let wall = t.elapsed();
             let reports = reports.into_iter().collect::<gpuio_ai::Result<Vec<_>>>();
             let reports = reports.map_err(ai)?;
             if step >= opts.warmup {
-                steps.record(device, t.elapsed(), &reports);
+                steps.record(times.exposed, wall, &reports);
+                steps.installs.push(times.install.as_secs_f64() * 1e6);
             }
         }
         Ok(steps.measured())

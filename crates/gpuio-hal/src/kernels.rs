@@ -241,7 +241,8 @@ pub static ONDEMAND: KernelSource = KernelSource {
 };
 
 /// `kernels/ai.cu`: the AI tier's KV quantization (scales, packed data), dequantization,
-/// brute-force similarity scores and the swap-in plan of device-planned loads.
+/// brute-force similarity scores and the two kernels of a device-planned load (the fetch, the
+/// install).
 pub static AI: KernelSource = KernelSource {
     name: "ai.cu",
     source: include_str!("../../../kernels/ai.cu"),
@@ -250,7 +251,8 @@ pub static AI: KernelSource = KernelSource {
         "gpuio_quant_data",
         "gpuio_dequant",
         "gpuio_dot_scores",
-        "gpuio_swap_in_plan",
+        "gpuio_swap_in_fetch",
+        "gpuio_swap_in_install",
     ],
     ptx: embedded_ptx!("ai"),
 };

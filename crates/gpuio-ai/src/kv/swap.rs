@@ -1,8 +1,11 @@
 //! HiSparse's scheme with the planning on the device: a sequence's whole sparse KV in pinned
-//! host memory, a hot buffer per layer in HBM, and loads whose hits, misses and victims a
-//! kernel works out from a selection already in device memory (where the model's indexer
-//! leaves its top-k). The host plans nothing and uploads nothing per load: a load is the HAL's
-//! [`Stream::swap_in`] — a plan kernel, the tiered gather, one wait.
+//! host memory, a hot buffer per layer in HBM, and loads whose hits, misses and victims the
+//! device works out from a selection already in device memory (where the model's indexer
+//! leaves its top-k). The host plans nothing and uploads only each sequence's length and
+//! count per load: a load is the HAL's [`Stream::swap_in`] — a fetch kernel that puts every
+//! selected entry in its destination (from its slot, or from host memory), which the call
+//! waits for, then an install kernel that gives the misses their slots while the caller
+//! goes on (the batch's next load, and its drop, wait for it).
 //!
 //! [`KvPool`](super::KvPool) is the other way to serve the same selections: planned on the
 //! host, over three tiers (a cold one, importance eviction, entries rewritten in place). A
@@ -245,9 +248,22 @@ pub struct SwapInTarget<'a> {
 /// over from one batch to the next.
 #[derive(Debug)]
 pub struct SwapInBatch {
-    claims: Claims,
-    stream: Stream,
+    // Dropped in this order: the table waits for its last install before the layers are
+    // let go.
     table: SwapInTable,
+    stream: Stream,
+    claims: Claims,
+}
+
+/// The device's time for one [`SwapInBatch::load_timed`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadTimes {
+    /// From the load's first work on the device until every entry is in its destination:
+    /// what the layer that uses them waits for.
+    pub exposed: Duration,
+    /// The install after it (the misses into their slots), which overlaps whatever the
+    /// caller runs next and must end before the batch's next load.
+    pub install: Duration,
 }
 
 /// The batch's sequences, their layer claimed until this drops (however the batch ends).
@@ -324,9 +340,9 @@ impl SwapInBatch {
         }
         let (stream, table) = Self::table(session, layer, targets, gpu, entry)?;
         Ok(Self {
-            claims,
-            stream,
             table,
+            stream,
+            claims,
         })
     }
 
@@ -374,18 +390,20 @@ impl SwapInBatch {
         self.claims.kvs.is_empty()
     }
 
-    /// Loads the first `counts[i]` positions of sequence `i`'s selection into its
-    /// destination and waits; returns each sequence's report. A sequence whose selection
-    /// holds a position twice or one the layer has not stored is refused (its entry is the
-    /// error): it installs and writes nothing, and the others are loaded all the same. The
-    /// outer error is a call that did not run (bad counts, a device failure).
+    /// Loads the first `counts[i]` positions of sequence `i`'s selection into its destination
+    /// and returns once they are there, with each sequence's report; the install that gives
+    /// the misses their slots runs on, and the next load waits for it. A sequence whose
+    /// selection holds a position twice or one the layer has not stored is refused (its entry
+    /// is the error): it installs nothing, its destination may hold some of its entries, and
+    /// the others are loaded all the same. The outer error is a call that did not run (bad
+    /// counts, a device failure).
     pub fn load(&mut self, counts: &[usize]) -> Result<Vec<Result<LoadReport>>> {
         self.run(counts, false).map(|(r, _)| r)
     }
 
-    /// [`load`](Self::load), with the device's time for the plan and the gather (CUDA
-    /// events).
-    pub fn load_timed(&mut self, counts: &[usize]) -> Result<(Vec<Result<LoadReport>>, Duration)> {
+    /// [`load`](Self::load), timed on the device (CUDA events), and waiting for the install
+    /// too.
+    pub fn load_timed(&mut self, counts: &[usize]) -> Result<(Vec<Result<LoadReport>>, LoadTimes)> {
         self.run(counts, true)
             .map(|(r, t)| (r, t.unwrap_or_default()))
     }
@@ -394,7 +412,7 @@ impl SwapInBatch {
         &mut self,
         counts: &[usize],
         timed: bool,
-    ) -> Result<(Vec<Result<LoadReport>>, Option<Duration>)> {
+    ) -> Result<(Vec<Result<LoadReport>>, Option<LoadTimes>)> {
         if counts.len() != self.claims.kvs.len() {
             return Err(AiError::InvalidArgument(format!(
                 "{} counts for {} sequences",
@@ -437,6 +455,10 @@ impl SwapInBatch {
                 })
             })
             .collect();
-        Ok((reports, done.device_time))
+        let times = done.device_time.map(|exposed| LoadTimes {
+            exposed,
+            install: done.install_time.unwrap_or_default(),
+        });
+        Ok((reports, times))
     }
 }

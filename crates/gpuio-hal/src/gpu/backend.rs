@@ -255,34 +255,40 @@ pub(crate) struct SwapInPart<'a> {
     pub(crate) dst: DevRange<'a>,
     /// Pinned host memory.
     pub(crate) warm: RowMem<'a>,
-    /// This call's length and count (also in the pinned control words the device reads).
+    /// This call's length and count (also in the control words the call uploads).
     pub(crate) load: super::SwapInLoad,
     pub(crate) positions: u64,
     pub(crate) slots: usize,
     pub(crate) warm_first: u64,
-    /// Its first code's position among all codes.
-    pub(crate) first: usize,
 }
 
-/// A checked device-planned load: `table` holds the gather jobs (from 0), the plan jobs (from
-/// `plans_at`), the codes (from `codes_at`) and the report words (from `report_at`: the plan's
-/// failure, the gather's bad code, then each job's hits and misses).
+/// A checked device-planned load: `table` holds the jobs (from 0), the control words (from
+/// `control_at`, uploaded from `control`), the report words (from `report_at`: the call's
+/// first failure, each job's first failure, each job's hits and misses) and the staging rows
+/// (from `staging_at`).
 pub(crate) struct SwapInLaunch<'a> {
     pub(crate) row_bytes: usize,
     pub(crate) table: DevRange<'a>,
-    pub(crate) plans_at: usize,
-    pub(crate) codes_at: usize,
+    /// Pinned: each job's length and count, 16 bytes a job.
+    pub(crate) control: &'a crate::memory::HostBuffer,
+    /// Pinned: where the report words are downloaded (1 + 2 per job).
+    pub(crate) report_host: &'a mut crate::memory::HostBuffer,
+    pub(crate) control_at: usize,
     pub(crate) report_at: usize,
+    pub(crate) staging_at: usize,
     pub(crate) parts: &'a [SwapInPart<'a>],
-    /// Time the device's work (events around the plan and the gather).
+    /// Time the device's work (events around the fetch, and around the install; the control
+    /// words' upload runs before the first).
     pub(crate) timed: bool,
 }
 
-/// What a device-planned load reported: the report words (2 + one per job) and, when asked,
-/// the device's time.
+/// What a device-planned load reported: the report words (1 + 2 per job), when asked the
+/// device's times, and the install while it may still run.
 pub(crate) struct SwapInRan {
     pub(crate) report: Vec<u64>,
     pub(crate) device_time: Option<std::time::Duration>,
+    pub(crate) install_time: Option<std::time::Duration>,
+    pub(crate) installing: Option<Box<dyn EventBackend>>,
 }
 
 /// A checked launch of one of `kernels/ai.cu`'s kernels (see `ai_kernels.rs`).
@@ -526,12 +532,14 @@ pub(crate) trait StreamBackend: Send + Sync {
     /// until the call returns.
     unsafe fn ai_kernel(&self, launch: AiLaunch<'_>) -> Result<()>;
 
-    /// Plans and gathers a device-planned load (see `SwapInLaunch`), waits for it and returns
-    /// its report words, their failure words reset for the next call.
+    /// Runs a device-planned load (see `SwapInLaunch`): waits for its fetch and returns its
+    /// report words, and the install's event where it may still run (the install resets the
+    /// report words for the next call).
     ///
     /// # Safety
-    /// The warm pools and the table's control words stay valid and registered with this
-    /// device until the call returns.
+    /// The warm pools and the control words stay valid and registered with this device until
+    /// the call returns; the table's device memory and the jobs' buffers stay allocated until
+    /// the returned install is done.
     unsafe fn swap_in(&self, launch: SwapInLaunch<'_>) -> Result<SwapInRan>;
 
     /// Records an event after the work enqueued so far.

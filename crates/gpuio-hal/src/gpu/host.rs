@@ -19,7 +19,7 @@ use crate::{pattern, sys};
 use std::any::Any;
 use std::fs::File;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 #[derive(Debug)]
 pub(crate) struct HostDevice {
@@ -338,6 +338,8 @@ impl StreamBackend for HostStream {
         Ok(SwapInRan {
             report,
             device_time: timed.then(|| t.elapsed()),
+            install_time: timed.then_some(Duration::ZERO),
+            installing: None,
         })
     }
 
@@ -479,35 +481,26 @@ impl HostStream {
         unsafe { copy_tiered(job.parts, codes, job.row_bytes) }
     }
 
-    /// Runs a device-planned load on the CPU: each job's plan (`swap_in::plan_on_host`, what
-    /// the kernel does), then the tiered copy of its codes.
+    /// Runs a device-planned load on the CPU: each job's fetch and install
+    /// (`swap_in::plan_on_host`, what the kernels do), then the tiered copy of its codes. Its
+    /// report words: the call's first failure, each job's, each job's counts.
     ///
     /// # Safety
     /// As for `StreamBackend::swap_in`.
     unsafe fn swap_in_now(&self, launch: SwapInLaunch<'_>) -> Result<Vec<u64>> {
-        let mut mems = vec![(memory(&launch.table)?, true)];
+        let mut mems = Vec::new();
         for p in launch.parts {
             swap_in::check_part(p, launch.row_bytes)?;
             mems.extend([(memory(&p.hot)?, true), (memory(&p.state)?, true)]);
             mems.extend([(memory(&p.selection)?, false), (memory(&p.dst)?, true)]);
         }
         let _guards = lock_all(mems);
-        let total: usize = launch
-            .parts
-            .iter()
-            .map(|p| p.first + p.load.count)
-            .max()
-            .unwrap_or(0);
-        let codes_at = launch.table.addr() as usize + launch.codes_at;
-        if !codes_at.is_multiple_of(8) || launch.codes_at + 8 * total > launch.table.len {
-            return Err(HalError::InvalidArgument(
-                "swap-in: a misshapen table".into(),
-            ));
-        }
-        // SAFETY: `total` codes fit the table range (checked), locked for writing above.
-        let codes = unsafe { std::slice::from_raw_parts_mut(codes_at as *mut u64, total) };
-        let mut report = vec![u64::MAX, u64::MAX];
-        let mut tiered = Vec::with_capacity(launch.parts.len());
+        let n = launch.parts.len();
+        let total: usize = launch.parts.iter().map(|p| p.load.count).sum();
+        let mut codes = vec![u64::MAX; total];
+        let (mut report, mut counts) = (vec![u64::MAX; 1 + n], Vec::with_capacity(n));
+        let mut tiered = Vec::with_capacity(n);
+        let mut first = 0;
         for (j, p) in launch.parts.iter().enumerate() {
             let words = swap_in::state_words(p.positions, p.slots);
             // SAFETY: the state range holds `words` u32s (check_part), 4-aligned (words_at),
@@ -520,7 +513,7 @@ impl HostStream {
                     std::slice::from_raw_parts(swap_in::words_at(&p.selection)?, p.load.count),
                 )
             };
-            let mine = &mut codes[p.first..p.first + p.load.count];
+            let mine = &mut codes[first..first + p.load.count];
             let shape = swap_in::HostPlan {
                 positions: p.positions as usize,
                 slots: p.slots,
@@ -528,26 +521,33 @@ impl HostStream {
                 warm_first: p.warm_first,
                 job: j,
             };
-            let plan = swap_in::plan_on_host(state, selection, mine, &shape);
-            let (count, stats) = match plan {
+            let (count, stats) = match swap_in::plan_on_host(state, selection, mine, &shape) {
                 Ok((hits, misses)) => (p.load.count, hits as u64 | (misses as u64) << 32),
                 Err(word) => {
                     report[0] = report[0].min(word);
-                    (0, word | 1 << 63)
+                    report[1 + j] = word;
+                    (0, 0)
                 }
             };
-            report.push(stats);
+            counts.push(stats);
             tiered.push(TieredPart {
                 hot: p.hot,
                 warm: p.warm,
                 dst: p.dst,
-                first: p.first,
+                first,
                 count,
             });
+            first += p.load.count;
         }
-        // Jobs whose plan failed copy nothing (count 0), as on the device.
+        // Refused jobs copy nothing (count 0); a code outside its tier cannot come from the
+        // plan, which checks every index it follows.
         // SAFETY: the caller's contract (the warm pools), the locks above (the rest).
-        report[1] = unsafe { copy_tiered(&tiered, codes, launch.row_bytes)? }.unwrap_or(u64::MAX);
+        if let Some(i) = unsafe { copy_tiered(&tiered, &codes, launch.row_bytes)? } {
+            return Err(HalError::InvalidArgument(format!(
+                "swap-in: code {i} names a row outside its tier"
+            )));
+        }
+        report.extend(counts);
         Ok(report)
     }
 }

@@ -1,56 +1,62 @@
 //! Device-planned tiered loads: HiSparse's hot buffer, refilled by a swap-in the device plans.
 //!
-//! A [tiered gather](super::TieredRows) moves rows whose codes the host wrote. Here the device
-//! writes them: a job is one request's layer — a top-k selection of positions in device memory
-//! (as the model's indexer leaves it there), a hot buffer of slots, a state in device memory
-//! (each position's slot, each slot's position and last step) and the layer's entries in
-//! pinned host memory (position `p` at warm row `warm_first + p`). One kernel plans every job
-//! of a call (a block each): a selected position with a slot is a hit; the others are misses,
-//! each given the slot selected longest ago (never one this step selects) and read from host
-//! memory into both the output and that slot. The tiered gather kernel then moves the rows.
-//! A call is two launches and one wait: no codes cross the bus and the host plans nothing.
+//! A job is one request's layer: a top-k selection of positions in device memory (as the
+//! model's indexer leaves it there), a hot buffer of slots, a state in device memory (each
+//! position's slot, each slot's position and last step) and the layer's entries in pinned
+//! host memory (position `p` at warm row `warm_first + p`). A load is two kernels
+//! (`kernels/ai.cu`), because only the first is on the critical path:
+//!
+//! - the **fetch** looks every selected position up and copies its row into the output —
+//!   from its slot on a hit, from host memory on a miss (and into the job's staging rows) —
+//!   with many blocks per job; the call waits for it and reads each job's counts;
+//! - the **install** then gives each miss a slot — the slot selected longest ago, never one
+//!   this step selects — and copies its row there from staging. It runs on after the call
+//!   returns, overlapping whatever the caller does next; the table's next call, and its
+//!   drop, wait for it.
 //!
 //! The jobs' descriptions are written to the device once, by [`Stream::swap_in_table`]; a
-//! call passes only each job's layer length and selection count, which the plan reads from
-//! pinned host memory. The host backend runs the same plan in Rust ([`plan_on_host`]): the two
-//! give the same codes, which the GPU tests check step by step.
+//! call uploads only each job's layer length and selection count. The host backend runs the
+//! same steps in Rust ([`plan_on_host`]): the two leave the same states, which the GPU tests
+//! check step by step against a model.
 //!
 //! Victims are exact LRU up to 255 steps of age; older slots count as equally old, lower slots
 //! first. A selection must not hold a position twice or a position past the layer's length:
-//! that job is refused — it installs nothing and writes no output (its hits are marked used) —
-//! while the call's other jobs are loaded; the call reports each job's outcome, counts or
-//! refusal.
+//! that job is refused — it installs nothing (its hits are marked used) and its output may
+//! hold some of its rows — while the call's other jobs are loaded; the call reports each
+//! job's outcome, counts or refusal.
 
-use super::backend::{DevRange, RowMem, SwapInLaunch, SwapInPart};
+use super::backend::{DevRange, EventBackend, RowMem, SwapInLaunch, SwapInPart};
 use super::tiered::check_disjoint;
 use super::{DeviceBuffer, Stream, TIER_MAX_JOBS, TIER_MAX_WARM_ROWS};
 use crate::error::{HalError, Result, check_range};
 use crate::memory::{HostAllocOptions, HostBuffer};
 use std::time::Duration;
 
-/// Most positions one selection may hold (the plan keeps its misses in shared memory).
+/// Most positions one selection may hold (the install keeps its misses in shared memory).
 pub const SWAP_IN_MAX_SELECTION: usize = 4096;
-/// Most slots one job's hot buffer may have (the plan keeps every slot's state in its
+/// Most slots one job's hot buffer may have (the install keeps every slot's state in its
 /// threads' registers).
 pub const SWAP_IN_MAX_SLOTS: usize = 8192;
 /// A position with no slot, a slot with no position.
 pub(crate) const NONE: u32 = u32::MAX;
-/// A position this plan found missing, before its slot is chosen.
+/// A position the fetch found missing, before the install gives it a slot.
 const PENDING: u32 = u32::MAX - 1;
-/// Bytes of one job in either table (gather.cu's `gpuio_tier_job`, ai.cu's `gpuio_swap_job`).
-const JOB_BYTES: usize = 64;
+/// The fetch's mark on a hit's slot word (slots are below 2^13; NONE and PENDING carry it).
+const SEL: u32 = 1 << 30;
+/// Bytes of one job in the table (ai.cu's `gpuio_swap_job`).
+const JOB_BYTES: usize = 88;
 /// Ages are counted up to this many steps.
 const OLDEST: u32 = 255;
-/// The plan's failures, in the order the first is reported.
+/// The failures, in the order the first is reported.
 const PAST_LEN: u64 = 0;
 const TWICE: u64 = 1;
 const TOO_MANY: u64 = 2;
 const EXHAUSTED: u64 = 3;
 const CORRUPT: u64 = 4;
 
-/// Bytes of a job's state for `positions` positions and `slots` slots: a step counter and an
-/// unused word, then a u32 slot per position, a u32 position per slot and a u32 last step per
-/// slot. `None` where that overflows.
+/// Bytes of a job's state for `positions` positions and `slots` slots: a step counter and a
+/// bad-state flag, then a u32 slot per position, a u32 position per slot and a u32 last step
+/// per slot. `None` where that overflows.
 pub fn swap_in_state_len(positions: u64, slots: usize) -> Option<usize> {
     let words = usize::try_from(positions)
         .ok()?
@@ -78,7 +84,8 @@ pub struct SwapInJob<'a> {
     /// The selection: up to `max_count` little-endian u32 positions from its start.
     pub selection: &'a DeviceBuffer,
     /// The largest selection a call may pass (at most `slots` and
-    /// [`SWAP_IN_MAX_SELECTION`]).
+    /// [`SWAP_IN_MAX_SELECTION`]). The table keeps as many rows of device memory per job
+    /// for the misses on their way to their slots.
     pub max_count: usize,
     /// Where the entries go: `count` rows from `dst_offset`.
     pub dst: &'a DeviceBuffer,
@@ -104,13 +111,13 @@ pub struct SwapInCounts {
     pub misses: usize,
 }
 
-/// Why one job of a call installed and wrote nothing.
+/// Why one job of a call installed nothing.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("swap-in: {why}")]
 pub struct SwapInRefused {
     /// Whose fault it is: the call's selection, or the job's state.
     pub fault: SwapInFault,
-    /// What the plan found.
+    /// What the fetch found.
     pub why: String,
 }
 
@@ -125,15 +132,18 @@ pub enum SwapInFault {
     State,
 }
 
-/// A call's outcome: each job's counts or why it was refused, and the device's time when
+/// A call's outcome: each job's counts or why it was refused, and the device's times when
 /// asked.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SwapInDone {
     /// Per job, in the table's order.
     pub jobs: Vec<std::result::Result<SwapInCounts, SwapInRefused>>,
-    /// The plan and the gather on the device (CUDA events; on the host backend, their
-    /// time on the CPU).
+    /// The critical path on the device, from the control words' upload to the fetch's end
+    /// (CUDA events; on the host backend, the whole call's time on the CPU).
     pub device_time: Option<Duration>,
+    /// The install after it (CUDA events; zero on the host backend). A timed call waits for
+    /// it.
+    pub install_time: Option<Duration>,
 }
 
 /// One job as the table keeps it: its buffers (shared handles, alive while the table is) and
@@ -150,28 +160,100 @@ struct Kept {
     warm_first: u64,
     warm: (usize, u64, usize),
     max_count: usize,
+    /// Its first staging row and entry of the selections' copy.
     first: usize,
 }
 
 /// Jobs written to the device once, loaded by [`Stream::swap_in`] as often as asked. Keeps
-/// every job's device buffers alive.
-#[derive(Debug)]
+/// every job's device buffers alive, and waits for the last call's install before it drops
+/// them.
 pub struct SwapInTable {
     gpu: super::Gpu,
     row_bytes: usize,
-    /// The gather table, the plan table, the codes, the report words.
+    /// The jobs, the control words, the report words, the selections' copy, the staging rows.
     device: DeviceBuffer,
     /// Pinned: per job its length and count for the next call.
     control: HostBuffer,
+    /// Pinned: the report words of the last call, downloaded.
+    report_host: HostBuffer,
     jobs: Vec<Kept>,
-    codes_at: usize,
+    layout: TableLayout,
+    /// The last call's install, while it may still run.
+    installing: Option<Box<dyn EventBackend>>,
+    /// The report words may not be at their start (a call failed between its fetch and
+    /// its install): the next call writes them again first.
+    stale: bool,
+}
+
+/// Where a table's parts start in its device memory: the jobs, the control words, the report
+/// words, the selections as the fetch read them (a u32 per entry), the staging rows.
+#[derive(Debug, Clone, Copy)]
+struct TableLayout {
+    control_at: usize,
     report_at: usize,
+    seen_at: usize,
+    staging_at: usize,
+    len: usize,
+}
+
+impl TableLayout {
+    /// For `jobs` jobs of `entries` selection entries in all.
+    fn new(jobs: usize, entries: usize, row_bytes: usize) -> Option<Self> {
+        let control_at = jobs * JOB_BYTES;
+        let report_at = control_at + 16 * jobs;
+        let seen_at = report_at + 8 * (1 + 2 * jobs);
+        // Staging rows 256-aligned, as the rows of any other device buffer.
+        let staging_at = (seen_at + 4 * entries).next_multiple_of(256);
+        let len = staging_at.checked_add(entries.checked_mul(row_bytes)?)?;
+        Some(Self {
+            control_at,
+            report_at,
+            seen_at,
+            staging_at,
+            len,
+        })
+    }
+}
+
+impl std::fmt::Debug for SwapInTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SwapInTable")
+            .field("gpu", &self.gpu)
+            .field("row_bytes", &self.row_bytes)
+            .field("jobs", &self.jobs)
+            .field("installing", &self.installing.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl SwapInTable {
     /// Jobs in the table.
     pub fn jobs(&self) -> usize {
         self.jobs.len()
+    }
+
+    /// The report words as they start: no failure, no counts.
+    fn initial_report(&self) -> Vec<u8> {
+        let n = self.jobs.len();
+        let mut words = vec![u64::MAX; 1 + n];
+        words.resize(1 + 2 * n, 0);
+        words.iter().flat_map(|w| w.to_le_bytes()).collect()
+    }
+
+    /// Waits for the last call's install.
+    fn wait_installed(&mut self) -> Result<()> {
+        match self.installing.take() {
+            Some(e) => e.synchronize(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for SwapInTable {
+    fn drop(&mut self) {
+        // The install reads and writes the jobs' buffers, which drop with the table. A
+        // device that failed has nothing left running.
+        let _ = self.wait_installed();
     }
 }
 
@@ -181,7 +263,8 @@ fn bad<T>(why: String) -> Result<T> {
 
 impl Stream {
     /// Sets a job's state ([`swap_in_state_len`] bytes of `state`) to hold nothing, at step 0,
-    /// and waits.
+    /// and waits. A state a table's install may still be writing must not be reset: drop the
+    /// table first.
     pub fn swap_in_reset(&self, state: &DeviceBuffer, positions: u64, slots: usize) -> Result<()> {
         if swap_in_state_len(positions, slots).is_none_or(|l| l > state.len()) {
             return bad(format!(
@@ -192,7 +275,7 @@ impl Stream {
         self.upload(&initial_state(positions, slots), state, 0)
     }
 
-    /// Checks `jobs` and writes their tables to the device. The states are used as they are:
+    /// Checks `jobs` and writes their table to the device. The states are used as they are:
     /// reset each first ([`swap_in_reset`](Self::swap_in_reset)); one another table used
     /// carries its hot buffer over. A state belongs to one hot buffer, warm pool, `warm_first`
     /// and row size: paired with others it serves other rows (memory stays safe: every index
@@ -282,71 +365,61 @@ impl Stream {
             "swap-in: hot buffers, states, selections and destinations",
         )?;
         let n = kept.len();
-        let codes_at = 2 * n * JOB_BYTES;
-        let report_at = codes_at + 8 * first;
-        let device = self.gpu.alloc(report_at + 8 * (2 + n))?;
-        let mut control =
-            HostBuffer::alloc_pinned(16 * n, &HostAllocOptions::default(), &self.gpu)?;
-        control.as_mut_slice().fill(0);
-        let control_addr = self.host_pool(&control)?.addr();
-        let mut bytes = vec![0u8; report_at + 8 * (2 + n)];
-        let words = |at: usize, bytes: &mut [u8], w: &[u64]| {
-            for (k, v) in w.iter().enumerate() {
-                bytes[at + 8 * k..at + 8 * k + 8].copy_from_slice(&v.to_le_bytes());
-            }
+        let Some(layout) = TableLayout::new(n, first, row_bytes) else {
+            return bad(format!(
+                "{first} staging rows of {row_bytes} bytes overflow"
+            ));
         };
+        let device = self.gpu.alloc(layout.len)?;
+        let pinned = |len| HostBuffer::alloc_pinned(len, &HostAllocOptions::default(), &self.gpu);
+        let (control, report_host) = (pinned(16 * n)?, pinned(8 * (1 + 2 * n))?);
+        let table_addr = device.device_addr();
+        let mut head = Vec::with_capacity(layout.report_at);
         for (i, k) in kept.iter().enumerate() {
-            let hot = k.hot.device_addr();
-            let dst = k.dst.device_addr() + k.dst_offset as u64;
-            let warm_rows = (k.warm.2 / row_bytes) as u64;
-            let gather = [
-                hot,
-                k.slots as u64,
-                k.warm.1,
-                warm_rows,
-                dst,
-                k.first as u64,
-                0,
-                0,
-            ];
-            words(i * JOB_BYTES, &mut bytes, &gather);
-            let sizes = [k.positions | (k.slots as u64) << 32, k.max_count as u64];
-            let plan = [
+            let job = [
                 k.selection.device_addr(),
-                control_addr + 16 * i as u64,
+                table_addr + (layout.control_at + 16 * i) as u64,
                 k.state.device_addr(),
-                device.device_addr() + (i * JOB_BYTES) as u64,
+                k.warm.1,
                 k.warm_first,
-                k.first as u64,
-                sizes[0],
-                sizes[1],
+                k.hot.device_addr(),
+                k.dst.device_addr() + k.dst_offset as u64,
+                table_addr + (layout.staging_at + k.first * row_bytes) as u64,
+                table_addr + (layout.seen_at + 4 * k.first) as u64,
+                k.positions | (k.slots as u64) << 32,
+                k.max_count as u64,
             ];
-            words((n + i) * JOB_BYTES, &mut bytes, &plan);
+            head.extend(job.iter().flat_map(|w| w.to_le_bytes()));
         }
-        // The call's two failure words and each job's word, all ones until something is
-        // reported (the kernel keeps minima in them).
-        words(report_at, &mut bytes, &vec![u64::MAX; 2 + n]);
-        self.upload(&bytes, &device, 0)?;
-        Ok(SwapInTable {
+        head.resize(layout.report_at, 0);
+        let mut table = SwapInTable {
             gpu: self.gpu.clone(),
             row_bytes,
             device,
             control,
+            report_host,
             jobs: kept,
-            codes_at,
-            report_at,
-        })
+            layout,
+            installing: None,
+            stale: false,
+        };
+        head.extend(table.initial_report());
+        self.upload(&head, &table.device, 0)?;
+        table.control.as_mut_slice().fill(0);
+        Ok(table)
     }
 
-    /// Plans and moves one load of every job of `table` and waits: job `j`'s first
-    /// `loads[j].count` selected positions are written, in order, to its destination — each
-    /// from its slot, or from `warm[j]` (the pinned buffer the table was made with) into the
-    /// output and the slot it takes. A job whose selection holds a position twice or one at
-    /// or past its length is refused: it installs and writes nothing, the others are loaded,
-    /// and [`SwapInDone::jobs`] says which, with the refused jobs' reasons. An error is
-    /// returned only where the call as a whole failed. Where the device itself fails (a
-    /// launch, a copy), the states may name rows their hot buffers did not receive: reset
-    /// them.
+    /// Loads every job of `table` once: job `j`'s first `loads[j].count` selected positions
+    /// are written, in order, to its destination — each from its slot, or from `warm[j]`
+    /// (the pinned buffer the table was made with). Returns once the rows are there: the
+    /// selections and destinations are the caller's again. The install that gives the misses
+    /// their slots runs on, on this stream, and the table's next call waits for it (as does
+    /// its drop). A job whose selection holds a position
+    /// twice or one at or past its length is refused: it installs nothing, its destination
+    /// may hold some of its rows, the others are loaded, and [`SwapInDone::jobs`] says which,
+    /// with the refused jobs' reasons. An error is returned only where the call as a whole
+    /// failed. Where the device itself fails (a launch, a copy), the states may name rows
+    /// their hot buffers did not receive: reset them.
     pub fn swap_in(
         &self,
         table: &mut SwapInTable,
@@ -367,6 +440,15 @@ impl Stream {
                 warm.len(),
                 loads.len()
             ));
+        }
+        table.wait_installed()?;
+        if table.stale {
+            self.upload(
+                &table.initial_report(),
+                &table.device,
+                table.layout.report_at,
+            )?;
+            table.stale = false;
         }
         let mut parts = Vec::with_capacity(n);
         for (i, ((k, w), l)) in table.jobs.iter().zip(warm).zip(loads).enumerate() {
@@ -405,45 +487,47 @@ impl Stream {
                 positions: k.positions,
                 slots: k.slots,
                 warm_first: k.warm_first,
-                first: k.first,
             });
         }
         let launch = SwapInLaunch {
             row_bytes: table.row_bytes,
             table: table.device.range("swap-in table", 0, table.device.len())?,
-            plans_at: n * JOB_BYTES,
-            codes_at: table.codes_at,
-            report_at: table.report_at,
+            control: &table.control,
+            report_host: &mut table.report_host,
+            control_at: table.layout.control_at,
+            report_at: table.layout.report_at,
+            staging_at: table.layout.staging_at,
             parts: &parts,
             timed,
         };
+        // Until the call returns its install, the report words may be anywhere.
+        table.stale = true;
         // SAFETY: every range was checked against its live allocation above and the buffers
-        // are held by the table; the warm pools and the control words are pinned host memory
-        // borrowed (registered) for the call, which waits for the device before returning.
+        // are held by the table, which waits for the install before it lets them go; the
+        // warm pools and the control words are pinned host memory borrowed (registered) for
+        // the call, which waits for the fetch (their last reader) before returning.
         let ran = unsafe { self.inner.swap_in(launch)? };
-        if let Some(&i) = ran.report.get(1).filter(|&&w| w != u64::MAX) {
-            return bad(format!(
-                "code {i} names a row outside its tier: a state was written by something other \
-                 than this table's loads"
-            ));
+        table.stale = false;
+        table.installing = ran.installing;
+        let (failures, counts) = ran.report.split_at(ran.report.len().min(1 + n));
+        if failures.len() != 1 + n || counts.len() != n {
+            return bad(format!("{} report words for {n} jobs", ran.report.len()));
         }
-        let words = ran.report.get(2..).unwrap_or_default();
-        if words.len() != n {
-            return bad(format!("{} job words for {n} jobs", words.len()));
-        }
-        let jobs = words
+        let jobs = failures[1..]
             .iter()
-            .map(|&w| match w {
-                w if w >> 63 == 1 => Err(plan_failure(w & !(1 << 63), &parts)),
-                w => Ok(SwapInCounts {
-                    hits: (w & 0xffff_ffff) as usize,
-                    misses: (w >> 32) as usize,
+            .zip(counts)
+            .map(|(&failed, &c)| match failed {
+                u64::MAX => Ok(SwapInCounts {
+                    hits: (c & 0xffff_ffff) as usize,
+                    misses: (c >> 32) as usize,
                 }),
+                w => Err(plan_failure(w, &parts)),
             })
             .collect();
         Ok(SwapInDone {
             jobs,
             device_time: ran.device_time,
+            install_time: ran.install_time,
         })
     }
 }
@@ -457,7 +541,7 @@ fn initial_state(positions: u64, slots: usize) -> Vec<u8> {
     words.iter().flat_map(|w| w.to_le_bytes()).collect()
 }
 
-/// The refusal a plan's failure word names.
+/// The refusal a failure word names.
 fn plan_failure(word: u64, parts: &[SwapInPart<'_>]) -> SwapInRefused {
     let (kind, job, value) = (word >> 60, (word >> 32) & 0x0fff_ffff, word & 0xffff_ffff);
     let load = parts.get(job as usize).map(|p| p.load);
@@ -473,11 +557,16 @@ fn plan_failure(word: u64, parts: &[SwapInPart<'_>]) -> SwapInRefused {
         TWICE => format!("job {job}: position {value} is selected twice"),
         TOO_MANY => format!("job {job}: {value} selected, more than the table allows"),
         EXHAUSTED => format!("job {job}: the state has run out of steps (2^32 - 1 loads)"),
+        CORRUPT if value == u64::from(NONE) => format!(
+            "job {job}: an earlier load found a slot holding a position outside the state's \
+             table and installed nothing (the state was written by something other than \
+             this HAL's loads; reset it)"
+        ),
         CORRUPT => format!(
             "job {job}: its state names a slot or position outside its tables (written by \
              something other than this HAL's loads; reset it)"
         ),
-        _ => format!("job {job}: unknown plan failure {word:#x}"),
+        _ => format!("job {job}: unknown swap-in failure {word:#x}"),
     };
     SwapInRefused { fault, why }
 }
@@ -487,7 +576,7 @@ fn failure(kind: u64, job: usize, value: u64) -> u64 {
     kind << 60 | (job as u64) << 32 | (value & 0xffff_ffff)
 }
 
-/// What one job's plan on the host works on besides its state, selection and codes.
+/// What one job's load on the host works on besides its state, selection and codes.
 pub(crate) struct HostPlan {
     pub(crate) positions: usize,
     pub(crate) slots: usize,
@@ -498,9 +587,10 @@ pub(crate) struct HostPlan {
     pub(crate) job: usize,
 }
 
-/// One job's plan on the host, step for step what `gpuio_swap_in_plan` does: writes the codes
-/// of `selection` into `codes` and updates `state`; returns `(hits, misses)`, or the smallest
-/// failure word (the kernel keeps the minimum too).
+/// One job's load on the host, step for step what the fetch and the install do on the
+/// device: writes the codes of `selection` into `codes` (a hit's slot; a miss's warm row and
+/// the slot it takes, or none where the install found the state bad) and updates `state`;
+/// returns `(hits, misses)`, or the smallest failure word (the kernels keep the minimum too).
 pub(crate) fn plan_on_host(
     state: &mut [u32],
     selection: &[u32],
@@ -517,43 +607,102 @@ pub(crate) fn plan_on_host(
     let (head, tables) = state.split_at_mut(2);
     let (slot_of, rest) = tables.split_at_mut(positions);
     let (holder, last_used) = rest.split_at_mut(slots);
-    if head[0] == u32::MAX {
+    // Refused before anything is marked (a count past the table never reaches here).
+    if head[0] == NONE {
         return Err(failure(EXHAUSTED, job, selection.len() as u64));
     }
+    if head[1] != 0 {
+        return Err(failure(CORRUPT, job, u64::from(NONE)));
+    }
     let step = head[0] + 1;
+    // The fetch: every entry looked up and marked.
     let mut worst = u64::MAX;
-    let (mut hits, mut misses) = (0usize, Vec::new());
-    // Slots selected this step (the kernel's shared bitmap).
-    let mut hit = vec![false; slots];
+    let mut bad = |kind, value| worst = worst.min(failure(kind, job, value));
     for (i, &pos) in selection.iter().enumerate() {
         if u64::from(pos) >= len {
-            worst = worst.min(failure(PAST_LEN, job, i as u64));
+            bad(PAST_LEN, i as u64);
             continue;
         }
-        let slot = slot_of[pos as usize];
-        if slot == NONE {
+        let old = slot_of[pos as usize];
+        if old == NONE {
             slot_of[pos as usize] = PENDING;
-            misses.push((pos, i));
-        } else if slot != PENDING && slot as usize >= slots {
-            worst = worst.min(failure(CORRUPT, job, u64::from(pos)));
-        } else if slot == PENDING || std::mem::replace(&mut hit[slot as usize], true) {
-            worst = worst.min(failure(TWICE, job, u64::from(pos)));
+        } else if old == PENDING {
+            bad(TWICE, u64::from(pos));
+        } else if (old & !SEL) as usize >= slots {
+            bad(CORRUPT, u64::from(pos));
+        } else if old & SEL != 0 {
+            bad(TWICE, u64::from(pos));
         } else {
+            slot_of[pos as usize] = old | SEL;
+        }
+    }
+    // The install: hits unmarked and used this step; misses in selection order.
+    let refused = worst != u64::MAX;
+    let (mut hits, mut misses) = (0usize, Vec::new());
+    let mut hit = vec![false; slots];
+    for (i, &pos) in selection.iter().enumerate() {
+        let Some(mark) = slot_of
+            .get_mut(pos as usize)
+            .filter(|_| u64::from(pos) < len)
+        else {
+            continue;
+        };
+        if *mark == PENDING {
+            if refused {
+                *mark = NONE;
+            } else {
+                misses.push((pos, i));
+            }
+        } else if *mark & SEL != 0 && ((*mark & !SEL) as usize) < slots {
+            *mark &= !SEL;
+            let s = *mark as usize;
+            last_used[s] = step;
+            hit[s] = true;
             hits += 1;
-            last_used[slot as usize] = step;
-            codes[i] = u64::from(slot);
+            codes[i] = s as u64;
         }
     }
     head[0] = step;
-    if worst != u64::MAX {
-        for &(pos, _) in &misses {
-            slot_of[pos as usize] = NONE;
-        }
+    if refused {
         return Err(worst);
     }
     let m = misses.len();
+    let victims = victims(last_used, &hit, step, m);
+    // A victim's position is followed: one outside the table leaves the misses read but not
+    // installed, and flags the state so that its next load is refused.
+    let flagged = victims
+        .iter()
+        .any(|&s| holder[s] != NONE && holder[s] as usize >= positions);
+    for (&s, &(pos, i)) in victims.iter().zip(&misses) {
+        let install = if flagged {
+            slot_of[pos as usize] = NONE;
+            None
+        } else {
+            if holder[s] != NONE {
+                slot_of[holder[s] as usize] = NONE;
+            }
+            holder[s] = pos;
+            slot_of[pos as usize] = s as u32;
+            last_used[s] = step;
+            Some(s as u64)
+        };
+        codes[i] = super::TieredSource::Warm {
+            row: warm_first + u64::from(pos),
+            install,
+        }
+        .code()
+        .unwrap_or(u64::MAX);
+    }
+    head[1] = u32::from(flagged);
+    Ok((hits, m))
+}
+
+/// The `m` slots the misses of step `step` take: the unselected slots (`hit` false) selected
+/// longest ago (ages capped at [`OLDEST`]; among equal ages, lower slots first), in slot
+/// order.
+fn victims(last_used: &[u32], hit: &[bool], step: u32, m: usize) -> Vec<usize> {
     if m == 0 {
-        return Ok((hits, 0));
+        return Vec::new();
     }
     let age = |lu: u32| step.wrapping_sub(lu).min(OLDEST) as usize;
     let mut by_age = [0usize; OLDEST as usize + 1];
@@ -572,7 +721,7 @@ pub(crate) fn plan_on_host(
         older += by_age[a];
     }
     let mut at_edge = 0;
-    let victims: Vec<usize> = (0..slots)
+    (0..last_used.len())
         .filter(|&s| !hit[s])
         .filter(|&s| match age(last_used[s]).cmp(&edge) {
             std::cmp::Ordering::Greater => true,
@@ -582,35 +731,7 @@ pub(crate) fn plan_on_host(
             }
             std::cmp::Ordering::Less => false,
         })
-        .collect();
-    // A victim's position is followed: one outside the table fails the plan, installing
-    // nothing.
-    let corrupt = victims
-        .iter()
-        .filter(|&&s| holder[s] != NONE && holder[s] as usize >= positions)
-        .map(|&s| failure(CORRUPT, job, s as u64))
-        .min();
-    if let Some(word) = corrupt {
-        for &(pos, _) in &misses {
-            slot_of[pos as usize] = NONE;
-        }
-        return Err(word);
-    }
-    for (&s, &(pos, i)) in victims.iter().zip(&misses) {
-        if holder[s] != NONE {
-            slot_of[holder[s] as usize] = NONE;
-        }
-        holder[s] = pos;
-        slot_of[pos as usize] = s as u32;
-        last_used[s] = step;
-        codes[i] = super::TieredSource::Warm {
-            row: warm_first + u64::from(pos),
-            install: Some(s as u64),
-        }
-        .code()
-        .unwrap_or(u64::MAX);
-    }
-    Ok((hits, m))
+        .collect()
 }
 
 /// Checks a call's shape against the host backend's reading of the parts (used there only).
@@ -722,7 +843,11 @@ mod tests {
         assert_eq!(e, failure(PAST_LEN, 0, 1));
         let e = plan_on_host(&mut st, &[4, 4], &mut codes[..2], &shape(p, s, 16, 0)).unwrap_err();
         assert_eq!(e, failure(TWICE, 0, 4));
-        assert_eq!(st[2..2 + p], before[..], "nothing installed or dropped");
+        assert_eq!(
+            st[2..2 + p],
+            before[..],
+            "nothing installed or dropped, no mark left"
+        );
         // The failed steps were spent: a later load sees its hits as fresh.
         let (h, m, _) = run(&mut st, p, s, &[3, 4, 5], 16);
         assert_eq!((h, m), (2, 1));
@@ -736,16 +861,27 @@ mod tests {
         let mut codes = vec![0; 1];
         let e = plan_on_host(&mut st, &[3], &mut codes, &shape(p, s, 8, 0)).unwrap_err();
         assert_eq!(e, failure(CORRUPT, 0, 3));
+        assert_eq!(st[2 + 3], 7, "left as it was");
+        // Slot 0 "holds" position 99 of 8: found only when slot 0 is a victim, after the
+        // row went out. The load reads its misses without installing them, and flags the
+        // state, whose next load is refused.
         let mut st = fresh(p, s);
-        st[2 + p] = 99; // slot 0 "holds" position 99 of 8
+        st[2 + p] = 99;
         let before = st.clone();
+        let (hits, misses) = plan_on_host(&mut st, &[1], &mut codes, &shape(p, s, 8, 0)).unwrap();
+        assert_eq!((hits, misses), (0, 1));
+        let want = crate::gpu::TieredSource::Warm {
+            row: 101,
+            install: None,
+        };
+        assert_eq!(crate::gpu::TieredSource::from_code(codes[0]), want);
+        assert_eq!(st[1], 1, "flagged");
+        assert_eq!(st[2..], before[2..], "nothing installed");
         let e = plan_on_host(&mut st, &[1], &mut codes, &shape(p, s, 8, 0)).unwrap_err();
-        assert_eq!(e, failure(CORRUPT, 0, 0));
-        assert_eq!(
-            st[1..],
-            before[1..],
-            "nothing installed; only the step was spent"
-        );
+        assert_eq!(e, failure(CORRUPT, 0, u64::from(NONE)));
+        let r = plan_failure(e, &[]);
+        assert!(r.to_string().contains("an earlier load"), "{r}");
+        assert_eq!(r.fault, SwapInFault::State);
     }
 
     #[test]
@@ -775,21 +911,24 @@ mod tests {
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
 
-        /// Any state words and any selection: the plan answers (a count or a failure word)
-        /// without panicking, its codes name rows inside their tiers, and a failed plan
-        /// installs nothing (only the step and its hits' last steps may change).
+        /// Any state words and any selection (of at most as many positions as slots, as the
+        /// table enforces): the load answers (a count or a failure word) without panicking,
+        /// its codes name rows inside their tiers, and a refused load installs nothing and
+        /// leaves no mark (only the step and its hits' last steps may change).
         #[test]
         fn any_state_and_selection_is_answered_never_followed_out_of_bounds(
             words in proptest::collection::vec(proptest::prelude::any::<u32>(), 2 + 24 + 2 * 6),
             small in proptest::collection::vec(0u32..30, 38),
             use_small in proptest::prelude::any::<bool>(),
-            selection in proptest::collection::vec(0u32..30, 0..7),
+            selection in proptest::collection::vec(0u32..30, 0..=6),
             len in 0u64..=24,
         ) {
             let (p, s) = (24, 6);
             // Random words reach the checks; small ones reach the plan's deeper steps.
             let mut st = if use_small { small } else { words };
             st[0] %= 1 << 20;
+            // A flagged state is refused before anything else (a test of its own above).
+            st[1] = u32::from(st[1] == 1);
             let before = st.clone();
             let mut codes = vec![u64::MAX; selection.len()];
             match plan_on_host(&mut st, &selection, &mut codes, &shape(p, s, len, 0)) {
@@ -802,7 +941,8 @@ mod tests {
                             }
                             crate::gpu::TieredSource::Warm { row, install } => {
                                 proptest::prop_assert!(row >= 100 && row < 100 + len);
-                                proptest::prop_assert!(install.is_some_and(|i| i < s as u64));
+                                proptest::prop_assert!(install.is_none_or(|i| i < s as u64));
+                                proptest::prop_assert_eq!(install.is_none(), st[1] == 1);
                             }
                         }
                     }

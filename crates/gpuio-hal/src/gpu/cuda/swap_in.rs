@@ -1,18 +1,24 @@
-//! Launches of a device-planned load (`gpu/swap_in.rs`): the plan kernel (`kernels/ai.cu`),
-//! then the tiered gather kernel (`kernels/gather.cu`) over the codes it wrote, then the
-//! report's download and reset — one wait for all of it.
+//! Launches of a device-planned load (`gpu/swap_in.rs`): the control words' upload, the fetch
+//! kernel and the report's download — the call waits for these — then the install kernel,
+//! which the call leaves running (`kernels/ai.cu`).
 
 use super::driver::{self, cuda_err};
-use super::rows::{WaitOnDrop, event_time, row_fn, widest_piece};
+use super::rows::{WaitOnDrop, widest_piece};
 use super::stream::CudaStreamBackend;
 use crate::error::Result;
-use crate::gpu::backend::{StreamBackend, SwapInLaunch, SwapInRan};
+use crate::gpu::backend::{EventBackend, StreamBackend, SwapInLaunch, SwapInRan};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
+use std::time::Duration;
 
-/// `gpuio_swap_in_plan`'s position in `kernels::AI.functions`.
-const PLAN: usize = 4;
-/// The plan's block: one per job (ai.cu's `GPUIO_SWAP_THREADS`).
-const PLAN_THREADS: u32 = 1024;
+/// `gpuio_swap_in_fetch`'s and `gpuio_swap_in_install`'s positions in `kernels::AI.functions`.
+const FETCH: usize = 4;
+const INSTALL: usize = 5;
+/// The fetch's block and the selection entries each block looks up (ai.cu's
+/// `GPUIO_SWAP_FETCH_THREADS`, `GPUIO_SWAP_FETCH_ENTRIES`).
+const FETCH_THREADS: u32 = 256;
+const FETCH_ENTRIES: u64 = 32;
+/// The install's block, one per job (ai.cu's `GPUIO_SWAP_THREADS`).
+const INSTALL_THREADS: u32 = 1024;
 
 impl CudaStreamBackend {
     /// Runs a device-planned load: [`StreamBackend::swap_in`](crate::gpu::backend::StreamBackend::swap_in).
@@ -20,70 +26,113 @@ impl CudaStreamBackend {
     /// # Safety
     /// That of `StreamBackend::swap_in`.
     pub(super) unsafe fn run_swap_in(&self, launch: SwapInLaunch<'_>) -> Result<SwapInRan> {
-        let plan_fn = &self.shared.ai_kernels()?[PLAN];
-        let gather_fns = self.shared.row_kernels()?;
+        let kernels = self.shared.ai_kernels()?;
+        let (fetch_fn, install_fn) = (&kernels[FETCH], &kernels[INSTALL]);
         self.shared.bind()?;
         let rb = launch.row_bytes as u64;
+        let jobs = launch.parts.len();
+        let base = launch.table.addr();
+        let staging = base + launch.staging_at as u64;
         let starts = launch
             .parts
             .iter()
-            .flat_map(|p| [p.hot.addr(), p.warm.addr(), p.dst.addr()]);
-        let (slot, width) = widest_piece(rb, starts);
-        let jobs = launch.parts.len();
-        let base = launch.table.addr();
-        let (plans, codes) = (base + launch.plans_at as u64, base + launch.codes_at as u64);
+            .flat_map(|p| [p.hot.addr(), p.warm.addr(), p.dst.addr()])
+            .chain([staging]);
+        let (_, width) = widest_piece(rb, starts);
         let report = base + launch.report_at as u64;
-        let gather_report = report + 8;
-        let words_len = 8 * (2 + jobs);
-        // The failure and job words all ones before the plan, in stream order: whatever an
-        // earlier call left (one that failed before its download) never reads as this one's.
-        // SAFETY: the report range is 2 + jobs u64s of the table's device memory (its layout).
-        unsafe { driver::memset_d8_async(report, 0xff, words_len, self.raw())? };
-        let start = launch.timed.then(|| self.record(true)).transpose()?;
+        let words_len = 8 * (1 + 2 * jobs);
         let running = WaitOnDrop(Some(self));
-        let mut l = self.stream.launch_builder(plan_fn);
-        l.arg(&plans).arg(&codes).arg(&report);
-        let config = LaunchConfig {
-            grid_dim: (jobs as u32, 1, 1),
-            block_dim: (PLAN_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+        // SAFETY: the control words are 16 bytes a job of pinned memory the caller keeps
+        // until the call returns, which is after the fetch (behind this copy) is waited for;
+        // the destination is the table's control range (its layout).
+        unsafe {
+            driver::memcpy_htod_async(
+                base + launch.control_at as u64,
+                launch.control.base_ptr(),
+                16 * jobs,
+                self.raw(),
+            )?
         };
-        // SAFETY: matches gpuio_swap_in_plan(const gpuio_swap_job*, u64* codes, u64* report).
-        // Each plan job (written by the table, in its device memory) names a selection,
-        // state, gather entry and code range the HAL checked and the table keeps alive, and
-        // pinned control words registered for the call; the kernel touches only those
-        // (positions are checked against the length, which the HAL bounds by the state's
-        // positions) and the report words. We wait below before returning.
-        unsafe { l.launch(config) }.map_err(cuda_err("cuLaunchKernel(gpuio_swap_in_plan)"))?;
+        // The upload goes ahead of the clock, as the peers' index lists do: the host knows
+        // each length and count before the selection is there.
+        let start = launch.timed.then(|| self.record(true)).transpose()?;
         let most = launch
             .parts
             .iter()
-            .map(|p| p.dst.len as u64 / rb)
+            .map(|p| p.load.count as u64)
             .max()
             .unwrap_or(0);
-        let mut config = self.shared.launch_config((most * (rb / width)).div_ceil(4));
-        config.grid_dim.1 = jobs as u32;
-        let mut g = self
-            .stream
-            .launch_builder(&gather_fns[row_fn::TIERED + slot]);
-        g.arg(&base).arg(&codes).arg(&rb).arg(&gather_report);
-        // SAFETY: matches gpuio_gather_tiered_W(const void* jobs, const u64* codes, u64
-        // row_bytes, u64* err). The gather table at the table's start names per job its
-        // checked hot range, registered warm pool and checked destination, and a count the
-        // plan wrote (at most the destination's rows, 0 where it failed); the kernel checks
-        // every code against the tiers, so it touches only those ranges and its report word.
-        unsafe { g.launch(config) }.map_err(cuda_err("cuLaunchKernel(gpuio_gather_tiered)"))?;
-        let end = start.is_some().then(|| self.record(true)).transpose()?;
-        let mut words = vec![0u64; 2 + jobs];
-        // SAFETY: `words` holds 2 + jobs writable u64s, untouched until the wait below; the
-        // report range is that long (the table's layout).
-        unsafe {
-            driver::memcpy_dtoh_async(words.as_mut_ptr().cast(), report, words_len, self.raw())?
+        let mut l = self.stream.launch_builder(fetch_fn);
+        l.arg(&base).arg(&rb).arg(&width).arg(&report);
+        let config = LaunchConfig {
+            grid_dim: (most.div_ceil(FETCH_ENTRIES).max(1) as u32, jobs as u32, 1),
+            block_dim: (FETCH_THREADS, 1, 1),
+            shared_mem_bytes: 0,
         };
-        running.wait()?;
+        // SAFETY: matches gpuio_swap_in_fetch(const gpuio_swap_job*, u64 rb, u64 width, u64*
+        // report). Each job (written by the table, in its device memory) names a selection,
+        // state, hot buffer, destination and staging rows the HAL checked and the table
+        // keeps alive, and a registered warm pool; the kernel reads at most the uploaded
+        // count (bounded by max_count) of entries, follows only positions below the length
+        // (bounded by the state's positions and the warm rows) and slots below the job's
+        // slots, and writes only those rows, slot words and the report words. `width`
+        // divides the row size and every row address.
+        unsafe { l.launch(config) }.map_err(cuda_err("cuLaunchKernel(gpuio_swap_in_fetch)"))?;
+        let end = start.is_some().then(|| self.record(true)).transpose()?;
+        let words_at = launch.report_host.as_mut_slice();
+        if words_at.len() < words_len {
+            return Err(crate::error::HalError::InvalidArgument(
+                "swap-in: a report buffer shorter than its words".into(),
+            ));
+        }
+        // SAFETY: `words_at` is pinned host memory of at least `words_len` bytes, borrowed
+        // mutably for the call and untouched until the wait below (so the copy runs without
+        // holding the host up, and the install queues right behind it); the report range is
+        // that long (the table's layout).
+        unsafe { driver::memcpy_dtoh_async(words_at.as_mut_ptr(), report, words_len, self.raw())? };
+        let fetched = self.record(false)?;
+        let mut l = self.stream.launch_builder(install_fn);
+        l.arg(&base).arg(&rb).arg(&width).arg(&report);
+        let config = LaunchConfig {
+            grid_dim: (jobs as u32, 1, 1),
+            block_dim: (INSTALL_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches gpuio_swap_in_install(const gpuio_swap_job*, u64 rb, u64 width,
+        // u64* report). It reads the same jobs, control words and report words, follows
+        // only positions and slots inside the state's tables (a victim's position outside
+        // them flags the state instead), copies staging rows below max_count into slots
+        // below the job's slots, and resets the report words. The table waits for it before
+        // it lets the buffers go (the event returned below).
+        unsafe { l.launch(config) }.map_err(cuda_err("cuLaunchKernel(gpuio_swap_in_install)"))?;
+        let installed = self.record(launch.timed)?;
+        fetched.synchronize()?;
+        let words = words_at
+            .chunks_exact(8)
+            .take(1 + 2 * jobs)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
+            .collect();
+        // The fetch is done and nothing failed: the install may run on after the call.
+        let mut running = running;
+        running.0 = None;
+        let ms = |from: &dyn EventBackend, to: &dyn EventBackend| -> Result<Duration> {
+            let ms = to.elapsed_ms_since(from)?;
+            Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+        };
+        let (device_time, install_time, installing) = match (start, end) {
+            (Some(start), Some(end)) => {
+                installed.synchronize()?;
+                let fetch = ms(start.as_ref(), end.as_ref())?;
+                let install = ms(end.as_ref(), installed.as_ref())?;
+                (Some(fetch), Some(install), None)
+            }
+            _ => (None, None, Some(installed)),
+        };
         Ok(SwapInRan {
             report: words,
-            device_time: event_time(start, end)?,
+            device_time,
+            install_time,
+            installing,
         })
     }
 }
