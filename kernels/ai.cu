@@ -185,7 +185,8 @@ extern "C" __global__ void gpuio_dot_scores(const void* table, gpuio_u64 rows, g
 // - The fetch (many blocks per job) looks up each selected position's slot and copies its
 //   row into the output: from the slot on a hit, from pinned host memory on a miss (and then
 //   also into the job's staging rows). A hit is marked in the position's slot word (SEL), a
-//   miss with PENDING; the caller reads the counts and failures as soon as it ends.
+//   miss with PENDING, and a hit's slot in the job's bitmap (two positions in one slot are
+//   a corrupt state); the caller reads the counts and failures as soon as it ends.
 // - The install (a block per job) finishes the step off the critical path: the misses,
 //   numbered in selection order, take the slots not selected this step, oldest first (ages
 //   capped at 255 steps; among equal ages, lower slots first; victims taken in slot order);
@@ -194,7 +195,8 @@ extern "C" __global__ void gpuio_dot_scores(const void* table, gpuio_u64 rows, g
 //   the state own (the fetch keeps a copy of the selection): once the fetch is done, the
 //   caller may write its selection and destination again.
 //
-// The host backend runs the same steps in Rust (swap_in.rs); the two agree state for state.
+// The host backend runs the same steps in Rust (swap_in.rs); the two leave the same state
+// from every state their loads leave.
 // A state is trusted for nothing: a slot or position out of its table's bounds is reported
 // (kind 4), never followed. A refused job installs nothing (its hits are marked used, the
 // step is spent); its output may hold some of its rows. A victim whose position is out of
@@ -217,7 +219,7 @@ extern "C" __global__ void gpuio_dot_scores(const void* table, gpuio_u64 rows, g
 #define GPUIO_SWAP_EXHAUSTED 3ull
 #define GPUIO_SWAP_CORRUPT 4ull
 
-// One job (88 bytes, as the host writes it).
+// One job (96 bytes, as the host writes it).
 struct gpuio_swap_job {
     gpuio_u64 selection;   // u32 positions
     gpuio_u64 control;     // device memory, uploaded per call: the layer's length, the count
@@ -228,6 +230,7 @@ struct gpuio_swap_job {
     gpuio_u64 dst;         // `max_count` rows
     gpuio_u64 staging;     // `max_count` rows: the misses' rows from the fetch to the install
     gpuio_u64 seen;        // `max_count` u32s: the selection as the fetch read it, for the install
+    gpuio_u64 used;        // a bit per slot: hit this step (the fetch sets, the install clears)
     gpuio_u32 positions, slots, max_count, unused;
 };
 
@@ -238,6 +241,12 @@ __device__ __forceinline__ void gpuio_swap_bad(gpuio_u64* report, gpuio_u64 kind
     const gpuio_u64 word = kind << 60 | job << 32 | (value & 0xffffffffull);
     atomicMin(report, word);
     atomicMin(report + 1 + job, word);
+}
+
+// A slot word no load leaves: a slot past the table (with or without the hit mark) that is
+// neither NONE nor PENDING.
+__device__ __forceinline__ bool gpuio_swap_corrupt(gpuio_u32 word, gpuio_u32 slots) {
+    return word != GPUIO_SWAP_NONE && word != GPUIO_SWAP_PENDING && (word & ~GPUIO_SWAP_SEL) >= slots;
 }
 
 // A refusal of the whole job before anything is marked (the same test in both kernels):
@@ -307,6 +316,9 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_FETCH_THREADS)
             ((gpuio_u32*)job.seen)[i] = p;
             if (p >= len) {
                 gpuio_swap_bad(report, GPUIO_SWAP_PAST_LEN, j, i);
+            } else if (gpuio_swap_corrupt(slot_of[p], job.slots)) {
+                // Not followed, and left as it is (no load of this call changes such a word).
+                gpuio_swap_bad(report, GPUIO_SWAP_CORRUPT, j, p);
             } else {
                 // One atomic marks a hit; a miss is claimed by a second (NONE and PENDING
                 // already carry the mark, so the first leaves them as they are).
@@ -314,16 +326,13 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_FETCH_THREADS)
                 if (old == GPUIO_SWAP_NONE) {
                     miss = atomicCAS(&slot_of[p], GPUIO_SWAP_NONE, GPUIO_SWAP_PENDING) == GPUIO_SWAP_NONE;
                     if (!miss) gpuio_swap_bad(report, GPUIO_SWAP_TWICE, j, p);
-                } else if (old == GPUIO_SWAP_PENDING) {
-                    gpuio_swap_bad(report, GPUIO_SWAP_TWICE, j, p);
-                } else if ((old & ~GPUIO_SWAP_SEL) >= job.slots) {
-                    // Not followed, and left as it was.
-                    if (!(old & GPUIO_SWAP_SEL)) atomicAnd(&slot_of[p], ~GPUIO_SWAP_SEL);
-                    gpuio_swap_bad(report, GPUIO_SWAP_CORRUPT, j, p);
-                } else if (old & GPUIO_SWAP_SEL) {
+                } else if (old == GPUIO_SWAP_PENDING || (old & GPUIO_SWAP_SEL)) {
                     gpuio_swap_bad(report, GPUIO_SWAP_TWICE, j, p);
                 } else {
-                    hit = true;
+                    // A slot two positions name: the state's fault, reported by its slot.
+                    const gpuio_u32 bit = 1u << (old % 32);
+                    hit = !(atomicOr((gpuio_u32*)job.used + old / 32, bit) & bit);
+                    if (!hit) gpuio_swap_bad(report, GPUIO_SWAP_CORRUPT, j, old);
                 }
                 if (hit) f = (const char*)job.hot + (gpuio_u64)old * rb;
                 if (miss) f = (const char*)job.warm + (job.warm_first + p) * rb;
@@ -534,7 +543,9 @@ __device__ __forceinline__ void gpuio_swap_install_job(const gpuio_swap_job& job
         }
         if (tid == 0) st[0] = step;
     }
-    // The report words back to their start for the next call (the caller has read them).
+    // The slots' hit bits and the report words back to their start for the next call (the
+    // caller has read the words).
+    for (gpuio_u32 w = tid; w < (job.slots + 31) / 32; w += GPUIO_SWAP_THREADS) ((gpuio_u32*)job.used)[w] = 0;
     if (tid == 0) {
         report[1 + j] = ~0ull;
         report[1 + n + j] = 0;

@@ -346,7 +346,8 @@ pub fn run(
                     );
                     if !mode.is_empty() {
                         route.push_str(&format!(
-                            ", then the install {:.1} µs (off the critical path)",
+                            ", then the install {:.1} µs (off the critical path; the timed \
+                             call's wall waits for it too)",
                             m.install_p50_us
                         ));
                     }

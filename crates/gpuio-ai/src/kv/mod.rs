@@ -17,7 +17,7 @@
 //!
 //! [`SwapInKv`] serves the same selections with the planning on the device (HiSparse's
 //! swap-in kernel): every entry in host memory, appended only, selections already in device
-//! memory, no host work per load (`swap.rs`).
+//! memory, nothing planned on the host (`swap.rs`).
 //!
 //! [`store`](KvPool::store) writes entries to host memory and drops their hot copies, so a
 //! load never returns a stale entry. [`evict_by_importance`](KvPool::evict_by_importance)

@@ -59,7 +59,7 @@ impl SwapInConfig {
     }
 }
 
-/// One layer's device side: the hot buffer, the plan's state, the length, and whether a
+/// One layer's device side: the hot buffer, the swap-in state, the length, and whether a
 /// batch holds it.
 #[derive(Debug)]
 struct Layer {
@@ -95,7 +95,7 @@ impl SwapInKv {
         }
         if cfg.hot_slots > SWAP_IN_MAX_SLOTS {
             return bad(format!(
-                "{} hot slots: the device's plan takes up to {SWAP_IN_MAX_SLOTS}",
+                "{} hot slots: the device's swap-in takes up to {SWAP_IN_MAX_SLOTS}",
                 cfg.hot_slots
             ));
         }

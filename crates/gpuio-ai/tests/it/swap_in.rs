@@ -4,7 +4,8 @@
 //! checked against what was appended, its hits and misses against the model's. Batches of
 //! several sequences, hot buffers small enough to thrash, appends between steps, refused
 //! selections (a position twice, one not stored) beside good ones, and batches that claim a
-//! layer. On the GPU machine the same tests check the plan kernel against the model.
+//! layer. On the GPU machine the same tests check the fetch and install kernels against the
+//! model.
 
 use gpuio_ai::AiError;
 use gpuio_ai::kv::{LoadReport, SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget};

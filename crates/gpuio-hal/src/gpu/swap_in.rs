@@ -37,6 +37,9 @@ pub const SWAP_IN_MAX_SELECTION: usize = 4096;
 /// Most slots one job's hot buffer may have (the install keeps every slot's state in its
 /// threads' registers).
 pub const SWAP_IN_MAX_SLOTS: usize = 8192;
+/// The largest row a device-planned load moves: the kernels count a job's row pieces in 32
+/// bits.
+pub const SWAP_IN_MAX_ROW_BYTES: usize = 256 << 10;
 /// A position with no slot, a slot with no position.
 pub(crate) const NONE: u32 = u32::MAX;
 /// A position the fetch found missing, before the install gives it a slot.
@@ -44,7 +47,7 @@ const PENDING: u32 = u32::MAX - 1;
 /// The fetch's mark on a hit's slot word (slots are below 2^13; NONE and PENDING carry it).
 const SEL: u32 = 1 << 30;
 /// Bytes of one job in the table (ai.cu's `gpuio_swap_job`).
-const JOB_BYTES: usize = 88;
+const JOB_BYTES: usize = 96;
 /// Ages are counted up to this many steps.
 const OLDEST: u32 = 255;
 /// The failures, in the order the first is reported.
@@ -107,7 +110,8 @@ pub struct SwapInLoad {
 pub struct SwapInCounts {
     /// Selected positions found in a slot.
     pub hits: usize,
-    /// Positions read from host memory (and installed).
+    /// Positions read from host memory (and installed, unless the install found the state
+    /// bad and flagged it).
     pub misses: usize,
 }
 
@@ -138,11 +142,12 @@ pub enum SwapInFault {
 pub struct SwapInDone {
     /// Per job, in the table's order.
     pub jobs: Vec<std::result::Result<SwapInCounts, SwapInRefused>>,
-    /// The critical path on the device, from the control words' upload to the fetch's end
-    /// (CUDA events; on the host backend, the whole call's time on the CPU).
+    /// The critical path on the device: the fetch, from its start to its end (CUDA events;
+    /// the control words' upload runs just before; on the host backend, the whole call's time
+    /// on the CPU).
     pub device_time: Option<Duration>,
-    /// The install after it (CUDA events; zero on the host backend). A timed call waits for
-    /// it.
+    /// From the fetch's end to the install's: the report words' download, then the install
+    /// (CUDA events; zero on the host backend). A timed call waits for it.
     pub install_time: Option<Duration>,
 }
 
@@ -162,6 +167,8 @@ struct Kept {
     max_count: usize,
     /// Its first staging row and entry of the selections' copy.
     first: usize,
+    /// Its first word of hit bits.
+    used_first: usize,
 }
 
 /// Jobs written to the device once, loaded by [`Stream::swap_in`] as often as asked. Keeps
@@ -180,34 +187,39 @@ pub struct SwapInTable {
     layout: TableLayout,
     /// The last call's install, while it may still run.
     installing: Option<Box<dyn EventBackend>>,
-    /// The report words may not be at their start (a call failed between its fetch and
-    /// its install): the next call writes them again first.
-    stale: bool,
+    /// A call failed on the device: its fetch may have marked states that no install
+    /// cleared, so the table refuses every later call.
+    broken: bool,
 }
 
 /// Where a table's parts start in its device memory: the jobs, the control words, the report
-/// words, the selections as the fetch read them (a u32 per entry), the staging rows.
+/// words, the slots' hit bits (a u32 per 32 slots), the selections as the fetch read them (a
+/// u32 per entry), the staging rows (a row per entry).
 #[derive(Debug, Clone, Copy)]
 struct TableLayout {
     control_at: usize,
     report_at: usize,
+    used_at: usize,
     seen_at: usize,
     staging_at: usize,
     len: usize,
 }
 
 impl TableLayout {
-    /// For `jobs` jobs of `entries` selection entries in all.
-    fn new(jobs: usize, entries: usize, row_bytes: usize) -> Option<Self> {
+    /// For `jobs` jobs of `entries` selection entries and `used_words` words of hit bits in
+    /// all.
+    fn new(jobs: usize, entries: usize, used_words: usize, row_bytes: usize) -> Option<Self> {
         let control_at = jobs * JOB_BYTES;
         let report_at = control_at + 16 * jobs;
-        let seen_at = report_at + 8 * (1 + 2 * jobs);
+        let used_at = report_at + 8 * (1 + 2 * jobs);
+        let seen_at = used_at + 4 * used_words;
         // Staging rows 256-aligned, as the rows of any other device buffer.
         let staging_at = (seen_at + 4 * entries).next_multiple_of(256);
         let len = staging_at.checked_add(entries.checked_mul(row_bytes)?)?;
         Some(Self {
             control_at,
             report_at,
+            used_at,
             seen_at,
             staging_at,
             len,
@@ -240,8 +252,10 @@ impl SwapInTable {
         words.iter().flat_map(|w| w.to_le_bytes()).collect()
     }
 
-    /// Waits for the last call's install.
-    fn wait_installed(&mut self) -> Result<()> {
+    /// Waits for the last call's install: until then its hot buffers and states are still
+    /// being written. The table's next call and its drop wait too; anything else that reads
+    /// or resets a job's hot buffer or state (from any stream) waits here first.
+    pub fn wait(&mut self) -> Result<()> {
         match self.installing.take() {
             Some(e) => e.synchronize(),
             None => Ok(()),
@@ -253,7 +267,7 @@ impl Drop for SwapInTable {
     fn drop(&mut self) {
         // The install reads and writes the jobs' buffers, which drop with the table. A
         // device that failed has nothing left running.
-        let _ = self.wait_installed();
+        let _ = self.wait();
     }
 }
 
@@ -281,16 +295,20 @@ impl Stream {
     /// and row size: paired with others it serves other rows (memory stays safe: every index
     /// is checked). Hot buffers, states, selections and destinations must not overlap.
     pub fn swap_in_table(&self, row_bytes: usize, jobs: &[SwapInJob<'_>]) -> Result<SwapInTable> {
-        if row_bytes == 0 || jobs.is_empty() || jobs.len() > TIER_MAX_JOBS {
+        if row_bytes == 0
+            || row_bytes > SWAP_IN_MAX_ROW_BYTES
+            || jobs.is_empty()
+            || jobs.len() > TIER_MAX_JOBS
+        {
             return bad(format!(
-                "{} jobs of {row_bytes}-byte rows (1..={TIER_MAX_JOBS} jobs of rows of at \
-                 least a byte)",
+                "{} jobs of {row_bytes}-byte rows (1..={TIER_MAX_JOBS} jobs of rows of 1 to \
+                 {SWAP_IN_MAX_ROW_BYTES} bytes)",
                 jobs.len()
             ));
         }
         let mut kept = Vec::with_capacity(jobs.len());
         let mut spans = Vec::new();
-        let mut first = 0usize;
+        let (mut first, mut used_words) = (0usize, 0usize);
         for (i, j) in jobs.iter().enumerate() {
             for (what, b) in [
                 ("hot buffer", j.hot),
@@ -357,15 +375,17 @@ impl Stream {
                 warm: (ptr as usize, addr, len),
                 max_count: j.max_count,
                 first,
+                used_first: used_words,
             });
             first += j.max_count;
+            used_words += j.slots.div_ceil(32);
         }
         check_disjoint(
             spans,
             "swap-in: hot buffers, states, selections and destinations",
         )?;
         let n = kept.len();
-        let Some(layout) = TableLayout::new(n, first, row_bytes) else {
+        let Some(layout) = TableLayout::new(n, first, used_words, row_bytes) else {
             return bad(format!(
                 "{first} staging rows of {row_bytes} bytes overflow"
             ));
@@ -386,6 +406,7 @@ impl Stream {
                 k.dst.device_addr() + k.dst_offset as u64,
                 table_addr + (layout.staging_at + k.first * row_bytes) as u64,
                 table_addr + (layout.seen_at + 4 * k.first) as u64,
+                table_addr + (layout.used_at + 4 * k.used_first) as u64,
                 k.positions | (k.slots as u64) << 32,
                 k.max_count as u64,
             ];
@@ -401,9 +422,11 @@ impl Stream {
             jobs: kept,
             layout,
             installing: None,
-            stale: false,
+            broken: false,
         };
         head.extend(table.initial_report());
+        // The hit bits start clear (each install clears them again).
+        head.resize(layout.seen_at, 0);
         self.upload(&head, &table.device, 0)?;
         table.control.as_mut_slice().fill(0);
         Ok(table)
@@ -413,13 +436,15 @@ impl Stream {
     /// are written, in order, to its destination — each from its slot, or from `warm[j]`
     /// (the pinned buffer the table was made with). Returns once the rows are there: the
     /// selections and destinations are the caller's again. The install that gives the misses
-    /// their slots runs on, on this stream, and the table's next call waits for it (as does
-    /// its drop). A job whose selection holds a position
-    /// twice or one at or past its length is refused: it installs nothing, its destination
-    /// may hold some of its rows, the others are loaded, and [`SwapInDone::jobs`] says which,
-    /// with the refused jobs' reasons. An error is returned only where the call as a whole
-    /// failed. Where the device itself fails (a launch, a copy), the states may name rows
-    /// their hot buffers did not receive: reset them.
+    /// their slots runs on, on this stream; the table's next call, its drop and
+    /// [`SwapInTable::wait`] wait for it. A job whose selection holds a position twice or one
+    /// at or past its length is refused: it installs nothing, its destination may hold some
+    /// of its rows, the others are loaded, and [`SwapInDone::jobs`] says which, with the
+    /// refused jobs' reasons. A loaded job may still install nothing, where the install finds
+    /// its state bad (it is flagged, and its next load refused). An error is returned only
+    /// where the call as a whole failed; after one on the device, the states may be marked or
+    /// name rows their hot buffers did not receive: reset them and make a new table (this one
+    /// refuses further calls).
     pub fn swap_in(
         &self,
         table: &mut SwapInTable,
@@ -441,15 +466,14 @@ impl Stream {
                 loads.len()
             ));
         }
-        table.wait_installed()?;
-        if table.stale {
-            self.upload(
-                &table.initial_report(),
-                &table.device,
-                table.layout.report_at,
-            )?;
-            table.stale = false;
+        if table.broken {
+            return bad(
+                "an earlier call failed on the device and may have left its states \
+                 marked: reset them (swap_in_reset) and make a new table"
+                    .into(),
+            );
         }
+        table.wait()?;
         let mut parts = Vec::with_capacity(n);
         for (i, ((k, w), l)) in table.jobs.iter().zip(warm).zip(loads).enumerate() {
             let pool = self.host_pool(w)?;
@@ -500,14 +524,14 @@ impl Stream {
             parts: &parts,
             timed,
         };
-        // Until the call returns its install, the report words may be anywhere.
-        table.stale = true;
+        // Until the call returns its install, a failure may leave marks no install clears.
+        table.broken = true;
         // SAFETY: every range was checked against its live allocation above and the buffers
         // are held by the table, which waits for the install before it lets them go; the
         // warm pools and the control words are pinned host memory borrowed (registered) for
         // the call, which waits for the fetch (their last reader) before returning.
         let ran = unsafe { self.inner.swap_in(launch)? };
-        table.stale = false;
+        table.broken = false;
         table.installing = ran.installing;
         let (failures, counts) = ran.report.split_at(ran.report.len().min(1 + n));
         if failures.len() != 1 + n || counts.len() != n {
@@ -563,8 +587,8 @@ fn plan_failure(word: u64, parts: &[SwapInPart<'_>]) -> SwapInRefused {
              this HAL's loads; reset it)"
         ),
         CORRUPT => format!(
-            "job {job}: its state names a slot or position outside its tables (written by \
-             something other than this HAL's loads; reset it)"
+            "job {job}: its state names a slot or position outside its tables, or one slot for \
+             two positions (written by something other than this HAL's loads; reset it)"
         ),
         _ => format!("job {job}: unknown swap-in failure {word:#x}"),
     };
@@ -616,6 +640,7 @@ pub(crate) fn plan_on_host(
     }
     let step = head[0] + 1;
     // The fetch: every entry looked up and marked.
+    let mut used = vec![false; slots];
     let mut worst = u64::MAX;
     let mut bad = |kind, value| worst = worst.min(failure(kind, job, value));
     for (i, &pos) in selection.iter().enumerate() {
@@ -624,16 +649,18 @@ pub(crate) fn plan_on_host(
             continue;
         }
         let old = slot_of[pos as usize];
-        if old == NONE {
-            slot_of[pos as usize] = PENDING;
-        } else if old == PENDING {
-            bad(TWICE, u64::from(pos));
-        } else if (old & !SEL) as usize >= slots {
+        if old != NONE && old != PENDING && (old & !SEL) as usize >= slots {
             bad(CORRUPT, u64::from(pos));
-        } else if old & SEL != 0 {
+        } else if old == NONE {
+            slot_of[pos as usize] = PENDING;
+        } else if old == PENDING || old & SEL != 0 {
             bad(TWICE, u64::from(pos));
         } else {
             slot_of[pos as usize] = old | SEL;
+            // A slot two positions name: the state's fault, reported by its slot.
+            if std::mem::replace(&mut used[old as usize], true) {
+                bad(CORRUPT, u64::from(old));
+            }
         }
     }
     // The install: hits unmarked and used this step; misses in selection order.

@@ -13,4 +13,5 @@ mod pool;
 mod ptx;
 #[cfg(feature = "rdma")]
 mod rdma;
+mod swap_in;
 mod tiered;

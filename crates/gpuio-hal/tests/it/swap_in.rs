@@ -1,0 +1,174 @@
+//! Device-planned loads at the HAL (`Stream::swap_in`) on the probed backend — the kernels on
+//! the GPU machine, `plan_on_host` in CI — through states corrupted between loads: a slot
+//! holding a position outside its table is found by the install after the rows went out (the
+//! load's rows are right, nothing is installed, and the next load is refused until the state
+//! is reset); two positions naming one slot refuse the load as the state's fault, never
+//! giving one position the other's row. gpuio-ai's swap-in tests check the loads themselves
+//! against an LRU model.
+
+use gpuio_hal::{
+    BackendPreference, DeviceBuffer, HostAllocOptions, HostBuffer, Stream, SwapInCounts,
+    SwapInFault, SwapInJob, SwapInLoad, SwapInRefused, SwapInTable, pattern, probe,
+    swap_in_state_len,
+};
+
+const ROW: usize = 64;
+const POSITIONS: u64 = 16;
+const SLOTS: usize = 2;
+
+struct Rig {
+    stream: Stream,
+    warm: HostBuffer,
+    state: DeviceBuffer,
+    selection: DeviceBuffer,
+    dst: DeviceBuffer,
+    table: SwapInTable,
+}
+
+impl Rig {
+    fn new() -> Self {
+        let gpu = probe(BackendPreference::Auto).unwrap().gpus.remove(0);
+        let stream = gpu.stream().unwrap();
+        let mut warm =
+            HostBuffer::alloc_pinned(POSITIONS as usize * ROW, &HostAllocOptions::default(), &gpu)
+                .unwrap();
+        pattern::fill(&mut warm, 0, 21);
+        let hot = gpu.alloc(SLOTS * ROW).unwrap();
+        let state = gpu
+            .alloc(swap_in_state_len(POSITIONS, SLOTS).unwrap())
+            .unwrap();
+        let selection = gpu.alloc(8).unwrap();
+        let dst = gpu.alloc(2 * ROW).unwrap();
+        stream.swap_in_reset(&state, POSITIONS, SLOTS).unwrap();
+        let job = SwapInJob {
+            hot: &hot,
+            slots: SLOTS,
+            state: &state,
+            positions: POSITIONS,
+            warm: &warm,
+            warm_first: 0,
+            selection: &selection,
+            max_count: 2,
+            dst: &dst,
+            dst_offset: 0,
+        };
+        let table = stream.swap_in_table(ROW, &[job]).unwrap();
+        Self {
+            stream,
+            warm,
+            state,
+            selection,
+            dst,
+            table,
+        }
+    }
+
+    /// Loads `sel`; the job's outcome, and whether its rows arrived (where it loaded).
+    fn load(&mut self, sel: &[u32]) -> Result<SwapInCounts, SwapInRefused> {
+        let bytes: Vec<u8> = sel.iter().flat_map(|p| p.to_le_bytes()).collect();
+        self.stream.upload(&bytes, &self.selection, 0).unwrap();
+        let load = SwapInLoad {
+            len: POSITIONS,
+            count: sel.len(),
+        };
+        let done = self
+            .stream
+            .swap_in(&mut self.table, &[&self.warm], &[load], false)
+            .unwrap();
+        let outcome = done.jobs[0].clone();
+        if outcome.is_ok() {
+            let mut got = vec![0u8; sel.len() * ROW];
+            self.stream.download(&self.dst, 0, &mut got).unwrap();
+            for (i, &p) in sel.iter().enumerate() {
+                let p = p as usize;
+                assert_eq!(
+                    got[i * ROW..(i + 1) * ROW],
+                    self.warm[p * ROW..(p + 1) * ROW]
+                );
+            }
+        }
+        outcome
+    }
+
+    /// Writes u32 word `at` of the state, once the last install is done.
+    fn corrupt(&mut self, at: usize, value: u32) {
+        self.table.wait().unwrap();
+        self.stream
+            .upload(&value.to_le_bytes(), &self.state, 4 * at)
+            .unwrap();
+    }
+
+    fn state(&mut self) -> Vec<u32> {
+        self.table.wait().unwrap();
+        let mut raw = vec![0u8; self.state.len()];
+        self.stream.download(&self.state, 0, &mut raw).unwrap();
+        raw.chunks_exact(4)
+            .map(|w| u32::from_le_bytes(w.try_into().unwrap()))
+            .collect()
+    }
+
+    fn reset(&mut self) {
+        self.table.wait().unwrap();
+        self.stream
+            .swap_in_reset(&self.state, POSITIONS, SLOTS)
+            .unwrap();
+    }
+}
+
+/// u32 word of the state that holds position `p`'s slot, and slot `s`'s position.
+fn slot_of(p: usize) -> usize {
+    2 + p
+}
+fn holder(s: usize) -> usize {
+    2 + POSITIONS as usize + s
+}
+
+#[test]
+fn a_victim_outside_its_table_flags_the_state_after_the_rows_went_out() {
+    let mut rig = Rig::new();
+    // Positions 3 and 5 miss into slots 0 and 1.
+    assert_eq!(rig.load(&[3]).unwrap().misses, 1);
+    assert_eq!(rig.load(&[5]).unwrap().misses, 1);
+    // Slot 0 (the oldest) now "holds" position 99 of 16.
+    rig.corrupt(holder(0), 99);
+    assert_eq!(
+        rig.load(&[7]).unwrap().misses,
+        1,
+        "the load went through, rows right"
+    );
+    let st = rig.state();
+    assert_eq!(st[1], 1, "the state is flagged");
+    assert_eq!(
+        st[slot_of(7)],
+        u32::MAX,
+        "position 7 got no slot: nothing installed"
+    );
+    assert_eq!(st[slot_of(5)], 1, "position 5 keeps its slot");
+    let refused = rig.load(&[5]).unwrap_err();
+    assert_eq!(refused.fault, SwapInFault::State, "{refused}");
+    assert!(refused.to_string().contains("an earlier load"), "{refused}");
+    // Reset, the state loads again from nothing.
+    rig.reset();
+    assert_eq!(rig.load(&[7]).unwrap().misses, 1);
+}
+
+#[test]
+fn two_positions_in_one_slot_are_the_states_fault_never_a_wrong_row() {
+    let mut rig = Rig::new();
+    assert_eq!(rig.load(&[3, 5]).unwrap().misses, 2);
+    // Position 9 "is" in slot 0, which holds position 3.
+    rig.corrupt(slot_of(9), 0);
+    let refused = rig.load(&[3, 9]).unwrap_err();
+    assert_eq!(refused.fault, SwapInFault::State, "{refused}");
+    assert!(
+        refused.to_string().contains("one slot for two"),
+        "{refused}"
+    );
+    // A word past the slots is refused and left as it is.
+    rig.corrupt(slot_of(9), 0xbfff_fffe);
+    let refused = rig.load(&[9, 9]).unwrap_err();
+    assert_eq!(refused.fault, SwapInFault::State, "{refused}");
+    assert_eq!(rig.state()[slot_of(9)], 0xbfff_fffe);
+    // The other positions were left as they were: 3 and 5 still hit.
+    assert_eq!(rig.load(&[5, 3]).unwrap().hits, 2);
+}
