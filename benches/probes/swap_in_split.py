@@ -61,11 +61,13 @@ for J in [1, 64]:
     np.frombuffer(warm_h, dtype=np.uint8, count=J * P * RB)[:] = 7
     hot = cp.zeros(J * S * RB, dtype=cp.uint8); dst = cp.zeros(J * K * RB, dtype=cp.uint8)
     staging = cp.zeros(J * K * RB, dtype=cp.uint8); seen = cp.zeros(J * K, dtype=cp.uint32)
-    job = np.zeros((J, 11), dtype=np.uint64)
+    used = cp.zeros(J * S // 32, dtype=cp.uint32)
+    # ai.cu's gpuio_swap_job, 96 bytes.
+    job = np.zeros((J, 12), dtype=np.uint64)
     for j in range(J):
         job[j] = [sel[j].data.ptr, control.data.ptr + 16 * j, state[j].data.ptr, warm_h.ptr + j * P * RB, 0,
                   hot.data.ptr + j * S * RB, dst.data.ptr + j * K * RB, staging.data.ptr + j * K * RB,
-                  seen.data.ptr + 4 * j * K, P | (S << 32), K]
+                  seen.data.ptr + 4 * j * K, used.data.ptr + j * S // 8, P | (S << 32), K]
     jobs = cp.asarray(job)
     grid = (K // 32, J)
     go_fetch = lambda: fetch(grid, (256,), (jobs, np.uint64(RB), np.uint64(16), report))
