@@ -20,10 +20,10 @@ pub use error::{ErrorCode, HalError, Result, check_range};
 pub use gpu::{
     Backend, BackendPreference, Capability, DeviceBuffer, DeviceInfo, DmaBufExport, Event, GdsFile,
     GdsMode, Gpu, Inflight, PcieLink, PinGuard, Probe, QuantKind, QuantizedAt, RowIndices,
-    RowKernel, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, ScoreRows, SharedPin, Stream,
-    SwapInCounts, SwapInDone, SwapInFault, SwapInJob, SwapInLoad, SwapInRefused, SwapInTable,
-    TIER_MAX_HOT_ROWS, TIER_MAX_JOBS, TIER_MAX_WARM_ROWS, TieredRows, TieredSource, probe,
-    probe_with, swap_in_state_len, tiered_stage_len,
+    RowKernel, SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, ScoreRows,
+    SharedPin, Stream, SwapInCounts, SwapInDone, SwapInFault, SwapInJob, SwapInLoad, SwapInRefused,
+    SwapInTable, TIER_MAX_HOT_ROWS, TIER_MAX_JOBS, TIER_MAX_WARM_ROWS, TieredRows, TieredSource,
+    probe, probe_with, swap_in_state_len, tiered_stage_len,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::pool::{PoolConfig, PoolStats, PooledBuffer, StagingLease, StagingPool};

@@ -34,8 +34,8 @@ pub use ring_kernels::RING_PING_PHASES;
 pub use rows::{RowIndices, RowKernel};
 pub use stream::{Event, Inflight, Stream};
 pub use swap_in::{
-    SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, SwapInCounts, SwapInDone, SwapInFault, SwapInJob,
-    SwapInLoad, SwapInRefused, SwapInTable, swap_in_state_len,
+    SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, SwapInCounts, SwapInDone,
+    SwapInFault, SwapInJob, SwapInLoad, SwapInRefused, SwapInTable, swap_in_state_len,
 };
 pub use tiered::{
     TIER_MAX_HOT_ROWS, TIER_MAX_JOBS, TIER_MAX_WARM_ROWS, TieredRows, TieredSource,

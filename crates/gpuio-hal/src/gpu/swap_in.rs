@@ -11,8 +11,8 @@
 //!   with many blocks per job; the call waits for it and reads each job's counts;
 //! - the **install** then gives each miss a slot — the slot selected longest ago, never one
 //!   this step selects — and copies its row there from staging. It runs on after the call
-//!   returns, overlapping whatever the caller does next; the table's next call, and its
-//!   drop, wait for it.
+//!   returns, overlapping whatever the caller does next; the table's next call, its drop
+//!   and [`SwapInTable::wait`] wait for it.
 //!
 //! The jobs' descriptions are written to the device once, by [`Stream::swap_in_table`]; a
 //! call uploads only each job's layer length and selection count. The host backend runs the

@@ -69,14 +69,11 @@ impl CudaStreamBackend {
             block_dim: (FETCH_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: matches gpuio_swap_in_fetch(const gpuio_swap_job*, u64 rb, u64 width, u64*
-        // report). Each job (written by the table, in its device memory) names a selection,
-        // state, hot buffer, destination and staging rows the HAL checked and the table
-        // keeps alive, and a registered warm pool; the kernel reads at most the uploaded
-        // count (bounded by max_count) of entries, follows only positions below the length
-        // (bounded by the state's positions and the warm rows) and slots below the job's
-        // slots, and writes only those rows, slot words and the report words. `width`
-        // divides the row size and every row address.
+        // SAFETY: matches gpuio_swap_in_fetch(jobs, u64 rb, u64 width, u64* report). The jobs
+        // name only ranges the HAL checked and the table keeps alive, and a registered warm
+        // pool; the kernel follows positions below the length and slots below the job's slots,
+        // and writes only those rows and slot words, the report words and the table's own
+        // words (the selection's copy, the hit bits). `width` divides every row and address.
         unsafe { l.launch(config) }.map_err(cuda_err("cuLaunchKernel(gpuio_swap_in_fetch)"))?;
         let end = start.is_some().then(|| self.record(true)).transpose()?;
         let words_at = launch.report_host.as_mut_slice();
