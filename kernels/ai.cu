@@ -185,8 +185,8 @@ extern "C" __global__ void gpuio_dot_scores(const void* table, gpuio_u64 rows, g
 // - The fetch (many blocks per job) looks up each selected position's slot and copies its
 //   row into the output: from the slot on a hit, from pinned host memory on a miss (and then
 //   also into the job's staging rows). A hit is marked in the position's slot word (SEL), a
-//   miss with PENDING, and a hit's slot in the job's bitmap (two positions in one slot are
-//   a corrupt state); the caller reads the counts and failures as soon as it ends.
+//   miss with PENDING; a hit whose slot holds another position is a corrupt state. The
+//   caller reads the counts and failures as soon as it ends.
 // - The install (a block per job) finishes the step off the critical path: the misses,
 //   numbered in selection order, take the slots not selected this step, oldest first (ages
 //   capped at 255 steps; among equal ages, lower slots first; victims taken in slot order);
@@ -219,7 +219,7 @@ extern "C" __global__ void gpuio_dot_scores(const void* table, gpuio_u64 rows, g
 #define GPUIO_SWAP_EXHAUSTED 3ull
 #define GPUIO_SWAP_CORRUPT 4ull
 
-// One job (96 bytes, as the host writes it).
+// One job (88 bytes, as the host writes it).
 struct gpuio_swap_job {
     gpuio_u64 selection;   // u32 positions
     gpuio_u64 control;     // device memory, uploaded per call: the layer's length, the count
@@ -230,7 +230,6 @@ struct gpuio_swap_job {
     gpuio_u64 dst;         // `max_count` rows
     gpuio_u64 staging;     // `max_count` rows: the misses' rows from the fetch to the install
     gpuio_u64 seen;        // `max_count` u32s: the selection as the fetch read it, for the install
-    gpuio_u64 used;        // a bit per slot: hit this step (the fetch sets, the install clears)
     gpuio_u32 positions, slots, max_count, unused;
 };
 
@@ -329,10 +328,11 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_FETCH_THREADS)
                 } else if (old == GPUIO_SWAP_PENDING || (old & GPUIO_SWAP_SEL)) {
                     gpuio_swap_bad(report, GPUIO_SWAP_TWICE, j, p);
                 } else {
-                    // A slot two positions name: the state's fault, reported by its slot.
-                    const gpuio_u32 bit = 1u << (old % 32);
-                    hit = !(atomicOr((gpuio_u32*)job.used + old / 32, bit) & bit);
-                    if (!hit) gpuio_swap_bad(report, GPUIO_SWAP_CORRUPT, j, old);
+                    // Loads keep slot_of[p] = s exactly when holder[s] = p: a slot holding
+                    // another position (or two positions naming one slot) is the state's fault.
+                    const gpuio_u32* holder = slot_of + job.positions;
+                    hit = holder[old] == p;
+                    if (!hit) gpuio_swap_bad(report, GPUIO_SWAP_CORRUPT, j, p);
                 }
                 if (hit) f = (const char*)job.hot + (gpuio_u64)old * rb;
                 if (miss) f = (const char*)job.warm + (job.warm_first + p) * rb;
@@ -543,9 +543,7 @@ __device__ __forceinline__ void gpuio_swap_install_job(const gpuio_swap_job& job
         }
         if (tid == 0) st[0] = step;
     }
-    // The slots' hit bits and the report words back to their start for the next call (the
-    // caller has read the words).
-    for (gpuio_u32 w = tid; w < (job.slots + 31) / 32; w += GPUIO_SWAP_THREADS) ((gpuio_u32*)job.used)[w] = 0;
+    // The report words back to their start for the next call (the caller has read them).
     if (tid == 0) {
         report[1 + j] = ~0ull;
         report[1 + n + j] = 0;

@@ -17,8 +17,8 @@ use crate::{AiError, Result};
 use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
 use gpuio_hal::{HostBuffer, HostRead};
 use gpuio_hal::{
-    SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, Stream, SwapInFault, SwapInJob, SwapInLoad,
-    SwapInTable, swap_in_state_len,
+    SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, Stream, SwapInFault,
+    SwapInJob, SwapInLoad, SwapInTable, swap_in_state_len,
 };
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -92,6 +92,12 @@ impl SwapInKv {
         let bad = |why: String| Err(AiError::InvalidArgument(format!("swap-in KV: {why}")));
         if cfg.layers == 0 || cfg.entry_bytes == 0 || cfg.max_tokens == 0 || cfg.hot_slots == 0 {
             return bad(format!("{cfg:?} has nothing to hold"));
+        }
+        if cfg.entry_bytes > SWAP_IN_MAX_ROW_BYTES {
+            return bad(format!(
+                "{}-byte entries: the device's swap-in moves up to {SWAP_IN_MAX_ROW_BYTES}",
+                cfg.entry_bytes
+            ));
         }
         if cfg.hot_slots > SWAP_IN_MAX_SLOTS {
             return bad(format!(

@@ -47,7 +47,7 @@ const PENDING: u32 = u32::MAX - 1;
 /// The fetch's mark on a hit's slot word (slots are below 2^13; NONE and PENDING carry it).
 const SEL: u32 = 1 << 30;
 /// Bytes of one job in the table (ai.cu's `gpuio_swap_job`).
-const JOB_BYTES: usize = 96;
+const JOB_BYTES: usize = 88;
 /// Ages are counted up to this many steps.
 const OLDEST: u32 = 255;
 /// The failures, in the order the first is reported.
@@ -167,8 +167,6 @@ struct Kept {
     max_count: usize,
     /// Its first staging row and entry of the selections' copy.
     first: usize,
-    /// Its first word of hit bits.
-    used_first: usize,
 }
 
 /// Jobs written to the device once, loaded by [`Stream::swap_in`] as often as asked. Keeps
@@ -193,33 +191,29 @@ pub struct SwapInTable {
 }
 
 /// Where a table's parts start in its device memory: the jobs, the control words, the report
-/// words, the slots' hit bits (a u32 per 32 slots), the selections as the fetch read them (a
-/// u32 per entry), the staging rows (a row per entry).
+/// words, the selections as the fetch read them (a u32 per entry), the staging rows (a row
+/// per entry).
 #[derive(Debug, Clone, Copy)]
 struct TableLayout {
     control_at: usize,
     report_at: usize,
-    used_at: usize,
     seen_at: usize,
     staging_at: usize,
     len: usize,
 }
 
 impl TableLayout {
-    /// For `jobs` jobs of `entries` selection entries and `used_words` words of hit bits in
-    /// all.
-    fn new(jobs: usize, entries: usize, used_words: usize, row_bytes: usize) -> Option<Self> {
+    /// For `jobs` jobs of `entries` selection entries in all.
+    fn new(jobs: usize, entries: usize, row_bytes: usize) -> Option<Self> {
         let control_at = jobs * JOB_BYTES;
         let report_at = control_at + 16 * jobs;
-        let used_at = report_at + 8 * (1 + 2 * jobs);
-        let seen_at = used_at + 4 * used_words;
+        let seen_at = report_at + 8 * (1 + 2 * jobs);
         // Staging rows 256-aligned, as the rows of any other device buffer.
         let staging_at = (seen_at + 4 * entries).next_multiple_of(256);
         let len = staging_at.checked_add(entries.checked_mul(row_bytes)?)?;
         Some(Self {
             control_at,
             report_at,
-            used_at,
             seen_at,
             staging_at,
             len,
@@ -308,7 +302,7 @@ impl Stream {
         }
         let mut kept = Vec::with_capacity(jobs.len());
         let mut spans = Vec::new();
-        let (mut first, mut used_words) = (0usize, 0usize);
+        let mut first = 0usize;
         for (i, j) in jobs.iter().enumerate() {
             for (what, b) in [
                 ("hot buffer", j.hot),
@@ -375,17 +369,15 @@ impl Stream {
                 warm: (ptr as usize, addr, len),
                 max_count: j.max_count,
                 first,
-                used_first: used_words,
             });
             first += j.max_count;
-            used_words += j.slots.div_ceil(32);
         }
         check_disjoint(
             spans,
             "swap-in: hot buffers, states, selections and destinations",
         )?;
         let n = kept.len();
-        let Some(layout) = TableLayout::new(n, first, used_words, row_bytes) else {
+        let Some(layout) = TableLayout::new(n, first, row_bytes) else {
             return bad(format!(
                 "{first} staging rows of {row_bytes} bytes overflow"
             ));
@@ -406,7 +398,6 @@ impl Stream {
                 k.dst.device_addr() + k.dst_offset as u64,
                 table_addr + (layout.staging_at + k.first * row_bytes) as u64,
                 table_addr + (layout.seen_at + 4 * k.first) as u64,
-                table_addr + (layout.used_at + 4 * k.used_first) as u64,
                 k.positions | (k.slots as u64) << 32,
                 k.max_count as u64,
             ];
@@ -425,8 +416,6 @@ impl Stream {
             broken: false,
         };
         head.extend(table.initial_report());
-        // The hit bits start clear (each install clears them again).
-        head.resize(layout.seen_at, 0);
         self.upload(&head, &table.device, 0)?;
         table.control.as_mut_slice().fill(0);
         Ok(table)
@@ -473,7 +462,11 @@ impl Stream {
                     .into(),
             );
         }
-        table.wait()?;
+        if let Err(e) = table.wait() {
+            // The install may not have cleared its marks.
+            table.broken = true;
+            return Err(e);
+        }
         let mut parts = Vec::with_capacity(n);
         for (i, ((k, w), l)) in table.jobs.iter().zip(warm).zip(loads).enumerate() {
             let pool = self.host_pool(w)?;
@@ -587,8 +580,9 @@ fn plan_failure(word: u64, parts: &[SwapInPart<'_>]) -> SwapInRefused {
              this HAL's loads; reset it)"
         ),
         CORRUPT => format!(
-            "job {job}: its state names a slot or position outside its tables, or one slot for \
-             two positions (written by something other than this HAL's loads; reset it)"
+            "job {job}: its state names a slot or position outside its tables, or a slot that \
+             holds another position (written by something other than this HAL's loads; reset \
+             it)"
         ),
         _ => format!("job {job}: unknown swap-in failure {word:#x}"),
     };
@@ -640,7 +634,6 @@ pub(crate) fn plan_on_host(
     }
     let step = head[0] + 1;
     // The fetch: every entry looked up and marked.
-    let mut used = vec![false; slots];
     let mut worst = u64::MAX;
     let mut bad = |kind, value| worst = worst.min(failure(kind, job, value));
     for (i, &pos) in selection.iter().enumerate() {
@@ -657,9 +650,10 @@ pub(crate) fn plan_on_host(
             bad(TWICE, u64::from(pos));
         } else {
             slot_of[pos as usize] = old | SEL;
-            // A slot two positions name: the state's fault, reported by its slot.
-            if std::mem::replace(&mut used[old as usize], true) {
-                bad(CORRUPT, u64::from(old));
+            // Loads keep slot_of[p] = s exactly when holder[s] = p: a slot holding another
+            // position (or two positions naming one slot) is the state's fault.
+            if holder[old as usize] != pos {
+                bad(CORRUPT, u64::from(pos));
             }
         }
     }
