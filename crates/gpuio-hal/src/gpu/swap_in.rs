@@ -238,14 +238,6 @@ impl SwapInTable {
         self.jobs.len()
     }
 
-    /// The report words as they start: no failure, no counts.
-    fn initial_report(&self) -> Vec<u8> {
-        let n = self.jobs.len();
-        let mut words = vec![u64::MAX; 1 + n];
-        words.resize(1 + 2 * n, 0);
-        words.iter().flat_map(|w| w.to_le_bytes()).collect()
-    }
-
     /// Waits for the last call's install: until then its hot buffers and states are still
     /// being written. The table's next call and its drop wait too; anything else that reads
     /// or resets a job's hot buffer or state (from any stream) waits here first.
@@ -415,7 +407,10 @@ impl Stream {
             installing: None,
             broken: false,
         };
-        head.extend(table.initial_report());
+        // The report words as they start: no failure, no counts.
+        let mut words = vec![u64::MAX; 1 + n];
+        words.resize(1 + 2 * n, 0);
+        head.extend(words.iter().flat_map(|w| w.to_le_bytes()));
         self.upload(&head, &table.device, 0)?;
         table.control.as_mut_slice().fill(0);
         Ok(table)

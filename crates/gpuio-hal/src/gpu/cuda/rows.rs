@@ -187,12 +187,15 @@ pub(super) fn event_time(
     end: Option<Box<dyn EventBackend>>,
 ) -> Result<Option<Duration>> {
     match (start, end) {
-        (Some(start), Some(end)) => {
-            let ms = end.elapsed_ms_since(start.as_ref())?;
-            Ok(Some(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3)))
-        }
+        (Some(start), Some(end)) => elapsed(start.as_ref(), end.as_ref()).map(Some),
         _ => Ok(None),
     }
+}
+
+/// The device's time from timing event `from` to timing event `to`.
+pub(super) fn elapsed(from: &dyn EventBackend, to: &dyn EventBackend) -> Result<Duration> {
+    let ms = to.elapsed_ms_since(from)?;
+    Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
 }
 
 impl CudaStreamBackend {

@@ -3,12 +3,11 @@
 //! which the call leaves running (`kernels/ai.cu`).
 
 use super::driver::{self, cuda_err};
-use super::rows::{WaitOnDrop, widest_piece};
+use super::rows::{WaitOnDrop, elapsed, widest_piece};
 use super::stream::CudaStreamBackend;
 use crate::error::Result;
-use crate::gpu::backend::{EventBackend, StreamBackend, SwapInLaunch, SwapInRan};
+use crate::gpu::backend::{StreamBackend, SwapInLaunch, SwapInRan};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use std::time::Duration;
 
 /// `gpuio_swap_in_fetch`'s and `gpuio_swap_in_install`'s positions in `kernels::AI.functions`.
 const FETCH: usize = 4;
@@ -41,6 +40,12 @@ impl CudaStreamBackend {
         let (_, width) = widest_piece(rb, starts);
         let report = base + launch.report_at as u64;
         let words_len = 8 * (1 + 2 * jobs);
+        let words_at = launch.report_host.as_mut_slice();
+        if words_at.len() < words_len {
+            return Err(crate::error::HalError::InvalidArgument(
+                "swap-in: a report buffer shorter than its words".into(),
+            ));
+        }
         let running = WaitOnDrop(Some(self));
         // SAFETY: the control words are 16 bytes a job of pinned memory the caller keeps
         // until the call returns, which is after the fetch (behind this copy) is waited for;
@@ -76,12 +81,6 @@ impl CudaStreamBackend {
         // words (the selection's copy, the hit bits). `width` divides every row and address.
         unsafe { l.launch(config) }.map_err(cuda_err("cuLaunchKernel(gpuio_swap_in_fetch)"))?;
         let end = start.is_some().then(|| self.record(true)).transpose()?;
-        let words_at = launch.report_host.as_mut_slice();
-        if words_at.len() < words_len {
-            return Err(crate::error::HalError::InvalidArgument(
-                "swap-in: a report buffer shorter than its words".into(),
-            ));
-        }
         // SAFETY: `words_at` is pinned host memory of at least `words_len` bytes, borrowed
         // mutably for the call and untouched until the wait below (so the copy runs without
         // holding the host up, and the install queues right behind it); the report range is
@@ -112,15 +111,11 @@ impl CudaStreamBackend {
         // The fetch is done and nothing failed: the install may run on after the call.
         let mut running = running;
         running.0 = None;
-        let ms = |from: &dyn EventBackend, to: &dyn EventBackend| -> Result<Duration> {
-            let ms = to.elapsed_ms_since(from)?;
-            Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
-        };
         let (device_time, install_time, installing) = match (start, end) {
             (Some(start), Some(end)) => {
                 installed.synchronize()?;
-                let fetch = ms(start.as_ref(), end.as_ref())?;
-                let install = ms(end.as_ref(), installed.as_ref())?;
+                let fetch = elapsed(start.as_ref(), end.as_ref())?;
+                let install = elapsed(end.as_ref(), installed.as_ref())?;
                 (Some(fetch), Some(install), None)
             }
             _ => (None, None, Some(installed)),
