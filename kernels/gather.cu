@@ -146,6 +146,101 @@ GPUIO_TIERED_KERNEL(8)
 GPUIO_TIERED_KERNEL(4)
 GPUIO_TIERED_KERNEL(1)
 
+// ---- Gathers through hot rows: copies of chosen pool rows kept in device memory, found by
+// pool row in an open-addressed index of 8-byte words (pool row in bits 0..39, hot row in bits
+// 40..63; all ones: empty), probed from the row's hash at most `probes` words on (the longest
+// run the index's builder made). A row found there is read from device memory, any other from
+// the pool over the bus. A word naming a hot row past `hot_rows` is not followed: the pool row
+// is read instead (the copy is only ever a copy).
+#define GPUIO_HOT_EMPTY (~0ull)
+#define GPUIO_HOT_ROW_BITS 40
+
+// The hash both the builder (hot_rows.rs `hot_hash`) and the probe use: a 64-bit finalizer.
+__device__ __forceinline__ gpuio_u64 gpuio_hot_hash(gpuio_u64 row) {
+    row ^= row >> 33;
+    row *= 0xff51afd7ed558ccdull;
+    row ^= row >> 33;
+    row *= 0xc4ceb9fe1a85ec53ull;
+    return row ^ (row >> 33);
+}
+
+template <int W>
+__device__ __forceinline__ void gpuio_hot_rows(const unsigned char* __restrict__ pool,
+                                               gpuio_u64 rows, gpuio_u64 row_bytes,
+                                               const gpuio_u64* __restrict__ idx, gpuio_u64 n,
+                                               unsigned char* __restrict__ dst, gpuio_u64* err,
+                                               const unsigned char* __restrict__ hot,
+                                               gpuio_u64 hot_rows,
+                                               const gpuio_u64* __restrict__ index,
+                                               gpuio_u64 mask, gpuio_u32 probes) {
+    typedef typename gpuio_piece<W>::t P;
+    const gpuio_u64 per_row = row_bytes / W, items = n * per_row;
+    const gpuio_u64 stride = (gpuio_u64)gridDim.x * blockDim.x;
+    const gpuio_u64 row_mask = (1ull << GPUIO_HOT_ROW_BITS) - 1;
+    for (gpuio_u64 i = (gpuio_u64)blockIdx.x * blockDim.x + threadIdx.x; i < items;
+         i += stride * GPUIO_UNROLL) {
+        // In rounds, each over every unrolled piece, so that their loads are in flight
+        // together: the rows asked for, then each one's first index word (most lookups end
+        // there), then the rare longer runs, then the rows themselves.
+        gpuio_u64 row[GPUIO_UNROLL], word[GPUIO_UNROLL], at[GPUIO_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GPUIO_UNROLL; u++) {
+            const gpuio_u64 k = i + u * stride;
+            row[u] = k < items ? idx[k / per_row] : rows;
+        }
+#pragma unroll
+        for (int u = 0; u < GPUIO_UNROLL; u++) {
+            at[u] = gpuio_hot_hash(row[u]) & mask;
+            word[u] = row[u] < rows ? index[at[u]] : GPUIO_HOT_EMPTY;
+        }
+        P v[GPUIO_UNROLL];
+        gpuio_u64 to[GPUIO_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GPUIO_UNROLL; u++) {
+            const gpuio_u64 k = i + u * stride;
+            to[u] = 0;
+            if (k >= items) continue;
+            const gpuio_u64 r = k / per_row, piece = (k % per_row) * W;
+            if (row[u] >= rows) {
+                if (piece == 0) gpuio_bad_index(err, r);
+                continue;
+            }
+            for (gpuio_u32 p = 1; p < probes && word[u] != GPUIO_HOT_EMPTY &&
+                                  (word[u] & row_mask) != row[u];
+                 p++) {
+                at[u] = (at[u] + 1) & mask;
+                word[u] = index[at[u]];
+            }
+            const gpuio_u64 slot = word[u] >> GPUIO_HOT_ROW_BITS;
+            const bool kept = word[u] != GPUIO_HOT_EMPTY && (word[u] & row_mask) == row[u] &&
+                              slot < hot_rows;
+            const unsigned char* from =
+                kept ? hot + slot * row_bytes + piece : pool + row[u] * row_bytes + piece;
+            to[u] = (gpuio_u64)(dst + r * row_bytes + piece);
+            v[u] = *reinterpret_cast<const P*>(from);
+        }
+#pragma unroll
+        for (int u = 0; u < GPUIO_UNROLL; u++) {
+            if (to[u]) *reinterpret_cast<P*>(to[u]) = v[u];
+        }
+    }
+}
+
+#define GPUIO_HOT_KERNEL(W)                                                                     \
+    extern "C" __global__ void gpuio_gather_hot_##W(                                            \
+        const void* pool, gpuio_u64 rows, gpuio_u64 row_bytes, const gpuio_u64* idx,            \
+        gpuio_u64 n, void* dst, gpuio_u64* err, const void* hot, gpuio_u64 hot_rows,            \
+        const gpuio_u64* index, gpuio_u64 mask, gpuio_u32 probes) {                             \
+        gpuio_hot_rows<W>((const unsigned char*)pool, rows, row_bytes, idx, n,                  \
+                          (unsigned char*)dst, err, (const unsigned char*)hot, hot_rows, index, \
+                          mask, probes);                                                        \
+    }
+
+GPUIO_HOT_KERNEL(16)
+GPUIO_HOT_KERNEL(8)
+GPUIO_HOT_KERNEL(4)
+GPUIO_HOT_KERNEL(1)
+
 // The baseline: one warp per row, each lane copying 16-byte pieces (bytes where unaligned)
 // of it, one row after another, one load in flight per lane.
 extern "C" __global__ void gpuio_gather_naive(const unsigned char* pool, gpuio_u64 rows,

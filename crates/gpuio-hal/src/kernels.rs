@@ -146,7 +146,7 @@ pub static PATTERN: KernelSource = KernelSource {
 /// `kernels/gather.cu` with the device header `gpuio.cuh` (and the ring and array headers it
 /// includes)
 /// in front: the row gather and scatter kernels, the naive baseline, the sorted gather's
-/// ordering kernels, and the tiered gather.
+/// ordering kernels, the tiered gather, and the gather through hot rows.
 pub static GATHER: KernelSource = KernelSource {
     name: "gather.cu",
     source: concat!(
@@ -177,6 +177,10 @@ pub static GATHER: KernelSource = KernelSource {
         "gpuio_gather_tiered_8",
         "gpuio_gather_tiered_4",
         "gpuio_gather_tiered_1",
+        "gpuio_gather_hot_16",
+        "gpuio_gather_hot_8",
+        "gpuio_gather_hot_4",
+        "gpuio_gather_hot_1",
     ],
     ptx: embedded_ptx!("gather"),
 };

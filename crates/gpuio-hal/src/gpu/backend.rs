@@ -201,6 +201,9 @@ pub(crate) struct RowJob<'a> {
     /// Consecutive ranges of the `count` rows, moved one after another (one launch each);
     /// at most `rows::MAX_PIECES`.
     pub(crate) pieces: &'a [std::ops::Range<usize>],
+    /// Rows kept in device memory, read there instead of from the pool (gathers with the
+    /// `Tuned` kernel only).
+    pub(crate) hot: Option<super::hot_rows::HotRefs<'a>>,
 }
 
 /// What a row job does besides moving the rows.

@@ -401,6 +401,19 @@ impl HostStream {
         };
         let pool = cpu_ptr(job.pool, job.scatter)?;
         let idx_ptr = cpu_ptr(job.idx, false)?;
+        let hot = match job.hot {
+            Some(h) => {
+                mems.push((memory(&h.rows)?, false));
+                mems.push((memory(&h.index)?, false));
+                // SAFETY: the index range starts its allocation (page-aligned host memory, so
+                // the u64s are aligned) and is locked for reading below until we return.
+                let words = unsafe {
+                    std::slice::from_raw_parts(h.index.addr() as *const u64, h.index.len / 8)
+                };
+                Some((h, words))
+            }
+            None => None,
+        };
         let _guards = lock_all(mems);
         let rb = job.row_bytes;
         let rows = (job.pool.len() / rb) as u64;
@@ -415,13 +428,19 @@ impl HostStream {
                 bad = bad.or(Some(i as u64));
                 continue;
             }
+            // A kept row is read from its copy, as the hot gather kernel reads it.
+            let kept = hot.and_then(|(h, words)| {
+                let slot = super::hot_rows::hot_slot(words, h.probes, h.hot_rows, row)?;
+                Some((h.rows.addr() as *mut u8).wrapping_add(slot as usize * rb))
+            });
             let (p, d) = (
-                pool.wrapping_add(row as usize * rb),
+                kept.unwrap_or_else(|| pool.wrapping_add(row as usize * rb)),
                 dense.wrapping_add(i * rb),
             );
-            // SAFETY: row < rows keeps p..p+rb inside the pool, i < count keeps d..d+rb inside
-            // the checked dense range; both are locked (or, for a host pool, valid and, for a
-            // scatter, exclusive by the caller's contract) and in different allocations.
+            // SAFETY: row < rows keeps p..p+rb inside the pool, or slot < hot_rows inside the
+            // checked kept rows; i < count keeps d..d+rb inside the checked dense range; all
+            // are locked (or, for a host pool, valid and, for a scatter, exclusive by the
+            // caller's contract) and in different allocations.
             unsafe {
                 if job.scatter {
                     sys::copy_raw(d, p, rb);

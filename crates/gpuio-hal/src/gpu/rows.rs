@@ -3,6 +3,7 @@
 //! `kernels/gather.cu` kernels. The checks live here, once, for every backend.
 
 use super::backend::{RowHooks, RowJob, RowMem};
+use super::hot_rows::HotRefs;
 use super::{DeviceBuffer, Stream};
 use crate::error::{HalError, Result};
 use crate::memory::HostBuffer;
@@ -156,7 +157,7 @@ impl Stream {
         // SAFETY: the pool is borrowed (so mapped and registered) until this call returns.
         unsafe {
             self.run_rows(
-                pool, row_bytes, indices, count, dst, dst_offset, false, kernel, false,
+                pool, row_bytes, indices, count, dst, dst_offset, false, kernel, false, None,
             )
         }
         .map(drop)
@@ -180,7 +181,7 @@ impl Stream {
         // SAFETY: the pool is borrowed (so mapped and registered) until this call returns.
         let device_time = unsafe {
             self.run_rows(
-                pool, row_bytes, indices, count, dst, dst_offset, false, kernel, true,
+                pool, row_bytes, indices, count, dst, dst_offset, false, kernel, true, None,
             )?
         };
         Ok(device_time.unwrap_or_default())
@@ -216,6 +217,7 @@ impl Stream {
                 false,
                 RowKernel::Tuned,
                 false,
+                None,
             )
         }
         .map(drop)
@@ -247,6 +249,7 @@ impl Stream {
                 true,
                 RowKernel::Tuned,
                 false,
+                None,
             )
         }
         .map(drop)
@@ -267,13 +270,14 @@ impl Stream {
         })
     }
 
-    /// Checks the job and runs it. (A host index list is borrowed by `indices` for the call.)
+    /// Checks the job and runs it (through `hot` rows where given). (A host index list is
+    /// borrowed by `indices` for the call.)
     ///
     /// # Safety
     /// A host pool stays valid and registered until this returns; for a scatter, nothing else
     /// touches it meanwhile.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn run_rows(
+    pub(super) unsafe fn run_rows(
         &self,
         pool: RowMem<'_>,
         row_bytes: usize,
@@ -284,6 +288,7 @@ impl Stream {
         scatter: bool,
         kernel: RowKernel,
         timed: bool,
+        hot: Option<HotRefs<'_>>,
     ) -> Result<Option<Duration>> {
         if row_bytes == 0 {
             return Err(HalError::InvalidArgument(
@@ -410,6 +415,7 @@ impl Stream {
             scatter,
             kernel,
             pieces: &pieces,
+            hot,
         };
         let hooks = RowHooks {
             stage: streaming.then_some(&mut stage as &mut dyn FnMut(usize)),

@@ -6,6 +6,7 @@
 
 mod ai;
 mod gpu;
+mod hot_rows;
 #[cfg(feature = "cuda")]
 mod kernels;
 mod nvme;

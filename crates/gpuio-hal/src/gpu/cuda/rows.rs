@@ -35,6 +35,8 @@ pub(super) mod row_fn {
     pub(super) const ORDER_PLACE: usize = 16;
     /// `gpuio_gather_tiered_{16,8,4,1}`.
     pub(in crate::gpu::cuda) const TIERED: usize = 17;
+    /// `gpuio_gather_hot_{16,8,4,1}`.
+    pub(super) const HOT: usize = 21;
 }
 
 /// How a sorted gather orders its index list: a counting sort over buckets of `2^shift`
@@ -223,8 +225,10 @@ impl CudaStreamBackend {
         let pool = job.pool.addr();
         let (rows_addr, idx) = (job.rows.addr(), job.idx.addr());
         let rb = job.row_bytes as u64;
-        let (slot, width) = widest_piece(rb, [pool, rows_addr]);
+        let hot_addr = job.hot.map_or(0, |h| h.rows.addr());
+        let (slot, width) = widest_piece(rb, [pool, rows_addr, hot_addr]);
         let func = match job.kernel {
+            _ if job.hot.is_some() => &kernels[row_fn::HOT + slot],
             RowKernel::Naive => &kernels[row_fn::NAIVE],
             RowKernel::Sorted => &kernels[row_fn::GATHER_ORDERED + slot],
             RowKernel::Tuned if job.scatter => &kernels[row_fn::SCATTER + slot],
@@ -330,12 +334,25 @@ impl CudaStreamBackend {
                 .arg(&n)
                 .arg(&last)
                 .arg(&report);
+            // A gather through hot rows also reads the kept rows and their index.
+            let hot = job
+                .hot
+                .map(|h| (h.hot_rows, h.index.addr(), h.index.len as u64 / 8));
+            let (hot_rows, index, mask) = hot.map_or((0, 0, 0), |(r, i, w)| (r, i, w - 1));
+            let probes = job.hot.map_or(0, |h| h.probes);
+            if job.hot.is_some() {
+                launch.arg(&hot_addr).arg(&hot_rows).arg(&index);
+                launch.arg(&mask).arg(&probes);
+            }
             // SAFETY: the arguments match every row kernel's (pool, rows, row_bytes, idx, n,
-            // dense, err) signature. The kernel touches only pool rows below `pool_rows` (it
-            // checks each index), this piece's part of the checked idx and dense ranges, and
-            // its report word; the host pool is registered and valid until this call returns
-            // (caller's contract), this piece's indices were written (`stage`) before the
-            // launch, and we synchronize before returning.
+            // dense, err) signature, and a hot gather's (.., hot, hot_rows, index, mask,
+            // probes) after it. The kernel touches only pool rows below `pool_rows` (it
+            // checks each index), this piece's part of the checked idx and dense ranges, its
+            // report word, and (hot) kept rows below `hot_rows` and index words under the
+            // mask of the index range's power-of-two length, all checked ranges; the host pool
+            // is registered and valid until this call returns (caller's contract), this
+            // piece's indices were written (`stage`) before the launch, and we synchronize
+            // before returning.
             unsafe { launch.launch(config(n)) }
                 .map_err(cuda_err("cuLaunchKernel(gpuio row kernel)"))?;
         }
