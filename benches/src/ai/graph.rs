@@ -78,7 +78,7 @@ fn power_law(nodes: u64, seed: u64) -> Result<CsrGraph> {
         offsets.push(offsets[n as usize] + d);
     }
     let edges = offsets[nodes as usize] as usize;
-    let neighbors = zipf_ids(nodes, 0.8, edges, seed ^ 0x9e37);
+    let neighbors = zipf_ids(nodes, 0.8, edges, seed ^ 0x9e37, seed ^ 0x9e37);
     CsrGraph::new(offsets, neighbors).map_err(ai)
 }
 
@@ -124,7 +124,7 @@ pub(super) fn run(
         (0..graph.nodes() as u64).flat_map(|n| graph.neighbors(n).iter().copied()),
     )?;
     let batches: Vec<Vec<u64>> = (0..(opts.warmup + opts.steps) as u64)
-        .map(|b| zipf_ids(opts.nodes, 0.8, opts.seeds, seed ^ b << 20))
+        .map(|b| zipf_ids(opts.nodes, 0.8, opts.seeds, seed ^ b << 20, seed ^ b << 20))
         .collect();
     let seeds_file = dir.join("seeds.u64");
     write_u64s(&seeds_file, batches.iter().flatten().copied())?;

@@ -7,27 +7,39 @@
 //! A lookup is a row gather (MemIO's `gather`: zero-copy, sorted, CPU-staged or hybrid, picked
 //! per shape by what earlier calls measured), so the table is read in place: nothing is
 //! cached on the device behind the caller's back, and a row written by [`EngramTable::store`]
-//! is what the next lookup reads. [`EngramTable::prefetch`] and [`EngramTable::store_async`]
+//! is what the next lookup reads. A caller who knows which rows are read most (n-gram ids are
+//! Zipf-distributed, and a corpus's counts name the hot ones) keeps copies of them in device
+//! memory with [`EngramTable::keep_hot`]: lookups into that device then read those rows
+//! there and only the others over the bus, in one kernel, and `store` re-copies the kept rows
+//! it writes. [`EngramTable::prefetch`] and [`EngramTable::store_async`]
 //! run a lookup or a write-back on a side thread (and its own stream), so a model gathers the
 //! next layer's rows or writes updated ones while it computes; [`EngramTable::similar`] scores
 //! every row against a query on the GPU (brute force) for similarity lookups. Repeated ids (Zipf-distributed n-grams repeat a lot) are
 //! not deduplicated on the host — sorting a prefill's 1.5 M ids costs more than the reads it
 //! saves: the device's cache serves a row read again, and the sorted path reads it once.
 
+mod hot;
+
 use crate::context::AiWork;
 use crate::{AiError, Result};
 use gpuio_api::{Backend, DeviceBuffer, HostMemory, HostPlacement, Session};
 use gpuio_hal::ScoreRows;
 use gpuio_transport_memio::{GatherOptions, GatherStrategy};
-use std::sync::Arc;
+use hot::HotTier;
+pub use hot::HotTierStats;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::thread::JoinHandle;
 
-/// An Engram table in pinned host memory.
+/// An Engram table in pinned host memory. Clones share the table and its hot tier.
 #[derive(Debug, Clone)]
 pub struct EngramTable {
     mem: HostMemory,
     rows: u64,
     row_bytes: usize,
+    /// Copies of hot rows in device memory, if kept. Taken before the table's memory (every
+    /// call that takes both), and held for a whole lookup or store, so a lookup never reads
+    /// a copy older than a store it comes after.
+    hot: Arc<RwLock<Option<HotTier>>>,
 }
 
 /// What a lookup did.
@@ -35,10 +47,19 @@ pub struct EngramTable {
 pub struct Lookup {
     /// Rows written to the destination (one per id).
     pub rows: usize,
-    /// Distinct rows read from the table.
+    /// Distinct rows read from the table (every row, through the hot tier).
     pub rows_fetched: usize,
-    /// The gather path that moved them.
-    pub strategy: GatherStrategy,
+    /// The path that moved them.
+    pub path: LookupPath,
+}
+
+/// How a lookup moved its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LookupPath {
+    /// A MemIO gather from the table.
+    Gather(GatherStrategy),
+    /// The hot tier's gather: kept rows from device memory, the others from the table.
+    Hot,
 }
 
 impl EngramTable {
@@ -64,6 +85,7 @@ impl EngramTable {
             mem,
             rows,
             row_bytes,
+            hot: Arc::default(),
         })
     }
 
@@ -77,7 +99,9 @@ impl EngramTable {
         self.row_bytes
     }
 
-    /// The table's memory (for loading it, or for kernels that read it in place).
+    /// The table's memory (for loading it, or for kernels that read it in place). Rows
+    /// written here after [`keep_hot`](Self::keep_hot) are not seen by their copies: write
+    /// through [`store`](Self::store), or keep the hot rows again.
     pub fn memory(&self) -> &HostMemory {
         &self.mem
     }
@@ -102,8 +126,17 @@ impl EngramTable {
         dst_offset: usize,
     ) -> Result<Lookup> {
         self.check_ids(ids)?;
-        let opts = GatherOptions::default();
+        let hot = self.hot.read().unwrap_or_else(PoisonError::into_inner);
         let table = self.mem.read();
+        if let Some(tier) = hot.as_ref().filter(|t| t.gpu() == dst.gpu().ordinal()) {
+            tier.lookup(&table, ids, dst, dst_offset)?;
+            return Ok(Lookup {
+                rows: ids.len(),
+                rows_fetched: ids.len(),
+                path: LookupPath::Hot,
+            });
+        }
+        let opts = GatherOptions::default();
         let r = session
             .memio()
             .gather(&table, self.row_bytes, ids, dst, dst_offset, &opts)
@@ -111,7 +144,7 @@ impl EngramTable {
         Ok(Lookup {
             rows: r.rows,
             rows_fetched: r.rows_fetched,
-            strategy: r.strategy,
+            path: LookupPath::Gather(r.strategy),
         })
     }
 
@@ -132,12 +165,43 @@ impl EngramTable {
             .ok_or_else(|| AiError::InvalidArgument("Engram store size overflows".into()))?;
         gpuio_hal::check_range("Engram store source", src_offset, bytes, src.len())
             .map_err(gpuio_api::Error::from)?;
+        let hot = self.hot.read().unwrap_or_else(PoisonError::into_inner);
         let mut table = self.mem.write();
         session
             .memio()
             .scatter(src, src_offset, self.row_bytes, ids, &mut table)
             .map_err(gpuio_api::Error::from)?;
+        if let Some(tier) = hot.as_ref() {
+            tier.refresh(&table, ids)?;
+        }
         Ok(())
+    }
+
+    /// Keeps copies of rows `ids` (repeats once) in device memory of `gpu`, replacing any
+    /// kept before: lookups into that device read them there, and only the other rows over
+    /// the bus (one kernel). Pick the rows read most (a corpus's most frequent n-grams);
+    /// 2^23 - 1 at most ([`gpuio_hal::HOT_MAX_ROWS`]), taking their bytes plus 32 to 64 bytes
+    /// each (the index) of device memory. Ids past the table are refused, keeping what was kept.
+    /// Waits for lookups and stores under way.
+    pub fn keep_hot(&self, session: &Session, gpu: u32, ids: &[u64]) -> Result<HotTierStats> {
+        self.check_ids(ids)?;
+        let mut hot = self.hot.write().unwrap_or_else(PoisonError::into_inner);
+        let table = self.mem.read();
+        let tier = HotTier::new(session, gpu, &table, self.row_bytes, ids)?;
+        let stats = tier.stats();
+        *hot = Some(tier);
+        Ok(stats)
+    }
+
+    /// Lets the kept copies go (their device memory is freed); lookups read the table again.
+    pub fn drop_hot(&self) {
+        *self.hot.write().unwrap_or_else(PoisonError::into_inner) = None;
+    }
+
+    /// What the hot tier keeps, if any.
+    pub fn hot_stats(&self) -> Option<HotTierStats> {
+        let hot = self.hot.read().unwrap_or_else(PoisonError::into_inner);
+        hot.as_ref().map(HotTier::stats)
     }
 }
 

@@ -174,3 +174,65 @@ fn put(row: &mut [u8], d: usize, v: f32, values: gpuio_ai::engram::RowValues) {
         gpuio_ai::engram::RowValues::Fp8 => row[d] = float8::F8E4M3::from_f32(v).to_bits(),
     }
 }
+
+/// A hot tier: lookups read kept rows from their device copies and the rest from the table,
+/// and what they read is the table's row every time — after stores of kept and unkept rows
+/// (an id stored twice included: its copy is the row that landed), after the tier is kept
+/// again, and after it is dropped. Ids past the table are refused, keeping the tier.
+#[test]
+fn a_hot_tier_serves_kept_rows_and_stays_true_through_stores() {
+    use gpuio_ai::engram::LookupPath;
+    let session = Session::new(Config::default()).unwrap();
+    let rows = 20_000u64;
+    let table = EngramTable::new(&session, rows, ROW, HostPlacement::Dram { numa: None }).unwrap();
+    pattern::fill(&mut table.memory().write(), 0, 0x40);
+    assert_eq!(table.hot_stats(), None);
+    // The "corpus": the 500 most frequent of a sample, as a caller would pick them.
+    let mut counts = std::collections::HashMap::new();
+    for id in skewed_ids(50_000, rows, 9) {
+        *counts.entry(id).or_insert(0u32) += 1;
+    }
+    let mut hot: Vec<(u32, u64)> = counts.into_iter().map(|(id, c)| (c, id)).collect();
+    hot.sort_unstable_by(|a, b| b.cmp(a));
+    let mut keep: Vec<u64> = hot.iter().take(500).map(|&(_, id)| id).collect();
+    keep.extend_from_within(..10);
+    let stats = table.keep_hot(&session, 0, &keep).unwrap();
+    assert_eq!(stats.rows, 500);
+    assert!(stats.device_bytes >= 500 * (ROW + 32), "{stats:?}");
+    let ids = skewed_ids(48 * 64, rows, 2);
+    let dst = session.alloc_device(0, (ids.len() + 101) * ROW).unwrap();
+    let check = |ids: &[u64]| {
+        let r = table.lookup(&session, ids, &dst, 0).unwrap();
+        let mut out = vec![0u8; ids.len() * ROW];
+        let stream = dst.gpu().stream().unwrap();
+        stream.download(&dst, 0, &mut out[..]).unwrap();
+        let t = table.memory().read();
+        for (i, &id) in ids.iter().enumerate() {
+            let want = &t[id as usize * ROW..(id as usize + 1) * ROW];
+            assert!(out[i * ROW..(i + 1) * ROW] == *want, "row {i} (id {id})");
+        }
+        r.path
+    };
+    assert_eq!(check(&ids), LookupPath::Hot);
+    // Stores of kept and unkept rows, the first kept id twice with different bytes.
+    let mut stored: Vec<u64> = keep[..50].iter().copied().chain(15_000..15_050).collect();
+    stored.push(keep[0]);
+    let mut fresh = vec![0u8; stored.len() * ROW];
+    pattern::fill(&mut fresh, 0, 0xf7e5);
+    let src = session.alloc_device(0, fresh.len()).unwrap();
+    src.gpu().stream().unwrap().upload(&fresh, &src, 0).unwrap();
+    table.store(&session, &stored, &src, 0).unwrap();
+    let mut probe = stored.clone();
+    probe.extend_from_slice(&ids);
+    assert_eq!(check(&probe), LookupPath::Hot);
+    // Written behind the tier's back, then kept again: the new copies are read.
+    pattern::fill(&mut table.memory().write(), 0, 0x41);
+    table.keep_hot(&session, 0, &keep).unwrap();
+    assert_eq!(check(&probe), LookupPath::Hot);
+    // Refused, keeping the tier; then dropped: lookups gather from the table.
+    assert!(table.keep_hot(&session, 0, &[1, rows]).is_err());
+    assert_eq!(table.hot_stats().map(|s| s.rows), Some(500));
+    table.drop_hot();
+    assert_eq!(table.hot_stats(), None);
+    assert!(matches!(check(&probe), LookupPath::Gather(_)));
+}
