@@ -212,7 +212,7 @@ pub(super) fn run(
                 .enumerate(),
         );
     for (i, ((timed, hit, metric), batch)) in rounds {
-        let (p50, p99, path) = timed;
+        let (p50, p99, path) = (&timed.p50, &timed.p99, &timed.path);
         let case = format!("Engram {} tokens", batch.tokens);
         let n_rows = (2 * batch.tokens * PER_TOKEN) as f64;
         let hits = hit.map_or(String::new(), |h| {
@@ -335,7 +335,7 @@ fn time_gpuio(
     batch: &Batch,
     opts: &EngramOptions,
     seed: u64,
-) -> Result<(f64, f64, String)> {
+) -> Result<Timed> {
     let n = batch.tokens * PER_TOKEN;
     let outs: Vec<DeviceBuffer> = (0..2)
         .map(|_| session.alloc_device(0, n * ROW))
@@ -346,7 +346,8 @@ fn time_gpuio(
         let t = Instant::now();
         for (k, table) in tables.iter().enumerate() {
             let got = table.lookup(session, &step[k], &outs[k], 0).map_err(ai)?;
-            strategy = format!("{:?}", got.path);
+            let through = if got.hot { " through the hot tier" } else { "" };
+            strategy = format!("{:?}{through}", got.strategy);
         }
         if s >= opts.warmup {
             times.push(t.elapsed().as_secs_f64() * 1e6);
@@ -367,11 +368,18 @@ fn time_gpuio(
             }
         }
     }
-    Ok((
-        percentile(&mut times, 0.5),
-        percentile(&mut times, 0.99),
-        strategy,
-    ))
+    Ok(Timed {
+        p50: percentile(&mut times, 0.5),
+        p99: percentile(&mut times, 0.99),
+        path: strategy,
+    })
+}
+
+/// One batch size's lookups: wall µs per step (both tables) and the last lookup's path.
+struct Timed {
+    p50: f64,
+    p99: f64,
+    path: String,
 }
 
 #[cfg(test)]

@@ -9,9 +9,9 @@
 //! cached on the device behind the caller's back, and a row written by [`EngramTable::store`]
 //! is what the next lookup reads. A caller who knows which rows are read most (n-gram ids are
 //! Zipf-distributed, and a corpus's counts name the hot ones) keeps copies of them in device
-//! memory with [`EngramTable::keep_hot`]: lookups into that device then read those rows
-//! there and only the others over the bus, in one kernel, and `store` re-copies the kept rows
-//! it writes. [`EngramTable::prefetch`] and [`EngramTable::store_async`]
+//! memory with [`EngramTable::keep_hot`]: lookups into that device then go through MemIO's
+//! gather through hot rows — its GPU side reads those rows there and only the others over the
+//! bus, in one kernel — and `store` re-copies the kept rows it writes. [`EngramTable::prefetch`] and [`EngramTable::store_async`]
 //! run a lookup or a write-back on a side thread (and its own stream), so a model gathers the
 //! next layer's rows or writes updated ones while it computes; [`EngramTable::similar`] scores
 //! every row against a query on the GPU (brute force) for similarity lookups. Repeated ids (Zipf-distributed n-grams repeat a lot) are
@@ -47,19 +47,13 @@ pub struct EngramTable {
 pub struct Lookup {
     /// Rows written to the destination (one per id).
     pub rows: usize,
-    /// Distinct rows read from the table (every row, through the hot tier).
+    /// Distinct rows read from the table.
     pub rows_fetched: usize,
-    /// The path that moved them.
-    pub path: LookupPath,
-}
-
-/// How a lookup moved its rows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LookupPath {
-    /// A MemIO gather from the table.
-    Gather(GatherStrategy),
-    /// The hot tier's gather: kept rows from device memory, the others from the table.
-    Hot,
+    /// The gather path that moved them.
+    pub strategy: GatherStrategy,
+    /// Whether the lookup went through the hot tier ([`EngramTable::keep_hot`]): the rows
+    /// the GPU moved that are kept were read from their copies.
+    pub hot: bool,
 }
 
 impl EngramTable {
@@ -128,12 +122,14 @@ impl EngramTable {
         self.check_ids(ids)?;
         let hot = self.hot.read().unwrap_or_else(PoisonError::into_inner);
         let table = self.mem.read();
-        if let Some(tier) = hot.as_ref().filter(|t| t.gpu() == dst.gpu().ordinal()) {
-            tier.lookup(&table, ids, dst, dst_offset)?;
+        let tier = hot.as_ref().filter(|t| t.gpu() == dst.gpu().ordinal());
+        if let Some(tier) = tier {
+            let r = tier.lookup(session, &table, ids, dst, dst_offset)?;
             return Ok(Lookup {
-                rows: ids.len(),
-                rows_fetched: ids.len(),
-                path: LookupPath::Hot,
+                rows: r.rows,
+                rows_fetched: r.rows_fetched,
+                strategy: r.strategy,
+                hot: true,
             });
         }
         let opts = GatherOptions::default();
@@ -144,7 +140,8 @@ impl EngramTable {
         Ok(Lookup {
             rows: r.rows,
             rows_fetched: r.rows_fetched,
-            path: LookupPath::Gather(r.strategy),
+            strategy: r.strategy,
+            hot: false,
         })
     }
 
@@ -172,7 +169,7 @@ impl EngramTable {
             .scatter(src, src_offset, self.row_bytes, ids, &mut table)
             .map_err(gpuio_api::Error::from)?;
         if let Some(tier) = hot.as_ref() {
-            tier.refresh(&table, ids)?;
+            tier.refresh(session, &table, ids)?;
         }
         Ok(())
     }

@@ -12,6 +12,7 @@ use super::backend::DevRange;
 use super::{DeviceBuffer, RowIndices, RowKernel, Stream, TieredRows, TieredSource};
 use crate::error::{HalError, Result};
 use crate::memory::{HostAllocOptions, HostBuffer};
+use std::time::Duration;
 
 /// Most rows one [`HotRows`] keeps (a hot row is installed by the tiered gather, whose codes
 /// keep 23 bits for it): 2 GiB of 256-byte rows.
@@ -238,6 +239,36 @@ impl Stream {
         dst: &DeviceBuffer,
         dst_offset: usize,
     ) -> Result<()> {
+        self.hot_rows_job(pool, hot, indices, count, dst, dst_offset, false)
+            .map(drop)
+    }
+
+    /// Like [`gather_hot`](Self::gather_hot); returns how long the device worked on it
+    /// (events around its copies and launches; on the host backend, the copy's time).
+    pub fn gather_hot_timed(
+        &self,
+        pool: &HostBuffer,
+        hot: &HotRows,
+        indices: RowIndices<'_>,
+        count: usize,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<Duration> {
+        self.hot_rows_job(pool, hot, indices, count, dst, dst_offset, true)
+            .map(Option::unwrap_or_default)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn hot_rows_job(
+        &self,
+        pool: &HostBuffer,
+        hot: &HotRows,
+        indices: RowIndices<'_>,
+        count: usize,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        timed: bool,
+    ) -> Result<Option<Duration>> {
         hot.check_pool(pool)?;
         self.gpu.check_owns("hot rows", &hot.rows)?;
         let refs = hot.refs()?;
@@ -253,11 +284,10 @@ impl Stream {
                 dst_offset,
                 false,
                 RowKernel::Tuned,
-                false,
+                timed,
                 Some(refs),
             )
         }
-        .map(drop)
     }
 
     /// Copies again, from `pool`, the rows among `rows` that `hot` keeps (after they were

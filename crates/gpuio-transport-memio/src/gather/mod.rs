@@ -40,9 +40,9 @@ pub(crate) use indices::IndexStage;
 pub(crate) use planner::Planner;
 
 use crate::{MemIo, Result};
-use gpuio_hal::{DeviceBuffer, Gpu, HalError, HostBuffer, RowKernel};
+use gpuio_hal::{DeviceBuffer, Gpu, HalError, HostBuffer, HotRows, RowKernel};
 use indices::IndexPath;
-use paths::HybridSplit;
+use paths::{GpuRows, HybridSplit};
 use std::time::Instant;
 
 /// How a gather moves its rows.
@@ -186,7 +186,51 @@ impl MemIo {
         dst_offset: usize,
         opts: &GatherOptions,
     ) -> Result<GatherReport> {
-        let indices = indices.into();
+        self.gather_through(pool, row_bytes, indices.into(), dst, dst_offset, opts, None)
+    }
+
+    /// [`gather`](Self::gather) through `hot` rows (copies of some of `pool`'s rows in
+    /// device memory, [`Stream::keep_hot`](gpuio_hal::Stream::keep_hot)): the GPU's paths
+    /// read each kept row from its copy and only the others over the bus; the CPU's read the
+    /// pool. There is no sorted path (`Sorted` is refused; `Auto` learns among the others
+    /// for hot shapes apart). `hot` must be copies of `pool`'s rows on the destination's GPU.
+    pub fn gather_hot<'a>(
+        &self,
+        pool: &HostBuffer,
+        hot: &HotRows,
+        indices: impl Into<GatherIndices<'a>>,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        opts: &GatherOptions,
+    ) -> Result<GatherReport> {
+        if opts.strategy == GatherStrategy::Sorted {
+            return Err(
+                HalError::InvalidArgument("a sorted gather does not read hot rows".into()).into(),
+            );
+        }
+        let row_bytes = hot.row_bytes();
+        self.gather_through(
+            pool,
+            row_bytes,
+            indices.into(),
+            dst,
+            dst_offset,
+            opts,
+            Some(hot),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gather_through(
+        &self,
+        pool: &HostBuffer,
+        row_bytes: usize,
+        indices: GatherIndices<'_>,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        opts: &GatherOptions,
+        hot: Option<&HotRows>,
+    ) -> Result<GatherReport> {
         if row_bytes == 0 {
             return Err(
                 HalError::InvalidArgument("row size must be at least 1 byte".into()).into(),
@@ -219,7 +263,8 @@ impl MemIo {
             .into());
         }
         let rows = indices.len();
-        let key = self.shape(pool, dst.gpu(), row_bytes, rows, indices.place());
+        let place = indices.place();
+        let key = self.shape(pool, dst.gpu(), row_bytes, rows, place, hot.is_some());
         if indices.is_empty() {
             return Ok(GatherReport {
                 strategy: self.resolve(opts.strategy, pool, key),
@@ -232,18 +277,21 @@ impl MemIo {
             return self.gather_dedup(pool, row_bytes, &list, dst, dst_offset, opts);
         }
         let strategy = self.resolve(opts.strategy, pool, key);
+        let tuned = hot.map_or(GpuRows::Kernel(RowKernel::Tuned), GpuRows::Hot);
         let t = Instant::now();
         match strategy {
             GatherStrategy::ZeroCopy => {
-                self.gather_zero_copy(pool, row_bytes, indices, dst, dst_offset, RowKernel::Tuned)?
+                self.gather_zero_copy(pool, row_bytes, indices, dst, dst_offset, tuned)?
             }
             GatherStrategy::Sorted => {
-                self.gather_zero_copy(pool, row_bytes, indices, dst, dst_offset, RowKernel::Sorted)?
+                let sorted = GpuRows::Kernel(RowKernel::Sorted);
+                self.gather_zero_copy(pool, row_bytes, indices, dst, dst_offset, sorted)?
             }
             GatherStrategy::Hybrid => {
                 let split = HybridSplit {
                     key,
                     fixed: opts.gpu_share,
+                    hot,
                 };
                 self.gather_hybrid(pool, row_bytes, indices, dst, dst_offset, split)?
             }
@@ -301,6 +349,6 @@ impl MemIo {
         indices: IndexPlace,
     ) -> Option<GatherPlan> {
         self.planner
-            .plan(self.shape(pool, gpu, row_bytes, rows, indices))
+            .plan(self.shape(pool, gpu, row_bytes, rows, indices, false))
     }
 }

@@ -10,17 +10,37 @@ use crate::pipeline::{ChunkLen, Schedule};
 use crate::{MemIo, MemIoError, Result};
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::workers::run_workers;
-use gpuio_hal::{DeviceBuffer, HalError, HostBuffer, RowKernel};
+use gpuio_hal::{DeviceBuffer, HalError, HostBuffer, HotRows, RowKernel};
 use rayon::prelude::*;
 use std::ops::Range;
 use std::sync::Mutex;
 use std::time::Instant;
 
 /// How a hybrid call splits its rows: the share the caller fixed, or else the one `Auto`
-/// balances for the shape.
-pub(super) struct HybridSplit {
+/// balances for the shape; and the hot rows its GPU side reads, if any.
+pub(super) struct HybridSplit<'h> {
     pub(super) key: ShapeKey,
     pub(super) fixed: Option<f64>,
+    pub(super) hot: Option<&'h HotRows>,
+}
+
+/// How the GPU's threads move rows: a row kernel (in list or pool address order), or the
+/// gather through hot rows.
+#[derive(Clone, Copy)]
+pub(super) enum GpuRows<'h> {
+    Kernel(RowKernel),
+    Hot(&'h HotRows),
+}
+
+impl GpuRows<'_> {
+    /// The row kernel whose index path the rows' indices take (the hot gather reads its list
+    /// as the tuned kernel does).
+    fn kernel(self) -> RowKernel {
+        match self {
+            Self::Kernel(k) => k,
+            Self::Hot(_) => RowKernel::Tuned,
+        }
+    }
 }
 
 /// A range of output rows, as one staged chunk.
@@ -55,7 +75,8 @@ fn bad_index(position: usize, rows: usize) -> MemIoError {
 }
 
 impl MemIo {
-    /// The GPU's threads load the rows, with `kernel` `Tuned` (in list order) or `Sorted`.
+    /// The GPU's threads load the rows, with `kernel` `Tuned` (in list order) or `Sorted`,
+    /// or through hot rows.
     pub(super) fn gather_zero_copy(
         &self,
         pool: &HostBuffer,
@@ -63,12 +84,16 @@ impl MemIo {
         indices: GatherIndices<'_>,
         dst: &DeviceBuffer,
         dst_offset: usize,
-        kernel: RowKernel,
+        rows: GpuRows<'_>,
     ) -> Result<()> {
-        let path = IndexPath::of(kernel, row_bytes);
+        let path = IndexPath::of(rows.kernel(), row_bytes);
         let n = indices.len();
         self.with_gpu_indices(dst.gpu(), indices, n, path, |s, idx| {
-            Ok(s.gather(pool, row_bytes, idx, n, dst, dst_offset, kernel)?)
+            match rows {
+                GpuRows::Kernel(k) => s.gather(pool, row_bytes, idx, n, dst, dst_offset, k)?,
+                GpuRows::Hot(h) => s.gather_hot(pool, h, idx, n, dst, dst_offset)?,
+            }
+            Ok(())
         })
     }
 
@@ -81,11 +106,14 @@ impl MemIo {
         indices: GatherIndices<'_>,
         dst: &DeviceBuffer,
         dst_offset: usize,
-        HybridSplit { key, fixed }: HybridSplit,
+        HybridSplit { key, fixed, hot }: HybridSplit<'_>,
     ) -> Result<()> {
         let share = fixed.unwrap_or_else(|| self.planner.gpu_share(key));
-        let kernel = self.planner.gpu_kernel(key);
-        let path = IndexPath::of(kernel, row_bytes);
+        let rows = hot.map_or_else(
+            || GpuRows::Kernel(self.planner.gpu_kernel(key)),
+            GpuRows::Hot,
+        );
+        let path = IndexPath::of(rows.kernel(), row_bytes);
         let n = indices.len();
         let split = ((n as f64 * share).round() as usize).min(n);
         // A caller's share of 0 or 1 leaves one side alone.
@@ -94,7 +122,7 @@ impl MemIo {
             return self.gather_staged(pool, row_bytes, &list, dst, dst_offset);
         }
         if split == n {
-            return self.gather_zero_copy(pool, row_bytes, indices, dst, dst_offset, kernel);
+            return self.gather_zero_copy(pool, row_bytes, indices, dst, dst_offset, rows);
         }
         // The GPU's rows come first; the CPU's part of a device list is copied back first.
         let cpu_rows = self.host_indices(indices, split..n)?;
@@ -113,7 +141,12 @@ impl MemIo {
                     let done = self.gather_staged(pool, row_bytes, cpu_rows, dst, cpu_offset);
                     cpu = Some((done, t.elapsed()));
                 });
-                Ok(s.gather_timed(pool, row_bytes, idx, split, dst, dst_offset, kernel)?)
+                Ok(match rows {
+                    GpuRows::Kernel(k) => {
+                        s.gather_timed(pool, row_bytes, idx, split, dst, dst_offset, k)?
+                    }
+                    GpuRows::Hot(h) => s.gather_hot_timed(pool, h, idx, split, dst, dst_offset)?,
+                })
             })
         });
         let gpu_time = gpu?;

@@ -21,6 +21,16 @@ pub(super) struct ShapeKey {
     /// the hybrid's second side costs more than it brings on a small call.
     rows_log2: u32,
     indices: IndexPlace,
+    /// Through hot rows ([`MemIo::gather_hot`]): the GPU's paths read kept rows from device
+    /// memory, and there is no sorted path.
+    hot: bool,
+}
+
+impl ShapeKey {
+    /// Whether `Auto` may choose path `i` of [`STRATEGIES`] for this shape.
+    fn offers(&self, i: usize) -> bool {
+        !(self.hot && i == SORTED)
+    }
 }
 
 /// Measured rates per shape class.
@@ -114,7 +124,11 @@ impl Planner {
         let mut shapes = self.shapes.lock_unpoisoned();
         let s = shapes.entry(key).or_default();
         s.calls += 1;
-        if let Some(i) = s.rate.iter().position(|r| r.count == 0) {
+        let offered = |i: &usize| key.offers(*i);
+        if let Some(i) = (0..STRATEGIES.len())
+            .filter(offered)
+            .find(|&i| s.rate[i].count == 0)
+        {
             return STRATEGIES[i];
         }
         // A hybrid call with an unbalanced share understates the hybrid: balance it first.
@@ -123,6 +137,7 @@ impl Planner {
         }
         let rate = |i: usize| s.rate[i].estimate().unwrap_or(0.0);
         let mut best = (0..STRATEGIES.len())
+            .filter(offered)
             .max_by(|&a, &b| rate(a).total_cmp(&rate(b)))
             .unwrap_or(0);
         // Stay with the current path unless another is clearly faster: noise is not a reason
@@ -132,9 +147,14 @@ impl Planner {
         }
         s.current = best;
         if s.calls.is_multiple_of(RECHECK_EVERY) {
-            let others = STRATEGIES.len() - 1;
-            let other = (best + 1 + (s.calls / RECHECK_EVERY) as usize % others) % STRATEGIES.len();
-            STRATEGIES[other]
+            let others: Vec<usize> = (0..STRATEGIES.len())
+                .filter(|i| offered(i) && *i != best)
+                .collect();
+            let turn = (s.calls / RECHECK_EVERY) as usize;
+            STRATEGIES[others
+                .get(turn % others.len().max(1))
+                .copied()
+                .unwrap_or(best)]
         } else {
             STRATEGIES[best]
         }
@@ -225,6 +245,7 @@ impl MemIo {
         row_bytes: usize,
         rows: usize,
         indices: IndexPlace,
+        hot: bool,
     ) -> ShapeKey {
         ShapeKey {
             gpu: gpu.ordinal(),
@@ -232,6 +253,7 @@ impl MemIo {
             pool_log2: log2(pool.len()),
             rows_log2: log2(rows),
             indices,
+            hot,
         }
     }
 
@@ -268,6 +290,7 @@ mod tests {
         pool_log2: 32,
         rows_log2: 20,
         indices: IndexPlace::Host,
+        hot: false,
     };
 
     /// One `Auto` call: choose, then report what the chosen path reached; a hybrid call
