@@ -497,3 +497,77 @@ fn scatter_puts_rows_back_where_gather_found_them() {
         }
     }
 }
+
+/// Gathers through hot rows: the GPU's paths read kept rows from their copies, the CPU's read
+/// the pool. After the pool's rows are rewritten (the copies now stale, so each side shows
+/// which it read), zero-copy gives the old bytes of kept rows, CPU-staged the new, and a
+/// hybrid with a fixed half share the old in its GPU half and the new in its CPU half; a
+/// device index list and `Auto` work as well, and a sorted gather is refused.
+#[test]
+fn a_gather_through_hot_rows_reads_copies_on_the_gpu_and_the_pool_on_the_cpu() {
+    let io = engine();
+    let (rb, rows) = (48usize, 4096usize);
+    let mut p = pool(&io, rows * rb, seed(), true);
+    let gpu = io.gpu(0).unwrap().clone();
+    let stream = gpu.stream().unwrap();
+    let keep: Vec<u64> = (0..rows as u64).filter(|r| r % 2 == 0).collect();
+    let hot = stream.keep_hot(&p, rb, &keep).unwrap();
+    let old = p.as_slice().to_vec();
+    pattern::fill(&mut p, 0, seed() ^ 0xfeed);
+    let new = p.as_slice().to_vec();
+    let idx = random_indices(2000, rows, seed());
+    let mixed = |gpu_rows: std::ops::Range<usize>| -> Vec<u8> {
+        idx.iter()
+            .enumerate()
+            .flat_map(|(i, &r)| {
+                let from = if r % 2 == 0 && gpu_rows.contains(&i) {
+                    &old
+                } else {
+                    &new
+                };
+                from[r as usize * rb..(r as usize + 1) * rb].to_vec()
+            })
+            .collect()
+    };
+    let dst = gpu.alloc(idx.len() * rb).unwrap();
+    let run = |strategy, gpu_share| {
+        let opts = GatherOptions {
+            strategy,
+            gpu_share,
+            ..GatherOptions::default()
+        };
+        let r = io.gather_hot(&p, &hot, &idx, &dst, 0, &opts).unwrap();
+        assert_eq!(r.strategy, strategy);
+        download(&io, &dst, 0, idx.len() * rb)
+    };
+    assert_eq!(run(GatherStrategy::ZeroCopy, None), mixed(0..idx.len()));
+    assert_eq!(run(GatherStrategy::CpuStaged, None), mixed(0..0));
+    assert_eq!(run(GatherStrategy::Hybrid, Some(0.5)), mixed(0..1000));
+    // A list already on the device, by zero-copy.
+    let list = gpu.alloc(idx.len() * 8).unwrap();
+    let bytes: Vec<u8> = idx.iter().flat_map(|i| i.to_le_bytes()).collect();
+    stream.upload(&bytes, &list, 0).unwrap();
+    let on_device = GatherIndices::Device {
+        list: &list,
+        count: idx.len(),
+    };
+    let opts = GatherOptions {
+        strategy: GatherStrategy::ZeroCopy,
+        ..GatherOptions::default()
+    };
+    io.gather_hot(&p, &hot, on_device, &dst, 0, &opts).unwrap();
+    assert_eq!(download(&io, &dst, 0, idx.len() * rb), mixed(0..idx.len()));
+    // Auto never picks the sorted path for hot shapes, and a caller cannot force it.
+    for _ in 0..12 {
+        let r = io
+            .gather_hot(&p, &hot, &idx, &dst, 0, &GatherOptions::default())
+            .unwrap();
+        assert_ne!(r.strategy, GatherStrategy::Sorted);
+    }
+    let sorted = GatherOptions {
+        strategy: GatherStrategy::Sorted,
+        ..GatherOptions::default()
+    };
+    let err = io.gather_hot(&p, &hot, &idx, &dst, 0, &sorted).unwrap_err();
+    assert!(err.to_string().contains("sorted"), "{err}");
+}
