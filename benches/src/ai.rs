@@ -25,6 +25,7 @@
 mod compress;
 mod engram;
 mod graph;
+mod hot_parts;
 mod priority;
 mod swap;
 

@@ -58,7 +58,7 @@ impl Default for EngramOptions {
             steps: 30,
             // 2 GB of each table's 24 GB.
             hot_rows: 8_000_000,
-            profile_ids: 32 << 20,
+            profile_ids: 64 << 20,
         }
     }
 }
@@ -176,6 +176,15 @@ pub(super) fn run(
         let timed = time_gpuio(session, &tables, batch, opts, seed)?;
         hot.push((timed, hit_rate(batch, opts.warmup, &kept)));
     }
+    let keep: Vec<u64> = kept[0].0.iter().copied().collect();
+    let lists: Vec<&[u64]> = batches
+        .iter()
+        .filter_map(|b| b.ids.last().map(|s| &s[0][..]))
+        .collect();
+    let parts = {
+        let table = tables[0].memory().read();
+        super::hot_parts::breakdown(session, &table, ROW, &keep, &lists)?
+    };
     drop(tables);
     progress("Engram: peers");
     let traces: Vec<&Path> = batches.iter().map(|b| b.trace.as_path()).collect();
@@ -190,6 +199,7 @@ pub(super) fn run(
         opts.table_bytes / 1_000_000_000,
         opts.zipf
     ));
+    notes.extend(parts);
     let stats = &kept[0].1;
     notes.push(format!(
         "B2 hot tier (assumed, as a serving system has it: a corpus's n-gram counts): per \
