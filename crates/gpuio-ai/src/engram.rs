@@ -95,7 +95,8 @@ impl EngramTable {
 
     /// The table's memory (for loading it, or for kernels that read it in place). Rows
     /// written here after [`keep_hot`](Self::keep_hot) are not seen by their copies: write
-    /// through [`store`](Self::store), or keep the hot rows again.
+    /// through [`store`](Self::store), or keep the hot rows again. Let its guards go before
+    /// calling this table's other methods: they take the hot tier's lock, then this one.
     pub fn memory(&self) -> &HostMemory {
         &self.mem
     }
@@ -122,7 +123,7 @@ impl EngramTable {
         self.check_ids(ids)?;
         let hot = self.hot.read().unwrap_or_else(PoisonError::into_inner);
         let table = self.mem.read();
-        let tier = hot.as_ref().filter(|t| t.gpu() == dst.gpu().ordinal());
+        let tier = hot.as_ref().filter(|t| t.serves(dst.gpu()));
         if let Some(tier) = tier {
             let r = tier.lookup(session, &table, ids, dst, dst_offset)?;
             return Ok(Lookup {
@@ -164,14 +165,21 @@ impl EngramTable {
             .map_err(gpuio_api::Error::from)?;
         let hot = self.hot.read().unwrap_or_else(PoisonError::into_inner);
         let mut table = self.mem.write();
-        session
+        let stored = session
             .memio()
             .scatter(src, src_offset, self.row_bytes, ids, &mut table)
-            .map_err(gpuio_api::Error::from)?;
-        if let Some(tier) = hot.as_ref() {
-            tier.refresh(session, &table, ids)?;
+            .map_err(|e| gpuio_api::Error::from(e).into());
+        let Some(tier) = hot.as_ref() else {
+            return stored;
+        };
+        // A scatter that failed part way, or a refresh that failed, may leave copies older
+        // than their rows: the tier is then not read again (marked while the table is still
+        // locked, so no lookup reads it in between).
+        let refreshed = stored.and_then(|()| tier.refresh(&table, ids).map(drop));
+        if refreshed.is_err() {
+            tier.forsake();
         }
-        Ok(())
+        refreshed
     }
 
     /// Keeps copies of rows `ids` (repeats once) in device memory of `gpu`, replacing any
@@ -195,10 +203,11 @@ impl EngramTable {
         *self.hot.write().unwrap_or_else(PoisonError::into_inner) = None;
     }
 
-    /// What the hot tier keeps, if any.
+    /// What the hot tier keeps, if any (none either once a failed store left it
+    /// possibly stale: lookups no longer read it).
     pub fn hot_stats(&self) -> Option<HotTierStats> {
         let hot = self.hot.read().unwrap_or_else(PoisonError::into_inner);
-        hot.as_ref().map(HotTier::stats)
+        hot.as_ref().filter(|t| t.is_current()).map(HotTier::stats)
     }
 }
 

@@ -10,8 +10,9 @@
 
 use crate::Result;
 use gpuio_api::{DeviceBuffer, Session};
-use gpuio_hal::{HostBuffer, HotRows};
+use gpuio_hal::{Gpu, HostBuffer, HotRows};
 use gpuio_transport_memio::{GatherOptions, GatherReport};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// What a hot tier keeps ([`super::EngramTable::keep_hot`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,11 +25,13 @@ pub struct HotTierStats {
     pub probes: u32,
 }
 
-/// The tier: the kept rows and the device they are on.
+/// The tier: the kept rows (on their device), and whether they are current.
 #[derive(Debug)]
 pub(super) struct HotTier {
     rows: HotRows,
-    gpu: u32,
+    /// Cleared when a store wrote the table but may not have refreshed every copy: the tier
+    /// is then never read again (lookups gather from the table until `keep_hot` runs).
+    current: AtomicBool,
 }
 
 impl HotTier {
@@ -40,15 +43,25 @@ impl HotTier {
         row_bytes: usize,
         ids: &[u64],
     ) -> Result<Self> {
-        let rows = session
-            .gpu(gpu)?
-            .stream()?
-            .keep_hot(table, row_bytes, ids)?;
-        Ok(Self { rows, gpu })
+        let stream = session.gpu(gpu)?.stream()?;
+        Ok(Self {
+            rows: stream.keep_hot(table, row_bytes, ids)?,
+            current: AtomicBool::new(true),
+        })
     }
 
-    pub(super) fn gpu(&self) -> u32 {
-        self.gpu
+    pub(super) fn is_current(&self) -> bool {
+        self.current.load(Ordering::Acquire)
+    }
+
+    /// Whether lookups into `gpu` may read these copies: they are on it, and current.
+    pub(super) fn serves(&self, gpu: &Gpu) -> bool {
+        self.rows.gpu().same_device(gpu) && self.is_current()
+    }
+
+    /// Marks the copies as possibly stale (see `current`).
+    pub(super) fn forsake(&self) {
+        self.current.store(false, Ordering::Release);
     }
 
     pub(super) fn stats(&self) -> HotTierStats {
@@ -77,13 +90,8 @@ impl HotTier {
     }
 
     /// Copies again the kept rows among `ids`, just written in `table`; how many there were.
-    pub(super) fn refresh(
-        &self,
-        session: &Session,
-        table: &HostBuffer,
-        ids: &[u64],
-    ) -> Result<usize> {
-        let stream = session.gpu(self.gpu)?.stream()?;
+    pub(super) fn refresh(&self, table: &HostBuffer, ids: &[u64]) -> Result<usize> {
+        let stream = self.rows.gpu().stream()?;
         Ok(stream.refresh_hot(table, &self.rows, ids)?)
     }
 }

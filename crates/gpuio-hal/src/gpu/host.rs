@@ -401,20 +401,19 @@ impl HostStream {
         };
         let pool = cpu_ptr(job.pool, job.scatter)?;
         let idx_ptr = cpu_ptr(job.idx, false)?;
-        let hot = match job.hot {
-            Some(h) => {
-                mems.push((memory(&h.rows)?, false));
-                mems.push((memory(&h.index)?, false));
-                // SAFETY: the index range starts its allocation (page-aligned host memory, so
-                // the u64s are aligned) and is locked for reading below until we return.
-                let words = unsafe {
-                    std::slice::from_raw_parts(h.index.addr() as *const u64, h.index.len / 8)
-                };
-                Some((h, words))
-            }
-            None => None,
-        };
+        if let Some(h) = job.hot {
+            mems.push((memory(&h.rows)?, false));
+            mems.push((memory(&h.index)?, false));
+        }
         let _guards = lock_all(mems);
+        let hot = job.hot.map(|h| {
+            // SAFETY: the index range starts its allocation (page-aligned host memory, so the
+            // u64s are aligned) and is locked for reading above until we return.
+            let words = unsafe {
+                std::slice::from_raw_parts(h.index.addr() as *const u64, h.index.len / 8)
+            };
+            (h, words)
+        });
         let rb = job.row_bytes;
         let rows = (job.pool.len() / rb) as u64;
         // SAFETY: a checked range of a live allocation locked for reading above, or pinned host

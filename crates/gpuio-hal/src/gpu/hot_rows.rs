@@ -54,35 +54,41 @@ pub(crate) fn hot_slot(words: &[u64], probes: u32, hot_rows: u64, row: u64) -> O
     None
 }
 
-/// An index over `rows` (repeats kept once, in first-seen order, each at the hot row of its
-/// rank): its words (four per kept row, rounded up to a power of two, so most probes end at
-/// the first word), the longest probe run, and the kept rows.
-fn build_index(rows: &[u64]) -> (Vec<u64>, u32, Vec<u64>) {
+/// `rows` with repeats dropped, in first-seen order; it stops one past [`HOT_MAX_ROWS`] (the
+/// caller refuses that many), so a long list costs no more than the most that can be kept.
+fn distinct(rows: &[u64]) -> Vec<u64> {
+    let mut seen = std::collections::HashSet::with_capacity(rows.len().min(HOT_MAX_ROWS + 1));
+    let mut out = Vec::with_capacity(rows.len().min(HOT_MAX_ROWS + 1));
+    for &r in rows {
+        if seen.insert(r) {
+            out.push(r);
+            if out.len() > HOT_MAX_ROWS {
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// An index over distinct `rows`, each at the hot row of its rank: its words (four per row,
+/// rounded up to a power of two, so most probes end at the first word) and the longest probe
+/// run.
+fn build_index(rows: &[u64]) -> (Vec<u64>, u32) {
     let capacity = rows.len().saturating_mul(4).next_power_of_two().max(2);
     let mask = (capacity - 1) as u64;
     let mut words = vec![EMPTY; capacity];
-    let (mut probes, mut kept) = (1u32, Vec::with_capacity(rows.len()));
-    for &row in rows {
+    let mut probes = 1u32;
+    for (slot, &row) in rows.iter().enumerate() {
         let mut at = hot_hash(row) & mask;
         let mut run = 1u32;
-        let slot = loop {
-            let word = words[at as usize];
-            if word == EMPTY {
-                break Some(kept.len() as u64);
-            }
-            if word & ROW_MASK == row {
-                break None;
-            }
+        while words[at as usize] != EMPTY {
             at = (at + 1) & mask;
             run += 1;
-        };
-        if let Some(slot) = slot {
-            words[at as usize] = slot << ROW_BITS | row;
-            kept.push(row);
-            probes = probes.max(run);
         }
+        words[at as usize] = (slot as u64) << ROW_BITS | row;
+        probes = probes.max(run);
     }
-    (words, probes, kept)
+    (words, probes)
 }
 
 /// Copies of chosen rows of one pinned host pool, kept in device memory of one device, with
@@ -142,8 +148,19 @@ impl HotRows {
         self.probes
     }
 
+    /// The device holding the copies.
+    pub fn gpu(&self) -> &super::Gpu {
+        self.rows.gpu()
+    }
+
+    /// Whether these are copies of `pool`'s rows (the pool they were taken from: its address
+    /// and length).
+    pub fn copies_of(&self, pool: &HostBuffer) -> bool {
+        (pool.base_ptr() as usize, pool.len()) == self.pool
+    }
+
     fn check_pool(&self, pool: &HostBuffer) -> Result<()> {
-        if (pool.base_ptr() as usize, pool.len()) != self.pool {
+        if !self.copies_of(pool) {
             return Err(HalError::InvalidArgument(
                 "hot rows are copies of another pool's rows".into(),
             ));
@@ -191,13 +208,14 @@ impl Stream {
                 rows: pool_rows,
             });
         }
-        let (words, probes, kept) = build_index(rows);
+        let kept = distinct(rows);
         if kept.len() > HOT_MAX_ROWS {
             return Err(HalError::InvalidArgument(format!(
                 "{} distinct hot rows, more than {HOT_MAX_ROWS}",
                 kept.len()
             )));
         }
+        let (words, probes) = build_index(&kept);
         let bytes = kept.len() * row_bytes;
         let hot = HotRows {
             rows: self.gpu.alloc(bytes)?,
@@ -292,7 +310,9 @@ impl Stream {
 
     /// Copies again, from `pool`, the rows among `rows` that `hot` keeps (after they were
     /// written in the pool), and waits; returns how many were kept. `hot` must have been
-    /// taken from `pool`. Rows `hot` does not keep are ignored; rows past the pool too.
+    /// taken from `pool`. Rows `hot` does not keep are ignored; rows past the pool too. No
+    /// gather may read through `hot` while this runs: the copies are written meanwhile (the
+    /// caller's locks order them, as Engram tables do).
     pub fn refresh_hot(&self, pool: &HostBuffer, hot: &HotRows, rows: &[u64]) -> Result<usize> {
         hot.check_pool(pool)?;
         let mut slots: Vec<(u64, u64)> = rows
@@ -338,14 +358,14 @@ mod tests {
 
     #[test]
     fn an_empty_index_finds_nothing_and_probes_one_word() {
-        let (words, probes, kept) = build_index(&[]);
-        assert_eq!((words.len(), probes, kept.len()), (2, 1, 0));
+        let (words, probes) = build_index(&[]);
+        assert_eq!((words.len(), probes), (2, 1));
         assert_eq!(hot_slot(&words, probes, 0, 0), None);
     }
 
     #[test]
     fn a_word_naming_a_hot_row_past_the_kept_ones_is_not_followed() {
-        let (words, probes, _) = build_index(&[7, 9]);
+        let (words, probes) = build_index(&[7, 9]);
         assert_eq!(hot_slot(&words, probes, 2, 9), Some(1));
         assert_eq!(hot_slot(&words, probes, 1, 9), None);
     }
@@ -358,7 +378,8 @@ mod tests {
             rows in proptest::collection::vec(0u64..5_000, 0..600),
             others in proptest::collection::vec(0u64..5_000, 0..200),
         ) {
-            let (words, probes, kept) = build_index(&rows);
+            let kept = distinct(&rows);
+            let (words, probes) = build_index(&kept);
             let mut first = Vec::new();
             for &r in &rows {
                 if !first.contains(&r) {

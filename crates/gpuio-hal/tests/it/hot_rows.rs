@@ -58,8 +58,9 @@ fn rows_of(pool: &[u8], row: usize, ids: &[u64]) -> Vec<u8> {
 fn kept_rows_are_read_from_their_copies_and_the_rest_from_the_pool() {
     let gpu = gpu();
     let stream = gpu.stream().unwrap();
-    // 48-byte rows move in 16-byte pieces, 20-byte rows in 4-byte ones, 7-byte rows in bytes.
-    for row in [48usize, 20, 7] {
+    // 48-byte rows move in 16-byte pieces, 40-byte rows in 8-byte ones, 20-byte rows in
+    // 4-byte ones, 7-byte rows in bytes.
+    for row in [48usize, 40, 20, 7] {
         let mut pool = pool(&gpu, row, row as u64);
         let keep: Vec<u64> = (0..ROWS as u64)
             .filter(|r| r % 3 == 0)

@@ -192,8 +192,9 @@ impl MemIo {
     /// [`gather`](Self::gather) through `hot` rows (copies of some of `pool`'s rows in
     /// device memory, [`Stream::keep_hot`](gpuio_hal::Stream::keep_hot)): the GPU's paths
     /// read each kept row from its copy and only the others over the bus; the CPU's read the
-    /// pool. There is no sorted path (`Sorted` is refused; `Auto` learns among the others
-    /// for hot shapes apart). `hot` must be copies of `pool`'s rows on the destination's GPU.
+    /// pool, as does a `dedup` call. There is no sorted path (`Sorted` is refused; `Auto`
+    /// learns among the others for hot shapes apart). `hot` must be copies of `pool`'s rows
+    /// on the destination's GPU (both checked before any path runs).
     pub fn gather_hot<'a>(
         &self,
         pool: &HostBuffer,
@@ -203,10 +204,15 @@ impl MemIo {
         dst_offset: usize,
         opts: &GatherOptions,
     ) -> Result<GatherReport> {
+        let refuse = |why: &str| Err(HalError::InvalidArgument(why.into()).into());
         if opts.strategy == GatherStrategy::Sorted {
-            return Err(
-                HalError::InvalidArgument("a sorted gather does not read hot rows".into()).into(),
-            );
+            return refuse("a sorted gather does not read hot rows");
+        }
+        if !hot.copies_of(pool) {
+            return refuse("hot rows are copies of another pool's rows");
+        }
+        if !hot.gpu().same_device(dst.gpu()) {
+            return refuse("hot rows must be on the destination's GPU");
         }
         let row_bytes = hot.row_bytes();
         self.gather_through(

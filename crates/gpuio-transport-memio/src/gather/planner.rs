@@ -307,6 +307,30 @@ mod tests {
         s
     }
 
+    /// Hot shapes never get the sorted path: not while the paths are tried, not as the
+    /// fastest (even where sorted calls of the same shape measured fastest), not as a
+    /// re-check.
+    #[test]
+    fn a_hot_shape_is_never_offered_the_sorted_path() {
+        let p = Planner::default();
+        let hot = ShapeKey { hot: true, ..KEY };
+        for _ in 0..300 {
+            let s = p.choose(hot);
+            assert_ne!(s, GatherStrategy::Sorted);
+            if s == GatherStrategy::Hybrid {
+                let share = p.gpu_share(hot);
+                p.balance(
+                    hot,
+                    share,
+                    Duration::from_millis(1),
+                    Duration::from_millis(1),
+                );
+            }
+            p.record(hot, s, 1000, 1.0);
+            p.record(hot, GatherStrategy::Sorted, 1000, 1e-6);
+        }
+    }
+
     #[test]
     fn the_median_of_three_ignores_one_outlier() {
         let mut r = Recent::default();
