@@ -344,15 +344,13 @@ impl CudaStreamBackend {
                 launch.arg(&hot_addr).arg(&hot_rows).arg(&index);
                 launch.arg(&mask).arg(&probes);
             }
+            // A hot gather reads only kept rows below `hot_rows` and index words under the
+            // mask of the index range's power-of-two length: both checked ranges.
             // SAFETY: the arguments match every row kernel's (pool, rows, row_bytes, idx, n,
-            // dense, err) signature, and a hot gather's (.., hot, hot_rows, index, mask,
-            // probes) after it. The kernel touches only pool rows below `pool_rows` (it
-            // checks each index), this piece's part of the checked idx and dense ranges, its
-            // report word, and (hot) kept rows below `hot_rows` and index words under the
-            // mask of the index range's power-of-two length, all checked ranges; the host pool
-            // is registered and valid until this call returns (caller's contract), this
-            // piece's indices were written (`stage`) before the launch, and we synchronize
-            // before returning.
+            // dense, err) signature (a hot gather's adds hot, hot_rows, index, mask, probes).
+            // It touches only checked pool rows, this piece's part of the checked idx and
+            // dense ranges and its report word; the pool stays registered (caller's contract),
+            // the piece's indices were staged first, and we synchronize before returning.
             unsafe { launch.launch(config(n)) }
                 .map_err(cuda_err("cuLaunchKernel(gpuio row kernel)"))?;
         }
