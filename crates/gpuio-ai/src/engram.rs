@@ -11,12 +11,15 @@
 //! Zipf-distributed, and a corpus's counts name the hot ones) keeps copies of them in device
 //! memory with [`EngramTable::keep_hot`]: lookups into that device then go through MemIO's
 //! gather through hot rows — its GPU side reads those rows there and only the others over the
-//! bus, in one kernel — and `store` re-copies the kept rows it writes. [`EngramTable::prefetch`] and [`EngramTable::store_async`]
-//! run a lookup or a write-back on a side thread (and its own stream), so a model gathers the
-//! next layer's rows or writes updated ones while it computes; [`EngramTable::similar`] scores
-//! every row against a query on the GPU (brute force) for similarity lookups. Repeated ids (Zipf-distributed n-grams repeat a lot) are
-//! not deduplicated on the host — sorting a prefill's 1.5 M ids costs more than the reads it
-//! saves: the device's cache serves a row read again, and the sorted path reads it once.
+//! bus, in one kernel — and `store` re-copies the kept rows it writes.
+//!
+//! [`EngramTable::prefetch`] and [`EngramTable::store_async`] run a lookup or a write-back on
+//! a side thread (and its own stream), so a model gathers the next layer's rows or writes
+//! updated ones while it computes; [`EngramTable::similar`] scores every row against a query
+//! on the GPU (brute force) for similarity lookups. Repeated ids (Zipf-distributed n-grams
+//! repeat a lot) are not deduplicated on the host — sorting a prefill's 1.5 M ids costs more
+//! than the reads it saves: the device's cache serves a row read again, and the sorted path
+//! reads it once.
 
 mod hot;
 
@@ -186,8 +189,8 @@ impl EngramTable {
     /// kept before: lookups into that device read them there, and only the other rows over
     /// the bus (one kernel). Pick the rows read most (a corpus's most frequent n-grams);
     /// 2^23 - 1 at most ([`gpuio_hal::HOT_MAX_ROWS`]), taking their bytes plus 32 to 64 bytes
-    /// each (the index) of device memory. Ids past the table are refused, keeping what was kept.
-    /// Waits for lookups and stores under way.
+    /// each (the index) of device memory. Ids past the table are refused, keeping what was
+    /// kept. Waits for lookups and stores under way.
     pub fn keep_hot(&self, session: &Session, gpu: u32, ids: &[u64]) -> Result<HotTierStats> {
         self.check_ids(ids)?;
         let mut hot = self.hot.write().unwrap_or_else(PoisonError::into_inner);
@@ -318,10 +321,10 @@ impl EngramTable {
     }
 
     /// The `k` rows most similar to `query` (the largest dot products), best first (ties to
-    /// the lower row, NaN scores never), with their scores. Brute force: the GPU of `gpu` reads every row of the table over the bus
-    /// (nothing copied first) and scores it, and the top `k` are chosen on the host from the
-    /// scores; on the host backend the CPU scores the rows. The query has one value per row
-    /// value ([`RowValues`]).
+    /// the lower row, NaN scores never), with their scores. Brute force: the GPU of `gpu`
+    /// reads every row of the table over the bus (nothing copied first) and scores it, and
+    /// the top `k` are chosen on the host from the scores; on the host backend the CPU scores
+    /// the rows. The query has one value per row value ([`RowValues`]).
     pub fn similar(
         &self,
         session: &Session,
