@@ -332,6 +332,12 @@ pub enum HalError {
         /// What happened.
         reason: String,
     },
+    /// No NVMe controller at a PCI address (no device there, or one of another class).
+    #[error("NVMe controller: no NVMe controller at PCI address {address}")]
+    NoSuchNvmeController {
+        /// The address, `0000:00:04.0`.
+        address: String,
+    },
     /// A transient shortage (the staging pool has no room now); trying again later may
     /// succeed.
     #[error("busy: {0}")]
@@ -359,7 +365,9 @@ impl HalError {
             | Self::LengthMismatch { .. }
             | Self::InvalidArgument(_)
             | Self::WrongDevice { .. } => ErrorCode::InvalidArg,
-            Self::NoSuchNumaNode { .. } | Self::NoSuchDevice { .. } => ErrorCode::NotFound,
+            Self::NoSuchNumaNode { .. }
+            | Self::NoSuchDevice { .. }
+            | Self::NoSuchNvmeController { .. } => ErrorCode::NotFound,
             Self::OutOfMemory { .. } | Self::HostMemoryExceeded { .. } => ErrorCode::NoMem,
             Self::RingShutDown => ErrorCode::Canceled,
             Self::RingRequest { code } | Self::OnDemand { code } => {

@@ -14,8 +14,8 @@ pub fn open(address: &str, options: ControllerOptions) -> Result<Controller> {
     let found = pci_controllers()
         .into_iter()
         .find(|c| c.address == address)
-        .ok_or_else(|| HalError::NvmeController {
-            reason: format!("no NVMe controller at PCI address {address}"),
+        .ok_or_else(|| HalError::NoSuchNvmeController {
+            address: address.clone(),
         })?;
     match found.driver.as_deref() {
         Some("vfio-pci") => open_vfio(&address, options),
@@ -44,9 +44,15 @@ fn open_vfio(address: &str, _: ControllerOptions) -> Result<Controller> {
     })
 }
 
-/// `0000:00:04.0` from `00:04.0` or `0000:00:04.0`; anything else is refused.
+/// `0000:00:04.0` from `00:04.0` or `0000:00:04.0`; anything else is refused, and so is a
+/// device above 0x1f or a function above 7 (PCI has no such slots).
 pub fn full_address(address: &str) -> Result<String> {
-    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    // Fixed widths keep the domain within 0xffff and the bus within 0xff.
+    let hex = |s: &str, n: usize, max: u32| {
+        s.len() == n
+            && s.bytes().all(|b| b.is_ascii_hexdigit())
+            && u32::from_str_radix(s, 16).is_ok_and(|v| v <= max)
+    };
     let parts: Vec<&str> = address.split([':', '.']).collect();
     let full = match parts.as_slice() {
         [bus, dev, func] => format!("0000:{bus}:{dev}.{func}"),
@@ -55,12 +61,16 @@ pub fn full_address(address: &str) -> Result<String> {
     };
     match full.split([':', '.']).collect::<Vec<_>>().as_slice() {
         [domain, bus, dev, func]
-            if hex(domain, 4) && hex(bus, 2) && hex(dev, 2) && hex(func, 1) =>
+            if hex(domain, 4, 0xffff)
+                && hex(bus, 2, 0xff)
+                && hex(dev, 2, 0x1f)
+                && hex(func, 1, 7) =>
         {
             Ok(full.to_ascii_lowercase())
         }
         _ => Err(HalError::InvalidArgument(format!(
-            "{address:?} is not a PCI address (domain:bus:device.function, e.g. 0000:00:04.0)"
+            "{address:?} is not a PCI address (domain:bus:device.function, e.g. 0000:00:04.0, \
+             device at most 1f, function at most 7)"
         ))),
     }
 }
@@ -93,6 +103,7 @@ mod tests {
     fn addresses_are_completed_and_checked() {
         assert_eq!(full_address("00:04.0").unwrap(), "0000:00:04.0");
         assert_eq!(full_address("0000:3B:00.1").unwrap(), "0000:3b:00.1");
+        assert_eq!(full_address("FFFF:FF:1F.7").unwrap(), "ffff:ff:1f.7");
         for bad in [
             "",
             "04.0",
@@ -101,6 +112,10 @@ mod tests {
             "zz:04.0",
             "0000:00:004.0",
             "../x",
+            "0000:00:04.8",
+            "00:04.f",
+            "0000:00:20.0",
+            "00:ff.0",
         ] {
             assert!(full_address(bad).is_err(), "{bad}");
         }
@@ -110,8 +125,10 @@ mod tests {
     fn a_controller_that_is_not_there_is_named() {
         let e = open("ffff:ff:1f.7", ControllerOptions::default())
             .err()
-            .unwrap()
-            .to_string();
+            .unwrap();
+        // Not there is NOT_FOUND, as for a missing file: nothing failed doing IO.
+        assert_eq!(e.code(), crate::error::ErrorCode::NotFound, "{e}");
+        let e = e.to_string();
         assert!(
             e.contains("no NVMe controller at PCI address ffff:ff:1f.7"),
             "{e}"
