@@ -391,8 +391,10 @@ impl<'a> Parser<'a> {
             )
         })?;
         let segment = path.trim_start_matches('/');
+        // Digits only: `u32::from_str` also takes a leading `+`.
+        let digits = !segment.is_empty() && segment.bytes().all(|b| b.is_ascii_digit());
         let nsid = match segment.parse::<u32>() {
-            Ok(n) if n > 0 && n != u32::MAX => n,
+            Ok(n) if digits && n > 0 && n != u32::MAX => n,
             _ => {
                 return Err(self.err(
                     at + authority.len(),

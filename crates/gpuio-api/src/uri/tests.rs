@@ -226,7 +226,7 @@ fn any_uri() -> impl Strategy<Value = Uri> {
         (0u32..64).prop_map(Uri::Gpu),
         proptest::option::of(0u32..8).prop_map(|numa| Uri::Dram { numa }),
         ("[a-z][a-z0-9_]{0,8}", 0u32..4).prop_map(|(pool, device)| Uri::Cxl { pool, device }),
-        ("[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\\.[0-7]", 1u32..1024)
+        ("[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\\.[0-7]", 1u32..1024)
             .prop_map(|(address, nsid)| Uri::Nvme { address, nsid }),
         (
             "(/[a-zA-Z0-9 ._%?#-]{1,12}){1,3}",
@@ -270,6 +270,10 @@ fn nvme_namespaces_parse_and_bad_ones_are_pointed_at() {
     assert_eq!(ok("nvme://3B:00.1/2"), want("0000:3b:00.1", 2));
     assert_eq!(ok("gpuio://nvme/00:04.0/1"), want("0000:00:04.0", 1));
     assert_eq!(
+        ok("nvme://ffff:ff:1f.7/4294967294"),
+        want("ffff:ff:1f.7", 0xFFFF_FFFE)
+    );
+    assert_eq!(
         ok("nvme://0000:00:04.0/1").to_string(),
         "nvme://0000:00:04.0/1"
     );
@@ -280,6 +284,14 @@ fn nvme_namespaces_parse_and_bad_ones_are_pointed_at() {
         ("nvme://0000:00:04.0/0", 19),
         ("nvme://0000:00:04.0/x", 19),
         ("nvme://0000:00:04.0/1/2", 19),
+        ("nvme://0000:00:04.0/+1", 19),
+        ("nvme://0000:00:04.0/-1", 19),
+        ("nvme://0000:00:04.0/4294967295", 19),
+        ("nvme://0000:00:04.0/4294967296", 19),
+        // PCI has 32 devices of 8 functions a bus.
+        ("nvme://0000:00:04.8/1", 7),
+        ("nvme://0000:00:20.0/1", 7),
+        ("nvme://00:ff.7/1", 7),
     ] {
         let (position, problem) = problem(bad);
         assert!(
