@@ -67,6 +67,8 @@ impl OpenOptions {
 #[derive(Debug, Clone)]
 pub struct FileHandle {
     inner: Arc<FileInner>,
+    /// What errors call it, where that is not its path ([`FileHandle::with_name`]).
+    name: Option<Arc<Path>>,
 }
 
 #[derive(Debug)]
@@ -158,7 +160,7 @@ impl FileHandle {
     /// would block, never end, or end empty), then takes O_NONBLOCK off the rest.
     fn check_sizable(&self) -> Result<()> {
         let unsized_as = |kind: &str| LocalIoError::Unsized {
-            path: self.inner.path.clone(),
+            path: self.name().to_path_buf(),
             kind: kind.into(),
         };
         let file = self.os_file()?;
@@ -206,6 +208,7 @@ impl FileHandle {
     ) -> Self {
         let alignment = gpuio_hal::file::direct_io_alignment(&file);
         Self {
+            name: None,
             inner: Arc::new(FileInner {
                 path,
                 writable,
@@ -225,6 +228,7 @@ impl FileHandle {
     /// [`LocalIoError::NoSpace`]; `sync_data` is an NVMe FLUSH.
     pub fn nvme(device: NvmeDevice, writable: bool) -> Self {
         Self {
+            name: None,
             inner: Arc::new(FileInner {
                 path: device.name().into(),
                 writable,
@@ -258,7 +262,7 @@ impl FileHandle {
         self.os().ok_or_else(|| {
             LocalIoError::Hal(gpuio_hal::HalError::Unsupported {
                 what: "this operation on an NVMe namespace gpuio's driver serves",
-                reason: format!("{} has no kernel file under it", self.inner.path.display()),
+                reason: format!("{} has no kernel file under it", self.name().display()),
             })
         })
     }
@@ -266,6 +270,21 @@ impl FileHandle {
     /// The path it was opened with.
     pub fn path(&self) -> &Path {
         &self.inner.path
+    }
+
+    /// The same file, called `name` in its errors instead of by its path: a file written
+    /// under a temporary name is reported as the destination the user named.
+    pub fn with_name(self, name: impl Into<PathBuf>) -> Self {
+        Self {
+            name: Some(name.into().into()),
+            ..self
+        }
+    }
+
+    /// What its errors call it: the name given with [`with_name`](Self::with_name), else its
+    /// path.
+    pub fn name(&self) -> &Path {
+        self.name.as_deref().unwrap_or(&self.inner.path)
     }
 
     /// Whether it was opened with O_DIRECT.
@@ -405,7 +424,7 @@ impl FileHandle {
     pub(crate) fn io(&self, op: &'static str, offset: u64, source: std::io::Error) -> LocalIoError {
         LocalIoError::Io {
             op,
-            path: self.inner.path.clone(),
+            path: self.name().to_path_buf(),
             offset,
             source,
         }
@@ -413,7 +432,7 @@ impl FileHandle {
 
     pub(crate) fn eof(&self, offset: u64, wanted: usize, got: usize) -> LocalIoError {
         LocalIoError::UnexpectedEof {
-            path: self.inner.path.clone(),
+            path: self.name().to_path_buf(),
             offset,
             wanted,
             got,
@@ -422,7 +441,7 @@ impl FileHandle {
 
     pub(crate) fn no_space(&self, offset: u64, wanted: usize, written: usize) -> LocalIoError {
         LocalIoError::NoSpace {
-            path: self.inner.path.clone(),
+            path: self.name().to_path_buf(),
             offset,
             wanted,
             written,
@@ -433,7 +452,7 @@ impl FileHandle {
         if self.inner.writable {
             Ok(())
         } else {
-            Err(LocalIoError::ReadOnly(self.inner.path.clone()))
+            Err(LocalIoError::ReadOnly(self.name().to_path_buf()))
         }
     }
 
@@ -642,5 +661,28 @@ mod tests {
         if let Some(flags) = status_flags(&h) {
             assert_eq!(flags & libc::O_NONBLOCK, 0, "flags {flags:o}");
         }
+    }
+
+    #[test]
+    fn a_named_handle_is_called_by_its_name_in_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(".dest.AbC123.tmp");
+        std::fs::write(&path, b"data").unwrap();
+        let h = FileHandle::open(&path, OpenOptions::READ)
+            .unwrap()
+            .with_name("dest");
+        assert_eq!(h.path(), path);
+        assert_eq!(h.name(), Path::new("dest"));
+        let clone = h.clone();
+        let eof = clone.read_exact_at(2, &mut [0; 8]).unwrap_err();
+        assert!(
+            matches!(&eof, LocalIoError::UnexpectedEof { path, .. } if path == Path::new("dest")),
+            "{eof:?}"
+        );
+        let ro = h.write_all_at(0, b"x").unwrap_err();
+        assert!(
+            matches!(&ro, LocalIoError::ReadOnly(p) if p == Path::new("dest")),
+            "{ro:?}"
+        );
     }
 }
