@@ -23,6 +23,67 @@ pub const SUITE: &str = "memio";
 
 const ROTATE_BYTES: usize = 512 << 20;
 
+/// How many buffers of `size` the inputs rotate among.
+fn rotation(size: usize) -> usize {
+    ROTATE_BYTES.div_ceil(size).clamp(1, 8)
+}
+
+/// Host memory the buffers of one size hold at once, in bytes: `(pinned, total)`. The inputs
+/// rotate among as many pinned as pageable buffers; on the host backend the two "device"
+/// buffers are host memory too.
+pub fn host_bytes(size: usize, backend: Backend) -> (u64, u64) {
+    let size = size as u64;
+    let pinned = size.saturating_mul(rotation(size as usize) as u64);
+    let device = match backend {
+        Backend::Host => size.saturating_mul(2),
+        Backend::Cuda => 0,
+    };
+    (pinned, pinned.saturating_mul(2).saturating_add(device))
+}
+
+/// Refuses `sizes` where one size's buffers together need more host memory than the machine
+/// can back: `room` (memory and swap) for all of them, `pinned_room` (memory alone: pinned
+/// pages cannot be swapped out) for the pinned ones; `None` where unknown. Checked before
+/// anything is allocated, since each buffer alone may fit where their sum does not. Each
+/// size's buffers are freed before the next size's are made, so sizes do not add up.
+pub fn check_host_memory(
+    sizes: &[usize],
+    backend: Backend,
+    room: Option<u64>,
+    pinned_room: Option<u64>,
+) -> Result<()> {
+    for &size in sizes {
+        let (pinned, total) = host_bytes(size, backend);
+        let short = [
+            (total, room, "memory and swap"),
+            (pinned, pinned_room, "memory alone, for pinned buffers"),
+        ]
+        .into_iter()
+        .find(|&(need, have, _)| have.is_some_and(|have| need > have));
+        if let Some((need, have, what)) = short {
+            let k = rotation(size);
+            let device = if backend == Backend::Host {
+                ", and its 2 device buffers in host memory"
+            } else {
+                ""
+            };
+            return Err(gpuio_api::Error::Core(gpuio_core::CoreError::Failed {
+                code: gpuio_core::ErrorCode::NoMem,
+                message: format!(
+                    "out of memory: memio at {} needs {need} bytes of host memory at once \
+                     ({k} pinned and {k} pageable input buffers{device}), but this machine can \
+                     back about {} bytes now ({what}); nothing was allocated: choose smaller \
+                     --sizes",
+                    human(size),
+                    have.unwrap_or(0),
+                ),
+            })
+            .into());
+        }
+    }
+    Ok(())
+}
+
 fn fill_par(buf: &mut [u8], seed: u64) {
     const PIECE: usize = 1 << 20;
     buf.par_chunks_mut(PIECE)
@@ -58,6 +119,12 @@ pub fn run(
     let gpu = session.gpu(0)?.clone();
     let memio = session.memio();
     let backend = gpu.backend();
+    check_host_memory(
+        sizes,
+        backend,
+        gpuio_hal::memory::backing::backable_bytes(true),
+        gpuio_hal::memory::backing::backable_bytes(false),
+    )?;
     let peer = match backend {
         Backend::Cuda => "cudaMemcpy",
         Backend::Host => "memcpy",
@@ -68,7 +135,7 @@ pub fn run(
     let mut extra = Vec::new();
 
     for &size in sizes {
-        let k = ROTATE_BYTES.div_ceil(size).clamp(1, 8);
+        let k = rotation(size);
         let dev_a = gpu.alloc(size)?;
         let dev_b = gpu.alloc(size)?;
         let mut pinned = (0..k)
@@ -305,4 +372,39 @@ pub fn targets(records: &[Record]) -> Vec<Target> {
             "x",
         ),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--sizes 2G` on the host backend holds 8 GiB at once (one pinned and one pageable
+    /// input, two device buffers): refused where 6 GiB can be backed although each 2 GiB
+    /// buffer alone fits, and the error names what is needed and what is there.
+    #[test]
+    fn the_sum_of_a_sizes_buffers_is_checked_not_each_buffer() {
+        let gib = 1u64 << 30;
+        assert_eq!(host_bytes(2 << 30, Backend::Host), (2 * gib, 8 * gib));
+        assert_eq!(host_bytes(2 << 30, Backend::Cuda), (2 * gib, 4 * gib));
+        // Small sizes rotate among 8 buffers of each kind.
+        assert_eq!(host_bytes(1 << 20, Backend::Cuda), (8 << 20, 16 << 20));
+
+        let err =
+            check_host_memory(&[1 << 20, 2 << 30], Backend::Host, Some(6 * gib), None).unwrap_err();
+        let shown = err.to_string();
+        assert!(
+            shown.contains("needs 8589934592 bytes") && shown.contains("about 6442450944 bytes"),
+            "{shown}"
+        );
+        match err {
+            crate::BenchError::Gpuio(e) => assert_eq!(e.code(), gpuio_core::ErrorCode::NoMem),
+            other => panic!("{other}"),
+        }
+        assert!(check_host_memory(&[2 << 30], Backend::Host, Some(8 * gib), None).is_ok());
+        // Pinned buffers cannot be swapped: memory alone must hold them.
+        let err = check_host_memory(&[2 << 30], Backend::Cuda, Some(8 * gib), Some(gib));
+        assert!(err.unwrap_err().to_string().contains("pinned"));
+        // Unknown room: nothing to check against.
+        assert!(check_host_memory(&[usize::MAX], Backend::Host, None, None).is_ok());
+    }
 }

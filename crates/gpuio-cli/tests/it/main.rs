@@ -7,6 +7,7 @@
 mod common;
 
 mod agent;
+mod bench_memory;
 mod cache;
 mod cli;
 mod cp_faults;
