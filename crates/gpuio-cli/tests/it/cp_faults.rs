@@ -1,8 +1,9 @@
 //! `gpuio cp` and `gpuio agent` where the machine or the user gets in the way: copies
 //! interrupted by signals (no partial file may stay behind, except what SIGKILL leaves, which
 //! the next copy removes), sizes the host cannot back (a typed out-of-memory error before any
-//! page is touched, never the OOM killer), and agent exports whose files are missing or are
-//! directories (typed errors, not network ones).
+//! page is touched, never the OOM killer), agent exports whose files are missing or are
+//! directories (typed errors, not network ones), and copies racing to one destination (each
+//! commits; none takes another's partial file for abandoned).
 
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
@@ -170,5 +171,64 @@ fn missing_or_directory_export_files_are_typed_errors() {
             stderr(&o)
         );
         assert!(stderr(&o).contains("export \"f\""), "{}", stderr(&o));
+    }
+}
+
+/// Names in `dir` that a copy writes before it commits.
+fn leftovers(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".gpuio-partial") || n.ends_with(".gpuio-creating"))
+        .collect()
+}
+
+/// Issue 40: some of many copies to one destination failed (rename: ENOENT) when another
+/// copy's cleanup removed their partial file in the instant before it was locked.
+#[test]
+fn concurrent_copies_to_one_destination_all_succeed() {
+    const PROCESSES: usize = 8;
+    const ROUNDS: usize = 25;
+    let dir = tempfile::tempdir().unwrap();
+    let sources: Vec<(std::path::PathBuf, Vec<u8>)> = (0..PROCESSES)
+        .map(|i| {
+            let path = dir.path().join(format!("src{i}"));
+            let bytes: Vec<u8> = (0..256 << 10).map(|b| (b % 251) as u8 ^ i as u8).collect();
+            std::fs::write(&path, &bytes).unwrap();
+            (path, bytes)
+        })
+        .collect();
+    let out = dir.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    let dst = out.join("dest");
+    for round in 0..ROUNDS {
+        let copies: Vec<_> = sources
+            .iter()
+            .map(|(src, _)| {
+                Command::new(bin())
+                    .args(["cp", "-q"])
+                    .arg(src)
+                    .arg(&dst)
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for (i, c) in copies.into_iter().enumerate() {
+            let o = c.wait_with_output().unwrap();
+            assert!(
+                o.status.success(),
+                "round {round}, copy {i}: {}",
+                stderr(&o)
+            );
+        }
+        let got = std::fs::read(&dst).unwrap();
+        assert!(
+            sources.iter().any(|(_, bytes)| *bytes == got),
+            "round {round}: the destination is none of the sources ({} bytes)",
+            got.len()
+        );
+        assert!(leftovers(&out).is_empty(), "{:?}", leftovers(&out));
     }
 }

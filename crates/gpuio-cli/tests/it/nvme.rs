@@ -41,6 +41,8 @@ fn nvme_uris_without_a_controller_fail_with_the_reason() {
         "{}",
         text(&o)
     );
+    // Nothing is there: NOT_FOUND, not an IO error.
+    assert!(text(&o).contains("[GPUIO_ERROR_NOT_FOUND]"), "{}", text(&o));
     let o = cp(&["-q", src, "nvme://not-an-address/1"]);
     assert!(!o.status.success());
     assert!(text(&o).contains("a PCI address"), "{}", text(&o));
