@@ -4,6 +4,7 @@
 pub mod agent;
 pub mod auth;
 pub mod connection;
+pub mod files;
 pub mod peer;
 #[cfg(feature = "rdma")]
 pub mod rdma;

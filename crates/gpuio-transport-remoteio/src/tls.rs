@@ -26,8 +26,17 @@ fn certificates(pem: &[u8], what: &str) -> Result<Vec<CertificateDer<'static>>> 
     Ok(certs)
 }
 
-fn read(path: &Path, what: &str) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| tls_error(what, format!("{}: {e}", path.display())))
+/// The largest certificate or CA file taken, in bytes: system CA bundles are a few hundred KiB.
+pub const MAX_CERT_FILE_BYTES: u64 = 4 << 20;
+
+/// The largest private key file taken, in bytes (an 8192-bit RSA key is under 7 KiB of PEM).
+pub const MAX_KEY_FILE_BYTES: u64 = 64 << 10;
+
+/// A PEM file, read only if it is a small regular file (a FIFO would hang the reader, a device
+/// such as `/dev/zero` fill its memory); private keys only if private to their owner.
+fn read(path: &Path, what: &str, kind: &str, cap: u64, private: bool) -> Result<Vec<u8>> {
+    crate::files::read_small_file(path, cap, kind, private)
+        .map_err(|e| tls_error(what, format!("{}: {e}", path.display())))
 }
 
 /// The agent's side: its certificate chain and private key.
@@ -58,11 +67,24 @@ impl TlsServer {
         })
     }
 
-    /// From PEM files.
+    /// From PEM files: regular files of at most [`MAX_CERT_FILE_BYTES`] and
+    /// [`MAX_KEY_FILE_BYTES`], the key readable and writable by its owner only (mode 0600).
     pub fn from_pem_files(cert_chain: &Path, key: &Path) -> Result<Self> {
         Self::from_pem(
-            &read(cert_chain, "certificate chain")?,
-            &read(key, "private key")?,
+            &read(
+                cert_chain,
+                "certificate chain",
+                "TLS certificate files",
+                MAX_CERT_FILE_BYTES,
+                false,
+            )?,
+            &read(
+                key,
+                "private key",
+                "TLS private keys",
+                MAX_KEY_FILE_BYTES,
+                true,
+            )?,
         )
     }
 }
@@ -98,9 +120,16 @@ impl TlsClient {
         })
     }
 
-    /// Trusting the CA certificates in this PEM file.
+    /// Trusting the CA certificates in this PEM file, a regular file of at most
+    /// [`MAX_CERT_FILE_BYTES`].
     pub fn from_ca_pem_file(ca: &Path) -> Result<Self> {
-        Self::from_ca_pem(&read(ca, "CA certificates")?)
+        Self::from_ca_pem(&read(
+            ca,
+            "CA certificates",
+            "TLS CA files",
+            MAX_CERT_FILE_BYTES,
+            false,
+        )?)
     }
 
     /// A client session for the agent named `name` (a DNS name or an IP address, as its
