@@ -3,15 +3,25 @@
 //! throughput, latency quantiles, queue depth, in-flight bytes, errors, deadline misses,
 //! cache and registration hit rates, and the pinned staging pool (its `memory_pool_size`
 //! limit, bytes held, in use and at the high-water mark, waits and failures).
+//!
+//! The endpoint is not trusted: a scrape has one deadline for connecting, asking and the
+//! whole response, the response is read up to [`MAX_RESPONSE`] bytes, the summary's work is
+//! linear in the samples, and whatever text of the endpoint's is printed is escaped.
 
 use gpuio_api::Error;
-use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use gpuio_core::{CoreError, ErrorCode};
+use std::collections::HashMap;
+use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Where `--metrics-addr` listens when given no address, and where `stat` looks.
 pub const DEFAULT_ADDR: &str = "127.0.0.1:9464";
+
+/// The most bytes a scrape reads (status line, headers and body). gpuio's endpoint serves
+/// kilobytes; an endpoint sending more than this is not one, and reading on would only grow
+/// memory.
+pub const MAX_RESPONSE: usize = 32 << 20;
 
 /// Installs the Prometheus exporter on `addr` (the listener runs on its own thread).
 pub fn serve(addr: SocketAddr) -> Result<(), Error> {
@@ -37,23 +47,87 @@ pub struct StatArgs {
     /// Print the raw exposition text instead of the summary.
     #[arg(long)]
     raw: bool,
+    /// Give up on a scrape (connecting, asking and reading the whole response) after SECS
+    /// seconds.
+    #[arg(long, value_name = "SECS", default_value = "10", value_parser = crate::parse_seconds,
+          allow_negative_numbers = true)]
+    timeout: Duration,
 }
 
-/// One sample: metric name, labels, value.
-type Samples = Vec<(String, BTreeMap<String, String>, f64)>;
+/// An error with its own code (a timeout, a refused connection), naming the endpoint.
+fn failed(code: ErrorCode, addr: SocketAddr, what: impl std::fmt::Display) -> Error {
+    Error::Core(CoreError::Failed {
+        code,
+        message: format!("reading metrics from {addr}: {what}"),
+    })
+}
 
-fn scrape(addr: SocketAddr) -> Result<String, Error> {
-    let fail = |e: std::io::Error| Error::Invalid(format!("reading metrics from {addr}: {e}"));
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(fail)?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))
-        .map_err(fail)?;
+/// Reads the exposition text of the endpoint at `addr`, all of it within `timeout`.
+fn scrape(addr: SocketAddr, timeout: Duration) -> Result<String, Error> {
+    let deadline = Instant::now() + timeout;
+    let late = || {
+        failed(
+            ErrorCode::Timeout,
+            addr,
+            format_args!("no whole response within {timeout:?}"),
+        )
+    };
+    // A socket timeout reads as WouldBlock (EAGAIN), which would otherwise map to BUSY.
+    let io = |e: std::io::Error| match e.kind() {
+        ErrorKind::TimedOut | ErrorKind::WouldBlock => late(),
+        _ => failed(ErrorCode::from_io(&e), addr, e),
+    };
+    // What is left of the deadline; every blocking call waits at most that long.
+    let left = || {
+        deadline
+            .checked_duration_since(Instant::now())
+            .filter(|d| !d.is_zero())
+            .ok_or_else(late)
+    };
+    let mut s = TcpStream::connect_timeout(&addr, left()?).map_err(io)?;
+    s.set_write_timeout(Some(left()?)).map_err(io)?;
     write!(
         s,
         "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
     )
-    .map_err(fail)?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).map_err(fail)?;
+    .map_err(io)?;
+    let mut response = Vec::new();
+    let mut chunk = vec![0u8; 64 << 10];
+    // Where the body starts and how long it is, once the head has been read.
+    let mut body: Option<(usize, Option<usize>)> = None;
+    loop {
+        s.set_read_timeout(Some(left()?)).map_err(io)?;
+        let n = match s.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(io(e)),
+        };
+        if response.len() + n > MAX_RESPONSE {
+            return Err(Error::Invalid(format!(
+                "reading metrics from {addr}: the response is larger than {} MiB, the most \
+                 stat reads",
+                MAX_RESPONSE >> 20
+            )));
+        }
+        // Only the bytes new since the last search (and 3 before) can complete the head.
+        let from = response.len().saturating_sub(3);
+        response.extend_from_slice(&chunk[..n]);
+        if body.is_none()
+            && let Some(i) = response[from..].windows(4).position(|w| w == b"\r\n\r\n")
+        {
+            let start = from + i + 4;
+            body = Some((start, content_length(&response[..start])));
+        }
+        // A server that keeps the connection open after a sized body is done here.
+        if let Some((start, Some(len))) = body
+            && response.len() - start >= len
+        {
+            response.truncate(start + len);
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&response);
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
         let status = head.lines().next().unwrap_or("no response");
@@ -62,44 +136,122 @@ fn scrape(addr: SocketAddr) -> Result<String, Error> {
     Ok(body.to_string())
 }
 
-/// Parses the Prometheus text format (the subset the exporter writes).
-fn parse(text: &str) -> Samples {
-    text.lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-        .filter_map(|l| {
-            let (series, value) = l.rsplit_once(' ')?;
-            let value: f64 = value.parse().ok()?;
-            let (name, labels) = match series.split_once('{') {
-                Some((n, rest)) => (n, rest.trim_end_matches('}')),
-                None => (series, ""),
-            };
-            let labels = labels
-                .split(',')
-                .filter_map(|kv| {
-                    let (k, v) = kv.split_once('=')?;
-                    Some((k.to_string(), v.trim_matches('"').to_string()))
-                })
-                .collect();
-            Some((name.to_string(), labels, value))
-        })
-        .collect()
+/// The `Content-Length` of a response head, if it gives one.
+fn content_length(head: &[u8]) -> Option<usize> {
+    String::from_utf8_lossy(head).lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim()
+            .eq_ignore_ascii_case("content-length")
+            .then(|| v.trim().parse().ok())?
+    })
 }
 
-fn sum(s: &Samples, name: &str, filter: &[(&str, &str)]) -> f64 {
-    s.iter()
-        .filter(|(n, l, _)| {
-            n == name
-                && filter
-                    .iter()
-                    .all(|(k, v)| l.get(*k).is_some_and(|x| x == v))
-        })
-        .map(|(_, _, v)| v)
+/// Samples by metric name: each one's label text (between the braces, as written) and
+/// value. Borrowed from the exposition text, so a sample costs a few words.
+type Samples<'a> = HashMap<&'a str, Vec<(&'a str, f64)>>;
+
+/// Parses the Prometheus text format (the subset the exporter writes), keeping gpuio's
+/// metrics only (the summary reads nothing else).
+fn parse(text: &str) -> Samples<'_> {
+    let mut out: Samples<'_> = HashMap::new();
+    for l in text.lines() {
+        if l.starts_with('#') {
+            continue;
+        }
+        let Some((series, value)) = l.rsplit_once(' ') else {
+            continue;
+        };
+        let Ok(value) = value.parse::<f64>() else {
+            continue;
+        };
+        let (name, labels) = match series.split_once('{') {
+            Some((n, rest)) => (n, rest.strip_suffix('}').unwrap_or(rest)),
+            None => (series, ""),
+        };
+        if name.starts_with("gpuio_") {
+            out.entry(name).or_default().push((labels, value));
+        }
+    }
+    out
+}
+
+/// The value of label `key` in `labels` (the text between a sample's braces), as written
+/// there (escapes kept).
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    let mut rest = labels;
+    loop {
+        let (k, after) = rest.split_once('=')?;
+        let after = after.strip_prefix('"')?;
+        // The value ends at the first quote no backslash escapes.
+        let mut escaped = false;
+        let end = after.char_indices().find_map(|(i, c)| {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => return Some(i),
+                _ => {}
+            }
+            None
+        })?;
+        if k.trim() == key {
+            return Some(&after[..end]);
+        }
+        rest = after[end + 1..].trim_start_matches([',', ' ']);
+        if rest.is_empty() {
+            return None;
+        }
+    }
+}
+
+fn sum(s: &Samples<'_>, name: &str, filter: &[(&str, &str)]) -> f64 {
+    s.get(name)
+        .map_or(&[][..], Vec::as_slice)
+        .iter()
+        .filter(|(l, _)| filter.iter().all(|(k, v)| label(l, k) == Some(*v)))
+        .map(|(_, v)| v)
         .sum::<f64>()
         // An empty sum of f64 is -0.0, which prints as "-0".
         + 0.0
 }
 
-fn summary(s: &Samples, prev: Option<(&Samples, f64)>) -> String {
+/// `engine`'s latency classes in the order they first appear, each with its p50 and p99 (in
+/// seconds) and its count: one pass over the latency samples, however many classes there are.
+fn latencies<'a>(s: &Samples<'a>, engine: &str) -> Vec<(&'a str, [f64; 3])> {
+    use gpuio_core::metrics as m;
+    let mut order: Vec<(&'a str, [f64; 3])> = Vec::new();
+    let mut index: HashMap<&'a str, usize> = HashMap::new();
+    let quantiles = s.get(m::LATENCY).map_or(&[][..], Vec::as_slice);
+    for (l, v) in quantiles {
+        if label(l, "engine") != Some(engine) {
+            continue;
+        }
+        let Some(class) = label(l, "class") else {
+            continue;
+        };
+        let i = *index.entry(class).or_insert_with(|| {
+            order.push((class, [0.0; 3]));
+            order.len() - 1
+        });
+        match label(l, "quantile") {
+            Some("0.5") => order[i].1[0] += v,
+            Some("0.99") => order[i].1[1] += v,
+            _ => {}
+        }
+    }
+    let counts = s
+        .get(format!("{}_count", m::LATENCY).as_str())
+        .map_or(&[][..], Vec::as_slice);
+    for (l, v) in counts {
+        if label(l, "engine") == Some(engine)
+            && let Some(&i) = label(l, "class").and_then(|c| index.get(c))
+        {
+            order[i].1[2] += v;
+        }
+    }
+    order
+}
+
+fn summary(s: &Samples<'_>, prev: Option<(&Samples<'_>, f64)>) -> String {
     use gpuio_core::metrics as m;
     let mut out = String::new();
     let rate = |name: &str, f: &[(&str, &str)]| {
@@ -136,30 +288,14 @@ fn summary(s: &Samples, prev: Option<(&Samples, f64)>) -> String {
             let q = rate(m::REQUESTS_SUBMITTED, &e).unwrap_or(0.0);
             out += &format!("          now: {:.3} GB/s, {q:.0} requests/s\n", r / 1e9);
         }
-        let mut classes: Vec<&String> = s
-            .iter()
-            .filter(|(n, l, _)| n == m::LATENCY && l.get("engine").is_some_and(|x| x == engine))
-            .filter_map(|(_, l, _)| l.get("class"))
-            .collect();
-        classes.dedup();
-        for class in classes {
-            let q = |quantile: &str| {
-                sum(
-                    s,
-                    m::LATENCY,
-                    &[("engine", engine), ("class", class), ("quantile", quantile)],
-                ) * 1e6
-            };
-            let n = sum(
-                s,
-                &format!("{}_count", m::LATENCY),
-                &[("engine", engine), ("class", class)],
-            );
+        for (class, [p50, p99, n]) in latencies(s, engine) {
             if n > 0.0 {
+                // The class is the endpoint's text: shown escaped, never as terminal input.
+                let class = gpuio_api::escape(class);
                 out += &format!(
                     "          {class:<20} latency p50 {:>9.1} us  p99 {:>9.1} us  ({n:.0})\n",
-                    q("0.5"),
-                    q("0.99")
+                    p50 * 1e6,
+                    p99 * 1e6
                 );
             }
         }
@@ -208,7 +344,7 @@ fn summary(s: &Samples, prev: Option<(&Samples, f64)>) -> String {
 
 /// The page cache registrations kept for hot files: what they pin against their limit
 /// (`page_cache_keep`), and how reads fared. Empty where none were reported.
-fn page_cache_summary(s: &Samples) -> String {
+fn page_cache_summary(s: &Samples<'_>) -> String {
     use gpuio_core::metrics as m;
     let limit = sum(s, m::PAGE_CACHE_LIMIT_BYTES, &[]);
     if limit <= 0.0 {
@@ -229,7 +365,7 @@ fn page_cache_summary(s: &Samples) -> String {
 
 /// The staging pool's lines: its limit (`memory_pool_size`), what it holds, what the lanes
 /// have of it, its high-water mark, and how requests fared. Empty where no pool reports.
-fn pool_summary(s: &Samples) -> String {
+fn pool_summary(s: &Samples<'_>) -> String {
     use gpuio_core::metrics as m;
     let limit = sum(s, m::POOL_LIMIT_BYTES, &[]);
     if limit <= 0.0 {
@@ -255,19 +391,21 @@ fn pool_summary(s: &Samples) -> String {
 }
 
 pub fn run(args: &StatArgs) -> Result<(), Error> {
-    let mut prev: Option<Samples> = None;
+    // The samples borrow their text: the last scrape's is kept for the rates.
+    let mut prev: Option<String> = None;
     loop {
-        let text = scrape(args.addr)?;
+        let text = scrape(args.addr, args.timeout)?;
         if args.raw {
-            print!("{text}");
+            print!("{}", escape_lines(&text));
         } else {
             let samples = parse(&text);
+            let before = prev.as_deref().map(parse);
             let secs = args.watch.map_or(0.0, |w| w.as_secs_f64());
             print!(
                 "{}",
-                summary(&samples, prev.as_ref().map(|p| (p, secs.max(1e-3))))
+                summary(&samples, before.as_ref().map(|p| (p, secs.max(1e-3))))
             );
-            prev = Some(samples);
+            prev = Some(text);
         }
         match args.watch {
             Some(every) if !every.is_zero() => {
@@ -279,19 +417,80 @@ pub fn run(args: &StatArgs) -> Result<(), Error> {
     }
 }
 
+/// `text` with every line [`gpuio_api::escape`]d: its line breaks kept, any other control
+/// character or escape sequence shown as text.
+fn escape_lines(text: &str) -> String {
+    let lines: Vec<_> = text.split('\n').map(gpuio_api::escape).collect();
+    lines.join("\n")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn the_exposition_format_parses() {
-        let text =
-            "# TYPE x counter\nx{engine=\"memio\",class=\"a\"} 3\nx{engine=\"localio\"} 4\ny 1.5\n";
+        let text = "# TYPE gpuio_x counter\ngpuio_x{engine=\"memio\",class=\"a\"} 3\n\
+                    gpuio_x{engine=\"localio\"} 4\ngpuio_y 1.5\nother 9\n\
+                    gpuio_z{class=\"a \\\"b\\\", c=d\",engine=\"memio\"} 2\n";
         let s = parse(text);
-        assert_eq!(s.len(), 3);
-        assert_eq!(sum(&s, "x", &[]), 7.0);
-        assert_eq!(sum(&s, "x", &[("engine", "memio")]), 3.0);
-        assert_eq!(sum(&s, "y", &[]), 1.5);
+        // Only gpuio's metrics are kept: the summary reads nothing else.
+        assert_eq!(s.values().map(Vec::len).sum::<usize>(), 4);
+        assert_eq!(sum(&s, "gpuio_x", &[]), 7.0);
+        assert_eq!(sum(&s, "gpuio_x", &[("engine", "memio")]), 3.0);
+        assert_eq!(sum(&s, "gpuio_y", &[]), 1.5);
+        assert_eq!(sum(&s, "other", &[]), 0.0);
+        // A quoted value may hold commas, equals signs and escaped quotes.
+        assert_eq!(sum(&s, "gpuio_z", &[("engine", "memio")]), 2.0);
+        let (labels, _) = s["gpuio_z"][0];
+        assert_eq!(label(labels, "class"), Some("a \\\"b\\\", c=d"));
+    }
+
+    /// Label text is the endpoint's: an escape sequence in it is printed as text.
+    #[test]
+    fn label_values_are_printed_escaped() {
+        let text = "gpuio_requests_submitted_total{engine=\"memio\"} 1\n\
+                    gpuio_request_latency_seconds{engine=\"memio\",class=\"x\u{1b}[2J\u{1b}]0;t\u{7}\",quantile=\"0.5\"} 0.001\n\
+                    gpuio_request_latency_seconds_count{engine=\"memio\",class=\"x\u{1b}[2J\u{1b}]0;t\u{7}\"} 3\n";
+        let out = summary(&parse(text), None);
+        assert!(!out.contains('\u{1b}') && !out.contains('\u{7}'), "{out:?}");
+        assert!(
+            out.contains("x\\x1b[2J\\x1b]0;t\\x07") && out.contains("p50    1000.0 us"),
+            "{out}"
+        );
+        assert_eq!(
+            escape_lines("a\u{1b}[31m\nb\u{9b}\n"),
+            "a\\x1b[31m\nb\\u{9b}\n"
+        );
+    }
+
+    /// The summary of many latency classes is one pass over them: 50,000 classes take well
+    /// under a few seconds (the summary was quadratic in them: 78 s of CPU for a 17 MiB
+    /// exposition).
+    #[test]
+    fn many_latency_classes_are_summarised_in_linear_time() {
+        let classes = 50_000;
+        let mut text = String::from("gpuio_requests_submitted_total{engine=\"memio\"} 1\n");
+        for c in 0..classes {
+            for q in ["0.5", "0.99"] {
+                text += &format!(
+                    "gpuio_request_latency_seconds{{engine=\"memio\",class=\"c{c}\",quantile=\"{q}\"}} 0.000002\n"
+                );
+            }
+            text += &format!(
+                "gpuio_request_latency_seconds_count{{engine=\"memio\",class=\"c{c}\"}} {c}\n"
+            );
+        }
+        let start = Instant::now();
+        let out = summary(&parse(&text), None);
+        let took = start.elapsed();
+        // Class c0 has count 0 and is left out; the others each have a line.
+        assert_eq!(out.matches("latency p50").count(), classes - 1);
+        assert!(
+            out.contains("c49999               latency p50       2.0 us"),
+            "{out:.200}"
+        );
+        assert!(took < Duration::from_secs(5), "{took:?}");
     }
 
     #[test]

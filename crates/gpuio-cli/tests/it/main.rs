@@ -14,3 +14,4 @@ mod cp_faults;
 #[cfg(feature = "registry")]
 mod multinode;
 mod nvme;
+mod stat_endpoints;
