@@ -129,6 +129,13 @@ impl fmt::Display for UriProblem {
                 escape(name),
                 escape(&format!("{value:?}"))
             ),
+            // An empty list would read "(allowed: )".
+            Self::UnknownParam { name, allowed: "" } => {
+                write!(
+                    f,
+                    "unknown parameter {name:?} (this URI takes no parameters)"
+                )
+            }
             Self::UnknownParam { name, allowed } => {
                 write!(f, "unknown parameter {name:?} (allowed: {allowed})")
             }
@@ -296,6 +303,23 @@ mod tests {
             escape_path(Path::new("/tmp/\u{1b}]0;t\u{7}")),
             "/tmp/\\x1b]0;t\\x07"
         );
+    }
+
+    #[test]
+    fn unknown_parameters_name_the_allowed_ones_or_say_there_are_none() {
+        let e = crate::Uri::parse("memio://gpu/0?speed=1")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("\"speed\"")
+                && e.contains("takes no parameters")
+                && !e.contains("allowed: )"),
+            "{e}"
+        );
+        let e = crate::Uri::parse("memio://cpu/dram?speed=1")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("(allowed: numa)"), "{e}");
     }
 
     #[test]

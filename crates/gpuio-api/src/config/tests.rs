@@ -141,7 +141,7 @@ fn settings_that_would_hang_or_overflow_are_refused_naming_the_key() {
         assert!(e.to_string().contains(key), "{text}: {e}");
     }
     // The edges of each range are taken.
-    let fine = "[agent]\nhandshake_timeout_ms = 1\nmax_connections = 1\nthreads = 64\n\
+    let fine = "[agent]\nhandshake_timeout_ms = 100\nmax_connections = 1\nthreads = 64\n\
                 lease_ttl_s = 2\n[remote]\nconnections = 1\ntimeout_ms = 3600000\n\
                 stripe_size = \"16 MiB\"\n[retry]\nmax_retries = 0\nbackoff_multiplier = 1.0";
     Config::from_toml(fine, None).unwrap();
@@ -318,4 +318,96 @@ fn memory_pool_size_is_auto_a_size_or_refused_out_of_range() {
     .unwrap();
     assert_eq!(c.pool_config(None).max_class, 128 << 20);
     assert_eq!(c.lane_staging_bytes(), 3 * (128 << 20));
+}
+
+#[test]
+fn timeouts_too_short_to_ever_succeed_are_refused_saying_why() {
+    for (text, key, floor) in [
+        ("[agent]\nio_timeout_ms = 1", "agent.io_timeout_ms", "100"),
+        ("[agent]\nio_timeout_ms = 99", "agent.io_timeout_ms", "100"),
+        (
+            "[agent]\nhandshake_timeout_ms = 1",
+            "agent.handshake_timeout_ms",
+            "100",
+        ),
+        (
+            "[agent]\nidle_timeout_ms = 999",
+            "agent.idle_timeout_ms",
+            "1000",
+        ),
+        ("[remote]\ntimeout_ms = 1", "remote.timeout_ms", "100"),
+    ] {
+        let e = Config::from_toml(text, None).expect_err(text);
+        assert_eq!(e.code(), gpuio_core::ErrorCode::InvalidArg, "{text}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains(key)
+                && msg.contains(&format!("must be {floor} to"))
+                && msg.contains("below it"),
+            "{text}: {msg}"
+        );
+    }
+    let floors = "[agent]\nio_timeout_ms = 100\nhandshake_timeout_ms = 100\n\
+                  idle_timeout_ms = 1000\n[remote]\ntimeout_ms = 100";
+    Config::from_toml(floors, None).unwrap();
+}
+
+#[test]
+fn page_cache_threads_and_keep_are_range_checked() {
+    for (text, key, range) in [
+        (
+            "[localio]\npage_cache_threads = 0",
+            "localio.page_cache_threads",
+            "1 to 8",
+        ),
+        (
+            "[localio]\npage_cache_threads = 9",
+            "localio.page_cache_threads",
+            "1 to 8",
+        ),
+        (
+            "[localio]\npage_cache_threads = 9223372036854775807",
+            "localio.page_cache_threads",
+            "1 to 8",
+        ),
+        (
+            "[localio]\npage_cache_keep = \"1 PiB\"",
+            "localio.page_cache_keep",
+            "must be 0 to",
+        ),
+    ] {
+        let e = Config::from_toml(text, None).expect_err(text);
+        assert_eq!(e.code(), gpuio_core::ErrorCode::InvalidArg, "{text}");
+        let msg = e.to_string();
+        assert!(msg.contains(key) && msg.contains(range), "{text}: {msg}");
+    }
+    for fine in [
+        "[localio]\npage_cache_threads = 1\npage_cache_keep = 0",
+        "[localio]\npage_cache_threads = 8\npage_cache_keep = \"64 MiB\"",
+        "[localio]\npage_cache_keep = \"auto\"",
+    ] {
+        Config::from_toml(fine, None).expect(fine);
+    }
+}
+
+#[test]
+fn a_lane_larger_than_the_auto_pool_is_refused_at_load() {
+    // 64 slots of 1 GiB: a lane of 64 GiB, above "auto" (a quarter of what the machine can
+    // back) on any machine with less than 256 GiB available.
+    let text = "[localio]\nchunk_size = \"1 GiB\"\nslots_per_lane = 64";
+    if PoolSize::Auto.bytes() >= 64 << 30 {
+        eprintln!("skipped: the auto pool holds a 64 GiB lane here");
+        return;
+    }
+    let msg = Config::from_toml(text, None).unwrap_err().to_string();
+    assert!(
+        msg.contains("memory_pool_size = \"auto\"")
+            && msg.contains("64.0 GiB")
+            && msg.contains("localio.slots_per_lane x localio.chunk_size = 64 x 1.0 GiB"),
+        "{msg}"
+    );
+    // The same lane in an explicit pool that is too small.
+    let small = format!("memory_pool_size = \"2 GiB\"\n{text}");
+    let msg = Config::from_toml(&small, None).unwrap_err().to_string();
+    assert!(msg.contains("one staging lane"), "{msg}");
 }

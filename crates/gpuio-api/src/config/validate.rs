@@ -7,6 +7,15 @@ use crate::error::{Error, Result};
 use bytesize::ByteSize;
 use gpuio_transport_remoteio::wire::MAX_DATA;
 
+/// The most page cache registering threads LocalIO runs (it clamps to 1..=8).
+const MAX_PAGE_CACHE_THREADS: usize = 8;
+
+/// The shortest handshake, request and client timeout taken, in milliseconds.
+const MIN_TIMEOUT_MS: u64 = 100;
+
+/// The shortest idle timeout taken, in milliseconds.
+const MIN_IDLE_TIMEOUT_MS: u64 = 1000;
+
 impl Config {
     /// Checks every setting; `source_name` says in the error where they were read from.
     pub(super) fn validate(&self, source_name: &str) -> Result<()> {
@@ -67,37 +76,62 @@ impl Config {
         if !(1..=64).contains(&self.host_devices) {
             return bad("host_devices must be 1 to 64".into());
         }
+        self.validate_page_cache().or_else(bad)?;
         self.validate_pool_size().or_else(bad)?;
         self.validate_retry_and_remote().or_else(bad)?;
         self.cache.validate().or_else(bad)
     }
 
-    /// `memory_pool_size`: `auto`, or room for at least one lane of either transport (a
-    /// transfer needs one) and no more than the machine can back as pinned memory now
-    /// (available memory within the cgroup, without swap: pinned pages cannot be swapped).
+    /// `[localio]` page cache settings: the registering threads LocalIO runs (it takes 1 to 8),
+    /// and the pinned bytes kept for hot files, at most what the machine can back pinned.
+    fn validate_page_cache(&self) -> std::result::Result<(), String> {
+        let threads = self.localio.page_cache_threads;
+        if !(1..=MAX_PAGE_CACHE_THREADS).contains(&threads) {
+            return Err(format!(
+                "localio.page_cache_threads = {threads}: must be 1 to {MAX_PAGE_CACHE_THREADS}"
+            ));
+        }
+        if let PoolSize::Bytes(keep) = self.localio.page_cache_keep
+            && let Some(most) = gpuio_hal::memory::backing::backable_bytes(false)
+            && keep.as_u64() > most
+        {
+            return Err(format!(
+                "localio.page_cache_keep = {}: must be 0 to {} (what this machine can back as \
+                 pinned memory now), or \"auto\"",
+                keep.display().iec(),
+                ByteSize::b(most).display().iec()
+            ));
+        }
+        Ok(())
+    }
+
+    /// `memory_pool_size`: room for at least one lane of either transport (a transfer needs
+    /// one; more lanes are taken only where there is room) and no more than the machine can
+    /// back as pinned memory now (available memory within the cgroup, without swap: pinned
+    /// pages cannot be swapped). `auto` is resolved now to check the lane against it.
     fn validate_pool_size(&self) -> std::result::Result<(), String> {
-        let PoolSize::Bytes(size) = self.memory_pool_size else {
-            return Ok(());
-        };
         let iec = |n: u64| ByteSize::b(n).display().iec().to_string();
         let lane = self.lane_staging_bytes();
+        let PoolSize::Bytes(size) = self.memory_pool_size else {
+            let limit = PoolSize::Auto.bytes();
+            if limit < lane {
+                return Err(format!(
+                    "memory_pool_size = \"auto\" is {} on this machine, below what one staging \
+                     lane needs ({}: {}); lower those, or give memory_pool_size a size",
+                    iec(limit),
+                    iec(lane),
+                    self.lane_settings()
+                ));
+            }
+            return Ok(());
+        };
         if size.as_u64() < lane {
-            let memio = format!(
-                "{} x {}",
-                self.memio.slots_per_lane,
-                self.memio.chunk_size.display().iec()
-            );
-            let localio = format!(
-                "{} x {}",
-                self.localio.slots_per_lane,
-                self.localio.chunk_size.display().iec()
-            );
             return Err(format!(
-                "memory_pool_size = {}: below what one staging lane needs ({}: a MemIO lane \
-                 holds {memio}, a LocalIO lane {localio}, each buffer rounded up to a power \
-                 of two); give at least that, or \"auto\"",
+                "memory_pool_size = {}: below what one staging lane needs ({}: {}); give at \
+                 least that, or \"auto\"",
                 size.display().iec(),
-                iec(lane)
+                iec(lane),
+                self.lane_settings()
             ));
         }
         if let Some(most) = gpuio_hal::memory::backing::backable_bytes(false)
@@ -112,6 +146,19 @@ impl Config {
             ));
         }
         Ok(())
+    }
+
+    /// What a staging lane holds, by the settings that size it, for the errors.
+    fn lane_settings(&self) -> String {
+        format!(
+            "a MemIO lane holds memio.slots_per_lane x memio.chunk_size = {} x {}, a LocalIO \
+             lane localio.slots_per_lane x localio.chunk_size = {} x {}, each buffer rounded up \
+             to a power of two",
+            self.memio.slots_per_lane,
+            self.memio.chunk_size.display().iec(),
+            self.localio.slots_per_lane,
+            self.localio.chunk_size.display().iec()
+        )
     }
 
     /// The settings of `[retry]`, `[agent]` and `[remote]`: a zero that would hang (no
@@ -133,7 +180,7 @@ impl Config {
                 range.end()
             ))
         }
-        // Timeouts: from a millisecond to an hour.
+        // Timeouts: up to an hour.
         const MAX_TIMEOUT_MS: u64 = 3_600_000;
         let r = &self.retry;
         within("retry.max_retries", r.max_retries, 0..=100, "")?;
@@ -156,12 +203,41 @@ impl Config {
             ));
         }
         let a = &self.agent;
-        within(
-            "agent.handshake_timeout_ms",
-            a.handshake_timeout_ms,
-            1..=MAX_TIMEOUT_MS,
-            " (milliseconds)",
-        )?;
+        let rm = &self.remote;
+        // Floors, each with the reason the error gives: a timeout of a millisecond or two
+        // is taken, and then every handshake or copy fails.
+        for (key, ms, floor, why) in [
+            (
+                "agent.handshake_timeout_ms",
+                a.handshake_timeout_ms,
+                MIN_TIMEOUT_MS,
+                "below it, clients a few round trips away can never authenticate",
+            ),
+            (
+                "agent.io_timeout_ms",
+                a.io_timeout_ms,
+                MIN_TIMEOUT_MS,
+                "below it, requests (up to 16 MiB each) time out before their data crosses",
+            ),
+            (
+                "agent.idle_timeout_ms",
+                a.idle_timeout_ms,
+                MIN_IDLE_TIMEOUT_MS,
+                "below it, sessions close between a client's requests, to be reopened, handshake and all",
+            ),
+            (
+                "remote.timeout_ms",
+                rm.timeout_ms,
+                MIN_TIMEOUT_MS,
+                "below it, connecting and awaiting answers time out, and every copy fails",
+            ),
+        ] {
+            if !(floor..=MAX_TIMEOUT_MS).contains(&ms) {
+                return Err(format!(
+                    "{key} = {ms}: must be {floor} to {MAX_TIMEOUT_MS} milliseconds ({why})"
+                ));
+            }
+        }
         within("agent.max_connections", a.max_connections, 1..=65_536, "")?;
         within("agent.max_handshakes", a.max_handshakes, 1..=65_536, "")?;
         within(
@@ -176,12 +252,6 @@ impl Config {
             1..=65_536,
             "",
         )?;
-        for (key, ms) in [
-            ("agent.io_timeout_ms", a.io_timeout_ms),
-            ("agent.idle_timeout_ms", a.idle_timeout_ms),
-        ] {
-            within(key, ms, 1..=MAX_TIMEOUT_MS, " (milliseconds)")?;
-        }
         if !(MAX_DATA as u64..=1 << 40).contains(&a.buffer_memory.as_u64()) {
             return Err(format!(
                 "agent.buffer_memory = {}: must hold one message ({}) and be at most 1 TiB",
@@ -200,14 +270,7 @@ impl Config {
                 ));
             }
         }
-        let rm = &self.remote;
         within("remote.connections", rm.connections, 1..=256, "")?;
-        within(
-            "remote.timeout_ms",
-            rm.timeout_ms,
-            1..=MAX_TIMEOUT_MS,
-            " (milliseconds)",
-        )?;
         if !(4096..=MAX_DATA as u64).contains(&rm.stripe_size.as_u64()) {
             return Err(format!(
                 "remote.stripe_size = {}: must be from 4 KiB to {} (a request's largest payload)",
