@@ -34,11 +34,7 @@ pub fn ensure_packages(packages: &[&str]) -> Result {
     if missing.is_empty() {
         return Ok(());
     }
-    let root = Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| o.stdout.starts_with(b"0\n"));
-    if !root {
+    if !is_root() {
         return Err(format!(
             "missing Debian packages: {0} (as root: apt-get install {0})",
             missing.join(" ")
@@ -60,6 +56,14 @@ pub fn ensure_packages(packages: &[&str]) -> Result {
         run("install packages", &mut install())?;
     }
     Ok(())
+}
+
+/// Whether this process runs as root.
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0\n"))
 }
 
 fn installed(package: &str) -> bool {
@@ -103,12 +107,15 @@ pub fn ci() -> Result {
     } else {
         "0"
     };
+    // As root, the full-disk tests must mount their small tmpfs, not skip.
+    let tmpfs = if is_root() { "1" } else { "0" };
     if has("cargo-nextest", "--version") {
         run(
             "tests (nextest)",
             cargo()
                 .args(["nextest", "run", "--workspace", "--no-fail-fast"])
                 .env("GPUIO_REQUIRE_FUSE", fuse)
+                .env("GPUIO_REQUIRE_TMPFS", tmpfs)
                 .env("GPUIO_REQUIRE_ETCD", "1")
                 .env("GPUIO_REQUIRE_ODIRECT", "1"),
         )?;
@@ -120,6 +127,7 @@ pub fn ci() -> Result {
             cargo()
                 .args(["test", "--workspace", "--no-fail-fast"])
                 .env("GPUIO_REQUIRE_FUSE", fuse)
+                .env("GPUIO_REQUIRE_TMPFS", tmpfs)
                 .env("GPUIO_REQUIRE_ETCD", "1")
                 .env("GPUIO_REQUIRE_ODIRECT", "1"),
         )?;

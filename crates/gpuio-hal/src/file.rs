@@ -250,6 +250,48 @@ pub fn available_space(path: &std::path::Path) -> Result<u64> {
     Ok((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
 }
 
+/// Allocates the blocks of `offset..offset+len` of `file` without changing its size
+/// (`fallocate(FALLOC_FL_KEEP_SIZE)`), so that writing that range later cannot fail for want
+/// of space: a full disk is `ErrorKind::StorageFull` now, before anything is written. Where
+/// the file system cannot allocate ahead (`EOPNOTSUPP`), the bytes the range adds past what
+/// the file holds are compared with the room the file system has left instead.
+pub fn reserve_space(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    if len == 0 {
+        return Ok(());
+    }
+    let too_large = || std::io::Error::new(std::io::ErrorKind::InvalidInput, "range too large");
+    let off = libc::off64_t::try_from(offset).map_err(|_| too_large())?;
+    let n = libc::off64_t::try_from(len).map_err(|_| too_large())?;
+    loop {
+        // SAFETY: fallocate on an open descriptor reads no memory of ours.
+        let rc = unsafe { libc::fallocate64(file.as_raw_fd(), libc::FALLOC_FL_KEEP_SIZE, off, n) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EOPNOTSUPP) => break,
+            _ => return Err(e),
+        }
+    }
+    let meta = file.metadata()?;
+    let held = meta.blocks().saturating_mul(512);
+    let wanted = offset.saturating_add(len).saturating_sub(held);
+    // SAFETY: an all-zero statvfs is a valid value of this plain C struct.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatvfs on an open descriptor fills in `st`, which outlives the call.
+    if unsafe { libc::fstatvfs(file.as_raw_fd(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let room = (st.f_bavail as u64).saturating_mul(st.f_frsize as u64);
+    if wanted > room {
+        return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

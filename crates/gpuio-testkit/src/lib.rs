@@ -25,11 +25,13 @@ pub enum Requirement {
     /// An NVMe controller bound to vfio-pci, in `cargo xtask qemu-nvme`'s guest
     /// (`GPUIO_REQUIRE_NVME`).
     Nvme,
+    /// The right to mount a small tmpfs, for full-disk tests (`GPUIO_REQUIRE_TMPFS`).
+    Tmpfs,
 }
 
 impl Requirement {
     /// Every requirement.
-    pub const ALL: [Requirement; 8] = [
+    pub const ALL: [Requirement; 9] = [
         Requirement::Cuda,
         Requirement::Nvrtc,
         Requirement::Gds,
@@ -38,6 +40,7 @@ impl Requirement {
         Requirement::Etcd,
         Requirement::ODirect,
         Requirement::Nvme,
+        Requirement::Tmpfs,
     ];
 
     /// The variable that makes this requirement's absence a failure: `GPUIO_REQUIRE_<NAME>`.
@@ -51,6 +54,7 @@ impl Requirement {
             Requirement::Etcd => "GPUIO_REQUIRE_ETCD",
             Requirement::ODirect => "GPUIO_REQUIRE_ODIRECT",
             Requirement::Nvme => "GPUIO_REQUIRE_NVME",
+            Requirement::Tmpfs => "GPUIO_REQUIRE_TMPFS",
         }
     }
 
@@ -102,6 +106,59 @@ impl Requirement {
             Some(var) if var == self.var() => Err(format!("{var}=1, but {reason}")),
             Some(var) => Err(format!("{var}=1 (which requires {self:?}), but {reason}")),
         }
+    }
+}
+
+/// A tmpfs of a given size mounted on a fresh directory, unmounted when dropped: a file
+/// system that fills up, for tests of full disks.
+#[derive(Debug)]
+pub struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    /// Mounts a tmpfs of `size` (as mount's `size=` option takes it: `1m`, `4m`) on a new
+    /// directory; `None` where mounting is refused ([`Requirement::Tmpfs`] says so, or
+    /// fails).
+    #[track_caller]
+    pub fn mount(size: &str) -> Option<Self> {
+        let dir = tempfile::tempdir().ok()?;
+        let out = std::process::Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
+            .arg(dir.path())
+            .output();
+        match out {
+            Ok(o) if o.status.success() => Some(Self { dir }),
+            Ok(o) => {
+                let why = String::from_utf8_lossy(&o.stderr).trim().to_string();
+                Requirement::Tmpfs.missing(format!("cannot mount a tmpfs: {why}"));
+                None
+            }
+            Err(e) => {
+                Requirement::Tmpfs.missing(format!("cannot run mount: {e}"));
+                None
+            }
+        }
+    }
+
+    /// Where it is mounted.
+    pub fn path(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(self.dir.path())
+            .status();
     }
 }
 
