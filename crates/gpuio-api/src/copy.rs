@@ -35,7 +35,8 @@ pub struct CopyOptions {
     pub verify: bool,
     /// Bytes moved per step (and the size of the `via` buffer).
     pub window: usize,
-    /// Flush a file destination to stable storage before completing.
+    /// Flush a file destination (or a remote agent's file export) to stable storage before
+    /// completing; refused up front for a remote memory export.
     pub durable: bool,
 }
 
@@ -185,6 +186,19 @@ impl Session {
                         info.capacity
                     )));
                 }
+                if opts.durable && !info.durable {
+                    return Err(Error::Unsupported {
+                        what: format!("--durable to {r}"),
+                        reason: "it is memory, which starts afresh when its agent restarts: \
+                                 nothing was written"
+                            .into(),
+                    });
+                }
+            }
+            // Room for the whole copy, on every replica, before the first byte: a disk that
+            // cannot hold it refuses now rather than half-way through.
+            for r in replicas {
+                r.peer().reserve(r.export(), len)?;
             }
         }
 
@@ -231,8 +245,16 @@ impl Session {
             done += n as u64;
             progress(done);
         }
-        if let (true, Resource::File(f)) = (opts.durable, &destination) {
-            f.sync_data()?;
+        if opts.durable {
+            match &destination {
+                Resource::File(f) => f.sync_data()?,
+                Resource::Remote(replicas) => {
+                    for r in replicas {
+                        r.peer().sync(r.export())?;
+                    }
+                }
+                Resource::Host(_) | Resource::Device(_) => {}
+            }
         }
         let elapsed = start.elapsed();
         let verify_start = Instant::now();

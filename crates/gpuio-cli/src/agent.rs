@@ -103,7 +103,17 @@ pub fn run(config: Config, _args: &AgentArgs) -> Result<(), Error> {
         .map(|e| escape(&e.name).into_owned())
         .collect();
     let plain = cfg.tls.is_none();
-    check_descriptors(cfg.max_handshakes + cfg.max_connections)?;
+    let files = cfg
+        .exports
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.source,
+                gpuio_transport_remoteio::ExportSource::File { .. }
+            )
+        })
+        .count();
+    check_descriptors(cfg.max_handshakes + cfg.max_connections, files)?;
     let agent = Agent::start(cfg)?;
     if plain && !agent.local_addr().ip().is_loopback() {
         eprintln!(
@@ -139,18 +149,27 @@ pub fn run(config: Config, _args: &AgentArgs) -> Result<(), Error> {
 }
 
 /// Raises the descriptor limit as far as it goes, and refuses a configuration whose
-/// connections (pending handshakes and sessions) could not all have one: past the limit,
-/// the agent could accept no one, good clients included.
-fn check_descriptors(connections: usize) -> Result<(), Error> {
-    // Exports, the runtime, the registry, logging: a margin for what is not a connection.
-    const MARGIN: u64 = 64;
+/// connections (pending handshakes and sessions) and file exports (each held open) could not
+/// all have one: past the limit, the agent could accept no one, good clients included.
+fn check_descriptors(connections: usize, file_exports: usize) -> Result<(), Error> {
     let limit = gpuio_hal::raise_fd_limit()
         .map_err(|e| Error::Invalid(format!("reading the file descriptor limit: {e}")))?;
-    if connections as u64 + MARGIN > limit {
+    descriptors_suffice(connections, file_exports, limit)
+}
+
+/// Whether `limit` descriptors hold the connections, the file exports and a margin.
+fn descriptors_suffice(connections: usize, file_exports: usize, limit: u64) -> Result<(), Error> {
+    // The runtime, the registry, logging, the spare kept for refusing clients when short.
+    const MARGIN: u64 = 64;
+    let needed = (connections as u64)
+        .saturating_add(file_exports as u64)
+        .saturating_add(MARGIN);
+    if needed > limit {
         return Err(Error::Invalid(format!(
-            "[agent] max_handshakes + max_connections = {connections} connections, but this \
-             process may open only {limit} files (ulimit -n; raise its hard limit or lower \
-             the settings)"
+            "[agent] max_handshakes + max_connections = {connections} connections and \
+             {file_exports} file exports need {needed} descriptors, but this process may open \
+             only {limit} (ulimit -n; raise its hard limit, or lower the settings or the \
+             exports)"
         )));
     }
     Ok(())
@@ -237,4 +256,14 @@ fn wait_for_signal() -> Result<(), Error> {
         Ok::<(), std::io::Error>(())
     })
     .map_err(io)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn file_exports_count_against_the_descriptor_limit() {
+        assert!(super::descriptors_suffice(768, 100, 1024).is_ok());
+        let e = super::descriptors_suffice(768, 19_900, 20_000).unwrap_err();
+        assert!(e.to_string().contains("19900 file exports"), "{e}");
+    }
 }

@@ -19,7 +19,7 @@ use crate::{RemoteIoError, Result, code_from_i32};
 use std::collections::VecDeque;
 use std::io::{IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The largest answer taken from an agent before it has proven the key: a refusal (a code and
 /// a message) is the longest it may send.
@@ -53,14 +53,73 @@ pub struct ExportInfo {
     pub capacity: u64,
     /// Whether writes are permitted (by the export and the key's role).
     pub writable: bool,
+    /// Whether [`Connection::sync`] makes written bytes durable (a file export; memory
+    /// starts afresh when the agent restarts).
+    pub durable: bool,
     /// The agent instance that answered (see [`Connection::instance`]).
     pub instance: u64,
 }
 
 /// The bytes under a connection: plain TCP, or TLS over it.
 enum Stream {
-    Plain(TcpStream),
-    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
+    Plain(Tcp),
+    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, Tcp>>),
+}
+
+/// A TCP stream whose reads and writes can be held to a deadline: each waits at most until
+/// it, so a peer that trickles a byte now and then cannot stretch the wait past it (a
+/// socket's own timeout bounds each read alone).
+#[derive(Debug)]
+struct Tcp {
+    stream: TcpStream,
+    deadline: Option<Instant>,
+}
+
+impl Tcp {
+    /// Sets the socket's timeouts to what is left before the deadline, if there is one.
+    fn arm(&self) -> std::io::Result<()> {
+        let Some(deadline) = self.deadline else {
+            return Ok(());
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.set_write_timeout(Some(left))
+    }
+}
+
+impl Read for Tcp {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.arm()?;
+        self.stream.read(buf)
+    }
+}
+
+impl Write for Tcp {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.arm()?;
+        self.stream.write(buf)
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
+        self.arm()?;
+        self.stream.write_vectored(bufs)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.stream.flush()
+    }
+}
+
+impl Stream {
+    fn tcp(&mut self) -> &mut Tcp {
+        match self {
+            Self::Plain(s) => s,
+            Self::Tls(s) => &mut s.sock,
+        }
+    }
 }
 
 impl Read for Stream {
@@ -131,10 +190,15 @@ impl Connection {
         timeout: Duration,
         tls: Option<(&TlsClient, &str)>,
     ) -> Result<Self> {
+        // The whole handshake, TLS included, within `timeout` of the start: an agent that
+        // answers a byte at a time cannot hold the client longer.
+        let deadline = Instant::now() + timeout;
         let tcp = TcpStream::connect_timeout(&addr, timeout)?;
         tcp.set_nodelay(true)?;
-        tcp.set_read_timeout(Some(timeout))?;
-        tcp.set_write_timeout(Some(timeout))?;
+        let tcp = Tcp {
+            stream: tcp,
+            deadline: Some(deadline),
+        };
         let stream = match tls {
             None => Stream::Plain(tcp),
             Some((client, name)) => Stream::Tls(Box::new(rustls::StreamOwned::new(
@@ -148,6 +212,18 @@ impl Connection {
             broken: false,
             instance: 0,
         };
+        c.handshake(creds)?;
+        // From here each wait for the agent is bounded by `timeout` on its own.
+        let tcp = c.stream.tcp();
+        tcp.deadline = None;
+        tcp.stream.set_read_timeout(Some(timeout))?;
+        tcp.stream.set_write_timeout(Some(timeout))?;
+        Ok(c)
+    }
+
+    /// The HELLO exchange, on a fresh connection.
+    fn handshake(&mut self, creds: &Credentials) -> Result<()> {
+        let c = self;
         // The client proves its key first: an agent answers a HELLO with a bare challenge, so
         // nobody without the key gets anything to test guesses against.
         let cn = auth::nonce()?;
@@ -177,7 +253,7 @@ impl Connection {
             ));
         }
         c.instance = instance;
-        Ok(c)
+        Ok(())
     }
 
     /// Which instance of the agent this connection reached: drawn at random when the agent
@@ -195,8 +271,8 @@ impl Connection {
         }
         use std::os::fd::AsFd;
         let tcp = match &self.stream {
-            Stream::Plain(s) => s,
-            Stream::Tls(s) => s.get_ref(),
+            Stream::Plain(s) => &s.stream,
+            Stream::Tls(s) => &s.get_ref().stream,
         };
         matches!(
             gpuio_hal::peek_nonblocking(tcp.as_fd()),
@@ -224,13 +300,45 @@ impl Connection {
                     size,
                     capacity,
                     writable,
+                    durable,
                     instance,
                 } => Ok(ExportInfo {
                     size,
                     capacity,
                     writable,
+                    durable,
                     instance,
                 }),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
+    /// Makes the bytes written to `export` durable (the agent `fdatasync`s a file export);
+    /// refused for memory, which starts afresh when the agent restarts.
+    pub fn sync(&mut self, export: &str) -> Result<()> {
+        self.done(&Message::SyncReq {
+            export: export.into(),
+        })
+    }
+
+    /// Reserves room for the first `len` bytes of `export` before any is written (a file
+    /// export's blocks are allocated): a copy the agent's disk cannot hold is refused before
+    /// it overwrites anything.
+    pub fn reserve(&mut self, export: &str, len: u64) -> Result<()> {
+        self.done(&Message::ReserveReq {
+            export: export.into(),
+            len,
+        })
+    }
+
+    /// Sends a request answered by DONE.
+    fn done(&mut self, req: &Message) -> Result<()> {
+        self.guard(|c| {
+            let id = c.id();
+            c.send(req, id)?;
+            match c.response(id)? {
+                Message::Done => Ok(()),
                 other => Err(unexpected(&other)),
             }
         })

@@ -285,6 +285,21 @@ impl RemotePeer {
         Ok(())
     }
 
+    /// Makes what was written to `export` durable: the agent `fdatasync`s a file export.
+    /// Refused (`Unsupported`) for memory, which starts afresh when the agent restarts.
+    pub fn sync(&self, export: &RemoteExport) -> Result<()> {
+        let pinned = self.pin(export)?;
+        self.with_connection(export, &pinned, |c| c.sync(export.name()))
+    }
+
+    /// Reserves room for the first `len` bytes of `export` before writing them (the agent
+    /// allocates a file export's blocks), so that a copy its disk cannot hold is refused
+    /// before anything is overwritten.
+    pub fn reserve(&self, export: &RemoteExport, len: u64) -> Result<()> {
+        let pinned = self.pin(export)?;
+        self.with_connection(export, &pinned, |c| c.reserve(export.name(), len))
+    }
+
     /// The RDMA device this peer's channels use (opened now if need be); `None` for a TCP
     /// peer. Memory registered with it ([`HostRegion`](gpuio_hal::rdma::HostRegion)) can be
     /// read into and written from in place.

@@ -436,3 +436,123 @@ fn a_copy_too_large_for_a_remote_export_writes_nothing() {
         "the export was written"
     );
 }
+
+#[test]
+fn remote_copies_are_durable_where_they_can_be_and_refused_where_not() {
+    let Some(fs) = gpuio_testkit::Tmpfs::mount("4m") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let disk = fs.path().join("disk.bin");
+    let mut old = vec![0u8; 1 << 20];
+    pattern::fill(&mut old, 0, SEED);
+    std::fs::write(&disk, &old).unwrap();
+    let port = free_port();
+    let cfg = agent_config(dir.path(), port, "");
+    // A file export that may grow to 64 MiB, on a file system of 4.
+    let mut text = std::fs::read_to_string(&cfg).unwrap();
+    text.push_str(&format!(
+        "[[agent.exports]]\nname = \"disk\"\naccess = \"read-write\"\nfile = \"{}\"\n\
+         max_size = \"64MiB\"\n",
+        disk.display()
+    ));
+    std::fs::write(&cfg, text).unwrap();
+    let agent = start_agent(&cfg);
+    fill(agent.addr);
+    let cp = |args: &[&str], src: &Path, export: &str| {
+        let o = Command::new(bin())
+            .args([
+                "--config",
+                client_config(dir.path(), port).to_str().unwrap(),
+            ])
+            .args(["cp", "-q"])
+            .args(args)
+            .arg(src)
+            .arg(format!("remoteio://127.0.0.1:{port}/{export}"))
+            .env("GPUIO_TEST_SECRET", SECRET)
+            .output()
+            .unwrap();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let write = |name: &str, len: usize| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, vec![0x3cu8; len]).unwrap();
+        p
+    };
+    // Memory starts afresh when its agent restarts: --durable is refused before a byte.
+    let (code, text) = cp(&["--durable"], &write("small.bin", 1 << 20), "mem");
+    assert_ne!(code, Some(0), "{text}");
+    assert!(
+        text.contains("cannot be made durable") || text.contains("starts afresh"),
+        "{text}"
+    );
+    let mut back = vec![0u8; EXPORT];
+    peer(agent.addr)
+        .read(&RemoteExport::new("mem"), 0, &mut back)
+        .unwrap();
+    assert_eq!(
+        pattern::first_deviation(&back, 0, SEED),
+        None,
+        "memory was written"
+    );
+    // 16 MiB fit the export's bound but not its disk: refused whole, the file untouched.
+    let (code, text) = cp(&[], &write("big.bin", 16 << 20), "disk");
+    assert_ne!(code, Some(0), "{text}");
+    assert!(text.contains("the disk cannot hold it"), "{text}");
+    assert!(
+        std::fs::read(&disk).unwrap() == old,
+        "the export was overwritten"
+    );
+    // What fits is copied, and made durable.
+    let (code, text) = cp(&["--durable"], &write("fits.bin", 2 << 20), "disk");
+    assert_eq!(code, Some(0), "{text}");
+    assert!(std::fs::read(&disk).unwrap() == vec![0x3cu8; 2 << 20]);
+}
+
+#[test]
+fn an_agent_out_of_descriptors_answers_busy() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = start_agent(&agent_config(dir.path(), free_port(), ""));
+    let t = Duration::from_secs(5);
+    let mut held =
+        vec![gpuio_transport_remoteio::Connection::connect(agent.addr, &creds(), t).unwrap()];
+    // Descriptors run out a few connections from now: new ones take the lowest free
+    // numbers, and four are left below the limit.
+    let pid = agent.child.id();
+    let open: std::collections::BTreeSet<u32> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    let first_free = (0..).find(|n| !open.contains(n)).unwrap();
+    let limit = format!("--nofile={0}:{0}", first_free + 4);
+    let ok = Command::new("prlimit")
+        .args(["--pid", &pid.to_string(), &limit])
+        .status()
+        .unwrap();
+    assert!(ok.success(), "prlimit failed");
+    let mut busy = None;
+    for _ in 0..64 {
+        let started = Instant::now();
+        match gpuio_transport_remoteio::Connection::connect(agent.addr, &creds(), t) {
+            Ok(c) => held.push(c),
+            Err(e) => {
+                busy = Some((e, started.elapsed()));
+                break;
+            }
+        }
+    }
+    let (e, took) = busy.expect("descriptors never ran out");
+    eprintln!("refused after {} sessions: {e}", held.len());
+    assert_eq!(e.code(), ErrorCode::Busy, "{e}");
+    assert!(took < Duration::from_secs(2), "refused after {took:?}");
+    // Sessions that end give their descriptors back.
+    held.truncate(1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while gpuio_transport_remoteio::Connection::connect(agent.addr, &creds(), t).is_err() {
+        assert!(Instant::now() < deadline, "the agent never recovered");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -1,18 +1,56 @@
 //! Admission of connections that have not yet proven a key.
 //!
 //! Every accepted connection is admitted at once (nothing waits in the listen queue behind a
-//! stranger), but strangers share a small budget of their own: at most `per_address` pending
-//! handshakes per source (an IPv4 address, an IPv6 /64) and `total` altogether. A newcomer
-//! past its source's bound evicts that source's oldest pending handshake; past the total, the
-//! oldest of the source holding the most places gives way. An idle socket cannot hold a place
-//! against a client that completes its handshake in a round trip, and a flood from a few
-//! sources evicts its own sockets, not the handshakes of the sources it does not control.
+//! stranger), but strangers share a small budget of their own, `total` places. Sources are
+//! counted at four levels of aggregation — an IPv4 /16, /20, /24 and address; an IPv6 /32,
+//! /48, /56 and /64 (one host commonly holds a whole /64) — and a prefix may hold
+//! `per_address` places per level below it and its own: an address `per_address`, its /24
+//! twice that, and so on. A newcomer past a bound, or past the total, evicts one pending
+//! handshake: within the finest prefix it overflows, or overall, the one whose prefixes hold
+//! the most places, coarsest level first, and among those the one that has made the least
+//! progress (a silent socket before one that has spoken), oldest first.
+//!
+//! A handshake that has made progress that costs its client a round trip — TLS completed, or
+//! a HELLO received — keeps its place until its deadline; if only such places could give way,
+//! the newcomer is refused instead. So a flood from many addresses evicts its own sockets, not
+//! a slow client elsewhere that is getting through its handshake, and no prefix, however
+//! many addresses it spans, holds more than its share.
 
 use gpuio_hal::sync::MutexExt;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
+
+/// Levels of aggregation a source is counted at, coarsest first.
+const LEVELS: usize = 4;
+/// Prefix lengths of each level, for IPv4 and IPv6.
+const V4_BITS: [u8; LEVELS] = [16, 20, 24, 32];
+const V6_BITS: [u8; LEVELS] = [32, 48, 56, 64];
+
+/// How far a pending handshake has got, least first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Progress {
+    /// Nothing received.
+    Silent,
+    /// Some bytes received (a TLS ClientHello, part of a HELLO).
+    Spoke,
+    /// TLS completed: protected until the deadline.
+    Secured,
+    /// A well-formed HELLO received: protected until the deadline.
+    Hello,
+}
+
+impl Progress {
+    fn protected(self) -> bool {
+        self >= Self::Secured
+    }
+}
+
+/// A source at one level: the level and the address with the bits past its prefix cleared
+/// (IPv4 as an IPv4-mapped IPv6 address, so both families share one map).
+type Prefix = (u8, u128);
 
 /// The pending handshakes and their bounds.
 pub(super) struct Gate {
@@ -24,15 +62,20 @@ pub(super) struct Gate {
 #[derive(Default)]
 struct State {
     next: u64,
-    /// Oldest first.
-    pending: VecDeque<Entry>,
-    per_address: HashMap<IpAddr, usize>,
+    /// By ticket: oldest first.
+    pending: BTreeMap<u64, Entry>,
+    /// Places held under each prefix, at every level. Each entry shares its prefixes'
+    /// counters, so that choosing whom to evict reads them without a lookup (only ever
+    /// changed under the gate's lock).
+    held: HashMap<Prefix, Arc<AtomicUsize>>,
     evicted: u64,
+    refused: u64,
 }
 
 struct Entry {
-    ticket: u64,
-    addr: IpAddr,
+    prefixes: [Prefix; LEVELS],
+    counts: [Arc<AtomicUsize>; LEVELS],
+    progress: Progress,
     evict: Arc<Notify>,
 }
 
@@ -53,32 +96,55 @@ impl Gate {
         })
     }
 
+    /// The most places the prefix at `level` may hold.
+    fn bound(&self, level: usize) -> usize {
+        self.per_address
+            .saturating_mul(LEVELS - level)
+            .min(self.total)
+    }
+
     /// Admits a connection from `addr`, evicting a pending handshake where a bound is
-    /// reached: the oldest of its own source, or past the total, the oldest of the source that
-    /// holds the most.
-    pub(super) fn admit(self: &Arc<Self>, addr: IpAddr) -> Pending {
-        let addr = source(addr);
+    /// reached; `None` when every handshake that could give way is protected (the newcomer is
+    /// refused).
+    pub(super) fn admit(self: &Arc<Self>, addr: IpAddr) -> Option<Pending> {
+        let prefixes = prefixes(addr);
         let mut s = self.state.lock_unpoisoned();
-        let mine = s.per_address.get(&addr).copied().unwrap_or(0);
-        if mine >= self.per_address {
-            s.evict_oldest_of(addr);
-        } else if s.pending.len() >= self.total {
-            s.evict_from_largest();
+        // The finest prefix at its bound gives way within itself; that frees a place in
+        // every coarser one too. Past the total, the whole gate gives way.
+        let full = (0..LEVELS)
+            .rev()
+            .find(|&l| s.count(&prefixes[l]) >= self.bound(l));
+        let room = match full {
+            Some(l) => s.evict_within(Some((l, prefixes[l]))),
+            None if s.pending.len() >= self.total => s.evict_within(None),
+            None => true,
+        };
+        if !room {
+            s.refused += 1;
+            return None;
         }
         let ticket = s.next;
         s.next += 1;
         let evict = Arc::new(Notify::new());
-        s.pending.push_back(Entry {
-            ticket,
-            addr,
-            evict: evict.clone(),
+        let counts = prefixes.map(|p| {
+            let n = s.held.entry(p).or_default();
+            n.fetch_add(1, Ordering::Relaxed);
+            n.clone()
         });
-        *s.per_address.entry(addr).or_insert(0) += 1;
-        Pending {
+        s.pending.insert(
+            ticket,
+            Entry {
+                prefixes,
+                counts,
+                progress: Progress::Silent,
+                evict: evict.clone(),
+            },
+        );
+        Some(Pending {
             gate: self.clone(),
             ticket,
             evict,
-        }
+        })
     }
 
     /// Pending handshakes closed to make room for newer ones, so far.
@@ -86,63 +152,78 @@ impl Gate {
         self.state.lock_unpoisoned().evicted
     }
 
-    /// Closes a pending handshake of the source holding the most (the process ran out of file
+    /// Connections refused because every place that could give way was protected.
+    pub(super) fn refused(&self) -> u64 {
+        self.state.lock_unpoisoned().refused
+    }
+
+    /// Closes the pending handshake that would give way first (the process ran out of file
     /// descriptors: a stranger's socket gives way to the next connection).
     pub(super) fn make_room(&self) {
-        self.state.lock_unpoisoned().evict_from_largest();
+        self.state.lock_unpoisoned().evict_within(None);
     }
 }
 
-/// The source a connection is counted under: an IPv4 address, or an IPv6 /64 (one host
-/// commonly holds a whole /64, so counting its addresses apart would bound nothing).
-fn source(addr: IpAddr) -> IpAddr {
-    match addr {
+/// `addr` at every level, coarsest first.
+fn prefixes(addr: IpAddr) -> [Prefix; LEVELS] {
+    let (bits, value) = match addr {
+        IpAddr::V4(v4) => (V4_BITS, u128::from(v4.to_ipv6_mapped())),
         IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpAddr::V4(v4),
-            None => {
-                let mut o = v6.octets();
-                o[8..].fill(0);
-                IpAddr::V6(o.into())
-            }
+            Some(v4) => (V4_BITS, u128::from(v4.to_ipv6_mapped())),
+            None => (V6_BITS, u128::from(v6)),
         },
-        v4 => v4,
-    }
+    };
+    // IPv4 prefixes count from bit 96 of the mapped form.
+    let base = if bits == V4_BITS { 96 } else { 0 };
+    std::array::from_fn(|l| {
+        let keep = base + u32::from(bits[l]);
+        let mask = u128::MAX.checked_shl(128 - keep).unwrap_or(0);
+        (l as u8, value & mask)
+    })
 }
 
 impl State {
-    fn evict_oldest_of(&mut self, addr: IpAddr) {
-        if let Some(i) = self.pending.iter().position(|e| e.addr == addr) {
-            self.evict(i);
-        }
+    /// Places held under `prefix`.
+    fn count(&self, prefix: &Prefix) -> usize {
+        self.held
+            .get(prefix)
+            .map_or(0, |n| n.load(Ordering::Relaxed))
     }
 
-    /// Evicts the oldest pending handshake of the source holding the most places (the oldest
-    /// overall among sources that hold as many).
-    fn evict_from_largest(&mut self) {
-        let most = self.per_address.values().copied().max().unwrap_or(0);
-        if let Some(i) = self
+    /// Evicts the handshake that gives way first among those under `within` (a level and its
+    /// prefix; `None`: all): not protected; its prefixes holding the most, coarsest level
+    /// first; the least progress; the oldest. False if none may give way.
+    fn evict_within(&mut self, within: Option<(usize, Prefix)>) -> bool {
+        let victim = self
             .pending
             .iter()
-            .position(|e| self.per_address.get(&e.addr) == Some(&most))
-        {
-            self.evict(i);
-        }
-    }
-
-    /// Removes entry `i` and tells its connection to close.
-    fn evict(&mut self, i: usize) {
-        if let Some(e) = self.remove(i) {
+            .filter(|(_, e)| within.is_none_or(|(l, p)| e.prefixes[l] == p))
+            .filter(|(_, e)| !e.progress.protected())
+            .max_by_key(|(ticket, e)| {
+                let sizes: [usize; LEVELS] =
+                    std::array::from_fn(|l| e.counts[l].load(Ordering::Relaxed));
+                (
+                    sizes,
+                    std::cmp::Reverse(e.progress),
+                    std::cmp::Reverse(**ticket),
+                )
+            })
+            .map(|(ticket, _)| *ticket);
+        let Some(ticket) = victim else {
+            return false;
+        };
+        if let Some(e) = self.remove(ticket) {
             e.evict.notify_one();
             self.evicted += 1;
         }
+        true
     }
 
-    fn remove(&mut self, i: usize) -> Option<Entry> {
-        let e = self.pending.remove(i)?;
-        if let Some(n) = self.per_address.get_mut(&e.addr) {
-            *n -= 1;
-            if *n == 0 {
-                self.per_address.remove(&e.addr);
+    fn remove(&mut self, ticket: u64) -> Option<Entry> {
+        let e = self.pending.remove(&ticket)?;
+        for (p, n) in e.prefixes.iter().zip(&e.counts) {
+            if n.fetch_sub(1, Ordering::Relaxed) == 1 {
+                self.held.remove(p);
             }
         }
         Some(e)
@@ -154,65 +235,21 @@ impl Pending {
     pub(super) async fn evicted(&self) {
         self.evict.notified().await
     }
-}
 
-impl Drop for Pending {
-    fn drop(&mut self) {
+    /// Records how far the handshake has got (never backwards).
+    pub(super) fn advance(&self, to: Progress) {
         let mut s = self.gate.state.lock_unpoisoned();
-        if let Some(i) = s.pending.iter().position(|e| e.ticket == self.ticket) {
-            s.remove(i);
+        if let Some(e) = s.pending.get_mut(&self.ticket) {
+            e.progress = e.progress.max(to);
         }
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn ip(last: u8) -> IpAddr {
-        IpAddr::from([10, 0, 0, last])
-    }
-
-    #[test]
-    fn the_oldest_gives_way_per_address_then_overall() {
-        let gate = Gate::new(2, 3);
-        let a1 = gate.admit(ip(1));
-        let a2 = gate.admit(ip(1));
-        // A third from the same address evicts its oldest, not another address's.
-        let b1 = gate.admit(ip(2));
-        let a3 = gate.admit(ip(1));
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
-        let evicted = |p: &Pending| {
-            rt.block_on(async {
-                tokio::time::timeout(std::time::Duration::from_millis(5), p.evicted())
-                    .await
-                    .is_ok()
-            })
-        };
-        assert!(evicted(&a1));
-        assert!(!evicted(&a2) && !evicted(&b1) && !evicted(&a3));
-        // Past the total, the source holding the most (10.0.0.1, with a2 and a3) gives its
-        // oldest; b1, older but alone from its source, stays.
-        let c1 = gate.admit(ip(3));
-        assert!(evicted(&a2));
-        assert!(!evicted(&b1) && !evicted(&c1) && !evicted(&a3));
-        assert_eq!(gate.evicted(), 2);
-        // IPv6 addresses of one /64 are one source; a mapped IPv4 address is that address.
-        assert_eq!(
-            source("2001:db8::1".parse().unwrap()),
-            source("2001:db8::ffff:2".parse().unwrap())
-        );
-        assert_ne!(
-            source("2001:db8::1".parse().unwrap()),
-            source("2001:db8:0:1::1".parse().unwrap())
-        );
-        assert_eq!(source("::ffff:10.0.0.1".parse().unwrap()), ip(1));
-        // Places come back when handshakes end.
-        drop((a1, a2, b1, a3, c1));
-        let s = gate.state.lock().unwrap();
-        assert!(s.pending.is_empty() && s.per_address.is_empty());
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.gate.state.lock_unpoisoned().remove(self.ticket);
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -2,19 +2,20 @@
 //! prove they hold a key.
 //!
 //! One task per connection. A connection is accepted at once and admitted among the pending
-//! handshakes (`gate.rs`: a small budget of their own, bounded per source address, the oldest
-//! giving way to newcomers), then must complete the HELLO handshake — the client proves its
-//! key first — within `handshake_timeout`, reading at most a HELLO's worth of bytes. Only then
-//! does it take one of `max_connections` session places, and its requests are served in order
-//! (`session.rs`): each must arrive and be answered within `io_timeout`, and a connection idle
-//! for `idle_timeout` is closed. Every request is checked against its export and the key's
-//! role (`serve.rs`); a refused request gets an ERROR and the connection goes on; a protocol
-//! violation ends that connection only.
+//! handshakes (`gate.rs`: a small budget of their own, bounded per source prefix, the least
+//! advanced giving way to newcomers), then must complete the HELLO handshake — the client
+//! proves its key first — within `handshake_timeout`, reading at most a HELLO's worth of
+//! bytes. Only then does it take one of `max_connections` session places, shared fairly among
+//! keys (`slots.rs`), and its requests are served in order (`session.rs`): each must arrive
+//! and be answered within `io_timeout`, and a connection idle for `idle_timeout` is closed.
+//! Every request is checked against its export and the key's role (`serve.rs`); a refused
+//! request gets an ERROR and the connection goes on; a protocol violation ends that
+//! connection only.
 //!
-//! No export lock is ever held across socket IO: reads copy from memory exports into the
-//! session's buffer a chunk at a time, writes are received whole into it and then copied in.
-//! The buffers of all sessions together are bounded by `buffer_memory`, and an idle session
-//! gives its buffer back.
+//! No export lock is ever held across socket IO: reads copy from exports into the session's
+//! buffer a piece at a time, writes are received whole into it and then copied in. The
+//! buffers of all sessions together are bounded by `buffer_memory`, shared fairly among keys
+//! (`buffer.rs`), and an idle session gives its buffer back.
 //!
 //! Every agent draws a random instance number when it starts and tells it to clients (in the
 //! welcome and in STAT answers), so a client can tell a restarted agent — whose memory exports
@@ -24,6 +25,7 @@ mod buffer;
 mod gate;
 mod serve;
 mod session;
+mod slots;
 
 use crate::auth::{self, Key};
 use crate::tls::TlsServer;
@@ -32,10 +34,10 @@ use gpuio_hal::{DeviceBuffer, HostBuffer};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{RwLock, Semaphore, watch};
+use tokio::sync::{RwLock, watch};
 
 /// Whether an export may be written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -191,10 +193,13 @@ impl AgentConfig {
 pub struct AgentStats {
     /// Connections that completed the handshake.
     pub sessions: u64,
-    /// Connections refused in the handshake (wrong key, timed out, closed early, busy).
+    /// Connections refused in the handshake (wrong key, timed out, closed early, busy, or no
+    /// pending handshake could give way to them).
     pub refused_sessions: u64,
     /// Connections closed in their handshake to make room for newer ones.
     pub evicted_handshakes: u64,
+    /// Idle sessions closed to give their places to keys below their fair share.
+    pub preempted_sessions: u64,
     /// Requests served.
     pub served: u64,
     /// Requests refused (unknown export, out of bounds, not permitted, IO error).
@@ -247,12 +252,10 @@ struct Shared {
     dummy_secret: Vec<u8>,
     exports: HashMap<String, Served>,
     cfg: Limits,
-    sessions: Arc<Semaphore>,
-    sessions_per_key: Mutex<HashMap<String, usize>>,
-    /// Request buffers of all sessions, in units of [`buffer::BUFFER_UNIT`] bytes.
-    buffers: Arc<Semaphore>,
-    /// Request buffers of each key's sessions (a quarter of the whole, at least a message).
-    key_buffers: HashMap<String, Arc<Semaphore>>,
+    /// Session places, shared among keys.
+    slots: Arc<slots::Slots>,
+    /// Request buffers of all sessions, shared among keys.
+    buffers: Arc<buffer::Budget>,
     counters: Counters,
     #[cfg(feature = "rdma")]
     rdma: Option<Arc<gpuio_hal::rdma::RdmaDevice>>,
@@ -264,8 +267,6 @@ struct Limits {
     handshake_timeout: Duration,
     io_timeout: Duration,
     idle_timeout: Duration,
-    max_connections: usize,
-    max_sessions_per_key: usize,
 }
 
 /// A running agent. Dropping it shuts it down (as [`shutdown`](Self::shutdown) does).
@@ -327,12 +328,6 @@ impl Agent {
                 )));
             }
         }
-        let units = cfg.buffer_memory / buffer::BUFFER_UNIT;
-        let per_key = (units / 4).max(crate::wire::MAX_DATA / buffer::BUFFER_UNIT);
-        let key_buffers = keys
-            .keys()
-            .map(|id| (id.clone(), Arc::new(Semaphore::new(per_key))))
-            .collect();
         let random = auth::nonce()?;
         let instance = u64::from_le_bytes(random[..8].try_into().unwrap_or_default());
         // As long as a generated secret (64 bytes), so that an unknown key id costs the HMAC
@@ -347,13 +342,9 @@ impl Agent {
                 handshake_timeout: cfg.handshake_timeout,
                 io_timeout: cfg.io_timeout,
                 idle_timeout: cfg.idle_timeout,
-                max_connections: cfg.max_connections,
-                max_sessions_per_key: cfg.max_sessions_per_key,
             },
-            sessions: Arc::new(Semaphore::new(cfg.max_connections)),
-            sessions_per_key: Mutex::new(HashMap::new()),
-            buffers: Arc::new(Semaphore::new(units)),
-            key_buffers,
+            slots: slots::Slots::new(cfg.max_connections, cfg.max_sessions_per_key),
+            buffers: buffer::Budget::new(cfg.buffer_memory),
             counters: Counters::default(),
             #[cfg(feature = "rdma")]
             rdma: match &cfg.rdma {
@@ -405,8 +396,9 @@ impl Agent {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         AgentStats {
             sessions: get(&c.sessions),
-            refused_sessions: get(&c.refused_sessions),
+            refused_sessions: get(&c.refused_sessions) + self.gate.refused(),
             evicted_handshakes: self.gate.evicted(),
+            preempted_sessions: self.shared.slots.preempted(),
             served: get(&c.served),
             refused: get(&c.refused),
             protocol_errors: get(&c.protocol_errors),
@@ -441,7 +433,10 @@ impl Drop for Agent {
 }
 
 /// Opens a file export: it must exist and be a regular file (a typed error names it if not).
+/// The open does not block (a FIFO would wait for a writer forever) and cannot make a device
+/// the agent's terminal; the type is checked on the open file.
 fn open_export_file(name: &str, path: &std::path::Path, access: Access) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
     let fail = |source: std::io::Error| RemoteIoError::Export {
         export: name.to_string(),
         path: path.to_path_buf(),
@@ -450,6 +445,7 @@ fn open_export_file(name: &str, path: &std::path::Path, access: Access) -> Resul
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(access == Access::ReadWrite)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)
         .map_err(fail)?;
     let meta = file.metadata().map_err(fail)?;
@@ -473,20 +469,46 @@ async fn accept_loop(
 ) {
     let mut conns = tokio::task::JoinSet::new();
     let mut stop_rx = stopped.clone();
+    // A descriptor held back for when the process runs out: a connection that `accept` can
+    // give no descriptor is dropped by the kernel, so when none is free the spare is given
+    // up first, and the connection it lets in is told `Busy` instead.
+    let mut spare = std::fs::File::open("/dev/null").ok();
+    // Where even that cannot be opened, connections are served until `accept` fails.
+    let guarded = spare.is_some();
     loop {
+        if spare.is_none() {
+            spare = std::fs::File::open("/dev/null").ok();
+        }
         let accepted = tokio::select! {
-            a = listener.accept() => a,
+            a = std::future::poll_fn(|cx| {
+                // Short while the spare is given up, or when no descriptor is free (asked
+                // just before `accept` would take one).
+                let short =
+                    guarded && (spare.is_none() || std::fs::File::open("/dev/null").is_err());
+                if short {
+                    spare = None;
+                }
+                listener.poll_accept(cx).map(|a| a.map(|(stream, peer)| (stream, peer, short)))
+            }) => a,
             _ = stop_rx.changed() => break,
         };
         match accepted {
-            Ok((stream, peer)) => {
-                let pending = gate.admit(peer.ip());
+            Ok((stream, _, true)) => {
+                tracing::warn!("out of file descriptors: a connection is refused busy");
+                conns.spawn(session::refuse_busy(stream));
+            }
+            Ok((stream, peer, false)) => {
+                let Some(pending) = gate.admit(peer.ip()) else {
+                    // Every place is held by a handshake that is getting through.
+                    drop(stream);
+                    continue;
+                };
                 let (sh, stop, tls) = (sh.clone(), stopped.clone(), tls.clone());
                 conns.spawn(session::serve(sh, stream, peer, stop, tls, pending));
             }
             Err(e) => match e.raw_os_error() {
-                // Out of descriptors or memory: a stranger's pending socket gives way, and
-                // the next try waits a moment instead of spinning.
+                // Out of descriptors or memory with no spare left: a stranger's pending
+                // socket gives way, and the next try waits a moment instead of spinning.
                 Some(errno) if is_resource_shortage(errno) => {
                     tracing::warn!(error = %e, "accepting a connection failed");
                     gate.make_room();

@@ -1,7 +1,10 @@
-//! Serving one request whose header was read: STAT, READ, WRITE and the RDMA exchange, each
-//! checked against its export (exists, in bounds) and the key's role, answered with its result
-//! or a refusal. Export locks are held only while bytes are copied between the export and the
-//! session's buffer, never across socket IO.
+//! Serving one request whose header was read: STAT, READ, WRITE, SYNC, RESERVE and the RDMA
+//! exchange, each checked against its export (exists, in bounds) and the key's role, answered
+//! with its result or a refusal. Export locks are held only while bytes are copied between the
+//! export and the session's buffer, never across socket IO. A read of a file or GPU memory
+//! goes out a piece at a time, so a client that does not read its answer holds one piece of
+//! buffer, not the whole read. A write that extends a file reserves its blocks first: a full
+//! disk refuses it before a byte lands.
 
 use super::buffer::Buffer;
 use super::session::read_payload;
@@ -13,9 +16,9 @@ use gpuio_hal::ErrorCode;
 use std::os::unix::fs::FileExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-/// Bytes of a memory export copied under its read lock at a time where the answer cannot be
-/// written without waiting (TLS): the lock is held for a memcpy of this size, then released
-/// while the bytes go out.
+/// Bytes of an answer staged in the session's buffer at a time: a memory export's under its
+/// read lock where the answer cannot be written without waiting (TLS; the lock is held for a
+/// memcpy of this size, then released while the bytes go out), and a file's or GPU memory's.
 const READ_CHUNK: usize = 1 << 20;
 
 /// Where a session's answers go. Plain TCP takes bytes without waiting (`try_write`), so a
@@ -149,6 +152,8 @@ pub(super) async fn serve_one(
                 len,
             } => return read(sh, wr, id, &export, offset, len, &mut state.buffer).await,
             Message::StatReq { export } => stat(sh, role, &export).await,
+            Message::SyncReq { export } => sync(sh, role, &export).await,
+            Message::ReserveReq { export, len } => reserve(sh, role, &export, len).await,
             Message::RdmaRequest { info, export } => {
                 rdma_link(sh, role, &export, &info, state).await
             }
@@ -267,6 +272,14 @@ fn hal_refusal(e: gpuio_hal::HalError) -> Refusal {
     Refusal::new(e.code(), e.to_string())
 }
 
+/// The room a buffer needs could not be had (the machine cannot back it now).
+fn no_memory(e: gpuio_hal::HalError) -> Refusal {
+    Refusal::new(
+        ErrorCode::Busy,
+        format!("the agent is short of memory: {e}"),
+    )
+}
+
 /// The bytes an export holds now.
 async fn size(source: &Source) -> std::result::Result<u64, Refusal> {
     Ok(match source {
@@ -293,8 +306,86 @@ async fn stat(sh: &Shared, role: Role, name: &str) -> Answer {
         size: size(&ex.source).await?,
         capacity: capacity(&ex.source).await?,
         writable: may_write(ex, role),
+        durable: matches!(ex.source, Source::File { .. }),
         instance: sh.instance,
     })
+}
+
+/// The export `name`, if this session may write it.
+fn writable<'a>(
+    sh: &'a Shared,
+    role: Role,
+    name: &str,
+) -> std::result::Result<&'a Served, Refusal> {
+    let ex = export(sh, name)?;
+    if !may_write(ex, role) {
+        return Err(Refusal::new(
+            ErrorCode::Permission,
+            format!("writing export {name:?} is not permitted"),
+        ));
+    }
+    Ok(ex)
+}
+
+/// Makes what was written to a file export durable (`fdatasync`), on a blocking thread.
+/// Memory and GPU memory start afresh when the agent restarts: refused, saying so.
+async fn sync(sh: &Shared, role: Role, name: &str) -> Answer {
+    let Source::File { file, .. } = &writable(sh, role, name)?.source else {
+        return Err(Refusal::new(
+            ErrorCode::Unsupported,
+            format!(
+                "export {name:?} is memory, which starts afresh when the agent restarts: it \
+                 cannot be made durable"
+            ),
+        ));
+    };
+    let file = file.clone();
+    blocking(move || file.sync_data().map_err(io_refusal)).await?;
+    Ok(Message::Done)
+}
+
+/// Reserves room for the first `len` bytes of a file export (its blocks allocated, its size
+/// unchanged), so that a copy the disk cannot hold is refused before it writes anything.
+/// Memory and GPU memory hold their bytes already: only the bounds are checked.
+async fn reserve(sh: &Shared, role: Role, name: &str, len: u64) -> Answer {
+    let ex = writable(sh, role, name)?;
+    in_bounds(name, 0, len, capacity(&ex.source).await?)?;
+    if let Source::File { file, .. } = &ex.source {
+        let file = file.clone();
+        let name = name.to_string();
+        blocking(move || reserve_file(&file, &name, 0, len)).await?;
+    }
+    Ok(Message::Done)
+}
+
+/// Allocates the blocks of `offset..offset+len` of a file export; a full disk is refused
+/// naming the export.
+fn reserve_file(
+    file: &std::fs::File,
+    name: &str,
+    offset: u64,
+    len: u64,
+) -> std::result::Result<(), Refusal> {
+    gpuio_hal::file::reserve_space(file, offset, len).map_err(|e| {
+        let why = if e.kind() == std::io::ErrorKind::StorageFull {
+            "the disk cannot hold it"
+        } else {
+            "its room could not be reserved"
+        };
+        Refusal::new(
+            ErrorCode::from_io(&e),
+            format!("{offset}+{len} of export {name:?}: {why} ({e}); nothing was written"),
+        )
+    })
+}
+
+/// Runs `op` on a blocking thread.
+async fn blocking(
+    op: impl FnOnce() -> std::result::Result<(), Refusal> + Send + 'static,
+) -> std::result::Result<(), Refusal> {
+    tokio::task::spawn_blocking(op)
+        .await
+        .unwrap_or_else(|e| Err(Refusal::new(ErrorCode::General, e.to_string())))
 }
 
 /// Serves a read: memory exports are copied out a chunk at a time under their read lock and
@@ -312,7 +403,7 @@ async fn read(
         Ok(ex) => ex,
         Err(r) => return answer(sh, wr, id, Err(r)).await,
     };
-    let filled = match &ex.source {
+    let checked = match &ex.source {
         Source::Memory(mem) => {
             let size = mem.read().await.len() as u64;
             // Checked now, and each piece again as it is sent (the program may swap in a
@@ -327,44 +418,69 @@ async fn read(
             Counters::add(&sh.counters.bytes_read, len);
             return Ok(());
         }
-        Source::Device(buf) => {
-            let buf = buf.clone();
-            match in_bounds(name, offset, len, buf.len() as u64) {
-                Ok(_) => {
-                    through_buffer(buffer, len as usize, move |data| {
-                        buf.gpu()
-                            .stream()
-                            .and_then(|s| s.download(&buf, offset as usize, data))
-                            .map_err(hal_refusal)
-                    })
-                    .await
-                }
-                Err(r) => Err(r),
-            }
-        }
-        Source::File { file, .. } => {
-            let file = file.clone();
-            let size = file.metadata().map(|m| m.len()).map_err(io_refusal);
-            match size.and_then(|size| in_bounds(name, offset, len, size)) {
-                Ok(_) => {
-                    through_buffer(buffer, len as usize, move |data| {
-                        file.read_exact_at(data, offset).map_err(io_refusal)
-                    })
-                    .await
-                }
-                Err(r) => Err(r),
-            }
-        }
+        Source::Device(buf) => in_bounds(name, offset, len, buf.len() as u64),
+        Source::File { file, .. } => file
+            .metadata()
+            .map_err(io_refusal)
+            .and_then(|m| in_bounds(name, offset, len, m.len())),
     };
-    if let Err(r) = filled {
-        return answer(sh, wr, id, Err(r)).await;
+    let range = match checked {
+        Ok(range) => range,
+        Err(r) => return answer(sh, wr, id, Err(r)).await,
+    };
+    // The first piece is read before the answer's head goes out, so that a failure there is
+    // still a refusal; a failure after it can only end the connection.
+    let mut at = range.start;
+    let mut first = true;
+    while first || at < range.end {
+        let n = READ_CHUNK.min(range.end - at);
+        let piece = fill_piece(&ex.source, at as u64, n, buffer).await;
+        if first {
+            first = false;
+            if let Err(r) = piece {
+                return answer(sh, wr, id, Err(r)).await;
+            }
+            wr.write_all(&wire::read_resp_head(id, range.len())).await?;
+        } else if piece.is_err() {
+            return Err(Fatal::Gone);
+        }
+        let data = buffer.get(n).await.map_err(|_| Fatal::Gone)?;
+        wr.write_all(data).await?;
+        at += n;
     }
-    let data = buffer.get(len as usize).await;
-    wr.write_all(&wire::read_resp_head(id, data.len())).await?;
-    wr.write_all(data).await?;
     Counters::add(&sh.counters.served, 1);
     Counters::add(&sh.counters.bytes_read, len);
     Ok(())
+}
+
+/// Reads `n` bytes of a GPU memory or file export at `offset` into the session's buffer, on a
+/// blocking thread.
+async fn fill_piece(
+    source: &Source,
+    offset: u64,
+    n: usize,
+    buffer: &mut Buffer,
+) -> std::result::Result<(), Refusal> {
+    match source {
+        Source::Device(buf) => {
+            let buf = buf.clone();
+            through_buffer(buffer, n, move |data| {
+                buf.gpu()
+                    .stream()
+                    .and_then(|s| s.download(&buf, offset as usize, data))
+                    .map_err(hal_refusal)
+            })
+            .await
+        }
+        Source::File { file, .. } => {
+            let file = file.clone();
+            through_buffer(buffer, n, move |data| {
+                file.read_exact_at(data, offset).map_err(io_refusal)
+            })
+            .await
+        }
+        Source::Memory(_) => Ok(()),
+    }
 }
 
 /// Sends `range` of a memory export, never holding its lock while waiting for the socket.
@@ -391,7 +507,10 @@ async fn send_memory<W: Answers>(
         }
         return Ok(());
     }
-    let chunk = buffer.get(READ_CHUNK.min(range.len())).await;
+    let chunk = buffer
+        .get(READ_CHUNK.min(range.len()))
+        .await
+        .map_err(std::io::Error::other)?;
     while at < range.end {
         let n = chunk.len().min(range.end - at);
         match mem.read().await.get(at..at + n) {
@@ -418,9 +537,9 @@ async fn through_buffer(
     len: usize,
     op: impl FnOnce(&mut [u8]) -> std::result::Result<(), Refusal> + Send + 'static,
 ) -> std::result::Result<(), Refusal> {
-    let mut lent = buffer.lend(len).await;
+    let mut lent = buffer.lend(len).await.map_err(no_memory)?;
     let done = tokio::task::spawn_blocking(move || {
-        let r = op(&mut lent.bytes);
+        let r = op(lent.bytes());
         (r, lent)
     })
     .await;
@@ -456,17 +575,10 @@ async fn write<R: AsyncRead + Unpin>(
         }
         Ok(Err(r))
     };
-    let ex = match export(sh, &name) {
+    let ex = match writable(sh, role, &name) {
         Ok(ex) => ex,
         Err(r) => return refuse(rd, r).await,
     };
-    if !may_write(ex, role) {
-        let r = Refusal::new(
-            ErrorCode::Permission,
-            format!("writing export {name:?} is not permitted"),
-        );
-        return refuse(rd, r).await;
-    }
     let capacity = match capacity(&ex.source).await {
         Ok(c) => c,
         Err(r) => return refuse(rd, r).await,
@@ -475,10 +587,20 @@ async fn write<R: AsyncRead + Unpin>(
         Ok(r) => r,
         Err(r) => return refuse(rd, r).await,
     };
-    rd.read_exact(buffer.get(len as usize).await).await?;
+    if let Source::File { file, .. } = &ex.source {
+        let (file, name) = (file.clone(), name.clone());
+        if let Err(r) = blocking(move || reserve_file(&file, &name, offset, len)).await {
+            return refuse(rd, r).await;
+        }
+    }
+    let data = match buffer.get(len as usize).await {
+        Ok(data) => data,
+        Err(e) => return refuse(rd, no_memory(e)).await,
+    };
+    rd.read_exact(data).await?;
     let moved = match &ex.source {
         Source::Memory(mem) => {
-            let data = buffer.get(len as usize).await;
+            let data = buffer.get(len as usize).await.map_err(|_| Fatal::Gone)?;
             // The exporting program may have swapped in a smaller buffer meanwhile.
             match mem.write().await.as_mut_slice().get_mut(range) {
                 Some(to) => {

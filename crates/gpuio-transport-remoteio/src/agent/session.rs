@@ -2,19 +2,19 @@
 //! first), then its requests in order, each within the agent's timeouts.
 
 use super::buffer::Buffer;
-use super::gate::Pending;
+use super::gate::{Pending, Progress};
+use super::slots::{NoSlot, Slot};
 use super::{Counters, Shared, serve};
 use crate::auth::{self, Role};
 use crate::wire::{HEADER_LEN, Header, MAX_HANDSHAKE_PAYLOAD, Message};
 use crate::{RemoteIoError, Result};
 use gpuio_hal::ErrorCode;
-use gpuio_hal::sync::MutexExt;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::{OwnedSemaphorePermit, watch};
+use tokio::sync::watch;
 
 /// How long a session may wait for its next request before giving its buffer back.
 const KEEP_BUFFER: Duration = Duration::from_millis(100);
@@ -31,6 +31,25 @@ pub(super) async fn serve(
     let _ = stream.set_nodelay(true);
     // One deadline for the whole handshake, TLS and HELLO together.
     let deadline = tokio::time::Instant::now() + sh.cfg.handshake_timeout;
+    // A socket that has sent something gives way after the silent ones; one that closed
+    // before a byte is done with (an end of stream is no progress).
+    let mut first = [0u8; 1];
+    let spoke = tokio::select! {
+        r = tokio::time::timeout_at(deadline, stream.peek(&mut first)) => r,
+        _ = pending.evicted() => {
+            Counters::add(&sh.counters.refused_sessions, 1);
+            return;
+        }
+    };
+    match spoke {
+        Ok(Ok(n)) if n > 0 => pending.advance(Progress::Spoke),
+        Ok(_) => {
+            Counters::add(&sh.counters.refused_sessions, 1);
+            return;
+        }
+        // Silent to the deadline: the handshake below fails at once, saying so.
+        Err(_) => {}
+    }
     let Some(acceptor) = tls else {
         let (rd, wr) = stream.into_split();
         return serve_session(sh, rd, wr, peer, stop, pending, deadline).await;
@@ -45,6 +64,7 @@ pub(super) async fn serve(
     };
     match tls {
         Ok(Ok(tls)) => {
+            pending.advance(Progress::Secured);
             let (rd, wr) = tokio::io::split(tls);
             serve_session(sh, rd, wr, peer, stop, pending, deadline).await;
         }
@@ -57,6 +77,19 @@ pub(super) async fn serve(
             Counters::add(&sh.counters.refused_sessions, 1);
         }
     }
+}
+
+/// Tells a connection accepted with the last spare descriptor that the agent is busy, and
+/// closes it (taking the client's HELLO first, so the close does not reset the answer away).
+pub(super) async fn refuse_busy(mut stream: TcpStream) {
+    let msg = "the agent is out of file descriptors: try again shortly";
+    send_error(&mut stream, ErrorCode::Busy, msg, 0).await;
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        let _ = stream.shutdown().await;
+        let mut sink = [0u8; MAX_HANDSHAKE_PAYLOAD as usize + HEADER_LEN];
+        while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+    })
+    .await;
 }
 
 /// A refused handshake: what the client is told (its code and a message without prefix).
@@ -87,12 +120,15 @@ fn refuse(message: &str) -> Refused {
     }
 }
 
-/// A session's places: one of the agent's sessions, one of its key's.
-struct Admitted<'a> {
+/// A session's standing: what its key may do, and its place.
+struct Admitted {
     role: Role,
-    _session: OwnedSemaphorePermit,
-    key: KeySlot<'a>,
+    key: Arc<str>,
+    slot: Slot,
 }
+
+/// How long a request being served may still run once the agent is told to stop.
+const STOP_GRACE: Duration = Duration::from_secs(1);
 
 /// Serves a connection's session: the handshake (while it holds its pending place), then its
 /// requests.
@@ -105,7 +141,8 @@ async fn serve_session(
     pending: Pending,
     deadline: tokio::time::Instant,
 ) {
-    let shake = tokio::time::timeout_at(deadline, handshake(&sh, &mut rd, &mut wr));
+    let shake = handshake(&sh, &mut rd, &mut wr, &pending, deadline);
+    let shake = tokio::time::timeout_at(deadline, shake);
     let shaken = tokio::select! {
         s = shake => s,
         _ = pending.evicted() => {
@@ -131,27 +168,41 @@ async fn serve_session(
             return;
         }
     };
-    // Every key has its budget (made from the same keys); the agent's whole is the fallback.
-    let key_budget = sh
-        .key_buffers
-        .get(&admitted.key.key)
-        .cloned()
-        .unwrap_or_else(|| sh.buffers.clone());
-    let mut state = serve::SessionState::new(Buffer::new(key_budget, sh.buffers.clone()));
+    let slot = &admitted.slot;
+    let buffer = Buffer::new(sh.buffers.clone(), admitted.key.clone());
+    let mut state = serve::SessionState::new(buffer);
     loop {
+        slot.set_idle(true);
         let first = tokio::select! {
             b = next_request(&sh, &mut rd, &mut state.buffer) => b,
             _ = stop.changed() => return,
+            // Its place went to a key below its share: close between requests.
+            _ = slot.preempted() => return,
         };
         let first = match first {
             Some(Ok(b)) => b,
             Some(Err(_)) | None => return,
         };
-        let served = tokio::time::timeout(sh.cfg.io_timeout, async {
-            let header = read_header_rest(&mut rd, first).await?;
-            serve::serve_one(&sh, admitted.role, &mut rd, &mut wr, header, &mut state).await
-        });
-        match served.await {
+        if !slot.set_idle(false) {
+            return;
+        }
+        let served = {
+            let served = tokio::time::timeout(sh.cfg.io_timeout, async {
+                let header = read_header_rest(&mut rd, first).await?;
+                serve::serve_one(&sh, admitted.role, &mut rd, &mut wr, header, &mut state).await
+            });
+            tokio::pin!(served);
+            tokio::select! {
+                s = &mut served => s,
+                // Stopping: a request on its way gets a moment to finish, a stalled one does
+                // not hold the agent up for its whole io_timeout.
+                _ = stop.changed() => match tokio::time::timeout(STOP_GRACE, &mut served).await {
+                    Ok(s) => s,
+                    Err(_) => return,
+                },
+            }
+        };
+        match served {
             Ok(Ok(())) => {}
             Ok(Err(serve::Fatal::Protocol(e))) => {
                 Counters::add(&sh.counters.protocol_errors, 1);
@@ -235,15 +286,19 @@ pub(super) async fn read_payload(
 /// anything, so a stranger learns nothing to test guesses against; an unknown key id gets a
 /// challenge just like a known one and is refused with the same words after the proof, so key
 /// ids cannot be told apart either.
-async fn handshake<'a>(
-    sh: &'a Shared,
+async fn handshake(
+    sh: &Shared,
     rd: &mut (impl AsyncRead + Unpin),
     wr: &mut (impl AsyncWrite + Unpin),
-) -> std::result::Result<Admitted<'a>, Refused> {
+    pending: &Pending,
+    deadline: tokio::time::Instant,
+) -> std::result::Result<Admitted, Refused> {
     let hello = read_message(rd, MAX_HANDSHAKE_PAYLOAD).await?;
     let Some((_, Message::Hello { key_id, nonce: cn })) = hello else {
         return Err(refuse("the first message must be HELLO"));
     };
+    // It speaks the protocol: its place is kept until the deadline.
+    pending.advance(Progress::Hello);
     let sn = auth::nonce()?;
     send(wr, &Message::Challenge { nonce: sn }, 0).await?;
     let Some((_, Message::Proof { proof })) = read_message(rd, MAX_HANDSHAKE_PAYLOAD).await? else {
@@ -255,22 +310,22 @@ async fn handshake<'a>(
     let Some(key) = key.filter(|_| proven) else {
         return Err(refuse("wrong key or unknown key id"));
     };
-    let busy = |message: String| Refused {
-        code: ErrorCode::Busy,
-        message,
-    };
-    let session = sh.sessions.clone().try_acquire_owned().map_err(|_| {
-        busy(format!(
-            "the agent serves its maximum of {} sessions",
-            sh.cfg.max_connections
-        ))
-    })?;
-    let slot = KeySlot::take(sh, &key_id).ok_or_else(|| {
-        busy(format!(
-            "key {key_id:?} already holds {} sessions",
-            sh.cfg.max_sessions_per_key
-        ))
-    })?;
+    // Waits for a place only where the key is owed one, and leaves time to say `Busy` before
+    // the handshake's deadline.
+    let wait_until = deadline - sh.cfg.handshake_timeout / 10;
+    let slot = sh
+        .slots
+        .take(&key_id, wait_until)
+        .await
+        .map_err(|why| Refused {
+            code: ErrorCode::Busy,
+            message: match why {
+                NoSlot::KeyFull => format!("key {key_id:?} holds its maximum of sessions"),
+                NoSlot::Full => "the agent serves its maximum of sessions, and this key its \
+                                 share of them"
+                    .into(),
+            },
+        })?;
     let proof = auth::server_proof(secret, &cn, &sn).ok_or_else(|| refuse("unusable key"))?;
     let welcome = Message::Welcome {
         proof,
@@ -279,8 +334,8 @@ async fn handshake<'a>(
     send(wr, &welcome, 0).await?;
     Ok(Admitted {
         role: key.role,
-        _session: session,
-        key: slot,
+        key: key_id.into(),
+        slot,
     })
 }
 
@@ -296,37 +351,4 @@ async fn send_error(wr: &mut (impl AsyncWrite + Unpin), code: ErrorCode, message
         message: message.into(),
     };
     let _ = tokio::time::timeout(Duration::from_secs(1), send(wr, &msg, id)).await;
-}
-
-/// A key's hold on one of its sessions; released when the connection ends.
-struct KeySlot<'a> {
-    sh: &'a Shared,
-    key: String,
-}
-
-impl<'a> KeySlot<'a> {
-    fn take(sh: &'a Shared, key: &str) -> Option<Self> {
-        let mut per_key = sh.sessions_per_key.lock_unpoisoned();
-        let n = per_key.entry(key.to_string()).or_insert(0);
-        if *n >= sh.cfg.max_sessions_per_key {
-            return None;
-        }
-        *n += 1;
-        Some(Self {
-            sh,
-            key: key.to_string(),
-        })
-    }
-}
-
-impl Drop for KeySlot<'_> {
-    fn drop(&mut self) {
-        let mut per_key = self.sh.sessions_per_key.lock_unpoisoned();
-        if let Some(n) = per_key.get_mut(&self.key) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                per_key.remove(&self.key);
-            }
-        }
-    }
 }

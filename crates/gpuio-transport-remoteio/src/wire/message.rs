@@ -114,9 +114,29 @@ pub enum Message {
         capacity: u64,
         /// Whether this session may write it.
         writable: bool,
+        /// Whether [`Message::SyncReq`] makes written bytes durable (a file export; memory
+        /// starts afresh when the agent restarts).
+        durable: bool,
         /// The agent's instance (as in [`Message::Welcome`]).
         instance: u64,
     },
+    /// Asks the agent to make the bytes written to an export durable (`fdatasync` of a file
+    /// export); answered [`Message::Done`], or refused where the export cannot be.
+    SyncReq {
+        /// The export's name.
+        export: String,
+    },
+    /// Asks the agent to reserve room for the first `len` bytes of an export before any is
+    /// written (a file export's blocks are allocated), so that a copy the disk cannot hold is
+    /// refused before it overwrites anything; answered [`Message::Done`].
+    ReserveReq {
+        /// The export's name.
+        export: String,
+        /// Bytes from the start.
+        len: u64,
+    },
+    /// A [`Message::SyncReq`] or [`Message::ReserveReq`] done.
+    Done,
     /// RDMA connection information: the agent's queue pair and the export's region.
     RdmaInfo(RdmaInfo),
     /// A client's request to reach `export` over RDMA from its queue pair `info` (its `rkey`
@@ -161,12 +181,16 @@ impl fmt::Debug for Message {
                 size,
                 capacity,
                 writable,
+                durable,
                 instance,
             } => write!(
                 f,
-                "StatResp {{ {size} of {capacity} bytes, writable: {writable}, instance \
-                 {instance:#x} }}"
+                "StatResp {{ {size} of {capacity} bytes, writable: {writable}, durable: \
+                 {durable}, instance {instance:#x} }}"
             ),
+            Self::SyncReq { export } => write!(f, "SyncReq {{ {export:?} }}"),
+            Self::ReserveReq { export, len } => write!(f, "ReserveReq {{ {export:?}, {len} }}"),
+            Self::Done => write!(f, "Done"),
             Self::RdmaInfo(i) => write!(f, "{i:?}"),
             Self::RdmaRequest { info, export } => {
                 write!(f, "RdmaRequest {{ {export:?}, {info:?} }}")
@@ -188,6 +212,9 @@ impl Message {
             Self::WriteResp { .. } => MsgType::WriteResp,
             Self::StatReq { .. } => MsgType::StatReq,
             Self::StatResp { .. } => MsgType::StatResp,
+            Self::SyncReq { .. } => MsgType::SyncReq,
+            Self::ReserveReq { .. } => MsgType::ReserveReq,
+            Self::Done => MsgType::Done,
             Self::RdmaInfo(_) | Self::RdmaRequest { .. } => MsgType::RdmaInfo,
             Self::Error { .. } => MsgType::Error,
         }
@@ -250,13 +277,21 @@ impl Message {
                 size,
                 capacity,
                 writable,
+                durable,
                 instance,
             } => {
                 p.extend_from_slice(&size.to_le_bytes());
                 p.extend_from_slice(&capacity.to_le_bytes());
                 p.push(u8::from(*writable));
+                p.push(u8::from(*durable));
                 p.extend_from_slice(&instance.to_le_bytes());
             }
+            Self::SyncReq { export } => put_str(&mut p, &name(export)),
+            Self::ReserveReq { export, len } => {
+                put_str(&mut p, &name(export));
+                p.extend_from_slice(&len.to_le_bytes());
+            }
+            Self::Done => {}
             Self::RdmaInfo(i) => i.put(&mut p),
             Self::RdmaRequest { info, export } => {
                 info.put(&mut p);
@@ -300,6 +335,9 @@ impl Message {
             MsgType::WriteResp => "WRITE_RESP",
             MsgType::StatReq => "STAT_REQ",
             MsgType::StatResp => "STAT_RESP",
+            MsgType::SyncReq => "SYNC_REQ",
+            MsgType::ReserveReq => "RESERVE_REQ",
+            MsgType::Done => "DONE",
             MsgType::RdmaInfo => "RDMA_INFO",
             MsgType::Error => "ERROR",
         };
@@ -342,18 +380,24 @@ impl Message {
             (MsgType::StatResp, 0) => {
                 let size = r.u64()?;
                 let capacity = r.u64()?;
-                let writable = match r.array::<1>()? {
-                    [0] => false,
-                    [1] => true,
-                    [b] => return Err(r.bad(format!("writable flag {b}"))),
-                };
+                let writable = r.flag("writable")?;
+                let durable = r.flag("durable")?;
                 Self::StatResp {
                     size,
                     capacity,
                     writable,
+                    durable,
                     instance: r.u64()?,
                 }
             }
+            (MsgType::SyncReq, 0) => Self::SyncReq {
+                export: r.string(MAX_NAME)?,
+            },
+            (MsgType::ReserveReq, 0) => Self::ReserveReq {
+                export: r.string(MAX_NAME)?,
+                len: r.u64()?,
+            },
+            (MsgType::Done, 0) => Self::Done,
             (MsgType::RdmaInfo, 0) => Self::RdmaInfo(RdmaInfo::take(&mut r)?),
             (MsgType::RdmaInfo, FLAG_RDMA_REQUEST) => Self::RdmaRequest {
                 info: RdmaInfo::take(&mut r)?,

@@ -19,8 +19,9 @@ pub use stream::{READ_RESP_HEAD, WriteHead, check_read_resp, read_resp_head, wri
 /// `GPUI` in the header's first four bytes.
 pub const MAGIC: u32 = 0x4750_5549;
 /// The protocol version this build speaks. Version 2: the client proves its key first, the
-/// welcome carries the agent's proof and instance, STAT answers carry the instance.
-pub const VERSION: u16 = 2;
+/// welcome carries the agent's proof and instance, STAT answers carry the instance. Version 3:
+/// STAT answers say whether an export can be made durable; SYNC and RESERVE requests.
+pub const VERSION: u16 = 3;
 /// Bytes of the message header.
 pub const HEADER_LEN: usize = 28;
 /// Largest payload accepted (a READ/WRITE carries at most [`MAX_DATA`] bytes of data).
@@ -69,6 +70,12 @@ pub enum MsgType {
     StatReq = 0x14,
     /// The answer to a STAT_REQ (gpuio extension).
     StatResp = 0x15,
+    /// Make an export's written bytes durable (gpuio extension).
+    SyncReq = 0x16,
+    /// Reserve room for an export's first bytes before writing them (gpuio extension).
+    ReserveReq = 0x17,
+    /// A SYNC_REQ or RESERVE_REQ done (gpuio extension).
+    Done = 0x18,
     /// RDMA connection information.
     RdmaInfo = 0x20,
     /// A refused or failed request (and, for a protocol error, the end of the connection).
@@ -86,6 +93,9 @@ impl MsgType {
             0x13 => Self::WriteResp,
             0x14 => Self::StatReq,
             0x15 => Self::StatResp,
+            0x16 => Self::SyncReq,
+            0x17 => Self::ReserveReq,
+            0x18 => Self::Done,
             0x20 => Self::RdmaInfo,
             0xFF => Self::Error,
             _ => return None,
@@ -239,6 +249,15 @@ impl<'a> Reader<'a> {
 
     fn u64(&mut self) -> Result<u64, WireError> {
         Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    /// A byte that must be 0 (false) or 1 (true).
+    fn flag(&mut self, what: &str) -> Result<bool, WireError> {
+        match self.array::<1>()? {
+            [0] => Ok(false),
+            [1] => Ok(true),
+            [b] => Err(self.bad(format!("{what} flag {b}"))),
+        }
     }
 
     fn string(&mut self, max: usize) -> Result<String, WireError> {

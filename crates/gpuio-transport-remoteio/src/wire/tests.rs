@@ -80,8 +80,17 @@ fn every_message_round_trips() {
             size: 1 << 33,
             capacity: 1 << 34,
             writable: true,
+            durable: false,
             instance: 42,
         },
+        Message::SyncReq {
+            export: "ckpt".into(),
+        },
+        Message::ReserveReq {
+            export: "ckpt".into(),
+            len: 1 << 36,
+        },
+        Message::Done,
         Message::RdmaRequest {
             info: RdmaInfo {
                 qp_num: 9,

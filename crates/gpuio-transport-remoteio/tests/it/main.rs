@@ -7,6 +7,7 @@
 //! `tests/load.rs` is a binary of its own: it samples the process's resident memory, which
 //! tests running beside it in one process would move.
 
+mod fairness;
 mod hostile;
 #[cfg(feature = "rdma")]
 mod rdma;

@@ -359,6 +359,7 @@ fn a_peer_stripes_large_transfers_over_several_connections() {
             size: MEM_LEN as u64,
             capacity: MEM_LEN as u64,
             writable: true,
+            durable: false,
             instance: s.agent.instance(),
         }
     );
@@ -478,4 +479,31 @@ fn gpu_memory_exports_are_served_through_the_copy_engines() {
         ErrorCode::InvalidArg
     );
     c.read("hbm", 0, &mut back[..16]).unwrap();
+}
+
+#[test]
+fn a_fake_agent_trickling_its_handshake_cannot_hold_a_client_past_its_timeout() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let Ok((mut s, _)) = listener.accept() else {
+            return;
+        };
+        // A challenge, one byte every 100 ms: each read is quick, the whole never ends.
+        let challenge = Message::Challenge { nonce: [1; 32] }.encode(0);
+        for b in challenge.iter().cycle().take(600) {
+            std::thread::sleep(Duration::from_millis(100));
+            if std::io::Write::write_all(&mut s, &[*b]).is_err() {
+                return;
+            }
+        }
+    });
+    let started = std::time::Instant::now();
+    let r = connect(addr, "writer", RW_KEY, Duration::from_secs(1));
+    let took = started.elapsed();
+    match r {
+        Err(e) => assert_eq!(e.code(), ErrorCode::Timeout, "{e}"),
+        Ok(_) => panic!("a fake agent completed the handshake"),
+    }
+    assert!(took < Duration::from_secs(3), "the handshake took {took:?}");
 }
