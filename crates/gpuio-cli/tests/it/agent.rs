@@ -556,3 +556,34 @@ fn an_agent_out_of_descriptors_answers_busy() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+#[test]
+fn sigterm_does_not_wait_for_a_stalled_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agent = start_agent(&agent_config(dir.path(), free_port(), ""));
+    let t = Duration::from_secs(5);
+    let mut c = gpuio_transport_remoteio::Connection::connect(agent.addr, &creds(), t).unwrap();
+    // A write of 8 MiB whose data stops after 1 KiB: the agent waits for the rest, up to
+    // its io_timeout (30 s).
+    let head = gpuio_transport_remoteio::wire::write_req_head(1, "mem", 0, 8 << 20);
+    c.send_raw(&head).unwrap();
+    c.send_raw(&[7u8; 1024]).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let pid = agent.child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let started = Instant::now();
+    while agent.child.try_wait().unwrap().is_none() {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the agent still runs after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(c);
+}
