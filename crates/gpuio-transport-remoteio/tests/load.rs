@@ -1,6 +1,6 @@
 //! Many clients at once: 64 clients, each with a region of one memory export to itself, write
 //! fresh bytes, read them back and compare, in mixed sizes, over loopback for
-//! `GPUIO_LOAD_SECONDS` (5 by default; 60 for the long run). No request may fail, no byte may
+//! `GPUIO_LOAD_SECONDS` (5 by default; 60 for the long run), over plain TCP and then TLS. No request may fail, no byte may
 //! differ, and the process's memory must stay flat once the agent's buffers are warm.
 //!
 //! A test binary of its own, not a module of `tests/it`: it samples this process's resident
@@ -10,7 +10,7 @@
 use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
 use gpuio_transport_remoteio::{
     Access, Agent, AgentConfig, Credentials, Export, ExportSource, Key, PeerConfig, RemoteExport,
-    RemotePeer, Role, shared_memory,
+    RemotePeer, Role, TlsClient, TlsServer, shared_memory,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -30,6 +30,14 @@ fn rss_kib() -> u64 {
 
 #[test]
 fn sixty_four_clients_read_and_write_without_an_error_or_a_wrong_byte() {
+    // One after the other in one test: both sample this process's memory.
+    load(None);
+    let cert = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).unwrap();
+    load(Some((cert.cert.pem(), cert.signing_key.serialize_pem())));
+}
+
+/// Runs the load, over TLS with this certificate and key where given.
+fn load(tls: Option<(String, String)>) {
     let seconds: u64 = std::env::var("GPUIO_LOAD_SECONDS")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -50,14 +58,20 @@ fn sixty_four_clients_read_and_write_without_an_error_or_a_wrong_byte() {
         access: Access::ReadWrite,
     }];
     cfg.max_sessions_per_key = CLIENTS * 2;
+    if let Some((cert, key)) = &tls {
+        cfg.tls = Some(TlsServer::from_pem(cert.as_bytes(), key.as_bytes()).unwrap());
+    }
     let agent = Agent::start(cfg).unwrap();
+    let trust = tls
+        .as_ref()
+        .map(|(cert, _)| TlsClient::from_ca_pem(cert.as_bytes()).unwrap());
     let addr = agent.local_addr();
     let ops = AtomicU64::new(0);
     let samples = std::sync::Mutex::new(Vec::new());
     let end = Instant::now() + Duration::from_secs(seconds);
     std::thread::scope(|scope| {
         for c in 0..CLIENTS {
-            let ops = &ops;
+            let (ops, trust) = (&ops, &trust);
             scope.spawn(move || {
                 let mut pc = PeerConfig::new(
                     addr,
@@ -67,6 +81,7 @@ fn sixty_four_clients_read_and_write_without_an_error_or_a_wrong_byte() {
                     },
                 );
                 pc.connections = 1;
+                pc.tls = trust.clone();
                 let peer = RemotePeer::new(pc);
                 let kv = RemoteExport::new("kv");
                 let base = (c * REGION) as u64;
@@ -110,7 +125,8 @@ fn sixty_four_clients_read_and_write_without_an_error_or_a_wrong_byte() {
         samples.iter().copied().max().unwrap_or(0),
     );
     eprintln!(
-        "{} requests in {seconds} s by {CLIENTS} clients; RSS {lo}..{hi} KiB over {} samples; {stats:?}",
+        "{}: {} requests in {seconds} s by {CLIENTS} clients; RSS {lo}..{hi} KiB over {} samples; {stats:?}",
+        if tls.is_some() { "TLS" } else { "plain TCP" },
         ops.load(Ordering::Relaxed),
         samples.len()
     );

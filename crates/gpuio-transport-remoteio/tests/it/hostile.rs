@@ -198,3 +198,42 @@ fn part_of_a_header_or_silence_does_not_hold_a_connection() {
     fresh.read("kv", 0, &mut b, 16).unwrap();
     assert_eq!(pattern::first_deviation(&b, 0, 4), None);
 }
+
+#[test]
+fn a_read_only_file_export_that_is_a_fifo_is_refused_at_start_without_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let started = Instant::now();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let path = fifo.clone();
+    std::thread::spawn(move || {
+        let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
+        cfg.keys = vec![Key {
+            id: "ops".into(),
+            secret: KEY.to_vec(),
+            role: Role::ReadOnly,
+        }];
+        cfg.exports = vec![Export {
+            name: "f".into(),
+            source: ExportSource::File {
+                path,
+                max_len: None,
+            },
+            access: Access::ReadOnly,
+        }];
+        let _ = tx.send(Agent::start(cfg).map(|_| ()).map_err(|e| e.to_string()));
+    });
+    let r = rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the agent blocked opening a FIFO");
+    let e = r.unwrap_err();
+    assert!(e.contains("not a regular file"), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
