@@ -1,25 +1,170 @@
 //! How much host memory the machine can back now: a mapping larger than that would only be
 //! met by the OOM killer once its pages are touched (host memory is mapped without reserving
 //! swap), so allocations past it are refused up front with a typed error instead.
+//!
+//! The figure read (`MemAvailable`, free swap, cgroup room) only counts pages already taken,
+//! so this process also keeps a reservation of the host memory it has admitted but not yet
+//! touched: each allocation is judged against the figure less what is reserved, and adds its
+//! own length in the same atomic step (`reserve`), so two threads allocating at once, or
+//! several lazily touched buffers, cannot each pass against the same free memory. A
+//! `Reservation` gives its bytes back when dropped: a buffer populated at allocation drops
+//! it once its pages are in (the figure counts them from then on), a lazily touched one holds
+//! it until it is dropped itself.
 
 use crate::error::{HalError, Result};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Allocations from this size up are checked (smaller ones cannot be the problem, and the
-/// check reads a few files).
+/// check reads a few files); smaller ones are still reserved, unchecked.
 const CHECKED_FROM: usize = 64 << 20;
 
-/// Refuses `len` bytes of host memory where the machine cannot back them now; `swappable`
-/// says whether swap may back them (not for memory that will be pinned).
-pub(crate) fn check(len: usize, swappable: bool) -> Result<()> {
-    if len < CHECKED_FROM {
-        return Ok(());
-    }
-    match backable_bytes(swappable) {
-        Some(available) if len as u64 > available => {
-            Err(HalError::HostMemoryExceeded { len, available })
+/// Host memory this process has admitted but whose pages the figure may not count yet.
+#[derive(Debug)]
+pub(crate) struct Ledger {
+    reserved: AtomicU64,
+}
+
+/// The process's ledger.
+static LEDGER: Ledger = Ledger::new();
+
+impl Ledger {
+    const fn new() -> Self {
+        Self {
+            reserved: AtomicU64::new(0),
         }
-        _ => Ok(()),
+    }
+
+    /// Reserves `len` bytes if, with what is already reserved, they fit in `available` (read
+    /// once, only for lengths that are checked; `None`: nothing to judge by, so admitted).
+    fn reserve(
+        &'static self,
+        len: usize,
+        available: impl FnOnce() -> Option<u64>,
+    ) -> Result<Reservation> {
+        let bytes = len as u64;
+        let figure = if len < CHECKED_FROM {
+            None
+        } else {
+            available()
+        };
+        match figure {
+            None => {
+                self.reserved.fetch_add(bytes, Ordering::AcqRel);
+            }
+            Some(available) => {
+                // A reservation made between the load and the exchange fails the exchange,
+                // and the length is judged again with it counted.
+                let mut reserved = self.reserved.load(Ordering::Acquire);
+                loop {
+                    let total = admit(len, reserved, available).inspect_err(|_| {
+                        tracing::debug!(
+                            len,
+                            reserved,
+                            available,
+                            "host memory refused: reserved and asked exceed what can be backed"
+                        );
+                    })?;
+                    match self.reserved.compare_exchange_weak(
+                        reserved,
+                        total,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    ) {
+                        Ok(_) => break,
+                        Err(now) => reserved = now,
+                    }
+                }
+            }
+        }
+        Ok(Reservation {
+            ledger: self,
+            bytes,
+        })
+    }
+
+    /// Bytes reserved now.
+    #[cfg(test)]
+    pub(in crate::memory) fn reserved(&self) -> u64 {
+        self.reserved.load(Ordering::Acquire)
+    }
+}
+
+/// Host memory admitted by [`reserve`] and counted against later allocations until dropped.
+#[derive(Debug)]
+pub(crate) struct Reservation {
+    ledger: &'static Ledger,
+    bytes: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            self.ledger.reserved.fetch_sub(self.bytes, Ordering::AcqRel);
+        }
+    }
+}
+
+/// The decision: `len` bytes fit where, with the `reserved` bytes already admitted, they do
+/// not exceed `available`. Gives the new reserved total. The refusal names what is left
+/// (`available` less `reserved`) as what the machine can back.
+fn admit(len: usize, reserved: u64, available: u64) -> Result<u64> {
+    let total = reserved.saturating_add(len as u64);
+    if total > available {
+        Err(HalError::HostMemoryExceeded {
+            len,
+            available: available.saturating_sub(reserved),
+        })
+    } else {
+        Ok(total)
+    }
+}
+
+/// Reserves `len` bytes of host memory, refusing them where the machine cannot back them
+/// now beside what this process has already reserved; `swappable` says whether swap may back
+/// them (not for memory that will be pinned). Drop the reservation once the pages are
+/// touched, or when the memory is freed.
+pub(crate) fn reserve(len: usize, swappable: bool) -> Result<Reservation> {
+    #[cfg(test)]
+    if let Some((ledger, figure)) = test_figure::get() {
+        return ledger.reserve(len, || Some(figure));
+    }
+    LEDGER.reserve(len, || backable_bytes(swappable))
+}
+
+/// Refuses `len` bytes of host memory where the machine cannot back them now, beside what
+/// this process has reserved; for memory populated right after (it reserves nothing).
+pub(crate) fn check(len: usize, swappable: bool) -> Result<()> {
+    reserve(len, swappable).map(drop)
+}
+
+/// A figure and a ledger of the test's own, for this thread's allocations.
+#[cfg(test)]
+pub(crate) mod test_figure {
+    use super::Ledger;
+    use std::cell::Cell;
+
+    thread_local! {
+        static FIGURE: Cell<Option<(&'static Ledger, u64)>> = const { Cell::new(None) };
+    }
+
+    pub(in crate::memory) fn get() -> Option<(&'static Ledger, u64)> {
+        FIGURE.with(Cell::get)
+    }
+
+    /// Runs `f` with this thread's allocations judged against `figure` bytes and reserved in
+    /// a fresh ledger (leaked: a few bytes a test), which `f` is given to read.
+    pub(in crate::memory) fn with<T>(figure: u64, f: impl FnOnce(&'static Ledger) -> T) -> T {
+        let ledger: &'static Ledger = Box::leak(Box::new(Ledger::new()));
+        let before = FIGURE.with(|c| c.replace(Some((ledger, figure))));
+        struct Restore(Option<(&'static Ledger, u64)>);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                FIGURE.with(|c| c.set(self.0));
+            }
+        }
+        let _restore = Restore(before);
+        f(ledger)
     }
 }
 
@@ -116,5 +261,84 @@ mod tests {
             meminfo_kib("MemAvailable:   24124572 kB\n", "MemAvailable:"),
             Some(24124572)
         );
+    }
+
+    #[test]
+    fn a_second_reservation_is_judged_with_the_first() {
+        let gib = 1u64 << 30;
+        // Each alone fits in 10 GiB; together they do not.
+        let first = admit(6 << 30, 0, 10 * gib).unwrap();
+        assert_eq!(first, 6 * gib);
+        assert!(admit(6 << 30, 0, 10 * gib).is_ok());
+        let err = admit(6 << 30, first, 10 * gib).unwrap_err();
+        match err {
+            HalError::HostMemoryExceeded { len, available } => {
+                assert_eq!(len, 6 << 30);
+                assert_eq!(available, 4 * gib, "what is left beside the reservation");
+            }
+            other => panic!("{other}"),
+        }
+        assert_eq!(err.code(), crate::ErrorCode::NoMem);
+        // Exactly full fits; reserved past the figure (it fell meanwhile) leaves nothing.
+        assert_eq!(admit(4 << 30, first, 10 * gib).unwrap(), 10 * gib);
+        assert!(matches!(
+            admit(CHECKED_FROM, 11 * gib, 10 * gib),
+            Err(HalError::HostMemoryExceeded { available: 0, .. })
+        ));
+    }
+
+    #[test]
+    fn a_dropped_reservation_gives_its_bytes_back() {
+        let ledger: &'static Ledger = Box::leak(Box::new(Ledger::new()));
+        let figure = || Some(3 * CHECKED_FROM as u64);
+        let a = ledger.reserve(2 * CHECKED_FROM, figure).unwrap();
+        assert_eq!(ledger.reserved(), 2 * CHECKED_FROM as u64);
+        assert!(ledger.reserve(2 * CHECKED_FROM, figure).is_err());
+        assert_eq!(
+            ledger.reserved(),
+            2 * CHECKED_FROM as u64,
+            "a refusal reserves nothing"
+        );
+        // Small lengths are reserved without reading the figure.
+        let small = ledger.reserve(4096, || panic!("not read")).unwrap();
+        assert_eq!(ledger.reserved(), 2 * CHECKED_FROM as u64 + 4096);
+        drop(small);
+        drop(a);
+        assert_eq!(ledger.reserved(), 0);
+        let b = ledger.reserve(2 * CHECKED_FROM, figure).unwrap();
+        assert_eq!(ledger.reserved(), 2 * CHECKED_FROM as u64);
+        drop(b);
+        // No figure to judge by: admitted, and still counted.
+        let c = ledger.reserve(8 * CHECKED_FROM, || None).unwrap();
+        assert_eq!(ledger.reserved(), 8 * CHECKED_FROM as u64);
+        drop(c);
+        assert_eq!(ledger.reserved(), 0);
+    }
+
+    #[test]
+    fn threads_reserving_at_once_never_oversubscribe() {
+        let ledger: &'static Ledger = Box::leak(Box::new(Ledger::new()));
+        let fits = 5;
+        let figure = fits * CHECKED_FROM as u64;
+        let threads = 16;
+        let barrier = std::sync::Barrier::new(threads);
+        let admitted: Vec<Reservation> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|_| {
+                    s.spawn(|| {
+                        barrier.wait();
+                        ledger.reserve(CHECKED_FROM, || Some(figure)).ok()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .filter_map(|h| h.join().unwrap())
+                .collect()
+        });
+        assert_eq!(admitted.len() as u64, fits);
+        assert_eq!(ledger.reserved(), figure);
+        drop(admitted);
+        assert_eq!(ledger.reserved(), 0);
     }
 }

@@ -2,6 +2,7 @@
 //! NUMA node, and optionally pinned for a GPU. The unit of staging memory in gpuio: one such buffer serves as a DMA target, an O_DIRECT target, an io_uring fixed buffer
 //! and later an RDMA or VFIO region.
 
+use super::backing::{self, Reservation};
 use super::{DmaRegistration, Location, MemoryRegion, MemoryTier};
 use crate::error::{HalError, Result};
 use crate::gpu::{Gpu, PinGuard};
@@ -21,7 +22,9 @@ pub struct HostAllocOptions {
     /// Ask for transparent huge pages (`MADV_HUGEPAGE` on a 2 MiB-aligned mapping) for
     /// buffers of at least 2 MiB. Advisory.
     pub huge_pages: bool,
-    /// Fault every page in at allocation, so copies never pay page faults later.
+    /// Fault every page in at allocation, so copies never pay page faults later. A buffer
+    /// left unpopulated keeps its host memory reserved in this process until it is dropped
+    /// (see [`HostBuffer::alloc`]).
     pub populate: bool,
 }
 
@@ -61,6 +64,9 @@ pub struct HostBuffer {
     /// buffer out and drop it while they live; Drop then leaks the mapping instead of unmapping
     /// registered memory.
     holds: Arc<AtomicUsize>,
+    /// The host memory reserved for the pages while not all are touched (`None` once
+    /// populated: from then on the machine's available memory counts them).
+    reservation: Option<Reservation>,
 }
 
 /// Keeps a [`HostBuffer`]'s mapping from being unmapped while alive (see `HostBuffer::holds`).
@@ -85,9 +91,17 @@ unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
     /// Allocates `len` bytes (zeroed). More than the machine can back now (available memory
-    /// and swap, within the cgroup's limit) is refused before any page is touched.
+    /// and swap, within the cgroup's limit) beside the host memory this process has reserved
+    /// is refused before any page is touched. The length stays reserved until the pages are
+    /// populated, or, without [`HostAllocOptions::populate`], until the buffer is dropped, so
+    /// concurrent or lazily touched allocations cannot each count on the same free memory.
     pub fn alloc(len: usize, opts: &HostAllocOptions) -> Result<Self> {
-        super::backing::check(len, true)?;
+        Self::alloc_backed(len, opts, true)
+    }
+
+    /// [`alloc`](Self::alloc), judged against memory alone where not `swappable`.
+    fn alloc_backed(len: usize, opts: &HostAllocOptions, swappable: bool) -> Result<Self> {
+        let reservation = backing::reserve(len, swappable)?;
         let huge = opts.huge_pages && len >= sys::HUGE_PAGE;
         let align = if huge {
             sys::HUGE_PAGE
@@ -96,7 +110,7 @@ impl HostBuffer {
         };
         let map_len = len.max(1);
         let ptr = sys::map_anonymous(map_len, align)?;
-        let buf = Self {
+        let mut buf = Self {
             ptr,
             len,
             location: Location::Host {
@@ -106,6 +120,7 @@ impl HostBuffer {
             huge_pages: huge && sys::advise_huge_pages(ptr, map_len),
             pin: None,
             holds: Arc::new(AtomicUsize::new(0)),
+            reservation: Some(reservation),
         };
         if let Some(node) = opts.numa {
             let topo = super::numa::NumaTopology::detect();
@@ -125,6 +140,8 @@ impl HostBuffer {
         }
         if opts.populate {
             sys::populate(ptr, map_len)?;
+            // The pages are taken: available memory counts them now.
+            buf.reservation = None;
         }
         // Nothing to undo on the error paths above: `buf` unmaps on drop.
         Ok(buf)
@@ -133,8 +150,7 @@ impl HostBuffer {
     /// Allocates `len` bytes and pins them for `gpu`.
     pub fn alloc_pinned(len: usize, opts: &HostAllocOptions, gpu: &Gpu) -> Result<Self> {
         // Pinned pages cannot be swapped out: only memory backs them.
-        super::backing::check(len, false)?;
-        let mut buf = Self::alloc(len, opts)?;
+        let mut buf = Self::alloc_backed(len, opts, false)?;
         buf.pin(gpu)?;
         Ok(buf)
     }
@@ -272,6 +288,7 @@ impl fmt::Debug for HostBuffer {
             .field("location", &self.location)
             .field("huge_pages", &self.huge_pages)
             .field("pinned", &self.pin.as_ref().map(|p| p.gpu()))
+            .field("reserved", &self.reservation.is_some())
             .finish()
     }
 }
@@ -328,6 +345,58 @@ mod tests {
         let err = HostBuffer::alloc(4096, &HostAllocOptions::on_node(999)).unwrap_err();
         assert!(matches!(err, HalError::NoSuchNumaNode { node: 999, .. }));
         assert_eq!(err.code(), crate::ErrorCode::NotFound);
+    }
+
+    /// Lazily touched buffers judged against a figure of the test's own (not the machine's):
+    /// each fits alone, their sum does not, and dropping one makes room again.
+    #[test]
+    fn lazy_buffers_reserve_until_dropped() {
+        const MIB64: usize = 64 << 20;
+        let lazy = HostAllocOptions {
+            populate: false,
+            ..HostAllocOptions::default()
+        };
+        backing::test_figure::with(100 << 20, |ledger| {
+            let a = HostBuffer::alloc(MIB64, &lazy).unwrap();
+            assert_eq!(ledger.reserved(), MIB64 as u64);
+            let err = HostBuffer::alloc(MIB64, &lazy).unwrap_err();
+            match &err {
+                HalError::HostMemoryExceeded { len, available } => {
+                    assert_eq!(*len, MIB64);
+                    assert_eq!(*available, (100 - 64) << 20);
+                }
+                other => panic!("{other}"),
+            }
+            assert_eq!(err.code(), crate::ErrorCode::NoMem);
+            assert_eq!(
+                ledger.reserved(),
+                MIB64 as u64,
+                "a refusal reserves nothing"
+            );
+            drop(a);
+            assert_eq!(ledger.reserved(), 0);
+            let b = HostBuffer::alloc(MIB64, &lazy).unwrap();
+            assert_eq!(ledger.reserved(), MIB64 as u64);
+            drop(b);
+        });
+    }
+
+    /// A populated buffer holds its reservation only until its pages are in.
+    #[test]
+    fn populated_buffers_give_their_reservation_back() {
+        const MIB64: usize = 64 << 20;
+        backing::test_figure::with(100 << 20, |ledger| {
+            let a = HostBuffer::alloc(MIB64, &HostAllocOptions::default()).unwrap();
+            assert_eq!(ledger.reserved(), 0);
+            let lazy = HostAllocOptions {
+                populate: false,
+                ..HostAllocOptions::default()
+            };
+            let b = HostBuffer::alloc(MIB64, &lazy).unwrap();
+            assert_eq!(ledger.reserved(), MIB64 as u64);
+            drop((a, b));
+            assert_eq!(ledger.reserved(), 0);
+        });
     }
 
     #[test]
