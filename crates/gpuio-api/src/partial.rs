@@ -341,52 +341,13 @@ mod tests {
         assert!(!ours().contains(&at));
     }
 
-    /// A tmpfs of `size` mounted on `dir`, unmounted when dropped.
-    struct Tmpfs(PathBuf);
-
-    impl Tmpfs {
-        /// `None` (with the reason printed) where mounting is refused, unless
-        /// GPUIO_REQUIRE_TMPFS=1 asks for the test to fail instead.
-        fn mount(dir: &Path, size: &str) -> Option<Self> {
-            let out = std::process::Command::new("mount")
-                .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-                .arg(dir)
-                .output();
-            match out {
-                Ok(o) if o.status.success() => Some(Self(dir.into())),
-                other => {
-                    let why = match other {
-                        Ok(o) => String::from_utf8_lossy(&o.stderr).into_owned(),
-                        Err(e) => e.to_string(),
-                    };
-                    assert!(
-                        std::env::var("GPUIO_REQUIRE_TMPFS").as_deref() != Ok("1"),
-                        "cannot mount a tmpfs: {why}"
-                    );
-                    eprintln!("skipped: cannot mount a tmpfs ({})", why.trim());
-                    None
-                }
-            }
-        }
-    }
-
-    impl Drop for Tmpfs {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("umount")
-                .arg("-l")
-                .arg(&self.0)
-                .status();
-        }
-    }
-
     #[test]
     fn a_full_disk_is_reported_for_the_destination() {
         let dir = tempfile::tempdir().unwrap();
-        let small = dir.path().join("small");
-        std::fs::create_dir(&small).unwrap();
-        let Some(_fs) = Tmpfs::mount(&small, "1m") else {
+        let Some(fs) = gpuio_testkit::Tmpfs::mount("1m") else {
             return;
         };
+        let small = fs.path();
         let src = dir.path().join("src");
         std::fs::write(&src, vec![7u8; 3 << 20]).unwrap();
         let target = small.join("dest");
@@ -409,7 +370,7 @@ mod tests {
         assert!(!shown.contains(SUFFIX), "{shown}");
         // Nothing is left behind: no destination, no partial file.
         assert!(!target.exists());
-        assert!(named(&small, "").is_empty(), "{:?}", named(&small, ""));
+        assert!(named(small, "").is_empty(), "{:?}", named(small, ""));
     }
 
     #[test]

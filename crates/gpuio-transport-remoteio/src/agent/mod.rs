@@ -483,8 +483,7 @@ async fn accept_loop(
             a = std::future::poll_fn(|cx| {
                 // Short while the spare is given up, or when no descriptor is free (asked
                 // just before `accept` would take one).
-                let short =
-                    guarded && (spare.is_none() || std::fs::File::open("/dev/null").is_err());
+                let short = guarded && spare.as_ref().is_none_or(|f| f.try_clone().is_err());
                 if short {
                     spare = None;
                 }

@@ -20,6 +20,12 @@ fn agent(tune: impl FnOnce(&mut AgentConfig)) -> (Agent, SharedMemory) {
     let mut buf = HostBuffer::alloc(MEM, &HostAllocOptions::default()).unwrap();
     pattern::fill(&mut buf, 0, 4);
     let mem = shared_memory(buf);
+    let cfg = config(mem.clone(), tune);
+    (Agent::start(cfg).unwrap(), mem)
+}
+
+/// One key, "ops", and `mem` as export "kv"; then `tune`.
+fn config(mem: SharedMemory, tune: impl FnOnce(&mut AgentConfig)) -> AgentConfig {
     let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
     cfg.keys = vec![Key {
         id: "ops".into(),
@@ -28,11 +34,11 @@ fn agent(tune: impl FnOnce(&mut AgentConfig)) -> (Agent, SharedMemory) {
     }];
     cfg.exports = vec![Export {
         name: "kv".into(),
-        source: ExportSource::Memory(mem.clone()),
+        source: ExportSource::Memory(mem),
         access: Access::ReadWrite,
     }];
     tune(&mut cfg);
-    (Agent::start(cfg).unwrap(), mem)
+    cfg
 }
 
 fn connect(addr: SocketAddr) -> Connection {
@@ -213,21 +219,18 @@ fn a_read_only_file_export_that_is_a_fifo_is_refused_at_start_without_blocking()
     let started = Instant::now();
     let (tx, rx) = std::sync::mpsc::channel();
     let path = fifo.clone();
-    std::thread::spawn(move || {
-        let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
-        cfg.keys = vec![Key {
-            id: "ops".into(),
-            secret: KEY.to_vec(),
-            role: Role::ReadOnly,
-        }];
-        cfg.exports = vec![Export {
+    let mem = shared_memory(HostBuffer::alloc(4096, &HostAllocOptions::default()).unwrap());
+    let cfg = config(mem, |c| {
+        c.exports.push(Export {
             name: "f".into(),
             source: ExportSource::File {
                 path,
                 max_len: None,
             },
             access: Access::ReadOnly,
-        }];
+        })
+    });
+    std::thread::spawn(move || {
         let _ = tx.send(Agent::start(cfg).map(|_| ()).map_err(|e| e.to_string()));
     });
     let r = rx
