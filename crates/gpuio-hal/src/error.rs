@@ -268,17 +268,21 @@ pub enum HalError {
         /// The size asked for.
         len: usize,
     },
-    /// More host memory than the machine can back now: refused before any page is touched
-    /// (the pages are not reserved, so it would end in the OOM killer instead).
+    /// More host memory than the machine can back now, beside what this process has
+    /// admitted and not yet touched: refused before any page is touched (the kernel does not
+    /// reserve them, so it would end in the OOM killer instead).
     #[error(
         "out of memory: {len} bytes of host memory asked for, but this machine can back about \
-         {available} bytes now (available memory and swap, within its cgroup's limit)"
+         {available} bytes more now (available memory and swap, within its cgroup's limit, \
+         less {reserved} bytes this process has admitted and not yet touched)"
     )]
     HostMemoryExceeded {
         /// The size asked for.
         len: usize,
-        /// What the machine could back when asked.
+        /// What the machine could back when asked, less what was reserved.
         available: u64,
+        /// What this process had admitted and not yet touched.
+        reserved: u64,
     },
     /// A feature exists but not on this machine or in this build.
     #[error("{what} is not supported here: {reason}")]

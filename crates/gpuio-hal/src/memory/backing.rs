@@ -114,6 +114,7 @@ fn admit(len: usize, reserved: u64, available: u64) -> Result<u64> {
         Err(HalError::HostMemoryExceeded {
             len,
             available: available.saturating_sub(reserved),
+            reserved,
         })
     } else {
         Ok(total)
@@ -272,7 +273,12 @@ mod tests {
         assert!(admit(6 << 30, 0, 10 * gib).is_ok());
         let err = admit(6 << 30, first, 10 * gib).unwrap_err();
         match err {
-            HalError::HostMemoryExceeded { len, available } => {
+            HalError::HostMemoryExceeded {
+                len,
+                available,
+                reserved,
+            } => {
+                assert_eq!(reserved, 6 * gib);
                 assert_eq!(len, 6 << 30);
                 assert_eq!(available, 4 * gib, "what is left beside the reservation");
             }

@@ -361,7 +361,7 @@ mod tests {
             assert_eq!(ledger.reserved(), MIB64 as u64);
             let err = HostBuffer::alloc(MIB64, &lazy).unwrap_err();
             match &err {
-                HalError::HostMemoryExceeded { len, available } => {
+                HalError::HostMemoryExceeded { len, available, .. } => {
                     assert_eq!(*len, MIB64);
                     assert_eq!(*available, (100 - 64) << 20);
                 }
