@@ -253,10 +253,10 @@ pub fn available_space(path: &std::path::Path) -> Result<u64> {
 /// Allocates the blocks of `offset..offset+len` of `file` without changing its size
 /// (`fallocate(FALLOC_FL_KEEP_SIZE)`), so that writing that range later cannot fail for want
 /// of space: a full disk is `ErrorKind::StorageFull` now, before anything is written. Where
-/// the file system cannot allocate ahead (`EOPNOTSUPP`), the bytes the range adds past what
-/// the file holds are compared with the room the file system has left instead.
+/// the file system cannot allocate ahead (`EOPNOTSUPP`), the bytes the range adds past the
+/// file's end are compared with the room the file system has left instead: advisory, since
+/// nothing is set aside and holes inside the file are not counted.
 pub fn reserve_space(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
-    use std::os::unix::fs::MetadataExt;
     if len == 0 {
         return Ok(());
     }
@@ -276,9 +276,8 @@ pub fn reserve_space(file: &File, offset: u64, len: u64) -> std::io::Result<()> 
             _ => return Err(e),
         }
     }
-    let meta = file.metadata()?;
-    let held = meta.blocks().saturating_mul(512);
-    let wanted = offset.saturating_add(len).saturating_sub(held);
+    let size = file.metadata()?.len();
+    let wanted = offset.saturating_add(len).saturating_sub(offset.max(size));
     // SAFETY: an all-zero statvfs is a valid value of this plain C struct.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: fstatvfs on an open descriptor fills in `st`, which outlives the call.

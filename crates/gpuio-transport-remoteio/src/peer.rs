@@ -212,7 +212,16 @@ impl RemotePeer {
 
     /// A connection for a transfer on `export`: pooled or new, and to the instance it met.
     fn checkout_for(&self, export: &RemoteExport, pinned: &ExportInfo) -> Result<Connection> {
-        let c = self.checkout()?;
+        self.for_instance(export, pinned, self.checkout()?)
+    }
+
+    /// `c`, if it reached the instance `export` met.
+    fn for_instance(
+        &self,
+        export: &RemoteExport,
+        pinned: &ExportInfo,
+        c: Connection,
+    ) -> Result<Connection> {
         match self.same_instance(export, pinned, c.instance()) {
             Ok(()) => Ok(c),
             Err(e) => {
@@ -463,14 +472,25 @@ impl RemotePeer {
     }
 
     /// Runs `f` on a pooled connection to `export`'s instance; a connection that breaks is
-    /// dropped.
+    /// dropped. A pooled one that fails on the network runs `f` once more on a new connection:
+    /// the agent closes connections it finds idle (past its idle timeout, or to give the
+    /// place to another key) and may do so just as a request leaves, and every request is
+    /// idempotent (a read, a write of the same bytes, a stat, a sync, a reservation).
     fn with_connection<T>(
         &self,
         export: &RemoteExport,
         pinned: &ExportInfo,
-        f: impl FnOnce(&mut Connection) -> Result<T>,
+        mut f: impl FnMut(&mut Connection) -> Result<T>,
     ) -> Result<T> {
+        let pooled = !self.idle.lock_unpoisoned().is_empty();
         let mut c = self.checkout_for(export, pinned)?;
+        let r = f(&mut c);
+        let again = pooled && c.is_broken() && matches!(r, Err(RemoteIoError::Network(_)));
+        self.checkin(c);
+        if !again {
+            return r;
+        }
+        let mut c = self.for_instance(export, pinned, self.connect_new()?)?;
         let r = f(&mut c);
         self.checkin(c);
         r
@@ -489,6 +509,11 @@ impl RemotePeer {
                 None => break,
             }
         }
+        self.connect_new()
+    }
+
+    /// A new connection, with the configured attempts and backoff.
+    fn connect_new(&self) -> Result<Connection> {
         let mut backoff = self.cfg.backoff;
         let deadline = Instant::now() + self.cfg.timeout;
         let mut attempt = 1;

@@ -3,9 +3,11 @@
 //! read, a TLS answer).
 //!
 //! Buffers are counted in units of [`BUFFER_UNIT`] bytes against the agent's
-//! `buffer_memory`, shared among the keys that hold buffers now: a key may hold its part of
-//! the whole (the whole divided among them, the asking key included), and always one request's
-//! worth, so no key's sessions can hold everyone else's room however few keys there are.
+//! `buffer_memory`, shared among the keys that hold buffers or wait for them: a key may take
+//! its part of the whole (the whole divided among them, the asking key included), and always
+//! one request's worth; a key holding more than its part while another waits gives its
+//! sessions' buffers back between requests. So no key's sessions can keep everyone else's
+//! room, however few keys there are or however busy they stay.
 //! Buffers are mapped memory (not the heap): what is given back leaves the process at once, so
 //! its resident memory follows the budget.
 
@@ -23,10 +25,31 @@ pub(super) struct Budget {
     /// Units not taken (FIFO among waiters).
     free: Arc<Semaphore>,
     units: usize,
-    /// Units each key holds or is about to take.
-    held: Mutex<HashMap<Arc<str>, usize>>,
-    /// Told whenever a key gives units back.
+    shares: Mutex<Shares>,
+    /// Told whenever a key gives units back or stops waiting.
     changed: Notify,
+}
+
+/// Who holds and who waits.
+#[derive(Default)]
+struct Shares {
+    /// Units each key holds or is about to take.
+    held: HashMap<Arc<str>, usize>,
+    /// Requests of each key waiting for room.
+    waiting: HashMap<Arc<str>, usize>,
+}
+
+impl Shares {
+    /// `key`'s part of `units`: divided among the keys holding or waiting, `key` included.
+    fn part(&self, units: usize, key: &Arc<str>) -> usize {
+        let others = self
+            .held
+            .keys()
+            .chain(self.waiting.keys().filter(|k| !self.held.contains_key(*k)))
+            .filter(|k| *k != key)
+            .count();
+        units / (others + 1)
+    }
 }
 
 impl Budget {
@@ -35,24 +58,33 @@ impl Budget {
         Arc::new(Self {
             free: Arc::new(Semaphore::new(units)),
             units,
-            held: Mutex::new(HashMap::new()),
+            shares: Mutex::new(Shares::default()),
             changed: Notify::new(),
         })
     }
 
+    /// Whether `key` holds more than its part while another key waits: its sessions then
+    /// give their buffers back between requests, so that no key keeps the room it took
+    /// while it was alone.
+    fn over_part(&self, key: &Arc<str>) -> bool {
+        let s = self.shares.lock_unpoisoned();
+        s.waiting.keys().any(|k| k != key)
+            && s.held.get(key).copied().unwrap_or(0) > s.part(self.units, key)
+    }
+
     /// Takes `units` for `key`: first within the key's part (waiting for its own sessions or
-    /// other keys to give back), then from what is free.
+    /// other keys to give back), then from what is free. Other keys see it waiting
+    /// throughout.
     async fn take(self: &Arc<Self>, key: &Arc<str>, units: usize) -> Room {
+        let _waiting = Waiting::new(self, key);
         loop {
             // Created before looking: a release in between still wakes it.
             let changed = self.changed.notified();
             {
-                let mut held = self.held.lock_unpoisoned();
-                let mine = held.get(key).copied().unwrap_or(0);
-                let keys = held.len() + usize::from(mine == 0);
-                let part = (self.units / keys).max(units);
-                if mine + units <= part {
-                    *held.entry(key.clone()).or_insert(0) += units;
+                let mut s = self.shares.lock_unpoisoned();
+                let mine = s.held.get(key).copied().unwrap_or(0);
+                if mine + units <= s.part(self.units, key).max(units) {
+                    *s.held.entry(key.clone()).or_insert(0) += units;
                     break;
                 }
             }
@@ -63,11 +95,11 @@ impl Budget {
             budget: self.clone(),
             key: key.clone(),
             units,
-            _free: None,
+            permit: None,
         };
         // Never closed, so this only waits; `units` never exceeds the whole (one request's
         // worth fits, as the configuration check ensures).
-        room._free = self
+        room.permit = self
             .free
             .clone()
             .acquire_many_owned(units.min(self.units) as u32)
@@ -76,10 +108,43 @@ impl Budget {
         room
     }
 
-    /// Units held by every key together (for tests and stats).
+    /// Units held by every key together (for tests).
     #[cfg(test)]
     fn taken(&self) -> usize {
         self.units - self.free.available_permits()
+    }
+}
+
+/// A request of `key` waiting for room, for as long as it lives.
+struct Waiting<'a> {
+    budget: &'a Budget,
+    key: &'a Arc<str>,
+}
+
+impl<'a> Waiting<'a> {
+    fn new(budget: &'a Budget, key: &'a Arc<str>) -> Self {
+        *budget
+            .shares
+            .lock_unpoisoned()
+            .waiting
+            .entry(key.clone())
+            .or_insert(0) += 1;
+        Self { budget, key }
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let mut s = self.budget.shares.lock_unpoisoned();
+        if let Some(n) = s.waiting.get_mut(self.key) {
+            *n -= 1;
+            if *n == 0 {
+                s.waiting.remove(self.key);
+            }
+        }
+        drop(s);
+        // One key fewer to share among: the others' parts grow.
+        self.budget.changed.notify_waiters();
     }
 }
 
@@ -88,19 +153,19 @@ struct Room {
     budget: Arc<Budget>,
     key: Arc<str>,
     units: usize,
-    _free: Option<OwnedSemaphorePermit>,
+    permit: Option<OwnedSemaphorePermit>,
 }
 
 impl Drop for Room {
     fn drop(&mut self) {
-        let mut held = self.budget.held.lock_unpoisoned();
-        if let Some(n) = held.get_mut(&self.key) {
+        let mut s = self.budget.shares.lock_unpoisoned();
+        if let Some(n) = s.held.get_mut(&self.key) {
             *n = n.saturating_sub(self.units);
             if *n == 0 {
-                held.remove(&self.key);
+                s.held.remove(&self.key);
             }
         }
-        drop(held);
+        drop(s);
         self.budget.changed.notify_waiters();
     }
 }
@@ -144,27 +209,38 @@ impl Buffer {
         }
     }
 
-    /// The buffer, `len` bytes long (room for it taken first). The bytes are whatever an
-    /// earlier request left. Fails only where the machine cannot back the memory.
+    /// The buffer, `len` bytes long (room for it taken first, and taken again where the key
+    /// holds more than its part while another key waits). Its bytes are whatever an earlier
+    /// request left, or zeros. Fails where the memory cannot be mapped.
     pub(super) async fn get(&mut self, len: usize) -> Result<&mut [u8], HalError> {
         let units = len.div_ceil(BUFFER_UNIT);
         let held = self.room.as_ref().map_or(0, |r| r.units);
-        if units > held || self.bytes.is_none() && len > 0 {
+        let yield_room = held > 0 && self.budget.over_part(&self.key);
+        if units > held || self.bytes.is_none() && len > 0 || yield_room {
             // Give back what is held before waiting for the whole: no session holds room
             // while it waits, so sessions never wait on each other in a cycle.
             self.release();
             let room = self.budget.take(&self.key, units).await;
-            self.bytes = Some(HostBuffer::alloc(
-                units * BUFFER_UNIT,
-                &HostAllocOptions::default(),
-            )?);
+            // No huge pages: buffers come and go with requests, and a huge page fault may
+            // stall on compaction where small pages would not.
+            let opts = HostAllocOptions {
+                huge_pages: false,
+                ..HostAllocOptions::default()
+            };
+            self.bytes = Some(HostBuffer::alloc(units * BUFFER_UNIT, &opts)?);
             self.room = Some(room);
         }
         self.len = len;
-        Ok(match &mut self.bytes {
-            Some(b) => &mut b.as_mut_slice()[..len],
+        Ok(self.held())
+    }
+
+    /// The bytes the last [`get`](Self::get) or [`lend`](Self::lend) asked for, as they are:
+    /// what a request put there (never taken again from the budget, so never lost).
+    pub(super) fn held(&mut self) -> &mut [u8] {
+        match &mut self.bytes {
+            Some(b) => &mut b.as_mut_slice()[..self.len],
             None => &mut [],
-        })
+        }
     }
 
     /// Lends the bytes, `len` long, and their room to a blocking thread.
@@ -175,6 +251,15 @@ impl Buffer {
             len,
             room: self.room.take(),
         })
+    }
+
+    /// Lends what the buffer holds (see [`held`](Self::held)) and its room, as it is.
+    pub(super) fn lend_held(&mut self) -> Lent {
+        Lent {
+            bytes: self.bytes.take(),
+            len: self.len,
+            room: self.room.take(),
+        }
     }
 
     /// Takes back what [`lend`](Self::lend) lent.
@@ -229,5 +314,28 @@ mod tests {
         let _b2 = soon(budget.take(&b, 2)).unwrap();
         assert!(soon(budget.take(&a, 7)).is_none());
         assert!(soon(budget.take(&a, 6)).is_some());
+    }
+
+    #[test]
+    fn a_busy_key_gives_back_what_it_took_alone_when_another_key_waits() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let budget = Budget::new(8 * BUFFER_UNIT);
+        let mut a = Buffer::new(budget.clone(), "a".into());
+        rt.block_on(a.get(8 * BUFFER_UNIT)).unwrap();
+        let mut b = Buffer::new(budget.clone(), "b".into());
+        let waiter = rt.spawn(async move { b.get(4 * BUFFER_UNIT).await.map(|d| d.len()) });
+        rt.block_on(async { tokio::time::sleep(Duration::from_millis(10)).await });
+        assert!(!waiter.is_finished());
+        // "a" asks again for what already fits: over its part while "b" waits, it gives its
+        // room back and takes only what it asks for.
+        rt.block_on(a.get(BUFFER_UNIT)).unwrap();
+        let got =
+            rt.block_on(async { tokio::time::timeout(Duration::from_millis(100), waiter).await });
+        assert_eq!(got.unwrap().unwrap().unwrap(), 4 * BUFFER_UNIT);
+        // "b"'s buffer went with its task; "a" holds what it asked for.
+        assert_eq!(budget.taken(), 1);
     }
 }

@@ -11,10 +11,12 @@
 //! progress (a silent socket before one that has spoken), oldest first.
 //!
 //! A handshake that has made progress that costs its client a round trip — TLS completed, or
-//! a HELLO received — keeps its place until its deadline; if only such places could give way,
-//! the newcomer is refused instead. So a flood from many addresses evicts its own sockets, not
-//! a slow client elsewhere that is getting through its handshake, and no prefix, however
-//! many addresses it spans, holds more than its share.
+//! a HELLO received — is protected: it gives way only to a newcomer from a smaller prefix
+//! than its own, and never within its own prefix (the newcomer is refused instead). So a
+//! flood from many addresses evicts its own sockets, not a slow client elsewhere that is
+//! getting through its handshake; no prefix, however many addresses it spans and however
+//! many HELLOs it sends, holds more than its share; and progress cannot be bought by one
+//! prefix to keep the others out.
 
 use gpuio_hal::sync::MutexExt;
 use std::collections::{BTreeMap, HashMap};
@@ -115,8 +117,9 @@ impl Gate {
             .rev()
             .find(|&l| s.count(&prefixes[l]) >= self.bound(l));
         let room = match full {
-            Some(l) => s.evict_within(Some((l, prefixes[l]))),
-            None if s.pending.len() >= self.total => s.evict_within(None),
+            // Its own prefix at its bound gives way within itself, progressed places kept.
+            Some(l) => s.evict(Some((l, prefixes[l])), false),
+            None if s.pending.len() >= self.total => s.evict_for(&prefixes),
             None => true,
         };
         if !room {
@@ -157,10 +160,11 @@ impl Gate {
         self.state.lock_unpoisoned().refused
     }
 
-    /// Closes the pending handshake that would give way first (the process ran out of file
-    /// descriptors: a stranger's socket gives way to the next connection).
-    pub(super) fn make_room(&self) {
-        self.state.lock_unpoisoned().evict_within(None);
+    /// Closes the pending handshake that would give way first, if one has made no progress
+    /// that protects it (the process ran out of file descriptors: a stranger's socket gives
+    /// way to the next connection). False if none could.
+    pub(super) fn make_room(&self) -> bool {
+        self.state.lock_unpoisoned().evict(None, false)
     }
 }
 
@@ -190,33 +194,73 @@ impl State {
             .map_or(0, |n| n.load(Ordering::Relaxed))
     }
 
-    /// Evicts the handshake that gives way first among those under `within` (a level and its
-    /// prefix; `None`: all): not protected; its prefixes holding the most, coarsest level
-    /// first; the least progress; the oldest. False if none may give way.
-    fn evict_within(&mut self, within: Option<(usize, Prefix)>) -> bool {
-        let victim = self
-            .pending
+    /// The handshake that gives way first among those under `within` (a level and its
+    /// prefix; `None`: all), protected ones only if `protected` and after every other: its
+    /// prefixes holding the most, coarsest level first; then not protected; the least
+    /// progress; the oldest. Its ticket, its prefixes' places and whether it is protected.
+    fn victim(
+        &self,
+        within: Option<(usize, Prefix)>,
+        protected: bool,
+    ) -> Option<(u64, [usize; LEVELS], bool)> {
+        self.pending
             .iter()
             .filter(|(_, e)| within.is_none_or(|(l, p)| e.prefixes[l] == p))
-            .filter(|(_, e)| !e.progress.protected())
-            .max_by_key(|(ticket, e)| {
+            .filter(|(_, e)| protected || !e.progress.protected())
+            .map(|(ticket, e)| {
                 let sizes: [usize; LEVELS] =
                     std::array::from_fn(|l| e.counts[l].load(Ordering::Relaxed));
+                (*ticket, sizes, e)
+            })
+            .max_by_key(|(ticket, sizes, e)| {
                 (
-                    sizes,
+                    *sizes,
+                    !e.progress.protected(),
                     std::cmp::Reverse(e.progress),
-                    std::cmp::Reverse(**ticket),
+                    std::cmp::Reverse(*ticket),
                 )
             })
-            .map(|(ticket, _)| *ticket);
-        let Some(ticket) = victim else {
+            .map(|(ticket, sizes, e)| (ticket, sizes, e.progress.protected()))
+    }
+
+    /// Evicts the handshake that gives way first under `within` (see [`Self::victim`]);
+    /// false if none may.
+    fn evict(&mut self, within: Option<(usize, Prefix)>, protected: bool) -> bool {
+        match self.victim(within, protected) {
+            Some((ticket, _, _)) => {
+                self.evict_ticket(ticket);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Makes room in a full gate for a newcomer from `newcomer`: the handshake of the largest
+    /// prefixes gives way, progressed or not — unless the newcomer's own prefix would then be
+    /// the largest, in which case it gives way within that prefix, progressed places kept. So
+    /// no prefix holds more than its share by sending HELLOs, and protection only ever
+    /// shields a place from a prefix no larger than its own.
+    fn evict_for(&mut self, newcomer: &[Prefix; LEVELS]) -> bool {
+        let Some((ticket, sizes, _)) = self.victim(None, true) else {
             return false;
         };
+        let mine: [usize; LEVELS] = std::array::from_fn(|l| self.count(&newcomer[l]) + 1);
+        if mine >= sizes {
+            let level = (0..LEVELS)
+                .find(|&l| mine[l] != sizes[l])
+                .unwrap_or(LEVELS - 1);
+            return self.evict(Some((level, newcomer[level])), false);
+        }
+        self.evict_ticket(ticket);
+        true
+    }
+
+    /// Removes `ticket` and tells its connection to close.
+    fn evict_ticket(&mut self, ticket: u64) {
         if let Some(e) = self.remove(ticket) {
             e.evict.notify_one();
             self.evicted += 1;
         }
-        true
     }
 
     fn remove(&mut self, ticket: u64) -> Option<Entry> {

@@ -99,10 +99,11 @@ pub struct AgentConfig {
     pub exports: Vec<Export>,
     /// How long a new connection has to complete the handshake (TLS included).
     pub handshake_timeout: Duration,
-    /// Connections still in their handshake, at most; past it the oldest is closed.
+    /// Connections still in their handshake, at most; past it one gives way (see the gate:
+    /// the least advanced of the prefix holding the most).
     pub max_handshakes: usize,
-    /// Connections in their handshake from one source address, at most; past it that
-    /// address's oldest is closed.
+    /// Connections in their handshake from one source address (an IPv6 /64), at most; its
+    /// /24 (/56) may hold twice that, its /20 (/48) three times, its /16 (/32) four times.
     pub max_handshakes_per_address: usize,
     /// Authenticated sessions served at once; more are refused with `Busy`.
     pub max_connections: usize,
@@ -236,6 +237,10 @@ enum Source {
     File {
         file: Arc<std::fs::File>,
         max_len: u64,
+        /// One SYNC or RESERVE at a time: they run on blocking threads that a timed-out
+        /// request cannot stop, so a client that times out and asks again must not pile
+        /// them up.
+        flush: Arc<tokio::sync::Semaphore>,
     },
 }
 
@@ -314,6 +319,7 @@ impl Agent {
                     Source::File {
                         file: Arc::new(file),
                         max_len: max_len.unwrap_or(len),
+                        flush: Arc::new(tokio::sync::Semaphore::new(1)),
                     }
                 }
             };
@@ -469,57 +475,64 @@ async fn accept_loop(
 ) {
     let mut conns = tokio::task::JoinSet::new();
     let mut stop_rx = stopped.clone();
-    // A descriptor held back for when the process runs out: a connection that `accept` can
-    // give no descriptor is dropped by the kernel, so when none is free the spare is given
-    // up first, and the connection it lets in is told `Busy` instead.
+    // A descriptor held back for when the process runs out and no stranger's socket can give
+    // way: it is given up to accept the waiting client and tell it `Busy`, rather than leave
+    // it in the queue until it gives up.
     let mut spare = std::fs::File::open("/dev/null").ok();
-    // Where even that cannot be opened, connections are served until `accept` fails.
-    let guarded = spare.is_some();
     loop {
+        // Reap finished connections as we go.
+        while conns.try_join_next().is_some() {}
         if spare.is_none() {
             spare = std::fs::File::open("/dev/null").ok();
         }
         let accepted = tokio::select! {
-            a = std::future::poll_fn(|cx| {
-                // Short while the spare is given up, or when no descriptor is free (asked
-                // just before `accept` would take one).
-                let short = guarded && spare.as_ref().is_none_or(|f| f.try_clone().is_err());
-                if short {
-                    spare = None;
-                }
-                listener.poll_accept(cx).map(|a| a.map(|(stream, peer)| (stream, peer, short)))
-            }) => a,
+            a = listener.accept() => a,
             _ = stop_rx.changed() => break,
         };
-        match accepted {
-            Ok((stream, _, true)) => {
-                tracing::warn!("out of file descriptors: a connection is refused busy");
-                conns.spawn(session::refuse_busy(stream));
-            }
-            Ok((stream, peer, false)) => {
-                let Some(pending) = gate.admit(peer.ip()) else {
-                    // Every place is held by a handshake that is getting through.
-                    drop(stream);
+        // A connection let in, and its place among the pending handshakes (`None`: it is
+        // told `Busy`).
+        let (stream, peer, pending) = match accepted {
+            Ok((stream, peer)) => match gate.admit(peer.ip()) {
+                Some(pending) => (stream, peer, Some(pending)),
+                // Every place it could take is held by a handshake getting through.
+                None => continue,
+            },
+            // Out of descriptors or memory: `accept` says so whether or not a client waits
+            // (which stays queued). The spare lets one in: a stranger's pending socket gives
+            // way to it if one can, else it is told `Busy`. The next try waits a moment
+            // instead of spinning.
+            Err(e) if e.raw_os_error().is_some_and(is_resource_shortage) => {
+                tracing::warn!(error = %e, "accepting a connection failed");
+                let waiting = Duration::from_millis(10);
+                // Closed before `accept`, so that its descriptor is the one given out.
+                let spared = match spare.take().map(drop) {
+                    Some(()) => tokio::time::timeout(waiting, listener.accept())
+                        .await
+                        .ok()
+                        .and_then(Result::ok),
+                    None => None,
+                };
+                tokio::time::sleep(waiting).await;
+                let Some((stream, peer)) = spared else {
                     continue;
                 };
-                let (sh, stop, tls) = (sh.clone(), stopped.clone(), tls.clone());
-                conns.spawn(session::serve(sh, stream, peer, stop, tls, pending));
+                let pending = gate.make_room().then(|| gate.admit(peer.ip())).flatten();
+                (stream, peer, pending)
             }
-            Err(e) => match e.raw_os_error() {
-                // Out of descriptors or memory with no spare left: a stranger's pending
-                // socket gives way, and the next try waits a moment instead of spinning.
-                Some(errno) if is_resource_shortage(errno) => {
-                    tracing::warn!(error = %e, "accepting a connection failed");
-                    gate.make_room();
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-                // A connection that failed before it was accepted (reset, unreachable):
-                // nothing to wait for.
-                _ => tracing::debug!(error = %e, "a connection failed before it was accepted"),
-            },
-        }
-        // Reap finished connections as we go.
-        while conns.try_join_next().is_some() {}
+            // A connection that failed before it was accepted (reset, unreachable): nothing
+            // to wait for.
+            Err(e) => {
+                tracing::debug!(error = %e, "a connection failed before it was accepted");
+                continue;
+            }
+        };
+        match pending {
+            Some(pending) => {
+                let (sh, stop, tls) = (sh.clone(), stopped.clone(), tls.clone());
+                conns.spawn(session::serve(sh, stream, peer, stop, tls, pending))
+            }
+            None => conns.spawn(session::refuse_busy(stream)),
+        };
     }
     // Refuse new clients at once while the connections drain.
     drop(listener);

@@ -3,8 +3,8 @@
 //! with its result or a refusal. Export locks are held only while bytes are copied between the
 //! export and the session's buffer, never across socket IO. A read of a file or GPU memory
 //! goes out a piece at a time, so a client that does not read its answer holds one piece of
-//! buffer, not the whole read. A write that extends a file reserves its blocks first: a full
-//! disk refuses it before a byte lands.
+//! buffer, not the whole read. A write that extends a file reserves the blocks it adds first:
+//! a full disk refuses it before a byte lands.
 
 use super::buffer::Buffer;
 use super::session::read_payload;
@@ -13,7 +13,9 @@ use crate::RemoteIoError;
 use crate::auth::Role;
 use crate::wire::{self, Header, MAX_REQUEST_PAYLOAD, Message, MsgType, WireError, WriteHead};
 use gpuio_hal::ErrorCode;
+use gpuio_hal::sync::MutexExt;
 use std::os::unix::fs::FileExt;
+use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Bytes of an answer staged in the session's buffer at a time: a memory export's under its
@@ -330,7 +332,7 @@ fn writable<'a>(
 /// Makes what was written to a file export durable (`fdatasync`), on a blocking thread.
 /// Memory and GPU memory start afresh when the agent restarts: refused, saying so.
 async fn sync(sh: &Shared, role: Role, name: &str) -> Answer {
-    let Source::File { file, .. } = &writable(sh, role, name)?.source else {
+    let Source::File { file, flush, .. } = &writable(sh, role, name)?.source else {
         return Err(Refusal::new(
             ErrorCode::Unsupported,
             format!(
@@ -339,8 +341,12 @@ async fn sync(sh: &Shared, role: Role, name: &str) -> Answer {
             ),
         ));
     };
-    let file = file.clone();
-    blocking(move || file.sync_data().map_err(io_refusal)).await?;
+    let (file, turn) = (file.clone(), turn(flush).await?);
+    blocking(move || {
+        let _turn = turn;
+        file.sync_data().map_err(io_refusal)
+    })
+    .await?;
     Ok(Message::Done)
 }
 
@@ -350,10 +356,13 @@ async fn sync(sh: &Shared, role: Role, name: &str) -> Answer {
 async fn reserve(sh: &Shared, role: Role, name: &str, len: u64) -> Answer {
     let ex = writable(sh, role, name)?;
     in_bounds(name, 0, len, capacity(&ex.source).await?)?;
-    if let Source::File { file, .. } = &ex.source {
-        let file = file.clone();
-        let name = name.to_string();
-        blocking(move || reserve_file(&file, &name, 0, len)).await?;
+    if let Source::File { file, flush, .. } = &ex.source {
+        let (file, name, turn) = (file.clone(), name.to_string(), turn(flush).await?);
+        blocking(move || {
+            let _turn = turn;
+            reserve_file(&file, &name, 0, len)
+        })
+        .await?;
     }
     Ok(Message::Done)
 }
@@ -377,6 +386,17 @@ fn reserve_file(
             format!("{offset}+{len} of export {name:?}: {why} ({e}); nothing was written"),
         )
     })
+}
+
+/// A file export's turn for a SYNC or RESERVE (waited for within the request's time).
+async fn turn(
+    flush: &std::sync::Arc<tokio::sync::Semaphore>,
+) -> std::result::Result<tokio::sync::OwnedSemaphorePermit, Refusal> {
+    flush
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|e| Refusal::new(ErrorCode::General, e.to_string()))
 }
 
 /// Runs `op` on a blocking thread.
@@ -424,9 +444,15 @@ async fn read(
             .map_err(io_refusal)
             .and_then(|m| in_bounds(name, offset, len, m.len())),
     };
-    let range = match checked {
-        Ok(range) => range,
-        Err(r) => return answer(sh, wr, id, Err(r)).await,
+    // One GPU stream for the whole read.
+    let stream = match &ex.source {
+        Source::Device(buf) => buf.gpu().stream().map(|s| Some(Arc::new(Mutex::new(s)))),
+        _ => Ok(None),
+    };
+    let (range, stream) = match (checked, stream) {
+        (Ok(range), Ok(stream)) => (range, stream),
+        (Err(r), _) => return answer(sh, wr, id, Err(r)).await,
+        (_, Err(e)) => return answer(sh, wr, id, Err(hal_refusal(e))).await,
     };
     // The first piece is read before the answer's head goes out, so that a failure there is
     // still a refusal; a failure after it can only end the connection.
@@ -434,7 +460,7 @@ async fn read(
     let mut first = true;
     while first || at < range.end {
         let n = READ_CHUNK.min(range.end - at);
-        let piece = fill_piece(&ex.source, at as u64, n, buffer).await;
+        let piece = fill_piece(&ex.source, stream.as_ref(), at as u64, n, buffer).await;
         if first {
             first = false;
             if let Err(r) = piece {
@@ -444,8 +470,7 @@ async fn read(
         } else if piece.is_err() {
             return Err(Fatal::Gone);
         }
-        let data = buffer.get(n).await.map_err(|_| Fatal::Gone)?;
-        wr.write_all(data).await?;
+        wr.write_all(buffer.held()).await?;
         at += n;
     }
     Counters::add(&sh.counters.served, 1);
@@ -453,33 +478,35 @@ async fn read(
     Ok(())
 }
 
-/// Reads `n` bytes of a GPU memory or file export at `offset` into the session's buffer, on a
-/// blocking thread.
+/// Reads `n` bytes of a GPU memory (through `stream`) or file export at `offset` into the
+/// session's buffer, on a blocking thread.
 async fn fill_piece(
     source: &Source,
+    stream: Option<&Arc<Mutex<gpuio_hal::Stream>>>,
     offset: u64,
     n: usize,
     buffer: &mut Buffer,
 ) -> std::result::Result<(), Refusal> {
-    match source {
-        Source::Device(buf) => {
-            let buf = buf.clone();
+    match (source, stream) {
+        (Source::Device(buf), Some(stream)) => {
+            let (buf, stream) = (buf.clone(), stream.clone());
             through_buffer(buffer, n, move |data| {
-                buf.gpu()
-                    .stream()
-                    .and_then(|s| s.download(&buf, offset as usize, data))
+                let stream = stream.lock_unpoisoned();
+                stream
+                    .download(&buf, offset as usize, data)
                     .map_err(hal_refusal)
             })
             .await
         }
-        Source::File { file, .. } => {
+        (Source::File { file, .. }, _) => {
             let file = file.clone();
             through_buffer(buffer, n, move |data| {
                 file.read_exact_at(data, offset).map_err(io_refusal)
             })
             .await
         }
-        Source::Memory(_) => Ok(()),
+        // Memory is sent straight from the export; GPU memory always has its stream.
+        _ => Ok(()),
     }
 }
 
@@ -537,7 +564,25 @@ async fn through_buffer(
     len: usize,
     op: impl FnOnce(&mut [u8]) -> std::result::Result<(), Refusal> + Send + 'static,
 ) -> std::result::Result<(), Refusal> {
-    let mut lent = buffer.lend(len).await.map_err(no_memory)?;
+    let lent = buffer.lend(len).await.map_err(no_memory)?;
+    on_blocking_thread(buffer, lent, op).await
+}
+
+/// Runs `op` on a blocking thread over what the session's buffer holds (a write's data).
+async fn with_held(
+    buffer: &mut Buffer,
+    op: impl FnOnce(&mut [u8]) -> std::result::Result<(), Refusal> + Send + 'static,
+) -> std::result::Result<(), Refusal> {
+    let lent = buffer.lend_held();
+    on_blocking_thread(buffer, lent, op).await
+}
+
+/// Runs `op` over `lent` on a blocking thread, giving the bytes back to `buffer` after.
+async fn on_blocking_thread(
+    buffer: &mut Buffer,
+    mut lent: super::buffer::Lent,
+    op: impl FnOnce(&mut [u8]) -> std::result::Result<(), Refusal> + Send + 'static,
+) -> std::result::Result<(), Refusal> {
     let done = tokio::task::spawn_blocking(move || {
         let r = op(lent.bytes());
         (r, lent)
@@ -587,9 +632,20 @@ async fn write<R: AsyncRead + Unpin>(
         Ok(r) => r,
         Err(r) => return refuse(rd, r).await,
     };
+    // What the write adds past the file's end is reserved first (the bytes it holds have
+    // their blocks already, holes aside).
     if let Source::File { file, .. } = &ex.source {
         let (file, name) = (file.clone(), name.clone());
-        if let Err(r) = blocking(move || reserve_file(&file, &name, offset, len)).await {
+        let grow = move || {
+            let size = file.metadata().map_err(io_refusal)?.len();
+            let from = offset.max(size);
+            let end = offset + len;
+            match end.checked_sub(from) {
+                Some(n) if n > 0 => reserve_file(&file, &name, from, n),
+                _ => Ok(()),
+            }
+        };
+        if let Err(r) = blocking(grow).await {
             return refuse(rd, r).await;
         }
     }
@@ -600,7 +656,7 @@ async fn write<R: AsyncRead + Unpin>(
     rd.read_exact(data).await?;
     let moved = match &ex.source {
         Source::Memory(mem) => {
-            let data = buffer.get(len as usize).await.map_err(|_| Fatal::Gone)?;
+            let data = buffer.held();
             // The exporting program may have swapped in a smaller buffer meanwhile.
             match mem.write().await.as_mut_slice().get_mut(range) {
                 Some(to) => {
@@ -615,7 +671,7 @@ async fn write<R: AsyncRead + Unpin>(
         }
         Source::Device(buf) => {
             let buf = buf.clone();
-            through_buffer(buffer, len as usize, move |data| {
+            with_held(buffer, move |data| {
                 buf.gpu()
                     .stream()
                     .and_then(|s| s.upload(data, &buf, offset as usize))
@@ -625,7 +681,7 @@ async fn write<R: AsyncRead + Unpin>(
         }
         Source::File { file, .. } => {
             let file = file.clone();
-            through_buffer(buffer, len as usize, move |data| {
+            with_held(buffer, move |data| {
                 file.write_all_at(data, offset).map_err(io_refusal)
             })
             .await

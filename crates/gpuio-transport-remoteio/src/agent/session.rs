@@ -24,7 +24,7 @@ pub(super) async fn serve(
     sh: Arc<Shared>,
     stream: TcpStream,
     peer: SocketAddr,
-    stop: watch::Receiver<bool>,
+    mut stop: watch::Receiver<bool>,
     tls: Option<tokio_rustls::TlsAcceptor>,
     pending: Pending,
 ) {
@@ -36,10 +36,8 @@ pub(super) async fn serve(
     let mut first = [0u8; 1];
     let spoke = tokio::select! {
         r = tokio::time::timeout_at(deadline, stream.peek(&mut first)) => r,
-        _ = pending.evicted() => {
-            Counters::add(&sh.counters.refused_sessions, 1);
-            return;
-        }
+        _ = pending.evicted() => return,
+        _ = stop.changed() => return,
     };
     match spoke {
         Ok(Ok(n)) if n > 0 => pending.advance(Progress::Spoke),
@@ -57,10 +55,8 @@ pub(super) async fn serve(
     let shake = tokio::time::timeout_at(deadline, acceptor.accept(stream));
     let tls = tokio::select! {
         t = shake => t,
-        _ = pending.evicted() => {
-            Counters::add(&sh.counters.refused_sessions, 1);
-            return;
-        }
+        _ = pending.evicted() => return,
+        _ = stop.changed() => return,
     };
     match tls {
         Ok(Ok(tls)) => {
@@ -145,10 +141,9 @@ async fn serve_session(
     let shake = tokio::time::timeout_at(deadline, shake);
     let shaken = tokio::select! {
         s = shake => s,
-        _ = pending.evicted() => {
-            Counters::add(&sh.counters.refused_sessions, 1);
-            return;
-        }
+        _ = pending.evicted() => return,
+        // Stopping: a handshake is no request in flight.
+        _ = stop.changed() => return,
     };
     drop(pending);
     let admitted = match shaken {
@@ -189,7 +184,11 @@ async fn serve_session(
         let served = {
             let served = tokio::time::timeout(sh.cfg.io_timeout, async {
                 let header = read_header_rest(&mut rd, first).await?;
-                serve::serve_one(&sh, admitted.role, &mut rd, &mut wr, header, &mut state).await
+                serve::serve_one(&sh, admitted.role, &mut rd, &mut wr, header, &mut state).await?;
+                // TLS may hold the answer's last record back until flushed; the client waits
+                // for it before it sends another request.
+                wr.flush().await?;
+                Ok(())
             });
             tokio::pin!(served);
             tokio::select! {
@@ -341,6 +340,7 @@ async fn handshake(
 
 async fn send(wr: &mut (impl AsyncWrite + Unpin), msg: &Message, request_id: u64) -> Result<()> {
     wr.write_all(&msg.encode(request_id)).await?;
+    wr.flush().await?;
     Ok(())
 }
 

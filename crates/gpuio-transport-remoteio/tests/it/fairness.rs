@@ -340,3 +340,41 @@ fn sync_makes_file_exports_durable_and_is_refused_for_memory() {
     // Refusals leave the connection usable.
     assert_eq!(peer.stats().broken, 0);
 }
+
+#[test]
+fn a_key_busy_with_the_whole_buffer_budget_makes_room_for_another() {
+    let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
+    cfg.keys = vec![key("a", A), key("b", B)];
+    cfg.exports = vec![export("mem", memory(32 << 20, 15))];
+    cfg.buffer_memory = 16 << 20;
+    cfg.io_timeout = Duration::from_secs(3);
+    let agent = Agent::start(cfg).unwrap();
+    let addr = agent.local_addr();
+    let stop = Arc::new(AtomicBool::new(false));
+    // "a" writes 16 MiB messages back to back: alone, it may hold the whole budget.
+    let busy = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut c = Connection::connect(addr, &creds("a", A), Duration::from_secs(5)).unwrap();
+            let data = vec![1u8; 16 << 20];
+            let mut writes = 0;
+            while !stop.load(Ordering::Relaxed) {
+                c.write("mem", 0, &data, data.len()).unwrap();
+                writes += 1;
+            }
+            writes
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    let mut b = Connection::connect(addr, &creds("b", B), Duration::from_secs(5)).unwrap();
+    b.write("mem", 16 << 20, &[2u8; 4096], 4096).unwrap();
+    let took = started.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    let writes = busy.join().unwrap();
+    assert!(writes > 1, "{writes}");
+    assert!(
+        took < Duration::from_secs(1),
+        "another key's write waited {took:?}"
+    );
+}

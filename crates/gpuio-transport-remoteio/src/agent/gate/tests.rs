@@ -116,3 +116,33 @@ fn a_handshake_that_made_progress_keeps_its_place_until_it_ends() {
     drop(tls);
     assert!(gate.admit(ip(3)).is_some());
 }
+
+#[test]
+fn hellos_from_a_few_prefixes_cannot_lock_the_others_out() {
+    let gate = Gate::new(128, 512);
+    // Four addresses in four /16s fill every place with protected handshakes.
+    let mut flood = Vec::new();
+    for a in 0..4u8 {
+        for _ in 0..128 {
+            let p = gate.admit(IpAddr::from([10 + a, 0, 0, 1])).unwrap();
+            p.advance(Progress::Hello);
+            flood.push(p);
+        }
+    }
+    // A good client elsewhere still gets a place: one of the largest prefixes' gives way.
+    let slow = gate.admit(IpAddr::from([192, 168, 1, 1])).unwrap();
+    slow.advance(Progress::Spoke);
+    assert_eq!(gate.evicted(), 1);
+    // More from the flood's addresses are refused or evict their own, never the slow one.
+    for a in 0..4u8 {
+        let _ = gate.admit(IpAddr::from([10 + a, 0, 0, 1]));
+        let fresh = gate.admit(IpAddr::from([10 + a, 0, 0, 2]));
+        if let Some(p) = fresh {
+            p.advance(Progress::Hello);
+            flood.push(p);
+        }
+    }
+    // And from a fifth prefix of the flood's own.
+    let _fifth = gate.admit(IpAddr::from([20, 0, 0, 1])).unwrap();
+    assert!(!evicted(&slow));
+}
