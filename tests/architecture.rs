@@ -2,7 +2,9 @@
 //! transports never import each other; test support (gpuio-testkit) is only ever a
 //! dev-dependency; each crate's integration tests are one binary (`tests/it/`), any other
 //! saying why it needs a process of its own; `unsafe` lives only in gpuio-hal and the C ABI
-//! (gpuio-capi), each block with a `// SAFETY:` note; every other crate forbids unsafe code; every crate has a README. And
+//! (gpuio-capi), each block with a `// SAFETY:` note (clippy's `undocumented_unsafe_blocks`,
+//! which every crate inherits from the workspace); every other crate forbids unsafe code;
+//! every crate has a README. And
 //! the docs' references hold: every `docs/<path>.md` (and `docs/<path>.md#<anchor>`) named in
 //! a tracked source or doc file exists (and has that heading), and nothing cites design
 //! documents that are not in the repository: the design vocabulary is docs/REFERENCE.md.
@@ -158,7 +160,7 @@ fn dev_only_crates_are_only_dev_dependencies() {
 const UNSAFE_CRATES: &[&str] = &["gpuio-hal", "gpuio-capi"];
 
 #[test]
-fn unsafe_code_lives_only_in_the_hal_and_the_c_abi_with_safety_notes() {
+fn unsafe_code_lives_only_in_the_hal_and_the_c_abi() {
     for (name, dir) in crates() {
         let mut files = Vec::new();
         rust_files(&dir, &mut files);
@@ -179,32 +181,47 @@ fn unsafe_code_lives_only_in_the_hal_and_the_c_abi_with_safety_notes() {
                 "{name} must mark every unsafe operation, also inside unsafe functions"
             );
         }
+        // The allowed crates' notes are clippy's to check (below); the rest must have none,
+        // tests included (they are not under the crate's `forbid`).
+        if UNSAFE_CRATES.contains(&name.as_str()) {
+            continue;
+        }
         for f in files {
             let text = std::fs::read_to_string(&f).unwrap();
-            let lines: Vec<&str> = text.lines().collect();
-            for (i, line) in lines.iter().enumerate() {
+            for (i, line) in text.lines().enumerate() {
                 let code = line.split("//").next().unwrap_or("");
-                let is_block = code.contains("unsafe {") || code.contains("unsafe impl");
-                if !is_block {
-                    continue;
-                }
                 assert!(
-                    UNSAFE_CRATES.contains(&name.as_str()),
+                    !(code.contains("unsafe {") || code.contains("unsafe impl")),
                     "unsafe outside gpuio-hal and gpuio-capi: {}:{}",
-                    f.display(),
-                    i + 1
-                );
-                let noted = lines[i.saturating_sub(6)..=i]
-                    .iter()
-                    .any(|l| l.contains("SAFETY:"));
-                assert!(
-                    noted,
-                    "unsafe without a SAFETY note at {}:{}",
                     f.display(),
                     i + 1
                 );
             }
         }
+    }
+}
+
+/// Every `unsafe` block and impl has its `// SAFETY:` note: clippy's
+/// `undocumented_unsafe_blocks`, denied for the workspace, which every crate inherits.
+#[test]
+fn every_crate_inherits_the_workspace_lints() {
+    let workspace = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
+    assert!(
+        workspace.contains("undocumented_unsafe_blocks = \"deny\""),
+        "the workspace must deny clippy::undocumented_unsafe_blocks"
+    );
+    let mut manifests: Vec<PathBuf> = crates().into_iter().map(|(_, d)| d).collect();
+    manifests.extend([root().join("tests"), root().join("xtask")]);
+    for dir in manifests {
+        let manifest = std::fs::read_to_string(dir.join("Cargo.toml")).unwrap();
+        let lints = manifest
+            .split("\n[")
+            .find(|section| section.starts_with("lints]"));
+        assert!(
+            lints.is_some_and(|l| l.lines().any(|line| line.trim() == "workspace = true")),
+            "{} must inherit the workspace lints ([lints] workspace = true)",
+            dir.display()
+        );
     }
 }
 

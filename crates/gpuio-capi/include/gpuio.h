@@ -95,25 +95,32 @@ typedef struct gpuio_device_info_t {
   char name[256];
   // Memory in bytes.
   uint64_t total_memory;
-  // The compute capability (0.0 on the host backend).
+  // The compute capability's major number (0 on the host backend).
   int32_t compute_capability_major;
+  // The compute capability's minor number.
   int32_t compute_capability_minor;
-  // Streaming multiprocessors, copy engines.
+  // Streaming multiprocessors.
   int32_t multiprocessors;
+  // Copy engines.
   int32_t copy_engines;
-  // 1 where the path is available: GPUDirect Storage, GPUDirect RDMA, CXL memory, DMA
-  // straight from page-cache pages.
+  // 1 where GPUDirect Storage is available.
   int32_t supports_gds;
+  // 1 where GPUDirect RDMA is available.
   int32_t supports_gdr;
+  // 1 where CXL memory is reachable.
   int32_t supports_cxl;
+  // 1 where DMA straight from page-cache pages is available.
   int32_t supports_page_cache_dma;
 } gpuio_device_info_t;
 
 // One end of a transfer: exactly one of `handle` (a resource) and `mem` (gpuio memory) is
 // set, `offset` bytes in.
 typedef struct gpuio_end_t {
+  // A file or device handle, or NULL.
   const struct gpuio_handle_t *handle;
+  // Memory, or NULL.
   const struct gpuio_mem_t *mem;
+  // Bytes from the start of the handle or memory.
   uint64_t offset;
 } gpuio_end_t;
 
@@ -125,8 +132,11 @@ typedef void (*gpuio_callback_t)(void *user_data, int status, size_t bytes);
 
 // One transfer of a batch.
 typedef struct gpuio_transfer_t {
+  // Where the bytes come from.
   struct gpuio_end_t src;
+  // Where they go.
   struct gpuio_end_t dst;
+  // How many.
   size_t len;
 } gpuio_transfer_t;
 

@@ -43,17 +43,21 @@ pub struct gpuio_device_info_t {
     pub name: [c_char; 256],
     /// Memory in bytes.
     pub total_memory: u64,
-    /// The compute capability (0.0 on the host backend).
+    /// The compute capability's major number (0 on the host backend).
     pub compute_capability_major: i32,
+    /// The compute capability's minor number.
     pub compute_capability_minor: i32,
-    /// Streaming multiprocessors, copy engines.
+    /// Streaming multiprocessors.
     pub multiprocessors: i32,
+    /// Copy engines.
     pub copy_engines: i32,
-    /// 1 where the path is available: GPUDirect Storage, GPUDirect RDMA, CXL memory, DMA
-    /// straight from page-cache pages.
+    /// 1 where GPUDirect Storage is available.
     pub supports_gds: i32,
+    /// 1 where GPUDirect RDMA is available.
     pub supports_gdr: i32,
+    /// 1 where CXL memory is reachable.
     pub supports_cxl: i32,
+    /// 1 where DMA straight from page-cache pages is available.
     pub supports_page_cache_dma: i32,
 }
 
@@ -121,8 +125,8 @@ pub unsafe extern "C" fn gpuio_init(
 /// `ctx` is NULL or came from `gpuio_init`, and nothing uses it during or after the call.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpuio_finalize(ctx: *mut gpuio_context_t) -> c_int {
-    // SAFETY: the caller's contract: gpuio_init's pointer, given back once.
     call(|| {
+        // SAFETY: the caller's contract: gpuio_init's pointer, given back once.
         drop(unsafe { ptr::release(ctx) });
         Ok(())
     })

@@ -98,8 +98,8 @@ pub unsafe extern "C" fn gpuio_handle_size(handle: *const gpuio_handle_t, size: 
 /// `handle` is NULL or came from `gpuio_open`, and nothing uses it during or after the call.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpuio_close(handle: *mut gpuio_handle_t) -> c_int {
-    // SAFETY: the caller's contract: gpuio_open's pointer, given back once.
     call(|| {
+        // SAFETY: the caller's contract: gpuio_open's pointer, given back once.
         drop(unsafe { ptr::release(handle) });
         Ok(())
     })
@@ -229,8 +229,8 @@ pub unsafe extern "C" fn gpuio_mem_len(mem: *const gpuio_mem_t) -> usize {
 /// `mem` is NULL or came from a `gpuio_mem_*` function, and nothing uses it after the call.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpuio_mem_free(mem: *mut gpuio_mem_t) -> c_int {
-    // SAFETY: the caller's contract: a gpuio_mem_* pointer, given back once.
     call(|| {
+        // SAFETY: the caller's contract: a gpuio_mem_* pointer, given back once.
         drop(unsafe { ptr::release(mem) });
         Ok(())
     })

@@ -15,8 +15,11 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct gpuio_end_t {
+    /// A file or device handle, or NULL.
     pub handle: *const gpuio_handle_t,
+    /// Memory, or NULL.
     pub mem: *const gpuio_mem_t,
+    /// Bytes from the start of the handle or memory.
     pub offset: u64,
 }
 
@@ -24,8 +27,11 @@ pub struct gpuio_end_t {
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct gpuio_transfer_t {
+    /// Where the bytes come from.
     pub src: gpuio_end_t,
+    /// Where they go.
     pub dst: gpuio_end_t,
+    /// How many.
     pub len: usize,
 }
 
@@ -306,8 +312,8 @@ pub unsafe extern "C" fn gpuio_request_cancel(req: *const gpuio_request_t) -> c_
 /// `req` is NULL or came from `gpuio_submit`, and nothing uses it after the call.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpuio_request_free(req: *mut gpuio_request_t) -> c_int {
-    // SAFETY: the caller's contract: gpuio_submit's pointer, given back once.
     call(|| {
+        // SAFETY: the caller's contract: gpuio_submit's pointer, given back once.
         drop(unsafe { ptr::release(req) });
         Ok(())
     })
