@@ -203,24 +203,33 @@ impl State {
         within: Option<(usize, Prefix)>,
         protected: bool,
     ) -> Option<(u64, [usize; LEVELS], bool)> {
-        self.pending
-            .iter()
-            .filter(|(_, e)| within.is_none_or(|(l, p)| e.prefixes[l] == p))
-            .filter(|(_, e)| protected || !e.progress.protected())
-            .map(|(ticket, e)| {
-                let sizes: [usize; LEVELS] =
-                    std::array::from_fn(|l| e.counts[l].load(Ordering::Relaxed));
-                (*ticket, sizes, e)
-            })
-            .max_by_key(|(ticket, sizes, e)| {
-                (
-                    *sizes,
-                    !e.progress.protected(),
-                    std::cmp::Reverse(e.progress),
-                    std::cmp::Reverse(*ticket),
-                )
-            })
-            .map(|(ticket, sizes, e)| (ticket, sizes, e.progress.protected()))
+        // A plain loop: it runs for every admission into a full gate.
+        let mut best: Option<(u64, [usize; LEVELS], Progress)> = None;
+        for (&ticket, e) in &self.pending {
+            if within.is_some_and(|(l, p)| e.prefixes[l] != p)
+                || (!protected && e.progress.protected())
+            {
+                continue;
+            }
+            let sizes = [
+                e.counts[0].load(Ordering::Relaxed),
+                e.counts[1].load(Ordering::Relaxed),
+                e.counts[2].load(Ordering::Relaxed),
+                e.counts[3].load(Ordering::Relaxed),
+            ];
+            let better = best.as_ref().is_none_or(|(t, s, p)| {
+                sizes.cmp(s).then_with(|| {
+                    // Not protected first, then the least progress, then the oldest.
+                    (p.protected().cmp(&e.progress.protected()))
+                        .then(p.cmp(&e.progress))
+                        .then(t.cmp(&ticket))
+                }) == std::cmp::Ordering::Greater
+            });
+            if better {
+                best = Some((ticket, sizes, e.progress));
+            }
+        }
+        best.map(|(ticket, sizes, progress)| (ticket, sizes, progress.protected()))
     }
 
     /// Evicts the handshake that gives way first under `within` (see [`Self::victim`]);
