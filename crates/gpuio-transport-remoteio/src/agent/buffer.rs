@@ -191,10 +191,15 @@ pub(super) struct Lent {
 impl Lent {
     /// The bytes lent.
     pub(super) fn bytes(&mut self) -> &mut [u8] {
-        match &mut self.bytes {
-            Some(b) => &mut b.as_mut_slice()[..self.len],
-            None => &mut [],
-        }
+        first(&mut self.bytes, self.len)
+    }
+}
+
+/// The first `len` bytes of a buffer (none where there is no buffer).
+fn first(bytes: &mut Option<HostBuffer>, len: usize) -> &mut [u8] {
+    match bytes {
+        Some(b) => &mut b.as_mut_slice()[..len],
+        None => &mut [],
     }
 }
 
@@ -237,10 +242,7 @@ impl Buffer {
     /// The bytes the last [`get`](Self::get) or [`lend`](Self::lend) asked for, as they are:
     /// what a request put there (never taken again from the budget, so never lost).
     pub(super) fn held(&mut self) -> &mut [u8] {
-        match &mut self.bytes {
-            Some(b) => &mut b.as_mut_slice()[..self.len],
-            None => &mut [],
-        }
+        first(&mut self.bytes, self.len)
     }
 
     /// Lends the bytes, `len` long, and their room to a blocking thread.

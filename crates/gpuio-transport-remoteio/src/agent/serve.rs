@@ -291,22 +291,22 @@ async fn size(source: &Source) -> std::result::Result<u64, Refusal> {
     })
 }
 
-/// The most bytes writes may reach: what it holds, and for a file its limit if larger (a file
-/// grown past its limit since the agent started may still be written where it has bytes).
-/// STAT reports the same bound writes are checked against.
-async fn capacity(source: &Source) -> std::result::Result<u64, Refusal> {
-    let held = size(source).await?;
-    Ok(match source {
+/// The most bytes writes may reach, for an export holding `held` bytes now: those, and for a
+/// file its limit if larger (a file grown past its limit since the agent started may still
+/// be written where it has bytes). STAT reports the same bound writes are checked against.
+fn capacity(source: &Source, held: u64) -> u64 {
+    match source {
         Source::File { max_len, .. } => held.max(*max_len),
         _ => held,
-    })
+    }
 }
 
 async fn stat(sh: &Shared, role: Role, name: &str) -> Answer {
     let ex = export(sh, name)?;
+    let size = size(&ex.source).await?;
     Ok(Message::StatResp {
-        size: size(&ex.source).await?,
-        capacity: capacity(&ex.source).await?,
+        size,
+        capacity: capacity(&ex.source, size),
         writable: may_write(ex, role),
         durable: matches!(ex.source, Source::File { .. }),
         instance: sh.instance,
@@ -355,7 +355,7 @@ async fn sync(sh: &Shared, role: Role, name: &str) -> Answer {
 /// Memory and GPU memory hold their bytes already: only the bounds are checked.
 async fn reserve(sh: &Shared, role: Role, name: &str, len: u64) -> Answer {
     let ex = writable(sh, role, name)?;
-    in_bounds(name, 0, len, capacity(&ex.source).await?)?;
+    in_bounds(name, 0, len, capacity(&ex.source, size(&ex.source).await?))?;
     if let Source::File { file, flush, .. } = &ex.source {
         let (file, name, turn) = (file.clone(), name.to_string(), turn(flush).await?);
         blocking(move || {
@@ -505,8 +505,12 @@ async fn fill_piece(
             })
             .await
         }
-        // Memory is sent straight from the export; GPU memory always has its stream.
-        _ => Ok(()),
+        // Memory is sent straight from the export, never through here.
+        (Source::Memory(_), _) => Ok(()),
+        (Source::Device(_), None) => Err(Refusal::new(
+            ErrorCode::General,
+            "a GPU memory read without its stream",
+        )),
     }
 }
 
@@ -624,28 +628,22 @@ async fn write<R: AsyncRead + Unpin>(
         Ok(ex) => ex,
         Err(r) => return refuse(rd, r).await,
     };
-    let capacity = match capacity(&ex.source).await {
-        Ok(c) => c,
+    let held = match size(&ex.source).await {
+        Ok(held) => held,
         Err(r) => return refuse(rd, r).await,
     };
-    let range = match in_bounds(&name, offset, len, capacity) {
+    let range = match in_bounds(&name, offset, len, capacity(&ex.source, held)) {
         Ok(r) => r,
         Err(r) => return refuse(rd, r).await,
     };
     // What the write adds past the file's end is reserved first (the bytes it holds have
-    // their blocks already, holes aside).
-    if let Source::File { file, .. } = &ex.source {
-        let (file, name) = (file.clone(), name.clone());
-        let grow = move || {
-            let size = file.metadata().map_err(io_refusal)?.len();
-            let from = offset.max(size);
-            let end = offset + len;
-            match end.checked_sub(from) {
-                Some(n) if n > 0 => reserve_file(&file, &name, from, n),
-                _ => Ok(()),
-            }
-        };
-        if let Err(r) = blocking(grow).await {
+    // their blocks already, holes aside); an overwrite goes straight on.
+    let end = offset + len;
+    if let Source::File { file, .. } = &ex.source
+        && end > held
+    {
+        let (file, name, from) = (file.clone(), name.clone(), offset.max(held));
+        if let Err(r) = blocking(move || reserve_file(&file, &name, from, end - from)).await {
             return refuse(rd, r).await;
         }
     }
