@@ -12,7 +12,7 @@
 
 use crate::{Budget, Record, Result, Target, race};
 use gpuio_api::Session;
-use gpuio_hal::kernels::{ALL, KernelPath, KernelSource};
+use gpuio_hal::kernels::{KernelPath, KernelSource, MODULES};
 use gpuio_hal::{Backend, Gpu};
 use std::time::Duration;
 
@@ -152,11 +152,11 @@ pub fn run(
         }
     )];
     let mut records = Vec::new();
-    for src in ALL {
+    for src in MODULES {
         progress(src.name);
         records.push(case(&gpu, src.name, &[*src], budget, &mut notes)?);
     }
     progress("all");
-    records.push(case(&gpu, "all", ALL, budget, &mut notes)?);
+    records.push(case(&gpu, "all", MODULES, budget, &mut notes)?);
     Ok((records, Vec::new(), notes))
 }

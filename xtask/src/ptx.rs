@@ -8,7 +8,11 @@
 //! time) is built here too: `--write` (re)writes it from `kernels/`, and `--check` (CI) builds
 //! it afresh in a temporary directory, twice, and fails naming every committed file that
 //! differs. Both need nvcc 13.0.88 (`--wheels`): the files are that compiler's output.
+//!
+//! Which modules there are, and what they are made of, each crate's `kernels.toml` says
+//! ([`manifest`]); `--write` also writes the Rust that embeds them, `--rust` only that.
 
+use crate::manifest::{self, Manifest};
 use crate::{Result, cargo, has, root, run, run_tests};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -30,50 +34,12 @@ const WHEELS: &[&str] = &[
 /// Set in the child that runs with the wheels' libraries on its loader path.
 const WHEELS_ENV: &str = "GPUIO_XTASK_CUDA_WHEELS";
 
-/// The modules gpuio-hal embeds (`gpuio_hal::kernels::ALL`): each module's name and the files
-/// of `kernels/` whose text, in this order, is its source, as `src/kernels.rs` there puts it
-/// together. The first line of each PTX file records a hash of that text, which gpuio-hal's
-/// tests compare with the source it embeds: the two lists cannot drift apart unnoticed.
-const MODULES: &[(&str, &[&str])] = &[
-    ("pattern.cu", &["gpuio_pattern.cuh", "pattern.cu"]),
-    (
-        "gather.cu",
-        &[
-            "gpuio_ring.cuh",
-            "gpuio_array.cuh",
-            "gpuio.cuh",
-            "gather.cu",
-        ],
-    ),
-    (
-        "ring_bench.cu",
-        &["gpuio_ring.cuh", "ring_bench.cu", "ring_layout.cu"],
-    ),
-    (
-        "ondemand.cu",
-        &[
-            "gpuio_ring.cuh",
-            "gpuio_array.cuh",
-            "gpuio_pattern.cuh",
-            "ondemand.cu",
-        ],
-    ),
-    (
-        "nvme.cu",
-        &["gpuio_nvme.cuh", "gpuio_pattern.cuh", "nvme.cu"],
-    ),
-    ("ai.cu", &["ai.cu"]),
-];
-
 /// The virtual architectures of the embedded PTX (`gpuio_hal::kernels::PTX_ARCHS`, which says
 /// why these).
-const PTX_ARCHS: &[&str] = &["compute_80", "compute_100"];
+pub const PTX_ARCHS: &[&str] = &["compute_80", "compute_100"];
 
 /// The nvcc whose output the committed PTX is (what `--wheels` installs).
 const NVCC_VERSION: &str = "V13.0.88";
-
-/// Where the embedded PTX lives, relative to the workspace root.
-const PTX_DIR: &str = "crates/gpuio-hal/ptx";
 
 struct Options {
     kernels: PathBuf,
@@ -84,6 +50,8 @@ struct Options {
     write: bool,
     /// Also check the embedded PTX against a fresh build.
     check: bool,
+    /// Only (re)write the Rust that embeds the modules (no compiler needed).
+    rust: bool,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
@@ -93,6 +61,7 @@ fn parse(args: &[String]) -> Result<Options> {
         wheels: false,
         write: false,
         check: false,
+        rust: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -104,6 +73,7 @@ fn parse(args: &[String]) -> Result<Options> {
             "--wheels" => opts.wheels = true,
             "--write" => opts.write = true,
             "--check" => opts.check = true,
+            "--rust" => opts.rust = true,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -129,11 +99,16 @@ fn arch_number(arch: &str) -> Option<&str> {
 /// only writes the embedded PTX; with `--check`, also fails if it is stale.
 pub fn ptx(args: &[String]) -> Result {
     let opts = parse(args)?;
+    if opts.rust {
+        let changed = manifest::write_rust(&manifest::arch_numbers(PTX_ARCHS))?;
+        eprintln!("kernel module Rust: {changed} files changed");
+        return Ok(());
+    }
     if opts.wheels && std::env::var_os(WHEELS_ENV).is_none() {
         return rerun_with_wheels(args);
     }
     if opts.write {
-        return write_ptx(&opts.kernels);
+        return write_ptx();
     }
     let mut failed = Vec::new();
     if has("nvcc", "--version") {
@@ -156,7 +131,7 @@ pub fn ptx(args: &[String]) -> Result {
         }
     }
     if opts.check
-        && let Err(e) = check_ptx(&opts.kernels)
+        && let Err(e) = check_ptx()
     {
         failed.push(e);
     }
@@ -239,25 +214,25 @@ fn require_pinned_nvcc() -> Result {
     ))
 }
 
-/// Builds every module's PTX for every architecture of [`PTX_ARCHS`] from the sources in
-/// `kernels` into `out`, and returns the file names. Each file is a line naming the module,
-/// the architecture and the hash of the source, a line saying where it came from, then
-/// nvcc's output (which names the compiler's version but no path or time: the same sources give
-/// the same bytes, which `--check` verifies by building twice).
-fn generate(kernels: &Path, out: &Path) -> Result<Vec<String>> {
+/// Builds every module of `m` for every architecture of [`PTX_ARCHS`] into `out`, and
+/// returns the file names. Each file is a line naming the module, the architecture and the
+/// hash of the source, a line saying where it came from, then nvcc's output (which names the
+/// compiler's version but no path or time: the same sources give the same bytes, which
+/// `--check` verifies by building twice).
+fn generate(m: &Manifest, out: &Path) -> Result<Vec<String>> {
     let work = out.join("src");
     std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
     let mut files = Vec::new();
-    for (name, parts) in MODULES {
+    for module in &m.modules {
         let mut source = String::new();
-        for part in *parts {
-            source.push_str(&read(&kernels.join(part))?);
+        for part in &module.sources {
+            source.push_str(&read(&m.kernels.join(part))?);
         }
-        let stem = name.strip_suffix(".cu").unwrap_or(name);
-        let cu = work.join(name);
+        let name = module.file_name();
+        let cu = work.join(&name);
         write(&cu, &source)?;
         for arch in PTX_ARCHS {
-            let file = format!("{stem}.{arch}.ptx");
+            let file = format!("{}.{arch}.ptx", module.name);
             let built = work.join(&file);
             let what = format!("nvcc -ptx -arch={arch} {name}");
             let mut cmd = Command::new("nvcc");
@@ -274,7 +249,7 @@ fn generate(kernels: &Path, out: &Path) -> Result<Vec<String>> {
                 "// gpuio-ptx: {name} {arch} source-fnv1a64 {:016x}\n\
                  // Built by `cargo xtask ptx --write` from kernels/{}; do not edit.\n",
                 fnv1a64(&source),
-                parts.join(" + kernels/"),
+                module.sources.join(" + kernels/"),
             );
             write(&out.join(&file), &(header + &ptx))?;
             files.push(file);
@@ -299,94 +274,109 @@ fn ptx_files(dir: &Path) -> Vec<String> {
     names
 }
 
-/// `--write`: builds the embedded PTX and replaces what differs in [`PTX_DIR`], removing PTX
-/// files that no module and architecture make any more.
-fn write_ptx(kernels: &Path) -> Result {
+/// `--write`: for every crate's manifest, builds the embedded PTX and replaces what differs in
+/// the crate's `ptx/` (removing PTX files that no module and architecture make any more), and
+/// writes the Rust that embeds it.
+fn write_ptx() -> Result {
     require_pinned_nvcc()?;
-    let tmp = temp_dir("write")?;
-    let files = generate(kernels, &tmp)?;
-    let dir = root().join(PTX_DIR);
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let mut changed = 0;
-    for file in &files {
-        let text = read(&tmp.join(file))?;
-        if std::fs::read_to_string(dir.join(file)).ok().as_deref() != Some(text.as_str()) {
-            write(&dir.join(file), &text)?;
-            eprintln!("wrote {PTX_DIR}/{file}");
+    for m in manifest::all()? {
+        let tmp = temp_dir("write")?;
+        let files = generate(&m, &tmp)?;
+        let (dir, shown) = (m.ptx_dir(), m.ptx_dir_shown());
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let mut changed = 0;
+        for file in &files {
+            let text = read(&tmp.join(file))?;
+            if std::fs::read_to_string(dir.join(file)).ok().as_deref() != Some(text.as_str()) {
+                write(&dir.join(file), &text)?;
+                eprintln!("wrote {shown}/{file}");
+                changed += 1;
+            }
+        }
+        for old in ptx_files(&dir).into_iter().filter(|f| !files.contains(f)) {
+            std::fs::remove_file(dir.join(&old)).map_err(|e| format!("{old}: {e}"))?;
+            eprintln!("removed {shown}/{old}");
             changed += 1;
         }
+        let _ = std::fs::remove_dir_all(&tmp);
+        eprintln!("{shown}: {} files, {changed} changed", files.len());
     }
-    for old in ptx_files(&dir).into_iter().filter(|f| !files.contains(f)) {
-        std::fs::remove_file(dir.join(&old)).map_err(|e| format!("{old}: {e}"))?;
-        eprintln!("removed {PTX_DIR}/{old}");
-        changed += 1;
-    }
-    let _ = std::fs::remove_dir_all(&tmp);
-    eprintln!("embedded PTX: {} files, {changed} changed", files.len());
+    let rust = manifest::write_rust(&manifest::arch_numbers(PTX_ARCHS))?;
+    eprintln!("kernel module Rust: {rust} files changed");
     Ok(())
 }
 
-/// `--check`: builds the embedded PTX twice in temporary directories and fails, naming each
-/// file, where the two builds differ (the compiler is not reproducible) or where the
-/// committed files differ from them (stale, missing, or left over).
-fn check_ptx(kernels: &Path) -> Result {
+/// `--check`: builds every manifest's PTX twice in temporary directories and fails, naming
+/// each file, where the two builds differ (the compiler is not reproducible) or where the
+/// committed files differ from them (stale, missing, or left over), or where the generated
+/// Rust is stale.
+fn check_ptx() -> Result {
     require_pinned_nvcc()?;
-    let (a, b) = (temp_dir("check-a")?, temp_dir("check-b")?);
-    let files = generate(kernels, &a)?;
-    generate(kernels, &b)?;
-    let dir = root().join(PTX_DIR);
-    let mut problems = Vec::new();
-    for file in &files {
-        let fresh = read(&a.join(file))?;
-        if read(&b.join(file))? != fresh {
-            problems.push(format!(
-                "{file}: nvcc built it differently twice from the same source, so it cannot \
-                 be checked"
-            ));
-            continue;
-        }
-        match std::fs::read_to_string(dir.join(file)) {
-            Err(_) => problems.push(format!("{PTX_DIR}/{file} is missing")),
-            Ok(committed) if committed != fresh => {
-                // The first two lines name the source (and its hash); the rest is nvcc's.
-                let code = committed
-                    .lines()
-                    .zip(fresh.lines())
-                    .skip(2)
-                    .position(|(c, f)| c != f)
-                    .map(|i| i + 3)
-                    .or_else(|| {
-                        let (c, f) = (committed.lines().count(), fresh.lines().count());
-                        (c != f).then_some(c.min(f) + 1)
-                    });
-                let detail = match code {
-                    Some(line) => format!("the PTX itself first differs at line {line}"),
-                    None => "only its header differs (the source changed, not the code)".into(),
-                };
+    let mut problems = manifest::stale_rust(&manifest::arch_numbers(PTX_ARCHS))?;
+    let mut count = 0;
+    for m in manifest::all()? {
+        let (a, b) = (temp_dir("check-a")?, temp_dir("check-b")?);
+        let files = generate(&m, &a)?;
+        generate(&m, &b)?;
+        let (dir, shown) = (m.ptx_dir(), m.ptx_dir_shown());
+        for file in &files {
+            let fresh = read(&a.join(file))?;
+            if read(&b.join(file))? != fresh {
                 problems.push(format!(
-                    "{PTX_DIR}/{file} is stale: it is not what nvcc builds from kernels/ now; \
-                     {detail}"
+                    "{file}: nvcc built it differently twice from the same source, so it \
+                     cannot be checked"
                 ));
+                continue;
             }
-            Ok(_) => {}
+            match std::fs::read_to_string(dir.join(file)) {
+                Err(_) => problems.push(format!("{shown}/{file} is missing")),
+                Ok(committed) if committed != fresh => {
+                    problems.push(format!(
+                        "{shown}/{file} is stale: it is not what nvcc builds from its sources \
+                         now; {}",
+                        first_difference(&committed, &fresh)
+                    ));
+                }
+                Ok(_) => {}
+            }
         }
+        for extra in ptx_files(&dir).into_iter().filter(|f| !files.contains(f)) {
+            problems.push(format!(
+                "{shown}/{extra} is built from no module and architecture any more"
+            ));
+        }
+        count += files.len();
+        let _ = std::fs::remove_dir_all(&a);
+        let _ = std::fs::remove_dir_all(&b);
     }
-    for extra in ptx_files(&dir).into_iter().filter(|f| !files.contains(f)) {
-        problems.push(format!(
-            "{PTX_DIR}/{extra} is built from no module and architecture any more"
-        ));
-    }
-    let _ = std::fs::remove_dir_all(&a);
-    let _ = std::fs::remove_dir_all(&b);
     if problems.is_empty() {
-        eprintln!("embedded PTX: {} files match kernels/", files.len());
+        eprintln!("embedded PTX: {count} files match their sources");
         return Ok(());
     }
     Err(format!(
-        "the embedded PTX does not match kernels/:\n  {}\n(after changing kernels/, run \
-         `cargo xtask ptx --wheels --write` and commit {PTX_DIR})",
+        "the embedded kernels do not match their sources:\n  {}\n(after changing a kernel \
+         or a kernels.toml, run `cargo xtask ptx --wheels --write` and commit what it writes)",
         problems.join("\n  ")
     ))
+}
+
+/// Where a committed PTX file first differs from a fresh build.
+fn first_difference(committed: &str, fresh: &str) -> String {
+    // The first two lines name the source (and its hash); the rest is nvcc's.
+    let code = committed
+        .lines()
+        .zip(fresh.lines())
+        .skip(2)
+        .position(|(c, f)| c != f)
+        .map(|i| i + 3)
+        .or_else(|| {
+            let (c, f) = (committed.lines().count(), fresh.lines().count());
+            (c != f).then_some(c.min(f) + 1)
+        });
+    match code {
+        Some(line) => format!("the PTX itself first differs at line {line}"),
+        None => "only its header differs (the source changed, not the code)".into(),
+    }
 }
 
 /// Installs the pinned wheels under `target/cuda-wheels` (once) and runs this task again with

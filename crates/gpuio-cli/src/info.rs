@@ -224,7 +224,7 @@ fn gpu_initiated_paths(gpu0: &Gpu) -> Vec<IoPath> {
         }
         Backend::Cuda => {
             // Loaded as gpuio loads them: embedded PTX, or NVRTC where none fits the device.
-            let loaded = |k: &gpuio_hal::kernels::KernelSource| {
+            let loaded = |k: &'static gpuio_hal::kernels::KernelSource| {
                 gpu0.load_kernels(k).map_err(|e| e.to_string())
             };
             let gathers = match loaded(&gpuio_hal::kernels::GATHER) {

@@ -72,9 +72,9 @@ pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
     /// writable and otherwise untouched for a destination) until the call returns.
     unsafe fn baseline_copy(&self, copy: BaselineCopy<'_>) -> Result<()>;
 
-    /// Loads one of `kernels::ALL`'s modules for this device's kernels to use (kept), and says
+    /// Loads a kernel module for this device's kernels to use (kept), and says
     /// where its code came from.
-    fn load_kernels(&self, src: &KernelSource) -> Result<KernelOrigin>;
+    fn load_kernels(&self, src: &'static KernelSource) -> Result<KernelOrigin>;
 
     /// Loads a fresh copy of a module by `path` alone (no fallback), times it, and unloads it.
     fn time_kernel_load(&self, src: &KernelSource, path: KernelPath) -> Result<KernelLoad>;

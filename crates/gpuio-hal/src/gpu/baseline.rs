@@ -10,12 +10,12 @@ use crate::error::{HalError, Result};
 use crate::kernels::{KernelLoad, KernelOrigin, KernelPath, KernelSource};
 
 impl Gpu {
-    /// Loads `src` (one of [`crate::kernels::ALL`]) for this device's kernels as they load it
+    /// Loads `src` (one of [`crate::kernels::MODULES`]) for this device's kernels as they load it
     /// on first use — its embedded PTX through the driver, NVRTC where none fits or the driver
     /// refuses it — and says where its code came from. The module stays loaded for the
     /// device's own use; a later call returns at once. The host backend has no modules
     /// ([`HalError::Unsupported`]).
-    pub fn load_kernels(&self, src: &KernelSource) -> Result<KernelOrigin> {
+    pub fn load_kernels(&self, src: &'static KernelSource) -> Result<KernelOrigin> {
         self.inner.load_kernels(src)
     }
 

@@ -202,7 +202,7 @@ impl DeviceBackend for HostDevice {
         }
     }
 
-    fn load_kernels(&self, _src: &KernelSource) -> Result<KernelOrigin> {
+    fn load_kernels(&self, _src: &'static KernelSource) -> Result<KernelOrigin> {
         Err(no_modules())
     }
 

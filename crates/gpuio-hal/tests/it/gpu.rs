@@ -227,11 +227,11 @@ fn device_compare_finds_the_first_difference() {
 /// way took (`gpuio bench kernels` measures it properly).
 #[test]
 fn kernel_modules_load_from_embedded_ptx() {
-    use gpuio_hal::kernels::{ALL, KernelOrigin, KernelPath};
+    use gpuio_hal::kernels::{KernelOrigin, KernelPath, MODULES};
     let p = devices();
     let gpu = &p.gpus[0];
     if gpu.backend() == Backend::Host {
-        let e = gpu.load_kernels(ALL[0]).unwrap_err();
+        let e = gpu.load_kernels(MODULES[0]).unwrap_err();
         assert_eq!(e.code(), ErrorCode::Unsupported);
         eprintln!("skipped kernel modules: the host backend has none");
         return;
@@ -240,7 +240,7 @@ fn kernel_modules_load_from_embedded_ptx() {
         .info()
         .compute_capability
         .expect("CUDA devices have a CC");
-    for src in ALL {
+    for src in MODULES {
         let origin = gpu.load_kernels(src).unwrap();
         match src.ptx_for(cc) {
             Some(ptx) => assert_eq!(origin, KernelOrigin::EmbeddedPtx { arch: ptx.arch }),

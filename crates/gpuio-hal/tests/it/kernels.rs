@@ -9,7 +9,7 @@
 
 use gpuio_hal::HalError;
 use gpuio_hal::gpu::cuda::compile_ptx_for;
-use gpuio_hal::kernels::ALL;
+use gpuio_hal::kernels::MODULES;
 use gpuio_testkit::Requirement;
 
 /// The virtual architectures the PTX is built for.
@@ -19,7 +19,7 @@ const ARCHS: &[&str] = &["compute_80", "compute_90", "compute_100"];
 fn every_kernel_compiles_for_every_architecture() {
     let mut failed = Vec::new();
     for arch in ARCHS {
-        for src in ALL {
+        for src in MODULES {
             match compile_ptx_for(src, arch) {
                 Ok(ptx) => {
                     let text = ptx.to_src();

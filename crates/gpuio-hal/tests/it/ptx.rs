@@ -4,7 +4,7 @@
 //! with the embedded source's. (`cargo xtask ptx --check` compares the whole text with a fresh
 //! build; this test tells a stale file in every `cargo test`.)
 
-use gpuio_hal::kernels::{ALL, PTX_ARCHS};
+use gpuio_hal::kernels::{MODULES, PTX_ARCHS};
 
 const REGENERATE: &str = "after changing kernels/, run `cargo xtask ptx --wheels --write` and \
                           commit crates/gpuio-hal/ptx";
@@ -16,8 +16,8 @@ fn file(name: &str, arch: u32) -> String {
 
 #[test]
 fn every_module_has_ptx_for_every_architecture() {
-    assert!(!ALL.is_empty());
-    for src in ALL {
+    assert!(!MODULES.is_empty());
+    for src in MODULES {
         let archs: Vec<u32> = src.ptx.iter().map(|p| p.arch).collect();
         assert_eq!(archs, PTX_ARCHS, "{}: embedded PTX architectures", src.name);
     }
@@ -26,7 +26,7 @@ fn every_module_has_ptx_for_every_architecture() {
 #[test]
 fn embedded_ptx_was_built_from_the_embedded_source() {
     let mut stale = Vec::new();
-    for src in ALL {
+    for src in MODULES {
         let want = format!(
             "// gpuio-ptx: {} compute_{{}} source-fnv1a64 {:016x}",
             src.name,
@@ -48,7 +48,7 @@ fn embedded_ptx_was_built_from_the_embedded_source() {
 
 #[test]
 fn embedded_ptx_targets_its_architecture_and_defines_every_kernel() {
-    for src in ALL {
+    for src in MODULES {
         for ptx in src.ptx {
             let path = file(src.name, ptx.arch);
             assert!(!ptx.text.contains('\0'), "{path} contains a NUL byte");

@@ -21,7 +21,8 @@ impl CudaStreamBackend {
     /// As `StreamBackend::ai_kernel`: a pinned table stays registered and valid until this
     /// returns.
     pub(super) unsafe fn launch_ai(&self, launch: AiLaunch<'_>) -> Result<()> {
-        let kernels = self.shared.ai_kernels()?;
+        let module = self.shared.module(&crate::kernels::AI)?;
+        let kernels = &module.functions;
         self.shared.bind()?;
         match launch {
             AiLaunch::Quantize {

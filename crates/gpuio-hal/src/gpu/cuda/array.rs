@@ -20,7 +20,8 @@ impl CudaStreamBackend {
     /// As `StreamBackend::array_kernel`: the cache, tables and ring the descriptor names stay
     /// allocated (the ring mapped and served) until this returns.
     pub(super) unsafe fn launch_array(&self, launch: ArrayLaunch<'_>) -> Result<()> {
-        let kernels = self.shared.array_kernels()?;
+        let module = self.shared.module(&crate::kernels::ONDEMAND)?;
+        let kernels = &module.functions;
         self.shared.bind()?;
         match launch {
             ArrayLaunch::Pages {

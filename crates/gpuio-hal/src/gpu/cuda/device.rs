@@ -16,10 +16,11 @@ use crate::gpu::backend::{
     StreamBackend,
 };
 use crate::gpu::info::{Backend, Capability, DeviceInfo, PcieLink, cxl_capability, pci_numa_node};
-use crate::kernels::{self, KernelLoad, KernelOrigin, KernelPath, KernelSource};
+use crate::kernels::{Kernel, KernelLoad, KernelOrigin, KernelPath, KernelSource};
+use crate::sync::MutexExt;
 use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, sys};
 use std::any::Any;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// State shared by a device and its streams.
 #[derive(Debug)]
@@ -27,17 +28,13 @@ pub(super) struct Shared {
     pub(super) ctx: Arc<CudaContext>,
     compute_capability: (u32, u32),
     multiprocessors: u32,
-    /// The modules of `kernels::ALL`, in that order, each loaded on first use (or the reason it
-    /// could not be, kept for every later caller).
-    modules: Vec<OnceLock<std::result::Result<Loaded, String>>>,
+    /// The kernel modules used on this device, each loaded on first use (or the reason it
+    /// could not be, kept for every later caller), by the address of its static.
+    modules: Mutex<Vec<(usize, ModuleSlot)>>,
 }
 
-/// The functions of `kernels/pattern.cu`.
-#[derive(Debug)]
-pub(super) struct PatternKernels<'a> {
-    pub(super) fill: &'a CudaFunction,
-    pub(super) mismatch: &'a CudaFunction,
-}
+/// A module's place on a device: loaded once, by whichever caller comes first.
+type ModuleSlot = Arc<OnceLock<std::result::Result<Arc<Loaded>, String>>>;
 
 impl Shared {
     /// Makes the device's context current on the calling thread.
@@ -47,57 +44,39 @@ impl Shared {
             .map_err(cuda_err("cuCtxSetCurrent"))
     }
 
-    /// A module of `kernels::ALL`, loaded on first use (`module.rs`: embedded PTX, or NVRTC).
-    fn module(&self, src: &KernelSource) -> Result<&Loaded> {
-        let slot = kernels::ALL
-            .iter()
-            .position(|k| k.name == src.name)
-            .and_then(|i| self.modules.get(i))
-            .ok_or_else(|| {
-                HalError::InvalidArgument(format!(
-                    "{} is not one of gpuio's kernel modules",
-                    src.name
-                ))
-            })?;
-        slot.get_or_init(|| module::load(&self.ctx, self.compute_capability, src))
-            .as_ref()
-            .map_err(|reason| HalError::KernelLoad {
-                kernel: src.name.into(),
-                reason: reason.clone(),
-            })
-    }
-
-    pub(super) fn pattern(&self) -> Result<PatternKernels<'_>> {
-        let f = &self.module(&kernels::PATTERN)?.functions;
-        Ok(PatternKernels {
-            fill: &f[0],
-            mismatch: &f[1],
+    /// A kernel module, loaded on first use (`module.rs`: embedded PTX, or NVRTC).
+    pub(super) fn module(&self, src: &'static KernelSource) -> Result<Arc<Loaded>> {
+        let key = std::ptr::from_ref(src) as usize;
+        let slot = {
+            let mut modules = self.modules.lock_unpoisoned();
+            match modules.iter().find(|(k, _)| *k == key) {
+                Some((_, slot)) => slot.clone(),
+                None => {
+                    let slot = ModuleSlot::default();
+                    modules.push((key, slot.clone()));
+                    slot
+                }
+            }
+        };
+        let loaded = slot
+            .get_or_init(|| module::load(&self.ctx, self.compute_capability, src).map(Arc::new));
+        loaded.clone().map_err(|reason| HalError::KernelLoad {
+            kernel: src.name.into(),
+            reason,
         })
     }
 
-    /// `kernels/gather.cu`'s functions, in `kernels::GATHER.functions` order.
-    pub(super) fn row_kernels(&self) -> Result<&[CudaFunction]> {
-        Ok(&self.module(&kernels::GATHER)?.functions)
-    }
-
-    /// `kernels/ring_bench.cu`'s functions, in `kernels::RING_BENCH.functions` order.
-    pub(super) fn ring_kernels(&self) -> Result<&[CudaFunction]> {
-        Ok(&self.module(&kernels::RING_BENCH)?.functions)
-    }
-
-    /// `kernels/nvme.cu`'s functions, in `kernels::NVME.functions` order.
-    pub(super) fn nvme_kernels(&self) -> Result<&[CudaFunction]> {
-        Ok(&self.module(&kernels::NVME)?.functions)
-    }
-
-    /// `kernels/ondemand.cu`'s functions, in `kernels::ONDEMAND.functions` order.
-    pub(super) fn array_kernels(&self) -> Result<&[CudaFunction]> {
-        Ok(&self.module(&kernels::ONDEMAND)?.functions)
-    }
-
-    /// `kernels/ai.cu`'s functions, in `kernels::AI.functions` order.
-    pub(super) fn ai_kernels(&self) -> Result<&[CudaFunction]> {
-        Ok(&self.module(&kernels::AI)?.functions)
+    /// A kernel, its module loaded on first use.
+    pub(super) fn function<K: Kernel>(&self, kernel: K) -> Result<CudaFunction> {
+        let module = self.module(K::module())?;
+        module
+            .functions
+            .get(kernel.index())
+            .cloned()
+            .ok_or_else(|| HalError::KernelLoad {
+                kernel: K::module().name.into(),
+                reason: format!("{} is not among its functions", kernel.name()),
+            })
     }
 
     /// A grid-stride launch shape for `items` work items.
@@ -198,7 +177,7 @@ impl CudaDevice {
                 ctx,
                 compute_capability: (major as u32, minor as u32),
                 multiprocessors,
-                modules: kernels::ALL.iter().map(|_| OnceLock::new()).collect(),
+                modules: Mutex::default(),
             }),
             info,
         })
@@ -363,7 +342,7 @@ impl DeviceBackend for CudaDevice {
         .map_err(driver::renamed("cudaMemcpy (baseline)"))
     }
 
-    fn load_kernels(&self, src: &KernelSource) -> Result<KernelOrigin> {
+    fn load_kernels(&self, src: &'static KernelSource) -> Result<KernelOrigin> {
         Ok(self.shared.module(src)?.origin)
     }
 

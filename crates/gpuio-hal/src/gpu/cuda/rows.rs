@@ -220,7 +220,8 @@ impl CudaStreamBackend {
     /// registered with this device, and (for a scatter's pool) untouched by anything else
     /// until the call returns.
     pub(super) unsafe fn run_rows(&self, job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone> {
-        let kernels = self.shared.row_kernels()?;
+        let module = self.shared.module(&crate::kernels::GATHER)?;
+        let kernels = &module.functions;
         self.shared.bind()?;
         let pool = job.pool.addr();
         let (rows_addr, idx) = (job.rows.addr(), job.idx.addr());
@@ -439,7 +440,8 @@ impl CudaStreamBackend {
     /// # Safety
     /// That of [`StreamBackend::tiered_rows`].
     pub(super) unsafe fn run_tiered(&self, job: TieredJob<'_>) -> Result<RowsDone> {
-        let kernels = self.shared.row_kernels()?;
+        let module = self.shared.module(&crate::kernels::GATHER)?;
+        let kernels = &module.functions;
         self.shared.bind()?;
         let rb = job.row_bytes as u64;
         let starts = job

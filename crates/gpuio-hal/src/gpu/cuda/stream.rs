@@ -12,6 +12,7 @@ use crate::gpu::backend::{
     AiLaunch, ArrayLaunch, DevRange, DeviceBackend, EventBackend, NvmeLaunch, RingLaunch, RowHooks,
     RowJob, RowsDone, StreamBackend, SwapInLaunch, SwapInRan, TieredJob,
 };
+use crate::kernels::{NVME, PatternKernel, RING_BENCH};
 use crate::sync::MutexExt;
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg, sys};
 use std::sync::{Arc, Mutex};
@@ -121,12 +122,12 @@ impl StreamBackend for CudaStreamBackend {
     }
 
     fn fill_pattern(&self, dst: DevRange<'_>, first: u64, seed: u64) -> Result<()> {
-        let kernels = self.shared.pattern()?;
+        let fill = self.shared.function(PatternKernel::FillPattern)?;
         self.shared.bind()?;
         let (addr, len) = (dst.addr(), dst.len as u64);
         let words = (first + len).div_ceil(8) - first / 8;
         let cfg = self.shared.launch_config(words);
-        let mut launch = self.stream.launch_builder(kernels.fill);
+        let mut launch = self.stream.launch_builder(&fill);
         launch.arg(&addr).arg(&len).arg(&first).arg(&seed);
         // SAFETY: the argument list matches gpuio_fill_pattern(u8*, u64, u64, u64); dst is a
         // checked range of a live allocation, which the caller's borrow keeps alive until the
@@ -136,7 +137,7 @@ impl StreamBackend for CudaStreamBackend {
     }
 
     fn find_mismatch(&self, a: DevRange<'_>, b: DevRange<'_>) -> Result<Option<u64>> {
-        let kernels = self.shared.pattern()?;
+        let mismatch = self.shared.function(PatternKernel::FindMismatch)?;
         self.shared.bind()?;
         // An 8-byte allocation owned by this function and freed below.
         let out = driver::mem_alloc(8)?;
@@ -145,7 +146,7 @@ impl StreamBackend for CudaStreamBackend {
             unsafe { driver::memset_d8_async(out, 0xff, 8, self.raw())? };
             let (pa, pb, len) = (a.addr(), b.addr(), a.len as u64);
             let cfg = self.shared.launch_config(len.div_ceil(16));
-            let mut launch = self.stream.launch_builder(kernels.mismatch);
+            let mut launch = self.stream.launch_builder(&mismatch);
             launch.arg(&pa).arg(&pb).arg(&len).arg(&out);
             // SAFETY: arguments match gpuio_find_mismatch(const u8*, const u8*, u64, u64*); the
             // ranges are checked and live for this call, which synchronizes before returning;
@@ -174,7 +175,7 @@ impl StreamBackend for CudaStreamBackend {
     }
 
     unsafe fn ring_kernel(&self, launch: RingLaunch<'_>) -> Result<()> {
-        let kernels = self.shared.ring_kernels()?;
+        let kernels = self.shared.module(&RING_BENCH)?;
         self.shared.bind()?;
         let one = LaunchConfig {
             grid_dim: (1, 1, 1),
@@ -199,7 +200,7 @@ impl StreamBackend for CudaStreamBackend {
                     shared_mem_bytes: 0,
                 };
                 let (o, d, r) = (offsets.addr(), dst.addr(), results.addr());
-                let mut l = self.stream.launch_builder(&kernels[0]);
+                let mut l = self.stream.launch_builder(&kernels.functions[0]);
                 l.arg(&ring.header).arg(&ring.slots).arg(&ring.claim);
                 l.arg(&ring.mask).arg(&ring.nslots);
                 l.arg(&ring.bounce).arg(&ring.bounce_bytes).arg(&resource);
@@ -221,7 +222,7 @@ impl StreamBackend for CudaStreamBackend {
                 ns,
             } => {
                 let (d, n) = (dst.addr(), ns.addr());
-                let mut l = self.stream.launch_builder(&kernels[1]);
+                let mut l = self.stream.launch_builder(&kernels.functions[1]);
                 l.arg(&ring.header).arg(&ring.slots).arg(&ring.claim);
                 l.arg(&ring.mask).arg(&ring.nslots);
                 l.arg(&ring.bounce).arg(&ring.bounce_bytes).arg(&resource);
@@ -231,7 +232,7 @@ impl StreamBackend for CudaStreamBackend {
             }
             RingLaunch::Layout { out } => {
                 let o = out.addr();
-                let mut l = self.stream.launch_builder(&kernels[2]);
+                let mut l = self.stream.launch_builder(&kernels.functions[2]);
                 l.arg(&o);
                 // SAFETY: the kernel writes RingLayout::words().len() u64s at `out`, a range
                 // checked to hold them.
@@ -242,7 +243,7 @@ impl StreamBackend for CudaStreamBackend {
     }
 
     unsafe fn nvme_kernel(&self, launch: NvmeLaunch<'_>) -> Result<()> {
-        let kernels = self.shared.nvme_kernels()?;
+        let kernels = self.shared.module(&NVME)?;
         self.shared.bind()?;
         match launch {
             NvmeLaunch::Io {
@@ -273,7 +274,7 @@ impl StreamBackend for CudaStreamBackend {
                     statuses.addr(),
                     mismatches.addr(),
                 );
-                let mut l = self.stream.launch_builder(&kernels[0]);
+                let mut l = self.stream.launch_builder(&kernels.functions[0]);
                 l.arg(&q)
                     .arg(&nqueues)
                     .arg(&opcode)
@@ -300,7 +301,7 @@ impl StreamBackend for CudaStreamBackend {
                     shared_mem_bytes: 0,
                 };
                 let o = out.addr();
-                let mut l = self.stream.launch_builder(&kernels[1]);
+                let mut l = self.stream.launch_builder(&kernels.functions[1]);
                 l.arg(&o);
                 // SAFETY: the kernel writes layout_words().len() u64s at `out`, a range checked
                 // to hold them.

@@ -25,7 +25,8 @@ impl CudaStreamBackend {
     /// # Safety
     /// That of `StreamBackend::swap_in`.
     pub(super) unsafe fn run_swap_in(&self, launch: SwapInLaunch<'_>) -> Result<SwapInRan> {
-        let kernels = self.shared.ai_kernels()?;
+        let module = self.shared.module(&crate::kernels::AI)?;
+        let kernels = &module.functions;
         let (fetch_fn, install_fn) = (&kernels[FETCH], &kernels[INSTALL]);
         self.shared.bind()?;
         let rb = launch.row_bytes as u64;

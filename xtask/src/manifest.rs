@@ -1,0 +1,306 @@
+//! Kernel manifests: each crate that carries kernels lists its modules in `kernels.toml` (the
+//! module's name, what it does, the source files it is put together from, its functions).
+//! `ptx --write` builds each module's PTX into the crate's `ptx/` and writes the Rust that
+//! embeds it: a `KernelSource` static per module and an enum naming its functions, so that
+//! code launches a kernel by name, never by position. `ptx --check` and this module's test
+//! fail where the committed Rust is not what the manifest gives.
+
+use crate::{Result, root};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+/// The file name of a crate's manifest.
+const MANIFEST: &str = "kernels.toml";
+
+/// One crate's kernels.
+pub struct Manifest {
+    /// The crate's directory.
+    pub dir: PathBuf,
+    /// Where the sources live.
+    pub kernels: PathBuf,
+    /// The sources' directory as written in the manifest (relative to `dir`).
+    kernels_rel: String,
+    /// The generated Rust file, relative to `dir`.
+    rust: String,
+    pub modules: Vec<Module>,
+}
+
+/// One module: what is compiled together and loaded as one.
+pub struct Module {
+    /// `gather`: the PTX files are `gather.compute_<arch>.ptx`, the static `GATHER`, the
+    /// enum `GatherKernel`.
+    pub name: String,
+    doc: String,
+    /// Files of the kernels directory whose text, in this order, is the module's source.
+    pub sources: Vec<String>,
+    functions: Vec<String>,
+}
+
+impl Module {
+    /// The name gpuio logs and the PTX's first line record (`gather.cu`).
+    pub fn file_name(&self) -> String {
+        format!("{}.cu", self.name)
+    }
+}
+
+impl Manifest {
+    /// Where the crate's PTX lives.
+    pub fn ptx_dir(&self) -> PathBuf {
+        self.dir.join("ptx")
+    }
+
+    /// The PTX directory relative to the workspace root, for messages.
+    pub fn ptx_dir_shown(&self) -> String {
+        let dir = self.ptx_dir();
+        dir.strip_prefix(root())
+            .unwrap_or(&dir)
+            .display()
+            .to_string()
+    }
+
+    fn rust_path(&self) -> PathBuf {
+        self.dir.join(&self.rust)
+    }
+}
+
+/// Every crate's manifest (`crates/*/kernels.toml`), by crate directory.
+pub fn all() -> Result<Vec<Manifest>> {
+    let crates = root().join("crates");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&crates)
+        .map_err(|e| format!("{}: {e}", crates.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|d| d.join(MANIFEST).is_file())
+        .collect();
+    dirs.sort();
+    if dirs.is_empty() {
+        return Err(format!(
+            "no crate under {} has a {MANIFEST}",
+            crates.display()
+        ));
+    }
+    dirs.iter().map(|d| parse(d)).collect()
+}
+
+fn parse(dir: &Path) -> Result<Manifest> {
+    let path = dir.join(MANIFEST);
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{shown}: {e}"))?;
+    let table: toml::Table = text.parse().map_err(|e| format!("{shown}: {e}"))?;
+    let string = |t: &toml::Table, key: &str| -> Result<String> {
+        t.get(key)
+            .and_then(|v| v.as_str())
+            .map(str::to_owned)
+            .ok_or_else(|| format!("{shown}: `{key}` must be a string"))
+    };
+    let strings = |t: &toml::Table, key: &str| -> Result<Vec<String>> {
+        let list = t.get(key).and_then(|v| v.as_array());
+        let items: Option<Vec<String>> =
+            list.and_then(|l| l.iter().map(|v| v.as_str().map(str::to_owned)).collect());
+        items
+            .filter(|l| !l.is_empty())
+            .ok_or_else(|| format!("{shown}: `{key}` must be a list of strings"))
+    };
+    let kernels_rel = string(&table, "kernels")?;
+    let rust = string(&table, "rust")?;
+    let list = table
+        .get("module")
+        .and_then(|v| v.as_array())
+        .ok_or_else(|| format!("{shown}: no [[module]]"))?;
+    let mut modules = Vec::new();
+    for m in list {
+        let m = m
+            .as_table()
+            .ok_or_else(|| format!("{shown}: a [[module]] is not a table"))?;
+        let module = Module {
+            name: string(m, "name")?,
+            doc: string(m, "doc")?,
+            sources: strings(m, "sources")?,
+            functions: strings(m, "functions")?,
+        };
+        if !is_identifier(&module.name) {
+            return Err(format!(
+                "{shown}: module name {:?} is not a lower-case identifier",
+                module.name
+            ));
+        }
+        modules.push(module);
+    }
+    Ok(Manifest {
+        dir: dir.to_path_buf(),
+        kernels: dir.join(&kernels_rel),
+        kernels_rel,
+        rust,
+        modules,
+    })
+}
+
+fn is_identifier(s: &str) -> bool {
+    s.starts_with(|c: char| c.is_ascii_lowercase())
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+}
+
+/// `gpuio_gather_16` → `Gather16`: a function's variant in its module's enum.
+fn variant(function: &str) -> String {
+    camel(function.strip_prefix("gpuio_").unwrap_or(function))
+}
+
+fn camel(snake: &str) -> String {
+    snake
+        .split('_')
+        .filter(|w| !w.is_empty())
+        .map(|w| {
+            let mut c = w.chars();
+            c.next()
+                .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+                .unwrap_or_default()
+        })
+        .collect()
+}
+
+/// The Rust that embeds `m`'s modules, as `ptx --write` writes it.
+pub fn rust(m: &Manifest, archs: &[u32]) -> Result<String> {
+    // include_str! resolves paths from the generated file's directory.
+    let depth = Path::new(&m.rust).components().count().saturating_sub(1);
+    let up = "../".repeat(depth);
+    let hal = if m.dir.ends_with("gpuio-hal") {
+        "crate::kernels"
+    } else {
+        "gpuio_hal::kernels"
+    };
+    let mut out = String::new();
+    let w = &mut out;
+    let _ = writeln!(
+        w,
+        "// Generated by `cargo xtask ptx --write` from kernels.toml; do not edit.\n\n\
+         use {hal}::{{EmbeddedPtx, Kernel, KernelSource}};"
+    );
+    for module in &m.modules {
+        let stat = module.name.to_ascii_uppercase();
+        let kind = format!("{}Kernel", camel(&module.name));
+        let _ = writeln!(w);
+        for line in module.doc.trim().lines() {
+            let _ = writeln!(w, "/// {}", line.trim_end());
+        }
+        let _ = writeln!(
+            w,
+            "pub static {stat}: KernelSource = KernelSource {{\n    name: {:?},\n    source: concat!(",
+            module.file_name()
+        );
+        for s in &module.sources {
+            let _ = writeln!(w, "        include_str!(\"{up}{}/{s}\"),", m.kernels_rel);
+        }
+        let _ = writeln!(w, "    ),\n    functions: &[");
+        for f in &module.functions {
+            let _ = writeln!(w, "        {f:?},");
+        }
+        let _ = writeln!(w, "    ],\n    ptx: &[");
+        for arch in archs {
+            let _ = writeln!(
+                w,
+                "        EmbeddedPtx {{\n            arch: {arch},\n            text: include_str!(\"{up}ptx/{}.compute_{arch}.ptx\"),\n        }},",
+                module.name
+            );
+        }
+        let _ = writeln!(w, "    ],\n}};");
+        let _ = writeln!(
+            w,
+            "\n/// The functions of [`{stat}`], by name.\n\
+             #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]\npub enum {kind} {{"
+        );
+        let mut seen = Vec::new();
+        for f in &module.functions {
+            let v = variant(f);
+            if seen.contains(&v) {
+                return Err(format!("{}: two functions are named {v}", module.name));
+            }
+            let _ = writeln!(w, "    /// `{f}`\n    {v},");
+            seen.push(v);
+        }
+        let _ = writeln!(
+            w,
+            "}}\n\nimpl Kernel for {kind} {{\n    fn module() -> &'static KernelSource {{\n        \
+             &{stat}\n    }}\n\n    fn index(self) -> usize {{\n        self as usize\n    }}\n}}"
+        );
+    }
+    let list: Vec<String> = m
+        .modules
+        .iter()
+        .map(|module| format!("&{}", module.name.to_ascii_uppercase()))
+        .collect();
+    let _ = writeln!(
+        w,
+        "\n/// Every module of this crate's `kernels.toml`.\n\
+         pub static MODULES: &[&KernelSource] = &[{}];",
+        list.join(", ")
+    );
+    Ok(out)
+}
+
+/// The virtual architectures of the embedded PTX as numbers (`compute_80` → 80).
+pub fn arch_numbers(archs: &[&str]) -> Vec<u32> {
+    archs
+        .iter()
+        .filter_map(|a| a.strip_prefix("compute_")?.parse().ok())
+        .collect()
+}
+
+/// Writes each manifest's Rust where it differs; how many files changed.
+pub fn write_rust(archs: &[u32]) -> Result<usize> {
+    let mut changed = 0;
+    for m in all()? {
+        let text = rust(&m, archs)?;
+        let path = m.rust_path();
+        if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
+            std::fs::write(&path, &text).map_err(|e| format!("{}: {e}", path.display()))?;
+            eprintln!("wrote {}", path.display());
+            changed += 1;
+        }
+    }
+    Ok(changed)
+}
+
+/// Each manifest whose committed Rust is not what it gives.
+pub fn stale_rust(archs: &[u32]) -> Result<Vec<String>> {
+    let mut stale = Vec::new();
+    for m in all()? {
+        let path = m.rust_path();
+        if std::fs::read_to_string(&path).ok() != Some(rust(&m, archs)?) {
+            stale.push(format!(
+                "{} is not what {} gives (run `cargo xtask ptx --wheels --write`)",
+                path.display(),
+                m.dir.join(MANIFEST).display()
+            ));
+        }
+    }
+    Ok(stale)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn function_names_become_variants() {
+        assert_eq!(variant("gpuio_gather_16"), "Gather16");
+        assert_eq!(variant("gpuio_order_scan_blocks"), "OrderScanBlocks");
+        assert_eq!(camel("ring_bench"), "RingBench");
+    }
+
+    #[test]
+    fn the_generated_kernel_modules_are_current() {
+        let stale = stale_rust(&arch_numbers(crate::ptx::PTX_ARCHS)).unwrap();
+        assert!(stale.is_empty(), "{}", stale.join("\n"));
+    }
+
+    #[test]
+    fn every_source_a_manifest_names_exists() {
+        for m in all().unwrap() {
+            for module in &m.modules {
+                for s in &module.sources {
+                    assert!(m.kernels.join(s).is_file(), "{}: {s}", module.name);
+                }
+            }
+        }
+    }
+}
