@@ -18,6 +18,7 @@ use gpuio_api::Session;
 use gpuio_core::ring::WaitPolicy;
 use gpuio_core::{Endpoint, HostMemory, RingConfig, RingProxy};
 use gpuio_hal::nvme::{Controller, ControllerOptions, GpuNvmeOp, SoftConfig, SoftController};
+use gpuio_hal::ring::kernels as ring_kernels;
 use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
 use std::time::{Duration, Instant};
 
@@ -235,7 +236,8 @@ pub fn run(
     let offsets = upload(&lbas.iter().map(|l| l * 512).collect::<Vec<_>>())?;
     let results = gpu.alloc(n * 8)?;
     let ring_reads = || -> Result<()> {
-        Ok(stream.ring_read_blocks(
+        Ok(ring_kernels::read_blocks(
+            &stream,
             proxy.ring(),
             handle,
             &offsets,

@@ -24,6 +24,7 @@ use crate::{BenchError, Record, Result, Target, fresh_seed};
 use gpuio_api::{OpenOptions, Session};
 use gpuio_core::ondemand::{ArrayMode, OnDemandArray, PageCache, PageCacheConfig};
 use gpuio_core::{Endpoint, RingConfig};
+use gpuio_hal::ring::kernels as ring_kernels;
 use gpuio_hal::{DeviceBuffer, Gpu, HostAllocOptions, HostBuffer, Stream, pattern};
 use rayon::prelude::*;
 use std::os::unix::fs::FileExt;
@@ -526,7 +527,8 @@ fn miss_path(ctx: &Ctx<'_>) -> Result<(Record, Record, Record)> {
         let (array, ours) = cold_pass(cache, false)?;
         let (_, table, ring) = array.hal_parts();
         let start = Instant::now();
-        ctx.stream.ring_read_blocks(
+        ring_kernels::read_blocks(
+            &ctx.stream,
             &ring,
             table.resource(),
             &offs,

@@ -19,6 +19,7 @@ use crate::{BenchError, Record, Result, Target, fresh_seed};
 use gpuio_api::{OpenOptions, Session};
 use gpuio_core::ring::WaitPolicy;
 use gpuio_core::{Endpoint, RingConfig, RingProxy};
+use gpuio_hal::ring::kernels as ring_kernels;
 use gpuio_hal::{DeviceBuffer, Stream, pattern};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -162,7 +163,9 @@ pub fn run(
     let ring_reads = || -> Result<()> {
         let t = opts.threads;
         let r = proxy.ring();
-        Ok(stream.ring_read_blocks(r, handle, &offs, n, 4096, &dst, &results, t)?)
+        Ok(ring_kernels::read_blocks(
+            &stream, r, handle, &offs, n, 4096, &dst, &results, t,
+        )?)
     };
     let host_reads = || -> Result<()> {
         io.read_blocks_to_device(&file, &offsets, 4096, &dst, 0)
@@ -280,7 +283,8 @@ pub fn run(
             let handle = proxy.register(Endpoint::file(&file, 0)).map_err(api)?;
             proxy.register_device(&dst).map_err(api)?;
             let reads = || -> Result<()> {
-                Ok(stream.ring_read_blocks(
+                Ok(ring_kernels::read_blocks(
+                    &stream,
                     proxy.ring(),
                     handle,
                     &offs,
@@ -323,10 +327,18 @@ pub fn run(
     let mut proxy = RingProxy::new(session.engines().clone(), &gpu, ring_config(2)).map_err(api)?;
     let handle = proxy.register(Endpoint::file(&file, 0)).map_err(api)?;
     proxy.register_device(&dst).map_err(api)?;
-    let phases = gpuio_hal::gpu::RING_PING_PHASES;
+    let phases = ring_kernels::RING_PING_PHASES;
     let ns = gpu.alloc(opts.pings * 8 * phases)?;
-    stream.ring_ping(proxy.ring(), handle, opts.pings.min(100), 8, &dst, &ns)?;
-    stream.ring_ping(proxy.ring(), handle, opts.pings, 8, &dst, &ns)?;
+    ring_kernels::ping(
+        &stream,
+        proxy.ring(),
+        handle,
+        opts.pings.min(100),
+        8,
+        &dst,
+        &ns,
+    )?;
+    ring_kernels::ping(&stream, proxy.ring(), handle, opts.pings, 8, &dst, &ns)?;
     let mut raw = vec![0u8; opts.pings * 8 * phases];
     stream.download(&ns, 0, &mut raw)?;
     let stamps: Vec<u64> = raw

@@ -5,6 +5,7 @@
 
 use gpuio_core::Endpoint;
 use gpuio_core::ring::{RingConfig, RingProxy};
+use gpuio_hal::ring::kernels as ring_kernels;
 use gpuio_hal::{pattern, ring};
 use gpuio_transport_localio::{FileHandle, OpenOptions};
 
@@ -13,7 +14,7 @@ fn the_device_compiler_sees_the_same_layout() {
     let Some((_, gpu)) = super::common::cuda("kernels post ring requests") else {
         return;
     };
-    let words = gpu.stream().unwrap().ring_layout_words().unwrap();
+    let words = ring_kernels::layout_words(&gpu.stream().unwrap()).unwrap();
     assert_eq!(words, ring::layout().words());
 }
 
@@ -48,9 +49,18 @@ fn gpu_threads_read_file_blocks_through_the_ring() {
     let results = gpu.alloc(n * 8).unwrap();
     proxy.register_device(&dst).unwrap();
     // More threads than slots: the full-ring wait runs on the GPU too.
-    stream
-        .ring_read_blocks(proxy.ring(), handle, &offs, n, 4096, &dst, &results, 1024)
-        .unwrap();
+    ring_kernels::read_blocks(
+        &stream,
+        proxy.ring(),
+        handle,
+        &offs,
+        n,
+        4096,
+        &dst,
+        &results,
+        1024,
+    )
+    .unwrap();
     let mut res = vec![0u8; n * 8];
     stream.download(&results, 0, &mut res).unwrap();
     for (i, w) in res.chunks_exact(8).enumerate() {
@@ -65,18 +75,18 @@ fn gpu_threads_read_file_blocks_through_the_ring() {
     // latter stored byte by byte), every one checked.
     for len in [8usize, 5] {
         let pieces = 512usize;
-        stream
-            .ring_read_blocks(
-                proxy.ring(),
-                handle,
-                &offs,
-                pieces,
-                len,
-                &dst,
-                &results,
-                256,
-            )
-            .unwrap();
+        ring_kernels::read_blocks(
+            &stream,
+            proxy.ring(),
+            handle,
+            &offs,
+            pieces,
+            len,
+            &dst,
+            &results,
+            256,
+        )
+        .unwrap();
         let mut res = vec![0u8; pieces * 8];
         stream.download(&results, 0, &mut res).unwrap();
         let mut got = vec![0u8; pieces * len];
@@ -99,19 +109,26 @@ fn gpu_threads_read_file_blocks_through_the_ring() {
     let one = gpu.alloc(8).unwrap();
     stream.upload(&0u64.to_le_bytes(), &one, 0).unwrap();
     let res1 = gpu.alloc(8).unwrap();
-    stream
-        .ring_read_blocks(proxy.ring(), handle, &one, 1, big, &stray, &res1, 1)
-        .unwrap();
+    ring_kernels::read_blocks(
+        &stream,
+        proxy.ring(),
+        handle,
+        &one,
+        1,
+        big,
+        &stray,
+        &res1,
+        1,
+    )
+    .unwrap();
     let mut r = [0u8; 8];
     stream.download(&res1, 0, &mut r).unwrap();
     assert_eq!(i64::from_le_bytes(r), ring::RESULT_UNREGISTERED);
 
     // Round trips of a minimal request, each phase later than the one before.
-    let phases = gpuio_hal::gpu::RING_PING_PHASES;
+    let phases = ring_kernels::RING_PING_PHASES;
     let ns = gpu.alloc(100 * 8 * phases).unwrap();
-    stream
-        .ring_ping(proxy.ring(), handle, 100, 8, &dst, &ns)
-        .unwrap();
+    ring_kernels::ping(&stream, proxy.ring(), handle, 100, 8, &dst, &ns).unwrap();
     let mut t = vec![0u8; 800 * phases];
     stream.download(&ns, 0, &mut t).unwrap();
     let t: Vec<u64> = t

@@ -327,34 +327,6 @@ pub(crate) enum AiLaunch<'a> {
     },
 }
 
-/// A checked launch of one of `kernels/ring_bench.cu`'s kernels.
-#[derive(Clone, Copy)]
-pub(crate) enum RingLaunch<'a> {
-    /// `count` blocks of `block` bytes at `offsets` (u64s) into `dst`, a result (i64) each
-    /// into `results`, with `threads` threads (requests in flight).
-    ReadBlocks {
-        ring: crate::ring::RingDevice,
-        resource: u32,
-        offsets: DevRange<'a>,
-        count: u64,
-        block: u64,
-        dst: DevRange<'a>,
-        results: DevRange<'a>,
-        threads: u32,
-    },
-    /// `iters` reads of `len` bytes into `dst`, one at a time; round trips (u64 ns) into `ns`.
-    Ping {
-        ring: crate::ring::RingDevice,
-        resource: u32,
-        iters: u64,
-        len: u64,
-        dst: DevRange<'a>,
-        ns: DevRange<'a>,
-    },
-    /// The ring layout as the device compiler sees it, into `out`.
-    Layout { out: DevRange<'a> },
-}
-
 /// A checked launch of one of `kernels/nvme.cu`'s kernels.
 pub(crate) enum NvmeLaunch<'a> {
     /// `count` commands (`opcode` at `lbas`, `blocks` blocks of `block_bytes` each) on the
@@ -450,9 +422,22 @@ pub(crate) trait DeviceMemory: Send + Sync + fmt::Debug {
 /// A host registration; dropping it unregisters the memory.
 pub(crate) trait HostPin: Send + Sync + fmt::Debug {}
 
+/// Which backend a stream is, for running a `DeviceOp` there.
+pub(crate) enum StreamTarget<'a> {
+    Host,
+    #[cfg(feature = "cuda")]
+    Cuda(&'a super::cuda::CudaStreamBackend),
+    #[cfg(not(feature = "cuda"))]
+    #[allow(dead_code)]
+    Never(std::convert::Infallible, std::marker::PhantomData<&'a ()>),
+}
+
 /// An in-order queue of device work. `fill_pattern` and `find_mismatch` are done when they
 /// return, as is everything on the host backend.
 pub(crate) trait StreamBackend: Send + Sync {
+    /// The backend, for running a `DeviceOp`.
+    fn target(&self) -> StreamTarget<'_>;
+
     /// Enqueues a host-to-device copy of `dst.len` bytes.
     ///
     /// # Safety
@@ -504,14 +489,6 @@ pub(crate) trait StreamBackend: Send + Sync {
     /// The upload bytes and every warm pool must stay valid and registered with this device
     /// until the call returns.
     unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<RowsDone>;
-
-    /// Runs a kernel that issues IO through a request ring (or reports the ring layout) and
-    /// waits for it.
-    ///
-    /// # Safety
-    /// The ring's memory (header, slots, claim counter) stays mapped and registered until the
-    /// call returns.
-    unsafe fn ring_kernel(&self, launch: RingLaunch<'_>) -> Result<()>;
 
     /// Runs an NVMe queue kernel and waits for it.
     ///

@@ -6,8 +6,8 @@ use super::GdsMode;
 use super::TieredSource;
 use super::backend::{
     AiLaunch, ArrayLaunch, BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend,
-    GdsFileBackend, HostPin, NvmeLaunch, Owner, RingLaunch, RowHooks, RowJob, RowMem, RowsDone,
-    StreamBackend, SwapInLaunch, SwapInRan, TieredJob, TieredPart,
+    GdsFileBackend, HostPin, NvmeLaunch, Owner, RowHooks, RowJob, RowMem, RowsDone, StreamBackend,
+    StreamTarget, SwapInLaunch, SwapInRan, TieredJob, TieredPart,
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
 use super::swap_in;
@@ -247,6 +247,10 @@ fn no_gds() -> HalError {
 struct HostStream;
 
 impl StreamBackend for HostStream {
+    fn target(&self) -> StreamTarget<'_> {
+        StreamTarget::Host
+    }
+
     unsafe fn copy_h2d(&self, src: *const u8, dst: DevRange<'_>) -> Result<()> {
         let _w = write_lock(memory(&dst)?);
         // SAFETY: src is readable for dst.len bytes (caller's contract); dst is a checked range
@@ -360,14 +364,6 @@ impl StreamBackend for HostStream {
         })
     }
 
-    unsafe fn ring_kernel(&self, _launch: RingLaunch<'_>) -> Result<()> {
-        Err(HalError::Unsupported {
-            what: "kernel-issued ring IO",
-            reason: "the host backend runs no kernels; ring::HostProducer plays the GPU's part"
-                .into(),
-        })
-    }
-
     fn record(&self, _timing: bool) -> Result<Box<dyn EventBackend>> {
         Ok(Box::new(HostEvent { at: Instant::now() }))
     }
@@ -452,6 +448,17 @@ impl HostStream {
     }
 }
 
+/// Locks the allocations of checked ranges (`true`: written) for an op's host side
+/// (`HostRun::lock`).
+pub(crate) fn lock_ranges<'a>(
+    uses: impl Iterator<Item = (DevRange<'a>, bool)>,
+) -> Result<Vec<HeldLock<'a>>> {
+    let mems = uses
+        .map(|(r, write)| Ok((memory(&r)?, write)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(lock_all(mems))
+}
+
 /// Locks every allocation once, in address order, exclusively where any use writes it.
 fn lock_all(mut mems: Vec<(&HostDeviceMemory, bool)>) -> Vec<HeldLock<'_>> {
     mems.sort_by_key(|(m, _)| m.addr());
@@ -472,7 +479,7 @@ fn lock_all(mut mems: Vec<(&HostDeviceMemory, bool)>) -> Vec<HeldLock<'_>> {
 }
 
 /// A lock `lock_all` holds.
-enum HeldLock<'a> {
+pub(crate) enum HeldLock<'a> {
     Read(#[allow(dead_code)] RwLockReadGuard<'a, ()>),
     Write(#[allow(dead_code)] RwLockWriteGuard<'a, ()>),
 }

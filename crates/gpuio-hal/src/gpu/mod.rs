@@ -20,7 +20,7 @@ mod host;
 mod hot_rows;
 mod info;
 mod nvme_kernels;
-mod ring_kernels;
+mod op;
 mod rows;
 mod stream;
 mod swap_in;
@@ -32,7 +32,7 @@ pub use dmabuf::DmaBufExport;
 pub use gds::{GdsFile, GdsMode};
 pub use hot_rows::{HOT_MAX_POOL_ROWS, HOT_MAX_ROWS, HotRows};
 pub use info::{Backend, Capability, DeviceInfo, PcieLink};
-pub use ring_kernels::RING_PING_PHASES;
+pub use op::{Access, CudaRun, DevArg, DeviceOp, HostLocks, HostRun, KernelArgs, LaunchShape};
 pub use rows::{RowIndices, RowKernel};
 pub use stream::{Event, Inflight, Stream};
 pub use swap_in::{

@@ -67,7 +67,7 @@ impl Stream {
     }
 
     /// The first `n` little-endian u64s of `src` (a kernel's report).
-    pub(crate) fn download_u64s(&self, src: &DeviceBuffer, n: usize) -> Result<Vec<u64>> {
+    pub fn download_u64s(&self, src: &DeviceBuffer, n: usize) -> Result<Vec<u64>> {
         let mut bytes = vec![0u8; n * 8];
         self.download(src, 0, &mut bytes)?;
         Ok(bytes
@@ -329,7 +329,7 @@ impl<T> Drop for Inflight<T> {
 
 /// A timing event recorded on a stream.
 pub struct Event {
-    inner: Box<dyn EventBackend>,
+    pub(crate) inner: Box<dyn EventBackend>,
 }
 
 impl Event {

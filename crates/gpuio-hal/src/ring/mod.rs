@@ -74,6 +74,7 @@
 //! ```
 
 mod consumer;
+pub mod kernels;
 mod layout;
 mod memory;
 mod producer;

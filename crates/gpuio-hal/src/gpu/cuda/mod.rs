@@ -31,8 +31,10 @@ mod module;
 mod nvrtc;
 mod probe;
 mod rows;
+mod run;
 mod stream;
 mod swap_in;
 
 pub(crate) use device::devices;
 pub use nvrtc::{compile_ptx, compile_ptx_for};
+pub(crate) use stream::CudaStreamBackend;

@@ -9,16 +9,16 @@ use super::event::EventPool;
 use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
 use crate::gpu::backend::{
-    AiLaunch, ArrayLaunch, DevRange, DeviceBackend, EventBackend, NvmeLaunch, RingLaunch, RowHooks,
-    RowJob, RowsDone, StreamBackend, SwapInLaunch, SwapInRan, TieredJob,
+    AiLaunch, ArrayLaunch, DevRange, DeviceBackend, EventBackend, NvmeLaunch, RowHooks, RowJob,
+    RowsDone, StreamBackend, StreamTarget, SwapInLaunch, SwapInRan, TieredJob,
 };
-use crate::kernels::{NVME, PatternKernel, RING_BENCH};
+use crate::kernels::{NVME, PatternKernel};
 use crate::sync::MutexExt;
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg, sys};
 use std::sync::{Arc, Mutex};
 
 /// A stream of one device, with the scratch its row jobs keep between calls.
-pub(super) struct CudaStreamBackend {
+pub(crate) struct CudaStreamBackend {
     pub(super) shared: Arc<Shared>,
     pub(super) stream: Arc<CudaStream>,
     /// Idle events, reused: creating and destroying one per copy doubled the driver calls of
@@ -73,6 +73,10 @@ impl Drop for CudaStreamBackend {
 }
 
 impl StreamBackend for CudaStreamBackend {
+    fn target(&self) -> StreamTarget<'_> {
+        StreamTarget::Cuda(self)
+    }
+
     unsafe fn copy_h2d(&self, src: *const u8, dst: DevRange<'_>) -> Result<()> {
         self.shared.bind()?;
         // SAFETY: the caller keeps src readable and dst's allocation live until completion;
@@ -172,74 +176,6 @@ impl StreamBackend for CudaStreamBackend {
     unsafe fn rows(&self, job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone> {
         // SAFETY: the same contract, the caller's.
         unsafe { self.run_rows(job, hooks) }
-    }
-
-    unsafe fn ring_kernel(&self, launch: RingLaunch<'_>) -> Result<()> {
-        let kernels = self.shared.module(&RING_BENCH)?;
-        self.shared.bind()?;
-        let one = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (1, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        match launch {
-            RingLaunch::ReadBlocks {
-                ring,
-                resource,
-                offsets,
-                count,
-                block,
-                dst,
-                results,
-                threads,
-            } => {
-                const BLOCK: u32 = 128;
-                let cfg = LaunchConfig {
-                    grid_dim: (threads.div_ceil(BLOCK).max(1), 1, 1),
-                    block_dim: (BLOCK, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let (o, d, r) = (offsets.addr(), dst.addr(), results.addr());
-                let mut l = self.stream.launch_builder(&kernels.functions[0]);
-                l.arg(&ring.header).arg(&ring.slots).arg(&ring.claim);
-                l.arg(&ring.mask).arg(&ring.nslots);
-                l.arg(&ring.bounce).arg(&ring.bounce_bytes).arg(&resource);
-                l.arg(&o).arg(&count).arg(&block).arg(&d).arg(&r);
-                // SAFETY: the arguments match gpuio_ring_read_blocks; the kernel reads the
-                // checked offsets range, writes the checked results range, and touches the
-                // ring's memory, which stays mapped until this call returns (caller's
-                // contract) because we synchronize below. dst is written by the host proxy,
-                // not by the kernel.
-                unsafe { l.launch(cfg) }
-                    .map_err(cuda_err("cuLaunchKernel(gpuio_ring_read_blocks)"))?;
-            }
-            RingLaunch::Ping {
-                ring,
-                resource,
-                iters,
-                len,
-                dst,
-                ns,
-            } => {
-                let (d, n) = (dst.addr(), ns.addr());
-                let mut l = self.stream.launch_builder(&kernels.functions[1]);
-                l.arg(&ring.header).arg(&ring.slots).arg(&ring.claim);
-                l.arg(&ring.mask).arg(&ring.nslots);
-                l.arg(&ring.bounce).arg(&ring.bounce_bytes).arg(&resource);
-                l.arg(&iters).arg(&len).arg(&d).arg(&n);
-                // SAFETY: as for ReadBlocks; the kernel writes only the checked ns range.
-                unsafe { l.launch(one) }.map_err(cuda_err("cuLaunchKernel(gpuio_ring_ping)"))?;
-            }
-            RingLaunch::Layout { out } => {
-                let o = out.addr();
-                let mut l = self.stream.launch_builder(&kernels.functions[2]);
-                l.arg(&o);
-                // SAFETY: the kernel writes RingLayout::words().len() u64s at `out`, a range
-                // checked to hold them.
-                unsafe { l.launch(one) }.map_err(cuda_err("cuLaunchKernel(gpuio_ring_layout)"))?;
-            }
-        }
-        self.synchronize()
     }
 
     unsafe fn nvme_kernel(&self, launch: NvmeLaunch<'_>) -> Result<()> {

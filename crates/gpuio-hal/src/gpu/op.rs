@@ -1,0 +1,302 @@
+//! Device work as data: a kernel family describes each thing it runs on a device as a
+//! [`DeviceOp`] — what the CUDA backend launches, and beside it what the host backend does
+//! instead (on the CPU, over the host memory that stands in for device memory, or an error
+//! saying why it cannot) — and [`Stream::run`] runs it on the stream's device. The HAL keeps
+//! no method per feature: a family adds kernels by adding ops in its own folder.
+//!
+//! An op's arguments are [`DevArg`]s, ranges of device buffers checked against the stream's
+//! device by [`Stream::arg`], and plain values. A CUDA launch ([`CudaRun::launch`]) is
+//! `unsafe` because of what the kernel does: the op's `cuda` says why its launch is sound,
+//! next to the kernel's arguments. A host implementation locks the allocations it touches
+//! ([`HostRun::lock`]: address order, exclusive where written), as every host-backend
+//! operation does.
+
+use super::backend::{DevRange, StreamTarget};
+use super::{DeviceBuffer, Stream};
+use crate::error::{HalError, Result};
+use std::marker::PhantomData;
+
+/// Work a [`Stream`] runs on its device: a CUDA launch, and what the host backend does.
+pub trait DeviceOp {
+    /// What the work gives back.
+    type Output;
+
+    /// On the host backend.
+    fn host(&self, host: &HostRun<'_>) -> Result<Self::Output>;
+
+    /// On a CUDA device.
+    fn cuda(&self, cuda: &CudaRun<'_>) -> Result<Self::Output>;
+}
+
+impl Stream {
+    /// Runs `op` on this stream's device.
+    pub fn run<O: DeviceOp + ?Sized>(&self, op: &O) -> Result<O::Output> {
+        match self.inner.target() {
+            StreamTarget::Host => op.host(&HostRun {
+                _stream: PhantomData,
+            }),
+            #[cfg(feature = "cuda")]
+            StreamTarget::Cuda(stream) => op.cuda(&CudaRun { stream }),
+        }
+    }
+
+    /// `len` bytes of `buf` from `offset`, as an op's argument: `buf` must be this stream's
+    /// device's and hold the range.
+    pub fn arg<'a>(
+        &self,
+        what: &'static str,
+        buf: &'a DeviceBuffer,
+        offset: usize,
+        len: usize,
+    ) -> Result<DevArg<'a>> {
+        self.gpu.check_owns(what, buf)?;
+        Ok(DevArg {
+            range: buf.range(what, offset, len)?,
+        })
+    }
+}
+
+/// A checked range of a live device allocation, an op's argument ([`Stream::arg`]).
+#[derive(Clone, Copy)]
+pub struct DevArg<'a> {
+    pub(crate) range: DevRange<'a>,
+}
+
+impl std::fmt::Debug for DevArg<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DevArg({:#x}+{})", self.addr(), self.len())
+    }
+}
+
+impl<'a> DevArg<'a> {
+    /// The device address of the range's first byte (on the host backend, its CPU address).
+    pub fn addr(&self) -> u64 {
+        self.range.addr()
+    }
+
+    /// The CPU's pointer to the range on the host backend, where device memory is host
+    /// memory (meaningless on a GPU). Touch it only under [`HostRun::lock`].
+    pub fn host_ptr(&self) -> *mut u8 {
+        self.range.addr() as *mut u8
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.range.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.range.len == 0
+    }
+
+    /// `len` bytes of it from `offset`, checked.
+    pub fn part(&self, offset: usize, len: usize) -> Result<Self> {
+        Ok(Self {
+            range: self.range.part(offset, len)?,
+        })
+    }
+
+    /// Whether both lie in one allocation.
+    pub fn same_allocation(&self, other: &DevArg<'_>) -> bool {
+        self.range.same_allocation(&other.range)
+    }
+}
+
+/// How a host implementation uses a range it locks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Read only: other readers may hold it too.
+    Read,
+    /// Written: held alone.
+    Write,
+}
+
+/// The host backend running an op: device memory is host memory, and the CPU does the work.
+pub struct HostRun<'s> {
+    _stream: PhantomData<&'s Stream>,
+}
+
+impl HostRun<'_> {
+    /// Locks the allocations of `uses` until the returned guard drops: each once, in address
+    /// order (so that two ops cannot deadlock), exclusively where any use writes it. Within
+    /// the guard's life the ranges' [`DevArg::host_ptr`]s may be read (and, where locked for
+    /// writing, written) by this thread alone.
+    pub fn lock<'a>(&self, uses: &[(DevArg<'a>, Access)]) -> Result<HostLocks<'a>> {
+        super::host::lock_ranges(
+            uses.iter()
+                .map(|(a, use_)| (a.range, *use_ == Access::Write)),
+        )
+        .map(|held| HostLocks { _held: held })
+    }
+
+    /// Copies `src` into `dst` (of equal length), locking `dst`.
+    pub fn upload(&self, src: &[u8], dst: DevArg<'_>) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(HalError::InvalidArgument(format!(
+                "upload of {} bytes into a range of {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        let _lock = self.lock(&[(dst, Access::Write)])?;
+        // SAFETY: `dst` is a checked range of a live host-backend allocation, locked for
+        // writing above; `src` is a distinct borrowed slice of the same length.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.host_ptr(), src.len()) };
+        Ok(())
+    }
+
+    /// The error for an op that needs a GPU's kernels: `what` cannot run on the host backend,
+    /// and `instead` says what plays its part there.
+    pub fn no_kernels(&self, what: &'static str, instead: &str) -> HalError {
+        HalError::Unsupported {
+            what,
+            reason: format!("the host backend runs no kernels; {instead}"),
+        }
+    }
+}
+
+/// Locks [`HostRun::lock`] holds.
+pub struct HostLocks<'a> {
+    _held: Vec<super::host::HeldLock<'a>>,
+}
+
+/// A kernel launch's shape: `grid` blocks of `block` threads, `shared_bytes` of dynamic
+/// shared memory a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchShape {
+    /// Blocks in the grid.
+    pub grid: u32,
+    /// Threads a block.
+    pub block: u32,
+    /// Dynamic shared memory a block, in bytes.
+    pub shared_bytes: u32,
+}
+
+impl LaunchShape {
+    /// One thread.
+    pub const ONE: Self = Self {
+        grid: 1,
+        block: 1,
+        shared_bytes: 0,
+    };
+
+    /// At least `threads` threads in blocks of `block`.
+    pub fn threads(threads: u32, block: u32) -> Self {
+        Self {
+            grid: threads.div_ceil(block.max(1)).max(1),
+            block: block.max(1),
+            shared_bytes: 0,
+        }
+    }
+}
+
+/// A kernel's arguments in order: values as the kernel's C parameters take them (a device
+/// pointer is a `u64`).
+#[derive(Debug, Clone, Default)]
+pub struct KernelArgs {
+    pub(crate) values: Vec<KernelArg>,
+}
+
+/// One kernel argument.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum KernelArg {
+    U64(u64),
+    U32(u32),
+    I32(i32),
+    F32(f32),
+}
+
+impl KernelArgs {
+    /// No arguments yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A `u64` (or `size_t`, or a device pointer as an address).
+    pub fn u64(mut self, v: u64) -> Self {
+        self.values.push(KernelArg::U64(v));
+        self
+    }
+
+    /// A `u32` (`unsigned`).
+    pub fn u32(mut self, v: u32) -> Self {
+        self.values.push(KernelArg::U32(v));
+        self
+    }
+
+    /// An `int`.
+    pub fn i32(mut self, v: i32) -> Self {
+        self.values.push(KernelArg::I32(v));
+        self
+    }
+
+    /// A `float`.
+    pub fn f32(mut self, v: f32) -> Self {
+        self.values.push(KernelArg::F32(v));
+        self
+    }
+
+    /// A pointer to the first byte of `range`.
+    pub fn ptr(self, range: &DevArg<'_>) -> Self {
+        self.u64(range.addr())
+    }
+}
+
+/// The CUDA backend running an op on one of its streams.
+pub struct CudaRun<'s> {
+    #[cfg(feature = "cuda")]
+    pub(crate) stream: &'s super::cuda::CudaStreamBackend,
+    #[cfg(not(feature = "cuda"))]
+    never: std::convert::Infallible,
+    #[cfg(not(feature = "cuda"))]
+    _stream: PhantomData<&'s Stream>,
+}
+
+/// Without the CUDA backend no `CudaRun` exists; these keep ops' code the same either way.
+#[cfg(not(feature = "cuda"))]
+impl CudaRun<'_> {
+    /// See the CUDA backend's `CudaRun::grid_stride`.
+    pub fn grid_stride(&self, _items: u64) -> LaunchShape {
+        match self.never {}
+    }
+
+    /// See the CUDA backend's `CudaRun::launch`.
+    ///
+    /// # Safety
+    /// Never callable: no value of this type exists.
+    pub unsafe fn launch<K: crate::kernels::Kernel>(
+        &self,
+        _kernel: K,
+        _shape: LaunchShape,
+        _args: &KernelArgs,
+    ) -> Result<()> {
+        match self.never {}
+    }
+
+    /// See the CUDA backend's `CudaRun::synchronize`.
+    pub fn synchronize(&self) -> Result<()> {
+        match self.never {}
+    }
+
+    /// See the CUDA backend's `CudaRun::upload`.
+    ///
+    /// # Safety
+    /// Never callable: no value of this type exists.
+    pub unsafe fn upload(&self, _src: *const u8, _dst: DevArg<'_>) -> Result<()> {
+        match self.never {}
+    }
+
+    /// See the CUDA backend's `CudaRun::download`.
+    ///
+    /// # Safety
+    /// Never callable: no value of this type exists.
+    pub unsafe fn download(&self, _src: DevArg<'_>, _dst: *mut u8) -> Result<()> {
+        match self.never {}
+    }
+
+    /// See the CUDA backend's `CudaRun::record`.
+    pub fn record(&self, _timing: bool) -> Result<super::Event> {
+        match self.never {}
+    }
+}
