@@ -13,7 +13,8 @@
 
 use super::backend::{DevRange, StreamTarget};
 use super::{DeviceBuffer, Stream};
-use crate::error::{HalError, Result};
+use crate::error::{HalError, Result, check_range};
+use crate::memory::HostBuffer;
 use std::marker::PhantomData;
 
 /// Work a [`Stream`] runs on its device: a CUDA launch, and what the host backend does.
@@ -53,6 +54,71 @@ impl Stream {
         Ok(DevArg {
             range: buf.range(what, offset, len)?,
         })
+    }
+}
+
+impl Stream {
+    /// `len` bytes of `buf` from `offset`, pinned host memory that kernels reach over the bus
+    /// (zero-copy), as an op's argument: `buf` must be pinned ([`HostBuffer::pin`]).
+    pub fn host_arg<'a>(
+        &self,
+        what: &'static str,
+        buf: &'a HostBuffer,
+        offset: usize,
+        len: usize,
+    ) -> Result<HostArg<'a>> {
+        let pin = buf.pinned().ok_or_else(|| {
+            HalError::InvalidArgument(format!(
+                "{what}: zero-copy host memory must be pinned (HostBuffer::pin) so the device \
+                 reaches it"
+            ))
+        })?;
+        check_range(what, offset, len, buf.len())?;
+        Ok(HostArg {
+            ptr: buf.base_ptr().wrapping_add(offset),
+            addr: pin.device_addr() + offset as u64,
+            len,
+            _buf: PhantomData,
+        })
+    }
+}
+
+/// A range of pinned host memory, an op's argument ([`Stream::host_arg`]): kernels reach it
+/// at [`addr`](Self::addr), the CPU (the host backend) at [`ptr`](Self::ptr). The borrow of
+/// its buffer keeps it mapped and registered.
+#[derive(Clone, Copy)]
+pub struct HostArg<'a> {
+    ptr: *mut u8,
+    addr: u64,
+    len: usize,
+    _buf: PhantomData<&'a HostBuffer>,
+}
+
+impl std::fmt::Debug for HostArg<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostArg({:#x}+{})", self.addr, self.len)
+    }
+}
+
+impl HostArg<'_> {
+    /// The address under which the device's kernels reach the first byte.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// The CPU's pointer to the first byte.
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
@@ -239,6 +305,11 @@ impl KernelArgs {
 
     /// A pointer to the first byte of `range`.
     pub fn ptr(self, range: &DevArg<'_>) -> Self {
+        self.u64(range.addr())
+    }
+
+    /// A pointer to the first byte of pinned host memory, as the device reaches it.
+    pub fn host_ptr(self, range: &HostArg<'_>) -> Self {
         self.u64(range.addr())
     }
 }
