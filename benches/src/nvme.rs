@@ -17,6 +17,7 @@ use crate::{BenchError, Record, Result, Target, fresh_seed, median};
 use gpuio_api::Session;
 use gpuio_core::ring::WaitPolicy;
 use gpuio_core::{Endpoint, HostMemory, RingConfig, RingProxy};
+use gpuio_hal::nvme::kernels as nvme_kernels;
 use gpuio_hal::nvme::{Controller, ControllerOptions, GpuNvmeOp, SoftConfig, SoftController};
 use gpuio_hal::ring::kernels as ring_kernels;
 use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
@@ -141,20 +142,20 @@ pub fn run(
     let zeros = upload(&vec![0u64; n])?;
     let st = gpu.alloc(n * 4)?;
     let flush = || -> Result<()> {
-        stream
-            .nvme_io(
-                &queues,
-                GpuNvmeOp::Flush,
-                &ns,
-                &zeros,
-                n,
-                0,
-                &mapped,
-                &st,
-                grid,
-            )
-            .map(|_| ())
-            .map_err(hal)
+        nvme_kernels::io(
+            &stream,
+            &queues,
+            GpuNvmeOp::Flush,
+            &ns,
+            &zeros,
+            n,
+            0,
+            &mapped,
+            &st,
+            grid,
+        )
+        .map(|_| ())
+        .map_err(hal)
     };
     flush()?;
     let mut t = Vec::new();
@@ -198,19 +199,19 @@ pub fn run(
     let lba_buf = upload(&lbas)?;
     let st = gpu.alloc(n * 4)?;
     let nvme_reads = || -> Result<u64> {
-        stream
-            .nvme_io(
-                &queues,
-                GpuNvmeOp::ReadChecked(seed),
-                &ns,
-                &lba_buf,
-                n,
-                8,
-                &mapped,
-                &st,
-                grid,
-            )
-            .map_err(hal)
+        nvme_kernels::io(
+            &stream,
+            &queues,
+            GpuNvmeOp::ReadChecked(seed),
+            &ns,
+            &lba_buf,
+            n,
+            8,
+            &mapped,
+            &st,
+            grid,
+        )
+        .map_err(hal)
     };
     nvme_reads()?;
     let mut bytes_host = HostBuffer::alloc(opts.namespace as usize, &HostAllocOptions::default())?;

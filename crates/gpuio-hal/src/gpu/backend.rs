@@ -327,33 +327,6 @@ pub(crate) enum AiLaunch<'a> {
     },
 }
 
-/// A checked launch of one of `kernels/nvme.cu`'s kernels.
-pub(crate) enum NvmeLaunch<'a> {
-    /// `count` commands (`opcode` at `lbas`, `blocks` blocks of `block_bytes` each) on the
-    /// queue pairs at `queues` (`nqueues` descriptors), data in host memory at device address
-    /// `data` (IO address `data_iova`), statuses (u32) into `statuses`, checked-read mismatches
-    /// (u64) added to `mismatches`; `grid` blocks of `threads` threads.
-    Io {
-        queues: DevRange<'a>,
-        nqueues: u32,
-        opcode: u32,
-        nsid: u32,
-        lbas: DevRange<'a>,
-        count: u64,
-        blocks: u32,
-        block_bytes: u32,
-        data_iova: u64,
-        data: u64,
-        seed: u64,
-        statuses: DevRange<'a>,
-        mismatches: DevRange<'a>,
-        grid: u32,
-        threads: u32,
-    },
-    /// The NVMe layouts as the device compiler sees them, into `out`.
-    Layout { out: DevRange<'a> },
-}
-
 /// An on-demand array kernel (`kernels/ondemand.cu`) and its arguments.
 pub(crate) enum ArrayLaunch<'a> {
     /// Pages `first .. first + count` brought in (`flush == false`) or written back if dirty.
@@ -489,14 +462,6 @@ pub(crate) trait StreamBackend: Send + Sync {
     /// The upload bytes and every warm pool must stay valid and registered with this device
     /// until the call returns.
     unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<RowsDone>;
-
-    /// Runs an NVMe queue kernel and waits for it.
-    ///
-    /// # Safety
-    /// The queue pairs' memory, the register file holding their doorbells and the data memory
-    /// must stay mapped and registered until this call returns, and a controller must serve
-    /// the queues (the kernel's polls time out otherwise).
-    unsafe fn nvme_kernel(&self, launch: NvmeLaunch<'_>) -> Result<()>;
 
     /// Runs an on-demand array kernel and waits for it.
     ///

@@ -6,7 +6,7 @@ use super::GdsMode;
 use super::TieredSource;
 use super::backend::{
     AiLaunch, ArrayLaunch, BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend,
-    GdsFileBackend, HostPin, NvmeLaunch, Owner, RowHooks, RowJob, RowMem, RowsDone, StreamBackend,
+    GdsFileBackend, HostPin, Owner, RowHooks, RowJob, RowMem, RowsDone, StreamBackend,
     StreamTarget, SwapInLaunch, SwapInRan, TieredJob, TieredPart,
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
@@ -351,15 +351,6 @@ impl StreamBackend for HostStream {
         Err(HalError::Unsupported {
             what: "the AI tier's kernels",
             reason: "the host backend runs no kernels; gpuio-ai runs its CPU reference instead"
-                .into(),
-        })
-    }
-
-    unsafe fn nvme_kernel(&self, _launch: NvmeLaunch<'_>) -> Result<()> {
-        Err(HalError::Unsupported {
-            what: "GPU-driven NVMe queues",
-            reason: "the host backend runs no kernels; IoQueuePair drives the queues from host \
-                     threads"
                 .into(),
         })
     }

@@ -19,7 +19,6 @@ mod gds;
 mod host;
 mod hot_rows;
 mod info;
-mod nvme_kernels;
 mod op;
 mod rows;
 mod stream;

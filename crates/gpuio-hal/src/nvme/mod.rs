@@ -11,8 +11,8 @@
 //! - [`extents`]: a file's extents (FIEMAP), checked to be plainly on the device, read
 //!   through a queue pair from the raw namespace.
 //! - [`gpu`]: queue pairs GPU threads drive (`kernels/gpuio_nvme.cuh`), their memory and the
-//!   controller's doorbells registered with the GPU; `Stream::nvme_io` launches the test and
-//!   bench kernels.
+//!   controller's doorbells registered with the GPU; [`kernels`] launches the test and bench
+//!   kernels.
 //! - [`soft`]: a software controller served by a host thread, with injected faults, for where
 //!   no NVMe is reachable (CI, and the GPU machine).
 //! - [`kmod`]: a controller bound to gpuio's kernel module (`kmod/`) instead of VFIO: BAR0
@@ -28,6 +28,7 @@ mod controller;
 pub mod dma;
 pub mod extents;
 pub mod gpu;
+pub mod kernels;
 pub mod kmod;
 mod pci;
 pub mod peer;

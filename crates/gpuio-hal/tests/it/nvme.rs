@@ -6,6 +6,7 @@
 //! once (PRP lists, unaligned buffer offsets, transfers split at the controller's limit),
 //! out-of-range LBAs and bad arguments as typed errors, and a disabled controller.
 
+use gpuio_hal::nvme::kernels as nvme_kernels;
 use gpuio_hal::nvme::{
     BlockIo, Controller, ControllerOptions, Namespace, SoftConfig, SoftController, SoftFaults,
     Status,
@@ -891,7 +892,7 @@ mod gpu {
         let p = probe(BackendPreference::Host).unwrap();
         let gpu = &p.gpus[0];
         let stream = gpu.stream().unwrap();
-        let err = stream.nvme_layout_words().unwrap_err();
+        let err = nvme_kernels::device_layout_words(&stream).unwrap_err();
         assert_eq!(err.code(), ErrorCode::Unsupported, "{err}");
         // What a launch would get wrong is refused before any launch: commands of no blocks,
         // or over the controller's transfer limit.
@@ -908,19 +909,19 @@ mod gpu {
         let st = gpu.alloc(32 * 4).unwrap();
         // Up to the controller's transfer limit (MDTS 5: 128 KiB), any block count.
         for (blocks, refused) in [(0, true), (257, true), (15, false), (256, false)] {
-            let err = stream
-                .nvme_io(
-                    &[&pair],
-                    GpuNvmeOp::ReadChecked(1),
-                    &ns,
-                    &lbas,
-                    32,
-                    blocks,
-                    &mapped,
-                    &st,
-                    1,
-                )
-                .unwrap_err();
+            let err = nvme_kernels::io(
+                &stream,
+                &[&pair],
+                GpuNvmeOp::ReadChecked(1),
+                &ns,
+                &lbas,
+                32,
+                blocks,
+                &mapped,
+                &st,
+                1,
+            )
+            .unwrap_err();
             let want = if refused {
                 ErrorCode::InvalidArg
             } else {
@@ -935,7 +936,7 @@ mod gpu {
         let Some(gpu) = cuda() else { return };
         let stream = gpu.stream().unwrap();
         assert_eq!(
-            stream.nvme_layout_words().unwrap(),
+            nvme_kernels::device_layout_words(&stream).unwrap(),
             gpuio_hal::nvme::gpu::layout_words(),
             "the device compiler's NVMe layouts"
         );
@@ -967,19 +968,19 @@ mod gpu {
                 .collect();
             let lba_buf = upload_u64s(&stream, &gpu, &lbas);
             let st = gpu.alloc(n * 4).unwrap();
-            let bad = stream
-                .nvme_io(
-                    &queues,
-                    GpuNvmeOp::ReadChecked(SEED),
-                    &ns,
-                    &lba_buf,
-                    n,
-                    blocks,
-                    &mapped,
-                    &st,
-                    grid,
-                )
-                .unwrap();
+            let bad = nvme_kernels::io(
+                &stream,
+                &queues,
+                GpuNvmeOp::ReadChecked(SEED),
+                &ns,
+                &lba_buf,
+                n,
+                blocks,
+                &mapped,
+                &st,
+                grid,
+            )
+            .unwrap();
             assert_eq!(bad, 0, "{blocks}-block reads: mismatched words");
             assert!(
                 statuses(&stream, &st, n).iter().all(|&s| s == 0),
@@ -992,19 +993,19 @@ mod gpu {
         let slots: Vec<u64> = (0..4096u64).map(|i| i * 16).collect();
         let lba_buf = upload_u64s(&stream, &gpu, &slots);
         let st = gpu.alloc(slots.len() * 4).unwrap();
-        stream
-            .nvme_io(
-                &queues,
-                GpuNvmeOp::WritePattern(NEW),
-                &ns,
-                &lba_buf,
-                slots.len(),
-                8,
-                &mapped,
-                &st,
-                grid,
-            )
-            .unwrap();
+        nvme_kernels::io(
+            &stream,
+            &queues,
+            GpuNvmeOp::WritePattern(NEW),
+            &ns,
+            &lba_buf,
+            slots.len(),
+            8,
+            &mapped,
+            &st,
+            grid,
+        )
+        .unwrap();
         assert!(statuses(&stream, &st, slots.len()).iter().all(|&s| s == 0));
         let held = dev.namespace_bytes(1).unwrap();
         for &lba in slots.iter().step_by(97) {
@@ -1040,19 +1041,19 @@ mod gpu {
         let st = gpu.alloc(n * 4).unwrap();
         let before = flush_dev.served();
         let start = std::time::Instant::now();
-        stream
-            .nvme_io(
-                &flush_queues,
-                GpuNvmeOp::Flush,
-                &flush_ns,
-                &no_lbas,
-                n,
-                0,
-                &flush_mapped,
-                &st,
-                16,
-            )
-            .unwrap();
+        nvme_kernels::io(
+            &stream,
+            &flush_queues,
+            GpuNvmeOp::Flush,
+            &flush_ns,
+            &no_lbas,
+            n,
+            0,
+            &flush_mapped,
+            &st,
+            16,
+        )
+        .unwrap();
         eprintln!("10^8 flushes in {:.2?}", start.elapsed());
         assert_eq!(flush_dev.served() - before, n as u64, "flushes served");
         assert!(statuses(&stream, &st, n).iter().all(|&s| s == 0));
@@ -1075,19 +1076,19 @@ mod gpu {
         lbas[1234] = 131072 - 4; // runs past the end
         let lba_buf = upload_u64s(&stream, &gpu, &lbas);
         let st = gpu.alloc(n * 4).unwrap();
-        let bad = stream
-            .nvme_io(
-                &queues,
-                GpuNvmeOp::ReadChecked(SEED),
-                &ns,
-                &lba_buf,
-                n,
-                8,
-                &mapped,
-                &st,
-                grid,
-            )
-            .unwrap();
+        let bad = nvme_kernels::io(
+            &stream,
+            &queues,
+            GpuNvmeOp::ReadChecked(SEED),
+            &ns,
+            &lba_buf,
+            n,
+            8,
+            &mapped,
+            &st,
+            grid,
+        )
+        .unwrap();
         let got = statuses(&stream, &st, n);
         assert_eq!(
             got[7] & 0x7ff,
@@ -1117,19 +1118,19 @@ mod gpu {
         let n = 64usize;
         let lba_buf = upload_u64s(&stream, &gpu, &vec![8; n]);
         let st = gpu.alloc(n * 4).unwrap();
-        let err = stream
-            .nvme_io(
-                &queues[..1],
-                GpuNvmeOp::ReadChecked(SEED),
-                &ns,
-                &lba_buf,
-                n,
-                8,
-                &mapped,
-                &st,
-                1,
-            )
-            .unwrap_err();
+        let err = nvme_kernels::io(
+            &stream,
+            &queues[..1],
+            GpuNvmeOp::ReadChecked(SEED),
+            &ns,
+            &lba_buf,
+            n,
+            8,
+            &mapped,
+            &st,
+            1,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("broken"), "{err}");
         assert!(!ctrl.is_ready(), "the controller is disabled");
         dev.set_faults(SoftFaults::default());

@@ -9,12 +9,12 @@ use super::event::EventPool;
 use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
 use crate::gpu::backend::{
-    AiLaunch, ArrayLaunch, DevRange, DeviceBackend, EventBackend, NvmeLaunch, RowHooks, RowJob,
-    RowsDone, StreamBackend, StreamTarget, SwapInLaunch, SwapInRan, TieredJob,
+    AiLaunch, ArrayLaunch, DevRange, DeviceBackend, EventBackend, RowHooks, RowJob, RowsDone,
+    StreamBackend, StreamTarget, SwapInLaunch, SwapInRan, TieredJob,
 };
-use crate::kernels::{NVME, PatternKernel};
+use crate::kernels::PatternKernel;
 use crate::sync::MutexExt;
-use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg, sys};
+use cudarc::driver::{CudaStream, PushKernelArg, sys};
 use std::sync::{Arc, Mutex};
 
 /// A stream of one device, with the scratch its row jobs keep between calls.
@@ -176,75 +176,6 @@ impl StreamBackend for CudaStreamBackend {
     unsafe fn rows(&self, job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone> {
         // SAFETY: the same contract, the caller's.
         unsafe { self.run_rows(job, hooks) }
-    }
-
-    unsafe fn nvme_kernel(&self, launch: NvmeLaunch<'_>) -> Result<()> {
-        let kernels = self.shared.module(&NVME)?;
-        self.shared.bind()?;
-        match launch {
-            NvmeLaunch::Io {
-                queues,
-                nqueues,
-                opcode,
-                nsid,
-                lbas,
-                count,
-                blocks,
-                block_bytes,
-                data_iova,
-                data,
-                seed,
-                statuses,
-                mismatches,
-                grid,
-                threads,
-            } => {
-                let cfg = LaunchConfig {
-                    grid_dim: (grid, 1, 1),
-                    block_dim: (threads, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let (q, l_, s_, m) = (
-                    queues.addr(),
-                    lbas.addr(),
-                    statuses.addr(),
-                    mismatches.addr(),
-                );
-                let mut l = self.stream.launch_builder(&kernels.functions[0]);
-                l.arg(&q)
-                    .arg(&nqueues)
-                    .arg(&opcode)
-                    .arg(&nsid)
-                    .arg(&l_)
-                    .arg(&count);
-                l.arg(&blocks)
-                    .arg(&block_bytes)
-                    .arg(&data_iova)
-                    .arg(&data)
-                    .arg(&seed);
-                l.arg(&s_).arg(&m);
-                // SAFETY: the arguments match gpuio_nvme_io; the kernel reads the checked
-                // descriptor and LBA ranges, writes the checked status and mismatch ranges and,
-                // through the descriptors, queue memory, doorbells and data memory that stay
-                // registered until this synchronous call returns (caller's contract); each warp
-                // touches only its own data slots, which the caller checked fit `data`.
-                unsafe { l.launch(cfg) }.map_err(cuda_err("cuLaunchKernel(gpuio_nvme_io)"))?;
-            }
-            NvmeLaunch::Layout { out } => {
-                let one = LaunchConfig {
-                    grid_dim: (1, 1, 1),
-                    block_dim: (1, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let o = out.addr();
-                let mut l = self.stream.launch_builder(&kernels.functions[1]);
-                l.arg(&o);
-                // SAFETY: the kernel writes layout_words().len() u64s at `out`, a range checked
-                // to hold them.
-                unsafe { l.launch(one) }.map_err(cuda_err("cuLaunchKernel(gpuio_nvme_layout)"))?;
-            }
-        }
-        self.synchronize()
     }
 
     unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<RowsDone> {
