@@ -24,6 +24,7 @@ use crate::{BenchError, Record, Result, Target, fresh_seed};
 use gpuio_api::{OpenOptions, Session};
 use gpuio_core::ondemand::{ArrayMode, OnDemandArray, PageCache, PageCacheConfig};
 use gpuio_core::{Endpoint, RingConfig};
+use gpuio_hal::ondemand::kernels as array_kernels;
 use gpuio_hal::ring::kernels as ring_kernels;
 use gpuio_hal::{DeviceBuffer, Gpu, HostAllocOptions, HostBuffer, Stream, pattern};
 use rayon::prelude::*;
@@ -194,7 +195,8 @@ impl Ctx<'_> {
         out: &DeviceBuffer,
     ) -> Result<()> {
         let (m, t, ring) = array.hal_parts();
-        self.stream.array_bench_reads(
+        array_kernels::bench_reads(
+            &self.stream,
             Ok((m.as_ref(), t, &ring)),
             rows,
             n,
@@ -441,17 +443,28 @@ fn hit_path(ctx: &Ctx<'_>) -> Result<(Record, Record)> {
     let threads = ctx.opts.gpu_threads;
     let held = array.resident().map_err(api)?;
     let resident = timed(ctx.opts.reps, || {
-        Ok(ctx
-            .stream
-            .resident_bench_reads(held.held(), &idx_buf, n, &out, threads)?)
+        Ok(array_kernels::resident_bench_reads(
+            &ctx.stream,
+            held.held(),
+            &idx_buf,
+            n,
+            &out,
+            threads,
+        )?)
     })?;
     check("resident")?;
     held.release().map_err(api)?;
     array.check().map_err(api)?;
     let theirs = timed(ctx.opts.reps, || {
-        Ok(ctx
-            .stream
-            .array_bench_reads(Err(&plain), &idx_buf, n, 0, &out, threads)?)
+        Ok(array_kernels::bench_reads(
+            &ctx.stream,
+            Err(&plain),
+            &idx_buf,
+            n,
+            0,
+            &out,
+            threads,
+        )?)
     })?;
     check("plain")?;
     let rate = |t: Duration| n as f64 / t.as_secs_f64().max(1e-9) / 1e9;

@@ -7,6 +7,7 @@
 use gpuio_core::Endpoint;
 use gpuio_core::ondemand::{ArrayMode, PageCache, PageCacheConfig};
 use gpuio_core::ring::RingConfig;
+use gpuio_hal::ondemand::kernels as array_kernels;
 use gpuio_hal::{ondemand, pattern};
 use gpuio_transport_localio::{FileHandle, OpenOptions};
 
@@ -15,7 +16,7 @@ fn the_device_compiler_sees_the_same_array_layout() {
     let Some((_, gpu)) = super::common::cuda("on-demand array kernels run") else {
         return;
     };
-    let words = gpu.stream().unwrap().array_layout_words().unwrap();
+    let words = array_kernels::device_layout_words(&gpu.stream().unwrap()).unwrap();
     let want: Vec<u64> = ondemand::constants().iter().map(|c| c.1).collect();
     assert_eq!(words, want, "{:?}", ondemand::constants());
 }
@@ -61,9 +62,9 @@ fn kernels_read_and_write_a_file_four_times_the_cache() {
         let stream = gpu.stream().unwrap();
         let reads = 1u64 << 18;
         let t = std::time::Instant::now();
-        let check = stream
-            .array_test_read(memory, table, &ring, reads, 8192, 1, seed, None)
-            .unwrap();
+        let check =
+            array_kernels::test_read(&stream, memory, table, &ring, reads, 8192, 1, seed, None)
+                .unwrap();
         assert_eq!(check.reads, reads, "page {page}");
         assert_eq!(
             check.mismatches, 0,
@@ -84,23 +85,21 @@ fn kernels_read_and_write_a_file_four_times_the_cache() {
 
         // Stores into every page (every 7th element), many evicted dirty along the way.
         let (every, written) = (7u64, 0xbeef);
-        stream
-            .array_test_store(memory, table, &ring, every, written)
-            .unwrap();
+        array_kernels::test_store(&stream, memory, table, &ring, every, written).unwrap();
         array.check().unwrap();
         println!("page {page}: stores in {:?}", t.elapsed());
-        let check = stream
-            .array_test_read(
-                memory,
-                table,
-                &ring,
-                reads,
-                8192,
-                2,
-                seed,
-                Some((every, written)),
-            )
-            .unwrap();
+        let check = array_kernels::test_read(
+            &stream,
+            memory,
+            table,
+            &ring,
+            reads,
+            8192,
+            2,
+            seed,
+            Some((every, written)),
+        )
+        .unwrap();
         assert_eq!(
             check.mismatches, 0,
             "page {page} after stores: {:?}",
@@ -174,9 +173,9 @@ fn read_only_arrays_over_warm_files_read_misses_in_place() {
             let (memory, table, ring) = array.hal_parts();
             let stream = gpu.stream().unwrap();
             let reads = 1u64 << 18;
-            let check = stream
-                .array_test_read(memory, table, &ring, reads, 8192, 5, seed, None)
-                .unwrap();
+            let check =
+                array_kernels::test_read(&stream, memory, table, &ring, reads, 8192, 5, seed, None)
+                    .unwrap();
             assert_eq!(check.reads, reads);
             assert_eq!(
                 check.mismatches, 0,
@@ -228,18 +227,15 @@ fn kernel_errors_are_reported_not_read_as_data() {
         .unwrap();
     let (memory, table, ring) = array.hal_parts();
     let stream = gpu.stream().unwrap();
-    let check = stream
-        .array_test_read(memory, table, &ring, 4096, 1024, 3, 3, None)
-        .unwrap();
+    let check =
+        array_kernels::test_read(&stream, memory, table, &ring, 4096, 1024, 3, 3, None).unwrap();
     assert!(
         check.mismatches > 0,
         "reads past the file's end came back as data"
     );
     assert!(array.check().is_err());
     // Stores into a read-only array are refused and recorded.
-    stream
-        .array_test_store(memory, table, &ring, 64, 9)
-        .unwrap();
+    array_kernels::test_store(&stream, memory, table, &ring, 64, 9).unwrap();
     let e = array.check().unwrap_err();
     assert!(e.to_string().contains("read-only"), "{e}");
 }
@@ -281,16 +277,16 @@ fn row_and_element_gathers_read_every_byte_right() {
         let raw: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
         stream.upload(&raw, &rows, 0).unwrap();
         let out = gpu.alloc(n * row).unwrap();
-        stream
-            .array_bench_reads(
-                Ok((memory.as_ref(), table, &ring)),
-                &rows,
-                n,
-                row,
-                &out,
-                4096,
-            )
-            .unwrap();
+        array_kernels::bench_reads(
+            &stream,
+            Ok((memory.as_ref(), table, &ring)),
+            &rows,
+            n,
+            row,
+            &out,
+            4096,
+        )
+        .unwrap();
         array.check().unwrap();
         let mut got = vec![0u8; n * row];
         stream.download(&out, 0, &mut got).unwrap();
@@ -302,9 +298,16 @@ fn row_and_element_gathers_read_every_byte_right() {
             );
         }
         // Elements, through gather: the row numbers as element indices.
-        stream
-            .array_bench_reads(Ok((memory.as_ref(), table, &ring)), &rows, n, 0, &out, 4096)
-            .unwrap();
+        array_kernels::bench_reads(
+            &stream,
+            Ok((memory.as_ref(), table, &ring)),
+            &rows,
+            n,
+            0,
+            &out,
+            4096,
+        )
+        .unwrap();
         array.check().unwrap();
         let mut got = vec![0u8; n * 8];
         stream.download(&out, 0, &mut got).unwrap();
@@ -359,8 +362,7 @@ fn resident_arrays_read_right_while_other_arrays_thrash_the_cache() {
     stream.upload(&raw, &idx_buf, 0).unwrap();
     let out = gpu.alloc(n * 8).unwrap();
     let check = |what: &str| {
-        stream
-            .resident_bench_reads(resident.held(), &idx_buf, n, &out, 8192)
+        array_kernels::resident_bench_reads(&stream, resident.held(), &idx_buf, n, &out, 8192)
             .unwrap();
         held.check().unwrap();
         let mut got = vec![0u8; n * 8];
@@ -373,8 +375,7 @@ fn resident_arrays_read_right_while_other_arrays_thrash_the_cache() {
     check("held");
     // The other array misses through the frames left: none of the held ones moves.
     let (memory, table, ring) = other.hal_parts();
-    let c = stream
-        .array_test_read(memory, table, &ring, 1 << 18, 8192, 7, seed, None)
+    let c = array_kernels::test_read(&stream, memory, table, &ring, 1 << 18, 8192, 7, seed, None)
         .unwrap();
     assert_eq!(c.mismatches, 0, "first bad {:?}", c.first_bad);
     let s = other.stats().unwrap();
@@ -384,9 +385,7 @@ fn resident_arrays_read_right_while_other_arrays_thrash_the_cache() {
     // An index past the end reads 0 and is reported.
     let past = gpu.alloc(8).unwrap();
     stream.upload(&words.to_le_bytes(), &past, 0).unwrap();
-    stream
-        .resident_bench_reads(resident.held(), &past, 1, &out, 32)
-        .unwrap();
+    array_kernels::resident_bench_reads(&stream, resident.held(), &past, 1, &out, 32).unwrap();
     assert_eq!(
         held.check().unwrap_err().code(),
         gpuio_hal::ErrorCode::InvalidArg

@@ -327,63 +327,6 @@ pub(crate) enum AiLaunch<'a> {
     },
 }
 
-/// An on-demand array kernel (`kernels/ondemand.cu`) and its arguments.
-pub(crate) enum ArrayLaunch<'a> {
-    /// Pages `first .. first + count` brought in (`flush == false`) or written back if dirty.
-    Pages {
-        array: crate::ondemand::ArrayDevice,
-        flush: bool,
-        first: u64,
-        count: u64,
-    },
-    /// `reads` checked random reads of u64 elements; counts into `out` (3 u64s).
-    TestRead {
-        array: crate::ondemand::ArrayDevice,
-        reads: u64,
-        salt: u64,
-        seed: u64,
-        every: u64,
-        written: u64,
-        out: DevRange<'a>,
-        threads: u32,
-    },
-    /// Stores of pattern `written` at every multiple of `every`.
-    TestStore {
-        array: crate::ondemand::ArrayDevice,
-        every: u64,
-        written: u64,
-    },
-    /// The layout constants as the device compiler sees them, into `out`.
-    Layout { out: DevRange<'a> },
-    /// Every page of the array held (`hold`: pinned once more, its frame into `frames`, a
-    /// `u32` per page) or let go (the pins of the pages `frames` names taken off).
-    Hold {
-        array: crate::ondemand::ArrayDevice,
-        frames: DevRange<'a>,
-        hold: bool,
-    },
-    /// Benchmark reads of `n` u64 elements (`idx`) of a held array into `out`.
-    ResidentBench {
-        array: crate::ondemand::ResidentDevice,
-        idx: DevRange<'a>,
-        n: u64,
-        out: DevRange<'a>,
-        threads: u32,
-    },
-    /// Benchmark reads (`kernels/ondemand.cu`): `n` rows of `row_words` u64s (`rows`: u64
-    /// row numbers) or `n` single u64 elements (`row_words == 0`; `rows`: element indices)
-    /// into `out`, from the array (`array: Some`) or from the plain device array `plain`.
-    Bench {
-        array: Option<crate::ondemand::ArrayDevice>,
-        plain: Option<DevRange<'a>>,
-        rows: DevRange<'a>,
-        n: u64,
-        row_words: u64,
-        out: DevRange<'a>,
-        threads: u32,
-    },
-}
-
 /// An allocation of device memory; dropping it frees the memory.
 pub(crate) trait DeviceMemory: Send + Sync + fmt::Debug {
     /// The device address of the first byte.
@@ -462,13 +405,6 @@ pub(crate) trait StreamBackend: Send + Sync {
     /// The upload bytes and every warm pool must stay valid and registered with this device
     /// until the call returns.
     unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<RowsDone>;
-
-    /// Runs an on-demand array kernel and waits for it.
-    ///
-    /// # Safety
-    /// The array's cache, page tables and ring must stay allocated (and the ring mapped)
-    /// until this call returns, and the ring's proxy must be serving it.
-    unsafe fn array_kernel(&self, launch: ArrayLaunch<'_>) -> Result<()>;
 
     /// Runs one of the AI tier's kernels and waits for it.
     ///

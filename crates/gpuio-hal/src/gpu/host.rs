@@ -5,9 +5,9 @@
 use super::GdsMode;
 use super::TieredSource;
 use super::backend::{
-    AiLaunch, ArrayLaunch, BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend,
-    GdsFileBackend, HostPin, Owner, RowHooks, RowJob, RowMem, RowsDone, StreamBackend,
-    StreamTarget, SwapInLaunch, SwapInRan, TieredJob, TieredPart,
+    AiLaunch, BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend,
+    HostPin, Owner, RowHooks, RowJob, RowMem, RowsDone, StreamBackend, StreamTarget, SwapInLaunch,
+    SwapInRan, TieredJob, TieredPart,
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
 use super::swap_in;
@@ -323,15 +323,6 @@ impl StreamBackend for HostStream {
         Ok(RowsDone {
             bad_index: bad?,
             device_time: timed.then(|| t.elapsed()),
-        })
-    }
-
-    unsafe fn array_kernel(&self, _launch: ArrayLaunch<'_>) -> Result<()> {
-        Err(HalError::Unsupported {
-            what: "on-demand array kernels",
-            reason: "the host backend runs no kernels; ondemand::HostAccessor plays the GPU's \
-                     part"
-                .into(),
         })
     }
 

@@ -9,7 +9,6 @@
 //! `stream.rs` holds [`Stream`] (the checked copies and kernels), [`Inflight`] and [`Event`].
 
 mod ai_kernels;
-mod array_kernels;
 mod backend;
 mod baseline;
 #[cfg(feature = "cuda")]
@@ -26,7 +25,6 @@ mod swap_in;
 mod tiered;
 
 pub use ai_kernels::{QuantKind, QuantizedAt, ScoreRows};
-pub use array_kernels::ArrayReadCheck;
 pub use dmabuf::DmaBufExport;
 pub use gds::{GdsFile, GdsMode};
 pub use hot_rows::{HOT_MAX_POOL_ROWS, HOT_MAX_ROWS, HotRows};

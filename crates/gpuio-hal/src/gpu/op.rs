@@ -265,12 +265,13 @@ pub struct KernelArgs {
 }
 
 /// One kernel argument.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) enum KernelArg {
     U64(u64),
     U32(u32),
     I32(i32),
     F32(f32),
+    Bytes(Vec<u8>),
 }
 
 impl KernelArgs {
@@ -300,6 +301,13 @@ impl KernelArgs {
     /// A `float`.
     pub fn f32(mut self, v: f32) -> Self {
         self.values.push(KernelArg::F32(v));
+        self
+    }
+
+    /// A structure passed by value, as its bytes laid out as the kernel's parameter type
+    /// (a `#[repr(C)]` descriptor's `to_bytes`, say).
+    pub fn bytes(mut self, v: &[u8]) -> Self {
+        self.values.push(KernelArg::Bytes(v.to_vec()));
         self
     }
 

@@ -118,7 +118,7 @@ impl PageCacheMemory {
         };
         if let Holder::Gpu(array) = &held.holder {
             let stream = self.gpu().stream()?;
-            stream.array_hold(*array, &held.frames, true)?;
+            super::kernels::hold(&stream, *array, &held.frames, true)?;
             // Pages that could not be held recorded why (left recorded for `check`); the hold
             // lets go of the others.
             if held.frames()?.contains(&NOT_HELD) {
@@ -177,7 +177,7 @@ impl HeldPages {
             }
             Holder::Gpu(array) => {
                 let stream = self.cache.gpu().stream()?;
-                stream.array_hold(*array, &self.frames, false)
+                super::kernels::hold(&stream, *array, &self.frames, false)
             }
         }
     }

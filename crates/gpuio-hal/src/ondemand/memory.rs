@@ -442,10 +442,7 @@ impl PageCacheMemory {
                         .map(drop)
                 })
             }
-            _ => self
-                .gpu
-                .stream()?
-                .array_pages(self, table, ring, pages, flush),
+            _ => super::kernels::pages(&self.gpu.stream()?, self, table, ring, pages, flush),
         };
         let recorded = self.take_error(table)?;
         ran?;

@@ -61,11 +61,13 @@
 //! kernel, so a kernel's failed reads never pass for data.
 
 mod held;
+pub mod kernels;
 mod layout;
 mod memory;
 mod twin;
 
 pub use held::{HeldPages, NOT_HELD};
+pub use kernels::ArrayReadCheck;
 pub use layout::*;
 pub use memory::{ArrayCounters, PageCacheMemory, PageTable};
 pub use twin::HostAccessor;

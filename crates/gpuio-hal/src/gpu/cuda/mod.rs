@@ -21,7 +21,6 @@
 //!   `cufile.rs`: GPUDirect Storage.
 
 mod ai;
-mod array;
 mod cufile;
 mod device;
 mod driver;

@@ -42,6 +42,16 @@ impl CudaRun<'_> {
                 KernelArg::U32(v) => launch.arg(v),
                 KernelArg::I32(v) => launch.arg(v),
                 KernelArg::F32(v) => launch.arg(v),
+                // The driver copies the parameter's size from where its first byte is.
+                KernelArg::Bytes(v) => match v.first() {
+                    Some(first) => launch.arg(first),
+                    None => {
+                        return Err(HalError::InvalidArgument(format!(
+                            "{}: an empty structure argument",
+                            kernel.name()
+                        )));
+                    }
+                },
             };
         }
         let cfg = LaunchConfig {

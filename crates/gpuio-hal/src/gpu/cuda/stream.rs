@@ -9,8 +9,8 @@ use super::event::EventPool;
 use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
 use crate::gpu::backend::{
-    AiLaunch, ArrayLaunch, DevRange, DeviceBackend, EventBackend, RowHooks, RowJob, RowsDone,
-    StreamBackend, StreamTarget, SwapInLaunch, SwapInRan, TieredJob,
+    AiLaunch, DevRange, DeviceBackend, EventBackend, RowHooks, RowJob, RowsDone, StreamBackend,
+    StreamTarget, SwapInLaunch, SwapInRan, TieredJob,
 };
 use crate::kernels::PatternKernel;
 use crate::sync::MutexExt;
@@ -191,11 +191,6 @@ impl StreamBackend for CudaStreamBackend {
     unsafe fn ai_kernel(&self, launch: AiLaunch<'_>) -> Result<()> {
         // SAFETY: the caller's contract, passed on.
         unsafe { self.launch_ai(launch) }
-    }
-
-    unsafe fn array_kernel(&self, launch: ArrayLaunch<'_>) -> Result<()> {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { self.launch_array(launch) }
     }
 
     fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>> {
