@@ -381,13 +381,6 @@ pub(crate) trait StreamBackend: Send + Sync {
         dst: DevRange<'_>,
     ) -> Result<()>;
 
-    /// Runs the pattern-fill kernel (see [`crate::pattern`]) over `dst`, writing pattern bytes
-    /// `first..first+dst.len` of `seed`, and waits for it.
-    fn fill_pattern(&self, dst: DevRange<'_>, first: u64, seed: u64) -> Result<()>;
-
-    /// Compares two device ranges of equal length; returns the first differing offset. Blocks.
-    fn find_mismatch(&self, a: DevRange<'_>, b: DevRange<'_>) -> Result<Option<u64>>;
-
     /// Runs a row gather or scatter (see [`RowJob`]) piece by piece, calling `hooks.stage`
     /// before each piece, and waits for it.
     ///

@@ -15,7 +15,7 @@ use crate::error::{HalError, Result};
 use crate::kernels::{KernelLoad, KernelOrigin, KernelPath, KernelSource};
 use crate::memory::{HostAllocOptions, HostBuffer};
 use crate::sync::RwLockExt;
-use crate::{pattern, sys};
+use crate::sys;
 use std::any::Any;
 use std::fs::File;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -278,28 +278,6 @@ impl StreamBackend for HostStream {
             // of one allocation never overlap (checked by the public types).
             unsafe { sys::copy_raw(src.addr() as *const u8, dst.addr() as *mut u8, dst.len) }
         })
-    }
-
-    fn fill_pattern(&self, dst: DevRange<'_>, first: u64, seed: u64) -> Result<()> {
-        let _w = write_lock(memory(&dst)?);
-        // SAFETY: a checked range of a live allocation, held exclusively for this slice's life.
-        let out = unsafe { std::slice::from_raw_parts_mut(dst.addr() as *mut u8, dst.len) };
-        pattern::fill(out, first, seed);
-        Ok(())
-    }
-
-    fn find_mismatch(&self, a: DevRange<'_>, b: DevRange<'_>) -> Result<Option<u64>> {
-        let (ma, mb) = (memory(&a)?, memory(&b)?);
-        let _ra = read_lock(ma);
-        let _rb = (!a.same_allocation(&b)).then(|| read_lock(mb));
-        // SAFETY: checked ranges of live allocations, locked for reading while the slices live.
-        let (x, y) = unsafe {
-            (
-                std::slice::from_raw_parts(a.addr() as *const u8, a.len),
-                std::slice::from_raw_parts(b.addr() as *const u8, b.len),
-            )
-        };
-        Ok(pattern::first_mismatch(x, y).map(|i| i as u64))
     }
 
     unsafe fn rows<'a>(&self, job: RowJob<'a>, hooks: RowHooks<'_>) -> Result<RowsDone> {

@@ -19,6 +19,7 @@ mod host;
 mod hot_rows;
 mod info;
 mod op;
+mod pattern;
 mod rows;
 mod stream;
 mod swap_in;

@@ -204,44 +204,6 @@ impl Stream {
         self.inflight(dst, vec![src.clone()])
     }
 
-    /// Runs the pattern-fill kernel over `dst[offset..offset+len]` and waits for it: byte `i`
-    /// of the range becomes [`crate::pattern::byte_at`]`(seed, offset + i)`, the same bytes
-    /// [`crate::pattern::fill`] writes on the CPU.
-    pub fn fill_pattern(
-        &self,
-        dst: &DeviceBuffer,
-        offset: usize,
-        len: usize,
-        seed: u64,
-    ) -> Result<()> {
-        self.gpu.check_owns("pattern destination", dst)?;
-        let range = dst.range("pattern destination", offset, len)?;
-        if len == 0 {
-            return Ok(());
-        }
-        self.inner.fill_pattern(range, offset as u64, seed)
-    }
-
-    /// Compares `len` bytes of two buffers of this device on the device; returns the first
-    /// offset where they differ. Waits for the stream's earlier work first.
-    pub fn find_mismatch(
-        &self,
-        a: &DeviceBuffer,
-        a_offset: usize,
-        b: &DeviceBuffer,
-        b_offset: usize,
-        len: usize,
-    ) -> Result<Option<u64>> {
-        self.gpu.check_owns("compared buffer", a)?;
-        self.gpu.check_owns("compared buffer", b)?;
-        let ra = a.range("compared range", a_offset, len)?;
-        let rb = b.range("compared range", b_offset, len)?;
-        if len == 0 {
-            return Ok(None);
-        }
-        self.inner.find_mismatch(ra, rb)
-    }
-
     /// Records a timing event after the work enqueued so far.
     pub fn record_event(&self) -> Result<Event> {
         Ok(Event {

@@ -12,9 +12,8 @@ use crate::gpu::backend::{
     AiLaunch, DevRange, DeviceBackend, EventBackend, RowHooks, RowJob, RowsDone, StreamBackend,
     StreamTarget, SwapInLaunch, SwapInRan, TieredJob,
 };
-use crate::kernels::PatternKernel;
 use crate::sync::MutexExt;
-use cudarc::driver::{CudaStream, PushKernelArg, sys};
+use cudarc::driver::{CudaStream, sys};
 use std::sync::{Arc, Mutex};
 
 /// A stream of one device, with the scratch its row jobs keep between calls.
@@ -123,54 +122,6 @@ impl StreamBackend for CudaStreamBackend {
                 )
             }
         }
-    }
-
-    fn fill_pattern(&self, dst: DevRange<'_>, first: u64, seed: u64) -> Result<()> {
-        let fill = self.shared.function(PatternKernel::FillPattern)?;
-        self.shared.bind()?;
-        let (addr, len) = (dst.addr(), dst.len as u64);
-        let words = (first + len).div_ceil(8) - first / 8;
-        let cfg = self.shared.launch_config(words);
-        let mut launch = self.stream.launch_builder(&fill);
-        launch.arg(&addr).arg(&len).arg(&first).arg(&seed);
-        // SAFETY: the argument list matches gpuio_fill_pattern(u8*, u64, u64, u64); dst is a
-        // checked range of a live allocation, which the caller's borrow keeps alive until the
-        // synchronize below; the kernel writes only inside it.
-        unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel(gpuio_fill_pattern)"))?;
-        self.synchronize()
-    }
-
-    fn find_mismatch(&self, a: DevRange<'_>, b: DevRange<'_>) -> Result<Option<u64>> {
-        let mismatch = self.shared.function(PatternKernel::FindMismatch)?;
-        self.shared.bind()?;
-        // An 8-byte allocation owned by this function and freed below.
-        let out = driver::mem_alloc(8)?;
-        let run = || -> Result<u64> {
-            // SAFETY: out is 8 live bytes of this context, used by nothing else.
-            unsafe { driver::memset_d8_async(out, 0xff, 8, self.raw())? };
-            let (pa, pb, len) = (a.addr(), b.addr(), a.len as u64);
-            let cfg = self.shared.launch_config(len.div_ceil(16));
-            let mut launch = self.stream.launch_builder(&mismatch);
-            launch.arg(&pa).arg(&pb).arg(&len).arg(&out);
-            // SAFETY: arguments match gpuio_find_mismatch(const u8*, const u8*, u64, u64*); the
-            // ranges are checked and live for this call, which synchronizes before returning;
-            // the kernel writes only *out.
-            unsafe { launch.launch(cfg) }
-                .map_err(cuda_err("cuLaunchKernel(gpuio_find_mismatch)"))?;
-            let mut first = [0u8; 8];
-            // SAFETY: `first` is 8 writable bytes; we synchronize before reading it.
-            unsafe { driver::memcpy_dtoh_async(first.as_mut_ptr(), out, 8, self.raw())? };
-            self.synchronize()?;
-            Ok(u64::from_le_bytes(first))
-        };
-        let first = run();
-        // A failed run may have left the kernel queued: drain before freeing its output.
-        let _ = self.synchronize();
-        // SAFETY: out was allocated above and no queued work uses it any more.
-        if let Err(e) = unsafe { driver::mem_free(out) } {
-            tracing::error!(error = %e, "freeing compare scratch failed");
-        }
-        Ok(Some(first?).filter(|&i| i != u64::MAX))
     }
 
     unsafe fn rows(&self, job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone> {
