@@ -381,15 +381,6 @@ pub(crate) trait StreamBackend: Send + Sync {
         dst: DevRange<'_>,
     ) -> Result<()>;
 
-    /// Runs a row gather or scatter (see [`RowJob`]) piece by piece, calling `hooks.stage`
-    /// before each piece, and waits for it.
-    ///
-    /// # Safety
-    /// A host pool's pointer must be valid for its length until the call returns (writable,
-    /// and touched by nothing else, for a scatter), and registered with this device so that
-    /// `addr` reaches it; the same for a host index list (read only).
-    unsafe fn rows(&self, job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone>;
-
     /// Runs a tiered gather (see [`TieredJob`]) and waits for it: the position of the first
     /// code naming a row outside its tier, if any (its row is left unwritten), and the
     /// device's time where asked.

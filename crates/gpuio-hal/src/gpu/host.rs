@@ -280,20 +280,6 @@ impl StreamBackend for HostStream {
         })
     }
 
-    unsafe fn rows<'a>(&self, job: RowJob<'a>, hooks: RowHooks<'_>) -> Result<RowsDone> {
-        // Every piece's indices are written before the rows move: this thread does both.
-        if let Some(stage) = hooks.stage {
-            (0..job.pieces.len()).for_each(stage);
-        }
-        let t = Instant::now();
-        // SAFETY: forwarded from the caller's contract.
-        let bad = unsafe { self.rows_now(job) };
-        Ok(RowsDone {
-            bad_index: bad?,
-            device_time: hooks.timed.then(|| t.elapsed()),
-        })
-    }
-
     unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<RowsDone> {
         let (timed, t) = (job.timed, Instant::now());
         // SAFETY: forwarded from the caller's contract.
@@ -406,6 +392,25 @@ impl HostStream {
         }
         Ok(bad)
     }
+}
+
+/// Runs a row job on the CPU, with its hooks: the host side of `rows::RowsOp`.
+///
+/// # Safety
+/// A host pool (and a host index list) is valid for its length until the call returns
+/// (writable, and touched by nothing else, for a scatter).
+pub(crate) unsafe fn run_rows(job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone> {
+    // Every piece's indices are written before the rows move: this thread does both.
+    if let Some(stage) = hooks.stage {
+        (0..job.pieces.len()).for_each(stage);
+    }
+    let t = Instant::now();
+    // SAFETY: forwarded from the caller's contract.
+    let bad = unsafe { HostStream.rows_now(job) };
+    Ok(RowsDone {
+        bad_index: bad?,
+        device_time: hooks.timed.then(|| t.elapsed()),
+    })
 }
 
 /// Locks the allocations of checked ranges (`true`: written) for an op's host side

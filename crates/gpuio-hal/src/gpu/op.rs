@@ -335,6 +335,11 @@ pub struct CudaRun<'s> {
 /// Without the CUDA backend no `CudaRun` exists; these keep ops' code the same either way.
 #[cfg(not(feature = "cuda"))]
 impl CudaRun<'_> {
+    /// For the HAL's own ops, whose CUDA side reaches the backend's internals.
+    pub(crate) fn never(&self) -> ! {
+        match self.never {}
+    }
+
     /// See the CUDA backend's `CudaRun::grid_stride`.
     pub fn grid_stride(&self, _items: u64) -> LaunchShape {
         match self.never {}

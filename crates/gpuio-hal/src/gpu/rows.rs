@@ -2,11 +2,13 @@
 //! (or a device pool) picked by an index list, moved to or from a dense device buffer by the
 //! `kernels/gather.cu` kernels. The checks live here, once, for every backend.
 
-use super::backend::{RowHooks, RowJob, RowMem};
+use super::backend::{RowHooks, RowJob, RowMem, RowsDone};
 use super::hot_rows::HotRefs;
+use super::op::{CudaRun, DeviceOp, HostRun};
 use super::{DeviceBuffer, Stream};
 use crate::error::{HalError, Result};
 use crate::memory::HostBuffer;
+use std::cell::RefCell;
 use std::ops::Range;
 use std::time::Duration;
 
@@ -405,6 +407,7 @@ impl Stream {
                 pool.len()
             )));
         }
+        let stage = streaming.then_some(&mut stage as &mut dyn FnMut(usize));
         let job = RowJob {
             pool,
             row_bytes,
@@ -417,14 +420,14 @@ impl Stream {
             pieces: &pieces,
             hot,
         };
-        let hooks = RowHooks {
-            stage: streaming.then_some(&mut stage as &mut dyn FnMut(usize)),
-            timed,
-        };
-        // SAFETY: every range was checked against its live, borrowed allocation; the host
-        // pool's contract is the caller's. A streamed list's pieces are written only through
+        // Every range was checked against its live, borrowed allocation; the host pool's
+        // contract is the caller's. A streamed list's pieces are written only through
         // `stage`, each before the device reads it.
-        let done = unsafe { self.inner.rows(job, hooks)? };
+        let done = self.run(&RowsOp {
+            job,
+            stage: RefCell::new(stage),
+            timed,
+        })?;
         match done.bad_index {
             None => Ok(done.device_time),
             Some(position) => Err(HalError::IndexOutOfRange {
@@ -432,6 +435,45 @@ impl Stream {
                 rows: (pool.len() / row_bytes) as u64,
             }),
         }
+    }
+}
+
+/// A checked row job as an op. Built only by `run_rows`, whose contract (a host pool valid,
+/// registered with the device and, for a scatter, untouched by others until the call
+/// returns) is what makes running it sound.
+struct RowsOp<'a, 's> {
+    job: RowJob<'a>,
+    /// Writes a streamed list's piece before the device reads it (taken by the one run).
+    stage: RefCell<Option<&'s mut dyn FnMut(usize)>>,
+    timed: bool,
+}
+
+impl DeviceOp for RowsOp<'_, '_> {
+    type Output = RowsDone;
+
+    fn host(&self, _host: &HostRun<'_>) -> Result<RowsDone> {
+        let hooks = RowHooks {
+            stage: self.stage.borrow_mut().take(),
+            timed: self.timed,
+        };
+        // SAFETY: run_rows's contract (see the struct); the host backend locks the device
+        // ranges itself.
+        unsafe { super::host::run_rows(self.job, hooks) }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn cuda(&self, cuda: &CudaRun<'_>) -> Result<RowsDone> {
+        cuda.never()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&self, cuda: &CudaRun<'_>) -> Result<RowsDone> {
+        let hooks = RowHooks {
+            stage: self.stage.borrow_mut().take(),
+            timed: self.timed,
+        };
+        // SAFETY: run_rows's contract (see the struct).
+        unsafe { cuda.stream.run_rows(self.job, hooks) }
     }
 }
 

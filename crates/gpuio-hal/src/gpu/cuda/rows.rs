@@ -213,13 +213,13 @@ impl CudaStreamBackend {
         Ok(p)
     }
 
-    /// Runs a row job: [`StreamBackend::rows`].
+    /// Runs a row job: the CUDA side of `rows::RowsOp`.
     ///
     /// # Safety
-    /// That of [`StreamBackend::rows`]: a host pool (and a host index list) stays valid,
+    /// A host pool (and a host index list) stays valid,
     /// registered with this device, and (for a scatter's pool) untouched by anything else
     /// until the call returns.
-    pub(super) unsafe fn run_rows(&self, job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone> {
+    pub(crate) unsafe fn run_rows(&self, job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone> {
         let module = self.shared.module(&crate::kernels::GATHER)?;
         let kernels = &module.functions;
         self.shared.bind()?;

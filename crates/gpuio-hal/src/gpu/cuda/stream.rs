@@ -9,7 +9,7 @@ use super::event::EventPool;
 use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
 use crate::gpu::backend::{
-    AiLaunch, DevRange, DeviceBackend, EventBackend, RowHooks, RowJob, RowsDone, StreamBackend,
+    AiLaunch, DevRange, DeviceBackend, EventBackend, RowsDone, StreamBackend,
     StreamTarget, SwapInLaunch, SwapInRan, TieredJob,
 };
 use crate::sync::MutexExt;
@@ -122,11 +122,6 @@ impl StreamBackend for CudaStreamBackend {
                 )
             }
         }
-    }
-
-    unsafe fn rows(&self, job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone> {
-        // SAFETY: the same contract, the caller's.
-        unsafe { self.run_rows(job, hooks) }
     }
 
     unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<RowsDone> {
