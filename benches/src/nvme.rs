@@ -19,8 +19,8 @@ use gpuio_core::ring::WaitPolicy;
 use gpuio_core::{Endpoint, HostMemory, RingConfig, RingProxy};
 use gpuio_hal::nvme::kernels as nvme_kernels;
 use gpuio_hal::nvme::{Controller, ControllerOptions, GpuNvmeOp, SoftConfig, SoftController};
-use gpuio_hal::ring::kernels as ring_kernels;
 use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
+use gpuio_ring::ops as ring_kernels;
 use std::time::{Duration, Instant};
 
 /// The suite's name.

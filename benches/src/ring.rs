@@ -19,8 +19,8 @@ use crate::{BenchError, Record, Result, Target, fresh_seed};
 use gpuio_api::{OpenOptions, Session};
 use gpuio_core::ring::WaitPolicy;
 use gpuio_core::{Endpoint, RingConfig, RingProxy};
-use gpuio_hal::ring::kernels as ring_kernels;
 use gpuio_hal::{DeviceBuffer, Stream, pattern};
+use gpuio_ring::ops as ring_kernels;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 

@@ -119,12 +119,16 @@ pub fn ptx(args: &[String]) -> Result {
         eprintln!("skipped nvcc: nvcc is not on PATH");
     }
     if opts.wheels {
-        // NVRTC, as gpuio compiles the embedded sources, for every architecture.
+        // NVRTC, as gpuio compiles the embedded sources, for every architecture: each
+        // crate's `kernels` tests.
+        let mut args = vec!["test".to_string()];
+        for m in manifest::all()? {
+            args.extend(["-p".into(), m.crate_name()]);
+        }
+        args.extend(["--test", "it", "--", "kernels::"].map(String::from));
         let nvrtc = run_tests(
-            "NVRTC over the embedded kernels (gpuio-hal's kernels tests)",
-            cargo()
-                .args(["test", "-p", "gpuio-hal", "--test", "it", "--", "kernels::"])
-                .env("GPUIO_REQUIRE_NVRTC", "1"),
+            "NVRTC over the embedded kernels (each crate's kernels tests)",
+            cargo().args(&args).env("GPUIO_REQUIRE_NVRTC", "1"),
         );
         if let Err(e) = nvrtc {
             failed.push(e);

@@ -234,8 +234,8 @@ fn gpu_initiated_paths(gpu0: &Gpu) -> Vec<IoPath> {
                 )),
                 Err(e) => Capability::no(format!("the row kernels do not load: {e}")),
             };
-            let ring = loaded(&gpuio_hal::kernels::RING_BENCH).and_then(|origin| {
-                gpuio_hal::ring::RingMemory::new(gpuio_hal::ring::MIN_SLOTS, gpu0)
+            let ring = loaded(&gpuio_ring::kernels::RING_BENCH).and_then(|origin| {
+                gpuio_ring::RingMemory::new(gpuio_ring::MIN_SLOTS, gpu0)
                     .map(|_| origin)
                     .map_err(|e| format!("setting up a ring: {e}"))
             });

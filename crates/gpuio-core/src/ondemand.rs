@@ -44,20 +44,20 @@ use crate::engine::Engines;
 use crate::error::{CoreError, Result};
 use crate::ring::{RingConfig, RingProxy, WaitPolicy};
 use gpuio_hal::memory::mapped::MappingPin;
-use gpuio_hal::ondemand::{
-    ArrayDevice, HeldPages, HostAccessor, PageCacheMemory, PageTable, ResidentDevice,
-};
-use gpuio_hal::ring::RingMemory;
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{Backend, Gpu, HalError};
+use gpuio_ring::RingMemory;
+use gpuio_ring::ondemand::{
+    ArrayDevice, HeldPages, HostAccessor, PageCacheMemory, PageTable, ResidentDevice,
+};
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Counters of one array since it was made (hits, misses, waits, evictions, write-backs,
 /// bytes in and out, failures, and the miss-latency histogram with its quantiles).
-pub use gpuio_hal::ondemand::ArrayCounters as ArrayStats;
-pub use gpuio_hal::ondemand::{MAX_ARRAYS, MAX_PAGE, MIN_PAGE};
+pub use gpuio_ring::ondemand::ArrayCounters as ArrayStats;
+pub use gpuio_ring::ondemand::{MAX_ARRAYS, MAX_PAGE, MIN_PAGE};
 
 /// Most pinned host memory a cache's ring gives its bounce buffers.
 const BOUNCE_MEMORY: usize = 64 << 20;

@@ -56,9 +56,9 @@ use crate::error::{CoreError, Result};
 use crate::metrics::{BYTES, REQUESTS_FINISHED};
 use crate::route::EngineKind;
 use crossbeam_utils::CachePadded;
-use gpuio_hal::ring::{self, HostProducer, RingDevice, RingMemory, RingOp, RingRequest, Take};
 use gpuio_hal::sync::RwLockExt;
 use gpuio_hal::{DeviceBuffer, ErrorCode, Gpu};
+use gpuio_ring::{self as ring, HostProducer, RingDevice, RingMemory, RingOp, RingRequest, Take};
 use metrics::{Counter, counter};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -68,7 +68,7 @@ use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-pub use gpuio_hal::ring::WaitPolicy;
+pub use gpuio_ring::WaitPolicy;
 
 /// How a [`RingProxy`] runs.
 #[derive(Debug, Clone, PartialEq, Eq)]

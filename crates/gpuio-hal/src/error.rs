@@ -127,15 +127,52 @@ impl fmt::Display for ErrorCode {
     }
 }
 
-/// How the negative `result` a request-ring completion publishes reads as an error: its C
-/// name and its error code (docs/REFERENCE.md#error-codes). The ring defines its result codes and implements this for `i64`
-/// (the type of [`HalError::RingRequest`]'s `code`), so errors do not depend on the ring.
-pub(crate) trait RingResultCode {
-    /// The C name, e.g. `GPUIO_ERROR_NOT_FOUND` ("success" for a result ≥ 0).
-    fn result_name(self) -> &'static str;
+// ---------------------------------------------------------------------------------------------
+// Request-ring results: the negative `result` a completion publishes is an error code, -1 to
+// -11, or one of the two codes of the ring itself. They live here, beside the codes, so that
+// `HalError::RingRequest` reads them without depending on the ring (gpuio-ring re-exports
+// them).
 
-    /// The error code (`GPUIO_ERROR_GENERAL` for a result it does not know).
-    fn error_code(self) -> ErrorCode;
+/// `GPUIO_ERROR_RING_UNREGISTERED`: the request's device range is not inside one device
+/// buffer registered with the proxy (nothing was read or written).
+pub const RESULT_UNREGISTERED: i64 = -64;
+/// `GPUIO_ERROR_RING_SHUTDOWN`: the ring shut down before the request was served.
+pub const RESULT_SHUT_DOWN: i64 = -65;
+
+/// The `result` a completion publishes for an error of code `code` (docs/REFERENCE.md#error-codes) (a negative
+/// result is either such a code, -1 to -11, or one of the two ring codes).
+pub fn result_of(code: ErrorCode) -> i64 {
+    i64::from(code.as_i32())
+}
+
+/// The error code of a negative `result` (the ring codes map to `InvalidArg` and
+/// `Canceled`); `None` for a success (≥ 0).
+pub fn error_code_of(result: i64) -> Option<ErrorCode> {
+    use ErrorCode::*;
+    if result >= 0 {
+        return None;
+    }
+    Some(match result {
+        RESULT_UNREGISTERED => InvalidArg,
+        RESULT_SHUT_DOWN => Canceled,
+        _ => i32::try_from(result)
+            .ok()
+            .and_then(ErrorCode::from_i32)
+            .unwrap_or(General),
+    })
+}
+
+/// The C name of a negative `result`, e.g. `GPUIO_ERROR_NOT_FOUND`.
+pub fn result_name(result: i64) -> &'static str {
+    match result {
+        r if r >= 0 => "success",
+        RESULT_UNREGISTERED => "GPUIO_ERROR_RING_UNREGISTERED",
+        RESULT_SHUT_DOWN => "GPUIO_ERROR_RING_SHUTDOWN",
+        r => match error_code_of(r) {
+            Some(c) if result_of(c) == r => c.name(),
+            _ => "unknown error",
+        },
+    }
 }
 
 /// What an on-demand array's failure code means: the three the page cache records itself
@@ -148,7 +185,7 @@ fn ondemand_reason(code: i64) -> String {
         -10 => "no cache frame could be freed: every frame was pinned or being filled; the \
                 cache is too small for the threads using it (GPUIO_ERROR_BUSY)"
             .into(),
-        other => format!("{} ({other})", RingResultCode::result_name(other)),
+        other => format!("{} ({other})", result_name(other)),
     }
 }
 
@@ -308,7 +345,7 @@ pub enum HalError {
     #[error("the request ring is shut down")]
     RingShutDown,
     /// A GPU request-ring request completed with an error result.
-    #[error("ring request failed: {} ({code})", RingResultCode::result_name(*code))]
+    #[error("ring request failed: {} ({code})", result_name(*code))]
     RingRequest {
         /// The negative result the proxy published (an error code or a ring code).
         code: i64,
@@ -375,7 +412,7 @@ impl HalError {
             Self::OutOfMemory { .. } | Self::HostMemoryExceeded { .. } => ErrorCode::NoMem,
             Self::RingShutDown => ErrorCode::Canceled,
             Self::RingRequest { code } | Self::OnDemand { code } => {
-                RingResultCode::error_code(*code)
+                error_code_of(*code).unwrap_or(ErrorCode::General)
             }
             Self::TimedOut { .. } => ErrorCode::Timeout,
             Self::Busy(_) => ErrorCode::Busy,

@@ -6,11 +6,9 @@ pub mod gpu;
 pub mod kernels;
 pub mod memory;
 pub mod nvme;
-pub mod ondemand;
 pub mod pattern;
 #[cfg(feature = "rdma")]
 pub mod rdma;
-pub mod ring;
 pub mod sync;
 mod sys;
 pub mod uring;

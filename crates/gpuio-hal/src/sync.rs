@@ -195,7 +195,7 @@ pub struct StripedCounter {
 const STRIPES: usize = THREAD_STRIPES;
 
 /// How many stripes [`thread_stripe`] hands out.
-pub(crate) const THREAD_STRIPES: usize = 16;
+pub const THREAD_STRIPES: usize = 16;
 
 impl Default for StripedCounter {
     fn default() -> Self {
@@ -211,7 +211,7 @@ thread_local! {
 /// This thread's stripe (below [`THREAD_STRIPES`]), handed out round-robin at its first use:
 /// what per-thread counters index, so that a thread's adds stay in its own cache line.
 #[inline]
-pub(crate) fn thread_stripe() -> usize {
+pub fn thread_stripe() -> usize {
     STRIPE.with(|s| {
         let i = s.get();
         if i != usize::MAX {

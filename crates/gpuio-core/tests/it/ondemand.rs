@@ -9,8 +9,8 @@
 use gpuio_core::ondemand::{ArrayMode, OnDemandArray, PageCache, PageCacheConfig};
 use gpuio_core::ring::RingConfig;
 use gpuio_core::{Endpoint, Engines};
-use gpuio_hal::ondemand::{PAGE_VALID, page_frame, page_pins, page_state};
 use gpuio_hal::{BackendPreference, ErrorCode, HalError, pattern, probe};
+use gpuio_ring::ondemand::{PAGE_VALID, page_frame, page_pins, page_state};
 use gpuio_transport_localio::{FileHandle, LocalIo, LocalIoConfig, OpenOptions};
 use gpuio_transport_memio::{MemIo, MemIoConfig};
 use proptest::prelude::*;

@@ -7,8 +7,9 @@
 use gpuio_core::Endpoint;
 use gpuio_core::ondemand::{ArrayMode, PageCache, PageCacheConfig};
 use gpuio_core::ring::RingConfig;
-use gpuio_hal::ondemand::kernels as array_kernels;
-use gpuio_hal::{ondemand, pattern};
+use gpuio_hal::pattern;
+use gpuio_ring::ondemand;
+use gpuio_ring::ondemand::ops as array_kernels;
 use gpuio_transport_localio::{FileHandle, OpenOptions};
 
 #[test]

@@ -6,8 +6,8 @@ use crate::common;
 
 use gpuio_core::ring::{RingConfig, RingProxy, WaitPolicy};
 use gpuio_core::{Endpoint, Engines, ErrorCode};
-use gpuio_hal::ring::{self, RingPost};
 use gpuio_hal::{BackendPreference, DeviceBuffer, Gpu, HalError, pattern, probe};
+use gpuio_ring::{self as ring, RingPost};
 use gpuio_transport_localio::{FileHandle, LocalIo, LocalIoConfig, OpenOptions};
 use gpuio_transport_memio::{MemIo, MemIoConfig};
 use std::sync::Arc;
@@ -549,7 +549,7 @@ fn shutdown_mid_flight_completes_or_refuses_every_request() {
         assert_eq!(stats.failed, 0);
         // Swept requests were posted and never served; each producer saw its own.
         assert!(shut.load(Ordering::Relaxed) >= stats.swept);
-        assert_eq!(proxy.ring().state(), gpuio_hal::ring::RingState::Closed);
+        assert_eq!(proxy.ring().state(), gpuio_ring::RingState::Closed);
         // Once closed, posting is refused at once.
         assert!(matches!(
             p.post_read(host_h, 0, 1, dst.device_addr()),

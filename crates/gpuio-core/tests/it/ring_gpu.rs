@@ -5,8 +5,9 @@
 
 use gpuio_core::Endpoint;
 use gpuio_core::ring::{RingConfig, RingProxy};
-use gpuio_hal::ring::kernels as ring_kernels;
-use gpuio_hal::{pattern, ring};
+use gpuio_hal::pattern;
+use gpuio_ring as ring;
+use gpuio_ring::ops as ring_kernels;
 use gpuio_transport_localio::{FileHandle, OpenOptions};
 
 #[test]

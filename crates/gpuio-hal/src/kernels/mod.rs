@@ -137,15 +137,57 @@ impl KernelLoad {
     }
 }
 
-/// The device API's headers (`gpuio_ring.cuh`, `gpuio_array.cuh`, `gpuio.cuh`) as one text,
-/// for user kernels compiled at run time (NVRTC, CuPy's `RawModule`): put it in front of a
-/// source that uses `gpuio_array<T>` or the request ring (each header is in it once; their
-/// `#include`s sit inside `#ifndef` guards). nvcc users include `kernels/gpuio.cuh`.
-pub static DEVICE_HEADER: &str = concat!(
-    include_str!("../../../../kernels/gpuio_ring.cuh"),
-    include_str!("../../../../kernels/gpuio_array.cuh"),
-    include_str!("../../../../kernels/gpuio.cuh"),
-);
+/// What is wrong with the embedded PTX of `modules` (a crate's `MODULES`, whose PTX lives in
+/// `ptx_dir` as the messages name it): a module without PTX for every architecture of
+/// [`PTX_ARCHS`], a file built from another source than the module embeds now (the hash its
+/// first line records), one that does not target its architecture or lacks a function, or
+/// one with a NUL byte. Empty when all is well: each crate that carries kernels runs this in
+/// its tests, which need no compiler (`cargo xtask ptx --check` compares whole files).
+pub fn embedded_ptx_problems(modules: &[&KernelSource], ptx_dir: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    if modules.is_empty() {
+        problems.push("no kernel modules".into());
+    }
+    for src in modules {
+        let archs: Vec<u32> = src.ptx.iter().map(|p| p.arch).collect();
+        if archs != PTX_ARCHS {
+            problems.push(format!(
+                "{}: PTX for {archs:?}, not {PTX_ARCHS:?}",
+                src.name
+            ));
+        }
+        let stem = src.name.strip_suffix(".cu").unwrap_or(src.name);
+        for ptx in src.ptx {
+            let path = format!("{ptx_dir}/{stem}.compute_{}.ptx", ptx.arch);
+            let want = format!(
+                "// gpuio-ptx: {} compute_{} source-fnv1a64 {:016x}",
+                src.name,
+                ptx.arch,
+                src.source_hash()
+            );
+            let first = ptx.text.lines().next().unwrap_or("");
+            if first != want {
+                problems.push(format!(
+                    "{path} was built from another source than the module holds now (its \
+                     first line: {first:?})"
+                ));
+            }
+            if ptx.text.contains('\0') {
+                problems.push(format!("{path} contains a NUL byte"));
+            }
+            let target = format!(".target sm_{}", ptx.arch);
+            if !ptx.text.lines().any(|l| l.trim() == target) {
+                problems.push(format!("{path} lacks {target:?}"));
+            }
+            for f in src.functions {
+                if !ptx.text.contains(&format!(".entry {f}(")) {
+                    problems.push(format!("{path} does not define {f}"));
+                }
+            }
+        }
+    }
+    problems
+}
 
 #[cfg(test)]
 mod tests {

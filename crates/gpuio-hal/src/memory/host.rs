@@ -246,9 +246,10 @@ impl HostBuffer {
         (self.ptr.as_ptr(), self.len.max(1))
     }
 
-    /// The first byte's address, for registrations that outlive a borrow; pair it with
-    /// [`hold_mapping`](Self::hold_mapping).
-    pub(crate) fn base_ptr(&self) -> *mut u8 {
+    /// The first byte's address, for memory shared with a device (a request ring, a page
+    /// cache's tables) and registrations that outlive a borrow: whoever writes through it
+    /// must not race with slices of this buffer (such memory is touched through atomics).
+    pub fn base_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
 

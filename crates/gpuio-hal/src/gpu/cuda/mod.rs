@@ -35,5 +35,5 @@ mod stream;
 mod swap_in;
 
 pub(crate) use device::devices;
-pub use nvrtc::{compile_ptx, compile_ptx_for};
+pub use nvrtc::{NVRTC_ARCHS, compile_ptx, compile_ptx_for, nvrtc_problems};
 pub(crate) use stream::CudaStreamBackend;

@@ -19,6 +19,41 @@ pub fn compile_ptx_for(src: &KernelSource, arch: &str) -> Result<Ptx> {
     compile(src, Some(arch))
 }
 
+/// The virtual architectures every module must compile for with NVRTC: Ampere, Hopper,
+/// Blackwell.
+pub const NVRTC_ARCHS: &[&str] = &["compute_80", "compute_90", "compute_100"];
+
+/// What fails when NVRTC compiles each of `modules` for each of [`NVRTC_ARCHS`] strictly (no
+/// fallback): a compile error, or PTX lacking a function the module promises. `Err` with
+/// NVRTC's message where libnvrtc is missing. For each crate's tests of its kernels.
+pub fn nvrtc_problems(modules: &[&KernelSource]) -> std::result::Result<Vec<String>, String> {
+    let mut failed = Vec::new();
+    for arch in NVRTC_ARCHS {
+        for src in modules {
+            match compile_ptx_for(src, arch) {
+                Ok(ptx) => {
+                    let text = ptx.to_src();
+                    let missing: Vec<_> = src
+                        .functions
+                        .iter()
+                        .filter(|f| !text.contains(*f))
+                        .collect();
+                    if missing.is_empty() {
+                        tracing::info!(arch, kernel = src.name, bytes = text.len(), "NVRTC PTX");
+                    } else {
+                        failed.push(format!("{arch} {}: PTX lacks {missing:?}", src.name));
+                    }
+                }
+                Err(HalError::Compile { log, .. }) if log.contains("libnvrtc not found") => {
+                    return Err(log);
+                }
+                Err(e) => failed.push(format!("{arch} {}: {e}", src.name)),
+            }
+        }
+    }
+    Ok(failed)
+}
+
 fn compile(src: &KernelSource, arch: Option<&str>) -> Result<Ptx> {
     // SAFETY: only tries to dlopen libnvrtc by its usual names.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {

@@ -7,7 +7,7 @@
 //! the GPU), and the tests compare the header's `#define`s and the layout kernel's list.
 
 use super::result_of;
-use crate::error::ErrorCode;
+use gpuio_hal::error::ErrorCode;
 use std::mem::{align_of, offset_of, size_of};
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
@@ -107,11 +107,7 @@ pub const FLAG_STAGE: u32 = 2;
 /// Every flag bit this version knows; a request with another bit set is refused.
 pub const FLAGS_KNOWN: u32 = FLAG_DURABLE | FLAG_STAGE;
 
-/// `GPUIO_ERROR_RING_UNREGISTERED`: the request's device range is not inside one device
-/// buffer registered with the proxy (nothing was read or written).
-pub const RESULT_UNREGISTERED: i64 = -64;
-/// `GPUIO_ERROR_RING_SHUTDOWN`: the ring shut down before the request was served.
-pub const RESULT_SHUT_DOWN: i64 = -65;
+pub use gpuio_hal::error::{RESULT_SHUT_DOWN, RESULT_UNREGISTERED};
 
 // ---------------------------------------------------------------------------------------------
 // The shared layout.
@@ -429,7 +425,7 @@ mod tests {
 
     #[test]
     fn cuda_header_constants_match() {
-        let defines = header_defines(include_str!("../../../../kernels/gpuio_ring.cuh"));
+        let defines = header_defines(include_str!("../../../kernels/gpuio_ring.cuh"));
         for (name, value) in layout().constants {
             assert_eq!(defines.get(name), Some(&value), "{name} in gpuio_ring.cuh");
         }
@@ -437,14 +433,14 @@ mod tests {
 
     #[test]
     fn cuda_header_inline_marker_matches() {
-        let text = include_str!("../../../../kernels/gpuio_ring.cuh");
+        let text = include_str!("../../../kernels/gpuio_ring.cuh");
         let line = format!("#define GPUIO_RING_INLINE_MARKER {INLINE_MARKER:#X}ull");
         assert!(text.contains(&line.replace("0X", "0x")), "{line}");
     }
 
     #[test]
     fn layout_kernel_lists_the_same_fields_in_the_same_order() {
-        let src = include_str!("../../../../kernels/ring_layout.cu");
+        let src = include_str!("../../../kernels/ring_layout.cu");
         let mut listed = Vec::new();
         for line in src.lines().map(str::trim) {
             let args = |prefix: &str| {

@@ -11,8 +11,8 @@ use super::layout::{
 };
 use super::memory::{PRODUCERS_HOST, RingMemory, RingState};
 use super::{Backoff, WaitPolicy, past};
-use crate::error::{HalError, Result};
-use crate::sync::MutexExt;
+use gpuio_hal::error::{HalError, Result};
+use gpuio_hal::sync::MutexExt;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -428,9 +428,9 @@ impl HostProducer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::ErrorCode;
-    use crate::ring::testing::{SECOND, ring};
-    use crate::ring::{RingOp, Take, result_of};
+    use crate::testing::{SECOND, ring};
+    use crate::{RingOp, Take, result_of};
+    use gpuio_hal::error::ErrorCode;
 
     /// Serves every request on this thread with `result = len`, until the ring stops.
     fn echo_consumer(ring: Arc<RingMemory>) -> std::thread::JoinHandle<u64> {

@@ -4,11 +4,11 @@
 //! kernels; its producer is [`super::HostProducer`].
 
 use super::{RingDevice, RingMemory};
-use crate::error::{HalError, Result};
-use crate::gpu::{
+use crate::kernels::RingBenchKernel;
+use gpuio_hal::error::{HalError, Result};
+use gpuio_hal::gpu::{
     CudaRun, DevArg, DeviceBuffer, DeviceOp, HostRun, KernelArgs, LaunchShape, Stream,
 };
-use crate::kernels::RingBenchKernel;
 
 /// Timestamps [`ping`] records per round trip.
 pub const RING_PING_PHASES: usize = 4;

@@ -1,8 +1,8 @@
-//! The GPU→host request ring: GPU kernel threads post IO requests into
+//! gpuio's GPU-initiated IO. The GPU→host request ring: GPU kernel threads post IO requests into
 //! slots in mapped pinned host memory, host proxy threads carry them out and publish
 //! completions that the GPU polls.
 //!
-//! This module owns the shared layout ([`RingHeader`], [`RingSlot`], [`RingDevice`] and the
+//! This crate owns the shared layout ([`RingHeader`], [`RingSlot`], [`RingDevice`] and the
 //! constants, mirrored by `kernels/gpuio_ring.cuh` and checked on both sides through
 //! [`layout()`]), the ring memory ([`RingMemory`]), the consumer side of the protocol
 //! ([`RingMemory::claim`] → [`RingClaim::take`] → [`RingTaken::complete`]) and a producer that
@@ -12,9 +12,11 @@
 //!
 //! Its files: `layout.rs` (the `#[repr(C)]` structs, the constants and their const asserts),
 //! `memory.rs` ([`RingMemory`]), `consumer.rs` (claim, take, complete; stop, sweep, close),
-//! `producer.rs` ([`HostProducer`]); here, what all of them share: the result codes a completion
-//! publishes (and how [`HalError::RingRequest`](crate::HalError::RingRequest) reads them) and
-//! how each side waits ([`WaitPolicy`]).
+//! `producer.rs` ([`HostProducer`]), `ops.rs` (the ring's test and bench kernels, as ops),
+//! `kernels.rs` (generated from `kernels.toml`); [`ondemand`], the arrays built on the ring;
+//! here, what all of them share: the result codes a completion publishes (defined in
+//! gpuio-hal's errors, so that [`HalError::RingRequest`](gpuio_hal::HalError::RingRequest)
+//! reads them) and how each side waits ([`WaitPolicy`]).
 //!
 //! # Protocol
 //!
@@ -51,7 +53,7 @@
 //! `turn` (the ticket last posted) is for diagnostics only.
 //!
 //! ```
-//! use gpuio_hal::ring::{HostProducer, RingMemory, Take, WaitPolicy};
+//! use gpuio_ring::{HostProducer, RingMemory, Take, WaitPolicy};
 //! use gpuio_hal::{BackendPreference, probe};
 //! use std::sync::Arc;
 //!
@@ -73,10 +75,15 @@
 //! ring.close(std::time::Duration::from_secs(1)).unwrap();
 //! ```
 
+#![deny(unsafe_op_in_unsafe_fn)]
+
 mod consumer;
+#[rustfmt::skip]
 pub mod kernels;
 mod layout;
 mod memory;
+pub mod ondemand;
+pub mod ops;
 mod producer;
 
 pub use consumer::{RingClaim, RingOp, RingRequest, RingTaken, Take};
@@ -90,60 +97,22 @@ pub use layout::{
 pub use memory::{MAX_SLOTS, MIN_SLOTS, RingMemory, RingState, SlotView};
 pub use producer::{HostProducer, RingPost, RingToken};
 
-use crate::error::{ErrorCode, RingResultCode};
 use std::time::{Duration, Instant};
 
 // ---------------------------------------------------------------------------------------------
 // Results: what a completion publishes, and how the error side of the HAL reads it.
 
-/// The `result` a completion publishes for an error of code `code` (docs/REFERENCE.md#error-codes) (a negative
-/// result is either such a code, -1 to -11, or one of the two ring codes).
-pub fn result_of(code: ErrorCode) -> i64 {
-    i64::from(code.as_i32())
-}
+pub use gpuio_hal::error::{error_code_of, result_name, result_of};
 
-/// The error code of a negative `result` (the ring codes map to `InvalidArg` and
-/// `Canceled`); `None` for a success (≥ 0).
-pub fn error_code_of(result: i64) -> Option<ErrorCode> {
-    use ErrorCode::*;
-    if result >= 0 {
-        return None;
-    }
-    Some(match result {
-        RESULT_UNREGISTERED => InvalidArg,
-        RESULT_SHUT_DOWN => Canceled,
-        _ => i32::try_from(result)
-            .ok()
-            .and_then(ErrorCode::from_i32)
-            .unwrap_or(General),
-    })
-}
-
-/// The C name of a negative `result`, e.g. `GPUIO_ERROR_NOT_FOUND`.
-pub fn result_name(result: i64) -> &'static str {
-    match result {
-        r if r >= 0 => "success",
-        RESULT_UNREGISTERED => "GPUIO_ERROR_RING_UNREGISTERED",
-        RESULT_SHUT_DOWN => "GPUIO_ERROR_RING_SHUTDOWN",
-        r => match error_code_of(r) {
-            Some(c) if result_of(c) == r => c.name(),
-            _ => "unknown error",
-        },
-    }
-}
-
-/// How [`HalError::RingRequest`](crate::HalError::RingRequest) reads its `code`: the ring's
-/// result codes are defined here, so `error.rs` asks through this trait instead of depending
-/// on the ring.
-impl RingResultCode for i64 {
-    fn result_name(self) -> &'static str {
-        result_name(self)
-    }
-
-    fn error_code(self) -> ErrorCode {
-        error_code_of(self).unwrap_or(ErrorCode::General)
-    }
-}
+/// The device API's headers (`gpuio_ring.cuh`, `gpuio_array.cuh`, `gpuio.cuh`) as one text,
+/// for user kernels compiled at run time (NVRTC, CuPy's `RawModule`): put it in front of a
+/// source that uses `gpuio_array<T>` or the request ring (each header is in it once; their
+/// `#include`s sit inside `#ifndef` guards). nvcc users include `kernels/gpuio.cuh`.
+pub static DEVICE_HEADER: &str = concat!(
+    include_str!("../../../kernels/gpuio_ring.cuh"),
+    include_str!("../../../kernels/gpuio_array.cuh"),
+    include_str!("../../../kernels/gpuio.cuh"),
+);
 
 // ---------------------------------------------------------------------------------------------
 // Waiting.
@@ -212,7 +181,7 @@ fn past(deadline: Option<Instant>) -> bool {
 #[cfg(test)]
 mod testing {
     use super::RingMemory;
-    use crate::{BackendPreference, Gpu, probe};
+    use gpuio_hal::{BackendPreference, Gpu, probe};
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -230,7 +199,7 @@ mod testing {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::HalError;
+    use gpuio_hal::{ErrorCode, HalError};
 
     #[test]
     fn result_codes_round_trip() {

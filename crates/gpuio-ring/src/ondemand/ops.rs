@@ -5,12 +5,12 @@
 //! [`super::HostAccessor`] plays the GPU's part there.
 
 use super::{ArrayDevice, HeldPages, PageCacheMemory, PageTable, ResidentDevice};
-use crate::error::{HalError, Result};
-use crate::gpu::{
+use crate::RingMemory;
+use crate::kernels::OndemandKernel;
+use gpuio_hal::error::{HalError, Result};
+use gpuio_hal::gpu::{
     CudaRun, DevArg, DeviceBuffer, DeviceOp, HostRun, KernelArgs, LaunchShape, Stream,
 };
-use crate::kernels::OndemandKernel;
-use crate::ring::RingMemory;
 use std::ops::Range;
 
 const NO_KERNELS: &str = "ondemand::HostAccessor plays the GPU's part";

@@ -12,7 +12,7 @@ use super::layout::{
 };
 use super::memory::{RingMemory, RingState};
 use super::{Backoff, WaitPolicy, past, result_of};
-use crate::error::{ErrorCode, HalError, Result};
+use gpuio_hal::error::{ErrorCode, HalError, Result};
 use std::fmt;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -24,7 +24,7 @@ impl RingMemory {
         // SeqCst with the state loads in `take` and in `wait_consumers`: a consumer whose
         // stripe a sweep read as zero before this increment sees the ring no longer open
         // (the sweep stored STOPPING before it read the stripes).
-        let stripe = crate::sync::thread_stripe();
+        let stripe = gpuio_hal::sync::thread_stripe();
         self.live_claims[stripe].0.fetch_add(1, Ordering::SeqCst);
         let ticket = self.consumer_next.0.fetch_add(1, Ordering::Relaxed);
         RingClaim {
@@ -319,8 +319,8 @@ impl Drop for RingTaken<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ring::HostProducer;
-    use crate::ring::testing::{SECOND, ring};
+    use crate::HostProducer;
+    use crate::testing::{SECOND, ring};
 
     #[test]
     fn a_consumer_takes_only_its_own_laps_post() {

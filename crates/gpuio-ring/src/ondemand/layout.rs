@@ -4,7 +4,7 @@
 //! const asserts below and the `static_assert`s there pin the same sizes and offsets, and the
 //! GPU test compares the constants the device compiler sees (`gpuio_array_layout`).
 
-use crate::ring::RingDevice;
+use crate::RingDevice;
 use std::mem::{offset_of, size_of};
 
 /// Version of this layout; bumped with any change to it (and to `gpuio_array.cuh`).
@@ -86,7 +86,7 @@ pub const ARRAY_LIVE: u32 = 1;
 pub const ARRAY_WRITABLE: u32 = 2;
 
 /// Error results an access publishes besides the ring's (`GPUIO_ERROR_*`, see
-/// [`crate::ErrorCode`]): an index past the end, a store to a read-only array, no frame
+/// [`gpuio_hal::ErrorCode`]): an index past the end, a store to a read-only array, no frame
 /// could be freed (every one pinned or being filled: the cache is too small for the threads
 /// using it).
 pub const RESULT_OUT_OF_RANGE: i64 = -3;

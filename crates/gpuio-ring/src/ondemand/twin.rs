@@ -21,9 +21,9 @@ use super::layout::{
     latency_bucket, page_frame, page_pins, page_state,
 };
 use super::memory::PageCacheMemory;
-use crate::error::{HalError, Result};
-use crate::gpu::{Backend, DeviceBuffer};
-use crate::ring::HostProducer;
+use crate::HostProducer;
+use gpuio_hal::error::{HalError, Result};
+use gpuio_hal::gpu::{Backend, DeviceBuffer};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
@@ -469,7 +469,7 @@ impl HostAccessor {
 
     fn count(&self, slot: u32, counter: usize, n: u64) {
         // This thread's counter stripe (as a GPU thread's is its SM's).
-        let stripe = crate::sync::thread_stripe() % STAT_STRIPES;
+        let stripe = gpuio_hal::sync::thread_stripe() % STAT_STRIPES;
         self.stat(slot, stripe * STAT_COUNTERS + counter)
             .fetch_add(n, Ordering::Relaxed);
     }
@@ -484,7 +484,7 @@ impl HostAccessor {
     fn fail_with(&self, err: HalError) -> HalError {
         let code = match &err {
             HalError::RingRequest { code } => *code,
-            HalError::RingShutDown => crate::ring::RESULT_SHUT_DOWN,
+            HalError::RingShutDown => crate::RESULT_SHUT_DOWN,
             other => other.code() as i64,
         };
         self.record(code);

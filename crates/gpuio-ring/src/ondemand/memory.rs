@@ -11,10 +11,10 @@ use super::layout::{
     STAT_BYTES_IN, STAT_BYTES_OUT, STAT_COUNTERS, STAT_EVICTIONS, STAT_FAILURES, STAT_HITS,
     STAT_MISSES, STAT_STRIPES, STAT_WAITS, STAT_WORDS, STAT_WRITEBACKS, VERSION, bucket_floor,
 };
-use crate::error::{HalError, Result};
-use crate::gpu::{Backend, DeviceBuffer, Gpu, Stream};
-use crate::ring::{HostProducer, RingDevice, RingMemory};
-use crate::sync::MutexExt;
+use crate::{HostProducer, RingDevice, RingMemory};
+use gpuio_hal::error::{HalError, Result};
+use gpuio_hal::gpu::{Backend, DeviceBuffer, Gpu, Stream};
+use gpuio_hal::sync::MutexExt;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -442,7 +442,7 @@ impl PageCacheMemory {
                         .map(drop)
                 })
             }
-            _ => super::kernels::pages(&self.gpu.stream()?, self, table, ring, pages, flush),
+            _ => super::ops::pages(&self.gpu.stream()?, self, table, ring, pages, flush),
         };
         let recorded = self.take_error(table)?;
         ran?;
@@ -481,7 +481,7 @@ fn slot_bytes(s: &ArraySlot) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpu::{BackendPreference, probe};
+    use gpuio_hal::gpu::{BackendPreference, probe};
 
     fn gpu() -> Gpu {
         probe(BackendPreference::Auto).unwrap().gpus.remove(0)

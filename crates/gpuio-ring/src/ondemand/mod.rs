@@ -1,7 +1,7 @@
 //! On-demand arrays' GPU-resident page cache: the memory and the protocol that GPU threads
 //! (`kernels/gpuio_array.cuh`) and host threads ([`HostAccessor`]) follow to read and write
 //! elements of an array bigger than GPU memory, with misses and write-backs going through the
-//! request ring ([`crate::ring`]). What an array *is* to users (its source, prefetch,
+//! request ring ([`crate`]). What an array *is* to users (its source, prefetch,
 //! synchronize, statistics) is gpuio-core's `OnDemandArray`.
 //!
 //! Its files: `layout.rs` (entry and owner bits, the slot and statistics blocks, the
@@ -61,13 +61,13 @@
 //! kernel, so a kernel's failed reads never pass for data.
 
 mod held;
-pub mod kernels;
 mod layout;
 mod memory;
+pub mod ops;
 mod twin;
 
 pub use held::{HeldPages, NOT_HELD};
-pub use kernels::ArrayReadCheck;
 pub use layout::*;
 pub use memory::{ArrayCounters, PageCacheMemory, PageTable};
+pub use ops::ArrayReadCheck;
 pub use twin::HostAccessor;

@@ -5,9 +5,9 @@
 
 use super::layout::{ArrayDevice, ResidentDevice};
 use super::{HostAccessor, PageCacheMemory, PageTable};
-use crate::error::{HalError, Result};
-use crate::gpu::{Backend, DeviceBuffer};
-use crate::ring::{HostProducer, RingMemory};
+use crate::{HostProducer, RingMemory};
+use gpuio_hal::error::{HalError, Result};
+use gpuio_hal::gpu::{Backend, DeviceBuffer};
 use std::sync::Arc;
 
 /// A frame-table entry of a page that is not held.
@@ -118,7 +118,7 @@ impl PageCacheMemory {
         };
         if let Holder::Gpu(array) = &held.holder {
             let stream = self.gpu().stream()?;
-            super::kernels::hold(&stream, *array, &held.frames, true)?;
+            super::ops::hold(&stream, *array, &held.frames, true)?;
             // Pages that could not be held recorded why (left recorded for `check`); the hold
             // lets go of the others.
             if held.frames()?.contains(&NOT_HELD) {
@@ -177,7 +177,7 @@ impl HeldPages {
             }
             Holder::Gpu(array) => {
                 let stream = self.cache.gpu().stream()?;
-                super::kernels::hold(&stream, *array, &self.frames, false)
+                super::ops::hold(&stream, *array, &self.frames, false)
             }
         }
     }

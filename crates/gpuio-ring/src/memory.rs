@@ -9,10 +9,10 @@ use super::layout::{
     HEADER_BYTES, MAGIC, RING_OPEN, RING_STOPPING, RingDevice, RingHeader, RingSlot, SLOT_BYTES,
     SLOT_DONE, SLOT_FREE, VERSION, status_result, status_state, status_word,
 };
-use crate::error::{HalError, Result};
-use crate::gpu::{DeviceBuffer, Gpu, Stream};
-use crate::memory::{HostAllocOptions, HostBuffer};
-use crate::sync::THREAD_STRIPES;
+use gpuio_hal::error::{HalError, Result};
+use gpuio_hal::gpu::{DeviceBuffer, Gpu, Stream};
+use gpuio_hal::memory::{HostAllocOptions, HostBuffer};
+use gpuio_hal::sync::THREAD_STRIPES;
 use std::fmt;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering, fence};
@@ -316,9 +316,9 @@ pub struct SlotView {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::ErrorCode;
-    use crate::ring::HostProducer;
-    use crate::ring::testing::{host_gpu, ring};
+    use crate::HostProducer;
+    use crate::testing::{host_gpu, ring};
+    use gpuio_hal::error::ErrorCode;
 
     #[test]
     fn slot_counts_are_checked() {
