@@ -23,7 +23,7 @@ fn root() -> PathBuf {
 fn layer(name: &str) -> Option<u32> {
     Some(match name {
         "gpuio-hal" => 0,
-        "gpuio-ring" => 1,
+        "gpuio-ring" | "gpuio-nvme" => 1,
         "gpuio-transport-memio" | "gpuio-transport-localio" | "gpuio-transport-remoteio" => 2,
         "gpuio-core" => 3,
         "gpuio-api" => 4,
@@ -160,7 +160,7 @@ fn dev_only_crates_are_only_dev_dependencies() {
 /// safe types) and the device-family crates (memory shared with a device, their kernels'
 /// launches) — and the C API (raw pointers from C callers, turned into references at one call
 /// site each).
-const UNSAFE_CRATES: &[&str] = &["gpuio-hal", "gpuio-ring", "gpuio-capi"];
+const UNSAFE_CRATES: &[&str] = &["gpuio-hal", "gpuio-ring", "gpuio-nvme", "gpuio-capi"];
 
 #[test]
 fn unsafe_code_lives_only_in_the_device_layer_and_the_c_abi() {

@@ -17,9 +17,9 @@ use crate::{BenchError, Record, Result, Target, fresh_seed, median};
 use gpuio_api::Session;
 use gpuio_core::ring::WaitPolicy;
 use gpuio_core::{Endpoint, HostMemory, RingConfig, RingProxy};
-use gpuio_hal::nvme::kernels as nvme_kernels;
-use gpuio_hal::nvme::{Controller, ControllerOptions, GpuNvmeOp, SoftConfig, SoftController};
 use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
+use gpuio_nvme::ops as nvme_kernels;
+use gpuio_nvme::{Controller, ControllerOptions, GpuNvmeOp, SoftConfig, SoftController};
 use gpuio_ring::ops as ring_kernels;
 use std::time::{Duration, Instant};
 

@@ -261,7 +261,7 @@ fn gpu_initiated_paths(gpu0: &Gpu) -> Vec<IoPath> {
             ring,
         ),
     ];
-    for (tier, cap) in gpuio_hal::nvme::tiers::tiers(gpu0) {
+    for (tier, cap) in gpuio_nvme::tiers::tiers(gpu0) {
         paths.push(IoPath::new(
             "gpu-initiated",
             format!("NVMe queues: {tier}"),

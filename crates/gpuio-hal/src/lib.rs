@@ -5,12 +5,11 @@ pub mod file;
 pub mod gpu;
 pub mod kernels;
 pub mod memory;
-pub mod nvme;
 pub mod pattern;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod sync;
-mod sys;
+pub mod sys;
 pub mod uring;
 pub mod workers;
 

@@ -1,5 +1,6 @@
 //! Every host operating-system call the HAL makes (mmap, madvise, mbind, move_pages, fcntl), each
-//! behind a safe function with its `// SAFETY:` note. The rest of the crate calls these.
+//! behind a safe function with its `// SAFETY:` note. The rest of the crate, and the device
+//! crates above it (gpuio-nvme maps BARs and DMA memory with these), call these.
 
 use crate::error::{HalError, Result};
 use std::ptr::NonNull;
@@ -104,7 +105,6 @@ pub fn map_anonymous(len: usize, align: usize) -> Result<NonNull<u8>> {
 
 /// A shared read-write mapping of `len` bytes of `fd` from `offset` (a device region: a VFIO
 /// BAR). Undo with [`unmap`].
-#[cfg_attr(not(feature = "nvme-vfio"), allow(dead_code))]
 pub fn map_shared(fd: std::os::fd::RawFd, offset: u64, len: usize) -> Result<NonNull<u8>> {
     let offset = libc::off_t::try_from(offset)
         .map_err(|_| HalError::InvalidArgument(format!("mapping offset {offset} too large")))?;

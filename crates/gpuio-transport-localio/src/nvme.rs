@@ -12,9 +12,9 @@
 use crate::plan::Piece;
 use crate::{Durability, FileHandle, IoEngine, LocalIo, LocalIoError, Result, Transfer};
 use gpuio_hal::memory::pool::LANE_WAIT;
-use gpuio_hal::nvme::{Controller, ControllerOptions, DmaBuffer, IoQueuePair, Namespace};
 use gpuio_hal::sync::{CondvarExt, MutexExt, RwLockExt};
 use gpuio_hal::{DeviceBuffer, HostBuffer};
+use gpuio_nvme::{Controller, ControllerOptions, DmaBuffer, IoQueuePair, Namespace};
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
 
@@ -89,7 +89,7 @@ impl NvmeDevice {
     /// Namespace `nsid` of the controller at PCI address `address`, opened through the driver
     /// it is bound to (the controller is brought up on first use in this process).
     pub fn open(address: &str, nsid: u32) -> Result<Self> {
-        let address = gpuio_hal::nvme::full_address(address)?;
+        let address = gpuio_nvme::full_address(address)?;
         let controller = {
             let mut open = CONTROLLERS.lock_unpoisoned();
             open.retain(|(_, c)| c.strong_count() > 0);
@@ -99,10 +99,7 @@ impl NvmeDevice {
             {
                 Some(Some(c)) => c,
                 _ => {
-                    let c = Arc::new(gpuio_hal::nvme::open(
-                        &address,
-                        ControllerOptions::default(),
-                    )?);
+                    let c = Arc::new(gpuio_nvme::open(&address, ControllerOptions::default())?);
                     open.push((address.clone(), Arc::downgrade(&c)));
                     c
                 }

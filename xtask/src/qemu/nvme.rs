@@ -8,8 +8,8 @@
 //!    guest's kernel): the driver opened by PCI address reads back what fio wrote and times the
 //!    same random reads; the module's own tests; then `nvme://` as LocalIO sees it and as
 //!    `gpuio cp` uses it.
-//! 3. The controller handed to vfio-pci: the rest of gpuio-hal's NVMe tests (cargo feature
-//!    `nvme-vfio`), among them reading the ext4 file through its extents, and `nvme://` again.
+//! 3. The controller handed to vfio-pci: the rest of gpuio-nvme's tests (cargo feature
+//!    `vfio`), among them reading the ext4 file through its extents, and `nvme://` again.
 //!
 //! All with `GPUIO_REQUIRE_NVME=1`. Under TCG: functional, not a performance measurement.
 
@@ -37,8 +37,8 @@ const EXTENTS: &str = "/tmp/extents";
 const NAMESPACES: [u64; 2] = [64, 32];
 
 /// The crates whose test binaries run in the guest, and the features they are built with.
-const CRATES: &[&str] = &["gpuio-hal", "gpuio-transport-localio", "gpuio-cli"];
-const FEATURES: &str = "gpuio-hal/nvme-vfio,gpuio-transport-localio/nvme-vfio,gpuio-cli/nvme-vfio";
+const CRATES: &[&str] = &["gpuio-nvme", "gpuio-transport-localio", "gpuio-cli"];
+const FEATURES: &str = "gpuio-nvme/vfio,gpuio-transport-localio/nvme-vfio,gpuio-cli/nvme-vfio";
 
 /// Under the kernel's driver: fio writes 16 MiB of namespace 1 (kept as /tmp/ns1.img), then
 /// times random 4 KiB reads of it, 64 in flight.
@@ -62,7 +62,7 @@ pub fn qemu_nvme() -> crate::Result {
     let tests = guest.build_tests(CRATES, FEATURES)?;
     let of = |krate: &str| format!("{krate}--it");
     let (hal, localio, cli) = (
-        &of("gpuio-hal"),
+        &of("gpuio-nvme"),
         &of("gpuio-transport-localio"),
         &of("gpuio-cli"),
     );

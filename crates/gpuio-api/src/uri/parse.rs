@@ -381,7 +381,7 @@ impl<'a> Parser<'a> {
     /// `nvme://<PCI address>/<nsid>`.
     fn parse_nvme(&self, at: usize) -> Result<Uri> {
         let (authority, path, query) = self.split(at);
-        let address = gpuio_hal::nvme::full_address(authority).map_err(|_| {
+        let address = gpuio_nvme::full_address(authority).map_err(|_| {
             self.err(
                 at,
                 UriProblem::UnknownResource {

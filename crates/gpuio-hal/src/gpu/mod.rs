@@ -316,17 +316,13 @@ impl Gpu {
     }
 
     /// Registers `ptr..ptr+len` with this device, mapped for its kernels: host memory, or
-    /// (`io`) device memory mapped into this process, such as an NVMe BAR. Returns the pin
-    /// (unregistering on drop) and the address kernels reach `ptr` at.
+    /// (`io`) device memory mapped into this process, such as an NVMe BAR. The guard
+    /// unregisters it when dropped and says where kernels reach `ptr`
+    /// ([`PinGuard::device_addr`]).
     ///
     /// # Safety
-    /// The range must stay mapped until the pin drops.
-    pub(crate) unsafe fn pin_mapped(
-        &self,
-        ptr: *mut u8,
-        len: usize,
-        io: bool,
-    ) -> Result<(Box<dyn HostPin>, u64)> {
+    /// The range must stay mapped until the guard drops.
+    pub unsafe fn pin_mapped(&self, ptr: *mut u8, len: usize, io: bool) -> Result<PinGuard> {
         // SAFETY: the caller keeps the range mapped for the pin's life.
         let pin = unsafe {
             if io {
@@ -336,8 +332,12 @@ impl Gpu {
             }
         };
         // SAFETY: `ptr` starts the range just registered with DEVICEMAP, which `pin` keeps.
-        let addr = unsafe { self.inner.mapped_addr(ptr)? };
-        Ok((pin, addr))
+        let device_addr = unsafe { self.inner.mapped_addr(ptr)? };
+        Ok(PinGuard {
+            _pin: pin,
+            gpu: self.ordinal(),
+            device_addr,
+        })
     }
 
     /// Page-locks and registers `offset..offset+len` of a shared host buffer with this device

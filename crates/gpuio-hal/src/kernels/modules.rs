@@ -162,50 +162,6 @@ impl Kernel for GatherKernel {
     }
 }
 
-/// GPU threads driving NVMe queue pairs (checked reads, writes, flushes), and the layout report
-/// the GPU test compares with the host's.
-pub static NVME: KernelSource = KernelSource {
-    name: "nvme.cu",
-    source: concat!(
-        include_str!("../../../../kernels/gpuio_nvme.cuh"),
-        include_str!("../../../../kernels/gpuio_pattern.cuh"),
-        include_str!("../../../../kernels/nvme.cu"),
-    ),
-    functions: &[
-        "gpuio_nvme_io",
-        "gpuio_nvme_layout",
-    ],
-    ptx: &[
-        EmbeddedPtx {
-            arch: 80,
-            text: include_str!("../../ptx/nvme.compute_80.ptx"),
-        },
-        EmbeddedPtx {
-            arch: 100,
-            text: include_str!("../../ptx/nvme.compute_100.ptx"),
-        },
-    ],
-};
-
-/// The functions of [`NVME`], by name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum NvmeKernel {
-    /// `gpuio_nvme_io`
-    NvmeIo,
-    /// `gpuio_nvme_layout`
-    NvmeLayout,
-}
-
-impl Kernel for NvmeKernel {
-    fn module() -> &'static KernelSource {
-        &NVME
-    }
-
-    fn index(self) -> usize {
-        self as usize
-    }
-}
-
 /// The AI tier's KV quantization (scales, packed data), dequantization, brute-force similarity
 /// scores and the two kernels of a device-planned load (the fetch, the install).
 pub static AI: KernelSource = KernelSource {
@@ -261,4 +217,4 @@ impl Kernel for AiKernel {
 }
 
 /// Every module of this crate's `kernels.toml`.
-pub static MODULES: &[&KernelSource] = &[&PATTERN, &GATHER, &NVME, &AI];
+pub static MODULES: &[&KernelSource] = &[&PATTERN, &GATHER, &AI];

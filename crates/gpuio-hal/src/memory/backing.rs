@@ -135,7 +135,7 @@ pub(crate) fn reserve(len: usize, swappable: bool) -> Result<Reservation> {
 
 /// Refuses `len` bytes of host memory where the machine cannot back them now, beside what
 /// this process has reserved; for memory populated right after (it reserves nothing).
-pub(crate) fn check(len: usize, swappable: bool) -> Result<()> {
+pub fn check(len: usize, swappable: bool) -> Result<()> {
     reserve(len, swappable).map(drop)
 }
 

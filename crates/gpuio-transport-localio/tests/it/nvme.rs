@@ -5,8 +5,8 @@
 //! once, the namespace's end, durability, read-only handles, and GPU transfers (staged, with
 //! checksums) are each checked against a model of the bytes.
 
-use gpuio_hal::nvme::{Controller, ControllerOptions, SoftConfig, SoftController};
 use gpuio_hal::{BackendPreference, Gpu, pattern, probe};
+use gpuio_nvme::{Controller, ControllerOptions, SoftConfig, SoftController};
 use gpuio_testkit::Requirement;
 use gpuio_transport_localio::{
     Durability, FileHandle, IoEngine, LocalIo, LocalIoConfig, LocalIoError, NvmeDevice,

@@ -4,6 +4,9 @@
 use serde::Serialize;
 use std::fmt;
 
+mod nvme;
+pub use nvme::NvmeStatus;
+
 /// The error codes (docs/REFERENCE.md#error-codes). Every error enum in gpuio maps onto one of
 /// these, so that callers (and the C-shaped world around them) can branch on a stable code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -364,7 +367,7 @@ pub enum HalError {
         /// The command.
         op: &'static str,
         /// The controller's status.
-        status: crate::nvme::Status,
+        status: NvmeStatus,
     },
     /// An NVMe controller cannot be driven: it failed (fatal status), is disabled, broke the
     /// queue protocol, or could not be opened.
@@ -423,7 +426,7 @@ impl HalError {
     }
 
     /// An [`HalError::Os`] from the calling thread's `errno`.
-    pub(crate) fn last_os(op: &'static str) -> Self {
+    pub fn last_os(op: &'static str) -> Self {
         Self::Os {
             op,
             source: std::io::Error::last_os_error(),

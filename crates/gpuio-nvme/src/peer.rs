@@ -1,12 +1,12 @@
 //! Another device's memory — a GPU's — that a controller reaches peer-to-peer (Tier 2: data in
 //! GPU memory). The device's driver exports the memory as a dma-buf
-//! ([`DeviceBuffer::export_dmabuf`](crate::DeviceBuffer::export_dmabuf) for CUDA memory); gpuio's
+//! ([`DeviceBuffer::export_dmabuf`](gpuio_hal::DeviceBuffer::export_dmabuf) for CUDA memory); gpuio's
 //! kernel module attaches it to the controller with peer-to-peer allowed, pins and maps it, and
 //! returns the bus address runs the controller is given in its PRPs. VFIO cannot take a
 //! dma-buf into its IO address space, and the software controller has no bus: both refuse.
 
 use super::dma::DmaTarget;
-use crate::error::{HalError, Result};
+use gpuio_hal::error::{HalError, Result};
 use std::any::Any;
 
 /// A dma-buf mapped for one controller: `len` bytes at bus address runs, in order; unmapped,

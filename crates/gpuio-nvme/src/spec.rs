@@ -3,7 +3,6 @@
 //! the Identify data the driver reads. One `#[repr(C)]` definition of each shared layout; the
 //! const asserts below pin sizes and offsets so a change cannot drift silently.
 
-use std::fmt;
 use std::time::Duration;
 
 /// Byte offsets of the controller registers in BAR0.
@@ -261,134 +260,7 @@ const _: () = {
     assert!(std::mem::offset_of!(Cqe, status) == 14);
 };
 
-/// A completion's status field: status code type (SCT) and status code (SC), with the
-/// More and Do Not Retry bits.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Status(pub u16);
-
-impl Status {
-    /// Successful completion.
-    pub const SUCCESS: Status = Status(0);
-    /// Generic: invalid command opcode.
-    pub const INVALID_OPCODE: Status = Status::generic(0x01);
-    /// Generic: invalid field in command.
-    pub const INVALID_FIELD: Status = Status::generic(0x02);
-    /// Generic: data transfer error.
-    pub const DATA_TRANSFER_ERROR: Status = Status::generic(0x04);
-    /// Generic: internal error.
-    pub const INTERNAL_ERROR: Status = Status::generic(0x06);
-    /// Generic: invalid namespace or format.
-    pub const INVALID_NAMESPACE: Status = Status::generic(0x0b);
-    /// Generic: PRP offset invalid.
-    pub const INVALID_PRP_OFFSET: Status = Status::generic(0x13);
-    /// Generic (NVM): LBA out of range.
-    pub const LBA_OUT_OF_RANGE: Status = Status::generic(0x80);
-    /// Command specific: invalid queue identifier.
-    pub const INVALID_QUEUE_ID: Status = Status::specific(0x01);
-    /// Command specific: invalid queue size.
-    pub const INVALID_QUEUE_SIZE: Status = Status::specific(0x02);
-    /// Command specific: completion queue invalid.
-    pub const INVALID_CQ: Status = Status::specific(0x00);
-    /// Media error: unrecovered read error.
-    pub const UNRECOVERED_READ: Status = Status::media(0x81);
-    /// Media error: write fault.
-    pub const WRITE_FAULT: Status = Status::media(0x80);
-
-    const fn with(sct: u16, sc: u16) -> Status {
-        Status((sct & 0x7) << 8 | (sc & 0xff))
-    }
-
-    /// Status code type 0 (generic) with code `sc`.
-    pub const fn generic(sc: u16) -> Status {
-        Status::with(0, sc)
-    }
-
-    /// Status code type 1 (command specific) with code `sc`.
-    pub const fn specific(sc: u16) -> Status {
-        Status::with(1, sc)
-    }
-
-    /// Status code type 2 (media and data integrity) with code `sc`.
-    pub const fn media(sc: u16) -> Status {
-        Status::with(2, sc)
-    }
-
-    /// The status code type and code alone, without the More, Do Not Retry and retry-delay
-    /// bits: what to compare against the named statuses.
-    pub fn code(self) -> Status {
-        Status::with(self.sct() as u16, self.sc() as u16)
-    }
-
-    /// Status code type.
-    pub fn sct(self) -> u8 {
-        (self.0 >> 8 & 0x7) as u8
-    }
-
-    /// Status code.
-    pub fn sc(self) -> u8 {
-        self.0 as u8
-    }
-
-    /// Whether the command succeeded.
-    pub fn is_success(self) -> bool {
-        self.sct() == 0 && self.sc() == 0
-    }
-
-    /// The controller says the same command would fail again.
-    pub fn do_not_retry(self) -> bool {
-        self.0 >> 14 & 1 == 1
-    }
-
-    /// The gpuio error code for this status: the caller's mistake (a bad field, namespace or
-    /// LBA) is `InvalidArg`, everything else `Io`.
-    pub fn error_code(self) -> crate::ErrorCode {
-        match self.code() {
-            Status::INVALID_FIELD | Status::INVALID_NAMESPACE | Status::LBA_OUT_OF_RANGE => {
-                crate::ErrorCode::InvalidArg
-            }
-            _ => crate::ErrorCode::Io,
-        }
-    }
-
-    /// The specification's name for this status, where the driver knows it.
-    pub fn name(self) -> &'static str {
-        match self.code() {
-            Status::SUCCESS => "successful completion",
-            Status::INVALID_OPCODE => "invalid command opcode",
-            Status::INVALID_FIELD => "invalid field in command",
-            Status::DATA_TRANSFER_ERROR => "data transfer error",
-            Status::INTERNAL_ERROR => "internal error",
-            Status::INVALID_NAMESPACE => "invalid namespace or format",
-            Status::INVALID_PRP_OFFSET => "PRP offset invalid",
-            Status::LBA_OUT_OF_RANGE => "LBA out of range",
-            Status::INVALID_CQ => "completion queue invalid",
-            Status::INVALID_QUEUE_ID => "invalid queue identifier",
-            Status::INVALID_QUEUE_SIZE => "invalid queue size",
-            Status::UNRECOVERED_READ => "unrecovered read error",
-            Status::WRITE_FAULT => "write fault",
-            _ => "unknown status",
-        }
-    }
-}
-
-impl fmt::Debug for Status {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(self, f)
-    }
-}
-
-impl fmt::Display for Status {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} (SCT {:#x}, SC {:#04x}{})",
-            self.name(),
-            self.sct(),
-            self.sc(),
-            if self.do_not_retry() { ", DNR" } else { "" }
-        )
-    }
-}
+pub use gpuio_hal::error::NvmeStatus as Status;
 
 /// What the Identify Controller data structure says that the driver uses.
 #[derive(Clone, Debug, PartialEq, Eq)]

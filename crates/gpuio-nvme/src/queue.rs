@@ -9,7 +9,7 @@
 use super::dma::{DmaBuffer, DmaMapper, Mmio};
 use super::prp::{self, Prp2};
 use super::spec::{Cqe, PAGE, Sqe, csts, doorbell, reg};
-use crate::error::{HalError, Result};
+use gpuio_hal::error::{HalError, Result};
 use std::sync::Arc;
 use std::sync::atomic::{Ordering, fence};
 use std::time::{Duration, Instant};

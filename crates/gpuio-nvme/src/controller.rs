@@ -12,8 +12,8 @@ use super::queue::QueuePair;
 use super::spec::{
     Cap, ControllerIdentity, NamespaceIdentity, PAGE, Sqe, Status, admin, cc, csts, io, reg,
 };
-use crate::error::{HalError, Result};
-use crate::sync::MutexExt;
+use gpuio_hal::error::{HalError, Result};
+use gpuio_hal::sync::MutexExt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -58,7 +58,7 @@ struct Shared {
 /// The register file registered with one GPU.
 struct RegisterPin {
     // Field order is drop order: unregister, then let the mapping go.
-    _pin: Box<dyn crate::gpu::HostPin>,
+    _pin: gpuio_hal::PinGuard,
     _owner: Arc<dyn std::any::Any + Send + Sync>,
     addr: u64,
 }
@@ -255,7 +255,7 @@ impl Controller {
     /// Where `gpu`'s kernels reach this controller's register file (its doorbells): the
     /// register file registered with the GPU once, for the controller's life (as IO memory
     /// where it is a BAR).
-    pub(crate) fn doorbells_for(&self, gpu: &crate::gpu::Gpu) -> Result<u64> {
+    pub(crate) fn doorbells_for(&self, gpu: &gpuio_hal::gpu::Gpu) -> Result<u64> {
         let s = &self.shared;
         let mut pins = s.gpu_registers.lock_unpoisoned();
         if let Some((_, pin)) = pins.iter().find(|(g, _)| *g == gpu.ordinal()) {
@@ -264,13 +264,14 @@ impl Controller {
         let (base, len, io, owner) = s.regs.parts();
         // SAFETY: `owner` keeps the register file mapped, and RegisterPin drops the pin before
         // its reference to the owner.
-        let (pin, addr) =
+        let pin =
             unsafe { gpu.pin_mapped(base, len, io) }.map_err(|e| HalError::NvmeController {
                 reason: format!(
                     "the controller's doorbells cannot be registered with {gpu}{}: {e}",
                     if io { " as IO memory" } else { "" }
                 ),
             })?;
+        let addr = pin.device_addr();
         pins.push((
             gpu.ordinal(),
             RegisterPin {
@@ -288,7 +289,7 @@ impl Controller {
     }
 
     /// Maps the dma-buf `fd` — another device's memory, such as a GPU's
-    /// ([`DeviceBuffer::export_dmabuf`](crate::DeviceBuffer::export_dmabuf)) — for this
+    /// ([`DeviceBuffer::export_dmabuf`](gpuio_hal::DeviceBuffer::export_dmabuf)) — for this
     /// controller to reach peer-to-peer (Tier 2). Only a controller bound to gpuio's kernel
     /// module can; the others refuse with the reason.
     pub fn import_dmabuf(&self, fd: std::os::fd::BorrowedFd<'_>) -> Result<PeerBuffer> {
@@ -467,7 +468,12 @@ impl IoQueuePair {
         }
         let mut commands = Vec::new();
         for op in ops {
-            crate::error::check_range("NVMe transfer buffer", op.offset, op.len, buf.target_len())?;
+            gpuio_hal::error::check_range(
+                "NVMe transfer buffer",
+                op.offset,
+                op.len,
+                buf.target_len(),
+            )?;
             if op.len == 0 || op.len % block != 0 {
                 return Err(HalError::InvalidArgument(format!(
                     "an NVMe transfer is whole {block}-byte blocks, not {} bytes",

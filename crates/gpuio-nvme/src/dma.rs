@@ -8,7 +8,7 @@
 
 use super::peer::PeerBuffer;
 use super::spec::PAGE;
-use crate::error::{HalError, Result, check_range};
+use gpuio_hal::error::{HalError, Result, check_range};
 use std::any::Any;
 use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;
@@ -48,8 +48,8 @@ impl DmaMemory {
                 what: "DMA memory",
                 len,
             })?;
-        crate::memory::backing::check(len, false)?;
-        let ptr = crate::sys::map_anonymous(len, PAGE)?;
+        gpuio_hal::memory::backing::check(len, false)?;
+        let ptr = gpuio_hal::sys::map_anonymous(len, PAGE)?;
         let mem = Self {
             ptr,
             len,
@@ -70,7 +70,7 @@ impl DmaMemory {
         len: usize,
         owner: Box<dyn Any + Send + Sync>,
     ) -> Result<Self> {
-        let ptr = crate::sys::map_shared(fd, offset, len)?;
+        let ptr = gpuio_hal::sys::map_shared(fd, offset, len)?;
         Ok(Self {
             ptr,
             len,
@@ -143,7 +143,7 @@ impl Drop for DmaMemory {
     fn drop(&mut self) {
         // SAFETY: `ptr`/`len` are the mapping `new` or `map_device_file` made, and this is its
         // only owner.
-        unsafe { crate::sys::unmap(self.ptr, self.len) };
+        unsafe { gpuio_hal::sys::unmap(self.ptr, self.len) };
         drop(self.owner.take());
     }
 }

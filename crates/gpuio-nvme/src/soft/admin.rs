@@ -5,7 +5,7 @@
 use super::super::spec::{PAGE, Sqe, Status, admin, cc, csts, doorbell, reg};
 use super::queues::{self, CqSpec, QueueTable, Server, SoftCq, SoftSq, SqSpec};
 use super::{DSTRD, MapView, SOFT_QUEUES, SoftFaults, State};
-use crate::sync::MutexExt;
+use gpuio_hal::sync::MutexExt;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 

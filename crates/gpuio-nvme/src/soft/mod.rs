@@ -20,9 +20,9 @@ mod worker;
 
 use super::dma::{DmaMapper, DmaMemory, IovaSpace, Mmio};
 use super::spec::{Cap, doorbell, reg};
-use crate::error::{HalError, Result};
-use crate::sync::{MutexExt, RwLockExt};
 use crossbeam_utils::CachePadded;
+use gpuio_hal::error::{HalError, Result};
+use gpuio_hal::sync::{MutexExt, RwLockExt};
 use queues::QueueTable;
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -347,7 +347,7 @@ impl SoftController {
                 .and_then(|b| usize::try_from(b).ok())
                 .filter(|&b| b > 0)
                 .ok_or_else(|| HalError::InvalidArgument("namespace size out of range".into()))?;
-            crate::memory::backing::check(bytes, true)?;
+            gpuio_hal::memory::backing::check(bytes, true)?;
             namespaces.push(DmaMemory::new(bytes)?);
         }
         let regs = Arc::new(DmaMemory::new(doorbell(SOFT_QUEUES, true, DSTRD) + 4)?);
@@ -447,7 +447,7 @@ impl SoftController {
         let mut chunk = vec![0u8; 1 << 20];
         for at in (0..ns.len()).step_by(chunk.len()) {
             let n = chunk.len().min(ns.len() - at);
-            crate::pattern::fill(&mut chunk[..n], at as u64, seed);
+            gpuio_hal::pattern::fill(&mut chunk[..n], at as u64, seed);
             ns.write(at, &chunk[..n])?;
         }
         Ok(())

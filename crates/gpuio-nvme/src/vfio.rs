@@ -1,11 +1,11 @@
-//! NVMe controllers bound to `vfio-pci` (cargo feature `nvme-vfio`): the device opened through
+//! NVMe controllers bound to `vfio-pci` (cargo feature `vfio`): the device opened through
 //! its IOMMU group (rust-vmm's `vfio-ioctls`), bus mastering turned on in its configuration
 //! space, BAR0 mapped for the registers and doorbells, and DMA memory mapped into the
 //! container's IO address space. What cannot be done here is said, with the reason.
 
 use super::controller::{Controller, ControllerOptions};
 use super::dma::{DmaMapper, DmaMemory, IovaSpace, Mmio};
-use crate::error::{HalError, Result};
+use gpuio_hal::error::{HalError, Result};
 use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::ptr::NonNull;
@@ -43,7 +43,7 @@ pub fn open(pci: &str, options: ControllerOptions) -> Result<Controller> {
     let len = usize::try_from(size).map_err(|_| HalError::NvmeController {
         reason: format!("{pci}: BAR0 is {size} bytes"),
     })?;
-    let base = crate::sys::map_shared(device.as_raw_fd(), offset, len)?;
+    let base = gpuio_hal::sys::map_shared(device.as_raw_fd(), offset, len)?;
     let bar = Arc::new(Bar {
         base,
         len,
@@ -115,7 +115,7 @@ impl Drop for Bar {
     fn drop(&mut self) {
         // SAFETY: the mapping `open` made, released once, after every `Mmio` over it is gone
         // (they hold this owner).
-        unsafe { crate::sys::unmap(self.base, self.len) };
+        unsafe { gpuio_hal::sys::unmap(self.base, self.len) };
     }
 }
 

@@ -5,11 +5,11 @@
 
 use super::Namespace;
 use super::gpu::{GpuMappedBuffer, GpuNvmeOp, GpuQueuePair, layout_words};
-use crate::error::{HalError, Result, check_range};
-use crate::gpu::{
+use crate::kernels::NvmeKernel;
+use gpuio_hal::error::{HalError, Result, check_range};
+use gpuio_hal::gpu::{
     CudaRun, DevArg, DeviceBuffer, DeviceOp, HostRun, KernelArgs, LaunchShape, Stream,
 };
-use crate::kernels::NvmeKernel;
 
 /// Threads per block of the NVMe kernels.
 const THREADS: u32 = 128;
@@ -71,9 +71,9 @@ pub fn io(
     let mismatches = gpu.alloc(8)?;
     stream.upload(&[0u8; 8], &mismatches, 0)?;
     let (opcode, seed) = match op {
-        GpuNvmeOp::Flush => (crate::nvme::spec::io::FLUSH, 0),
-        GpuNvmeOp::ReadChecked(s) => (crate::nvme::spec::io::READ, s),
-        GpuNvmeOp::WritePattern(s) => (crate::nvme::spec::io::WRITE, s),
+        GpuNvmeOp::Flush => (crate::spec::io::FLUSH, 0),
+        GpuNvmeOp::ReadChecked(s) => (crate::spec::io::READ, s),
+        GpuNvmeOp::WritePattern(s) => (crate::spec::io::WRITE, s),
     };
     stream.run(&Io {
         queues: stream.arg("NVMe queue table", &table, 0, descriptors.len())?,

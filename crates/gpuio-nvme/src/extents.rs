@@ -9,8 +9,8 @@
 
 use super::controller::{BlockIo, IoQueuePair, Namespace};
 use super::dma::DmaBuffer;
-use crate::error::{HalError, Result};
-use crate::file::Extent;
+use gpuio_hal::error::{HalError, Result};
+use gpuio_hal::file::Extent;
 use std::fs::File;
 
 /// FIEMAP flags that mean the bytes are not plainly at the extent's device location.
@@ -52,7 +52,7 @@ impl FileExtents {
                 extents: Vec::new(),
             });
         }
-        let found = crate::file::extents(file, 0, len)?;
+        let found = gpuio_hal::file::extents(file, 0, len)?;
         Self::from_fiemap(len, &found, start)
     }
 

@@ -1,4 +1,4 @@
-//! NVMe from user space: the protocol's vocabulary, a polling controller driver, and the two
+//! gpuio's NVMe from user space: the protocol's vocabulary, a polling controller driver, and the two
 //! controllers it drives.
 //!
 //! - [`spec`]: registers, queue entries, opcodes, status codes and Identify data, with their
@@ -11,8 +11,8 @@
 //! - [`extents`]: a file's extents (FIEMAP), checked to be plainly on the device, read
 //!   through a queue pair from the raw namespace.
 //! - [`gpu`]: queue pairs GPU threads drive (`kernels/gpuio_nvme.cuh`), their memory and the
-//!   controller's doorbells registered with the GPU; [`kernels`] launches the test and bench
-//!   kernels.
+//!   controller's doorbells registered with the GPU; [`ops`] launches the test and bench
+//!   kernels ([`kernels`]: generated from `kernels.toml`).
 //! - [`soft`]: a software controller served by a host thread, with injected faults, for where
 //!   no NVMe is reachable (CI, and the GPU machine).
 //! - [`kmod`]: a controller bound to gpuio's kernel module (`kmod/`) instead of VFIO: BAR0
@@ -21,15 +21,19 @@
 //! - [`peer`]: another device's memory (a GPU's, as a dma-buf) mapped for a controller through
 //!   the kernel module (Tier 2).
 //! - [`tiers`]: which tiers of device-initiated IO this machine supports, and why not.
-//! - `vfio` (cargo feature `nvme-vfio`): a real controller bound to `vfio-pci`, its BAR0
+//! - `vfio` (cargo feature `vfio`): a real controller bound to `vfio-pci`, its BAR0
 //!   mapped and its DMA through the IOMMU; tested in the QEMU guest (`cargo xtask qemu-nvme`).
+
+#![deny(unsafe_op_in_unsafe_fn)]
 
 mod controller;
 pub mod dma;
 pub mod extents;
 pub mod gpu;
+#[rustfmt::skip]
 pub mod kernels;
 pub mod kmod;
+pub mod ops;
 mod pci;
 pub mod peer;
 pub mod prp;
@@ -37,7 +41,7 @@ mod queue;
 pub mod soft;
 pub mod spec;
 pub mod tiers;
-#[cfg(feature = "nvme-vfio")]
+#[cfg(feature = "vfio")]
 pub mod vfio;
 
 pub use controller::{BlockIo, Controller, ControllerOptions, IoQueuePair, Namespace};

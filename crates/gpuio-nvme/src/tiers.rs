@@ -10,7 +10,7 @@
 //! only an attempt can show (registering a BAR with the GPU) is said to be tried when a GPU
 //! queue pair is made.
 
-use crate::gpu::{Backend, Capability, Gpu};
+use gpuio_hal::gpu::{Backend, Capability, Gpu};
 use std::path::Path;
 
 /// PCI class of an NVMe controller.
@@ -162,7 +162,7 @@ mod tests {
 
     #[test]
     fn every_tier_says_why_on_the_host_backend() {
-        let p = crate::probe(crate::BackendPreference::Host).unwrap();
+        let p = gpuio_hal::probe(gpuio_hal::BackendPreference::Host).unwrap();
         let t = tiers(&p.gpus[0]);
         for (name, cap) in &t {
             assert!(!cap.available, "{name}");

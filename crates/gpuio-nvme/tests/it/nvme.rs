@@ -1,17 +1,17 @@
 //! The NVMe driver against two controllers: the software controller (everywhere, with
-//! injected faults) and, with the `nvme-vfio` feature, a real controller bound to vfio-pci
+//! injected faults) and, with the `vfio` feature, a real controller bound to vfio-pci
 //! (QEMU's emulated NVMe behind an emulated IOMMU in `cargo xtask qemu-nvme`'s guest; skipped
 //! with a reason where none is bound, unless `GPUIO_REQUIRE_NVME=1`). The same checks run
 //! against both: bring-up and Identify, random-LBA writes and reads on several queue pairs at
 //! once (PRP lists, unaligned buffer offsets, transfers split at the controller's limit),
 //! out-of-range LBAs and bad arguments as typed errors, and a disabled controller.
 
-use gpuio_hal::nvme::kernels as nvme_kernels;
-use gpuio_hal::nvme::{
+use gpuio_hal::{ErrorCode, HalError, pattern};
+use gpuio_nvme::ops as nvme_kernels;
+use gpuio_nvme::{
     BlockIo, Controller, ControllerOptions, Namespace, SoftConfig, SoftController, SoftFaults,
     Status,
 };
-use gpuio_hal::{ErrorCode, HalError, pattern};
 use std::time::{Duration, Instant};
 
 fn soft(config: SoftConfig) -> (SoftController, Controller) {
@@ -305,13 +305,13 @@ mod kmod {
 
     #[test]
     fn kmod_controller_brings_up_and_moves_data() {
-        let found = gpuio_hal::nvme::kmod::devices();
+        let found = gpuio_nvme::kmod::devices();
         let Some(path) = found.first() else {
             Requirement::Nvme.missing("no NVMe controller is bound to gpuio_nvme");
             return;
         };
-        let ctrl = gpuio_hal::nvme::kmod::open(path, ControllerOptions::default()).unwrap();
-        let again = gpuio_hal::nvme::kmod::open(path, ControllerOptions::default()).unwrap_err();
+        let ctrl = gpuio_nvme::kmod::open(path, ControllerOptions::default()).unwrap();
+        let again = gpuio_nvme::kmod::open(path, ControllerOptions::default()).unwrap_err();
         assert!(
             again.to_string().contains("busy"),
             "one opener at a time: {again}"
@@ -329,7 +329,7 @@ mod kmod {
     #[test]
     fn kmod_controller_moves_data_through_an_imported_dmabuf() {
         use std::os::fd::AsFd;
-        let found = gpuio_hal::nvme::kmod::devices();
+        let found = gpuio_nvme::kmod::devices();
         let Some(path) = found.first() else {
             Requirement::Nvme.missing("no NVMe controller is bound to gpuio_nvme");
             return;
@@ -342,7 +342,7 @@ mod kmod {
                 return;
             }
         };
-        let ctrl = gpuio_hal::nvme::kmod::open(path, ControllerOptions::default()).unwrap();
+        let ctrl = gpuio_nvme::kmod::open(path, ControllerOptions::default()).unwrap();
         let ns = ctrl.namespace(1).unwrap();
         let peer = ctrl.import_dmabuf(exported.as_fd()).unwrap();
         eprintln!(
@@ -536,19 +536,19 @@ mod vgem {
     }
 }
 
-#[cfg(feature = "nvme-vfio")]
+#[cfg(feature = "vfio")]
 mod vfio {
     use super::*;
     use gpuio_testkit::Requirement;
 
     /// The first NVMe controller bound to vfio-pci, or why there is none.
     fn controller() -> Option<Controller> {
-        let found = gpuio_hal::nvme::vfio::bound_controllers();
+        let found = gpuio_nvme::vfio::bound_controllers();
         let Some(pci) = found.first() else {
             Requirement::Nvme.missing("no NVMe controller is bound to vfio-pci");
             return None;
         };
-        Some(gpuio_hal::nvme::vfio::open(pci, ControllerOptions::default()).unwrap())
+        Some(gpuio_nvme::vfio::open(pci, ControllerOptions::default()).unwrap())
     }
 
     #[test]
@@ -573,7 +573,7 @@ mod vfio {
     #[test]
     #[ignore = "run by cargo xtask qemu-nvme while ext4 is mounted, before vfio-pci takes the controller"]
     fn ext4_file_written_and_its_extents_recorded() {
-        use gpuio_hal::nvme::FileExtents;
+        use gpuio_nvme::FileExtents;
         use std::io::{Seek, SeekFrom, Write};
         use std::os::fd::AsRawFd;
         let (Ok(dir), Ok(out)) = (
@@ -611,7 +611,7 @@ mod vfio {
     /// namespace 2 through the extents recorded while ext4 was mounted.
     #[test]
     fn vfio_reads_an_ext4_file_through_its_extents() {
-        use gpuio_hal::nvme::FileExtents;
+        use gpuio_nvme::FileExtents;
         let Ok(list) = std::env::var("GPUIO_NVME_EXTENTS") else {
             Requirement::Nvme
                 .missing("no extent list recorded (cargo xtask qemu-nvme records one)");
@@ -631,7 +631,7 @@ mod vfio {
 
     #[test]
     fn vfio_refuses_what_is_not_bound() {
-        let err = gpuio_hal::nvme::vfio::open("0000:ff:1f.7", ControllerOptions::default())
+        let err = gpuio_nvme::vfio::open("0000:ff:1f.7", ControllerOptions::default())
             .expect_err("no such device");
         assert!(err.to_string().contains("no PCI device"), "{err}");
     }
@@ -657,8 +657,8 @@ mod fio {
         let image = std::fs::read(var("GPUIO_NVME_FIO_IMAGE")).unwrap();
         assert_eq!(image.len(), REGION);
         assert!(image.iter().any(|&b| b != 0), "fio wrote nothing");
-        let ctrl = gpuio_hal::nvme::open(&var("GPUIO_NVME_ADDRESS"), ControllerOptions::default())
-            .unwrap();
+        let ctrl =
+            gpuio_nvme::open(&var("GPUIO_NVME_ADDRESS"), ControllerOptions::default()).unwrap();
         let ns = ctrl.namespace(1).unwrap();
         let block = ns.identity.block_size as usize;
         let mut qp = ctrl.io_queue_pair(64).unwrap();
@@ -820,8 +820,8 @@ fn soft_controller_reordered_batches_lose_nothing() {
 /// being disabled. The host backend refuses the kernels.
 mod gpu {
     use super::*;
-    use gpuio_hal::nvme::GpuNvmeOp;
     use gpuio_hal::{BackendPreference, DeviceBuffer, Gpu, Stream, probe};
+    use gpuio_nvme::GpuNvmeOp;
     use gpuio_testkit::Requirement;
 
     fn cuda() -> Option<Gpu> {
@@ -937,7 +937,7 @@ mod gpu {
         let stream = gpu.stream().unwrap();
         assert_eq!(
             nvme_kernels::device_layout_words(&stream).unwrap(),
-            gpuio_hal::nvme::gpu::layout_words(),
+            gpuio_nvme::gpu::layout_words(),
             "the device compiler's NVMe layouts"
         );
         const SEED: u64 = 0x5eed;

@@ -1,10 +1,10 @@
 //! Opening a controller by its PCI address, through whichever driver holds it: `vfio-pci`
-//! (cargo feature `nvme-vfio`) or gpuio's kernel module. A controller the kernel's own `nvme`
+//! (cargo feature `vfio`) or gpuio's kernel module. A controller the kernel's own `nvme`
 //! driver holds is refused with how to hand it over: two drivers must never share one.
 
 use super::controller::{Controller, ControllerOptions};
 use super::tiers::pci_controllers;
-use crate::error::{HalError, Result};
+use gpuio_hal::error::{HalError, Result};
 use std::path::Path;
 
 /// Opens and enables the NVMe controller at PCI address `address` (`0000:00:04.0`; the domain
@@ -31,12 +31,12 @@ pub fn open(address: &str, options: ControllerOptions) -> Result<Controller> {
     }
 }
 
-#[cfg(feature = "nvme-vfio")]
+#[cfg(feature = "vfio")]
 fn open_vfio(address: &str, options: ControllerOptions) -> Result<Controller> {
     super::vfio::open(address, options)
 }
 
-#[cfg(not(feature = "nvme-vfio"))]
+#[cfg(not(feature = "vfio"))]
 fn open_vfio(address: &str, _: ControllerOptions) -> Result<Controller> {
     Err(HalError::Unsupported {
         what: "NVMe controllers bound to vfio-pci",
@@ -127,7 +127,7 @@ mod tests {
             .err()
             .unwrap();
         // Not there is NOT_FOUND, as for a missing file: nothing failed doing IO.
-        assert_eq!(e.code(), crate::error::ErrorCode::NotFound, "{e}");
+        assert_eq!(e.code(), gpuio_hal::error::ErrorCode::NotFound, "{e}");
         let e = e.to_string();
         assert!(
             e.contains("no NVMe controller at PCI address ffff:ff:1f.7"),

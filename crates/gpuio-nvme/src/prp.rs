@@ -7,7 +7,7 @@
 //! command moves at most [`MAX_TRANSFER`] bytes; larger requests are split by the caller.
 
 use super::spec::PAGE;
-use crate::error::{HalError, Result};
+use gpuio_hal::error::{HalError, Result};
 
 /// Entries in one PRP list page.
 pub const LIST_ENTRIES: usize = PAGE / 8;

@@ -4,7 +4,7 @@
 use super::super::spec::{Sqe, Status, io};
 use super::queues::{self, Server, SoftCq, SoftSq};
 use super::{MapView, SoftFaults, State};
-use crate::sync::MutexExt;
+use gpuio_hal::sync::MutexExt;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -8,7 +8,7 @@
 use super::controller::{Controller, ControllerOptions};
 use super::dma::{DmaMapper, DmaMemory, Mmio};
 use super::peer::PeerBuffer;
-use crate::error::{HalError, Result};
+use gpuio_hal::error::{HalError, Result};
 use std::fs::File;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::ptr::NonNull;
@@ -97,7 +97,7 @@ pub fn open(path: &str, options: ControllerOptions) -> Result<Controller> {
         .ok_or_else(|| HalError::NvmeController {
             reason: format!("{path}: BAR0 is {} bytes", info.bar_size),
         })?;
-    let base = crate::sys::map_shared(device.fd(), 0, len)?;
+    let base = gpuio_hal::sys::map_shared(device.fd(), 0, len)?;
     let bar = Arc::new(Bar {
         base,
         len,
@@ -145,7 +145,7 @@ unsafe impl Sync for Bar {}
 impl Drop for Bar {
     fn drop(&mut self) {
         // SAFETY: the mapping `open` made, released once, after every `Mmio` over it is gone.
-        unsafe { crate::sys::unmap(self.base, self.len) };
+        unsafe { gpuio_hal::sys::unmap(self.base, self.len) };
     }
 }
 
@@ -203,7 +203,7 @@ impl DmaMapper for KmodMapper {
     }
 
     fn import_dmabuf(&self, fd: BorrowedFd<'_>) -> Result<PeerBuffer> {
-        let size = crate::sys::seekable_size(fd)?;
+        let size = gpuio_hal::sys::seekable_size(fd)?;
         let len = usize::try_from(size).map_err(|_| {
             HalError::InvalidArgument(format!("a dma-buf of {size} bytes is too large"))
         })?;

@@ -7,8 +7,8 @@
 use super::controller::{Controller, IoQueuePair};
 use super::dma::DmaBuffer;
 use super::spec::{Cqe, Sqe};
-use crate::error::{HalError, Result};
-use crate::gpu::{DeviceBuffer, Gpu, HostPin};
+use gpuio_hal::error::{HalError, Result};
+use gpuio_hal::gpu::{DeviceBuffer, Gpu, PinGuard};
 use std::marker::PhantomData;
 use std::mem::{offset_of, size_of};
 
@@ -104,9 +104,9 @@ pub fn layout_words() -> Vec<u64> {
 /// deletes its queues; kernels using it must have finished (the launches here wait for them).
 pub struct GpuQueuePair {
     // Field order is drop order: unregister before the queue memory is freed.
-    _sq_pin: Box<dyn HostPin>,
-    _cq_pin: Box<dyn HostPin>,
-    _lists_pin: Box<dyn HostPin>,
+    _sq_pin: PinGuard,
+    _cq_pin: PinGuard,
+    _lists_pin: PinGuard,
     _state: DeviceBuffer,
     /// The most one command moves (the controller's limit, and one list page's).
     max_transfer: usize,
@@ -145,7 +145,7 @@ impl GpuQueuePair {
     /// Whether a GPU batch on this pair timed out (its lock word says broken): a completion
     /// may still arrive, so the pair can never be used again. The controller is disabled
     /// when this is found, so that nothing more lands in memory the caller takes back.
-    pub(crate) fn check_broken(&self, stream: &crate::gpu::Stream) -> Result<()> {
+    pub(crate) fn check_broken(&self, stream: &gpuio_hal::gpu::Stream) -> Result<()> {
         let mut word = [0u8; 4];
         stream.download(&self._state, 0, &mut word)?;
         if u32::from_le_bytes(word) == LOCK_BROKEN {
@@ -181,12 +181,14 @@ impl Controller {
         let io = self.io_queue_pair(depth)?;
         let (sq, cq, lists) = io.queue_memory();
         // SAFETY: the queue memory lives in `io`, which GpuQueuePair drops after the pins.
-        let (sq_pin, sq_addr) = unsafe { gpu.pin_mapped(sq.memory().addr(0), sq.len(), false)? };
+        let sq_pin = unsafe { gpu.pin_mapped(sq.memory().addr(0), sq.len(), false)? };
+        let sq_addr = sq_pin.device_addr();
         // SAFETY: as above.
-        let (cq_pin, cq_addr) = unsafe { gpu.pin_mapped(cq.memory().addr(0), cq.len(), false)? };
+        let cq_pin = unsafe { gpu.pin_mapped(cq.memory().addr(0), cq.len(), false)? };
+        let cq_addr = cq_pin.device_addr();
         // SAFETY: as above.
-        let (lists_pin, lists_addr) =
-            unsafe { gpu.pin_mapped(lists.memory().addr(0), lists.len(), false)? };
+        let lists_pin = unsafe { gpu.pin_mapped(lists.memory().addr(0), lists.len(), false)? };
+        let lists_addr = lists_pin.device_addr();
         let lists_iova = lists.iova();
         let state = gpu.alloc(size_of::<NvmeQueueState>())?;
         let initial = NvmeQueueState {
@@ -234,7 +236,7 @@ fn state_bytes(s: &NvmeQueueState) -> [u8; 16] {
 
 /// A [`DmaBuffer`] registered with a GPU, mapped for its kernels while borrowed.
 pub struct GpuMappedBuffer<'a> {
-    _pin: Box<dyn HostPin>,
+    _pin: PinGuard,
     pub(crate) addr: u64,
     pub(crate) iova: u64,
     pub(crate) len: usize,
@@ -246,7 +248,8 @@ impl DmaBuffer {
     /// move data.
     pub fn map_for_gpu(&self, gpu: &Gpu) -> Result<GpuMappedBuffer<'_>> {
         // SAFETY: the mapping borrows `self`, so the memory outlives the pin.
-        let (pin, addr) = unsafe { gpu.pin_mapped(self.memory().addr(0), self.len(), false)? };
+        let pin = unsafe { gpu.pin_mapped(self.memory().addr(0), self.len(), false)? };
+        let addr = pin.device_addr();
         Ok(GpuMappedBuffer {
             _pin: pin,
             addr,
