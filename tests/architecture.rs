@@ -44,7 +44,6 @@ fn crates() -> Vec<(String, PathBuf)> {
         let dir = dir.unwrap().path();
         out.push((dir.file_name().unwrap().to_string_lossy().into_owned(), dir));
     }
-    out.push(("gpuio-bench".into(), root().join("benches")));
     out.sort();
     out
 }

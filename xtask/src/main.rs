@@ -254,7 +254,7 @@ fn run_tests(what: &str, cmd: &mut Command) -> Result {
     Ok(())
 }
 
-/// The package name in a cargo package id (`path+file:///x/benches#gpuio-bench@0.1.0`, or
+/// The package name in a cargo package id (`path+file:///x/crates/gpuio-bench#gpuio-bench@0.1.0`, or
 /// `path+file:///x/crates/gpuio-hal#0.1.0` where the directory is the name).
 fn package_name(id: &str) -> &str {
     let tail = id.rsplit('/').next().unwrap_or(id);

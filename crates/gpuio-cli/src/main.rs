@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 mod agent;
+#[cfg(feature = "bench")]
 mod bench;
 mod cp;
 mod info;
@@ -61,6 +62,7 @@ enum Command {
     /// Copies SRC to DST (URIs or paths), optionally staged through a memory tier.
     Cp(cp::CpArgs),
     /// Runs benchmark suites against their peers; prints a table, writes JSON and a plot.
+    #[cfg(feature = "bench")]
     Bench(bench::BenchArgs),
     /// Reads a running gpuio's metrics endpoint and prints a summary.
     Stat(stat::StatArgs),
@@ -119,6 +121,7 @@ fn run(cli: Cli) -> Result<(), Error> {
     let result = match cli.command {
         Command::Info(args) => info::run(config, &args),
         Command::Cp(args) => cp::run(config, &args),
+        #[cfg(feature = "bench")]
         Command::Bench(args) => bench::run(config, &args),
         Command::Stat(args) => stat::run(&args),
         Command::Agent(args) => agent::run(config, &args),

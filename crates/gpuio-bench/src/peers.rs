@@ -119,7 +119,7 @@ fn fio_once(job: &FioJob<'_>) -> Result<PeerResult, String> {
     })
 }
 
-const KVIKIO_SCRIPT: &str = include_str!("peers/kvikio_peer.py");
+const KVIKIO_SCRIPT: &str = include_str!("../peers/kvikio_peer.py");
 
 /// What kvikio should do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,7 +197,7 @@ fn python_peer(
         .collect()
 }
 
-const TORCH_LOAD_SCRIPT: &str = include_str!("peers/torch_load_peer.py");
+const TORCH_LOAD_SCRIPT: &str = include_str!("../peers/torch_load_peer.py");
 
 /// Runs the torch model-load peer (each file read whole, then `.cuda()`) over `paths`, `mode`
 /// "cold" (pages dropped before each load) or "warm"; errors say why it could not run.
@@ -212,7 +212,7 @@ pub fn torch_load(paths: &[PathBuf], mode: &str, reps: usize) -> Result<PeerResu
     })
 }
 
-const TORCH_GATHER_SCRIPT: &str = include_str!("peers/torch_gather_peer.py");
+const TORCH_GATHER_SCRIPT: &str = include_str!("../peers/torch_gather_peer.py");
 
 /// What the torch gather peer measured for one row size and index list.
 #[derive(Debug, Clone, Copy)]
@@ -259,7 +259,7 @@ pub fn torch_gather(
         .collect())
 }
 
-const PYTHON_SUITE_SCRIPT: &str = include_str!("peers/python_suite.py");
+const PYTHON_SUITE_SCRIPT: &str = include_str!("../peers/python_suite.py");
 
 /// Runs gpuio's Python binding through `python_suite.py` in `mode` with `args`; returns the
 /// JSON object it printed, or why it could not run (the package not importable, no torch).
@@ -272,7 +272,7 @@ pub fn python_binding(mode: &str, args: &[String]) -> Result<serde_json::Value, 
         .ok_or_else(|| "the Python binding printed no result".into())
 }
 
-const DSA_SCRIPT: &str = include_str!("peers/dsa_peer.py");
+const DSA_SCRIPT: &str = include_str!("../peers/dsa_peer.py");
 
 /// One peer's figures for one trace of a race (DSA decode, Engram lookups).
 #[derive(Debug, Clone)]
@@ -309,7 +309,7 @@ pub fn dsa(
     Ok(timings(&out))
 }
 
-const ENGRAM_SCRIPT: &str = include_str!("peers/engram_peer.py");
+const ENGRAM_SCRIPT: &str = include_str!("../peers/engram_peer.py");
 
 /// Runs the Engram lookup peers (`engram_peer.py`: a Triton gather over unified addressing,
 /// and a CPU gather plus one copy) on two tables of `rows` rows of `row_bytes`, over `traces`
@@ -349,7 +349,7 @@ fn timings(out: &[serde_json::Value]) -> (Vec<PeerTiming>, Vec<String>) {
     (peers, errors)
 }
 
-const GRAPH_SCRIPT: &str = include_str!("peers/graph_peer.py");
+const GRAPH_SCRIPT: &str = include_str!("../peers/graph_peer.py");
 
 /// Runs the graph gather peer (`graph_peer.py`: NumPy neighbour sampling, a CPU gather from a
 /// pinned tensor or a memory map of the embeddings file, one copy) over the same graph files,
