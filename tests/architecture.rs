@@ -23,12 +23,13 @@ fn root() -> PathBuf {
 fn layer(name: &str) -> Option<u32> {
     Some(match name {
         "gpuio-hal" => 0,
-        "gpuio-transport-memio" | "gpuio-transport-localio" | "gpuio-transport-remoteio" => 1,
-        "gpuio-core" => 2,
-        "gpuio-api" => 3,
-        "gpuio-ai" | "gpuio-py" | "gpuio-capi" => 4,
-        "gpuio-bench" => 5,
-        "gpuio-cli" => 6,
+        "gpuio-staging" => 1,
+        "gpuio-transport-memio" | "gpuio-transport-localio" | "gpuio-transport-remoteio" => 2,
+        "gpuio-core" => 3,
+        "gpuio-api" => 4,
+        "gpuio-ai" | "gpuio-py" | "gpuio-capi" => 5,
+        "gpuio-bench" => 6,
+        "gpuio-cli" => 7,
         _ => return None,
     })
 }

@@ -32,7 +32,8 @@ pub use gpuio_core::{
 };
 pub use gpuio_hal::kernels::DEVICE_HEADER;
 pub use gpuio_hal::ondemand::{ArrayDevice, ResidentDevice};
-pub use gpuio_hal::{Backend, DeviceBuffer, Gpu, PoolStats, StagingPool};
+pub use gpuio_hal::{Backend, DeviceBuffer, Gpu};
+pub use gpuio_staging::{PoolStats, StagingPool};
 pub use gpuio_transport_localio::{
     Durability, FileHandle, GdsPolicy, IoEngine, OpenOptions, PageCachePolicy, PageCacheStats,
     StripeSet, Transfer,

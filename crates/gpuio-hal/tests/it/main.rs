@@ -10,7 +10,6 @@ mod hot_rows;
 #[cfg(feature = "cuda")]
 mod kernels;
 mod nvme;
-mod pool;
 mod ptx;
 #[cfg(feature = "rdma")]
 mod rdma;
