@@ -23,7 +23,7 @@ fn root() -> PathBuf {
 fn layer(name: &str) -> Option<u32> {
     Some(match name {
         "gpuio-hal" => 0,
-        "gpuio-ring" | "gpuio-nvme" => 1,
+        "gpuio-ring" | "gpuio-nvme" | "gpuio-staging" => 1,
         "gpuio-transport-memio" | "gpuio-transport-localio" | "gpuio-transport-remoteio" => 2,
         "gpuio-core" => 3,
         "gpuio-api" => 4,

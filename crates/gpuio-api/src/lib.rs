@@ -30,9 +30,10 @@ pub use gpuio_core::{
     Outcome, Priority, RemoteResource, RemoteVia, Request, RequestFlags, RequestHandle, RequestId,
     Route, Source, Status, Ticket,
 };
-pub use gpuio_hal::{Backend, DeviceBuffer, Gpu, PoolStats, StagingPool};
+pub use gpuio_hal::{Backend, DeviceBuffer, Gpu};
 pub use gpuio_ring::DEVICE_HEADER;
 pub use gpuio_ring::ondemand::{ArrayDevice, ResidentDevice};
+pub use gpuio_staging::{PoolStats, StagingPool};
 pub use gpuio_transport_localio::{
     Durability, FileHandle, GdsPolicy, IoEngine, OpenOptions, PageCachePolicy, PageCacheStats,
     StripeSet, Transfer,

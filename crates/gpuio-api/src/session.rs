@@ -12,7 +12,8 @@ use gpuio_core::{
     RequestHandle, Scheduler, Source, Ticket,
 };
 use gpuio_hal::sync::MutexExt;
-use gpuio_hal::{DeviceBuffer, Gpu, Probe, StagingPool};
+use gpuio_hal::{DeviceBuffer, Gpu, Probe};
+use gpuio_staging::StagingPool;
 use gpuio_transport_localio::{FileHandle, LocalIo, NvmeDevice, OpenOptions};
 use gpuio_transport_memio::{HostPlacement, MemIo};
 #[cfg(feature = "registry")]

@@ -6,7 +6,7 @@
 
 use crate::request::Priority;
 use crate::route::EngineKind;
-use gpuio_hal::PoolStats;
+use gpuio_staging::PoolStats;
 use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
 
 /// Requests submitted, by `engine` and `class`.
@@ -142,8 +142,9 @@ pub fn describe() {
 }
 
 /// What a staging pool reports, as metrics: pass it to
-/// [`StagingPool::with_observer`](gpuio_hal::StagingPool::with_observer) (the session does), and
-/// the pool publishes its counters after every change. The handles are resolved here, once.
+/// [`StagingPool::with_observer`](gpuio_staging::StagingPool::with_observer) (the session
+/// does), and the pool publishes its counters after every change. The handles are resolved
+/// here, once.
 pub fn pool_observer() -> impl Fn(&PoolStats) + Send + Sync + 'static {
     let limit = gauge!(POOL_LIMIT_BYTES);
     let pinned = gauge!(POOL_PINNED_BYTES);

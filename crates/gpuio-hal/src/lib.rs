@@ -24,7 +24,6 @@ pub use gpu::{
     tiered_stage_len,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
-pub use memory::pool::{PoolConfig, PoolStats, PooledBuffer, StagingLease, StagingPool};
 pub use memory::{
     DmaRegistration, HostAllocOptions, HostBuffer, HostRead, HostWrite, Location, MemoryRegion,
     MemoryTier, RangeGuard, RangeRead, RangeWrite, SharedHostBuffer, WholeGuard,

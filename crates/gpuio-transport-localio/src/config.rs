@@ -3,7 +3,7 @@
 //! the tuning of the engine ([`LocalIoConfig`]).
 
 use crate::{LocalIoError, Result};
-use gpuio_hal::memory::pool::PoolConfig;
+use gpuio_staging::PoolConfig;
 
 /// Which engine [`LocalIo`](crate::LocalIo) should use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -174,7 +174,7 @@ impl Default for LocalIoConfig {
             page_cache: PageCachePolicy::Auto,
             page_cache_threshold: 64 << 20,
             page_cache_threads: 2,
-            page_cache_keep: gpuio_hal::memory::pool::auto_limit(),
+            page_cache_keep: gpuio_staging::auto_limit(),
         }
     }
 }

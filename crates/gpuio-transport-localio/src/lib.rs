@@ -19,11 +19,11 @@ pub use page_cache::PageCacheStats;
 pub use queue::IoEngine;
 pub use stripe::StripeSet;
 
-use gpuio_hal::memory::pool::{PoolConfig, StagingPool, auto_limit};
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::uring::Ring;
 use gpuio_hal::workers::{WorkerPanic, run_workers};
 use gpuio_hal::{DeviceBuffer, ErrorCode, GdsMode, Gpu, HalError};
+use gpuio_staging::{PoolConfig, StagingPool, auto_limit};
 use lane::{BlocksJob, Lane, LanePool, LaneSpec, MAX_BATCH, ReadJob, WriteJob};
 use plan::{Piece, Plan};
 use std::path::{Path, PathBuf};

@@ -11,10 +11,10 @@
 
 use crate::plan::Piece;
 use crate::{Durability, FileHandle, IoEngine, LocalIo, LocalIoError, Result, Transfer};
-use gpuio_hal::memory::pool::LANE_WAIT;
 use gpuio_hal::sync::{CondvarExt, MutexExt, RwLockExt};
 use gpuio_hal::{DeviceBuffer, HostBuffer};
 use gpuio_nvme::{Controller, ControllerOptions, DmaBuffer, IoQueuePair, Namespace};
+use gpuio_staging::LANE_WAIT;
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
 

@@ -10,12 +10,12 @@ pub use gather::{
 };
 pub use placement::HostPlacement;
 
-use gpuio_hal::memory::pool::{PoolConfig, StagingPool, auto_limit};
 use gpuio_hal::sync::{MutexExt, StripedCounter};
 use gpuio_hal::workers::{WorkerPanic, run_workers};
 use gpuio_hal::{
     Backend, DeviceBuffer, ErrorCode, Gpu, HalError, HostBuffer, NumaTopology, Stream,
 };
+use gpuio_staging::{PoolConfig, StagingPool, auto_limit};
 use pipeline::LanePool;
 use rayon::prelude::*;
 use std::fmt;

@@ -13,9 +13,9 @@
 //! pinned its own.
 
 use crate::{MemIoError, Result};
-use gpuio_hal::memory::pool::{LaneSet, StagingLane, StagingLease, StagingPool};
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{DeviceBuffer, Gpu, HostBuffer, Inflight, Stream};
+use gpuio_staging::{LaneSet, StagingLane, StagingLease, StagingPool};
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};

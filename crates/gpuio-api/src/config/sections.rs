@@ -14,7 +14,7 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PoolSize {
     /// A quarter of the host memory the machine can back without swap when the session starts,
-    /// and at least 1 GiB ([`gpuio_hal::memory::pool::auto_limit`]): a bound on what staging
+    /// and at least 1 GiB ([`gpuio_staging::auto_limit`]): a bound on what staging
     /// may pin, never a reservation — the pool pins only what the lanes ask for.
     #[default]
     Auto,
@@ -26,7 +26,7 @@ impl PoolSize {
     /// The limit in bytes (for `Auto`, what this machine gives now).
     pub fn bytes(self) -> u64 {
         match self {
-            Self::Auto => gpuio_hal::memory::pool::auto_limit(),
+            Self::Auto => gpuio_staging::auto_limit(),
             Self::Bytes(b) => b.as_u64(),
         }
     }

@@ -245,7 +245,7 @@ fn memory_pool_size_is_auto_a_size_or_refused_out_of_range() {
     assert_eq!(c.memory_pool_size, PoolSize::Auto);
     assert!(c.to_toml().contains("memory_pool_size = \"auto\""));
     let pool = c.pool_config(None);
-    assert!(pool.limit >= gpuio_hal::memory::pool::MIN_AUTO_LIMIT);
+    assert!(pool.limit >= gpuio_staging::MIN_AUTO_LIMIT);
     assert_eq!(pool.max_class, 64 << 20);
     // One lane: LocalIO's 4 x 4 MiB outweighs MemIO's 3 x 4 MiB.
     assert_eq!(c.lane_staging_bytes(), 16 << 20);

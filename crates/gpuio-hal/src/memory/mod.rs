@@ -1,14 +1,13 @@
 //! The memory vocabulary every gpuio layer shares (docs/REFERENCE.md#memory-regions): where a
 //! region lives, how long it is, and whether it is registered for DMA; plus the host buffer
-//! type and its range-locked shared form ([`SharedHostBuffer`]), the pinned staging pool the
-//! transports draw their staging buffers from ([`pool::StagingPool`],
-//! docs/REFERENCE.md#staging-pool) and NUMA topology.
+//! type and its range-locked shared form ([`SharedHostBuffer`]) and NUMA topology. The pinned
+//! staging pool the transports draw their staging buffers from is the gpuio-staging crate,
+//! over [`HostBuffer`] (docs/REFERENCE.md#staging-pool).
 
 pub mod backing;
 mod host;
 pub mod mapped;
 pub mod numa;
-pub mod pool;
 mod shared;
 
 pub(crate) use host::MappingHold;

@@ -9,7 +9,6 @@ mod gpu;
 mod hot_rows;
 #[cfg(feature = "cuda")]
 mod kernels;
-mod pool;
 mod ptx;
 #[cfg(feature = "rdma")]
 mod rdma;

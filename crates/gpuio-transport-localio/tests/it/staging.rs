@@ -3,8 +3,8 @@
 //! pool with room for one lane still moves everything, on one lane; and the slots go back to
 //! the pool, unregistered, when the engine goes.
 
-use gpuio_hal::memory::pool::{PoolConfig, StagingPool};
 use gpuio_hal::{BackendPreference, pattern, probe};
+use gpuio_staging::{PoolConfig, StagingPool};
 use gpuio_transport_localio::{Durability, EnginePreference, LocalIo, LocalIoConfig, OpenOptions};
 
 fn config(engine: EnginePreference) -> LocalIoConfig {

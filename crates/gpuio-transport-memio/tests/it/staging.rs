@@ -3,8 +3,8 @@
 //! one lane still moves everything (on fewer lanes, concurrent transfers waiting their turn),
 //! and the buffers go back to the pool with the engine.
 
-use gpuio_hal::memory::pool::{PoolConfig, StagingPool};
 use gpuio_hal::{BackendPreference, pattern, probe};
+use gpuio_staging::{PoolConfig, StagingPool};
 use gpuio_transport_memio::{MemIo, MemIoConfig, Route};
 use std::sync::Arc;
 

@@ -1,14 +1,14 @@
-//! What a [`StagingPool`](super::StagingPool) hands out: a [`PooledBuffer`] (one buffer that
+//! What a [`StagingPool`](crate::StagingPool) hands out: a [`PooledBuffer`] (one buffer that
 //! goes back when dropped) or a [`StagingLease`] (several buffers owned as plain
 //! [`HostBuffer`]s, given back together).
 
-use super::Inner;
-use crate::memory::HostBuffer;
+use crate::Inner;
+use gpuio_hal::HostBuffer;
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
-/// A staging buffer from a [`StagingPool`](super::StagingPool): derefs to exactly the bytes
+/// A staging buffer from a [`StagingPool`](crate::StagingPool): derefs to exactly the bytes
 /// asked for, and goes back to the pool when dropped.
 pub struct PooledBuffer {
     /// Always `Some` until Drop takes it.
@@ -20,7 +20,7 @@ pub struct PooledBuffer {
 }
 
 impl PooledBuffer {
-    pub(super) fn new(
+    pub(crate) fn new(
         buf: HostBuffer,
         len: usize,
         shelf: usize,
@@ -80,7 +80,7 @@ impl Drop for PooledBuffer {
 }
 
 /// Buffers of one class taken together from a pool
-/// ([`StagingPool::try_lease_for`](super::StagingPool::try_lease_for)) and owned by their
+/// ([`StagingPool::try_lease_for`](crate::StagingPool::try_lease_for)) and owned by their
 /// holder as plain [`HostBuffer`]s; the lease keeps them counted as handed out. Give them back
 /// with [`give_back`](Self::give_back). Those that do not come back (a lane that lost a buffer
 /// to a failed copy) are taken as gone when the lease drops: neither held nor in use any more.
@@ -94,7 +94,7 @@ pub struct StagingLease {
 }
 
 impl StagingLease {
-    pub(super) fn new(
+    pub(crate) fn new(
         bufs: &[HostBuffer],
         shelf: usize,
         class: usize,

@@ -2,11 +2,11 @@
 //! accounting, waiting and limits; leases (several buffers at once, all or none, owned as plain
 //! host buffers), shelves, holders of idle buffers and the observer.
 
-use gpuio_hal::memory::pool::{
-    PoolConfig, PoolStats, PooledBuffer, StagingHolder, StagingLease, StagingPool,
-};
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{BackendPreference, ErrorCode, Gpu, HalError, HostBuffer, pattern, probe};
+use gpuio_staging::{
+    PoolConfig, PoolStats, PooledBuffer, StagingHolder, StagingLease, StagingPool,
+};
 use proptest::prelude::*;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, Weak};

@@ -10,11 +10,9 @@
 //! nothing here is locked or allocated per chunk, and nothing per transfer once its lanes
 //! exist.
 
-use super::{StagingHolder, StagingLease, StagingPool};
-use crate::error::HalError;
-use crate::gpu::Gpu;
-use crate::memory::HostBuffer;
-use crate::sync::MutexExt;
+use crate::{StagingHolder, StagingLease, StagingPool};
+use gpuio_hal::sync::MutexExt;
+use gpuio_hal::{Gpu, HalError, HostBuffer};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -208,8 +206,8 @@ impl<L: StagingLane> std::fmt::Debug for LaneSet<L> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::pool::PoolConfig;
-    use crate::{BackendPreference, Result, probe};
+    use crate::PoolConfig;
+    use gpuio_hal::{BackendPreference, Result, probe};
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::time::Instant;
 

@@ -1,17 +1,27 @@
-//! The pinned staging memory pool (docs/REFERENCE.md#staging-pool): page-locked host buffers in
-//! power-of-two size classes, reused rather than re-pinned, under a hard limit on pinned bytes.
-//! MemIO's and LocalIO's lanes take their staging buffers from it.
+//! gpuio's pinned staging memory pool (docs/REFERENCE.md#staging-pool): page-locked host
+//! buffers in power-of-two size classes, reused rather than re-pinned, under a hard limit on
+//! pinned bytes. MemIO's and LocalIO's lanes take their staging buffers from it; the session
+//! makes one pool and shares it between them.
+//!
+//! It sits between the HAL and the transports and holds no `unsafe`: the buffers are
+//! [`gpuio_hal::HostBuffer`]s (mapped, NUMA-bound and pinned by the HAL), and its errors are
+//! the HAL's ([`HalError`], [`gpuio_hal::Result`]).
+//!
+//! # What it pins, and the limit
 //!
 //! Pinning is slow (a `cuMemHostRegister` walks and locks every page) and pinned memory is
 //! taken from everything else on the machine, so the pool keeps returned buffers for reuse and
-//! never holds more than [`PoolConfig::limit`] bytes. When a class has no free buffer and the
-//! limit is reached, idle buffers of other classes are released (least recently returned
-//! first) to make room; then the registered [`StagingHolder`]s (a transport's cached lanes)
-//! are asked to let go of as many idle bytes as are missing; only when nothing idle is left
-//! does a request fail with [`HalError::Busy`] — or, with [`StagingPool::get`], wait for a
-//! buffer to come back. A *spare* request ([`StagingPool::lease_spare_for`]: a transfer's
-//! extra lanes) takes only room there is: it asks no holder and never counts as a failure, so
-//! that transports short of room run on fewer lanes instead of tearing down each other's.
+//! never holds more than [`PoolConfig::limit`] bytes, free and handed out together
+//! ([`auto_limit`] sizes it from the memory the machine can back). A request is rounded up to
+//! its class ([`PoolConfig::class_size`]); one above the largest class or the limit is refused
+//! outright. When a class has no free buffer and the limit is reached, idle buffers of other
+//! classes are released (least recently returned first) to make room; then the registered
+//! [`StagingHolder`]s (a transport's cached lanes) are asked to let go of as many idle bytes as
+//! are missing; only when nothing idle is left does a request fail with [`HalError::Busy`] —
+//! or, with [`StagingPool::get`], wait for a buffer to come back. A *spare* request
+//! ([`StagingPool::lease_spare_for`]: a transfer's extra lanes) takes only room there is: it
+//! asks no holder and never counts as a failure, so that transports short of room run on fewer
+//! lanes instead of tearing down each other's.
 //!
 //! Buffers are kept per *shelf*: the NUMA node their pages are bound to, and whether they are
 //! pinned. A request names its shelf (the configured one, or a GPU's node for
@@ -19,15 +29,26 @@
 //! other. Pins are portable (`CU_MEMHOSTREGISTER_PORTABLE`): a buffer pinned through one GPU
 //! serves every GPU of the driver.
 //!
+//! # Leases
+//!
 //! Two ways to take buffers: a [`PooledBuffer`] (one buffer, back to the pool when dropped), or
 //! a [`StagingLease`] of several buffers taken at once, all or none, handed out as plain
 //! [`HostBuffer`]s for owners that must own them (an asynchronous copy takes its host memory by
-//! value, an io_uring ring registers the buffers it owns). A transport's lane holds a lease for
-//! its whole life and gives it back when it goes, so the transfers themselves never touch the
-//! pool: no lock and no allocation per chunk or per transfer.
+//! value, an io_uring ring registers the buffers it owns). Buffers of a lease that never come
+//! back are counted as gone when it drops: neither held nor in use.
 //!
-//! The buffer types (`PooledBuffer`, `StagingLease`) are in `buffer.rs`; a transport's cached
-//! lanes ([`LaneSet`], over its lane type's [`StagingLane`]) in `lanes.rs`.
+//! # Lanes
+//!
+//! A transport's lane holds a lease for its whole life and gives it back when it goes, so the
+//! transfers themselves never touch the pool: no lock and no allocation per chunk or per
+//! transfer. [`LaneSet`] keeps one GPU's idle lanes (of the transport's [`StagingLane`] type)
+//! between transfers and is the [`StagingHolder`] the pool asks for them; a transfer's first
+//! lane may wait for room (up to [`LANE_WAIT`]), the rest are made only from spare room.
+//!
+//! The buffer types (`PooledBuffer`, `StagingLease`) are in `buffer.rs`; the lanes in
+//! `lanes.rs`.
+
+#![forbid(unsafe_code)]
 
 mod buffer;
 mod lanes;
@@ -35,10 +56,9 @@ mod lanes;
 pub use buffer::{PooledBuffer, StagingLease};
 pub use lanes::{LANE_WAIT, LaneSet, StagingLane};
 
-use super::{HostAllocOptions, HostBuffer};
-use crate::error::{HalError, Result};
-use crate::gpu::Gpu;
-use crate::sync::{CondvarExt, MutexExt};
+use gpuio_hal::memory::backing::backable_bytes;
+use gpuio_hal::sync::{CondvarExt, MutexExt};
+use gpuio_hal::{Gpu, HalError, HostAllocOptions, HostBuffer, Result};
 use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -52,7 +72,7 @@ pub const MIN_AUTO_LIMIT: u64 = 1 << 30;
 /// without swap now (available memory within this process's memory cgroups), and at least
 /// [`MIN_AUTO_LIMIT`]. A bound, not a reservation: a pool pins only what its users ask for.
 pub fn auto_limit() -> u64 {
-    super::backing::backable_bytes(false).map_or(MIN_AUTO_LIMIT, |b| (b / 4).max(MIN_AUTO_LIMIT))
+    backable_bytes(false).map_or(MIN_AUTO_LIMIT, |b| (b / 4).max(MIN_AUTO_LIMIT))
 }
 
 /// How a [`StagingPool`] allocates and how much it may hold.
