@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # gpuio's GPU matrix, from the bundle `cargo xtask gpu-bundle` builds: every test binary with
-# CUDA required (and NVRTC through gpuio-hal's kernels test), nvcc over kernels/ for sm_80,
+# CUDA required (and NVRTC through each crate's kernels test), nvcc over every module for sm_80,
 # sm_90 and sm_100, gpuio info, a 1 GiB file round trip through GPU memory, the MemIO,
 # LocalIO, core, gather, ring and remote benchmarks against their peers (fio: GPUIO_FIO;
 # kvikio and torch: on PYTHONPATH; iperf3 where installed, or in ./iperf3 with its libraries),
@@ -60,7 +60,8 @@ case "$part" in tests | all)
     done
     grep -h "test result" "$out"/tests/*.log | awk '{p += $4; f += $6} END {print "tests: " p " passed, " f " failed"}'
     tar czf "$out/testlogs.tgz" -C "$out" tests && rm -r "$out/tests"
-    step bin/xtask ptx --kernels kernels
+    # The kernel sources travel with the tree: run from its root, where the manifests are.
+    step sh -c 'cd ../.. && target/gpu-bundle/bin/xtask ptx'
     step bin/gpuio info ;;
 esac
 case "$part" in bench-a | all)

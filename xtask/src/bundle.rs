@@ -8,12 +8,12 @@ use crate::{Result, build_tests, cargo, copy, listed_tests, make_executable, roo
 use std::path::Path;
 
 /// The bundle carried to the GPU machine: `bin/` (gpuio, xtask) and `tests/` (every test
-/// binary), gzipped; `kernels/`, and `run.sh`.
+/// binary), gzipped, and `run.sh` (the kernel sources travel with the working tree).
 pub fn gpu_bundle() -> Result {
     let root = root();
     let out = root.join("target/gpu-bundle");
     let _ = std::fs::remove_dir_all(&out);
-    for d in ["bin", "tests", "kernels"] {
+    for d in ["bin", "tests"] {
         std::fs::create_dir_all(out.join(d)).map_err(|e| format!("creating {d}: {e}"))?;
     }
     run(
@@ -70,12 +70,6 @@ pub fn gpu_bundle() -> Result {
             let file = out.join("tests").join(format!("{name}.args"));
             std::fs::write(&file, args.join(" ") + "\n")
                 .map_err(|e| format!("writing {}: {e}", file.display()))?;
-        }
-    }
-    for entry in std::fs::read_dir(root.join("kernels")).map_err(|e| format!("kernels/: {e}"))? {
-        let path = entry.map_err(|e| e.to_string())?.path();
-        if let Some(name) = path.file_name() {
-            copy(&path, &out.join("kernels").join(name))?;
         }
     }
     bundle_python(&out.join("python"))?;

@@ -6,7 +6,7 @@
 //! - `bench [ARGS]`: the benchmark suites this machine supports (`gpuio bench` in release).
 //! - `gpu-bundle` ([`bundle`]): release test and bench binaries for the GPU machine (no cargo
 //!   there), with `run.sh`, the one command that runs them there.
-//! - `ptx [--kernels DIR] [--arch SM].. [--wheels] [--write | --check | --rust]` ([`ptx`]): every
+//! - `ptx [--arch SM].. [--wheels] [--write | --check | --rust]` ([`ptx`]): every
 //!   kernel compiled for sm_80, sm_90 and sm_100 by nvcc and NVRTC (with `--wheels`: CUDA
 //!   13.0's compilers from PyPI, no GPU needed); `--write` writes the PTX gpuio-hal embeds,
 //!   `--check` fails where it is stale, `--rust` writes only the Rust that embeds it (from
@@ -50,7 +50,7 @@ fn main() -> ExitCode {
         "kmod" => kmod::kmod(rest),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench [ARGS] | gpu-bundle | ptx [--kernels DIR] [--arch SM].. [--wheels] [--write | --check | --rust] | python | qemu-rdma | qemu-nvme | kmod [--kdir DIR]>"
+                "usage: cargo xtask <ci | bench [ARGS] | gpu-bundle | ptx [--arch SM].. [--wheels] [--write | --check | --rust] | python | qemu-rdma | qemu-nvme | kmod [--kdir DIR]>"
             );
             return ExitCode::from(2);
         }

@@ -1,5 +1,7 @@
 //! Kernel manifests: each crate that carries kernels lists its modules in `kernels.toml` (the
-//! module's name, what it does, the source files it is put together from, its functions).
+//! module's name, what it does, the source files it is put together from, its functions). A
+//! source is a file of the crate's `kernels` directory or, failing that, of the workspace's
+//! public device headers (`headers`: `kernels/` at the root, what user kernels include).
 //! `ptx --write` builds each module's PTX into the crate's `ptx/` and writes the Rust that
 //! embeds it: a `KernelSource` static per module and an enum naming its functions, so that
 //! code launches a kernel by name, never by position. `ptx --check` and this module's test
@@ -16,10 +18,10 @@ const MANIFEST: &str = "kernels.toml";
 pub struct Manifest {
     /// The crate's directory.
     pub dir: PathBuf,
-    /// Where the sources live.
-    pub kernels: PathBuf,
-    /// The sources' directory as written in the manifest (relative to `dir`).
-    kernels_rel: String,
+    /// Where the crate's sources live.
+    kernels: PathBuf,
+    /// Where the public device headers live.
+    headers: PathBuf,
     /// The generated Rust file, relative to `dir`.
     rust: String,
     pub modules: Vec<Module>,
@@ -69,6 +71,63 @@ impl Manifest {
     fn rust_path(&self) -> PathBuf {
         self.dir.join(&self.rust)
     }
+
+    /// Where a module's source file is: the crate's `kernels`, else the public headers.
+    pub fn source(&self, name: &str) -> Result<PathBuf> {
+        [&self.kernels, &self.headers]
+            .iter()
+            .map(|d| d.join(name))
+            .find(|p| p.is_file())
+            .ok_or_else(|| {
+                format!(
+                    "{}: no source {name} in {} or {}",
+                    self.dir.display(),
+                    self.kernels.display(),
+                    self.headers.display()
+                )
+            })
+    }
+
+    /// A source's path relative to the workspace root, as messages and PTX headers name it.
+    pub fn source_shown(&self, name: &str) -> Result<String> {
+        let path = self.source(name)?;
+        Ok(normalize(&path)
+            .strip_prefix(normalize(&root()))
+            .map_or_else(|_| path.display().to_string(), |p| p.display().to_string()))
+    }
+}
+
+/// `path` without `.` and `..` components (no file system access).
+fn normalize(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for c in path.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                out.pop();
+            }
+            std::path::Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+/// `to` relative to the directory `from` (both absolute, or both relative to one place).
+fn relative(from: &Path, to: &Path) -> PathBuf {
+    let (from, to) = (normalize(from), normalize(to));
+    let common = from
+        .components()
+        .zip(to.components())
+        .take_while(|(a, b)| a == b)
+        .count();
+    let mut out = PathBuf::new();
+    for _ in from.components().skip(common) {
+        out.push("..");
+    }
+    for c in to.components().skip(common) {
+        out.push(c);
+    }
+    out
 }
 
 /// Every crate's manifest (`crates/*/kernels.toml`), by crate directory.
@@ -108,7 +167,8 @@ fn parse(dir: &Path) -> Result<Manifest> {
             .filter(|l| !l.is_empty())
             .ok_or_else(|| format!("{shown}: `{key}` must be a list of strings"))
     };
-    let kernels_rel = string(&table, "kernels")?;
+    let kernels = dir.join(string(&table, "kernels")?);
+    let headers = dir.join(string(&table, "headers")?);
     let rust = string(&table, "rust")?;
     let list = table
         .get("module")
@@ -135,8 +195,8 @@ fn parse(dir: &Path) -> Result<Manifest> {
     }
     Ok(Manifest {
         dir: dir.to_path_buf(),
-        kernels: dir.join(&kernels_rel),
-        kernels_rel,
+        kernels,
+        headers,
         rust,
         modules,
     })
@@ -169,8 +229,12 @@ fn camel(snake: &str) -> String {
 /// The Rust that embeds `m`'s modules, as `ptx --write` writes it.
 pub fn rust(m: &Manifest, archs: &[u32]) -> Result<String> {
     // include_str! resolves paths from the generated file's directory.
-    let depth = Path::new(&m.rust).components().count().saturating_sub(1);
-    let up = "../".repeat(depth);
+    let here = m
+        .rust_path()
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
+    let up = relative(&here, &m.dir).display().to_string() + "/";
     let hal = if m.dir.ends_with("gpuio-hal") {
         "crate::kernels"
     } else {
@@ -198,7 +262,8 @@ pub fn rust(m: &Manifest, archs: &[u32]) -> Result<String> {
             module.file_name()
         );
         for s in &module.sources {
-            let _ = writeln!(w, "        include_str!(\"{up}{}/{s}\"),", m.kernels_rel);
+            let path = relative(&here, &m.source(s)?);
+            let _ = writeln!(w, "        include_str!(\"{}\"),", path.display());
         }
         let _ = writeln!(w, "    ),\n    functions: &[");
         for f in &module.functions {
@@ -308,9 +373,26 @@ mod tests {
         for m in all().unwrap() {
             for module in &m.modules {
                 for s in &module.sources {
-                    assert!(m.kernels.join(s).is_file(), "{}: {s}", module.name);
+                    m.source(s).unwrap();
                 }
             }
         }
+    }
+
+    #[test]
+    fn relative_paths_climb_to_the_common_directory() {
+        let p = |s: &str| PathBuf::from(s);
+        assert_eq!(
+            relative(&p("/w/crates/a/src"), &p("/w/kernels/x.cuh")),
+            p("../../../kernels/x.cuh")
+        );
+        assert_eq!(
+            relative(&p("/w/crates/a/src/k"), &p("/w/crates/a/ptx/m.ptx")),
+            p("../../ptx/m.ptx")
+        );
+        assert_eq!(
+            relative(&p("/w/crates/a/src/../src"), &p("/w/crates/a/kernels")),
+            p("../kernels")
+        );
     }
 }

@@ -1,11 +1,12 @@
-//! `cargo xtask ptx`: every kernel compiled for every target architecture by nvcc (`.cu` files
-//! of `kernels/` to cubin: the front end and ptxas). With `--wheels` (CI) it also runs
-//! gpuio-hal's `kernels` test, which compiles the sources gpuio embeds with NVRTC as gpuio does
-//! where no embedded PTX fits; on the GPU machine that test runs with the others. No GPU is
+//! `cargo xtask ptx`: every kernel module compiled for every target architecture by nvcc (to
+//! cubin: the front end and ptxas), and a user kernel over the public device header. With
+//! `--wheels` (CI) it also runs each crate's `kernels` test, which compiles the sources gpuio
+//! embeds with NVRTC as gpuio does where no embedded PTX fits; on the GPU machine that test
+//! runs with the others. No GPU is
 //! needed to compile, so CI runs it with CUDA 13.0's compilers from PyPI.
 //!
-//! The embedded PTX (`crates/gpuio-hal/ptx/<module>.<arch>.ptx`, loaded by the driver at run
-//! time) is built here too: `--write` (re)writes it from `kernels/`, and `--check` (CI) builds
+//! The embedded PTX (`crates/<crate>/ptx/<module>.<arch>.ptx`, loaded by the driver at run
+//! time) is built here too: `--write` (re)writes it from the sources, and `--check` (CI) builds
 //! it afresh in a temporary directory, twice, and fails naming every committed file that
 //! differs. Both need nvcc 13.0.88 (`--wheels`): the files are that compiler's output.
 //!
@@ -42,7 +43,6 @@ pub const PTX_ARCHS: &[&str] = &["compute_80", "compute_100"];
 const NVCC_VERSION: &str = "V13.0.88";
 
 struct Options {
-    kernels: PathBuf,
     archs: Vec<String>,
     /// Install the compilers from PyPI where missing, and fail if either is still missing.
     wheels: bool,
@@ -56,7 +56,6 @@ struct Options {
 
 fn parse(args: &[String]) -> Result<Options> {
     let mut opts = Options {
-        kernels: root().join("kernels"),
         archs: Vec::new(),
         wheels: false,
         write: false,
@@ -66,7 +65,6 @@ fn parse(args: &[String]) -> Result<Options> {
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
-            "--kernels" => opts.kernels = it.next().ok_or("--kernels needs a directory")?.into(),
             "--arch" => opts
                 .archs
                 .push(it.next().ok_or("--arch needs e.g. sm_90")?.clone()),
@@ -146,26 +144,43 @@ pub fn ptx(args: &[String]) -> Result {
     }
 }
 
-/// nvcc over every `.cu` in the kernels directory, to cubin (so ptxas runs too).
+/// nvcc over every module of every crate's manifest, put together as gpuio embeds it, and
+/// over a user kernel that includes the public device header `kernels/gpuio.cuh` the way nvcc
+/// users do (`-I kernels`), to cubin for each architecture (so ptxas runs too).
 fn nvcc(opts: &Options) -> Result<Vec<String>> {
-    let tmp = std::env::temp_dir().join(format!("gpuio-ptx-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
-    let mut sources: Vec<PathBuf> = std::fs::read_dir(&opts.kernels)
-        .map_err(|e| format!("{}: {e}", opts.kernels.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
-        .collect();
-    sources.sort();
-    if sources.is_empty() {
-        return Err(format!("no .cu files in {}", opts.kernels.display()));
+    let tmp = temp_dir("nvcc")?;
+    let mut sources = Vec::new();
+    for m in manifest::all()? {
+        for module in &m.modules {
+            let mut text = String::new();
+            for part in &module.sources {
+                text.push_str(&read(&m.source(part)?)?);
+            }
+            let path = tmp.join(module.file_name());
+            write(&path, &text)?;
+            sources.push((path, None));
+        }
     }
+    let user = tmp.join("user_kernel.cu");
+    write(
+        &user,
+        "#include \"gpuio.cuh\"\n\
+         __global__ void user_kernel(const void* pool, gpuio_u64 rows, const gpuio_u64* idx,\n\
+                                     gpuio_u64 n, void* dst, gpuio_u64* err) {\n\
+             gpuio_gather_rows<8>(pool, rows, 64, idx, n, dst, err);\n\
+         }\n",
+    )?;
+    sources.push((user, Some(root().join("kernels"))));
     let mut failed = Vec::new();
     for arch in &opts.archs {
-        for src in &sources {
+        for (src, include) in &sources {
             let name = src.file_stem().unwrap_or_default().to_string_lossy();
             let out = tmp.join(format!("{name}.{arch}.cubin"));
-            let what = format!("nvcc -arch={arch} {}", src.display());
+            let what = format!("nvcc -arch={arch} {name}.cu");
             let mut cmd = Command::new("nvcc");
+            if let Some(dir) = include {
+                cmd.arg("-I").arg(dir);
+            }
             cmd.args(["-arch", arch, "-cubin", "-o"]).arg(&out).arg(src);
             if run(&what, &mut cmd).is_err() {
                 failed.push(what);
@@ -229,8 +244,10 @@ fn generate(m: &Manifest, out: &Path) -> Result<Vec<String>> {
     let mut files = Vec::new();
     for module in &m.modules {
         let mut source = String::new();
+        let mut shown = Vec::new();
         for part in &module.sources {
-            source.push_str(&read(&m.kernels.join(part))?);
+            source.push_str(&read(&m.source(part)?)?);
+            shown.push(m.source_shown(part)?);
         }
         let name = module.file_name();
         let cu = work.join(&name);
@@ -251,9 +268,9 @@ fn generate(m: &Manifest, out: &Path) -> Result<Vec<String>> {
             }
             let header = format!(
                 "// gpuio-ptx: {name} {arch} source-fnv1a64 {:016x}\n\
-                 // Built by `cargo xtask ptx --write` from kernels/{}; do not edit.\n",
+                 // Built by `cargo xtask ptx --write` from {}; do not edit.\n",
                 fnv1a64(&source),
-                module.sources.join(" + kernels/"),
+                shown.join(" + "),
             );
             write(&out.join(&file), &(header + &ptx))?;
             files.push(file);

@@ -10,9 +10,9 @@ use gpuio_hal::kernels::{EmbeddedPtx, Kernel, KernelSource};
 pub static NVME: KernelSource = KernelSource {
     name: "nvme.cu",
     source: concat!(
-        include_str!("../../../kernels/gpuio_nvme.cuh"),
+        include_str!("../kernels/gpuio_nvme.cuh"),
         include_str!("../../../kernels/gpuio_pattern.cuh"),
-        include_str!("../../../kernels/nvme.cu"),
+        include_str!("../kernels/nvme.cu"),
     ),
     functions: &[
         "gpuio_nvme_io",

@@ -11,8 +11,8 @@ pub static RING_BENCH: KernelSource = KernelSource {
     name: "ring_bench.cu",
     source: concat!(
         include_str!("../../../kernels/gpuio_ring.cuh"),
-        include_str!("../../../kernels/ring_bench.cu"),
-        include_str!("../../../kernels/ring_layout.cu"),
+        include_str!("../kernels/ring_bench.cu"),
+        include_str!("../kernels/ring_layout.cu"),
     ),
     functions: &[
         "gpuio_ring_read_blocks",
@@ -60,7 +60,7 @@ pub static ONDEMAND: KernelSource = KernelSource {
         include_str!("../../../kernels/gpuio_ring.cuh"),
         include_str!("../../../kernels/gpuio_array.cuh"),
         include_str!("../../../kernels/gpuio_pattern.cuh"),
-        include_str!("../../../kernels/ondemand.cu"),
+        include_str!("../kernels/ondemand.cu"),
     ),
     functions: &[
         "gpuio_array_touch",

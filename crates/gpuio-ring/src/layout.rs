@@ -440,7 +440,7 @@ mod tests {
 
     #[test]
     fn layout_kernel_lists_the_same_fields_in_the_same_order() {
-        let src = include_str!("../../../kernels/ring_layout.cu");
+        let src = include_str!("../kernels/ring_layout.cu");
         let mut listed = Vec::new();
         for line in src.lines().map(str::trim) {
             let args = |prefix: &str| {

@@ -104,13 +104,16 @@ use std::time::{Duration, Instant};
 
 pub use gpuio_hal::error::{error_code_of, result_name, result_of};
 
-/// The device API's headers (`gpuio_ring.cuh`, `gpuio_array.cuh`, `gpuio.cuh`) as one text,
-/// for user kernels compiled at run time (NVRTC, CuPy's `RawModule`): put it in front of a
-/// source that uses `gpuio_array<T>` or the request ring (each header is in it once; their
-/// `#include`s sit inside `#ifndef` guards). nvcc users include `kernels/gpuio.cuh`.
+/// The device API's headers (`gpuio_ring.cuh`, `gpuio_array.cuh`, `gpuio_rows.cuh` and the
+/// umbrella `gpuio.cuh`, from the workspace's `kernels/`) as one text, for user kernels
+/// compiled at run time (NVRTC, CuPy's `RawModule`): put it in front of a source that uses
+/// `gpuio_array<T>`, the request ring or the row gathers (each header is in it once; their
+/// `#include`s sit inside `#ifndef` guards). nvcc users add `-I kernels` and include
+/// `gpuio.cuh`.
 pub static DEVICE_HEADER: &str = concat!(
     include_str!("../../../kernels/gpuio_ring.cuh"),
     include_str!("../../../kernels/gpuio_array.cuh"),
+    include_str!("../../../kernels/gpuio_rows.cuh"),
     include_str!("../../../kernels/gpuio.cuh"),
 );
 

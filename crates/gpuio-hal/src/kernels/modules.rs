@@ -10,7 +10,7 @@ pub static PATTERN: KernelSource = KernelSource {
     name: "pattern.cu",
     source: concat!(
         include_str!("../../../../kernels/gpuio_pattern.cuh"),
-        include_str!("../../../../kernels/pattern.cu"),
+        include_str!("../../kernels/pattern.cu"),
     ),
     functions: &[
         "gpuio_fill_pattern",
@@ -48,15 +48,13 @@ impl Kernel for PatternKernel {
 }
 
 /// The row gather and scatter kernels, the naive baseline, the sorted gather's ordering
-/// kernels, the tiered gather, and the gather through hot rows, with the device header
-/// `gpuio.cuh` (and the ring and array headers it includes) in front.
+/// kernels, the tiered gather, and the gather through hot rows, with the row header
+/// `gpuio_rows.cuh` in front.
 pub static GATHER: KernelSource = KernelSource {
     name: "gather.cu",
     source: concat!(
-        include_str!("../../../../kernels/gpuio_ring.cuh"),
-        include_str!("../../../../kernels/gpuio_array.cuh"),
-        include_str!("../../../../kernels/gpuio.cuh"),
-        include_str!("../../../../kernels/gather.cu"),
+        include_str!("../../../../kernels/gpuio_rows.cuh"),
+        include_str!("../../kernels/gather.cu"),
     ),
     functions: &[
         "gpuio_gather_16",
@@ -167,7 +165,7 @@ impl Kernel for GatherKernel {
 pub static AI: KernelSource = KernelSource {
     name: "ai.cu",
     source: concat!(
-        include_str!("../../../../kernels/ai.cu"),
+        include_str!("../../kernels/ai.cu"),
     ),
     functions: &[
         "gpuio_quant_scales",

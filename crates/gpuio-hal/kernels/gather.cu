@@ -1,12 +1,12 @@
 // Row gather and scatter between pinned host memory (or device memory) and device memory:
 // the kernels behind gpuio's `gather` / `scatter` calls, and the naive baseline they are
-// measured against. The tuned kernels are the gpuio.cuh functions, one entry point per piece
+// measured against. The tuned kernels are gpuio_rows.cuh's functions, one entry point per piece
 // width (the host picks the widest that divides the row size and both base addresses).
 // Sorted gathers first order their index list by pool address on the device (gpuio_order_*,
 // a counting sort) so that loads issued together share address translations and read
 // requests; the ordered kernels then take (pool row, position) pairs.
-#ifndef GPUIO_CUH
-#include "gpuio.cuh"
+#ifndef GPUIO_ROWS_CUH
+#include "gpuio_rows.cuh"
 #endif
 
 typedef unsigned int gpuio_u32;
