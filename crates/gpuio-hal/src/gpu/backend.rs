@@ -294,39 +294,6 @@ pub(crate) struct SwapInRan {
     pub(crate) installing: Option<Box<dyn EventBackend>>,
 }
 
-/// A checked launch of one of `kernels/ai.cu`'s kernels (see `ai_kernels.rs`).
-pub(crate) enum AiLaunch<'a> {
-    /// `n` f32s of `src` quantized into `data` and `scales` (one per `block`); the first
-    /// value the format cannot take is reported (atomic minimum) into `err`.
-    Quantize {
-        kind: super::QuantKind,
-        block: u64,
-        n: u64,
-        src: DevRange<'a>,
-        data: DevRange<'a>,
-        scales: DevRange<'a>,
-        err: DevRange<'a>,
-    },
-    /// `n` values of `data` and `scales` back into f32s at `out`.
-    Dequantize {
-        kind: super::QuantKind,
-        block: u64,
-        n: u64,
-        data: DevRange<'a>,
-        scales: DevRange<'a>,
-        out: DevRange<'a>,
-    },
-    /// One dot product per row of `table` with `query` into `scores`.
-    Scores {
-        table: RowMem<'a>,
-        rows: u64,
-        dim: u64,
-        fp8: bool,
-        query: DevRange<'a>,
-        scores: DevRange<'a>,
-    },
-}
-
 /// A checked launch of one of `kernels/nvme.cu`'s kernels.
 pub(crate) enum NvmeLaunch<'a> {
     /// `count` commands (`opcode` at `lbas`, `blocks` blocks of `block_bytes` each) on the
@@ -504,13 +471,6 @@ pub(crate) trait StreamBackend: Send + Sync {
     /// The array's cache, page tables and ring must stay allocated (and the ring mapped)
     /// until this call returns, and the ring's proxy must be serving it.
     unsafe fn array_kernel(&self, launch: ArrayLaunch<'_>) -> Result<()>;
-
-    /// Runs one of the AI tier's kernels and waits for it.
-    ///
-    /// # Safety
-    /// A pinned host table (`AiLaunch::Scores`) stays valid and registered with this device
-    /// until the call returns.
-    unsafe fn ai_kernel(&self, launch: AiLaunch<'_>) -> Result<()>;
 
     /// Runs a device-planned load (see `SwapInLaunch`): waits for its fetch and returns its
     /// report words, and the install's event where it may still run (the install resets the

@@ -5,9 +5,9 @@
 use super::GdsMode;
 use super::TieredSource;
 use super::backend::{
-    AiLaunch, ArrayLaunch, BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend,
-    GdsFileBackend, HostPin, NvmeLaunch, Owner, RowHooks, RowJob, RowMem, RowsDone, StreamBackend,
-    StreamTarget, SwapInLaunch, SwapInRan, TieredJob, TieredPart,
+    ArrayLaunch, BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend,
+    HostPin, NvmeLaunch, Owner, RowHooks, RowJob, RowMem, RowsDone, StreamBackend, StreamTarget,
+    SwapInLaunch, SwapInRan, TieredJob, TieredPart,
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
 use super::swap_in;
@@ -344,14 +344,6 @@ impl StreamBackend for HostStream {
             device_time: timed.then(|| t.elapsed()),
             install_time: timed.then_some(Duration::ZERO),
             installing: None,
-        })
-    }
-
-    unsafe fn ai_kernel(&self, _launch: AiLaunch<'_>) -> Result<()> {
-        Err(HalError::Unsupported {
-            what: "the AI tier's kernels",
-            reason: "the host backend runs no kernels; gpuio-ai runs its CPU reference instead"
-                .into(),
         })
     }
 

@@ -8,7 +8,6 @@
 //! This file holds probing, [`Gpu`], host memory pinned for a device and [`DeviceBuffer`];
 //! `stream.rs` holds [`Stream`] (the checked copies and kernels), [`Inflight`] and [`Event`].
 
-mod ai_kernels;
 mod array_kernels;
 mod backend;
 mod baseline;
@@ -26,13 +25,14 @@ mod stream;
 mod swap_in;
 mod tiered;
 
-pub use ai_kernels::{QuantKind, QuantizedAt, ScoreRows};
 pub use array_kernels::ArrayReadCheck;
 pub use dmabuf::DmaBufExport;
 pub use gds::{GdsFile, GdsMode};
 pub use hot_rows::{HOT_MAX_POOL_ROWS, HOT_MAX_ROWS, HotRows};
 pub use info::{Backend, Capability, DeviceInfo, PcieLink};
-pub use op::{Access, CudaRun, DevArg, DeviceOp, HostLocks, HostRun, KernelArgs, LaunchShape};
+pub use op::{
+    Access, CudaRun, DevArg, DeviceOp, HostArg, HostLocks, HostRun, KernelArgs, LaunchShape,
+};
 pub use rows::{RowIndices, RowKernel};
 pub use stream::{Event, Inflight, Stream};
 pub use swap_in::{

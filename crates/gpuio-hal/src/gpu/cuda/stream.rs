@@ -9,8 +9,8 @@ use super::event::EventPool;
 use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
 use crate::gpu::backend::{
-    AiLaunch, ArrayLaunch, DevRange, DeviceBackend, EventBackend, NvmeLaunch, RowHooks, RowJob,
-    RowsDone, StreamBackend, StreamTarget, SwapInLaunch, SwapInRan, TieredJob,
+    ArrayLaunch, DevRange, DeviceBackend, EventBackend, NvmeLaunch, RowHooks, RowJob, RowsDone,
+    StreamBackend, StreamTarget, SwapInLaunch, SwapInRan, TieredJob,
 };
 use crate::kernels::{NVME, PatternKernel};
 use crate::sync::MutexExt;
@@ -255,11 +255,6 @@ impl StreamBackend for CudaStreamBackend {
     unsafe fn swap_in(&self, launch: SwapInLaunch<'_>) -> Result<SwapInRan> {
         // SAFETY: the caller's contract, passed on.
         unsafe { self.run_swap_in(launch) }
-    }
-
-    unsafe fn ai_kernel(&self, launch: AiLaunch<'_>) -> Result<()> {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { self.launch_ai(launch) }
     }
 
     unsafe fn array_kernel(&self, launch: ArrayLaunch<'_>) -> Result<()> {
