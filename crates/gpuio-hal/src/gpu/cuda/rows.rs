@@ -202,7 +202,7 @@ pub(super) fn elapsed(from: &dyn EventBackend, to: &dyn EventBackend) -> Result<
 
 impl CudaStreamBackend {
     /// The row kernels' report words (`REPORT_BYTES` of device memory), allocated on first use.
-    fn report_scratch(&self) -> Result<sys::CUdeviceptr> {
+    pub(super) fn report_scratch(&self) -> Result<sys::CUdeviceptr> {
         let mut s = self.scratch.lock_unpoisoned();
         if let Some(p) = *s {
             return Ok(p);
