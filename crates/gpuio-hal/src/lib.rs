@@ -23,8 +23,7 @@ pub use gpu::{
     GdsMode, Gpu, HOT_MAX_POOL_ROWS, HOT_MAX_ROWS, HotRows, Inflight, PcieLink, PinGuard, Probe,
     RowIndices, RowKernel, SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS,
     SharedPin, Stream, SwapInCounts, SwapInDone, SwapInFault, SwapInJob, SwapInLoad, SwapInRefused,
-    SwapInTable, TIER_MAX_HOT_ROWS, TIER_MAX_JOBS, TIER_MAX_WARM_ROWS, TieredRows, TieredSource,
-    probe, probe_with, swap_in_state_len, tiered_stage_len,
+    SwapInTable, probe, probe_with, swap_in_state_len,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::pool::{PoolConfig, PoolStats, PooledBuffer, StagingLease, StagingPool};

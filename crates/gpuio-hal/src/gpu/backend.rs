@@ -223,7 +223,7 @@ pub(crate) struct RowsDone {
     pub(crate) device_time: Option<std::time::Duration>,
 }
 
-/// One job of a checked tiered gather (see [`super::Stream::gather_tiered`]).
+/// One job of a device-planned load's tiered copy on the host backend.
 pub(crate) struct TieredPart<'a> {
     /// The whole hot tier (whole rows).
     pub(crate) hot: DevRange<'a>,
@@ -234,19 +234,6 @@ pub(crate) struct TieredPart<'a> {
     /// Its first code's position among all codes.
     pub(crate) first: usize,
     pub(crate) count: usize,
-}
-
-/// A checked tiered gather: `total` codes at the start of the pinned `upload` bytes and the
-/// jobs' table at `table_offset` after them, both copied into `stage` before the kernel.
-pub(crate) struct TieredJob<'a> {
-    pub(crate) row_bytes: usize,
-    pub(crate) parts: &'a [TieredPart<'a>],
-    pub(crate) upload: *const u8,
-    pub(crate) stage: DevRange<'a>,
-    pub(crate) table_offset: usize,
-    pub(crate) total: usize,
-    /// Time the device's work (events around the upload and the kernel).
-    pub(crate) timed: bool,
 }
 
 /// One job of a checked device-planned load (see `swap_in.rs`).
@@ -447,15 +434,6 @@ pub(crate) trait StreamBackend: Send + Sync {
     /// and touched by nothing else, for a scatter), and registered with this device so that
     /// `addr` reaches it; the same for a host index list (read only).
     unsafe fn rows(&self, job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone>;
-
-    /// Runs a tiered gather (see [`TieredJob`]) and waits for it: the position of the first
-    /// code naming a row outside its tier, if any (its row is left unwritten), and the
-    /// device's time where asked.
-    ///
-    /// # Safety
-    /// The upload bytes and every warm pool must stay valid and registered with this device
-    /// until the call returns.
-    unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<RowsDone>;
 
     /// Runs an NVMe queue kernel and waits for it.
     ///

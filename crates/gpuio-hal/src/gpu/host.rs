@@ -3,14 +3,14 @@
 //! It runs gpuio's logic for real on machines without a GPU (CI); it simulates no PCIe.
 
 use super::GdsMode;
-use super::TieredSource;
 use super::backend::{
     ArrayLaunch, BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend,
     HostPin, NvmeLaunch, Owner, RowHooks, RowJob, RowMem, RowsDone, StreamBackend, StreamTarget,
-    SwapInLaunch, SwapInRan, TieredJob, TieredPart,
+    SwapInLaunch, SwapInRan, TieredPart,
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
 use super::swap_in;
+use crate::ai::TieredSource;
 use crate::error::{HalError, Result};
 use crate::kernels::{KernelLoad, KernelOrigin, KernelPath, KernelSource};
 use crate::memory::{HostAllocOptions, HostBuffer};
@@ -316,16 +316,6 @@ impl StreamBackend for HostStream {
         })
     }
 
-    unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<RowsDone> {
-        let (timed, t) = (job.timed, Instant::now());
-        // SAFETY: forwarded from the caller's contract.
-        let bad = unsafe { self.tiered_now(job) };
-        Ok(RowsDone {
-            bad_index: bad?,
-            device_time: timed.then(|| t.elapsed()),
-        })
-    }
-
     unsafe fn array_kernel(&self, _launch: ArrayLaunch<'_>) -> Result<()> {
         Err(HalError::Unsupported {
             what: "on-demand array kernels",
@@ -477,27 +467,6 @@ pub(crate) enum HeldLock<'a> {
 }
 
 impl HostStream {
-    /// Runs a tiered gather on the CPU, job after job.
-    ///
-    /// # Safety
-    /// As for `StreamBackend::tiered_rows`.
-    unsafe fn tiered_now(&self, job: TieredJob<'_>) -> Result<Option<u64>> {
-        // SAFETY: the caller's upload holds the stage range's length of readable bytes.
-        unsafe { self.copy_h2d(job.upload, job.stage)? };
-        let mut mems = vec![(memory(&job.stage)?, false)];
-        for p in job.parts {
-            mems.push((memory(&p.hot)?, true));
-            mems.push((memory(&p.dst)?, true));
-        }
-        let _guards = lock_all(mems);
-        // SAFETY: the first `total` codes of the stage range, locked for reading above; the
-        // stage starts its allocation (page-aligned host memory), so the u64s are aligned.
-        let codes =
-            unsafe { std::slice::from_raw_parts(job.stage.addr() as *const u64, job.total) };
-        // SAFETY: the caller's contract (the warm pools), the locks above (the rest).
-        unsafe { copy_tiered(job.parts, codes, job.row_bytes) }
-    }
-
     /// Runs a device-planned load on the CPU: each job's fetch and install
     /// (`swap_in::plan_on_host`, what the kernels do), then the tiered copy of its codes. Its
     /// report words: the call's first failure, each job's, each job's counts.

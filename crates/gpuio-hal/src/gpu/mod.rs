@@ -23,7 +23,6 @@ mod op;
 mod rows;
 mod stream;
 mod swap_in;
-mod tiered;
 
 pub use array_kernels::ArrayReadCheck;
 pub use dmabuf::DmaBufExport;
@@ -39,10 +38,8 @@ pub use swap_in::{
     SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, SwapInCounts, SwapInDone,
     SwapInFault, SwapInJob, SwapInLoad, SwapInRefused, SwapInTable, swap_in_state_len,
 };
-pub use tiered::{
-    TIER_MAX_HOT_ROWS, TIER_MAX_JOBS, TIER_MAX_WARM_ROWS, TieredRows, TieredSource,
-    tiered_stage_len,
-};
+// The hot rows refresh their copies through the AI tier's tiered gather.
+pub(crate) use crate::ai::{TIER_MAX_HOT_ROWS, TieredRows, TieredSource, tiered_stage_len};
 
 use crate::error::{HalError, Result, check_range};
 use crate::memory::mapped::{FileMapping, MappingPin};

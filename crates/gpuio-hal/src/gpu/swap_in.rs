@@ -26,8 +26,8 @@
 //! job's outcome, counts or refusal.
 
 use super::backend::{DevRange, EventBackend, RowMem, SwapInLaunch, SwapInPart};
-use super::tiered::check_disjoint;
-use super::{DeviceBuffer, Stream, TIER_MAX_JOBS, TIER_MAX_WARM_ROWS};
+use super::{DeviceBuffer, Stream};
+use crate::ai::{TIER_MAX_JOBS, TIER_MAX_WARM_ROWS, check_disjoint};
 use crate::error::{HalError, Result, check_range};
 use crate::memory::{HostAllocOptions, HostBuffer};
 use std::time::Duration;
@@ -702,7 +702,7 @@ pub(crate) fn plan_on_host(
             last_used[s] = step;
             Some(s as u64)
         };
-        codes[i] = super::TieredSource::Warm {
+        codes[i] = crate::ai::TieredSource::Warm {
             row: warm_first + u64::from(pos),
             install,
         }
@@ -819,11 +819,11 @@ mod tests {
         let (h, m, codes) = run(&mut st, p, s, &[0, 1, 2], 64);
         assert_eq!((h, m), (0, 3));
         for (i, c) in codes.iter().enumerate() {
-            let want = crate::gpu::TieredSource::Warm {
+            let want = crate::ai::TieredSource::Warm {
                 row: 100 + i as u64,
                 install: Some(i as u64),
             };
-            assert_eq!(crate::gpu::TieredSource::from_code(*c), want);
+            assert_eq!(crate::ai::TieredSource::from_code(*c), want);
         }
         // Step 2: 1 hits; 7 takes slot 3 (never used, the oldest).
         let (h, m, codes) = run(&mut st, p, s, &[1, 7], 64);
@@ -833,9 +833,9 @@ mod tests {
         // were used in step 2 and 3 is selected now (position 7).
         let (h, m, codes) = run(&mut st, p, s, &[5, 7, 6], 64);
         assert_eq!((h, m), (1, 2));
-        let slot = |c: u64| match crate::gpu::TieredSource::from_code(c) {
-            crate::gpu::TieredSource::Warm { install, .. } => install,
-            crate::gpu::TieredSource::Hot(_) => None,
+        let slot = |c: u64| match crate::ai::TieredSource::from_code(c) {
+            crate::ai::TieredSource::Warm { install, .. } => install,
+            crate::ai::TieredSource::Hot(_) => None,
         };
         assert_eq!(
             (slot(codes[0]), codes[1], slot(codes[2])),
@@ -886,11 +886,11 @@ mod tests {
         let before = st.clone();
         let (hits, misses) = plan_on_host(&mut st, &[1], &mut codes, &shape(p, s, 8, 0)).unwrap();
         assert_eq!((hits, misses), (0, 1));
-        let want = crate::gpu::TieredSource::Warm {
+        let want = crate::ai::TieredSource::Warm {
             row: 101,
             install: None,
         };
-        assert_eq!(crate::gpu::TieredSource::from_code(codes[0]), want);
+        assert_eq!(crate::ai::TieredSource::from_code(codes[0]), want);
         assert_eq!(st[1], 1, "flagged");
         assert_eq!(st[2..], before[2..], "nothing installed");
         let e = plan_on_host(&mut st, &[1], &mut codes, &shape(p, s, 8, 0)).unwrap_err();
@@ -951,11 +951,11 @@ mod tests {
                 Ok((hits, misses)) => {
                     proptest::prop_assert_eq!(hits + misses, selection.len());
                     for c in codes {
-                        match crate::gpu::TieredSource::from_code(c) {
-                            crate::gpu::TieredSource::Hot(slot) => {
+                        match crate::ai::TieredSource::from_code(c) {
+                            crate::ai::TieredSource::Hot(slot) => {
                                 proptest::prop_assert!(slot < s as u64)
                             }
-                            crate::gpu::TieredSource::Warm { row, install } => {
+                            crate::ai::TieredSource::Warm { row, install } => {
                                 proptest::prop_assert!(row >= 100 && row < 100 + len);
                                 proptest::prop_assert!(install.is_none_or(|i| i < s as u64));
                                 proptest::prop_assert_eq!(install.is_none(), st[1] == 1);

@@ -10,7 +10,7 @@ use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
 use crate::gpu::backend::{
     ArrayLaunch, DevRange, DeviceBackend, EventBackend, NvmeLaunch, RowHooks, RowJob, RowsDone,
-    StreamBackend, StreamTarget, SwapInLaunch, SwapInRan, TieredJob,
+    StreamBackend, StreamTarget, SwapInLaunch, SwapInRan,
 };
 use crate::kernels::{NVME, PatternKernel};
 use crate::sync::MutexExt;
@@ -245,11 +245,6 @@ impl StreamBackend for CudaStreamBackend {
             }
         }
         self.synchronize()
-    }
-
-    unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<RowsDone> {
-        // SAFETY: the same contract, the caller's.
-        unsafe { self.run_tiered(job) }
     }
 
     unsafe fn swap_in(&self, launch: SwapInLaunch<'_>) -> Result<SwapInRan> {
