@@ -21,9 +21,7 @@ pub use error::{ErrorCode, HalError, Result, check_range};
 pub use gpu::{
     Backend, BackendPreference, Capability, DeviceBuffer, DeviceInfo, DmaBufExport, Event, GdsFile,
     GdsMode, Gpu, HOT_MAX_POOL_ROWS, HOT_MAX_ROWS, HotRows, Inflight, PcieLink, PinGuard, Probe,
-    RowIndices, RowKernel, SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS,
-    SharedPin, Stream, SwapInCounts, SwapInDone, SwapInFault, SwapInJob, SwapInLoad, SwapInRefused,
-    SwapInTable, probe, probe_with, swap_in_state_len,
+    RowIndices, RowKernel, SharedPin, Stream, probe, probe_with,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::pool::{PoolConfig, PoolStats, PooledBuffer, StagingLease, StagingPool};

@@ -1,13 +1,19 @@
 //! The AI tier's device work, as ops ([`crate::gpu::DeviceOp`]): KV quantization and its
-//! inverse and similarity scores (`quant.rs`, `kernels/ai.cu`), and tiered row gathers
-//! (`tiered.rs`, `kernels/gather.cu`). Each public function takes the
+//! inverse and similarity scores (`quant.rs`, `kernels/ai.cu`), tiered row gathers
+//! (`tiered.rs`, `kernels/gather.cu`), and device-planned loads (`swap_in/`, `kernels/ai.cu`). Each public function takes the
 //! [`Stream`](crate::gpu::Stream) it runs on first, checks its arguments, and runs a private op
 //! whose host side does the work on the CPU or says why it cannot.
 
 mod quant;
+mod swap_in;
 mod tiered;
 
 pub use quant::{QuantKind, QuantizedAt, ScoreRows, dequantize, dot_scores, quantize};
+pub use swap_in::{
+    SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, SwapInCounts, SwapInDone,
+    SwapInFault, SwapInJob, SwapInLoad, SwapInRefused, SwapInTable, swap_in, swap_in_reset,
+    swap_in_state_len, swap_in_table,
+};
 pub use tiered::{
     TIER_MAX_HOT_ROWS, TIER_MAX_JOBS, TIER_MAX_WARM_ROWS, TieredRows, TieredSource, gather_tiered,
     gather_tiered_timed, tiered_stage_len,
@@ -54,8 +60,8 @@ fn elapsed(from: &Event, to: &Event) -> Result<Duration> {
 }
 
 /// Waits for the stream on every way out of an op's CUDA side (an error, a panic) unless
-/// [`wait`](Self::wait) ran: kernels and copies still using what the op borrows must be done
-/// before the borrows end.
+/// [`wait`](Self::wait) or [`disarm`](Self::disarm) ran: kernels and copies still using what
+/// the op borrows must be done before the borrows end.
 struct WaitOnDrop<'r, 's>(Option<&'r CudaRun<'s>>);
 
 impl<'r, 's> WaitOnDrop<'r, 's> {
@@ -66,6 +72,11 @@ impl<'r, 's> WaitOnDrop<'r, 's> {
     /// Waits now, reporting an error the work ran into.
     fn wait(mut self) -> Result<()> {
         self.0.take().map_or(Ok(()), CudaRun::synchronize)
+    }
+
+    /// Lets the work run on: what it still uses outlives the op.
+    fn disarm(mut self) {
+        self.0 = None;
     }
 }
 

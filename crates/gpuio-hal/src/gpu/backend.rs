@@ -223,64 +223,6 @@ pub(crate) struct RowsDone {
     pub(crate) device_time: Option<std::time::Duration>,
 }
 
-/// One job of a device-planned load's tiered copy on the host backend.
-pub(crate) struct TieredPart<'a> {
-    /// The whole hot tier (whole rows).
-    pub(crate) hot: DevRange<'a>,
-    /// The warm pool (pinned host memory).
-    pub(crate) warm: RowMem<'a>,
-    /// The destination range (`count` rows).
-    pub(crate) dst: DevRange<'a>,
-    /// Its first code's position among all codes.
-    pub(crate) first: usize,
-    pub(crate) count: usize,
-}
-
-/// One job of a checked device-planned load (see `swap_in.rs`).
-pub(crate) struct SwapInPart<'a> {
-    pub(crate) hot: DevRange<'a>,
-    pub(crate) state: DevRange<'a>,
-    pub(crate) selection: DevRange<'a>,
-    /// The destination's `max_count` rows.
-    pub(crate) dst: DevRange<'a>,
-    /// Pinned host memory.
-    pub(crate) warm: RowMem<'a>,
-    /// This call's length and count (also in the control words the call uploads).
-    pub(crate) load: super::SwapInLoad,
-    pub(crate) positions: u64,
-    pub(crate) slots: usize,
-    pub(crate) warm_first: u64,
-}
-
-/// A checked device-planned load: `table` holds the jobs (from 0), the control words (from
-/// `control_at`, uploaded from `control`), the report words (from `report_at`: the call's
-/// first failure, each job's first failure, each job's hits and misses) and the staging rows
-/// (from `staging_at`).
-pub(crate) struct SwapInLaunch<'a> {
-    pub(crate) row_bytes: usize,
-    pub(crate) table: DevRange<'a>,
-    /// Pinned: each job's length and count, 16 bytes a job.
-    pub(crate) control: &'a crate::memory::HostBuffer,
-    /// Pinned: where the report words are downloaded (1 + 2 per job).
-    pub(crate) report_host: &'a mut crate::memory::HostBuffer,
-    pub(crate) control_at: usize,
-    pub(crate) report_at: usize,
-    pub(crate) staging_at: usize,
-    pub(crate) parts: &'a [SwapInPart<'a>],
-    /// Time the device's work (events around the fetch, and around the install; the control
-    /// words' upload runs before the first).
-    pub(crate) timed: bool,
-}
-
-/// What a device-planned load reported: the report words (1 + 2 per job), when asked the
-/// device's times, and the install while it may still run.
-pub(crate) struct SwapInRan {
-    pub(crate) report: Vec<u64>,
-    pub(crate) device_time: Option<std::time::Duration>,
-    pub(crate) install_time: Option<std::time::Duration>,
-    pub(crate) installing: Option<Box<dyn EventBackend>>,
-}
-
 /// A checked launch of one of `kernels/nvme.cu`'s kernels.
 pub(crate) enum NvmeLaunch<'a> {
     /// `count` commands (`opcode` at `lbas`, `blocks` blocks of `block_bytes` each) on the
@@ -449,16 +391,6 @@ pub(crate) trait StreamBackend: Send + Sync {
     /// The array's cache, page tables and ring must stay allocated (and the ring mapped)
     /// until this call returns, and the ring's proxy must be serving it.
     unsafe fn array_kernel(&self, launch: ArrayLaunch<'_>) -> Result<()>;
-
-    /// Runs a device-planned load (see `SwapInLaunch`): waits for its fetch and returns its
-    /// report words, and the install's event where it may still run (the install resets the
-    /// report words for the next call).
-    ///
-    /// # Safety
-    /// The warm pools and the control words stay valid and registered with this device until
-    /// the call returns; the table's device memory and the jobs' buffers stay allocated until
-    /// the returned install is done.
-    unsafe fn swap_in(&self, launch: SwapInLaunch<'_>) -> Result<SwapInRan>;
 
     /// Records an event after the work enqueued so far.
     fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>>;

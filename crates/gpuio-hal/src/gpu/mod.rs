@@ -22,7 +22,6 @@ mod nvme_kernels;
 mod op;
 mod rows;
 mod stream;
-mod swap_in;
 
 pub use array_kernels::ArrayReadCheck;
 pub use dmabuf::DmaBufExport;
@@ -34,10 +33,6 @@ pub use op::{
 };
 pub use rows::{RowIndices, RowKernel};
 pub use stream::{Event, Inflight, Stream};
-pub use swap_in::{
-    SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, SwapInCounts, SwapInDone,
-    SwapInFault, SwapInJob, SwapInLoad, SwapInRefused, SwapInTable, swap_in_state_len,
-};
 // The hot rows refresh their copies through the AI tier's tiered gather.
 pub(crate) use crate::ai::{TIER_MAX_HOT_ROWS, TieredRows, TieredSource, tiered_stage_len};
 

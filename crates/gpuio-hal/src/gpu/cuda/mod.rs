@@ -32,7 +32,6 @@ mod probe;
 mod rows;
 mod run;
 mod stream;
-mod swap_in;
 
 pub(crate) use device::devices;
 pub use nvrtc::{compile_ptx, compile_ptx_for};

@@ -10,7 +10,7 @@ use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
 use crate::gpu::backend::{
     ArrayLaunch, DevRange, DeviceBackend, EventBackend, NvmeLaunch, RowHooks, RowJob, RowsDone,
-    StreamBackend, StreamTarget, SwapInLaunch, SwapInRan,
+    StreamBackend, StreamTarget,
 };
 use crate::kernels::{NVME, PatternKernel};
 use crate::sync::MutexExt;
@@ -245,11 +245,6 @@ impl StreamBackend for CudaStreamBackend {
             }
         }
         self.synchronize()
-    }
-
-    unsafe fn swap_in(&self, launch: SwapInLaunch<'_>) -> Result<SwapInRan> {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { self.run_swap_in(launch) }
     }
 
     unsafe fn array_kernel(&self, launch: ArrayLaunch<'_>) -> Result<()> {
