@@ -19,15 +19,15 @@
 //! steps in Rust (`plan.rs`, `plan_on_host`): the two leave the same states, which the GPU
 //! tests check step by step against a model.
 //!
-//! Here: the public types and the states; `table.rs`: the table and the calls' checks;
-//! `plan.rs`: the load as the host runs it, and the report words; `op.rs`: the load as an op
-//! (the kernels, or the plan and the copy on the CPU) and the table's layout.
-//!
 //! Victims are exact LRU up to 255 steps of age; older slots count as equally old, lower slots
 //! first. A selection must not hold a position twice or a position past the layer's length:
 //! that job is refused — it installs nothing (its hits are marked used) and its output may
 //! hold some of its rows — while the call's other jobs are loaded; the call reports each
 //! job's outcome, counts or refusal.
+//!
+//! Here: the public types and the states; `table.rs`: the table and the calls' checks;
+//! `plan.rs`: the load as the host runs it, and the report words; `op.rs`: the load as an op
+//! (the kernels, or the plan and the copy on the CPU) and the table's layout.
 
 mod op;
 mod plan;
@@ -55,7 +55,7 @@ pub const SWAP_IN_MAX_ROW_BYTES: usize = 256 << 10;
 const NONE: u32 = u32::MAX;
 /// A position the fetch found missing, before the install gives it a slot.
 const PENDING: u32 = u32::MAX - 1;
-/// Bytes of one job in the table ([`SwapJob`]).
+/// Bytes of one job in the table (`op::SwapJob`).
 const JOB_BYTES: usize = 88;
 
 /// Bytes of a job's state for `positions` positions and `slots` slots: a step counter and a
@@ -155,6 +155,7 @@ pub struct SwapInDone {
 fn bad<T>(why: String) -> Result<T> {
     Err(HalError::InvalidArgument(format!("swap-in: {why}")))
 }
+
 /// Sets a job's state ([`swap_in_state_len`] bytes of `state`) to hold nothing, at step 0, on
 /// `stream`, and waits. A state a table's install may still be writing must not be reset:
 /// drop the table first.
