@@ -26,7 +26,7 @@ mod hot;
 use crate::context::AiWork;
 use crate::{AiError, Result};
 use gpuio_api::{Backend, DeviceBuffer, HostMemory, HostPlacement, Session};
-use gpuio_hal::ScoreRows;
+use gpuio_hal::ai::{ScoreRows, dot_scores};
 use gpuio_transport_memio::{GatherOptions, GatherStrategy};
 use hot::HotTier;
 pub use hot::HotTierStats;
@@ -362,7 +362,7 @@ impl EngramTable {
             {
                 let table = self.mem.read();
                 let fp8 = values == RowValues::Fp8;
-                stream.dot_scores(ScoreRows::Pinned(&table), rows, dim, fp8, &q, &out)?;
+                dot_scores(&stream, ScoreRows::Pinned(&table), rows, dim, fp8, &q, &out)?;
             }
             let mut raw = vec![0u8; 4 * rows];
             stream.download(&out, 0, &mut raw)?;

@@ -219,7 +219,8 @@ extern "C" __global__ void gpuio_dot_scores(const void* table, gpuio_u64 rows, g
 #define GPUIO_SWAP_EXHAUSTED 3ull
 #define GPUIO_SWAP_CORRUPT 4ull
 
-// One job (88 bytes, as the host writes it).
+// One job (88 bytes, as the host writes it: `SwapJob` in
+// crates/gpuio-hal/src/ai/swap_in/op.rs, whose layout is asserted there too).
 struct gpuio_swap_job {
     gpuio_u64 selection;   // u32 positions
     gpuio_u64 control;     // device memory, uploaded per call: the layer's length, the count
@@ -232,6 +233,22 @@ struct gpuio_swap_job {
     gpuio_u64 seen;        // `max_count` u32s: the selection as the fetch read it, for the install
     gpuio_u32 positions, slots, max_count, unused;
 };
+static_assert(sizeof(gpuio_swap_job) == 88, "gpuio_swap_job size");
+#ifndef __CUDACC_RTC__
+static_assert(__builtin_offsetof(gpuio_swap_job, selection) == 0, "swap_job.selection");
+static_assert(__builtin_offsetof(gpuio_swap_job, control) == 8, "swap_job.control");
+static_assert(__builtin_offsetof(gpuio_swap_job, state) == 16, "swap_job.state");
+static_assert(__builtin_offsetof(gpuio_swap_job, warm) == 24, "swap_job.warm");
+static_assert(__builtin_offsetof(gpuio_swap_job, warm_first) == 32, "swap_job.warm_first");
+static_assert(__builtin_offsetof(gpuio_swap_job, hot) == 40, "swap_job.hot");
+static_assert(__builtin_offsetof(gpuio_swap_job, dst) == 48, "swap_job.dst");
+static_assert(__builtin_offsetof(gpuio_swap_job, staging) == 56, "swap_job.staging");
+static_assert(__builtin_offsetof(gpuio_swap_job, seen) == 64, "swap_job.seen");
+static_assert(__builtin_offsetof(gpuio_swap_job, positions) == 72, "swap_job.positions");
+static_assert(__builtin_offsetof(gpuio_swap_job, slots) == 76, "swap_job.slots");
+static_assert(__builtin_offsetof(gpuio_swap_job, max_count) == 80, "swap_job.max_count");
+static_assert(__builtin_offsetof(gpuio_swap_job, unused) == 84, "swap_job.unused");
+#endif
 
 // The report words: the call's first failure, each job's first failure (all ones where none:
 // atomic minima), each job's hits | misses << 32.

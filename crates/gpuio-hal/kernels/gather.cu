@@ -81,10 +81,22 @@ GPUIO_ROW_KERNELS(1)
 #define GPUIO_TIER_ROW_BITS 40
 #define GPUIO_TIER_NO_SLOT 0x7fffffull
 
-// One job of a tiered gather (64 bytes, as the host writes it).
+// One job of a tiered gather (64 bytes, as the host writes it: `TierJob` in
+// crates/gpuio-hal/src/ai/tiered.rs, whose layout is asserted there too).
 struct gpuio_tier_job {
     gpuio_u64 hot, hot_rows, warm, warm_rows, dst, first, count, unused;
 };
+static_assert(sizeof(gpuio_tier_job) == 64, "gpuio_tier_job size");
+#ifndef __CUDACC_RTC__
+static_assert(__builtin_offsetof(gpuio_tier_job, hot) == 0, "tier_job.hot");
+static_assert(__builtin_offsetof(gpuio_tier_job, hot_rows) == 8, "tier_job.hot_rows");
+static_assert(__builtin_offsetof(gpuio_tier_job, warm) == 16, "tier_job.warm");
+static_assert(__builtin_offsetof(gpuio_tier_job, warm_rows) == 24, "tier_job.warm_rows");
+static_assert(__builtin_offsetof(gpuio_tier_job, dst) == 32, "tier_job.dst");
+static_assert(__builtin_offsetof(gpuio_tier_job, first) == 40, "tier_job.first");
+static_assert(__builtin_offsetof(gpuio_tier_job, count) == 48, "tier_job.count");
+static_assert(__builtin_offsetof(gpuio_tier_job, unused) == 56, "tier_job.unused");
+#endif
 
 template <int W>
 __device__ __forceinline__ void gpuio_tiered_rows(const gpuio_tier_job* __restrict__ jobs,

@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+pub mod ai;
 pub mod error;
 pub mod file;
 pub mod gpu;
@@ -17,11 +18,7 @@ pub use error::{ErrorCode, HalError, Result, check_range};
 pub use gpu::{
     Backend, BackendPreference, Capability, DeviceBuffer, DeviceInfo, DmaBufExport, Event, GdsFile,
     GdsMode, Gpu, HOT_MAX_POOL_ROWS, HOT_MAX_ROWS, HotRows, Inflight, PcieLink, PinGuard, Probe,
-    QuantKind, QuantizedAt, RowIndices, RowKernel, SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION,
-    SWAP_IN_MAX_SLOTS, ScoreRows, SharedPin, Stream, SwapInCounts, SwapInDone, SwapInFault,
-    SwapInJob, SwapInLoad, SwapInRefused, SwapInTable, TIER_MAX_HOT_ROWS, TIER_MAX_JOBS,
-    TIER_MAX_WARM_ROWS, TieredRows, TieredSource, probe, probe_with, swap_in_state_len,
-    tiered_stage_len,
+    RowIndices, RowKernel, SharedPin, Stream, probe, probe_with,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::{

@@ -164,8 +164,7 @@ impl DeviceOp for Io<'_> {
             .ptr(&self.mismatches);
         let shape = LaunchShape {
             grid: self.grid,
-            block: THREADS,
-            shared_bytes: 0,
+            ..LaunchShape::threads(THREADS, THREADS)
         };
         // SAFETY: the arguments match gpuio_nvme_io; the kernel reads the checked descriptor
         // and LBA ranges, writes the checked status and mismatch ranges and, through the

@@ -6,7 +6,8 @@
 use super::quant::{KvFormat, QuantizedKv};
 use crate::{AiError, Result};
 use gpuio_api::DeviceBuffer;
-use gpuio_hal::{Backend, QuantizedAt};
+use gpuio_hal::Backend;
+use gpuio_hal::ai::{self, QuantizedAt};
 
 /// Quantized KV values in device memory: the packed data and one scale per block, as
 /// [`QuantizedKv`] holds them on the host.
@@ -57,7 +58,7 @@ impl KvFormat {
                 scales: &scales,
                 scales_offset: 0,
             };
-            stream.quantize(kind, block, src, src_offset, len, at)?;
+            ai::quantize(&stream, kind, block, src, src_offset, len, at)?;
         }
         Ok(DeviceQuantizedKv {
             format: self,
@@ -110,9 +111,7 @@ impl DeviceQuantizedKv {
             scales: &self.scales,
             scales_offset: 0,
         };
-        stream
-            .dequantize(kind, block, at, self.len, dst, dst_offset)
-            .map_err(AiError::from)
+        ai::dequantize(&stream, kind, block, at, self.len, dst, dst_offset).map_err(AiError::from)
     }
 
     /// A host copy (for a cold tier, or to check against the reference).

@@ -95,6 +95,12 @@ impl HotLayer {
     /// Gives `misses` (in this order) the slots selected longest ago, never one
     /// `step` selected; returns each miss's slot. There are always enough such slots: a step
     /// selects at most as many entries as there are slots.
+    ///
+    /// The HAL's device-planned load (`gpuio_hal::ai::swap_in`) evicts by the same rule, in
+    /// its install kernel and its host twin; it stays a second implementation because it must
+    /// match that kernel bit for bit (ages capped at 255 steps, ties to the lower slot) over a
+    /// state in device memory, while this one keeps exact steps over tables it also edits
+    /// (`drop_entry`).
     pub(super) fn install(&mut self, misses: &[u64], step: u64) -> Vec<u64> {
         let slots = self.holder.len();
         let mut victims: Vec<usize> = (0..slots).filter(|&s| self.last_used[s] != step).collect();

@@ -9,7 +9,10 @@
 use super::{KvPool, LoadReport};
 use crate::{AiError, Result};
 use gpuio_api::DeviceBuffer;
-use gpuio_hal::{HostAllocOptions, HostBuffer, Stream, TieredRows, TieredSource, tiered_stage_len};
+use gpuio_hal::ai::{
+    TieredRows, TieredSource, gather_tiered, gather_tiered_timed, tiered_stage_len,
+};
+use gpuio_hal::{HostAllocOptions, HostBuffer, Stream};
 use std::time::Duration;
 
 /// One request's load within a batch: the entries of `layer` at `selection` into `dst` from
@@ -208,11 +211,9 @@ pub(super) fn run(
             .collect();
         let stream = &stage.stream;
         if timed {
-            stream.gather_tiered_timed(e, &jobs, &mut stage.host, &stage.device)
+            gather_tiered_timed(stream, e, &jobs, &mut stage.host, &stage.device)
         } else {
-            stream
-                .gather_tiered(e, &jobs, &mut stage.host, &stage.device)
-                .map(|()| Duration::ZERO)
+            gather_tiered(stream, e, &jobs, &mut stage.host, &stage.device).map(|()| Duration::ZERO)
         }
     };
     match moved {

@@ -34,7 +34,7 @@ pub use swap::{LoadTimes, SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget};
 
 use crate::{AiError, Result};
 use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
-use gpuio_hal::{TIER_MAX_HOT_ROWS, TIER_MAX_WARM_ROWS, tiered_stage_len};
+use gpuio_hal::ai::{TIER_MAX_HOT_ROWS, TIER_MAX_WARM_ROWS, tiered_stage_len};
 use hot::HotLayer;
 use load::Stage;
 

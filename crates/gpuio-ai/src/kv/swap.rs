@@ -2,7 +2,7 @@
 //! host memory, a hot buffer per layer in HBM, and loads whose hits, misses and victims the
 //! device works out from a selection already in device memory (where the model's indexer
 //! leaves its top-k). The host plans nothing and uploads only each sequence's length and
-//! count per load: a load is the HAL's [`Stream::swap_in`] — a fetch kernel that puts every
+//! count per load: a load is the HAL's [`swap_in`] — a fetch kernel that puts every
 //! selected entry in its destination (from its slot, or from host memory), which the call
 //! waits for, then an install kernel that gives the misses their slots while the caller
 //! goes on (the batch's next load, and its drop, wait for it).
@@ -15,11 +15,11 @@
 use super::LoadReport;
 use crate::{AiError, Result};
 use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
-use gpuio_hal::{HostBuffer, HostRead};
-use gpuio_hal::{
-    SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, Stream, SwapInFault,
-    SwapInJob, SwapInLoad, SwapInTable, swap_in_state_len,
+use gpuio_hal::ai::{
+    SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, SwapInFault, SwapInJob,
+    SwapInLoad, SwapInTable, swap_in, swap_in_reset, swap_in_state_len, swap_in_table,
 };
+use gpuio_hal::{HostBuffer, HostRead, Stream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -130,7 +130,7 @@ impl SwapInKv {
         let mut layers = Vec::with_capacity(cfg.layers);
         for _ in 0..cfg.layers {
             let state = session.alloc_device(cfg.gpu, state_len)?;
-            stream.swap_in_reset(&state, cfg.max_tokens, cfg.hot_slots)?;
+            swap_in_reset(&stream, &state, cfg.max_tokens, cfg.hot_slots)?;
             layers.push(Layer {
                 hot: session.alloc_device(cfg.gpu, hot_len)?,
                 state,
@@ -207,7 +207,12 @@ impl SwapInKv {
         let cfg = &self.inner.cfg;
         let reset = || -> Result<()> {
             let stream = session.gpu(cfg.gpu)?.stream()?;
-            Ok(stream.swap_in_reset(&l.state, cfg.max_tokens, cfg.hot_slots)?)
+            Ok(swap_in_reset(
+                &stream,
+                &l.state,
+                cfg.max_tokens,
+                cfg.hot_slots,
+            )?)
         };
         let done = reset();
         l.in_batch.store(false, Ordering::Release);
@@ -382,7 +387,7 @@ impl SwapInBatch {
                 }
             })
             .collect();
-        let table = stream.swap_in_table(entry, &jobs)?;
+        let table = swap_in_table(&stream, entry, &jobs)?;
         Ok((stream, table))
     }
 
@@ -439,7 +444,7 @@ impl SwapInBatch {
         let kvs: Vec<&SwapInKv> = self.claims.kvs.iter().collect();
         let guards = read_all(&kvs);
         let warm: Vec<&HostBuffer> = guards.iter().map(|g| &**g).collect();
-        let done = self.stream.swap_in(&mut self.table, &warm, &loads, timed)?;
+        let done = swap_in(&self.stream, &mut self.table, &warm, &loads, timed)?;
         let entry = self.claims.kvs[0].inner.cfg.entry_bytes as u64;
         let reports = done
             .jobs

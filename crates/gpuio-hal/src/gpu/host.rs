@@ -3,14 +3,11 @@
 //! It runs gpuio's logic for real on machines without a GPU (CI); it simulates no PCIe.
 
 use super::GdsMode;
-use super::TieredSource;
 use super::backend::{
-    AiLaunch, BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend,
-    HostPin, Owner, RowHooks, RowJob, RowMem, RowsDone, StreamBackend, StreamTarget, SwapInLaunch,
-    SwapInRan, TieredJob, TieredPart,
+    BaselineCopy, DevRange, DeviceBackend, DeviceMemory, EventBackend, GdsFileBackend, HostPin,
+    Owner, RowHooks, RowJob, RowMem, RowsDone, StreamBackend, StreamTarget,
 };
 use super::info::{Backend, Capability, DeviceInfo, cxl_capability};
-use super::swap_in;
 use crate::error::{HalError, Result};
 use crate::kernels::{KernelLoad, KernelOrigin, KernelPath, KernelSource};
 use crate::memory::{HostAllocOptions, HostBuffer};
@@ -19,7 +16,7 @@ use crate::sys;
 use std::any::Any;
 use std::fs::File;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 #[derive(Debug)]
 pub(crate) struct HostDevice {
@@ -280,36 +277,6 @@ impl StreamBackend for HostStream {
         })
     }
 
-    unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<RowsDone> {
-        let (timed, t) = (job.timed, Instant::now());
-        // SAFETY: forwarded from the caller's contract.
-        let bad = unsafe { self.tiered_now(job) };
-        Ok(RowsDone {
-            bad_index: bad?,
-            device_time: timed.then(|| t.elapsed()),
-        })
-    }
-
-    unsafe fn swap_in(&self, launch: SwapInLaunch<'_>) -> Result<SwapInRan> {
-        let (timed, t) = (launch.timed, Instant::now());
-        // SAFETY: forwarded from the caller's contract.
-        let report = unsafe { self.swap_in_now(launch)? };
-        Ok(SwapInRan {
-            report,
-            device_time: timed.then(|| t.elapsed()),
-            install_time: timed.then_some(Duration::ZERO),
-            installing: None,
-        })
-    }
-
-    unsafe fn ai_kernel(&self, _launch: AiLaunch<'_>) -> Result<()> {
-        Err(HalError::Unsupported {
-            what: "the AI tier's kernels",
-            reason: "the host backend runs no kernels; gpuio-ai runs its CPU reference instead"
-                .into(),
-        })
-    }
-
     fn record(&self, _timing: bool) -> Result<Box<dyn EventBackend>> {
         Ok(Box::new(HostEvent { at: Instant::now() }))
     }
@@ -447,144 +414,6 @@ fn lock_all(mut mems: Vec<(&HostDeviceMemory, bool)>) -> Vec<HeldLock<'_>> {
 pub(crate) enum HeldLock<'a> {
     Read(#[allow(dead_code)] RwLockReadGuard<'a, ()>),
     Write(#[allow(dead_code)] RwLockWriteGuard<'a, ()>),
-}
-
-impl HostStream {
-    /// Runs a tiered gather on the CPU, job after job.
-    ///
-    /// # Safety
-    /// As for `StreamBackend::tiered_rows`.
-    unsafe fn tiered_now(&self, job: TieredJob<'_>) -> Result<Option<u64>> {
-        // SAFETY: the caller's upload holds the stage range's length of readable bytes.
-        unsafe { self.copy_h2d(job.upload, job.stage)? };
-        let mut mems = vec![(memory(&job.stage)?, false)];
-        for p in job.parts {
-            mems.push((memory(&p.hot)?, true));
-            mems.push((memory(&p.dst)?, true));
-        }
-        let _guards = lock_all(mems);
-        // SAFETY: the first `total` codes of the stage range, locked for reading above; the
-        // stage starts its allocation (page-aligned host memory), so the u64s are aligned.
-        let codes =
-            unsafe { std::slice::from_raw_parts(job.stage.addr() as *const u64, job.total) };
-        // SAFETY: the caller's contract (the warm pools), the locks above (the rest).
-        unsafe { copy_tiered(job.parts, codes, job.row_bytes) }
-    }
-
-    /// Runs a device-planned load on the CPU: each job's fetch and install
-    /// (`swap_in::plan_on_host`, what the kernels do), then the tiered copy of its codes. Its
-    /// report words: the call's first failure, each job's, each job's counts.
-    ///
-    /// # Safety
-    /// As for `StreamBackend::swap_in`.
-    unsafe fn swap_in_now(&self, launch: SwapInLaunch<'_>) -> Result<Vec<u64>> {
-        let mut mems = Vec::new();
-        for p in launch.parts {
-            swap_in::check_part(p, launch.row_bytes)?;
-            mems.extend([(memory(&p.hot)?, true), (memory(&p.state)?, true)]);
-            mems.extend([(memory(&p.selection)?, false), (memory(&p.dst)?, true)]);
-        }
-        let _guards = lock_all(mems);
-        let n = launch.parts.len();
-        let total: usize = launch.parts.iter().map(|p| p.load.count).sum();
-        let mut codes = vec![u64::MAX; total];
-        let (mut report, mut counts) = (vec![u64::MAX; 1 + n], Vec::with_capacity(n));
-        let mut tiered = Vec::with_capacity(n);
-        let mut first = 0;
-        for (j, p) in launch.parts.iter().enumerate() {
-            let words = swap_in::state_words(p.positions, p.slots);
-            // SAFETY: the state range holds `words` u32s (check_part), 4-aligned (words_at),
-            // locked for writing above; the selection range holds `count` u32s (the table
-            // checked `max_count` of them and the call `count <= max_count`), locked for
-            // reading.
-            let (state, selection) = unsafe {
-                (
-                    std::slice::from_raw_parts_mut(swap_in::words_at(&p.state)?, words),
-                    std::slice::from_raw_parts(swap_in::words_at(&p.selection)?, p.load.count),
-                )
-            };
-            let mine = &mut codes[first..first + p.load.count];
-            let shape = swap_in::HostPlan {
-                positions: p.positions as usize,
-                slots: p.slots,
-                len: p.load.len,
-                warm_first: p.warm_first,
-                job: j,
-            };
-            let (count, stats) = match swap_in::plan_on_host(state, selection, mine, &shape) {
-                Ok((hits, misses)) => (p.load.count, hits as u64 | (misses as u64) << 32),
-                Err(word) => {
-                    report[0] = report[0].min(word);
-                    report[1 + j] = word;
-                    (0, 0)
-                }
-            };
-            counts.push(stats);
-            tiered.push(TieredPart {
-                hot: p.hot,
-                warm: p.warm,
-                dst: p.dst,
-                first,
-                count,
-            });
-            first += p.load.count;
-        }
-        // Refused jobs copy nothing (count 0); a code outside its tier cannot come from the
-        // plan, which checks every index it follows.
-        // SAFETY: the caller's contract (the warm pools), the locks above (the rest).
-        if let Some(i) = unsafe { copy_tiered(&tiered, &codes, launch.row_bytes)? } {
-            return Err(HalError::InvalidArgument(format!(
-                "swap-in: code {i} names a row outside its tier"
-            )));
-        }
-        report.extend(counts);
-        Ok(report)
-    }
-}
-
-/// Copies each part's rows as its codes name them (a tiered gather on the CPU); the position
-/// of the first code outside its tier, whose row is skipped.
-///
-/// # Safety
-/// The parts' warm pools are valid host memory; their hot and destination ranges are locked
-/// for writing by the caller and disjoint.
-unsafe fn copy_tiered(parts: &[TieredPart<'_>], codes: &[u64], rb: usize) -> Result<Option<u64>> {
-    let mut bad = None;
-    for p in parts {
-        let RowMem::Host { ptr: warm, len, .. } = p.warm else {
-            return Err(HalError::InvalidArgument(
-                "a tiered gather's warm tier is host memory".into(),
-            ));
-        };
-        let (hot_rows, warm_rows) = ((p.hot.len / rb) as u64, (len / rb) as u64);
-        let (hot, dst) = (p.hot.addr() as *mut u8, p.dst.addr() as *mut u8);
-        for r in 0..p.count {
-            let (from, install) = match TieredSource::from_code(codes[p.first + r]) {
-                TieredSource::Hot(s) if s < hot_rows => (hot.wrapping_add(s as usize * rb), None),
-                TieredSource::Warm { row, install }
-                    if row < warm_rows && install.is_none_or(|s| s < hot_rows) =>
-                {
-                    let to = install.map(|s| hot.wrapping_add(s as usize * rb));
-                    (warm.wrapping_add(row as usize * rb), to)
-                }
-                _ => {
-                    bad = bad.or(Some((p.first + r) as u64));
-                    continue;
-                }
-            };
-            // SAFETY: rows below their tier's row count lie inside the hot range or the warm
-            // pool (valid by the caller's contract); output row r < count inside the checked
-            // destination; the hot and destination ranges are locked for writing and, like
-            // the warm pool, disjoint (the caller's contract).
-            unsafe {
-                sys::copy_raw(from, dst.wrapping_add(r * rb), rb);
-                if let Some(to) = install {
-                    sys::copy_raw(from, to, rb);
-                }
-            }
-        }
-    }
-    Ok(bad)
 }
 
 struct HostEvent {

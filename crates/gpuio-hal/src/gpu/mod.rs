@@ -8,7 +8,6 @@
 //! This file holds probing, [`Gpu`], host memory pinned for a device and [`DeviceBuffer`];
 //! `stream.rs` holds [`Stream`] (the checked copies and kernels), [`Inflight`] and [`Event`].
 
-mod ai_kernels;
 mod backend;
 mod baseline;
 #[cfg(feature = "cuda")]
@@ -22,25 +21,18 @@ mod op;
 mod pattern;
 mod rows;
 mod stream;
-mod swap_in;
-mod tiered;
 
-pub use ai_kernels::{QuantKind, QuantizedAt, ScoreRows};
 pub use dmabuf::DmaBufExport;
 pub use gds::{GdsFile, GdsMode};
 pub use hot_rows::{HOT_MAX_POOL_ROWS, HOT_MAX_ROWS, HotRows};
 pub use info::{Backend, Capability, DeviceInfo, PcieLink};
-pub use op::{Access, CudaRun, DevArg, DeviceOp, HostLocks, HostRun, KernelArgs, LaunchShape};
+pub use op::{
+    Access, CudaRun, DevArg, DeviceOp, HostArg, HostLocks, HostRun, KernelArgs, LaunchShape,
+};
 pub use rows::{RowIndices, RowKernel};
 pub use stream::{Event, Inflight, Stream};
-pub use swap_in::{
-    SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, SwapInCounts, SwapInDone,
-    SwapInFault, SwapInJob, SwapInLoad, SwapInRefused, SwapInTable, swap_in_state_len,
-};
-pub use tiered::{
-    TIER_MAX_HOT_ROWS, TIER_MAX_JOBS, TIER_MAX_WARM_ROWS, TieredRows, TieredSource,
-    tiered_stage_len,
-};
+// The hot rows refresh their copies through the AI tier's tiered gather.
+pub(crate) use crate::ai::{TIER_MAX_HOT_ROWS, TieredRows, TieredSource, tiered_stage_len};
 
 use crate::error::{HalError, Result, check_range};
 use crate::memory::mapped::{FileMapping, MappingPin};

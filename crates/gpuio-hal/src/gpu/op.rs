@@ -11,6 +11,8 @@
 //! ([`HostRun::lock`]: address order, exclusive where written), as every host-backend
 //! operation does.
 
+#[cfg(feature = "cuda")]
+use super::backend::DeviceMemory;
 use super::backend::{DevRange, StreamTarget};
 use super::{DeviceBuffer, Stream};
 use crate::error::{HalError, Result, check_range};
@@ -37,7 +39,10 @@ impl Stream {
                 _stream: PhantomData,
             }),
             #[cfg(feature = "cuda")]
-            StreamTarget::Cuda(stream) => op.cuda(&CudaRun { stream }),
+            StreamTarget::Cuda(stream) => op.cuda(&CudaRun {
+                stream,
+                reports: std::cell::OnceCell::new(),
+            }),
         }
     }
 
@@ -227,12 +232,14 @@ pub struct HostLocks<'a> {
     _held: Vec<super::host::HeldLock<'a>>,
 }
 
-/// A kernel launch's shape: `grid` blocks of `block` threads, `shared_bytes` of dynamic
-/// shared memory a block.
+/// A kernel launch's shape: `grid` blocks of `block` threads (in `grid_y` rows of `grid`
+/// blocks where `grid_y > 1`), `shared_bytes` of dynamic shared memory a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LaunchShape {
-    /// Blocks in the grid.
+    /// Blocks in the grid (in each of its rows).
     pub grid: u32,
+    /// Rows of the grid (its second dimension, `blockIdx.y`): 1 for a line of blocks.
+    pub grid_y: u32,
     /// Threads a block.
     pub block: u32,
     /// Dynamic shared memory a block, in bytes.
@@ -243,6 +250,7 @@ impl LaunchShape {
     /// One thread.
     pub const ONE: Self = Self {
         grid: 1,
+        grid_y: 1,
         block: 1,
         shared_bytes: 0,
     };
@@ -251,8 +259,18 @@ impl LaunchShape {
     pub fn threads(threads: u32, block: u32) -> Self {
         Self {
             grid: threads.div_ceil(block.max(1)).max(1),
+            grid_y: 1,
             block: block.max(1),
             shared_bytes: 0,
+        }
+    }
+
+    /// This shape in `rows` rows (the grid's second dimension; at least 1): kernels that take
+    /// one job per row of blocks.
+    pub fn rows(self, rows: u32) -> Self {
+        Self {
+            grid_y: rows.max(1),
+            ..self
         }
     }
 }
@@ -326,6 +344,9 @@ impl KernelArgs {
 pub struct CudaRun<'s> {
     #[cfg(feature = "cuda")]
     pub(crate) stream: &'s super::cuda::CudaStreamBackend,
+    /// The stream's report words, named once an op asks for them.
+    #[cfg(feature = "cuda")]
+    pub(crate) reports: std::cell::OnceCell<StreamMemory>,
     #[cfg(not(feature = "cuda"))]
     never: std::convert::Infallible,
     #[cfg(not(feature = "cuda"))]
@@ -382,5 +403,34 @@ impl CudaRun<'_> {
     /// See the CUDA backend's `CudaRun::record`.
     pub fn record(&self, _timing: bool) -> Result<super::Event> {
         match self.never {}
+    }
+
+    /// See the CUDA backend's `CudaRun::report_words`.
+    pub fn report_words(&self, _words: usize) -> Result<DevArg<'_>> {
+        match self.never {}
+    }
+
+    /// See the CUDA backend's `CudaRun::memset`.
+    ///
+    /// # Safety
+    /// Never callable: no value of this type exists.
+    pub unsafe fn memset(&self, _dst: DevArg<'_>, _value: u8) -> Result<()> {
+        match self.never {}
+    }
+}
+
+/// Device memory a CUDA stream keeps and frees itself (its report words), as ops name it.
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+pub(crate) struct StreamMemory(pub(crate) u64);
+
+#[cfg(feature = "cuda")]
+impl DeviceMemory for StreamMemory {
+    fn addr(&self) -> u64 {
+        self.0
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }

@@ -1,9 +1,10 @@
-//! The AI tier's kernels at the HAL: similarity scores (`Stream::dot_scores`) against a CPU
+//! The AI tier's kernels at the HAL: similarity scores (`ai::dot_scores`) against a CPU
 //! dot product, rows of f32 in device memory and rows of FP8 bytes read from pinned host
 //! memory; on the host backend, the typed refusal (gpuio-ai runs its reference there).
 
+use gpuio_hal::ai::{self, ScoreRows};
 use gpuio_hal::{
-    Backend, BackendPreference, ErrorCode, HostAllocOptions, HostBuffer, ScoreRows, pattern, probe,
+    Backend, BackendPreference, ErrorCode, HostAllocOptions, HostBuffer, pattern, probe,
 };
 
 /// E4M3 decoded on the CPU (no NaN in the rows used here).
@@ -46,7 +47,7 @@ fn dot_scores_match_a_cpu_dot_product() {
             (ScoreRows::Pinned(&fp8), true),
         ];
         for (table_rows, is_fp8) in cases {
-            let done = stream.dot_scores(table_rows, rows, dim, is_fp8, &q, &scores);
+            let done = ai::dot_scores(&stream, table_rows, rows, dim, is_fp8, &q, &scores);
             if gpu.backend() == Backend::Host {
                 assert_eq!(done.unwrap_err().code(), ErrorCode::Unsupported);
                 continue;
@@ -75,9 +76,17 @@ fn dot_scores_match_a_cpu_dot_product() {
             }
         }
         // Shapes refused before anything runs.
-        let e = stream.dot_scores(ScoreRows::Device(&t), rows + 1, dim, false, &q, &scores);
+        let e = ai::dot_scores(
+            &stream,
+            ScoreRows::Device(&t),
+            rows + 1,
+            dim,
+            false,
+            &q,
+            &scores,
+        );
         assert_eq!(e.unwrap_err().code(), ErrorCode::InvalidArg);
-        let e = stream.dot_scores(ScoreRows::Device(&t), rows, 0, false, &q, &scores);
+        let e = ai::dot_scores(&stream, ScoreRows::Device(&t), rows, 0, false, &q, &scores);
         assert_eq!(e.unwrap_err().code(), ErrorCode::InvalidArg);
     }
 }
@@ -86,7 +95,7 @@ fn dot_scores_match_a_cpu_dot_product() {
 /// (round to nearest, ties to even); the host backend refuses.
 #[test]
 fn quantized_bytes_are_the_formats_own() {
-    use gpuio_hal::{QuantKind, QuantizedAt};
+    use gpuio_hal::ai::{QuantKind, QuantizedAt};
     for gpu in probe(BackendPreference::Auto).unwrap().gpus {
         let stream = gpu.stream().unwrap();
         let values = [
@@ -108,7 +117,7 @@ fn quantized_bytes_are_the_formats_own() {
             scales: &scales,
             scales_offset: 0,
         };
-        let done = stream.quantize(QuantKind::F16, 1, &src, 0, values.len(), at);
+        let done = ai::quantize(&stream, QuantKind::F16, 1, &src, 0, values.len(), at);
         if gpu.backend() == Backend::Host {
             assert_eq!(done.unwrap_err().code(), ErrorCode::Unsupported);
             continue;
@@ -128,14 +137,11 @@ fn quantized_bytes_are_the_formats_own() {
         );
         // In place (data over the source it reads): refused before anything runs.
         let onto_src = QuantizedAt { data: &src, ..at };
-        let e = stream
-            .quantize(QuantKind::Int8, 4, &src, 0, values.len(), onto_src)
-            .unwrap_err();
+        let e =
+            ai::quantize(&stream, QuantKind::Int8, 4, &src, 0, values.len(), onto_src).unwrap_err();
         assert!(e.to_string().contains("overlap"), "{e}");
         // FP8 with one block: the largest magnitude (485.15594) maps to 448 (0xfe, negative).
-        stream
-            .quantize(QuantKind::Fp8, 8, &src, 0, values.len(), at)
-            .unwrap();
+        ai::quantize(&stream, QuantKind::Fp8, 8, &src, 0, values.len(), at).unwrap();
         let mut fp8 = vec![0u8; values.len()];
         stream.download(&data, 0, &mut fp8).unwrap();
         assert_eq!(fp8[0], 0xfe, "{fp8:02x?}");

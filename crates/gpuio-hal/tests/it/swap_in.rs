@@ -1,4 +1,4 @@
-//! Device-planned loads at the HAL (`Stream::swap_in`) on the probed backend — the kernels on
+//! Device-planned loads at the HAL (`ai::swap_in`) on the probed backend — the kernels on
 //! the GPU machine, `plan_on_host` in CI — through states corrupted between loads: a slot
 //! holding a position outside its table is found by the install after the rows went out (the
 //! load's rows are right, nothing is installed, and the next load is refused until the state
@@ -6,10 +6,12 @@
 //! state's fault, never giving it the other position's row. gpuio-ai's swap-in tests check
 //! the loads themselves against an LRU model.
 
+use gpuio_hal::ai::{
+    SwapInCounts, SwapInFault, SwapInJob, SwapInLoad, SwapInRefused, SwapInTable, swap_in,
+    swap_in_reset, swap_in_state_len, swap_in_table,
+};
 use gpuio_hal::{
-    BackendPreference, DeviceBuffer, HostAllocOptions, HostBuffer, Stream, SwapInCounts,
-    SwapInFault, SwapInJob, SwapInLoad, SwapInRefused, SwapInTable, pattern, probe,
-    swap_in_state_len,
+    BackendPreference, DeviceBuffer, HostAllocOptions, HostBuffer, Stream, pattern, probe,
 };
 use gpuio_testkit::Requirement;
 
@@ -47,7 +49,7 @@ impl Rig {
             .unwrap();
         let selection = gpu.alloc(8).unwrap();
         let dst = gpu.alloc(2 * ROW).unwrap();
-        stream.swap_in_reset(&state, POSITIONS, SLOTS).unwrap();
+        swap_in_reset(&stream, &state, POSITIONS, SLOTS).unwrap();
         let job = SwapInJob {
             hot: &hot,
             slots: SLOTS,
@@ -60,7 +62,7 @@ impl Rig {
             dst: &dst,
             dst_offset: 0,
         };
-        let table = stream.swap_in_table(ROW, &[job]).unwrap();
+        let table = swap_in_table(&stream, ROW, &[job]).unwrap();
         Self {
             stream,
             warm,
@@ -79,10 +81,7 @@ impl Rig {
             len: POSITIONS,
             count: sel.len(),
         };
-        let done = self
-            .stream
-            .swap_in(&mut self.table, &[&self.warm], &[load], false)
-            .unwrap();
+        let done = swap_in(&self.stream, &mut self.table, &[&self.warm], &[load], false).unwrap();
         let outcome = done.jobs[0].clone();
         if outcome.is_ok() {
             let mut got = vec![0u8; sel.len() * ROW];
@@ -117,9 +116,7 @@ impl Rig {
 
     fn reset(&mut self) {
         self.table.wait().unwrap();
-        self.stream
-            .swap_in_reset(&self.state, POSITIONS, SLOTS)
-            .unwrap();
+        swap_in_reset(&self.stream, &self.state, POSITIONS, SLOTS).unwrap();
     }
 }
 

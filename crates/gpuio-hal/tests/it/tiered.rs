@@ -1,11 +1,11 @@
-//! Tiered gathers (`Stream::gather_tiered`) against a CPU model, on the backend the probe finds
+//! Tiered gathers (`ai::gather_tiered`) against a CPU model, on the backend the probe finds
 //! (CUDA on the GPU machine, the host backend elsewhere): rows from a hot device buffer or a
 //! warm pinned pool, warm rows installed into hot rows on the way, several jobs per call; and
 //! the refusals: codes outside their tier, overlapping buffers, an unpinned stage.
 
+use gpuio_hal::ai::{TieredRows, TieredSource, gather_tiered, tiered_stage_len};
 use gpuio_hal::{
-    BackendPreference, DeviceBuffer, ErrorCode, Gpu, HostAllocOptions, HostBuffer, Stream,
-    TieredRows, TieredSource, probe, tiered_stage_len,
+    BackendPreference, DeviceBuffer, ErrorCode, Gpu, HostAllocOptions, HostBuffer, Stream, probe,
 };
 use proptest::prelude::*;
 
@@ -114,7 +114,7 @@ proptest! {
                     count: c.len(),
                 })
                 .collect();
-            stream.gather_tiered(row, &rows, &mut stage, &device).unwrap();
+            gather_tiered(&stream, row, &rows, &mut stage, &device).unwrap();
             drop(rows);
             for (j, c) in made.iter_mut().zip(&jobs) {
                 let mut want = Vec::new();
@@ -165,37 +165,25 @@ fn tiered_gathers_refuse_what_they_cannot_do() {
             install: None,
         };
         write_codes(&mut stage, &[TieredSource::Hot(1), far]);
-        let e = stream
-            .gather_tiered(row, &[one(2)], &mut stage, &device)
-            .unwrap_err();
+        let e = gather_tiered(&stream, row, &[one(2)], &mut stage, &device).unwrap_err();
         assert_eq!(e.code(), ErrorCode::InvalidArg, "{e}");
         assert!(e.to_string().contains("code 1"), "{e}");
         write_codes(&mut stage, &[TieredSource::Hot(8), TieredSource::Hot(0)]);
-        let e = stream
-            .gather_tiered(row, &[one(2)], &mut stage, &device)
-            .unwrap_err();
+        let e = gather_tiered(&stream, row, &[one(2)], &mut stage, &device).unwrap_err();
         assert!(e.to_string().contains("code 0"), "{e}");
         // The hot buffer as its own destination.
         let onto_hot = TieredRows {
             dst: &j.hot,
             ..one(2)
         };
-        let e = stream
-            .gather_tiered(row, &[onto_hot], &mut stage, &device)
-            .unwrap_err();
+        let e = gather_tiered(&stream, row, &[onto_hot], &mut stage, &device).unwrap_err();
         assert!(e.to_string().contains("overlap"), "{e}");
-        let e = stream
-            .gather_tiered(row, &[one(3)], &mut stage, &device)
-            .unwrap_err();
+        let e = gather_tiered(&stream, row, &[one(3)], &mut stage, &device).unwrap_err();
         assert_eq!(e.code(), ErrorCode::InvalidArg, "{e}");
         let mut pageable = HostBuffer::alloc(len, &HostAllocOptions::default()).unwrap();
-        let e = stream
-            .gather_tiered(row, &[one(2)], &mut pageable, &device)
-            .unwrap_err();
+        let e = gather_tiered(&stream, row, &[one(2)], &mut pageable, &device).unwrap_err();
         assert!(e.to_string().contains("pinned"), "{e}");
         // Nothing to do is done.
-        stream
-            .gather_tiered(row, &[one(0)], &mut stage, &device)
-            .unwrap();
+        gather_tiered(&stream, row, &[one(0)], &mut stage, &device).unwrap();
     }
 }

@@ -11,16 +11,15 @@
 //!   libcuda.
 //! - `device.rs`: a device (`CudaDevice`: context, kernels, what it reports) and its
 //!   `DeviceBackend`; `memory.rs`: the allocations and host registrations it owns.
-//! - `stream.rs`: a stream's copies, pattern and ring kernels; `rows.rs`: its row gathers,
-//!   scatters and tiered gathers; `array.rs` and `ai.rs`: its on-demand array and AI-tier
-//!   launches; `event.rs`: its pooled events.
+//! - `stream.rs`: a stream's copies, pattern and ring kernels; `rows.rs`: its row gathers and
+//!   scatters; `array.rs`: its on-demand array launches; `event.rs`: its pooled events;
+//!   `run.rs`: what an op's CUDA side may do on a stream.
 //! - `module.rs`: loading a module of `kernels/`: its embedded PTX through the driver, or
 //!   NVRTC's build of its source where no PTX fits or the driver refuses it; `nvrtc.rs`:
 //!   compiling `kernels/` with NVRTC.
 //! - `probe.rs`: what the installation can do, checked without letting cudarc panic;
 //!   `cufile.rs`: GPUDirect Storage.
 
-mod ai;
 mod cufile;
 mod device;
 mod driver;
@@ -32,7 +31,6 @@ mod probe;
 mod rows;
 mod run;
 mod stream;
-mod swap_in;
 
 pub(crate) use device::devices;
 pub use nvrtc::{NVRTC_ARCHS, compile_ptx, compile_ptx_for, nvrtc_problems};

@@ -10,9 +10,7 @@ use super::driver::{self, cuda_err};
 use super::stream::CudaStreamBackend;
 use crate::error::Result;
 use crate::gpu::RowKernel;
-use crate::gpu::backend::{
-    EventBackend, RowHooks, RowJob, RowMem, RowsDone, StreamBackend, TieredJob,
-};
+use crate::gpu::backend::{EventBackend, RowHooks, RowJob, RowMem, RowsDone, StreamBackend};
 use crate::sync::MutexExt;
 use cudarc::driver::{LaunchConfig, PushKernelArg, sys};
 use std::time::Duration;
@@ -33,8 +31,6 @@ pub(super) mod row_fn {
     pub(super) const ORDER_SCAN_BLOCKS: usize = 14;
     pub(super) const ORDER_SCAN_SUMS: usize = 15;
     pub(super) const ORDER_PLACE: usize = 16;
-    /// `gpuio_gather_tiered_{16,8,4,1}`.
-    pub(in crate::gpu::cuda) const TIERED: usize = 17;
     /// `gpuio_gather_hot_{16,8,4,1}`.
     pub(super) const HOT: usize = 21;
 }
@@ -202,7 +198,7 @@ pub(super) fn elapsed(from: &dyn EventBackend, to: &dyn EventBackend) -> Result<
 
 impl CudaStreamBackend {
     /// The row kernels' report words (`REPORT_BYTES` of device memory), allocated on first use.
-    fn report_scratch(&self) -> Result<sys::CUdeviceptr> {
+    pub(super) fn report_scratch(&self) -> Result<sys::CUdeviceptr> {
         let mut s = self.scratch.lock_unpoisoned();
         if let Some(p) = *s {
             return Ok(p);
@@ -428,58 +424,6 @@ impl CudaStreamBackend {
         };
         Ok(RowsDone {
             bad_index,
-            device_time,
-        })
-    }
-}
-
-impl CudaStreamBackend {
-    /// Runs a tiered gather: [`StreamBackend::tiered_rows`]. One upload of the codes and the
-    /// jobs' table, one launch (grid rows are jobs), one wait.
-    ///
-    /// # Safety
-    /// That of [`StreamBackend::tiered_rows`].
-    pub(super) unsafe fn run_tiered(&self, job: TieredJob<'_>) -> Result<RowsDone> {
-        let module = self.shared.module(&crate::kernels::GATHER)?;
-        let kernels = &module.functions;
-        self.shared.bind()?;
-        let rb = job.row_bytes as u64;
-        let starts = job
-            .parts
-            .iter()
-            .flat_map(|p| [p.hot.addr(), p.warm.addr(), p.dst.addr()]);
-        let (slot, width) = widest_piece(rb, starts);
-        let report = self.report_scratch()?;
-        let start = job.timed.then(|| self.record(true)).transpose()?;
-        // SAFETY: one report word fits the report scratch of this stream.
-        unsafe { driver::memset_d8_async(report, 0xff, 8, self.raw())? };
-        // SAFETY: the upload is pinned host memory holding the stage range's length, borrowed
-        // for the call, which synchronizes before returning.
-        unsafe { self.copy_h2d(job.upload, job.stage)? };
-        let running = WaitOnDrop(Some(self));
-        let most = job.parts.iter().map(|p| p.count as u64).max().unwrap_or(0);
-        // GPUIO_UNROLL (4) pieces in flight per thread; the grid's rows are the jobs.
-        let mut config = self.shared.launch_config((most * (rb / width)).div_ceil(4));
-        config.grid_dim.1 = job.parts.len() as u32;
-        let (table, codes) = (job.stage.addr() + job.table_offset as u64, job.stage.addr());
-        let mut launch = self.stream.launch_builder(&kernels[row_fn::TIERED + slot]);
-        launch.arg(&table).arg(&codes).arg(&rb).arg(&report);
-        // SAFETY: matches gpuio_gather_tiered_W(const void* jobs, const u64* codes, u64
-        // row_bytes, u64* err). The table (written by the caller after the codes, and copied
-        // with them just before, in stream order) names per job its checked hot range, the
-        // registered warm pool and the checked destination range with their row counts; the
-        // kernel checks every code against them, so it reads and writes only inside those
-        // (disjoint) ranges and the report word; we synchronize before returning.
-        unsafe { launch.launch(config) }
-            .map_err(cuda_err("cuLaunchKernel(gpuio_gather_tiered)"))?;
-        let end = start.is_some().then(|| self.record(true)).transpose()?;
-        let mut word = [0xffu8; 8];
-        // SAFETY: `word` holds 8 writable bytes; we synchronize before reading it.
-        unsafe { driver::memcpy_dtoh_async(word.as_mut_ptr(), report, 8, self.raw())? };
-        running.wait()?;
-        let device_time = event_time(start, end)?;
-        Ok(RowsDone {
-            bad_index: Some(u64::from_le_bytes(word)).filter(|&w| w != u64::MAX),
             device_time,
         })
     }

@@ -8,10 +8,7 @@ use super::driver::{self, cuda_err};
 use super::event::EventPool;
 use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
-use crate::gpu::backend::{
-    AiLaunch, DevRange, DeviceBackend, EventBackend, RowsDone, StreamBackend, StreamTarget,
-    SwapInLaunch, SwapInRan, TieredJob,
-};
+use crate::gpu::backend::{DevRange, DeviceBackend, EventBackend, StreamBackend, StreamTarget};
 use crate::sync::MutexExt;
 use cudarc::driver::{CudaStream, sys};
 use std::sync::{Arc, Mutex};
@@ -122,21 +119,6 @@ impl StreamBackend for CudaStreamBackend {
                 )
             }
         }
-    }
-
-    unsafe fn tiered_rows(&self, job: TieredJob<'_>) -> Result<RowsDone> {
-        // SAFETY: the same contract, the caller's.
-        unsafe { self.run_tiered(job) }
-    }
-
-    unsafe fn swap_in(&self, launch: SwapInLaunch<'_>) -> Result<SwapInRan> {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { self.run_swap_in(launch) }
-    }
-
-    unsafe fn ai_kernel(&self, launch: AiLaunch<'_>) -> Result<()> {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { self.launch_ai(launch) }
     }
 
     fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>> {

@@ -1,0 +1,345 @@
+//! A device-planned load as an op: on a GPU, the control words' upload, the fetch kernel and
+//! the report's download — the call waits for these — then the install kernel, which the call
+//! leaves running (`kernels/ai.cu`); on the host backend, each job's plan (`plan.rs`) and the
+//! tiered copy of its codes. Also the job table's layout, as both sides read it.
+
+use super::plan::{HostPlan, plan_on_host, state_words};
+use super::{JOB_BYTES, SwapInLoad, bad, swap_in_state_len};
+use crate::ai::tiered::{self, copy_tiered};
+use crate::ai::{WaitOnDrop, elapsed, widest_piece};
+use crate::error::{HalError, Result, check_range};
+use crate::gpu::{
+    Access, CudaRun, DevArg, DeviceOp, Event, HostArg, HostRun, KernelArgs, LaunchShape,
+};
+use crate::kernels::AiKernel;
+use crate::memory::HostBuffer;
+use std::cell::RefCell;
+use std::mem::offset_of;
+use std::time::{Duration, Instant};
+
+/// The fetch's block and the selection entries each block looks up (ai.cu's
+/// `GPUIO_SWAP_FETCH_THREADS`, `GPUIO_SWAP_FETCH_ENTRIES`).
+const FETCH_THREADS: u32 = 256;
+const FETCH_ENTRIES: u64 = 32;
+/// The install's block, one per job (ai.cu's `GPUIO_SWAP_THREADS`).
+const INSTALL_THREADS: u32 = 1024;
+
+/// One job of the table the kernels read: ai.cu's `gpuio_swap_job`, whose size and offsets
+/// are asserted there too.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct SwapJob {
+    /// The selection: u32 positions.
+    pub(super) selection: u64,
+    /// The job's control words in the table (the layer's length, the count), uploaded per
+    /// call.
+    pub(super) control: u64,
+    /// The state: step, bad flag, slot per position, position and last step per slot.
+    pub(super) state: u64,
+    /// Warm row 0, as the device reaches the pinned pool, and the warm row of position 0.
+    pub(super) warm: u64,
+    pub(super) warm_first: u64,
+    /// The hot buffer (`slots` rows) and the destination (`max_count` rows).
+    pub(super) hot: u64,
+    pub(super) dst: u64,
+    /// The job's staging rows and its copy of the selection (`max_count` each) in the table.
+    pub(super) staging: u64,
+    pub(super) seen: u64,
+    pub(super) positions: u32,
+    pub(super) slots: u32,
+    pub(super) max_count: u32,
+    pub(super) unused: u32,
+}
+
+const _: () = assert!(size_of::<SwapJob>() == JOB_BYTES);
+const _: () = assert!(offset_of!(SwapJob, selection) == 0);
+const _: () = assert!(offset_of!(SwapJob, control) == 8);
+const _: () = assert!(offset_of!(SwapJob, state) == 16);
+const _: () = assert!(offset_of!(SwapJob, warm) == 24);
+const _: () = assert!(offset_of!(SwapJob, warm_first) == 32);
+const _: () = assert!(offset_of!(SwapJob, hot) == 40);
+const _: () = assert!(offset_of!(SwapJob, dst) == 48);
+const _: () = assert!(offset_of!(SwapJob, staging) == 56);
+const _: () = assert!(offset_of!(SwapJob, seen) == 64);
+const _: () = assert!(offset_of!(SwapJob, positions) == 72);
+const _: () = assert!(offset_of!(SwapJob, slots) == 76);
+const _: () = assert!(offset_of!(SwapJob, max_count) == 80);
+const _: () = assert!(offset_of!(SwapJob, unused) == 84);
+
+impl SwapJob {
+    /// Its bytes as the device reads them: little-endian, in field order (the offsets
+    /// asserted above).
+    pub(super) fn to_le_bytes(self) -> [u8; JOB_BYTES] {
+        let mut out = [0; JOB_BYTES];
+        let words = [
+            self.selection,
+            self.control,
+            self.state,
+            self.warm,
+            self.warm_first,
+            self.hot,
+            self.dst,
+            self.staging,
+            self.seen,
+        ];
+        for (b, w) in out.chunks_exact_mut(8).zip(words) {
+            b.copy_from_slice(&w.to_le_bytes());
+        }
+        let halves = [self.positions, self.slots, self.max_count, self.unused];
+        for (b, h) in out[72..].chunks_exact_mut(4).zip(halves) {
+            b.copy_from_slice(&h.to_le_bytes());
+        }
+        out
+    }
+}
+
+/// One job of a checked call.
+pub(super) struct Part<'a> {
+    pub(super) hot: DevArg<'a>,
+    pub(super) state: DevArg<'a>,
+    pub(super) selection: DevArg<'a>,
+    /// The destination's `max_count` rows.
+    pub(super) dst: DevArg<'a>,
+    /// Pinned host memory.
+    pub(super) warm: HostArg<'a>,
+    /// This call's length and count (also in the control words the call uploads).
+    pub(super) load: SwapInLoad,
+    pub(super) positions: u64,
+    pub(super) slots: usize,
+    pub(super) warm_first: u64,
+}
+
+/// What a load reported: the report words (1 + 2 per job), when asked the device's times,
+/// and the install while it may still run.
+pub(super) struct Ran {
+    pub(super) report: Vec<u64>,
+    pub(super) device_time: Option<Duration>,
+    pub(super) install_time: Option<Duration>,
+    pub(super) installing: Option<Event>,
+}
+
+/// A checked load: `table` holds the jobs (from 0), the control words (from `control_at`,
+/// uploaded from `control`), the report words (from `report_at`: the call's first failure,
+/// each job's first failure, each job's hits and misses) and the staging rows (from
+/// `staging_at`).
+pub(super) struct Load<'a> {
+    pub(super) row_bytes: usize,
+    pub(super) table: DevArg<'a>,
+    /// Pinned: each job's length and count, 16 bytes a job.
+    pub(super) control: &'a HostBuffer,
+    /// Pinned: where the report words are downloaded (1 + 2 per job).
+    pub(super) report_host: RefCell<&'a mut [u8]>,
+    pub(super) control_at: usize,
+    pub(super) report_at: usize,
+    pub(super) staging_at: usize,
+    pub(super) parts: Vec<Part<'a>>,
+    /// Time the device's work (events around the fetch, and around the install; the control
+    /// words' upload runs before the first).
+    pub(super) timed: bool,
+}
+
+impl DeviceOp for Load<'_> {
+    type Output = Ran;
+
+    fn host(&self, host: &HostRun<'_>) -> Result<Ran> {
+        let t = Instant::now();
+        let report = self.plan_on_host(host)?;
+        Ok(Ran {
+            report,
+            device_time: self.timed.then(|| t.elapsed()),
+            install_time: self.timed.then_some(Duration::ZERO),
+            installing: None,
+        })
+    }
+
+    fn cuda(&self, cuda: &CudaRun<'_>) -> Result<Ran> {
+        let rb = self.row_bytes as u64;
+        let jobs = self.parts.len();
+        let staging = self.table.addr() + self.staging_at as u64;
+        let starts = self
+            .parts
+            .iter()
+            .flat_map(|p| [p.hot.addr(), p.warm.addr(), p.dst.addr()])
+            .chain([staging]);
+        let (_, width) = widest_piece(rb, starts);
+        let report = self.table.part(self.report_at, 8 * (1 + 2 * jobs))?;
+        let control = self.table.part(self.control_at, 16 * jobs)?;
+        if self.control.len() < control.len() {
+            return Err(HalError::InvalidArgument(
+                "swap-in: control words shorter than their jobs".into(),
+            ));
+        }
+        let mut words_at = self.report_host.borrow_mut();
+        if words_at.len() < report.len() {
+            return Err(HalError::InvalidArgument(
+                "swap-in: a report buffer shorter than its words".into(),
+            ));
+        }
+        let running = WaitOnDrop::new(cuda);
+        // SAFETY: the control words are 16 bytes a job of pinned memory the op borrows until
+        // the call returns, which is after the fetch (behind this copy) is waited for; the
+        // destination is the table's control range (its layout).
+        unsafe { cuda.upload(self.control.base_ptr(), control)? };
+        // The upload goes ahead of the clock, as the peers' index lists do: the host knows
+        // each length and count before the selection is there.
+        let start = self.timed.then(|| cuda.record(true)).transpose()?;
+        let most = self
+            .parts
+            .iter()
+            .map(|p| p.load.count as u64)
+            .max()
+            .unwrap_or(0);
+        let args = KernelArgs::new()
+            .ptr(&self.table)
+            .u64(rb)
+            .u64(width)
+            .ptr(&report);
+        let fetch = LaunchShape {
+            grid: most.div_ceil(FETCH_ENTRIES).max(1) as u32,
+            grid_y: jobs as u32,
+            block: FETCH_THREADS,
+            shared_bytes: 0,
+        };
+        // SAFETY: matches gpuio_swap_in_fetch(jobs, u64 rb, u64 width, u64* report). The jobs
+        // name only ranges the HAL checked and the table keeps alive, and a registered warm
+        // pool; the kernel follows positions below the length and slots below the job's slots,
+        // and writes only those rows and slot words, the report words and the table's own
+        // words (the selection's copy, the hit bits). `width` divides every row and address.
+        unsafe { cuda.launch(AiKernel::SwapInFetch, fetch, &args)? };
+        let end = start.is_some().then(|| cuda.record(true)).transpose()?;
+        // SAFETY: `words_at` is pinned host memory of at least the report's length, borrowed
+        // mutably for the call and untouched until the wait below (so the copy runs without
+        // holding the host up, and the install queues right behind it).
+        unsafe { cuda.download(report, words_at.as_mut_ptr())? };
+        let fetched = cuda.record(false)?;
+        let install = LaunchShape {
+            grid: jobs as u32,
+            grid_y: 1,
+            block: INSTALL_THREADS,
+            shared_bytes: 0,
+        };
+        // SAFETY: matches gpuio_swap_in_install(const gpuio_swap_job*, u64 rb, u64 width,
+        // u64* report). It reads the same jobs, control words and report words, follows only
+        // positions and slots inside the state's tables (a victim's position outside them
+        // flags the state instead), copies staging rows below max_count into slots below the
+        // job's slots, and resets the report words. The table waits for it before it lets the
+        // buffers go (the event returned below).
+        unsafe { cuda.launch(AiKernel::SwapInInstall, install, &args)? };
+        let installed = cuda.record(self.timed)?;
+        fetched.synchronize()?;
+        let words = words_at
+            .chunks_exact(8)
+            .take(1 + 2 * jobs)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
+            .collect();
+        // The fetch is done and nothing failed: the install may run on after the call.
+        running.disarm();
+        let (device_time, install_time, installing) = match (start, end) {
+            (Some(start), Some(end)) => {
+                installed.synchronize()?;
+                let fetch = elapsed(&start, &end)?;
+                let install = elapsed(&end, &installed)?;
+                (Some(fetch), Some(install), None)
+            }
+            _ => (None, None, Some(installed)),
+        };
+        Ok(Ran {
+            report: words,
+            device_time,
+            install_time,
+            installing,
+        })
+    }
+}
+
+impl Load<'_> {
+    /// Each job's fetch and install on the CPU (`plan_on_host`, what the kernels do), then the
+    /// tiered copy of its codes. Its report words: the call's first failure, each job's, each
+    /// job's counts.
+    fn plan_on_host(&self, host: &HostRun<'_>) -> Result<Vec<u64>> {
+        let mut uses = Vec::new();
+        for p in &self.parts {
+            check_part(p, self.row_bytes)?;
+            uses.extend([(p.hot, Access::Write), (p.state, Access::Write)]);
+            uses.extend([(p.selection, Access::Read), (p.dst, Access::Write)]);
+        }
+        let _locks = host.lock(&uses)?;
+        let n = self.parts.len();
+        let total: usize = self.parts.iter().map(|p| p.load.count).sum();
+        let mut codes = vec![u64::MAX; total];
+        let (mut report, mut counts) = (vec![u64::MAX; 1 + n], Vec::with_capacity(n));
+        let mut copies = Vec::with_capacity(n);
+        let mut first = 0;
+        for (j, p) in self.parts.iter().enumerate() {
+            let words = state_words(p.positions, p.slots);
+            // SAFETY: the state range holds `words` u32s (check_part), 4-aligned (words_at),
+            // locked for writing above; the selection range holds `count` u32s (the table
+            // checked `max_count` of them and the call `count <= max_count`), locked for
+            // reading.
+            let (state, selection) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(words_at(&p.state)?, words),
+                    std::slice::from_raw_parts(words_at(&p.selection)?, p.load.count),
+                )
+            };
+            let mine = &mut codes[first..first + p.load.count];
+            let shape = HostPlan {
+                positions: p.positions as usize,
+                slots: p.slots,
+                len: p.load.len,
+                warm_first: p.warm_first,
+                job: j,
+            };
+            let (count, stats) = match plan_on_host(state, selection, mine, &shape) {
+                Ok((hits, misses)) => (p.load.count, hits as u64 | (misses as u64) << 32),
+                Err(word) => {
+                    report[0] = report[0].min(word);
+                    report[1 + j] = word;
+                    (0, 0)
+                }
+            };
+            counts.push(stats);
+            copies.push(tiered::Part {
+                hot: p.hot,
+                warm: p.warm,
+                dst: p.dst,
+                first,
+                count,
+            });
+            first += p.load.count;
+        }
+        // Refused jobs copy nothing (count 0); a code outside its tier cannot come from the
+        // plan, which checks every index it follows.
+        // SAFETY: the warm pools are borrowed by this op; the hot and destination ranges are
+        // locked for writing above, and disjoint (the table checked).
+        if let Some(i) = unsafe { copy_tiered(&copies, &codes, self.row_bytes) } {
+            return Err(HalError::InvalidArgument(format!(
+                "swap-in: code {i} names a row outside its tier"
+            )));
+        }
+        report.extend(counts);
+        Ok(report)
+    }
+}
+
+/// Checks a call's shape against the host's reading of the parts.
+fn check_part(p: &Part<'_>, row_bytes: usize) -> Result<()> {
+    check_range(
+        "swap-in destination",
+        0,
+        p.load.count * row_bytes,
+        p.dst.len(),
+    )?;
+    if p.state.len() < swap_in_state_len(p.positions, p.slots).unwrap_or(usize::MAX) {
+        return bad("a state shorter than its tables".into());
+    }
+    Ok(())
+}
+
+/// The range of `r` the host may take as u32s: its address, 4-aligned.
+fn words_at(r: &DevArg<'_>) -> Result<*mut u32> {
+    if !r.addr().is_multiple_of(4) {
+        return bad("a state or selection that is not 4-aligned".into());
+    }
+    Ok(r.host_ptr().cast::<u32>())
+}

@@ -1,0 +1,390 @@
+//! A device-planned load's table, written to the device once ([`swap_in_table`]), and its
+//! calls ([`swap_in`]): every argument checked here, the work done by the op in `op.rs`.
+
+use super::op::{Load, Part, SwapJob};
+use super::plan::plan_failure;
+use super::{
+    JOB_BYTES, PENDING, SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS,
+    SwapInCounts, SwapInDone, SwapInJob, SwapInLoad, bad, swap_in_state_len,
+};
+use crate::ai::{TIER_MAX_JOBS, TIER_MAX_WARM_ROWS, check_disjoint};
+use crate::error::Result;
+use crate::gpu::{DeviceBuffer, Event, Gpu, Stream};
+use crate::memory::{HostAllocOptions, HostBuffer};
+use std::cell::RefCell;
+
+/// One job as the table keeps it: its buffers (shared handles, alive while the table is) and
+/// its warm pool's identity, which every call checks.
+#[derive(Debug)]
+struct Kept {
+    hot: DeviceBuffer,
+    state: DeviceBuffer,
+    selection: DeviceBuffer,
+    dst: DeviceBuffer,
+    dst_offset: usize,
+    slots: usize,
+    positions: u64,
+    warm_first: u64,
+    warm: (usize, u64, usize),
+    max_count: usize,
+    /// Its first staging row and entry of the selections' copy.
+    first: usize,
+}
+
+/// Jobs written to the device once, loaded by [`swap_in`] as often as asked. Keeps
+/// every job's device buffers alive, and waits for the last call's install before it drops
+/// them.
+pub struct SwapInTable {
+    gpu: Gpu,
+    row_bytes: usize,
+    /// The jobs, the control words, the report words, the selections' copy, the staging rows.
+    device: DeviceBuffer,
+    /// Pinned: per job its length and count for the next call.
+    control: HostBuffer,
+    /// Pinned: the report words of the last call, downloaded.
+    report_host: HostBuffer,
+    jobs: Vec<Kept>,
+    layout: TableLayout,
+    /// The last call's install, while it may still run.
+    installing: Option<Event>,
+    /// A call failed on the device: its fetch may have marked states that no install
+    /// cleared, so the table refuses every later call.
+    broken: bool,
+}
+
+/// Where a table's parts start in its device memory: the jobs, the control words, the report
+/// words, the selections as the fetch read them (a u32 per entry), the staging rows (a row
+/// per entry).
+#[derive(Debug, Clone, Copy)]
+struct TableLayout {
+    control_at: usize,
+    report_at: usize,
+    seen_at: usize,
+    staging_at: usize,
+    len: usize,
+}
+
+impl TableLayout {
+    /// For `jobs` jobs of `entries` selection entries in all.
+    fn new(jobs: usize, entries: usize, row_bytes: usize) -> Option<Self> {
+        let control_at = jobs * JOB_BYTES;
+        let report_at = control_at + 16 * jobs;
+        let seen_at = report_at + 8 * (1 + 2 * jobs);
+        // Staging rows 256-aligned, as the rows of any other device buffer.
+        let staging_at = (seen_at + 4 * entries).next_multiple_of(256);
+        let len = staging_at.checked_add(entries.checked_mul(row_bytes)?)?;
+        Some(Self {
+            control_at,
+            report_at,
+            seen_at,
+            staging_at,
+            len,
+        })
+    }
+}
+
+impl std::fmt::Debug for SwapInTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SwapInTable")
+            .field("gpu", &self.gpu)
+            .field("row_bytes", &self.row_bytes)
+            .field("jobs", &self.jobs)
+            .field("installing", &self.installing.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SwapInTable {
+    /// Jobs in the table.
+    pub fn jobs(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// Waits for the last call's install: until then its hot buffers and states are still
+    /// being written. The table's next call and its drop wait too; anything else that reads
+    /// or resets a job's hot buffer or state (from any stream) waits here first.
+    pub fn wait(&mut self) -> Result<()> {
+        match self.installing.take() {
+            Some(e) => e.synchronize(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for SwapInTable {
+    fn drop(&mut self) {
+        // The install reads and writes the jobs' buffers, which drop with the table. A
+        // device that failed has nothing left running.
+        let _ = self.wait();
+    }
+}
+
+/// Checks `jobs` and writes their table to `stream`'s device. The states are used as they
+/// are: reset each first ([`swap_in_reset`](super::swap_in_reset)); one another table used carries its hot buffer
+/// over. A state belongs to one hot buffer, warm pool, `warm_first` and row size: paired with
+/// others it serves other rows (memory stays safe: every index is checked). Hot buffers,
+/// states, selections and destinations must not overlap.
+pub fn swap_in_table(
+    stream: &Stream,
+    row_bytes: usize,
+    jobs: &[SwapInJob<'_>],
+) -> Result<SwapInTable> {
+    if row_bytes == 0
+        || row_bytes > SWAP_IN_MAX_ROW_BYTES
+        || jobs.is_empty()
+        || jobs.len() > TIER_MAX_JOBS
+    {
+        return bad(format!(
+            "{} jobs of {row_bytes}-byte rows (1..={TIER_MAX_JOBS} jobs of rows of 1 to \
+             {SWAP_IN_MAX_ROW_BYTES} bytes)",
+            jobs.len()
+        ));
+    }
+    let mut kept = Vec::with_capacity(jobs.len());
+    let mut spans = Vec::new();
+    let mut first = 0usize;
+    for (i, j) in jobs.iter().enumerate() {
+        for (what, b) in [
+            ("hot buffer", j.hot),
+            ("state", j.state),
+            ("selection", j.selection),
+            ("destination", j.dst),
+        ] {
+            // Whose buffer it is, before any other check.
+            stream.arg(what, b, 0, 0)?;
+        }
+        let Some(state_len) = swap_in_state_len(j.positions, j.slots) else {
+            return bad(format!("job {i}: {} positions overflow", j.positions));
+        };
+        let warm_rows = (j.warm.len() / row_bytes) as u64;
+        let limits = [
+            (j.slots == 0 || j.slots > SWAP_IN_MAX_SLOTS, "slots"),
+            (
+                j.positions == 0 || j.positions >= u64::from(PENDING),
+                "positions",
+            ),
+            (
+                j.max_count > j.slots.min(SWAP_IN_MAX_SELECTION),
+                "max_count",
+            ),
+            (
+                j.warm_first.saturating_add(j.positions) > warm_rows.min(TIER_MAX_WARM_ROWS),
+                "warm rows",
+            ),
+        ];
+        if let Some((_, what)) = limits.iter().find(|l| l.0) {
+            return bad(format!(
+                "job {i}: {what} out of bounds ({} slots up to {SWAP_IN_MAX_SLOTS}, {} \
+                 positions, a selection of up to {} of at most {SWAP_IN_MAX_SELECTION}, \
+                 warm rows {}..{} of {warm_rows})",
+                j.slots,
+                j.positions,
+                j.max_count,
+                j.warm_first,
+                j.warm_first.saturating_add(j.positions)
+            ));
+        }
+        let hot = stream.arg("swap-in hot buffer", j.hot, 0, j.slots * row_bytes)?;
+        let state = stream.arg("swap-in state", j.state, 0, state_len)?;
+        let sel = stream.arg("swap-in selection", j.selection, 0, 4 * j.max_count)?;
+        let out = j.max_count.saturating_mul(row_bytes);
+        let dst = stream.arg("swap-in destination", j.dst, j.dst_offset, out)?;
+        if !state.addr().is_multiple_of(4) || !sel.addr().is_multiple_of(4) {
+            return bad(format!(
+                "job {i}: the state and selection must be 4-aligned"
+            ));
+        }
+        spans.extend([hot, state, sel, dst].map(|r| (r.addr(), r.len())));
+        let warm = stream.host_arg("swap-in warm tier", j.warm, 0, j.warm.len())?;
+        kept.push(Kept {
+            hot: j.hot.clone(),
+            state: j.state.clone(),
+            selection: j.selection.clone(),
+            dst: j.dst.clone(),
+            dst_offset: j.dst_offset,
+            slots: j.slots,
+            positions: j.positions,
+            warm_first: j.warm_first,
+            warm: (warm.ptr() as usize, warm.addr(), warm.len()),
+            max_count: j.max_count,
+            first,
+        });
+        first += j.max_count;
+    }
+    check_disjoint(
+        spans,
+        "swap-in: hot buffers, states, selections and destinations",
+    )?;
+    let n = kept.len();
+    let Some(layout) = TableLayout::new(n, first, row_bytes) else {
+        return bad(format!(
+            "{first} staging rows of {row_bytes} bytes overflow"
+        ));
+    };
+    let gpu = stream.gpu();
+    let device = gpu.alloc(layout.len)?;
+    let pinned = |len| HostBuffer::alloc_pinned(len, &HostAllocOptions::default(), gpu);
+    let (control, report_host) = (pinned(16 * n)?, pinned(8 * (1 + 2 * n))?);
+    let table_addr = device.device_addr();
+    let mut head = Vec::with_capacity(layout.report_at);
+    for (i, k) in kept.iter().enumerate() {
+        let job = SwapJob {
+            selection: k.selection.device_addr(),
+            control: table_addr + (layout.control_at + 16 * i) as u64,
+            state: k.state.device_addr(),
+            warm: k.warm.1,
+            warm_first: k.warm_first,
+            hot: k.hot.device_addr(),
+            dst: k.dst.device_addr() + k.dst_offset as u64,
+            staging: table_addr + (layout.staging_at + k.first * row_bytes) as u64,
+            seen: table_addr + (layout.seen_at + 4 * k.first) as u64,
+            // Below PENDING and SWAP_IN_MAX_SLOTS, and max_count below the slots (checked).
+            positions: k.positions as u32,
+            slots: k.slots as u32,
+            max_count: k.max_count as u32,
+            unused: 0,
+        };
+        head.extend(job.to_le_bytes());
+    }
+    head.resize(layout.report_at, 0);
+    let mut table = SwapInTable {
+        gpu: gpu.clone(),
+        row_bytes,
+        device,
+        control,
+        report_host,
+        jobs: kept,
+        layout,
+        installing: None,
+        broken: false,
+    };
+    // The report words as they start: no failure, no counts.
+    let mut words = vec![u64::MAX; 1 + n];
+    words.resize(1 + 2 * n, 0);
+    head.extend(words.iter().flat_map(|w| w.to_le_bytes()));
+    stream.upload(&head, &table.device, 0)?;
+    table.control.as_mut_slice().fill(0);
+    Ok(table)
+}
+
+/// Loads every job of `table` once on `stream`: job `j`'s first `loads[j].count` selected
+/// positions are written, in order, to its destination — each from its slot, or from
+/// `warm[j]` (the pinned buffer the table was made with). Returns once the rows are there:
+/// the selections and destinations are the caller's again. The install that gives the misses
+/// their slots runs on, on this stream; the table's next call, its drop and
+/// [`SwapInTable::wait`] wait for it. A job whose selection holds a position twice or one at
+/// or past its length is refused: it installs nothing, its destination may hold some of its
+/// rows, the others are loaded, and [`SwapInDone::jobs`] says which, with the refused jobs'
+/// reasons. A loaded job may still install nothing, where the install finds its state bad
+/// (it is flagged, and its next load refused). An error is returned only where the call as a
+/// whole failed; after one on the device, the states may be marked or name rows their hot
+/// buffers did not receive: reset them and make a new table (this one refuses further
+/// calls).
+pub fn swap_in(
+    stream: &Stream,
+    table: &mut SwapInTable,
+    warm: &[&HostBuffer],
+    loads: &[SwapInLoad],
+    timed: bool,
+) -> Result<SwapInDone> {
+    let n = table.jobs.len();
+    if !table.gpu.same_device(stream.gpu()) {
+        return bad(format!(
+            "a table made on {} used on a stream of {}",
+            table.gpu,
+            stream.gpu()
+        ));
+    }
+    if warm.len() != n || loads.len() != n {
+        return bad(format!(
+            "{n} jobs, {} warm pools and {} loads",
+            warm.len(),
+            loads.len()
+        ));
+    }
+    if table.broken {
+        return bad(
+            "an earlier call failed on the device and may have left its states \
+             marked: reset them (swap_in_reset) and make a new table"
+                .into(),
+        );
+    }
+    if let Err(e) = table.wait() {
+        // The install may not have cleared its marks.
+        table.broken = true;
+        return Err(e);
+    }
+    let rb = table.row_bytes;
+    let mut parts = Vec::with_capacity(n);
+    for (i, ((k, w), l)) in table.jobs.iter().zip(warm).zip(loads).enumerate() {
+        let pool = stream.host_arg("swap-in warm tier", w, 0, w.len())?;
+        if (pool.ptr() as usize, pool.addr(), pool.len()) != k.warm {
+            return bad(format!(
+                "job {i}: not the warm pool the table was made with"
+            ));
+        }
+        if l.len > k.positions || l.count > k.max_count {
+            return bad(format!(
+                "job {i}: a length of {} (at most {}) and {} selected (at most {})",
+                l.len, k.positions, l.count, k.max_count
+            ));
+        }
+        let control = &mut table.control[16 * i..16 * i + 16];
+        control[..8].copy_from_slice(&l.len.to_le_bytes());
+        control[8..].copy_from_slice(&(l.count as u64).to_le_bytes());
+        let state_len = swap_in_state_len(k.positions, k.slots).unwrap_or(usize::MAX);
+        parts.push(Part {
+            hot: stream.arg("swap-in hot buffer", &k.hot, 0, k.slots * rb)?,
+            state: stream.arg("swap-in state", &k.state, 0, state_len)?,
+            selection: stream.arg("swap-in selection", &k.selection, 0, 4 * k.max_count)?,
+            dst: stream.arg(
+                "swap-in destination",
+                &k.dst,
+                k.dst_offset,
+                k.max_count * rb,
+            )?,
+            warm: pool,
+            load: *l,
+            positions: k.positions,
+            slots: k.slots,
+            warm_first: k.warm_first,
+        });
+    }
+    let load = Load {
+        row_bytes: rb,
+        table: stream.arg("swap-in table", &table.device, 0, table.device.len())?,
+        control: &table.control,
+        report_host: RefCell::new(table.report_host.as_mut_slice()),
+        control_at: table.layout.control_at,
+        report_at: table.layout.report_at,
+        staging_at: table.layout.staging_at,
+        parts,
+        timed,
+    };
+    // Until the call returns its install, a failure may leave marks no install clears.
+    table.broken = true;
+    let ran = stream.run(&load)?;
+    drop(load);
+    table.broken = false;
+    table.installing = ran.installing;
+    let (failures, counts) = ran.report.split_at(ran.report.len().min(1 + n));
+    if failures.len() != 1 + n || counts.len() != n {
+        return bad(format!("{} report words for {n} jobs", ran.report.len()));
+    }
+    let jobs = failures[1..]
+        .iter()
+        .zip(counts)
+        .map(|(&failed, &c)| match failed {
+            u64::MAX => Ok(SwapInCounts {
+                hits: (c & 0xffff_ffff) as usize,
+                misses: (c >> 32) as usize,
+            }),
+            w => Err(plan_failure(w, loads)),
+        })
+        .collect();
+    Ok(SwapInDone {
+        jobs,
+        device_time: ran.device_time,
+        install_time: ran.install_time,
+    })
+}
