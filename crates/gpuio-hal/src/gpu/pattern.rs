@@ -127,10 +127,10 @@ impl Compare<'_> {
         let len = self.a.len() as u64;
         let args = KernelArgs::new().ptr(&self.a).ptr(&self.b);
         let args = args.u64(len).ptr(&self.out);
+        let shape = cuda.grid_stride(len.div_ceil(16));
         // SAFETY: the arguments match gpuio_find_mismatch(const u8*, const u8*, u64, u64*);
         // the ranges are checked and borrowed until the synchronize below; the kernel writes
         // only the 8 bytes of `out`.
-        let shape = cuda.grid_stride(len.div_ceil(16));
         unsafe { cuda.launch(PatternKernel::FindMismatch, shape, &args)? };
         let mut first = [0u8; 8];
         // SAFETY: `first` is 8 writable bytes, read only after the synchronize below.
