@@ -9,8 +9,8 @@ use super::event::EventPool;
 use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
 use crate::gpu::backend::{
-    AiLaunch, DevRange, DeviceBackend, EventBackend, RowsDone, StreamBackend,
-    StreamTarget, SwapInLaunch, SwapInRan, TieredJob,
+    AiLaunch, DevRange, DeviceBackend, EventBackend, RowsDone, StreamBackend, StreamTarget,
+    SwapInLaunch, SwapInRan, TieredJob,
 };
 use crate::sync::MutexExt;
 use cudarc::driver::{CudaStream, sys};
