@@ -8,8 +8,6 @@ pub mod memory;
 pub mod nvme;
 pub mod ondemand;
 pub mod pattern;
-#[cfg(feature = "rdma")]
-pub mod rdma;
 pub mod ring;
 pub mod sync;
 mod sys;
@@ -29,8 +27,8 @@ pub use gpu::{
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::pool::{PoolConfig, PoolStats, PooledBuffer, StagingLease, StagingPool};
 pub use memory::{
-    DmaRegistration, HostAllocOptions, HostBuffer, HostRead, HostWrite, Location, MemoryRegion,
-    MemoryTier, RangeGuard, RangeRead, RangeWrite, SharedHostBuffer, WholeGuard,
+    DmaRegistration, HostAllocOptions, HostBuffer, HostRead, HostWrite, Location, MappingHold,
+    MemoryRegion, MemoryTier, RangeGuard, RangeRead, RangeWrite, SharedHostBuffer, WholeGuard,
 };
 pub use sys::{
     HUGE_PAGE, clear_nonblocking, page_size, peek_nonblocking, prefetch, raise_fd_limit,

@@ -11,8 +11,7 @@ pub mod numa;
 pub mod pool;
 mod shared;
 
-pub(crate) use host::MappingHold;
-pub use host::{HostAllocOptions, HostBuffer};
+pub use host::{HostAllocOptions, HostBuffer, MappingHold};
 use serde::Serialize;
 pub use shared::{
     HostRead, HostWrite, RangeGuard, RangeRead, RangeWrite, SharedHostBuffer, WholeGuard,

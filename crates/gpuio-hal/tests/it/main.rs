@@ -12,7 +12,5 @@ mod kernels;
 mod nvme;
 mod pool;
 mod ptx;
-#[cfg(feature = "rdma")]
-mod rdma;
 mod swap_in;
 mod tiered;
