@@ -1,9 +1,10 @@
 //! The invariants of docs/ARCHITECTURE.md, checked: dependencies point strictly downward and
 //! transports never import each other; test support (gpuio-testkit) is only ever a
 //! dev-dependency; each crate's integration tests are one binary (`tests/it/`), any other
-//! saying why it needs a process of its own; `unsafe` lives only in gpuio-hal and the C ABI
-//! (gpuio-capi), each block with a `// SAFETY:` note (clippy's `undocumented_unsafe_blocks`,
-//! which every crate inherits from the workspace); every other crate forbids unsafe code;
+//! saying why it needs a process of its own; `unsafe` lives only in gpuio-hal, the RDMA verbs
+//! (gpuio-rdma) and the C ABI (gpuio-capi), each block with a `// SAFETY:` note (clippy's
+//! `undocumented_unsafe_blocks`, which every crate inherits from the workspace); every other
+//! crate forbids unsafe code;
 //! every crate has a README. And
 //! the docs' references hold: every `docs/<path>.md` (and `docs/<path>.md#<anchor>`) named in
 //! a tracked source or doc file exists (and has that heading), and nothing cites design
@@ -23,7 +24,7 @@ fn root() -> PathBuf {
 fn layer(name: &str) -> Option<u32> {
     Some(match name {
         "gpuio-hal" => 0,
-        "gpuio-ring" | "gpuio-nvme" | "gpuio-staging" => 1,
+        "gpuio-ring" | "gpuio-nvme" | "gpuio-staging" | "gpuio-rdma" => 1,
         "gpuio-transport-memio" | "gpuio-transport-localio" | "gpuio-transport-remoteio" => 2,
         "gpuio-core" => 3,
         "gpuio-api" => 4,
@@ -157,9 +158,15 @@ fn dev_only_crates_are_only_dev_dependencies() {
 
 /// Crates with unsafe code: the device layer — the HAL (FFI to the drivers and the OS, behind
 /// safe types) and the device-family crates (memory shared with a device, their kernels'
-/// launches) — and the C API (raw pointers from C callers, turned into references at one call
-/// site each).
-const UNSAFE_CRATES: &[&str] = &["gpuio-hal", "gpuio-ring", "gpuio-nvme", "gpuio-capi"];
+/// launches, FFI to libibverbs) — and the C API (raw pointers from C callers, turned into
+/// references at one call site each).
+const UNSAFE_CRATES: &[&str] = &[
+    "gpuio-hal",
+    "gpuio-ring",
+    "gpuio-nvme",
+    "gpuio-rdma",
+    "gpuio-capi",
+];
 
 #[test]
 fn unsafe_code_lives_only_in_the_device_layer_and_the_c_abi() {
@@ -194,7 +201,7 @@ fn unsafe_code_lives_only_in_the_device_layer_and_the_c_abi() {
                 let code = line.split("//").next().unwrap_or("");
                 assert!(
                     !(code.contains("unsafe {") || code.contains("unsafe impl")),
-                    "unsafe outside gpuio-hal and gpuio-capi: {}:{}",
+                    "unsafe outside {UNSAFE_CRATES:?}: {}:{}",
                     f.display(),
                     i + 1
                 );

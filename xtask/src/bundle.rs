@@ -43,10 +43,17 @@ pub fn gpu_bundle() -> Result {
         // These read the source tree, which does not travel, or test the network on hosts
         // the GPU machine lacks (etcd, namespaces), or attack an agent process over loopback,
         // or test the test support, or compile C against the source tree's header (the C
-        // API); nothing in them needs a GPU (and the bundle must stay under 64 MiB).
+        // API), or need an RDMA device and link libibverbs, which the GPU machine need not
+        // have (gpuio-rdma: `qemu-rdma` runs them); nothing in them needs a GPU (and the
+        // bundle must stay under 64 MiB).
         if matches!(
             t.package.as_str(),
-            "gpuio-tests" | "xtask" | "gpuio-transport-remoteio" | "gpuio-testkit" | "gpuio-capi"
+            "gpuio-tests"
+                | "xtask"
+                | "gpuio-transport-remoteio"
+                | "gpuio-testkit"
+                | "gpuio-capi"
+                | "gpuio-rdma"
         ) {
             continue;
         }

@@ -16,7 +16,8 @@ pub const BUILD_PACKAGES: &[&str] = &[
     "iperf3",
 ];
 
-/// What the `rdma` feature's build needs (rdma-sys runs bindgen over the verbs headers).
+/// What gpuio-rdma's build needs (rdma-sys runs bindgen over the verbs headers): a workspace
+/// build compiles it as a member, and the `rdma` features of the crates above reach it.
 pub const RDMA_PACKAGES: &[&str] = &["libibverbs-dev", "librdmacm-dev", "libclang-dev"];
 
 /// Installs the packages of `packages` that are not installed (apt-get, as root), or says
@@ -88,8 +89,9 @@ pub fn ci() -> Result {
     ensure_packages(&all)?;
     run("rustfmt", cargo().args(["fmt", "--all", "--", "--check"]))?;
     clippy("clippy", &["--workspace"])?;
-    // The feature sets the workspace build does not compile: every feature on (RDMA verbs),
-    // and a library user's gpuio-api without the etcd registry (the CLI turns it on).
+    // The feature sets the workspace build does not compile: every feature on (RemoteIO over
+    // gpuio-rdma's verbs, the crates' `rdma` features), and a library user's gpuio-api without
+    // the etcd registry (the CLI turns it on).
     clippy("clippy, all features", &["--workspace", "--all-features"])?;
     clippy(
         "clippy, no registry",

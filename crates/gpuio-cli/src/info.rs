@@ -179,7 +179,7 @@ fn remote_paths(session: &Session) -> Vec<IoPath> {
 
 #[cfg(feature = "rdma")]
 fn rdma() -> Capability {
-    match gpuio_hal::rdma::device_names() {
+    match gpuio_rdma::device_names() {
         Ok(names) if !names.is_empty() => {
             Capability::yes(format!("built in; device(s): {}", names.join(", ")))
         }

@@ -500,12 +500,12 @@ impl Registrar for UringRegistrar {
 #[derive(Debug, Clone)]
 pub struct RdmaRegistrar {
     /// The device (its protection domain) the memory is registered with.
-    pub device: Arc<gpuio_hal::rdma::RdmaDevice>,
+    pub device: Arc<gpuio_rdma::RdmaDevice>,
 }
 
 #[cfg(feature = "rdma")]
 impl Registrar for RdmaRegistrar {
-    type Handle = gpuio_hal::rdma::HostRegion;
+    type Handle = gpuio_rdma::HostRegion;
 
     fn kind(&self) -> &'static str {
         "rdma"
@@ -516,10 +516,10 @@ impl Registrar for RdmaRegistrar {
         mem: &HostMemory,
         offset: usize,
         len: usize,
-    ) -> Result<gpuio_hal::rdma::HostRegion> {
+    ) -> Result<gpuio_rdma::HostRegion> {
         let buf = mem.read();
-        let access = gpuio_hal::rdma::RdmaAccess::default();
-        Ok(gpuio_hal::rdma::HostRegion::new(
+        let access = gpuio_rdma::RdmaAccess::default();
+        Ok(gpuio_rdma::HostRegion::new(
             &self.device,
             &buf,
             offset..offset + len,

@@ -7,8 +7,6 @@ pub mod gpu;
 pub mod kernels;
 pub mod memory;
 pub mod pattern;
-#[cfg(feature = "rdma")]
-pub mod rdma;
 pub mod sync;
 pub mod sys;
 pub mod uring;
@@ -22,8 +20,8 @@ pub use gpu::{
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::{
-    DmaRegistration, HostAllocOptions, HostBuffer, HostRead, HostWrite, Location, MemoryRegion,
-    MemoryTier, RangeGuard, RangeRead, RangeWrite, SharedHostBuffer, WholeGuard,
+    DmaRegistration, HostAllocOptions, HostBuffer, HostRead, HostWrite, Location, MappingHold,
+    MemoryRegion, MemoryTier, RangeGuard, RangeRead, RangeWrite, SharedHostBuffer, WholeGuard,
 };
 pub use sys::{
     HUGE_PAGE, clear_nonblocking, page_size, peek_nonblocking, prefetch, raise_fd_limit,

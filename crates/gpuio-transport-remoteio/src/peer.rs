@@ -310,10 +310,10 @@ impl RemotePeer {
     }
 
     /// The RDMA device this peer's channels use (opened now if need be); `None` for a TCP
-    /// peer. Memory registered with it ([`HostRegion`](gpuio_hal::rdma::HostRegion)) can be
+    /// peer. Memory registered with it ([`HostRegion`](gpuio_rdma::HostRegion)) can be
     /// read into and written from in place.
     #[cfg(feature = "rdma")]
-    pub fn rdma_device(&self) -> Option<Result<std::sync::Arc<gpuio_hal::rdma::RdmaDevice>>> {
+    pub fn rdma_device(&self) -> Option<Result<std::sync::Arc<gpuio_rdma::RdmaDevice>>> {
         let opts = self.cfg.rdma.as_ref()?;
         Some(self.rdma.device(opts))
     }
@@ -326,7 +326,7 @@ impl RemotePeer {
         &self,
         export: &RemoteExport,
         offset: u64,
-        region: &gpuio_hal::rdma::HostRegion,
+        region: &gpuio_rdma::HostRegion,
         buf: &mut [u8],
     ) -> Result<()> {
         let pinned = self.pin(export)?;
@@ -348,7 +348,7 @@ impl RemotePeer {
         &self,
         export: &RemoteExport,
         offset: u64,
-        region: &gpuio_hal::rdma::HostRegion,
+        region: &gpuio_rdma::HostRegion,
         data: &[u8],
     ) -> Result<()> {
         let pinned = self.pin(export)?;

@@ -15,11 +15,11 @@
 use crate::connection::Connection;
 use crate::wire::RdmaInfo;
 use crate::{RemoteIoError, Result};
-use gpuio_hal::rdma::{
-    HostRegion, QueuePair, RdmaAccess, RdmaBuffer, RdmaDevice, RdmaEndpoint, RemoteRegion,
-};
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{ErrorCode, HostBuffer};
+use gpuio_rdma::{
+    HostRegion, QueuePair, RdmaAccess, RdmaBuffer, RdmaDevice, RdmaEndpoint, RemoteRegion,
+};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;

@@ -154,9 +154,9 @@ impl Guest {
         Ok(())
     }
 
-    /// A step running test binary `name` with libtest arguments `args` (a filter, `--skip`s;
-    /// the ignored tests they select where `ignored`) and `env`; it must select a test, and
-    /// pass every one it selects.
+    /// A step running test binary `name` with libtest arguments `args` (a filter, `--skip`s,
+    /// or none: every test; the ignored tests they select where `ignored`) and `env`; it must
+    /// select a test, and pass every one it selects.
     pub fn run_tests(&mut self, name: &str, args: &[&str], env: &str, ignored: bool) -> Result {
         let path = self
             .binaries
@@ -179,7 +179,7 @@ impl Guest {
             args.join(" ")
         };
         self.steps.push(Step::Tests {
-            label: format!("{name} {args}"),
+            label: format!("{name} {args}").trim_end().to_string(),
             binary: name.into(),
             args,
             env: env.into(),

@@ -19,14 +19,11 @@ const LEN: usize = 6 << 20;
 
 #[test]
 fn sessions_copy_over_rdma() {
-    if gpuio_hal::rdma::device_names()
-        .unwrap_or_default()
-        .is_empty()
-    {
+    if gpuio_rdma::device_names().unwrap_or_default().is_empty() {
         Requirement::Rdma.missing("no RDMA device");
         return;
     }
-    let gid_index = if gpuio_hal::rdma::RdmaDevice::open(None, 1).is_ok() {
+    let gid_index = if gpuio_rdma::RdmaDevice::open(None, 1).is_ok() {
         1
     } else {
         0

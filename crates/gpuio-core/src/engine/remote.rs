@@ -100,7 +100,7 @@ impl RemoteIoEngine {
         mem: &HostMemory,
         offset: usize,
         len: usize,
-    ) -> Option<crate::regcache::Registered<gpuio_hal::rdma::HostRegion>> {
+    ) -> Option<crate::regcache::Registered<gpuio_rdma::HostRegion>> {
         let device = match peer.rdma_device()? {
             Ok(d) => d,
             Err(e) => {

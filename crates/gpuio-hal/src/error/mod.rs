@@ -332,10 +332,12 @@ pub enum HalError {
         /// Why not.
         reason: String,
     },
-    /// An RDMA verb failed (cargo feature `rdma`).
+    /// An RDMA verb failed (gpuio-rdma: the HAL defines the variant so that RDMA errors are
+    /// `HalError`s like every other device's, and the layers above convert them as they do
+    /// the rest).
     #[error("RDMA {op}: {message}")]
     Rdma {
-        /// What the HAL was doing.
+        /// What was being done.
         op: &'static str,
         /// The verbs library's or the completion's description.
         message: String,

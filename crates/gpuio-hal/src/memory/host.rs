@@ -1,6 +1,6 @@
 //! Host buffers: anonymous mappings, huge-page backed where available, optionally bound to a
 //! NUMA node, and optionally pinned for a GPU. The unit of staging memory in gpuio: one such buffer serves as a DMA target, an O_DIRECT target, an io_uring fixed buffer
-//! and later an RDMA or VFIO region.
+//! and an RDMA memory region (gpuio-rdma) or a VFIO one.
 
 use super::backing::{self, Reservation};
 use super::{DmaRegistration, Location, MemoryRegion, MemoryTier};
@@ -69,10 +69,18 @@ pub struct HostBuffer {
     reservation: Option<Reservation>,
 }
 
-/// Keeps a [`HostBuffer`]'s mapping from being unmapped while alive (see `HostBuffer::holds`).
-/// Whoever registers memory drops its registration before this.
+/// Keeps a [`HostBuffer`]'s mapping from being unmapped while alive (see `HostBuffer::holds`):
+/// a buffer dropped while any hold of it lives leaks its pages instead of unmapping them, so
+/// an address inside it can never come to belong to another mapping. Made by
+/// [`HostBuffer::hold_mapping`].
+///
+/// It is what a registration of the buffer's memory with a device or the kernel (a GPU pin of
+/// a shared buffer, an io_uring buffer table, an RDMA memory region in gpuio-rdma) keeps beside
+/// the registration, dropping the registration first: the memory then stays mapped for as
+/// long as the device may reach it, however the buffer's owner lets it go.
 #[derive(Debug)]
-pub(crate) struct MappingHold {
+#[must_use = "the mapping is held only while the hold lives"]
+pub struct MappingHold {
     holds: Arc<AtomicUsize>,
 }
 
@@ -247,14 +255,16 @@ impl HostBuffer {
     }
 
     /// The first byte's address, for memory shared with a device (a request ring, a page
-    /// cache's tables) and registrations that outlive a borrow: whoever writes through it
-    /// must not race with slices of this buffer (such memory is touched through atomics).
+    /// cache's tables) and registrations that outlive a borrow (gpuio-rdma's memory regions:
+    /// pair it with [`hold_mapping`](Self::hold_mapping)). Whoever writes through it must not
+    /// race with slices of this buffer (shared memory is touched through atomics).
     pub fn base_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
 
-    /// Keeps this mapping alive (leaked if the buffer drops first) until the hold drops.
-    pub(crate) fn hold_mapping(&self) -> MappingHold {
+    /// Keeps this mapping alive (leaked if the buffer drops first) until the hold drops: for
+    /// registrations that outlive a borrow of the buffer (see [`MappingHold`]).
+    pub fn hold_mapping(&self) -> MappingHold {
         self.holds.fetch_add(1, Ordering::Relaxed);
         MappingHold {
             holds: self.holds.clone(),

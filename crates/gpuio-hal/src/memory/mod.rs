@@ -10,8 +10,7 @@ pub mod mapped;
 pub mod numa;
 mod shared;
 
-pub(crate) use host::MappingHold;
-pub use host::{HostAllocOptions, HostBuffer};
+pub use host::{HostAllocOptions, HostBuffer, MappingHold};
 use serde::Serialize;
 pub use shared::{
     HostRead, HostWrite, RangeGuard, RangeRead, RangeWrite, SharedHostBuffer, WholeGuard,

@@ -10,7 +10,5 @@ mod hot_rows;
 #[cfg(feature = "cuda")]
 mod kernels;
 mod ptx;
-#[cfg(feature = "rdma")]
-mod rdma;
 mod swap_in;
 mod tiered;

@@ -263,7 +263,7 @@ struct Shared {
     buffers: Arc<buffer::Budget>,
     counters: Counters,
     #[cfg(feature = "rdma")]
-    rdma: Option<Arc<gpuio_hal::rdma::RdmaDevice>>,
+    rdma: Option<Arc<gpuio_rdma::RdmaDevice>>,
 }
 
 /// The timing and limits every connection follows.

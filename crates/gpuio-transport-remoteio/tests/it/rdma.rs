@@ -19,13 +19,13 @@ const RO: &[u8] = b"ce2c41324a17db89852cee246a92321a474ee5f99c4976eb7a4a291287d5
 const LEN: usize = 8 << 20;
 
 fn options() -> Option<RdmaOptions> {
-    let names = gpuio_hal::rdma::device_names().unwrap_or_default();
+    let names = gpuio_rdma::device_names().unwrap_or_default();
     if names.is_empty() {
         Requirement::Rdma.missing("no RDMA device");
         return None;
     }
     // RoCE: GID 1 is the first configured address where there is one.
-    let gid_index = if gpuio_hal::rdma::RdmaDevice::open(None, 1).is_ok() {
+    let gid_index = if gpuio_rdma::RdmaDevice::open(None, 1).is_ok() {
         1
     } else {
         0

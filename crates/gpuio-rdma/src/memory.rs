@@ -8,8 +8,8 @@
 
 use super::device::RdmaDevice;
 use super::rdma_err;
-use crate::error::{HalError, Result};
-use crate::memory::{HostAllocOptions, HostBuffer, MappingHold};
+use gpuio_hal::{HalError, Result};
+use gpuio_hal::{HostAllocOptions, HostBuffer, MappingHold};
 use rdma_sys::*;
 use std::ops::Range;
 use std::ptr::NonNull;
@@ -150,7 +150,7 @@ impl RdmaBuffer {
 
     /// The entry for `len` bytes at `offset`, after checking they lie inside.
     pub(super) fn sge(&self, offset: usize, len: usize) -> Result<ibv_sge> {
-        crate::check_range("RDMA local buffer", offset, len, self.buf.len())?;
+        gpuio_hal::check_range("RDMA local buffer", offset, len, self.buf.len())?;
         sge_at(
             self.buf.base_ptr() as u64 + offset as u64,
             len,
@@ -193,7 +193,7 @@ impl HostRegion {
         range: Range<usize>,
         access: RdmaAccess,
     ) -> Result<Self> {
-        crate::check_range("RDMA region", range.start, range.len(), buf.len())?;
+        gpuio_hal::check_range("RDMA region", range.start, range.len(), buf.len())?;
         if range.is_empty() {
             return Err(HalError::InvalidArgument(
                 "an RDMA region needs at least one byte".into(),
@@ -276,7 +276,7 @@ impl RemoteRegion {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::ErrorCode;
+    use gpuio_hal::ErrorCode;
 
     #[test]
     fn access_flags_always_allow_local_writes() {

@@ -5,8 +5,8 @@
 //! bookkeeping is kept apart from the verbs library so that it is tested without a NIC.
 
 use super::rdma_err;
-use crate::error::{HalError, Result};
-use crate::sync::{CondvarExt, MutexExt};
+use gpuio_hal::sync::{CondvarExt, MutexExt};
+use gpuio_hal::{HalError, Result};
 use rdma_sys::*;
 use std::collections::HashMap;
 use std::ffi::CStr;

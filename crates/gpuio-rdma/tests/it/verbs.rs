@@ -4,10 +4,9 @@
 //! fetch-and-add, threads sharing a queue pair, a timed-out verb stopping its queue pair, and
 //! the NIC refusing what a region does not permit. Without a device the tests say so and pass,
 //! unless `GPUIO_REQUIRE_RDMA=1`.
-#![cfg(feature = "rdma")]
 
-use gpuio_hal::rdma::{HostRegion, QueuePair, RdmaAccess, RdmaBuffer, RdmaDevice, device_names};
 use gpuio_hal::{ErrorCode, HostAllocOptions, HostBuffer, pattern};
+use gpuio_rdma::{HostRegion, QueuePair, RdmaAccess, RdmaBuffer, RdmaDevice, device_names};
 use gpuio_testkit::Requirement;
 use std::sync::Arc;
 use std::time::Duration;

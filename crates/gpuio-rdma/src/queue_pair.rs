@@ -11,7 +11,7 @@ use super::device::{Cq, RdmaDevice};
 use super::memory::{HostRegion, RdmaAccess, RdmaBuffer, RemoteRegion};
 use super::work::{Op, completion_err, one_sided, recv_wr, send_wr};
 use super::{rc_err, rdma_err};
-use crate::error::{ErrorCode, HalError, Result};
+use gpuio_hal::{ErrorCode, HalError, Result};
 use rdma_sys::*;
 use std::ptr::NonNull;
 use std::sync::Arc;

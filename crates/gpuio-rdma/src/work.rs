@@ -5,7 +5,7 @@
 //! without a NIC.
 
 use super::memory::{HostRegion, RemoteRegion};
-use crate::error::{ErrorCode, HalError, Result};
+use gpuio_hal::{ErrorCode, HalError, Result};
 use rdma_sys::*;
 use std::ffi::CStr;
 use std::ops::Range;
