@@ -273,6 +273,53 @@ fn each_crate_has_one_test_binary_and_says_why_of_any_other() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+/// The HAL's GPU layer is generic: features describe their device work as ops (`DeviceOp`)
+/// in their own folders or crates, so `gpu/` names none of them. (The request ring, the
+/// on-demand arrays and NVMe are crates above the HAL, which it cannot name at all.)
+#[test]
+fn the_gpu_layer_names_no_feature() {
+    let mut files = Vec::new();
+    rust_files(&root().join("crates/gpuio-hal/src/gpu"), &mut files);
+    assert!(
+        files.len() > 10,
+        "no gpu/ sources found: is the scan broken?"
+    );
+    let mut problems = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            // A path segment, not the end of a longer name (`String::`).
+            let names = |f: &str| {
+                code.match_indices(f).any(|(at, _)| {
+                    !code[..at]
+                        .chars()
+                        .next_back()
+                        .is_some_and(|c| c.is_alphanumeric() || c == '_')
+                })
+            };
+            if [
+                "crate::ai",
+                "ring::",
+                "ondemand::",
+                "nvme::",
+                "gpuio_ring",
+                "gpuio_nvme",
+            ]
+            .iter()
+            .any(|f| names(f))
+            {
+                problems.push(format!("{}:{}: {}", file.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "gpu/ names a feature:\n{}",
+        problems.join("\n")
+    );
+}
+
 #[test]
 fn every_crate_has_a_readme() {
     for (name, dir) in crates() {

@@ -2,8 +2,8 @@
 //! checks live here; the host backend runs no kernels and refuses them (gpuio-ai keeps the CPU
 //! reference the kernels are checked against, and uses it there).
 
-use super::check_disjoint;
 use crate::error::{HalError, Result};
+use crate::gpu::check_disjoint;
 use crate::gpu::{CudaRun, DevArg, DeviceBuffer, DeviceOp, HostArg, HostRun, KernelArgs, Stream};
 use crate::kernels::AiKernel;
 use crate::memory::HostBuffer;

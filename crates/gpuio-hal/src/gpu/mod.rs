@@ -21,6 +21,7 @@ mod op;
 mod pattern;
 mod rows;
 mod stream;
+pub mod tiered;
 
 pub use dmabuf::DmaBufExport;
 pub use gds::{GdsFile, GdsMode};
@@ -28,11 +29,12 @@ pub use hot_rows::{HOT_MAX_POOL_ROWS, HOT_MAX_ROWS, HotRows};
 pub use info::{Backend, Capability, DeviceInfo, PcieLink};
 pub use op::{
     Access, CudaRun, DevArg, DeviceOp, HostArg, HostLocks, HostRun, KernelArgs, LaunchShape,
+    WaitOnDrop, check_disjoint, device_time, elapsed, widest_piece,
 };
 pub use rows::{RowIndices, RowKernel};
 pub use stream::{Event, Inflight, Stream};
 // The hot rows refresh their copies through the AI tier's tiered gather.
-pub(crate) use crate::ai::{TIER_MAX_HOT_ROWS, TieredRows, TieredSource, tiered_stage_len};
+pub use tiered::{TIER_MAX_HOT_ROWS, TieredRows, TieredSource, tiered_stage_len};
 
 use crate::error::{HalError, Result, check_range};
 use crate::memory::mapped::{FileMapping, MappingPin};

@@ -5,12 +5,12 @@
 
 use super::plan::{HostPlan, plan_on_host, state_words};
 use super::{JOB_BYTES, SwapInLoad, bad, swap_in_state_len};
-use crate::ai::tiered::{self, copy_tiered};
-use crate::ai::{WaitOnDrop, elapsed, widest_piece};
 use crate::error::{HalError, Result, check_range};
+use crate::gpu::tiered::{self, copy_tiered};
 use crate::gpu::{
     Access, CudaRun, DevArg, DeviceOp, Event, HostArg, HostRun, KernelArgs, LaunchShape,
 };
+use crate::gpu::{WaitOnDrop, elapsed, widest_piece};
 use crate::kernels::AiKernel;
 use crate::memory::HostBuffer;
 use std::cell::RefCell;
@@ -299,7 +299,7 @@ impl Load<'_> {
                 }
             };
             counts.push(stats);
-            copies.push(tiered::Part {
+            copies.push(tiered::TieredPart {
                 hot: p.hot,
                 warm: p.warm,
                 dst: p.dst,

@@ -11,6 +11,8 @@ use super::stream::CudaStreamBackend;
 use crate::error::Result;
 use crate::gpu::RowKernel;
 use crate::gpu::backend::{EventBackend, RowHooks, RowJob, RowMem, RowsDone, StreamBackend};
+use crate::gpu::widest_piece;
+use crate::kernels::GatherKernel::{self, self as G};
 use crate::sync::MutexExt;
 use cudarc::driver::{LaunchConfig, PushKernelArg, sys};
 use std::time::Duration;
@@ -18,22 +20,16 @@ use std::time::Duration;
 /// A stream's row-kernel report words: one per piece of a row job.
 pub(super) const REPORT_BYTES: usize = crate::gpu::rows::MAX_PIECES * 8;
 
-/// Positions of the row kernels in `kernels::GATHER.functions`.
-pub(super) mod row_fn {
-    /// `gpuio_gather_{16,8,4,1}`, by piece width slot.
-    pub(super) const GATHER: usize = 0;
-    /// `gpuio_scatter_{16,8,4,1}`.
-    pub(super) const SCATTER: usize = 4;
-    pub(super) const NAIVE: usize = 8;
-    /// `gpuio_gather_ordered_{16,8,4,1}`.
-    pub(super) const GATHER_ORDERED: usize = 9;
-    pub(super) const ORDER_COUNT: usize = 13;
-    pub(super) const ORDER_SCAN_BLOCKS: usize = 14;
-    pub(super) const ORDER_SCAN_SUMS: usize = 15;
-    pub(super) const ORDER_PLACE: usize = 16;
-    /// `gpuio_gather_hot_{16,8,4,1}`.
-    pub(super) const HOT: usize = 21;
-}
+/// The row kernels by piece width slot (16, 8, 4, 1 bytes): [`widest_piece`]'s first value.
+const GATHER: [GatherKernel; 4] = [G::Gather16, G::Gather8, G::Gather4, G::Gather1];
+const SCATTER: [GatherKernel; 4] = [G::Scatter16, G::Scatter8, G::Scatter4, G::Scatter1];
+const ORDERED: [GatherKernel; 4] = [
+    G::GatherOrdered16,
+    G::GatherOrdered8,
+    G::GatherOrdered4,
+    G::GatherOrdered1,
+];
+const HOT: [GatherKernel; 4] = [G::GatherHot16, G::GatherHot8, G::GatherHot4, G::GatherHot1];
 
 /// How a sorted gather orders its index list: a counting sort over buckets of `2^shift`
 /// pool bytes. Buckets of at least 128 B (a read request's span: a finer order buys
@@ -165,20 +161,6 @@ impl Drop for WaitOnDrop<'_> {
     }
 }
 
-/// The widest piece (16, 8, 4 or 1 bytes) that divides the row size and every address a row
-/// kernel starts rows at: its kernels' slot among the `_16/_8/_4/_1` variants, and the width.
-pub(super) fn widest_piece(
-    row_bytes: u64,
-    addrs: impl IntoIterator<Item = u64> + Clone,
-) -> (usize, u64) {
-    [(0, 16u64), (1, 8), (2, 4), (3, 1)]
-        .into_iter()
-        .find(|&(_, w)| {
-            row_bytes.is_multiple_of(w) && addrs.clone().into_iter().all(|a| a.is_multiple_of(w))
-        })
-        .unwrap_or((3, 1))
-}
-
 /// The device's time between two timing events, where both were recorded.
 pub(super) fn event_time(
     start: Option<Box<dyn EventBackend>>,
@@ -216,21 +198,19 @@ impl CudaStreamBackend {
     /// registered with this device, and (for a scatter's pool) untouched by anything else
     /// until the call returns.
     pub(crate) unsafe fn run_rows(&self, job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<RowsDone> {
-        let module = self.shared.module(&crate::kernels::GATHER)?;
-        let kernels = &module.functions;
         self.shared.bind()?;
         let pool = job.pool.addr();
         let (rows_addr, idx) = (job.rows.addr(), job.idx.addr());
         let rb = job.row_bytes as u64;
         let hot_addr = job.hot.map_or(0, |h| h.rows.addr());
         let (slot, width) = widest_piece(rb, [pool, rows_addr, hot_addr]);
-        let func = match job.kernel {
-            _ if job.hot.is_some() => &kernels[row_fn::HOT + slot],
-            RowKernel::Naive => &kernels[row_fn::NAIVE],
-            RowKernel::Sorted => &kernels[row_fn::GATHER_ORDERED + slot],
-            RowKernel::Tuned if job.scatter => &kernels[row_fn::SCATTER + slot],
-            RowKernel::Tuned => &kernels[row_fn::GATHER + slot],
-        };
+        let func = &self.shared.function(match job.kernel {
+            _ if job.hot.is_some() => HOT[slot],
+            RowKernel::Naive => G::GatherNaive,
+            RowKernel::Sorted => ORDERED[slot],
+            RowKernel::Tuned if job.scatter => SCATTER[slot],
+            RowKernel::Tuned => GATHER[slot],
+        })?;
         // A sorted gather's rows are dealt out by pool line where that wastes at most half
         // the lanes (see gather.cu's gpuio_rows_by_line).
         let lines = match job.kernel {
@@ -298,7 +278,8 @@ impl CudaStreamBackend {
                 // A sorted job counts each piece's buckets as it arrives; the rows move once
                 // the whole list is ordered, after the loop.
                 let rank = at.rank + start_row * 4;
-                let mut launch = self.stream.launch_builder(&kernels[row_fn::ORDER_COUNT]);
+                let function = self.shared.function(G::OrderCount)?;
+                let mut launch = self.stream.launch_builder(&function);
                 launch.arg(&idx).arg(&n).arg(&pool_rows).arg(&rb);
                 launch
                     .arg(&o.shift)
@@ -358,22 +339,21 @@ impl CudaStreamBackend {
                 block_dim: (1024, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut launch = self
-                .stream
-                .launch_builder(&kernels[row_fn::ORDER_SCAN_BLOCKS]);
+            let function = self.shared.function(G::OrderScanBlocks)?;
+            let mut launch = self.stream.launch_builder(&function);
             launch.arg(&at.counts).arg(&o.buckets).arg(&at.sums);
             // SAFETY: matches gpuio_order_scan_blocks(u32*, u32, u32*); one block per 4096
             // counts, all inside the reserved scratch, as are the `scan_blocks` sums.
             unsafe { launch.launch(block(o.scan_blocks)) }
                 .map_err(cuda_err("cuLaunchKernel(gpuio_order_scan_blocks)"))?;
-            let mut launch = self
-                .stream
-                .launch_builder(&kernels[row_fn::ORDER_SCAN_SUMS]);
+            let function = self.shared.function(G::OrderScanSums)?;
+            let mut launch = self.stream.launch_builder(&function);
             launch.arg(&at.sums).arg(&o.scan_blocks);
             // SAFETY: matches gpuio_order_scan_sums(u32*, u32): the sums written just before.
             unsafe { launch.launch(block(1)) }
                 .map_err(cuda_err("cuLaunchKernel(gpuio_order_scan_sums)"))?;
-            let mut launch = self.stream.launch_builder(&kernels[row_fn::ORDER_PLACE]);
+            let function = self.shared.function(G::OrderPlace)?;
+            let mut launch = self.stream.launch_builder(&function);
             launch.arg(&idx).arg(&count).arg(&pool_rows).arg(&rb);
             launch
                 .arg(&o.shift)

@@ -7,7 +7,7 @@
 //! gather of the output and a scatter of the misses into their slots, each with its own round
 //! trip. The host backend does the same on the CPU.
 
-use super::{WaitOnDrop, check_disjoint, device_time, widest_piece};
+use super::op::{WaitOnDrop, check_disjoint, device_time, widest_piece};
 use crate::error::{HalError, Result};
 use crate::gpu::{
     Access, CudaRun, DevArg, DeviceBuffer, DeviceOp, HostArg, HostRun, KernelArgs, Stream,
@@ -263,7 +263,7 @@ fn tiered(
         let dst = stream.arg("tiered gather destination", j.dst, j.dst_offset, len)?;
         spans.push((hot.addr(), hot.len()));
         spans.push((dst.addr(), dst.len()));
-        parts.push(Part {
+        parts.push(TieredPart {
             hot,
             warm: stream.host_arg("tiered gather warm tier", j.warm, 0, j.warm.len())?,
             dst,
@@ -299,7 +299,7 @@ fn tiered(
 }
 
 /// The jobs' table after the codes ([`TierJob`]s).
-fn write_table(stage: &mut HostBuffer, total: usize, row_bytes: usize, parts: &[Part<'_>]) {
+fn write_table(stage: &mut HostBuffer, total: usize, row_bytes: usize, parts: &[TieredPart<'_>]) {
     let at = table_offset(total);
     let table = &mut stage[at..at + parts.len() * JOB_BYTES];
     for (entry, p) in table.chunks_exact_mut(JOB_BYTES).zip(parts) {
@@ -317,14 +317,20 @@ fn write_table(stage: &mut HostBuffer, total: usize, row_bytes: usize, parts: &[
     }
 }
 
-/// One checked job: its whole hot tier (whole rows), its warm pool, its destination
-/// (`count` rows) and its first code's position among all codes.
-pub(super) struct Part<'a> {
-    pub(super) hot: DevArg<'a>,
-    pub(super) warm: HostArg<'a>,
-    pub(super) dst: DevArg<'a>,
-    pub(super) first: usize,
-    pub(super) count: usize,
+/// One checked job of a tiered copy on the CPU ([`copy_tiered`]): its whole hot tier (whole
+/// rows), its warm pool, its destination (`count` rows) and its first code's position among
+/// all codes.
+pub struct TieredPart<'a> {
+    /// The hot tier.
+    pub hot: DevArg<'a>,
+    /// The warm pool.
+    pub warm: HostArg<'a>,
+    /// Where the rows go.
+    pub dst: DevArg<'a>,
+    /// Its first code's position among all codes.
+    pub first: usize,
+    /// Its rows.
+    pub count: usize,
 }
 
 /// Copies each part's rows as its codes name them (a tiered gather on the CPU); the position
@@ -333,7 +339,7 @@ pub(super) struct Part<'a> {
 /// # Safety
 /// The parts' warm pools are borrowed host memory; their hot and destination ranges are
 /// host-backend memory locked for writing by the caller ([`HostRun::lock`]) and disjoint.
-pub(super) unsafe fn copy_tiered(parts: &[Part<'_>], codes: &[u64], rb: usize) -> Option<u64> {
+pub unsafe fn copy_tiered(parts: &[TieredPart<'_>], codes: &[u64], rb: usize) -> Option<u64> {
     let mut bad = None;
     for p in parts {
         let (hot_rows, warm_rows) = ((p.hot.len() / rb) as u64, (p.warm.len() / rb) as u64);
@@ -380,7 +386,7 @@ struct Gathered {
 /// table at `table_offset` after them, both copied into `stage` before the kernel.
 struct Gather<'a> {
     row_bytes: usize,
-    parts: Vec<Part<'a>>,
+    parts: Vec<TieredPart<'a>>,
     upload: &'a [u8],
     stage: DevArg<'a>,
     table_offset: usize,
