@@ -1,10 +1,11 @@
 //! The invariants of docs/ARCHITECTURE.md, checked: dependencies point strictly downward and
 //! transports never import each other; test support (gpuio-testkit) is only ever a
 //! dev-dependency; each crate's integration tests are one binary (`tests/it/`), any other
-//! saying why it needs a process of its own; `unsafe` lives only in gpuio-hal, the RDMA verbs
-//! (gpuio-rdma) and the C ABI (gpuio-capi), each block with a `// SAFETY:` note (clippy's
+//! saying why it needs a process of its own; `unsafe` lives only in the device layer (gpuio-hal,
+//! gpuio-ring, gpuio-nvme, gpuio-rdma) and the C ABI (gpuio-capi), each block with a
+//! `// SAFETY:` note (clippy's
 //! `undocumented_unsafe_blocks`, which every crate inherits from the workspace); every other
-//! crate forbids unsafe code;
+//! crate forbids unsafe code; the HAL's `gpu/` names no feature (its device work is ops);
 //! every crate has a README. And
 //! the docs' references hold: every `docs/<path>.md` (and `docs/<path>.md#<anchor>`) named in
 //! a tracked source or doc file exists (and has that heading), and nothing cites design

@@ -1,6 +1,6 @@
 #![doc = include_str!("../README.md")]
-// The C ABI is the second place unsafe code lives (docs/ARCHITECTURE.md, I1): C hands over raw
-// pointers, and only this crate turns them into Rust references, each at one call site with
+// The C ABI is the one place outside the device layer where unsafe code lives
+// (docs/ARCHITECTURE.md, I2): C hands over raw pointers, and only this crate turns them into Rust references, each at one call site with
 // its SAFETY note (the checks on every pointer are in `ptr.rs`).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![allow(non_camel_case_types)]
