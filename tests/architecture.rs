@@ -25,7 +25,7 @@ fn root() -> PathBuf {
 fn layer(name: &str) -> Option<u32> {
     Some(match name {
         "gpuio-hal" => 0,
-        "gpuio-ring" | "gpuio-nvme" | "gpuio-staging" | "gpuio-rdma" => 1,
+        "gpuio-ring" | "gpuio-nvme" | "gpuio-staging" | "gpuio-rdma" | "gpuio-ai-device" => 1,
         "gpuio-transport-memio" | "gpuio-transport-localio" | "gpuio-transport-remoteio" => 2,
         "gpuio-core" => 3,
         "gpuio-api" => 4,
@@ -166,6 +166,7 @@ const UNSAFE_CRATES: &[&str] = &[
     "gpuio-ring",
     "gpuio-nvme",
     "gpuio-rdma",
+    "gpuio-ai-device",
     "gpuio-capi",
 ];
 

@@ -25,8 +25,8 @@ mod hot;
 
 use crate::context::AiWork;
 use crate::{AiError, Result};
+use gpuio_ai_device::{ScoreRows, dot_scores};
 use gpuio_api::{Backend, DeviceBuffer, HostMemory, HostPlacement, Session};
-use gpuio_hal::ai::{ScoreRows, dot_scores};
 use gpuio_transport_memio::{GatherOptions, GatherStrategy};
 use hot::HotTier;
 pub use hot::HotTierStats;

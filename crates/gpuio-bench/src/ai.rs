@@ -553,7 +553,7 @@ fn gather_alone(
     outs: &[gpuio_api::DeviceBuffer],
     opts: &Options,
 ) -> Result<f64> {
-    use gpuio_hal::ai::{TieredRows, TieredSource, gather_tiered, tiered_stage_len};
+    use gpuio_ai_device::{TieredRows, TieredSource, gather_tiered, tiered_stage_len};
     let (topk, slots, rows) = (opts.topk, opts.hot_slots, 32usize << 10);
     let warm = HostBuffer::alloc_pinned(rows * ENTRY, &HostAllocOptions::default(), gpu)?;
     let hots = outs

@@ -12,7 +12,7 @@
 
 use crate::{Budget, Record, Result, Target, race};
 use gpuio_api::Session;
-use gpuio_hal::kernels::{KernelPath, KernelSource, MODULES};
+use gpuio_hal::kernels::{KernelPath, KernelSource};
 use gpuio_hal::{Backend, Gpu};
 use std::time::Duration;
 
@@ -152,11 +152,19 @@ pub fn run(
         }
     )];
     let mut records = Vec::new();
-    for src in MODULES {
+    // Every crate's modules: the HAL's, the ring's, NVMe's, the AI tier's.
+    let modules: Vec<&'static KernelSource> = [
+        gpuio_hal::kernels::MODULES,
+        gpuio_ring::kernels::MODULES,
+        gpuio_nvme::kernels::MODULES,
+        gpuio_ai_device::kernels::MODULES,
+    ]
+    .concat();
+    for src in &modules {
         progress(src.name);
         records.push(case(&gpu, src.name, &[*src], budget, &mut notes)?);
     }
     progress("all");
-    records.push(case(&gpu, "all", MODULES, budget, &mut notes)?);
+    records.push(case(&gpu, "all", &modules, budget, &mut notes)?);
     Ok((records, Vec::new(), notes))
 }

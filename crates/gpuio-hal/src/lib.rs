@@ -1,6 +1,5 @@
 #![doc = include_str!("../README.md")]
 
-pub mod ai;
 pub mod error;
 pub mod file;
 pub mod gpu;

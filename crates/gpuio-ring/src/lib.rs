@@ -83,6 +83,7 @@ pub mod kernels;
 mod layout;
 mod memory;
 pub mod ondemand;
+#[cfg(feature = "test-kernels")]
 pub mod ops;
 mod producer;
 

@@ -5,9 +5,9 @@
 
 use super::quant::{KvFormat, QuantizedKv};
 use crate::{AiError, Result};
+use gpuio_ai_device::{self as ai, QuantizedAt};
 use gpuio_api::DeviceBuffer;
 use gpuio_hal::Backend;
-use gpuio_hal::ai::{self, QuantizedAt};
 
 /// Quantized KV values in device memory: the packed data and one scale per block, as
 /// [`QuantizedKv`] holds them on the host.

@@ -8,7 +8,7 @@
 
 use crate::{AiError, Result};
 use float8::F8E4M3;
-use gpuio_hal::ai::QuantKind;
+use gpuio_ai_device::QuantKind;
 use half::f16;
 
 /// The largest magnitude E4M3 represents.

@@ -96,7 +96,7 @@ impl HotLayer {
     /// `step` selected; returns each miss's slot. There are always enough such slots: a step
     /// selects at most as many entries as there are slots.
     ///
-    /// The HAL's device-planned load (`gpuio_hal::ai::swap_in`) evicts by the same rule, in
+    /// The HAL's device-planned load (`gpuio_ai_device::swap_in`) evicts by the same rule, in
     /// its install kernel and its host twin; it stays a second implementation because it must
     /// match that kernel bit for bit (ages capped at 255 steps, ties to the lower slot) over a
     /// state in device memory, while this one keeps exact steps over tables it also edits

@@ -8,10 +8,10 @@
 
 use super::{KvPool, LoadReport};
 use crate::{AiError, Result};
-use gpuio_api::DeviceBuffer;
-use gpuio_hal::ai::{
+use gpuio_ai_device::{
     TieredRows, TieredSource, gather_tiered, gather_tiered_timed, tiered_stage_len,
 };
+use gpuio_api::DeviceBuffer;
 use gpuio_hal::{HostAllocOptions, HostBuffer, Stream};
 use std::time::Duration;
 

@@ -33,8 +33,8 @@ pub use load::{KvBatch, KvLoad};
 pub use swap::{LoadTimes, SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget};
 
 use crate::{AiError, Result};
+use gpuio_ai_device::{TIER_MAX_HOT_ROWS, TIER_MAX_WARM_ROWS, tiered_stage_len};
 use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
-use gpuio_hal::ai::{TIER_MAX_HOT_ROWS, TIER_MAX_WARM_ROWS, tiered_stage_len};
 use hot::HotLayer;
 use load::Stage;
 

@@ -14,11 +14,11 @@
 
 use super::LoadReport;
 use crate::{AiError, Result};
-use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
-use gpuio_hal::ai::{
+use gpuio_ai_device::{
     SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, SwapInFault, SwapInJob,
     SwapInLoad, SwapInTable, swap_in, swap_in_reset, swap_in_state_len, swap_in_table,
 };
+use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
 use gpuio_hal::{HostBuffer, HostRead, Stream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

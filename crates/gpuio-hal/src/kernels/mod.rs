@@ -196,7 +196,7 @@ mod tests {
     #[test]
     fn kernels_are_found_by_name() {
         assert_eq!(GatherKernel::OrderPlace.name(), "gpuio_order_place");
-        assert_eq!(AiKernel::SwapInInstall.name(), "gpuio_swap_in_install");
+        assert_eq!(PatternKernel::FindMismatch.name(), "gpuio_find_mismatch");
         assert!(std::ptr::eq(PatternKernel::module(), &PATTERN));
         for m in MODULES {
             assert!(

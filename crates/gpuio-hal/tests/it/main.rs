@@ -4,11 +4,9 @@
 //! machine may lack skip with a printed reason, unless `GPUIO_REQUIRE_<X>=1` makes that a
 //! failure (`gpuio_testkit::Requirement`).
 
-mod ai;
 mod gpu;
 mod hot_rows;
 #[cfg(feature = "cuda")]
 mod kernels;
 mod ptx;
-mod swap_in;
 mod tiered;

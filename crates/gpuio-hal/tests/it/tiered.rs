@@ -3,7 +3,7 @@
 //! warm pinned pool, warm rows installed into hot rows on the way, several jobs per call; and
 //! the refusals: codes outside their tier, overlapping buffers, an unpinned stage.
 
-use gpuio_hal::ai::{TieredRows, TieredSource, gather_tiered, tiered_stage_len};
+use gpuio_hal::gpu::tiered::{TieredRows, TieredSource, gather_tiered, tiered_stage_len};
 use gpuio_hal::{
     BackendPreference, DeviceBuffer, ErrorCode, Gpu, HostAllocOptions, HostBuffer, Stream, probe,
 };

@@ -69,5 +69,6 @@ mod twin;
 pub use held::{HeldPages, NOT_HELD};
 pub use layout::*;
 pub use memory::{ArrayCounters, PageCacheMemory, PageTable};
+#[cfg(feature = "test-kernels")]
 pub use ops::ArrayReadCheck;
 pub use twin::HostAccessor;

@@ -4,18 +4,21 @@
 //! with [`super::constants()`]. The host backend runs no kernels;
 //! [`super::HostAccessor`] plays the GPU's part there.
 
-use super::{ArrayDevice, HeldPages, PageCacheMemory, PageTable, ResidentDevice};
+use super::{ArrayDevice, PageCacheMemory, PageTable};
+#[cfg(feature = "test-kernels")]
+use super::{HeldPages, ResidentDevice};
 use crate::RingMemory;
 use crate::kernels::OndemandKernel;
 use gpuio_hal::error::{HalError, Result};
-use gpuio_hal::gpu::{
-    CudaRun, DevArg, DeviceBuffer, DeviceOp, HostRun, KernelArgs, LaunchShape, Stream,
-};
+#[cfg(feature = "test-kernels")]
+use gpuio_hal::gpu::LaunchShape;
+use gpuio_hal::gpu::{CudaRun, DevArg, DeviceBuffer, DeviceOp, HostRun, KernelArgs, Stream};
 use std::ops::Range;
 
 const NO_KERNELS: &str = "ondemand::HostAccessor plays the GPU's part";
 
-/// What the GPU test's checked reads found.
+/// What the GPU test's checked reads found ([`test_read`]).
+#[cfg(feature = "test-kernels")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ArrayReadCheck {
     /// Reads made.
@@ -87,6 +90,7 @@ pub(crate) fn pages(
     })
 }
 
+#[cfg(feature = "test-kernels")]
 /// The GPU test's reads: `threads` GPU threads make `reads` reads of random u64 elements
 /// (from `salt`) of `table` and check each against word `i` of pattern `seed` (or of
 /// `written` where `i` is a multiple of `every`, `every > 0`). Waits for the kernel.
@@ -126,6 +130,7 @@ pub fn test_read(
     })
 }
 
+#[cfg(feature = "test-kernels")]
 /// The GPU test's stores: word `i` of pattern `written` into every element `i` of `table`
 /// that is a multiple of `every` (> 0). Waits for the kernel.
 pub fn test_store(
@@ -147,6 +152,7 @@ pub fn test_store(
     })
 }
 
+#[cfg(feature = "test-kernels")]
 /// Benchmark reads (`gpuio bench ondemand`): `n` rows of `row_bytes` (a multiple of 8; 0:
 /// single u64 elements) named by `rows` (u64s on this device: row numbers, or element
 /// indices) into `out`, through the array (`source: Ok`), or, for elements, from a plain
@@ -210,6 +216,7 @@ pub(crate) fn hold(
     })
 }
 
+#[cfg(feature = "test-kernels")]
 /// Benchmark reads of `n` u64 elements (indices in `idx`, u64s on this device) of a held
 /// array into `out`, with `threads` GPU threads and no pin per read (`gpuio_resident_array`).
 /// Waits for the kernel. The caller checks the data.
@@ -234,6 +241,7 @@ pub fn resident_bench_reads(
     })
 }
 
+#[cfg(feature = "test-kernels")]
 /// The on-demand layout's constants as this device's compiler sees them, in the order of
 /// [`super::constants()`].
 pub fn device_layout_words(stream: &Stream) -> Result<Vec<u64>> {
@@ -274,6 +282,7 @@ impl DeviceOp for Pages<'_> {
     }
 }
 
+#[cfg(feature = "test-kernels")]
 struct TestRead<'a> {
     array: Array<'a>,
     reads: u64,
@@ -285,6 +294,7 @@ struct TestRead<'a> {
     threads: u32,
 }
 
+#[cfg(feature = "test-kernels")]
 impl DeviceOp for TestRead<'_> {
     type Output = ();
 
@@ -304,12 +314,14 @@ impl DeviceOp for TestRead<'_> {
     }
 }
 
+#[cfg(feature = "test-kernels")]
 struct TestStore<'a> {
     array: Array<'a>,
     every: u64,
     written: u64,
 }
 
+#[cfg(feature = "test-kernels")]
 impl DeviceOp for TestStore<'_> {
     type Output = ();
 
@@ -332,6 +344,7 @@ impl DeviceOp for TestStore<'_> {
     }
 }
 
+#[cfg(feature = "test-kernels")]
 /// Where benchmark reads come from.
 enum BenchSource<'a> {
     Array(Array<'a>),
@@ -339,6 +352,7 @@ enum BenchSource<'a> {
     Plain(DevArg<'a>),
 }
 
+#[cfg(feature = "test-kernels")]
 struct BenchReads<'a> {
     source: BenchSource<'a>,
     rows: DevArg<'a>,
@@ -348,6 +362,7 @@ struct BenchReads<'a> {
     threads: u32,
 }
 
+#[cfg(feature = "test-kernels")]
 impl DeviceOp for BenchReads<'_> {
     type Output = ();
 
@@ -410,6 +425,7 @@ impl DeviceOp for Hold<'_> {
     }
 }
 
+#[cfg(feature = "test-kernels")]
 struct ResidentBench<'a> {
     array: ResidentDevice,
     _held: &'a HeldPages,
@@ -419,6 +435,7 @@ struct ResidentBench<'a> {
     threads: u32,
 }
 
+#[cfg(feature = "test-kernels")]
 impl DeviceOp for ResidentBench<'_> {
     type Output = ();
 
@@ -438,10 +455,12 @@ impl DeviceOp for ResidentBench<'_> {
     }
 }
 
+#[cfg(feature = "test-kernels")]
 struct Layout<'a> {
     out: DevArg<'a>,
 }
 
+#[cfg(feature = "test-kernels")]
 impl DeviceOp for Layout<'_> {
     type Output = ();
 

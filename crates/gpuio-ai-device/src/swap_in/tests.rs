@@ -3,7 +3,7 @@
 
 use super::plan::*;
 use super::*;
-use crate::ai::TieredSource;
+use gpuio_hal::gpu::TieredSource;
 
 /// A state with `positions` and `slots`, as the table resets it.
 fn fresh(positions: usize, slots: usize) -> Vec<u32> {

@@ -5,14 +5,14 @@
 
 use super::plan::{HostPlan, plan_on_host, state_words};
 use super::{JOB_BYTES, SwapInLoad, bad, swap_in_state_len};
-use crate::error::{HalError, Result, check_range};
-use crate::gpu::tiered::{self, copy_tiered};
-use crate::gpu::{
+use crate::kernels::AiKernel;
+use gpuio_hal::error::{HalError, Result, check_range};
+use gpuio_hal::gpu::tiered::{self, copy_tiered};
+use gpuio_hal::gpu::{
     Access, CudaRun, DevArg, DeviceOp, Event, HostArg, HostRun, KernelArgs, LaunchShape,
 };
-use crate::gpu::{WaitOnDrop, elapsed, widest_piece};
-use crate::kernels::AiKernel;
-use crate::memory::HostBuffer;
+use gpuio_hal::gpu::{WaitOnDrop, elapsed, widest_piece};
+use gpuio_hal::memory::HostBuffer;
 use std::cell::RefCell;
 use std::mem::offset_of;
 use std::time::{Duration, Instant};

@@ -7,11 +7,11 @@ use super::{
     JOB_BYTES, PENDING, SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS,
     SwapInCounts, SwapInDone, SwapInJob, SwapInLoad, bad, swap_in_state_len,
 };
-use crate::ai::{TIER_MAX_JOBS, TIER_MAX_WARM_ROWS};
-use crate::error::Result;
-use crate::gpu::check_disjoint;
-use crate::gpu::{DeviceBuffer, Event, Gpu, Stream};
-use crate::memory::{HostAllocOptions, HostBuffer};
+use gpuio_hal::error::Result;
+use gpuio_hal::gpu::check_disjoint;
+use gpuio_hal::gpu::tiered::{TIER_MAX_JOBS, TIER_MAX_WARM_ROWS};
+use gpuio_hal::gpu::{DeviceBuffer, Event, Gpu, Stream};
+use gpuio_hal::memory::{HostAllocOptions, HostBuffer};
 use std::cell::RefCell;
 
 /// One job as the table keeps it: its buffers (shared handles, alive while the table is) and

@@ -2,11 +2,13 @@
 //! checks live here; the host backend runs no kernels and refuses them (gpuio-ai keeps the CPU
 //! reference the kernels are checked against, and uses it there).
 
-use crate::error::{HalError, Result};
-use crate::gpu::check_disjoint;
-use crate::gpu::{CudaRun, DevArg, DeviceBuffer, DeviceOp, HostArg, HostRun, KernelArgs, Stream};
 use crate::kernels::AiKernel;
-use crate::memory::HostBuffer;
+use gpuio_hal::error::{HalError, Result};
+use gpuio_hal::gpu::check_disjoint;
+use gpuio_hal::gpu::{
+    CudaRun, DevArg, DeviceBuffer, DeviceOp, HostArg, HostRun, KernelArgs, Stream,
+};
+use gpuio_hal::memory::HostBuffer;
 
 /// A KV quantization format, as the kernels take it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -37,9 +37,9 @@ mod tests;
 
 pub use table::{SwapInTable, swap_in, swap_in_table};
 
-use crate::error::{HalError, Result};
-use crate::gpu::{DeviceBuffer, Stream};
-use crate::memory::HostBuffer;
+use gpuio_hal::error::{HalError, Result};
+use gpuio_hal::gpu::{DeviceBuffer, Stream};
+use gpuio_hal::memory::HostBuffer;
 use plan::state_words;
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! smallest of its failures) and a count word.
 
 use super::{NONE, PENDING, SwapInFault, SwapInLoad, SwapInRefused};
-use crate::ai::TieredSource;
+use gpuio_hal::gpu::TieredSource;
 
 /// The fetch's mark on a hit's slot word (slots are below 2^13; NONE and PENDING carry it).
 pub(super) const SEL: u32 = 1 << 30;

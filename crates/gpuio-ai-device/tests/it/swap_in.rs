@@ -6,7 +6,7 @@
 //! state's fault, never giving it the other position's row. gpuio-ai's swap-in tests check
 //! the loads themselves against an LRU model.
 
-use gpuio_hal::ai::{
+use gpuio_ai_device::{
     SwapInCounts, SwapInFault, SwapInJob, SwapInLoad, SwapInRefused, SwapInTable, swap_in,
     swap_in_reset, swap_in_state_len, swap_in_table,
 };

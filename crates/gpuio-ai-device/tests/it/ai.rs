@@ -2,7 +2,7 @@
 //! dot product, rows of f32 in device memory and rows of FP8 bytes read from pinned host
 //! memory; on the host backend, the typed refusal (gpuio-ai runs its reference there).
 
-use gpuio_hal::ai::{self, ScoreRows};
+use gpuio_ai_device::{self as ai, ScoreRows};
 use gpuio_hal::{
     Backend, BackendPreference, ErrorCode, HostAllocOptions, HostBuffer, pattern, probe,
 };
@@ -95,7 +95,7 @@ fn dot_scores_match_a_cpu_dot_product() {
 /// (round to nearest, ties to even); the host backend refuses.
 #[test]
 fn quantized_bytes_are_the_formats_own() {
-    use gpuio_hal::ai::{QuantKind, QuantizedAt};
+    use gpuio_ai_device::{QuantKind, QuantizedAt};
     for gpu in probe(BackendPreference::Auto).unwrap().gpus {
         let stream = gpu.stream().unwrap();
         let values = [
