@@ -111,11 +111,16 @@ pub fn io(
 /// The NVMe layouts as this device's compiler sees them, in [`layout_words`] order.
 pub fn device_layout_words(stream: &Stream) -> Result<Vec<u64>> {
     let n = layout_words().len();
-    let out = stream.gpu().alloc(n * 8)?;
-    stream.run(&Layout {
-        out: stream.arg("NVMe layout", &out, 0, n * 8)?,
-    })?;
-    stream.download_u64s(&out, n)
+    // SAFETY: gpuio_nvme_layout takes one u64* and writes layout_words().len() u64s.
+    unsafe {
+        gpuio_hal::gpu::report_words(
+            stream,
+            NvmeKernel::NvmeLayout,
+            n,
+            "the NVMe layout report",
+            NO_KERNELS,
+        )
+    }
 }
 
 /// `gpuio_nvme_io`'s launch: `count` commands on the queue pairs whose descriptors `queues`
@@ -172,26 +177,6 @@ impl DeviceOp for Io<'_> {
         // registered until the synchronize below; each warp touches only its own data slots,
         // which `io` checked fit `data`.
         unsafe { cuda.launch(NvmeKernel::NvmeIo, shape, &args)? };
-        cuda.synchronize()
-    }
-}
-
-struct Layout<'a> {
-    out: DevArg<'a>,
-}
-
-impl DeviceOp for Layout<'_> {
-    type Output = ();
-
-    fn host(&self, host: &HostRun<'_>) -> Result<()> {
-        Err(host.no_kernels("the NVMe layout report", NO_KERNELS))
-    }
-
-    fn cuda(&self, cuda: &CudaRun<'_>) -> Result<()> {
-        let args = KernelArgs::new().ptr(&self.out);
-        // SAFETY: the kernel writes layout_words().len() u64s at `out`, a range checked to
-        // hold them.
-        unsafe { cuda.launch(NvmeKernel::NvmeLayout, LaunchShape::ONE, &args)? };
         cuda.synchronize()
     }
 }

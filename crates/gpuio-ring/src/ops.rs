@@ -7,7 +7,7 @@ use super::{RingDevice, RingMemory};
 use crate::kernels::RingBenchKernel;
 use gpuio_hal::error::{HalError, Result};
 use gpuio_hal::gpu::{
-    CudaRun, DevArg, DeviceBuffer, DeviceOp, HostRun, KernelArgs, LaunchShape, Stream,
+    CudaRun, DevArg, DeviceBuffer, DeviceOp, HostRun, KernelArgs, LaunchShape, Stream, report_words,
 };
 
 /// Timestamps [`ping`] records per round trip.
@@ -81,11 +81,16 @@ pub fn ping(
 /// [`super::RingLayout::words`].
 pub fn layout_words(stream: &Stream) -> Result<Vec<u64>> {
     let n = super::layout().words().len();
-    let out = stream.gpu().alloc(n * 8)?;
-    stream.run(&Layout {
-        out: stream.arg("ring layout", &out, 0, n * 8)?,
-    })?;
-    stream.download_u64s(&out, n)
+    // SAFETY: gpuio_ring_layout takes one u64* and writes RingLayout::words().len() u64s.
+    unsafe {
+        report_words(
+            stream,
+            RingBenchKernel::RingLayout,
+            n,
+            "the ring layout report",
+            NO_KERNELS,
+        )
+    }
 }
 
 fn device_of(stream: &Stream, ring: &RingMemory) -> Result<RingDevice> {
@@ -181,26 +186,6 @@ impl DeviceOp for Ping<'_> {
             .ptr(&self.ns);
         // SAFETY: as for ReadBlocks; the kernel writes only the checked ns range.
         unsafe { cuda.launch(RingBenchKernel::RingPing, LaunchShape::ONE, &args)? };
-        cuda.synchronize()
-    }
-}
-
-struct Layout<'a> {
-    out: DevArg<'a>,
-}
-
-impl DeviceOp for Layout<'_> {
-    type Output = ();
-
-    fn host(&self, host: &HostRun<'_>) -> Result<()> {
-        Err(host.no_kernels("the ring layout report", NO_KERNELS))
-    }
-
-    fn cuda(&self, cuda: &CudaRun<'_>) -> Result<()> {
-        let args = KernelArgs::new().ptr(&self.out);
-        // SAFETY: the kernel writes RingLayout::words().len() u64s at `out`, a range checked
-        // to hold them.
-        unsafe { cuda.launch(RingBenchKernel::RingLayout, LaunchShape::ONE, &args)? };
         cuda.synchronize()
     }
 }

@@ -346,7 +346,7 @@ impl Stream {
             dst_offset: 0,
             count,
         };
-        self.gather_tiered(hot.row_bytes, &[job], &mut stage, &device)?;
+        super::tiered::gather_tiered(self, hot.row_bytes, &[job], &mut stage, &device)?;
         Ok(count)
     }
 }

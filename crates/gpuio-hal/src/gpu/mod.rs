@@ -29,7 +29,7 @@ pub use hot_rows::{HOT_MAX_POOL_ROWS, HOT_MAX_ROWS, HotRows};
 pub use info::{Backend, Capability, DeviceInfo, PcieLink};
 pub use op::{
     Access, CudaRun, DevArg, DeviceOp, HostArg, HostLocks, HostRun, KernelArgs, LaunchShape,
-    WaitOnDrop, check_disjoint, device_time, elapsed, widest_piece,
+    WaitOnDrop, check_disjoint, device_time, elapsed, report_words, widest_piece,
 };
 pub use rows::{RowIndices, RowKernel};
 pub use stream::{Event, Inflight, Stream};

@@ -41,10 +41,7 @@ impl Stream {
                 _stream: PhantomData,
             }),
             #[cfg(feature = "cuda")]
-            StreamTarget::Cuda(stream) => op.cuda(&CudaRun {
-                stream,
-                reports: std::cell::OnceCell::new(),
-            }),
+            StreamTarget::Cuda(stream) => op.cuda(&CudaRun::bound(stream)?),
         }
     }
 
@@ -434,6 +431,54 @@ impl DeviceMemory for StreamMemory {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+}
+
+/// Runs a one-thread kernel that writes `words` u64s at its only argument (a layout as the
+/// device compiler sees it, say) and returns them; on the host backend, the error `what`
+/// cannot run there, `instead` saying what plays its part.
+///
+/// # Safety
+/// `kernel` takes one `u64*` and writes at most `words` u64s there, touching nothing else.
+pub unsafe fn report_words<K: crate::kernels::Kernel>(
+    stream: &Stream,
+    kernel: K,
+    words: usize,
+    what: &'static str,
+    instead: &str,
+) -> Result<Vec<u64>> {
+    let out = stream.gpu().alloc(words.saturating_mul(8).max(8))?;
+    stream.run(&Report {
+        kernel,
+        out: stream.arg(what, &out, 0, words * 8)?,
+        what,
+        instead,
+    })?;
+    stream.download_u64s(&out, words)
+}
+
+/// [`report_words`]'s op.
+struct Report<'a, K> {
+    kernel: K,
+    out: DevArg<'a>,
+    what: &'static str,
+    instead: &'a str,
+}
+
+impl<K: crate::kernels::Kernel> DeviceOp for Report<'_, K> {
+    type Output = ();
+
+    fn host(&self, host: &HostRun<'_>) -> Result<()> {
+        Err(host.no_kernels(self.what, self.instead))
+    }
+
+    fn cuda(&self, cuda: &CudaRun<'_>) -> Result<()> {
+        let args = KernelArgs::new().ptr(&self.out);
+        // SAFETY: report_words's contract: the kernel writes at most `out.len() / 8` u64s at
+        // `out`, a checked range of an allocation that lives until the download after this
+        // op, which waits for the kernel below.
+        unsafe { cuda.launch(self.kernel, LaunchShape::ONE, &args)? };
+        cuda.synchronize()
     }
 }
 

@@ -194,20 +194,6 @@ pub fn gather_tiered_timed(
     tiered(stream, row_bytes, jobs, stage, device, true).map(|t| t.unwrap_or_default())
 }
 
-impl Stream {
-    /// [`gather_tiered`] as a method, for the hot rows in `gpu/hot_rows.rs`, which refresh
-    /// their copies through it (that file is ported to ops on its own).
-    pub(crate) fn gather_tiered(
-        &self,
-        row_bytes: usize,
-        jobs: &[TieredRows<'_>],
-        stage: &mut HostBuffer,
-        device: &DeviceBuffer,
-    ) -> Result<()> {
-        gather_tiered(self, row_bytes, jobs, stage, device)
-    }
-}
-
 fn tiered(
     stream: &Stream,
     row_bytes: usize,

@@ -10,8 +10,6 @@ use super::{HeldPages, ResidentDevice};
 use crate::RingMemory;
 use crate::kernels::OndemandKernel;
 use gpuio_hal::error::{HalError, Result};
-#[cfg(feature = "test-kernels")]
-use gpuio_hal::gpu::LaunchShape;
 use gpuio_hal::gpu::{CudaRun, DevArg, DeviceBuffer, DeviceOp, HostRun, KernelArgs, Stream};
 use std::ops::Range;
 
@@ -246,11 +244,16 @@ pub fn resident_bench_reads(
 /// [`super::constants()`].
 pub fn device_layout_words(stream: &Stream) -> Result<Vec<u64>> {
     let n = super::constants().len();
-    let out = stream.gpu().alloc(n * 8)?;
-    stream.run(&Layout {
-        out: stream.arg("array layout", &out, 0, n * 8)?,
-    })?;
-    stream.download_u64s(&out, n)
+    // SAFETY: gpuio_array_layout takes one u64* and writes constants().len() u64s.
+    unsafe {
+        gpuio_hal::gpu::report_words(
+            stream,
+            OndemandKernel::ArrayLayout,
+            n,
+            "the on-demand layout report",
+            NO_KERNELS,
+        )
+    }
 }
 
 struct Pages<'a> {
@@ -451,28 +454,6 @@ impl DeviceOp for ResidentBench<'_> {
         // u64s (checked ranges) and reads the held array's frames, which stay allocated and
         // pinned while `_held` is borrowed.
         unsafe { cuda.launch(OndemandKernel::ResidentBenchElements, shape, &args)? };
-        cuda.synchronize()
-    }
-}
-
-#[cfg(feature = "test-kernels")]
-struct Layout<'a> {
-    out: DevArg<'a>,
-}
-
-#[cfg(feature = "test-kernels")]
-impl DeviceOp for Layout<'_> {
-    type Output = ();
-
-    fn host(&self, host: &HostRun<'_>) -> Result<()> {
-        Err(host.no_kernels("the on-demand layout report", NO_KERNELS))
-    }
-
-    fn cuda(&self, cuda: &CudaRun<'_>) -> Result<()> {
-        let args = KernelArgs::new().ptr(&self.out);
-        // SAFETY: the kernel writes constants().len() u64s at `out`, a range checked to hold
-        // them.
-        unsafe { cuda.launch(OndemandKernel::ArrayLayout, LaunchShape::ONE, &args)? };
         cuda.synchronize()
     }
 }

@@ -2,26 +2,18 @@
 //! compiler needed), and NVRTC compiles each source for every architecture gpuio supports
 //! (skipped without libnvrtc unless `GPUIO_REQUIRE_NVRTC=1`).
 
-use gpuio_hal::gpu::cuda::nvrtc_problems;
-use gpuio_hal::kernels::embedded_ptx_problems;
-use gpuio_ring::kernels::MODULES;
-use gpuio_testkit::Requirement;
-
 #[test]
-fn the_embedded_ptx_is_built_from_the_embedded_sources() {
-    let problems = embedded_ptx_problems(MODULES, "crates/gpuio-ring/ptx");
+fn the_kernels_match_their_sources_and_compile() {
+    let (problems, missing) = gpuio_hal::gpu::cuda::kernel_problems(
+        gpuio_ring::kernels::MODULES,
+        "crates/gpuio-ring/ptx",
+    );
     assert!(
         problems.is_empty(),
-        "{}\nafter changing a kernel, run `cargo xtask ptx --wheels --write` and commit what it \
-         writes",
+        "{}\n(run `cargo xtask ptx --wheels --write`)",
         problems.join("\n")
     );
-}
-
-#[test]
-fn every_kernel_compiles_for_every_architecture() {
-    match nvrtc_problems(MODULES) {
-        Ok(failed) => assert!(failed.is_empty(), "{}", failed.join("\n")),
-        Err(missing) => Requirement::Nvrtc.missing(missing),
+    if let Some(why) = missing {
+        gpuio_testkit::Requirement::Nvrtc.missing(why);
     }
 }

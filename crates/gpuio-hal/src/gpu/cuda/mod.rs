@@ -33,5 +33,5 @@ mod run;
 mod stream;
 
 pub(crate) use device::devices;
-pub use nvrtc::{NVRTC_ARCHS, compile_ptx, compile_ptx_for, nvrtc_problems};
+pub use nvrtc::{NVRTC_ARCHS, compile_ptx, compile_ptx_for, kernel_problems, nvrtc_problems};
 pub(crate) use stream::CudaStreamBackend;

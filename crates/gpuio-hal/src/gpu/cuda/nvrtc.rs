@@ -54,6 +54,21 @@ pub fn nvrtc_problems(modules: &[&KernelSource]) -> std::result::Result<Vec<Stri
     Ok(failed)
 }
 
+/// Everything a crate's tests check of its kernels: what is wrong with their embedded PTX
+/// (in `ptx_dir`, [`crate::kernels::embedded_ptx_problems`]) and with NVRTC's compile of
+/// their sources ([`nvrtc_problems`]), and, where libnvrtc is missing, why NVRTC's part did
+/// not run (a skip the caller reports, or fails under `GPUIO_REQUIRE_NVRTC`).
+pub fn kernel_problems(modules: &[&KernelSource], ptx_dir: &str) -> (Vec<String>, Option<String>) {
+    let mut problems = crate::kernels::embedded_ptx_problems(modules, ptx_dir);
+    match nvrtc_problems(modules) {
+        Ok(failed) => {
+            problems.extend(failed);
+            (problems, None)
+        }
+        Err(missing) => (problems, Some(missing)),
+    }
+}
+
 fn compile(src: &KernelSource, arch: Option<&str>) -> Result<Ptx> {
     // SAFETY: only tries to dlopen libnvrtc by its usual names.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {

@@ -11,7 +11,17 @@ use crate::gpu::op::{CudaRun, DevArg, KernelArg, KernelArgs, LaunchShape, Stream
 use crate::kernels::Kernel;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-impl CudaRun<'_> {
+impl<'s> CudaRun<'s> {
+    /// A run on `stream`, its context bound to the calling thread once for the whole op
+    /// (every launch and copy of the op is on this thread, in this context).
+    pub(crate) fn bound(stream: &'s super::CudaStreamBackend) -> Result<Self> {
+        stream.shared.bind()?;
+        Ok(Self {
+            stream,
+            reports: std::cell::OnceCell::new(),
+        })
+    }
+
     /// A grid-stride shape for `items` work items: blocks of 256 threads, enough of them to
     /// fill the device and no more.
     pub fn grid_stride(&self, items: u64) -> LaunchShape {
@@ -38,7 +48,6 @@ impl CudaRun<'_> {
         args: &KernelArgs,
     ) -> Result<()> {
         let function = self.stream.shared.function(kernel)?;
-        self.stream.shared.bind()?;
         let mut launch = self.stream.stream.launch_builder(&function);
         for value in &args.values {
             match value {
@@ -87,7 +96,6 @@ impl CudaRun<'_> {
     /// `src` is readable for `dst.len()` bytes (pinned, for the copy to be asynchronous) until
     /// the copy completes.
     pub unsafe fn upload(&self, src: *const u8, dst: DevArg<'_>) -> Result<()> {
-        self.stream.shared.bind()?;
         // SAFETY: the caller keeps `src` readable; `dst` is a checked range of a live
         // allocation of this stream's context.
         unsafe { driver::memcpy_htod_async(dst.addr(), src, dst.len(), self.stream.raw()) }
@@ -99,7 +107,6 @@ impl CudaRun<'_> {
     /// `dst` is writable for `src.len()` bytes, and touched by nothing else, until the copy
     /// completes.
     pub unsafe fn download(&self, src: DevArg<'_>, dst: *mut u8) -> Result<()> {
-        self.stream.shared.bind()?;
         // SAFETY: the caller keeps `dst` writable and untouched; `src` is a checked range of
         // a live allocation of this stream's context.
         unsafe { driver::memcpy_dtoh_async(dst, src.addr(), src.len(), self.stream.raw()) }
@@ -110,7 +117,6 @@ impl CudaRun<'_> {
     /// # Safety
     /// `dst` stays allocated, and nothing else reads or writes it, until the set completes.
     pub unsafe fn memset(&self, dst: DevArg<'_>, value: u8) -> Result<()> {
-        self.stream.shared.bind()?;
         // SAFETY: the caller keeps `dst` allocated and to this work; it is a checked range of
         // a live allocation of this stream's context.
         unsafe { driver::memset_d8_async(dst.addr(), value, dst.len(), self.stream.raw()) }
