@@ -92,6 +92,8 @@ pub enum UriProblem {
     BadPort(String),
     /// A remote URI without a host or segment.
     MissingHost,
+    /// A host or segment name with brackets out of place (IPv6 hosts are written `[addr]:port`).
+    BadHost(String),
     /// A `%` not followed by two hex digits.
     BadPercentEncoding,
     /// `gpu` followed by something other than a device number.
@@ -107,6 +109,11 @@ impl fmt::Display for UriProblem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Empty => write!(f, "empty URI"),
+            Self::BadHost(h) => write!(
+                f,
+                "host {} has brackets out of place (an IPv6 host is written [addr]:port)",
+                escape(&format!("{h:?}"))
+            ),
             Self::UnknownScheme(s) => write!(
                 f,
                 "unknown scheme {s:?} (expected memio, localio, remoteio, file, gpuio, or gpu<N>)"

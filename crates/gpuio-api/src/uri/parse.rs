@@ -85,6 +85,8 @@ impl<'a> Parser<'a> {
     fn parse_gpuio(&self, at: usize) -> Result<Uri> {
         let rest = &self.input[at..];
         let (engine, tail) = rest.split_once('/').unwrap_or((rest, ""));
+        // Whether a '/' follows the engine (`gpuio://memio` has none).
+        let slash = usize::from(rest.len() > engine.len());
         if engine.is_empty() {
             return Err(self.err(
                 at,
@@ -124,7 +126,7 @@ impl<'a> Parser<'a> {
                 } else if position < prefix {
                     at + e
                 } else {
-                    at + e + 1 + (position - prefix)
+                    at + e + slash + (position - prefix)
                 };
                 self.err(position, problem)
             }
@@ -331,19 +333,16 @@ impl<'a> Parser<'a> {
                 .split_once("]:")
                 .ok_or_else(|| self.err(at, UriProblem::BadPort(authority.into())))?;
             RemoteTarget::Address {
-                host: host.into(),
+                host: self.host(host, at + 1)?,
                 port: self.port(port, at + host.len() + 3)?,
             }
         } else if let Some((host, port)) = authority.rsplit_once(':') {
-            if host.is_empty() {
-                return Err(self.err(at, UriProblem::MissingHost));
-            }
             RemoteTarget::Address {
-                host: host.into(),
+                host: self.host(host, at)?,
                 port: self.port(port, at + host.len() + 1)?,
             }
         } else {
-            RemoteTarget::Segment(authority.into())
+            RemoteTarget::Segment(self.host(authority, at)?)
         };
         let resource = path.trim_start_matches('/');
         if resource.is_empty() {
@@ -376,6 +375,18 @@ impl<'a> Parser<'a> {
             transport,
             gdr: self.flag(&params, "gdr")?.unwrap_or(false),
         })
+    }
+
+    /// A host (or segment name) at byte `at`: not empty, and no bracket (brackets only
+    /// enclose an IPv6 host, and are not part of it).
+    fn host(&self, host: &str, at: usize) -> Result<String> {
+        if host.is_empty() {
+            return Err(self.err(at, UriProblem::MissingHost));
+        }
+        if let Some(i) = host.find(['[', ']']) {
+            return Err(self.err(at + i, UriProblem::BadHost(host.into())));
+        }
+        Ok(host.into())
     }
 
     /// `nvme://<PCI address>/<nsid>`.

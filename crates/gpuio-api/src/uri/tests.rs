@@ -95,6 +95,29 @@ fn shorthands_and_aliases() {
     ));
 }
 
+/// Found by fuzzing: empty and half-bracketed hosts were taken (and shown as URIs that do not
+/// parse), and an error in `gpuio://<engine>` with no `/` pointed past the end.
+#[test]
+fn hosts_are_whole_and_positions_within_the_input() {
+    assert_eq!(
+        problem("remoteio://[]:7000/r"),
+        (12, UriProblem::MissingHost)
+    );
+    for bad in [
+        "remoteio://80::1]:7[fe80::1]:7000/r",
+        "remoteio://a]b:1/r",
+        "remoteio://s[g/r",
+    ] {
+        assert!(matches!(problem(bad).1, UriProblem::BadHost(_)), "{bad}");
+    }
+    for input in ["gpuio://gpuio", "gpuio://gpuio/lOcalio", "gpuio://memio"] {
+        let (position, _) = problem(input);
+        assert!(position <= input.len(), "{input}: {position}");
+    }
+    let v6 = Uri::parse("remoteio://fe80::1:7000/r").unwrap();
+    assert_eq!(Uri::parse(&v6.to_string()).unwrap(), v6);
+}
+
 #[test]
 fn malformed_uris_say_what_and_where() {
     assert_eq!(problem(""), (0, UriProblem::Empty));
