@@ -69,17 +69,21 @@ impl From<WritePolicy> for WriteMode {
 #[serde(deny_unknown_fields)]
 pub struct CacheSection {
     /// Bytes per block ([`MIN_CACHE_BLOCK`] to 1 GiB).
+    #[serde(serialize_with = "super::sections::exact_size")]
     pub block_size: ByteSize,
     /// L1, in the memory of GPU `gpu` (0: no L1).
+    #[serde(serialize_with = "super::sections::exact_size")]
     pub l1_size: ByteSize,
     /// The GPU of L1 (its ordinal in the session).
     pub gpu: u32,
     /// L2, in host memory (0: no L2); pinned for the GPU where there is an L1.
+    #[serde(serialize_with = "super::sections::exact_size")]
     pub l2_size: ByteSize,
     /// Directory of L3's file, on a local SSD (empty: no L3). The file is unlinked as soon as
     /// it is open.
     pub l3_dir: String,
     /// L3's size, where there is an `l3_dir`.
+    #[serde(serialize_with = "super::sections::exact_size")]
     pub l3_size: ByteSize,
     /// Write-back or write-through.
     pub write_policy: WritePolicy,

@@ -87,11 +87,30 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         // The embedded file is the single source of the defaults; a unit test keeps it valid.
-        Self::from_toml(DEFAULT_TOML, None).unwrap_or_else(|e| {
-            tracing::error!(error = %e, "the built-in configuration does not parse");
-            Self::fallback()
-        })
+        // Parsed once per process: each parse is about a millisecond.
+        static DEFAULT: std::sync::OnceLock<Config> = std::sync::OnceLock::new();
+        DEFAULT
+            .get_or_init(|| {
+                Self::from_toml(DEFAULT_TOML, None).unwrap_or_else(|e| {
+                    tracing::error!(error = %e, "the built-in configuration does not parse");
+                    Self::fallback()
+                })
+            })
+            .clone()
     }
+}
+
+/// The built-in defaults as a TOML table, which every document is merged over (parsed once).
+fn default_table() -> Result<toml::Table> {
+    static TABLE: std::sync::OnceLock<std::result::Result<toml::Table, String>> =
+        std::sync::OnceLock::new();
+    TABLE
+        .get_or_init(|| toml::from_str(DEFAULT_TOML).map_err(|e| e.to_string()))
+        .clone()
+        .map_err(|message| Error::Config {
+            source_name: "<built-in>".into(),
+            message,
+        })
 }
 
 impl Config {
@@ -170,10 +189,7 @@ impl Config {
     /// Parses a TOML document. Settings it leaves out keep their defaults.
     pub fn from_toml(text: &str, source: Option<&Path>) -> Result<Self> {
         let name = || source.map_or_else(|| "<built-in>".into(), |p| p.display().to_string());
-        let mut merged: toml::Table = toml::from_str(DEFAULT_TOML).map_err(|e| Error::Config {
-            source_name: "<built-in>".into(),
-            message: e.to_string(),
-        })?;
+        let mut merged = default_table()?;
         let user: toml::Table = toml::from_str(text).map_err(|e| Error::Config {
             source_name: name(),
             message: e.to_string(),

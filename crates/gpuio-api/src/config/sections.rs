@@ -56,8 +56,35 @@ impl Serialize for PoolSize {
     fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
         match self {
             Self::Auto => ser.serialize_str("auto"),
-            Self::Bytes(b) => b.serialize(ser),
+            Self::Bytes(b) => exact_size(b, ser),
         }
+    }
+}
+
+/// A size as written in TOML, exactly: in the largest binary unit that divides it (`4 MiB`),
+/// else in bytes. `ByteSize`'s own text rounds to a tenth of its unit, so a configuration
+/// rendered with it would not read back the same (1000000000 bytes as 1000026931).
+pub(super) fn exact_size<S: serde::Serializer>(size: &ByteSize, ser: S) -> Result<S::Ok, S::Error> {
+    let n = size.as_u64();
+    let units = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")];
+    let text = units
+        .iter()
+        .find(|(shift, _)| n >= 1 << shift && n.trailing_zeros() >= *shift)
+        .map_or_else(
+            || format!("{n} B"),
+            |(shift, unit)| format!("{} {unit}", n >> shift),
+        );
+    ser.serialize_str(&text)
+}
+
+/// [`exact_size`] of a size that may be absent (absent sizes are left out of the TOML).
+pub(super) fn exact_size_opt<S: serde::Serializer>(
+    size: &Option<ByteSize>,
+    ser: S,
+) -> Result<S::Ok, S::Error> {
+    match size {
+        Some(s) => exact_size(s, ser),
+        None => ser.serialize_none(),
     }
 }
 
@@ -86,12 +113,14 @@ impl<'de> Deserialize<'de> for PoolSize {
 #[serde(deny_unknown_fields)]
 pub struct MemIoSection {
     /// Largest staging chunk.
+    #[serde(serialize_with = "exact_size")]
     pub chunk_size: ByteSize,
     /// Copy threads and lanes (0: min(cores, 8)).
     pub threads: usize,
     /// Staging buffers per lane.
     pub slots_per_lane: usize,
     /// Pageable copies below this size use the driver's staging.
+    #[serde(serialize_with = "exact_size")]
     pub pipeline_min: ByteSize,
 }
 
@@ -104,6 +133,7 @@ pub struct LocalIoSection {
     /// Lanes per transfer (0: min(cores, 8)).
     pub lanes: usize,
     /// Chunk and staging slot size.
+    #[serde(serialize_with = "exact_size")]
     pub chunk_size: ByteSize,
     /// Staging slots per lane.
     pub slots_per_lane: usize,
@@ -114,10 +144,12 @@ pub struct LocalIoSection {
     /// When transfers go through cuFile.
     pub gds: GdsPolicy,
     /// Smallest transfer sent through cuFile.
+    #[serde(serialize_with = "exact_size")]
     pub gds_threshold: ByteSize,
     /// Whether warm reads into GPU memory come straight from the page cache (auto or off).
     pub page_cache: PageCachePolicy,
     /// Smallest read taken from the page cache.
+    #[serde(serialize_with = "exact_size")]
     pub page_cache_threshold: ByteSize,
     /// Threads registering page cache chunks ahead of the copy.
     pub page_cache_threads: usize,
@@ -147,6 +179,7 @@ pub struct AgentSection {
     /// Milliseconds a session may stay silent before it is closed.
     pub idle_timeout_ms: u64,
     /// Bytes all sessions' request buffers may hold together.
+    #[serde(serialize_with = "exact_size")]
     pub buffer_memory: ByteSize,
     /// Runtime threads.
     pub threads: usize,
@@ -183,6 +216,7 @@ pub struct RemoteSection {
     /// Connections per agent.
     pub connections: usize,
     /// Stripe of a large transfer.
+    #[serde(serialize_with = "exact_size")]
     pub stripe_size: ByteSize,
     /// Milliseconds to connect, and to wait for any answer.
     pub timeout_ms: u64,
@@ -230,9 +264,11 @@ pub struct AgentExport {
     pub file: Option<PathBuf>,
     /// For a file: the size writes may grow it to (default: its size at start).
     #[serde(default)]
+    #[serde(serialize_with = "exact_size_opt")]
     pub max_size: Option<ByteSize>,
     /// Memory of this size to serve (zeroed at start): host memory, or GPU memory with `gpu`.
     #[serde(default)]
+    #[serde(serialize_with = "exact_size_opt")]
     pub memory: Option<ByteSize>,
     /// Serve `memory` from this GPU instead of host memory.
     #[serde(default)]
@@ -250,12 +286,16 @@ pub struct SchedulerSection {
     /// ADAPTIVE: deadlines this close (microseconds) go first.
     pub urgent_window_us: u64,
     /// Requests above this size are queued as chunks of it.
+    #[serde(serialize_with = "exact_size")]
     pub chunk_size: ByteSize,
     /// Bytes in flight per engine.
+    #[serde(serialize_with = "exact_size")]
     pub engine_in_flight: ByteSize,
     /// Bytes in flight per session.
+    #[serde(serialize_with = "exact_size")]
     pub session_in_flight: ByteSize,
     /// Adjacent small requests merge into transfers up to this size.
+    #[serde(serialize_with = "exact_size")]
     pub coalesce_max: ByteSize,
     /// Idle workers spin this long (microseconds) before sleeping.
     pub spin_us: u64,

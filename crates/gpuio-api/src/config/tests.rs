@@ -14,6 +14,24 @@ fn the_embedded_defaults_parse() {
     assert_eq!(round, c);
 }
 
+/// Found by fuzzing: sizes rendered in `ByteSize`'s rounded form (`953.7 MiB` for
+/// 1000000000 bytes) read back as other sizes.
+#[test]
+fn sizes_render_exactly() {
+    let c = Config::from_toml(
+        "memory_pool_size = \"1G\"\n[memio]\nchunk_size = 1000001\n\
+         [localio]\npage_cache_threshold = \"3 MiB\"\n[cache]\nl2_size = \"1 GiB\"\n",
+        None,
+    )
+    .unwrap();
+    let text = c.to_toml();
+    assert!(
+        text.contains("chunk_size = \"1000001 B\"") && text.contains("\"3 MiB\""),
+        "{text}"
+    );
+    assert_eq!(Config::from_toml(&text, None).unwrap(), c);
+}
+
 #[test]
 fn files_override_only_what_they_name() {
     let c = Config::from_toml("workers = 9\n[memio]\nchunk_size = \"2MiB\"\n", None).unwrap();
