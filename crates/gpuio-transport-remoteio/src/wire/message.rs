@@ -10,6 +10,7 @@ use std::fmt;
 
 /// RDMA connection information (`gpuio_rdma_info_t`), exchanged over the TCP control channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 pub struct RdmaInfo {
     /// Queue pair number.
     pub qp_num: u32,
@@ -45,6 +46,7 @@ impl RdmaInfo {
 
 /// A decoded message: its header fields that matter, and its payload.
 #[derive(Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 pub enum Message {
     /// Client greeting: which key it holds, and its nonce.
     Hello {
@@ -229,9 +231,9 @@ impl Message {
         }
     }
 
-    /// Encodes the whole message (header and payload) under `request_id`. Strings and data
-    /// beyond the limits are cut to them (a sender's bug must not produce an undecodable
-    /// message).
+    /// Encodes the whole message (header and payload) under `request_id`. Strings, data and
+    /// read lengths beyond the limits are cut to them (a sender's bug must not produce an
+    /// undecodable message).
     pub fn encode(&self, request_id: u64) -> Vec<u8> {
         let mut p = Vec::new();
         let name = |s: &str| -> String { truncate(s, MAX_NAME) };
@@ -253,7 +255,7 @@ impl Message {
             } => {
                 put_str(&mut p, &name(export));
                 p.extend_from_slice(&offset.to_le_bytes());
-                p.extend_from_slice(&len.to_le_bytes());
+                p.extend_from_slice(&(*len).min(MAX_DATA as u64).to_le_bytes());
             }
             Self::WriteReq {
                 export,
