@@ -88,6 +88,11 @@ pub fn frame_info(frame: &[u8]) -> Result<FrameInfo> {
         2 => Codec::Zstd { level: 0 },
         c => return Err(corrupt(&format!("unknown codec {c}"))),
     };
+    if frame[5..8] != [0, 0, 0] {
+        return Err(corrupt(
+            "reserved header bytes are set (a newer format, or damage)",
+        ));
+    }
     let word = |at: usize, n: usize| {
         frame[at..at + n]
             .iter()
@@ -190,6 +195,16 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Found by fuzzing: a frame with its reserved header bytes set decompressed as if they
+    /// were not there; a later format's frame must not read as this one's.
+    #[test]
+    fn reserved_header_bytes_must_be_zero() {
+        let mut frame = Codec::Lz4.compress(b"hello").unwrap();
+        frame[6] = 1;
+        assert!(matches!(decompress(&frame, 64), Err(AiError::Corrupt(_))));
+        assert!(matches!(frame_info(&frame), Err(AiError::Corrupt(_))));
     }
 
     #[test]
