@@ -105,19 +105,25 @@ fn read_trimmed(path: &PathBuf) -> Result<String> {
         })
 }
 
-/// Parses the kernel's list format: `0-3,8,10-11`. An empty string is an empty list.
+/// The most ids a CPU or node list may hold: the kernel's own limit on CPUs (`NR_CPUS` is at
+/// most 8192) with room to spare. A list naming more is not the kernel's.
+pub const MAX_CPU_LIST: usize = 1 << 16;
+
+/// Parses the kernel's list format: `0-3,8,10-11`. An empty string is an empty list; a list
+/// of more than [`MAX_CPU_LIST`] ids is refused.
 pub fn parse_cpu_list(s: &str) -> Option<Vec<u32>> {
     let mut out = Vec::new();
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         match part.split_once('-') {
             Some((a, b)) => {
                 let (a, b): (u32, u32) = (a.parse().ok()?, b.parse().ok()?);
-                if a > b {
+                if a > b || (b - a) as usize >= MAX_CPU_LIST - out.len() {
                     return None;
                 }
                 out.extend(a..=b);
             }
-            None => out.push(part.parse().ok()?),
+            None if out.len() < MAX_CPU_LIST => out.push(part.parse().ok()?),
+            None => return None,
         }
     }
     Some(out)
@@ -127,7 +133,7 @@ fn meminfo_total(s: &str) -> Option<u64> {
     // "Node 0 MemTotal:       16318412 kB"
     let line = s.lines().find(|l| l.contains("MemTotal:"))?;
     let kb: u64 = line.split_whitespace().rev().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    kb.checked_mul(1024)
 }
 
 fn total_memory_bytes() -> u64 {
@@ -155,6 +161,23 @@ mod tests {
         assert_eq!(parse_cpu_list(""), Some(vec![]));
         assert_eq!(parse_cpu_list("3-1"), None);
         assert_eq!(parse_cpu_list("x"), None);
+    }
+
+    /// Found by fuzzing: `0-4294967295` asked for 16 GiB, and a MemTotal near `u64::MAX` kB
+    /// overflowed.
+    #[test]
+    fn lists_and_sizes_the_kernel_cannot_mean_are_refused() {
+        assert_eq!(parse_cpu_list("0-4294967295"), None);
+        assert_eq!(parse_cpu_list("0-65534,1-3"), None);
+        assert_eq!(
+            parse_cpu_list("0-65535").map(|l| l.len()),
+            Some(MAX_CPU_LIST)
+        );
+        assert_eq!(
+            meminfo_total("Node 0 MemTotal: 18446744073709551615 kB"),
+            None
+        );
+        assert_eq!(meminfo_total("Node 0 MemTotal: 4 kB"), Some(4096));
     }
 
     #[test]
