@@ -100,6 +100,41 @@ impl FileExtents {
         Ok(())
     }
 
+    /// The block reads that bring the file into a buffer from offset 0, on a namespace of
+    /// `block`-byte blocks: every extent as whole blocks, the file's last block read whole (the
+    /// buffer must hold the length rounded up to a block).
+    pub fn block_reads(&self, block: u64) -> Result<Vec<BlockIo>> {
+        if !block.is_power_of_two() {
+            return Err(HalError::InvalidArgument(format!(
+                "a block size of {block} bytes (NVMe blocks are powers of two)"
+            )));
+        }
+        let mut ops = Vec::with_capacity(self.extents.len());
+        for &(logical, physical, length) in &self.extents {
+            if logical % block != 0 || physical % block != 0 {
+                return Err(refused(format!(
+                    "its extent at file offset {logical} is not aligned to the namespace's \
+                     {block}-byte blocks"
+                )));
+            }
+            // The file's last extent may run past its end: read only what the file holds,
+            // in whole blocks.
+            let wanted = length.min(self.len.saturating_sub(logical));
+            let too_large = || HalError::InvalidArgument("extent too large".into());
+            let bytes = wanted
+                .checked_next_multiple_of(block)
+                .ok_or_else(too_large)?;
+            if bytes == 0 {
+                continue;
+            }
+            let len = usize::try_from(bytes).map_err(|_| too_large())?;
+            let offset = usize::try_from(logical)
+                .map_err(|_| HalError::InvalidArgument("file too large".into()))?;
+            ops.push(BlockIo::new(false, physical / block, offset, len));
+        }
+        Ok(ops)
+    }
+
     /// One line per extent: `file-offset device-offset length`, after a `len` line.
     pub fn to_text(&self) -> String {
         let mut s = format!("len {}\n", self.len);
@@ -183,28 +218,7 @@ impl IoQueuePair {
         extents: &FileExtents,
         buf: &DmaBuffer,
     ) -> Result<()> {
-        let block = ns.identity.block_size as u64;
-        let mut ops = Vec::with_capacity(extents.extents.len());
-        for &(logical, physical, length) in &extents.extents {
-            if logical % block != 0 || physical % block != 0 {
-                return Err(refused(format!(
-                    "its extent at file offset {logical} is not aligned to the namespace's \
-                     {block}-byte blocks"
-                )));
-            }
-            // The file's last extent may run past its end: read only what the file holds,
-            // in whole blocks.
-            let wanted = length.min(extents.len.saturating_sub(logical));
-            let bytes = wanted.next_multiple_of(block);
-            if bytes == 0 {
-                continue;
-            }
-            let len = usize::try_from(bytes)
-                .map_err(|_| HalError::InvalidArgument("extent too large".into()))?;
-            let offset = usize::try_from(logical)
-                .map_err(|_| HalError::InvalidArgument("file too large".into()))?;
-            ops.push(BlockIo::new(false, physical / block, offset, len));
-        }
+        let ops = extents.block_reads(ns.identity.block_size as u64)?;
         self.run(ns, buf, &ops)
     }
 }
@@ -220,6 +234,21 @@ mod tests {
             length,
             flags,
         }
+    }
+
+    /// A file as long as the address space, in one extent: its last block cannot be rounded
+    /// up (this overflowed), so it is refused.
+    #[test]
+    fn block_reads_never_wrap() {
+        let huge = FileExtents {
+            len: u64::MAX,
+            extents: vec![(0, 0, u64::MAX)],
+        };
+        assert!(huge.block_reads(512).is_err());
+        let small = FileExtents::from_text("len 700\n0 4096 1024\n").unwrap();
+        let reads = small.block_reads(512).unwrap();
+        assert_eq!((reads.len(), reads[0].lba, reads[0].len), (1, 8, 1024));
+        assert!(small.block_reads(0).is_err() && small.block_reads(1000).is_err());
     }
 
     #[test]

@@ -50,5 +50,5 @@ pub use extents::FileExtents;
 pub use gpu::{GpuMappedBuffer, GpuNvmeOp, GpuQueuePair, NvmeQueueDevice};
 pub use pci::{full_address, open};
 pub use peer::PeerBuffer;
-pub use soft::{SoftConfig, SoftController, SoftFaults};
+pub use soft::{CqeTamper, SoftConfig, SoftController, SoftFaults};
 pub use spec::{Cap, ControllerIdentity, NamespaceIdentity, Status};

@@ -205,6 +205,12 @@ impl Admin {
     fn identify(&self, srv: &mut Server<'_>, sqe: &Sqe) -> Status {
         let config = &self.state.config;
         let count = config.namespaces.len() as u32;
+        let forged = (self.state.faults.lock_unpoisoned().identify.iter())
+            .find(|(cns, _)| u32::from(*cns) == sqe.cdw10 & 0xff)
+            .map(|(_, page)| page.clone());
+        if let Some(page) = forged {
+            return queues::transfer_out(srv, sqe, &page);
+        }
         let mut data = [0u8; PAGE];
         match sqe.cdw10 & 0xff {
             admin::CNS_CONTROLLER => {

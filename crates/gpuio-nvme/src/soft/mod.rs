@@ -12,14 +12,16 @@
 //! never served after its deletion completes, and no DMA follows a reset.
 //!
 //! Faults can be injected ([`SoftFaults`]): bad blocks, completions held back and posted in
-//! reverse order, late completions, a controller that stops answering, and a fatal status.
+//! reverse order, late completions, a controller that stops answering, a fatal status, and a
+//! hostile controller's data: completions rewritten ([`CqeTamper`]) and Identify pages of the
+//! test's choosing.
 
 mod admin;
 mod queues;
 mod worker;
 
 use super::dma::{DmaMapper, DmaMemory, IovaSpace, Mmio};
-use super::spec::{Cap, doorbell, reg};
+use super::spec::{Cap, PAGE, doorbell, reg};
 use crossbeam_utils::CachePadded;
 use gpuio_hal::error::{HalError, Result};
 use gpuio_hal::sync::{MutexExt, RwLockExt};
@@ -51,6 +53,28 @@ pub struct SoftFaults {
     pub hang: bool,
     /// The controller reports a fatal status after serving this many more commands.
     pub fatal_after: Option<u64>,
+    /// I/O completions rewritten before they are posted, the first entry for the first one
+    /// posted after these faults are set, and so on; later completions are honest.
+    pub tamper: Vec<CqeTamper>,
+    /// Identify pages answered instead of the controller's own, by CNS (0: namespace, 1:
+    /// controller, 2: active namespace list).
+    pub identify: Vec<(u8, Box<[u8; PAGE]>)>,
+}
+
+/// How a buggy or hostile controller rewrites one completion.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CqeTamper {
+    /// XORed into the command identifier: a completion for another command, or for none.
+    pub cid_xor: u16,
+    /// The status field posted instead (without the phase tag): success for a failed
+    /// command, or any failure.
+    pub status: Option<u16>,
+    /// XORed into the command-specific result.
+    pub result_xor: u32,
+    /// Posted a second time.
+    pub duplicate: bool,
+    /// Never posted: the command is lost.
+    pub lose: bool,
 }
 
 /// How the software controller is built.
@@ -260,6 +284,8 @@ struct State {
     faults: Mutex<SoftFaults>,
     /// Bumped whenever `faults` changes, so workers re-read it only then.
     faults_version: AtomicU64,
+    /// I/O completions posted since the faults were last set (the index into `tamper`).
+    posted: AtomicU64,
     namespaces: Vec<DmaMemory>,
     /// Commands served, per thread (the admin thread first).
     served: Vec<CachePadded<AtomicU64>>,
@@ -370,6 +396,7 @@ impl SoftController {
             mapper: Arc::new(SoftMapper::new(workers + 1)),
             faults: Mutex::new(SoftFaults::default()),
             faults_version: AtomicU64::new(0),
+            posted: AtomicU64::new(0),
             namespaces,
             served: (0..=workers)
                 .map(|_| CachePadded::new(AtomicU64::new(0)))
@@ -431,7 +458,9 @@ impl SoftController {
 
     /// Replaces the injected faults.
     pub fn set_faults(&self, faults: SoftFaults) {
-        *self.state.faults.lock_unpoisoned() = faults;
+        let mut held = self.state.faults.lock_unpoisoned();
+        *held = faults;
+        self.state.posted.store(0, Ordering::Relaxed);
         self.state.faults_version.fetch_add(1, Ordering::Release);
     }
 

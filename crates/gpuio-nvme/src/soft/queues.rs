@@ -162,11 +162,32 @@ fn complete(srv: &mut Server<'_>, cq: &mut SoftCq, cqe: Cqe, faults: &SoftFaults
     }
 }
 
-/// Writes a completion: its body, then (after a release fence) its status and phase.
+/// Writes a completion, as the faults' tampering has it (the admin queue is served without
+/// faults).
 fn post(srv: &mut Server<'_>, cq: &mut SoftCq, mut cqe: Cqe, faults: &SoftFaults) {
     if !faults.delay.is_zero() {
         std::thread::sleep(faults.delay);
     }
+    let n = srv.state.posted.fetch_add(1, Ordering::Relaxed);
+    let Some(t) = usize::try_from(n).ok().and_then(|n| faults.tamper.get(n)) else {
+        return write(srv, cq, cqe);
+    };
+    if t.lose {
+        return;
+    }
+    cqe.cid ^= t.cid_xor;
+    cqe.result ^= t.result_xor;
+    if let Some(status) = t.status {
+        cqe.status = status << 1;
+    }
+    write(srv, cq, cqe);
+    if t.duplicate && has_room(srv.state, cq) {
+        write(srv, cq, cqe);
+    }
+}
+
+/// Writes a completion: its body, then (after a release fence) its status and phase.
+fn write(srv: &mut Server<'_>, cq: &mut SoftCq, mut cqe: Cqe) {
     let at = cq.spec.base + cq.tail as u64 * size_of::<Cqe>() as u64;
     cqe.status |= cq.phase as u16;
     let bytes = cqe_to_bytes(&cqe);

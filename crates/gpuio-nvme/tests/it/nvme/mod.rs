@@ -295,6 +295,67 @@ fn soft_controller_faults_become_typed_errors() {
         .unwrap();
 }
 
+/// A hostile controller: completions for commands not in flight, forged failures, lost
+/// completions and forged Identify data are typed errors, never a panic or a hang.
+#[test]
+fn hostile_controller_data_becomes_typed_errors() {
+    use gpuio_nvme::CqeTamper;
+    use gpuio_nvme::spec::PAGE;
+    let (dev, _) = soft(SoftConfig::default());
+    let opts = || ControllerOptions {
+        command_timeout: Duration::from_millis(200),
+    };
+    let ctrl = Controller::enable(dev.registers(), dev.mapper(), opts()).unwrap();
+    let ns = ctrl.namespace(1).unwrap();
+    let buf = ctrl.dma_buffer(4096).unwrap();
+    let fault = |tamper: CqeTamper| {
+        dev.set_faults(SoftFaults {
+            tamper: vec![tamper],
+            ..SoftFaults::default()
+        })
+    };
+    let mut qp = ctrl.io_queue_pair(8).unwrap();
+    // Another command's identifier: not in flight, a controller fault.
+    fault(CqeTamper {
+        cid_xor: 0x40,
+        ..CqeTamper::default()
+    });
+    let err = qp.read(&ns, 0, &buf, 0, 512).unwrap_err();
+    assert!(
+        matches!(&err, HalError::NvmeController { reason } if reason.contains("not in flight")),
+        "{err}"
+    );
+    drop((qp, ctrl));
+    // A forged failure is the command's error; the queue pair goes on.
+    let ctrl = Controller::enable(dev.registers(), dev.mapper(), opts()).unwrap();
+    let mut qp = ctrl.io_queue_pair(8).unwrap();
+    fault(CqeTamper {
+        status: Some(Status::UNRECOVERED_READ.0),
+        ..CqeTamper::default()
+    });
+    let err = qp.read(&ns, 0, &buf, 0, 512).unwrap_err();
+    assert!(matches!(err, HalError::NvmeCommand { .. }), "{err}");
+    qp.read(&ns, 0, &buf, 0, 512).unwrap();
+    // A lost completion: the command times out and the controller is disabled.
+    fault(CqeTamper {
+        lose: true,
+        ..CqeTamper::default()
+    });
+    let err = qp.read(&ns, 0, &buf, 0, 512).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Timeout, "{err}");
+    assert!(!ctrl.is_ready());
+    drop((qp, ctrl));
+    // Identify data of the controller's choosing: a namespace whose format has no block size
+    // the driver can use reads as not active.
+    dev.set_faults(SoftFaults {
+        identify: vec![(0, Box::new([0xff; PAGE]))],
+        ..SoftFaults::default()
+    });
+    let ctrl = Controller::enable(dev.registers(), dev.mapper(), opts()).unwrap();
+    let err = ctrl.namespace(1).unwrap_err();
+    assert!(matches!(err, HalError::InvalidArgument(_)), "{err}");
+}
+
 mod kmod;
 
 mod vgem;
