@@ -117,6 +117,7 @@ fn dev_only_crates_are_only_dev_dependencies() {
     let mut manifests: Vec<(String, PathBuf)> = crates();
     manifests.push(("gpuio-tests".into(), root().join("tests")));
     manifests.push(("xtask".into(), root().join("xtask")));
+    manifests.push(("gpuio-fuzz".into(), root().join("fuzz")));
     let mut used = Vec::new();
     for (name, dir) in manifests {
         let manifest: toml::Table =
@@ -222,7 +223,11 @@ fn every_crate_inherits_the_workspace_lints() {
         "the workspace must deny clippy::undocumented_unsafe_blocks"
     );
     let mut manifests: Vec<PathBuf> = crates().into_iter().map(|(_, d)| d).collect();
-    manifests.extend([root().join("tests"), root().join("xtask")]);
+    manifests.extend([
+        root().join("tests"),
+        root().join("xtask"),
+        root().join("fuzz"),
+    ]);
     for dir in manifests {
         let manifest = std::fs::read_to_string(dir.join("Cargo.toml")).unwrap();
         let lints = manifest

@@ -1,7 +1,8 @@
 //! `cargo xtask ci`, what `.ci/run` runs on a fresh machine: the Debian packages every step
 //! needs (installed when missing), formatting, clippy over every feature set that ships, the
 //! test suite, rustdoc, every kernel compiled for every architecture (compilers from PyPI) and
-//! the embedded PTX checked against `kernels/`, and the RDMA tests on soft-RoCE in a QEMU guest.
+//! the embedded PTX checked against `kernels/`, every fuzz target for a few seconds, and the
+//! RDMA and NVMe tests in QEMU guests.
 
 use crate::{Result, cargo, has, run};
 use std::process::Command;
@@ -156,6 +157,9 @@ pub fn ci() -> Result {
     )?;
     crate::python::python()?;
     crate::ptx::ptx(&["--wheels".to_string(), "--check".to_string()])?;
+    // Every fuzz target for a short time: the harness builds and runs, and a new crash fails
+    // CI (the committed corpora are replayed by the tests above).
+    crate::fuzz::fuzz(&["--time".to_string(), "10".to_string()])?;
     crate::qemu::rdma::qemu_rdma()?;
     crate::qemu::nvme::qemu_nvme()
 }

@@ -15,6 +15,9 @@
 //!   virtual environment under `target/pyenv`, and its pytests.
 //! - `kmod [--kdir DIR]` ([`kmod`]): gpuio's kernel module built against a kernel's build
 //!   tree (the QEMU guest's by default).
+//! - `fuzz [TARGET].. [--time S] [--keep]` ([`fuzz`]): the fuzz targets of `fuzz/` under
+//!   AFL++ (cargo-afl, installed when missing); `--keep` minimizes what a run found into the
+//!   committed corpora.
 //! - `qemu-rdma` and `qemu-nvme` ([`qemu`]): the RDMA tests on soft-RoCE, and the NVMe driver
 //!   against QEMU's emulated NVMe through VFIO, each in a QEMU guest.
 
@@ -22,6 +25,7 @@
 
 mod bundle;
 mod ci;
+mod fuzz;
 mod kmod;
 mod manifest;
 mod ptx;
@@ -48,6 +52,7 @@ fn main() -> ExitCode {
         "qemu-rdma" => qemu::rdma::qemu_rdma(),
         "qemu-nvme" => qemu::nvme::qemu_nvme(),
         "kmod" => kmod::kmod(rest),
+        "fuzz" => fuzz::fuzz(rest),
         _ => {
             eprintln!(
                 "usage: cargo xtask <ci | bench [ARGS] | gpu-bundle | ptx [--arch SM].. [--wheels] [--write | --check | --rust] | python | qemu-rdma | qemu-nvme | kmod [--kdir DIR]>"

@@ -1,0 +1,11 @@
+//! One module per parser family; each exports its [`Target`](crate::Target)s.
+
+pub mod config;
+pub mod extents;
+pub mod frames;
+pub mod metrics;
+pub mod nvme;
+pub mod nvme_controller;
+pub mod sysfs;
+pub mod uri;
+pub mod wire;
