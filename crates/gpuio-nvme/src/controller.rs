@@ -242,6 +242,7 @@ impl Controller {
             Ok(qp) => Ok(IoQueuePair {
                 qp,
                 shared: s.clone(),
+                abandoned: false,
             }),
             Err((e, free)) => {
                 if free {
@@ -376,6 +377,9 @@ impl Drop for Shared {
 pub struct IoQueuePair {
     qp: QueuePair,
     shared: Arc<Shared>,
+    /// A wait failed (the controller was disabled then): commands may still be counted in
+    /// flight that will never complete, so the pair takes no more.
+    abandoned: bool,
 }
 
 impl IoQueuePair {
@@ -441,6 +445,15 @@ impl IoQueuePair {
     /// addresses stop being contiguous, which must be at a block boundary). Returns once none
     /// is in flight: with the first error where any failed.
     pub fn run(&mut self, ns: &Namespace, buf: &impl DmaTarget, ops: &[BlockIo]) -> Result<()> {
+        if self.abandoned {
+            return Err(HalError::NvmeController {
+                reason: format!(
+                    "queue pair {} was given up after an earlier failure (its commands' \
+                     completions are unaccounted for): make a new one",
+                    self.qp.qid()
+                ),
+            });
+        }
         let block = ns.identity.block_size as usize;
         let max = self
             .shared
@@ -517,9 +530,12 @@ impl IoQueuePair {
         let mut first_error = None;
         for (sqe, iova, n) in commands {
             if self.qp.room() == 0 {
-                let cid = flying
-                    .pop_front()
-                    .expect("a full queue has commands in flight");
+                let cid = flying.pop_front().ok_or_else(|| HalError::NvmeController {
+                    reason: format!(
+                        "queue pair {} has no command identifier free",
+                        self.qp.qid()
+                    ),
+                })?;
                 self.settle(cid, &mut first_error)?;
             }
             if first_error.is_some() {
@@ -554,6 +570,7 @@ impl IoQueuePair {
         self.qp
             .wait(cid, self.shared.options.command_timeout)
             .inspect_err(|_| {
+                self.abandoned = true;
                 let _ = self.shared.disable();
             })
     }
