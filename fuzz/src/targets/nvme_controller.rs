@@ -14,6 +14,7 @@ use gpuio_nvme::spec::PAGE;
 use gpuio_nvme::{
     Controller, ControllerOptions, CqeTamper, SoftConfig, SoftController, SoftFaults,
 };
+use std::sync::OnceLock;
 use std::time::Duration;
 
 pub const TARGET: Target = Target {
@@ -53,13 +54,7 @@ fn run(data: &[u8]) {
     let Ok(h) = Hostile::arbitrary(&mut Unstructured::new(data)) else {
         return;
     };
-    let config = SoftConfig {
-        namespaces: vec![BLOCKS],
-        max_queue_entries: 16,
-        ..SoftConfig::default()
-    };
-    let dev = SoftController::start(config).expect("a software controller starts");
-    dev.fill_pattern(1, 7).expect("namespace 1 exists");
+    let (dev, truth) = device();
     let tamper: Vec<CqeTamper> = h
         .tamper
         .iter()
@@ -111,7 +106,6 @@ fn run(data: &[u8]) {
     let Ok(buf) = ctrl.dma_buffer(16 * bs + 1024) else {
         return;
     };
-    let truth = dev.namespace_bytes(1).expect("namespace 1 exists");
     for &(first, blocks, dwords) in h.reads.iter().take(8) {
         let (lba, len, offset) = (
             u64::from(first) % BLOCKS,
@@ -129,6 +123,25 @@ fn run(data: &[u8]) {
             Err(e) => typed(&e),
         }
     }
+}
+
+/// The software controller of this process and its namespace's bytes. Starting one per input
+/// (threads, namespace memory, its pattern) would cost more than the input: each input enables
+/// it anew, which resets it, and sets its own faults.
+fn device() -> (&'static SoftController, &'static [u8]) {
+    static DEVICE: OnceLock<(SoftController, Vec<u8>)> = OnceLock::new();
+    let (dev, truth) = DEVICE.get_or_init(|| {
+        let config = SoftConfig {
+            namespaces: vec![BLOCKS],
+            max_queue_entries: 16,
+            ..SoftConfig::default()
+        };
+        let dev = SoftController::start(config).expect("a software controller starts");
+        dev.fill_pattern(1, 7).expect("namespace 1 exists");
+        let truth = dev.namespace_bytes(1).expect("namespace 1 exists");
+        (dev, truth)
+    });
+    (dev, truth)
 }
 
 /// A driver error is one of the kinds a controller's fault can give.
