@@ -213,8 +213,7 @@ fn afl() -> Command {
         .env("AFL_SKIP_CPUFREQ", "1")
         .env("AFL_I_DONT_CARE_ABOUT_MISSING_CRASHES", "1")
         .env("AFL_NO_UI", "1")
-        .env("AFL_TRY_AFFINITY", "1")
-        .env("AFL_SKIP_CRASHES", "1");
+        .env("AFL_TRY_AFFINITY", "1");
     c
 }
 

@@ -41,10 +41,6 @@ fn run(data: &[u8]) {
     }
 }
 
-fn frame_of(codec: Codec, data: &[u8]) -> Vec<u8> {
-    codec.compress(data).expect("compresses")
-}
-
 fn seeds() -> Vec<Vec<u8>> {
     let text = b"gpuio gpuio gpuio KV cache blocks compress well: 0000000000000000";
     let mut out = Vec::new();
@@ -54,7 +50,8 @@ fn seeds() -> Vec<Vec<u8>> {
         Codec::Zstd { level: 9 },
     ] {
         for data in [&text[..], &[][..], &[7u8; 4000][..]] {
-            out.push([&[64u8, 0][..], &frame_of(codec, data)].concat());
+            let frame = codec.compress(data).expect("compresses");
+            out.push([&[64u8, 0][..], &frame].concat());
         }
     }
     out

@@ -33,19 +33,10 @@ pub const TARGET: Target = Target {
 const BLOCKS: u64 = 64;
 
 #[derive(Arbitrary, Debug)]
-struct Tamper {
-    cid_xor: u16,
-    status: Option<u16>,
-    result_xor: u32,
-    duplicate: bool,
-    lose: bool,
-}
-
-#[derive(Arbitrary, Debug)]
 struct Hostile {
     /// CNS and the first bytes of a forged Identify page (the rest zero).
     identify: Vec<(u8, Vec<u8>)>,
-    tamper: Vec<Tamper>,
+    tamper: Vec<CqeTamper>,
     /// Reads: first block, blocks, buffer offset in dwords.
     reads: Vec<(u8, u8, u8)>,
 }
@@ -55,18 +46,7 @@ fn run(data: &[u8]) {
         return;
     };
     let (dev, truth) = device();
-    let tamper: Vec<CqeTamper> = h
-        .tamper
-        .iter()
-        .take(32)
-        .map(|t| CqeTamper {
-            cid_xor: t.cid_xor,
-            status: t.status,
-            result_xor: t.result_xor,
-            duplicate: t.duplicate,
-            lose: t.lose,
-        })
-        .collect();
+    let tamper: Vec<CqeTamper> = h.tamper.into_iter().take(32).collect();
     let forged_only_losses = tamper.iter().all(|t| t.lose || *t == CqeTamper::default());
     let identify = h
         .identify

@@ -2,12 +2,12 @@
 //! each node's CPU list and meminfo, as `NumaTopology::read_from` finds them in a
 //! sysfs-shaped directory.
 //!
-//! What must hold: a list parses or is refused, within the allocation limit (a list is a few
-//! thousand ids on the largest machines, whatever range it writes); a topology is read or is a
+//! What must hold: a list parses to at most `MAX_CPU_LIST` ids or is refused, within the
+//! allocation limit, whatever range it writes; a topology is read or is a
 //! typed error; a node's memory is counted without overflow.
 
 use crate::Target;
-use gpuio_hal::memory::numa::{NumaTopology, parse_cpu_list};
+use gpuio_hal::memory::numa::{MAX_CPU_LIST, NumaTopology, parse_cpu_list};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -32,7 +32,9 @@ fn run(data: &[u8]) {
         parts.next().unwrap_or_default(),
     );
     for list in [online, cpus] {
-        let _ = parse_cpu_list(list);
+        if let Some(ids) = parse_cpu_list(list) {
+            assert!(ids.len() <= MAX_CPU_LIST, "{list:?}: {} ids", ids.len());
+        }
     }
     let root = scratch();
     let node0 = root.join("node0");

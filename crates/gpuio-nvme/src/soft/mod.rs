@@ -63,6 +63,7 @@ pub struct SoftFaults {
 
 /// How a buggy or hostile controller rewrites one completion.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 pub struct CqeTamper {
     /// XORed into the command identifier: a completion for another command, or for none.
     pub cid_xor: u16,
