@@ -3,7 +3,7 @@
 // read through the request ring (gpuio_ring.cuh) by one thread of the warps that want the page,
 // however many there are; hits touch only the page table and the frame.
 //
-// The layout and constants mirror crates/gpuio-hal/src/ondemand/layout.rs and the protocol its
+// The layout and constants mirror crates/gpuio-ring/src/ondemand/layout.rs and the protocol its
 // mod.rs documents (HostAccessor in twin.rs follows it on host threads for CI). Change both
 // together and bump GPUIO_ARRAY_VERSION.
 //

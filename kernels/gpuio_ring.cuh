@@ -3,7 +3,7 @@
 // (gpuio_core::ring::RingProxy) carries them out through its engines and publishes completions
 // that the threads poll.
 //
-// The layout and constants mirror crates/gpuio-hal/src/ring/layout.rs (`#[repr(C)]` RingHeader,
+// The layout and constants mirror crates/gpuio-ring/src/layout.rs (`#[repr(C)]` RingHeader,
 // RingSlot, RingDevice); both sides check sizes and offsets (static_assert here, offsets only
 // where the compiler has offsetof, which NVRTC lacks; const asserts there; and the
 // gpuio_ring_layout kernel of ring_layout.cu compared with gpuio_hal::ring::layout() on the GPU
@@ -48,7 +48,7 @@
 #ifndef GPUIO_RING_CUH
 #define GPUIO_RING_CUH
 
-// ---- Constants (same values as crates/gpuio-hal/src/ring/layout.rs) -------------------------
+// ---- Constants (same values as crates/gpuio-ring/src/layout.rs) -------------------------
 
 #define GPUIO_RING_MAGIC 0x4F495047u
 #define GPUIO_RING_VERSION 2u

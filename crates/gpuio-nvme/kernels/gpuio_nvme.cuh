@@ -3,7 +3,7 @@
 // its completion queue's phase tags; no CPU is on the path unless the controller itself is a
 // host thread (gpuio_hal::nvme::SoftController, the stand-in where no NVMe is reachable).
 //
-// Layouts mirror crates/gpuio-hal/src/nvme/{spec,gpu}.rs (Sqe, Cqe, NvmeQueueDevice,
+// Layouts mirror crates/gpuio-nvme/src/{spec,gpu}.rs (Sqe, Cqe, NvmeQueueDevice,
 // NvmeQueueState); the sizes are asserted here and there, and the GPU test compares the
 // layout kernel's report with the Rust side.
 //
