@@ -5,6 +5,13 @@
 use crate::error::{HalError, Result};
 use std::ptr::NonNull;
 
+/// The CPUs this process may run on (affinity and cgroup quota), read once: std reads the
+/// cgroup's files on every call, and configuration defaults ask for it often.
+pub fn cpu_count() -> usize {
+    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
 /// Size of a base page on this machine.
 pub fn page_size() -> usize {
     // SAFETY: sysconf has no memory-safety preconditions.

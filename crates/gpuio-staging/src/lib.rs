@@ -72,7 +72,12 @@ pub const MIN_AUTO_LIMIT: u64 = 1 << 30;
 /// without swap now (available memory within this process's memory cgroups), and at least
 /// [`MIN_AUTO_LIMIT`]. A bound, not a reservation: a pool pins only what its users ask for.
 pub fn auto_limit() -> u64 {
-    backable_bytes(false).map_or(MIN_AUTO_LIMIT, |b| (b / 4).max(MIN_AUTO_LIMIT))
+    auto_limit_of(backable_bytes(false))
+}
+
+/// [`auto_limit`] from a reading of `backable_bytes(false)` the caller has already taken.
+pub fn auto_limit_of(backable: Option<u64>) -> u64 {
+    backable.map_or(MIN_AUTO_LIMIT, |b| (b / 4).max(MIN_AUTO_LIMIT))
 }
 
 /// How a [`StagingPool`] allocates and how much it may hold.

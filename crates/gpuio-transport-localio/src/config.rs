@@ -159,12 +159,18 @@ impl LocalIoConfig {
     }
 }
 
+impl LocalIoConfig {
+    /// The lanes a configuration that names none runs: one per CPU, 1 to 8.
+    pub fn default_lanes() -> usize {
+        gpuio_hal::sys::cpu_count().clamp(1, 8)
+    }
+}
+
 impl Default for LocalIoConfig {
     fn default() -> Self {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         Self {
             engine: EnginePreference::Auto,
-            lanes: cores.clamp(1, 8),
+            lanes: Self::default_lanes(),
             chunk_size: 4 << 20,
             slots_per_lane: 4,
             sqpoll: false,

@@ -157,7 +157,7 @@ impl MemIoConfig {
 
 impl Default for MemIoConfig {
     fn default() -> Self {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cores = gpuio_hal::sys::cpu_count();
         Self {
             chunk_size: 4 << 20,
             threads: cores.clamp(1, 8),

@@ -309,29 +309,17 @@ impl Config {
         PoolConfig {
             limit: self.memory_pool_size.bytes(),
             gpu,
-            ..self.pool_classes()
-        }
-    }
-
-    /// The pool's size classes: the default ones, up to the larger transport chunk.
-    fn pool_classes(&self) -> PoolConfig {
-        let defaults = PoolConfig::default();
-        let chunk = self
-            .memio_config()
-            .chunk_size
-            .max(self.localio_config().effective_chunk_size());
-        PoolConfig {
-            max_class: chunk.next_power_of_two().max(defaults.max_class),
-            ..defaults
+            ..pool_classes(&self.memio_config(), &self.localio_config())
         }
     }
 
     /// The pinned staging one lane needs, MemIO's or LocalIO's whichever is more: the least
     /// `memory_pool_size` may be.
     pub fn lane_staging_bytes(&self) -> u64 {
-        let classes = self.pool_classes();
-        let memio = self.memio_config().lane_staging_bytes(&classes);
-        let localio = self.localio_config().lane_staging_bytes(&classes);
+        let (memio, localio) = (self.memio_config(), self.localio_config());
+        let classes = pool_classes(&memio, &localio);
+        let memio = memio.lane_staging_bytes(&classes);
+        let localio = localio.lane_staging_bytes(&classes);
         memio.max(localio).unwrap_or(u64::MAX)
     }
 
@@ -354,11 +342,10 @@ impl Config {
 
     /// The LocalIO engine's configuration.
     pub fn localio_config(&self) -> LocalIoConfig {
-        let default = LocalIoConfig::default();
         LocalIoConfig {
             engine: self.localio.engine,
             lanes: if self.localio.lanes == 0 {
-                default.lanes
+                LocalIoConfig::default_lanes()
             } else {
                 self.localio.lanes
             },
@@ -382,6 +369,16 @@ impl Config {
     /// This configuration as TOML.
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot render: {e}"))
+    }
+}
+
+/// The pool's size classes: the default ones, up to the larger transport chunk.
+fn pool_classes(memio: &MemIoConfig, localio: &LocalIoConfig) -> PoolConfig {
+    let defaults = PoolConfig::default();
+    let chunk = memio.chunk_size.max(localio.effective_chunk_size());
+    PoolConfig {
+        max_class: chunk.next_power_of_two().max(defaults.max_class),
+        ..defaults
     }
 }
 

@@ -76,15 +76,19 @@ impl Config {
         if !(1..=64).contains(&self.host_devices) {
             return bad("host_devices must be 1 to 64".into());
         }
-        self.validate_page_cache().or_else(bad)?;
-        self.validate_pool_size().or_else(bad)?;
+        // One reading of the memory the machine can back now, for every bound below (each
+        // reading walks /proc and the cgroup tree).
+        let room = gpuio_hal::memory::backing::backable_bytes(false);
+        self.validate_page_cache(room).or_else(bad)?;
+        self.validate_pool_size(room).or_else(bad)?;
         self.validate_retry_and_remote().or_else(bad)?;
         self.cache.validate().or_else(bad)
     }
 
     /// `[localio]` page cache settings: the registering threads LocalIO runs (it takes 1 to 8),
-    /// and the pinned bytes kept for hot files, at most what the machine can back pinned.
-    fn validate_page_cache(&self) -> std::result::Result<(), String> {
+    /// and the pinned bytes kept for hot files, at most what the machine can back pinned
+    /// (`room`, from `backable_bytes(false)`).
+    fn validate_page_cache(&self, room: Option<u64>) -> std::result::Result<(), String> {
         let threads = self.localio.page_cache_threads;
         if !(1..=MAX_PAGE_CACHE_THREADS).contains(&threads) {
             return Err(format!(
@@ -92,7 +96,7 @@ impl Config {
             ));
         }
         if let PoolSize::Bytes(keep) = self.localio.page_cache_keep
-            && let Some(most) = gpuio_hal::memory::backing::backable_bytes(false)
+            && let Some(most) = room
             && keep.as_u64() > most
         {
             return Err(format!(
@@ -109,11 +113,11 @@ impl Config {
     /// one; more lanes are taken only where there is room) and no more than the machine can
     /// back as pinned memory now (available memory within the cgroup, without swap: pinned
     /// pages cannot be swapped). `auto` is resolved now to check the lane against it.
-    fn validate_pool_size(&self) -> std::result::Result<(), String> {
+    fn validate_pool_size(&self, room: Option<u64>) -> std::result::Result<(), String> {
         let iec = |n: u64| ByteSize::b(n).display().iec().to_string();
         let lane = self.lane_staging_bytes();
         let PoolSize::Bytes(size) = self.memory_pool_size else {
-            let limit = PoolSize::Auto.bytes();
+            let limit = gpuio_staging::auto_limit_of(room);
             if limit < lane {
                 return Err(format!(
                     "memory_pool_size = \"auto\" is {} on this machine, below what one staging \
@@ -134,7 +138,7 @@ impl Config {
                 self.lane_settings()
             ));
         }
-        if let Some(most) = gpuio_hal::memory::backing::backable_bytes(false)
+        if let Some(most) = room
             && size.as_u64() > most
         {
             return Err(format!(
