@@ -93,7 +93,6 @@ pub fn fuzz(args: &[String]) -> Result {
         return coverage(&bin, &targets);
     }
     let mut failed = Vec::new();
-    let mut tally = read_tally()?;
     for t in &targets {
         let stats = fuzz_one(&bin, &dir, t, o.seconds)?;
         let found = keep_failures(&dir, t)?;
@@ -118,11 +117,12 @@ pub fn fuzz(args: &[String]) -> Result {
                 .get("execs_done")
                 .and_then(|s| s.parse().ok())
                 .unwrap_or(0);
+            // Read, added to and written at once: runs of other targets may go on beside
+            // this one.
+            let mut tally = read_tally()?;
             *tally.entry(t.clone()).or_default() += execs;
+            write_tally(&tally)?;
         }
-    }
-    if o.keep {
-        write_tally(&tally)?;
     }
     if failed.is_empty() {
         Ok(())
