@@ -343,8 +343,14 @@ impl LocalIo {
             return Ok(None);
         }
         // Native GDS reads the device, never the page cache: AUTO keeps it to files opened
-        // O_DIRECT, whose readers asked to bypass the cache anyway.
+        // O_DIRECT, whose readers asked to bypass the cache anyway. Nothing else takes cuFile
+        // under AUTO, so nothing else opens its driver: that costs ~0.5 s, which a process's
+        // first transfer would pay for a library it does not use (the probe's `gds` says
+        // whether nvidia-fs is there without opening it).
         let direct = files.iter().all(|f| f.is_direct());
+        if self.config.gds == GdsPolicy::Auto && !(direct && gpu.info().gds.available) {
+            return Ok(None);
+        }
         Ok(match (gpu.gds(), self.config.gds) {
             (Ok((GdsMode::Native, _)), GdsPolicy::Auto) if direct => Some(GdsMode::Native),
             (Ok((GdsMode::Native, _)), GdsPolicy::On) => Some(GdsMode::Native),
