@@ -219,10 +219,12 @@ impl Config {
         Self::from_toml(&text, Some(path))
     }
 
-    /// The configuration in effect: `path` (or `$GPUIO_CONFIG`) if given, else the defaults,
-    /// then the `GPUIO_*` environment overrides.
+    /// The configuration in effect: `path` (or `$GPUIO_CONFIG`, where set and not empty) if
+    /// given, else the defaults, then the `GPUIO_*` environment overrides.
     pub fn load(path: Option<&Path>) -> Result<Self> {
-        let env_path = std::env::var_os("GPUIO_CONFIG").map(PathBuf::from);
+        let env_path = std::env::var_os("GPUIO_CONFIG")
+            .filter(|p| !p.is_empty())
+            .map(PathBuf::from);
         let mut config = match path.or(env_path.as_deref()) {
             Some(p) => Self::from_file(p)?,
             None => Self::default(),

@@ -404,6 +404,14 @@ fn a_configuration_that_is_not_a_small_regular_file_is_refused() {
 }
 
 #[test]
+fn an_empty_gpuio_config_means_none() {
+    let o = gpuio_within(&["info", "--show-config"], &[("GPUIO_CONFIG", "")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let shown = String::from_utf8_lossy(&o.stdout);
+    assert!(shown.contains("memory_pool_size"), "{shown}");
+}
+
+#[test]
 fn sources_that_cannot_be_sized_are_refused_and_leave_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let fifo = dir.path().join("fifo");
