@@ -7,8 +7,14 @@ use crate::{Result, root, run};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The tools, pinned: maturin builds the wheel, pytest and NumPy run the tests.
-pub const TOOLS: &[&str] = &["maturin==1.16.0", "pytest==9.2.0", "numpy==2.4.6"];
+/// The tools, pinned: maturin builds the wheel, pytest and NumPy run the tests, safetensors is
+/// what `gpuio.safetensors` is checked against.
+pub const TOOLS: &[&str] = &[
+    "maturin==1.16.0",
+    "pytest==9.2.0",
+    "numpy==2.4.6",
+    "safetensors==0.7.0",
+];
 
 /// Pure-Python wheels pytest needs on the GPU machine (whose Python may be 3.10, which also
 /// wants exceptiongroup and tomli); NumPy comes with torch there.
@@ -41,7 +47,7 @@ pub fn venv() -> Result<PathBuf> {
             Command::new("python3").args(["-m", "venv"]).arg(&dir),
         )?;
         run(
-            "install maturin, pytest and NumPy from PyPI",
+            "install maturin, pytest, NumPy and safetensors from PyPI",
             pip_env(
                 Command::new(&python)
                     .args(["-m", "pip", "install", "--quiet"])

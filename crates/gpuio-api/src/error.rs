@@ -222,6 +222,14 @@ pub enum Error {
     /// A request that cannot be carried out as asked.
     #[error("{}", escape(.0))]
     Invalid(String),
+    /// A safetensors checkpoint whose header cannot be used: nothing is read from it.
+    #[error("safetensors file {path}: {}", escape(.problem))]
+    Safetensors {
+        /// The file (escaped).
+        path: String,
+        /// What is wrong.
+        problem: String,
+    },
     /// A named resource that does not exist (e.g. a segment no agent serves).
     #[error("not found: {}", escape(.0))]
     NotFound(String),
@@ -249,9 +257,11 @@ impl Error {
         match self {
             Self::Core(e) => e.code(),
             Self::Remote(e) => e.code(),
-            Self::Uri { .. } | Self::Config { .. } | Self::ConfigEnv { .. } | Self::Invalid(_) => {
-                ErrorCode::InvalidArg
-            }
+            Self::Uri { .. }
+            | Self::Config { .. }
+            | Self::ConfigEnv { .. }
+            | Self::Safetensors { .. }
+            | Self::Invalid(_) => ErrorCode::InvalidArg,
             Self::Unsupported { .. } => ErrorCode::Unsupported,
             Self::NotFound(_) => ErrorCode::NotFound,
             Self::VerifyMismatch { .. } => ErrorCode::Io,

@@ -6,6 +6,7 @@ mod config;
 mod copy;
 mod error;
 mod partial;
+pub mod safetensors;
 mod session;
 mod uri;
 

@@ -160,3 +160,49 @@ def test_async_reads_into_tensors(s, data_file):
     r = s.read_async(f, a, offset=5 * MiB)
     assert r.wait() == MiB and r.done()
     assert np.array_equal(cpu(a), data[5 * MiB : 6 * MiB])
+
+
+def test_safetensors_loads_equal_safetensors_own_on_the_gpu(s, tmp_path):
+    from safetensors.torch import load_file as st_load, save_file as st_save
+
+    from gpuio import safetensors as gst
+
+    g = torch.Generator().manual_seed(5)
+    tensors = {
+        "bf16": torch.randn(33, 17, generator=g).to(torch.bfloat16),
+        "f8": torch.randn(64, generator=g).to(torch.float8_e4m3fn),
+        "f16": torch.randn(5, 3, generator=g).to(torch.float16),
+        "i64": torch.arange(-7, 7),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "rows": torch.randn(300, 64, generator=g),
+    }
+    path = str(tmp_path / "m.safetensors")
+    st_save(tensors, path, metadata={"format": "pt"})
+    ours, theirs = gst.load_file(path, device="cuda:0", session=s), st_load(path, device="cuda:0")
+    assert list(ours) == sorted(theirs)
+    for name, t in theirs.items():
+        assert ours[name].device == t.device and ours[name].dtype == t.dtype
+        assert ours[name].shape == t.shape
+        assert torch.equal(ours[name].view(torch.uint8), t.view(torch.uint8)), name
+    with gst.safe_open(path, framework="pt", device="cuda:0", session=s) as f:
+        assert f.metadata() == {"format": "pt"}
+        assert torch.equal(f.get_tensor("bf16").cpu(), tensors["bf16"])
+        assert torch.equal(f.get_slice("rows")[100:164].cpu(), tensors["rows"][100:164])
+
+
+def test_safetensors_offset_unsuited_to_the_element_size_on_the_gpu(s, tmp_path):
+    import struct
+
+    from gpuio import safetensors as gst
+
+    a, b = torch.arange(3, dtype=torch.uint8), torch.arange(4, dtype=torch.float32)
+    header = (
+        b'{"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},'
+        b'"b":{"dtype":"F32","shape":[4],"data_offsets":[3,19]}}'
+    )
+    path = tmp_path / "odd.safetensors"
+    data = a.numpy().tobytes() + b.numpy().tobytes()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    got = gst.load_file(str(path), device="cuda:0", session=s)
+    assert torch.equal(got["a"].cpu(), a) and torch.equal(got["b"].cpu(), b)

@@ -37,12 +37,47 @@ fn device_header() -> &'static str {
     gpuio_api::DEVICE_HEADER
 }
 
+/// A tensor of a safetensors header: name, dtype (safetensors' spelling), shape, and its
+/// bytes' begin and end relative to the data start.
+type TensorRow = (String, String, Vec<usize>, u64, u64);
+
+/// The checked header of a safetensors file (`gpuio_api::safetensors`): the data start, the
+/// `__metadata__` map (or None) and the tensors in file order.
+#[pyfunction]
+fn safetensors_header(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+) -> PyResult<(
+    u64,
+    Option<std::collections::HashMap<String, String>>,
+    Vec<TensorRow>,
+)> {
+    let h = py
+        .detach(|| gpuio_api::safetensors::SafetensorsHeader::read(&path))
+        .map_err(error::to_py)?;
+    let rows = h
+        .tensors
+        .into_iter()
+        .map(|t| {
+            (
+                t.name,
+                t.dtype.to_string(),
+                t.shape,
+                t.bytes.start,
+                t.bytes.end,
+            )
+        })
+        .collect();
+    Ok((h.data_start, h.metadata, rows))
+}
+
 #[pymodule]
 fn _gpuio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("Error", m.py().get_type::<error::Error>())?;
     m.add_function(wrap_pyfunction!(info_json, m)?)?;
     m.add_function(wrap_pyfunction!(device_header, m)?)?;
+    m.add_function(wrap_pyfunction!(safetensors_header, m)?)?;
     m.add_class::<session::Session>()?;
     m.add_class::<session::Handle>()?;
     m.add_class::<buffers::HostBuffer>()?;

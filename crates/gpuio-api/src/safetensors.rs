@@ -1,0 +1,221 @@
+//! The header of a safetensors checkpoint: an 8-byte little-endian length, that many bytes of
+//! JSON (`dtype`, `shape` and `data_offsets` of each tensor, an optional `__metadata__` map of
+//! strings), then the tensors' bytes.
+//!
+//! The JSON is read and checked by the `safetensors` crate's own `Metadata` (the rules its
+//! loaders apply: offsets contiguous from 0, each tensor's byte length its shape × dtype, no
+//! overflow); this module bounds what it reads before that (a header of at most
+//! [`MAX_HEADER_BYTES`], within the file) and checks the file's length after it (the data ends
+//! where the file ends), so a loader that trusts [`SafetensorsHeader`] reads only bytes the file
+//! has, into tensors whose sizes are right.
+
+use crate::error::{Error, Result, escape_path};
+use safetensors::tensor::Metadata;
+use std::collections::HashMap;
+use std::io::Read;
+use std::ops::Range;
+use std::path::Path;
+
+pub use safetensors::Dtype;
+
+/// The largest header read (the `safetensors` crate's own bound, 100 MB).
+pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// One tensor of a checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorEntry {
+    /// Its name.
+    pub name: String,
+    /// Its element type.
+    pub dtype: Dtype,
+    /// Its shape (empty: a scalar).
+    pub shape: Vec<usize>,
+    /// Its bytes, relative to [`SafetensorsHeader::data_start`].
+    pub bytes: Range<u64>,
+}
+
+/// A checked safetensors header.
+#[derive(Debug, Clone)]
+pub struct SafetensorsHeader {
+    /// Where the tensors' bytes start in the file (8 + the header's length).
+    pub data_start: u64,
+    /// The tensors, in file order.
+    pub tensors: Vec<TensorEntry>,
+    /// The `__metadata__` map, where the header has one.
+    pub metadata: Option<HashMap<String, String>>,
+}
+
+impl SafetensorsHeader {
+    /// Reads and checks the header of the safetensors file at `path`.
+    pub fn read(path: &Path) -> Result<Self> {
+        let bad = |problem: String| Error::Safetensors {
+            path: escape_path(path),
+            problem,
+        };
+        let mut file = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
+        let meta = file.metadata().map_err(|e| bad(e.to_string()))?;
+        if !meta.is_file() {
+            return Err(bad("not a regular file".into()));
+        }
+        let mut prefix = [0u8; 8];
+        file.read_exact(&mut prefix)
+            .map_err(|_| bad(format!("{} bytes: no 8-byte header length", meta.len())))?;
+        let len = u64::from_le_bytes(prefix);
+        if len > MAX_HEADER_BYTES || len > meta.len() - 8 {
+            return Err(bad(format!(
+                "a header of {len} bytes (the file has {}, the most read is {MAX_HEADER_BYTES})",
+                meta.len() - 8
+            )));
+        }
+        let mut json = Vec::new();
+        (&mut file)
+            .take(len)
+            .read_to_end(&mut json)
+            .map_err(|e| bad(e.to_string()))?;
+        if json.len() as u64 != len {
+            return Err(bad(format!(
+                "the file ends {} bytes into its {len}-byte header",
+                json.len()
+            )));
+        }
+        Self::parse(&json, meta.len()).map_err(bad)
+    }
+
+    /// Checks `json` (the header's bytes) as the header of a file of `file_len` bytes.
+    pub fn parse(json: &[u8], file_len: u64) -> std::result::Result<Self, String> {
+        let data_start = 8 + json.len() as u64;
+        let parsed: Metadata =
+            serde_json::from_slice(json).map_err(|e| format!("its header: {e}"))?;
+        let data_len = parsed.data_len() as u64;
+        if data_start.checked_add(data_len) != Some(file_len) {
+            return Err(format!(
+                "its tensors end at byte {} but the file has {file_len}",
+                data_start.saturating_add(data_len)
+            ));
+        }
+        let tensors = parsed
+            .offset_keys()
+            .into_iter()
+            .filter_map(|name| {
+                let info = parsed.info(&name)?;
+                let (begin, end) = info.data_offsets;
+                Some(TensorEntry {
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    bytes: begin as u64..end as u64,
+                    name,
+                })
+            })
+            .collect();
+        Ok(Self {
+            data_start,
+            tensors,
+            metadata: parsed.metadata().clone(),
+        })
+    }
+
+    /// The bytes of all the tensors together.
+    pub fn data_len(&self) -> u64 {
+        self.tensors.last().map_or(0, |t| t.bytes.end)
+    }
+
+    /// The tensor named `name`.
+    pub fn tensor(&self, name: &str) -> Option<&TensorEntry> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(header: &str, data: usize) -> tempfile::NamedTempFile {
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.resize(bytes.len() + data, 7);
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), bytes).unwrap();
+        f
+    }
+
+    #[test]
+    fn a_header_gives_its_tensors_in_file_order() {
+        let h = r#"{"b":{"dtype":"F32","shape":[2,2],"data_offsets":[4,20]},
+                    "a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]},
+                    "__metadata__":{"format":"pt"}}"#;
+        let f = file(h, 20);
+        let got = SafetensorsHeader::read(f.path()).unwrap();
+        assert_eq!(got.data_start, 8 + h.len() as u64);
+        let names: Vec<&str> = got.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["a", "b"]);
+        assert_eq!(got.tensor("b").unwrap().shape, [2, 2]);
+        assert_eq!(got.tensor("b").unwrap().bytes, 4..20);
+        assert_eq!(got.tensor("a").unwrap().dtype, Dtype::BF16);
+        assert_eq!(got.data_len(), 20);
+        assert_eq!(got.metadata.unwrap()["format"], "pt");
+    }
+
+    #[test]
+    fn malformed_headers_are_refused_by_name() {
+        let t = r#"{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+        for (header, data, needle) in [
+            (t, 7, "end at byte"),
+            (t, 9, "end at byte"),
+            (
+                r#"{"t":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
+                8,
+                "header",
+            ),
+            (
+                r#"{"t":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#,
+                12,
+                "header",
+            ),
+            (
+                r#"{"t":{"dtype":"X9","shape":[2],"data_offsets":[0,8]}}"#,
+                8,
+                "header",
+            ),
+            (
+                r#"{"t":{"dtype":"U8","shape":[18446744073709551615,2],"data_offsets":[0,8]}}"#,
+                8,
+                "header",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},
+                    "b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}"#,
+                6,
+                "header",
+            ),
+            ("[1,2]", 0, "header"),
+            ("{\"t\":", 0, "header"),
+        ] {
+            let f = file(header, data);
+            let e = SafetensorsHeader::read(f.path()).unwrap_err();
+            assert!(matches!(e, Error::Safetensors { .. }), "{e}");
+            assert!(e.to_string().contains(needle), "{header}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_length_past_the_file_or_the_bound_reads_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        for (len, body, needle) in [
+            (u64::MAX, 0, "header of"),
+            (MAX_HEADER_BYTES + 1, 0, "header of"),
+            (1000, 10, "header of"),
+        ] {
+            let p = dir.path().join("x");
+            let mut bytes = u64::to_le_bytes(len).to_vec();
+            bytes.resize(8 + body, b' ');
+            std::fs::write(&p, bytes).unwrap();
+            let e = SafetensorsHeader::read(&p).unwrap_err();
+            assert!(e.to_string().contains(needle), "{e}");
+        }
+        std::fs::write(dir.path().join("short"), [1, 2, 3]).unwrap();
+        let e = SafetensorsHeader::read(&dir.path().join("short")).unwrap_err();
+        assert!(e.to_string().contains("8-byte"), "{e}");
+        let e = SafetensorsHeader::read(dir.path()).unwrap_err();
+        assert!(e.to_string().contains("regular"), "{e}");
+    }
+}

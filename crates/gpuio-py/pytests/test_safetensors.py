@@ -1,0 +1,140 @@
+"""gpuio.safetensors against the real safetensors package (NumPy framework, host memory):
+the same tensors from checkpoints safetensors writes, the same names, metadata and slices,
+and files it refuses refused with gpuio.Error, no tensor given."""
+
+import struct
+
+import numpy as np
+import pytest
+
+import safetensors
+from safetensors.numpy import load_file as st_load, save_file as st_save
+
+import gpuio
+from gpuio import safetensors as gst
+
+DTYPES = ["bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+          "float16", "float32", "float64", "complex64"]
+
+
+def _tensors(rng):
+    out = {}
+    for i, dt in enumerate(DTYPES):
+        shape = [(3, 5), (7,), (), (2, 0, 4), (1, 3, 2)][i % 5]
+        if dt == "bool":
+            a = rng.integers(0, 2, shape).astype(bool)
+        elif dt.startswith(("float", "complex")):
+            a = rng.standard_normal(shape).astype(dt)
+        else:
+            a = rng.integers(0, 100, shape).astype(dt)
+        out[f"t{i:02d}.{dt}"] = a
+    out["big"] = rng.standard_normal((257, 129)).astype("float32")
+    return out
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    tensors = _tensors(np.random.default_rng(3))
+    path = tmp_path / "model.safetensors"
+    st_save(tensors, str(path), metadata={"format": "np", "note": "gpuio test"})
+    return str(path), tensors
+
+
+def _same(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.tobytes() == b.tobytes()
+
+
+def test_load_gives_what_safetensors_gives(checkpoint):
+    path, tensors = checkpoint
+    ours, theirs = gst.load_numpy(path), st_load(path)
+    assert list(ours) == sorted(theirs)
+    for name in theirs:
+        _same(ours[name], theirs[name])
+        _same(ours[name], tensors[name])
+
+
+def test_safe_open_keys_metadata_tensors_and_slices(checkpoint):
+    path, tensors = checkpoint
+    with safetensors.safe_open(path, framework="numpy") as theirs, gst.safe_open(
+        path, framework="numpy"
+    ) as ours:
+        assert ours.keys() == sorted(theirs.keys())
+        assert ours.metadata() == theirs.metadata()
+        assert sorted(ours.offset_keys()) == ours.keys()
+        for name in theirs.keys():
+            _same(ours.get_tensor(name), theirs.get_tensor(name))
+        for index in [slice(3, 40), slice(250, 999), slice(5, 2), (slice(0, 9), slice(1, 4))]:
+            _same(ours.get_slice("big")[index], tensors["big"][index])
+        assert ours.get_slice("big").get_shape() == [257, 129]
+        assert ours.get_slice("big").get_dtype() == "F32"
+        with pytest.raises(gpuio.Error) as e:
+            ours.get_tensor("absent")
+        assert e.value.name == "GPUIO_ERROR_NOT_FOUND"
+
+
+def _write(path, header, data):
+    h = header.encode() if isinstance(header, str) else header
+    path.write_bytes(struct.pack("<Q", len(h)) + h + data)
+
+
+def test_an_offset_that_does_not_suit_the_element_size_still_loads(tmp_path):
+    # Written by hand: safetensors' writer orders tensors so that this does not happen.
+    path = tmp_path / "odd.safetensors"
+    a, b = np.arange(3, dtype=np.uint8), np.arange(4, dtype=np.float32)
+    header = (
+        '{"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},'
+        '"b":{"dtype":"F32","shape":[4],"data_offsets":[3,19]}}'
+    )
+    _write(path, header, a.tobytes() + b.tobytes())
+    ours, theirs = gst.load_numpy(str(path)), st_load(str(path))
+    for name, want in [("a", a), ("b", b)]:
+        _same(ours[name], want)
+        _same(ours[name], theirs[name])
+
+
+@pytest.mark.parametrize(
+    "header, data, why",
+    [
+        ('{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', 7, "truncated data"),
+        ('{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', 9, "bytes past the data"),
+        ('{"t":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}', 8, "shape against size"),
+        ('{"t":{"dtype":"Q7","shape":[2],"data_offsets":[0,8]}}', 8, "unknown dtype"),
+        ('{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},'
+         '"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}', 6, "overlapping"),
+        ('{"t":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}', 6, "a gap at the start"),
+        ('{"t":', 0, "not JSON"),
+        (b'{"t\xff":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', 1, "not UTF-8"),
+    ],
+)
+def test_malformed_files_are_refused_as_safetensors_refuses_them(tmp_path, header, data, why):
+    path = tmp_path / "bad.safetensors"
+    _write(path, header, bytes(data))
+    with pytest.raises(Exception):
+        st_load(str(path))
+    with pytest.raises(gpuio.Error) as e:
+        gst.load_numpy(str(path))
+    assert e.value.name == "GPUIO_ERROR_INVALID_ARG", why
+    assert "safetensors file" in e.value.message, why
+    with pytest.raises(gpuio.Error):
+        gst.safe_open(str(path), framework="numpy")
+
+
+def test_a_header_length_past_the_file_reads_nothing(tmp_path):
+    for length in [2**64 - 1, 10**9, 64]:
+        path = tmp_path / "long.safetensors"
+        path.write_bytes(struct.pack("<Q", length) + b"{}")
+        with pytest.raises(gpuio.Error) as e:
+            gst.load_numpy(str(path))
+        assert "header of" in e.value.message
+    (tmp_path / "tiny").write_bytes(b"\x01\x02")
+    with pytest.raises(gpuio.Error):
+        gst.load_numpy(str(tmp_path / "tiny"))
+
+
+def test_frameworks_and_devices_are_checked(checkpoint):
+    path, _ = checkpoint
+    with pytest.raises(gpuio.Error):
+        gst.safe_open(path, framework="jax")
+    with pytest.raises(gpuio.Error):
+        gst.safe_open(path, framework="numpy", device="cuda:0")
