@@ -31,7 +31,7 @@ pub trait StagingLane: Send + Sized + 'static {
     /// depth; `()` where the GPU is enough).
     type Spec: Send + Sync + 'static;
     /// The transport's error, which the pool's errors convert into.
-    type Error: From<HalError>;
+    type Error: From<HalError> + Send;
 
     /// A lane of `gpu` over `buffers`, freshly leased with `lease`. Where it cannot be made,
     /// the buffers go back through the lease (or are dropped, which the lease then counts as
@@ -109,23 +109,42 @@ impl<L: StagingLane> LaneSet<L> {
             let keep = idle.len().saturating_sub(n);
             idle.split_off(keep)
         };
-        while taken.len() < n.max(1) {
-            match self.new_lane(!taken.is_empty()) {
-                Ok(Some(lane)) => taken.push(lane),
-                Ok(None) => {
-                    tracing::debug!(
-                        lanes = taken.len(),
-                        wanted = n,
-                        "staging pool short: fewer lanes"
-                    );
-                    break;
-                }
-                Err(e) => {
-                    // Keep the lanes that exist for the next transfer.
-                    self.give_back(taken);
-                    return Err(e);
-                }
+        if taken.is_empty() {
+            match self.new_lane(false) {
+                Ok(lane) => taken.extend(lane),
+                Err(e) => return Err(e),
             }
+        }
+        // The others side by side: each pins and registers its own staging (milliseconds),
+        // which a process's first transfer would otherwise wait for lane after lane.
+        let missing = n.saturating_sub(taken.len());
+        let made: Vec<_> = std::thread::scope(|s| {
+            let making: Vec<_> = (0..missing)
+                .map(|_| s.spawn(|| self.new_lane(true)))
+                .collect();
+            making
+                .into_iter()
+                .map(|m| m.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect()
+        });
+        let mut failed = None;
+        for lane in made {
+            match lane {
+                Ok(lane) => taken.extend(lane),
+                Err(e) => failed = failed.or(Some(e)),
+            }
+        }
+        if let Some(e) = failed {
+            // Keep the lanes that exist for the next transfer.
+            self.give_back(taken);
+            return Err(e);
+        }
+        if taken.len() < n {
+            tracing::debug!(
+                lanes = taken.len(),
+                wanted = n,
+                "staging pool short: fewer lanes"
+            );
         }
         Ok(taken)
     }
