@@ -184,7 +184,8 @@ def test_safetensors_loads_equal_safetensors_own_on_the_gpu(s, tmp_path):
     for name, t in theirs.items():
         assert ours[name].device == t.device and ours[name].dtype == t.dtype
         assert ours[name].shape == t.shape
-        assert torch.equal(ours[name].view(torch.uint8), t.view(torch.uint8)), name
+        as_bytes = [x.reshape(-1).view(torch.uint8) for x in (ours[name], t)]  # scalars too
+        assert torch.equal(*as_bytes), name
     with gst.safe_open(path, framework="pt", device="cuda:0", session=s) as f:
         assert f.metadata() == {"format": "pt"}
         assert torch.equal(f.get_tensor("bf16").cpu(), tensors["bf16"])
