@@ -41,17 +41,17 @@ fn device_header() -> &'static str {
 /// bytes' begin and end relative to the data start.
 type TensorRow = (String, String, Vec<usize>, u64, u64);
 
-/// The checked header of a safetensors file (`gpuio_api::safetensors`): the data start, the
-/// `__metadata__` map (or None) and the tensors in file order.
-#[pyfunction]
-fn safetensors_header(
-    py: Python<'_>,
-    path: std::path::PathBuf,
-) -> PyResult<(
+/// A safetensors header as Python gets it: the data start, the `__metadata__` map (or None)
+/// and the tensors in file order.
+type HeaderRows = (
     u64,
     Option<std::collections::HashMap<String, String>>,
     Vec<TensorRow>,
-)> {
+);
+
+/// The checked header of a safetensors file (`gpuio_api::safetensors`).
+#[pyfunction]
+fn safetensors_header(py: Python<'_>, path: std::path::PathBuf) -> PyResult<HeaderRows> {
     let h = py
         .detach(|| gpuio_api::safetensors::SafetensorsHeader::read(&path))
         .map_err(error::to_py)?;
