@@ -138,3 +138,31 @@ def test_frameworks_and_devices_are_checked(checkpoint):
         gst.safe_open(path, framework="jax")
     with pytest.raises(gpuio.Error):
         gst.safe_open(path, framework="numpy", device="cuda:0")
+
+
+def test_a_sharded_checkpoint_loads_as_one(tmp_path):
+    import json
+
+    rng = np.random.default_rng(9)
+    shards = {
+        "model-00001-of-00002.safetensors": {"a": rng.standard_normal((4, 4)).astype("float32")},
+        "model-00002-of-00002.safetensors": {"b": np.arange(6, dtype="int64")},
+    }
+    weight_map = {}
+    for file, tensors in shards.items():
+        st_save(tensors, str(tmp_path / file))
+        weight_map.update({k: file for k in tensors})
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    got = gst.load_numpy(str(index))
+    assert list(got) == ["a", "b"]
+    for tensors in shards.values():
+        for k, v in tensors.items():
+            _same(got[k], v)
+    weight_map["c"] = "model-00001-of-00002.safetensors"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(gpuio.Error, match="in no shard"):
+        gst.load_numpy(str(index))
+    index.write_text(json.dumps({"weight_map": {"a": "../elsewhere.safetensors"}}))
+    with pytest.raises(gpuio.Error, match="shard file names"):
+        gst.load_numpy(str(index))

@@ -12,12 +12,13 @@ must end where the file ends): a malformed or truncated file raises :class:`gpui
 gives no tensor. ``load_file`` moves every tensor's bytes in one transfer into one allocation on
 the device and returns views of it (a tensor whose offset does not suit its element size gets
 its own allocation, copied on the device); ``get_tensor`` and ``get_slice`` read only what they
-return. Frameworks: ``"pt"`` (torch, any device) and ``"numpy"`` (host memory).
+return; a sharded checkpoint's ``*.index.json`` loads as one. Frameworks: ``"pt"`` (torch, any
+device) and ``"numpy"`` (host memory).
 """
 
 from . import Error, Session, _gpuio, _invalid
 
-__all__ = ["load_file", "safe_open"]
+__all__ = ["load_file", "load_numpy", "safe_open"]
 
 _TORCH = {
     "BOOL": "bool",
@@ -197,13 +198,40 @@ class _Slice:
 def load_file(filename, device="cpu", session=None):
     """Every tensor of ``filename`` as a dict (torch tensors on ``device``), as
     ``safetensors.torch.load_file`` gives them: one read of the file's data into one
-    allocation, viewed as each tensor."""
-    return _load(filename, "pt", device, session)
+    allocation, viewed as each tensor. A sharded checkpoint's index
+    (``model.safetensors.index.json``) loads every shard it names."""
+    return _load_any(filename, "pt", device, session)
 
 
 def load_numpy(filename, session=None):
-    """Every tensor of ``filename`` as NumPy arrays (``safetensors.numpy.load_file``)."""
-    return _load(filename, "numpy", "cpu", session)
+    """Every tensor of ``filename`` (or of a sharded checkpoint's index) as NumPy arrays
+    (``safetensors.numpy.load_file``)."""
+    return _load_any(filename, "numpy", "cpu", session)
+
+
+def _load_any(filename, framework, device, session):
+    name = str(filename)
+    if not name.endswith(".json"):
+        return _load(name, framework, device, session)
+    import json
+    import os
+
+    with open(name, encoding="utf-8") as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(v, str) and os.path.basename(v) == v for v in weight_map.values()
+    ):
+        raise _invalid(f"{name}: a sharded index needs a weight_map of shard file names")
+    out = {}
+    for shard in sorted(set(weight_map.values())):
+        out.update(_load(os.path.join(os.path.dirname(name), shard), framework, device, session))
+    missing = sorted(set(weight_map) - set(out))
+    if missing:
+        raise _invalid(
+            f"{name}: {len(missing)} tensors of its weight_map are in no shard, "
+            f"e.g. {missing[0]!r}"
+        )
+    return {k: out[k] for k in sorted(out)}
 
 
 def _load(filename, framework, device, session):
