@@ -125,6 +125,34 @@ impl SafetensorsHeader {
     }
 }
 
+/// A checkpoint loaded onto a GPU: every tensor's bytes in one allocation, tensor `t` at
+/// `t.bytes` of `data`.
+#[derive(Debug)]
+pub struct LoadedCheckpoint {
+    /// The checked header.
+    pub header: SafetensorsHeader,
+    /// The tensors' bytes (at least one byte long, for a checkpoint of no data).
+    pub data: crate::DeviceBuffer,
+}
+
+/// Loads the safetensors checkpoint at `path` onto GPU `gpu` of `session`: its header
+/// checked first, then all its data in one read through LocalIO.
+pub fn load_to_device(session: &crate::Session, path: &Path, gpu: u32) -> Result<LoadedCheckpoint> {
+    let header = SafetensorsHeader::read(path)?;
+    let len = usize::try_from(header.data_len()).map_err(|_| Error::Safetensors {
+        path: escape_path(path),
+        problem: "more data than this machine can address".into(),
+    })?;
+    let data = session.alloc_device(gpu, len.max(1))?;
+    if len > 0 {
+        let file = session.open_file(path, crate::OpenOptions::READ)?;
+        session
+            .localio()
+            .read_to_device(&file, header.data_start, &data, 0, len)?;
+    }
+    Ok(LoadedCheckpoint { header, data })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,6 +223,33 @@ mod tests {
             assert!(matches!(e, Error::Safetensors { .. }), "{e}");
             assert!(e.to_string().contains(needle), "{header}: {e}");
         }
+    }
+
+    #[test]
+    fn a_checkpoint_loads_onto_a_device_whole() {
+        let h = r#"{"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},
+                    "b":{"dtype":"I32","shape":[5],"data_offsets":[3,23]}}"#;
+        let f = file(h, 0);
+        let data: Vec<u8> = (0..23u8).map(|i| i.wrapping_mul(37)).collect();
+        let mut bytes = std::fs::read(f.path()).unwrap();
+        bytes.extend_from_slice(&data);
+        std::fs::write(f.path(), bytes).unwrap();
+        let s = crate::Session::new(crate::Config::default()).unwrap();
+        let got = load_to_device(&s, f.path(), 0).unwrap();
+        let mut back = vec![0u8; 23];
+        s.gpu(0)
+            .unwrap()
+            .stream()
+            .unwrap()
+            .download(&got.data, 0, &mut back)
+            .unwrap();
+        assert_eq!(back, data);
+        assert_eq!(got.header.tensor("b").unwrap().bytes, 3..23);
+        std::fs::write(f.path(), &std::fs::read(f.path()).unwrap()[..40]).unwrap();
+        assert!(matches!(
+            load_to_device(&s, f.path(), 0),
+            Err(Error::Safetensors { .. })
+        ));
     }
 
     #[test]
