@@ -166,3 +166,11 @@ def test_a_sharded_checkpoint_loads_as_one(tmp_path):
     index.write_text(json.dumps({"weight_map": {"a": "../elsewhere.safetensors"}}))
     with pytest.raises(gpuio.Error, match="shard file names"):
         gst.load_numpy(str(index))
+
+
+def test_a_dtype_numpy_lacks_is_refused_by_name(tmp_path):
+    path = tmp_path / "bf16.safetensors"
+    _write(path, '{"w":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]}}', bytes(4))
+    with pytest.raises(gpuio.Error) as e:
+        gst.load_numpy(str(path))
+    assert e.value.name == "GPUIO_ERROR_UNSUPPORTED" and "BF16" in e.value.message

@@ -20,7 +20,9 @@ from . import Error, Session, _gpuio, _invalid
 
 __all__ = ["load_file", "load_numpy", "safe_open"]
 
-_TORCH = {
+# safetensors' dtypes by their names in torch and NumPy (where a library lacks one, such as
+# NumPy's BF16 and FP8, getattr finds nothing and the tensor is refused).
+_DTYPES = {
     "BOOL": "bool",
     "U8": "uint8",
     "I8": "int8",
@@ -38,21 +40,6 @@ _TORCH = {
     "F8_E5M2": "float8_e5m2",
     "F8_E4M3": "float8_e4m3fn",
     "F8_E8M0": "float8_e8m0fnu",
-}
-_NUMPY = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "I32": "int32",
-    "U32": "uint32",
-    "I64": "int64",
-    "U64": "uint64",
-    "F16": "float16",
-    "F32": "float32",
-    "F64": "float64",
-    "C64": "complex64",
 }
 
 _session = None
@@ -85,8 +72,8 @@ class _Framework:
             raise _invalid(f"framework {framework!r}: gpuio.safetensors has pt and numpy")
 
     def dtype(self, name, st_dtype):
-        table, lib = (_TORCH, self.torch) if self.torch else (_NUMPY, self.numpy)
-        dt = getattr(lib, table[st_dtype], None) if st_dtype in table else None
+        lib = self.torch or self.numpy
+        dt = getattr(lib, _DTYPES[st_dtype], None) if st_dtype in _DTYPES else None
         if dt is None:
             raise Error(
                 f"tensor {name!r}: dtype {st_dtype} has no {lib.__name__} type here",
