@@ -110,21 +110,26 @@ impl<L: StagingLane> LaneSet<L> {
             idle.split_off(keep)
         };
         if taken.is_empty() {
-            match self.new_lane(false) {
-                Ok(lane) => taken.extend(lane),
-                Err(e) => return Err(e),
-            }
+            taken.extend(self.new_lane(false)?);
         }
         // The others side by side: each pins and registers its own staging (milliseconds),
-        // which a process's first transfer would otherwise wait for lane after lane.
+        // which a process's first transfer would otherwise wait for lane after lane. One
+        // whose thread cannot start is made here.
         let missing = n.saturating_sub(taken.len());
         let made: Vec<_> = std::thread::scope(|s| {
             let making: Vec<_> = (0..missing)
-                .map(|_| s.spawn(|| self.new_lane(true)))
+                .map(|_| {
+                    std::thread::Builder::new()
+                        .name("gpuio-lane-make".into())
+                        .spawn_scoped(s, || self.new_lane(true))
+                })
                 .collect();
             making
                 .into_iter()
-                .map(|m| m.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .map(|m| match m {
+                    Ok(t) => t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                    Err(_) => self.new_lane(true),
+                })
                 .collect()
         });
         let mut failed = None;
