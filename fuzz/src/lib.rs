@@ -53,6 +53,7 @@ pub const TARGETS: &[Target] = &[
     targets::extents::TARGET,
     targets::frames::TARGET,
     targets::sysfs::TARGET,
+    targets::safetensors::TARGET,
 ];
 
 /// The target named `name`.

@@ -6,6 +6,7 @@ pub mod frames;
 pub mod metrics;
 pub mod nvme;
 pub mod nvme_controller;
+pub mod safetensors;
 pub mod sysfs;
 pub mod uri;
 pub mod wire;
