@@ -157,9 +157,7 @@ impl LocalIoConfig {
         let class = pool.class_size(self.effective_chunk_size())? as u64;
         Some(self.slots_per_lane.clamp(2, 64) as u64 * class)
     }
-}
 
-impl LocalIoConfig {
     /// The lanes a configuration that names none runs: one per CPU, 1 to 8.
     pub fn default_lanes() -> usize {
         gpuio_hal::sys::cpu_count().clamp(1, 8)

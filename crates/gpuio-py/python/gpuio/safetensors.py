@@ -91,17 +91,9 @@ class _Framework:
         """``raw`` (bytes on the device) as the tensor: a view where its offset suits the
         element size, else a copy into an allocation of its own."""
         dt = self.dtype(name, st_dtype)
-        if self.torch:
-            size = self.torch.empty((), dtype=dt).element_size()
-            if raw.storage_offset() % size:
-                raw = raw.clone()
-            return raw.view(dt).reshape(shape)
+        if self.torch and raw.storage_offset() % dt.itemsize:
+            raw = raw.clone()  # NumPy views any offset; torch needs one of whole elements
         return raw.view(dt).reshape(shape)
-
-
-def _header(filename):
-    data_start, metadata, rows = _gpuio.safetensors_header(str(filename))
-    return data_start, metadata, rows
 
 
 class safe_open:
@@ -113,7 +105,7 @@ class safe_open:
     def __init__(self, filename, framework, device="cpu", session=None):
         self._fw = _Framework(framework, device)
         self._session = session or _default_session()
-        self._start, self._metadata, rows = _header(filename)
+        self._start, self._metadata, rows = _gpuio.safetensors_header(str(filename))
         self._rows = {r[0]: r for r in rows}
         self._order = [r[0] for r in rows]
         self._file = self._session.open(str(filename))
@@ -224,7 +216,7 @@ def _load_any(filename, framework, device, session):
 def _load(filename, framework, device, session):
     fw = _Framework(framework, device)
     session = session or _default_session()
-    start, _, rows = _header(filename)
+    start, _, rows = _gpuio.safetensors_header(str(filename))
     total = rows[-1][4] if rows else 0
     blob = fw.empty(total)
     if total:
