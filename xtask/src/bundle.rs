@@ -124,7 +124,7 @@ fn bundle_python(dir: &Path) -> Result {
             ])
             .args([
                 "--python-version",
-                "3.10",
+                "3.11",
                 "--platform",
                 "any",
                 "--implementation",

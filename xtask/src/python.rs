@@ -16,17 +16,14 @@ pub const TOOLS: &[&str] = &[
     "safetensors==0.7.0",
 ];
 
-/// Pure-Python wheels pytest needs on the GPU machine (whose Python may be 3.10, which also
-/// wants exceptiongroup and tomli); NumPy comes with torch there.
+/// Pure-Python wheels pytest needs on the GPU machine (Python 3.11 or later); NumPy comes with
+/// torch there.
 pub const PYTEST_WHEELS: &[&str] = &[
     "pytest==9.2.0",
     "pluggy==1.7.0",
     "iniconfig==2.3.1",
     "packaging==26.3",
     "pygments==2.21.0",
-    "exceptiongroup==1.3.1",
-    "tomli==2.3.0",
-    "typing_extensions==4.15.0",
 ];
 
 fn pip_env(cmd: &mut Command) -> &mut Command {

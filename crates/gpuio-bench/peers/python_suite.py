@@ -6,6 +6,11 @@
 #   load PATH REPS        the whole file into a torch CUDA tensor: gpuio's read, torch's way (read
 #                         the bytes, then .cuda()), kvikio's read where installed; median B/s,
 #                         each result checked against torch's.
+#   host PATH REPS        the whole file into host memory and back through the binding: into a
+#                         NumPy array (warm and cold), a CPU torch tensor and a pinned gpuio
+#                         buffer, and an array to a new file with fsync; against readinto,
+#                         numpy.fromfile, torch.load of the same bytes saved as a tensor, and
+#                         write + fsync. Median B/s, every result checked against the file.
 import json
 import os
 import sys
@@ -81,6 +86,102 @@ elif mode == "load":
         out["kvikio_correct"] = bool(torch.equal(other, peer))
     except ImportError as e:
         out["kvikio_absent"] = str(e)
+    print(json.dumps(out))
+elif mode == "host":
+    import numpy as np
+
+    reps = int(sys.argv[3])
+    out = {}
+    with open(path, "rb") as fh:
+        truth = np.fromfile(fh, dtype=np.uint8)
+
+    def median_bps(fn, before=lambda: None):
+        fn()  # warm-up: allocations, the page cache
+        times = []
+        for _ in range(reps):
+            before()
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        times.sort()
+        return size / times[len(times) // 2]
+
+    def drop_cache():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    def readinto(dst):
+        with open(path, "rb", buffering=0) as fh:
+            fh.readinto(memoryview(dst).cast("B"))
+
+    def check(name, got):
+        if not np.array_equal(np.asarray(got).view(np.uint8).reshape(-1), truth):
+            out.setdefault("mismatch", []).append(name)
+
+    arr = np.zeros(size, dtype=np.uint8)
+    out["gpuio_numpy"] = median_bps(lambda: s.read(f, arr))
+    check("gpuio_numpy", arr)
+    out["readinto"] = median_bps(lambda: readinto(arr))
+    fresh = {}
+
+    def gpuio_fresh():
+        fresh["a"] = np.empty(size, dtype=np.uint8)
+        s.read(f, fresh["a"])
+
+    out["gpuio_numpy_fresh"] = median_bps(gpuio_fresh)
+    check("gpuio_numpy_fresh", fresh["a"])
+    out["fromfile"] = median_bps(lambda: np.fromfile(path, dtype=np.uint8))
+    out["gpuio_numpy_cold"] = median_bps(lambda: s.read(f, arr), drop_cache)
+    check("gpuio_numpy_cold", arr)
+    out["readinto_cold"] = median_bps(lambda: readinto(arr), drop_cache)
+    pinned = s.alloc_host(size)
+    out["gpuio_pinned"] = median_bps(lambda: s.read(f, pinned))
+    check("gpuio_pinned", pinned)
+    out["readinto_pinned"] = median_bps(lambda: readinto(np.asarray(pinned)))
+    del pinned
+    try:
+        import torch
+
+        tensor = torch.empty(size, dtype=torch.uint8)
+        out["gpuio_torch"] = median_bps(lambda: s.read(f, tensor))
+        check("gpuio_torch", tensor.numpy())
+        saved = path + ".pt"
+        torch.save(torch.from_numpy(truth), saved)
+        try:
+            out["torch_load"] = median_bps(lambda: torch.load(saved, weights_only=True))
+        finally:
+            os.remove(saved)
+        del tensor
+    except ImportError as e:
+        out["torch_load_absent"] = str(e)
+    written = path + ".written"
+
+    def fsync(p):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def gpuio_write():
+        s.write(s.open(written, write=True), truth)
+        fsync(written)
+
+    def python_write():
+        with open(written, "wb") as fh:
+            fh.write(truth)
+        fsync(written)
+
+    try:
+        out["gpuio_write"] = median_bps(gpuio_write)
+        check("gpuio_write", np.fromfile(written, dtype=np.uint8))
+        out["write"] = median_bps(python_write)
+    finally:
+        os.remove(written)
+    out["correct"] = "mismatch" not in out
     print(json.dumps(out))
 else:
     sys.exit(f"unknown mode {mode}")

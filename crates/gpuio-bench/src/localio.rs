@@ -1,10 +1,15 @@
-//! The LocalIO suite: a file to GPU memory (page cache warm; cold through O_DIRECT), GPU memory
-//! to a file with `fdatasync`, and random 4 KiB reads gathered into GPU memory. Peers, each in
-//! the same run on the same file: fio (io_uring engine, same block size and depth: the storage
-//! limit), kvikio (same thread count), cuFile as kvikio drives it (4 MiB calls on the same
-//! threads; compat mode where nvidia-fs is absent) and a naive `read` + `cudaMemcpy` loop. A
-//! peer that cannot run here is named in the notes, not faked. One more case prices the
-//! end-to-end crc32c against the same read without it.
+//! The LocalIO suite, in three parts (`--localio-parts`):
+//! - `device`: a file to GPU memory (page cache warm; cold through O_DIRECT), GPU memory to a
+//!   file with `fdatasync`, and random 4 KiB reads gathered into GPU memory. Peers, each in
+//!   the same run on the same file: fio (io_uring engine, same block size and depth: the
+//!   storage limit), kvikio (same thread count), cuFile as kvikio drives it (4 MiB calls on the
+//!   same threads; compat mode where nvidia-fs is absent) and a naive `read` + `cudaMemcpy`
+//!   loop. One more case prices the end-to-end crc32c against the same read without it.
+//! - `host`: a file into host memory and back ([`host`]).
+//! - `second-read`: a read that asks for a registration against the same read through the
+//!   lanes ([`second_read`]; CUDA only: the host backend registers nothing).
+//!
+//! A peer that cannot run here is named in the notes, not faked.
 
 use crate::peers::{self, FioJob, KvikioMode, PeerResult};
 use crate::{Record, Result, Target, human};
@@ -16,6 +21,8 @@ use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+mod host;
+mod second_read;
 mod targets;
 pub use targets::targets;
 
@@ -33,7 +40,12 @@ pub struct Options {
     pub reps: usize,
     /// Random 4 KiB reads per repetition.
     pub random_reads: usize,
+    /// The parts to run, of [`PARTS`].
+    pub parts: Vec<&'static str>,
 }
+
+/// The suite's parts.
+pub const PARTS: [&str; 3] = ["device", "host", "second-read"];
 
 impl Options {
     /// The defaults for a backend: 4 GiB on a GPU, 256 MiB on the host backend.
@@ -44,7 +56,20 @@ impl Options {
             scratch: std::env::temp_dir(),
             reps: if gpu { 5 } else { 3 },
             random_reads: if gpu { 262_144 } else { 32_768 },
+            parts: PARTS.to_vec(),
         }
+    }
+
+    /// Keeps only the named parts (of [`PARTS`]); an unknown name is refused.
+    pub fn keep_parts(&mut self, parts: &[String]) -> Result<()> {
+        if let Some(p) = parts.iter().find(|p| !PARTS.contains(&p.as_str())) {
+            return Err(crate::BenchError::Options(format!(
+                "localio part {p:?}: the parts are {}",
+                PARTS.join(", ")
+            )));
+        }
+        self.parts.retain(|p| parts.iter().any(|q| q == p));
+        Ok(())
     }
 }
 
@@ -137,6 +162,88 @@ pub fn run(
 ) -> Result<(Vec<Record>, Vec<Target>, Vec<String>)> {
     let gpu = session.gpu(0)?.clone();
     let io = session.localio();
+    let scratch = |ext: &str| {
+        opts.scratch
+            .join(format!("gpuio-bench-{}.{ext}", std::process::id()))
+    };
+    let (path, wpath, warmup) = (scratch("bin"), scratch("out"), scratch("warmup"));
+    let _cleanup = Cleanup(vec![path.clone(), wpath.clone(), warmup.clone()]);
+    let seed = crate::fresh_seed();
+    progress(&format!(
+        "writing a {} test file",
+        human(opts.size as usize)
+    ));
+    make_file(&path, opts.size, seed)?;
+    let has = |part: &str| opts.parts.contains(&part);
+    let (mut records, mut notes) = (Vec::new(), Vec::new());
+    if has("device") {
+        let (r, n) = device_part(session, opts, (&path, &wpath), seed, progress)?;
+        records.extend(r);
+        notes.extend(n);
+    }
+    let lanes = io.config().lanes;
+    let device = gpu.info().name.clone();
+    if has("host") {
+        let part = host::HostPart {
+            io,
+            gpu: &gpu,
+            path: &path,
+            size: opts.size,
+            seed,
+            reps: opts.reps,
+            fio: FioJob {
+                path: &path,
+                size: opts.size,
+                rw: "read",
+                bs: io.config().chunk_size,
+                iodepth: 1,
+                numjobs: lanes,
+                direct: false,
+                end_fsync: false,
+                runtime_s: None,
+            },
+            device: device.clone(),
+        };
+        records.extend(host::run(&part, &mut notes, progress)?);
+    }
+    if has("second-read") {
+        if gpu.info().page_cache_dma.available {
+            progress("second_read");
+            make_file(&warmup, 256 << 20, seed ^ 3)?;
+            records.extend(second_read::run(
+                &gpu,
+                io.config(),
+                &path,
+                opts.size,
+                &warmup,
+                opts.reps,
+                &device,
+            )?);
+        } else {
+            notes.push(format!(
+                "second_read: nothing is registered here ({})",
+                gpu.info().page_cache_dma.detail
+            ));
+        }
+    }
+    let targets = if gpu.backend() == Backend::Cuda {
+        targets(&records, lanes)
+    } else {
+        Vec::new()
+    };
+    Ok((records, targets, notes))
+}
+
+/// The `device` part on the test file at `path` (pattern `seed`); `wpath` for the writes.
+fn device_part(
+    session: &Session,
+    opts: &Options,
+    (path, wpath): (&Path, &Path),
+    seed: u64,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(Vec<Record>, Vec<String>)> {
+    let gpu = session.gpu(0)?.clone();
+    let io = session.localio();
     let (engine, _) = io.engine();
     let lanes = io.config().lanes;
     let slots = io.config().slots_per_lane;
@@ -144,18 +251,8 @@ pub fn run(
     let device = gpu.info().name.clone();
     let size = opts.size;
     let len = size as usize;
-    let seed = crate::fresh_seed();
-    let path = opts
-        .scratch
-        .join(format!("gpuio-bench-{}.bin", std::process::id()));
-    let wpath = opts
-        .scratch
-        .join(format!("gpuio-bench-{}.out", std::process::id()));
-    let _cleanup = Cleanup(vec![path.clone(), wpath.clone()]);
-    progress(&format!("writing a {} test file", human(len)));
-    make_file(&path, size, seed)?;
-    let buffered = io.open(&path, OpenOptions::READ).map_err(api)?;
-    let direct = io.open(&path, OpenOptions::READ.direct()).ok();
+    let buffered = io.open(path, OpenOptions::READ).map_err(api)?;
+    let direct = io.open(path, OpenOptions::READ.direct()).ok();
     let dev = gpu.alloc(len)?;
     let reference = gpu.alloc(len)?;
     let mut records = Vec::new();
@@ -176,14 +273,15 @@ pub fn run(
         .map_err(api)?
         .to_string();
     // A hot file (weights loaded again and again): the session's engine keeps the
-    // registration from the second read on.
-    let mut hot_route = String::new();
+    // registration the second read asks for, made in the background.
     for _ in 0..2 {
-        hot_route = io
-            .read_to_device(&buffered, 0, &dev, 0, len)
-            .map_err(api)?
-            .to_string();
+        io.read_to_device(&buffered, 0, &dev, 0, len).map_err(api)?;
     }
+    io.wait_for_page_cache();
+    let hot_route = io
+        .read_to_device(&buffered, 0, &dev, 0, len)
+        .map_err(api)?
+        .to_string();
     // Few threads: two lanes, or two registering threads.
     let two = |page_cache| {
         LocalIo::new(LocalIoConfig {
@@ -224,7 +322,7 @@ pub fn run(
         };
     let gbps = |t: Duration| size as f64 / t.as_secs_f64().max(1e-9) / 1e9;
     let fio_base = FioJob {
-        path: &path,
+        path,
         size,
         rw: "read",
         bs: chunk,
@@ -282,7 +380,7 @@ pub fn run(
     if let Some(k) = peer(
         &mut notes,
         "kvikio warm",
-        peers::kvikio(&path, size, lanes, KvikioMode::Warm, opts.reps),
+        peers::kvikio(path, size, lanes, KvikioMode::Warm, opts.reps),
     ) {
         record(
             "seq_read_warm",
@@ -484,7 +582,7 @@ pub fn run(
             if let Some(k) = peer(
                 &mut notes,
                 "kvikio cold",
-                peers::kvikio(&path, size, lanes, KvikioMode::Cold, opts.reps.min(3)),
+                peers::kvikio(path, size, lanes, KvikioMode::Cold, opts.reps.min(3)),
             ) {
                 record(
                     "seq_read_cold",
@@ -499,7 +597,7 @@ pub fn run(
                 let run = || -> Result<Duration> {
                     let f = io
                         .open(
-                            &path,
+                            path,
                             OpenOptions {
                                 gds: Some(true),
                                 ..OpenOptions::READ.direct()
@@ -545,7 +643,7 @@ pub fn run(
     // 3. GPU to file, then fdatasync.
     progress("seq_write_sync");
     gpu.stream()?.fill_pattern(&dev, 0, len, seed ^ 1)?;
-    let out = io.open(&wpath, OpenOptions::CREATE).map_err(api)?;
+    let out = io.open(wpath, OpenOptions::CREATE).map_err(api)?;
     let ours = time_it(opts.reps, no_prep, || {
         io.write_from_device(&dev, 0, &out, 0, len, Durability::DataSync)
             .map_err(api)
@@ -566,7 +664,7 @@ pub fn run(
         "fio write",
         peers::fio(
             &FioJob {
-                path: &wpath,
+                path: wpath,
                 rw: "write",
                 end_fsync: true,
                 ..fio_base.clone()
@@ -589,7 +687,7 @@ pub fn run(
             gpu.stream()?.fill_pattern(&dev, 0, len, seed ^ 2)?;
             let f = io
                 .open(
-                    &wpath,
+                    wpath,
                     OpenOptions {
                         gds: Some(true),
                         ..OpenOptions::CREATE
@@ -670,7 +768,7 @@ pub fn run(
     if let Some(k) = peer(
         &mut notes,
         "kvikio futures",
-        peers::kvikio(&path, size, lanes, KvikioMode::Random4k, opts.reps.min(3)),
+        peers::kvikio(path, size, lanes, KvikioMode::Random4k, opts.reps.min(3)),
     ) {
         record(
             "rand_read_4k",
@@ -701,12 +799,7 @@ pub fn run(
     );
 
     records.extend(model);
-    let targets = if gpu.backend() == Backend::Cuda {
-        targets(&records, lanes)
-    } else {
-        Vec::new()
-    };
-    Ok((records, targets, notes))
+    Ok((records, notes))
 }
 
 /// A cuFile peer must have run on cuFile, not fallen back to the lanes.

@@ -44,6 +44,9 @@ pub struct BenchArgs {
     /// Shorter measurements (smoke runs, CI).
     #[arg(long)]
     quick: bool,
+    /// localio: the parts to run, of device, host and second-read (default: all).
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    localio_parts: Option<Vec<String>>,
     /// ai: the parts to run, of b1, b2, b4, b5 and compression (default: all).
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     ai_parts: Option<Vec<String>>,
@@ -112,6 +115,9 @@ pub fn run(config: Config, args: &BenchArgs) -> Result<(), Error> {
                     opts.reps = 2;
                     opts.size = opts.size.min(64 << 20);
                     opts.random_reads = opts.random_reads.min(8192);
+                }
+                if let Some(parts) = &args.localio_parts {
+                    opts.keep_parts(parts).map_err(bench_err)?;
                 }
                 localio::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
             }

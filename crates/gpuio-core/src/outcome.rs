@@ -26,10 +26,10 @@ pub enum Route {
     Mem(MemIoRoute),
     /// A move within one host buffer.
     HostMove,
-    /// `pread` into host memory.
-    Pread,
-    /// `pwrite` from host memory.
-    Pwrite,
+    /// LocalIO read a file into host memory.
+    FileToHost(LocalIoReport),
+    /// LocalIO wrote host memory to a file.
+    HostToFile(LocalIoReport),
     /// File to file through a host buffer.
     FileCopy,
     /// LocalIO read a file into GPU memory.
@@ -62,8 +62,8 @@ impl fmt::Display for Route {
         match self {
             Self::Mem(r) => write!(f, "{r}"),
             Self::HostMove => f.write_str("move within one host buffer"),
-            Self::Pread => f.write_str("pread"),
-            Self::Pwrite => f.write_str("pwrite"),
+            Self::FileToHost(t) => write!(f, "read: {t}"),
+            Self::HostToFile(t) => write!(f, "write: {t}"),
             Self::FileCopy => f.write_str("pread + pwrite through host memory"),
             Self::FileToDevice(t) => write!(f, "read: {t}"),
             Self::DeviceToFile(t) => write!(f, "write: {t}"),

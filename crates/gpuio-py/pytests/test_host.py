@@ -69,6 +69,48 @@ def test_writes_from_every_host_kind(s, tmp_path, data_file):
     assert (tmp_path / "at.bin").read_bytes() == bytes(100) + b"tail"
 
 
+def test_host_memory_gpuio_does_not_own_is_read_and_written_in_place(s, tmp_path):
+    import tracemalloc
+
+    size = 40 * MiB + 3  # many pieces on the IO threads, and an odd end
+    data = np.random.default_rng(11).integers(0, 256, size, dtype=np.uint8)
+    path = tmp_path / "big.bin"
+    path.write_bytes(data.tobytes())
+    f = s.open(str(path))
+    dst = np.zeros(size, dtype=np.uint8)
+    tracemalloc.start()
+    try:
+        assert s.read(f, dst) == size
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < MiB, f"{peak} bytes of Python objects for an in-place read"
+    assert np.array_equal(dst, data)
+    # A 2-D float array, and a window of a bytearray at an odd offset.
+    grid = np.zeros((4, MiB // 4), dtype=np.float32)
+    assert s.read(f, grid, offset=MiB + 1) == 4 * MiB
+    assert grid.tobytes() == data[MiB + 1 : 5 * MiB + 1].tobytes()
+    window = bytearray(3 * MiB)
+    s.read(f, memoryview(window)[7 : 7 + 2 * MiB], offset=size - 2 * MiB)
+    assert window[7 : 7 + 2 * MiB] == data[-2 * MiB :].tobytes()
+    assert window[:7] == bytes(7) and window[7 + 2 * MiB :] == bytes(MiB - 7)
+    # Written back from a read-only array.
+    src = data.copy()
+    src.flags.writeable = False
+    out = s.open(str(tmp_path / "out.bin"), write=True)
+    assert s.write(out, src) == size
+    assert (tmp_path / "out.bin").read_bytes() == data.tobytes()
+    # Refused with nothing acknowledged: a read-only or strided destination, a read past
+    # the end.
+    with pytest.raises(ValueError, match="read-only"):
+        s.read(f, src)
+    with pytest.raises(ValueError, match="contiguous"):
+        s.read(f, np.zeros((4, MiB), dtype=np.uint8)[:, ::2])
+    with pytest.raises(gpuio.Error) as e:
+        s.read(f, np.zeros(size + 1, dtype=np.uint8))
+    assert e.value.name == "GPUIO_ERROR_INVALID_ARG" and "file ends" in e.value.message
+
+
 def test_host_device_round_trip(s, data_file):
     _, data = data_file
     dev = s.alloc_device(data.nbytes)

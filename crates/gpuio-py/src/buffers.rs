@@ -3,9 +3,10 @@
 //! the one argument type of every transfer.
 
 use crate::error::to_py;
+use crate::lent::Lent;
 use gpuio_api::{Endpoint, HostMemory};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyMemoryView};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Host memory gpuio allocated (pinned where asked): `numpy.asarray(buf)` and
@@ -256,13 +257,15 @@ impl Resource {
     }
 }
 
-/// One end of a transfer as Python passes it: gpuio memory, an opened resource, or (as a
-/// source only) immutable `bytes`. Other objects are resolved into these by the Python half.
+/// One end of a transfer as Python passes it: gpuio memory, an opened resource, (as a
+/// source only) immutable `bytes`, or other host memory as a byte `memoryview` (a blocking
+/// call's only). Other objects are resolved into these by the Python half.
 pub(crate) enum Target<'py> {
     Host(Bound<'py, HostBuffer>),
     Device(Bound<'py, DeviceBuffer>),
     Resource(Bound<'py, Resource>),
     Bytes(Bound<'py, PyBytes>),
+    Lent(Lent),
 }
 
 impl<'py> Target<'py> {
@@ -277,6 +280,8 @@ impl<'py> Target<'py> {
             Ok(Self::Device(d.clone()))
         } else if let Ok(b) = obj.cast::<PyBytes>() {
             Ok(Self::Bytes(b.clone()))
+        } else if obj.cast::<PyMemoryView>().is_ok() {
+            Ok(Self::Lent(Lent::of(obj)?))
         } else {
             Err(pyo3::exceptions::PyTypeError::new_err(format!(
                 "a transfer end must be gpuio memory, a resource or bytes, not {}",
@@ -285,7 +290,8 @@ impl<'py> Target<'py> {
         }
     }
 
-    /// The endpoint `offset` bytes in (`None` for `bytes`, which only a blocking call reads).
+    /// The endpoint `offset` bytes in (`None` for `bytes` and lent memory, which only a
+    /// blocking call moves).
     pub(crate) fn endpoint(&self, offset: u64) -> PyResult<Option<Endpoint>> {
         let small = || {
             usize::try_from(offset)
@@ -295,7 +301,7 @@ impl<'py> Target<'py> {
             Self::Host(h) => Endpoint::host(&h.get().mem, small()?),
             Self::Device(d) => Endpoint::device(&d.get().buf, small()?),
             Self::Resource(r) => r.get().res.at(offset).map_err(to_py)?,
-            Self::Bytes(_) => return Ok(None),
+            Self::Bytes(_) | Self::Lent(_) => return Ok(None),
         }))
     }
 

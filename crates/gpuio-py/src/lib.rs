@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
-#![forbid(unsafe_code)]
+// `unsafe` lives in one module, `lent`: Python's buffer memory as a slice.
+#![deny(unsafe_code)]
 
 //! The extension module `gpuio._gpuio`: the Rust half of the binding. Python objects are
 //! resolved into gpuio buffers in the package's Python half (`python/gpuio/`), which is also
@@ -8,6 +9,7 @@
 
 mod buffers;
 mod error;
+mod lent;
 mod ondemand;
 mod session;
 

@@ -38,6 +38,23 @@ fn settle(
     }
 }
 
+/// `data` from `offset` on.
+fn part(data: &[u8], offset: u64) -> PyResult<&[u8]> {
+    usize::try_from(offset)
+        .ok()
+        .and_then(|start| data.get(start..))
+        .ok_or_else(|| invalid(format!("offset {offset} past the source's end")))
+}
+
+/// `data` from `offset` on, to write.
+fn part_mut(data: &mut [u8], offset: u64) -> PyResult<&mut [u8]> {
+    let len = data.len();
+    usize::try_from(offset)
+        .ok()
+        .and_then(|start| data.get_mut(start..))
+        .ok_or_else(|| invalid(format!("offset {offset} past the {len}-byte destination")))
+}
+
 /// A transfer's result, in bytes.
 fn moved(o: gpuio_api::Outcome) -> usize {
     o.bytes
@@ -161,6 +178,8 @@ impl Session {
     }
 
     /// Moves `size` bytes, blocking: from `src` at `src_offset` to `dst` at `dst_offset`.
+    /// Memory Python lends (a byte `memoryview`) is read or written in place, where the other
+    /// end is a resource or GPU memory.
     fn _transfer(
         &self,
         py: Python<'_>,
@@ -172,27 +191,52 @@ impl Session {
     ) -> PyResult<usize> {
         let (src, dst) = (Target::of(src)?, Target::of(dst)?);
         let wait = settle(&self.inner, &[&src, &dst]);
-        let d = dst
-            .endpoint(dst_offset)?
-            .ok_or_else(|| invalid("bytes are immutable: a destination must be writable"))?;
-        let outcome = if let Target::Bytes(b) = &src {
-            let data = b.as_bytes();
-            let part = usize::try_from(src_offset)
-                .ok()
-                .and_then(|start| data.get(start..))
-                .ok_or_else(|| invalid(format!("offset {src_offset} past the bytes' end")))?;
-            py.detach(|| {
-                wait()?;
-                self.inner.transfer(Source::Host(part), d.dest(), size)
-            })
-        } else {
-            let s = src
-                .endpoint(src_offset)?
-                .ok_or_else(|| invalid("a source with no endpoint"))?;
-            py.detach(|| {
-                wait()?;
-                self.inner.transfer_owned(&s, &d, size)
-            })
+        let far = |t: &Target<'_>, offset| match t {
+            Target::Resource(_) | Target::Device(_) => t.endpoint(offset),
+            _ => Err(invalid(
+                "memory gpuio does not own moves in place only to or from a resource or GPU \
+                 memory",
+            )),
+        };
+        let outcome = match (src, dst) {
+            (Target::Bytes(b), d) => {
+                let d = d
+                    .endpoint(dst_offset)?
+                    .ok_or_else(|| invalid("bytes to bytes needs no gpuio call"))?;
+                let part = part(b.as_bytes(), src_offset)?;
+                py.detach(|| {
+                    wait()?;
+                    self.inner.transfer(Source::Host(part), d.dest(), size)
+                })
+            }
+            (Target::Lent(s), d) => {
+                let d = far(&d, dst_offset)?.ok_or_else(|| invalid("no destination"))?;
+                let part = part(s.bytes(), src_offset)?;
+                py.detach(|| {
+                    wait()?;
+                    self.inner.transfer(Source::Host(part), d.dest(), size)
+                })
+            }
+            (s, Target::Lent(mut d)) => {
+                let s = far(&s, src_offset)?.ok_or_else(|| invalid("no source"))?;
+                let part = part_mut(d.bytes_mut()?, dst_offset)?;
+                py.detach(|| {
+                    wait()?;
+                    self.inner.transfer(s.source(), Dest::Host(part), size)
+                })
+            }
+            (s, d) => {
+                let s = s
+                    .endpoint(src_offset)?
+                    .ok_or_else(|| invalid("a source with no endpoint"))?;
+                let d = d.endpoint(dst_offset)?.ok_or_else(|| {
+                    invalid("bytes are immutable: a destination must be writable")
+                })?;
+                py.detach(|| {
+                    wait()?;
+                    self.inner.transfer_owned(&s, &d, size)
+                })
+            }
         };
         outcome.map(moved).map_err(to_py)
     }

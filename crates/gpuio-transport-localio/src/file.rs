@@ -100,6 +100,33 @@ struct OsFile {
 /// Bytes per bounce transfer for unaligned O_DIRECT IO.
 const BOUNCE: usize = 1 << 20;
 
+impl OsFile {
+    /// How many bytes of `buf` from file offset `at` a direct file can read or write in place:
+    /// whole blocks from an aligned offset into aligned memory, else 0 (a bounce buffer then).
+    fn in_place(&self, at: u64, buf: &[u8]) -> usize {
+        let block = self.alignment.offset.max(self.alignment.memory).max(1);
+        let memory = self.alignment.memory.max(1);
+        if at.is_multiple_of(block as u64) && (buf.as_ptr() as usize).is_multiple_of(memory) {
+            buf.len() / block * block
+        } else {
+            0
+        }
+    }
+}
+
+/// The bounce buffer of a direct transfer with `rest` bytes to go, made on first use: up to
+/// [`BOUNCE`], whole blocks of `a`.
+fn bounce_for(slot: &mut Option<HostBuffer>, rest: usize, a: usize) -> Result<&mut HostBuffer> {
+    let buf = match slot.take() {
+        Some(b) => b,
+        None => {
+            let len = BOUNCE.min(rest + 2 * a).next_multiple_of(a);
+            HostBuffer::alloc(len, &HostAllocOptions::default())?
+        }
+    };
+    Ok(slot.insert(buf))
+}
+
 impl FileHandle {
     /// Opens `path`.
     ///
@@ -492,7 +519,8 @@ impl FileHandle {
     }
 
     /// Reads into `buf` from `offset` until it is full or the file ends; returns the bytes
-    /// read (less than `buf.len()` only at end of file). Any range works on a direct file.
+    /// read (less than `buf.len()` only at end of file). Any range works on a direct file: in
+    /// place where `buf` and the range suit O_DIRECT, through a bounce buffer where not.
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<usize> {
         let os = match &self.inner.backing {
             Backing::Os(f) => f,
@@ -502,13 +530,20 @@ impl FileHandle {
             return self.pread(&os.file, offset, buf);
         }
         let a = self.required_alignment() as u64;
-        let cap = BOUNCE
-            .min(buf.len() + 2 * a as usize)
-            .next_multiple_of(a as usize);
-        let mut bounce = HostBuffer::alloc(cap, &HostAllocOptions::default())?;
+        let mut bounce = None;
         let mut done = 0;
         while done < buf.len() {
             let at = offset + done as u64;
+            let whole = os.in_place(at, &buf[done..]);
+            if whole > 0 {
+                let got = self.pread(&os.file, at, &mut buf[done..done + whole])?;
+                done += got;
+                if got < whole {
+                    break;
+                }
+                continue;
+            }
+            let bounce = bounce_for(&mut bounce, buf.len() - done, a as usize)?;
             let start = at / a * a;
             let head = (at - start) as usize;
             let want = (buf.len() - done).min(bounce.len() - head);
@@ -538,6 +573,30 @@ impl FileHandle {
     /// partial edge blocks, and a write past the end trims the alignment padding afterwards.
     pub fn write_all_at(&self, offset: u64, buf: &[u8]) -> Result<()> {
         self.check_writable()?;
+        let old_len = match self.os() {
+            Some(f) if f.direct => self.len()?,
+            _ => 0,
+        };
+        self.write_padded_at(offset, buf, old_len)?;
+        self.trim_padding(old_len, offset + buf.len() as u64)
+    }
+
+    /// Cuts a direct file that a write ending at `end` grew from `old_len` back to `end`: its
+    /// last block was written whole. Nothing to do on other files.
+    pub(crate) fn trim_padding(&self, old_len: u64, end: u64) -> Result<()> {
+        match self.os() {
+            Some(f) if f.direct && end > old_len => self.set_len(end),
+            _ => Ok(()),
+        }
+    }
+
+    /// [`write_all_at`](Self::write_all_at) without the trim, for one of several writes of a
+    /// transfer that trims once when all are done ([`trim_padding`](Self::trim_padding)).
+    /// `old_len` is the file's length before the transfer (direct files only: partial blocks
+    /// keep what the file holds, zeros past its end). Writes that run at once must not share
+    /// a block.
+    pub(crate) fn write_padded_at(&self, offset: u64, buf: &[u8], old_len: u64) -> Result<()> {
+        self.check_writable()?;
         let os = match &self.inner.backing {
             Backing::Os(f) => f,
             Backing::Nvme(d) => return d.write_at(offset, buf),
@@ -546,15 +605,22 @@ impl FileHandle {
             return self.pwrite(&os.file, offset, buf);
         }
         let a = self.required_alignment();
-        let old_len = self.len()?;
-        let end = offset + buf.len() as u64;
-        let mut bounce = HostBuffer::alloc(
-            BOUNCE.min(buf.len() + 2 * a).next_multiple_of(a),
-            &HostAllocOptions::default(),
-        )?;
+        let full = |done: usize, written: usize| self.no_space(offset, buf.len(), done + written);
+        let mut bounce = None;
         let mut done = 0;
         while done < buf.len() {
             let at = offset + done as u64;
+            let whole = os.in_place(at, &buf[done..]);
+            if whole > 0 {
+                self.pwrite(&os.file, at, &buf[done..done + whole])
+                    .map_err(|e| match e {
+                        LocalIoError::NoSpace { written, .. } => full(done, written),
+                        other => other,
+                    })?;
+                done += whole;
+                continue;
+            }
+            let bounce = bounce_for(&mut bounce, buf.len() - done, a)?;
             let start = at / a as u64 * a as u64;
             let head = (at - start) as usize;
             let n = (buf.len() - done).min(bounce.len() - head);
@@ -570,14 +636,11 @@ impl FileHandle {
             self.pwrite(&os.file, start, &bounce[..span])
                 .map_err(|e| match e {
                     LocalIoError::NoSpace { written, .. } => {
-                        self.no_space(offset, buf.len(), done + written.saturating_sub(head))
+                        full(done, written.saturating_sub(head))
                     }
                     other => other,
                 })?;
             done += n;
-        }
-        if end > old_len {
-            self.set_len(end)?;
         }
         Ok(())
     }

@@ -4,6 +4,7 @@
 mod config;
 mod file;
 mod gds;
+mod host;
 mod lane;
 mod nvme;
 mod page_cache;
@@ -174,7 +175,9 @@ impl Transfer {
 impl std::fmt::Display for Transfer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.engine {
-            IoEngine::Gds(_) => write!(f, "{} x {} thread(s)", self.engine, self.lanes),
+            IoEngine::Gds(_) | IoEngine::HostCopy => {
+                write!(f, "{} x {} thread(s)", self.engine, self.lanes)
+            }
             IoEngine::PageCache if self.page_cache_bytes < self.bytes => write!(
                 f,
                 "{}% {} ({} registering thread(s)), the rest through the staged lanes",
@@ -205,7 +208,13 @@ pub struct LocalIo {
     pool: rayon::ThreadPool,
     staging: StagingPool,
     lanes: Mutex<Vec<(Gpu, Arc<LanePool>)>>,
-    kept: page_cache::KeptFiles,
+    kept: Arc<page_cache::KeptFiles>,
+}
+
+impl Drop for LocalIo {
+    fn drop(&mut self) {
+        self.kept.close();
+    }
 }
 
 impl std::fmt::Debug for LocalIo {
@@ -270,7 +279,7 @@ impl LocalIo {
             .build()
             .map_err(|e| LocalIoError::Internal(format!("starting IO threads: {e}")))?;
         Ok(Self {
-            kept: page_cache::KeptFiles::new(config.page_cache_keep),
+            kept: Arc::new(page_cache::KeptFiles::new(config.page_cache_keep)),
             config,
             engine,
             engine_reason,
@@ -398,14 +407,20 @@ impl LocalIo {
                 )
             }
             (PageCachePolicy::Auto, _) => format!(
-                "warm reads from {} up come straight from the page cache (its pages registered \
-                 read-only, {} registering thread(s); cold chunks staged, O_DIRECT and \
-                 checksummed reads staged)",
+                "a file read from {} up a second time, unchanged, is registered whole in the \
+                 background ({} thread(s)) and kept, up to {} in all; reads come straight from \
+                 its pinned pages once that is done, and through the lanes until then (O_DIRECT \
+                 and checksummed reads always staged)",
                 human_size(self.config.page_cache_threshold),
-                self.config.page_cache_threads.clamp(1, 8)
+                self.config.page_cache_threads.clamp(1, 8),
+                human_size(self.config.page_cache_keep.min(usize::MAX as u64) as usize)
             ),
         };
-        format!("{lanes}; {gds}; {page_cache}")
+        let host = format!(
+            "file <-> host memory: pread/pwrite in place on up to {} threads",
+            self.config.lanes
+        );
+        format!("{lanes}; {gds}; {page_cache}; {host}")
     }
 
     /// Cuts `pieces` of `files` into chunks of one staging slot each.
@@ -739,9 +754,11 @@ impl LocalIo {
     }
 }
 
-/// `4 MiB`, `512 KiB`, `100 B`.
+/// `4 MiB`, `512 KiB`, `100 B`, `2.5 GiB`.
 fn human_size(n: usize) -> String {
     match n {
+        n if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{} GiB", n >> 30),
+        n if n >= 1 << 30 => format!("{:.1} GiB", n as f64 / (1u64 << 30) as f64),
         n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
         n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
         n => format!("{n} B"),

@@ -27,6 +27,8 @@ pub enum IoEngine {
     PageCache,
     /// gpuio's own NVMe driver (`nvme://`), through pinned host memory.
     Nvme,
+    /// `pread`/`pwrite` straight into and out of host memory, on the IO threads (no staging).
+    HostCopy,
 }
 
 impl std::fmt::Display for IoEngine {
@@ -38,6 +40,7 @@ impl std::fmt::Display for IoEngine {
             Self::Gds(GdsMode::Compat) => "cuFile (compat mode)",
             Self::PageCache => "page cache, registered read-only (zero-copy DMA)",
             Self::Nvme => "gpuio's NVMe driver (user space), staged through pinned memory",
+            Self::HostCopy => "pread/pwrite in place",
         })
     }
 }

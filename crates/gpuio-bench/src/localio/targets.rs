@@ -65,6 +65,57 @@ pub fn targets(records: &[Record], lanes: usize) -> Vec<Target> {
             "x",
         ),
         Target::judge(
+            "warm file -> pinned host buffer >= 25 GB/s",
+            records,
+            peer_is("host_read_warm", "one thread"),
+            |r| r.value,
+            25.0,
+            " GB/s",
+        ),
+        Target::judge(
+            "warm file -> NumPy array (Python) >= 4x readinto",
+            records,
+            peer_is("py_host_numpy_warm", "readinto"),
+            |r| r.ratio,
+            4.0,
+            "x",
+        ),
+        Target::judge(
+            "warm file -> NumPy array or CPU tensor (Python) >= 20 GB/s",
+            records,
+            |r| {
+                (r.case.starts_with("py_host_numpy_warm") && r.peer == "readinto")
+                    || r.case.starts_with("py_host_torch_warm")
+            },
+            |r| r.value,
+            20.0,
+            " GB/s",
+        ),
+        Target::judge(
+            "cold file -> host memory >= 0.95x the disk (fio O_DIRECT)",
+            records,
+            peer_is("host_read_cold_buffered", "fio"),
+            |r| r.ratio,
+            0.95,
+            "x",
+        ),
+        Target::judge(
+            "host memory -> file + fdatasync >= 0.95x fio write+fsync",
+            records,
+            peer_is("host_write_sync", "fio"),
+            |r| r.ratio,
+            0.95,
+            "x",
+        ),
+        Target::judge(
+            "second read of any size >= 0.9x the same read through the lanes",
+            records,
+            peer_is("second_read", "the same read"),
+            |r| r.ratio,
+            0.9,
+            "x",
+        ),
+        Target::judge(
             "random 4 KiB -> GPU >= 10x kvikio futures",
             records,
             peer_is("rand_read_4k", "kvikio"),

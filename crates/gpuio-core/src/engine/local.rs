@@ -19,13 +19,11 @@ impl Engine for LocalIoEngine {
         let io = &self.0;
         Ok(match t {
             LocalTransfer::FileToHost(f, dst) => {
-                dst.with(len, |d| Ok(f.file.read_exact_at(f.offset, d)?))?;
-                Route::Pread
+                Route::FileToHost(dst.with(len, |d| Ok(io.read_to_host(f.file, f.offset, d)?))?)
             }
-            LocalTransfer::HostToFile(src, f) => {
-                src.with(len, |s| Ok(f.file.write_all_at(f.offset, s)?))?;
-                Route::Pwrite
-            }
+            LocalTransfer::HostToFile(src, f) => Route::HostToFile(src.with(len, |s| {
+                Ok(io.write_from_host(s, f.file, f.offset, Durability::None)?)
+            })?),
             LocalTransfer::FileToDevice(f, d) => {
                 let t = io.read_to_device(f.file, f.offset, d.buf, d.offset, len)?;
                 if d.buf.gpu().info().page_cache_dma.available {

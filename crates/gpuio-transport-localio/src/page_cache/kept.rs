@@ -2,11 +2,14 @@
 //! keeps its whole registration (in chunks from its start), so later reads of it skip
 //! registering: one copy from pinned pages, at the copy engine's pinned rate, for weights
 //! loaded again and again, onto several GPUs (the registration is portable across devices).
-//! Bounded in pinned bytes (the least recently used go first), let go when the file changes,
-//! and all let go when the machine runs short of memory.
+//! The registration is made on a thread of its own while the read that asked for it goes
+//! through the lanes (registering 4 GiB takes ~150 ms, which no read should wait for); reads
+//! use it from when it is whole. Bounded in pinned bytes (the least recently used go first),
+//! let go when the file changes, and all let go when the machine runs short of memory.
 
-use super::{Identity, chunks};
+use super::{Identity, chunks, is_warm, map_warm};
 use crate::Result;
+use crate::file::FileHandle;
 use gpuio_hal::memory::backing::backable_bytes;
 use gpuio_hal::memory::mapped::{FileMapping, MappingPin};
 use gpuio_hal::sync::MutexExt;
@@ -14,8 +17,9 @@ use gpuio_hal::{DeviceBuffer, Gpu, Stream};
 
 use std::fs::File;
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Files remembered as read once, waiting for a second read to be kept.
@@ -38,13 +42,15 @@ pub(crate) struct Kept {
 
 impl Kept {
     /// Registers all of `map` (the whole file, unchanged since `identity` was read) with
-    /// `threads` threads; `None` if any chunk fails (nothing is kept then).
-    pub(super) fn register(
+    /// `threads` threads; `None` if any chunk fails, or `stop` is raised (nothing is kept
+    /// then).
+    fn register(
         gpu: &Gpu,
         file: Arc<File>,
         map: &Arc<FileMapping>,
         identity: Identity,
         threads: usize,
+        stop: &AtomicBool,
     ) -> Option<Self> {
         let all = chunks(0, map.len(), map.page_size());
         let threads = threads.clamp(1, all.len().max(1));
@@ -55,6 +61,9 @@ impl Kept {
                     s.spawn(move || {
                         let mut out = Vec::new();
                         for (i, r) in all.iter().enumerate().skip(k).step_by(threads) {
+                            if stop.load(Ordering::Relaxed) {
+                                return None;
+                            }
                             // Populated pages register faster (see `copy_registered`).
                             let _ = map.populate(r.clone());
                             out.push((i, gpu.pin_mapping(map, r.clone()).ok()?));
@@ -157,6 +166,10 @@ impl State {
 pub(crate) struct KeptFiles {
     limit: u64,
     state: Mutex<State>,
+    /// The threads registering files to keep (finished ones pruned as new ones start).
+    registrars: Mutex<Vec<JoinHandle<()>>>,
+    /// Raised when the engine goes: registrations in flight stop at their next chunk.
+    closing: AtomicBool,
     hits: AtomicU64,
     misses: AtomicU64,
     released: AtomicU64,
@@ -167,6 +180,8 @@ impl KeptFiles {
         Self {
             limit,
             state: Mutex::new(State::default()),
+            registrars: Mutex::new(Vec::new()),
+            closing: AtomicBool::new(false),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             released: AtomicU64::new(0),
@@ -256,18 +271,73 @@ impl KeptFiles {
         fits
     }
 
+    /// Registers the whole of `file` (unchanged since `identity`, which
+    /// [`wants`](Self::wants) took) on a thread of its own with `threads` threads, and keeps
+    /// it; gives its room back where the file is not warm enough or a registration fails.
+    pub(super) fn register_in_background(
+        self: &Arc<Self>,
+        file: FileHandle,
+        identity: Identity,
+        gpu: Gpu,
+        threads: usize,
+    ) {
+        let this = self.clone();
+        let id = identity.clone();
+        let work = move || {
+            let len = identity.len as usize;
+            // A mapping the kernel refuses is a reason to read another way, not to fail.
+            let map = map_warm(&file, 0, len, |map| Ok(is_warm(map.resident(0..len)?, len)));
+            let stop = &this.closing;
+            let kept = map.and_then(|map| {
+                Kept::register(&gpu, file.os_file().ok()?, &map, id.clone(), threads, stop)
+            });
+            match kept {
+                Some(k) => this.insert(k),
+                None => this.abandon(&id),
+            }
+        };
+        let spawned = std::thread::Builder::new()
+            .name("gpuio-keep".into())
+            .spawn(work);
+        match spawned {
+            Ok(h) => {
+                let mut registrars = self.registrars.lock_unpoisoned();
+                registrars.retain(|h| !h.is_finished());
+                registrars.push(h);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "no thread to keep a page cache registration");
+                self.abandon(&identity);
+            }
+        }
+    }
+
+    /// Waits for the registrations in flight to be kept or given up.
+    pub(super) fn wait(&self) {
+        let registrars = std::mem::take(&mut *self.registrars.lock_unpoisoned());
+        for h in registrars {
+            let _ = h.join();
+        }
+    }
+
+    /// Stops the registrations in flight at their next chunk and waits for them (the engine
+    /// is going; nothing may touch the device after it).
+    pub(crate) fn close(&self) {
+        self.closing.store(true, Ordering::Relaxed);
+        self.wait();
+    }
+
     /// Keeps `kept`, whose room [`wants`](Self::wants) reserved.
-    pub(super) fn insert(&self, kept: Kept) -> Arc<Kept> {
+    fn insert(&self, kept: Kept) {
         let kept = Arc::new(kept);
         let mut st = self.state.lock_unpoisoned();
         Self::unreserve(&mut st, &kept.identity);
         st.bytes += kept.bytes();
-        st.kept.push(kept.clone());
-        kept
+        st.kept.push(kept);
     }
 
     /// Gives back the room [`wants`](Self::wants) reserved for a file that was not kept.
-    pub(super) fn abandon(&self, file: &Identity) {
+    fn abandon(&self, file: &Identity) {
         Self::unreserve(&mut self.state.lock_unpoisoned(), file);
     }
 

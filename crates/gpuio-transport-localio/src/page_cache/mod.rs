@@ -135,11 +135,17 @@ impl LocalIo {
         if offset.saturating_add(len as u64) > before.len || before.len == 0 {
             return Ok(None);
         }
-        let kept = match self.kept.get(&before) {
-            Some(k) => Some(k),
-            None if self.kept.wants(&before) => self.keep(file, &before, dst.gpu())?,
-            None => None,
-        };
+        let kept = self.kept.get(&before);
+        if kept.is_none() && self.kept.wants(&before) {
+            // Kept for later reads; this one does not wait for it.
+            let threads = self.config.page_cache_threads.clamp(1, 8);
+            self.kept.register_in_background(
+                file.clone(),
+                before.clone(),
+                dst.gpu().clone(),
+                threads,
+            );
+        }
         let transfer = if let Some(kept) = kept {
             let copied = dst
                 .gpu()
@@ -176,30 +182,6 @@ impl LocalIo {
                 .map(Some);
         }
         Ok(Some(transfer))
-    }
-
-    /// Registers the whole of `file` (unchanged since `identity`) to keep; `None` where it is
-    /// not warm enough or a registration fails (the read then goes on another way).
-    fn keep(
-        &self,
-        file: &FileHandle,
-        identity: &Identity,
-        gpu: &Gpu,
-    ) -> Result<Option<Arc<kept::Kept>>> {
-        let len = identity.len as usize;
-        // A mapping the kernel refuses is a reason to read another way, not to fail.
-        let map = map_warm(file, 0, len, |map| Ok(is_warm(map.resident(0..len)?, len)));
-        let threads = self.config.page_cache_threads.clamp(1, 8);
-        let kept = map.and_then(|map| {
-            kept::Kept::register(gpu, file.os_file().ok()?, &map, identity.clone(), threads)
-        });
-        Ok(match kept {
-            Some(k) => Some(self.kept.insert(k)),
-            None => {
-                self.kept.abandon(identity);
-                None
-            }
-        })
     }
 
     /// A one-off read: warm chunks registered and copied, cold ones through the lanes at the
@@ -268,6 +250,12 @@ impl LocalIo {
     /// The kept registrations' counters (`gpuio stat`).
     pub fn page_cache_stats(&self) -> PageCacheStats {
         self.kept.stats()
+    }
+
+    /// Waits until the registrations being made in the background for hot files are kept (or
+    /// given up): reads after it use them.
+    pub fn wait_for_page_cache(&self) {
+        self.kept.wait();
     }
 
     /// Lets go of every registration kept for hot files, unpinning their pages (a read in

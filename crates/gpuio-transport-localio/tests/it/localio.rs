@@ -43,7 +43,7 @@ fn engines(chunk: usize) -> Vec<LocalIo> {
 }
 
 /// Opens `path` on `io`; `None` where [`skip_refused_direct`] allows it.
-fn open(io: &LocalIo, path: &Path, opts: OpenOptions) -> Option<FileHandle> {
+pub(crate) fn open(io: &LocalIo, path: &Path, opts: OpenOptions) -> Option<FileHandle> {
     io.open(path, opts)
         .map_err(|e| skip_refused_direct(opts.direct, path, e))
         .ok()
@@ -79,7 +79,7 @@ fn fs_takes_direct_io(path: &Path) -> bool {
     ok
 }
 
-fn patterned_file(path: &Path, len: usize, seed: u64) {
+pub(crate) fn patterned_file(path: &Path, len: usize, seed: u64) {
     let mut data = vec![0u8; len];
     pattern::fill(&mut data, 0, seed);
     std::fs::write(path, &data).unwrap();

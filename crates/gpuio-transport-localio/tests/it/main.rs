@@ -5,6 +5,7 @@
 //! `GPUIO_REQUIRE_<X>=1` makes that a failure (`gpuio_testkit::Requirement`).
 
 mod faults;
+mod host;
 mod localio;
 mod nvme;
 mod page_cache;
