@@ -44,6 +44,24 @@ def cpu(t):
     return t.cpu().numpy().view(np.uint8).reshape(-1)
 
 
+def test_cpu_tensors_are_read_and_written_in_place(s, data_file, tmp_path):
+    path, data = data_file
+    t = torch.empty(data.nbytes // 4, dtype=torch.float32)
+    address = t.data_ptr()
+    assert s.read(path, t) == data.nbytes
+    assert t.data_ptr() == address
+    assert np.array_equal(t.numpy().view(np.uint8), data)
+    out = tmp_path / "cpu.bin"
+    assert s.write(str(out), t[: MiB // 4]) == MiB
+    assert out.read_bytes() == data[:MiB].tobytes()
+    # Host tensor to CUDA tensor and back, the host side in place.
+    dev = torch.empty(data.nbytes, dtype=torch.uint8, device="cuda")
+    s.copy(t, dev)
+    back = torch.zeros(data.nbytes // 4, dtype=torch.float32)
+    s.copy(dev, back)
+    assert torch.equal(back, t)
+
+
 def test_file_to_tensor_and_back(s, data_file, tmp_path):
     path, data = data_file
     t = torch.empty(data.nbytes // 2, dtype=torch.float16, device="cuda")
