@@ -158,6 +158,15 @@ impl Session {
                     "{src} and {dst} are the same namespace"
                 )));
             }
+            // Host memory that receives a copy (whose source is storage or another node, never
+            // memory) is not pinned: pinning a gigabyte costs the driver a tenth of a second,
+            // and the CPU's copy from a file or socket gains nothing from it.
+            Uri::Dram { .. } | Uri::Cxl { .. } => {
+                let placement = dst
+                    .host_placement()
+                    .ok_or_else(|| Error::Invalid(format!("{dst} is not host memory")))?;
+                Resource::Host(self.alloc_host(placement, len_usize, false)?)
+            }
             other => self.open(other, len_usize, Access::Write)?,
         };
         if let Resource::File(f) = &destination

@@ -112,6 +112,9 @@ pub struct LocalIoConfig {
     pub engine: EnginePreference,
     /// Lanes (threads) per transfer.
     pub lanes: usize,
+    /// Threads copying between files and host memory, at most, per transfer (the CPU does
+    /// that copy, about 8 GB/s a thread: one per core is the default).
+    pub host_threads: usize,
     /// Bytes per chunk (and per pinned staging slot).
     pub chunk_size: usize,
     /// Staging slots per lane: IO in flight per lane (at least 2, so IO overlaps DMA).
@@ -169,6 +172,7 @@ impl Default for LocalIoConfig {
         Self {
             engine: EnginePreference::Auto,
             lanes: Self::default_lanes(),
+            host_threads: gpuio_hal::sys::cpu_count(),
             chunk_size: 4 << 20,
             slots_per_lane: 4,
             sqpoll: false,

@@ -21,13 +21,13 @@ const MIN_PIECE: usize = 256 << 10;
 
 impl LocalIo {
     /// Reads `dst.len()` bytes of `file` at `offset` into `dst`, on up to
-    /// [`lanes`](crate::LocalIoConfig::lanes) threads at once. A file shorter than the range
+    /// [`host_threads`](crate::LocalIoConfig::host_threads) threads at once. A file shorter than the range
     /// is [`LocalIoError::UnexpectedEof`], never a short success.
     pub fn read_to_host(&self, file: &FileHandle, offset: u64, dst: &mut [u8]) -> Result<Transfer> {
         let len = dst.len();
         file_range(offset, len as u64)?;
         let pieces = cut_mut(dst, offset, &self.piece_lens(file, offset, len));
-        let threads = pieces.len().min(self.config.lanes);
+        let threads = pieces.len().min(self.config.host_threads);
         let checksum = self.config.checksum;
         let read = |(at, buf): (u64, &mut [u8])| -> Result<(usize, Option<u32>)> {
             file.read_exact_at(at, buf)?;
@@ -51,7 +51,7 @@ impl LocalIo {
     }
 
     /// Writes all of `src` to `file` at `offset`, on up to
-    /// [`lanes`](crate::LocalIoConfig::lanes) threads at once, durable as asked. A full disk
+    /// [`host_threads`](crate::LocalIoConfig::host_threads) threads at once, durable as asked. A full disk
     /// is [`LocalIoError::NoSpace`] counting the bytes that did reach the file.
     pub fn write_from_host(
         &self,
@@ -67,7 +67,7 @@ impl LocalIo {
         }
         let old_len = if file.is_direct() { file.len()? } else { 0 };
         let pieces = cut(src, offset, &self.piece_lens(file, offset, len));
-        let threads = pieces.len().min(self.config.lanes);
+        let threads = pieces.len().min(self.config.host_threads);
         let (checksum, writeback) = (self.config.checksum, durability == Durability::DataSync);
         let written = AtomicUsize::new(0);
         let write = |(at, buf): (u64, &[u8])| -> Result<(usize, Option<u32>)> {
@@ -113,7 +113,7 @@ impl LocalIo {
         if file.nvme_device().is_some() || len < 2 * MIN_PIECE {
             return vec![len];
         }
-        let piece = (len / self.config.lanes)
+        let piece = (len / self.config.host_threads)
             .clamp(MIN_PIECE, self.config.chunk_size.max(MIN_PIECE))
             .next_multiple_of(MIN_PIECE.max(file.required_alignment()));
         let mut out = Vec::with_capacity(len.div_ceil(piece) + 1);

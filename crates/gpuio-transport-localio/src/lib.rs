@@ -249,6 +249,7 @@ impl LocalIo {
     pub fn with_pool(config: LocalIoConfig, staging: StagingPool) -> Result<Self> {
         let config = LocalIoConfig {
             lanes: config.lanes.clamp(1, 256),
+            host_threads: config.host_threads.clamp(1, 256),
             chunk_size: config.effective_chunk_size(),
             slots_per_lane: config.slots_per_lane.clamp(2, 64),
             ..config
@@ -274,7 +275,7 @@ impl LocalIo {
             }
         };
         let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(config.lanes)
+            .num_threads(config.lanes.max(config.host_threads))
             .thread_name(|i| format!("gpuio-localio-{i}"))
             .build()
             .map_err(|e| LocalIoError::Internal(format!("starting IO threads: {e}")))?;
@@ -418,7 +419,7 @@ impl LocalIo {
         };
         let host = format!(
             "file <-> host memory: pread/pwrite in place on up to {} threads",
-            self.config.lanes
+            self.config.host_threads
         );
         format!("{lanes}; {gds}; {page_cache}; {host}")
     }

@@ -133,6 +133,7 @@ impl Config {
             localio: LocalIoSection {
                 engine: EnginePreference::Auto,
                 lanes: 0,
+                host_threads: 0,
                 chunk_size: ByteSize::mib(4),
                 slots_per_lane: 4,
                 sqpoll: false,
@@ -350,6 +351,11 @@ impl Config {
                 LocalIoConfig::default_lanes()
             } else {
                 self.localio.lanes
+            },
+            host_threads: if self.localio.host_threads == 0 {
+                gpuio_hal::sys::cpu_count()
+            } else {
+                self.localio.host_threads
             },
             chunk_size: self.localio.chunk_size.as_u64() as usize,
             slots_per_lane: self.localio.slots_per_lane,

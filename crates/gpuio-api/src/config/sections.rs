@@ -132,6 +132,8 @@ pub struct LocalIoSection {
     pub engine: EnginePreference,
     /// Lanes per transfer (0: min(cores, 8)).
     pub lanes: usize,
+    /// Threads copying between files and host memory (0: one per core).
+    pub host_threads: usize,
     /// Chunk and staging slot size.
     #[serde(serialize_with = "exact_size")]
     pub chunk_size: ByteSize,

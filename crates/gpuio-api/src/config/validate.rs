@@ -51,10 +51,10 @@ impl Config {
         {
             return bad("slots_per_lane must be 2 to 64".into());
         }
-        if self.localio.lanes > 256 {
+        if self.localio.lanes > 256 || self.localio.host_threads > 256 {
             return bad(format!(
-                "localio.lanes = {}: at most 256",
-                self.localio.lanes
+                "localio.lanes = {}, host_threads = {}: at most 256 each",
+                self.localio.lanes, self.localio.host_threads
             ));
         }
         let sc = &self.scheduler;

@@ -13,10 +13,10 @@ const RW: OpenOptions = OpenOptions {
     ..OpenOptions::READ
 };
 
-/// An engine with `lanes` IO threads and 1 MiB chunks (pieces of 256 KiB to 1 MiB).
-fn threads(lanes: usize, checksum: bool) -> LocalIo {
+/// An engine with `n` host-copy threads and 1 MiB chunks (pieces of 256 KiB to 1 MiB).
+fn threads(n: usize, checksum: bool) -> LocalIo {
     LocalIo::new(LocalIoConfig {
-        lanes,
+        host_threads: n,
         chunk_size: 1 << 20,
         checksum,
         ..LocalIoConfig::default()
