@@ -119,6 +119,74 @@ fn fio_once(job: &FioJob<'_>) -> Result<PeerResult, String> {
     })
 }
 
+/// The storage limit where fio is absent: `job`'s sequential read or write by `numjobs`
+/// parallel `dd` processes, each over its own share of the file in `bs` blocks (O_DIRECT and
+/// a closing `fdatasync` as the job says); the median of `reps` runs' aggregate rate.
+pub fn dd(job: &FioJob<'_>, reps: usize) -> Result<PeerResult, String> {
+    let jobs = job.numjobs.max(1) as u64;
+    let blocks = job.size / job.bs as u64 / jobs;
+    if blocks == 0 || job.rw.starts_with("rand") {
+        return Err(format!("dd: no sequential job of {} bytes", job.size));
+    }
+    let write = job.rw == "write";
+    let mut rates = Vec::new();
+    for _ in 0..reps.max(1) {
+        let start = std::time::Instant::now();
+        let children = (0..jobs)
+            .map(|j| {
+                let mut cmd = Command::new("dd");
+                cmd.arg(format!("bs={}", job.bs))
+                    .arg(format!("count={blocks}"))
+                    .arg("status=none");
+                if write {
+                    let mut conv = "conv=notrunc".to_string();
+                    if job.end_fsync {
+                        conv += ",fdatasync";
+                    }
+                    cmd.arg("if=/dev/zero")
+                        .arg(format!("of={}", job.path.display()))
+                        .arg(format!("seek={}", j * blocks))
+                        .arg(conv);
+                    if job.direct {
+                        cmd.arg("oflag=direct");
+                    }
+                } else {
+                    cmd.arg(format!("if={}", job.path.display()))
+                        .arg("of=/dev/null")
+                        .arg(format!("skip={}", j * blocks));
+                    if job.direct {
+                        cmd.arg("iflag=direct");
+                    }
+                }
+                cmd.spawn().map_err(|e| format!("running dd: {e}"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        for mut c in children {
+            let status = c.wait().map_err(|e| format!("waiting for dd: {e}"))?;
+            if !status.success() {
+                return Err(format!("dd failed: {status}"));
+            }
+        }
+        let bytes = (blocks * jobs * job.bs as u64) as f64;
+        rates.push(bytes / start.elapsed().as_secs_f64().max(1e-9));
+    }
+    rates.sort_by(f64::total_cmp);
+    Ok(PeerResult {
+        bytes_per_s: rates[rates.len() / 2],
+        iops: 0.0,
+    })
+}
+
+/// fio where it is installed, else [`dd`]; with the tool's name, or why neither could run.
+pub fn storage(job: &FioJob<'_>, reps: usize) -> Result<(PeerResult, &'static str), String> {
+    match fio(job, reps) {
+        Ok(r) => Ok((r, "fio")),
+        Err(no_fio) => dd(job, reps)
+            .map(|r| (r, "dd"))
+            .map_err(|e| format!("{no_fio}; {e}")),
+    }
+}
+
 const KVIKIO_SCRIPT: &str = include_str!("../peers/kvikio_peer.py");
 
 /// What kvikio should do.

@@ -4,8 +4,10 @@
 //!   thread's `pread` loop into the same buffer (what Python's `readinto` does) and fio (to
 //!   host memory, same threads).
 //! - `host_read_cold`: the same with the file's pages dropped before each read, buffered and
-//!   O_DIRECT, against fio O_DIRECT (the disk).
-//! - `host_write_sync`: the buffer to a file, then `fdatasync`, against fio write + fsync.
+//!   O_DIRECT, against the disk: fio O_DIRECT on the same threads, or where fio is absent as
+//!   many `dd iflag=direct` processes over shares of the file.
+//! - `host_write_sync`: the buffer to a file, then `fdatasync`, against fio write + fsync (or
+//!   parallel `dd conv=fdatasync`).
 //! - `py_host_*` (where gpuio's Python binding runs): into and out of a NumPy array, a CPU
 //!   torch tensor and a pinned gpuio buffer through the binding, against `readinto`,
 //!   `numpy.fromfile`, `torch.load` and `write` + `fsync` in the same process.
@@ -55,6 +57,11 @@ impl HostPart<'_> {
     }
 }
 
+/// A storage peer's result and tool, or a note saying why it could not run.
+fn peer_of<T>(notes: &mut Vec<String>, name: &str, r: std::result::Result<T, String>) -> Option<T> {
+    r.map_err(|e| notes.push(format!("{name}: {e}"))).ok()
+}
+
 fn corrupt(case: &str, size: usize, at: Option<usize>) -> Result<()> {
     match at {
         None => Ok(()),
@@ -81,7 +88,7 @@ pub(super) fn run(
     let io = p.io;
     let file = io.open(p.path, OpenOptions::READ).map_err(api)?;
     let mut buf = HostBuffer::alloc_pinned(len, &HostAllocOptions::default(), p.gpu)?;
-    let threads = io.config().lanes;
+    let threads = io.config().host_threads;
 
     progress("host_read_warm");
     let mut route = String::new();
@@ -123,21 +130,15 @@ pub(super) fn run(
     }
 
     progress("host_read_cold");
-    let disk = peer(
-        notes,
-        "fio cold (host)",
-        peers::fio(
-            &FioJob {
-                direct: true,
-                numjobs: 1,
-                iodepth: threads * 2,
-                ..p.fio.clone()
-            },
-            3,
-        ),
-    );
+    let disk_job = FioJob {
+        direct: true,
+        numjobs: threads,
+        iodepth: 2,
+        ..p.fio.clone()
+    };
+    let disk = peer_of(notes, "the disk (host)", peers::storage(&disk_job, 3));
     let direct = io.open(p.path, OpenOptions::READ.direct()).ok();
-    for (name, f) in [("buffered", Some(&file)), ("O_DIRECT", direct.as_ref())] {
+    for (name, f) in [("buffered", Some(&file)), ("odirect", direct.as_ref())] {
         let Some(f) = f else {
             notes.push("host_read_cold: O_DIRECT is refused on the scratch file system".into());
             continue;
@@ -153,11 +154,11 @@ pub(super) fn run(
             len,
             pattern::first_deviation(&buf[..], 0, p.seed),
         )?;
-        if let Some(d) = &disk {
+        if let Some((d, tool)) = &disk {
             record(
-                &format!("host_read_cold_{}", name.to_lowercase().replace('_', "")),
+                &format!("host_read_cold_{name}"),
                 gbps(t),
-                "fio O_DIRECT (the disk)",
+                &format!("{tool} O_DIRECT x {threads} (the disk)"),
                 d.bytes_per_s / 1e9,
                 &route,
             );
@@ -188,18 +189,18 @@ pub(super) fn run(
         len,
         pattern::first_deviation(&head, 0, p.seed ^ 7),
     )?;
-    let fio_write = FioJob {
+    let write_job = FioJob {
         path: &out_path,
         rw: "write",
         end_fsync: true,
         ..p.fio.clone()
     };
-    if let Some(f) = peer(notes, "fio write (host)", peers::fio(&fio_write, 3)) {
+    if let Some((w, tool)) = peer_of(notes, "write (host)", peers::storage(&write_job, 3)) {
         record(
             "host_write_sync",
             gbps(t),
-            "fio write+fsync",
-            f.bytes_per_s / 1e9,
+            &format!("{tool} write+fsync x {threads}"),
+            w.bytes_per_s / 1e9,
             &write_route,
         );
     }
