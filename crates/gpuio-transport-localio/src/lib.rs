@@ -470,6 +470,8 @@ impl LocalIo {
         dst_offset: usize,
         len: usize,
     ) -> Result<Transfer> {
+        // Hot files' registrations wait while GPU transfers run (the driver serializes them).
+        let _busy = self.kept.busy();
         file_range(offset, len as u64)?;
         gpuio_hal::check_range("file read destination", dst_offset, len, dst.len())?;
         if let Some(t) = self.read_from_page_cache(file, offset, dst, dst_offset, len)? {
@@ -489,6 +491,7 @@ impl LocalIo {
         dst_offset: usize,
         len: usize,
     ) -> Result<Transfer> {
+        let _busy = self.kept.busy();
         file_range(offset, len as u64)?;
         let files: Vec<&FileHandle> = set.files().iter().collect();
         let pieces = plan::end_to_end(set.pieces(offset, len as u64));
@@ -556,6 +559,7 @@ impl LocalIo {
         dst: &DeviceBuffer,
         dst_offset: usize,
     ) -> Result<Transfer> {
+        let _busy = self.kept.busy();
         let total = offsets.len().checked_mul(block).ok_or_else(|| {
             LocalIoError::Hal(HalError::InvalidArgument(
                 "block gather size overflows".into(),
@@ -632,6 +636,7 @@ impl LocalIo {
         len: usize,
         durability: Durability,
     ) -> Result<Transfer> {
+        let _busy = self.kept.busy();
         file_range(offset, len as u64)?;
         let pieces = plan::end_to_end([(0, offset, len as u64)]);
         self.write_pieces(src, src_offset, &[file], &pieces, len, durability)
@@ -648,6 +653,7 @@ impl LocalIo {
         len: usize,
         durability: Durability,
     ) -> Result<Transfer> {
+        let _busy = self.kept.busy();
         file_range(offset, len as u64)?;
         let files: Vec<&FileHandle> = set.files().iter().collect();
         let pieces = plan::end_to_end(set.pieces(offset, len as u64));

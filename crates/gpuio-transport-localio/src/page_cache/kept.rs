@@ -4,7 +4,10 @@
 //! loaded again and again, onto several GPUs (the registration is portable across devices).
 //! The registration is made on a thread of its own while the read that asked for it goes
 //! through the lanes (registering 4 GiB takes ~150 ms, which no read should wait for); reads
-//! use it from when it is whole. Bounded in pinned bytes (the least recently used go first),
+//! use it from when it is whole. The driver serializes registration with copies (a read's
+//! DMAs overlapping one ran 2-3x slower), so the registering threads take one chunk of
+//! [`KEEP_CHUNK`] at a time, each only while no transfer of the engine is running: a read
+//! that starts meanwhile waits at most for the chunk in hand. Bounded in pinned bytes (the least recently used go first),
 //! let go when the file changes, and all let go when the machine runs short of memory.
 
 use super::{Identity, chunks, is_warm, map_warm};
@@ -17,13 +20,19 @@ use gpuio_hal::{DeviceBuffer, Gpu, Stream};
 
 use std::fs::File;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Files remembered as read once, waiting for a second read to be kept.
 const SEEN: usize = 64;
+
+/// Bytes a kept registration registers at a time (~3 ms of the driver's time).
+const KEEP_CHUNK: usize = 64 << 20;
+
+/// How long the registering threads wait before looking again for a quiet moment.
+const QUIET_POLL: Duration = Duration::from_micros(200);
 
 /// Below this much memory the machine could still back, every kept registration is let go.
 const FLOOR: u64 = 1 << 30;
@@ -42,17 +51,18 @@ pub(crate) struct Kept {
 
 impl Kept {
     /// Registers all of `map` (the whole file, unchanged since `identity` was read) with
-    /// `threads` threads; `None` if any chunk fails, or `stop` is raised (nothing is kept
-    /// then).
+    /// `threads` threads, a chunk at a time when `quiet` says no transfer is running (it
+    /// waits for that, and says `false` when the engine is going); `None` if any chunk fails,
+    /// or the engine goes (nothing is kept then).
     fn register(
         gpu: &Gpu,
         file: Arc<File>,
         map: &Arc<FileMapping>,
         identity: Identity,
         threads: usize,
-        stop: &AtomicBool,
+        quiet: &(dyn Fn() -> bool + Sync),
     ) -> Option<Self> {
-        let all = chunks(0, map.len(), map.page_size());
+        let all = chunks(0, map.len(), map.page_size(), KEEP_CHUNK);
         let threads = threads.clamp(1, all.len().max(1));
         let mut parts: Vec<Vec<(usize, MappingPin)>> = std::thread::scope(|s| {
             let workers: Vec<_> = (0..threads)
@@ -61,7 +71,7 @@ impl Kept {
                     s.spawn(move || {
                         let mut out = Vec::new();
                         for (i, r) in all.iter().enumerate().skip(k).step_by(threads) {
-                            if stop.load(Ordering::Relaxed) {
+                            if !quiet() {
                                 return None;
                             }
                             // Populated pages register faster (see `copy_registered`).
@@ -119,6 +129,15 @@ impl Kept {
     }
 }
 
+/// A GPU transfer running ([`KeptFiles::busy`]).
+pub(crate) struct Busy<'a>(&'a AtomicUsize);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Counters of the kept registrations, for `gpuio stat`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PageCacheStats {
@@ -170,6 +189,8 @@ pub(crate) struct KeptFiles {
     registrars: Mutex<Vec<JoinHandle<()>>>,
     /// Raised when the engine goes: registrations in flight stop at their next chunk.
     closing: AtomicBool,
+    /// The engine's GPU transfers running now (registrations wait for none).
+    busy: AtomicUsize,
     hits: AtomicU64,
     misses: AtomicU64,
     released: AtomicU64,
@@ -182,6 +203,7 @@ impl KeptFiles {
             state: Mutex::new(State::default()),
             registrars: Mutex::new(Vec::new()),
             closing: AtomicBool::new(false),
+            busy: AtomicUsize::new(0),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             released: AtomicU64::new(0),
@@ -287,9 +309,16 @@ impl KeptFiles {
             let len = identity.len as usize;
             // A mapping the kernel refuses is a reason to read another way, not to fail.
             let map = map_warm(&file, 0, len, |map| Ok(is_warm(map.resident(0..len)?, len)));
-            let stop = &this.closing;
+            let quiet = || this.wait_quiet();
             let kept = map.and_then(|map| {
-                Kept::register(&gpu, file.os_file().ok()?, &map, id.clone(), threads, stop)
+                Kept::register(
+                    &gpu,
+                    file.os_file().ok()?,
+                    &map,
+                    id.clone(),
+                    threads,
+                    &quiet,
+                )
             });
             match kept {
                 Some(k) => this.insert(k),
@@ -310,6 +339,20 @@ impl KeptFiles {
                 self.abandon(&identity);
             }
         }
+    }
+
+    /// Counts a GPU transfer of the engine as running until the guard drops.
+    pub(crate) fn busy(&self) -> Busy<'_> {
+        self.busy.fetch_add(1, Ordering::Relaxed);
+        Busy(&self.busy)
+    }
+
+    /// Waits until no transfer of the engine is running; `false` once the engine is going.
+    fn wait_quiet(&self) -> bool {
+        while self.busy.load(Ordering::Relaxed) > 0 && !self.closing.load(Ordering::Relaxed) {
+            std::thread::sleep(QUIET_POLL);
+        }
+        !self.closing.load(Ordering::Relaxed)
     }
 
     /// Waits for the registrations in flight to be kept or given up.
@@ -443,6 +486,24 @@ mod tests {
         assert!(!k.wants(&b), "no room beside a's 100 reserved bytes");
         k.abandon(&a);
         assert!(k.wants(&b), "room given back");
+    }
+
+    #[test]
+    fn registrations_wait_for_running_transfers_and_stop_when_the_engine_goes() {
+        let k = Arc::new(KeptFiles::new(1));
+        let busy = k.busy();
+        let waiter = {
+            let k = k.clone();
+            std::thread::spawn(move || (k.wait_quiet(), Instant::now()))
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        let released = Instant::now();
+        drop(busy);
+        let (quiet, when) = waiter.join().unwrap();
+        assert!(quiet && when >= released, "went on while a transfer ran");
+        let _busy = k.busy();
+        k.closing.store(true, Ordering::Relaxed);
+        assert!(!k.wait_quiet(), "a closing engine's registration goes on");
     }
 
     #[test]

@@ -90,14 +90,14 @@ fn identity(file: &FileHandle) -> Result<Identity> {
         .map_err(|e| file.io("stat", 0, e))
 }
 
-/// `len` bytes from file offset `offset` cut into chunks whose boundaries fall on page
-/// boundaries of the file (two chunks registered at once must not share a page), as ranges of
-/// the wanted bytes.
-fn chunks(offset: u64, len: usize, page: usize) -> Vec<Range<usize>> {
-    let mut out = Vec::with_capacity(len.div_ceil(CHUNK));
+/// `len` bytes from file offset `offset` cut into chunks of about `size` bytes whose
+/// boundaries fall on page boundaries of the file (two chunks registered at once must not
+/// share a page), as ranges of the wanted bytes.
+fn chunks(offset: u64, len: usize, page: usize, size: usize) -> Vec<Range<usize>> {
+    let mut out = Vec::with_capacity(len.div_ceil(size));
     let mut start = 0;
     while start < len {
-        let file_end = (offset + (start + CHUNK) as u64) / page as u64 * page as u64;
+        let file_end = (offset + (start + size) as u64) / page as u64 * page as u64;
         let end = ((file_end - offset) as usize).clamp(start + 1, len);
         out.push(start..end);
         start = end;
@@ -199,7 +199,7 @@ impl LocalIo {
         let mut warm = Vec::new();
         let mut cold = Vec::new();
         let Some(map) = map_warm(file, offset, len, |map| {
-            for c in chunks(offset, len, map.page_size()) {
+            for c in chunks(offset, len, map.page_size(), CHUNK) {
                 if is_warm(map.resident(c.clone())?, c.len()) {
                     warm.push(c);
                 } else {
@@ -442,7 +442,7 @@ mod tests {
             (12345, 2 * CHUNK),
             (4096, 5),
         ] {
-            let cs = chunks(offset, len, 4096);
+            let cs = chunks(offset, len, 4096, CHUNK);
             assert_eq!(cs.first().unwrap().start, 0);
             assert_eq!(cs.last().unwrap().end, len);
             for w in cs.windows(2) {
