@@ -409,11 +409,10 @@ impl LocalIo {
             }
             (PageCachePolicy::Auto, _) => format!(
                 "a file read from {} up a second time, unchanged, is registered whole in the \
-                 background ({} thread(s)) and kept, up to {} in all; reads come straight from \
-                 its pinned pages once that is done, and through the lanes until then (O_DIRECT \
-                 and checksummed reads always staged)",
+                 background while no GPU transfer runs, and kept, up to {} in all; reads come \
+                 straight from its pinned pages once that is done, and through the lanes until \
+                 then (O_DIRECT and checksummed reads always staged)",
                 human_size(self.config.page_cache_threshold),
-                self.config.page_cache_threads.clamp(1, 8),
                 human_size(self.config.page_cache_keep.min(usize::MAX as u64) as usize)
             ),
         };

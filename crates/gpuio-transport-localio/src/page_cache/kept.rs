@@ -4,11 +4,12 @@
 //! loaded again and again, onto several GPUs (the registration is portable across devices).
 //! The registration is made on a thread of its own while the read that asked for it goes
 //! through the lanes (registering 4 GiB takes ~150 ms, which no read should wait for); reads
-//! use it from when it is whole. The driver serializes registration with copies (a read's
-//! DMAs overlapping one ran 2-3x slower), so the registering threads take one chunk of
-//! [`KEEP_CHUNK`] at a time, each only while no transfer of the engine is running: a read
-//! that starts meanwhile waits at most for the chunk in hand. Bounded in pinned bytes (the least recently used go first),
-//! let go when the file changes, and all let go when the machine runs short of memory.
+//! use it from when it is whole. The driver serializes registration with copies (a read whose
+//! DMAs overlapped one ran 2-3x slower), so the thread registers one chunk of [`KEEP_CHUNK`]
+//! at a time, each only once the engine has run no GPU transfer for [`QUIET`]: back-to-back
+//! reads go on through the lanes untouched, and a read that starts during a chunk waits at
+//! most for that chunk. Bounded in pinned bytes (the least recently used go first), let go
+//! when the file changes, and all let go when the machine runs short of memory.
 
 use super::{Identity, chunks, is_warm, map_warm};
 use crate::Result;
@@ -28,11 +29,12 @@ use std::time::{Duration, Instant};
 /// Files remembered as read once, waiting for a second read to be kept.
 const SEEN: usize = 64;
 
-/// Bytes a kept registration registers at a time (~3 ms of the driver's time).
-const KEEP_CHUNK: usize = 64 << 20;
+/// Bytes a kept registration registers at a time (~1.5 ms of the driver's time).
+const KEEP_CHUNK: usize = 32 << 20;
 
-/// How long the registering threads wait before looking again for a quiet moment.
-const QUIET_POLL: Duration = Duration::from_micros(200);
+/// How long the engine must have run no GPU transfer before a chunk is registered (reads
+/// issued back to back leave gaps of tens of microseconds).
+const QUIET: Duration = Duration::from_millis(2);
 
 /// Below this much memory the machine could still back, every kept registration is let go.
 const FLOOR: u64 = 1 << 30;
@@ -50,49 +52,30 @@ pub(crate) struct Kept {
 }
 
 impl Kept {
-    /// Registers all of `map` (the whole file, unchanged since `identity` was read) with
-    /// `threads` threads, a chunk at a time when `quiet` says no transfer is running (it
-    /// waits for that, and says `false` when the engine is going); `None` if any chunk fails,
-    /// or the engine goes (nothing is kept then).
+    /// Registers all of `map` (the whole file, unchanged since `identity` was read), a chunk
+    /// at a time when `quiet` says the engine is idle (it waits for that, and says `false`
+    /// when the engine is going); `None` if any chunk fails, or the engine goes (nothing is
+    /// kept then).
     fn register(
         gpu: &Gpu,
         file: Arc<File>,
         map: &Arc<FileMapping>,
         identity: Identity,
-        threads: usize,
-        quiet: &(dyn Fn() -> bool + Sync),
+        quiet: impl Fn() -> bool,
     ) -> Option<Self> {
-        let all = chunks(0, map.len(), map.page_size(), KEEP_CHUNK);
-        let threads = threads.clamp(1, all.len().max(1));
-        let mut parts: Vec<Vec<(usize, MappingPin)>> = std::thread::scope(|s| {
-            let workers: Vec<_> = (0..threads)
-                .map(|k| {
-                    let all = &all;
-                    s.spawn(move || {
-                        let mut out = Vec::new();
-                        for (i, r) in all.iter().enumerate().skip(k).step_by(threads) {
-                            if !quiet() {
-                                return None;
-                            }
-                            // Populated pages register faster (see `copy_registered`).
-                            let _ = map.populate(r.clone());
-                            out.push((i, gpu.pin_mapping(map, r.clone()).ok()?));
-                        }
-                        Some(out)
-                    })
-                })
-                .collect();
-            workers
-                .into_iter()
-                .map(|w| w.join().ok().flatten())
-                .collect::<Option<Vec<_>>>()
-        })?;
-        let mut pins: Vec<(usize, MappingPin)> = parts.drain(..).flatten().collect();
-        pins.sort_by_key(|(i, _)| *i);
+        let mut pins = Vec::new();
+        for r in chunks(0, map.len(), map.page_size(), KEEP_CHUNK) {
+            if !quiet() {
+                return None;
+            }
+            // Populated pages register faster (see `copy_registered`).
+            let _ = map.populate(r.clone());
+            pins.push(gpu.pin_mapping(map, r).ok()?);
+        }
         Some(Self {
             identity,
             file,
-            pins: pins.into_iter().map(|(_, p)| p).collect(),
+            pins,
         })
     }
 
@@ -130,11 +113,14 @@ impl Kept {
 }
 
 /// A GPU transfer running ([`KeptFiles::busy`]).
-pub(crate) struct Busy<'a>(&'a AtomicUsize);
+pub(crate) struct Busy<'a>(&'a KeptFiles);
 
 impl Drop for Busy<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        let k = self.0;
+        k.last_busy
+            .store(k.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        k.busy.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -191,6 +177,9 @@ pub(crate) struct KeptFiles {
     closing: AtomicBool,
     /// The engine's GPU transfers running now (registrations wait for none).
     busy: AtomicUsize,
+    /// When the last one ended, in nanoseconds from `epoch`.
+    last_busy: AtomicU64,
+    epoch: Instant,
     hits: AtomicU64,
     misses: AtomicU64,
     released: AtomicU64,
@@ -204,6 +193,8 @@ impl KeptFiles {
             registrars: Mutex::new(Vec::new()),
             closing: AtomicBool::new(false),
             busy: AtomicUsize::new(0),
+            last_busy: AtomicU64::new(0),
+            epoch: Instant::now(),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             released: AtomicU64::new(0),
@@ -294,14 +285,14 @@ impl KeptFiles {
     }
 
     /// Registers the whole of `file` (unchanged since `identity`, which
-    /// [`wants`](Self::wants) took) on a thread of its own with `threads` threads, and keeps
-    /// it; gives its room back where the file is not warm enough or a registration fails.
+    /// [`wants`](Self::wants) took) on a thread of its own while the engine is idle, and
+    /// keeps it; gives its room back where the file is not warm enough or a registration
+    /// fails.
     pub(super) fn register_in_background(
         self: &Arc<Self>,
         file: FileHandle,
         identity: Identity,
         gpu: Gpu,
-        threads: usize,
     ) {
         let this = self.clone();
         let id = identity.clone();
@@ -311,14 +302,7 @@ impl KeptFiles {
             let map = map_warm(&file, 0, len, |map| Ok(is_warm(map.resident(0..len)?, len)));
             let quiet = || this.wait_quiet();
             let kept = map.and_then(|map| {
-                Kept::register(
-                    &gpu,
-                    file.os_file().ok()?,
-                    &map,
-                    id.clone(),
-                    threads,
-                    &quiet,
-                )
+                Kept::register(&gpu, file.os_file().ok()?, &map, id.clone(), quiet)
             });
             match kept {
                 Some(k) => this.insert(k),
@@ -344,15 +328,25 @@ impl KeptFiles {
     /// Counts a GPU transfer of the engine as running until the guard drops.
     pub(crate) fn busy(&self) -> Busy<'_> {
         self.busy.fetch_add(1, Ordering::Relaxed);
-        Busy(&self.busy)
+        Busy(self)
     }
 
-    /// Waits until no transfer of the engine is running; `false` once the engine is going.
+    /// Waits until the engine has run no GPU transfer for [`QUIET`]; `false` once the engine
+    /// is going.
     fn wait_quiet(&self) -> bool {
-        while self.busy.load(Ordering::Relaxed) > 0 && !self.closing.load(Ordering::Relaxed) {
-            std::thread::sleep(QUIET_POLL);
+        loop {
+            if self.closing.load(Ordering::Relaxed) {
+                return false;
+            }
+            let idle = Duration::from_nanos(
+                (self.epoch.elapsed().as_nanos() as u64)
+                    .saturating_sub(self.last_busy.load(Ordering::Relaxed)),
+            );
+            if self.busy.load(Ordering::Relaxed) == 0 && idle >= QUIET {
+                return true;
+            }
+            std::thread::sleep(QUIET / 4);
         }
-        !self.closing.load(Ordering::Relaxed)
     }
 
     /// Waits for the registrations in flight to be kept or given up.
@@ -489,7 +483,7 @@ mod tests {
     }
 
     #[test]
-    fn registrations_wait_for_running_transfers_and_stop_when_the_engine_goes() {
+    fn registrations_wait_for_a_quiet_engine_and_stop_when_it_goes() {
         let k = Arc::new(KeptFiles::new(1));
         let busy = k.busy();
         let waiter = {
@@ -500,7 +494,11 @@ mod tests {
         let released = Instant::now();
         drop(busy);
         let (quiet, when) = waiter.join().unwrap();
-        assert!(quiet && when >= released, "went on while a transfer ran");
+        assert!(quiet, "an idle engine's registration stopped");
+        assert!(
+            when.duration_since(released) >= QUIET,
+            "went on while a transfer ran, or without waiting for a quiet moment"
+        );
         let _busy = k.busy();
         k.closing.store(true, Ordering::Relaxed);
         assert!(!k.wait_quiet(), "a closing engine's registration goes on");

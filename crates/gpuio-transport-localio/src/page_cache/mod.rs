@@ -138,13 +138,8 @@ impl LocalIo {
         let kept = self.kept.get(&before);
         if kept.is_none() && self.kept.wants(&before) {
             // Kept for later reads; this one does not wait for it.
-            let threads = self.config.page_cache_threads.clamp(1, 8);
-            self.kept.register_in_background(
-                file.clone(),
-                before.clone(),
-                dst.gpu().clone(),
-                threads,
-            );
+            self.kept
+                .register_in_background(file.clone(), before.clone(), dst.gpu().clone());
         }
         let transfer = if let Some(kept) = kept {
             let copied = dst
