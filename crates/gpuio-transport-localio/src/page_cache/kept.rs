@@ -298,6 +298,11 @@ impl KeptFiles {
         let id = identity.clone();
         let work = move || {
             let len = identity.len as usize;
+            // Mapping the file and reading its residency cost CPU time and the process's
+            // mapping lock too: not while the read that asked for it runs.
+            if !this.wait_quiet() {
+                return this.abandon(&id);
+            }
             // A mapping the kernel refuses is a reason to read another way, not to fail.
             let map = map_warm(&file, 0, len, |map| Ok(is_warm(map.resident(0..len)?, len)));
             let quiet = || this.wait_quiet();
