@@ -5,9 +5,9 @@
 //!   storage limit), kvikio (same thread count), cuFile as kvikio drives it (4 MiB calls on the
 //!   same threads; compat mode where nvidia-fs is absent) and a naive `read` + `cudaMemcpy`
 //!   loop. One more case prices the end-to-end crc32c against the same read without it.
-//! - `host`: a file into host memory and back ([`host`]).
+//! - `host`: a file into host memory and back (`localio/host.rs`).
 //! - `second-read`: a read that asks for a registration against the same read through the
-//!   lanes ([`second_read`]; CUDA only: the host backend registers nothing).
+//!   lanes (`localio/second_read.rs`; CUDA only: the host backend registers nothing).
 //!
 //! A peer that cannot run here is named in the notes, not faked.
 
