@@ -406,6 +406,13 @@ impl Session {
         Ok(self.engines.transfer(src, dst, len)?)
     }
 
+    /// [`transfer`](Self::transfer) whose written bytes are on stable storage when it returns
+    /// (a file: `fdatasync`, its writeback started piece by piece as the bytes land; another
+    /// node's export: flushed by its agent; memory: as `transfer`).
+    pub fn transfer_durable(&self, src: Source<'_>, dst: Dest<'_>, len: usize) -> Result<Outcome> {
+        Ok(self.engines.transfer_durable(src, dst, len)?)
+    }
+
     /// Blocking transfer between owned endpoints (host memory locked while it runs).
     pub fn transfer_owned(&self, src: &Endpoint, dst: &Endpoint, len: usize) -> Result<Outcome> {
         Ok(self.engines.execute(src, dst, len)?)

@@ -8,7 +8,7 @@
 #                         each result checked against torch's.
 #   host PATH REPS        the whole file into host memory and back through the binding: into a
 #                         NumPy array (warm and cold), a CPU torch tensor and a pinned gpuio
-#                         buffer, and an array to a new file with fsync; against readinto,
+#                         buffer, and an array to a new file, durable; against readinto,
 #                         numpy.fromfile, torch.load of the same bytes saved as a tensor, and
 #                         write + fsync. Median B/s, every result checked against the file.
 import json
@@ -167,8 +167,7 @@ elif mode == "host":
             os.close(fd)
 
     def gpuio_write():
-        s.write(s.open(written, write=True), truth)
-        fsync(written)
+        s.write(s.open(written, write=True), truth, durable=True)
 
     def python_write():
         with open(written, "wb") as fh:

@@ -100,6 +100,9 @@ def test_host_memory_gpuio_does_not_own_is_read_and_written_in_place(s, tmp_path
     out = s.open(str(tmp_path / "out.bin"), write=True)
     assert s.write(out, src) == size
     assert (tmp_path / "out.bin").read_bytes() == data.tobytes()
+    # Durable: on stable storage when it returns, the same bytes.
+    assert s.write(str(tmp_path / "durable.bin"), grid, durable=True) == 4 * MiB
+    assert (tmp_path / "durable.bin").read_bytes() == grid.tobytes()
     # Refused with nothing acknowledged: a read-only or strided destination, a read past
     # the end.
     with pytest.raises(ValueError, match="read-only"):

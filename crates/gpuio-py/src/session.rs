@@ -177,9 +177,12 @@ impl Session {
         Ok(DeviceBuffer::new(buf, Some(owner)))
     }
 
-    /// Moves `size` bytes, blocking: from `src` at `src_offset` to `dst` at `dst_offset`.
-    /// Memory Python lends (a byte `memoryview`) is read or written in place, where the other
-    /// end is a resource or GPU memory.
+    /// Moves `size` bytes, blocking: from `src` at `src_offset` to `dst` at `dst_offset`;
+    /// `durable`: on stable storage when it returns. Memory Python lends (a byte
+    /// `memoryview`) is read or written in place, where the other end is a resource or GPU
+    /// memory.
+    #[pyo3(signature = (src, src_offset, dst, dst_offset, size, durable=false))]
+    #[allow(clippy::too_many_arguments)]
     fn _transfer(
         &self,
         py: Python<'_>,
@@ -188,6 +191,7 @@ impl Session {
         dst: &Bound<'_, PyAny>,
         dst_offset: u64,
         size: usize,
+        durable: bool,
     ) -> PyResult<usize> {
         let (src, dst) = (Target::of(src)?, Target::of(dst)?);
         let wait = settle(&self.inner, &[&src, &dst]);
@@ -198,32 +202,32 @@ impl Session {
                  memory",
             )),
         };
+        let inner = &self.inner;
+        let go = |s: Source<'_>, d: Dest<'_>| {
+            wait()?;
+            if durable {
+                inner.transfer_durable(s, d, size)
+            } else {
+                inner.transfer(s, d, size)
+            }
+        };
         let outcome = match (src, dst) {
             (Target::Bytes(b), d) => {
                 let d = d
                     .endpoint(dst_offset)?
                     .ok_or_else(|| invalid("bytes to bytes needs no gpuio call"))?;
                 let part = part(b.as_bytes(), src_offset)?;
-                py.detach(|| {
-                    wait()?;
-                    self.inner.transfer(Source::Host(part), d.dest(), size)
-                })
+                py.detach(|| go(Source::Host(part), d.dest()))
             }
             (Target::Lent(s), d) => {
                 let d = far(&d, dst_offset)?.ok_or_else(|| invalid("no destination"))?;
                 let part = part(s.bytes(), src_offset)?;
-                py.detach(|| {
-                    wait()?;
-                    self.inner.transfer(Source::Host(part), d.dest(), size)
-                })
+                py.detach(|| go(Source::Host(part), d.dest()))
             }
             (s, Target::Lent(mut d)) => {
                 let s = far(&s, src_offset)?.ok_or_else(|| invalid("no source"))?;
                 let part = part_mut(d.bytes_mut()?, dst_offset)?;
-                py.detach(|| {
-                    wait()?;
-                    self.inner.transfer(s.source(), Dest::Host(part), size)
-                })
+                py.detach(|| go(s.source(), Dest::Host(part)))
             }
             (s, d) => {
                 let s = s
@@ -232,10 +236,7 @@ impl Session {
                 let d = d.endpoint(dst_offset)?.ok_or_else(|| {
                     invalid("bytes are immutable: a destination must be writable")
                 })?;
-                py.detach(|| {
-                    wait()?;
-                    self.inner.transfer_owned(&s, &d, size)
-                })
+                py.detach(|| go(s.source(), d.dest()))
             }
         };
         outcome.map(moved).map_err(to_py)

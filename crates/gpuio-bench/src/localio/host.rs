@@ -8,9 +8,10 @@
 //!   many `dd iflag=direct` processes over shares of the file.
 //! - `host_write_sync`: the buffer to a file, then `fdatasync`, against fio write + fsync (or
 //!   parallel `dd conv=fdatasync`).
-//! - `py_host_*` (where gpuio's Python binding runs): into and out of a NumPy array, a CPU
-//!   torch tensor and a pinned gpuio buffer through the binding, against `readinto`,
-//!   `numpy.fromfile`, `torch.load` and `write` + `fsync` in the same process.
+//! - `py_host_*` (where gpuio's Python binding runs): into a NumPy array, a CPU torch tensor
+//!   and a pinned gpuio buffer through the binding, and an array to a new file with
+//!   `durable=True`, against `readinto`, `numpy.fromfile`, `torch.load` and `write` + `fsync`
+//!   in the same process.
 
 use super::{Cleanup, api, peer, time_it};
 use crate::peers::{self, FioJob};

@@ -16,13 +16,25 @@ impl Engine for LocalIoEngine {
     type Transfer<'a> = LocalTransfer<'a>;
 
     fn transfer(&self, t: LocalTransfer<'_>, len: usize) -> Result<Route> {
+        self.run(t, len, Durability::None)
+    }
+}
+
+impl LocalIoEngine {
+    /// Moves `len` bytes, writes to a file made durable as `durability` says.
+    pub(crate) fn run(
+        &self,
+        t: LocalTransfer<'_>,
+        len: usize,
+        durability: Durability,
+    ) -> Result<Route> {
         let io = &self.0;
         Ok(match t {
             LocalTransfer::FileToHost(f, dst) => {
                 Route::FileToHost(dst.with(len, |d| Ok(io.read_to_host(f.file, f.offset, d)?))?)
             }
             LocalTransfer::HostToFile(src, f) => Route::HostToFile(src.with(len, |s| {
-                Ok(io.write_from_host(s, f.file, f.offset, Durability::None)?)
+                Ok(io.write_from_host(s, f.file, f.offset, durability)?)
             })?),
             LocalTransfer::FileToDevice(f, d) => {
                 let t = io.read_to_device(f.file, f.offset, d.buf, d.offset, len)?;
@@ -31,23 +43,19 @@ impl Engine for LocalIoEngine {
                 }
                 Route::FileToDevice(t)
             }
-            LocalTransfer::DeviceToFile(d, f) => Route::DeviceToFile(io.write_from_device(
-                d.buf,
-                d.offset,
-                f.file,
-                f.offset,
-                len,
-                Durability::None,
-            )?),
+            LocalTransfer::DeviceToFile(d, f) => Route::DeviceToFile(
+                io.write_from_device(d.buf, d.offset, f.file, f.offset, len, durability)?,
+            ),
             LocalTransfer::FileToFile(src, dst) => {
                 self.file_to_file(src, dst, len)?;
+                if durability == Durability::DataSync {
+                    dst.file.sync_data()?;
+                }
                 Route::FileCopy
             }
         })
     }
-}
 
-impl LocalIoEngine {
     /// Copies through one host buffer of a chunk; a copy within one file with overlapping
     /// ranges is refused (it would read bytes it has already overwritten).
     fn file_to_file(&self, src: FileAt<'_>, dst: FileAt<'_>, len: usize) -> Result<()> {

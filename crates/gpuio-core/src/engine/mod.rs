@@ -18,7 +18,7 @@ use crate::outcome::{Outcome, Route};
 use crate::resources::ResourceTracker;
 use crate::retry::RetryPolicy;
 use crate::route::Transfer;
-use gpuio_transport_localio::LocalIo;
+use gpuio_transport_localio::{Durability, LocalIo};
 use gpuio_transport_memio::MemIo;
 use std::fmt;
 use std::sync::Arc;
@@ -86,6 +86,28 @@ impl Engines {
             Transfer::Local(t) => self.localio.transfer(t, len)?,
             Transfer::Remote(t) => self.remoteio.transfer(t, len)?,
         };
+        Ok(Outcome::new(len, engine, route))
+    }
+
+    /// [`transfer`](Self::transfer) whose written bytes are on stable storage when it
+    /// returns: a file is written with [`Durability::DataSync`] (each piece's writeback
+    /// started as it lands, one `fdatasync`), another node's export is flushed by its agent;
+    /// memory needs nothing.
+    pub fn transfer_durable(&self, src: Source<'_>, dst: Dest<'_>, len: usize) -> Result<Outcome> {
+        let remote = match &dst {
+            Dest::Remote(r, _) => Some(*r),
+            _ => None,
+        };
+        let t = Transfer::new(src, dst);
+        let engine = t.engine();
+        let route = match t {
+            Transfer::Mem(t) => self.memio.transfer(t, len)?,
+            Transfer::Local(t) => self.localio.run(t, len, Durability::DataSync)?,
+            Transfer::Remote(t) => self.remoteio.transfer(t, len)?,
+        };
+        if let Some(r) = remote {
+            r.peer().sync(r.export())?;
+        }
         Ok(Outcome::new(len, engine, route))
     }
 

@@ -43,6 +43,44 @@ fn transfers_route_to_their_engine() {
     assert_eq!(err.code(), ErrorCode::InvalidArg);
 }
 
+/// Durable transfers land the same bytes as plain ones, from host memory, GPU memory and files
+/// (memory destinations need nothing more), and refuse what a plain one refuses.
+#[test]
+fn durable_transfers_land_their_bytes() {
+    let e = engines();
+    let gpu = e.memio().gpu(0).unwrap().clone();
+    let len = (4 << 20) + 123;
+    let mut src = vec![0u8; len];
+    pattern::fill(&mut src, 0, 6);
+    let dir = tempfile::tempdir().unwrap();
+    let open = |name: &str| {
+        e.localio()
+            .open(dir.path().join(name), OpenOptions::CREATE)
+            .unwrap()
+    };
+    let (a, b, c) = (open("a"), open("b"), open("c"));
+    e.transfer_durable(Source::Host(&src), Dest::File(&a, 0), len)
+        .unwrap();
+    let dev = gpu.alloc(len).unwrap();
+    e.transfer_durable(Source::File(&a, 0), Dest::Device(&dev, 0), len)
+        .unwrap();
+    e.transfer_durable(Source::Device(&dev, 0), Dest::File(&b, 0), len)
+        .unwrap();
+    e.transfer_durable(Source::File(&b, 0), Dest::File(&c, 0), len)
+        .unwrap();
+    for name in ["a", "b", "c"] {
+        assert_eq!(std::fs::read(dir.path().join(name)).unwrap(), src, "{name}");
+    }
+    let ro = e
+        .localio()
+        .open(dir.path().join("a"), OpenOptions::READ)
+        .unwrap();
+    let err = e
+        .transfer_durable(Source::Host(&src), Dest::File(&ro, 0), len)
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Permission);
+}
+
 /// The routing of data (`Transfer::new`, over real endpoints of every kind) and the routing of
 /// queued requests (`EngineKind::serving`, over kinds) are one table, for all sixteen pairs.
 #[test]

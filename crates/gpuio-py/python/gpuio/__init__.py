@@ -112,14 +112,14 @@ class Session(_gpuio.Session):
         d = _interop.resolve(self, self._resource(dst, write_dst), writable=True)
         return s, d
 
-    def _move(self, s, src_offset, d, dst_offset, size):
+    def _move(self, s, src_offset, d, dst_offset, size, durable=False):
         _nonnegative(offset=src_offset, dst_offset=dst_offset, size=size)
         # Host memory gpuio does not own moves in place to and from resources and GPU memory
         # (on the IO threads, the GIL released); to and from other host memory it is copied.
         if isinstance(s, memoryview) and isinstance(d, _IN_PLACE) or (
             isinstance(d, memoryview) and isinstance(s, _IN_PLACE)
         ):
-            return self._transfer(s, src_offset, d, dst_offset, size)
+            return self._transfer(s, src_offset, d, dst_offset, size, durable)
         if isinstance(s, memoryview):
             s = s.tobytes()
         if isinstance(d, memoryview):
@@ -134,7 +134,7 @@ class Session(_gpuio.Session):
             else:
                 d[dst_offset : dst_offset + size] = self._read_bytes(s, src_offset, size)
             return size
-        return self._transfer(s, src_offset, d, dst_offset, size)
+        return self._transfer(s, src_offset, d, dst_offset, size, durable)
 
     def read(self, src, dst, offset=0, size=None):
         """Reads ``size`` bytes (default: all of ``dst``) from ``src`` (a URI or resource) at
@@ -144,22 +144,24 @@ class Session(_gpuio.Session):
         s, d = self._ends(src, dst, write_dst=False)
         return self._move(s, offset, d, 0, _interop.nbytes(d) if size is None else size)
 
-    def write(self, dst, src, offset=0, size=None):
+    def write(self, dst, src, offset=0, size=None, durable=False):
         """Writes ``size`` bytes (default: all of ``src``) of ``src`` to ``dst`` (a URI, whose
         file is created or truncated, or a resource) at ``offset``; returns the bytes
-        written."""
+        written. ``durable``: on stable storage when it returns (a file's writeback starts as
+        the bytes land, then one ``fdatasync``; another node's export is flushed)."""
         if type(dst) is Resource and type(src) in _MEMORY and offset >= 0:  # the hot call
-            return self._transfer(src, 0, dst, offset, len(src) if size is None else size)
+            n = len(src) if size is None else size
+            return self._transfer(src, 0, dst, offset, n, durable)
         s, d = self._ends(src, dst, write_dst=True)
-        return self._move(s, 0, d, offset, _interop.nbytes(s) if size is None else size)
+        return self._move(s, 0, d, offset, _interop.nbytes(s) if size is None else size, durable)
 
-    def copy(self, src, dst, size=None, src_offset=0, dst_offset=0):
+    def copy(self, src, dst, size=None, src_offset=0, dst_offset=0, durable=False):
         """Copies ``size`` bytes (default: the smaller of the two) between any two ends (a URI
-        destination's file is created or truncated)."""
+        destination's file is created or truncated); ``durable`` as for :meth:`write`."""
         s, d = self._ends(src, dst, write_dst=True)
         if size is None:
             size = min(_interop.nbytes(s) - src_offset, _interop.nbytes(d) - dst_offset)
-        return self._move(s, src_offset, d, dst_offset, size)
+        return self._move(s, src_offset, d, dst_offset, size, durable)
 
     def _submit_ends(self, s, src_offset, d, dst_offset, size):
         _nonnegative(offset=src_offset, dst_offset=dst_offset, size=size)
