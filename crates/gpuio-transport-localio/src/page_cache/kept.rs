@@ -5,10 +5,10 @@
 //! The registration is made on a thread of its own while the read that asked for it goes
 //! through the lanes (registering 4 GiB takes ~150 ms, which no read should wait for); reads
 //! use it from when it is whole. The driver serializes registration with copies (a read whose
-//! DMAs overlapped one ran 2-3x slower), so the thread registers one chunk of [`KEEP_CHUNK`]
-//! at a time, each only once the engine has run no GPU transfer for [`QUIET`]: back-to-back
-//! reads go on through the lanes untouched, and a read that starts during a chunk waits at
-//! most for that chunk. Bounded in pinned bytes (the least recently used go first), let go
+//! DMAs overlapped one ran 2-3x slower), so registering threads take turns, one chunk of
+//! [`KEEP_CHUNK`] at a time across all files, each only once the engine has run no GPU
+//! transfer for [`QUIET`]: back-to-back reads go on through the lanes untouched, and a read
+//! that starts during a chunk waits at most for that chunk. Bounded in pinned bytes (the least recently used go first), let go
 //! when the file changes, and all let go when the machine runs short of memory.
 
 use super::{Identity, chunks, is_warm, map_warm};
@@ -53,21 +53,18 @@ pub(crate) struct Kept {
 
 impl Kept {
     /// Registers all of `map` (the whole file, unchanged since `identity` was read), a chunk
-    /// at a time when `quiet` says the engine is idle (it waits for that, and says `false`
-    /// when the engine is going); `None` if any chunk fails, or the engine goes (nothing is
-    /// kept then).
+    /// at a time, each on `keeper`'s turn ([`KeptFiles::turn`]); `None` if any chunk fails,
+    /// or the engine goes (nothing is kept then).
     fn register(
         gpu: &Gpu,
         file: Arc<File>,
         map: &Arc<FileMapping>,
         identity: Identity,
-        quiet: impl Fn() -> bool,
+        keeper: &KeptFiles,
     ) -> Option<Self> {
         let mut pins = Vec::new();
         for r in chunks(0, map.len(), map.page_size(), KEEP_CHUNK) {
-            if !quiet() {
-                return None;
-            }
+            let _turn = keeper.turn()?;
             // Populated pages register faster (see `copy_registered`).
             let _ = map.populate(r.clone());
             pins.push(gpu.pin_mapping(map, r).ok()?);
@@ -173,6 +170,8 @@ pub(crate) struct KeptFiles {
     state: Mutex<State>,
     /// The threads registering files to keep (finished ones pruned as new ones start).
     registrars: Mutex<Vec<JoinHandle<()>>>,
+    /// Held by the registering thread whose turn it is ([`turn`](Self::turn)).
+    one_at_a_time: Mutex<()>,
     /// Raised when the engine goes: registrations in flight stop at their next chunk.
     closing: AtomicBool,
     /// The engine's GPU transfers running now (registrations wait for none).
@@ -191,6 +190,7 @@ impl KeptFiles {
             limit,
             state: Mutex::new(State::default()),
             registrars: Mutex::new(Vec::new()),
+            one_at_a_time: Mutex::new(()),
             closing: AtomicBool::new(false),
             busy: AtomicUsize::new(0),
             last_busy: AtomicU64::new(0),
@@ -300,14 +300,12 @@ impl KeptFiles {
             let len = identity.len as usize;
             // Mapping the file and reading its residency cost CPU time and the process's
             // mapping lock too: not while the read that asked for it runs.
-            if !this.wait_quiet() {
-                return this.abandon(&id);
-            }
-            // A mapping the kernel refuses is a reason to read another way, not to fail.
-            let map = map_warm(&file, 0, len, |map| Ok(is_warm(map.resident(0..len)?, len)));
-            let quiet = || this.wait_quiet();
+            let map = this.turn().and_then(|_turn| {
+                // A mapping the kernel refuses is a reason to read another way, not to fail.
+                map_warm(&file, 0, len, |map| Ok(is_warm(map.resident(0..len)?, len)))
+            });
             let kept = map.and_then(|map| {
-                Kept::register(&gpu, file.os_file().ok()?, &map, id.clone(), quiet)
+                Kept::register(&gpu, file.os_file().ok()?, &map, id.clone(), &this)
             });
             match kept {
                 Some(k) => this.insert(k),
@@ -334,6 +332,14 @@ impl KeptFiles {
     pub(crate) fn busy(&self) -> Busy<'_> {
         self.busy.fetch_add(1, Ordering::Relaxed);
         Busy(self)
+    }
+
+    /// A registering thread's turn to touch the driver: one at a time (however many files
+    /// are being kept, a read that starts meanwhile waits for one chunk at most), once the
+    /// engine has been quiet ([`wait_quiet`](Self::wait_quiet)); `None` once it is going.
+    fn turn(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+        let turn = self.one_at_a_time.lock_unpoisoned();
+        self.wait_quiet().then_some(turn)
     }
 
     /// Waits until the engine has run no GPU transfer for [`QUIET`]; `false` once the engine
