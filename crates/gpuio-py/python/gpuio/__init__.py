@@ -8,8 +8,9 @@
 
 Ends of a transfer may be URIs or opened resources (``s.open``), gpuio buffers
 (``s.alloc_host``, ``s.alloc_device``), CUDA tensors and arrays (PyTorch, CuPy, JAX: borrowed in
-place), NumPy arrays, ``bytearray``/``memoryview``/``bytes`` (copied through). Every call
-releases the GIL while data moves; failures raise :class:`gpuio.Error`, whose ``code`` is one
+place), NumPy arrays, CPU tensors, ``bytearray``/``memoryview`` (read and written in place to
+and from files, other nodes and GPU memory), ``bytes`` (a source). Every call releases the GIL
+while data moves; failures raise :class:`gpuio.Error`, whose ``code`` is one
 of the ``GPUIO_ERROR_*`` codes the C API shares.
 """
 

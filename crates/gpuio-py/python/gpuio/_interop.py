@@ -4,7 +4,8 @@ gpuio's own buffers and opened resources pass through. CUDA memory (anything wit
 ``__cuda_array_interface__``, or ``__dlpack__`` on a CUDA device: PyTorch, CuPy, JAX, Numba) is
 borrowed in place, checked with the driver. Other host memory (NumPy arrays, ``bytearray``,
 ``memoryview``, CPU tensors through DLPack) becomes a C-contiguous byte ``memoryview``, which
-the session copies through. NumPy is imported only when a CPU DLPack producer needs it.
+the session reads or writes in place for one blocking call (or copies through, to and from
+other host memory). NumPy is imported only when a CPU DLPack producer needs it.
 """
 
 import ctypes
