@@ -11,7 +11,7 @@
 //!
 //! A peer that cannot run here is named in the notes, not faked.
 
-use crate::peers::{self, FioJob, KvikioMode, PeerResult};
+use crate::peers::{self, FioJob, KvikioMode};
 use crate::{Record, Result, Target, human};
 use gpuio_api::{Durability, FileHandle};
 use gpuio_api::{OpenOptions, Session};
@@ -813,18 +813,12 @@ fn expect_cufile(engine: IoEngine) -> Result<()> {
 }
 
 /// A peer's result, or a note saying why it could not run.
-pub(crate) fn peer(
+pub(crate) fn peer<T>(
     notes: &mut Vec<String>,
     name: &str,
-    r: std::result::Result<PeerResult, String>,
-) -> Option<PeerResult> {
-    match r {
-        Ok(r) => Some(r),
-        Err(e) => {
-            notes.push(format!("{name}: {e}"));
-            None
-        }
-    }
+    r: std::result::Result<T, String>,
+) -> Option<T> {
+    r.map_err(|e| notes.push(format!("{name}: {e}"))).ok()
 }
 
 /// Removes the suite's scratch files, however it ends.

@@ -33,20 +33,16 @@ impl LocalIo {
             file.read_exact_at(at, buf)?;
             Ok((buf.len(), checksum.then(|| crc32c::crc32c(buf))))
         };
-        let crcs = if threads <= 1 {
-            pieces.into_iter().map(read).collect::<Result<Vec<_>>>()
-        } else {
-            self.pool
-                .install(|| pieces.into_par_iter().map(read).collect())
-        };
-        let crcs = crcs.map_err(|e| match e {
-            // One piece ran out: say how far the file goes from the request's start.
-            LocalIoError::UnexpectedEof { .. } => {
-                let got = file.len().map_or(0, |l| l.saturating_sub(offset) as usize);
-                file.eof(offset, len, got.min(len))
-            }
-            other => other,
-        })?;
+        let crcs = self
+            .each_piece(pieces, threads, read)
+            .map_err(|e| match e {
+                // One piece ran out: say how far the file goes from the request's start.
+                LocalIoError::UnexpectedEof { .. } => {
+                    let got = file.len().map_or(0, |l| l.saturating_sub(offset) as usize);
+                    file.eof(offset, len, got.min(len))
+                }
+                other => other,
+            })?;
         Ok(host_transfer(len, threads, &crcs))
     }
 
@@ -86,23 +82,35 @@ impl LocalIo {
             }
             Ok((buf.len(), crc))
         };
-        let crcs = if threads <= 1 {
-            pieces.into_iter().map(write).collect::<Result<Vec<_>>>()
-        } else {
-            self.pool
-                .install(|| pieces.into_par_iter().map(write).collect())
-        };
-        let crcs = crcs.map_err(|e| match e {
-            LocalIoError::NoSpace { .. } => {
-                file.no_space(offset, len, written.load(Ordering::Relaxed))
-            }
-            other => other,
-        })?;
+        let crcs = self
+            .each_piece(pieces, threads, write)
+            .map_err(|e| match e {
+                LocalIoError::NoSpace { .. } => {
+                    file.no_space(offset, len, written.load(Ordering::Relaxed))
+                }
+                other => other,
+            })?;
         file.trim_padding(old_len, offset + len as u64)?;
         if writeback {
             file.sync_data()?;
         }
         Ok(host_transfer(len, threads, &crcs))
+    }
+
+    /// `f` of every piece, in order: on the calling thread for one, else on the IO threads
+    /// (the first failure stops the rest).
+    fn each_piece<P: Send, T: Send>(
+        &self,
+        pieces: Vec<P>,
+        threads: usize,
+        f: impl Fn(P) -> Result<T> + Sync + Send,
+    ) -> Result<Vec<T>> {
+        if threads <= 1 {
+            pieces.into_iter().map(f).collect()
+        } else {
+            self.pool
+                .install(|| pieces.into_par_iter().map(f).collect())
+        }
     }
 
     /// The lengths of the pieces `len` bytes from file offset `offset` are cut into: enough

@@ -58,11 +58,6 @@ impl HostPart<'_> {
     }
 }
 
-/// A storage peer's result and tool, or a note saying why it could not run.
-fn peer_of<T>(notes: &mut Vec<String>, name: &str, r: std::result::Result<T, String>) -> Option<T> {
-    r.map_err(|e| notes.push(format!("{name}: {e}"))).ok()
-}
-
 fn corrupt(case: &str, size: usize, at: Option<usize>) -> Result<()> {
     match at {
         None => Ok(()),
@@ -137,7 +132,7 @@ pub(super) fn run(
         iodepth: 2,
         ..p.fio.clone()
     };
-    let disk = peer_of(notes, "the disk (host)", peers::storage(&disk_job, 3));
+    let disk = peer(notes, "the disk (host)", peers::storage(&disk_job, 3));
     let direct = io.open(p.path, OpenOptions::READ.direct()).ok();
     for (name, f) in [("buffered", Some(&file)), ("odirect", direct.as_ref())] {
         let Some(f) = f else {
@@ -196,7 +191,7 @@ pub(super) fn run(
         end_fsync: true,
         ..p.fio.clone()
     };
-    if let Some((w, tool)) = peer_of(notes, "write (host)", peers::storage(&write_job, 3)) {
+    if let Some((w, tool)) = peer(notes, "write (host)", peers::storage(&write_job, 3)) {
         record(
             "host_write_sync",
             gbps(t),
