@@ -154,10 +154,12 @@ impl Session {
     /// and LocalIO share (`memory_pool_size`; it publishes its counters as metrics) and starts
     /// the engines and the scheduler's workers.
     pub fn new(config: Config) -> Result<Self> {
+        let started = std::time::Instant::now();
         let mut probe = gpuio_hal::probe_with(config.backend, config.host_devices)?;
         if config.max_gpus > 0 {
             probe.gpus.truncate(config.max_gpus as usize);
         }
+        let probe_ms = started.elapsed().as_secs_f64() * 1e3;
         let staging = StagingPool::with_observer(
             config.pool_config(probe.gpus.first().cloned()),
             gpuio_core::metrics::pool_observer(),
@@ -170,7 +172,13 @@ impl Session {
             config.scheduler_config(),
             config.retry.clone(),
         )?;
-        tracing::debug!(gpus = probe.gpus.len(), cuda = %probe.cuda.detail, "session opened");
+        tracing::debug!(
+            gpus = probe.gpus.len(),
+            cuda = %probe.cuda.detail,
+            probe_ms,
+            all_ms = started.elapsed().as_secs_f64() * 1e3,
+            "session opened"
+        );
         Ok(Self {
             config,
             probe,

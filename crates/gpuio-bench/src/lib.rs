@@ -5,6 +5,7 @@ pub mod ai;
 pub mod cache;
 pub mod gather;
 pub mod kernels;
+pub mod load;
 pub mod localio;
 pub mod memio;
 mod model_load;

@@ -4,7 +4,7 @@
 use bytesize::ByteSize;
 use gpuio_api::{Config, Error, Session};
 use gpuio_bench::{
-    Budget, Record, Target, ai, cache, gather, kernels, localio, memio, nvme, ondemand, python,
+    Budget, Record, Target, ai, cache, gather, kernels, load, localio, memio, nvme, ondemand, python,
     remote, render_table, ring, scheduler, write_outputs,
 };
 use indicatif::ProgressBar;
@@ -23,13 +23,14 @@ const SUITES: &[&str] = &[
     cache::SUITE,
     kernels::SUITE,
     python::SUITE,
+    load::SUITE,
     ai::SUITE,
 ];
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
     /// Suites to run (default: all this build has: memio, localio, core, gather, ring,
-    /// ondemand, nvme, remote, cache, kernels, python, ai).
+    /// ondemand, nvme, remote, cache, kernels, python, load, ai).
     suites: Vec<String>,
     /// memio: transfer sizes, e.g. 4K,1M,64M,1G (default: up to 1 GiB on a GPU).
     #[arg(long, value_name = "LIST")]
@@ -37,7 +38,7 @@ pub struct BenchArgs {
     /// localio: size of the test file (default: 4 GiB on a GPU, 256 MiB without).
     #[arg(long, value_name = "SIZE")]
     size: Option<ByteSize>,
-    /// Directory for the test files (localio, core, ring, cache, python, ai; default: the temporary
+    /// Directory for the test files (localio, core, ring, cache, python, load, ai; default: the temporary
     /// directory).
     #[arg(long, value_name = "DIR")]
     scratch: Option<PathBuf>,
@@ -47,6 +48,9 @@ pub struct BenchArgs {
     /// localio: the parts to run, of device, host and second-read (default: all).
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     localio_parts: Option<Vec<String>>,
+    /// load: the parts to run, of large, small (the checkpoints) and cold (default: all).
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    load_parts: Option<Vec<String>>,
     /// ai: the parts to run, of b1, b2, b4, b5 and compression (default: all).
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     ai_parts: Option<Vec<String>>,
@@ -212,6 +216,19 @@ pub fn run(config: Config, args: &BenchArgs) -> Result<(), Error> {
                     opts.scratch = d.clone();
                 }
                 python::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
+            }
+            load::SUITE => {
+                let mut opts = load::Options::standard();
+                if args.quick {
+                    opts = opts.quick();
+                }
+                if let Some(d) = &args.scratch {
+                    opts.scratch = d.clone();
+                }
+                if let Some(parts) = &args.load_parts {
+                    opts.keep_parts(parts).map_err(bench_err)?;
+                }
+                load::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
             }
             kernels::SUITE => {
                 let opts = if args.quick {

@@ -174,3 +174,23 @@ def test_a_dtype_numpy_lacks_is_refused_by_name(tmp_path):
     with pytest.raises(gpuio.Error) as e:
         gst.load_numpy(str(path))
     assert e.value.name == "GPUIO_ERROR_UNSUPPORTED" and "BF16" in e.value.message
+
+
+def test_progress_reports_every_byte_in_order_and_the_load_is_unchanged(checkpoint, monkeypatch):
+    path, tensors = checkpoint
+    monkeypatch.setattr(gst, "_PIECE", 1000)  # pieces of 1000 bytes: several reports
+    seen = []
+    got = gst.load_numpy(path, progress=lambda done, total: seen.append((done, total)))
+    total = sum(a.nbytes for a in tensors.values())
+    assert len(seen) == -(-total // 1000) and seen[-1] == (total, total)
+    assert all(a[0] < b[0] for a, b in zip(seen, seen[1:]))
+    for name, a in tensors.items():
+        _same(got[name], a)
+
+
+def test_cuts_are_near_equal_and_at_tensor_boundaries_when_asked():
+    assert gst._cuts(10, 3) == [0, 3, 6, 10]
+    assert gst._cuts(100, 2, [10, 45, 60, 100]) == [0, 45, 100]
+    assert gst._cuts(100, 2, [100]) == [0, 100, 100]  # one tensor: one part holds it
+    assert gst._cuts(0, 2, []) == [0, 0, 0]
+    assert gst._cuts(100, 4, [30, 31, 100]) == [0, 30, 31, 100, 100]

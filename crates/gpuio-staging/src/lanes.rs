@@ -104,6 +104,7 @@ impl<L: StagingLane> LaneSet<L> {
     /// the lanes others keep. Staging memory lives on the GPU's NUMA node where the GPU
     /// reports one.
     pub fn take(&self, n: usize) -> Result<Vec<L>, L::Error> {
+        let started = std::time::Instant::now();
         let mut taken = {
             let mut idle = self.idle.lock_unpoisoned();
             let keep = idle.len().saturating_sub(n);
@@ -116,6 +117,7 @@ impl<L: StagingLane> LaneSet<L> {
         // which a process's first transfer would otherwise wait for lane after lane. One
         // whose thread cannot start is made here.
         let missing = n.saturating_sub(taken.len());
+        let first_ms = started.elapsed().as_secs_f64() * 1e3;
         let made: Vec<_> = std::thread::scope(|s| {
             let making: Vec<_> = (0..missing)
                 .map(|_| {
@@ -143,6 +145,15 @@ impl<L: StagingLane> LaneSet<L> {
             // Keep the lanes that exist for the next transfer.
             self.give_back(taken);
             return Err(e);
+        }
+        if missing > 0 {
+            // What a process's first transfer pays before its data moves (`-vv` shows it).
+            tracing::debug!(
+                lanes = taken.len(),
+                first_ms,
+                all_ms = started.elapsed().as_secs_f64() * 1e3,
+                "lanes made"
+            );
         }
         if taken.len() < n {
             tracing::debug!(

@@ -743,16 +743,24 @@ impl Inner {
     }
 
     fn allocate(&self, want: &Want<'_>) -> Result<HostBuffer> {
+        let started = std::time::Instant::now();
         let opts = HostAllocOptions {
             numa: want.numa,
             huge_pages: self.config.huge_pages,
             ..HostAllocOptions::default()
         };
-        match want.pin {
+        let buffer = match want.pin {
             // Checked against what memory alone can back: pinned pages cannot be swapped out.
             Some(gpu) => HostBuffer::alloc_pinned(want.size, &opts, gpu),
             None => HostBuffer::alloc(want.size, &opts),
-        }
+        };
+        tracing::trace!(
+            bytes = want.size,
+            pinned = want.pin.is_some(),
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "staging buffer allocated"
+        );
+        buffer
     }
 
     /// Puts buffers handed out from `shelf`, class `class`, back on its free list.

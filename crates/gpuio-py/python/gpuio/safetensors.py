@@ -14,11 +14,15 @@ the device and returns views of it (a tensor whose offset does not suit its elem
 its own allocation, copied on the device); ``get_tensor`` and ``get_slice`` read only what they
 return; a sharded checkpoint's ``*.index.json`` loads as one. Frameworks: ``"pt"`` (torch, any
 device) and ``"numpy"`` (host memory).
+
+Onto several GPUs: ``load_replicated(path, ["cuda:0", "cuda:1"])`` gives each GPU every tensor,
+``load_split(path, devices, split)`` each GPU its part of each tensor (tensor parallelism);
+both read each byte from host memory once and let the GPUs exchange the rest.
 """
 
 from . import Error, Session, _gpuio, _invalid
 
-__all__ = ["load_file", "load_numpy", "safe_open"]
+__all__ = ["load_file", "load_numpy", "load_replicated", "load_split", "safe_open"]
 
 # safetensors' dtypes by their names in torch and NumPy (where a library lacks one, such as
 # NumPy's BF16 and FP8, getattr finds nothing and the tensor is refused).
@@ -86,6 +90,18 @@ class _Framework:
         if self.torch:
             return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
         return self.numpy.empty(nbytes, dtype=self.numpy.uint8)
+
+    def views(self, blob, rows):
+        """Each tensor of ``rows`` (file order, offsets contiguous from 0) viewed in ``blob``."""
+        if self.torch and rows:
+            # One call cuts every tensor's bytes (4096 slices one by one cost ~10 ms).
+            raws = blob.split_with_sizes([end - begin for *_, begin, end in rows])
+        else:
+            raws = [blob[begin:end] for *_, begin, end in rows]
+        return {
+            name: self.view(raw, name, st_dtype, shape)
+            for raw, (name, st_dtype, shape, _, _) in zip(raws, rows)
+        }
 
     def view(self, raw, name, st_dtype, shape):
         """``raw`` (bytes on the device) as the tensor: a view where its offset suits the
@@ -174,24 +190,58 @@ class _Slice:
         return rows[(slice(None), *rest)] if rest else rows
 
 
-def load_file(filename, device="cpu", session=None):
+def load_file(filename, device="cpu", session=None, progress=None):
     """Every tensor of ``filename`` as a dict (torch tensors on ``device``), as
     ``safetensors.torch.load_file`` gives them: one read of the file's data into one
     allocation, viewed as each tensor. A sharded checkpoint's index
-    (``model.safetensors.index.json``) loads every shard it names."""
-    return _load_any(filename, "pt", device, session)
+    (``model.safetensors.index.json``) loads every shard it names. ``progress``: called as
+    ``progress(bytes_done, bytes_total)`` on the calling thread as the data lands (the reads
+    then go in pieces of at least 1 GiB)."""
+    return _load_shards(filename, [_Framework("pt", device)], _Whole(), session, progress)[0]
 
 
-def load_numpy(filename, session=None):
+def load_numpy(filename, session=None, progress=None):
     """Every tensor of ``filename`` (or of a sharded checkpoint's index) as NumPy arrays
-    (``safetensors.numpy.load_file``)."""
-    return _load_any(filename, "numpy", "cpu", session)
+    (``safetensors.numpy.load_file``); ``progress`` as for :func:`load_file`."""
+    return _load_shards(filename, [_Framework("numpy", "cpu")], _Whole(), session, progress)[0]
 
 
-def _load_any(filename, framework, device, session):
-    name = str(filename)
+def load_replicated(filename, devices, session=None, progress=None):
+    """Every tensor on each of ``devices`` (CUDA devices): a list of dicts, one per device.
+    Each device reads its own 1/N of the data from the file, side by side, and the devices
+    copy their parts to each other (over NVLink where they have it): the host's memory is
+    read once, each GPU's link carries 1/N. ``progress`` as for :func:`load_file`."""
+    return _load_shards(filename, _devices(devices), _Whole(), session, progress)
+
+
+def load_split(filename, devices, split, session=None, progress=None):
+    """Tensor-parallel loading: a list of dicts, one per device, where device ``r`` holds
+    part ``r`` of each tensor as ``torch.tensor_split(tensor, N, dim)`` cuts it. ``split``
+    gives each tensor's ``dim``: a dict by name, or a callable ``split(name, shape)``; a
+    tensor whose dim is None (or missing from the dict) goes whole to every device. Each
+    byte is read from host memory once: each device reads a contiguous 1/N of the data (cut
+    at tensor boundaries), then sends each tensor's parts to their devices (NVLink where the
+    GPUs have it). Every part gets an allocation of its own. ``progress`` as for
+    :func:`load_file`."""
+    if not callable(split) and not isinstance(split, dict):
+        raise _invalid("split is a dict of tensor names to dims, or a callable(name, shape)")
+    return _load_shards(filename, _devices(devices), _Parts(split), session, progress)
+
+
+def _devices(devices):
+    if isinstance(devices, (str, int)) or not devices:
+        raise _invalid("devices: a list of CUDA devices, e.g. ['cuda:0', 'cuda:1']")
+    fws = [_Framework("pt", d) for d in devices]
+    if any(fw.device.type != "cuda" for fw in fws) or len({fw.device for fw in fws}) < len(fws):
+        raise _invalid(f"devices {list(devices)}: each a different CUDA device")
+    return fws
+
+
+def _shards(name):
+    """The files of the checkpoint ``name`` and the tensor names its index promises (None for
+    a single file)."""
     if not name.endswith(".json"):
-        return _load(name, framework, device, session)
+        return [name], None
     import json
     import os
 
@@ -201,27 +251,162 @@ def _load_any(filename, framework, device, session):
         isinstance(v, str) and os.path.basename(v) == v for v in weight_map.values()
     ):
         raise _invalid(f"{name}: a sharded index needs a weight_map of shard file names")
-    out = {}
-    for shard in sorted(set(weight_map.values())):
-        out.update(_load(os.path.join(os.path.dirname(name), shard), framework, device, session))
-    missing = sorted(set(weight_map) - set(out))
-    if missing:
-        raise _invalid(
-            f"{name}: {len(missing)} tensors of its weight_map are in no shard, "
-            f"e.g. {missing[0]!r}"
-        )
-    return {k: out[k] for k in sorted(out)}
+    folder = os.path.dirname(name)
+    return [os.path.join(folder, f) for f in sorted(set(weight_map.values()))], weight_map
 
 
-def _load(filename, framework, device, session):
-    fw = _Framework(framework, device)
+def _load_shards(filename, fws, how, session, progress):
+    name = str(filename)
+    files, promised = _shards(name)
     session = session or _default_session()
-    start, _, rows = _gpuio.safetensors_header(str(filename))
-    total = rows[-1][4] if rows else 0
-    blob = fw.empty(total)
-    if total:
-        session.read(str(filename), blob, offset=start)
-    out = {}
-    for name, dtype, shape, begin, end in sorted(rows):
-        out[name] = fw.view(blob[begin:end], name, dtype, shape)
-    return out
+    headers = [(f, *_gpuio.safetensors_header(f)) for f in files]
+    moved = _Progress(progress, sum(rows[-1][4] for *_, rows in headers if rows))
+    outs = [{} for _ in fws]
+    for path, start, _, rows in headers:
+        for out, got in zip(outs, how.load(session, path, start, rows, fws, moved)):
+            out.update(got)
+    if promised is not None:
+        missing = sorted(set(promised) - set(outs[0]))
+        if missing:
+            raise _invalid(
+                f"{name}: {len(missing)} tensors of its weight_map are in no shard, "
+                f"e.g. {missing[0]!r}"
+            )
+    return [{k: out[k] for k in sorted(out)} for out in outs]
+
+
+# Pieces of a read when progress is reported: big enough that the pipeline's start and end
+# (about a millisecond) stay a small part of each.
+_PIECE = 1 << 30
+
+
+class _Progress:
+    """Bytes landed so far, reported to the caller's callback on the calling thread."""
+
+    def __init__(self, callback, total):
+        self.callback, self.total, self.done = callback, total, 0
+        self.piece = _PIECE if callback else None
+
+    def add(self, n):
+        self.done += n
+        if self.callback and n:
+            self.callback(self.done, self.total)
+
+
+def _read_side_by_side(session, path, jobs, moved):
+    """Reads each ``(dst, file_offset)`` of ``jobs`` (one per device) whole: on the calling
+    thread where there is one, else one thread per device; ``moved`` counts the bytes."""
+    f = session.open(path)
+
+    def pieces(dst, offset):
+        n = _nbytes(dst)
+        step = moved.piece or max(n, 1)
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            session.read(f, dst[lo:hi], offset=offset + lo)
+            yield hi - lo
+
+    jobs = [(d, o) for d, o in jobs if _nbytes(d)]
+    if len(jobs) <= 1:
+        for d, o in jobs:
+            for n in pieces(d, o):
+                moved.add(n)
+        return
+    import queue
+    import threading
+
+    landed = queue.Queue()
+
+    def run(d, o):
+        try:
+            for n in pieces(d, o):
+                landed.put(n)
+            landed.put(None)
+        except BaseException as e:  # handed to the calling thread, which raises it
+            landed.put(e)
+
+    threads = [threading.Thread(target=run, args=job, daemon=True) for job in jobs]
+    for t in threads:
+        t.start()
+    failed, running = None, len(threads)
+    while running:
+        item = landed.get()
+        if item is None or isinstance(item, BaseException):
+            running -= 1
+            failed = failed or item
+        else:
+            moved.add(item)
+    if failed:
+        raise failed
+
+
+def _nbytes(x):
+    return x.nbytes if hasattr(x, "nbytes") else x.numel() * x.element_size()
+
+
+def _cuts(total, n, bounds=None):
+    """``n + 1`` offsets cutting ``total`` bytes into near-equal parts; with ``bounds`` (the
+    tensors' end offsets) each cut is the nearest tensor boundary."""
+    cuts = [total * i // n for i in range(n + 1)]
+    if bounds:
+        import bisect
+
+        for i in range(1, n):
+            k = bisect.bisect_left(bounds, cuts[i])
+            near = [b for b in bounds[max(k - 1, 0) : k + 1]]
+            cuts[i] = max(min(near, key=lambda b: abs(b - cuts[i])), cuts[i - 1])
+    return cuts
+
+
+class _Whole:
+    """Every tensor to every device: device ``r`` reads part ``r`` of the data into its
+    allocation, then the devices copy their parts to each other."""
+
+    def load(self, session, path, start, rows, fws, moved):
+        total = rows[-1][4] if rows else 0
+        blobs = [fw.empty(total) for fw in fws]
+        cuts = _cuts(total, len(fws))
+        _read_side_by_side(
+            session, path, [(b[lo:hi], start + lo) for b, lo, hi in zip(blobs, cuts, cuts[1:])],
+            moved,
+        )
+        if len(fws) > 1:
+            for r, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+                for j, b in enumerate(blobs):
+                    if j != r and hi > lo:
+                        b[lo:hi].copy_(blobs[r][lo:hi], non_blocking=True)
+            for fw in fws:
+                fw.torch.cuda.synchronize(fw.device)
+        return [fw.views(blob, rows) for fw, blob in zip(fws, blobs)]
+
+
+class _Parts:
+    """Tensor-parallel parts: device ``r`` reads a contiguous 1/N of the data (cut at tensor
+    boundaries), then sends every tensor it read to the devices that hold parts of it."""
+
+    def __init__(self, split):
+        self.split = split
+
+    def dim(self, name, shape):
+        d = self.split.get(name) if isinstance(self.split, dict) else self.split(name, list(shape))
+        if d is not None and not (isinstance(d, int) and -len(shape) <= d < len(shape)):
+            raise _invalid(f"tensor {name!r} of shape {list(shape)}: no dim {d!r} to split")
+        return d
+
+    def load(self, session, path, start, rows, fws, moved):
+        total = rows[-1][4] if rows else 0
+        cuts = _cuts(total, len(fws), [r[4] for r in rows])
+        reads = [fw.empty(hi - lo) for fw, lo, hi in zip(fws, cuts, cuts[1:])]
+        _read_side_by_side(session, path, [(b, start + lo) for b, lo in zip(reads, cuts)], moved)
+        outs = [{} for _ in fws]
+        for name, st_dtype, shape, begin, end in rows:
+            r = max(i for i, c in enumerate(cuts[:-1]) if c <= begin) if end > begin else 0
+            whole = fws[r].view(reads[r][begin - cuts[r] : end - cuts[r]], name, st_dtype, shape)
+            d = self.dim(name, shape)
+            parts = [whole] * len(fws) if d is None else whole.tensor_split(len(fws), d)
+            for out, fw, part in zip(outs, fws, parts):
+                out[name] = fw.torch.empty(part.shape, dtype=part.dtype, device=fw.device)
+                out[name].copy_(part, non_blocking=True)
+        for fw in fws:
+            fw.torch.cuda.synchronize(fw.device)
+        return outs

@@ -1,0 +1,436 @@
+//! The `load` suite: safetensors checkpoints loaded the way programs load them, each load in a
+//! fresh process (`peers/load_suite.py`), gpuio's loader against the loaders people use, in
+//! the same run:
+//!
+//! - checkpoints: `large` (64 BF16 tensors of 64 MiB, 4 GiB) and `small` (4096 tensors of
+//!   256 KiB to 2 MiB in F32, BF16 and F16, 3.75 GiB); a sixteenth of each without a GPU;
+//! - loaders: gpuio.safetensors, safetensors' `load_file` and `safe_open`, fastsafetensors,
+//!   kvikio at several thread counts (the best counts), `torch.load` of the same tensors;
+//! - temperatures: `first` (a fresh process, page cache warm: wall time from the loader's
+//!   import to the last tensor on the device, the figure a program meets), `hot` (the same
+//!   process loading again, median), `cold` (pages dropped first; the disk read by `dd` or
+//!   fio beside it);
+//! - two GPUs where the session has them: replicated and tensor-parallel first loads;
+//! - `gpuio cp` of the large checkpoint to gpu0 from process start (and of 4 KiB: the cost
+//!   before any byte moves, process start and the CUDA context).
+//!
+//! Every load is checked against checksums of every tensor made when the checkpoint was
+//! written (split parts put back together first): a load that differs fails the suite.
+
+use crate::peers::{self, FioJob};
+use crate::{Record, Result, SuiteOutcome, Target};
+use gpuio_api::Session;
+use gpuio_hal::Backend;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+/// The suite's name.
+pub const SUITE: &str = "load";
+
+const SCRIPT: &str = include_str!("../peers/load_suite.py");
+
+/// What the suite runs.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Checkpoints, of `large` and `small`.
+    pub shapes: Vec<String>,
+    /// Hot loads after each first one.
+    pub reps: usize,
+    /// kvikio's thread counts.
+    pub kvikio_threads: Vec<usize>,
+    /// Whether to load cold too.
+    pub cold: bool,
+    /// Directory for the checkpoints.
+    pub scratch: PathBuf,
+}
+
+impl Options {
+    /// The full measurement.
+    pub fn standard() -> Self {
+        Self {
+            shapes: vec!["large".into(), "small".into()],
+            reps: 3,
+            kvikio_threads: vec![8, 16, 32],
+            cold: true,
+            scratch: std::env::temp_dir(),
+        }
+    }
+
+    /// A short run.
+    pub fn quick(mut self) -> Self {
+        self.reps = 1;
+        self.kvikio_threads.truncate(1);
+        self
+    }
+
+    /// Keeps the parts named in `parts`: checkpoints (`large`, `small`) and `cold`.
+    pub fn keep_parts(&mut self, parts: &[String]) -> Result<()> {
+        if let Some(bad) = parts
+            .iter()
+            .find(|p| !["large", "small", "cold"].contains(&p.as_str()))
+        {
+            return Err(crate::BenchError::Options(format!(
+                "--load-parts: no part {bad:?} (large, small, cold)"
+            )));
+        }
+        self.shapes.retain(|s| parts.contains(s));
+        self.cold = parts.iter().any(|p| p == "cold");
+        Ok(())
+    }
+}
+
+/// One child's figures.
+#[derive(Debug, Clone)]
+struct Load {
+    first_s: f64,
+    hot_s: Option<f64>,
+}
+
+/// Runs `load_suite.py` with `args`; its one JSON line, or why it could not run.
+fn child(args: &[&str], env: &[(&str, String)]) -> std::result::Result<serde_json::Value, String> {
+    let python = std::env::var("GPUIO_PYTHON").unwrap_or_else(|_| "python3".into());
+    let file = std::env::temp_dir().join(format!("gpuio-load-{}.py", std::process::id()));
+    std::fs::write(&file, SCRIPT).map_err(|e| format!("{}: {e}", file.display()))?;
+    let out = Command::new(&python)
+        .arg(&file)
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (*k, v)))
+        .output()
+        .map_err(|e| format!("running {python}: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    match text.lines().rev().find(|l| l.starts_with('{')) {
+        Some(l) if out.status.success() => serde_json::from_str(l).map_err(|e| e.to_string()),
+        _ => {
+            let err = String::from_utf8_lossy(&out.stderr);
+            Err(format!(
+                "unavailable: {}",
+                err.lines().last().unwrap_or("no output").trim()
+            ))
+        }
+    }
+}
+
+/// One load by `loader` of the checkpoint at `prefix`; an error where the loader is absent,
+/// a failure where it loaded wrong data.
+fn load(
+    loader: &str,
+    prefix: &Path,
+    devices: &str,
+    temp: &str,
+    reps: usize,
+) -> Result<std::result::Result<Load, String>> {
+    let threads = loader.strip_prefix("kvikio-").unwrap_or("0").to_string();
+    // kvikio's own POSIX path: its best without nvidia-fs.
+    let env = [
+        ("KVIKIO_NTHREADS", threads),
+        ("KVIKIO_COMPAT_MODE", "ON".to_string()),
+    ];
+    let prefix = prefix.display().to_string();
+    let reps = reps.to_string();
+    let json = match child(&["load", loader, &prefix, devices, temp, &reps], &env) {
+        Ok(j) => j,
+        Err(why) => return Ok(Err(why)),
+    };
+    if json["correct"].as_bool() != Some(true) {
+        return Err(crate::BenchError::Options(format!(
+            "{loader} ({temp}) loaded tensors that differ from the checkpoint's"
+        )));
+    }
+    let mut hot: Vec<f64> = json["hot_s"]
+        .as_array()
+        .map(|v| v.iter().filter_map(serde_json::Value::as_f64).collect())
+        .unwrap_or_default();
+    hot.sort_by(f64::total_cmp);
+    Ok(Ok(Load {
+        first_s: json["first_s"].as_f64().unwrap_or(f64::NAN),
+        hot_s: hot.get(hot.len() / 2).copied(),
+    }))
+}
+
+/// Runs the suite.
+pub fn run(
+    session: &Session,
+    opts: &Options,
+    progress: &mut dyn FnMut(&str),
+) -> Result<SuiteOutcome> {
+    let (mut records, mut notes) = (Vec::new(), Vec::new());
+    let gpus = session.gpus();
+    let cuda = gpus[0].backend() == Backend::Cuda;
+    let (framework, device) = if cuda { ("pt", "cuda:0") } else { ("numpy", "cpu") };
+    let dir = opts
+        .scratch
+        .join(format!("gpuio-load-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| crate::BenchError::Output {
+        path: dir.display().to_string(),
+        message: e.to_string(),
+    })?;
+    let _cleanup = RemoveDir(dir.clone());
+    let mut loaders = vec!["gpuio".to_string(), "safetensors".to_string()];
+    if cuda {
+        loaders.extend(["safetensors-open", "fastsafetensors", "torch-load"].map(String::from));
+        loaders.extend(opts.kvikio_threads.iter().map(|t| format!("kvikio-{t}")));
+    }
+    let name = gpus[0].info().name.clone();
+    let mut first_rate = BTreeMap::new();
+    for shape in &opts.shapes {
+        progress(&format!("{shape}: writing"));
+        let made = child(&["make", &dir.display().to_string(), shape, framework], &[])
+            .map_err(|why| crate::BenchError::Options(format!("making {shape}: {why}")))?;
+        let bytes = made["bytes"].as_u64().unwrap_or(0);
+        let path = PathBuf::from(made["path"].as_str().unwrap_or_default());
+        let prefix = dir.join(shape);
+        let gbps = |s: f64| bytes as f64 / s / 1e9;
+        let mut add = |case: &str, ours: f64, peer: &str, theirs: f64, route: &str| {
+            records.push(Record {
+                bytes: bytes as usize,
+                route: route.into(),
+                device: name.clone(),
+                reps: opts.reps,
+                ..Record::versus(
+                    SUITE,
+                    (&format!("{shape}_{case}"), "bandwidth", "GB/s"),
+                    ours,
+                    peer,
+                    theirs,
+                    true,
+                )
+            });
+        };
+        let temps: &[&str] = if opts.cold { &["warm", "cold"] } else { &["warm"] };
+        for &temp in temps {
+            let mut got: Vec<(String, Load)> = Vec::new();
+            for loader in &loaders {
+                progress(&format!("{shape}: {loader} ({temp})"));
+                match load(loader, &prefix, device, temp, opts.reps)? {
+                    Ok(l) => got.push((loader.clone(), l)),
+                    Err(why) => notes.push(format!("{shape} {temp}: {loader} {why}")),
+                }
+            }
+            let Some((_, ours)) = got.iter().find(|(l, _)| l == "gpuio").cloned() else {
+                continue;
+            };
+            // kvikio at its best thread count stands for kvikio.
+            let mut peers: Vec<(String, Load)> = got
+                .iter()
+                .filter(|(l, _)| l != "gpuio" && !l.starts_with("kvikio-"))
+                .cloned()
+                .collect();
+            let best = |f: fn(&Load) -> f64| {
+                got.iter()
+                    .filter(|(l, _)| l.starts_with("kvikio-"))
+                    .min_by(|a, b| f(&a.1).total_cmp(&f(&b.1)))
+                    .map(|(l, k)| (l.clone(), f(k)))
+            };
+            let route = "gpuio.safetensors";
+            if temp == "cold" {
+                if let Some((l, s)) = best(|k| k.first_s) {
+                    add("cold", gbps(ours.first_s), &l, gbps(s), route);
+                }
+                for (peer, l) in &peers {
+                    add("cold", gbps(ours.first_s), peer, gbps(l.first_s), route);
+                }
+                let job = FioJob {
+                    path: &path,
+                    size: bytes,
+                    rw: "read",
+                    bs: 4 << 20,
+                    iodepth: 2,
+                    numjobs: 16,
+                    direct: true,
+                    end_fsync: false,
+                    runtime_s: None,
+                };
+                match peers::storage(&job, 2) {
+                    Ok((d, tool)) => add(
+                        "cold",
+                        gbps(ours.first_s),
+                        &format!("the disk ({tool} O_DIRECT x 16)"),
+                        d.bytes_per_s / 1e9,
+                        route,
+                    ),
+                    Err(why) => notes.push(format!("{shape} cold: the disk: {why}")),
+                }
+                continue;
+            }
+            first_rate.insert(shape.clone(), gbps(ours.first_s));
+            if let Some((l, s)) = best(|k| k.first_s) {
+                add("first", gbps(ours.first_s), &l, gbps(s), route);
+            }
+            if let (Some(h), Some((l, s))) = (ours.hot_s, best(|k| k.hot_s.unwrap_or(f64::MAX))) {
+                add("hot", gbps(h), &l, gbps(s), route);
+            }
+            peers.retain(|(l, _)| l != "torch-load" || cuda);
+            for (peer, l) in &peers {
+                add("first", gbps(ours.first_s), peer, gbps(l.first_s), route);
+                if let (Some(h), Some(t)) = (ours.hot_s, l.hot_s) {
+                    add("hot", gbps(h), peer, gbps(t), route);
+                }
+            }
+        }
+        if gpus.len() >= 2 && cuda {
+            for mode in ["replicated", "split"] {
+                progress(&format!("{shape}: two GPUs, {mode}"));
+                let loader = format!("gpuio-{mode}");
+                match load(&loader, &prefix, "cuda:0,cuda:1", "warm", 0)? {
+                    Ok(l) => add(
+                        &format!("2gpu_{mode}"),
+                        gbps(l.first_s),
+                        "gpuio, one GPU",
+                        first_rate.get(shape).copied().unwrap_or(f64::NAN),
+                        &loader,
+                    ),
+                    Err(why) => notes.push(format!("{shape} two GPUs {mode}: {why}")),
+                }
+            }
+        }
+        if shape == "large" {
+            progress("gpuio cp from process start");
+            cp_first(&path, bytes, &dir, &mut records, &mut notes, &name);
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+    let targets = if cuda {
+        targets(&records)
+    } else {
+        Vec::new()
+    };
+    Ok((records, targets, notes))
+}
+
+/// `gpuio cp FILE gpu0` in a fresh process, wall time from its start; and of 4 KiB, what a
+/// process pays before any byte moves (its start and the CUDA context).
+fn cp_first(
+    path: &Path,
+    bytes: u64,
+    dir: &Path,
+    records: &mut Vec<Record>,
+    notes: &mut Vec<String>,
+    device: &str,
+) {
+    let small = dir.join("4k.bin");
+    let run = |file: &Path| -> std::result::Result<f64, String> {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        let out = Command::new(exe)
+            .args(["cp", "--quiet", "--window", "16GiB"])
+            .arg(file)
+            .arg("gpu0")
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).trim().to_string());
+        }
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let measured = std::fs::write(&small, [7u8; 4096])
+        .map_err(|e| e.to_string())
+        .and_then(|()| Ok((run(&small)?, run(path)?)));
+    match measured {
+        Ok((fixed, wall)) => records.push(Record {
+            bytes: bytes as usize,
+            device: device.into(),
+            route: "gpuio cp, process start to exit".into(),
+            ..Record::versus(
+                SUITE,
+                ("large_cp_from_process_start", "bandwidth", "GB/s"),
+                bytes as f64 / wall / 1e9,
+                "less a 4 KiB cp's time (process start, CUDA context)",
+                bytes as f64 / (wall - fixed).max(1e-6) / 1e9,
+                true,
+            )
+        }),
+        Err(why) => notes.push(format!("gpuio cp from process start: {why}")),
+    }
+}
+
+/// The targets, judged on `records`.
+fn targets(records: &[Record]) -> Vec<Target> {
+    let value = |r: &Record| r.value;
+    let ratio = |r: &Record| r.ratio;
+    let small_vs_large = {
+        let rate = |shape: &str| {
+            records
+                .iter()
+                .find(|r| r.case == format!("{shape}_first"))
+                .map(|r| r.value)
+        };
+        match (rate("small"), rate("large")) {
+            (Some(s), Some(l)) => Some(s / l),
+            _ => None,
+        }
+    };
+    vec![
+        Target::judge(
+            "fresh process's first warm load of the 4 GiB checkpoint >= 40 GB/s",
+            records,
+            |r| r.case == "large_first",
+            value,
+            40.0,
+            " GB/s",
+        ),
+        Target::judge(
+            "first warm load >= 5x safetensors' load_file",
+            records,
+            |r| r.case.ends_with("_first") && r.peer == "safetensors",
+            ratio,
+            5.0,
+            "x",
+        ),
+        Target::judge(
+            "first warm load >= 1.2x kvikio at its best thread count",
+            records,
+            |r| r.case.ends_with("_first") && r.peer.starts_with("kvikio"),
+            ratio,
+            1.2,
+            "x",
+        ),
+        Target {
+            description: "4096 small tensors >= 0.8x the large-tensor rate (first loads)".into(),
+            measured: small_vs_large.map(|x| format!("{x:.2}x")),
+            met: small_vs_large.map(|x| x >= 0.8),
+        },
+        Target::judge(
+            "cold >= 0.95x the disk",
+            records,
+            |r| r.case.ends_with("_cold") && r.peer.starts_with("the disk"),
+            ratio,
+            0.95,
+            "x",
+        ),
+        Target::judge(
+            "cold >= 1x every peer",
+            records,
+            |r| r.case.ends_with("_cold") && !r.peer.starts_with("the disk"),
+            ratio,
+            1.0,
+            "x",
+        ),
+        Target::judge(
+            "two GPUs, replicated and tensor-parallel, >= 1.8x one GPU's rate",
+            records,
+            |r| r.case.contains("_2gpu_"),
+            ratio,
+            1.8,
+            "x",
+        ),
+        Target::judge(
+            "gpuio cp of 4 GiB to gpu0 >= 30 GB/s from process start",
+            records,
+            |r| r.case == "large_cp_from_process_start",
+            value,
+            30.0,
+            " GB/s",
+        ),
+    ]
+}
+
+/// Removes the suite's folder, however it ends.
+struct RemoveDir(PathBuf);
+
+impl Drop for RemoveDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
