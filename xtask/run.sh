@@ -6,7 +6,8 @@
 # kvikio and torch: on PYTHONPATH; iperf3 where installed, or in ./iperf3 with its libraries),
 # and the first use of the kernel modules: embedded PTX against NVRTC.
 #
-#   ./run.sh [tests | bench-a | bench-b | ondemand | nvme | kernel-load | python | all]   (default: all)
+#   ./run.sh [tests | bench-a | bench-b | ondemand | nvme | kernel-load | python | load | all]
+#   (default: all)
 #
 # The parts fit where one command may run ten minutes at most: tests (tests, kernels, info),
 # bench-a (memio, gather), bench-b (core, ring, remote, localio), ondemand (on-demand arrays
@@ -14,7 +15,8 @@
 # NVMe queues on the software controller against the request ring), kernel-load (the kernels
 # suite: first use of each module, with the driver's JIT cache off and on), python (the wheel
 # installed beside torch: its pytests with CUDA required, the CuPy on-demand example, and the
-# python bench suite).
+# python bench suite), load (the wheel and the load suite's peers, kvikio and fastsafetensors,
+# installed beside torch: safetensors checkpoints loaded by fresh processes).
 # Results (bench JSON, plots, test logs) go to $OUT or ./out.
 set -u
 cd "$(dirname "$0")"
@@ -80,13 +82,16 @@ esac
 case "$part" in nvme | all)
     step bin/gpuio bench nvme --out "$out" ;;
 esac
+py="${GPUIO_PYTHON:-python3}"
+site="$PWD/python/site"
+case "$part" in python | load | all)
+    # The wheel, pytest's wheels and the load suite's peers into a directory of their own,
+    # found through PYTHONPATH; torch, NumPy, CuPy and safetensors are the machine's.
+    [ -d "$site" ] || step "$py" -m pip install --quiet --no-deps --no-index --target "$site" \
+        python/*.whl python/deps/*.whl python/peers/*.whl
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" ;;
+esac
 case "$part" in python | all)
-    # The wheel and pytest's wheels into a directory of their own, found through PYTHONPATH;
-    # torch and NumPy are the machine's.
-    py="${GPUIO_PYTHON:-python3}"
-    site="$PWD/python/site"
-    step "$py" -m pip install --quiet --no-deps --no-index --target "$site" python/*.whl python/deps/*.whl
-    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     step "$py" -m pytest -q -p no:cacheprovider ../../crates/gpuio-py/pytests
     # The on-demand example (a CuPy kernel over a file 4x its cache), where CuPy is installed.
     if "$py" -c "import cupy" 2>/dev/null; then
@@ -95,6 +100,9 @@ case "$part" in python | all)
         echo "== skipped the CuPy example: CuPy is not installed"
     fi
     step bin/gpuio bench python --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out" ;;
+esac
+case "$part" in load | all)
+    step bin/gpuio bench load --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out" ${GPUIO_LOAD_ARGS:-} ;;
 esac
 case "$part" in kernel-load | all)
     # First use of each kernel module: embedded PTX (the driver JIT-compiles it) against NVRTC

@@ -106,11 +106,31 @@ pub fn gpu_bundle() -> Result {
     Ok(())
 }
 
-/// The Python binding's release wheel in `dir`, and in `dir/deps` the pure-Python wheels pytest
-/// needs (the GPU machine has no network; its torch brings NumPy).
+/// The load suite's peers that the GPU machine lacks, for its Python (3.12, CUDA 13): kvikio
+/// with its library and logger, and fastsafetensors (built for one Python version only).
+const LOAD_PEER_WHEELS: &[&str] = &[
+    "kvikio-cu13==26.10.0",
+    "libkvikio-cu13==26.10.0",
+    "rapids-logger==0.3.0",
+    "fastsafetensors==0.5.0",
+];
+
+/// The Python binding's release wheel in `dir`, in `dir/deps` the pure-Python wheels pytest
+/// needs (the GPU machine has no network; its torch brings NumPy), and in `dir/peers` the load
+/// suite's peers.
 fn bundle_python(dir: &Path) -> Result {
     let python = crate::python::venv()?;
     crate::python::wheel(&python, true, dir)?;
+    run(
+        "download the load suite's peers",
+        std::process::Command::new(&python)
+            .args(["-m", "pip", "download", "--quiet", "--no-deps"])
+            .args(["--only-binary=:all:", "--python-version", "3.12"])
+            .args(["--platform", "manylinux_2_28_x86_64", "--dest"])
+            .arg(dir.join("peers"))
+            .args(LOAD_PEER_WHEELS)
+            .env("PIP_DISABLE_PIP_VERSION_CHECK", "1"),
+    )?;
     run(
         "download pytest's wheels",
         std::process::Command::new(&python)

@@ -158,7 +158,11 @@ pub fn run(
     let (mut records, mut notes) = (Vec::new(), Vec::new());
     let gpus = session.gpus();
     let cuda = gpus[0].backend() == Backend::Cuda;
-    let (framework, device) = if cuda { ("pt", "cuda:0") } else { ("numpy", "cpu") };
+    let (framework, device) = if cuda {
+        ("pt", "cuda:0")
+    } else {
+        ("numpy", "cpu")
+    };
     let dir = opts
         .scratch
         .join(format!("gpuio-load-{}", std::process::id()));
@@ -198,7 +202,11 @@ pub fn run(
                 )
             });
         };
-        let temps: &[&str] = if opts.cold { &["warm", "cold"] } else { &["warm"] };
+        let temps: &[&str] = if opts.cold {
+            &["warm", "cold"]
+        } else {
+            &["warm"]
+        };
         for &temp in temps {
             let mut got: Vec<(String, Load)> = Vec::new();
             for loader in &loaders {
@@ -291,11 +299,7 @@ pub fn run(
         }
         let _ = std::fs::remove_file(&path);
     }
-    let targets = if cuda {
-        targets(&records)
-    } else {
-        Vec::new()
-    };
+    let targets = if cuda { targets(&records) } else { Vec::new() };
     Ok((records, targets, notes))
 }
 

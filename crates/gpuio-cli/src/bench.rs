@@ -4,8 +4,8 @@
 use bytesize::ByteSize;
 use gpuio_api::{Config, Error, Session};
 use gpuio_bench::{
-    Budget, Record, Target, ai, cache, gather, kernels, load, localio, memio, nvme, ondemand, python,
-    remote, render_table, ring, scheduler, write_outputs,
+    Budget, Record, Target, ai, cache, gather, kernels, load, localio, memio, nvme, ondemand,
+    python, remote, render_table, ring, scheduler, write_outputs,
 };
 use indicatif::ProgressBar;
 use std::path::PathBuf;

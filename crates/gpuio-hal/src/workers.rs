@@ -46,7 +46,8 @@ use std::any::Any;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
 
 /// A worker that panicked, as the error [`run_workers`] returns for it (each crate turns it
 /// into its own error type through `From`).
@@ -98,41 +99,116 @@ where
     let Some((first, rest)) = workers.split_first_mut() else {
         return Ok(());
     };
-    // Set by the first worker that fails, so the others stop taking work.
-    let abort = AtomicBool::new(false);
-    let failure: Mutex<Option<E>> = Mutex::new(None);
-    let run = |worker: &mut W| {
+    let run = Run::new(work);
+    pool.in_place_scope(|scope| {
+        for worker in rest {
+            let run = &run;
+            scope.spawn(move |_| run.one(worker));
+        }
+        run.one(first);
+    });
+    run.result()
+}
+
+/// What [`run_arriving_workers`] asks for while its workers run.
+pub enum Arrival<W> {
+    /// One more worker, to run at once.
+    Worker(W),
+    /// None within the wait; more may come.
+    NotYet,
+    /// No more will come.
+    NoMore,
+}
+
+/// [`run_workers`] for workers that keep arriving while the first ones run (lanes still being
+/// made for a process's first transfer): `arrive(wait)` is asked, waiting up to `wait` each
+/// time, until the running workers are all done, and each worker it gives runs at once.
+/// Returns the result and every worker, run or not, to keep.
+pub fn run_arriving_workers<W, E>(
+    pool: &rayon::ThreadPool,
+    workers: Vec<W>,
+    mut arrive: impl FnMut(Duration) -> Arrival<W>,
+    work: impl Fn(&mut W, &AtomicBool) -> Result<(), E> + Sync,
+) -> (Result<(), E>, Vec<W>)
+where
+    W: Send,
+    E: Send + From<WorkerPanic>,
+{
+    let run = Run::new(work);
+    let running = AtomicUsize::new(0);
+    let done = Mutex::new(Vec::with_capacity(workers.len()));
+    pool.in_place_scope(|scope| {
+        let start = |mut worker: W| {
+            running.fetch_add(1, Ordering::AcqRel);
+            let (run, running, done) = (&run, &running, &done);
+            scope.spawn(move |_| {
+                run.one(&mut worker);
+                done.lock_unpoisoned().push(worker);
+                running.fetch_sub(1, Ordering::AcqRel);
+            });
+        };
+        for w in workers {
+            start(w);
+        }
+        while running.load(Ordering::Acquire) > 0 && !run.abort.load(Ordering::Relaxed) {
+            match arrive(Duration::from_micros(200)) {
+                Arrival::Worker(w) => start(w),
+                Arrival::NotYet => {}
+                Arrival::NoMore => break,
+            }
+        }
+    });
+    (run.result(), done.into_inner_unpoisoned())
+}
+
+/// One transfer's workers' shared state: the abort flag and the first failure.
+struct Run<F, E> {
+    work: F,
+    /// Set by the first worker that fails, so the others stop taking work.
+    abort: AtomicBool,
+    failure: Mutex<Option<E>>,
+}
+
+impl<F, E> Run<F, E> {
+    fn new(work: F) -> Self {
+        Self {
+            work,
+            abort: AtomicBool::new(false),
+            failure: Mutex::new(None),
+        }
+    }
+
+    fn one<W>(&self, worker: &mut W)
+    where
+        F: Fn(&mut W, &AtomicBool) -> Result<(), E>,
+        E: From<WorkerPanic>,
+    {
         // AssertUnwindSafe: after a panic the worker is only dropped or given back to pools
         // that check it (a lane missing a buffer is dropped), and what the workers share is
         // behind poison-tolerant locks whose data survives a panicking holder (crate::sync).
-        let result =
-            catch_unwind(AssertUnwindSafe(|| work(worker, &abort))).unwrap_or_else(|payload| {
+        let result = catch_unwind(AssertUnwindSafe(|| (self.work)(worker, &self.abort)))
+            .unwrap_or_else(|payload| {
                 let panic = WorkerPanic::new(payload);
                 tracing::error!(%panic, "a transfer worker panicked");
                 Err(E::from(panic))
             });
         if let Err(e) = result {
-            abort.store(true, Ordering::Relaxed);
-            failure.lock_unpoisoned().get_or_insert(e);
+            self.abort.store(true, Ordering::Relaxed);
+            self.failure.lock_unpoisoned().get_or_insert(e);
         }
-    };
-    pool.in_place_scope(|scope| {
-        for worker in rest {
-            let run = &run;
-            scope.spawn(move |_| run(worker));
+    }
+
+    fn result(self) -> Result<(), E> {
+        match self.failure.into_inner_unpoisoned() {
+            None => Ok(()),
+            Some(e) => Err(e),
         }
-        run(first);
-    });
-    match failure.into_inner_unpoisoned() {
-        None => Ok(()),
-        Some(e) => Err(e),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicUsize;
 
     #[derive(Debug, PartialEq)]
     enum Failed {
@@ -203,5 +279,37 @@ mod tests {
             matches!(&err, Failed::At(1 | 2)) || err == Failed::Panic("worker 0".into()),
             "{err:?}"
         );
+    }
+
+    #[test]
+    fn arriving_workers_run_beside_the_first_and_asking_ends_with_them() {
+        let pool = pool(4);
+        let started = AtomicUsize::new(0);
+        let mut later = vec![3usize, 2];
+        let (result, mut all) = run_arriving_workers(
+            &pool,
+            vec![1usize],
+            |_| later.pop().map_or(Arrival::NotYet, Arrival::Worker),
+            |w, _| {
+                started.fetch_add(1, Ordering::SeqCst);
+                // Worker 1 runs until the others have started: they run beside it.
+                let t = std::time::Instant::now();
+                while *w == 1 && started.load(Ordering::SeqCst) < 3 && t.elapsed().as_secs() < 10 {
+                    std::thread::yield_now();
+                }
+                Ok::<(), Failed>(())
+            },
+        );
+        result.unwrap();
+        all.sort_unstable();
+        assert_eq!((all, started.into_inner()), (vec![1, 2, 3], 3));
+        // `NotYet` for ever: the call still returns once its workers are done.
+        let (result, all) = run_arriving_workers(
+            &pool,
+            vec![7],
+            |_| Arrival::NotYet,
+            |_, _| Ok::<(), Failed>(()),
+        );
+        assert_eq!((result, all), (Ok(()), vec![7]));
     }
 }

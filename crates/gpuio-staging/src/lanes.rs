@@ -12,9 +12,12 @@
 
 use crate::{StagingHolder, StagingLease, StagingPool};
 use gpuio_hal::sync::MutexExt;
+use gpuio_hal::workers::{Arrival, WorkerPanic, run_arriving_workers, run_workers};
 use gpuio_hal::{Gpu, HalError, HostBuffer};
+use std::sync::atomic::AtomicBool;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How long a transfer that can get no lane at all waits for the staging pool to have room
 /// (other transfers' lanes coming back) before it fails with `Busy`.
@@ -31,7 +34,7 @@ pub trait StagingLane: Send + Sized + 'static {
     /// depth; `()` where the GPU is enough).
     type Spec: Send + Sync + 'static;
     /// The transport's error, which the pool's errors convert into.
-    type Error: From<HalError> + Send;
+    type Error: From<HalError> + Send + std::fmt::Display;
 
     /// A lane of `gpu` over `buffers`, freshly leased with `lease`. Where it cannot be made,
     /// the buffers go back through the lease (or are dropped, which the lease then counts as
@@ -103,41 +106,12 @@ impl<L: StagingLane> LaneSet<L> {
     /// has, so that where it is short a transfer runs on fewer lanes rather than tear down
     /// the lanes others keep. Staging memory lives on the GPU's NUMA node where the GPU
     /// reports one.
-    pub fn take(&self, n: usize) -> Result<Vec<L>, L::Error> {
-        let started = std::time::Instant::now();
-        let mut taken = {
-            let mut idle = self.idle.lock_unpoisoned();
-            let keep = idle.len().saturating_sub(n);
-            idle.split_off(keep)
-        };
-        if taken.is_empty() {
-            taken.extend(self.new_lane(false)?);
-        }
-        // The others side by side: each pins and registers its own staging (milliseconds),
-        // which a process's first transfer would otherwise wait for lane after lane. One
-        // whose thread cannot start is made here.
-        let missing = n.saturating_sub(taken.len());
-        let first_ms = started.elapsed().as_secs_f64() * 1e3;
-        let made: Vec<_> = std::thread::scope(|s| {
-            let making: Vec<_> = (0..missing)
-                .map(|_| {
-                    std::thread::Builder::new()
-                        .name("gpuio-lane-make".into())
-                        .spawn_scoped(s, || self.new_lane(true))
-                })
-                .collect();
-            making
-                .into_iter()
-                .map(|m| match m {
-                    Ok(t) => t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
-                    Err(_) => self.new_lane(true),
-                })
-                .collect()
-        });
+    pub fn take(self: &Arc<Self>, n: usize) -> Result<Vec<L>, L::Error> {
+        let (mut taken, arriving) = self.take_arriving(n)?;
         let mut failed = None;
-        for lane in made {
+        for lane in arriving {
             match lane {
-                Ok(lane) => taken.extend(lane),
+                Ok(lane) => taken.push(lane),
                 Err(e) => failed = failed.or(Some(e)),
             }
         }
@@ -145,15 +119,6 @@ impl<L: StagingLane> LaneSet<L> {
             // Keep the lanes that exist for the next transfer.
             self.give_back(taken);
             return Err(e);
-        }
-        if missing > 0 {
-            // What a process's first transfer pays before its data moves (`-vv` shows it).
-            tracing::debug!(
-                lanes = taken.len(),
-                first_ms,
-                all_ms = started.elapsed().as_secs_f64() * 1e3,
-                "lanes made"
-            );
         }
         if taken.len() < n {
             tracing::debug!(
@@ -163,6 +128,87 @@ impl<L: StagingLane> LaneSet<L> {
             );
         }
         Ok(taken)
+    }
+
+    /// Runs `work` on up to `n` lanes on `threads` and gives them back: the lanes idle now
+    /// (or the one made first) start at once, and those still being made (pinning staging
+    /// costs milliseconds a lane: a process's first transfers) join as each is ready, while
+    /// work remains. Returns how many lanes ran (the first transfers may end before all are
+    /// made). A lane that cannot be made is left out.
+    pub fn run(
+        self: &Arc<Self>,
+        n: usize,
+        threads: &rayon::ThreadPool,
+        work: impl Fn(&mut L, &AtomicBool) -> Result<(), L::Error> + Sync,
+    ) -> Result<usize, L::Error>
+    where
+        L::Error: From<WorkerPanic>,
+    {
+        let (mut ready, arriving) = self.take_arriving(n)?;
+        let (result, ran) = if ready.len() >= n {
+            let result = run_workers(threads, &mut ready, work);
+            (result, ready)
+        } else {
+            let next = |wait| match arriving.recv_timeout(wait) {
+                Ok(Ok(lane)) => Arrival::Worker(lane),
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "a lane could not be made: fewer lanes");
+                    Arrival::NotYet
+                }
+                Err(RecvTimeoutError::Timeout) => Arrival::NotYet,
+                Err(RecvTimeoutError::Disconnected) => Arrival::NoMore,
+            };
+            run_arriving_workers(threads, ready, next, work)
+        };
+        // Lanes still being made are waited for (the transfer is done; its caller waits no
+        // longer than all lanes up front would have made it) and stay idle here for the next
+        // transfer: nothing outlives the call.
+        let late = arriving.into_iter().filter_map(Result::ok);
+        let count = ran.len();
+        self.give_back(ran.into_iter().chain(late).collect());
+        result.map(|()| count)
+    }
+
+    /// The lanes idle now (at most `n`; where there are none, one made here), and a channel
+    /// on which the missing ones arrive, each made on a thread of its own (side by side: a
+    /// process's first transfer would otherwise wait for them lane after lane). A lane made
+    /// after the channel is dropped stays idle in the set.
+    fn take_arriving(
+        self: &Arc<Self>,
+        n: usize,
+    ) -> Result<(Vec<L>, Receiver<Result<L, L::Error>>), L::Error> {
+        let asked = Instant::now();
+        let mut taken = {
+            let mut idle = self.idle.lock_unpoisoned();
+            let keep = idle.len().saturating_sub(n);
+            idle.split_off(keep)
+        };
+        if taken.is_empty() {
+            taken.extend(self.new_lane(false)?);
+        }
+        let (tx, rx) = mpsc::channel();
+        for _ in taken.len()..n {
+            let (set, tx) = (self.clone(), tx.clone());
+            let make = move || {
+                let made = set.new_lane(true).transpose();
+                tracing::debug!(
+                    ms = asked.elapsed().as_secs_f64() * 1e3,
+                    "lane made for a waiting transfer"
+                );
+                if let Some(Err(mpsc::SendError(Ok(lane)))) = made.map(|l| tx.send(l)) {
+                    set.give_back(vec![lane]);
+                }
+            };
+            if let Err(e) = std::thread::Builder::new()
+                .name("gpuio-lane-make".into())
+                .spawn(make)
+            {
+                // No thread to make it on: fewer lanes.
+                tracing::debug!(error = %e, "no thread to make a lane on");
+                break;
+            }
+        }
+        Ok((taken, rx))
     }
 
     /// A new lane; `spare`: only from room the pool has now (`None` where it has none).
@@ -270,14 +316,41 @@ mod tests {
         }
     }
 
+    /// A transport's error: the pool's, a worker's panic, or a lane not made.
+    #[derive(Debug)]
+    struct Failed(String);
+
+    impl From<HalError> for Failed {
+        fn from(e: HalError) -> Self {
+            Self(e.to_string())
+        }
+    }
+
+    impl From<WorkerPanic> for Failed {
+        fn from(p: WorkerPanic) -> Self {
+            Self(p.to_string())
+        }
+    }
+
+    impl std::fmt::Display for Failed {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(&self.0)
+        }
+    }
+
     impl StagingLane for Fake {
         type Spec = Spec;
-        type Error = HalError;
+        type Error = Failed;
 
-        fn make(s: &Spec, _: &Gpu, bufs: Vec<HostBuffer>, lease: StagingLease) -> Result<Self> {
+        fn make(
+            s: &Spec,
+            _: &Gpu,
+            bufs: Vec<HostBuffer>,
+            lease: StagingLease,
+        ) -> Result<Self, Failed> {
             if s.fail.load(Ordering::SeqCst) {
                 lease.give_back(bufs);
-                return Err(HalError::InvalidArgument("no lane today".into()));
+                return Err(Failed("no lane today".into()));
             }
             s.made.fetch_add(1, Ordering::SeqCst);
             Ok(Self(Some((bufs, lease))))
@@ -345,12 +418,39 @@ mod tests {
     }
 
     #[test]
+    fn a_run_starts_on_the_first_lane_and_keeps_every_lane_made_for_it() {
+        let (pool, made) = sets(4, 1);
+        let set = &made[0];
+        let threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        let calls = AtomicUsize::new(0);
+        let ran = set
+            .run(3, &threads, |_, _| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(20));
+                Ok(())
+            })
+            .unwrap();
+        assert!((1..=3).contains(&ran) && calls.into_inner() == ran, "{ran}");
+        // Every lane made for it is idle afterwards, and the next run takes them all.
+        assert_eq!((set.idle(), set.spec.made.load(Ordering::SeqCst)), (3, 3));
+        assert_eq!(set.run(3, &threads, |_, _| Ok(())).unwrap(), 3);
+        assert_eq!(pool.stats().failures, 0);
+        // A lane that cannot be made leaves the run on fewer; the first one's failure fails it.
+        let (_pool, failing) = sets(4, 1);
+        failing[0].spec.fail.store(true, Ordering::SeqCst);
+        assert!(failing[0].run(2, &threads, |_, _| Ok(())).is_err());
+    }
+
+    #[test]
     fn a_failed_lane_gives_back_what_the_transfer_took() {
         let (pool, sets) = sets(4, 1);
         let set = &sets[0];
         set.give_back(set.take(1).unwrap());
         set.spec.fail.store(true, Ordering::SeqCst);
-        assert!(matches!(set.take(2), Err(HalError::InvalidArgument(_))));
+        assert!(matches!(set.take(2), Err(Failed(m)) if m == "no lane today"));
         // The idle lane taken is idle again; the failed lane's buffers are back in the pool.
         assert_eq!(set.idle(), 1);
         assert_eq!(pool.stats().in_use_bytes, LANE);

@@ -86,7 +86,6 @@ impl StagingLane for Lane {
         buffers: Vec<HostBuffer>,
         lease: StagingLease,
     ) -> Result<Self> {
-        let started = std::time::Instant::now();
         let stream = match gpu.stream() {
             Ok(s) => s,
             Err(e) => {
@@ -96,10 +95,6 @@ impl StagingLane for Lane {
         };
         // A queue that cannot be made drops the buffers it was given: the lease forgets them.
         let queue = IoQueue::new(spec.engine, buffers, spec.depth, spec.sqpoll)?;
-        tracing::debug!(
-            ms = started.elapsed().as_secs_f64() * 1e3,
-            "lane's stream and IO queue made"
-        );
         Ok(Lane {
             queue,
             stream,

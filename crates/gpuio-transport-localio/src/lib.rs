@@ -459,6 +459,26 @@ impl LocalIo {
         run_workers(&self.pool, workers, work)
     }
 
+    /// Runs `work` on up to `wanted` (at most `lanes`, at least one) of `pool`'s lanes, those
+    /// still being made joining as they are ready; returns how many ran and their IO engine.
+    fn on_lanes(
+        &self,
+        pool: &Arc<LanePool>,
+        wanted: usize,
+        work: impl Fn(&mut Lane, &AtomicBool) -> Result<()> + Sync,
+    ) -> Result<(usize, IoEngine)> {
+        let engine = std::sync::OnceLock::new();
+        let n = pool.run(
+            wanted.clamp(1, self.config.lanes),
+            &self.pool,
+            |lane, abort| {
+                engine.get_or_init(|| lane.engine());
+                work(lane, abort)
+            },
+        )?;
+        Ok((n, engine.get().copied().unwrap_or(self.engine)))
+    }
+
     /// Reads `len` bytes of `file` at `offset` into `dst` at `dst_offset`. A file shorter than
     /// the range is [`LocalIoError::UnexpectedEof`], never a short success.
     pub fn read_to_device(
@@ -526,18 +546,14 @@ impl LocalIo {
         }
         let pool = self.lane_pool(dst.gpu());
         let plan = self.plan(files, pieces, &pool)?;
-        let mut lanes = pool.take(plan.count().clamp(1, self.config.lanes))?;
-        let n = lanes.len();
-        let engine = lanes.first().map_or(self.engine, Lane::engine);
         let job = ReadJob {
             files,
             plan: &plan,
             dst,
             dst_offset,
         };
-        let result = self.run_workers(&mut lanes, |lane, abort| lane.read(&job, abort));
-        pool.give_back(lanes);
-        result?;
+        let (n, engine) =
+            self.on_lanes(&pool, plan.count(), |lane, abort| lane.read(&job, abort))?;
         Ok(Transfer {
             bytes: len as u64,
             engine,
@@ -604,16 +620,9 @@ impl LocalIo {
             dst_offset,
             next: AtomicUsize::new(0),
         };
-        let wanted = offsets
-            .len()
-            .div_ceil(job.batch)
-            .clamp(1, self.config.lanes);
-        let mut lanes = pool.take(wanted)?;
-        let n = lanes.len();
-        let engine = lanes.first().map_or(self.engine, Lane::engine);
-        let result = self.run_workers(&mut lanes, |lane, abort| lane.read_blocks(&job, abort));
-        pool.give_back(lanes);
-        result?;
+        let wanted = offsets.len().div_ceil(job.batch);
+        let (n, engine) =
+            self.on_lanes(&pool, wanted, |lane, abort| lane.read_blocks(&job, abort))?;
         Ok(Transfer {
             bytes: total as u64,
             engine,
@@ -719,9 +728,6 @@ impl LocalIo {
         let pool = self.lane_pool(src.gpu());
         let plan = self.plan(files, pieces, &pool)?;
         let old_lens = files.iter().map(|f| f.len()).collect::<Result<Vec<_>>>()?;
-        let mut lanes = pool.take(plan.count().clamp(1, self.config.lanes))?;
-        let n = lanes.len();
-        let engine = lanes.first().map_or(self.engine, Lane::engine);
         let written = AtomicUsize::new(0);
         let job = WriteJob {
             files,
@@ -732,9 +738,8 @@ impl LocalIo {
             written: &written,
             writeback: durability == Durability::DataSync,
         };
-        let result = self.run_workers(&mut lanes, |lane, abort| lane.write(&job, abort));
-        pool.give_back(lanes);
-        result?;
+        let (n, engine) =
+            self.on_lanes(&pool, plan.count(), |lane, abort| lane.write(&job, abort))?;
         // O_DIRECT writes whole blocks: trim the padding a write past the end left.
         let mut ends = old_lens.clone();
         for c in plan.chunks() {

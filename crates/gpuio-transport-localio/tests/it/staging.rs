@@ -45,9 +45,14 @@ fn lanes_lease_their_slots_once_and_give_them_back() {
             };
             let f = io.open(&path, OpenOptions::READ).unwrap();
             let dev = gpu.alloc(len).unwrap();
-            for _ in 0..3 {
+            for i in 0..3 {
                 let t = io.read_to_device(&f, 0, &dev, 0, len).unwrap();
-                assert_eq!(t.lanes, lanes, "{pref:?} {t:?}");
+                // The first read starts on the first lane made; the others join as they are
+                // made, and are all there for the next.
+                match i {
+                    0 => assert!((1..=lanes).contains(&t.lanes), "{pref:?} {t:?}"),
+                    _ => assert_eq!(t.lanes, lanes, "{pref:?} {t:?}"),
+                }
             }
             let mut back = vec![0u8; len];
             gpu.stream().unwrap().download(&dev, 0, &mut back).unwrap();
