@@ -40,8 +40,8 @@ pub struct Options {
     pub reps: usize,
     /// kvikio's thread counts.
     pub kvikio_threads: Vec<usize>,
-    /// Whether to load cold too.
-    pub cold: bool,
+    /// Temperatures to load at, of `warm` (first and hot loads) and `cold`.
+    pub temps: Vec<&'static str>,
     /// Directory for the checkpoints.
     pub scratch: PathBuf,
 }
@@ -53,7 +53,7 @@ impl Options {
             shapes: vec!["large".into(), "small".into()],
             reps: 3,
             kvikio_threads: vec![8, 16, 32],
-            cold: true,
+            temps: vec!["warm", "cold"],
             scratch: std::env::temp_dir(),
         }
     }
@@ -65,18 +65,23 @@ impl Options {
         self
     }
 
-    /// Keeps the parts named in `parts`: checkpoints (`large`, `small`) and `cold`.
+    /// Keeps the parts named in `parts`: checkpoints (`large`, `small`) and temperatures
+    /// (`warm`, `cold`); where a kind is not named, all of it.
     pub fn keep_parts(&mut self, parts: &[String]) -> Result<()> {
-        if let Some(bad) = parts
-            .iter()
-            .find(|p| !["large", "small", "cold"].contains(&p.as_str()))
-        {
+        const PARTS: [&str; 4] = ["large", "small", "warm", "cold"];
+        if let Some(bad) = parts.iter().find(|p| !PARTS.contains(&p.as_str())) {
             return Err(crate::BenchError::Options(format!(
-                "--load-parts: no part {bad:?} (large, small, cold)"
+                "--load-parts: no part {bad:?} ({})",
+                PARTS.join(", ")
             )));
         }
-        self.shapes.retain(|s| parts.contains(s));
-        self.cold = parts.iter().any(|p| p == "cold");
+        let named = |all: &[&str]| all.iter().any(|a| parts.iter().any(|p| p == a));
+        if named(&PARTS[..2]) {
+            self.shapes.retain(|s| parts.contains(s));
+        }
+        if named(&PARTS[2..]) {
+            self.temps.retain(|t| parts.iter().any(|p| p == t));
+        }
         Ok(())
     }
 }
@@ -202,12 +207,7 @@ pub fn run(
                 )
             });
         };
-        let temps: &[&str] = if opts.cold {
-            &["warm", "cold"]
-        } else {
-            &["warm"]
-        };
-        for &temp in temps {
+        for &temp in &opts.temps {
             let mut got: Vec<(String, Load)> = Vec::new();
             for loader in &loaders {
                 progress(&format!("{shape}: {loader} ({temp})"));
@@ -277,7 +277,7 @@ pub fn run(
                 }
             }
         }
-        if gpus.len() >= 2 && cuda {
+        if gpus.len() >= 2 && cuda && opts.temps.contains(&"warm") {
             for mode in ["replicated", "split"] {
                 progress(&format!("{shape}: two GPUs, {mode}"));
                 let loader = format!("gpuio-{mode}");
@@ -293,7 +293,7 @@ pub fn run(
                 }
             }
         }
-        if shape == "large" {
+        if shape == "large" && opts.temps.contains(&"warm") {
             progress("gpuio cp from process start");
             cp_first(&path, bytes, &dir, &mut records, &mut notes, &name);
         }

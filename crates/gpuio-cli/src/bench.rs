@@ -48,7 +48,7 @@ pub struct BenchArgs {
     /// localio: the parts to run, of device, host and second-read (default: all).
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     localio_parts: Option<Vec<String>>,
-    /// load: the parts to run, of large, small (the checkpoints) and cold (default: all).
+    /// load: the parts to run, of large, small (the checkpoints), warm and cold (default: all).
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     load_parts: Option<Vec<String>>,
     /// ai: the parts to run, of b1, b2, b4, b5 and compression (default: all).
