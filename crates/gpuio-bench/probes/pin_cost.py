@@ -26,14 +26,16 @@ libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                       ctypes.c_int, ctypes.c_long]
 LEN, COUNT = 16 << 20, 8
-MADV_HUGEPAGE = 14
+MADV_HUGEPAGE, MADV_POPULATE_WRITE, MAP_POPULATE = 14, 23, 0x8000
 
 
-def anon(touch=False, huge=False):
-    p = libc.mmap(None, LEN, mmap.PROT_READ | mmap.PROT_WRITE,
-                  mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+def anon(touch=False, huge=False, populate=False, map_populate=False):
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (MAP_POPULATE if map_populate else 0)
+    p = libc.mmap(None, LEN, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
     if huge:
         libc.madvise(ctypes.c_void_p(p), ctypes.c_size_t(LEN), MADV_HUGEPAGE)
+    if populate:
+        assert libc.madvise(ctypes.c_void_p(p), ctypes.c_size_t(LEN), MADV_POPULATE_WRITE) == 0
     if touch:
         ctypes.memset(p, 0, LEN)
     return p
@@ -63,6 +65,11 @@ def host_alloc():
 
 
 result["cuMemHostAlloc"], _ = timed(host_alloc)
+# gpuio's staging today: huge pages asked for, MADV_POPULATE_WRITE, then registered.
+result["huge_populate_register"], _ = timed(lambda: register(anon(huge=True, populate=True)) or 0)
+result["populate_only"], _ = timed(lambda: anon(populate=True))
+result["map_populate_register"], _ = timed(lambda: register(anon(map_populate=True)) or 0)
+result["huge_touch_register"], _ = timed(lambda: register(anon(huge=True, touch=True)) or 0)
 
 
 def on_threads(make):
@@ -92,4 +99,7 @@ def one_big():
 result["one_128MiB_register"] = one_big()
 result["mmap_register_8_threads"] = on_threads(lambda: register(anon()))
 result["touch_register_8_threads"] = on_threads(lambda: register(anon(touch=True)))
+result["huge_populate_register_8_threads"] = on_threads(
+    lambda: register(anon(huge=True, populate=True))
+)
 print(json.dumps(result))

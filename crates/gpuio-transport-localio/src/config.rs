@@ -174,7 +174,7 @@ impl Default for LocalIoConfig {
             lanes: Self::default_lanes(),
             host_threads: gpuio_hal::sys::cpu_count(),
             chunk_size: 4 << 20,
-            slots_per_lane: 4,
+            slots_per_lane: 2,
             sqpoll: false,
             checksum: false,
             gds: GdsPolicy::Auto,

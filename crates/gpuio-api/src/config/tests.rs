@@ -265,8 +265,8 @@ fn memory_pool_size_is_auto_a_size_or_refused_out_of_range() {
     let pool = c.pool_config(None);
     assert!(pool.limit >= gpuio_staging::MIN_AUTO_LIMIT);
     assert_eq!(pool.max_class, 64 << 20);
-    // One lane: LocalIO's 4 x 4 MiB outweighs MemIO's 3 x 4 MiB.
-    assert_eq!(c.lane_staging_bytes(), 16 << 20);
+    // One lane: MemIO's 3 x 4 MiB outweighs LocalIO's 2 x 4 MiB.
+    assert_eq!(c.lane_staging_bytes(), 12 << 20);
 
     // Sizes as text or bytes, "auto" in any case; the environment overrides.
     for (text, want) in [
@@ -304,8 +304,8 @@ fn memory_pool_size_is_auto_a_size_or_refused_out_of_range() {
     // Below one lane, or above what the machine can back pinned: typed, naming the key and
     // the bound.
     for (text, bound) in [
-        ("memory_pool_size = 0", "16.0 MiB"),
-        ("memory_pool_size = 16777215", "one staging lane"),
+        ("memory_pool_size = 0", "12.0 MiB"),
+        ("memory_pool_size = 12582911", "one staging lane"),
         (
             "memory_pool_size = \"32 MiB\"\n[localio]\nchunk_size = \"3 MiB\"\nslots_per_lane = 9",
             "36.0 MiB",
