@@ -225,3 +225,41 @@ def test_safetensors_offset_unsuited_to_the_element_size_on_the_gpu(s, tmp_path)
     path.write_bytes(struct.pack("<Q", len(header)) + header + data)
     got = gst.load_file(str(path), device="cuda:0", session=s)
     assert torch.equal(got["a"].cpu(), a) and torch.equal(got["b"].cpu(), b)
+
+
+def test_safetensors_onto_every_gpu_replicated_and_split(s, tmp_path):
+    """Every visible GPU (one on a one-GPU machine: the same paths, N = 1): replicated loads
+    equal safetensors' own; split parts equal torch.tensor_split of them, put back together
+    they are the tensor; progress reaches the total."""
+    from safetensors.torch import load_file as st_load, save_file as st_save
+
+    from gpuio import safetensors as gst
+
+    g = torch.Generator().manual_seed(8)
+    tensors = {
+        "emb": torch.randn(1001, 64, generator=g).to(torch.bfloat16),
+        "w0": torch.randn(96, 130, generator=g),
+        "w1": torch.randn(7, 33, 5, generator=g).to(torch.float16),
+        "bias": torch.arange(10, dtype=torch.int64),
+        "scalar": torch.tensor(2.5),
+    }
+    path = str(tmp_path / "m.safetensors")
+    st_save(tensors, path)
+    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    theirs = st_load(path)
+    seen = []
+    copies = gst.load_replicated(path, devices, session=s, progress=lambda d, t: seen.append((d, t)))
+    assert seen[-1][0] == seen[-1][1] == sum(t.nbytes for t in tensors.values())
+    for dev, got in zip(devices, copies):
+        for name, t in theirs.items():
+            assert got[name].device == torch.device(dev) and torch.equal(got[name].cpu(), t), name
+    dims = {"emb": 0, "w0": 1, "w1": 2}  # bias and scalar: whole on every device
+    parts = gst.load_split(path, devices, dims, session=s)
+    for name, t in theirs.items():
+        want = [t] * len(devices) if name not in dims else t.tensor_split(len(devices), dims[name])
+        for dev, got, w in zip(devices, parts, want):
+            assert got[name].device == torch.device(dev) and torch.equal(got[name].cpu(), w), name
+    with pytest.raises(gpuio.Error, match="no dim 3"):
+        gst.load_split(path, devices, {"w0": 3}, session=s)
+    with pytest.raises(gpuio.Error, match="different CUDA device"):
+        gst.load_replicated(path, devices + devices[:1], session=s)

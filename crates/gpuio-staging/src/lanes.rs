@@ -60,6 +60,9 @@ pub trait StagingLane: Send + Sized + 'static {
     }
 }
 
+/// Lanes being made for a transfer, each sent when ready (or why it could not be made).
+type Arriving<L> = Receiver<Result<L, <L as StagingLane>::Error>>;
+
 /// The lanes of one GPU, made on demand from a [`StagingPool`] and kept idle between
 /// transfers; registered with the pool as a [`StagingHolder`] of its idle lanes.
 pub struct LaneSet<L: StagingLane> {
@@ -173,10 +176,7 @@ impl<L: StagingLane> LaneSet<L> {
     /// on which the missing ones arrive, each made on a thread of its own (side by side: a
     /// process's first transfer would otherwise wait for them lane after lane). A lane made
     /// after the channel is dropped stays idle in the set.
-    fn take_arriving(
-        self: &Arc<Self>,
-        n: usize,
-    ) -> Result<(Vec<L>, Receiver<Result<L, L::Error>>), L::Error> {
+    fn take_arriving(self: &Arc<Self>, n: usize) -> Result<(Vec<L>, Arriving<L>), L::Error> {
         let asked = Instant::now();
         let mut taken = {
             let mut idle = self.idle.lock_unpoisoned();

@@ -394,15 +394,15 @@ class _Parts:
         return d
 
     def load(self, session, path, start, rows, fws, moved):
+        dims = [self.dim(name, shape) for name, _, shape, _, _ in rows]  # all before any read
         total = rows[-1][4] if rows else 0
         cuts = _cuts(total, len(fws), [r[4] for r in rows])
         reads = [fw.empty(hi - lo) for fw, lo, hi in zip(fws, cuts, cuts[1:])]
         _read_side_by_side(session, path, [(b, start + lo) for b, lo in zip(reads, cuts)], moved)
         outs = [{} for _ in fws]
-        for name, st_dtype, shape, begin, end in rows:
+        for (name, st_dtype, shape, begin, end), d in zip(rows, dims):
             r = max(i for i, c in enumerate(cuts[:-1]) if c <= begin) if end > begin else 0
             whole = fws[r].view(reads[r][begin - cuts[r] : end - cuts[r]], name, st_dtype, shape)
-            d = self.dim(name, shape)
             parts = [whole] * len(fws) if d is None else whole.tensor_split(len(fws), d)
             for out, fw, part in zip(outs, fws, parts):
                 out[name] = fw.torch.empty(part.shape, dtype=part.dtype, device=fw.device)
