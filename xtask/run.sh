@@ -87,8 +87,9 @@ site="$PWD/python/site"
 case "$part" in python | load | all)
     # The wheel, pytest's wheels and the load suite's peers into a directory of their own,
     # found through PYTHONPATH; torch, NumPy, CuPy and safetensors are the machine's.
-    [ -d "$site" ] || step "$py" -m pip install --quiet --no-deps --no-index --target "$site" \
-        python/*.whl python/deps/*.whl python/peers/*.whl
+    [ -e "$site/.installed" ] || { rm -rf "$site" && step "$py" -m pip install --quiet --no-deps \
+        --no-index --target "$site" python/*.whl python/deps/*.whl python/peers/*.whl &&
+        touch "$site/.installed"; }
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" ;;
 esac
 case "$part" in python | all)

@@ -35,7 +35,8 @@ NP = {"F32": "float32", "F16": "float16", "I32": "int32"}
 
 
 def sums(words):
-    """Two checksums of int32 words: their sum, and the sum of every 7th (shifts show)."""
+    """Two checksums of int32 words: their sum, and the sum of every 7th (shifts show); each
+    tensor's bytes are its own, so a tensor under another's name shows too."""
     return [int(words.sum(dtype=np.int64)), int(words[::7].sum(dtype=np.int64))]
 
 
@@ -50,7 +51,7 @@ def make(folder, shape, framework):
         name = f"layers.{i // 8}.w{i % 8}"
         header[name] = {"dtype": dt, "shape": [size // ITEM[dt] // cols, cols],
                         "data_offsets": [at, at + size]}
-        tensors.append((name, base[(i << 6) % 4096 :][:size]))
+        tensors.append((name, base[i << 6 :][:size]))  # bytes of its own
         at += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -59,7 +60,10 @@ def make(folder, shape, framework):
         f.write(struct.pack("<Q", len(text)) + text)
         for _, data in tensors:
             f.write(data.data)
-    checks = {name: sums(data.view(np.int32)) for name, data in tensors}
+    checks = {
+        name: sums(data.view(np.int32)) + [header[name]["shape"], ITEM[header[name]["dtype"]]]
+        for name, data in tensors
+    }
     with open(os.path.join(folder, shape + ".json"), "w") as f:
         json.dump(checks, f)
     if framework == "pt":
@@ -178,15 +182,17 @@ def check(loader, got, expected, devices):
             got = [{k: cat(k) for k in got[0]}]
         words = lambda t: t.contiguous().reshape(-1).view(torch.int32)  # noqa: E731
         total = lambda w: int(w.sum(dtype=torch.int64))  # noqa: E731
+        item = lambda t: t.element_size()  # noqa: E731
     else:
         words = lambda t: np.ascontiguousarray(t).reshape(-1).view(np.int32)  # noqa: E731
         total = lambda w: int(w.sum(dtype=np.int64))  # noqa: E731
+        item = lambda t: t.itemsize  # noqa: E731
     for tensors in got:
         if sorted(tensors) != sorted(expected):
             return False
         for k, t in tensors.items():
             w = words(t)
-            if [total(w), total(w[::7])] != expected[k]:
+            if [total(w), total(w[::7]), list(t.shape), item(t)] != expected[k]:
                 return False
     return True
 

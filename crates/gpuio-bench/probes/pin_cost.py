@@ -1,5 +1,5 @@
 """What pinning staging memory costs a fresh process, by the CUDA driver API (ctypes): 8
-buffers of 16 MiB (one LocalIO lane's staging each) made as gpuio makes them (anonymous
+buffers of 16 MiB (128 MiB: 8 LocalIO lanes' staging at 4 slots of 4 MiB) made as gpuio makes them (anonymous
 mmap, then cuMemHostRegister), with the pages touched first, with transparent huge pages
 asked for, by cuMemHostAlloc, 8 at once on threads, and one buffer of 128 MiB. Prints one JSON line of milliseconds
 for the 8 buffers of each way.

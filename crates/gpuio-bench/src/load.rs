@@ -3,7 +3,8 @@
 //! the same run:
 //!
 //! - checkpoints: `large` (64 BF16 tensors of 64 MiB, 4 GiB) and `small` (4096 tensors of
-//!   256 KiB to 2 MiB in F32, BF16 and F16, 3.75 GiB); a sixteenth of each without a GPU;
+//!   256 KiB to 2 MiB in F32, BF16 and F16, 3.75 GiB); without a GPU, 16 MiB and 256
+//!   tensors of 4 to 32 KiB, loaded into NumPy arrays;
 //! - loaders: gpuio.safetensors, safetensors' `load_file` and `safe_open`, fastsafetensors,
 //!   kvikio at several thread counts (the best counts), `torch.load` of the same tensors;
 //! - temperatures: `first` (a fresh process, page cache warm: wall time from the loader's
@@ -24,7 +25,7 @@ use gpuio_hal::Backend;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The suite's name.
 pub const SUITE: &str = "load";
@@ -93,33 +94,56 @@ struct Load {
     hot_s: Option<f64>,
 }
 
-/// Runs `load_suite.py` with `args`; its one JSON line, or why it could not run.
-fn child(args: &[&str], env: &[(&str, String)]) -> std::result::Result<serde_json::Value, String> {
+/// How long one child may run: a first load and three hot ones, cold at a disk's speed, or
+/// writing a checkpoint.
+const CHILD_LIMIT: Duration = Duration::from_secs(300);
+
+/// Runs `load_suite.py` (written in `dir`) with `args`, its output kept in `dir`; its last
+/// JSON line, or why it could not run (one that outlives [`CHILD_LIMIT`] is killed).
+fn child(
+    dir: &Path,
+    args: &[&str],
+    env: &[(&str, String)],
+) -> std::result::Result<serde_json::Value, String> {
     let python = std::env::var("GPUIO_PYTHON").unwrap_or_else(|_| "python3".into());
-    let file = std::env::temp_dir().join(format!("gpuio-load-{}.py", std::process::id()));
-    std::fs::write(&file, SCRIPT).map_err(|e| format!("{}: {e}", file.display()))?;
-    let out = Command::new(&python)
-        .arg(&file)
+    let (script, out, err) = (dir.join("load_suite.py"), dir.join("out"), dir.join("err"));
+    let file = |p: &Path| std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()));
+    std::fs::write(&script, SCRIPT).map_err(|e| format!("{}: {e}", script.display()))?;
+    let mut running = Command::new(&python)
+        .arg(&script)
         .args(args)
         .envs(env.iter().map(|(k, v)| (*k, v)))
-        .output()
+        .stdout(file(&out)?)
+        .stderr(file(&err)?)
+        .spawn()
         .map_err(|e| format!("running {python}: {e}"))?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    match text.lines().rev().find(|l| l.starts_with('{')) {
-        Some(l) if out.status.success() => serde_json::from_str(l).map_err(|e| e.to_string()),
-        _ => {
-            let err = String::from_utf8_lossy(&out.stderr);
-            Err(format!(
-                "unavailable: {}",
-                err.lines().last().unwrap_or("no output").trim()
-            ))
+    let started = Instant::now();
+    let status = loop {
+        match running.try_wait().map_err(|e| e.to_string())? {
+            Some(status) => break status,
+            None if started.elapsed() > CHILD_LIMIT => {
+                let _ = running.kill();
+                let _ = running.wait();
+                return Err(format!("killed after {} s", CHILD_LIMIT.as_secs()));
+            }
+            None => std::thread::sleep(Duration::from_millis(20)),
         }
+    };
+    let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
+    let text = read(&out);
+    match text.lines().rev().find(|l| l.starts_with('{')) {
+        Some(l) if status.success() => serde_json::from_str(l).map_err(|e| e.to_string()),
+        _ => Err(format!(
+            "unavailable: {}",
+            read(&err).lines().last().unwrap_or("no output").trim()
+        )),
     }
 }
 
-/// One load by `loader` of the checkpoint at `prefix`; an error where the loader is absent,
-/// a failure where it loaded wrong data.
+/// One load by `loader` of the checkpoint at `prefix`: an error where it loaded wrong data
+/// (or is gpuio and could not run), the reason where another loader could not run.
 fn load(
+    dir: &Path,
     loader: &str,
     prefix: &Path,
     devices: &str,
@@ -134,24 +158,27 @@ fn load(
     ];
     let prefix = prefix.display().to_string();
     let reps = reps.to_string();
-    let json = match child(&["load", loader, &prefix, devices, temp, &reps], &env) {
+    let failed = |why: String| crate::BenchError::Options(format!("{loader} ({temp}): {why}"));
+    let json = match child(dir, &["load", loader, &prefix, devices, temp, &reps], &env) {
         Ok(j) => j,
+        Err(why) if loader.starts_with("gpuio") => return Err(failed(why)),
         Err(why) => return Ok(Err(why)),
     };
     if json["correct"].as_bool() != Some(true) {
-        return Err(crate::BenchError::Options(format!(
-            "{loader} ({temp}) loaded tensors that differ from the checkpoint's"
-        )));
+        return Err(failed("tensors that differ from the checkpoint's".into()));
     }
     let mut hot: Vec<f64> = json["hot_s"]
         .as_array()
         .map(|v| v.iter().filter_map(serde_json::Value::as_f64).collect())
         .unwrap_or_default();
     hot.sort_by(f64::total_cmp);
-    Ok(Ok(Load {
-        first_s: json["first_s"].as_f64().unwrap_or(f64::NAN),
-        hot_s: hot.get(hot.len() / 2).copied(),
-    }))
+    match json["first_s"].as_f64() {
+        Some(first_s) if first_s > 0.0 => Ok(Ok(Load {
+            first_s,
+            hot_s: hot.get(hot.len() / 2).copied(),
+        })),
+        _ => Err(failed("no time printed".into())),
+    }
 }
 
 /// Runs the suite.
@@ -185,18 +212,26 @@ pub fn run(
     let mut first_rate = BTreeMap::new();
     for shape in &opts.shapes {
         progress(&format!("{shape}: writing"));
-        let made = child(&["make", &dir.display().to_string(), shape, framework], &[])
-            .map_err(|why| crate::BenchError::Options(format!("making {shape}: {why}")))?;
+        let made = child(
+            &dir,
+            &["make", &dir.display().to_string(), shape, framework],
+            &[],
+        )
+        .map_err(|why| crate::BenchError::Options(format!("making {shape}: {why}")))?;
         let bytes = made["bytes"].as_u64().unwrap_or(0);
         let path = PathBuf::from(made["path"].as_str().unwrap_or_default());
         let prefix = dir.join(shape);
         let gbps = |s: f64| bytes as f64 / s / 1e9;
-        let mut add = |case: &str, ours: f64, peer: &str, theirs: f64, route: &str| {
+        // `reps`: loads behind the figure (a first or cold load is one).
+        let mut add = |case: &str, ours: f64, peer: &str, theirs: f64, route: &str, reps| {
+            if !(ours.is_finite() && theirs.is_finite() && ours > 0.0 && theirs > 0.0) {
+                return;
+            }
             records.push(Record {
                 bytes: bytes as usize,
                 route: route.into(),
                 device: name.clone(),
-                reps: opts.reps,
+                reps,
                 ..Record::versus(
                     SUITE,
                     (&format!("{shape}_{case}"), "bandwidth", "GB/s"),
@@ -211,7 +246,7 @@ pub fn run(
             let mut got: Vec<(String, Load)> = Vec::new();
             for loader in &loaders {
                 progress(&format!("{shape}: {loader} ({temp})"));
-                match load(loader, &prefix, device, temp, opts.reps)? {
+                match load(&dir, loader, &prefix, device, temp, opts.reps)? {
                     Ok(l) => got.push((loader.clone(), l)),
                     Err(why) => notes.push(format!("{shape} {temp}: {loader} {why}")),
                 }
@@ -220,24 +255,24 @@ pub fn run(
                 continue;
             };
             // kvikio at its best thread count stands for kvikio.
-            let mut peers: Vec<(String, Load)> = got
+            let peers: Vec<(String, Load)> = got
                 .iter()
                 .filter(|(l, _)| l != "gpuio" && !l.starts_with("kvikio-"))
                 .cloned()
                 .collect();
-            let best = |f: fn(&Load) -> f64| {
+            let best = |f: fn(&Load) -> Option<f64>| {
                 got.iter()
                     .filter(|(l, _)| l.starts_with("kvikio-"))
-                    .min_by(|a, b| f(&a.1).total_cmp(&f(&b.1)))
-                    .map(|(l, k)| (l.clone(), f(k)))
+                    .filter_map(|(l, k)| Some((l.clone(), f(k)?)))
+                    .min_by(|a, b| a.1.total_cmp(&b.1))
             };
             let route = "gpuio.safetensors";
             if temp == "cold" {
-                if let Some((l, s)) = best(|k| k.first_s) {
-                    add("cold", gbps(ours.first_s), &l, gbps(s), route);
+                if let Some((l, s)) = best(|k| Some(k.first_s)) {
+                    add("cold", gbps(ours.first_s), &l, gbps(s), route, 1);
                 }
                 for (peer, l) in &peers {
-                    add("cold", gbps(ours.first_s), peer, gbps(l.first_s), route);
+                    add("cold", gbps(ours.first_s), peer, gbps(l.first_s), route, 1);
                 }
                 let job = FioJob {
                     path: &path,
@@ -257,47 +292,51 @@ pub fn run(
                         &format!("the disk ({tool} O_DIRECT x 16)"),
                         d.bytes_per_s / 1e9,
                         route,
+                        1,
                     ),
                     Err(why) => notes.push(format!("{shape} cold: the disk: {why}")),
                 }
                 continue;
             }
             first_rate.insert(shape.clone(), gbps(ours.first_s));
-            if let Some((l, s)) = best(|k| k.first_s) {
-                add("first", gbps(ours.first_s), &l, gbps(s), route);
+            let hot = opts.reps;
+            if let Some((l, s)) = best(|k| Some(k.first_s)) {
+                add("first", gbps(ours.first_s), &l, gbps(s), route, 1);
             }
-            if let (Some(h), Some((l, s))) = (ours.hot_s, best(|k| k.hot_s.unwrap_or(f64::MAX))) {
-                add("hot", gbps(h), &l, gbps(s), route);
+            if let (Some(h), Some((l, s))) = (ours.hot_s, best(|k| k.hot_s)) {
+                add("hot", gbps(h), &l, gbps(s), route, hot);
             }
-            peers.retain(|(l, _)| l != "torch-load" || cuda);
             for (peer, l) in &peers {
-                add("first", gbps(ours.first_s), peer, gbps(l.first_s), route);
+                add("first", gbps(ours.first_s), peer, gbps(l.first_s), route, 1);
                 if let (Some(h), Some(t)) = (ours.hot_s, l.hot_s) {
-                    add("hot", gbps(h), peer, gbps(t), route);
+                    add("hot", gbps(h), peer, gbps(t), route, hot);
                 }
             }
         }
-        if gpus.len() >= 2 && cuda && opts.temps.contains(&"warm") {
+        // Against the one-GPU first load of this run (measured above with the warm part).
+        if let (true, Some(&one)) = (gpus.len() >= 2 && cuda, first_rate.get(shape)) {
             for mode in ["replicated", "split"] {
                 progress(&format!("{shape}: two GPUs, {mode}"));
                 let loader = format!("gpuio-{mode}");
-                match load(&loader, &prefix, "cuda:0,cuda:1", "warm", 0)? {
-                    Ok(l) => add(
-                        &format!("2gpu_{mode}"),
-                        gbps(l.first_s),
-                        "gpuio, one GPU",
-                        first_rate.get(shape).copied().unwrap_or(f64::NAN),
-                        &loader,
-                    ),
-                    Err(why) => notes.push(format!("{shape} two GPUs {mode}: {why}")),
-                }
+                let l = load(&dir, &loader, &prefix, "cuda:0,cuda:1", "warm", 0)?
+                    .map_err(crate::BenchError::Options)?;
+                let case = format!("2gpu_{mode}");
+                add(&case, gbps(l.first_s), "gpuio, one GPU", one, &loader, 1);
             }
         }
         if shape == "large" && opts.temps.contains(&"warm") {
             progress("gpuio cp from process start");
-            cp_first(&path, bytes, &dir, &mut records, &mut notes, &name);
+            // Warm again: cold loads and the disk's O_DIRECT reads ran since.
+            let warmed = std::fs::File::open(&path)
+                .and_then(|mut f| std::io::copy(&mut f, &mut std::io::sink()));
+            match warmed {
+                Ok(_) => cp_first(&path, bytes, &dir, &mut records, &mut notes, &name),
+                Err(e) => notes.push(format!("gpuio cp from process start: {e}")),
+            }
         }
-        let _ = std::fs::remove_file(&path);
+        for file in [path.clone(), prefix.with_extension("pt")] {
+            let _ = std::fs::remove_file(file);
+        }
     }
     let targets = if cuda { targets(&records) } else { Vec::new() };
     Ok((records, targets, notes))
@@ -334,6 +373,7 @@ fn cp_first(
     match measured {
         Ok((fixed, wall)) => records.push(Record {
             bytes: bytes as usize,
+            reps: 1,
             device: device.into(),
             route: "gpuio cp, process start to exit".into(),
             ..Record::versus(

@@ -123,7 +123,8 @@ pub enum Arrival<W> {
 /// [`run_workers`] for workers that keep arriving while the first ones run (lanes still being
 /// made for a process's first transfer): `arrive(wait)` is asked, waiting up to `wait` each
 /// time, until the running workers are all done, and each worker it gives runs at once.
-/// Returns the result and every worker, run or not, to keep.
+/// Every worker runs on `pool` (so it needs a thread for each at once); the calling thread
+/// only asks for arrivals. Returns the result and every worker that ran, to keep.
 pub fn run_arriving_workers<W, E>(
     pool: &rayon::ThreadPool,
     workers: Vec<W>,

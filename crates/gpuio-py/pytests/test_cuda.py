@@ -261,5 +261,7 @@ def test_safetensors_onto_every_gpu_replicated_and_split(s, tmp_path):
             assert got[name].device == torch.device(dev) and torch.equal(got[name].cpu(), w), name
     with pytest.raises(gpuio.Error, match="no dim 3"):
         gst.load_split(path, devices, {"w0": 3}, session=s)
+    with pytest.raises(gpuio.Error, match="lacks, e.g. 'w9'"):
+        gst.load_split(path, devices, {"w9": 0}, session=s)
     with pytest.raises(gpuio.Error, match="different CUDA device"):
         gst.load_replicated(path, devices + devices[:1], session=s)

@@ -194,3 +194,18 @@ def test_cuts_are_near_equal_and_at_tensor_boundaries_when_asked():
     assert gst._cuts(100, 2, [100]) == [0, 100, 100]  # one tensor: one part holds it
     assert gst._cuts(0, 2, []) == [0, 0, 0]
     assert gst._cuts(100, 4, [30, 31, 100]) == [0, 30, 31, 100, 100]
+
+
+def test_a_progress_callback_that_raises_stops_the_load_with_its_error(checkpoint, monkeypatch):
+    path, _ = checkpoint
+    monkeypatch.setattr(gst, "_PIECE", 1000)
+    calls = []
+
+    def progress(done, total):
+        calls.append(done)
+        if len(calls) == 2:
+            raise KeyError("stop here")
+
+    with pytest.raises(KeyError, match="stop here"):
+        gst.load_numpy(path, progress=progress)
+    assert len(calls) == 2  # not called again after it raised

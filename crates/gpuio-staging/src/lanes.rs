@@ -136,8 +136,10 @@ impl<L: StagingLane> LaneSet<L> {
     /// Runs `work` on up to `n` lanes on `threads` and gives them back: the lanes idle now
     /// (or the one made first) start at once, and those still being made (pinning staging
     /// costs milliseconds a lane: a process's first transfers) join as each is ready, while
-    /// work remains. Returns how many lanes ran (the first transfers may end before all are
-    /// made). A lane that cannot be made is left out.
+    /// work remains. Returns how many lanes were started (a lane that arrives as the work runs
+    /// out starts and finds none). A lane that cannot be made is left out, logged at debug
+    /// level, where [`take`](Self::take) fails: a transfer runs on fewer lanes rather than not
+    /// at all (the first lane's failure still fails it).
     pub fn run(
         self: &Arc<Self>,
         n: usize,
@@ -193,7 +195,12 @@ impl<L: StagingLane> LaneSet<L> {
                 let made = set.new_lane(true).transpose();
                 tracing::debug!(
                     ms = asked.elapsed().as_secs_f64() * 1e3,
-                    "lane made for a waiting transfer"
+                    outcome = match &made {
+                        Some(Ok(_)) => "made",
+                        Some(Err(_)) => "failed",
+                        None => "no room in the staging pool",
+                    },
+                    "lane for a waiting transfer"
                 );
                 if let Some(Err(mpsc::SendError(Ok(lane)))) = made.map(|l| tx.send(l)) {
                     set.give_back(vec![lane]);

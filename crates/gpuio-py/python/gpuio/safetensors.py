@@ -20,6 +20,8 @@ Onto several GPUs: ``load_replicated(path, ["cuda:0", "cuda:1"])`` gives each GP
 both read each byte from host memory once and let the GPUs exchange the rest.
 """
 
+import operator
+
 from . import Error, Session, _gpuio, _invalid
 
 __all__ = ["load_file", "load_numpy", "load_replicated", "load_split", "safe_open"]
@@ -196,7 +198,8 @@ def load_file(filename, device="cpu", session=None, progress=None):
     allocation, viewed as each tensor. A sharded checkpoint's index
     (``model.safetensors.index.json``) loads every shard it names. ``progress``: called as
     ``progress(bytes_done, bytes_total)`` on the calling thread as the data lands (the reads
-    then go in pieces of at least 1 GiB)."""
+    then go in pieces of at most 1 GiB; with several devices, the total is reached before the
+    devices have exchanged their parts)."""
     return _load_shards(filename, [_Framework("pt", device)], _Whole(), session, progress)[0]
 
 
@@ -229,10 +232,16 @@ def load_split(filename, devices, split, session=None, progress=None):
 
 
 def _devices(devices):
-    if isinstance(devices, (str, int)) or not devices:
+    if not isinstance(devices, (list, tuple)) or not devices:
         raise _invalid("devices: a list of CUDA devices, e.g. ['cuda:0', 'cuda:1']")
     fws = [_Framework("pt", d) for d in devices]
-    if any(fw.device.type != "cuda" for fw in fws) or len({fw.device for fw in fws}) < len(fws):
+    if any(fw.device.type != "cuda" for fw in fws):
+        raise _invalid(f"devices {list(devices)}: each a CUDA device")
+    torch = fws[0].torch
+    for fw in fws:  # "cuda" is the current device: compare by index
+        if fw.device.index is None:
+            fw.device = torch.device("cuda", torch.cuda.current_device())
+    if len({fw.device for fw in fws}) < len(fws):
         raise _invalid(f"devices {list(devices)}: each a different CUDA device")
     return fws
 
@@ -260,6 +269,8 @@ def _load_shards(filename, fws, how, session, progress):
     files, promised = _shards(name)
     session = session or _default_session()
     headers = [(f, *_gpuio.safetensors_header(f)) for f in files]
+    if hasattr(how, "check_names"):  # before any byte is read
+        how.check_names(r[0] for *_, rows in headers for r in rows)
     moved = _Progress(progress, sum(rows[-1][4] for *_, rows in headers if rows))
     outs = [{} for _ in fws]
     for path, start, _, rows in headers:
@@ -281,16 +292,26 @@ _PIECE = 1 << 30
 
 
 class _Progress:
-    """Bytes landed so far, reported to the caller's callback on the calling thread."""
+    """Bytes landed so far, reported to the caller's callback on the calling thread. A
+    callback that raises is not called again; its exception is raised once the reads that
+    are running have ended."""
 
     def __init__(self, callback, total):
         self.callback, self.total, self.done = callback, total, 0
         self.piece = _PIECE if callback else None
+        self.failed = None
 
     def add(self, n):
         self.done += n
-        if self.callback and n:
-            self.callback(self.done, self.total)
+        if self.callback and n and self.failed is None:
+            try:
+                self.callback(self.done, self.total)
+            except BaseException as e:
+                self.failed = e
+
+    def raise_failure(self):
+        if self.failed is not None:
+            raise self.failed
 
 
 def _read_side_by_side(session, path, jobs, moved):
@@ -311,6 +332,7 @@ def _read_side_by_side(session, path, jobs, moved):
         for d, o in jobs:
             for n in pieces(d, o):
                 moved.add(n)
+                moved.raise_failure()
         return
     import queue
     import threading
@@ -328,9 +350,14 @@ def _read_side_by_side(session, path, jobs, moved):
     threads = [threading.Thread(target=run, args=job, daemon=True) for job in jobs]
     for t in threads:
         t.start()
+    # Every thread is waited for, whatever fails: none may still write when this returns.
     failed, running = None, len(threads)
     while running:
-        item = landed.get()
+        try:
+            item = landed.get()
+        except BaseException as e:  # e.g. KeyboardInterrupt: wait on, then raise it
+            failed = failed or e
+            continue
         if item is None or isinstance(item, BaseException):
             running -= 1
             failed = failed or item
@@ -338,6 +365,7 @@ def _read_side_by_side(session, path, jobs, moved):
             moved.add(item)
     if failed:
         raise failed
+    moved.raise_failure()
 
 
 def _nbytes(x):
@@ -389,9 +417,23 @@ class _Parts:
 
     def dim(self, name, shape):
         d = self.split.get(name) if isinstance(self.split, dict) else self.split(name, list(shape))
-        if d is not None and not (isinstance(d, int) and -len(shape) <= d < len(shape)):
-            raise _invalid(f"tensor {name!r} of shape {list(shape)}: no dim {d!r} to split")
+        if d is None:
+            return None
+        try:
+            if isinstance(d, bool):
+                raise TypeError
+            d = operator.index(d)  # ints, NumPy's too; not bools
+        except TypeError:
+            d = repr(d)
+        if not isinstance(d, int) or not -len(shape) <= d < len(shape):
+            raise _invalid(f"tensor {name!r} of shape {list(shape)}: no dim {d} to split")
         return d
+
+    def check_names(self, names):
+        """A split dict naming no tensor of the checkpoint is a mistake, not a no-op."""
+        unknown = sorted(set(self.split) - set(names)) if isinstance(self.split, dict) else []
+        if unknown:
+            raise _invalid(f"split names {len(unknown)} tensors the checkpoint lacks, e.g. {unknown[0]!r}")
 
     def load(self, session, path, start, rows, fws, moved):
         dims = [self.dim(name, shape) for name, _, shape, _, _ in rows]  # all before any read

@@ -112,13 +112,20 @@ pub(crate) fn devices() -> Result<Vec<CudaDevice>> {
     let driver_version = probe::driver_version();
     // Each device's context on a thread of its own: making one costs a process ~0.2 s on an
     // H200, and a machine's GPUs would otherwise pay it one after another.
+    let open = move |ordinal| CudaDevice::open(ordinal, driver_version);
     let devices = std::thread::scope(|s| {
         let opening: Vec<_> = (0..count as usize)
-            .map(|ordinal| s.spawn(move || CudaDevice::open(ordinal, driver_version)))
+            .map(|ordinal| {
+                let thread = std::thread::Builder::new().name("gpuio-ctx".into());
+                (ordinal, thread.spawn_scoped(s, move || open(ordinal)))
+            })
             .collect();
         opening
             .into_iter()
-            .map(|o| o.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .map(|(ordinal, o)| match o {
+                Ok(t) => t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                Err(_) => open(ordinal), // no thread to spare: here
+            })
             .collect::<Result<Vec<_>>>()
     })?;
     for a in &devices {
