@@ -269,8 +269,7 @@ def _load_shards(filename, fws, how, session, progress):
     files, promised = _shards(name)
     session = session or _default_session()
     headers = [(f, *_gpuio.safetensors_header(f)) for f in files]
-    if hasattr(how, "check_names"):  # before any byte is read
-        how.check_names(r[0] for *_, rows in headers for r in rows)
+    how.prepare([r for *_, rows in headers for r in rows])  # checks, before any byte is read
     moved = _Progress(progress, sum(rows[-1][4] for *_, rows in headers if rows))
     outs = [{} for _ in fws]
     for path, start, _, rows in headers:
@@ -390,6 +389,9 @@ class _Whole:
     """Every tensor to every device: device ``r`` reads part ``r`` of the data into its
     allocation, then the devices copy their parts to each other."""
 
+    def prepare(self, rows):
+        pass
+
     def load(self, session, path, start, rows, fws, moved):
         total = rows[-1][4] if rows else 0
         blobs = [fw.empty(total) for fw in fws]
@@ -429,14 +431,18 @@ class _Parts:
             raise _invalid(f"tensor {name!r} of shape {list(shape)}: no dim {d} to split")
         return d
 
-    def check_names(self, names):
-        """A split dict naming no tensor of the checkpoint is a mistake, not a no-op."""
-        unknown = sorted(set(self.split) - set(names)) if isinstance(self.split, dict) else []
+    def prepare(self, rows):
+        """Every tensor's dim, checked; a split dict naming no tensor of the checkpoint is a
+        mistake, not a no-op."""
+        self.dims = {name: self.dim(name, shape) for name, _, shape, _, _ in rows}
+        unknown = sorted(set(self.split) - set(self.dims)) if isinstance(self.split, dict) else []
         if unknown:
-            raise _invalid(f"split names {len(unknown)} tensors the checkpoint lacks, e.g. {unknown[0]!r}")
+            raise _invalid(
+                f"split names {len(unknown)} tensor(s) the checkpoint lacks, e.g. {unknown[0]!r}"
+            )
 
     def load(self, session, path, start, rows, fws, moved):
-        dims = [self.dim(name, shape) for name, _, shape, _, _ in rows]  # all before any read
+        dims = [self.dims[r[0]] for r in rows]
         total = rows[-1][4] if rows else 0
         cuts = _cuts(total, len(fws), [r[4] for r in rows])
         reads = [fw.empty(hi - lo) for fw, lo, hi in zip(fws, cuts, cuts[1:])]
