@@ -60,8 +60,9 @@ pub trait StagingLane: Send + Sized + 'static {
     }
 }
 
-/// Lanes being made for a transfer, each sent when ready (or why it could not be made).
-type Arriving<L> = Receiver<Result<L, <L as StagingLane>::Error>>;
+/// Lanes being made for a transfer, each sent when ready (or why it could not be made);
+/// `None` where none are.
+type Arriving<L> = Option<Receiver<Result<L, <L as StagingLane>::Error>>>;
 
 /// The lanes of one GPU, made on demand from a [`StagingPool`] and kept idle between
 /// transfers; registered with the pool as a [`StagingHolder`] of its idle lanes.
@@ -112,7 +113,7 @@ impl<L: StagingLane> LaneSet<L> {
     pub fn take(self: &Arc<Self>, n: usize) -> Result<Vec<L>, L::Error> {
         let (mut taken, arriving) = self.take_arriving(n)?;
         let mut failed = None;
-        for lane in arriving {
+        for lane in arriving.into_iter().flatten() {
             match lane {
                 Ok(lane) => taken.push(lane),
                 Err(e) => failed = failed.or(Some(e)),
@@ -150,34 +151,38 @@ impl<L: StagingLane> LaneSet<L> {
         L::Error: From<WorkerPanic>,
     {
         let (mut ready, arriving) = self.take_arriving(n)?;
-        let (result, ran) = if ready.len() >= n {
-            let result = run_workers(threads, &mut ready, work);
-            (result, ready)
-        } else {
-            let next = |wait| match arriving.recv_timeout(wait) {
-                Ok(Ok(lane)) => Arrival::Worker(lane),
-                Ok(Err(e)) => {
-                    tracing::debug!(error = %e, "a lane could not be made: fewer lanes");
-                    Arrival::NotYet
-                }
-                Err(RecvTimeoutError::Timeout) => Arrival::NotYet,
-                Err(RecvTimeoutError::Disconnected) => Arrival::NoMore,
-            };
-            run_arriving_workers(threads, ready, next, work)
+        let (result, ran) = match &arriving {
+            None => {
+                let result = run_workers(threads, &mut ready, work);
+                (result, ready)
+            }
+            Some(making) => {
+                let next = |wait| match making.recv_timeout(wait) {
+                    Ok(Ok(lane)) => Arrival::Worker(lane),
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "a lane could not be made: fewer lanes");
+                        Arrival::NotYet
+                    }
+                    Err(RecvTimeoutError::Timeout) => Arrival::NotYet,
+                    Err(RecvTimeoutError::Disconnected) => Arrival::NoMore,
+                };
+                run_arriving_workers(threads, ready, next, work)
+            }
         };
         // Lanes still being made are waited for (the transfer is done; its caller waits no
         // longer than all lanes up front would have made it) and stay idle here for the next
         // transfer: nothing outlives the call.
-        let late = arriving.into_iter().filter_map(Result::ok);
+        let late = arriving.into_iter().flatten().filter_map(Result::ok);
         let count = ran.len();
         self.give_back(ran.into_iter().chain(late).collect());
         result.map(|()| count)
     }
 
-    /// The lanes idle now (at most `n`; where there are none, one made here), and a channel
-    /// on which the missing ones arrive, each made on a thread of its own (side by side: a
-    /// process's first transfer would otherwise wait for them lane after lane). A lane made
-    /// after the channel is dropped stays idle in the set.
+    /// The lanes idle now (at most `n`; where there are none, one made here), and, where
+    /// that is fewer than `n`, a channel on which the missing ones arrive, each made on a
+    /// thread of its own (side by side: a process's first transfer would otherwise wait for
+    /// them lane after lane). A lane made after the channel is dropped stays idle in the
+    /// set. With all lanes idle nothing is allocated.
     fn take_arriving(self: &Arc<Self>, n: usize) -> Result<(Vec<L>, Arriving<L>), L::Error> {
         let asked = Instant::now();
         let mut taken = {
@@ -187,6 +192,9 @@ impl<L: StagingLane> LaneSet<L> {
         };
         if taken.is_empty() {
             taken.extend(self.new_lane(false)?);
+        }
+        if taken.len() >= n {
+            return Ok((taken, None));
         }
         let (tx, rx) = mpsc::channel();
         for _ in taken.len()..n {
@@ -215,7 +223,7 @@ impl<L: StagingLane> LaneSet<L> {
                 break;
             }
         }
-        Ok((taken, rx))
+        Ok((taken, Some(rx)))
     }
 
     /// A new lane; `spare`: only from room the pool has now (`None` where it has none).
