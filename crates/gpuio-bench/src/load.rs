@@ -25,7 +25,7 @@ use gpuio_hal::Backend;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// The suite's name.
 pub const SUITE: &str = "load";
@@ -94,56 +94,17 @@ struct Load {
     hot_s: Option<f64>,
 }
 
-/// How long one child may run: a first load and three hot ones, cold at a disk's speed, or
-/// writing a checkpoint.
-const CHILD_LIMIT: Duration = Duration::from_secs(300);
-
-/// Runs `load_suite.py` (written in `dir`) with `args`, its output kept in `dir`; its last
-/// JSON line, or why it could not run (one that outlives [`CHILD_LIMIT`] is killed).
-fn child(
-    dir: &Path,
-    args: &[&str],
-    env: &[(&str, String)],
-) -> std::result::Result<serde_json::Value, String> {
-    let python = std::env::var("GPUIO_PYTHON").unwrap_or_else(|_| "python3".into());
-    let (script, out, err) = (dir.join("load_suite.py"), dir.join("out"), dir.join("err"));
-    let file = |p: &Path| std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()));
-    std::fs::write(&script, SCRIPT).map_err(|e| format!("{}: {e}", script.display()))?;
-    let mut running = Command::new(&python)
-        .arg(&script)
-        .args(args)
-        .envs(env.iter().map(|(k, v)| (*k, v)))
-        .stdout(file(&out)?)
-        .stderr(file(&err)?)
-        .spawn()
-        .map_err(|e| format!("running {python}: {e}"))?;
-    let started = Instant::now();
-    let status = loop {
-        match running.try_wait().map_err(|e| e.to_string())? {
-            Some(status) => break status,
-            None if started.elapsed() > CHILD_LIMIT => {
-                let _ = running.kill();
-                let _ = running.wait();
-                return Err(format!("killed after {} s", CHILD_LIMIT.as_secs()));
-            }
-            None => std::thread::sleep(Duration::from_millis(20)),
-        }
-    };
-    let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
-    let text = read(&out);
-    match text.lines().rev().find(|l| l.starts_with('{')) {
-        Some(l) if status.success() => serde_json::from_str(l).map_err(|e| e.to_string()),
-        _ => Err(format!(
-            "unavailable: {}",
-            read(&err).lines().last().unwrap_or("no output").trim()
-        )),
-    }
+/// Runs `load_suite.py` with `args` and `env`; its last JSON line, or why it could not run.
+fn child(args: &[&str], env: &[(&str, String)]) -> std::result::Result<serde_json::Value, String> {
+    let out = peers::python_peer("the load suite's child", SCRIPT, |cmd| {
+        cmd.args(args).envs(env.iter().map(|(k, v)| (*k, v)));
+    })?;
+    out.into_iter().last().ok_or_else(|| "no result".into())
 }
 
 /// One load by `loader` of the checkpoint at `prefix`: an error where it loaded wrong data
 /// (or is gpuio and could not run), the reason where another loader could not run.
 fn load(
-    dir: &Path,
     loader: &str,
     prefix: &Path,
     devices: &str,
@@ -159,7 +120,7 @@ fn load(
     let prefix = prefix.display().to_string();
     let reps = reps.to_string();
     let failed = |why: String| crate::BenchError::Options(format!("{loader} ({temp}): {why}"));
-    let json = match child(dir, &["load", loader, &prefix, devices, temp, &reps], &env) {
+    let json = match child(&["load", loader, &prefix, devices, temp, &reps], &env) {
         Ok(j) => j,
         Err(why) if loader.starts_with("gpuio") => return Err(failed(why)),
         Err(why) => return Ok(Err(why)),
@@ -212,12 +173,8 @@ pub fn run(
     let mut first_rate = BTreeMap::new();
     for shape in &opts.shapes {
         progress(&format!("{shape}: writing"));
-        let made = child(
-            &dir,
-            &["make", &dir.display().to_string(), shape, framework],
-            &[],
-        )
-        .map_err(|why| crate::BenchError::Options(format!("making {shape}: {why}")))?;
+        let made = child(&["make", &dir.display().to_string(), shape, framework], &[])
+            .map_err(|why| crate::BenchError::Options(format!("making {shape}: {why}")))?;
         let bytes = made["bytes"].as_u64().unwrap_or(0);
         let path = PathBuf::from(made["path"].as_str().unwrap_or_default());
         let prefix = dir.join(shape);
@@ -246,7 +203,7 @@ pub fn run(
             let mut got: Vec<(String, Load)> = Vec::new();
             for loader in &loaders {
                 progress(&format!("{shape}: {loader} ({temp})"));
-                match load(&dir, loader, &prefix, device, temp, opts.reps)? {
+                match load(loader, &prefix, device, temp, opts.reps)? {
                     Ok(l) => got.push((loader.clone(), l)),
                     Err(why) => notes.push(format!("{shape} {temp}: {loader} {why}")),
                 }
@@ -318,7 +275,7 @@ pub fn run(
             for mode in ["replicated", "split"] {
                 progress(&format!("{shape}: two GPUs, {mode}"));
                 let loader = format!("gpuio-{mode}");
-                let l = load(&dir, &loader, &prefix, "cuda:0,cuda:1", "warm", 0)?
+                let l = load(&loader, &prefix, "cuda:0,cuda:1", "warm", 0)?
                     .map_err(crate::BenchError::Options)?;
                 let case = format!("2gpu_{mode}");
                 add(&case, gbps(l.first_s), "gpuio, one GPU", one, &loader, 1);

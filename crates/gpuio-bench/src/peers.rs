@@ -230,10 +230,15 @@ pub fn kvikio(
     })
 }
 
+/// How long one Python peer may run: a hung peer (a loader that deadlocks, a device that
+/// stops answering) is killed, not waited for, so a suite ends within a device call.
+const PEER_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// Runs `script` with the Python of `GPUIO_PYTHON` (else `python3`), its arguments and
 /// environment set by `args`; returns the JSON objects it printed, one per line, or why it
-/// could not run (`<what> unavailable:` and its last error line).
-fn python_peer(
+/// could not run (`<what> unavailable:` and its last error line; one that outlives
+/// [`PEER_LIMIT`] is killed).
+pub(crate) fn python_peer(
     what: &str,
     script: &str,
     args: impl FnOnce(&mut Command),
@@ -242,27 +247,56 @@ fn python_peer(
     // Run from a file, not `-c`: Triton compiles only functions it can find the source of.
     static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let file = std::env::temp_dir().join(format!("gpuio-peer-{}-{n}.py", std::process::id()));
-    std::fs::write(&file, script).map_err(|e| format!("{}: {e}", file.display()))?;
-    let mut cmd = Command::new(&python);
-    cmd.arg(&file);
-    args(&mut cmd);
-    let out = cmd.output();
-    let _ = std::fs::remove_file(&file);
-    let out = out.map_err(|e| format!("running {python}: {e}"))?;
-    let text = String::from_utf8_lossy(&out.stdout);
+    let base = std::env::temp_dir().join(format!("gpuio-peer-{}-{n}", std::process::id()));
+    let [file, out, err] = ["py", "out", "err"].map(|e| base.with_extension(e));
+    let ran = run_python(&python, script, &file, &out, &err, args);
+    let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
+    let (text, errors) = (read(&out), read(&err));
+    for f in [&file, &out, &err] {
+        let _ = std::fs::remove_file(f);
+    }
     let lines: Vec<&str> = text.lines().filter(|l| l.starts_with('{')).collect();
-    if !out.status.success() || lines.is_empty() {
-        let err = String::from_utf8_lossy(&out.stderr);
+    let succeeded = ran.map_err(|why| format!("{what} unavailable: {why}"))?;
+    if !succeeded || lines.is_empty() {
         return Err(format!(
             "{what} unavailable: {}",
-            err.lines().last().unwrap_or("no output").trim()
+            errors.lines().last().unwrap_or("no output").trim()
         ));
     }
     lines
         .iter()
         .map(|l| serde_json::from_str(l).map_err(|e| format!("{what} output: {e}")))
         .collect()
+}
+
+/// Runs `script` (written to `file`) with its output in `out` and `err`; whether it
+/// succeeded, or why it could not run or was killed.
+fn run_python(
+    python: &str,
+    script: &str,
+    file: &Path,
+    out: &Path,
+    err: &Path,
+    args: impl FnOnce(&mut Command),
+) -> Result<bool, String> {
+    let create = |p: &Path| std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()));
+    std::fs::write(file, script).map_err(|e| format!("{}: {e}", file.display()))?;
+    let mut cmd = Command::new(python);
+    cmd.arg(file).stdout(create(out)?).stderr(create(err)?);
+    args(&mut cmd);
+    let mut child = cmd.spawn().map_err(|e| format!("running {python}: {e}"))?;
+    let started = std::time::Instant::now();
+    loop {
+        match child.try_wait().map_err(|e| e.to_string())? {
+            Some(status) => return Ok(status.success()),
+            None if started.elapsed() > PEER_LIMIT => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("killed after {} s", PEER_LIMIT.as_secs()));
+            }
+            None => std::thread::sleep(std::time::Duration::from_millis(20)),
+        }
+    }
 }
 
 const TORCH_LOAD_SCRIPT: &str = include_str!("../peers/torch_load_peer.py");
