@@ -232,7 +232,7 @@ pub fn kvikio(
 
 /// How long one Python peer may run: a hung peer (a loader that deadlocks, a device that
 /// stops answering) is killed, not waited for, so a suite ends within a device call.
-const PEER_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
+const PEER_LIMIT: std::time::Duration = std::time::Duration::from_secs(540);
 
 /// Runs `script` with the Python of `GPUIO_PYTHON` (else `python3`), its arguments and
 /// environment set by `args`; returns the JSON objects it printed, one per line, or why it
