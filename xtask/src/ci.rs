@@ -112,6 +112,7 @@ pub fn ci() -> Result {
     };
     // As root, the full-disk tests must mount their small tmpfs, not skip.
     let tmpfs = if is_root() { "1" } else { "0" };
+    let cufile_sdk = crate::cufile::sdk()?;
     if has("cargo-nextest", "--version") {
         run(
             "tests (nextest)",
@@ -120,7 +121,9 @@ pub fn ci() -> Result {
                 .env("GPUIO_REQUIRE_FUSE", fuse)
                 .env("GPUIO_REQUIRE_TMPFS", tmpfs)
                 .env("GPUIO_REQUIRE_ETCD", "1")
-                .env("GPUIO_REQUIRE_ODIRECT", "1"),
+                .env("GPUIO_REQUIRE_ODIRECT", "1")
+                .env("GPUIO_CUFILE_SDK", &cufile_sdk)
+                .env("GPUIO_REQUIRE_CUFILE_SDK", "1"),
         )?;
         // nextest does not run doctests.
         run("doctests", cargo().args(["test", "--workspace", "--doc"]))?;
@@ -132,7 +135,9 @@ pub fn ci() -> Result {
                 .env("GPUIO_REQUIRE_FUSE", fuse)
                 .env("GPUIO_REQUIRE_TMPFS", tmpfs)
                 .env("GPUIO_REQUIRE_ETCD", "1")
-                .env("GPUIO_REQUIRE_ODIRECT", "1"),
+                .env("GPUIO_REQUIRE_ODIRECT", "1")
+                .env("GPUIO_CUFILE_SDK", &cufile_sdk)
+                .env("GPUIO_REQUIRE_CUFILE_SDK", "1"),
         )?;
     }
     run(

@@ -18,6 +18,8 @@
 //! - `fuzz [TARGET].. [--time S] [--keep]` ([`fuzz`]): the fuzz targets of `fuzz/` under
 //!   AFL++ (cargo-afl, installed when missing); `--keep` minimizes what a run found into the
 //!   committed corpora.
+//! - `cufile-sdk` ([`cufile`]): NVIDIA's cuFile header and library from PyPI under
+//!   `target/cufile-sdk`, which gpuio-cufile's tests build against (`ci` installs it too).
 //! - `qemu-rdma` and `qemu-nvme` ([`qemu`]): the RDMA tests on soft-RoCE, and the NVMe driver
 //!   against QEMU's emulated NVMe through VFIO, each in a QEMU guest.
 
@@ -25,6 +27,7 @@
 
 mod bundle;
 mod ci;
+mod cufile;
 mod fuzz;
 mod kmod;
 mod manifest;
@@ -53,9 +56,10 @@ fn main() -> ExitCode {
         "qemu-nvme" => qemu::nvme::qemu_nvme(),
         "kmod" => kmod::kmod(rest),
         "fuzz" => fuzz::fuzz(rest),
+        "cufile-sdk" => cufile::cufile_sdk(),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench [ARGS] | gpu-bundle | ptx [--arch SM].. [--wheels] [--write | --check | --rust] | python | qemu-rdma | qemu-nvme | kmod [--kdir DIR]>"
+                "usage: cargo xtask <ci | bench [ARGS] | gpu-bundle | ptx [--arch SM].. [--wheels] [--write | --check | --rust] | python | qemu-rdma | qemu-nvme | kmod [--kdir DIR] | cufile-sdk>"
             );
             return ExitCode::from(2);
         }

@@ -404,23 +404,7 @@ fn first_difference(committed: &str, fresh: &str) -> String {
 /// their nvcc on `PATH` and their libnvrtc on the loader's path (read only at process start).
 fn rerun_with_wheels(args: &[String]) -> Result {
     let dir = root().join("target/cuda-wheels");
-    let stamp = dir.join("installed");
-    let want = WHEELS.join("\n");
-    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(want.as_str()) {
-        let _ = std::fs::remove_dir_all(&dir);
-        let python = ["python3", "python"]
-            .into_iter()
-            .find(|p| has(p, "--version"))
-            .ok_or("--wheels needs python3 with pip")?;
-        let mut pip = Command::new(python);
-        pip.args(["-m", "pip", "install", "--quiet", "--no-deps", "--target"])
-            .arg(&dir)
-            .args(WHEELS)
-            .env("PIP_DISABLE_PIP_VERSION_CHECK", "1")
-            .env("PIP_ROOT_USER_ACTION", "ignore");
-        run("install CUDA 13.0's nvcc and NVRTC from PyPI", &mut pip)?;
-        std::fs::write(&stamp, &want).map_err(|e| format!("{}: {e}", stamp.display()))?;
-    }
+    crate::python::pip_target(&dir, WHEELS, "install CUDA 13.0's nvcc and NVRTC from PyPI")?;
     let cuda = dir.join("nvidia/cu13");
     let path = prepend(&cuda.join("bin"), "PATH");
     let libs = prepend(&cuda.join("lib"), "LD_LIBRARY_PATH");

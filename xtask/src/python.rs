@@ -105,3 +105,26 @@ pub fn python() -> Result {
             .current_dir(root().join("target")),
     )
 }
+
+/// Installs `wheels` (pinned, without their dependencies) into `dir` with pip, unless the
+/// stamp there says exactly these are installed already.
+pub fn pip_target(dir: &Path, wheels: &[&str], what: &str) -> Result {
+    let stamp = dir.join("installed");
+    let want = wheels.join("\n");
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(want.as_str()) {
+        return Ok(());
+    }
+    let _ = std::fs::remove_dir_all(dir);
+    let python = ["python3", "python"]
+        .into_iter()
+        .find(|p| crate::has(p, "--version"))
+        .ok_or_else(|| format!("{what}: needs python3 with pip"))?;
+    let mut pip = Command::new(python);
+    pip.args(["-m", "pip", "install", "--quiet", "--no-deps", "--target"])
+        .arg(dir)
+        .args(wheels)
+        .env("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+        .env("PIP_ROOT_USER_ACTION", "ignore");
+    crate::run(what, &mut pip)?;
+    std::fs::write(&stamp, &want).map_err(|e| format!("{}: {e}", stamp.display()))
+}

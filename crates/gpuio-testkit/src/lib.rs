@@ -27,11 +27,14 @@ pub enum Requirement {
     Nvme,
     /// The right to mount a small tmpfs, for full-disk tests (`GPUIO_REQUIRE_TMPFS`).
     Tmpfs,
+    /// NVIDIA's `cufile.h`, `cuda.h` and `libcufile.so.0` from PyPI's wheels, which
+    /// `cargo xtask ci` installs and names in `GPUIO_CUFILE_SDK` (`GPUIO_REQUIRE_CUFILE_SDK`).
+    CufileSdk,
 }
 
 impl Requirement {
     /// Every requirement.
-    pub const ALL: [Requirement; 9] = [
+    pub const ALL: [Requirement; 10] = [
         Requirement::Cuda,
         Requirement::Nvrtc,
         Requirement::Gds,
@@ -41,6 +44,7 @@ impl Requirement {
         Requirement::ODirect,
         Requirement::Nvme,
         Requirement::Tmpfs,
+        Requirement::CufileSdk,
     ];
 
     /// The variable that makes this requirement's absence a failure: `GPUIO_REQUIRE_<NAME>`.
@@ -55,6 +59,7 @@ impl Requirement {
             Requirement::ODirect => "GPUIO_REQUIRE_ODIRECT",
             Requirement::Nvme => "GPUIO_REQUIRE_NVME",
             Requirement::Tmpfs => "GPUIO_REQUIRE_TMPFS",
+            Requirement::CufileSdk => "GPUIO_REQUIRE_CUFILE_SDK",
         }
     }
 

@@ -23,10 +23,21 @@ pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
     /// Waits for all work queued on the device, by gpuio or any other library.
     fn synchronize(&self) -> Result<()>;
 
+    /// Waits for the work queued on another library's stream of this device (0: the
+    /// legacy default stream).
+    ///
+    /// # Safety
+    /// A non-zero `stream` is a live stream handle of this device's primary context.
+    unsafe fn synchronize_foreign(&self, stream: u64) -> Result<()>;
+
     /// Device memory another library allocated, at `addr..addr + len` (`len > 0`), checked
     /// to lie inside one live allocation of this device; never freed by gpuio, and holding
     /// `owner` (what keeps it allocated) for as long as it lives.
     fn borrow(&self, addr: u64, len: usize, owner: Owner) -> Result<Box<dyn DeviceMemory>>;
+
+    /// Whether the driver knows `addr` as device memory of this device (another library's
+    /// or gpuio's); host memory, pinned or not, and unknown addresses are not.
+    fn holds(&self, addr: u64) -> Result<bool>;
 
     fn new_stream(&self) -> Result<Box<dyn StreamBackend>>;
 

@@ -152,11 +152,20 @@ impl DeviceBackend for HostDevice {
         Ok(())
     }
 
+    unsafe fn synchronize_foreign(&self, _stream: u64) -> Result<()> {
+        // No other library queues work on a host device.
+        Ok(())
+    }
+
     fn borrow(&self, _addr: u64, _len: usize, _owner: Owner) -> Result<Box<dyn DeviceMemory>> {
         Err(HalError::Unsupported {
             what: "device memory allocated outside gpuio",
             reason: "the host backend has no GPU whose memory another library could own".into(),
         })
+    }
+
+    fn holds(&self, _addr: u64) -> Result<bool> {
+        Ok(false)
     }
 
     unsafe fn pin_read_only(&self, _ptr: *mut u8, _len: usize) -> Result<Box<dyn HostPin>> {

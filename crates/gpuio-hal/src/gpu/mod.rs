@@ -257,6 +257,23 @@ impl Gpu {
         })
     }
 
+    /// Waits for the work another library queued on its `stream` of this GPU (0: the legacy
+    /// default stream), as cuFile's stream calls must before they read or write.
+    ///
+    /// # Safety
+    /// A non-zero `stream` is a live stream handle of this GPU's primary context: the driver
+    /// dereferences it.
+    pub unsafe fn synchronize_foreign(&self, stream: u64) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.inner.synchronize_foreign(stream) }
+    }
+
+    /// Whether `addr` is device memory of this GPU, as its driver says (any library's
+    /// allocation); host memory, pinned or not, is not. The host backend holds none.
+    pub fn holds(&self, addr: u64) -> Result<bool> {
+        self.inner.holds(addr)
+    }
+
     /// Creates a stream: an in-order queue of copies and kernels on this device.
     pub fn stream(&self) -> Result<Stream> {
         Ok(Stream {

@@ -57,6 +57,9 @@ struct Library {
     version: Option<i32>,
 }
 
+/// The symbol only gpuio's `libcufile.so.0` exports.
+pub(crate) const GPUIO_MARKER: &str = "gpuio_cufile_version";
+
 /// Candidate names: an explicit path first, then the soname, then the development link.
 pub(crate) fn candidates() -> Vec<String> {
     let mut names: Vec<String> = std::env::var("GPUIO_CUFILE_LIB").into_iter().collect();
@@ -94,6 +97,14 @@ fn load() -> std::result::Result<Library, String> {
             Ok(p)
         }
     };
+    if sym(GPUIO_MARKER).is_ok() {
+        // gpuio's own libcufile.so.0 (gpuio-cufile) serves cuFile with this very engine:
+        // taking it here would send every transfer round in a circle.
+        return Err(format!(
+            "{name} is gpuio's own cuFile library (gpuio-cufile), not NVIDIA's: gpuio moves \
+             these transfers itself"
+        ));
+    }
     let entry_points = (
         sym("cuFileDriverOpen")?,
         sym("cuFileHandleRegister")?,

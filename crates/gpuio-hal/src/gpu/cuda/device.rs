@@ -266,6 +266,19 @@ impl DeviceBackend for CudaDevice {
         }))
     }
 
+    unsafe fn synchronize_foreign(&self, stream: u64) -> Result<()> {
+        self.shared.bind()?;
+        // SAFETY: the caller's contract: 0 or a live stream of this (current) context.
+        unsafe { driver::stream_synchronize(stream as sys::CUstream) }
+    }
+
+    fn holds(&self, addr: u64) -> Result<bool> {
+        self.shared.bind()?;
+        let r = driver::pointer_range(addr)?;
+        Ok(r.mem_type == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
+            && r.ordinal == self.info.ordinal as i32)
+    }
+
     fn new_stream(&self) -> Result<Box<dyn StreamBackend>> {
         self.shared.bind()?;
         Ok(Box::new(CudaStreamBackend::new(self.shared.clone())?))

@@ -90,6 +90,17 @@ pub(super) fn ctx_synchronize() -> Result<()> {
     check(rc, "cuCtxSynchronize")
 }
 
+/// `cuStreamSynchronize`: waits for the work queued on `stream` (null: the legacy default
+/// stream).
+///
+/// # Safety
+/// A non-null `stream` is a live stream of the current context.
+pub(super) unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let rc = unsafe { sys::cuStreamSynchronize(stream) };
+    check(rc, "cuStreamSynchronize")
+}
+
 /// `cuDeviceCanAccessPeer`: whether `dev` can reach `peer`'s memory directly.
 pub(super) fn device_can_access_peer(dev: sys::CUdevice, peer: sys::CUdevice) -> Result<bool> {
     let mut can = 0;

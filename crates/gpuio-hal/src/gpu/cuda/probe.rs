@@ -127,7 +127,9 @@ pub(crate) fn host_range_is_pinned(ptr: *const u8, len: usize) -> bool {
     size == 0 || (start <= ptr as u64 && ptr as u64 + len as u64 <= start + size as u64)
 }
 
-fn library_loads(names: &[String]) -> Option<String> {
+/// The first of `names` that loads, and whether it is gpuio's own libcufile.so.0 (it exports
+/// [`super::cufile::GPUIO_MARKER`]).
+fn library_loads(names: &[String]) -> Option<(String, bool)> {
     names.iter().find_map(|name| {
         let c = CString::new(name.as_str()).ok()?;
         // SAFETY: dlopen of a vendor library by name; we only test that it loads and close it
@@ -136,9 +138,12 @@ fn library_loads(names: &[String]) -> Option<String> {
         if handle.is_null() {
             return None;
         }
+        let marker = CString::new(super::cufile::GPUIO_MARKER).ok()?;
+        // SAFETY: looks a symbol up in the live handle; nothing is called.
+        let ours = !unsafe { libc::dlsym(handle, marker.as_ptr()) }.is_null();
         // SAFETY: handle came from dlopen above and is closed once.
         unsafe { libc::dlclose(handle) };
-        Some(name.clone())
+        Some((name.clone(), ours))
     })
 }
 
@@ -147,8 +152,11 @@ fn library_loads(names: &[String]) -> Option<String> {
 pub(crate) fn gds_capability() -> Capability {
     let lib = library_loads(&super::cufile::candidates());
     match (lib, nvidia_fs_loaded()) {
-        (Some(lib), true) => Capability::yes(format!("{lib} with nvidia-fs")),
-        (Some(lib), false) => Capability::no(format!(
+        (Some((lib, true)), _) => Capability::no(format!(
+            "{lib} is gpuio's own (gpuio-cufile): cuFile programs here run on gpuio"
+        )),
+        (Some((lib, false)), true) => Capability::yes(format!("{lib} with nvidia-fs")),
+        (Some((lib, false)), false) => Capability::no(format!(
             "{lib} present but the nvidia-fs driver is not loaded: cuFile runs in compat mode"
         )),
         (None, _) => Capability::no("libcufile not found"),

@@ -1,0 +1,93 @@
+//! File handles (`cuFileHandleRegister`): a POSIX descriptor the program opened, as a gpuio
+//! [`FileHandle`] over a descriptor of its own, so the program may close its own at any time.
+//!
+//! cuFile asks for `O_DIRECT` descriptors because nvidia-fs DMAs from the device and must not
+//! race the page cache. Without nvidia-fs that reason is gone, and bypassing the cache would
+//! read a warm file from the disk: a registered `O_DIRECT` descriptor is therefore read and
+//! written through the page cache (coherently: the kernel keeps both views of the file in
+//! step). The `FORCE_ODIRECT_MODE` parameter keeps the bypass.
+
+use crate::abi;
+use crate::driver::DRIVER;
+use crate::fault::{Fault, Result};
+use crate::params::FORCE_ODIRECT_MODE;
+use gpuio_api::{FileHandle, OpenOptions, Session};
+use std::ffi::c_int;
+use std::fs::File;
+use std::os::fd::{FromRawFd, RawFd};
+
+/// A registered file.
+pub struct Handle {
+    /// The program's descriptor (what `cuFileHandleRegister` was given).
+    pub fd: RawFd,
+    /// gpuio's view of the file.
+    pub file: FileHandle,
+    pub readable: bool,
+    pub writable: bool,
+}
+
+/// The access mode and `O_DIRECT` of `fd`, or why it is no descriptor cuFile takes.
+fn describe(fd: RawFd) -> Result<(c_int, bool)> {
+    // SAFETY: F_GETFL only reads the descriptor table; a closed or bogus fd is EBADF.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(Fault::invalid(format!("fd {fd} is not an open descriptor")));
+    }
+    // SAFETY: fstat writes only the stat struct it is given.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: st is a valid stat buffer; fd was just found open.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(Fault::invalid(format!("fd {fd}: fstat failed")));
+    }
+    let kind = st.st_mode & libc::S_IFMT;
+    if kind != libc::S_IFREG && kind != libc::S_IFBLK {
+        return Err(Fault::new(
+            abi::CU_FILE_INVALID_FILE_TYPE,
+            format!("fd {fd} is neither a regular file nor a block device"),
+        ));
+    }
+    Ok((flags & libc::O_ACCMODE, flags & libc::O_DIRECT != 0))
+}
+
+impl Handle {
+    /// Registers `fd`.
+    pub fn register(session: &Session, fd: RawFd) -> Result<Self> {
+        let (mode, direct) = describe(fd)?;
+        let (readable, writable) = (mode != libc::O_WRONLY, mode != libc::O_RDONLY);
+        let path = format!("/proc/self/fd/{fd}");
+        let file = if direct {
+            // Reopened, to have a descriptor whose O_DIRECT is its own (the flag belongs to
+            // the open file, which a dup would share).
+            let opts = OpenOptions {
+                write: writable,
+                direct: DRIVER.params().flag(FORCE_ODIRECT_MODE),
+                ..OpenOptions::READ
+            };
+            session.open_file(&path, opts).map_err(|e| {
+                Fault::new(
+                    abi::CU_FILE_IO_NOT_SUPPORTED,
+                    format!("reopening O_DIRECT fd {fd} through {path}: {e}"),
+                )
+            })?
+        } else {
+            // SAFETY: F_DUPFD_CLOEXEC makes a new descriptor; fd was just found open.
+            let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+            if dup < 0 {
+                return Err(Fault::new(
+                    abi::CU_FILE_INTERNAL_ERROR,
+                    format!("dup of fd {fd}: {}", std::io::Error::last_os_error()),
+                ));
+            }
+            // SAFETY: dup is a descriptor this library just made and now owns alone.
+            let owned = unsafe { File::from_raw_fd(dup) };
+            let name = std::fs::read_link(&path).unwrap_or_else(|_| path.clone().into());
+            FileHandle::from_file(owned, name, writable)
+        };
+        Ok(Self {
+            fd,
+            file,
+            readable,
+            writable,
+        })
+    }
+}

@@ -1,0 +1,165 @@
+//! One read or write between a registered file and a buffer, through gpuio's LocalIO: GPU
+//! memory by its lanes (or straight from a kept file's pinned page cache), host memory by
+//! pread/pwrite in place. Every cuFile IO call (sync, vectored, batch, stream) ends here.
+
+use crate::abi;
+use crate::driver::DRIVER;
+use crate::fault::{Fault, Result};
+use crate::handle::Handle;
+use crate::memory::{self, Memory};
+use gpuio_api::{Dest, Session, Source};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Which way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// File to memory.
+    Read,
+    /// Memory to file.
+    Write,
+}
+
+/// One IO, as cuFile's calls give it.
+#[derive(Clone, Copy, Debug)]
+pub struct Io {
+    pub direction: Direction,
+    pub handle: usize,
+    pub base: u64,
+    pub buf_offset: i64,
+    pub size: usize,
+    pub file_offset: i64,
+}
+
+/// The registered handle under `key`.
+pub fn handle(key: usize) -> Result<Arc<Handle>> {
+    DRIVER.registry().handles.get(&key).cloned().ok_or_else(|| {
+        Fault::new(
+            abi::CU_FILE_HANDLE_NOT_REGISTERED,
+            format!("handle {key:#x} is not registered"),
+        )
+    })
+}
+
+/// Runs `io`: the bytes moved (a read stops at the end of the file).
+pub fn run(session: &Session, io: Io) -> Result<usize> {
+    let started = Instant::now();
+    let mut gpu = None;
+    let result = move_bytes(session, io, &mut gpu);
+    let flow = match io.direction {
+        Direction::Read => &DRIVER.stats.read,
+        Direction::Write => &DRIVER.stats.write,
+    };
+    flow.record(
+        result.as_ref().map(|n| *n).map_err(|_| ()),
+        started.elapsed(),
+        gpu,
+    );
+    result
+}
+
+fn move_bytes(session: &Session, io: Io, gpu: &mut Option<u32>) -> Result<usize> {
+    let h = handle(io.handle)?;
+    let at = u64::try_from(io.file_offset)
+        .map_err(|_| Fault::invalid(format!("negative file offset {}", io.file_offset)))?;
+    if io.size > isize::MAX as usize {
+        return Err(Fault::invalid(format!("{} bytes is too many", io.size)));
+    }
+    let len = match io.direction {
+        Direction::Read if !h.readable => {
+            return Err(Fault::new(
+                abi::CU_FILE_PERMISSION_DENIED,
+                format!("fd {} is not open for reading", h.fd),
+            ));
+        }
+        Direction::Write if !h.writable => {
+            return Err(Fault::new(
+                abi::CU_FILE_PERMISSION_DENIED,
+                format!("fd {} is not open for writing", h.fd),
+            ));
+        }
+        Direction::Read => {
+            let file_len = h
+                .file
+                .len()
+                .map_err(|e| Fault::from(gpuio_api::Error::from(e)))?;
+            (file_len.saturating_sub(at)).min(io.size as u64) as usize
+        }
+        Direction::Write => io.size,
+    };
+    let mem = memory::resolve(session, io.base, io.buf_offset, io.size)?;
+    *gpu = mem.gpu();
+    if len == 0 {
+        return Ok(0);
+    }
+    let outcome = match (&mem, io.direction) {
+        (Memory::Device { buf, offset }, Direction::Read) => {
+            session.transfer(Source::File(&h.file, at), Dest::Device(buf, *offset), len)
+        }
+        (Memory::Device { buf, offset }, Direction::Write) => {
+            session.transfer(Source::Device(buf, *offset), Dest::File(&h.file, at), len)
+        }
+        (Memory::Host(p), Direction::Read) => {
+            // SAFETY: cuFile's contract: a host buffer is mapped and writable for the IO's
+            // size at base + offset (resolve checked the address arithmetic), and the program
+            // does not touch it until the call returns.
+            let dst = unsafe { std::slice::from_raw_parts_mut(*p, len) };
+            session.transfer(Source::File(&h.file, at), Dest::Host(dst), len)
+        }
+        (Memory::Host(p), Direction::Write) => {
+            // SAFETY: as above, readable for the IO's size and unchanged during the call.
+            let src = unsafe { std::slice::from_raw_parts(*p, len) };
+            session.transfer(Source::Host(src), Dest::File(&h.file, at), len)
+        }
+    };
+    outcome.map_err(Fault::from)?;
+    Ok(len)
+}
+
+/// `cuFileReadv`/`cuFileWritev`: the vectors in turn from `file_offset`; the bytes moved (a
+/// read stops at the end of the file).
+pub fn run_vectored(
+    session: &Session,
+    direction: Direction,
+    handle: usize,
+    iov: &[abi::CUfileIOVec_t],
+    file_offset: i64,
+) -> Result<usize> {
+    let started = Instant::now();
+    let mut total = 0usize;
+    let mut at = file_offset;
+    let mut result = Ok(());
+    for v in iov {
+        let io = Io {
+            direction,
+            handle,
+            base: v.base as u64,
+            buf_offset: 0,
+            size: v.len,
+            file_offset: at,
+        };
+        match move_bytes(session, io, &mut None) {
+            Ok(n) => {
+                total += n;
+                at = at.saturating_add(n as i64);
+                if n < v.len {
+                    break;
+                }
+            }
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        }
+    }
+    let flow = match direction {
+        Direction::Read => &DRIVER.stats.readv,
+        Direction::Write => &DRIVER.stats.writev,
+    };
+    flow.record(
+        result.as_ref().map(|_| total).map_err(|_| ()),
+        started.elapsed(),
+        None,
+    );
+    result.map(|()| total)
+}
