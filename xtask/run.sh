@@ -6,7 +6,7 @@
 # kvikio and torch: on PYTHONPATH; iperf3 where installed, or in ./iperf3 with its libraries),
 # and the first use of the kernel modules: embedded PTX against NVRTC.
 #
-#   ./run.sh [tests | bench-a | bench-b | ondemand | nvme | kernel-load | python | load | all]
+#   ./run.sh [tests | bench-a | bench-b | ondemand | nvme | kernel-load | python | load | cufile | all]
 #   (default: all)
 #
 # The parts fit where one command may run ten minutes at most: tests (tests, kernels, info),
@@ -16,7 +16,9 @@
 # suite: first use of each module, with the driver's JIT cache off and on), python (the wheel
 # installed beside torch: its pytests with CUDA required, the CuPy on-demand example, and the
 # python bench suite), load (the wheel and the load suite's peers, kvikio and fastsafetensors,
-# installed beside torch: safetensors checkpoints loaded by fresh processes).
+# installed beside torch: safetensors checkpoints loaded by fresh processes), cufile (kvikio and
+# torch.cuda.gds, unchanged, on gpuio's libcufile.so.0 against NVIDIA's: the localio bench's
+# cufile part).
 # Results (bench JSON, plots, test logs) go to $OUT or ./out.
 set -u
 cd "$(dirname "$0")"
@@ -24,13 +26,15 @@ part="${1:-all}"
 export GPUIO_REQUIRE_CUDA=1
 export GPUIO_BIN="$PWD/bin/gpuio"
 export GPUIO_E2E_BYTES="${GPUIO_E2E_BYTES:-1073741824}"
+# gpuio's libcufile.so.0 and NVIDIA's header, for gpuio-cufile's C test and the cufile bench.
+export GPUIO_CUFILE_LIB_DIR="$PWD/lib" GPUIO_CUFILE_SDK="$PWD/cufile-sdk" GPUIO_REQUIRE_CUFILE_SDK=1
 [ -d iperf3 ] && export PATH="$PWD/iperf3:$PATH" LD_LIBRARY_PATH="$PWD/iperf3:${LD_LIBRARY_PATH:-}"
 out="${OUT:-$PWD/out}"
 mkdir -p "$out"
 status=0
 # The executables travel gzipped (the bundle and the tree must fit the 64 MiB a call carries):
 # unpack each once.
-for z in bin/*.gz tests/*.gz; do
+for z in bin/*.gz lib/*.gz tests/*.gz; do
     [ -e "$z" ] || continue
     gzip -dc "$z" >"${z%.gz}" && chmod +x "${z%.gz}" && rm "$z" || { echo "cannot unpack $z"; exit 1; }
 done
@@ -84,7 +88,7 @@ case "$part" in nvme | all)
 esac
 py="${GPUIO_PYTHON:-python3}"
 site="$PWD/python/site"
-case "$part" in python | load | all)
+case "$part" in python | load | cufile | all)
     # The wheel, pytest's wheels and the load suite's peers into a directory of their own,
     # found through PYTHONPATH; torch, NumPy, CuPy and safetensors are the machine's.
     [ -e "$site/.installed" ] || { rm -rf "$site" && step "$py" -m pip install --quiet --no-deps \
@@ -104,6 +108,9 @@ case "$part" in python | all)
 esac
 case "$part" in load | all)
     step bin/gpuio bench load --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out" ${GPUIO_LOAD_ARGS:-} ;;
+esac
+case "$part" in cufile | all)
+    step bin/gpuio bench localio --localio-parts cufile --scratch "${GPUIO_SCRATCH:-/tmp}" --out "$out" ;;
 esac
 case "$part" in kernel-load | all)
     # First use of each kernel module: embedded PTX (the driver JIT-compiles it) against NVRTC

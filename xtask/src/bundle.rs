@@ -7,13 +7,15 @@
 use crate::{Result, build_tests, cargo, copy, listed_tests, make_executable, root, run};
 use std::path::Path;
 
-/// The bundle carried to the GPU machine: `bin/` (gpuio, xtask) and `tests/` (every test
-/// binary), gzipped, and `run.sh` (the kernel sources travel with the working tree).
+/// The bundle carried to the GPU machine: `bin/` (gpuio, xtask), `lib/` (gpuio's
+/// `libcufile.so.0`) and `tests/` (every test binary), gzipped; NVIDIA's cuFile header
+/// (`cufile-sdk/`, which gpuio-cufile's C test compiles against), and `run.sh` (the kernel
+/// sources travel with the working tree).
 pub fn gpu_bundle() -> Result {
     let root = root();
     let out = root.join("target/gpu-bundle");
     let _ = std::fs::remove_dir_all(&out);
-    for d in ["bin", "tests"] {
+    for d in ["bin", "lib", "tests"] {
         std::fs::create_dir_all(out.join(d)).map_err(|e| format!("creating {d}: {e}"))?;
     }
     run(
@@ -25,6 +27,8 @@ pub fn gpu_bundle() -> Result {
             "-p",
             "gpuio-cli",
             "-p",
+            "gpuio-cufile",
+            "-p",
             "xtask",
         ]),
     )?;
@@ -33,6 +37,16 @@ pub fn gpu_bundle() -> Result {
         std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), Into::into);
     for bin in ["gpuio", "xtask"] {
         copy(&target.join("bundle").join(bin), &out.join("bin").join(bin))?;
+    }
+    copy(
+        &target.join("bundle/libcufile.so"),
+        &out.join("lib/libcufile.so.0"),
+    )?;
+    let headers = crate::cufile::sdk()?.join("nvidia/cu13/include");
+    let sdk = out.join("cufile-sdk/nvidia/cu13/include");
+    std::fs::create_dir_all(&sdk).map_err(|e| format!("creating {}: {e}", sdk.display()))?;
+    for h in ["cufile.h", "cuda.h"] {
+        copy(&headers.join(h), &sdk.join(h))?;
     }
     let tests = build_tests(
         "build test binaries",
@@ -80,7 +94,7 @@ pub fn gpu_bundle() -> Result {
         }
     }
     bundle_python(&out.join("python"))?;
-    for d in ["bin", "tests"] {
+    for d in ["bin", "lib", "tests"] {
         gzip_all(&out.join(d))?;
     }
     let script = out.join("run.sh");

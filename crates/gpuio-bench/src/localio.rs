@@ -8,6 +8,8 @@
 //! - `host`: a file into host memory and back (`localio/host.rs`).
 //! - `second-read`: a read that asks for a registration against the same read through the
 //!   lanes (`localio/second_read.rs`; CUDA only: the host backend registers nothing).
+//! - `cufile` (only when named: it needs torch, kvikio and gpuio's `libcufile.so.0`): cuFile
+//!   programs on gpuio's library against the same programs on NVIDIA's (`localio/cufile.rs`).
 //!
 //! A peer that cannot run here is named in the notes, not faked.
 
@@ -21,6 +23,7 @@ use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+mod cufile;
 mod host;
 mod second_read;
 mod targets;
@@ -44,8 +47,8 @@ pub struct Options {
     pub parts: Vec<&'static str>,
 }
 
-/// The suite's parts.
-pub const PARTS: [&str; 3] = ["device", "host", "second-read"];
+/// The suite's parts; all but `cufile` run unless parts are named.
+pub const PARTS: [&str; 4] = ["device", "host", "second-read", "cufile"];
 
 impl Options {
     /// The defaults for a backend: 4 GiB on a GPU, 256 MiB on the host backend.
@@ -56,7 +59,7 @@ impl Options {
             scratch: std::env::temp_dir(),
             reps: if gpu { 5 } else { 3 },
             random_reads: if gpu { 262_144 } else { 32_768 },
-            parts: PARTS.to_vec(),
+            parts: PARTS[..3].to_vec(),
         }
     }
 
@@ -68,7 +71,10 @@ impl Options {
                 PARTS.join(", ")
             )));
         }
-        self.parts.retain(|p| parts.iter().any(|q| q == p));
+        self.parts = PARTS
+            .into_iter()
+            .filter(|p| parts.iter().any(|q| q == p))
+            .collect();
         Ok(())
     }
 }
@@ -224,6 +230,13 @@ pub fn run(
                 "second_read: nothing is registered here ({})",
                 gpu.info().page_cache_dma.detail
             ));
+        }
+    }
+    if has("cufile") {
+        if gpu.backend() == Backend::Cuda {
+            records.extend(cufile::run(&path, opts.size, &device, &mut notes, progress)?);
+        } else {
+            notes.push("cufile: cuFile programs need a CUDA GPU".into());
         }
     }
     let targets = if gpu.backend() == Backend::Cuda {

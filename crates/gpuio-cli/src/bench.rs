@@ -45,7 +45,8 @@ pub struct BenchArgs {
     /// Shorter measurements (smoke runs, CI).
     #[arg(long)]
     quick: bool,
-    /// localio: the parts to run, of device, host and second-read (default: all).
+    /// localio: the parts to run, of device, host, second-read and cufile (default: all but
+    /// cufile, which needs torch, kvikio and gpuio's libcufile.so.0).
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     localio_parts: Option<Vec<String>>,
     /// load: the parts to run, of large, small (the checkpoints), warm and cold (default: all).

@@ -15,6 +15,7 @@ use gpuio_api::{FileHandle, OpenOptions, Session};
 use std::ffi::c_int;
 use std::fs::File;
 use std::os::fd::{FromRawFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A registered file.
 pub struct Handle {
@@ -24,6 +25,9 @@ pub struct Handle {
     pub file: FileHandle,
     pub readable: bool,
     pub writable: bool,
+    /// The file's length when last looked at: a read within it needs no fstat (a system call
+    /// that costs more than a small read's copy under some kernels).
+    known_len: AtomicU64,
 }
 
 /// The access mode and `O_DIRECT` of `fd`, or why it is no descriptor cuFile takes.
@@ -88,6 +92,26 @@ impl Handle {
             file,
             readable,
             writable,
+            known_len: AtomicU64::new(0),
         })
+    }
+
+    /// The bytes a read of `size` at `at` gets: up to the end of the file, looked up again only
+    /// where the length last seen would cut the read short (`fresh`: look it up anyway).
+    pub fn readable_len(&self, at: u64, size: usize, fresh: bool) -> Result<usize> {
+        let mut len = self.known_len.load(Ordering::Relaxed);
+        if fresh || at.saturating_add(size as u64) > len {
+            len = self
+                .file
+                .len()
+                .map_err(|e| Fault::from(gpuio_api::Error::from(e)))?;
+            self.known_len.store(len, Ordering::Relaxed);
+        }
+        Ok(len.saturating_sub(at).min(size as u64) as usize)
+    }
+
+    /// Notes a write that ended at `end`.
+    pub fn wrote_to(&self, end: u64) {
+        self.known_len.fetch_max(end, Ordering::Relaxed);
     }
 }

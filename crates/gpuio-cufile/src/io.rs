@@ -65,44 +65,65 @@ fn move_bytes(session: &Session, io: Io, gpu: &mut Option<u32>) -> Result<usize>
     if io.size > isize::MAX as usize {
         return Err(Fault::invalid(format!("{} bytes is too many", io.size)));
     }
-    let len = match io.direction {
-        Direction::Read if !h.readable => {
-            return Err(Fault::new(
-                abi::CU_FILE_PERMISSION_DENIED,
-                format!("fd {} is not open for reading", h.fd),
-            ));
-        }
-        Direction::Write if !h.writable => {
-            return Err(Fault::new(
-                abi::CU_FILE_PERMISSION_DENIED,
-                format!("fd {} is not open for writing", h.fd),
-            ));
-        }
-        Direction::Read => {
-            let file_len = h
-                .file
-                .len()
-                .map_err(|e| Fault::from(gpuio_api::Error::from(e)))?;
-            (file_len.saturating_sub(at)).min(io.size as u64) as usize
-        }
-        Direction::Write => io.size,
+    let (allowed, what) = match io.direction {
+        Direction::Read => (h.readable, "reading"),
+        Direction::Write => (h.writable, "writing"),
     };
+    if !allowed {
+        return Err(Fault::new(
+            abi::CU_FILE_PERMISSION_DENIED,
+            format!("fd {} is not open for {what}", h.fd),
+        ));
+    }
     let mem = memory::resolve(session, io.base, io.buf_offset, io.size)?;
     *gpu = mem.gpu();
-    if len == 0 {
-        return Ok(0);
+    if io.direction == Direction::Write {
+        transfer(session, &h, &mem, io.direction, at, io.size)?;
+        h.wrote_to(at + io.size as u64);
+        return Ok(io.size);
     }
-    let outcome = match (&mem, io.direction) {
-        (Memory::Device { buf, offset }, Direction::Read) => {
-            session.transfer(Source::File(&h.file, at), Dest::Device(buf, *offset), len)
-        }
-        (Memory::Device { buf, offset }, Direction::Write) => {
-            session.transfer(Source::Device(buf, *offset), Dest::File(&h.file, at), len)
-        }
+    let len = h.readable_len(at, io.size, false)?;
+    match transfer(session, &h, &mem, io.direction, at, len) {
+        Ok(()) => Ok(len),
+        // The file may have shrunk since its length was last seen: a read that now runs past
+        // its end is a short read, not an error.
+        Err(e) => match h.readable_len(at, io.size, true)? {
+            shorter if shorter < len => {
+                transfer(session, &h, &mem, io.direction, at, shorter)?;
+                Ok(shorter)
+            }
+            _ => Err(e),
+        },
+    }
+}
+
+/// Moves `len` bytes between the file at `at` and `mem`.
+fn transfer(
+    session: &Session,
+    h: &Handle,
+    mem: &Memory,
+    direction: Direction,
+    at: u64,
+    len: usize,
+) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    let outcome = match (mem, direction) {
+        (Memory::Device { buf, offset }, Direction::Read) => session.transfer(
+            Source::File(&h.file, at),
+            Dest::Device(buf, *offset),
+            len,
+        ),
+        (Memory::Device { buf, offset }, Direction::Write) => session.transfer(
+            Source::Device(buf, *offset),
+            Dest::File(&h.file, at),
+            len,
+        ),
         (Memory::Host(p), Direction::Read) => {
             // SAFETY: cuFile's contract: a host buffer is mapped and writable for the IO's
-            // size at base + offset (resolve checked the address arithmetic), and the program
-            // does not touch it until the call returns.
+            // size at base + offset (resolve checked the address arithmetic; len is at most
+            // that size), and the program does not touch it until the call returns.
             let dst = unsafe { std::slice::from_raw_parts_mut(*p, len) };
             session.transfer(Source::File(&h.file, at), Dest::Host(dst), len)
         }
@@ -112,8 +133,7 @@ fn move_bytes(session: &Session, io: Io, gpu: &mut Option<u32>) -> Result<usize>
             session.transfer(Source::Host(src), Dest::File(&h.file, at), len)
         }
     };
-    outcome.map_err(Fault::from)?;
-    Ok(len)
+    outcome.map(|_| ()).map_err(Fault::from)
 }
 
 /// `cuFileReadv`/`cuFileWritev`: the vectors in turn from `file_offset`; the bytes moved (a

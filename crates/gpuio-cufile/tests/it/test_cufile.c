@@ -371,8 +371,10 @@ int main(int argc, char **argv) {
     FAILS(cuFileStreamRegister(NULL, 0x100), CU_FILE_INVALID_VALUE);
     OK(cuFileReadAsync(fh, dst, &size, &foff, &boff, &done, NULL));
     CHECK(done == 4096 && memcmp(dst, src + 4096, 4096) == 0);
+    boff = 4096; /* writes back the bytes that are there: the file stays equal to src */
     OK(cuFileWriteAsync(fh, src, &size, &foff, &boff, &done, NULL));
     CHECK(done == 4096);
+    boff = 0;
     FAILS(cuFileReadAsync(fh, dst, NULL, &foff, &boff, &done, NULL), CU_FILE_INVALID_VALUE);
     FAILS(cuFileReadAsync(fh, dst, &size, &foff, &boff, NULL, NULL), CU_FILE_INVALID_VALUE);
     OK(cuFileStreamDeregister(NULL));
@@ -408,6 +410,12 @@ int main(int argc, char **argv) {
             device_checks(&cu, fh, src, 1 << 20);
         }
     }
+
+    /* a file that shrank under a registered handle: reads past its new end are short */
+    CHECK(ftruncate(fd, 10000) == 0);
+    CHECK(cuFileRead(fh, dst, 4096, 8000, 0) == 2000);
+    CHECK(memcmp(dst, src + 8000, 2000) == 0);
+    CHECK(cuFileRead(fh, dst, 4096, 12000, 0) == 0);
 
     /* close: the driver forgets what was registered */
     cuFileHandleDeregister(fh);
