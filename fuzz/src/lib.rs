@@ -1,7 +1,8 @@
 //! Coverage-guided fuzz targets for every parser of input that strangers and devices control:
 //! the RemoteIO wire protocol, resource URIs, configuration files and `GPUIO_*` values, what
 //! a metrics endpoint sends `gpuio stat`, NVMe controller data, file-extent text, gpuio-ai's
-//! compressed frames and the system files gpuio reads.
+//! compressed frames, the system files gpuio reads, and the arguments cuFile programs pass to
+//! gpuio's `libcufile.so.0`.
 //!
 //! Each target takes the fuzzer's bytes and panics when what must hold does not: no panic in
 //! the parser, a typed error or a value that encodes back to the same bytes, agreement where
@@ -54,6 +55,7 @@ pub const TARGETS: &[Target] = &[
     targets::frames::TARGET,
     targets::sysfs::TARGET,
     targets::safetensors::TARGET,
+    targets::cufile::TARGET,
 ];
 
 /// The target named `name`.

@@ -234,7 +234,9 @@ pub fn run(
     }
     if has("cufile") {
         if gpu.backend() == Backend::Cuda {
-            records.extend(cufile::run(&path, opts.size, &device, &mut notes, progress)?);
+            records.extend(cufile::run(
+                &path, opts.size, &device, &mut notes, progress,
+            )?);
         } else {
             notes.push("cufile: cuFile programs need a CUDA GPU".into());
         }

@@ -110,16 +110,12 @@ fn transfer(
         return Ok(());
     }
     let outcome = match (mem, direction) {
-        (Memory::Device { buf, offset }, Direction::Read) => session.transfer(
-            Source::File(&h.file, at),
-            Dest::Device(buf, *offset),
-            len,
-        ),
-        (Memory::Device { buf, offset }, Direction::Write) => session.transfer(
-            Source::Device(buf, *offset),
-            Dest::File(&h.file, at),
-            len,
-        ),
+        (Memory::Device { buf, offset }, Direction::Read) => {
+            session.transfer(Source::File(&h.file, at), Dest::Device(buf, *offset), len)
+        }
+        (Memory::Device { buf, offset }, Direction::Write) => {
+            session.transfer(Source::Device(buf, *offset), Dest::File(&h.file, at), len)
+        }
         (Memory::Host(p), Direction::Read) => {
             // SAFETY: cuFile's contract: a host buffer is mapped and writable for the IO's
             // size at base + offset (resolve checked the address arithmetic; len is at most

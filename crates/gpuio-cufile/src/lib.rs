@@ -8,6 +8,8 @@ mod batch;
 mod driver;
 mod exports;
 mod fault;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod handle;
 mod io;
 mod memory;

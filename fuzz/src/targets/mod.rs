@@ -1,6 +1,7 @@
 //! One module per parser family; each exports its [`Target`](crate::Target)s.
 
 pub mod config;
+pub mod cufile;
 pub mod extents;
 pub mod frames;
 pub mod metrics;

@@ -88,15 +88,14 @@ pub fn run(
             .filter(|r| r["suite"] == suite && r["lib"] == lib)
             .collect()
     };
-    let record = |case: String, metric: &str, unit: &str, ours, peer: &str, theirs, higher| {
-        Record {
+    let record =
+        |case: String, metric: &str, unit: &str, ours, peer: &str, theirs, higher| Record {
             bytes: size as usize,
             route: "cuFile API".into(),
             device: device.to_string(),
             reps: 1,
             ..Record::versus(SUITE, (&case, metric, unit), ours, peer, theirs, higher)
-        }
-    };
+        };
     let mut records = Vec::new();
     for threads in [8, 16, 32] {
         for case in ["warm", "hot", "cold"] {

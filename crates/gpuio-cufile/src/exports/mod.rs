@@ -8,6 +8,9 @@ mod io;
 mod params;
 mod stats;
 
+#[cfg(feature = "fuzzing")]
+pub(crate) use {batch::*, driver::*, io::*, params::*, stats::*};
+
 use crate::abi::{self, CUfileError_t};
 use crate::fault::{Fault, Result, SUCCESS};
 use std::panic::{AssertUnwindSafe, catch_unwind};

@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -288,6 +289,15 @@ int main(int argc, char **argv) {
         cuFileHandleDeregister(dfh);
         close(dfd);
     }
+
+    /* memory the process cannot touch is an error, not a crash */
+    void *none = mmap(NULL, 65536, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(none != MAP_FAILED);
+    CHECK(cuFileRead(fh, none, 4096, 0, 0) < 0);
+    CHECK(cuFileWrite(fh, none, 4096, 0, 0) < 0);
+    CHECK(cuFileRead(fh, none, 65536, 0, 0) < 0);
+    munmap(none, 65536);
+    CHECK(cuFileRead(fh, dst, 64, 0, 0) == 64 && memcmp(dst, src, 64) == 0);
 
     /* registered host buffers */
     OK(cuFileBufRegister(dst, 8192, 0));
