@@ -153,7 +153,9 @@ fn fails_inside(err: i32) -> bool {
 
 impl Runner {
     fn new(dir: &std::path::Path) -> Self {
-        let content: Vec<u8> = (0..BUF as u32).map(|i| ((i * 131) ^ (i >> 7)) as u8).collect();
+        let content: Vec<u8> = (0..BUF as u32)
+            .map(|i| ((i * 131) ^ (i >> 7)) as u8)
+            .collect();
         let data_path = dir.join("data");
         std::fs::write(&data_path, &content).expect("data file");
         let data = std::fs::File::open(&data_path).expect("data file");
