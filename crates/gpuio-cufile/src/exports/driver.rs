@@ -29,7 +29,7 @@ pub extern "C" fn cuFileUseCount() -> c_long {
     DRIVER.use_count().min(c_long::MAX as u64) as c_long
 }
 
-fn kib(v: usize) -> u32 {
+fn uint(v: usize) -> u32 {
     v.min(u32::MAX as usize) as u32
 }
 
@@ -49,11 +49,11 @@ fn properties(p: &Params) -> CUfileDrvProps_t {
         fflags: (1 << abi::CU_FILE_BATCH_IO_SUPPORTED)
             | (1 << abi::CU_FILE_STREAMS_SUPPORTED)
             | (1 << abi::CU_FILE_PARALLEL_IO_SUPPORTED),
-        max_device_cache_size: kib(p.size(params::MAX_DEVICE_CACHE_SIZE_KB)),
-        per_buffer_cache_size: kib(p.size(params::PER_BUFFER_CACHE_SIZE_KB)),
-        max_device_pinned_mem_size: kib(p.size(params::MAX_DEVICE_PINNED_MEM_SIZE_KB)),
-        max_batch_io_size: kib(p.size(params::IO_BATCHSIZE)),
-        max_batch_io_timeout_msecs: kib(p.size(params::BATCH_IO_TIMEOUT_MS)),
+        max_device_cache_size: uint(p.size(params::MAX_DEVICE_CACHE_SIZE_KB)),
+        per_buffer_cache_size: uint(p.size(params::PER_BUFFER_CACHE_SIZE_KB)),
+        max_device_pinned_mem_size: uint(p.size(params::MAX_DEVICE_PINNED_MEM_SIZE_KB)),
+        max_batch_io_size: uint(p.size(params::IO_BATCHSIZE)),
+        max_batch_io_timeout_msecs: uint(p.size(params::BATCH_IO_TIMEOUT_MS)),
     }
 }
 
@@ -68,9 +68,9 @@ pub unsafe extern "C" fn cuFileDriverGetProperties(props: *mut CUfileDrvProps_t)
     })
 }
 
-/// Sets a `size_t` property in KiB from bytes (the knobs take bytes, the properties KiB).
-fn set_kib(param: usize, bytes: usize) -> CUfileError_t {
-    status(|| DRIVER.set_property(|p| p.set_size(param as c_int, bytes / 1024)))
+/// Sets a `size_t` property, in KiB as cuFile's knobs take it.
+fn set_kib(param: usize, kib: usize) -> CUfileError_t {
+    status(|| DRIVER.set_property(|p| p.set_size(param as c_int, kib)))
 }
 
 #[unsafe(no_mangle)]
@@ -85,26 +85,17 @@ pub extern "C" fn cuFileDriverSetPollMode(poll: bool, poll_threshold_size: usize
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuFileDriverSetMaxDirectIOSize(max_direct_io_size: usize) -> CUfileError_t {
-    set_kib(
-        params::MAX_DIRECT_IO_SIZE_KB,
-        max_direct_io_size.saturating_mul(1024),
-    )
+    set_kib(params::MAX_DIRECT_IO_SIZE_KB, max_direct_io_size)
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuFileDriverSetMaxCacheSize(max_cache_size: usize) -> CUfileError_t {
-    set_kib(
-        params::MAX_DEVICE_CACHE_SIZE_KB,
-        max_cache_size.saturating_mul(1024),
-    )
+    set_kib(params::MAX_DEVICE_CACHE_SIZE_KB, max_cache_size)
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuFileDriverSetMaxPinnedMemSize(max_pinned_size: usize) -> CUfileError_t {
-    set_kib(
-        params::MAX_DEVICE_PINNED_MEM_SIZE_KB,
-        max_pinned_size.saturating_mul(1024),
-    )
+    set_kib(params::MAX_DEVICE_PINNED_MEM_SIZE_KB, max_pinned_size)
 }
 
 /// # Safety
