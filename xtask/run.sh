@@ -27,7 +27,7 @@ export GPUIO_REQUIRE_CUDA=1
 export GPUIO_BIN="$PWD/bin/gpuio"
 export GPUIO_E2E_BYTES="${GPUIO_E2E_BYTES:-1073741824}"
 # gpuio's libcufile.so.0 and NVIDIA's header, for gpuio-cufile's C test and the cufile bench.
-export GPUIO_CUFILE_LIB_DIR="$PWD/lib" GPUIO_CUFILE_SDK="$PWD/cufile-sdk" GPUIO_REQUIRE_CUFILE_SDK=1
+export GPUIO_CUFILE_LIB_DIR="$PWD/lib" GPUIO_CUFILE_SDK="$PWD/cufile-sdk" GPUIO_REQUIRE_CUFILESDK=1
 [ -d iperf3 ] && export PATH="$PWD/iperf3:$PATH" LD_LIBRARY_PATH="$PWD/iperf3:${LD_LIBRARY_PATH:-}"
 out="${OUT:-$PWD/out}"
 mkdir -p "$out"

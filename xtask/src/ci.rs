@@ -123,7 +123,7 @@ pub fn ci() -> Result {
                 .env("GPUIO_REQUIRE_ETCD", "1")
                 .env("GPUIO_REQUIRE_ODIRECT", "1")
                 .env("GPUIO_CUFILE_SDK", &cufile_sdk)
-                .env("GPUIO_REQUIRE_CUFILE_SDK", "1"),
+                .env("GPUIO_REQUIRE_CUFILESDK", "1"),
         )?;
         // nextest does not run doctests.
         run("doctests", cargo().args(["test", "--workspace", "--doc"]))?;
@@ -137,7 +137,7 @@ pub fn ci() -> Result {
                 .env("GPUIO_REQUIRE_ETCD", "1")
                 .env("GPUIO_REQUIRE_ODIRECT", "1")
                 .env("GPUIO_CUFILE_SDK", &cufile_sdk)
-                .env("GPUIO_REQUIRE_CUFILE_SDK", "1"),
+                .env("GPUIO_REQUIRE_CUFILESDK", "1"),
         )?;
     }
     run(

@@ -28,7 +28,7 @@ pub enum Requirement {
     /// The right to mount a small tmpfs, for full-disk tests (`GPUIO_REQUIRE_TMPFS`).
     Tmpfs,
     /// NVIDIA's `cufile.h`, `cuda.h` and `libcufile.so.0` from PyPI's wheels, which
-    /// `cargo xtask ci` installs and names in `GPUIO_CUFILE_SDK` (`GPUIO_REQUIRE_CUFILE_SDK`).
+    /// `cargo xtask ci` installs and names in `GPUIO_CUFILE_SDK` (`GPUIO_REQUIRE_CUFILESDK`).
     CufileSdk,
 }
 
@@ -59,7 +59,7 @@ impl Requirement {
             Requirement::ODirect => "GPUIO_REQUIRE_ODIRECT",
             Requirement::Nvme => "GPUIO_REQUIRE_NVME",
             Requirement::Tmpfs => "GPUIO_REQUIRE_TMPFS",
-            Requirement::CufileSdk => "GPUIO_REQUIRE_CUFILE_SDK",
+            Requirement::CufileSdk => "GPUIO_REQUIRE_CUFILESDK",
         }
     }
 
