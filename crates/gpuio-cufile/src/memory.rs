@@ -37,14 +37,18 @@ impl Memory {
 /// The GPU memory at `addr..addr + len`, if the driver knows it as such.
 fn device_at(session: &Session, addr: u64, len: usize) -> Result<Option<DeviceBuffer>> {
     for gpu in session.gpus() {
-        if gpu
-            .holds(addr)
-            .map_err(|e| Fault::new(abi::CU_FILE_CUDA_DRIVER_ERROR, format!("{addr:#x}: {e}")))?
+        if let Some(buf) = gpu
+            .borrow_device_if_held(addr, len.max(1), ())
+            .map_err(|e| {
+                let e = gpuio_api::Error::from(e);
+                let code = match e.code() {
+                    gpuio_api::ErrorCode::InvalidArg => abi::CU_FILE_CUDA_POINTER_RANGE_ERROR,
+                    _ => abi::CU_FILE_CUDA_DRIVER_ERROR,
+                };
+                Fault::new(code, format!("{addr:#x}: {e}"))
+            })?
         {
-            return gpu
-                .borrow_device(addr, len.max(1), ())
-                .map(Some)
-                .map_err(|e| Fault::new(abi::CU_FILE_CUDA_POINTER_RANGE_ERROR, e.to_string()));
+            return Ok(Some(buf));
         }
     }
     Ok(None)

@@ -35,9 +35,16 @@ pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
     /// `owner` (what keeps it allocated) for as long as it lives.
     fn borrow(&self, addr: u64, len: usize, owner: Owner) -> Result<Box<dyn DeviceMemory>>;
 
-    /// Whether the driver knows `addr` as device memory of this device (another library's
-    /// or gpuio's); host memory, pinned or not, and unknown addresses are not.
-    fn holds(&self, addr: u64) -> Result<bool>;
+    /// As `borrow`, with one question to the driver, where `addr` may not be device memory
+    /// at all: None where the driver does not know it as this device's (host memory, pinned
+    /// or not, another device's, unknown addresses); an error where it is, but the range
+    /// leaves its allocation.
+    fn borrow_held(
+        &self,
+        addr: u64,
+        len: usize,
+        owner: Owner,
+    ) -> Result<Option<Box<dyn DeviceMemory>>>;
 
     fn new_stream(&self) -> Result<Box<dyn StreamBackend>>;
 

@@ -164,8 +164,13 @@ impl DeviceBackend for HostDevice {
         })
     }
 
-    fn holds(&self, _addr: u64) -> Result<bool> {
-        Ok(false)
+    fn borrow_held(
+        &self,
+        _addr: u64,
+        _len: usize,
+        _owner: Owner,
+    ) -> Result<Option<Box<dyn DeviceMemory>>> {
+        Ok(None)
     }
 
     unsafe fn pin_read_only(&self, _ptr: *mut u8, _len: usize) -> Result<Box<dyn HostPin>> {

@@ -268,10 +268,29 @@ impl Gpu {
         unsafe { self.inner.synchronize_foreign(stream) }
     }
 
-    /// Whether `addr` is device memory of this GPU, as its driver says (any library's
-    /// allocation); host memory, pinned or not, is not. The host backend holds none.
-    pub fn holds(&self, addr: u64) -> Result<bool> {
-        self.inner.holds(addr)
+    /// [`Gpu::borrow_device`] for an address that may not be device memory at all (a cuFile
+    /// caller's buffer): None where the driver does not know it as this GPU's (host memory,
+    /// pinned or not, is not), an error where it is but the range leaves its allocation. One
+    /// question to the driver either way.
+    pub fn borrow_device_if_held(
+        &self,
+        addr: u64,
+        len: usize,
+        owner: impl std::any::Any + Send + Sync,
+    ) -> Result<Option<DeviceBuffer>> {
+        if len == 0 {
+            return Err(HalError::InvalidArgument(
+                "a borrowed device range needs at least one byte".into(),
+            ));
+        }
+        let held = self.inner.borrow_held(addr, len, Box::new(owner))?;
+        Ok(held.map(|mem| DeviceBuffer {
+            inner: Arc::new(DeviceAlloc {
+                gpu: self.clone(),
+                mem,
+                len,
+            }),
+        }))
     }
 
     /// Creates a stream: an in-order queue of copies and kernels on this device.

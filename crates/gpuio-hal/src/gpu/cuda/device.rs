@@ -211,6 +211,27 @@ impl CudaDevice {
     }
 }
 
+/// `len` bytes at `addr` of the device allocation `r` (the driver's answer for `addr`),
+/// checked to lie inside it.
+fn foreign(
+    r: &driver::PointerRange,
+    addr: u64,
+    len: usize,
+    owner: Owner,
+) -> Result<Box<dyn DeviceMemory>> {
+    let end = addr.checked_add(len as u64);
+    if addr < r.start || end.is_none_or(|e| e > r.start + r.size as u64) {
+        return Err(HalError::InvalidArgument(format!(
+            "{addr:#x}+{len}: outside its allocation ({:#x}+{})",
+            r.start, r.size
+        )));
+    }
+    Ok(Box::new(ForeignMemory {
+        ptr: addr,
+        _owner: owner,
+    }))
+}
+
 impl DeviceBackend for CudaDevice {
     fn info(&self) -> &DeviceInfo {
         &self.info
@@ -253,30 +274,29 @@ impl DeviceBackend for CudaDevice {
                 r.ordinal, self.info.ordinal
             )));
         }
-        let end = addr.checked_add(len as u64);
-        if addr < r.start || end.is_none_or(|e| e > r.start + r.size as u64) {
-            return Err(invalid(format!(
-                "outside its allocation ({:#x}+{})",
-                r.start, r.size
-            )));
+        foreign(&r, addr, len, owner)
+    }
+
+    fn borrow_held(
+        &self,
+        addr: u64,
+        len: usize,
+        owner: Owner,
+    ) -> Result<Option<Box<dyn DeviceMemory>>> {
+        self.shared.bind()?;
+        let r = driver::pointer_range(addr)?;
+        if r.mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
+            || r.ordinal != self.info.ordinal as i32
+        {
+            return Ok(None);
         }
-        Ok(Box::new(ForeignMemory {
-            ptr: addr,
-            _owner: owner,
-        }))
+        foreign(&r, addr, len, owner).map(Some)
     }
 
     unsafe fn synchronize_foreign(&self, stream: u64) -> Result<()> {
         self.shared.bind()?;
         // SAFETY: the caller's contract: 0 or a live stream of this (current) context.
         unsafe { driver::stream_synchronize(stream as sys::CUstream) }
-    }
-
-    fn holds(&self, addr: u64) -> Result<bool> {
-        self.shared.bind()?;
-        let r = driver::pointer_range(addr)?;
-        Ok(r.mem_type == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
-            && r.ordinal == self.info.ordinal as i32)
     }
 
     fn new_stream(&self) -> Result<Box<dyn StreamBackend>> {
