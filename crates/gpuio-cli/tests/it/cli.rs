@@ -226,6 +226,9 @@ fn a_running_command_serves_metrics_that_stat_reads() {
         ])
         .arg("--out")
         .arg(out.path())
+        // The child is killed mid-run: its scratch files must die with `out`, not in /tmp.
+        .arg("--scratch")
+        .arg(out.path())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
