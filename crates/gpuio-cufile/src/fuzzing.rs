@@ -135,11 +135,8 @@ pub struct Entry {
 }
 
 struct Runner {
-    data: std::fs::File,
-    scratch: std::fs::File,
-    pipe: (std::io::PipeReader, std::io::PipeWriter),
+    files: &'static Files,
     closed: i32,
-    content: Vec<u8>,
     bufs: Vec<Vec<u8>>,
     handles: Vec<CUfileHandle_t>,
     batches: Vec<(CUfileBatchHandle, usize)>,
@@ -151,28 +148,61 @@ fn fails_inside(err: i32) -> bool {
     err == abi::CU_FILE_INTERNAL_ERROR
 }
 
+/// The descriptors a runner registers, made once per process (the fuzzer runs one input after
+/// another in one process): creating and removing files per input cost more than the calls.
+/// The files live in memory where /dev/shm is a tmpfs, and are unlinked once open.
+struct Files {
+    data: std::fs::File,
+    scratch: std::fs::File,
+    pipe: (std::io::PipeReader, std::io::PipeWriter),
+    content: Vec<u8>,
+}
+
+impl Files {
+    fn get() -> &'static Files {
+        static FILES: std::sync::OnceLock<Files> = std::sync::OnceLock::new();
+        FILES.get_or_init(|| {
+            let shm = std::path::Path::new("/dev/shm");
+            let base = if shm.is_dir() {
+                shm.to_path_buf()
+            } else {
+                std::env::temp_dir()
+            };
+            let dir = base.join(format!("gpuio-cufile-fuzz-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("scratch dir");
+            let content: Vec<u8> = (0..BUF as u32)
+                .map(|i| ((i * 131) ^ (i >> 7)) as u8)
+                .collect();
+            let data_path = dir.join("data");
+            std::fs::write(&data_path, &content).expect("data file");
+            let data = std::fs::File::open(&data_path).expect("data file");
+            let scratch = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(dir.join("scratch"))
+                .expect("scratch file");
+            // Unlinked now: the descriptors keep the files, and nothing is left behind.
+            let _ = std::fs::remove_dir_all(&dir);
+            Files {
+                data,
+                scratch,
+                pipe: std::io::pipe().expect("pipe"),
+                content,
+            }
+        })
+    }
+}
+
 impl Runner {
-    fn new(dir: &std::path::Path) -> Self {
-        let content: Vec<u8> = (0..BUF as u32)
-            .map(|i| ((i * 131) ^ (i >> 7)) as u8)
-            .collect();
-        let data_path = dir.join("data");
-        std::fs::write(&data_path, &content).expect("data file");
-        let data = std::fs::File::open(&data_path).expect("data file");
-        let scratch = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(dir.join("scratch"))
-            .expect("scratch file");
-        let pipe = std::io::pipe().expect("pipe");
+    fn new() -> Self {
+        let files = Files::get();
+        // Each input starts from an empty scratch file.
+        files.scratch.set_len(0).expect("scratch file");
         Self {
-            data,
-            scratch,
-            pipe,
+            files,
             closed: i32::MAX - 7,
-            content,
             bufs: vec![vec![0; BUF]; 4],
             handles: Vec::new(),
             batches: Vec::new(),
@@ -203,7 +233,11 @@ impl Runner {
         }
         let (at, n) = (file_offset as usize, n as usize);
         let got = &self.bufs[b.index as usize % 4][b.offset as usize..][..n];
-        assert_eq!(got, &self.content[at..at + n], "read {n} bytes at {at}");
+        assert_eq!(
+            got,
+            &self.files.content[at..at + n],
+            "read {n} bytes at {at}"
+        );
     }
 
     fn op(&mut self, op: Op) {
@@ -243,9 +277,9 @@ impl Runner {
             }
             Op::Register { fd } => {
                 let fd = match fd {
-                    0 => self.data.as_raw_fd(),
-                    1 => self.scratch.as_raw_fd(),
-                    2 => self.pipe.0.as_raw_fd(),
+                    0 => self.files.data.as_raw_fd(),
+                    1 => self.files.scratch.as_raw_fd(),
+                    2 => self.files.pipe.0.as_raw_fd(),
                     3 => self.closed,
                     n => -1 - (n & 7),
                 };
@@ -495,21 +529,11 @@ impl Runner {
 
 /// Runs `ops` (at most 64) against the library; panics where a property fails.
 pub fn run(ops: &[Op]) {
-    let dir = tempfile_dir();
-    let mut r = Runner::new(&dir);
+    let mut r = Runner::new();
     // The data file is handle 0, so reads of it can be checked.
     r.op(Op::Register { fd: 0 });
     for op in ops.iter().take(64) {
         r.op(op.clone());
     }
     r.finish();
-    let _ = std::fs::remove_dir_all(&dir);
-}
-
-fn tempfile_dir() -> std::path::PathBuf {
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!("gpuio-cufile-fuzz-{}-{n}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
 }
