@@ -29,8 +29,8 @@ fn layer(name: &str) -> Option<u32> {
         "gpuio-transport-memio" | "gpuio-transport-localio" | "gpuio-transport-remoteio" => 2,
         "gpuio-core" => 3,
         "gpuio-api" => 4,
-        "gpuio-ai" | "gpuio-py" | "gpuio-capi" | "gpuio-cufile" => 5,
-        "gpuio-bench" => 6,
+        "gpuio-ai" | "gpuio-cufile" => 5,
+        "gpuio-bench" | "gpuio-py" | "gpuio-capi" => 6,
         "gpuio-cli" => 7,
         _ => return None,
     })

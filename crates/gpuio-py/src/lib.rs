@@ -7,6 +7,7 @@
 //! where the public names live; this half only maps gpuio-api calls, releasing the GIL for
 //! every one that moves data.
 
+mod ai;
 mod buffers;
 mod error;
 mod lent;
@@ -88,5 +89,9 @@ fn _gpuio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ondemand::PageCache>()?;
     m.add_class::<ondemand::OnDemandArray>()?;
     m.add_class::<ondemand::ResidentArray>()?;
+    // The AI memory tier, `gpuio._gpuio.ai` (the Python half, `gpuio.ai`, wraps it).
+    let ai = PyModule::new(m.py(), "ai")?;
+    ai::register(&ai)?;
+    m.add_submodule(&ai)?;
     Ok(())
 }

@@ -4,7 +4,8 @@
 use crate::buffers::{DeviceBuffer, HostBuffer, Resource, Target};
 use crate::error::{invalid, to_py};
 use gpuio_api::{
-    Access, Config, Dest, HostPlacement, Request, RequestHandle, Source, Status, Ticket, Uri,
+    Access, Config, Dest, HostPlacement, Priority, Request, RequestHandle, Source, Status, Ticket,
+    Uri,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -266,8 +267,12 @@ impl Session {
         })
     }
 
-    /// Queues a transfer on the scheduler. The request holds both ends until it is done (a
-    /// borrowed tensor through its buffer's owner), whatever becomes of the handle.
+    /// Queues a transfer on the scheduler, in class `priority` (a [`priority`] name; the
+    /// default class where None) and due `deadline` seconds from now where given. The request
+    /// holds both ends until it is done (a borrowed tensor through its buffer's owner),
+    /// whatever becomes of the handle.
+    #[pyo3(signature = (src, src_offset, dst, dst_offset, size, priority=None, deadline=None))]
+    #[allow(clippy::too_many_arguments)]
     fn _submit(
         &self,
         py: Python<'_>,
@@ -276,6 +281,8 @@ impl Session {
         dst: &Bound<'_, PyAny>,
         dst_offset: u64,
         size: usize,
+        priority: Option<&str>,
+        deadline: Option<f64>,
     ) -> PyResult<Handle> {
         let (src, dst) = (Target::of(src)?, Target::of(dst)?);
         let (Some(s), Some(d)) = (src.endpoint(src_offset)?, dst.endpoint(dst_offset)?) else {
@@ -284,7 +291,15 @@ impl Session {
                  ends, not bytes",
             ));
         };
-        let req = Request::new(s, d, size).map_err(|e| to_py(e.into()))?;
+        let mut req = Request::new(s, d, size).map_err(|e| to_py(e.into()))?;
+        if let Some(p) = priority {
+            req = req.with_priority(self::priority(p)?);
+        }
+        if let Some(secs) = deadline {
+            let due = std::time::Duration::try_from_secs_f64(secs)
+                .map_err(|_| invalid(format!("a deadline of {secs} s")))?;
+            req = req.with_deadline(std::time::Instant::now() + due);
+        }
         // Submission waits for room under backpressure: not with the GIL held.
         let wait = settle(&self.inner, &[&src, &dst]);
         let h = py
@@ -376,6 +391,37 @@ impl Session {
         d.set_item("rows_fetched", report.rows_fetched)?;
         d.set_item("path", format!("{:?}", report.strategy))?;
         Ok(d)
+    }
+}
+
+/// The scheduler class a Python name gives (the C API's `GPUIO_PRIORITY_*` names, lower
+/// case, without the prefix).
+pub(crate) fn priority(name: &str) -> PyResult<Priority> {
+    Ok(match name {
+        "inference_realtime" => Priority::InferenceRealtime,
+        "training_forward" => Priority::TrainingForward,
+        "training_backward" => Priority::TrainingBackward,
+        "checkpoint" => Priority::Checkpoint,
+        "engram_sync" => Priority::EngramSync,
+        "background" => Priority::Background,
+        _ => {
+            return Err(invalid(format!(
+                "priority {name:?}: inference_realtime, training_forward, training_backward, \
+                 checkpoint, engram_sync or background"
+            )));
+        }
+    })
+}
+
+/// The Python name of a scheduler class.
+pub(crate) fn priority_name(p: Priority) -> &'static str {
+    match p {
+        Priority::InferenceRealtime => "inference_realtime",
+        Priority::TrainingForward => "training_forward",
+        Priority::TrainingBackward => "training_backward",
+        Priority::Checkpoint => "checkpoint",
+        Priority::EngramSync => "engram_sync",
+        Priority::Background => "background",
     }
 }
 

@@ -164,31 +164,49 @@ class Session(_gpuio.Session):
             size = min(_interop.nbytes(s) - src_offset, _interop.nbytes(d) - dst_offset)
         return self._move(s, src_offset, d, dst_offset, size, durable)
 
-    def _submit_ends(self, s, src_offset, d, dst_offset, size):
+    def _submit_ends(self, s, src_offset, d, dst_offset, size, priority, deadline):
         _nonnegative(offset=src_offset, dst_offset=dst_offset, size=size)
         if isinstance(s, (memoryview, bytes)) or isinstance(d, memoryview):
             raise TypeError(
                 "asynchronous transfers run after the call returns, so both ends must be "
                 "memory gpuio can hold: gpuio buffers, CUDA tensors or resources"
             )
-        return Request(self._submit(s, src_offset, d, dst_offset, size))
+        return Request(self._submit(s, src_offset, d, dst_offset, size, priority, deadline))
 
-    def read_async(self, src, dst, offset=0, size=None):
+    # The asynchronous calls take the scheduler's class, ``priority``: inference_realtime,
+    # training_forward (the default), training_backward, checkpoint, engram_sync or
+    # background; and a ``deadline`` in seconds from now, which orders requests within a
+    # class and is counted as met or missed.
+
+    def read_async(self, src, dst, offset=0, size=None, priority=None, deadline=None):
         """:meth:`read`, queued on the scheduler: returns a :class:`Request`."""
         s, d = self._ends(src, dst, write_dst=False)
-        return self._submit_ends(s, offset, d, 0, _interop.nbytes(d) if size is None else size)
+        size = _interop.nbytes(d) if size is None else size
+        return self._submit_ends(s, offset, d, 0, size, priority, deadline)
 
-    def write_async(self, dst, src, offset=0, size=None):
+    def write_async(self, dst, src, offset=0, size=None, priority=None, deadline=None):
         """:meth:`write`, queued on the scheduler: returns a :class:`Request`."""
         s, d = self._ends(src, dst, write_dst=True)
-        return self._submit_ends(s, 0, d, offset, _interop.nbytes(s) if size is None else size)
+        size = _interop.nbytes(s) if size is None else size
+        return self._submit_ends(s, 0, d, offset, size, priority, deadline)
 
-    def copy_async(self, src, dst, size=None, src_offset=0, dst_offset=0):
+    def copy_async(self, src, dst, size=None, src_offset=0, dst_offset=0, priority=None,
+                   deadline=None):
         """:meth:`copy`, queued on the scheduler: returns a :class:`Request`."""
         s, d = self._ends(src, dst, write_dst=True)
         if size is None:
             size = min(_interop.nbytes(s) - src_offset, _interop.nbytes(d) - dst_offset)
-        return self._submit_ends(s, src_offset, d, dst_offset, size)
+        return self._submit_ends(s, src_offset, d, dst_offset, size, priority, deadline)
+
+    def device_buffer(self, obj, writable=True):
+        """``obj`` (a CUDA tensor or array) borrowed once as a gpuio :class:`DeviceBuffer`,
+        for loops that pass the same memory every step: borrowing checks it with the driver
+        and waits for the GPU's queued work, which a DeviceBuffer passed later does not
+        repeat — finish work queued on the tensor first (``torch.cuda.synchronize()``)."""
+        d = _interop.resolve(self, obj, writable)
+        if not isinstance(d, DeviceBuffer):
+            raise TypeError("device_buffer borrows GPU memory: a CUDA tensor or array")
+        return d
 
     def batch(self, transfers):
         """Runs ``(src, dst, size, src_offset, dst_offset)`` tuples (the offsets optional) as
@@ -274,3 +292,6 @@ class PageCache(_gpuio.PageCache):
             total = source.size() if isinstance(source, Resource) else len(source)
             length = max(total - offset, 0) // item
         return self._array(source, length * item, item, offset, writable)
+
+
+from . import ai  # noqa: E402  (gpuio.ai: the AI memory tier, after the names it uses)

@@ -1,0 +1,269 @@
+"""gpuio.ai on whatever backend the machine has (the host backend in CI): every structure's
+data checked byte for byte against what was put in, and bad input refused with
+gpuio.Error or a TypeError, nothing changed."""
+
+import numpy as np
+import pytest
+
+import gpuio
+import gpuio.ai as ai
+
+ENTRY = 64
+
+
+@pytest.fixture(scope="module")
+def s():
+    return gpuio.Session()
+
+
+def device(s, data):
+    """``data`` (a NumPy array) in gpuio device memory."""
+    d = s.alloc_device(data.nbytes)
+    s.copy(data, d)
+    return d
+
+
+def host(s, dev):
+    out = np.empty(len(dev), dtype=np.uint8)
+    s.copy(dev, out)
+    return out
+
+
+def entries(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, (n, ENTRY), dtype=np.uint8)
+
+
+def test_kv_pool_loads_selections_through_every_tier(s, tmp_path):
+    pool = ai.KvPool(s, layers=2, entry_bytes=ENTRY, max_tokens=256, warm_entries=300,
+                     hot_slots=64, max_selection=32)
+    assert pool.config()["warm_entries"] == 300
+    kv = entries(256, 1)
+    scores = np.linspace(0, 1, 256, dtype=np.float32)
+    pool.store(1, 0, device(s, kv), scores=scores)
+    assert pool.len(1) == 256 and pool.len(0) == 0
+    assert pool.importance(1, 255) == pytest.approx(1.0)
+    sel = [5, 200, 5, 17, 255]
+    out = s.alloc_device(len(sel) * ENTRY)
+    r = pool.load(1, sel, out)
+    assert r["selected"] == 5 and r["misses"] == 4 and r["hits"] == 0
+    assert np.array_equal(host(s, out).reshape(-1, ENTRY), kv[sel])
+    again = pool.load(1, np.array(sel, dtype=np.int64), out)
+    assert again["hits"] == 5
+    assert pool.hot_entries(1) == 4
+
+    pool.attach_cold_tier(str(tmp_path / "cold.bin"), codec="zstd")
+    evicted = pool.compact(0.5)
+    assert evicted["evicted"] > 100 and evicted["to_cold"] == evicted["evicted"]
+    assert pool.tier_of(1, 0) == "cold" and pool.tier_of(1, 255) == "warm"
+    assert pool.tier_of(0, 0) is None
+    stored, raw = pool.cold_tier_bytes()
+    assert raw == evicted["evicted"] * ENTRY and stored > 0
+    cold = [0, 3, 100]
+    out = s.alloc_device(len(cold) * ENTRY)
+    r = pool.load(1, cold, out)
+    assert r["from_cold"] == 3
+    assert np.array_equal(host(s, out).reshape(-1, ENTRY), kv[cold])
+
+
+def test_kv_pool_refuses_bad_input_and_keeps_its_entries(s):
+    pool = ai.KvPool(s, layers=1, entry_bytes=ENTRY, max_tokens=16, hot_slots=8, max_selection=8)
+    kv = entries(16, 2)
+    pool.store(0, 0, device(s, kv))
+    out = s.alloc_device(4 * ENTRY)
+    with pytest.raises(gpuio.Error) as e:
+        pool.load(0, [1, 16], out)  # position 16 was never stored
+    assert e.value.name == "GPUIO_ERROR_INVALID_ARG"
+    with pytest.raises(gpuio.Error):
+        pool.load(3, [1], out)  # no layer 3
+    with pytest.raises(gpuio.Error):
+        pool.store(0, 20, device(s, kv))  # a gap past the end
+    with pytest.raises(TypeError):
+        pool.load(0, [1], np.empty(ENTRY, dtype=np.uint8))  # host memory as the destination
+    with pytest.raises(ValueError):
+        pool.load(0, [-1], out)
+    with pytest.raises(gpuio.Error):
+        ai.KvPool(s, layers=0, entry_bytes=ENTRY, max_tokens=16)
+    with pytest.raises(gpuio.Error):
+        ai.KvPool(s, layers=1, entry_bytes=ENTRY, max_tokens=16, placement="file:///x")
+    r = pool.load(0, [15, 0], out)
+    assert r["selected"] == 2
+    assert np.array_equal(host(s, out)[: 2 * ENTRY].reshape(-1, ENTRY), kv[[15, 0]])
+
+
+def test_swap_in_batch_loads_device_selections(s):
+    kvs = [ai.SwapInKv(s, layers=1, entry_bytes=ENTRY, max_tokens=128, hot_slots=32,
+                       max_selection=16) for _ in range(2)]
+    data = [entries(128, 10 + i) for i in range(2)]
+    for kv, d in zip(kvs, data):
+        assert kv.append(0, d) == 0
+        assert kv.len(0) == 128
+    assert kvs[1].entry(0, 7) == data[1][7].tobytes()
+    sels = [np.array([3, 90, 7, 127], dtype=np.uint32), np.array([0, 1, 2], dtype=np.uint32)]
+    # A selection buffer holds max_selection positions; a load reads its first counts[i].
+    sel_dev = [device(s, np.resize(x, 16)) for x in sels]
+    outs = [s.alloc_device(16 * ENTRY) for _ in range(2)]
+    batch = ai.SwapInBatch(s, 0, [(kvs[0], sel_dev[0], outs[0]), (kvs[1], sel_dev[1], outs[1], 0)])
+    assert len(batch) == 2
+    for step in range(2):
+        reports = batch.load([4, 3])
+        assert [r["selected"] for r in reports] == [4, 3]
+        for sel, d, out in zip(sels, data, outs):
+            got = host(s, out)[: len(sel) * ENTRY].reshape(-1, ENTRY)
+            assert np.array_equal(got, d[sel.astype(np.int64)])
+    assert reports[0]["hits"] == 4  # the second step found them in the hot buffer
+    # A sequence is in one batch per layer at a time.
+    with pytest.raises(gpuio.Error):
+        ai.SwapInBatch(s, 0, [(kvs[0], sel_dev[0], outs[0])])
+    del batch
+    bad = device(s, np.array([3, 3] * 8, dtype=np.uint32))  # a position twice
+    batch = ai.SwapInBatch(s, 0, [(kvs[0], bad, outs[0]), (kvs[1], sel_dev[1], outs[1])])
+    reports = batch.load([2, 3])
+    assert isinstance(reports[0], gpuio.Error) and reports[1]["selected"] == 3
+    with pytest.raises(gpuio.Error):
+        kvs[0].append(0, b"\x00" * (ENTRY - 1))
+
+
+def test_engram_table_lookup_store_hot_tier_and_prefetch(s):
+    rows, row = 1000, 32
+    t = ai.EngramTable(s, rows, row)
+    assert (t.rows, t.row_bytes) == (rows, row)
+    table = np.random.default_rng(3).integers(0, 256, (rows, row), dtype=np.uint8)
+    s.copy(table, t.memory())
+    ids = [999, 0, 5, 5, 42]
+    out = s.alloc_device(len(ids) * row)
+    r = t.lookup(ids, out)
+    assert r["rows"] == 5 and not r["hot"]
+    assert np.array_equal(host(s, out).reshape(-1, row), table[ids])
+
+    new = entries(2, 4)[:, :row].copy()
+    t.store([7, 8], device(s, new))
+    table[[7, 8]] = new
+    assert t.hot_stats() is None
+    kept = t.keep_hot([5, 7, 7])
+    assert kept["rows"] == 2 and t.hot_stats()["rows"] == 2
+    ids = [7, 8, 5, 1]
+    out = s.alloc_device(len(ids) * row)
+    assert t.lookup(ids, out)["hot"]
+    assert np.array_equal(host(s, out).reshape(-1, row), table[ids])
+    # A store re-copies the kept rows it writes.
+    t.store([7], device(s, table[[1]]))
+    table[7] = table[1]
+    req = t.prefetch(ids, out)
+    assert req.wait()["rows"] == 4 and req.done() and req.status == "completed"
+    assert np.array_equal(host(s, out).reshape(-1, row), table[ids])
+    w = t.store_async([9], device(s, table[[2]]))
+    assert w.wait() is None and not w.cancel()
+    table[9] = table[2]
+    t.drop_hot()
+    assert t.hot_stats() is None
+    out = s.alloc_device(row)
+    t.lookup([9], out)
+    assert np.array_equal(host(s, out), table[9])
+    with pytest.raises(gpuio.Error):
+        t.lookup([rows], out)
+
+
+def test_engram_similarity_and_graph_gathers(s, tmp_path):
+    t = ai.EngramTable(s, 4, 8)  # rows of two f32 values
+    vals = np.array([[1, 0], [0, 1], [0.5, 0.5], [-1, 0]], dtype=np.float32)
+    s.copy(vals.view(np.uint8).reshape(-1), t.memory())
+    best = t.similar([1.0, 0.2], k=2)
+    assert [i for i, _ in best] == [0, 2]
+    assert best[0][1] == pytest.approx(1.0)
+    with pytest.raises(gpuio.Error):
+        t.similar([1.0], k=1)
+
+    # 0 -> 1, 2; 1 -> 3; 2 -> 3, 4; 3 -> 0; 4 -> (none); 5 -> 4.
+    g = ai.CsrGraph([0, 2, 3, 5, 6, 6, 7], [1, 2, 3, 3, 4, 0, 4])
+    assert (g.nodes, g.edges) == (6, 7) and g.neighbors(2) == [3, 4]
+    sub = g.expand([5, 0, 5])
+    assert sub["nodes"] == [5, 0, 4, 1, 2, 3] and sub["hop_starts"] == [0, 2, 5, 6]
+    with pytest.raises(gpuio.Error):
+        ai.CsrGraph([0, 2], [1, 9])
+    assert ai.graph_scatter([0.1, 0.9, float("nan"), 0.5], 3) == [1, 3, 0]
+
+    row = 16
+    emb = np.random.default_rng(5).integers(0, 256, (6, row), dtype=np.uint8)
+    pool = s.alloc_host(emb.nbytes)
+    s.copy(emb, pool)
+    path = tmp_path / "emb.bin"
+    path.write_bytes(emb.tobytes())
+    for source in (pool, str(path)):
+        out = s.alloc_device(6 * row)
+        sub = ai.graph_gather(s, g, [5], source, out, row_bytes=row, hops=1)
+        assert sub["nodes"] == [5, 4]
+        got = host(s, out)[: 2 * row].reshape(-1, row)
+        assert np.array_equal(got, emb[[5, 4]])
+
+
+def test_quantization_and_frames(s, tmp_path):
+    rng = np.random.default_rng(6)
+    values = rng.standard_normal(1000).astype(np.float32)
+    for fmt in ("f16", "fp8", "int8", "int4"):
+        q = ai.quantize(values, fmt, block=32)
+        assert len(q) == 1000 and q.format[0] == fmt
+        back = np.asarray(ai.dequantize(q))
+        assert back.shape == (1000,) and np.max(np.abs(back - values)) < 0.6
+        assert q.stored_bytes < values.nbytes
+        dq = ai.quantize_device(device(s, values), fmt, block=32)
+        assert dq.to_host().data == q.data and dq.to_host().scales == q.scales
+        out = s.alloc_device(values.nbytes)
+        dq.dequantize_into(out)
+        assert host(s, out).tobytes() == np.asarray(back).tobytes()
+    with pytest.raises(gpuio.Error):
+        ai.quantize([float("inf")], "int8")
+    with pytest.raises(gpuio.Error):
+        ai.quantize([1.0], "int3")
+
+    data = bytes(range(256)) * 64
+    frame = ai.compress(data, "zstd", 5)
+    info = ai.frame_info(frame)
+    assert info["raw_len"] == len(data) and info["codec"] == "zstd"
+    assert ai.decompress(frame, len(data)) == data
+    damaged = bytearray(frame)
+    damaged[-1] ^= 0xFF
+    with pytest.raises(gpuio.Error):
+        ai.decompress(bytes(damaged), len(data))
+
+    src = s.alloc_device(len(data))
+    s.copy(data, src)
+    path = str(tmp_path / "frames.bin")
+    r = ai.transfer_compressed(s, src, path, codec="lz4")
+    assert r["raw_bytes"] == len(data) and r["stored_bytes"] < len(data)
+    back = s.alloc_device(len(data))
+    r2 = ai.read_compressed(s, path, back, len(data))
+    assert r2["frames"] == r["frames"] and host(s, back).tobytes() == data
+    with open(path, "r+b") as f:
+        f.seek(40)
+        f.write(b"\xff" * 8)
+    with pytest.raises(gpuio.Error):
+        ai.read_compressed(s, path, back, len(data))
+
+
+def test_ai_work_runs_in_its_scheduler_class(s):
+    assert ai.work_class("prefetch") == ("background", None)
+    assert ai.work_class("checkpoint") == ("checkpoint", None)
+    p, due = ai.work_class("inference", deadline=0.010, compute=0.004)
+    assert p == "inference_realtime" and due == pytest.approx(0.006, abs=1e-4)
+    assert ai.work_class("inference", deadline=1, best_effort=True)[0] == "training_forward"
+    with pytest.raises(gpuio.Error):
+        ai.work_class("inference", deadline=0.001, compute=0.002)
+    with pytest.raises(gpuio.Error):
+        ai.work_class("sleep")
+
+    ctx = ai.AiContext(s)
+    pool = ctx.open_sequence(7, layers=1, entry_bytes=ENTRY, max_tokens=8, hot_slots=4,
+                             max_selection=4)
+    assert ctx.sequence(7) is pool
+    with pytest.raises(gpuio.Error):
+        ctx.open_sequence(7, layers=1, entry_bytes=ENTRY, max_tokens=8)
+    src = device(s, entries(4, 8))
+    dst = s.alloc_device(4 * ENTRY)
+    r = ctx.submit("inference", src, dst, deadline=1.0, compute=0.1)
+    assert r.wait() == 4 * ENTRY
+    assert host(s, dst).tobytes() == host(s, src).tobytes()
+    assert ctx.submit("checkpoint", src, dst).wait() == 4 * ENTRY
+    with pytest.raises(gpuio.Error):
+        s.copy_async(src, dst, priority="urgent")
+    assert s.copy_async(src, dst, priority="background", deadline=0.5).wait() == 4 * ENTRY
+    assert ctx.close_sequence(7) and not ctx.close_sequence(7)

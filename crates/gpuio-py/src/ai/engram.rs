@@ -1,0 +1,294 @@
+//! Engram tables: rows in pinned host memory read by id into device memory (a GPU hot tier
+//! for the rows read most), written back from device memory, prefetched and written back on
+//! side threads (`AiPending`), and searched by similarity.
+
+use super::{settle, shared_gpus, to_py, u64s};
+use crate::buffers::{DeviceBuffer, HostBuffer};
+use crate::error::invalid;
+use crate::session::Session;
+use gpuio_ai::AiWork;
+use gpuio_ai::engram::{self, HotTierStats, Lookup, Pending, RowValues};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::sync::{Arc, Mutex, PoisonError};
+
+fn lookup_report<'py>(py: Python<'py>, r: &Lookup) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("rows", r.rows)?;
+    d.set_item("rows_fetched", r.rows_fetched)?;
+    d.set_item("path", format!("{:?}", r.strategy))?;
+    d.set_item("hot", r.hot)?;
+    Ok(d)
+}
+
+fn hot_report<'py>(py: Python<'py>, s: &HotTierStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("rows", s.rows)?;
+    d.set_item("device_bytes", s.device_bytes)?;
+    d.set_item("probes", s.probes)?;
+    Ok(d)
+}
+
+/// An Engram table in pinned host memory (DRAM or CXL). Clones on the Rust side share it.
+#[pyclass(module = "gpuio.ai", frozen)]
+pub struct EngramTable {
+    table: engram::EngramTable,
+    session: Arc<gpuio_api::Session>,
+}
+
+#[pymethods]
+impl EngramTable {
+    /// A zeroed table of `rows` rows of `row_bytes` in `placement`.
+    #[new]
+    #[pyo3(signature = (session, rows, row_bytes, placement="memio://cpu/dram"))]
+    fn new(
+        py: Python<'_>,
+        session: &Session,
+        rows: u64,
+        row_bytes: usize,
+        placement: &str,
+    ) -> PyResult<Self> {
+        let placement = super::placement(placement)?;
+        let session = Arc::clone(session.session());
+        let table = py
+            .detach(|| engram::EngramTable::new(&session, rows, row_bytes, placement))
+            .map_err(to_py)?;
+        Ok(Self { table, session })
+    }
+
+    /// Rows in the table.
+    #[getter]
+    fn rows(&self) -> u64 {
+        self.table.rows()
+    }
+
+    /// Bytes per row.
+    #[getter]
+    fn row_bytes(&self) -> usize {
+        self.table.row_bytes()
+    }
+
+    /// The table's memory, to load it (`session.read(path, table.memory())`) or view it with
+    /// NumPy. Rows written there after `keep_hot` are not seen by their copies.
+    fn memory(&self) -> HostBuffer {
+        HostBuffer::new(self.table.memory().clone())
+    }
+
+    /// Reads row `ids[i]` (little-endian u64s) into `dst` at `dst_offset + i * row_bytes`.
+    #[pyo3(signature = (ids, dst, dst_offset=0))]
+    fn lookup<'py>(
+        &self,
+        py: Python<'py>,
+        ids: &[u8],
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let ids = u64s(ids, "Engram ids")?;
+        let wait = shared_gpus(&[dst]);
+        let r = py
+            .detach(|| {
+                settle(&wait)?;
+                self.table.lookup(&self.session, &ids, &dst.buf, dst_offset)
+            })
+            .map_err(to_py)?;
+        lookup_report(py, &r)
+    }
+
+    /// Writes source row `i` (at `src_offset + i * row_bytes` of `src`) to row `ids[i]`.
+    #[pyo3(signature = (ids, src, src_offset=0))]
+    fn store(
+        &self,
+        py: Python<'_>,
+        ids: &[u8],
+        src: &DeviceBuffer,
+        src_offset: usize,
+    ) -> PyResult<()> {
+        let ids = u64s(ids, "Engram ids")?;
+        let wait = shared_gpus(&[src]);
+        py.detach(|| {
+            settle(&wait)?;
+            self.table.store(&self.session, &ids, &src.buf, src_offset)
+        })
+        .map_err(to_py)
+    }
+
+    /// Keeps copies of rows `ids` in device memory of `gpu`; what the tier keeps.
+    fn keep_hot<'py>(&self, py: Python<'py>, gpu: u32, ids: &[u8]) -> PyResult<Bound<'py, PyDict>> {
+        let ids = u64s(ids, "Engram ids")?;
+        let s = py
+            .detach(|| self.table.keep_hot(&self.session, gpu, &ids))
+            .map_err(to_py)?;
+        hot_report(py, &s)
+    }
+
+    /// Lets the kept copies go.
+    fn drop_hot(&self, py: Python<'_>) {
+        py.detach(|| self.table.drop_hot());
+    }
+
+    /// What the hot tier keeps, or None.
+    fn hot_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        self.table
+            .hot_stats()
+            .map(|s| hot_report(py, &s))
+            .transpose()
+    }
+
+    /// Starts `lookup` on a side thread and returns at once.
+    #[pyo3(signature = (ids, dst, dst_offset=0))]
+    fn prefetch(
+        &self,
+        py: Python<'_>,
+        ids: &[u8],
+        dst: Py<DeviceBuffer>,
+        dst_offset: usize,
+    ) -> PyResult<AiPending> {
+        let ids = u64s(ids, "Engram ids")?;
+        let d = dst.get();
+        let wait = shared_gpus(&[d]);
+        let buf = d.buf.clone();
+        let p = py
+            .detach(|| {
+                settle(&wait)?;
+                self.table.prefetch(&self.session, ids, buf, dst_offset)
+            })
+            .map_err(to_py)?;
+        Ok(AiPending::new(Work::Lookup(p), dst))
+    }
+
+    /// Starts `store` on a side thread and returns at once.
+    #[pyo3(signature = (ids, src, src_offset=0))]
+    fn store_async(
+        &self,
+        py: Python<'_>,
+        ids: &[u8],
+        src: Py<DeviceBuffer>,
+        src_offset: usize,
+    ) -> PyResult<AiPending> {
+        let ids = u64s(ids, "Engram ids")?;
+        let s = src.get();
+        let wait = shared_gpus(&[s]);
+        let buf = s.buf.clone();
+        let p = py
+            .detach(|| {
+                settle(&wait)?;
+                self.table.store_async(&self.session, ids, buf, src_offset)
+            })
+            .map_err(to_py)?;
+        Ok(AiPending::new(Work::Store(p), src))
+    }
+
+    /// The `k` rows most similar to `query` (little-endian f32s, one per row value), best
+    /// first, with their scores; rows read as `values` (`f32` or `fp8`), scored on `gpu`.
+    #[pyo3(signature = (query, k, values="f32", gpu=0))]
+    fn similar(
+        &self,
+        py: Python<'_>,
+        query: &[u8],
+        k: usize,
+        values: &str,
+        gpu: u32,
+    ) -> PyResult<Vec<(u64, f32)>> {
+        let query = super::f32s(query, "a query")?;
+        let values = match values {
+            "f32" => RowValues::F32,
+            "fp8" => RowValues::Fp8,
+            v => return Err(invalid(format!("row values {v:?}: f32 or fp8"))),
+        };
+        py.detach(|| self.table.similar(&self.session, gpu, &query, values, k))
+            .map_err(to_py)
+    }
+}
+
+enum Work {
+    Lookup(Pending<Lookup>),
+    Store(Pending<()>),
+}
+
+/// A prefetch or write-back running on a side thread: `done()`, `wait()` (a lookup's report,
+/// or None for a store), `status`, `work` (its scheduler class's name); `cancel()` returns
+/// False, as side work cannot be stopped once started. Dropping it waits for it.
+#[pyclass(module = "gpuio.ai", frozen)]
+pub struct AiPending {
+    work: AiWork,
+    state: Mutex<(Option<Work>, Option<Result<Option<Lookup>, PyErrParts>>)>,
+    /// The buffer the work moves, kept alive until it is waited for.
+    _keep: Py<DeviceBuffer>,
+}
+
+type PyErrParts = (String, i32, &'static str);
+
+impl AiPending {
+    fn new(work: Work, keep: Py<DeviceBuffer>) -> Self {
+        let label = match &work {
+            Work::Lookup(p) => p.work(),
+            Work::Store(p) => p.work(),
+        };
+        Self {
+            work: label,
+            state: Mutex::new((Some(work), None)),
+            _keep: keep,
+        }
+    }
+}
+
+#[pymethods]
+impl AiPending {
+    /// Whether it has finished.
+    fn done(&self) -> bool {
+        let s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        match &s.0 {
+            Some(Work::Lookup(p)) => p.is_done(),
+            Some(Work::Store(p)) => p.is_done(),
+            None => true,
+        }
+    }
+
+    /// `in_progress`, `completed` or `error`.
+    #[getter]
+    fn status(&self) -> &'static str {
+        let s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        match &s.1 {
+            Some(Ok(_)) => "completed",
+            Some(Err(_)) => "error",
+            None => "in_progress",
+        }
+    }
+
+    /// The scheduler class its work belongs to (`background` for a prefetch, `engram_sync`
+    /// for a write-back).
+    #[getter]
+    fn work(&self) -> &'static str {
+        crate::session::priority_name(self.work.priority())
+    }
+
+    /// Side work cannot be stopped once started: False.
+    fn cancel(&self) -> bool {
+        false
+    }
+
+    /// Waits for it: a lookup's report, or None for a store; raises its error (every call
+    /// alike).
+    fn wait<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let settled = py.detach(|| {
+            let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(w) = s.0.take() {
+                let r = match w {
+                    Work::Lookup(p) => p.wait().map(Some),
+                    Work::Store(p) => p.wait().map(|()| None),
+                };
+                s.1 = Some(r.map_err(|e| {
+                    let c = e.code();
+                    (e.to_string(), c.as_i32(), c.name())
+                }));
+            }
+            s.1.clone()
+        });
+        match settled {
+            Some(Ok(Some(l))) => lookup_report(py, &l).map(Some),
+            Some(Ok(None)) => Ok(None),
+            Some(Err(parts)) => Err(crate::error::Error::new_err(parts)),
+            None => Err(invalid("the side work's result was lost")),
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! `gpuio._gpuio.ai`: the AI memory tier (gpuio-ai) for Python. Device memory arrives here
+//! as the binding's `DeviceBuffer` (CUDA tensors and arrays borrowed in place by the Python
+//! half, `gpuio/ai.py`), ids and positions as little-endian integer bytes; every call that
+//! moves data or runs device work releases the GIL.
+
+mod compress;
+mod engram;
+mod graph;
+mod kv;
+
+use crate::buffers::DeviceBuffer;
+use crate::error::Error;
+use gpuio_ai::{AiError, AiWork, Criticality, InferenceQos};
+use gpuio_api::HostPlacement;
+use pyo3::prelude::*;
+use std::time::{Duration, Instant};
+
+/// The Python exception for an AI-tier error: `gpuio.Error`, with its code.
+pub(crate) fn to_py(e: AiError) -> PyErr {
+    let code = e.code();
+    Error::new_err((e.to_string(), code.as_i32(), code.name()))
+}
+
+/// Little-endian u64s of a bytes object (the Python half packs them).
+pub(crate) fn u64s(raw: &[u8], what: &str) -> PyResult<Vec<u64>> {
+    if !raw.len().is_multiple_of(8) {
+        return Err(crate::error::invalid(format!(
+            "{what} must be 64-bit integers"
+        )));
+    }
+    Ok(raw
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect())
+}
+
+/// Little-endian f32s of a bytes object.
+pub(crate) fn f32s(raw: &[u8], what: &str) -> PyResult<Vec<f32>> {
+    if !raw.len().is_multiple_of(4) {
+        return Err(crate::error::invalid(format!(
+            "{what} must be 32-bit floats"
+        )));
+    }
+    Ok(raw
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect())
+}
+
+/// A host placement from its URI (`memio://cpu/dram`, `memio://cpu/dram?numa=1`,
+/// `memio://cxl/pool?device=0`).
+pub(crate) fn placement(uri: &str) -> PyResult<HostPlacement> {
+    let parsed = gpuio_api::Uri::parse(uri).map_err(crate::error::to_py)?;
+    parsed.host_placement().ok_or_else(|| {
+        crate::error::invalid(format!(
+            "{uri} is not host memory (memio://cpu/dram, memio://cxl/...)"
+        ))
+    })
+}
+
+/// The GPUs to wait for before device work reads or writes `bufs`: those of gpuio buffers
+/// another library was given a view of (its work on them is queued on its own streams).
+pub(crate) fn shared_gpus(bufs: &[&DeviceBuffer]) -> Vec<gpuio_api::Gpu> {
+    bufs.iter()
+        .filter_map(|b| b.shared_with().cloned())
+        .collect()
+}
+
+/// Synchronizes `gpus` (without the GIL: called inside `detach`).
+pub(crate) fn settle(gpus: &[gpuio_api::Gpu]) -> gpuio_ai::Result<()> {
+    for g in gpus {
+        g.synchronize()?;
+    }
+    Ok(())
+}
+
+/// The scheduler class (its Python name) and the IO deadline, in seconds from now, of AI
+/// work: `kind` is `inference` (due in `deadline` seconds, `compute` of them after its IO;
+/// `best_effort` ranks it with training), `training_forward`, `training_backward`,
+/// `checkpoint`, `engram_sync` or `prefetch`.
+#[pyfunction]
+#[pyo3(signature = (kind, deadline=None, compute=0.0, best_effort=false))]
+fn work_class(
+    kind: &str,
+    deadline: Option<f64>,
+    compute: f64,
+    best_effort: bool,
+) -> PyResult<(&'static str, Option<f64>)> {
+    let secs = |s: f64, what: &str| {
+        Duration::try_from_secs_f64(s)
+            .map_err(|_| crate::error::invalid(format!("{what} of {s} s")))
+    };
+    let work = match kind {
+        "inference" => AiWork::Inference(InferenceQos {
+            deadline: secs(
+                deadline.ok_or_else(|| crate::error::invalid("inference work needs a deadline"))?,
+                "a deadline",
+            )?,
+            estimated_duration: secs(compute, "a compute time")?,
+            criticality: if best_effort {
+                Criticality::BestEffort
+            } else {
+                Criticality::Standard
+            },
+        }),
+        "training_forward" => AiWork::TrainingStep { backward: false },
+        "training_backward" => AiWork::TrainingStep { backward: true },
+        "checkpoint" => AiWork::Checkpoint,
+        "engram_sync" => AiWork::EngramSync,
+        "prefetch" => AiWork::Prefetch,
+        _ => {
+            return Err(crate::error::invalid(format!(
+                "AI work {kind:?}: inference, training_forward, training_backward, checkpoint, \
+                 engram_sync or prefetch"
+            )));
+        }
+    };
+    let now = Instant::now();
+    let due = work.io_deadline(now).map_err(to_py)?;
+    Ok((
+        crate::session::priority_name(work.priority()),
+        due.map(|d| d.duration_since(now).as_secs_f64()),
+    ))
+}
+
+/// Adds the `ai` submodule's classes and functions to `m`.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(work_class, m)?)?;
+    m.add_class::<kv::KvPool>()?;
+    m.add_class::<kv::SwapInKv>()?;
+    m.add_class::<kv::SwapInBatch>()?;
+    m.add_class::<engram::EngramTable>()?;
+    m.add_class::<engram::AiPending>()?;
+    m.add_class::<graph::CsrGraph>()?;
+    m.add_function(wrap_pyfunction!(graph::graph_scatter, m)?)?;
+    m.add_function(wrap_pyfunction!(graph::graph_gather, m)?)?;
+    compress::register(m)
+}
