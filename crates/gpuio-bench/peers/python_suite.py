@@ -3,6 +3,10 @@
 #   overhead PATH CALLS   4 KiB reads at scattered offsets of a page-cached file, one call at a
 #                         time: into a gpuio host buffer (in place) and into a bytearray (copied
 #                         over); per-call p50 and mean in ns.
+#   ai CALLS SHAPE POSITIONS
+#                         gpuio.ai's KvPool.load, SwapInBatch.load and EngramTable.lookup of
+#                         the structures SHAPE (JSON) describes, reading POSITIONS (comma
+#                         separated), one call at a time on gpuio device buffers: p50 ns each.
 #   load PATH REPS        the whole file into a torch CUDA tensor: gpuio's read, torch's way (read
 #                         the bytes, then .cuda()), kvikio's read where installed; median B/s,
 #                         each result checked against torch's.
@@ -21,8 +25,55 @@ try:
 except ImportError as e:
     sys.exit(f"the gpuio Python package is not importable ({e}): pip install crates/gpuio-py")
 
-mode, path = sys.argv[1], sys.argv[2]
+mode = sys.argv[1]
 s = gpuio.Session()
+
+
+def p50_ns(calls, fn):
+    for _ in range(min(calls, 1000)):
+        fn()
+    lat = []
+    clock = time.perf_counter_ns
+    for _ in range(calls):
+        t = clock()
+        fn()
+        lat.append(clock() - t)
+    lat.sort()
+    return lat[len(lat) // 2]
+
+
+if mode == "ai":
+    import array
+
+    import gpuio.ai as ai
+
+    calls, shape = int(sys.argv[2]), json.loads(sys.argv[3])
+    positions = [int(p) for p in sys.argv[4].split(",")]
+    entry, tokens, k = shape["entry_bytes"], shape["tokens"], shape["selection"]
+    sel = array.array("q", positions)
+    dst = s.alloc_device(k * entry)
+
+    pool = ai.KvPool(s, layers=1, entry_bytes=entry, max_tokens=tokens, hot_slots=2 * k,
+                     max_selection=k)
+    pool.store(0, 0, s.alloc_device(tokens * entry))
+    out = {"kv_load_p50_ns": p50_ns(calls, lambda: pool.load(0, sel, dst))}
+
+    kv = ai.SwapInKv(s, layers=1, entry_bytes=entry, max_tokens=tokens, hot_slots=2 * k,
+                     max_selection=k)
+    kv.append(0, bytes(tokens * entry))
+    on_device = s.alloc_device(4 * k)
+    s.copy(array.array("I", positions), on_device)
+    batch = ai.SwapInBatch(s, 0, [(kv, on_device, dst)])
+    counts = [k]
+    out["swap_in_load_p50_ns"] = p50_ns(calls, lambda: batch.load(counts))
+
+    table = ai.EngramTable(s, shape["rows"], shape["row_bytes"])
+    rows = s.alloc_device(k * shape["row_bytes"])
+    out["engram_lookup_p50_ns"] = p50_ns(calls, lambda: table.lookup(sel, rows))
+    print(json.dumps(out))
+    sys.exit(0)
+
+path = sys.argv[2]
 f = s.open(path)
 size = f.size()
 

@@ -6,12 +6,16 @@
 //!   `Session::transfer_owned` of the same endpoints in Rust; the difference of the p50s is
 //!   the binding's overhead per call (target ≤ 2 µs). Into a `bytearray` (copied over) for
 //!   reference.
+//! - `py_ai_kv_load`, `py_ai_swap_in_load`, `py_ai_engram_lookup`: `gpuio.ai`'s calls against
+//!   the gpuio-ai calls they wrap ([`ai`]).
 //! - `py_load_cuda` (CUDA and torch only): a 1 GiB page-cached file into a torch CUDA tensor
 //!   through gpuio against torch's way (read the bytes, `torch.frombuffer(..).cuda()`) and
 //!   kvikio where it is installed.
 //!
 //! The Python side runs the installed `gpuio` package (`pip install crates/gpuio-py`) with the
 //! Python of `GPUIO_PYTHON`; without it, the suite says why and measures nothing.
+
+mod ai;
 
 use crate::localio::make_file;
 use crate::peers;
@@ -138,6 +142,22 @@ pub fn run(
         Err(why) => notes.push(format!("py_read_4k: {why}")),
     }
     drop(file);
+
+    progress("py_ai");
+    let rust = ai::rust_p50s(session, opts.calls)?;
+    let shape = serde_json::to_string(&ai::SHAPE).unwrap_or_default();
+    let positions: Vec<String> = ai::positions(&ai::SHAPE)
+        .iter()
+        .map(u64::to_string)
+        .collect();
+    match peers::python_binding("ai", &[opts.calls.to_string(), shape, positions.join(",")]) {
+        Ok(py) => {
+            let (r, t) = ai::records(rust, &py);
+            records.extend(r);
+            targets.extend(t);
+        }
+        Err(why) => notes.push(format!("py_ai: {why}")),
+    }
 
     let backend = session.gpu(0)?.backend();
     if backend != Backend::Cuda {

@@ -265,3 +265,64 @@ def test_safetensors_onto_every_gpu_replicated_and_split(s, tmp_path):
         gst.load_split(path, devices, {"w9": 0}, session=s)
     with pytest.raises(gpuio.Error, match="different CUDA device"):
         gst.load_replicated(path, devices + devices[:1], session=s)
+
+
+def test_ai_tier_on_torch_tensors(s):
+    import gpuio.ai as ai
+
+    entry, tokens = 656, 1024
+    g = torch.Generator(device="cuda").manual_seed(3)
+    kv = torch.randint(0, 256, (tokens, entry), dtype=torch.uint8, device="cuda", generator=g)
+    pool = ai.KvPool(s, layers=2, entry_bytes=entry, max_tokens=tokens, hot_slots=256,
+                     max_selection=128)
+    pool.store(1, 0, kv)
+    sel = torch.randperm(tokens, generator=torch.Generator().manual_seed(4))[:128]
+    out = torch.empty((128, entry), dtype=torch.uint8, device="cuda")
+    assert pool.load(1, sel.numpy(), out)["misses"] == 128
+    assert torch.equal(out, kv[sel.cuda()])
+    assert pool.load(1, sel.numpy(), out)["hits"] == 128
+    assert torch.equal(out, kv[sel.cuda()])
+
+    seq = ai.SwapInKv(s, layers=1, entry_bytes=entry, max_tokens=tokens, hot_slots=256,
+                      max_selection=128)
+    seq.append(0, kv.cpu().numpy())
+    picks = torch.zeros(128, dtype=torch.int32, device="cuda")
+    picks[:100] = sel[:100].to(torch.int32).cuda()
+    dst = torch.empty((128, entry), dtype=torch.uint8, device="cuda")
+    batch = ai.SwapInBatch(s, 0, [(seq, picks, dst)])
+    for _ in range(2):
+        (report,), (exposed, install) = batch.load([100], timed=True)
+        assert report["selected"] == 100 and exposed > 0
+        assert torch.equal(dst[:100], kv[sel[:100].cuda()])
+
+    rows, row = 4096, 128
+    t = ai.EngramTable(s, rows, row)
+    table = np.random.default_rng(5).integers(0, 256, (rows, row), dtype=np.uint8)
+    s.copy(table, t.memory())
+    ids = np.random.default_rng(6).integers(0, rows, 512)
+    got = torch.empty((512, row), dtype=torch.uint8, device="cuda")
+    t.lookup(ids, got)
+    assert np.array_equal(got.cpu().numpy(), table[ids])
+    t.keep_hot(ids[:64])
+    got.zero_()
+    assert t.lookup(ids, got)["hot"]
+    assert np.array_equal(got.cpu().numpy(), table[ids])
+    got.zero_()
+    assert t.prefetch(ids, got).wait()["rows"] == 512
+    assert np.array_equal(got.cpu().numpy(), table[ids])
+    f32 = np.random.default_rng(7).standard_normal((rows, 4)).astype(np.float32)
+    q = ai.EngramTable(s, rows, 16)
+    s.copy(f32, q.memory())
+    query = np.array([0.5, -1.0, 2.0, 0.25], dtype=np.float32)
+    best = q.similar(query, k=5)
+    assert best[0][0] == int(np.argmax(f32 @ query))
+    assert best[0][1] == pytest.approx(float(np.max(f32 @ query)), rel=1e-5)
+
+    values = torch.randn(4096, device="cuda")
+    for fmt in ("f16", "fp8", "int8", "int4"):
+        dq = ai.quantize_device(values, fmt, block=64, session=s)
+        hq = ai.quantize(values.cpu().numpy(), fmt, block=64)
+        assert dq.to_host().data == hq.data and dq.to_host().scales == hq.scales
+        back = torch.empty_like(values)
+        dq.dequantize_into(s.device_buffer(back))
+        assert torch.equal(back.cpu(), torch.frombuffer(bytearray(hq.dequantize()), dtype=torch.float32))
