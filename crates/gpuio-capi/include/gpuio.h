@@ -52,12 +52,40 @@
 // The request was cancelled before it completed.
 #define GPUIO_ERROR_CANCELED -11
 
+// The scheduler class: the default, training's forward pass (ordinary foreground work).
+#define GPUIO_PRIORITY_DEFAULT 0
+
+// User-facing inference: ahead of every other class.
+#define GPUIO_PRIORITY_INFERENCE_REALTIME 1
+
+// Training's forward pass.
+#define GPUIO_PRIORITY_TRAINING_FORWARD 2
+
+// Training's backward pass.
+#define GPUIO_PRIORITY_TRAINING_BACKWARD 3
+
+// Checkpoint writes.
+#define GPUIO_PRIORITY_CHECKPOINT 4
+
+// Engram write-back.
+#define GPUIO_PRIORITY_ENGRAM_SYNC 5
+
+// Prefetch and cleanup: behind every other class.
+#define GPUIO_PRIORITY_BACKGROUND 6
+
 // A gpuio context: devices, engines and the scheduler. Thread-safe: one context may be used
 // from any number of threads at once.
 typedef struct gpuio_context_t gpuio_context_t;
 
+// An Engram table: rows in pinned host memory, read by id into GPU memory.
+typedef struct gpuio_engram_table_t gpuio_engram_table_t;
+
 // An opened resource: a file or block device, or another node's export.
 typedef struct gpuio_handle_t gpuio_handle_t;
+
+// One sequence's KV entries across GPU and pinned host memory. Calls on one pool take
+// turns; free it before the context.
+typedef struct gpuio_kv_pool_t gpuio_kv_pool_t;
 
 // Memory gpuio holds: host memory or GPU memory. A transfer holds its own reference, so
 // `gpuio_mem_free` while a request uses it is safe (the memory goes when the request does).
@@ -66,6 +94,43 @@ typedef struct gpuio_mem_t gpuio_mem_t;
 // An asynchronous request: poll it, wait for it, cancel it while queued; free it with
 // `gpuio_request_free` (also while it runs: it still finishes, and its callback still runs).
 typedef struct gpuio_request_t gpuio_request_t;
+
+// A KV pool's shape: zero-initialise it and set every field (0 fields are refused, but
+// `warm_entries`: 0 means `layers * max_tokens`).
+typedef struct gpuio_kv_pool_config_t {
+  // Attention layers.
+  uint32_t layers;
+  // GPU whose memory holds the hot buffers.
+  uint32_t gpu;
+  // Bytes per entry (one token of one layer).
+  uint64_t entry_bytes;
+  // Tokens the sequence may hold.
+  uint64_t max_tokens;
+  // Entries pinned host memory holds, over all layers (0: `layers * max_tokens`).
+  uint64_t warm_entries;
+  // Slots of each layer's hot buffer in GPU memory.
+  uint64_t hot_slots;
+  // The largest selection one load takes (at most `hot_slots`).
+  uint64_t max_selection;
+  // NUMA node of the host memory (-1: the kernel's choice).
+  int32_t numa;
+  // Reserved: 0.
+  uint32_t flags;
+} gpuio_kv_pool_config_t;
+
+// What one KV load did.
+typedef struct gpuio_kv_load_report_t {
+  // Entries written to the destination.
+  uint64_t selected;
+  // Of them, found in the hot buffer.
+  uint64_t hits;
+  // Distinct entries read from host memory.
+  uint64_t misses;
+  // Of those, brought back from the cold tier first.
+  uint64_t from_cold;
+  // Bytes that crossed from host memory.
+  uint64_t bytes_from_host;
+} gpuio_kv_load_report_t;
 
 // What `gpuio_init` starts from; zero-initialise it, set `api_version`, change what you need.
 typedef struct gpuio_config_t {
@@ -130,6 +195,19 @@ typedef struct gpuio_end_t {
 // free or wait for its own request, nor finalize the context.
 typedef void (*gpuio_callback_t)(void *user_data, int status, size_t bytes);
 
+// How the scheduler treats a request (`gpuio_submit_ex`, `gpuio_batch_submit_ex`):
+// zero-initialise it for the defaults.
+typedef struct gpuio_submit_options_t {
+  // The class, a `GPUIO_PRIORITY_*` (0 is `GPUIO_PRIORITY_DEFAULT`): a class runs ahead of
+  // the ones after it, never preempting what runs.
+  int32_t priority;
+  // Reserved: 0.
+  uint32_t flags;
+  // Due this many nanoseconds from the call (0: no deadline): orders requests within a
+  // class, earliest first, and counts as met or missed in the scheduler's statistics.
+  uint64_t deadline_ns;
+} gpuio_submit_options_t;
+
 // One transfer of a batch.
 typedef struct gpuio_transfer_t {
   // Where the bytes come from.
@@ -143,6 +221,104 @@ typedef struct gpuio_transfer_t {
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// A KV pool of `config`'s shape, its memory allocated now, into `*out`.
+//
+// # Safety
+// `ctx` came from `gpuio_init`; `config` is readable; `out` is writable.
+int gpuio_kv_pool_create(const struct gpuio_context_t *ctx,
+                         const struct gpuio_kv_pool_config_t *config,
+                         struct gpuio_kv_pool_t **out);
+
+// Stores `count` entries of `layer` from `src` (GPU memory) at `src_offset`, entry after
+// entry, at positions `first..first + count`, with their importance `scores` (`count` of
+// them; NULL: none).
+//
+// # Safety
+// `ctx` came from `gpuio_init`, `pool` from `gpuio_kv_pool_create`, `src` from a
+// `gpuio_mem_*` function; `scores` is NULL or readable for `count` floats.
+int gpuio_kv_pool_store(const struct gpuio_context_t *ctx,
+                        const struct gpuio_kv_pool_t *pool,
+                        uint32_t layer,
+                        uint64_t first,
+                        size_t count,
+                        const struct gpuio_mem_t *src,
+                        size_t src_offset,
+                        const float *scores);
+
+// Loads `layer`'s entries at the `n` positions of `selection` into `dst` (GPU memory) from
+// `dst_offset`, entry `i` being position `selection[i]`; what it did into `*report` (may be
+// NULL).
+//
+// # Safety
+// `pool` came from `gpuio_kv_pool_create`, `dst` from a `gpuio_mem_*` function;
+// `selection` is readable for `n` positions; `report` is NULL or writable.
+int gpuio_kv_pool_load(const struct gpuio_kv_pool_t *pool,
+                       uint32_t layer,
+                       const uint64_t *selection,
+                       size_t n,
+                       const struct gpuio_mem_t *dst,
+                       size_t dst_offset,
+                       struct gpuio_kv_load_report_t *report);
+
+// Frees a KV pool and its memory (NULL: nothing).
+//
+// # Safety
+// `pool` is NULL or came from `gpuio_kv_pool_create`, and nothing uses it after the call.
+int gpuio_kv_pool_free(struct gpuio_kv_pool_t *pool);
+
+// A zeroed table of `rows` rows of `row_bytes` in pinned DRAM (on NUMA node `numa` where
+// it is not negative), into `*out`.
+//
+// # Safety
+// `ctx` came from `gpuio_init`; `out` is writable.
+int gpuio_engram_table_create(const struct gpuio_context_t *ctx,
+                              uint64_t rows,
+                              size_t row_bytes,
+                              int32_t numa,
+                              struct gpuio_engram_table_t **out);
+
+// The table's host memory as a `gpuio_mem_t` (into `*out`; free it with `gpuio_mem_free`,
+// the table keeps its own reference): fill it through `gpuio_mem_host_ptr` or a transfer
+// from a file. Write rows there only while no lookup or store runs.
+//
+// # Safety
+// `table` came from `gpuio_engram_table_create`; `out` is writable.
+int gpuio_engram_table_memory(const struct gpuio_engram_table_t *table, struct gpuio_mem_t **out);
+
+// Reads row `ids[i]` into `dst` (GPU memory) at `dst_offset + i * row_bytes`, for each of the
+// `n` ids; rows read from the table (distinct) into `*fetched` (may be NULL).
+//
+// # Safety
+// `ctx` came from `gpuio_init`, `table` from `gpuio_engram_table_create`, `dst` from a
+// `gpuio_mem_*` function; `ids` is readable for `n` ids; `fetched` is NULL or writable.
+int gpuio_engram_lookup(const struct gpuio_context_t *ctx,
+                        const struct gpuio_engram_table_t *table,
+                        const uint64_t *ids,
+                        size_t n,
+                        const struct gpuio_mem_t *dst,
+                        size_t dst_offset,
+                        uint64_t *fetched);
+
+// Writes source row `i` (at `src_offset + i * row_bytes` of `src`, GPU memory) to table row
+// `ids[i]`, for each of the `n` ids.
+//
+// # Safety
+// `ctx` came from `gpuio_init`, `table` from `gpuio_engram_table_create`, `src` from a
+// `gpuio_mem_*` function; `ids` is readable for `n` ids.
+int gpuio_engram_store(const struct gpuio_context_t *ctx,
+                       const struct gpuio_engram_table_t *table,
+                       const uint64_t *ids,
+                       size_t n,
+                       const struct gpuio_mem_t *src,
+                       size_t src_offset);
+
+// Frees an Engram table (NULL: nothing); its memory goes once no `gpuio_mem_t` of it is left.
+//
+// # Safety
+// `table` is NULL or came from `gpuio_engram_table_create`, and nothing uses it after the
+// call.
+int gpuio_engram_table_free(struct gpuio_engram_table_t *table);
 
 // Starts a context from `config` (NULL: the defaults, `$GPUIO_CONFIG`, `GPUIO_*`) into
 // `*ctx`. Release it with `gpuio_finalize`.
@@ -311,6 +487,19 @@ int gpuio_submit(const struct gpuio_context_t *ctx,
                  void *user_data,
                  struct gpuio_request_t **out);
 
+// `gpuio_submit` in the class and with the deadline `opts` gives (NULL: the defaults).
+//
+// # Safety
+// As for `gpuio_submit`; `opts` is NULL or readable.
+int gpuio_submit_ex(const struct gpuio_context_t *ctx,
+                    struct gpuio_end_t src,
+                    struct gpuio_end_t dst,
+                    size_t len,
+                    const struct gpuio_submit_options_t *opts,
+                    gpuio_callback_t callback,
+                    void *user_data,
+                    struct gpuio_request_t **out);
+
 // Whether the request has finished, into `*done` (1 or 0).
 //
 // # Safety
@@ -348,6 +537,17 @@ int gpuio_batch_submit(const struct gpuio_context_t *ctx,
                        const struct gpuio_transfer_t *transfers,
                        size_t n,
                        uint64_t *bytes);
+
+// `gpuio_batch_submit` with every transfer in the class and with the deadline `opts` gives
+// (NULL: the defaults).
+//
+// # Safety
+// As for `gpuio_batch_submit`; `opts` is NULL or readable.
+int gpuio_batch_submit_ex(const struct gpuio_context_t *ctx,
+                          const struct gpuio_transfer_t *transfers,
+                          size_t n,
+                          const struct gpuio_submit_options_t *opts,
+                          uint64_t *bytes);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -5,16 +5,22 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![allow(non_camel_case_types)]
 
+mod ai;
 mod context;
 mod error;
 mod memory;
+mod options;
 mod ptr;
 mod transfer;
 
+pub use ai::{
+    gpuio_engram_table_t, gpuio_kv_load_report_t, gpuio_kv_pool_config_t, gpuio_kv_pool_t,
+};
 pub use context::{gpuio_config_t, gpuio_context_t, gpuio_device_info_t};
 pub use error::*;
 pub use memory::{gpuio_handle_t, gpuio_mem_t};
-pub use transfer::{gpuio_callback_t, gpuio_end_t, gpuio_request_t, gpuio_transfer_t};
+pub use options::*;
+pub use transfer::*;
 
 /// The C API's version: `GPUIO_API_VERSION` goes in `gpuio_config_t.api_version`.
 pub const GPUIO_API_VERSION: u32 = 1;

@@ -35,11 +35,20 @@ impl gpuio_mem_t {
     }
 }
 
+/// Host memory as a `gpuio_mem_t` kind, its address kept for `gpuio_mem_host_ptr`.
+pub(crate) fn host(mem: HostMemory) -> Mem {
+    let ptr = mem.read().as_slice().as_ptr() as usize;
+    Mem::Host { mem, ptr }
+}
+
 /// Hands `kind` to the caller as a new `gpuio_mem_t` in `*out`.
 ///
 /// # Safety
 /// `out` is writable (checked non-null by the caller).
-unsafe fn give(out: *mut *mut gpuio_mem_t, kind: Mem) -> Result<(), crate::error::Failure> {
+pub(crate) unsafe fn give(
+    out: *mut *mut gpuio_mem_t,
+    kind: Mem,
+) -> Result<(), crate::error::Failure> {
     // SAFETY: the caller's contract.
     unsafe { ptr::put(out, ptr::handle(gpuio_mem_t { kind }), "out") }
 }
@@ -123,9 +132,8 @@ pub unsafe extern "C" fn gpuio_mem_alloc_host(
         let ctx = unsafe { ptr::object(ctx, "ctx") }?;
         let dram = HostPlacement::Dram { numa: None };
         let mem = ctx.session.alloc_host(dram, len, pinned != 0)?;
-        let ptr = mem.read().as_slice().as_ptr() as usize;
         // SAFETY: the caller's contract: out is writable.
-        unsafe { give(out, Mem::Host { mem, ptr }) }
+        unsafe { give(out, host(mem)) }
     })
 }
 

@@ -1,10 +1,12 @@
 //! Transfers: blocking (`gpuio_transfer`, and `gpuio_read`/`gpuio_write` with the caller's
 //! host memory), asynchronous through the scheduler (`gpuio_submit`, then poll, wait, cancel,
-//! or a callback), and batches (`gpuio_batch_submit`).
+//! or a callback), and batches (`gpuio_batch_submit`); the `_ex` forms take the scheduler
+//! class and a deadline.
 
 use crate::context::gpuio_context_t;
 use crate::error::{Failure, call, invalid};
 use crate::memory::{gpuio_handle_t, gpuio_mem_t};
+use crate::options::{gpuio_submit_options_t, with_options};
 use crate::ptr;
 use gpuio_api::{Dest, Endpoint, Request, Source, Ticket};
 use std::ffi::{c_int, c_void};
@@ -181,6 +183,37 @@ pub unsafe extern "C" fn gpuio_submit(
     user_data: *mut c_void,
     out: *mut *mut gpuio_request_t,
 ) -> c_int {
+    // SAFETY: the caller's contract, with no options.
+    unsafe {
+        gpuio_submit_ex(
+            ctx,
+            src,
+            dst,
+            len,
+            std::ptr::null(),
+            callback,
+            user_data,
+            out,
+        )
+    }
+}
+
+/// `gpuio_submit` in the class and with the deadline `opts` gives (NULL: the defaults).
+///
+/// # Safety
+/// As for `gpuio_submit`; `opts` is NULL or readable.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn gpuio_submit_ex(
+    ctx: *const gpuio_context_t,
+    src: gpuio_end_t,
+    dst: gpuio_end_t,
+    len: usize,
+    opts: *const gpuio_submit_options_t,
+    callback: gpuio_callback_t,
+    user_data: *mut c_void,
+    out: *mut *mut gpuio_request_t,
+) -> c_int {
     call(|| {
         ptr::out(out, "out")?;
         // SAFETY: the caller's contract.
@@ -192,6 +225,8 @@ pub unsafe extern "C" fn gpuio_submit(
             )
         };
         let req = Request::new(s, d, len).map_err(gpuio_api::Error::from)?;
+        // SAFETY: the caller's contract for `opts`.
+        let req = unsafe { with_options(req, opts) }?;
         let settled = Arc::new(Settled::default());
         let mine = settled.clone();
         let cb = callback.map(|f| Callback { f, user_data });
@@ -332,6 +367,23 @@ pub unsafe extern "C" fn gpuio_batch_submit(
     n: usize,
     bytes: *mut u64,
 ) -> c_int {
+    // SAFETY: the caller's contract, with no options.
+    unsafe { gpuio_batch_submit_ex(ctx, transfers, n, std::ptr::null(), bytes) }
+}
+
+/// `gpuio_batch_submit` with every transfer in the class and with the deadline `opts` gives
+/// (NULL: the defaults).
+///
+/// # Safety
+/// As for `gpuio_batch_submit`; `opts` is NULL or readable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpuio_batch_submit_ex(
+    ctx: *const gpuio_context_t,
+    transfers: *const gpuio_transfer_t,
+    n: usize,
+    opts: *const gpuio_submit_options_t,
+    bytes: *mut u64,
+) -> c_int {
     call(|| {
         // SAFETY: the caller's contract.
         let ctx = unsafe { ptr::object(ctx, "ctx") }?;
@@ -341,7 +393,9 @@ pub unsafe extern "C" fn gpuio_batch_submit(
         for t in transfers {
             // SAFETY: the caller's contract for the ends' pointers.
             let (s, d) = unsafe { (endpoint(&t.src, "src")?, endpoint(&t.dst, "dst")?) };
-            reqs.push(Request::new(s, d, t.len).map_err(gpuio_api::Error::from)?);
+            let req = Request::new(s, d, t.len).map_err(gpuio_api::Error::from)?;
+            // SAFETY: the caller's contract for `opts`.
+            reqs.push(unsafe { with_options(req, opts) }?);
         }
         let report = ctx
             .session

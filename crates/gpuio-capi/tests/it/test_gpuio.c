@@ -92,6 +92,82 @@ static int devices(gpuio_context_t *ctx) {
     return info.is_cuda;
 }
 
+/* The AI tier's core calls: a KV pool stores entries from GPU memory and loads selections into
+ * it; an Engram table's rows are looked up by id and stored back. `h` and `h2` are host
+ * memory of at least 64 KiB each. */
+static void ai_tier(gpuio_context_t *ctx, gpuio_mem_t *h, gpuio_mem_t *h2) {
+    enum { ENTRY = 64, TOKENS = 256, SEL = 5 };
+    gpuio_mem_t *src = NULL, *out = NULL;
+    EXPECT(gpuio_mem_alloc_device(ctx, 0, ENTRY * TOKENS, &src), GPUIO_SUCCESS);
+    EXPECT(gpuio_mem_alloc_device(ctx, 0, ENTRY * TOKENS, &out), GPUIO_SUCCESS);
+    unsigned char *kv = gpuio_mem_host_ptr(h), *back = gpuio_mem_host_ptr(h2);
+    fill(kv, ENTRY * TOKENS, 9);
+    gpuio_end_t hs = {.mem = h}, ds = {.mem = src}, dout = {.mem = out}, hb = {.mem = h2};
+    EXPECT(gpuio_transfer(ctx, hs, ds, ENTRY * TOKENS), GPUIO_SUCCESS);
+
+    gpuio_kv_pool_config_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.layers = 2;
+    cfg.entry_bytes = ENTRY;
+    cfg.max_tokens = TOKENS;
+    cfg.hot_slots = 16;
+    cfg.max_selection = 8;
+    cfg.numa = -1;
+    gpuio_kv_pool_t *pool = NULL;
+    EXPECT(gpuio_kv_pool_create(ctx, &cfg, &pool), GPUIO_SUCCESS);
+    float scores[TOKENS];
+    for (int i = 0; i < TOKENS; i++) scores[i] = (float)i;
+    EXPECT(gpuio_kv_pool_store(ctx, pool, 1, 0, TOKENS, src, 0, scores), GPUIO_SUCCESS);
+    uint64_t sel[SEL] = {200, 3, 3, 255, 0};
+    gpuio_kv_load_report_t rep;
+    memset(&rep, 0xff, sizeof rep);
+    EXPECT(gpuio_kv_pool_load(pool, 1, sel, SEL, out, 0, &rep), GPUIO_SUCCESS);
+    CHECK(rep.selected == SEL && rep.misses == 4 && rep.hits == 0);
+    EXPECT(gpuio_transfer(ctx, dout, hb, SEL * ENTRY), GPUIO_SUCCESS);
+    for (int i = 0; i < SEL; i++)
+        CHECK(memcmp(back + i * ENTRY, kv + sel[i] * ENTRY, ENTRY) == 0);
+    EXPECT(gpuio_kv_pool_load(pool, 1, sel, SEL, out, 0, &rep), GPUIO_SUCCESS);
+    CHECK(rep.hits == SEL);
+    EXPECT(gpuio_kv_pool_load(pool, 1, sel, SEL, out, 0, NULL), GPUIO_SUCCESS);
+    sel[1] = TOKENS; /* never stored */
+    EXPECT(gpuio_kv_pool_load(pool, 1, sel, SEL, out, 0, &rep), GPUIO_ERROR_INVALID_ARG);
+    EXPECT(gpuio_kv_pool_load(pool, 1, sel, SEL, h, 0, &rep), GPUIO_ERROR_INVALID_ARG);
+    CHECK(strstr(gpuio_last_error(), "GPU memory") != NULL);
+    EXPECT(gpuio_kv_pool_load(pool, 1, NULL, SEL, out, 0, &rep), GPUIO_ERROR_INVALID_ARG);
+    EXPECT(gpuio_kv_pool_store(ctx, pool, 0, 9, 1, src, 0, NULL), GPUIO_ERROR_INVALID_ARG);
+    cfg.layers = 0;
+    gpuio_kv_pool_t *none = NULL;
+    EXPECT(gpuio_kv_pool_create(ctx, &cfg, &none), GPUIO_ERROR_INVALID_ARG);
+    CHECK(none == NULL);
+    EXPECT(gpuio_kv_pool_free(pool), GPUIO_SUCCESS);
+    EXPECT(gpuio_kv_pool_free(NULL), GPUIO_SUCCESS);
+
+    enum { ROWS = 100, ROW = 32 };
+    gpuio_engram_table_t *t = NULL;
+    EXPECT(gpuio_engram_table_create(ctx, ROWS, ROW, -1, &t), GPUIO_SUCCESS);
+    gpuio_mem_t *rows = NULL;
+    EXPECT(gpuio_engram_table_memory(t, &rows), GPUIO_SUCCESS);
+    CHECK(gpuio_mem_len(rows) == ROWS * ROW);
+    unsigned char *table = gpuio_mem_host_ptr(rows);
+    fill(table, ROWS * ROW, 4);
+    uint64_t ids[4] = {99, 0, 7, 7}, fetched = 0;
+    EXPECT(gpuio_engram_lookup(ctx, t, ids, 4, out, 0, &fetched), GPUIO_SUCCESS);
+    CHECK(fetched >= 3 && fetched <= 4);
+    EXPECT(gpuio_transfer(ctx, dout, hb, 4 * ROW), GPUIO_SUCCESS);
+    for (int i = 0; i < 4; i++) CHECK(memcmp(back + i * ROW, table + ids[i] * ROW, ROW) == 0);
+    uint64_t to[2] = {5, 6};
+    EXPECT(gpuio_engram_store(ctx, t, to, 2, src, 0), GPUIO_SUCCESS);
+    CHECK(memcmp(table + 5 * ROW, kv, 2 * ROW) == 0);
+    ids[0] = ROWS;
+    EXPECT(gpuio_engram_lookup(ctx, t, ids, 4, out, 0, NULL), GPUIO_ERROR_INVALID_ARG);
+    EXPECT(gpuio_engram_table_free(t), GPUIO_SUCCESS);
+    /* The memory outlives the table while a gpuio_mem_t of it is held. */
+    CHECK(memcmp(table + 5 * ROW, kv, 2 * ROW) == 0);
+    EXPECT(gpuio_mem_free(rows), GPUIO_SUCCESS);
+    EXPECT(gpuio_mem_free(src), GPUIO_SUCCESS);
+    EXPECT(gpuio_mem_free(out), GPUIO_SUCCESS);
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s SCRATCH_DIR\n", argv[0]);
@@ -229,6 +305,34 @@ int main(int argc, char **argv) {
     EXPECT(gpuio_batch_submit(ctx, NULL, 4, &total), GPUIO_ERROR_INVALID_ARG);
     batch[2].src.offset = LEN;
     CHECK(gpuio_batch_submit(ctx, batch, 4, NULL) < 0);
+    batch[2].src.offset = 2 * PART;
+
+    /* The scheduler's classes and deadlines. */
+    gpuio_submit_options_t opts;
+    memset(&opts, 0, sizeof opts);
+    opts.priority = GPUIO_PRIORITY_INFERENCE_REALTIME;
+    opts.deadline_ns = 1000000000;
+    memset(gpuio_mem_host_ptr(host2), 0, LEN);
+    EXPECT(gpuio_submit_ex(ctx, file, h2, PART, &opts, NULL, NULL, &req), GPUIO_SUCCESS);
+    EXPECT(gpuio_request_wait(req, &moved), GPUIO_SUCCESS);
+    CHECK(moved == PART && memcmp(gpuio_mem_host_ptr(host2), data, PART) == 0);
+    EXPECT(gpuio_request_free(req), GPUIO_SUCCESS);
+    EXPECT(gpuio_submit_ex(ctx, file, h2, PART, NULL, NULL, NULL, &req), GPUIO_SUCCESS);
+    EXPECT(gpuio_request_wait(req, &moved), GPUIO_SUCCESS);
+    EXPECT(gpuio_request_free(req), GPUIO_SUCCESS);
+    opts.priority = GPUIO_PRIORITY_BACKGROUND;
+    EXPECT(gpuio_batch_submit_ex(ctx, batch, 4, &opts, &total), GPUIO_SUCCESS);
+    CHECK(total == LEN && memcmp(gpuio_mem_host_ptr(host2), data, LEN) == 0);
+    opts.priority = 99;
+    req = NULL;
+    EXPECT(gpuio_submit_ex(ctx, file, h2, PART, &opts, NULL, NULL, &req), GPUIO_ERROR_INVALID_ARG);
+    CHECK(req == NULL && strstr(gpuio_last_error(), "priority") != NULL);
+    EXPECT(gpuio_batch_submit_ex(ctx, batch, 4, &opts, &total), GPUIO_ERROR_INVALID_ARG);
+    opts.priority = GPUIO_PRIORITY_DEFAULT;
+    opts.flags = 1;
+    EXPECT(gpuio_submit_ex(ctx, file, h2, PART, &opts, NULL, NULL, &req), GPUIO_ERROR_INVALID_ARG);
+
+    ai_tier(ctx, host, host2);
 
     EXPECT(gpuio_mem_free(borrowed), GPUIO_SUCCESS);
     EXPECT(gpuio_mem_free(host), GPUIO_SUCCESS);

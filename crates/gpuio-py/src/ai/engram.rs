@@ -211,12 +211,15 @@ enum Work {
 #[pyclass(module = "gpuio.ai", frozen)]
 pub struct AiPending {
     work: AiWork,
-    state: Mutex<(Option<Work>, Option<Result<Option<Lookup>, PyErrParts>>)>,
+    /// The work until waited for, then its result (a lookup's report, or none for a store).
+    state: Mutex<(Option<Work>, Option<Settled>)>,
     /// The buffer the work moves, kept alive until it is waited for.
     _keep: Py<DeviceBuffer>,
 }
 
-type PyErrParts = (String, i32, &'static str);
+/// Side work's result as the handle keeps it: a lookup's report (none for a store), or the
+/// error's parts.
+type Settled = Result<Option<Lookup>, (String, i32, &'static str)>;
 
 impl AiPending {
     fn new(work: Work, keep: Py<DeviceBuffer>) -> Self {

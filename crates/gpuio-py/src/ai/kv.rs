@@ -319,6 +319,13 @@ impl SwapInKv {
     }
 }
 
+/// A swap-in batch's target as the Python half passes it: sequence, selection, destination,
+/// destination offset.
+type SwapInRow = (Py<SwapInKv>, Py<DeviceBuffer>, Py<DeviceBuffer>, usize);
+
+/// Each sequence's report or error, and the device's (exposed, install) seconds when timed.
+type BatchLoad<'py> = (Vec<Bound<'py, PyAny>>, Option<(f64, f64)>);
+
 /// One layer's device-planned loads for a batch of sequences, made once and loaded every
 /// step.
 #[pyclass(module = "gpuio.ai", frozen)]
@@ -337,7 +344,7 @@ impl SwapInBatch {
         py: Python<'_>,
         session: &Session,
         layer: usize,
-        targets: Vec<(Py<SwapInKv>, Py<DeviceBuffer>, Py<DeviceBuffer>, usize)>,
+        targets: Vec<SwapInRow>,
     ) -> PyResult<Self> {
         let refs: Vec<_> = targets
             .iter()
@@ -381,7 +388,7 @@ impl SwapInBatch {
         py: Python<'py>,
         counts: Vec<usize>,
         timed: bool,
-    ) -> PyResult<(Vec<Bound<'py, PyAny>>, Option<(f64, f64)>)> {
+    ) -> PyResult<BatchLoad<'py>> {
         let (reports, times) = py
             .detach(|| {
                 let mut b = self.batch.lock().unwrap_or_else(PoisonError::into_inner);
