@@ -3,10 +3,16 @@
 //! and deadlines. Inference IO gets the realtime class and a deadline that leaves room for the
 //! compute after it; training, checkpoints, Engram write-back and prefetch get their classes,
 //! in that order of urgency.
+//!
+//! The tier's own IO — KV loads and stores, Engram lookups, stores, prefetch and write-back,
+//! graph gathers — runs outside the scheduler's workers (device gathers and scatters), so each
+//! call holds a scheduler lease of its work's class ([`AiWork::lease`]) while it moves data:
+//! less urgent leases and queued requests wait for it, so a decode step's loads are not
+//! queued behind a prefetch or a checkpoint.
 
 use crate::kv::{KvPool, KvPoolConfig};
 use crate::{AiError, Result, engram::EngramTable};
-use gpuio_api::{Endpoint, Priority, Request, RequestHandle, Session};
+use gpuio_api::{Endpoint, Lease, Lessor, Priority, Request, RequestHandle, Session};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -36,6 +42,9 @@ pub struct InferenceQos {
 /// Work the AI tier does IO for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AiWork {
+    /// A decode or prefill step whose deadline is not given: the realtime class, no deadline.
+    /// What the KV pools and Engram lookups do IO for unless told otherwise.
+    Decode,
     /// Serving a request.
     Inference(InferenceQos),
     /// A training step's forward (or, `backward`, backward) pass.
@@ -58,7 +67,7 @@ impl AiWork {
             Self::Inference(q) if q.criticality == Criticality::BestEffort => {
                 Priority::TrainingForward
             }
-            Self::Inference(_) => Priority::InferenceRealtime,
+            Self::Decode | Self::Inference(_) => Priority::InferenceRealtime,
             Self::TrainingStep { backward: false } => Priority::TrainingForward,
             Self::TrainingStep { backward: true } => Priority::TrainingBackward,
             Self::Checkpoint => Priority::Checkpoint,
@@ -83,6 +92,19 @@ impl AiWork {
             }
             _ => Ok(None),
         }
+    }
+}
+
+impl AiWork {
+    /// Holds this work's class on `lessor`'s scheduler, with its IO deadline where it has one
+    /// (counted as met or missed when the lease ends), for IO that runs outside the workers.
+    pub fn lease(&self, lessor: &Lessor) -> Result<Lease> {
+        Ok(lessor.lease(self.priority(), self.io_deadline(Instant::now())?))
+    }
+
+    /// [`lease`](Self::lease) on `session`'s scheduler.
+    pub fn lease_in(&self, session: &Session) -> Result<Lease> {
+        Ok(session.lease(self.priority(), self.io_deadline(Instant::now())?))
     }
 }
 

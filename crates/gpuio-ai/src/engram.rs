@@ -43,7 +43,13 @@ pub struct EngramTable {
     /// call that takes both), and held for a whole lookup or store, so a lookup never reads
     /// a copy older than a store it comes after.
     hot: Arc<RwLock<Option<HotTier>>>,
+    /// What this handle's lookups are for (their scheduler class and deadline).
+    work: AiWork,
 }
+
+/// Rows a prefetch or write-back moves under one lease: a lookup of more urgent work waits
+/// for at most this many (2 MiB of 256-byte rows).
+const SIDE_CHUNK_ROWS: usize = 8192;
 
 /// What a lookup did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,7 +89,16 @@ impl EngramTable {
             rows,
             row_bytes,
             hot: Arc::default(),
+            work: AiWork::Decode,
         })
+    }
+
+    /// The work this handle's lookups (and similarity searches) are for: a decode step's
+    /// ([`AiWork::Decode`]) unless set. Each holds a scheduler lease of its class while it
+    /// moves data; stores hold one of [`AiWork::EngramSync`]'s, prefetches of
+    /// [`AiWork::Prefetch`]'s.
+    pub fn set_work(&mut self, work: AiWork) {
+        self.work = work;
     }
 
     /// Rows in the table.
@@ -123,7 +138,20 @@ impl EngramTable {
         dst: &DeviceBuffer,
         dst_offset: usize,
     ) -> Result<Lookup> {
+        self.lookup_as(session, ids, dst, dst_offset, self.work)
+    }
+
+    /// [`lookup`](Self::lookup) under a lease of `work`.
+    fn lookup_as(
+        &self,
+        session: &Session,
+        ids: &[u64],
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        work: AiWork,
+    ) -> Result<Lookup> {
         self.check_ids(ids)?;
+        let _lease = work.lease_in(session)?;
         let hot = self.hot.read().unwrap_or_else(PoisonError::into_inner);
         let table = self.mem.read();
         let tier = hot.as_ref().filter(|t| t.serves(dst.gpu()));
@@ -160,6 +188,7 @@ impl EngramTable {
         src_offset: usize,
     ) -> Result<()> {
         self.check_ids(ids)?;
+        let _lease = AiWork::EngramSync.lease_in(session)?;
         let bytes = ids
             .len()
             .checked_mul(self.row_bytes)
@@ -250,9 +279,8 @@ impl<T: Send + 'static> Pending<T> {
         })
     }
 
-    /// The work it does, and the scheduler class that names ([`AiWork::priority`]) — a
-    /// label here: the work is a gather or scatter on its own stream, which the scheduler does
-    /// not order.
+    /// The work it does: the scheduler class each of its pieces holds a lease of
+    /// ([`AiWork::priority`]).
     pub fn work(&self) -> AiWork {
         self.work
     }
@@ -289,7 +317,8 @@ impl<T: Send + 'static> Drop for Pending<T> {
 impl EngramTable {
     /// Starts [`lookup`](Self::lookup) of `ids` into `dst` on a side thread, with its own
     /// stream, and returns at once: the upcoming layer's rows arrive while the caller
-    /// computes. Labelled [`AiWork::Prefetch`] (`Background`).
+    /// computes. It runs in [`AiWork::Prefetch`]'s class (`Background`), a lease per piece of
+    /// 8192 rows, so lookups of more urgent work go between its pieces.
     pub fn prefetch(
         &self,
         session: &Arc<Session>,
@@ -300,12 +329,31 @@ impl EngramTable {
         self.check_ids(&ids)?;
         let (table, session) = (self.clone(), Arc::clone(session));
         Pending::spawn(AiWork::Prefetch, move || {
-            table.lookup(&session, &ids, &dst, dst_offset)
+            // A lease per piece: a decode step's lookup waits for one piece, not the whole.
+            let mut total: Option<Lookup> = None;
+            for (k, part) in ids.chunks(SIDE_CHUNK_ROWS).enumerate() {
+                let at = dst_offset + k * SIDE_CHUNK_ROWS * table.row_bytes;
+                let r = table.lookup_as(&session, part, &dst, at, AiWork::Prefetch)?;
+                total = Some(match total {
+                    None => r,
+                    Some(t) => Lookup {
+                        rows: t.rows + r.rows,
+                        rows_fetched: t.rows_fetched + r.rows_fetched,
+                        strategy: r.strategy,
+                        hot: t.hot || r.hot,
+                    },
+                });
+            }
+            match total {
+                Some(t) => Ok(t),
+                // No ids: the lookup of nothing reports as a lookup does.
+                None => table.lookup_as(&session, &ids, &dst, dst_offset, AiWork::Prefetch),
+            }
         })
     }
 
     /// Starts [`store`](Self::store) of `src`'s rows at `ids` on a side thread and returns
-    /// at once. Labelled [`AiWork::EngramSync`].
+    /// at once. It runs in [`AiWork::EngramSync`]'s class, a lease per piece of 8192 rows.
     pub fn store_async(
         &self,
         session: &Arc<Session>,
@@ -316,7 +364,12 @@ impl EngramTable {
         self.check_ids(&ids)?;
         let (table, session) = (self.clone(), Arc::clone(session));
         Pending::spawn(AiWork::EngramSync, move || {
-            table.store(&session, &ids, &src, src_offset)
+            // A lease per piece (each store takes its own), as for a prefetch.
+            for (k, part) in ids.chunks(SIDE_CHUNK_ROWS).enumerate() {
+                let at = src_offset + k * SIDE_CHUNK_ROWS * table.row_bytes;
+                table.store(&session, part, &src, at)?;
+            }
+            Ok(())
         })
     }
 
@@ -347,6 +400,7 @@ impl EngramTable {
         }
         let rows = self.rows as usize;
         let device = session.gpu(gpu)?;
+        let _lease = self.work.lease_in(session)?;
         let scores = if device.backend() == Backend::Host {
             let table = self.mem.read();
             table

@@ -222,6 +222,8 @@ pub fn graph_gather(
     if sub.nodes.is_empty() {
         return Ok(sub);
     }
+    // A retrieval serves a request: the realtime class.
+    let _lease = crate::AiWork::Decode.lease_in(session)?;
     match embeddings {
         Embeddings::Host(pool) => {
             session

@@ -27,9 +27,9 @@ pub use gpuio_core::ondemand::{
     ArrayMode, ArrayStats, Element, OnDemandArray, PageCache, PageCacheConfig, ResidentArray,
 };
 pub use gpuio_core::{
-    BatchHandle, BatchReport, Completion, Dest, Endpoint, EngineKind, ErrorCode, HostMemory,
-    Outcome, Priority, RemoteResource, RemoteVia, Request, RequestFlags, RequestHandle, RequestId,
-    Route, Source, Status, Ticket,
+    BatchHandle, BatchReport, Completion, Dest, Endpoint, EngineKind, ErrorCode, HostMemory, Lease,
+    Lessor, Outcome, Policy, Priority, RemoteResource, RemoteVia, Request, RequestFlags,
+    RequestHandle, RequestId, Route, Source, Status, Ticket,
 };
 pub use gpuio_hal::{Backend, DeviceBuffer, Gpu};
 pub use gpuio_ring::DEVICE_HEADER;

@@ -8,8 +8,8 @@ use crate::uri::Uri;
 use crate::uri::{RemoteTarget, RemoteTransport};
 use gpuio_core::ondemand::{PageCache, PageCacheConfig};
 use gpuio_core::{
-    BatchHandle, Completion, Dest, Endpoint, Engines, HostMemory, Outcome, RemoteResource, Request,
-    RequestHandle, Scheduler, Source, Ticket,
+    BatchHandle, Completion, Dest, Endpoint, Engines, HostMemory, Lease, Lessor, Outcome, Priority,
+    RemoteResource, Request, RequestHandle, Scheduler, Source, Ticket,
 };
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{DeviceBuffer, Gpu, Probe};
@@ -445,6 +445,20 @@ impl Session {
     /// Queues a request; the handle can be waited on, `.await`ed, or cancelled while queued.
     pub fn submit(&self, req: Request) -> Result<RequestHandle> {
         Ok(self.scheduler.submit(req)?)
+    }
+
+    /// Holds scheduler class `class` for IO this caller runs outside the scheduler's workers
+    /// (a device gather, a scatter): less urgent queued requests and leases wait while it is
+    /// held, at most the scheduler's `max_wait` ([`Lease`]). The AI tier takes one around each
+    /// call, in its work's class.
+    pub fn lease(&self, class: Priority, deadline: Option<std::time::Instant>) -> Lease {
+        self.scheduler.lease(class, deadline)
+    }
+
+    /// A handle that takes [`lease`](Self::lease)s without the session (kept by the AI tier's
+    /// pools and tables).
+    pub fn lessor(&self) -> Lessor {
+        self.scheduler.lessor()
     }
 
     /// Queues a transfer between owned endpoints; see [`Session::submit`].

@@ -28,6 +28,6 @@ pub use retry::RetryPolicy;
 pub use ring::{RingConfig, RingProxy, RingStats};
 pub use route::{EngineKind, Transfer};
 pub use sched::{
-    BatchHandle, BatchReport, Completion, Policy, RequestHandle, SchedSession, SchedStats,
-    Scheduler, SchedulerConfig, SessionOptions, Ticket,
+    BatchHandle, BatchReport, Completion, Lease, Lessor, Policy, RequestHandle, SchedSession,
+    SchedStats, Scheduler, SchedulerConfig, SessionOptions, Ticket,
 };

@@ -175,6 +175,23 @@ pub enum Priority {
     Background,
 }
 
+impl Priority {
+    /// The classes, most urgent first (a class's index is its place here).
+    pub const ALL: [Self; 6] = [
+        Self::InferenceRealtime,
+        Self::TrainingForward,
+        Self::TrainingBackward,
+        Self::Checkpoint,
+        Self::EngramSync,
+        Self::Background,
+    ];
+
+    /// The class at `index` of [`ALL`](Self::ALL), if any.
+    pub fn from_index(index: u8) -> Option<Self> {
+        Self::ALL.get(index as usize).copied()
+    }
+}
+
 /// Options of a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 pub struct RequestFlags {

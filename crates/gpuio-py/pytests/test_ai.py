@@ -267,3 +267,42 @@ def test_ai_work_runs_in_its_scheduler_class(s):
         s.copy_async(src, dst, priority="urgent")
     assert s.copy_async(src, dst, priority="background", deadline=0.5).wait() == 4 * ENTRY
     assert ctx.close_sequence(7) and not ctx.close_sequence(7)
+
+
+def test_ai_io_waits_for_more_urgent_work():
+    import time
+
+    # Less urgent work is held back for up to 30 s (the starvation bound) while a lease runs.
+    s = gpuio.Session(toml="[scheduler]\nmax_wait_us = 30000000\n")
+    t = ai.EngramTable(s, 64, 32)
+    table = np.random.default_rng(9).integers(0, 256, (64, 32), dtype=np.uint8)
+    s.copy(table, t.memory())
+    out = s.alloc_device(64 * 32)
+    with s.lease("inference_realtime", deadline=60):
+        req = t.prefetch(list(range(63, -1, -1)), out)
+        time.sleep(0.3)
+        assert not req.done(), "a prefetch ran during a realtime lease"
+        one = s.alloc_device(32)
+        assert t.lookup([3], one)["rows"] == 1  # the decode's own class is not held back
+        assert host(s, one).tobytes() == table[3].tobytes()
+    assert req.wait()["rows"] == 64
+    assert np.array_equal(host(s, out).reshape(-1, 32), table[::-1])
+
+    lease = s.lease("background")
+    lease.release()
+    lease.release()
+    with pytest.raises(gpuio.Error):
+        s.lease("urgent")
+    pool = ai.KvPool(s, layers=1, entry_bytes=ENTRY, max_tokens=8, hot_slots=4, max_selection=4)
+    pool.set_work("inference", deadline=1.0, compute=0.1)
+    pool.set_work("training_backward")
+    with pytest.raises(gpuio.Error):
+        pool.set_work("inference")  # no deadline
+    with pytest.raises(gpuio.Error):
+        t.set_work("nap")
+    t.set_work("prefetch")
+    kv = entries(8, 1)
+    pool.store(0, 0, device(s, kv))
+    got = s.alloc_device(2 * ENTRY)
+    pool.load(0, [7, 0], got)
+    assert np.array_equal(host(s, got).reshape(-1, ENTRY), kv[[7, 0]])

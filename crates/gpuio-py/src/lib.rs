@@ -83,6 +83,7 @@ fn _gpuio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(safetensors_header, m)?)?;
     m.add_class::<session::Session>()?;
     m.add_class::<session::Handle>()?;
+    m.add_class::<session::Lease>()?;
     m.add_class::<buffers::HostBuffer>()?;
     m.add_class::<buffers::DeviceBuffer>()?;
     m.add_class::<buffers::Resource>()?;

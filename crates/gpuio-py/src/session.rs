@@ -314,6 +314,25 @@ impl Session {
         })
     }
 
+    /// Holds scheduler class `priority` (a [`priority`] name) for IO the caller runs outside
+    /// the scheduler, due `deadline` seconds from now where given; waits for admission
+    /// without the GIL.
+    #[pyo3(signature = (priority, deadline=None))]
+    fn _lease(&self, py: Python<'_>, priority: &str, deadline: Option<f64>) -> PyResult<Lease> {
+        let class = self::priority(priority)?;
+        let due = deadline
+            .map(|secs| {
+                std::time::Duration::try_from_secs_f64(secs)
+                    .map(|d| std::time::Instant::now() + d)
+                    .map_err(|_| invalid(format!("a deadline of {secs} s")))
+            })
+            .transpose()?;
+        let held = py.detach(|| self.inner.lease(class, due));
+        Ok(Lease {
+            held: Mutex::new(Some(held)),
+        })
+    }
+
     /// Runs transfers `(src, src_offset, dst, dst_offset, size)` as one batch (sorted,
     /// adjacent ones merged, grouped by engine) and waits for all; fails with the first error.
     fn _batch<'py>(&self, py: Python<'py>, ops: Vec<BatchOp<'py>>) -> PyResult<Bound<'py, PyDict>> {
@@ -391,6 +410,39 @@ impl Session {
         d.set_item("rows_fetched", report.rows_fetched)?;
         d.set_item("path", format!("{:?}", report.strategy))?;
         Ok(d)
+    }
+}
+
+/// A scheduler lease (`Session.lease`): while it is held, less urgent queued requests and
+/// leases (the AI tier's prefetches, write-backs, a checkpoint's chunks) wait, at most the
+/// scheduler's `max_wait`. A context manager; `release()` ends it early.
+#[pyclass(module = "gpuio", frozen)]
+pub struct Lease {
+    held: Mutex<Option<gpuio_api::Lease>>,
+}
+
+#[pymethods]
+impl Lease {
+    /// Ends it (again: nothing).
+    fn release(&self) {
+        self.held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        _ty: Option<&Bound<'_, PyAny>>,
+        _value: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> bool {
+        self.release();
+        false
     }
 }
 

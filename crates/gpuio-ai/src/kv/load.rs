@@ -7,7 +7,7 @@
 //! read).
 
 use super::{KvPool, LoadReport};
-use crate::{AiError, Result};
+use crate::{AiError, AiWork, Result};
 use gpuio_ai_device::{
     TieredRows, TieredSource, gather_tiered, gather_tiered_timed, tiered_stage_len,
 };
@@ -178,6 +178,13 @@ pub(super) fn run(
     let Some(first) = loads.first() else {
         return Ok((Vec::new(), Duration::ZERO));
     };
+    // The loads move under one scheduler lease: the most urgent of their pools' work.
+    let work = loads
+        .iter()
+        .map(|l| l.pool.work())
+        .min_by_key(AiWork::priority)
+        .unwrap_or(AiWork::Decode);
+    let _lease = work.lease(&first.pool.lessor)?;
     let e = first.pool.cfg.entry_bytes;
     if let Some(l) = loads.iter().find(|l| l.pool.cfg.entry_bytes != e) {
         return Err(AiError::InvalidArgument(format!(

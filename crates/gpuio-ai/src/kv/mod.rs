@@ -32,9 +32,10 @@ pub use cold::ColdTier;
 pub use load::{KvBatch, KvLoad};
 pub use swap::{LoadTimes, SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget};
 
+use crate::AiWork;
 use crate::{AiError, Result};
 use gpuio_ai_device::{TIER_MAX_HOT_ROWS, TIER_MAX_WARM_ROWS, tiered_stage_len};
-use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
+use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Lessor, Session};
 use hot::HotLayer;
 use load::Stage;
 
@@ -132,6 +133,9 @@ pub struct KvPool {
     stage: Option<Stage>,
     cold: Option<ColdTier>,
     step: u64,
+    /// Takes the scheduler leases its IO runs under, in `work`'s class.
+    lessor: Lessor,
+    work: AiWork,
 }
 
 impl std::fmt::Debug for KvPool {
@@ -201,7 +205,26 @@ impl KvPool {
             hot,
             cold: None,
             step: 0,
+            lessor: session.lessor(),
+            work: AiWork::Decode,
         })
+    }
+
+    /// The work this pool's IO is for (a decode step's, [`AiWork::Decode`], unless set):
+    /// every load, store and eviction holds a scheduler lease of its class while it moves
+    /// data, with its IO deadline where it has one.
+    pub fn set_work(&mut self, work: AiWork) {
+        self.work = work;
+    }
+
+    /// The work this pool's IO is for.
+    pub fn work(&self) -> AiWork {
+        self.work
+    }
+
+    /// A lease for this pool's IO.
+    pub(crate) fn lease(&self) -> Result<gpuio_api::Lease> {
+        self.work.lease(&self.lessor)
     }
 
     /// Evicted entries go to `tier` from now on, compressed, instead of being dropped. A
@@ -351,12 +374,14 @@ impl KvPool {
             }
             rows.push(*r);
         }
+        let lease = self.lease()?;
         let scattered = {
             let mut warm = self.warm.write();
             session
                 .memio()
                 .scatter(src, src_offset, e, &rows, &mut warm)
         };
+        drop(lease);
         if let Err(err) = scattered {
             // Nothing stored: the entries keep where they were, the rows go back.
             let res = &mut self.residence[layer];
@@ -457,6 +482,8 @@ impl KvPool {
         let e = self.cfg.entry_bytes;
         let mut report = EvictReport::default();
         let mut entry = vec![0u8; e];
+        // Entries leave for the cold tier (a file or another node) under the pool's class.
+        let _lease = self.cold.is_some().then(|| self.lease()).transpose()?;
         for (_, layer, pos) in candidates {
             if report.bytes_freed >= required {
                 break;

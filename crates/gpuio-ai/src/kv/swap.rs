@@ -13,12 +13,13 @@
 //! device own the hot buffer's bookkeeping.
 
 use super::LoadReport;
+use crate::AiWork;
 use crate::{AiError, Result};
 use gpuio_ai_device::{
     SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, SwapInFault, SwapInJob,
     SwapInLoad, SwapInTable, swap_in, swap_in_reset, swap_in_state_len, swap_in_table,
 };
-use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Session};
+use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Lessor, Session};
 use gpuio_hal::{HostBuffer, HostRead, Stream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -264,6 +265,9 @@ pub struct SwapInBatch {
     table: SwapInTable,
     stream: Stream,
     claims: Claims,
+    /// Takes the scheduler lease each load runs under, in `work`'s class.
+    lessor: Lessor,
+    work: AiWork,
 }
 
 /// The device's time for one [`SwapInBatch::load_timed`].
@@ -354,7 +358,15 @@ impl SwapInBatch {
             table,
             stream,
             claims,
+            lessor: session.lessor(),
+            work: AiWork::Decode,
         })
+    }
+
+    /// The work the batch's loads are for (a decode step's, [`AiWork::Decode`], unless set):
+    /// each load holds a scheduler lease of its class, with its IO deadline where it has one.
+    pub fn set_work(&mut self, work: AiWork) {
+        self.work = work;
     }
 
     fn table(
@@ -431,6 +443,7 @@ impl SwapInBatch {
                 self.claims.kvs.len()
             )));
         }
+        let _lease = self.work.lease(&self.lessor)?;
         let loads: Vec<SwapInLoad> = self
             .claims
             .kvs

@@ -105,3 +105,95 @@ fn requests_carry_their_class_and_land_their_bytes() {
     assert!(ctx.close_sequence(7));
     assert!(ctx.sequence(7).is_none());
 }
+
+/// A session whose scheduler holds less urgent work back for as long as 30 s (the starvation
+/// bound), under `policy`.
+fn patient(policy: gpuio_api::Policy) -> Arc<Session> {
+    let mut cfg = Config::default();
+    cfg.scheduler.policy = policy;
+    cfg.scheduler.max_wait_us = 30_000_000;
+    Arc::new(Session::new(cfg).unwrap())
+}
+
+fn done_within(p: &gpuio_ai::engram::Pending<gpuio_ai::engram::Lookup>, limit: Duration) -> bool {
+    let until = Instant::now() + limit;
+    while Instant::now() < until {
+        if p.is_done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    false
+}
+
+#[test]
+fn the_tiers_io_runs_in_its_class() {
+    let session = patient(gpuio_api::Policy::Deadline);
+    let dram = HostPlacement::Dram { numa: None };
+    let table = gpuio_ai::engram::EngramTable::new(&session, 64, 32, dram).unwrap();
+    table
+        .memory()
+        .write()
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, b)| *b = (i % 251) as u8);
+    let dst = session.alloc_device(0, 64 * 32).unwrap();
+    let ids: Vec<u64> = (0..64).rev().collect();
+    // A decode step holds the realtime class: a prefetch (background) waits for it, and a
+    // lookup of the decode's own class does not.
+    let step = session.lease(Priority::InferenceRealtime, None);
+    let prefetch = table
+        .prefetch(&session, ids.clone(), dst.clone(), 0)
+        .unwrap();
+    assert_eq!(prefetch.work().priority(), Priority::Background);
+    assert!(
+        !done_within(&prefetch, Duration::from_millis(300)),
+        "a prefetch ran during a realtime lease"
+    );
+    let other = session.alloc_device(0, 32).unwrap();
+    let r = table.lookup(&session, &[5], &other, 0).unwrap();
+    assert_eq!(r.rows, 1);
+    drop(step);
+    assert!(done_within(&prefetch, Duration::from_secs(10)));
+    assert_eq!(prefetch.wait().unwrap().rows, 64);
+    let mut got = vec![0u8; 64 * 32];
+    session.download(&dst, 0, &mut got).unwrap();
+    let table_bytes = table.memory().read().to_vec();
+    for (i, &id) in ids.iter().enumerate() {
+        let at = id as usize * 32;
+        assert_eq!(got[i * 32..][..32], table_bytes[at..at + 32], "row {i}");
+    }
+    // Under FIFO the classes are off: the prefetch is not held back.
+    let session = patient(gpuio_api::Policy::Fifo);
+    let table = gpuio_ai::engram::EngramTable::new(&session, 64, 32, dram).unwrap();
+    let dst = session.alloc_device(0, 64 * 32).unwrap();
+    let _step = session.lease(Priority::InferenceRealtime, None);
+    let prefetch = table.prefetch(&session, ids, dst, 0).unwrap();
+    assert!(done_within(&prefetch, Duration::from_secs(10)));
+}
+
+#[test]
+fn a_pool_counts_its_deadlines_in_the_schedulers_statistics() {
+    let session = patient(gpuio_api::Policy::Deadline);
+    let dram = HostPlacement::Dram { numa: None };
+    let cfg = KvPoolConfig {
+        layers: 1,
+        entry_bytes: 64,
+        max_tokens: 16,
+        warm_entries: 16,
+        hot_slots: 8,
+        max_selection: 4,
+        gpu: 0,
+        placement: dram,
+    };
+    let mut pool = gpuio_ai::kv::KvPool::new(&session, cfg).unwrap();
+    assert_eq!(pool.work(), AiWork::Decode);
+    let src = session.alloc_device(0, 16 * 64).unwrap();
+    pool.store(&session, 0, 0, 16, &src, 0, None).unwrap();
+    let before = session.scheduler().stats();
+    pool.set_work(inference(60_000, 1, Criticality::Standard));
+    let out = session.alloc_device(0, 4 * 64).unwrap();
+    pool.load(0, &[1, 2, 3], &out, 0).unwrap();
+    let after = session.scheduler().stats();
+    assert_eq!(after.deadline_met - before.deadline_met, 1);
+}

@@ -4,7 +4,7 @@
 //! both sides are merged into one transfer of at most `coalesce_max` bytes when a worker takes
 //! them (coalescing).
 
-use super::queue::Meta;
+use super::queue::{Meta, Policy};
 use super::ticket::TicketInner;
 use super::{Shared, State};
 use crate::batch;
@@ -93,6 +93,10 @@ impl Shared {
             && t.len <= self.cfg.chunk_size
             && self.queued.load(Ordering::Acquire) == 0
             && !self.closing.load(Ordering::Acquire)
+            && self
+                .gate
+                .floor()
+                .is_none_or(|f| t.class <= f || self.cfg.policy == Policy::Fifo)
         {
             // Counted between the claim and the fill: before the worker can finish it, and
             // only if it is handed over.

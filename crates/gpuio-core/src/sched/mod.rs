@@ -29,6 +29,7 @@ mod coalesce;
 mod config;
 mod handle;
 mod handoff;
+mod lease;
 pub mod queue;
 #[cfg(test)]
 mod tests;
@@ -37,6 +38,7 @@ mod worker;
 
 pub use config::{SchedulerConfig, SessionOptions};
 pub use handle::{BatchHandle, BatchReport, Completion, RequestHandle, Ticket};
+pub use lease::{Lease, Lessor};
 pub use queue::{Meta, Policy, QueueConfig, Rank, ReadyQueue, SessionId};
 pub use ticket::SchedStats;
 
@@ -44,7 +46,7 @@ use crate::batch;
 use crate::engine::Engines;
 use crate::error::{CoreError, Result};
 use crate::metrics::SchedMetrics;
-use crate::request::Request;
+use crate::request::{Priority, Request};
 use crate::retry::RetryPolicy;
 use coalesce::Unit;
 use crossbeam_deque::{Stealer, Worker};
@@ -79,6 +81,8 @@ struct Shared {
     /// One per worker, each on its own cache line.
     handoffs: Vec<crossbeam_utils::CachePadded<handoff::Handoff>>,
     next_session: AtomicU64,
+    /// The leases held (IO of a class running outside the workers).
+    gate: lease::Gate,
     /// Tickets the workers are done with, handed back in bulk so that a submitting thread
     /// (which allocated them) lets them go: a worker freeing them itself would write a line
     /// of the submitter's heap and of the session's reference count for every request.
@@ -138,6 +142,7 @@ impl Scheduler {
             stealers: locals.iter().map(Worker::stealer).collect(),
             handoffs: (0..n).map(|_| Default::default()).collect(),
             next_session: AtomicU64::new(1),
+            gate: Default::default(),
             spent: Default::default(),
             closing: AtomicBool::new(false),
             cfg,
@@ -481,6 +486,20 @@ impl SchedSession {
             tickets: public,
             slot,
         })
+    }
+
+    /// Holds `class` for IO that runs outside the workers (a device gather on this thread, a
+    /// side thread's scatter): waits until no lease of a more urgent class is held (at most
+    /// `max_wait`), and while it is held, less urgent leases and queued units wait
+    /// ([`Lease`]). `deadline`, where given, counts as met or missed when it is dropped.
+    pub fn lease(&self, class: Priority, deadline: Option<Instant>) -> Lease {
+        Lease::acquire(&self.shared, class, deadline)
+    }
+
+    /// A handle that takes leases on this scheduler, for structures that outlive a borrow of
+    /// the session.
+    pub fn lessor(&self) -> Lessor {
+        Lessor::new(&self.shared)
     }
 
     /// Cancels every queued request of this session (running ones finish).

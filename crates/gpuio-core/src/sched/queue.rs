@@ -301,8 +301,14 @@ impl<T> EngineQueue<T> {
         }
     }
 
-    /// The best candidate and its rank.
-    fn best(&self, cfg: &QueueConfig, now: Instant) -> Option<(Rank, Source)> {
+    /// The best candidate and its rank. Units of a class less urgent than `floor` (a class
+    /// a lease holds) are passed over until they have waited `max_wait`.
+    fn best(
+        &self,
+        cfg: &QueueConfig,
+        now: Instant,
+        floor: Option<Priority>,
+    ) -> Option<(Rank, Source)> {
         // Every pop asks each engine's queue; most are empty.
         if self.len == 0 {
             return None;
@@ -319,6 +325,7 @@ impl<T> EngineQueue<T> {
                 best = Some((r, s));
             }
         };
+        let held_back = |class: usize| floor.is_some_and(|f| class > f as usize);
         for (i, class) in self.classes.iter().enumerate() {
             let Some((v, seq)) = class.head() else {
                 continue;
@@ -328,13 +335,19 @@ impl<T> EngineQueue<T> {
             {
                 consider(Rank::Aged(since, i as u8), Source::Class(i));
             }
+            if held_back(i) {
+                continue;
+            }
             let key = match cfg.policy {
                 Policy::Adaptive => class.vtime,
                 _ => i as u64,
             };
             consider(Rank::Class(key, v, seq), Source::Class(i));
         }
-        if let Some(head) = self.deadline.peek() {
+        if let Some(head) = self.deadline.peek()
+            && (!held_back(head.0.meta.class as usize)
+                || now.saturating_duration_since(head.0.meta.arrival) >= cfg.max_wait)
+        {
             let (d, seq) = head.key();
             let urgent = cfg.policy != Policy::Adaptive
                 || d.saturating_duration_since(now) <= cfg.urgent_window;
@@ -455,15 +468,30 @@ impl<T> ReadyQueue<T> {
 
     /// The next unit by the policy, across the engines.
     pub fn pop(&mut self, now: Instant) -> Option<(Meta, T)> {
-        let (_, engine, src) = self
-            .engines
-            .iter()
-            .enumerate()
-            .filter_map(|(i, q)| q.best(&self.cfg, now).map(|(r, s)| (r, i, s)))
-            .min_by_key(|(r, _, _)| *r)?;
+        self.pop_above(now, None)
+    }
+
+    /// The next unit by the policy of a class at least as urgent as `floor` (where a lease
+    /// holds one), or of one that has waited `max_wait`; FIFO ignores the floor.
+    pub fn pop_above(&mut self, now: Instant, floor: Option<Priority>) -> Option<(Meta, T)> {
+        let (_, engine, src) = self.best(now, floor)?;
         let e = self.engines[engine].pop_from(src, now)?;
         self.len -= 1;
         Some((e.meta, e.item))
+    }
+
+    /// Whether [`pop_above`](Self::pop_above) would give a unit.
+    pub fn has_eligible(&self, now: Instant, floor: Option<Priority>) -> bool {
+        self.best(now, floor).is_some()
+    }
+
+    fn best(&self, now: Instant, floor: Option<Priority>) -> Option<(Rank, usize, Source)> {
+        let floor = floor.filter(|_| self.cfg.policy != Policy::Fifo);
+        self.engines
+            .iter()
+            .enumerate()
+            .filter_map(|(i, q)| q.best(&self.cfg, now, floor).map(|(r, s)| (r, i, s)))
+            .min_by_key(|(r, _, _)| *r)
     }
 
     /// Removes every unit of a session (its queued work is being cancelled).

@@ -117,7 +117,8 @@ impl Shared {
         {
             let mut st = self.state.lock_unpoisoned();
             let mut bytes = 0u64;
-            while let Some((meta, unit)) = st.queue.pop(now) {
+            let floor = self.gate.floor();
+            while let Some((meta, unit)) = st.queue.pop_above(now, floor) {
                 bytes += meta.cost.max(4096);
                 taken.push(unit);
                 if bytes >= self.cfg.grab_bytes || taken.len() >= 64 {
@@ -182,7 +183,10 @@ impl Shared {
         let spin_until = Instant::now() + self.cfg.spin;
         let mut turn = 0u32;
         loop {
-            if self.queued.load(Ordering::Acquire) > 0 || handoff.is_full() {
+            // While a lease holds a class, queued units may all be held back: the queue is
+            // looked at again when one is released, or by `sleep`, not spun on.
+            let queued = self.queued.load(Ordering::Acquire) > 0 && self.gate.floor().is_none();
+            if queued || handoff.is_full() {
                 return true;
             }
             turn = turn.wrapping_add(1);
@@ -204,16 +208,23 @@ impl Shared {
         self.publish_in_flight();
         let mut st = self.state.lock_unpoisoned();
         loop {
-            if !st.queue.is_empty() {
+            if st.queue.has_eligible(Instant::now(), self.gate.floor()) {
                 return Idle::Look;
             }
             if st.closing {
                 return Idle::Exit;
             }
+            // Units held back by a lease become eligible once it ends (which wakes the
+            // workers) or once they have waited `max_wait` (the timeout).
+            let nap = if st.queue.is_empty() {
+                Duration::from_millis(50)
+            } else {
+                self.cfg
+                    .max_wait
+                    .clamp(Duration::from_micros(100), Duration::from_millis(50))
+            };
             self.sleepers.fetch_add(1, Ordering::AcqRel);
-            let (g, timeout) = self
-                .work
-                .wait_timeout_unpoisoned(st, Duration::from_millis(50));
+            let (g, timeout) = self.work.wait_timeout_unpoisoned(st, nap);
             st = g;
             self.sleepers.fetch_sub(1, Ordering::AcqRel);
             if timeout.timed_out() && self.stealable() {

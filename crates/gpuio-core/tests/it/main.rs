@@ -8,6 +8,7 @@ mod common;
 
 mod cache;
 mod core;
+mod lease;
 mod memory;
 mod ondemand;
 mod ondemand_gpu;

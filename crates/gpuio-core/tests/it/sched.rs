@@ -36,6 +36,8 @@ enum Op {
         engine: usize,
     },
     Pop,
+    /// A pop while a lease holds this class.
+    PopAbove(usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -45,6 +47,7 @@ fn op() -> impl Strategy<Value = Op> {
                 session, class, deadline_ms, cost, engine
             }),
         2 => Just(Op::Pop),
+        1 => (0usize..6).prop_map(Op::PopAbove),
     ]
 }
 
@@ -57,12 +60,110 @@ fn policy() -> impl Strategy<Value = Policy> {
     ]
 }
 
+/// What the ready-queue test knows of the queue: each item's deadline and sequence number,
+/// and, per engine's class queue (units without a deadline, or every unit under PRIORITY), how
+/// many units it holds and since when it has waited (the queue's own starvation clock: since
+/// it became non-empty or was last served).
+#[derive(Default)]
+struct Model {
+    queued: BTreeMap<u32, (Option<Instant>, u64)>,
+    seen: std::collections::HashSet<u32>,
+    in_class: [[usize; 6]; 2],
+    waiting: [[Option<Instant>; 6]; 2],
+}
+
+fn engine_of(meta: &Meta) -> usize {
+    usize::from(meta.engine == EngineKind::LocalIo)
+}
+
+fn in_class_queue(policy: Policy, deadline: Option<Instant>) -> bool {
+    match policy {
+        Policy::Fifo => false,
+        Policy::Priority => true,
+        Policy::Deadline | Policy::Adaptive => deadline.is_none(),
+    }
+}
+
+impl Model {
+    fn pushed(&mut self, policy: Policy, item: u32, meta: &Meta, seq: u64) {
+        self.queued.insert(item, (meta.deadline, seq));
+        if in_class_queue(policy, meta.deadline) {
+            let (e, c) = (engine_of(meta), meta.class as usize);
+            if self.in_class[e][c] == 0 {
+                self.waiting[e][c] = Some(meta.arrival);
+            }
+            self.in_class[e][c] += 1;
+        }
+    }
+
+    fn check_pop(
+        &mut self,
+        q: &mut ReadyQueue<u32>,
+        policy: Policy,
+        max_wait: Duration,
+        now: Instant,
+        floor: Option<Priority>,
+    ) -> Result<(), TestCaseError> {
+        let Some((meta, item)) = q.pop_above(now, floor) else {
+            prop_assert!(self.queued.is_empty() || floor.is_some());
+            return Ok(());
+        };
+        prop_assert!(self.seen.insert(item), "item {} served twice", item);
+        let (deadline, seq) = self
+            .queued
+            .remove(&item)
+            .expect("popped an item never queued");
+        prop_assert_eq!(meta.seq, seq);
+        let (e, c) = (engine_of(&meta), meta.class as usize);
+        let class_queue = in_class_queue(policy, deadline);
+        if let Some(f) = floor
+            && policy != Policy::Fifo
+            && meta.class > f
+        {
+            let since = if class_queue {
+                self.waiting[e][c]
+            } else {
+                Some(meta.arrival)
+            };
+            let waited = since.map(|t| now.duration_since(t)).unwrap_or_default();
+            prop_assert!(
+                waited >= max_wait,
+                "a {:?} unit ran under a {:?} lease after {:?}",
+                meta.class,
+                f,
+                waited
+            );
+        }
+        if class_queue {
+            self.in_class[e][c] -= 1;
+            self.waiting[e][c] = (self.in_class[e][c] > 0).then_some(now);
+        }
+        match policy {
+            Policy::Fifo => {
+                let oldest = self.queued.values().map(|v| v.1).min();
+                prop_assert!(oldest.is_none_or(|o| o > seq), "FIFO out of order");
+            }
+            // Under a floor, EDF holds among the units it lets through.
+            Policy::Deadline if floor.is_none() => {
+                if let Some(d) = deadline {
+                    let earliest = self.queued.values().filter_map(|v| v.0).min();
+                    prop_assert!(earliest.is_none_or(|e| e >= d), "EDF violated");
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
-    /// Random pushes and pops (virtual time advancing 1 ms per pop): every item comes out
-    /// exactly once; under DEADLINE each popped deadline item is the earliest queued (unless a
-    /// starving class preempted it); FIFO pops in arrival order.
+    /// Random pushes and pops (virtual time advancing 1 ms per pop), some under a floor (a
+    /// lease's class): every item comes out exactly once; under DEADLINE each popped deadline
+    /// item is the earliest queued (unless a starving class preempted it, or a floor held the
+    /// earlier back); FIFO pops in arrival order; under a floor, a less urgent unit runs only
+    /// once it (a deadline unit) or its class (the others) has waited `max_wait`.
     #[test]
     fn the_ready_queue_loses_nothing_and_keeps_edf(ops in proptest::collection::vec(op(), 1..300),
                                                    policy in policy()) {
@@ -70,30 +171,8 @@ proptest! {
         let max_wait = Duration::from_millis(40);
         let mut q = ReadyQueue::new(QueueConfig { policy, max_wait, urgent_window: Duration::from_millis(5) });
         let mut now = t0;
-        let mut queued: BTreeMap<u32, (Option<Instant>, u64)> = BTreeMap::new();
-        let mut seen = std::collections::HashSet::new();
+        let mut m = Model::default();
         let mut next = 0u32;
-        let mut check_pop = |q: &mut ReadyQueue<u32>, queued: &mut BTreeMap<u32, (Option<Instant>, u64)>, now: Instant| -> Result<(), TestCaseError> {
-            let Some((meta, item)) = q.pop(now) else {
-                prop_assert!(queued.is_empty());
-                return Ok(());
-            };
-            prop_assert!(seen.insert(item), "item {} served twice", item);
-            let (deadline, seq) = queued.remove(&item).expect("popped an item never queued");
-            prop_assert_eq!(meta.seq, seq);
-            match policy {
-                Policy::Fifo => {
-                    let oldest = queued.values().map(|v| v.1).min();
-                    prop_assert!(oldest.is_none_or(|o| o > seq), "FIFO out of order");
-                }
-                Policy::Deadline => if let Some(d) = deadline {
-                    let earliest = queued.values().filter_map(|v| v.0).min();
-                    prop_assert!(earliest.is_none_or(|e| e >= d), "EDF violated");
-                }
-                _ => {}
-            }
-            Ok(())
-        };
         for op in ops {
             match op {
                 Op::Push { session, class, deadline_ms, cost, engine } => {
@@ -109,19 +188,23 @@ proptest! {
                         arrival: now,
                     };
                     let seq = q.push(meta, next);
-                    queued.insert(next, (deadline, seq));
+                    m.pushed(policy, next, &meta, seq);
                     next += 1;
                 }
                 Op::Pop => {
                     now += Duration::from_millis(1);
-                    check_pop(&mut q, &mut queued, now)?;
+                    m.check_pop(&mut q, policy, max_wait, now, None)?;
+                }
+                Op::PopAbove(class) => {
+                    now += Duration::from_millis(1);
+                    m.check_pop(&mut q, policy, max_wait, now, Some(CLASSES[class]))?;
                 }
             }
-            prop_assert_eq!(q.len(), queued.len());
+            prop_assert_eq!(q.len(), m.queued.len());
         }
-        while !queued.is_empty() {
+        while !m.queued.is_empty() {
             now += Duration::from_millis(1);
-            check_pop(&mut q, &mut queued, now)?;
+            m.check_pop(&mut q, policy, max_wait, now, None)?;
         }
         prop_assert!(q.is_empty());
     }

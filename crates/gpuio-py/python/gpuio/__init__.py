@@ -198,6 +198,14 @@ class Session(_gpuio.Session):
             size = min(_interop.nbytes(s) - src_offset, _interop.nbytes(d) - dst_offset)
         return self._submit_ends(s, src_offset, d, dst_offset, size, priority, deadline)
 
+    def lease(self, priority, deadline=None):
+        """Holds scheduler class ``priority`` while the caller runs IO of its own (a kernel
+        that reads host memory, a copy on its own stream): less urgent queued requests and
+        leases — gpuio.ai's prefetches and write-backs among them — wait until it is released,
+        at most the scheduler's ``max_wait``. A context manager: ``with s.lease(
+        "inference_realtime"): ...``; ``deadline`` (seconds) counts as met or missed."""
+        return self._lease(priority, deadline)
+
     def device_buffer(self, obj, writable=True):
         """``obj`` (a CUDA tensor or array) borrowed once as a gpuio :class:`DeviceBuffer`,
         for loops that pass the same memory every step: borrowing checks it with the driver

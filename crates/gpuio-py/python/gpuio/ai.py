@@ -171,6 +171,12 @@ class KvPool:
         """(bytes stored, bytes before compression) of the cold tier, or None."""
         return self._p.cold_tier_bytes()
 
+    def set_work(self, kind, deadline=None, compute=0.0, best_effort=False):
+        """The work its loads, stores and evictions are is for (``decode`` unless set; spelled as :func:`work_class` takes
+        it): each call holds a scheduler lease of its class while it moves data, so less
+        urgent IO (prefetches, write-backs, a checkpoint) waits for it."""
+        self._p.set_work(kind, deadline, compute, best_effort)
+
     def len(self, layer):
         """Positions ``layer`` holds."""
         return self._p.len(layer)
@@ -249,6 +255,12 @@ class SwapInBatch:
         reports, times = self._b.load(list(counts), timed)
         return (reports, times) if timed else reports
 
+    def set_work(self, kind, deadline=None, compute=0.0, best_effort=False):
+        """The work the batch's loads are is for (``decode`` unless set; spelled as :func:`work_class` takes
+        it): each call holds a scheduler lease of its class while it moves data, so less
+        urgent IO (prefetches, write-backs, a checkpoint) waits for it."""
+        self._b.set_work(kind, deadline, compute, best_effort)
+
     def __len__(self):
         return len(self._b)
 
@@ -263,6 +275,12 @@ class EngramTable:
     def __init__(self, session, rows, row_bytes, placement="memio://cpu/dram"):
         self._s = session
         self._t = _ai.EngramTable(session, rows, row_bytes, placement)
+
+    def set_work(self, kind, deadline=None, compute=0.0, best_effort=False):
+        """The work its lookups and similarity searches are (stores run as ``engram_sync``, prefetches as ``prefetch``) is for (``decode`` unless set; spelled as :func:`work_class` takes
+        it): each call holds a scheduler lease of its class while it moves data, so less
+        urgent IO (prefetches, write-backs, a checkpoint) waits for it."""
+        self._t.set_work(kind, deadline, compute, best_effort)
 
     @property
     def rows(self):

@@ -10,7 +10,7 @@ use gpuio_ai::AiWork;
 use gpuio_ai::engram::{self, HotTierStats, Lookup, Pending, RowValues};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 fn lookup_report<'py>(py: Python<'py>, r: &Lookup) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
@@ -32,8 +32,19 @@ fn hot_report<'py>(py: Python<'py>, s: &HotTierStats) -> PyResult<Bound<'py, PyD
 /// An Engram table in pinned host memory (DRAM or CXL). Clones on the Rust side share it.
 #[pyclass(module = "gpuio.ai", frozen)]
 pub struct EngramTable {
-    table: engram::EngramTable,
+    /// A handle of the table: `set_work` replaces it with one of other work (the rows are
+    /// shared).
+    table: RwLock<engram::EngramTable>,
     session: Arc<gpuio_api::Session>,
+}
+
+impl EngramTable {
+    fn table(&self) -> engram::EngramTable {
+        self.table
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
 }
 
 #[pymethods]
@@ -53,25 +64,47 @@ impl EngramTable {
         let table = py
             .detach(|| engram::EngramTable::new(&session, rows, row_bytes, placement))
             .map_err(to_py)?;
-        Ok(Self { table, session })
+        Ok(Self {
+            table: RwLock::new(table),
+            session,
+        })
+    }
+
+    /// The work its lookups are for (`decode` unless set; spelled as `gpuio.ai.work_class` takes
+    /// it): each call holds a scheduler lease of that class while it moves data, so less
+    /// urgent IO waits for it.
+    #[pyo3(signature = (kind, deadline=None, compute=0.0, best_effort=false))]
+    fn set_work(
+        &self,
+        kind: &str,
+        deadline: Option<f64>,
+        compute: f64,
+        best_effort: bool,
+    ) -> PyResult<()> {
+        let w = super::work(kind, deadline, compute, best_effort)?;
+        self.table
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .set_work(w);
+        Ok(())
     }
 
     /// Rows in the table.
     #[getter]
     fn rows(&self) -> u64 {
-        self.table.rows()
+        self.table().rows()
     }
 
     /// Bytes per row.
     #[getter]
     fn row_bytes(&self) -> usize {
-        self.table.row_bytes()
+        self.table().row_bytes()
     }
 
     /// The table's memory, to load it (`session.read(path, table.memory())`) or view it with
     /// NumPy. Rows written there after `keep_hot` are not seen by their copies.
     fn memory(&self) -> HostBuffer {
-        HostBuffer::new(self.table.memory().clone())
+        HostBuffer::new(self.table().memory().clone())
     }
 
     /// Reads row `ids[i]` (little-endian u64s) into `dst` at `dst_offset + i * row_bytes`.
@@ -88,7 +121,8 @@ impl EngramTable {
         let r = py
             .detach(|| {
                 settle(&wait)?;
-                self.table.lookup(&self.session, &ids, &dst.buf, dst_offset)
+                self.table()
+                    .lookup(&self.session, &ids, &dst.buf, dst_offset)
             })
             .map_err(to_py)?;
         lookup_report(py, &r)
@@ -107,7 +141,8 @@ impl EngramTable {
         let wait = shared_gpus(&[src]);
         py.detach(|| {
             settle(&wait)?;
-            self.table.store(&self.session, &ids, &src.buf, src_offset)
+            self.table()
+                .store(&self.session, &ids, &src.buf, src_offset)
         })
         .map_err(to_py)
     }
@@ -116,19 +151,19 @@ impl EngramTable {
     fn keep_hot<'py>(&self, py: Python<'py>, gpu: u32, ids: &[u8]) -> PyResult<Bound<'py, PyDict>> {
         let ids = u64s(ids, "Engram ids")?;
         let s = py
-            .detach(|| self.table.keep_hot(&self.session, gpu, &ids))
+            .detach(|| self.table().keep_hot(&self.session, gpu, &ids))
             .map_err(to_py)?;
         hot_report(py, &s)
     }
 
     /// Lets the kept copies go.
     fn drop_hot(&self, py: Python<'_>) {
-        py.detach(|| self.table.drop_hot());
+        py.detach(|| self.table().drop_hot());
     }
 
     /// What the hot tier keeps, or None.
     fn hot_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        self.table
+        self.table()
             .hot_stats()
             .map(|s| hot_report(py, &s))
             .transpose()
@@ -150,7 +185,7 @@ impl EngramTable {
         let p = py
             .detach(|| {
                 settle(&wait)?;
-                self.table.prefetch(&self.session, ids, buf, dst_offset)
+                self.table().prefetch(&self.session, ids, buf, dst_offset)
             })
             .map_err(to_py)?;
         Ok(AiPending::new(Work::Lookup(p), dst))
@@ -172,7 +207,8 @@ impl EngramTable {
         let p = py
             .detach(|| {
                 settle(&wait)?;
-                self.table.store_async(&self.session, ids, buf, src_offset)
+                self.table()
+                    .store_async(&self.session, ids, buf, src_offset)
             })
             .map_err(to_py)?;
         Ok(AiPending::new(Work::Store(p), src))
@@ -195,7 +231,7 @@ impl EngramTable {
             "fp8" => RowValues::Fp8,
             v => return Err(invalid(format!("row values {v:?}: f32 or fp8"))),
         };
-        py.detach(|| self.table.similar(&self.session, gpu, &query, values, k))
+        py.detach(|| self.table().similar(&self.session, gpu, &query, values, k))
             .map_err(to_py)
     }
 }

@@ -206,6 +206,22 @@ impl KvPool {
         self.with(|p| p.cold_tier().map(|c| (c.file_bytes(), c.raw_bytes())))
     }
 
+    /// The work its IO is for (`decode` unless set; spelled as `gpuio.ai.work_class` takes
+    /// it): each call holds a scheduler lease of that class while it moves data, so less
+    /// urgent IO waits for it.
+    #[pyo3(signature = (kind, deadline=None, compute=0.0, best_effort=false))]
+    fn set_work(
+        &self,
+        kind: &str,
+        deadline: Option<f64>,
+        compute: f64,
+        best_effort: bool,
+    ) -> PyResult<()> {
+        let w = super::work(kind, deadline, compute, best_effort)?;
+        self.with(|p| p.set_work(w));
+        Ok(())
+    }
+
     /// Positions `layer` holds.
     fn len(&self, layer: usize) -> u64 {
         self.with(|p| p.len(layer))
@@ -410,6 +426,25 @@ impl SwapInBatch {
             out,
             times.map(|t| (t.exposed.as_secs_f64(), t.install.as_secs_f64())),
         ))
+    }
+
+    /// The work its IO is for (`decode` unless set; spelled as `gpuio.ai.work_class` takes
+    /// it): each call holds a scheduler lease of that class while it moves data, so less
+    /// urgent IO waits for it.
+    #[pyo3(signature = (kind, deadline=None, compute=0.0, best_effort=false))]
+    fn set_work(
+        &self,
+        kind: &str,
+        deadline: Option<f64>,
+        compute: f64,
+        best_effort: bool,
+    ) -> PyResult<()> {
+        let w = super::work(kind, deadline, compute, best_effort)?;
+        self.batch
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .set_work(w);
+        Ok(())
     }
 
     /// Sequences in the batch.

@@ -74,23 +74,22 @@ pub(crate) fn settle(gpus: &[gpuio_api::Gpu]) -> gpuio_ai::Result<()> {
     Ok(())
 }
 
-/// The scheduler class (its Python name) and the IO deadline, in seconds from now, of AI
-/// work: `kind` is `inference` (due in `deadline` seconds, `compute` of them after its IO;
-/// `best_effort` ranks it with training), `training_forward`, `training_backward`,
-/// `checkpoint`, `engram_sync` or `prefetch`.
-#[pyfunction]
-#[pyo3(signature = (kind, deadline=None, compute=0.0, best_effort=false))]
-fn work_class(
+/// AI work from its Python spelling: `kind` is `decode` (the realtime class, no deadline),
+/// `inference` (due in `deadline` seconds, `compute` of them after its IO; `best_effort`
+/// ranks it with training), `training_forward`, `training_backward`, `checkpoint`,
+/// `engram_sync` or `prefetch`.
+pub(crate) fn work(
     kind: &str,
     deadline: Option<f64>,
     compute: f64,
     best_effort: bool,
-) -> PyResult<(&'static str, Option<f64>)> {
+) -> PyResult<AiWork> {
     let secs = |s: f64, what: &str| {
         Duration::try_from_secs_f64(s)
             .map_err(|_| crate::error::invalid(format!("{what} of {s} s")))
     };
-    let work = match kind {
+    Ok(match kind {
+        "decode" => AiWork::Decode,
         "inference" => AiWork::Inference(InferenceQos {
             deadline: secs(
                 deadline.ok_or_else(|| crate::error::invalid("inference work needs a deadline"))?,
@@ -110,11 +109,24 @@ fn work_class(
         "prefetch" => AiWork::Prefetch,
         _ => {
             return Err(crate::error::invalid(format!(
-                "AI work {kind:?}: inference, training_forward, training_backward, checkpoint, \
-                 engram_sync or prefetch"
+                "AI work {kind:?}: decode, inference, training_forward, training_backward, \
+                 checkpoint, engram_sync or prefetch"
             )));
         }
-    };
+    })
+}
+
+/// The scheduler class (its Python name) and the IO deadline, in seconds from now, of AI
+/// work (as [`work`] spells it).
+#[pyfunction]
+#[pyo3(signature = (kind, deadline=None, compute=0.0, best_effort=false))]
+fn work_class(
+    kind: &str,
+    deadline: Option<f64>,
+    compute: f64,
+    best_effort: bool,
+) -> PyResult<(&'static str, Option<f64>)> {
+    let work = work(kind, deadline, compute, best_effort)?;
     let now = Instant::now();
     let due = work.io_deadline(now).map_err(to_py)?;
     Ok((

@@ -1,0 +1,166 @@
+//! Leases: IO that runs outside the workers — a device gather on the caller's thread, a
+//! scatter or prefetch on a side thread — held in its priority class so that the classes
+//! arbitrate it with the queued requests (docs/REFERENCE.md#scheduling).
+//!
+//! While a lease of class C is held (policies other than FIFO):
+//! - a lease of a less urgent class waits to be admitted until no more urgent one is held;
+//! - the workers start no queued unit of a less urgent class (those already taken run on);
+//! - either waits at most `max_wait`, the starvation bound the queue keeps for classes.
+//!
+//! So a decode step's KV load (realtime) runs with the bus to itself but for what was already
+//! running, an Engram prefetch (background) goes between decode steps, and a checkpoint's
+//! chunks wait for both. Under FIFO (classes off) leases are only counted.
+
+use super::Shared;
+use super::queue::Policy;
+use crate::request::Priority;
+use gpuio_hal::sync::{CondvarExt, MutexExt};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Instant;
+
+/// No lease is held: the floor is below every class.
+const NO_FLOOR: u8 = 6;
+
+/// The leases held, per class, and the most urgent class among them.
+#[derive(Default)]
+pub(super) struct Gate {
+    held: std::sync::Mutex<[usize; 6]>,
+    /// The most urgent class with a lease held (`NO_FLOOR` when none): read by the workers
+    /// on every take from the queue.
+    floor: FloorCell,
+    released: std::sync::Condvar,
+}
+
+/// The floor, `NO_FLOOR` by default.
+pub(super) struct FloorCell(AtomicU8);
+
+impl Default for FloorCell {
+    fn default() -> Self {
+        Self(AtomicU8::new(NO_FLOOR))
+    }
+}
+
+impl Gate {
+    /// The most urgent class a lease holds now, if any: queued units of less urgent classes
+    /// wait (unless they have waited `max_wait`).
+    pub(super) fn floor(&self) -> Option<Priority> {
+        Priority::from_index(self.floor.0.load(Ordering::Acquire))
+    }
+
+    fn set_floor(&self, held: &[usize; 6]) -> u8 {
+        let f = held
+            .iter()
+            .position(|&n| n > 0)
+            .map_or(NO_FLOOR, |i| i as u8);
+        self.floor.0.store(f, Ordering::Release);
+        f
+    }
+}
+
+/// IO of one class running outside the workers: while it is held, less urgent leases and
+/// queued units wait (bounded by `max_wait`). Dropping it ends it; a deadline it was given
+/// counts as met or missed then, in the scheduler's statistics.
+#[must_use = "the lease ends when it is dropped"]
+pub struct Lease {
+    shared: Arc<Shared>,
+    class: Priority,
+    deadline: Option<Instant>,
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease")
+            .field("class", &self.class)
+            .field("deadline", &self.deadline)
+            .finish()
+    }
+}
+
+/// What leases are taken from: a cheap handle on a scheduler, kept by structures that do IO
+/// outside it (the AI tier's pools and tables) without holding a session.
+#[derive(Clone)]
+pub struct Lessor {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Lessor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lessor").finish_non_exhaustive()
+    }
+}
+
+impl Lessor {
+    pub(super) fn new(shared: &Arc<Shared>) -> Self {
+        Self {
+            shared: shared.clone(),
+        }
+    }
+
+    /// Holds `class` ([`super::SchedSession::lease`]).
+    pub fn lease(&self, class: Priority, deadline: Option<Instant>) -> Lease {
+        Lease::acquire(&self.shared, class, deadline)
+    }
+}
+
+impl Lease {
+    /// Waits for admission (no more urgent lease held, or `max_wait` passed), then holds
+    /// `class`.
+    pub(super) fn acquire(
+        shared: &Arc<Shared>,
+        class: Priority,
+        deadline: Option<Instant>,
+    ) -> Self {
+        let gate = &shared.gate;
+        let c = class as usize;
+        let mut held = gate.held.lock_unpoisoned();
+        if shared.cfg.policy != Policy::Fifo {
+            let until = Instant::now() + shared.cfg.max_wait;
+            while held[..c].iter().any(|&n| n > 0) {
+                let now = Instant::now();
+                if now >= until {
+                    break;
+                }
+                held = gate.released.wait_timeout_unpoisoned(held, until - now).0;
+            }
+        }
+        held[c] += 1;
+        gate.set_floor(&held);
+        Self {
+            shared: shared.clone(),
+            class,
+            deadline,
+        }
+    }
+
+    /// Its class.
+    pub fn class(&self) -> Priority {
+        self.class
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let sh = &self.shared;
+        if let Some(d) = self.deadline {
+            let c = &sh.acct.counters;
+            if Instant::now() > d {
+                c.deadline_missed.add(1);
+            } else {
+                c.deadline_met.add(1);
+            }
+        }
+        let before = sh.gate.floor.0.load(Ordering::Acquire);
+        let after = {
+            let mut held = sh.gate.held.lock_unpoisoned();
+            held[self.class as usize] -= 1;
+            sh.gate.set_floor(&held)
+        };
+        sh.gate.released.notify_all();
+        if after > before && sh.queued.load(Ordering::Acquire) > 0 {
+            // Units the floor held back may run now: wake the workers that slept on them.
+            let _st = sh.state.lock_unpoisoned();
+            sh.work.notify_all();
+        }
+    }
+}
