@@ -79,7 +79,8 @@ pub fn run(config: Config, args: &BenchArgs) -> Result<(), Error> {
             SUITES.join(", ")
         )));
     }
-    let session = Session::new(config)?;
+    // Shared: the ai suite's background work (B5) runs on side threads.
+    let session = std::sync::Arc::new(Session::new(config)?);
     let gpu = session.gpu(0)?;
     eprintln!(
         "gpuio bench on {gpu} ({}){}",
