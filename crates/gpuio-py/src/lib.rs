@@ -33,6 +33,14 @@ fn info_json(py: Python<'_>) -> PyResult<String> {
     Ok(doc.to_string())
 }
 
+/// The crc32c (Castagnoli) of a buffer's bytes (bytes, or a byte memoryview the Python half
+/// made), with the GIL released: what gpuio's frames and the LMCache connector check chunks by.
+#[pyfunction(name = "crc32c")]
+fn checksum(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<u32> {
+    let lent = lent::Lent::of(data)?;
+    Ok(py.detach(|| ::crc32c::crc32c(lent.bytes())))
+}
+
 /// The device API's headers as one text, for kernels compiled at run time (CuPy's
 /// `RawModule`, NVRTC): put it in front of a source that uses `gpuio_array<T>`.
 #[pyfunction]
@@ -80,6 +88,7 @@ fn _gpuio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("Error", m.py().get_type::<error::Error>())?;
     m.add_function(wrap_pyfunction!(info_json, m)?)?;
     m.add_function(wrap_pyfunction!(device_header, m)?)?;
+    m.add_function(wrap_pyfunction!(checksum, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors_header, m)?)?;
     m.add_class::<session::Session>()?;
     m.add_class::<session::Handle>()?;
