@@ -3,11 +3,11 @@
 //! sysfs-shaped directory.
 //!
 //! What must hold: a list parses to at most `MAX_CPU_LIST` ids or is refused, within the
-//! allocation limit, whatever range it writes; a topology is read or is a
-//! typed error; a node's memory is counted without overflow.
+//! allocation limit, whatever range it writes; a topology of at most `MAX_NUMA_NODES` nodes
+//! is read or is a typed error; a node's memory is counted without overflow.
 
 use crate::Target;
-use gpuio_hal::memory::numa::{MAX_CPU_LIST, NumaTopology, parse_cpu_list};
+use gpuio_hal::memory::numa::{MAX_CPU_LIST, MAX_NUMA_NODES, NumaTopology, parse_cpu_list};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -42,6 +42,7 @@ fn run(data: &[u8]) {
     std::fs::write(node0.join("cpulist"), cpus).expect("scratch is writable");
     std::fs::write(node0.join("meminfo"), meminfo).expect("scratch is writable");
     if let Ok(t) = NumaTopology::read_from(&root) {
+        assert!(t.nodes.len() <= MAX_NUMA_NODES, "{} nodes", t.nodes.len());
         let _ = (t.online_list(), t.memory_only_nodes());
     }
 }

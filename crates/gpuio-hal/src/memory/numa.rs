@@ -50,6 +50,14 @@ impl NumaTopology {
         let ids = parse_cpu_list(&online).ok_or_else(|| {
             HalError::InvalidArgument(format!("unparsable NUMA online list {online:?}"))
         })?;
+        // Each node costs two file reads: a list naming more nodes than any kernel has is
+        // refused before they are made.
+        if ids.len() > MAX_NUMA_NODES {
+            return Err(HalError::InvalidArgument(format!(
+                "a NUMA online list of {} nodes: no kernel has more than {MAX_NUMA_NODES}",
+                ids.len()
+            )));
+        }
         let nodes = ids
             .into_iter()
             .map(|id| {
@@ -108,6 +116,9 @@ fn read_trimmed(path: &PathBuf) -> Result<String> {
 /// The most ids a CPU or node list may hold: the kernel's own limit on CPUs (`NR_CPUS` is at
 /// most 8192) with room to spare. A list naming more is not the kernel's.
 pub const MAX_CPU_LIST: usize = 1 << 16;
+
+/// The most NUMA nodes a kernel has (`CONFIG_NODES_SHIFT` is at most 10).
+pub const MAX_NUMA_NODES: usize = 1 << 10;
 
 /// Parses the kernel's list format: `0-3,8,10-11`. An empty string is an empty list; a list
 /// of more than [`MAX_CPU_LIST`] ids is refused.
@@ -201,6 +212,28 @@ mod tests {
             t.node(5),
             Err(HalError::NoSuchNumaNode { node: 5, .. })
         ));
+        // Found by fuzzing: an online list of thousands of nodes cost two file reads each
+        // (slow enough, on a loaded machine, to pass the fuzzer's hang limit).
+        std::fs::write(
+            dir.join("online"),
+            "0-1024
+",
+        )
+        .unwrap();
+        assert!(matches!(
+            NumaTopology::read_from(&dir),
+            Err(HalError::InvalidArgument(_))
+        ));
+        std::fs::write(
+            dir.join("online"),
+            "0-1023
+",
+        )
+        .unwrap();
+        assert_eq!(
+            NumaTopology::read_from(&dir).unwrap().nodes.len(),
+            MAX_NUMA_NODES
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
