@@ -88,7 +88,9 @@ impl AiWork {
                         q.deadline, q.estimated_duration
                     ))
                 })?;
-                Ok(Some(now + slack))
+                now.checked_add(slack).map(Some).ok_or_else(|| {
+                    AiError::InvalidArgument(format!("an inference due in {:?}", q.deadline))
+                })
             }
             _ => Ok(None),
         }

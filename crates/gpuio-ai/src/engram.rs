@@ -47,9 +47,9 @@ pub struct EngramTable {
     work: AiWork,
 }
 
-/// Rows a prefetch or write-back moves under one lease: a lookup of more urgent work waits
-/// for at most this many (2 MiB of 256-byte rows).
-const SIDE_CHUNK_ROWS: usize = 8192;
+/// Bytes a prefetch or write-back moves under one lease (whole rows, one at least): a lookup
+/// of more urgent work waits for at most this much.
+const SIDE_PIECE_BYTES: usize = 2 << 20;
 
 /// What a lookup did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,8 +97,10 @@ impl EngramTable {
     /// ([`AiWork::Decode`]) unless set. Each holds a scheduler lease of its class while it
     /// moves data; stores hold one of [`AiWork::EngramSync`]'s, prefetches of
     /// [`AiWork::Prefetch`]'s.
-    pub fn set_work(&mut self, work: AiWork) {
+    pub fn set_work(&mut self, work: AiWork) -> Result<()> {
+        work.io_deadline(std::time::Instant::now())?;
         self.work = work;
+        Ok(())
     }
 
     /// Rows in the table.
@@ -315,10 +317,31 @@ impl<T: Send + 'static> Drop for Pending<T> {
 }
 
 impl EngramTable {
+    /// Rows of one piece of side work.
+    fn piece_rows(&self) -> usize {
+        (SIDE_PIECE_BYTES / self.row_bytes.max(1)).max(1)
+    }
+
+    /// Side work's whole range checked before it starts (its pieces are checked again).
+    fn check_side_range(
+        &self,
+        what: &'static str,
+        rows: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        let bytes = rows
+            .checked_mul(self.row_bytes)
+            .ok_or_else(|| AiError::InvalidArgument(format!("Engram {what} size overflows")))?;
+        gpuio_hal::check_range(what, offset, bytes, len).map_err(gpuio_api::Error::from)?;
+        Ok(())
+    }
+
     /// Starts [`lookup`](Self::lookup) of `ids` into `dst` on a side thread, with its own
     /// stream, and returns at once: the upcoming layer's rows arrive while the caller
     /// computes. It runs in [`AiWork::Prefetch`]'s class (`Background`), a lease per piece of
-    /// 8192 rows, so lookups of more urgent work go between its pieces.
+    /// about 2 MiB, so lookups of more urgent work go between its pieces; its report sums
+    /// the pieces'. A destination too small is refused before anything moves.
     pub fn prefetch(
         &self,
         session: &Arc<Session>,
@@ -327,12 +350,14 @@ impl EngramTable {
         dst_offset: usize,
     ) -> Result<Pending<Lookup>> {
         self.check_ids(&ids)?;
+        self.check_side_range("prefetch destination", ids.len(), dst_offset, dst.len())?;
         let (table, session) = (self.clone(), Arc::clone(session));
+        let piece = self.piece_rows();
         Pending::spawn(AiWork::Prefetch, move || {
             // A lease per piece: a decode step's lookup waits for one piece, not the whole.
             let mut total: Option<Lookup> = None;
-            for (k, part) in ids.chunks(SIDE_CHUNK_ROWS).enumerate() {
-                let at = dst_offset + k * SIDE_CHUNK_ROWS * table.row_bytes;
+            for (k, part) in ids.chunks(piece).enumerate() {
+                let at = dst_offset + k * piece * table.row_bytes;
                 let r = table.lookup_as(&session, part, &dst, at, AiWork::Prefetch)?;
                 total = Some(match total {
                     None => r,
@@ -353,7 +378,9 @@ impl EngramTable {
     }
 
     /// Starts [`store`](Self::store) of `src`'s rows at `ids` on a side thread and returns
-    /// at once. It runs in [`AiWork::EngramSync`]'s class, a lease per piece of 8192 rows.
+    /// at once. It runs in [`AiWork::EngramSync`]'s class, a lease per piece of about 2 MiB:
+    /// each piece is one store, so a lookup running beside it may see some pieces written and
+    /// not others. A source too small is refused before anything moves.
     pub fn store_async(
         &self,
         session: &Arc<Session>,
@@ -362,11 +389,13 @@ impl EngramTable {
         src_offset: usize,
     ) -> Result<Pending<()>> {
         self.check_ids(&ids)?;
+        self.check_side_range("write-back source", ids.len(), src_offset, src.len())?;
         let (table, session) = (self.clone(), Arc::clone(session));
+        let piece = self.piece_rows();
         Pending::spawn(AiWork::EngramSync, move || {
             // A lease per piece (each store takes its own), as for a prefetch.
-            for (k, part) in ids.chunks(SIDE_CHUNK_ROWS).enumerate() {
-                let at = src_offset + k * SIDE_CHUNK_ROWS * table.row_bytes;
+            for (k, part) in ids.chunks(piece).enumerate() {
+                let at = src_offset + k * piece * table.row_bytes;
                 table.store(&session, part, &src, at)?;
             }
             Ok(())

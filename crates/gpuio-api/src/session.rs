@@ -450,7 +450,8 @@ impl Session {
     /// Holds scheduler class `class` for IO this caller runs outside the scheduler's workers
     /// (a device gather, a scatter): less urgent queued requests and leases wait while it is
     /// held, at most the scheduler's `max_wait` ([`Lease`]). The AI tier takes one around each
-    /// call, in its work's class.
+    /// call, in its work's class. Leases do not nest: a thread that holds one and takes a
+    /// less urgent one waits `max_wait` for itself.
     pub fn lease(&self, class: Priority, deadline: Option<std::time::Instant>) -> Lease {
         self.scheduler.lease(class, deadline)
     }

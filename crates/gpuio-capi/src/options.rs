@@ -62,6 +62,10 @@ pub(crate) unsafe fn with_options(
     let req = req.with_priority(priority);
     Ok(match o.deadline_ns {
         0 => req,
-        ns => req.with_deadline(Instant::now() + Duration::from_nanos(ns)),
+        ns => req.with_deadline(
+            Instant::now()
+                .checked_add(Duration::from_nanos(ns))
+                .ok_or_else(|| invalid(format!("a deadline {ns} ns away")))?,
+        ),
     })
 }

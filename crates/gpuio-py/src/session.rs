@@ -296,9 +296,7 @@ impl Session {
             req = req.with_priority(self::priority(p)?);
         }
         if let Some(secs) = deadline {
-            let due = std::time::Duration::try_from_secs_f64(secs)
-                .map_err(|_| invalid(format!("a deadline of {secs} s")))?;
-            req = req.with_deadline(std::time::Instant::now() + due);
+            req = req.with_deadline(due(secs)?);
         }
         // Submission waits for room under backpressure: not with the GIL held.
         let wait = settle(&self.inner, &[&src, &dst]);
@@ -320,13 +318,7 @@ impl Session {
     #[pyo3(signature = (priority, deadline=None))]
     fn _lease(&self, py: Python<'_>, priority: &str, deadline: Option<f64>) -> PyResult<Lease> {
         let class = self::priority(priority)?;
-        let due = deadline
-            .map(|secs| {
-                std::time::Duration::try_from_secs_f64(secs)
-                    .map(|d| std::time::Instant::now() + d)
-                    .map_err(|_| invalid(format!("a deadline of {secs} s")))
-            })
-            .transpose()?;
+        let due = deadline.map(due).transpose()?;
         let held = py.detach(|| self.inner.lease(class, due));
         Ok(Lease {
             held: Mutex::new(Some(held)),
@@ -444,6 +436,15 @@ impl Lease {
         self.release();
         false
     }
+}
+
+/// The instant `secs` seconds from now (a deadline); refused where it is negative, not a
+/// number, or past what the clock can hold.
+fn due(secs: f64) -> PyResult<std::time::Instant> {
+    std::time::Duration::try_from_secs_f64(secs)
+        .ok()
+        .and_then(|d| std::time::Instant::now().checked_add(d))
+        .ok_or_else(|| invalid(format!("a deadline of {secs} s")))
 }
 
 /// The scheduler class a Python name gives (the C API's `GPUIO_PRIORITY_*` names, lower

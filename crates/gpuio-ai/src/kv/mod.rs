@@ -212,9 +212,12 @@ impl KvPool {
 
     /// The work this pool's IO is for (a decode step's, [`AiWork::Decode`], unless set):
     /// every load, store and eviction holds a scheduler lease of its class while it moves
-    /// data, with its IO deadline where it has one.
-    pub fn set_work(&mut self, work: AiWork) {
+    /// data, with its IO deadline where it has one. Work that leaves no time for IO is
+    /// refused, and the pool keeps its work.
+    pub fn set_work(&mut self, work: AiWork) -> Result<()> {
+        work.io_deadline(std::time::Instant::now())?;
         self.work = work;
+        Ok(())
     }
 
     /// The work this pool's IO is for.
@@ -354,6 +357,8 @@ impl KvPool {
         if needed > self.free_rows.len() {
             return Err(self.full(needed));
         }
+        // Before anything changes: a lease that cannot be had leaves the pool as it was.
+        let lease = self.lease()?;
         let res = &mut self.residence[layer];
         let old_len = res.len();
         if res.len() < end as usize {
@@ -374,7 +379,6 @@ impl KvPool {
             }
             rows.push(*r);
         }
-        let lease = self.lease()?;
         let scattered = {
             let mut warm = self.warm.write();
             session

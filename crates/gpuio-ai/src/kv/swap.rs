@@ -365,8 +365,11 @@ impl SwapInBatch {
 
     /// The work the batch's loads are for (a decode step's, [`AiWork::Decode`], unless set):
     /// each load holds a scheduler lease of its class, with its IO deadline where it has one.
-    pub fn set_work(&mut self, work: AiWork) {
+    /// Work that leaves no time for IO is refused.
+    pub fn set_work(&mut self, work: AiWork) -> Result<()> {
+        work.io_deadline(std::time::Instant::now())?;
         self.work = work;
+        Ok(())
     }
 
     fn table(

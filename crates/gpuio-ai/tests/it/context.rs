@@ -191,7 +191,13 @@ fn a_pool_counts_its_deadlines_in_the_schedulers_statistics() {
     let src = session.alloc_device(0, 16 * 64).unwrap();
     pool.store(&session, 0, 0, 16, &src, 0, None).unwrap();
     let before = session.scheduler().stats();
-    pool.set_work(inference(60_000, 1, Criticality::Standard));
+    pool.set_work(inference(60_000, 1, Criticality::Standard))
+        .unwrap();
+    // Work that leaves no time for IO is refused, and the pool keeps what it had.
+    assert!(
+        pool.set_work(inference(1, 5, Criticality::Standard))
+            .is_err()
+    );
     let out = session.alloc_device(0, 4 * 64).unwrap();
     pool.load(0, &[1, 2, 3], &out, 0).unwrap();
     let after = session.scheduler().stats();

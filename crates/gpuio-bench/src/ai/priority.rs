@@ -163,7 +163,9 @@ impl<'a> Background<'a> {
             let prefetch = s.spawn(|| -> Result<()> {
                 let mut table = self.table.clone();
                 if !classes {
-                    table.set_work(AiWork::Decode);
+                    table
+                        .set_work(AiWork::Decode)
+                        .map_err(|e| failed("prefetch", e.to_string()))?;
                 }
                 for k in 0u64.. {
                     if stop.load(Ordering::Relaxed) {
@@ -194,7 +196,8 @@ impl<'a> Background<'a> {
                     AiWork::Prefetch
                 } else {
                     AiWork::Decode
-                });
+                })
+                .map_err(|e| failed("KV store", e.to_string()))?;
                 while !stop.load(Ordering::Relaxed) {
                     pool.store(self.session, 0, 0, STORE_ENTRIES, &self.entries, 0, None)
                         .map_err(|e| failed("KV store", e.to_string()))?;

@@ -4,7 +4,7 @@
 //! both sides are merged into one transfer of at most `coalesce_max` bytes when a worker takes
 //! them (coalescing).
 
-use super::queue::{Meta, Policy};
+use super::queue::Meta;
 use super::ticket::TicketInner;
 use super::{Shared, State};
 use crate::batch;
@@ -71,6 +71,7 @@ impl Shared {
     fn push(&self, st: &mut State, units: Vec<(Meta, Unit)>) {
         let n = units.len();
         for (meta, unit) in units {
+            self.queued_by_class[meta.class as usize].fetch_add(1, Ordering::AcqRel);
             st.queue.push(meta, unit);
         }
         self.queued.fetch_add(n, Ordering::AcqRel);
@@ -89,14 +90,16 @@ impl Shared {
     /// lone single-chunk request meeting an empty queue goes straight to a spinning worker
     /// (`handoff.rs`).
     pub(super) fn enqueue(&self, tickets: &[Arc<TicketInner>]) -> Result<()> {
+        // Nothing queued; or, while a lease holds less urgent classes back, nothing queued
+        // that this unit would pass (it is let through, and the held-back units wait).
+        let passes = |t: &TicketInner| match self.gate.floor() {
+            None => self.queued.load(Ordering::Acquire) == 0,
+            Some(f) => t.class <= f && !self.queued_at_or_above(t.class),
+        };
         if let [t] = tickets
             && t.len <= self.cfg.chunk_size
-            && self.queued.load(Ordering::Acquire) == 0
+            && passes(t)
             && !self.closing.load(Ordering::Acquire)
-            && self
-                .gate
-                .floor()
-                .is_none_or(|f| t.class <= f || self.cfg.policy == Policy::Fifo)
         {
             // Counted between the claim and the fill: before the worker can finish it, and
             // only if it is handed over.

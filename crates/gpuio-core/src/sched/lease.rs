@@ -5,7 +5,11 @@
 //! While a lease of class C is held (policies other than FIFO):
 //! - a lease of a less urgent class waits to be admitted until no more urgent one is held;
 //! - the workers start no queued unit of a less urgent class (those already taken run on);
-//! - either waits at most `max_wait`, the starvation bound the queue keeps for classes.
+//! - either waits at most `max_wait` (for a held-back class: it gets a unit at least that
+//!   often, the starvation bound the queue keeps for classes).
+//!
+//! Leases do not nest: a thread holding one that takes a less urgent one waits `max_wait`
+//! for itself.
 //!
 //! So a decode step's KV load (realtime) runs with the bus to itself but for what was already
 //! running, an Engram prefetch (background) goes between decode steps, and a checkpoint's
@@ -19,13 +23,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Instant;
 
+/// Classes there are.
+const CLASSES: usize = Priority::ALL.len();
+
 /// No lease is held: the floor is below every class.
-const NO_FLOOR: u8 = 6;
+const NO_FLOOR: u8 = CLASSES as u8;
 
 /// The leases held, per class, and the most urgent class among them.
 #[derive(Default)]
 pub(super) struct Gate {
-    held: std::sync::Mutex<[usize; 6]>,
+    held: std::sync::Mutex<[usize; CLASSES]>,
     /// The most urgent class with a lease held (`NO_FLOOR` when none): read by the workers
     /// on every take from the queue.
     floor: FloorCell,
@@ -48,7 +55,7 @@ impl Gate {
         Priority::from_index(self.floor.0.load(Ordering::Acquire))
     }
 
-    fn set_floor(&self, held: &[usize; 6]) -> u8 {
+    fn set_floor(&self, held: &[usize; CLASSES]) -> u8 {
         let f = held
             .iter()
             .position(|&n| n > 0)
@@ -125,7 +132,10 @@ impl Lease {
             }
         }
         held[c] += 1;
-        gate.set_floor(&held);
+        // Under FIFO (classes off) nothing is held back: the floor stays unset.
+        if shared.cfg.policy != Policy::Fifo {
+            gate.set_floor(&held);
+        }
         Self {
             shared: shared.clone(),
             class,
@@ -150,14 +160,25 @@ impl Drop for Lease {
                 c.deadline_met.add(1);
             }
         }
-        let before = sh.gate.floor.0.load(Ordering::Acquire);
-        let after = {
+        let (before, after) = {
             let mut held = sh.gate.held.lock_unpoisoned();
             held[self.class as usize] -= 1;
-            sh.gate.set_floor(&held)
+            if sh.cfg.policy == Policy::Fifo {
+                return;
+            }
+            (
+                sh.gate.floor.0.load(Ordering::Acquire),
+                sh.gate.set_floor(&held),
+            )
         };
         sh.gate.released.notify_all();
-        if after > before && sh.queued.load(Ordering::Acquire) > 0 {
+        // The floor's store must be seen before the counts are read: a worker that counted
+        // nothing eligible and went to sleep is then woken here.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if after > before
+            && sh.queued.load(Ordering::Acquire) > 0
+            && sh.sleepers.load(Ordering::Acquire) > 0
+        {
             // Units the floor held back may run now: wake the workers that slept on them.
             let _st = sh.state.lock_unpoisoned();
             sh.work.notify_all();

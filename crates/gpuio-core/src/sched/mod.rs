@@ -75,6 +75,9 @@ struct Shared {
     state: Mutex<State>,
     work: Condvar,
     queued: crossbeam_utils::CachePadded<AtomicUsize>,
+    /// Units queued per class (of `queued`): while a lease holds a class back, idle workers
+    /// and the hand-off look only at the classes it lets through.
+    queued_by_class: [AtomicUsize; 6],
     sleepers: AtomicUsize,
     acct: Arc<Accounting>,
     stealers: Vec<Stealer<Unit>>,
@@ -133,6 +136,7 @@ impl Scheduler {
             }),
             work: Condvar::new(),
             queued: Default::default(),
+            queued_by_class: Default::default(),
             sleepers: AtomicUsize::new(0),
             acct: Arc::new(Accounting {
                 budgets: Budgets::new(cfg.engine_in_flight),
@@ -508,6 +512,9 @@ impl SchedSession {
             let mut st = self.shared.state.lock_unpoisoned();
             let d = st.queue.drain_session(self.state.id);
             self.shared.queued.fetch_sub(d.len(), Ordering::AcqRel);
+            for (meta, _) in &d {
+                self.shared.queued_by_class[meta.class as usize].fetch_sub(1, Ordering::AcqRel);
+            }
             self.shared
                 .acct
                 .metrics
@@ -520,6 +527,15 @@ impl SchedSession {
             unit.abandon();
         }
         n
+    }
+}
+
+impl Shared {
+    /// Whether a unit of `class` or a more urgent one is queued.
+    fn queued_at_or_above(&self, class: Priority) -> bool {
+        self.queued_by_class[..=class as usize]
+            .iter()
+            .any(|n| n.load(Ordering::Acquire) > 0)
     }
 }
 

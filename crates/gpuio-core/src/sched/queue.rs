@@ -4,8 +4,9 @@
 //!
 //! One `EngineQueue` per transport (the per-engine queues of docs/REFERENCE.md#layers: MemIO,
 //! LocalIO, RemoteIO). Inside each, work waits in one of three places:
-//! - the **deadline queue**: requests with a deadline, earliest deadline first (DEADLINE and
-//!   ADAPTIVE policies);
+//! - the **deadline queues**: requests with a deadline, earliest deadline first (DEADLINE and
+//!   ADAPTIVE policies), one heap per class so that a lease's floor holds back only its own
+//!   classes' heads;
 //! - six **class queues** (docs/REFERENCE.md#priority-classes); inside a class, each session is a
 //!   *flow*, and flows share the class CFS-style: the flow with the least virtual runtime
 //!   (bytes served / session weight) goes next, and a flow that wakes up starts at the class's
@@ -256,14 +257,15 @@ impl<T> ClassQueue<T> {
 #[derive(Debug, Clone, Copy)]
 enum Source {
     Fifo,
-    Deadline,
+    Deadline(usize),
     Class(usize),
 }
 
 /// The queues of one engine.
 struct EngineQueue<T> {
     fifo: VecDeque<Entry<T>>,
-    deadline: BinaryHeap<ByDeadline<T>>,
+    /// Per class: the earliest deadline first across them is EDF.
+    deadline: [BinaryHeap<ByDeadline<T>>; 6],
     classes: [ClassQueue<T>; 6],
     /// ADAPTIVE: the virtual time of the last class served.
     vclock: u64,
@@ -274,7 +276,7 @@ impl<T> Default for EngineQueue<T> {
     fn default() -> Self {
         Self {
             fifo: VecDeque::new(),
-            deadline: BinaryHeap::new(),
+            deadline: Default::default(),
             classes: Default::default(),
             vclock: 0,
             len: 0,
@@ -288,7 +290,7 @@ impl<T> EngineQueue<T> {
         match cfg.policy {
             Policy::Fifo => self.fifo.push_back(e),
             Policy::Deadline | Policy::Adaptive if e.meta.deadline.is_some() => {
-                self.deadline.push(ByDeadline(e))
+                self.deadline[e.meta.class as usize].push(ByDeadline(e))
             }
             _ => {
                 let c = e.meta.class as usize;
@@ -344,10 +346,13 @@ impl<T> EngineQueue<T> {
             };
             consider(Rank::Class(key, v, seq), Source::Class(i));
         }
-        if let Some(head) = self.deadline.peek()
-            && (!held_back(head.0.meta.class as usize)
-                || now.saturating_duration_since(head.0.meta.arrival) >= cfg.max_wait)
-        {
+        for (i, heap) in self.deadline.iter().enumerate() {
+            let Some(head) = heap.peek() else {
+                continue;
+            };
+            if held_back(i) && now.saturating_duration_since(head.0.meta.arrival) < cfg.max_wait {
+                continue;
+            }
             let (d, seq) = head.key();
             let urgent = cfg.policy != Policy::Adaptive
                 || d.saturating_duration_since(now) <= cfg.urgent_window;
@@ -356,7 +361,7 @@ impl<T> EngineQueue<T> {
             } else {
                 Rank::Lax(d, seq)
             };
-            consider(r, Source::Deadline);
+            consider(r, Source::Deadline(i));
         }
         best
     }
@@ -364,7 +369,7 @@ impl<T> EngineQueue<T> {
     fn pop_from(&mut self, src: Source, now: Instant) -> Option<Entry<T>> {
         let e = match src {
             Source::Fifo => self.fifo.pop_front(),
-            Source::Deadline => self.deadline.pop().map(|d| d.0),
+            Source::Deadline(i) => self.deadline[i].pop().map(|d| d.0),
             Source::Class(i) => {
                 let class = &mut self.classes[i];
                 let e = class.pop(now)?;
@@ -386,12 +391,14 @@ impl<T> EngineQueue<T> {
             .partition(|e| e.meta.session != sid);
         self.fifo = keep;
         out.extend(gone);
-        let (keep, gone): (Vec<_>, Vec<_>) = std::mem::take(&mut self.deadline)
-            .into_vec()
-            .into_iter()
-            .partition(|d| d.0.meta.session != sid);
-        self.deadline = keep.into();
-        out.extend(gone.into_iter().map(|d| d.0));
+        for heap in &mut self.deadline {
+            let (keep, gone): (Vec<_>, Vec<_>) = std::mem::take(heap)
+                .into_vec()
+                .into_iter()
+                .partition(|d| d.0.meta.session != sid);
+            *heap = keep.into();
+            out.extend(gone.into_iter().map(|d| d.0));
+        }
         for class in &mut self.classes {
             out.extend(class.drain_session(sid));
         }
@@ -637,6 +644,41 @@ mod tests {
         assert_eq!(order.last(), Some(&99));
         let bg_early = order[..40].iter().filter(|&&i| i >= 100).count();
         assert!((1..=4).contains(&bg_early), "{order:?}");
+    }
+
+    #[test]
+    fn a_floor_holds_back_only_less_urgent_work_deadlines_included() {
+        let mut q = queue(Policy::Deadline);
+        let t = Instant::now();
+        // A background unit due first, then a realtime one due later: under a realtime
+        // lease's floor the realtime one goes, and the background one waits.
+        q.push(
+            meta(
+                1,
+                Priority::Background,
+                Some(t + Duration::from_millis(1)),
+                1,
+            ),
+            0,
+        );
+        q.push(
+            meta(
+                1,
+                Priority::InferenceRealtime,
+                Some(t + Duration::from_millis(9)),
+                1,
+            ),
+            1,
+        );
+        q.push(meta(1, Priority::Checkpoint, None, 1), 2);
+        let floor = Some(Priority::InferenceRealtime);
+        assert!(q.has_eligible(t, floor));
+        assert_eq!(q.pop_above(t, floor).map(|x| x.1), Some(1));
+        assert!(!q.has_eligible(t, floor));
+        assert_eq!(q.pop_above(t, floor).map(|x| x.1), None);
+        // Without the floor, EDF again.
+        assert_eq!(q.pop(t).map(|x| x.1), Some(0));
+        assert_eq!(q.pop(t).map(|x| x.1), Some(2));
     }
 
     #[test]

@@ -119,6 +119,7 @@ impl Shared {
             let mut bytes = 0u64;
             let floor = self.gate.floor();
             while let Some((meta, unit)) = st.queue.pop_above(now, floor) {
+                self.queued_by_class[meta.class as usize].fetch_sub(1, Ordering::AcqRel);
                 bytes += meta.cost.max(4096);
                 taken.push(unit);
                 if bytes >= self.cfg.grab_bytes || taken.len() >= 64 {
@@ -183,9 +184,13 @@ impl Shared {
         let spin_until = Instant::now() + self.cfg.spin;
         let mut turn = 0u32;
         loop {
-            // While a lease holds a class, queued units may all be held back: the queue is
-            // looked at again when one is released, or by `sleep`, not spun on.
-            let queued = self.queued.load(Ordering::Acquire) > 0 && self.gate.floor().is_none();
+            // While a lease holds less urgent classes back, only units it lets through are
+            // spun on; the held-back ones are looked at again when it ends, or by `sleep`
+            // once they have waited `max_wait`.
+            let queued = match self.gate.floor() {
+                None => self.queued.load(Ordering::Acquire) > 0,
+                Some(f) => self.queued_at_or_above(f),
+            };
             if queued || handoff.is_full() {
                 return true;
             }

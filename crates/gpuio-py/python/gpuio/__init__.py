@@ -203,7 +203,9 @@ class Session(_gpuio.Session):
         that reads host memory, a copy on its own stream): less urgent queued requests and
         leases — gpuio.ai's prefetches and write-backs among them — wait until it is released,
         at most the scheduler's ``max_wait``. A context manager: ``with s.lease(
-        "inference_realtime"): ...``; ``deadline`` (seconds) counts as met or missed."""
+        "inference_realtime"): ...``; ``deadline`` (seconds) counts as met or missed. Leases
+        do not nest: taking a less urgent one (a gpuio.ai store, say) while holding one waits
+        the scheduler's ``max_wait`` for itself."""
         return self._lease(priority, deadline)
 
     def device_buffer(self, obj, writable=True):

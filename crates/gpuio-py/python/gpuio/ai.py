@@ -172,9 +172,10 @@ class KvPool:
         return self._p.cold_tier_bytes()
 
     def set_work(self, kind, deadline=None, compute=0.0, best_effort=False):
-        """The work its loads, stores and evictions are is for (``decode`` unless set; spelled as :func:`work_class` takes
-        it): each call holds a scheduler lease of its class while it moves data, so less
-        urgent IO (prefetches, write-backs, a checkpoint) waits for it."""
+        """What the pool's loads, stores and evictions are for: ``decode`` unless set, spelled
+        as :func:`work_class` takes it. Each call holds a scheduler lease of that class while
+        it moves data, so less urgent IO (prefetches, write-backs, a checkpoint) waits for it;
+        work that leaves no time for IO is refused."""
         self._p.set_work(kind, deadline, compute, best_effort)
 
     def len(self, layer):
@@ -256,9 +257,8 @@ class SwapInBatch:
         return (reports, times) if timed else reports
 
     def set_work(self, kind, deadline=None, compute=0.0, best_effort=False):
-        """The work the batch's loads are is for (``decode`` unless set; spelled as :func:`work_class` takes
-        it): each call holds a scheduler lease of its class while it moves data, so less
-        urgent IO (prefetches, write-backs, a checkpoint) waits for it."""
+        """What the batch's loads are for: ``decode`` unless set, spelled as
+        :func:`work_class` takes it; each load holds a scheduler lease of that class."""
         self._b.set_work(kind, deadline, compute, best_effort)
 
     def __len__(self):
@@ -277,9 +277,9 @@ class EngramTable:
         self._t = _ai.EngramTable(session, rows, row_bytes, placement)
 
     def set_work(self, kind, deadline=None, compute=0.0, best_effort=False):
-        """The work its lookups and similarity searches are (stores run as ``engram_sync``, prefetches as ``prefetch``) is for (``decode`` unless set; spelled as :func:`work_class` takes
-        it): each call holds a scheduler lease of its class while it moves data, so less
-        urgent IO (prefetches, write-backs, a checkpoint) waits for it."""
+        """What this table's lookups and similarity searches are for: ``decode`` unless set,
+        spelled as :func:`work_class` takes it (stores run as ``engram_sync``, prefetches as
+        ``prefetch``). Each holds a scheduler lease of its class while it moves data."""
         self._t.set_work(kind, deadline, compute, best_effort)
 
     @property

@@ -20,6 +20,7 @@ releases the GIL), and completions are announced on an eventfd and collected by
 LMCache.
 """
 
+import bisect
 import itertools
 import os
 import threading
@@ -37,6 +38,8 @@ class _Extents:
         self._free = [(0, size)] if size > 0 else []
 
     def take(self, n):
+        if n == 0:
+            return 0
         for i, (at, length) in enumerate(self._free):
             if length >= n:
                 if length == n:
@@ -47,22 +50,29 @@ class _Extents:
         return None
 
     def give(self, at, n):
-        self._free.append((at, n))
-        self._free.sort()
-        merged = []
-        for a, length in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == a:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
-            else:
-                merged.append((a, length))
-        self._free = merged
+        if n == 0:
+            return
+        i = bisect.bisect(self._free, (at, n))
+        self._free.insert(i, (at, n))
+        # Merge with the neighbours (the list stays sorted and disjoint).
+        if i + 1 < len(self._free) and at + n == self._free[i + 1][0]:
+            self._free[i] = (at, n + self._free[i + 1][1])
+            del self._free[i + 1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == at:
+            prev = self._free[i - 1]
+            self._free[i - 1] = (prev[0], prev[1] + self._free[i][1])
+            del self._free[i]
 
 
 class _Chunk:
-    __slots__ = ("size", "crc", "at", "path")
+    """Where a chunk is (host memory at `at`, or the file `path`), its size and crc32c, and
+    how many reads are copying it out (a chunk being read is neither spilled nor freed)."""
 
-    def __init__(self, size, crc, at=None, path=None):
-        self.size, self.crc, self.at, self.path = size, crc, at, path
+    __slots__ = ("size", "crc", "at", "path", "readers", "dead")
+
+    def __init__(self, size, crc):
+        self.size, self.crc, self.at, self.path = size, crc, None, None
+        self.readers, self.dead = 0, False
 
 
 def _bytes_view(mv):
@@ -87,8 +97,10 @@ class GpuioConnector:
             os.makedirs(root, exist_ok=True)
         self._direct = bool(odirect)
         self._index = {}  # key -> _Chunk, oldest first (dicts keep insertion order)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the index and the host tier's extents
+        self._done_lock = threading.Lock()  # completions: never held across IO
         self._done = []
+        self._closed = False
         self._ids = itertools.count(1)
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._pool = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="gpuio-lmc")
@@ -116,15 +128,18 @@ class GpuioConnector:
             os.eventfd_read(self._efd)
         except BlockingIOError:
             pass
-        with self._lock:
+        with self._done_lock:
             done, self._done = self._done, []
         return done
 
     def close(self):
+        if self._closed:
+            return
+        self._closed = True
         self._pool.shutdown(wait=True)
         with self._lock:
             for chunk in self._index.values():
-                self._unlink(chunk)
+                self._unlink(chunk.path)
             self._index.clear()
         os.close(self._efd)
 
@@ -141,47 +156,62 @@ class GpuioConnector:
             result = (fid, ok, "", bools)
         except Exception as e:  # a completion LMCache can see, not a lost future
             result = (fid, False, f"{type(e).__name__}: {e}", None)
-        with self._lock:
+        with self._done_lock:
             self._done.append(result)
         os.eventfd_write(self._efd, 1)
 
     def _set(self, keys, views):
+        if len(keys) != len(views):
+            raise ValueError(f"{len(keys)} keys for {len(views)} buffers")
         for key, mv in zip(keys, views):
             data = _bytes_view(mv)
             chunk = _Chunk(len(data), _gpuio.crc32c(data))
             with self._lock:
                 self._drop(key)
                 chunk.at = self._place(chunk.size)
-            if chunk.at is not None:
-                self._s.copy(data, self._host, size=chunk.size, dst_offset=chunk.at)
-            else:
-                chunk.path = self._spill_path()
-                self._s.write(self._uri(chunk.path), data, durable=False)
+            try:
+                if chunk.at is not None:
+                    self._s.copy(data, self._host, size=chunk.size, dst_offset=chunk.at)
+                else:
+                    chunk.path = self._spill_path()
+                    self._s.write(self._uri(chunk.path), data, durable=False)
+            except BaseException:
+                with self._lock:
+                    self._release(chunk)
+                raise
             with self._lock:
                 self._drop(key)
                 self._index[key] = chunk
         return True, None
 
     def _get(self, keys, views):
+        if len(keys) != len(views):
+            raise ValueError(f"{len(keys)} keys for {len(views)} buffers")
         loaded = []
         for key, mv in zip(keys, views):
             data = _bytes_view(mv)
             with self._lock:
                 chunk = self._index.get(key)
-            if chunk is None or chunk.size != len(data):
-                loaded.append(False)
-                continue
+                if chunk is None or chunk.size != len(data):
+                    loaded.append(False)
+                    continue
+                chunk.readers += 1
+                at, path = chunk.at, chunk.path
             try:
-                if chunk.at is not None:
-                    self._s.copy(self._host, data, size=chunk.size, src_offset=chunk.at)
+                if at is not None:
+                    self._s.copy(self._host, data, size=chunk.size, src_offset=at)
                 else:
-                    self._s.read(self._uri(chunk.path), data)
+                    self._s.read(self._uri(path), data)
                 good = _gpuio.crc32c(data) == chunk.crc
             except _gpuio.Error:
                 good = False
-            if not good:  # damaged or gone: a miss, and forgotten
-                with self._lock:
-                    if self._index.get(key) is chunk:
+            with self._lock:
+                chunk.readers -= 1
+                if chunk.dead and chunk.readers == 0:
+                    self._release(chunk)
+                elif not good and self._index.get(key) is chunk:
+                    # Damaged or gone: a miss, and forgotten, unless it moved meanwhile.
+                    if (chunk.at, chunk.path) == (at, path):
                         self._drop(key)
             loaded.append(good)
         return True, loaded
@@ -197,43 +227,57 @@ class GpuioConnector:
     # Tiers (called with the lock held).
 
     def _place(self, n):
-        """Room for `n` bytes in host memory, the oldest host chunks spilled to files first
-        where there is a root; None where it does not fit."""
+        """Room for `n` bytes in host memory, the oldest host chunks no read is copying
+        spilled to files first where there is a root; None where it does not fit. (Spills
+        write with the lock held: stores and reads wait for them, completions do not.)"""
         if self._host is None or n > len(self._host):
             return None
         at = self._extents.take(n)
         while at is None and self._root is not None:
-            victim = next(((k, c) for k, c in self._index.items() if c.at is not None), None)
+            victim = next(
+                (c for c in self._index.values() if c.at is not None and c.readers == 0), None
+            )
             if victim is None:
                 return None
-            self._spill(*victim)
+            self._spill(victim)
             at = self._extents.take(n)
         return at
 
-    def _spill(self, key, chunk):
-        path = self._spill_path()
-        self._s.write(self._uri(path), self._host_view(chunk), durable=False)
-        self._extents.give(chunk.at, chunk.size)
-        chunk.at, chunk.path = None, path
-
-    def _host_view(self, chunk):
+    def _spill(self, chunk):
         import numpy  # the host tier's bytes, viewed in place
 
-        return memoryview(numpy.asarray(self._host))[chunk.at : chunk.at + chunk.size]
+        path = self._spill_path()
+        view = memoryview(numpy.asarray(self._host))[chunk.at : chunk.at + chunk.size]
+        try:
+            self._s.write(self._uri(path), view, durable=False)
+        except BaseException:
+            self._unlink(path)
+            raise
+        self._extents.give(chunk.at, chunk.size)
+        chunk.path, chunk.at = path, None
 
     def _drop(self, key):
+        """Forgets `key`; its room goes once no read is copying it."""
         chunk = self._index.pop(key, None)
         if chunk is None:
             return False
-        if chunk.at is not None:
-            self._extents.give(chunk.at, chunk.size)
-        self._unlink(chunk)
+        if chunk.readers > 0:
+            chunk.dead = True
+        else:
+            self._release(chunk)
         return True
 
-    def _unlink(self, chunk):
-        if chunk.path is not None:
+    def _release(self, chunk):
+        if chunk.at is not None:
+            self._extents.give(chunk.at, chunk.size)
+            chunk.at = None
+        self._unlink(chunk.path)
+        chunk.path = None
+
+    def _unlink(self, path):
+        if path is not None:
             try:
-                os.remove(chunk.path)
+                os.remove(path)
             except FileNotFoundError:
                 pass
 

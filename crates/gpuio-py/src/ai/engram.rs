@@ -76,17 +76,20 @@ impl EngramTable {
     #[pyo3(signature = (kind, deadline=None, compute=0.0, best_effort=false))]
     fn set_work(
         &self,
+        py: Python<'_>,
         kind: &str,
         deadline: Option<f64>,
         compute: f64,
         best_effort: bool,
     ) -> PyResult<()> {
         let w = super::work(kind, deadline, compute, best_effort)?;
-        self.table
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .set_work(w);
-        Ok(())
+        py.detach(|| {
+            self.table
+                .write()
+                .unwrap_or_else(PoisonError::into_inner)
+                .set_work(w)
+        })
+        .map_err(to_py)
     }
 
     /// Rows in the table.
@@ -247,8 +250,10 @@ enum Work {
 #[pyclass(module = "gpuio.ai", frozen)]
 pub struct AiPending {
     work: AiWork,
-    /// The work until waited for, then its result (a lookup's report, or none for a store).
-    state: Mutex<(Option<Work>, Option<Settled>)>,
+    /// The work until waited for; held by the thread that waits (others poll past it).
+    running: Mutex<Option<Work>>,
+    /// Its result once waited for.
+    settled: Mutex<Option<Settled>>,
     /// The buffer the work moves, kept alive until it is waited for.
     _keep: Py<DeviceBuffer>,
 }
@@ -265,9 +270,17 @@ impl AiPending {
         };
         Self {
             work: label,
-            state: Mutex::new((Some(work), None)),
+            running: Mutex::new(Some(work)),
+            settled: Mutex::new(None),
             _keep: keep,
         }
+    }
+
+    fn settled(&self) -> Option<Settled> {
+        self.settled
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 }
 
@@ -275,21 +288,28 @@ impl AiPending {
 impl AiPending {
     /// Whether it has finished.
     fn done(&self) -> bool {
-        let s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        match &s.0 {
-            Some(Work::Lookup(p)) => p.is_done(),
-            Some(Work::Store(p)) => p.is_done(),
-            None => true,
+        if self.settled().is_some() {
+            return true;
+        }
+        // Never blocks: a thread waiting for it holds `running`.
+        match self.running.try_lock() {
+            Ok(g) => match &*g {
+                Some(Work::Lookup(p)) => p.is_done(),
+                Some(Work::Store(p)) => p.is_done(),
+                None => true,
+            },
+            Err(_) => false,
         }
     }
 
-    /// `in_progress`, `completed` or `error`.
+    /// `in_progress`, `completed` or `error` (the last two once it has been waited for, or
+    /// has finished).
     #[getter]
     fn status(&self) -> &'static str {
-        let s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        match &s.1 {
+        match self.settled() {
             Some(Ok(_)) => "completed",
             Some(Err(_)) => "error",
+            None if self.done() => "completed",
             None => "in_progress",
         }
     }
@@ -310,18 +330,19 @@ impl AiPending {
     /// alike).
     fn wait<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let settled = py.detach(|| {
-            let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some(w) = s.0.take() {
+            let mut running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(w) = running.take() {
                 let r = match w {
                     Work::Lookup(p) => p.wait().map(Some),
                     Work::Store(p) => p.wait().map(|()| None),
                 };
-                s.1 = Some(r.map_err(|e| {
-                    let c = e.code();
-                    (e.to_string(), c.as_i32(), c.name())
-                }));
+                *self.settled.lock().unwrap_or_else(PoisonError::into_inner) =
+                    Some(r.map_err(|e| {
+                        let c = e.code();
+                        (e.to_string(), c.as_i32(), c.name())
+                    }));
             }
-            s.1.clone()
+            self.settled()
         });
         match settled {
             Some(Ok(Some(l))) => lookup_report(py, &l).map(Some),

@@ -52,6 +52,12 @@ impl KvPool {
     fn with<T>(&self, f: impl FnOnce(&mut kv::KvPool) -> T) -> T {
         f(&mut self.pool.lock().unwrap_or_else(PoisonError::into_inner))
     }
+
+    /// [`with`](Self::with) without the GIL: a load or store holds the pool for as long as
+    /// it waits for its lease and moves data.
+    fn get<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut kv::KvPool) -> T + Send) -> T {
+        py.detach(|| self.with(f))
+    }
 }
 
 #[pymethods]
@@ -202,8 +208,10 @@ impl KvPool {
     }
 
     /// The cold tier's bytes stored and the entries' bytes before compression, or None.
-    fn cold_tier_bytes(&self) -> Option<(u64, u64)> {
-        self.with(|p| p.cold_tier().map(|c| (c.file_bytes(), c.raw_bytes())))
+    fn cold_tier_bytes(&self, py: Python<'_>) -> Option<(u64, u64)> {
+        self.get(py, |p| {
+            p.cold_tier().map(|c| (c.file_bytes(), c.raw_bytes()))
+        })
     }
 
     /// The work its IO is for (`decode` unless set; spelled as `gpuio.ai.work_class` takes
@@ -212,35 +220,35 @@ impl KvPool {
     #[pyo3(signature = (kind, deadline=None, compute=0.0, best_effort=false))]
     fn set_work(
         &self,
+        py: Python<'_>,
         kind: &str,
         deadline: Option<f64>,
         compute: f64,
         best_effort: bool,
     ) -> PyResult<()> {
         let w = super::work(kind, deadline, compute, best_effort)?;
-        self.with(|p| p.set_work(w));
-        Ok(())
+        self.get(py, |p| p.set_work(w)).map_err(to_py)
     }
 
     /// Positions `layer` holds.
-    fn len(&self, layer: usize) -> u64 {
-        self.with(|p| p.len(layer))
+    fn len(&self, py: Python<'_>, layer: usize) -> u64 {
+        self.get(py, |p| p.len(layer))
     }
 
     /// Entries host memory has room for.
-    fn warm_free(&self) -> u64 {
-        self.with(|p| p.warm_free())
+    fn warm_free(&self, py: Python<'_>) -> u64 {
+        self.get(py, |p| p.warm_free())
     }
 
     /// Entries of `layer` with a copy in its hot buffer.
-    fn hot_entries(&self, layer: usize) -> usize {
-        self.with(|p| p.hot_entries(layer))
+    fn hot_entries(&self, py: Python<'_>, layer: usize) -> usize {
+        self.get(py, |p| p.hot_entries(layer))
     }
 
     /// Where entry `pos` of `layer` is kept: `warm`, `cold`, `dropped`, or None where it was
     /// never stored.
-    fn tier_of(&self, layer: usize, pos: u64) -> Option<&'static str> {
-        self.with(|p| p.tier_of(layer, pos)).map(|t| match t {
+    fn tier_of(&self, py: Python<'_>, layer: usize, pos: u64) -> Option<&'static str> {
+        self.get(py, |p| p.tier_of(layer, pos)).map(|t| match t {
             Tier::Warm => "warm",
             Tier::Cold => "cold",
             Tier::Dropped => "dropped",
@@ -248,8 +256,8 @@ impl KvPool {
     }
 
     /// Entry `pos` of `layer`'s importance score.
-    fn importance(&self, layer: usize, pos: u64) -> f32 {
-        self.with(|p| p.importance(layer, pos))
+    fn importance(&self, py: Python<'_>, layer: usize, pos: u64) -> f32 {
+        self.get(py, |p| p.importance(layer, pos))
     }
 
     /// The pool's shape.
@@ -434,24 +442,29 @@ impl SwapInBatch {
     #[pyo3(signature = (kind, deadline=None, compute=0.0, best_effort=false))]
     fn set_work(
         &self,
+        py: Python<'_>,
         kind: &str,
         deadline: Option<f64>,
         compute: f64,
         best_effort: bool,
     ) -> PyResult<()> {
         let w = super::work(kind, deadline, compute, best_effort)?;
-        self.batch
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .set_work(w);
-        Ok(())
+        py.detach(|| {
+            self.batch
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .set_work(w)
+        })
+        .map_err(to_py)
     }
 
     /// Sequences in the batch.
-    fn __len__(&self) -> usize {
-        self.batch
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
+    fn __len__(&self, py: Python<'_>) -> usize {
+        py.detach(|| {
+            self.batch
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .len()
+        })
     }
 }
