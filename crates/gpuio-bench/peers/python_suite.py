@@ -3,10 +3,11 @@
 #   overhead PATH CALLS   4 KiB reads at scattered offsets of a page-cached file, one call at a
 #                         time: into a gpuio host buffer (in place) and into a bytearray (copied
 #                         over); per-call p50 and mean in ns.
-#   ai CALLS SHAPE POSITIONS
+#   ai CALLS SHAPE POSITIONS STEPS
 #                         gpuio.ai's KvPool.load, SwapInBatch.load and EngramTable.lookup of
 #                         the structures SHAPE (JSON) describes, reading POSITIONS (comma
-#                         separated), one call at a time on gpuio device buffers: p50 ns each.
+#                         separated), one call at a time on gpuio device buffers: p50 ns each;
+#                         and B1's decode step (KvBatch.load, STEPS steps): its p50 ns.
 #   load PATH REPS        the whole file into a torch CUDA tensor: gpuio's read, torch's way (read
 #                         the bytes, then .cuda()), kvikio's read where installed; median B/s,
 #                         each result checked against torch's.
@@ -70,6 +71,36 @@ if mode == "ai":
     table = ai.EngramTable(s, shape["rows"], shape["row_bytes"])
     rows = s.alloc_device(k * shape["row_bytes"])
     out["engram_lookup_p50_ns"] = p50_ns(calls, lambda: table.lookup(sel, rows))
+    del pool, kv, batch, table
+
+    # B1's step, as the Rust side runs it (python/ai.rs: b1_selection).
+    steps, n = int(sys.argv[5]), shape["b1_batch"]
+    b1_tokens, topk = shape["b1_tokens"], shape["b1_topk"]
+    src = s.alloc_device(b1_tokens * entry)
+    pools, outs = [], []
+    for _ in range(n):
+        p = ai.KvPool(s, layers=1, entry_bytes=entry, max_tokens=b1_tokens, hot_slots=2 * topk,
+                      max_selection=topk)
+        p.store(0, 0, src)
+        pools.append(p)
+        outs.append(s.alloc_device(topk * entry))
+
+    def selection(step, r):
+        base = r * 104_729 + (step // 10) * 7919
+        return array.array("q", ((i * 31 + base) % b1_tokens for i in range(topk)))
+
+    sels = [[selection(step, r) for r in range(n)] for step in range(steps)]
+    loader = ai.KvBatch(s)
+    lat = []
+    clock = time.perf_counter_ns
+    for step in range(steps):
+        loads = [(p, 0, sel, o) for p, sel, o in zip(pools, sels[step], outs)]
+        t = clock()
+        loader.load(loads)
+        if step >= steps // 10:
+            lat.append(clock() - t)
+    lat.sort()
+    out["b1_step_p50_ns"] = lat[len(lat) // 2]
     print(json.dumps(out))
     sys.exit(0)
 

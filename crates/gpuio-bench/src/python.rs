@@ -145,16 +145,28 @@ pub fn run(
 
     progress("py_ai");
     let rust = ai::rust_p50s(session, opts.calls)?;
+    let steps = (opts.calls / 100).max(50);
+    let b1 = ai::rust_b1_p50(session, steps)?;
     let shape = serde_json::to_string(&ai::SHAPE).unwrap_or_default();
     let positions: Vec<String> = ai::positions(&ai::SHAPE)
         .iter()
         .map(u64::to_string)
         .collect();
-    match peers::python_binding("ai", &[opts.calls.to_string(), shape, positions.join(",")]) {
+    let args = [
+        opts.calls.to_string(),
+        shape,
+        positions.join(","),
+        steps.to_string(),
+    ];
+    match peers::python_binding("ai", &args) {
         Ok(py) => {
             let (r, t) = ai::records(rust, &py);
             records.extend(r);
             targets.extend(t);
+            if let Some((r, t)) = ai::b1_record(b1, &py) {
+                records.push(r);
+                targets.push(t);
+            }
         }
         Err(why) => notes.push(format!("py_ai: {why}")),
     }

@@ -65,6 +65,32 @@ def test_kv_pool_loads_selections_through_every_tier(s, tmp_path):
     assert np.array_equal(host(s, out).reshape(-1, ENTRY), kv[cold])
 
 
+def test_a_kv_batch_loads_every_request_in_one_call(s):
+    pools, data = [], []
+    for i in range(3):
+        pool = ai.KvPool(s, layers=1, entry_bytes=ENTRY, max_tokens=64, hot_slots=16,
+                         max_selection=8)
+        kv = entries(64, 20 + i)
+        pool.store(0, 0, device(s, kv))
+        pools.append(pool)
+        data.append(kv)
+    sels = [[1, 63, 7], np.array([5, 5, 0, 9], dtype=np.int64), [42]]
+    outs = [s.alloc_device(8 * ENTRY) for _ in pools]
+    batch = ai.KvBatch(s)
+    for _ in range(2):
+        reports, took = batch.load(
+            [(p, 0, sel, out) for p, sel, out in zip(pools, sels, outs)], timed=True)
+        assert [r["selected"] for r in reports] == [3, 4, 1] and took >= 0
+        for sel, kv, out in zip(sels, data, outs):
+            n = len(sel)
+            assert np.array_equal(host(s, out)[: n * ENTRY].reshape(n, ENTRY), kv[list(sel)])
+    assert reports[0]["hits"] == 3
+    with pytest.raises(gpuio.Error):
+        batch.load([(pools[0], 0, [1], outs[0]), (pools[0], 0, [2], outs[1])])
+    with pytest.raises(gpuio.Error):
+        batch.load([(pools[0], 0, [64], outs[0])])
+
+
 def test_kv_pool_refuses_bad_input_and_keeps_its_entries(s):
     pool = ai.KvPool(s, layers=1, entry_bytes=ENTRY, max_tokens=16, hot_slots=8, max_selection=8)
     kv = entries(16, 2)

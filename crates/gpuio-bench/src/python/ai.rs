@@ -7,13 +7,28 @@
 
 use crate::{Record, Result, Target};
 use gpuio_ai::engram::EngramTable;
-use gpuio_ai::kv::{KvPool, KvPoolConfig, SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget};
+use gpuio_ai::kv::{
+    KvBatch, KvLoad, KvPool, KvPoolConfig, SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget,
+};
 use gpuio_api::{HostPlacement, Session};
 use std::time::Instant;
+
+/// B1's decode step from both sides: a `KvBatch` of `b1_batch` requests, each a top-`b1_topk`
+/// of `b1_tokens` stored tokens, the selection moving every 10 steps (a 90% overlap).
+pub fn b1_selection(shape: &Shape, step: usize, req: usize) -> Vec<u64> {
+    let epoch = (step / 10) as u64;
+    (0..shape.b1_topk as u64)
+        .map(|i| (i * 31 + req as u64 * 104_729 + epoch * 7919) % shape.b1_tokens)
+        .collect()
+}
 
 /// The structures both sides build.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct Shape {
+    /// B1: requests per step, tokens each, and the top-k.
+    pub b1_batch: usize,
+    pub b1_tokens: u64,
+    pub b1_topk: usize,
     /// Bytes per KV entry.
     pub entry_bytes: usize,
     /// Tokens stored.
@@ -28,6 +43,9 @@ pub struct Shape {
 
 /// The suite's shape: DeepSeek V3.2's entry, a 64-entry selection, 256-byte Engram rows.
 pub const SHAPE: Shape = Shape {
+    b1_batch: 8,
+    b1_tokens: 32 << 10,
+    b1_topk: 2048,
     entry_bytes: 656,
     tokens: 8192,
     selection: 64,
@@ -59,6 +77,61 @@ fn p50_ns(calls: usize, mut f: impl FnMut() -> gpuio_ai::Result<()>) -> Result<f
 
 fn ai_err(e: gpuio_ai::AiError) -> crate::BenchError {
     crate::BenchError::Options(format!("py_ai (the Rust side): {e}"))
+}
+
+/// The Rust side's B1 step: p50 ns of a `KvBatch::load` over `steps` steps.
+pub fn rust_b1_p50(session: &Session, steps: usize) -> Result<f64> {
+    let s = SHAPE;
+    let stored = s.b1_tokens as usize * s.entry_bytes;
+    let src = session.alloc_device(0, stored)?;
+    let mut pools = Vec::with_capacity(s.b1_batch);
+    let mut outs = Vec::with_capacity(s.b1_batch);
+    for _ in 0..s.b1_batch {
+        let mut pool = KvPool::new(
+            session,
+            KvPoolConfig {
+                layers: 1,
+                entry_bytes: s.entry_bytes,
+                max_tokens: s.b1_tokens,
+                warm_entries: s.b1_tokens,
+                hot_slots: 2 * s.b1_topk,
+                max_selection: s.b1_topk,
+                gpu: 0,
+                placement: HostPlacement::Dram { numa: None },
+            },
+        )
+        .map_err(ai_err)?;
+        pool.store(session, 0, 0, s.b1_tokens as usize, &src, 0, None)
+            .map_err(ai_err)?;
+        pools.push(pool);
+        outs.push(session.alloc_device(0, s.b1_topk * s.entry_bytes)?);
+    }
+    let selections: Vec<Vec<Vec<u64>>> = (0..steps)
+        .map(|step| (0..s.b1_batch).map(|r| b1_selection(&s, step, r)).collect())
+        .collect();
+    let mut batch = KvBatch::new();
+    let mut lat = Vec::with_capacity(steps);
+    for (step, sels) in selections.iter().enumerate() {
+        let t = Instant::now();
+        let mut loads: Vec<KvLoad<'_>> = pools
+            .iter_mut()
+            .zip(sels)
+            .zip(&outs)
+            .map(|((pool, selection), dst)| KvLoad {
+                pool,
+                layer: 0,
+                selection,
+                dst,
+                dst_offset: 0,
+            })
+            .collect();
+        batch.load(&mut loads).map_err(ai_err)?;
+        if step >= steps / 10 {
+            lat.push(t.elapsed().as_nanos() as f64);
+        }
+    }
+    lat.sort_by(f64::total_cmp);
+    Ok(lat[lat.len() / 2])
 }
 
 /// The Rust side's p50s, ns: KvPool.load, SwapInBatch.load, EngramTable.lookup.
@@ -119,6 +192,32 @@ pub fn rust_p50s(session: &Session, calls: usize) -> Result<[f64; 3]> {
     let out = session.alloc_device(0, s.selection * s.row_bytes)?;
     let lookup = p50_ns(calls, || table.lookup(session, &sel, &out, 0).map(drop))?;
     Ok([kv_load, swap_load, lookup])
+}
+
+/// B1's step from Python against Rust: its record and target (within 1.1x).
+pub fn b1_record(rust_ns: f64, py: &serde_json::Value) -> Option<(Record, Target)> {
+    let py_ns = py["b1_step_p50_ns"].as_f64()?;
+    let s = SHAPE;
+    let mut r = Record::versus(
+        super::SUITE,
+        ("py_ai_b1_step", "p50", "us"),
+        py_ns / 1e3,
+        "Rust call",
+        rust_ns / 1e3,
+        false,
+    );
+    r.bytes = s.b1_batch * s.b1_topk * s.entry_bytes;
+    r.route = format!(
+        "KvBatch.load of {} requests, top-{} of {} tokens, 90% overlap",
+        s.b1_batch, s.b1_topk, s.b1_tokens
+    );
+    let ratio = py_ns / rust_ns.max(1.0);
+    let t = Target {
+        description: "B1's decode step from Python within 1.1x of Rust (p50)".into(),
+        measured: Some(format!("{ratio:.3}x")),
+        met: Some(ratio <= 1.1),
+    };
+    Some((r, t))
 }
 
 /// The records and targets of the three cases from both sides' p50s.

@@ -36,6 +36,7 @@ __all__ = [
     "CsrGraph",
     "DeviceQuantizedKv",
     "EngramTable",
+    "KvBatch",
     "KvPool",
     "QuantizedKv",
     "SwapInBatch",
@@ -201,6 +202,30 @@ class KvPool:
     def config(self):
         """The pool's shape, as a dict."""
         return self._p.config()
+
+
+class KvBatch:
+    """A decode step's loads of one layer for a batch of requests in one call: ``loads`` are
+    ``(pool, layer, selection, dst)`` or ``(pool, layer, selection, dst, dst_offset)``, each
+    pool once; one upload, one kernel, one wait for all of them."""
+
+    __slots__ = ("_s", "_b")
+
+    def __init__(self, session):
+        self._s = session
+        self._b = _ai.KvBatch()
+
+    def load(self, loads, timed=False):
+        """Every request's report, in order; with ``timed``, also the device's seconds."""
+        rows = []
+        for item in loads:
+            pool, layer, selection, dst, off = (*item, 0) if len(item) == 4 else item
+            if not isinstance(pool, KvPool):
+                raise TypeError("a KV batch's pool is a gpuio.ai.KvPool")
+            rows.append((pool._p, layer, _ids(selection),
+                         _device(self._s, dst, True, "a KV load's destination"), off))
+        reports, device = self._b.load(rows, timed)
+        return (reports, device) if timed else reports
 
 
 class SwapInKv:

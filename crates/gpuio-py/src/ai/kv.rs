@@ -276,6 +276,108 @@ impl KvPool {
     }
 }
 
+/// A batch of requests' KV loads in one call (a decode step's loads of one layer for every
+/// request): one upload, one kernel, one wait; its stage and planning threads kept between
+/// calls.
+#[pyclass(module = "gpuio.ai", frozen)]
+pub struct KvBatch {
+    batch: Mutex<kv::KvBatch>,
+}
+
+/// One load of a `KvBatch` as the Python half passes it: pool, layer, selection (little-endian
+/// u64 positions), destination, destination offset.
+type KvBatchRow<'py> = (
+    Bound<'py, KvPool>,
+    usize,
+    Vec<u8>,
+    Bound<'py, DeviceBuffer>,
+    usize,
+);
+
+#[pymethods]
+impl KvBatch {
+    #[new]
+    fn new() -> Self {
+        Self {
+            batch: Mutex::new(kv::KvBatch::new()),
+        }
+    }
+
+    /// Loads every request's selection, as `KvPool.load` does one; their reports in order
+    /// (each pool at most once). With `timed`, also the device's seconds for the batch.
+    #[pyo3(signature = (loads, timed=false))]
+    fn load<'py>(
+        &self,
+        py: Python<'py>,
+        loads: Vec<KvBatchRow<'py>>,
+        timed: bool,
+    ) -> PyResult<(Vec<Bound<'py, PyDict>>, Option<f64>)> {
+        let selections = loads
+            .iter()
+            .map(|(_, _, sel, _, _)| u64s(sel, "a selection"))
+            .collect::<PyResult<Vec<_>>>()?;
+        let rows: Vec<(&KvPool, usize, &DeviceBuffer, usize)> = loads
+            .iter()
+            .map(|(p, layer, _, d, off)| (p.get(), *layer, d.get(), *off))
+            .collect();
+        // A pool twice would lock itself.
+        for (i, r) in rows.iter().enumerate() {
+            if rows[..i].iter().any(|q| std::ptr::eq(q.0, r.0)) {
+                return Err(invalid("a KV batch names one pool twice"));
+            }
+        }
+        let mut bufs: Vec<&DeviceBuffer> = rows.iter().map(|r| r.2).collect();
+        bufs.dedup_by(|a, b| std::ptr::eq(*a, *b));
+        let wait = shared_gpus(&bufs);
+        let (reports, device) = py
+            .detach(|| {
+                settle(&wait)?;
+                // Locked in one global order (by address): batches over overlapping pools
+                // never wait on each other in a cycle.
+                let mut order: Vec<usize> = (0..rows.len()).collect();
+                order.sort_by_key(|&i| rows[i].0 as *const KvPool as usize);
+                let mut guards: Vec<Option<std::sync::MutexGuard<'_, kv::KvPool>>> =
+                    rows.iter().map(|_| None).collect();
+                for i in order {
+                    guards[i] = Some(
+                        rows[i]
+                            .0
+                            .pool
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner),
+                    );
+                }
+                let mut one: Vec<kv::KvLoad<'_>> = guards
+                    .iter_mut()
+                    .zip(&rows)
+                    .zip(&selections)
+                    .filter_map(|((g, r), sel)| {
+                        g.as_mut().map(|pool| kv::KvLoad {
+                            pool: &mut **pool,
+                            layer: r.1,
+                            selection: sel,
+                            dst: &r.2.buf,
+                            dst_offset: r.3,
+                        })
+                    })
+                    .collect();
+                let mut b = self.batch.lock().unwrap_or_else(PoisonError::into_inner);
+                if timed {
+                    b.load_timed(&mut one)
+                        .map(|(r, d)| (r, Some(d.as_secs_f64())))
+                } else {
+                    b.load(&mut one).map(|r| (r, None))
+                }
+            })
+            .map_err(to_py)?;
+        let out = reports
+            .iter()
+            .map(|r| load_report(py, r))
+            .collect::<PyResult<_>>()?;
+        Ok((out, device))
+    }
+}
+
 /// One sequence's sparse KV for device-planned loads: entries appended on the host, loaded
 /// through a `SwapInBatch` whose selections are already in device memory.
 #[pyclass(module = "gpuio.ai", frozen)]

@@ -139,6 +139,7 @@ fn work_class(
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(work_class, m)?)?;
     m.add_class::<kv::KvPool>()?;
+    m.add_class::<kv::KvBatch>()?;
     m.add_class::<kv::SwapInKv>()?;
     m.add_class::<kv::SwapInBatch>()?;
     m.add_class::<engram::EngramTable>()?;
