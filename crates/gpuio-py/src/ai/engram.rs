@@ -39,11 +39,10 @@ pub struct EngramTable {
 }
 
 impl EngramTable {
-    fn table(&self) -> engram::EngramTable {
-        self.table
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+    /// The handle, read in place (no clone: a lookup's fixed cost is what it is measured
+    /// by). Side work clones it.
+    fn table(&self) -> std::sync::RwLockReadGuard<'_, engram::EngramTable> {
+        self.table.read().unwrap_or_else(PoisonError::into_inner)
     }
 }
 

@@ -289,7 +289,7 @@ pub struct KvBatch {
 type KvBatchRow<'py> = (
     Bound<'py, KvPool>,
     usize,
-    Vec<u8>,
+    Bound<'py, PyBytes>,
     Bound<'py, DeviceBuffer>,
     usize,
 );
@@ -314,7 +314,7 @@ impl KvBatch {
     ) -> PyResult<(Vec<Bound<'py, PyDict>>, Option<f64>)> {
         let selections = loads
             .iter()
-            .map(|(_, _, sel, _, _)| u64s(sel, "a selection"))
+            .map(|(_, _, sel, _, _)| u64s(sel.as_bytes(), "a selection"))
             .collect::<PyResult<Vec<_>>>()?;
         let rows: Vec<(&KvPool, usize, &DeviceBuffer, usize)> = loads
             .iter()
@@ -353,7 +353,7 @@ impl KvBatch {
                     .zip(&selections)
                     .filter_map(|((g, r), sel)| {
                         g.as_mut().map(|pool| kv::KvLoad {
-                            pool: &mut **pool,
+                            pool,
                             layer: r.1,
                             selection: sel,
                             dst: &r.2.buf,
