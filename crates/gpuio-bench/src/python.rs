@@ -7,7 +7,7 @@
 //!   the binding's overhead per call (target ≤ 2 µs). Into a `bytearray` (copied over) for
 //!   reference.
 //! - `py_ai_kv_load`, `py_ai_swap_in_load`, `py_ai_engram_lookup`: `gpuio.ai`'s calls against
-//!   the gpuio-ai calls they wrap ([`ai`]).
+//!   the gpuio-ai calls they wrap (`python/ai.rs`); `py_ai_b1_step`: B1's decode step from both.
 //! - `py_load_cuda` (CUDA and torch only): a 1 GiB page-cached file into a torch CUDA tensor
 //!   through gpuio against torch's way (read the bytes, `torch.frombuffer(..).cuda()`) and
 //!   kvikio where it is installed.
