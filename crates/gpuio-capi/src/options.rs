@@ -35,37 +35,59 @@ pub const GPUIO_PRIORITY_ENGRAM_SYNC: i32 = 5;
 /// Prefetch and cleanup: behind every other class.
 pub const GPUIO_PRIORITY_BACKGROUND: i32 = 6;
 
-/// `req` in the class and with the deadline `opts` gives (NULL: as it is).
-///
-/// # Safety
-/// `opts` is NULL or readable.
-pub(crate) unsafe fn with_options(
-    req: Request,
-    opts: *const gpuio_submit_options_t,
-) -> Result<Request, Failure> {
-    // SAFETY: the caller's contract.
-    let Some(o) = (unsafe { opts.as_ref() }) else {
-        return Ok(req);
-    };
-    if o.flags != 0 {
-        return Err(invalid(format!("submit flags {:#x}: reserved, 0", o.flags)));
+/// What `gpuio_submit_options_t` asks of the scheduler, checked once: a class and a deadline,
+/// each where given.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Scheduling {
+    priority: Option<Priority>,
+    deadline: Option<Instant>,
+}
+
+impl Scheduling {
+    /// The options at `opts` (NULL: none), refused where a field is out of range; a deadline
+    /// is taken from now.
+    ///
+    /// # Safety
+    /// `opts` is NULL or readable.
+    pub(crate) unsafe fn of(opts: *const gpuio_submit_options_t) -> Result<Self, Failure> {
+        // SAFETY: the caller's contract.
+        let Some(o) = (unsafe { opts.as_ref() }) else {
+            return Ok(Self::default());
+        };
+        if o.flags != 0 {
+            return Err(invalid(format!("submit flags {:#x}: reserved, 0", o.flags)));
+        }
+        let priority = match o.priority {
+            GPUIO_PRIORITY_DEFAULT | GPUIO_PRIORITY_TRAINING_FORWARD => Priority::TrainingForward,
+            GPUIO_PRIORITY_INFERENCE_REALTIME => Priority::InferenceRealtime,
+            GPUIO_PRIORITY_TRAINING_BACKWARD => Priority::TrainingBackward,
+            GPUIO_PRIORITY_CHECKPOINT => Priority::Checkpoint,
+            GPUIO_PRIORITY_ENGRAM_SYNC => Priority::EngramSync,
+            GPUIO_PRIORITY_BACKGROUND => Priority::Background,
+            p => return Err(invalid(format!("priority {p}: one of GPUIO_PRIORITY_*"))),
+        };
+        let deadline = match o.deadline_ns {
+            0 => None,
+            ns => Some(
+                Instant::now()
+                    .checked_add(Duration::from_nanos(ns))
+                    .ok_or_else(|| invalid(format!("a deadline {ns} ns away")))?,
+            ),
+        };
+        Ok(Self {
+            priority: Some(priority),
+            deadline,
+        })
     }
-    let priority = match o.priority {
-        GPUIO_PRIORITY_DEFAULT | GPUIO_PRIORITY_TRAINING_FORWARD => Priority::TrainingForward,
-        GPUIO_PRIORITY_INFERENCE_REALTIME => Priority::InferenceRealtime,
-        GPUIO_PRIORITY_TRAINING_BACKWARD => Priority::TrainingBackward,
-        GPUIO_PRIORITY_CHECKPOINT => Priority::Checkpoint,
-        GPUIO_PRIORITY_ENGRAM_SYNC => Priority::EngramSync,
-        GPUIO_PRIORITY_BACKGROUND => Priority::Background,
-        p => return Err(invalid(format!("priority {p}: one of GPUIO_PRIORITY_*"))),
-    };
-    let req = req.with_priority(priority);
-    Ok(match o.deadline_ns {
-        0 => req,
-        ns => req.with_deadline(
-            Instant::now()
-                .checked_add(Duration::from_nanos(ns))
-                .ok_or_else(|| invalid(format!("a deadline {ns} ns away")))?,
-        ),
-    })
+
+    /// `req` in this class and with this deadline.
+    pub(crate) fn apply(&self, mut req: Request) -> Request {
+        if let Some(p) = self.priority {
+            req = req.with_priority(p);
+        }
+        if let Some(d) = self.deadline {
+            req = req.with_deadline(d);
+        }
+        req
+    }
 }

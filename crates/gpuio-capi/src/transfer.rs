@@ -6,7 +6,7 @@
 use crate::context::gpuio_context_t;
 use crate::error::{Failure, call, invalid};
 use crate::memory::{gpuio_handle_t, gpuio_mem_t};
-use crate::options::{gpuio_submit_options_t, with_options};
+use crate::options::{Scheduling, gpuio_submit_options_t};
 use crate::ptr;
 use gpuio_api::{Dest, Endpoint, Request, Source, Ticket};
 use std::ffi::{c_int, c_void};
@@ -224,9 +224,9 @@ pub unsafe extern "C" fn gpuio_submit_ex(
                 endpoint(&dst, "dst")?,
             )
         };
-        let req = Request::new(s, d, len).map_err(gpuio_api::Error::from)?;
         // SAFETY: the caller's contract for `opts`.
-        let req = unsafe { with_options(req, opts) }?;
+        let scheduling = unsafe { Scheduling::of(opts) }?;
+        let req = scheduling.apply(Request::new(s, d, len).map_err(gpuio_api::Error::from)?);
         let settled = Arc::new(Settled::default());
         let mine = settled.clone();
         let cb = callback.map(|f| Callback { f, user_data });
@@ -389,13 +389,13 @@ pub unsafe extern "C" fn gpuio_batch_submit_ex(
         let ctx = unsafe { ptr::object(ctx, "ctx") }?;
         // SAFETY: the caller's contract: n readable transfers.
         let transfers = unsafe { ptr::items(transfers, n, "transfers") }?;
+        // SAFETY: the caller's contract for `opts`.
+        let scheduling = unsafe { Scheduling::of(opts) }?;
         let mut reqs = Vec::with_capacity(n);
         for t in transfers {
             // SAFETY: the caller's contract for the ends' pointers.
             let (s, d) = unsafe { (endpoint(&t.src, "src")?, endpoint(&t.dst, "dst")?) };
-            let req = Request::new(s, d, t.len).map_err(gpuio_api::Error::from)?;
-            // SAFETY: the caller's contract for `opts`.
-            reqs.push(unsafe { with_options(req, opts) }?);
+            reqs.push(scheduling.apply(Request::new(s, d, t.len).map_err(gpuio_api::Error::from)?));
         }
         let report = ctx
             .session
