@@ -515,12 +515,25 @@ fn an_agent_out_of_descriptors_answers_busy() {
     let mut held =
         vec![gpuio_transport_remoteio::Connection::connect(agent.addr, &creds(), t).unwrap()];
     // Descriptors run out a few connections from now: new ones take the lowest free
-    // numbers, and four are left below the limit.
+    // numbers, and four are left below the limit. The set is read once it has stopped
+    // changing: on a loaded machine the agent's threads may still be opening theirs.
     let pid = agent.child.id();
-    let open: std::collections::BTreeSet<u32> = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-        .collect();
+    let fds = || -> std::collections::BTreeSet<u32> {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .collect()
+    };
+    let mut open = fds();
+    let settle = Instant::now() + Duration::from_secs(5);
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let now = fds();
+        if now == open || Instant::now() > settle {
+            break;
+        }
+        open = now;
+    }
     let first_free = (0..).find(|n| !open.contains(n)).unwrap();
     let limit = format!("--nofile={0}:{0}", first_free + 4);
     let ok = Command::new("prlimit")
