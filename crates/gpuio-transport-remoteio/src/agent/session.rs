@@ -167,6 +167,10 @@ async fn serve_session(
     let buffer = Buffer::new(sh.buffers.clone(), admitted.key.clone());
     let mut state = serve::SessionState::new(buffer);
     loop {
+        // A stop seen while a request ran (below) fires `changed` no more: the value says it.
+        if *stop.borrow() {
+            return;
+        }
         slot.set_idle(true);
         let first = tokio::select! {
             b = next_request(&sh, &mut rd, &mut state.buffer) => b,
