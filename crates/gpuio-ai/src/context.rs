@@ -104,6 +104,12 @@ impl AiWork {
         Ok(lessor.lease(self.priority(), self.io_deadline(Instant::now())?))
     }
 
+    /// This work, refused where it leaves no time for IO (what `set_work` takes).
+    pub fn checked(self) -> Result<Self> {
+        self.io_deadline(Instant::now())?;
+        Ok(self)
+    }
+
     /// [`lease`](Self::lease) on `session`'s scheduler.
     pub fn lease_in(&self, session: &Session) -> Result<Lease> {
         Ok(session.lease(self.priority(), self.io_deadline(Instant::now())?))

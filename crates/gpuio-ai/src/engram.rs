@@ -98,8 +98,7 @@ impl EngramTable {
     /// moves data; stores hold one of [`AiWork::EngramSync`]'s, prefetches of
     /// [`AiWork::Prefetch`]'s.
     pub fn set_work(&mut self, work: AiWork) -> Result<()> {
-        work.io_deadline(std::time::Instant::now())?;
-        self.work = work;
+        self.work = work.checked()?;
         Ok(())
     }
 

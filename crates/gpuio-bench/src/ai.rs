@@ -488,24 +488,33 @@ fn run_gpuio(
     let mut loader = KvBatch::new();
     for (step, sels) in trace.chunks(batch).enumerate() {
         let t = Instant::now();
-        let mut loads: Vec<KvLoad<'_>> = pools
-            .iter_mut()
-            .zip(sels)
-            .zip(outs)
-            .map(|((pool, selection), dst)| KvLoad {
-                pool,
-                layer: 0,
-                selection,
-                dst,
-                dst_offset: 0,
-            })
-            .collect();
+        let mut loads = step_loads(pools, sels, outs);
         let (reports, device) = loader.load_timed(&mut loads).map_err(ai)?;
         if step >= opts.warmup {
             steps.record(device, t.elapsed(), &reports);
         }
     }
     Ok(steps.measured())
+}
+
+/// One step's loads of layer 0: request `i`'s selection from `pools[i]` into `outs[i]`.
+pub(crate) fn step_loads<'a>(
+    pools: &'a mut [KvPool],
+    sels: &'a [Vec<u64>],
+    outs: &'a [gpuio_api::DeviceBuffer],
+) -> Vec<KvLoad<'a>> {
+    pools
+        .iter_mut()
+        .zip(sels)
+        .zip(outs)
+        .map(|((pool, selection), dst)| KvLoad {
+            pool,
+            layer: 0,
+            selection,
+            dst,
+            dst_offset: 0,
+        })
+        .collect()
 }
 
 /// The timed steps of one mode, summed up.

@@ -215,8 +215,7 @@ impl KvPool {
     /// data, with its IO deadline where it has one. Work that leaves no time for IO is
     /// refused, and the pool keeps its work.
     pub fn set_work(&mut self, work: AiWork) -> Result<()> {
-        work.io_deadline(std::time::Instant::now())?;
-        self.work = work;
+        self.work = work.checked()?;
         Ok(())
     }
 

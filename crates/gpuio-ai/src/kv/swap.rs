@@ -367,8 +367,7 @@ impl SwapInBatch {
     /// each load holds a scheduler lease of its class, with its IO deadline where it has one.
     /// Work that leaves no time for IO is refused.
     pub fn set_work(&mut self, work: AiWork) -> Result<()> {
-        work.io_deadline(std::time::Instant::now())?;
-        self.work = work;
+        self.work = work.checked()?;
         Ok(())
     }
 

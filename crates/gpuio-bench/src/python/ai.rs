@@ -8,7 +8,7 @@
 use crate::{Record, Result, Target};
 use gpuio_ai::engram::EngramTable;
 use gpuio_ai::kv::{
-    KvBatch, KvLoad, KvPool, KvPoolConfig, SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget,
+    KvBatch, KvPool, KvPoolConfig, SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget,
 };
 use gpuio_api::{HostPlacement, Session};
 use std::time::Instant;
@@ -113,18 +113,7 @@ pub fn rust_b1_p50(session: &Session, steps: usize) -> Result<f64> {
     let mut lat = Vec::with_capacity(steps);
     for (step, sels) in selections.iter().enumerate() {
         let t = Instant::now();
-        let mut loads: Vec<KvLoad<'_>> = pools
-            .iter_mut()
-            .zip(sels)
-            .zip(&outs)
-            .map(|((pool, selection), dst)| KvLoad {
-                pool,
-                layer: 0,
-                selection,
-                dst,
-                dst_offset: 0,
-            })
-            .collect();
+        let mut loads = crate::ai::step_loads(&mut pools, sels, &outs);
         batch.load(&mut loads).map_err(ai_err)?;
         if step >= steps / 10 {
             lat.push(t.elapsed().as_nanos() as f64);

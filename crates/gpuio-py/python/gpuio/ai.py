@@ -177,7 +177,7 @@ class KvPool:
         as :func:`work_class` takes it. Each call holds a scheduler lease of that class while
         it moves data, so less urgent IO (prefetches, write-backs, a checkpoint) waits for it;
         work that leaves no time for IO is refused."""
-        self._p.set_work(kind, deadline, compute, best_effort)
+        self._p.set_work(_ai.Work(kind, deadline, compute, best_effort))
 
     def len(self, layer):
         """Positions ``layer`` holds."""
@@ -284,7 +284,7 @@ class SwapInBatch:
     def set_work(self, kind, deadline=None, compute=0.0, best_effort=False):
         """What the batch's loads are for: ``decode`` unless set, spelled as
         :func:`work_class` takes it; each load holds a scheduler lease of that class."""
-        self._b.set_work(kind, deadline, compute, best_effort)
+        self._b.set_work(_ai.Work(kind, deadline, compute, best_effort))
 
     def __len__(self):
         return len(self._b)
@@ -305,7 +305,7 @@ class EngramTable:
         """What this table's lookups and similarity searches are for: ``decode`` unless set,
         spelled as :func:`work_class` takes it (stores run as ``engram_sync``, prefetches as
         ``prefetch``). Each holds a scheduler lease of its class while it moves data."""
-        self._t.set_work(kind, deadline, compute, best_effort)
+        self._t.set_work(_ai.Work(kind, deadline, compute, best_effort))
 
     @property
     def rows(self):

@@ -244,12 +244,10 @@ class GpuioConnector:
         return at
 
     def _spill(self, chunk):
-        import numpy  # the host tier's bytes, viewed in place
-
         path = self._spill_path()
-        view = memoryview(numpy.asarray(self._host))[chunk.at : chunk.at + chunk.size]
         try:
-            self._s.write(self._uri(path), view, durable=False)
+            # Straight from the pinned tier to the new file.
+            self._s.copy(self._host, self._uri(path), size=chunk.size, src_offset=chunk.at)
         except BaseException:
             self._unlink(path)
             raise

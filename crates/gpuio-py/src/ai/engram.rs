@@ -69,19 +69,10 @@ impl EngramTable {
         })
     }
 
-    /// The work its lookups are for (`decode` unless set; spelled as `gpuio.ai.work_class` takes
-    /// it): each call holds a scheduler lease of that class while it moves data, so less
-    /// urgent IO waits for it.
-    #[pyo3(signature = (kind, deadline=None, compute=0.0, best_effort=false))]
-    fn set_work(
-        &self,
-        py: Python<'_>,
-        kind: &str,
-        deadline: Option<f64>,
-        compute: f64,
-        best_effort: bool,
-    ) -> PyResult<()> {
-        let w = super::work(kind, deadline, compute, best_effort)?;
+    /// The work its lookups are for (`decode` unless set): each holds a scheduler lease of
+    /// that class while it moves data, so less urgent IO waits for it.
+    fn set_work(&self, py: Python<'_>, work: &super::Work) -> PyResult<()> {
+        let w = work.0;
         py.detach(|| {
             self.table
                 .write()

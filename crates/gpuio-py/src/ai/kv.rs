@@ -214,19 +214,10 @@ impl KvPool {
         })
     }
 
-    /// The work its IO is for (`decode` unless set; spelled as `gpuio.ai.work_class` takes
-    /// it): each call holds a scheduler lease of that class while it moves data, so less
-    /// urgent IO waits for it.
-    #[pyo3(signature = (kind, deadline=None, compute=0.0, best_effort=false))]
-    fn set_work(
-        &self,
-        py: Python<'_>,
-        kind: &str,
-        deadline: Option<f64>,
-        compute: f64,
-        best_effort: bool,
-    ) -> PyResult<()> {
-        let w = super::work(kind, deadline, compute, best_effort)?;
+    /// The work its IO is for (`decode` unless set): each call holds a scheduler lease of
+    /// that class while it moves data, so less urgent IO waits for it.
+    fn set_work(&self, py: Python<'_>, work: &super::Work) -> PyResult<()> {
+        let w = work.0;
         self.get(py, |p| p.set_work(w)).map_err(to_py)
     }
 
@@ -538,19 +529,10 @@ impl SwapInBatch {
         ))
     }
 
-    /// The work its IO is for (`decode` unless set; spelled as `gpuio.ai.work_class` takes
-    /// it): each call holds a scheduler lease of that class while it moves data, so less
-    /// urgent IO waits for it.
-    #[pyo3(signature = (kind, deadline=None, compute=0.0, best_effort=false))]
-    fn set_work(
-        &self,
-        py: Python<'_>,
-        kind: &str,
-        deadline: Option<f64>,
-        compute: f64,
-        best_effort: bool,
-    ) -> PyResult<()> {
-        let w = super::work(kind, deadline, compute, best_effort)?;
+    /// The work its IO is for (`decode` unless set): each call holds a scheduler lease of
+    /// that class while it moves data, so less urgent IO waits for it.
+    fn set_work(&self, py: Python<'_>, work: &super::Work) -> PyResult<()> {
+        let w = work.0;
         py.detach(|| {
             self.batch
                 .lock()

@@ -74,16 +74,26 @@ pub(crate) fn settle(gpus: &[gpuio_api::Gpu]) -> gpuio_ai::Result<()> {
     Ok(())
 }
 
+/// AI work as Python names it (`Work(kind, deadline, compute, best_effort)`, spelled as
+/// [`work`] takes it), checked once and handed to the structures' `set_work`.
+#[pyclass(module = "gpuio.ai", frozen)]
+pub struct Work(pub(crate) AiWork);
+
+#[pymethods]
+impl Work {
+    #[new]
+    #[pyo3(signature = (kind, deadline=None, compute=0.0, best_effort=false))]
+    fn new(kind: &str, deadline: Option<f64>, compute: f64, best_effort: bool) -> PyResult<Self> {
+        let w = work(kind, deadline, compute, best_effort)?;
+        w.checked().map(Self).map_err(to_py)
+    }
+}
+
 /// AI work from its Python spelling: `kind` is `decode` (the realtime class, no deadline),
 /// `inference` (due in `deadline` seconds, `compute` of them after its IO; `best_effort`
 /// ranks it with training), `training_forward`, `training_backward`, `checkpoint`,
 /// `engram_sync` or `prefetch`.
-pub(crate) fn work(
-    kind: &str,
-    deadline: Option<f64>,
-    compute: f64,
-    best_effort: bool,
-) -> PyResult<AiWork> {
+fn work(kind: &str, deadline: Option<f64>, compute: f64, best_effort: bool) -> PyResult<AiWork> {
     let secs = |s: f64, what: &str| {
         Duration::try_from_secs_f64(s)
             .map_err(|_| crate::error::invalid(format!("{what} of {s} s")))
@@ -138,6 +148,7 @@ fn work_class(
 /// Adds the `ai` submodule's classes and functions to `m`.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(work_class, m)?)?;
+    m.add_class::<Work>()?;
     m.add_class::<kv::KvPool>()?;
     m.add_class::<kv::KvBatch>()?;
     m.add_class::<kv::SwapInKv>()?;
