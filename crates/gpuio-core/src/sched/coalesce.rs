@@ -70,10 +70,12 @@ impl Shared {
     /// Queues units; wakes sleeping workers.
     fn push(&self, st: &mut State, units: Vec<(Meta, Unit)>) {
         let n = units.len();
+        let mut counts = super::ClassCounts::default();
         for (meta, unit) in units {
-            self.queued_by_class[meta.class as usize].fetch_add(1, Ordering::AcqRel);
+            counts.count(meta.class);
             st.queue.push(meta, unit);
         }
+        self.queued_more(&counts);
         self.queued.fetch_add(n, Ordering::AcqRel);
         self.acct.metrics.queue_depth.set(st.queue.len() as f64);
         let sleeping = self.sleepers.load(Ordering::Acquire);

@@ -512,9 +512,9 @@ impl SchedSession {
             let mut st = self.shared.state.lock_unpoisoned();
             let d = st.queue.drain_session(self.state.id);
             self.shared.queued.fetch_sub(d.len(), Ordering::AcqRel);
-            for (meta, _) in &d {
-                self.shared.queued_by_class[meta.class as usize].fetch_sub(1, Ordering::AcqRel);
-            }
+            let mut counts = ClassCounts::default();
+            d.iter().for_each(|(meta, _)| counts.count(meta.class));
+            self.shared.queued_less(&counts);
             self.shared
                 .acct
                 .metrics
@@ -530,7 +530,39 @@ impl SchedSession {
     }
 }
 
+/// Units counted per class, applied to [`Shared::queued_by_class`] once per batch (one atomic
+/// per class touched, not one per unit).
+#[derive(Default)]
+pub(super) struct ClassCounts([usize; 6]);
+
+impl ClassCounts {
+    pub(super) fn count(&mut self, class: Priority) {
+        self.0[class as usize] += 1;
+    }
+}
+
 impl Shared {
+    /// Adds (`up`) or takes away `counts` from the queued units per class.
+    fn apply(&self, counts: &ClassCounts, up: bool) {
+        for (n, a) in counts.0.iter().zip(&self.queued_by_class) {
+            if *n > 0 {
+                if up {
+                    a.fetch_add(*n, Ordering::AcqRel);
+                } else {
+                    a.fetch_sub(*n, Ordering::AcqRel);
+                }
+            }
+        }
+    }
+
+    pub(super) fn queued_more(&self, counts: &ClassCounts) {
+        self.apply(counts, true);
+    }
+
+    pub(super) fn queued_less(&self, counts: &ClassCounts) {
+        self.apply(counts, false);
+    }
+
     /// Whether a unit of `class` or a more urgent one is queued.
     fn queued_at_or_above(&self, class: Priority) -> bool {
         self.queued_by_class[..=class as usize]

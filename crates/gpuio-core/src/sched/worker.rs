@@ -118,8 +118,9 @@ impl Shared {
             let mut st = self.state.lock_unpoisoned();
             let mut bytes = 0u64;
             let floor = self.gate.floor();
+            let mut counts = super::ClassCounts::default();
             while let Some((meta, unit)) = st.queue.pop_above(now, floor) {
-                self.queued_by_class[meta.class as usize].fetch_sub(1, Ordering::AcqRel);
+                counts.count(meta.class);
                 bytes += meta.cost.max(4096);
                 taken.push(unit);
                 if bytes >= self.cfg.grab_bytes || taken.len() >= 64 {
@@ -127,6 +128,7 @@ impl Shared {
                 }
             }
             self.queued.fetch_sub(taken.len(), Ordering::AcqRel);
+            self.queued_less(&counts);
             self.acct.metrics.queue_depth.set(st.queue.len() as f64);
         }
         self.publish_in_flight();
