@@ -1,7 +1,8 @@
-//! `cargo xtask fuzz [TARGET].. [--time S] [--keep]`: the fuzz targets of `fuzz/` under AFL++,
-//! through cargo-afl (installed from crates.io when missing: it builds AFL++ from the sources
-//! it ships, on the stable toolchain). Each target starts from its committed corpus and its
-//! seeds and runs for S seconds (default 60). A crash or hang is copied into
+//! `cargo xtask fuzz [TARGET].. [--time S] [--jobs N] [--keep]`: the fuzz targets of `fuzz/`
+//! under AFL++, through cargo-afl (installed from crates.io when missing: it builds AFL++ from
+//! the sources it ships, on the stable toolchain). Each target starts from its committed corpus
+//! and its seeds and runs for S seconds (default 60), in N afl-fuzz instances side by side
+//! (one main, N-1 secondaries sharing its queue; one per core). A crash or hang is copied into
 //! `fuzz/regressions/TARGET/`, where the replay test runs it, and fails the task.
 //!
 //! With `--keep`, what the run found is minimized into `fuzz/corpus/TARGET/` (`afl-cmin`)
@@ -27,6 +28,7 @@ const HANG_MS: &str = "2000";
 struct Options {
     targets: Vec<String>,
     seconds: u64,
+    jobs: usize,
     keep: bool,
     coverage: bool,
 }
@@ -35,6 +37,7 @@ fn options(args: &[String]) -> Result<Options> {
     let mut o = Options {
         targets: Vec::new(),
         seconds: 60,
+        jobs: 1,
         keep: false,
         coverage: false,
     };
@@ -48,6 +51,14 @@ fn options(args: &[String]) -> Result<Options> {
                     .ok()
                     .filter(|&s| s > 0)
                     .ok_or(format!("--time {s}: not a number of seconds"))?;
+            }
+            "--jobs" => {
+                let n = it.next().ok_or("--jobs needs a number of instances")?;
+                o.jobs = n
+                    .parse()
+                    .ok()
+                    .filter(|&n| (1..=64).contains(&n))
+                    .ok_or(format!("--jobs {n}: not a number of instances (1 to 64)"))?;
             }
             "--keep" => o.keep = true,
             "--coverage" => o.coverage = true,
@@ -94,29 +105,31 @@ pub fn fuzz(args: &[String]) -> Result {
     }
     let mut failed = Vec::new();
     for t in &targets {
-        let stats = fuzz_one(&bin, &dir, t, o.seconds)?;
+        let stats = fuzz_one(&bin, &dir, t, o.seconds, o.jobs)?;
         let found = keep_failures(&dir, t)?;
+        // Counts add up over the instances; coverage and paths are the main instance's.
+        let sum = |key: &str| -> f64 {
+            stats
+                .iter()
+                .filter_map(|s| s.get(key)?.parse::<f64>().ok())
+                .sum()
+        };
+        let main = |key: &str| stats[0].get(key).cloned().unwrap_or_else(|| "?".into());
         eprintln!(
             "    {t}: {} executions ({:.0}/s), {} paths, edges {}, {} crashes, {} hangs",
-            stats.get("execs_done").map_or("?", String::as_str),
-            stats
-                .get("execs_per_sec")
-                .and_then(|s| s.parse::<f64>().ok())
-                .unwrap_or(0.0),
-            stats.get("corpus_count").map_or("?", String::as_str),
-            stats.get("bitmap_cvg").map_or("?", String::as_str),
-            stats.get("saved_crashes").map_or("?", String::as_str),
-            stats.get("saved_hangs").map_or("?", String::as_str),
+            sum("execs_done"),
+            sum("execs_per_sec"),
+            main("corpus_count"),
+            main("bitmap_cvg"),
+            sum("saved_crashes"),
+            sum("saved_hangs"),
         );
         if !found.is_empty() {
             failed.push(format!("{t}: {}", found.join(", ")));
         }
         if o.keep {
             minimize(&bin, &dir, t)?;
-            let execs: u64 = stats
-                .get("execs_done")
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(0);
+            let execs = sum("execs_done") as u64;
             // Read, added to and written at once: runs of other targets may go on beside
             // this one.
             let mut tally = read_tally()?;
@@ -166,8 +179,15 @@ fn target_names(bin: &Path) -> Result<Vec<String>> {
     Ok(list.split(", ").map(str::to_owned).collect())
 }
 
-/// One target under afl-fuzz for `seconds`; its `fuzzer_stats`.
-fn fuzz_one(bin: &Path, dir: &Path, t: &str, seconds: u64) -> Result<BTreeMap<String, String>> {
+/// One target under `jobs` afl-fuzz instances for `seconds`; each one's `fuzzer_stats`, the
+/// main instance's first.
+fn fuzz_one(
+    bin: &Path,
+    dir: &Path,
+    t: &str,
+    seconds: u64,
+    jobs: usize,
+) -> Result<Vec<BTreeMap<String, String>>> {
     let input = dir.join("in").join(t);
     let output = dir.join("out").join(t);
     for d in [&input, &output] {
@@ -185,23 +205,75 @@ fn fuzz_one(bin: &Path, dir: &Path, t: &str, seconds: u64) -> Result<BTreeMap<St
         let name = f.file_name().expect("a file name");
         std::fs::copy(&f, input.join(name)).map_err(|e| format!("{}: {e}", f.display()))?;
     }
-    run(
-        &format!("afl-fuzz {t} for {seconds} s"),
-        afl()
-            .args(["fuzz", "-i"])
-            .arg(&input)
-            .arg("-o")
-            .arg(&output)
-            .args(["-V", &seconds.to_string(), "-t", HANG_MS, "--"])
-            .args([bin.as_os_str(), t.as_ref()]),
-    )?;
-    let stats = std::fs::read_to_string(output.join("default/fuzzer_stats"))
-        .map_err(|e| format!("{t}: no fuzzer_stats: {e}"))?;
-    Ok(stats
-        .lines()
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
-        .collect())
+    let names: Vec<String> = match jobs {
+        1 => vec!["default".into()],
+        _ => (0..jobs)
+            .map(|i| {
+                if i == 0 {
+                    "main".into()
+                } else {
+                    format!("s{i}")
+                }
+            })
+            .collect(),
+    };
+    let what = format!("afl-fuzz {t} for {seconds} s ({jobs} instances)");
+    let start = std::time::Instant::now();
+    eprintln!("==> {what}");
+    let mut running = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        let mut cmd = afl();
+        cmd.args(["fuzz", "-i"]).arg(&input).arg("-o").arg(&output);
+        if jobs > 1 {
+            cmd.args([if i == 0 { "-M" } else { "-S" }, name.as_str()]);
+        }
+        cmd.args(["-V", &seconds.to_string(), "-t", HANG_MS, "--"])
+            .args([bin.as_os_str(), t.as_ref()]);
+        running.push(
+            cmd.spawn()
+                .map_err(|e| format!("{what}: cannot start: {e}"))?,
+        );
+    }
+    let mut failed = Vec::new();
+    for (name, mut child) in names.iter().zip(running) {
+        match child.wait() {
+            Ok(s) if s.success() => {}
+            Ok(s) => failed.push(format!("{name}: {s}")),
+            Err(e) => failed.push(format!("{name}: {e}")),
+        }
+    }
+    eprintln!(
+        "    {what}: {} in {:.1} s",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        start.elapsed().as_secs_f64()
+    );
+    if !failed.is_empty() {
+        return Err(format!("{what} failed ({})", failed.join(", ")));
+    }
+    names
+        .iter()
+        .map(|name| {
+            let stats = std::fs::read_to_string(output.join(name).join("fuzzer_stats"))
+                .map_err(|e| format!("{t} ({name}): no fuzzer_stats: {e}"))?;
+            Ok(stats
+                .lines()
+                .filter_map(|l| l.split_once(':'))
+                .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+                .collect())
+        })
+        .collect()
+}
+
+/// The output folders of a target's afl-fuzz instances.
+fn instances(dir: &Path, t: &str) -> Result<Vec<PathBuf>> {
+    let out = dir.join("out").join(t);
+    let entries = std::fs::read_dir(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+    let mut found: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("fuzzer_stats").is_file())
+        .collect();
+    found.sort();
+    Ok(found)
 }
 
 /// `cargo afl` with the settings a container or CI machine needs: no CPU frequency or core
@@ -219,10 +291,12 @@ fn afl() -> Command {
 
 /// Copies the run's crashes and hangs into `fuzz/regressions/TARGET/`; their names.
 fn keep_failures(dir: &Path, t: &str) -> Result<Vec<String>> {
-    let out = dir.join("out").join(t).join("default");
     let keep = root().join("fuzz/regressions").join(t);
     let mut names = Vec::new();
-    for kind in ["crashes", "hangs"] {
+    for (out, kind) in instances(dir, t)?
+        .into_iter()
+        .flat_map(|out| [(out.clone(), "crashes"), (out, "hangs")])
+    {
         // AFL++ leaves a README.txt beside the inputs.
         for f in files(&out.join(kind))?
             .into_iter()
@@ -244,12 +318,11 @@ fn minimize(bin: &Path, dir: &Path, t: &str) -> Result {
     let _ = std::fs::remove_dir_all(&pool);
     std::fs::create_dir_all(&pool).map_err(|e| format!("{}: {e}", pool.display()))?;
     let corpus = root().join("fuzz/corpus").join(t);
-    let queue = dir.join("out").join(t).join("default/queue");
-    for (i, f) in files(&corpus)?
-        .into_iter()
-        .chain(files(&queue)?)
-        .enumerate()
-    {
+    let mut found = files(&corpus)?;
+    for out in instances(dir, t)? {
+        found.extend(files(&out.join("queue"))?);
+    }
+    for (i, f) in found.into_iter().enumerate() {
         std::fs::copy(&f, pool.join(format!("{i:06}")))
             .map_err(|e| format!("{}: {e}", f.display()))?;
     }

@@ -15,7 +15,7 @@
 //!   virtual environment under `target/pyenv`, and its pytests.
 //! - `kmod [--kdir DIR]` ([`kmod`]): gpuio's kernel module built against a kernel's build
 //!   tree (the QEMU guest's by default).
-//! - `fuzz [TARGET].. [--time S] [--keep]` ([`fuzz`]): the fuzz targets of `fuzz/` under
+//! - `fuzz [TARGET].. [--time S] [--jobs N] [--keep]` ([`fuzz`]): the fuzz targets of `fuzz/` under
 //!   AFL++ (cargo-afl, installed when missing); `--keep` minimizes what a run found into the
 //!   committed corpora.
 //! - `cufile-sdk` ([`cufile`]): NVIDIA's cuFile header and library from PyPI under

@@ -16,6 +16,10 @@ use std::time::{Duration, Instant};
 
 /// How often a waiting poll also reads CSTS (a register read crosses the bus).
 const STATUS_EVERY: u32 = 1024;
+/// How often a waiting poll gives its core away: often enough that a controller sharing the
+/// core (the software one, or the thread feeding a GPU) answers within microseconds rather
+/// than a scheduler tick; a yield with nothing else to run returns at once.
+const YIELD_EVERY: u32 = 32;
 
 /// A queue pair's memory and the host's view of its indices.
 pub(crate) struct QueuePair {
@@ -219,9 +223,12 @@ impl QueuePair {
                         after: timeout,
                     });
                 }
-                std::thread::yield_now();
             }
-            std::hint::spin_loop();
+            if polls.is_multiple_of(YIELD_EVERY) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
     }
 }

@@ -5,7 +5,7 @@
 //! What must hold: bring-up either gives a controller with namespaces the driver can address
 //! or is a typed error; every read ends, within the command timeout, with its data or a
 //! typed error; where the controller only ever lost completions (it never forged one), a read
-//! that succeeds delivered the namespace's bytes. The timeout is 2 ms, some 40 commands' time
+//! that succeeds delivered the namespace's bytes. The timeout is 1 ms, some 100 commands' time
 //! on one core: a lost completion is common here, and each costs the whole timeout.
 
 use crate::Target;
@@ -66,7 +66,7 @@ fn run(data: &[u8]) {
         ..SoftFaults::default()
     });
     let options = ControllerOptions {
-        command_timeout: Duration::from_millis(2),
+        command_timeout: Duration::from_millis(1),
     };
     let ctrl = match Controller::enable(dev.registers(), dev.mapper(), options) {
         Ok(c) => c,

@@ -325,7 +325,7 @@ impl State {
         *rounds = rounds.saturating_add(1);
         if *rounds > 4096 {
             std::thread::sleep(Duration::from_micros(50));
-        } else if *rounds > 256 {
+        } else if *rounds > 16 {
             std::thread::yield_now();
         } else {
             std::hint::spin_loop();
