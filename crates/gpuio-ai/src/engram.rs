@@ -48,8 +48,10 @@ pub struct EngramTable {
 }
 
 /// Bytes a prefetch or write-back moves under one lease (whole rows, one at least): a lookup
-/// of more urgent work waits for at most this much.
-const SIDE_PIECE_BYTES: usize = 2 << 20;
+/// of more urgent work that starts while a piece runs shares the bus with at most this much
+/// (some microseconds over PCIe), at a per-piece cost (a launch and a wait) the background
+/// work can afford.
+const SIDE_PIECE_BYTES: usize = 256 << 10;
 
 /// What a lookup did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -339,7 +341,7 @@ impl EngramTable {
     /// Starts [`lookup`](Self::lookup) of `ids` into `dst` on a side thread, with its own
     /// stream, and returns at once: the upcoming layer's rows arrive while the caller
     /// computes. It runs in [`AiWork::Prefetch`]'s class (`Background`), a lease per piece of
-    /// about 2 MiB, so lookups of more urgent work go between its pieces; its report sums
+    /// about 256 KiB, so lookups of more urgent work go between its pieces; its report sums
     /// the pieces'. A destination too small is refused before anything moves.
     pub fn prefetch(
         &self,
@@ -377,7 +379,7 @@ impl EngramTable {
     }
 
     /// Starts [`store`](Self::store) of `src`'s rows at `ids` on a side thread and returns
-    /// at once. It runs in [`AiWork::EngramSync`]'s class, a lease per piece of about 2 MiB:
+    /// at once. It runs in [`AiWork::EngramSync`]'s class, a lease per piece of about 256 KiB:
     /// each piece is one store, so a lookup running beside it may see some pieces written and
     /// not others. A source too small is refused before anything moves.
     pub fn store_async(

@@ -374,6 +374,21 @@ pub fn python_binding(mode: &str, args: &[String]) -> Result<serde_json::Value, 
         .ok_or_else(|| "the Python binding printed no result".into())
 }
 
+const LMCACHE_SCRIPT: &str = include_str!("../peers/lmcache_peer.py");
+
+/// LMCache's own stores against gpuio's connector on the same KV chunks (`lmcache_peer.py`):
+/// its JSON, or why LMCache could not run here.
+pub fn lmcache(scratch: &Path, chunks: usize, reps: usize) -> Result<serde_json::Value, String> {
+    let out = python_peer("LMCache", LMCACHE_SCRIPT, |cmd| {
+        cmd.arg(scratch)
+            .arg(chunks.to_string())
+            .arg(reps.to_string());
+    })?;
+    out.into_iter()
+        .last()
+        .ok_or_else(|| "LMCache printed no result".into())
+}
+
 const DSA_SCRIPT: &str = include_str!("../peers/dsa_peer.py");
 
 /// One peer's figures for one trace of a race (DSA decode, Engram lookups).

@@ -8,6 +8,9 @@
 //!   reference.
 //! - `py_ai_kv_load`, `py_ai_swap_in_load`, `py_ai_engram_lookup`: `gpuio.ai`'s calls against
 //!   the gpuio-ai calls they wrap (`python/ai.rs`); `py_ai_b1_step`: B1's decode step from both.
+//! - `py_lmcache_file`, `py_lmcache_pinned` (where LMCache is installed: it needs torch and
+//!   CUDA): gpuio's LMCache connector against LMCache's filesystem L2 adapter and its CPU
+//!   backend, store and retrieve GB/s and per-chunk p50 (`python/lmcache.rs`).
 //! - `py_load_cuda` (CUDA and torch only): a 1 GiB page-cached file into a torch CUDA tensor
 //!   through gpuio against torch's way (read the bytes, `torch.frombuffer(..).cuda()`) and
 //!   kvikio where it is installed.
@@ -16,6 +19,7 @@
 //! Python of `GPUIO_PYTHON`; without it, the suite says why and measures nothing.
 
 mod ai;
+mod lmcache;
 
 use crate::localio::make_file;
 use crate::peers;
@@ -37,6 +41,8 @@ pub struct Options {
     pub load_bytes: u64,
     /// Timed loads per side.
     pub reps: usize,
+    /// KV chunks (32 MiB each) per LMCache store.
+    pub lmcache_chunks: usize,
     /// Directory for the files.
     pub scratch: PathBuf,
 }
@@ -52,6 +58,7 @@ impl Options {
                 64 << 20
             },
             reps: 5,
+            lmcache_chunks: 32,
             scratch: std::env::temp_dir(),
         }
     }
@@ -60,6 +67,7 @@ impl Options {
     pub fn quick(mut self) -> Self {
         self.calls = 5_000;
         self.reps = 2;
+        self.lmcache_chunks = 4;
         self
     }
 }
@@ -170,6 +178,20 @@ pub fn run(
         }
         Err(why) => notes.push(format!("py_ai: {why}")),
     }
+
+    progress("py_lmcache");
+    let dir = opts
+        .scratch
+        .join(format!("gpuio-lmcache-{}", std::process::id()));
+    match peers::lmcache(&dir, opts.lmcache_chunks, opts.reps.min(3)) {
+        Ok(py) => {
+            let (r, t) = lmcache::records(&py, &mut notes)?;
+            records.extend(r);
+            targets.extend(t);
+        }
+        Err(why) => notes.push(format!("py_lmcache: {why}")),
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 
     let backend = session.gpu(0)?.backend();
     if backend != Backend::Cuda {

@@ -333,6 +333,7 @@ impl Config {
             workers: self.workers,
             policy: sc.policy,
             max_wait: std::time::Duration::from_micros(sc.max_wait_us),
+            lease_linger: std::time::Duration::from_micros(sc.lease_linger_us),
             urgent_window: std::time::Duration::from_micros(sc.urgent_window_us),
             chunk_size: sc.chunk_size.as_u64() as usize,
             engine_in_flight: sc.engine_in_flight.as_u64(),

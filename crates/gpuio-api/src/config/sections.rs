@@ -285,6 +285,8 @@ pub struct SchedulerSection {
     pub policy: Policy,
     /// Starvation bound, microseconds.
     pub max_wait_us: u64,
+    /// Less urgent leases wait this long (microseconds) after a more urgent class's last.
+    pub lease_linger_us: u64,
     /// ADAPTIVE: deadlines this close (microseconds) go first.
     pub urgent_window_us: u64,
     /// Requests above this size are queued as chunks of it.
@@ -309,6 +311,7 @@ impl Default for SchedulerSection {
         Self {
             policy: d.policy,
             max_wait_us: d.max_wait.as_micros() as u64,
+            lease_linger_us: d.lease_linger.as_micros() as u64,
             urgent_window_us: d.urgent_window.as_micros() as u64,
             chunk_size: ByteSize::b(d.chunk_size as u64),
             engine_in_flight: ByteSize::b(d.engine_in_flight),

@@ -73,6 +73,9 @@ impl Config {
                     .into(),
             );
         }
+        if sc.lease_linger_us > 10_000 {
+            return bad("scheduler.lease_linger_us must be at most 10 ms".into());
+        }
         if !(1..=64).contains(&self.host_devices) {
             return bad("host_devices must be 1 to 64".into());
         }

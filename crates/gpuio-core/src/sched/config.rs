@@ -16,6 +16,10 @@ pub struct SchedulerConfig {
     /// Starvation bound: a class waiting this long while others run goes next.
     #[serde(with = "micros")]
     pub max_wait: Duration,
+    /// Less urgent leases wait this long after a more urgent class's last lease ends, for
+    /// its next one (a decode step's next layer) to find the bus free.
+    #[serde(with = "micros")]
+    pub lease_linger: Duration,
     /// ADAPTIVE: deadlines closer than this are served first.
     #[serde(with = "micros")]
     pub urgent_window: Duration,
@@ -54,6 +58,7 @@ impl Default for SchedulerConfig {
             workers: 4,
             policy: q.policy,
             max_wait: q.max_wait,
+            lease_linger: Duration::from_micros(50),
             urgent_window: q.urgent_window,
             chunk_size: 1 << 20,
             engine_in_flight: 8 << 30,

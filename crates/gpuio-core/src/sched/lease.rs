@@ -3,7 +3,9 @@
 //! arbitrate it with the queued requests (docs/REFERENCE.md#scheduling).
 //!
 //! While a lease of class C is held (policies other than FIFO):
-//! - a lease of a less urgent class waits to be admitted until no more urgent one is held;
+//! - a lease of a less urgent class waits to be admitted until no more urgent one is held,
+//!   nor released less than `lease_linger` ago: a class that just finished is likely to be
+//!   back at once (a decode step's next layer), and the bus should still be free when it is;
 //! - the workers start no queued unit of a less urgent class (those already taken run on);
 //! - either waits at most `max_wait` (for a held-back class: it gets a unit at least that
 //!   often, the starvation bound the queue keeps for classes).
@@ -21,7 +23,7 @@ use crate::request::Priority;
 use gpuio_hal::sync::{CondvarExt, MutexExt};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Classes there are.
 const CLASSES: usize = Priority::ALL.len();
@@ -32,11 +34,40 @@ const NO_FLOOR: u8 = CLASSES as u8;
 /// The leases held, per class, and the most urgent class among them.
 #[derive(Default)]
 pub(super) struct Gate {
-    held: std::sync::Mutex<[usize; CLASSES]>,
+    held: std::sync::Mutex<Held>,
     /// The most urgent class with a lease held (`NO_FLOOR` when none): read by the workers
     /// on every take from the queue.
     floor: FloorCell,
     released: std::sync::Condvar,
+}
+
+/// Leases held per class, and when each class last had none left.
+#[derive(Default)]
+struct Held {
+    count: [usize; CLASSES],
+    released: [Option<Instant>; CLASSES],
+}
+
+impl Held {
+    /// Until when a lease of class `c` waits for more urgent classes: while one is held,
+    /// `limit`; while one is lingering, the end of its linger; `None` when it may go now.
+    fn hold_until(
+        &self,
+        c: usize,
+        linger: Duration,
+        now: Instant,
+        limit: Instant,
+    ) -> Option<Instant> {
+        if self.count[..c].iter().any(|&n| n > 0) {
+            return Some(limit);
+        }
+        let lingering = self.released[..c]
+            .iter()
+            .flatten()
+            .map(|&t| t + linger)
+            .max()?;
+        (lingering > now).then(|| lingering.min(limit))
+    }
 }
 
 /// The floor, `NO_FLOOR` by default.
@@ -55,8 +86,9 @@ impl Gate {
         Priority::from_index(self.floor.0.load(Ordering::Acquire))
     }
 
-    fn set_floor(&self, held: &[usize; CLASSES]) -> u8 {
+    fn set_floor(&self, held: &Held) -> u8 {
         let f = held
+            .count
             .iter()
             .position(|&n| n > 0)
             .map_or(NO_FLOOR, |i| i as u8);
@@ -122,16 +154,18 @@ impl Lease {
         let c = class as usize;
         let mut held = gate.held.lock_unpoisoned();
         if shared.cfg.policy != Policy::Fifo {
-            let until = Instant::now() + shared.cfg.max_wait;
-            while held[..c].iter().any(|&n| n > 0) {
+            let limit = Instant::now() + shared.cfg.max_wait;
+            loop {
                 let now = Instant::now();
-                if now >= until {
-                    break;
+                match held.hold_until(c, shared.cfg.lease_linger, now, limit) {
+                    Some(t) if t > now => {
+                        held = gate.released.wait_timeout_unpoisoned(held, t - now).0;
+                    }
+                    _ => break,
                 }
-                held = gate.released.wait_timeout_unpoisoned(held, until - now).0;
             }
         }
-        held[c] += 1;
+        held.count[c] += 1;
         // Under FIFO (classes off) nothing is held back: the floor stays unset.
         if shared.cfg.policy != Policy::Fifo {
             gate.set_floor(&held);
@@ -162,9 +196,13 @@ impl Drop for Lease {
         }
         let (before, after) = {
             let mut held = sh.gate.held.lock_unpoisoned();
-            held[self.class as usize] -= 1;
+            let c = self.class as usize;
+            held.count[c] -= 1;
             if sh.cfg.policy == Policy::Fifo {
                 return;
+            }
+            if held.count[c] == 0 {
+                held.released[c] = Some(Instant::now());
             }
             (
                 sh.gate.floor.0.load(Ordering::Acquire),

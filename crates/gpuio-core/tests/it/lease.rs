@@ -101,6 +101,36 @@ fn a_less_urgent_lease_waits_for_a_more_urgent_one() {
 }
 
 #[test]
+fn a_less_urgent_lease_waits_out_the_linger_of_a_more_urgent_one() {
+    let cfg = SchedulerConfig {
+        workers: 2,
+        policy: Policy::Priority,
+        max_wait: Duration::from_secs(30),
+        lease_linger: Duration::from_millis(300),
+        ..SchedulerConfig::default()
+    };
+    let s = sched_with(&engines(), cfg, RetryPolicy::NONE).unwrap();
+    drop(s.lease(Priority::InferenceRealtime, None));
+    let ended = Instant::now();
+    // As urgent a class is not held: the linger is for the less urgent.
+    drop(s.lease(Priority::InferenceRealtime, None));
+    assert!(ended.elapsed() < Duration::from_millis(250));
+    let realtime_again = Instant::now();
+    let late = s.lease(Priority::Background, None);
+    let waited = realtime_again.elapsed();
+    assert!(
+        waited >= Duration::from_millis(250) && waited < Duration::from_secs(10),
+        "a background lease waited {waited:?} after a realtime one ended"
+    );
+    drop(late);
+    // Long after, nothing lingers.
+    std::thread::sleep(Duration::from_millis(350));
+    let start = Instant::now();
+    drop(s.lease(Priority::Checkpoint, None));
+    assert!(start.elapsed() < Duration::from_millis(250));
+}
+
+#[test]
 fn fifo_leases_hold_nothing_back_and_deadlines_are_counted() {
     let s = scheduler(Policy::Fifo, Duration::from_secs(30));
     let _realtime = s.lease(Priority::InferenceRealtime, None);

@@ -14,8 +14,8 @@ torch or LMCache types), so the server loads it by name::
         "adapter_params": {"host_gb": 64, "root": "/mnt/nvme0/kv", "workers": 8},
         "max_capacity_gb": 500}'
 
-Calls return at once with a future id; the work runs on ``workers`` threads (each gpuio call
-releases the GIL), and completions are announced on an eventfd and collected by
+Calls return at once with a future id; the work runs on ``workers`` threads, a batch's reads
+spread over ``workers`` more (each gpuio call releases the GIL), and completions are announced on an eventfd and collected by
 ``drain_completions``, as LMCache's bridge expects. Importing it needs neither torch nor
 LMCache.
 """
@@ -104,6 +104,9 @@ class GpuioConnector:
         self._ids = itertools.count(1)
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._pool = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="gpuio-lmc")
+        # A batch's chunks read side by side. Its tasks never wait on anything, so a batch
+        # waiting on them cannot deadlock.
+        self._io = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="gpuio-lmc-io")
         self._files = itertools.count()
 
     # The six methods LMCache's bridge calls (and the optional delete).
@@ -137,6 +140,7 @@ class GpuioConnector:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        self._io.shutdown(wait=True)
         with self._lock:
             for chunk in self._index.values():
                 self._unlink(chunk.path)
@@ -187,34 +191,36 @@ class GpuioConnector:
     def _get(self, keys, views):
         if len(keys) != len(views):
             raise ValueError(f"{len(keys)} keys for {len(views)} buffers")
-        loaded = []
-        for key, mv in zip(keys, views):
-            data = _bytes_view(mv)
-            with self._lock:
-                chunk = self._index.get(key)
-                if chunk is None or chunk.size != len(data):
-                    loaded.append(False)
-                    continue
-                chunk.readers += 1
-                at, path = chunk.at, chunk.path
-            try:
-                if at is not None:
-                    self._s.copy(self._host, data, size=chunk.size, src_offset=at)
-                else:
-                    self._s.read(self._uri(path), data)
-                good = _gpuio.crc32c(data) == chunk.crc
-            except _gpuio.Error:
-                good = False
-            with self._lock:
-                chunk.readers -= 1
-                if chunk.dead and chunk.readers == 0:
-                    self._release(chunk)
-                elif not good and self._index.get(key) is chunk:
-                    # Damaged or gone: a miss, and forgotten, unless it moved meanwhile.
-                    if (chunk.at, chunk.path) == (at, path):
-                        self._drop(key)
-            loaded.append(good)
-        return True, loaded
+        if len(keys) == 1:
+            return True, [self._get_one(keys[0], views[0])]
+        return True, list(self._io.map(self._get_one, keys, views))
+
+    def _get_one(self, key, mv):
+        """Reads one chunk into `mv`; whether it came back whole."""
+        data = _bytes_view(mv)
+        with self._lock:
+            chunk = self._index.get(key)
+            if chunk is None or chunk.size != len(data):
+                return False
+            chunk.readers += 1
+            at, path = chunk.at, chunk.path
+        try:
+            if at is not None:
+                self._s.copy(self._host, data, size=chunk.size, src_offset=at)
+            else:
+                self._s.read(self._uri(path), data)
+            good = _gpuio.crc32c(data) == chunk.crc
+        except _gpuio.Error:
+            good = False
+        with self._lock:
+            chunk.readers -= 1
+            if chunk.dead and chunk.readers == 0:
+                self._release(chunk)
+            elif not good and self._index.get(key) is chunk:
+                # Damaged or gone: a miss, and forgotten, unless it moved meanwhile.
+                if (chunk.at, chunk.path) == (at, path):
+                    self._drop(key)
+        return good
 
     def _exists(self, keys):
         with self._lock:
