@@ -101,6 +101,25 @@ if mode == "ai":
             lat.append(clock() - t)
     lat.sort()
     out["b1_step_p50_ns"] = lat[len(lat) // 2]
+    del pools, outs, loader
+
+    # B2's lookups with a hot tier, as the Rust side runs them (python/ai.rs: b2_ids).
+    rows, hot = shape["b2_rows"], shape["b2_hot"]
+    table = ai.EngramTable(s, rows, shape["row_bytes"])
+    table.keep_hot(array.array("q", range(hot)))
+    out["b2_lookup_p50_ns"] = []
+    for n in shape["b2_batches"]:
+        dst = s.alloc_device(n * shape["row_bytes"])
+        ids = [array.array("q", ((i * 7919 + step * 104_729) % (hot if i % 2 == 0 else rows)
+                                 for i in range(n))) for step in range(steps)]
+        lat = []
+        for step in range(steps):
+            t = clock()
+            table.lookup(ids[step], dst)
+            if step >= steps // 10:
+                lat.append(clock() - t)
+        lat.sort()
+        out["b2_lookup_p50_ns"].append(lat[len(lat) // 2])
     print(json.dumps(out))
     sys.exit(0)
 

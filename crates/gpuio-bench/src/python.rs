@@ -7,7 +7,8 @@
 //!   the binding's overhead per call (target ≤ 2 µs). Into a `bytearray` (copied over) for
 //!   reference.
 //! - `py_ai_kv_load`, `py_ai_swap_in_load`, `py_ai_engram_lookup`: `gpuio.ai`'s calls against
-//!   the gpuio-ai calls they wrap (`python/ai.rs`); `py_ai_b1_step`: B1's decode step from both.
+//!   the gpuio-ai calls they wrap (`python/ai.rs`); `py_ai_b1_step`: B1's decode step from both;
+//!   `py_ai_b2_lookup_N`: B2's Engram lookups of N tokens with a hot tier, from both.
 //! - `py_lmcache_file`, `py_lmcache_pinned` (where LMCache is installed: it needs torch and
 //!   CUDA): gpuio's LMCache connector against LMCache's filesystem L2 adapter and its CPU
 //!   backend, store and retrieve GB/s and per-chunk p50 (`python/lmcache.rs`).
@@ -67,7 +68,7 @@ impl Options {
     pub fn quick(mut self) -> Self {
         self.calls = 5_000;
         self.reps = 2;
-        self.lmcache_chunks = 4;
+        self.lmcache_chunks = 16;
         self
     }
 }
@@ -155,6 +156,7 @@ pub fn run(
     let rust = ai::rust_p50s(session, opts.calls)?;
     let steps = (opts.calls / 100).max(50);
     let b1 = ai::rust_b1_p50(session, steps)?;
+    let b2 = ai::rust_b2_p50s(session, steps)?;
     let shape = serde_json::to_string(&ai::SHAPE).unwrap_or_default();
     let positions: Vec<String> = ai::positions(&ai::SHAPE)
         .iter()
@@ -171,7 +173,10 @@ pub fn run(
             let (r, t) = ai::records(rust, &py);
             records.extend(r);
             targets.extend(t);
-            if let Some((r, t)) = ai::b1_record(b1, &py) {
+            for (r, t) in ai::b1_record(b1, &py)
+                .into_iter()
+                .chain(ai::b2_records(&b2, &py))
+            {
                 records.push(r);
                 targets.push(t);
             }

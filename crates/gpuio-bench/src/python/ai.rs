@@ -39,6 +39,10 @@ pub struct Shape {
     pub rows: u64,
     /// Engram row bytes.
     pub row_bytes: usize,
+    /// B2: table rows, the first `b2_hot` of them in the GPU hot tier, and tokens per lookup.
+    pub b2_rows: u64,
+    pub b2_hot: u64,
+    pub b2_batches: [usize; 2],
 }
 
 /// The suite's shape: DeepSeek V3.2's entry, a 64-entry selection, 256-byte Engram rows.
@@ -51,7 +55,91 @@ pub const SHAPE: Shape = Shape {
     selection: 64,
     rows: 1 << 16,
     row_bytes: 256,
+    b2_rows: 1 << 20,
+    b2_hot: 1 << 17,
+    b2_batches: [16, 1024],
 };
+
+/// B2's ids for `step` of a `n`-token lookup: every other one in the hot tier's range.
+pub fn b2_ids(shape: &Shape, step: usize, n: usize) -> Vec<u64> {
+    (0..n as u64)
+        .map(|i| {
+            let x = i * 7919 + step as u64 * 104_729;
+            x % if i % 2 == 0 {
+                shape.b2_hot
+            } else {
+                shape.b2_rows
+            }
+        })
+        .collect()
+}
+
+/// The Rust side's B2 lookups: p50 ns of an Engram lookup of each of `b2_batches` tokens,
+/// over `steps` steps, from a table with a hot tier.
+pub fn rust_b2_p50s(session: &Session, steps: usize) -> Result<Vec<f64>> {
+    let s = SHAPE;
+    let table = EngramTable::new(
+        session,
+        s.b2_rows,
+        s.row_bytes,
+        HostPlacement::Dram { numa: None },
+    )
+    .map_err(ai_err)?;
+    let hot: Vec<u64> = (0..s.b2_hot).collect();
+    table.keep_hot(session, 0, &hot).map_err(ai_err)?;
+    let mut out = Vec::new();
+    for n in s.b2_batches {
+        let dst = session.alloc_device(0, n * s.row_bytes)?;
+        let ids: Vec<Vec<u64>> = (0..steps).map(|step| b2_ids(&s, step, n)).collect();
+        let mut lat = Vec::with_capacity(steps);
+        for (step, ids) in ids.iter().enumerate() {
+            let t = Instant::now();
+            table.lookup(session, ids, &dst, 0).map_err(ai_err)?;
+            if step >= steps / 10 {
+                lat.push(t.elapsed().as_nanos() as f64);
+            }
+        }
+        lat.sort_by(f64::total_cmp);
+        out.push(lat[lat.len() / 2]);
+    }
+    Ok(out)
+}
+
+/// B2's lookups from Python against Rust: a record and a target (within 1.1x) per batch.
+pub fn b2_records(rust_ns: &[f64], py: &serde_json::Value) -> Vec<(Record, Target)> {
+    let s = SHAPE;
+    let Some(py_ns) = py["b2_lookup_p50_ns"].as_array() else {
+        return Vec::new();
+    };
+    s.b2_batches
+        .iter()
+        .zip(rust_ns)
+        .zip(py_ns.iter().filter_map(serde_json::Value::as_f64))
+        .map(|((&n, &rust), py)| {
+            let case = format!("py_ai_b2_lookup_{n}");
+            let mut r = Record::versus(
+                super::SUITE,
+                (&case, "p50", "us"),
+                py / 1e3,
+                "Rust call",
+                rust / 1e3,
+                false,
+            );
+            r.bytes = n * s.row_bytes;
+            r.route = format!(
+                "EngramTable.lookup of {n} tokens, {} of {} rows in the hot tier",
+                s.b2_hot, s.b2_rows
+            );
+            let ratio = py / rust.max(1.0);
+            let t = Target {
+                description: format!("B2's {n}-token lookup from Python within 1.1x of Rust (p50)"),
+                measured: Some(format!("{ratio:.3}x")),
+                met: Some(ratio <= 1.1),
+            };
+            (r, t)
+        })
+        .collect()
+}
 
 /// The positions (and Engram ids) every call reads: spread over the stored range.
 pub fn positions(shape: &Shape) -> Vec<u64> {
