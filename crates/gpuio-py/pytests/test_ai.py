@@ -2,6 +2,8 @@
 data checked byte for byte against what was put in, and bad input refused with
 gpuio.Error or a TypeError, nothing changed."""
 
+import array
+
 import numpy as np
 import pytest
 
@@ -107,6 +109,21 @@ def test_kv_pool_refuses_bad_input_and_keeps_its_entries(s):
         pool.load(0, [1], np.empty(ENTRY, dtype=np.uint8))  # host memory as the destination
     with pytest.raises(ValueError):
         pool.load(0, [-1], out)
+    # Host arrays go to Rust as they are: 64-bit integers, none negative.
+    with pytest.raises(gpuio.Error) as e:
+        pool.load(0, np.array([1, 2], dtype=np.int32), out)
+    assert e.value.name == "GPUIO_ERROR_INVALID_ARG"
+    with pytest.raises(gpuio.Error):
+        pool.load(0, np.array([1, -2], dtype=np.int64), out)
+    pool.load(0, [15, 0], out)
+    want = bytearray(2 * ENTRY)
+    s.copy(out, want, size=2 * ENTRY)
+    for same in (array.array("q", [15, 0]), np.array([15, 9, 0, 3], dtype=np.uint64)[::2]):
+        s.copy(bytes(2 * ENTRY), out)
+        assert pool.load(0, same, out)["selected"] == 2
+        got = bytearray(2 * ENTRY)
+        s.copy(out, got, size=2 * ENTRY)
+        assert got == want
     with pytest.raises(gpuio.Error):
         ai.KvPool(s, layers=0, entry_bytes=ENTRY, max_tokens=16)
     with pytest.raises(gpuio.Error):

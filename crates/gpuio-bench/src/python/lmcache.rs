@@ -26,10 +26,20 @@ fn store(py: &serde_json::Value, name: &str, notes: &mut Vec<String>) -> Result<
         notes.push(format!("py_lmcache: {name} could not run: {why}"));
         return Ok(None);
     }
-    if s["whole"].as_bool() != Some(true) {
-        return Err(BenchError::Options(format!(
-            "py_lmcache: {name} returned a chunk that differs from the one stored"
-        )));
+    match s["problems"].as_array() {
+        Some(p) if p.is_empty() => {}
+        Some(p) => {
+            let p: Vec<&str> = p.iter().filter_map(serde_json::Value::as_str).collect();
+            return Err(BenchError::Options(format!(
+                "py_lmcache: {name}: {}",
+                p.join("; ")
+            )));
+        }
+        None => {
+            return Err(BenchError::Options(format!(
+                "py_lmcache: {name}: no account of its chunks"
+            )));
+        }
     }
     let f = |k: &str| s[k].as_f64().unwrap_or(f64::NAN);
     Ok(Some(Store {

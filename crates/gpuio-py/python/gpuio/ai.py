@@ -18,6 +18,7 @@ and queries lists of floats or host float32 arrays. Every call releases the GIL;
 :class:`gpuio.Error`.
 """
 
+import array
 import struct
 
 from . import _gpuio, _interop
@@ -97,6 +98,12 @@ def _f32(values, what):
 
 
 def _ids(values):
+    """Ids or positions for the Rust half. Bytes and host arrays (``array``, NumPy) go as they
+    are: it reads them through the buffer protocol and checks they are 64-bit integers, one
+    copy in all. Lists and tensors become little-endian u64 bytes here."""
+    t = type(values)
+    if t is bytes or t is array.array or (t.__name__ == "ndarray" and t.__module__ == "numpy"):
+        return values
     return _interop.indices_bytes(values)
 
 

@@ -14,7 +14,7 @@ torch or LMCache types), so the server loads it by name::
         "adapter_params": {"host_gb": 64, "root": "/mnt/nvme0/kv", "workers": 8},
         "max_capacity_gb": 500}'
 
-Calls return at once with a future id; the work runs on ``workers`` threads, a batch's reads
+Calls return at once with a future id; the work runs on ``workers`` threads, a batch's chunks
 spread over ``workers`` more (each gpuio call releases the GIL), and completions are announced on an eventfd and collected by
 ``drain_completions``, as LMCache's bridge expects. Importing it needs neither torch nor
 LMCache.
@@ -104,8 +104,8 @@ class GpuioConnector:
         self._ids = itertools.count(1)
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._pool = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="gpuio-lmc")
-        # A batch's chunks read side by side. Its tasks never wait on anything, so a batch
-        # waiting on them cannot deadlock.
+        # A batch's chunks stored and read side by side. Its tasks never wait on anything, so
+        # a batch waiting on them cannot deadlock.
         self._io = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="gpuio-lmc-io")
         self._files = itertools.count()
 
@@ -167,26 +167,49 @@ class GpuioConnector:
     def _set(self, keys, views):
         if len(keys) != len(views):
             raise ValueError(f"{len(keys)} keys for {len(views)} buffers")
-        for key, mv in zip(keys, views):
-            data = _bytes_view(mv)
-            chunk = _Chunk(len(data), _gpuio.crc32c(data))
-            with self._lock:
-                self._drop(key)
-                chunk.at = self._place(chunk.size)
+        data = [_bytes_view(mv) for mv in views]
+        # Room first, in order (what fits is kept, as if stored one by one); then every
+        # chunk's crc and copy side by side; then the index, in order.
+        chunks = []
+        with self._lock:
             try:
-                if chunk.at is not None:
-                    self._s.copy(data, self._host, size=chunk.size, dst_offset=chunk.at)
-                else:
-                    chunk.path = self._spill_path()
-                    self._s.write(self._uri(chunk.path), data, durable=False)
+                for key, d in zip(keys, data):
+                    self._drop(key)
+                    chunk = _Chunk(len(d), None)
+                    chunk.at = self._place(chunk.size)
+                    chunks.append(chunk)
             except BaseException:
-                with self._lock:
+                for chunk in chunks:
                     self._release(chunk)
                 raise
-            with self._lock:
-                self._drop(key)
-                self._index[key] = chunk
+        if len(chunks) == 1:
+            failed = [self._put(chunks[0], data[0])]
+        else:
+            failed = list(self._io.map(self._put, chunks, data))
+        with self._lock:
+            for key, chunk, error in zip(keys, chunks, failed):
+                if error is None:
+                    self._drop(key)
+                    self._index[key] = chunk
+                else:
+                    self._release(chunk)
+        first = next((e for e in failed if e is not None), None)
+        if first is not None:
+            raise first
         return True, None
+
+    def _put(self, chunk, data):
+        """One chunk's crc and bytes into the room `_set` made; the error, if it failed."""
+        try:
+            chunk.crc = _gpuio.crc32c(data)
+            if chunk.at is not None:
+                self._s.copy(data, self._host, size=chunk.size, dst_offset=chunk.at)
+            else:
+                chunk.path = self._spill_path()
+                self._s.write(self._uri(chunk.path), data, durable=False)
+            return None
+        except Exception as e:
+            return e
 
     def _get(self, keys, views):
         if len(keys) != len(views):

@@ -2,7 +2,7 @@
 //! for the rows read most), written back from device memory, prefetched and written back on
 //! side threads (`AiPending`), and searched by similarity.
 
-use super::{settle, shared_gpus, to_py, u64s};
+use super::{indices, settle, shared_gpus, to_py};
 use crate::buffers::{DeviceBuffer, HostBuffer};
 use crate::error::invalid;
 use crate::session::Session;
@@ -100,16 +100,16 @@ impl EngramTable {
         HostBuffer::new(self.table().memory().clone())
     }
 
-    /// Reads row `ids[i]` (little-endian u64s) into `dst` at `dst_offset + i * row_bytes`.
+    /// Reads row `ids[i]` into `dst` at `dst_offset + i * row_bytes`.
     #[pyo3(signature = (ids, dst, dst_offset=0))]
     fn lookup<'py>(
         &self,
         py: Python<'py>,
-        ids: &[u8],
+        ids: &Bound<'_, PyAny>,
         dst: &DeviceBuffer,
         dst_offset: usize,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let ids = u64s(ids, "Engram ids")?;
+        let ids = indices(ids, "Engram ids")?;
         let wait = shared_gpus(&[dst]);
         let r = py
             .detach(|| {
@@ -126,11 +126,11 @@ impl EngramTable {
     fn store(
         &self,
         py: Python<'_>,
-        ids: &[u8],
+        ids: &Bound<'_, PyAny>,
         src: &DeviceBuffer,
         src_offset: usize,
     ) -> PyResult<()> {
-        let ids = u64s(ids, "Engram ids")?;
+        let ids = indices(ids, "Engram ids")?;
         let wait = shared_gpus(&[src]);
         py.detach(|| {
             settle(&wait)?;
@@ -141,8 +141,13 @@ impl EngramTable {
     }
 
     /// Keeps copies of rows `ids` in device memory of `gpu`; what the tier keeps.
-    fn keep_hot<'py>(&self, py: Python<'py>, gpu: u32, ids: &[u8]) -> PyResult<Bound<'py, PyDict>> {
-        let ids = u64s(ids, "Engram ids")?;
+    fn keep_hot<'py>(
+        &self,
+        py: Python<'py>,
+        gpu: u32,
+        ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let ids = indices(ids, "Engram ids")?;
         let s = py
             .detach(|| self.table().keep_hot(&self.session, gpu, &ids))
             .map_err(to_py)?;
@@ -167,11 +172,11 @@ impl EngramTable {
     fn prefetch(
         &self,
         py: Python<'_>,
-        ids: &[u8],
+        ids: &Bound<'_, PyAny>,
         dst: Py<DeviceBuffer>,
         dst_offset: usize,
     ) -> PyResult<AiPending> {
-        let ids = u64s(ids, "Engram ids")?;
+        let ids = indices(ids, "Engram ids")?;
         let d = dst.get();
         let wait = shared_gpus(&[d]);
         let buf = d.buf.clone();
@@ -189,11 +194,11 @@ impl EngramTable {
     fn store_async(
         &self,
         py: Python<'_>,
-        ids: &[u8],
+        ids: &Bound<'_, PyAny>,
         src: Py<DeviceBuffer>,
         src_offset: usize,
     ) -> PyResult<AiPending> {
-        let ids = u64s(ids, "Engram ids")?;
+        let ids = indices(ids, "Engram ids")?;
         let s = src.get();
         let wait = shared_gpus(&[s]);
         let buf = s.buf.clone();

@@ -2,7 +2,7 @@
 //! embeddings gathered into device memory (from host memory or a file), and the top-k of a
 //! score vector.
 
-use super::{f32s, settle, shared_gpus, to_py, u64s};
+use super::{f32s, indices, settle, shared_gpus, to_py};
 use crate::buffers::{DeviceBuffer, HostBuffer, Resource};
 use crate::error::invalid;
 use crate::session::Session;
@@ -38,9 +38,12 @@ pub struct CsrGraph {
 impl CsrGraph {
     /// From little-endian u64 `offsets` and `neighbors` (checked).
     #[new]
-    fn new(offsets: &[u8], neighbors: &[u8]) -> PyResult<Self> {
-        let graph = graph::CsrGraph::new(u64s(offsets, "offsets")?, u64s(neighbors, "neighbors")?)
-            .map_err(to_py)?;
+    fn new(offsets: &Bound<'_, PyAny>, neighbors: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let graph = graph::CsrGraph::new(
+            indices(offsets, "offsets")?,
+            indices(neighbors, "neighbors")?,
+        )
+        .map_err(to_py)?;
         Ok(Self { graph })
     }
 
@@ -61,20 +64,20 @@ impl CsrGraph {
         self.graph.neighbors(n).to_vec()
     }
 
-    /// Grows `seeds` (little-endian u64s) by `hops` hops, keeping `fanout` neighbours per
+    /// Grows `seeds` by `hops` hops, keeping `fanout` neighbours per
     /// node per hop (all where None; `seed` picks them); the subgraph: `nodes` in the order
     /// reached, `hop_starts`, and the `edges` followed as local (from, to) pairs.
     #[pyo3(signature = (seeds, hops=2, fanout=None, seed=0, max_nodes=1 << 20))]
     fn expand<'py>(
         &self,
         py: Python<'py>,
-        seeds: &[u8],
+        seeds: &Bound<'_, PyAny>,
         hops: u32,
         fanout: Option<usize>,
         seed: u64,
         max_nodes: usize,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let seeds = u64s(seeds, "seeds")?;
+        let seeds = indices(seeds, "seeds")?;
         let e = expansion(hops, fanout, seed, max_nodes);
         let s = py
             .detach(|| graph::expand(&self.graph, &seeds, &e))
@@ -108,7 +111,7 @@ pub(crate) fn graph_gather<'py>(
     py: Python<'py>,
     session: &Session,
     graph: &CsrGraph,
-    seeds: &[u8],
+    seeds: &Bound<'_, PyAny>,
     embeddings: &Bound<'py, PyAny>,
     row_bytes: usize,
     dst: &DeviceBuffer,
@@ -118,7 +121,7 @@ pub(crate) fn graph_gather<'py>(
     seed: u64,
     max_nodes: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let seeds = u64s(seeds, "seeds")?;
+    let seeds = indices(seeds, "seeds")?;
     let e = expansion(hops, fanout, seed, max_nodes);
     let source = if let Ok(h) = embeddings.cast::<HostBuffer>() {
         Source::Host(h.get().mem.clone())

@@ -1,7 +1,7 @@
 //! KV caches: `KvPool` (host-planned loads across hot, warm and cold tiers) and `SwapInKv`
 //! with `SwapInBatch` (device-planned loads of selections already on the GPU).
 
-use super::{settle, shared_gpus, to_py, u64s};
+use super::{indices, settle, shared_gpus, to_py};
 use crate::buffers::{DeviceBuffer, Resource};
 use crate::error::invalid;
 use crate::lent::Lent;
@@ -140,11 +140,11 @@ impl KvPool {
         &self,
         py: Python<'py>,
         layer: usize,
-        selection: &[u8],
+        selection: &Bound<'_, PyAny>,
         dst: &DeviceBuffer,
         dst_offset: usize,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let selection = u64s(selection, "a selection")?;
+        let selection = indices(selection, "a selection")?;
         let wait = shared_gpus(&[dst]);
         let r = py
             .detach(|| {
@@ -280,7 +280,7 @@ pub struct KvBatch {
 type KvBatchRow<'py> = (
     Bound<'py, KvPool>,
     usize,
-    Bound<'py, PyBytes>,
+    Bound<'py, PyAny>,
     Bound<'py, DeviceBuffer>,
     usize,
 );
@@ -305,7 +305,7 @@ impl KvBatch {
     ) -> PyResult<(Vec<Bound<'py, PyDict>>, Option<f64>)> {
         let selections = loads
             .iter()
-            .map(|(_, _, sel, _, _)| u64s(sel.as_bytes(), "a selection"))
+            .map(|(_, _, sel, _, _)| indices(sel, "a selection"))
             .collect::<PyResult<Vec<_>>>()?;
         let rows: Vec<(&KvPool, usize, &DeviceBuffer, usize)> = loads
             .iter()

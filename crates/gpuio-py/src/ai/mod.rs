@@ -1,6 +1,6 @@
 //! `gpuio._gpuio.ai`: the AI memory tier (gpuio-ai) for Python. Device memory arrives here
 //! as the binding's `DeviceBuffer` (CUDA tensors and arrays borrowed in place by the Python
-//! half, `gpuio/ai.py`), ids and positions as little-endian integer bytes; every call that
+//! half, `gpuio/ai.py`), ids and positions as little-endian integer bytes or host arrays of 64-bit integers; every call that
 //! moves data or runs device work releases the GIL.
 
 mod compress;
@@ -12,7 +12,9 @@ use crate::buffers::DeviceBuffer;
 use crate::error::Error;
 use gpuio_ai::{AiError, AiWork, Criticality, InferenceQos};
 use gpuio_api::HostPlacement;
+use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 use std::time::{Duration, Instant};
 
 /// The Python exception for an AI-tier error: `gpuio.Error`, with its code.
@@ -21,8 +23,36 @@ pub(crate) fn to_py(e: AiError) -> PyErr {
     Error::new_err((e.to_string(), code.as_i32(), code.name()))
 }
 
+/// Ids or positions from Python: little-endian u64 bytes (what the Python half makes of lists
+/// and tensors), or a host array of 64-bit integers (NumPy, `array('q')`) read through the
+/// buffer protocol: one copy, and no conversion on the Python side, where a call's fixed cost
+/// is counted in microseconds.
+pub(crate) fn indices(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return u64s(b.as_bytes(), what);
+    }
+    let py = obj.py();
+    if let Ok(buf) = PyBuffer::<u64>::get(obj) {
+        return buf.to_vec(py);
+    }
+    if let Ok(buf) = PyBuffer::<i64>::get(obj) {
+        return buf
+            .to_vec(py)?
+            .into_iter()
+            .map(|v| {
+                u64::try_from(v).map_err(|_| {
+                    crate::error::invalid(format!("{what} must not be negative ({v})"))
+                })
+            })
+            .collect();
+    }
+    Err(crate::error::invalid(format!(
+        "{what} must be 64-bit integers: a list, bytes, or a host array of int64 or uint64"
+    )))
+}
+
 /// Little-endian u64s of a bytes object (the Python half packs them).
-pub(crate) fn u64s(raw: &[u8], what: &str) -> PyResult<Vec<u64>> {
+fn u64s(raw: &[u8], what: &str) -> PyResult<Vec<u64>> {
     if !raw.len().is_multiple_of(8) {
         return Err(crate::error::invalid(format!(
             "{what} must be 64-bit integers"
