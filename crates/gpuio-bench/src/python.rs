@@ -154,7 +154,8 @@ pub fn run(
 
     progress("py_ai");
     let rust = ai::rust_p50s(session, opts.calls)?;
-    let steps = (opts.calls / 100).max(50);
+    // Steps of B1 (~150 µs each) and B2: enough for a steady p50.
+    let steps = (opts.calls / 10).max(200);
     let b1 = ai::rust_b1_p50(session, steps)?;
     let b2 = ai::rust_b2_p50s(session, steps)?;
     let shape = serde_json::to_string(&ai::SHAPE).unwrap_or_default();

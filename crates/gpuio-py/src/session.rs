@@ -197,10 +197,10 @@ impl Session {
         let (src, dst) = (Target::of(src)?, Target::of(dst)?);
         let wait = settle(&self.inner, &[&src, &dst]);
         let far = |t: &Target<'_>, offset| match t {
-            Target::Resource(_) | Target::Device(_) => t.endpoint(offset),
+            Target::Resource(_) | Target::Device(_) | Target::Host(_) => t.endpoint(offset),
             _ => Err(invalid(
-                "memory gpuio does not own moves in place only to or from a resource or GPU \
-                 memory",
+                "memory gpuio does not own moves in place only to or from a resource, GPU \
+                 memory or a gpuio host buffer",
             )),
         };
         let inner = &self.inner;

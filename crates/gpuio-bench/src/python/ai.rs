@@ -167,8 +167,9 @@ fn ai_err(e: gpuio_ai::AiError) -> crate::BenchError {
     crate::BenchError::Options(format!("py_ai (the Rust side): {e}"))
 }
 
-/// The Rust side's B1 step: p50 ns of a `KvBatch::load` over `steps` steps.
-pub fn rust_b1_p50(session: &Session, steps: usize) -> Result<f64> {
+/// The Rust side's B1 step: p50 ns of a timed `KvBatch::load` over `steps` steps, wall and
+/// device.
+pub fn rust_b1_p50(session: &Session, steps: usize) -> Result<(f64, f64)> {
     let s = SHAPE;
     let stored = s.b1_tokens as usize * s.entry_bytes;
     let src = session.alloc_device(0, stored)?;
@@ -198,17 +199,20 @@ pub fn rust_b1_p50(session: &Session, steps: usize) -> Result<f64> {
         .map(|step| (0..s.b1_batch).map(|r| b1_selection(&s, step, r)).collect())
         .collect();
     let mut batch = KvBatch::new();
-    let mut lat = Vec::with_capacity(steps);
+    let (mut lat, mut dev) = (Vec::with_capacity(steps), Vec::with_capacity(steps));
     for (step, sels) in selections.iter().enumerate() {
         let t = Instant::now();
         let mut loads = crate::ai::step_loads(&mut pools, sels, &outs);
-        batch.load(&mut loads).map_err(ai_err)?;
+        let (_, device) = batch.load_timed(&mut loads).map_err(ai_err)?;
         if step >= steps / 10 {
             lat.push(t.elapsed().as_nanos() as f64);
+            dev.push(device.as_nanos() as f64);
         }
     }
-    lat.sort_by(f64::total_cmp);
-    Ok(lat[lat.len() / 2])
+    for v in [&mut lat, &mut dev] {
+        v.sort_by(f64::total_cmp);
+    }
+    Ok((lat[lat.len() / 2], dev[dev.len() / 2]))
 }
 
 /// The Rust side's p50s, ns: KvPool.load, SwapInBatch.load, EngramTable.lookup.
@@ -272,8 +276,12 @@ pub fn rust_p50s(session: &Session, calls: usize) -> Result<[f64; 3]> {
 }
 
 /// B1's step from Python against Rust: its record and target (within 1.1x).
-pub fn b1_record(rust_ns: f64, py: &serde_json::Value) -> Option<(Record, Target)> {
+pub fn b1_record(
+    (rust_ns, rust_device_ns): (f64, f64),
+    py: &serde_json::Value,
+) -> Option<(Record, Target)> {
     let py_ns = py["b1_step_p50_ns"].as_f64()?;
+    let py_device_ns = py["b1_step_device_p50_ns"].as_f64().unwrap_or(f64::NAN);
     let s = SHAPE;
     let mut r = Record::versus(
         super::SUITE,
@@ -285,8 +293,13 @@ pub fn b1_record(rust_ns: f64, py: &serde_json::Value) -> Option<(Record, Target
     );
     r.bytes = s.b1_batch * s.b1_topk * s.entry_bytes;
     r.route = format!(
-        "KvBatch.load of {} requests, top-{} of {} tokens, 90% overlap",
-        s.b1_batch, s.b1_topk, s.b1_tokens
+        "KvBatch.load of {} requests, top-{} of {} tokens, 90% overlap; device p50 {:.1} us \
+         from Python, {:.1} us from Rust",
+        s.b1_batch,
+        s.b1_topk,
+        s.b1_tokens,
+        py_device_ns / 1e3,
+        rust_device_ns / 1e3
     );
     let ratio = py_ns / rust_ns.max(1.0);
     let t = Target {

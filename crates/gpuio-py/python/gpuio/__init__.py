@@ -46,7 +46,7 @@ __all__ = [
 # gpuio memory: a transfer end as it is.
 _MEMORY = (HostBuffer, DeviceBuffer)
 # Ends that Python's own host memory moves to and from in place.
-_IN_PLACE = (Resource, DeviceBuffer)
+_IN_PLACE = (Resource, DeviceBuffer, HostBuffer)
 
 Error.message = property(lambda e: e.args[0], doc="What went wrong.")
 Error.code = property(lambda e: e.args[1], doc="The GPUIO_ERROR_* code (a negative int).")
@@ -115,8 +115,9 @@ class Session(_gpuio.Session):
 
     def _move(self, s, src_offset, d, dst_offset, size, durable=False):
         _nonnegative(offset=src_offset, dst_offset=dst_offset, size=size)
-        # Host memory gpuio does not own moves in place to and from resources and GPU memory
-        # (on the IO threads, the GIL released); to and from other host memory it is copied.
+        # Host memory gpuio does not own moves in place to and from resources, GPU memory and
+        # gpuio host buffers (on the IO threads, the GIL released); to and from other host
+        # memory it is copied.
         if isinstance(s, memoryview) and isinstance(d, _IN_PLACE) or (
             isinstance(d, memoryview) and isinstance(s, _IN_PLACE)
         ):

@@ -226,11 +226,16 @@ class KvBatch:
         """Every request's report, in order; with ``timed``, also the device's seconds."""
         rows = []
         for item in loads:
-            pool, layer, selection, dst, off = (*item, 0) if len(item) == 4 else item
+            if len(item) == 4:
+                pool, layer, selection, dst = item
+                off = 0
+            else:
+                pool, layer, selection, dst, off = item
             if not isinstance(pool, KvPool):
                 raise TypeError("a KV batch's pool is a gpuio.ai.KvPool")
-            rows.append((pool._p, layer, _ids(selection),
-                         _device(self._s, dst, True, "a KV load's destination"), off))
+            if type(dst) is not DeviceBuffer:
+                dst = _device(self._s, dst, True, "a KV load's destination")
+            rows.append((pool._p, layer, _ids(selection), dst, off))
         reports, device = self._b.load(rows, timed)
         return (reports, device) if timed else reports
 

@@ -31,10 +31,8 @@ pub(crate) fn indices(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> 
     if let Ok(b) = obj.cast::<PyBytes>() {
         return u64s(b.as_bytes(), what);
     }
+    // Signed first: NumPy's and `array('q')`'s usual type (a failed try builds an exception).
     let py = obj.py();
-    if let Ok(buf) = PyBuffer::<u64>::get(obj) {
-        return buf.to_vec(py);
-    }
     if let Ok(buf) = PyBuffer::<i64>::get(obj) {
         return buf
             .to_vec(py)?
@@ -45,6 +43,9 @@ pub(crate) fn indices(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> 
                 })
             })
             .collect();
+    }
+    if let Ok(buf) = PyBuffer::<u64>::get(obj) {
+        return buf.to_vec(py);
     }
     Err(crate::error::invalid(format!(
         "{what} must be 64-bit integers: a list, bytes, or a host array of int64 or uint64"
