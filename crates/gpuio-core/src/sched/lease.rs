@@ -3,10 +3,10 @@
 //! arbitrate it with the queued requests (docs/REFERENCE.md#scheduling).
 //!
 //! While a lease of class C is held (policies other than FIFO):
-//! - a lease of a less urgent class waits to be admitted until no more urgent one is held,
-//!   nor released less than `lease_linger` ago: a class that just finished is likely to be
-//!   back at once (a decode step's next layer), and the bus should still be free when it is;
+//! - a lease of a less urgent class waits to be admitted until no more urgent one is held;
 //! - the workers start no queued unit of a less urgent class (those already taken run on);
+//! - both go on waiting `lease_linger` after the more urgent class's last lease ends: it is
+//!   likely to be back at once (a decode step's next layer), and should find the bus free;
 //! - either waits at most `max_wait` (for a held-back class: it gets a unit at least that
 //!   often, the starvation bound the queue keeps for classes).
 //!
@@ -22,7 +22,7 @@ use super::queue::Policy;
 use crate::request::Priority;
 use gpuio_hal::sync::{CondvarExt, MutexExt};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Classes there are.
@@ -32,41 +32,27 @@ const CLASSES: usize = Priority::ALL.len();
 const NO_FLOOR: u8 = CLASSES as u8;
 
 /// The leases held, per class, and the most urgent class among them.
-#[derive(Default)]
 pub(super) struct Gate {
-    held: std::sync::Mutex<Held>,
+    held: std::sync::Mutex<[usize; CLASSES]>,
     /// The most urgent class with a lease held (`NO_FLOOR` when none): read by the workers
     /// on every take from the queue.
     floor: FloorCell,
+    /// The class whose last lease ended last and the end of its linger, nanoseconds from
+    /// `epoch`: `until << 8 | class`, or `NO_FLOOR` when none lingers.
+    linger: AtomicU64,
+    epoch: Instant,
     released: std::sync::Condvar,
 }
 
-/// Leases held per class, and when each class last had none left.
-#[derive(Default)]
-struct Held {
-    count: [usize; CLASSES],
-    released: [Option<Instant>; CLASSES],
-}
-
-impl Held {
-    /// Until when a lease of class `c` waits for more urgent classes: while one is held,
-    /// `limit`; while one is lingering, the end of its linger; `None` when it may go now.
-    fn hold_until(
-        &self,
-        c: usize,
-        linger: Duration,
-        now: Instant,
-        limit: Instant,
-    ) -> Option<Instant> {
-        if self.count[..c].iter().any(|&n| n > 0) {
-            return Some(limit);
+impl Default for Gate {
+    fn default() -> Self {
+        Self {
+            held: Default::default(),
+            floor: FloorCell::default(),
+            linger: AtomicU64::new(u64::from(NO_FLOOR)),
+            epoch: Instant::now(),
+            released: Default::default(),
         }
-        let lingering = self.released[..c]
-            .iter()
-            .flatten()
-            .map(|&t| t + linger)
-            .max()?;
-        (lingering > now).then(|| lingering.min(limit))
     }
 }
 
@@ -83,12 +69,63 @@ impl Gate {
     /// The most urgent class a lease holds now, if any: queued units of less urgent classes
     /// wait (unless they have waited `max_wait`).
     pub(super) fn floor(&self) -> Option<Priority> {
-        Priority::from_index(self.floor.0.load(Ordering::Acquire))
+        let held = self.floor.0.load(Ordering::Acquire);
+        let f = match self.lingering() {
+            Some((class, _)) if class < held => class,
+            _ => held,
+        };
+        Priority::from_index(f)
     }
 
-    fn set_floor(&self, held: &Held) -> u8 {
+    /// The class lingering now and the end of its linger (ns from `epoch`), if one does. The
+    /// clock is read only while one is set; an expired one is cleared.
+    fn lingering(&self) -> Option<(u8, u64)> {
+        let word = self.linger.load(Ordering::Acquire);
+        let class = (word & 0xff) as u8;
+        if class >= NO_FLOOR {
+            return None;
+        }
+        let until = word >> 8;
+        if self.now_ns() < until {
+            return Some((class, until));
+        }
+        // Unless a newer linger was set meanwhile.
+        let _ = self.linger.compare_exchange(
+            word,
+            u64::from(NO_FLOOR),
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
+        None
+    }
+
+    /// Class `class` just had its last lease end: it lingers for `linger`, unless a more
+    /// urgent class lingers already.
+    fn linger_after(&self, class: u8, linger: Duration) {
+        if linger.is_zero() || self.lingering().is_some_and(|(c, _)| c < class) {
+            return;
+        }
+        let until = self.now_ns().saturating_add(linger.as_nanos() as u64);
+        self.linger
+            .store(until << 8 | u64::from(class), Ordering::Release);
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// Until when a lease of class `c` waits for more urgent classes (given `held`): while
+    /// one is held, `limit`; while one lingers, the end of its linger; `None`: it may go.
+    fn hold_until(&self, held: &[usize; CLASSES], c: usize, limit: Instant) -> Option<Instant> {
+        if held[..c].iter().any(|&n| n > 0) {
+            return Some(limit);
+        }
+        let (_, until) = self.lingering().filter(|&(k, _)| usize::from(k) < c)?;
+        Some((self.epoch + Duration::from_nanos(until)).min(limit))
+    }
+
+    fn set_floor(&self, held: &[usize; CLASSES]) -> u8 {
         let f = held
-            .count
             .iter()
             .position(|&n| n > 0)
             .map_or(NO_FLOOR, |i| i as u8);
@@ -157,7 +194,7 @@ impl Lease {
             let limit = Instant::now() + shared.cfg.max_wait;
             loop {
                 let now = Instant::now();
-                match held.hold_until(c, shared.cfg.lease_linger, now, limit) {
+                match gate.hold_until(&held, c, limit) {
                     Some(t) if t > now => {
                         held = gate.released.wait_timeout_unpoisoned(held, t - now).0;
                     }
@@ -165,7 +202,7 @@ impl Lease {
                 }
             }
         }
-        held.count[c] += 1;
+        held[c] += 1;
         // Under FIFO (classes off) nothing is held back: the floor stays unset.
         if shared.cfg.policy != Policy::Fifo {
             gate.set_floor(&held);
@@ -197,12 +234,12 @@ impl Drop for Lease {
         let (before, after) = {
             let mut held = sh.gate.held.lock_unpoisoned();
             let c = self.class as usize;
-            held.count[c] -= 1;
+            held[c] -= 1;
             if sh.cfg.policy == Policy::Fifo {
                 return;
             }
-            if held.count[c] == 0 {
-                held.released[c] = Some(Instant::now());
+            if held[c] == 0 {
+                sh.gate.linger_after(c as u8, sh.cfg.lease_linger);
             }
             (
                 sh.gate.floor.0.load(Ordering::Acquire),
@@ -217,7 +254,8 @@ impl Drop for Lease {
             && sh.queued.load(Ordering::Acquire) > 0
             && sh.sleepers.load(Ordering::Acquire) > 0
         {
-            // Units the floor held back may run now: wake the workers that slept on them.
+            // Units the floor held back may run now, or once the linger ends: wake the
+            // workers that slept on them (they spin through a short linger).
             let _st = sh.state.lock_unpoisoned();
             sh.work.notify_all();
         }

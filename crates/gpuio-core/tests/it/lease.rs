@@ -101,7 +101,7 @@ fn a_less_urgent_lease_waits_for_a_more_urgent_one() {
 }
 
 #[test]
-fn a_less_urgent_lease_waits_out_the_linger_of_a_more_urgent_one() {
+fn less_urgent_work_waits_out_the_linger_of_a_more_urgent_lease() {
     let cfg = SchedulerConfig {
         workers: 2,
         policy: Policy::Priority,
@@ -128,6 +128,19 @@ fn a_less_urgent_lease_waits_out_the_linger_of_a_more_urgent_one() {
     let start = Instant::now();
     drop(s.lease(Priority::Checkpoint, None));
     assert!(start.elapsed() < Duration::from_millis(250));
+
+    // Queued units of a less urgent class wait out the linger too.
+    let realtime = s.lease(Priority::InferenceRealtime, None);
+    let (background, dst) = copy(&s, Priority::Background);
+    drop(realtime);
+    let ended = Instant::now();
+    assert!(
+        !finishes_within(&background, Duration::from_millis(200)),
+        "a background request ran within a realtime lease's linger"
+    );
+    background.wait().unwrap();
+    assert!(ended.elapsed() >= Duration::from_millis(250));
+    assert_eq!(pattern::first_deviation(&dst.read(), 0, 5), None);
 }
 
 #[test]
