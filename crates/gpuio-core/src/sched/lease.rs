@@ -37,8 +37,8 @@ pub(super) struct Gate {
     /// The most urgent class with a lease held (`NO_FLOOR` when none): read by the workers
     /// on every take from the queue.
     floor: FloorCell,
-    /// The class whose last lease ended last and the end of its linger, nanoseconds from
-    /// `epoch`: `until << 8 | class`, or `NO_FLOOR` when none lingers.
+    /// The class whose last lease ended last and the end of its linger, microseconds from
+    /// `epoch` (56 bits: millennia): `until << 8 | class`, or `NO_FLOOR` when none lingers.
     linger: AtomicU64,
     epoch: Instant,
     released: std::sync::Condvar,
@@ -77,7 +77,7 @@ impl Gate {
         Priority::from_index(f)
     }
 
-    /// The class lingering now and the end of its linger (ns from `epoch`), if one does. The
+    /// The class lingering now and the end of its linger (µs from `epoch`), if one does. The
     /// clock is read only while one is set; an expired one is cleared.
     fn lingering(&self) -> Option<(u8, u64)> {
         let word = self.linger.load(Ordering::Acquire);
@@ -86,7 +86,7 @@ impl Gate {
             return None;
         }
         let until = word >> 8;
-        if self.now_ns() < until {
+        if self.now_us() < until {
             return Some((class, until));
         }
         // Unless a newer linger was set meanwhile.
@@ -105,13 +105,13 @@ impl Gate {
         if linger.is_zero() || self.lingering().is_some_and(|(c, _)| c < class) {
             return;
         }
-        let until = self.now_ns().saturating_add(linger.as_nanos() as u64);
+        let until = self.now_us().saturating_add(linger.as_micros() as u64);
         self.linger
             .store(until << 8 | u64::from(class), Ordering::Release);
     }
 
-    fn now_ns(&self) -> u64 {
-        self.epoch.elapsed().as_nanos() as u64
+    fn now_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
     }
 
     /// Until when a lease of class `c` waits for more urgent classes (given `held`): while
@@ -121,7 +121,7 @@ impl Gate {
             return Some(limit);
         }
         let (_, until) = self.lingering().filter(|&(k, _)| usize::from(k) < c)?;
-        Some((self.epoch + Duration::from_nanos(until)).min(limit))
+        Some((self.epoch + Duration::from_micros(until)).min(limit))
     }
 
     fn set_floor(&self, held: &[usize; CLASSES]) -> u8 {
