@@ -171,3 +171,55 @@ def test_the_real_lmcache_loads_it_and_moves_chunks_byte_for_byte(tmp_path):
     assert all(torch.equal(a.tensor, b.tensor) for a, b in zip(src, dst))
     adapter.submit_unlock(keys)
     adapter.close()
+
+
+def test_copies_checked_in_pieces_match_the_bytes_and_refuse_bad_ranges():
+    s = gpuio.Session()
+    host = s.alloc_host(3 << 20)
+    data = np.random.default_rng(4).integers(0, 256, (2 << 20) + 7, dtype=np.uint8).tobytes()
+    piece = 1 << 19
+    want = [gpuio._gpuio.crc32c(data[i : i + piece]) for i in range(0, len(data), piece)]
+    assert gpuio._gpuio.crc32c_pieces(data, piece) == want
+    assert gpuio._gpuio.copy_checked(host, 100, data, True, piece) == want
+    back = bytearray(len(data))
+    assert gpuio._gpuio.copy_checked(host, 100, back, False, piece) == want
+    assert bytes(back) == data
+    with pytest.raises(gpuio.Error):  # past the buffer's end
+        gpuio._gpuio.copy_checked(host, (3 << 20) - 10, data, True, piece)
+    with pytest.raises(gpuio.Error):
+        gpuio._gpuio.crc32c_pieces(data, 0)
+    with pytest.raises(gpuio.Error):  # bytes cannot be written
+        gpuio._gpuio.copy_checked(host, 0, data, False, piece)
+
+
+def test_chunks_of_several_pieces_round_trip_and_a_damaged_piece_is_a_miss(tmp_path):
+    big = (9 << 20) + 5  # three pieces, the last short and odd
+    root = tmp_path / "kv"
+    conn = GpuioConnector(host_gb=big / (1 << 30), root=str(root), workers=3)
+
+    def chunks(n, seed=None):
+        out = []
+        for i in range(n):
+            raw = (ctypes.c_ubyte * big)()
+            if seed is not None:
+                data = np.random.default_rng(seed + i).integers(0, 256, big, dtype=np.uint8)
+                ctypes.memmove(raw, data.ctypes.data, big)
+            out.append(memoryview(raw))
+        return out
+
+    src = chunks(2, seed=11)
+    assert finish(conn, conn.submit_batch_set(["a", "b"], src))[0]
+    assert len(os.listdir(root)) == 1  # one in host memory, the other spilled
+    dst = chunks(2)
+    assert finish(conn, conn.submit_batch_get(["a", "b"], dst))[2] == [True, True]
+    assert all(same(a, b) for a, b in zip(src, dst))
+    (spilled,) = root.iterdir()
+    with open(spilled, "r+b") as f:
+        f.seek(big - 3)  # in the last piece
+        f.write(b"\x5a")
+    dst = chunks(2)
+    loaded = finish(conn, conn.submit_batch_get(["a", "b"], dst))[2]
+    assert sorted(loaded) == [False, True]
+    good = loaded.index(True)
+    assert same(dst[good], src[good])
+    conn.close()

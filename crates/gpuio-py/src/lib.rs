@@ -9,6 +9,7 @@
 
 mod ai;
 mod buffers;
+mod checked;
 mod error;
 mod lent;
 mod ondemand;
@@ -89,6 +90,8 @@ fn _gpuio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(info_json, m)?)?;
     m.add_function(wrap_pyfunction!(device_header, m)?)?;
     m.add_function(wrap_pyfunction!(checksum, m)?)?;
+    m.add_function(wrap_pyfunction!(checked::crc32c_pieces, m)?)?;
+    m.add_function(wrap_pyfunction!(checked::copy_checked, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors_header, m)?)?;
     m.add_class::<session::Session>()?;
     m.add_class::<session::Handle>()?;

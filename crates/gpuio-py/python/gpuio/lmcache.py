@@ -2,8 +2,8 @@
 adapter chunks (opaque string keys, bytes in its pinned L1 memory) and gets them back; this
 connector keeps them in pinned host memory gpuio holds, and spills the oldest to files when
 that is full (written and read by gpuio's LocalIO: page-cache DMA for warm files, O_DIRECT
-where asked). Every chunk carries its crc32c: a chunk that does not match is a miss, never
-bytes.
+where asked). Every chunk carries a crc32c per 4 MiB piece, taken as the chunk is copied on
+several threads: a chunk that does not match is a miss, never bytes.
 
 It is LMCache's ``native_plugin`` L2 adapter (the interface LMCache offers out-of-tree
 stores in its recommended multiprocess mode: six methods, byte buffers and string keys, no
@@ -64,9 +64,14 @@ class _Extents:
             del self._free[i]
 
 
+# A chunk is copied and checked in pieces of this size, side by side, each with its crc32c.
+_PIECE = 4 << 20
+
+
 class _Chunk:
-    """Where a chunk is (host memory at `at`, or the file `path`), its size and crc32c, and
-    how many reads are copying it out (a chunk being read is neither spilled nor freed)."""
+    """Where a chunk is (host memory at `at`, or the file `path`), its size, its pieces'
+    crc32c, and how many reads are copying it out (a chunk being read is neither spilled nor
+    freed)."""
 
     __slots__ = ("size", "crc", "at", "path", "readers", "dead")
 
@@ -201,10 +206,10 @@ class GpuioConnector:
     def _put(self, chunk, data):
         """One chunk's crc and bytes into the room `_set` made; the error, if it failed."""
         try:
-            chunk.crc = _gpuio.crc32c(data)
             if chunk.at is not None:
-                self._s.copy(data, self._host, size=chunk.size, dst_offset=chunk.at)
+                chunk.crc = _gpuio.copy_checked(self._host, chunk.at, data, True, _PIECE)
             else:
+                chunk.crc = _gpuio.crc32c_pieces(data, _PIECE)
                 chunk.path = self._spill_path()
                 self._s.write(self._uri(chunk.path), data, durable=False)
             return None
@@ -229,10 +234,11 @@ class GpuioConnector:
             at, path = chunk.at, chunk.path
         try:
             if at is not None:
-                self._s.copy(self._host, data, size=chunk.size, src_offset=at)
+                crc = _gpuio.copy_checked(self._host, at, data, False, _PIECE)
             else:
                 self._s.read(self._uri(path), data)
-            good = _gpuio.crc32c(data) == chunk.crc
+                crc = _gpuio.crc32c_pieces(data, _PIECE)
+            good = crc == chunk.crc
         except _gpuio.Error:
             good = False
         with self._lock:
