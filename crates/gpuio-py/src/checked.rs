@@ -1,6 +1,6 @@
 //! Host bytes checked in pieces: the crc32c of each piece of a buffer, and a copy between a
-//! gpuio host buffer and lent memory that checks its pieces as it goes, on several threads
-//! with the GIL released. What the LMCache connector stores and loads chunks by: a 32 MiB
+//! gpuio host buffer and lent memory that checks its pieces as it goes, on several threads;
+//! the GIL released for both. What the LMCache connector stores and loads chunks by: a 32 MiB
 //! chunk copied and checked on one thread takes ~5 ms, a memcpy on many ~1 ms.
 
 use crate::buffers::HostBuffer;
@@ -12,14 +12,19 @@ use pyo3::prelude::*;
 const MAX_THREADS: usize = 8;
 
 /// Each `piece` bytes of `src` copied into `dst` (where given) and checked: their crc32cs,
-/// in order. Pieces go to up to `MAX_THREADS` scoped threads, a run of pieces each.
+/// in order. A copy's pieces go to up to `MAX_THREADS` scoped threads, a run of pieces each;
+/// a check alone runs on the caller's thread (its callers check many chunks at once already,
+/// and more threads each made the H200's file stores 3x slower).
 fn pieces(src: &[u8], dst: Option<&mut [u8]>, piece: usize) -> Vec<u32> {
     let n = src.len().div_ceil(piece);
     let mut crcs = vec![0u32; n];
-    let threads = std::thread::available_parallelism()
-        .map_or(1, usize::from)
-        .clamp(1, MAX_THREADS)
-        .min(n.max(1));
+    let threads = match dst {
+        Some(_) => std::thread::available_parallelism()
+            .map_or(1, usize::from)
+            .clamp(1, MAX_THREADS)
+            .min(n.max(1)),
+        None => 1,
+    };
     let per = n.div_ceil(threads).max(1);
     let srcs: Vec<&[u8]> = src.chunks(piece).collect();
     let mut dsts: Vec<Option<&mut [u8]>> = match dst {
