@@ -18,14 +18,14 @@ from gpuio.lmcache import GpuioConnector
 CHUNK = 64 << 10
 
 
-def buffers(n, seed=None):
+def buffers(n, seed=None, size=CHUNK):
     """LMCache-like buffers: ctypes-backed memoryviews of format '<B'."""
     out = []
     for i in range(n):
-        raw = (ctypes.c_ubyte * CHUNK)()
+        raw = (ctypes.c_ubyte * size)()
         if seed is not None:
-            data = np.random.default_rng(seed + i).integers(0, 256, CHUNK, dtype=np.uint8)
-            ctypes.memmove(raw, data.ctypes.data, CHUNK)
+            data = np.random.default_rng(seed + i).integers(0, 256, size, dtype=np.uint8)
+            ctypes.memmove(raw, data.ctypes.data, size)
         out.append(memoryview(raw))
     return out
 
@@ -196,28 +196,17 @@ def test_chunks_of_several_pieces_round_trip_and_a_damaged_piece_is_a_miss(tmp_p
     big = (9 << 20) + 5  # three pieces, the last short and odd
     root = tmp_path / "kv"
     conn = GpuioConnector(host_gb=big / (1 << 30), root=str(root), workers=3)
-
-    def chunks(n, seed=None):
-        out = []
-        for i in range(n):
-            raw = (ctypes.c_ubyte * big)()
-            if seed is not None:
-                data = np.random.default_rng(seed + i).integers(0, 256, big, dtype=np.uint8)
-                ctypes.memmove(raw, data.ctypes.data, big)
-            out.append(memoryview(raw))
-        return out
-
-    src = chunks(2, seed=11)
+    src = buffers(2, seed=11, size=big)
     assert finish(conn, conn.submit_batch_set(["a", "b"], src))[0]
     assert len(os.listdir(root)) == 1  # one in host memory, the other spilled
-    dst = chunks(2)
+    dst = buffers(2, size=big)
     assert finish(conn, conn.submit_batch_get(["a", "b"], dst))[2] == [True, True]
     assert all(same(a, b) for a, b in zip(src, dst))
     (spilled,) = root.iterdir()
     with open(spilled, "r+b") as f:
         f.seek(big - 3)  # in the last piece
         f.write(b"\x5a")
-    dst = chunks(2)
+    dst = buffers(2, size=big)
     loaded = finish(conn, conn.submit_batch_get(["a", "b"], dst))[2]
     assert sorted(loaded) == [False, True]
     good = loaded.index(True)

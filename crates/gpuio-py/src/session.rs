@@ -8,7 +8,7 @@ use gpuio_api::{
     Uri,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::PyDict;
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -241,30 +241,6 @@ impl Session {
             }
         };
         outcome.map(moved).map_err(to_py)
-    }
-
-    /// Reads `size` bytes from `src` at `offset` into new `bytes` (for destinations gpuio
-    /// cannot write in place: the Python half copies them over).
-    fn _read_bytes<'py>(
-        &self,
-        py: Python<'py>,
-        src: &Bound<'py, PyAny>,
-        offset: u64,
-        size: usize,
-    ) -> PyResult<Bound<'py, PyBytes>> {
-        let src = Target::of(src)?;
-        let wait = settle(&self.inner, &[&src]);
-        let s = src
-            .endpoint(offset)?
-            .ok_or_else(|| invalid("reading from bytes needs no gpuio call"))?;
-        PyBytes::new_with(py, size, |buf| {
-            py.detach(|| {
-                wait()?;
-                self.inner.transfer(s.source(), Dest::Host(buf), size)
-            })
-            .map(drop)
-            .map_err(to_py)
-        })
     }
 
     /// Queues a transfer on the scheduler, in class `priority` (a [`priority`] name; the

@@ -49,28 +49,48 @@ fn store(py: &serde_json::Value, name: &str, notes: &mut Vec<String>) -> Result<
     }))
 }
 
-/// A record of `case` against `peer`, chunk-sized.
-fn versus(
-    case: (&str, &str, &str),
+/// One of gpuio's stores against one of LMCache's, in chunk-sized records of `case`.
+struct Race<'a> {
+    case: &'static str,
     chunk: usize,
-    ours: f64,
-    peer: (&str, f64),
-    higher: bool,
-) -> Record {
-    Record {
-        bytes: chunk,
-        ..Record::versus(super::SUITE, case, ours, peer.0, peer.1, higher)
+    ours: &'a Store,
+    peer_name: &'static str,
+    peer: &'a Store,
+}
+
+impl Race<'_> {
+    /// The record of `figure` (higher better or not) from both stores.
+    fn record(
+        &self,
+        (metric, unit): (&str, &str),
+        figure: fn(&Store) -> f64,
+        higher: bool,
+    ) -> Record {
+        Record {
+            bytes: self.chunk,
+            ..Record::versus(
+                super::SUITE,
+                (self.case, metric, unit),
+                figure(self.ours),
+                self.peer_name,
+                figure(self.peer),
+                higher,
+            )
+        }
     }
 }
 
 /// Judges `r`'s ratio against `need`.
-fn target(description: String, r: &Record, need: f64) -> Target {
+fn target(description: &str, r: &Record, need: f64) -> Target {
     Target {
-        description,
+        description: format!("LMCache connector: {description}"),
         measured: Some(format!("{:.2}x", r.ratio)),
         met: Some(r.ratio >= need),
     }
 }
+
+/// Retrieve bandwidth, the figure each target judges.
+const RETRIEVE: (&str, &str) = ("retrieve", "GB/s");
 
 /// The records and targets of the peer's JSON `py`.
 pub fn records(
@@ -83,67 +103,44 @@ pub fn records(
     let pinned = store(py, "gpuio pinned", notes)?;
     let fs = store(py, "LMCache fs", notes)?;
     let cpu = store(py, "LMCache CPU", notes)?;
+    let chunk_p50 = |s: &Store| s.chunk_p50_us;
     if let (Some(ours), Some(peer)) = (&file, &fs) {
-        let case = "py_lmcache_file";
-        let peer_of = |v: f64| ("LMCache fs", v);
-        let retrieve = versus(
-            (case, "retrieve", "GB/s"),
+        let race = Race {
+            case: "py_lmcache_file",
             chunk,
-            ours.retrieve_gbps,
-            peer_of(peer.retrieve_gbps),
-            true,
-        );
-        let stored = versus(
-            (case, "store", "GB/s"),
-            chunk,
-            ours.store_gbps,
-            peer_of(peer.store_gbps),
-            true,
-        );
+            ours,
+            peer_name: "LMCache fs",
+            peer,
+        };
+        let retrieve = race.record(RETRIEVE, |s| s.retrieve_gbps, true);
+        let stored = race.record(("store", "GB/s"), |s| s.store_gbps, true);
         targets.push(target(
-            "LMCache connector: retrieve of warm chunks >= 2x LMCache fs".into(),
+            "retrieve of warm chunks >= 2x LMCache fs",
             &retrieve,
             2.0,
         ));
-        targets.push(target(
-            "LMCache connector: store >= 1x LMCache fs".into(),
-            &stored,
-            1.0,
-        ));
+        targets.push(target("store >= 1x LMCache fs", &stored, 1.0));
         records.extend([
             retrieve,
             stored,
-            versus(
-                (case, "chunk_p50", "us"),
-                chunk,
-                ours.chunk_p50_us,
-                peer_of(peer.chunk_p50_us),
-                false,
-            ),
+            race.record(("chunk_p50", "us"), chunk_p50, false),
         ]);
     }
     if let (Some(ours), Some(peer)) = (&pinned, &cpu) {
-        let case = "py_lmcache_pinned";
-        let peer_of = |v: f64| ("LMCache CPU", v);
-        let retrieve = versus(
-            (case, "retrieve", "GB/s"),
+        let race = Race {
+            case: "py_lmcache_pinned",
             chunk,
-            ours.retrieve_gbps,
-            peer_of(peer.retrieve_gbps),
-            true,
-        );
+            ours,
+            peer_name: "LMCache CPU",
+            peer,
+        };
+        let retrieve = race.record(RETRIEVE, |s| s.retrieve_gbps, true);
         targets.push(target(
-            "LMCache connector: retrieve from pinned memory >= 1x LMCache CPU".into(),
+            "retrieve from pinned memory >= 1x LMCache CPU",
             &retrieve,
             1.0,
         ));
-        let mut r = versus(
-            (case, "chunk_p50", "us"),
-            chunk,
-            ours.chunk_p50_us,
-            peer_of(peer.chunk_p50_us),
-            false,
-        );
+        let mut r = race.record(("chunk_p50", "us"), chunk_p50, false);
         r.route = format!(
             "gpuio pinned store {:.1} GB/s (LMCache CPU keeps the object it is handed)",
             ours.store_gbps

@@ -46,7 +46,7 @@ __all__ = [
 # gpuio memory: a transfer end as it is.
 _MEMORY = (HostBuffer, DeviceBuffer)
 # Ends that Python's own host memory moves to and from in place.
-_IN_PLACE = (Resource, DeviceBuffer, HostBuffer)
+_IN_PLACE = _interop.NATIVE
 
 Error.message = property(lambda e: e.args[0], doc="What went wrong.")
 Error.code = property(lambda e: e.args[1], doc="The GPUIO_ERROR_* code (a negative int).")
@@ -124,17 +124,14 @@ class Session(_gpuio.Session):
             return self._transfer(s, src_offset, d, dst_offset, size, durable)
         if isinstance(s, memoryview):
             s = s.tobytes()
-        if isinstance(d, memoryview):
+        if isinstance(d, memoryview):  # host to host, neither gpuio's: a plain copy
             if dst_offset + size > d.nbytes:
                 raise _invalid(
                     f"{size} bytes at offset {dst_offset} do not fit a {d.nbytes}-byte destination"
                 )
-            if isinstance(s, bytes):  # host to host, neither gpuio's: a plain copy
-                if src_offset + size > len(s):
-                    raise _invalid(f"{size} bytes at offset {src_offset} of a {len(s)}-byte source")
-                d[dst_offset : dst_offset + size] = s[src_offset : src_offset + size]
-            else:
-                d[dst_offset : dst_offset + size] = self._read_bytes(s, src_offset, size)
+            if src_offset + size > len(s):
+                raise _invalid(f"{size} bytes at offset {src_offset} of a {len(s)}-byte source")
+            d[dst_offset : dst_offset + size] = s[src_offset : src_offset + size]
             return size
         return self._transfer(s, src_offset, d, dst_offset, size, durable)
 

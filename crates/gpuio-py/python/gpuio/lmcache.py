@@ -15,8 +15,8 @@ torch or LMCache types), so the server loads it by name::
         "max_capacity_gb": 500}'
 
 Calls return at once with a future id; the work runs on ``workers`` threads, a batch's chunks
-spread over ``workers`` more (each gpuio call releases the GIL), and completions are announced on an eventfd and collected by
-``drain_completions``, as LMCache's bridge expects. Importing it needs neither torch nor
+spread over ``workers`` more (each gpuio call releases the GIL), and completions are announced
+on an eventfd and collected by ``drain_completions``, as LMCache's bridge expects. Importing it needs neither torch nor
 LMCache.
 """
 
