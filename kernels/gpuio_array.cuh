@@ -36,9 +36,10 @@
 #include "gpuio_ring.cuh"
 #endif
 
-#define GPUIO_ARRAY_VERSION 3u
+#define GPUIO_ARRAY_VERSION 4u
 
-// Page-table entry (one u64 per page).
+// Page-table entry (one u64 per page). The frame bits of an EMPTY page of an array that reads
+// in place with admission on (gpuio_array_desc::admit_after) count its touches instead.
 #define GPUIO_PAGE_FRAME_MASK 0xFFFFFFFFull
 #define GPUIO_PAGE_PIN_ONE (1ull << 32)
 #define GPUIO_PAGE_PIN_MASK (0xFFFFFFull << 32)
@@ -65,9 +66,10 @@
 // stays pinned runs into it.
 #define GPUIO_ARRAY_NO_FRAME_NS 5000000000ull
 
-// Statistics: per array, STAT_STRIPES lines of 8 counters, then the miss-latency histogram.
+// Statistics: per array, STAT_STRIPES stripes of 16 counters (two lines: the hit path's
+// counters in the first), then the miss-latency histogram.
 #define GPUIO_STAT_STRIPES 16
-#define GPUIO_STAT_COUNTERS 8
+#define GPUIO_STAT_COUNTERS 16
 #define GPUIO_STAT_HITS 0
 #define GPUIO_STAT_MISSES 1
 #define GPUIO_STAT_WAITS 2
@@ -76,6 +78,10 @@
 #define GPUIO_STAT_BYTES_IN 5
 #define GPUIO_STAT_BYTES_OUT 6
 #define GPUIO_STAT_FAILURES 7
+#define GPUIO_STAT_DIRECT 8
+#define GPUIO_STAT_BYTES_DIRECT 9
+// What the bus moves at least per read in place: one 32-byte sector.
+#define GPUIO_SECTOR_BYTES 32ull
 #define GPUIO_STAT_BUCKETS 128
 #define GPUIO_STAT_WORDS (GPUIO_STAT_STRIPES * GPUIO_STAT_COUNTERS + GPUIO_STAT_BUCKETS)
 
@@ -122,7 +128,10 @@ struct gpuio_array_desc {
     unsigned int resource;
     unsigned int slot;
     unsigned int flags;
-    unsigned int reserved;
+    // Reading in place (the slot's `direct`): touches of a page not cached, each served
+    // from the source without the cache, before the next one brings the page in. 0: a miss
+    // brings its page in at once.
+    unsigned int admit_after;
 };
 
 static_assert(sizeof(gpuio_array_slot) == 64, "gpuio_array_slot size");
@@ -138,6 +147,7 @@ static_assert(__builtin_offsetof(gpuio_cache, page_shift) == 112, "cache.page_sh
 static_assert(__builtin_offsetof(gpuio_array_desc, table) == 120, "array.table");
 static_assert(__builtin_offsetof(gpuio_array_desc, resource) == 144, "array.resource");
 static_assert(__builtin_offsetof(gpuio_array_desc, flags) == 152, "array.flags");
+static_assert(__builtin_offsetof(gpuio_array_desc, admit_after) == 156, "array.admit_after");
 #endif
 
 // ---- Device-scope atomics with ordering (PTX, sm_70+) ----------------------------------------
@@ -237,6 +247,25 @@ __device__ __forceinline__ void gpuio_array_count_warp(const gpuio_cache* c, uns
     if (waits) gpuio_array_count(c, slot, GPUIO_STAT_WAITS, waits);
 }
 
+// Adds the active lanes' reads in place (`mine`: this lane's, of `len` bytes at `at` in its
+// page) and the sectors they moved, one atomic per counter and warp.
+__device__ __forceinline__ void gpuio_array_count_in_place(const gpuio_cache* c,
+                                                           unsigned int slot, unsigned int active,
+                                                           int mine, unsigned long long at,
+                                                           unsigned long long len) {
+    const unsigned long long first = at / GPUIO_SECTOR_BYTES;
+    const unsigned long long end = (at + len + GPUIO_SECTOR_BYTES - 1ull) / GPUIO_SECTOR_BYTES;
+    unsigned int reads = mine ? 1u : 0u;
+    unsigned int bytes = mine ? (unsigned int)((end - first) * GPUIO_SECTOR_BYTES) : 0u;
+#if __CUDA_ARCH__ >= 800
+    reads = __reduce_add_sync(active, reads);
+    bytes = __reduce_add_sync(active, bytes);
+    if ((int)gpuio_ring_lane_id() != __ffs(active) - 1) return;
+#endif
+    if (reads) gpuio_array_count(c, slot, GPUIO_STAT_DIRECT, reads);
+    if (bytes) gpuio_array_count(c, slot, GPUIO_STAT_BYTES_DIRECT, bytes);
+}
+
 // Quarter-octave bucket of a latency in ns (gpuio_hal::ondemand::latency_bucket).
 __device__ __forceinline__ unsigned int gpuio_latency_bucket(unsigned long long ns) {
     if (ns < 4ull) return (unsigned int)ns;
@@ -317,6 +346,8 @@ __device__ __forceinline__ long long gpuio_evict(const gpuio_cache* c, unsigned 
 
 // gpuio_try_take_frame found no frame this time: try again after the warp's round.
 #define GPUIO_ARRAY_RETRY (-(1ll << 62))
+// The round's lanes read their page in place, from the source, not through a frame.
+#define GPUIO_ARRAY_IN_PLACE (-(1ll << 61))
 // Frames the clock examines per try.
 #define GPUIO_ARRAY_TRIES 128u
 
@@ -408,15 +439,19 @@ __device__ __forceinline__ long long gpuio_array_filled(const gpuio_array_desc* 
 
 // One round of a warp's accesses: every active lane calls it together, each with its own
 // page; `lead` is non-zero for one lane per page wanted (the `n` lanes wanting it share the
-// pin). A lead lane gets its page's frame pinned `n` times (>= 0), GPUIO_ARRAY_RETRY (not
-// yet: the page is being filled or written back by another warp, or no frame came free), or a
-// negative code. Misses claimed in this round are read through the ring together, their
-// staged bytes copied by the whole warp. No pin outlives the round (gpuio_array_visit takes
-// them off), and no lane waits in it for anything another warp's pins could hold up: a warp
-// that kept pins while its lanes waited for frames could starve every other warp of them.
+// pin; `len`: the bytes of it the lead lane uses). A lead lane gets its page's frame pinned
+// `n` times (>= 0), GPUIO_ARRAY_RETRY (not yet: the page is being filled or written back by
+// another warp, or no frame came free), GPUIO_ARRAY_IN_PLACE (read the source itself: an
+// array reading in place whose page has not proved hot, or is being filled or evicted by
+// another warp), or a negative code. Misses claimed in this round are read through the ring
+// together, their staged bytes copied by the whole warp. No pin outlives the round
+// (gpuio_array_visit takes them off), and no lane waits in it for anything another warp's
+// pins could hold up: a warp that kept pins while its lanes waited for frames could starve
+// every other warp of them.
 __device__ __forceinline__ long long gpuio_array_round(const gpuio_array_desc* a, int lead,
                                                       unsigned long long page,
-                                                      unsigned long long n, gpuio_miss* m) {
+                                                      unsigned long long n,
+                                                      unsigned long long len, gpuio_miss* m) {
     const unsigned int active = __activemask();
     const gpuio_cache* c = &a->cache;
     unsigned long long* e = lead ? gpuio_array_entry(a, page) : (unsigned long long*)0;
@@ -436,12 +471,27 @@ __device__ __forceinline__ long long gpuio_array_round(const gpuio_array_desc* a
         } else {
             gpuio_atom_add(e, 0ull - n * GPUIO_PAGE_PIN_ONE);
             const unsigned long long cur = gpuio_ld_acquire(e);
-            if (gpuio_page_state(cur) == GPUIO_PAGE_EMPTY &&
-                gpuio_atom_cas(e, cur, cur | (GPUIO_PAGE_FILLING << GPUIO_PAGE_STATE_SHIFT)) ==
-                    cur) {
+            const int empty = gpuio_page_state(cur) == GPUIO_PAGE_EMPTY;
+            // Reading in place, a page earns its frame by admit_after touches (counted in its
+            // empty entry's frame bits; an eviction starts the count again). Until then, and
+            // while another warp fills or evicts it, the lanes read the source itself: a
+            // few sectors over the bus instead of the whole page. An access of a quarter
+            // page or more is cheaper cached at once (the fill moves the page once, copied by
+            // the whole warp).
+            const int in_place =
+                a->admit_after != 0u && len < (c->page_size >> 2) &&
+                ((const gpuio_array_slot*)c->slots + a->slot)->direct != 0ull;
+            if (in_place && (!empty || (cur & GPUIO_PAGE_FRAME_MASK) + n <= a->admit_after)) {
+                // A count lost to a racing lane only delays the admission.
+                if (empty) gpuio_atom_cas(e, cur, cur + n);
+                result = GPUIO_ARRAY_IN_PLACE;
+            } else if (empty && gpuio_atom_cas(e, cur,
+                                               (cur & ~GPUIO_PAGE_FRAME_MASK) |
+                                                   (GPUIO_PAGE_FILLING << GPUIO_PAGE_STATE_SHIFT)) ==
+                                    cur) {
                 m->frameless = 1;
                 m->start = gpuio_ring_now_ns();
-            } else if (gpuio_page_state(cur) != GPUIO_PAGE_EMPTY) {
+            } else if (!empty) {
                 m->waited = 1;
             }
         }
@@ -496,13 +546,28 @@ __device__ __forceinline__ void gpuio_array_unpin(const gpuio_array_desc* a,
                  : "memory");
 }
 
-// Every active lane of a warp calls it together, each for its own page (`want` zero: none);
-// `use(frame)` runs once per wanting lane, in the round its page is pinned, with the frame
-// (>= 0) or the access's negative code; the pins come off right after. Lanes wanting one page
-// share one pin, and the warp's misses are read together.
+// Where the lanes of a round use `page`: its frame, the source in place, or 0 (the access
+// failed, its code recorded).
+__device__ __forceinline__ unsigned char* gpuio_array_page_bytes(const gpuio_array_desc* a,
+                                                                unsigned long long page,
+                                                                long long frame) {
+    const gpuio_cache* c = &a->cache;
+    if (frame >= 0) return gpuio_frame(c, (unsigned int)frame);
+    if (frame != GPUIO_ARRAY_IN_PLACE) return (unsigned char*)0;
+    const gpuio_array_slot* s = (const gpuio_array_slot*)c->slots + a->slot;
+    return (unsigned char*)(s->direct + (page << c->page_shift));
+}
+
+// Every active lane of a warp calls it together, each for its own page (`want` zero: none)
+// and the `len` bytes at `at` in it it will use; `use(frame)` runs once per wanting lane, in
+// the round its page is pinned, with the frame (>= 0), GPUIO_ARRAY_IN_PLACE, or the
+// access's negative code (gpuio_array_page_bytes says where the bytes are); the pins come
+// off right after. Lanes wanting one page share one pin, and
+// the warp's misses are read together.
 template <class Use>
 __device__ __forceinline__ void gpuio_array_visit(const gpuio_array_desc* a, int want,
-                                                  unsigned long long page, Use use) {
+                                                  unsigned long long page, unsigned long long at,
+                                                  unsigned long long len, Use use) {
     const unsigned int active = __activemask();
     gpuio_miss m = {0, 0, 0ull};
     int finished = !want;
@@ -512,12 +577,16 @@ __device__ __forceinline__ void gpuio_array_visit(const gpuio_array_desc* a, int
         const int leader = __ffs(peers) - 1;
         const int lead = !finished && (int)gpuio_ring_lane_id() == leader;
         const unsigned long long n = __popc(peers);
-        const long long mine = gpuio_array_round(a, lead, page, n, &m);
+        const long long mine = gpuio_array_round(a, lead, page, n, len, &m);
         const long long frame = __shfl_sync(active, mine, leader);
         const int retry = !finished && frame == GPUIO_ARRAY_RETRY;
+        const int in_place = !finished && frame == GPUIO_ARRAY_IN_PLACE;
         if (!finished && !retry) {
             use(frame);
             finished = 1;
+        }
+        if (__any_sync(active, in_place)) {
+            gpuio_array_count_in_place(&a->cache, a->slot, active, in_place, at, len);
         }
         // Every lane is done with the frame before its leader takes the pins off.
         __syncwarp(active);
@@ -649,18 +718,20 @@ struct gpuio_array {
             const unsigned long long in_page = (c->page_size - at) / sizeof(T);
             const unsigned long long n = want ? (in_page < left ? in_page : left) : 0ull;
             T* to = out + done;
-            gpuio_array_visit(&d, want, byte >> c->page_shift, [&](long long frame) {
-                if (frame < 0) {
+            const unsigned long long page = byte >> c->page_shift;
+            gpuio_array_visit(&d, want, page, at, n * sizeof(T), [&](long long frame) {
+                const unsigned char* bytes = gpuio_array_page_bytes(&d, page, frame);
+                if (!bytes) {
                     for (unsigned long long j = 0; j < n; j++) to[j] = T();
                     return;
                 }
-                const unsigned char* from = gpuio_frame(c, (unsigned int)frame) + at;
-                const unsigned long long bytes = n * sizeof(T);
-                if ((((unsigned long long)from | (unsigned long long)to | bytes) & 15ull) == 0) {
+                const unsigned char* from = bytes + at;
+                const unsigned long long span = n * sizeof(T);
+                if ((((unsigned long long)from | (unsigned long long)to | span) & 15ull) == 0) {
                     // Several 16-byte loads in flight before any store.
                     const uint4* src = (const uint4*)from;
                     uint4* dst = (uint4*)to;
-                    const unsigned long long pieces = bytes / 16;
+                    const unsigned long long pieces = span / 16;
                     for (unsigned long long i = 0; i < pieces; i += 8) {
                         uint4 v[8];
 #pragma unroll
@@ -822,9 +893,11 @@ struct gpuio_array {
         const unsigned long long page = byte >> c->page_shift;
         T out = T();
         const gpuio_array_desc* desc = &d;
-        gpuio_array_visit(&d, want, page, [&](long long frame) {
-            if (frame < 0) return;
-            T* at = (T*)(gpuio_frame(c, (unsigned int)frame) + (byte & (c->page_size - 1ull)));
+        const unsigned long long in_page = byte & (c->page_size - 1ull);
+        gpuio_array_visit(&d, want, page, in_page, sizeof(T), [&](long long frame) {
+            unsigned char* bytes = gpuio_array_page_bytes(desc, page, frame);
+            if (!bytes) return;
+            T* at = (T*)(bytes + in_page);
             if (write) {
                 unsigned long long* e = gpuio_array_entry(desc, page);
                 if (!(*(volatile unsigned long long*)e & GPUIO_PAGE_DIRTY)) {

@@ -45,10 +45,10 @@ use crate::error::{CoreError, Result};
 use crate::ring::{RingConfig, RingProxy, WaitPolicy};
 use gpuio_hal::memory::mapped::MappingPin;
 use gpuio_hal::sync::MutexExt;
-use gpuio_hal::{Backend, Gpu, HalError};
+use gpuio_hal::{Backend, Gpu, HalError, SharedPin};
 use gpuio_ring::RingMemory;
 use gpuio_ring::ondemand::{
-    ArrayDevice, HeldPages, HostAccessor, PageCacheMemory, PageTable, ResidentDevice,
+    ArrayDevice, HeldPages, HostAccessor, InPlace, PageCacheMemory, PageTable, ResidentDevice,
 };
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,6 +58,13 @@ use std::sync::{Arc, Mutex};
 /// bytes in and out, failures, and the miss-latency histogram with its quantiles).
 pub use gpuio_ring::ondemand::ArrayCounters as ArrayStats;
 pub use gpuio_ring::ondemand::{MAX_ARRAYS, MAX_PAGE, MIN_PAGE};
+
+/// [`PageCacheConfig::admit_after`]'s default: the break-even of the default 4 KiB pages,
+/// where the 32-byte sectors read in place have cost one page: per page, reading in place
+/// until that rent equals the page's price (the ski-rental rule) moves at most about twice
+/// the bytes that the best choice made in hindsight would. `gpuio bench ondemand` measures
+/// the alternatives. For other page sizes, `page_size / 32` is the same rule.
+pub const DEFAULT_ADMIT_AFTER: u32 = 128;
 
 /// Most pinned host memory a cache's ring gives its bounce buffers.
 const BOUNCE_MEMORY: usize = 64 << 20;
@@ -74,12 +81,20 @@ pub struct PageCacheConfig {
     /// copied by the missing warp, and written back from there), and its slots cut so that
     /// the buffers take at most 64 MiB of pinned memory.
     pub ring: RingConfig,
-    /// Read-only arrays over warm files are read in place where the device can register page
-    /// cache pages: the file's range is pinned read-only for the array's life (up to a
-    /// quarter of the memory the machine can back, over the cache's arrays), and a miss is one copy
-    /// by the missing warp from those pages, with no ring round trip
-    /// ([`OnDemandArray::miss_path`] says which path an array took, and why).
+    /// Read-only arrays over warm files, and over host memory, are read in place where the
+    /// device can register the file's page cache pages (or the memory): the range is pinned
+    /// for the array's life (up to a quarter of the memory the machine can back, over the
+    /// cache's arrays), and a miss reads it over the bus, with no ring round trip
+    /// ([`OnDemandArray::miss_path`] says which path an array took, and why). The source's
+    /// bytes must not change while such an array lives.
     pub in_place: bool,
+    /// For arrays read in place: touches of a page not cached that are served from the
+    /// source itself (only the bytes asked for: a 4-byte element moves one 32-byte sector
+    /// instead of a page) before the next one brings the page into the cache. Pages touched
+    /// this often while not cached earn a frame; the rest never cost one. 0: every miss
+    /// brings its page in (the right choice when accesses read most of a page, or the array
+    /// fits the cache). A prefetch or a hold brings pages in whatever their touches.
+    pub admit_after: u32,
 }
 
 impl Default for PageCacheConfig {
@@ -100,6 +115,7 @@ impl Default for PageCacheConfig {
                 ..RingConfig::default()
             },
             in_place: true,
+            admit_after: DEFAULT_ADMIT_AFTER,
         }
     }
 }
@@ -139,7 +155,8 @@ struct CacheInner {
     memory: Arc<PageCacheMemory>,
     proxy: Mutex<RingProxy>,
     in_place: bool,
-    /// Bytes of files pinned for in-place reads by this cache's arrays.
+    admit_after: u32,
+    /// Bytes of files and memory pinned for in-place reads by this cache's arrays.
     pinned: Arc<AtomicU64>,
 }
 
@@ -180,6 +197,7 @@ impl PageCache {
                 memory,
                 proxy: Mutex::new(proxy),
                 in_place: cfg.in_place,
+                admit_after: cfg.admit_after,
                 pinned: Arc::new(AtomicU64::new(0)),
             }),
         })
@@ -237,8 +255,22 @@ impl PageCache {
                 file.path().display()
             )));
         }
-        let (in_place, miss_path) = self.in_place(&source, bytes, mode);
-        let direct = in_place.as_ref().map_or(0, |p| p.pin.device_addr());
+        let (in_place, mut miss_path) = self.in_place(&source, bytes, mode);
+        let direct = in_place.as_ref().map(|p| {
+            // Elements are read where they lie: only a source aligned for every element type
+            // (and the 16-byte loads of spans) can be.
+            let aligned = p.addr % 16 == 0;
+            let admit_after = if aligned { self.inner.admit_after } else { 0 };
+            if admit_after > 0 {
+                miss_path.push_str(&format!(
+                    "; a page's first {admit_after} touches read only their bytes, the next caches it"
+                ));
+            }
+            InPlace {
+                addr: p.addr,
+                admit_after,
+            }
+        });
         let proxy = self.inner.proxy.lock_unpoisoned();
         let resource = proxy.register(source.clone())?;
         let table =
@@ -264,9 +296,9 @@ impl PageCache {
         })
     }
 
-    /// The pin of `bytes` of a file source for in-place reads, where this cache reads
-    /// in place, the array is read-only, the budget allows and the file's pages can be
-    /// pinned; and the array's miss path in words either way.
+    /// The pin of `bytes` of a file or host-memory source for in-place reads, where this
+    /// cache reads in place, the array is read-only, the budget allows and the file's pages
+    /// (or the memory) can be pinned; and the array's miss path in words either way.
     fn in_place(
         &self,
         source: &Endpoint,
@@ -274,9 +306,12 @@ impl PageCache {
         mode: ArrayMode,
     ) -> (Option<InPlacePin>, String) {
         const RING: &str = "through the ring";
-        let Endpoint::File { file, offset } = source else {
-            return (None, format!("{RING} (the source is not a file)"));
-        };
+        if !matches!(source, Endpoint::File { .. } | Endpoint::Host { .. }) {
+            return (
+                None,
+                format!("{RING} (the source is neither a file nor host memory)"),
+            );
+        }
         if !self.inner.in_place || mode == ArrayMode::ReadWrite {
             let why = if mode == ArrayMode::ReadWrite {
                 "a writable array's pages go back through it"
@@ -307,35 +342,72 @@ impl PageCache {
                 );
             }
         };
-        match file.len() {
-            Ok(size) if size >= offset.saturating_add(bytes) => {}
-            Ok(size) => {
-                let why = format!("the file holds {size} bytes: reads past its end must fail");
-                return (None, format!("{RING} ({why})"));
-            }
-            Err(e) => return (None, format!("{RING} ({e})")),
-        }
         let gpu = self.inner.memory.gpu();
-        match usize::try_from(bytes)
-            .map_err(|_| CoreError::InvalidRequest(format!("{bytes} bytes to pin")))
-            .and_then(|len| Ok(file.pin_page_cache(gpu, *offset, len)?))
-        {
-            Ok(pin) => (
+        let len = match usize::try_from(bytes) {
+            Ok(len) => len,
+            Err(_) => {
+                return (
+                    None,
+                    format!("{RING} ({bytes} bytes cannot be pinned here)"),
+                );
+            }
+        };
+        let pinned = match source {
+            Endpoint::File { file, offset } => match file.len() {
+                Ok(size) if size >= offset.saturating_add(bytes) => file
+                    .pin_page_cache(gpu, *offset, len)
+                    .map(|pin| {
+                        (
+                            pin.device_addr(),
+                            Pinned::File { _pin: pin },
+                            "the file's page cache pages",
+                        )
+                    })
+                    .map_err(|e| e.to_string()),
+                Ok(size) => Err(format!(
+                    "the file holds {size} bytes: reads past its end must fail"
+                )),
+                Err(e) => Err(e.to_string()),
+            },
+            Endpoint::Host { mem, offset } => gpu
+                .pin_shared(mem.shared().clone(), *offset, len)
+                .map(|pin| {
+                    (
+                        pin.device_addr(),
+                        Pinned::Host { _pin: pin },
+                        "the host memory",
+                    )
+                })
+                .map_err(|e| e.to_string()),
+            _ => Err("not a file or host memory".into()),
+        };
+        match pinned {
+            Ok((addr, pin, what)) => (
                 Some(InPlacePin {
-                    pin,
+                    addr,
+                    _pin: pin,
                     _reserved: reserved,
                 }),
-                "in place, from the file's page cache pages pinned for the device".into(),
+                format!("in place, from {what} pinned for the device"),
             ),
-            Err(e) => (None, format!("{RING} ({e})")),
+            Err(why) => (None, format!("{RING} ({why})")),
         }
     }
 }
 
-/// A file range pinned for in-place reads, counted against its cache's budget until dropped.
+/// A source range pinned for in-place reads, counted against its cache's budget until
+/// dropped.
 struct InPlacePin {
-    pin: MappingPin,
+    /// Where kernels read its first byte.
+    addr: u64,
+    _pin: Pinned,
     _reserved: Reserved,
+}
+
+/// What keeps an in-place source readable by the device.
+enum Pinned {
+    File { _pin: MappingPin },
+    Host { _pin: SharedPin },
 }
 
 /// Bytes counted against a cache's in-place budget, given back when dropped.
@@ -394,8 +466,9 @@ impl<T: Element> OnDemandArray<T> {
         self.table().pages()
     }
 
-    /// How misses are read: in place from a file's pinned page cache pages, or through the
-    /// ring (and why not in place).
+    /// How misses are read: in place from a file's pinned page cache pages or pinned host
+    /// memory (and from which touch a page is cached), or through the ring (and why not in
+    /// place).
     pub fn miss_path(&self) -> &str {
         &self.miss_path
     }

@@ -382,6 +382,26 @@ def test_on_demand_arrays_from_python(s, data_file):
         arr.stats()
 
 
+def test_arrays_over_host_memory_read_in_place_until_pages_are_admitted(s, data_file):
+    path, data = data_file
+    host = s.alloc_host(2 * MiB)
+    assert s.read(path, host) == 2 * MiB
+    cache = s.page_cache(page_size=4096, capacity=MiB, admit_after=3)
+    arr = cache.array(host, dtype=np.uint32)
+    if gpuio.info()["devices"][0]["backend"] != "Cuda":  # the host backend's device reads it
+        assert arr.miss_path.startswith("in place, from the host memory"), arr.miss_path
+        assert "first 3 touches" in arr.miss_path, arr.miss_path
+    arr.prefetch(0, 2048)  # a prefetch caches its pages whatever their touches
+    st = arr.stats()
+    assert st["misses"] == 2 and st["direct_reads"] == 0 and st["direct_bytes"] == 0, st
+    arr.close()
+    every = s.page_cache(page_size=4096, capacity=MiB, admit_after=0).array(host, dtype=np.uint32)
+    assert "touches" not in every.miss_path, every.miss_path
+    every.close()
+    with pytest.raises(OverflowError):
+        s.page_cache(admit_after=-1)
+
+
 def test_resident_views_hold_arrays_until_released(s, data_file):
     import gc
 

@@ -30,10 +30,13 @@ pub struct PageCache {
 impl PageCache {
     /// `capacity` bytes of GPU `gpu`'s memory in pages of `page_size` bytes (a power of two,
     /// 512 B to 64 KiB), its misses served through `session`'s engines by a ring of `slots`
-    /// slots (the default where `None`); `in_place`: read-only arrays over warm files read
-    /// misses from the file's pinned page cache pages where the device can (no ring).
+    /// slots (the default where `None`); `in_place`: read-only arrays over warm files (or
+    /// host memory) read misses from the pinned pages where the device can (no ring), a page
+    /// serving its first `admit_after` touches (the default where `None`) from there before
+    /// it is cached.
     #[new]
-    #[pyo3(signature = (session, gpu=0, page_size=4096, capacity=256 << 20, slots=None, in_place=true))]
+    #[pyo3(signature = (session, gpu=0, page_size=4096, capacity=256 << 20, slots=None, in_place=true, admit_after=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         session: &Bound<'_, Session>,
@@ -42,6 +45,7 @@ impl PageCache {
         capacity: usize,
         slots: Option<usize>,
         in_place: bool,
+        admit_after: Option<u32>,
     ) -> PyResult<Self> {
         let mut cfg = PageCacheConfig {
             page_size,
@@ -49,6 +53,9 @@ impl PageCache {
             in_place,
             ..PageCacheConfig::default()
         };
+        if let Some(n) = admit_after {
+            cfg.admit_after = n;
+        }
         if let Some(n) = slots {
             cfg.ring.slots = n;
         }
@@ -232,8 +239,9 @@ impl OnDemandArray {
         self.with(py, |a| a.check())
     }
 
-    /// Hits, misses, waits, evictions, write-backs, bytes in and out, failures, and miss
-    /// latency p50 / p99 in ns (`None` before any miss).
+    /// Hits, misses, waits, evictions, write-backs, bytes in and out, failures, reads served
+    /// in place (`direct_reads`) and the bytes they moved (`direct_bytes`, whole 32-byte
+    /// sectors), and miss latency p50 / p99 in ns (`None` before any miss).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with(py, |a| a.stats())?;
         let d = PyDict::new(py);
@@ -245,6 +253,8 @@ impl OnDemandArray {
         d.set_item("bytes_in", s.bytes_in)?;
         d.set_item("bytes_out", s.bytes_out)?;
         d.set_item("failures", s.failures)?;
+        d.set_item("direct_reads", s.direct_reads)?;
+        d.set_item("direct_bytes", s.direct_bytes)?;
         d.set_item("miss_p50_ns", s.miss_quantile_ns(0.5))?;
         d.set_item("miss_p99_ns", s.miss_quantile_ns(0.99))?;
         Ok(d)

@@ -10,14 +10,16 @@
 #endif
 
 // Pages first .. first + count of the array, one per thread: brought in (touch) or written
-// back if dirty (flush).
+// back if dirty (flush). A touch brings a page in however few touches it had (admit_after
+// does not apply: the caller asked for the page).
 extern "C" __global__ void gpuio_array_touch(gpuio_array_desc a, unsigned long long first,
                                              unsigned long long count) {
+    a.admit_after = 0u;
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     const unsigned long long start = (unsigned long long)blockIdx.x * blockDim.x;
     for (unsigned long long base = start; base < count; base += stride) {
         const unsigned long long k = base + threadIdx.x;
-        gpuio_array_visit(&a, k < count, first + k, [](long long) {});
+        gpuio_array_visit(&a, k < count, first + k, 0ull, 0ull, [](long long) {});
     }
 }
 
@@ -35,12 +37,13 @@ extern "C" __global__ void gpuio_array_flush(gpuio_array_desc a, unsigned long l
 // page that could not be held: its error is recorded for OnDemandArray::check).
 extern "C" __global__ void gpuio_array_hold(gpuio_array_desc a, unsigned long long first,
                                             unsigned long long count, unsigned int* frames) {
+    a.admit_after = 0u;  // held pages are in frames
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     const unsigned long long start = (unsigned long long)blockIdx.x * blockDim.x;
     for (unsigned long long base = start; base < count; base += stride) {
         const unsigned long long k = base + threadIdx.x;
         const unsigned long long page = first + k;
-        gpuio_array_visit(&a, k < count, page, [&](long long frame) {
+        gpuio_array_visit(&a, k < count, page, 0ull, 0ull, [&](long long frame) {
             if (frame >= 0) {
                 // Taken while the visit's own pin holds the page: it stays after that goes.
                 gpuio_atom_add(gpuio_array_entry(&a, page), GPUIO_PAGE_PIN_ONE);
@@ -180,6 +183,27 @@ extern "C" __global__ void gpuio_array_bench_elements(gpuio_array_desc d,
                                                       unsigned long long* out) {
     const gpuio_array<unsigned long long> a(d);
     a.gather(idx, out, n);
+}
+
+// Random 4-byte elements (a float feature, an embedding id): out[k] = a[idx[k]].
+extern "C" __global__ void gpuio_array_bench_words(gpuio_array_desc d,
+                                                   const unsigned long long* idx,
+                                                   unsigned long long n, unsigned int* out) {
+    const gpuio_array<unsigned int> a(d);
+    a.gather(idx, out, n);
+}
+
+// The same reads from memory the kernel reads directly (a device array, or managed memory
+// whose first touch migrates it); an index past `len` reads 0.
+extern "C" __global__ void gpuio_plain_bench_words(const unsigned int* src, unsigned long long len,
+                                                   const unsigned long long* idx,
+                                                   unsigned long long n, unsigned int* out) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long k = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; k < n;
+         k += stride) {
+        const unsigned long long i = idx[k];
+        out[k] = i < len ? src[i] : 0u;
+    }
 }
 
 // The same reads from a plain device array of `len` elements (the hit path's peer); an index

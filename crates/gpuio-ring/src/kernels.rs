@@ -71,6 +71,8 @@ pub static ONDEMAND: KernelSource = KernelSource {
         "gpuio_array_bench_rows",
         "gpuio_array_bench_elements",
         "gpuio_plain_bench_elements",
+        "gpuio_array_bench_words",
+        "gpuio_plain_bench_words",
         "gpuio_array_hold",
         "gpuio_array_let_go",
         "gpuio_resident_bench_elements",
@@ -106,6 +108,10 @@ pub enum OndemandKernel {
     ArrayBenchElements,
     /// `gpuio_plain_bench_elements`
     PlainBenchElements,
+    /// `gpuio_array_bench_words`
+    ArrayBenchWords,
+    /// `gpuio_plain_bench_words`
+    PlainBenchWords,
     /// `gpuio_array_hold`
     ArrayHold,
     /// `gpuio_array_let_go`

@@ -12,6 +12,7 @@ mod lease;
 mod memory;
 mod ondemand;
 mod ondemand_gpu;
+mod ondemand_in_place;
 mod remote;
 mod ring;
 mod ring_gpu;

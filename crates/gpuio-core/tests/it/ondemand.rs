@@ -20,6 +20,18 @@ use std::sync::Arc;
 const SEED: u64 = 0xa11a;
 
 fn cache(page: usize, frames: usize) -> PageCache {
+    // Every miss brings its page in: what these tests count (admission has its own tests).
+    cache_with(page, frames, true, 0)
+}
+
+/// A cache of `frames` pages on the host backend, reading in place where it can (`in_place`)
+/// and admitting a page read so after `admit_after` touches.
+pub(crate) fn cache_with(
+    page: usize,
+    frames: usize,
+    in_place: bool,
+    admit_after: u32,
+) -> PageCache {
     let gpus = probe(BackendPreference::Host).unwrap().gpus;
     let gpu = gpus[0].clone();
     let engines = Engines::new(
@@ -34,7 +46,8 @@ fn cache(page: usize, frames: usize) -> PageCache {
             threads: 2,
             ..RingConfig::default()
         },
-        in_place: true,
+        in_place,
+        admit_after,
     };
     PageCache::new(engines, &gpu, cfg).unwrap()
 }

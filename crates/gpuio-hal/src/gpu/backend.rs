@@ -3,7 +3,7 @@
 //! of live allocations and valid host pointers.
 
 use super::{DeviceInfo, GdsMode};
-use crate::error::Result;
+use crate::error::{HalError, Result};
 use crate::kernels::{KernelLoad, KernelOrigin, KernelPath, KernelSource};
 use std::any::Any;
 use std::fmt;
@@ -19,6 +19,15 @@ pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
 
     /// Allocates `len` bytes of device memory (`len > 0`).
     fn alloc(&self, len: usize) -> Result<Box<dyn DeviceMemory>>;
+
+    /// Allocates `len` bytes of managed memory (`len > 0`): one address for the host and
+    /// the device, pages migrating to whichever touches them.
+    fn alloc_managed(&self, _len: usize) -> Result<Box<dyn DeviceMemory>> {
+        Err(HalError::Unsupported {
+            what: "managed memory",
+            reason: "a CUDA driver feature; this backend has no device to migrate pages to".into(),
+        })
+    }
 
     /// Waits for all work queued on the device, by gpuio or any other library.
     fn synchronize(&self) -> Result<()>;

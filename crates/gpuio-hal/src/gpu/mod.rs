@@ -17,6 +17,7 @@ mod gds;
 mod host;
 mod hot_rows;
 mod info;
+mod managed;
 mod op;
 mod pattern;
 mod rows;
@@ -27,6 +28,7 @@ pub use dmabuf::DmaBufExport;
 pub use gds::{GdsFile, GdsMode};
 pub use hot_rows::{HOT_MAX_POOL_ROWS, HOT_MAX_ROWS, HotRows};
 pub use info::{Backend, Capability, DeviceInfo, PcieLink};
+pub use managed::ManagedBuffer;
 pub use op::{
     Access, CudaRun, DevArg, DeviceOp, HostArg, HostLocks, HostRun, KernelArgs, LaunchShape,
     WaitOnDrop, check_disjoint, device_time, elapsed, report_words, widest_piece,
@@ -394,6 +396,8 @@ impl Gpu {
         // mapping from being unmapped (it is leaked if the buffer drops first) until after the
         // pin is dropped: SharedPin declares `_pin` before `_hold`.
         let pin = unsafe { self.inner.pin(ptr, len)? };
+        // SAFETY: `ptr` starts the range just registered with DEVICEMAP, which `pin` keeps.
+        let device_addr = unsafe { self.inner.mapped_addr(ptr)? };
         Ok(SharedPin {
             _pin: pin,
             _hold: hold,
@@ -401,6 +405,7 @@ impl Gpu {
             offset,
             len,
             gpu: self.ordinal(),
+            device_addr,
         })
     }
 
@@ -472,6 +477,7 @@ pub struct SharedPin {
     offset: usize,
     len: usize,
     gpu: u32,
+    device_addr: u64,
 }
 
 impl fmt::Debug for SharedPin {
@@ -488,6 +494,12 @@ impl SharedPin {
     /// The registered range, in bytes of the owner buffer.
     pub fn range(&self) -> Range<usize> {
         self.offset..self.offset + self.len
+    }
+
+    /// Where the registering device's kernels read the range's first byte in place (over
+    /// the bus), for as long as the pin lives.
+    pub fn device_addr(&self) -> u64 {
+        self.device_addr
     }
 
     /// The ordinal of the device that registered the memory.
@@ -592,6 +604,7 @@ mod tests {
         let pin = gpu.pin_shared(owner.clone(), 4096, 8192).unwrap();
         assert_eq!(pin.range(), 4096..12288);
         assert_eq!(pin.gpu(), gpu.ordinal());
+        assert_ne!(pin.device_addr(), 0);
         assert!(Arc::ptr_eq(pin.owner(), &owner));
         let whole = 64 << 10;
         let err = gpu.pin_shared(owner.clone(), 0, whole + 1).unwrap_err();

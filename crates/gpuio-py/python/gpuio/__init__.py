@@ -260,12 +260,16 @@ class Session(_gpuio.Session):
             row_bytes = (len(d) - out_offset) // count
         return self._gather(pool, row_bytes, idx, d, out_offset)
 
-    def page_cache(self, gpu=0, page_size=4096, capacity=256 << 20, slots=None, in_place=True):
+    def page_cache(
+        self, gpu=0, page_size=4096, capacity=256 << 20, slots=None, in_place=True, admit_after=None
+    ):
         """A :class:`PageCache` of ``capacity`` bytes of GPU ``gpu``'s memory for on-demand
-        arrays, its misses served through this session (read-only arrays over warm files read
-        in place from their pinned page cache pages where the device can, unless
-        ``in_place=False``)."""
-        return PageCache(self, gpu, page_size, capacity, slots, in_place)
+        arrays, its misses served through this session. Read-only arrays over warm files (or
+        gpuio host memory) read in place, from the pinned pages, where the device can, unless
+        ``in_place=False``; there a page not cached serves its first ``admit_after`` touches
+        (default 128) from the source, only the bytes asked for, and the next one caches it
+        (``admit_after=0``: every miss caches its page)."""
+        return PageCache(self, gpu, page_size, capacity, slots, in_place, admit_after)
 
 
 def _itemsize(dtype):
@@ -282,7 +286,9 @@ class PageCache(_gpuio.PageCache):
     index arrays bigger than GPU memory through it, compiled with :func:`device_header` in
     front (``gpuio_array<T> a(desc); a[i]``), each taking an array's ``descriptor``."""
 
-    def __init__(self, session, gpu=0, page_size=4096, capacity=256 << 20, slots=None, in_place=True):
+    def __init__(
+        self, session, gpu=0, page_size=4096, capacity=256 << 20, slots=None, in_place=True, admit_after=None
+    ):
         self._session = session
 
     def array(self, source, dtype="uint8", length=None, offset=0, writable=False):

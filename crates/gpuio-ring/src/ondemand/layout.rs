@@ -8,11 +8,13 @@ use crate::RingDevice;
 use std::mem::{offset_of, size_of};
 
 /// Version of this layout; bumped with any change to it (and to `gpuio_array.cuh`).
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 
 // ---- Page-table entry: one u64 per page of an array ------------------------------------------
 
-/// Bits 0..32: the frame holding the page (meaningful in FILLING, VALID and EVICTING).
+/// Bits 0..32: the frame holding the page (meaningful in FILLING, VALID and EVICTING). While
+/// the page is EMPTY in an array that reads in place with admission on
+/// ([`ArrayDevice::admit_after`]), they count its touches instead.
 pub const PAGE_FRAME_MASK: u64 = 0xFFFF_FFFF;
 /// One pin: bits 32..56 count the threads using the page's frame now. A page is evicted only
 /// when this count is zero, which one compare-and-swap of the whole entry checks.
@@ -25,7 +27,7 @@ pub const PAGE_DIRTY: u64 = 1 << 58;
 pub const PAGE_STATE_SHIFT: u32 = 60;
 /// The state's bits.
 pub const PAGE_STATE_MASK: u64 = 3 << PAGE_STATE_SHIFT;
-/// Not cached (the entry is zero but for transient pins).
+/// Not cached (the entry is zero but for transient pins and the touch count).
 pub const PAGE_EMPTY: u64 = 0;
 /// One thread is reading the page into its frame; others wait.
 pub const PAGE_FILLING: u64 = 1;
@@ -129,8 +131,8 @@ pub struct ArraySlot {
 
 /// Stripes of the counters.
 pub const STAT_STRIPES: usize = 16;
-/// Counters per stripe (one 64-byte line).
-pub const STAT_COUNTERS: usize = 8;
+/// Counters per stripe (two 64-byte lines: the hit path's counters in the first).
+pub const STAT_COUNTERS: usize = 16;
 /// Accesses that found their page cached.
 pub const STAT_HITS: usize = 0;
 /// Pages read from the source.
@@ -147,6 +149,12 @@ pub const STAT_BYTES_IN: usize = 5;
 pub const STAT_BYTES_OUT: usize = 6;
 /// Fills and write-backs that failed.
 pub const STAT_FAILURES: usize = 7;
+/// Accesses served in place from the source, not through the cache (a page not admitted yet).
+pub const STAT_DIRECT: usize = 8;
+/// Bytes those moved over the bus, in whole sectors ([`SECTOR_BYTES`]).
+pub const STAT_BYTES_DIRECT: usize = 9;
+/// What the bus moves at least per read in place: a GPU reads host memory in 32-byte sectors.
+pub const SECTOR_BYTES: u64 = 32;
 /// Buckets of the miss-latency histogram (quarter octaves of nanoseconds, [`latency_bucket`]).
 pub const STAT_BUCKETS: usize = 128;
 /// u64 words of one array's statistics block.
@@ -226,8 +234,10 @@ pub struct ArrayDevice {
     pub slot: u32,
     /// `ARRAY_*` flags.
     pub flags: u32,
-    /// Unused.
-    pub reserved: u32,
+    /// For an array read in place ([`ArraySlot::direct`]): touches of a page not cached,
+    /// each served from the source without the cache, before the next one brings the page
+    /// in. 0: a miss brings its page in at once.
+    pub admit_after: u32,
 }
 
 impl ArrayDevice {
@@ -261,7 +271,7 @@ impl ArrayDevice {
             (self.resource as u64, 4),
             (self.slot as u64, 4),
             (self.flags as u64, 4),
-            (self.reserved as u64, 4),
+            (self.admit_after as u64, 4),
         ];
         let mut out = [0u8; size_of::<ArrayDevice>()];
         let mut at = 0;
@@ -343,6 +353,7 @@ const _: () = {
     assert!(offset_of!(ArrayDevice, resource) == 144);
     assert!(offset_of!(ArrayDevice, slot) == 148);
     assert!(offset_of!(ArrayDevice, flags) == 152);
+    assert!(offset_of!(ArrayDevice, admit_after) == 156);
 
     assert!(size_of::<ResidentDevice>() == 40);
     assert!(offset_of!(ResidentDevice, frames) == 0);
@@ -439,7 +450,7 @@ mod tests {
             resource: 7,
             slot: 3,
             flags: ARRAY_LIVE | ARRAY_WRITABLE,
-            reserved: 0,
+            admit_after: 17,
         };
         let b = d.to_bytes();
         let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
@@ -457,6 +468,7 @@ mod tests {
             u32_at(offset_of!(ArrayDevice, flags)),
             ARRAY_LIVE | ARRAY_WRITABLE
         );
+        assert_eq!(u32_at(offset_of!(ArrayDevice, admit_after)), 17);
     }
 
     #[test]

@@ -8,8 +8,9 @@ use super::HostAccessor;
 use super::layout::{
     ARRAY_LIVE, ARRAY_WRITABLE, ArrayDevice, ArraySlot, CacheDevice, FRAME_FREE, FRAME_OWNED,
     FRAME_SLOT_SHIFT, MAX_ARRAYS, MAX_FRAMES, MAX_PAGE, MAX_PAGES, MIN_PAGE, STAT_BUCKETS,
-    STAT_BYTES_IN, STAT_BYTES_OUT, STAT_COUNTERS, STAT_EVICTIONS, STAT_FAILURES, STAT_HITS,
-    STAT_MISSES, STAT_STRIPES, STAT_WAITS, STAT_WORDS, STAT_WRITEBACKS, VERSION, bucket_floor,
+    STAT_BYTES_DIRECT, STAT_BYTES_IN, STAT_BYTES_OUT, STAT_COUNTERS, STAT_DIRECT, STAT_EVICTIONS,
+    STAT_FAILURES, STAT_HITS, STAT_MISSES, STAT_STRIPES, STAT_WAITS, STAT_WORDS, STAT_WRITEBACKS,
+    VERSION, bucket_floor,
 };
 use crate::{HostProducer, RingDevice, RingMemory};
 use gpuio_hal::error::{HalError, Result};
@@ -45,6 +46,19 @@ pub struct PageTable {
     slot: u32,
     table: DeviceBuffer,
     entry: ArraySlot,
+    admit_after: u32,
+}
+
+/// Where kernels read an array's source in place, and when a page read so is brought into
+/// the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InPlace {
+    /// The source's first byte's device address ([`ArraySlot::direct`]).
+    pub addr: u64,
+    /// Touches of a page not cached served from the source itself (only the bytes asked
+    /// for) before the next one brings the page in ([`ArrayDevice::admit_after`]); 0: a miss
+    /// brings its page in at once.
+    pub admit_after: u32,
 }
 
 impl PageTable {
@@ -77,6 +91,15 @@ impl PageTable {
     pub fn table(&self) -> &DeviceBuffer {
         &self.table
     }
+
+    /// Where kernels read the source in place, and when they admit its pages; `None`: misses
+    /// go through the ring.
+    pub fn in_place(&self) -> Option<InPlace> {
+        (self.entry.direct != 0).then_some(InPlace {
+            addr: self.entry.direct,
+            admit_after: self.admit_after,
+        })
+    }
 }
 
 /// An array's counters, summed over their stripes, and its miss-latency histogram.
@@ -98,11 +121,28 @@ pub struct ArrayCounters {
     pub bytes_out: u64,
     /// Fills and write-backs that failed.
     pub failures: u64,
+    /// Accesses served in place from the source, not through the cache (their pages not
+    /// admitted yet: [`InPlace::admit_after`]).
+    pub direct_reads: u64,
+    /// Bytes those moved over the bus, in whole sectors ([`SECTOR_BYTES`](super::SECTOR_BYTES)).
+    pub direct_bytes: u64,
     /// Misses per latency bucket (`layout::latency_bucket`).
     pub miss_latency: Vec<u64>,
 }
 
 impl ArrayCounters {
+    /// Accesses counted: hits, waits, reads in place, and the misses that filled a page.
+    pub fn accesses(&self) -> u64 {
+        self.hits + self.waits + self.direct_reads + self.misses
+    }
+
+    /// Bytes moved from the source (pages filled, sectors read in place) per byte delivered,
+    /// for accesses of `element` bytes each (`get`, `gather`, `[]`); `None` without accesses.
+    pub fn moved_per_delivered(&self, element: usize) -> Option<f64> {
+        let delivered = self.accesses().saturating_mul(element as u64);
+        (delivered > 0).then(|| (self.bytes_in + self.direct_bytes) as f64 / delivered as f64)
+    }
+
     /// The latency (ns, the floor of its bucket: within 19% below the true value) under which
     /// fraction `q` of the recorded misses fell; `None` without misses.
     pub fn miss_quantile_ns(&self, q: f64) -> Option<u64> {
@@ -226,22 +266,22 @@ impl PageCacheMemory {
             resource: table.entry.resource,
             slot: table.slot,
             flags: table.entry.flags,
-            reserved: 0,
+            admit_after: table.admit_after,
         }
     }
 
     /// Adds an array over `bytes` bytes of ring resource `resource`: takes a free slot and
-    /// allocates its page table, every page empty and every counter zero. `direct`: where
-    /// kernels read the source in place ([`ArraySlot::direct`]; 0: through the ring), for a
-    /// read-only array only, and readable there for the array's life. Call it while no
-    /// kernel uses the cache.
+    /// allocates its page table, every page empty and every counter zero. `in_place`: where
+    /// kernels read the source in place (`None`: through the ring), for a read-only array
+    /// only, and readable there for the array's life. Call it while no kernel uses the cache.
     pub fn add_array(
         &self,
         bytes: u64,
         resource: u32,
         writable: bool,
-        direct: u64,
+        in_place: Option<InPlace>,
     ) -> Result<PageTable> {
+        let direct = in_place.map_or(0, |p| p.addr);
         if bytes == 0 {
             return Err(HalError::InvalidArgument(
                 "an on-demand array needs at least one byte".into(),
@@ -299,6 +339,7 @@ impl PageCacheMemory {
                 slot: slot as u32,
                 table,
                 entry,
+                admit_after: in_place.map_or(0, |p| p.admit_after),
             })
         })();
         if made.is_err() {
@@ -360,6 +401,8 @@ impl PageCacheMemory {
             bytes_in: sum(STAT_BYTES_IN),
             bytes_out: sum(STAT_BYTES_OUT),
             failures: sum(STAT_FAILURES),
+            direct_reads: sum(STAT_DIRECT),
+            direct_bytes: sum(STAT_BYTES_DIRECT),
             miss_latency: w[STAT_STRIPES * STAT_COUNTERS..][..STAT_BUCKETS].to_vec(),
         })
     }
@@ -514,10 +557,20 @@ mod tests {
             bounce_bytes: 0,
         };
         assert_eq!(m.device(ring).page_shift, 12);
-        let e = m.add_array(0, 1, false, 0).unwrap_err();
+        let e = m.add_array(0, 1, false, None).unwrap_err();
         assert!(matches!(e, HalError::InvalidArgument(_)), "{e}");
         // In-place reads never meet a dirty page: a writable array cannot have them.
-        let e = m.add_array(4096, 1, true, 0x1000).unwrap_err();
+        let e = m
+            .add_array(
+                4096,
+                1,
+                true,
+                Some(InPlace {
+                    addr: 0x1000,
+                    admit_after: 0,
+                }),
+            )
+            .unwrap_err();
         assert!(matches!(e, HalError::InvalidArgument(_)), "{e}");
     }
 
@@ -526,18 +579,18 @@ mod tests {
         let m = PageCacheMemory::new(&gpu(), 512, 4096).unwrap();
         let mut tables: Vec<PageTable> = (0..MAX_ARRAYS)
             .map(|i| {
-                m.add_array(1000 + i as u64, i as u32, i % 2 == 0, 0)
+                m.add_array(1000 + i as u64, i as u32, i % 2 == 0, None)
                     .unwrap()
             })
             .collect();
         assert_eq!(tables[3].pages(), 2);
         assert!(tables[0].writable() && !tables[1].writable());
-        let e = m.add_array(10, 0, false, 0).unwrap_err();
+        let e = m.add_array(10, 0, false, None).unwrap_err();
         assert!(matches!(e, HalError::Busy(_)), "{e}");
         let t = tables.remove(7);
         assert_eq!(t.slot(), 7);
         m.remove_array(t).unwrap();
-        assert_eq!(m.add_array(10, 0, false, 0).unwrap().slot(), 7);
+        assert_eq!(m.add_array(10, 0, false, None).unwrap().slot(), 7);
         let c = m.counters(&tables[0]).unwrap();
         assert_eq!(
             c,

@@ -26,6 +26,13 @@
 //!   over a file pinned for the device, copies it from the page cache pages in place:
 //!   `ArraySlot::direct`), and turns the entry VALID with its own pin already added (so the
 //!   page it paid for is its to read).
+//! - **Admission** (arrays read in place with [`InPlace::admit_after`] > 0, accesses under a
+//!   quarter page): a thread that finds the entry EMPTY with fewer than `admit_after` touches
+//!   counted in its frame bits adds its touches with a compare-and-swap (a lost race only
+//!   delays the admission) and reads its bytes from the source in place; so does one that
+//!   finds it FILLING or EVICTING (the source holds the same bytes). The touch after
+//!   `admit_after` claims the page as a miss does, clearing the count; an eviction clears it
+//!   too.
 //! - **Fetched ahead** (`get_async`): a staged ring read of a page not cached, posted without
 //!   claiming it; `wait` claims the page only if it is still EMPTY, no write-back of the array
 //!   began since the read was posted and none was in flight then (the slot's
@@ -68,7 +75,7 @@ mod twin;
 
 pub use held::{HeldPages, NOT_HELD};
 pub use layout::*;
-pub use memory::{ArrayCounters, PageCacheMemory, PageTable};
+pub use memory::{ArrayCounters, InPlace, PageCacheMemory, PageTable};
 #[cfg(feature = "test-kernels")]
 pub use ops::ArrayReadCheck;
 pub use twin::HostAccessor;

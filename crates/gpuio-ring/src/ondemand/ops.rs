@@ -10,7 +10,11 @@ use super::{HeldPages, ResidentDevice};
 use crate::RingMemory;
 use crate::kernels::OndemandKernel;
 use gpuio_hal::error::{HalError, Result};
+#[cfg(feature = "test-kernels")]
+use gpuio_hal::gpu::HostArg;
 use gpuio_hal::gpu::{CudaRun, DevArg, DeviceBuffer, DeviceOp, HostRun, KernelArgs, Stream};
+#[cfg(feature = "test-kernels")]
+use gpuio_hal::memory::HostBuffer;
 use std::ops::Range;
 
 const NO_KERNELS: &str = "ondemand::HostAccessor plays the GPU's part";
@@ -190,7 +194,42 @@ pub fn bench_reads(
         rows: stream.arg("bench rows", rows, 0, n.saturating_mul(8))?,
         n: n as u64,
         row_words: (row_bytes / 8) as u64,
+        four_bytes: false,
         out: stream.arg("bench output", out, 0, out_len)?,
+        threads,
+    })
+}
+
+#[cfg(feature = "test-kernels")]
+/// Benchmark reads of 4-byte elements (`gpuio bench ondemand`'s element cases): `n` of them
+/// at the indices `idx` (u64s on this device) into `out` (`n` u32s), from `source`, with
+/// `threads` GPU threads. Waits for the kernel. The caller checks the data.
+pub fn bench_reads_u32(
+    stream: &Stream,
+    source: WordSource<'_>,
+    idx: &DeviceBuffer,
+    n: usize,
+    out: &DeviceBuffer,
+    threads: u32,
+) -> Result<()> {
+    let source = match source {
+        WordSource::Array(cache, table, ring) => {
+            BenchSource::Array(Array::new(stream, cache, table, ring)?)
+        }
+        WordSource::Device(buf) => {
+            BenchSource::Plain(stream.arg("plain bench source", buf, 0, buf.len())?)
+        }
+        WordSource::Pinned(buf) => {
+            BenchSource::Pinned(stream.host_arg("pinned bench source", buf, 0, buf.len())?)
+        }
+    };
+    stream.run(&BenchReads {
+        source,
+        rows: stream.arg("bench indices", idx, 0, n.saturating_mul(8))?,
+        n: n as u64,
+        row_words: 0,
+        four_bytes: true,
+        out: stream.arg("bench output", out, 0, n.saturating_mul(4))?,
         threads,
     })
 }
@@ -348,11 +387,25 @@ impl DeviceOp for TestStore<'_> {
 }
 
 #[cfg(feature = "test-kernels")]
+/// Where [`bench_reads_u32`] reads.
+pub enum WordSource<'a> {
+    /// An on-demand array of u32.
+    Array(&'a PageCacheMemory, &'a PageTable, &'a RingMemory),
+    /// Memory the kernel reads directly: a device array, or managed memory (an index past it
+    /// reads 0).
+    Device(&'a DeviceBuffer),
+    /// Pinned host memory the kernel reads over the bus (zero-copy; an index past it reads 0).
+    Pinned(&'a HostBuffer),
+}
+
+#[cfg(feature = "test-kernels")]
 /// Where benchmark reads come from.
 enum BenchSource<'a> {
     Array(Array<'a>),
     /// A plain device array (elements only).
     Plain(DevArg<'a>),
+    /// Pinned host memory (4-byte elements only).
+    Pinned(HostArg<'a>),
 }
 
 #[cfg(feature = "test-kernels")]
@@ -361,6 +414,8 @@ struct BenchReads<'a> {
     rows: DevArg<'a>,
     n: u64,
     row_words: u64,
+    /// Elements are u32s (else u64s).
+    four_bytes: bool,
     out: DevArg<'a>,
     threads: u32,
 }
@@ -378,10 +433,19 @@ impl DeviceOp for BenchReads<'_> {
             BenchSource::Array(a) if self.row_words > 0 => {
                 (OndemandKernel::ArrayBenchRows, a.args())
             }
+            BenchSource::Array(a) if self.four_bytes => (OndemandKernel::ArrayBenchWords, a.args()),
             BenchSource::Array(a) => (OndemandKernel::ArrayBenchElements, a.args()),
+            BenchSource::Plain(p) if self.four_bytes => (
+                OndemandKernel::PlainBenchWords,
+                KernelArgs::new().ptr(p).u64((p.len() / 4) as u64),
+            ),
             BenchSource::Plain(p) => (
                 OndemandKernel::PlainBenchElements,
                 KernelArgs::new().ptr(p).u64((p.len() / 8) as u64),
+            ),
+            BenchSource::Pinned(h) => (
+                OndemandKernel::PlainBenchWords,
+                KernelArgs::new().u64(h.addr()).u64((h.len() / 4) as u64),
             ),
         };
         let mut args = args.ptr(&self.rows).u64(self.n);

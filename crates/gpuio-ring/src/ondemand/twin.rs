@@ -2,25 +2,27 @@
 //! in `kernels/gpuio_array.cuh`, with misses and write-backs posted to the request ring by a
 //! [`HostProducer`]: CI runs the protocol, and gpuio-core's ring proxy behind it, without a
 //! GPU. It works on the host backend only, where device memory is host memory at its device
-//! address. Two device paths have no twin, since the host backend cannot make them: misses
-//! read in place (`ArraySlot::direct`: the host backend pins no page cache pages for a
-//! device) and `get_async` (a kernel API over the same protocol, tested on the GPU machine).
+//! address. Reads in place (`ArraySlot::direct`) and their admission run here as on a GPU
+//! where the source is host memory (the host backend pins no page cache pages, so a file is
+//! read through the ring). `get_async` has no twin (a kernel API over the same protocol,
+//! tested on the GPU machine).
 //!
 //! Every word of the tables is a Rust atomic on a view of that memory. A frame's bytes are
 //! read and written as `u64` atomics too (relaxed): the protocol orders them (a fill's bytes
 //! before its page turns VALID, a store before its unpin), so that two threads of a test
 //! racing on one element see one value or the other, never unsoundness.
 
-use super::PageTable;
 use super::layout::{
     FRAME_FREE, FRAME_LOCKED, FRAME_OWNED, FRAME_PAGE_MASK, FRAME_SLOT_SHIFT, PAGE_DIRTY,
-    PAGE_EMPTY, PAGE_EVICTING, PAGE_FILLING, PAGE_PIN_MASK, PAGE_PIN_ONE, PAGE_STATE_MASK,
-    PAGE_STATE_SHIFT, PAGE_VALID, RESULT_NO_FRAME, RESULT_OUT_OF_RANGE, RESULT_READ_ONLY,
-    STAT_BYTES_IN, STAT_BYTES_OUT, STAT_COUNTERS, STAT_EVICTIONS, STAT_FAILURES, STAT_HITS,
-    STAT_MISSES, STAT_STRIPES, STAT_WAITS, STAT_WORDS, STAT_WRITEBACKS, frame_owner,
-    latency_bucket, page_frame, page_pins, page_state,
+    PAGE_EMPTY, PAGE_EVICTING, PAGE_FILLING, PAGE_FRAME_MASK, PAGE_PIN_MASK, PAGE_PIN_ONE,
+    PAGE_STATE_MASK, PAGE_STATE_SHIFT, PAGE_VALID, RESULT_NO_FRAME, RESULT_OUT_OF_RANGE,
+    RESULT_READ_ONLY, SECTOR_BYTES, STAT_BYTES_DIRECT, STAT_BYTES_IN, STAT_BYTES_OUT,
+    STAT_COUNTERS, STAT_DIRECT, STAT_EVICTIONS, STAT_FAILURES, STAT_HITS, STAT_MISSES,
+    STAT_STRIPES, STAT_WAITS, STAT_WORDS, STAT_WRITEBACKS, frame_owner, latency_bucket, page_frame,
+    page_pins, page_state,
 };
 use super::memory::PageCacheMemory;
+use super::{InPlace, PageTable};
 use crate::HostProducer;
 use gpuio_hal::error::{HalError, Result};
 use gpuio_hal::gpu::{Backend, DeviceBuffer};
@@ -44,6 +46,9 @@ pub struct HostAccessor {
     bytes: u64,
     resource: u32,
     writable: bool,
+    /// Where loads read the source in place, with 8-byte words aligned there (the twin reads
+    /// words), and when a page read so is admitted.
+    in_place: Option<InPlace>,
     producer: HostProducer,
 }
 
@@ -107,6 +112,7 @@ impl HostAccessor {
             bytes: table.bytes(),
             resource: table.resource(),
             writable: table.writable(),
+            in_place: table.in_place().filter(|p| p.addr % 8 == 0),
             cache,
             producer,
         })
@@ -122,13 +128,29 @@ impl HostAccessor {
         self.pages
     }
 
-    /// Reads the 8-byte element `index`.
+    /// Reads the 8-byte element `index`: through the cache, or in place from the source
+    /// while its page has not earned a frame ([`InPlace::admit_after`]).
     pub fn load_u64(&self, index: u64) -> Result<u64> {
         let (page, at) = self.locate(index)?;
-        let frame = self.pin(page)?;
-        let v = self.frame_word(frame, at).load(Ordering::Relaxed);
-        self.unpin(page);
-        Ok(v)
+        let admit_after = self.in_place.map_or(0, |p| p.admit_after);
+        match (self.pin(page, admit_after)?, self.in_place) {
+            (Some(frame), _) => {
+                let v = self.frame_word(frame, at).load(Ordering::Relaxed);
+                self.unpin(page);
+                Ok(v)
+            }
+            (None, Some(src)) => {
+                let words_per_page = self.cache.page_size() as u64 / 8;
+                // SAFETY: an in-place source is readable at its device address for the
+                // array's life (`add_array`'s contract) and does not change meanwhile; on the
+                // host backend that address is host memory's, and `in_place` is 8-aligned.
+                let w = unsafe { word(src.addr + (page * words_per_page + at) * 8) };
+                self.count(self.slot, STAT_DIRECT, 1);
+                self.count(self.slot, STAT_BYTES_DIRECT, SECTOR_BYTES);
+                Ok(w.load(Ordering::Relaxed))
+            }
+            (None, None) => Err(self.fail(RESULT_NO_FRAME)),
+        }
     }
 
     /// Writes the 8-byte element `index` (the page becomes dirty; an eviction or
@@ -138,7 +160,7 @@ impl HostAccessor {
         if !self.writable {
             return Err(self.fail(RESULT_READ_ONLY));
         }
-        let frame = self.pin(page)?;
+        let frame = self.pin_frame(page)?;
         let e = word_in(&self.table, page);
         if e.load(Ordering::Relaxed) & PAGE_DIRTY == 0 {
             e.fetch_or(PAGE_DIRTY, Ordering::AcqRel);
@@ -154,7 +176,7 @@ impl HostAccessor {
         if page >= self.pages {
             return Err(self.fail(RESULT_OUT_OF_RANGE));
         }
-        self.pin(page)?;
+        self.pin_frame(page)?;
         self.unpin(page);
         Ok(())
     }
@@ -165,7 +187,7 @@ impl HostAccessor {
         if page >= self.pages {
             return Err(self.fail(RESULT_OUT_OF_RANGE));
         }
-        self.pin(page)
+        self.pin_frame(page)
     }
 
     /// Takes off the pin [`hold`](Self::hold) left on `page`.
@@ -240,7 +262,16 @@ impl HostAccessor {
     }
 
     /// Pins `page`, filling it first if it is not cached; returns its frame.
-    fn pin(&self, page: u64) -> Result<u32> {
+    fn pin_frame(&self, page: u64) -> Result<u32> {
+        // With nothing held back, every visit ends in a frame or an error.
+        self.pin(page, 0)?.ok_or_else(|| self.fail(RESULT_NO_FRAME))
+    }
+
+    /// Pins `page`, filling it first if it is not cached, and returns its frame; or `None`:
+    /// read the source in place (the page has had fewer than `admit_after` touches while not
+    /// cached, counted in its empty entry's frame bits, or another thread fills or evicts
+    /// it). `admit_after` 0: never `None`.
+    fn pin(&self, page: u64, admit_after: u32) -> Result<Option<u32>> {
         let e = word_in(&self.table, page);
         let mut waited = false;
         let mut spins = 0u32;
@@ -250,16 +281,24 @@ impl HostAccessor {
                 let frame = page_frame(old);
                 self.reference(frame);
                 self.count(self.slot, if waited { STAT_WAITS } else { STAT_HITS }, 1);
-                return Ok(frame);
+                return Ok(Some(frame));
             }
             e.fetch_sub(PAGE_PIN_ONE, Ordering::AcqRel);
             let cur = e.load(Ordering::Acquire);
-            if page_state(cur) == PAGE_EMPTY {
-                let filling = cur | (PAGE_FILLING << PAGE_STATE_SHIFT);
+            let empty = page_state(cur) == PAGE_EMPTY;
+            if admit_after != 0 && (!empty || (cur & PAGE_FRAME_MASK) < admit_after as u64) {
+                if empty {
+                    // A count lost to a racing thread only delays the admission.
+                    let _ = e.compare_exchange(cur, cur + 1, Ordering::AcqRel, Ordering::Relaxed);
+                }
+                return Ok(None);
+            }
+            if empty {
+                let filling = (cur & !PAGE_FRAME_MASK) | (PAGE_FILLING << PAGE_STATE_SHIFT);
                 if e.compare_exchange(cur, filling, Ordering::AcqRel, Ordering::Acquire)
                     .is_ok()
                 {
-                    return self.fill(page);
+                    return self.fill(page).map(Some);
                 }
                 continue;
             }

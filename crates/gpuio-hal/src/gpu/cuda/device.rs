@@ -237,6 +237,16 @@ impl DeviceBackend for CudaDevice {
         &self.info
     }
 
+    fn alloc_managed(&self, len: usize) -> Result<Box<dyn DeviceMemory>> {
+        self.shared.bind()?;
+        let ptr = driver::mem_alloc_managed(len)?;
+        // SAFETY: a fresh allocation in this (bound) context, owned by CudaMemory alone;
+        // cuMemFree frees managed memory as it does device memory.
+        Ok(Box::new(unsafe {
+            CudaMemory::new(self.shared.clone(), ptr)
+        }))
+    }
+
     fn alloc(&self, len: usize) -> Result<Box<dyn DeviceMemory>> {
         self.shared.bind()?;
         // Only CUDA_ERROR_OUT_OF_MEMORY maps to NoMem.

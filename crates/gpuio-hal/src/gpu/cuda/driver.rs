@@ -118,6 +118,17 @@ pub(super) fn mem_alloc(len: usize) -> Result<sys::CUdeviceptr> {
     unsafe { result::malloc_sync(len) }.map_err(cuda_err("cuMemAlloc"))
 }
 
+/// `cuMemAllocManaged` (`CU_MEM_ATTACH_GLOBAL`): `len` bytes the host and every device reach
+/// at one address, each page migrating to whichever touches it.
+pub(super) fn mem_alloc_managed(len: usize) -> Result<sys::CUdeviceptr> {
+    let mut ptr: sys::CUdeviceptr = 0;
+    let attach = sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as std::ffi::c_uint;
+    // SAFETY: the call writes one pointer, `ptr`; nothing else of ours is touched.
+    let rc = unsafe { sys::cuMemAllocManaged(&mut ptr, len, attach) };
+    check(rc, "cuMemAllocManaged")?;
+    Ok(ptr)
+}
+
 /// `cuMemGetHandleForAddressRange` with `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD`: a new dma-buf
 /// file descriptor for `len` bytes of device memory at `addr` (both multiples of the host page
 /// size).

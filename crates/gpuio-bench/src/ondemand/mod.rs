@@ -17,6 +17,7 @@
 //!   the request ring's raw rate (`ring_read_blocks`: the same reads through the same ring and
 //!   proxy, with no cache; passes alternate) and the host LocalIO engine;
 //!   `miss_path_in_place`: the same misses read in place, against the host engine.
+//! - `element_gather_{zipf,uniform}`: 4-byte elements at random ([`elements`]).
 
 use crate::localio::{Cleanup, api, make_file};
 use crate::ring::check_results;
@@ -32,6 +33,8 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+mod elements;
+
 /// The suite's name.
 pub const SUITE: &str = "ondemand";
 
@@ -46,6 +49,9 @@ pub struct Options {
     /// 4096 slots: every thread past the slots polls host memory for its turn, and 65536 of
     /// them measured 0.11 M misses/s where the ring alone moves 2.9 M (the polls crowd PCIe).
     pub gpu_threads: u32,
+    /// GPU threads of the element cases' kernels, theirs and their peers': reads in place
+    /// hold no ring slot, so every thread keeps a read in flight.
+    pub element_threads: u32,
     /// Timed repetitions (median).
     pub reps: usize,
     /// Directory for the test file.
@@ -58,6 +64,7 @@ impl Default for Options {
             cache: 256 << 20,
             rows: 262_144,
             gpu_threads: 8192,
+            element_threads: 65536,
             reps: 3,
             scratch: std::env::temp_dir(),
         }
@@ -163,6 +170,27 @@ impl Ctx<'_> {
     /// A cache whose read-only arrays over warm files read misses in place or (`in_place`
     /// false) through the ring.
     fn cache(&self, page: usize, capacity: usize, in_place: bool) -> Result<PageCache> {
+        self.cache_with(
+            page,
+            capacity,
+            in_place,
+            PageCacheConfig::default().admit_after,
+        )
+    }
+
+    /// A cache reading in place that admits a page after `admit_after` touches
+    /// ([`PageCacheConfig::admit_after`]).
+    fn cache_admitting(&self, page: usize, capacity: usize, admit_after: u32) -> Result<PageCache> {
+        self.cache_with(page, capacity, true, admit_after)
+    }
+
+    fn cache_with(
+        &self,
+        page: usize,
+        capacity: usize,
+        in_place: bool,
+        admit_after: u32,
+    ) -> Result<PageCache> {
         let cfg = PageCacheConfig {
             page_size: page,
             capacity,
@@ -171,6 +199,7 @@ impl Ctx<'_> {
                 ..PageCacheConfig::default().ring
             },
             in_place,
+            admit_after,
         };
         PageCache::new(self.session.engines().clone(), &self.gpu, cfg).map_err(api)
     }
@@ -267,6 +296,17 @@ pub fn run(
             });
             records.push(r);
         }
+    }
+    for zipf in [true, false] {
+        progress(if zipf {
+            "element_gather_zipf"
+        } else {
+            "element_gather_uniform"
+        });
+        let (r, t, note) = elements::element_gather(&ctx, zipf)?;
+        records.push(r);
+        targets.extend(t);
+        notes.push(note);
     }
     progress("hit_path");
     let (r, resident) = hit_path(&ctx)?;
