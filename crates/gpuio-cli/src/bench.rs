@@ -52,6 +52,9 @@ pub struct BenchArgs {
     /// load: the parts to run, of large, small (the checkpoints), warm and cold (default: all).
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     load_parts: Option<Vec<String>>,
+    /// gather: the parts to run, of grid and small (the small calls) (default: all).
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    gather_parts: Option<Vec<String>>,
     /// ai: the parts to run, of b1, b2, b4, b5 and compression (default: all).
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     ai_parts: Option<Vec<String>>,
@@ -139,11 +142,14 @@ pub fn run(config: Config, args: &BenchArgs) -> Result<(), Error> {
                 scheduler::run(&session, &opts, &mut |c| tick(suite, c)).map_err(bench_err)?
             }
             gather::SUITE => {
-                let opts = if args.quick || gpu.backend() == gpuio_hal::Backend::Host {
+                let mut opts = if args.quick || gpu.backend() == gpuio_hal::Backend::Host {
                     gather::Options::quick()
                 } else {
                     gather::Options::default()
                 };
+                if let Some(parts) = &args.gather_parts {
+                    opts.keep_parts(parts).map_err(bench_err)?;
+                }
                 gather::run(&session, &opts, &budget, &mut |c| tick(suite, c)).map_err(bench_err)?
             }
             ring::SUITE => {

@@ -3,9 +3,10 @@ larger than its page cache in GPU memory, as if the file were a device array.
 
     python ondemand_cupy.py [--scratch DIR] [--mib N]
 
-gpuio keeps the cache and serves its misses (through the request ring, from the file); the
-kernel is compiled by CuPy with gpuio's device header in front and takes the array's
-descriptor. Each thread starts its read with get_async, does its own work, then waits (AGILE's
+gpuio keeps the cache and serves its misses: in place from the file's pinned page cache pages
+where the device can (a page not yet touched often enough reads just the element over the
+bus), else through the request ring. The kernel is compiled by CuPy with gpuio's device header
+in front and takes the array's descriptor. Each thread starts its read with get_async, does its own work, then waits (AGILE's
 issue, compute, wait). The result is checked against NumPy, and the cache's counters printed.
 Then a part of the file that fits the cache is held there (``resident()``) and read through
 ``gpuio_resident_array<float>``: no pin or check per access, the hit path of data known to fit.
@@ -89,8 +90,9 @@ def main():
     print(
         f"{n} random reads of a {4 * args.mib} MiB file through a {args.mib} MiB cache in "
         f"{seconds * 1e3:.1f} ms ({n / seconds / 1e6:.2f} M reads/s): {bad} wrong; "
-        f"hits {st['hits']}, misses {st['misses']}, waits {st['waits']}, evictions "
-        f"{st['evictions']}, miss p50 {st['miss_p50_ns']} ns, p99 {st['miss_p99_ns']} ns"
+        f"hits {st['hits']}, misses {st['misses']}, waits {st['waits']}, read in place "
+        f"{st['direct_reads']}, evictions {st['evictions']}, miss p50 {st['miss_p50_ns']} ns, "
+        f"p99 {st['miss_p99_ns']} ns"
     )
     arr.close()
 

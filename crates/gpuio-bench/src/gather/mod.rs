@@ -19,10 +19,12 @@
 //! random permutation's prefix), where delivered and unique bytes are equal; those cases are
 //! recorded but not judged.
 //!
-//! Also the latency of one DSA decode layer's gather: 2048 rows of 656 B from the 2 GiB pool.
+//! Also the latency of one DSA decode layer's gather: 2048 rows of 656 B from the 2 GiB pool;
+//! and small calls' cost beyond the device's time ([`small`]).
 
 mod cell;
 mod lists;
+mod small;
 
 pub(crate) use lists::GridCase;
 
@@ -52,6 +54,10 @@ pub struct Options {
     pub max_bytes: usize,
     /// Calls timed for the latency case.
     pub latency_calls: usize,
+    /// Run the grid (and the decode layer's latency).
+    pub grid: bool,
+    /// Run the small calls ([`small`]).
+    pub small: bool,
 }
 
 impl Default for Options {
@@ -62,11 +68,27 @@ impl Default for Options {
             max_rows: 1 << 20,
             max_bytes: 256 << 20,
             latency_calls: 200,
+            grid: true,
+            small: true,
         }
     }
 }
 
 impl Options {
+    /// Keeps only `parts` (of `grid` and `small`).
+    pub fn keep_parts(&mut self, parts: &[String]) -> Result<()> {
+        let known = ["grid", "small"];
+        if let Some(p) = parts.iter().find(|p| !known.contains(&p.as_str())) {
+            return Err(BenchError::Options(format!(
+                "gather part {p:?}: the parts are {}",
+                known.join(", ")
+            )));
+        }
+        self.grid = parts.iter().any(|p| p == "grid");
+        self.small = parts.iter().any(|p| p == "small");
+        Ok(())
+    }
+
     /// A short run (CI, smoke runs, the host backend).
     pub fn quick() -> Self {
         Self {
@@ -155,6 +177,16 @@ pub fn run(
         MemIo::new(vec![gpu.clone()], MemIoConfig::default()).map_err(gpuio_api::Error::from)?;
     let stream = gpu.stream()?;
     let (mut records, mut targets, mut notes) = (Vec::new(), Vec::new(), Vec::new());
+    if opts.small {
+        progress("small calls");
+        let (r, t, note) = small::run(session, &io, opts.latency_calls * 10, fresh_seed())?;
+        records.extend(r);
+        targets.extend(t);
+        notes.push(note);
+    }
+    if !opts.grid {
+        return Ok((records, targets, notes));
+    }
 
     // The bandwidth ceiling: pinned cudaMemcpy of 256 MiB (the largest gather's output).
     progress("cudaMemcpy ceiling");

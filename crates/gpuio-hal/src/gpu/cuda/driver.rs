@@ -185,6 +185,25 @@ pub(super) unsafe fn mem_host_unregister(ptr: *mut u8) -> Result<()> {
     check(rc, "cuMemHostUnregister")
 }
 
+/// `cuMemHostAlloc` (`DEVICEMAP | PORTABLE`): `len` bytes of page-locked host memory that
+/// kernels reach at [`mem_host_get_device_pointer`]; freed by [`mem_free_host`].
+pub(super) fn mem_host_alloc_mapped(len: usize) -> Result<*mut u8> {
+    let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+    // SAFETY: the call writes only the new pointer; the memory is ours until mem_free_host.
+    unsafe { result::malloc_host(len, flags) }
+        .map(|p| p.cast())
+        .map_err(cuda_err("cuMemHostAlloc"))
+}
+
+/// `cuMemFreeHost`.
+///
+/// # Safety
+/// `ptr` came from [`mem_host_alloc_mapped`], is freed once, and no work uses it any more.
+pub(super) unsafe fn mem_free_host(ptr: *mut u8) -> Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe { result::free_host(ptr.cast()) }.map_err(cuda_err("cuMemFreeHost"))
+}
+
 /// `cuMemHostGetDevicePointer`: the device address of registered host memory at `ptr`.
 ///
 /// # Safety

@@ -1,12 +1,14 @@
 //! Row gathers and scatters on a CUDA stream (`StreamBackend::rows`): choosing the kernel and
 //! piece width, one launch per piece of the index list (after its indices are staged), the
 //! counting sort of a sorted gather (count, two-level scan, place, then the ordered move, dealt
-//! out by pool line where rows allow), and the kernels' report of the first bad index. Also the
-//! per-stream scratch these keep between calls: report words and the sorting scratch. Driver
+//! out by pool line where rows allow), and the kernels' report of the first bad index (in
+//! mapped host memory: `report.rs`). Also the per-stream scratch these keep between calls:
+//! report words for other kernels and the sorting scratch. Driver
 //! calls go through [`driver`].
 
 use super::device::Shared;
 use super::driver::{self, cuda_err};
+use super::report::RowReport;
 use super::stream::CudaStreamBackend;
 use crate::error::Result;
 use crate::gpu::RowKernel;
@@ -235,7 +237,13 @@ impl CudaStreamBackend {
         // whole list).
         let ordering = (job.kernel == RowKernel::Sorted).then(|| Ordering::new(&job));
         let words = if ordering.is_some() { 1 } else { launches };
-        let report = self.report_scratch()?;
+        // Held for the call: the report words are this job's until it is done.
+        let mut report_slot = self.row_report.lock_unpoisoned();
+        let report = match &mut *report_slot {
+            Some(r) => r,
+            slot => slot.insert(RowReport::new(REPORT_BYTES / 8)?),
+        };
+        report.reset();
         // Held for the call: the sorting scratch is this job's until it is done.
         let mut order_scratch = self.order.lock_unpoisoned();
         let order = match &ordering {
@@ -243,8 +251,6 @@ impl CudaStreamBackend {
             None => None,
         };
         let pool_rows = (job.pool.len() as u64) / rb;
-        // SAFETY: `words` report words fit the report scratch of this stream.
-        unsafe { driver::memset_d8_async(report, 0xff, words * 8, self.raw())? };
         if let (Some(o), Some(at)) = (&ordering, &order) {
             // SAFETY: the bucket counts lie inside the reserved sorting scratch.
             unsafe { driver::memset_d32_async(at.counts, 0, o.buckets as usize, self.raw())? };
@@ -296,7 +302,7 @@ impl CudaStreamBackend {
                 continue;
             }
             let dense = rows_addr + start_row * rb;
-            let report = report + 8 * k as u64;
+            let report = report.device_word(k);
             // Gathers take (pool, .., dense); scatters (dense source, .., pool).
             let (first, last) = if job.scatter {
                 (dense, pool)
@@ -369,6 +375,7 @@ impl CudaStreamBackend {
                 .map_err(cuda_err("cuLaunchKernel(gpuio_order_place)"))?;
             let mut launch = self.stream.launch_builder(func);
             launch.arg(&pool).arg(&pool_rows).arg(&rb).arg(&at.pairs);
+            let report = report.device_word(0);
             launch.arg(&count).arg(&rows_addr).arg(&report).arg(&lines);
             // SAFETY: matches gpuio_gather_ordered_W(pool, rows, row_bytes, pairs, n, dense,
             // err, lines): it reads the pairs just placed, pool rows below `pool_rows`
@@ -379,27 +386,16 @@ impl CudaStreamBackend {
                 .map_err(cuda_err("cuLaunchKernel(gpuio_gather_ordered)"))?;
         }
         let end = start.is_some().then(|| self.record(true)).transpose()?;
-        // A copy into pageable memory returns only when it is done (so when the kernels
-        // are): issue it after everything else is queued.
-        let mut words_back = [0u8; REPORT_BYTES];
-        // SAFETY: `words_back` holds `words * 8` writable bytes; we synchronize before reading.
-        unsafe {
-            driver::memcpy_dtoh_async(words_back.as_mut_ptr(), report, words * 8, self.raw())?
-        };
         // This also reports an error a kernel ran into.
         running.wait()?;
         drop(order_scratch);
         let device_time = event_time(start, end)?;
-        let word = |k: usize| {
-            let at = words_back[8 * k..8 * k + 8].try_into().unwrap_or([0xff; 8]);
-            Some(u64::from_le_bytes(at)).filter(|&at| at != u64::MAX)
-        };
         let bad_index = if ordering.is_some() {
-            word(0)
+            report.word(0)
         } else {
             (0..words).find_map(|k| {
                 let start = job.pieces.get(k).map_or(0, |p| p.start as u64);
-                word(k).map(|at| start + at)
+                report.word(k).map(|at| start + at)
             })
         };
         Ok(RowsDone {

@@ -6,6 +6,7 @@
 use super::device::{CudaDevice, Shared};
 use super::driver::{self, cuda_err};
 use super::event::EventPool;
+use super::report::RowReport;
 use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
 use crate::gpu::backend::{DevRange, DeviceBackend, EventBackend, StreamBackend, StreamTarget};
@@ -25,6 +26,8 @@ pub(crate) struct CudaStreamBackend {
     pub(super) scratch: Mutex<Option<sys::CUdeviceptr>>,
     /// Device memory for sorting index lists (sorted gathers), kept at its largest size.
     pub(super) order: Mutex<OrderScratch>,
+    /// The row kernels' report words, in mapped host memory, made on first use.
+    pub(super) row_report: Mutex<Option<RowReport>>,
 }
 
 impl CudaStreamBackend {
@@ -40,6 +43,7 @@ impl CudaStreamBackend {
             events: Arc::new(EventPool::default()),
             scratch: Mutex::new(None),
             order: Mutex::new(OrderScratch::default()),
+            row_report: Mutex::new(None),
         })
     }
 

@@ -1,0 +1,130 @@
+//! Small calls (`--gather-parts small`): a zero-copy gather of 1, 8 and 64 rows of 656 B (a
+//! DSA cache row) from a pinned 256 MiB pool, the index list in host memory, one call at a time
+//! as a decode step makes it: the wall time of `MemIo::gather` (zero-copy forced) against the
+//! device's time for the same gather (events around its kernel, `Stream::gather_timed`), p50
+//! of each over the calls, alternating. The difference is what a small call costs beyond the
+//! device's work: staging the list, launching, waiting, reading the kernel's report back.
+//! Target: wall ≤ device time + 3 µs. Every call's rows are checked.
+
+use super::{LATENCY_ROW, lists, make_pool};
+use crate::{BenchError, Record, Result, Target};
+use gpuio_api::Session;
+use gpuio_hal::{DeviceBuffer, HostAllocOptions, HostBuffer, RowIndices, RowKernel, pattern};
+use gpuio_transport_memio::{GatherOptions, GatherStrategy, MemIo};
+use std::time::{Duration, Instant};
+
+/// Rows per call.
+const SIZES: [usize; 3] = [1, 8, 64];
+
+/// The small-call cases: records, targets, a note.
+pub(super) fn run(
+    session: &Session,
+    io: &MemIo,
+    calls: usize,
+    seed: u64,
+) -> Result<(Vec<Record>, Vec<Target>, String)> {
+    let gpu = session.gpus()[0].clone();
+    let stream = gpu.stream()?;
+    let pool_len = 256 << 20;
+    let pool = make_pool(session, pool_len, seed ^ 0x5a11)?;
+    let rows = pool_len / LATENCY_ROW;
+    let dst = gpu.alloc(SIZES[2] * LATENCY_ROW)?;
+    let mut pinned = HostBuffer::alloc(SIZES[2] * 8, &HostAllocOptions::default())?;
+    pinned.pin(&gpu)?;
+    let opts = GatherOptions {
+        strategy: GatherStrategy::ZeroCopy,
+        ..GatherOptions::default()
+    };
+    let (mut records, mut targets, mut notes) = (Vec::new(), Vec::new(), Vec::new());
+    for n in SIZES {
+        let case = format!("small_gather_{n}x656B");
+        let mut wall = Vec::with_capacity(calls);
+        let mut device = Vec::with_capacity(calls);
+        for call in 0..calls + 16 {
+            let idx = lists::uniform(n, rows, seed ^ (call * 131 + n) as u64);
+            let t = Instant::now();
+            io.gather(&pool, LATENCY_ROW, idx.as_slice(), &dst, 0, &opts)
+                .map_err(|e| BenchError::Gpuio(e.into()))?;
+            let w = t.elapsed();
+            check(&stream, &dst, &idx, &case, seed ^ 0x5a11)?;
+            // The device's time for the same rows, the list read from pinned memory.
+            for (k, i) in idx.iter().enumerate() {
+                pinned.as_mut_slice()[k * 8..k * 8 + 8].copy_from_slice(&i.to_le_bytes());
+            }
+            let d = stream.gather_timed(
+                &pool,
+                LATENCY_ROW,
+                RowIndices::Pinned(&pinned),
+                n,
+                &dst,
+                0,
+                RowKernel::Tuned,
+            )?;
+            if call >= 16 {
+                wall.push(w);
+                device.push(d);
+            }
+        }
+        let (w, d) = (p50(&mut wall), p50(&mut device));
+        let extra = w.saturating_sub(d);
+        let us = |t: Duration| t.as_secs_f64() * 1e6;
+        let mut r = Record::versus(
+            super::SUITE,
+            (&case, "wall p50", "us"),
+            us(w),
+            "the device's time for the same gather (events)",
+            us(d),
+            false,
+        );
+        r.bytes = LATENCY_ROW;
+        r.reps = calls;
+        r.device = gpu.to_string();
+        r.route = "zero-copy, host index list, one call at a time".into();
+        targets.push(Target {
+            description: format!("{case}: wall <= device time + 3 us"),
+            measured: Some(format!(
+                "{:.1} us wall, {:.1} us device: {:.1} us more",
+                us(w),
+                us(d),
+                us(extra)
+            )),
+            met: Some(extra <= Duration::from_micros(3)),
+        });
+        notes.push(format!(
+            "{case}: {:.1} us beyond the device's time",
+            us(extra)
+        ));
+        records.push(r);
+    }
+    Ok((records, targets, notes.join("; ")))
+}
+
+fn p50(v: &mut [Duration]) -> Duration {
+    v.sort();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+/// Checks the rows of one call against the pool's pattern.
+fn check(
+    stream: &gpuio_hal::Stream,
+    dst: &DeviceBuffer,
+    idx: &[u64],
+    case: &str,
+    seed: u64,
+) -> Result<()> {
+    let mut got = vec![0u8; idx.len() * LATENCY_ROW];
+    stream.download(dst, 0, &mut got)?;
+    for (k, &i) in idx.iter().enumerate() {
+        let at = i * LATENCY_ROW as u64;
+        if let Some(off) =
+            pattern::first_deviation(&got[k * LATENCY_ROW..][..LATENCY_ROW], at, seed)
+        {
+            return Err(BenchError::Corrupt {
+                case: case.into(),
+                size: LATENCY_ROW,
+                offset: at + off as u64,
+            });
+        }
+    }
+    Ok(())
+}
