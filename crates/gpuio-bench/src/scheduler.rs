@@ -118,10 +118,17 @@ pub fn run(
     let (overhead, lat) = latency(session, opts, seed)?;
     records.push(lat[0].clone());
     records.push(lat[1].clone());
+    // Judged against the direct call in the same run, so that a slow machine can neither
+    // pass nor fail it.
     targets.push(Target {
-        description: "scheduler overhead per 4 KiB memory request, p50 <= 2.5 us".into(),
-        measured: Some(format!("{overhead:.2} us")),
-        met: Some(overhead <= 2.5),
+        description:
+            "scheduler overhead per 4 KiB memory request, p50 <= 1.0 us over the direct call's"
+                .into(),
+        measured: Some(format!(
+            "{overhead:.2} us over the direct call's {:.2} us",
+            lat[0].peer_value
+        )),
+        met: Some(overhead <= 1.0),
     });
 
     // Recorded so that runs on different leases can be told apart: a sandboxing kernel (gVisor
@@ -159,11 +166,17 @@ pub fn run(
         if buffers == 4 {
             targets.push(Target {
                 description: format!(
-                    ">= 1.5 M requests/s through the scheduler ({} workers, 4 KiB, cache-resident)",
+                    "requests/s through the scheduler ({} workers, 4 KiB, cache-resident) >= \
+                     0.85x direct engine calls on one thread",
                     opts.workers
                 ),
-                measured: Some(format!("{:.2} M/s", rate / 1e6)),
-                met: Some(rate >= 1.5e6),
+                measured: Some(format!(
+                    "{:.2} vs {:.2} M/s ({:.2}x)",
+                    rate / 1e6,
+                    direct / 1e6,
+                    rate / direct
+                )),
+                met: Some(rate >= 0.85 * direct),
             });
         }
     }
