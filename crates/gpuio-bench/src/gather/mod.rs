@@ -20,7 +20,7 @@
 //! recorded but not judged.
 //!
 //! Also the latency of one DSA decode layer's gather: 2048 rows of 656 B from the 2 GiB pool;
-//! and small calls' cost beyond the device's time ([`small`]).
+//! and small calls' cost beyond the device's time (`gather/small.rs`).
 
 mod cell;
 mod lists;
@@ -56,7 +56,7 @@ pub struct Options {
     pub latency_calls: usize,
     /// Run the grid (and the decode layer's latency).
     pub grid: bool,
-    /// Run the small calls ([`small`]).
+    /// Run the small calls (`gather/small.rs`).
     pub small: bool,
 }
 

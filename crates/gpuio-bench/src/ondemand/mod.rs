@@ -17,7 +17,7 @@
 //!   the request ring's raw rate (`ring_read_blocks`: the same reads through the same ring and
 //!   proxy, with no cache; passes alternate) and the host LocalIO engine;
 //!   `miss_path_in_place`: the same misses read in place, against the host engine.
-//! - `element_gather_{zipf,uniform}`: 4-byte elements at random ([`elements`]).
+//! - `element_gather_{zipf,uniform}`: 4-byte elements at random (`ondemand/elements.rs`).
 
 use crate::localio::{Cleanup, api, make_file};
 use crate::ring::check_results;
