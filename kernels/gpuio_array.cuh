@@ -247,8 +247,8 @@ __device__ __forceinline__ void gpuio_array_count_warp(const gpuio_cache* c, uns
     if (waits) gpuio_array_count(c, slot, GPUIO_STAT_WAITS, waits);
 }
 
-// Adds the active lanes' reads in place (`mine`: this lane's, of `len` bytes at `at` in its
-// page) and the sectors they moved, one atomic per counter and warp.
+// Adds the active lanes' reads in place (`mine`: this lane's, of `len` bytes at address `at`)
+// and the sectors they moved, one atomic per counter and warp.
 __device__ __forceinline__ void gpuio_array_count_in_place(const gpuio_cache* c,
                                                            unsigned int slot, unsigned int active,
                                                            int mine, unsigned long long at,
@@ -586,7 +586,10 @@ __device__ __forceinline__ void gpuio_array_visit(const gpuio_array_desc* a, int
             finished = 1;
         }
         if (__any_sync(active, in_place)) {
-            gpuio_array_count_in_place(&a->cache, a->slot, active, in_place, at, len);
+            // The sectors counted where the bytes lie (the source is only 16-byte aligned).
+            const unsigned long long from =
+                in_place ? (unsigned long long)gpuio_array_page_bytes(a, page, frame) + at : 0ull;
+            gpuio_array_count_in_place(&a->cache, a->slot, active, in_place, from, len);
         }
         // Every lane is done with the frame before its leader takes the pins off.
         __syncwarp(active);
@@ -631,8 +634,11 @@ __device__ __forceinline__ long long gpuio_array_claim_fetched(const gpuio_array
     const gpuio_cache* c = &a->cache;
     unsigned long long* e = gpuio_array_entry(a, page);
     const unsigned long long cur = gpuio_ld_acquire(e);
+    // Clearing the frame bits, as every claim does: an empty page's may count its touches.
     if (gpuio_page_state(cur) != GPUIO_PAGE_EMPTY ||
-        gpuio_atom_cas(e, cur, cur | (GPUIO_PAGE_FILLING << GPUIO_PAGE_STATE_SHIFT)) != cur) {
+        gpuio_atom_cas(e, cur,
+                       (cur & ~GPUIO_PAGE_FRAME_MASK) |
+                           (GPUIO_PAGE_FILLING << GPUIO_PAGE_STATE_SHIFT)) != cur) {
         return -1;
     }
     // Checked with the page claimed: a write-back of it that began after this check is

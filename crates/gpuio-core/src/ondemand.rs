@@ -49,6 +49,7 @@ use gpuio_hal::{Backend, Gpu, HalError, SharedPin};
 use gpuio_ring::RingMemory;
 use gpuio_ring::ondemand::{
     ArrayDevice, HeldPages, HostAccessor, InPlace, PageCacheMemory, PageTable, ResidentDevice,
+    SourceReader,
 };
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -85,8 +86,11 @@ pub struct PageCacheConfig {
     /// device can register the file's page cache pages (or the memory): the range is pinned
     /// for the array's life (up to a quarter of the memory the machine can back, over the
     /// cache's arrays), and a miss reads it over the bus, with no ring round trip
-    /// ([`OnDemandArray::miss_path`] says which path an array took, and why). The source's
-    /// bytes must not change while such an array lives.
+    /// ([`OnDemandArray::miss_path`] says which path an array took, and why). Bytes of the
+    /// source changed while such an array lives may be read old or new. Host memory stays
+    /// registered with the device for the array's life, so registering the same range again
+    /// elsewhere (`HostBuffer::pin`, another in-place array) is refused meanwhile; where the
+    /// range is registered already, the array misses through the ring.
     pub in_place: bool,
     /// For arrays read in place: touches of a page not cached that are served from the
     /// source itself (only the bytes asked for: a 4-byte element moves one 32-byte sector
@@ -371,13 +375,7 @@ impl PageCache {
             },
             Endpoint::Host { mem, offset } => gpu
                 .pin_shared(mem.shared().clone(), *offset, len)
-                .map(|pin| {
-                    (
-                        pin.device_addr(),
-                        Pinned::Host { _pin: pin },
-                        "the host memory",
-                    )
-                })
+                .map(|pin| (pin.device_addr(), Pinned::Host { pin }, "the host memory"))
                 .map_err(|e| e.to_string()),
             _ => Err("not a file or host memory".into()),
         };
@@ -406,8 +404,13 @@ struct InPlacePin {
 
 /// What keeps an in-place source readable by the device.
 enum Pinned {
-    File { _pin: MappingPin },
-    Host { _pin: SharedPin },
+    File {
+        _pin: MappingPin,
+    },
+    /// Host threads read it in place too (the host backend's twin), under its locks.
+    Host {
+        pin: SharedPin,
+    },
 }
 
 /// Bytes counted against a cache's in-place budget, given back when dropped.
@@ -510,11 +513,28 @@ impl<T: Element> OnDemandArray<T> {
     /// stand-in for GPU threads).
     pub fn host_accessor(&self) -> Result<HostAccessor> {
         let producer = self.cache.inner.proxy.lock_unpoisoned().host_producer()?;
-        Ok(HostAccessor::new(
-            self.cache.inner.memory.clone(),
-            self.table(),
-            producer,
-        )?)
+        let access = HostAccessor::new(self.cache.inner.memory.clone(), self.table(), producer)?;
+        let Some(InPlacePin {
+            _pin: Pinned::Host { pin },
+            ..
+        }) = &self._in_place
+        else {
+            return Ok(access);
+        };
+        // Reads in place take the memory's own read lock, as any reader of it does; the
+        // reader keeps the memory alive for as long as the accessor lives.
+        let (owner, start) = (pin.owner().clone(), pin.range().start);
+        let reader: SourceReader = Arc::new(move |byte| {
+            let at = usize::try_from(byte)
+                .ok()
+                .and_then(|b| start.checked_add(b))
+                .ok_or_else(|| HalError::InvalidArgument(format!("in-place read at {byte}")))?;
+            let bytes = owner.read_range(at, 8)?;
+            let mut word = [0u8; 8];
+            word.copy_from_slice(&bytes[..8]);
+            Ok(u64::from_le_bytes(word))
+        });
+        Ok(access.reading_in_place(self.table(), reader))
     }
 
     /// Brings the pages holding elements `start .. start + count` into the cache (as many

@@ -52,10 +52,11 @@ impl ManagedBuffer {
         check_range("managed memory", offset, src.len(), self.len())?;
         self.buf.gpu().synchronize()?;
         let dst = (self.buf.device_addr() as *mut u8).wrapping_add(offset);
-        // SAFETY: managed memory is reachable from the host at its device address; the range
-        // lies inside the allocation (checked above), which `self.buf` keeps alive, and the
-        // device's queued work is done, so no kernel of gpuio's writes it meanwhile. Raw
-        // pointer writes form no reference the device could change under.
+        // SAFETY: managed memory is reachable from the host at its device address, and the
+        // range lies inside the allocation (checked above), which `self.buf` keeps alive. The
+        // device's queued work is done; a kernel launched on a clone of `device()` meanwhile
+        // could race these bytes as it could any DMA's, but raw pointer writes form no Rust
+        // reference that it could change under.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
         Ok(())
     }

@@ -78,4 +78,4 @@ pub use layout::*;
 pub use memory::{ArrayCounters, InPlace, PageCacheMemory, PageTable};
 #[cfg(feature = "test-kernels")]
 pub use ops::ArrayReadCheck;
-pub use twin::HostAccessor;
+pub use twin::{HostAccessor, SourceReader};

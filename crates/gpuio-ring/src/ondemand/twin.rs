@@ -3,9 +3,10 @@
 //! [`HostProducer`]: CI runs the protocol, and gpuio-core's ring proxy behind it, without a
 //! GPU. It works on the host backend only, where device memory is host memory at its device
 //! address. Reads in place (`ArraySlot::direct`) and their admission run here as on a GPU
-//! where the source is host memory (the host backend pins no page cache pages, so a file is
-//! read through the ring). `get_async` has no twin (a kernel API over the same protocol,
-//! tested on the GPU machine).
+//! where the owner of the source hands the accessor a [`SourceReader`] (gpuio-core does for
+//! host memory, reading under the memory's own locks; the host backend pins no page cache
+//! pages, so a file is read through the ring). `get_async` has no twin (a kernel API over the
+//! same protocol, tested on the GPU machine).
 //!
 //! Every word of the tables is a Rust atomic on a view of that memory. A frame's bytes are
 //! read and written as `u64` atomics too (relaxed): the protocol orders them (a fill's bytes
@@ -35,6 +36,10 @@ use std::time::Instant;
 /// stays pinned (threads holding pages while they wait) runs into it.
 const NO_FRAME_AFTER: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// How host threads read an array's source in place: the 8 bytes at a byte offset of the
+/// array (the stand-in for a GPU's load over the bus). It keeps the source alive.
+pub type SourceReader = Arc<dyn Fn(u64) -> Result<u64> + Send + Sync>;
+
 /// One array of a [`PageCacheMemory`], accessed by host threads through the cache protocol.
 /// Share it between threads (`&self` everywhere).
 pub struct HostAccessor {
@@ -46,9 +51,9 @@ pub struct HostAccessor {
     bytes: u64,
     resource: u32,
     writable: bool,
-    /// Where loads read the source in place, with 8-byte words aligned there (the twin reads
-    /// words), and when a page read so is admitted.
-    in_place: Option<InPlace>,
+    /// When a page read in place is admitted, and how the source is read in place (both
+    /// set, or loads go through the cache).
+    in_place: Option<(InPlace, SourceReader)>,
     producer: HostProducer,
 }
 
@@ -112,10 +117,17 @@ impl HostAccessor {
             bytes: table.bytes(),
             resource: table.resource(),
             writable: table.writable(),
-            in_place: table.in_place().filter(|p| p.addr % 8 == 0),
+            in_place: None,
             cache,
             producer,
         })
+    }
+
+    /// Reads pages not admitted yet in place through `reader`, as the array's kernels do
+    /// (where the array reads in place at all: [`PageTable::in_place`]).
+    pub fn reading_in_place(mut self, table: &PageTable, reader: SourceReader) -> Self {
+        self.in_place = table.in_place().map(|p| (p, reader));
+        self
     }
 
     /// Elements of 8 bytes.
@@ -132,22 +144,22 @@ impl HostAccessor {
     /// while its page has not earned a frame ([`InPlace::admit_after`]).
     pub fn load_u64(&self, index: u64) -> Result<u64> {
         let (page, at) = self.locate(index)?;
-        let admit_after = self.in_place.map_or(0, |p| p.admit_after);
-        match (self.pin(page, admit_after)?, self.in_place) {
+        let admit_after = self.in_place.as_ref().map_or(0, |p| p.0.admit_after);
+        match (self.pin(page, admit_after)?, &self.in_place) {
             (Some(frame), _) => {
                 let v = self.frame_word(frame, at).load(Ordering::Relaxed);
                 self.unpin(page);
                 Ok(v)
             }
-            (None, Some(src)) => {
-                let words_per_page = self.cache.page_size() as u64 / 8;
-                // SAFETY: an in-place source is readable at its device address for the
-                // array's life (`add_array`'s contract) and does not change meanwhile; on the
-                // host backend that address is host memory's, and `in_place` is 8-aligned.
-                let w = unsafe { word(src.addr + (page * words_per_page + at) * 8) };
+            (None, Some((src, read))) => {
+                let byte = page * self.cache.page_size() as u64 + at * 8;
+                let v = read(byte).map_err(|e| self.fail_with(e))?;
+                // The sectors the word spans at its device address, as a GPU counts them.
+                let first = (src.addr + byte) / SECTOR_BYTES;
+                let end = (src.addr + byte + 8).div_ceil(SECTOR_BYTES);
                 self.count(self.slot, STAT_DIRECT, 1);
-                self.count(self.slot, STAT_BYTES_DIRECT, SECTOR_BYTES);
-                Ok(w.load(Ordering::Relaxed))
+                self.count(self.slot, STAT_BYTES_DIRECT, (end - first) * SECTOR_BYTES);
+                Ok(v)
             }
             (None, None) => Err(self.fail(RESULT_NO_FRAME)),
         }

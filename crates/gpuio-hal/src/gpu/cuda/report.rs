@@ -3,8 +3,7 @@
 //! which is all it needs), and the host reads the words after the wait it makes anyway. A
 //! small gather so costs no memset before its kernel and no copy back after it (each a
 //! driver call and a trip through the copy engine: most of a few-row call's time beyond the
-//! device's work). The words hold "no report" between calls; only a call that found a bad
-//! index leaves them dirty, and the next one resets them.
+//! device's work), only a few host stores resetting the words before its launches.
 
 use super::driver;
 use crate::error::Result;
@@ -15,8 +14,6 @@ pub(super) struct RowReport {
     host: *mut u64,
     device: sys::CUdeviceptr,
     words: usize,
-    /// A call lowered a word since they were last reset.
-    dirty: bool,
 }
 
 // SAFETY: the pointer is to page-locked memory this value alone owns (until Drop); every
@@ -39,14 +36,11 @@ impl RowReport {
                 return Err(e);
             }
         };
-        let mut report = Self {
+        Ok(Self {
             host,
             device,
             words,
-            dirty: true,
-        };
-        report.reset();
-        Ok(report)
+        })
     }
 
     /// Where kernels report: word `k`.
@@ -54,30 +48,26 @@ impl RowReport {
         self.device + 8 * k.min(self.words - 1) as u64
     }
 
-    /// Sets every word to "no report" if a call left any lowered. Call it before launching
-    /// kernels that report, while no work of the stream uses the words.
+    /// Sets every word to "no report" (every time: a call that failed after its kernels ran
+    /// may have left words lowered unread). Call it before launching kernels that report,
+    /// while no work of the stream uses the words.
     pub(super) fn reset(&mut self) {
-        if !self.dirty {
-            return;
-        }
         for k in 0..self.words {
             // SAFETY: `k` is below `words`, inside the allocation; no kernel runs on it now.
             unsafe { self.host.add(k).write_volatile(NONE) };
         }
         // The words are written before the launches that follow read them.
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        self.dirty = false;
     }
 
     /// Word `k` as the kernels left it (None: no report). Call it after the stream's work
     /// finished (its writes over the bus are then visible).
-    pub(super) fn word(&mut self, k: usize) -> Option<u64> {
+    pub(super) fn word(&self, k: usize) -> Option<u64> {
         if k >= self.words {
             return None;
         }
         // SAFETY: `k` is inside the allocation; the kernels that wrote it are done.
         let w = unsafe { self.host.add(k).read_volatile() };
-        self.dirty |= w != NONE;
         Some(w).filter(|&w| w != NONE)
     }
 }
@@ -85,7 +75,8 @@ impl RowReport {
 impl Drop for RowReport {
     fn drop(&mut self) {
         // SAFETY: allocated by mem_host_alloc_mapped, freed once; the stream that owns this
-        // report drained its work first.
+        // report drained its work and bound its context first (it leaks the report where it
+        // cannot).
         if let Err(e) = unsafe { driver::mem_free_host(self.host.cast()) } {
             tracing::error!(error = %e, "freeing a stream's row report failed");
         }

@@ -56,11 +56,15 @@ impl CudaStreamBackend {
 impl Drop for CudaStreamBackend {
     fn drop(&mut self) {
         // Work queued on this stream may still use its scratch: drain first.
+        let report = self.row_report.get_mut_unpoisoned().take();
         if let Err(e) = self.shared.bind() {
             tracing::error!(error = %e, "binding a stream's context to free its scratch failed");
+            // Kernels may still write the report: leaked, as the other scratch is.
+            std::mem::forget(report);
             return;
         }
         let _ = self.stream.synchronize();
+        drop(report);
         self.order.get_mut_unpoisoned().release(&self.shared);
         let scratch = self.scratch.get_mut_unpoisoned().take();
         if let Some(ptr) = scratch {
