@@ -12,8 +12,6 @@
 //! operation does.
 
 use super::Event;
-#[cfg(feature = "cuda")]
-use super::backend::DeviceMemory;
 use super::backend::{DevRange, StreamTarget};
 use super::{DeviceBuffer, Stream};
 use crate::error::{HalError, Result, check_range};
@@ -343,9 +341,6 @@ impl KernelArgs {
 pub struct CudaRun<'s> {
     #[cfg(feature = "cuda")]
     pub(crate) stream: &'s super::cuda::CudaStreamBackend,
-    /// The stream's report words, named once an op asks for them.
-    #[cfg(feature = "cuda")]
-    pub(crate) reports: std::cell::OnceCell<StreamMemory>,
     #[cfg(not(feature = "cuda"))]
     never: std::convert::Infallible,
     #[cfg(not(feature = "cuda"))]
@@ -402,35 +397,6 @@ impl CudaRun<'_> {
     /// See the CUDA backend's `CudaRun::record`.
     pub fn record(&self, _timing: bool) -> Result<super::Event> {
         match self.never {}
-    }
-
-    /// See the CUDA backend's `CudaRun::report_words`.
-    pub fn report_words(&self, _words: usize) -> Result<DevArg<'_>> {
-        match self.never {}
-    }
-
-    /// See the CUDA backend's `CudaRun::memset`.
-    ///
-    /// # Safety
-    /// Never callable: no value of this type exists.
-    pub unsafe fn memset(&self, _dst: DevArg<'_>, _value: u8) -> Result<()> {
-        match self.never {}
-    }
-}
-
-/// Device memory a CUDA stream keeps and frees itself (its report words), as ops name it.
-#[cfg(feature = "cuda")]
-#[derive(Debug)]
-pub(crate) struct StreamMemory(pub(crate) u64);
-
-#[cfg(feature = "cuda")]
-impl DeviceMemory for StreamMemory {
-    fn addr(&self) -> u64 {
-        self.0
-    }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
     }
 }
 

@@ -7,11 +7,14 @@
 //! gather of the output and a scatter of the misses into their slots, each with its own round
 //! trip. The host backend does the same on the CPU.
 
-use super::op::{WaitOnDrop, check_disjoint, device_time, widest_piece};
+use super::op::check_disjoint;
+#[cfg(feature = "cuda")]
+use super::op::{WaitOnDrop, device_time, widest_piece};
 use crate::error::{HalError, Result};
-use crate::gpu::{
-    Access, CudaRun, DevArg, DeviceBuffer, DeviceOp, HostArg, HostRun, KernelArgs, Stream,
-};
+#[cfg(feature = "cuda")]
+use crate::gpu::KernelArgs;
+use crate::gpu::{Access, CudaRun, DevArg, DeviceBuffer, DeviceOp, HostArg, HostRun, Stream};
+#[cfg(feature = "cuda")]
 use crate::kernels::GatherKernel;
 use crate::memory::HostBuffer;
 use crate::sys;
@@ -32,7 +35,8 @@ const NO_SLOT: u64 = TIER_MAX_HOT_ROWS;
 /// Bytes of one job in the table the device reads ([`TierJob`]).
 const JOB_BYTES: usize = 64;
 
-/// The kernel for each piece width slot of [`widest_piece`].
+/// The kernel for each piece width slot of `widest_piece`.
+#[cfg(feature = "cuda")]
 const KERNELS: [GatherKernel; 4] = [
     GatherKernel::GatherTiered16,
     GatherKernel::GatherTiered8,
@@ -406,6 +410,12 @@ impl DeviceOp for Gather<'_> {
         })
     }
 
+    #[cfg(not(feature = "cuda"))]
+    fn cuda(&self, cuda: &CudaRun<'_>) -> Result<Gathered> {
+        cuda.never()
+    }
+
+    #[cfg(feature = "cuda")]
     fn cuda(&self, cuda: &CudaRun<'_>) -> Result<Gathered> {
         let rb = self.row_bytes as u64;
         let starts = self
@@ -413,14 +423,13 @@ impl DeviceOp for Gather<'_> {
             .iter()
             .flat_map(|p| [p.hot.addr(), p.warm.addr(), p.dst.addr()]);
         let (slot, width) = widest_piece(rb, starts);
-        let report = cuda.report_words(1)?;
+        // The stream's report words (mapped host memory, reset), this op's until it returns.
+        let reports = cuda.stream.reports()?;
+        let report = reports.device_word(0);
         let start = self.timed.then(|| cuda.record(true)).transpose()?;
-        // SAFETY: the stream's own report word, which its work uses in stream order only.
-        unsafe { cuda.memset(report, 0xff)? };
         // SAFETY: the upload is pinned host memory as long as the stage range, borrowed by
         // this op, which waits for the stream before returning (below, or on the way out).
         unsafe { cuda.upload(self.upload.as_ptr(), self.stage)? };
-        let mut word = [0xffu8; 8];
         let running = WaitOnDrop::new(cuda);
         let most = self.parts.iter().map(|p| p.count as u64).max().unwrap_or(0);
         // GPUIO_UNROLL (4) pieces in flight per thread; the grid's rows are the jobs.
@@ -434,20 +443,19 @@ impl DeviceOp for Gather<'_> {
             .ptr(&table)
             .ptr(&self.stage)
             .u64(rb)
-            .ptr(&report);
+            .u64(report);
         // SAFETY: matches gpuio_gather_tiered_W(const void* jobs, const u64* codes, u64
         // row_bytes, u64* err). The table (written after the codes, and copied with them just
         // before, in stream order) names per job its checked hot range, its pinned warm pool
         // (borrowed, so registered) and its checked destination range with their row counts;
         // the kernel checks every code against them, so it reads and writes only inside those
-        // (disjoint) ranges and the report word; we wait before returning.
+        // (disjoint) ranges and the report word (mapped host memory the stream keeps); we wait
+        // before returning.
         unsafe { cuda.launch(KERNELS[slot], shape, &args)? };
         let end = start.is_some().then(|| cuda.record(true)).transpose()?;
-        // SAFETY: `word` holds 8 writable bytes, untouched until the wait below.
-        unsafe { cuda.download(report, word.as_mut_ptr())? };
         running.wait()?;
         Ok(Gathered {
-            bad_index: Some(u64::from_le_bytes(word)).filter(|&w| w != u64::MAX),
+            bad_index: reports.word(0),
             device_time: device_time(start, end)?,
         })
     }

@@ -362,22 +362,6 @@ pub(super) unsafe fn memcpy_peer_async(
     check(rc, "cuMemcpyPeerAsync")
 }
 
-/// `cuMemsetD8Async`: sets `len` bytes at `dst` to `value`, queued on `stream`.
-///
-/// # Safety
-/// `stream` is a live stream of the current context; `dst..dst + len` is live device memory
-/// of that context, which no other work uses concurrently, until the set completes.
-pub(super) unsafe fn memset_d8_async(
-    dst: sys::CUdeviceptr,
-    value: u8,
-    len: usize,
-    stream: sys::CUstream,
-) -> Result<()> {
-    // SAFETY: the caller's contract.
-    let rc = unsafe { sys::cuMemsetD8Async(dst, value, len, stream) };
-    check(rc, "cuMemsetD8Async")
-}
-
 /// `cuMemsetD32Async`: sets `count` 4-byte words at `dst` to `value`, queued on `stream`.
 ///
 /// # Safety

@@ -12,8 +12,8 @@
 //! - `device.rs`: a device (`CudaDevice`: context, kernels, what it reports) and its
 //!   `DeviceBackend`; `memory.rs`: the allocations and host registrations it owns.
 //! - `stream.rs`: a stream's copies, pattern and ring kernels; `rows.rs`: its row gathers and
-//!   scatters, `report.rs` their report words in mapped host memory; `event.rs`: its pooled
-//!   events; `run.rs`: what an op's CUDA side may do on a stream.
+//!   scatters; `report.rs`: its gather kernels' report words, in mapped host memory;
+//!   `event.rs`: its pooled events; `run.rs`: what an op's CUDA side may do on a stream.
 //! - `module.rs`: loading a module of `kernels/`: its embedded PTX through the driver, or
 //!   NVRTC's build of its source where no PTX fits or the driver refuses it; `nvrtc.rs`:
 //!   compiling `kernels/` with NVRTC.

@@ -51,7 +51,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemcpyDtoHAsync_v2",
     "cuMemcpyDtoDAsync_v2",
     "cuMemcpyPeerAsync",
-    "cuMemsetD8Async",
+    "cuMemsetD32Async",
     "cuPointerGetAttributes",
     "cuModuleLoadData",
     "cuModuleGetFunction",

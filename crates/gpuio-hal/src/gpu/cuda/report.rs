@@ -1,31 +1,42 @@
-//! The row kernels' report words in mapped host memory ([`RowReport`]): a kernel that meets a
-//! bad index lowers its word (`atomicMin` over the bus: atomic among the device's threads,
-//! which is all it needs), and the host reads the words after the wait it makes anyway. A
-//! small gather so costs no memset before its kernel and no copy back after it (each a
-//! driver call and a trip through the copy engine: most of a few-row call's time beyond the
-//! device's work), only a few host stores resetting the words before its launches.
+//! A stream's report words in mapped host memory ([`ReportWords`]), for the gather kernels
+//! (row, tiered): a kernel that meets a bad index lowers its word (`atomicMin` over the bus:
+//! atomic among the device's threads, which is all it needs), and the host reads the words
+//! after the wait it makes anyway. A small gather so costs no memset before its kernel and no
+//! copy back after it (each a driver call and a trip through the copy engine: most of a
+//! few-row call's time beyond the device's work), only a few host stores resetting the words
+//! before its launches. A job holds them through [`Reports`] ([`CudaStreamBackend::reports`]).
 
 use super::driver;
+use super::stream::CudaStreamBackend;
+use crate::error::HalError;
 use crate::error::Result;
+use crate::sync::MutexExt;
 use cudarc::driver::sys;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+/// Report words a stream keeps (one per piece of a row job).
+pub(super) const REPORT_WORDS: usize = crate::gpu::rows::MAX_PIECES;
 
 /// One stream's report words.
-pub(super) struct RowReport {
+pub(crate) struct ReportWords {
     host: *mut u64,
     device: sys::CUdeviceptr,
     words: usize,
 }
 
-// SAFETY: the pointer is to page-locked memory this value alone owns (until Drop); every
-// access goes through `&mut self` or happens after the stream's work is done.
-unsafe impl Send for RowReport {}
+// SAFETY: the pointer is to page-locked memory this value alone owns (until Drop); the host
+// reads and writes the words only while it holds its stream's report lock (`Reports`), before
+// a job's launches or after its wait.
+unsafe impl Send for ReportWords {}
+// SAFETY: as above: shared, the words are still touched by one holder of the lock at a time.
+unsafe impl Sync for ReportWords {}
 
 /// "No bad index" (what the kernels' `atomicMin` lowers).
 const NONE: u64 = u64::MAX;
 
-impl RowReport {
-    /// `words` report words, each "no report", in the calling thread's bound context.
-    pub(super) fn new(words: usize) -> Result<Self> {
+impl ReportWords {
+    /// `words` report words in the calling thread's bound context (reset before each use).
+    fn new(words: usize) -> Result<Self> {
         let host = driver::mem_host_alloc_mapped(words * 8)?.cast::<u64>();
         // SAFETY: `host` starts a fresh DEVICEMAP allocation.
         let device = match unsafe { driver::mem_host_get_device_pointer(host.cast()) } {
@@ -44,14 +55,13 @@ impl RowReport {
     }
 
     /// Where kernels report: word `k`.
-    pub(super) fn device_word(&self, k: usize) -> u64 {
+    pub(crate) fn device_word(&self, k: usize) -> u64 {
         self.device + 8 * k.min(self.words - 1) as u64
     }
 
     /// Sets every word to "no report" (every time: a call that failed after its kernels ran
-    /// may have left words lowered unread). Call it before launching kernels that report,
-    /// while no work of the stream uses the words.
-    pub(super) fn reset(&mut self) {
+    /// may have left words lowered unread), while no work of the stream uses the words.
+    fn reset(&self) {
         for k in 0..self.words {
             // SAFETY: `k` is below `words`, inside the allocation; no kernel runs on it now.
             unsafe { self.host.add(k).write_volatile(NONE) };
@@ -62,7 +72,7 @@ impl RowReport {
 
     /// Word `k` as the kernels left it (None: no report). Call it after the stream's work
     /// finished (its writes over the bus are then visible).
-    pub(super) fn word(&self, k: usize) -> Option<u64> {
+    pub(crate) fn word(&self, k: usize) -> Option<u64> {
         if k >= self.words {
             return None;
         }
@@ -72,7 +82,7 @@ impl RowReport {
     }
 }
 
-impl Drop for RowReport {
+impl Drop for ReportWords {
     fn drop(&mut self) {
         // SAFETY: allocated by mem_host_alloc_mapped, freed once; the stream that owns this
         // report drained its work and bound its context first (it leaks the report where it
@@ -80,5 +90,51 @@ impl Drop for RowReport {
         if let Err(e) = unsafe { driver::mem_free_host(self.host.cast()) } {
             tracing::error!(error = %e, "freeing a stream's row report failed");
         }
+    }
+}
+
+/// A stream's report words, made on first use, and the lock a job holds them by.
+#[derive(Default)]
+pub(super) struct StreamReports {
+    words: OnceLock<ReportWords>,
+    held: Mutex<()>,
+}
+
+impl StreamReports {
+    /// The words, for the stream's Drop to free after its wait (or leak).
+    pub(super) fn take(&mut self) -> Option<ReportWords> {
+        self.words.take()
+    }
+}
+
+/// A stream's report words held by one job, every word reset: launch the kernels with
+/// [`ReportWords::device_word`], read [`ReportWords::word`] after the job's wait, and drop the
+/// guard only then.
+pub(crate) struct Reports<'a> {
+    words: &'a ReportWords,
+    _held: MutexGuard<'a, ()>,
+}
+
+impl std::ops::Deref for Reports<'_> {
+    type Target = ReportWords;
+    fn deref(&self) -> &ReportWords {
+        self.words
+    }
+}
+
+impl CudaStreamBackend {
+    /// The stream's report words for one job, made on first use (in the bound context) and
+    /// reset to "no report"; no other job of the stream uses them until the guard drops.
+    pub(crate) fn reports(&self) -> Result<Reports<'_>> {
+        let held = self.reports.held.lock_unpoisoned();
+        if self.reports.words.get().is_none() {
+            // Under the lock: no other job makes them meanwhile.
+            let _ = self.reports.words.set(ReportWords::new(REPORT_WORDS)?);
+        }
+        let words = self.reports.words.get().ok_or_else(|| {
+            HalError::InvalidArgument("a stream's report words could not be kept".into())
+        })?;
+        words.reset();
+        Ok(Reports { words, _held: held })
     }
 }

@@ -2,13 +2,12 @@
 //! piece width, one launch per piece of the index list (after its indices are staged), the
 //! counting sort of a sorted gather (count, two-level scan, place, then the ordered move, dealt
 //! out by pool line where rows allow), and the kernels' report of the first bad index (in
-//! mapped host memory: `report.rs`). Also the per-stream scratch these keep between calls:
-//! report words for other kernels and the sorting scratch. Driver
+//! the stream's report words: `report.rs`). Also the sorting scratch a stream keeps between
+//! calls. Driver
 //! calls go through [`driver`].
 
 use super::device::Shared;
 use super::driver::{self, cuda_err};
-use super::report::RowReport;
 use super::stream::CudaStreamBackend;
 use crate::error::Result;
 use crate::gpu::RowKernel;
@@ -18,9 +17,6 @@ use crate::kernels::GatherKernel::{self, self as G};
 use crate::sync::MutexExt;
 use cudarc::driver::{LaunchConfig, PushKernelArg, sys};
 use std::time::Duration;
-
-/// A stream's row-kernel report words: one per piece of a row job.
-pub(super) const REPORT_BYTES: usize = crate::gpu::rows::MAX_PIECES * 8;
 
 /// The row kernels by piece width slot (16, 8, 4, 1 bytes): [`widest_piece`]'s first value.
 const GATHER: [GatherKernel; 4] = [G::Gather16, G::Gather8, G::Gather4, G::Gather1];
@@ -181,18 +177,6 @@ pub(super) fn elapsed(from: &dyn EventBackend, to: &dyn EventBackend) -> Result<
 }
 
 impl CudaStreamBackend {
-    /// The row kernels' report words (`REPORT_BYTES` of device memory), allocated on first use.
-    pub(super) fn report_scratch(&self) -> Result<sys::CUdeviceptr> {
-        let mut s = self.scratch.lock_unpoisoned();
-        if let Some(p) = *s {
-            return Ok(p);
-        }
-        // A fresh allocation owned by this stream, freed in its Drop.
-        let p = driver::mem_alloc(REPORT_BYTES)?;
-        *s = Some(p);
-        Ok(p)
-    }
-
     /// Runs a row job: the CUDA side of `rows::RowsOp`.
     ///
     /// # Safety
@@ -238,12 +222,7 @@ impl CudaStreamBackend {
         let ordering = (job.kernel == RowKernel::Sorted).then(|| Ordering::new(&job));
         let words = if ordering.is_some() { 1 } else { launches };
         // Held for the call: the report words are this job's until it is done.
-        let mut report_slot = self.row_report.lock_unpoisoned();
-        let report = match &mut *report_slot {
-            Some(r) => r,
-            slot => slot.insert(RowReport::new(REPORT_BYTES / 8)?),
-        };
-        report.reset();
+        let report = self.reports()?;
         // Held for the call: the sorting scratch is this job's until it is done.
         let mut order_scratch = self.order.lock_unpoisoned();
         let order = match &ordering {

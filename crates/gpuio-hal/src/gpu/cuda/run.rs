@@ -1,13 +1,10 @@
 //! [`CudaRun`]: what an op's CUDA side may do on a stream — launch a kernel by name (its module
-//! loaded on first use), copy between host and device and set device memory in stream order,
-//! name the stream's report words, record events, wait.
+//! loaded on first use), copy between host and device in stream order, record events, wait.
 
 use super::driver::{self, cuda_err};
-use super::rows::REPORT_BYTES;
 use crate::error::{HalError, Result};
 use crate::gpu::Event;
-use crate::gpu::backend::DevRange;
-use crate::gpu::op::{CudaRun, DevArg, KernelArg, KernelArgs, LaunchShape, StreamMemory};
+use crate::gpu::op::{CudaRun, DevArg, KernelArg, KernelArgs, LaunchShape};
 use crate::kernels::Kernel;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
@@ -16,10 +13,7 @@ impl<'s> CudaRun<'s> {
     /// (every launch and copy of the op is on this thread, in this context).
     pub(crate) fn bound(stream: &'s super::CudaStreamBackend) -> Result<Self> {
         stream.shared.bind()?;
-        Ok(Self {
-            stream,
-            reports: std::cell::OnceCell::new(),
-        })
+        Ok(Self { stream })
     }
 
     /// A grid-stride shape for `items` work items: blocks of 256 threads, enough of them to
@@ -110,45 +104,6 @@ impl<'s> CudaRun<'s> {
         // SAFETY: the caller keeps `dst` writable and untouched; `src` is a checked range of
         // a live allocation of this stream's context.
         unsafe { driver::memcpy_dtoh_async(dst, src.addr(), src.len(), self.stream.raw()) }
-    }
-
-    /// Enqueues setting every byte of `dst` to `value`.
-    ///
-    /// # Safety
-    /// `dst` stays allocated, and nothing else reads or writes it, until the set completes.
-    pub unsafe fn memset(&self, dst: DevArg<'_>, value: u8) -> Result<()> {
-        // SAFETY: the caller keeps `dst` allocated and to this work; it is a checked range of
-        // a live allocation of this stream's context.
-        unsafe { driver::memset_d8_async(dst.addr(), value, dst.len(), self.stream.raw()) }
-    }
-
-    /// `words` u64s of device memory the stream keeps for its kernels' reports (at most 16),
-    /// allocated on its first use and freed with the stream: an allocation per call would
-    /// cost a free, which waits for the whole device. Whatever the stream's last kernel left
-    /// there: set them ([`memset`](Self::memset)) before a kernel reports into them, and read
-    /// them back before the stream's next op does.
-    pub fn report_words(&self, words: usize) -> Result<DevArg<'_>> {
-        let len = words.saturating_mul(8);
-        if len > REPORT_BYTES {
-            return Err(HalError::InvalidArgument(format!(
-                "{words} report words, more than a stream keeps ({})",
-                REPORT_BYTES / 8
-            )));
-        }
-        let mem = match self.reports.get() {
-            Some(mem) => mem,
-            None => {
-                let addr = self.stream.report_scratch()?;
-                self.reports.get_or_init(|| StreamMemory(addr))
-            }
-        };
-        Ok(DevArg {
-            range: DevRange {
-                mem,
-                offset: 0,
-                len,
-            },
-        })
     }
 
     /// Records an event after the work enqueued so far (with timing if `timing`).

@@ -6,7 +6,7 @@
 use super::device::{CudaDevice, Shared};
 use super::driver::{self, cuda_err};
 use super::event::EventPool;
-use super::report::RowReport;
+use super::report::StreamReports;
 use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
 use crate::gpu::backend::{DevRange, DeviceBackend, EventBackend, StreamBackend, StreamTarget};
@@ -21,13 +21,11 @@ pub(crate) struct CudaStreamBackend {
     /// Idle events, reused: creating and destroying one per copy doubled the driver calls of
     /// the staging pipeline, whose lanes contend for the driver's context lock.
     events: Arc<EventPool>,
-    /// Device memory for the row kernels' error reports (`REPORT_BYTES`), allocated on first use
-    /// (cuMemFree synchronizes the device: not something to do per call).
-    pub(super) scratch: Mutex<Option<sys::CUdeviceptr>>,
     /// Device memory for sorting index lists (sorted gathers), kept at its largest size.
     pub(super) order: Mutex<OrderScratch>,
-    /// The row kernels' report words, in mapped host memory, made on first use.
-    pub(super) row_report: Mutex<Option<RowReport>>,
+    /// The gather kernels' report words, in mapped host memory, made on first use (a free
+    /// per call would cost more than the call).
+    pub(super) reports: StreamReports,
 }
 
 impl CudaStreamBackend {
@@ -41,9 +39,8 @@ impl CudaStreamBackend {
             shared,
             stream,
             events: Arc::new(EventPool::default()),
-            scratch: Mutex::new(None),
             order: Mutex::new(OrderScratch::default()),
-            row_report: Mutex::new(None),
+            reports: StreamReports::default(),
         })
     }
 
@@ -56,7 +53,7 @@ impl CudaStreamBackend {
 impl Drop for CudaStreamBackend {
     fn drop(&mut self) {
         // Work queued on this stream may still use its scratch: drain first.
-        let report = self.row_report.get_mut_unpoisoned().take();
+        let report = self.reports.take();
         if let Err(e) = self.shared.bind() {
             tracing::error!(error = %e, "binding a stream's context to free its scratch failed");
             // Kernels may still write the report: leaked, as the other scratch is.
@@ -66,13 +63,6 @@ impl Drop for CudaStreamBackend {
         let _ = self.stream.synchronize();
         drop(report);
         self.order.get_mut_unpoisoned().release(&self.shared);
-        let scratch = self.scratch.get_mut_unpoisoned().take();
-        if let Some(ptr) = scratch {
-            // SAFETY: allocated by cuMemAlloc in this context, freed once, unused now.
-            if let Err(e) = unsafe { driver::mem_free(ptr) } {
-                tracing::error!(error = %e, "freeing a stream's scratch memory failed");
-            }
-        }
     }
 }
 
