@@ -233,37 +233,31 @@ __device__ __forceinline__ void gpuio_array_count(const gpuio_cache* c, unsigned
               n);
 }
 
-// Adds the active lanes' hits and waits with one atomic per counter and warp (not one per
-// lane: the hit path's counters would be its most contended lines).
+// Adds the active lanes' `a` to counter `ca` and `b` to counter `cb`, one atomic per counter
+// and warp (not one per lane: the hit path's counters would be its most contended lines).
 __device__ __forceinline__ void gpuio_array_count_warp(const gpuio_cache* c, unsigned int slot,
-                                                       unsigned int active, unsigned int hits,
-                                                       unsigned int waits) {
+                                                       unsigned int active, int ca,
+                                                       unsigned int a, int cb, unsigned int b) {
 #if __CUDA_ARCH__ >= 800
-    hits = __reduce_add_sync(active, hits);
-    waits = __reduce_add_sync(active, waits);
+    a = __reduce_add_sync(active, a);
+    b = __reduce_add_sync(active, b);
     if ((int)gpuio_ring_lane_id() != __ffs(active) - 1) return;
 #endif
-    if (hits) gpuio_array_count(c, slot, GPUIO_STAT_HITS, hits);
-    if (waits) gpuio_array_count(c, slot, GPUIO_STAT_WAITS, waits);
+    if (a) gpuio_array_count(c, slot, ca, a);
+    if (b) gpuio_array_count(c, slot, cb, b);
 }
 
 // Adds the active lanes' reads in place (`mine`: this lane's, of `len` bytes at address `at`)
-// and the sectors they moved, one atomic per counter and warp.
+// and the sectors they moved.
 __device__ __forceinline__ void gpuio_array_count_in_place(const gpuio_cache* c,
                                                            unsigned int slot, unsigned int active,
                                                            int mine, unsigned long long at,
                                                            unsigned long long len) {
     const unsigned long long first = at / GPUIO_SECTOR_BYTES;
     const unsigned long long end = (at + len + GPUIO_SECTOR_BYTES - 1ull) / GPUIO_SECTOR_BYTES;
-    unsigned int reads = mine ? 1u : 0u;
-    unsigned int bytes = mine ? (unsigned int)((end - first) * GPUIO_SECTOR_BYTES) : 0u;
-#if __CUDA_ARCH__ >= 800
-    reads = __reduce_add_sync(active, reads);
-    bytes = __reduce_add_sync(active, bytes);
-    if ((int)gpuio_ring_lane_id() != __ffs(active) - 1) return;
-#endif
-    if (reads) gpuio_array_count(c, slot, GPUIO_STAT_DIRECT, reads);
-    if (bytes) gpuio_array_count(c, slot, GPUIO_STAT_BYTES_DIRECT, bytes);
+    const unsigned int bytes = mine ? (unsigned int)((end - first) * GPUIO_SECTOR_BYTES) : 0u;
+    gpuio_array_count_warp(c, slot, active, GPUIO_STAT_DIRECT, mine ? 1u : 0u,
+                           GPUIO_STAT_BYTES_DIRECT, bytes);
 }
 
 // Quarter-octave bucket of a latency in ns (gpuio_hal::ondemand::latency_bucket).
@@ -509,7 +503,7 @@ __device__ __forceinline__ long long gpuio_array_round(const gpuio_array_desc* a
             m->frameless = 0;
         }
     }
-    gpuio_array_count_warp(c, a->slot, active, hits, waits);
+    gpuio_array_count_warp(c, a->slot, active, GPUIO_STAT_HITS, hits, GPUIO_STAT_WAITS, waits);
     // The claimed pages' reads, their bytes copied by the whole warp together: staged by the
     // ring's proxy, or in place where the array's source is readable by the device.
     if (__any_sync(active, claimed)) {

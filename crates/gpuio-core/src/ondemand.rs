@@ -260,7 +260,7 @@ impl PageCache {
             )));
         }
         let (in_place, mut miss_path) = self.in_place(&source, bytes, mode);
-        let direct = in_place.as_ref().map(|p| {
+        let reading = in_place.as_ref().map(|p| {
             // Elements are read where they lie: only a source aligned for every element type
             // (and the 16-byte loads of spans) can be.
             let aligned = p.addr % 16 == 0;
@@ -277,18 +277,18 @@ impl PageCache {
         });
         let proxy = self.inner.proxy.lock_unpoisoned();
         let resource = proxy.register(source.clone())?;
-        let table =
-            match self
-                .inner
-                .memory
-                .add_array(bytes, resource, mode == ArrayMode::ReadWrite, direct)
-            {
-                Ok(t) => t,
-                Err(e) => {
-                    let _ = proxy.unregister(resource);
-                    return Err(e.into());
-                }
-            };
+        let table = match self.inner.memory.add_array(
+            bytes,
+            resource,
+            mode == ArrayMode::ReadWrite,
+            reading,
+        ) {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = proxy.unregister(resource);
+                return Err(e.into());
+            }
+        };
         Ok(OnDemandArray {
             cache: self.clone(),
             table: Some(table),

@@ -162,26 +162,19 @@ pub(super) fn element_gather(ctx: &Ctx<'_>, zipf: bool) -> Result<(Record, Vec<T
         )?)
     })?;
     check("zero-copy")?;
-    drop(words);
 
-    // UVM first touch: a fresh managed copy of the file per pass.
+    // UVM first touch: a fresh managed copy of the file per pass, written by the host.
     let mut uvm = Vec::new();
     for _ in 0..ctx.opts.reps.max(1) {
         let mut managed = ctx.gpu.alloc_managed(ctx.size as usize)?;
-        let mut chunk = vec![0u8; 64 << 20];
-        let mut at = 0u64;
-        while at < ctx.size {
-            let len = chunk.len().min((ctx.size - at) as usize);
-            read_at(ctx, &mut chunk[..len], at)?;
-            managed.write(at as usize, &chunk[..len])?;
-            at += len as u64;
-        }
+        managed.write(0, &words)?;
         let start = Instant::now();
         let from = WordSource::Device(managed.device());
         array_kernels::bench_reads_u32(&ctx.stream, from, &idx_buf, n, &out, threads)?;
         uvm.push(start.elapsed());
     }
     check("UVM")?;
+    drop(words);
     let uvm = median(uvm);
 
     let (ours_r, one_r, all_r, uvm_r) = (rate(ours), rate(one_core), rate(all_cores), rate(uvm));
@@ -267,18 +260,11 @@ fn gather(
     array.check().map_err(api)
 }
 
-fn read_at(ctx: &Ctx<'_>, buf: &mut [u8], at: u64) -> Result<()> {
-    let f = std::fs::File::open(&ctx.path).map_err(|e| BenchError::Options(e.to_string()))?;
-    f.read_exact_at(buf, at)
-        .map_err(|e| BenchError::Options(format!("reading the test file: {e}")))
-}
-
 /// The whole file into `dst`.
 fn read_file(ctx: &Ctx<'_>, dst: &mut [u8]) -> Result<()> {
-    for (k, piece) in dst.chunks_mut(64 << 20).enumerate() {
-        read_at(ctx, piece, (k * (64 << 20)) as u64)?;
-    }
-    Ok(())
+    std::fs::File::open(&ctx.path)
+        .and_then(|f| f.read_exact_at(dst, 0))
+        .map_err(|e| BenchError::Options(format!("reading the test file: {e}")))
 }
 
 /// Checks every element of `out` against `expected`.
