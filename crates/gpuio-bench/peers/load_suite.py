@@ -137,6 +137,8 @@ def load(loader, path, devices):
             return [gst.load_file(path, device=devices[0])], None
         if loader == "gpuio-replicated":
             return gst.load_replicated(path, devices), None
+        if loader == "gpuio-halves":
+            return halves(gst, path, devices), None
         return gst.load_split(path, devices, split_dim), None
     if loader == "safetensors":
         from safetensors.torch import load_file
@@ -172,11 +174,30 @@ def load(loader, path, devices):
     raise SystemExit(f"unknown loader {loader}")
 
 
+def halves(gst, path, devices):
+    """The host's side of a load onto several GPUs, the limit under one: each device reads
+    its 1/N of the data (cut at tensor boundaries, as ``load_split`` cuts), side by side,
+    through gpuio's session; no views, no copies between the GPUs. Returns each device's
+    bytes and the rows in them, viewed only by ``check``, outside the timing."""
+    import torch
+
+    start, rows = header(path)
+    cuts = gst._cuts(rows[-1][1], len(devices), [e for _, e, _, _ in rows])
+    blobs = [torch.empty(hi - lo, dtype=torch.uint8, device=d)
+             for d, lo, hi in zip(devices, cuts, cuts[1:])]
+    moved = gst._Progress(None, rows[-1][1])
+    gst._read_side_by_side(gst._default_session(), path,
+                           [(b, start + lo) for b, lo in zip(blobs, cuts)], moved)
+    return [(b, [r for r in rows if lo <= r[0] < hi]) for b, lo, hi in zip(blobs, cuts, cuts[1:])]
+
+
 def check(loader, got, expected, devices):
     """Every device's tensors against the checksums (split parts put back together)."""
     if devices[0] != "cpu":
         import torch
 
+        if loader == "gpuio-halves":
+            got = [{k: t for b, rows in got for k, t in torch_views(torch, b, rows).items()}]
         if loader == "gpuio-split":
             cat = lambda k: torch.cat([g[k].to(devices[0]) for g in got], split_dim(k, None))  # noqa: E731
             got = [{k: cat(k) for k in got[0]}]

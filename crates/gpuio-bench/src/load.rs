@@ -272,6 +272,11 @@ pub fn run(
         }
         // Against the one-GPU first load of this run (measured above with the warm part).
         if let (true, Some(&one)) = (gpus.len() >= 2 && cuda, first_rate.get(shape)) {
+            // The limit beside them: the same first reads of each GPU's half, side by side,
+            // with no views and no copies between the GPUs.
+            progress(&format!("{shape}: two GPUs, reads alone"));
+            let halves = load("gpuio-halves", &prefix, "cuda:0,cuda:1", "warm", 0)?
+                .map_err(crate::BenchError::Options)?;
             for mode in ["replicated", "split"] {
                 progress(&format!("{shape}: two GPUs, {mode}"));
                 let loader = format!("gpuio-{mode}");
@@ -279,6 +284,15 @@ pub fn run(
                     .map_err(crate::BenchError::Options)?;
                 let case = format!("2gpu_{mode}");
                 add(&case, gbps(l.first_s), "gpuio, one GPU", one, &loader, 1);
+                let limit = "the halves' reads alone, two GPUs side by side";
+                add(
+                    &case,
+                    gbps(l.first_s),
+                    limit,
+                    gbps(halves.first_s),
+                    &loader,
+                    1,
+                );
             }
         }
         if shape == "large" && opts.temps.contains(&"warm") {
@@ -411,7 +425,7 @@ fn targets(records: &[Record]) -> Vec<Target> {
         Target::judge(
             "two GPUs, replicated and tensor-parallel, >= 1.8x one GPU's rate",
             records,
-            |r| r.case.contains("_2gpu_"),
+            |r| r.case.contains("_2gpu_") && r.peer == "gpuio, one GPU",
             ratio,
             1.8,
             "x",

@@ -242,6 +242,8 @@ def test_safetensors_onto_every_gpu_replicated_and_split(s, tmp_path):
         "w1": torch.randn(7, 33, 5, generator=g).to(torch.float16),
         "bias": torch.arange(10, dtype=torch.int64),
         "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "tiny": torch.ones(1, 3, dtype=torch.int16),  # a part with no rows on device 1
     }
     path = str(tmp_path / "m.safetensors")
     st_save(tensors, path)
@@ -253,7 +255,7 @@ def test_safetensors_onto_every_gpu_replicated_and_split(s, tmp_path):
     for dev, got in zip(devices, copies):
         for name, t in theirs.items():
             assert got[name].device == torch.device(dev) and torch.equal(got[name].cpu(), t), name
-    dims = {"emb": 0, "w0": 1, "w1": 2}  # bias and scalar: whole on every device
+    dims = {"emb": 0, "w0": 1, "w1": 2, "empty": 1, "tiny": 0}  # bias, scalar: whole
     parts = gst.load_split(path, devices, dims, session=s)
     for name, t in theirs.items():
         want = [t] * len(devices) if name not in dims else t.tensor_split(len(devices), dims[name])

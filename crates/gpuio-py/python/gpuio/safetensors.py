@@ -224,8 +224,8 @@ def load_split(filename, devices, split, session=None, progress=None):
     tensor whose dim is None (or missing from the dict) goes whole to every device. Each
     byte is read from host memory once: each device reads a contiguous 1/N of the data (cut
     at tensor boundaries), then sends each tensor's parts to their devices (NVLink where the
-    GPUs have it). Every part gets an allocation of its own. ``progress`` as for
-    :func:`load_file`."""
+    GPUs have it), one copy per pair of devices. Each device's parts are views of one
+    allocation of its own. ``progress`` as for :func:`load_file`."""
     if not callable(split) and not isinstance(split, dict):
         raise _invalid("split is a dict of tensor names to dims, or a callable(name, shape)")
     return _load_shards(filename, _devices(devices), _Parts(split), session, progress)
@@ -447,14 +447,59 @@ class _Parts:
         cuts = _cuts(total, len(fws), [r[4] for r in rows])
         reads = [fw.empty(hi - lo) for fw, lo, hi in zip(fws, cuts, cuts[1:])]
         _read_side_by_side(session, path, [(b, start + lo) for b, lo in zip(reads, cuts)], moved)
-        outs = [{} for _ in fws]
+        # Each tensor's parts, in file order; reader r's tensors are a run of that order.
+        readers, parts = [], []
         for (name, st_dtype, shape, begin, end), d in zip(rows, dims):
-            r = max(i for i, c in enumerate(cuts[:-1]) if c <= begin) if end > begin else 0
+            r = max(i for i, c in enumerate(cuts[:-1]) if c <= begin)  # ascends with begin
             whole = fws[r].view(reads[r][begin - cuts[r] : end - cuts[r]], name, st_dtype, shape)
-            parts = [whole] * len(fws) if d is None else whole.tensor_split(len(fws), d)
-            for out, fw, part in zip(outs, fws, parts):
-                out[name] = fw.torch.empty(part.shape, dtype=part.dtype, device=fw.device)
-                out[name].copy_(part, non_blocking=True)
+            readers.append(r)
+            parts.append([whole] * len(fws) if d is None else whole.tensor_split(len(fws), d))
+        # Device j's parts lie in one allocation, in file order, each at an offset that suits
+        # its element size: what reader r sends j is one region of it, moved by one copy
+        # from a staging buffer on r where j != r (a copy per part would cost a cross-device
+        # synchronization each, an allocation per part a cudaMalloc each).
+        outs = []
+        for j, fw in enumerate(fws):
+            sizes = [_padded(p[j]) for p in parts]
+            blob = fw.empty(sum(sizes))
+            regions = _regions(readers, sizes, len(fws))
+            for r, (a, b) in enumerate(regions):
+                if a == b:
+                    continue
+                into = blob[a:b] if r == j else fws[r].empty(b - a)
+                held = into.split_with_sizes(sizes[_first(readers, r) : _first(readers, r + 1)])
+                for raw, p in zip(held, parts[_first(readers, r) : _first(readers, r + 1)]):
+                    raw[: _nbytes(p[j])].view(p[j].dtype).view(p[j].shape).copy_(
+                        p[j], non_blocking=True
+                    )
+                if r != j:
+                    blob[a:b].copy_(into, non_blocking=True)
+            raws = blob.split_with_sizes(sizes)
+            outs.append(
+                {
+                    row[0]: raw[: _nbytes(p[j])].view(p[j].dtype).view(p[j].shape)
+                    for row, raw, p in zip(rows, raws, parts)
+                }
+            )
         for fw in fws:
             fw.torch.cuda.synchronize(fw.device)
         return outs
+
+
+def _padded(t):
+    """Bytes a part takes in its device's allocation: a multiple of 16, so that every part
+    starts where any element size may."""
+    return -(-_nbytes(t) // 16) * 16
+
+
+def _first(readers, r):
+    """Index of the first tensor read by reader ``r`` or a later one (``readers`` ascends)."""
+    import bisect
+
+    return bisect.bisect_left(readers, r)
+
+
+def _regions(readers, sizes, n):
+    """``(start, end)`` in a device's allocation of the parts each of ``n`` readers sends."""
+    bounds = [sum(sizes[: _first(readers, r)]) for r in range(n + 1)]
+    return list(zip(bounds, bounds[1:]))
