@@ -2,7 +2,7 @@
 //! transports never import each other; test support (gpuio-testkit) is only ever a
 //! dev-dependency; each crate's integration tests are one binary (`tests/it/`), any other
 //! saying why it needs a process of its own; `unsafe` lives only in the device layer (gpuio-hal,
-//! gpuio-ring, gpuio-nvme, gpuio-rdma), the C ABIs (gpuio-capi, gpuio-cufile) and the one module of the
+//! gpuio-ring, gpuio-nvme, gpuio-rdma, gpuio-nixl), the C ABIs (gpuio-capi, gpuio-cufile) and the one module of the
 //! Python binding that borrows Python's buffers, each block with a `// SAFETY:` note (clippy's
 //! `undocumented_unsafe_blocks`, which every crate inherits from the workspace); every other
 //! crate forbids unsafe code; the HAL's `gpu/` names no feature (its device work is ops);
@@ -25,7 +25,8 @@ fn root() -> PathBuf {
 fn layer(name: &str) -> Option<u32> {
     Some(match name {
         "gpuio-hal" => 0,
-        "gpuio-ring" | "gpuio-nvme" | "gpuio-staging" | "gpuio-rdma" | "gpuio-ai-device" => 1,
+        "gpuio-ring" | "gpuio-nvme" | "gpuio-staging" | "gpuio-rdma" | "gpuio-nixl"
+        | "gpuio-ai-device" => 1,
         "gpuio-transport-memio" | "gpuio-transport-localio" | "gpuio-transport-remoteio" => 2,
         "gpuio-core" => 3,
         "gpuio-api" => 4,
@@ -160,13 +161,14 @@ fn dev_only_crates_are_only_dev_dependencies() {
 
 /// Crates with unsafe code: the device layer — the HAL (FFI to the drivers and the OS, behind
 /// safe types) and the device-family crates (memory shared with a device, their kernels'
-/// launches, FFI to libibverbs) — and the C ABIs, gpuio's and cuFile's (raw pointers from C
+/// launches, FFI to libibverbs and NIXL) — and the C ABIs, gpuio's and cuFile's (raw pointers from C
 /// callers, turned into references at one call site each).
 const UNSAFE_CRATES: &[&str] = &[
     "gpuio-hal",
     "gpuio-ring",
     "gpuio-nvme",
     "gpuio-rdma",
+    "gpuio-nixl",
     "gpuio-ai-device",
     "gpuio-capi",
     "gpuio-cufile",

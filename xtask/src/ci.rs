@@ -113,6 +113,7 @@ pub fn ci() -> Result {
     // As root, the full-disk tests must mount their small tmpfs, not skip.
     let tmpfs = if is_root() { "1" } else { "0" };
     let cufile_sdk = crate::cufile::sdk()?;
+    let nixl = crate::nixl::install()?;
     if has("cargo-nextest", "--version") {
         run(
             "tests (nextest)",
@@ -123,7 +124,10 @@ pub fn ci() -> Result {
                 .env("GPUIO_REQUIRE_ETCD", "1")
                 .env("GPUIO_REQUIRE_ODIRECT", "1")
                 .env("GPUIO_CUFILE_SDK", &cufile_sdk)
-                .env("GPUIO_REQUIRE_CUFILESDK", "1"),
+                .env("GPUIO_REQUIRE_CUFILESDK", "1")
+                .env("GPUIO_NIXL_LIB", crate::nixl::lib_dir(&nixl))
+                .env("GPUIO_NIXL_PYTHONPATH", &nixl)
+                .env("GPUIO_REQUIRE_NIXL", "1"),
         )?;
         // nextest does not run doctests.
         run("doctests", cargo().args(["test", "--workspace", "--doc"]))?;
@@ -137,7 +141,10 @@ pub fn ci() -> Result {
                 .env("GPUIO_REQUIRE_ETCD", "1")
                 .env("GPUIO_REQUIRE_ODIRECT", "1")
                 .env("GPUIO_CUFILE_SDK", &cufile_sdk)
-                .env("GPUIO_REQUIRE_CUFILESDK", "1"),
+                .env("GPUIO_REQUIRE_CUFILESDK", "1")
+                .env("GPUIO_NIXL_LIB", crate::nixl::lib_dir(&nixl))
+                .env("GPUIO_NIXL_PYTHONPATH", &nixl)
+                .env("GPUIO_REQUIRE_NIXL", "1"),
         )?;
     }
     run(

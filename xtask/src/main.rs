@@ -20,6 +20,8 @@
 //!   committed corpora.
 //! - `cufile-sdk` ([`cufile`]): NVIDIA's cuFile header and library from PyPI under
 //!   `target/cufile-sdk`, which gpuio-cufile's tests build against (`ci` installs it too).
+//! - `nixl` ([`nixl`]): NIXL from PyPI under `target/nixl`, which gpuio-nixl's tests load
+//!   (`ci` installs it too).
 //! - `qemu-rdma` and `qemu-nvme` ([`qemu`]): the RDMA tests on soft-RoCE, and the NVMe driver
 //!   against QEMU's emulated NVMe through VFIO, each in a QEMU guest.
 
@@ -31,6 +33,7 @@ mod cufile;
 mod fuzz;
 mod kmod;
 mod manifest;
+mod nixl;
 mod ptx;
 mod python;
 mod qemu;
@@ -57,9 +60,10 @@ fn main() -> ExitCode {
         "kmod" => kmod::kmod(rest),
         "fuzz" => fuzz::fuzz(rest),
         "cufile-sdk" => cufile::cufile_sdk(),
+        "nixl" => nixl::nixl(),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | bench [ARGS] | gpu-bundle | ptx [--arch SM].. [--wheels] [--write | --check | --rust] | python | qemu-rdma | qemu-nvme | kmod [--kdir DIR] | cufile-sdk>"
+                "usage: cargo xtask <ci | bench [ARGS] | gpu-bundle | ptx [--arch SM].. [--wheels] [--write | --check | --rust] | python | qemu-rdma | qemu-nvme | kmod [--kdir DIR] | cufile-sdk | nixl>"
             );
             return ExitCode::from(2);
         }

@@ -154,6 +154,7 @@ fn remote_paths(session: &Session) -> Vec<IoPath> {
             Capability::yes("always built in: [agent] tls_cert + tls_key, [remote] tls_ca"),
         ),
         IoPath::new("remoteio", "RDMA verbs (?transport=rdma)", rdma()),
+        IoPath::new("remoteio", "NIXL (libnixl_capi.so, UCX)", nixl()),
         IoPath::new(
             "remoteio",
             "GPUDirect RDMA (gdr=1)",
@@ -201,6 +202,30 @@ fn rdma() -> Capability {
 #[cfg(not(feature = "rdma"))]
 fn rdma() -> Capability {
     Capability::no("not in this build (cargo feature `rdma`, which needs libibverbs-dev)")
+}
+
+#[cfg(feature = "nixl")]
+fn nixl() -> Capability {
+    match gpuio_nixl::library() {
+        Ok(lib) => Capability::yes(format!(
+            "{}, version {}; plugins: {}; UCX picks its transports at run time (UCX_TLS: {}); \
+             RemoteIO's transfers do not run on it yet",
+            lib.path
+                .as_ref()
+                .map_or("found by the dynamic linker".into(), |p| p
+                    .display()
+                    .to_string()),
+            lib.version.as_deref().unwrap_or("unknown"),
+            lib.plugins.join(", "),
+            std::env::var("UCX_TLS").unwrap_or_else(|_| "unset".into()),
+        )),
+        Err(e) => Capability::no(e.to_string()),
+    }
+}
+
+#[cfg(not(feature = "nixl"))]
+fn nixl() -> Capability {
+    Capability::no("not in this build (cargo feature `nixl`)")
 }
 
 /// Row gathers and the request ring: GPU kernels on the CUDA backend (checked by loading them

@@ -30,11 +30,14 @@ pub enum Requirement {
     /// NVIDIA's `cufile.h`, `cuda.h` and `libcufile.so.0` from PyPI's wheels, which
     /// `cargo xtask ci` installs and names in `GPUIO_CUFILE_SDK` (`GPUIO_REQUIRE_CUFILESDK`).
     CufileSdk,
+    /// NIXL's `libnixl_capi.so` and its UCX plugin, from PyPI's `nixl-cu13` wheel, which
+    /// `cargo xtask ci` installs and names in `GPUIO_NIXL_LIB` (`GPUIO_REQUIRE_NIXL`).
+    Nixl,
 }
 
 impl Requirement {
     /// Every requirement.
-    pub const ALL: [Requirement; 10] = [
+    pub const ALL: [Requirement; 11] = [
         Requirement::Cuda,
         Requirement::Nvrtc,
         Requirement::Gds,
@@ -45,6 +48,7 @@ impl Requirement {
         Requirement::Nvme,
         Requirement::Tmpfs,
         Requirement::CufileSdk,
+        Requirement::Nixl,
     ];
 
     /// The variable that makes this requirement's absence a failure: `GPUIO_REQUIRE_<NAME>`.
@@ -60,6 +64,7 @@ impl Requirement {
             Requirement::Nvme => "GPUIO_REQUIRE_NVME",
             Requirement::Tmpfs => "GPUIO_REQUIRE_TMPFS",
             Requirement::CufileSdk => "GPUIO_REQUIRE_CUFILESDK",
+            Requirement::Nixl => "GPUIO_REQUIRE_NIXL",
         }
     }
 

@@ -345,6 +345,16 @@ pub enum HalError {
         /// answering `Network`).
         code: ErrorCode,
     },
+    /// A NIXL call failed (gpuio-nixl: defined here for the reason [`HalError::Rdma`] is).
+    #[error("NIXL {op}: {message}")]
+    Nixl {
+        /// What was being done.
+        op: &'static str,
+        /// NIXL's description.
+        message: String,
+        /// The code this maps to.
+        code: ErrorCode,
+    },
     /// The GPU request ring is shutting down or closed: the request was refused, or the ring
     /// shut down before serving it.
     #[error("the request ring is shut down")]
@@ -421,7 +431,7 @@ impl HalError {
             }
             Self::TimedOut { .. } => ErrorCode::Timeout,
             Self::Busy(_) => ErrorCode::Busy,
-            Self::Rdma { code, .. } => *code,
+            Self::Rdma { code, .. } | Self::Nixl { code, .. } => *code,
             Self::NvmeCommand { status, .. } => status.error_code(),
             Self::NvmeController { .. } => ErrorCode::Io,
         }

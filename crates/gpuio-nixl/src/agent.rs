@@ -1,0 +1,233 @@
+//! A NIXL agent with its UCX backend: metadata out and in, registrations, and one-sided reads
+//! and writes that return only when NIXL is done with the local bytes.
+
+use crate::memory::{NixlRegion, NixlRemote, Span};
+use crate::nixl_err;
+use gpuio_hal::{HalError, HostBuffer, Result};
+use nixl_sys::{Agent, AgentConfig, MemType, ThreadSync, XferDescList, XferOp, XferStatus};
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+/// How long a transfer may run before gpuio gives up on its peer.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A NIXL agent (its own name, its UCX backend and progress thread). Calls on it may come from
+/// any thread: the agent serializes them (NIXL's strict thread sync).
+pub struct NixlAgent {
+    agent: Agent,
+    name: String,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for NixlAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlAgent")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+/// A peer whose metadata an agent loaded: transfers name it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NixlPeer {
+    name: String,
+}
+
+impl NixlPeer {
+    /// The peer agent's name, as its metadata gives it.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl NixlAgent {
+    /// An agent named `name` with the UCX backend (UCX picks its transports at run time:
+    /// shared memory, TCP, RDMA, `cuda_ipc`; `UCX_TLS` narrows them). `Unsupported` where
+    /// this process has no NIXL.
+    pub fn new(name: &str) -> Result<Self> {
+        crate::library()?;
+        let cfg = AgentConfig {
+            thread_sync: ThreadSync::Strict,
+            ..AgentConfig::default()
+        };
+        let agent =
+            Agent::new_configured(name, &cfg).map_err(|e| nixl_err("creating an agent", e))?;
+        let (_, params) = agent
+            .get_plugin_params("UCX")
+            .map_err(|e| nixl_err("reading the UCX plugin's parameters", e))?;
+        agent
+            .create_backend("UCX", &params)
+            .map_err(|e| nixl_err("creating the UCX backend", e))?;
+        Ok(Self {
+            agent,
+            name: name.to_string(),
+            timeout: DEFAULT_TIMEOUT,
+        })
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Sets how long one transfer may run ([`DEFAULT_TIMEOUT`] unless set).
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// This agent's metadata: its connection information and every registration's keys. It
+    /// is a bearer credential: whoever loads it can read and write every registered region.
+    pub fn metadata(&self) -> Result<Vec<u8>> {
+        self.agent
+            .get_local_md()
+            .map_err(|e| nixl_err("reading the agent's metadata", e))
+    }
+
+    /// Loads a peer's metadata (from [`NixlAgent::metadata`] there, or NIXL's own API).
+    pub fn connect(&self, metadata: &[u8]) -> Result<NixlPeer> {
+        let name = self
+            .agent
+            .load_remote_md(metadata)
+            .map_err(|e| nixl_err("loading a peer's metadata", e))?;
+        Ok(NixlPeer { name })
+    }
+
+    /// Forgets a peer's metadata (its connection and keys).
+    pub fn forget(&self, peer: &NixlPeer) -> Result<()> {
+        self.agent
+            .invalidate_remote_md(&peer.name)
+            .map_err(|e| nixl_err("forgetting a peer", e))
+    }
+
+    /// Registers `range` of `buf`; peers reach it after loading this agent's metadata anew.
+    pub fn register(&self, buf: &HostBuffer, range: Range<usize>) -> Result<NixlRegion> {
+        NixlRegion::new(&self.agent, buf, range)
+    }
+
+    /// Reads `dst.len()` bytes at `remote_off` of the peer's `remote` region into `dst`, a
+    /// slice inside `region`; returns when they have landed.
+    pub fn read_into(
+        &self,
+        region: &NixlRegion,
+        dst: &mut [u8],
+        peer: &NixlPeer,
+        remote: &NixlRemote,
+        remote_off: u64,
+    ) -> Result<()> {
+        let local = region.span_of(dst)?;
+        let far = remote.span_at(remote_off, dst.len())?;
+        self.transfer(XferOp::Read, local, peer, far)
+    }
+
+    /// Writes `src`, a slice inside `region`, at `remote_off` of the peer's `remote` region;
+    /// returns when the peer's memory holds it.
+    pub fn write_from(
+        &self,
+        region: &NixlRegion,
+        src: &[u8],
+        peer: &NixlPeer,
+        remote: &NixlRemote,
+        remote_off: u64,
+    ) -> Result<()> {
+        let local = region.span_of(src)?;
+        let far = remote.span_at(remote_off, src.len())?;
+        self.transfer(XferOp::Write, local, peer, far)
+    }
+
+    /// Posts one transfer and waits for it. Past the deadline the peer is forgotten (its
+    /// endpoint closes, which ends what is in flight) and the wait goes on until NIXL lets go
+    /// of the local bytes: a caller's slice is never written after this returns.
+    fn transfer(&self, op: XferOp, local: Span, peer: &NixlPeer, far: Span) -> Result<()> {
+        if local.len == 0 {
+            return Ok(());
+        }
+        let what = match op {
+            XferOp::Read => "read",
+            XferOp::Write => "write",
+        };
+        let list = |s: Span| {
+            let mut l = XferDescList::new(MemType::Dram)
+                .map_err(|e| nixl_err("making a descriptor list", e))?;
+            l.add_desc(s.addr, s.len, 0);
+            Ok::<_, HalError>(l)
+        };
+        let (mine, theirs) = (list(local)?, list(far)?);
+        let req = self
+            .agent
+            .create_xfer_req(op, &mine, &theirs, &peer.name, None)
+            .map_err(|e| nixl_err("creating a transfer", e))?;
+        let running = self
+            .agent
+            .post_xfer_req(&req, None)
+            .map_err(|e| transfer_err(what, e))?;
+        if !running {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let mut timed_out = false;
+        let mut spins = 0u32;
+        loop {
+            let status = self.agent.get_xfer_status(&req);
+            if timed_out && !matches!(status, Ok(XferStatus::InProgress)) {
+                return Err(HalError::TimedOut {
+                    what: "a NIXL transfer",
+                    after: self.timeout,
+                });
+            }
+            match status {
+                Ok(XferStatus::Success) => return Ok(()),
+                Err(e) => return Err(transfer_err(what, e)),
+                Ok(XferStatus::InProgress) => {}
+            }
+            if !timed_out && start.elapsed() > self.timeout {
+                tracing::warn!(peer = %peer.name, "NIXL {what} timed out; forgetting the peer");
+                timed_out = true;
+                let _ = self.forget(peer);
+            }
+            // Spin first (a small transfer lands in microseconds), then yield the core.
+            spins = spins.saturating_add(1);
+            if spins < 2000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+    }
+}
+
+/// A transfer NIXL failed: the peer or the path to it (`Network`), or a bad request.
+fn transfer_err(what: &'static str, e: nixl_sys::NixlError) -> HalError {
+    let op = if what == "read" {
+        "one-sided read"
+    } else {
+        "one-sided write"
+    };
+    match e {
+        nixl_sys::NixlError::BackendError => HalError::Nixl {
+            op,
+            message: "the transfer failed (the peer or the path to it)".into(),
+            code: gpuio_hal::ErrorCode::Network,
+        },
+        e => nixl_err(op, e),
+    }
+}
+
+/// The plugins NIXL can load, listed by a throwaway agent with no backend.
+pub(crate) fn available_plugins() -> Result<Vec<String>> {
+    let cfg = AgentConfig {
+        enable_prog_thread: false,
+        ..AgentConfig::default()
+    };
+    let agent =
+        Agent::new_configured("gpuio-probe", &cfg).map_err(|e| nixl_err("creating an agent", e))?;
+    let list = agent
+        .get_available_plugins()
+        .map_err(|e| nixl_err("listing plugins", e))?;
+    let mut names = list
+        .iter()
+        .map(|s| s.map(str::to_string))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| nixl_err("listing plugins", e))?;
+    names.sort();
+    Ok(names)
+}
