@@ -111,7 +111,7 @@ fn first(replicas: &[RemoteResource]) -> Result<&RemoteResource> {
 #[derive(Debug, Default)]
 struct RemotePeers {
     /// Keyed by address and whether memory exports go over RDMA.
-    peers: Mutex<HashMap<(SocketAddr, bool), Arc<RemotePeer>>>,
+    peers: Mutex<HashMap<(SocketAddr, RemoteTransport), Arc<RemotePeer>>>,
     #[cfg(feature = "registry")]
     registry: OnceLock<Arc<Registry>>,
 }
@@ -330,6 +330,14 @@ impl Session {
                             .into(),
                     });
                 }
+                if *transport == RemoteTransport::Nixl && !cfg!(feature = "nixl") {
+                    return Err(Error::Unsupported {
+                        what: uri.to_string(),
+                        reason: "this build has no NIXL (cargo feature `nixl`); use \
+                                 transport=tcp"
+                            .into(),
+                    });
+                }
                 let addrs = match target {
                     RemoteTarget::Address { host, port } => {
                         let addr = (host.as_str(), *port)
@@ -355,7 +363,7 @@ impl Session {
                     .into_iter()
                     .map(|a| {
                         Ok(RemoteResource::new(
-                            self.peer(uri, a, rdma)?,
+                            self.peer(uri, a, *transport)?,
                             resource.clone(),
                         ))
                     })
@@ -366,9 +374,14 @@ impl Session {
     }
 
     /// The pooled peer for the agent at `addr` (created on first use).
-    fn peer(&self, uri: &Uri, addr: SocketAddr, rdma: bool) -> Result<Arc<RemotePeer>> {
+    fn peer(
+        &self,
+        uri: &Uri,
+        addr: SocketAddr,
+        transport: RemoteTransport,
+    ) -> Result<Arc<RemotePeer>> {
         let mut peers = self.remote.peers.lock_unpoisoned();
-        if let Some(p) = peers.get(&(addr, rdma)) {
+        if let Some(p) = peers.get(&(addr, transport)) {
             return Ok(p.clone());
         }
         let creds = self.config.remote_credentials()?.ok_or_else(|| {
@@ -376,8 +389,10 @@ impl Session {
                 "{uri}: RemoteIO needs a key: set [remote] key_id and secret_env or secret_file"
             ))
         })?;
-        let peer = Arc::new(RemotePeer::new(self.config.peer_config(addr, creds, rdma)?));
-        peers.insert((addr, rdma), peer.clone());
+        let peer = Arc::new(RemotePeer::new(
+            self.config.peer_config(addr, creds, transport)?,
+        ));
+        peers.insert((addr, transport), peer.clone());
         Ok(peer)
     }
 

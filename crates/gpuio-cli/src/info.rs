@@ -154,7 +154,7 @@ fn remote_paths(session: &Session) -> Vec<IoPath> {
             Capability::yes("always built in: [agent] tls_cert + tls_key, [remote] tls_ca"),
         ),
         IoPath::new("remoteio", "RDMA verbs (?transport=rdma)", rdma()),
-        IoPath::new("remoteio", "NIXL (libnixl_capi.so, UCX)", nixl()),
+        IoPath::new("remoteio", "NIXL (?transport=nixl, UCX)", nixl()),
         IoPath::new(
             "remoteio",
             "GPUDirect RDMA (gdr=1)",
@@ -209,7 +209,7 @@ fn nixl() -> Capability {
     match gpuio_nixl::library() {
         Ok(lib) => Capability::yes(format!(
             "{}, version {}; plugins: {}; UCX picks its transports at run time (UCX_TLS: {}); \
-             RemoteIO's transfers do not run on it yet",
+             memory exports to keys that may write them ([agent] nixl = true)",
             lib.path
                 .as_ref()
                 .map_or("found by the dynamic linker".into(), |p| p

@@ -8,6 +8,11 @@ use nixl_sys::{Agent, AgentConfig, MemType, ThreadSync, XferDescList, XferOp, Xf
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
+/// How long the agent's progress thread sleeps between rounds. It serves peers' transfers
+/// where the transport needs the target to take part (UCX's TCP); NIXL's default, none, spins
+/// a core per agent even when idle (measured: a whole core; 2% with this delay).
+const PROGRESS_DELAY: Duration = Duration::from_micros(100);
+
 /// How long a transfer may run before gpuio gives up on its peer.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -48,6 +53,7 @@ impl NixlAgent {
         crate::library()?;
         let cfg = AgentConfig {
             thread_sync: ThreadSync::Strict,
+            pthr_delay_us: PROGRESS_DELAY.as_micros() as u64,
             ..AgentConfig::default()
         };
         let agent =
@@ -132,6 +138,50 @@ impl NixlAgent {
         let local = region.span_of(src)?;
         let far = remote.span_at(remote_off, src.len())?;
         self.transfer(XferOp::Write, local, peer, far)
+    }
+
+    /// Reads `dst.len()` bytes at `remote_off` of the peer's `remote` region straight into
+    /// `dst`, which no registration covers: it is registered for this call alone (worth its
+    /// cost for large transfers; a [`NixlRegion`] serves repeated ones).
+    pub fn read_direct(
+        &self,
+        dst: &mut [u8],
+        peer: &NixlPeer,
+        remote: &NixlRemote,
+        remote_off: u64,
+    ) -> Result<()> {
+        let far = remote.span_at(remote_off, dst.len())?;
+        let local = Span::of(dst);
+        let _reg = self.register_for_call(local)?;
+        self.transfer(XferOp::Read, local, peer, far)
+    }
+
+    /// Writes `src`, which no registration covers, at `remote_off` of the peer's `remote`
+    /// region: registered for this call alone, as for [`NixlAgent::read_direct`].
+    pub fn write_direct(
+        &self,
+        src: &[u8],
+        peer: &NixlPeer,
+        remote: &NixlRemote,
+        remote_off: u64,
+    ) -> Result<()> {
+        let far = remote.span_at(remote_off, src.len())?;
+        let local = Span::of(src);
+        let _reg = self.register_for_call(local)?;
+        self.transfer(XferOp::Write, local, peer, far)
+    }
+
+    /// Registers `span` until the handle drops (before the caller's borrow ends). A peer that
+    /// loaded this agent's metadata meanwhile could reach it: the direct calls are for agents
+    /// whose metadata is never handed out (a client's).
+    fn register_for_call(&self, span: Span) -> Result<Option<nixl_sys::RegistrationHandle>> {
+        if span.len == 0 {
+            return Ok(None);
+        }
+        self.agent
+            .register_memory(&span, None)
+            .map(Some)
+            .map_err(|e| nixl_err("registering memory", e))
     }
 
     /// Posts one transfer and waits for it. Past the deadline the peer is forgotten (its

@@ -18,6 +18,8 @@
 //! `library.rs` (finding and loading the library), `agent.rs` (the agent and transfers),
 //! `memory.rs` (registrations and the range checks every transfer makes before it posts).
 //!
+//! Its users: `gpuio info`, and RemoteIO's `nixl` feature (`?transport=nixl`).
+//!
 //! Its integration tests (`tests/it`) need NIXL (PyPI's `nixl-cu13` wheel, which `cargo xtask
 //! ci` installs): two agents in one process, over UCX on loopback.
 

@@ -13,6 +13,16 @@ pub(crate) struct Span {
     pub(crate) len: usize,
 }
 
+impl Span {
+    /// The span of `bytes`.
+    pub(crate) fn of(bytes: &[u8]) -> Self {
+        Self {
+            addr: bytes.as_ptr() as usize,
+            len: bytes.len(),
+        }
+    }
+}
+
 impl MemoryRegion for Span {
     unsafe fn as_ptr(&self) -> *const u8 {
         self.addr as *const u8

@@ -361,6 +361,22 @@ impl Connection {
         })
     }
 
+    /// Asks the agent to reach `export` over NIXL; returns the NIXL metadata of the agent's
+    /// side and the export's address there.
+    pub fn nixl_exchange(&mut self, export: &str) -> Result<(Vec<u8>, u64)> {
+        self.guard(|c| {
+            let id = c.id();
+            let req = Message::NixlRequest {
+                export: export.into(),
+            };
+            c.send(&req, id)?;
+            match c.response(id)? {
+                Message::NixlInfo { metadata, addr } => Ok((metadata, addr)),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
     /// Reads `buf.len()` bytes of `export` at `offset`, in messages of at most `chunk` bytes.
     pub fn read(&mut self, export: &str, offset: u64, buf: &mut [u8], chunk: usize) -> Result<()> {
         let pieces = split_mut(offset, buf, chunk)?;

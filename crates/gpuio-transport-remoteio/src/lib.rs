@@ -5,6 +5,8 @@ pub mod agent;
 pub mod auth;
 pub mod connection;
 pub mod files;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod peer;
 #[cfg(feature = "rdma")]
 pub mod rdma;

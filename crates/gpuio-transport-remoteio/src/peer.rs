@@ -48,6 +48,10 @@ pub struct PeerConfig {
     /// which RDMA cannot reach, still go over TCP). `None`: TCP only.
     #[cfg(feature = "rdma")]
     pub rdma: Option<crate::rdma::RdmaOptions>,
+    /// NIXL: memory exports that the agent offers over NIXL (those this key may write) move
+    /// with NIXL one-sided transfers; the rest go over TCP. `false`: TCP only.
+    #[cfg(feature = "nixl")]
+    pub nixl: bool,
 }
 
 impl PeerConfig {
@@ -66,6 +70,8 @@ impl PeerConfig {
             server_name: None,
             #[cfg(feature = "rdma")]
             rdma: None,
+            #[cfg(feature = "nixl")]
+            nixl: false,
         }
     }
 }
@@ -121,6 +127,8 @@ pub struct RemotePeer {
     idle: Mutex<Vec<Connection>>,
     #[cfg(feature = "rdma")]
     rdma: crate::rdma::ChannelPool,
+    #[cfg(feature = "nixl")]
+    nixl: crate::nixl::ChannelPool,
     connects: AtomicU64,
     broken: AtomicU64,
     bytes_read: AtomicU64,
@@ -135,6 +143,8 @@ impl RemotePeer {
             idle: Mutex::new(Vec::new()),
             #[cfg(feature = "rdma")]
             rdma: crate::rdma::ChannelPool::default(),
+            #[cfg(feature = "nixl")]
+            nixl: crate::nixl::ChannelPool::default(),
             connects: AtomicU64::new(0),
             broken: AtomicU64::new(0),
             bytes_read: AtomicU64::new(0),
@@ -243,6 +253,13 @@ impl RemotePeer {
                 .fetch_add(buf.len() as u64, Ordering::Relaxed);
             return Ok(());
         }
+        #[cfg(feature = "nixl")]
+        if let Some(done) = self.over_nixl(export, &pinned, |ch| ch.read(offset, buf)) {
+            done?;
+            self.bytes_read
+                .fetch_add(buf.len() as u64, Ordering::Relaxed);
+            return Ok(());
+        }
         let stripe = self.cfg.stripe_bytes;
         let lanes = self.lanes(buf.len());
         let len = buf.len() as u64;
@@ -270,6 +287,13 @@ impl RemotePeer {
         check_write(export, &pinned, offset, data.len())?;
         #[cfg(feature = "rdma")]
         if let Some(done) = self.over_rdma(export, &pinned, |ch| ch.write(offset, data)) {
+            done?;
+            self.bytes_written
+                .fetch_add(data.len() as u64, Ordering::Relaxed);
+            return Ok(());
+        }
+        #[cfg(feature = "nixl")]
+        if let Some(done) = self.over_nixl(export, &pinned, |ch| ch.write(offset, data)) {
             done?;
             self.bytes_written
                 .fetch_add(data.len() as u64, Ordering::Relaxed);
@@ -409,6 +433,30 @@ impl RemotePeer {
             let control = self.checkout()?;
             let dev = self.rdma.device(opts)?;
             crate::rdma::RdmaChannel::open(control, &dev, name, self.cfg.stripe_bytes, timeout)
+        })
+    }
+
+    /// Runs `f` on a pooled NIXL channel to `export` (to the instance it met); `None` where
+    /// the peer does not use NIXL or the agent does not offer the export over it.
+    #[cfg(feature = "nixl")]
+    fn over_nixl<T>(
+        &self,
+        export: &RemoteExport,
+        pinned: &ExportInfo,
+        f: impl FnOnce(&mut crate::nixl::NixlChannel) -> Result<T>,
+    ) -> Option<Result<T>> {
+        if !self.cfg.nixl {
+            return None;
+        }
+        let timeout = self.cfg.timeout;
+        let name = export.name();
+        let checked = |ch: &mut crate::nixl::NixlChannel| {
+            self.same_instance(export, pinned, ch.instance())?;
+            f(ch)
+        };
+        self.nixl.run(name, checked, || {
+            let control = self.checkout()?;
+            crate::nixl::NixlChannel::open(control, name, self.cfg.stripe_bytes, timeout)
         })
     }
 

@@ -165,6 +165,7 @@ impl Config {
                 tls_cert: String::new(),
                 tls_key: String::new(),
                 rdma: false,
+                nixl: false,
                 exports: Vec::new(),
             },
             remote: RemoteSection {

@@ -47,6 +47,16 @@ impl Config {
             ),
             _ => return Err(bad("agent.tls_cert and agent.tls_key go together".into())),
         };
+        if a.nixl {
+            #[cfg(feature = "nixl")]
+            {
+                cfg.nixl = true;
+            }
+            #[cfg(not(feature = "nixl"))]
+            return Err(bad(
+                "agent.nixl: this build has no NIXL (cargo feature `nixl`)".into(),
+            ));
+        }
         if a.rdma {
             #[cfg(feature = "rdma")]
             {
@@ -181,7 +191,7 @@ impl Config {
         &self,
         addr: SocketAddr,
         credentials: Credentials,
-        rdma: bool,
+        transport: crate::RemoteTransport,
     ) -> Result<PeerConfig> {
         let r = &self.remote;
         let mut cfg = PeerConfig::new(addr, credentials);
@@ -198,8 +208,19 @@ impl Config {
         if !r.tls_server_name.is_empty() {
             cfg.server_name = Some(r.tls_server_name.clone());
         }
-        if rdma {
-            cfg = self.with_rdma(cfg)?;
+        match transport {
+            crate::RemoteTransport::Tcp => {}
+            crate::RemoteTransport::Rdma => cfg = self.with_rdma(cfg)?,
+            #[cfg(feature = "nixl")]
+            crate::RemoteTransport::Nixl => cfg.nixl = true,
+            #[cfg(not(feature = "nixl"))]
+            crate::RemoteTransport::Nixl => {
+                return Err(Error::Unsupported {
+                    what: "remoteio transport=nixl".into(),
+                    reason: "this build has no NIXL (cargo feature `nixl`); use transport=tcp"
+                        .into(),
+                });
+            }
         }
         Ok(cfg)
     }

@@ -201,6 +201,8 @@ pub struct AgentSection {
     pub tls_key: String,
     /// Serve memory exports over RDMA too.
     pub rdma: bool,
+    /// Offer memory exports over NIXL too (to keys that may write them).
+    pub nixl: bool,
     /// What is served.
     pub exports: Vec<AgentExport>,
 }

@@ -90,13 +90,15 @@ pub enum RemoteTarget {
 }
 
 /// The transport of a remote resource.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum RemoteTransport {
     /// TCP.
     #[default]
     Tcp,
     /// RDMA verbs.
     Rdma,
+    /// NIXL (UCX picks the transport).
+    Nixl,
 }
 
 impl Uri {
@@ -164,6 +166,7 @@ impl fmt::Display for Uri {
                 let t = match transport {
                     RemoteTransport::Tcp => "tcp",
                     RemoteTransport::Rdma => "rdma",
+                    RemoteTransport::Nixl => "nixl",
                 };
                 write!(
                     f,

@@ -358,13 +358,14 @@ impl<'a> Parser<'a> {
         let transport = match params.items.iter().find(|(k, _, _)| *k == "transport") {
             None | Some((_, "tcp", _)) => RemoteTransport::Tcp,
             Some((_, "rdma", _)) => RemoteTransport::Rdma,
+            Some((_, "nixl", _)) => RemoteTransport::Nixl,
             Some((k, v, pos)) => {
                 return Err(self.err(
                     *pos,
                     UriProblem::BadParam {
                         name: (*k).into(),
                         value: (*v).into(),
-                        expected: "tcp or rdma",
+                        expected: "tcp, rdma or nixl",
                     },
                 ));
             }

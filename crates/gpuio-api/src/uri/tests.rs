@@ -56,6 +56,18 @@ fn the_grammar_examples_parse() {
             gdr: true
         }
     );
+    assert_eq!(
+        ok("remoteio://kv-node:5555/kv?transport=nixl"),
+        Uri::Remote {
+            target: RemoteTarget::Address {
+                host: "kv-node".into(),
+                port: 5555
+            },
+            resource: "kv".into(),
+            transport: RemoteTransport::Nixl,
+            gdr: false
+        }
+    );
 }
 
 #[test]
@@ -265,18 +277,18 @@ fn any_uri() -> impl Strategy<Value = Uri> {
             "[a-z][a-z0-9.-]{0,10}",
             1u16..,
             "[a-z0-9/_]{1,10}",
-            any::<bool>(),
+            0..3u8,
             any::<bool>()
         )
             .prop_filter("resource must not start with /", |(_, _, r, _, _)| !r
                 .starts_with('/'))
-            .prop_map(|(host, port, resource, rdma, gdr)| Uri::Remote {
+            .prop_map(|(host, port, resource, transport, gdr)| Uri::Remote {
                 target: RemoteTarget::Address { host, port },
                 resource,
-                transport: if rdma {
-                    RemoteTransport::Rdma
-                } else {
-                    RemoteTransport::Tcp
+                transport: match transport {
+                    0 => RemoteTransport::Tcp,
+                    1 => RemoteTransport::Rdma,
+                    _ => RemoteTransport::Nixl,
                 },
                 gdr,
             }),

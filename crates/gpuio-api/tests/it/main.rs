@@ -5,5 +5,7 @@
 //! failure (`gpuio_testkit::Requirement`).
 
 mod api;
+#[cfg(feature = "nixl")]
+mod nixl;
 #[cfg(feature = "rdma")]
 mod rdma;

@@ -5,6 +5,7 @@
 //! failure (`gpuio_testkit::Requirement`).
 
 mod common;
+mod hosts;
 
 mod agent;
 mod bench_memory;
@@ -13,5 +14,7 @@ mod cli;
 mod cp_faults;
 #[cfg(feature = "registry")]
 mod multinode;
+#[cfg(feature = "nixl")]
+mod nixl;
 mod nvme;
 mod stat_endpoints;

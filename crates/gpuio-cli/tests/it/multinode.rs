@@ -13,6 +13,7 @@
 
 #![cfg(feature = "registry")]
 
+use crate::hosts::{Hosts, sh};
 use gpuio_api::{Access, Config, CopyOptions, ErrorCode, Resource, Session, Uri};
 use gpuio_testkit::Requirement;
 use gpuio_transport_remoteio::{Registry, RegistryConfig};
@@ -38,132 +39,6 @@ fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("a free port")
-}
-
-fn sh(args: &[&str]) -> bool {
-    Command::new(args[0])
-        .args(&args[1..])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-/// The test's hosts: network namespaces joined to this one by veth pairs, or loopback.
-struct Hosts {
-    namespaces: Vec<String>,
-}
-
-impl Hosts {
-    fn new() -> Self {
-        let mut namespaces = Vec::new();
-        for i in 1..=AGENTS {
-            let (ns, host, peer) = names(i);
-            // Leftovers of an interrupted run.
-            sh(&["ip", "netns", "del", &ns]);
-            sh(&["ip", "link", "del", &host]);
-            let ok = sh(&["ip", "netns", "add", &ns])
-                && sh(&[
-                    "ip", "link", "add", &host, "type", "veth", "peer", "name", &peer,
-                ])
-                && sh(&["ip", "link", "set", &peer, "netns", &ns])
-                && sh(&[
-                    "ip",
-                    "addr",
-                    "add",
-                    &format!("10.211.{i}.1/24"),
-                    "dev",
-                    &host,
-                ])
-                && sh(&["ip", "link", "set", &host, "up"])
-                && sh(&[
-                    "ip",
-                    "netns",
-                    "exec",
-                    &ns,
-                    "ip",
-                    "addr",
-                    "add",
-                    &format!("10.211.{i}.2/24"),
-                    "dev",
-                    &peer,
-                ])
-                && sh(&["ip", "netns", "exec", &ns, "ip", "link", "set", &peer, "up"])
-                && sh(&["ip", "netns", "exec", &ns, "ip", "link", "set", "lo", "up"]);
-            namespaces.push(ns);
-            if !ok {
-                eprintln!("network namespaces are refused here: agents run on loopback ports");
-                drop(Self { namespaces });
-                return Self {
-                    namespaces: Vec::new(),
-                };
-            }
-        }
-        Self { namespaces }
-    }
-
-    fn isolated(&self) -> bool {
-        !self.namespaces.is_empty()
-    }
-
-    /// The address this host (the client, etcd) has on agent `i`'s network.
-    fn host_ip(&self, i: usize) -> String {
-        if self.isolated() {
-            format!("10.211.{i}.1")
-        } else {
-            "127.0.0.1".into()
-        }
-    }
-
-    /// Agent `i`'s address.
-    fn agent_ip(&self, i: usize) -> String {
-        if self.isolated() {
-            format!("10.211.{i}.2")
-        } else {
-            "127.0.0.1".into()
-        }
-    }
-
-    /// A command run on agent `i`'s host.
-    fn command(&self, i: usize, program: &Path) -> Command {
-        if self.isolated() {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", &self.namespaces[i - 1]])
-                .arg(program);
-            c
-        } else {
-            Command::new(program)
-        }
-    }
-
-    /// Cuts (or restores) agent `i`'s link.
-    fn link(&self, i: usize, up: bool) {
-        let (_, host, _) = names(i);
-        assert!(sh(&[
-            "ip",
-            "link",
-            "set",
-            &host,
-            if up { "up" } else { "down" }
-        ]));
-    }
-}
-
-impl Drop for Hosts {
-    fn drop(&mut self) {
-        for (i, ns) in self.namespaces.iter().enumerate() {
-            sh(&["ip", "link", "del", &names(i + 1).1]);
-            sh(&["ip", "netns", "del", ns]);
-        }
-    }
-}
-
-fn names(i: usize) -> (String, String, String) {
-    (
-        format!("gpuio-mn{i}"),
-        format!("gpmn{i}h"),
-        format!("gpmn{i}p"),
-    )
 }
 
 /// A child process killed when dropped.
@@ -302,7 +177,7 @@ fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
 #[test]
 fn agents_on_several_hosts_serve_a_segment_through_the_registry() {
     let dir = tempfile::tempdir().unwrap();
-    let hosts = Hosts::new();
+    let hosts = Hosts::new(AGENTS, "mn", 211);
     let Some((_etcd, port)) = start_etcd(dir.path(), &hosts) else {
         return;
     };

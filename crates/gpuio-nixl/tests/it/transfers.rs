@@ -63,6 +63,18 @@ fn reads_and_writes_move_every_byte() {
     .unwrap();
     assert!(src.as_slice()[LEN / 4..LEN / 4 + LEN / 2] == fresh.as_slice()[..LEN / 2]);
     assert!(src.as_slice()[..LEN / 4] != fresh.as_slice()[..LEN / 4]);
+
+    // Memory no registration covers, registered for the call alone: both ways.
+    let mut plain = vec![0u8; 3 << 20];
+    b.read_direct(&mut plain, &peer, &remote, 5).unwrap();
+    assert!(plain[..] == src.as_slice()[5..5 + (3 << 20)]);
+    let mine: Vec<u8> = (0..1_000_001).map(|i| (i % 239) as u8).collect();
+    b.write_direct(&mine, &peer, &remote, 99).unwrap();
+    assert!(src.as_slice()[99..99 + mine.len()] == mine[..]);
+    let e = b
+        .read_direct(&mut plain, &peer, &remote, LEN as u64)
+        .unwrap_err();
+    assert_eq!(e.code(), ErrorCode::InvalidArg, "{e}");
 }
 
 #[test]

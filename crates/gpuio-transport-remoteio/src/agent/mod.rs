@@ -125,6 +125,10 @@ pub struct AgentConfig {
     /// RDMA: the device to serve memory exports over (`None`: TCP only).
     #[cfg(feature = "rdma")]
     pub rdma: Option<crate::rdma::RdmaOptions>,
+    /// NIXL: offer memory exports over NIXL to sessions that may write them (the agent does
+    /// not start where this process has no NIXL).
+    #[cfg(feature = "nixl")]
+    pub nixl: bool,
 }
 
 impl AgentConfig {
@@ -147,6 +151,8 @@ impl AgentConfig {
             tls: None,
             #[cfg(feature = "rdma")]
             rdma: None,
+            #[cfg(feature = "nixl")]
+            nixl: false,
         }
     }
 
@@ -264,6 +270,9 @@ struct Shared {
     counters: Counters,
     #[cfg(feature = "rdma")]
     rdma: Option<Arc<gpuio_rdma::RdmaDevice>>,
+    /// Whether memory exports are offered over NIXL.
+    #[cfg(feature = "nixl")]
+    nixl: bool,
 }
 
 /// The timing and limits every connection follows.
@@ -357,6 +366,8 @@ impl Agent {
                 Some(o) => Some(o.open()?),
                 None => None,
             },
+            #[cfg(feature = "nixl")]
+            nixl: cfg.nixl && gpuio_nixl::library().map(|_| true)?,
         });
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(cfg.threads.clamp(1, 64))

@@ -100,6 +100,10 @@ pub(super) struct SessionState {
     /// RDMA links to this client (they live as long as the session).
     #[cfg(feature = "rdma")]
     links: Vec<crate::rdma::Link>,
+    /// NIXL links of this client (each a NIXL agent of its own; they live as long as the
+    /// session).
+    #[cfg(feature = "nixl")]
+    nixl_links: Vec<crate::nixl::Link>,
 }
 
 impl SessionState {
@@ -108,6 +112,8 @@ impl SessionState {
             buffer,
             #[cfg(feature = "rdma")]
             links: Vec::new(),
+            #[cfg(feature = "nixl")]
+            nixl_links: Vec::new(),
         }
     }
 }
@@ -159,6 +165,7 @@ pub(super) async fn serve_one(
             Message::RdmaRequest { info, export } => {
                 rdma_link(sh, role, &export, &info, state).await
             }
+            Message::NixlRequest { export } => nixl_link(sh, role, &export, state).await,
             other => {
                 let why = format!("unexpected {other:?} after the handshake");
                 return Err(Fatal::Protocol(RemoteIoError::InvalidArgument(why)));
@@ -213,6 +220,53 @@ async fn rdma_link(
     Err(Refusal::new(
         ErrorCode::Unsupported,
         "this agent was built without RDMA (cargo feature `rdma`)",
+    ))
+}
+
+/// Answers a client's NIXL_INFO request: where the session may write the memory export, a
+/// NIXL agent of the link's own registers it and its metadata goes back (NIXL cannot hold a
+/// peer to reading, so read-only sessions are refused and read over TCP).
+#[cfg(feature = "nixl")]
+async fn nixl_link(sh: &Shared, role: Role, name: &str, state: &mut SessionState) -> Answer {
+    if !sh.nixl {
+        return Err(Refusal::new(
+            ErrorCode::Unsupported,
+            "this agent does not serve NIXL (gpuio agent --nixl)",
+        ));
+    }
+    let ex = export(sh, name)?;
+    let Source::Memory(mem) = &ex.source else {
+        return Err(Refusal::new(
+            ErrorCode::Unsupported,
+            format!("export {name:?} is not host memory: NIXL reaches host memory exports only"),
+        ));
+    };
+    if !may_write(ex, role) {
+        return Err(Refusal::new(
+            ErrorCode::Unsupported,
+            "NIXL cannot hold a peer to reading: it is offered only to sessions that may \
+             write the export (this one is read over TCP)",
+        ));
+    }
+    // Registering the export is local work (no network IO under the lock).
+    let buf = mem.read().await;
+    if buf.is_empty() {
+        return Err(Refusal::new(
+            ErrorCode::Unsupported,
+            "an empty export has nothing to register with NIXL",
+        ));
+    }
+    let (link, answer) =
+        crate::nixl::accept(&buf).map_err(|e| Refusal::new(e.code(), e.to_string()))?;
+    state.nixl_links.push(link);
+    Ok(answer)
+}
+
+#[cfg(not(feature = "nixl"))]
+async fn nixl_link(_sh: &Shared, _role: Role, _name: &str, _state: &mut SessionState) -> Answer {
+    Err(Refusal::new(
+        ErrorCode::Unsupported,
+        "this agent was built without NIXL (cargo feature `nixl`)",
     ))
 }
 

@@ -1,10 +1,11 @@
 //! The messages of the wire protocol, encoded and decoded whole: the handshake (HELLO and
-//! HELLO_ACK with their proofs), READ/WRITE requests and responses, STAT, RDMA_INFO and ERROR.
+//! HELLO_ACK with their proofs), READ/WRITE requests and responses, STAT, RDMA_INFO, NIXL_INFO
+//! and ERROR.
 
 use super::{
-    FLAG_PROOF, FLAG_RDMA_REQUEST, FLAG_WELCOME, HEADER_LEN, Header, MAX_DATA, MAX_MESSAGE,
-    MAX_NAME, MsgType, NONCE_LEN, Reader, WireError, put_str, read_resp_head, truncate,
-    write_req_head,
+    FLAG_NIXL_REQUEST, FLAG_PROOF, FLAG_RDMA_REQUEST, FLAG_WELCOME, HEADER_LEN, Header, MAX_DATA,
+    MAX_MESSAGE, MAX_NAME, MAX_NIXL_METADATA, MsgType, NONCE_LEN, Reader, WireError, put_str,
+    read_resp_head, truncate, write_req_head,
 };
 use std::fmt;
 
@@ -149,6 +150,20 @@ pub enum Message {
         /// The export to reach.
         export: String,
     },
+    /// NIXL's way to an export: the metadata of a NIXL agent that registered the export and
+    /// nothing else (a bearer credential for its bytes), and its address in the agent's
+    /// process.
+    NixlInfo {
+        /// The NIXL agent's metadata.
+        metadata: Vec<u8>,
+        /// The export's first byte, in the agent's address space.
+        addr: u64,
+    },
+    /// A client's request to reach `export` over NIXL.
+    NixlRequest {
+        /// The export to reach.
+        export: String,
+    },
     /// A refused or failed request.
     Error {
         /// The error code (negative; docs/REFERENCE.md#error-codes).
@@ -197,6 +212,13 @@ impl fmt::Debug for Message {
             Self::RdmaRequest { info, export } => {
                 write!(f, "RdmaRequest {{ {export:?}, {info:?} }}")
             }
+            // The metadata is a credential: its size only.
+            Self::NixlInfo { metadata, addr } => write!(
+                f,
+                "NixlInfo {{ {} bytes of metadata, at {addr:#x} }}",
+                metadata.len()
+            ),
+            Self::NixlRequest { export } => write!(f, "NixlRequest {{ {export:?} }}"),
             Self::Error { code, message } => write!(f, "Error {{ {code}: {message:?} }}"),
         }
     }
@@ -218,6 +240,7 @@ impl Message {
             Self::ReserveReq { .. } => MsgType::ReserveReq,
             Self::Done => MsgType::Done,
             Self::RdmaInfo(_) | Self::RdmaRequest { .. } => MsgType::RdmaInfo,
+            Self::NixlInfo { .. } | Self::NixlRequest { .. } => MsgType::NixlInfo,
             Self::Error { .. } => MsgType::Error,
         }
     }
@@ -227,6 +250,7 @@ impl Message {
             Self::Proof { .. } => FLAG_PROOF,
             Self::Welcome { .. } => FLAG_WELCOME,
             Self::RdmaRequest { .. } => FLAG_RDMA_REQUEST,
+            Self::NixlRequest { .. } => FLAG_NIXL_REQUEST,
             _ => 0,
         }
     }
@@ -299,6 +323,13 @@ impl Message {
                 info.put(&mut p);
                 put_str(&mut p, &name(export));
             }
+            Self::NixlInfo { metadata, addr } => {
+                let m = &metadata[..metadata.len().min(MAX_NIXL_METADATA)];
+                p.extend_from_slice(&addr.to_le_bytes());
+                p.extend_from_slice(&(m.len() as u32).to_le_bytes());
+                p.extend_from_slice(m);
+            }
+            Self::NixlRequest { export } => put_str(&mut p, &name(export)),
             Self::Error { code, message } => {
                 p.extend_from_slice(&code.to_le_bytes());
                 put_str(&mut p, &truncate(message, MAX_MESSAGE));
@@ -341,6 +372,7 @@ impl Message {
             MsgType::ReserveReq => "RESERVE_REQ",
             MsgType::Done => "DONE",
             MsgType::RdmaInfo => "RDMA_INFO",
+            MsgType::NixlInfo => "NIXL_INFO",
             MsgType::Error => "ERROR",
         };
         let mut r = Reader { what, b: payload };
@@ -403,6 +435,22 @@ impl Message {
             (MsgType::RdmaInfo, 0) => Self::RdmaInfo(RdmaInfo::take(&mut r)?),
             (MsgType::RdmaInfo, FLAG_RDMA_REQUEST) => Self::RdmaRequest {
                 info: RdmaInfo::take(&mut r)?,
+                export: r.string(MAX_NAME)?,
+            },
+            (MsgType::NixlInfo, 0) => {
+                let addr = r.u64()?;
+                let n = r.u32()? as usize;
+                if n > MAX_NIXL_METADATA {
+                    return Err(r.bad(format!(
+                        "{n} bytes of NIXL metadata (limit {MAX_NIXL_METADATA})"
+                    )));
+                }
+                Self::NixlInfo {
+                    metadata: r.take(n)?.to_vec(),
+                    addr,
+                }
+            }
+            (MsgType::NixlInfo, FLAG_NIXL_REQUEST) => Self::NixlRequest {
                 export: r.string(MAX_NAME)?,
             },
             (MsgType::Error, 0) => {

@@ -49,6 +49,12 @@ pub const FLAG_WELCOME: u32 = 2;
 /// RDMA_INFO flag: a client's request to reach an export over RDMA (its queue pair, then the
 /// export's name); the agent answers with a plain RDMA_INFO (its queue pair, the region).
 pub const FLAG_RDMA_REQUEST: u32 = 1;
+/// NIXL_INFO flag: a client's request to reach an export over NIXL (the export's name); the
+/// agent answers with a plain NIXL_INFO (its NIXL agent's metadata, the export's address).
+pub const FLAG_NIXL_REQUEST: u32 = 1;
+/// Largest NIXL agent metadata a NIXL_INFO carries (one agent with one registration takes a
+/// few hundred bytes).
+pub const MAX_NIXL_METADATA: usize = 64 << 10;
 
 /// Message types (docs/REFERENCE.md#wire-protocol).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -78,6 +84,8 @@ pub enum MsgType {
     Done = 0x18,
     /// RDMA connection information.
     RdmaInfo = 0x20,
+    /// NIXL connection information (gpuio extension).
+    NixlInfo = 0x21,
     /// A refused or failed request (and, for a protocol error, the end of the connection).
     Error = 0xFF,
 }
@@ -97,6 +105,7 @@ impl MsgType {
             0x17 => Self::ReserveReq,
             0x18 => Self::Done,
             0x20 => Self::RdmaInfo,
+            0x21 => Self::NixlInfo,
             0xFF => Self::Error,
             _ => return None,
         })

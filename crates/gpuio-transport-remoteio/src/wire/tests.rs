@@ -129,6 +129,17 @@ fn every_message_round_trips() {
             rkey: 99,
             vaddr: 0xdead_0000,
         }),
+        Message::NixlRequest {
+            export: "kv".into(),
+        },
+        Message::NixlInfo {
+            metadata: (0..=255).collect(),
+            addr: 0x7f00_dead_0000,
+        },
+        Message::NixlInfo {
+            metadata: Vec::new(),
+            addr: 0,
+        },
         Message::Error {
             code: -9,
             message: "read-only export".into(),
@@ -182,4 +193,28 @@ fn bad_headers_and_payloads_are_refused() {
     big[at..].copy_from_slice(&(MAX_DATA as u64 + 1).to_le_bytes());
     let bh = Header::decode(big[..HEADER_LEN].try_into().unwrap()).unwrap();
     assert!(Message::decode(&bh, &big[HEADER_LEN..]).is_err());
+}
+
+#[test]
+fn nixl_metadata_past_its_limit_is_malformed() {
+    let mut payload = 0u64.to_le_bytes().to_vec();
+    payload.extend_from_slice(&((super::MAX_NIXL_METADATA + 1) as u32).to_le_bytes());
+    payload.resize(payload.len() + super::MAX_NIXL_METADATA + 1, 0);
+    let header = Header {
+        msg_type: MsgType::NixlInfo,
+        flags: 0,
+        request_id: 1,
+        payload_len: payload.len() as u64,
+    };
+    let e = Message::decode(&header, &payload).unwrap_err();
+    assert!(e.to_string().contains("NIXL metadata"), "{e}");
+    // And a length past the payload's end is malformed too, not a panic.
+    let mut short = 0u64.to_le_bytes().to_vec();
+    short.extend_from_slice(&100u32.to_le_bytes());
+    short.extend_from_slice(&[1, 2, 3]);
+    let header = Header {
+        payload_len: short.len() as u64,
+        ..header
+    };
+    assert!(Message::decode(&header, &short).is_err());
 }

@@ -9,6 +9,8 @@
 
 mod fairness;
 mod hostile;
+#[cfg(feature = "nixl")]
+mod nixl;
 #[cfg(feature = "rdma")]
 mod rdma;
 mod remoteio;

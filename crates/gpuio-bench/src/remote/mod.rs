@@ -7,6 +7,10 @@
 //! - `small_read`: sequential 64 B and 4 KiB reads on one connection; p50 and p99, against a
 //!   bare TCP request–response of the same sizes (std sockets, no protocol, no checks): the
 //!   floor of the loopback round trip.
+//! - `nixl_read` / `nixl_write` (cargo feature `nixl`, NIXL found at run time): `nixl.rs`.
+
+#[cfg(feature = "nixl")]
+mod nixl;
 
 use crate::{BenchError, Record, Result, Target, fresh_seed, human};
 use gpuio_api::Session;
@@ -38,6 +42,8 @@ pub struct Options {
     pub connections: Vec<usize>,
     /// Small reads timed per size.
     pub small_reads: usize,
+    /// Transfer sizes of the NIXL cases.
+    pub nixl_sizes: Vec<usize>,
 }
 
 impl Default for Options {
@@ -49,6 +55,7 @@ impl Default for Options {
             reps: 3,
             connections: vec![1, 4],
             small_reads: 20_000,
+            nixl_sizes: vec![1 << 20, 16 << 20, 256 << 20, 1 << 30],
         }
     }
 }
@@ -62,6 +69,7 @@ impl Options {
             seconds: 1.0,
             reps: 1,
             small_reads: 2000,
+            nixl_sizes: vec![1 << 20, 16 << 20],
             ..Self::default()
         }
     }
@@ -332,7 +340,8 @@ pub fn run(
             stats.refused, stats.protocol_errors
         )));
     }
-    let targets = vec![Target::judge(
+    #[allow(unused_mut)] // extended by the NIXL cases where built
+    let mut targets = vec![Target::judge(
         "TCP loopback read bandwidth >= 0.9x iperf3 (best connection count)",
         &records,
         |r| r.case.starts_with("tcp_read") && r.case.ends_with(&format!("/{max_conns} conn")),
@@ -340,5 +349,20 @@ pub fn run(
         0.9,
         "x",
     )];
+    #[cfg(feature = "nixl")]
+    {
+        let (more, why) = nixl::run(
+            &opts.nixl_sizes,
+            opts.seconds / 2.0,
+            seed,
+            &device,
+            progress,
+        )?;
+        targets.extend(nixl::targets(&more));
+        records.extend(more);
+        notes.extend(why);
+    }
+    #[cfg(not(feature = "nixl"))]
+    notes.push("remote: no NIXL cases: not in this build (cargo feature `nixl`)".into());
     Ok((records, targets, notes))
 }

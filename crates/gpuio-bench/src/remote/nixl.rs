@@ -1,0 +1,180 @@
+//! The remote suite's NIXL cases (cargo feature `nixl`, and NIXL found at run time):
+//! `nixl_read/<size>` and `nixl_write/<size>`, a [`RemotePeer`] reaching a memory export with
+//! `?transport=nixl` (an agent on loopback, `[agent] nixl`), against gpuio's own TCP path (4
+//! connections) and against NIXL alone (two NIXL agents in this process, one registered buffer
+//! read into another, one transfer per call: NIXL's best case), same sizes, same run. UCX
+//! picks the transport (shared memory on one host). Every read's bytes are checked.
+
+use super::{KEY, remote, sustained};
+use crate::{BenchError, Record, Result, Target, human};
+use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
+use gpuio_nixl::NixlAgent;
+use gpuio_transport_remoteio::{
+    Access, Agent, AgentConfig, Credentials, Export, ExportSource, Key, PeerConfig, RemoteExport,
+    RemotePeer, Role, shared_memory,
+};
+use std::net::SocketAddr;
+
+/// Runs the NIXL cases; records, and notes (why they did not run, where NIXL is missing).
+pub(super) fn run(
+    sizes: &[usize],
+    seconds: f64,
+    seed: u64,
+    device: &str,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(Vec<Record>, Vec<String>)> {
+    if let Err(e) = gpuio_nixl::library() {
+        return Ok((Vec::new(), vec![format!("remote: no NIXL cases: {e}")]));
+    }
+    let largest = sizes.iter().copied().max().unwrap_or(1 << 20);
+    let export_bytes = largest * 2;
+    let mut mem = HostBuffer::alloc(export_bytes, &HostAllocOptions::default())?;
+    pattern::fill(&mut mem, 0, seed);
+    let mut cfg = AgentConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)));
+    cfg.keys = vec![Key {
+        id: "bench".into(),
+        secret: KEY.to_vec(),
+        role: Role::ReadWrite,
+    }];
+    cfg.exports = vec![Export {
+        name: "mem".into(),
+        source: ExportSource::Memory(shared_memory(mem)),
+        access: Access::ReadWrite,
+    }];
+    cfg.threads = std::thread::available_parallelism().map_or(2, |c| c.get().min(8));
+    cfg.nixl = true;
+    let agent = Agent::start(cfg).map_err(remote)?;
+    let peer = |nixl: bool| {
+        let mut pc = PeerConfig::new(
+            agent.local_addr(),
+            Credentials {
+                key_id: "bench".into(),
+                secret: KEY.to_vec(),
+            },
+        );
+        pc.nixl = nixl;
+        RemotePeer::connect(pc).map_err(remote)
+    };
+    let (over_nixl, over_tcp) = (peer(true)?, peer(false)?);
+    let export = RemoteExport::new("mem");
+
+    // NIXL alone: the same bytes between two agents of this process.
+    let src_agent = NixlAgent::new("gpuio-bench-alone-src")?;
+    let dst_agent = NixlAgent::new("gpuio-bench-alone-dst")?;
+    let mut src = HostBuffer::alloc(export_bytes, &HostAllocOptions::default())?;
+    pattern::fill(&mut src, 0, seed);
+    let mut dst = HostBuffer::alloc(largest, &HostAllocOptions::default())?;
+    let src_region = src_agent.register(&src, 0..export_bytes)?;
+    let dst_region = dst_agent.register(&dst, 0..largest)?;
+    let alone_peer = dst_agent.connect(&src_agent.metadata()?)?;
+    let alone_remote = src_region.remote();
+
+    let mut buf = vec![0u8; largest];
+    let mut records = Vec::new();
+    let check = |case: &str, got: &[u8], at: u64| match pattern::first_deviation(got, at, seed) {
+        None => Ok(()),
+        Some(off) => Err(BenchError::Corrupt {
+            case: case.into(),
+            size: got.len(),
+            offset: off as u64,
+        }),
+    };
+    for &size in sizes {
+        let spots = (export_bytes / size).max(1) as u64;
+        let at = |i: u64| (i % spots) * size as u64;
+        let (mut i, mut j, mut k) = (0u64, 0u64, 0u64);
+        progress(&format!("nixl_read {}", human(size)));
+        let ours = sustained(seconds, size, || {
+            i += 1;
+            over_nixl
+                .read(&export, at(i), &mut buf[..size])
+                .map_err(remote)
+        })?;
+        check("nixl_read", &buf[..size], at(i))?;
+        let tcp = sustained(seconds, size, || {
+            j += 1;
+            over_tcp
+                .read(&export, at(j), &mut buf[..size])
+                .map_err(remote)
+        })?;
+        check("tcp_read", &buf[..size], at(j))?;
+        let alone = sustained(seconds, size, || {
+            k += 1;
+            let d = &mut dst.as_mut_slice()[..size];
+            Ok(dst_agent.read_into(&dst_region, d, &alone_peer, &alone_remote, at(k))?)
+        })?;
+        check("nixl_alone_read", &dst.as_slice()[..size], at(k))?;
+        progress(&format!("nixl_write {}", human(size)));
+        // Writing the export's own bytes back keeps it checkable.
+        over_nixl
+            .read(&export, 0, &mut buf[..size])
+            .map_err(remote)?;
+        let ours_w = sustained(seconds, size, || {
+            over_nixl.write(&export, 0, &buf[..size]).map_err(remote)
+        })?;
+        let tcp_w = sustained(seconds, size, || {
+            over_tcp.write(&export, 0, &buf[..size]).map_err(remote)
+        })?;
+        dst.as_mut_slice()[..size].copy_from_slice(&src.as_slice()[..size]);
+        let alone_w = sustained(seconds, size, || {
+            let d = &dst.as_slice()[..size];
+            Ok(dst_agent.write_from(&dst_region, d, &alone_peer, &alone_remote, 0)?)
+        })?;
+        over_nixl
+            .read(&export, 0, &mut buf[..size])
+            .map_err(remote)?;
+        check("nixl_write", &buf[..size], 0)?;
+        for (case, value, peer, theirs) in [
+            ("nixl_read", ours, "gpuio TCP (4 connections)", tcp),
+            ("nixl_read", ours, "NIXL alone", alone),
+            ("nixl_write", ours_w, "gpuio TCP (4 connections)", tcp_w),
+            ("nixl_write", ours_w, "NIXL alone", alone_w),
+        ] {
+            records.push(Record {
+                suite: super::SUITE.into(),
+                case: format!("{case}/{}", human(size)),
+                metric: "bandwidth".into(),
+                value,
+                unit: "GB/s".into(),
+                peer: peer.into(),
+                peer_value: theirs,
+                ratio: value / theirs,
+                bytes: size,
+                route: "?transport=nixl (UCX; loopback)".into(),
+                device: device.to_string(),
+                reps: 1,
+                rows: None,
+            });
+        }
+    }
+    let stats = agent.shutdown();
+    if stats.refused > 0 || stats.protocol_errors > 0 {
+        return Err(BenchError::Options(format!(
+            "the agent refused {} requests and saw {} protocol errors",
+            stats.refused, stats.protocol_errors
+        )));
+    }
+    Ok((records, Vec::new()))
+}
+
+/// The NIXL targets: at least gpuio's TCP path, and 0.9x NIXL alone.
+pub(super) fn targets(records: &[Record]) -> Vec<Target> {
+    vec![
+        Target::judge(
+            "NIXL transport >= 1.0x gpuio's TCP path (loopback, 1 MiB-1 GiB)",
+            records,
+            |r| r.case.starts_with("nixl_") && r.peer.starts_with("gpuio TCP"),
+            |r| r.ratio,
+            1.0,
+            "x",
+        ),
+        Target::judge(
+            "NIXL transport >= 0.9x NIXL alone (loopback, 1 MiB-1 GiB)",
+            records,
+            |r| r.case.starts_with("nixl_") && r.peer == "NIXL alone",
+            |r| r.ratio,
+            0.9,
+            "x",
+        ),
+    ]
+}

@@ -1,0 +1,159 @@
+//! RemoteIO over NIXL between hosts: a `gpuio agent` with `[agent] nixl = true` in a network
+//! namespace of its own (a loopback port where namespaces are refused), and `gpuio cp` clients
+//! with `?transport=nixl` in this one. UCX is held to TCP (`UCX_TLS=tcp`) on both sides, so the
+//! bytes cross the veth link rather than shared memory between the processes.
+//!
+//! Checked: a copy into the agent's memory export and one out of it, byte for byte, with none
+//! of the bytes on the agent's TCP data path (its closing line says so); a read-only key's copy
+//! served over TCP instead. Needs NIXL (`cargo xtask nixl`): without it the test says so and
+//! passes, unless `GPUIO_REQUIRE_NIXL=1`.
+
+#![cfg(feature = "nixl")]
+
+use crate::common::bin;
+use crate::hosts::Hosts;
+use gpuio_testkit::Requirement;
+use std::io::BufRead;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+/// Made by `gpuio agent keygen` (agents refuse weak secrets).
+const RW: &str = "5b1f0e9c2a7d4e8f6b3c1a9e7d5f2b4c8e0a6d3f1b9c7e5a2d4f8b0c6e3a1d9f";
+const RO: &str = "a3c5e7f9b1d2e4f6a8c0b2d4e6f8a1c3e5b7d9f0a2c4e6b8d1f3a5c7e9b2d4f6";
+const LEN: usize = 24 << 20;
+
+fn write_private(path: &Path, text: &str) {
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+}
+
+#[test]
+fn gpuio_cp_moves_a_memory_export_over_nixl_between_hosts() {
+    if let Err(e) = gpuio_nixl::library() {
+        Requirement::Nixl.missing(e);
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = Hosts::new(1, "nx", 212);
+    let agent_cfg = dir.path().join("agent.toml");
+    std::fs::write(
+        &agent_cfg,
+        format!(
+            r#"
+[agent]
+listen = "{ip}:0"
+nixl = true
+[[agent.keys]]
+id = "rw"
+role = "read-write"
+secret_env = "GPUIO_TEST_RW"
+[[agent.keys]]
+id = "ro"
+role = "read-only"
+secret_env = "GPUIO_TEST_RO"
+[[agent.exports]]
+name = "mem"
+access = "read-write"
+memory = "{LEN}"
+"#,
+            ip = hosts.agent_ip(1)
+        ),
+    )
+    .unwrap();
+    // Where NIXL is, for the processes (the test's environment names it in CI).
+    let nixl_env: Vec<(String, String)> = ["GPUIO_NIXL_LIB", "UCX_MODULES"]
+        .iter()
+        .filter_map(|k| Some((k.to_string(), std::env::var(k).ok()?)))
+        .collect();
+    let mut agent = hosts
+        .command(1, &bin())
+        .args(["--config", agent_cfg.to_str().unwrap(), "agent"])
+        .env("GPUIO_TEST_RW", RW)
+        .env("GPUIO_TEST_RO", RO)
+        .env("UCX_TLS", "tcp")
+        .envs(nixl_env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("gpuio agent starts");
+    let mut out = std::io::BufReader::new(agent.stdout.take().unwrap());
+    let mut first = String::new();
+    out.read_line(&mut first).unwrap();
+    let addr = first.trim().rsplit(' ').next().unwrap().to_string();
+    assert!(addr.contains(':'), "the agent said {first:?}");
+
+    let client = |key: &str, secret: &str, from: &str, to: &str| {
+        let cfg = dir.path().join(format!("{key}.toml"));
+        let secret_file = dir.path().join(format!("{key}.secret"));
+        write_private(&secret_file, secret);
+        std::fs::write(
+            &cfg,
+            format!(
+                "[remote]\nkey_id = \"{key}\"\nsecret_file = \"{}\"\n",
+                secret_file.display()
+            ),
+        )
+        .unwrap();
+        Command::new(bin())
+            .args(["--config", cfg.to_str().unwrap(), "cp", from, to])
+            .env("UCX_TLS", "tcp")
+            .env("GPUIO_LOG", "gpuio_transport_remoteio=debug")
+            .envs(nixl_env.iter().map(|(k, v)| (k, v)))
+            .output()
+            .unwrap()
+    };
+    let remote = format!("remoteio://{addr}/mem?transport=nixl");
+    let data: Vec<u8> = (0..LEN).map(|i| (i * 29 % 251) as u8).collect();
+    let src = dir.path().join("src.bin");
+    std::fs::write(&src, &data).unwrap();
+    let sent = client("rw", RW, src.to_str().unwrap(), &remote);
+    assert!(
+        sent.status.success(),
+        "{}",
+        String::from_utf8_lossy(&sent.stderr)
+    );
+    let back = dir.path().join("back.bin");
+    let got = client("rw", RW, &remote, back.to_str().unwrap());
+    assert!(
+        got.status.success(),
+        "{}",
+        String::from_utf8_lossy(&got.stderr)
+    );
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "the bytes read back differ"
+    );
+    // A read-only key is not offered NIXL: its copy goes over TCP.
+    let ro_back = dir.path().join("ro.bin");
+    let ro = client("ro", RO, &remote, ro_back.to_str().unwrap());
+    assert!(
+        ro.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ro.stderr)
+    );
+    assert!(std::fs::read(&ro_back).unwrap() == data);
+    assert!(
+        String::from_utf8_lossy(&ro.stderr).contains("not offered over NIXL"),
+        "{}",
+        String::from_utf8_lossy(&ro.stderr)
+    );
+
+    // Stopped, the agent says what its TCP data path moved: the read-only copy alone.
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &agent.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let mut rest = String::new();
+    for line in out.lines() {
+        rest = line.unwrap();
+    }
+    agent.wait().unwrap();
+    assert!(
+        rest.contains(&format!("{LEN} bytes read, 0 written")),
+        "the agent's last line: {rest:?} (isolated hosts: {})",
+        hosts.isolated()
+    );
+}

@@ -1,0 +1,208 @@
+//! RemoteIO over NIXL (cargo feature `nixl`): one-sided NIXL reads and writes of an agent's
+//! memory export, after the TCP control connection has authenticated the client and the agent
+//! has handed it the export's NIXL metadata (NIXL_INFO). NIXL's metadata travels only there,
+//! inside gpuio's authenticated session, never on a port of its own.
+//!
+//! What NIXL can enforce decides what the agent offers. Whoever holds a NIXL agent's metadata
+//! can read and write every region that agent registered: there are no per-peer or read-only
+//! rights. So each link gets a NIXL agent of its own that registers the one export and nothing
+//! else, lives as long as the session, and is offered only where the session may write the
+//! export (its key's role and the export's mode). A read-only session, a file export or an
+//! empty one is refused with `Unsupported`, and the client reads it over TCP, as over RDMA.
+//!
+//! The client's side, a [`NixlChannel`], moves bytes through a registered staging buffer of
+//! its own; UCX picks the transport (shared memory or `cuda_ipc` on one host, TCP, RDMA).
+
+use crate::connection::Connection;
+use crate::wire::Message;
+use crate::{RemoteIoError, Result};
+use gpuio_hal::sync::MutexExt;
+use gpuio_hal::{ErrorCode, HostAllocOptions, HostBuffer};
+use gpuio_nixl::{NixlAgent, NixlPeer, NixlRegion, NixlRemote};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// A NIXL agent name no other agent of this process, or likely of any other, has: NIXL
+/// keys what it loaded by name.
+fn agent_name(role: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nonce = crate::auth::nonce().map_or(0, |n| {
+        u64::from_le_bytes([n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7]])
+    });
+    format!(
+        "gpuio-{role}-{}-{}-{nonce:016x}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Transfers from this size on are registered in place for the call (a registration costs
+/// less than copying them through the staging buffer); smaller ones are staged.
+const DIRECT_FROM: usize = 256 << 10;
+
+/// The agent's side of one client's NIXL link: kept by the session until it ends.
+pub(crate) struct Link {
+    // The registration first: released before its agent.
+    _region: NixlRegion,
+    _agent: NixlAgent,
+}
+
+/// Exposes `mem` (an export the session may write, at least one byte) to the client through a
+/// NIXL agent of its own; returns the link to keep and the answer to send.
+pub(crate) fn accept(mem: &HostBuffer) -> Result<(Link, Message)> {
+    let agent = NixlAgent::new(&agent_name("export"))?;
+    let region = agent.register(mem, 0..mem.len())?;
+    let answer = Message::NixlInfo {
+        metadata: agent.metadata()?,
+        addr: region.remote().addr,
+    };
+    Ok((
+        Link {
+            _region: region,
+            _agent: agent,
+        },
+        answer,
+    ))
+}
+
+/// A client's NIXL channel to one memory export.
+pub struct NixlChannel {
+    agent: NixlAgent,
+    peer: NixlPeer,
+    remote: NixlRemote,
+    // The registration before its buffer (it holds the buffer's mapping either way).
+    region: NixlRegion,
+    staging: HostBuffer,
+    /// Keeps the agent's side alive; names the instance.
+    control: Connection,
+}
+
+impl std::fmt::Debug for NixlChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlChannel")
+            .field("agent", &self.agent)
+            .field("peer", &self.peer)
+            .field("remote", &self.remote)
+            .finish()
+    }
+}
+
+impl NixlChannel {
+    /// Opens a channel to `export` over the authenticated `control` connection: learns the
+    /// export's size and its NIXL metadata, loads it. The staging buffer holds the small
+    /// transfers (`staging` bytes, at least [`DIRECT_FROM`]).
+    pub fn open(
+        mut control: Connection,
+        export: &str,
+        staging: usize,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let size = control.stat(export)?.size;
+        let (metadata, addr) = control.nixl_exchange(export)?;
+        let mut agent = NixlAgent::new(&agent_name("client"))?;
+        agent.set_timeout(timeout);
+        let peer = agent.connect(&metadata)?;
+        let staging = HostBuffer::alloc(staging.max(DIRECT_FROM), &HostAllocOptions::default())?;
+        let region = agent.register(&staging, 0..staging.len())?;
+        Ok(Self {
+            agent,
+            peer,
+            remote: NixlRemote { addr, len: size },
+            region,
+            staging,
+            control,
+        })
+    }
+
+    /// The agent instance the channel reaches (its control connection's).
+    pub fn instance(&self) -> u64 {
+        self.control.instance()
+    }
+
+    /// Reads `buf.len()` bytes at `offset`: a large read lands straight in `buf` (registered
+    /// for the call) in one NIXL transfer, a small one goes through the staging buffer.
+    pub fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        if buf.len() >= DIRECT_FROM {
+            return Ok(self
+                .agent
+                .read_direct(buf, &self.peer, &self.remote, offset)?);
+        }
+        let staged = &mut self.staging.as_mut_slice()[..buf.len()];
+        self.agent
+            .read_into(&self.region, staged, &self.peer, &self.remote, offset)?;
+        buf.copy_from_slice(staged);
+        Ok(())
+    }
+
+    /// Writes `data` at `offset`: a large write goes straight from `data` (registered for
+    /// the call) in one NIXL transfer, a small one through the staging buffer.
+    pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        if data.len() >= DIRECT_FROM {
+            return Ok(self
+                .agent
+                .write_direct(data, &self.peer, &self.remote, offset)?);
+        }
+        let staged = &mut self.staging.as_mut_slice()[..data.len()];
+        staged.copy_from_slice(data);
+        self.agent
+            .write_from(&self.region, staged, &self.peer, &self.remote, offset)?;
+        Ok(())
+    }
+}
+
+/// A peer's NIXL channels, pooled per export, and the exports NIXL is not offered for.
+#[derive(Debug, Default)]
+pub(crate) struct ChannelPool {
+    idle: Mutex<HashMap<String, Vec<NixlChannel>>>,
+    /// Exports the agent would not offer over NIXL (read-only sessions, files): TCP serves
+    /// them from then on.
+    tcp_only: Mutex<Vec<String>>,
+}
+
+impl ChannelPool {
+    /// Runs `f` on an idle channel to `export`, or on one `open` makes; a channel that fails
+    /// is dropped. `None` when the export is served over TCP only.
+    pub(crate) fn run<T>(
+        &self,
+        export: &str,
+        f: impl FnOnce(&mut NixlChannel) -> Result<T>,
+        open: impl FnOnce() -> Result<NixlChannel>,
+    ) -> Option<Result<T>> {
+        if self.tcp_only.lock_unpoisoned().iter().any(|e| e == export) {
+            return None;
+        }
+        // A channel whose control connection the agent closed (it restarted, or dropped an
+        // idle session) reaches nothing any more: the agent's side went with the session.
+        let pooled = self
+            .idle
+            .lock_unpoisoned()
+            .get_mut(export)
+            .and_then(Vec::pop)
+            .filter(|ch| ch.control.is_alive());
+        let mut ch = match pooled.map_or_else(open, Ok) {
+            Ok(ch) => ch,
+            Err(RemoteIoError::Remote {
+                code: ErrorCode::Unsupported,
+                message,
+            }) => {
+                tracing::debug!(export, %message, "served over TCP: not offered over NIXL");
+                self.tcp_only.lock_unpoisoned().push(export.to_string());
+                return None;
+            }
+            Err(e) => return Some(Err(e)),
+        };
+        let r = f(&mut ch);
+        // A range refused before anything was posted leaves the channel usable; after a
+        // failed transfer it is dropped (its peer may be gone).
+        if !matches!(&r, Err(e) if e.code() != ErrorCode::InvalidArg) {
+            self.idle
+                .lock_unpoisoned()
+                .entry(export.to_string())
+                .or_default()
+                .push(ch);
+        }
+        Some(r)
+    }
+}

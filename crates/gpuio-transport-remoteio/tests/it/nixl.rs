@@ -1,0 +1,164 @@
+//! RemoteIO over NIXL (UCX on loopback): an agent offering a memory export over NIXL, clients
+//! reaching it through the authenticated TCP control channel. Bytes checked both ways, none of
+//! them through the agent's TCP data path; a read-only key and a file export are not offered
+//! NIXL and go over TCP, where the agent enforces what they may do; a restarted agent is
+//! `Restarted`; a write past the export is refused before any byte moves. Without NIXL the
+//! tests say so and pass, unless `GPUIO_REQUIRE_NIXL=1`.
+#![cfg(feature = "nixl")]
+
+use gpuio_hal::{ErrorCode, HostAllocOptions, HostBuffer, pattern};
+use gpuio_testkit::Requirement;
+use gpuio_transport_remoteio::nixl::NixlChannel;
+use gpuio_transport_remoteio::{
+    Access, Agent, AgentConfig, Connection, Credentials, Export, ExportSource, Key, PeerConfig,
+    RemoteExport, RemoteIoError, RemotePeer, Role, shared_memory,
+};
+use std::time::Duration;
+
+const RW: &[u8] = b"0c1f5e6a9b8d7c3e2f4a6b8c0d1e3f5a7b9c1d3e5f7a9b1c3d5e7f9a1b3c5d7e";
+const RO: &[u8] = b"9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c8b7a6f5e4d3c2b1a0f9e8d";
+const LEN: usize = 16 << 20;
+const T: Duration = Duration::from_secs(10);
+
+fn nixl_here() -> bool {
+    match gpuio_nixl::library() {
+        Ok(_) => true,
+        Err(e) => {
+            Requirement::Nixl.missing(e);
+            false
+        }
+    }
+}
+
+fn creds(id: &str, secret: &[u8]) -> Credentials {
+    Credentials {
+        key_id: id.into(),
+        secret: secret.to_vec(),
+    }
+}
+
+/// An agent on loopback offering `mem` (16 MiB of the pattern of seed 5) over NIXL, with a
+/// read-write and a read-only key.
+fn agent() -> (Agent, gpuio_transport_remoteio::SharedMemory) {
+    let mut buf = HostBuffer::alloc(LEN, &HostAllocOptions::default()).unwrap();
+    pattern::fill(&mut buf, 0, 5);
+    let mem = shared_memory(buf);
+    let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
+    cfg.keys = vec![
+        Key {
+            id: "rw".into(),
+            secret: RW.to_vec(),
+            role: Role::ReadWrite,
+        },
+        Key {
+            id: "ro".into(),
+            secret: RO.to_vec(),
+            role: Role::ReadOnly,
+        },
+    ];
+    cfg.exports = vec![Export {
+        name: "mem".into(),
+        source: ExportSource::Memory(mem.clone()),
+        access: Access::ReadWrite,
+    }];
+    cfg.nixl = true;
+    (Agent::start(cfg).unwrap(), mem)
+}
+
+fn peer(agent: &Agent, id: &str, secret: &[u8]) -> RemotePeer {
+    let mut cfg = PeerConfig::new(agent.local_addr(), creds(id, secret));
+    cfg.nixl = true;
+    cfg.stripe_bytes = 1 << 20;
+    RemotePeer::connect(cfg).unwrap()
+}
+
+#[test]
+fn a_writer_moves_every_byte_over_nixl_and_none_over_tcp() {
+    if !nixl_here() {
+        return;
+    }
+    let (agent, mem) = agent();
+    let p = peer(&agent, "rw", RW);
+    let ex = RemoteExport::new("mem");
+    let mut got = vec![0u8; (5 << 20) + 3];
+    p.read(&ex, 777, &mut got).unwrap();
+    assert_eq!(pattern::first_deviation(&got, 777, 5), None);
+    let data: Vec<u8> = (0..(3 << 20) + 1).map(|i| (i * 11 % 251) as u8).collect();
+    p.write(&ex, 4 << 20, &data).unwrap();
+    assert!(mem.blocking_read()[4 << 20..(4 << 20) + data.len()] == data[..]);
+    p.read(&ex, 4 << 20, &mut got[..data.len()]).unwrap();
+    assert!(got[..data.len()] == data[..]);
+    // The agent's TCP data path moved nothing: NIXL did.
+    let stats = agent.stats();
+    assert_eq!((stats.bytes_read, stats.bytes_written), (0, 0), "{stats:?}");
+    // A range past the export is refused before anything moves; the peer stays usable.
+    let e = p.write(&ex, LEN as u64 - 10, &[1u8; 11]).unwrap_err();
+    assert_eq!(e.code(), ErrorCode::InvalidArg, "{e}");
+    assert!(mem.blocking_read()[LEN - 10..] != [1u8; 10][..]);
+    let mut tail = [0u8; 10];
+    p.read(&ex, LEN as u64 - 10, &mut tail).unwrap();
+    assert_eq!(pattern::first_deviation(&tail, LEN as u64 - 10, 5), None);
+}
+
+#[test]
+fn a_read_only_key_is_not_offered_nixl_and_tcp_holds_it_to_reading() {
+    if !nixl_here() {
+        return;
+    }
+    let (agent, mem) = agent();
+    // Asked directly, the agent refuses: NIXL could not stop this key from writing.
+    let c = Connection::connect(agent.local_addr(), &creds("ro", RO), T).unwrap();
+    match NixlChannel::open(c, "mem", 1 << 20, T) {
+        Err(RemoteIoError::Remote { code, message }) => {
+            assert_eq!(code, ErrorCode::Unsupported);
+            assert!(message.contains("read over TCP"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Through a peer, reads go over TCP and writes are refused.
+    let p = peer(&agent, "ro", RO);
+    let ex = RemoteExport::new("mem");
+    let mut got = vec![0u8; 1 << 20];
+    p.read(&ex, 0, &mut got).unwrap();
+    assert_eq!(pattern::first_deviation(&got, 0, 5), None);
+    assert_eq!(agent.stats().bytes_read, 1 << 20);
+    let e = p.write(&ex, 0, &[0u8; 16]).unwrap_err();
+    assert_eq!(e.code(), ErrorCode::Permission, "{e}");
+    assert_eq!(
+        pattern::first_deviation(&mem.blocking_read()[..16], 0, 5),
+        None
+    );
+}
+
+#[test]
+fn a_restarted_agent_is_restarted_not_a_stale_nixl_link() {
+    if !nixl_here() {
+        return;
+    }
+    let (agent, _) = agent();
+    let addr = agent.local_addr();
+    let p = peer(&agent, "rw", RW);
+    let ex = RemoteExport::new("mem");
+    let mut got = vec![0u8; 1 << 20];
+    p.read(&ex, 0, &mut got).unwrap();
+    agent.shutdown();
+    // A new agent on the same port: a new instance, a new NIXL agent behind it.
+    let mut cfg = AgentConfig::new(addr);
+    cfg.keys = vec![Key {
+        id: "rw".into(),
+        secret: RW.to_vec(),
+        role: Role::ReadWrite,
+    }];
+    let buf = HostBuffer::alloc(LEN, &HostAllocOptions::default()).unwrap();
+    cfg.exports = vec![Export {
+        name: "mem".into(),
+        source: ExportSource::Memory(shared_memory(buf)),
+        access: Access::ReadWrite,
+    }];
+    cfg.nixl = true;
+    let _again = Agent::start(cfg).unwrap();
+    match p.read(&ex, 0, &mut got) {
+        Err(RemoteIoError::Restarted { .. }) => {}
+        other => panic!("{other:?}"),
+    }
+}
