@@ -254,7 +254,13 @@ impl RemotePeer {
             return Ok(());
         }
         #[cfg(feature = "nixl")]
-        if let Some(done) = self.over_nixl(export, &pinned, |ch| ch.read(offset, buf)) {
+        if let Some(done) = self.nixl_striped(
+            export,
+            &pinned,
+            stripes_mut(offset, buf, self.lanes(buf.len())),
+            |ch, at, b| ch.read(at, b),
+            |c, at, b| c.read(export.name(), at, b, self.cfg.stripe_bytes),
+        ) {
             done?;
             self.bytes_read
                 .fetch_add(buf.len() as u64, Ordering::Relaxed);
@@ -293,7 +299,13 @@ impl RemotePeer {
             return Ok(());
         }
         #[cfg(feature = "nixl")]
-        if let Some(done) = self.over_nixl(export, &pinned, |ch| ch.write(offset, data)) {
+        if let Some(done) = self.nixl_striped(
+            export,
+            &pinned,
+            stripes(offset, data, self.lanes(data.len())),
+            |ch, at, b| ch.write(at, b),
+            |c, at, b| c.write(export.name(), at, b, self.cfg.stripe_bytes),
+        ) {
             done?;
             self.bytes_written
                 .fetch_add(data.len() as u64, Ordering::Relaxed);
@@ -458,6 +470,65 @@ impl RemotePeer {
             let control = self.checkout()?;
             crate::nixl::NixlChannel::open(control, name, self.cfg.stripe_bytes, timeout)
         })
+    }
+
+    /// Moves `len` bytes at `offset` over NIXL, in as many stripes side by side as the
+    /// transfer would use connections (one NIXL transfer runs on one UCX worker: on loopback a
+    /// core's worth of copying, about a third of what four TCP connections move). `stripes`
+    /// are the caller's pieces, `nixl` moves one over a channel, `tcp` over a connection where
+    /// the agent does not offer NIXL. `None` where NIXL serves no stripe.
+    #[cfg(feature = "nixl")]
+    fn nixl_striped<B: Send>(
+        &self,
+        export: &RemoteExport,
+        pinned: &ExportInfo,
+        stripes: Vec<(u64, B)>,
+        nixl: impl Fn(&mut crate::nixl::NixlChannel, u64, B) -> Result<()> + Sync,
+        tcp: impl Fn(&mut Connection, u64, &mut B) -> Result<()> + Sync,
+    ) -> Option<Result<()>> {
+        if !self.cfg.nixl {
+            return None;
+        }
+        let (nixl, tcp) = (&nixl, &tcp);
+        let lanes = stripes.len();
+        // One stripe, on this thread; each gives its buffer back when NIXL would not take it.
+        let one = |(at, b): (u64, B)| {
+            let mut b = Some(b);
+            let r = self.over_nixl(export, pinned, |ch| {
+                nixl(ch, at, b.take().expect("one call"))
+            });
+            (at, if r.is_none() { b } else { None }, r)
+        };
+        let mut stripes = stripes.into_iter();
+        let results: Vec<_> = std::thread::scope(|scope| {
+            let mine = stripes.next();
+            let others: Vec<_> = stripes.map(|s| scope.spawn(move || one(s))).collect();
+            mine.map(one)
+                .into_iter()
+                .chain(others.into_iter().filter_map(|h| h.join().ok()))
+                .collect()
+        });
+        if results.len() < lanes {
+            return Some(Err(RemoteIoError::InvalidArgument(
+                "a stripe's thread panicked".into(),
+            )));
+        }
+        if results.iter().all(|(_, _, r)| r.is_none()) && lanes > 0 {
+            // Nothing moved: the caller's TCP path takes the whole transfer.
+            return None;
+        }
+        let mut outcome = Ok(());
+        for (at, back, r) in results {
+            let r = match (r, back) {
+                (Some(r), _) => r,
+                (None, Some(mut b)) => self.with_connection(export, pinned, |c| tcp(c, at, &mut b)),
+                (None, None) => Ok(()),
+            };
+            if outcome.is_ok() {
+                outcome = r;
+            }
+        }
+        Some(outcome)
     }
 
     /// Connections a transfer of `len` bytes uses.
@@ -633,4 +704,24 @@ fn no_atomics(export: &str) -> RemoteIoError {
         code: gpuio_hal::ErrorCode::Unsupported,
         message: format!("atomics on {export:?} need RDMA to a memory export"),
     }
+}
+
+/// `buf` cut into `lanes` near-equal stripes, each with its offset.
+#[cfg(feature = "nixl")]
+fn stripes_mut(offset: u64, buf: &mut [u8], lanes: usize) -> Vec<(u64, &mut [u8])> {
+    let step = buf.len().div_ceil(lanes.max(1)).max(1);
+    buf.chunks_mut(step)
+        .enumerate()
+        .map(|(i, c)| (offset + (i * step) as u64, c))
+        .collect()
+}
+
+/// `data` cut into `lanes` near-equal stripes, each with its offset.
+#[cfg(feature = "nixl")]
+fn stripes(offset: u64, data: &[u8], lanes: usize) -> Vec<(u64, &[u8])> {
+    let step = data.len().div_ceil(lanes.max(1)).max(1);
+    data.chunks(step)
+        .enumerate()
+        .map(|(i, c)| (offset + (i * step) as u64, c))
+        .collect()
 }

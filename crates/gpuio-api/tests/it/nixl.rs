@@ -104,6 +104,10 @@ fn sessions_copy_over_nixl() {
     )
     .unwrap();
     assert_eq!(std::fs::read(&copied).unwrap(), bytes);
-    // (read once to copy and once more to verify)
+    // (read once to copy and once more to verify; counted after the last byte is sent)
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    while agent.stats().bytes_read < 2 << 20 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     assert_eq!(agent.stats().bytes_read, 2 << 20);
 }

@@ -2,7 +2,8 @@
 //! reaching it through the authenticated TCP control channel. Bytes checked both ways, none of
 //! them through the agent's TCP data path; a read-only key and a file export are not offered
 //! NIXL and go over TCP, where the agent enforces what they may do; a restarted agent is
-//! `Restarted`; a write past the export is refused before any byte moves. Without NIXL the
+//! `Restarted`; a write past the export is refused before any byte moves; a program using
+//! NIXL's own Python API reaches an export with the metadata a session was given. Without NIXL the
 //! tests say so and pass, unless `GPUIO_REQUIRE_NIXL=1`.
 #![cfg(feature = "nixl")]
 
@@ -65,6 +66,19 @@ fn agent() -> (Agent, gpuio_transport_remoteio::SharedMemory) {
     (Agent::start(cfg).unwrap(), mem)
 }
 
+/// The agent's count of bytes its TCP data path served, once it reaches `want` (it counts a
+/// read after its last byte is sent, so the client can be done first) or a second passed.
+fn tcp_bytes_read(agent: &Agent, want: u64) -> u64 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(1);
+    loop {
+        let n = agent.stats().bytes_read;
+        if n >= want || std::time::Instant::now() > deadline {
+            return n;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 fn peer(agent: &Agent, id: &str, secret: &[u8]) -> RemotePeer {
     let mut cfg = PeerConfig::new(agent.local_addr(), creds(id, secret));
     cfg.nixl = true;
@@ -121,7 +135,7 @@ fn a_read_only_key_is_not_offered_nixl_and_tcp_holds_it_to_reading() {
     let mut got = vec![0u8; 1 << 20];
     p.read(&ex, 0, &mut got).unwrap();
     assert_eq!(pattern::first_deviation(&got, 0, 5), None);
-    assert_eq!(agent.stats().bytes_read, 1 << 20);
+    assert_eq!(tcp_bytes_read(&agent, 1 << 20), 1 << 20);
     let e = p.write(&ex, 0, &[0u8; 16]).unwrap_err();
     assert_eq!(e.code(), ErrorCode::Permission, "{e}");
     assert_eq!(
@@ -161,4 +175,71 @@ fn a_restarted_agent_is_restarted_not_a_stale_nixl_link() {
         Err(RemoteIoError::Restarted { .. }) => {}
         other => panic!("{other:?}"),
     }
+}
+
+/// A program using NIXL's own Python API (no gpuio code) reads and writes a gpuio export, with
+/// the metadata an authenticated session was given (`nixl_peer.py`, gpuio-nixl's peer script):
+/// what a client hands a NIXL program so that it reaches the export directly.
+#[test]
+fn a_nixl_program_reaches_an_export_with_metadata_from_a_session() {
+    if !nixl_here() {
+        return;
+    }
+    let Some(path) = std::env::var_os("GPUIO_NIXL_PYTHONPATH") else {
+        Requirement::Nixl.missing("GPUIO_NIXL_PYTHONPATH (NIXL's Python package) is not set");
+        return;
+    };
+    use std::io::{BufRead, BufReader, Write};
+    let (agent, mem) = agent();
+    // The script checks the bytes it reads against its own pattern.
+    for (i, b) in mem.blocking_write().as_mut_slice().iter_mut().enumerate() {
+        *b = ((i * 13 + 5) % 253) as u8;
+    }
+    let mut c = Connection::connect(agent.local_addr(), &creds("rw", RW), T).unwrap();
+    let (metadata, addr) = c.nixl_exchange("mem").unwrap();
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../gpuio-nixl/tests/it/nixl_peer.py"
+    );
+    let mut child = std::process::Command::new("python3")
+        .arg(script)
+        .env("PYTHONPATH", path)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut to = child.stdin.take().unwrap();
+    let mut from = BufReader::new(child.stdout.take().unwrap());
+    let mut said = |from: &mut BufReader<_>| {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if from.read_line(&mut line).unwrap() == 0 || !line.contains(" NIXL ") {
+                return line;
+            }
+        }
+    };
+    assert!(said(&mut from).starts_with('{'));
+    let hex: String = metadata.iter().map(|b| format!("{b:02x}")).collect();
+    writeln!(
+        to,
+        "{{\"md\": \"{hex}\", \"addr\": {addr}, \"len\": {LEN}}}"
+    )
+    .unwrap();
+    assert_eq!(said(&mut from).trim(), "ok", "the NIXL program failed");
+    let got = mem.blocking_read();
+    for (i, &b) in got.as_slice()[8192..8192 + 4096].iter().enumerate() {
+        assert_eq!(
+            b,
+            ((i * 3 + 1) % 256) as u8,
+            "byte {i} of the NIXL program's write"
+        );
+    }
+    assert_eq!(got.as_slice()[8191], ((8191 * 13 + 5) % 253) as u8);
+    drop(got);
+    drop(to);
+    assert!(child.wait().unwrap().success());
+    // The agent's TCP data path moved none of it.
+    assert_eq!(agent.stats().bytes_read, 0);
+    drop(c);
 }
