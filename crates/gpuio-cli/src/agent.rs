@@ -240,22 +240,36 @@ fn register(
 }
 
 fn wait_for_signal() -> Result<(), Error> {
+    wait_for_signal_ticking(std::time::Duration::MAX, &mut || Ok(()))
+}
+
+/// Waits for SIGINT or SIGTERM, calling `tick` every `every` meanwhile (its error ends the
+/// wait).
+pub(crate) fn wait_for_signal_ticking(
+    every: std::time::Duration,
+    tick: &mut dyn FnMut() -> Result<(), Error>,
+) -> Result<(), Error> {
     let io = |e: std::io::Error| Error::Invalid(format!("waiting for a signal: {e}"));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_io()
+        .enable_time()
         .build()
         .map_err(io)?;
     rt.block_on(async {
         use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate())?;
-        let mut int = signal(SignalKind::interrupt())?;
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
+        let mut term = signal(SignalKind::terminate()).map_err(io)?;
+        let mut int = signal(SignalKind::interrupt()).map_err(io)?;
+        // A year stands for "never" (tokio's timer takes no larger deadline).
+        let period = every.min(std::time::Duration::from_secs(365 * 86_400));
+        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        loop {
+            tokio::select! {
+                _ = term.recv() => return Ok(()),
+                _ = int.recv() => return Ok(()),
+                _ = ticks.tick() => tick()?,
+            }
         }
-        Ok::<(), std::io::Error>(())
     })
-    .map_err(io)
 }
 
 #[cfg(test)]

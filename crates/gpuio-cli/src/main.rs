@@ -12,6 +12,8 @@ mod agent;
 mod bench;
 mod cp;
 mod info;
+#[cfg(feature = "nixl")]
+mod nixl;
 mod stat;
 
 use clap::{Parser, Subcommand};
@@ -69,6 +71,10 @@ enum Command {
     /// Serves this node's exports (`[agent]` in the configuration) to other nodes until
     /// SIGINT or SIGTERM; `gpuio agent keygen` makes a key secret.
     Agent(agent::AgentArgs),
+    /// Prints a memory export's NIXL metadata for a program using NIXL's own API, and holds
+    /// the session that keeps it valid until SIGINT or SIGTERM.
+    #[cfg(feature = "nixl")]
+    NixlExport(nixl::NixlExportArgs),
 }
 
 /// The longest wait a command line may ask for (`--metrics-linger`, `stat --watch`).
@@ -125,6 +131,8 @@ fn run(cli: Cli) -> Result<(), Error> {
         Command::Bench(args) => bench::run(config, &args),
         Command::Stat(args) => stat::run(&args),
         Command::Agent(args) => agent::run(config, &args),
+        #[cfg(feature = "nixl")]
+        Command::NixlExport(args) => nixl::run(config, &args),
     };
     if cli.metrics_addr.is_some() && !cli.metrics_linger.is_zero() {
         std::thread::sleep(cli.metrics_linger);

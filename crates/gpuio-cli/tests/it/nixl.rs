@@ -5,7 +5,8 @@
 //!
 //! Checked: a copy into the agent's memory export and one out of it, byte for byte, with none
 //! of the bytes on the agent's TCP data path (its closing line says so); a read-only key's copy
-//! served over TCP instead. Needs NIXL (`cargo xtask nixl`): without it the test says so and
+//! served over TCP instead; `gpuio nixl-export` handing a program that uses NIXL's own Python
+//! API (no gpuio code) the export, which it reads and writes, and refusing a read-only key. Needs NIXL (`cargo xtask nixl`): without it the test says so and
 //! passes, unless `GPUIO_REQUIRE_NIXL=1`.
 
 #![cfg(feature = "nixl")]
@@ -103,7 +104,8 @@ memory = "{LEN}"
             .unwrap()
     };
     let remote = format!("remoteio://{addr}/mem?transport=nixl");
-    let data: Vec<u8> = (0..LEN).map(|i| (i * 29 % 251) as u8).collect();
+    // The pattern `nixl_peer.py` checks, below.
+    let mut data: Vec<u8> = (0..LEN).map(|i| ((i * 13 + 5) % 253) as u8).collect();
     let src = dir.path().join("src.bin");
     std::fs::write(&src, &data).unwrap();
     let sent = client("rw", RW, src.to_str().unwrap(), &remote);
@@ -137,6 +139,86 @@ memory = "{LEN}"
         "{}",
         String::from_utf8_lossy(&ro.stderr)
     );
+
+    // `gpuio nixl-export` hands a program using NIXL's own Python API the export: it reads it
+    // whole and writes 4096 bytes at 8192, with no gpuio code.
+    if let Some(py) = std::env::var_os("GPUIO_NIXL_PYTHONPATH") {
+        let md = dir.path().join("md.json");
+        let cfg = dir.path().join("rw.toml");
+        let mut holder = Command::new(bin())
+            .args(["--config", cfg.to_str().unwrap(), "nixl-export"])
+            .arg(format!("remoteio://{addr}/mem"))
+            .args(["--out", md.to_str().unwrap()])
+            .env("UCX_TLS", "tcp")
+            .envs(nixl_env.iter().map(|(k, v)| (k, v)))
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while std::fs::metadata(&md).map_or(true, |m| m.len() == 0) {
+            assert!(std::time::Instant::now() < deadline, "no metadata written");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let mode =
+            std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&md).unwrap().permissions());
+        assert_eq!(mode & 0o777, 0o600, "the metadata is a credential");
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../gpuio-nixl/tests/it/nixl_peer.py"
+        );
+        let mut program = Command::new("python3")
+            .arg(script)
+            .env("PYTHONPATH", py)
+            .env("UCX_TLS", "tcp")
+            .envs(nixl_env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut to = program.stdin.take().unwrap();
+        let mut said = std::io::BufReader::new(program.stdout.take().unwrap())
+            .lines()
+            .map(|l| l.unwrap())
+            .filter(|l| !l.contains(" NIXL "));
+        assert!(said.next().unwrap().starts_with('{'));
+        std::io::Write::write_all(&mut to, &std::fs::read(&md).unwrap()).unwrap();
+        assert_eq!(
+            said.next().as_deref(),
+            Some("ok"),
+            "the NIXL program failed"
+        );
+        drop(to);
+        assert!(program.wait().unwrap().success());
+        for (i, b) in data[8192..8192 + 4096].iter_mut().enumerate() {
+            *b = ((i * 3 + 1) % 256) as u8;
+        }
+        let after = dir.path().join("after.bin");
+        let got = client("rw", RW, &remote, after.to_str().unwrap());
+        assert!(
+            got.status.success(),
+            "{}",
+            String::from_utf8_lossy(&got.stderr)
+        );
+        assert!(
+            std::fs::read(&after).unwrap() == data,
+            "the program's write is not there"
+        );
+        let _ = holder.kill();
+        let _ = holder.wait();
+        // A read-only key is refused the metadata: NIXL could not hold it to reading.
+        let ro_cfg = dir.path().join("ro.toml");
+        let refused = Command::new(bin())
+            .args(["--config", ro_cfg.to_str().unwrap(), "nixl-export"])
+            .arg(format!("remoteio://{addr}/mem"))
+            .envs(nixl_env.iter().map(|(k, v)| (k, v)))
+            .output()
+            .unwrap();
+        assert!(!refused.status.success());
+        let why = String::from_utf8_lossy(&refused.stderr);
+        assert!(why.contains("read over TCP"), "{why}");
+    } else {
+        Requirement::Nixl.missing("GPUIO_NIXL_PYTHONPATH (NIXL's Python package) is not set");
+    }
 
     // Stopped, the agent says what its TCP data path moved: the read-only copy alone.
     assert!(

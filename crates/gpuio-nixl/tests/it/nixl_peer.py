@@ -27,11 +27,11 @@ def wait(agent, handle):
 agent = nixl_agent("nixl-python", nixl_agent_config(backends=["UCX"]))
 mine = ((np.arange(N, dtype=np.int64) * 7 + 3) % 251).astype(np.uint8)
 agent.register_memory([(mine.ctypes.data, N, 0, "")], "DRAM")
-print(json.dumps({"md": agent.get_agent_metadata().hex(), "addr": mine.ctypes.data, "len": N}),
+print(json.dumps({"metadata": agent.get_agent_metadata().hex(), "addr": mine.ctypes.data, "len": N}),
       flush=True)
 
 theirs = json.loads(sys.stdin.readline())
-name = agent.add_remote_agent(bytes.fromhex(theirs["md"]))
+name = agent.add_remote_agent(bytes.fromhex(theirs["metadata"]))
 got = np.zeros(theirs["len"], dtype=np.uint8)
 out = ((np.arange(4096, dtype=np.int64) * 3 + 1) % 256).astype(np.uint8)
 agent.register_memory([(got.ctypes.data, got.nbytes, 0, ""), (out.ctypes.data, 4096, 0, "")],

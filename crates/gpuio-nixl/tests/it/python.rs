@@ -64,7 +64,7 @@ fn a_nixl_python_agent_and_gpuio_read_and_write_each_other() {
     // gpuio reads the Python agent's buffer.
     let agent = NixlAgent::new("gpuio-interop").unwrap();
     let len: usize = field(&line, "len").parse().unwrap();
-    let peer = agent.connect(&unhex(field(&line, "md"))).unwrap();
+    let peer = agent.connect(&unhex(field(&line, "metadata"))).unwrap();
     assert_eq!(peer.name(), "nixl-python");
     let remote = NixlRemote {
         addr: field(&line, "addr").parse().unwrap(),
@@ -90,7 +90,7 @@ fn a_nixl_python_agent_and_gpuio_read_and_write_each_other() {
     let me = region.remote();
     writeln!(
         to,
-        "{{\"md\": \"{}\", \"addr\": {}, \"len\": {}}}",
+        "{{\"metadata\": \"{}\", \"addr\": {}, \"len\": {}}}",
         hex(&agent.metadata().unwrap()),
         me.addr,
         me.len

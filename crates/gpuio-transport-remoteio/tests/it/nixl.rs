@@ -223,7 +223,7 @@ fn a_nixl_program_reaches_an_export_with_metadata_from_a_session() {
     let hex: String = metadata.iter().map(|b| format!("{b:02x}")).collect();
     writeln!(
         to,
-        "{{\"md\": \"{hex}\", \"addr\": {addr}, \"len\": {LEN}}}"
+        "{{\"metadata\": \"{hex}\", \"addr\": {addr}, \"len\": {LEN}}}"
     )
     .unwrap();
     assert_eq!(said(&mut from).trim(), "ok", "the NIXL program failed");
