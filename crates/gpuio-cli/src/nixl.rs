@@ -16,10 +16,10 @@ use std::time::Duration;
 
 #[derive(Debug, clap::Args)]
 pub struct NixlExportArgs {
-    /// The export, remoteio://host:port/<export>.
+    /// The export, `remoteio://host:port/<export>`.
     uri: String,
-    /// Write the JSON line to FILE (created private to its owner: it is a credential) instead
-    /// of standard output.
+    /// Write the JSON line to FILE, a new file private to its owner (it is a credential),
+    /// instead of standard output.
     #[arg(long, value_name = "FILE")]
     out: Option<PathBuf>,
 }
@@ -63,13 +63,16 @@ pub fn run(config: Config, args: &NixlExportArgs) -> Result<(), Error> {
     match &args.out {
         Some(path) => {
             use std::os::unix::fs::OpenOptionsExt;
+            // A new file only: one that exists (or a link planted in its place) keeps
+            // whatever mode and target it has, which a credential must not inherit.
             let mut f = std::fs::OpenOptions::new()
                 .write(true)
-                .create(true)
-                .truncate(true)
+                .create_new(true)
                 .mode(0o600)
                 .open(path)
-                .map_err(|e| Error::Invalid(format!("{}: {e}", path.display())))?;
+                .map_err(|e| {
+                    Error::Invalid(format!("{}: {e} (--out makes a new file)", path.display()))
+                })?;
             f.write_all(line.as_bytes())
                 .map_err(|e| Error::Invalid(format!("{}: {e}", path.display())))?;
         }

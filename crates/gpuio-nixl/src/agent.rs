@@ -13,15 +13,14 @@ use std::time::{Duration, Instant};
 /// a core per agent even when idle (measured: a whole core; 2% with this delay).
 const PROGRESS_DELAY: Duration = Duration::from_micros(100);
 
-/// How long a transfer may run before gpuio gives up on its peer.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often a transfer that is still running says so.
+pub const WAIT_REPORT: Duration = Duration::from_secs(10);
 
 /// A NIXL agent (its own name, its UCX backend and progress thread). Calls on it may come from
 /// any thread: the agent serializes them (NIXL's strict thread sync).
 pub struct NixlAgent {
     agent: Agent,
     name: String,
-    timeout: Duration,
 }
 
 impl std::fmt::Debug for NixlAgent {
@@ -67,18 +66,12 @@ impl NixlAgent {
         Ok(Self {
             agent,
             name: name.to_string(),
-            timeout: DEFAULT_TIMEOUT,
         })
     }
 
     /// The agent's name.
     pub fn name(&self) -> &str {
         &self.name
-    }
-
-    /// Sets how long one transfer may run ([`DEFAULT_TIMEOUT`] unless set).
-    pub fn set_timeout(&mut self, timeout: Duration) {
-        self.timeout = timeout;
     }
 
     /// This agent's metadata: its connection information and every registration's keys. It
@@ -98,8 +91,9 @@ impl NixlAgent {
         Ok(NixlPeer { name })
     }
 
-    /// Forgets a peer's metadata (its connection and keys).
-    pub fn forget(&self, peer: &NixlPeer) -> Result<()> {
+    /// Forgets a peer's metadata (its connection and keys). It takes the agent exclusively:
+    /// no transfer of this agent's is running meanwhile (NIXL would lose track of it).
+    pub fn forget(&mut self, peer: &NixlPeer) -> Result<()> {
         self.agent
             .invalidate_remote_md(&peer.name)
             .map_err(|e| nixl_err("forgetting a peer", e))
@@ -184,9 +178,11 @@ impl NixlAgent {
             .map_err(|e| nixl_err("registering memory", e))
     }
 
-    /// Posts one transfer and waits for it. Past the deadline the peer is forgotten (its
-    /// endpoint closes, which ends what is in flight) and the wait goes on until NIXL lets go
-    /// of the local bytes: a caller's slice is never written after this returns.
+    /// Posts one transfer and waits until NIXL is done with it, whatever that takes: a
+    /// caller's slice is never written after this returns, and NIXL cannot stop a transfer in
+    /// flight (forgetting the peer only hides its status). A peer that died is UCX's to
+    /// detect (NIXL runs UCX with peer error handling: its keepalive fails what is in flight);
+    /// a long wait is logged every [`WAIT_REPORT`].
     fn transfer(&self, op: XferOp, local: Span, peer: &NixlPeer, far: Span) -> Result<()> {
         if local.len == 0 {
             return Ok(());
@@ -214,25 +210,22 @@ impl NixlAgent {
             return Ok(());
         }
         let start = Instant::now();
-        let mut timed_out = false;
+        let mut reported = start;
         let mut spins = 0u32;
         loop {
-            let status = self.agent.get_xfer_status(&req);
-            if timed_out && !matches!(status, Ok(XferStatus::InProgress)) {
-                return Err(HalError::TimedOut {
-                    what: "a NIXL transfer",
-                    after: self.timeout,
-                });
-            }
-            match status {
+            match self.agent.get_xfer_status(&req) {
                 Ok(XferStatus::Success) => return Ok(()),
                 Err(e) => return Err(transfer_err(what, e)),
                 Ok(XferStatus::InProgress) => {}
             }
-            if !timed_out && start.elapsed() > self.timeout {
-                tracing::warn!(peer = %peer.name, "NIXL {what} timed out; forgetting the peer");
-                timed_out = true;
-                let _ = self.forget(peer);
+            if reported.elapsed() > WAIT_REPORT {
+                reported = Instant::now();
+                tracing::warn!(
+                    peer = %peer.name,
+                    waited = ?start.elapsed(),
+                    "a NIXL {what} of {} bytes is still running",
+                    local.len
+                );
             }
             // Spin first (a small transfer lands in microseconds), then yield the core.
             spins = spins.saturating_add(1);

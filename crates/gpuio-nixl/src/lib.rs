@@ -29,8 +29,8 @@ mod agent;
 mod library;
 mod memory;
 
-pub use agent::{DEFAULT_TIMEOUT, NixlAgent, NixlPeer};
-pub use library::{NixlLibrary, library};
+pub use agent::{NixlAgent, NixlPeer, WAIT_REPORT};
+pub use library::{NixlLibrary, library, ucx_tcp_enabled};
 pub use memory::{NixlRegion, NixlRemote};
 
 use gpuio_hal::{ErrorCode, HalError};

@@ -1,8 +1,8 @@
 //! Finding NIXL's C API library at run time. nixl-sys is built with its `stub-api`: each of its
 //! calls resolves `libnixl_capi.so` with `dlopen` by that name on first use, and aborts the
 //! process where it is missing. So before any NIXL call, gpuio loads the library itself, from
-//! the first place that has it, with `RTLD_GLOBAL`: the stub's `dlopen` by name then finds the
-//! loaded object (its soname matches) instead of searching. Where no place has it, every NIXL
+//! the first place that has it: the stub's `dlopen` by name then finds the loaded object (the
+//! dynamic linker matches a loaded library's soname) instead of searching. Where no place has it, every NIXL
 //! call of gpuio's is refused with `Unsupported` and the reason, and nixl-sys is never called.
 
 use gpuio_hal::{HalError, Result};
@@ -74,6 +74,31 @@ fn load() -> std::result::Result<NixlLibrary, String> {
         version,
         plugins,
     })
+}
+
+/// Whether UCX may use its TCP transport in this process, as `UCX_TLS` says (unset: every
+/// transport). Over TCP (and UCX's other software paths) UCX serves one-sided reads and writes
+/// by copying at whatever address the peer names, with no key check: any peer that reaches
+/// the process's UCX ports can read and write its memory. RDMA and `cuda_ipc` check keys;
+/// shared memory and CMA need the same user's rights on the same host.
+pub fn ucx_tcp_enabled() -> bool {
+    tcp_in(std::env::var("UCX_TLS").ok().as_deref())
+}
+
+/// [`ucx_tcp_enabled`] for a `UCX_TLS` value.
+fn tcp_in(tls: Option<&str>) -> bool {
+    let Some(tls) = tls.map(str::trim).filter(|t| !t.is_empty()) else {
+        return true;
+    };
+    let (excluding, list) = match tls.strip_prefix('^') {
+        Some(rest) => (true, rest),
+        None => (false, tls),
+    };
+    let named = list
+        .split(',')
+        .map(str::trim)
+        .any(|t| t == "tcp" || t == "all" && !excluding);
+    named != excluding
 }
 
 /// PyPI's NIXL wheels crash the process at exit (in the destructors of the libnl-route they
@@ -198,6 +223,24 @@ mod tests {
         let got = wheel_version(&libs.join(CAPI));
         std::fs::remove_dir_all(&site).unwrap();
         assert_eq!(got.as_deref(), Some("1.5.1 (nixl_cu13)"));
+    }
+
+    #[test]
+    fn ucx_tls_decides_whether_tcp_is_on() {
+        for (tls, tcp) in [
+            (None, true),
+            (Some(""), true),
+            (Some("all"), true),
+            (Some("tcp"), true),
+            (Some("rc,tcp,sm"), true),
+            (Some("^tcp"), false),
+            (Some("^ib,tcp"), false),
+            (Some("^ib"), true),
+            (Some("rc,cuda_ipc,sm,cma"), false),
+            (Some("^all"), true),
+        ] {
+            assert_eq!(tcp_in(tls), tcp, "{tls:?}");
+        }
     }
 
     #[test]

@@ -128,11 +128,9 @@ pub struct NixlRemote {
 impl NixlRemote {
     /// The span of `len` bytes at `offset`, after checking they lie inside.
     pub(crate) fn span_at(&self, offset: u64, len: usize) -> Result<Span> {
-        match offset.checked_add(len as u64) {
-            Some(end) if end <= self.len => Ok(Span {
-                addr: (self.addr + offset) as usize,
-                len,
-            }),
+        let addr = self.addr.checked_add(offset).map(usize::try_from);
+        match (offset.checked_add(len as u64), addr) {
+            (Some(end), Some(Ok(addr))) if end <= self.len => Ok(Span { addr, len }),
             _ => Err(HalError::InvalidArgument(format!(
                 "{offset}+{len} is outside the peer's region ({} bytes)",
                 self.len

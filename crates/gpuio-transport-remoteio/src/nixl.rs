@@ -9,12 +9,16 @@
 //! else, lives as long as the session, and is offered only where the session may write the
 //! export (its key's role and the export's mode). A read-only session, a file export or an
 //! empty one is refused with `Unsupported`, and the client reads it over TCP, as over RDMA.
+//! The one-export bound holds where the transport checks keys (RDMA, `cuda_ipc`); UCX's
+//! software paths (TCP, and shared memory and CMA within one user on one host) copy at any
+//! address a peer names. So the agent refuses NIXL while UCX may use TCP, unless told the
+//! network is trusted (`AgentConfig::nixl_tcp`). NIXL's bytes do not go through TLS.
 //!
 //! The client's side, a [`NixlChannel`], moves bytes through a registered staging buffer of
 //! its own; UCX picks the transport (shared memory or `cuda_ipc` on one host, TCP, RDMA).
 
 use crate::connection::Connection;
-use crate::wire::Message;
+use crate::wire::{MAX_NIXL_METADATA, Message};
 use crate::{RemoteIoError, Result};
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{ErrorCode, HostAllocOptions, HostBuffer};
@@ -22,7 +26,6 @@ use gpuio_nixl::{NixlAgent, NixlPeer, NixlRegion, NixlRemote};
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
 /// A NIXL agent name no other agent of this process, or likely of any other, has: NIXL
 /// keys what it loaded by name.
@@ -47,24 +50,45 @@ pub(crate) struct Link {
     // The registration first: released before its agent.
     _region: NixlRegion,
     _agent: NixlAgent,
+    export: String,
+    metadata: Vec<u8>,
+    addr: u64,
 }
 
-/// Exposes `mem` (an export the session may write, at least one byte) to the client through a
-/// NIXL agent of its own; returns the link to keep and the answer to send.
-pub(crate) fn accept(mem: &HostBuffer) -> Result<(Link, Message)> {
+impl Link {
+    /// The export it reaches.
+    pub(crate) fn export(&self) -> &str {
+        &self.export
+    }
+
+    /// The NIXL_INFO answer that hands it to the client.
+    pub(crate) fn answer(&self) -> Message {
+        Message::NixlInfo {
+            metadata: self.metadata.clone(),
+            addr: self.addr,
+        }
+    }
+}
+
+/// Exposes `mem` (the export `name`, which the session may write, at least one byte) to the
+/// client through a NIXL agent of its own.
+pub(crate) fn accept(name: &str, mem: &HostBuffer) -> Result<Link> {
     let agent = NixlAgent::new(&agent_name("export"))?;
     let region = agent.register(mem, 0..mem.len())?;
-    let answer = Message::NixlInfo {
-        metadata: agent.metadata()?,
+    let metadata = agent.metadata()?;
+    if metadata.len() > MAX_NIXL_METADATA {
+        return Err(RemoteIoError::InvalidArgument(format!(
+            "NIXL's metadata is {} bytes, over the {MAX_NIXL_METADATA} a NIXL_INFO carries",
+            metadata.len()
+        )));
+    }
+    Ok(Link {
         addr: region.remote().addr,
-    };
-    Ok((
-        Link {
-            _region: region,
-            _agent: agent,
-        },
-        answer,
-    ))
+        _region: region,
+        _agent: agent,
+        export: name.to_string(),
+        metadata,
+    })
 }
 
 /// A client's NIXL channel to one memory export.
@@ -93,16 +117,10 @@ impl NixlChannel {
     /// Opens a channel to `export` over the authenticated `control` connection: learns the
     /// export's size and its NIXL metadata, loads it. The staging buffer holds the small
     /// transfers (`staging` bytes, at least [`DIRECT_FROM`]).
-    pub fn open(
-        mut control: Connection,
-        export: &str,
-        staging: usize,
-        timeout: Duration,
-    ) -> Result<Self> {
+    pub fn open(mut control: Connection, export: &str, staging: usize) -> Result<Self> {
         let size = control.stat(export)?.size;
         let (metadata, addr) = control.nixl_exchange(export)?;
-        let mut agent = NixlAgent::new(&agent_name("client"))?;
-        agent.set_timeout(timeout);
+        let agent = NixlAgent::new(&agent_name("client"))?;
         let peer = agent.connect(&metadata)?;
         let staging = HostBuffer::alloc(staging.max(DIRECT_FROM), &HostAllocOptions::default())?;
         let region = agent.register(&staging, 0..staging.len())?;
@@ -162,6 +180,11 @@ pub(crate) struct ChannelPool {
 }
 
 impl ChannelPool {
+    /// Whether the agent may serve `export` over NIXL (it has not refused it yet).
+    pub(crate) fn may_serve(&self, export: &str) -> bool {
+        !self.tcp_only.lock_unpoisoned().iter().any(|e| e == export)
+    }
+
     /// Runs `f` on an idle channel to `export`, or on one `open` makes; a channel that fails
     /// is dropped. `None` when the export is served over TCP only.
     pub(crate) fn run<T>(
@@ -188,7 +211,10 @@ impl ChannelPool {
                 message,
             }) => {
                 tracing::debug!(export, %message, "served over TCP: not offered over NIXL");
-                self.tcp_only.lock_unpoisoned().push(export.to_string());
+                let mut tcp_only = self.tcp_only.lock_unpoisoned();
+                if !tcp_only.iter().any(|e| e == export) {
+                    tcp_only.push(export.to_string());
+                }
                 return None;
             }
             Err(e) => return Some(Err(e)),

@@ -460,7 +460,12 @@ impl RemotePeer {
         if !self.cfg.nixl {
             return None;
         }
-        let timeout = self.cfg.timeout;
+        if let Err(e) = gpuio_nixl::library() {
+            // Asked for, but this process has none: TCP serves (said once per process).
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| tracing::warn!("transport=nixl served over TCP: {e}"));
+            return None;
+        }
         let name = export.name();
         let checked = |ch: &mut crate::nixl::NixlChannel| {
             self.same_instance(export, pinned, ch.instance())?;
@@ -468,7 +473,7 @@ impl RemotePeer {
         };
         self.nixl.run(name, checked, || {
             let control = self.checkout()?;
-            crate::nixl::NixlChannel::open(control, name, self.cfg.stripe_bytes, timeout)
+            crate::nixl::NixlChannel::open(control, name, self.cfg.stripe_bytes)
         })
     }
 
@@ -486,7 +491,7 @@ impl RemotePeer {
         nixl: impl Fn(&mut crate::nixl::NixlChannel, u64, B) -> Result<()> + Sync,
         tcp: impl Fn(&mut Connection, u64, &mut B) -> Result<()> + Sync,
     ) -> Option<Result<()>> {
-        if !self.cfg.nixl {
+        if !self.cfg.nixl || !self.nixl.may_serve(export.name()) {
             return None;
         }
         let (nixl, tcp) = (&nixl, &tcp);

@@ -166,6 +166,7 @@ impl Config {
                 tls_key: String::new(),
                 rdma: false,
                 nixl: false,
+                nixl_tcp: false,
                 exports: Vec::new(),
             },
             remote: RemoteSection {

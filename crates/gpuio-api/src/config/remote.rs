@@ -51,6 +51,7 @@ impl Config {
             #[cfg(feature = "nixl")]
             {
                 cfg.nixl = true;
+                cfg.nixl_tcp = a.nixl_tcp;
             }
             #[cfg(not(feature = "nixl"))]
             return Err(bad(

@@ -203,6 +203,8 @@ pub struct AgentSection {
     pub rdma: bool,
     /// Offer memory exports over NIXL too (to keys that may write them).
     pub nixl: bool,
+    /// Let NIXL use UCX's TCP transport, which checks no keys (trusted networks only).
+    pub nixl_tcp: bool,
     /// What is served.
     pub exports: Vec<AgentExport>,
 }

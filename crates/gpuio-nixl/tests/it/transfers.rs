@@ -124,7 +124,7 @@ fn without_the_metadata_a_peer_reaches_nothing() {
     if crate::nixl().is_none() {
         return;
     }
-    let (a, b) = (
+    let (a, mut b) = (
         NixlAgent::new("md-a").unwrap(),
         NixlAgent::new("md-b").unwrap(),
     );

@@ -129,6 +129,12 @@ pub struct AgentConfig {
     /// not start where this process has no NIXL).
     #[cfg(feature = "nixl")]
     pub nixl: bool,
+    /// NIXL over UCX's TCP transport, which checks no keys: any peer that reaches the
+    /// process's UCX ports can read and write its memory. Without this the agent does not
+    /// start with NIXL while `UCX_TLS` lets UCX use TCP (set it to `^tcp`, or to transports
+    /// that check keys: RDMA, `cuda_ipc`; shared memory and CMA stay within the same user).
+    #[cfg(feature = "nixl")]
+    pub nixl_tcp: bool,
 }
 
 impl AgentConfig {
@@ -153,6 +159,8 @@ impl AgentConfig {
             rdma: None,
             #[cfg(feature = "nixl")]
             nixl: false,
+            #[cfg(feature = "nixl")]
+            nixl_tcp: false,
         }
     }
 
@@ -367,7 +375,7 @@ impl Agent {
                 None => None,
             },
             #[cfg(feature = "nixl")]
-            nixl: cfg.nixl && gpuio_nixl::library().map(|_| true)?,
+            nixl: cfg.nixl && nixl_ready(cfg.nixl_tcp)?,
         });
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(cfg.threads.clamp(1, 64))
@@ -573,4 +581,21 @@ async fn listen(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpLi
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
     socket.listen(LISTEN_BACKLOG)
+}
+
+/// Whether the agent may serve NIXL: the library is there, and UCX cannot use its TCP
+/// transport unless `tcp` accepts what that means.
+#[cfg(feature = "nixl")]
+fn nixl_ready(tcp: bool) -> Result<bool> {
+    gpuio_nixl::library()?;
+    if gpuio_nixl::ucx_tcp_enabled() && !tcp {
+        return Err(RemoteIoError::InvalidArgument(
+            "NIXL over UCX's TCP transport checks no keys: any peer that reaches this \
+             process's UCX ports could read and write its memory. Set UCX_TLS to transports \
+             that check keys (UCX_TLS=^tcp keeps RDMA, cuda_ipc and, within one user on one \
+             host, shared memory), or nixl_tcp = true on a network you trust"
+                .into(),
+        ));
+    }
+    Ok(true)
 }

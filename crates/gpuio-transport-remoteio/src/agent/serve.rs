@@ -107,6 +107,22 @@ pub(super) struct SessionState {
 }
 
 impl SessionState {
+    /// Whether the session holds RDMA or NIXL links (whose traffic the control connection
+    /// does not see).
+    pub(super) fn holds_links(&self) -> bool {
+        #[allow(unused_mut)] // set by the link features where built
+        let mut held = false;
+        #[cfg(feature = "rdma")]
+        {
+            held |= !self.links.is_empty();
+        }
+        #[cfg(feature = "nixl")]
+        {
+            held |= !self.nixl_links.is_empty();
+        }
+        held
+    }
+
     pub(super) fn new(buffer: Buffer) -> Self {
         Self {
             buffer,
@@ -231,7 +247,7 @@ async fn nixl_link(sh: &Shared, role: Role, name: &str, state: &mut SessionState
     if !sh.nixl {
         return Err(Refusal::new(
             ErrorCode::Unsupported,
-            "this agent does not serve NIXL (gpuio agent --nixl)",
+            "this agent does not serve NIXL ([agent] nixl = true)",
         ));
     }
     let ex = export(sh, name)?;
@@ -248,6 +264,10 @@ async fn nixl_link(sh: &Shared, role: Role, name: &str, state: &mut SessionState
              write the export (this one is read over TCP)",
         ));
     }
+    // One link per export and session: asked again, the same answer.
+    if let Some(link) = state.nixl_links.iter().find(|l| l.export() == name) {
+        return Ok(link.answer());
+    }
     // Registering the export is local work (no network IO under the lock).
     let buf = mem.read().await;
     if buf.is_empty() {
@@ -256,8 +276,14 @@ async fn nixl_link(sh: &Shared, role: Role, name: &str, state: &mut SessionState
             "an empty export has nothing to register with NIXL",
         ));
     }
-    let (link, answer) =
-        crate::nixl::accept(&buf).map_err(|e| Refusal::new(e.code(), e.to_string()))?;
+    // A link that cannot be set up here (UCX found no transport, say) leaves TCP to serve.
+    let link = crate::nixl::accept(name, &buf).map_err(|e| {
+        Refusal::new(
+            ErrorCode::Unsupported,
+            format!("NIXL could not be set up for {name:?} (served over TCP): {e}"),
+        )
+    })?;
+    let answer = link.answer();
     state.nixl_links.push(link);
     Ok(answer)
 }

@@ -172,8 +172,9 @@ async fn serve_session(
             return;
         }
         slot.set_idle(true);
+        let holds_links = state.holds_links();
         let first = tokio::select! {
-            b = next_request(&sh, &mut rd, &mut state.buffer) => b,
+            b = next_request(&sh, &mut rd, &mut state.buffer, holds_links) => b,
             _ = stop.changed() => return,
             // Its place went to a key below its share: close between requests.
             _ = slot.preempted() => return,
@@ -224,11 +225,13 @@ async fn serve_session(
 
 /// Waits for the first byte of the next request: `None` when the connection ends cleanly or
 /// stays silent past the idle timeout. A session that waits longer than [`KEEP_BUFFER`] gives
-/// its buffer back first.
+/// its buffer back first. A session holding RDMA or NIXL links has no idle timeout: its bytes
+/// move on those, with the control connection silent (preemption still closes it).
 async fn next_request(
     sh: &Shared,
     rd: &mut (impl AsyncRead + Unpin),
     buffer: &mut Buffer,
+    holds_links: bool,
 ) -> Option<std::io::Result<u8>> {
     let mut b = [0u8; 1];
     // A one-byte read is cancel-safe: a timeout loses no byte.
@@ -236,9 +239,13 @@ async fn next_request(
         Ok(n) => n,
         Err(_) => {
             buffer.release();
-            tokio::time::timeout(sh.cfg.idle_timeout, rd.read(&mut b))
-                .await
-                .ok()?
+            if holds_links {
+                rd.read(&mut b).await
+            } else {
+                tokio::time::timeout(sh.cfg.idle_timeout, rd.read(&mut b))
+                    .await
+                    .ok()?
+            }
         }
     };
     match n {

@@ -63,6 +63,8 @@ fn agent() -> (Agent, gpuio_transport_remoteio::SharedMemory) {
         access: Access::ReadWrite,
     }];
     cfg.nixl = true;
+    // Loopback: UCX's TCP transport, which checks no keys, is acceptable here.
+    cfg.nixl_tcp = true;
     (Agent::start(cfg).unwrap(), mem)
 }
 
@@ -84,6 +86,25 @@ fn peer(agent: &Agent, id: &str, secret: &[u8]) -> RemotePeer {
     cfg.nixl = true;
     cfg.stripe_bytes = 1 << 20;
     RemotePeer::connect(cfg).unwrap()
+}
+
+#[test]
+fn an_agent_will_not_serve_nixl_over_a_transport_that_checks_no_keys_unless_told() {
+    if !nixl_here() {
+        return;
+    }
+    if !gpuio_nixl::ucx_tcp_enabled() {
+        eprintln!("skipped: UCX_TLS leaves TCP out here");
+        return;
+    }
+    let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
+    cfg.nixl = true;
+    match Agent::start(cfg) {
+        Err(RemoteIoError::InvalidArgument(why)) => {
+            assert!(why.contains("UCX_TLS") && why.contains("nixl_tcp"), "{why}")
+        }
+        other => panic!("{:?}", other.map(|a| a.local_addr())),
+    }
 }
 
 #[test]
@@ -122,7 +143,7 @@ fn a_read_only_key_is_not_offered_nixl_and_tcp_holds_it_to_reading() {
     let (agent, mem) = agent();
     // Asked directly, the agent refuses: NIXL could not stop this key from writing.
     let c = Connection::connect(agent.local_addr(), &creds("ro", RO), T).unwrap();
-    match NixlChannel::open(c, "mem", 1 << 20, T) {
+    match NixlChannel::open(c, "mem", 1 << 20) {
         Err(RemoteIoError::Remote { code, message }) => {
             assert_eq!(code, ErrorCode::Unsupported);
             assert!(message.contains("read over TCP"), "{message}");
@@ -170,6 +191,7 @@ fn a_restarted_agent_is_restarted_not_a_stale_nixl_link() {
         access: Access::ReadWrite,
     }];
     cfg.nixl = true;
+    cfg.nixl_tcp = true;
     let _again = Agent::start(cfg).unwrap();
     match p.read(&ex, 0, &mut got) {
         Err(RemoteIoError::Restarted { .. }) => {}
@@ -210,7 +232,7 @@ fn a_nixl_program_reaches_an_export_with_metadata_from_a_session() {
         .expect("python3");
     let mut to = child.stdin.take().unwrap();
     let mut from = BufReader::new(child.stdout.take().unwrap());
-    let mut said = |from: &mut BufReader<_>| {
+    let said = |from: &mut BufReader<_>| {
         let mut line = String::new();
         loop {
             line.clear();
