@@ -116,7 +116,7 @@ impl std::fmt::Debug for NixlChannel {
 impl NixlChannel {
     /// Opens a channel to `export` over the authenticated `control` connection: learns the
     /// export's size and its NIXL metadata, loads it. The staging buffer holds the small
-    /// transfers (`staging` bytes, at least [`DIRECT_FROM`]).
+    /// transfers (`staging` bytes, at least 256 KiB, the size from which transfers go in place).
     pub fn open(mut control: Connection, export: &str, staging: usize) -> Result<Self> {
         let size = control.stat(export)?.size;
         let (metadata, addr) = control.nixl_exchange(export)?;
