@@ -477,10 +477,10 @@ impl RemotePeer {
         })
     }
 
-    /// Moves `len` bytes at `offset` over NIXL, in as many stripes side by side as the
-    /// transfer would use connections (one NIXL transfer runs on one UCX worker: on loopback a
-    /// core's worth of copying, about a third of what four TCP connections move). `stripes`
-    /// are the caller's pieces, `nixl` moves one over a channel, `tcp` over a connection where
+    /// Moves a transfer's `stripes` (each piece with its offset; as many as the transfer would
+    /// use connections) over NIXL side by side, on a channel each: one NIXL transfer runs on
+    /// one UCX worker, on loopback a core's worth of copying, about a third of what four TCP
+    /// connections move. `nixl` moves a stripe over a channel, `tcp` over a connection where
     /// the agent does not offer NIXL. `None` where NIXL serves no stripe.
     #[cfg(feature = "nixl")]
     fn nixl_striped<B: Send>(
