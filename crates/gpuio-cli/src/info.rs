@@ -209,7 +209,7 @@ fn nixl() -> Capability {
     match gpuio_nixl::library() {
         Ok(lib) => Capability::yes(format!(
             "{}, version {}; plugins: {}; UCX picks its transports at run time (UCX_TLS: {}); \
-             memory exports to keys that may write them ([agent] nixl = true)",
+             memory exports to keys that may write them ([agent] nixl = true{})",
             lib.path
                 .as_ref()
                 .map_or("found by the dynamic linker".into(), |p| p
@@ -218,6 +218,12 @@ fn nixl() -> Capability {
             lib.version.as_deref().unwrap_or("unknown"),
             lib.plugins.join(", "),
             std::env::var("UCX_TLS").unwrap_or_else(|_| "unset".into()),
+            if gpuio_nixl::ucx_tcp_enabled() {
+                "; UCX may use TCP here, which checks no keys: an agent also needs \
+                 nixl_tcp = true, or UCX_TLS=^tcp"
+            } else {
+                ""
+            },
         )),
         Err(e) => Capability::no(e.to_string()),
     }
