@@ -14,8 +14,10 @@
 //! address a peer names. So the agent refuses NIXL while UCX may use TCP, unless told the
 //! network is trusted (`AgentConfig::nixl_tcp`). NIXL's bytes do not go through TLS.
 //!
-//! The client's side, a [`NixlChannel`], moves bytes through a registered staging buffer of
-//! its own; UCX picks the transport (shared memory or `cuda_ipc` on one host, TCP, RDMA).
+//! The client's side, a [`NixlChannel`], moves a transfer of 256 KiB or more straight from or
+//! into the caller's memory (registered for the call) and a smaller one through a registered
+//! staging buffer of its own; UCX picks the transport (shared memory, CMA or `cuda_ipc` on one
+//! host, TCP, RDMA). The peer runs a transfer's stripes on several channels side by side.
 
 use crate::connection::Connection;
 use crate::wire::{MAX_NIXL_METADATA, Message};
