@@ -3,6 +3,8 @@
 
 pub mod agent;
 pub mod auth;
+#[cfg(any(feature = "rdma", feature = "nixl"))]
+mod channels;
 pub mod connection;
 pub mod files;
 #[cfg(feature = "nixl")]

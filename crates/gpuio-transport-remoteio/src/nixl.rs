@@ -22,11 +22,8 @@
 use crate::connection::Connection;
 use crate::wire::{MAX_NIXL_METADATA, Message};
 use crate::{RemoteIoError, Result};
-use gpuio_hal::sync::MutexExt;
 use gpuio_hal::{ErrorCode, HostAllocOptions, HostBuffer};
 use gpuio_nixl::{NixlAgent, NixlPeer, NixlRegion, NixlRemote};
-use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A NIXL agent name no other agent of this process, or likely of any other, has: NIXL
@@ -172,65 +169,19 @@ impl NixlChannel {
     }
 }
 
-/// A peer's NIXL channels, pooled per export, and the exports NIXL is not offered for.
-#[derive(Debug, Default)]
-pub(crate) struct ChannelPool {
-    idle: Mutex<HashMap<String, Vec<NixlChannel>>>,
-    /// Exports the agent would not offer over NIXL (read-only sessions, files): TCP serves
-    /// them from then on.
-    tcp_only: Mutex<Vec<String>>,
-}
+/// A peer's NIXL channels, pooled per export.
+pub(crate) type ChannelPool = crate::channels::ChannelPool<NixlChannel>;
 
-impl ChannelPool {
-    /// Whether the agent may serve `export` over NIXL (it has not refused it yet).
-    pub(crate) fn may_serve(&self, export: &str) -> bool {
-        !self.tcp_only.lock_unpoisoned().iter().any(|e| e == export)
+impl crate::channels::Channel for NixlChannel {
+    const TRANSPORT: &'static str = "NIXL";
+
+    fn control(&self) -> &Connection {
+        &self.control
     }
 
-    /// Runs `f` on an idle channel to `export`, or on one `open` makes; a channel that fails
-    /// is dropped. `None` when the export is served over TCP only.
-    pub(crate) fn run<T>(
-        &self,
-        export: &str,
-        f: impl FnOnce(&mut NixlChannel) -> Result<T>,
-        open: impl FnOnce() -> Result<NixlChannel>,
-    ) -> Option<Result<T>> {
-        if self.tcp_only.lock_unpoisoned().iter().any(|e| e == export) {
-            return None;
-        }
-        // A channel whose control connection the agent closed (it restarted, or dropped an
-        // idle session) reaches nothing any more: the agent's side went with the session.
-        let pooled = self
-            .idle
-            .lock_unpoisoned()
-            .get_mut(export)
-            .and_then(Vec::pop)
-            .filter(|ch| ch.control.is_alive());
-        let mut ch = match pooled.map_or_else(open, Ok) {
-            Ok(ch) => ch,
-            Err(RemoteIoError::Remote {
-                code: ErrorCode::Unsupported,
-                message,
-            }) => {
-                tracing::debug!(export, %message, "served over TCP: not offered over NIXL");
-                let mut tcp_only = self.tcp_only.lock_unpoisoned();
-                if !tcp_only.iter().any(|e| e == export) {
-                    tcp_only.push(export.to_string());
-                }
-                return None;
-            }
-            Err(e) => return Some(Err(e)),
-        };
-        let r = f(&mut ch);
-        // A range refused before anything was posted leaves the channel usable; after a
-        // failed transfer it is dropped (its peer may be gone).
-        if !matches!(&r, Err(e) if e.code() != ErrorCode::InvalidArg) {
-            self.idle
-                .lock_unpoisoned()
-                .entry(export.to_string())
-                .or_default()
-                .push(ch);
-        }
-        Some(r)
+    /// A range refused before anything was posted leaves the channel usable; after a failed
+    /// transfer it is dropped (its peer may be gone).
+    fn reusable<T>(&self, r: &Result<T>) -> bool {
+        !matches!(r, Err(e) if e.code() != ErrorCode::InvalidArg)
     }
 }

@@ -15,12 +15,11 @@
 use crate::connection::Connection;
 use crate::wire::RdmaInfo;
 use crate::{RemoteIoError, Result};
+use gpuio_hal::HostBuffer;
 use gpuio_hal::sync::MutexExt;
-use gpuio_hal::{ErrorCode, HostBuffer};
 use gpuio_rdma::{
     HostRegion, QueuePair, RdmaAccess, RdmaBuffer, RdmaDevice, RdmaEndpoint, RemoteRegion,
 };
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -230,13 +229,11 @@ impl RdmaChannel {
     }
 }
 
-/// A peer's RDMA channels, pooled per export, and the exports RDMA cannot reach.
+/// A peer's RDMA device and channels, pooled per export.
 #[derive(Debug, Default)]
 pub(crate) struct ChannelPool {
     device: OnceLock<Arc<RdmaDevice>>,
-    idle: Mutex<HashMap<String, Vec<RdmaChannel>>>,
-    /// Exports the agent refused to expose (files): served over TCP from then on.
-    tcp_only: Mutex<Vec<String>>,
+    channels: crate::channels::ChannelPool<RdmaChannel>,
 }
 
 impl ChannelPool {
@@ -249,47 +246,28 @@ impl ChannelPool {
         Ok(self.device.get_or_init(|| d).clone())
     }
 
-    /// Runs `f` on an idle channel to `export`, or on one `open` makes; a channel that fails
-    /// is dropped. `None` when the export is served over TCP only.
+    /// Runs `f` on an idle channel to `export`, or on one `open` makes
+    /// ([`crate::channels::ChannelPool::run`]).
     pub(crate) fn run<T>(
         &self,
         export: &str,
         f: impl FnOnce(&mut RdmaChannel) -> Result<T>,
         open: impl FnOnce() -> Result<RdmaChannel>,
     ) -> Option<Result<T>> {
-        if self.tcp_only.lock_unpoisoned().iter().any(|e| e == export) {
-            return None;
-        }
-        // A channel whose control connection the agent closed (it restarted, or dropped an
-        // idle session) reaches nothing any more: it is dropped, not used.
-        let pooled = self
-            .idle
-            .lock_unpoisoned()
-            .get_mut(export)
-            .and_then(Vec::pop)
-            .filter(|ch| ch.control.is_alive());
-        let mut ch = match pooled.map_or_else(open, Ok) {
-            Ok(ch) => ch,
-            Err(RemoteIoError::Remote {
-                code: ErrorCode::Unsupported,
-                message,
-            }) => {
-                tracing::debug!(export, %message, "served over TCP: RDMA cannot reach it");
-                self.tcp_only.lock_unpoisoned().push(export.to_string());
-                return None;
-            }
-            Err(e) => return Some(Err(e)),
-        };
-        let r = f(&mut ch);
-        // A range refused before anything was posted leaves the queue pair usable; a failed
-        // or timed-out work request leaves it in the error state.
-        if !ch.qp.is_failed() {
-            self.idle
-                .lock_unpoisoned()
-                .entry(export.to_string())
-                .or_default()
-                .push(ch);
-        }
-        Some(r)
+        self.channels.run(export, f, open)
+    }
+}
+
+impl crate::channels::Channel for RdmaChannel {
+    const TRANSPORT: &'static str = "RDMA";
+
+    fn control(&self) -> &Connection {
+        &self.control
+    }
+
+    /// A range refused before anything was posted leaves the queue pair usable; a failed or
+    /// timed-out work request leaves it in the error state.
+    fn reusable<T>(&self, _: &Result<T>) -> bool {
+        !self.qp.is_failed()
     }
 }

@@ -159,6 +159,35 @@ fn echo_server(size: usize) -> Result<(SocketAddr, std::thread::JoinHandle<()>)>
     Ok((addr, h))
 }
 
+/// An agent on loopback exporting `bytes` of host memory holding the pattern of `seed` as
+/// "mem", with the suite's read-write key; `configure` adds to its configuration.
+fn start_agent(bytes: usize, seed: u64, configure: impl FnOnce(&mut AgentConfig)) -> Result<Agent> {
+    let mut mem = HostBuffer::alloc(bytes, &HostAllocOptions::default())?;
+    pattern::fill(&mut mem, 0, seed);
+    let mut cfg = AgentConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)));
+    cfg.keys = vec![Key {
+        id: "bench".into(),
+        secret: KEY.to_vec(),
+        role: Role::ReadWrite,
+    }];
+    cfg.exports = vec![Export {
+        name: "mem".into(),
+        source: ExportSource::Memory(shared_memory(mem)),
+        access: Access::ReadWrite,
+    }];
+    cfg.threads = std::thread::available_parallelism().map_or(2, |c| c.get().min(8));
+    configure(&mut cfg);
+    Agent::start(cfg).map_err(remote)
+}
+
+/// The suite's key, as a client presents it.
+fn credentials() -> Credentials {
+    Credentials {
+        key_id: "bench".into(),
+        secret: KEY.to_vec(),
+    }
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 * p) as usize).min(sorted.len().saturating_sub(1));
     sorted.get(i).copied().unwrap_or_default()
@@ -176,25 +205,8 @@ pub fn run(
     );
     let _ = session;
     let seed = fresh_seed();
-    let mut mem = HostBuffer::alloc(opts.export_bytes, &HostAllocOptions::default())?;
-    pattern::fill(&mut mem, 0, seed);
-    let mut cfg = AgentConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)));
-    cfg.keys = vec![Key {
-        id: "bench".into(),
-        secret: KEY.to_vec(),
-        role: Role::ReadWrite,
-    }];
-    cfg.exports = vec![Export {
-        name: "mem".into(),
-        source: ExportSource::Memory(shared_memory(mem)),
-        access: Access::ReadWrite,
-    }];
-    cfg.threads = std::thread::available_parallelism().map_or(2, |c| c.get().min(8));
-    let agent = Agent::start(cfg).map_err(remote)?;
-    let creds = Credentials {
-        key_id: "bench".into(),
-        secret: KEY.to_vec(),
-    };
+    let agent = start_agent(opts.export_bytes, seed, |_| {})?;
+    let creds = credentials();
     let export = RemoteExport::new("mem");
     let transfer = opts.transfer.min(opts.export_bytes);
     let spots = (opts.export_bytes / transfer).max(1);

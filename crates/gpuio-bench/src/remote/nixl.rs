@@ -5,15 +5,11 @@
 //! read into another, one transfer per call: NIXL's best case), same sizes, same run. UCX
 //! picks the transport (shared memory on one host). Each case's last read is checked.
 
-use super::{KEY, remote, sustained};
+use super::{remote, sustained};
 use crate::{BenchError, Record, Result, Target, human};
 use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
 use gpuio_nixl::NixlAgent;
-use gpuio_transport_remoteio::{
-    Access, Agent, AgentConfig, Credentials, Export, ExportSource, Key, PeerConfig, RemoteExport,
-    RemotePeer, Role, shared_memory,
-};
-use std::net::SocketAddr;
+use gpuio_transport_remoteio::{PeerConfig, RemoteExport, RemotePeer};
 
 /// Runs the NIXL cases; records, and notes (why they did not run, where NIXL is missing).
 pub(super) fn run(
@@ -28,32 +24,13 @@ pub(super) fn run(
     }
     let largest = sizes.iter().copied().max().unwrap_or(1 << 20);
     let export_bytes = largest * 2;
-    let mut mem = HostBuffer::alloc(export_bytes, &HostAllocOptions::default())?;
-    pattern::fill(&mut mem, 0, seed);
-    let mut cfg = AgentConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)));
-    cfg.keys = vec![Key {
-        id: "bench".into(),
-        secret: KEY.to_vec(),
-        role: Role::ReadWrite,
-    }];
-    cfg.exports = vec![Export {
-        name: "mem".into(),
-        source: ExportSource::Memory(shared_memory(mem)),
-        access: Access::ReadWrite,
-    }];
-    cfg.threads = std::thread::available_parallelism().map_or(2, |c| c.get().min(8));
-    cfg.nixl = true;
-    // Loopback, in this process: UCX's TCP transport (which checks no keys) may stay on.
-    cfg.nixl_tcp = true;
-    let agent = Agent::start(cfg).map_err(remote)?;
+    let agent = super::start_agent(export_bytes, seed, |cfg| {
+        cfg.nixl = true;
+        // Loopback, in this process: UCX's TCP transport (which checks no keys) may stay on.
+        cfg.nixl_tcp = true;
+    })?;
     let peer = |nixl: bool| {
-        let mut pc = PeerConfig::new(
-            agent.local_addr(),
-            Credentials {
-                key_id: "bench".into(),
-                secret: KEY.to_vec(),
-            },
-        );
+        let mut pc = PeerConfig::new(agent.local_addr(), super::credentials());
         pc.nixl = nixl;
         RemotePeer::connect(pc).map_err(remote)
     };
