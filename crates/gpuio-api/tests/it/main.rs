@@ -9,3 +9,4 @@ mod api;
 mod nixl;
 #[cfg(feature = "rdma")]
 mod rdma;
+mod remote_agent;

@@ -4,15 +4,9 @@
 //! the test says so and passes, unless `GPUIO_REQUIRE_NIXL=1`.
 #![cfg(feature = "nixl")]
 
-use gpuio_api::{Config, CopyOptions, Session, Uri};
-use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
+use gpuio_api::{CopyOptions, Uri};
+use gpuio_hal::pattern;
 use gpuio_testkit::Requirement;
-use gpuio_transport_remoteio::{
-    Access, Agent, AgentConfig, Export, ExportSource, Key, Role, shared_memory,
-};
-
-/// Made by `gpuio agent keygen` (agents refuse weak secrets).
-const SECRET: &str = "8f0e3a5c7b9d1e2f4a6c8e0b2d4f6a8c0e2b4d6f8a0c2e4b6d8f0a2c4e6b8d0f";
 const LEN: usize = 6 << 20;
 
 #[test]
@@ -21,47 +15,22 @@ fn sessions_copy_over_nixl() {
         Requirement::Nixl.missing(e);
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let mut buf = HostBuffer::alloc(LEN, &HostAllocOptions::default()).unwrap();
-    pattern::fill(&mut buf, 0, 41);
-    let mem = shared_memory(buf);
-    let file = dir.path().join("export.bin");
-    let mut bytes = vec![0u8; 1 << 20];
-    pattern::fill(&mut bytes, 0, 42);
-    std::fs::write(&file, &bytes).unwrap();
-    let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
-    cfg.keys = vec![Key {
-        id: "ops".into(),
-        secret: SECRET.as_bytes().to_vec(),
-        role: Role::ReadWrite,
-    }];
-    cfg.exports = vec![
-        Export {
-            name: "mem".into(),
-            source: ExportSource::Memory(mem.clone()),
-            access: Access::ReadWrite,
+    let crate::remote_agent::Remote {
+        agent,
+        mem,
+        file_bytes: bytes,
+        session: s,
+        dir,
+    } = crate::remote_agent::remote(
+        LEN,
+        41,
+        |cfg| {
+            cfg.nixl = true;
+            // Loopback: UCX's TCP transport, which checks no keys, is acceptable here.
+            cfg.nixl_tcp = true;
         },
-        Export {
-            name: "file".into(),
-            source: ExportSource::File {
-                path: file.clone(),
-                max_len: None,
-            },
-            access: Access::ReadOnly,
-        },
-    ];
-    cfg.nixl = true;
-    // Loopback: UCX's TCP transport, which checks no keys, is acceptable here.
-    cfg.nixl_tcp = true;
-    let agent = Agent::start(cfg).unwrap();
-    let key = dir.path().join("key");
-    std::fs::write(&key, SECRET).unwrap();
-    // Secret files must be private to their owner.
-    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-    let mut config = Config::default();
-    config.remote.key_id = "ops".into();
-    config.remote.secret_file = key.display().to_string();
-    let s = Session::new(config).unwrap();
+        |_| {},
+    );
     let at = |export: &str| {
         Uri::parse(&format!(
             "remoteio://{}/{export}?transport=nixl",

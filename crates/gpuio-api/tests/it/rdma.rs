@@ -5,16 +5,10 @@
 //! `GPUIO_REQUIRE_RDMA=1`.
 #![cfg(feature = "rdma")]
 
-use gpuio_api::{Config, CopyOptions, Resource, Session, Uri};
+use gpuio_api::{CopyOptions, Resource, Uri};
 use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
 use gpuio_testkit::Requirement;
 use gpuio_transport_remoteio::rdma::RdmaOptions;
-use gpuio_transport_remoteio::{
-    Access, Agent, AgentConfig, Export, ExportSource, Key, Role, shared_memory,
-};
-
-/// Made by `gpuio agent keygen` (agents refuse weak secrets).
-const SECRET: &str = "2364734aef7a34601fbc7e950cc43a7a0da7942685a7875f0c6700334ee62a91";
 const LEN: usize = 6 << 20;
 
 #[test]
@@ -28,49 +22,23 @@ fn sessions_copy_over_rdma() {
     } else {
         0
     };
-    let dir = tempfile::tempdir().unwrap();
-    let mut buf = HostBuffer::alloc(LEN, &HostAllocOptions::default()).unwrap();
-    pattern::fill(&mut buf, 0, 31);
-    let mem = shared_memory(buf);
-    let file = dir.path().join("export.bin");
-    let mut bytes = vec![0u8; 1 << 20];
-    pattern::fill(&mut bytes, 0, 32);
-    std::fs::write(&file, &bytes).unwrap();
-    let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
-    cfg.keys = vec![Key {
-        id: "ops".into(),
-        secret: SECRET.as_bytes().to_vec(),
-        role: Role::ReadWrite,
-    }];
-    cfg.exports = vec![
-        Export {
-            name: "mem".into(),
-            source: ExportSource::Memory(mem.clone()),
-            access: Access::ReadWrite,
+    let crate::remote_agent::Remote {
+        agent,
+        mem,
+        file_bytes: bytes,
+        session: s,
+        dir,
+    } = crate::remote_agent::remote(
+        LEN,
+        31,
+        |cfg| {
+            cfg.rdma = Some(RdmaOptions {
+                device: None,
+                gid_index,
+            })
         },
-        Export {
-            name: "file".into(),
-            source: ExportSource::File {
-                path: file.clone(),
-                max_len: None,
-            },
-            access: Access::ReadOnly,
-        },
-    ];
-    cfg.rdma = Some(RdmaOptions {
-        device: None,
-        gid_index,
-    });
-    let agent = Agent::start(cfg).unwrap();
-    let key = dir.path().join("key");
-    std::fs::write(&key, SECRET).unwrap();
-    // Secret files must be private to their owner.
-    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-    let mut config = Config::default();
-    config.remote.key_id = "ops".into();
-    config.remote.secret_file = key.display().to_string();
-    config.remote.rdma_gid_index = gid_index;
-    let s = Session::new(config).unwrap();
+        |config| config.remote.rdma_gid_index = gid_index,
+    );
     let at = |export: &str| {
         Uri::parse(&format!(
             "remoteio://{}/{export}?transport=rdma",
