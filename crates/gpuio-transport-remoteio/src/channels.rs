@@ -73,7 +73,7 @@ impl<C: Channel> ChannelPool<C> {
                 code: ErrorCode::Unsupported,
                 message,
             }) => {
-                tracing::debug!(export, %message, "served over TCP, not {}", C::TRANSPORT);
+                tracing::debug!(export, %message, "served over TCP: not offered over {}", C::TRANSPORT);
                 let mut tcp_only = self.tcp_only.lock_unpoisoned();
                 if !tcp_only.iter().any(|e| e == export) {
                     tcp_only.push(export.to_string());
