@@ -1,7 +1,8 @@
 //! `gpuio nixl-export URI`: an export's NIXL metadata, for a program that speaks NIXL with its
 //! own API and no gpuio code. The command authenticates to the agent with the `[remote]` key,
 //! asks for the export over NIXL, and writes what a NIXL program needs, one JSON line: the NIXL
-//! agent's metadata (hex), the export's address in the agent's process, its length. Then it
+//! agent's metadata (hex), the export's address in the agent's process, its length, and the
+//! CUDA device whose memory it is (`"gpu"`, null for host memory: NIXL's `VRAM` or `DRAM`). Then it
 //! holds the session open, asking the agent for the export's size now and then so that the
 //! session is never idle, until SIGINT or SIGTERM: the agent's NIXL side lives as long as the
 //! session. Only a key that may write the export gets the metadata (NIXL cannot hold a program
@@ -57,9 +58,13 @@ pub fn run(config: Config, args: &NixlExportArgs) -> Result<(), Error> {
     let remote = |e: gpuio_transport_remoteio::RemoteIoError| Error::from(e);
     let mut control = Connection::connect_with(addr, &creds, peer.timeout, tls).map_err(remote)?;
     let size = control.stat(resource).map_err(remote)?.size;
-    let (metadata, at) = control.nixl_exchange(resource).map_err(remote)?;
-    let hex: String = metadata.iter().map(|b| format!("{b:02x}")).collect();
-    let line = format!("{{\"metadata\": \"{hex}\", \"addr\": {at}, \"len\": {size}}}\n");
+    let offer = control.nixl_exchange(resource).map_err(remote)?;
+    let hex: String = offer.metadata.iter().map(|b| format!("{b:02x}")).collect();
+    let gpu = offer.gpu.map_or("null".to_string(), |g| g.to_string());
+    let line = format!(
+        "{{\"metadata\": \"{hex}\", \"addr\": {}, \"len\": {size}, \"gpu\": {gpu}}}\n",
+        offer.addr
+    );
     match &args.out {
         Some(path) => {
             use std::os::unix::fs::OpenOptionsExt;
@@ -83,9 +88,13 @@ pub fn run(config: Config, args: &NixlExportArgs) -> Result<(), Error> {
                 .map_err(|e| Error::Invalid(format!("standard output: {e}")))?;
         }
     }
+    let place = offer
+        .gpu
+        .map_or("host memory".into(), |g| format!("GPU {g}"));
     eprintln!(
-        "{uri}: NIXL metadata for {size} bytes at {at:#x}; it works until this command ends \
-         (SIGINT or SIGTERM)"
+        "{uri}: NIXL metadata for {size} bytes at {:#x} ({place}); it works until this \
+         command ends (SIGINT or SIGTERM)",
+        offer.addr
     );
     crate::agent::wait_for_signal_ticking(KEEPALIVE, &mut || {
         control.stat(resource).map(|_| ()).map_err(remote)

@@ -17,6 +17,8 @@ pub enum RemoteVia {
     Registered,
     /// Through pinned staging buffers (GPU memory, files, a third node).
     Staged,
+    /// GPU memory to GPU memory over NIXL (`cuda_ipc` on one host, GPUDirect RDMA).
+    GpuToGpu,
 }
 
 /// The way a transfer's bytes went.
@@ -58,6 +60,7 @@ impl fmt::Display for Route {
             RemoteVia::Connection => "",
             RemoteVia::Registered => " in place (RDMA-registered)",
             RemoteVia::Staged => " staged through pinned memory",
+            RemoteVia::GpuToGpu => " GPU to GPU (NIXL)",
         };
         match self {
             Self::Mem(r) => write!(f, "{r}"),

@@ -3,8 +3,8 @@
 
 use crate::memory::{NixlRegion, NixlRemote, Span};
 use crate::nixl_err;
-use gpuio_hal::{HalError, HostBuffer, Result};
-use nixl_sys::{Agent, AgentConfig, MemType, ThreadSync, XferDescList, XferOp, XferStatus};
+use gpuio_hal::{DeviceBuffer, HalError, HostBuffer, Result};
+use nixl_sys::{Agent, AgentConfig, ThreadSync, XferDescList, XferOp, XferStatus};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -104,6 +104,12 @@ impl NixlAgent {
         NixlRegion::new(&self.agent, buf, range)
     }
 
+    /// Registers `range` of the device buffer `buf` (GPU memory, which UCX moves with its
+    /// CUDA transports; the host backend's stand-in devices register as host memory).
+    pub fn register_device(&self, buf: &DeviceBuffer, range: Range<usize>) -> Result<NixlRegion> {
+        NixlRegion::device(&self.agent, buf, range)
+    }
+
     /// Reads `dst.len()` bytes at `remote_off` of the peer's `remote` region into `dst`, a
     /// slice inside `region`; returns when they have landed.
     pub fn read_into(
@@ -165,6 +171,40 @@ impl NixlAgent {
         self.transfer(XferOp::Write, local, peer, far)
     }
 
+    /// Reads `range.len()` bytes at `remote_off` of the peer's `remote` region straight into
+    /// `range` of the device buffer `dst`, registered for this call alone.
+    pub fn read_device(
+        &self,
+        dst: &DeviceBuffer,
+        range: Range<usize>,
+        peer: &NixlPeer,
+        remote: &NixlRemote,
+        remote_off: u64,
+    ) -> Result<()> {
+        let far = remote.span_at(remote_off, range.len())?;
+        let local = Span::of_device(dst, range)?;
+        dst.gpu().bind_thread()?;
+        let _reg = self.register_for_call(local)?;
+        self.transfer(XferOp::Read, local, peer, far)
+    }
+
+    /// Writes `range` of the device buffer `src` at `remote_off` of the peer's `remote`
+    /// region, registered for this call alone.
+    pub fn write_device(
+        &self,
+        src: &DeviceBuffer,
+        range: Range<usize>,
+        peer: &NixlPeer,
+        remote: &NixlRemote,
+        remote_off: u64,
+    ) -> Result<()> {
+        let far = remote.span_at(remote_off, range.len())?;
+        let local = Span::of_device(src, range)?;
+        src.gpu().bind_thread()?;
+        let _reg = self.register_for_call(local)?;
+        self.transfer(XferOp::Write, local, peer, far)
+    }
+
     /// Registers `span` until the handle drops (before the caller's borrow ends). A peer that
     /// loaded this agent's metadata meanwhile could reach it: the direct calls are for agents
     /// whose metadata is never handed out (a client's).
@@ -192,9 +232,9 @@ impl NixlAgent {
             XferOp::Write => "write",
         };
         let list = |s: Span| {
-            let mut l = XferDescList::new(MemType::Dram)
+            let mut l = XferDescList::new(s.mem.mem_type())
                 .map_err(|e| nixl_err("making a descriptor list", e))?;
-            l.add_desc(s.addr, s.len, 0);
+            l.add_desc(s.addr, s.len, s.mem.device_id());
             Ok::<_, HalError>(l)
         };
         let (mine, theirs) = (list(local)?, list(far)?);

@@ -10,10 +10,12 @@
 //!   the keys of every registration) goes to peers over a channel of the caller's choosing;
 //!   for gpuio, only inside an authenticated RemoteIO session, since whoever holds the
 //!   metadata can read and write every registered region.
-//! - [`NixlRegion`]: a registered range of a `HostBuffer`, exposed to peers, and the local end
-//!   of transfers on slices inside it. [`NixlRemote`]: a peer's region.
+//! - [`NixlRegion`]: a registered range of a `HostBuffer` or a `DeviceBuffer` ([`NixlMem`]
+//!   says which), exposed to peers, and the local end of transfers inside it.
+//!   [`NixlRemote`]: a peer's region. Device memory moves GPU to GPU where UCX can
+//!   (`cuda_ipc` on one host, GPUDirect RDMA between hosts).
 //!
-//! The crate sits beside the transports' layer, on gpuio-hal, whose `HostBuffer` it registers
+//! The crate sits beside the transports' layer, on gpuio-hal, whose buffers it registers
 //! and whose [`HalError`] it returns (an [`HalError::Nixl`] for a failed call). Its files:
 //! `library.rs` (finding and loading the library), `agent.rs` (the agent and transfers),
 //! `memory.rs` (registrations and the range checks every transfer makes before it posts).
@@ -31,7 +33,7 @@ mod memory;
 
 pub use agent::{NixlAgent, NixlPeer, WAIT_REPORT};
 pub use library::{NixlLibrary, library, ucx_tcp_enabled};
-pub use memory::{NixlRegion, NixlRemote};
+pub use memory::{NixlMem, NixlRegion, NixlRemote};
 
 use gpuio_hal::{ErrorCode, HalError};
 

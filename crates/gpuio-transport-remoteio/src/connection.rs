@@ -17,6 +17,7 @@ use crate::wire::{
 };
 use crate::{RemoteIoError, Result, code_from_i32};
 use std::collections::VecDeque;
+use std::fmt;
 use std::io::{IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
@@ -160,6 +161,30 @@ impl std::fmt::Debug for Stream {
             Self::Plain(_) => "tcp",
             Self::Tls(_) => "tls",
         })
+    }
+}
+
+/// An agent's answer to a NIXL request: the metadata of the NIXL agent that registered the
+/// export (a bearer credential for its bytes), the export's address in the agent's process,
+/// and whether it is GPU memory (of that CUDA device) or host memory.
+#[derive(Clone, PartialEq, Eq)]
+pub struct NixlOffer {
+    /// The NIXL agent's metadata.
+    pub metadata: Vec<u8>,
+    /// The export's first byte, in the agent's address space.
+    pub addr: u64,
+    /// `Some(ordinal)`: GPU memory of that CUDA device; `None`: host memory.
+    pub gpu: Option<u32>,
+}
+
+impl fmt::Debug for NixlOffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The metadata is a credential: its size only.
+        f.debug_struct("NixlOffer")
+            .field("metadata_bytes", &self.metadata.len())
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("gpu", &self.gpu)
+            .finish()
     }
 }
 
@@ -362,8 +387,8 @@ impl Connection {
     }
 
     /// Asks the agent to reach `export` over NIXL; returns the NIXL metadata of the agent's
-    /// side and the export's address there.
-    pub fn nixl_exchange(&mut self, export: &str) -> Result<(Vec<u8>, u64)> {
+    /// side, the export's address there and where it lies.
+    pub fn nixl_exchange(&mut self, export: &str) -> Result<NixlOffer> {
         self.guard(|c| {
             let id = c.id();
             let req = Message::NixlRequest {
@@ -371,7 +396,15 @@ impl Connection {
             };
             c.send(&req, id)?;
             match c.response(id)? {
-                Message::NixlInfo { metadata, addr } => Ok((metadata, addr)),
+                Message::NixlInfo {
+                    metadata,
+                    addr,
+                    gpu,
+                } => Ok(NixlOffer {
+                    metadata,
+                    addr,
+                    gpu,
+                }),
                 other => Err(unexpected(&other)),
             }
         })

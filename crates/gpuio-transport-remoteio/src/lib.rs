@@ -20,7 +20,7 @@ pub use agent::{
     Access, Agent, AgentConfig, AgentStats, Export, ExportSource, SharedMemory, shared_memory,
 };
 pub use auth::{Key, Role};
-pub use connection::{Connection, Credentials, ExportInfo};
+pub use connection::{Connection, Credentials, ExportInfo, NixlOffer};
 pub use peer::{PeerConfig, PeerStats, RemoteExport, RemotePeer};
 #[cfg(feature = "registry")]
 pub use registry::{Registry, SegmentRegistration};

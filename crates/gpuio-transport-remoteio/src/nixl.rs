@@ -3,6 +3,9 @@
 //! has handed it the export's NIXL metadata (NIXL_INFO). NIXL's metadata travels only there,
 //! inside gpuio's authenticated session, never on a port of its own.
 //!
+//! A memory export may be host or GPU memory: NIXL moves GPU memory GPU to GPU where UCX can
+//! (`cuda_ipc` between processes of one host, GPUDirect RDMA between hosts).
+//!
 //! What NIXL can enforce decides what the agent offers. Whoever holds a NIXL agent's metadata
 //! can read and write every region that agent registered: there are no per-peer or read-only
 //! rights. So each link gets a NIXL agent of its own that registers the one export and nothing
@@ -22,8 +25,9 @@
 use crate::connection::Connection;
 use crate::wire::{MAX_NIXL_METADATA, Message};
 use crate::{RemoteIoError, Result};
-use gpuio_hal::{ErrorCode, HostAllocOptions, HostBuffer};
-use gpuio_nixl::{NixlAgent, NixlPeer, NixlRegion, NixlRemote};
+use gpuio_hal::{DeviceBuffer, ErrorCode, HostAllocOptions, HostBuffer};
+use gpuio_nixl::{NixlAgent, NixlMem, NixlPeer, NixlRegion, NixlRemote};
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A NIXL agent name no other agent of this process, or likely of any other, has: NIXL
@@ -51,7 +55,7 @@ pub(crate) struct Link {
     _agent: NixlAgent,
     export: String,
     metadata: Vec<u8>,
-    addr: u64,
+    remote: NixlRemote,
 }
 
 impl Link {
@@ -64,16 +68,38 @@ impl Link {
     pub(crate) fn answer(&self) -> Message {
         Message::NixlInfo {
             metadata: self.metadata.clone(),
-            addr: self.addr,
+            addr: self.remote.addr,
+            gpu: match self.remote.mem {
+                NixlMem::Gpu(n) => Some(n),
+                NixlMem::Host => None,
+            },
+        }
+    }
+}
+
+/// An export's memory, as a link registers it.
+pub(crate) enum ExportMemory<'a> {
+    Host(&'a HostBuffer),
+    Device(&'a DeviceBuffer),
+}
+
+impl ExportMemory<'_> {
+    pub(crate) fn is_empty(&self) -> bool {
+        match self {
+            Self::Host(b) => b.is_empty(),
+            Self::Device(b) => b.is_empty(),
         }
     }
 }
 
 /// Exposes `mem` (the export `name`, which the session may write, at least one byte) to the
 /// client through a NIXL agent of its own.
-pub(crate) fn accept(name: &str, mem: &HostBuffer) -> Result<Link> {
+pub(crate) fn accept(name: &str, mem: ExportMemory<'_>) -> Result<Link> {
     let agent = NixlAgent::new(&agent_name("export"))?;
-    let region = agent.register(mem, 0..mem.len())?;
+    let region = match mem {
+        ExportMemory::Host(buf) => agent.register(buf, 0..buf.len())?,
+        ExportMemory::Device(buf) => agent.register_device(buf, 0..buf.len())?,
+    };
     let metadata = agent.metadata()?;
     if metadata.len() > MAX_NIXL_METADATA {
         return Err(RemoteIoError::InvalidArgument(format!(
@@ -82,7 +108,7 @@ pub(crate) fn accept(name: &str, mem: &HostBuffer) -> Result<Link> {
         )));
     }
     Ok(Link {
-        addr: region.remote().addr,
+        remote: region.remote(),
         _region: region,
         _agent: agent,
         export: name.to_string(),
@@ -98,6 +124,9 @@ pub struct NixlChannel {
     // The registration before its buffer (it holds the buffer's mapping either way).
     region: NixlRegion,
     staging: HostBuffer,
+    /// The GPU whose memory this channel's agent moves (NIXL binds an agent to one CUDA
+    /// context); `None` until the first device transfer.
+    gpu: Option<u32>,
     /// Keeps the agent's side alive; names the instance.
     control: Connection,
 }
@@ -118,17 +147,22 @@ impl NixlChannel {
     /// transfers (`staging` bytes, at least 256 KiB, the size from which transfers go in place).
     pub fn open(mut control: Connection, export: &str, staging: usize) -> Result<Self> {
         let size = control.stat(export)?.size;
-        let (metadata, addr) = control.nixl_exchange(export)?;
+        let offer = control.nixl_exchange(export)?;
         let agent = NixlAgent::new(&agent_name("client"))?;
-        let peer = agent.connect(&metadata)?;
+        let peer = agent.connect(&offer.metadata)?;
         let staging = HostBuffer::alloc(staging.max(DIRECT_FROM), &HostAllocOptions::default())?;
         let region = agent.register(&staging, 0..staging.len())?;
         Ok(Self {
             agent,
             peer,
-            remote: NixlRemote { addr, len: size },
+            remote: NixlRemote {
+                addr: offer.addr,
+                len: size,
+                mem: offer.gpu.map_or(NixlMem::Host, NixlMem::Gpu),
+            },
             region,
             staging,
+            gpu: None,
             control,
         })
     }
@@ -166,6 +200,120 @@ impl NixlChannel {
         self.agent
             .write_from(&self.region, staged, &self.peer, &self.remote, offset)?;
         Ok(())
+    }
+
+    /// Whether this channel moves `buf`'s memory GPU to GPU: the export is GPU memory, `buf`
+    /// is a CUDA device's, and the one this channel's agent works with (or it has none yet).
+    fn serves(&mut self, buf: &DeviceBuffer) -> bool {
+        match (self.remote.mem, NixlMem::of_device(buf)) {
+            (NixlMem::Gpu(_), NixlMem::Gpu(g)) if self.gpu.is_none_or(|b| b == g) => {
+                self.gpu = Some(g);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Reads `range.len()` bytes at `offset` straight into `range` of the device buffer
+    /// `dst` (registered for the call), GPU to GPU; `false` where this channel does not
+    /// serve `dst` ([`NixlChannel::serves`]).
+    fn read_device(
+        &mut self,
+        offset: u64,
+        dst: &DeviceBuffer,
+        range: Range<usize>,
+    ) -> Result<bool> {
+        if !self.serves(dst) {
+            return Ok(false);
+        }
+        self.agent
+            .read_device(dst, range, &self.peer, &self.remote, offset)?;
+        Ok(true)
+    }
+
+    /// Writes `range` of the device buffer `src` at `offset`, GPU to GPU, as
+    /// [`NixlChannel::read_device`] reads.
+    fn write_device(
+        &mut self,
+        offset: u64,
+        src: &DeviceBuffer,
+        range: Range<usize>,
+    ) -> Result<bool> {
+        if !self.serves(src) {
+            return Ok(false);
+        }
+        self.agent
+            .write_device(src, range, &self.peer, &self.remote, offset)?;
+        Ok(true)
+    }
+}
+
+/// Device memory over NIXL, GPU to GPU.
+impl crate::RemotePeer {
+    /// Reads `range.len()` bytes of `export` at `offset` straight into `range` of the device
+    /// buffer `dst` over NIXL: `cuda_ipc` between processes of one host, GPUDirect RDMA
+    /// between hosts. `None` where that path does not serve and the caller stages through
+    /// host memory: the peer does not use NIXL, the agent does not offer the export over it,
+    /// the export is host memory, `dst` is the host backend's, or the pooled channel's NIXL
+    /// agent works with another GPU (NIXL binds an agent to one CUDA context).
+    pub fn read_device(
+        &self,
+        export: &crate::RemoteExport,
+        offset: u64,
+        dst: &DeviceBuffer,
+        range: Range<usize>,
+    ) -> Option<Result<()>> {
+        let len = range.len() as u64;
+        let moved = self.on_gpu(export, |ch| ch.read_device(offset, dst, range))?;
+        if moved.is_ok() {
+            self.bytes_read.fetch_add(len, Ordering::Relaxed);
+        }
+        Some(moved)
+    }
+
+    /// Writes `range` of the device buffer `src` to `export` at `offset` over NIXL, GPU to
+    /// GPU; `None` where that path does not serve ([`read_device`](Self::read_device)). A
+    /// write the export cannot take whole is refused before any byte moves.
+    pub fn write_device(
+        &self,
+        export: &crate::RemoteExport,
+        offset: u64,
+        src: &DeviceBuffer,
+        range: Range<usize>,
+    ) -> Option<Result<()>> {
+        let len = range.len();
+        if let Err(e) = self
+            .pin(export)
+            .and_then(|p| crate::peer::check_write(export, &p, offset, len))
+        {
+            return Some(Err(e));
+        }
+        let moved = self.on_gpu(export, |ch| ch.write_device(offset, src, range))?;
+        if moved.is_ok() {
+            self.bytes_written.fetch_add(len as u64, Ordering::Relaxed);
+        }
+        Some(moved)
+    }
+
+    /// Runs `f` on a pooled NIXL channel to `export`; `None` where there is none or it does
+    /// not serve the device memory (`f` answered `false`).
+    fn on_gpu(
+        &self,
+        export: &crate::RemoteExport,
+        f: impl FnOnce(&mut NixlChannel) -> Result<bool>,
+    ) -> Option<Result<()>> {
+        if !self.config().nixl {
+            return None;
+        }
+        let pinned = match self.pin(export) {
+            Ok(p) => p,
+            Err(e) => return Some(Err(e)),
+        };
+        match self.over_nixl(export, &pinned, f)? {
+            Ok(true) => Some(Ok(())),
+            Ok(false) => None,
+            Err(e) => Some(Err(e)),
+        }
     }
 }
 

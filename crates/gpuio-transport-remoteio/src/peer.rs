@@ -131,8 +131,8 @@ pub struct RemotePeer {
     nixl: crate::nixl::ChannelPool,
     connects: AtomicU64,
     broken: AtomicU64,
-    bytes_read: AtomicU64,
-    bytes_written: AtomicU64,
+    pub(crate) bytes_read: AtomicU64,
+    pub(crate) bytes_written: AtomicU64,
 }
 
 impl RemotePeer {
@@ -195,7 +195,7 @@ impl RemotePeer {
     }
 
     /// What `export`'s agent instance said of it, asked on its first use.
-    fn pin(&self, export: &RemoteExport) -> Result<ExportInfo> {
+    pub(crate) fn pin(&self, export: &RemoteExport) -> Result<ExportInfo> {
         match export.pinned.get() {
             Some(info) => Ok(*info),
             None => self.stat(export),
@@ -451,7 +451,7 @@ impl RemotePeer {
     /// Runs `f` on a pooled NIXL channel to `export` (to the instance it met); `None` where
     /// the peer does not use NIXL or the agent does not offer the export over it.
     #[cfg(feature = "nixl")]
-    fn over_nixl<T>(
+    pub(crate) fn over_nixl<T>(
         &self,
         export: &RemoteExport,
         pinned: &ExportInfo,
@@ -686,7 +686,12 @@ impl RemotePeer {
 }
 
 /// Refuses a write that `export` cannot take whole, before anything is sent.
-fn check_write(export: &RemoteExport, pinned: &ExportInfo, offset: u64, len: usize) -> Result<()> {
+pub(crate) fn check_write(
+    export: &RemoteExport,
+    pinned: &ExportInfo,
+    offset: u64,
+    len: usize,
+) -> Result<()> {
     if !pinned.writable {
         return Err(RemoteIoError::Remote {
             code: gpuio_hal::ErrorCode::Permission,

@@ -17,8 +17,9 @@ const REMOTE_STAGE: usize = 8 << 20;
 
 /// RemoteIO as an [`Engine`]. Host memory is read into and written from directly (the peer
 /// stripes it over its connections; over RDMA, the memory is registered through a
-/// [`RegistrationCache`](crate::regcache::RegistrationCache) and the NIC moves it in place);
-/// GPU memory and files go through two pinned staging buffers, so that the network moves one
+/// [`RegistrationCache`](crate::regcache::RegistrationCache) and the NIC moves it in place).
+/// GPU memory moves GPU to GPU over NIXL where the export is GPU memory too; otherwise GPU
+/// memory and files go through two pinned staging buffers, so that the network moves one
 /// while MemIO or LocalIO moves the other.
 pub struct RemoteIoEngine {
     memio: Arc<MemIo>,
@@ -231,6 +232,16 @@ impl Engine for RemoteIoEngine {
                 via: self.write_from_host(src, r, len)?,
             },
             RemoteTransfer::StagedRead(r, to) => {
+                #[cfg(feature = "nixl")]
+                if let StagedEnd::Device(d) = to {
+                    let (peer, range) = (r.res.peer(), d.offset..d.offset.saturating_add(len));
+                    if let Some(done) = peer.read_device(r.res.export(), r.offset, d.buf, range) {
+                        done?;
+                        let peer = peer.addr();
+                        let via = RemoteVia::GpuToGpu;
+                        return Ok(Route::RemoteRead { peer, via });
+                    }
+                }
                 self.staged(StagedEnd::Remote(r), to, len)?;
                 Route::RemoteRead {
                     peer: r.res.peer().addr(),
@@ -238,6 +249,16 @@ impl Engine for RemoteIoEngine {
                 }
             }
             RemoteTransfer::StagedWrite(from, r) => {
+                #[cfg(feature = "nixl")]
+                if let StagedEnd::Device(d) = from {
+                    let (peer, range) = (r.res.peer(), d.offset..d.offset.saturating_add(len));
+                    if let Some(done) = peer.write_device(r.res.export(), r.offset, d.buf, range) {
+                        done?;
+                        let peer = peer.addr();
+                        let via = RemoteVia::GpuToGpu;
+                        return Ok(Route::RemoteWrite { peer, via });
+                    }
+                }
                 self.staged(from, StagedEnd::Remote(r), len)?;
                 Route::RemoteWrite {
                     peer: r.res.peer().addr(),

@@ -32,6 +32,12 @@ pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
     /// Waits for all work queued on the device, by gpuio or any other library.
     fn synchronize(&self) -> Result<()>;
 
+    /// Makes the device's context current on the calling thread (a no-op where there is
+    /// none).
+    fn bind_thread(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Waits for the work queued on another library's stream of this device (0: the
     /// legacy default stream).
     ///

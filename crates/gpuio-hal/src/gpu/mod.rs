@@ -232,6 +232,13 @@ impl Gpu {
         self.inner.synchronize()
     }
 
+    /// Makes this device's (primary) context current on the calling thread, for libraries
+    /// that act in the thread's context (UCX's CUDA transports under NIXL). A no-op on the
+    /// host backend.
+    pub fn bind_thread(&self) -> Result<()> {
+        self.inner.bind_thread()
+    }
+
     /// A buffer over device memory another library allocated (a PyTorch or CuPy tensor, a
     /// C caller's `cudaMalloc`): `len` bytes at device address `addr`, checked with the driver
     /// to lie inside one live allocation of this GPU. gpuio never frees it; the buffer and

@@ -3,6 +3,7 @@
 //! print why and pass, unless `GPUIO_REQUIRE_NIXL=1` makes that a failure
 //! (`gpuio_testkit::Requirement`).
 
+mod device;
 mod python;
 mod transfers;
 

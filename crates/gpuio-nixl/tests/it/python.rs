@@ -3,7 +3,7 @@
 //! only the metadata exchanged between them (here over the child's pipes), every byte checked.
 
 use gpuio_hal::{HostAllocOptions, HostBuffer};
-use gpuio_nixl::{NixlAgent, NixlRemote};
+use gpuio_nixl::{NixlAgent, NixlMem, NixlRemote};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 
@@ -69,6 +69,7 @@ fn a_nixl_python_agent_and_gpuio_read_and_write_each_other() {
     let remote = NixlRemote {
         addr: field(&line, "addr").parse().unwrap(),
         len: len as u64,
+        mem: NixlMem::Host,
     };
     let mut got = HostBuffer::alloc(len, &HostAllocOptions::default()).unwrap();
     let local = agent.register(&got, 0..len).unwrap();

@@ -3,7 +3,7 @@
 //! the metadata (or with stale metadata) can do, which is nothing.
 
 use gpuio_hal::{ErrorCode, HostAllocOptions, HostBuffer};
-use gpuio_nixl::{NixlAgent, NixlRemote};
+use gpuio_nixl::{NixlAgent, NixlMem, NixlRemote};
 
 fn filled(len: usize, seed: u64) -> HostBuffer {
     let mut b = HostBuffer::alloc(len, &HostAllocOptions::default()).unwrap();
@@ -169,6 +169,7 @@ fn without_the_metadata_a_peer_reaches_nothing() {
     let outside = NixlRemote {
         addr: late.remote().addr + (1 << 20),
         len: 1 << 20,
+        mem: NixlMem::Host,
     };
     let e = b
         .read_into(&local, dst.as_mut_slice(), &fresh, &outside, 0)

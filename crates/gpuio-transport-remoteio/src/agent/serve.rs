@@ -239,8 +239,8 @@ async fn rdma_link(
     ))
 }
 
-/// Answers a client's NIXL_INFO request: where the session may write the memory export, a
-/// NIXL agent of the link's own registers it and its metadata goes back (NIXL cannot hold a
+/// Answers a client's NIXL_INFO request: where the session may write the memory export (host
+/// or GPU memory), a NIXL agent of the link's own registers it and its metadata goes back (NIXL cannot hold a
 /// peer to reading, so read-only sessions are refused and read over TCP).
 #[cfg(feature = "nixl")]
 async fn nixl_link(sh: &Shared, role: Role, name: &str, state: &mut SessionState) -> Answer {
@@ -251,12 +251,6 @@ async fn nixl_link(sh: &Shared, role: Role, name: &str, state: &mut SessionState
         ));
     }
     let ex = export(sh, name)?;
-    let Source::Memory(mem) = &ex.source else {
-        return Err(Refusal::new(
-            ErrorCode::Unsupported,
-            format!("export {name:?} is not host memory: NIXL reaches host memory exports only"),
-        ));
-    };
     if !may_write(ex, role) {
         return Err(Refusal::new(
             ErrorCode::Unsupported,
@@ -269,15 +263,28 @@ async fn nixl_link(sh: &Shared, role: Role, name: &str, state: &mut SessionState
         return Ok(link.answer());
     }
     // Registering the export is local work (no network IO under the lock).
-    let buf = mem.read().await;
-    if buf.is_empty() {
+    let host;
+    let mem = match &ex.source {
+        Source::Memory(mem) => {
+            host = mem.read().await;
+            crate::nixl::ExportMemory::Host(&host)
+        }
+        Source::Device(buf) => crate::nixl::ExportMemory::Device(buf),
+        Source::File { .. } => {
+            return Err(Refusal::new(
+                ErrorCode::Unsupported,
+                format!("export {name:?} is a file: NIXL reaches memory exports only"),
+            ));
+        }
+    };
+    if mem.is_empty() {
         return Err(Refusal::new(
             ErrorCode::Unsupported,
             "an empty export has nothing to register with NIXL",
         ));
     }
     // A link that cannot be set up here (UCX found no transport, say) leaves TCP to serve.
-    let link = crate::nixl::accept(name, &buf).map_err(|e| {
+    let link = crate::nixl::accept(name, mem).map_err(|e| {
         Refusal::new(
             ErrorCode::Unsupported,
             format!("NIXL could not be set up for {name:?} (served over TCP): {e}"),

@@ -9,6 +9,9 @@ use super::{
 };
 use std::fmt;
 
+/// NIXL_INFO's device field for host memory.
+const HOST_MEMORY: u32 = u32::MAX;
+
 /// RDMA connection information (`gpuio_rdma_info_t`), exchanged over the TCP control channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
@@ -151,13 +154,16 @@ pub enum Message {
         export: String,
     },
     /// NIXL's way to an export: the metadata of a NIXL agent that registered the export and
-    /// nothing else (a bearer credential for its bytes), and its address in the agent's
-    /// process.
+    /// nothing else (a bearer credential for its bytes), its address in the agent's process,
+    /// and where it lies.
     NixlInfo {
         /// The NIXL agent's metadata.
         metadata: Vec<u8>,
         /// The export's first byte, in the agent's address space.
         addr: u64,
+        /// `Some(ordinal)`: GPU memory of that CUDA device (registered as NIXL's VRAM);
+        /// `None`: host memory.
+        gpu: Option<u32>,
     },
     /// A client's request to reach `export` over NIXL.
     NixlRequest {
@@ -213,9 +219,13 @@ impl fmt::Debug for Message {
                 write!(f, "RdmaRequest {{ {export:?}, {info:?} }}")
             }
             // The metadata is a credential: its size only.
-            Self::NixlInfo { metadata, addr } => write!(
+            Self::NixlInfo {
+                metadata,
+                addr,
+                gpu,
+            } => write!(
                 f,
-                "NixlInfo {{ {} bytes of metadata, at {addr:#x} }}",
+                "NixlInfo {{ {} bytes of metadata, at {addr:#x}, gpu {gpu:?} }}",
                 metadata.len()
             ),
             Self::NixlRequest { export } => write!(f, "NixlRequest {{ {export:?} }}"),
@@ -323,11 +333,16 @@ impl Message {
                 info.put(&mut p);
                 put_str(&mut p, &name(export));
             }
-            Self::NixlInfo { metadata, addr } => {
+            Self::NixlInfo {
+                metadata,
+                addr,
+                gpu,
+            } => {
                 let m = &metadata[..metadata.len().min(MAX_NIXL_METADATA)];
                 p.extend_from_slice(&addr.to_le_bytes());
                 p.extend_from_slice(&(m.len() as u32).to_le_bytes());
                 p.extend_from_slice(m);
+                p.extend_from_slice(&gpu.unwrap_or(HOST_MEMORY).to_le_bytes());
             }
             Self::NixlRequest { export } => put_str(&mut p, &name(export)),
             Self::Error { code, message } => {
@@ -445,9 +460,12 @@ impl Message {
                         "{n} bytes of NIXL metadata (limit {MAX_NIXL_METADATA})"
                     )));
                 }
+                let metadata = r.take(n)?.to_vec();
+                let gpu = Some(r.u32()?).filter(|&g| g != HOST_MEMORY);
                 Self::NixlInfo {
-                    metadata: r.take(n)?.to_vec(),
+                    metadata,
                     addr,
+                    gpu,
                 }
             }
             (MsgType::NixlInfo, FLAG_NIXL_REQUEST) => Self::NixlRequest {

@@ -135,10 +135,12 @@ fn every_message_round_trips() {
         Message::NixlInfo {
             metadata: (0..=255).collect(),
             addr: 0x7f00_dead_0000,
+            gpu: None,
         },
         Message::NixlInfo {
             metadata: Vec::new(),
             addr: 0,
+            gpu: Some(1),
         },
         Message::Error {
             code: -9,

@@ -3,8 +3,9 @@
 //! them through the agent's TCP data path; a read-only key and a file export are not offered
 //! NIXL and go over TCP, where the agent enforces what they may do; a restarted agent is
 //! `Restarted`; a write past the export is refused before any byte moves; a program using
-//! NIXL's own Python API reaches an export with the metadata a session was given. Without NIXL the
-//! tests say so and pass, unless `GPUIO_REQUIRE_NIXL=1`.
+//! NIXL's own Python API reaches an export with the metadata a session was given; a GPU memory
+//! export moves GPU to GPU where CUDA is. Without NIXL the tests say so and pass, unless
+//! `GPUIO_REQUIRE_NIXL=1`.
 #![cfg(feature = "nixl")]
 
 use gpuio_hal::{ErrorCode, HostAllocOptions, HostBuffer, pattern};
@@ -79,6 +80,24 @@ fn tcp_bytes_read(agent: &Agent, want: u64) -> u64 {
         }
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// A read-write `name` export of `source` on loopback, offered over NIXL.
+fn agent_of(name: &str, source: ExportSource) -> Agent {
+    let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
+    cfg.keys = vec![Key {
+        id: "rw".into(),
+        secret: RW.to_vec(),
+        role: Role::ReadWrite,
+    }];
+    cfg.exports = vec![Export {
+        name: name.into(),
+        source,
+        access: Access::ReadWrite,
+    }];
+    cfg.nixl = true;
+    cfg.nixl_tcp = true;
+    Agent::start(cfg).unwrap()
 }
 
 fn peer(agent: &Agent, id: &str, secret: &[u8]) -> RemotePeer {
@@ -218,7 +237,9 @@ fn a_nixl_program_reaches_an_export_with_metadata_from_a_session() {
         *b = ((i * 13 + 5) % 253) as u8;
     }
     let mut c = Connection::connect(agent.local_addr(), &creds("rw", RW), T).unwrap();
-    let (metadata, addr) = c.nixl_exchange("mem").unwrap();
+    let offer = c.nixl_exchange("mem").unwrap();
+    assert_eq!(offer.gpu, None, "a host memory export");
+    let (metadata, addr) = (offer.metadata, offer.addr);
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../gpuio-nixl/tests/it/nixl_peer.py"
@@ -264,4 +285,63 @@ fn a_nixl_program_reaches_an_export_with_metadata_from_a_session() {
     // The agent's TCP data path moved none of it.
     assert_eq!(agent.stats().bytes_read, 0);
     drop(c);
+}
+
+/// A GPU memory export over NIXL. On CUDA the agent registers it as GPU memory, and a client
+/// moves it GPU to GPU (from the first GPU into the last: `cuda_ipc` over NVLink where there
+/// are two); on the host backend, whose stand-in devices are host memory, it is host memory to
+/// NIXL and device transfers are left to staging (`None`). Host reads go over NIXL either way;
+/// every byte is checked, and none moves through the agent's TCP data path.
+#[test]
+fn a_gpu_export_moves_over_nixl() {
+    if !nixl_here() {
+        return;
+    }
+    let probe = gpuio_hal::probe(gpuio_hal::BackendPreference::Auto).unwrap();
+    let (from, to) = (&probe.gpus[0], probe.gpus.last().unwrap());
+    let cuda = from.backend() == gpuio_hal::Backend::Cuda;
+    let len = 8 << 20;
+    let hbm = from.alloc(len).unwrap();
+    let mut init = vec![0u8; len];
+    pattern::fill(&mut init, 0, 9);
+    from.stream().unwrap().upload(&init, &hbm, 0).unwrap();
+    let agent = agent_of("hbm", ExportSource::Device(hbm.clone()));
+    let p = peer(&agent, "rw", RW);
+    let ex = RemoteExport::new("hbm");
+    let mut got = vec![0u8; len - 5];
+    p.read(&ex, 5, &mut got).unwrap();
+    assert_eq!(pattern::first_deviation(&got, 5, 9), None);
+
+    let dst = to.alloc(len).unwrap();
+    let stream = to.stream().unwrap();
+    match p.read_device(&ex, 1000, &dst, 24..len - 976) {
+        None => assert!(!cuda, "on CUDA a GPU export moves GPU to GPU"),
+        Some(r) => {
+            assert!(cuda, "host-backend memory is not moved as GPU memory");
+            r.unwrap();
+            let mut back = vec![0u8; len - 1000];
+            stream.download(&dst, 24, &mut back).unwrap();
+            assert_eq!(pattern::first_deviation(&back, 1000, 9), None);
+            // And back the other way: 3 MiB of a new pattern into the export.
+            let data: Vec<u8> = (0..3 << 20).map(|i| (i * 7 % 241) as u8).collect();
+            stream.upload(&data, &dst, 0).unwrap();
+            p.write_device(&ex, 4096, &dst, 0..data.len())
+                .expect("NIXL serves it")
+                .unwrap();
+            let mut now = vec![0u8; data.len()];
+            from.stream()
+                .unwrap()
+                .download(&hbm, 4096, &mut now)
+                .unwrap();
+            assert!(now == data);
+            // Past the export's end: refused before anything moves.
+            let e = p
+                .write_device(&ex, len as u64 - 10, &dst, 0..11)
+                .expect("NIXL serves it")
+                .unwrap_err();
+            assert_eq!(e.code(), ErrorCode::InvalidArg, "{e}");
+        }
+    }
+    let stats = agent.stats();
+    assert_eq!((stats.bytes_read, stats.bytes_written), (0, 0), "{stats:?}");
 }

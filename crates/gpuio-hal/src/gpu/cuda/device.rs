@@ -271,6 +271,10 @@ impl DeviceBackend for CudaDevice {
         driver::ctx_synchronize()
     }
 
+    fn bind_thread(&self) -> Result<()> {
+        self.shared.bind()
+    }
+
     fn borrow(&self, addr: u64, len: usize, owner: Owner) -> Result<Box<dyn DeviceMemory>> {
         self.shared.bind()?;
         let r = driver::pointer_range(addr)?;
