@@ -140,6 +140,36 @@ impl NixlAgent {
         self.transfer(XferOp::Write, local, peer, far)
     }
 
+    /// Reads `range.len()` bytes at `remote_off` of the peer's `remote` region into `range`
+    /// of `region` (offsets into it; host or GPU memory, registered once).
+    pub fn read_region(
+        &self,
+        region: &NixlRegion,
+        range: Range<usize>,
+        peer: &NixlPeer,
+        remote: &NixlRemote,
+        remote_off: u64,
+    ) -> Result<()> {
+        let far = remote.span_at(remote_off, range.len())?;
+        let local = region.span_in(range)?;
+        self.transfer(XferOp::Read, local, peer, far)
+    }
+
+    /// Writes `range` of `region` (offsets into it) at `remote_off` of the peer's `remote`
+    /// region.
+    pub fn write_region(
+        &self,
+        region: &NixlRegion,
+        range: Range<usize>,
+        peer: &NixlPeer,
+        remote: &NixlRemote,
+        remote_off: u64,
+    ) -> Result<()> {
+        let far = remote.span_at(remote_off, range.len())?;
+        let local = region.span_in(range)?;
+        self.transfer(XferOp::Write, local, peer, far)
+    }
+
     /// Reads `dst.len()` bytes at `remote_off` of the peer's `remote` region straight into
     /// `dst`, which no registration covers: it is registered for this call alone (worth its
     /// cost for large transfers; a [`NixlRegion`] serves repeated ones).

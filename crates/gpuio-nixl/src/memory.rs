@@ -189,6 +189,16 @@ impl NixlRegion {
         }
     }
 
+    /// The span of `range` (offsets into the region), after checking it lies inside.
+    pub(crate) fn span_in(&self, range: Range<usize>) -> Result<Span> {
+        gpuio_hal::check_range("NIXL region", range.start, range.len(), self.span.len)?;
+        Ok(Span {
+            addr: self.span.addr + range.start,
+            len: range.len(),
+            mem: self.span.mem,
+        })
+    }
+
     /// The span of `bytes`, after checking they lie inside the registered range (of host
     /// memory).
     pub(crate) fn span_of(&self, bytes: &[u8]) -> Result<Span> {

@@ -8,9 +8,13 @@
 //!   bare TCP request–response of the same sizes (std sockets, no protocol, no checks): the
 //!   floor of the loopback round trip.
 //! - `nixl_read` / `nixl_write` (cargo feature `nixl`, NIXL found at run time): `nixl.rs`.
+//! - `gpu_nixl_read` / `gpu_nixl_write` (the same, and CUDA): GPU memory between two
+//!   processes, `nixl_gpu.rs`.
 
 #[cfg(feature = "nixl")]
 mod nixl;
+#[cfg(feature = "nixl")]
+mod nixl_gpu;
 
 use crate::{BenchError, Record, Result, Target, fresh_seed, human};
 use gpuio_api::Session;
@@ -44,6 +48,8 @@ pub struct Options {
     pub small_reads: usize,
     /// Transfer sizes of the NIXL cases.
     pub nixl_sizes: Vec<usize>,
+    /// Transfer sizes of the GPU-to-GPU NIXL cases.
+    pub gpu_nixl_sizes: Vec<usize>,
 }
 
 impl Default for Options {
@@ -56,6 +62,7 @@ impl Default for Options {
             connections: vec![1, 4],
             small_reads: 20_000,
             nixl_sizes: vec![1 << 20, 16 << 20, 256 << 20, 1 << 30],
+            gpu_nixl_sizes: vec![64 << 10, 1 << 20, 16 << 20, 256 << 20, 1 << 30],
         }
     }
 }
@@ -70,6 +77,7 @@ impl Options {
             reps: 1,
             small_reads: 2000,
             nixl_sizes: vec![1 << 20, 16 << 20],
+            gpu_nixl_sizes: vec![64 << 10, 16 << 20],
             ..Self::default()
         }
     }
@@ -203,7 +211,6 @@ pub fn run(
         "loopback, {} cores",
         std::thread::available_parallelism().map_or(1, |c| c.get())
     );
-    let _ = session;
     let seed = fresh_seed();
     let agent = start_agent(opts.export_bytes, seed, |_| {})?;
     let creds = credentials();
@@ -371,6 +378,16 @@ pub fn run(
             progress,
         )?;
         targets.extend(nixl::targets(&more));
+        records.extend(more);
+        notes.extend(why);
+        let (more, why) = nixl_gpu::run(
+            session,
+            &opts.gpu_nixl_sizes,
+            opts.seconds / 2.0,
+            seed,
+            progress,
+        )?;
+        targets.extend(nixl_gpu::targets(&more));
         records.extend(more);
         notes.extend(why);
     }

@@ -52,6 +52,18 @@ fn device_buffers_move_as_the_memory_they_are() {
         .unwrap();
     assert!(now == data, "the write's bytes differ");
 
+    // Into a registered region of it, registered once.
+    let region = b.register_device(&dst, 0..LEN).unwrap();
+    b.read_region(&region, 4096..4096 + (1 << 20), &peer, &remote, 0)
+        .unwrap();
+    let mut head = vec![0u8; 1 << 20];
+    stream.download(&dst, 4096, &mut head).unwrap();
+    assert!(head[..4097] == init[..4097] && head[4097..] == data[..(1 << 20) - 4097]);
+    let e = b
+        .read_region(&region, LEN - 1..LEN + 1, &peer, &remote, 0)
+        .unwrap_err();
+    assert_eq!(e.code(), ErrorCode::InvalidArg, "{e}");
+
     // Ranges past either buffer are refused before anything is posted.
     let e = b
         .read_device(&dst, LEN - 10..LEN + 1, &peer, &remote, 0)
