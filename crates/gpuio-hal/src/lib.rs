@@ -16,9 +16,10 @@ pub mod workers;
 
 pub use error::{ErrorCode, HalError, Result, check_range};
 pub use gpu::{
-    Backend, BackendPreference, Capability, DeviceBuffer, DeviceInfo, DmaBufExport, Event, GdsFile,
-    GdsMode, Gpu, HOT_MAX_POOL_ROWS, HOT_MAX_ROWS, HotRows, Inflight, ManagedBuffer, PcieLink,
-    PinGuard, Probe, RowIndices, RowKernel, SharedPin, Stream, probe, probe_with,
+    Allocation, Backend, BackendPreference, Capability, DeviceBuffer, DeviceInfo, DmaBufExport,
+    Event, GdsFile, GdsMode, Gpu, HOT_MAX_POOL_ROWS, HOT_MAX_ROWS, HotRows, Inflight,
+    ManagedBuffer, PcieLink, PinGuard, Probe, RowIndices, RowKernel, SharedPin, Stream, probe,
+    probe_with,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::{

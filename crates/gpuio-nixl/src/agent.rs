@@ -3,6 +3,7 @@
 
 use crate::memory::{NixlRegion, NixlRemote, Span};
 use crate::nixl_err;
+use crate::registrations::DeviceRegistrations;
 use gpuio_hal::{DeviceBuffer, HalError, HostBuffer, Result};
 use nixl_sys::{Agent, AgentConfig, ThreadSync, XferDescList, XferOp, XferStatus};
 use std::ops::Range;
@@ -19,6 +20,8 @@ pub const WAIT_REPORT: Duration = Duration::from_secs(10);
 /// A NIXL agent (its own name, its UCX backend and progress thread). Calls on it may come from
 /// any thread: the agent serializes them (NIXL's strict thread sync).
 pub struct NixlAgent {
+    // Declared first: deregistered before the agent goes.
+    device_regs: DeviceRegistrations,
     agent: Agent,
     name: String,
 }
@@ -64,6 +67,7 @@ impl NixlAgent {
             .create_backend("UCX", &params)
             .map_err(|e| nixl_err("creating the UCX backend", e))?;
         Ok(Self {
+            device_regs: DeviceRegistrations::default(),
             agent,
             name: name.to_string(),
         })
@@ -202,7 +206,8 @@ impl NixlAgent {
     }
 
     /// Reads `range.len()` bytes at `remote_off` of the peer's `remote` region straight into
-    /// `range` of the device buffer `dst`, registered for this call alone.
+    /// `range` of the device buffer `dst`. The allocation `dst` lies in is registered on first
+    /// use and kept (a few per agent): later transfers into it cost no registration.
     pub fn read_device(
         &self,
         dst: &DeviceBuffer,
@@ -213,13 +218,15 @@ impl NixlAgent {
     ) -> Result<()> {
         let far = remote.span_at(remote_off, range.len())?;
         let local = Span::of_device(dst, range)?;
-        dst.gpu().bind_thread()?;
-        let _reg = self.register_for_call(local)?;
+        if local.len == 0 {
+            return Ok(());
+        }
+        let _reg = self.device_regs.covering(&self.agent, dst)?;
         self.transfer(XferOp::Read, local, peer, far)
     }
 
     /// Writes `range` of the device buffer `src` at `remote_off` of the peer's `remote`
-    /// region, registered for this call alone.
+    /// region (its allocation registered as for [`NixlAgent::read_device`]).
     pub fn write_device(
         &self,
         src: &DeviceBuffer,
@@ -230,9 +237,17 @@ impl NixlAgent {
     ) -> Result<()> {
         let far = remote.span_at(remote_off, range.len())?;
         let local = Span::of_device(src, range)?;
-        src.gpu().bind_thread()?;
-        let _reg = self.register_for_call(local)?;
+        if local.len == 0 {
+            return Ok(());
+        }
+        let _reg = self.device_regs.covering(&self.agent, src)?;
         self.transfer(XferOp::Write, local, peer, far)
+    }
+
+    /// Device allocations kept registered by [`NixlAgent::read_device`] and
+    /// [`NixlAgent::write_device`].
+    pub fn device_registrations(&self) -> usize {
+        self.device_regs.len()
     }
 
     /// Registers `span` until the handle drops (before the caller's borrow ends). A peer that

@@ -18,7 +18,8 @@
 //! The crate sits beside the transports' layer, on gpuio-hal, whose buffers it registers
 //! and whose [`HalError`] it returns (an [`HalError::Nixl`] for a failed call). Its files:
 //! `library.rs` (finding and loading the library), `agent.rs` (the agent and transfers),
-//! `memory.rs` (registrations and the range checks every transfer makes before it posts).
+//! `memory.rs` (registrations and the range checks every transfer makes before it posts),
+//! `registrations.rs` (the device allocations an agent keeps registered).
 //!
 //! Its users: `gpuio info`, and RemoteIO's `nixl` feature (`?transport=nixl`).
 //!
@@ -30,6 +31,7 @@
 mod agent;
 mod library;
 mod memory;
+mod registrations;
 
 pub use agent::{NixlAgent, NixlPeer, WAIT_REPORT};
 pub use library::{NixlLibrary, library, ucx_tcp_enabled};

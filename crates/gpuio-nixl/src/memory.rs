@@ -98,6 +98,9 @@ enum Hold {
     Host { _mapping: MappingHold },
     /// A device buffer (a clone: the memory is freed after the last one drops).
     Device { _buffer: DeviceBuffer },
+    /// Nothing: a cached allocation's registration, checked by the allocation's id before
+    /// each use; the caller's buffer keeps the memory while a transfer runs.
+    Checked,
 }
 
 /// A range of a [`HostBuffer`] or a [`DeviceBuffer`] registered with an agent: exposed to the
@@ -167,6 +170,22 @@ impl NixlRegion {
             _buffer: buf.clone(),
         };
         Self::register(agent, span, hold)
+    }
+
+    /// Registers the whole device allocation `alloc` (crate-internal: the registration
+    /// cache's, which checks the allocation is still the same before each use).
+    pub(crate) fn allocation(
+        agent: &nixl_sys::Agent,
+        alloc: gpuio_hal::Allocation,
+        mem: NixlMem,
+    ) -> Result<Self> {
+        let span = Span {
+            addr: usize::try_from(alloc.base)
+                .map_err(|_| HalError::InvalidArgument("a device address past usize".into()))?,
+            len: alloc.len,
+            mem,
+        };
+        Self::register(agent, span, Hold::Checked)
     }
 
     fn register(agent: &nixl_sys::Agent, span: Span, hold: Hold) -> Result<Self> {

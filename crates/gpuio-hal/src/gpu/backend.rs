@@ -261,6 +261,10 @@ pub(crate) trait DeviceMemory: Send + Sync + fmt::Debug {
     /// The device address of the first byte.
     fn addr(&self) -> u64;
 
+    /// The allocation this memory lies in (for borrowed memory, the owner's, which may be
+    /// larger), with the device's context current.
+    fn allocation(&self) -> Result<crate::gpu::Allocation>;
+
     fn as_any(&self) -> &dyn Any;
 }
 

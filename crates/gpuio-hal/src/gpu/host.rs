@@ -69,11 +69,21 @@ const HOST_NO_PAGE_CACHE_DMA: &str = "the host backend has no copy engine: its c
 struct HostDeviceMemory {
     buf: HostBuffer,
     lock: RwLock<()>,
+    /// Unique among this process's allocations, like the CUDA driver's buffer ids.
+    id: u64,
 }
 
 impl DeviceMemory for HostDeviceMemory {
     fn addr(&self) -> u64 {
         self.buf.as_slice().as_ptr() as u64
+    }
+
+    fn allocation(&self) -> Result<crate::gpu::Allocation> {
+        Ok(crate::gpu::Allocation {
+            base: self.addr(),
+            len: self.buf.len(),
+            id: self.id,
+        })
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -132,9 +142,11 @@ impl DeviceBackend for HostDevice {
             populate: false,
             ..HostAllocOptions::default()
         };
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(Box::new(HostDeviceMemory {
             buf: HostBuffer::alloc(len, &opts)?,
             lock: RwLock::new(()),
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         }))
     }
 

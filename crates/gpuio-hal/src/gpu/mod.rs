@@ -520,6 +520,17 @@ impl SharedPin {
     }
 }
 
+/// A device allocation as the driver knows it (see [`DeviceBuffer::allocation`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allocation {
+    /// Device address of its first byte.
+    pub base: u64,
+    /// Bytes.
+    pub len: usize,
+    /// Unique among this process's allocations, past and present.
+    pub id: u64,
+}
+
 /// Device memory. Cheap to clone; the memory is freed when the last clone is dropped, which
 /// cannot happen while device work uses it (an [`Inflight`] holds a clone; every other
 /// operation waits before returning). Threads may share a buffer; conflicting concurrent
@@ -571,6 +582,15 @@ impl DeviceBuffer {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
+    /// The allocation this buffer lies in: the buffer itself, or for a borrowed one (a
+    /// framework's tensor) the allocation its owner made, which may be larger. Its id is
+    /// unique within the process and never reused, so a cache of registrations can key on it
+    /// and tell a freed allocation from a new one at the same addresses.
+    pub fn allocation(&self) -> Result<Allocation> {
+        self.inner.gpu.bind_thread()?;
+        self.inner.mem.allocation()
+    }
+
     /// The region this buffer covers.
     pub fn region(&self) -> MemoryRegion {
         MemoryRegion {
@@ -602,6 +622,22 @@ mod tests {
         Arc::new(SharedHostBuffer::new(
             HostBuffer::alloc(len, &HostAllocOptions::default()).unwrap(),
         ))
+    }
+
+    #[test]
+    fn allocations_have_ids_of_their_own() {
+        let gpu = probe(BackendPreference::Auto).unwrap().gpus.remove(0);
+        let (a, b) = (gpu.alloc(3 << 20).unwrap(), gpu.alloc(4096).unwrap());
+        let (x, y) = (a.allocation().unwrap(), b.allocation().unwrap());
+        assert_ne!(x.id, y.id);
+        assert_eq!(x, a.clone().allocation().unwrap());
+        for (buf, al) in [(&a, x), (&b, y)] {
+            assert!(al.base <= buf.device_addr());
+            assert!(buf.device_addr() + buf.len() as u64 <= al.base + al.len as u64);
+        }
+        drop(a);
+        let c = gpu.alloc(3 << 20).unwrap();
+        assert_ne!(c.allocation().unwrap().id, x.id, "an id is never reused");
     }
 
     #[test]

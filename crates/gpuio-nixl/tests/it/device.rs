@@ -73,4 +73,22 @@ fn device_buffers_move_as_the_memory_they_are() {
         .read_device(&dst, 0..11, &peer, &remote, LEN as u64 - 10)
         .unwrap_err();
     assert_eq!(e.code(), ErrorCode::InvalidArg, "{e}");
+
+    // One registration serves every transfer into an allocation; a freed allocation's never
+    // serves the next one, even at the same addresses (which the driver may hand out again).
+    assert_eq!(b.device_registrations(), 1, "dst's allocation");
+    for round in 0..3u64 {
+        let tmp = to.alloc(1 << 20).unwrap();
+        for i in 0..4u64 {
+            let at = (4 << 20) + (round * 4 + i) * 65536; // past the write above
+            b.read_device(&tmp, 0..65536, &peer, &remote, at).unwrap();
+            let mut got = vec![0u8; 65536];
+            stream.download(&tmp, 0, &mut got).unwrap();
+            assert!(
+                got[..] == init[at as usize..at as usize + 65536],
+                "round {round}, {i}"
+            );
+        }
+        assert_eq!(b.device_registrations(), 2, "dst's and this round's");
+    }
 }

@@ -226,9 +226,26 @@ pub(super) struct PointerRange {
     pub size: usize,
     /// The ordinal of the device that owns it.
     pub ordinal: i32,
+    /// The allocation's process-wide unique id (never reused for another allocation).
+    pub buffer_id: u64,
 }
 
-/// `cuPointerGetAttributes`: the type, extent and device of the allocation holding `ptr`.
+/// The device allocation holding `ptr`, as [`pointer_range`] finds it.
+pub(super) fn allocation(ptr: u64) -> Result<crate::gpu::Allocation> {
+    let r = pointer_range(ptr)?;
+    if r.mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        return Err(crate::HalError::InvalidArgument(format!(
+            "{ptr:#x} is not device memory the CUDA driver knows"
+        )));
+    }
+    Ok(crate::gpu::Allocation {
+        base: r.start,
+        len: r.size,
+        id: r.buffer_id,
+    })
+}
+
+/// `cuPointerGetAttributes`: the type, extent, device and id of the allocation holding `ptr`.
 /// An address the driver does not know gives memory type 0, not an error.
 pub(super) fn pointer_range(ptr: u64) -> Result<PointerRange> {
     use sys::CUpointer_attribute as A;
@@ -237,22 +254,25 @@ pub(super) fn pointer_range(ptr: u64) -> Result<PointerRange> {
         A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
         A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
         A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        A::CU_POINTER_ATTRIBUTE_BUFFER_ID,
     ];
     let mut r = PointerRange {
         mem_type: 0,
         start: 0,
         size: 0,
         ordinal: -1,
+        buffer_id: 0,
     };
-    let mut data: [*mut c_void; 4] = [
+    let mut data: [*mut c_void; 5] = [
         (&mut r.mem_type as *mut u32).cast(),
         (&mut r.start as *mut u64).cast(),
         (&mut r.size as *mut usize).cast(),
         (&mut r.ordinal as *mut i32).cast(),
+        (&mut r.buffer_id as *mut u64).cast(),
     ];
-    // SAFETY: attrs and data have 4 entries each, pointing at fields of the sizes the
+    // SAFETY: attrs and data have 5 entries each, pointing at fields of the sizes the
     // attributes write; the address is only a value the driver looks up.
-    let rc = unsafe { sys::cuPointerGetAttributes(4, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) };
+    let rc = unsafe { sys::cuPointerGetAttributes(5, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) };
     check(rc, "cuPointerGetAttributes")?;
     Ok(r)
 }

@@ -5,6 +5,7 @@
 
 use super::device::Shared;
 use super::driver;
+use crate::gpu::Allocation;
 use crate::gpu::backend::{DeviceMemory, HostPin, Owner};
 use cudarc::driver::sys;
 use std::any::Any;
@@ -30,6 +31,10 @@ impl CudaMemory {
 impl DeviceMemory for CudaMemory {
     fn addr(&self) -> u64 {
         self.ptr
+    }
+
+    fn allocation(&self) -> crate::Result<Allocation> {
+        driver::allocation(self.ptr)
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -70,6 +75,10 @@ impl std::fmt::Debug for ForeignMemory {
 impl DeviceMemory for ForeignMemory {
     fn addr(&self) -> u64 {
         self.ptr
+    }
+
+    fn allocation(&self) -> crate::Result<Allocation> {
+        driver::allocation(self.ptr)
     }
 
     fn as_any(&self) -> &dyn Any {
