@@ -127,7 +127,7 @@ pub fn run(config: Config, _args: &AgentArgs) -> Result<(), Error> {
     println!("gpuio agent listening on {}", agent.local_addr());
     println!("exports: {}", names.join(", "));
     {
-        let _registration = register(&config, agent.local_addr())?;
+        let _registered = register(&config, &agent)?;
         wait_for_signal()?;
         // Leaving this scope leaves the registry first, so no new client is sent here while
         // we drain.
@@ -175,26 +175,38 @@ fn descriptors_suffice(connections: usize, file_exports: usize, limit: u64) -> R
     Ok(())
 }
 
-/// Registers the agent's segment, when it has one.
+/// The exports whose NIXL metadata the agent publishes: each one's name and JSON line.
+fn nixl_published(agent: &Agent) -> Vec<(String, String)> {
+    #[cfg(feature = "nixl")]
+    return agent.nixl_published();
+    #[cfg(not(feature = "nixl"))]
+    {
+        let _ = agent;
+        Vec::new()
+    }
+}
+
+/// What the agent keeps in the registry while it runs, each key revoked when dropped: its
+/// segment registration, and its published NIXL exports (`nixl_publish`).
 #[cfg(feature = "registry")]
 fn register(
     config: &Config,
-    listening: std::net::SocketAddr,
-) -> Result<Option<gpuio_transport_remoteio::SegmentRegistration>, Error> {
+    agent: &Agent,
+) -> Result<Vec<gpuio_transport_remoteio::SegmentRegistration>, Error> {
     use gpuio_transport_remoteio::{Registry, SegmentMember};
     use std::time::Duration;
     let a = &config.agent;
-    if a.segment.is_empty() {
-        return Ok(None);
+    let published = nixl_published(agent);
+    if a.segment.is_empty() && published.is_empty() {
+        return Ok(Vec::new());
     }
     let registry = config.registry_config().ok_or_else(|| {
-        Error::Invalid(format!(
-            "[agent] segment {:?} needs a registry: set [remote] registry",
-            a.segment
-        ))
+        Error::Invalid(
+            "[agent] segment and nixl_publish need a registry: set [remote] registry".into(),
+        )
     })?;
     let addr = if a.advertise.is_empty() {
-        listening
+        agent.local_addr()
     } else {
         a.advertise.parse().map_err(|_| {
             Error::Invalid(format!(
@@ -203,38 +215,40 @@ fn register(
             ))
         })?
     };
-    let member = SegmentMember {
-        agent: if a.name.is_empty() {
-            addr.to_string()
-        } else {
-            a.name.clone()
-        },
-        addr,
+    let name = if a.name.is_empty() {
+        addr.to_string()
+    } else {
+        a.name.clone()
     };
-    let registration = Registry::connect(registry)?.register(
-        &a.segment,
-        &member,
-        Duration::from_secs(a.lease_ttl_s),
-    )?;
-    println!("registered as {} in segment {}", member.agent, a.segment);
-    Ok(Some(registration))
+    let ttl = Duration::from_secs(a.lease_ttl_s);
+    let prefix = registry.prefix.clone();
+    let registry = Registry::connect(registry)?;
+    let mut kept = Vec::new();
+    if !a.segment.is_empty() {
+        let member = SegmentMember {
+            agent: name.clone(),
+            addr,
+        };
+        kept.push(registry.register(&a.segment, &member, ttl)?);
+        println!("registered as {name} in segment {}", a.segment);
+    }
+    for (export, json) in published {
+        kept.push(registry.publish_nixl(&name, &export, &json, ttl)?);
+        println!("published the NIXL metadata of {export} at {prefix}/nixl/{name}/{export}");
+    }
+    Ok(kept)
 }
 
-/// No registration can exist in a build without the registry.
+/// Without the registry, an agent with a segment or NIXL exports to publish refuses to start
+/// rather than serve unlisted.
 #[cfg(not(feature = "registry"))]
-enum Unregistered {}
-
-/// Without the registry, an agent with a segment refuses to start rather than serve unlisted.
-#[cfg(not(feature = "registry"))]
-fn register(
-    config: &Config,
-    _listening: std::net::SocketAddr,
-) -> Result<Option<Unregistered>, Error> {
-    if config.agent.segment.is_empty() {
-        return Ok(None);
+fn register(config: &Config, agent: &Agent) -> Result<Vec<std::convert::Infallible>, Error> {
+    let a = &config.agent;
+    if a.segment.is_empty() && nixl_published(agent).is_empty() {
+        return Ok(Vec::new());
     }
     Err(Error::Unsupported {
-        what: format!("[agent] segment {:?}", config.agent.segment),
+        what: "[agent] segment, nixl_publish".into(),
         reason: gpuio_api::REGISTRY_ABSENT.into(),
     })
 }

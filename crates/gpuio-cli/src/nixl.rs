@@ -59,12 +59,7 @@ pub fn run(config: Config, args: &NixlExportArgs) -> Result<(), Error> {
     let mut control = Connection::connect_with(addr, &creds, peer.timeout, tls).map_err(remote)?;
     let size = control.stat(resource).map_err(remote)?.size;
     let offer = control.nixl_exchange(resource).map_err(remote)?;
-    let hex: String = offer.metadata.iter().map(|b| format!("{b:02x}")).collect();
-    let gpu = offer.gpu.map_or("null".to_string(), |g| g.to_string());
-    let line = format!(
-        "{{\"metadata\": \"{hex}\", \"addr\": {}, \"len\": {size}, \"gpu\": {gpu}}}\n",
-        offer.addr
-    );
+    let line = offer.to_json(size) + "\n";
     match &args.out {
         Some(path) => {
             use std::os::unix::fs::OpenOptionsExt;

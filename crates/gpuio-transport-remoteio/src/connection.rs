@@ -177,6 +177,20 @@ pub struct NixlOffer {
     pub gpu: Option<u32>,
 }
 
+impl NixlOffer {
+    /// One JSON line for a program that speaks NIXL with its own API: `metadata` (hex),
+    /// `addr`, `len` (the export's `len` bytes) and `gpu` (the CUDA device, null for host
+    /// memory: NIXL's `VRAM` or `DRAM`).
+    pub fn to_json(&self, len: u64) -> String {
+        let hex: String = self.metadata.iter().map(|b| format!("{b:02x}")).collect();
+        let gpu = self.gpu.map_or("null".to_string(), |g| g.to_string());
+        format!(
+            "{{\"metadata\": \"{hex}\", \"addr\": {}, \"len\": {len}, \"gpu\": {gpu}}}",
+            self.addr
+        )
+    }
+}
+
 impl fmt::Debug for NixlOffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The metadata is a credential: its size only.
@@ -676,5 +690,26 @@ fn timeouts(e: std::io::Error) -> RemoteIoError {
             RemoteIoError::TimedOut("waiting for the agent".into())
         }
         _ => RemoteIoError::Network(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::NixlOffer;
+
+    #[test]
+    fn a_nixl_offer_is_one_json_line_and_its_debug_hides_the_metadata() {
+        let mut o = NixlOffer {
+            metadata: vec![0xab, 1],
+            addr: 42,
+            gpu: Some(1),
+        };
+        assert_eq!(
+            o.to_json(7),
+            r#"{"metadata": "ab01", "addr": 42, "len": 7, "gpu": 1}"#
+        );
+        o.gpu = None;
+        assert!(o.to_json(7).ends_with(r#""gpu": null}"#));
+        assert!(!format!("{o:?}").contains("ab01") && !format!("{o:?}").contains("171"));
     }
 }

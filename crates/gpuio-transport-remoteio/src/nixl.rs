@@ -64,15 +64,30 @@ impl Link {
         &self.export
     }
 
-    /// The NIXL_INFO answer that hands it to the client.
-    pub(crate) fn answer(&self) -> Message {
-        Message::NixlInfo {
+    /// The export's bytes (all of them are registered).
+    pub(crate) fn len(&self) -> u64 {
+        self.remote.len
+    }
+
+    /// What a NIXL peer needs to reach the export.
+    pub(crate) fn offer(&self) -> crate::NixlOffer {
+        crate::NixlOffer {
             metadata: self.metadata.clone(),
             addr: self.remote.addr,
             gpu: match self.remote.mem {
                 NixlMem::Gpu(n) => Some(n),
                 NixlMem::Host => None,
             },
+        }
+    }
+
+    /// The NIXL_INFO answer that hands it to the client.
+    pub(crate) fn answer(&self) -> Message {
+        let o = self.offer();
+        Message::NixlInfo {
+            metadata: o.metadata,
+            addr: o.addr,
+            gpu: o.gpu,
         }
     }
 }

@@ -167,6 +167,7 @@ impl Config {
                 rdma: false,
                 nixl: false,
                 nixl_tcp: false,
+                nixl_publish: Vec::new(),
                 exports: Vec::new(),
             },
             remote: RemoteSection {

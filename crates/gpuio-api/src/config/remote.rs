@@ -52,11 +52,14 @@ impl Config {
             {
                 cfg.nixl = true;
                 cfg.nixl_tcp = a.nixl_tcp;
+                cfg.nixl_publish = a.nixl_publish.clone();
             }
             #[cfg(not(feature = "nixl"))]
             return Err(bad(
                 "agent.nixl: this build has no NIXL (cargo feature `nixl`)".into(),
             ));
+        } else if !a.nixl_publish.is_empty() {
+            return Err(bad("agent.nixl_publish needs agent.nixl = true".into()));
         }
         if a.rdma {
             #[cfg(feature = "rdma")]

@@ -205,6 +205,8 @@ pub struct AgentSection {
     pub nixl: bool,
     /// Let NIXL use UCX's TCP transport, which checks no keys (trusted networks only).
     pub nixl_tcp: bool,
+    /// Exports whose NIXL metadata is published in the registry (trusted fabrics only).
+    pub nixl_publish: Vec<String>,
     /// What is served.
     pub exports: Vec<AgentExport>,
 }

@@ -34,7 +34,7 @@ fn bin() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_gpuio")))
 }
 
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -42,7 +42,7 @@ fn free_port() -> u16 {
 }
 
 /// A child process killed when dropped.
-struct Proc(Child);
+pub(crate) struct Proc(pub(crate) Child);
 
 impl Drop for Proc {
     fn drop(&mut self) {
@@ -51,17 +51,16 @@ impl Drop for Proc {
     }
 }
 
-/// A real etcd, listening on loopback and on each agent network's host address.
-fn start_etcd(dir: &Path, hosts: &Hosts) -> Option<(Proc, u16)> {
+/// A real etcd, listening on loopback and on each address of `also_on` (the agent networks'
+/// host addresses); `None` after saying why where there is no etcd.
+pub(crate) fn start_etcd(dir: &Path, also_on: &[String]) -> Option<(Proc, u16)> {
     if !sh(&["etcd", "--version"]) {
         Requirement::Etcd.missing("no etcd on this machine (apt-get install etcd-server)");
         return None;
     }
     let (port, peer) = (free_port(), free_port());
     let mut listen = vec![format!("http://127.0.0.1:{port}")];
-    if hosts.isolated() {
-        listen.extend((1..=AGENTS).map(|i| format!("http://{}:{port}", hosts.host_ip(i))));
-    }
+    listen.extend(also_on.iter().map(|ip| format!("http://{ip}:{port}")));
     let child = Command::new("etcd")
         .args(["--name", "gpuio-test", "--data-dir"])
         .arg(dir.join("etcd"))
@@ -178,7 +177,11 @@ fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
 fn agents_on_several_hosts_serve_a_segment_through_the_registry() {
     let dir = tempfile::tempdir().unwrap();
     let hosts = Hosts::new(AGENTS, "mn", 211);
-    let Some((_etcd, port)) = start_etcd(dir.path(), &hosts) else {
+    let also_on: Vec<String> = match hosts.isolated() {
+        true => (1..=AGENTS).map(|i| hosts.host_ip(i).to_string()).collect(),
+        false => Vec::new(),
+    };
+    let Some((_etcd, port)) = start_etcd(dir.path(), &also_on) else {
         return;
     };
     // Both replicas hold the same bytes.

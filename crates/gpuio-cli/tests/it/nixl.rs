@@ -241,3 +241,124 @@ memory = "{LEN}"
         hosts.isolated()
     );
 }
+
+/// `[agent] nixl_publish`: the agent puts the export's NIXL description in a real etcd (under a
+/// lease), a NIXL agent with no gpuio session reads and writes the export with it alone, the
+/// write shows through a gpuio session, an export not listed is not published, and the key is
+/// gone once the agent has died and its lease run out. Needs etcd (`GPUIO_REQUIRE_ETCD`).
+#[cfg(feature = "registry")]
+#[test]
+fn an_agent_publishes_only_the_exports_it_is_told_to() {
+    use crate::multinode::{Proc, start_etcd};
+    use gpuio_transport_remoteio::{
+        Credentials, PeerConfig, Registry, RegistryConfig, RemoteExport, RemotePeer,
+    };
+    if let Err(e) = gpuio_nixl::library() {
+        Requirement::Nixl.missing(e);
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let Some((_etcd, port)) = start_etcd(dir.path(), &[]) else {
+        return;
+    };
+    let cfg = dir.path().join("agent.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"
+[agent]
+listen = "127.0.0.1:0"
+name = "pub"
+lease_ttl_s = 2
+nixl = true
+# Loopback: UCX's TCP transport (which checks no keys) may stay on.
+nixl_tcp = true
+nixl_publish = ["mem"]
+[[agent.keys]]
+id = "rw"
+role = "read-write"
+secret_env = "GPUIO_TEST_RW"
+[[agent.exports]]
+name = "mem"
+access = "read-write"
+memory = "1MiB"
+[[agent.exports]]
+name = "other"
+access = "read-write"
+memory = "1MiB"
+[remote]
+registry = ["http://127.0.0.1:{port}"]
+"#
+        ),
+    )
+    .unwrap();
+    let nixl_env: Vec<(String, String)> = ["GPUIO_NIXL_LIB", "UCX_MODULES"]
+        .iter()
+        .filter_map(|k| Some((k.to_string(), std::env::var(k).ok()?)))
+        .collect();
+    let mut child = Command::new(bin())
+        .args(["--config", cfg.to_str().unwrap(), "agent"])
+        .env("GPUIO_TEST_RW", RW)
+        .envs(nixl_env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("gpuio agent starts");
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let agent = Proc(child);
+    let first = out.next().unwrap().unwrap();
+    let addr: std::net::SocketAddr = first.rsplit(' ').next().unwrap().parse().unwrap();
+    let said: Vec<String> = out.by_ref().take(2).map(|l| l.unwrap()).collect();
+    assert!(
+        said[1].starts_with("published the NIXL metadata of mem at /gpuio/nixl/pub/mem"),
+        "{said:?}"
+    );
+
+    let registry = Registry::connect(RegistryConfig::new(vec![format!(
+        "http://127.0.0.1:{port}"
+    )]))
+    .unwrap();
+    assert_eq!(registry.published_nixl("pub", "other").unwrap(), None);
+    let json: serde_json::Value =
+        serde_json::from_str(&registry.published_nixl("pub", "mem").unwrap().unwrap()).unwrap();
+    assert_eq!(
+        (json["len"].as_u64(), json["gpu"].is_null()),
+        (Some(1 << 20), true)
+    );
+    let hex = json["metadata"].as_str().unwrap();
+    let metadata: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    let remote = gpuio_nixl::NixlRemote {
+        addr: json["addr"].as_u64().unwrap(),
+        len: 1 << 20,
+        mem: gpuio_nixl::NixlMem::Host,
+    };
+    // NIXL alone, with what the registry holds: a write, then the whole export read back.
+    let reader = gpuio_nixl::NixlAgent::new("published-reader").unwrap();
+    let peer = reader.connect(&metadata).unwrap();
+    let data: Vec<u8> = (0..300_000).map(|i| (i % 241) as u8 + 1).collect();
+    reader.write_direct(&data, &peer, &remote, 4096).unwrap();
+    let mut whole = vec![0xffu8; 1 << 20];
+    reader.read_direct(&mut whole, &peer, &remote, 0).unwrap();
+    assert!(whole[..4096].iter().all(|&b| b == 0) && whole[4096..4096 + data.len()] == data[..]);
+    // The same bytes through a gpuio session.
+    let creds = Credentials {
+        key_id: "rw".into(),
+        secret: RW.as_bytes().to_vec(),
+    };
+    let session = RemotePeer::connect(PeerConfig::new(addr, creds)).unwrap();
+    let mut got = vec![0u8; data.len()];
+    session
+        .read(&RemoteExport::new("mem"), 4096, &mut got)
+        .unwrap();
+    assert!(got == data);
+
+    // The agent dies without revoking: its lease runs out, and the credential is gone.
+    drop(agent);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while registry.published_nixl("pub", "mem").unwrap().is_some() {
+        assert!(std::time::Instant::now() < deadline, "still published");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}

@@ -135,6 +135,12 @@ pub struct AgentConfig {
     /// that check keys: RDMA, `cuda_ipc`; shared memory and CMA stay within the same user).
     #[cfg(feature = "nixl")]
     pub nixl_tcp: bool,
+    /// NIXL: exports given a NIXL link of their own at start, living as long as the agent,
+    /// whose metadata [`Agent::nixl_published`] hands out for publishing (trusted fabrics:
+    /// whoever holds it can read and write the export). Read-write memory exports; needs
+    /// `nixl`.
+    #[cfg(feature = "nixl")]
+    pub nixl_publish: Vec<String>,
 }
 
 impl AgentConfig {
@@ -161,6 +167,8 @@ impl AgentConfig {
             nixl: false,
             #[cfg(feature = "nixl")]
             nixl_tcp: false,
+            #[cfg(feature = "nixl")]
+            nixl_publish: Vec::new(),
         }
     }
 
@@ -299,6 +307,9 @@ pub struct Agent {
     accept: Option<tokio::task::JoinHandle<()>>,
     shared: Arc<Shared>,
     gate: Arc<gate::Gate>,
+    /// The links of the exports published over NIXL (`nixl_publish`).
+    #[cfg(feature = "nixl")]
+    published: Vec<crate::nixl::Link>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -377,6 +388,8 @@ impl Agent {
             #[cfg(feature = "nixl")]
             nixl: cfg.nixl && nixl_ready(cfg.nixl_tcp)?,
         });
+        #[cfg(feature = "nixl")]
+        let published = published_links(&shared, &cfg.nixl_publish)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(cfg.threads.clamp(1, 64))
             .thread_name("gpuio-agent")
@@ -402,7 +415,19 @@ impl Agent {
             accept: Some(accept),
             shared,
             gate,
+            #[cfg(feature = "nixl")]
+            published,
         })
+    }
+
+    /// The exports published over NIXL (`nixl_publish`): each one's name and the JSON line a
+    /// NIXL program needs ([`NixlOffer::to_json`](crate::NixlOffer::to_json)).
+    #[cfg(feature = "nixl")]
+    pub fn nixl_published(&self) -> Vec<(String, String)> {
+        self.published
+            .iter()
+            .map(|l| (l.export().to_string(), l.offer().to_json(l.len())))
+            .collect()
     }
 
     /// The address it listens on.
@@ -581,6 +606,49 @@ async fn listen(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpLi
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
     socket.listen(LISTEN_BACKLOG)
+}
+
+/// NIXL links of their own for the exports in `names` (`nixl_publish`): read-write memory
+/// exports with at least one byte, on an agent that serves NIXL.
+#[cfg(feature = "nixl")]
+fn published_links(shared: &Shared, names: &[String]) -> Result<Vec<crate::nixl::Link>> {
+    use crate::nixl::ExportMemory;
+    if !names.is_empty() && !shared.nixl {
+        return Err(RemoteIoError::InvalidArgument(
+            "nixl_publish needs nixl = true".into(),
+        ));
+    }
+    let mut links = Vec::new();
+    for name in names {
+        let bad = |why: &str| {
+            RemoteIoError::InvalidArgument(format!("nixl_publish: export {name:?} {why}"))
+        };
+        let ex = shared
+            .exports
+            .get(name)
+            .ok_or_else(|| bad("does not exist"))?;
+        if ex.access != Access::ReadWrite {
+            return Err(bad("is read-only, and NIXL cannot hold a peer to reading"));
+        }
+        let host;
+        let mem = match &ex.source {
+            // At start no session holds it; its owner might (a library user's clone).
+            Source::Memory(m) => {
+                host = m.try_read().map_err(|_| bad("is locked by its owner"))?;
+                ExportMemory::Host(&host)
+            }
+            Source::Device(d) => ExportMemory::Device(d),
+            Source::File { .. } => return Err(bad("is a file: NIXL reaches memory exports only")),
+        };
+        if mem.is_empty() {
+            return Err(bad("is empty"));
+        }
+        if links.iter().any(|l: &crate::nixl::Link| l.export() == name) {
+            return Err(bad("is listed twice"));
+        }
+        links.push(crate::nixl::accept(name, mem)?);
+    }
+    Ok(links)
 }
 
 /// Whether the agent may serve NIXL: the library is there, and UCX cannot use its TCP

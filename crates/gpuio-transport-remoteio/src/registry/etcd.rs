@@ -95,9 +95,48 @@ impl Registry {
     ) -> Result<SegmentRegistration> {
         check_name("segment", segment)?;
         check_name("agent", &member.agent)?;
-        let ttl_s = ttl.as_secs().max(2) as i64;
         let key = format!("{}{}", self.segment_prefix(segment), member.agent);
-        let value = member.addr.to_string();
+        self.keep(key, member.addr.to_string(), ttl)
+    }
+
+    fn nixl_key(&self, agent: &str, export: &str) -> Result<String> {
+        check_name("agent", agent)?;
+        check_name("export", export)?;
+        Ok(format!("{}/nixl/{agent}/{export}", self.cfg.prefix))
+    }
+
+    /// Publishes `export`'s NIXL description (`json`, [`NixlOffer::to_json`]'s line) as
+    /// `agent`'s, under a lease of `ttl` kept alive until the returned registration is dropped.
+    /// Whoever can read the registry can then read and write the export: trusted fabrics only.
+    ///
+    /// [`NixlOffer::to_json`]: crate::NixlOffer::to_json
+    pub fn publish_nixl(
+        &self,
+        agent: &str,
+        export: &str,
+        json: &str,
+        ttl: Duration,
+    ) -> Result<SegmentRegistration> {
+        self.keep(self.nixl_key(agent, export)?, json.to_string(), ttl)
+    }
+
+    /// The NIXL description `agent` publishes for `export`, if it does.
+    pub fn published_nixl(&self, agent: &str, export: &str) -> Result<Option<String>> {
+        let key = self.nixl_key(agent, export)?;
+        let mut client = self.client.clone();
+        let resp = self
+            .runtime
+            .block_on(client.get(key.as_str(), None))
+            .map_err(etcd)?;
+        Ok(resp
+            .kvs()
+            .first()
+            .map(|kv| String::from_utf8_lossy(kv.value()).into_owned()))
+    }
+
+    /// Puts `key` = `value` under a new lease of `ttl`, kept alive in the background.
+    fn keep(&self, key: String, value: String, ttl: Duration) -> Result<SegmentRegistration> {
+        let ttl_s = ttl.as_secs().max(2) as i64;
         let mut client = self.client.clone();
         let lease = self
             .runtime
@@ -198,8 +237,9 @@ async fn keep_alive(
     }
 }
 
-/// A segment registration, kept alive in the background. Dropping it revokes the lease, so
-/// the agent disappears from the registry at once.
+/// A key kept in the registry under a lease renewed in the background: a segment
+/// registration, or a published NIXL description. Dropping it revokes the lease, so the key
+/// disappears from the registry at once.
 pub struct SegmentRegistration {
     runtime: Arc<tokio::runtime::Runtime>,
     client: Client,

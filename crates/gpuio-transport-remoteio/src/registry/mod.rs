@@ -3,7 +3,8 @@
 //! serving it.
 //!
 //! Layout: `<prefix>/segments/<segment>/<agent-id>` → the agent's `host:port`, attached to
-//! the agent's lease. An agent that dies stops renewing its lease, and etcd removes its keys
+//! the agent's lease; `<prefix>/nixl/<agent-id>/<export>` → a published export's NIXL
+//! description (one JSON line; opt-in, `[agent] nixl_publish`), under a lease of its own. An agent that dies stops renewing its lease, and etcd removes its keys
 //! when the lease's TTL runs out; one that stops cleanly revokes the lease at once.
 //!
 //! The API is blocking: the registry runs its own small tokio runtime, on which the lease

@@ -345,3 +345,95 @@ fn a_gpu_export_moves_over_nixl() {
     let stats = agent.stats();
     assert_eq!((stats.bytes_read, stats.bytes_written), (0, 0), "{stats:?}");
 }
+
+/// `nixl_publish` takes read-write memory exports of an agent that serves NIXL, and nothing
+/// else; a published export's description reaches it with NIXL alone.
+#[test]
+fn only_read_write_memory_exports_are_published() {
+    if !nixl_here() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("f");
+    std::fs::write(&file, [1u8; 4096]).unwrap();
+    let start = |publish: &str, nixl: bool| {
+        let buf = HostBuffer::alloc(1 << 20, &HostAllocOptions::default()).unwrap();
+        let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
+        let export = |name: &str, source, access| Export {
+            name: name.into(),
+            source,
+            access,
+        };
+        cfg.exports = vec![
+            export(
+                "rw",
+                ExportSource::Memory(shared_memory(buf)),
+                Access::ReadWrite,
+            ),
+            export(
+                "ro",
+                ExportSource::Memory(shared_memory(
+                    HostBuffer::alloc(4096, &Default::default()).unwrap(),
+                )),
+                Access::ReadOnly,
+            ),
+            export(
+                "file",
+                ExportSource::File {
+                    path: file.clone(),
+                    max_len: None,
+                },
+                Access::ReadWrite,
+            ),
+        ];
+        (cfg.nixl, cfg.nixl_tcp) = (nixl, true);
+        cfg.nixl_publish = vec![publish.to_string()];
+        Agent::start(cfg)
+    };
+    for (name, nixl, why) in [
+        ("ro", true, "read-only"),
+        ("file", true, "is a file"),
+        ("none", true, "does not exist"),
+        ("rw", false, "needs nixl = true"),
+    ] {
+        match start(name, nixl) {
+            Err(RemoteIoError::InvalidArgument(m)) => assert!(m.contains(why), "{name}: {m}"),
+            other => panic!("{name}: {:?}", other.map(|a| a.local_addr())),
+        }
+    }
+    let agent = start("rw", true).unwrap();
+    let published = agent.nixl_published();
+    assert_eq!(published.len(), 1);
+    let (name, json) = &published[0];
+    assert_eq!(name, "rw");
+    let field = |k: &str| {
+        let at = json.find(&format!("\"{k}\": ")).unwrap() + k.len() + 4;
+        json[at..]
+            .split([',', '}'])
+            .next()
+            .unwrap()
+            .trim_matches('"')
+            .to_string()
+    };
+    assert_eq!(
+        (field("len"), field("gpu")),
+        ("1048576".into(), "null".into())
+    );
+    let hex = field("metadata");
+    let metadata: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    let reader = gpuio_nixl::NixlAgent::new("it-published").unwrap();
+    let peer = reader.connect(&metadata).unwrap();
+    let remote = gpuio_nixl::NixlRemote {
+        addr: field("addr").parse().unwrap(),
+        len: 1 << 20,
+        mem: gpuio_nixl::NixlMem::Host,
+    };
+    reader
+        .write_direct(&[7u8; 1000], &peer, &remote, 5)
+        .unwrap();
+    let mut back = vec![0u8; 1010];
+    reader.read_direct(&mut back, &peer, &remote, 0).unwrap();
+    assert!(back[..5] == [0; 5] && back[5..1005] == [7; 1000] && back[1005..] == [0; 5]);
+}
