@@ -257,10 +257,7 @@ impl NixlAgent {
         if span.len == 0 {
             return Ok(None);
         }
-        self.agent
-            .register_memory(&span, None)
-            .map(Some)
-            .map_err(|e| nixl_err("registering memory", e))
+        crate::memory::register_span(&self.agent, span).map(Some)
     }
 
     /// Posts one transfer and waits until NIXL is done with it, whatever that takes: a

@@ -520,6 +520,18 @@ impl SharedPin {
     }
 }
 
+/// Runs `f` with no CUDA context current on the calling thread, then makes the previous one
+/// current again. For libraries that act differently under a context: UCX (under NIXL) pins
+/// every host range it registers (`cuMemHostRegister`, ~0.3 ms a MiB) when the registering
+/// thread has one, which host-to-host transfers do not need. Where CUDA was never set up in
+/// this process, just runs `f`.
+pub fn without_cuda_context<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(feature = "cuda")]
+    return cuda::without_context(f);
+    #[cfg(not(feature = "cuda"))]
+    f()
+}
+
 /// A device allocation as the driver knows it (see [`DeviceBuffer::allocation`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Allocation {

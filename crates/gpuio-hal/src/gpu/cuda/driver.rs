@@ -84,6 +84,23 @@ pub(super) unsafe fn ctx_enable_peer_access(peer: sys::CUcontext) -> Result<()> 
 }
 
 /// `cuCtxSynchronize`: waits for all work of the current context.
+/// `cuCtxGetCurrent`: the context current on this thread (null for none).
+pub(super) fn ctx_current() -> Result<sys::CUcontext> {
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one handle; the driver is loaded (callers probe first).
+    let rc = unsafe { sys::cuCtxGetCurrent(&mut ctx) };
+    check(rc, "cuCtxGetCurrent")?;
+    Ok(ctx)
+}
+
+/// `cuCtxSetCurrent`: makes `ctx` (a live context, or null for none) current on this thread.
+pub(super) fn ctx_set_current(ctx: sys::CUcontext) -> Result<()> {
+    // SAFETY: ctx came from ctx_current on this thread, whose context lives (a primary
+    // context, retained by its device), or is null.
+    let rc = unsafe { sys::cuCtxSetCurrent(ctx) };
+    check(rc, "cuCtxSetCurrent")
+}
+
 pub(super) fn ctx_synchronize() -> Result<()> {
     // SAFETY: no arguments; the driver only waits (or reports that no context is current).
     let rc = unsafe { sys::cuCtxSynchronize() };

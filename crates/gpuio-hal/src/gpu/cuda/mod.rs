@@ -34,5 +34,49 @@ mod run;
 mod stream;
 
 pub(crate) use device::devices;
+
+/// Runs `f` with no context current on this thread, then makes the previous one current
+/// again (where the driver was never set up in this process, just runs `f`).
+pub(crate) fn without_context<R>(f: impl FnOnce() -> R) -> R {
+    if !probe::driver_ready() {
+        return f();
+    }
+    let prev = match driver::ctx_current() {
+        Ok(c) if !c.is_null() => c,
+        _ => return f(),
+    };
+    if let Err(e) = driver::ctx_set_current(std::ptr::null_mut()) {
+        tracing::debug!(error = %e, "could not unset the thread's CUDA context");
+        return f();
+    }
+    let r = f();
+    if let Err(e) = driver::ctx_set_current(prev) {
+        tracing::warn!(error = %e, "could not make the thread's CUDA context current again");
+    }
+    r
+}
 pub use nvrtc::{NVRTC_ARCHS, compile_ptx, compile_ptx_for, kernel_problems, nvrtc_problems};
 pub(crate) use stream::CudaStreamBackend;
+
+#[cfg(test)]
+mod tests {
+    use crate::{BackendPreference, probe};
+
+    /// On a CUDA machine: inside, no context is current; after, the caller's is again.
+    #[test]
+    fn without_context_unsets_and_restores_the_threads_context() {
+        let gpus = match probe(BackendPreference::Cuda) {
+            Ok(p) => p.gpus,
+            Err(e) => {
+                eprintln!("skipped: {e}");
+                return;
+            }
+        };
+        gpus[0].bind_thread().unwrap();
+        let before = super::driver::ctx_current().unwrap();
+        assert!(!before.is_null());
+        let inside = super::without_context(|| super::driver::ctx_current().unwrap());
+        assert!(inside.is_null());
+        assert_eq!(super::driver::ctx_current().unwrap(), before);
+    }
+}

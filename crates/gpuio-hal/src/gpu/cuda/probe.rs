@@ -59,6 +59,14 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuLaunchKernel",
 ];
 
+/// Whether [`check_driver`] has passed in this process (driver calls are safe to make).
+static DRIVER_READY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the driver was checked and initialised in this process.
+pub(crate) fn driver_ready() -> bool {
+    DRIVER_READY.load(std::sync::atomic::Ordering::Acquire)
+}
+
 /// Checks that libcuda loads and exports everything gpuio calls.
 pub(crate) fn check_driver() -> Result<()> {
     // SAFETY: is_culib_present only tries to dlopen the library by its usual names.
@@ -85,7 +93,9 @@ pub(crate) fn check_driver() -> Result<()> {
     }
     result::init().map_err(|e| HalError::CudaUnavailable {
         reason: format!("cuInit failed: {}", cuda_err("cuInit")(e)),
-    })
+    })?;
+    DRIVER_READY.store(true, std::sync::atomic::Ordering::Release);
+    Ok(())
 }
 
 /// The driver's CUDA version, e.g. (13, 0).
