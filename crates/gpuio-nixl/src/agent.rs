@@ -56,6 +56,9 @@ impl NixlAgent {
         let cfg = AgentConfig {
             thread_sync: ThreadSync::Strict,
             pthr_delay_us: PROGRESS_DELAY.as_micros() as u64,
+            // NIXL's listener thread hands the agent's metadata (every registration's keys) to
+            // whoever connects to its port: never. Metadata goes only where the caller sends it.
+            enable_listen_thread: false,
             ..AgentConfig::default()
         };
         let agent =
