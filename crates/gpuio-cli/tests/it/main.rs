@@ -16,5 +16,7 @@ mod cp_faults;
 mod multinode;
 #[cfg(feature = "nixl")]
 mod nixl;
+#[cfg(all(feature = "nixl", feature = "registry"))]
+mod nixl_replicas;
 mod nvme;
 mod stat_endpoints;
