@@ -114,38 +114,33 @@ pub fn ci() -> Result {
     let tmpfs = if is_root() { "1" } else { "0" };
     let cufile_sdk = crate::cufile::sdk()?;
     let nixl = crate::nixl::install()?;
+    let test_env = |cmd: &mut Command| {
+        cmd.env("GPUIO_REQUIRE_FUSE", fuse)
+            .env("GPUIO_REQUIRE_TMPFS", tmpfs)
+            .env("GPUIO_REQUIRE_ETCD", "1")
+            .env("GPUIO_REQUIRE_ODIRECT", "1")
+            .env("GPUIO_CUFILE_SDK", &cufile_sdk)
+            .env("GPUIO_REQUIRE_CUFILESDK", "1")
+            .env("GPUIO_NIXL_LIB", crate::nixl::lib_dir(&nixl))
+            .env("GPUIO_NIXL_PYTHONPATH", &nixl)
+            .env("GPUIO_REQUIRE_NIXL", "1")
+            // UCX's TCP transport on loopback only: the network-namespace tests create and
+            // remove interfaces while other tests' NIXL agents enumerate theirs (an agent
+            // that picked one that vanished fails to set up). Those tests set their own.
+            .env("UCX_NET_DEVICES", "lo");
+    };
     if has("cargo-nextest", "--version") {
-        run(
-            "tests (nextest)",
-            cargo()
-                .args(["nextest", "run", "--workspace", "--no-fail-fast"])
-                .env("GPUIO_REQUIRE_FUSE", fuse)
-                .env("GPUIO_REQUIRE_TMPFS", tmpfs)
-                .env("GPUIO_REQUIRE_ETCD", "1")
-                .env("GPUIO_REQUIRE_ODIRECT", "1")
-                .env("GPUIO_CUFILE_SDK", &cufile_sdk)
-                .env("GPUIO_REQUIRE_CUFILESDK", "1")
-                .env("GPUIO_NIXL_LIB", crate::nixl::lib_dir(&nixl))
-                .env("GPUIO_NIXL_PYTHONPATH", &nixl)
-                .env("GPUIO_REQUIRE_NIXL", "1"),
-        )?;
+        let mut tests = cargo();
+        tests.args(["nextest", "run", "--workspace", "--no-fail-fast"]);
+        test_env(&mut tests);
+        run("tests (nextest)", &mut tests)?;
         // nextest does not run doctests.
         run("doctests", cargo().args(["test", "--workspace", "--doc"]))?;
     } else {
-        run(
-            "tests",
-            cargo()
-                .args(["test", "--workspace", "--no-fail-fast"])
-                .env("GPUIO_REQUIRE_FUSE", fuse)
-                .env("GPUIO_REQUIRE_TMPFS", tmpfs)
-                .env("GPUIO_REQUIRE_ETCD", "1")
-                .env("GPUIO_REQUIRE_ODIRECT", "1")
-                .env("GPUIO_CUFILE_SDK", &cufile_sdk)
-                .env("GPUIO_REQUIRE_CUFILESDK", "1")
-                .env("GPUIO_NIXL_LIB", crate::nixl::lib_dir(&nixl))
-                .env("GPUIO_NIXL_PYTHONPATH", &nixl)
-                .env("GPUIO_REQUIRE_NIXL", "1"),
-        )?;
+        let mut tests = cargo();
+        tests.args(["test", "--workspace", "--no-fail-fast"]);
+        test_env(&mut tests);
+        run("tests", &mut tests)?;
     }
     run(
         "rustdoc",

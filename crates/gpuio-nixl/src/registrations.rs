@@ -5,13 +5,14 @@
 //!
 //! Entries are keyed by the driver's allocation id, which is never reused, so a freed
 //! allocation's entry never serves a new one at the same addresses. An entry holds no memory:
-//! the caller's buffer keeps it allocated while a transfer runs. A freed allocation's entry
-//! goes when a new allocation overlaps its addresses (live allocations never overlap), or
-//! when the cache is full and it is the least recently used.
+//! the caller's buffer keeps it allocated while a transfer runs. Each miss drops the entries
+//! whose allocation the driver no longer knows (freed), and any a new allocation overlaps
+//! (live allocations never overlap; the host backend, which keeps no table the driver could
+//! be asked, relies on this and on the least recently used going when the cache is full).
 
 use crate::memory::{NixlMem, NixlRegion};
 use gpuio_hal::sync::MutexExt;
-use gpuio_hal::{Allocation, DeviceBuffer, Result};
+use gpuio_hal::{Allocation, DeviceBuffer, ErrorCode, Gpu, Result};
 use std::sync::{Arc, Mutex};
 
 /// Allocations kept registered per agent.
@@ -24,6 +25,7 @@ pub(crate) struct DeviceRegistrations {
 }
 
 struct Entry {
+    gpu: Gpu,
     alloc: Allocation,
     mem: NixlMem,
     region: Arc<NixlRegion>,
@@ -50,8 +52,15 @@ impl DeviceRegistrations {
             e.used = now;
             return Ok(e.region.clone());
         }
-        // An entry overlapping this live allocation is of one that was freed.
-        entries.retain(|e| !overlap(&e.alloc, &alloc));
+        // Freed allocations' entries go: the driver no longer knows them, or this live
+        // allocation overlaps them.
+        entries.retain(|e| {
+            let known = match e.gpu.allocation_at(e.alloc.base) {
+                Ok(now) => now == e.alloc,
+                Err(err) => err.code() == ErrorCode::Unsupported,
+            };
+            known && !overlap(&e.alloc, &alloc)
+        });
         if entries.len() >= KEPT
             && let Some(oldest) = (0..entries.len()).min_by_key(|&i| entries[i].used)
         {
@@ -59,6 +68,7 @@ impl DeviceRegistrations {
         }
         let region = Arc::new(NixlRegion::allocation(agent, alloc, mem)?);
         entries.push(Entry {
+            gpu: buf.gpu().clone(),
             alloc,
             mem,
             region: region.clone(),

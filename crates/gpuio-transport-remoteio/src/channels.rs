@@ -47,6 +47,14 @@ impl<C: Channel> ChannelPool<C> {
         !self.tcp_only.lock_unpoisoned().iter().any(|e| e == export)
     }
 
+    /// From now on, `export` is served over TCP only (these channels failed it).
+    pub(crate) fn serve_over_tcp(&self, export: &str) {
+        let mut tcp_only = self.tcp_only.lock_unpoisoned();
+        if !tcp_only.iter().any(|e| e == export) {
+            tcp_only.push(export.to_string());
+        }
+    }
+
     /// Runs `f` on an idle channel to `export`, or on one `open` makes; a channel that cannot
     /// serve again is dropped. `None` when the export is served over TCP only (the agent
     /// answered `Unsupported`).
@@ -74,10 +82,7 @@ impl<C: Channel> ChannelPool<C> {
                 message,
             }) => {
                 tracing::debug!(export, %message, "served over TCP: not offered over {}", C::TRANSPORT);
-                let mut tcp_only = self.tcp_only.lock_unpoisoned();
-                if !tcp_only.iter().any(|e| e == export) {
-                    tcp_only.push(export.to_string());
-                }
+                self.serve_over_tcp(export);
                 return None;
             }
             Err(e) => return Some(Err(e)),

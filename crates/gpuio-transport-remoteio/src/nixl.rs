@@ -99,10 +99,27 @@ pub(crate) enum ExportMemory<'a> {
 }
 
 impl ExportMemory<'_> {
-    pub(crate) fn is_empty(&self) -> bool {
+    /// Why NIXL must not reach this memory, if it must not: an empty export has nothing to
+    /// register, and GPU memory borrowed from another library may be a slice of a larger
+    /// allocation, all of which UCX's `cuda_ipc` would map into the peer (its key is the
+    /// allocation's IPC handle, base and length).
+    pub(crate) fn refusal(&self) -> Option<String> {
         match self {
-            Self::Host(b) => b.is_empty(),
-            Self::Device(b) => b.is_empty(),
+            Self::Host(b) if b.is_empty() => Some("an empty export has nothing to register".into()),
+            Self::Host(_) => None,
+            Self::Device(b) if b.is_empty() => {
+                Some("an empty export has nothing to register".into())
+            }
+            Self::Device(b) if b.is_borrowed() => match b.allocation() {
+                Ok(a) if a.base == b.device_addr() && a.len == b.len() => None,
+                Ok(_) => Some(
+                    "GPU memory borrowed from a larger allocation: cuda_ipc would expose all \
+                     of it"
+                        .into(),
+                ),
+                Err(e) => Some(format!("its allocation is unknown: {e}")),
+            },
+            Self::Device(_) => None,
         }
     }
 }
@@ -230,7 +247,8 @@ impl NixlChannel {
     }
 
     /// Reads `range.len()` bytes at `offset` straight into `range` of the device buffer
-    /// `dst` (registered for the call), GPU to GPU; `false` where this channel does not
+    /// `dst` (its allocation kept registered by the channel's agent), GPU to GPU; `false`
+    /// where this channel does not
     /// serve `dst` ([`NixlChannel::serves`]).
     fn read_device(
         &mut self,
@@ -311,7 +329,11 @@ impl crate::RemotePeer {
     }
 
     /// Runs `f` on a pooled NIXL channel to `export`; `None` where there is none or it does
-    /// not serve the device memory (`f` answered `false`).
+    /// not serve the device memory (`f` answered `false`). A transfer NIXL fails (no UCX
+    /// transport reaches this GPU memory: another host without GPUDirect RDMA, memory
+    /// `cuda_ipc` cannot export) turns NIXL off for the export, and `None` has the caller
+    /// stage it over TCP (a read or write may be repeated); a refused range or a restarted
+    /// agent is the caller's error.
     fn on_gpu(
         &self,
         export: &crate::RemoteExport,
@@ -327,7 +349,17 @@ impl crate::RemotePeer {
         match self.over_nixl(export, &pinned, f)? {
             Ok(true) => Some(Ok(())),
             Ok(false) => None,
-            Err(e) => Some(Err(e)),
+            Err(e)
+                if e.code() == ErrorCode::InvalidArg
+                    || matches!(e, RemoteIoError::Restarted { .. }) =>
+            {
+                Some(Err(e))
+            }
+            Err(e) => {
+                tracing::warn!(export = export.name(), error = %e, "NIXL failed GPU memory: served over TCP from now on");
+                self.nixl.serve_over_tcp(export.name());
+                None
+            }
         }
     }
 }

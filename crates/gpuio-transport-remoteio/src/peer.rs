@@ -128,7 +128,7 @@ pub struct RemotePeer {
     #[cfg(feature = "rdma")]
     rdma: crate::rdma::ChannelPool,
     #[cfg(feature = "nixl")]
-    nixl: crate::nixl::ChannelPool,
+    pub(crate) nixl: crate::nixl::ChannelPool,
     connects: AtomicU64,
     broken: AtomicU64,
     pub(crate) bytes_read: AtomicU64,

@@ -20,82 +20,100 @@ use std::time::Duration;
 
 const TORCH_PEER_COPY: &str = include_str!("../../peers/torch_peer_copy.py");
 
+/// A private scratch directory, removed when dropped.
+struct Scratch(std::path::PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A `gpuio agent` child process, killed when dropped (its key and configuration removed).
 struct AgentProcess {
     child: Child,
     addr: SocketAddr,
-    dir: std::path::PathBuf,
-    /// Its standard output, held open.
-    _out: Option<BufReader<std::process::ChildStdout>>,
+    // After the child (fields drop in order): removed once it is gone.
+    _dir: Scratch,
 }
 
 impl Drop for AgentProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
+/// How long the agent process may take to say where it listens.
+const AGENT_START: Duration = Duration::from_secs(60);
+
 /// Starts `gpuio agent` (this executable) exporting `bytes` of GPU 0's memory as "hbm" over
-/// NIXL, with the suite's key; returns once it listens.
+/// NIXL, with the suite's key; returns once it listens. UCX's TCP transport (which checks no
+/// keys) stays on loopback (`UCX_NET_DEVICES=lo`); GPU memory moves over `cuda_ipc`.
 fn start_agent_process(bytes: usize) -> Result<AgentProcess> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     let io = |e: std::io::Error| BenchError::Options(format!("the agent process: {e}"));
-    let dir = std::env::temp_dir().join(format!("gpuio-bench-agent-{}", std::process::id()));
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let dir = Scratch(std::env::temp_dir().join(format!(
+        "gpuio-bench-agent-{}-{nonce:08x}",
+        std::process::id()
+    )));
     std::fs::DirBuilder::new()
         .mode(0o700)
-        .create(&dir)
+        .create(&dir.0)
         .map_err(io)?;
-    let key = dir.join("key");
+    let key = dir.0.join("key");
     std::fs::write(&key, KEY).map_err(io)?;
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
-    let config = dir.join("agent.toml");
+    let config = dir.0.join("agent.toml");
     let toml = format!(
-        "[agent]\nlisten = \"127.0.0.1:0\"\nnixl = true\n\
-         # Loopback: UCX's TCP transport (which checks no keys) may stay on.\nnixl_tcp = true\n\
+        "[agent]\nlisten = \"127.0.0.1:0\"\nnixl = true\nnixl_tcp = true\n\
          [[agent.keys]]\nid = \"bench\"\nrole = \"read-write\"\nsecret_file = \"{}\"\n\
          [[agent.exports]]\nname = \"hbm\"\naccess = \"read-write\"\nmemory = {bytes}\ngpu = 0\n",
         key.display()
     );
     std::fs::write(&config, toml).map_err(io)?;
+    let stderr = std::fs::File::create(dir.0.join("stderr")).map_err(io)?;
     let exe = std::env::current_exe().map_err(io)?;
-    let spawned = Command::new(exe)
+    let mut child = Command::new(exe)
         .arg("--config")
         .arg(&config)
         .arg("agent")
+        .env("UCX_NET_DEVICES", "lo")
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn();
-    let mut child = match spawned {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&dir);
-            return Err(io(e));
-        }
-    };
-    // Piped above, so there; held open (a closed pipe would fail the agent's later lines).
-    let mut out = child.stdout.take().map(BufReader::new);
-    let mut line = String::new();
-    if let Some(out) = &mut out {
-        let _ = out.read_line(&mut line);
+        .stderr(stderr)
+        .spawn()
+        .map_err(io)?;
+    // Its first line, read on a thread of its own so that a child that never says it is
+    // waited for a bounded time; the thread then drains the rest, keeping the pipe open.
+    let (tx, rx) = std::sync::mpsc::channel();
+    if let Some(out) = child.stdout.take() {
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(out).lines();
+            let _ = tx.send(lines.next().and_then(|l| l.ok()).unwrap_or_default());
+            lines.for_each(drop);
+        });
     }
+    let line = rx.recv_timeout(AGENT_START).unwrap_or_default();
     let addr = line
         .trim()
         .strip_prefix("gpuio agent listening on ")
         .and_then(|a| a.parse().ok());
+    let said = std::fs::read_to_string(dir.0.join("stderr")).unwrap_or_default();
     let started = AgentProcess {
         child,
         addr: addr.unwrap_or(SocketAddr::from(([127, 0, 0, 1], 0))),
-        dir,
-        _out: out,
+        _dir: dir,
     };
-    if addr.is_none() {
-        return Err(BenchError::Options(format!(
-            "the agent process did not start: {line:?}"
-        )));
+    match addr {
+        Some(_) => Ok(started),
+        None => Err(BenchError::Options(format!(
+            "the agent process did not start: {}",
+            said.lines().last().unwrap_or(line.trim())
+        ))),
     }
-    Ok(started)
 }
 
 /// Runs the torch peer copy for `sizes`: bytes per second for each, or why it could not run.
@@ -136,7 +154,9 @@ fn check(
     }
 }
 
-/// Runs the GPU cases; records, and notes (why they did not run).
+/// Runs the GPU cases; records, and notes (why they did not run). Only wrong bytes fail the
+/// suite: a machine where they cannot run (no CUDA, no NIXL, an agent process that does not
+/// start, a path NIXL does not serve) gets a note, and the suite's other records stand.
 pub(super) fn run(
     session: &Session,
     sizes: &[usize],
@@ -145,15 +165,33 @@ pub(super) fn run(
     progress: &mut dyn FnMut(&str),
 ) -> Result<(Vec<Record>, Vec<String>)> {
     let gpus = session.gpus();
-    let (Some(first), Some(to)) = (gpus.first(), gpus.last()) else {
-        return Ok((Vec::new(), vec!["remote: no GPU NIXL cases: no GPU".into()]));
+    let why = match (gpus.first(), gpuio_nixl::library()) {
+        (None, _) => "no GPU".to_string(),
+        (Some(g), _) if g.backend() != Backend::Cuda => "no CUDA GPU".into(),
+        (_, Err(e)) => e.to_string(),
+        (Some(_), Ok(_)) => match measure(gpus, sizes, seconds, seed, progress) {
+            Err(e @ BenchError::Corrupt { .. }) => return Err(e),
+            Err(e) => e.to_string(),
+            Ok(done) => return Ok(done),
+        },
     };
-    if first.backend() != Backend::Cuda {
-        return Ok((
-            Vec::new(),
-            vec!["remote: no GPU NIXL cases: no CUDA GPU".into()],
-        ));
-    }
+    Ok((
+        Vec::new(),
+        vec![format!("remote: no GPU NIXL cases: {why}")],
+    ))
+}
+
+/// The GPU cases, between the first GPU and the last.
+fn measure(
+    gpus: &[gpuio_hal::Gpu],
+    sizes: &[usize],
+    seconds: f64,
+    seed: u64,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(Vec<Record>, Vec<String>)> {
+    let (Some(first), Some(to)) = (gpus.first(), gpus.last()) else {
+        return Err(BenchError::Options("no GPU".into()));
+    };
     let largest = sizes.iter().copied().max().unwrap_or(1 << 20);
     let export_bytes = largest * 2;
     progress("gpu_nixl: starting the agent process");

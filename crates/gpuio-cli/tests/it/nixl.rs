@@ -1,7 +1,9 @@
 //! RemoteIO over NIXL between hosts: a `gpuio agent` with `[agent] nixl = true` in a network
 //! namespace of its own (a loopback port where namespaces are refused), and `gpuio cp` clients
 //! with `?transport=nixl` in this one. UCX is held to TCP (`UCX_TLS=tcp`) on both sides, so the
-//! bytes cross the veth link rather than shared memory between the processes.
+//! bytes cross the veth link rather than shared memory between the processes, on every
+//! interface (`UCX_NET_DEVICES=all`: CI holds the other tests' UCX to loopback, since this
+//! one's interfaces come and go under them).
 //!
 //! Checked: a copy into the agent's memory export and one out of it, byte for byte, with none
 //! of the bytes on the agent's TCP data path (its closing line says so); a read-only key's copy
@@ -74,6 +76,7 @@ memory = "{LEN}"
         .env("GPUIO_TEST_RW", RW)
         .env("GPUIO_TEST_RO", RO)
         .env("UCX_TLS", "tcp")
+        .env("UCX_NET_DEVICES", "all")
         .envs(nixl_env.iter().map(|(k, v)| (k, v)))
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -100,6 +103,7 @@ memory = "{LEN}"
         Command::new(bin())
             .args(["--config", cfg.to_str().unwrap(), "cp", from, to])
             .env("UCX_TLS", "tcp")
+            .env("UCX_NET_DEVICES", "all")
             .env("GPUIO_LOG", "gpuio_transport_remoteio=debug")
             .envs(nixl_env.iter().map(|(k, v)| (k, v)))
             .output()
@@ -152,6 +156,7 @@ memory = "{LEN}"
             .arg(format!("remoteio://{addr}/mem"))
             .args(["--out", md.to_str().unwrap()])
             .env("UCX_TLS", "tcp")
+            .env("UCX_NET_DEVICES", "all")
             .envs(nixl_env.iter().map(|(k, v)| (k, v)))
             .stderr(Stdio::null())
             .spawn()
@@ -172,6 +177,7 @@ memory = "{LEN}"
             .arg(script)
             .env("PYTHONPATH", py)
             .env("UCX_TLS", "tcp")
+            .env("UCX_NET_DEVICES", "all")
             .envs(nixl_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -271,7 +277,8 @@ listen = "127.0.0.1:0"
 name = "pub"
 lease_ttl_s = 2
 nixl = true
-# Loopback: UCX's TCP transport (which checks no keys) may stay on.
+# UCX's TCP transport (which checks no keys) may stay on: a test machine's own processes
+# (CI holds UCX to loopback, UCX_NET_DEVICES=lo).
 nixl_tcp = true
 nixl_publish = ["mem"]
 [[agent.keys]]

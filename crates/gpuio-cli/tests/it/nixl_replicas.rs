@@ -32,7 +32,8 @@ segment = "nx"
 name = "{name}"
 lease_ttl_s = 2
 nixl = true
-# Loopback: UCX's TCP transport (which checks no keys) may stay on.
+# UCX's TCP transport (which checks no keys) may stay on: a test machine's own processes
+# (CI holds UCX to loopback, UCX_NET_DEVICES=lo).
 nixl_tcp = true
 [[agent.keys]]
 id = "ops"

@@ -32,6 +32,15 @@ pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
     /// Waits for all work queued on the device, by gpuio or any other library.
     fn synchronize(&self) -> Result<()>;
 
+    /// The live allocation holding `addr`, as the driver knows it now (`Unsupported` where
+    /// the backend cannot tell).
+    fn allocation_at(&self, _addr: u64) -> Result<crate::gpu::Allocation> {
+        Err(HalError::Unsupported {
+            what: "looking up allocations by address",
+            reason: "the host backend keeps no table of them".into(),
+        })
+    }
+
     /// Makes the device's context current on the calling thread (a no-op where there is
     /// none).
     fn bind_thread(&self) -> Result<()> {
@@ -264,6 +273,11 @@ pub(crate) trait DeviceMemory: Send + Sync + fmt::Debug {
     /// The allocation this memory lies in (for borrowed memory, the owner's, which may be
     /// larger), with the device's context current.
     fn allocation(&self) -> Result<crate::gpu::Allocation>;
+
+    /// Whether another library allocated it (gpuio only borrows it).
+    fn borrowed(&self) -> bool {
+        false
+    }
 
     fn as_any(&self) -> &dyn Any;
 }

@@ -232,6 +232,14 @@ impl Gpu {
         self.inner.synchronize()
     }
 
+    /// The live allocation holding device address `addr` now, as the driver knows it: an
+    /// error where none does (freed memory), `Unsupported` on the host backend, which keeps
+    /// no table of them. With [`DeviceBuffer::allocation`], tells whether what was kept about
+    /// an allocation still holds.
+    pub fn allocation_at(&self, addr: u64) -> Result<Allocation> {
+        self.inner.allocation_at(addr)
+    }
+
     /// Makes this device's (primary) context current on the calling thread, for libraries
     /// that act in the thread's context (UCX's CUDA transports under NIXL). A no-op on the
     /// host backend.
@@ -603,6 +611,12 @@ impl DeviceBuffer {
         self.inner.mem.allocation()
     }
 
+    /// Whether another library allocated the memory (a framework's tensor, through
+    /// [`Gpu::borrow_device`]): then it may be a slice of a larger allocation.
+    pub fn is_borrowed(&self) -> bool {
+        self.inner.mem.borrowed()
+    }
+
     /// The region this buffer covers.
     pub fn region(&self) -> MemoryRegion {
         MemoryRegion {
@@ -647,9 +661,17 @@ mod tests {
             assert!(al.base <= buf.device_addr());
             assert!(buf.device_addr() + buf.len() as u64 <= al.base + al.len as u64);
         }
+        match gpu.allocation_at(a.device_addr() + 5) {
+            Ok(found) => assert_eq!(found, x),
+            Err(e) => assert_eq!(e.code(), crate::ErrorCode::Unsupported, "{e}"),
+        }
         drop(a);
         let c = gpu.alloc(3 << 20).unwrap();
         assert_ne!(c.allocation().unwrap().id, x.id, "an id is never reused");
+        // Freed: the driver knows nothing there, or another allocation.
+        if let Ok(now) = gpu.allocation_at(x.base) {
+            assert_ne!(now.id, x.id);
+        }
     }
 
     #[test]

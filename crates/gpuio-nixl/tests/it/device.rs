@@ -89,6 +89,12 @@ fn device_buffers_move_as_the_memory_they_are() {
                 "round {round}, {i}"
             );
         }
-        assert_eq!(b.device_registrations(), 2, "dst's and this round's");
+        // dst's and this round's; on the host backend, whose freed allocations the driver
+        // cannot be asked about, earlier rounds' may stay until a new one overlaps them.
+        let kept = b.device_registrations();
+        match to.backend() {
+            Backend::Cuda => assert_eq!(kept, 2, "dst's and this round's"),
+            Backend::Host => assert!((2..=2 + round as usize).contains(&kept), "{kept}"),
+        }
     }
 }

@@ -632,16 +632,20 @@ fn published_links(shared: &Shared, names: &[String]) -> Result<Vec<crate::nixl:
         }
         let host;
         let mem = match &ex.source {
-            // At start no session holds it; its owner might (a library user's clone).
+            // No session holds it yet; its owner might (a library user's clone): wait for it,
+            // unless called on an async runtime, where waiting would block a worker.
             Source::Memory(m) => {
-                host = m.try_read().map_err(|_| bad("is locked by its owner"))?;
+                host = match tokio::runtime::Handle::try_current() {
+                    Err(_) => m.blocking_read(),
+                    Ok(_) => m.try_read().map_err(|_| bad("is locked by its owner"))?,
+                };
                 ExportMemory::Host(&host)
             }
             Source::Device(d) => ExportMemory::Device(d),
             Source::File { .. } => return Err(bad("is a file: NIXL reaches memory exports only")),
         };
-        if mem.is_empty() {
-            return Err(bad("is empty"));
+        if let Some(why) = mem.refusal() {
+            return Err(bad(&why));
         }
         if links.iter().any(|l: &crate::nixl::Link| l.export() == name) {
             return Err(bad("is listed twice"));

@@ -277,10 +277,10 @@ async fn nixl_link(sh: &Shared, role: Role, name: &str, state: &mut SessionState
             ));
         }
     };
-    if mem.is_empty() {
+    if let Some(why) = mem.refusal() {
         return Err(Refusal::new(
             ErrorCode::Unsupported,
-            "an empty export has nothing to register with NIXL",
+            format!("export {name:?} is not offered over NIXL (served over TCP): {why}"),
         ));
     }
     // A link that cannot be set up here (UCX found no transport, say) leaves TCP to serve.

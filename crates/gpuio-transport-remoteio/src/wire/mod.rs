@@ -21,7 +21,8 @@ pub const MAGIC: u32 = 0x4750_5549;
 /// The protocol version this build speaks. Version 2: the client proves its key first, the
 /// welcome carries the agent's proof and instance, STAT answers carry the instance. Version 3:
 /// STAT answers say whether an export can be made durable; SYNC and RESERVE requests.
-pub const VERSION: u16 = 3;
+/// Version 4: NIXL_INFO answers end with the export's memory (host, or the CUDA device).
+pub const VERSION: u16 = 4;
 /// Bytes of the message header.
 pub const HEADER_LEN: usize = 28;
 /// Largest payload accepted (a READ/WRITE carries at most [`MAX_DATA`] bytes of data).

@@ -340,6 +340,19 @@ fn a_gpu_export_moves_over_nixl() {
                 .expect("NIXL serves it")
                 .unwrap_err();
             assert_eq!(e.code(), ErrorCode::InvalidArg, "{e}");
+            // A slice of a larger allocation is not offered: cuda_ipc would map all of it.
+            let slice = from
+                .borrow_device(hbm.device_addr() + 4096, 4096, hbm.clone())
+                .unwrap();
+            let sliced = agent_of("slice", ExportSource::Device(slice));
+            let c = Connection::connect(sliced.local_addr(), &creds("rw", RW), T).unwrap();
+            match NixlChannel::open(c, "slice", 1 << 20) {
+                Err(RemoteIoError::Remote { code, message }) => {
+                    assert_eq!(code, ErrorCode::Unsupported);
+                    assert!(message.contains("borrowed"), "{message}");
+                }
+                other => panic!("{other:?}"),
+            }
         }
     }
     let stats = agent.stats();

@@ -275,6 +275,11 @@ impl DeviceBackend for CudaDevice {
         self.shared.bind()
     }
 
+    fn allocation_at(&self, addr: u64) -> Result<crate::gpu::Allocation> {
+        self.shared.bind()?;
+        driver::allocation(addr)
+    }
+
     fn borrow(&self, addr: u64, len: usize, owner: Owner) -> Result<Box<dyn DeviceMemory>> {
         self.shared.bind()?;
         let r = driver::pointer_range(addr)?;

@@ -83,7 +83,6 @@ pub(super) unsafe fn ctx_enable_peer_access(peer: sys::CUcontext) -> Result<()> 
     }
 }
 
-/// `cuCtxSynchronize`: waits for all work of the current context.
 /// `cuCtxGetCurrent`: the context current on this thread (null for none).
 pub(super) fn ctx_current() -> Result<sys::CUcontext> {
     let mut ctx: sys::CUcontext = std::ptr::null_mut();
@@ -93,14 +92,17 @@ pub(super) fn ctx_current() -> Result<sys::CUcontext> {
     Ok(ctx)
 }
 
-/// `cuCtxSetCurrent`: makes `ctx` (a live context, or null for none) current on this thread.
-pub(super) fn ctx_set_current(ctx: sys::CUcontext) -> Result<()> {
-    // SAFETY: ctx came from ctx_current on this thread, whose context lives (a primary
-    // context, retained by its device), or is null.
+/// `cuCtxSetCurrent`: makes `ctx` current on this thread (null: none).
+///
+/// # Safety
+/// `ctx` is null or a context that is alive for the call.
+pub(super) unsafe fn ctx_set_current(ctx: sys::CUcontext) -> Result<()> {
+    // SAFETY: the caller vouches that ctx is null or alive.
     let rc = unsafe { sys::cuCtxSetCurrent(ctx) };
     check(rc, "cuCtxSetCurrent")
 }
 
+/// `cuCtxSynchronize`: waits for all work of the current context.
 pub(super) fn ctx_synchronize() -> Result<()> {
     // SAFETY: no arguments; the driver only waits (or reports that no context is current).
     let rc = unsafe { sys::cuCtxSynchronize() };

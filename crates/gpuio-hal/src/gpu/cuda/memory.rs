@@ -77,6 +77,10 @@ impl DeviceMemory for ForeignMemory {
         self.ptr
     }
 
+    fn borrowed(&self) -> bool {
+        true
+    }
+
     fn allocation(&self) -> crate::Result<Allocation> {
         driver::allocation(self.ptr)
     }

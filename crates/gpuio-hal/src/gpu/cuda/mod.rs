@@ -36,8 +36,21 @@ mod stream;
 pub(crate) use device::devices;
 
 /// Runs `f` with no context current on this thread, then makes the previous one current
-/// again (where the driver was never set up in this process, just runs `f`).
+/// again, even if `f` panics (where the driver was never set up in this process, just runs
+/// `f`).
 pub(crate) fn without_context<R>(f: impl FnOnce() -> R) -> R {
+    /// Makes its context current again when dropped.
+    struct Restore(cudarc::driver::sys::CUcontext);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            // SAFETY: the context was current on this thread when `without_context` was
+            // called: whoever made it current, up this thread's stack, keeps it alive across
+            // the call, and `f` (a memory registration, in gpuio) destroys no context.
+            if let Err(e) = unsafe { driver::ctx_set_current(self.0) } {
+                tracing::warn!(error = %e, "could not make the thread's CUDA context current again");
+            }
+        }
+    }
     if !probe::driver_ready() {
         return f();
     }
@@ -45,15 +58,13 @@ pub(crate) fn without_context<R>(f: impl FnOnce() -> R) -> R {
         Ok(c) if !c.is_null() => c,
         _ => return f(),
     };
-    if let Err(e) = driver::ctx_set_current(std::ptr::null_mut()) {
+    // SAFETY: null means no context.
+    if let Err(e) = unsafe { driver::ctx_set_current(std::ptr::null_mut()) } {
         tracing::debug!(error = %e, "could not unset the thread's CUDA context");
         return f();
     }
-    let r = f();
-    if let Err(e) = driver::ctx_set_current(prev) {
-        tracing::warn!(error = %e, "could not make the thread's CUDA context current again");
-    }
-    r
+    let _restore = Restore(prev);
+    f()
 }
 pub use nvrtc::{NVRTC_ARCHS, compile_ptx, compile_ptx_for, kernel_problems, nvrtc_problems};
 pub(crate) use stream::CudaStreamBackend;
