@@ -248,8 +248,7 @@ impl NixlChannel {
 
     /// Reads `range.len()` bytes at `offset` straight into `range` of the device buffer
     /// `dst` (its allocation kept registered by the channel's agent), GPU to GPU; `false`
-    /// where this channel does not
-    /// serve `dst` ([`NixlChannel::serves`]).
+    /// where this channel does not serve `dst` ([`NixlChannel::serves`]).
     fn read_device(
         &mut self,
         offset: u64,
