@@ -79,17 +79,6 @@ fn hit_rates(before: &CacheStats, after: &CacheStats) -> String {
     format!("cache {} hits", rates.join(", "))
 }
 
-fn check(case: &str, data: &[u8], off: u64, seed: u64) -> Result<()> {
-    match pattern::first_deviation(data, off, seed) {
-        None => Ok(()),
-        Some(at) => Err(crate::BenchError::Corrupt {
-            case: case.into(),
-            size: data.len(),
-            offset: off + at as u64,
-        }),
-    }
-}
-
 /// Runs the suite on GPU 0; `progress` hears about each case as it starts.
 pub fn run(
     session: &Session,
@@ -220,7 +209,7 @@ pub fn run(
     }
     for &off in offsets.iter().step_by(97) {
         cached.read(off, &mut buf).map_err(api)?;
-        check(&case, &buf, off, seed)?;
+        crate::check_pattern(&case, &buf, off, seed)?;
     }
 
     // 2. Random reads into GPU memory, each to its own place in a device buffer.
@@ -253,7 +242,7 @@ pub fn run(
             .read_to_device(offsets[k], &dev, k * rs, rs)
             .map_err(api)?;
         session.download(&dev, k * rs, &mut buf)?;
-        check(&case, &buf, offsets[k], seed)?;
+        crate::check_pattern(&case, &buf, offsets[k], seed)?;
     }
     record(
         &case,

@@ -174,6 +174,19 @@ pub fn race(
     ))
 }
 
+/// Whether `data` holds the pattern of `seed` from offset `off`, else `Corrupt` for `case`
+/// (at the first wrong byte's offset).
+pub(crate) fn check_pattern(case: &str, data: &[u8], off: u64, seed: u64) -> Result<()> {
+    match gpuio_hal::pattern::first_deviation(data, off, seed) {
+        None => Ok(()),
+        Some(at) => Err(BenchError::Corrupt {
+            case: case.into(),
+            size: data.len(),
+            offset: off + at as u64,
+        }),
+    }
+}
+
 /// A seed for fresh random data every run.
 pub(crate) fn fresh_seed() -> u64 {
     let t = std::time::SystemTime::now()

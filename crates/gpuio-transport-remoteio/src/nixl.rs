@@ -314,6 +314,9 @@ impl crate::RemotePeer {
         range: Range<usize>,
     ) -> Option<Result<()>> {
         let len = range.len();
+        if !self.config().nixl {
+            return None;
+        }
         if let Err(e) = self
             .pin(export)
             .and_then(|p| crate::peer::check_write(export, &p, offset, len))

@@ -247,13 +247,7 @@ pub fn run(
             })?);
             // The last read's bytes, checked.
             let at = ((i - 1) % spots * transfer) as u64;
-            if let Some(off) = pattern::first_deviation(&buf, at, seed) {
-                return Err(BenchError::Corrupt {
-                    case: "tcp_read".into(),
-                    size: transfer,
-                    offset: off as u64,
-                });
-            }
+            crate::check_pattern("tcp_read", &buf, at, seed)?;
             progress(&format!("tcp_write, {conns} connections"));
             // Writing the export's own bytes back keeps it checkable.
             writes[k].push(sustained(opts.seconds, transfer, || {

@@ -50,14 +50,7 @@ pub(super) fn run(
 
     let mut buf = vec![0u8; largest];
     let mut records = Vec::new();
-    let check = |case: &str, got: &[u8], at: u64| match pattern::first_deviation(got, at, seed) {
-        None => Ok(()),
-        Some(off) => Err(BenchError::Corrupt {
-            case: case.into(),
-            size: got.len(),
-            offset: off as u64,
-        }),
-    };
+    let check = |case: &str, got: &[u8], at: u64| crate::check_pattern(case, got, at, seed);
     for &size in sizes {
         let spots = (export_bytes / size).max(1) as u64;
         let at = |i: u64| (i % spots) * size as u64;

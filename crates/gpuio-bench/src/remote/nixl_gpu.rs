@@ -144,14 +144,7 @@ fn check(
 ) -> Result<()> {
     let mut host = vec![0u8; len];
     stream.download(buf, 0, &mut host)?;
-    match pattern::first_deviation(&host, at, seed) {
-        None => Ok(()),
-        Some(off) => Err(BenchError::Corrupt {
-            case: case.into(),
-            size: len,
-            offset: off as u64,
-        }),
-    }
+    crate::check_pattern(case, &host, at, seed)
 }
 
 /// Runs the GPU cases; records, and notes (why they did not run). Only wrong bytes fail the

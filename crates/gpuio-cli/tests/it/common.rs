@@ -39,6 +39,12 @@ pub fn spawn_agent(
     (child, addr, out)
 }
 
+/// Writes `text` to `path`, readable by its owner alone (as secret files must be).
+pub fn write_private(path: &Path, text: &str) {
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+}
+
 /// Runs `gpuio --config cfg agent` with `env` added, expecting it to fail at start.
 pub fn agent_refusing(cfg: &Path, env: &[(&str, &str)]) -> std::process::Output {
     Command::new(bin())

@@ -13,22 +13,16 @@
 
 #![cfg(feature = "nixl")]
 
-use crate::common::bin;
+use crate::common::{bin, write_private};
 use crate::hosts::Hosts;
 use gpuio_testkit::Requirement;
 use std::io::BufRead;
-use std::path::Path;
 use std::process::{Command, Stdio};
 
 /// Made by `gpuio agent keygen` (agents refuse weak secrets).
 const RW: &str = "5b1f0e9c2a7d4e8f6b3c1a9e7d5f2b4c8e0a6d3f1b9c7e5a2d4f8b0c6e3a1d9f";
 const RO: &str = "a3c5e7f9b1d2e4f6a8c0b2d4e6f8a1c3e5b7d9f0a2c4e6b8d1f3a5c7e9b2d4f6";
 const LEN: usize = 24 << 20;
-
-fn write_private(path: &Path, text: &str) {
-    std::fs::write(path, text).unwrap();
-    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-}
 
 #[test]
 fn gpuio_cp_moves_a_memory_export_over_nixl_between_hosts() {
@@ -299,22 +293,9 @@ registry = ["http://127.0.0.1:{port}"]
         ),
     )
     .unwrap();
-    let nixl_env: Vec<(String, String)> = ["GPUIO_NIXL_LIB", "UCX_MODULES"]
-        .iter()
-        .filter_map(|k| Some((k.to_string(), std::env::var(k).ok()?)))
-        .collect();
-    let mut child = Command::new(bin())
-        .args(["--config", cfg.to_str().unwrap(), "agent"])
-        .env("GPUIO_TEST_RW", RW)
-        .envs(nixl_env.iter().map(|(k, v)| (k, v)))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("gpuio agent starts");
-    let mut out = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let (child, addr, out) = crate::common::spawn_agent(&cfg, &[("GPUIO_TEST_RW", RW)]);
+    let mut out = out.lines();
     let agent = Proc(child);
-    let first = out.next().unwrap().unwrap();
-    let addr: std::net::SocketAddr = first.rsplit(' ').next().unwrap().parse().unwrap();
     let said: Vec<String> = out.by_ref().take(2).map(|l| l.unwrap()).collect();
     assert!(
         said[1].starts_with("published the NIXL metadata of mem at /gpuio/nixl/pub/mem"),

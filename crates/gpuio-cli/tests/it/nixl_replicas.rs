@@ -5,13 +5,12 @@
 //! Needs NIXL and etcd: without either the test says so and passes, unless
 //! `GPUIO_REQUIRE_NIXL=1` / `GPUIO_REQUIRE_ETCD=1`.
 
-use crate::common::bin;
+use crate::common::write_private;
 use crate::multinode::{Proc, start_etcd};
 use gpuio_api::{Config, CopyOptions, ErrorCode, Session, Uri};
 use gpuio_testkit::Requirement;
 use std::io::BufRead;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Made by `gpuio agent keygen` (agents refuse weak secrets).
@@ -49,21 +48,10 @@ registry = ["http://127.0.0.1:{etcd}"]
         ),
     )
     .unwrap();
-    let mut child = Command::new(bin())
-        .args(["--config", cfg.to_str().unwrap(), "agent"])
-        .env("GPUIO_TEST_KEY", SECRET)
-        .envs(
-            ["GPUIO_NIXL_LIB", "UCX_MODULES"]
-                .iter()
-                .filter_map(|k| Some((k, std::env::var(k).ok()?))),
-        )
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("gpuio agent starts");
-    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    // Its address, its exports, its registration.
-    for _ in 0..3 {
+    let (child, _, out) = crate::common::spawn_agent(&cfg, &[("GPUIO_TEST_KEY", SECRET)]);
+    let mut lines = out.lines();
+    // After its address: its exports, its registration.
+    for _ in 0..2 {
         assert!(
             lines.next().is_some(),
             "agent {name} ended before registering"
@@ -101,8 +89,7 @@ fn replicas_over_nixl_take_writes_and_fail_over_reads() {
     let (a1, _) = agent(dir.path(), "a1", port);
     let (mut a2, a2_said) = agent(dir.path(), "a2", port);
     let key = dir.path().join("key");
-    std::fs::write(&key, SECRET).unwrap();
-    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    write_private(&key, SECRET);
     let mut cfg = Config::default();
     cfg.remote.key_id = "ops".into();
     cfg.remote.secret_file = key.display().to_string();

@@ -45,27 +45,12 @@ fn agent() -> (Agent, gpuio_transport_remoteio::SharedMemory) {
     let mut buf = HostBuffer::alloc(LEN, &HostAllocOptions::default()).unwrap();
     pattern::fill(&mut buf, 0, 5);
     let mem = shared_memory(buf);
-    let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
-    cfg.keys = vec![
-        Key {
-            id: "rw".into(),
-            secret: RW.to_vec(),
-            role: Role::ReadWrite,
-        },
-        Key {
-            id: "ro".into(),
-            secret: RO.to_vec(),
-            role: Role::ReadOnly,
-        },
-    ];
-    cfg.exports = vec![Export {
-        name: "mem".into(),
-        source: ExportSource::Memory(mem.clone()),
-        access: Access::ReadWrite,
-    }];
-    cfg.nixl = true;
-    // Loopback: UCX's TCP transport, which checks no keys, is acceptable here.
-    cfg.nixl_tcp = true;
+    let mut cfg = config_of("mem", ExportSource::Memory(mem.clone()));
+    cfg.keys.push(Key {
+        id: "ro".into(),
+        secret: RO.to_vec(),
+        role: Role::ReadOnly,
+    });
     (Agent::start(cfg).unwrap(), mem)
 }
 
@@ -82,8 +67,9 @@ fn tcp_bytes_read(agent: &Agent, want: u64) -> u64 {
     }
 }
 
-/// A read-write `name` export of `source` on loopback, offered over NIXL.
-fn agent_of(name: &str, source: ExportSource) -> Agent {
+/// An agent on loopback offering the read-write `name` export of `source` over NIXL, with
+/// the read-write key.
+fn config_of(name: &str, source: ExportSource) -> AgentConfig {
     let mut cfg = AgentConfig::new("127.0.0.1:0".parse().unwrap());
     cfg.keys = vec![Key {
         id: "rw".into(),
@@ -96,8 +82,13 @@ fn agent_of(name: &str, source: ExportSource) -> Agent {
         access: Access::ReadWrite,
     }];
     cfg.nixl = true;
+    // Loopback: UCX's TCP transport, which checks no keys, is acceptable here.
     cfg.nixl_tcp = true;
-    Agent::start(cfg).unwrap()
+    cfg
+}
+
+fn agent_of(name: &str, source: ExportSource) -> Agent {
+    Agent::start(config_of(name, source)).unwrap()
 }
 
 fn peer(agent: &Agent, id: &str, secret: &[u8]) -> RemotePeer {
