@@ -23,8 +23,9 @@ pub use gpu::{
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::{
-    DmaRegistration, HostAllocOptions, HostBuffer, HostRead, HostWrite, Location, MappingHold,
-    MemoryRegion, MemoryTier, RangeGuard, RangeRead, RangeWrite, SharedHostBuffer, WholeGuard,
+    DmaRegistration, HeldMapping, HostAllocOptions, HostBuffer, HostRead, HostWrite, Location,
+    MappingHold, MemoryRegion, MemoryTier, RangeGuard, RangeRead, RangeWrite, SharedHostBuffer,
+    WholeGuard,
 };
 pub use sys::{
     HUGE_PAGE, clear_nonblocking, page_size, peek_nonblocking, prefetch, raise_fd_limit,

@@ -3,10 +3,11 @@
 
 use crate::memory::{NixlRegion, NixlRemote, Span};
 use crate::nixl_err;
-use crate::registrations::DeviceRegistrations;
-use gpuio_hal::{DeviceBuffer, HalError, HostBuffer, Result};
+use crate::registrations::{DeviceRegistrations, HostRegistrations};
+use gpuio_hal::{DeviceBuffer, HalError, HeldMapping, HostBuffer, Result, SharedHostBuffer};
 use nixl_sys::{Agent, AgentConfig, ThreadSync, XferDescList, XferOp, XferStatus};
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long the agent's progress thread sleeps between rounds. It serves peers' transfers
@@ -22,6 +23,7 @@ pub const WAIT_REPORT: Duration = Duration::from_secs(10);
 pub struct NixlAgent {
     // Declared first: deregistered before the agent goes.
     device_regs: DeviceRegistrations,
+    host_regs: HostRegistrations,
     agent: Agent,
     name: String,
 }
@@ -71,6 +73,7 @@ impl NixlAgent {
             .map_err(|e| nixl_err("creating the UCX backend", e))?;
         Ok(Self {
             device_regs: DeviceRegistrations::default(),
+            host_regs: HostRegistrations::default(),
             agent,
             name: name.to_string(),
         })
@@ -206,6 +209,70 @@ impl NixlAgent {
         let local = Span::of(src);
         let _reg = self.register_for_call(local)?;
         self.transfer(XferOp::Write, local, peer, far)
+    }
+
+    /// Reads `dst.len()` bytes at `remote_off` of the peer's `remote` region straight into
+    /// `dst`, which lies in the shared buffer `owner`; `held` holds its addresses, taken
+    /// before `dst`'s guard ([`SharedHostBuffer::hold_whole`]). The whole buffer is registered
+    /// on first use and kept (a few per agent): later transfers anywhere in it cost no
+    /// registration. Where `dst` lies outside `held` (the buffer was swapped for another
+    /// meanwhile), or the buffer is too large to keep, `dst` is registered for the call.
+    pub fn read_held(
+        &self,
+        owner: &Arc<SharedHostBuffer>,
+        held: &HeldMapping,
+        dst: &mut [u8],
+        peer: &NixlPeer,
+        remote: &NixlRemote,
+        remote_off: u64,
+    ) -> Result<()> {
+        let far = remote.span_at(remote_off, dst.len())?;
+        self.held_transfer(XferOp::Read, owner, held, Span::of(dst), peer, far)
+    }
+
+    /// Writes `src`, which lies in the shared buffer `owner`, at `remote_off` of the peer's
+    /// `remote` region, the buffer kept registered as for [`NixlAgent::read_held`].
+    pub fn write_held(
+        &self,
+        owner: &Arc<SharedHostBuffer>,
+        held: &HeldMapping,
+        src: &[u8],
+        peer: &NixlPeer,
+        remote: &NixlRemote,
+        remote_off: u64,
+    ) -> Result<()> {
+        let far = remote.span_at(remote_off, src.len())?;
+        self.held_transfer(XferOp::Write, owner, held, Span::of(src), peer, far)
+    }
+
+    /// Host buffers kept registered by [`NixlAgent::read_held`] and
+    /// [`NixlAgent::write_held`].
+    pub fn host_registrations(&self) -> usize {
+        self.host_regs.len()
+    }
+
+    fn held_transfer(
+        &self,
+        op: XferOp,
+        owner: &Arc<SharedHostBuffer>,
+        held: &HeldMapping,
+        local: Span,
+        peer: &NixlPeer,
+        far: Span,
+    ) -> Result<()> {
+        let inside = local.addr >= held.addr
+            && local.addr.saturating_add(local.len) <= held.addr.saturating_add(held.len);
+        // Both held until the transfer is done.
+        let kept = if inside && local.len > 0 {
+            self.host_regs.covering(&self.agent, owner, held)?
+        } else {
+            None
+        };
+        let _for_call = match &kept {
+            Some(_) => None,
+            None => self.register_for_call(local)?,
+        };
+        self.transfer(op, local, peer, far)
     }
 
     /// Reads `range.len()` bytes at `remote_off` of the peer's `remote` region straight into

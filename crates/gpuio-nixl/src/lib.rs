@@ -19,7 +19,8 @@
 //! and whose [`HalError`] it returns (an [`HalError::Nixl`] for a failed call). Its files:
 //! `library.rs` (finding and loading the library), `agent.rs` (the agent and transfers),
 //! `memory.rs` (registrations and the range checks every transfer makes before it posts),
-//! `registrations.rs` (the device allocations an agent keeps registered).
+//! `registrations.rs` (the device allocations and shared host buffers an agent keeps
+//! registered).
 //!
 //! Its users: `gpuio info`, and RemoteIO's `nixl` feature (`?transport=nixl`).
 //!

@@ -98,8 +98,8 @@ enum Hold {
     Host { _mapping: MappingHold },
     /// A device buffer (a clone: the memory is freed after the last one drops).
     Device { _buffer: DeviceBuffer },
-    /// Nothing: a cached allocation's registration, checked by the allocation's id before
-    /// each use; the caller's buffer keeps the memory while a transfer runs.
+    /// Nothing: a cached registration of a device allocation or a host buffer, checked by
+    /// its id before each use; the caller's buffer keeps the memory while a transfer runs.
     Checked,
 }
 
@@ -172,19 +172,9 @@ impl NixlRegion {
         Self::register(agent, span, hold)
     }
 
-    /// Registers the whole device allocation `alloc` (crate-internal: the registration
-    /// cache's, which checks the allocation is still the same before each use).
-    pub(crate) fn allocation(
-        agent: &nixl_sys::Agent,
-        alloc: gpuio_hal::Allocation,
-        mem: NixlMem,
-    ) -> Result<Self> {
-        let span = Span {
-            addr: usize::try_from(alloc.base)
-                .map_err(|_| HalError::InvalidArgument("a device address past usize".into()))?,
-            len: alloc.len,
-            mem,
-        };
+    /// Registers `span`, holding nothing (crate-internal: the registration caches', which
+    /// check before each use that the memory is still the same).
+    pub(crate) fn checked(agent: &nixl_sys::Agent, span: Span) -> Result<Self> {
         Self::register(agent, span, Hold::Checked)
     }
 

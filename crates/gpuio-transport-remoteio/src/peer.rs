@@ -16,10 +16,11 @@
 use crate::connection::{Connection, Credentials, ExportInfo, split, split_mut};
 use crate::tls::TlsClient;
 use crate::{RemoteIoError, Result};
+use gpuio_hal::SharedHostBuffer;
 use gpuio_hal::sync::MutexExt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// How a peer connects and stripes.
@@ -328,6 +329,72 @@ impl RemotePeer {
         self.bytes_written
             .fetch_add(data.len() as u64, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Reads `len` bytes of `export` at `offset` into `at..at+len` of the shared buffer `mem`
+    /// (holding that range's write guard meanwhile). Over NIXL they land in place and the
+    /// channels keep `mem` registered, so later transfers into it cost no registration;
+    /// otherwise as [`read`](Self::read).
+    pub fn read_memory(
+        &self,
+        export: &RemoteExport,
+        offset: u64,
+        mem: &Arc<SharedHostBuffer>,
+        at: usize,
+        len: usize,
+    ) -> Result<()> {
+        #[cfg(feature = "nixl")]
+        if len > 0 && self.cfg.nixl && self.nixl.may_serve(export.name()) {
+            // Before the guard: it takes the range's read locks.
+            let held = mem.hold_whole(at, len)?;
+            let pinned = self.pin(export)?;
+            let mut guard = mem.write_range(at, len)?;
+            if let Some(done) = self.nixl_striped(
+                export,
+                &pinned,
+                stripes_mut(offset, &mut guard, self.lanes(len)),
+                |ch, o, b| ch.read_held(o, mem, &held, b),
+                |c, o, b| c.read(export.name(), o, b, self.cfg.stripe_bytes),
+            ) {
+                done?;
+                self.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
+                return Ok(());
+            }
+            return self.read(export, offset, &mut guard);
+        }
+        self.read(export, offset, &mut mem.write_range(at, len)?)
+    }
+
+    /// Writes `at..at+len` of the shared buffer `mem` to `export` at `offset` (holding that
+    /// range's read guard meanwhile), as [`read_memory`](Self::read_memory) reads.
+    pub fn write_memory(
+        &self,
+        export: &RemoteExport,
+        offset: u64,
+        mem: &Arc<SharedHostBuffer>,
+        at: usize,
+        len: usize,
+    ) -> Result<()> {
+        #[cfg(feature = "nixl")]
+        if len > 0 && self.cfg.nixl && self.nixl.may_serve(export.name()) {
+            let held = mem.hold_whole(at, len)?;
+            let pinned = self.pin(export)?;
+            check_write(export, &pinned, offset, len)?;
+            let guard = mem.read_range(at, len)?;
+            if let Some(done) = self.nixl_striped(
+                export,
+                &pinned,
+                stripes(offset, &guard, self.lanes(len)),
+                |ch, o, b| ch.write_held(o, mem, &held, b),
+                |c, o, b| c.write(export.name(), o, b, self.cfg.stripe_bytes),
+            ) {
+                done?;
+                self.bytes_written.fetch_add(len as u64, Ordering::Relaxed);
+                return Ok(());
+            }
+            return self.write(export, offset, &guard);
+        }
+        self.write(export, offset, &mem.read_range(at, len)?)
     }
 
     /// Makes what was written to `export` durable: the agent `fdatasync`s a file export.

@@ -105,6 +105,32 @@ fn sustained(seconds: f64, bytes: usize, mut op: impl FnMut() -> Result<()>) -> 
     Ok(n as f64 * bytes as f64 / t.elapsed().as_secs_f64() / 1e9)
 }
 
+/// [`sustained`] for several operations side by side: each runs `seconds` in all, in ten
+/// turns alternated with the others', so that the machine's drift over the run (clocks,
+/// caches, other load) falls on all alike. Each call gets its number; GB/s of each.
+fn interleaved<const N: usize>(
+    seconds: f64,
+    bytes: usize,
+    mut ops: [&mut dyn FnMut(u64) -> Result<()>; N],
+) -> Result<[f64; N]> {
+    const TURNS: u32 = 10;
+    let turn = seconds / f64::from(TURNS);
+    let (mut calls, mut spent) = ([0u64; N], [0f64; N]);
+    for _ in 0..TURNS {
+        for (k, op) in ops.iter_mut().enumerate() {
+            let t = Instant::now();
+            while calls[k] == 0 || t.elapsed().as_secs_f64() < turn {
+                op(calls[k])?;
+                calls[k] += 1;
+            }
+            spent[k] += t.elapsed().as_secs_f64();
+        }
+    }
+    Ok(std::array::from_fn(|k| {
+        calls[k] as f64 * bytes as f64 / spent[k] / 1e9
+    }))
+}
+
 /// iperf3 on loopback for `seconds` with `streams` parallel streams: GB/s received.
 fn iperf3(seconds: f64, streams: usize) -> std::result::Result<f64, String> {
     let port = TcpListener::bind("127.0.0.1:0")

@@ -1,15 +1,18 @@
 //! The remote suite's NIXL cases (cargo feature `nixl`, and NIXL found at run time):
 //! `nixl_read/<size>` and `nixl_write/<size>`, a [`RemotePeer`] reaching a memory export with
-//! `?transport=nixl` (an agent on loopback, `[agent] nixl`), against gpuio's own TCP path (4
-//! connections) and against NIXL alone (two NIXL agents in this process, one registered buffer
-//! read into another, one transfer per call: NIXL's best case), same sizes, same run. UCX
-//! picks the transport (shared memory on one host). Each case's last read is checked.
+//! `?transport=nixl` (an agent on loopback, `[agent] nixl`) and moving it in and out of shared
+//! host memory (the engine's, as sessions and `gpuio cp` move it), against gpuio's own TCP
+//! path (4 connections) into the same memory and against NIXL alone (two NIXL agents in this process, one registered buffer
+//! read into another, one transfer per call: NIXL's best case), same sizes, same run, the
+//! three alternated ([`super::interleaved`]). UCX picks the transport (shared memory on one
+//! host). Each path's bytes are checked after.
 
-use super::{remote, sustained};
+use super::remote;
 use crate::{BenchError, Record, Result, Target, human};
-use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
+use gpuio_hal::{HostAllocOptions, HostBuffer, SharedHostBuffer, pattern};
 use gpuio_nixl::NixlAgent;
 use gpuio_transport_remoteio::{PeerConfig, RemoteExport, RemotePeer};
+use std::sync::Arc;
 
 /// Runs the NIXL cases; records, and notes (why they did not run, where NIXL is missing).
 pub(super) fn run(
@@ -48,57 +51,58 @@ pub(super) fn run(
     let alone_peer = dst_agent.connect(&src_agent.metadata()?)?;
     let alone_remote = src_region.remote();
 
-    let mut buf = vec![0u8; largest];
+    let opts = HostAllocOptions::default();
+    let mem = Arc::new(SharedHostBuffer::new(HostBuffer::alloc(largest, &opts)?));
     let mut records = Vec::new();
     let check = |case: &str, got: &[u8], at: u64| crate::check_pattern(case, got, at, seed);
     for &size in sizes {
         let spots = (export_bytes / size).max(1) as u64;
         let at = |i: u64| (i % spots) * size as u64;
-        let (mut i, mut j, mut k) = (0u64, 0u64, 0u64);
         progress(&format!("nixl_read {}", human(size)));
-        let ours = sustained(seconds, size, || {
-            i += 1;
-            over_nixl
-                .read(&export, at(i), &mut buf[..size])
-                .map_err(remote)
-        })?;
-        check("nixl_read", &buf[..size], at(i))?;
-        let tcp = sustained(seconds, size, || {
-            j += 1;
-            over_tcp
-                .read(&export, at(j), &mut buf[..size])
-                .map_err(remote)
-        })?;
-        check("tcp_read", &buf[..size], at(j))?;
-        let alone = sustained(seconds, size, || {
-            k += 1;
+        let ours = |i| over_nixl.read_memory(&export, at(i), &mem, 0, size);
+        let tcp = |i| over_tcp.read_memory(&export, at(i), &mem, 0, size);
+        let mut alone = |i| -> Result<()> {
             let d = &mut dst.as_mut_slice()[..size];
-            Ok(dst_agent.read_into(&dst_region, d, &alone_peer, &alone_remote, at(k))?)
-        })?;
-        check("nixl_alone_read", &dst.as_slice()[..size], at(k))?;
+            Ok(dst_agent.read_into(&dst_region, d, &alone_peer, &alone_remote, at(i))?)
+        };
+        let [ours_r, tcp_r, alone_r] = super::interleaved(
+            seconds,
+            size,
+            [
+                &mut |i| ours(i).map_err(remote),
+                &mut |i| tcp(i).map_err(remote),
+                &mut alone,
+            ],
+        )?;
+        ours(3).map_err(remote)?;
+        check("nixl_read", &mem.read()[..size], at(3))?;
+        tcp(5).map_err(remote)?;
+        check("tcp_read", &mem.read()[..size], at(5))?;
+        alone(7)?;
+        check("nixl_alone_read", &dst.as_slice()[..size], at(7))?;
+
         progress(&format!("nixl_write {}", human(size)));
         // Writing the export's own bytes back keeps it checkable.
-        over_nixl
-            .read(&export, 0, &mut buf[..size])
-            .map_err(remote)?;
-        let ours_w = sustained(seconds, size, || {
-            over_nixl.write(&export, 0, &buf[..size]).map_err(remote)
-        })?;
-        let tcp_w = sustained(seconds, size, || {
-            over_tcp.write(&export, 0, &buf[..size]).map_err(remote)
-        })?;
+        ours(0).map_err(remote)?;
         dst.as_mut_slice()[..size].copy_from_slice(&src.as_slice()[..size]);
-        let alone_w = sustained(seconds, size, || {
-            let d = &dst.as_slice()[..size];
-            Ok(dst_agent.write_from(&dst_region, d, &alone_peer, &alone_remote, 0)?)
-        })?;
-        over_nixl
-            .read(&export, 0, &mut buf[..size])
-            .map_err(remote)?;
-        check("nixl_write", &buf[..size], 0)?;
+        let write = |peer: &RemotePeer| peer.write_memory(&export, 0, &mem, 0, size);
+        let [ours_w, tcp_w, alone_w] = super::interleaved(
+            seconds,
+            size,
+            [
+                &mut |_| write(&over_nixl).map_err(remote),
+                &mut |_| write(&over_tcp).map_err(remote),
+                &mut |_| {
+                    let d = &dst.as_slice()[..size];
+                    Ok(dst_agent.write_from(&dst_region, d, &alone_peer, &alone_remote, 0)?)
+                },
+            ],
+        )?;
+        ours(0).map_err(remote)?;
+        check("nixl_write", &mem.read()[..size], 0)?;
         for (case, value, peer, theirs) in [
-            ("nixl_read", ours, "gpuio TCP (4 connections)", tcp),
-            ("nixl_read", ours, "NIXL alone", alone),
+            ("nixl_read", ours_r, "gpuio TCP (4 connections)", tcp_r),
+            ("nixl_read", ours_r, "NIXL alone", alone_r),
             ("nixl_write", ours_w, "gpuio TCP (4 connections)", tcp_w),
             ("nixl_write", ours_w, "NIXL alone", alone_w),
         ] {

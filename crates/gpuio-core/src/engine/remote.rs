@@ -17,7 +17,8 @@ const REMOTE_STAGE: usize = 8 << 20;
 
 /// RemoteIO as an [`Engine`]. Host memory is read into and written from directly (the peer
 /// stripes it over its connections; over RDMA, the memory is registered through a
-/// [`RegistrationCache`](crate::regcache::RegistrationCache) and the NIC moves it in place).
+/// [`RegistrationCache`](crate::regcache::RegistrationCache) and the NIC moves it in place;
+/// over NIXL, the peer's channels keep shared memory registered and UCX moves it in place).
 /// GPU memory moves GPU to GPU over NIXL where the export is GPU memory too; otherwise GPU
 /// memory and files go through two pinned staging buffers, so that the network moves one
 /// while MemIO or LocalIO moves the other.
@@ -70,7 +71,15 @@ impl RemoteIoEngine {
             })?;
             return Ok(RemoteVia::Registered);
         }
-        dst.with(len, |d| Ok(peer.read(r.res.export(), r.offset, d)?))?;
+        match dst {
+            // The peer keeps shared memory registered where its transport registers (NIXL).
+            HostDst::Memory(mem, offset) => {
+                peer.read_memory(r.res.export(), r.offset, mem.shared(), offset, len)?
+            }
+            HostDst::Slice(_) => {
+                dst.with(len, |d| Ok(peer.read(r.res.export(), r.offset, d)?))?
+            }
+        }
         Ok(RemoteVia::Connection)
     }
 
@@ -87,7 +96,14 @@ impl RemoteIoEngine {
             })?;
             return Ok(RemoteVia::Registered);
         }
-        src.with(len, |s| Ok(peer.write(r.res.export(), r.offset, s)?))?;
+        match src {
+            HostSrc::Memory(mem, offset) => {
+                peer.write_memory(r.res.export(), r.offset, mem.shared(), offset, len)?
+            }
+            HostSrc::Slice(_) => {
+                src.with(len, |s| Ok(peer.write(r.res.export(), r.offset, s)?))?
+            }
+        }
         Ok(RemoteVia::Connection)
     }
 

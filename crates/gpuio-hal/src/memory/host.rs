@@ -10,7 +10,7 @@ use crate::sys;
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// How to allocate a [`HostBuffer`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,6 +49,9 @@ impl HostAllocOptions {
     }
 }
 
+/// The next [`HostBuffer::id`].
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
 /// Page-aligned host memory owned by gpuio. Read and write it through
 /// [`as_slice`](Self::as_slice) and [`as_mut_slice`](Self::as_mut_slice); pin it for a GPU with
 /// [`pin`](Self::pin) so copies run as direct DMA.
@@ -64,6 +67,9 @@ pub struct HostBuffer {
     /// buffer out and drop it while they live; Drop then leaks the mapping instead of unmapping
     /// registered memory.
     holds: Arc<AtomicUsize>,
+    /// A number no other buffer of this process has had (registrations kept past a call
+    /// are keyed by it: an address can come to belong to another buffer, an id cannot).
+    id: u64,
     /// The host memory reserved for the pages while not all are touched (`None` once
     /// populated: from then on the machine's available memory counts them).
     reservation: Option<Reservation>,
@@ -128,6 +134,7 @@ impl HostBuffer {
             huge_pages: huge && sys::advise_huge_pages(ptr, map_len),
             pin: None,
             holds: Arc::new(AtomicUsize::new(0)),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             reservation: Some(reservation),
         };
         if let Some(node) = opts.numa {
@@ -252,6 +259,11 @@ impl HostBuffer {
 
     pub(crate) fn raw_parts_mut(&mut self) -> (*mut u8, usize) {
         (self.ptr.as_ptr(), self.len.max(1))
+    }
+
+    /// A number no other buffer of this process has had, nor will have.
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// The first byte's address, for memory shared with a device (a request ring, a page

@@ -13,7 +13,8 @@ mod shared;
 pub use host::{HostAllocOptions, HostBuffer, MappingHold};
 use serde::Serialize;
 pub use shared::{
-    HostRead, HostWrite, RangeGuard, RangeRead, RangeWrite, SharedHostBuffer, WholeGuard,
+    HeldMapping, HostRead, HostWrite, RangeGuard, RangeRead, RangeWrite, SharedHostBuffer,
+    WholeGuard,
 };
 use std::fmt;
 

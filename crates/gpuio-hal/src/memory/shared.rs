@@ -42,6 +42,19 @@ unsafe impl Sync for SharedHostBuffer {}
 // SAFETY: owning it owns the HostBuffer, which is Send.
 unsafe impl Send for SharedHostBuffer {}
 
+/// A shared buffer's addresses, held mapped ([`SharedHostBuffer::hold_whole`]).
+#[derive(Debug)]
+pub struct HeldMapping {
+    /// The buffer's [`HostBuffer::id`].
+    pub id: u64,
+    /// The buffer's first byte.
+    pub addr: usize,
+    /// Its length.
+    pub len: usize,
+    /// Keeps `addr..addr+len` this buffer's mapping while it lives.
+    pub hold: MappingHold,
+}
+
 /// Which of the 16 locks a guard holds, one bit each.
 type Mask = u16;
 const ALL: Mask = Mask::MAX;
@@ -122,6 +135,24 @@ impl SharedHostBuffer {
         // reads the buffer's fields, not its bytes.
         let hold = unsafe { &*self.buf.get() }.hold_mapping();
         Ok((guard.ptr, hold))
+    }
+
+    /// The whole buffer as it stands now — its first byte's address, its length — and a hold
+    /// on its mapping, taken under the read locks of `offset..offset+len` (the range a caller
+    /// is about to move): for registrations of the whole buffer that are kept past the call.
+    /// While the hold lives those addresses stay this mapping's, even if a whole-buffer writer
+    /// replaces the buffer (its pages then leak).
+    pub fn hold_whole(&self, offset: usize, len: usize) -> Result<HeldMapping> {
+        let _guard = self.read_range(offset, len)?;
+        // SAFETY: the guard holds at least one lock, so no `&mut HostBuffer` exists; this reads
+        // the buffer's fields, not its bytes.
+        let buf = unsafe { &*self.buf.get() };
+        Ok(HeldMapping {
+            id: buf.id(),
+            addr: buf.base_ptr() as usize,
+            len: buf.len(),
+            hold: buf.hold_mapping(),
+        })
     }
 
     /// Takes the buffer back.

@@ -4,6 +4,7 @@
 //! (`gpuio_testkit::Requirement`).
 
 mod device;
+mod held;
 mod python;
 mod transfers;
 

@@ -5,7 +5,7 @@
 use gpuio_hal::{ErrorCode, HostAllocOptions, HostBuffer};
 use gpuio_nixl::{NixlAgent, NixlMem, NixlRemote};
 
-fn filled(len: usize, seed: u64) -> HostBuffer {
+pub(crate) fn filled(len: usize, seed: u64) -> HostBuffer {
     let mut b = HostBuffer::alloc(len, &HostAllocOptions::default()).unwrap();
     let mut x = seed | 1;
     for w in b.as_u64s_mut() {

@@ -2,19 +2,21 @@
 //! reaching it through the authenticated TCP control channel. Bytes checked both ways, none of
 //! them through the agent's TCP data path; a read-only key and a file export are not offered
 //! NIXL and go over TCP, where the agent enforces what they may do; a restarted agent is
-//! `Restarted`; a write past the export is refused before any byte moves; a program using
+//! `Restarted`; a write past the export is refused before any byte moves; shared host memory
+//! moves striped, both ways, over NIXL and over TCP; a program using
 //! NIXL's own Python API reaches an export with the metadata a session was given; a GPU memory
 //! export moves GPU to GPU where CUDA is. Without NIXL the tests say so and pass, unless
 //! `GPUIO_REQUIRE_NIXL=1`.
 #![cfg(feature = "nixl")]
 
-use gpuio_hal::{ErrorCode, HostAllocOptions, HostBuffer, pattern};
+use gpuio_hal::{ErrorCode, HostAllocOptions, HostBuffer, SharedHostBuffer, pattern};
 use gpuio_testkit::Requirement;
 use gpuio_transport_remoteio::nixl::NixlChannel;
 use gpuio_transport_remoteio::{
     Access, Agent, AgentConfig, Connection, Credentials, Export, ExportSource, Key, PeerConfig,
     RemoteExport, RemoteIoError, RemotePeer, Role, shared_memory,
 };
+use std::sync::Arc;
 use std::time::Duration;
 
 const RW: &[u8] = b"0c1f5e6a9b8d7c3e2f4a6b8c0d1e3f5a7b9c1d3e5f7a9b1c3d5e7f9a1b3c5d7e";
@@ -143,6 +145,54 @@ fn a_writer_moves_every_byte_over_nixl_and_none_over_tcp() {
     let mut tail = [0u8; 10];
     p.read(&ex, LEN as u64 - 10, &mut tail).unwrap();
     assert_eq!(pattern::first_deviation(&tail, LEN as u64 - 10, 5), None);
+}
+
+#[test]
+fn shared_memory_moves_in_place_over_nixl_and_tcp() {
+    if !nixl_here() {
+        return;
+    }
+    let (agent, mem) = agent();
+    let ex = RemoteExport::new("mem");
+    let over_tcp = {
+        let mut cfg = PeerConfig::new(agent.local_addr(), creds("rw", RW));
+        cfg.stripe_bytes = 1 << 20;
+        RemotePeer::connect(cfg).unwrap()
+    };
+    let buf = HostBuffer::alloc(8 << 20, &HostAllocOptions::default()).unwrap();
+    let mine = Arc::new(SharedHostBuffer::new(buf));
+    let len = (5 << 20) + 3;
+    for p in [&peer(&agent, "rw", RW), &over_tcp] {
+        // Striped over four channels, twice (the second time registered already).
+        for off in [777u64, 1 << 20] {
+            p.read_memory(&ex, off, &mine, 4099, len).unwrap();
+            let got = mine.read()[4099..4099 + len].to_vec();
+            assert_eq!(pattern::first_deviation(&got, off, 5), None);
+        }
+        // And back, to another place of the export.
+        p.write_memory(&ex, 9 << 20, &mine, 4099, len).unwrap();
+        let theirs = mem.blocking_read()[9 << 20..(9 << 20) + len].to_vec();
+        assert_eq!(pattern::first_deviation(&theirs, 1 << 20, 5), None);
+        // Refused before anything moves: past the export, past the buffer.
+        let e = p
+            .write_memory(&ex, LEN as u64 - 10, &mine, 0, 11)
+            .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::InvalidArg, "{e}");
+        let e = p
+            .read_memory(&ex, 0, &mine, (8 << 20) - 10, 11)
+            .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::InvalidArg, "{e}");
+        // Cleared, so that the next peer's write shows.
+        mem.blocking_write()[9 << 20..(9 << 20) + len].fill(0);
+    }
+    // The agent's TCP data path moved only the TCP peer's bytes.
+    let stats = agent.stats();
+    assert_eq!(
+        tcp_bytes_read(&agent, 2 * len as u64),
+        2 * len as u64,
+        "{stats:?}"
+    );
+    assert_eq!(stats.bytes_written, len as u64, "{stats:?}");
 }
 
 #[test]
