@@ -23,7 +23,7 @@ pub use gpu::{
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::{
-    DmaRegistration, HeldMapping, HostAllocOptions, HostBuffer, HostRead, HostWrite, Location,
+    BufferInfo, DmaRegistration, HostAllocOptions, HostBuffer, HostRead, HostWrite, Location,
     MappingHold, MemoryRegion, MemoryTier, RangeGuard, RangeRead, RangeWrite, SharedHostBuffer,
     WholeGuard,
 };

@@ -4,10 +4,9 @@
 use crate::memory::{NixlRegion, NixlRemote, Span};
 use crate::nixl_err;
 use crate::registrations::{DeviceRegistrations, HostRegistrations};
-use gpuio_hal::{DeviceBuffer, HalError, HeldMapping, HostBuffer, Result, SharedHostBuffer};
+use gpuio_hal::{BufferInfo, DeviceBuffer, HalError, HostBuffer, Result};
 use nixl_sys::{Agent, AgentConfig, ThreadSync, XferDescList, XferOp, XferStatus};
 use std::ops::Range;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long the agent's progress thread sleeps between rounds. It serves peers' transfers
@@ -111,6 +110,7 @@ impl NixlAgent {
 
     /// Registers `range` of `buf`; peers reach it after loading this agent's metadata anew.
     pub fn register(&self, buf: &HostBuffer, range: Range<usize>) -> Result<NixlRegion> {
+        self.host_regs.purge();
         NixlRegion::new(&self.agent, buf, range)
     }
 
@@ -212,59 +212,56 @@ impl NixlAgent {
     }
 
     /// Reads `dst.len()` bytes at `remote_off` of the peer's `remote` region straight into
-    /// `dst`, which lies in the shared buffer `owner`; `held` holds its addresses, taken
-    /// before `dst`'s guard ([`SharedHostBuffer::hold_whole`]). The whole buffer is registered
+    /// `dst`, which lies in the host buffer `buf` (named by the guard that lends `dst`,
+    /// [`RangeGuard::buffer`](gpuio_hal::RangeGuard::buffer)). The whole buffer is registered
     /// on first use and kept (a few per agent): later transfers anywhere in it cost no
-    /// registration. Where `dst` lies outside `held` (the buffer was swapped for another
-    /// meanwhile), or the buffer is too large to keep, `dst` is registered for the call.
-    pub fn read_held(
+    /// registration. A buffer too large to keep, or `dst` outside it, is registered for the
+    /// call.
+    pub fn read_kept(
         &self,
-        owner: &Arc<SharedHostBuffer>,
-        held: &HeldMapping,
+        buf: &BufferInfo,
         dst: &mut [u8],
         peer: &NixlPeer,
         remote: &NixlRemote,
         remote_off: u64,
     ) -> Result<()> {
         let far = remote.span_at(remote_off, dst.len())?;
-        self.held_transfer(XferOp::Read, owner, held, Span::of(dst), peer, far)
+        self.kept_transfer(XferOp::Read, buf, Span::of(dst), peer, far)
     }
 
-    /// Writes `src`, which lies in the shared buffer `owner`, at `remote_off` of the peer's
-    /// `remote` region, the buffer kept registered as for [`NixlAgent::read_held`].
-    pub fn write_held(
+    /// Writes `src`, which lies in the host buffer `buf`, at `remote_off` of the peer's
+    /// `remote` region, the buffer kept registered as for [`NixlAgent::read_kept`].
+    pub fn write_kept(
         &self,
-        owner: &Arc<SharedHostBuffer>,
-        held: &HeldMapping,
+        buf: &BufferInfo,
         src: &[u8],
         peer: &NixlPeer,
         remote: &NixlRemote,
         remote_off: u64,
     ) -> Result<()> {
         let far = remote.span_at(remote_off, src.len())?;
-        self.held_transfer(XferOp::Write, owner, held, Span::of(src), peer, far)
+        self.kept_transfer(XferOp::Write, buf, Span::of(src), peer, far)
     }
 
-    /// Host buffers kept registered by [`NixlAgent::read_held`] and
-    /// [`NixlAgent::write_held`].
+    /// Host buffers kept registered by [`NixlAgent::read_kept`] and
+    /// [`NixlAgent::write_kept`].
     pub fn host_registrations(&self) -> usize {
         self.host_regs.len()
     }
 
-    fn held_transfer(
+    fn kept_transfer(
         &self,
         op: XferOp,
-        owner: &Arc<SharedHostBuffer>,
-        held: &HeldMapping,
+        buf: &BufferInfo,
         local: Span,
         peer: &NixlPeer,
         far: Span,
     ) -> Result<()> {
-        let inside = local.addr >= held.addr
-            && local.addr.saturating_add(local.len) <= held.addr.saturating_add(held.len);
+        let inside = local.addr >= buf.addr()
+            && local.addr.saturating_add(local.len) <= buf.addr().saturating_add(buf.len());
         // Both held until the transfer is done.
         let kept = if inside && local.len > 0 {
-            self.host_regs.covering(&self.agent, owner, held)?
+            self.host_regs.covering(&self.agent, buf)?
         } else {
             None
         };
@@ -327,6 +324,7 @@ impl NixlAgent {
         if span.len == 0 {
             return Ok(None);
         }
+        self.host_regs.purge();
         crate::memory::register_span(&self.agent, span).map(Some)
     }
 
@@ -338,6 +336,9 @@ impl NixlAgent {
     fn transfer(&self, op: XferOp, local: Span, peer: &NixlPeer, far: Span) -> Result<()> {
         if local.len == 0 {
             return Ok(());
+        }
+        if local.mem == crate::NixlMem::Host {
+            self.host_regs.purge();
         }
         let what = match op {
             XferOp::Read => "read",

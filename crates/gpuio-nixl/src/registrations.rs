@@ -7,24 +7,24 @@
 //! find it. Entries are keyed by an id that is never reused — the driver's allocation id, a
 //! `HostBuffer`'s id — so a freed buffer's entry never serves a new one at the same
 //! addresses. An entry holds no memory: the caller's buffer keeps it while a transfer runs.
-//! Each miss drops the entries whose memory is gone (the driver no longer knows the
-//! allocation; no one holds the host buffer, or it was swapped for another) and any the new
-//! one overlaps (live allocations never overlap; the host backend, which keeps no table the
-//! driver could be asked, relies on this and on the least recently used going when full).
+//! Each device miss drops the entries whose allocation the driver no longer knows, and any
+//! the new one overlaps (live allocations never overlap; the host backend, which keeps no
+//! table the driver could be asked, relies on this and on the least recently used going when
+//! full). Host entries whose buffer's mapping is gone are dropped before every host transfer
+//! and registration of the agent, since NIXL looks registrations up by address.
 
 use crate::memory::{NixlMem, NixlRegion, Span};
 use gpuio_hal::sync::MutexExt;
-use gpuio_hal::{
-    Allocation, DeviceBuffer, ErrorCode, Gpu, HalError, HeldMapping, Result, SharedHostBuffer,
-};
-use std::sync::{Arc, Mutex, Weak};
+use gpuio_hal::{Allocation, BufferInfo, DeviceBuffer, ErrorCode, Gpu, HalError, Result};
+use std::sync::{Arc, Mutex};
 
 /// Allocations, and host buffers, kept registered per agent.
 const KEPT: usize = 8;
 
 /// Host bytes kept registered per agent at most (where UCX registers for RDMA, registering
-/// pins the pages): a larger buffer is registered for each call instead.
+/// pins the pages), and the largest buffer kept: a larger one is registered for each call.
 const KEPT_HOST_BYTES: usize = 4 << 30;
+const KEPT_HOST_LARGEST: usize = 1 << 30;
 
 /// Entries and their registrations (`R`), least recently used first out.
 struct Kept<E, R = Arc<NixlRegion>> {
@@ -129,62 +129,60 @@ impl DeviceRegistrations {
     }
 }
 
-/// A kept host buffer: its id, its owner (alive or not), its addresses.
-struct HostEntry {
-    id: u64,
-    owner: Weak<SharedHostBuffer>,
-    addr: usize,
-    len: usize,
-}
-
 /// An agent's registered host buffers.
 #[derive(Default)]
 pub(crate) struct HostRegistrations {
-    kept: Mutex<Kept<HostEntry>>,
+    kept: Mutex<Kept<BufferInfo>>,
 }
 
 impl HostRegistrations {
-    /// A registration of the whole buffer `held` describes (`owner`'s, held mapped by the
-    /// caller), made now if none is kept; `None` where the buffer is too large to keep.
+    /// A registration of the whole buffer `buf` (which the caller's guard keeps in place),
+    /// made now if none is kept; `None` where it is not kept: too large, or registering it
+    /// failed (a memlock or NIC limit), and the caller registers its range alone.
     pub(crate) fn covering(
         &self,
         agent: &nixl_sys::Agent,
-        owner: &Arc<SharedHostBuffer>,
-        held: &HeldMapping,
+        buf: &BufferInfo,
     ) -> Result<Option<Arc<NixlRegion>>> {
-        if held.len == 0 || held.len > KEPT_HOST_BYTES {
+        if buf.is_empty() || buf.len() > KEPT_HOST_LARGEST {
             return Ok(None);
         }
         let mut kept = self.kept.lock_unpoisoned();
-        if let Some(r) = kept.find(|e| e.id == held.id) {
+        if let Some(r) = kept.find(|e| e.id() == buf.id()) {
             return Ok(Some(r));
         }
-        // Gone: buffers no one holds (their addresses may be another's now) or that their
-        // owner swapped for another (this one), and any this live buffer overlaps.
-        let owner_now = Arc::downgrade(owner);
-        kept.retain(|e| {
-            e.owner.strong_count() > 0
-                && !e.owner.ptr_eq(&owner_now)
-                && !overlap((e.addr as u64, e.len), (held.addr as u64, held.len))
-        });
+        // Live buffers never overlap: an entry this one overlaps is of a buffer gone.
+        let at = (buf.addr() as u64, buf.len());
+        kept.retain(|e| e.is_mapped() && !overlap((e.addr() as u64, e.len()), at));
         while kept.entries.len() >= KEPT
-            || kept.entries.iter().map(|(e, _)| e.len).sum::<usize>() + held.len > KEPT_HOST_BYTES
+            || kept.entries.iter().map(|(e, _)| e.len()).sum::<usize>() + buf.len()
+                > KEPT_HOST_BYTES
         {
             kept.evict();
         }
         let span = Span {
-            addr: held.addr,
-            len: held.len,
+            addr: buf.addr(),
+            len: buf.len(),
             mem: NixlMem::Host,
         };
-        let region = Arc::new(NixlRegion::checked(agent, span)?);
-        let entry = HostEntry {
-            id: held.id,
-            owner: owner_now,
-            addr: held.addr,
-            len: held.len,
-        };
-        Ok(Some(kept.push(entry, region)))
+        match NixlRegion::checked(agent, span) {
+            Ok(region) => Ok(Some(kept.push(buf.clone(), Arc::new(region)))),
+            Err(e) => {
+                tracing::debug!(error = %e, len = buf.len(), "a host buffer not kept registered");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Drops the entries of buffers whose mapping is gone. NIXL finds a transfer's local
+    /// registration by address, the oldest first: a gone buffer's entry must not be there
+    /// when another buffer at its addresses is registered or moved (over RDMA, it would
+    /// reach the gone buffer's pinned pages).
+    pub(crate) fn purge(&self) {
+        let mut kept = self.kept.lock_unpoisoned();
+        if kept.entries.iter().any(|(e, _)| !e.is_mapped()) {
+            kept.retain(BufferInfo::is_mapped);
+        }
     }
 
     /// How many host buffers are kept registered.

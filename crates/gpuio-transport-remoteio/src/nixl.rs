@@ -20,18 +20,16 @@
 //! The client's side, a [`NixlChannel`], moves a transfer of 256 KiB or more straight from or
 //! into the caller's memory (registered for the call) and a smaller one through a registered
 //! staging buffer of its own; a transfer in or out of a shared host buffer (the engine's
-//! memory) moves in place, the buffer kept registered by the channel's agent; UCX picks the transport (shared memory, CMA or `cuda_ipc` on one
-//! host, TCP, RDMA). The peer runs a transfer's stripes on several channels side by side.
+//! memory) moves in place, the buffer kept registered by the channel's agent. UCX picks the
+//! transport (shared memory, CMA or `cuda_ipc` on one host, TCP, RDMA). The peer runs a
+//! transfer's stripes on several channels side by side.
 
 use crate::connection::Connection;
 use crate::wire::{MAX_NIXL_METADATA, Message};
 use crate::{RemoteIoError, Result};
-use gpuio_hal::{
-    DeviceBuffer, ErrorCode, HeldMapping, HostAllocOptions, HostBuffer, SharedHostBuffer,
-};
+use gpuio_hal::{BufferInfo, DeviceBuffer, ErrorCode, HostAllocOptions, HostBuffer};
 use gpuio_nixl::{NixlAgent, NixlMem, NixlPeer, NixlRegion, NixlRemote};
 use std::ops::Range;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A NIXL agent name no other agent of this process, or likely of any other, has: NIXL
@@ -238,32 +236,21 @@ impl NixlChannel {
         Ok(())
     }
 
-    /// Reads `buf.len()` bytes at `offset` straight into `buf`, which lies in the shared
-    /// buffer `owner` (its addresses `held`): the channel's agent keeps the buffer registered.
-    pub fn read_held(
-        &mut self,
-        offset: u64,
-        owner: &Arc<SharedHostBuffer>,
-        held: &HeldMapping,
-        buf: &mut [u8],
-    ) -> Result<()> {
+    /// Reads `buf.len()` bytes at `offset` straight into `buf`, which lies in the host
+    /// buffer `whole` (its guard's [`buffer`](gpuio_hal::RangeGuard::buffer)): the channel's
+    /// agent keeps that buffer registered.
+    pub fn read_kept(&mut self, offset: u64, whole: &BufferInfo, buf: &mut [u8]) -> Result<()> {
         Ok(self
             .agent
-            .read_held(owner, held, buf, &self.peer, &self.remote, offset)?)
+            .read_kept(whole, buf, &self.peer, &self.remote, offset)?)
     }
 
-    /// Writes `data`, which lies in the shared buffer `owner`, at `offset`, the buffer kept
-    /// registered as for [`NixlChannel::read_held`].
-    pub fn write_held(
-        &mut self,
-        offset: u64,
-        owner: &Arc<SharedHostBuffer>,
-        held: &HeldMapping,
-        data: &[u8],
-    ) -> Result<()> {
+    /// Writes `data`, which lies in the host buffer `whole`, at `offset`, the buffer kept
+    /// registered as for [`NixlChannel::read_kept`].
+    pub fn write_kept(&mut self, offset: u64, whole: &BufferInfo, data: &[u8]) -> Result<()> {
         Ok(self
             .agent
-            .write_held(owner, held, data, &self.peer, &self.remote, offset)?)
+            .write_kept(whole, data, &self.peer, &self.remote, offset)?)
     }
 
     /// Whether this channel moves `buf`'s memory GPU to GPU: the export is GPU memory, `buf`

@@ -20,7 +20,7 @@ use gpuio_hal::SharedHostBuffer;
 use gpuio_hal::sync::MutexExt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// How a peer connects and stripes.
@@ -333,36 +333,33 @@ impl RemotePeer {
 
     /// Reads `len` bytes of `export` at `offset` into `at..at+len` of the shared buffer `mem`
     /// (holding that range's write guard meanwhile). Over NIXL they land in place and the
-    /// channels keep `mem` registered, so later transfers into it cost no registration;
-    /// otherwise as [`read`](Self::read).
+    /// channels keep `mem`'s buffer registered, so later transfers into it cost no
+    /// registration; otherwise as [`read`](Self::read).
     pub fn read_memory(
         &self,
         export: &RemoteExport,
         offset: u64,
-        mem: &Arc<SharedHostBuffer>,
+        mem: &SharedHostBuffer,
         at: usize,
         len: usize,
     ) -> Result<()> {
+        let mut guard = mem.write_range(at, len)?;
         #[cfg(feature = "nixl")]
-        if len > 0 && self.cfg.nixl && self.nixl.may_serve(export.name()) {
-            // Before the guard: it takes the range's read locks.
-            let held = mem.hold_whole(at, len)?;
-            let pinned = self.pin(export)?;
-            let mut guard = mem.write_range(at, len)?;
+        if self.kept_over_nixl(export, len) {
+            let (whole, pinned) = (guard.buffer(), self.pin(export)?);
             if let Some(done) = self.nixl_striped(
                 export,
                 &pinned,
                 stripes_mut(offset, &mut guard, self.lanes(len)),
-                |ch, o, b| ch.read_held(o, mem, &held, b),
+                |ch, o, b| ch.read_kept(o, &whole, b),
                 |c, o, b| c.read(export.name(), o, b, self.cfg.stripe_bytes),
             ) {
                 done?;
                 self.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
                 return Ok(());
             }
-            return self.read(export, offset, &mut guard);
         }
-        self.read(export, offset, &mut mem.write_range(at, len)?)
+        self.read(export, offset, &mut guard)
     }
 
     /// Writes `at..at+len` of the shared buffer `mem` to `export` at `offset` (holding that
@@ -371,30 +368,39 @@ impl RemotePeer {
         &self,
         export: &RemoteExport,
         offset: u64,
-        mem: &Arc<SharedHostBuffer>,
+        mem: &SharedHostBuffer,
         at: usize,
         len: usize,
     ) -> Result<()> {
+        let guard = mem.read_range(at, len)?;
         #[cfg(feature = "nixl")]
-        if len > 0 && self.cfg.nixl && self.nixl.may_serve(export.name()) {
-            let held = mem.hold_whole(at, len)?;
-            let pinned = self.pin(export)?;
+        if self.kept_over_nixl(export, len) {
+            let (whole, pinned) = (guard.buffer(), self.pin(export)?);
             check_write(export, &pinned, offset, len)?;
-            let guard = mem.read_range(at, len)?;
             if let Some(done) = self.nixl_striped(
                 export,
                 &pinned,
                 stripes(offset, &guard, self.lanes(len)),
-                |ch, o, b| ch.write_held(o, mem, &held, b),
+                |ch, o, b| ch.write_kept(o, &whole, b),
                 |c, o, b| c.write(export.name(), o, b, self.cfg.stripe_bytes),
             ) {
                 done?;
                 self.bytes_written.fetch_add(len as u64, Ordering::Relaxed);
                 return Ok(());
             }
-            return self.write(export, offset, &guard);
         }
-        self.write(export, offset, &mem.read_range(at, len)?)
+        self.write(export, offset, &guard)
+    }
+
+    /// Whether [`read_memory`](Self::read_memory) tries NIXL for `len` bytes of `export`
+    /// (RDMA, where configured, goes first, as in [`read`](Self::read)).
+    #[cfg(feature = "nixl")]
+    fn kept_over_nixl(&self, export: &RemoteExport, len: usize) -> bool {
+        #[cfg(feature = "rdma")]
+        if self.cfg.rdma.is_some() {
+            return false;
+        }
+        len > 0 && self.cfg.nixl && self.nixl.may_serve(export.name())
     }
 
     /// Makes what was written to `export` durable: the agent `fdatasync`s a file export.
@@ -524,13 +530,7 @@ impl RemotePeer {
         pinned: &ExportInfo,
         f: impl FnOnce(&mut crate::nixl::NixlChannel) -> Result<T>,
     ) -> Option<Result<T>> {
-        if !self.cfg.nixl {
-            return None;
-        }
-        if let Err(e) = gpuio_nixl::library() {
-            // Asked for, but this process has none: TCP serves (said once per process).
-            static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| tracing::warn!("transport=nixl served over TCP: {e}"));
+        if !self.cfg.nixl || !nixl_loaded() {
             return None;
         }
         let name = export.name();
@@ -558,7 +558,7 @@ impl RemotePeer {
         nixl: impl Fn(&mut crate::nixl::NixlChannel, u64, B) -> Result<()> + Sync,
         tcp: impl Fn(&mut Connection, u64, &mut B) -> Result<()> + Sync,
     ) -> Option<Result<()>> {
-        if !self.cfg.nixl || !self.nixl.may_serve(export.name()) {
+        if !self.cfg.nixl || !self.nixl.may_serve(export.name()) || !nixl_loaded() {
             return None;
         }
         let (nixl, tcp) = (&nixl, &tcp);
@@ -780,6 +780,20 @@ fn no_atomics(export: &str) -> RemoteIoError {
     RemoteIoError::Remote {
         code: gpuio_hal::ErrorCode::Unsupported,
         message: format!("atomics on {export:?} need RDMA to a memory export"),
+    }
+}
+
+/// Whether this process has NIXL; where a peer asks for it and there is none, TCP serves
+/// (said once per process).
+#[cfg(feature = "nixl")]
+fn nixl_loaded() -> bool {
+    match gpuio_nixl::library() {
+        Ok(_) => true,
+        Err(e) => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| tracing::warn!("transport=nixl served over TCP: {e}"));
+            false
+        }
     }
 }
 

@@ -2,10 +2,11 @@
 //! `nixl_read/<size>` and `nixl_write/<size>`, a [`RemotePeer`] reaching a memory export with
 //! `?transport=nixl` (an agent on loopback, `[agent] nixl`) and moving it in and out of shared
 //! host memory (the engine's, as sessions and `gpuio cp` move it), against gpuio's own TCP
-//! path (4 connections) into the same memory and against NIXL alone (two NIXL agents in this process, one registered buffer
-//! read into another, one transfer per call: NIXL's best case), same sizes, same run, the
-//! three alternated ([`super::interleaved`]). UCX picks the transport (shared memory on one
-//! host). Each path's bytes are checked after.
+//! path (4 connections) into the same memory and against NIXL alone (two NIXL agents in this
+//! process, one registered buffer read into another, one transfer per call: NIXL's best case),
+//! same sizes, same run, the three alternated ([`super::interleaved`]). UCX picks the
+//! transport (shared memory on one host). Each path's reads and writes are checked after, and
+//! the agent must have served over TCP exactly what the TCP peer moved (none of NIXL's).
 
 use super::remote;
 use crate::{BenchError, Record, Result, Target, human};
@@ -74,12 +75,18 @@ pub(super) fn run(
                 &mut alone,
             ],
         )?;
+        // Each path's bytes, into a cleared buffer.
+        let clear = || mem.write().as_mut_slice()[..size].fill(0);
+        clear();
         ours(3).map_err(remote)?;
         check("nixl_read", &mem.read()[..size], at(3))?;
+        clear();
         tcp(5).map_err(remote)?;
         check("tcp_read", &mem.read()[..size], at(5))?;
-        alone(7)?;
-        check("nixl_alone_read", &dst.as_slice()[..size], at(7))?;
+        let d = &mut dst.as_mut_slice()[..size];
+        d.fill(0);
+        dst_agent.read_into(&dst_region, d, &alone_peer, &alone_remote, at(7))?;
+        check("nixl_alone_read", d, at(7))?;
 
         progress(&format!("nixl_write {}", human(size)));
         // Writing the export's own bytes back keeps it checkable.
@@ -98,8 +105,32 @@ pub(super) fn run(
                 },
             ],
         )?;
-        ours(0).map_err(remote)?;
-        check("nixl_write", &mem.read()[..size], 0)?;
+        // Each path's write lands: other bytes, read back over the other path, then the
+        // export's own put back.
+        let other = seed ^ 0x5a5a;
+        for (case, writer, reader) in [
+            ("nixl_write", &over_nixl, &over_tcp),
+            ("tcp_write", &over_tcp, &over_nixl),
+        ] {
+            for (bytes, check_it) in [(other, true), (seed, false)] {
+                pattern::fill(&mut mem.write().as_mut_slice()[..size], 0, bytes);
+                writer
+                    .write_memory(&export, 0, &mem, 0, size)
+                    .map_err(remote)?;
+                clear();
+                reader
+                    .read_memory(&export, 0, &mem, 0, size)
+                    .map_err(remote)?;
+                if check_it {
+                    crate::check_pattern(case, &mem.read()[..size], 0, other)?;
+                }
+            }
+        }
+        pattern::fill(&mut dst.as_mut_slice()[..size], 0, other);
+        let d = &dst.as_slice()[..size];
+        dst_agent.write_from(&dst_region, d, &alone_peer, &alone_remote, 0)?;
+        crate::check_pattern("nixl_alone_write", &src.as_slice()[..size], 0, other)?;
+        pattern::fill(&mut src.as_mut_slice()[..size], 0, seed);
         for (case, value, peer, theirs) in [
             ("nixl_read", ours_r, "gpuio TCP (4 connections)", tcp_r),
             ("nixl_read", ours_r, "NIXL alone", alone_r),
@@ -123,11 +154,20 @@ pub(super) fn run(
             });
         }
     }
-    let stats = agent.shutdown();
+    let (tcp_moved, stats) = (over_tcp.stats(), agent.shutdown());
     if stats.refused > 0 || stats.protocol_errors > 0 {
         return Err(BenchError::Options(format!(
             "the agent refused {} requests and saw {} protocol errors",
             stats.refused, stats.protocol_errors
+        )));
+    }
+    // The NIXL peer's bytes went over NIXL: the agent's TCP data path served the TCP peer's.
+    let tcp_served = (stats.bytes_read, stats.bytes_written);
+    if tcp_served != (tcp_moved.bytes_read, tcp_moved.bytes_written) {
+        return Err(BenchError::Options(format!(
+            "the agent served {tcp_served:?} bytes (read, written) over TCP, the TCP peer moved \
+             {:?}: the NIXL peer fell back to TCP",
+            (tcp_moved.bytes_read, tcp_moved.bytes_written)
         )));
     }
     Ok((records, Vec::new()))

@@ -74,6 +74,7 @@ impl RemoteIoEngine {
         match dst {
             // The peer keeps shared memory registered where its transport registers (NIXL).
             HostDst::Memory(mem, offset) => {
+                check_range("destination", offset, len, mem.len())?;
                 peer.read_memory(r.res.export(), r.offset, mem.shared(), offset, len)?
             }
             HostDst::Slice(_) => {
@@ -98,6 +99,7 @@ impl RemoteIoEngine {
         }
         match src {
             HostSrc::Memory(mem, offset) => {
+                check_range("source", offset, len, mem.len())?;
                 peer.write_memory(r.res.export(), r.offset, mem.shared(), offset, len)?
             }
             HostSrc::Slice(_) => {

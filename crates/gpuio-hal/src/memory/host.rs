@@ -97,6 +97,47 @@ impl Drop for MappingHold {
     }
 }
 
+/// A [`HostBuffer`] as a registration cache keys it ([`HostBuffer::info`]): its id, its
+/// addresses, and whether its mapping may still be in place. It holds no memory.
+#[derive(Debug, Clone)]
+pub struct BufferInfo {
+    id: u64,
+    addr: usize,
+    len: usize,
+    /// The buffer's hold count, which lives as long as the buffer or a [`MappingHold`] of it:
+    /// once gone, the mapping is unmapped (or leaked for good) and its addresses may come to
+    /// belong to another buffer.
+    mapped: std::sync::Weak<AtomicUsize>,
+}
+
+impl BufferInfo {
+    /// The buffer's [`HostBuffer::id`].
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Its first byte's address.
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+
+    /// Its length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the buffer (or a hold on its mapping) is still alive: `false` once its
+    /// addresses may belong to another.
+    pub fn is_mapped(&self) -> bool {
+        self.mapped.strong_count() > 0
+    }
+}
+
 // SAFETY: HostBuffer exclusively owns its mapping (like a Box<[u8]>): shared access goes
 // through &self and mutation through &mut self, so it may move and be shared across threads.
 unsafe impl Send for HostBuffer {}
@@ -266,6 +307,16 @@ impl HostBuffer {
         self.id
     }
 
+    /// Who it is, where it lies, and a way to tell later whether its mapping is gone.
+    pub fn info(&self) -> BufferInfo {
+        BufferInfo {
+            id: self.id,
+            addr: self.ptr.as_ptr() as usize,
+            len: self.len,
+            mapped: Arc::downgrade(&self.holds),
+        }
+    }
+
     /// The first byte's address, for memory shared with a device (a request ring, a page
     /// cache's tables) and registrations that outlive a borrow (gpuio-rdma's memory regions:
     /// pair it with [`hold_mapping`](Self::hold_mapping)). Whoever writes through it must not
@@ -338,6 +389,18 @@ mod tests {
     fn impossible_sizes_are_typed_errors() {
         let err = HostBuffer::alloc(usize::MAX - 10, &HostAllocOptions::default()).unwrap_err();
         assert_eq!(err.code(), crate::ErrorCode::NoMem, "{err}");
+    }
+
+    #[test]
+    fn a_buffers_info_names_it_and_sees_it_go() {
+        let a = HostBuffer::alloc(8192, &HostAllocOptions::default()).unwrap();
+        let b = HostBuffer::alloc(8192, &HostAllocOptions::default()).unwrap();
+        let (ia, ib) = (a.info(), b.info());
+        assert_ne!(ia.id(), ib.id());
+        assert_eq!((ia.addr(), ia.len()), (a.base_ptr() as usize, 8192));
+        assert!(ia.is_mapped() && ib.is_mapped());
+        drop(a);
+        assert!(!ia.is_mapped() && ib.is_mapped());
     }
 
     #[test]

@@ -10,11 +10,10 @@ pub mod mapped;
 pub mod numa;
 mod shared;
 
-pub use host::{HostAllocOptions, HostBuffer, MappingHold};
+pub use host::{BufferInfo, HostAllocOptions, HostBuffer, MappingHold};
 use serde::Serialize;
 pub use shared::{
-    HeldMapping, HostRead, HostWrite, RangeGuard, RangeRead, RangeWrite, SharedHostBuffer,
-    WholeGuard,
+    HostRead, HostWrite, RangeGuard, RangeRead, RangeWrite, SharedHostBuffer, WholeGuard,
 };
 use std::fmt;
 

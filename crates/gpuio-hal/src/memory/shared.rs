@@ -10,7 +10,7 @@
 //! granule (or in granules 16 apart) take turns even where their bytes differ. Locks are
 //! always taken in ascending index order, so no two holders can wait for each other.
 
-use super::{HostBuffer, MappingHold};
+use super::{BufferInfo, HostBuffer, MappingHold};
 use crate::error::{Result, check_range};
 use crossbeam_utils::CachePadded;
 use parking_lot::RawRwLock;
@@ -41,19 +41,6 @@ pub struct SharedHostBuffer {
 unsafe impl Sync for SharedHostBuffer {}
 // SAFETY: owning it owns the HostBuffer, which is Send.
 unsafe impl Send for SharedHostBuffer {}
-
-/// A shared buffer's addresses, held mapped ([`SharedHostBuffer::hold_whole`]).
-#[derive(Debug)]
-pub struct HeldMapping {
-    /// The buffer's [`HostBuffer::id`].
-    pub id: u64,
-    /// The buffer's first byte.
-    pub addr: usize,
-    /// Its length.
-    pub len: usize,
-    /// Keeps `addr..addr+len` this buffer's mapping while it lives.
-    pub hold: MappingHold,
-}
 
 /// Which of the 16 locks a guard holds, one bit each.
 type Mask = u16;
@@ -135,24 +122,6 @@ impl SharedHostBuffer {
         // reads the buffer's fields, not its bytes.
         let hold = unsafe { &*self.buf.get() }.hold_mapping();
         Ok((guard.ptr, hold))
-    }
-
-    /// The whole buffer as it stands now — its first byte's address, its length — and a hold
-    /// on its mapping, taken under the read locks of `offset..offset+len` (the range a caller
-    /// is about to move): for registrations of the whole buffer that are kept past the call.
-    /// While the hold lives those addresses stay this mapping's, even if a whole-buffer writer
-    /// replaces the buffer (its pages then leak).
-    pub fn hold_whole(&self, offset: usize, len: usize) -> Result<HeldMapping> {
-        let _guard = self.read_range(offset, len)?;
-        // SAFETY: the guard holds at least one lock, so no `&mut HostBuffer` exists; this reads
-        // the buffer's fields, not its bytes.
-        let buf = unsafe { &*self.buf.get() };
-        Ok(HeldMapping {
-            id: buf.id(),
-            addr: buf.base_ptr() as usize,
-            len: buf.len(),
-            hold: buf.hold_mapping(),
-        })
     }
 
     /// Takes the buffer back.
@@ -305,6 +274,16 @@ pub type RangeRead<'a> = RangeGuard<'a, false>;
 /// Bytes of a shared buffer, exclusive ([`SharedHostBuffer::write_range`]).
 pub type RangeWrite<'a> = RangeGuard<'a, true>;
 
+impl<const WRITE: bool> RangeGuard<'_, WRITE> {
+    /// The buffer these bytes lie in, as it stands while the guard lives (replacing it takes
+    /// every lock): for registrations of the whole buffer kept past the call.
+    pub fn buffer(&self) -> BufferInfo {
+        // SAFETY: the guard holds at least one lock, so no `&mut HostBuffer` exists; this reads
+        // the buffer's fields, not its bytes.
+        unsafe { &*self.owner.buf.get() }.info()
+    }
+}
+
 impl<const WRITE: bool> Deref for RangeGuard<'_, WRITE> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
@@ -336,6 +315,20 @@ mod tests {
 
     fn shared(len: usize) -> SharedHostBuffer {
         SharedHostBuffer::new(HostBuffer::alloc(len, &HostAllocOptions::default()).unwrap())
+    }
+
+    #[test]
+    fn a_range_guard_names_the_buffer_it_lies_in() {
+        let buf = HostBuffer::alloc(1 << 20, &HostAllocOptions::default()).unwrap();
+        let (id, base) = (buf.id(), buf.base_ptr() as usize);
+        let shared = SharedHostBuffer::new(buf);
+        let info = shared.write_range(4096, 100).unwrap().buffer();
+        assert_eq!((info.id(), info.addr(), info.len()), (id, base, 1 << 20));
+        // Replaced (only with every lock held): the old buffer is gone, the new one named.
+        *shared.write() = HostBuffer::alloc(4096, &HostAllocOptions::default()).unwrap();
+        assert!(!info.is_mapped());
+        let now = shared.read_range(0, 1).unwrap().buffer();
+        assert!(now.id() != id && now.is_mapped());
     }
 
     #[test]
