@@ -3,9 +3,13 @@
 //!
 //! cuFile asks for `O_DIRECT` descriptors because nvidia-fs DMAs from the device and must not
 //! race the page cache. Without nvidia-fs that reason is gone, and bypassing the cache would
-//! read a warm file from the disk: a registered `O_DIRECT` descriptor is therefore read and
-//! written through the page cache (coherently: the kernel keeps both views of the file in
-//! step). The `FORCE_ODIRECT_MODE` parameter keeps the bypass.
+//! read a warm file from the disk; going through it reads a cold file slower than the disk
+//! gives (buffered reads keep fewer requests in flight than O_DIRECT lanes). So a registered
+//! `O_DIRECT` descriptor gets two views of the file, and each read takes one
+//! ([`Handle::for_read`]): the page cache where it holds at least a quarter of the range, the
+//! bypass where it holds less. Writes go through the page cache. Both views stay coherent:
+//! the kernel writes dirty cached pages back before an `O_DIRECT` read of them. The
+//! `FORCE_ODIRECT_MODE` parameter makes every transfer take the bypass.
 
 use crate::abi;
 use crate::driver::DRIVER;
@@ -23,6 +27,9 @@ pub struct Handle {
     pub fd: RawFd,
     /// gpuio's view of the file.
     pub file: FileHandle,
+    /// For an `O_DIRECT` descriptor read through the page cache, the bypass, for reads of
+    /// ranges the page cache does not hold.
+    direct: Option<FileHandle>,
     pub readable: bool,
     pub writable: bool,
     /// The file's length when last looked at: a read within it needs no fstat (a system call
@@ -59,12 +66,12 @@ impl Handle {
         let (mode, direct) = describe(fd)?;
         let (readable, writable) = (mode != libc::O_WRONLY, mode != libc::O_RDONLY);
         let path = format!("/proc/self/fd/{fd}");
-        let file = if direct {
+        let reopen = |direct: bool| {
             // Reopened, to have a descriptor whose O_DIRECT is its own (the flag belongs to
             // the open file, which a dup would share).
             let opts = OpenOptions {
                 write: writable,
-                direct: DRIVER.params().flag(FORCE_ODIRECT_MODE),
+                direct,
                 ..OpenOptions::READ
             };
             session.open_file(&path, opts).map_err(|e| {
@@ -72,7 +79,15 @@ impl Handle {
                     abi::CU_FILE_IO_NOT_SUPPORTED,
                     format!("reopening O_DIRECT fd {fd} through {path}: {e}"),
                 )
-            })?
+            })
+        };
+        let forced = DRIVER.params().flag(FORCE_ODIRECT_MODE);
+        let mut bypass = None;
+        let file = if direct {
+            if !forced && readable {
+                bypass = Some(reopen(true)?);
+            }
+            reopen(forced)?
         } else {
             // SAFETY: F_DUPFD_CLOEXEC makes a new descriptor; fd was just found open.
             let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
@@ -90,6 +105,7 @@ impl Handle {
         Ok(Self {
             fd,
             file,
+            direct: bypass,
             readable,
             writable,
             known_len: AtomicU64::new(0),
@@ -108,6 +124,23 @@ impl Handle {
             self.known_len.store(len, Ordering::Relaxed);
         }
         Ok(len.saturating_sub(at).min(size as u64) as usize)
+    }
+
+    /// The view a read of `len` bytes at `at` takes: the bypass where the program asked for
+    /// it and the page cache holds less than a quarter of the range, the page cache otherwise
+    /// (and where the kernel cannot say how much it holds).
+    pub fn for_read(&self, at: u64, len: usize) -> &FileHandle {
+        match &self.direct {
+            Some(direct)
+                if self
+                    .file
+                    .cached_bytes(at, len as u64)
+                    .is_some_and(|cached| cached.saturating_mul(4) < len as u64) =>
+            {
+                direct
+            }
+            _ => &self.file,
+        }
     }
 
     /// Notes a write that ended at `end`.

@@ -1,6 +1,7 @@
 //! One read or write between a registered file and a buffer, through gpuio's LocalIO: GPU
 //! memory by its lanes (or straight from a kept file's pinned page cache), host memory by
-//! pread/pwrite in place. Every cuFile IO call (sync, vectored, batch, stream) ends here.
+//! pread/pwrite in place; a read of a cold range of an `O_DIRECT` file bypasses the page
+//! cache ([`Handle::for_read`]). Every cuFile IO call (sync, vectored, batch, stream) ends here.
 
 use crate::abi;
 use crate::driver::DRIVER;
@@ -111,7 +112,8 @@ fn transfer(
     }
     let outcome = match (mem, direction) {
         (Memory::Device { buf, offset }, Direction::Read) => {
-            session.transfer(Source::File(&h.file, at), Dest::Device(buf, *offset), len)
+            let file = h.for_read(at, len);
+            session.transfer(Source::File(file, at), Dest::Device(buf, *offset), len)
         }
         (Memory::Device { buf, offset }, Direction::Write) => {
             session.transfer(Source::Device(buf, *offset), Dest::File(&h.file, at), len)
@@ -121,7 +123,7 @@ fn transfer(
             // size at base + offset (resolve checked the address arithmetic; len is at most
             // that size), and the program does not touch it until the call returns.
             let dst = unsafe { std::slice::from_raw_parts_mut(*p, len) };
-            session.transfer(Source::File(&h.file, at), Dest::Host(dst), len)
+            session.transfer(Source::File(h.for_read(at, len), at), Dest::Host(dst), len)
         }
         (Memory::Host(p), Direction::Write) => {
             // SAFETY: as above, readable for the IO's size and unchanged during the call.

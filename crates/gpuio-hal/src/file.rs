@@ -1,6 +1,6 @@
 //! File-system facts for direct and device-initiated IO: the alignment O_DIRECT needs, where a
-//! file's bytes are on the device (FIEMAP), dropping a file's cached pages, and how much room a
-//! file system has left.
+//! file's bytes are on the device (FIEMAP), how much of a file is cached and dropping its
+//! cached pages, and how much room a file system has left.
 
 use crate::error::{HalError, Result};
 use serde::Serialize;
@@ -211,6 +211,51 @@ pub fn drop_cached_pages(file: &File, offset: u64, len: u64) -> Result<()> {
     Ok(())
 }
 
+/// Bytes of `offset..offset+len` of `file` the page cache holds now (`cachestat`, Linux 6.5+:
+/// one system call, no mapping); `None` where the kernel cannot say. Pages that straddle the
+/// range's ends count whole, so a result may exceed what the range holds: it is capped at
+/// `len`.
+pub fn cached_bytes(file: &File, offset: u64, len: u64) -> Option<u64> {
+    /// `struct cachestat_range` and `struct cachestat` of `<linux/mman.h>`.
+    #[repr(C)]
+    struct Range {
+        off: u64,
+        len: u64,
+    }
+    #[repr(C)]
+    #[derive(Default)]
+    struct Stat {
+        nr_cache: u64,
+        nr_dirty: u64,
+        nr_writeback: u64,
+        nr_evicted: u64,
+        nr_recently_evicted: u64,
+    }
+    /// The same number on every architecture (the unified system call table).
+    const SYS_CACHESTAT: libc::c_long = 451;
+    if len == 0 {
+        // The kernel reads a zero length as "to the end of the file".
+        return Some(0);
+    }
+    let range = Range { off: offset, len };
+    let mut stat = Stat::default();
+    // SAFETY: cachestat reads one `Range` and writes one `Stat`, both live across the call, of
+    // the layouts the kernel's uapi header gives; it touches nothing else of the process.
+    let rc = unsafe {
+        libc::syscall(
+            SYS_CACHESTAT,
+            file.as_raw_fd(),
+            &range as *const Range,
+            &mut stat as *mut Stat,
+            0 as libc::c_uint,
+        )
+    };
+    (rc == 0).then(|| {
+        let page = crate::sys::page_size() as u64;
+        stat.nr_cache.saturating_mul(page).min(len)
+    })
+}
+
 /// Starts writeback of `offset..offset+len` of `file` without waiting for it
 /// (`sync_file_range(SYNC_FILE_RANGE_WRITE)`): a large write that ends in `fdatasync` overlaps
 /// the flush with the writes still to come instead of flushing everything at the end. Not a
@@ -299,6 +344,40 @@ mod tests {
     fn layouts_match_the_kernel_header() {
         assert_eq!(std::mem::size_of::<FiemapHeader>(), 32);
         assert_eq!(std::mem::size_of::<FiemapExtent>(), 56);
+    }
+
+    #[test]
+    fn cached_bytes_follow_the_page_cache() {
+        use std::os::unix::fs::FileExt;
+        let path = std::env::temp_dir().join(format!("gpuio-cachestat-{}", std::process::id()));
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let len = 8u64 << 20;
+        f.write_all_at(&vec![7u8; len as usize], 0).unwrap();
+        f.sync_all().unwrap();
+        assert_eq!(cached_bytes(&f, 0, 0), Some(0));
+        let whole = cached_bytes(&f, 0, len).expect("cachestat (Linux 6.5+)");
+        assert_eq!(whole, len, "a file just written is cached");
+        assert_eq!(
+            cached_bytes(&f, 4096, 100),
+            Some(100),
+            "capped at the range"
+        );
+        drop_cached_pages(&f, 0, 0).unwrap();
+        let dropped = cached_bytes(&f, 0, len).unwrap();
+        if dropped < len {
+            // Where the file system drops clean pages (not tmpfs): a read brings them back.
+            f.read_exact_at(&mut vec![0u8; 1 << 20], 1 << 20).unwrap();
+            let back = cached_bytes(&f, 1 << 20, 1 << 20).unwrap();
+            assert_eq!(back, 1 << 20);
+            assert!(cached_bytes(&f, 0, len).unwrap() > dropped);
+        }
     }
 
     #[test]

@@ -439,6 +439,12 @@ impl FileHandle {
         Ok(gpuio_hal::file::extents(&*self.os_file()?, offset, len)?)
     }
 
+    /// Bytes of `offset..offset+len` the page cache holds now; `None` where the kernel cannot
+    /// say (before Linux 6.5) or no kernel file is under the handle.
+    pub fn cached_bytes(&self, offset: u64, len: u64) -> Option<u64> {
+        gpuio_hal::file::cached_bytes(&self.os()?.file, offset, len)
+    }
+
     /// Drops the file's clean cached pages (so the next read is a cold read).
     /// An NVMe namespace gpuio drives has no cache to drop.
     pub fn drop_cache(&self) -> Result<()> {

@@ -152,6 +152,76 @@ static void device_checks(Cuda *c, CUfileHandle_t fh, const unsigned char *want,
     printf("device memory checks ran\n");
 }
 
+/* Pages of the first `len` bytes of `fd` the page cache holds (mincore of a mapping). */
+static long cached_pages(int fd, size_t len) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE), pages = (len + page - 1) / page;
+    static unsigned char vec[1 << 12];
+    if (pages > sizeof vec) return -1;
+    void *m = mmap(NULL, len, PROT_READ, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) return -1;
+    long n = -1;
+    if (mincore(m, len, vec) == 0) {
+        n = 0;
+        for (size_t i = 0; i < pages; i++) n += vec[i] & 1;
+    }
+    munmap(m, len);
+    return n;
+}
+
+/* O_DIRECT descriptors: a range the page cache holds little of is read past it, and stays out
+ * of it; a dirty cached page inside that range is still read as written (the kernel writes it
+ * back first). Into host memory, and with a GPU into device memory. */
+static void cold_direct_checks(const char *dir, Cuda *cu) {
+    enum { C = 1 << 20 };
+    char cold_path[4096];
+    snprintf(cold_path, sizeof cold_path, "%s/cold.bin", dir);
+    static unsigned char want[C], got[C + 8];
+    int wfd = open(cold_path, O_RDWR | O_CREAT | O_TRUNC, 0644);
+    CHECK(wfd >= 0);
+    fill(want, C, 5);
+    CHECK(pwrite(wfd, want, C, 0) == C);
+    CHECK(fsync(wfd) == 0);
+    for (int round = 0; round < (cu ? 2 : 1); round++) {
+        CHECK(posix_fadvise(wfd, 0, 0, POSIX_FADV_DONTNEED) == 0);
+        if (cached_pages(wfd, C) != 0) {
+            printf("cold O_DIRECT checks skipped: this file system keeps clean pages cached\n");
+            close(wfd);
+            return;
+        }
+        fill(want + 8192, 4096, 6 + round);
+        CHECK(pwrite(wfd, want + 8192, 4096, 8192) == 4096); /* dirty and cached */
+        int dfd = open(cold_path, O_RDONLY | O_DIRECT);
+        CHECK(dfd >= 0);
+        CUfileHandle_t dfh;
+        OK(reg(&dfh, dfd));
+        memset(got, 0, sizeof got);
+        if (round == 0) {
+            CHECK(cuFileRead(dfh, got, C, 0, 8) == C);
+        } else {
+            CUdeviceptr dev;
+            CHECK(cu->alloc(&dev, C + 8) == CUDA_SUCCESS);
+            CHECK(cuFileRead(dfh, (void *)(uintptr_t)dev, C, 0, 8) == C);
+            CHECK(cu->dtoh(got + 8, dev + 8, C) == CUDA_SUCCESS);
+            CHECK(cu->free_(dev) == CUDA_SUCCESS);
+        }
+        CHECK(memcmp(got + 8, want, C) == 0);
+        long after = cached_pages(wfd, C);
+        if (after > 1) fprintf(stderr, "round %d: %ld pages cached after the read\n", round, after);
+        CHECK(after == 1); /* only the page written through the cache */
+        /* warm now: served from the page cache, the same bytes */
+        CHECK(pread(wfd, got, C, 0) == C);
+        memset(got, 0, sizeof got);
+        CHECK(cuFileRead(dfh, got, C, 0, 0) == C);
+        CHECK(memcmp(got, want, C) == 0);
+        cuFileHandleDeregister(dfh);
+        close(dfd);
+        CHECK(fsync(wfd) == 0);
+    }
+    close(wfd);
+    unlink(cold_path);
+    printf("cold O_DIRECT checks ran\n");
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: %s SCRATCH_DIR [cuda]\n", argv[0]);
@@ -411,15 +481,18 @@ int main(int argc, char **argv) {
     CHECK(s1.read_ops.ok == 0);
     FAILS(cuFileGetStatsL2(NULL), CU_FILE_INVALID_VALUE);
 
+    Cuda cu;
+    int with_cuda = 0;
     if (argc > 2 && strcmp(argv[2], "cuda") == 0) {
-        Cuda cu;
         if (!load_cuda(&cu)) {
             fprintf(stderr, "cuda asked for, and no CUDA driver or device\n");
             failures++;
         } else {
+            with_cuda = 1;
             device_checks(&cu, fh, src, 1 << 20);
         }
     }
+    cold_direct_checks(argv[1], with_cuda ? &cu : NULL);
 
     /* a file that shrank under a registered handle: reads past its new end are short */
     CHECK(ftruncate(fd, 10000) == 0);
