@@ -408,10 +408,11 @@ impl LocalIo {
                 )
             }
             (PageCachePolicy::Auto, _) => format!(
-                "a file read from {} up a second time, unchanged, is registered whole in the \
-                 background while no GPU transfer runs, and kept, up to {} in all; reads come \
-                 straight from its pinned pages once that is done, and through the lanes until \
-                 then (O_DIRECT and checksummed reads always staged)",
+                "a file read from {} up a second time, unchanged (or read more than once over \
+                 in smaller reads), is registered whole in the background while no GPU transfer \
+                 runs, and kept, up to {} in all; reads of any size come straight from its \
+                 pinned pages once that is done, and through the lanes until then (O_DIRECT and \
+                 checksummed reads always staged)",
                 human_size(self.config.page_cache_threshold),
                 human_size(self.config.page_cache_keep.min(usize::MAX as u64) as usize)
             ),

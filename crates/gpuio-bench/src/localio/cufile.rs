@@ -1,9 +1,10 @@
 //! The `cufile` part: cuFile programs, unchanged, on gpuio's `libcufile.so.0` (gpuio-cufile)
 //! against the same programs on NVIDIA's, each in fresh processes on the suite's test file
-//! (`peers/cufile_suite.py`): kvikio at each thread count (warm, hot, cold; 4 KiB random
-//! reads), and torch.cuda.gds against `torch.load` + `.cuda()`. The disk's own rate (O_DIRECT
-//! `dd`, 16 streams) is measured in the same run for the cold case. Every byte is checked by
-//! the suite; a wrong byte through gpuio's library fails the part.
+//! (`peers/cufile_suite.py`): kvikio at each thread count (warm: a process's first read; hot:
+//! the steady state of a loop reading the file back to back, and `hot_first`, its first three
+//! reads; cold; 4 KiB random reads), and torch.cuda.gds against `torch.load` + `.cuda()`. The
+//! disk's own rate (O_DIRECT `dd`, 16 streams) is measured in the same run for the cold case.
+//! Every byte is checked by the suite; a wrong byte through gpuio's library fails the part.
 //!
 //! Where NVIDIA's cuFile cannot register files (no nvidia-fs), kvikio's default (`AUTO`) falls
 //! back to its own POSIX path: that is the peer, what kvikio users get there.
@@ -98,7 +99,7 @@ pub fn run(
         };
     let mut records = Vec::new();
     for threads in [8, 16, 32] {
-        for case in ["warm", "hot", "cold"] {
+        for case in ["warm", "hot_first", "hot", "cold"] {
             let rate = |lib: &str| {
                 median(
                     pick("kvikio", lib)

@@ -1,15 +1,20 @@
-//! Registrations kept for hot files. A file read from the page cache a second time, unchanged,
-//! keeps its whole registration (in chunks from its start), so later reads of it skip
-//! registering: one copy from pinned pages, at the copy engine's pinned rate, for weights
-//! loaded again and again, onto several GPUs (the registration is portable across devices).
+//! Registrations kept for hot files. A file read from the page cache a second time, unchanged
+//! (or, in reads below the threshold, read more than once over), keeps its whole registration
+//! (in chunks from its start), so later reads of it, of any size, skip registering: one copy
+//! from pinned pages, at the copy engine's pinned rate, for weights loaded again and again,
+//! onto several GPUs (the registration is portable across devices), or a cuFile program's
+//! 4 MiB reads of a file it reads over and over.
+//!
 //! The registration is made on a thread of its own while the read that asked for it goes
 //! through the lanes (registering 4 GiB takes ~150 ms, which no read should wait for); reads
 //! use it from when it is whole. The driver serializes registration with copies (a read whose
 //! DMAs overlapped one ran 2-3x slower), so registering threads take turns, one chunk of
-//! [`KEEP_CHUNK`] at a time across all files, each only once the engine has run no GPU
-//! transfer for [`QUIET`]: back-to-back reads go on through the lanes untouched, and a read
-//! that starts during a chunk waits at most for that chunk. Bounded in pinned bytes (the least recently used go first), let go
-//! when the file changes, and all let go when the machine runs short of memory.
+//! [`KEEP_CHUNK`] at a time across all files, each once the engine has run no GPU transfer
+//! for [`QUIET`] ([`Patience`]): reads go on through the lanes untouched, and a read that
+//! starts during a chunk waits at most for that chunk. A file read whole before its
+//! registration was asked for waits at most [`MAX_WAIT`] per chunk, or a loop reading it back
+//! to back would never get it kept. Bounded in pinned bytes (the least recently used go
+//! first), let go when the file changes, and all let go when the machine runs short of memory.
 
 use super::{Identity, chunks, is_warm, map_warm};
 use crate::Result;
@@ -36,11 +41,36 @@ const KEEP_CHUNK: usize = 32 << 20;
 /// issued back to back leave gaps of tens of microseconds).
 const QUIET: Duration = Duration::from_millis(2);
 
+/// The longest a chunk of a file read more than once over waits for the engine to be quiet
+/// ([`Patience::Bounded`]): one chunk (~1.5 ms of the driver's time) in this long at most
+/// delays the reads beside it, and a file read back to back is kept within seconds.
+const MAX_WAIT: Duration = Duration::from_millis(20);
+
 /// Below this much memory the machine could still back, every kept registration is let go.
 const FLOOR: u64 = 1 << 30;
 
 /// How often a lookup reads how much memory the machine can back.
 const PRESSURE_EVERY: Duration = Duration::from_millis(100);
+
+/// A read of this many bytes, as it counts towards keeping its file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Read {
+    /// From the page cache threshold up: a second read of the file keeps it.
+    Large(u64),
+    /// Below it: a file read more than once over in such reads is kept.
+    Small(u64),
+}
+
+/// How long a registration waits for the engine to be quiet before each chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Patience {
+    /// Until it is: no read waits on the registration of a file read once (a model's first
+    /// load asks for it at its second tensor).
+    Quiet,
+    /// At most [`MAX_WAIT`]: the file was read whole before, so it is hot, and its readers may
+    /// never pause (a loop reading it back to back would otherwise never get it kept).
+    Bounded,
+}
 
 /// A file's whole registration.
 pub(crate) struct Kept {
@@ -61,10 +91,11 @@ impl Kept {
         map: &Arc<FileMapping>,
         identity: Identity,
         keeper: &KeptFiles,
+        patience: Patience,
     ) -> Option<Self> {
         let mut pins = Vec::new();
         for r in chunks(0, map.len(), map.page_size(), KEEP_CHUNK) {
-            let _turn = keeper.turn()?;
+            let _turn = keeper.turn(patience)?;
             // Populated pages register faster (see `copy_registered`).
             let _ = map.populate(r.clone());
             pins.push(gpu.pin_mapping(map, r).ok()?);
@@ -142,7 +173,8 @@ pub struct PageCacheStats {
 struct State {
     /// Least recently used first.
     kept: Vec<Arc<Kept>>,
-    seen: Vec<Identity>,
+    /// Files read, not yet asked to be kept, with the bytes read from them.
+    seen: Vec<(Identity, u64)>,
     /// Files being registered to keep, their bytes reserved under the limit.
     registering: Vec<Identity>,
     /// Bytes kept, and reserved for the files being registered: together never above the
@@ -210,7 +242,8 @@ impl KeptFiles {
 
     /// The kept registration of the file `now` identifies, if it is kept and unchanged. Kept
     /// files changed or deleted since are let go first, and all of them under memory pressure.
-    pub(super) fn get(&self, now: &Identity) -> Option<Arc<Kept>> {
+    /// A small read that finds none is no miss (it would not have registered).
+    pub(super) fn get(&self, now: &Identity, read: Read) -> Option<Arc<Kept>> {
         let mut st = self.state.lock_unpoisoned();
         let mut gone = if self.pressed(&mut st) {
             tracing::warn!(
@@ -233,39 +266,50 @@ impl KeptFiles {
         }
         drop(st);
         self.release(gone);
-        let counter = if hit.is_some() {
-            &self.hits
-        } else {
-            &self.misses
+        match (&hit, read) {
+            (Some(_), _) => self.hits.fetch_add(1, Ordering::Relaxed),
+            (None, Read::Large(_)) => self.misses.fetch_add(1, Ordering::Relaxed),
+            (None, Read::Small(_)) => 0,
         };
-        counter.fetch_add(1, Ordering::Relaxed);
         hit
     }
 
-    /// Whether to keep the registration of this file now: the second read of it unchanged,
-    /// when no other read is registering it and room is made for it under the limit (the
-    /// least recently used kept files let go). `true` reserves its bytes until
+    /// Whether to keep the registration of this file now, and how patiently: the second read
+    /// of it unchanged (small reads: once they have read more than the whole file), when no
+    /// other read is registering it and room is made for it under the limit (the least
+    /// recently used kept files let go). `Some` reserves its bytes until
     /// [`insert`](Self::insert) or [`abandon`](Self::abandon). The first read is remembered.
-    pub(super) fn wants(&self, now: &Identity) -> bool {
+    pub(super) fn wants(&self, now: &Identity, read: Read) -> Option<Patience> {
         if now.len > self.limit {
-            return false;
+            return None;
         }
         let mut st = self.state.lock_unpoisoned();
         if st.registering.iter().any(|r| r.same_file(now)) {
-            return false;
+            return None;
         }
-        let seen = st.seen.iter().position(|s| s == now);
+        let (Read::Large(bytes) | Read::Small(bytes)) = read;
+        let seen = st.seen.iter().position(|(s, _)| s == now);
         let Some(i) = seen else {
-            st.seen.retain(|s| !s.same_file(now));
+            st.seen.retain(|(s, _)| !s.same_file(now));
             if st.seen.len() >= SEEN {
                 st.seen.remove(0);
             }
-            st.seen.push(now.clone());
-            return false;
+            st.seen.push((now.clone(), bytes));
+            return None;
+        };
+        let before = st.seen[i].1;
+        st.seen[i].1 = before.saturating_add(bytes);
+        if matches!(read, Read::Small(_)) && st.seen[i].1 <= now.len {
+            return None;
+        }
+        let patience = if before >= now.len {
+            Patience::Bounded
+        } else {
+            Patience::Quiet
         };
         // Room held for files being registered cannot be made: evict nothing in vain.
         if st.reserved + now.len > self.limit {
-            return false;
+            return None;
         }
         let mut gone = Vec::new();
         while st.bytes + st.reserved + now.len > self.limit && !st.kept.is_empty() {
@@ -281,7 +325,7 @@ impl KeptFiles {
         }
         drop(st);
         self.release(gone);
-        fits
+        fits.then_some(patience)
     }
 
     /// Registers the whole of `file` (unchanged since `identity`, which
@@ -293,6 +337,7 @@ impl KeptFiles {
         file: FileHandle,
         identity: Identity,
         gpu: Gpu,
+        patience: Patience,
     ) {
         let this = self.clone();
         let id = identity.clone();
@@ -300,12 +345,19 @@ impl KeptFiles {
             let len = identity.len as usize;
             // Mapping the file and reading its residency cost CPU time and the process's
             // mapping lock too: not while the read that asked for it runs.
-            let map = this.turn().and_then(|_turn| {
+            let map = this.turn(patience).and_then(|_turn| {
                 // A mapping the kernel refuses is a reason to read another way, not to fail.
                 map_warm(&file, 0, len, |map| Ok(is_warm(map.resident(0..len)?, len)))
             });
             let kept = map.and_then(|map| {
-                Kept::register(&gpu, file.os_file().ok()?, &map, id.clone(), &this)
+                Kept::register(
+                    &gpu,
+                    file.os_file().ok()?,
+                    &map,
+                    id.clone(),
+                    &this,
+                    patience,
+                )
             });
             match kept {
                 Some(k) => this.insert(k),
@@ -336,15 +388,17 @@ impl KeptFiles {
 
     /// A registering thread's turn to touch the driver: one at a time (however many files
     /// are being kept, a read that starts meanwhile waits for one chunk at most), once the
-    /// engine has been quiet ([`wait_quiet`](Self::wait_quiet)); `None` once it is going.
-    fn turn(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+    /// engine has been quiet, or waited as long as `patience` allows
+    /// ([`wait_quiet`](Self::wait_quiet)); `None` once it is going.
+    fn turn(&self, patience: Patience) -> Option<std::sync::MutexGuard<'_, ()>> {
         let turn = self.one_at_a_time.lock_unpoisoned();
-        self.wait_quiet().then_some(turn)
+        self.wait_quiet(patience).then_some(turn)
     }
 
-    /// Waits until the engine has run no GPU transfer for [`QUIET`]; `false` once the engine
-    /// is going.
-    fn wait_quiet(&self) -> bool {
+    /// Waits until the engine has run no GPU transfer for [`QUIET`], or for [`MAX_WAIT`] where
+    /// `patience` is bounded; `false` once the engine is going.
+    fn wait_quiet(&self, patience: Patience) -> bool {
+        let started = Instant::now();
         loop {
             if self.closing.load(Ordering::Relaxed) {
                 return false;
@@ -354,6 +408,9 @@ impl KeptFiles {
                     .saturating_sub(self.last_busy.load(Ordering::Relaxed)),
             );
             if self.busy.load(Ordering::Relaxed) == 0 && idle >= QUIET {
+                return true;
+            }
+            if patience == Patience::Bounded && started.elapsed() >= MAX_WAIT {
                 return true;
             }
             std::thread::sleep(QUIET / 4);
@@ -446,6 +503,13 @@ impl KeptFiles {
 mod tests {
     use super::*;
 
+    impl KeptFiles {
+        /// Whether a read of the whole file asks for it to be kept.
+        fn wants_large(&self, now: &Identity) -> bool {
+            self.wants(now, Read::Large(now.len)).is_some()
+        }
+    }
+
     fn id(ino: u64, len: u64, mtime: i64) -> Identity {
         Identity {
             len,
@@ -460,19 +524,19 @@ mod tests {
     fn a_file_is_wanted_on_its_second_unchanged_read_under_the_limit() {
         let k = KeptFiles::new(1000);
         assert!(
-            !k.wants(&id(1, 100, 5)),
+            !k.wants_large(&id(1, 100, 5)),
             "the first read is only remembered"
         );
-        assert!(k.wants(&id(1, 100, 5)));
+        assert!(k.wants_large(&id(1, 100, 5)));
         // Changed in between: remembered again, not wanted yet.
-        assert!(!k.wants(&id(2, 100, 5)));
-        assert!(!k.wants(&id(2, 100, 6)));
-        assert!(k.wants(&id(2, 100, 6)));
+        assert!(!k.wants_large(&id(2, 100, 5)));
+        assert!(!k.wants_large(&id(2, 100, 6)));
+        assert!(k.wants_large(&id(2, 100, 6)));
         // Above the limit: never.
-        assert!(!k.wants(&id(3, 2000, 1)));
-        assert!(!k.wants(&id(3, 2000, 1)));
+        assert!(!k.wants_large(&id(3, 2000, 1)));
+        assert!(!k.wants_large(&id(3, 2000, 1)));
         // Nothing kept: every lookup misses.
-        assert!(k.get(&id(1, 100, 5)).is_none());
+        assert!(k.get(&id(1, 100, 5), Read::Large(100)).is_none());
         assert_eq!(k.stats().misses, 1);
     }
 
@@ -481,16 +545,16 @@ mod tests {
         let k = KeptFiles::new(150);
         let (a, b) = (id(1, 100, 1), id(2, 100, 1));
         for f in [&a, &b] {
-            assert!(!k.wants(f));
+            assert!(!k.wants_large(f));
         }
-        assert!(k.wants(&a), "a's second read registers it");
+        assert!(k.wants_large(&a), "a's second read registers it");
         assert!(
-            !k.wants(&a),
+            !k.wants_large(&a),
             "a second reader of a file being registered does not"
         );
-        assert!(!k.wants(&b), "no room beside a's 100 reserved bytes");
+        assert!(!k.wants_large(&b), "no room beside a's 100 reserved bytes");
         k.abandon(&a);
-        assert!(k.wants(&b), "room given back");
+        assert!(k.wants_large(&b), "room given back");
     }
 
     #[test]
@@ -499,7 +563,7 @@ mod tests {
         let busy = k.busy();
         let waiter = {
             let k = k.clone();
-            std::thread::spawn(move || (k.wait_quiet(), Instant::now()))
+            std::thread::spawn(move || (k.wait_quiet(Patience::Quiet), Instant::now()))
         };
         std::thread::sleep(Duration::from_millis(20));
         let released = Instant::now();
@@ -512,17 +576,56 @@ mod tests {
         );
         let _busy = k.busy();
         k.closing.store(true, Ordering::Relaxed);
-        assert!(!k.wait_quiet(), "a closing engine's registration goes on");
+        assert!(
+            !k.wait_quiet(Patience::Bounded),
+            "a closing engine's registration goes on"
+        );
+    }
+
+    #[test]
+    fn a_hot_files_registration_waits_a_bounded_time() {
+        let k = KeptFiles::new(1);
+        let _busy = k.busy();
+        let t = Instant::now();
+        assert!(k.wait_quiet(Patience::Bounded));
+        let waited = t.elapsed();
+        assert!(
+            waited >= MAX_WAIT && waited < MAX_WAIT * 10,
+            "waited {waited:?} beside a transfer that never ends"
+        );
+    }
+
+    #[test]
+    fn small_reads_ask_for_a_file_read_more_than_once_over_and_patience_follows_reads() {
+        let k = KeptFiles::new(1000);
+        let f = id(1, 100, 5);
+        for _ in 0..4 {
+            assert_eq!(k.wants(&f, Read::Small(25)), None, "not yet read once over");
+        }
+        assert_eq!(k.wants(&f, Read::Small(25)), Some(Patience::Bounded));
+        assert_eq!(
+            k.wants(&f, Read::Small(25)),
+            None,
+            "already being registered"
+        );
+        // A large read's second read of a file not yet read whole waits for quiet moments (a
+        // model's first load, tensor by tensor); read whole before, its file is hot.
+        let g = id(2, 100, 5);
+        assert_eq!(k.wants(&g, Read::Large(10)), None);
+        assert_eq!(k.wants(&g, Read::Large(10)), Some(Patience::Quiet));
+        let h = id(3, 100, 5);
+        assert_eq!(k.wants(&h, Read::Large(100)), None);
+        assert_eq!(k.wants(&h, Read::Large(100)), Some(Patience::Bounded));
     }
 
     #[test]
     fn only_so_many_files_are_remembered() {
         let k = KeptFiles::new(u64::MAX);
         for ino in 0..=SEEN as u64 {
-            assert!(!k.wants(&id(ino, 1, 1)));
+            assert!(!k.wants_large(&id(ino, 1, 1)));
         }
         // The oldest was forgotten to make room; the newest is still remembered.
-        assert!(!k.wants(&id(0, 1, 1)));
-        assert!(k.wants(&id(SEEN as u64, 1, 1)));
+        assert!(!k.wants_large(&id(0, 1, 1)));
+        assert!(k.wants_large(&id(SEEN as u64, 1, 1)));
     }
 }

@@ -106,11 +106,11 @@ fn chunks(offset: u64, len: usize, page: usize, size: usize) -> Vec<Range<usize>
 }
 
 impl LocalIo {
-    /// Whether the policy sends this read through the page cache, before looking at the pages.
-    fn page_cache_applies(&self, file: &FileHandle, gpu: &Gpu, len: usize) -> bool {
+    /// Whether the policy sends reads of this file through the page cache, before looking at
+    /// the pages.
+    fn page_cache_applies(&self, file: &FileHandle, gpu: &Gpu) -> bool {
         self.config.page_cache == PageCachePolicy::Auto
             && file.nvme_device().is_none()
-            && len >= self.config.page_cache_threshold.max(1)
             && !self.config.checksum
             && !file.is_direct()
             && file.gds() != Some(true)
@@ -119,6 +119,8 @@ impl LocalIo {
 
     /// Reads `len` bytes of `file` at `offset` into `dst` from the page cache where the policy
     /// applies and the pages are warm; `None` where it does not (the caller uses the lanes).
+    /// A read below the threshold registers nothing: it takes a hot file's kept registration
+    /// (one copy from pinned pages beats staging at any size) and counts towards keeping one.
     pub(crate) fn read_from_page_cache(
         &self,
         file: &FileHandle,
@@ -127,19 +129,31 @@ impl LocalIo {
         dst_offset: usize,
         len: usize,
     ) -> Result<Option<Transfer>> {
-        if !self.page_cache_applies(file, dst.gpu(), len) {
+        if !self.page_cache_applies(file, dst.gpu()) {
             return Ok(None);
         }
+        let small = len < self.config.page_cache_threshold.max(1);
         let before = identity(file)?;
         // A range past the end, or not a regular file: the lanes report it properly.
         if offset.saturating_add(len as u64) > before.len || before.len == 0 {
             return Ok(None);
         }
-        let kept = self.kept.get(&before);
-        if kept.is_none() && self.kept.wants(&before) {
+        let read = if small {
+            kept::Read::Small(len as u64)
+        } else {
+            kept::Read::Large(len as u64)
+        };
+        let kept = self.kept.get(&before, read);
+        if kept.is_none()
+            && let Some(patience) = self.kept.wants(&before, read)
+        {
             // Kept for later reads; this one does not wait for it.
-            self.kept
-                .register_in_background(file.clone(), before.clone(), dst.gpu().clone());
+            self.kept.register_in_background(
+                file.clone(),
+                before.clone(),
+                dst.gpu().clone(),
+                patience,
+            );
         }
         let transfer = if let Some(kept) = kept {
             let copied = dst
@@ -159,7 +173,7 @@ impl LocalIo {
                 crc32c: None,
                 page_cache_bytes: len as u64,
             }
-        } else if self.config.lanes < LANES_THAT_BEAT_IT {
+        } else if !small && self.config.lanes < LANES_THAT_BEAT_IT {
             match self.read_registering(file, &before, offset, dst, dst_offset, len)? {
                 Some(t) => t,
                 None => return Ok(None),

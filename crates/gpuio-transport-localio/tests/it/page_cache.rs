@@ -338,3 +338,61 @@ fn a_hot_file_keeps_its_registration_until_it_changes() {
     }
     assert_eq!(small.page_cache_stats().kept_files, 0);
 }
+
+/// Reads below the threshold register nothing, but a file read more than once over in them is
+/// kept, and from then on each of them is one copy from its pinned pages (as a cuFile program
+/// reads: a whole file in 4 MiB calls, again and again).
+#[test]
+fn a_file_read_over_and_over_in_small_reads_is_kept() {
+    let gpu = gpu();
+    let (len, piece) = (32 << 20, 4 << 20);
+    let f = Scratch::new("small-reads", len, 76);
+    f.warm();
+    let io = LocalIo::new(LocalIoConfig {
+        lanes: 4,
+        page_cache_keep: 1 << 30,
+        ..LocalIoConfig::default()
+    })
+    .unwrap();
+    let file = io.open(&f.0, OpenOptions::READ).unwrap();
+    let dev = gpu.alloc(len).unwrap();
+    let read_whole = || {
+        let engines: Vec<IoEngine> = (0..len)
+            .step_by(piece)
+            .map(|at| {
+                let t = io
+                    .read_to_device(&file, at as u64, &dev, at, piece)
+                    .unwrap();
+                t.engine
+            })
+            .collect();
+        check(&gpu, &dev, len, 76);
+        engines
+    };
+    // Read whole once: nothing asks for a registration.
+    assert!(read_whole().iter().all(|e| *e != IoEngine::PageCache));
+    io.wait_for_page_cache();
+    assert_eq!(io.page_cache_stats().kept_files, 0);
+    // Past once over, the file is registered in the background.
+    let again = read_whole();
+    assert_ne!(again[0], IoEngine::PageCache);
+    io.wait_for_page_cache();
+    if !gpu.info().page_cache_dma.available {
+        Requirement::Cuda.missing("kept page cache registrations need a GPU");
+        assert_eq!(io.page_cache_stats().kept_files, 0);
+        return;
+    }
+    let s = io.page_cache_stats();
+    assert_eq!((s.kept_files, s.kept_bytes), (1, len as u64), "{s:?}");
+    assert_eq!(
+        s.misses, 0,
+        "small reads that register nothing are no misses: {s:?}"
+    );
+    let hot = read_whole();
+    assert!(hot.iter().all(|e| *e == IoEngine::PageCache), "{hot:?}");
+    assert_eq!(io.page_cache_stats().hits, (len / piece) as u64);
+    // A 4 KiB read at an odd offset comes from the registration too.
+    let t = io.read_to_device(&file, 4099, &dev, 4099, 4096).unwrap();
+    assert_eq!((t.engine, t.lanes), (IoEngine::PageCache, 0), "{t}");
+    check(&gpu, &dev, len, 76);
+}
