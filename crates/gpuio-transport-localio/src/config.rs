@@ -70,8 +70,9 @@ impl std::str::FromStr for GdsPolicy {
 #[serde(rename_all = "lowercase")]
 pub enum PageCachePolicy {
     /// Where the device can ([`DeviceInfo::page_cache_dma`](gpuio_hal::DeviceInfo)), for reads
-    /// of at least [`LocalIoConfig::page_cache_threshold`] from files not opened O_DIRECT, with
-    /// checksums off: the resident chunks so, the cold ones through the lanes.
+    /// from files not opened O_DIRECT, with checksums off: the resident chunks so, the cold
+    /// ones through the lanes (below [`LocalIoConfig::page_cache_threshold`], only from kept
+    /// registrations).
     #[default]
     Auto,
     /// Never: every read goes through the lanes (or cuFile).
@@ -132,8 +133,9 @@ pub struct LocalIoConfig {
     pub gds_threshold: usize,
     /// When reads take warm pages straight from the page cache.
     pub page_cache: PageCachePolicy,
-    /// Smallest read [`PageCachePolicy::Auto`] takes from the page cache (registering costs
-    /// about a millisecond per 40 MB, so small reads are faster staged).
+    /// Smallest read [`PageCachePolicy::Auto`] registers page cache pages for (registering
+    /// costs about a millisecond per 40 MB, so small reads are faster staged); smaller reads
+    /// take a hot file's kept registration, and count towards keeping one.
     pub page_cache_threshold: usize,
     /// Threads registering the next chunks while the calling thread copies (each registers
     /// about 40 GB/s of pages; the copy engine reads about 55).

@@ -150,7 +150,7 @@ pub struct LocalIoSection {
     pub gds_threshold: ByteSize,
     /// Whether warm reads into GPU memory come straight from the page cache (auto or off).
     pub page_cache: PageCachePolicy,
-    /// Smallest read taken from the page cache.
+    /// Smallest read that registers page cache pages (smaller ones use only kept ones).
     #[serde(serialize_with = "exact_size")]
     pub page_cache_threshold: ByteSize,
     /// Threads registering page cache chunks ahead of the copy.

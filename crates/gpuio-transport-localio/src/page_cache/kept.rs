@@ -11,9 +11,9 @@
 //! DMAs overlapped one ran 2-3x slower), so registering threads take turns, one chunk of
 //! [`KEEP_CHUNK`] at a time across all files, each once the engine has run no GPU transfer
 //! for [`QUIET`] ([`Patience`]): reads go on through the lanes untouched, and a read that
-//! starts during a chunk waits at most for that chunk. A file read whole before its
-//! registration was asked for waits at most [`MAX_WAIT`] per chunk, or a loop reading it back
-//! to back would never get it kept. Bounded in pinned bytes (the least recently used go
+//! starts during a chunk waits at most for that chunk. A file read more than once over in
+//! small reads waits at most [`MAX_WAIT`] per chunk, or a loop of them reading it back to back
+//! would never get it kept. Bounded in pinned bytes (the least recently used go
 //! first), let go when the file changes, and all let go when the machine runs short of memory.
 
 use super::{Identity, chunks, is_warm, map_warm};
@@ -41,9 +41,9 @@ const KEEP_CHUNK: usize = 32 << 20;
 /// issued back to back leave gaps of tens of microseconds).
 const QUIET: Duration = Duration::from_millis(2);
 
-/// The longest a chunk of a file read more than once over waits for the engine to be quiet
-/// ([`Patience::Bounded`]): one chunk (~1.5 ms of the driver's time) in this long at most
-/// delays the reads beside it, and a file read back to back is kept within seconds.
+/// The longest a chunk of a file read more than once over in small reads waits for the engine
+/// to be quiet ([`Patience::Bounded`]): one chunk (~1.5 ms of the driver's time) in this long
+/// at most delays the reads beside it, and a file read back to back is kept within seconds.
 const MAX_WAIT: Duration = Duration::from_millis(20);
 
 /// Below this much memory the machine could still back, every kept registration is let go.
@@ -64,11 +64,12 @@ pub(crate) enum Read {
 /// How long a registration waits for the engine to be quiet before each chunk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Patience {
-    /// Until it is: no read waits on the registration of a file read once (a model's first
-    /// load asks for it at its second tensor).
+    /// Until it is, for files asked for by large reads: no read waits on the registration
+    /// (a model's first load asks for it at its second tensor), and large reads through the
+    /// lanes run near the kept rate anyway.
     Quiet,
-    /// At most [`MAX_WAIT`]: the file was read whole before, so it is hot, and its readers may
-    /// never pause (a loop reading it back to back would otherwise never get it kept).
+    /// At most [`MAX_WAIT`], for files read more than once over in small reads: staged small
+    /// reads run well under the kept rate, and a loop of them may never pause.
     Bounded,
 }
 
@@ -288,6 +289,11 @@ impl KeptFiles {
             return None;
         }
         let (Read::Large(bytes) | Read::Small(bytes)) = read;
+        // Small files gain little, and every kept file costs each lookup a `fstat`: small
+        // reads count only towards files of a chunk or more.
+        if matches!(read, Read::Small(_)) && now.len < KEEP_CHUNK as u64 {
+            return None;
+        }
         let seen = st.seen.iter().position(|(s, _)| s == now);
         let Some(i) = seen else {
             st.seen.retain(|(s, _)| !s.same_file(now));
@@ -297,15 +303,11 @@ impl KeptFiles {
             st.seen.push((now.clone(), bytes));
             return None;
         };
-        let before = st.seen[i].1;
-        st.seen[i].1 = before.saturating_add(bytes);
-        if matches!(read, Read::Small(_)) && st.seen[i].1 <= now.len {
-            return None;
-        }
-        let patience = if before >= now.len {
-            Patience::Bounded
-        } else {
-            Patience::Quiet
+        st.seen[i].1 = st.seen[i].1.saturating_add(bytes);
+        let patience = match read {
+            Read::Small(_) if st.seen[i].1 <= now.len => return None,
+            Read::Small(_) => Patience::Bounded,
+            Read::Large(_) => Patience::Quiet,
         };
         // Room held for files being registered cannot be made: evict nothing in vain.
         if st.reserved + now.len > self.limit {
@@ -391,8 +393,18 @@ impl KeptFiles {
     /// engine has been quiet, or waited as long as `patience` allows
     /// ([`wait_quiet`](Self::wait_quiet)); `None` once it is going.
     fn turn(&self, patience: Patience) -> Option<std::sync::MutexGuard<'_, ()>> {
-        let turn = self.one_at_a_time.lock_unpoisoned();
-        self.wait_quiet(patience).then_some(turn)
+        // Waited for before the turn is taken: a registration waiting for a quiet moment that
+        // never comes must not hold back a bounded one.
+        loop {
+            if !self.wait_quiet(patience) {
+                return None;
+            }
+            match self.one_at_a_time.try_lock() {
+                Ok(turn) => return Some(turn),
+                Err(std::sync::TryLockError::Poisoned(p)) => return Some(p.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => std::thread::sleep(QUIET / 4),
+            }
+        }
     }
 
     /// Waits until the engine has run no GPU transfer for [`QUIET`], or for [`MAX_WAIT`] where
@@ -596,26 +608,35 @@ mod tests {
     }
 
     #[test]
-    fn small_reads_ask_for_a_file_read_more_than_once_over_and_patience_follows_reads() {
-        let k = KeptFiles::new(1000);
-        let f = id(1, 100, 5);
+    fn small_reads_ask_for_a_file_read_more_than_once_over_and_wait_less() {
+        const MB: u64 = 1 << 20;
+        let k = KeptFiles::new(1000 * MB);
+        let f = id(1, 100 * MB, 5);
         for _ in 0..4 {
-            assert_eq!(k.wants(&f, Read::Small(25)), None, "not yet read once over");
+            let no = k.wants(&f, Read::Small(25 * MB));
+            assert_eq!(no, None, "not yet read once over");
         }
-        assert_eq!(k.wants(&f, Read::Small(25)), Some(Patience::Bounded));
-        assert_eq!(
-            k.wants(&f, Read::Small(25)),
-            None,
-            "already being registered"
+        assert_eq!(k.wants(&f, Read::Small(25 * MB)), Some(Patience::Bounded));
+        let again = k.wants(&f, Read::Small(25 * MB));
+        assert_eq!(again, None, "already being registered");
+        // A file under a chunk: small reads never ask, nor are they remembered.
+        let tiny = id(9, 4096, 5);
+        for _ in 0..4 {
+            assert_eq!(k.wants(&tiny, Read::Small(4096)), None);
+        }
+        assert!(
+            k.state
+                .lock_unpoisoned()
+                .seen
+                .iter()
+                .all(|(s, _)| s != &tiny)
         );
-        // A large read's second read of a file not yet read whole waits for quiet moments (a
-        // model's first load, tensor by tensor); read whole before, its file is hot.
-        let g = id(2, 100, 5);
-        assert_eq!(k.wants(&g, Read::Large(10)), None);
-        assert_eq!(k.wants(&g, Read::Large(10)), Some(Patience::Quiet));
-        let h = id(3, 100, 5);
-        assert_eq!(k.wants(&h, Read::Large(100)), None);
-        assert_eq!(k.wants(&h, Read::Large(100)), Some(Patience::Bounded));
+        // Large reads ask at their second and wait for quiet moments, read whole or not.
+        for (ino, n) in [(2, 10), (3, 100)] {
+            let g = id(ino, 100, 5);
+            assert_eq!(k.wants(&g, Read::Large(n)), None);
+            assert_eq!(k.wants(&g, Read::Large(n)), Some(Patience::Quiet));
+        }
     }
 
     #[test]

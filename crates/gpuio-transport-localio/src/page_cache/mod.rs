@@ -6,9 +6,9 @@
 //! the H200: 130-160 ms to register populated pages, 100-140 ms to unregister, 80 ms to copy;
 //! the three do not overlap), so a one-off read this way runs near 17 GB/s: what two staged
 //! lanes give, well under eight. Two uses follow:
-//! - **Hot files** ([`kept`]): a file read a second time, unchanged, keeps its registration,
-//!   and every later read is one copy from pinned pages at the copy engine's rate, with no CPU
-//!   work. This is the case of weights loaded again and again, and onto several GPUs.
+//! - **Hot files** ([`kept`]): a file read a second time, unchanged (or read more than once
+//!   over in reads below the threshold), keeps its registration, and every later read, of any
+//!   size, is one copy from pinned pages at the copy engine's rate, with no CPU work. This is the case of weights loaded again and again, and onto several GPUs.
 //! - **Few lanes**: with at most two lanes configured, one-off reads of warm chunks go this
 //!   way (threads register the next chunks while the calling thread copies one, and another
 //!   unregisters those behind it; cold chunks go through the lanes meanwhile).
