@@ -108,6 +108,7 @@ fn sustained(seconds: f64, bytes: usize, mut op: impl FnMut() -> Result<()>) -> 
 /// [`sustained`] for several operations side by side: each runs `seconds` in all, in ten
 /// turns alternated with the others', so that the machine's drift over the run (clocks,
 /// caches, other load) falls on all alike. Each call gets its number; GB/s of each.
+#[cfg(feature = "nixl")]
 fn interleaved<const N: usize>(
     seconds: f64,
     bytes: usize,
@@ -229,7 +230,7 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 
 /// Runs the suite.
 pub fn run(
-    session: &Session,
+    #[cfg_attr(not(feature = "nixl"), allow(unused_variables))] session: &Session,
     opts: &Options,
     progress: &mut dyn FnMut(&str),
 ) -> Result<(Vec<Record>, Vec<Target>, Vec<String>)> {
