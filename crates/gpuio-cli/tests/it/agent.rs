@@ -47,6 +47,8 @@ impl AgentProc {
 }
 
 /// A free loopback port (the agent binds it next; restarts reuse it).
+/// A port free now, for an agent that must come back on the same one: another process may
+/// take it before the agent binds it, so agents that need no fixed port listen on port 0.
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -203,7 +205,7 @@ fn flood(
 #[test]
 fn keyless_floods_never_deny_a_good_client_and_memory_stays_bounded() {
     let dir = tempfile::tempdir().unwrap();
-    let agent = start_agent(&agent_config(dir.path(), free_port(), ""));
+    let agent = start_agent(&agent_config(dir.path(), 0, ""));
     fill(agent.addr);
     good_round(agent.addr, 0);
     let before = agent.rss_kib();
@@ -405,8 +407,8 @@ fn client_session(dir: &Path) -> Session {
 #[test]
 fn a_copy_too_large_for_a_remote_export_writes_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let agent = start_agent(&agent_config(dir.path(), port, ""));
+    let agent = start_agent(&agent_config(dir.path(), 0, ""));
+    let port = agent.addr.port();
     fill(agent.addr);
     let big = dir.path().join("big.bin");
     std::fs::File::create(&big)
@@ -453,8 +455,7 @@ fn remote_copies_are_durable_where_they_can_be_and_refused_where_not() {
     let mut old = vec![0u8; 1 << 20];
     pattern::fill(&mut old, 0, SEED);
     std::fs::write(&disk, &old).unwrap();
-    let port = free_port();
-    let cfg = agent_config(dir.path(), port, "");
+    let cfg = agent_config(dir.path(), 0, "");
     // A file export that may grow to 64 MiB, on a file system of 4.
     let mut text = std::fs::read_to_string(&cfg).unwrap();
     text.push_str(&format!(
@@ -464,6 +465,7 @@ fn remote_copies_are_durable_where_they_can_be_and_refused_where_not() {
     ));
     std::fs::write(&cfg, text).unwrap();
     let agent = start_agent(&cfg);
+    let port = agent.addr.port();
     fill(agent.addr);
     let cp = |args: &[&str], src: &Path, export: &str| {
         let o = Command::new(bin())
@@ -510,7 +512,7 @@ fn remote_copies_are_durable_where_they_can_be_and_refused_where_not() {
 #[test]
 fn an_agent_out_of_descriptors_answers_busy() {
     let dir = tempfile::tempdir().unwrap();
-    let agent = start_agent(&agent_config(dir.path(), free_port(), ""));
+    let agent = start_agent(&agent_config(dir.path(), 0, ""));
     let t = Duration::from_secs(5);
     let mut held =
         vec![gpuio_transport_remoteio::Connection::connect(agent.addr, &creds(), t).unwrap()];
@@ -568,7 +570,7 @@ fn an_agent_out_of_descriptors_answers_busy() {
 #[test]
 fn sigterm_does_not_wait_for_a_stalled_client() {
     let dir = tempfile::tempdir().unwrap();
-    let mut agent = start_agent(&agent_config(dir.path(), free_port(), ""));
+    let mut agent = start_agent(&agent_config(dir.path(), 0, ""));
     let t = Duration::from_secs(5);
     let mut c = gpuio_transport_remoteio::Connection::connect(agent.addr, &creds(), t).unwrap();
     // A write of 8 MiB whose data stops after 1 KiB: the agent waits for the rest, up to

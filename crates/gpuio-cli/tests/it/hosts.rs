@@ -107,6 +107,26 @@ impl Hosts {
         }
     }
 
+    /// The network interface this host reaches agent `i` through (its veth, or `lo`): what
+    /// a UCX on this side may use, where the machine's other interfaces come and go with the
+    /// other tests' hosts.
+    pub fn host_link(&self, i: usize) -> String {
+        if self.isolated() {
+            names(self.tag, i).1
+        } else {
+            "lo".into()
+        }
+    }
+
+    /// Agent `i`'s interface towards this host.
+    pub fn agent_link(&self, i: usize) -> String {
+        if self.isolated() {
+            names(self.tag, i).2
+        } else {
+            "lo".into()
+        }
+    }
+
     /// A command run on agent `i`'s host.
     pub fn command(&self, i: usize, program: &Path) -> Command {
         if self.isolated() {

@@ -1,9 +1,9 @@
 //! RemoteIO over NIXL between hosts: a `gpuio agent` with `[agent] nixl = true` in a network
 //! namespace of its own (a loopback port where namespaces are refused), and `gpuio cp` clients
 //! with `?transport=nixl` in this one. UCX is held to TCP (`UCX_TLS=tcp`) on both sides, so the
-//! bytes cross the veth link rather than shared memory between the processes, on every
-//! interface (`UCX_NET_DEVICES=all`: CI holds the other tests' UCX to loopback, since this
-//! one's interfaces come and go under them).
+//! bytes cross the veth link rather than shared memory between the processes, each side's UCX
+//! held to its end of that link (`UCX_NET_DEVICES`; CI holds the other tests' UCX to
+//! loopback, since this one's interfaces come and go under them, as theirs do under this).
 //!
 //! Checked: a copy into the agent's memory export and one out of it, byte for byte, with none
 //! of the bytes on the agent's TCP data path (its closing line says so); a read-only key's copy
@@ -64,13 +64,16 @@ memory = "{LEN}"
         .iter()
         .filter_map(|k| Some((k.to_string(), std::env::var(k).ok()?)))
         .collect();
+    // Each side's UCX uses the one interface between them: with all of them, a client could
+    // pick one that another test's hosts are taking down (UCX: "Destination is unreachable").
+    let client_link = hosts.host_link(1);
     let mut agent = hosts
         .command(1, &bin())
         .args(["--config", agent_cfg.to_str().unwrap(), "agent"])
         .env("GPUIO_TEST_RW", RW)
         .env("GPUIO_TEST_RO", RO)
         .env("UCX_TLS", "tcp")
-        .env("UCX_NET_DEVICES", "all")
+        .env("UCX_NET_DEVICES", hosts.agent_link(1))
         .envs(nixl_env.iter().map(|(k, v)| (k, v)))
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -97,7 +100,7 @@ memory = "{LEN}"
         Command::new(bin())
             .args(["--config", cfg.to_str().unwrap(), "cp", from, to])
             .env("UCX_TLS", "tcp")
-            .env("UCX_NET_DEVICES", "all")
+            .env("UCX_NET_DEVICES", &client_link)
             .env("GPUIO_LOG", "gpuio_transport_remoteio=debug")
             .envs(nixl_env.iter().map(|(k, v)| (k, v)))
             .output()
@@ -150,7 +153,7 @@ memory = "{LEN}"
             .arg(format!("remoteio://{addr}/mem"))
             .args(["--out", md.to_str().unwrap()])
             .env("UCX_TLS", "tcp")
-            .env("UCX_NET_DEVICES", "all")
+            .env("UCX_NET_DEVICES", &client_link)
             .envs(nixl_env.iter().map(|(k, v)| (k, v)))
             .stderr(Stdio::null())
             .spawn()
@@ -171,7 +174,7 @@ memory = "{LEN}"
             .arg(script)
             .env("PYTHONPATH", py)
             .env("UCX_TLS", "tcp")
-            .env("UCX_NET_DEVICES", "all")
+            .env("UCX_NET_DEVICES", &client_link)
             .envs(nixl_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
