@@ -184,6 +184,12 @@ def test_copies_checked_in_pieces_match_the_bytes_and_refuse_bad_ranges():
     back = bytearray(len(data))
     assert gpuio._gpuio.copy_checked(host, 100, back, False, piece) == want
     assert bytes(back) == data
+    # Pieces that are no multiple of the blocks a copy checks as it goes.
+    odd = 100_003
+    want = [gpuio._gpuio.crc32c(data[i : i + odd]) for i in range(0, len(data), odd)]
+    back = bytearray(len(data))
+    assert gpuio._gpuio.copy_checked(host, 100, back, False, odd) == want
+    assert bytes(back) == data
     with pytest.raises(gpuio.Error):  # past the buffer's end
         gpuio._gpuio.copy_checked(host, (3 << 20) - 10, data, True, piece)
     with pytest.raises(gpuio.Error):
