@@ -62,6 +62,7 @@ const BLOCK: usize = 64 << 10;
 
 /// Copies `src` into `dst` (the same length) and returns `src`'s crc32c.
 fn copy_and_check(src: &[u8], dst: &mut [u8]) -> u32 {
+    debug_assert_eq!(src.len(), dst.len());
     src.chunks(BLOCK)
         .zip(dst.chunks_mut(BLOCK))
         .fold(0, |crc, (s, d)| {

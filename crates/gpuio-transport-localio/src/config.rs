@@ -135,7 +135,7 @@ pub struct LocalIoConfig {
     pub page_cache: PageCachePolicy,
     /// Smallest read [`PageCachePolicy::Auto`] registers page cache pages for (registering
     /// costs about a millisecond per 40 MB, so small reads are faster staged); smaller reads
-    /// take a hot file's kept registration, and count towards keeping one.
+    /// take a hot file's kept registration, and count towards keeping one (of 32 MiB or more).
     pub page_cache_threshold: usize,
     /// Threads registering the next chunks while the calling thread copies (each registers
     /// about 40 GB/s of pages; the copy engine reads about 55).

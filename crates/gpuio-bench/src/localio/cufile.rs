@@ -3,7 +3,8 @@
 //! (`peers/cufile_suite.py`): kvikio at each thread count (warm: a process's first read; hot:
 //! the steady state of a loop reading the file back to back, and `hot_first`, its first three
 //! reads; cold; 4 KiB random reads), and torch.cuda.gds against `torch.load` + `.cuda()`. The
-//! disk's own rate (O_DIRECT `dd`, 16 streams) is measured in the same run for the cold case.
+//! disk's own rate (O_DIRECT `dd`, 16 streams) and the bus's (a pinned 1 GiB copy to the GPU)
+//! are measured in the same run, the limits beside the cold and hot cases.
 //! Every byte is checked by the suite; a wrong byte through gpuio's library fails the part.
 //!
 //! Where NVIDIA's cuFile cannot register files (no nvidia-fs), kvikio's default (`AUTO`) falls

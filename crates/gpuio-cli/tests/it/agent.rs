@@ -46,8 +46,7 @@ impl AgentProc {
     }
 }
 
-/// A free loopback port (the agent binds it next; restarts reuse it).
-/// A port free now, for an agent that must come back on the same one: another process may
+/// A loopback port free now, for an agent that must come back on the same one: another process may
 /// take it before the agent binds it, so agents that need no fixed port listen on port 0.
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")

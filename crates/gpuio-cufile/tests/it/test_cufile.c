@@ -208,9 +208,12 @@ static void cold_direct_checks(const char *dir, Cuda *cu) {
     CHECK(fsync(wfd) == 0);
     CHECK(posix_fadvise(wfd, 0, 0, POSIX_FADV_DONTNEED) == 0);
     const char *skip = NULL;
+    long cached = cached_pages(wfd, C);
     if (!kernel_has_cachestat(wfd))
         skip = "the kernel cannot say what is cached (cachestat, Linux 6.5+)";
-    else if (cached_pages(wfd, C) != 0)
+    else if (cached < 0)
+        skip = "the scratch file cannot be mapped to see what is cached";
+    else if (cached != 0)
         skip = "the scratch file system keeps clean pages cached (tmpfs?)";
     int dfd = skip ? -1 : open(cold_path, O_RDONLY | O_DIRECT);
     if (!skip && dfd < 0) skip = "the scratch file system refuses O_DIRECT";
@@ -220,8 +223,14 @@ static void cold_direct_checks(const char *dir, Cuda *cu) {
         unlink(cold_path);
         return;
     }
-    CUfileHandle_t dfh;
+    CUfileHandle_t dfh = NULL;
     OK(reg(&dfh, dfd));
+    if (!dfh) {
+        close(dfd);
+        close(wfd);
+        unlink(cold_path);
+        return;
+    }
     for (int round = 0; round < (cu ? 2 : 1); round++) {
         Cuda *dev = round ? cu : NULL;
         CHECK(posix_fadvise(wfd, 0, 0, POSIX_FADV_DONTNEED) == 0);

@@ -8,7 +8,8 @@
 //! lanes give, well under eight. Two uses follow:
 //! - **Hot files** ([`kept`]): a file read a second time, unchanged (or read more than once
 //!   over in reads below the threshold), keeps its registration, and every later read, of any
-//!   size, is one copy from pinned pages at the copy engine's rate, with no CPU work. This is the case of weights loaded again and again, and onto several GPUs.
+//!   size, is one copy from pinned pages at the copy engine's rate, with no CPU work. This
+//!   is the case of weights loaded again and again, and onto several GPUs.
 //! - **Few lanes**: with at most two lanes configured, one-off reads of warm chunks go this
 //!   way (threads register the next chunks while the calling thread copies one, and another
 //!   unregisters those behind it; cold chunks go through the lanes meanwhile).
