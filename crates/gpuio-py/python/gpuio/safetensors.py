@@ -95,15 +95,35 @@ class _Framework:
 
     def views(self, blob, rows):
         """Each tensor of ``rows`` (file order, offsets contiguous from 0) viewed in ``blob``."""
-        if self.torch and rows:
-            # One call cuts every tensor's bytes (4096 slices one by one cost ~10 ms).
-            raws = blob.split_with_sizes([end - begin for *_, begin, end in rows])
-        else:
-            raws = [blob[begin:end] for *_, begin, end in rows]
+        if self.torch:
+            return self._torch_views(blob, rows)
         return {
-            name: self.view(raw, name, st_dtype, shape)
-            for raw, (name, st_dtype, shape, _, _) in zip(raws, rows)
+            name: self.view(blob[begin:end], name, st_dtype, shape)
+            for name, st_dtype, shape, begin, end in rows
         }
+
+    def _torch_views(self, blob, rows):
+        """As :meth:`views`, for torch: one ``as_strided`` per tensor on ``blob`` viewed once
+        per dtype (a slice, a dtype view and a reshape per tensor took twice as long: ~16 ms
+        for 4096 tensors on the H200 machine, against ~8)."""
+        bases, out = {}, {}
+        whole = blob.storage_offset() == 0  # as_strided's offsets count from the storage's start
+        for name, st_dtype, shape, begin, end in rows:
+            dt = self.dtype(name, st_dtype)
+            size = dt.itemsize
+            if not whole or begin % size or begin == end:
+                # Not on a whole element (a copy), or empty: the general way.
+                out[name] = self.view(blob[begin:end], name, st_dtype, shape)
+                continue
+            base = bases.get(dt)
+            if base is None:
+                base = bases[dt] = blob[: blob.numel() // size * size].view(dt)
+            strides, step = [], 1
+            for n in reversed(shape):
+                strides.append(step)
+                step *= n
+            out[name] = base.as_strided(shape, strides[::-1], begin // size)
+        return out
 
     def view(self, raw, name, st_dtype, shape):
         """``raw`` (bytes on the device) as the tensor: a view where its offset suits the
