@@ -348,6 +348,21 @@ pub fn reserve_space(file: &File, offset: u64, len: u64) -> std::io::Result<()> 
 mod tests {
     use super::*;
 
+    /// An empty file on the temporary directory's file system, already unlinked (it lives
+    /// as long as the handle).
+    fn scratch(tag: &str) -> File {
+        let path = std::env::temp_dir().join(format!("gpuio-{tag}-{}", std::process::id()));
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        std::fs::remove_file(&path).unwrap();
+        f
+    }
+
     #[test]
     fn layouts_match_the_kernel_header() {
         assert_eq!(std::mem::size_of::<FiemapHeader>(), 32);
@@ -357,15 +372,7 @@ mod tests {
     #[test]
     fn cached_bytes_follow_the_page_cache() {
         use std::os::unix::fs::FileExt;
-        let path = std::env::temp_dir().join(format!("gpuio-cachestat-{}", std::process::id()));
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
-        std::fs::remove_file(&path).unwrap();
+        let f = scratch("cachestat");
         let len = 8u64 << 20;
         f.write_all_at(&vec![7u8; len as usize], 0).unwrap();
         f.sync_all().unwrap();
@@ -402,14 +409,7 @@ mod tests {
 
     #[test]
     fn extents_cover_written_data_and_skip_holes() {
-        let path = std::env::temp_dir().join(format!("gpuio-fiemap-{}", std::process::id()));
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
+        let f = scratch("fiemap");
         use std::os::unix::fs::FileExt;
         f.write_all_at(&[1u8; 1 << 20], 0).unwrap();
         f.write_all_at(&[2u8; 1 << 20], 64 << 20).unwrap();
@@ -433,7 +433,6 @@ mod tests {
         );
         start_writeback(&f, 0, 1 << 20).unwrap();
         drop_cached_pages(&f, 0, 0).unwrap();
-        std::fs::remove_file(path).unwrap();
     }
 
     #[test]

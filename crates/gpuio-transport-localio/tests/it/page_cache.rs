@@ -59,6 +59,16 @@ fn engine(threshold: usize) -> LocalIo {
     .unwrap()
 }
 
+/// Four lanes (which outrun a one-off registration) and room to keep 1 GiB of hot files.
+fn keeping_engine() -> LocalIo {
+    LocalIo::new(LocalIoConfig {
+        lanes: 4,
+        page_cache_keep: 1 << 30,
+        ..LocalIoConfig::default()
+    })
+    .unwrap()
+}
+
 fn check(gpu: &Gpu, dev: &DeviceBuffer, len: usize, seed: u64) {
     let mut got = vec![0u8; len];
     gpu.stream().unwrap().download(dev, 0, &mut got).unwrap();
@@ -241,12 +251,7 @@ fn a_hot_file_keeps_its_registration_until_it_changes() {
     let len = 300 << 20;
     let f = Scratch::new("hot", len, 75);
     f.warm();
-    let io = LocalIo::new(LocalIoConfig {
-        lanes: 4,
-        page_cache_keep: 1 << 30,
-        ..LocalIoConfig::default()
-    })
-    .unwrap();
+    let io = keeping_engine();
     let file = io.open(&f.0, OpenOptions::READ).unwrap();
     let dev = gpu.alloc(len).unwrap();
     let read = |off: usize, n: usize| {
@@ -348,12 +353,7 @@ fn a_file_read_over_and_over_in_small_reads_is_kept() {
     let (len, piece) = (32 << 20, 4 << 20);
     let f = Scratch::new("small-reads", len, 76);
     f.warm();
-    let io = LocalIo::new(LocalIoConfig {
-        lanes: 4,
-        page_cache_keep: 1 << 30,
-        ..LocalIoConfig::default()
-    })
-    .unwrap();
+    let io = keeping_engine();
     let file = io.open(&f.0, OpenOptions::READ).unwrap();
     let dev = gpu.alloc(len).unwrap();
     let read_whole = || {
