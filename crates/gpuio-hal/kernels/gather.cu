@@ -253,6 +253,46 @@ GPUIO_HOT_KERNEL(8)
 GPUIO_HOT_KERNEL(4)
 GPUIO_HOT_KERNEL(1)
 
+// ---- Gathers through hot rows of several pools in one launch (one job per grid row
+// `blockIdx.y`): a model that reads two Engram tables per step pays one launch and one wait,
+// not two. The jobs travel as the kernel's argument (no copy before the launch). Job k reports
+// its first bad index (a position in its own list) in its own report word.
+#define GPUIO_HOT_JOBS 8
+
+// One job (96 bytes, as the host writes it: `HotJobWords` in
+// crates/gpuio-hal/src/gpu/cuda/hot_jobs.rs, whose layout is asserted there too).
+struct gpuio_hot_job {
+    gpuio_u64 pool, rows, idx, n, dst, err, hot, hot_rows, index, mask, probes, unused;
+};
+struct gpuio_hot_jobs {
+    gpuio_hot_job job[GPUIO_HOT_JOBS];
+};
+static_assert(sizeof(gpuio_hot_job) == 96, "gpuio_hot_job size");
+static_assert(sizeof(gpuio_hot_jobs) == 96 * GPUIO_HOT_JOBS, "gpuio_hot_jobs size");
+#ifndef __CUDACC_RTC__
+static_assert(__builtin_offsetof(gpuio_hot_job, pool) == 0, "hot_job.pool");
+static_assert(__builtin_offsetof(gpuio_hot_job, idx) == 16, "hot_job.idx");
+static_assert(__builtin_offsetof(gpuio_hot_job, dst) == 32, "hot_job.dst");
+static_assert(__builtin_offsetof(gpuio_hot_job, hot) == 48, "hot_job.hot");
+static_assert(__builtin_offsetof(gpuio_hot_job, index) == 64, "hot_job.index");
+static_assert(__builtin_offsetof(gpuio_hot_job, probes) == 80, "hot_job.probes");
+#endif
+
+#define GPUIO_HOT_JOBS_KERNEL(W)                                                                \
+    extern "C" __global__ void gpuio_gather_hot_jobs_##W(gpuio_hot_jobs jobs,                   \
+                                                         gpuio_u64 row_bytes) {                 \
+        const gpuio_hot_job j = jobs.job[blockIdx.y];                                           \
+        gpuio_hot_rows<W>((const unsigned char*)j.pool, j.rows, row_bytes,                      \
+                          (const gpuio_u64*)j.idx, j.n, (unsigned char*)j.dst,                  \
+                          (gpuio_u64*)j.err, (const unsigned char*)j.hot, j.hot_rows,           \
+                          (const gpuio_u64*)j.index, j.mask, (gpuio_u32)j.probes);              \
+    }
+
+GPUIO_HOT_JOBS_KERNEL(16)
+GPUIO_HOT_JOBS_KERNEL(8)
+GPUIO_HOT_JOBS_KERNEL(4)
+GPUIO_HOT_JOBS_KERNEL(1)
+
 // The baseline: one warp per row, each lane copying 16-byte pieces (bytes where unaligned)
 // of it, one row after another, one load in flight per lane.
 extern "C" __global__ void gpuio_gather_naive(const unsigned char* pool, gpuio_u64 rows,

@@ -6,7 +6,7 @@ mod pipeline;
 mod placement;
 
 pub use gather::{
-    GatherIndices, GatherOptions, GatherPlan, GatherReport, GatherStrategy, IndexPlace,
+    GatherIndices, GatherOptions, GatherPlan, GatherReport, GatherStrategy, HotLookup, IndexPlace,
 };
 pub use placement::HostPlacement;
 

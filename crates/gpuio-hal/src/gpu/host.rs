@@ -406,6 +406,37 @@ pub(crate) unsafe fn run_rows(job: RowJob<'_>, hooks: RowHooks<'_>) -> Result<Ro
     })
 }
 
+/// Runs hot gathers of several pools on the CPU, one after another, after the staged list's
+/// copy: the host side of `hot_jobs::HotJobsOp`. The first bad index is reported at its
+/// position in the whole list.
+///
+/// # Safety
+/// The host pools, a host index list and the upload's source are valid for their lengths
+/// until the call returns.
+pub(crate) unsafe fn run_hot_jobs(
+    jobs: &[RowJob<'_>],
+    upload: Option<super::hot_jobs::Upload<'_>>,
+    timed: bool,
+) -> Result<RowsDone> {
+    let t = Instant::now();
+    if let Some(u) = upload {
+        // SAFETY: the caller keeps the source readable for the range's length.
+        unsafe { HostStream.copy_h2d(u.from, u.to)? };
+    }
+    let mut bad_index = None;
+    let mut start = 0u64;
+    for &job in jobs {
+        // SAFETY: forwarded from the caller's contract.
+        let bad = unsafe { HostStream.rows_now(job) }?;
+        bad_index = bad_index.or(bad.map(|at| start + at));
+        start += job.count as u64;
+    }
+    Ok(RowsDone {
+        bad_index,
+        device_time: timed.then(|| t.elapsed()),
+    })
+}
+
 /// Locks the allocations of checked ranges (`true`: written) for an op's host side
 /// (`HostRun::lock`).
 pub(crate) fn lock_ranges<'a>(

@@ -95,7 +95,7 @@ fn build_index(rows: &[u64]) -> (Vec<u64>, u32) {
 /// the index that finds them (see the module docs). Made by [`Stream::keep_hot`].
 #[derive(Debug)]
 pub struct HotRows {
-    rows: DeviceBuffer,
+    pub(super) rows: DeviceBuffer,
     index: DeviceBuffer,
     /// The index's words as the device has them, for re-copying rows.
     words: Vec<u64>,
@@ -159,7 +159,7 @@ impl HotRows {
         (pool.base_ptr() as usize, pool.len()) == self.pool
     }
 
-    fn check_pool(&self, pool: &HostBuffer) -> Result<()> {
+    pub(super) fn check_pool(&self, pool: &HostBuffer) -> Result<()> {
         if !self.copies_of(pool) {
             return Err(HalError::InvalidArgument(
                 "hot rows are copies of another pool's rows".into(),

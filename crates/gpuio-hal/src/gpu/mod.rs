@@ -15,6 +15,7 @@ pub mod cuda;
 mod dmabuf;
 mod gds;
 mod host;
+mod hot_jobs;
 mod hot_rows;
 mod info;
 mod managed;
@@ -26,6 +27,7 @@ pub mod tiered;
 
 pub use dmabuf::DmaBufExport;
 pub use gds::{GdsFile, GdsMode};
+pub use hot_jobs::{HOT_MAX_JOBS, HotGather};
 pub use hot_rows::{HOT_MAX_POOL_ROWS, HOT_MAX_ROWS, HotRows};
 pub use info::{Backend, Capability, DeviceInfo, PcieLink};
 pub use managed::ManagedBuffer;

@@ -82,6 +82,10 @@ pub static GATHER: KernelSource = KernelSource {
         "gpuio_gather_hot_8",
         "gpuio_gather_hot_4",
         "gpuio_gather_hot_1",
+        "gpuio_gather_hot_jobs_16",
+        "gpuio_gather_hot_jobs_8",
+        "gpuio_gather_hot_jobs_4",
+        "gpuio_gather_hot_jobs_1",
     ],
     ptx: &[
         EmbeddedPtx {
@@ -148,6 +152,14 @@ pub enum GatherKernel {
     GatherHot4,
     /// `gpuio_gather_hot_1`
     GatherHot1,
+    /// `gpuio_gather_hot_jobs_16`
+    GatherHotJobs16,
+    /// `gpuio_gather_hot_jobs_8`
+    GatherHotJobs8,
+    /// `gpuio_gather_hot_jobs_4`
+    GatherHotJobs4,
+    /// `gpuio_gather_hot_jobs_1`
+    GatherHotJobs1,
 }
 
 impl Kernel for GatherKernel {

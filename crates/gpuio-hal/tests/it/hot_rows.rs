@@ -5,8 +5,8 @@
 //! each piece width; and the refusals: rows past the pool, another pool.
 
 use gpuio_hal::{
-    BackendPreference, DeviceBuffer, Gpu, HalError, HostAllocOptions, HostBuffer, RowIndices,
-    Stream, pattern, probe,
+    BackendPreference, DeviceBuffer, Gpu, HalError, HostAllocOptions, HostBuffer, HotGather,
+    RowIndices, Stream, pattern, probe,
 };
 use gpuio_testkit::Requirement;
 
@@ -144,4 +144,172 @@ fn rows_past_the_pool_and_other_pools_are_refused() {
         gather(&stream, &pool, &none, &[3, 0], &dst).unwrap(),
         rows_of(pool_bytes, row, &[3, 0])
     );
+}
+
+/// The jobs' lists one after another, as little-endian bytes.
+fn list_bytes(lists: &[&[u64]]) -> Vec<u8> {
+    lists
+        .iter()
+        .flat_map(|l| l.iter())
+        .flat_map(|i| i.to_le_bytes())
+        .collect()
+}
+
+#[test]
+fn several_pools_gather_through_their_hot_rows_in_one_call() {
+    let gpu = gpu();
+    let stream = gpu.stream().unwrap();
+    for row in [48usize, 20, 7] {
+        let pools: Vec<HostBuffer> = (0..3)
+            .map(|k| pool(&gpu, row, 10 * row as u64 + k))
+            .collect();
+        let hots: Vec<_> = pools
+            .iter()
+            .enumerate()
+            .map(|(k, p)| {
+                let keep: Vec<u64> = (0..ROWS as u64)
+                    .filter(|r| r % (k as u64 + 2) == 0)
+                    .collect();
+                stream.keep_hot(p, row, &keep).unwrap()
+            })
+            .collect();
+        // Kept rows read as their copies: rewrite the pools after keeping them.
+        let before: Vec<Vec<u8>> = pools.iter().map(|p| p.as_slice().to_vec()).collect();
+        let mut pools = pools;
+        for (k, p) in pools.iter_mut().enumerate() {
+            pattern::fill(p, 0, 77 + k as u64);
+        }
+        let ids: Vec<Vec<u64>> = [24usize, 0, 500]
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| {
+                (0..n as u64)
+                    .map(|i| pattern::mix64(i ^ (k as u64) << 32) % ROWS as u64)
+                    .collect()
+            })
+            .collect();
+        let want = |k: usize| -> Vec<u8> {
+            ids[k]
+                .iter()
+                .flat_map(|&i| {
+                    let kept = i % (k as u64 + 2) == 0;
+                    let src = if kept {
+                        &before[k]
+                    } else {
+                        pools[k].as_slice()
+                    };
+                    src[i as usize * row..(i as usize + 1) * row].to_vec()
+                })
+                .collect()
+        };
+        let lists: Vec<&[u64]> = ids.iter().map(Vec::as_slice).collect();
+        let bytes = list_bytes(&lists);
+        let mut pinned =
+            HostBuffer::alloc_pinned(bytes.len().max(8), &HostAllocOptions::default(), &gpu)
+                .unwrap();
+        pinned.as_mut_slice()[..bytes.len()].copy_from_slice(&bytes);
+        let device = gpu.alloc(bytes.len()).unwrap();
+        stream.upload(&bytes, &device, 0).unwrap();
+        let staged_to = gpu.alloc(bytes.len()).unwrap();
+        // The jobs write into one buffer at offsets of their own, and a second buffer.
+        let dst = gpu.alloc(600 * row).unwrap();
+        let other = gpu.alloc(500 * row).unwrap();
+        for (name, indices) in [
+            ("device", RowIndices::Device(&device)),
+            ("pinned", RowIndices::Pinned(&pinned)),
+            (
+                "staged",
+                RowIndices::Staged {
+                    host: &pinned,
+                    device: &staged_to,
+                },
+            ),
+        ] {
+            stream.fill_pattern(&dst, 0, 600 * row, 3).unwrap();
+            let jobs = [
+                HotGather {
+                    pool: &pools[0],
+                    hot: &hots[0],
+                    count: ids[0].len(),
+                    dst: &dst,
+                    dst_offset: 5 * row,
+                },
+                HotGather {
+                    pool: &pools[1],
+                    hot: &hots[1],
+                    count: 0,
+                    dst: &dst,
+                    dst_offset: 0,
+                },
+                HotGather {
+                    pool: &pools[2],
+                    hot: &hots[2],
+                    count: ids[2].len(),
+                    dst: &other,
+                    dst_offset: 0,
+                },
+            ];
+            let took = stream.gather_hot_jobs_timed(&jobs, indices).unwrap();
+            assert!(took > std::time::Duration::ZERO, "{name}");
+            let mut got = vec![0u8; ids[0].len() * row];
+            stream.download(&dst, 5 * row, &mut got).unwrap();
+            assert_eq!(got, want(0), "{name}, first job, rows of {row} B");
+            let mut got = vec![0u8; ids[2].len() * row];
+            stream.download(&other, 0, &mut got).unwrap();
+            assert_eq!(got, want(2), "{name}, third job, rows of {row} B");
+            // Nothing else of `dst` was written.
+            let mut head = vec![0u8; 5 * row];
+            stream.download(&dst, 0, &mut head).unwrap();
+            assert_eq!(pattern::first_deviation(&head, 0, 3), None, "{name}");
+        }
+    }
+}
+
+#[test]
+fn a_hot_gather_of_several_pools_refuses_what_it_cannot_run() {
+    let gpu = gpu();
+    let stream = gpu.stream().unwrap();
+    let (a, b) = (pool(&gpu, 32, 1), pool(&gpu, 16, 2));
+    let hot_a = stream.keep_hot(&a, 32, &[1, 2]).unwrap();
+    let hot_b = stream.keep_hot(&b, 16, &[1]).unwrap();
+    let dst = gpu.alloc(64 * 32).unwrap();
+    let list = gpu.alloc(64 * 8).unwrap();
+    let job = |pool, hot, count, dst_offset| HotGather {
+        pool,
+        hot,
+        count,
+        dst: &dst,
+        dst_offset,
+    };
+    let refused = |jobs: &[HotGather<'_>], why: &str| {
+        let err = stream
+            .gather_hot_jobs(jobs, RowIndices::Device(&list))
+            .unwrap_err();
+        assert!(err.to_string().contains(why), "{err}");
+    };
+    refused(&[], "needs a job");
+    refused(&[job(&a, &hot_a, 1, 0), job(&b, &hot_b, 1, 32)], "one size");
+    refused(&[job(&a, &hot_a, 1, 0); 9], "more than 8");
+    refused(&[job(&b, &hot_a, 1, 0)], "another pool");
+    refused(&[job(&a, &hot_a, 64, 32)], "rows");
+    refused(&[job(&a, &hot_a, 65, 0)], "row indices");
+    let err = stream
+        .gather_hot_jobs(&[job(&a, &hot_a, 2, 0)], RowIndices::Device(&dst))
+        .unwrap_err();
+    assert!(err.to_string().contains("different buffers"), "{err}");
+    // A row past its pool is reported at its position in the whole list, naming its pool's
+    // rows; the other rows are gathered.
+    let ids = [3u64, 4, 1, ROWS as u64, 2];
+    stream.upload(&list_bytes(&[&ids]), &list, 0).unwrap();
+    match stream.gather_hot_jobs(
+        &[job(&a, &hot_a, 2, 0), job(&a, &hot_a, 3, 2 * 32)],
+        RowIndices::Device(&list),
+    ) {
+        Err(HalError::IndexOutOfRange { position: 3, rows }) => assert_eq!(rows, ROWS as u64),
+        other => panic!("a row past the pool: {other:?}"),
+    }
+    let mut got = vec![0u8; 5 * 32];
+    stream.download(&dst, 0, &mut got).unwrap();
+    assert_eq!(&got[..3 * 32], &rows_of(a.as_slice(), 32, &ids[..3])[..]);
+    assert_eq!(&got[4 * 32..], &rows_of(a.as_slice(), 32, &ids[4..])[..]);
 }

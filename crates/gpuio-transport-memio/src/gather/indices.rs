@@ -207,6 +207,41 @@ impl MemIo {
         out
     }
 
+    /// Stages `lists` one after another, whole, where the device reads them (pinned memory,
+    /// copied on to device memory in one DMA unless `path` is `Pinned`), and runs `f` with a
+    /// stream and them: for one launch that reads them all.
+    pub(super) fn with_lists<T>(
+        &self,
+        gpu: &Gpu,
+        lists: &[&[u64]],
+        path: IndexPath,
+        f: impl FnOnce(&Stream, RowIndices<'_>) -> Result<T>,
+    ) -> Result<T> {
+        let bytes = lists.iter().map(|l| l.len() * 8).sum::<usize>();
+        let mut stage = self.take_stage(gpu, bytes)?;
+        let mut at = 0;
+        for list in lists {
+            encode_indices(list, &mut stage.host[at..at + list.len() * 8]);
+            at += list.len() * 8;
+        }
+        let on_device = path != IndexPath::Pinned;
+        let out = (|| {
+            if on_device && stage.device.is_none() {
+                stage.device = Some(gpu.alloc(stage.host.len())?);
+            }
+            let indices = match stage.device.as_ref().filter(|_| on_device) {
+                Some(device) => RowIndices::Staged {
+                    host: &stage.host,
+                    device,
+                },
+                None => RowIndices::Pinned(&stage.host),
+            };
+            self.with_stream(gpu, |s| f(s, indices))
+        })();
+        self.give_stage(gpu, stage);
+        out
+    }
+
     /// A pinned index stage of at least `bytes` from the device's pool (or a new one).
     fn take_stage(&self, gpu: &Gpu, bytes: usize) -> Result<IndexStage> {
         let dev = self.device(gpu)?;

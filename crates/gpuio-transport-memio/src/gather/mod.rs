@@ -33,10 +33,12 @@
 //! paths that move the rows.
 
 mod indices;
+mod jobs;
 mod paths;
 mod planner;
 
 pub(crate) use indices::IndexStage;
+pub use jobs::HotLookup;
 pub(crate) use planner::Planner;
 
 use crate::{MemIo, Result};

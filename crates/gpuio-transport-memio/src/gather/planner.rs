@@ -24,9 +24,17 @@ pub(super) struct ShapeKey {
     /// Through hot rows ([`MemIo::gather_hot`]): the GPU's paths read kept rows from device
     /// memory, and there is no sorted path.
     hot: bool,
+    /// Pools gathered together ([`MemIo::gather_hot_jobs`]): one launch and one wait serve
+    /// them all, so the paths compare otherwise than for one pool's rows.
+    jobs: usize,
 }
 
 impl ShapeKey {
+    /// The class of a call gathering `jobs` pools' rows together.
+    pub(super) fn of_jobs(self, jobs: usize) -> Self {
+        Self { jobs, ..self }
+    }
+
     /// Whether `Auto` may choose path `i` of [`STRATEGIES`] for this shape.
     fn offers(&self, i: usize) -> bool {
         !(self.hot && i == SORTED)
@@ -254,6 +262,7 @@ impl MemIo {
             rows_log2: log2(rows),
             indices,
             hot,
+            jobs: 1,
         }
     }
 
@@ -291,6 +300,7 @@ mod tests {
         rows_log2: 20,
         indices: IndexPlace::Host,
         hot: false,
+        jobs: 1,
     };
 
     /// One `Auto` call: choose, then report what the chosen path reached; a hybrid call

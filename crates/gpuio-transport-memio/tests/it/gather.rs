@@ -18,7 +18,7 @@ const FORCED: [GatherStrategy; 4] = [
     GatherStrategy::Hybrid,
 ];
 
-fn engine() -> MemIo {
+pub(crate) fn engine() -> MemIo {
     let p = probe(BackendPreference::Auto).unwrap();
     if !p.cuda.available {
         Requirement::Cuda.missing(format_args!(
@@ -34,14 +34,14 @@ fn engine() -> MemIo {
     MemIo::new(p.gpus, config).unwrap()
 }
 
-fn seed() -> u64 {
+pub(crate) fn seed() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_nanos() as u64
 }
 
-fn pool(io: &MemIo, len: usize, seed: u64, pinned: bool) -> HostBuffer {
+pub(crate) fn pool(io: &MemIo, len: usize, seed: u64, pinned: bool) -> HostBuffer {
     let gpu = io.gpu(0).unwrap();
     let mut b = HostBuffer::alloc(len, &HostAllocOptions::default()).unwrap();
     pattern::fill(&mut b, 0, seed);
@@ -51,7 +51,7 @@ fn pool(io: &MemIo, len: usize, seed: u64, pinned: bool) -> HostBuffer {
     b
 }
 
-fn random_indices(n: usize, rows: usize, seed: u64) -> Vec<u64> {
+pub(crate) fn random_indices(n: usize, rows: usize, seed: u64) -> Vec<u64> {
     (0..n)
         .map(|i| pattern::mix64(seed ^ (i as u64).wrapping_mul(0x9e37)) % rows as u64)
         .collect()
@@ -63,7 +63,12 @@ fn reference(pool: &[u8], rb: usize, idx: &[u64]) -> Vec<u8> {
         .collect()
 }
 
-fn download(io: &MemIo, dev: &gpuio_hal::DeviceBuffer, off: usize, len: usize) -> Vec<u8> {
+pub(crate) fn download(
+    io: &MemIo,
+    dev: &gpuio_hal::DeviceBuffer,
+    off: usize,
+    len: usize,
+) -> Vec<u8> {
     let mut out = vec![0u8; len];
     io.download(dev, off, &mut out).unwrap();
     out

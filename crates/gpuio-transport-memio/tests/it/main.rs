@@ -5,5 +5,6 @@
 //! `GPUIO_REQUIRE_<X>=1` makes that a failure (`gpuio_testkit::Requirement`).
 
 mod gather;
+mod gather_jobs;
 mod memio;
 mod staging;

@@ -24,6 +24,7 @@ mod cufile;
 mod device;
 mod driver;
 mod event;
+mod hot_jobs;
 mod memory;
 mod module;
 mod nvrtc;
