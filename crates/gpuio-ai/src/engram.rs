@@ -22,16 +22,19 @@
 //! reads it once.
 
 mod hot;
+mod together;
 
 use crate::context::AiWork;
 use crate::{AiError, Result};
 use gpuio_ai_device::{ScoreRows, dot_scores};
 use gpuio_api::{Backend, DeviceBuffer, HostMemory, HostPlacement, Session};
+use gpuio_hal::HostBuffer;
 use gpuio_transport_memio::{GatherOptions, GatherStrategy};
 use hot::HotTier;
 pub use hot::HotTierStats;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::thread::JoinHandle;
+pub use together::TableLookup;
 
 /// An Engram table in pinned host memory. Clones share the table and its hot tier.
 #[derive(Debug, Clone)]
@@ -157,9 +160,22 @@ impl EngramTable {
         let _lease = work.lease_in(session)?;
         let hot = self.hot.read().unwrap_or_else(PoisonError::into_inner);
         let table = self.mem.read();
-        let tier = hot.as_ref().filter(|t| t.serves(dst.gpu()));
-        if let Some(tier) = tier {
-            let r = tier.lookup(session, &table, ids, dst, dst_offset)?;
+        self.gather_held(session, hot.as_ref(), &table, ids, dst, dst_offset)
+    }
+
+    /// The lookup with the table's locks held: through the hot tier where it serves `dst`'s
+    /// device.
+    fn gather_held(
+        &self,
+        session: &Session,
+        hot: Option<&HotTier>,
+        table: &HostBuffer,
+        ids: &[u64],
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<Lookup> {
+        if let Some(tier) = hot.filter(|t| t.serves(dst.gpu())) {
+            let r = tier.lookup(session, table, ids, dst, dst_offset)?;
             return Ok(Lookup {
                 rows: r.rows,
                 rows_fetched: r.rows_fetched,
@@ -170,7 +186,7 @@ impl EngramTable {
         let opts = GatherOptions::default();
         let r = session
             .memio()
-            .gather(&table, self.row_bytes, ids, dst, dst_offset, &opts)
+            .gather(table, self.row_bytes, ids, dst, dst_offset, &opts)
             .map_err(gpuio_api::Error::from)?;
         Ok(Lookup {
             rows: r.rows,

@@ -206,6 +206,43 @@ def test_engram_table_lookup_store_hot_tier_and_prefetch(s):
         t.lookup([rows], out)
 
 
+def test_engram_lookups_in_several_tables_run_together(s):
+    rng = np.random.default_rng(5)
+    row = 64
+    tables, contents = [], []
+    for rows in (500, 300, 200):
+        t = ai.EngramTable(s, rows, row)
+        c = rng.integers(0, 256, (rows, row), dtype=np.uint8)
+        s.copy(c, t.memory())
+        tables.append(t)
+        contents.append(c)
+    tables[0].keep_hot(list(range(0, 500, 3)))
+    tables[1].keep_hot(list(range(0, 300, 2)))
+    ids = [rng.integers(0, n, k) for n, k in ((500, 24), (300, 40), (200, 7))]
+    out = s.alloc_device((24 + 40) * row)
+    other = s.alloc_device(7 * row)
+    # Both kept: one gather; with a table that keeps nothing: one by one. Either way the rows.
+    for _ in range(12):
+        reports = ai.EngramTable.lookup_tables(
+            [(tables[0], ids[0], out), (tables[1], ids[1], out, 24 * row)]
+        )
+        assert [r["rows"] for r in reports] == [24, 40] and all(r["hot"] for r in reports)
+        got = host(s, out).reshape(-1, row)
+        assert np.array_equal(got[:24], contents[0][ids[0]])
+        assert np.array_equal(got[24:], contents[1][ids[1]])
+    reports = ai.EngramTable.lookup_tables(
+        [(tables[2], ids[2].tolist(), other), (tables[0], ids[0], out)]
+    )
+    assert [r["hot"] for r in reports] == [False, True]
+    assert np.array_equal(host(s, other).reshape(-1, row), contents[2][ids[2]])
+    assert ai.EngramTable.lookup_tables([]) == []
+    # A bad id is refused before anything moves; so is a malformed lookup.
+    with pytest.raises(gpuio.Error):
+        ai.EngramTable.lookup_tables([(tables[0], ids[0], out), (tables[2], [200], other)])
+    with pytest.raises(ValueError):
+        ai.EngramTable.lookup_tables([(tables[0], ids[0], out, 0, 1)])
+
+
 def test_engram_similarity_and_graph_gathers(s, tmp_path):
     t = ai.EngramTable(s, 4, 8)  # rows of two f32 values
     vals = np.array([[1, 0], [0, 1], [0.5, 0.5], [-1, 0]], dtype=np.float32)

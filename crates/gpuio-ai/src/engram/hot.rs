@@ -50,6 +50,11 @@ impl HotTier {
         })
     }
 
+    /// The kept copies.
+    pub(super) fn rows(&self) -> &HotRows {
+        &self.rows
+    }
+
     pub(super) fn is_current(&self) -> bool {
         self.current.load(Ordering::Acquire)
     }

@@ -251,3 +251,189 @@ fn a_hot_tier_serves_kept_rows_and_stays_true_through_stores() {
     assert_eq!(table.hot_stats(), None);
     assert!(!check(&probe));
 }
+
+/// A table of `rows` rows, filled from `seed`, keeping hot copies of every third row on GPU 0
+/// when `hot`.
+fn table(session: &Session, rows: u64, seed: u64, hot: bool) -> EngramTable {
+    let t = EngramTable::new(session, rows, ROW, HostPlacement::Dram { numa: None }).unwrap();
+    pattern::fill(&mut t.memory().write(), 0, seed);
+    if hot {
+        let keep: Vec<u64> = (0..rows).filter(|r| r % 3 == 0).collect();
+        t.keep_hot(session, 0, &keep).unwrap();
+    }
+    t
+}
+
+/// Downloads `n` rows of `dst` from row `at` and compares them with `table`'s rows `ids`.
+fn same_rows(dst: &gpuio_api::DeviceBuffer, at: usize, table: &EngramTable, ids: &[u64]) {
+    let mut out = vec![0u8; ids.len() * ROW];
+    let stream = dst.gpu().stream().unwrap();
+    stream.download(dst, at * ROW, &mut out).unwrap();
+    let t = table.memory().read();
+    for (i, &id) in ids.iter().enumerate() {
+        let want = &t[id as usize * ROW..(id as usize + 1) * ROW];
+        assert!(out[i * ROW..(i + 1) * ROW] == *want, "row {i} (id {id})");
+    }
+}
+
+/// Lookups in several tables run together (one gather where each keeps hot rows, one by one
+/// where one does not), read what each table holds, see rows stored since, and refuse a bad
+/// id before anything moves.
+#[test]
+fn lookups_in_several_tables_run_together() {
+    use gpuio_ai::engram::TableLookup;
+    let session = Session::new(Config::default()).unwrap();
+    let (a, b, c) = (
+        table(&session, 5000, 0xa, true),
+        table(&session, 3000, 0xb, true),
+        table(&session, 2000, 0xc, false),
+    );
+    let ids_a = skewed_ids(24, 5000, 4);
+    let ids_b = skewed_ids(384, 3000, 5);
+    let dst = session.alloc_device(0, (24 + 384) * ROW).unwrap();
+    let both = [
+        TableLookup {
+            table: &a,
+            ids: &ids_a,
+            dst: &dst,
+            dst_offset: 0,
+        },
+        TableLookup {
+            table: &b,
+            ids: &ids_b,
+            dst: &dst,
+            dst_offset: 24 * ROW,
+        },
+    ];
+    // Until Auto took a GPU path (its first calls try each): every call checked.
+    let mut on_gpu = false;
+    for _ in 0..16 {
+        let r = EngramTable::lookup_tables(&session, &both).unwrap();
+        assert_eq!((r.len(), r[0].rows, r[1].rows), (2, 24, 384));
+        assert!(r.iter().all(|l| l.hot), "{r:?}");
+        same_rows(&dst, 0, &a, &ids_a);
+        same_rows(&dst, 24, &b, &ids_b);
+        if r[0].strategy != gpuio_transport_memio::GatherStrategy::CpuStaged {
+            on_gpu = true;
+            break;
+        }
+    }
+    assert!(on_gpu, "16 lookups and none on a GPU path");
+    // Rows stored in one table (kept ones among them) are what the next lookup reads.
+    let fresh_ids: Vec<u64> = ids_b[..50]
+        .iter()
+        .copied()
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let mut fresh = vec![0u8; fresh_ids.len() * ROW];
+    pattern::fill(&mut fresh, 0, 0xf7e5);
+    let src = session.alloc_device(0, fresh.len()).unwrap();
+    src.gpu().stream().unwrap().upload(&fresh, &src, 0).unwrap();
+    b.store(&session, &fresh_ids, &src, 0).unwrap();
+    EngramTable::lookup_tables(&session, &both).unwrap();
+    same_rows(&dst, 24, &b, &ids_b);
+    // A table without a hot tier (and one named twice): one by one, the same rows.
+    let ids_c = skewed_ids(100, 2000, 6);
+    let mixed = [
+        both[0],
+        TableLookup {
+            table: &c,
+            ids: &ids_c,
+            dst: &dst,
+            dst_offset: 24 * ROW,
+        },
+        TableLookup {
+            table: &a,
+            ids: &ids_a[..10],
+            dst: &dst,
+            dst_offset: 124 * ROW,
+        },
+    ];
+    let r = EngramTable::lookup_tables(&session, &mixed).unwrap();
+    assert_eq!(
+        r.iter().map(|l| l.hot).collect::<Vec<_>>(),
+        [true, false, true]
+    );
+    same_rows(&dst, 0, &a, &ids_a);
+    same_rows(&dst, 24, &c, &ids_c);
+    same_rows(&dst, 124, &a, &ids_a[..10]);
+    // An id past its table is refused before anything moves.
+    let before = {
+        let mut out = vec![0u8; dst.len()];
+        dst.gpu()
+            .stream()
+            .unwrap()
+            .download(&dst, 0, &mut out)
+            .unwrap();
+        out
+    };
+    let bad = [
+        both[1],
+        TableLookup {
+            ids: &[2000],
+            ..mixed[1]
+        },
+    ];
+    assert!(EngramTable::lookup_tables(&session, &bad).is_err());
+    let mut after = vec![0u8; dst.len()];
+    dst.gpu()
+        .stream()
+        .unwrap()
+        .download(&dst, 0, &mut after)
+        .unwrap();
+    assert!(after == before, "a refused lookup moved rows");
+    assert!(
+        EngramTable::lookup_tables(&session, &[])
+            .unwrap()
+            .is_empty()
+    );
+}
+
+/// Calls naming the same tables in opposite orders, beside `keep_hot` and stores on each
+/// table, all finish (every caller locks the tables in one order).
+#[test]
+fn lookups_in_tables_named_in_either_order_do_not_deadlock() {
+    use gpuio_ai::engram::TableLookup;
+    use std::sync::Arc;
+    let session = Arc::new(Session::new(Config::default()).unwrap());
+    let a = table(&session, 600, 1, true);
+    let b = table(&session, 600, 2, true);
+    let ids: Vec<u64> = (0..48).map(|i| i * 7 % 600).collect();
+    std::thread::scope(|s| {
+        for flip in [false, true] {
+            let (session, a, b, ids) = (&session, &a, &b, &ids);
+            s.spawn(move || {
+                let dst = session.alloc_device(0, 2 * 48 * ROW).unwrap();
+                let (x, y) = if flip { (b, a) } else { (a, b) };
+                for _ in 0..100 {
+                    let lookups = [
+                        TableLookup {
+                            table: x,
+                            ids,
+                            dst: &dst,
+                            dst_offset: 0,
+                        },
+                        TableLookup {
+                            table: y,
+                            ids,
+                            dst: &dst,
+                            dst_offset: 48 * ROW,
+                        },
+                    ];
+                    EngramTable::lookup_tables(session, &lookups).unwrap();
+                }
+            });
+        }
+        let (session, a, b) = (&session, &a, &b);
+        s.spawn(move || {
+            let keep: Vec<u64> = (0..600).step_by(5).collect();
+            let src = session.alloc_device(0, 4 * ROW).unwrap();
+            for k in 0..40 {
+                let t = if k % 2 == 0 { a } else { b };
+                t.keep_hot(session, 0, &keep).unwrap();
+                t.store(session, &[1, 5, 9, 10], &src, 0).unwrap();
+            }
+        });
+    });
+}

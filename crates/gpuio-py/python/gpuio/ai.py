@@ -338,6 +338,21 @@ class EngramTable:
         d = _device(self._s, dst, True, "a lookup's destination")
         return self._t.lookup(_ids(ids), d, dst_offset)
 
+    @staticmethod
+    def lookup_tables(lookups):
+        """Runs every lookup of ``lookups`` together: tuples ``(table, ids, dst)`` or
+        ``(table, ids, dst, dst_offset)``, as :meth:`lookup` takes them. Where every table
+        keeps hot rows on its destination's GPU they are one gather (one launch and one wait
+        for all, where a lookup per table waits once per table). A report per lookup."""
+        calls = []
+        for lookup in lookups:
+            table, ids, dst, *rest = lookup
+            if len(rest) > 1:
+                raise ValueError("a lookup is (table, ids, dst) or (table, ids, dst, dst_offset)")
+            d = _device(table._s, dst, True, "a lookup's destination")
+            calls.append((table._t, _ids(ids), d, rest[0] if rest else 0))
+        return _ai.EngramTable.lookup_tables(calls)
+
     def store(self, ids, src, src_offset=0):
         """Writes source row ``i`` of ``src`` (GPU memory) to table row ``ids[i]``."""
         d = _device(self._s, src, False, "a store's source")

@@ -121,6 +121,67 @@ impl EngramTable {
         lookup_report(py, &r)
     }
 
+    /// Runs every lookup of `lookups`, each a tuple (table, ids, dst, dst_offset), together:
+    /// one gather where every table keeps hot rows on its destination's device (one launch
+    /// and one wait for all). A report per lookup.
+    #[staticmethod]
+    fn lookup_tables<'py>(
+        py: Python<'py>,
+        lookups: Vec<(
+            PyRef<'py, EngramTable>,
+            Bound<'py, PyAny>,
+            PyRef<'py, DeviceBuffer>,
+            usize,
+        )>,
+    ) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let Some(first) = lookups.first() else {
+            return Ok(Vec::new());
+        };
+        let session = Arc::clone(&first.0.session);
+        if lookups.iter().any(|l| !Arc::ptr_eq(&l.0.session, &session)) {
+            return Err(invalid("the tables of one call must share a session"));
+        }
+        let ids = lookups
+            .iter()
+            .map(|l| indices(&l.1, "Engram ids"))
+            .collect::<PyResult<Vec<_>>>()?;
+        let parts: Vec<(&EngramTable, &[u64], &DeviceBuffer, usize)> = lookups
+            .iter()
+            .zip(&ids)
+            .map(|(l, ids)| (&*l.0, &ids[..], &*l.2, l.3))
+            .collect();
+        let dsts: Vec<&DeviceBuffer> = parts.iter().map(|p| p.2).collect();
+        let wait = shared_gpus(&dsts);
+        let reports = py
+            .detach(|| {
+                settle(&wait)?;
+                // Each handle read-locked once, in address order (a caller naming the same
+                // tables in another order cannot deadlock with it beside `set_work`).
+                let mut order: Vec<&EngramTable> = parts.iter().map(|p| p.0).collect();
+                order.sort_by_key(|t| std::ptr::from_ref(*t));
+                order.dedup_by_key(|t| std::ptr::from_ref(*t));
+                let guards: Vec<_> = order.iter().map(|t| t.table()).collect();
+                let handle = |t: &EngramTable| {
+                    let at = order
+                        .binary_search_by_key(&std::ptr::from_ref(t), |u| std::ptr::from_ref(*u))
+                        .unwrap_or(0);
+                    &*guards[at]
+                };
+                let lookups: Vec<engram::TableLookup<'_>> = parts
+                    .iter()
+                    .map(|&(t, ids, dst, dst_offset)| engram::TableLookup {
+                        table: handle(t),
+                        ids,
+                        dst: &dst.buf,
+                        dst_offset,
+                    })
+                    .collect();
+                engram::EngramTable::lookup_tables(&session, &lookups)
+            })
+            .map_err(to_py)?;
+        reports.iter().map(|r| lookup_report(py, r)).collect()
+    }
+
     /// Writes source row `i` (at `src_offset + i * row_bytes` of `src`) to row `ids[i]`.
     #[pyo3(signature = (ids, src, src_offset=0))]
     fn store(
