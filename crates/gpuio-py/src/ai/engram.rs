@@ -29,6 +29,15 @@ fn hot_report<'py>(py: Python<'py>, s: &HotTierStats) -> PyResult<Bound<'py, PyD
     Ok(d)
 }
 
+/// One lookup of `EngramTable.lookup_tables` as Python passes it: (table, ids, dst,
+/// dst_offset).
+type PyLookup<'py> = (
+    PyRef<'py, EngramTable>,
+    Bound<'py, PyAny>,
+    PyRef<'py, DeviceBuffer>,
+    usize,
+);
+
 /// An Engram table in pinned host memory (DRAM or CXL). Clones on the Rust side share it.
 #[pyclass(module = "gpuio.ai", frozen)]
 pub struct EngramTable {
@@ -127,12 +136,7 @@ impl EngramTable {
     #[staticmethod]
     fn lookup_tables<'py>(
         py: Python<'py>,
-        lookups: Vec<(
-            PyRef<'py, EngramTable>,
-            Bound<'py, PyAny>,
-            PyRef<'py, DeviceBuffer>,
-            usize,
-        )>,
+        lookups: Vec<PyLookup<'py>>,
     ) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let Some(first) = lookups.first() else {
             return Ok(Vec::new());
