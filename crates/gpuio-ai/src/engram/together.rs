@@ -7,6 +7,7 @@ use super::{EngramTable, HotTier, Lookup};
 use crate::{AiError, Result};
 use gpuio_api::{DeviceBuffer, Session};
 use gpuio_hal::HOT_MAX_JOBS;
+use gpuio_hal::gpu::check_disjoint;
 use gpuio_transport_memio::{GatherOptions, HotLookup};
 use std::sync::{Arc, PoisonError};
 
@@ -28,14 +29,26 @@ impl EngramTable {
     /// Runs every lookup of `lookups`, as [`lookup`](Self::lookup) would, together. Where
     /// each table keeps hot rows ([`keep_hot`](Self::keep_hot)) on its destination's device,
     /// its rows are of one size and the destinations are on one device, the lookups are one
-    /// gather (eight tables per gather at most); otherwise they run one by one. Every id is
-    /// checked before anything moves. The call holds one lease, of the most urgent work
+    /// gather (eight tables per gather at most); otherwise they run one by one. Every id and
+    /// destination is checked before anything moves (lookups writing the same bytes are
+    /// refused). The call holds one lease, of the most urgent work
     /// among the tables' ([`set_work`](Self::set_work)), and each table's locks (taken in
     /// one order by every caller) for its whole length.
     pub fn lookup_tables(session: &Session, lookups: &[TableLookup<'_>]) -> Result<Vec<Lookup>> {
+        // Everything checked before anything moves (groups of eight run one after another):
+        // the ids, the destinations' room, and that no two lookups write the same bytes.
+        let mut spans = Vec::with_capacity(lookups.len());
         for l in lookups {
             l.table.check_ids(l.ids)?;
+            let bytes =
+                l.ids.len().checked_mul(l.table.row_bytes).ok_or_else(|| {
+                    AiError::InvalidArgument("Engram lookup size overflows".into())
+                })?;
+            gpuio_hal::check_range("lookup destination", l.dst_offset, bytes, l.dst.len())
+                .map_err(gpuio_api::Error::from)?;
+            spans.push((l.dst.device_addr() + l.dst_offset as u64, bytes));
         }
+        check_disjoint(spans, "the lookups' destinations").map_err(gpuio_api::Error::from)?;
         let Some(work) = lookups
             .iter()
             .map(|l| l.table.work)

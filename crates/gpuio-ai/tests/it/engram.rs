@@ -319,6 +319,60 @@ fn lookups_in_several_tables_run_together() {
         }
     }
     assert!(on_gpu, "16 lookups and none on a GPU path");
+    // Rows written behind the tiers' backs: a zero-copy call reads every kept row from its
+    // copy (the rows as they were), a CPU-staged one none, a hybrid one some; the others
+    // always from the table. The same table named twice reads the same.
+    let old_b = b.memory().read().to_vec();
+    pattern::fill(&mut b.memory().write(), 0, 0xbb);
+    let new_b = b.memory().read().to_vec();
+    let twice = [
+        both[1],
+        TableLookup {
+            table: &b,
+            ids: &ids_b[..24],
+            dst: &dst,
+            dst_offset: 0,
+        },
+    ];
+    let mut seen_copies = false;
+    for _ in 0..12 {
+        let r = EngramTable::lookup_tables(&session, &twice).unwrap();
+        let mut out = vec![0u8; 408 * ROW];
+        dst.gpu()
+            .stream()
+            .unwrap()
+            .download(&dst, 0, &mut out)
+            .unwrap();
+        for (l, (at, ids)) in r.iter().zip([(24, &ids_b[..]), (0, &ids_b[..24])]) {
+            for (i, &id) in ids.iter().enumerate() {
+                let (row, got) = (id as usize * ROW, &out[(at + i) * ROW..(at + i + 1) * ROW]);
+                let (then, now) = (&old_b[row..row + ROW], &new_b[row..row + ROW]);
+                let copy = id % 3 == 0 && got == then && then != now;
+                seen_copies |= copy;
+                let want_copy =
+                    id % 3 == 0 && l.strategy == gpuio_transport_memio::GatherStrategy::ZeroCopy;
+                match l.strategy {
+                    gpuio_transport_memio::GatherStrategy::Hybrid => {
+                        assert!(
+                            got == now || (id % 3 == 0 && got == then),
+                            "row {i} (id {id})"
+                        )
+                    }
+                    _ => assert!(
+                        got == if want_copy { then } else { now },
+                        "{l:?}: row {i} (id {id})"
+                    ),
+                }
+            }
+        }
+    }
+    assert!(seen_copies, "no kept row was read from its copy");
+    b.keep_hot(
+        &session,
+        0,
+        &(0..3000).filter(|r| r % 3 == 0).collect::<Vec<_>>(),
+    )
+    .unwrap();
     // Rows stored in one table (kept ones among them) are what the next lookup reads.
     let fresh_ids: Vec<u64> = ids_b[..50]
         .iter()

@@ -7,7 +7,7 @@
 //! reads in place) serves them all.
 
 use super::backend::{DevRange, RowJob, RowMem, RowsDone};
-use super::op::{CudaRun, DeviceOp, HostRun};
+use super::op::{CudaRun, DeviceOp, HostRun, check_disjoint};
 use super::{DeviceBuffer, HotRows, RowIndices, RowKernel, Stream};
 use crate::error::{HalError, Result};
 use crate::memory::HostBuffer;
@@ -79,6 +79,11 @@ impl Stream {
             .try_fold(0usize, |n, j| n.checked_add(j.count))
             .and_then(|n| n.checked_mul(8))
             .ok_or_else(|| HalError::InvalidArgument("hot gather size overflows".into()))?;
+        let spans = jobs.iter().map(|j| {
+            let len = j.count.saturating_mul(row_bytes);
+            (j.dst.device_addr().saturating_add(j.dst_offset as u64), len)
+        });
+        check_disjoint(spans.collect(), "the jobs' destinations")?;
         let (idx, upload) = self.job_list(&indices, total, jobs)?;
         let mut checked = Vec::with_capacity(jobs.len());
         let mut at = 0usize;

@@ -159,7 +159,8 @@ fn list_bytes(lists: &[&[u64]]) -> Vec<u8> {
 fn several_pools_gather_through_their_hot_rows_in_one_call() {
     let gpu = gpu();
     let stream = gpu.stream().unwrap();
-    for row in [48usize, 20, 7] {
+    // Each piece width: 16, 8, 4 and 1 bytes.
+    for row in [48usize, 24, 20, 7] {
         let pools: Vec<HostBuffer> = (0..3)
             .map(|k| pool(&gpu, row, 10 * row as u64 + k))
             .collect();
@@ -291,18 +292,29 @@ fn a_hot_gather_of_several_pools_refuses_what_it_cannot_run() {
     refused(&[job(&a, &hot_a, 1, 0), job(&b, &hot_b, 1, 32)], "one size");
     refused(&[job(&a, &hot_a, 1, 0); 9], "more than 8");
     refused(&[job(&b, &hot_a, 1, 0)], "another pool");
-    refused(&[job(&a, &hot_a, 64, 32)], "rows");
+    let err = stream
+        .gather_hot_jobs(&[job(&a, &hot_a, 64, 32)], RowIndices::Device(&list))
+        .unwrap_err();
+    assert!(
+        matches!(err, HalError::OutOfRange { what: "rows", .. }),
+        "{err}"
+    );
+    refused(&[job(&a, &hot_a, 2, 0), job(&a, &hot_a, 2, 32)], "overlap");
     refused(&[job(&a, &hot_a, 65, 0)], "row indices");
     let err = stream
         .gather_hot_jobs(&[job(&a, &hot_a, 2, 0)], RowIndices::Device(&dst))
         .unwrap_err();
     assert!(err.to_string().contains("different buffers"), "{err}");
-    // A row past its pool is reported at its position in the whole list, naming its pool's
-    // rows; the other rows are gathered.
-    let ids = [3u64, 4, 1, ROWS as u64, 2];
+    // A row past its pool is reported at its position in the whole list, naming its own
+    // pool's rows (the first pool has more); the other rows are gathered.
+    let mut big =
+        HostBuffer::alloc_pinned(2 * ROWS * 32, &HostAllocOptions::default(), &gpu).unwrap();
+    pattern::fill(&mut big, 0, 3);
+    let hot_big = stream.keep_hot(&big, 32, &[5]).unwrap();
+    let ids = [3u64, ROWS as u64 + 4, 1, ROWS as u64, 2];
     stream.upload(&list_bytes(&[&ids]), &list, 0).unwrap();
     match stream.gather_hot_jobs(
-        &[job(&a, &hot_a, 2, 0), job(&a, &hot_a, 3, 2 * 32)],
+        &[job(&big, &hot_big, 2, 0), job(&a, &hot_a, 3, 2 * 32)],
         RowIndices::Device(&list),
     ) {
         Err(HalError::IndexOutOfRange { position: 3, rows }) => assert_eq!(rows, ROWS as u64),
@@ -310,6 +322,10 @@ fn a_hot_gather_of_several_pools_refuses_what_it_cannot_run() {
     }
     let mut got = vec![0u8; 5 * 32];
     stream.download(&dst, 0, &mut got).unwrap();
-    assert_eq!(&got[..3 * 32], &rows_of(a.as_slice(), 32, &ids[..3])[..]);
+    assert_eq!(&got[..2 * 32], &rows_of(big.as_slice(), 32, &ids[..2])[..]);
+    assert_eq!(
+        &got[2 * 32..3 * 32],
+        &rows_of(a.as_slice(), 32, &ids[2..3])[..]
+    );
     assert_eq!(&got[4 * 32..], &rows_of(a.as_slice(), 32, &ids[4..])[..]);
 }

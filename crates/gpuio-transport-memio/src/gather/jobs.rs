@@ -7,6 +7,7 @@
 use super::indices::IndexPath;
 use super::{GatherOptions, GatherReport, GatherStrategy, IndexPlace};
 use crate::{MemIo, MemIoError, Result};
+use gpuio_hal::gpu::check_disjoint;
 use gpuio_hal::{DeviceBuffer, HOT_MAX_JOBS, HalError, HostBuffer, HotGather, HotRows, RowKernel};
 use std::time::{Duration, Instant};
 
@@ -85,6 +86,13 @@ impl MemIo {
                 .ok_or_else(|| HalError::InvalidArgument("gather size overflows".into()))?;
             gpuio_hal::check_range("gather destination", j.dst_offset, bytes, j.dst.len())?;
         }
+        // Jobs run at once (one launch; the CPU beside the GPU): their rows must not land on
+        // each other's.
+        let spans = jobs.iter().map(|j| {
+            let len = j.indices.len() * row_bytes;
+            (j.dst.device_addr().saturating_add(j.dst_offset as u64), len)
+        });
+        check_disjoint(spans.collect(), "the jobs' destinations")?;
         self.device(gpu)?;
         let rows: usize = jobs.iter().map(|j| j.indices.len()).sum();
         let largest = jobs
@@ -95,13 +103,15 @@ impl MemIo {
         let key = self
             .shape(largest, gpu, row_bytes, rows, IndexPlace::Host, true)
             .of_jobs(jobs.len());
-        let strategy = self.resolve(opts.strategy, largest, key);
+        // A pool no longer pinned can only be gathered by the CPU (`resolve` says so).
+        let unpinned = jobs.iter().map(|j| j.pool).find(|p| !p.is_pinned());
+        let strategy = self.resolve(opts.strategy, unpinned.unwrap_or(largest), key);
         let t = Instant::now();
         if rows > 0 {
             match strategy {
                 GatherStrategy::ZeroCopy => {
                     let all: Vec<usize> = jobs.iter().map(|j| j.indices.len()).collect();
-                    self.launch_jobs(jobs, &all, row_bytes)?;
+                    self.launch_jobs(jobs, &all, row_bytes, false)?;
                 }
                 GatherStrategy::Hybrid => {
                     let share = opts
@@ -135,12 +145,13 @@ impl MemIo {
     }
 
     /// The first `counts[k]` rows of each job `k`, by the GPU's threads in one launch; how
-    /// long the device worked on them.
+    /// long the device worked on them if `timed` (two events: only hybrid calls need it).
     fn launch_jobs(
         &self,
         jobs: &[HotLookup<'_>],
         counts: &[usize],
         row_bytes: usize,
+        timed: bool,
     ) -> Result<Duration> {
         let gpu = jobs[0].dst.gpu();
         let lists: Vec<&[u64]> = jobs
@@ -161,7 +172,12 @@ impl MemIo {
             .collect();
         let path = IndexPath::of(RowKernel::Tuned, row_bytes);
         let out = self.with_lists(gpu, &lists, path, |s, indices| {
-            Ok(s.gather_hot_jobs_timed(&hal_jobs, indices)?)
+            Ok(if timed {
+                s.gather_hot_jobs_timed(&hal_jobs, indices)?
+            } else {
+                s.gather_hot_jobs(&hal_jobs, indices)
+                    .map(|()| Duration::ZERO)?
+            })
         });
         // The device's positions count in the launched lists: map them to the jobs' lists.
         out.map_err(|e| match e {
@@ -217,11 +233,17 @@ impl MemIo {
         share: f64,
         row_bytes: usize,
     ) -> Result<(f64, Duration, Duration)> {
+        // The share of all rows, rounded once over the lists taken together (rounded per
+        // list, short lists would give one side nothing at shares that are not small).
+        let mut before = 0usize;
         let split: Vec<usize> = jobs
             .iter()
             .map(|j| {
                 let n = j.indices.len();
-                ((n as f64 * share).round() as usize).min(n)
+                let at = |rows: usize| (rows as f64 * share).round() as usize;
+                let k = at(before + n).saturating_sub(at(before)).min(n);
+                before += n;
+                k
             })
             .collect();
         let (gpu_rows, rows) = (
@@ -234,7 +256,7 @@ impl MemIo {
             if gpu_rows == 0 {
                 return Ok(Duration::ZERO);
             }
-            self.launch_jobs(jobs, &split, row_bytes)
+            self.launch_jobs(jobs, &split, row_bytes, true)
         });
         let cpu = cpu.ok_or_else(|| {
             MemIoError::Internal("the CPU share of a hybrid gather did not run".into())

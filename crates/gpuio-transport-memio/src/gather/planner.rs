@@ -221,6 +221,12 @@ impl Planner {
     pub(super) fn balance(&self, key: ShapeKey, old: f64, gpu: Duration, cpu: Duration) {
         let (g, c) = (gpu.as_secs_f64(), cpu.as_secs_f64());
         if !(g > 0.0 && c > 0.0) {
+            // One side had no rows (a share that rounds to none of a short list): nothing to
+            // balance, but the call counts, so `choose` stops asking for hybrid calls that
+            // cannot move the share.
+            if let Some(s) = self.shapes.lock_unpoisoned().get_mut(&key) {
+                s.hybrid_calls += 1;
+            }
             return;
         }
         // Rates per unit share; their ratio is the balanced split.

@@ -109,36 +109,99 @@ fn every_path_gathers_each_pools_rows_through_its_hot_rows() {
             assert_eq!((reports[0].rows, reports[1].rows), (24, 999));
             check(share, &format!("{strategy:?}"));
         }
-        // Auto tries the paths (its hybrid calls at shares of its own) and settles on one;
-        // never the sorted one. Each job's rows are those of a GPU share of its list: the
-        // share is where its first kept row read from the pool is.
+        // Auto tries the paths and settles on one; never the sorted one. Zero-copy reads
+        // every kept row from its copy, CPU-staged none; a hybrid call (at a share of its
+        // own) the kept rows of a first part of each list: where its first kept row read from
+        // the pool is.
         for _ in 0..12 {
             let r = io
                 .gather_hot_jobs(&jobs, &GatherOptions::default())
                 .unwrap();
-            assert_ne!(r[0].strategy, GatherStrategy::Sorted);
             for (k, (buf, off)) in [(&dst, 3 * rb), (&other, 0)].into_iter().enumerate() {
                 let got = download(&io, buf, off, ids[k].len() * rb);
                 let now = t.pools[k].as_slice();
-                let gpu_rows = ids[k]
-                    .iter()
-                    .enumerate()
-                    .position(|(i, &r)| {
-                        let (row, at) = (r as usize * rb, i * rb);
-                        r % (k as u64 + 2) == 0
-                            && t.old[k][row..row + rb] != now[row..row + rb]
-                            && got[at..at + rb] == now[row..row + rb]
-                    })
-                    .unwrap_or(ids[k].len());
+                let gpu_rows = match r[k].strategy {
+                    GatherStrategy::ZeroCopy => ids[k].len(),
+                    GatherStrategy::CpuStaged => 0,
+                    GatherStrategy::Hybrid => ids[k]
+                        .iter()
+                        .enumerate()
+                        .position(|(i, &r)| {
+                            let (row, at) = (r as usize * rb, i * rb);
+                            r % (k as u64 + 2) == 0
+                                && t.old[k][row..row + rb] != now[row..row + rb]
+                                && got[at..at + rb] == now[row..row + rb]
+                        })
+                        .unwrap_or(ids[k].len()),
+                    other => panic!("Auto picked {other:?} for a gather through hot rows"),
+                };
                 assert_eq!(
                     got,
                     expected(&t, k, rb, &ids[k], gpu_rows),
                     "Auto ({:?}), job {k}, rows of {rb} B",
-                    r[0].strategy
+                    r[k].strategy
                 );
             }
         }
     }
+}
+
+/// A pool unpinned after its rows were kept can only be gathered by the CPU: every call takes
+/// that path (as one-pool gathers of unpinned pools do), a forced GPU path too.
+#[test]
+fn an_unpinned_pool_is_gathered_by_the_cpu() {
+    let io = engine();
+    let gpu = io.gpu(0).unwrap().clone();
+    let (rb, rows) = (64usize, 256usize);
+    let mut t = tables(&io, rb, rows);
+    t.pools[1].unpin();
+    let ids = [
+        random_indices(30, rows, seed()),
+        random_indices(20, rows, seed() ^ 3),
+    ];
+    let dst = gpu.alloc(50 * rb).unwrap();
+    let jobs = [
+        HotLookup {
+            pool: &t.pools[0],
+            hot: &t.hot[0],
+            indices: &ids[0],
+            dst: &dst,
+            dst_offset: 0,
+        },
+        HotLookup {
+            pool: &t.pools[1],
+            hot: &t.hot[1],
+            indices: &ids[1],
+            dst: &dst,
+            dst_offset: 30 * rb,
+        },
+    ];
+    for _ in 0..6 {
+        let r = io
+            .gather_hot_jobs(&jobs, &GatherOptions::default())
+            .unwrap();
+        assert!(
+            r.iter().all(|r| r.strategy == GatherStrategy::CpuStaged),
+            "{r:?}"
+        );
+        assert_eq!(
+            download(&io, &dst, 0, 30 * rb),
+            expected(&t, 0, rb, &ids[0], 0)
+        );
+        assert_eq!(
+            download(&io, &dst, 30 * rb, 20 * rb),
+            expected(&t, 1, rb, &ids[1], 0)
+        );
+    }
+    let zero_copy = GatherOptions {
+        strategy: GatherStrategy::ZeroCopy,
+        ..GatherOptions::default()
+    };
+    let r = io.gather_hot_jobs(&jobs, &zero_copy).unwrap();
+    assert!(
+        r.iter().all(|r| r.strategy == GatherStrategy::CpuStaged),
+        "{r:?}"
+    );
 }
 
 #[test]
