@@ -2,13 +2,15 @@
 //! step, the HAL's hot gather timed by wall clock with the index list already on the device,
 //! read from pinned memory by the kernel, and staged (one copy, then the kernel); the device's
 //! own time for the first; and MemIO's zero-copy route around the same kernel (its index stage,
-//! pieces and planner). Notes only: the records are the lookups themselves.
+//! pieces and planner); the same list as two jobs of one launch (a step's two tables) through
+//! the HAL and MemIO; and the least a launch and its wait cost. Notes only: the records are
+//! the lookups themselves.
 
 use super::percentile;
 use crate::Result;
 use gpuio_api::Session;
-use gpuio_hal::{HostAllocOptions, HostBuffer, RowIndices};
-use gpuio_transport_memio::{GatherOptions, GatherStrategy};
+use gpuio_hal::{HostAllocOptions, HostBuffer, HotGather, HotRows, RowIndices};
+use gpuio_transport_memio::{GatherOptions, GatherStrategy, HotLookup};
 use std::time::Instant;
 
 const REPS: usize = 30;
@@ -80,6 +82,80 @@ pub(super) fn breakdown(
              device {device_list:.1} µs (device time {device:.1}), read from pinned memory \
              {pinned_list:.1}, staged {staged:.1}; MemIO zero-copy {memio:.1}"
         ));
+        notes.push(two_jobs(session, table, &hot, ids)?);
     }
+    // The least a launch and its wait cost here: the smallest kernel (a 16-byte fill).
+    let tiny = gpu.alloc(16)?;
+    let mut t = Vec::with_capacity(REPS);
+    for _ in 0..REPS {
+        let s = Instant::now();
+        stream.fill_pattern(&tiny, 0, 16, 1)?;
+        t.push(s.elapsed().as_secs_f64() * 1e6);
+    }
+    notes.push(format!(
+        "B2: a launch of the smallest kernel (a 16-byte fill) and its wait: {:.1} µs wall p50",
+        percentile(&mut t, 0.5)
+    ));
     Ok(notes)
+}
+
+/// The same list as two jobs of one launch (a step's two tables): through the HAL (list in
+/// pinned memory, and on the device, with the device's time) and through MemIO.
+fn two_jobs(session: &Session, table: &HostBuffer, hot: &HotRows, ids: &[u64]) -> Result<String> {
+    let gpu = session.gpu(0)?;
+    let stream = gpu.stream()?;
+    let (n, rb) = (ids.len(), hot.row_bytes());
+    let bytes: Vec<u8> = ids
+        .iter()
+        .chain(ids)
+        .flat_map(|i| i.to_le_bytes())
+        .collect();
+    let mut pinned = HostBuffer::alloc_pinned(bytes.len(), &HostAllocOptions::default(), gpu)?;
+    pinned.as_mut_slice().copy_from_slice(&bytes);
+    let on_device = gpu.alloc(bytes.len())?;
+    stream.upload(&bytes, &on_device, 0)?;
+    let dst = gpu.alloc(2 * n * rb)?;
+    let job = |k: usize| HotGather {
+        pool: table,
+        hot,
+        count: n,
+        dst: &dst,
+        dst_offset: k * n * rb,
+    };
+    let jobs = [job(0), job(1)];
+    let (mut pinned_t, mut device_t, mut busy, mut memio_t) = (vec![], vec![], vec![], vec![]);
+    let opts = GatherOptions {
+        strategy: GatherStrategy::ZeroCopy,
+        ..GatherOptions::default()
+    };
+    let lookups = [0, 1].map(|k| HotLookup {
+        pool: table,
+        hot,
+        indices: ids,
+        dst: &dst,
+        dst_offset: k * n * rb,
+    });
+    for _ in 0..REPS {
+        let s = Instant::now();
+        stream.gather_hot_jobs(&jobs, RowIndices::Pinned(&pinned))?;
+        pinned_t.push(s.elapsed().as_secs_f64() * 1e6);
+        let s = Instant::now();
+        stream.gather_hot_jobs(&jobs, RowIndices::Device(&on_device))?;
+        device_t.push(s.elapsed().as_secs_f64() * 1e6);
+        let d = stream.gather_hot_jobs_timed(&jobs, RowIndices::Device(&on_device))?;
+        busy.push(d.as_secs_f64() * 1e6);
+        let s = Instant::now();
+        let r = session.memio().gather_hot_jobs(&lookups, &opts);
+        r.map_err(gpuio_api::Error::from)?;
+        memio_t.push(s.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok(format!(
+        "B2 hot gather, two tables' jobs of {n} ids in one launch (wall p50 of {REPS}): HAL with \
+         the list in pinned memory {:.1} µs, on the device {:.1} (device time {:.1}); MemIO \
+         zero-copy {:.1}",
+        percentile(&mut pinned_t, 0.5),
+        percentile(&mut device_t, 0.5),
+        percentile(&mut busy, 0.5),
+        percentile(&mut memio_t, 0.5)
+    ))
 }

@@ -22,7 +22,7 @@ use super::queue::Policy;
 use crate::request::Priority;
 use gpuio_hal::sync::{CondvarExt, MutexExt};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// Classes there are.
@@ -42,6 +42,10 @@ pub(super) struct Gate {
     linger: AtomicU64,
     epoch: Instant,
     released: std::sync::Condvar,
+    /// Acquirers waiting on `released` (changed only under `held`'s lock): a lease's end
+    /// wakes them only if there are any, since a wake is a system call every time, a
+    /// microsecond of every small call's wall time.
+    waiting: AtomicUsize,
 }
 
 impl Default for Gate {
@@ -52,6 +56,7 @@ impl Default for Gate {
             linger: AtomicU64::new(u64::from(NO_FLOOR)),
             epoch: Instant::now(),
             released: Default::default(),
+            waiting: AtomicUsize::new(0),
         }
     }
 }
@@ -196,7 +201,9 @@ impl Lease {
                 let now = Instant::now();
                 match gate.hold_until(&held, c, limit) {
                     Some(t) if t > now => {
+                        gate.waiting.fetch_add(1, Ordering::Relaxed);
                         held = gate.released.wait_timeout_unpoisoned(held, t - now).0;
+                        gate.waiting.fetch_sub(1, Ordering::Relaxed);
                     }
                     _ => break,
                 }
@@ -231,7 +238,7 @@ impl Drop for Lease {
                 c.deadline_met.add(1);
             }
         }
-        let (before, after) = {
+        let (before, after, wake) = {
             let mut held = sh.gate.held.lock_unpoisoned();
             let c = self.class as usize;
             held[c] -= 1;
@@ -244,9 +251,14 @@ impl Drop for Lease {
             (
                 sh.gate.floor.0.load(Ordering::Acquire),
                 sh.gate.set_floor(&held),
+                // Read under the lock: an acquirer that starts waiting after it is let go
+                // sees the counts above first.
+                sh.gate.waiting.load(Ordering::Relaxed) > 0,
             )
         };
-        sh.gate.released.notify_all();
+        if wake {
+            sh.gate.released.notify_all();
+        }
         // The floor's store must be seen before the counts are read: a worker that counted
         // nothing eligible and went to sleep is then woken here.
         std::sync::atomic::fence(Ordering::SeqCst);

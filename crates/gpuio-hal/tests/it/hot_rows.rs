@@ -159,8 +159,16 @@ fn list_bytes(lists: &[&[u64]]) -> Vec<u8> {
 fn several_pools_gather_through_their_hot_rows_in_one_call() {
     let gpu = gpu();
     let stream = gpu.stream().unwrap();
-    // Each piece width: 16, 8, 4 and 1 bytes.
-    for row in [48usize, 24, 20, 7] {
+    // Each piece width: 16, 8, 4 and 1 bytes; lists longer than a launch's argument holds
+    // (524 indices) and shorter (124: a pinned list then travels in the argument on CUDA).
+    for (row, last) in [
+        (48usize, 500usize),
+        (24, 500),
+        (20, 500),
+        (7, 500),
+        (48, 100),
+        (7, 100),
+    ] {
         let pools: Vec<HostBuffer> = (0..3)
             .map(|k| pool(&gpu, row, 10 * row as u64 + k))
             .collect();
@@ -180,7 +188,7 @@ fn several_pools_gather_through_their_hot_rows_in_one_call() {
         for (k, p) in pools.iter_mut().enumerate() {
             pattern::fill(p, 0, 77 + k as u64);
         }
-        let ids: Vec<Vec<u64>> = [24usize, 0, 500]
+        let ids: Vec<Vec<u64>> = [24usize, 0, last]
             .iter()
             .enumerate()
             .map(|(k, &n)| {
@@ -313,19 +321,24 @@ fn a_hot_gather_of_several_pools_refuses_what_it_cannot_run() {
     let hot_big = stream.keep_hot(&big, 32, &[5]).unwrap();
     let ids = [3u64, ROWS as u64 + 4, 1, ROWS as u64, 2];
     stream.upload(&list_bytes(&[&ids]), &list, 0).unwrap();
-    match stream.gather_hot_jobs(
-        &[job(&big, &hot_big, 2, 0), job(&a, &hot_a, 3, 2 * 32)],
-        RowIndices::Device(&list),
-    ) {
-        Err(HalError::IndexOutOfRange { position: 3, rows }) => assert_eq!(rows, ROWS as u64),
-        other => panic!("a row past the pool: {other:?}"),
+    let mut pinned = HostBuffer::alloc_pinned(64 * 8, &HostAllocOptions::default(), &gpu).unwrap();
+    pinned.as_mut_slice()[..5 * 8].copy_from_slice(&list_bytes(&[&ids]));
+    for indices in [RowIndices::Device(&list), RowIndices::Pinned(&pinned)] {
+        stream.fill_pattern(&dst, 0, 64 * 32, 9).unwrap();
+        match stream.gather_hot_jobs(
+            &[job(&big, &hot_big, 2, 0), job(&a, &hot_a, 3, 2 * 32)],
+            indices,
+        ) {
+            Err(HalError::IndexOutOfRange { position: 3, rows }) => assert_eq!(rows, ROWS as u64),
+            other => panic!("a row past the pool: {other:?}"),
+        }
+        let mut got = vec![0u8; 5 * 32];
+        stream.download(&dst, 0, &mut got).unwrap();
+        assert_eq!(&got[..2 * 32], &rows_of(big.as_slice(), 32, &ids[..2])[..]);
+        assert_eq!(
+            &got[2 * 32..3 * 32],
+            &rows_of(a.as_slice(), 32, &ids[2..3])[..]
+        );
+        assert_eq!(&got[4 * 32..], &rows_of(a.as_slice(), 32, &ids[4..])[..]);
     }
-    let mut got = vec![0u8; 5 * 32];
-    stream.download(&dst, 0, &mut got).unwrap();
-    assert_eq!(&got[..2 * 32], &rows_of(big.as_slice(), 32, &ids[..2])[..]);
-    assert_eq!(
-        &got[2 * 32..3 * 32],
-        &rows_of(a.as_slice(), 32, &ids[2..3])[..]
-    );
-    assert_eq!(&got[4 * 32..], &rows_of(a.as_slice(), 32, &ids[4..])[..]);
 }
