@@ -176,12 +176,10 @@ __device__ __forceinline__ gpuio_u64 gpuio_hot_hash(gpuio_u64 row) {
     return row ^ (row >> 33);
 }
 
-// `id_at(i)`: the pool row the list names at position i (read from memory, or from the
-// kernel's argument for short lists).
-template <int W, typename Ids>
+template <int W>
 __device__ __forceinline__ void gpuio_hot_rows(const unsigned char* __restrict__ pool,
                                                gpuio_u64 rows, gpuio_u64 row_bytes,
-                                               Ids id_at, gpuio_u64 n,
+                                               const gpuio_u64* __restrict__ idx, gpuio_u64 n,
                                                unsigned char* __restrict__ dst, gpuio_u64* err,
                                                const unsigned char* __restrict__ hot,
                                                gpuio_u64 hot_rows,
@@ -200,7 +198,7 @@ __device__ __forceinline__ void gpuio_hot_rows(const unsigned char* __restrict__
 #pragma unroll
         for (int u = 0; u < GPUIO_UNROLL; u++) {
             const gpuio_u64 k = i + u * stride;
-            row[u] = k < items ? id_at(k / per_row) : rows;
+            row[u] = k < items ? idx[k / per_row] : rows;
         }
 #pragma unroll
         for (int u = 0; u < GPUIO_UNROLL; u++) {
@@ -245,9 +243,9 @@ __device__ __forceinline__ void gpuio_hot_rows(const unsigned char* __restrict__
         const void* pool, gpuio_u64 rows, gpuio_u64 row_bytes, const gpuio_u64* idx,            \
         gpuio_u64 n, void* dst, gpuio_u64* err, const void* hot, gpuio_u64 hot_rows,            \
         const gpuio_u64* index, gpuio_u64 mask, gpuio_u32 probes) {                             \
-        gpuio_hot_rows<W>(                                                                      \
-            (const unsigned char*)pool, rows, row_bytes, [=](gpuio_u64 i) { return idx[i]; }, n, \
-            (unsigned char*)dst, err, (const unsigned char*)hot, hot_rows, index, mask, probes);  \
+        gpuio_hot_rows<W>((const unsigned char*)pool, rows, row_bytes, idx, n,                  \
+                          (unsigned char*)dst, err, (const unsigned char*)hot, hot_rows, index, \
+                          mask, probes);                                                        \
     }
 
 GPUIO_HOT_KERNEL(16)
@@ -280,33 +278,14 @@ static_assert(__builtin_offsetof(gpuio_hot_job, index) == 64, "hot_job.index");
 static_assert(__builtin_offsetof(gpuio_hot_job, probes) == 80, "hot_job.probes");
 #endif
 
-// Short lists travel in the argument too (`gpuio_hot_ids`, after the jobs: both fit the
-// 4 KiB a kernel's arguments may take everywhere), so the kernel's first loads are not a
-// round trip over the bus; a job's `idx` is then its first position among them.
-#define GPUIO_HOT_INLINE 384
-struct gpuio_hot_ids {
-    gpuio_u64 id[GPUIO_HOT_INLINE];
-};
-static_assert(sizeof(gpuio_hot_ids) == 3072, "gpuio_hot_ids size (HOT_INLINE_IDS in hot_jobs.rs)");
-static_assert(sizeof(gpuio_hot_jobs) + 8 + sizeof(gpuio_hot_ids) <= 4096, "argument size");
-
 #define GPUIO_HOT_JOBS_KERNEL(W)                                                                \
     extern "C" __global__ void gpuio_gather_hot_jobs_##W(gpuio_hot_jobs jobs,                   \
                                                          gpuio_u64 row_bytes) {                 \
         const gpuio_hot_job j = jobs.job[blockIdx.y];                                           \
-        const gpuio_u64* idx = (const gpuio_u64*)j.idx;                                         \
         gpuio_hot_rows<W>((const unsigned char*)j.pool, j.rows, row_bytes,                      \
-                          [=](gpuio_u64 i) { return idx[i]; }, j.n, (unsigned char*)j.dst,      \
+                          (const gpuio_u64*)j.idx, j.n, (unsigned char*)j.dst,                  \
                           (gpuio_u64*)j.err, (const unsigned char*)j.hot, j.hot_rows,           \
                           (const gpuio_u64*)j.index, j.mask, (gpuio_u32)j.probes);              \
-    }                                                                                           \
-    extern "C" __global__ void gpuio_gather_hot_inline_##W(                                     \
-        gpuio_hot_jobs jobs, gpuio_u64 row_bytes, gpuio_hot_ids ids) {                          \
-        const gpuio_hot_job j = jobs.job[blockIdx.y];                                           \
-        gpuio_hot_rows<W>((const unsigned char*)j.pool, j.rows, row_bytes,                      \
-                          [&](gpuio_u64 i) { return ids.id[j.idx + i]; }, j.n,                  \
-                          (unsigned char*)j.dst, (gpuio_u64*)j.err, (const unsigned char*)j.hot, \
-                          j.hot_rows, (const gpuio_u64*)j.index, j.mask, (gpuio_u32)j.probes);  \
     }
 
 GPUIO_HOT_JOBS_KERNEL(16)

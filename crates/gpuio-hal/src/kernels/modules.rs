@@ -86,10 +86,6 @@ pub static GATHER: KernelSource = KernelSource {
         "gpuio_gather_hot_jobs_8",
         "gpuio_gather_hot_jobs_4",
         "gpuio_gather_hot_jobs_1",
-        "gpuio_gather_hot_inline_16",
-        "gpuio_gather_hot_inline_8",
-        "gpuio_gather_hot_inline_4",
-        "gpuio_gather_hot_inline_1",
     ],
     ptx: &[
         EmbeddedPtx {
@@ -164,14 +160,6 @@ pub enum GatherKernel {
     GatherHotJobs4,
     /// `gpuio_gather_hot_jobs_1`
     GatherHotJobs1,
-    /// `gpuio_gather_hot_inline_16`
-    GatherHotInline16,
-    /// `gpuio_gather_hot_inline_8`
-    GatherHotInline8,
-    /// `gpuio_gather_hot_inline_4`
-    GatherHotInline4,
-    /// `gpuio_gather_hot_inline_1`
-    GatherHotInline1,
 }
 
 impl Kernel for GatherKernel {

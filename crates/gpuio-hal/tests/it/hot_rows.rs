@@ -159,8 +159,7 @@ fn list_bytes(lists: &[&[u64]]) -> Vec<u8> {
 fn several_pools_gather_through_their_hot_rows_in_one_call() {
     let gpu = gpu();
     let stream = gpu.stream().unwrap();
-    // Each piece width: 16, 8, 4 and 1 bytes; lists longer than a launch's argument holds
-    // (524 indices) and shorter (124: a pinned list then travels in the argument on CUDA).
+    // Each piece width: 16, 8, 4 and 1 bytes; long and short lists.
     for (row, last) in [
         (48usize, 500usize),
         (24, 500),

@@ -6,7 +6,7 @@ use super::driver::cuda_err;
 use super::rows::{WaitOnDrop, event_time};
 use super::stream::CudaStreamBackend;
 use crate::error::Result;
-use crate::gpu::backend::{RowJob, RowMem, RowsDone, StreamBackend};
+use crate::gpu::backend::{RowJob, RowsDone, StreamBackend};
 use crate::gpu::hot_jobs::{HOT_MAX_JOBS, Upload};
 use crate::gpu::widest_piece;
 use crate::kernels::GatherKernel::{self, self as G};
@@ -20,48 +20,6 @@ const HOT_JOBS: [GatherKernel; 4] = [
     G::GatherHotJobs4,
     G::GatherHotJobs1,
 ];
-const HOT_INLINE: [GatherKernel; 4] = [
-    G::GatherHotInline16,
-    G::GatherHotInline8,
-    G::GatherHotInline4,
-    G::GatherHotInline1,
-];
-
-/// Most indices a launch takes in its argument (gather.cu's `GPUIO_HOT_INLINE`): with the
-/// jobs' table they fill most of the 4 KiB a kernel's arguments may take on every device.
-const HOT_INLINE_IDS: usize = 384;
-const _: () = assert!(HOT_INLINE_IDS * 8 == 3072);
-const _: () = assert!(JOB_WORDS * 8 * HOT_MAX_JOBS + 8 + HOT_INLINE_IDS * 8 <= 4096);
-
-/// The jobs' indices, read on the host, where they are in host memory and few: the kernel
-/// then reads them from its argument instead of over the bus.
-///
-/// # Safety
-/// Each job's host index list is valid for its length (the caller's contract).
-unsafe fn inline_ids(jobs: &[RowJob<'_>]) -> Option<[u64; HOT_INLINE_IDS]> {
-    let total: usize = jobs.iter().map(|j| j.count).sum();
-    if total > HOT_INLINE_IDS {
-        return None;
-    }
-    let mut ids = [0u64; HOT_INLINE_IDS];
-    let mut at = 0;
-    for job in jobs {
-        let RowMem::Host { ptr, len, .. } = job.idx else {
-            return None;
-        };
-        // SAFETY: a checked part of a host index list, valid for `len` bytes until the call
-        // returns (caller's contract); read as bytes, so alignment does not matter.
-        let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
-        for (slot, word) in ids[at..]
-            .iter_mut()
-            .zip(bytes.chunks_exact(8).take(job.count))
-        {
-            *slot = u64::from_le_bytes(word.try_into().unwrap_or_default());
-        }
-        at += job.count;
-    }
-    Some(ids)
-}
 
 /// One job as the kernel reads it: gather.cu's `gpuio_hot_job`, whose size and offsets are
 /// asserted there too.
@@ -130,20 +88,11 @@ impl CudaStreamBackend {
             [j.pool.addr(), j.rows.addr(), hot]
         });
         let (slot, width) = widest_piece(row_bytes, addrs.collect::<Vec<_>>());
-        // A staged list is on its way to the device: only lists in host memory go inline.
-        let inline = match upload {
-            // SAFETY: the host index lists are valid for the call (the caller's contract).
-            None => unsafe { inline_ids(jobs) },
-            Some(_) => None,
-        };
-        let func = self.shared.function(match inline {
-            Some(_) => HOT_INLINE[slot],
-            None => HOT_JOBS[slot],
-        })?;
+        let func = self.shared.function(HOT_JOBS[slot])?;
         // Held for the call: the report words are this job's until it is done.
         let report = self.reports()?;
         let mut table = [0u64; JOB_WORDS * HOT_MAX_JOBS];
-        let (mut longest, mut first) = (0u64, 0u64);
+        let mut longest = 0u64;
         for (k, (job, words)) in jobs
             .iter()
             .zip(table.chunks_exact_mut(JOB_WORDS))
@@ -158,12 +107,7 @@ impl CudaStreamBackend {
             let entry = HotJobWords {
                 pool: job.pool.addr(),
                 rows: job.pool.len() as u64 / row_bytes,
-                // With the indices in the argument: the job's first position among them.
-                idx: if inline.is_some() {
-                    first
-                } else {
-                    job.idx.addr()
-                },
+                idx: job.idx.addr(),
                 n,
                 dst: job.rows.addr(),
                 err: report.device_word(k),
@@ -175,7 +119,6 @@ impl CudaStreamBackend {
                 unused: 0,
             };
             words.copy_from_slice(&entry.words());
-            first += n;
         }
         let start = timed.then(|| self.record(true)).transpose()?;
         // From the copy on, work may be running: every way out waits for it before the
@@ -194,18 +137,13 @@ impl CudaStreamBackend {
             config.grid_dim.1 = jobs.len().min(HOT_MAX_JOBS) as u32;
             let mut launch = self.stream.launch_builder(&func);
             launch.arg(&table).arg(&row_bytes);
-            if let Some(ids) = &inline {
-                launch.arg(ids);
-            }
-            // SAFETY: the arguments match gpuio_gather_hot_jobs_W(gpuio_hot_jobs, u64), or
-            // with the indices inline gpuio_gather_hot_inline_W(gpuio_hot_jobs, u64,
-            // gpuio_hot_ids): a table of HOT_MAX_JOBS jobs, of which the grid's rows read the
-            // first `jobs.len()`. Each job touches only checked pool rows (below `rows`), its
-            // checked index range (or its `n` inline indices from `idx`, all within the
-            // `first` total below HOT_INLINE_IDS) and destination range, kept rows below
-            // `hot_rows`, index words under the mask of the index range's power-of-two
-            // length, and its own report word; the pools stay registered (caller's contract),
-            // the list was copied first, and we synchronize before returning.
+            // SAFETY: the arguments match gpuio_gather_hot_jobs_W(gpuio_hot_jobs, u64): a
+            // table of HOT_MAX_JOBS jobs, of which the grid's rows read the first
+            // `jobs.len()`. Each job touches only checked pool rows (below `rows`), its checked
+            // index and destination ranges, kept rows below `hot_rows`, index words under the
+            // mask of the index range's power-of-two length, and its own report word; the
+            // pools stay registered (caller's contract), the list was copied first, and we
+            // synchronize before returning.
             unsafe { launch.launch(config) }
                 .map_err(cuda_err("cuLaunchKernel(gpuio_gather_hot_jobs)"))?;
         }
