@@ -49,9 +49,22 @@ fn device_header() -> &'static str {
     gpuio_api::DEVICE_HEADER
 }
 
-/// A tensor of a safetensors header: name, dtype (safetensors' spelling), shape, and its
-/// bytes' begin and end relative to the data start.
-type TensorRow = (String, String, Vec<usize>, u64, u64);
+/// A tensor of a safetensors header: name, dtype (safetensors' spelling), shape, its bytes'
+/// begin and end relative to the data start, and its strides in elements (row-major: what a
+/// view of it takes, made here so that 4096 views do not each compute them in Python).
+type TensorRow = (String, String, Vec<usize>, u64, u64, Vec<usize>);
+
+/// Row-major strides, in elements, of a tensor of `shape`, as torch makes them (a dimension
+/// of 0 steps as one of 1; saturating: the header's checks bound the product by the file).
+fn strides(shape: &[usize]) -> Vec<usize> {
+    let mut out = vec![0; shape.len()];
+    let mut step = 1usize;
+    for (s, &n) in out.iter_mut().zip(shape).rev() {
+        *s = step;
+        step = step.saturating_mul(n.max(1));
+    }
+    out
+}
 
 /// A safetensors header as Python gets it: the data start, the `__metadata__` map (or None)
 /// and the tensors in file order.
@@ -71,12 +84,14 @@ fn safetensors_header(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Head
         .tensors
         .into_iter()
         .map(|t| {
+            let strides = strides(&t.shape);
             (
                 t.name,
                 t.dtype.to_string(),
                 t.shape,
                 t.bytes.start,
                 t.bytes.end,
+                strides,
             )
         })
         .collect();
@@ -107,4 +122,17 @@ fn _gpuio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     ai::register(&ai)?;
     m.add_submodule(&ai)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn strides_are_row_major_in_elements() {
+        assert_eq!(super::strides(&[2, 3, 4]), [12, 4, 1]);
+        assert_eq!(super::strides(&[5]), [1]);
+        assert!(super::strides(&[]).is_empty());
+        // As torch.empty(0, 3) and torch.empty(3, 0, 2) have them.
+        assert_eq!(super::strides(&[0, 3]), [3, 1]);
+        assert_eq!(super::strides(&[3, 0, 2]), [2, 2, 1]);
+    }
 }
