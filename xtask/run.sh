@@ -15,8 +15,9 @@
 # NVMe queues on the software controller against the request ring), kernel-load (the kernels
 # suite: first use of each module, with the driver's JIT cache off and on), python (the wheel
 # installed beside torch: its pytests with CUDA required, the CuPy on-demand example, and the
-# python bench suite), load (the wheel and the load suite's peers, kvikio and fastsafetensors,
-# installed beside torch: safetensors checkpoints loaded by fresh processes), cufile (kvikio and
+# python bench suite; LMCache's wheels from ../gpu-lmcache where carried), load (the wheel and
+# the load suite's peers, kvikio and fastsafetensors, installed beside torch: safetensors
+# checkpoints loaded by fresh processes), cufile (kvikio and
 # torch.cuda.gds, unchanged, on gpuio's libcufile.so.0 against NVIDIA's: the localio bench's
 # cufile part).
 # Results (bench JSON, plots, test logs) go to $OUT or ./out.
@@ -97,6 +98,17 @@ case "$part" in python | load | cufile | all)
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" ;;
 esac
 case "$part" in python | all)
+    # LMCache and its imports, where `cargo xtask gpu-bundle` left them beside the bundle
+    # (target/gpu-lmcache, carried with this part): its own directory, and the connector's
+    # tests then require the real package.
+    lm="$PWD/../gpu-lmcache"
+    if ls "$lm"/*.whl >/dev/null 2>&1; then
+        [ -e "$lm/site/.installed" ] || { rm -rf "$lm/site" && step "$py" -m pip install --quiet \
+            --no-deps --no-index --target "$lm/site" "$lm"/*.whl && touch "$lm/site/.installed"; }
+        export PYTHONPATH="$PYTHONPATH:$lm/site" GPUIO_REQUIRE_LMCACHE=1
+    else
+        echo "== LMCache's wheels are not beside the bundle: its cases skip (target/gpu-lmcache)"
+    fi
     step "$py" -m pytest -q -p no:cacheprovider ../../crates/gpuio-py/pytests
     # The on-demand example (a CuPy kernel over a file 4x its cache), where CuPy is installed.
     if "$py" -c "import cupy" 2>/dev/null; then

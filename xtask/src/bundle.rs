@@ -129,12 +129,47 @@ const LOAD_PEER_WHEELS: &[&str] = &[
     "fastsafetensors==0.5.0",
 ];
 
+/// LMCache (the release built for the GPU machine's torch) and what it imports that the
+/// machine lacks, for its Python 3.12: the connector's tests and the python bench's LMCache
+/// cases run against the real package. 24 MiB, more than the bundle's room: they go to a
+/// directory of their own (`target/gpu-lmcache`), carried with the python part only.
+const LMCACHE_WHEELS: &[&str] = &[
+    "lmcache==0.5.3",
+    "nvtx==0.2.17",
+    "cachetools==8.0.2",
+    "msgspec==0.23.0",
+    "cryptography==50.0.2",
+    "cffi==2.0.0b1",
+    "pycparser==3.12",
+    "aiofile==3.12.3",
+    "caio==0.12.10",
+    "pyzmq==27.3.0",
+];
+
+/// Downloads [`LMCACHE_WHEELS`] into `dir` (emptied first).
+fn bundle_lmcache(python: &Path, dir: &Path) -> Result {
+    let _ = std::fs::remove_dir_all(dir);
+    run(
+        "download LMCache and its imports",
+        std::process::Command::new(python)
+            .args(["-m", "pip", "download", "--quiet", "--no-deps"])
+            .args(["--only-binary=:all:", "--python-version", "3.12"])
+            .args(["--platform", "manylinux_2_28_x86_64", "--dest"])
+            .arg(dir)
+            .args(LMCACHE_WHEELS)
+            .env("PIP_DISABLE_PIP_VERSION_CHECK", "1"),
+    )
+}
+
 /// The Python binding's release wheel in `dir`, in `dir/deps` the pure-Python wheels pytest
 /// needs (the GPU machine has no network; its torch brings NumPy), and in `dir/peers` the load
 /// suite's peers.
 fn bundle_python(dir: &Path) -> Result {
     let python = crate::python::venv()?;
     crate::python::wheel(&python, true, dir)?;
+    if let Some(bundle) = dir.parent().and_then(Path::parent) {
+        bundle_lmcache(&python, &bundle.join("gpu-lmcache"))?;
+    }
     run(
         "download the load suite's peers",
         std::process::Command::new(&python)
