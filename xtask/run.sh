@@ -15,7 +15,9 @@
 # NVMe queues on the software controller against the request ring), kernel-load (the kernels
 # suite: first use of each module, with the driver's JIT cache off and on), python (the wheel
 # installed beside torch: its pytests with CUDA required, the CuPy on-demand example, and the
-# python bench suite; LMCache's wheels from ../gpu-lmcache where carried), load (the wheel and
+# python bench suite; LMCache's wheels from ../gpu-lmcache where carried: with them the call
+# carries target/gpu-bundle/{bin,python,run.sh} and target/gpu-lmcache, 64 MiB with the tree,
+# not the whole bundle), load (the wheel and
 # the load suite's peers, kvikio and fastsafetensors, installed beside torch: safetensors
 # checkpoints loaded by fresh processes), cufile (kvikio and
 # torch.cuda.gds, unchanged, on gpuio's libcufile.so.0 against NVIDIA's: the localio bench's
@@ -41,9 +43,10 @@ for z in bin/*.gz lib/*.gz tests/*.gz; do
 done
 step() {
     echo "== $*"
-    local t=$SECONDS
-    "$@" || { echo "FAILED: $*"; status=1; }
+    local t=$SECONDS rc=0
+    "$@" || { rc=$?; echo "FAILED: $*"; status=1; }
     echo "   ($((SECONDS - t)) s)"
+    return $rc
 }
 # cuFile asks udev for the file system of each disk; containers have no udev database. As
 # root, record each block device's real type (blkid) where udev has not.

@@ -132,7 +132,9 @@ const LOAD_PEER_WHEELS: &[&str] = &[
 /// LMCache (the release built for the GPU machine's torch) and what it imports that the
 /// machine lacks, for its Python 3.12: the connector's tests and the python bench's LMCache
 /// cases run against the real package. 24 MiB, more than the bundle's room: they go to a
-/// directory of their own (`target/gpu-lmcache`), carried with the python part only.
+/// directory of their own (`target/gpu-lmcache`), carried with the python part only, beside
+/// the bundle's `bin`, `python` and `run.sh` (run.sh's header says so). Pinned to what the
+/// package index had (its only cffi for Python 3.12 is 2.0.0b1).
 const LMCACHE_WHEELS: &[&str] = &[
     "lmcache==0.5.3",
     "nvtx==0.2.17",
@@ -167,8 +169,9 @@ fn bundle_lmcache(python: &Path, dir: &Path) -> Result {
 fn bundle_python(dir: &Path) -> Result {
     let python = crate::python::venv()?;
     crate::python::wheel(&python, true, dir)?;
-    if let Some(bundle) = dir.parent().and_then(Path::parent) {
-        bundle_lmcache(&python, &bundle.join("gpu-lmcache"))?;
+    // Beside the bundle: `dir` is target/gpu-bundle/python.
+    if let Some(target) = dir.parent().and_then(Path::parent) {
+        bundle_lmcache(&python, &target.join("gpu-lmcache"))?;
     }
     run(
         "download the load suite's peers",

@@ -257,7 +257,7 @@ GPUIO_HOT_KERNEL(1)
 // `blockIdx.y`): a model that reads two Engram tables per step pays one launch and one wait,
 // not two. The jobs travel as the kernel's argument (no copy before the launch). Job k reports
 // its first bad index (a position in its own list) in its own report word.
-#define GPUIO_HOT_JOBS 8
+#define GPUIO_HOT_JOBS 8  // HOT_MAX_JOBS in crates/gpuio-hal/src/gpu/hot_jobs.rs
 
 // One job (96 bytes, as the host writes it: `HotJobWords` in
 // crates/gpuio-hal/src/gpu/cuda/hot_jobs.rs, whose layout is asserted there too).

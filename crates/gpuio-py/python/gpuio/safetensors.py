@@ -104,9 +104,8 @@ class _Framework:
 
     def _torch_views(self, blob, rows):
         """As :meth:`views`, for torch: one ``as_strided`` per tensor on ``blob`` viewed once
-        per dtype, with the strides the header's rows carry and each dtype looked up once (a
-        slice, a dtype view and a reshape per tensor took ~16 ms for 4096 tensors on the H200
-        machine; strides computed here per tensor, ~13; given, ~8)."""
+        per dtype, with the strides the header's rows carry and each dtype looked up once
+        (4096 views on the H200 machine: ~7 ms; computing the strides here, ~13)."""
         bases, kinds, out = {}, {}, {}
         whole = blob.storage_offset() == 0  # as_strided's offsets count from the storage's start
         for name, st_dtype, shape, begin, end, strides in rows:

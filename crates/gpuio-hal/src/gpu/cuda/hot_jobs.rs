@@ -41,6 +41,8 @@ struct HotJobWords {
 }
 
 const JOB_WORDS: usize = 12;
+// Each job reports in a word of its own.
+const _: () = assert!(HOT_MAX_JOBS <= super::report::REPORT_WORDS);
 const _: () = assert!(size_of::<HotJobWords>() == 8 * JOB_WORDS);
 const _: () = assert!(offset_of!(HotJobWords, pool) == 0);
 const _: () = assert!(offset_of!(HotJobWords, idx) == 16);
