@@ -134,7 +134,11 @@ fn replicas_over_nixl_take_writes_and_fail_over_reads() {
     // The survivor served all of it over NIXL: its TCP data path moved no byte.
     assert!(crate::hosts::sh(&["kill", "-TERM", &a2.0.id().to_string()]));
     assert!(a2.0.wait().unwrap().success());
-    let closing: Vec<String> = a2_said.try_iter().collect();
+    // Its output up to the end: the reading thread forwards the last lines after the exit.
+    let mut closing = Vec::new();
+    while let Ok(line) = a2_said.recv_timeout(Duration::from_secs(10)) {
+        closing.push(line);
+    }
     let last = closing
         .iter()
         .find(|l| l.starts_with("served "))
