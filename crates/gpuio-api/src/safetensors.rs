@@ -2,15 +2,15 @@
 //! JSON (`dtype`, `shape` and `data_offsets` of each tensor, an optional `__metadata__` map of
 //! strings), then the tensors' bytes.
 //!
-//! The JSON is read and checked by the `safetensors` crate's own `Metadata` (the rules its
-//! loaders apply: offsets contiguous from 0, each tensor's byte length its shape × dtype, no
-//! overflow); this module bounds what it reads before that (a header of at most
+//! The JSON is read entry by entry and checked by the `safetensors` crate's own `Metadata` (the
+//! rules its loaders apply: offsets contiguous from 0, each tensor's byte length its shape ×
+//! dtype, no overflow; a name given twice is refused too); this module bounds what it reads before that (a header of at most
 //! [`MAX_HEADER_BYTES`], within the file) and checks the file's length after it (the data ends
 //! where the file ends), so a loader that trusts [`SafetensorsHeader`] reads only bytes the file
 //! has, into tensors whose sizes are right.
 
 use crate::error::{Error, Result, escape_path};
-use safetensors::tensor::Metadata;
+use safetensors::tensor::{Metadata, TensorInfo};
 use std::collections::HashMap;
 use std::io::Read;
 use std::ops::Range;
@@ -84,33 +84,47 @@ impl SafetensorsHeader {
     /// Checks `json` (the header's bytes) as the header of a file of `file_len` bytes.
     pub fn parse(json: &[u8], file_len: u64) -> std::result::Result<Self, String> {
         let data_start = 8 + json.len() as u64;
-        let parsed: Metadata =
+        let header: RawHeader =
             serde_json::from_slice(json).map_err(|e| format!("its header: {e}"))?;
-        let data_len = parsed.data_len() as u64;
+        let RawHeader {
+            metadata,
+            mut tensors,
+        } = header;
+        // In file order, as the crate's own parse puts them; then its checks.
+        tensors.sort_by_key(|(_, info)| info.data_offsets);
+        let checked =
+            Metadata::new(metadata, tensors.clone()).map_err(|e| format!("its header: {e}"))?;
+        // Two tensors cannot share a name (the crate's index keeps one of them).
+        let mut names = std::collections::HashSet::with_capacity(tensors.len());
+        if let Some((name, _)) = tensors
+            .iter()
+            .find(|(name, _)| !names.insert(name.as_str()))
+        {
+            return Err(format!("its header: tensor {name:?} is named twice"));
+        }
+        let data_len = checked.data_len() as u64;
         if data_start.checked_add(data_len) != Some(file_len) {
             return Err(format!(
                 "its tensors end at byte {} but the file has {file_len}",
                 data_start.saturating_add(data_len)
             ));
         }
-        let tensors = parsed
-            .offset_keys()
+        let tensors = tensors
             .into_iter()
-            .filter_map(|name| {
-                let info = parsed.info(&name)?;
+            .map(|(name, info)| {
                 let (begin, end) = info.data_offsets;
-                Some(TensorEntry {
+                TensorEntry {
                     dtype: info.dtype,
-                    shape: info.shape.clone(),
+                    shape: info.shape,
                     bytes: begin as u64..end as u64,
                     name,
-                })
+                }
             })
             .collect();
         Ok(Self {
             data_start,
             tensors,
-            metadata: parsed.metadata().clone(),
+            metadata: checked.metadata().clone(),
         })
     }
 
@@ -122,6 +136,51 @@ impl SafetensorsHeader {
     /// The tensor named `name`.
     pub fn tensor(&self, name: &str) -> Option<&TensorEntry> {
         self.tensors.iter().find(|t| t.name == name)
+    }
+}
+
+/// A header as its JSON gives it: the `__metadata__` map, and each tensor's name and info.
+/// Read entry by entry (the crate's own `Metadata` goes through serde's buffered `flatten`,
+/// three times slower for thousands of tensors); its `Metadata::new` checks the result.
+struct RawHeader {
+    metadata: Option<HashMap<String, String>>,
+    tensors: Vec<(String, TensorInfo)>,
+}
+
+impl<'de> serde::Deserialize<'de> for RawHeader {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Entries;
+        impl<'de> serde::de::Visitor<'de> for Entries {
+            type Value = RawHeader;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a map of tensor names to their dtype, shape and data_offsets")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<RawHeader, A::Error> {
+                let mut out = RawHeader {
+                    metadata: None,
+                    tensors: Vec::with_capacity(map.size_hint().unwrap_or(0).min(1 << 16)),
+                };
+                let mut seen_metadata = false;
+                while let Some(key) = map.next_key::<String>()? {
+                    if key == "__metadata__" {
+                        if std::mem::replace(&mut seen_metadata, true) {
+                            return Err(serde::de::Error::duplicate_field("__metadata__"));
+                        }
+                        out.metadata = map.next_value()?;
+                    } else {
+                        let info: TensorInfo = map.next_value()?;
+                        out.tensors.push((key, info));
+                    }
+                }
+                Ok(out)
+            }
+        }
+        d.deserialize_map(Entries)
     }
 }
 
@@ -217,6 +276,30 @@ mod tests {
             ),
             ("[1,2]", 0, "header"),
             ("{\"t\":", 0, "header"),
+            // A name twice, whether or not the second's bytes follow the first's.
+            (
+                r#"{"t":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},
+                    "t":{"dtype":"U8","shape":[4],"data_offsets":[4,8]}}"#,
+                8,
+                "named twice",
+            ),
+            (
+                r#"{"t":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},
+                    "t":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}}"#,
+                0,
+                "named twice",
+            ),
+            (
+                r#"{"__metadata__":{},"__metadata__":{},
+                    "t":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
+                4,
+                "__metadata__",
+            ),
+            (
+                r#"{"__metadata__":{"k":1},"t":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
+                4,
+                "header",
+            ),
         ] {
             let f = file(header, data);
             let e = SafetensorsHeader::read(f.path()).unwrap_err();
