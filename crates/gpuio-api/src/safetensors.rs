@@ -4,10 +4,10 @@
 //!
 //! The JSON is read entry by entry and checked by the `safetensors` crate's own `Metadata` (the
 //! rules its loaders apply: offsets contiguous from 0, each tensor's byte length its shape ×
-//! dtype, no overflow; a name given twice is refused too); this module bounds what it reads before that (a header of at most
-//! [`MAX_HEADER_BYTES`], within the file) and checks the file's length after it (the data ends
-//! where the file ends), so a loader that trusts [`SafetensorsHeader`] reads only bytes the file
-//! has, into tensors whose sizes are right.
+//! dtype, no overflow; a name given twice is refused too). This module bounds what it reads
+//! before that (a header of at most [`MAX_HEADER_BYTES`], within the file) and checks the
+//! file's length after it (the data ends where the file ends), so a loader that trusts
+//! [`SafetensorsHeader`] reads only bytes the file has, into tensors whose sizes are right.
 
 use crate::error::{Error, Result, escape_path};
 use safetensors::tensor::{Metadata, TensorInfo};
@@ -141,7 +141,7 @@ impl SafetensorsHeader {
 
 /// A header as its JSON gives it: the `__metadata__` map, and each tensor's name and info.
 /// Read entry by entry (the crate's own `Metadata` goes through serde's buffered `flatten`,
-/// three times slower for thousands of tensors); its `Metadata::new` checks the result.
+/// more than twice as slow for thousands of tensors); its `Metadata::new` checks the result.
 struct RawHeader {
     metadata: Option<HashMap<String, String>>,
     tensors: Vec<(String, TensorInfo)>,
