@@ -89,7 +89,7 @@ impl CudaStreamBackend {
             let hot = j.hot.map_or(0, |h| h.rows.addr());
             [j.pool.addr(), j.rows.addr(), hot]
         });
-        let (slot, width) = widest_piece(row_bytes, addrs.collect::<Vec<_>>());
+        let (slot, width) = widest_piece(row_bytes, addrs);
         let func = self.shared.function(HOT_JOBS[slot])?;
         // Held for the call: the report words are this job's until it is done.
         let report = self.reports()?;
