@@ -28,6 +28,6 @@ pub use memory::{
     WholeGuard,
 };
 pub use sys::{
-    HUGE_PAGE, clear_nonblocking, page_size, peek_nonblocking, prefetch, raise_fd_limit,
-    write_u64s_streaming,
+    HUGE_PAGE, clear_nonblocking, copy_streaming, page_size, peek_nonblocking, prefetch,
+    raise_fd_limit, write_u64s_streaming,
 };

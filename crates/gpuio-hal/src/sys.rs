@@ -309,6 +309,51 @@ pub fn write_u64s_streaming(dst: &mut [u8], src: &[u64]) {
     scalar(dst, src);
 }
 
+/// Copies `src` into `dst` (the same length: the shorter of the two) with stores that bypass
+/// the CPU caches where the CPU has them (x86-64): for a large copy whose destination is not
+/// read again by this core soon (a device reads it by DMA, or a later copy). The destination's
+/// lines are written whole instead of first being read into the cache, so the copy moves two
+/// bytes of memory traffic per byte where an ordinary one moves three.
+pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    let n = src.len().min(dst.len());
+    let (dst, src) = (&mut dst[..n], &src[..n]);
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        // Streaming stores want 16-byte aligned addresses: the bytes before the first one, and
+        // the tail of less than a line, are copied the ordinary way.
+        let head = (16 - dst.as_ptr() as usize % 16) % 16;
+        let head = head.min(n);
+        dst[..head].copy_from_slice(&src[..head]);
+        let lines = (n - head) / 64;
+        let (body, tail) = dst[head..].split_at_mut(lines * 64);
+        let (from, rest) = src[head..].split_at(lines * 64);
+        for (o, v) in body.chunks_exact_mut(64).zip(from.chunks_exact(64)) {
+            // SAFETY: `o` is 64 writable bytes starting at a 16-byte aligned address (the body
+            // starts aligned and steps by 64), `v` 64 readable bytes (unaligned loads); the
+            // four 16-byte pieces at offsets 0, 16, 32 and 48 lie inside both.
+            unsafe {
+                let (s, d) = (
+                    v.as_ptr().cast::<__m128i>(),
+                    o.as_mut_ptr().cast::<__m128i>(),
+                );
+                let (a, b) = (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)));
+                let (c, e) = (_mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
+                _mm_stream_si128(d, a);
+                _mm_stream_si128(d.add(1), b);
+                _mm_stream_si128(d.add(2), c);
+                _mm_stream_si128(d.add(3), e);
+            }
+        }
+        tail.copy_from_slice(rest);
+        // SAFETY: a store fence has no preconditions; it orders the streaming stores before
+        // every later store (a hand-off to another thread or device among them).
+        unsafe { _mm_sfence() };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    dst.copy_from_slice(src);
+}
+
 /// Copies `len` bytes between two raw regions.
 ///
 /// # Safety
@@ -390,6 +435,30 @@ mod tests {
         write_u64s_streaming(&mut short, &src);
         assert_eq!(&short[..8], &src[0].to_le_bytes());
         assert_eq!(&short[8..], &[0; 4]);
+    }
+
+    #[test]
+    fn streaming_copies_match_at_every_alignment_and_length() {
+        let src: Vec<u8> = (0..700u32).map(|i| (i * 131 % 251) as u8).collect();
+        for dst_at in 0..17 {
+            for src_at in [0, 1, 8, 15] {
+                for n in [0, 1, 15, 16, 17, 63, 64, 65, 200, 640] {
+                    let mut buf = vec![0xAAu8; dst_at + n + 9];
+                    copy_streaming(&mut buf[dst_at..dst_at + n], &src[src_at..src_at + n]);
+                    let what = format!("dst at {dst_at}, src at {src_at}, {n} bytes");
+                    assert_eq!(&buf[dst_at..dst_at + n], &src[src_at..src_at + n], "{what}");
+                    assert!(buf[..dst_at].iter().all(|&b| b == 0xAA), "{what}: before");
+                    assert!(
+                        buf[dst_at + n..].iter().all(|&b| b == 0xAA),
+                        "{what}: after"
+                    );
+                }
+            }
+        }
+        // Lengths differing: the shorter one's bytes.
+        let mut short = [0u8; 70];
+        copy_streaming(&mut short, &src);
+        assert_eq!(&short[..], &src[..70]);
     }
 
     #[test]

@@ -176,26 +176,43 @@ def test_the_real_lmcache_loads_it_and_moves_chunks_byte_for_byte(tmp_path):
 def test_copies_checked_in_pieces_match_the_bytes_and_refuse_bad_ranges():
     s = gpuio.Session()
     host = s.alloc_host(3 << 20)
+    copy = gpuio._gpuio.copy_checked
+    crc = gpuio._gpuio.crc32c
     data = np.random.default_rng(4).integers(0, 256, (2 << 20) + 7, dtype=np.uint8).tobytes()
     piece = 1 << 19
-    want = [gpuio._gpuio.crc32c(data[i : i + piece]) for i in range(0, len(data), piece)]
+    want = [crc(data[i : i + piece]) for i in range(0, len(data), piece)]
     assert gpuio._gpuio.crc32c_pieces(data, piece) == want
-    assert gpuio._gpuio.copy_checked(host, 100, data, True, piece) == want
+    assert copy(host, [(100, data)], True, piece) == [want]
     back = bytearray(len(data))
-    assert gpuio._gpuio.copy_checked(host, 100, back, False, piece) == want
+    assert copy(host, [(100, back)], False, piece) == [want]
     assert bytes(back) == data
     # Pieces that are no multiple of the blocks a copy checks as it goes.
     odd = 100_003
-    want = [gpuio._gpuio.crc32c(data[i : i + odd]) for i in range(0, len(data), odd)]
+    want = [crc(data[i : i + odd]) for i in range(0, len(data), odd)]
     back = bytearray(len(data))
-    assert gpuio._gpuio.copy_checked(host, 100, back, False, odd) == want
+    assert copy(host, [(100, back)], False, odd) == [want]
     assert bytes(back) == data
+    # A batch, in and out in its own order: a chunk below a MiB writes through the cache,
+    # a larger one around it, an empty one anywhere.
+    small, big = data[5:1005], data[: (1 << 20) + 3]
+    jobs = [((2 << 20) + 64, small), (7, big), (50, b"")]
+    assert copy(host, jobs, True, piece) == [[crc(small)], [crc(big[:piece]), crc(big[piece:piece * 2]), crc(big[piece * 2:])], []]
+    outs = [bytearray(len(small)), bytearray(len(big)), bytearray(0)]
+    got = copy(host, [(o, b) for (o, _), b in zip(jobs, outs)], False, 1 << 30)
+    assert got == [[crc(small)], [crc(big)], []]
+    assert [bytes(b) for b in outs] == [small, big, b""]
+    assert copy(host, [], True, piece) == []
     with pytest.raises(gpuio.Error):  # past the buffer's end
-        gpuio._gpuio.copy_checked(host, (3 << 20) - 10, data, True, piece)
+        copy(host, [((3 << 20) - 10, data)], True, piece)
+    with pytest.raises(gpuio.Error):  # two chunks on the same bytes
+        copy(host, [(0, small), (999, small)], True, piece)
+    view = memoryview(bytearray(100))
+    with pytest.raises(gpuio.Error):  # two destinations sharing bytes
+        copy(host, [(0, view[:60]), (0, view[50:])], False, piece)
     with pytest.raises(gpuio.Error):
         gpuio._gpuio.crc32c_pieces(data, 0)
     with pytest.raises(gpuio.Error):  # bytes cannot be written
-        gpuio._gpuio.copy_checked(host, 0, data, False, piece)
+        copy(host, [(0, data)], False, piece)
 
 
 def test_chunks_of_several_pieces_round_trip_and_a_damaged_piece_is_a_miss(tmp_path):

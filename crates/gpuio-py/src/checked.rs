@@ -1,73 +1,80 @@
 //! Host bytes checked in pieces: the crc32c of each piece of a buffer, and a copy between a
-//! gpuio host buffer and lent memory that checks its pieces as it goes, on several threads;
-//! the GIL released for both. What the LMCache connector stores and loads chunks by: a 32 MiB
-//! chunk copied and checked on one thread takes ~5 ms, a memcpy on many ~1 ms. A copy checks
-//! each 64 KiB block right after copying it, while the block is still in cache.
+//! gpuio host buffer and lent memory that checks its pieces as it goes, on a team of threads;
+//! the GIL released for both. What the LMCache connector stores and loads chunks by (32 MiB
+//! chunks, a batch of them from several Python threads at once). A copy checks each 64 KiB
+//! block right before copying it, while the block is in cache: one pass over memory.
 
 use crate::buffers::HostBuffer;
 use crate::error::{invalid, to_py};
 use crate::lent::Lent;
 use pyo3::prelude::*;
+use rayon::prelude::*;
+use std::sync::OnceLock;
 
-/// Threads one call uses at most.
-const MAX_THREADS: usize = 8;
+/// Copies of at least this many bytes write with streaming stores: their destination goes to
+/// a GPU by DMA or is read much later, and on the H200's host a copy of a 32 MiB chunk ran
+/// 1.3-1.5x faster so (a smaller one may still be read from the cache).
+const STREAM_FROM: usize = 1 << 20;
 
-/// Each `piece` bytes of `src` copied into `dst` (where given) and checked: their crc32cs,
-/// in order. A copy's pieces go to up to `MAX_THREADS` scoped threads, a run of pieces each;
-/// a check alone runs on the caller's thread (its callers check many chunks at once already,
-/// and more threads each made the H200's file stores 3x slower).
-fn pieces(src: &[u8], dst: Option<&mut [u8]>, piece: usize) -> Vec<u32> {
-    let n = src.len().div_ceil(piece);
-    let mut crcs = vec![0u32; n];
-    let threads = match dst {
-        Some(_) => std::thread::available_parallelism()
-            .map_or(1, usize::from)
-            .clamp(1, MAX_THREADS)
-            .min(n.max(1)),
-        None => 1,
-    };
-    let per = n.div_ceil(threads).max(1);
-    let srcs: Vec<&[u8]> = src.chunks(piece).collect();
-    let mut dsts: Vec<Option<&mut [u8]>> = match dst {
-        Some(d) => d.chunks_mut(piece).map(Some).collect(),
-        None => (0..n).map(|_| None).collect(),
-    };
-    let run = |srcs: &[&[u8]], dsts: &mut [Option<&mut [u8]>], crcs: &mut [u32]| {
-        for ((s, d), c) in srcs.iter().zip(dsts.iter_mut()).zip(crcs.iter_mut()) {
-            *c = match d {
-                Some(d) => copy_and_check(s, d),
-                None => ::crc32c::crc32c(s),
-            };
-        }
-    };
-    if threads <= 1 {
-        run(&srcs, &mut dsts, &mut crcs);
-        return crcs;
-    }
-    std::thread::scope(|scope| {
-        for ((s, d), c) in srcs
-            .chunks(per)
-            .zip(dsts.chunks_mut(per))
-            .zip(crcs.chunks_mut(per))
-        {
-            scope.spawn(move || run(s, d, c));
-        }
-    });
-    crcs
+/// The threads that copy pieces: one per CPU, shared by every call, so that a batch's
+/// chunks copied from several Python threads at once share the cores instead of each
+/// starting threads of its own. None where they could not be started (the caller's thread
+/// copies then).
+fn team() -> Option<&'static rayon::ThreadPool> {
+    static TEAM: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    TEAM.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(gpuio_hal::sys::cpu_count())
+            .thread_name(|i| format!("gpuio-copy-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
 }
 
-/// Bytes copied, then checked while they are still in the core's cache: one pass over
-/// memory, where a whole piece copied and then checked is read from memory twice.
+/// Each job's `src` copied into its `dst` (the same length) and checked in pieces of
+/// `piece` bytes: every job's piece crc32cs, in order. The pieces of all the jobs go to the
+/// team together.
+fn copy_pieces(jobs: Vec<(&[u8], &mut [u8])>, piece: usize) -> Vec<Vec<u32>> {
+    let counts: Vec<usize> = jobs.iter().map(|(s, _)| s.len().div_ceil(piece)).collect();
+    let tasks: Vec<(&[u8], &mut [u8], bool)> = jobs
+        .into_iter()
+        .flat_map(|(s, d)| {
+            let streaming = s.len() >= STREAM_FROM;
+            s.chunks(piece)
+                .zip(d.chunks_mut(piece))
+                .map(move |(s, d)| (s, d, streaming))
+        })
+        .collect();
+    let copy = |(s, d, streaming): (&[u8], &mut [u8], bool)| copy_and_check(s, d, streaming);
+    let crcs: Vec<u32> = match team() {
+        Some(team) if tasks.len() > 1 => team.install(|| tasks.into_par_iter().map(copy).collect()),
+        _ => tasks.into_iter().map(copy).collect(),
+    };
+    let mut crcs = crcs.into_iter();
+    counts
+        .into_iter()
+        .map(|n| crcs.by_ref().take(n).collect())
+        .collect()
+}
+
+/// Bytes checked, then copied while they are still in the core's cache.
 const BLOCK: usize = 64 << 10;
 
-/// Copies `src` into `dst` (the same length) and returns `src`'s crc32c.
-fn copy_and_check(src: &[u8], dst: &mut [u8]) -> u32 {
+/// Copies `src` into `dst` (the same length), with streaming stores where asked, and
+/// returns `src`'s crc32c.
+fn copy_and_check(src: &[u8], dst: &mut [u8], streaming: bool) -> u32 {
     debug_assert_eq!(src.len(), dst.len());
     src.chunks(BLOCK)
         .zip(dst.chunks_mut(BLOCK))
         .fold(0, |crc, (s, d)| {
-            d.copy_from_slice(s);
-            ::crc32c::crc32c_append(crc, s)
+            let crc = ::crc32c::crc32c_append(crc, s);
+            if streaming {
+                gpuio_hal::copy_streaming(d, s);
+            } else {
+                d.copy_from_slice(s);
+            }
+            crc
         })
 }
 
@@ -87,39 +94,110 @@ pub(crate) fn crc32c_pieces(
 ) -> PyResult<Vec<u32>> {
     let piece = piece_size(piece)?;
     let lent = Lent::of(data)?;
-    Ok(py.detach(|| pieces(lent.bytes(), None, piece)))
+    // On the caller's thread: its callers check many chunks at once already, and more
+    // threads each made the H200's file stores 3x slower.
+    Ok(py.detach(|| lent.bytes().chunks(piece).map(::crc32c::crc32c).collect()))
 }
 
-/// Copies all of `other` (a byte buffer Python lends) into `host` at `offset` (`to_host`), or
-/// that many bytes of `host` at `offset` into `other`, and returns the crc32c of each `piece`
-/// bytes copied, in order.
+/// For each `(offset, buffer)` of `jobs` (a byte buffer Python lends): all of the buffer
+/// copied into `host` at `offset` (`to_host`), or that many bytes of `host` at `offset` copied
+/// into the buffer. Returns each job's crc32cs of every `piece` bytes copied, in order. A
+/// batch's chunks in one call: the range of `host` they span is locked once (shared to read
+/// from it, exclusive to write), and their pieces share the team. Jobs writing the same bytes
+/// are refused.
 #[pyfunction]
 pub(crate) fn copy_checked(
     py: Python<'_>,
     host: &HostBuffer,
-    offset: usize,
-    other: &Bound<'_, PyAny>,
+    jobs: Vec<(usize, Bound<'_, PyAny>)>,
     to_host: bool,
     piece: usize,
-) -> PyResult<Vec<u32>> {
+) -> PyResult<Vec<Vec<u32>>> {
     let piece = piece_size(piece)?;
-    let mut lent = Lent::of(other)?;
+    let mut lent = jobs
+        .iter()
+        .map(|(offset, buf)| Ok((*offset, Lent::of(buf)?)))
+        .collect::<PyResult<Vec<_>>>()?;
+    let ranges: Vec<(usize, usize)> = lent.iter().map(|(o, l)| (*o, l.span().1)).collect();
+    let Some((start, end)) = span(&ranges)? else {
+        return Ok(Vec::new());
+    };
     let mem = &host.mem;
     if to_host {
-        let src = lent.bytes();
+        let srcs: Vec<&[u8]> = lent.iter().map(|(_, l)| l.bytes()).collect();
         py.detach(|| {
-            let mut dst = mem
-                .write_range(offset, src.len())
+            let mut range = mem
+                .write_range(start, end - start)
                 .map_err(|e| to_py(e.into()))?;
-            Ok(pieces(src, Some(&mut dst), piece))
+            let dsts = carve(&mut range, start, &ranges)?;
+            Ok(copy_pieces(srcs.into_iter().zip(dsts).collect(), piece))
         })
     } else {
-        let dst = lent.bytes_mut()?;
+        // Checked before any two `&mut` slices of one buffer could exist.
+        let spans: Vec<(usize, usize)> = lent.iter().map(|(_, l)| l.span()).collect();
+        if overlapping(&spans) {
+            return Err(invalid("two destinations of one copy share bytes"));
+        }
+        let dsts = lent
+            .iter_mut()
+            .map(|(_, l)| l.bytes_mut())
+            .collect::<PyResult<Vec<_>>>()?;
         py.detach(|| {
-            let src = mem
-                .read_range(offset, dst.len())
+            let range = mem
+                .read_range(start, end - start)
                 .map_err(|e| to_py(e.into()))?;
-            Ok(pieces(&src, Some(dst), piece))
+            let srcs = ranges
+                .iter()
+                .map(|&(o, n)| &range[o - start..o - start + n]);
+            Ok(copy_pieces(srcs.zip(dsts).collect(), piece))
         })
     }
+}
+
+/// The bytes `(offset, len)` ranges span, from the first to the end of the last; None where
+/// there are none.
+fn span(ranges: &[(usize, usize)]) -> PyResult<Option<(usize, usize)>> {
+    let mut out: Option<(usize, usize)> = None;
+    for &(o, n) in ranges {
+        let end = o
+            .checked_add(n)
+            .ok_or_else(|| invalid(format!("{n} bytes at offset {o} run past any buffer")))?;
+        out = Some(out.map_or((o, end), |(s, e)| (s.min(o), e.max(end))));
+    }
+    Ok(out)
+}
+
+/// Whether any two `(start, len)` ranges share a byte.
+fn overlapping(ranges: &[(usize, usize)]) -> bool {
+    let mut sorted: Vec<(usize, usize)> = ranges.iter().filter(|r| r.1 > 0).copied().collect();
+    sorted.sort_unstable();
+    sorted.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0)
+}
+
+/// `range` (the bytes from `start`) cut into one slice per `(offset, len)` of `ranges`, in
+/// their order; refused where two share a byte.
+fn carve<'a>(
+    range: &'a mut [u8],
+    start: usize,
+    ranges: &[(usize, usize)],
+) -> PyResult<Vec<&'a mut [u8]>> {
+    if overlapping(ranges) {
+        return Err(invalid("two chunks of one copy write the same bytes"));
+    }
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_unstable_by_key(|&i| ranges[i].0);
+    let mut out: Vec<Option<&'a mut [u8]>> = ranges.iter().map(|_| None).collect();
+    let (mut rest, mut at) = (range, start);
+    for i in order {
+        let (o, n) = ranges[i];
+        if n == 0 {
+            out[i] = Some(Default::default());
+            continue;
+        }
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(o - at);
+        let (mine, tail) = tail.split_at_mut(n);
+        out[i] = Some(mine);
+        (rest, at) = (tail, o + n);
+    }
+    Ok(out.into_iter().flatten().collect())
 }

@@ -14,9 +14,11 @@ torch or LMCache types), so the server loads it by name::
         "adapter_params": {"host_gb": 64, "root": "/mnt/nvme0/kv", "workers": 8},
         "max_capacity_gb": 500}'
 
-Calls return at once with a future id; the work runs on ``workers`` threads, a batch's chunks
-spread over ``workers`` more (each gpuio call releases the GIL), and completions are announced
-on an eventfd and collected by ``drain_completions``, as LMCache's bridge expects. Importing it needs neither torch nor
+Calls return at once with a future id; the work runs on ``workers`` threads. A batch's chunks
+in host memory are copied in one call, their pieces spread over a thread per core; its
+files are read and written on ``workers`` more (each gpuio call releases the GIL).
+Completions are announced on an eventfd and collected by ``drain_completions``, as LMCache's
+bridge expects. Importing it needs neither torch nor
 LMCache.
 """
 
@@ -187,10 +189,23 @@ class GpuioConnector:
                 for chunk in chunks:
                     self._release(chunk)
                 raise
-        if len(chunks) == 1:
-            failed = [self._put(chunks[0], data[0])]
-        else:
-            failed = list(self._io.map(self._put, chunks, data))
+        # Spilled chunks are written on the IO threads while the host tier's are copied here,
+        # all of them in one call.
+        failed = [None] * len(chunks)
+        spilled = [i for i, c in enumerate(chunks) if c.at is None]
+        writes = [self._io.submit(self._put_file, chunks[i], data[i]) for i in spilled]
+        held = [i for i, c in enumerate(chunks) if c.at is not None]
+        if held:
+            try:
+                crcs = _gpuio.copy_checked(self._host, [(chunks[i].at, data[i]) for i in held],
+                                           True, _PIECE)
+                for i, crc in zip(held, crcs):
+                    chunks[i].crc = crc
+            except Exception as e:
+                for i in held:
+                    failed[i] = e
+        for i, w in zip(spilled, writes):
+            failed[i] = w.result()
         with self._lock:
             for key, chunk, error in zip(keys, chunks, failed):
                 if error is None:
@@ -203,15 +218,12 @@ class GpuioConnector:
             raise first
         return True, None
 
-    def _put(self, chunk, data):
-        """One chunk's crc and bytes into the room `_set` made; the error, if it failed."""
+    def _put_file(self, chunk, data):
+        """A spilled chunk's crc and its file; the error, if it failed."""
         try:
-            if chunk.at is not None:
-                chunk.crc = _gpuio.copy_checked(self._host, chunk.at, data, True, _PIECE)
-            else:
-                chunk.crc = _gpuio.crc32c_pieces(data, _PIECE)
-                chunk.path = self._spill_path()
-                self._s.write(self._uri(chunk.path), data, durable=False)
+            chunk.crc = _gpuio.crc32c_pieces(data, _PIECE)
+            chunk.path = self._spill_path()
+            self._s.write(self._uri(chunk.path), data, durable=False)
             return None
         except Exception as e:
             return e
@@ -219,37 +231,59 @@ class GpuioConnector:
     def _get(self, keys, views):
         if len(keys) != len(views):
             raise ValueError(f"{len(keys)} keys for {len(views)} buffers")
-        if len(keys) == 1:
-            return True, [self._get_one(keys[0], views[0])]
-        return True, list(self._io.map(self._get_one, keys, views))
+        data = [_bytes_view(mv) for mv in views]
+        # Each chunk found is claimed (neither spilled nor freed while read); then the files'
+        # are read on the IO threads while the host tier's are copied here, in one call.
+        with self._lock:
+            claims = [self._claim(key, d) for key, d in zip(keys, data)]
+        crcs = [None] * len(keys)
+        in_files = [i for i, c in enumerate(claims) if c is not None and c[1] is None]
+        reads = [self._io.submit(self._read_file, claims[i][2], data[i]) for i in in_files]
+        held = [i for i, c in enumerate(claims) if c is not None and c[1] is not None]
+        if held:
+            try:
+                got = _gpuio.copy_checked(self._host, [(claims[i][1], data[i]) for i in held],
+                                          False, _PIECE)
+                for i, crc in zip(held, got):
+                    crcs[i] = crc
+            except _gpuio.Error:
+                pass
+        for i, r in zip(in_files, reads):
+            crcs[i] = r.result()
+        good = [c is not None and crc == c[0].crc for c, crc in zip(claims, crcs)]
+        with self._lock:
+            for key, claim, ok in zip(keys, claims, good):
+                if claim is not None:
+                    self._settle(key, claim, ok)
+        return True, good
 
-    def _get_one(self, key, mv):
-        """Reads one chunk into `mv`; whether it came back whole."""
-        data = _bytes_view(mv)
-        with self._lock:
-            chunk = self._index.get(key)
-            if chunk is None or chunk.size != len(data):
-                return False
-            chunk.readers += 1
-            at, path = chunk.at, chunk.path
+    def _claim(self, key, data):
+        """(chunk, host offset, path) of `key` where it is stored with `data`'s size, one more
+        reader counted on it; None otherwise. Called with the lock held."""
+        chunk = self._index.get(key)
+        if chunk is None or chunk.size != len(data):
+            return None
+        chunk.readers += 1
+        return chunk, chunk.at, chunk.path
+
+    def _read_file(self, path, data):
+        """A spilled chunk read into `data`: its pieces' crc32c, or None where it failed."""
         try:
-            if at is not None:
-                crc = _gpuio.copy_checked(self._host, at, data, False, _PIECE)
-            else:
-                self._s.read(self._uri(path), data)
-                crc = _gpuio.crc32c_pieces(data, _PIECE)
-            good = crc == chunk.crc
+            self._s.read(self._uri(path), data)
+            return _gpuio.crc32c_pieces(data, _PIECE)
         except _gpuio.Error:
-            good = False
-        with self._lock:
-            chunk.readers -= 1
-            if chunk.dead and chunk.readers == 0:
-                self._release(chunk)
-            elif not good and self._index.get(key) is chunk:
-                # Damaged or gone: a miss, and forgotten, unless it moved meanwhile.
-                if (chunk.at, chunk.path) == (at, path):
-                    self._drop(key)
-        return good
+            return None
+
+    def _settle(self, key, claim, good):
+        """A read of `claim` done: its reader uncounted, its room freed where it was dropped
+        meanwhile, and forgotten where it came back damaged or gone (unless it moved
+        meanwhile). Called with the lock held."""
+        chunk, at, path = claim
+        chunk.readers -= 1
+        if chunk.dead and chunk.readers == 0:
+            self._release(chunk)
+        elif not good and self._index.get(key) is chunk and (chunk.at, chunk.path) == (at, path):
+            self._drop(key)
 
     def _exists(self, keys):
         with self._lock:
