@@ -29,7 +29,9 @@ use crate::{AiError, Result};
 use gpuio_ai_device::{ScoreRows, dot_scores};
 use gpuio_api::{Backend, DeviceBuffer, HostMemory, HostPlacement, Session};
 use gpuio_hal::HostBuffer;
-use gpuio_transport_memio::{GatherOptions, GatherStrategy};
+use gpuio_transport_memio::GatherOptions;
+/// The gather path a [`Lookup`] took.
+pub use gpuio_transport_memio::GatherStrategy;
 use hot::HotTier;
 pub use hot::HotTierStats;
 use std::sync::{Arc, PoisonError, RwLock};

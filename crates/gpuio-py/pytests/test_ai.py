@@ -91,6 +91,22 @@ def test_a_kv_batch_loads_every_request_in_one_call(s):
         batch.load([(pools[0], 0, [1], outs[0]), (pools[0], 0, [2], outs[1])])
     with pytest.raises(gpuio.Error):
         batch.load([(pools[0], 0, [64], outs[0])])
+    # Id arrays and gpuio buffers go as they are, with an offset, from any iterable; the
+    # rest are converted, or refused with the reason.
+    fast = [array.array("q", [2, 3]), np.array([60, 2], dtype=np.uint64), b"".join(
+        v.to_bytes(8, "little") for v in (4, 5))]
+    reports = batch.load(((p, 0, sel, out, ENTRY) for p, sel, out in zip(pools, fast, outs)))
+    assert [r["selected"] for r in reports] == [2, 2, 2]
+    for sel, kv, out in zip(([2, 3], [60, 2], [4, 5]), data, outs):
+        assert np.array_equal(host(s, out)[ENTRY : 3 * ENTRY].reshape(2, ENTRY), kv[sel])
+    with pytest.raises(ValueError):
+        batch.load([(pools[0], 0, fast[0])])
+    with pytest.raises(TypeError):
+        batch.load([(pools[0]._p, 0, fast[0], outs[0]), ("pool", 0, fast[0], outs[1])])
+    with pytest.raises(gpuio.Error):
+        batch.load([(pools[0], 0, np.array([1, 2], dtype=np.int32), outs[0])])
+    with pytest.raises(gpuio.Error):
+        batch.load([(pools[0], 0, b"1234567", outs[0])])  # not whole 64-bit ids
 
 
 def test_kv_pool_refuses_bad_input_and_keeps_its_entries(s):

@@ -158,8 +158,12 @@ class KvPool:
         """Loads ``layer``'s entries at ``selection`` into ``dst`` (GPU memory), entry ``i``
         being position ``selection[i]``; a dict of what it did (selected, hits, misses,
         from_cold, bytes_from_host)."""
-        d = _device(self._s, dst, True, "a KV load's destination")
-        return self._p.load(layer, _ids(selection), d, dst_offset)
+        # The common case without a call: a gpuio buffer, an array of ids.
+        if type(dst) is not DeviceBuffer:
+            dst = _device(self._s, dst, True, "a KV load's destination")
+        if type(selection) is not array.array:
+            selection = _ids(selection)
+        return self._p.load(layer, selection, dst, dst_offset)
 
     def evict_by_importance(self, required, threshold=0.0):
         """Evicts the least important warm entries (below ``threshold`` first) until
@@ -224,20 +228,24 @@ class KvBatch:
 
     def load(self, loads, timed=False):
         """Every request's report, in order; with ``timed``, also the device's seconds."""
-        rows = []
-        for item in loads:
-            if len(item) == 4:
-                pool, layer, selection, dst = item
-                off = 0
-            else:
-                pool, layer, selection, dst, off = item
-            if not isinstance(pool, KvPool):
-                raise TypeError("a KV batch's pool is a gpuio.ai.KvPool")
-            if type(dst) is not DeviceBuffer:
-                dst = _device(self._s, dst, True, "a KV load's destination")
-            rows.append((pool._p, layer, _ids(selection), dst, off))
-        reports, device = self._b.load(rows, timed)
+        loads = loads if type(loads) is list else list(loads)
+        # Rows of gpuio buffers and id arrays go as they are; the rest are converted here.
+        got = self._b.load(loads, timed, False)
+        if got is None:
+            got = self._b.load([self._row(item) for item in loads], timed, True)
+        reports, device = got
         return (reports, device) if timed else reports
+
+    def _row(self, item):
+        if len(item) == 4:
+            pool, layer, selection, dst = item
+            off = 0
+        else:
+            pool, layer, selection, dst, off = item
+        if not isinstance(pool, KvPool):
+            raise TypeError("a KV batch's pool is a gpuio.ai.KvPool")
+        dst = _device(self._s, dst, True, "a KV load's destination")
+        return (pool._p, layer, _ids(selection), dst, off)
 
 
 class SwapInKv:
@@ -335,8 +343,11 @@ class EngramTable:
     def lookup(self, ids, dst, dst_offset=0):
         """Reads row ``ids[i]`` into ``dst`` (GPU memory) at ``dst_offset + i * row_bytes``;
         a dict (rows, rows_fetched, path, hot)."""
-        d = _device(self._s, dst, True, "a lookup's destination")
-        return self._t.lookup(_ids(ids), d, dst_offset)
+        if type(dst) is not DeviceBuffer:
+            dst = _device(self._s, dst, True, "a lookup's destination")
+        if type(ids) is not array.array:
+            ids = _ids(ids)
+        return self._t.lookup(ids, dst, dst_offset)
 
     @staticmethod
     def lookup_tables(lookups):

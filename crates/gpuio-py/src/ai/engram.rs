@@ -7,17 +7,26 @@ use crate::buffers::{DeviceBuffer, HostBuffer};
 use crate::error::invalid;
 use crate::session::Session;
 use gpuio_ai::AiWork;
-use gpuio_ai::engram::{self, HotTierStats, Lookup, Pending, RowValues};
+use gpuio_ai::engram::{self, GatherStrategy, HotTierStats, Lookup, Pending, RowValues};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
+/// What a lookup did (its keys and path names interned: a report is made on every call).
 fn lookup_report<'py>(py: Python<'py>, r: &Lookup) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item("rows", r.rows)?;
-    d.set_item("rows_fetched", r.rows_fetched)?;
-    d.set_item("path", format!("{:?}", r.strategy))?;
-    d.set_item("hot", r.hot)?;
+    d.set_item(intern!(py, "rows"), r.rows)?;
+    d.set_item(intern!(py, "rows_fetched"), r.rows_fetched)?;
+    let path = match r.strategy {
+        GatherStrategy::Auto => intern!(py, "Auto"),
+        GatherStrategy::ZeroCopy => intern!(py, "ZeroCopy"),
+        GatherStrategy::Sorted => intern!(py, "Sorted"),
+        GatherStrategy::CpuStaged => intern!(py, "CpuStaged"),
+        GatherStrategy::Hybrid => intern!(py, "Hybrid"),
+    };
+    d.set_item(intern!(py, "path"), path)?;
+    d.set_item(intern!(py, "hot"), r.hot)?;
     Ok(d)
 }
 
@@ -241,7 +250,7 @@ impl EngramTable {
         dst: Py<DeviceBuffer>,
         dst_offset: usize,
     ) -> PyResult<AiPending> {
-        let ids = indices(ids, "Engram ids")?;
+        let ids = indices(ids, "Engram ids")?.into_vec();
         let d = dst.get();
         let wait = shared_gpus(&[d]);
         let buf = d.buf.clone();
@@ -263,7 +272,7 @@ impl EngramTable {
         src: Py<DeviceBuffer>,
         src_offset: usize,
     ) -> PyResult<AiPending> {
-        let ids = indices(ids, "Engram ids")?;
+        let ids = indices(ids, "Engram ids")?.into_vec();
         let s = src.get();
         let wait = shared_gpus(&[s]);
         let buf = s.buf.clone();

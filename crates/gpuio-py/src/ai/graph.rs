@@ -40,8 +40,8 @@ impl CsrGraph {
     #[new]
     fn new(offsets: &Bound<'_, PyAny>, neighbors: &Bound<'_, PyAny>) -> PyResult<Self> {
         let graph = graph::CsrGraph::new(
-            indices(offsets, "offsets")?,
-            indices(neighbors, "neighbors")?,
+            indices(offsets, "offsets")?.into_vec(),
+            indices(neighbors, "neighbors")?.into_vec(),
         )
         .map_err(to_py)?;
         Ok(Self { graph })

@@ -1,24 +1,27 @@
 //! KV caches: `KvPool` (host-planned loads across hot, warm and cold tiers) and `SwapInKv`
 //! with `SwapInBatch` (device-planned loads of selections already on the GPU).
 
-use super::{indices, settle, shared_gpus, to_py};
+use super::{Ids, fast_indices, indices, settle, shared_gpus, to_py};
 use crate::buffers::{DeviceBuffer, Resource};
 use crate::error::invalid;
 use crate::lent::Lent;
 use crate::session::Session;
 use gpuio_ai::compress::Codec;
 use gpuio_ai::kv::{self, ColdTier, EvictReport, KvPoolConfig, LoadReport, SwapInConfig, Tier};
+use pyo3::exceptions::PyTypeError;
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyTuple};
 use std::sync::{Arc, Mutex, PoisonError};
 
+/// What a load did (keys interned: a report is made on every call).
 fn load_report<'py>(py: Python<'py>, r: &LoadReport) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item("selected", r.selected)?;
-    d.set_item("hits", r.hits)?;
-    d.set_item("misses", r.misses)?;
-    d.set_item("from_cold", r.from_cold)?;
-    d.set_item("bytes_from_host", r.bytes_from_host)?;
+    d.set_item(intern!(py, "selected"), r.selected)?;
+    d.set_item(intern!(py, "hits"), r.hits)?;
+    d.set_item(intern!(py, "misses"), r.misses)?;
+    d.set_item(intern!(py, "from_cold"), r.from_cold)?;
+    d.set_item(intern!(py, "bytes_from_host"), r.bytes_from_host)?;
     Ok(d)
 }
 
@@ -275,15 +278,70 @@ pub struct KvBatch {
     batch: Mutex<kv::KvBatch>,
 }
 
-/// One load of a `KvBatch` as the Python half passes it: pool, layer, selection (little-endian
-/// u64 positions), destination, destination offset.
-type KvBatchRow<'py> = (
-    Bound<'py, KvPool>,
-    usize,
-    Bound<'py, PyAny>,
-    Bound<'py, DeviceBuffer>,
-    usize,
-);
+/// A batch's reports, and with `timed` the device's seconds.
+type BatchReports<'py> = (Vec<Bound<'py, PyDict>>, Option<f64>);
+
+/// One load of a `KvBatch`: pool, layer, selection, destination, destination offset.
+struct KvBatchRow<'py> {
+    pool: Bound<'py, KvPool>,
+    layer: usize,
+    selection: Ids,
+    dst: Bound<'py, DeviceBuffer>,
+    dst_offset: usize,
+}
+
+impl<'py> KvBatchRow<'py> {
+    /// `(pool, layer, selection, dst[, dst_offset])` read as given: the pool this binding's
+    /// or the Python half's (`_p`), the selection bytes or a host array of 64-bit integers,
+    /// the destination a `DeviceBuffer`. None where a part needs the Python half's
+    /// conversion first; `strict` (after it) raises why instead.
+    fn read(row: &Bound<'py, PyAny>, strict: bool) -> PyResult<Option<Self>> {
+        let py = row.py();
+        let refuse = |why: &str| match strict {
+            true => Err(PyTypeError::new_err(why.to_owned())),
+            false => Ok(None),
+        };
+        let Ok(t) = row.cast::<PyTuple>() else {
+            return refuse("a KV batch's load is (pool, layer, selection, dst[, dst_offset])");
+        };
+        if !(4..=5).contains(&t.len()) {
+            return refuse("a KV batch's load is (pool, layer, selection, dst[, dst_offset])");
+        }
+        let pool = t.get_item(0)?;
+        let pool = match pool.cast_into::<KvPool>() {
+            Ok(p) => p,
+            Err(e) => match e.into_inner().getattr(intern!(py, "_p")) {
+                Ok(p) => match p.cast_into::<KvPool>() {
+                    Ok(p) => p,
+                    Err(_) => return refuse("a KV batch's pool is a gpuio.ai.KvPool"),
+                },
+                Err(_) => return refuse("a KV batch's pool is a gpuio.ai.KvPool"),
+            },
+        };
+        let selection = t.get_item(2)?;
+        let selection = match strict {
+            true => indices(&selection, "a selection")?,
+            false => match fast_indices(&selection) {
+                Some(ids) => ids,
+                None => return Ok(None),
+            },
+        };
+        let Ok(dst) = t.get_item(3)?.cast_into::<DeviceBuffer>() else {
+            return refuse("a KV load's destination is GPU memory");
+        };
+        let dst_offset = match t.len() {
+            5 => t.get_item(4)?.extract()?,
+            _ => 0,
+        };
+        Ok(Some(Self {
+            pool,
+            layer: t.get_item(1)?.extract()?,
+            selection,
+            dst,
+            dst_offset,
+        }))
+    }
+}
 
 #[pymethods]
 impl KvBatch {
@@ -295,21 +353,28 @@ impl KvBatch {
     }
 
     /// Loads every request's selection, as `KvPool.load` does one; their reports in order
-    /// (each pool at most once). With `timed`, also the device's seconds for the batch.
-    #[pyo3(signature = (loads, timed=false))]
+    /// (each pool at most once). With `timed`, also the device's seconds for the batch. None,
+    /// before anything moves, where a load needs the Python half's conversion first (see
+    /// `KvBatchRow::read`; `strict` raises why instead).
+    #[pyo3(signature = (loads, timed=false, strict=true))]
     fn load<'py>(
         &self,
         py: Python<'py>,
-        loads: Vec<KvBatchRow<'py>>,
+        loads: Vec<Bound<'py, PyAny>>,
         timed: bool,
-    ) -> PyResult<(Vec<Bound<'py, PyDict>>, Option<f64>)> {
-        let selections = loads
+        strict: bool,
+    ) -> PyResult<Option<BatchReports<'py>>> {
+        let mut read = Vec::with_capacity(loads.len());
+        for row in &loads {
+            match KvBatchRow::read(row, strict)? {
+                Some(r) => read.push(r),
+                None => return Ok(None),
+            }
+        }
+        let selections: Vec<&[u64]> = read.iter().map(|r| &*r.selection).collect();
+        let rows: Vec<(&KvPool, usize, &DeviceBuffer, usize)> = read
             .iter()
-            .map(|(_, _, sel, _, _)| indices(sel, "a selection"))
-            .collect::<PyResult<Vec<_>>>()?;
-        let rows: Vec<(&KvPool, usize, &DeviceBuffer, usize)> = loads
-            .iter()
-            .map(|(p, layer, _, d, off)| (p.get(), *layer, d.get(), *off))
+            .map(|r| (r.pool.get(), r.layer, r.dst.get(), r.dst_offset))
             .collect();
         // A pool twice would lock itself.
         for (i, r) in rows.iter().enumerate() {
@@ -365,7 +430,7 @@ impl KvBatch {
             .iter()
             .map(|r| load_report(py, r))
             .collect::<PyResult<_>>()?;
-        Ok((out, device))
+        Ok(Some((out, device)))
     }
 }
 

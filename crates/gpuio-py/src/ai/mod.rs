@@ -10,6 +10,7 @@ mod kv;
 
 use crate::buffers::DeviceBuffer;
 use crate::error::Error;
+use crate::lent::LentU64s;
 use gpuio_ai::{AiError, AiWork, Criticality, InferenceQos};
 use gpuio_api::HostPlacement;
 use pyo3::buffer::PyBuffer;
@@ -24,32 +25,67 @@ pub(crate) fn to_py(e: AiError) -> PyErr {
 }
 
 /// Ids or positions from Python: little-endian u64 bytes (what the Python half makes of lists
-/// and tensors), or a host array of 64-bit integers (NumPy, `array('q')`) read through the
-/// buffer protocol: one copy, and no conversion on the Python side, where a call's fixed cost
-/// is counted in microseconds.
-pub(crate) fn indices(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
+/// and tensors), or a host array of 64-bit integers (NumPy, `array('q')`) read in place
+/// through the buffer protocol: no copy and no pass over them here, where a call's fixed cost
+/// is counted in microseconds (eight 2048-entry selections copied, or only scanned, cost a B1
+/// step 9-30 us: their first read from memory, on one core). An int64's bits are read as a
+/// u64, so a negative id is a huge one, which every call refuses as out of range.
+pub(crate) fn indices(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Ids> {
     if let Ok(b) = obj.cast::<PyBytes>() {
-        return u64s(b.as_bytes(), what);
+        return u64s(b.as_bytes(), what).map(Ids::Owned);
     }
-    // Signed first: NumPy's and `array('q')`'s usual type (a failed try builds an exception).
+    if let Some(lent) = LentU64s::of(obj) {
+        return Ok(Ids::Lent(lent));
+    }
+    // A strided array: its values copied out in order.
     let py = obj.py();
     if let Ok(buf) = PyBuffer::<i64>::get(obj) {
-        return buf
-            .to_vec(py)?
-            .into_iter()
-            .map(|v| {
-                u64::try_from(v).map_err(|_| {
-                    crate::error::invalid(format!("{what} must not be negative ({v})"))
-                })
-            })
-            .collect();
+        let values = buf.to_vec(py)?;
+        return Ok(Ids::Owned(values.into_iter().map(|v| v as u64).collect()));
     }
     if let Ok(buf) = PyBuffer::<u64>::get(obj) {
-        return buf.to_vec(py);
+        return buf.to_vec(py).map(Ids::Owned);
     }
     Err(crate::error::invalid(format!(
         "{what} must be 64-bit integers: a list, bytes, or a host array of int64 or uint64"
     )))
+}
+
+/// [`indices`] of what needs no conversion in the Python half first (bytes, a contiguous
+/// host array of 64-bit integers); None for the rest, and for bytes it refuses.
+pub(crate) fn fast_indices(obj: &Bound<'_, PyAny>) -> Option<Ids> {
+    match obj.cast::<PyBytes>() {
+        Ok(b) => u64s(b.as_bytes(), "").ok().map(Ids::Owned),
+        Err(_) => LentU64s::of(obj).map(Ids::Lent),
+    }
+}
+
+/// Ids as [`indices`] reads them: lent by Python in place, or converted from bytes.
+pub(crate) enum Ids {
+    Lent(LentU64s),
+    Owned(Vec<u64>),
+}
+
+impl Ids {
+    /// The ids as a vector of their own (a lent buffer's copied), for work that outlives
+    /// the call.
+    pub(crate) fn into_vec(self) -> Vec<u64> {
+        match self {
+            Self::Lent(l) => l.values().to_vec(),
+            Self::Owned(v) => v,
+        }
+    }
+}
+
+impl std::ops::Deref for Ids {
+    type Target = [u64];
+
+    fn deref(&self) -> &[u64] {
+        match self {
+            Self::Lent(l) => l.values(),
+            Self::Owned(v) => v,
+        }
+    }
 }
 
 /// Little-endian u64s of a bytes object (the Python half packs them).
