@@ -12,7 +12,9 @@ the same chunks, through the interfaces LMCache itself drives them by:
 
 Each store writes every chunk once (timed as one batch); each retrieve reads every chunk
 back into other buffers, as one batch and one chunk at a time (per-chunk latency), and every
-chunk read is compared with what was stored. Prints one JSON line: per store its store and
+chunk read is compared with what was stored. Before each retrieve the buffers are cleared and
+a GiB is written elsewhere, so that no side finds its buffers in the CPU's caches. L2
+adapters are waited on as LMCache's controllers wait: on their event fds. Prints one JSON line: per store its store and
 retrieve bytes/s, p50 latency per chunk, and its problems (a store refused, a chunk not found
 or not loaded, a chunk that differs), none where all is well.
 
@@ -21,6 +23,7 @@ argv: scratch directory, chunks, timed repetitions.
 
 import json
 import os
+import select
 import shutil
 import sys
 import time
@@ -64,17 +67,33 @@ def differing():
     return [i for i, (a, b) in enumerate(zip(src, dst)) if not torch.equal(bits(a), bits(b))]
 
 
+# Written after the destinations are cleared, so that neither side's timed copy finds them,
+# or its sources, in the CPU's caches (the H200's host has 300 MiB of L3: a just-cleared
+# destination took writes faster, and streaming stores slower).
+SCRATCH = torch.empty(1 << 30, dtype=torch.uint8)
+
+
 def clear():
     for o in dst:
         o.tensor.zero_()
+    SCRATCH.fill_(1)
 
 
-def spin(query):
+def wait(fd, query):
+    """A result as LMCache's storage controllers wait for one: poll the adapter's event fd
+    (consuming each signal), query after each; no spinning that would hold the GIL from the
+    adapter's threads."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
     while True:
         r = query()
         if r is not None:
             return r
-        time.sleep(0)
+        if poller.poll(1000):
+            try:
+                os.eventfd_read(fd)
+            except BlockingIOError:
+                pass
 
 
 class L2:
@@ -85,20 +104,27 @@ class L2:
         self.adapter = create_l2_adapter(cfg)
 
     def store(self, ks, objs):
-        task = self.adapter.submit_store_task(ks, objs)
+        a = self.adapter
+        task = a.submit_store_task(ks, objs)
         done = {}
-        while task not in done:
-            done.update(self.adapter.pop_completed_store_tasks())
-            time.sleep(0)
-        return done[task].is_successful()
+
+        def query():
+            done.update(a.pop_completed_store_tasks())
+            return done.get(task)
+
+        return wait(a.get_store_event_fd(), query).is_successful()
 
     def lock(self, ks):
-        task = self.adapter.submit_lookup_and_lock_task(ks, {})
-        return spin(lambda: self.adapter.query_lookup_and_lock_result(task)).count_leading_ones()
+        a = self.adapter
+        task = a.submit_lookup_and_lock_task(ks, {})
+        result = wait(a.get_lookup_and_lock_event_fd(),
+                      lambda: a.query_lookup_and_lock_result(task))
+        return result.count_leading_ones()
 
     def load(self, ks, objs):
-        task = self.adapter.submit_load_task(ks, objs)
-        return spin(lambda: self.adapter.query_load_result(task)).count_leading_ones()
+        a = self.adapter
+        task = a.submit_load_task(ks, objs)
+        return wait(a.get_load_event_fd(), lambda: a.query_load_result(task)).count_leading_ones()
 
     def unlock(self, ks):
         self.adapter.submit_unlock(ks)

@@ -153,34 +153,10 @@ pub fn run(
     drop(file);
 
     progress("py_ai");
-    let rust = ai::rust_p50s(session, opts.calls)?;
-    // Steps of B1 (~150 µs each) and B2: enough for a steady p50.
-    let steps = (opts.calls / 10).max(200);
-    let b1 = ai::rust_b1_p50(session, steps)?;
-    let b2 = ai::rust_b2_p50s(session, steps)?;
-    let shape = serde_json::to_string(&ai::SHAPE).unwrap_or_default();
-    let positions: Vec<String> = ai::positions(&ai::SHAPE)
-        .iter()
-        .map(u64::to_string)
-        .collect();
-    let args = [
-        opts.calls.to_string(),
-        shape,
-        positions.join(","),
-        steps.to_string(),
-    ];
-    match peers::python_binding("ai", &args) {
-        Ok(py) => {
-            let (r, t) = ai::records(rust, &py);
+    match ai::cases(session, opts.calls)? {
+        Ok((r, t)) => {
             records.extend(r);
             targets.extend(t);
-            for (r, t) in ai::b1_record(b1, &py)
-                .into_iter()
-                .chain(ai::b2_records(&b2, &py))
-            {
-                records.push(r);
-                targets.push(t);
-            }
         }
         Err(why) => notes.push(format!("py_ai: {why}")),
     }

@@ -3,15 +3,97 @@
 //! definition) and times the same call one at a time; the binding's overhead is the
 //! difference of the p50s (target ≤ 2 µs). The calls are small on purpose (a 64-entry
 //! selection that hits the hot buffer after the warm-up; 64 Engram rows), so the fixed cost
-//! is what is measured.
+//! is what is measured. The two sides run in different processes, whose p50s of the same
+//! call drift by a few microseconds from one process to the next, so they take turns,
+//! [`ROUNDS`] times, and each side's figure is the median of its rounds.
 
-use crate::{Record, Result, Target};
+use crate::{Record, Result, Target, peers};
 use gpuio_ai::engram::EngramTable;
 use gpuio_ai::kv::{
     KvBatch, KvPool, KvPoolConfig, SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget,
 };
 use gpuio_api::{HostPlacement, Session};
 use std::time::Instant;
+
+/// Rounds each side runs.
+pub const ROUNDS: usize = 5;
+
+/// The suite's records and targets, or why the Python side could not run.
+pub type Cases = std::result::Result<(Vec<Record>, Vec<Target>), String>;
+
+/// The `py_ai_*` records and targets, or why the Python side could not run.
+pub fn cases(session: &Session, calls: usize) -> Result<Cases> {
+    // Steps of B1 (~150 µs each) and B2: enough for a steady p50.
+    let steps = (calls / 10).max(200);
+    let shape = serde_json::to_string(&SHAPE).unwrap_or_default();
+    let positions: Vec<String> = positions(&SHAPE).iter().map(u64::to_string).collect();
+    let args = [
+        calls.to_string(),
+        shape,
+        positions.join(","),
+        steps.to_string(),
+    ];
+    let (mut calls_ns, mut b1, mut b2, mut py) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        calls_ns.push(rust_p50s(session, calls)?);
+        b1.push(rust_b1_p50(session, steps)?);
+        b2.push(rust_b2_p50s(session, steps)?);
+        match peers::python_binding("ai", &args) {
+            Ok(v) => py.push(v),
+            Err(why) => return Ok(Err(why)),
+        }
+    }
+    let rust = [0, 1, 2].map(|i| median(calls_ns.iter().map(|r| r[i])));
+    let b1 = (
+        median(b1.iter().map(|b| b.0)),
+        median(b1.iter().map(|b| b.1)),
+    );
+    let b2: Vec<f64> = (0..SHAPE.b2_batches.len())
+        .map(|i| median(b2.iter().filter_map(|b: &Vec<f64>| b.get(i).copied())))
+        .collect();
+    let py = median_json(&py);
+    let (mut records, mut targets) = records(rust, &py);
+    for (r, t) in b1_record(b1, &py).into_iter().chain(b2_records(&b2, &py)) {
+        records.push(r);
+        targets.push(t);
+    }
+    Ok(Ok((records, targets)))
+}
+
+/// The median of `values` (NaN where there are none).
+fn median(values: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = values.collect();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// The Python side's rounds as one: each number (and each number of a list) the median of
+/// the rounds'.
+fn median_json(rounds: &[serde_json::Value]) -> serde_json::Value {
+    use serde_json::Value;
+    let Some(Value::Object(first)) = rounds.first() else {
+        return Value::Null;
+    };
+    let at = |key: &str, i: Option<usize>| {
+        median(rounds.iter().filter_map(|r| match i {
+            None => r[key].as_f64(),
+            Some(i) => r[key].get(i).and_then(Value::as_f64),
+        }))
+    };
+    let merged = first
+        .iter()
+        .map(|(key, v)| {
+            let m = match v {
+                Value::Array(a) => (0..a.len())
+                    .map(|i| Value::from(at(key, Some(i))))
+                    .collect(),
+                _ => Value::from(at(key, None)),
+            };
+            (key.clone(), m)
+        })
+        .collect();
+    Value::Object(merged)
+}
 
 /// B1's decode step from both sides: a `KvBatch` of `b1_batch` requests, each a top-`b1_topk`
 /// of `b1_tokens` stored tokens, the selection moving every 10 steps (a 90% overlap).
