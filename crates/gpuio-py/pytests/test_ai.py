@@ -109,6 +109,38 @@ def test_a_kv_batch_loads_every_request_in_one_call(s):
         batch.load([(pools[0], 0, b"1234567", outs[0])])  # not whole 64-bit ids
 
 
+def test_ids_changed_during_a_load_give_an_error_never_a_panic(s):
+    # A selection is read in place with the GIL released: another thread may rewrite it
+    # between the pool's check and its plan.
+    import threading
+    import time
+
+    pool = ai.KvPool(s, layers=1, entry_bytes=ENTRY, max_tokens=64, hot_slots=16,
+                     max_selection=8)
+    kv = entries(64, 3)
+    pool.store(0, 0, device(s, kv))
+    out = s.alloc_device(8 * ENTRY)
+    sel = np.arange(8, dtype=np.int64)
+    stop = time.monotonic() + 0.3
+
+    def flip():
+        while time.monotonic() < stop:
+            sel[3] = 1 << 40
+            sel[3] = 3
+
+    t = threading.Thread(target=flip)
+    t.start()
+    while time.monotonic() < stop:
+        try:
+            pool.load(0, sel, out)
+        except gpuio.Error:
+            pass  # a position rewritten past the layer, refused
+    t.join()
+    sel[3] = 3
+    assert pool.load(0, sel, out)["selected"] == 8
+    assert np.array_equal(host(s, out).reshape(-1, ENTRY), kv[:8])
+
+
 def test_kv_pool_refuses_bad_input_and_keeps_its_entries(s):
     pool = ai.KvPool(s, layers=1, entry_bytes=ENTRY, max_tokens=16, hot_slots=8, max_selection=8)
     kv = entries(16, 2)

@@ -58,9 +58,11 @@ impl HotLayer {
         }
     }
 
-    /// Marks the selection's hits used in `step`; the rows to read each entry from. Every
-    /// position is below `len`, the layer's length.
-    pub(super) fn plan(&mut self, selection: &[u64], step: u64, len: u64) -> Plan {
+    /// Marks the selection's hits used in `step`; the rows to read each entry from. A
+    /// position at or past `len`, the layer's length, is refused (`Err` with it), the tables
+    /// as they were but for the hits' recency: callers check the selection first, but one
+    /// Python lends may change while it is read.
+    pub(super) fn plan(&mut self, selection: &[u64], step: u64, len: u64) -> Result<Plan, u64> {
         if self.slot_of.len() < len as usize {
             self.slot_of.resize(len as usize, NONE);
             self.missing.resize(len as usize, NONE);
@@ -71,7 +73,12 @@ impl HotLayer {
             misses: Vec::new(),
             hits: 0,
         };
+        let mut past = None;
         for &pos in selection {
+            if pos >= len {
+                past = Some(pos);
+                break;
+            }
             let p = pos as usize;
             let slot = self.slot_of[p];
             if slot != NONE {
@@ -89,7 +96,10 @@ impl HotLayer {
         for &pos in &plan.misses {
             self.missing[pos as usize] = NONE;
         }
-        plan
+        match past {
+            Some(pos) => Err(pos),
+            None => Ok(plan),
+        }
     }
 
     /// Gives `misses` (in this order) the slots selected longest ago, never one
@@ -115,5 +125,22 @@ impl HotLayer {
             self.last_used[slot] = step;
         }
         victims.into_iter().map(|s| s as u64).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_position_past_the_layer_is_refused_and_leaves_no_miss_marked() {
+        let session = gpuio_api::Session::new(gpuio_api::Config::default()).unwrap();
+        let mut hot = HotLayer::new(session.alloc_device(0, 64).unwrap(), 4);
+        assert_eq!(hot.plan(&[1, 2], 1, 8).unwrap().misses, vec![1, 2]);
+        assert_eq!(hot.plan(&[3, 9, 4], 2, 8).err(), Some(9));
+        // The refused plan's miss (3) was unmarked: the next plan numbers its misses from 0.
+        let again = hot.plan(&[3, 4, 3], 3, 8).unwrap();
+        assert_eq!(again.misses, vec![3, 4]);
+        assert_eq!(again.rows, vec![4, 5, 4]);
     }
 }

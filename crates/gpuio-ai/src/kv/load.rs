@@ -91,7 +91,13 @@ impl KvPool {
             });
         }
         self.step += 1;
-        let plan = self.hot[layer].plan(selection, self.step, len);
+        let plan = self.hot[layer]
+            .plan(selection, self.step, len)
+            .map_err(|p| {
+                AiError::InvalidArgument(format!(
+                    "position {p} of layer {layer}, which holds {len} tokens"
+                ))
+            })?;
         let from_cold = self.bring_back(layer, &plan.misses)?;
         let victims = match plan.misses.len() {
             0 => Vec::new(),
