@@ -72,6 +72,42 @@ def test_chunks_round_trip_through_host_memory_and_files(tmp_path):
     assert os.listdir(root) == []
 
 
+def test_one_bad_buffer_costs_only_its_own_chunk():
+    conn = GpuioConnector(host_gb=8 * CHUNK / (1 << 30), workers=2)
+    keys = ["a", "b", "c"]
+    src = buffers(3, seed=7)
+    strided = memoryview(bytearray(2 * CHUNK))[::2]  # no contiguous bytes to copy from
+    ok, err, _ = finish(conn, conn.submit_batch_set(keys, [src[0], strided, src[2]]))
+    assert not ok and "contiguous" in err
+    assert finish(conn, conn.submit_batch_exists(keys))[2] == [True, False, True]
+    finish(conn, conn.submit_batch_set(keys[1:2], src[1:2]))
+    dst = buffers(3)
+    read_only = memoryview(bytes(CHUNK))
+    ok, _, loaded = finish(conn, conn.submit_batch_get(keys, [dst[0], read_only, dst[2]]))
+    assert ok and loaded == [True, False, True]
+    assert same(dst[0], src[0]) and same(dst[2], src[2])
+    assert finish(conn, conn.submit_batch_exists(["a", "c"]))[2] == [True, True]
+    conn.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_checked_copies_run_in_a_forked_child():
+    s = gpuio.Session()
+    host = s.alloc_host(4 << 20)
+    data = np.random.default_rng(9).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
+    want = gpuio._gpuio.copy_checked(host, [(0, data)], True, 1 << 20)  # the team starts here
+    pid = os.fork()
+    if pid == 0:  # the child: its copies must not wait on the parent's threads
+        import signal
+
+        signal.alarm(20)
+        back = bytearray(len(data))
+        got = gpuio._gpuio.copy_checked(host, [(0, back)], False, 1 << 20)
+        os._exit(0 if got == want and bytes(back) == data else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_a_damaged_chunk_is_a_miss_never_bytes(tmp_path):
     root = tmp_path / "kv"
     conn = GpuioConnector(host_gb=0, root=str(root))

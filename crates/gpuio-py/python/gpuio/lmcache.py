@@ -190,29 +190,40 @@ class GpuioConnector:
                     self._release(chunk)
                 raise
         # Spilled chunks are written on the IO threads while the host tier's are copied here,
-        # all of them in one call.
+        # all of them in one call. Whatever happens, every chunk is then indexed or released,
+        # once every write has finished.
         failed = [None] * len(chunks)
         spilled = [i for i, c in enumerate(chunks) if c.at is None]
-        writes = [self._io.submit(self._put_file, chunks[i], data[i]) for i in spilled]
         held = [i for i, c in enumerate(chunks) if c.at is not None]
-        if held:
-            try:
-                crcs = _gpuio.copy_checked(self._host, [(chunks[i].at, data[i]) for i in held],
-                                           True, _PIECE)
-                for i, crc in zip(held, crcs):
-                    chunks[i].crc = crc
-            except Exception as e:
-                for i in held:
-                    failed[i] = e
-        for i, w in zip(spilled, writes):
-            failed[i] = w.result()
-        with self._lock:
-            for key, chunk, error in zip(keys, chunks, failed):
-                if error is None:
-                    self._drop(key)
-                    self._index[key] = chunk
-                else:
-                    self._release(chunk)
+        writes = []
+        try:
+            for i in spilled:
+                writes.append((i, self._io.submit(self._put_file, chunks[i], data[i])))
+            if held:
+                got = self._copy_held([(chunks[i].at, data[i]) for i in held], True)
+                for i, r in zip(held, got):
+                    if isinstance(r, Exception):
+                        failed[i] = r
+                    else:
+                        chunks[i].crc = r
+        except BaseException as e:
+            for i in range(len(chunks)):
+                failed[i] = failed[i] or e
+            raise
+        finally:
+            for i, w in writes:
+                try:
+                    error = w.result()
+                except BaseException as e:
+                    error = e
+                failed[i] = failed[i] or error
+            with self._lock:
+                for key, chunk, error in zip(keys, chunks, failed):
+                    if error is None:
+                        self._drop(key)
+                        self._index[key] = chunk
+                    else:
+                        self._release(chunk)
         first = next((e for e in failed if e is not None), None)
         if first is not None:
             raise first
@@ -238,24 +249,47 @@ class GpuioConnector:
             claims = [self._claim(key, d) for key, d in zip(keys, data)]
         crcs = [None] * len(keys)
         in_files = [i for i, c in enumerate(claims) if c is not None and c[1] is None]
-        reads = [self._io.submit(self._read_file, claims[i][2], data[i]) for i in in_files]
         held = [i for i, c in enumerate(claims) if c is not None and c[1] is not None]
-        if held:
-            try:
-                got = _gpuio.copy_checked(self._host, [(claims[i][1], data[i]) for i in held],
-                                          False, _PIECE)
-                for i, crc in zip(held, got):
-                    crcs[i] = crc
-            except _gpuio.Error:
-                pass
-        for i, r in zip(in_files, reads):
-            crcs[i] = r.result()
-        good = [c is not None and crc == c[0].crc for c, crc in zip(claims, crcs)]
-        with self._lock:
-            for key, claim, ok in zip(keys, claims, good):
-                if claim is not None:
-                    self._settle(key, claim, ok)
+        reads = []
+        try:
+            for i in in_files:
+                reads.append((i, self._io.submit(self._read_file, claims[i][2], data[i])))
+            if held:
+                got = self._copy_held([(claims[i][1], data[i]) for i in held], False)
+                for i, r in zip(held, got):
+                    if not isinstance(r, Exception):
+                        crcs[i] = r
+        finally:
+            # Every read finished (none still writing the caller's buffers), every claim
+            # settled, whatever was raised.
+            for i, r in reads:
+                try:
+                    crcs[i] = r.result()
+                except BaseException:
+                    crcs[i] = None
+            good = [c is not None and crc == c[0].crc for c, crc in zip(claims, crcs)]
+            with self._lock:
+                for key, claim, ok in zip(keys, claims, good):
+                    if claim is not None:
+                        self._settle(key, claim, ok)
         return True, good
+
+    def _copy_held(self, jobs, to_host):
+        """`copy_checked` of a batch's chunks in the host tier: each one's crcs, or the
+        exception its copy raised. A batch that fails is copied again chunk by chunk, so that
+        one bad buffer costs only its own chunk."""
+        try:
+            return _gpuio.copy_checked(self._host, jobs, to_host, _PIECE)
+        except Exception as e:
+            if len(jobs) == 1:
+                return [e]
+        out = []
+        for job in jobs:
+            try:
+                out.append(_gpuio.copy_checked(self._host, [job], to_host, _PIECE)[0])
+            except Exception as e:
+                out.append(e)
+        return out
 
     def _claim(self, key, data):
         """(chunk, host offset, path) of `key` where it is stored with `data`'s size, one more
@@ -271,7 +305,7 @@ class GpuioConnector:
         try:
             self._s.read(self._uri(path), data)
             return _gpuio.crc32c_pieces(data, _PIECE)
-        except _gpuio.Error:
+        except Exception:
             return None
 
     def _settle(self, key, claim, good):
