@@ -13,7 +13,7 @@ the same chunks, through the interfaces LMCache itself drives them by:
 Each store writes every chunk once (timed as one batch); each retrieve reads every chunk
 back into other buffers, as one batch and one chunk at a time (per-chunk latency), and every
 chunk read is compared with what was stored. Before each retrieve the buffers are cleared and
-a GiB is written elsewhere, so that no side finds its buffers in the CPU's caches. L2
+a GiB is read elsewhere, so that no side finds its buffers in the CPU's caches. L2
 adapters are waited on as LMCache's controllers wait: on their event fds. Prints one JSON line: per store its store and
 retrieve bytes/s, p50 latency per chunk, and its problems (a store refused, a chunk not found
 or not loaded, a chunk that differs), none where all is well.
@@ -67,16 +67,18 @@ def differing():
     return [i for i, (a, b) in enumerate(zip(src, dst)) if not torch.equal(bits(a), bits(b))]
 
 
-# Written after the destinations are cleared, so that neither side's timed copy finds them,
-# or its sources, in the CPU's caches (the H200's host has 300 MiB of L3: a just-cleared
-# destination took writes faster, and streaming stores slower).
-SCRATCH = torch.empty(1 << 30, dtype=torch.uint8)
+# Read after the destinations are cleared, so that neither side's timed copy finds them, or
+# its sources, in the CPU's caches (the H200's host has 300 MiB of L3). Read, not written: a
+# fill this large streams past the caches and evicts nothing. Left dirty in the cache, the
+# cleared destinations took gpuio's streaming stores at 34-37 GB/s instead of 49-51, and
+# torch's copy at the same 32-33 GB/s either way.
+SCRATCH = torch.ones(1 << 30, dtype=torch.uint8)
 
 
 def clear():
     for o in dst:
         o.tensor.zero_()
-    SCRATCH.fill_(1)
+    assert int(SCRATCH.sum()) == SCRATCH.numel()
 
 
 def wait(fd, query):

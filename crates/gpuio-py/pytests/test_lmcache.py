@@ -91,6 +91,7 @@ def test_one_bad_buffer_costs_only_its_own_chunk():
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_checked_copies_run_in_a_forked_child():
     s = gpuio.Session()
     host = s.alloc_host(4 << 20)
