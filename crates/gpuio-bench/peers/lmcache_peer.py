@@ -78,7 +78,8 @@ SCRATCH = torch.ones(1 << 30, dtype=torch.uint8)
 def clear():
     for o in dst:
         o.tensor.zero_()
-    assert int(SCRATCH.sum()) == SCRATCH.numel()
+    if int(SCRATCH.sum()) != SCRATCH.numel():  # the read itself is the point
+        raise RuntimeError("the eviction buffer changed")
 
 
 def wait(fd, query):

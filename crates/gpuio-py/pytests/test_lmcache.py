@@ -72,21 +72,24 @@ def test_chunks_round_trip_through_host_memory_and_files(tmp_path):
     assert os.listdir(root) == []
 
 
-def test_one_bad_buffer_costs_only_its_own_chunk():
-    conn = GpuioConnector(host_gb=8 * CHUNK / (1 << 30), workers=2)
+def test_a_bad_buffer_refuses_its_batch_and_loses_nothing(tmp_path):
+    # Room for two chunks in host memory: the third is in a file.
+    conn = GpuioConnector(host_gb=2 * CHUNK / (1 << 30), root=str(tmp_path / "kv"), workers=2)
     keys = ["a", "b", "c"]
     src = buffers(3, seed=7)
-    strided = memoryview(bytearray(2 * CHUNK))[::2]  # no contiguous bytes to copy from
-    ok, err, _ = finish(conn, conn.submit_batch_set(keys, [src[0], strided, src[2]]))
+    assert finish(conn, conn.submit_batch_set(keys, src))[0]
+    strided = memoryview(bytearray(2 * CHUNK))[::2]  # no one run of bytes to copy from
+    ok, err, _ = finish(conn, conn.submit_batch_set(keys, buffers(1, seed=8) + [strided] * 2))
     assert not ok and "contiguous" in err
-    assert finish(conn, conn.submit_batch_exists(keys))[2] == [True, False, True]
-    finish(conn, conn.submit_batch_set(keys[1:2], src[1:2]))
-    dst = buffers(3)
     read_only = memoryview(bytes(CHUNK))
-    ok, _, loaded = finish(conn, conn.submit_batch_get(keys, [dst[0], read_only, dst[2]]))
-    assert ok and loaded == [True, False, True]
-    assert same(dst[0], src[0]) and same(dst[2], src[2])
-    assert finish(conn, conn.submit_batch_exists(["a", "c"]))[2] == [True, True]
+    dst = buffers(3)
+    ok, err, _ = finish(conn, conn.submit_batch_get(keys, [dst[0], read_only, dst[2]]))
+    assert not ok and "read-only" in err
+    # Every chunk stored before is still there, host and file alike, with its first bytes.
+    assert finish(conn, conn.submit_batch_exists(keys))[2] == [True, True, True]
+    ok, _, loaded = finish(conn, conn.submit_batch_get(keys, dst))
+    assert ok and loaded == [True, True, True]
+    assert all(same(a, b) for a, b in zip(src, dst))
     conn.close()
 
 

@@ -9,7 +9,7 @@ use crate::error::{invalid, to_py};
 use crate::lent::Lent;
 use pyo3::prelude::*;
 use rayon::prelude::*;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::OnceLock;
 
 /// Copies of at least this many bytes write with streaming stores: their destination goes to
 /// a GPU by DMA or is read much later, and on the H200's host a copy of a 32 MiB chunk ran
@@ -18,30 +18,23 @@ const STREAM_FROM: usize = 1 << 20;
 
 /// The threads that copy pieces: one per CPU, shared by every call, so that a batch's
 /// chunks copied from several Python threads at once share the cores instead of each
-/// starting threads of its own. Made again in a forked child, which has none of its
-/// parent's threads (the parent's team is left alone there: dropping it would signal
-/// threads that do not exist). None where they could not be started (the caller's thread
-/// copies then).
-fn team() -> Option<Arc<rayon::ThreadPool>> {
-    static TEAM: Mutex<Option<(u32, Arc<rayon::ThreadPool>)>> = Mutex::new(None);
-    let mut team = TEAM.lock().unwrap_or_else(PoisonError::into_inner);
-    let pid = std::process::id();
-    if let Some((owner, pool)) = team.as_ref()
-        && *owner == pid
-    {
-        return Some(Arc::clone(pool));
+/// starting threads of its own. None in a forked child (its parent's threads are not there;
+/// no lock is taken after the team is made, so a fork cannot leave one held) and where they
+/// could not be started: the caller's thread copies then.
+fn team() -> Option<&'static rayon::ThreadPool> {
+    static TEAM: OnceLock<Option<(u32, rayon::ThreadPool)>> = OnceLock::new();
+    let made = TEAM.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(gpuio_hal::sys::cpu_count())
+            .thread_name(|i| format!("gpuio-copy-{i}"))
+            .build()
+            .ok()
+            .map(|pool| (std::process::id(), pool))
+    });
+    match made {
+        Some((pid, pool)) if *pid == std::process::id() => Some(pool),
+        _ => None,
     }
-    if let Some((_, parents)) = team.take() {
-        std::mem::forget(parents);
-    }
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(gpuio_hal::sys::cpu_count())
-        .thread_name(|i| format!("gpuio-copy-{i}"))
-        .build()
-        .ok()
-        .map(Arc::new)?;
-    *team = Some((pid, Arc::clone(&pool)));
-    Some(pool)
 }
 
 /// Each job's `src` copied into its `dst` (the same length) and checked in pieces of

@@ -3,7 +3,9 @@ adapter chunks (opaque string keys, bytes in its pinned L1 memory) and gets them
 connector keeps them in pinned host memory gpuio holds, and spills the oldest to files when
 that is full (written and read by gpuio's LocalIO: page-cache DMA for warm files, O_DIRECT
 where asked). Every chunk carries a crc32c per 4 MiB piece, taken as the chunk is copied on
-several threads: a chunk that does not match is a miss, never bytes.
+several threads: a chunk that does not match is a miss, never bytes. A batch with a buffer
+that is not one run of bytes (or is read-only, to read into) is refused whole, before
+anything is stored, dropped or read.
 
 It is LMCache's ``native_plugin`` L2 adapter (the interface LMCache offers out-of-tree
 stores in its recommended multiprocess mode: six methods, byte buffers and string keys, no
@@ -80,6 +82,17 @@ class _Chunk:
     def __init__(self, size, crc):
         self.size, self.crc, self.at, self.path = size, crc, None, None
         self.readers, self.dead = 0, False
+
+
+def _check_buffers(views, write):
+    """Refuses a batch, before anything is stored, dropped or read, where a buffer cannot be
+    copied as one run of bytes (or, to `write`, is read-only): the caller's mistake, not a
+    damaged chunk."""
+    for v in views:
+        if not v.c_contiguous:
+            raise ValueError("a chunk's buffer is not contiguous")
+        if write and v.readonly:
+            raise ValueError("a chunk's buffer to read into is read-only")
 
 
 def _bytes_view(mv):
@@ -165,7 +178,7 @@ class GpuioConnector:
         try:
             ok, bools = fn(*args)
             result = (fid, ok, "", bools)
-        except Exception as e:  # a completion LMCache can see, not a lost future
+        except BaseException as e:  # a completion LMCache can see, not a lost future
             result = (fid, False, f"{type(e).__name__}: {e}", None)
         with self._done_lock:
             self._done.append(result)
@@ -175,6 +188,7 @@ class GpuioConnector:
         if len(keys) != len(views):
             raise ValueError(f"{len(keys)} keys for {len(views)} buffers")
         data = [_bytes_view(mv) for mv in views]
+        _check_buffers(data, write=False)
         # Room first, in order (what fits is kept, as if stored one by one); then every
         # chunk's crc and copy side by side; then the index, in order.
         chunks = []
@@ -243,6 +257,7 @@ class GpuioConnector:
         if len(keys) != len(views):
             raise ValueError(f"{len(keys)} keys for {len(views)} buffers")
         data = [_bytes_view(mv) for mv in views]
+        _check_buffers(data, write=True)
         # Each chunk found is claimed (neither spilled nor freed while read); then the files'
         # are read on the IO threads while the host tier's are copied here, in one call.
         with self._lock:
@@ -379,7 +394,7 @@ class GpuioConnector:
         if path is not None:
             try:
                 os.remove(path)
-            except FileNotFoundError:
+            except OSError:  # gone already, or not ours to remove: nothing to undo
                 pass
 
     def _spill_path(self):
