@@ -5,7 +5,7 @@
 //! indices reported at their place in the lists taken together, and the refusals.
 
 use super::gather::{download, engine, pool, random_indices, seed};
-use gpuio_hal::{HalError, HostBuffer, HotRows, pattern};
+use gpuio_hal::{DeviceBuffer, HalError, HostBuffer, HotRows, pattern};
 use gpuio_transport_memio::{GatherOptions, GatherStrategy, HotLookup, MemIo, MemIoError};
 
 /// Two pools, each with hot copies of some rows taken before its rows were rewritten: what
@@ -14,6 +14,25 @@ struct Tables {
     pools: Vec<HostBuffer>,
     hot: Vec<HotRows>,
     old: Vec<Vec<u8>>,
+}
+
+impl Tables {
+    /// Job `k`: `indices` of pool `k` through its hot rows, into `dst` at `dst_offset`.
+    fn lookup<'a>(
+        &'a self,
+        k: usize,
+        indices: &'a [u64],
+        dst: &'a DeviceBuffer,
+        dst_offset: usize,
+    ) -> HotLookup<'a> {
+        HotLookup {
+            pool: &self.pools[k],
+            hot: &self.hot[k],
+            indices,
+            dst,
+            dst_offset,
+        }
+    }
 }
 
 fn tables(io: &MemIo, rb: usize, rows: usize) -> Tables {
@@ -67,20 +86,8 @@ fn every_path_gathers_each_pools_rows_through_its_hot_rows() {
         let dst = gpu.alloc((ids[0].len() + 3) * rb).unwrap();
         let other = gpu.alloc(ids[1].len() * rb).unwrap();
         let jobs = [
-            HotLookup {
-                pool: &t.pools[0],
-                hot: &t.hot[0],
-                indices: &ids[0],
-                dst: &dst,
-                dst_offset: 3 * rb,
-            },
-            HotLookup {
-                pool: &t.pools[1],
-                hot: &t.hot[1],
-                indices: &ids[1],
-                dst: &other,
-                dst_offset: 0,
-            },
+            t.lookup(0, &ids[0], &dst, 3 * rb),
+            t.lookup(1, &ids[1], &other, 0),
         ];
         let check = |gpu_share: f64, what: &str| {
             for (k, (buf, off)) in [(&dst, 3 * rb), (&other, 0)].into_iter().enumerate() {
@@ -161,20 +168,8 @@ fn an_unpinned_pool_is_gathered_by_the_cpu() {
     ];
     let dst = gpu.alloc(50 * rb).unwrap();
     let jobs = [
-        HotLookup {
-            pool: &t.pools[0],
-            hot: &t.hot[0],
-            indices: &ids[0],
-            dst: &dst,
-            dst_offset: 0,
-        },
-        HotLookup {
-            pool: &t.pools[1],
-            hot: &t.hot[1],
-            indices: &ids[1],
-            dst: &dst,
-            dst_offset: 30 * rb,
-        },
+        t.lookup(0, &ids[0], &dst, 0),
+        t.lookup(1, &ids[1], &dst, 30 * rb),
     ];
     for _ in 0..6 {
         let r = io
@@ -215,20 +210,8 @@ fn a_bad_index_is_reported_at_its_place_in_the_lists_together() {
     second[20] = rows as u64;
     let dst = gpu.alloc(40 * rb).unwrap();
     let jobs = [
-        HotLookup {
-            pool: &t.pools[0],
-            hot: &t.hot[0],
-            indices: &first,
-            dst: &dst,
-            dst_offset: 0,
-        },
-        HotLookup {
-            pool: &t.pools[1],
-            hot: &t.hot[1],
-            indices: &second,
-            dst: &dst,
-            dst_offset: 10 * rb,
-        },
+        t.lookup(0, &first, &dst, 0),
+        t.lookup(1, &second, &dst, 10 * rb),
     ];
     for (strategy, share) in [
         (GatherStrategy::ZeroCopy, None),
