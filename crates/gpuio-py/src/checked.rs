@@ -139,10 +139,7 @@ pub(crate) fn copy_checked(
         })
     } else {
         // Checked before any two `&mut` slices of one buffer could exist.
-        let spans: Vec<(usize, usize)> = lent.iter().map(|(_, l)| l.span()).collect();
-        if overlapping(&spans) {
-            return Err(invalid("two destinations of one copy share bytes"));
-        }
+        disjoint(lent.iter().map(|(_, l)| l.span()), "a copy's destinations")?;
         let dsts = lent
             .iter_mut()
             .map(|(_, l)| l.bytes_mut())
@@ -172,11 +169,10 @@ fn span(ranges: &[(usize, usize)]) -> PyResult<Option<(usize, usize)>> {
     Ok(out)
 }
 
-/// Whether any two `(start, len)` ranges share a byte.
-fn overlapping(ranges: &[(usize, usize)]) -> bool {
-    let mut sorted: Vec<(usize, usize)> = ranges.iter().filter(|r| r.1 > 0).copied().collect();
-    sorted.sort_unstable();
-    sorted.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0)
+/// Refuses `(start, len)` ranges of which two share a byte.
+fn disjoint(ranges: impl Iterator<Item = (usize, usize)>, what: &str) -> PyResult<()> {
+    let spans = ranges.map(|(at, len)| (at as u64, len)).collect();
+    gpuio_hal::gpu::check_disjoint(spans, what).map_err(|e| to_py(e.into()))
 }
 
 /// `range` (the bytes from `start`) cut into one slice per `(offset, len)` of `ranges`, in
@@ -186,9 +182,7 @@ fn carve<'a>(
     start: usize,
     ranges: &[(usize, usize)],
 ) -> PyResult<Vec<&'a mut [u8]>> {
-    if overlapping(ranges) {
-        return Err(invalid("two chunks of one copy write the same bytes"));
-    }
+    disjoint(ranges.iter().copied(), "a copy's chunks in host memory")?;
     let mut order: Vec<usize> = (0..ranges.len()).collect();
     order.sort_unstable_by_key(|&i| ranges[i].0);
     let mut out: Vec<Option<&'a mut [u8]>> = ranges.iter().map(|_| None).collect();
