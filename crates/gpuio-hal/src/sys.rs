@@ -272,41 +272,19 @@ pub fn prefetch(data: &[u8]) {
 /// caches.
 pub fn write_u64s_streaming(dst: &mut [u8], src: &[u64]) {
     let n = src.len().min(dst.len() / 8);
-    let (dst, src) = (&mut dst[..n * 8], &src[..n]);
-    let scalar = |dst: &mut [u8], src: &[u64]| {
-        for (o, v) in dst.chunks_exact_mut(8).zip(src) {
-            o.copy_from_slice(&v.to_le_bytes());
-        }
-    };
-    #[cfg(target_arch = "x86_64")]
+    let dst = &mut dst[..n * 8];
+    #[cfg(target_endian = "little")]
     {
-        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-        // Streaming stores want 16-byte aligned addresses: one value first where the buffer
-        // starts 8 bytes off, then pairs of values.
-        let head = match dst.as_ptr() as usize % 16 {
-            0 => 0,
-            8 => 1.min(n),
-            _ => return scalar(dst, src),
-        };
-        scalar(&mut dst[..head * 8], &src[..head]);
-        let pairs = (n - head) / 2;
-        let (body, tail) = dst[head * 8..].split_at_mut(pairs * 16);
-        for (o, v) in body.chunks_exact_mut(16).zip(src[head..].chunks_exact(2)) {
-            // SAFETY: `o` is 16 writable bytes at a 16-byte aligned address (the body starts
-            // aligned and steps by 16), `v` 16 readable bytes (an unaligned load); x86-64 is
-            // little-endian, so the bytes stored are the values' encoding.
-            unsafe {
-                let x = _mm_loadu_si128(v.as_ptr().cast::<__m128i>());
-                _mm_stream_si128(o.as_mut_ptr().cast::<__m128i>(), x);
-            }
-        }
-        scalar(tail, &src[head + pairs * 2..]);
-        // SAFETY: a store fence has no preconditions; it orders the streaming stores before
-        // every later store (the caller's hand-off to the device among them).
-        unsafe { std::arch::x86_64::_mm_sfence() };
+        // SAFETY: the first `n` u64s of `src` are `n * 8` initialized bytes (u8 needs no
+        // alignment), borrowed as long as `src`; on a little-endian machine they are the
+        // values' encoding.
+        let bytes = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), n * 8) };
+        copy_streaming(dst, bytes);
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    scalar(dst, src);
+    #[cfg(not(target_endian = "little"))]
+    for (o, v) in dst.chunks_exact_mut(8).zip(src) {
+        o.copy_from_slice(&v.to_le_bytes());
+    }
 }
 
 /// Copies `src` into `dst` (the same length: the shorter of the two) with stores that bypass
