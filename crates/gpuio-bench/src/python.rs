@@ -8,7 +8,8 @@
 //!   reference.
 //! - `py_ai_kv_load`, `py_ai_swap_in_load`, `py_ai_engram_lookup`: `gpuio.ai`'s calls against
 //!   the gpuio-ai calls they wrap (`python/ai.rs`); `py_ai_b1_step`: B1's decode step from both;
-//!   `py_ai_b2_lookup_N`: B2's Engram lookups of N tokens with a hot tier, from both.
+//!   `py_ai_b2_step_N`: B2's step of N tokens (one lookup of two tables with hot tiers), from
+//!   both.
 //! - `py_lmcache_file`, `py_lmcache_pinned` (where LMCache is installed: it needs torch and
 //!   CUDA): gpuio's LMCache connector against LMCache's filesystem L2 adapter and its CPU
 //!   backend, store and retrieve GB/s and per-chunk p50 (`python/lmcache.rs`).

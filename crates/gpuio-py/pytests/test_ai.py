@@ -289,6 +289,19 @@ def test_engram_lookups_in_several_tables_run_together(s):
         ai.EngramTable.lookup_tables([(tables[0], ids[0], out), (tables[2], [200], other)])
     with pytest.raises(ValueError):
         ai.EngramTable.lookup_tables([(tables[0], ids[0], out, 0, 1)])
+    # Lookups as any iterable, with ids as bytes, offsets and wrapped tables as the Rust half
+    # reads them; and what it cannot read, refused with its type.
+    s.copy(np.zeros(7 * row, dtype=np.uint8), other)
+    reports = ai.EngramTable.lookup_tables(
+        lk for lk in [(tables[2], ids[2].astype("<u8").tobytes(), other, 0)]
+    )
+    assert reports[0]["rows"] == 7
+    assert np.array_equal(host(s, other).reshape(-1, row), contents[2][ids[2]])
+    assert ai.EngramTable.lookup_tables(((tables[2], ids[2], other),))[0]["rows"] == 7
+    with pytest.raises(TypeError):
+        ai.EngramTable.lookup_tables([(object(), ids[0], out)])
+    with pytest.raises(TypeError):
+        ai.EngramTable.lookup_tables([(tables[0], ids[0], bytearray(24 * row))])
 
 
 def test_engram_similarity_and_graph_gathers(s, tmp_path):

@@ -228,8 +228,8 @@ class KvBatch:
 
     def load(self, loads, timed=False):
         """Every request's report, in order; with ``timed``, also the device's seconds."""
-        loads = loads if type(loads) is list else list(loads)
-        # Rows of gpuio buffers and id arrays go as they are; the rest are converted here.
+        # A list of rows of gpuio buffers and id arrays goes as it is; the rest are converted
+        # here.
         got = self._b.load(loads, timed, False)
         if got is None:
             got = self._b.load([self._row(item) for item in loads], timed, True)
@@ -310,6 +310,20 @@ class SwapInBatch:
         return len(self._b)
 
 
+_lookup_tables = _ai.EngramTable.lookup_tables
+
+
+def _table_lookup(lookup):
+    """One lookup of :meth:`EngramTable.lookup_tables`, converted for the Rust half."""
+    table, ids, dst, *rest = lookup
+    if len(rest) > 1:
+        raise ValueError("a lookup is (table, ids, dst) or (table, ids, dst, dst_offset)")
+    if not isinstance(table, EngramTable):
+        raise TypeError("a lookup's table is a gpuio.ai.EngramTable")
+    d = _device(table._s, dst, True, "a lookup's destination")
+    return (table._t, _ids(ids), d, rest[0] if rest else 0)
+
+
 class EngramTable:
     """Rows of conditional memory in pinned host memory (DRAM or CXL) read by id into GPU
     memory: lookups gather the rows (zero-copy or staged, whichever measured faster), a hot
@@ -355,14 +369,12 @@ class EngramTable:
         ``(table, ids, dst, dst_offset)``, as :meth:`lookup` takes them. Where every table
         keeps hot rows on its destination's GPU they are one gather (one launch and one wait
         for all, where a lookup per table waits once per table). A report per lookup."""
-        calls = []
-        for lookup in lookups:
-            table, ids, dst, *rest = lookup
-            if len(rest) > 1:
-                raise ValueError("a lookup is (table, ids, dst) or (table, ids, dst, dst_offset)")
-            d = _device(table._s, dst, True, "a lookup's destination")
-            calls.append((table._t, _ids(ids), d, rest[0] if rest else 0))
-        return _ai.EngramTable.lookup_tables(calls)
+        # A list of lookups of gpuio buffers and id arrays goes as it is; the rest are
+        # converted here.
+        got = _lookup_tables(lookups, False)
+        if got is None:
+            got = _lookup_tables([_table_lookup(lk) for lk in lookups], True)
+        return got
 
     def store(self, ids, src, src_offset=0):
         """Writes source row ``i`` of ``src`` (GPU memory) to table row ``ids[i]``."""

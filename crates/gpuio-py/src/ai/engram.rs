@@ -2,7 +2,7 @@
 //! for the rows read most), written back from device memory, prefetched and written back on
 //! side threads (`AiPending`), and searched by similarity.
 
-use super::{indices, settle, shared_gpus, to_py};
+use super::{Ids, batch_row, indices, own_class, refuse, row_indices, settle, shared_gpus, to_py};
 use crate::buffers::{DeviceBuffer, HostBuffer};
 use crate::error::invalid;
 use crate::session::Session;
@@ -10,7 +10,7 @@ use gpuio_ai::AiWork;
 use gpuio_ai::engram::{self, GatherStrategy, HotTierStats, Lookup, Pending, RowValues};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 /// What a lookup did (its keys and path names interned: a report is made on every call).
@@ -38,14 +38,48 @@ fn hot_report<'py>(py: Python<'py>, s: &HotTierStats) -> PyResult<Bound<'py, PyD
     Ok(d)
 }
 
-/// One lookup of `EngramTable.lookup_tables` as Python passes it: (table, ids, dst,
-/// dst_offset).
-type PyLookup<'py> = (
-    PyRef<'py, EngramTable>,
-    Bound<'py, PyAny>,
-    PyRef<'py, DeviceBuffer>,
-    usize,
-);
+/// One lookup of `EngramTable.lookup_tables` as Python passes it: (table, ids, dst[,
+/// dst_offset]).
+struct TableRow<'py> {
+    table: Bound<'py, EngramTable>,
+    ids: Ids,
+    dst: Bound<'py, DeviceBuffer>,
+    dst_offset: usize,
+}
+
+impl<'py> TableRow<'py> {
+    /// The lookup read as given: the table this binding's or the Python half's (`_t`), the
+    /// ids bytes or a host array of 64-bit integers, the destination a `DeviceBuffer`. None
+    /// where a part needs the Python half's conversion first; `strict` (after it) raises why
+    /// instead.
+    fn read(row: &Bound<'py, PyAny>, strict: bool) -> PyResult<Option<Self>> {
+        const SHAPE: &str = "a lookup is (table, ids, dst) or (table, ids, dst, dst_offset)";
+        let Some(t) = batch_row(row, 3..=4, strict, SHAPE)? else {
+            return Ok(None);
+        };
+        let why = "a lookup's table is a gpuio.ai.EngramTable";
+        let table = t.get_item(0)?;
+        let Some(table) = own_class(table, intern!(row.py(), "_t"), strict, why)? else {
+            return Ok(None);
+        };
+        let Some(ids) = row_indices(&t.get_item(1)?, strict, "Engram ids")? else {
+            return Ok(None);
+        };
+        let Ok(dst) = t.get_item(2)?.cast_into::<DeviceBuffer>() else {
+            return refuse(strict, "a lookup's destination is GPU memory");
+        };
+        let dst_offset = match t.len() {
+            4 => t.get_item(3)?.extract()?,
+            _ => 0,
+        };
+        Ok(Some(Self {
+            table,
+            ids,
+            dst,
+            dst_offset,
+        }))
+    }
+}
 
 /// An Engram table in pinned host memory (DRAM or CXL). Clones on the Rust side share it.
 #[pyclass(module = "gpuio.ai", frozen)]
@@ -139,29 +173,41 @@ impl EngramTable {
         lookup_report(py, &r)
     }
 
-    /// Runs every lookup of `lookups`, each a tuple (table, ids, dst, dst_offset), together:
-    /// one gather where every table keeps hot rows on its destination's device (one launch
-    /// and one wait for all). A report per lookup.
+    /// Runs every lookup of `lookups`, each a tuple (table, ids, dst[, dst_offset]),
+    /// together: one gather where every table keeps hot rows on its destination's device (one
+    /// launch and one wait for all). A report per lookup; None, before anything moves, where
+    /// a lookup needs the Python half's conversion first (see `TableRow::read`; `strict`
+    /// raises why instead).
     #[staticmethod]
+    #[pyo3(signature = (lookups, strict=true))]
     fn lookup_tables<'py>(
         py: Python<'py>,
-        lookups: Vec<PyLookup<'py>>,
-    ) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let Some(first) = lookups.first() else {
-            return Ok(Vec::new());
+        lookups: &Bound<'py, PyAny>,
+        strict: bool,
+    ) -> PyResult<Option<Vec<Bound<'py, PyDict>>>> {
+        let Ok(lookups) = lookups.cast::<PyList>() else {
+            return refuse(strict, "the lookups are a list");
         };
-        let session = Arc::clone(&first.0.session);
-        if lookups.iter().any(|l| !Arc::ptr_eq(&l.0.session, &session)) {
+        let mut rows = Vec::with_capacity(lookups.len());
+        for row in lookups.iter() {
+            match TableRow::read(&row, strict)? {
+                Some(r) => rows.push(r),
+                None => return Ok(None),
+            }
+        }
+        let Some(first) = rows.first() else {
+            return Ok(Some(Vec::new()));
+        };
+        let session = Arc::clone(&first.table.get().session);
+        if rows
+            .iter()
+            .any(|r| !Arc::ptr_eq(&r.table.get().session, &session))
+        {
             return Err(invalid("the tables of one call must share a session"));
         }
-        let ids = lookups
+        let parts: Vec<(&EngramTable, &[u64], &DeviceBuffer, usize)> = rows
             .iter()
-            .map(|l| indices(&l.1, "Engram ids"))
-            .collect::<PyResult<Vec<_>>>()?;
-        let parts: Vec<(&EngramTable, &[u64], &DeviceBuffer, usize)> = lookups
-            .iter()
-            .zip(&ids)
-            .map(|(l, ids)| (&*l.0, &ids[..], &*l.2, l.3))
+            .map(|r| (r.table.get(), &r.ids[..], r.dst.get(), r.dst_offset))
             .collect();
         let dsts: Vec<&DeviceBuffer> = parts.iter().map(|p| p.2).collect();
         let wait = shared_gpus(&dsts);
@@ -192,7 +238,11 @@ impl EngramTable {
                 engram::EngramTable::lookup_tables(&session, &lookups)
             })
             .map_err(to_py)?;
-        reports.iter().map(|r| lookup_report(py, r)).collect()
+        reports
+            .iter()
+            .map(|r| lookup_report(py, r))
+            .collect::<PyResult<_>>()
+            .map(Some)
     }
 
     /// Writes source row `i` (at `src_offset + i * row_bytes` of `src`) to row `ids[i]`.

@@ -1,17 +1,16 @@
 //! KV caches: `KvPool` (host-planned loads across hot, warm and cold tiers) and `SwapInKv`
 //! with `SwapInBatch` (device-planned loads of selections already on the GPU).
 
-use super::{Ids, fast_indices, indices, settle, shared_gpus, to_py};
+use super::{Ids, batch_row, indices, own_class, refuse, row_indices, settle, shared_gpus, to_py};
 use crate::buffers::{DeviceBuffer, Resource};
 use crate::error::invalid;
 use crate::lent::Lent;
 use crate::session::Session;
 use gpuio_ai::compress::Codec;
 use gpuio_ai::kv::{self, ColdTier, EvictReport, KvPoolConfig, LoadReport, SwapInConfig, Tier};
-use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList};
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// What a load did (keys interned: a report is made on every call).
@@ -296,38 +295,21 @@ impl<'py> KvBatchRow<'py> {
     /// the destination a `DeviceBuffer`. None where a part needs the Python half's
     /// conversion first; `strict` (after it) raises why instead.
     fn read(row: &Bound<'py, PyAny>, strict: bool) -> PyResult<Option<Self>> {
+        const SHAPE: &str = "a KV batch's load is (pool, layer, selection, dst[, dst_offset])";
+        let Some(t) = batch_row(row, 4..=5, strict, SHAPE)? else {
+            return Ok(None);
+        };
         let py = row.py();
-        let refuse = |why: &str| match strict {
-            true => Err(PyTypeError::new_err(why.to_owned())),
-            false => Ok(None),
-        };
-        let Ok(t) = row.cast::<PyTuple>() else {
-            return refuse("a KV batch's load is (pool, layer, selection, dst[, dst_offset])");
-        };
-        if !(4..=5).contains(&t.len()) {
-            return refuse("a KV batch's load is (pool, layer, selection, dst[, dst_offset])");
-        }
         let pool = t.get_item(0)?;
-        let pool = match pool.cast_into::<KvPool>() {
-            Ok(p) => p,
-            Err(e) => match e.into_inner().getattr(intern!(py, "_p")) {
-                Ok(p) => match p.cast_into::<KvPool>() {
-                    Ok(p) => p,
-                    Err(_) => return refuse("a KV batch's pool is a gpuio.ai.KvPool"),
-                },
-                Err(_) => return refuse("a KV batch's pool is a gpuio.ai.KvPool"),
-            },
+        let why = "a KV batch's pool is a gpuio.ai.KvPool";
+        let Some(pool) = own_class::<KvPool>(pool, intern!(py, "_p"), strict, why)? else {
+            return Ok(None);
         };
-        let selection = t.get_item(2)?;
-        let selection = match strict {
-            true => indices(&selection, "a selection")?,
-            false => match fast_indices(&selection) {
-                Some(ids) => ids,
-                None => return Ok(None),
-            },
+        let Some(selection) = row_indices(&t.get_item(2)?, strict, "a selection")? else {
+            return Ok(None);
         };
         let Ok(dst) = t.get_item(3)?.cast_into::<DeviceBuffer>() else {
-            return refuse("a KV load's destination is GPU memory");
+            return refuse(strict, "a KV load's destination is GPU memory");
         };
         let dst_offset = match t.len() {
             5 => t.get_item(4)?.extract()?,
@@ -360,13 +342,16 @@ impl KvBatch {
     fn load<'py>(
         &self,
         py: Python<'py>,
-        loads: Vec<Bound<'py, PyAny>>,
+        loads: &Bound<'py, PyAny>,
         timed: bool,
         strict: bool,
     ) -> PyResult<Option<BatchReports<'py>>> {
+        let Ok(loads) = loads.cast::<PyList>() else {
+            return refuse(strict, "the loads are a list");
+        };
         let mut read = Vec::with_capacity(loads.len());
-        for row in &loads {
-            match KvBatchRow::read(row, strict)? {
+        for row in loads.iter() {
+            match KvBatchRow::read(&row, strict)? {
                 Some(r) => read.push(r),
                 None => return Ok(None),
             }

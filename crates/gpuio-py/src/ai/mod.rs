@@ -15,7 +15,7 @@ use gpuio_ai::{AiError, AiWork, Criticality, InferenceQos};
 use gpuio_api::HostPlacement;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyString, PyTuple};
 use std::time::{Duration, Instant};
 
 /// The Python exception for an AI-tier error: `gpuio.Error`, with its code.
@@ -57,6 +57,60 @@ pub(crate) fn fast_indices(obj: &Bound<'_, PyAny>) -> Option<Ids> {
     match obj.cast::<PyBytes>() {
         Ok(b) => u64s(b.as_bytes(), "").ok().map(Ids::Owned),
         Err(_) => LentU64s::of(obj).map(Ids::Lent),
+    }
+}
+
+/// A row of a batch call as Python passes it: a tuple of `lens` items. Where it is not, an
+/// error of `shape` (`strict`: the Python half's conversion has run) or None (it has not).
+pub(crate) fn batch_row<'py>(
+    row: &Bound<'py, PyAny>,
+    lens: std::ops::RangeInclusive<usize>,
+    strict: bool,
+    shape: &str,
+) -> PyResult<Option<Bound<'py, PyTuple>>> {
+    match row.cast::<PyTuple>() {
+        Ok(t) if lens.contains(&t.len()) => Ok(Some(t.clone())),
+        _ => refuse(strict, shape),
+    }
+}
+
+/// `obj` as this binding's `T`, or as the `T` the Python half's wrapper keeps in `attr`
+/// (`_p`, `_t`); otherwise `why` (`strict`) or None.
+pub(crate) fn own_class<'py, T: pyo3::PyClass>(
+    obj: Bound<'py, PyAny>,
+    attr: &Bound<'py, PyString>,
+    strict: bool,
+    why: &str,
+) -> PyResult<Option<Bound<'py, T>>> {
+    let inner = match obj.cast_into::<T>() {
+        Ok(t) => return Ok(Some(t)),
+        Err(e) => e.into_inner().getattr(attr),
+    };
+    match inner.map(|i| i.cast_into::<T>()) {
+        Ok(Ok(t)) => Ok(Some(t)),
+        _ => refuse(strict, why),
+    }
+}
+
+/// A batch row the Rust half cannot read as given: a TypeError saying `why` where the Python
+/// half's conversion already ran (`strict`), else None (it runs next).
+pub(crate) fn refuse<T>(strict: bool, why: &str) -> PyResult<Option<T>> {
+    match strict {
+        true => Err(pyo3::exceptions::PyTypeError::new_err(why.to_owned())),
+        false => Ok(None),
+    }
+}
+
+/// A batch row's ids: as [`indices`] reads them (`strict`), or as [`fast_indices`] does
+/// (None where the Python half must convert them first).
+pub(crate) fn row_indices(
+    obj: &Bound<'_, PyAny>,
+    strict: bool,
+    what: &str,
+) -> PyResult<Option<Ids>> {
+    match strict {
+        true => indices(obj, what).map(Some),
+        false => Ok(fast_indices(obj)),
     }
 }
 
