@@ -147,6 +147,8 @@ pub struct Session {
     engines: Engines,
     scheduler: Scheduler,
     remote: RemotePeers,
+    /// The process that opened it, in its line of forks ([`Session::check_process`]).
+    generation: u64,
 }
 
 impl Session {
@@ -155,6 +157,7 @@ impl Session {
     /// the engines and the scheduler's workers.
     pub fn new(config: Config) -> Result<Self> {
         let started = std::time::Instant::now();
+        let generation = gpuio_hal::sys::fork_generation();
         let mut probe = gpuio_hal::probe_with(config.backend, config.host_devices)?;
         if config.max_gpus > 0 {
             probe.gpus.truncate(config.max_gpus as usize);
@@ -185,7 +188,23 @@ impl Session {
             engines,
             scheduler,
             remote: RemotePeers::default(),
+            generation,
         })
+    }
+
+    /// Refuses a process forked from the one that opened the session: the session's threads
+    /// (its workers, its engines' pools) stayed in the parent, so a call would wait for them
+    /// forever. A forked child opens a session of its own. Transfers and submissions check
+    /// this themselves; callers that reach the engines directly check it first.
+    pub fn check_process(&self) -> Result<()> {
+        if gpuio_hal::sys::fork_generation() == self.generation {
+            return Ok(());
+        }
+        Err(Error::Invalid(
+            "this session was opened before fork(): its threads stayed in the parent process; \
+             open a new session in the child"
+                .into(),
+        ))
     }
 
     /// Opens a session on the configuration in effect ([`Config::load`]).
@@ -426,6 +445,7 @@ impl Session {
     /// Blocking transfer of `len` bytes between borrowed endpoints, on the engine that serves
     /// them.
     pub fn transfer(&self, src: Source<'_>, dst: Dest<'_>, len: usize) -> Result<Outcome> {
+        self.check_process()?;
         Ok(self.engines.transfer(src, dst, len)?)
     }
 
@@ -433,11 +453,13 @@ impl Session {
     /// (a file: `fdatasync`, its writeback started piece by piece as the bytes land; another
     /// node's export: flushed by its agent; memory: as `transfer`).
     pub fn transfer_durable(&self, src: Source<'_>, dst: Dest<'_>, len: usize) -> Result<Outcome> {
+        self.check_process()?;
         Ok(self.engines.transfer_durable(src, dst, len)?)
     }
 
     /// Blocking transfer between owned endpoints (host memory locked while it runs).
     pub fn transfer_owned(&self, src: &Endpoint, dst: &Endpoint, len: usize) -> Result<Outcome> {
+        self.check_process()?;
         Ok(self.engines.execute(src, dst, len)?)
     }
 
@@ -459,6 +481,7 @@ impl Session {
 
     /// Queues a request; the handle can be waited on, `.await`ed, or cancelled while queued.
     pub fn submit(&self, req: Request) -> Result<RequestHandle> {
+        self.check_process()?;
         Ok(self.scheduler.submit(req)?)
     }
 
@@ -493,6 +516,7 @@ impl Session {
         req: Request,
         callback: impl FnOnce(gpuio_core::Result<Completion>) + Send + 'static,
     ) -> Result<Ticket> {
+        self.check_process()?;
         Ok(self.scheduler.submit_with(req, callback)?)
     }
 
@@ -504,6 +528,7 @@ impl Session {
     /// Queues a batch: sorted, adjacent requests coalesced, grouped by engine
     /// (docs/REFERENCE.md#batches).
     pub fn submit_batch(&self, requests: Vec<Request>) -> Result<BatchHandle> {
+        self.check_process()?;
         Ok(self.scheduler.submit_batch(requests)?)
     }
 }

@@ -12,6 +12,32 @@ pub fn cpu_count() -> usize {
     *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
+/// Which process this is in a line of forks: a count that grows in each child `fork()`
+/// makes. Threads do not cross a fork, so whatever waits on threads started before one (a
+/// session's workers, a pool's threads) must refuse to run in the child, where it would
+/// wait forever: it records this when it starts them and compares it before it waits.
+pub fn fork_generation() -> u64 {
+    static HOOKED: std::sync::Once = std::sync::Once::new();
+    HOOKED.call_once(|| {
+        // SAFETY: the handler only increments an atomic (async-signal-safe, as a child's
+        // handler between fork and return must be); registration has no other effect.
+        let rc = unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+        if rc != 0 {
+            tracing::warn!(
+                rc,
+                "pthread_atfork failed: a forked child may wait on its parent's threads"
+            );
+        }
+    });
+    FORK_GENERATION.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static FORK_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+extern "C" fn forked_child() {
+    FORK_GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Size of a base page on this machine.
 pub fn page_size() -> usize {
     // SAFETY: sysconf has no memory-safety preconditions.
@@ -413,6 +439,36 @@ mod tests {
         write_u64s_streaming(&mut short, &src);
         assert_eq!(&short[..8], &src[0].to_le_bytes());
         assert_eq!(&short[8..], &[0; 4]);
+    }
+
+    #[test]
+    fn a_forked_child_is_a_new_generation() {
+        let parent = fork_generation();
+        assert_eq!(fork_generation(), parent, "no fork, no change");
+        // SAFETY: the child only loads an atomic and exits without unwinding or running
+        // destructors; the parent waits for it.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let code = if fork_generation() == parent + 1 {
+                0
+            } else {
+                1
+            };
+            // SAFETY: _exit ends the child at once, as a forked child of a threaded process must.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for the child just made; `status` is a valid out-pointer.
+        let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(waited, pid);
+        assert!(libc::WIFEXITED(status), "child did not exit: {status}");
+        assert_eq!(
+            libc::WEXITSTATUS(status),
+            0,
+            "the child saw the parent's generation"
+        );
+        assert_eq!(fork_generation(), parent, "the parent's generation stays");
     }
 
     #[test]

@@ -34,6 +34,51 @@ def test_import_loads_neither_torch_nor_numpy():
     assert out.stdout.split() == ["False", "False"]
 
 
+FORKED = r"""
+import array, os, signal, sys
+import numpy as np
+import gpuio, gpuio.ai as ai
+
+path = sys.argv[1]
+want = np.fromfile(path, dtype=np.uint8)
+s = gpuio.Session()
+f = s.open(path)
+buf = np.empty(want.size, dtype=np.uint8)
+s.read(f, buf)
+pool = ai.KvPool(s, layers=1, entry_bytes=64, max_tokens=16)
+pool.store(0, 0, s.alloc_device(16 * 64))
+table = ai.EngramTable(s, 16, 64)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(30)  # a call that waits on the parent's threads ends here, as a failure
+    refused = 0
+    for call in (lambda: s.read(f, buf), lambda: s.read_async(f, s.alloc_host(64)).wait(),
+                 lambda: pool.load(0, [1, 2], s.alloc_device(128)),
+                 lambda: table.lookup([3], s.alloc_device(64))):
+        try:
+            call()
+        except gpuio.Error as e:
+            refused += "fork" in str(e)
+    mine = gpuio.Session(toml='backend = "host"\n')
+    got = np.empty(want.size, dtype=np.uint8)
+    mine.read(mine.open(path), got)
+    os._exit(0 if refused == 4 and np.array_equal(got, want) else 1)
+_, status = os.waitpid(pid, 0)
+buf[:] = 0
+s.read(f, buf)
+print(os.waitstatus_to_exitcode(status), np.array_equal(buf, want))
+"""
+
+
+def test_a_forked_child_is_refused_its_parents_session(data_file):
+    # The session's threads stay in the parent: the child's calls on it raise instead of
+    # waiting for them forever, and a session the child opens works. The parent's goes on.
+    out = subprocess.run([sys.executable, "-c", FORKED, data_file[0]], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["0", "True"], out.stdout + out.stderr
+
+
 def test_info_lists_devices():
     info = gpuio.info()
     assert info["version"] == gpuio.__version__

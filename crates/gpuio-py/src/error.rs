@@ -22,3 +22,24 @@ pub(crate) fn to_py(e: gpuio_api::Error) -> PyErr {
 pub(crate) fn invalid(msg: impl Into<String>) -> PyErr {
     to_py(gpuio_api::Error::Invalid(msg.into()))
 }
+
+/// [`Python::detach`] for a call on a gpuio session: refused, before the GIL is released, in a
+/// process forked from the one that opened the session (the call would wait forever on
+/// threads that stayed in the parent).
+pub(crate) trait DetachIn {
+    fn detach_in<T, F>(self, session: &gpuio_api::Session, f: F) -> PyResult<T>
+    where
+        F: pyo3::marker::Ungil + FnOnce() -> T,
+        T: pyo3::marker::Ungil;
+}
+
+impl DetachIn for Python<'_> {
+    fn detach_in<T, F>(self, session: &gpuio_api::Session, f: F) -> PyResult<T>
+    where
+        F: pyo3::marker::Ungil + FnOnce() -> T,
+        T: pyo3::marker::Ungil,
+    {
+        session.check_process().map_err(to_py)?;
+        Ok(self.detach(f))
+    }
+}

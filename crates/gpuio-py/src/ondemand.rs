@@ -7,7 +7,7 @@
 //! `gpuio_resident_array<T>` with no pin or check per access.
 
 use crate::buffers::Target;
-use crate::error::{invalid, to_py};
+use crate::error::{DetachIn, invalid, to_py};
 use crate::session::Session;
 use gpuio_api::{ArrayMode, PageCacheConfig};
 use pyo3::prelude::*;
@@ -24,6 +24,7 @@ fn core(e: impl Into<gpuio_api::Error>) -> PyErr {
 #[pyclass(module = "gpuio", subclass, frozen)]
 pub struct PageCache {
     inner: gpuio_api::PageCache,
+    session: Arc<gpuio_api::Session>,
 }
 
 #[pymethods]
@@ -59,10 +60,11 @@ impl PageCache {
         if let Some(n) = slots {
             cfg.ring.slots = n;
         }
-        let session = session.get().session();
-        let session = session.as_ref();
-        let inner = py.detach(|| session.page_cache(gpu, cfg)).map_err(to_py)?;
-        Ok(Self { inner })
+        let session = Arc::clone(session.get().session());
+        let inner = py
+            .detach_in(&session, || session.page_cache(gpu, cfg))?
+            .map_err(to_py)?;
+        Ok(Self { inner, session })
     }
 
     /// Bytes per page.
@@ -104,7 +106,9 @@ impl PageCache {
             ArrayMode::ReadOnly
         };
         let array = py
-            .detach(|| self.inner.array::<u8>(endpoint, nbytes, mode))
+            .detach_in(&self.session, || {
+                self.inner.array::<u8>(endpoint, nbytes, mode)
+            })?
             .map_err(core)?;
         Ok(OnDemandArray {
             inner: Mutex::new(Some(Open {
@@ -112,6 +116,7 @@ impl PageCache {
                 next_view: 0,
                 array: Arc::new(array),
             })),
+            session: Arc::clone(&self.session),
             itemsize,
             nbytes,
         })
@@ -129,6 +134,8 @@ impl PageCache {
 pub struct OnDemandArray {
     /// `None` once closed.
     inner: Mutex<Option<Open>>,
+    /// Its cache's session (checked to belong to this process before each call).
+    session: Arc<gpuio_api::Session>,
     itemsize: u64,
     nbytes: u64,
 }
@@ -171,13 +178,13 @@ impl OnDemandArray {
         f: impl FnOnce(&gpuio_api::OnDemandArray<u8>) -> Result<R, E> + Send,
     ) -> PyResult<R> {
         // The lock is held throughout, so a close waits for calls under way.
-        py.detach(|| {
+        py.detach_in(&self.session, || {
             let guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
             match guard.as_ref() {
                 Some(open) => f(&open.array).map_err(core),
                 None => Err(invalid("the on-demand array is closed")),
             }
-        })
+        })?
     }
 
     /// Elements `start .. start + count` as bytes, checked against the array.

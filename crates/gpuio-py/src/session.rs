@@ -2,6 +2,7 @@
 //! asynchronous request. Every call that moves data releases the GIL.
 
 use crate::buffers::{DeviceBuffer, HostBuffer, Resource, Target};
+use crate::error::DetachIn;
 use crate::error::{invalid, to_py};
 use gpuio_api::{
     Access, Config, Dest, HostPlacement, Priority, Request, RequestHandle, Source, Status, Ticket,
@@ -114,7 +115,7 @@ impl Session {
             (true, true) => return Err(invalid("open for write or for update, not both")),
         };
         let res = py
-            .detach(|| self.inner.open(&parsed, size, access))
+            .detach_in(&self.inner, || self.inner.open(&parsed, size, access))?
             .map_err(to_py)?;
         Ok(Resource::new(res, uri.to_string()))
     }
@@ -124,7 +125,7 @@ impl Session {
     fn alloc_host(&self, py: Python<'_>, size: usize, pinned: bool) -> PyResult<HostBuffer> {
         let dram = HostPlacement::Dram { numa: None };
         let mem = py
-            .detach(|| self.inner.alloc_host(dram, size, pinned))
+            .detach_in(&self.inner, || self.inner.alloc_host(dram, size, pinned))?
             .map_err(to_py)?;
         Ok(HostBuffer::new(mem))
     }
@@ -133,7 +134,7 @@ impl Session {
     #[pyo3(signature = (size, gpu=0))]
     fn alloc_device(&self, py: Python<'_>, size: usize, gpu: u32) -> PyResult<DeviceBuffer> {
         let buf = py
-            .detach(|| self.inner.alloc_device(gpu, size))
+            .detach_in(&self.inner, || self.inner.alloc_device(gpu, size))?
             .map_err(to_py)?;
         Ok(DeviceBuffer::new(buf, None))
     }
@@ -158,7 +159,7 @@ impl Session {
         };
         let owners: Vec<Py<PyAny>> = gpus.iter().map(|_| owner.clone_ref(py)).collect();
         let buf = py
-            .detach(|| {
+            .detach_in(&self.inner, || {
                 let mut first_err = None;
                 for (g, keep) in gpus.into_iter().zip(owners) {
                     let borrowed = g
@@ -173,7 +174,7 @@ impl Session {
                 }
                 Err(first_err
                     .unwrap_or_else(|| gpuio_api::Error::Invalid("this session has no GPU".into())))
-            })
+            })?
             .map_err(to_py)?;
         Ok(DeviceBuffer::new(buf, Some(owner)))
     }
@@ -277,10 +278,10 @@ impl Session {
         // Submission waits for room under backpressure: not with the GIL held.
         let wait = settle(&self.inner, &[&src, &dst]);
         let h = py
-            .detach(|| {
+            .detach_in(&self.inner, || {
                 wait()?;
                 self.inner.submit(req)
-            })
+            })?
             .map_err(to_py)?;
         Ok(Handle {
             ticket: h.ticket().clone(),
@@ -295,7 +296,7 @@ impl Session {
     fn _lease(&self, py: Python<'_>, priority: &str, deadline: Option<f64>) -> PyResult<Lease> {
         let class = self::priority(priority)?;
         let due = deadline.map(due).transpose()?;
-        let held = py.detach(|| self.inner.lease(class, due));
+        let held = py.detach_in(&self.inner, || self.inner.lease(class, due))?;
         Ok(Lease {
             held: Mutex::new(Some(held)),
         })
@@ -321,12 +322,12 @@ impl Session {
             reqs.push(Request::new(s, d, *size).map_err(|e| to_py(e.into()))?);
         }
         let report = py
-            .detach(|| {
+            .detach_in(&self.inner, || {
                 for g in &gpus {
                     g.synchronize()?;
                 }
                 self.inner.submit_batch(reqs)?.wait().map_err(Into::into)
-            })
+            })?
             .map_err(to_py)?;
         let d = PyDict::new(py);
         d.set_item("requests", report.requests)?;
@@ -358,7 +359,7 @@ impl Session {
             .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
             .collect();
         let report = py
-            .detach(|| {
+            .detach_in(&self.inner, || {
                 for g in &gpus {
                     g.synchronize()?;
                 }
@@ -371,7 +372,7 @@ impl Session {
                     out_offset,
                     &Default::default(),
                 )
-            })
+            })?
             .map_err(|e| to_py(e.into()))?;
         let d = PyDict::new(py);
         d.set_item("rows", report.rows)?;

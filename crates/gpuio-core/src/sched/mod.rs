@@ -98,6 +98,9 @@ pub struct Scheduler {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
     default: SchedSession,
+    /// The process that started the workers, in its line of forks: a forked child has none
+    /// of them to join.
+    generation: u64,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -151,6 +154,7 @@ impl Scheduler {
             closing: AtomicBool::new(false),
             cfg,
         });
+        let generation = gpuio_hal::sys::fork_generation();
         let mut workers = Vec::with_capacity(n);
         for (i, local) in locals.into_iter().enumerate() {
             let sh = shared.clone();
@@ -164,6 +168,7 @@ impl Scheduler {
                         default: SchedSession::new(&shared, SessionOptions::default(), false),
                         shared,
                         workers,
+                        generation,
                     };
                     s.shutdown();
                     return Err(CoreError::Internal(format!("starting a worker: {e}")));
@@ -174,6 +179,7 @@ impl Scheduler {
             default: SchedSession::new(&shared, SessionOptions::default(), false),
             shared,
             workers,
+            generation,
         })
     }
 
@@ -212,8 +218,14 @@ impl Scheduler {
         s
     }
 
-    /// Stops taking work, lets the workers finish what is queued, and joins them.
+    /// Stops taking work, lets the workers finish what is queued, and joins them. In a
+    /// process forked from the one that started them it lets go of their handles only: the
+    /// workers, and the work queued for them, are the parent's.
     pub fn shutdown(&mut self) {
+        if gpuio_hal::sys::fork_generation() != self.generation {
+            self.workers.drain(..).for_each(std::mem::forget);
+            return;
+        }
         {
             let mut st = self.shared.state.lock_unpoisoned();
             st.closing = true;

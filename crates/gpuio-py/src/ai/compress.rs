@@ -4,7 +4,7 @@
 
 use super::{f32s, settle, shared_gpus, to_py};
 use crate::buffers::{DeviceBuffer, Target};
-use crate::error::invalid;
+use crate::error::{DetachIn, invalid};
 use crate::session::Session;
 use gpuio_ai::compress::{self as c, CompressedReport, KvFormat};
 use pyo3::prelude::*;
@@ -236,7 +236,7 @@ fn transfer_compressed<'py>(
     let (from, to) = (endpoint(src, src_offset)?, endpoint(dst, dst_offset)?);
     let s = session.session();
     let r = py
-        .detach(|| c::transfer_compressed(s, &from, &to, size, codec))
+        .detach_in(s, || c::transfer_compressed(s, &from, &to, size, codec))?
         .map_err(to_py)?;
     compressed_report(py, &r)
 }
@@ -257,7 +257,7 @@ fn read_compressed<'py>(
     let (from, to) = (endpoint(src, src_offset)?, endpoint(dst, dst_offset)?);
     let s = session.session();
     let r = py
-        .detach(|| c::read_compressed(s, &from, &to, size))
+        .detach_in(s, || c::read_compressed(s, &from, &to, size))?
         .map_err(to_py)?;
     compressed_report(py, &r)
 }

@@ -4,6 +4,7 @@
 
 use super::{Ids, batch_row, indices, own_class, refuse, row_indices, settle, shared_gpus, to_py};
 use crate::buffers::{DeviceBuffer, HostBuffer};
+use crate::error::DetachIn;
 use crate::error::invalid;
 use crate::session::Session;
 use gpuio_ai::AiWork;
@@ -164,11 +165,11 @@ impl EngramTable {
         let ids = indices(ids, "Engram ids")?;
         let wait = shared_gpus(&[dst]);
         let r = py
-            .detach(|| {
+            .detach_in(&self.session, || {
                 settle(&wait)?;
                 self.table()
                     .lookup(&self.session, &ids, &dst.buf, dst_offset)
-            })
+            })?
             .map_err(to_py)?;
         lookup_report(py, &r)
     }
@@ -212,7 +213,7 @@ impl EngramTable {
         let dsts: Vec<&DeviceBuffer> = parts.iter().map(|p| p.2).collect();
         let wait = shared_gpus(&dsts);
         let reports = py
-            .detach(|| {
+            .detach_in(&session, || {
                 settle(&wait)?;
                 // Each handle read-locked once, in address order (a caller naming the same
                 // tables in another order cannot deadlock with it beside `set_work`).
@@ -236,7 +237,7 @@ impl EngramTable {
                     })
                     .collect();
                 engram::EngramTable::lookup_tables(&session, &lookups)
-            })
+            })?
             .map_err(to_py)?;
         reports
             .iter()
@@ -256,11 +257,11 @@ impl EngramTable {
     ) -> PyResult<()> {
         let ids = indices(ids, "Engram ids")?;
         let wait = shared_gpus(&[src]);
-        py.detach(|| {
+        py.detach_in(&self.session, || {
             settle(&wait)?;
             self.table()
                 .store(&self.session, &ids, &src.buf, src_offset)
-        })
+        })?
         .map_err(to_py)
     }
 
@@ -273,7 +274,9 @@ impl EngramTable {
     ) -> PyResult<Bound<'py, PyDict>> {
         let ids = indices(ids, "Engram ids")?;
         let s = py
-            .detach(|| self.table().keep_hot(&self.session, gpu, &ids))
+            .detach_in(&self.session, || {
+                self.table().keep_hot(&self.session, gpu, &ids)
+            })?
             .map_err(to_py)?;
         hot_report(py, &s)
     }
@@ -305,10 +308,10 @@ impl EngramTable {
         let wait = shared_gpus(&[d]);
         let buf = d.buf.clone();
         let p = py
-            .detach(|| {
+            .detach_in(&self.session, || {
                 settle(&wait)?;
                 self.table().prefetch(&self.session, ids, buf, dst_offset)
-            })
+            })?
             .map_err(to_py)?;
         Ok(AiPending::new(Work::Lookup(p), dst))
     }
@@ -327,11 +330,11 @@ impl EngramTable {
         let wait = shared_gpus(&[s]);
         let buf = s.buf.clone();
         let p = py
-            .detach(|| {
+            .detach_in(&self.session, || {
                 settle(&wait)?;
                 self.table()
                     .store_async(&self.session, ids, buf, src_offset)
-            })
+            })?
             .map_err(to_py)?;
         Ok(AiPending::new(Work::Store(p), src))
     }
@@ -353,8 +356,10 @@ impl EngramTable {
             "fp8" => RowValues::Fp8,
             v => return Err(invalid(format!("row values {v:?}: f32 or fp8"))),
         };
-        py.detach(|| self.table().similar(&self.session, gpu, &query, values, k))
-            .map_err(to_py)
+        py.detach_in(&self.session, || {
+            self.table().similar(&self.session, gpu, &query, values, k)
+        })?
+        .map_err(to_py)
     }
 }
 

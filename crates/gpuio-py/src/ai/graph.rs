@@ -4,7 +4,7 @@
 
 use super::{f32s, indices, settle, shared_gpus, to_py};
 use crate::buffers::{DeviceBuffer, HostBuffer, Resource};
-use crate::error::invalid;
+use crate::error::{DetachIn, invalid};
 use crate::session::Session;
 use gpuio_ai::graph::{self, Embeddings, Expansion, Subgraph};
 use pyo3::prelude::*;
@@ -138,7 +138,7 @@ pub(crate) fn graph_gather<'py>(
     let wait = shared_gpus(&[dst]);
     let session = session.session();
     let s = py
-        .detach(|| {
+        .detach_in(session, || {
             settle(&wait)?;
             let guard;
             let embeddings = match &source {
@@ -158,7 +158,7 @@ pub(crate) fn graph_gather<'py>(
                 &dst.buf,
                 dst_offset,
             )
-        })
+        })?
         .map_err(to_py)?;
     subgraph(py, &s)
 }

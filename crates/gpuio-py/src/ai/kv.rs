@@ -3,6 +3,7 @@
 
 use super::{Ids, batch_row, indices, own_class, refuse, row_indices, settle, shared_gpus, to_py};
 use crate::buffers::{DeviceBuffer, Resource};
+use crate::error::DetachIn;
 use crate::error::invalid;
 use crate::lent::Lent;
 use crate::session::Session;
@@ -118,7 +119,7 @@ impl KvPool {
     ) -> PyResult<()> {
         let scores = scores.map(|s| super::f32s(s, "scores")).transpose()?;
         let wait = shared_gpus(&[src]);
-        py.detach(|| {
+        py.detach_in(&self.session, || {
             settle(&wait)?;
             self.with(|p| {
                 p.store(
@@ -131,7 +132,7 @@ impl KvPool {
                     scores.as_deref(),
                 )
             })
-        })
+        })?
         .map_err(to_py)
     }
 
@@ -149,10 +150,10 @@ impl KvPool {
         let selection = indices(selection, "a selection")?;
         let wait = shared_gpus(&[dst]);
         let r = py
-            .detach(|| {
+            .detach_in(&self.session, || {
                 settle(&wait)?;
                 self.with(|p| p.load(layer, &selection, &dst.buf, dst_offset))
-            })
+            })?
             .map_err(to_py)?;
         load_report(py, &r)
     }
@@ -166,7 +167,9 @@ impl KvPool {
         threshold: f32,
     ) -> PyResult<Bound<'py, PyDict>> {
         let r = py
-            .detach(|| self.with(|p| p.evict_by_importance(required, threshold)))
+            .detach_in(&self.session, || {
+                self.with(|p| p.evict_by_importance(required, threshold))
+            })?
             .map_err(to_py)?;
         evict_report(py, &r)
     }
@@ -174,7 +177,7 @@ impl KvPool {
     /// Evicts every warm entry less important than `threshold`.
     fn compact<'py>(&self, py: Python<'py>, threshold: f32) -> PyResult<Bound<'py, PyDict>> {
         let r = py
-            .detach(|| self.with(|p| p.compact(threshold)))
+            .detach_in(&self.session, || self.with(|p| p.compact(threshold)))?
             .map_err(to_py)?;
         evict_report(py, &r)
     }
@@ -191,7 +194,7 @@ impl KvPool {
         level: i32,
     ) -> PyResult<()> {
         let codec = self::codec(codec, level)?;
-        py.detach(|| {
+        py.detach_in(&self.session, || {
             let tier = match &resource.res {
                 gpuio_api::Resource::File(f) => ColdTier::new(f.clone(), codec)?,
                 r @ gpuio_api::Resource::Remote(_) => {
@@ -205,7 +208,7 @@ impl KvPool {
                 }
             };
             self.with(|p| p.attach_cold_tier(tier))
-        })
+        })?
         .map_err(to_py)
     }
 
@@ -370,6 +373,9 @@ impl KvBatch {
         let mut bufs: Vec<&DeviceBuffer> = rows.iter().map(|r| r.2).collect();
         bufs.dedup_by(|a, b| std::ptr::eq(*a, *b));
         let wait = shared_gpus(&bufs);
+        for r in &rows {
+            r.0.session.check_process().map_err(crate::error::to_py)?;
+        }
         let (reports, device) = py
             .detach(|| {
                 settle(&wait)?;
@@ -464,13 +470,13 @@ impl SwapInKv {
     /// `layer`; the first new position.
     fn append(&self, py: Python<'_>, layer: usize, entries: &Bound<'_, PyAny>) -> PyResult<u64> {
         let lent = Lent::of(entries)?;
-        py.detach(|| self.kv.append(layer, lent.bytes()))
+        py.detach_in(&self.session, || self.kv.append(layer, lent.bytes()))?
             .map_err(to_py)
     }
 
     /// Empties `layer` (its hot buffer too).
     fn reset(&self, py: Python<'_>, layer: usize) -> PyResult<()> {
-        py.detach(|| self.kv.reset(&self.session, layer))
+        py.detach_in(&self.session, || self.kv.reset(&self.session, layer))?
             .map_err(to_py)
     }
 
@@ -498,6 +504,7 @@ type BatchLoad<'py> = (Vec<Bound<'py, PyAny>>, Option<(f64, f64)>);
 #[pyclass(module = "gpuio.ai", frozen)]
 pub struct SwapInBatch {
     batch: Mutex<kv::SwapInBatch>,
+    session: Arc<gpuio_api::Session>,
     /// The buffers the batch's tables point into, kept alive with it.
     _keep: Vec<Py<DeviceBuffer>>,
 }
@@ -531,10 +538,10 @@ impl SwapInBatch {
             .collect();
         let session = session.session();
         let batch = py
-            .detach(|| {
+            .detach_in(session, || {
                 settle(&wait)?;
                 kv::SwapInBatch::new(session, layer, &list)
-            })
+            })?
             .map_err(to_py)?;
         let keep = targets
             .iter()
@@ -542,6 +549,7 @@ impl SwapInBatch {
             .collect();
         Ok(Self {
             batch: Mutex::new(batch),
+            session: Arc::clone(session),
             _keep: keep,
         })
     }
@@ -557,14 +565,14 @@ impl SwapInBatch {
         timed: bool,
     ) -> PyResult<BatchLoad<'py>> {
         let (reports, times) = py
-            .detach(|| {
+            .detach_in(&self.session, || {
                 let mut b = self.batch.lock().unwrap_or_else(PoisonError::into_inner);
                 if timed {
                     b.load_timed(&counts).map(|(r, t)| (r, Some(t)))
                 } else {
                     b.load(&counts).map(|r| (r, None))
                 }
-            })
+            })?
             .map_err(to_py)?;
         let out = reports
             .into_iter()
