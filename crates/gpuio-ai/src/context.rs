@@ -112,6 +112,7 @@ impl AiWork {
 
     /// [`lease`](Self::lease) on `session`'s scheduler.
     pub fn lease_in(&self, session: &Session) -> Result<Lease> {
+        session.check_process()?;
         Ok(session.lease(self.priority(), self.io_deadline(Instant::now())?))
     }
 }

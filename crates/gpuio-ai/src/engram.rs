@@ -280,6 +280,9 @@ pub enum RowValues {
 pub struct Pending<T: Send + 'static> {
     work: AiWork,
     thread: Option<JoinHandle<Result<T>>>,
+    /// The process that started the thread, in its line of forks: a forked child has no
+    /// such thread to join.
+    generation: u64,
 }
 
 impl<T: Send + 'static> Pending<T> {
@@ -297,6 +300,7 @@ impl<T: Send + 'static> Pending<T> {
         Ok(Self {
             work,
             thread: Some(thread),
+            generation: gpuio_hal::sys::fork_generation(),
         })
     }
 
@@ -321,6 +325,14 @@ impl<T: Send + 'static> Pending<T> {
             .thread
             .take()
             .ok_or_else(|| AiError::Internal("Engram side work waited for twice".into()))?;
+        if gpuio_hal::sys::fork_generation() != self.generation {
+            std::mem::forget(thread);
+            return Err(AiError::InvalidArgument(
+                "this side work was started before fork(): its thread stayed in the parent \
+                 process"
+                    .into(),
+            ));
+        }
         thread
             .join()
             .map_err(|_| AiError::Internal("an Engram side thread panicked".into()))?

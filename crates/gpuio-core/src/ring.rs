@@ -475,6 +475,8 @@ pub struct RingProxy {
     threads: Vec<JoinHandle<()>>,
     shutdown_timeout: Duration,
     closed: bool,
+    /// The process that started the threads, in its line of forks.
+    generation: u64,
 }
 
 impl fmt::Debug for RingProxy {
@@ -525,6 +527,7 @@ impl RingProxy {
             threads: Vec::with_capacity(cfg.threads),
             shutdown_timeout: cfg.shutdown_timeout,
             closed: false,
+            generation: gpuio_hal::sys::fork_generation(),
         };
         for i in 0..cfg.threads {
             let shared = proxy.shared.clone();
@@ -635,6 +638,15 @@ impl RingProxy {
     pub fn shutdown(&mut self) -> Result<RingStats> {
         if self.closed {
             return Ok(self.stats());
+        }
+        if gpuio_hal::sys::fork_generation() != self.generation {
+            // A forked child: the threads and the ring they serve are the parent's.
+            self.threads.drain(..).for_each(std::mem::forget);
+            self.closed = true;
+            return Err(CoreError::InvalidRequest(
+                "this ring was started before fork(): its threads stayed in the parent process"
+                    .into(),
+            ));
         }
         let ring = self.shared.ring.clone();
         ring.begin_shutdown();

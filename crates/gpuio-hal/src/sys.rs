@@ -17,8 +17,11 @@ pub fn cpu_count() -> usize {
 /// session's workers, a pool's threads) must refuse to run in the child, where it would
 /// wait forever: it records this when it starts them and compares it before it waits.
 pub fn fork_generation() -> u64 {
-    static HOOKED: std::sync::Once = std::sync::Once::new();
-    HOOKED.call_once(|| {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    // A flag, not a `Once`: a fork while another thread ran the `Once` would leave the
+    // child waiting on it forever.
+    static HOOKED: AtomicBool = AtomicBool::new(false);
+    if !HOOKED.swap(true, Ordering::AcqRel) {
         // SAFETY: the handler only increments an atomic (async-signal-safe, as a child's
         // handler between fork and return must be); registration has no other effect.
         let rc = unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
@@ -28,8 +31,8 @@ pub fn fork_generation() -> u64 {
                 "pthread_atfork failed: a forked child may wait on its parent's threads"
             );
         }
-    });
-    FORK_GENERATION.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    FORK_GENERATION.load(Ordering::Relaxed)
 }
 
 static FORK_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

@@ -163,6 +163,8 @@ pub(crate) struct Prefetcher {
     nblocks: u64,
     tx: Option<Sender<u64>>,
     worker: Option<JoinHandle<()>>,
+    /// The process that started the worker, in its line of forks.
+    generation: u64,
 }
 
 struct Front {
@@ -205,6 +207,7 @@ impl Prefetcher {
             nblocks,
             tx: Some(tx),
             worker: Some(worker),
+            generation: gpuio_hal::sys::fork_generation(),
         })
     }
 
@@ -248,6 +251,13 @@ impl Prefetcher {
     /// Stops the loader thread and waits for it.
     pub(crate) fn stop(&mut self) {
         self.tx = None;
+        if gpuio_hal::sys::fork_generation() != self.generation {
+            // A forked child: the worker is the parent's.
+            if let Some(worker) = self.worker.take() {
+                std::mem::forget(worker);
+            }
+            return;
+        }
         if let Some(worker) = self.worker.take()
             && worker.join().is_err()
         {

@@ -31,6 +31,18 @@ pub struct Completion {
 pub(crate) struct Slot<T> {
     state: Mutex<(Option<T>, Option<Waker>)>,
     ready: Condvar,
+    /// The process whose workers fill it, in its line of forks: in a forked child nothing
+    /// will, so a wait there ends at once with the result of `forked` below.
+    generation: u64,
+}
+
+/// What waiting on a slot a forked child's workers will never fill gives.
+fn forked<T>() -> Result<T> {
+    Err(CoreError::InvalidRequest(
+        "this request was submitted before fork(): the workers that run it stayed in the \
+         parent process"
+            .into(),
+    ))
 }
 
 impl<T> Slot<T> {
@@ -38,7 +50,12 @@ impl<T> Slot<T> {
         Arc::new(Self {
             state: Mutex::new((None, None)),
             ready: Condvar::new(),
+            generation: gpuio_hal::sys::fork_generation(),
         })
+    }
+
+    fn orphaned(&self) -> bool {
+        gpuio_hal::sys::fork_generation() != self.generation
     }
 
     pub(crate) fn put(&self, value: T) {
@@ -50,20 +67,25 @@ impl<T> Slot<T> {
         self.ready.notify_all();
     }
 
-    fn wait(&self) -> T {
+    /// The value, once put; `orphan()` where no worker of this process will put it.
+    fn wait(&self, orphan: impl FnOnce() -> T) -> T {
         let mut s = self.state.lock_unpoisoned();
         loop {
             if let Some(v) = s.0.take() {
                 return v;
             }
+            if self.orphaned() {
+                return orphan();
+            }
             s = self.ready.wait_unpoisoned(s);
         }
     }
 
-    fn poll(&self, cx: &Context<'_>) -> Poll<T> {
+    fn poll(&self, cx: &Context<'_>, orphan: impl FnOnce() -> T) -> Poll<T> {
         let mut s = self.state.lock_unpoisoned();
         match s.0.take() {
             Some(v) => Poll::Ready(v),
+            None if self.orphaned() => Poll::Ready(orphan()),
             None => {
                 s.1 = Some(cx.waker().clone());
                 Poll::Pending
@@ -147,7 +169,7 @@ impl RequestHandle {
 
     /// Blocks until it completes.
     pub fn wait(self) -> Result<Completion> {
-        self.slot.wait()
+        self.slot.wait(forked)
     }
 }
 
@@ -155,7 +177,7 @@ impl Future for RequestHandle {
     type Output = Result<Completion>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.slot.poll(cx)
+        self.slot.poll(cx, forked)
     }
 }
 
@@ -202,7 +224,7 @@ impl BatchHandle {
 
     /// Blocks until every request has finished.
     pub fn wait(self) -> Result<BatchReport> {
-        batch_result(self.slot.wait())
+        batch_result(self.slot.wait(forked))
     }
 }
 
@@ -210,6 +232,6 @@ impl Future for BatchHandle {
     type Output = Result<BatchReport>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.slot.poll(cx).map(batch_result)
+        self.slot.poll(cx, forked).map(batch_result)
     }
 }

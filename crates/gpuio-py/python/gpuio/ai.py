@@ -228,8 +228,8 @@ class KvBatch:
 
     def load(self, loads, timed=False):
         """Every request's report, in order; with ``timed``, also the device's seconds."""
-        # A list of rows of gpuio buffers and id arrays goes as it is; the rest are converted
-        # here.
+        # Rows of gpuio buffers and id arrays go as they are; the rest are converted here.
+        loads = loads if type(loads) is list else list(loads)
         got = self._b.load(loads, timed, False)
         if got is None:
             got = self._b.load([self._row(item) for item in loads], timed, True)
@@ -242,10 +242,12 @@ class KvBatch:
             off = 0
         else:
             pool, layer, selection, dst, off = item
-        if not isinstance(pool, KvPool):
+        if isinstance(pool, KvPool):
+            pool = pool._p
+        elif not isinstance(pool, _ai.KvPool):  # the Rust half's own pool passes as it is
             raise TypeError("a KV batch's pool is a gpuio.ai.KvPool")
         dst = _device(self._s, dst, True, "a KV load's destination")
-        return (pool._p, layer, _ids(selection), dst, off)
+        return (pool, layer, _ids(selection), dst, off)
 
 
 class SwapInKv:
@@ -318,10 +320,13 @@ def _table_lookup(lookup):
     table, ids, dst, *rest = lookup
     if len(rest) > 1:
         raise ValueError("a lookup is (table, ids, dst) or (table, ids, dst, dst_offset)")
-    if not isinstance(table, EngramTable):
+    if isinstance(table, EngramTable):
+        t, d = table._t, _device(table._s, dst, True, "a lookup's destination")
+    elif isinstance(table, _ai.EngramTable) and isinstance(dst, DeviceBuffer):
+        t, d = table, dst  # the Rust half's own table, as it reads it too
+    else:
         raise TypeError("a lookup's table is a gpuio.ai.EngramTable")
-    d = _device(table._s, dst, True, "a lookup's destination")
-    return (table._t, _ids(ids), d, rest[0] if rest else 0)
+    return (t, _ids(ids), d, rest[0] if rest else 0)
 
 
 class EngramTable:
@@ -369,8 +374,8 @@ class EngramTable:
         ``(table, ids, dst, dst_offset)``, as :meth:`lookup` takes them. Where every table
         keeps hot rows on its destination's GPU they are one gather (one launch and one wait
         for all, where a lookup per table waits once per table). A report per lookup."""
-        # A list of lookups of gpuio buffers and id arrays goes as it is; the rest are
-        # converted here.
+        # Lookups of gpuio buffers and id arrays go as they are; the rest are converted here.
+        lookups = lookups if type(lookups) is list else list(lookups)
         got = _lookup_tables(lookups, False)
         if got is None:
             got = _lookup_tables([_table_lookup(lk) for lk in lookups], True)

@@ -30,7 +30,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from . import Session, _gpuio
+from . import Session, _gpuio, _invalid
 
 __all__ = ["GpuioConnector"]
 
@@ -128,6 +128,7 @@ class GpuioConnector:
         # a batch waiting on them cannot deadlock.
         self._io = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="gpuio-lmc-io")
         self._files = itertools.count()
+        self._pid = os.getpid()
 
     # The six methods LMCache's bridge calls (and the optional delete).
 
@@ -147,6 +148,7 @@ class GpuioConnector:
         return self._submit(self._delete, list(keys))
 
     def drain_completions(self):
+        self._check_process()
         try:
             os.eventfd_read(self._efd)
         except BlockingIOError:
@@ -159,6 +161,9 @@ class GpuioConnector:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:  # a forked child: the tiers and their files are the parent's
+            os.close(self._efd)
+            return
         self._pool.shutdown(wait=True)
         self._io.shutdown(wait=True)
         with self._lock:
@@ -169,7 +174,14 @@ class GpuioConnector:
 
     # What the workers do.
 
+    def _check_process(self):
+        """Refuses a forked child: the connector's threads stayed in the parent (its work
+        would never run) and its event fd is the parent's too."""
+        if os.getpid() != self._pid:
+            raise _invalid("this GpuioConnector was made before fork(): make one in the child")
+
     def _submit(self, fn, *args):
+        self._check_process()
         fid = next(self._ids)
         self._pool.submit(self._run, fid, fn, args)
         return fid
