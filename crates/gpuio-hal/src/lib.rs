@@ -18,8 +18,8 @@ pub use error::{ErrorCode, HalError, Result, check_range};
 pub use gpu::{
     Allocation, Backend, BackendPreference, Capability, DeviceBuffer, DeviceInfo, DmaBufExport,
     Event, GdsFile, GdsMode, Gpu, HOT_MAX_JOBS, HOT_MAX_POOL_ROWS, HOT_MAX_ROWS, HotGather,
-    HotRows, Inflight, ManagedBuffer, PcieLink, PinGuard, Probe, RowIndices, RowKernel, SharedPin,
-    Stream, probe, probe_with, without_cuda_context,
+    HotRows, Inflight, ManagedBuffer, PcieLink, Piece2d, PinGuard, Probe, RowIndices, RowKernel,
+    SharedPin, Stream, probe, probe_with, without_cuda_context,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::{

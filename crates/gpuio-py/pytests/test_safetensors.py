@@ -196,6 +196,40 @@ def test_cuts_are_near_equal_and_at_tensor_boundaries_when_asked():
     assert gst._cuts(100, 4, [30, 31, 100]) == [0, 30, 31, 100, 100]
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_tensor_parallel_parts_are_tensor_splits_copied_as_strided_pieces(n):
+    # load_split's parts (it needs CUDA devices: the GPU matrix) as the session's strided
+    # copies move them: each equal to NumPy's array_split, torch.tensor_split's cut.
+    s = gpuio.Session(toml='backend = "host"\n')
+    rng = np.random.default_rng(n)
+    shapes = [(7, 5, 3), (4, 9), (10,), (3, 0, 2), (1, 6, 4), (2, 3, 5, 7)]
+    for shape in shapes:
+        for dim in [None, *range(len(shape)), -1]:
+            a = rng.integers(0, 1 << 30, shape).astype(np.int32)
+            src = s.alloc_device(a.nbytes + 24)
+            s.copy(a.tobytes(), src, dst_offset=24)
+            parts = gst._part_cuts(shape, 4, dim, n)
+            want = [a] * n if dim is None else np.array_split(a, n, axis=dim)
+            for (offset, pitch, width, rows, part_shape, strides, nbytes, room), w in zip(
+                parts, want
+            ):
+                assert part_shape == w.shape and nbytes == w.nbytes and room % 16 == 0
+                if nbytes:  # an empty tensor's strides are free
+                    assert strides == tuple(x // 4 for x in np.empty(w.shape, np.int32).strides)
+                dst = s.alloc_device(max(nbytes, 1))
+                s._copy_pieces(src, dst, np.array([24 + offset, pitch, 0, width, width, rows], "u8"))
+                got = np.empty(nbytes, np.uint8)
+                if nbytes:
+                    s.copy(dst, got)
+                assert got.tobytes() == np.ascontiguousarray(w).tobytes(), (shape, dim)
+    # A piece the buffers cannot hold is refused, and so is a malformed list.
+    src, dst = s.alloc_device(64), s.alloc_device(64)
+    with pytest.raises(gpuio.Error):
+        s._copy_pieces(src, dst, np.array([0, 64, 0, 32, 32, 2], "u8"))
+    with pytest.raises(gpuio.Error):
+        s._copy_pieces(src, dst, np.array([0, 64, 0, 32, 32], "u8"))
+
+
 def test_a_progress_callback_that_raises_stops_the_load_with_its_error(checkpoint, monkeypatch):
     path, _ = checkpoint
     monkeypatch.setattr(gst, "_PIECE", 1000)

@@ -336,6 +336,53 @@ impl Session {
         Ok(d)
     }
 
+    /// Copies strided pieces from `src` to `dst`, device buffers of one GPU apart from each
+    /// other, and waits: `pieces` holds six 64-bit integers per piece (src_offset,
+    /// src_pitch, dst_offset, dst_pitch, width, rows; `gpuio_hal::Piece2d`), as bytes or a
+    /// host array. What a tensor-parallel load sends each device its parts of every tensor by.
+    fn _copy_pieces(
+        &self,
+        py: Python<'_>,
+        src: &DeviceBuffer,
+        dst: &DeviceBuffer,
+        pieces: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let raw = crate::ai::indices(pieces, "pieces")?;
+        if !raw.len().is_multiple_of(6) {
+            return Err(invalid("pieces are six 64-bit integers each"));
+        }
+        let size = |v: u64| usize::try_from(v).ok();
+        let list = raw
+            .chunks_exact(6)
+            .map(|c| {
+                Some(gpuio_hal::Piece2d {
+                    src_offset: size(c[0])?,
+                    src_pitch: size(c[1])?,
+                    dst_offset: size(c[2])?,
+                    dst_pitch: size(c[3])?,
+                    width: size(c[4])?,
+                    rows: size(c[5])?,
+                })
+            })
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| invalid("a piece's numbers exceed the address space"))?;
+        let mut gpus: Vec<gpuio_api::Gpu> = [src, dst]
+            .iter()
+            .filter_map(|b| b.shared_with().cloned())
+            .collect();
+        gpus.dedup_by_key(|g| g.ordinal());
+        py.detach_in(&self.inner, || {
+            for g in &gpus {
+                g.synchronize()?;
+            }
+            src.buf
+                .gpu()
+                .stream()?
+                .copy_pieces(&src.buf, &dst.buf, &list)
+        })?
+        .map_err(|e| to_py(e.into()))
+    }
+
     /// Gathers rows of `row_bytes` from `pool` into `out` at `out_offset`: output row `i` is
     /// pool row `indices[i]`, `indices` the little-endian u64s of a bytes object.
     fn _gather<'py>(

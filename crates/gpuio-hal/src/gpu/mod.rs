@@ -21,6 +21,7 @@ mod info;
 mod managed;
 mod op;
 mod pattern;
+mod pieces;
 mod rows;
 mod stream;
 pub mod tiered;
@@ -35,6 +36,7 @@ pub use op::{
     Access, CudaRun, DevArg, DeviceOp, HostArg, HostLocks, HostRun, KernelArgs, LaunchShape,
     WaitOnDrop, check_disjoint, device_time, elapsed, report_words, widest_piece,
 };
+pub use pieces::Piece2d;
 pub use rows::{RowIndices, RowKernel};
 pub use stream::{Event, Inflight, Stream};
 // The hot rows refresh their copies through the AI tier's tiered gather.

@@ -3,8 +3,8 @@
 //! CUDA-specific checks then say they were skipped and why).
 
 use gpuio_hal::{
-    Backend, BackendPreference, ErrorCode, HalError, HostAllocOptions, HostBuffer, Probe, pattern,
-    probe, probe_with,
+    Backend, BackendPreference, ErrorCode, HalError, HostAllocOptions, HostBuffer, Piece2d, Probe,
+    pattern, probe, probe_with,
 };
 use gpuio_testkit::Requirement;
 use proptest::prelude::*;
@@ -113,6 +113,61 @@ fn overlapping_copies_within_a_buffer_are_refused() {
     assert_eq!(err.code(), ErrorCode::InvalidArg, "{err}");
     stream.copy_device(&a, 0, &a, 500, 500).unwrap();
     assert!(gpu.baseline_copy_device(&a, &a, 10).is_err());
+}
+
+#[test]
+fn strided_pieces_copy_their_rows_and_refuse_what_does_not_fit() {
+    let p = devices();
+    let gpu = &p.gpus[0];
+    let stream = gpu.stream().unwrap();
+    let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+    let (src, dst) = (gpu.alloc(4096).unwrap(), gpu.alloc(4096).unwrap());
+    stream.upload(&data, &src, 0).unwrap();
+    stream.upload(&[0xEE; 4096], &dst, 0).unwrap();
+    let piece = |src_offset, src_pitch, dst_offset, dst_pitch, width, rows| Piece2d {
+        src_offset,
+        src_pitch,
+        dst_offset,
+        dst_pitch,
+        width,
+        rows,
+    };
+    // Columns 16..40 of a 16 x 64 matrix (a split along dim 1), a run of 1000 bytes, an
+    // empty piece, and rows at odd offsets and pitches.
+    let pieces = [
+        piece(16, 64, 0, 24, 24, 16),
+        piece(1024, 0, 512, 0, 1000, 1),
+        piece(0, 0, 0, 0, 0, 5),
+        piece(3001, 100, 2001, 37, 37, 3),
+    ];
+    stream.copy_pieces(&src, &dst, &pieces).unwrap();
+    let mut want = vec![0xEE; 4096];
+    for p in &pieces {
+        for i in 0..p.rows {
+            let from = &data[p.src_offset + i * p.src_pitch..][..p.width];
+            want[p.dst_offset + i * p.dst_pitch..][..p.width].copy_from_slice(from);
+        }
+    }
+    let mut got = vec![0; 4096];
+    stream.download(&dst, 0, &mut got).unwrap();
+    assert_eq!(got, want);
+    // Refused before any piece is queued: a last row past the end, rows over each other,
+    // and a buffer into itself.
+    for bad in [
+        piece(4000, 64, 0, 64, 64, 2),
+        piece(0, 64, 4000, 64, 64, 2),
+        piece(0, 16, 0, 64, 64, 2),
+        piece(0, usize::MAX, 0, 64, 64, 2),
+    ] {
+        let err = stream
+            .copy_pieces(&src, &dst, &[piece(0, 1, 0, 1, 1, 1), bad])
+            .unwrap_err();
+        assert_eq!(err.code(), ErrorCode::InvalidArg, "{err}");
+    }
+    let err = stream.copy_pieces(&src, &src, &pieces[..1]).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::InvalidArg, "{err}");
+    stream.download(&dst, 0, &mut got).unwrap();
+    assert_eq!(got, want, "a refused batch wrote nothing");
 }
 
 #[test]

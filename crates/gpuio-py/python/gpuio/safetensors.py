@@ -20,6 +20,7 @@ Onto several GPUs: ``load_replicated(path, ["cuda:0", "cuda:1"])`` gives each GP
 both read each byte from host memory once and let the GPUs exchange the rest.
 """
 
+import array
 import operator
 
 from . import Error, Session, _gpuio, _invalid
@@ -461,54 +462,114 @@ class _Parts:
             )
 
     def load(self, session, path, start, rows, fws, moved):
-        dims = [self.dims[r[0]] for r in rows]
+        n = len(fws)
         total = rows[-1][4] if rows else 0
-        cuts = _cuts(total, len(fws), [r[4] for r in rows])
+        cuts = _cuts(total, n, [r[4] for r in rows])
         reads = [fw.empty(hi - lo) for fw, lo, hi in zip(fws, cuts, cuts[1:])]
         _read_side_by_side(session, path, [(b, start + lo) for b, lo in zip(reads, cuts)], moved)
-        # Each tensor's parts, in file order; reader r's tensors are a run of that order.
-        readers, parts = [], []
-        for (name, st_dtype, shape, begin, end, _), d in zip(rows, dims):
-            r = max(i for i, c in enumerate(cuts[:-1]) if c <= begin)  # ascends with begin
-            whole = fws[r].view(reads[r][begin - cuts[r] : end - cuts[r]], name, st_dtype, shape)
+        # Each tensor's parts as strided pieces of the bytes its reader read; reader r's
+        # tensors are a run of the file order. A model repeats its shapes: each shape's cut
+        # is worked out once.
+        readers, parts, starts, cut_of, itemsizes = [], [], [], {}, {}
+        r = 0
+        for name, st_dtype, shape, begin, end, _ in rows:
+            while begin >= cuts[r + 1] and r + 1 < n:
+                r += 1
+            size = itemsizes.get(st_dtype)
+            if size is None:
+                size = itemsizes[st_dtype] = fws[0].dtype(name, st_dtype).itemsize
+            key = (tuple(shape), size, self.dims[name])
+            cut = cut_of.get(key)
+            if cut is None:
+                cut = cut_of[key] = _part_cuts(*key, n)
             readers.append(r)
-            parts.append([whole] * len(fws) if d is None else whole.tensor_split(len(fws), d))
+            parts.append(cut)
+            starts.append(begin - cuts[r])
         # Device j's parts lie in one allocation, in file order, each at an offset that suits
-        # its element size: what reader r sends j is one region of it, moved by one copy
-        # from a staging buffer on r where j != r (a copy per part would cost a cross-device
-        # synchronization each, an allocation per part a cudaMalloc each).
-        outs = []
+        # its element size. What reader r sends j is one region of it: written there in one
+        # call of strided copies where j == r, else into a staging buffer on r and moved by
+        # one peer copy (a copy per part costs a cross-device synchronization each).
+        outs, staged = [], []
         for j, fw in enumerate(fws):
-            sizes = [_padded(p[j]) for p in parts]
-            blob = fw.empty(sum(sizes))
-            regions = _regions(readers, sizes, len(fws))
-            for r, (a, b) in enumerate(regions):
+            at, views, place = [], [], 0
+            for row, cut in zip(rows, parts):
+                _, _, _, _, shape, strides, nbytes, room = cut[j]
+                at.append(place)
+                views.append((row[0], row[1], shape, place, place + nbytes, strides))
+                place += room
+            at.append(place)
+            blob = fw.empty(place)
+            for r in range(n):
+                first, last = _first(readers, r), _first(readers, r + 1)
+                a, b = at[first], at[last]
                 if a == b:
                     continue
-                into = blob[a:b] if r == j else fws[r].empty(b - a)
-                held = into.split_with_sizes(sizes[_first(readers, r) : _first(readers, r + 1)])
-                for raw, p in zip(held, parts[_first(readers, r) : _first(readers, r + 1)]):
-                    raw[: _nbytes(p[j])].view(p[j].dtype).view(p[j].shape).copy_(
-                        p[j], non_blocking=True
-                    )
+                into = blob if r == j else fws[r].empty(b - a)
+                base = 0 if r == j else a
+                pieces = array.array("Q")
+                for k in range(first, last):
+                    offset, pitch, width, height = parts[k][j][:4]
+                    pieces.extend((starts[k] + offset, pitch, at[k] - base, width, width, height))
+                session._copy_pieces(_on_device(session, reads[r]), _on_device(session, into),
+                                     pieces)
                 if r != j:
                     blob[a:b].copy_(into, non_blocking=True)
-            raws = blob.split_with_sizes(sizes)
-            outs.append(
-                {
-                    row[0]: raw[: _nbytes(p[j])].view(p[j].dtype).view(p[j].shape)
-                    for row, raw, p in zip(rows, raws, parts)
-                }
-            )
+                    staged.append(into)  # kept until the peer copies are done
+            outs.append(fw.views(blob, views))
         for fw in fws:
             fw.torch.cuda.synchronize(fw.device)
         return outs
 
 
-def _padded(t):
-    """Bytes a part takes in its device's allocation: a multiple of 16, so that every part
-    starts where any element size may."""
-    return -(-_nbytes(t) // 16) * 16
+def _part_cuts(shape, itemsize, dim, n):
+    """How ``n`` parts of a tensor (``torch.tensor_split(t, n, dim)``; the whole tensor for
+    each where ``dim`` is None) lie among its bytes: per part ``(offset, pitch, width, rows,
+    shape, strides, nbytes, room)``, its rows of ``width`` bytes one ``pitch`` apart from
+    ``offset``, and the room it takes in an allocation (a multiple of 16, so that every part
+    starts where any element size may)."""
+    count = 1
+    for s in shape:
+        count *= s
+
+    def part(offset, pitch, width, rows, part_shape):
+        nbytes = width * rows
+        return (offset, pitch, width, rows, part_shape, _contiguous(part_shape), nbytes,
+                -(-nbytes // 16) * 16)
+
+    if dim is None:
+        return [part(0, 0, count * itemsize, 1, shape)] * n
+    dim %= len(shape)
+    outer = 1
+    for s in shape[:dim]:
+        outer *= s
+    inner = itemsize
+    for s in shape[dim + 1 :]:
+        inner *= s
+    length = shape[dim]
+    q, extra = divmod(length, n)
+    out, first = [], 0
+    for j in range(n):
+        take = q + (j < extra)
+        out.append(part(first * inner, length * inner, take * inner, outer,
+                        shape[:dim] + (take,) + shape[dim + 1 :]))
+        first += take
+    return out
+
+
+def _contiguous(shape):
+    """Element strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for s in reversed(shape):
+        strides.append(step)
+        step *= s
+    return tuple(reversed(strides))
+
+
+def _on_device(session, tensor):
+    """``tensor`` (CUDA memory) as a gpuio DeviceBuffer, borrowed for one call."""
+    from . import _interop
+
+    return _interop.resolve(session, tensor, True)
 
 
 def _first(readers, r):
@@ -518,7 +579,3 @@ def _first(readers, r):
     return bisect.bisect_left(readers, r)
 
 
-def _regions(readers, sizes, n):
-    """``(start, end)`` in a device's allocation of the parts each of ``n`` readers sends."""
-    bounds = [sum(sizes[: _first(readers, r)]) for r in range(n + 1)]
-    return list(zip(bounds, bounds[1:]))

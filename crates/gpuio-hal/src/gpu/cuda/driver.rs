@@ -382,6 +382,45 @@ pub(super) unsafe fn memcpy_dtod_async(
     check(rc, "cuMemcpyDtoDAsync")
 }
 
+/// `cuMemcpy2DAsync` between two ranges of device memory of the current context: `height`
+/// rows of `width` bytes, each `src_pitch` (`dst_pitch`) bytes after the one before. One
+/// contiguous copy where both sides' rows touch (the driver's 2-D path is slower for that).
+///
+/// # Safety
+/// `stream` is a live stream of the current context; every row at `src` and `dst` is live
+/// device memory of that context until the copy completes, and the two do not overlap.
+pub(super) unsafe fn memcpy_2d_dtod_async(
+    dst: sys::CUdeviceptr,
+    dst_pitch: usize,
+    src: sys::CUdeviceptr,
+    src_pitch: usize,
+    width: usize,
+    height: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    if height == 1 || (src_pitch == width && dst_pitch == width) {
+        // SAFETY: the caller's contract; the rows make one contiguous run on both sides.
+        return unsafe { memcpy_dtod_async(dst, src, width * height, stream) };
+    }
+    let copy = sys::CUDA_MEMCPY2D {
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        srcDevice: src,
+        srcPitch: src_pitch,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstDevice: dst,
+        dstPitch: dst_pitch,
+        WidthInBytes: width,
+        Height: height,
+        // SAFETY: an all-zero CUDA_MEMCPY2D is valid (null host pointers and arrays, offsets
+        // 0); the fields that matter are set above.
+        ..unsafe { std::mem::zeroed() }
+    };
+    // SAFETY: `copy` describes ranges the caller keeps live; the driver reads it during
+    // the call only.
+    let rc = unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream) };
+    check(rc, "cuMemcpy2DAsync")
+}
+
 /// `cuMemcpyPeerAsync` between two contexts, queued on `stream`.
 ///
 /// # Safety
