@@ -29,15 +29,15 @@ pub(crate) fn invalid(msg: impl Into<String>) -> PyErr {
 pub(crate) trait DetachIn {
     fn detach_in<T, F>(self, session: &gpuio_api::Session, f: F) -> PyResult<T>
     where
-        F: pyo3::marker::Ungil + FnOnce() -> T,
-        T: pyo3::marker::Ungil;
+        F: Send + FnOnce() -> T,
+        T: Send;
 }
 
 impl DetachIn for Python<'_> {
     fn detach_in<T, F>(self, session: &gpuio_api::Session, f: F) -> PyResult<T>
     where
-        F: pyo3::marker::Ungil + FnOnce() -> T,
-        T: pyo3::marker::Ungil,
+        F: Send + FnOnce() -> T,
+        T: Send,
     {
         session.check_process().map_err(to_py)?;
         Ok(self.detach(f))

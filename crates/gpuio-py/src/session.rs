@@ -371,14 +371,18 @@ impl Session {
             .filter_map(|b| b.shared_with().cloned())
             .collect();
         gpus.dedup_by_key(|g| g.ordinal());
+        // Called on the caller's thread for each device of a split in turn: the thread's
+        // CUDA context (torch's current device) is left as it was.
         py.detach_in(&self.inner, || {
-            for g in &gpus {
-                g.synchronize()?;
-            }
-            src.buf
-                .gpu()
-                .stream()?
-                .copy_pieces(&src.buf, &dst.buf, &list)
+            gpuio_hal::keeping_cuda_context(|| {
+                for g in &gpus {
+                    g.synchronize()?;
+                }
+                src.buf
+                    .gpu()
+                    .stream()?
+                    .copy_pieces(&src.buf, &dst.buf, &list)
+            })
         })?
         .map_err(|e| to_py(e.into()))
     }

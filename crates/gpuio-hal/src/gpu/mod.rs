@@ -544,6 +544,17 @@ pub fn without_cuda_context<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Runs `f`, then makes the CUDA context that was current on the calling thread current
+/// again if `f` changed it: a framework keys its current device on it (a call that bound
+/// GPU 1's context would leave torch's `"cuda"` meaning GPU 1). Where CUDA was never set up
+/// in this process, or in a process forked from the one that set it up, just runs `f`.
+pub fn keeping_cuda_context<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(feature = "cuda")]
+    return cuda::keeping_context(f);
+    #[cfg(not(feature = "cuda"))]
+    f()
+}
+
 /// A device allocation as the driver knows it (see [`DeviceBuffer::allocation`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Allocation {

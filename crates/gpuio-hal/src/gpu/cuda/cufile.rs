@@ -278,6 +278,9 @@ fn whole(op: &'static str, len: usize, mut io: impl FnMut(usize) -> isize) -> Re
 
 impl Drop for FileRegistration {
     fn drop(&mut self) {
+        if super::probe::driver_forked() {
+            return;
+        }
         // SAFETY: the handle was registered once and is deregistered once; no IO on it can be
         // running (IO borrows the registration).
         unsafe { (self.lib.deregister)(self.handle) }

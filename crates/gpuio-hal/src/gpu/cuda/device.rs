@@ -33,6 +33,16 @@ pub(super) struct Shared {
     modules: Mutex<Vec<(usize, ModuleSlot)>>,
 }
 
+impl Drop for Shared {
+    fn drop(&mut self) {
+        if super::probe::driver_forked() {
+            // The context and the modules loaded in it are the parent's: never released here.
+            std::mem::forget(Arc::clone(&self.ctx));
+            std::mem::forget(std::mem::take(self.modules.get_mut_unpoisoned()));
+        }
+    }
+}
+
 /// A module's place on a device: loaded once, by whichever caller comes first.
 type ModuleSlot = Arc<OnceLock<std::result::Result<Arc<Loaded>, String>>>;
 

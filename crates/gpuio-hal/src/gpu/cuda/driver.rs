@@ -402,18 +402,24 @@ pub(super) unsafe fn memcpy_2d_dtod_async(
         // SAFETY: the caller's contract; the rows make one contiguous run on both sides.
         return unsafe { memcpy_dtod_async(dst, src, width * height, stream) };
     }
+    // Every field named: the memory types are enums with no zero value.
     let copy = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
         srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        srcHost: std::ptr::null(),
         srcDevice: src,
+        srcArray: std::ptr::null_mut(),
         srcPitch: src_pitch,
+        dstXInBytes: 0,
+        dstY: 0,
         dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstHost: std::ptr::null_mut(),
         dstDevice: dst,
+        dstArray: std::ptr::null_mut(),
         dstPitch: dst_pitch,
         WidthInBytes: width,
         Height: height,
-        // SAFETY: an all-zero CUDA_MEMCPY2D is valid (null host pointers and arrays, offsets
-        // 0); the fields that matter are set above.
-        ..unsafe { std::mem::zeroed() }
     };
     // SAFETY: `copy` describes ranges the caller keeps live; the driver reads it during
     // the call only.

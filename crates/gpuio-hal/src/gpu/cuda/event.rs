@@ -72,6 +72,10 @@ impl CudaEventBackend {
 
 impl Drop for CudaEventBackend {
     fn drop(&mut self) {
+        if super::probe::driver_forked() {
+            std::mem::forget(self.event.take());
+            return;
+        }
         if let (Some(event), Some(pool)) = (self.event.take(), self.pool.upgrade()) {
             pool.list(self.timing).lock_unpoisoned().push(event);
         }

@@ -44,6 +44,9 @@ impl DeviceMemory for CudaMemory {
 
 impl Drop for CudaMemory {
     fn drop(&mut self) {
+        if super::probe::driver_forked() {
+            return;
+        }
         let freed = self.shared.bind().and_then(|()| {
             // SAFETY: ptr came from cuMemAlloc in this context and is freed once, here. No
             // queued work can still use it: async operations (Inflight) hold the DeviceBuffer
@@ -119,6 +122,9 @@ impl HostPin for CudaPin {}
 
 impl Drop for CudaPin {
     fn drop(&mut self) {
+        if super::probe::driver_forked() {
+            return;
+        }
         let done = self.shared.bind().and_then(|()| {
             // SAFETY: ptr was registered by cuMemHostRegister and is still mapped (the pin's
             // contract), and is unregistered exactly once.

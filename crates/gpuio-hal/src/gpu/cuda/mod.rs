@@ -67,6 +67,33 @@ pub(crate) fn without_context<R>(f: impl FnOnce() -> R) -> R {
     let _restore = Restore(prev);
     f()
 }
+/// Runs `f`, then makes the thread's previous context current again where `f` changed it.
+pub(crate) fn keeping_context<R>(f: impl FnOnce() -> R) -> R {
+    /// Makes its context current again when dropped, where another one is.
+    struct Restore(cudarc::driver::sys::CUcontext);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            if driver::ctx_current().is_ok_and(|now| now == self.0) {
+                return;
+            }
+            // SAFETY: the context was current on this thread when `keeping_context` was
+            // called: whoever made it current, up this thread's stack, keeps it alive across
+            // the call (gpuio destroys a context only when its last device handle goes).
+            if let Err(e) = unsafe { driver::ctx_set_current(self.0) } {
+                tracing::warn!(error = %e, "could not make the thread's CUDA context current again");
+            }
+        }
+    }
+    if !probe::driver_ready() || probe::driver_forked() {
+        return f();
+    }
+    let Ok(prev) = driver::ctx_current() else {
+        return f();
+    };
+    let _restore = Restore(prev);
+    f()
+}
+
 pub use nvrtc::{NVRTC_ARCHS, compile_ptx, compile_ptx_for, kernel_problems, nvrtc_problems};
 pub(crate) use stream::CudaStreamBackend;
 

@@ -94,8 +94,24 @@ pub(crate) fn check_driver() -> Result<()> {
     result::init().map_err(|e| HalError::CudaUnavailable {
         reason: format!("cuInit failed: {}", cuda_err("cuInit")(e)),
     })?;
+    DRIVER_GENERATION.store(
+        crate::sys::fork_generation(),
+        std::sync::atomic::Ordering::Relaxed,
+    );
     DRIVER_READY.store(true, std::sync::atomic::Ordering::Release);
     Ok(())
+}
+
+/// The process that set the driver up, in its line of forks.
+static DRIVER_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Whether this process was forked from the one that set the driver up. CUDA does not
+/// cross a fork: the child may make no driver call, not even to free what the parent made
+/// (a child's exit crashed in one), so what the HAL made there is left as it is.
+pub(crate) fn driver_forked() -> bool {
+    driver_ready()
+        && crate::sys::fork_generation()
+            != DRIVER_GENERATION.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The driver's CUDA version, e.g. (13, 0).

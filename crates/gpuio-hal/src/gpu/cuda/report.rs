@@ -84,6 +84,9 @@ impl ReportWords {
 
 impl Drop for ReportWords {
     fn drop(&mut self) {
+        if super::probe::driver_forked() {
+            return;
+        }
         // SAFETY: allocated by mem_host_alloc_mapped, freed once; the stream that owns this
         // report drained its work and bound its context first (it leaks the report where it
         // cannot).

@@ -52,6 +52,13 @@ impl CudaStreamBackend {
 
 impl Drop for CudaStreamBackend {
     fn drop(&mut self) {
+        if super::probe::driver_forked() {
+            // The driver's stream and events are the parent's: kept, never destroyed here.
+            std::mem::forget(Arc::clone(&self.stream));
+            std::mem::forget(Arc::clone(&self.events));
+            std::mem::forget(self.reports.take());
+            return;
+        }
         // Work queued on this stream may still use its scratch: drain first.
         let report = self.reports.take();
         if let Err(e) = self.shared.bind() {
