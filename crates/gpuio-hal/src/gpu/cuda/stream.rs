@@ -146,6 +146,7 @@ impl StreamBackend for CudaStreamBackend {
                 src_pitch,
                 width,
                 rows,
+                self.shared.max_pitch,
                 self.raw(),
             )
         }
