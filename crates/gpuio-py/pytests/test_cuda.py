@@ -256,7 +256,9 @@ def test_safetensors_onto_every_gpu_replicated_and_split(s, tmp_path):
         for name, t in theirs.items():
             assert got[name].device == torch.device(dev) and torch.equal(got[name].cpu(), t), name
     dims = {"emb": 0, "w0": 1, "w1": 2, "empty": 1, "tiny": 0}  # bias, scalar: whole
+    current = torch.cuda.current_device()
     parts = gst.load_split(path, devices, dims, session=s)
+    assert torch.cuda.current_device() == current  # the caller's device, after every GPU
     for name, t in theirs.items():
         want = [t] * len(devices) if name not in dims else t.tensor_split(len(devices), dims[name])
         for dev, got, w in zip(devices, parts, want):

@@ -74,11 +74,17 @@ impl Stream {
         }
         for (from, to, p) in ranges {
             // SAFETY: both ranges were checked against the live buffers, which the borrows
-            // keep until the synchronize below, and the buffers do not overlap.
-            unsafe {
+            // keep until the synchronize below (also where a piece fails), and the buffers
+            // do not overlap.
+            let queued = unsafe {
                 self.inner
-                    .copy_rows(from, p.src_pitch, to, p.dst_pitch, p.width, p.rows)?
+                    .copy_rows(from, p.src_pitch, to, p.dst_pitch, p.width, p.rows)
             };
+            if let Err(e) = queued {
+                // The pieces queued before it still write `dst`: done before the borrow ends.
+                let _ = self.inner.synchronize();
+                return Err(e);
+            }
         }
         self.inner.synchronize()
     }

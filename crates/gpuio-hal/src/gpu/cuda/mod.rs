@@ -52,7 +52,7 @@ pub(crate) fn without_context<R>(f: impl FnOnce() -> R) -> R {
             }
         }
     }
-    if !probe::driver_ready() {
+    if !probe::driver_ready() || probe::driver_forked() {
         return f();
     }
     let prev = match driver::ctx_current() {

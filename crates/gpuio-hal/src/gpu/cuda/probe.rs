@@ -50,6 +50,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoHAsync_v2",
     "cuMemcpyDtoDAsync_v2",
+    "cuMemcpy2DAsync_v2",
     "cuMemcpyPeerAsync",
     "cuMemsetD32Async",
     "cuPointerGetAttributes",
@@ -69,6 +70,12 @@ pub(crate) fn driver_ready() -> bool {
 
 /// Checks that libcuda loads and exports everything gpuio calls.
 pub(crate) fn check_driver() -> Result<()> {
+    if driver_forked() {
+        // No driver call in a forked child, not even cuInit (see `driver_forked`).
+        return Err(HalError::CudaUnavailable {
+            reason: "CUDA was set up before fork(): a forked child cannot use it".into(),
+        });
+    }
     // SAFETY: is_culib_present only tries to dlopen the library by its usual names.
     if !unsafe { sys::is_culib_present() } {
         return Err(HalError::CudaUnavailable {
