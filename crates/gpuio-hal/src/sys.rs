@@ -21,7 +21,8 @@ pub fn fork_generation() -> u64 {
     // A flag, not a `Once`: a fork while another thread ran the `Once` would leave the
     // child waiting on it forever.
     static HOOKED: AtomicBool = AtomicBool::new(false);
-    if !HOOKED.swap(true, Ordering::AcqRel) {
+    // Read first: the swap writes, and this is asked on every request.
+    if !HOOKED.load(Ordering::Acquire) && !HOOKED.swap(true, Ordering::AcqRel) {
         // SAFETY: the handler only increments an atomic (async-signal-safe, as a child's
         // handler between fork and return must be); registration has no other effect.
         let rc = unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
