@@ -23,7 +23,7 @@ both read each byte from host memory once and let the GPUs exchange the rest.
 import array
 import operator
 
-from . import Error, Session, _gpuio, _invalid
+from . import Error, Session, _gpuio, _interop, _invalid
 
 __all__ = ["load_file", "load_numpy", "load_replicated", "load_split", "safe_open"]
 
@@ -580,8 +580,6 @@ def _contiguous(shape):
 
 def _on_device(session, tensor):
     """``tensor`` (CUDA memory) as a gpuio DeviceBuffer, borrowed for one call."""
-    from . import _interop
-
     return _interop.resolve(session, tensor, True)
 
 
