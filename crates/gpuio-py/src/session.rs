@@ -336,10 +336,12 @@ impl Session {
         Ok(d)
     }
 
-    /// Copies strided pieces from `src` to `dst`, device buffers of one GPU apart from each
-    /// other, and waits: `pieces` holds six 64-bit integers per piece (src_offset,
-    /// src_pitch, dst_offset, dst_pitch, width, rows; `gpuio_hal::Piece2d`), as bytes or a
-    /// host array. What a tensor-parallel load sends each device its parts of every tensor by.
+    /// Copies strided pieces from `src` to `dst`, device buffers apart from each other, on
+    /// `src`'s GPU, and waits: `dst` may be another GPU's (written over the peer link where
+    /// `src`'s reaches it, else staged). `pieces` holds six 64-bit integers per piece
+    /// (src_offset, src_pitch, dst_offset, dst_pitch, width, rows; `gpuio_hal::Piece2d`), as
+    /// bytes or a host array. What a tensor-parallel load sends each device its parts of
+    /// every tensor by.
     fn _copy_pieces(
         &self,
         py: Python<'_>,

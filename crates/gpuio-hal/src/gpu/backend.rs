@@ -328,22 +328,6 @@ pub(crate) trait StreamBackend: Send + Sync {
         dst: DevRange<'_>,
     ) -> Result<()>;
 
-    /// Enqueues a strided copy between two ranges of this stream's device: `rows` rows of
-    /// `width` bytes, row `i` from `src + i * src_pitch` to `dst + i * dst_pitch`.
-    ///
-    /// # Safety
-    /// Both allocations must live until the copy completes; every row lies inside `src` and
-    /// `dst`, which do not overlap.
-    unsafe fn copy_rows(
-        &self,
-        src: DevRange<'_>,
-        src_pitch: usize,
-        dst: DevRange<'_>,
-        dst_pitch: usize,
-        width: usize,
-        rows: usize,
-    ) -> Result<()>;
-
     /// Records an event after the work enqueued so far.
     fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>>;
 

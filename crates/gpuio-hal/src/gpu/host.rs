@@ -303,30 +303,6 @@ impl StreamBackend for HostStream {
         })
     }
 
-    unsafe fn copy_rows(
-        &self,
-        src: DevRange<'_>,
-        src_pitch: usize,
-        dst: DevRange<'_>,
-        dst_pitch: usize,
-        width: usize,
-        rows: usize,
-    ) -> Result<()> {
-        with_pair(&src, &dst, || {
-            for i in 0..rows {
-                // SAFETY: every row lies inside both checked ranges of live allocations
-                // (the caller's contract), locked by with_pair; the ranges do not overlap.
-                unsafe {
-                    sys::copy_raw(
-                        (src.addr() as usize + i * src_pitch) as *const u8,
-                        (dst.addr() as usize + i * dst_pitch) as *mut u8,
-                        width,
-                    )
-                }
-            }
-        })
-    }
-
     fn record(&self, _timing: bool) -> Result<Box<dyn EventBackend>> {
         Ok(Box::new(HostEvent { at: Instant::now() }))
     }

@@ -57,6 +57,23 @@ impl Stream {
             range: buf.range(what, offset, len)?,
         })
     }
+
+    /// As [`arg`](Self::arg), for a buffer of this device or of a device whose memory this
+    /// one's kernels reach directly (peer access: NVLink, or PCIe peer-to-peer).
+    pub fn reachable_arg<'a>(
+        &self,
+        what: &'static str,
+        buf: &'a DeviceBuffer,
+        offset: usize,
+        len: usize,
+    ) -> Result<DevArg<'a>> {
+        if !self.gpu.can_access_peer(buf.gpu()) {
+            self.gpu.check_owns(what, buf)?;
+        }
+        Ok(DevArg {
+            range: buf.range(what, offset, len)?,
+        })
+    }
 }
 
 impl Stream {

@@ -172,5 +172,43 @@ impl Kernel for GatherKernel {
     }
 }
 
+/// The strided copy of many pieces of one device's memory in one launch.
+pub static PIECES: KernelSource = KernelSource {
+    name: "pieces.cu",
+    source: concat!(
+        include_str!("../../kernels/pieces.cu"),
+    ),
+    functions: &[
+        "gpuio_copy_pieces",
+    ],
+    ptx: &[
+        EmbeddedPtx {
+            arch: 80,
+            text: include_str!("../../ptx/pieces.compute_80.ptx"),
+        },
+        EmbeddedPtx {
+            arch: 100,
+            text: include_str!("../../ptx/pieces.compute_100.ptx"),
+        },
+    ],
+};
+
+/// The functions of [`PIECES`], by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PiecesKernel {
+    /// `gpuio_copy_pieces`
+    CopyPieces,
+}
+
+impl Kernel for PiecesKernel {
+    fn module() -> &'static KernelSource {
+        &PIECES
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
 /// Every module of this crate's `kernels.toml`.
-pub static MODULES: &[&KernelSource] = &[&PATTERN, &GATHER];
+pub static MODULES: &[&KernelSource] = &[&PATTERN, &GATHER, &PIECES];

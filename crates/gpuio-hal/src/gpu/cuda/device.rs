@@ -28,8 +28,6 @@ pub(super) struct Shared {
     pub(super) ctx: Arc<CudaContext>,
     compute_capability: (u32, u32),
     multiprocessors: u32,
-    /// The largest pitch a 2-D copy takes (`CU_DEVICE_ATTRIBUTE_MAX_PITCH`).
-    pub(super) max_pitch: usize,
     /// The kernel modules used on this device, each loaded on first use (or the reason it
     /// could not be, kept for every later caller), by the address of its static.
     modules: Mutex<Vec<(usize, ModuleSlot)>>,
@@ -167,7 +165,6 @@ impl CudaDevice {
             attr(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
         );
         let gdr_attr = attr(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED)? != 0;
-        let max_pitch = usize::try_from(attr(A::CU_DEVICE_ATTRIBUTE_MAX_PITCH)?).unwrap_or(0);
         let info = DeviceInfo {
             ordinal: ordinal as u32,
             backend: Backend::Cuda,
@@ -205,7 +202,6 @@ impl CudaDevice {
                 ctx,
                 compute_capability: (major as u32, minor as u32),
                 multiprocessors,
-                max_pitch,
                 modules: Mutex::default(),
             }),
             info,

@@ -382,63 +382,6 @@ pub(super) unsafe fn memcpy_dtod_async(
     check(rc, "cuMemcpyDtoDAsync")
 }
 
-/// `cuMemcpy2DAsync` between two ranges of device memory of the current context: `height`
-/// rows of `width` bytes, each `src_pitch` (`dst_pitch`) bytes after the one before. One
-/// contiguous copy where both sides' rows touch (the driver's 2-D path is slower for that);
-/// a linear copy per row where a pitch or the width is past the device's `max_pitch`, which
-/// the 2-D copy refuses.
-///
-/// # Safety
-/// `stream` is a live stream of the current context; every row at `src` and `dst` is live
-/// device memory of that context until the copy completes, and the two do not overlap.
-#[allow(clippy::too_many_arguments)] // the driver's descriptor, spelled out
-pub(super) unsafe fn memcpy_2d_dtod_async(
-    dst: sys::CUdeviceptr,
-    dst_pitch: usize,
-    src: sys::CUdeviceptr,
-    src_pitch: usize,
-    width: usize,
-    height: usize,
-    max_pitch: usize,
-    stream: sys::CUstream,
-) -> Result<()> {
-    if height == 1 || (src_pitch == width && dst_pitch == width) {
-        // SAFETY: the caller's contract; the rows make one contiguous run on both sides.
-        return unsafe { memcpy_dtod_async(dst, src, width * height, stream) };
-    }
-    if src_pitch.max(dst_pitch).max(width) > max_pitch {
-        for i in 0..height as u64 {
-            let (s, d) = (src + i * src_pitch as u64, dst + i * dst_pitch as u64);
-            // SAFETY: row `i` of both sides, inside the ranges of the caller's contract.
-            unsafe { memcpy_dtod_async(d, s, width, stream)? };
-        }
-        return Ok(());
-    }
-    // Every field named: the memory types are enums with no zero value.
-    let copy = sys::CUDA_MEMCPY2D {
-        srcXInBytes: 0,
-        srcY: 0,
-        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-        srcHost: std::ptr::null(),
-        srcDevice: src,
-        srcArray: std::ptr::null_mut(),
-        srcPitch: src_pitch,
-        dstXInBytes: 0,
-        dstY: 0,
-        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-        dstHost: std::ptr::null_mut(),
-        dstDevice: dst,
-        dstArray: std::ptr::null_mut(),
-        dstPitch: dst_pitch,
-        WidthInBytes: width,
-        Height: height,
-    };
-    // SAFETY: `copy` describes ranges the caller keeps live; the driver reads it during
-    // the call only.
-    let rc = unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream) };
-    check(rc, "cuMemcpy2DAsync")
-}
-
 /// `cuMemcpyPeerAsync` between two contexts, queued on `stream`.
 ///
 /// # Safety

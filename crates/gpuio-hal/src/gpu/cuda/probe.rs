@@ -50,7 +50,6 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoHAsync_v2",
     "cuMemcpyDtoDAsync_v2",
-    "cuMemcpy2DAsync_v2",
     "cuMemcpyPeerAsync",
     "cuMemsetD32Async",
     "cuPointerGetAttributes",

@@ -126,32 +126,6 @@ impl StreamBackend for CudaStreamBackend {
         }
     }
 
-    unsafe fn copy_rows(
-        &self,
-        src: DevRange<'_>,
-        src_pitch: usize,
-        dst: DevRange<'_>,
-        dst_pitch: usize,
-        width: usize,
-        rows: usize,
-    ) -> Result<()> {
-        self.shared.bind()?;
-        // SAFETY: both are live, non-overlapping ranges of this context holding every row
-        // (the caller's contract); this stream belongs to the bound context.
-        unsafe {
-            driver::memcpy_2d_dtod_async(
-                dst.addr(),
-                dst_pitch,
-                src.addr(),
-                src_pitch,
-                width,
-                rows,
-                self.shared.max_pitch,
-                self.raw(),
-            )
-        }
-    }
-
     fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>> {
         let event = self.events.record(&self.shared.ctx, &self.stream, timing)?;
         Ok(Box::new(event))
