@@ -243,9 +243,9 @@ def load_split(filename, devices, split, session=None, progress=None):
     gives each tensor's ``dim``: a dict by name, or a callable ``split(name, shape)``; a
     tensor whose dim is None (or missing from the dict) goes whole to every device. Each
     byte is read from host memory once: each device reads a contiguous 1/N of the data (cut
-    at tensor boundaries), then sends each tensor's parts to their devices (NVLink where the
-    GPUs have it), one copy per pair of devices. Each device's parts are views of one
-    allocation of its own. ``progress`` as for :func:`load_file`."""
+    at tensor boundaries), then writes each tensor's parts into their devices (over NVLink
+    where the GPUs have it), one kernel per pair of devices. Each device's parts are views
+    of one allocation of its own. ``progress`` as for :func:`load_file`."""
     if not callable(split) and not isinstance(split, dict):
         raise _invalid("split is a dict of tensor names to dims, or a callable(name, shape)")
     return _load_shards(filename, _devices(devices), _Parts(split), session, progress)
@@ -346,9 +346,11 @@ class _Progress:
             raise self.failed
 
 
-def _read_side_by_side(session, path, jobs, moved):
+def _read_side_by_side(session, path, jobs, moved, meanwhile=None):
     """Reads each ``(dst, file_offset)`` of ``jobs`` (one per device) whole: on the calling
-    thread where there is one, else one thread per device; ``moved`` counts the bytes."""
+    thread where there is one, else one thread per device; ``moved`` counts the bytes.
+    ``meanwhile()`` runs on the calling thread while the reads run (before them, where the
+    calling thread reads)."""
     f = session.open(path)
 
     def pieces(dst, offset):
@@ -361,6 +363,8 @@ def _read_side_by_side(session, path, jobs, moved):
 
     jobs = [(d, o) for d, o in jobs if _nbytes(d)]
     if len(jobs) <= 1:
+        if meanwhile:
+            meanwhile()
         for d, o in jobs:
             for n in pieces(d, o):
                 moved.add(n)
@@ -384,6 +388,11 @@ def _read_side_by_side(session, path, jobs, moved):
         t.start()
     # Every thread is waited for, whatever fails: none may still write when this returns.
     failed, running = None, len(threads)
+    try:
+        if meanwhile:
+            meanwhile()
+    except BaseException as e:
+        failed = e
     while running:
         try:
             item = landed.get()
@@ -445,7 +454,7 @@ class _Whole:
 
 class _Parts:
     """Tensor-parallel parts: device ``r`` reads a contiguous 1/N of the data (cut at tensor
-    boundaries), then sends every tensor it read to the devices that hold parts of it."""
+    boundaries), then writes the parts of every tensor it read into their devices."""
 
     def __init__(self, split):
         self.split = split
@@ -479,7 +488,26 @@ class _Parts:
         total = rows[-1][4] if rows else 0
         cuts = _cuts(total, n, [r[4] for r in rows])
         reads = [fw.empty(hi - lo) for fw, lo, hi in zip(fws, cuts, cuts[1:])]
-        _read_side_by_side(session, path, [(b, start + lo) for b, lo in zip(reads, cuts)], moved)
+        # The destinations, their views and the copies' pieces are made while the reads run
+        # (allocations and thousands of views cost as much as a third of the reads' time).
+        plan = []
+        _read_side_by_side(
+            session, path, [(b, start + lo) for b, lo in zip(reads, cuts)], moved,
+            meanwhile=lambda: plan.append(self.plan(rows, cuts, fws)),
+        )
+        blobs, pieces, outs = plan[0]
+        for j, blob in enumerate(blobs):
+            for r, p in enumerate(pieces[j]):
+                if p:
+                    session._copy_pieces(_on_device(session, reads[r]),
+                                         _on_device(session, blob), p)
+        return outs
+
+    def plan(self, rows, cuts, fws):
+        """Per device its allocation, the pieces each reader writes into it (a kernel on the
+        reader writing this device's memory: over NVLink where the GPUs reach each other,
+        staged by gpuio where they do not), and its tensors' views."""
+        n = len(fws)
         # Each tensor's parts as strided pieces of the bytes its reader read; reader r's
         # tensors are a run of the file order. A model repeats its shapes: each shape's cut
         # is worked out once.
@@ -499,10 +527,8 @@ class _Parts:
             parts.append(cut)
             starts.append(begin - cuts[r])
         # Device j's parts lie in one allocation, in file order, each at an offset that suits
-        # its element size. What reader r sends j is one region of it: written there in one
-        # call of strided copies where j == r, else into a staging buffer on r and moved by
-        # one peer copy (a copy per part costs a cross-device synchronization each).
-        outs, staged = [], []
+        # its element size.
+        blobs, pieces, outs = [], [], []
         for j, fw in enumerate(fws):
             at, views, place = [], [], 0
             for row, cut in zip(rows, parts):
@@ -511,27 +537,17 @@ class _Parts:
                 views.append((row[0], row[1], shape, place, place + nbytes, strides))
                 place += room
             at.append(place)
-            blob = fw.empty(place)
+            from_readers = []
             for r in range(n):
-                first, last = _first(readers, r), _first(readers, r + 1)
-                a, b = at[first], at[last]
-                if a == b:
-                    continue
-                into = blob if r == j else fws[r].empty(b - a)
-                base = 0 if r == j else a
-                pieces = array.array("Q")
-                for k in range(first, last):
+                p = array.array("Q")
+                for k in range(_first(readers, r), _first(readers, r + 1)):
                     offset, pitch, width, height = parts[k][j][:4]
-                    pieces.extend((starts[k] + offset, pitch, at[k] - base, width, width, height))
-                session._copy_pieces(_on_device(session, reads[r]), _on_device(session, into),
-                                     pieces)
-                if r != j:
-                    blob[a:b].copy_(into, non_blocking=True)
-                    staged.append(into)  # kept until the peer copies are done
-            outs.append(fw.views(blob, views))
-        for fw in fws:
-            fw.torch.cuda.synchronize(fw.device)
-        return outs
+                    p.extend((starts[k] + offset, pitch, at[k], width, width, height))
+                from_readers.append(p)
+            blobs.append(fw.empty(place))
+            pieces.append(from_readers)
+            outs.append(fw.views(blobs[-1], views))
+        return blobs, pieces, outs
 
 
 def _part_cuts(shape, itemsize, dim, n):
