@@ -330,3 +330,58 @@ def test_ai_tier_on_torch_tensors(s):
         back = torch.empty_like(values)
         dq.dequantize_into(s.device_buffer(back))
         assert torch.equal(back.cpu(), torch.frombuffer(bytearray(hq.dequantize()), dtype=torch.float32))
+
+
+CONTEXTS = r"""
+import ctypes, sys
+import numpy as np
+import gpuio
+
+cuda = ctypes.CDLL("libcuda.so.1")
+assert cuda.cuInit(0) == 0
+
+
+def active():
+    count = ctypes.c_int()
+    assert cuda.cuDeviceGetCount(ctypes.byref(count)) == 0
+    out = []
+    for i in range(count.value):
+        dev, flags, on = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+        assert cuda.cuDeviceGet(ctypes.byref(dev), i) == 0
+        assert cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(on)) == 0
+        out.append(bool(on.value))
+    return out
+
+
+s = gpuio.Session()
+assert not any(active()), "a session makes no context before a GPU is used"
+data = np.arange(1 << 20, dtype=np.uint8)
+path = sys.argv[1]
+data.tofile(path)
+first = s.alloc_device(data.nbytes, gpu=0)
+s.read(s.open(path), first)
+assert active() == [True] + [False] * (len(active()) - 1), active()
+second = s.alloc_device(data.nbytes, gpu=1)
+s.copy(first, second)
+back = np.empty_like(data)
+s.copy(second, back)
+assert (back == data).all()
+assert active()[:2] == [True, True], active()
+print("ok")
+"""
+
+
+def test_a_session_makes_contexts_only_on_the_gpus_it_uses(tmp_path):
+    """A fresh process's session on a machine of several GPUs makes no CUDA context until a
+    GPU is used, then only that GPU's (another's costs ~0.15 s and memory on that GPU);
+    peer copies work once the second has one."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", CONTEXTS, str(tmp_path / "d.bin")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]

@@ -25,7 +25,15 @@ use std::sync::{Arc, Mutex, OnceLock};
 /// State shared by a device and its streams.
 #[derive(Debug)]
 pub(super) struct Shared {
-    pub(super) ctx: Arc<CudaContext>,
+    ordinal: usize,
+    pub(super) device: sys::CUdevice,
+    /// The device's primary context, retained on first use: a process that uses one GPU of
+    /// several makes (~0.15-0.2 s) and holds memory on that one alone.
+    ctx: OnceLock<Arc<CudaContext>>,
+    /// Held while the context is being made, so that it is made once.
+    making: Mutex<()>,
+    /// The probe's devices, for peer access between those with contexts.
+    set: Arc<DeviceSet>,
     compute_capability: (u32, u32),
     multiprocessors: u32,
     /// The kernel modules used on this device, each loaded on first use (or the reason it
@@ -37,8 +45,60 @@ impl Drop for Shared {
     fn drop(&mut self) {
         if super::probe::driver_forked() {
             // The context and the modules loaded in it are the parent's: never released here.
-            std::mem::forget(Arc::clone(&self.ctx));
+            if let Some(ctx) = self.ctx.get() {
+                std::mem::forget(Arc::clone(ctx));
+            }
             std::mem::forget(std::mem::take(self.modules.get_mut_unpoisoned()));
+        }
+    }
+}
+
+/// The devices of one probe whose contexts exist: each context made enables peer access
+/// both ways with every one made before it, where the pair supports it.
+#[derive(Debug, Default)]
+struct DeviceSet {
+    opened: Mutex<Vec<(usize, sys::CUdevice, Arc<CudaContext>)>>,
+}
+
+impl DeviceSet {
+    /// Records `ctx`, device `ordinal`'s new context, enabling peer access with the others.
+    fn join(&self, ordinal: usize, device: sys::CUdevice, ctx: &Arc<CudaContext>) {
+        let mut opened = self.opened.lock_unpoisoned();
+        for (other, other_device, other_ctx) in opened.iter() {
+            let pairs = [
+                ((ordinal, device, ctx), (*other, *other_device, other_ctx)),
+                ((*other, *other_device, other_ctx), (ordinal, device, ctx)),
+            ];
+            for ((from, from_device, from_ctx), (to, to_device, to_ctx)) in pairs {
+                if !matches!(
+                    driver::device_can_access_peer(from_device, to_device),
+                    Ok(true)
+                ) {
+                    continue;
+                }
+                let enabled = from_ctx
+                    .bind_to_thread()
+                    .map_err(cuda_err("cuCtxSetCurrent"))
+                    .and_then(|()| {
+                        // SAFETY: `to_ctx` is a live primary context (an Arc of it is held
+                        // here); enabling access changes only the driver's mapping state.
+                        unsafe { driver::ctx_enable_peer_access(to_ctx.cu_ctx()) }
+                    });
+                if let Err(e) = enabled {
+                    tracing::warn!(gpu = from, peer = to, error = %e,
+                        "peer access not enabled; peer copies will be staged by the driver");
+                }
+            }
+        }
+        opened.push((ordinal, device, ctx.clone()));
+    }
+}
+
+impl Drop for DeviceSet {
+    fn drop(&mut self) {
+        if super::probe::driver_forked() {
+            // The parent's contexts: never released here.
+            std::mem::forget(std::mem::take(self.opened.get_mut_unpoisoned()));
         }
     }
 }
@@ -47,9 +107,24 @@ impl Drop for Shared {
 type ModuleSlot = Arc<OnceLock<std::result::Result<Arc<Loaded>, String>>>;
 
 impl Shared {
+    /// The device's primary context, made (retained) on first use.
+    pub(super) fn ctx(&self) -> Result<&Arc<CudaContext>> {
+        if let Some(ctx) = self.ctx.get() {
+            return Ok(ctx);
+        }
+        let _making = self.making.lock_unpoisoned();
+        if let Some(ctx) = self.ctx.get() {
+            return Ok(ctx);
+        }
+        probe::check_driver()?; // no driver call in a forked child
+        let ctx = CudaContext::new(self.ordinal).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+        self.set.join(self.ordinal, self.device, &ctx);
+        Ok(self.ctx.get_or_init(|| ctx))
+    }
+
     /// Makes the device's context current on the calling thread.
     pub(super) fn bind(&self) -> Result<()> {
-        self.ctx
+        self.ctx()?
             .bind_to_thread()
             .map_err(cuda_err("cuCtxSetCurrent"))
     }
@@ -68,8 +143,10 @@ impl Shared {
                 }
             }
         };
-        let loaded = slot
-            .get_or_init(|| module::load(&self.ctx, self.compute_capability, src).map(Arc::new));
+        let loaded = slot.get_or_init(|| {
+            let ctx = self.ctx().map_err(|e| e.to_string())?;
+            module::load(ctx, self.compute_capability, src).map(Arc::new)
+        });
         loaded.clone().map_err(|reason| HalError::KernelLoad {
             kernel: src.name.into(),
             reason,
@@ -109,8 +186,8 @@ pub(crate) struct CudaDevice {
     info: DeviceInfo,
 }
 
-/// Probes the driver and returns every CUDA device, with peer access enabled between the pairs
-/// that support it.
+/// Probes the driver and returns every CUDA device. No context is made here: each device
+/// makes its own on first use, and enables peer access with the devices that have one.
 pub(crate) fn devices() -> Result<Vec<CudaDevice>> {
     probe::check_driver()?;
     let count = CudaContext::device_count().map_err(cuda_err("cuDeviceGetCount"))?;
@@ -120,42 +197,25 @@ pub(crate) fn devices() -> Result<Vec<CudaDevice>> {
         });
     }
     let driver_version = probe::driver_version();
-    // Each device's context on a thread of its own: making one costs a process ~0.2 s on an
-    // H200, and a machine's GPUs would otherwise pay it one after another.
-    let open = move |ordinal| CudaDevice::open(ordinal, driver_version);
-    let devices = std::thread::scope(|s| {
-        let opening: Vec<_> = (0..count as usize)
-            .map(|ordinal| {
-                let thread = std::thread::Builder::new().name("gpuio-ctx".into());
-                (ordinal, thread.spawn_scoped(s, move || open(ordinal)))
-            })
-            .collect();
-        opening
-            .into_iter()
-            .map(|(ordinal, o)| match o {
-                Ok(t) => t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
-                Err(_) => open(ordinal), // no thread to spare: here
-            })
-            .collect::<Result<Vec<_>>>()
-    })?;
-    for a in &devices {
-        for b in &devices {
-            if !std::ptr::eq(a, b) && a.can_access_peer(b) {
-                a.enable_peer_access(b);
-            }
-        }
-    }
-    Ok(devices)
+    let set = Arc::new(DeviceSet::default());
+    (0..count as usize)
+        .map(|ordinal| CudaDevice::open(ordinal, driver_version, set.clone()))
+        .collect()
 }
 
 impl CudaDevice {
-    fn open(ordinal: usize, driver_version: Option<(u32, u32)>) -> Result<Self> {
-        let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
-        let attr = |a| ctx.attribute(a).map_err(cuda_err("cuDeviceGetAttribute"));
+    fn open(
+        ordinal: usize,
+        driver_version: Option<(u32, u32)>,
+        set: Arc<DeviceSet>,
+    ) -> Result<Self> {
+        let device = driver::device_get(ordinal)?;
+        let attr = |a| driver::device_attribute(device, a);
         use sys::CUdevice_attribute as A;
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(cuda_err("cuDeviceGetAttribute"))?;
+        let (major, minor) = (
+            attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        );
         let multiprocessors = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let can_map_host_memory = attr(A::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)? != 0;
         let bus_id = format!(
@@ -165,12 +225,13 @@ impl CudaDevice {
             attr(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
         );
         let gdr_attr = attr(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED)? != 0;
+        let (name, total_memory) = driver::device_name_and_memory(device)?;
         let info = DeviceInfo {
             ordinal: ordinal as u32,
             backend: Backend::Cuda,
             vendor: "NVIDIA".into(),
-            name: ctx.name().map_err(cuda_err("cuDeviceGetName"))?,
-            total_memory: ctx.total_mem().map_err(cuda_err("cuDeviceTotalMem"))? as u64,
+            name,
+            total_memory: total_memory as u64,
             compute_capability: Some((major as u32, minor as u32)),
             multiprocessors,
             copy_engines: attr(A::CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT)? as u32,
@@ -199,25 +260,17 @@ impl CudaDevice {
         };
         Ok(Self {
             shared: Arc::new(Shared {
-                ctx,
+                ordinal,
+                device,
+                ctx: OnceLock::new(),
+                making: Mutex::new(()),
+                set,
                 compute_capability: (major as u32, minor as u32),
                 multiprocessors,
                 modules: Mutex::default(),
             }),
             info,
         })
-    }
-
-    fn enable_peer_access(&self, peer: &CudaDevice) {
-        let result = self.shared.bind().and_then(|()| {
-            // SAFETY: the peer's context is a live primary context (it holds an Arc of it);
-            // enabling access changes only the driver's mapping state.
-            unsafe { driver::ctx_enable_peer_access(peer.shared.ctx.cu_ctx()) }
-        });
-        if let Err(e) = result {
-            tracing::warn!(gpu = self.info.ordinal, peer = peer.info.ordinal, error = %e,
-                "peer access not enabled; peer copies will be staged by the driver");
-        }
     }
 }
 
@@ -388,10 +441,7 @@ impl DeviceBackend for CudaDevice {
             return false;
         };
         matches!(
-            driver::device_can_access_peer(
-                self.shared.ctx.cu_device(),
-                other.shared.ctx.cu_device(),
-            ),
+            driver::device_can_access_peer(self.shared.device, other.shared.device),
             Ok(true)
         )
     }
@@ -425,7 +475,7 @@ impl DeviceBackend for CudaDevice {
 
     fn time_kernel_load(&self, src: &KernelSource, path: KernelPath) -> Result<KernelLoad> {
         let shared = &self.shared;
-        module::time_load(&shared.ctx, shared.compute_capability, src, path)
+        module::time_load(shared.ctx()?, shared.compute_capability, src, path)
     }
 
     fn export_dmabuf(&self, addr: u64, len: usize) -> Result<std::os::fd::OwnedFd> {

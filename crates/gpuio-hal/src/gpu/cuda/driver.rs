@@ -120,6 +120,28 @@ pub(super) unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<()> {
     check(rc, "cuStreamSynchronize")
 }
 
+/// `cuDeviceGet`: the handle of device `ordinal`. Like the queries below, it needs no
+/// context.
+pub(super) fn device_get(ordinal: usize) -> Result<sys::CUdevice> {
+    let ordinal = i32::try_from(ordinal)
+        .map_err(|_| HalError::InvalidArgument(format!("no CUDA device {ordinal}")))?;
+    result::device::get(ordinal).map_err(cuda_err("cuDeviceGet"))
+}
+
+/// `cuDeviceGetAttribute` of device `dev`.
+pub(super) fn device_attribute(dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Result<i32> {
+    // SAFETY: `dev` came from `device_get`; the call writes one int.
+    unsafe { result::device::get_attribute(dev, attr) }.map_err(cuda_err("cuDeviceGetAttribute"))
+}
+
+/// `cuDeviceGetName` and `cuDeviceTotalMem` of device `dev`.
+pub(super) fn device_name_and_memory(dev: sys::CUdevice) -> Result<(String, usize)> {
+    let name = result::device::get_name(dev).map_err(cuda_err("cuDeviceGetName"))?;
+    // SAFETY: `dev` came from `device_get`; the call writes one size.
+    let total = unsafe { result::device::total_mem(dev) }.map_err(cuda_err("cuDeviceTotalMem"))?;
+    Ok((name, total))
+}
+
 /// `cuDeviceCanAccessPeer`: whether `dev` can reach `peer`'s memory directly.
 pub(super) fn device_can_access_peer(dev: sys::CUdevice, peer: sys::CUdevice) -> Result<bool> {
     let mut can = 0;

@@ -32,7 +32,7 @@ impl CudaStreamBackend {
     /// A new stream of `shared`'s device, whose context the calling thread has bound.
     pub(super) fn new(shared: Arc<Shared>) -> Result<Self> {
         let stream = shared
-            .ctx
+            .ctx()?
             .new_stream()
             .map_err(cuda_err("cuStreamCreate"))?;
         Ok(Self {
@@ -103,8 +103,8 @@ impl StreamBackend for CudaStreamBackend {
         let ctx_of = |d: &dyn DeviceBackend| {
             d.as_any()
                 .downcast_ref::<CudaDevice>()
-                .map(|d| d.shared.ctx.clone())
                 .ok_or_else(|| HalError::InvalidArgument("peer is not a CUDA device".into()))
+                .and_then(|d| d.shared.ctx().cloned())
         };
         let (sctx, dctx) = (ctx_of(src_dev)?, ctx_of(dst_dev)?);
         if sctx.cu_ctx() == dctx.cu_ctx() {
@@ -127,7 +127,9 @@ impl StreamBackend for CudaStreamBackend {
     }
 
     fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>> {
-        let event = self.events.record(&self.shared.ctx, &self.stream, timing)?;
+        let event = self
+            .events
+            .record(self.shared.ctx()?, &self.stream, timing)?;
         Ok(Box::new(event))
     }
 
