@@ -212,6 +212,10 @@ impl DeviceBackend for HostDevice {
         other.as_any().is::<HostDevice>()
     }
 
+    fn kernels_reach(&self, other: &dyn DeviceBackend) -> bool {
+        self.can_access_peer(other)
+    }
+
     unsafe fn baseline_copy(&self, copy: BaselineCopy<'_>) -> Result<()> {
         let stream = HostStream;
         // SAFETY: forwarded from the caller's contract on the host pointer; the device ranges

@@ -351,6 +351,13 @@ impl Gpu {
         !self.same_device(other) && self.inner.can_access_peer(other.inner.as_ref())
     }
 
+    /// Whether this device's kernels may read and write `other`'s memory now: `other` is
+    /// this device, or peer access between the two is enabled (made when the second of the
+    /// two devices' contexts was).
+    pub fn kernels_reach(&self, other: &Gpu) -> bool {
+        self.same_device(other) || self.inner.kernels_reach(other.inner.as_ref())
+    }
+
     /// Pins a host buffer for this device; used by [`HostBuffer::pin`].
     pub(crate) fn pin_host(&self, buf: &mut HostBuffer) -> Result<PinGuard> {
         let (ptr, len) = buf.raw_parts_mut();

@@ -59,7 +59,7 @@ impl Stream {
     }
 
     /// As [`arg`](Self::arg), for a buffer of this device or of a device whose memory this
-    /// one's kernels reach directly (peer access: NVLink, or PCIe peer-to-peer).
+    /// one's kernels reach ([`Gpu::kernels_reach`](super::Gpu::kernels_reach)).
     pub fn reachable_arg<'a>(
         &self,
         what: &'static str,
@@ -67,7 +67,7 @@ impl Stream {
         offset: usize,
         len: usize,
     ) -> Result<DevArg<'a>> {
-        if !self.gpu.can_access_peer(buf.gpu()) {
+        if !self.gpu.kernels_reach(buf.gpu()) {
             self.gpu.check_owns(what, buf)?;
         }
         Ok(DevArg {

@@ -57,8 +57,8 @@ const ROW_BYTES: usize = 48;
 impl Stream {
     /// Copies every piece of `pieces` from `src`, a buffer of this stream's device, to `dst`,
     /// one of this device or of another GPU of the same backend, and waits. Every piece is
-    /// checked before any byte moves. Where this device reaches `dst`'s directly (peer
-    /// access: NVLink, or PCIe peer-to-peer) its kernel writes there; else the pieces' span
+    /// checked before any byte moves. Where this device's kernels reach `dst`'s memory (peer
+    /// access enabled: NVLink, or PCIe peer-to-peer) its kernel writes there; else the pieces' span
     /// of `dst` is staged here and copied back, so bytes between the pieces keep their
     /// values either way. Where destination rows of two pieces overlap, which piece's bytes
     /// land there is unspecified.
@@ -73,7 +73,7 @@ impl Stream {
             .filter(|p| p.width > 0 && p.rows > 0)
             .copied()
             .collect();
-        if dst.gpu().same_device(&self.gpu) || self.gpu.can_access_peer(dst.gpu()) {
+        if self.gpu.kernels_reach(dst.gpu()) {
             self.copy_pieces_to(src, dst, &kept)
         } else {
             self.copy_pieces_staged(src, dst, &kept)

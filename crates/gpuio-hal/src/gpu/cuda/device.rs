@@ -57,14 +57,23 @@ impl Drop for Shared {
 /// both ways with every one made before it, where the pair supports it.
 #[derive(Debug, Default)]
 struct DeviceSet {
-    opened: Mutex<Vec<(usize, sys::CUdevice, Arc<CudaContext>)>>,
+    opened: Mutex<Opened>,
+}
+
+#[derive(Debug, Default)]
+struct Opened {
+    contexts: Vec<(usize, sys::CUdevice, Arc<CudaContext>)>,
+    /// The (from, to) ordinals whose peer access was enabled: where a kernel of `from` may
+    /// touch `to`'s memory.
+    reach: Vec<(usize, usize)>,
 }
 
 impl DeviceSet {
     /// Records `ctx`, device `ordinal`'s new context, enabling peer access with the others.
     fn join(&self, ordinal: usize, device: sys::CUdevice, ctx: &Arc<CudaContext>) {
         let mut opened = self.opened.lock_unpoisoned();
-        for (other, other_device, other_ctx) in opened.iter() {
+        let Opened { contexts, reach } = &mut *opened;
+        for (other, other_device, other_ctx) in contexts.iter() {
             let pairs = [
                 ((ordinal, device, ctx), (*other, *other_device, other_ctx)),
                 ((*other, *other_device, other_ctx), (ordinal, device, ctx)),
@@ -84,13 +93,19 @@ impl DeviceSet {
                         // here); enabling access changes only the driver's mapping state.
                         unsafe { driver::ctx_enable_peer_access(to_ctx.cu_ctx()) }
                     });
-                if let Err(e) = enabled {
-                    tracing::warn!(gpu = from, peer = to, error = %e,
-                        "peer access not enabled; peer copies will be staged by the driver");
+                match enabled {
+                    Ok(()) => reach.push((from, to)),
+                    Err(e) => tracing::warn!(gpu = from, peer = to, error = %e,
+                        "peer access not enabled; peer copies will be staged by the driver"),
                 }
             }
         }
-        opened.push((ordinal, device, ctx.clone()));
+        contexts.push((ordinal, device, ctx.clone()));
+    }
+
+    /// Whether a kernel of device `from` may touch device `to`'s memory.
+    fn reaches(&self, from: usize, to: usize) -> bool {
+        self.opened.lock_unpoisoned().reach.contains(&(from, to))
     }
 }
 
@@ -98,7 +113,9 @@ impl Drop for DeviceSet {
     fn drop(&mut self) {
         if super::probe::driver_forked() {
             // The parent's contexts: never released here.
-            std::mem::forget(std::mem::take(self.opened.get_mut_unpoisoned()));
+            std::mem::forget(std::mem::take(
+                &mut self.opened.get_mut_unpoisoned().contexts,
+            ));
         }
     }
 }
@@ -444,6 +461,19 @@ impl DeviceBackend for CudaDevice {
             driver::device_can_access_peer(self.shared.device, other.shared.device),
             Ok(true)
         )
+    }
+
+    fn kernels_reach(&self, other: &dyn DeviceBackend) -> bool {
+        other
+            .as_any()
+            .downcast_ref::<CudaDevice>()
+            .is_some_and(|other| {
+                Arc::ptr_eq(&self.shared.set, &other.shared.set)
+                    && self
+                        .shared
+                        .set
+                        .reaches(self.shared.ordinal, other.shared.ordinal)
+            })
     }
 
     unsafe fn baseline_copy(&self, copy: BaselineCopy<'_>) -> Result<()> {
