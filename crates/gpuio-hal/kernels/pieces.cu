@@ -42,7 +42,7 @@ extern "C" __global__ void gpuio_copy_pieces(const gpuio_piece* pieces, unsigned
         // The last piece whose first segment is at or before g.
         unsigned lo = 0, hi = count - 1;
         while (lo < hi) {
-            const unsigned mid = (lo + hi + 1) >> 1;
+            const unsigned mid = lo + ((hi - lo + 1) >> 1);
             if (pieces[mid].first <= g) lo = mid; else hi = mid - 1;
         }
         const gpuio_piece p = pieces[lo];

@@ -106,9 +106,10 @@ pub(crate) trait DeviceBackend: Send + Sync + fmt::Debug {
     /// Whether this device can read and write `other`'s memory directly.
     fn can_access_peer(&self, other: &dyn DeviceBackend) -> bool;
 
-    /// Whether this device's kernels may read and write `other`'s memory now: peer access
-    /// is enabled between the two (which needs both devices' contexts made).
-    fn kernels_reach(&self, other: &dyn DeviceBackend) -> bool;
+    /// Whether this device's kernels may read and write `other`'s allocation at `addr` now:
+    /// peer access is enabled between the two (which needs both devices' contexts made) and
+    /// maps that allocation.
+    fn kernels_reach(&self, other: &dyn DeviceBackend, addr: u64) -> bool;
 
     /// The plain synchronous driver copy (what `cudaMemcpy` does; a memcpy for the host
     /// backend): the peer that benchmarks measure gpuio against.

@@ -212,7 +212,7 @@ impl DeviceBackend for HostDevice {
         other.as_any().is::<HostDevice>()
     }
 
-    fn kernels_reach(&self, other: &dyn DeviceBackend) -> bool {
+    fn kernels_reach(&self, other: &dyn DeviceBackend, _addr: u64) -> bool {
         self.can_access_peer(other)
     }
 

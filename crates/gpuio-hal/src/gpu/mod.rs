@@ -351,11 +351,15 @@ impl Gpu {
         !self.same_device(other) && self.inner.can_access_peer(other.inner.as_ref())
     }
 
-    /// Whether this device's kernels may read and write `other`'s memory now: `other` is
-    /// this device, or peer access between the two is enabled (made when the second of the
-    /// two devices' contexts was).
-    pub fn kernels_reach(&self, other: &Gpu) -> bool {
-        self.same_device(other) || self.inner.kernels_reach(other.inner.as_ref())
+    /// Whether this device's kernels may read and write `buf` now: it is this device's, or
+    /// peer access between the two devices of this probe is enabled (when the second of their
+    /// contexts was made) and maps `buf`'s allocation (ordinary device memory; not memory of
+    /// the virtual memory API or a stream-ordered pool, which only its owner grants).
+    pub fn kernels_reach(&self, buf: &DeviceBuffer) -> bool {
+        self.same_device(buf.gpu())
+            || self
+                .inner
+                .kernels_reach(buf.gpu().inner.as_ref(), buf.device_addr())
     }
 
     /// Pins a host buffer for this device; used by [`HostBuffer::pin`].

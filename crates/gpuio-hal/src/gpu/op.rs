@@ -5,7 +5,8 @@
 //! no method per feature: a family adds kernels by adding ops in its own folder.
 //!
 //! An op's arguments are [`DevArg`]s, ranges of device buffers checked against the stream's
-//! device by [`Stream::arg`], and plain values. A CUDA launch ([`CudaRun::launch`]) is
+//! device by [`Stream::arg`] (or, by [`Stream::reachable_arg`], of another GPU's memory this
+//! device's kernels reach), and plain values. A CUDA launch ([`CudaRun::launch`]) is
 //! `unsafe` because of what the kernel does: the op's `cuda` says why its launch is sound,
 //! next to the kernel's arguments. A host implementation locks the allocations it touches
 //! ([`HostRun::lock`]: address order, exclusive where written), as every host-backend
@@ -58,8 +59,9 @@ impl Stream {
         })
     }
 
-    /// As [`arg`](Self::arg), for a buffer of this device or of a device whose memory this
-    /// one's kernels reach ([`Gpu::kernels_reach`](super::Gpu::kernels_reach)).
+    /// As [`arg`](Self::arg), for a buffer of this device or one this device's kernels reach
+    /// ([`Gpu::kernels_reach`](super::Gpu::kernels_reach)): an op given it may touch another
+    /// GPU's memory.
     pub fn reachable_arg<'a>(
         &self,
         what: &'static str,
@@ -67,7 +69,7 @@ impl Stream {
         offset: usize,
         len: usize,
     ) -> Result<DevArg<'a>> {
-        if !self.gpu.kernels_reach(buf.gpu()) {
+        if !self.gpu.kernels_reach(buf) {
             self.gpu.check_owns(what, buf)?;
         }
         Ok(DevArg {

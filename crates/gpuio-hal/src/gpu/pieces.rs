@@ -57,11 +57,13 @@ const ROW_BYTES: usize = 48;
 impl Stream {
     /// Copies every piece of `pieces` from `src`, a buffer of this stream's device, to `dst`,
     /// one of this device or of another GPU of the same backend, and waits. Every piece is
-    /// checked before any byte moves. Where this device's kernels reach `dst`'s memory (peer
-    /// access enabled: NVLink, or PCIe peer-to-peer) its kernel writes there; else the pieces' span
-    /// of `dst` is staged here and copied back, so bytes between the pieces keep their
-    /// values either way. Where destination rows of two pieces overlap, which piece's bytes
-    /// land there is unspecified.
+    /// checked before any of `dst` is written. Where this device's kernels reach `dst`
+    /// ([`Gpu::kernels_reach`](super::Gpu::kernels_reach): peer access over NVLink or PCIe)
+    /// its kernel writes there; else the span of `dst` the pieces write (from the first
+    /// piece's start to the last one's end) is staged in a buffer of that size here, written,
+    /// and copied back: bytes between the pieces keep the values they had when the call
+    /// began, so another writer of those bytes during the call loses its write. Where
+    /// destination rows of two pieces overlap, which piece's bytes land there is unspecified.
     pub fn copy_pieces(
         &self,
         src: &DeviceBuffer,
@@ -73,7 +75,7 @@ impl Stream {
             .filter(|p| p.width > 0 && p.rows > 0)
             .copied()
             .collect();
-        if self.gpu.kernels_reach(dst.gpu()) {
+        if self.gpu.kernels_reach(dst) {
             self.copy_pieces_to(src, dst, &kept)
         } else {
             self.copy_pieces_staged(src, dst, &kept)
@@ -100,6 +102,10 @@ impl Stream {
             return Ok(());
         };
         dst.range("piece destination", span.0, len)?;
+        let from = self.arg("piece source", src, 0, src.len())?;
+        for p in kept {
+            from.part(p.src_offset, p.span("piece source", p.src_pitch)?)?;
+        }
         let stage = self.gpu.alloc(len)?;
         self.copy_device(dst, span.0, &stage, 0, len)?;
         let rebased: Vec<Piece2d> = kept

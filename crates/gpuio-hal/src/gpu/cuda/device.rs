@@ -347,6 +347,11 @@ impl DeviceBackend for CudaDevice {
     }
 
     fn synchronize(&self) -> Result<()> {
+        // A device no one in the process has made a context on has no work to wait for:
+        // waiting would make one (~0.15 s, and memory on a GPU the caller never used).
+        if self.shared.ctx.get().is_none() && !driver::primary_context_active(self.shared.device)? {
+            return Ok(());
+        }
         self.shared.bind()?;
         driver::ctx_synchronize()
     }
@@ -457,13 +462,16 @@ impl DeviceBackend for CudaDevice {
         let Some(other) = other.as_any().downcast_ref::<CudaDevice>() else {
             return false;
         };
+        if probe::driver_forked() {
+            return false; // no driver call in a forked child
+        }
         matches!(
             driver::device_can_access_peer(self.shared.device, other.shared.device),
             Ok(true)
         )
     }
 
-    fn kernels_reach(&self, other: &dyn DeviceBackend) -> bool {
+    fn kernels_reach(&self, other: &dyn DeviceBackend, addr: u64) -> bool {
         other
             .as_any()
             .downcast_ref::<CudaDevice>()
@@ -473,6 +481,7 @@ impl DeviceBackend for CudaDevice {
                         .shared
                         .set
                         .reaches(self.shared.ordinal, other.shared.ordinal)
+                    && matches!(driver::is_ordinary_allocation(addr), Ok(true))
             })
     }
 

@@ -318,6 +318,33 @@ pub(super) fn pointer_range(ptr: u64) -> Result<PointerRange> {
     Ok(r)
 }
 
+/// Whether the device allocation holding `ptr` is ordinary device memory (`cuMemAlloc`,
+/// `cudaMalloc`): the kind peer access maps into a peer's kernels. Memory of the virtual
+/// memory API or a stream-ordered pool (`cuMemCreate`, `cudaMallocAsync`) says no: a peer
+/// reaches it only where its owner granted access.
+pub(super) fn is_ordinary_allocation(ptr: u64) -> Result<bool> {
+    let mut attrs = [sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE];
+    // The attribute is a boolean; a zeroed word read as nonzero holds whatever width the
+    // driver writes it in.
+    let mut legacy = 0u64;
+    let mut data: [*mut c_void; 1] = [(&mut legacy as *mut u64).cast()];
+    // SAFETY: one attribute and one 8-byte destination; the address is only a value the
+    // driver looks up.
+    let rc = unsafe { sys::cuPointerGetAttributes(1, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) };
+    check(rc, "cuPointerGetAttributes")?;
+    Ok(legacy != 0)
+}
+
+/// `cuDevicePrimaryCtxGetState`: whether `dev`'s primary context is active (made by anyone
+/// in this process and not yet released).
+pub(super) fn primary_context_active(dev: sys::CUdevice) -> Result<bool> {
+    let (mut flags, mut active) = (0u32, 0i32);
+    // SAFETY: `dev` came from `device_get`; the call writes one unsigned and one int.
+    let rc = unsafe { sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active) };
+    check(rc, "cuDevicePrimaryCtxGetState")?;
+    Ok(active != 0)
+}
+
 /// `cuMemcpyHtoD` (synchronous for pageable memory).
 ///
 /// # Safety

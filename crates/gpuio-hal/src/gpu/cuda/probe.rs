@@ -20,6 +20,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuDeviceTotalMem_v2",
     "cuDeviceGetAttribute",
     "cuDeviceCanAccessPeer",
+    "cuDevicePrimaryCtxGetState",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxGetCurrent",
