@@ -481,6 +481,7 @@ impl DeviceBackend for CudaDevice {
                         .shared
                         .set
                         .reaches(self.shared.ordinal, other.shared.ordinal)
+                    && self.shared.bind().is_ok()
                     && matches!(driver::is_ordinary_allocation(addr), Ok(true))
             })
     }
