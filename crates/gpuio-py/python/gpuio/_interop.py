@@ -94,8 +94,14 @@ def _from_cuda_array_interface(session, obj, cai, writable):
     strides = cai.get("strides")
     if strides is not None and not _contiguous(shape, strides, itemsize):
         raise ValueError("gpuio moves contiguous memory: call .contiguous() first")
-    gpu = obj.device.index if hasattr(obj, "device") and hasattr(obj.device, "index") else None
-    return _borrow(session, obj, address, _product(shape) * itemsize, gpu)
+    # The owner's GPU where the object says (torch's device.index, CuPy's device.id): else
+    # the session asks each GPU in turn, which makes a context on each one it asks.
+    device = getattr(obj, "device", None)
+    gpu = getattr(device, "index", None)
+    if gpu is None:
+        gpu = getattr(device, "id", None)
+    return _borrow(session, obj, address, _product(shape) * itemsize,
+                   gpu if isinstance(gpu, int) else None)
 
 
 def _from_dlpack(session, obj, writable):
