@@ -64,7 +64,8 @@ if pid == 0:
                        ("kv load", lambda: pool.load(0, [1, 2], rows)),
                        ("lookup", lambda: table.lookup([3], row)),
                        ("prefetch", lambda: started.wait()),
-                       ("array", lambda: arr.prefetch(4096, 1024))):
+                       ("array", lambda: arr.prefetch(4096, 1024)),
+                       ("size", lambda: f.size())):
         try:
             call()
         except gpuio.Error as e:
@@ -74,7 +75,7 @@ if pid == 0:
     got = np.empty(want.size, dtype=np.uint8)
     mine.read(mine.open(path), got)
     print(refused, np.array_equal(got, want), flush=True)
-    os._exit(0 if len(refused) == 6 and np.array_equal(got, want) else 1)
+    os._exit(0 if len(refused) == 7 and np.array_equal(got, want) else 1)
 _, status = os.waitpid(pid, 0)
 code = os.waitstatus_to_exitcode(status)
 pid = os.fork()

@@ -231,11 +231,18 @@ impl DeviceBuffer {
 pub struct Resource {
     pub(crate) res: gpuio_api::Resource,
     uri: String,
+    /// The process that opened it, in its line of forks: a remote export's connection and a
+    /// session's engines stay with that process.
+    generation: u64,
 }
 
 impl Resource {
     pub(crate) fn new(res: gpuio_api::Resource, uri: String) -> Self {
-        Self { res, uri }
+        Self {
+            res,
+            uri,
+            generation: gpuio_hal::sys::fork_generation(),
+        }
     }
 }
 
@@ -249,6 +256,11 @@ impl Resource {
 
     /// Its size in bytes now (a file's current length; asks a remote agent).
     fn size(&self, py: Python<'_>) -> PyResult<u64> {
+        if gpuio_hal::sys::fork_generation() != self.generation {
+            return Err(to_py(gpuio_api::Error::Invalid(
+                "this resource was opened before fork(): open it again in the child".into(),
+            )));
+        }
         py.detach(|| self.res.len()).map_err(to_py)
     }
 
