@@ -61,20 +61,19 @@ impl Stream {
 
     /// As [`arg`](Self::arg), for a buffer of this device or one this device's kernels reach
     /// ([`Gpu::kernels_reach`](super::Gpu::kernels_reach)): an op given it may touch another
-    /// GPU's memory.
+    /// GPU's memory. `None` where this device's kernels cannot reach `buf`.
     pub fn reachable_arg<'a>(
         &self,
         what: &'static str,
         buf: &'a DeviceBuffer,
         offset: usize,
         len: usize,
-    ) -> Result<DevArg<'a>> {
+    ) -> Result<Option<DevArg<'a>>> {
         if !self.gpu.kernels_reach(buf) {
-            self.gpu.check_owns(what, buf)?;
+            return Ok(None);
         }
-        Ok(DevArg {
-            range: buf.range(what, offset, len)?,
-        })
+        let range = buf.range(what, offset, len)?;
+        Ok(Some(DevArg { range }))
     }
 }
 

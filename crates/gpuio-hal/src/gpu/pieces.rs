@@ -75,10 +75,10 @@ impl Stream {
             .filter(|p| p.width > 0 && p.rows > 0)
             .copied()
             .collect();
-        if self.gpu.kernels_reach(dst) {
-            self.copy_pieces_to(src, dst, &kept)
-        } else {
-            self.copy_pieces_staged(src, dst, &kept)
+        // One question to the driver decides the way (and gives the direct way its argument).
+        match self.reachable_arg("piece destination", dst, 0, dst.len())? {
+            Some(to) => self.copy_pieces_to(src, to, &kept),
+            None => self.copy_pieces_staged(src, dst, &kept),
         }
     }
 
@@ -115,20 +115,14 @@ impl Stream {
                 ..*p
             })
             .collect();
-        self.copy_pieces_to(src, &stage, &rebased)?;
+        self.copy_pieces_to(src, self.arg("piece staging", &stage, 0, len)?, &rebased)?;
         self.copy_device(&stage, 0, dst, span.0, len)
     }
 
-    /// [`copy_pieces`](Self::copy_pieces) of non-empty pieces into memory this device's
-    /// kernels reach.
-    fn copy_pieces_to(
-        &self,
-        src: &DeviceBuffer,
-        dst: &DeviceBuffer,
-        kept: &[Piece2d],
-    ) -> Result<()> {
+    /// [`copy_pieces`](Self::copy_pieces) of non-empty pieces into `to`, memory this
+    /// device's kernels reach.
+    fn copy_pieces_to(&self, src: &DeviceBuffer, to: DevArg<'_>, kept: &[Piece2d]) -> Result<()> {
         let from = self.arg("piece source", src, 0, src.len())?;
-        let to = self.reachable_arg("piece destination", dst, 0, dst.len())?;
         let (s, d) = (from.addr(), to.addr());
         if s < d.saturating_add(to.len() as u64) && d < s.saturating_add(from.len() as u64) {
             return Err(HalError::InvalidArgument(
