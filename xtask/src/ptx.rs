@@ -39,6 +39,9 @@ const WHEELS_ENV: &str = "GPUIO_XTASK_CUDA_WHEELS";
 /// why these).
 pub const PTX_ARCHS: &[&str] = &["compute_80", "compute_100"];
 
+/// The real architectures of the embedded machine code (`gpuio_hal::kernels::CUBIN_ARCHS`).
+pub const CUBIN_ARCHS: &[&str] = &["sm_90", "sm_100"];
+
 /// The nvcc whose output the committed PTX is (what `--wheels` installs).
 const NVCC_VERSION: &str = "V13.0.88";
 
@@ -98,7 +101,7 @@ fn arch_number(arch: &str) -> Option<&str> {
 pub fn ptx(args: &[String]) -> Result {
     let opts = parse(args)?;
     if opts.rust {
-        let changed = manifest::write_rust(&manifest::arch_numbers(PTX_ARCHS))?;
+        let changed = manifest::write_rust()?;
         eprintln!("kernel module Rust: {changed} files changed");
         return Ok(());
     }
@@ -203,13 +206,17 @@ fn read(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))
 }
 
+fn read_bytes(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
 fn write(path: &Path, text: &str) -> Result {
     std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// The 64-bit FNV-1a hash (`gpuio_hal::kernels::KernelSource::source_hash`).
-fn fnv1a64(text: &str) -> u64 {
-    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+/// The 64-bit FNV-1a hash (`gpuio_hal::kernels::fnv1a64`).
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     })
 }
@@ -233,11 +240,13 @@ fn require_pinned_nvcc() -> Result {
     ))
 }
 
-/// Builds every module of `m` for every architecture of [`PTX_ARCHS`] into `out`, and
-/// returns the file names. Each file is a line naming the module, the architecture and the
-/// hash of the source, a line saying where it came from, then nvcc's output (which names the
-/// compiler's version but no path or time: the same sources give the same bytes, which
-/// `--check` verifies by building twice).
+/// Builds every module of `m` for every architecture of [`PTX_ARCHS`] and of [`CUBIN_ARCHS`]
+/// into `out`, and returns the file names. Each PTX file is a line naming the module, the
+/// architecture and the hash of the source, a line saying where it came from, then nvcc's
+/// output (which names the compiler's version but no path or time: the same sources give the
+/// same bytes, which `--check` verifies by building twice). Each cubin is nvcc's output as it
+/// is, with a stamp beside it (`<module>.sm_<arch>.stamp`) naming the source's hash and its
+/// own.
 fn generate(m: &Manifest, out: &Path) -> Result<Vec<String>> {
     let work = out.join("src");
     std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
@@ -269,25 +278,44 @@ fn generate(m: &Manifest, out: &Path) -> Result<Vec<String>> {
             let header = format!(
                 "// gpuio-ptx: {name} {arch} source-fnv1a64 {:016x}\n\
                  // Built by `cargo xtask ptx --write` from {}; do not edit.\n",
-                fnv1a64(&source),
+                fnv1a64(source.as_bytes()),
                 shown.join(" + "),
             );
             write(&out.join(&file), &(header + &ptx))?;
             files.push(file);
+        }
+        for arch in CUBIN_ARCHS {
+            let file = format!("{}.{arch}.cubin", module.name);
+            let what = format!("nvcc -cubin -arch={arch} {name}");
+            let mut cmd = Command::new("nvcc");
+            cmd.args(["-cubin", "-arch", arch, "-o"])
+                .arg(out.join(&file))
+                .arg(&cu);
+            run(&what, &mut cmd)?;
+            let image = read_bytes(&out.join(&file))?;
+            let stamp = format!("{}.{arch}.stamp", module.name);
+            let text = format!(
+                "gpuio-cubin: {name} {arch} source-fnv1a64 {:016x} image-fnv1a64 {:016x}\n",
+                fnv1a64(source.as_bytes()),
+                fnv1a64(&image),
+            );
+            write(&out.join(&stamp), &text)?;
+            files.extend([file, stamp]);
         }
     }
     let _ = std::fs::remove_dir_all(&work);
     Ok(files)
 }
 
-/// The `.ptx` files in `dir`, by name (none where `dir` does not exist).
+/// The device code files in `dir` (PTX, cubins and their stamps), by name (none where `dir`
+/// does not exist).
 fn ptx_files(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .map(|entries| {
             entries
                 .filter_map(|e| e.ok())
                 .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.ends_with(".ptx"))
+                .filter(|n| [".ptx", ".cubin", ".stamp"].iter().any(|x| n.ends_with(x)))
                 .collect()
         })
         .unwrap_or_default();
@@ -307,9 +335,10 @@ fn write_ptx() -> Result {
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let mut changed = 0;
         for file in &files {
-            let text = read(&tmp.join(file))?;
-            if std::fs::read_to_string(dir.join(file)).ok().as_deref() != Some(text.as_str()) {
-                write(&dir.join(file), &text)?;
+            let bytes = read_bytes(&tmp.join(file))?;
+            if std::fs::read(dir.join(file)).ok().as_deref() != Some(bytes.as_slice()) {
+                std::fs::write(dir.join(file), &bytes)
+                    .map_err(|e| format!("{}: {e}", dir.join(file).display()))?;
                 eprintln!("wrote {shown}/{file}");
                 changed += 1;
             }
@@ -322,7 +351,7 @@ fn write_ptx() -> Result {
         let _ = std::fs::remove_dir_all(&tmp);
         eprintln!("{shown}: {} files, {changed} changed", files.len());
     }
-    let rust = manifest::write_rust(&manifest::arch_numbers(PTX_ARCHS))?;
+    let rust = manifest::write_rust()?;
     eprintln!("kernel module Rust: {rust} files changed");
     Ok(())
 }
@@ -333,7 +362,7 @@ fn write_ptx() -> Result {
 /// Rust is stale.
 fn check_ptx() -> Result {
     require_pinned_nvcc()?;
-    let mut problems = manifest::stale_rust(&manifest::arch_numbers(PTX_ARCHS))?;
+    let mut problems = manifest::stale_rust()?;
     let mut count = 0;
     for m in manifest::all()? {
         let (a, b) = (temp_dir("check-a")?, temp_dir("check-b")?);
@@ -341,21 +370,24 @@ fn check_ptx() -> Result {
         generate(&m, &b)?;
         let (dir, shown) = (m.ptx_dir(), m.ptx_dir_shown());
         for file in &files {
-            let fresh = read(&a.join(file))?;
-            if read(&b.join(file))? != fresh {
+            let fresh = read_bytes(&a.join(file))?;
+            if read_bytes(&b.join(file))? != fresh {
                 problems.push(format!(
                     "{file}: nvcc built it differently twice from the same source, so it \
                      cannot be checked"
                 ));
                 continue;
             }
-            match std::fs::read_to_string(dir.join(file)) {
+            match std::fs::read(dir.join(file)) {
                 Err(_) => problems.push(format!("{shown}/{file} is missing")),
                 Ok(committed) if committed != fresh => {
                     problems.push(format!(
                         "{shown}/{file} is stale: it is not what nvcc builds from its sources \
                          now; {}",
-                        first_difference(&committed, &fresh)
+                        first_difference(
+                            &String::from_utf8_lossy(&committed),
+                            &String::from_utf8_lossy(&fresh)
+                        )
                     ));
                 }
                 Ok(_) => {}
@@ -371,7 +403,7 @@ fn check_ptx() -> Result {
         let _ = std::fs::remove_dir_all(&b);
     }
     if problems.is_empty() {
-        eprintln!("embedded PTX: {count} files match their sources");
+        eprintln!("embedded device code: {count} files match their sources");
         return Ok(());
     }
     Err(format!(

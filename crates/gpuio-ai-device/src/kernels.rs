@@ -3,7 +3,7 @@
 //! The kernel modules of this crate's `kernels.toml`: a static per module, and an
 //! enum per module naming its functions.
 
-use gpuio_hal::kernels::{EmbeddedPtx, Kernel, KernelSource};
+use gpuio_hal::kernels::{EmbeddedCubin, EmbeddedPtx, Kernel, KernelSource};
 
 /// The AI tier's KV quantization (scales, packed data), dequantization, brute-force similarity
 /// scores and the two kernels of a device-planned load (the fetch, the install).
@@ -28,6 +28,18 @@ pub static AI: KernelSource = KernelSource {
         EmbeddedPtx {
             arch: 100,
             text: include_str!("../ptx/ai.compute_100.ptx"),
+        },
+    ],
+    cubins: &[
+        EmbeddedCubin {
+            arch: 90,
+            image: include_bytes!("../ptx/ai.sm_90.cubin"),
+            stamp: include_str!("../ptx/ai.sm_90.stamp"),
+        },
+        EmbeddedCubin {
+            arch: 100,
+            image: include_bytes!("../ptx/ai.sm_100.cubin"),
+            stamp: include_str!("../ptx/ai.sm_100.stamp"),
         },
     ],
 };

@@ -3,7 +3,7 @@
 //! The kernel modules of this crate's `kernels.toml`: a static per module, and an
 //! enum per module naming its functions.
 
-use gpuio_hal::kernels::{EmbeddedPtx, Kernel, KernelSource};
+use gpuio_hal::kernels::{EmbeddedCubin, EmbeddedPtx, Kernel, KernelSource};
 
 /// GPU threads driving NVMe queue pairs (checked reads, writes, flushes), and the layout report
 /// the GPU test compares with the host's.
@@ -26,6 +26,18 @@ pub static NVME: KernelSource = KernelSource {
         EmbeddedPtx {
             arch: 100,
             text: include_str!("../ptx/nvme.compute_100.ptx"),
+        },
+    ],
+    cubins: &[
+        EmbeddedCubin {
+            arch: 90,
+            image: include_bytes!("../ptx/nvme.sm_90.cubin"),
+            stamp: include_str!("../ptx/nvme.sm_90.stamp"),
+        },
+        EmbeddedCubin {
+            arch: 100,
+            image: include_bytes!("../ptx/nvme.sm_100.cubin"),
+            stamp: include_str!("../ptx/nvme.sm_100.stamp"),
         },
     ],
 };

@@ -3,7 +3,7 @@
 //! The kernel modules of this crate's `kernels.toml`: a static per module, and an
 //! enum per module naming its functions.
 
-use gpuio_hal::kernels::{EmbeddedPtx, Kernel, KernelSource};
+use gpuio_hal::kernels::{EmbeddedCubin, EmbeddedPtx, Kernel, KernelSource};
 
 /// Kernels issuing reads through the request ring (many threads, and one thread timing round
 /// trips), and the layout report the GPU test compares with the host's.
@@ -27,6 +27,18 @@ pub static RING_BENCH: KernelSource = KernelSource {
         EmbeddedPtx {
             arch: 100,
             text: include_str!("../ptx/ring_bench.compute_100.ptx"),
+        },
+    ],
+    cubins: &[
+        EmbeddedCubin {
+            arch: 90,
+            image: include_bytes!("../ptx/ring_bench.sm_90.cubin"),
+            stamp: include_str!("../ptx/ring_bench.sm_90.stamp"),
+        },
+        EmbeddedCubin {
+            arch: 100,
+            image: include_bytes!("../ptx/ring_bench.sm_100.cubin"),
+            stamp: include_str!("../ptx/ring_bench.sm_100.stamp"),
         },
     ],
 };
@@ -85,6 +97,18 @@ pub static ONDEMAND: KernelSource = KernelSource {
         EmbeddedPtx {
             arch: 100,
             text: include_str!("../ptx/ondemand.compute_100.ptx"),
+        },
+    ],
+    cubins: &[
+        EmbeddedCubin {
+            arch: 90,
+            image: include_bytes!("../ptx/ondemand.sm_90.cubin"),
+            stamp: include_str!("../ptx/ondemand.sm_90.stamp"),
+        },
+        EmbeddedCubin {
+            arch: 100,
+            image: include_bytes!("../ptx/ondemand.sm_100.cubin"),
+            stamp: include_str!("../ptx/ondemand.sm_100.stamp"),
         },
     ],
 };

@@ -1,9 +1,15 @@
-//! The device-side code in `kernels/`, embedded twice: as PTX that nvcc built ahead of time
-//! (`crates/gpuio-hal/ptx/`, written by `cargo xtask ptx --write`), which the driver loads and
-//! JIT-compiles for the device it finds, and as CUDA C source, which NVRTC compiles at run time
-//! where no embedded PTX fits the device or the driver refuses it (a driver older than the PTX
-//! ISA, say). A binary therefore needs only the driver to run every kernel, and NVRTC only as
-//! the fallback.
+//! The device-side code in `kernels/`, embedded three times, each the fallback of the one
+//! before (all built ahead of time by nvcc into `crates/gpuio-hal/ptx/` by `cargo xtask ptx
+//! --write`, but the source):
+//! - machine code (cubins) for Hopper and Blackwell, which the driver loads as it is: no
+//!   compile at all, so a process's first kernel costs no JIT even where the driver's JIT cache
+//!   is empty (a machine's first run, a fresh container, `CUDA_CACHE_DISABLE=1`);
+//! - PTX, which the driver JIT-compiles for the device it finds (other architectures);
+//! - CUDA C source, which NVRTC compiles at run time where no embedded PTX fits the device or
+//!   the driver refuses it (a driver older than the PTX ISA, say).
+//!
+//! A binary therefore needs only the driver to run every kernel, and NVRTC only as the last
+//! fallback.
 //!
 //! A crate that carries kernels lists its modules in its `kernels.toml`; `cargo xtask ptx
 //! --write` builds their PTX and writes the Rust that embeds them (`modules.rs` here): a
@@ -46,6 +52,22 @@ pub struct KernelSource {
     /// The PTX nvcc built from `source` ahead of time, one per architecture of [`PTX_ARCHS`],
     /// oldest first.
     pub ptx: &'static [EmbeddedPtx],
+    /// The machine code nvcc built from `source` ahead of time, one per architecture of
+    /// [`CUBIN_ARCHS`], oldest first.
+    pub cubins: &'static [EmbeddedCubin],
+}
+
+/// Machine code built ahead of time for one real architecture.
+#[derive(Debug, Clone, Copy)]
+pub struct EmbeddedCubin {
+    /// The architecture as major × 10 + minor: 90 is `sm_90`.
+    pub arch: u32,
+    /// The cubin (an ELF image) as nvcc wrote it.
+    pub image: &'static [u8],
+    /// What it was built from: `gpuio-cubin: <module> sm_<arch> source-fnv1a64 <hash>
+    /// image-fnv1a64 <hash>`, written beside it, so that a test can tell a stale cubin without
+    /// a compiler.
+    pub stamp: &'static str,
 }
 
 /// PTX built ahead of time for one virtual architecture.
@@ -67,6 +89,18 @@ pub struct EmbeddedPtx {
 /// give them.
 pub const PTX_ARCHS: &[u32] = &[80, 100];
 
+/// The real architectures every module's machine code is built for (major × 10 + minor): the
+/// datacenter GPUs gpuio is measured on. A cubin runs on devices of its major version and a
+/// minor version at least its own; the others JIT-compile the PTX.
+pub const CUBIN_ARCHS: &[u32] = &[90, 100];
+
+/// The 64-bit FNV-1a hash of `bytes`.
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 impl KernelSource {
     /// The newest embedded PTX that a device of compute capability `cc` can load (whose
     /// architecture is not above the device's), or `None` where the device predates them all.
@@ -78,19 +112,31 @@ impl KernelSource {
             .max_by_key(|p| p.arch)
     }
 
+    /// The embedded machine code that runs on a device of compute capability `cc`: of its
+    /// major version, and the newest whose minor version is not above the device's.
+    pub fn cubin_for(&self, cc: (u32, u32)) -> Option<&'static EmbeddedCubin> {
+        self.cubins
+            .iter()
+            .filter(|c| c.arch / 10 == cc.0 && c.arch % 10 <= cc.1)
+            .max_by_key(|c| c.arch)
+    }
+
     /// The 64-bit FNV-1a hash of [`source`](Self::source): what the first line of each of its
-    /// PTX files records as `source-fnv1a64`, so that a test can tell stale PTX without a
-    /// compiler.
+    /// PTX files (and each cubin's stamp) records as `source-fnv1a64`, so that a test can tell
+    /// stale device code without a compiler.
     pub fn source_hash(&self) -> u64 {
-        self.source.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-        })
+        fnv1a64(self.source.as_bytes())
     }
 }
 
 /// Where a loaded kernel module's device code came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KernelOrigin {
+    /// The embedded machine code for `sm_<arch>`, loaded as it is.
+    EmbeddedCubin {
+        /// Its architecture (major × 10 + minor).
+        arch: u32,
+    },
     /// The embedded PTX for `compute_<arch>`, JIT-compiled by the driver.
     EmbeddedPtx {
         /// Its virtual architecture (major × 10 + minor).
@@ -103,6 +149,7 @@ pub enum KernelOrigin {
 impl fmt::Display for KernelOrigin {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            Self::EmbeddedCubin { arch } => write!(f, "embedded sm_{arch} machine code"),
             Self::EmbeddedPtx { arch } => write!(f, "embedded compute_{arch} PTX"),
             Self::Nvrtc => f.write_str("NVRTC"),
         }
@@ -112,6 +159,8 @@ impl fmt::Display for KernelOrigin {
 /// One way of loading a module, for measuring it alone ([`crate::Gpu::time_kernel_load`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KernelPath {
+    /// The embedded machine code for the device, loaded by the driver.
+    EmbeddedCubin,
     /// The newest embedded PTX that fits the device, loaded by the driver.
     EmbeddedPtx,
     /// NVRTC compiling the source for the device, then the driver loading its PTX.
@@ -123,9 +172,9 @@ pub enum KernelPath {
 pub struct KernelLoad {
     /// Where the code came from.
     pub origin: KernelOrigin,
-    /// NVRTC's compile (zero for embedded PTX).
+    /// NVRTC's compile (zero for embedded code).
     pub compile: Duration,
-    /// The driver loading the PTX (`cuModuleLoadData`, which JIT-compiles it unless the
+    /// The driver loading the code (`cuModuleLoadData`, which JIT-compiles PTX unless the
     /// driver's JIT cache has it) and looking up every function.
     pub load: Duration,
 }
@@ -137,12 +186,14 @@ impl KernelLoad {
     }
 }
 
-/// What is wrong with the embedded PTX of `modules` (a crate's `MODULES`, whose PTX lives in
-/// `ptx_dir` as the messages name it): a module without PTX for every architecture of
-/// [`PTX_ARCHS`], a file built from another source than the module embeds now (the hash its
-/// first line records), one that does not target its architecture or lacks a function, or
-/// one with a NUL byte. Empty when all is well: each crate that carries kernels runs this in
-/// its tests, which need no compiler (`cargo xtask ptx --check` compares whole files).
+/// What is wrong with the embedded device code of `modules` (a crate's `MODULES`, whose files
+/// live in `ptx_dir` as the messages name it): a module without PTX for every architecture of
+/// [`PTX_ARCHS`] or a cubin for every one of [`CUBIN_ARCHS`], a file built from another source
+/// than the module embeds now (the hash a PTX file's first line or a cubin's stamp records),
+/// a PTX file that does not target its architecture, lacks a function or holds a NUL byte, a
+/// cubin that is not an ELF image, names none of the functions, or is not the image its stamp
+/// hashed. Empty when all is well: each crate that carries kernels runs this in its tests,
+/// which need no compiler (`cargo xtask ptx --check` compares whole files).
 pub fn embedded_ptx_problems(modules: &[&KernelSource], ptx_dir: &str) -> Vec<String> {
     let mut problems = Vec::new();
     if modules.is_empty() {
@@ -185,6 +236,45 @@ pub fn embedded_ptx_problems(modules: &[&KernelSource], ptx_dir: &str) -> Vec<St
                 }
             }
         }
+        problems.extend(cubin_problems(src, stem, ptx_dir));
+    }
+    problems
+}
+
+/// [`embedded_ptx_problems`] for one module's cubins.
+fn cubin_problems(src: &KernelSource, stem: &str, ptx_dir: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    let archs: Vec<u32> = src.cubins.iter().map(|c| c.arch).collect();
+    if archs != CUBIN_ARCHS {
+        problems.push(format!(
+            "{}: cubins for {archs:?}, not {CUBIN_ARCHS:?}",
+            src.name
+        ));
+    }
+    for cubin in src.cubins {
+        let path = format!("{ptx_dir}/{stem}.sm_{}.cubin", cubin.arch);
+        let want = format!(
+            "gpuio-cubin: {} sm_{} source-fnv1a64 {:016x} image-fnv1a64 {:016x}",
+            src.name,
+            cubin.arch,
+            src.source_hash(),
+            fnv1a64(cubin.image)
+        );
+        if cubin.stamp.trim_end() != want {
+            problems.push(format!(
+                "{path} was built from another source than the module holds now, or is not                  the image its stamp names (the stamp: {:?}; now: {want:?})",
+                cubin.stamp.trim_end()
+            ));
+        }
+        if !cubin.image.starts_with(b"\x7fELF") {
+            problems.push(format!("{path} is not an ELF image"));
+        }
+        // The symbol table names every kernel it defines.
+        for f in src.functions {
+            if !cubin.image.windows(f.len()).any(|w| w == f.as_bytes()) {
+                problems.push(format!("{path} does not define {f}"));
+            }
+        }
     }
     problems
 }
@@ -219,12 +309,54 @@ mod tests {
     }
 
     #[test]
+    fn machine_code_of_the_device_major_version_and_no_newer_minor_is_chosen() {
+        let arch = |cc| PATTERN.cubin_for(cc).map(|c| c.arch);
+        assert_eq!(arch((8, 0)), None, "Ampere runs the PTX");
+        assert_eq!(arch((9, 0)), Some(90));
+        assert_eq!(arch((9, 1)), Some(90));
+        assert_eq!(arch((10, 0)), Some(100));
+        assert_eq!(arch((10, 3)), Some(100));
+        assert_eq!(arch((12, 0)), None, "a newer major version runs the PTX");
+        for m in MODULES {
+            assert!(
+                m.cubins.iter().all(|c| CUBIN_ARCHS.contains(&c.arch)),
+                "{}",
+                m.name
+            );
+        }
+    }
+
+    #[test]
+    fn a_cubin_that_is_not_its_stamps_image_is_a_problem() {
+        let good = PIECES.cubins[0];
+        let src = |cubins: &'static [EmbeddedCubin]| KernelSource { cubins, ..PIECES };
+        let stem = "pieces";
+        assert!(cubin_problems(&src(PIECES.cubins), stem, "ptx").is_empty());
+        let other: &'static [EmbeddedCubin] = Box::leak(Box::new([
+            EmbeddedCubin {
+                image: PATTERN.cubins[0].image,
+                ..good
+            },
+            PIECES.cubins[1],
+        ]));
+        let problems = cubin_problems(&src(other), stem, "ptx");
+        assert!(problems.iter().any(|p| p.contains("stamp")), "{problems:?}");
+        assert!(
+            problems.iter().any(|p| p.contains("does not define")),
+            "{problems:?}"
+        );
+        let one: &'static [EmbeddedCubin] = Box::leak(Box::new([good]));
+        assert!(cubin_problems(&src(one), stem, "ptx")[0].contains("cubins for [90]"));
+    }
+
+    #[test]
     fn the_source_hash_is_fnv1a() {
         let empty = KernelSource {
             name: "x.cu",
             source: "",
             functions: &[],
             ptx: &[],
+            cubins: &[],
         };
         assert_eq!(empty.source_hash(), 0xcbf2_9ce4_8422_2325);
         let a = KernelSource {

@@ -3,7 +3,7 @@
 //! The kernel modules of this crate's `kernels.toml`: a static per module, and an
 //! enum per module naming its functions.
 
-use crate::kernels::{EmbeddedPtx, Kernel, KernelSource};
+use crate::kernels::{EmbeddedCubin, EmbeddedPtx, Kernel, KernelSource};
 
 /// The data pattern fill and the on-device compare.
 pub static PATTERN: KernelSource = KernelSource {
@@ -24,6 +24,18 @@ pub static PATTERN: KernelSource = KernelSource {
         EmbeddedPtx {
             arch: 100,
             text: include_str!("../../ptx/pattern.compute_100.ptx"),
+        },
+    ],
+    cubins: &[
+        EmbeddedCubin {
+            arch: 90,
+            image: include_bytes!("../../ptx/pattern.sm_90.cubin"),
+            stamp: include_str!("../../ptx/pattern.sm_90.stamp"),
+        },
+        EmbeddedCubin {
+            arch: 100,
+            image: include_bytes!("../../ptx/pattern.sm_100.cubin"),
+            stamp: include_str!("../../ptx/pattern.sm_100.stamp"),
         },
     ],
 };
@@ -95,6 +107,18 @@ pub static GATHER: KernelSource = KernelSource {
         EmbeddedPtx {
             arch: 100,
             text: include_str!("../../ptx/gather.compute_100.ptx"),
+        },
+    ],
+    cubins: &[
+        EmbeddedCubin {
+            arch: 90,
+            image: include_bytes!("../../ptx/gather.sm_90.cubin"),
+            stamp: include_str!("../../ptx/gather.sm_90.stamp"),
+        },
+        EmbeddedCubin {
+            arch: 100,
+            image: include_bytes!("../../ptx/gather.sm_100.cubin"),
+            stamp: include_str!("../../ptx/gather.sm_100.stamp"),
         },
     ],
 };
@@ -189,6 +213,18 @@ pub static PIECES: KernelSource = KernelSource {
         EmbeddedPtx {
             arch: 100,
             text: include_str!("../../ptx/pieces.compute_100.ptx"),
+        },
+    ],
+    cubins: &[
+        EmbeddedCubin {
+            arch: 90,
+            image: include_bytes!("../../ptx/pieces.sm_90.cubin"),
+            stamp: include_str!("../../ptx/pieces.sm_90.stamp"),
+        },
+        EmbeddedCubin {
+            arch: 100,
+            image: include_bytes!("../../ptx/pieces.sm_100.cubin"),
+            stamp: include_str!("../../ptx/pieces.sm_100.stamp"),
         },
     ],
 };

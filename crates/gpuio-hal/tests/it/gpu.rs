@@ -302,11 +302,12 @@ fn device_compare_finds_the_first_difference() {
     }
 }
 
-/// Every module loads from its embedded PTX where one fits the device (no NVRTC at first use),
-/// and by each way alone when asked; the host backend has no modules to load. Prints what each
-/// way took (`gpuio bench kernels` measures it properly).
+/// Every module loads from its embedded machine code where it has some for the device, else
+/// from its embedded PTX where one fits (no compiler at first use), and by each way alone when
+/// asked; the host backend has no modules to load. Prints what each way took (`gpuio bench
+/// kernels` measures it properly).
 #[test]
-fn kernel_modules_load_from_embedded_ptx() {
+fn kernel_modules_load_from_embedded_code() {
     use gpuio_hal::kernels::{KernelOrigin, KernelPath, MODULES};
     let p = devices();
     let gpu = &p.gpus[0];
@@ -322,21 +323,24 @@ fn kernel_modules_load_from_embedded_ptx() {
         .expect("CUDA devices have a CC");
     for src in MODULES {
         let origin = gpu.load_kernels(src).unwrap();
-        match src.ptx_for(cc) {
-            Some(ptx) => assert_eq!(origin, KernelOrigin::EmbeddedPtx { arch: ptx.arch }),
-            None => assert_eq!(origin, KernelOrigin::Nvrtc),
+        match (src.cubin_for(cc), src.ptx_for(cc)) {
+            (Some(c), _) => assert_eq!(origin, KernelOrigin::EmbeddedCubin { arch: c.arch }),
+            (None, Some(ptx)) => assert_eq!(origin, KernelOrigin::EmbeddedPtx { arch: ptx.arch }),
+            (None, None) => assert_eq!(origin, KernelOrigin::Nvrtc),
         }
-        let embedded = gpu.time_kernel_load(src, KernelPath::EmbeddedPtx);
+        let cubin = gpu.time_kernel_load(src, KernelPath::EmbeddedCubin);
+        let ptx = gpu.time_kernel_load(src, KernelPath::EmbeddedPtx);
         let nvrtc = gpu.time_kernel_load(src, KernelPath::Nvrtc);
-        match (&embedded, &nvrtc) {
-            (Ok(e), Ok(n)) => eprintln!(
-                "{}: {} loaded in {:?}; NVRTC compiled in {:?} and loaded in {:?}",
-                src.name, e.origin, e.load, n.compile, n.load
-            ),
-            _ => eprintln!("{}: embedded PTX {embedded:?}, NVRTC {nvrtc:?}", src.name),
-        }
+        eprintln!(
+            "{}: machine code {:?}; PTX {:?}; NVRTC {:?}",
+            src.name,
+            cubin.as_ref().map(|l| l.load),
+            ptx.as_ref().map(|l| l.load),
+            nvrtc.as_ref().map(|l| l.total())
+        );
+        assert_eq!(cubin.is_ok(), src.cubin_for(cc).is_some(), "{cubin:?}");
         if src.ptx_for(cc).is_some() {
-            embedded.unwrap();
+            ptx.unwrap();
         }
     }
 }

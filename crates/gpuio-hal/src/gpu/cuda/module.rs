@@ -1,13 +1,20 @@
-//! Loading a module of `kernels/` into a device's context. The embedded PTX comes first: the
-//! newest whose architecture the device reaches (`KernelSource::ptx_for`), which the driver
-//! JIT-compiles (`cuModuleLoadData`), so no compiler runs in the process. NVRTC compiles the
-//! source instead only where no embedded PTX fits the device (older than `compute_80`), or
-//! where the driver refuses the PTX (an ISA newer than the driver knows, a JIT that fails or
-//! is disabled); the log says which, once per module and device.
+//! Loading a module of `kernels/` into a device's context, the first way that serves:
+//! - the embedded machine code for the device's architecture (`KernelSource::cubin_for`),
+//!   which the driver loads as it is (`cuModuleLoadData`): nothing is compiled;
+//! - the newest embedded PTX whose architecture the device reaches (`KernelSource::ptx_for`),
+//!   which the driver JIT-compiles: no compiler runs in the process;
+//! - NVRTC compiling the source, where no embedded PTX fits the device (older than
+//!   `compute_80`) or the driver refuses it (an ISA newer than the driver knows, a JIT that
+//!   fails or is disabled).
+//!
+//! The log says which way a module took where it is not the first, once per module and
+//! device.
 
 use super::driver::cuda_err;
 use crate::error::{HalError, Result};
-use crate::kernels::{EmbeddedPtx, KernelLoad, KernelOrigin, KernelPath, KernelSource};
+use crate::kernels::{
+    EmbeddedCubin, EmbeddedPtx, KernelLoad, KernelOrigin, KernelPath, KernelSource,
+};
 use cudarc::driver::{CudaContext, CudaFunction, DriverError, sys};
 use cudarc::nvrtc::Ptx;
 use std::sync::Arc;
@@ -20,18 +27,17 @@ pub(super) struct Loaded {
     pub(super) origin: KernelOrigin,
 }
 
-/// Why loading an embedded PTX failed.
+/// Why loading embedded code failed.
 enum Failure {
-    /// The driver will not take this PTX (why, and the error), where NVRTC's build of the
-    /// source may still serve.
+    /// The driver will not take this image (why, and the error), where the next way may
+    /// still serve.
     Refused(&'static str, HalError),
     /// Anything else (out of memory, a lost context), which NVRTC's build would meet too.
     Failed(HalError),
 }
 
-/// Why the driver refused a PTX image with `code`, where that leaves NVRTC's build of the
-/// source a chance; `None` for errors that any image would meet (out of memory, a lost
-/// context).
+/// Why the driver refused an image with `code`, where that leaves the next way a chance;
+/// `None` for errors that any image would meet (out of memory, a lost context).
 fn refusal(code: sys::CUresult) -> Option<&'static str> {
     use sys::cudaError_enum as E;
     Some(match code {
@@ -60,18 +66,18 @@ impl Failure {
     }
 
     /// As the HAL's error, for callers that do not fall back.
-    fn into_error(self, src: &KernelSource) -> HalError {
+    fn into_error(self, src: &KernelSource, what: &str) -> HalError {
         match self {
             Self::Refused(why, error) => HalError::KernelLoad {
                 kernel: src.name.into(),
-                reason: format!("the driver refused the embedded PTX ({why}): {error}"),
+                reason: format!("the driver refused the embedded {what} ({why}): {error}"),
             },
             Self::Failed(error) => error,
         }
     }
 }
 
-/// Loads PTX text and looks up every function of `src`, timing both.
+/// Loads PTX text or a cubin and looks up every function of `src`, timing both.
 fn load_ptx(
     ctx: &Arc<CudaContext>,
     src: &KernelSource,
@@ -106,6 +112,15 @@ fn load_embedded(
     load_ptx(ctx, src, Ptx::from_src(ptx.text))
 }
 
+/// The driver loading an embedded cubin.
+fn load_cubin(
+    ctx: &Arc<CudaContext>,
+    src: &KernelSource,
+    cubin: &EmbeddedCubin,
+) -> std::result::Result<(Vec<CudaFunction>, Duration), Failure> {
+    load_ptx(ctx, src, Ptx::from_binary(cubin.image.to_vec()))
+}
+
 /// NVRTC compiling the source for `cc`, then the driver loading its PTX; the compile's and the
 /// load's times.
 fn load_nvrtc(
@@ -132,6 +147,20 @@ pub(super) fn load(
 ) -> std::result::Result<Loaded, String> {
     let gpu = ctx.ordinal();
     let kernel = src.name;
+    if let Some(cubin) = src.cubin_for(cc) {
+        match load_cubin(ctx, src, cubin) {
+            Ok((functions, load)) => {
+                let origin = KernelOrigin::EmbeddedCubin { arch: cubin.arch };
+                tracing::debug!(gpu, kernel, %origin, load_ms = ms(load), "kernel module loaded");
+                return Ok(Loaded { functions, origin });
+            }
+            Err(Failure::Refused(why, error)) => {
+                tracing::warn!(gpu, kernel, arch = cubin.arch, %error,
+                    "the driver refused the embedded machine code ({why}); loading the PTX");
+            }
+            Err(Failure::Failed(error)) => return Err(error.to_string()),
+        }
+    }
     let refused = match src.ptx_for(cc) {
         Some(ptx) => match load_embedded(ctx, src, ptx) {
             Ok((functions, load)) => {
@@ -182,6 +211,22 @@ pub(super) fn time_load(
     path: KernelPath,
 ) -> Result<KernelLoad> {
     match path {
+        KernelPath::EmbeddedCubin => {
+            let cubin = src.cubin_for(cc).ok_or_else(|| HalError::Unsupported {
+                what: "embedded machine code",
+                reason: format!(
+                    "none of {}'s runs on compute capability {}.{}",
+                    src.name, cc.0, cc.1
+                ),
+            })?;
+            let (_, load) =
+                load_cubin(ctx, src, cubin).map_err(|f| f.into_error(src, "machine code"))?;
+            Ok(KernelLoad {
+                origin: KernelOrigin::EmbeddedCubin { arch: cubin.arch },
+                compile: Duration::ZERO,
+                load,
+            })
+        }
         KernelPath::EmbeddedPtx => {
             let ptx = src.ptx_for(cc).ok_or_else(|| HalError::Unsupported {
                 what: "embedded PTX",
@@ -190,7 +235,7 @@ pub(super) fn time_load(
                     src.name, cc.0, cc.1
                 ),
             })?;
-            let (_, load) = load_embedded(ctx, src, ptx).map_err(|f| f.into_error(src))?;
+            let (_, load) = load_embedded(ctx, src, ptx).map_err(|f| f.into_error(src, "PTX"))?;
             Ok(KernelLoad {
                 origin: KernelOrigin::EmbeddedPtx { arch: ptx.arch },
                 compile: Duration::ZERO,
