@@ -14,6 +14,7 @@ pub mod ondemand;
 mod peers;
 mod plot;
 pub mod python;
+mod relay;
 pub mod remote;
 mod report;
 pub mod ring;
