@@ -371,6 +371,32 @@ print("ok")
 """
 
 
+def test_calls_on_another_gpu_leave_the_callers_device(s, data_file):
+    """gpuio binds the context of the GPU it works on to the calling thread; torch keys its
+    current device on that context, so each call puts the caller's back: a read into GPU 1,
+    a copy from it, an allocation and a gather there leave ``"cuda"`` meaning GPU 0."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    path, data = data_file
+    torch.cuda.set_device(0)
+    on1 = torch.empty(len(data), dtype=torch.uint8, device="cuda:1")
+    s.read(s.open(path), on1)
+    assert torch.cuda.current_device() == 0
+    back = np.empty_like(data)
+    s.copy(on1, back)
+    assert (back == data).all() and torch.cuda.current_device() == 0
+    buf = s.alloc_device(MiB, gpu=1)
+    s.copy(on1[:MiB], buf)
+    assert torch.cuda.current_device() == 0
+    pool = s.alloc_host(64 * 16)
+    np.asarray(pool)[:] = data[: 64 * 16]
+    out = torch.empty(3, 64, dtype=torch.uint8, device="cuda:1")
+    s.gather(pool, [5, 0, 9], out)
+    want = torch.from_numpy(data[: 64 * 16].reshape(16, 64)[[5, 0, 9]])
+    assert torch.equal(out.cpu(), want) and torch.cuda.current_device() == 0
+    assert torch.empty(1, device="cuda").device.index == 0
+
+
 def test_a_session_makes_contexts_only_on_the_gpus_it_uses(tmp_path):
     """A fresh process's session on a machine of several GPUs makes no CUDA context until a
     GPU is used, then only that GPU's (another's costs ~0.15 s and memory on that GPU);

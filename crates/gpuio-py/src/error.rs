@@ -23,10 +23,20 @@ pub(crate) fn invalid(msg: impl Into<String>) -> PyErr {
     to_py(gpuio_api::Error::Invalid(msg.into()))
 }
 
-/// [`Python::detach`] for a call on a gpuio session: refused, before the GIL is released, in a
-/// process forked from the one that opened the session (the call would wait forever on
-/// threads that stayed in the parent).
+/// How the binding releases the GIL around gpuio's work: [`Python::detach`], keeping the
+/// calling thread's CUDA context. gpuio binds the context of the GPU it works on to the
+/// calling thread; a framework keys its current device on that context (torch's `"cuda"`
+/// would mean GPU 1 after a read into GPU 1), so the caller's is made current again after.
 pub(crate) trait DetachIn {
+    /// Runs `f` with the GIL released, the caller's CUDA context current again after.
+    fn detach_kept<T, F>(self, f: F) -> T
+    where
+        F: Send + FnOnce() -> T,
+        T: Send;
+
+    /// [`detach_kept`](Self::detach_kept) for a call on a gpuio session: refused, before the
+    /// GIL is released, in a process forked from the one that opened the session (the call
+    /// would wait forever on threads that stayed in the parent).
     fn detach_in<T, F>(self, session: &gpuio_api::Session, f: F) -> PyResult<T>
     where
         F: Send + FnOnce() -> T,
@@ -34,12 +44,20 @@ pub(crate) trait DetachIn {
 }
 
 impl DetachIn for Python<'_> {
+    fn detach_kept<T, F>(self, f: F) -> T
+    where
+        F: Send + FnOnce() -> T,
+        T: Send,
+    {
+        self.detach(|| gpuio_hal::keeping_cuda_context(f))
+    }
+
     fn detach_in<T, F>(self, session: &gpuio_api::Session, f: F) -> PyResult<T>
     where
         F: Send + FnOnce() -> T,
         T: Send,
     {
         session.check_process().map_err(to_py)?;
-        Ok(self.detach(f))
+        Ok(self.detach_kept(f))
     }
 }

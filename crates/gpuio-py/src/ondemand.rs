@@ -124,7 +124,7 @@ impl PageCache {
 
     /// Shuts the cache's ring down: misses after it fail (hits still read cached pages).
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.shutdown()).map_err(core)?;
+        py.detach_kept(|| self.inner.shutdown()).map_err(core)?;
         Ok(())
     }
 }
@@ -275,7 +275,7 @@ impl OnDemandArray {
     /// cache has frames free.
     fn resident(slf: &Bound<'_, Self>) -> PyResult<ResidentArray> {
         let this = slf.get();
-        let id = slf.py().detach(|| {
+        let id = slf.py().detach_kept(|| {
             let mut guard = this.inner.lock().unwrap_or_else(PoisonError::into_inner);
             let Some(open) = guard.as_mut() else {
                 return Err(invalid("the on-demand array is closed"));
@@ -296,7 +296,7 @@ impl OnDemandArray {
     /// pages back and frees the array's frames; only while no kernel uses it. Later calls
     /// raise; closing again does nothing.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| {
+        py.detach_kept(|| {
             let taken = self
                 .inner
                 .lock()
@@ -336,7 +336,7 @@ impl ResidentArray {
     #[getter]
     fn descriptor<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         let array = self.array.get();
-        let d = py.detach(|| {
+        let d = py.detach_kept(|| {
             let guard = array.inner.lock().unwrap_or_else(PoisonError::into_inner);
             match guard.as_ref().and_then(|open| open.views.get(&self.id)) {
                 Some(view) => view.device().map_err(core),
@@ -350,7 +350,7 @@ impl ResidentArray {
     /// pages go; releasing again does nothing.
     fn release(&self, py: Python<'_>) -> PyResult<()> {
         let array = self.array.get();
-        py.detach(|| {
+        py.detach_kept(|| {
             let mut guard = array.inner.lock().unwrap_or_else(PoisonError::into_inner);
             let Some(open) = guard.as_mut() else {
                 return Ok(());

@@ -88,7 +88,7 @@ impl Session {
         }
         .map_err(to_py)?;
         let inner = py
-            .detach(|| gpuio_api::Session::new(config))
+            .detach_kept(|| gpuio_api::Session::new(config))
             .map_err(to_py)?;
         Ok(Self {
             inner: Arc::new(inner),
@@ -219,17 +219,17 @@ impl Session {
                     .endpoint(dst_offset)?
                     .ok_or_else(|| invalid("bytes to bytes needs no gpuio call"))?;
                 let part = part(b.as_bytes(), src_offset)?;
-                py.detach(|| go(Source::Host(part), d.dest()))
+                py.detach_kept(|| go(Source::Host(part), d.dest()))
             }
             (Target::Lent(s), d) => {
                 let d = far(&d, dst_offset)?.ok_or_else(|| invalid("no destination"))?;
                 let part = part(s.bytes(), src_offset)?;
-                py.detach(|| go(Source::Host(part), d.dest()))
+                py.detach_kept(|| go(Source::Host(part), d.dest()))
             }
             (s, Target::Lent(mut d)) => {
                 let s = far(&s, src_offset)?.ok_or_else(|| invalid("no source"))?;
                 let part = part_mut(d.bytes_mut()?, dst_offset)?;
-                py.detach(|| go(s.source(), Dest::Host(part)))
+                py.detach_kept(|| go(s.source(), Dest::Host(part)))
             }
             (s, d) => {
                 let s = s
@@ -238,7 +238,7 @@ impl Session {
                 let d = d.endpoint(dst_offset)?.ok_or_else(|| {
                     invalid("bytes are immutable: a destination must be writable")
                 })?;
-                py.detach(|| go(s.source(), d.dest()))
+                py.detach_kept(|| go(s.source(), d.dest()))
             }
         };
         outcome.map(moved).map_err(to_py)
@@ -373,18 +373,14 @@ impl Session {
             .filter_map(|b| b.shared_with().cloned())
             .collect();
         gpus.dedup_by_key(|g| g.ordinal());
-        // Called on the caller's thread for each device of a split in turn: the thread's
-        // CUDA context (torch's current device) is left as it was.
         py.detach_in(&self.inner, || {
-            gpuio_hal::keeping_cuda_context(|| {
-                for g in &gpus {
-                    g.synchronize()?;
-                }
-                src.buf
-                    .gpu()
-                    .stream()?
-                    .copy_pieces(&src.buf, &dst.buf, &list)
-            })
+            for g in &gpus {
+                g.synchronize()?;
+            }
+            src.buf
+                .gpu()
+                .stream()?
+                .copy_pieces(&src.buf, &dst.buf, &list)
         })?
         .map_err(|e| to_py(e.into()))
     }
@@ -547,7 +543,7 @@ impl Handle {
 
     /// Waits for it and returns the bytes moved, or raises its error (every call alike).
     fn wait(&self, py: Python<'_>) -> PyResult<usize> {
-        let settled = py.detach(|| {
+        let settled = py.detach_kept(|| {
             let mut w = self.waiter.lock().unwrap_or_else(PoisonError::into_inner);
             if let Some(h) = w.0.take() {
                 w.1 = Some(h.wait().map(|c| c.outcome.bytes).map_err(|e| {

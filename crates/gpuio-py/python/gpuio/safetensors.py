@@ -285,19 +285,6 @@ def _shards(name):
 
 
 def _load_shards(filename, fws, how, session, progress):
-    torch = fws[0].torch
-    if torch is None or fws[0].device.type != "cuda":
-        return _load_shards_here(filename, fws, how, session, progress)
-    # gpuio's calls on this thread make each GPU's context current in turn: the caller's
-    # current device is its own again after.
-    current = torch.cuda.current_device()
-    try:
-        return _load_shards_here(filename, fws, how, session, progress)
-    finally:
-        torch.cuda.set_device(current)
-
-
-def _load_shards_here(filename, fws, how, session, progress):
     name = str(filename)
     files, promised = _shards(name)
     session = session or _default_session()

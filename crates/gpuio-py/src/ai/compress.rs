@@ -83,7 +83,7 @@ impl QuantizedKv {
 
     /// The values back, as little-endian f32 bytes.
     fn dequantize<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let v = py.detach(|| f32_bytes(&self.q.dequantize()));
+        let v = py.detach_kept(|| f32_bytes(&self.q.dequantize()));
         PyBytes::new(py, &v)
     }
 }
@@ -122,7 +122,7 @@ impl DeviceQuantizedKv {
         dst_offset: usize,
     ) -> PyResult<()> {
         let wait = shared_gpus(&[dst]);
-        py.detach(|| {
+        py.detach_kept(|| {
             settle(&wait)?;
             self.q.dequantize_into(&dst.buf, dst_offset)
         })
@@ -131,7 +131,7 @@ impl DeviceQuantizedKv {
 
     /// A host copy (equal, bit for bit, to quantizing the same values on the host).
     fn to_host(&self, py: Python<'_>) -> PyResult<QuantizedKv> {
-        let q = py.detach(|| self.q.to_host()).map_err(to_py)?;
+        let q = py.detach_kept(|| self.q.to_host()).map_err(to_py)?;
         Ok(QuantizedKv { q })
     }
 }
@@ -142,7 +142,7 @@ impl DeviceQuantizedKv {
 fn quantize(py: Python<'_>, values: &[u8], format: &str, block: usize) -> PyResult<QuantizedKv> {
     let f = self::format(format, block)?;
     let values = f32s(values, "values")?;
-    let q = py.detach(|| f.quantize(&values)).map_err(to_py)?;
+    let q = py.detach_kept(|| f.quantize(&values)).map_err(to_py)?;
     Ok(QuantizedKv { q })
 }
 
@@ -160,7 +160,7 @@ fn quantize_device(
     let f = self::format(format, block)?;
     let wait = shared_gpus(&[src]);
     let q = py
-        .detach(|| {
+        .detach_kept(|| {
             settle(&wait)?;
             f.quantize_device(&src.buf, src_offset, len)
         })
@@ -178,14 +178,16 @@ fn compress<'py>(
     level: i32,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let codec = super::kv::codec(codec, level)?;
-    let frame = py.detach(|| codec.compress(data)).map_err(to_py)?;
+    let frame = py.detach_kept(|| codec.compress(data)).map_err(to_py)?;
     Ok(PyBytes::new(py, &frame))
 }
 
 /// The bytes of one frame, checked (at most `max_len` of them; a damaged frame raises).
 #[pyfunction]
 fn decompress<'py>(py: Python<'py>, frame: &[u8], max_len: usize) -> PyResult<Bound<'py, PyBytes>> {
-    let raw = py.detach(|| c::decompress(frame, max_len)).map_err(to_py)?;
+    let raw = py
+        .detach_kept(|| c::decompress(frame, max_len))
+        .map_err(to_py)?;
     Ok(PyBytes::new(py, &raw))
 }
 

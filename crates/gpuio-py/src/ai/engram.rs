@@ -114,7 +114,7 @@ impl EngramTable {
         let placement = super::placement(placement)?;
         let session = Arc::clone(session.session());
         let table = py
-            .detach(|| engram::EngramTable::new(&session, rows, row_bytes, placement))
+            .detach_kept(|| engram::EngramTable::new(&session, rows, row_bytes, placement))
             .map_err(to_py)?;
         Ok(Self {
             table: RwLock::new(table),
@@ -126,7 +126,7 @@ impl EngramTable {
     /// that class while it moves data, so less urgent IO waits for it.
     fn set_work(&self, py: Python<'_>, work: &super::Work) -> PyResult<()> {
         let w = work.0;
-        py.detach(|| {
+        py.detach_kept(|| {
             self.table
                 .write()
                 .unwrap_or_else(PoisonError::into_inner)
@@ -283,7 +283,7 @@ impl EngramTable {
 
     /// Lets the kept copies go.
     fn drop_hot(&self, py: Python<'_>) {
-        py.detach(|| self.table().drop_hot());
+        py.detach_kept(|| self.table().drop_hot());
     }
 
     /// What the hot tier keeps, or None.
@@ -453,7 +453,7 @@ impl AiPending {
     /// Waits for it: a lookup's report, or None for a store; raises its error (every call
     /// alike).
     fn wait<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let settled = py.detach(|| {
+        let settled = py.detach_kept(|| {
             let mut running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
             if let Some(w) = running.take() {
                 let r = match w {

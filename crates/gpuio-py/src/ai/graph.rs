@@ -80,7 +80,7 @@ impl CsrGraph {
         let seeds = indices(seeds, "seeds")?;
         let e = expansion(hops, fanout, seed, max_nodes);
         let s = py
-            .detach(|| graph::expand(&self.graph, &seeds, &e))
+            .detach_kept(|| graph::expand(&self.graph, &seeds, &e))
             .map_err(to_py)?;
         subgraph(py, &s)
     }
@@ -91,7 +91,7 @@ impl CsrGraph {
 #[pyfunction]
 pub(crate) fn graph_scatter(py: Python<'_>, scores: &[u8], k: usize) -> PyResult<Vec<u64>> {
     let scores = f32s(scores, "scores")?;
-    Ok(py.detach(|| graph::graph_scatter(&scores, k)))
+    Ok(py.detach_kept(|| graph::graph_scatter(&scores, k)))
 }
 
 /// Where a gather's embeddings are.

@@ -59,7 +59,7 @@ impl KvPool {
     /// [`with`](Self::with) without the GIL: a load or store holds the pool for as long as
     /// it waits for its lease and moves data.
     fn get<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut kv::KvPool) -> T + Send) -> T {
-        py.detach(|| self.with(f))
+        py.detach_kept(|| self.with(f))
     }
 }
 
@@ -93,7 +93,7 @@ impl KvPool {
         };
         let session = Arc::clone(session.session());
         let pool = py
-            .detach(|| kv::KvPool::new(&session, cfg))
+            .detach_kept(|| kv::KvPool::new(&session, cfg))
             .map_err(to_py)?;
         Ok(Self {
             pool: Mutex::new(pool),
@@ -377,7 +377,7 @@ impl KvBatch {
             r.0.session.check_process().map_err(crate::error::to_py)?;
         }
         let (reports, device) = py
-            .detach(|| {
+            .detach_kept(|| {
                 settle(&wait)?;
                 // Locked in one global order (by address): batches over overlapping pools
                 // never wait on each other in a cycle.
@@ -461,7 +461,7 @@ impl SwapInKv {
         };
         let session = Arc::clone(session.session());
         let kv = py
-            .detach(|| kv::SwapInKv::new(&session, cfg))
+            .detach_kept(|| kv::SwapInKv::new(&session, cfg))
             .map_err(to_py)?;
         Ok(Self { kv, session })
     }
@@ -591,7 +591,7 @@ impl SwapInBatch {
     /// that class while it moves data, so less urgent IO waits for it.
     fn set_work(&self, py: Python<'_>, work: &super::Work) -> PyResult<()> {
         let w = work.0;
-        py.detach(|| {
+        py.detach_kept(|| {
             self.batch
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
@@ -602,7 +602,7 @@ impl SwapInBatch {
 
     /// Sequences in the batch.
     fn __len__(&self, py: Python<'_>) -> usize {
-        py.detach(|| {
+        py.detach_kept(|| {
             self.batch
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
