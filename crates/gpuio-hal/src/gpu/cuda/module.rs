@@ -154,11 +154,18 @@ pub(super) fn load(
                 tracing::debug!(gpu, kernel, %origin, load_ms = ms(load), "kernel module loaded");
                 return Ok(Loaded { functions, origin });
             }
+            // Whatever the driver says, the PTX is tried next: a cubin it cannot take for a
+            // reason not listed (a toolkit newer than it knows) must not cost the kernel, and
+            // an error any image would meet (out of memory) meets the PTX too and is reported
+            // from there.
             Err(Failure::Refused(why, error)) => {
                 tracing::warn!(gpu, kernel, arch = cubin.arch, %error,
                     "the driver refused the embedded machine code ({why}); loading the PTX");
             }
-            Err(Failure::Failed(error)) => return Err(error.to_string()),
+            Err(Failure::Failed(error)) => {
+                tracing::warn!(gpu, kernel, arch = cubin.arch, %error,
+                    "loading the embedded machine code failed; loading the PTX");
+            }
         }
     }
     let refused = match src.ptx_for(cc) {
