@@ -374,7 +374,8 @@ print("ok")
 def test_calls_on_another_gpu_leave_the_callers_device(s, data_file):
     """gpuio binds the context of the GPU it works on to the calling thread; torch keys its
     current device on that context, so each call puts the caller's back: a read into GPU 1,
-    a copy from it, an allocation and a gather there leave ``"cuda"`` meaning GPU 0."""
+    a copy from it, an allocation, a gather and freeing gpuio's objects there leave
+    ``"cuda"`` meaning GPU 0."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     path, data = data_file
@@ -394,6 +395,13 @@ def test_calls_on_another_gpu_leave_the_callers_device(s, data_file):
     s.gather(pool, [5, 0, 9], out)
     want = torch.from_numpy(data[: 64 * 16].reshape(16, 64)[[5, 0, 9]])
     assert torch.equal(out.cpu(), want) and torch.cuda.current_device() == 0
+    # Freeing gpuio's memory and streams on GPU 1 (garbage collection, on any thread).
+    cache = s.page_cache(gpu=1, capacity=16 * MiB)
+    del buf, cache
+    import gc
+
+    gc.collect()
+    assert torch.cuda.current_device() == 0
     assert torch.empty(1, device="cuda").device.index == 0
 
 

@@ -47,11 +47,15 @@ impl Drop for CudaMemory {
         if super::probe::driver_forked() {
             return;
         }
-        let freed = self.shared.bind().and_then(|()| {
-            // SAFETY: ptr came from cuMemAlloc in this context and is freed once, here. No
-            // queued work can still use it: async operations (Inflight) hold the DeviceBuffer
-            // until they complete, and every other operation waits before returning.
-            unsafe { driver::mem_free(self.ptr) }
+        // The caller's context stays current (a framework's current device rests on it).
+        let freed = super::keeping_context(|| {
+            self.shared.bind().and_then(|()| {
+                // SAFETY: ptr came from cuMemAlloc in this context and is freed once, here.
+                // No queued work can still use it: async operations (Inflight) hold the
+                // DeviceBuffer until they complete, and every other operation waits before
+                // returning.
+                unsafe { driver::mem_free(self.ptr) }
+            })
         });
         if let Err(e) = freed {
             tracing::error!(error = %e, "freeing device memory failed");
@@ -125,10 +129,12 @@ impl Drop for CudaPin {
         if super::probe::driver_forked() {
             return;
         }
-        let done = self.shared.bind().and_then(|()| {
-            // SAFETY: ptr was registered by cuMemHostRegister and is still mapped (the pin's
-            // contract), and is unregistered exactly once.
-            unsafe { driver::mem_host_unregister(self.ptr) }
+        let done = super::keeping_context(|| {
+            self.shared.bind().and_then(|()| {
+                // SAFETY: ptr was registered by cuMemHostRegister and is still mapped (the
+                // pin's contract), and is unregistered exactly once.
+                unsafe { driver::mem_host_unregister(self.ptr) }
+            })
         });
         if let Err(e) = done {
             tracing::error!(error = %e, "unregistering host memory failed");

@@ -67,31 +67,70 @@ pub(crate) fn without_context<R>(f: impl FnOnce() -> R) -> R {
     let _restore = Restore(prev);
     f()
 }
+/// Makes `prev` current on this thread again where another context is.
+///
+/// `prev` was current on this thread when the caller took it, and whoever made it current,
+/// up this thread's stack, keeps it alive meanwhile (gpuio destroys a context only when its
+/// last device handle goes, and the callers never drop one between taking and restoring).
+fn make_current_again(prev: cudarc::driver::sys::CUcontext) {
+    if driver::ctx_current().is_ok_and(|now| now == prev) {
+        return;
+    }
+    // SAFETY: `prev` is alive and was current on this thread (above).
+    if let Err(e) = unsafe { driver::ctx_set_current(prev) } {
+        tracing::warn!(error = %e, "could not make the thread's CUDA context current again");
+    }
+}
+
+/// The context current on this thread, where the driver is set up in this process.
+fn current_context() -> Option<cudarc::driver::sys::CUcontext> {
+    if !probe::driver_ready() || probe::driver_forked() {
+        return None;
+    }
+    driver::ctx_current().ok()
+}
+
 /// Runs `f`, then makes the thread's previous context current again where `f` changed it.
 pub(crate) fn keeping_context<R>(f: impl FnOnce() -> R) -> R {
     /// Makes its context current again when dropped, where another one is.
     struct Restore(cudarc::driver::sys::CUcontext);
     impl Drop for Restore {
         fn drop(&mut self) {
-            if driver::ctx_current().is_ok_and(|now| now == self.0) {
-                return;
-            }
-            // SAFETY: the context was current on this thread when `keeping_context` was
-            // called: whoever made it current, up this thread's stack, keeps it alive across
-            // the call (gpuio destroys a context only when its last device handle goes).
-            if let Err(e) = unsafe { driver::ctx_set_current(self.0) } {
-                tracing::warn!(error = %e, "could not make the thread's CUDA context current again");
-            }
+            make_current_again(self.0);
         }
     }
-    if !probe::driver_ready() || probe::driver_forked() {
-        return f();
-    }
-    let Ok(prev) = driver::ctx_current() else {
+    let Some(prev) = current_context() else {
         return f();
     };
     let _restore = Restore(prev);
     f()
+}
+
+/// [`keeping_context`] for a type's whole drop, its fields' included (a cudarc stream or
+/// event binds its context to destroy itself): declared after the fields it covers and
+/// [`armed`](Self::arm) in the owner's `Drop`, it makes the context that was current then
+/// current again once they are gone.
+#[derive(Default)]
+pub(super) struct RestoreOnDrop {
+    /// The context to restore plus one (0: not armed; null is a context to restore too).
+    ctx: std::sync::atomic::AtomicUsize,
+}
+
+impl RestoreOnDrop {
+    /// Remembers the context current now, to make it current again when this drops.
+    pub(super) fn arm(&mut self) {
+        if let Some(prev) = current_context() {
+            *self.ctx.get_mut() = prev as usize + 1;
+        }
+    }
+}
+
+impl Drop for RestoreOnDrop {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.ctx.get_mut().checked_sub(1) {
+            make_current_again(ctx as cudarc::driver::sys::CUcontext);
+        }
+    }
 }
 
 pub use nvrtc::{NVRTC_ARCHS, compile_ptx, compile_ptx_for, kernel_problems, nvrtc_problems};

@@ -16,7 +16,6 @@ use std::sync::{Arc, Mutex};
 
 /// A stream of one device, with the scratch its row jobs keep between calls.
 pub(crate) struct CudaStreamBackend {
-    pub(super) shared: Arc<Shared>,
     pub(super) stream: Arc<CudaStream>,
     /// Idle events, reused: creating and destroying one per copy doubled the driver calls of
     /// the staging pipeline, whose lanes contend for the driver's context lock.
@@ -26,6 +25,10 @@ pub(crate) struct CudaStreamBackend {
     /// The gather kernels' report words, in mapped host memory, made on first use (a free
     /// per call would cost more than the call).
     pub(super) reports: StreamReports,
+    /// The caller's context, current again once the stream and its events are destroyed
+    /// (after the fields above; `shared`, below, binds nothing as it goes).
+    restore: super::RestoreOnDrop,
+    pub(super) shared: Arc<Shared>,
 }
 
 impl CudaStreamBackend {
@@ -41,6 +44,7 @@ impl CudaStreamBackend {
             events: Arc::new(EventPool::default()),
             order: Mutex::new(OrderScratch::default()),
             reports: StreamReports::default(),
+            restore: Default::default(),
         })
     }
 
@@ -59,6 +63,7 @@ impl Drop for CudaStreamBackend {
             std::mem::forget(self.reports.take());
             return;
         }
+        self.restore.arm();
         // Work queued on this stream may still use its scratch: drain first.
         let report = self.reports.take();
         if let Err(e) = self.shared.bind() {
