@@ -5,8 +5,9 @@
 //! runs with the others. No GPU is
 //! needed to compile, so CI runs it with CUDA 13.0's compilers from PyPI.
 //!
-//! The embedded PTX (`crates/<crate>/ptx/<module>.<arch>.ptx`, loaded by the driver at run
-//! time) is built here too: `--write` (re)writes it from the sources, and `--check` (CI) builds
+//! The embedded device code (`crates/<crate>/ptx/`: `<module>.compute_XX.ptx`, which the
+//! driver JIT-compiles, and `<module>.sm_XX.cubin` with its `.stamp`, which it loads as it
+//! is) is built here too: `--write` (re)writes it from the sources, and `--check` (CI) builds
 //! it afresh in a temporary directory, twice, and fails naming every committed file that
 //! differs. Both need nvcc 13.0.88 (`--wheels`): the files are that compiler's output.
 //!
@@ -49,9 +50,9 @@ struct Options {
     archs: Vec<String>,
     /// Install the compilers from PyPI where missing, and fail if either is still missing.
     wheels: bool,
-    /// Only (re)write the embedded PTX.
+    /// Only (re)write the embedded device code.
     write: bool,
-    /// Also check the embedded PTX against a fresh build.
+    /// Also check the embedded device code against a fresh build.
     check: bool,
     /// Only (re)write the Rust that embeds the modules (no compiler needed).
     rust: bool,
@@ -381,13 +382,20 @@ fn check_ptx() -> Result {
             match std::fs::read(dir.join(file)) {
                 Err(_) => problems.push(format!("{shown}/{file} is missing")),
                 Ok(committed) if committed != fresh => {
+                    let (c, f) = (
+                        String::from_utf8_lossy(&committed),
+                        String::from_utf8_lossy(&fresh),
+                    );
+                    let how = if file.ends_with(".ptx") {
+                        first_difference(&c, &f)
+                    } else if file.ends_with(".stamp") {
+                        format!("it says {:?}, a fresh build {:?}", c.trim(), f.trim())
+                    } else {
+                        "its bytes differ from a fresh build's".into()
+                    };
                     problems.push(format!(
                         "{shown}/{file} is stale: it is not what nvcc builds from its sources \
-                         now; {}",
-                        first_difference(
-                            &String::from_utf8_lossy(&committed),
-                            &String::from_utf8_lossy(&fresh)
-                        )
+                         now; {how}"
                     ));
                 }
                 Ok(_) => {}

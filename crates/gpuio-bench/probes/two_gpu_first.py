@@ -55,6 +55,7 @@ LEN, COUNT, HUGE = 16 << 20, 16, 2 << 20
 MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23
 def anon(huge):
     p = libc.mmap(None, LEN + HUGE, 3, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    assert p not in (None, 2**64 - 1), "mmap failed"
     p = (p + HUGE - 1) & ~(HUGE - 1)
     if huge:
         libc.madvise(ctypes.c_void_p(p), ctypes.c_size_t(LEN), MADV_HUGEPAGE)

@@ -1,11 +1,13 @@
 //! The least a scheduler with worker threads can add to one request: the same engine call
-//! handed to a thread that spins for it, and its end handed back, one cache line each way,
-//! with nothing else (no queue, ticket, budget, callback or clock). The `core` suite times it
+//! handed to a thread that spins for it (a state word, and a slot the endpoints go through)
+//! and its end handed back on the state word, with nothing else (no queue, ticket, budget,
+//! callback or clock). The `core` suite times it
 //! beside the scheduler, so that the scheduler's own share of its overhead is measured on the
 //! machine that runs it: what crossing between two cores costs there is the floor.
 
 use gpuio_core::{Endpoint, Engines};
 use gpuio_hal::sync::MutexExt;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -44,9 +46,14 @@ impl Relay {
                     match s.state.load(Ordering::Acquire) {
                         JOB => {
                             let job = s.job.lock_unpoisoned().take();
-                            let ok = job.is_some_and(|(src, dst, len)| {
-                                engines.execute(&src, &dst, len).is_ok()
-                            });
+                            // A panicking engine fails the call rather than leave `run`
+                            // spinning on a thread that is gone.
+                            let ok = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                                job.is_some_and(|(src, dst, len)| {
+                                    engines.execute(&src, &dst, len).is_ok()
+                                })
+                            }))
+                            .unwrap_or(false);
                             s.state
                                 .store(if ok { DONE } else { FAILED }, Ordering::Release);
                         }
@@ -62,8 +69,8 @@ impl Relay {
     }
 
     /// Hands `len` bytes from `src` to `dst` to the thread and spins until it has run them;
-    /// whether the engine call succeeded.
-    pub fn run(&self, src: Endpoint, dst: Endpoint, len: usize) -> bool {
+    /// whether the engine call succeeded. One call at a time (`&mut`): the slot holds one job.
+    pub fn run(&mut self, src: Endpoint, dst: Endpoint, len: usize) -> bool {
         *self.slot.job.lock_unpoisoned() = Some((src, dst, len));
         self.slot.state.store(JOB, Ordering::Release);
         let end = loop {
@@ -102,7 +109,7 @@ mod tests {
             HostMemory::new(b)
         };
         let (src, dst) = (mem(7), mem(0));
-        let relay = Relay::start(session.engines().clone()).unwrap();
+        let mut relay = Relay::start(session.engines().clone()).unwrap();
         for off in [0, 4096] {
             assert!(relay.run(Endpoint::host(&src, off), Endpoint::host(&dst, off), 4096));
         }

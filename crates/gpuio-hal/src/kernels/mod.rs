@@ -262,16 +262,19 @@ fn cubin_problems(src: &KernelSource, stem: &str, ptx_dir: &str) -> Vec<String> 
         );
         if cubin.stamp.trim_end() != want {
             problems.push(format!(
-                "{path} was built from another source than the module holds now, or is not                  the image its stamp names (the stamp: {:?}; now: {want:?})",
+                "{path} was built from another source than the module holds now, or is not \
+                 the image its stamp names (the stamp: {:?}; now: {want:?})",
                 cubin.stamp.trim_end()
             ));
         }
         if !cubin.image.starts_with(b"\x7fELF") {
             problems.push(format!("{path} is not an ELF image"));
         }
-        // The symbol table names every kernel it defines.
+        // The string table names every kernel it defines, each name ending in a NUL (so
+        // `gpuio_gather_1` is not found inside `gpuio_gather_16`).
         for f in src.functions {
-            if !cubin.image.windows(f.len()).any(|w| w == f.as_bytes()) {
+            let name = [f.as_bytes(), b"\0"].concat();
+            if !cubin.image.windows(name.len()).any(|w| w == name) {
                 problems.push(format!("{path} does not define {f}"));
             }
         }
