@@ -147,26 +147,26 @@ pub(super) fn load(
 ) -> std::result::Result<Loaded, String> {
     let gpu = ctx.ordinal();
     let kernel = src.name;
+    // Whatever the driver says of the cubin, the PTX is tried next: a cubin it cannot take for
+    // a reason not listed (a toolkit newer than it knows) must not cost the kernel, and an
+    // error any image would meet (out of memory) meets the PTX too and is reported from there.
+    let mut tried = String::new();
     if let Some(cubin) = src.cubin_for(cc) {
-        match load_cubin(ctx, src, cubin) {
+        let (why, error) = match load_cubin(ctx, src, cubin) {
             Ok((functions, load)) => {
                 let origin = KernelOrigin::EmbeddedCubin { arch: cubin.arch };
                 tracing::debug!(gpu, kernel, %origin, load_ms = ms(load), "kernel module loaded");
                 return Ok(Loaded { functions, origin });
             }
-            // Whatever the driver says, the PTX is tried next: a cubin it cannot take for a
-            // reason not listed (a toolkit newer than it knows) must not cost the kernel, and
-            // an error any image would meet (out of memory) meets the PTX too and is reported
-            // from there.
-            Err(Failure::Refused(why, error)) => {
-                tracing::warn!(gpu, kernel, arch = cubin.arch, %error,
-                    "the driver refused the embedded machine code ({why}); loading the PTX");
-            }
-            Err(Failure::Failed(error)) => {
-                tracing::warn!(gpu, kernel, arch = cubin.arch, %error,
-                    "loading the embedded machine code failed; loading the PTX");
-            }
-        }
+            Err(Failure::Refused(why, error)) => (why, error),
+            Err(Failure::Failed(error)) => ("it failed", error),
+        };
+        tracing::warn!(gpu, kernel, arch = cubin.arch, %error,
+            "the driver did not load the embedded machine code ({why}); loading the PTX");
+        tried = format!(
+            "the driver did not load the embedded sm_{} machine code ({why}: {error}); ",
+            cubin.arch
+        );
     }
     let refused = match src.ptx_for(cc) {
         Some(ptx) => match load_embedded(ctx, src, ptx) {
@@ -183,7 +183,7 @@ pub(super) fn load(
                     ptx.arch
                 )
             }
-            Err(Failure::Failed(error)) => return Err(error.to_string()),
+            Err(Failure::Failed(error)) => return Err(format!("{tried}{error}")),
         },
         None => {
             tracing::info!(gpu, kernel, compute_capability = %format!("{}.{}", cc.0, cc.1),
@@ -205,7 +205,7 @@ pub(super) fn load(
                 origin: KernelOrigin::Nvrtc,
             })
         }
-        Err(e) => Err(format!("{refused}; and NVRTC's way failed: {e}")),
+        Err(e) => Err(format!("{tried}{refused}; and NVRTC's way failed: {e}")),
     }
 }
 
