@@ -26,7 +26,8 @@ pub(crate) struct CudaStreamBackend {
     /// per call would cost more than the call).
     pub(super) reports: StreamReports,
     /// The caller's context, current again once the stream and its events are destroyed
-    /// (after the fields above; `shared`, below, binds nothing as it goes).
+    /// (the fields above). Declared before `shared`: where this was the device's last
+    /// handle, its context is released after, and is never made current again here.
     restore: super::RestoreOnDrop,
     pub(super) shared: Arc<Shared>,
 }
