@@ -1,20 +1,24 @@
-"""Cold reads of a 4 GiB file into cuda:0 through gpuio under several LocalIO settings (lanes,
-chunk size, slots per lane), against `dd` reading it buffered (one stream, the kernel's
-readahead) and with O_DIRECT, each after the page cache is dropped (needs root). Writes the
-file first where missing.
+"""Cold reads of a 4 GiB file: into cuda:0 through gpuio under several LocalIO settings (lanes,
+chunk size, slots per lane, the pread engine, O_DIRECT) and through kvikio where installed;
+into host memory by `dd` (buffered, one stream with the kernel's readahead, and O_DIRECT) and
+by Python threads reading in the patterns a loader might (4 MiB chunks taken in turn, as
+gpuio's lanes take them, against contiguous ranges per thread). The page cache is dropped
+before each (needs root). Writes the file first where missing.
 
     python cold_settings.py [FILE]
 
-Prints one JSON line per case: GB/s.
+Prints the disk's queue settings, then one JSON line per case: GB/s.
 """
 
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 SIZE = 4 << 30
+CHUNK = 4 << 20
 
 CHILD = r"""
 import sys, time, torch, gpuio
@@ -27,11 +31,64 @@ s.read(f, t)
 print(round(t.numel() / (time.perf_counter() - t0) / 1e9, 2))
 """
 
+KVIKIO = r"""
+import os, sys, time, torch
+os.environ["KVIKIO_NTHREADS"] = sys.argv[2]
+import kvikio
+t = torch.empty(int(sys.argv[3]), dtype=torch.uint8, device="cuda:0")
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+with kvikio.CuFile(sys.argv[1], "r") as f:
+    f.pread(t, t.numel(), 0).get()
+print(round(t.numel() / (time.perf_counter() - t0) / 1e9, 2))
+"""
+
 
 def drop_cache():
     subprocess.run(["sync"], check=True)
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
+
+
+def report(name, value):
+    print(json.dumps({name: value}), flush=True)
+
+
+def child(name, script, *args):
+    drop_cache()
+    r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                       timeout=300)
+    report(name, r.stdout.strip() or r.stderr[-300:])
+
+
+def threads(name, path, ranges, chunk=CHUNK, advice=None):
+    """Each thread preads `chunk` bytes at the offsets its range yields, into its own buffer."""
+    drop_cache()
+    fd = os.open(path, os.O_RDONLY)
+    if advice is not None:
+        os.posix_fadvise(fd, 0, 0, advice)
+
+    def work(offsets):
+        buf = bytearray(chunk)
+        for off in offsets:
+            os.preadv(fd, [buf], off)
+
+    ts = [threading.Thread(target=work, args=(r,)) for r in ranges]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    os.close(fd)
+    report(name, round(SIZE / (time.perf_counter() - t0) / 1e9, 2))
+
+
+def disk_settings(path):
+    dev = os.stat(path).st_dev
+    block = os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    q = block + "/queue" if os.path.isdir(block + "/queue") else os.path.dirname(block) + "/queue"
+    keys = ("read_ahead_kb", "max_sectors_kb", "nr_requests", "scheduler", "rotational")
+    report("disk", {k: open(f"{q}/{k}").read().strip() for k in keys if os.path.exists(f"{q}/{k}")})
 
 
 def main():
@@ -42,24 +99,38 @@ def main():
             for _ in range(SIZE // len(block)):
                 f.write(block)
             os.fsync(f.fileno())
+    disk_settings(path)
+    direct = f"localio://{os.path.abspath(path)}?direct=1"
     cases = [
-        ("default", ""),
-        ("lanes 16", "[localio]\nlanes = 16\n"),
-        ("chunk 16 MiB", '[localio]\nchunk_size = "16 MiB"\n'),
-        ("slots 4", "[localio]\nslots_per_lane = 4\n"),
-        ("default again", ""),
+        ("default", path, ""),
+        ("lanes 16", path, "[localio]\nlanes = 16\n"),
+        ("chunk 16 MiB", path, '[localio]\nchunk_size = "16 MiB"\n'),
+        ("slots 4", path, "[localio]\nslots_per_lane = 4\n"),
+        ("pread engine", path, '[localio]\nengine = "posix"\n'),
+        ("pread engine, lanes 16", path, '[localio]\nengine = "posix"\nlanes = 16\n'),
+        ("O_DIRECT", direct, ""),
+        ("O_DIRECT, slots 4", direct, "[localio]\nslots_per_lane = 4\n"),
     ]
-    for name, toml in cases:
-        drop_cache()
-        r = subprocess.run([sys.executable, "-c", CHILD, path, toml, str(SIZE)],
-                           capture_output=True, text=True, timeout=300)
-        print(json.dumps({name: r.stdout.strip() or r.stderr[-300:]}), flush=True)
+    for name, target, toml in cases:
+        child(name, CHILD, target, toml, str(SIZE))
+    for n in (8, 16):
+        child(f"kvikio {n} threads", KVIKIO, path, str(n), str(SIZE))
     for name, extra in (("dd buffered", []), ("dd O_DIRECT", ["iflag=direct"])):
         drop_cache()
         t0 = time.perf_counter()
         subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M", *extra],
                        capture_output=True, check=True)
-        print(json.dumps({name: round(SIZE / (time.perf_counter() - t0) / 1e9, 2)}), flush=True)
+        report(name, round(SIZE / (time.perf_counter() - t0) / 1e9, 2))
+    for n in (8, 16):
+        threads(f"{n} threads, chunks in turn", path,
+                [range(t * CHUNK, SIZE, n * CHUNK) for t in range(n)])
+        threads(f"{n} threads, contiguous ranges", path,
+                [range(t * SIZE // n, (t + 1) * SIZE // n, CHUNK) for t in range(n)])
+    threads("16 threads, chunks in turn, FADV_SEQUENTIAL", path,
+            [range(t * CHUNK, SIZE, 16 * CHUNK) for t in range(16)],
+            advice=os.POSIX_FADV_SEQUENTIAL)
+    threads("1 thread, 16 MiB reads", path, [range(0, SIZE, 16 << 20)], chunk=16 << 20)
+    child("default again", CHILD, path, "", str(SIZE))
 
 
 if __name__ == "__main__":

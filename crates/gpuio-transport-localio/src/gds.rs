@@ -81,8 +81,9 @@ fn each_chunk(
     abort: &AtomicBool,
     mut io: impl FnMut(&FileHandle, &GdsFile, Chunk) -> Result<()>,
 ) -> Result<()> {
+    let mut claims = plan.worker();
     while !abort.load(Ordering::Relaxed) {
-        let Some((_, c)) = plan.claim() else {
+        let Some((_, c)) = claims.next() else {
             break;
         };
         let (file, reg) = pick(files, gds, &c)?;

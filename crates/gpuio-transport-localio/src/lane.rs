@@ -1,7 +1,7 @@
 //! Lanes of the file↔GPU pipeline. A lane is a thread's worth of work: an IO queue whose
-//! slots are pinned staging buffers, and a GPU stream. Lanes pull chunks of a transfer from a
-//! shared counter; within a lane, reads of later chunks run while earlier ones are DMA'd to the
-//! GPU (and, for writes, DMAs of later chunks while earlier ones are written). A write fills
+//! slots are pinned staging buffers, and a GPU stream. Each lane claims a contiguous run of a
+//! transfer's chunks (`plan.rs`); within a lane, reads of later chunks run while earlier ones
+//! are DMA'd to the GPU (and, for writes, DMAs of later chunks while earlier ones are written). A write fills
 //! a chunk's partial edge blocks from the file first (zeros past its end); the caller trims
 //! any O_DIRECT padding past the end afterwards.
 //!
@@ -250,6 +250,7 @@ impl Lane {
         dmas: &mut Dmas,
     ) -> Result<()> {
         let mut free: Vec<usize> = (0..self.queue.slots()).collect();
+        let mut claims = job.plan.worker();
         let mut reads = 0usize;
         let mut exhausted = false;
         // Reads resumed after a short transfer: where in the IO each resumption starts.
@@ -258,7 +259,7 @@ impl Lane {
             // Slots whose DMA is done come back without waiting.
             self.reclaim(dmas, &mut free, false)?;
             while !exhausted && !abort.load(Ordering::Relaxed) && !free.is_empty() {
-                match job.plan.claim() {
+                match claims.next() {
                     Some((k, c)) => {
                         let slot = free.pop().ok_or_else(no_slot)?;
                         let id = *ids.get(c.file).ok_or_else(no_file)?;
@@ -411,6 +412,7 @@ impl Lane {
         dmas: &mut Dmas,
     ) -> Result<()> {
         let mut free: Vec<usize> = (0..self.queue.slots()).collect();
+        let mut claims = job.plan.worker();
         let mut writes = 0usize;
         let mut exhausted = false;
         // Chunk number of each slot's DMA.
@@ -418,7 +420,7 @@ impl Lane {
         let mut resumed: HashMap<u64, usize> = HashMap::new();
         loop {
             while !exhausted && !abort.load(Ordering::Relaxed) && !free.is_empty() {
-                match job.plan.claim() {
+                match claims.next() {
                     Some((k, c)) => {
                         let slot = free.pop().ok_or_else(no_slot)?;
                         let buf = self.queue.buffer_mut(slot)?;

@@ -445,6 +445,7 @@ impl LocalIo {
             pieces,
             pool.buffer_len() as u64,
             self.config.checksum,
+            self.config.lanes,
         ))
     }
 
@@ -531,7 +532,8 @@ impl LocalIo {
             return self.nvme_read_pieces(files, pieces, dst, dst_offset);
         }
         if let Some(mode) = self.use_gds(files, dst.gpu(), len)? {
-            let plan = Plan::new(files, pieces, self.config.chunk_size as u64, false);
+            let chunk = self.config.chunk_size as u64;
+            let plan = Plan::new(files, pieces, chunk, false, self.config.lanes);
             let regs = gds::register(files, dst.gpu())?;
             let n = plan.count().clamp(1, self.config.lanes);
             self.run_workers(&mut vec![(); n], |(), abort| {
@@ -696,7 +698,8 @@ impl LocalIo {
         if !edges.is_empty() {
             self.write_staged(src, src_offset, files, &edges, Durability::None)?;
         }
-        let plan = Plan::new(files, &bodies, self.config.chunk_size as u64, false);
+        let chunk = self.config.chunk_size as u64;
+        let plan = Plan::new(files, &bodies, chunk, false, self.config.lanes);
         let regs = gds::register(files, src.gpu())?;
         let n = plan.count().clamp(1, self.config.lanes);
         let written = AtomicUsize::new(0);

@@ -1,12 +1,22 @@
 //! How a transfer between file ranges and a device range is cut into chunks: one staging slot
-//! of IO each, over one file or a stripe set of several. Lanes claim chunks from a shared
-//! counter; each chunk says which file, which (aligned) IO covers it, and where its bytes go.
+//! of IO each, over one file or a stripe set of several; each chunk says which file, which
+//! (aligned) IO covers it, and where its bytes go.
+//!
+//! Workers (lanes, cuFile threads) each take a contiguous run of the chunks, front to back,
+//! and an idle one takes the back half of the longest run left. A buffered read of pages the
+//! page cache lacks gets the kernel's readahead only while each reader's offsets ascend: on
+//! the H200 machine a cold 4 GiB read went from 1.21–1.29 GB/s with chunks taken in turn to
+//! 1.59–1.70, and the cached pages it left read back at 46 GB/s instead of 21 (docs/PERF.md,
+//! "Cold reads").
 //!
 //! O_DIRECT: a chunk's IO covers its aligned superset; only the wanted bytes move. Chunk
 //! boundaries inside a file range are aligned, so only a range's first and last chunk can
 //! have partial blocks.
 
 use crate::file::FileHandle;
+use gpuio_hal::sync::MutexExt;
+use std::ops::Range;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 /// A contiguous range of one file and where it sits in the transfer's device range.
@@ -93,20 +103,30 @@ impl Chunk {
     }
 }
 
-/// The chunks of one transfer, in device (logical) order, with the claim counter lanes share
-/// and, when asked for, one crc32c slot per chunk.
+/// The chunks of one transfer, in device (logical) order, the runs its workers claim them
+/// from and, when asked for, one crc32c slot per chunk.
 #[derive(Debug)]
 pub(crate) struct Plan {
     chunks: Vec<Chunk>,
-    next: AtomicUsize,
+    /// Each worker's unclaimed chunks. Claims are a few per millisecond of IO, so one lock
+    /// costs nothing measurable and keeps stealing simple.
+    runs: Mutex<Vec<Range<usize>>>,
+    /// Workers that have started claiming: the next one owns run `joined % runs`.
+    joined: AtomicUsize,
     /// One per chunk when checksums are kept, else none.
     crcs: Option<Vec<AtomicU32>>,
 }
 
 impl Plan {
     /// A plan over `pieces`, in device order; `chunk` bytes of IO at most per chunk, aligned
-    /// as each file needs.
-    pub(crate) fn new(files: &[&FileHandle], pieces: &[Piece], chunk: u64, checksum: bool) -> Self {
+    /// as each file needs; dealt as contiguous runs to up to `workers` workers.
+    pub(crate) fn new(
+        files: &[&FileHandle],
+        pieces: &[Piece],
+        chunk: u64,
+        checksum: bool,
+        workers: usize,
+    ) -> Self {
         let mut chunks = Vec::new();
         for p in pieces {
             let align = files[p.file].required_alignment() as u64;
@@ -121,9 +141,14 @@ impl Plan {
             );
         }
         let crcs = checksum.then(|| chunks.iter().map(|_| AtomicU32::new(0)).collect());
+        let n = workers.clamp(1, chunks.len().max(1));
+        let runs = (0..n)
+            .map(|w| w * chunks.len() / n..(w + 1) * chunks.len() / n)
+            .collect();
         Self {
             chunks,
-            next: AtomicUsize::new(0),
+            runs: Mutex::new(runs),
+            joined: AtomicUsize::new(0),
             crcs,
         }
     }
@@ -136,10 +161,13 @@ impl Plan {
         &self.chunks
     }
 
-    /// The next unclaimed chunk.
-    pub(crate) fn claim(&self) -> Option<(usize, Chunk)> {
-        let k = self.next.fetch_add(1, Ordering::Relaxed);
-        self.chunks.get(k).map(|c| (k, *c))
+    /// A new worker's claims: it owns the next run.
+    pub(crate) fn worker(&self) -> Claims<'_> {
+        let runs = self.runs.lock_unpoisoned().len();
+        Claims {
+            plan: self,
+            run: self.joined.fetch_add(1, Ordering::Relaxed) % runs,
+        }
     }
 
     pub(crate) fn chunk(&self, k: usize) -> Option<Chunk> {
@@ -159,6 +187,42 @@ impl Plan {
         Some(self.chunks.iter().zip(crcs).fold(0, |crc, (c, k)| {
             crc32c::crc32c_combine(crc, k.load(Ordering::Relaxed), c.len)
         }))
+    }
+}
+
+/// One worker's claims on a [`Plan`].
+pub(crate) struct Claims<'a> {
+    plan: &'a Plan,
+    run: usize,
+}
+
+impl Claims<'_> {
+    /// The next chunk: the front of this worker's run, else the middle of the longest run
+    /// left, whose back half becomes this worker's; `None` when every chunk is claimed.
+    pub(crate) fn next(&mut self) -> Option<(usize, Chunk)> {
+        let mut runs = self.plan.runs.lock_unpoisoned();
+        let own = runs.get(self.run)?;
+        let k = if own.is_empty() {
+            let (victim, left) = runs
+                .iter()
+                .enumerate()
+                .map(|(i, r)| (i, r.len()))
+                .max_by_key(|&(_, n)| n)?;
+            if left == 0 {
+                return None;
+            }
+            let end = runs[victim].end;
+            let mid = end - left.div_ceil(2);
+            runs[victim].end = mid;
+            runs[self.run] = mid + 1..end;
+            mid
+        } else {
+            let k = own.start;
+            runs[self.run].start += 1;
+            k
+        };
+        drop(runs);
+        self.plan.chunk(k).map(|c| (k, c))
     }
 }
 
@@ -235,7 +299,7 @@ mod tests {
     fn checksums_combine_in_device_order() {
         let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
         let file = FileHandle::from_file(tempfile::tempfile().unwrap(), "t", false);
-        let plan = Plan::new(&[&file], &end_to_end([(0, 0, 10_000)]), 4096, true);
+        let plan = Plan::new(&[&file], &end_to_end([(0, 0, 10_000)]), 4096, true, 2);
         assert_eq!(plan.count(), 3);
         // Chunks finish out of order; the result does not depend on it.
         for k in [2, 0, 1] {
@@ -244,8 +308,65 @@ mod tests {
         }
         assert_eq!(plan.crc32c(), Some(crc32c::crc32c(&data)));
         let ten = end_to_end([(0, 0, 10)]);
-        assert_eq!(Plan::new(&[&file], &ten, 4096, false).crc32c(), None);
-        assert_eq!(Plan::new(&[&file], &[], 4096, true).crc32c(), Some(0));
+        assert_eq!(Plan::new(&[&file], &ten, 4096, false, 1).crc32c(), None);
+        assert_eq!(Plan::new(&[&file], &[], 4096, true, 8).crc32c(), Some(0));
+    }
+
+    fn plan(chunks: u64, workers: usize) -> Plan {
+        let file = FileHandle::from_file(tempfile::tempfile().unwrap(), "t", false);
+        Plan::new(
+            &[&file],
+            &end_to_end([(0, 0, chunks * 10)]),
+            10,
+            false,
+            workers,
+        )
+    }
+
+    #[test]
+    fn workers_read_contiguous_runs_and_the_idle_split_the_longest() {
+        let p = plan(10, 3);
+        let (mut a, mut b, mut c) = (p.worker(), p.worker(), p.worker());
+        let take = |w: &mut Claims<'_>| w.next().map(|(k, c)| (k, c.dev_off / 10));
+        // Runs 0..3, 3..6, 6..10, each front to back.
+        assert_eq!(take(&mut a), Some((0, 0)));
+        assert_eq!(take(&mut b), Some((3, 3)));
+        assert_eq!(take(&mut c), Some((6, 6)));
+        assert_eq!(take(&mut a), Some((1, 1)));
+        assert_eq!(take(&mut a), Some((2, 2)));
+        // `a` is out: it takes the back half of the longest run left (c's 7..10).
+        assert_eq!(take(&mut a), Some((8, 8)));
+        assert_eq!(take(&mut a), Some((9, 9)));
+        assert_eq!(take(&mut c), Some((7, 7)));
+        // Left: b's 4..6. `c` splits it; the last one goes to whoever asks first.
+        assert_eq!(take(&mut c), Some((5, 5)));
+        assert_eq!(take(&mut a), Some((4, 4)));
+        for w in [&mut a, &mut b, &mut c] {
+            assert_eq!(take(w), None);
+        }
+        // A worker past the runs shares one; an empty plan has nothing to claim.
+        assert_eq!(p.worker().next(), None);
+        assert_eq!(plan(0, 4).worker().next(), None);
+    }
+
+    #[test]
+    fn every_chunk_is_claimed_once_by_racing_workers() {
+        let p = plan(5000, 8);
+        let claimed: Vec<Vec<usize>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..5)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut w = p.worker();
+                        std::iter::from_fn(|| w.next().map(|(k, _)| k)).collect()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        // Three of the eight runs had no worker of their own: the five took them over.
+        let mut all: Vec<usize> = claimed.concat();
+        all.sort_unstable();
+        assert_eq!(all, (0..5000).collect::<Vec<_>>());
     }
 
     #[test]

@@ -1,0 +1,64 @@
+"""Two gpuio builds on one machine, alternating in fresh processes: a 4 GiB file read into
+cuda:0 warm (the process's first read, from `import gpuio`, then its second), and cold (page
+cache dropped first: needs root; then the next read of the same file, now cached). Each build
+is a directory its wheel was installed into (`pip install --target DIR`).
+
+    python wheel_ab.py DIR_A DIR_B [ROUNDS] [FILE]
+
+Prints one line per process: the build, the case, and GB/s of both reads.
+"""
+
+import os
+import subprocess
+import sys
+
+SIZE = 4 << 30
+
+CHILD = r"""
+import sys, time, torch
+t = torch.empty(int(sys.argv[2]), dtype=torch.uint8, device="cuda:0")
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+import gpuio
+s = gpuio.Session()
+s.read(s.open(sys.argv[1]), t)
+t1 = time.perf_counter()
+s.read(s.open(sys.argv[1]), t)
+t2 = time.perf_counter()
+print(round(t.numel() / (t1 - t0) / 1e9, 2), round(t.numel() / (t2 - t1) / 1e9, 2))
+"""
+
+
+def read(build, path, cold):
+    if cold:
+        subprocess.run(["sync"], check=True)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    env = dict(os.environ, PYTHONPATH=build)
+    r = subprocess.run([sys.executable, "-c", CHILD, path, str(SIZE)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    case = "cold, then cached" if cold else "warm first, second"
+    print(f"{build} {case}: {r.stdout.strip() or r.stderr[-300:]}", flush=True)
+
+
+def main():
+    a, b = sys.argv[1], sys.argv[2]
+    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 6
+    path = sys.argv[4] if len(sys.argv) > 4 else "/tmp/wheel_ab.bin"
+    if not os.path.exists(path) or os.path.getsize(path) != SIZE:
+        block = os.urandom(16 << 20)
+        with open(path, "wb") as f:
+            for _ in range(SIZE // len(block)):
+                f.write(block)
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+    for _ in range(rounds):
+        for build in (a, b):
+            read(build, path, cold=False)
+    for build in (b, a, b, a):
+        read(build, path, cold=True)
+
+
+if __name__ == "__main__":
+    main()
