@@ -405,6 +405,32 @@ def test_calls_on_another_gpu_leave_the_callers_device(s, data_file):
     assert torch.empty(1, device="cuda").device.index == 0
 
 
+def test_closing_a_session_that_used_another_gpu_leaves_the_callers_device(data_file):
+    """A session's teardown unloads its kernels and releases each GPU's context, GPU 1's
+    last here, and each binds its context to the thread to do so; the caller's is current
+    again afterwards."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    import gc
+
+    path, data = data_file
+    torch.cuda.set_device(0)
+    on0 = torch.empty(len(data), dtype=torch.uint8, device="cuda:0")
+    on1 = torch.empty(len(data), dtype=torch.uint8, device="cuda:1")
+    own = gpuio.Session()
+    own.read(own.open(path), on0)
+    own.read(own.open(path), on1)
+    pool = own.alloc_host(64 * 16)
+    out = torch.empty(2, 64, dtype=torch.uint8, device="cuda:1")
+    own.gather(pool, [1, 0], out)  # loads a kernel module on GPU 1
+    assert torch.cuda.current_device() == 0
+    del own, pool
+    gc.collect()
+    assert torch.cuda.current_device() == 0
+    assert torch.empty(1, device="cuda").device.index == 0
+    assert torch.equal(on1.cpu(), torch.from_numpy(data))
+
+
 def test_a_session_makes_contexts_only_on_the_gpus_it_uses(tmp_path):
     """A fresh process's session on a machine of several GPUs makes no CUDA context until a
     GPU is used, then only that GPU's (another's costs ~0.15 s and memory on that GPU);

@@ -43,13 +43,16 @@ pub(super) struct Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
+        let modules = std::mem::take(self.modules.get_mut_unpoisoned());
+        let ctx = self.ctx.take();
         if super::probe::driver_forked() {
             // The context and the modules loaded in it are the parent's: never released here.
-            if let Some(ctx) = self.ctx.get() {
-                std::mem::forget(Arc::clone(ctx));
-            }
-            std::mem::forget(std::mem::take(self.modules.get_mut_unpoisoned()));
+            std::mem::forget((modules, ctx));
+            return;
         }
+        // Unloading a module or releasing the context binds it; the caller's stays current.
+        let own = ctx.as_ref().map(|c| (self.device, c.cu_ctx() as usize));
+        super::releasing(own.as_slice(), || drop((modules, ctx)));
     }
 }
 
@@ -111,12 +114,17 @@ impl DeviceSet {
 
 impl Drop for DeviceSet {
     fn drop(&mut self) {
+        let contexts = std::mem::take(&mut self.opened.get_mut_unpoisoned().contexts);
         if super::probe::driver_forked() {
             // The parent's contexts: never released here.
-            std::mem::forget(std::mem::take(
-                &mut self.opened.get_mut_unpoisoned().contexts,
-            ));
+            std::mem::forget(contexts);
+            return;
         }
+        let released: Vec<_> = contexts
+            .iter()
+            .map(|(_, device, ctx)| (*device, ctx.cu_ctx() as usize))
+            .collect();
+        super::releasing(&released, || drop(contexts));
     }
 }
 

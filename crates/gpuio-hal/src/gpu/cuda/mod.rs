@@ -71,7 +71,8 @@ pub(crate) fn without_context<R>(f: impl FnOnce() -> R) -> R {
 ///
 /// `prev` was current on this thread when the caller took it, and whoever made it current,
 /// up this thread's stack, keeps it alive meanwhile (gpuio destroys a context only when its
-/// last device handle goes, and the callers never drop one between taking and restoring).
+/// last device handle goes, and the callers never drop one between taking and restoring;
+/// [`releasing`], which does, checks first).
 fn make_current_again(prev: cudarc::driver::sys::CUcontext) {
     if driver::ctx_current().is_ok_and(|now| now == prev) {
         return;
@@ -106,28 +107,48 @@ pub(crate) fn keeping_context<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Runs `f`, which releases the primary contexts of `released` (devices and their context
+/// handles; a cudarc context binds itself to release), then makes the thread's previous context
+/// current again, unless that was one of them and it is gone (no one else retained it): then
+/// no context is left current rather than a dead one.
+pub(super) fn releasing(released: &[(cudarc::driver::sys::CUdevice, usize)], f: impl FnOnce()) {
+    let Some(prev) = current_context() else {
+        return f();
+    };
+    f();
+    let dead = released.iter().any(|&(device, ctx)| {
+        ctx == prev as usize && !matches!(driver::primary_context_active(device), Ok(true))
+    });
+    if !dead {
+        return make_current_again(prev);
+    }
+    // SAFETY: null means no context.
+    if let Err(e) = unsafe { driver::ctx_set_current(std::ptr::null_mut()) } {
+        tracing::warn!(error = %e, "could not unset a released CUDA context");
+    }
+}
+
 /// [`keeping_context`] for a type's whole drop, its fields' included (a cudarc stream or
 /// event binds its context to destroy itself): declared after the fields it covers and
 /// [`armed`](Self::arm) in the owner's `Drop`, it makes the context that was current then
 /// current again once they are gone.
 #[derive(Default)]
 pub(super) struct RestoreOnDrop {
-    /// The context to restore plus one (0: not armed; null is a context to restore too).
-    ctx: std::sync::atomic::AtomicUsize,
+    /// The context to restore, as an address (a `CUcontext` is not `Send`); `None` until
+    /// armed, and null is a context to restore too.
+    ctx: Option<usize>,
 }
 
 impl RestoreOnDrop {
     /// Remembers the context current now, to make it current again when this drops.
     pub(super) fn arm(&mut self) {
-        if let Some(prev) = current_context() {
-            *self.ctx.get_mut() = prev as usize + 1;
-        }
+        self.ctx = current_context().map(|prev| prev as usize);
     }
 }
 
 impl Drop for RestoreOnDrop {
     fn drop(&mut self) {
-        if let Some(ctx) = self.ctx.get_mut().checked_sub(1) {
+        if let Some(ctx) = self.ctx {
             make_current_again(ctx as cudarc::driver::sys::CUcontext);
         }
     }
