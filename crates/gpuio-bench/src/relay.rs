@@ -5,7 +5,7 @@
 //! beside the scheduler, so that the scheduler's own share of its overhead is measured on the
 //! machine that runs it: what crossing between two cores costs there is the floor.
 
-use gpuio_core::{Endpoint, Engines};
+use gpuio_core::{CoreError, Endpoint, Engines};
 use gpuio_hal::sync::MutexExt;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -18,11 +18,13 @@ const DONE: u8 = 2;
 const FAILED: u8 = 3;
 const STOP: u8 = 4;
 
-/// One job at a time: its state word and the endpoints, on one cache line.
+/// One job at a time: its state word and the endpoints, on one cache line, and why the last
+/// one failed.
 #[repr(align(64))]
 struct Slot {
     state: AtomicU8,
     job: Mutex<Option<(Endpoint, Endpoint, usize)>>,
+    failure: Mutex<Option<CoreError>>,
 }
 
 /// A thread that runs engine calls handed to it ([`Relay::run`]); it spins while it lives.
@@ -37,6 +39,7 @@ impl Relay {
         let slot = Arc::new(Slot {
             state: AtomicU8::new(IDLE),
             job: Mutex::new(None),
+            failure: Mutex::new(None),
         });
         let s = slot.clone();
         let thread = std::thread::Builder::new()
@@ -48,14 +51,23 @@ impl Relay {
                             let job = s.job.lock_unpoisoned().take();
                             // A panicking engine fails the call rather than leave `run`
                             // spinning on a thread that is gone.
-                            let ok = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                                job.is_some_and(|(src, dst, len)| {
-                                    engines.execute(&src, &dst, len).is_ok()
-                                })
+                            let done = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                                let (src, dst, len) = job.ok_or_else(|| {
+                                    CoreError::Internal("a relay job without endpoints".into())
+                                })?;
+                                engines.execute(&src, &dst, len).map(drop)
                             }))
-                            .unwrap_or(false);
-                            s.state
-                                .store(if ok { DONE } else { FAILED }, Ordering::Release);
+                            .unwrap_or_else(|_| {
+                                Err(CoreError::Internal("the engine call panicked".into()))
+                            });
+                            let state = match done {
+                                Ok(()) => DONE,
+                                Err(e) => {
+                                    *s.failure.lock_unpoisoned() = Some(e);
+                                    FAILED
+                                }
+                            };
+                            s.state.store(state, Ordering::Release);
                         }
                         STOP => return,
                         _ => std::hint::spin_loop(),
@@ -69,8 +81,9 @@ impl Relay {
     }
 
     /// Hands `len` bytes from `src` to `dst` to the thread and spins until it has run them;
-    /// whether the engine call succeeded. One call at a time (`&mut`): the slot holds one job.
-    pub fn run(&mut self, src: Endpoint, dst: Endpoint, len: usize) -> bool {
+    /// the engine call's error where it failed. One call at a time (`&mut`): the slot holds
+    /// one job.
+    pub fn run(&mut self, src: Endpoint, dst: Endpoint, len: usize) -> Result<(), CoreError> {
         *self.slot.job.lock_unpoisoned() = Some((src, dst, len));
         self.slot.state.store(JOB, Ordering::Release);
         let end = loop {
@@ -79,8 +92,13 @@ impl Relay {
                 s => break s,
             }
         };
+        let failure = self.slot.failure.lock_unpoisoned().take();
         self.slot.state.store(IDLE, Ordering::Release);
-        end == DONE
+        match (end, failure) {
+            (DONE, _) => Ok(()),
+            (_, Some(e)) => Err(e),
+            (_, None) => Err(CoreError::Internal("the relay stopped".into())),
+        }
     }
 }
 
@@ -111,10 +129,18 @@ mod tests {
         let (src, dst) = (mem(7), mem(0));
         let mut relay = Relay::start(session.engines().clone()).unwrap();
         for off in [0, 4096] {
-            assert!(relay.run(Endpoint::host(&src, off), Endpoint::host(&dst, off), 4096));
+            relay
+                .run(Endpoint::host(&src, off), Endpoint::host(&dst, off), 4096)
+                .unwrap();
         }
         assert!(dst.read().iter().all(|&b| b == 7));
-        // A call past the end fails, and is reported so.
-        assert!(!relay.run(Endpoint::host(&src, 8192), Endpoint::host(&dst, 0), 4096));
+        // A call past the end fails with the engine's own error; the relay runs on.
+        let e = relay
+            .run(Endpoint::host(&src, 8192), Endpoint::host(&dst, 0), 4096)
+            .unwrap_err();
+        assert!(!matches!(e, CoreError::Internal(_)), "{e}");
+        relay
+            .run(Endpoint::host(&dst, 0), Endpoint::host(&src, 0), 8192)
+            .unwrap();
     }
 }

@@ -377,9 +377,7 @@ fn relay_latency(
             // Cloned outside the clock, as the scheduler's requests are made outside it.
             let (s, d) = (s.clone(), d.clone());
             let t = Instant::now();
-            if !relay.run(s, d, SMALL) {
-                return Err(BenchError::Options("a relayed request failed".into()));
-            }
+            relay.run(s, d, SMALL).map_err(err)?;
             relayed.push(t.elapsed());
         }
     }
