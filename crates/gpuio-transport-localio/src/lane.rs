@@ -1,9 +1,9 @@
 //! Lanes of the file↔GPU pipeline. A lane is a thread's worth of work: an IO queue whose
 //! slots are pinned staging buffers, and a GPU stream. Each lane claims a contiguous run of a
 //! transfer's chunks (`plan.rs`); within a lane, reads of later chunks run while earlier ones
-//! are DMA'd to the GPU (and, for writes, DMAs of later chunks while earlier ones are written). A write fills
-//! a chunk's partial edge blocks from the file first (zeros past its end); the caller trims
-//! any O_DIRECT padding past the end afterwards.
+//! are DMA'd to the GPU (and, for writes, DMAs of later chunks while earlier ones are
+//! written). A write fills a chunk's partial edge blocks from the file first (zeros past its
+//! end); the caller trims any O_DIRECT padding past the end afterwards.
 //!
 //! The staging slots come from the session's [`StagingPool`] (shared with MemIO, which bounds
 //! their pinned bytes together): a lane leases them once, when it is made, registers them with
