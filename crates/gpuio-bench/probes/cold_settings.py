@@ -2,7 +2,8 @@
 chunk size, slots per lane, the pread engine, O_DIRECT) and through kvikio where installed;
 into host memory by `dd` (buffered, one stream with the kernel's readahead, and O_DIRECT) and
 by Python threads reading in the patterns a loader might (4 MiB chunks taken in turn, as
-gpuio's lanes take them, against contiguous ranges per thread). The page cache is dropped
+gpuio's lanes took them before each read a contiguous run, against contiguous ranges per
+thread). The page cache is dropped
 before each (needs root). Writes the file first where missing.
 
     python cold_settings.py [FILE]

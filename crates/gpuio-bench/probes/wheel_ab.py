@@ -34,7 +34,8 @@ def read(build, path, cold):
         subprocess.run(["sync"], check=True)
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
-    env = dict(os.environ, PYTHONPATH=build)
+    path_now = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [build, path_now])))
     r = subprocess.run([sys.executable, "-c", CHILD, path, str(SIZE)], env=env,
                        capture_output=True, text=True, timeout=300)
     case = "cold, then cached" if cold else "warm first, second"

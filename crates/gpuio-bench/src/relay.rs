@@ -18,8 +18,8 @@ const DONE: u8 = 2;
 const FAILED: u8 = 3;
 const STOP: u8 = 4;
 
-/// One job at a time: its state word and the endpoints, on one cache line, and why the last
-/// one failed.
+/// One job at a time: its state word and the endpoints, and why the last one failed (read
+/// only after a failure).
 #[repr(align(64))]
 struct Slot {
     state: AtomicU8,
@@ -92,12 +92,13 @@ impl Relay {
                 s => break s,
             }
         };
-        let failure = self.slot.failure.lock_unpoisoned().take();
+        // Only a failure takes the lock: a success stays the bare hand-off and back.
+        let failure = (end != DONE).then(|| self.slot.failure.lock_unpoisoned().take());
         self.slot.state.store(IDLE, Ordering::Release);
-        match (end, failure) {
-            (DONE, _) => Ok(()),
-            (_, Some(e)) => Err(e),
-            (_, None) => Err(CoreError::Internal("the relay stopped".into())),
+        match failure {
+            None => Ok(()),
+            Some(Some(e)) => Err(e),
+            Some(None) => Err(CoreError::Internal("the relay stopped".into())),
         }
     }
 }
