@@ -178,4 +178,37 @@ mod tests {
         assert!(inside.is_null());
         assert_eq!(super::driver::ctx_current().unwrap(), before);
     }
+
+    /// On a CUDA machine: a probe's devices going (their modules unloaded, their contexts
+    /// released, each bound to do so) leave the caller's context current where it lives on,
+    /// and never a context that is gone.
+    #[test]
+    fn dropping_devices_leaves_a_live_context_or_none() {
+        let (keep, gone) = match (
+            probe(BackendPreference::Cuda),
+            probe(BackendPreference::Cuda),
+        ) {
+            (Ok(a), Ok(b)) => (a.gpus, b.gpus),
+            (Err(e), _) | (_, Err(e)) => {
+                eprintln!("skipped: {e}");
+                return;
+            }
+        };
+        let device = super::driver::device_get(0).unwrap();
+        // Both probes hold GPU 0's primary context: the kept one's stays current.
+        keep[0].bind_thread().unwrap();
+        gone[0].bind_thread().unwrap();
+        let ctx = super::driver::ctx_current().unwrap();
+        drop(gone);
+        assert_eq!(super::driver::ctx_current().unwrap(), ctx);
+        // The last holder in this test goes: the context stays current only if another test
+        // of this process still holds it.
+        drop(keep);
+        let now = super::driver::ctx_current().unwrap();
+        let live = super::driver::primary_context_active(device).unwrap();
+        assert!(
+            now.is_null() || (now == ctx && live),
+            "a released context is current"
+        );
+    }
 }
