@@ -76,8 +76,18 @@ impl Drop for CudaEventBackend {
             std::mem::forget(self.event.take());
             return;
         }
-        if let (Some(event), Some(pool)) = (self.event.take(), self.pool.upgrade()) {
-            pool.list(self.timing).lock_unpoisoned().push(event);
+        let Some(event) = self.event.take() else {
+            return;
+        };
+        match self.pool.upgrade() {
+            Some(pool) => pool.list(self.timing).lock_unpoisoned().push(event),
+            // Its stream is gone: destroying it binds its context (the last holder of the
+            // context releases it), so the caller's goes back after.
+            None => {
+                let ctx = event.context();
+                let released = [(ctx.cu_device(), ctx.cu_ctx() as usize)];
+                super::releasing(&released, || drop(event));
+            }
         }
     }
 }

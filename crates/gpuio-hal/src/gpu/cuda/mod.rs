@@ -179,6 +179,28 @@ mod tests {
         assert_eq!(super::driver::ctx_current().unwrap(), before);
     }
 
+    /// On a CUDA machine: an event dropped after its stream is destroyed, not pooled, which
+    /// binds its context; the caller's (here none) is current again after.
+    #[test]
+    fn an_event_dropped_after_its_stream_leaves_the_callers_context() {
+        let gpus = match probe(BackendPreference::Cuda) {
+            Ok(p) => p.gpus,
+            Err(e) => {
+                eprintln!("skipped: {e}");
+                return;
+            }
+        };
+        let stream = gpus[0].stream().unwrap();
+        let event = stream.record_event().unwrap();
+        event.synchronize().unwrap();
+        drop(stream);
+        let after = super::without_context(|| {
+            drop(event);
+            super::driver::ctx_current().unwrap()
+        });
+        assert!(after.is_null(), "the event's context was left current");
+    }
+
     /// On a CUDA machine: a probe's devices going (their modules unloaded, their contexts
     /// released, each bound to do so) leave the caller's context current where it lives on,
     /// and never a context that is gone.
