@@ -1,11 +1,12 @@
 """Two gpuio builds on one machine, alternating in fresh processes: a 4 GiB file read into
 cuda:0 warm (the process's first read, from `import gpuio`, then its second), and cold (page
-cache dropped first: needs root; then the next read of the same file, now cached). Each build
-is a directory its wheel was installed into (`pip install --target DIR`).
+cache dropped first: needs root; then the next read of the same file, now cached); then 4 GiB
+of cuda:0 written to a new file, durable. Each build is a directory its wheel was installed
+into (`pip install --target DIR`).
 
     python wheel_ab.py DIR_A DIR_B [ROUNDS] [FILE]
 
-Prints one line per process: the build, the case, and GB/s of both reads.
+Prints one line per process: the build, the case, and GB/s (of both reads, or the write).
 """
 
 import os
@@ -28,18 +29,45 @@ t2 = time.perf_counter()
 print(round(t.numel() / (t1 - t0) / 1e9, 2), round(t.numel() / (t2 - t1) / 1e9, 2))
 """
 
+WRITE = r"""
+import sys, time, torch
+t = torch.randint(0, 256, (int(sys.argv[2]),), dtype=torch.uint8, device="cuda:0")
+torch.cuda.synchronize()
+import gpuio
+s = gpuio.Session()
+f = s.open(sys.argv[1], write=True)
+t0 = time.perf_counter()
+s.write(f, t, durable=True)
+print(round(t.numel() / (time.perf_counter() - t0) / 1e9, 2))
+"""
+
+
+def child(build, script, *args):
+    path_now = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [build, path_now])))
+    r = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                       text=True, timeout=300)
+    return r.stdout.strip() or r.stderr[-300:]
+
+
+def drop_cache():
+    subprocess.run(["sync"], check=True)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
 
 def read(build, path, cold):
     if cold:
-        subprocess.run(["sync"], check=True)
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    path_now = os.environ.get("PYTHONPATH")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [build, path_now])))
-    r = subprocess.run([sys.executable, "-c", CHILD, path, str(SIZE)], env=env,
-                       capture_output=True, text=True, timeout=300)
+        drop_cache()
     case = "cold, then cached" if cold else "warm first, second"
-    print(f"{build} {case}: {r.stdout.strip() or r.stderr[-300:]}", flush=True)
+    print(f"{build} {case}: {child(build, CHILD, path, str(SIZE))}", flush=True)
+
+
+def write(build, path):
+    if os.path.exists(path):
+        os.remove(path)
+    drop_cache()
+    print(f"{build} write, durable: {child(build, WRITE, path, str(SIZE))}", flush=True)
 
 
 def main():
@@ -59,6 +87,10 @@ def main():
             read(build, path, cold=False)
     for build in (b, a, b, a):
         read(build, path, cold=True)
+    for _ in range(3):
+        for build in (a, b):
+            write(build, path + ".written")
+    os.remove(path + ".written")
 
 
 if __name__ == "__main__":
