@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 
+from scratch import drop_cache, random_file
+
 SIZE = 4 << 30
 CHUNK = 4 << 20
 
@@ -42,12 +44,6 @@ with kvikio.CuFile(sys.argv[1], "r") as f:
     f.pread(t, t.numel(), 0).get()
 print(round(t.numel() / (time.perf_counter() - t0) / 1e9, 2))
 """
-
-
-def drop_cache():
-    subprocess.run(["sync"], check=True)
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def report(name, value):
@@ -94,12 +90,7 @@ def disk_settings(path):
 
 def main():
     path = sys.argv[1] if len(sys.argv) > 1 else "/tmp/cold_settings.bin"
-    if not os.path.exists(path) or os.path.getsize(path) != SIZE:
-        block = os.urandom(16 << 20)
-        with open(path, "wb") as f:
-            for _ in range(SIZE // len(block)):
-                f.write(block)
-            os.fsync(f.fileno())
+    random_file(path, SIZE)
     disk_settings(path)
     direct = f"localio://{os.path.abspath(path)}?direct=1"
     cases = [

@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 
+from scratch import random_file
+
 READS = r"""
 import json, os, sys, threading, time, torch
 path, ndev, toml = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -87,10 +89,7 @@ print(json.dumps(out))
 def main():
     scratch = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
     path = os.path.join(scratch, "two_gpu_first.bin")
-    with open(path, "wb") as f:
-        block = os.urandom(16 << 20)
-        for _ in range(256):
-            f.write(block)
+    random_file(path, 4 << 30)
     staged = '[localio]\npage_cache = "off"\n'
     for name, toml in (("4 MiB chunks", staged), ("2 MiB chunks", staged + 'chunk_size = "2 MiB"\n')):
         for ndev in (1, 2):

@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+from scratch import drop_cache, random_file
+
 SIZE = 4 << 30
 
 CHILD = r"""
@@ -50,12 +52,6 @@ def child(build, script, *args):
     return r.stdout.strip() or r.stderr[-300:]
 
 
-def drop_cache():
-    subprocess.run(["sync"], check=True)
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
 def read(build, path, cold):
     if cold:
         drop_cache()
@@ -74,11 +70,7 @@ def main():
     a, b = sys.argv[1], sys.argv[2]
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 6
     path = sys.argv[4] if len(sys.argv) > 4 else "/tmp/wheel_ab.bin"
-    if not os.path.exists(path) or os.path.getsize(path) != SIZE:
-        block = os.urandom(16 << 20)
-        with open(path, "wb") as f:
-            for _ in range(SIZE // len(block)):
-                f.write(block)
+    random_file(path, SIZE)
     with open(path, "rb") as f:
         while f.read(64 << 20):
             pass
