@@ -77,15 +77,16 @@ impl Failure {
     }
 }
 
-/// Loads PTX text or a cubin and looks up every function of `src`, timing both.
-fn load_ptx(
+/// Loads an image (PTX text or a cubin; cudarc's `Ptx` carries either) and looks up every
+/// function of `src`, timing both.
+fn load_image(
     ctx: &Arc<CudaContext>,
     src: &KernelSource,
-    ptx: Ptx,
+    image: Ptx,
 ) -> std::result::Result<(Vec<CudaFunction>, Duration), Failure> {
     let start = Instant::now();
     let module = ctx
-        .load_module(ptx)
+        .load_module(image)
         .map_err(|e| Failure::from_driver("cuModuleLoadData", e))?;
     let functions = src
         .functions
@@ -109,7 +110,7 @@ fn load_embedded(
             HalError::InvalidArgument(format!("{}'s compute_{} PTX", src.name, ptx.arch)),
         ));
     }
-    load_ptx(ctx, src, Ptx::from_src(ptx.text))
+    load_image(ctx, src, Ptx::from_src(ptx.text))
 }
 
 /// The driver loading an embedded cubin.
@@ -118,7 +119,7 @@ fn load_cubin(
     src: &KernelSource,
     cubin: &EmbeddedCubin,
 ) -> std::result::Result<(Vec<CudaFunction>, Duration), Failure> {
-    load_ptx(ctx, src, Ptx::from_binary(cubin.image.to_vec()))
+    load_image(ctx, src, Ptx::from_binary(cubin.image.to_vec()))
 }
 
 /// NVRTC compiling the source for `cc`, then the driver loading its PTX; the compile's and the
@@ -131,7 +132,7 @@ fn load_nvrtc(
     let start = Instant::now();
     let ptx = super::compile_ptx(src, Some(cc))?;
     let compile = start.elapsed();
-    let (functions, load) = load_ptx(ctx, src, ptx).map_err(|f| match f {
+    let (functions, load) = load_image(ctx, src, ptx).map_err(|f| match f {
         Failure::Refused(_, e) | Failure::Failed(e) => e,
     })?;
     Ok((functions, compile, load))
