@@ -138,9 +138,9 @@ fn load_nvrtc(
     Ok((functions, compile, load))
 }
 
-/// Loads `src` for use: its embedded PTX where one fits the device and the driver takes it,
-/// NVRTC otherwise. The error is a message (the device keeps it for later callers) naming what
-/// each way tried met.
+/// Loads `src` for use, the first way that serves (the module's comment): its embedded machine
+/// code, its embedded PTX, NVRTC. The error is a message (the device keeps it for later
+/// callers) naming what each way tried met.
 pub(super) fn load(
     ctx: &Arc<CudaContext>,
     cc: (u32, u32),
