@@ -195,8 +195,15 @@ pub struct LoadedCheckpoint {
 }
 
 /// Loads the safetensors checkpoint at `path` onto GPU `gpu` of `session`: its header
-/// checked first, then all its data in one read through LocalIO.
-pub fn load_to_device(session: &crate::Session, path: &Path, gpu: u32) -> Result<LoadedCheckpoint> {
+/// checked first, then all its data in one read through LocalIO, of the file opened with
+/// `open` (`OpenOptions::READ`, or `.direct()` to read past the page cache: faster from a
+/// disk on some machines, but the next load reads the disk again).
+pub fn load_to_device(
+    session: &crate::Session,
+    path: &Path,
+    gpu: u32,
+    open: crate::OpenOptions,
+) -> Result<LoadedCheckpoint> {
     let header = SafetensorsHeader::read(path)?;
     let len = usize::try_from(header.data_len()).map_err(|_| Error::Safetensors {
         path: escape_path(path),
@@ -204,7 +211,7 @@ pub fn load_to_device(session: &crate::Session, path: &Path, gpu: u32) -> Result
     })?;
     let data = session.alloc_device(gpu, len.max(1))?;
     if len > 0 {
-        let file = session.open_file(path, crate::OpenOptions::READ)?;
+        let file = session.open_file(path, open)?;
         session
             .localio()
             .read_to_device(&file, header.data_start, &data, 0, len)?;
@@ -318,19 +325,35 @@ mod tests {
         bytes.extend_from_slice(&data);
         std::fs::write(f.path(), bytes).unwrap();
         let s = crate::Session::new(crate::Config::default()).unwrap();
-        let got = load_to_device(&s, f.path(), 0).unwrap();
-        let mut back = vec![0u8; 23];
-        s.gpu(0)
-            .unwrap()
-            .stream()
-            .unwrap()
-            .download(&got.data, 0, &mut back)
-            .unwrap();
-        assert_eq!(back, data);
-        assert_eq!(got.header.tensor("b").unwrap().bytes, 3..23);
+        // Buffered, and with O_DIRECT (the data starts and ends off any block boundary),
+        // where the file system takes it (asked of the kernel, not of the code under test).
+        let takes_direct = {
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut o = std::fs::OpenOptions::new();
+            o.read(true).custom_flags(libc::O_DIRECT).open(f.path())
+        };
+        for open in [crate::OpenOptions::READ, crate::OpenOptions::READ.direct()] {
+            if let (true, Err(e)) = (open.direct, &takes_direct) {
+                gpuio_testkit::Requirement::ODirect.missing(format_args!(
+                    "the file system of {} refuses O_DIRECT: {e}",
+                    f.path().display()
+                ));
+                continue;
+            }
+            let got = load_to_device(&s, f.path(), 0, open).unwrap();
+            let mut back = vec![0u8; 23];
+            s.gpu(0)
+                .unwrap()
+                .stream()
+                .unwrap()
+                .download(&got.data, 0, &mut back)
+                .unwrap();
+            assert_eq!(back, data, "{open:?}");
+            assert_eq!(got.header.tensor("b").unwrap().bytes, 3..23);
+        }
         std::fs::write(f.path(), &std::fs::read(f.path()).unwrap()[..40]).unwrap();
         assert!(matches!(
-            load_to_device(&s, f.path(), 0),
+            load_to_device(&s, f.path(), 0, crate::OpenOptions::READ),
             Err(Error::Safetensors { .. })
         ));
     }

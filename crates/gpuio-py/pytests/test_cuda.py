@@ -197,17 +197,20 @@ def test_safetensors_loads_equal_safetensors_own_on_the_gpu(s, tmp_path):
     }
     path = str(tmp_path / "m.safetensors")
     st_save(tensors, path, metadata={"format": "pt"})
-    ours, theirs = gst.load_file(path, device="cuda:0", session=s), st_load(path, device="cuda:0")
-    assert list(ours) == sorted(theirs)
-    for name, t in theirs.items():
-        assert ours[name].device == t.device and ours[name].dtype == t.dtype
-        assert ours[name].shape == t.shape
-        as_bytes = [x.reshape(-1).view(torch.uint8) for x in (ours[name], t)]  # scalars too
-        assert torch.equal(*as_bytes), name
-    with gst.safe_open(path, framework="pt", device="cuda:0", session=s) as f:
-        assert f.metadata() == {"format": "pt"}
-        assert torch.equal(f.get_tensor("bf16").cpu(), tensors["bf16"])
-        assert torch.equal(f.get_slice("rows")[100:164].cpu(), tensors["rows"][100:164])
+    theirs = st_load(path, device="cuda:0")
+    for direct in (False, True):  # buffered, and O_DIRECT
+        ours = gst.load_file(path, device="cuda:0", session=s, direct=direct)
+        assert list(ours) == sorted(theirs)
+        for name, t in theirs.items():
+            assert ours[name].device == t.device and ours[name].dtype == t.dtype
+            assert ours[name].shape == t.shape
+            as_bytes = [x.reshape(-1).view(torch.uint8) for x in (ours[name], t)]  # scalars
+            assert torch.equal(*as_bytes), (name, direct)
+        with gst.safe_open(path, framework="pt", device="cuda:0", session=s,
+                           direct=direct) as f:
+            assert f.metadata() == {"format": "pt"}
+            assert torch.equal(f.get_tensor("bf16").cpu(), tensors["bf16"])
+            assert torch.equal(f.get_slice("rows")[100:164].cpu(), tensors["rows"][100:164])
 
 
 def test_safetensors_offset_unsuited_to_the_element_size_on_the_gpu(s, tmp_path):

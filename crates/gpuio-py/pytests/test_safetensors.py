@@ -54,6 +54,59 @@ def test_load_gives_what_safetensors_gives(checkpoint):
         _same(ours[name], tensors[name])
 
 
+def _cached_bytes(path):
+    """Bytes of ``path`` in the page cache (``mincore`` over a private mapping of it)."""
+    import ctypes
+    import mmap
+    import os
+
+    size, page = os.path.getsize(path), mmap.PAGESIZE
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        buf = (ctypes.c_char * size).from_buffer(m)
+        vec = (ctypes.c_ubyte * (-(-size // page)))()
+        libc = ctypes.CDLL(None, use_errno=True)
+        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec)
+        del buf
+        assert rc == 0, os.strerror(ctypes.get_errno())
+        return sum(v & 1 for v in vec) * page
+    finally:
+        m.close()
+
+
+def test_direct_loads_give_the_same_tensors_and_leave_the_page_cache_alone(tmp_path):
+    # A name a URI would misread: the loader must open this file, not another.
+    folder = tmp_path / "a dir?direct=0&x=%41#"
+    folder.mkdir()
+    tensors = _tensors(np.random.default_rng(9))
+    tensors["wide"] = np.arange(1 << 20, dtype="float32")  # 4 MiB: most of the file
+    path = str(folder / "m.safetensors")
+    st_save(tensors, path)
+    theirs = st_load(path)
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    s = gpuio.Session()
+    ours = gst.load_numpy(path, session=s, direct=True)
+    for name in theirs:
+        _same(ours[name], theirs[name])
+    with gst.safe_open(path, framework="numpy", session=s, direct=True) as f:
+        _same(f.get_tensor("big"), tensors["big"])
+        _same(f.get_slice("big")[7:9], tensors["big"][7:9])
+    # O_DIRECT reads left the data out of the page cache (the header is read buffered); a
+    # buffered load puts it in.
+    size = os.path.getsize(path)
+    assert _cached_bytes(path) < size // 8
+    gst.load_numpy(path, session=s)
+    assert _cached_bytes(path) >= size // 2
+
+
 def test_safe_open_keys_metadata_tensors_and_slices(checkpoint):
     path, tensors = checkpoint
     with safetensors.safe_open(path, framework="numpy") as theirs, gst.safe_open(

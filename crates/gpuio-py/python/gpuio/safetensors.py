@@ -18,6 +18,12 @@ device) and ``"numpy"`` (host memory).
 Onto several GPUs: ``load_replicated(path, ["cuda:0", "cuda:1"])`` gives each GPU every tensor,
 ``load_split(path, devices, split)`` each GPU its part of each tensor (tensor parallelism);
 both read each byte from host memory once and let the GPUs exchange the rest.
+
+``direct=True`` (every loader and ``safe_open``) reads the data with O_DIRECT: past the page
+cache, as fastsafetensors does by default. A checkpoint that is not in the page cache may
+then load faster (the disk's own pace, with no readahead between), but it stays out of the
+cache, so the next load of it reads the disk again; the default, buffered reads, leaves it in
+the cache, from where the next load runs at the speed of memory.
 """
 
 import array
@@ -138,15 +144,15 @@ class safe_open:
     """A checkpoint opened for reading tensors one at a time (the ``safetensors.safe_open``
     API): ``keys()``, ``offset_keys()``, ``metadata()``, ``get_tensor(name)``,
     ``get_slice(name)``. ``session``: the gpuio session to read through (default: one shared
-    by the module)."""
+    by the module); ``direct``: read with O_DIRECT (the module's docs)."""
 
-    def __init__(self, filename, framework, device="cpu", session=None):
+    def __init__(self, filename, framework, device="cpu", session=None, direct=False):
         self._fw = _Framework(framework, device)
         self._session = session or _default_session()
         self._start, self._metadata, rows = _gpuio.safetensors_header(str(filename))
         self._rows = {r[0]: r for r in rows}
         self._order = [r[0] for r in rows]
-        self._file = self._session.open(str(filename))
+        self._file = self._session.open(_source(str(filename), direct))
 
     def __enter__(self):
         return self
@@ -212,32 +218,36 @@ class _Slice:
         return rows[(slice(None), *rest)] if rest else rows
 
 
-def load_file(filename, device="cpu", session=None, progress=None):
+def load_file(filename, device="cpu", session=None, progress=None, direct=False):
     """Every tensor of ``filename`` as a dict (torch tensors on ``device``), as
     ``safetensors.torch.load_file`` gives them: one read of the file's data into one
     allocation, viewed as each tensor. A sharded checkpoint's index
     (``model.safetensors.index.json``) loads every shard it names. ``progress``: called as
     ``progress(bytes_done, bytes_total)`` on the calling thread as the data lands (the reads
     then go in pieces of at most 1 GiB; with several devices, the total is reached before the
-    devices have exchanged their parts)."""
-    return _load_shards(filename, [_Framework("pt", device)], _Whole(), session, progress)[0]
+    devices have exchanged their parts). ``direct``: read with O_DIRECT, past the page cache
+    (the module's docs say when that pays)."""
+    fws = [_Framework("pt", device)]
+    return _load_shards(filename, fws, _Whole(), session, progress, direct)[0]
 
 
-def load_numpy(filename, session=None, progress=None):
+def load_numpy(filename, session=None, progress=None, direct=False):
     """Every tensor of ``filename`` (or of a sharded checkpoint's index) as NumPy arrays
-    (``safetensors.numpy.load_file``); ``progress`` as for :func:`load_file`."""
-    return _load_shards(filename, [_Framework("numpy", "cpu")], _Whole(), session, progress)[0]
+    (``safetensors.numpy.load_file``); ``progress`` and ``direct`` as for :func:`load_file`."""
+    fws = [_Framework("numpy", "cpu")]
+    return _load_shards(filename, fws, _Whole(), session, progress, direct)[0]
 
 
-def load_replicated(filename, devices, session=None, progress=None):
+def load_replicated(filename, devices, session=None, progress=None, direct=False):
     """Every tensor on each of ``devices`` (CUDA devices): a list of dicts, one per device.
     Each device reads its own 1/N of the data from the file, side by side, and the devices
     copy their parts to each other (over NVLink where they have it): the host's memory is
-    read once, each GPU's link carries 1/N. ``progress`` as for :func:`load_file`."""
-    return _load_shards(filename, _devices(devices), _Whole(), session, progress)
+    read once, each GPU's link carries 1/N. ``progress`` and ``direct`` as for
+    :func:`load_file`."""
+    return _load_shards(filename, _devices(devices), _Whole(), session, progress, direct)
 
 
-def load_split(filename, devices, split, session=None, progress=None):
+def load_split(filename, devices, split, session=None, progress=None, direct=False):
     """Tensor-parallel loading: a list of dicts, one per device, where device ``r`` holds
     part ``r`` of each tensor as ``torch.tensor_split(tensor, N, dim)`` cuts it. ``split``
     gives each tensor's ``dim``: a dict by name, or a callable ``split(name, shape)``; a
@@ -245,10 +255,10 @@ def load_split(filename, devices, split, session=None, progress=None):
     byte is read from host memory once: each device reads a contiguous 1/N of the data (cut
     at tensor boundaries), then writes each tensor's parts into their devices (over NVLink
     where the GPUs have it), one kernel per pair of devices. Each device's parts are views
-    of one allocation of its own. ``progress`` as for :func:`load_file`."""
+    of one allocation of its own. ``progress`` and ``direct`` as for :func:`load_file`."""
     if not callable(split) and not isinstance(split, dict):
         raise _invalid("split is a dict of tensor names to dims, or a callable(name, shape)")
-    return _load_shards(filename, _devices(devices), _Parts(split), session, progress)
+    return _load_shards(filename, _devices(devices), _Parts(split), session, progress, direct)
 
 
 def _devices(devices):
@@ -284,7 +294,18 @@ def _shards(name):
     return [os.path.join(folder, f) for f in sorted(set(weight_map.values()))], weight_map
 
 
-def _load_shards(filename, fws, how, session, progress):
+def _source(path, direct):
+    """What the session opens for ``path``: the path, or with ``direct`` its ``localio://``
+    URI asking for O_DIRECT (the path percent-encoded, byte for byte)."""
+    if not direct:
+        return path
+    import os
+    from urllib.parse import quote
+
+    return "localio://" + quote(os.fsencode(os.path.abspath(path))) + "?direct=1"
+
+
+def _load_shards(filename, fws, how, session, progress, direct):
     name = str(filename)
     files, promised = _shards(name)
     session = session or _default_session()
@@ -293,7 +314,8 @@ def _load_shards(filename, fws, how, session, progress):
     moved = _Progress(progress, sum(rows[-1][4] for *_, rows in headers if rows))
     outs = [{} for _ in fws]
     for path, start, _, rows in headers:
-        for out, got in zip(outs, how.load(session, path, start, rows, fws, moved)):
+        source = _source(path, direct)
+        for out, got in zip(outs, how.load(session, source, start, rows, fws, moved)):
             out.update(got)
     if promised is not None:
         missing = sorted(set(promised) - set(outs[0]))
