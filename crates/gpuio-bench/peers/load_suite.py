@@ -9,8 +9,9 @@ installed) and DIR/SHAPE.json: each tensor's two checksums, which every load is 
 against. ``load`` makes the devices' CUDA contexts, then times from the loader's import to the
 last tensor on the devices: the first load of the process (``first_s``), then REPS more
 (``hot_s``). TEMP ``cold`` drops the files' pages first (and loads once), ``warm`` reads them
-first. DEVICES: ``cpu``, or CUDA devices joined by commas. Loaders: gpuio, gpuio-replicated,
-gpuio-split, safetensors, safetensors-open, fastsafetensors, kvikio-THREADS, torch-load.
+first. DEVICES: ``cpu``, or CUDA devices joined by commas. Loaders: gpuio, gpuio-direct (its
+O_DIRECT reads), gpuio-replicated, gpuio-split, safetensors, safetensors-open,
+fastsafetensors, kvikio-THREADS, torch-load.
 """
 
 import json
@@ -123,18 +124,19 @@ def split_dim(name, shape):
 def load(loader, path, devices):
     """One load; returns a list of dicts of tensors, one per device, and what to keep alive."""
     if devices[0] == "cpu":  # host memory, NumPy: the suite's run without a GPU
-        if loader == "gpuio":
+        if loader in ("gpuio", "gpuio-direct"):
             from gpuio.safetensors import load_numpy
 
-            return [load_numpy(path)], None
+            return [load_numpy(path, direct=loader == "gpuio-direct")], None
         from safetensors.numpy import load_file
 
         return [load_file(path)], None
     if loader.startswith("gpuio"):
         from gpuio import safetensors as gst
 
-        if loader == "gpuio":
-            return [gst.load_file(path, device=devices[0])], None
+        if loader in ("gpuio", "gpuio-direct"):
+            direct = loader == "gpuio-direct"
+            return [gst.load_file(path, device=devices[0], direct=direct)], None
         if loader == "gpuio-replicated":
             return gst.load_replicated(path, devices), None
         if loader == "gpuio-halves":

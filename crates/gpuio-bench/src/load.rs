@@ -9,8 +9,8 @@
 //!   kvikio at several thread counts (the best counts), `torch.load` of the same tensors;
 //! - temperatures: `first` (a fresh process, page cache warm: wall time from the loader's
 //!   import to the last tensor on the device, the figure a program meets), `hot` (the same
-//!   process loading again, median), `cold` (pages dropped first; the disk read by `dd` or
-//!   fio beside it);
+//!   process loading again, median), `cold` (pages dropped first; every loader and the disk,
+//!   read by `dd` or fio, in rounds: medians, and gpuio's spread between rounds beside them);
 //! - two GPUs where the session has them: replicated and tensor-parallel first loads;
 //! - `gpuio cp` of the large checkpoint to gpu0 from process start (and of 4 KiB: the cost
 //!   before any byte moves, process start and the CUDA context).
@@ -43,6 +43,8 @@ pub struct Options {
     pub kvikio_threads: Vec<usize>,
     /// Temperatures to load at, of `warm` (first and hot loads) and `cold`.
     pub temps: Vec<&'static str>,
+    /// Cold loads per loader, in rounds.
+    pub cold_rounds: usize,
     /// Directory for the checkpoints.
     pub scratch: PathBuf,
 }
@@ -55,6 +57,7 @@ impl Options {
             reps: 3,
             kvikio_threads: vec![8, 16, 32],
             temps: vec!["warm", "cold"],
+            cold_rounds: 3,
             scratch: std::env::temp_dir(),
         }
     }
@@ -63,6 +66,7 @@ impl Options {
     pub fn quick(mut self) -> Self {
         self.reps = 1;
         self.kvikio_threads.truncate(1);
+        self.cold_rounds = 2;
         self
     }
 
@@ -200,6 +204,86 @@ pub fn run(
             });
         };
         for &temp in &opts.temps {
+            if temp == "cold" {
+                // Cold, gpuio also reads past the page cache as fastsafetensors does.
+                let mut cold = loaders.clone();
+                cold.insert(1, "gpuio-direct".into());
+                let job = FioJob {
+                    path: &path,
+                    size: bytes,
+                    rw: "read",
+                    bs: 4 << 20,
+                    iodepth: 2,
+                    numjobs: 16,
+                    direct: true,
+                    end_fsync: false,
+                    runtime_s: None,
+                };
+                let Cold { times, disk } = cold_rounds(
+                    &cold,
+                    &prefix,
+                    device,
+                    &job,
+                    opts.cold_rounds,
+                    progress,
+                    &mut notes,
+                )?;
+                let Some(gpuio) = times.get("gpuio") else {
+                    continue;
+                };
+                let reps = opts.cold_rounds;
+                let kvikio = times
+                    .iter()
+                    .filter(|(l, _)| l.starts_with("kvikio-"))
+                    .map(|(l, t)| (l, median(t)))
+                    .min_by(|a, b| a.1.total_cmp(&b.1));
+                let ours = [("cold", "gpuio", "gpuio.safetensors")].into_iter().chain(
+                    times.contains_key("gpuio-direct").then_some((
+                        "cold_direct",
+                        "gpuio-direct",
+                        "direct=True",
+                    )),
+                );
+                for (case, loader, route) in ours {
+                    let Some(ours) = times.get(loader).map(|t| median(t)) else {
+                        continue;
+                    };
+                    if let Some((l, s)) = kvikio {
+                        add(case, gbps(ours), l, gbps(s), route, reps);
+                    }
+                    for (peer, t) in times
+                        .iter()
+                        .filter(|(l, _)| !l.starts_with("kvikio-") && !l.starts_with("gpuio"))
+                    {
+                        add(case, gbps(ours), peer, gbps(median(t)), route, reps);
+                    }
+                    if let Some((rate, tool)) = disk {
+                        let peer = format!("the disk ({tool} O_DIRECT x 16)");
+                        add(case, gbps(ours), &peer, rate, route, reps);
+                    }
+                }
+                // The limit beside any ranking of one cold read each: how far gpuio's own
+                // cold loads of this file moved between rounds.
+                if gpuio.len() >= 2 {
+                    let (fast, slow) = gpuio
+                        .iter()
+                        .fold((f64::MAX, 0.0f64), |(f, s), &t| (f.min(t), s.max(t)));
+                    let peer = "gpuio's fastest cold load of the same file, this run";
+                    let route = "gpuio.safetensors";
+                    add("cold_spread", gbps(slow), peer, gbps(fast), route, reps);
+                }
+                let by_round = times
+                    .iter()
+                    .map(|(l, t)| {
+                        let rates: Vec<String> =
+                            t.iter().map(|&s| format!("{:.2}", gbps(s))).collect();
+                        format!("{l} {}", rates.join(" "))
+                    })
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                notes.push(format!("{shape} cold, GB/s by round: {by_round}"));
+                continue;
+            }
             let mut got: Vec<(String, Load)> = Vec::new();
             for loader in &loaders {
                 progress(&format!("{shape}: {loader} ({temp})"));
@@ -224,37 +308,6 @@ pub fn run(
                     .min_by(|a, b| a.1.total_cmp(&b.1))
             };
             let route = "gpuio.safetensors";
-            if temp == "cold" {
-                if let Some((l, s)) = best(|k| Some(k.first_s)) {
-                    add("cold", gbps(ours.first_s), &l, gbps(s), route, 1);
-                }
-                for (peer, l) in &peers {
-                    add("cold", gbps(ours.first_s), peer, gbps(l.first_s), route, 1);
-                }
-                let job = FioJob {
-                    path: &path,
-                    size: bytes,
-                    rw: "read",
-                    bs: 4 << 20,
-                    iodepth: 2,
-                    numjobs: 16,
-                    direct: true,
-                    end_fsync: false,
-                    runtime_s: None,
-                };
-                match peers::storage(&job, 2) {
-                    Ok((d, tool)) => add(
-                        "cold",
-                        gbps(ours.first_s),
-                        &format!("the disk ({tool} O_DIRECT x 16)"),
-                        d.bytes_per_s / 1e9,
-                        route,
-                        1,
-                    ),
-                    Err(why) => notes.push(format!("{shape} cold: the disk: {why}")),
-                }
-                continue;
-            }
             first_rate.insert(shape.clone(), gbps(ours.first_s));
             let hot = opts.reps;
             if let Some((l, s)) = best(|k| Some(k.first_s)) {
@@ -311,6 +364,78 @@ pub fn run(
     }
     let targets = if cuda { targets(&records) } else { Vec::new() };
     Ok((records, targets, notes))
+}
+
+/// What the cold rounds measured.
+struct Cold {
+    /// Each loader's seconds, by round.
+    times: BTreeMap<String, Vec<f64>>,
+    /// The disk's median rate in GB/s, and the tool that read it.
+    disk: Option<(f64, &'static str)>,
+}
+
+/// Cold loads, in `rounds` rounds: each round loads with every loader once (its pages
+/// dropped first) and reads the disk once (`disk`, O_DIRECT), in an order turned by one
+/// each round, so that no loader always follows the same one. Cold reads of one file move
+/// with the disk's moment as much as loaders differ, so one read each would rank the disk's
+/// moments.
+fn cold_rounds(
+    loaders: &[String],
+    prefix: &Path,
+    device: &str,
+    disk_job: &FioJob<'_>,
+    rounds: usize,
+    progress: &mut dyn FnMut(&str),
+    notes: &mut Vec<String>,
+) -> Result<Cold> {
+    const DISK: &str = "the disk";
+    let shape = prefix
+        .file_name()
+        .map_or_else(String::new, |s| s.to_string_lossy().into());
+    let mut order: Vec<&str> = loaders.iter().map(String::as_str).collect();
+    order.push(DISK);
+    let (mut times, mut disk, mut tool) = (BTreeMap::<String, Vec<f64>>::new(), Vec::new(), "");
+    for round in 0..rounds.max(1) {
+        for who in order
+            .iter()
+            .cycle()
+            .skip(round % order.len())
+            .take(order.len())
+        {
+            progress(&format!("{shape}: {who} (cold, round {})", round + 1));
+            if *who == DISK {
+                match peers::storage(disk_job, 1) {
+                    Ok((d, t)) => {
+                        disk.push(d.bytes_per_s / 1e9);
+                        tool = t;
+                    }
+                    Err(why) => notes.push(format!("{shape} cold: the disk: {why}")),
+                }
+                continue;
+            }
+            match load(who, prefix, device, "cold", 0)? {
+                Ok(l) => times.entry(who.to_string()).or_default().push(l.first_s),
+                Err(why) => notes.push(format!("{shape} cold: {who} {why}")),
+            }
+        }
+    }
+    let disk = (!disk.is_empty()).then(|| (median(&disk), tool));
+    Ok(Cold { times, disk })
+}
+
+/// The median of `v` (the mean of the middle two where their count is even; NaN, which no
+/// record takes, where `v` is empty).
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }
 
 /// `gpuio cp FILE gpu0` in a fresh process, wall time from its start; and of 4 KiB, what a
@@ -418,6 +543,14 @@ fn targets(records: &[Record]) -> Vec<Target> {
             "cold >= 1x every peer",
             records,
             |r| r.case.ends_with("_cold") && !r.peer.starts_with("the disk"),
+            ratio,
+            1.0,
+            "x",
+        ),
+        Target::judge(
+            "cold, reading past the page cache (direct=True), >= 1x every peer",
+            records,
+            |r| r.case.ends_with("_cold_direct") && !r.peer.starts_with("the disk"),
             ratio,
             1.0,
             "x",

@@ -29,7 +29,7 @@ def test_checkpoints_load_right_and_changed_bytes_are_caught(tmp_path, shape):
 
     assert len(load_file(made["path"])) == made["tensors"]
     prefix = tmp_path / shape
-    for loader in ("gpuio", "safetensors"):
+    for loader in ("gpuio", "gpuio-direct", "safetensors"):
         for temp in ("warm", "cold"):
             got = _run("load", loader, prefix, "cpu", temp, 1)
             assert got["correct"] is True and got["first_s"] > 0, got
@@ -39,5 +39,5 @@ def test_checkpoints_load_right_and_changed_bytes_are_caught(tmp_path, shape):
         last = f.read(1)
         f.seek(-5, os.SEEK_END)
         f.write(bytes([last[0] ^ 0x10]))
-    for loader in ("gpuio", "safetensors"):
+    for loader in ("gpuio", "gpuio-direct", "safetensors"):
         assert _run("load", loader, prefix, "cpu", "warm", 0)["correct"] is False

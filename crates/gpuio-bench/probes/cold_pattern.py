@@ -1,0 +1,221 @@
+"""Which pattern reads a cold 4 GiB safetensors file fastest on this disk: one sequential
+stream (fastsafetensors' way without GDS: one thread per file, 16 MiB `pread`s, a copy after
+each) or several readers, each its own contiguous range (gpuio's lanes). Cases, in rounds, in
+an order turned each round, the page cache dropped before each (needs root):
+
+- gpuio with its default lanes, with 1 and 2 lanes, and with 1 lane of 16 MiB chunks;
+- fastsafetensors (`nogds`), where installed;
+- Python threads reading into host memory: one stream of 16 MiB reads (with and without
+  `FADV_SEQUENTIAL`), 8 contiguous ranges, and 8 threads taking 4 MiB chunks in turn behind
+  one thread that asks for the file 64 MiB at a time ahead of them (`FADV_WILLNEED`);
+- `dd` (buffered, 16 MiB blocks).
+
+    python cold_pattern.py [FILE] [ROUNDS] [depth | order OTHER]
+
+With `depth`, other cases: gpuio with O_DIRECT and with 16 MiB chunks, 16 threads' O_DIRECT
+16 MiB reads, and fastsafetensors with and without O_DIRECT (its default where the file
+system allows it). With `order OTHER`: gpuio's O_DIRECT reads by this build and by the
+build installed in the directory OTHER, with fastsafetensors.
+
+Prints the disk's queue settings, then one JSON line per case and round: GB/s.
+"""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+from scratch import drop_cache
+
+SIZE = 4 << 30
+CHUNK = 4 << 20
+
+GPUIO = r"""
+import sys, time, torch, gpuio
+t = torch.empty(int(sys.argv[3]), dtype=torch.uint8, device="cuda:0")
+torch.cuda.synchronize()
+s = gpuio.Session(toml=sys.argv[2])
+t0 = time.perf_counter()
+s.read(s.open(sys.argv[1]), t)
+print(round(t.numel() / (time.perf_counter() - t0) / 1e9, 2))
+"""
+
+FASTSAFETENSORS = r"""
+import sys, time, torch
+from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+torch.empty(1, device="cuda:0")
+t0 = time.perf_counter()
+fl = SafeTensorsFileLoader(SingleGroup(), torch.device("cuda:0"), nogds=True)
+fl.add_filenames({0: [sys.argv[1]]})
+fb = fl.copy_files_to_device()
+n = fb.get_tensor("x").numel()
+torch.cuda.synchronize()
+print(round(n / (time.perf_counter() - t0) / 1e9, 2))
+"""
+
+
+def safetensors_file(path):
+    """One U8 tensor filling SIZE bytes of 16 MiB random blocks, written once."""
+    head = json.dumps({"x": {"dtype": "U8", "shape": [SIZE], "data_offsets": [0, SIZE]}})
+    head = head.encode() + b" " * (-len(head) % 8)
+    if os.path.exists(path) and os.path.getsize(path) == 8 + len(head) + SIZE:
+        return
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for _ in range(SIZE // (16 << 20)):
+            f.write(os.urandom(16 << 20))
+        os.fsync(f.fileno())
+
+
+def child(script, *args, env=None):
+    r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, **(env or {})})
+    out = r.stdout.strip()
+    return float(out) if out else r.stderr[-300:]
+
+
+def threads(path, ranges, chunk, advice=None, ahead=False):
+    """Each thread preads `chunk` bytes at the offsets its range yields; with `ahead`, one
+    more thread asks for the file 64 MiB at a time, at most 256 MiB ahead of the readers."""
+    fd = os.open(path, os.O_RDONLY)
+    if advice is not None:
+        os.posix_fadvise(fd, 0, 0, advice)
+    size = os.fstat(fd).st_size
+    got, done = [], [0]
+
+    def work(offsets):
+        buf = bytearray(chunk)
+        n = 0
+        for off in offsets:
+            n += os.preadv(fd, [buf], off)
+            done[0] += chunk
+        got.append(n)
+
+    def prefetch():
+        step = 64 << 20
+        for off in range(0, size, step):
+            while off - done[0] > (256 << 20):
+                time.sleep(0.0005)
+            os.posix_fadvise(fd, off, step, os.POSIX_FADV_WILLNEED)
+
+    ts = [threading.Thread(target=work, args=(r,)) for r in ranges]
+    if ahead:
+        ts.append(threading.Thread(target=prefetch))
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    os.close(fd)
+    return round(sum(got) / (time.perf_counter() - t0) / 1e9, 2)
+
+
+def direct_threads(path, n, chunk):
+    """`n` threads, each O_DIRECT `pread`s of `chunk` bytes over its contiguous range."""
+    import mmap
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    size = os.fstat(fd).st_size // chunk * chunk
+    got = []
+
+    def work(lo, hi):
+        buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+        got.append(sum(os.preadv(fd, [buf], off) for off in range(lo, hi, chunk)))
+
+    per = size // chunk // n * chunk
+    ts = [threading.Thread(target=work, args=(t * per, size if t == n - 1 else (t + 1) * per))
+          for t in range(n)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    os.close(fd)
+    return round(sum(got) / (time.perf_counter() - t0) / 1e9, 2)
+
+
+def dd(path):
+    t0 = time.perf_counter()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], capture_output=True,
+                   check=True)
+    return round(os.path.getsize(path) / (time.perf_counter() - t0) / 1e9, 2)
+
+
+def disk_settings(path):
+    dev = os.stat(path).st_dev
+    block = os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    q = block + "/queue" if os.path.isdir(block + "/queue") else os.path.dirname(block) + "/queue"
+    keys = ("read_ahead_kb", "max_sectors_kb", "nr_requests", "scheduler", "rotational")
+    return {k: open(f"{q}/{k}").read().strip() for k in keys if os.path.exists(f"{q}/{k}")}
+
+
+def main():
+    path = sys.argv[1] if len(sys.argv) > 1 else "/tmp/cold_pattern.safetensors"
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    depth = len(sys.argv) > 3 and sys.argv[3] == "depth"
+    other = sys.argv[4] if len(sys.argv) > 4 and sys.argv[3] == "order" else None
+    safetensors_file(path)
+    print(json.dumps({"disk": disk_settings(path)}), flush=True)
+    size = os.path.getsize(path)
+    n = size // CHUNK + 1
+    cases = {
+        "gpuio default": lambda: child(GPUIO, path, "", str(size)),
+        "gpuio 1 lane": lambda: child(GPUIO, path, "[localio]\nlanes = 1\n", str(size)),
+        "gpuio 2 lanes": lambda: child(GPUIO, path, "[localio]\nlanes = 2\n", str(size)),
+        "gpuio 1 lane, 16 MiB chunks": lambda: child(
+            GPUIO, path, '[localio]\nlanes = 1\nchunk_size = "16 MiB"\n', str(size)),
+        "1 thread, 16 MiB reads": lambda: threads(path, [range(0, size, 16 << 20)], 16 << 20),
+        "1 thread, 16 MiB reads, FADV_SEQUENTIAL": lambda: threads(
+            path, [range(0, size, 16 << 20)], 16 << 20, advice=os.POSIX_FADV_SEQUENTIAL),
+        "8 threads, contiguous ranges": lambda: threads(
+            path, [range(t * n // 8 * CHUNK, (t + 1) * n // 8 * CHUNK, CHUNK) for t in range(8)],
+            CHUNK),
+        "8 threads in turn behind WILLNEED": lambda: threads(
+            path, [range(t * CHUNK, size, 8 * CHUNK) for t in range(8)], CHUNK, ahead=True),
+        "dd buffered 16 MiB": lambda: dd(path),
+    }
+    if depth:  # how deep a queue of how large reads the disk wants, O_DIRECT and buffered
+        direct = f"localio://{os.path.abspath(path)}?direct=1"
+        big = '[localio]\nchunk_size = "16 MiB"\n'
+        cases = {
+            "gpuio default": cases["gpuio default"],
+            "gpuio, 16 MiB chunks": lambda: child(GPUIO, path, big, str(size)),
+            "gpuio O_DIRECT": lambda: child(GPUIO, direct, "", str(size)),
+            "gpuio O_DIRECT, 16 MiB chunks": lambda: child(GPUIO, direct, big, str(size)),
+            "gpuio O_DIRECT, 16 lanes, 16 MiB chunks": lambda: child(
+                GPUIO, direct, big + "lanes = 16\n", str(size)),
+            "16 threads, O_DIRECT 16 MiB reads": lambda: direct_threads(path, 16, 16 << 20),
+        }
+    if other:  # O_DIRECT chunks in lanes' runs (this build) against another build's
+        direct = f"localio://{os.path.abspath(path)}?direct=1"
+        b = {"PYTHONPATH": other}
+        cases = {
+            "gpuio default": cases["gpuio default"],
+            "gpuio O_DIRECT": lambda: child(GPUIO, direct, "", str(size)),
+            "other: gpuio O_DIRECT": lambda: child(GPUIO, direct, "", str(size), env=b),
+            "other: gpuio O_DIRECT, 16 MiB chunks": lambda: child(
+                GPUIO, direct, '[localio]\nchunk_size = "16 MiB"\n', str(size), env=b),
+            "other: gpuio O_DIRECT, 16 lanes": lambda: child(
+                GPUIO, direct, "[localio]\nlanes = 16\n", str(size), env=b),
+        }
+    try:
+        import fastsafetensors  # noqa: F401
+    except ImportError:
+        print(json.dumps({"fastsafetensors": "not installed"}), flush=True)
+    else:
+        cases["fastsafetensors"] = lambda: child(FASTSAFETENSORS, path)
+        if depth:
+            cases["fastsafetensors, buffered"] = lambda: child(
+                FASTSAFETENSORS, path, env={"FASTSAFETENSORS_ODIRECT": "0"})
+    names = list(cases)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            drop_cache()
+            print(json.dumps({"round": r + 1, name: cases[name]()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
