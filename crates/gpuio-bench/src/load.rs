@@ -18,7 +18,7 @@
 //! Every load is checked against checksums of every tensor made when the checkpoint was
 //! written (split parts put back together first): a load that differs fails the suite.
 
-use crate::peers::{self, FioJob};
+use crate::peers;
 use crate::{Record, Result, SuiteOutcome, Target};
 use gpuio_api::Session;
 use gpuio_hal::Backend;
@@ -31,6 +31,8 @@ use std::time::Instant;
 pub const SUITE: &str = "load";
 
 const SCRIPT: &str = include_str!("../peers/load_suite.py");
+
+mod cold;
 
 /// What the suite runs.
 #[derive(Debug, Clone)]
@@ -205,85 +207,16 @@ pub fn run(
         };
         for &temp in &opts.temps {
             if temp == "cold" {
-                // Cold, gpuio also reads past the page cache as fastsafetensors does.
-                let mut cold = loaders.clone();
-                cold.insert(1, "gpuio-direct".into());
-                // The disk, O_DIRECT, 16 readers of 4 MiB and of 16 MiB blocks (a disk can
-                // serve a deeper queue faster: fastsafetensors reads 16 MiB at a time).
-                let disk_jobs = [4usize << 20, 16 << 20].map(|bs| FioJob {
+                let file = cold::Checkpoint {
+                    shape,
+                    prefix: &prefix,
                     path: &path,
-                    size: bytes,
-                    rw: "read",
-                    bs,
-                    iodepth: 2,
-                    numjobs: 16,
-                    direct: true,
-                    end_fsync: false,
-                    runtime_s: None,
-                });
-                let Cold { times, disk } = cold_rounds(
-                    &cold,
-                    &prefix,
-                    device,
-                    &disk_jobs,
-                    opts.cold_rounds,
-                    progress,
-                    &mut notes,
-                )?;
-                let Some(gpuio) = times.get("gpuio") else {
-                    continue;
+                    bytes,
                 };
-                let reps = opts.cold_rounds;
-                let kvikio = times
-                    .iter()
-                    .filter(|(l, _)| l.starts_with("kvikio-"))
-                    .map(|(l, t)| (l, median(t)))
-                    .min_by(|a, b| a.1.total_cmp(&b.1));
-                let ours = [("cold", "gpuio", "gpuio.safetensors")].into_iter().chain(
-                    times.contains_key("gpuio-direct").then_some((
-                        "cold_direct",
-                        "gpuio-direct",
-                        "direct=True",
-                    )),
-                );
-                for (case, loader, route) in ours {
-                    let Some(ours) = times.get(loader).map(|t| median(t)) else {
-                        continue;
-                    };
-                    if let Some((l, s)) = kvikio {
-                        add(case, gbps(ours), l, gbps(s), route, reps);
-                    }
-                    for (peer, t) in times
-                        .iter()
-                        .filter(|(l, _)| !l.starts_with("kvikio-") && !l.starts_with("gpuio"))
-                    {
-                        add(case, gbps(ours), peer, gbps(median(t)), route, reps);
-                    }
-                    if let Some((rate, how)) = &disk {
-                        let peer = format!("the disk ({how})");
-                        add(case, gbps(ours), &peer, *rate, route, reps);
-                    }
+                let rounds = opts.cold_rounds;
+                for f in cold::figures(&loaders, &file, device, rounds, progress, &mut notes)? {
+                    add(f.case, f.ours, &f.peer, f.theirs, f.route, rounds);
                 }
-                // The limit beside any ranking of one cold read each: how far gpuio's own
-                // cold loads of this file moved between rounds.
-                if gpuio.len() >= 2 {
-                    let (fast, slow) = gpuio
-                        .iter()
-                        .fold((f64::MAX, 0.0f64), |(f, s), &t| (f.min(t), s.max(t)));
-                    let peer = "gpuio's fastest cold load of the same file, this run";
-                    let route = "gpuio.safetensors";
-                    add("cold_spread", gbps(slow), peer, gbps(fast), route, reps);
-                }
-                let by_round = times
-                    .iter()
-                    .map(|(l, t)| {
-                        let rates: Vec<String> =
-                            t.iter().map(|&s| format!("{:.2}", gbps(s))).collect();
-                        format!("{l} {}", rates.join(" "))
-                    })
-                    .collect::<Vec<_>>()
-                    .join("; ");
-                notes.push(format!("{shape} cold, GB/s by round: {by_round}"));
                 continue;
             }
             let mut got: Vec<(String, Load)> = Vec::new();
@@ -366,96 +299,6 @@ pub fn run(
     }
     let targets = if cuda { targets(&records) } else { Vec::new() };
     Ok((records, targets, notes))
-}
-
-/// What the cold rounds measured.
-struct Cold {
-    /// Each loader's seconds, by round.
-    times: BTreeMap<String, Vec<f64>>,
-    /// The disk's median rate in GB/s under the job that read it fastest, and that job.
-    disk: Option<(f64, String)>,
-}
-
-/// Cold loads, in `rounds` rounds: each round loads with every loader once (its pages
-/// dropped first) and reads the disk once with each of `disk_jobs` (O_DIRECT), in an order
-/// turned by one each round, so that no loader always follows the same one. Cold reads of
-/// one file move with the disk's moment as much as loaders differ, so one read each would
-/// rank the disk's moments.
-fn cold_rounds(
-    loaders: &[String],
-    prefix: &Path,
-    device: &str,
-    disk_jobs: &[FioJob<'_>],
-    rounds: usize,
-    progress: &mut dyn FnMut(&str),
-    notes: &mut Vec<String>,
-) -> Result<Cold> {
-    let shape = prefix
-        .file_name()
-        .map_or_else(String::new, |s| s.to_string_lossy().into());
-    // Loaders by name, then the disk's jobs by index.
-    let mut order: Vec<Result<&str, usize>> = loaders.iter().map(|l| Ok(l.as_str())).collect();
-    order.extend((0..disk_jobs.len()).map(Err));
-    let mut times = BTreeMap::<String, Vec<f64>>::new();
-    let mut disk: Vec<(Vec<f64>, &str)> = vec![(Vec::new(), ""); disk_jobs.len()];
-    for round in 0..rounds.max(1) {
-        for who in order
-            .iter()
-            .cycle()
-            .skip(round % order.len())
-            .take(order.len())
-        {
-            match *who {
-                Ok(loader) => {
-                    progress(&format!("{shape}: {loader} (cold, round {})", round + 1));
-                    match load(loader, prefix, device, "cold", 0)? {
-                        Ok(l) => times.entry(loader.to_string()).or_default().push(l.first_s),
-                        Err(why) => notes.push(format!("{shape} cold: {loader} {why}")),
-                    }
-                }
-                Err(k) => {
-                    progress(&format!("{shape}: the disk (cold, round {})", round + 1));
-                    match peers::storage(&disk_jobs[k], 1) {
-                        Ok((d, tool)) => {
-                            disk[k].0.push(d.bytes_per_s / 1e9);
-                            disk[k].1 = tool;
-                        }
-                        Err(why) => notes.push(format!("{shape} cold: the disk: {why}")),
-                    }
-                }
-            }
-        }
-    }
-    let disk = disk
-        .iter()
-        .zip(disk_jobs)
-        .filter(|((rates, _), _)| !rates.is_empty())
-        .map(|((rates, tool), job)| {
-            let how = format!("{tool} O_DIRECT {} MiB x {}", job.bs >> 20, job.numjobs);
-            let each: Vec<String> = rates.iter().map(|r| format!("{r:.2}")).collect();
-            notes.push(format!(
-                "{shape} cold, the disk ({how}), GB/s by round: {}",
-                each.join(" ")
-            ));
-            (median(rates), how)
-        })
-        .max_by(|a, b| a.0.total_cmp(&b.0));
-    Ok(Cold { times, disk })
-}
-
-/// The median of `v` (the mean of the middle two where their count is even; NaN, which no
-/// record takes, where `v` is empty).
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        f64::NAN
-    } else if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 /// `gpuio cp FILE gpu0` in a fresh process, wall time from its start; and of 4 KiB, what a
