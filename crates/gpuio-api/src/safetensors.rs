@@ -195,9 +195,10 @@ pub struct LoadedCheckpoint {
 }
 
 /// Loads the safetensors checkpoint at `path` onto GPU `gpu` of `session`: its header
-/// checked first, then all its data in one read through LocalIO, of the file opened with
-/// `open` (`OpenOptions::READ`, or `.direct()` to read past the page cache: faster from a
-/// disk on some machines, but the next load reads the disk again).
+/// checked first, then all its data in one read through LocalIO, of the file opened
+/// read-only as `open` asks (`OpenOptions::READ`, or `.direct()` to read past the page
+/// cache: faster from a disk on some machines, but the next load reads the disk again; its
+/// `gds` choice too; anything that would write is ignored).
 pub fn load_to_device(
     session: &crate::Session,
     path: &Path,
@@ -211,7 +212,12 @@ pub fn load_to_device(
     })?;
     let data = session.alloc_device(gpu, len.max(1))?;
     if len > 0 {
-        let file = session.open_file(path, open)?;
+        let read = crate::OpenOptions {
+            direct: open.direct,
+            gds: open.gds,
+            ..crate::OpenOptions::READ
+        };
+        let file = session.open_file(path, read)?;
         session
             .localio()
             .read_to_device(&file, header.data_start, &data, 0, len)?;
@@ -332,7 +338,13 @@ mod tests {
             let mut o = std::fs::OpenOptions::new();
             o.read(true).custom_flags(libc::O_DIRECT).open(f.path())
         };
-        for open in [crate::OpenOptions::READ, crate::OpenOptions::READ.direct()] {
+        // Options that would write (truncate) are read-only here: the file stays whole.
+        let opens = [
+            crate::OpenOptions::READ,
+            crate::OpenOptions::READ.direct(),
+            crate::OpenOptions::CREATE,
+        ];
+        for open in opens {
             if let (true, Err(e)) = (open.direct, &takes_direct) {
                 gpuio_testkit::Requirement::ODirect.missing(format_args!(
                     "the file system of {} refuses O_DIRECT: {e}",

@@ -1,7 +1,8 @@
 """Which pattern reads a cold 4 GiB safetensors file fastest on this disk: one sequential
-stream (fastsafetensors' way without GDS: one thread per file, 16 MiB `pread`s, a copy after
-each) or several readers, each its own contiguous range (gpuio's lanes). Cases, in rounds, in
-an order turned each round, the page cache dropped before each (needs root):
+stream of 16 MiB `pread`s, several readers each over its own contiguous range (gpuio's
+lanes), or fastsafetensors' way without GDS (O_DIRECT by default, 16 MiB bounce buffers).
+Cases, in rounds, in an order turned each round, the page cache dropped before each (needs
+root):
 
 - gpuio with its default lanes, with 1 and 2 lanes, and with 1 lane of 16 MiB chunks;
 - fastsafetensors (`nogds`), where installed;
@@ -68,6 +69,13 @@ def safetensors_file(path):
         for _ in range(SIZE // (16 << 20)):
             f.write(os.urandom(16 << 20))
         os.fsync(f.fileno())
+
+
+def direct_uri(path):
+    """`path`'s URI asking gpuio for O_DIRECT (percent-encoded: any name works)."""
+    from urllib.parse import quote
+
+    return "localio://" + quote(os.fsencode(os.path.abspath(path))) + "?direct=1"
 
 
 def child(script, *args, env=None):
@@ -178,7 +186,7 @@ def main():
         "dd buffered 16 MiB": lambda: dd(path),
     }
     if depth:  # how deep a queue of how large reads the disk wants, O_DIRECT and buffered
-        direct = f"localio://{os.path.abspath(path)}?direct=1"
+        direct = direct_uri(path)
         big = '[localio]\nchunk_size = "16 MiB"\n'
         cases = {
             "gpuio default": cases["gpuio default"],
@@ -190,7 +198,7 @@ def main():
             "16 threads, O_DIRECT 16 MiB reads": lambda: direct_threads(path, 16, 16 << 20),
         }
     if other:  # O_DIRECT chunks in lanes' runs (this build) against another build's
-        direct = f"localio://{os.path.abspath(path)}?direct=1"
+        direct = direct_uri(path)
         b = {"PYTHONPATH": other}
         cases = {
             "gpuio default": cases["gpuio default"],

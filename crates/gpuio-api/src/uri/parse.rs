@@ -317,7 +317,7 @@ impl<'a> Parser<'a> {
         };
         let path_at = at + authority.len();
         Ok(Uri::File {
-            path: PathBuf::from(self.decode(path, path_at)?),
+            path: self.decode_path(path, path_at)?,
             direct,
             gds,
         })
@@ -430,6 +430,20 @@ impl<'a> Parser<'a> {
 
     /// Percent-decoding.
     fn decode(&self, s: &str, at: usize) -> Result<String> {
+        String::from_utf8(self.decode_bytes(s, at)?)
+            .map_err(|_| self.err(at, UriProblem::BadPercentEncoding))
+    }
+
+    /// Percent-decoding of a file's path: its bytes as they are, UTF-8 or not (a file name
+    /// is bytes to the kernel).
+    fn decode_path(&self, s: &str, at: usize) -> Result<PathBuf> {
+        use std::os::unix::ffi::OsStringExt;
+        Ok(PathBuf::from(std::ffi::OsString::from_vec(
+            self.decode_bytes(s, at)?,
+        )))
+    }
+
+    fn decode_bytes(&self, s: &str, at: usize) -> Result<Vec<u8>> {
         let bytes = s.as_bytes();
         let mut out = Vec::with_capacity(bytes.len());
         let mut i = 0;
@@ -446,6 +460,6 @@ impl<'a> Parser<'a> {
                 i += 1;
             }
         }
-        String::from_utf8(out).map_err(|_| self.err(at, UriProblem::BadPercentEncoding))
+        Ok(out)
     }
 }

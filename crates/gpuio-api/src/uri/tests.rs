@@ -185,6 +185,22 @@ fn malformed_uris_say_what_and_where() {
         UriProblem::UnknownParam { .. }
     ));
     assert_eq!(problem("file:///a%2").1, UriProblem::BadPercentEncoding);
+    // A file's path is bytes: percent-encoded ones that are not UTF-8 name that file.
+    {
+        use std::os::unix::ffi::OsStrExt;
+        match ok("localio:///d/%FF%FEx%20y%3F?direct=1") {
+            Uri::File { path, direct, .. } => {
+                assert_eq!(path.as_os_str().as_bytes(), b"/d/\xff\xfex y?");
+                assert!(direct);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(
+        problem("remoteio://h:1/%FF").1,
+        UriProblem::BadPercentEncoding,
+        "a remote resource's name is text"
+    );
     assert_eq!(
         problem("remoteio://h:0/r").1,
         UriProblem::BadPort("0".into())

@@ -64,6 +64,18 @@ pub(super) fn figures(
     let Cold { times, disk } =
         cold_rounds(&cold, file, device, &disk_jobs, rounds, progress, notes)?;
     let gbps = |s: f64| file.bytes as f64 / s / 1e9;
+    let by_round: Vec<String> = times
+        .iter()
+        .map(|(l, t)| {
+            let rates: Vec<String> = t.iter().map(|&s| format!("{:.2}", gbps(s))).collect();
+            format!("{l} {}", rates.join(" "))
+        })
+        .collect();
+    notes.push(format!(
+        "{} cold, GB/s by round: {}",
+        file.shape,
+        by_round.join("; ")
+    ));
     let mut out = Vec::new();
     let Some(gpuio) = times.get("gpuio") else {
         return Ok(out);
@@ -116,18 +128,6 @@ pub(super) fn figures(
             route: "gpuio.safetensors",
         });
     }
-    let by_round: Vec<String> = times
-        .iter()
-        .map(|(l, t)| {
-            let rates: Vec<String> = t.iter().map(|&s| format!("{:.2}", gbps(s))).collect();
-            format!("{l} {}", rates.join(" "))
-        })
-        .collect();
-    notes.push(format!(
-        "{} cold, GB/s by round: {}",
-        file.shape,
-        by_round.join("; ")
-    ));
     Ok(out)
 }
 
@@ -159,7 +159,7 @@ fn cold_rounds(
     order.extend((0..disk_jobs.len()).map(Err));
     let mut times = BTreeMap::<String, Vec<f64>>::new();
     let mut disk: Vec<(Vec<f64>, &str)> = vec![(Vec::new(), ""); disk_jobs.len()];
-    for round in 0..rounds.max(1) {
+    for round in 0..rounds {
         for who in order
             .iter()
             .cycle()

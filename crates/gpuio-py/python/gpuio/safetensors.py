@@ -295,14 +295,16 @@ def _shards(name):
 
 
 def _source(path, direct):
-    """What the session opens for ``path``: the path, or with ``direct`` its ``localio://``
-    URI asking for O_DIRECT (the path percent-encoded, byte for byte)."""
-    if not direct:
-        return path
+    """What the session opens for ``path``: its ``localio://`` URI, so that no file name is
+    taken for another kind of resource; with ``direct``, asking for O_DIRECT. The path goes
+    in as its bytes, percent-encoded, and a relative one is joined to the working directory
+    as it is: "a/../b" stays, for the kernel to resolve after any symlink, as it did when
+    the header was read."""
     import os
     from urllib.parse import quote
 
-    return "localio://" + quote(os.fsencode(os.path.abspath(path))) + "?direct=1"
+    full = os.fsencode(os.path.join(os.getcwd(), path))
+    return "localio://" + quote(full) + ("?direct=1" if direct else "")
 
 
 def _load_shards(filename, fws, how, session, progress, direct):
