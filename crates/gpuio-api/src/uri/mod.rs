@@ -135,7 +135,8 @@ impl fmt::Display for Uri {
                 write!(f, "memio://cxl/{}?device={device}", escape(pool))
             }
             Self::File { path, direct, gds } => {
-                let p = encode_path(&path.to_string_lossy());
+                use std::os::unix::ffi::OsStrExt;
+                let p = encode_path(path.as_os_str().as_bytes());
                 match (direct, gds) {
                     (false, None) if path.is_absolute() => write!(f, "file://{p}"),
                     // A plain path is taken as written (no percent-decoding): control
@@ -171,7 +172,7 @@ impl fmt::Display for Uri {
                 write!(
                     f,
                     "/{}?transport={t}&gdr={}",
-                    encode_path(resource),
+                    encode_path(resource.as_bytes()),
                     *gdr as u8
                 )
             }
@@ -179,9 +180,9 @@ impl fmt::Display for Uri {
     }
 }
 
-fn encode_path(p: &str) -> String {
+fn encode_path(p: &[u8]) -> String {
     let mut out = String::with_capacity(p.len());
-    for b in p.bytes() {
+    for &b in p {
         match b {
             b'%' | b'?' | b'#' | b' ' | 0..=0x1f | 0x7f.. => out.push_str(&format!("%{b:02X}")),
             _ => out.push(b as char),
