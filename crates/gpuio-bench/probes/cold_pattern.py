@@ -26,23 +26,12 @@ import os
 import struct
 import subprocess
 import sys
-import threading
 import time
 
-from scratch import drop_cache
+from scratch import GPUIO_READ, disk_settings, drop_cache, run_child, timed_threads
 
 SIZE = 4 << 30
 CHUNK = 4 << 20
-
-GPUIO = r"""
-import sys, time, torch, gpuio
-t = torch.empty(int(sys.argv[3]), dtype=torch.uint8, device="cuda:0")
-torch.cuda.synchronize()
-s = gpuio.Session(toml=sys.argv[2])
-t0 = time.perf_counter()
-s.read(s.open(sys.argv[1]), t)
-print(round(t.numel() / (time.perf_counter() - t0) / 1e9, 2))
-"""
 
 FASTSAFETENSORS = r"""
 import sys, time, torch
@@ -79,10 +68,11 @@ def direct_uri(path):
 
 
 def child(script, *args, env=None):
-    r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, **(env or {})})
-    out = r.stdout.strip()
-    return float(out) if out else r.stderr[-300:]
+    out = run_child(script, *args, env=env)
+    try:
+        return float(out)
+    except ValueError:
+        return out
 
 
 def threads(path, ranges, chunk, advice=None, ahead=False):
@@ -92,7 +82,7 @@ def threads(path, ranges, chunk, advice=None, ahead=False):
     if advice is not None:
         os.posix_fadvise(fd, 0, 0, advice)
     size = os.fstat(fd).st_size
-    got, done = [], [0]
+    done = [0]
 
     def work(offsets):
         buf = bytearray(chunk)
@@ -100,7 +90,7 @@ def threads(path, ranges, chunk, advice=None, ahead=False):
         for off in offsets:
             n += os.preadv(fd, [buf], off)
             done[0] += chunk
-        got.append(n)
+        return n
 
     def prefetch():
         step = 64 << 20
@@ -108,17 +98,12 @@ def threads(path, ranges, chunk, advice=None, ahead=False):
             while off - done[0] > (256 << 20):
                 time.sleep(0.0005)
             os.posix_fadvise(fd, off, step, os.POSIX_FADV_WILLNEED)
+        return 0
 
-    ts = [threading.Thread(target=work, args=(r,)) for r in ranges]
-    if ahead:
-        ts.append(threading.Thread(target=prefetch))
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    jobs = [(work, r) for r in ranges] + ([(prefetch,)] if ahead else [])
+    rate = timed_threads(lambda f, *a: f(*a), jobs)
     os.close(fd)
-    return round(sum(got) / (time.perf_counter() - t0) / 1e9, 2)
+    return rate
 
 
 def direct_threads(path, n, chunk):
@@ -127,22 +112,16 @@ def direct_threads(path, n, chunk):
 
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     size = os.fstat(fd).st_size // chunk * chunk
-    got = []
 
     def work(lo, hi):
         buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
-        got.append(sum(os.preadv(fd, [buf], off) for off in range(lo, hi, chunk)))
+        return sum(os.preadv(fd, [buf], off) for off in range(lo, hi, chunk))
 
     per = size // chunk // n * chunk
-    ts = [threading.Thread(target=work, args=(t * per, size if t == n - 1 else (t + 1) * per))
-          for t in range(n)]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    rate = timed_threads(work, [(t * per, size if t == n - 1 else (t + 1) * per)
+                                for t in range(n)])
     os.close(fd)
-    return round(sum(got) / (time.perf_counter() - t0) / 1e9, 2)
+    return rate
 
 
 def dd(path):
@@ -150,14 +129,6 @@ def dd(path):
     subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], capture_output=True,
                    check=True)
     return round(os.path.getsize(path) / (time.perf_counter() - t0) / 1e9, 2)
-
-
-def disk_settings(path):
-    dev = os.stat(path).st_dev
-    block = os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-    q = block + "/queue" if os.path.isdir(block + "/queue") else os.path.dirname(block) + "/queue"
-    keys = ("read_ahead_kb", "max_sectors_kb", "nr_requests", "scheduler", "rotational")
-    return {k: open(f"{q}/{k}").read().strip() for k in keys if os.path.exists(f"{q}/{k}")}
 
 
 def main():
@@ -170,11 +141,11 @@ def main():
     size = os.path.getsize(path)
     n = size // CHUNK + 1
     cases = {
-        "gpuio default": lambda: child(GPUIO, path, "", str(size)),
-        "gpuio 1 lane": lambda: child(GPUIO, path, "[localio]\nlanes = 1\n", str(size)),
-        "gpuio 2 lanes": lambda: child(GPUIO, path, "[localio]\nlanes = 2\n", str(size)),
+        "gpuio default": lambda: child(GPUIO_READ, path, "", str(size)),
+        "gpuio 1 lane": lambda: child(GPUIO_READ, path, "[localio]\nlanes = 1\n", str(size)),
+        "gpuio 2 lanes": lambda: child(GPUIO_READ, path, "[localio]\nlanes = 2\n", str(size)),
         "gpuio 1 lane, 16 MiB chunks": lambda: child(
-            GPUIO, path, '[localio]\nlanes = 1\nchunk_size = "16 MiB"\n', str(size)),
+            GPUIO_READ, path, '[localio]\nlanes = 1\nchunk_size = "16 MiB"\n', str(size)),
         "1 thread, 16 MiB reads": lambda: threads(path, [range(0, size, 16 << 20)], 16 << 20),
         "1 thread, 16 MiB reads, FADV_SEQUENTIAL": lambda: threads(
             path, [range(0, size, 16 << 20)], 16 << 20, advice=os.POSIX_FADV_SEQUENTIAL),
@@ -190,11 +161,11 @@ def main():
         big = '[localio]\nchunk_size = "16 MiB"\n'
         cases = {
             "gpuio default": cases["gpuio default"],
-            "gpuio, 16 MiB chunks": lambda: child(GPUIO, path, big, str(size)),
-            "gpuio O_DIRECT": lambda: child(GPUIO, direct, "", str(size)),
-            "gpuio O_DIRECT, 16 MiB chunks": lambda: child(GPUIO, direct, big, str(size)),
+            "gpuio, 16 MiB chunks": lambda: child(GPUIO_READ, path, big, str(size)),
+            "gpuio O_DIRECT": lambda: child(GPUIO_READ, direct, "", str(size)),
+            "gpuio O_DIRECT, 16 MiB chunks": lambda: child(GPUIO_READ, direct, big, str(size)),
             "gpuio O_DIRECT, 16 lanes, 16 MiB chunks": lambda: child(
-                GPUIO, direct, big + "lanes = 16\n", str(size)),
+                GPUIO_READ, direct, big + "lanes = 16\n", str(size)),
             "16 threads, O_DIRECT 16 MiB reads": lambda: direct_threads(path, 16, 16 << 20),
         }
     if other:  # O_DIRECT chunks in lanes' runs (this build) against another build's
@@ -202,12 +173,12 @@ def main():
         b = {"PYTHONPATH": other}
         cases = {
             "gpuio default": cases["gpuio default"],
-            "gpuio O_DIRECT": lambda: child(GPUIO, direct, "", str(size)),
-            "other: gpuio O_DIRECT": lambda: child(GPUIO, direct, "", str(size), env=b),
+            "gpuio O_DIRECT": lambda: child(GPUIO_READ, direct, "", str(size)),
+            "other: gpuio O_DIRECT": lambda: child(GPUIO_READ, direct, "", str(size), env=b),
             "other: gpuio O_DIRECT, 16 MiB chunks": lambda: child(
-                GPUIO, direct, '[localio]\nchunk_size = "16 MiB"\n', str(size), env=b),
+                GPUIO_READ, direct, '[localio]\nchunk_size = "16 MiB"\n', str(size), env=b),
             "other: gpuio O_DIRECT, 16 lanes": lambda: child(
-                GPUIO, direct, "[localio]\nlanes = 16\n", str(size), env=b),
+                GPUIO_READ, direct, "[localio]\nlanes = 16\n", str(size), env=b),
         }
     try:
         import fastsafetensors  # noqa: F401

@@ -15,23 +15,13 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
-from scratch import drop_cache, random_file
+from scratch import (GPUIO_READ, disk_settings, drop_cache, random_file, run_child,
+                     timed_threads)
 
 SIZE = 4 << 30
 CHUNK = 4 << 20
-
-CHILD = r"""
-import sys, time, torch, gpuio
-t = torch.empty(int(sys.argv[3]), dtype=torch.uint8, device="cuda:0")
-torch.cuda.synchronize()
-s = gpuio.Session(toml=sys.argv[2])
-t0 = time.perf_counter()
-s.read(s.open(sys.argv[1]), t)
-print(round(t.numel() / (time.perf_counter() - t0) / 1e9, 2))
-"""
 
 KVIKIO = r"""
 import os, sys, time, torch
@@ -52,9 +42,7 @@ def report(name, value):
 
 def child(name, script, *args):
     drop_cache()
-    r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
-                       timeout=300)
-    report(name, r.stdout.strip() or r.stderr[-300:])
+    report(name, run_child(script, *args))
 
 
 def threads(name, path, ranges, chunk=CHUNK, advice=None):
@@ -64,34 +52,18 @@ def threads(name, path, ranges, chunk=CHUNK, advice=None):
     if advice is not None:
         os.posix_fadvise(fd, 0, 0, advice)
 
-    got = []
-
     def work(offsets):
         buf = bytearray(chunk)
-        got.append(sum(os.preadv(fd, [buf], off) for off in offsets))
+        return sum(os.preadv(fd, [buf], off) for off in offsets)
 
-    ts = [threading.Thread(target=work, args=(r,)) for r in ranges]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    report(name, timed_threads(work, [(r,) for r in ranges]))
     os.close(fd)
-    report(name, round(sum(got) / (time.perf_counter() - t0) / 1e9, 2))
-
-
-def disk_settings(path):
-    dev = os.stat(path).st_dev
-    block = os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-    q = block + "/queue" if os.path.isdir(block + "/queue") else os.path.dirname(block) + "/queue"
-    keys = ("read_ahead_kb", "max_sectors_kb", "nr_requests", "scheduler", "rotational")
-    report("disk", {k: open(f"{q}/{k}").read().strip() for k in keys if os.path.exists(f"{q}/{k}")})
 
 
 def main():
     path = sys.argv[1] if len(sys.argv) > 1 else "/tmp/cold_settings.bin"
     random_file(path, SIZE)
-    disk_settings(path)
+    report("disk", disk_settings(path))
     direct = f"localio://{os.path.abspath(path)}?direct=1"
     cases = [
         ("default", path, ""),
@@ -104,7 +76,7 @@ def main():
         ("O_DIRECT, slots 4", direct, "[localio]\nslots_per_lane = 4\n"),
     ]
     for name, target, toml in cases:
-        child(name, CHILD, target, toml, str(SIZE))
+        child(name, GPUIO_READ, target, toml, str(SIZE))
     for n in (8, 16):
         child(f"kvikio {n} threads", KVIKIO, path, str(n), str(SIZE))
     for name, extra in (("dd buffered", []), ("dd O_DIRECT", ["iflag=direct"])):
@@ -122,7 +94,7 @@ def main():
             [range(t * CHUNK, SIZE, 16 * CHUNK) for t in range(16)],
             advice=os.POSIX_FADV_SEQUENTIAL)
     threads("1 thread, 16 MiB reads", path, [range(0, SIZE, 16 << 20)], chunk=16 << 20)
-    child("default again", CHILD, path, "", str(SIZE))
+    child("default again", GPUIO_READ, path, "", str(SIZE))
 
 
 if __name__ == "__main__":
