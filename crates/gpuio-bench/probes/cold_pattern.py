@@ -11,12 +11,15 @@ root):
   one thread that asks for the file 64 MiB at a time ahead of them (`FADV_WILLNEED`);
 - `dd` (buffered, 16 MiB blocks).
 
-    python cold_pattern.py [FILE] [ROUNDS] [depth | order OTHER]
+    python cold_pattern.py [FILE] [ROUNDS] [depth | ahead | turn | order OTHER]
 
 With `depth`, other cases: gpuio with O_DIRECT and with 16 MiB chunks, 16 threads' O_DIRECT
 16 MiB reads, and fastsafetensors with and without O_DIRECT (its default where the file
 system allows it). With `order OTHER`: gpuio's O_DIRECT reads by this build and by the
-build installed in the directory OTHER, with fastsafetensors.
+build installed in the directory OTHER, with fastsafetensors. With `ahead`: whether
+buffered readers over contiguous ranges reach O_DIRECT's rate when each asks for its chunks
+ahead (`FADV_WILLNEED`) or when there are more of them. With `turn`: readers taking the
+next block of the file in turn (fastsafetensors' pattern), O_DIRECT and buffered.
 
 Prints the disk's queue settings, then one JSON line per case and round: GB/s.
 """
@@ -75,9 +78,12 @@ def child(script, *args, env=None):
         return out
 
 
-def threads(path, ranges, chunk, advice=None, ahead=False):
+def threads(path, ranges, chunk, advice=None, ahead=False, hint=None):
     """Each thread preads `chunk` bytes at the offsets its range yields; with `ahead`, one
-    more thread asks for the file 64 MiB at a time, at most 256 MiB ahead of the readers."""
+    more thread asks for the file 64 MiB at a time, at most 256 MiB ahead of the readers;
+    with `hint` = k, each thread asks for its chunk k chunks on (`FADV_WILLNEED`, which
+    puts all of a chunk's reads in flight at once) before reading each chunk (0: the chunk
+    itself)."""
     fd = os.open(path, os.O_RDONLY)
     if advice is not None:
         os.posix_fadvise(fd, 0, 0, advice)
@@ -87,7 +93,13 @@ def threads(path, ranges, chunk, advice=None, ahead=False):
     def work(offsets):
         buf = bytearray(chunk)
         n = 0
-        for off in offsets:
+        offsets = list(offsets)
+        if hint:
+            for off in offsets[:hint]:
+                os.posix_fadvise(fd, off, chunk, os.POSIX_FADV_WILLNEED)
+        for i, off in enumerate(offsets):
+            if hint is not None and i + hint < len(offsets):
+                os.posix_fadvise(fd, offsets[i + hint], chunk, os.POSIX_FADV_WILLNEED)
             n += os.preadv(fd, [buf], off)
             done[0] += chunk
         return n
@@ -124,6 +136,25 @@ def direct_threads(path, n, chunk):
     return rate
 
 
+def in_turn(path, n, chunk, direct):
+    """`n` threads taking the next `chunk` bytes of the file in turn, as fastsafetensors'
+    readers do (its 16 MiB of bounce buffers are 32 slots of 512 KiB, two per thread):
+    one ascending stream with `n` reads in flight."""
+    import mmap
+
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    size = os.fstat(fd).st_size // chunk * chunk
+    offsets = iter(range(0, size, chunk))  # shared: each next() is one step under the GIL
+
+    def work():
+        buf = mmap.mmap(-1, chunk)
+        return sum(os.preadv(fd, [buf], off) for off in offsets)
+
+    rate = timed_threads(work, [()] * n)
+    os.close(fd)
+    return rate
+
+
 def dd(path):
     t0 = time.perf_counter()
     subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], capture_output=True,
@@ -135,6 +166,8 @@ def main():
     path = sys.argv[1] if len(sys.argv) > 1 else "/tmp/cold_pattern.safetensors"
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     depth = len(sys.argv) > 3 and sys.argv[3] == "depth"
+    ahead = len(sys.argv) > 3 and sys.argv[3] == "ahead"
+    turn = len(sys.argv) > 3 and sys.argv[3] == "turn"
     other = sys.argv[4] if len(sys.argv) > 4 and sys.argv[3] == "order" else None
     safetensors_file(path)
     print(json.dumps({"disk": disk_settings(path)}), flush=True)
@@ -167,6 +200,33 @@ def main():
             "gpuio O_DIRECT, 16 lanes, 16 MiB chunks": lambda: child(
                 GPUIO_READ, direct, big + "lanes = 16\n", str(size)),
             "16 threads, O_DIRECT 16 MiB reads": lambda: direct_threads(path, 16, 16 << 20),
+        }
+    if ahead:  # buffered readers with their IO in flight ahead of them, or more of them
+        def ranges(k):
+            return [range(t * n // k * CHUNK, (t + 1) * n // k * CHUNK, CHUNK) for t in range(k)]
+
+        cases = {
+            "gpuio default": cases["gpuio default"],
+            "8 threads, contiguous ranges": cases["8 threads, contiguous ranges"],
+            "8 threads, WILLNEED each chunk": lambda: threads(path, ranges(8), CHUNK, hint=0),
+            "8 threads, WILLNEED 1 chunk on": lambda: threads(path, ranges(8), CHUNK, hint=1),
+            "8 threads, WILLNEED 3 chunks on": lambda: threads(path, ranges(8), CHUNK, hint=3),
+            "16 threads, contiguous ranges": lambda: threads(path, ranges(16), CHUNK),
+            "32 threads, contiguous ranges": lambda: threads(path, ranges(32), CHUNK),
+            "8 threads, O_DIRECT 4 MiB reads": lambda: direct_threads(path, 8, CHUNK),
+            "16 threads, O_DIRECT 16 MiB reads": lambda: direct_threads(path, 16, 16 << 20),
+        }
+    if turn:  # one ascending stream of reads in flight, as fastsafetensors reads
+        k = 512 << 10
+        cases = {
+            "gpuio default": cases["gpuio default"],
+            "8 threads, contiguous ranges": cases["8 threads, contiguous ranges"],
+            "16 threads in turn, O_DIRECT 512 KiB": lambda: in_turn(path, 16, k, True),
+            "8 threads in turn, O_DIRECT 512 KiB": lambda: in_turn(path, 8, k, True),
+            "16 threads in turn, O_DIRECT 4 MiB": lambda: in_turn(path, 16, CHUNK, True),
+            "16 threads in turn, O_DIRECT 1 MiB": lambda: in_turn(path, 16, 1 << 20, True),
+            "16 threads in turn, buffered 512 KiB": lambda: in_turn(path, 16, k, False),
+            "16 threads in turn, buffered 4 MiB": lambda: in_turn(path, 16, CHUNK, False),
         }
     if other:  # O_DIRECT chunks in lanes' runs (this build) against another build's
         direct = direct_uri(path)
