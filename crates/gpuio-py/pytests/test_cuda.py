@@ -218,10 +218,14 @@ def test_safetensors_offset_unsuited_to_the_element_size_on_the_gpu(s, tmp_path)
 
     from gpuio import safetensors as gst
 
-    a, b = torch.arange(3, dtype=torch.uint8), torch.arange(4, dtype=torch.float32)
+    # `a` is large enough that its read is still running when the views are made: `b`, a
+    # copy of its bytes, must wait for them.
+    n = (64 << 20) + 3
+    a = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    b = torch.arange(4, dtype=torch.float32)
     header = (
-        b'{"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},'
-        b'"b":{"dtype":"F32","shape":[4],"data_offsets":[3,19]}}'
+        b'{"a":{"dtype":"U8","shape":[%d],"data_offsets":[0,%d]},' % (n, n)
+        + b'"b":{"dtype":"F32","shape":[4],"data_offsets":[%d,%d]}}' % (n, n + 16)
     )
     path = tmp_path / "odd.safetensors"
     data = a.numpy().tobytes() + b.numpy().tobytes()

@@ -100,27 +100,34 @@ class _Framework:
             return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
         return self.numpy.empty(nbytes, dtype=self.numpy.uint8)
 
-    def views(self, blob, rows):
-        """Each tensor of ``rows`` (file order, offsets contiguous from 0) viewed in ``blob``."""
+    def views(self, blob, rows, copies=None):
+        """Each tensor of ``rows`` (file order, offsets contiguous from 0) viewed in ``blob``.
+        With ``copies`` (a list), the views can be made before ``blob``'s bytes land: a
+        tensor that needs a copy of its bytes (an offset torch cannot view) is left out and
+        its row appended to ``copies``, for another call once they have landed."""
         if self.torch:
-            return self._torch_views(blob, rows)
+            return self._torch_views(blob, rows, copies)
         return {
             name: self.view(blob[begin:end], name, st_dtype, shape)
             for name, st_dtype, shape, begin, end, _ in rows
         }
 
-    def _torch_views(self, blob, rows):
+    def _torch_views(self, blob, rows, copies):
         """As :meth:`views`, for torch: one ``as_strided`` per tensor on ``blob`` viewed once
         per dtype, with the strides the header's rows carry and each dtype looked up once
         (4096 views on the H200 machine: ~7 ms; computing the strides here, ~13)."""
         bases, kinds, out = {}, {}, {}
         whole = blob.storage_offset() == 0  # as_strided's offsets count from the storage's start
-        for name, st_dtype, shape, begin, end, strides in rows:
+        for row in rows:
+            name, st_dtype, shape, begin, end, strides = row
             kind = kinds.get(st_dtype)
             if kind is None:
                 dt = self.dtype(name, st_dtype)
                 kind = kinds[st_dtype] = (dt, dt.itemsize)
             dt, size = kind
+            if copies is not None and (blob.storage_offset() + begin) % size and begin != end:
+                copies.append(row)  # a copy of bytes not yet there: made later
+                continue
             if not whole or begin % size or begin == end:
                 # Not on a whole element (a copy), or empty: the general way.
                 out[name] = self.view(blob[begin:end], name, st_dtype, shape)
@@ -358,10 +365,9 @@ class _Progress:
 
 
 def _read_side_by_side(session, path, jobs, moved, meanwhile=None):
-    """Reads each ``(dst, file_offset)`` of ``jobs`` (one per device) whole: on the calling
-    thread where there is one, else one thread per device; ``moved`` counts the bytes.
-    ``meanwhile()`` runs on the calling thread while the reads run (before them, where the
-    calling thread reads)."""
+    """Reads each ``(dst, file_offset)`` of ``jobs`` (one per device) whole, one thread per
+    device, while ``meanwhile()`` runs on the calling thread (a lone job with nothing to do
+    meanwhile is read on the calling thread); ``moved`` counts the bytes."""
     f = session.open(path)
 
     def pieces(dst, offset):
@@ -373,7 +379,7 @@ def _read_side_by_side(session, path, jobs, moved, meanwhile=None):
             yield hi - lo
 
     jobs = [(d, o) for d, o in jobs if _nbytes(d)]
-    if len(jobs) <= 1:
+    if not jobs or (len(jobs) == 1 and meanwhile is None):
         if meanwhile:
             meanwhile()
         for d, o in jobs:
@@ -449,9 +455,14 @@ class _Whole:
         total = rows[-1][4] if rows else 0
         blobs = [fw.empty(total) for fw in fws]
         cuts = _cuts(total, len(fws))
+        views, copies = [], [[] for _ in fws]  # views made while the bytes are read
+
+        def make_views():
+            views.extend(fw.views(b, rows, c) for fw, b, c in zip(fws, blobs, copies))
+
         _read_side_by_side(
             session, path, [(b[lo:hi], start + lo) for b, lo, hi in zip(blobs, cuts, cuts[1:])],
-            moved,
+            moved, meanwhile=make_views,
         )
         if len(fws) > 1:
             for r, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
@@ -460,7 +471,9 @@ class _Whole:
                         b[lo:hi].copy_(blobs[r][lo:hi], non_blocking=True)
             for fw in fws:
                 fw.torch.cuda.synchronize(fw.device)
-        return [fw.views(blob, rows) for fw, blob in zip(fws, blobs)]
+        for fw, blob, out, late in zip(fws, blobs, views, copies):
+            out.update(fw.views(blob, late))
+        return views
 
 
 class _Parts:
