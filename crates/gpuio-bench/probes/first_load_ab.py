@@ -11,7 +11,7 @@ Prints one line per process: the build, the checkpoint, GB/s.
 import os
 import sys
 
-from load_phases import write
+from load_phases import checkpoints
 from wheel_ab import child
 
 FIRST = r"""
@@ -28,13 +28,7 @@ print(round(os.path.getsize(sys.argv[1]) / (time.perf_counter() - t0) / 1e9, 2))
 def main():
     a, b = sys.argv[1], sys.argv[2]
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 4
-    folder = sys.argv[4] if len(sys.argv) > 4 else "/tmp"
-    small = os.path.join(folder, "phases-small.safetensors")
-    large = os.path.join(folder, "phases-large.safetensors")
-    if not os.path.exists(small):
-        write(small, [s << 10 for s in (256, 512, 1024, 2048)] * 1024, ["F32", "BF16", "F16"])
-    if not os.path.exists(large):
-        write(large, [64 << 20] * 64, ["BF16"])
+    small, large = checkpoints(sys.argv[4] if len(sys.argv) > 4 else "/tmp")
     for path in (small, large):  # into the page cache
         with open(path, "rb") as f:
             while f.read(64 << 20):

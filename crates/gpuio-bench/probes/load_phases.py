@@ -66,14 +66,20 @@ def write(path, sizes, dtypes):
     save_file(tensors, path)
 
 
-def main():
-    folder = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
+def checkpoints(folder):
+    """The paths of the two checkpoints in `folder` (4096 small tensors; 64 large), written
+    where missing."""
     small = os.path.join(folder, "phases-small.safetensors")
     large = os.path.join(folder, "phases-large.safetensors")
     if not os.path.exists(small):
         write(small, [s << 10 for s in (256, 512, 1024, 2048)] * 1024, ["F32", "BF16", "F16"])
     if not os.path.exists(large):
         write(large, [64 << 20] * 64, ["BF16"])
+    return small, large
+
+
+def main():
+    small, large = checkpoints(sys.argv[1] if len(sys.argv) > 1 else "/tmp")
     for _ in range(3):
         for path in (small, large):
             r = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True)
