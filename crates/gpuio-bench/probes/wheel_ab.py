@@ -10,10 +10,9 @@ Prints one line per process: the build, the case, and GB/s (of both reads, or th
 """
 
 import os
-import subprocess
 import sys
 
-from scratch import drop_cache, random_file
+from scratch import drop_cache, random_file, run_child
 
 SIZE = 4 << 30
 
@@ -45,11 +44,10 @@ print(round(t.numel() / (time.perf_counter() - t0) / 1e9, 2))
 
 
 def child(build, script, *args):
+    """`run_child` with `build` first on the module path."""
     path_now = os.environ.get("PYTHONPATH")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [build, path_now])))
-    r = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
-                       text=True, timeout=300)
-    return r.stdout.strip() or r.stderr[-300:]
+    return run_child(script, *args,
+                     env={"PYTHONPATH": os.pathsep.join(filter(None, [build, path_now]))})
 
 
 def read(build, path, cold):
