@@ -1,7 +1,9 @@
 """Two gpuio builds' first load of a safetensors checkpoint, alternating in fresh processes:
 wall time from importing `gpuio.safetensors` to the last tensor on cuda:0, as `gpuio bench
 load` times a first load, for load_phases.py's two checkpoints (4096 small tensors; 64
-large), page cache warm. Each build is a directory its wheel was installed into.
+large), page cache warm. Each build is a directory holding its `gpuio` package; make both
+the same way (in one run, the large checkpoint, whose load the change measured left as it
+was, loaded 10–14% faster from the directory pip installed than from a copy of it).
 
     python first_load_ab.py DIR_A DIR_B [ROUNDS] [DIR]
 
