@@ -68,13 +68,15 @@ hot = cp.zeros(len(kept) * RB, dtype=cp.uint8)
 index = cp.asarray(words)
 kept_d = cp.asarray(kept)
 err = cp.full(1, M64, dtype=cp.uint64)
+# The kernels' end signal (gather.cu's gpuio_end): all zeros, nothing told.
+no_end = np.zeros(1, dtype=np.dtype([("blocks", "<u8"), ("word", "<u8"), ("seq", "<u8")], align=True))[0]
 
 def cfg(n):
     return (int(min(max((n * (RB // 16) + 3) // 4 // 256, 1), SMS * 32)),), (256,)
 
 def gather(pool_p, rows, idx, dst):
     n = idx.size
-    gather_k(*cfg(n), (pool_p, np.uint64(rows), np.uint64(RB), idx, np.uint64(n), dst, err))
+    gather_k(*cfg(n), (pool_p, np.uint64(rows), np.uint64(RB), idx, np.uint64(n), dst, err, no_end))
 
 gather(pool_ptr, ROWS, kept_d, hot)  # the copies
 cp.cuda.Device().synchronize()
@@ -95,7 +97,7 @@ for n in sizes:
     slots = cp.asarray(np.searchsorted(np.sort(kept), step[hit]))  # any hot rows: HBM's rate
     dst = cp.zeros(n * RB, dtype=cp.uint8)
     hot_t = timed(lambda: hot_k(*cfg(n), (pool_ptr, np.uint64(ROWS), np.uint64(RB), idx,
-                                          np.uint64(n), dst, err, hot, np.uint64(len(kept)),
+                                          np.uint64(n), dst, err, no_end, hot, np.uint64(len(kept)),
                                           index, np.uint64(cap - 1), np.uint32(probes))))
     got = cp.asnumpy(dst).reshape(n, RB)
     ok = np.array_equal(got.view(np.uint64), view[step])

@@ -9,4 +9,5 @@ mod hot_rows;
 #[cfg(feature = "cuda")]
 mod kernels;
 mod ptx;
+mod rows;
 mod tiered;

@@ -120,6 +120,20 @@ pub(super) unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<()> {
     check(rc, "cuStreamSynchronize")
 }
 
+/// `cuStreamQuery`: whether the work queued on `stream` is done (`false`: still running), or
+/// the error it ran into.
+///
+/// # Safety
+/// `stream` is a live stream of the current context.
+pub(super) unsafe fn stream_query(stream: sys::CUstream) -> Result<bool> {
+    // SAFETY: the caller's contract.
+    let rc = unsafe { sys::cuStreamQuery(stream) };
+    if rc == sys::CUresult::CUDA_ERROR_NOT_READY {
+        return Ok(false);
+    }
+    check(rc, "cuStreamQuery").map(|()| true)
+}
+
 /// `cuDeviceGet`: the handle of device `ordinal`. Like the queries below, it needs no
 /// context.
 pub(super) fn device_get(ordinal: usize) -> Result<sys::CUdevice> {

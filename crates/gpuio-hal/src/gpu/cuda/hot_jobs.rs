@@ -3,6 +3,7 @@
 //! row per job, each job's first bad index in its own report word.
 
 use super::driver::cuda_err;
+use super::report::EndSignal;
 use super::rows::{WaitOnDrop, event_time};
 use super::stream::CudaStreamBackend;
 use crate::error::Result;
@@ -123,6 +124,12 @@ impl CudaStreamBackend {
             words.copy_from_slice(&entry.words());
         }
         let start = timed.then(|| self.record(true)).transpose()?;
+        // Timed by events, the driver's wait (which they need); else the kernel tells its end.
+        let signal = if timed {
+            EndSignal::NONE
+        } else {
+            report.arm_end()
+        };
         // From the copy on, work may be running: every way out waits for it before the
         // borrows of the pools and buffers end.
         let running = WaitOnDrop(Some(self));
@@ -138,20 +145,23 @@ impl CudaStreamBackend {
                 .launch_config((longest * (row_bytes / width)).div_ceil(4));
             config.grid_dim.1 = jobs.len().min(HOT_MAX_JOBS) as u32;
             let mut launch = self.stream.launch_builder(&func);
-            launch.arg(&table).arg(&row_bytes);
-            // SAFETY: the arguments match gpuio_gather_hot_jobs_W(gpuio_hot_jobs, u64): a
+            let tell = signal.words();
+            launch.arg(&table).arg(&row_bytes).arg(&tell);
+            // SAFETY: the arguments match gpuio_gather_hot_jobs_W(gpuio_hot_jobs, u64,
+            // gpuio_end): a
             // table of HOT_MAX_JOBS jobs, of which the grid's rows read the first
             // `jobs.len()`. Each job touches only checked pool rows (below `rows`), its checked
             // index and destination ranges, kept rows below `hot_rows`, index words under the
-            // mask of the index range's power-of-two length, and its own report word; the
-            // pools stay registered (caller's contract), the list was copied first, and we
-            // synchronize before returning.
+            // mask of the index range's power-of-two length, and its own report word; the last
+            // block the stream's end word and block count. The pools stay registered (caller's
+            // contract), the list was copied first, and we wait before returning.
             unsafe { launch.launch(config) }
                 .map_err(cuda_err("cuLaunchKernel(gpuio_gather_hot_jobs)"))?;
         }
         let end = start.is_some().then(|| self.record(true)).transpose()?;
-        // This also reports an error the kernel ran into.
-        running.wait()?;
+        // This also reports an error the kernel ran into. With no jobs launched, nothing
+        // tells the end: the driver's wait (for the copy).
+        running.wait(&report, if longest > 0 { signal } else { EndSignal::NONE })?;
         let device_time = event_time(start, end)?;
         let mut first = 0u64;
         let mut bad_index = None;

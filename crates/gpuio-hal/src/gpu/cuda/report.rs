@@ -5,24 +5,77 @@
 //! copy back after it (each a driver call and a trip through the copy engine: most of a
 //! few-row call's time beyond the device's work), only a few host stores resetting the words
 //! before its launches. A job holds them through [`Reports`] ([`CudaStreamBackend::reports`]).
+//!
+//! Beside them lies the stream's end word: a call's last kernel stores the call's number there
+//! once its last block is done ([`EndSignal`], gather.cu's `gpuio_end`), and the host, which
+//! watches it ([`ReportWords::wait_end`]), returns without the driver's wait (which sees the
+//! end 1-2 µs later on an H200).
 
 use super::driver;
 use super::stream::CudaStreamBackend;
 use crate::error::HalError;
 use crate::error::Result;
+use crate::gpu::backend::StreamBackend;
 use crate::sync::MutexExt;
 use cudarc::driver::sys;
+use std::mem::{offset_of, size_of};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
 /// Report words a stream keeps (one per piece of a row job).
 pub(super) const REPORT_WORDS: usize = crate::gpu::rows::MAX_PIECES;
 
-/// One stream's report words.
+/// One stream's report words, and its end word after them.
 pub(crate) struct ReportWords {
     host: *mut u64,
     device: sys::CUdeviceptr,
     words: usize,
+    /// The count of a signalling kernel's finished blocks (device memory, zero between calls).
+    blocks: sys::CUdeviceptr,
+    /// The number of the stream's last signalling call (the end word starts below the first).
+    seq: AtomicU64,
 }
+
+/// What a kernel that tells its end takes (gather.cu's `gpuio_end`, whose size and offsets are
+/// asserted there too): where it counts its blocks, the end word's device address (0: tell
+/// nothing), and the number to store.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct EndSignal {
+    blocks: u64,
+    word: u64,
+    seq: u64,
+}
+
+const _: () = assert!(size_of::<EndSignal>() == 24);
+const _: () = assert!(offset_of!(EndSignal, word) == 8);
+const _: () = assert!(offset_of!(EndSignal, seq) == 16);
+
+impl EndSignal {
+    /// Tells nothing: for every launch of a call but its last, and for calls timed by events.
+    pub(crate) const NONE: Self = Self {
+        blocks: 0,
+        word: 0,
+        seq: 0,
+    };
+
+    /// Whether the kernel tells its end.
+    pub(crate) fn armed(self) -> bool {
+        self.word != 0
+    }
+
+    /// The kernel argument's words, in field order.
+    pub(crate) fn words(self) -> [u64; 3] {
+        [self.blocks, self.word, self.seq]
+    }
+}
+
+/// How often a wait for the end word asks the driver whether the stream failed (a kernel that
+/// faults never stores the word), and how long it watches before it leaves the rest of a long
+/// call to the driver's wait.
+const QUERY_EVERY: Duration = Duration::from_micros(20);
+const WATCH_FOR: Duration = Duration::from_micros(500);
 
 // SAFETY: the pointer is to page-locked memory this value alone owns (until Drop); the host
 // reads and writes the words only while it holds its stream's report lock (`Reports`), before
@@ -35,23 +88,31 @@ unsafe impl Sync for ReportWords {}
 const NONE: u64 = u64::MAX;
 
 impl ReportWords {
-    /// `words` report words in the calling thread's bound context (reset before each use).
+    /// `words` report words and the end word in the calling thread's bound context (the
+    /// report words reset before each use, the end word at 0 and the block count zeroed).
     fn new(words: usize) -> Result<Self> {
-        let host = driver::mem_host_alloc_mapped(words * 8)?.cast::<u64>();
-        // SAFETY: `host` starts a fresh DEVICEMAP allocation.
-        let device = match unsafe { driver::mem_host_get_device_pointer(host.cast()) } {
-            Ok(d) => d,
-            Err(e) => {
-                // SAFETY: allocated just above, freed once, used by nothing.
-                let _ = unsafe { driver::mem_free_host(host.cast()) };
-                return Err(e);
-            }
+        let host = driver::mem_host_alloc_mapped((words + 1) * 8)?.cast::<u64>();
+        // SAFETY: `host` starts a fresh allocation of `words + 1` words, used by nothing yet.
+        unsafe { host.add(words).write_volatile(0) };
+        let free_host = || {
+            // SAFETY: allocated just above, freed once, used by nothing.
+            let _ = unsafe { driver::mem_free_host(host.cast()) };
         };
-        Ok(Self {
+        // SAFETY: `host` starts a fresh DEVICEMAP allocation.
+        let device = unsafe { driver::mem_host_get_device_pointer(host.cast()) }
+            .inspect_err(|_| free_host())?;
+        let blocks = driver::mem_alloc(8).inspect_err(|_| free_host())?;
+        // SAFETY: `blocks` is 8 bytes of fresh device memory of this context; `0u64` is
+        // readable for the (synchronous) copy.
+        let zeroed = unsafe { driver::memcpy_htod(blocks, (&0u64 as *const u64).cast(), 8) };
+        let this = Self {
             host,
             device,
             words,
-        })
+            blocks,
+            seq: AtomicU64::new(0),
+        };
+        zeroed.map(|()| this)
     }
 
     /// Where kernels report: word `k`.
@@ -80,6 +141,67 @@ impl ReportWords {
         let w = unsafe { self.host.add(k).read_volatile() };
         Some(w).filter(|&w| w != NONE)
     }
+
+    /// The end signal for a call's last kernel, under a fresh number.
+    pub(crate) fn arm_end(&self) -> EndSignal {
+        EndSignal {
+            blocks: self.blocks,
+            word: self.device + 8 * self.words as u64,
+            seq: self.seq.fetch_add(1, Ordering::Relaxed) + 1,
+        }
+    }
+
+    /// The end word as the last signalling kernel left it.
+    fn end_word(&self) -> u64 {
+        // SAFETY: word `words` is inside the allocation; kernels store it over the bus, a
+        // volatile read sees each store once it lands.
+        unsafe { self.host.add(self.words).read_volatile() }
+    }
+
+    /// Waits for the work queued on `stream` up to and including the kernel launched with
+    /// `end`: until the end word holds its number, or the driver reports the stream done (or
+    /// failed); after [`WATCH_FOR`] with neither, through the driver's wait. Once the word is
+    /// there every block of that kernel is done with memory (each counted its stores first),
+    /// though the stream may not have retired the kernel yet.
+    pub(crate) fn wait_end(&self, stream: &CudaStreamBackend, end: EndSignal) -> Result<()> {
+        let start = Instant::now();
+        let mut asked = start;
+        loop {
+            if self.end_word() == end.seq {
+                // The word's store follows the kernel's other stores (its fences).
+                std::sync::atomic::fence(Ordering::Acquire);
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now - asked >= QUERY_EVERY {
+                asked = now;
+                // SAFETY: the stream is live (borrowed) and its context bound by the caller.
+                if unsafe { driver::stream_query(stream.raw()) }? {
+                    return self.done_without_word(end);
+                }
+                if now - start >= WATCH_FOR {
+                    stream.synchronize()?;
+                    return self.done_without_word(end);
+                }
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// The stream finished: the word is there by now, or the kernel's count went astray (it
+    /// never happens while every launch on the stream completes); then it is set back.
+    fn done_without_word(&self, end: EndSignal) -> Result<()> {
+        if self.end_word() == end.seq {
+            return Ok(());
+        }
+        tracing::warn!(
+            seq = end.seq,
+            "a kernel finished without its end signal; resetting its block count"
+        );
+        // SAFETY: `blocks` is 8 bytes of this context's device memory; the stream that used
+        // it is idle (the caller saw it done).
+        unsafe { driver::memcpy_htod(self.blocks, (&0u64 as *const u64).cast(), 8) }
+    }
 }
 
 impl Drop for ReportWords {
@@ -87,10 +209,13 @@ impl Drop for ReportWords {
         if super::probe::driver_forked() {
             return;
         }
-        // SAFETY: allocated by mem_host_alloc_mapped, freed once; the stream that owns this
-        // report drained its work and bound its context first (it leaks the report where it
-        // cannot).
-        if let Err(e) = unsafe { driver::mem_free_host(self.host.cast()) } {
+        // SAFETY: allocated by mem_host_alloc_mapped and mem_alloc, each freed once; the
+        // stream that owns this report drained its work and bound its context first (it leaks
+        // the report where it cannot).
+        let freed = unsafe { driver::mem_free_host(self.host.cast()) }
+            // SAFETY: as above.
+            .and(unsafe { driver::mem_free(self.blocks) });
+        if let Err(e) = freed {
             tracing::error!(error = %e, "freeing a stream's row report failed");
         }
     }

@@ -8,6 +8,7 @@
 
 use super::device::Shared;
 use super::driver::{self, cuda_err};
+use super::report::{EndSignal, ReportWords};
 use super::stream::CudaStreamBackend;
 use crate::error::Result;
 use crate::gpu::RowKernel;
@@ -145,9 +146,14 @@ impl OrderScratch {
 pub(super) struct WaitOnDrop<'a>(pub(super) Option<&'a CudaStreamBackend>);
 
 impl WaitOnDrop<'_> {
-    /// Waits now, reporting an error the work ran into.
-    pub(super) fn wait(mut self) -> Result<()> {
-        self.0.take().map_or(Ok(()), |s| s.synchronize())
+    /// Waits now, reporting an error the work ran into: through the end word where the last
+    /// kernel was launched with `end` ([`ReportWords::wait_end`]), else the driver's wait.
+    pub(super) fn wait(mut self, reports: &ReportWords, end: EndSignal) -> Result<()> {
+        match self.0.take() {
+            Some(s) if end.armed() => reports.wait_end(s, end),
+            Some(s) => s.synchronize(),
+            None => Ok(()),
+        }
     }
 }
 
@@ -235,8 +241,14 @@ impl CudaStreamBackend {
             unsafe { driver::memset_d32_async(at.counts, 0, o.buckets as usize, self.raw())? };
         }
         let RowHooks { mut stage, timed } = hooks;
-        // Events bracket the launches when the device's time is asked for.
+        // Events bracket the launches when the device's time is asked for (the driver's wait
+        // then, which the events need); else the last kernel tells the end itself.
         let start = timed.then(|| self.record(true)).transpose()?;
+        let signal = if timed {
+            EndSignal::NONE
+        } else {
+            report.arm_end()
+        };
         // From the first launch on, kernels may be running: every way out (an error, a panic
         // in `stage`) waits for them before the borrows of the pool and buffers end.
         let running = WaitOnDrop(Some(self));
@@ -282,6 +294,12 @@ impl CudaStreamBackend {
             }
             let dense = rows_addr + start_row * rb;
             let report = report.device_word(k);
+            let tell = if k + 1 == launches {
+                signal
+            } else {
+                EndSignal::NONE
+            }
+            .words();
             // Gathers take (pool, .., dense); scatters (dense source, .., pool).
             let (first, last) = if job.scatter {
                 (dense, pool)
@@ -296,7 +314,8 @@ impl CudaStreamBackend {
                 .arg(&idx)
                 .arg(&n)
                 .arg(&last)
-                .arg(&report);
+                .arg(&report)
+                .arg(&tell);
             // A gather through hot rows also reads the kept rows and their index.
             let hot = job
                 .hot
@@ -310,10 +329,11 @@ impl CudaStreamBackend {
             // A hot gather reads only kept rows below `hot_rows` and index words under the
             // mask of the index range's power-of-two length: both checked ranges.
             // SAFETY: the arguments match every row kernel's (pool, rows, row_bytes, idx, n,
-            // dense, err) signature (a hot gather's adds hot, hot_rows, index, mask, probes).
-            // It touches only checked pool rows, this piece's part of the checked idx and
-            // dense ranges and its report word; the pool stays registered (caller's contract),
-            // the piece's indices were staged first, and we synchronize before returning.
+            // dense, err, end) signature (a hot gather's adds hot, hot_rows, index, mask,
+            // probes). It touches only checked pool rows, this piece's part of the checked idx
+            // and dense ranges, its report word, and (the last launch) the stream's end word
+            // and block count; the pool stays registered (caller's contract), the piece's
+            // indices were staged first, and we wait for it before returning.
             unsafe { launch.launch(config(n)) }
                 .map_err(cuda_err("cuLaunchKernel(gpuio row kernel)"))?;
         }
@@ -355,18 +375,21 @@ impl CudaStreamBackend {
             let mut launch = self.stream.launch_builder(func);
             launch.arg(&pool).arg(&pool_rows).arg(&rb).arg(&at.pairs);
             let report = report.device_word(0);
-            launch.arg(&count).arg(&rows_addr).arg(&report).arg(&lines);
+            let tell = signal.words();
+            launch.arg(&count).arg(&rows_addr).arg(&report).arg(&tell);
+            launch.arg(&lines);
             // SAFETY: matches gpuio_gather_ordered_W(pool, rows, row_bytes, pairs, n, dense,
-            // err, lines): it reads the pairs just placed, pool rows below `pool_rows`
+            // err, end, lines): it reads the pairs just placed, pool rows below `pool_rows`
             // (checked per pair; by line it reads only the pieces inside the row), writes each
-            // pair's position of the checked dense range and report word 0; the pool stays
-            // registered until this call returns, and we synchronize first.
+            // pair's position of the checked dense range, report word 0 and the stream's end
+            // word and block count; the pool stays registered until this call returns, and we
+            // wait for it first.
             unsafe { launch.launch(config(count)) }
                 .map_err(cuda_err("cuLaunchKernel(gpuio_gather_ordered)"))?;
         }
         let end = start.is_some().then(|| self.record(true)).transpose()?;
         // This also reports an error a kernel ran into.
-        running.wait()?;
+        running.wait(&report, signal)?;
         drop(order_scratch);
         let device_time = event_time(start, end)?;
         let bad_index = if ordering.is_some() {

@@ -1,0 +1,139 @@
+//! Row gathers and scatters call after call on one stream. On the GPU machine each call's end
+//! is seen through the word its last kernel stores (the last of its blocks to finish, which
+//! also sets the count of finished blocks back to zero for the next call): a call must never
+//! return before every row landed, whatever grid the calls before it had. Every kernel (tuned,
+//! sorted, naive, scatter), grids of one block to hundreds, a call with a bad index among
+//! them; in CI the same calls run on the host backend's copies of the kernels.
+
+use gpuio_hal::{
+    BackendPreference, DeviceBuffer, Gpu, HalError, HostAllocOptions, HostBuffer, RowIndices,
+    RowKernel, Stream, pattern, probe,
+};
+use gpuio_testkit::Requirement;
+
+const ROW: usize = 48;
+const ROWS: usize = 1 << 14;
+/// Rows per call, in turn: one block, a few, hundreds.
+const COUNTS: [usize; 5] = [1, 3, 200, 40_000, 64];
+
+fn gpu() -> Gpu {
+    let mut p = probe(BackendPreference::Auto).unwrap();
+    if !p.cuda.available {
+        Requirement::Cuda.missing(format_args!(
+            "CUDA is unavailable: {} (running on the host backend)",
+            p.cuda.detail
+        ));
+    }
+    p.gpus.remove(0)
+}
+
+fn upload(stream: &Stream, ids: &[u64], idx: &DeviceBuffer) {
+    let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+    stream.upload(&bytes, idx, 0).unwrap();
+}
+
+fn rows_of(pool: &[u8], ids: &[u64]) -> Vec<u8> {
+    ids.iter()
+        .flat_map(|&i| &pool[i as usize * ROW..(i as usize + 1) * ROW])
+        .copied()
+        .collect()
+}
+
+#[test]
+fn each_call_returns_with_all_its_rows_whatever_came_before() {
+    let gpu = gpu();
+    let stream = gpu.stream().unwrap();
+    let mut pool =
+        HostBuffer::alloc_pinned(ROWS * ROW, &HostAllocOptions::default(), &gpu).unwrap();
+    pattern::fill(&mut pool, 0, 11);
+    let max = COUNTS.iter().copied().max().unwrap();
+    let dst = gpu.alloc(max * ROW).unwrap();
+    let idx = gpu.alloc(max * 8).unwrap();
+    let kernels = [RowKernel::Tuned, RowKernel::Sorted, RowKernel::Naive];
+    for call in 0..60usize {
+        let n = COUNTS[call % COUNTS.len()];
+        let kernel = kernels[call % kernels.len()];
+        let ids: Vec<u64> = (0..n as u64)
+            .map(|k| pattern::mix64(((call as u64) << 32) | k) % ROWS as u64)
+            .collect();
+        upload(&stream, &ids, &idx);
+        stream
+            .gather(&pool, ROW, RowIndices::Device(&idx), n, &dst, 0, kernel)
+            .unwrap();
+        let mut got = vec![0u8; n * ROW];
+        stream.download(&dst, 0, &mut got).unwrap();
+        assert!(
+            got == rows_of(pool.as_slice(), &ids),
+            "call {call}: {n} rows by {kernel:?}"
+        );
+    }
+
+    // A bad index fails its call (the other rows land), and the call after it is whole.
+    let mut ids: Vec<u64> = (0..200u64).map(|k| k * 7 % ROWS as u64).collect();
+    ids[123] = ROWS as u64;
+    upload(&stream, &ids, &idx);
+    let err = stream
+        .gather(
+            &pool,
+            ROW,
+            RowIndices::Device(&idx),
+            ids.len(),
+            &dst,
+            0,
+            RowKernel::Tuned,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, HalError::IndexOutOfRange { position: 123, .. }),
+        "{err}"
+    );
+    let mut got = vec![0u8; 123 * ROW];
+    stream.download(&dst, 0, &mut got).unwrap();
+    assert!(got == rows_of(pool.as_slice(), &ids[..123]));
+    let ids: Vec<u64> = (0..3000u64)
+        .map(|k| pattern::mix64(k) % ROWS as u64)
+        .collect();
+    upload(&stream, &ids, &idx);
+    stream
+        .gather(
+            &pool,
+            ROW,
+            RowIndices::Device(&idx),
+            ids.len(),
+            &dst,
+            0,
+            RowKernel::Tuned,
+        )
+        .unwrap();
+    let mut got = vec![0u8; ids.len() * ROW];
+    stream.download(&dst, 0, &mut got).unwrap();
+    assert!(got == rows_of(pool.as_slice(), &ids));
+}
+
+#[test]
+fn scatters_one_after_another_land_before_each_returns() {
+    let gpu = gpu();
+    let stream = gpu.stream().unwrap();
+    let mut pool =
+        HostBuffer::alloc_pinned(ROWS * ROW, &HostAllocOptions::default(), &gpu).unwrap();
+    let max = COUNTS.iter().copied().max().unwrap();
+    let src = gpu.alloc(max * ROW).unwrap();
+    let idx = gpu.alloc(max * 8).unwrap();
+    for call in 0..20usize {
+        let n = COUNTS[call % COUNTS.len()].min(ROWS);
+        // Distinct rows, so that each lands as written.
+        let start = pattern::mix64(call as u64) % ROWS as u64;
+        let ids: Vec<u64> = (0..n as u64).map(|k| (start + k) % ROWS as u64).collect();
+        let mut rows = vec![0u8; n * ROW];
+        pattern::fill(&mut rows, 0, call as u64 + 100);
+        stream.upload(&rows, &src, 0).unwrap();
+        upload(&stream, &ids, &idx);
+        stream
+            .scatter(&src, 0, ROW, RowIndices::Device(&idx), n, &mut pool)
+            .unwrap();
+        assert!(
+            rows_of(pool.as_slice(), &ids) == rows,
+            "call {call}: {n} rows scattered"
+        );
+    }
+}
