@@ -124,11 +124,17 @@ impl CudaStreamBackend {
             words.copy_from_slice(&entry.words());
         }
         let start = timed.then(|| self.record(true)).transpose()?;
-        // Timed by events, the driver's wait (which they need); else the kernel tells its end.
-        let signal = if timed {
-            EndSignal::NONE
-        } else {
+        // Each thread keeps GPUIO_UNROLL (4) loads in flight; one grid row per job.
+        let mut config = self
+            .shared
+            .launch_config((longest * (row_bytes / width)).div_ceil(4));
+        config.grid_dim.1 = jobs.len().min(HOT_MAX_JOBS) as u32;
+        // Timed by events, the driver's wait (which they need); else a kernel of one wave
+        // tells its end itself.
+        let signal = if !timed && longest > 0 && self.shared.one_wave(&config) {
             report.arm_end()
+        } else {
+            EndSignal::NONE
         };
         // From the copy on, work may be running: every way out waits for it before the
         // borrows of the pools and buffers end.
@@ -139,11 +145,6 @@ impl CudaStreamBackend {
             unsafe { self.copy_h2d(u.from, u.to)? };
         }
         if longest > 0 {
-            // Each thread keeps GPUIO_UNROLL (4) loads in flight; one grid row per job.
-            let mut config = self
-                .shared
-                .launch_config((longest * (row_bytes / width)).div_ceil(4));
-            config.grid_dim.1 = jobs.len().min(HOT_MAX_JOBS) as u32;
             let mut launch = self.stream.launch_builder(&func);
             let tell = signal.words();
             launch.arg(&table).arg(&row_bytes).arg(&tell);
@@ -159,9 +160,9 @@ impl CudaStreamBackend {
                 .map_err(cuda_err("cuLaunchKernel(gpuio_gather_hot_jobs)"))?;
         }
         let end = start.is_some().then(|| self.record(true)).transpose()?;
-        // This also reports an error the kernel ran into. With no jobs launched, nothing
-        // tells the end: the driver's wait (for the copy).
-        running.wait(&report, if longest > 0 { signal } else { EndSignal::NONE })?;
+        // This also reports an error the kernel ran into (with no jobs launched, nothing tells
+        // the end: the driver's wait, for the copy).
+        running.wait(&report, signal)?;
         let device_time = event_time(start, end)?;
         let mut first = 0u64;
         let mut bad_index = None;

@@ -6,10 +6,10 @@
 //! few-row call's time beyond the device's work), only a few host stores resetting the words
 //! before its launches. A job holds them through [`Reports`] ([`CudaStreamBackend::reports`]).
 //!
-//! Beside them lies the stream's end word: a call's last kernel stores the call's number there
-//! once its last block is done ([`EndSignal`], gather.cu's `gpuio_end`), and the host, which
-//! watches it ([`ReportWords::wait_end`]), returns without the driver's wait (which sees the
-//! end 1-2 µs later on an H200).
+//! Beside them lies the stream's end word: a call's last kernel, where it fits in one wave,
+//! stores the call's number there once its last block is done ([`EndSignal`], gather.cu's
+//! `gpuio_end`), and the host, which watches it ([`ReportWords::wait_end`]), returns without
+//! the driver's wait (which sees the end 1-2 µs later on an H200).
 
 use super::driver;
 use super::stream::CudaStreamBackend;

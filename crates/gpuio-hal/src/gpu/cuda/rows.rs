@@ -242,12 +242,16 @@ impl CudaStreamBackend {
         }
         let RowHooks { mut stage, timed } = hooks;
         // Events bracket the launches when the device's time is asked for (the driver's wait
-        // then, which the events need); else the last kernel tells the end itself.
+        // then, which the events need); else a last kernel of one wave tells the end itself.
         let start = timed.then(|| self.record(true)).transpose()?;
-        let signal = if timed {
-            EndSignal::NONE
-        } else {
+        let last_rows = match &ordering {
+            Some(_) => job.count,
+            None => job.count - job.pieces.get(launches - 1).map_or(0, |p| p.start),
+        };
+        let signal = if !timed && self.shared.one_wave(&config(last_rows as u64)) {
             report.arm_end()
+        } else {
+            EndSignal::NONE
         };
         // From the first launch on, kernels may be running: every way out (an error, a panic
         // in `stage`) waits for them before the borrows of the pool and buffers end.
