@@ -16,12 +16,12 @@ typedef unsigned int gpuio_u32;
 #define GPUIO_LINE_UNROLL 8
 
 // A call's end, told to the host without the driver: the last block of the grid to finish
-// stores the call's number in a word of mapped host memory, which the host watches: on an
-// H200 a small gather returns 0.6-1.6 us sooner than through a stream synchronize, which sees
-// the kernel's end later. `blocks` (device memory) counts the blocks done and is zero
-// between calls: the last block sets it back. `word` 0: the launch tells nothing (one of
-// several launches of a call, a call timed by events, or a grid of more than one wave, whose
-// blocks would pay 0.2-0.9% for an end seen 1-2 us sooner: probes/end_signal.py). As the host writes it:
+// stores the call's number in a word of mapped host memory, which the host watches. A stream
+// synchronize sees the kernel's end 1-2 us later on an H200 (a small gather's wall is 0.6-1.6
+// us shorter). `blocks` (device memory) counts the blocks done and is zero between calls: the
+// last block sets it back. `word` 0: the launch tells nothing (one of several launches of a
+// call, a call timed by events, or a grid of more than a block per multiprocessor, whose
+// blocks would pay 0.2-0.9% of the call: probes/end_signal.py). As the host writes it:
 // `EndSignal` in crates/gpuio-hal/src/gpu/cuda/report.rs, whose layout is asserted there too.
 struct gpuio_end {
     gpuio_u64 blocks, word, seq;

@@ -1,10 +1,12 @@
-//! Row gathers and scatters call after call on one stream. On the GPU machine the end of a
-//! call whose last kernel fits in one wave is seen through the word that kernel stores (the
-//! last of its blocks to finish, which also sets the count of finished blocks back to zero for
-//! the next call), a longer call's through the driver's wait: a call must never return before
-//! every row landed, whatever grid the calls before it had. Every kernel (tuned, sorted,
-//! naive, scatter), grids of one block to hundreds, a call with a bad index among them; in CI
-//! the same calls run on the host backend's copies of the kernels.
+//! Row gathers and scatters call after call on one stream. On the GPU machine the end of an
+//! untimed call whose last kernel has at most a block per multiprocessor is seen through the
+//! word that kernel stores (the last of its blocks to finish, which also sets the count of
+//! finished blocks back to zero for the next call), a larger call's through the driver's wait:
+//! a call must never return before every row landed, whatever grid the calls before it had.
+//! Each call's rows are read back through another stream, which is not ordered after the
+//! call's kernel (a gather that returned early would show). Every kernel (tuned, sorted,
+//! naive, scatter) with every grid size, a call with a bad index among them; in CI the same
+//! calls run on the host backend's copies of the kernels.
 
 use gpuio_hal::{
     BackendPreference, DeviceBuffer, Gpu, HalError, HostAllocOptions, HostBuffer, RowIndices,
@@ -14,9 +16,10 @@ use gpuio_testkit::Requirement;
 
 const ROW: usize = 48;
 const ROWS: usize = 1 << 14;
-/// Rows per call, in turn: one block, a few, ~120 (one wave on an H200: the end word), ~600
-/// (more: the driver's wait).
-const COUNTS: [usize; 6] = [1, 3, 200, 40_000, 64, 200_000];
+/// Rows per call, in turn (48-byte rows, 256 threads a block, 4 pieces a thread): one block,
+/// 6 blocks, one, ~120 (at most a block per multiprocessor on an H200: the end word), one,
+/// ~600 (more: the driver's wait).
+const COUNTS: [usize; 6] = [1, 2000, 200, 40_000, 64, 200_000];
 
 fn gpu() -> Gpu {
     let mut p = probe(BackendPreference::Auto).unwrap();
@@ -45,6 +48,7 @@ fn rows_of(pool: &[u8], ids: &[u64]) -> Vec<u8> {
 fn each_call_returns_with_all_its_rows_whatever_came_before() {
     let gpu = gpu();
     let stream = gpu.stream().unwrap();
+    let reader = gpu.stream().unwrap();
     let mut pool =
         HostBuffer::alloc_pinned(ROWS * ROW, &HostAllocOptions::default(), &gpu).unwrap();
     pattern::fill(&mut pool, 0, 11);
@@ -52,9 +56,9 @@ fn each_call_returns_with_all_its_rows_whatever_came_before() {
     let dst = gpu.alloc(max * ROW).unwrap();
     let idx = gpu.alloc(max * 8).unwrap();
     let kernels = [RowKernel::Tuned, RowKernel::Sorted, RowKernel::Naive];
-    for call in 0..60usize {
+    for call in 0..2 * COUNTS.len() * kernels.len() {
         let n = COUNTS[call % COUNTS.len()];
-        let kernel = kernels[call % kernels.len()];
+        let kernel = kernels[call / COUNTS.len() % kernels.len()];
         let ids: Vec<u64> = (0..n as u64)
             .map(|k| pattern::mix64(((call as u64) << 32) | k) % ROWS as u64)
             .collect();
@@ -63,7 +67,7 @@ fn each_call_returns_with_all_its_rows_whatever_came_before() {
             .gather(&pool, ROW, RowIndices::Device(&idx), n, &dst, 0, kernel)
             .unwrap();
         let mut got = vec![0u8; n * ROW];
-        stream.download(&dst, 0, &mut got).unwrap();
+        reader.download(&dst, 0, &mut got).unwrap();
         assert!(
             got == rows_of(pool.as_slice(), &ids),
             "call {call}: {n} rows by {kernel:?}"
@@ -90,7 +94,7 @@ fn each_call_returns_with_all_its_rows_whatever_came_before() {
         "{err}"
     );
     let mut got = vec![0u8; 123 * ROW];
-    stream.download(&dst, 0, &mut got).unwrap();
+    reader.download(&dst, 0, &mut got).unwrap();
     assert!(got == rows_of(pool.as_slice(), &ids[..123]));
     let ids: Vec<u64> = (0..3000u64)
         .map(|k| pattern::mix64(k) % ROWS as u64)
@@ -108,7 +112,7 @@ fn each_call_returns_with_all_its_rows_whatever_came_before() {
         )
         .unwrap();
     let mut got = vec![0u8; ids.len() * ROW];
-    stream.download(&dst, 0, &mut got).unwrap();
+    reader.download(&dst, 0, &mut got).unwrap();
     assert!(got == rows_of(pool.as_slice(), &ids));
 }
 

@@ -191,15 +191,15 @@ impl Shared {
             })
     }
 
-    /// A grid-stride launch shape for `items` work items.
-    /// Whether a launch of `config` fits in one wave (a block per multiprocessor at most): a
-    /// short kernel, which tells its end itself (gather.cu's `gpuio_signal_end`). A longer one
-    /// would pay a barrier and a count per block for an end seen 1-2 µs sooner in milliseconds.
-    pub(super) fn one_wave(&self, config: &LaunchConfig) -> bool {
+    /// Whether a launch of `config` has at most a block per multiprocessor: a short kernel,
+    /// which tells its end itself (gather.cu's `gpuio_signal_end`). A larger grid would pay a
+    /// barrier and a count per block for an end seen 1-2 µs sooner in milliseconds.
+    pub(super) fn block_per_sm(&self, config: &LaunchConfig) -> bool {
         let (x, y, z) = config.grid_dim;
         u64::from(x) * u64::from(y) * u64::from(z) <= u64::from(self.multiprocessors)
     }
 
+    /// A grid-stride launch shape for `items` work items.
     pub(super) fn launch_config(&self, items: u64) -> LaunchConfig {
         const BLOCK: u32 = 256;
         let max_blocks = self.multiprocessors.max(1) * 32;

@@ -129,9 +129,9 @@ impl CudaStreamBackend {
             .shared
             .launch_config((longest * (row_bytes / width)).div_ceil(4));
         config.grid_dim.1 = jobs.len().min(HOT_MAX_JOBS) as u32;
-        // Timed by events, the driver's wait (which they need); else a kernel of one wave
-        // tells its end itself.
-        let signal = if !timed && longest > 0 && self.shared.one_wave(&config) {
+        // Timed by events, the driver's wait (which they need); else a kernel of at most a
+        // block per multiprocessor tells its end itself.
+        let signal = if !timed && longest > 0 && self.shared.block_per_sm(&config) {
             report.arm_end()
         } else {
             EndSignal::NONE
@@ -141,7 +141,8 @@ impl CudaStreamBackend {
         let running = WaitOnDrop(Some(self));
         if let Some(u) = upload {
             // SAFETY: the staged indices are pinned host memory borrowed for the call (which
-            // synchronizes before returning); `to` is a checked range of a live allocation.
+            // waits for the kernel after it before returning); `to` is a checked range of a
+            // live allocation.
             unsafe { self.copy_h2d(u.from, u.to)? };
         }
         if longest > 0 {
@@ -149,13 +150,13 @@ impl CudaStreamBackend {
             let tell = signal.words();
             launch.arg(&table).arg(&row_bytes).arg(&tell);
             // SAFETY: the arguments match gpuio_gather_hot_jobs_W(gpuio_hot_jobs, u64,
-            // gpuio_end): a
-            // table of HOT_MAX_JOBS jobs, of which the grid's rows read the first
-            // `jobs.len()`. Each job touches only checked pool rows (below `rows`), its checked
-            // index and destination ranges, kept rows below `hot_rows`, index words under the
-            // mask of the index range's power-of-two length, and its own report word; the last
-            // block the stream's end word and block count. The pools stay registered (caller's
-            // contract), the list was copied first, and we wait before returning.
+            // gpuio_end): a table of HOT_MAX_JOBS jobs, of which the grid's rows read the
+            // first `jobs.len()`. Each job touches only checked pool rows (below `rows`), its
+            // checked index and destination ranges, kept rows below `hot_rows`, index words
+            // under the mask of the index range's power-of-two length, and its own report
+            // word; the last block the stream's end word and block count. The pools stay
+            // registered (caller's contract), the list was copied first, and we wait before
+            // returning.
             unsafe { launch.launch(config) }
                 .map_err(cuda_err("cuLaunchKernel(gpuio_gather_hot_jobs)"))?;
         }

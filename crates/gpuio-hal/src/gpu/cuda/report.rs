@@ -6,10 +6,11 @@
 //! few-row call's time beyond the device's work), only a few host stores resetting the words
 //! before its launches. A job holds them through [`Reports`] ([`CudaStreamBackend::reports`]).
 //!
-//! Beside them lies the stream's end word: a call's last kernel, where it fits in one wave,
-//! stores the call's number there once its last block is done ([`EndSignal`], gather.cu's
-//! `gpuio_end`), and the host, which watches it ([`ReportWords::wait_end`]), returns without
-//! the driver's wait (which sees the end 1-2 µs later on an H200).
+//! Beside them lies the stream's end word: an untimed call's last kernel, where its grid has
+//! at most a block per multiprocessor, stores the call's number there once its last block is
+//! done ([`EndSignal`], gather.cu's `gpuio_end`), and the host, which watches it
+//! ([`ReportWords::wait_end`]), returns without the driver's wait (which sees the end 1-2 µs
+//! later on an H200).
 
 use super::driver;
 use super::stream::CudaStreamBackend;
@@ -88,9 +89,10 @@ unsafe impl Sync for ReportWords {}
 const NONE: u64 = u64::MAX;
 
 impl ReportWords {
-    /// `words` report words and the end word in the calling thread's bound context (the
-    /// report words reset before each use, the end word at 0 and the block count zeroed).
-    fn new(words: usize) -> Result<Self> {
+    /// `words` report words and the end word in the calling thread's bound context, for
+    /// `stream` (the report words reset before each use, the end word at 0, the block count
+    /// zeroed in the stream's order, before any of its kernels).
+    fn new(words: usize, stream: sys::CUstream) -> Result<Self> {
         let host = driver::mem_host_alloc_mapped((words + 1) * 8)?.cast::<u64>();
         // SAFETY: `host` starts a fresh allocation of `words + 1` words, used by nothing yet.
         unsafe { host.add(words).write_volatile(0) };
@@ -102,9 +104,6 @@ impl ReportWords {
         let device = unsafe { driver::mem_host_get_device_pointer(host.cast()) }
             .inspect_err(|_| free_host())?;
         let blocks = driver::mem_alloc(8).inspect_err(|_| free_host())?;
-        // SAFETY: `blocks` is 8 bytes of fresh device memory of this context; `0u64` is
-        // readable for the (synchronous) copy.
-        let zeroed = unsafe { driver::memcpy_htod(blocks, (&0u64 as *const u64).cast(), 8) };
         let this = Self {
             host,
             device,
@@ -112,7 +111,16 @@ impl ReportWords {
             blocks,
             seq: AtomicU64::new(0),
         };
-        zeroed.map(|()| this)
+        this.zero_blocks(stream)?;
+        Ok(this)
+    }
+
+    /// Sets the block count to zero, in `stream`'s order (cuMemAlloc leaves memory as it
+    /// was; a copy from pageable memory would run on another stream and may land late).
+    fn zero_blocks(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: `blocks` is 8 bytes (two u32 words) of this context's device memory, which
+        // only `stream`'s kernels use, after this set in the stream's order.
+        unsafe { driver::memset_d32_async(self.blocks, 0, 2, stream) }
     }
 
     /// Where kernels report: word `k`.
@@ -131,8 +139,8 @@ impl ReportWords {
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
     }
 
-    /// Word `k` as the kernels left it (None: no report). Call it after the stream's work
-    /// finished (its writes over the bus are then visible).
+    /// Word `k` as the kernels left it (None: no report). Call it after the job's wait (the
+    /// kernels' writes over the bus are then visible).
     pub(crate) fn word(&self, k: usize) -> Option<u64> {
         if k >= self.words {
             return None;
@@ -151,11 +159,12 @@ impl ReportWords {
         }
     }
 
-    /// The end word as the last signalling kernel left it.
+    /// The end word as the last signalling kernel left it; what that kernel wrote before it
+    /// is visible once the word is (the kernel's fences order its stores before the word's).
     fn end_word(&self) -> u64 {
-        // SAFETY: word `words` is inside the allocation; kernels store it over the bus, a
-        // volatile read sees each store once it lands.
-        unsafe { self.host.add(self.words).read_volatile() }
+        // SAFETY: word `words` is inside the allocation (8-byte aligned, page-locked, live as
+        // long as `self`); the host touches it only through atomics, the device only stores.
+        unsafe { AtomicU64::from_ptr(self.host.add(self.words)) }.load(Ordering::Acquire)
     }
 
     /// Waits for the work queued on `stream` up to and including the kernel launched with
@@ -168,8 +177,6 @@ impl ReportWords {
         let mut asked = start;
         loop {
             if self.end_word() == end.seq {
-                // The word's store follows the kernel's other stores (its fences).
-                std::sync::atomic::fence(Ordering::Acquire);
                 return Ok(());
             }
             let now = Instant::now();
@@ -177,11 +184,11 @@ impl ReportWords {
                 asked = now;
                 // SAFETY: the stream is live (borrowed) and its context bound by the caller.
                 if unsafe { driver::stream_query(stream.raw()) }? {
-                    return self.done_without_word(end);
+                    return self.done_without_word(stream, end);
                 }
                 if now - start >= WATCH_FOR {
                     stream.synchronize()?;
-                    return self.done_without_word(end);
+                    return self.done_without_word(stream, end);
                 }
             }
             std::hint::spin_loop();
@@ -189,8 +196,9 @@ impl ReportWords {
     }
 
     /// The stream finished: the word is there by now, or the kernel's count went astray (it
-    /// never happens while every launch on the stream completes); then it is set back.
-    fn done_without_word(&self, end: EndSignal) -> Result<()> {
+    /// never happens while every launch on the stream completes); then it is set back, in
+    /// the stream's order, before its next kernel.
+    fn done_without_word(&self, stream: &CudaStreamBackend, end: EndSignal) -> Result<()> {
         if self.end_word() == end.seq {
             return Ok(());
         }
@@ -198,9 +206,7 @@ impl ReportWords {
             seq = end.seq,
             "a kernel finished without its end signal; resetting its block count"
         );
-        // SAFETY: `blocks` is 8 bytes of this context's device memory; the stream that used
-        // it is idle (the caller saw it done).
-        unsafe { driver::memcpy_htod(self.blocks, (&0u64 as *const u64).cast(), 8) }
+        self.zero_blocks(stream.raw())
     }
 }
 
@@ -257,7 +263,10 @@ impl CudaStreamBackend {
         let held = self.reports.held.lock_unpoisoned();
         if self.reports.words.get().is_none() {
             // Under the lock: no other job makes them meanwhile.
-            let _ = self.reports.words.set(ReportWords::new(REPORT_WORDS)?);
+            let _ = self
+                .reports
+                .words
+                .set(ReportWords::new(REPORT_WORDS, self.raw())?);
         }
         let words = self.reports.words.get().ok_or_else(|| {
             HalError::InvalidArgument("a stream's report words could not be kept".into())

@@ -126,12 +126,12 @@ impl OrderScratch {
         Ok(ptr)
     }
 
-    /// Frees the scratch (no work may use it any more: every user synchronized).
+    /// Frees the scratch (no work may use it any more: every user waited for its kernels).
     pub(super) fn release(&mut self, shared: &Shared) {
         if let Some((ptr, _)) = self.mem.take() {
             let freed = shared.bind().and_then(|()| {
                 // SAFETY: allocated by cuMemAlloc in this context, freed once; the jobs that
-                // used it synchronized before returning.
+                // used it waited for their kernels before returning.
                 unsafe { driver::mem_free(ptr) }
             });
             if let Err(e) = freed {
@@ -242,13 +242,14 @@ impl CudaStreamBackend {
         }
         let RowHooks { mut stage, timed } = hooks;
         // Events bracket the launches when the device's time is asked for (the driver's wait
-        // then, which the events need); else a last kernel of one wave tells the end itself.
+        // then, which the events need); else a last kernel of at most a block per
+        // multiprocessor tells the end itself.
         let start = timed.then(|| self.record(true)).transpose()?;
         let last_rows = match &ordering {
             Some(_) => job.count,
             None => job.count - job.pieces.get(launches - 1).map_or(0, |p| p.start),
         };
-        let signal = if !timed && self.shared.one_wave(&config(last_rows as u64)) {
+        let signal = if !timed && self.shared.block_per_sm(&config(last_rows as u64)) {
             report.arm_end()
         } else {
             EndSignal::NONE
@@ -270,7 +271,7 @@ impl CudaStreamBackend {
             if let (Some(src), RowMem::Device(dst)) = (job.idx_upload, job.idx) {
                 let part = dst.part(piece.start * 8, (end - piece.start) * 8)?;
                 // SAFETY: the staged indices are pinned host memory borrowed for the call
-                // (which synchronizes before returning), this piece's part written by
+                // (which waits for its kernels before returning), this piece's part written by
                 // `stage` already; `part` is a checked part of a live device range.
                 unsafe { self.copy_h2d(src.wrapping_add(piece.start * 8), part)? };
             }
@@ -290,8 +291,8 @@ impl CudaStreamBackend {
                 // SAFETY: the arguments match gpuio_order_count(const u64*, u64, u64, u64,
                 // u32, u32, u32*, u32*); it reads this piece of the checked device index
                 // range and writes its ranks and the bucket counts, all inside the sorting
-                // scratch reserved (and locked) for this call, which synchronizes before
-                // returning.
+                // scratch reserved (and locked) for this call, which waits for its kernels
+                // before returning.
                 unsafe { launch.launch(self.shared.launch_config(n)) }
                     .map_err(cuda_err("cuLaunchKernel(gpuio_order_count)"))?;
                 continue;
