@@ -146,14 +146,21 @@ pub fn run(
         let Stream {
             rate,
             direct,
+            rounds,
             busy,
             build_ns,
             submit_ns,
         } = throughput(session, opts, seed, buffers)?;
+        let each: Vec<String> = rounds
+            .iter()
+            .map(|(d, o)| format!("{o:.2} vs {d:.2}"))
+            .collect();
         notes.push(format!(
-            "{case}: the submitting thread was busy {:.0}% of the run (near 100%: it, not the \
-             workers, sets the rate): {build_ns:.0} ns a request making it, {submit_ns:.0} ns \
-             submitting it",
+            "{case}: {ROUNDS} rounds, M req/s through the scheduler vs direct: {} (the record: \
+             the medians); the submitting thread was busy {:.0}% of the scheduled runs (near \
+             100%: it, not the workers, sets the rate): {build_ns:.0} ns a request making it, \
+             {submit_ns:.0} ns submitting it",
+            each.join(", "),
             busy * 100.0
         ));
         let mut r = record(
@@ -386,21 +393,29 @@ fn relay_latency(
     Ok((percentile(&relayed, 0.5), percentile(&direct, 0.5)))
 }
 
-/// A stream's rate (requests a second) against the direct calls', and where the submitting
-/// thread's time went.
+/// A stream's rate (requests a second) against the direct calls', the medians of alternating
+/// rounds, and where the submitting thread's time went.
 struct Stream {
     rate: f64,
     direct: f64,
-    /// The share of the run the submitting thread was not waiting for room.
+    /// Each round's rates (M req/s): direct calls, then through the scheduler.
+    rounds: Vec<(f64, f64)>,
+    /// The share of the scheduler's runs the submitting thread was not waiting for room.
     busy: f64,
     /// Per request: making it (endpoints and `Request::new`), and in `submit_each`.
     build_ns: f64,
     submit_ns: f64,
 }
 
+/// Rounds of direct calls and scheduled requests, alternating: one measurement of the direct
+/// calls swung 1.41-2.30 M/s between runs of one binary on an H200, so each side is the
+/// median of rounds taken side by side.
+const ROUNDS: usize = 3;
+
 /// Requests per second through the scheduler and by direct calls, over `buffers` source and
-/// as many destination buffers of 1 MiB, and the share of the scheduler's run the submitting
-/// thread spent submitting (not waiting for room in its window).
+/// as many destination buffers of 1 MiB, in [`ROUNDS`] rounds of each (a fresh scheduler per
+/// round, so that no idle worker spins beside the direct calls), and the share of the
+/// scheduler's runs the submitting thread spent submitting (not waiting for room).
 fn throughput(session: &Session, opts: &Options, seed: u64, buffers: usize) -> Result<Stream> {
     const SLOTS: usize = 256; // 4 KiB slots per 1 MiB buffer
     let src: Vec<HostMemory> = (0..buffers)
@@ -409,7 +424,7 @@ fn throughput(session: &Session, opts: &Options, seed: u64, buffers: usize) -> R
     let dst: Vec<HostMemory> = (0..buffers)
         .map(|_| host(1 << 20, 0))
         .collect::<Result<_>>()?;
-    let n = opts.throughput_requests.max(1000);
+    let n = (opts.throughput_requests / ROUNDS).max(1000);
     // Random buffers and slots: nothing adjacent to merge, little lock sharing.
     let pick = |i: usize| {
         let h = pattern::mix64(seed.wrapping_add(i as u64));
@@ -421,14 +436,53 @@ fn throughput(session: &Session, opts: &Options, seed: u64, buffers: usize) -> R
         )
     };
     let engines = session.engines();
-    let direct_n = n / 4;
-    let t = Instant::now();
-    for i in 0..direct_n {
-        let (s, d) = pick(i);
-        engines.execute(&s, &d, SMALL).map_err(err)?;
+    let mut rounds = Vec::with_capacity(ROUNDS);
+    let (mut submitting, mut total, mut built) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+    for round in 0..ROUNDS {
+        let first = round * n;
+        let t = Instant::now();
+        for i in first..first + n {
+            let (s, d) = pick(i);
+            engines.execute(&s, &d, SMALL).map_err(err)?;
+        }
+        let direct = n as f64 / t.elapsed().as_secs_f64();
+        let r = scheduled(session, opts, n, |i| pick(first + i))?;
+        submitting += r.submitting;
+        total += r.total;
+        built += r.built;
+        rounds.push((direct / 1e6, n as f64 / r.total.as_secs_f64() / 1e6));
     }
-    let direct = direct_n as f64 / t.elapsed().as_secs_f64();
+    let median = |side: fn(&(f64, f64)) -> f64| {
+        let mut v: Vec<f64> = rounds.iter().map(side).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2] * 1e6
+    };
+    let per_request = |d: Duration| d.as_secs_f64() * 1e9 / (n * ROUNDS) as f64;
+    Ok(Stream {
+        rate: median(|r| r.1),
+        direct: median(|r| r.0),
+        busy: submitting.as_secs_f64() / total.as_secs_f64(),
+        build_ns: per_request(built),
+        submit_ns: per_request(submitting.saturating_sub(built)),
+        rounds,
+    })
+}
 
+/// One scheduled round's clocks: the whole run, the submitting thread's time not waiting for
+/// room, and the part of that spent making requests.
+struct Round {
+    total: Duration,
+    submitting: Duration,
+    built: Duration,
+}
+
+/// `n` requests (`pick(i)`'s endpoints) streamed through a fresh scheduler from this thread.
+fn scheduled(
+    session: &Session,
+    opts: &Options,
+    n: usize,
+    pick: impl Fn(usize) -> (Endpoint, Endpoint),
+) -> Result<Round> {
     let sched = scheduler(session, opts.workers, Policy::default())?;
     // Counters the callback reaches without capturing anything: a captured Arc would cost
     // each request a shared reference-count update on both sides, and one plain atomic that
@@ -438,8 +492,7 @@ fn throughput(session: &Session, opts: &Options, seed: u64, buffers: usize) -> R
     static FAILED: AtomicU64 = AtomicU64::new(0);
     let start = COMPLETED.get();
     let completed = || COMPLETED.get().wrapping_sub(start);
-    let failed = &FAILED;
-    failed.store(0, Ordering::Release);
+    FAILED.store(0, Ordering::Release);
     const WINDOW: u64 = 16_384;
     const BATCH: usize = 512;
     let t = Instant::now();
@@ -480,20 +533,16 @@ fn throughput(session: &Session, opts: &Options, seed: u64, buffers: usize) -> R
         std::thread::sleep(Duration::from_micros(50));
     }
     let total = t.elapsed();
-    let rate = n as f64 / total.as_secs_f64();
-    if failed.load(Ordering::Relaxed) > 0 {
+    let failed = FAILED.load(Ordering::Relaxed);
+    if failed > 0 {
         return Err(BenchError::Options(format!(
-            "{} throughput requests failed",
-            failed.load(Ordering::Relaxed)
+            "{failed} throughput requests failed"
         )));
     }
-    let per_request = |d: Duration| d.as_secs_f64() * 1e9 / n as f64;
-    Ok(Stream {
-        rate,
-        direct,
-        busy: submitting.as_secs_f64() / total.as_secs_f64(),
-        build_ns: per_request(built),
-        submit_ns: per_request(submitting.saturating_sub(built)),
+    Ok(Round {
+        total,
+        submitting,
+        built,
     })
 }
 
