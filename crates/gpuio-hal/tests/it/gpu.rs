@@ -2,23 +2,12 @@
 //! `GPUIO_REQUIRE_CUDA=1` makes a missing device a failure), the host backend elsewhere (the
 //! CUDA-specific checks then say they were skipped and why).
 
+use super::devices;
 use gpuio_hal::{
-    Backend, BackendPreference, ErrorCode, HalError, HostAllocOptions, HostBuffer, Piece2d, Probe,
+    Backend, BackendPreference, ErrorCode, HalError, HostAllocOptions, HostBuffer, Piece2d,
     pattern, probe, probe_with,
 };
-use gpuio_testkit::Requirement;
 use proptest::prelude::*;
-
-fn devices() -> Probe {
-    let p = probe(BackendPreference::Auto).expect("probe never fails with Auto");
-    if !p.cuda.available {
-        Requirement::Cuda.missing(format_args!(
-            "CUDA is unavailable: {} (running on the host backend)",
-            p.cuda.detail
-        ));
-    }
-    p
-}
 
 #[test]
 fn probe_describes_the_device() {

@@ -4,24 +4,13 @@
 //! `keep_hot` still reads as its copy until `refresh_hot`), every other row from the pool, for
 //! each piece width; and the refusals: rows past the pool, another pool.
 
+use super::first_gpu as gpu;
 use gpuio_hal::{
-    BackendPreference, DeviceBuffer, Gpu, HalError, HostAllocOptions, HostBuffer, HotGather,
-    RowIndices, Stream, pattern, probe,
+    DeviceBuffer, Gpu, HalError, HostAllocOptions, HostBuffer, HotGather, RowIndices, Stream,
+    pattern,
 };
-use gpuio_testkit::Requirement;
 
 const ROWS: usize = 300;
-
-fn gpu() -> Gpu {
-    let mut p = probe(BackendPreference::Auto).unwrap();
-    if !p.cuda.available {
-        Requirement::Cuda.missing(format_args!(
-            "CUDA is unavailable: {} (running on the host backend)",
-            p.cuda.detail
-        ));
-    }
-    p.gpus.remove(0)
-}
 
 fn pool(gpu: &Gpu, row: usize, seed: u64) -> HostBuffer {
     let mut pool = HostBuffer::alloc_pinned(ROWS * row, &HostAllocOptions::default(), gpu).unwrap();

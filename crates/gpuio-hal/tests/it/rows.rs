@@ -8,11 +8,10 @@
 //! naive, scatter) with every grid size, a call with a bad index among them; in CI the same
 //! calls run on the host backend's copies of the kernels.
 
+use super::first_gpu as gpu;
 use gpuio_hal::{
-    BackendPreference, DeviceBuffer, Gpu, HalError, HostAllocOptions, HostBuffer, RowIndices,
-    RowKernel, Stream, pattern, probe,
+    DeviceBuffer, HalError, HostAllocOptions, HostBuffer, RowIndices, RowKernel, Stream, pattern,
 };
-use gpuio_testkit::Requirement;
 
 const ROW: usize = 48;
 const ROWS: usize = 1 << 14;
@@ -20,17 +19,6 @@ const ROWS: usize = 1 << 14;
 /// 6 blocks, one, ~120 (at most a block per multiprocessor on an H200: the end word), one,
 /// ~600 (more: the driver's wait).
 const COUNTS: [usize; 6] = [1, 2000, 200, 40_000, 64, 200_000];
-
-fn gpu() -> Gpu {
-    let mut p = probe(BackendPreference::Auto).unwrap();
-    if !p.cuda.available {
-        Requirement::Cuda.missing(format_args!(
-            "CUDA is unavailable: {} (running on the host backend)",
-            p.cuda.detail
-        ));
-    }
-    p.gpus.remove(0)
-}
 
 fn upload(stream: &Stream, ids: &[u64], idx: &DeviceBuffer) {
     let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
@@ -44,6 +32,13 @@ fn rows_of(pool: &[u8], ids: &[u64]) -> Vec<u8> {
         .collect()
 }
 
+/// The first `n` rows of `dst`, read through `reader`.
+fn read_back(reader: &Stream, dst: &DeviceBuffer, n: usize) -> Vec<u8> {
+    let mut got = vec![0u8; n * ROW];
+    reader.download(dst, 0, &mut got).unwrap();
+    got
+}
+
 #[test]
 fn each_call_returns_with_all_its_rows_whatever_came_before() {
     let gpu = gpu();
@@ -55,6 +50,11 @@ fn each_call_returns_with_all_its_rows_whatever_came_before() {
     let max = COUNTS.iter().copied().max().unwrap();
     let dst = gpu.alloc(max * ROW).unwrap();
     let idx = gpu.alloc(max * 8).unwrap();
+    let gather = |ids: &[u64], kernel: RowKernel| {
+        upload(&stream, ids, &idx);
+        let list = RowIndices::Device(&idx);
+        stream.gather(&pool, ROW, list, ids.len(), &dst, 0, kernel)
+    };
     let kernels = [RowKernel::Tuned, RowKernel::Sorted, RowKernel::Naive];
     for call in 0..2 * COUNTS.len() * kernels.len() {
         let n = COUNTS[call % COUNTS.len()];
@@ -62,14 +62,9 @@ fn each_call_returns_with_all_its_rows_whatever_came_before() {
         let ids: Vec<u64> = (0..n as u64)
             .map(|k| pattern::mix64(((call as u64) << 32) | k) % ROWS as u64)
             .collect();
-        upload(&stream, &ids, &idx);
-        stream
-            .gather(&pool, ROW, RowIndices::Device(&idx), n, &dst, 0, kernel)
-            .unwrap();
-        let mut got = vec![0u8; n * ROW];
-        reader.download(&dst, 0, &mut got).unwrap();
+        gather(&ids, kernel).unwrap();
         assert!(
-            got == rows_of(pool.as_slice(), &ids),
+            read_back(&reader, &dst, n) == rows_of(pool.as_slice(), &ids),
             "call {call}: {n} rows by {kernel:?}"
         );
     }
@@ -77,43 +72,17 @@ fn each_call_returns_with_all_its_rows_whatever_came_before() {
     // A bad index fails its call (the other rows land), and the call after it is whole.
     let mut ids: Vec<u64> = (0..200u64).map(|k| k * 7 % ROWS as u64).collect();
     ids[123] = ROWS as u64;
-    upload(&stream, &ids, &idx);
-    let err = stream
-        .gather(
-            &pool,
-            ROW,
-            RowIndices::Device(&idx),
-            ids.len(),
-            &dst,
-            0,
-            RowKernel::Tuned,
-        )
-        .unwrap_err();
+    let err = gather(&ids, RowKernel::Tuned).unwrap_err();
     assert!(
         matches!(err, HalError::IndexOutOfRange { position: 123, .. }),
         "{err}"
     );
-    let mut got = vec![0u8; 123 * ROW];
-    reader.download(&dst, 0, &mut got).unwrap();
-    assert!(got == rows_of(pool.as_slice(), &ids[..123]));
+    assert!(read_back(&reader, &dst, 123) == rows_of(pool.as_slice(), &ids[..123]));
     let ids: Vec<u64> = (0..3000u64)
         .map(|k| pattern::mix64(k) % ROWS as u64)
         .collect();
-    upload(&stream, &ids, &idx);
-    stream
-        .gather(
-            &pool,
-            ROW,
-            RowIndices::Device(&idx),
-            ids.len(),
-            &dst,
-            0,
-            RowKernel::Tuned,
-        )
-        .unwrap();
-    let mut got = vec![0u8; ids.len() * ROW];
-    reader.download(&dst, 0, &mut got).unwrap();
-    assert!(got == rows_of(pool.as_slice(), &ids));
+    gather(&ids, RowKernel::Tuned).unwrap();
+    assert!(read_back(&reader, &dst, ids.len()) == rows_of(pool.as_slice(), &ids));
 }
 
 #[test]
