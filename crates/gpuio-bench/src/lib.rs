@@ -111,6 +111,12 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v.get(v.len() / 2).copied().unwrap_or_default()
 }
 
+/// The median of `v` (the upper of the middle two; 0 where `v` is empty).
+pub(crate) fn median_f64(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
 /// What a suite run gives: its records, its targets judged, and notes.
 pub type SuiteOutcome = (Vec<Record>, Vec<Target>, Vec<String>);
 

@@ -14,7 +14,7 @@
 //!   DEADLINE (and ADAPTIVE) policy against FIFO, on the same load in the same run.
 
 use crate::relay::Relay;
-use crate::{BenchError, Record, Result, Target, fresh_seed};
+use crate::{BenchError, Record, Result, Target, fresh_seed, median_f64};
 use gpuio_api::{OpenOptions, Session};
 use gpuio_core::{
     Endpoint, HostMemory, Policy, Priority, Request, RetryPolicy, Scheduler, SchedulerConfig,
@@ -452,11 +452,7 @@ fn throughput(session: &Session, opts: &Options, seed: u64, buffers: usize) -> R
         built += r.built;
         rounds.push((direct / 1e6, n as f64 / r.total.as_secs_f64() / 1e6));
     }
-    let median = |side: fn(&(f64, f64)) -> f64| {
-        let mut v: Vec<f64> = rounds.iter().map(side).collect();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2] * 1e6
-    };
+    let median = |side: fn(&(f64, f64)) -> f64| median_f64(rounds.iter().map(side).collect()) * 1e6;
     let per_request = |d: Duration| d.as_secs_f64() * 1e9 / (n * ROUNDS) as f64;
     Ok(Stream {
         rate: median(|r| r.1),
@@ -565,11 +561,7 @@ fn one_large_request(session: &Session, opts: &Options, seed: u64) -> Result<(f6
         session.engines().execute(&s, &d, LARGE).map_err(err)?;
         direct.push(gbps(t));
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    Ok((median(&mut ours), median(&mut direct)))
+    Ok((median_f64(ours), median_f64(direct)))
 }
 
 const READ: usize = 16 << 10;

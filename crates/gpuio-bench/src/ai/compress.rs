@@ -32,11 +32,6 @@ fn kv_values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Runs the compression measurements; a GPU is needed for the quantization kernels.
 pub(super) fn run(
     session: &Session,
@@ -80,7 +75,7 @@ pub(super) fn run(
             .enumerate()
             .map(|(i, (x, y))| (x - y).abs() / format.error_bound(*x, reference.scale_of(i)))
             .fold(0f32, f32::max);
-        let gpu_gbs = input_gb / median(gpu_times[1..].to_vec());
+        let gpu_gbs = input_gb / crate::median_f64(gpu_times[1..].to_vec());
         let case = format!("quantize {format:?}");
         let mut r = Record::versus(
             super::SUITE,

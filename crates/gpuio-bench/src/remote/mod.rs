@@ -16,7 +16,7 @@ mod nixl;
 #[cfg(feature = "nixl")]
 mod nixl_gpu;
 
-use crate::{BenchError, Record, Result, Target, fresh_seed, human};
+use crate::{BenchError, Record, Result, Target, fresh_seed, human, median_f64};
 use gpuio_api::Session;
 use gpuio_hal::{HostAllocOptions, HostBuffer, pattern};
 use gpuio_transport_remoteio::{
@@ -87,11 +87,6 @@ const KEY: &[u8] = b"66fd8c7ecfaa22ea152306a380bc87f8dd0c898feb7c2ac9f1ead0ea40a
 
 fn remote(e: RemoteIoError) -> BenchError {
     BenchError::Gpuio(e.into())
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or_default()
 }
 
 /// Runs `op` over and over for `seconds`; returns GB/s of `bytes` per call.
@@ -298,7 +293,7 @@ pub fn run(
             }
         }
     }
-    let peer_gbs = (!iperf.is_empty()).then(|| median(iperf.clone()));
+    let peer_gbs = (!iperf.is_empty()).then(|| median_f64(iperf.clone()));
     if let Some(e) = &iperf_failed
         && peer_gbs.is_none()
     {
@@ -306,7 +301,7 @@ pub fn run(
     }
     for (k, (conns, _)) in peers.iter().enumerate() {
         for (case, v) in [("tcp_read", &reads[k]), ("tcp_write", &writes[k])] {
-            let value = median(v.clone());
+            let value = median_f64(v.clone());
             let p = peer_gbs.unwrap_or(f64::NAN);
             records.push(Record {
                 suite: SUITE.into(),
