@@ -42,7 +42,7 @@ pub(crate) struct ReportWords {
 /// asserted there too): where it counts its blocks, the end word's device address (0: tell
 /// nothing), and the number to store.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct EndSignal {
     blocks: u64,
     word: u64,
