@@ -211,7 +211,7 @@ extern "C" __global__ void gpuio_dot_scores(const void* table, gpuio_u64 rows, g
 #define GPUIO_SWAP_MAX_SLOTS 8192
 #define GPUIO_SWAP_THREADS 1024
 #define GPUIO_SWAP_FETCH_THREADS 256
-#define GPUIO_SWAP_FETCH_ENTRIES 32
+#define GPUIO_SWAP_FETCH_ENTRIES (GPUIO_SWAP_FETCH_THREADS / 32)
 // Failure kinds, in the order the first is reported (swap_in.rs names them).
 #define GPUIO_SWAP_PAST_LEN 0ull
 #define GPUIO_SWAP_TWICE 1ull
@@ -275,98 +275,118 @@ __device__ __forceinline__ int gpuio_swap_refused(gpuio_u32 step, gpuio_u32 bad,
     return -1;
 }
 
-// The fetch's copies: row e of `from` to `to[e]` and, where set, `also[e]`, for the 32 rows
-// named (null `from` rows skipped), `rb` bytes each in pieces of W, with the block's threads;
-// each thread's loads of a round (8 pieces) are in flight together before its stores.
+// Lane 0's second step for an entry at `i` whose slot word was `old` (not corrupt): 1 for a
+// hit (its slot holds `p`), 2 for a miss it claimed, 0 for a failure (reported).
+__device__ __forceinline__ int gpuio_swap_verdict(const gpuio_swap_job& job, gpuio_u32 p,
+                                                  gpuio_u32 old, gpuio_u64* report, gpuio_u32 j) {
+    gpuio_u32* slot_of = (gpuio_u32*)job.state + 2;
+    if (old == GPUIO_SWAP_NONE) {
+        if (atomicCAS(&slot_of[p], GPUIO_SWAP_NONE, GPUIO_SWAP_PENDING) == GPUIO_SWAP_NONE) return 2;
+        gpuio_swap_bad(report, GPUIO_SWAP_TWICE, j, p);
+        return 0;
+    }
+    if (old == GPUIO_SWAP_PENDING || (old & GPUIO_SWAP_SEL)) {
+        gpuio_swap_bad(report, GPUIO_SWAP_TWICE, j, p);
+        return 0;
+    }
+    // Loads keep slot_of[p] = s exactly when holder[s] = p: a slot holding another position
+    // (or two positions naming one slot) is the state's fault.
+    if (slot_of[job.positions + old] == p) return 1;
+    gpuio_swap_bad(report, GPUIO_SWAP_CORRUPT, j, p);
+    return 0;
+}
+
+// A warp's entry at `i` (position `p`, slot word `old`): its row's first pieces are loaded
+// from where `old` says (its slot, or pinned host memory) while lane 0 checks the hit or claims
+// the miss, and stored only once that holds: to the destination, and a miss's also to staging.
 template <typename W>
-__device__ __forceinline__ void gpuio_swap_fetch_rows(const char* const* from, char* const* to,
-                                                      char* const* also, gpuio_u64 rb) {
-    const gpuio_u32 per_row = (gpuio_u32)(rb / sizeof(W));
-    const gpuio_u32 total = GPUIO_SWAP_FETCH_ENTRIES * per_row;
-    for (gpuio_u32 base = 0; base < total; base += 8 * blockDim.x) {
-        W v[8];
+__device__ __forceinline__ void gpuio_swap_fetch_entry(const gpuio_swap_job& job, gpuio_u64 rb,
+                                                       gpuio_u32 i, gpuio_u32 p, gpuio_u32 old,
+                                                       gpuio_u64* report, gpuio_u32 j,
+                                                       gpuio_u64* counted) {
+    const gpuio_u32 lane = threadIdx.x & 31, per_row = (gpuio_u32)(rb / sizeof(W));
+    const W* from = 0;
+    if (old == GPUIO_SWAP_NONE) from = (const W*)(job.warm + (job.warm_first + p) * rb);
+    else if (!(old & GPUIO_SWAP_SEL)) from = (const W*)(job.hot + (gpuio_u64)old * rb);
+    W* to = (W*)(job.dst + (gpuio_u64)i * rb);
+    W* also = (W*)(job.staging + (gpuio_u64)i * rb);
+    int verdict = 0;
+    for (gpuio_u32 base = 0; base < per_row; base += 4 * 32) {
+        W v[4];
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const gpuio_u32 c = base + threadIdx.x + k * blockDim.x, e = c / per_row;
-            if (c < total && from[e]) v[k] = ((const W*)from[e])[c % per_row];
+        for (int k = 0; k < 4; k++) {
+            const gpuio_u32 c = base + lane + 32 * k;
+            if (from && c < per_row) v[k] = from[c];
         }
+        if (base == 0) {
+            const int mine = lane == 0 ? gpuio_swap_verdict(job, p, old, report, j) : 0;
+            verdict = __shfl_sync(0xffffffffu, mine, 0);
+            if (lane == 0 && verdict) atomicAdd(counted, verdict == 1 ? 1ull : 1ull << 32);
+        }
+        if (!verdict) return;
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const gpuio_u32 c = base + threadIdx.x + k * blockDim.x, e = c / per_row;
-            if (c < total && from[e]) {
-                ((W*)to[e])[c % per_row] = v[k];
-                if (also[e]) ((W*)also[e])[c % per_row] = v[k];
+        for (int k = 0; k < 4; k++) {
+            const gpuio_u32 c = base + lane + 32 * k;
+            if (c < per_row) {
+                to[c] = v[k];
+                if (verdict == 2) also[c] = v[k];
             }
         }
     }
 }
 
-// The fetch: grid (entries / 32, jobs), GPUIO_SWAP_FETCH_THREADS threads; a block looks up 32
-// entries of its job (a thread each), then copies their rows. `width` divides the row size
+// The fetch: grid (entries / 8, jobs), GPUIO_SWAP_FETCH_THREADS threads, a warp per entry.
+// Each step issues every load it needs before its first branch, so an entry waits on five
+// trips to memory: the job; its control words, state words and position; its slot word; the
+// slot word's atomic; its row (beside the hit's check or the miss's claim). `width` divides the row size
 // and every row address (the host picks it).
 extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_FETCH_THREADS)
     gpuio_swap_in_fetch(const gpuio_swap_job* jobs, gpuio_u64 rb, gpuio_u64 width,
                         gpuio_u64* report) {
-    __shared__ const char* from[GPUIO_SWAP_FETCH_ENTRIES];
-    __shared__ char* to[GPUIO_SWAP_FETCH_ENTRIES];
-    __shared__ char* also[GPUIO_SWAP_FETCH_ENTRIES];
-    const gpuio_u32 j = blockIdx.y, n = gridDim.y, first = blockIdx.x * GPUIO_SWAP_FETCH_ENTRIES;
+    __shared__ gpuio_u64 counted;  // this block's hits | misses << 32
+    const gpuio_u32 j = blockIdx.y, n = gridDim.y, lane = threadIdx.x & 31;
+    const gpuio_u32 i = blockIdx.x * GPUIO_SWAP_FETCH_ENTRIES + threadIdx.x / 32;
     const gpuio_swap_job& job = jobs[j];
     gpuio_u32* st = (gpuio_u32*)job.state;
     gpuio_u32* slot_of = st + 2;
+    if (threadIdx.x == 0) counted = 0;
     const gpuio_u64 len = ((const gpuio_u64*)job.control)[0];
     const gpuio_u64 want = ((const gpuio_u64*)job.control)[1];
-    const int refused = gpuio_swap_refused(st[0], st[1], want, job.max_count);
-    if (refused >= 0) {
-        if (blockIdx.x == 0 && threadIdx.x == 0)
-            gpuio_swap_bad(report, refused, j, refused == (int)GPUIO_SWAP_CORRUPT ? GPUIO_SWAP_NONE : want);
-        return;
-    }
-    if (first >= want) return;
-    if (threadIdx.x < GPUIO_SWAP_FETCH_ENTRIES) {
-        const gpuio_u32 t = threadIdx.x, i = first + t;
-        const char* f = 0;
-        bool hit = false, miss = false;
-        if (i < want) {
-            const gpuio_u32 p = ((const gpuio_u32*)job.selection)[i];
+    const gpuio_u32 step = st[0], flagged = st[1];
+    // The selection holds max_count positions: one is read before the count is known.
+    const gpuio_u32 p = i < job.max_count ? ((const gpuio_u32*)job.selection)[i] : 0;
+    const int refused = gpuio_swap_refused(step, flagged, want, job.max_count);
+    if (refused >= 0 && blockIdx.x == 0 && threadIdx.x == 0)
+        gpuio_swap_bad(report, refused, j, refused == (int)GPUIO_SWAP_CORRUPT ? GPUIO_SWAP_NONE : want);
+    __syncthreads();  // `counted` is zeroed
+    if (refused < 0 && i < want) {
+        gpuio_u32 old = GPUIO_SWAP_PENDING;
+        int go = 0;
+        if (lane == 0) {
             ((gpuio_u32*)job.seen)[i] = p;
             if (p >= len) {
                 gpuio_swap_bad(report, GPUIO_SWAP_PAST_LEN, j, i);
             } else if (gpuio_swap_corrupt(slot_of[p], job.slots)) {
-                // Not followed, and left as it is (no load of this call changes such a word).
+                // Not followed, and left as it is (no load of this call changes such a word:
+                // marked, some would read as NONE or PENDING to a second entry of `p`).
                 gpuio_swap_bad(report, GPUIO_SWAP_CORRUPT, j, p);
             } else {
-                // One atomic marks a hit; a miss is claimed by a second (NONE and PENDING
-                // already carry the mark, so the first leaves them as they are).
-                const gpuio_u32 old = atomicOr(&slot_of[p], GPUIO_SWAP_SEL);
-                if (old == GPUIO_SWAP_NONE) {
-                    miss = atomicCAS(&slot_of[p], GPUIO_SWAP_NONE, GPUIO_SWAP_PENDING) == GPUIO_SWAP_NONE;
-                    if (!miss) gpuio_swap_bad(report, GPUIO_SWAP_TWICE, j, p);
-                } else if (old == GPUIO_SWAP_PENDING || (old & GPUIO_SWAP_SEL)) {
-                    gpuio_swap_bad(report, GPUIO_SWAP_TWICE, j, p);
-                } else {
-                    // Loads keep slot_of[p] = s exactly when holder[s] = p: a slot holding
-                    // another position (or two positions naming one slot) is the state's fault.
-                    const gpuio_u32* holder = slot_of + job.positions;
-                    hit = holder[old] == p;
-                    if (!hit) gpuio_swap_bad(report, GPUIO_SWAP_CORRUPT, j, p);
-                }
-                if (hit) f = (const char*)job.hot + (gpuio_u64)old * rb;
-                if (miss) f = (const char*)job.warm + (job.warm_first + p) * rb;
+                // One atomic marks a hit (NONE and PENDING already carry the mark); a miss is
+                // claimed by a second, in gpuio_swap_verdict.
+                old = atomicOr(&slot_of[p], GPUIO_SWAP_SEL);
+                go = 1;
             }
         }
-        from[t] = f;
-        to[t] = (char*)job.dst + (gpuio_u64)i * rb;
-        also[t] = miss ? (char*)job.staging + (gpuio_u64)i * rb : 0;
-        const gpuio_u64 hits = __popc(__ballot_sync(0xffffffffu, hit));
-        const gpuio_u64 misses = __popc(__ballot_sync(0xffffffffu, miss));
-        if (t == 0 && (hits | misses)) atomicAdd(report + 1 + n + j, hits | misses << 32);
+        old = __shfl_sync(0xffffffffu, old, 0);
+        if (__shfl_sync(0xffffffffu, go, 0)) {
+            if (width == 16) gpuio_swap_fetch_entry<uint4>(job, rb, i, p, old, report, j, &counted);
+            else if (width == 8) gpuio_swap_fetch_entry<gpuio_u64>(job, rb, i, p, old, report, j, &counted);
+            else if (width == 4) gpuio_swap_fetch_entry<gpuio_u32>(job, rb, i, p, old, report, j, &counted);
+            else gpuio_swap_fetch_entry<unsigned char>(job, rb, i, p, old, report, j, &counted);
+        }
     }
     __syncthreads();
-    if (width == 16) gpuio_swap_fetch_rows<uint4>(from, to, also, rb);
-    else if (width == 8) gpuio_swap_fetch_rows<gpuio_u64>(from, to, also, rb);
-    else if (width == 4) gpuio_swap_fetch_rows<gpuio_u32>(from, to, also, rb);
-    else gpuio_swap_fetch_rows<unsigned char>(from, to, also, rb);
+    if (threadIdx.x == 0 && counted) atomicAdd(report + 1 + n + j, counted);
 }
 
 // Exclusive prefix sum of `v` over the block (GPUIO_SWAP_THREADS threads), the total in

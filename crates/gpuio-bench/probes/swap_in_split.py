@@ -6,7 +6,9 @@
 # from pinned memory (no lookups: the bus's part) are each timed with CUDA events — after a
 # 256 MiB copy kernel ("queued": the GPU busy while the launch is queued, L2 flushed) or on an
 # idle GPU (the launch's host gap inside the events, as `gpuio bench ai` measures). The
-# selection is written by a kernel just before, as a model's indexer leaves it.
+# selection is written by a kernel just before, as a model's indexer leaves it. Last, for one
+# request, the fetch of selections that miss 0 to 64 positions (the floor a prefetch of the
+# step's new positions would leave).
 # docs/PERF.md (B1: the load split in two) has the figures.
 import numpy as np, cupy as cp, sys
 src = open(sys.argv[1]).read()
@@ -68,7 +70,9 @@ for J in [1, 64]:
                   hot.data.ptr + j * S * RB, dst.data.ptr + j * K * RB, staging.data.ptr + j * K * RB,
                   seen.data.ptr + 4 * j * K, P | (S << 32), K]
     jobs = cp.asarray(job)
-    grid = (K // 32, J)
+    # Selection entries per block: 32 in the first fetch, a warp each (8) since.
+    E = 8 if "gpuio_swap_fetch_entry" in src else 32
+    grid = (K // E, J)
     go_fetch = lambda: fetch(grid, (256,), (jobs, np.uint64(RB), np.uint64(16), report))
     go_install = lambda: install((J,), (1024,), (jobs, np.uint64(RB), np.uint64(16), report))
     cur = [rng.choice(P, K, replace=False).astype(np.uint32) for _ in range(J)]
@@ -117,3 +121,16 @@ for J in [1, 64]:
     r = report.get()
     print(f"  fetch rows right: {bool((dst == 7).all())}, no failure: {int(r[0]) == 0xffffffffffffffff}", flush=True)
     go_install(); cp.cuda.Device().synchronize()
+    if J != 1:
+        continue
+    # The fetch against its misses: selections of the resident positions with `k` positions
+    # not resident in them (as a prefetch that found all but k of a step's new positions
+    # would leave it).
+    s0 = snap[0, 2:2 + P].get()
+    resident = np.flatnonzero(s0 != 0xffffffff).astype(np.uint32)
+    absent = np.flatnonzero(s0 == 0xffffffff).astype(np.uint32)
+    for k in [0, 1, 4, 16, 64]:
+        sels = [np.stack([np.concatenate([rng.choice(resident, K - k, replace=False),
+                                          rng.choice(absent, k, replace=False)])]) for _ in range(60)]
+        for queued in [True, False]:
+            timed(f"fetch, {k} misses", nothing, go_fetch, queued)

@@ -17,10 +17,10 @@ use std::cell::RefCell;
 use std::mem::offset_of;
 use std::time::{Duration, Instant};
 
-/// The fetch's block and the selection entries each block looks up (ai.cu's
+/// The fetch's block and the selection entries each block takes, a warp each (ai.cu's
 /// `GPUIO_SWAP_FETCH_THREADS`, `GPUIO_SWAP_FETCH_ENTRIES`).
 const FETCH_THREADS: u32 = 256;
-const FETCH_ENTRIES: u64 = 32;
+const FETCH_ENTRIES: u64 = FETCH_THREADS as u64 / 32;
 /// The install's block, one per job (ai.cu's `GPUIO_SWAP_THREADS`).
 const INSTALL_THREADS: u32 = 1024;
 
