@@ -3,8 +3,9 @@
 //! holding a position outside its table is found by the install after the rows went out (the
 //! load's rows are right, nothing is installed, and the next load is refused until the state
 //! is reset); a position naming a slot that holds another position refuses the load as the
-//! state's fault, never giving it the other position's row. gpuio-ai's swap-in tests check
-//! the loads themselves against an LRU model.
+//! state's fault, never giving it the other position's row. Rows of many pieces and of odd
+//! sizes arrive whole, from slots and from host memory. gpuio-ai's swap-in tests check the
+//! loads themselves against an LRU model.
 
 use gpuio_ai_device::{
     SwapInCounts, SwapInFault, SwapInJob, SwapInLoad, SwapInRefused, SwapInTable, swap_in,
@@ -15,11 +16,11 @@ use gpuio_hal::{
 };
 use gpuio_testkit::Requirement;
 
-const ROW: usize = 64;
 const POSITIONS: u64 = 16;
 const SLOTS: usize = 2;
 
 struct Rig {
+    row: usize,
     stream: Stream,
     warm: HostBuffer,
     state: DeviceBuffer,
@@ -29,7 +30,8 @@ struct Rig {
 }
 
 impl Rig {
-    fn new() -> Self {
+    /// A job of rows of `row` bytes.
+    fn new(row: usize) -> Self {
         let mut p = probe(BackendPreference::Auto).unwrap();
         if !p.cuda.available {
             Requirement::Cuda.missing(format_args!(
@@ -40,15 +42,15 @@ impl Rig {
         let gpu = p.gpus.remove(0);
         let stream = gpu.stream().unwrap();
         let mut warm =
-            HostBuffer::alloc_pinned(POSITIONS as usize * ROW, &HostAllocOptions::default(), &gpu)
+            HostBuffer::alloc_pinned(POSITIONS as usize * row, &HostAllocOptions::default(), &gpu)
                 .unwrap();
         pattern::fill(&mut warm, 0, 21);
-        let hot = gpu.alloc(SLOTS * ROW).unwrap();
+        let hot = gpu.alloc(SLOTS * row).unwrap();
         let state = gpu
             .alloc(swap_in_state_len(POSITIONS, SLOTS).unwrap())
             .unwrap();
         let selection = gpu.alloc(8).unwrap();
-        let dst = gpu.alloc(2 * ROW).unwrap();
+        let dst = gpu.alloc(2 * row).unwrap();
         swap_in_reset(&stream, &state, POSITIONS, SLOTS).unwrap();
         let job = SwapInJob {
             hot: &hot,
@@ -62,8 +64,9 @@ impl Rig {
             dst: &dst,
             dst_offset: 0,
         };
-        let table = swap_in_table(&stream, ROW, &[job]).unwrap();
+        let table = swap_in_table(&stream, row, &[job]).unwrap();
         Self {
+            row,
             stream,
             warm,
             state,
@@ -84,13 +87,15 @@ impl Rig {
         let done = swap_in(&self.stream, &mut self.table, &[&self.warm], &[load], false).unwrap();
         let outcome = done.jobs[0].clone();
         if outcome.is_ok() {
-            let mut got = vec![0u8; sel.len() * ROW];
+            let row = self.row;
+            let mut got = vec![0u8; sel.len() * row];
             self.stream.download(&self.dst, 0, &mut got).unwrap();
             for (i, &p) in sel.iter().enumerate() {
                 let p = p as usize;
                 assert_eq!(
-                    got[i * ROW..(i + 1) * ROW],
-                    self.warm[p * ROW..(p + 1) * ROW]
+                    got[i * row..(i + 1) * row],
+                    self.warm[p * row..(p + 1) * row],
+                    "{row}-byte rows: entry {i}, position {p}"
                 );
             }
         }
@@ -130,7 +135,7 @@ fn holder(s: usize) -> usize {
 
 #[test]
 fn a_victim_outside_its_table_flags_the_state_after_the_rows_went_out() {
-    let mut rig = Rig::new();
+    let mut rig = Rig::new(64);
     // Positions 3 and 5 miss into slots 0 and 1.
     assert_eq!(rig.load(&[3]).unwrap().misses, 1);
     assert_eq!(rig.load(&[5]).unwrap().misses, 1);
@@ -159,7 +164,7 @@ fn a_victim_outside_its_table_flags_the_state_after_the_rows_went_out() {
 
 #[test]
 fn a_slot_holding_another_position_is_the_states_fault_never_its_row() {
-    let mut rig = Rig::new();
+    let mut rig = Rig::new(64);
     assert_eq!(rig.load(&[3, 5]).unwrap().misses, 2);
     // Position 9 "is" in slot 0, which holds position 3: refused alone or beside 3.
     rig.corrupt(slot_of(9), 0);
@@ -178,4 +183,18 @@ fn a_slot_holding_another_position_is_the_states_fault_never_its_row() {
     assert_eq!(rig.state()[slot_of(9)], 0xbfff_fffe);
     // The other positions were left as they were: 3 and 5 still hit.
     assert_eq!(rig.load(&[5, 3]).unwrap().hits, 2);
+}
+
+#[test]
+fn rows_of_many_pieces_and_odd_sizes_arrive_whole_from_slots_and_host_memory() {
+    // 4100 bytes move as 1025 four-byte pieces, 2051 as single bytes, 24 as three eight-byte
+    // pieces: a warp's entry takes one round of pieces or many.
+    for row in [4100, 2051, 24] {
+        let mut rig = Rig::new(row);
+        assert_eq!(rig.load(&[3, 5]).unwrap().misses, 2, "{row}");
+        let both = rig.load(&[5, 3]).unwrap();
+        assert_eq!((both.hits, both.misses), (2, 0), "{row}");
+        let mixed = rig.load(&[7, 5]).unwrap();
+        assert_eq!((mixed.hits, mixed.misses), (1, 1), "{row}");
+    }
 }
