@@ -336,6 +336,10 @@ pub(crate) trait StreamBackend: Send + Sync {
     /// Records an event after the work enqueued so far.
     fn record(&self, timing: bool) -> Result<Box<dyn EventBackend>>;
 
+    /// Makes the work enqueued from now on wait for the work before `event` (an event of
+    /// this backend, from any of its streams), without blocking the host.
+    fn wait_for(&self, event: &dyn EventBackend) -> Result<()>;
+
     /// Blocks until all enqueued work is done.
     fn synchronize(&self) -> Result<()>;
 }

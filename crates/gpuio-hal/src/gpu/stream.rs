@@ -211,6 +211,13 @@ impl Stream {
         })
     }
 
+    /// Makes the work enqueued on this stream from now on wait for the work before `event`
+    /// (recorded on any stream of the same backend), without blocking the host: how one
+    /// stream's result is handed to another in device order.
+    pub fn wait_for(&self, event: &Event) -> Result<()> {
+        self.inner.wait_for(event.inner.as_ref())
+    }
+
     /// Blocks until all work enqueued on this stream is done.
     pub fn synchronize(&self) -> Result<()> {
         self.inner.synchronize()

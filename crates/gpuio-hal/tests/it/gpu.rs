@@ -2,7 +2,7 @@
 //! `GPUIO_REQUIRE_CUDA=1` makes a missing device a failure), the host backend elsewhere (the
 //! CUDA-specific checks then say they were skipped and why).
 
-use super::devices;
+use super::{devices, first_gpu};
 use gpuio_hal::{
     Backend, BackendPreference, ErrorCode, HalError, HostAllocOptions, HostBuffer, Piece2d,
     pattern, probe, probe_with,
@@ -242,6 +242,29 @@ fn async_copies_hand_buffers_back() {
     let d = stream.download_async(&dev, 0, dst, 0..len).unwrap();
     let dst = d.wait().unwrap();
     assert_eq!(pattern::first_deviation(&dst, 0, 11), None);
+}
+
+#[test]
+fn a_stream_waits_for_another_streams_event_in_device_order() {
+    let gpu = first_gpu();
+    let (a, b) = (gpu.stream().unwrap(), gpu.stream().unwrap());
+    let len = 64 << 20;
+    let (src, dst) = (gpu.alloc(len).unwrap(), gpu.alloc(len).unwrap());
+    for seed in [3, 4] {
+        a.fill_pattern(&src, 0, len, seed).unwrap();
+        // A copy of some tens of µs on a GPU, queued on `a`; `b` reads its last bytes only
+        // once it is done, without the host waiting in between.
+        let copy = a.copy_device_async(&src, 0, &dst, 0, len).unwrap();
+        b.wait_for(&a.record_event().unwrap()).unwrap();
+        let mut tail = vec![0u8; 4096];
+        b.download(&dst, len - 4096, &mut tail).unwrap();
+        assert_eq!(
+            pattern::first_deviation(&tail, (len - 4096) as u64, seed),
+            None,
+            "seed {seed}"
+        );
+        copy.wait().unwrap();
+    }
 }
 
 #[test]

@@ -68,6 +68,13 @@ impl CudaEventBackend {
             .as_ref()
             .ok_or_else(|| HalError::InvalidArgument("event already released".into()))
     }
+
+    /// Makes `stream`'s later work wait for this event's (`cuStreamWaitEvent`).
+    pub(super) fn wait_on(&self, stream: &CudaStream) -> Result<()> {
+        stream
+            .wait(self.event()?)
+            .map_err(cuda_err("cuStreamWaitEvent"))
+    }
 }
 
 impl Drop for CudaEventBackend {

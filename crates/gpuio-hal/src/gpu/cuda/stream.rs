@@ -5,7 +5,7 @@
 
 use super::device::{CudaDevice, Shared};
 use super::driver::{self, cuda_err};
-use super::event::EventPool;
+use super::event::{CudaEventBackend, EventPool};
 use super::report::StreamReports;
 use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
@@ -137,6 +137,17 @@ impl StreamBackend for CudaStreamBackend {
             .events
             .record(self.shared.ctx()?, &self.stream, timing)?;
         Ok(Box::new(event))
+    }
+
+    fn wait_for(&self, event: &dyn EventBackend) -> Result<()> {
+        let event = event
+            .as_any()
+            .downcast_ref::<CudaEventBackend>()
+            .ok_or_else(|| {
+                HalError::InvalidArgument("a stream waits for an event of another backend".into())
+            })?;
+        self.shared.bind()?;
+        event.wait_on(&self.stream)
     }
 
     fn synchronize(&self) -> Result<()> {
