@@ -311,6 +311,7 @@ __device__ __forceinline__ void gpuio_swap_fetch_entry(const gpuio_swap_job& job
     W* to = (W*)(job.dst + (gpuio_u64)i * rb);
     W* also = (W*)(job.staging + (gpuio_u64)i * rb);
     int verdict = 0;
+    // rb >= width (the host checks), so the first round always runs and gives the verdict.
     for (gpuio_u32 base = 0; base < per_row; base += 4 * 32) {
         W v[4];
 #pragma unroll
@@ -335,7 +336,8 @@ __device__ __forceinline__ void gpuio_swap_fetch_entry(const gpuio_swap_job& job
     }
 }
 
-// The fetch: grid (entries / 8, jobs), GPUIO_SWAP_FETCH_THREADS threads, a warp per entry.
+// The fetch: grid (the largest count / 8, jobs), GPUIO_SWAP_FETCH_THREADS threads, a warp per
+// entry.
 // Each step issues every load it needs before its first branch, so an entry waits on five
 // trips to memory: the job; its control words, state words and position; its slot word; the
 // slot word's atomic; its row (beside the hit's check or the miss's claim). `width` divides the row size

@@ -187,10 +187,12 @@ fn a_slot_holding_another_position_is_the_states_fault_never_its_row() {
 
 #[test]
 fn rows_of_many_pieces_and_odd_sizes_arrive_whole_from_slots_and_host_memory() {
-    // 4100 bytes move as 1025 four-byte pieces, 2051 as single bytes, 24 as three eight-byte
-    // pieces: a warp's entry takes one round of pieces or many.
-    for row in [4100, 2051, 24] {
+    // 4100 bytes move as 1025 four-byte pieces, 2051 as single bytes, 4096 as 256 sixteen-byte
+    // ones, 24 as three eight-byte ones: a warp's entry takes one round of pieces or many.
+    for row in [4100, 2051, 4096, 24] {
         let mut rig = Rig::new(row);
+        let refused = rig.load(&[5, 5]).unwrap_err();
+        assert_eq!(refused.fault, SwapInFault::Selection, "{row}: {refused}");
         assert_eq!(rig.load(&[3, 5]).unwrap().misses, 2, "{row}");
         let both = rig.load(&[5, 3]).unwrap();
         assert_eq!((both.hits, both.misses), (2, 0), "{row}");
