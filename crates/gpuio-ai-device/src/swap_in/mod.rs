@@ -14,6 +14,11 @@
 //!   returns, overlapping whatever the caller does next; the table's next call, its drop
 //!   and [`SwapInTable::wait`] wait for it.
 //!
+//! A call may also be queued in a caller's stream order ([`swap_in_queued`]): its fetch runs
+//! on the caller's stream, behind the work that wrote the selections and ahead of the work
+//! that reads the rows, and the call returns at once; the upload, the report's download and
+//! the install run on the table's own stream, and [`SwapInTable::finish`] reads the report.
+//!
 //! The jobs' descriptions are written to the device once, by [`swap_in_table`]; a call
 //! uploads only each job's layer length and selection count. The host backend runs the same
 //! steps in Rust (`plan.rs`, `plan_on_host`): the two leave the same states, which the GPU
@@ -35,7 +40,7 @@ mod table;
 #[cfg(test)]
 mod tests;
 
-pub use table::{SwapInTable, swap_in, swap_in_table};
+pub use table::{SwapInTable, swap_in, swap_in_queued, swap_in_table};
 
 use gpuio_hal::error::{HalError, Result};
 use gpuio_hal::gpu::{DeviceBuffer, Stream};

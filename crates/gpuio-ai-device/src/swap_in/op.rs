@@ -1,7 +1,8 @@
-//! A device-planned load as an op: on a GPU, the control words' upload, the fetch kernel and
-//! the report's download — the call waits for these — then the install kernel, which the call
-//! leaves running (`kernels/ai.cu`); on the host backend, each job's plan (`plan.rs`) and the
-//! tiered copy of its codes. Also the job table's layout, as both sides read it.
+//! A device-planned load as an op: on a GPU, the control words' upload, the fetch kernel, the
+//! report's download and the install kernel, queued (`kernels/ai.cu`): the op returns with
+//! them running, and the table reads the report once the fetch's event says it is there; on
+//! the host backend, each job's plan (`plan.rs`) and the tiered copy of its codes, done when
+//! the op returns. Also the job table's layout, as both sides read it.
 
 use super::plan::{HostPlan, plan_on_host, state_words};
 use super::{JOB_BYTES, SwapInLoad, bad, swap_in_state_len};
@@ -11,7 +12,7 @@ use gpuio_hal::gpu::tiered::{self, copy_tiered};
 use gpuio_hal::gpu::{
     Access, CudaRun, DevArg, DeviceOp, Event, HostArg, HostRun, KernelArgs, LaunchShape,
 };
-use gpuio_hal::gpu::{WaitOnDrop, elapsed, widest_piece};
+use gpuio_hal::gpu::{WaitOnDrop, widest_piece};
 use gpuio_hal::memory::HostBuffer;
 use std::cell::RefCell;
 use std::mem::offset_of;
@@ -109,13 +110,36 @@ pub(super) struct Part<'a> {
     pub(super) warm_first: u64,
 }
 
-/// What a load reported: the report words (1 + 2 per job), when asked the device's times,
-/// and the install while it may still run.
-pub(super) struct Ran {
-    pub(super) report: Vec<u64>,
-    pub(super) device_time: Option<Duration>,
-    pub(super) install_time: Option<Duration>,
-    pub(super) installing: Option<Event>,
+/// The part of a load one run of the op queues on a GPU, each on its stream: the control
+/// words' upload (the table's side stream, ahead of the caller's work), the fetch (the
+/// caller's stream), then the report's download and the install (the side stream, once the
+/// fetch is done), so that only the fetch lies on the caller's path. On the host backend the
+/// fetch stage does the whole load and the others nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Stage {
+    Control,
+    Fetch,
+    Tail,
+}
+
+/// A stage as the op leaves it.
+pub(super) enum Ran {
+    /// The host backend's whole load: the report words (1 + 2 per job) and, when asked, the
+    /// time.
+    Done {
+        report: Vec<u64>,
+        device_time: Option<Duration>,
+    },
+    /// Queued on a GPU: the stage's end (the upload's, the fetch's, the install's: timing
+    /// events where timed); the report's arrival in the table's pinned words (the tail); the
+    /// fetch's start (a timed fetch).
+    Queued {
+        end: Event,
+        fetched: Option<Event>,
+        start: Option<Event>,
+    },
+    /// Nothing for this backend to do in this stage.
+    Nothing,
 }
 
 /// A checked load: `table` holds the jobs (from 0), the control words (from `control_at`,
@@ -123,6 +147,7 @@ pub(super) struct Ran {
 /// each job's first failure, each job's hits and misses) and the staging rows (from
 /// `staging_at`).
 pub(super) struct Load<'a> {
+    pub(super) stage: Stage,
     pub(super) row_bytes: usize,
     pub(super) table: DevArg<'a>,
     /// Pinned: each job's length and count, 16 bytes a job.
@@ -133,8 +158,7 @@ pub(super) struct Load<'a> {
     pub(super) report_at: usize,
     pub(super) staging_at: usize,
     pub(super) parts: Vec<Part<'a>>,
-    /// Time the device's work (events around the fetch, and around the install; the control
-    /// words' upload runs before the first).
+    /// Time the fetch (events around it).
     pub(super) timed: bool,
 }
 
@@ -142,13 +166,14 @@ impl DeviceOp for Load<'_> {
     type Output = Ran;
 
     fn host(&self, host: &HostRun<'_>) -> Result<Ran> {
+        if self.stage != Stage::Fetch {
+            return Ok(Ran::Nothing);
+        }
         let t = Instant::now();
         let report = self.plan_on_host(host)?;
-        Ok(Ran {
+        Ok(Ran::Done {
             report,
             device_time: self.timed.then(|| t.elapsed()),
-            install_time: self.timed.then_some(Duration::ZERO),
-            installing: None,
         })
     }
 
@@ -163,92 +188,94 @@ impl DeviceOp for Load<'_> {
             .chain([staging]);
         let (_, width) = widest_piece(rb, starts);
         let report = self.table.part(self.report_at, 8 * (1 + 2 * jobs))?;
-        let control = self.table.part(self.control_at, 16 * jobs)?;
-        if self.control.len() < control.len() {
-            return Err(HalError::InvalidArgument(
-                "swap-in: control words shorter than their jobs".into(),
-            ));
-        }
-        let mut words_at = self.report_host.borrow_mut();
-        if words_at.len() < report.len() {
-            return Err(HalError::InvalidArgument(
-                "swap-in: a report buffer shorter than its words".into(),
-            ));
-        }
-        let running = WaitOnDrop::new(cuda);
-        // SAFETY: the control words are 16 bytes a job of pinned memory the op borrows until
-        // the call returns, which is after the fetch (behind this copy) is waited for; the
-        // destination is the table's control range (its layout).
-        unsafe { cuda.upload(self.control.base_ptr(), control)? };
-        // The upload goes ahead of the clock, as the peers' index lists do: the host knows
-        // each length and count before the selection is there.
-        let start = self.timed.then(|| cuda.record(true)).transpose()?;
-        let most = self
-            .parts
-            .iter()
-            .map(|p| p.load.count as u64)
-            .max()
-            .unwrap_or(0);
         let args = KernelArgs::new()
             .ptr(&self.table)
             .u64(rb)
             .u64(width)
             .ptr(&report);
-        let fetch = LaunchShape {
-            grid: most.div_ceil(FETCH_ENTRIES).max(1) as u32,
-            grid_y: jobs as u32,
-            block: FETCH_THREADS,
-            shared_bytes: 0,
-        };
-        // SAFETY: matches gpuio_swap_in_fetch(jobs, u64 rb, u64 width, u64* report). The jobs
-        // name only ranges the HAL checked and the table keeps alive, and a registered warm
-        // pool; the kernel follows positions below the length and slots below the job's slots,
-        // and writes only those rows and slot words, the report words and the table's own
-        // words (the selection's copy, the hit bits). `width` divides every row and address.
-        unsafe { cuda.launch(AiKernel::SwapInFetch, fetch, &args)? };
-        let end = start.is_some().then(|| cuda.record(true)).transpose()?;
-        // SAFETY: `words_at` is pinned host memory of at least the report's length, borrowed
-        // mutably for the call and untouched until the wait below (so the copy runs without
-        // holding the host up, and the install queues right behind it).
-        unsafe { cuda.download(report, words_at.as_mut_ptr())? };
-        let fetched = cuda.record(false)?;
-        let install = LaunchShape {
-            grid: jobs as u32,
-            grid_y: 1,
-            block: INSTALL_THREADS,
-            shared_bytes: 0,
-        };
-        // SAFETY: matches gpuio_swap_in_install(const gpuio_swap_job*, u64 rb, u64 width,
-        // u64* report). It reads the same jobs, control words and report words, follows only
-        // positions and slots inside the state's tables (a victim's position outside them
-        // flags the state instead), copies staging rows below max_count into slots below the
-        // job's slots, and resets the report words. The table waits for it before it lets the
-        // buffers go (the event returned below).
-        unsafe { cuda.launch(AiKernel::SwapInInstall, install, &args)? };
-        let installed = cuda.record(self.timed)?;
-        fetched.synchronize()?;
-        let words = words_at
-            .chunks_exact(8)
-            .take(1 + 2 * jobs)
-            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
-            .collect();
-        // The fetch is done and nothing failed: the install may run on after the call.
-        running.disarm();
-        let (device_time, install_time, installing) = match (start, end) {
-            (Some(start), Some(end)) => {
-                installed.synchronize()?;
-                let fetch = elapsed(&start, &end)?;
-                let install = elapsed(&end, &installed)?;
-                (Some(fetch), Some(install), None)
+        let running = WaitOnDrop::new(cuda);
+        let ran = match self.stage {
+            Stage::Control => {
+                let control = self.table.part(self.control_at, 16 * jobs)?;
+                if self.control.len() < control.len() {
+                    return Err(HalError::InvalidArgument(
+                        "swap-in: control words shorter than their jobs".into(),
+                    ));
+                }
+                // SAFETY: the control words are 16 bytes a job of the table's pinned memory,
+                // which it rewrites only in its next call, after the install queued behind
+                // this copy; the destination is the table's control range (its layout).
+                unsafe { cuda.upload(self.control.base_ptr(), control)? };
+                Ran::Queued {
+                    end: cuda.record(false)?,
+                    fetched: None,
+                    start: None,
+                }
             }
-            _ => (None, None, Some(installed)),
+            Stage::Fetch => {
+                let start = self.timed.then(|| cuda.record(true)).transpose()?;
+                let most = self
+                    .parts
+                    .iter()
+                    .map(|p| p.load.count as u64)
+                    .max()
+                    .unwrap_or(0);
+                let fetch = LaunchShape {
+                    grid: most.div_ceil(FETCH_ENTRIES).max(1) as u32,
+                    grid_y: jobs as u32,
+                    block: FETCH_THREADS,
+                    shared_bytes: 0,
+                };
+                // SAFETY: matches gpuio_swap_in_fetch(jobs, u64 rb, u64 width, u64* report).
+                // The jobs name only ranges the HAL checked and the table keeps alive, and a
+                // registered warm pool; the kernel reads selection entries below max_count,
+                // follows positions below the length and slots below the job's slots, and
+                // writes only the destination's rows, those slot words (their marks), the
+                // report words and the table's own words (the selection's copy, the staging
+                // rows). `width` divides every row and address.
+                unsafe { cuda.launch(AiKernel::SwapInFetch, fetch, &args)? };
+                Ran::Queued {
+                    end: cuda.record(self.timed)?,
+                    fetched: None,
+                    start,
+                }
+            }
+            Stage::Tail => {
+                let mut words_at = self.report_host.borrow_mut();
+                if words_at.len() < report.len() {
+                    return Err(HalError::InvalidArgument(
+                        "swap-in: a report buffer shorter than its words".into(),
+                    ));
+                }
+                // SAFETY: `words_at` is the table's pinned report words, of at least the
+                // report's length, which the table reads only after `fetched` (below) and
+                // lends to its next call only after the install queued behind this copy.
+                unsafe { cuda.download(report, words_at.as_mut_ptr())? };
+                let fetched = cuda.record(false)?;
+                let install = LaunchShape {
+                    grid: jobs as u32,
+                    grid_y: 1,
+                    block: INSTALL_THREADS,
+                    shared_bytes: 0,
+                };
+                // SAFETY: matches gpuio_swap_in_install(const gpuio_swap_job*, u64 rb, u64
+                // width, u64* report). It reads the same jobs, control words and report words,
+                // follows only positions and slots inside the state's tables (a victim's
+                // position outside them flags the state instead), copies staging rows below
+                // max_count into slots below the job's slots, and resets the report words. The
+                // table waits for it before it lets the buffers go (the event returned).
+                unsafe { cuda.launch(AiKernel::SwapInInstall, install, &args)? };
+                Ran::Queued {
+                    end: cuda.record(self.timed)?,
+                    fetched: Some(fetched),
+                    start: None,
+                }
+            }
         };
-        Ok(Ran {
-            report: words,
-            device_time,
-            install_time,
-            installing,
-        })
+        // Everything of the stage is queued: it runs on after the call, the table keeping
+        // what it reads and writes alive until the install's end.
+        running.disarm();
+        Ok(ran)
     }
 }
 

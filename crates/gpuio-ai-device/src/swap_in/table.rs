@@ -1,7 +1,8 @@
 //! A device-planned load's table, written to the device once ([`swap_in_table`]), and its
-//! calls ([`swap_in`]): every argument checked here, the work done by the op in `op.rs`.
+//! calls ([`swap_in`], or [`swap_in_queued`] then [`SwapInTable::finish`]): every argument
+//! checked here, the work done by the op in `op.rs`.
 
-use super::op::{Load, Part, SwapJob};
+use super::op::{Load, Part, Ran, Stage, SwapJob};
 use super::plan::plan_failure;
 use super::{
     JOB_BYTES, PENDING, SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS,
@@ -10,9 +11,10 @@ use super::{
 use gpuio_hal::error::Result;
 use gpuio_hal::gpu::check_disjoint;
 use gpuio_hal::gpu::tiered::{TIER_MAX_JOBS, TIER_MAX_WARM_ROWS};
-use gpuio_hal::gpu::{DeviceBuffer, Event, Gpu, Stream};
+use gpuio_hal::gpu::{DeviceBuffer, Event, Gpu, Stream, elapsed};
 use gpuio_hal::memory::{HostAllocOptions, HostBuffer};
 use std::cell::RefCell;
+use std::time::Duration;
 
 /// One job as the table keeps it: its buffers (shared handles, alive while the table is) and
 /// its warm pool's identity, which every call checks.
@@ -46,11 +48,25 @@ pub struct SwapInTable {
     report_host: HostBuffer,
     jobs: Vec<Kept>,
     layout: TableLayout,
+    /// Where a queued call's control words go up, its report comes down and its install runs:
+    /// beside the caller's stream, which then carries only the fetch.
+    side: Stream,
     /// The last call's install, while it may still run.
     installing: Option<Event>,
+    /// A queued call whose report [`SwapInTable::finish`] has not read yet.
+    pending: Option<Pending>,
     /// A call failed on the device: its fetch may have marked states that no install
     /// cleared, so the table refuses every later call.
     broken: bool,
+}
+
+/// A queued call until its report is read: the report where the host backend made it at once,
+/// else the fetch's end, the report's arrival and, when timed, the fetch's start; the call's
+/// loads, which name its failures. Its install is the table's `installing`.
+struct Pending {
+    report: Option<(Vec<u64>, Option<Duration>)>,
+    fetch: Option<(Event, Event, Option<Event>)>,
+    loads: Vec<SwapInLoad>,
 }
 
 /// Where a table's parts start in its device memory: the jobs, the control words, the report
@@ -91,6 +107,7 @@ impl std::fmt::Debug for SwapInTable {
             .field("row_bytes", &self.row_bytes)
             .field("jobs", &self.jobs)
             .field("installing", &self.installing.is_some())
+            .field("pending", &self.pending.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -110,13 +127,70 @@ impl SwapInTable {
             None => Ok(()),
         }
     }
+
+    /// Waits for the queued call's fetch and returns what it found, as [`swap_in`] does: each
+    /// job's counts or why it was refused, and the device's times where it was timed (then
+    /// it waits for the install too). Refused where no call is queued.
+    pub fn finish(&mut self) -> Result<SwapInDone> {
+        let Some(pending) = self.pending.take() else {
+            return bad("finish: no queued call".into());
+        };
+        let n = self.jobs.len();
+        let (report, device_time, install_time) = match (pending.report, pending.fetch) {
+            (Some((report, time)), _) => (report, time, time.map(|_| Duration::ZERO)),
+            (None, Some((end, fetched, start))) => {
+                if let Err(e) = fetched.synchronize() {
+                    // The fetch may have marked states that no install will clear.
+                    self.broken = true;
+                    return Err(e);
+                }
+                let report = self
+                    .report_host
+                    .chunks_exact(8)
+                    .take(1 + 2 * n)
+                    .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
+                    .collect();
+                let (mut fetch, mut install) = (None, None);
+                if let (Some(start), Some(installed)) = (&start, &self.installing) {
+                    installed.synchronize()?;
+                    fetch = Some(elapsed(start, &end)?);
+                    install = Some(elapsed(&end, installed)?);
+                    self.installing = None;
+                }
+                (report, fetch, install)
+            }
+            (None, None) => return bad("finish: a call that left no report".into()),
+        };
+        let (failures, counts) = report.split_at(report.len().min(1 + n));
+        if failures.len() != 1 + n || counts.len() != n {
+            return bad(format!("{} report words for {n} jobs", report.len()));
+        }
+        let jobs = failures[1..]
+            .iter()
+            .zip(counts)
+            .map(|(&failed, &c)| match failed {
+                u64::MAX => Ok(SwapInCounts {
+                    hits: (c & 0xffff_ffff) as usize,
+                    misses: (c >> 32) as usize,
+                }),
+                w => Err(plan_failure(w, &pending.loads)),
+            })
+            .collect();
+        Ok(SwapInDone {
+            jobs,
+            device_time,
+            install_time,
+        })
+    }
 }
 
 impl Drop for SwapInTable {
     fn drop(&mut self) {
-        // The install reads and writes the jobs' buffers, which drop with the table. A
-        // device that failed has nothing left running.
+        // The install reads and writes the jobs' buffers, which drop with the table, as may a
+        // queued call's upload or download left by a failed call. A device that failed has
+        // nothing left running.
         let _ = self.wait();
+        let _ = self.side.synchronize();
     }
 }
 
@@ -256,7 +330,9 @@ pub fn swap_in_table(
         report_host,
         jobs: kept,
         layout,
+        side: gpu.stream()?,
         installing: None,
+        pending: None,
         broken: false,
     };
     // The report words as they start: no failure, no counts.
@@ -288,7 +364,42 @@ pub fn swap_in(
     loads: &[SwapInLoad],
     timed: bool,
 ) -> Result<SwapInDone> {
+    queue(stream, table, warm, loads, timed, false)?;
+    table.finish()
+}
+
+/// [`swap_in`] without waiting: the call is queued on `stream` and returns at once (on the
+/// host backend, once it is done). Its fetch follows the work queued on `stream` so far (what
+/// wrote the selections), and work queued there afterwards finds the rows in place; the
+/// control words' upload, the report's download and the install run on the table's own
+/// stream, ordered to `stream` by events. Until [`SwapInTable::finish`] returns its outcome
+/// the selections must not change, and a refused job's rows may be wrong, which only `finish`
+/// says; the table takes no other call until then.
+pub fn swap_in_queued(
+    stream: &Stream,
+    table: &mut SwapInTable,
+    warm: &[&HostBuffer],
+    loads: &[SwapInLoad],
+    timed: bool,
+) -> Result<()> {
+    queue(stream, table, warm, loads, timed, true)
+}
+
+/// Checks and queues a call, its fetch on `stream`, the rest on the table's side stream where
+/// `split` (a caller that goes on at once), else on `stream` too (a caller that waits: no
+/// hand-over between streams).
+fn queue(
+    stream: &Stream,
+    table: &mut SwapInTable,
+    warm: &[&HostBuffer],
+    loads: &[SwapInLoad],
+    timed: bool,
+    split: bool,
+) -> Result<()> {
     let n = table.jobs.len();
+    if table.pending.is_some() {
+        return bad("a queued call is still to be finished (SwapInTable::finish)".into());
+    }
     if !table.gpu.same_device(stream.gpu()) {
         return bad(format!(
             "a table made on {} used on a stream of {}",
@@ -351,7 +462,8 @@ pub fn swap_in(
             warm_first: k.warm_first,
         });
     }
-    let load = Load {
+    let mut load = Load {
+        stage: Stage::Control,
         row_bytes: rb,
         table: stream.arg("swap-in table", &table.device, 0, table.device.len())?,
         control: &table.control,
@@ -362,30 +474,56 @@ pub fn swap_in(
         parts,
         timed,
     };
-    // Until the call returns its install, a failure may leave marks no install clears.
+    // Until the call is queued whole, a failure may leave marks no install clears.
     table.broken = true;
-    let ran = stream.run(&load)?;
-    drop(load);
-    table.broken = false;
-    table.installing = ran.installing;
-    let (failures, counts) = ran.report.split_at(ran.report.len().min(1 + n));
-    if failures.len() != 1 + n || counts.len() != n {
-        return bad(format!("{} report words for {n} jobs", ran.report.len()));
+    let side = if split { &table.side } else { stream };
+    // The control words go up beside the caller's work; the fetch follows both.
+    if let Ran::Queued { end, .. } = side.run(&load)?
+        && split
+    {
+        stream.wait_for(&end)?;
     }
-    let jobs = failures[1..]
-        .iter()
-        .zip(counts)
-        .map(|(&failed, &c)| match failed {
-            u64::MAX => Ok(SwapInCounts {
-                hits: (c & 0xffff_ffff) as usize,
-                misses: (c >> 32) as usize,
-            }),
-            w => Err(plan_failure(w, loads)),
-        })
-        .collect();
-    Ok(SwapInDone {
-        jobs,
-        device_time: ran.device_time,
-        install_time: ran.install_time,
-    })
+    load.stage = Stage::Fetch;
+    let (report, fetch, installing) = match stream.run(&load)? {
+        Ran::Done {
+            report,
+            device_time,
+        } => (Some((report, device_time)), None, None),
+        Ran::Queued { end, start, .. } => {
+            // The report and the install follow the fetch.
+            let mut tail = || {
+                if split {
+                    side.wait_for(&end)?;
+                }
+                load.stage = Stage::Tail;
+                side.run(&load)
+            };
+            match tail() {
+                Ok(Ran::Queued {
+                    end: installed,
+                    fetched: Some(fetched),
+                    ..
+                }) => (None, Some((end, fetched, start)), Some(installed)),
+                failed => {
+                    // The fetch is queued on the caller's stream over the table's memory:
+                    // done before the error goes back (the table may be dropped next).
+                    let _ = stream.synchronize();
+                    return match failed {
+                        Err(e) => Err(e),
+                        Ok(_) => bad("the report's download was not queued".into()),
+                    };
+                }
+            }
+        }
+        Ran::Nothing => return bad("the fetch ran nowhere".into()),
+    };
+    drop(load);
+    table.pending = Some(Pending {
+        report,
+        fetch,
+        loads: loads.to_vec(),
+    });
+    table.installing = installing;
+    table.broken = false;
+    Ok(())
 }

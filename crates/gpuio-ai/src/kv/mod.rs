@@ -30,7 +30,7 @@ mod swap;
 
 pub use cold::ColdTier;
 pub use load::{KvBatch, KvLoad};
-pub use swap::{LoadTimes, SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget};
+pub use swap::{LoadTimes, QueuedLoad, SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget};
 
 use crate::AiWork;
 use crate::{AiError, Result};

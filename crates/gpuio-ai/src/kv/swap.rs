@@ -16,10 +16,11 @@ use super::LoadReport;
 use crate::AiWork;
 use crate::{AiError, Result};
 use gpuio_ai_device::{
-    SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, SwapInFault, SwapInJob,
-    SwapInLoad, SwapInTable, swap_in, swap_in_reset, swap_in_state_len, swap_in_table,
+    SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, SwapInDone, SwapInFault,
+    SwapInJob, SwapInLoad, SwapInTable, swap_in, swap_in_queued, swap_in_reset, swap_in_state_len,
+    swap_in_table,
 };
-use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Lessor, Session};
+use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Lease, Lessor, Session};
 use gpuio_hal::{HostBuffer, HostRead, Stream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -433,11 +434,46 @@ impl SwapInBatch {
             .map(|(r, t)| (r, t.unwrap_or_default()))
     }
 
+    /// [`load`](Self::load) in `stream`'s order, without waiting: the load starts once the
+    /// work queued on `stream` so far is done (the indexer that writes the selections, say),
+    /// and work queued on `stream` after this call starts once the entries are in their
+    /// destinations. The host goes on at once, so the load's launch overlaps the GPU's work
+    /// instead of following it. [`QueuedLoad::finish`] waits for the entries and returns the
+    /// reports; until then a refused sequence's entries may be wrong for the work that reads
+    /// them, and the batch takes no other load. `stream` must be on the batch's GPU.
+    pub fn load_on(&mut self, stream: &Stream, counts: &[usize]) -> Result<QueuedLoad<'_>> {
+        if !stream.gpu().same_device(self.stream.gpu()) {
+            return Err(AiError::InvalidArgument(format!(
+                "a load on a stream of {} for a batch on {}",
+                stream.gpu(),
+                self.stream.gpu()
+            )));
+        }
+        let (lease, _) = self.queue(Some(stream), counts, false)?;
+        Ok(QueuedLoad {
+            counts: counts.to_vec(),
+            batch: Some(self),
+            _lease: lease,
+        })
+    }
+
     fn run(
         &mut self,
         counts: &[usize],
         timed: bool,
     ) -> Result<(Vec<Result<LoadReport>>, Option<LoadTimes>)> {
+        let (_lease, done) = self.queue(None, counts, timed)?;
+        self.reports(done, counts)
+    }
+
+    /// Runs a load on the batch's stream and returns its outcome (`caller` none), or queues
+    /// one whose fetch runs on `caller`; with the lease it holds until its outcome is read.
+    fn queue(
+        &mut self,
+        caller: Option<&Stream>,
+        counts: &[usize],
+        timed: bool,
+    ) -> Result<(Lease, Option<SwapInDone>)> {
         if counts.len() != self.claims.kvs.len() {
             return Err(AiError::InvalidArgument(format!(
                 "{} counts for {} sequences",
@@ -445,7 +481,7 @@ impl SwapInBatch {
                 self.claims.kvs.len()
             )));
         }
-        let _lease = self.work.lease(&self.lessor)?;
+        let lease = self.work.lease(&self.lessor)?;
         let loads: Vec<SwapInLoad> = self
             .claims
             .kvs
@@ -456,10 +492,37 @@ impl SwapInBatch {
                 count,
             })
             .collect();
+        // The warm pools are read under their locks only while the call is checked and
+        // queued: entries are only ever appended, past the lengths this load reads.
         let kvs: Vec<&SwapInKv> = self.claims.kvs.iter().collect();
         let guards = read_all(&kvs);
         let warm: Vec<&HostBuffer> = guards.iter().map(|g| &**g).collect();
-        let done = swap_in(&self.stream, &mut self.table, &warm, &loads, timed)?;
+        let done = match caller {
+            Some(caller) => {
+                swap_in_queued(caller, &mut self.table, &warm, &loads, timed)?;
+                None
+            }
+            None => Some(swap_in(
+                &self.stream,
+                &mut self.table,
+                &warm,
+                &loads,
+                timed,
+            )?),
+        };
+        Ok((lease, done))
+    }
+
+    /// A load's reports (and its times where timed): `done`, or the queued load's outcome.
+    fn reports(
+        &mut self,
+        done: Option<SwapInDone>,
+        counts: &[usize],
+    ) -> Result<(Vec<Result<LoadReport>>, Option<LoadTimes>)> {
+        let done = match done {
+            Some(done) => done,
+            None => self.table.finish()?,
+        };
         let entry = self.claims.kvs[0].inner.cfg.entry_bytes as u64;
         let reports = done
             .jobs
@@ -486,5 +549,36 @@ impl SwapInBatch {
             install: done.install_time.unwrap_or_default(),
         });
         Ok((reports, times))
+    }
+}
+
+/// A load queued on a caller's stream ([`SwapInBatch::load_on`]). Dropped unfinished, it
+/// waits for the fetch and drops the reports.
+#[must_use = "a queued load's reports are read by finish"]
+#[derive(Debug)]
+pub struct QueuedLoad<'a> {
+    counts: Vec<usize>,
+    /// `None` once finished.
+    batch: Option<&'a mut SwapInBatch>,
+    /// The load's scheduler lease, held until its fetch is waited for.
+    _lease: Lease,
+}
+
+impl QueuedLoad<'_> {
+    /// Waits until the entries are in their destinations and returns each sequence's report,
+    /// as [`SwapInBatch::load`] does.
+    pub fn finish(mut self) -> Result<Vec<Result<LoadReport>>> {
+        match self.batch.take() {
+            Some(batch) => batch.reports(None, &self.counts).map(|(r, _)| r),
+            None => Err(AiError::Internal("a queued load finished twice".into())),
+        }
+    }
+}
+
+impl Drop for QueuedLoad<'_> {
+    fn drop(&mut self) {
+        if let Some(batch) = self.batch.take() {
+            let _ = batch.table.finish();
+        }
     }
 }
