@@ -1,8 +1,8 @@
-//! A device-planned load as an op: on a GPU, the control words' upload, the fetch kernel, the
-//! report's download and the install kernel, queued (`kernels/ai.cu`): the op returns with
-//! them running, and the table reads the report once the fetch's event says it is there; on
-//! the host backend, each job's plan (`plan.rs`) and the tiered copy of its codes, done when
-//! the op returns. Also the job table's layout, as both sides read it.
+//! A device-planned load as an op run in three stages ([`Stage`]): on a GPU, the control words'
+//! upload, the fetch kernel, then the report's download and the install kernel, each queued
+//! (`kernels/ai.cu`), the table reading the report once the download's event has passed; on
+//! the host backend, the fetch stage plans each job (`plan.rs`) and copies its codes, done when
+//! it returns. Also the job table's layout, as both sides read it.
 
 use super::plan::{HostPlan, plan_on_host, state_words};
 use super::{JOB_BYTES, SwapInLoad, bad, swap_in_state_len};
@@ -110,11 +110,11 @@ pub(super) struct Part<'a> {
     pub(super) warm_first: u64,
 }
 
-/// The part of a load one run of the op queues on a GPU, each on its stream: the control
-/// words' upload (the table's side stream, ahead of the caller's work), the fetch (the
-/// caller's stream), then the report's download and the install (the side stream, once the
-/// fetch is done), so that only the fetch lies on the caller's path. On the host backend the
-/// fetch stage does the whole load and the others nothing.
+/// The part of a load one run of the op queues on a GPU: the control words' upload, the fetch,
+/// then the report's download and the install. A queued call runs the first and the last on
+/// the table's side stream, so that only the fetch lies on the caller's; a call that waits runs
+/// all three on its stream. On the host backend the fetch stage does the whole load and the
+/// others nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Stage {
     Control,
