@@ -70,8 +70,7 @@ for J in [1, 64]:
                   hot.data.ptr + j * S * RB, dst.data.ptr + j * K * RB, staging.data.ptr + j * K * RB,
                   seen.data.ptr + 4 * j * K, P | (S << 32), K]
     jobs = cp.asarray(job)
-    # Selection entries per block: 32 in the first fetch, a warp each (8) since.
-    E = 8 if "gpuio_swap_fetch_entry" in src else 32
+    E = 8  # selection entries per block, a warp each (GPUIO_SWAP_FETCH_ENTRIES)
     grid = (K // E, J)
     go_fetch = lambda: fetch(grid, (256,), (jobs, np.uint64(RB), np.uint64(16), report))
     go_install = lambda: install((J,), (1024,), (jobs, np.uint64(RB), np.uint64(16), report))
