@@ -194,6 +194,11 @@ extern "C" __global__ void gpuio_dot_scores(const void* table, gpuio_u64 rows, g
 //   counted, and the report words reset for the next call. It reads only what the table and
 //   the state own (the fetch keeps a copy of the selection): once the fetch is done, the
 //   caller may write its selection and destination again.
+// - A load may also prefetch: the `ahead` entries after its count (the indexer's next
+//   candidates) are copied aside by its fetch, and after its install the same two kernels run
+//   again over them (phase 1): the fetch marks their hits and reads their misses into
+//   staging only (no destination), the install gives the misses slots. That second step is
+//   off the critical path too, and the caller's selection is free once the first fetch ends.
 //
 // The host backend runs the same steps in Rust (swap_in.rs); the two leave the same state
 // from every state their loads leave.
@@ -223,7 +228,7 @@ extern "C" __global__ void gpuio_dot_scores(const void* table, gpuio_u64 rows, g
 // crates/gpuio-hal/src/ai/swap_in/op.rs, whose layout is asserted there too).
 struct gpuio_swap_job {
     gpuio_u64 selection;   // u32 positions
-    gpuio_u64 control;     // device memory, uploaded per call: the layer's length, the count
+    gpuio_u64 control;     // per call: the layer's length, then count | ahead << 32
     gpuio_u64 state;       // u32 step, u32 bad, slot_of[positions], holder[slots], last_used[slots]
     gpuio_u64 warm;        // warm row 0, pinned host memory through its device address
     gpuio_u64 warm_first;  // the warm row of position 0
@@ -265,14 +270,33 @@ __device__ __forceinline__ bool gpuio_swap_corrupt(gpuio_u32 word, gpuio_u32 slo
     return word != GPUIO_SWAP_NONE && word != GPUIO_SWAP_PENDING && (word & ~GPUIO_SWAP_SEL) >= slots;
 }
 
-// A refusal of the whole job before anything is marked (the same test in both kernels):
-// its kind, or -1 when the job may run.
+// A refusal of the whole job before anything is marked (the same test in both kernels and
+// phases; `want` is the count and the entries ahead): its kind, or -1 when the job may run.
 __device__ __forceinline__ int gpuio_swap_refused(gpuio_u32 step, gpuio_u32 bad, gpuio_u64 want,
                                                   gpuio_u32 max_count) {
     if (step == GPUIO_SWAP_NONE) return (int)GPUIO_SWAP_EXHAUSTED;
     if (want > max_count) return (int)GPUIO_SWAP_TOO_MANY;
     if (bad) return (int)GPUIO_SWAP_CORRUPT;
     return -1;
+}
+
+// A phase's entries from a job's control words: the load (phase 0) takes [0, count), its
+// prefetch (phase 1) [count, count + ahead); `want` is both together, for the refusal.
+struct gpuio_swap_window {
+    gpuio_u64 len, want;
+    gpuio_u32 first, count, ahead;
+};
+__device__ __forceinline__ gpuio_swap_window gpuio_swap_window_of(const gpuio_swap_job& job,
+                                                                  gpuio_u64 phase) {
+    const gpuio_u64 ctl = ((const gpuio_u64*)job.control)[1];
+    const gpuio_u32 count = (gpuio_u32)ctl, ahead = (gpuio_u32)(ctl >> 32);
+    gpuio_swap_window w;
+    w.len = ((const gpuio_u64*)job.control)[0];
+    w.want = (gpuio_u64)count + ahead;
+    w.first = phase ? count : 0;
+    w.count = phase ? ahead : count;
+    w.ahead = ahead;
+    return w;
 }
 
 // Lane 0's second step for an entry at `i` whose slot word was `old` (not corrupt): 1 for a
@@ -298,16 +322,17 @@ __device__ __forceinline__ int gpuio_swap_verdict(const gpuio_swap_job& job, gpu
 
 // A warp's entry at `i` (position `p`, slot word `old`): its row's first pieces are loaded
 // from where `old` says (its slot, or pinned host memory) while lane 0 checks the hit or claims
-// the miss, and stored only once that holds: to the destination, and a miss's also to staging.
+// the miss, and stored only once that holds: to the destination (where `deliver`: not in a
+// prefetch), and a miss's also to staging.
 template <typename W>
 __device__ __forceinline__ void gpuio_swap_fetch_entry(const gpuio_swap_job& job, gpuio_u64 rb,
                                                        gpuio_u32 i, gpuio_u32 p, gpuio_u32 old,
-                                                       gpuio_u64* report, gpuio_u32 j,
-                                                       gpuio_u64* counted) {
+                                                       bool deliver, gpuio_u64* report,
+                                                       gpuio_u32 j, gpuio_u64* counted) {
     const gpuio_u32 lane = threadIdx.x & 31, per_row = (gpuio_u32)(rb / sizeof(W));
     const W* from = 0;
     if (old == GPUIO_SWAP_NONE) from = (const W*)(job.warm + (job.warm_first + p) * rb);
-    else if (!(old & GPUIO_SWAP_SEL)) from = (const W*)(job.hot + (gpuio_u64)old * rb);
+    else if (deliver && !(old & GPUIO_SWAP_SEL)) from = (const W*)(job.hot + (gpuio_u64)old * rb);
     W* to = (W*)(job.dst + (gpuio_u64)i * rb);
     W* also = (W*)(job.staging + (gpuio_u64)i * rb);
     int verdict = 0;
@@ -324,49 +349,56 @@ __device__ __forceinline__ void gpuio_swap_fetch_entry(const gpuio_swap_job& job
             verdict = __shfl_sync(0xffffffffu, mine, 0);
             if (lane == 0 && verdict) atomicAdd(counted, verdict == 1 ? 1ull : 1ull << 32);
         }
-        if (!verdict) return;
+        if (!verdict || (!deliver && verdict == 1)) return;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             const gpuio_u32 c = base + lane + 32 * k;
             if (c < per_row) {
-                to[c] = v[k];
+                if (deliver) to[c] = v[k];
                 if (verdict == 2) also[c] = v[k];
             }
         }
     }
 }
 
-// The fetch: grid (the largest count / 8, jobs), GPUIO_SWAP_FETCH_THREADS threads, a warp per
-// entry.
+// The fetch: grid (the largest phase's entries / 8, jobs), GPUIO_SWAP_FETCH_THREADS threads, a
+// warp per entry. Phase 0 (the load) reads the caller's selection and copies the entries ahead
+// of its count into the table's copy (lane 1, beside lane 0's work); phase 1 (the prefetch)
+// reads them there.
 // Each step issues every load it needs before its first branch, so an entry waits on five
 // trips to memory: the job; its control words, state words and position; its slot word; the
-// slot word's atomic; its row (beside the hit's check or the miss's claim). `width` divides the row size
-// and every row address (the host picks it).
+// slot word's atomic; its row (beside the hit's check or the miss's claim). `width` divides
+// the row size and every row address (the host picks it).
 extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_FETCH_THREADS)
     gpuio_swap_in_fetch(const gpuio_swap_job* jobs, gpuio_u64 rb, gpuio_u64 width,
-                        gpuio_u64* report) {
+                        gpuio_u64* report, gpuio_u64 phase) {
     __shared__ gpuio_u64 counted;  // this block's hits | misses << 32
     const gpuio_u32 j = blockIdx.y, n = gridDim.y, lane = threadIdx.x & 31;
-    const gpuio_u32 i = blockIdx.x * GPUIO_SWAP_FETCH_ENTRIES + threadIdx.x / 32;
+    const gpuio_u32 w = blockIdx.x * GPUIO_SWAP_FETCH_ENTRIES + threadIdx.x / 32;
     const gpuio_swap_job& job = jobs[j];
     gpuio_u32* st = (gpuio_u32*)job.state;
     gpuio_u32* slot_of = st + 2;
+    gpuio_u32* seen = (gpuio_u32*)job.seen;
+    const gpuio_u32* selection = phase ? seen : (const gpuio_u32*)job.selection;
     if (threadIdx.x == 0) counted = 0;
-    const gpuio_u64 len = ((const gpuio_u64*)job.control)[0];
-    const gpuio_u64 want = ((const gpuio_u64*)job.control)[1];
-    const gpuio_u32 step = st[0], flagged = st[1];
+    const gpuio_swap_window win = gpuio_swap_window_of(job, phase);
+    const gpuio_u32 step = st[0], flagged = st[1], i = win.first + w;
     // The selection holds max_count positions: one is read before the count is known.
-    const gpuio_u32 p = i < job.max_count ? ((const gpuio_u32*)job.selection)[i] : 0;
-    const int refused = gpuio_swap_refused(step, flagged, want, job.max_count);
+    const gpuio_u32 p = i < job.max_count ? selection[i] : 0;
+    // A job with nothing ahead has no prefetch: not refused, not a step.
+    const bool idle = phase && !win.count;
+    const int refused = idle ? -1 : gpuio_swap_refused(step, flagged, win.want, job.max_count);
     if (refused >= 0 && blockIdx.x == 0 && threadIdx.x == 0)
-        gpuio_swap_bad(report, refused, j, refused == (int)GPUIO_SWAP_CORRUPT ? GPUIO_SWAP_NONE : want);
+        gpuio_swap_bad(report, refused, j, refused == (int)GPUIO_SWAP_CORRUPT ? GPUIO_SWAP_NONE : win.want);
     __syncthreads();  // `counted` is zeroed
-    if (refused < 0 && i < want) {
+    if (refused < 0 && !phase && lane == 1 && w < win.ahead)
+        seen[win.count + w] = ((const gpuio_u32*)job.selection)[win.count + w];
+    if (refused < 0 && w < win.count) {
         gpuio_u32 old = GPUIO_SWAP_PENDING;
         int go = 0;
         if (lane == 0) {
-            ((gpuio_u32*)job.seen)[i] = p;
-            if (p >= len) {
+            if (!phase) seen[i] = p;
+            if (p >= win.len) {
                 gpuio_swap_bad(report, GPUIO_SWAP_PAST_LEN, j, i);
             } else if (gpuio_swap_corrupt(slot_of[p], job.slots)) {
                 // Not followed, and left as it is (no load of this call changes such a word:
@@ -381,10 +413,11 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_FETCH_THREADS)
         }
         old = __shfl_sync(0xffffffffu, old, 0);
         if (__shfl_sync(0xffffffffu, go, 0)) {
-            if (width == 16) gpuio_swap_fetch_entry<uint4>(job, rb, i, p, old, report, j, &counted);
-            else if (width == 8) gpuio_swap_fetch_entry<gpuio_u64>(job, rb, i, p, old, report, j, &counted);
-            else if (width == 4) gpuio_swap_fetch_entry<gpuio_u32>(job, rb, i, p, old, report, j, &counted);
-            else gpuio_swap_fetch_entry<unsigned char>(job, rb, i, p, old, report, j, &counted);
+            const bool d = !phase;
+            if (width == 16) gpuio_swap_fetch_entry<uint4>(job, rb, i, p, old, d, report, j, &counted);
+            else if (width == 8) gpuio_swap_fetch_entry<gpuio_u64>(job, rb, i, p, old, d, report, j, &counted);
+            else if (width == 4) gpuio_swap_fetch_entry<gpuio_u32>(job, rb, i, p, old, d, report, j, &counted);
+            else gpuio_swap_fetch_entry<unsigned char>(job, rb, i, p, old, d, report, j, &counted);
         }
     }
     __syncthreads();
@@ -455,29 +488,29 @@ __device__ __forceinline__ void gpuio_swap_install_rows(const gpuio_swap_job& jo
 template <int PER, int SLOTS>
 __device__ __forceinline__ void gpuio_swap_install_job(const gpuio_swap_job& job, gpuio_u64 rb,
                                                        gpuio_u64 width, gpuio_u64* report,
-                                                       gpuio_swap_shared& sh) {
+                                                       gpuio_u64 phase, gpuio_swap_shared& sh) {
     const unsigned tid = threadIdx.x, lane = tid & 31;
     const gpuio_u32 j = blockIdx.x, n = gridDim.x;
     gpuio_u32* st = (gpuio_u32*)job.state;
     gpuio_u32* slot_of = st + 2;
     gpuio_u32* holder = slot_of + job.positions;
     gpuio_u32* last_used = holder + job.slots;
-    const gpuio_u64 len = ((const gpuio_u64*)job.control)[0];
-    const gpuio_u64 want = ((const gpuio_u64*)job.control)[1];
+    const gpuio_swap_window win = gpuio_swap_window_of(job, phase);
+    const gpuio_u64 len = win.len;
     const gpuio_u32 state = st[0], flagged = st[1];
     const bool refused = report[1 + j] != ~0ull;
     __syncthreads();  // every thread has read the words reset below
-    if (gpuio_swap_refused(state, flagged, want, job.max_count) >= 0) {
-        // The fetch touched nothing.
+    if ((phase && !win.count) || gpuio_swap_refused(state, flagged, win.want, job.max_count) >= 0) {
+        // The fetch touched nothing (nothing ahead to prefetch, or a job refused whole).
     } else {
-        const gpuio_u32 count = (gpuio_u32)want, step = state + 1;
+        const gpuio_u32 first = win.first, end = win.first + win.count, step = state + 1;
         // Every input in one round of loads.
         gpuio_u32 pos[PER], lu[SLOTS], held[SLOTS];
 #pragma unroll
         for (int k = 0; k < PER; k++) {
             const gpuio_u32 i = tid * PER + k;
             // The caller may write its selection again once the fetch is done.
-            pos[k] = i < count ? ((const gpuio_u32*)job.seen)[i] : GPUIO_SWAP_NONE;
+            pos[k] = i >= first && i < end ? ((const gpuio_u32*)job.seen)[i] : GPUIO_SWAP_NONE;
         }
 #pragma unroll
         for (int k = 0; k < SLOTS; k++) {
@@ -592,17 +625,17 @@ __device__ __forceinline__ void gpuio_swap_install_job(const gpuio_swap_job& job
 
 extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_THREADS)
     gpuio_swap_in_install(const gpuio_swap_job* jobs, gpuio_u64 rb, gpuio_u64 width,
-                          gpuio_u64* report) {
+                          gpuio_u64* report, gpuio_u64 phase) {
     __shared__ gpuio_swap_shared sh;
     const gpuio_swap_job& job = jobs[blockIdx.x];
     const gpuio_u32 per = (job.max_count + GPUIO_SWAP_THREADS - 1) / GPUIO_SWAP_THREADS;
     const gpuio_u32 slots = (job.slots + GPUIO_SWAP_THREADS - 1) / GPUIO_SWAP_THREADS;
     // The host bounds max_count by 4096 and slots by 8192: per <= 4, slots <= 8.
-#define GPUIO_SWAP_SLOTS_CASES(P)                                                       \
-    if (slots <= 1) return gpuio_swap_install_job<P, 1>(job, rb, width, report, sh);   \
-    if (slots <= 2) return gpuio_swap_install_job<P, 2>(job, rb, width, report, sh);   \
-    if (slots <= 4) return gpuio_swap_install_job<P, 4>(job, rb, width, report, sh);   \
-    return gpuio_swap_install_job<P, 8>(job, rb, width, report, sh);
+#define GPUIO_SWAP_SLOTS_CASES(P)                                                           \
+    if (slots <= 1) return gpuio_swap_install_job<P, 1>(job, rb, width, report, phase, sh); \
+    if (slots <= 2) return gpuio_swap_install_job<P, 2>(job, rb, width, report, phase, sh); \
+    if (slots <= 4) return gpuio_swap_install_job<P, 4>(job, rb, width, report, phase, sh); \
+    return gpuio_swap_install_job<P, 8>(job, rb, width, report, phase, sh);
     if (per <= 1) { GPUIO_SWAP_SLOTS_CASES(1) }
     if (per <= 2) { GPUIO_SWAP_SLOTS_CASES(2) }
     GPUIO_SWAP_SLOTS_CASES(4)

@@ -19,6 +19,6 @@ pub use gpuio_hal::gpu::tiered::{
 pub use quant::{QuantKind, QuantizedAt, ScoreRows, dequantize, dot_scores, quantize};
 pub use swap_in::{
     SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, SwapInCounts, SwapInDone,
-    SwapInFault, SwapInJob, SwapInLoad, SwapInRefused, SwapInTable, swap_in, swap_in_queued,
-    swap_in_reset, swap_in_state_len, swap_in_table,
+    SwapInFault, SwapInJob, SwapInLoad, SwapInOutcome, SwapInRefused, SwapInTable, swap_in,
+    swap_in_queued, swap_in_reset, swap_in_state_len, swap_in_table,
 };

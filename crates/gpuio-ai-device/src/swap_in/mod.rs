@@ -14,6 +14,13 @@
 //!   returns, overlapping whatever the caller does next; the table's next call, its drop
 //!   and [`SwapInTable::wait`] wait for it.
 //!
+//! A call may also prefetch ([`SwapInLoad::ahead`]): the entries after its count (the
+//! indexer's next candidates, which a model's next step is likely to select) are copied aside
+//! by the fetch and, after the install, brought into slots by the two kernels again — their
+//! hits marked used, their misses read into staging and installed, nothing delivered — off the
+//! critical path like the install. It is a step of its own: its hits and misses age the slots
+//! as a load's do.
+//!
 //! A call may also be queued in a caller's stream order ([`swap_in_queued`]): its fetch runs
 //! on the caller's stream, behind the work that wrote the selections and ahead of the work
 //! that reads the rows, and the call returns at once; the upload, the report's download and
@@ -40,7 +47,7 @@ mod table;
 #[cfg(test)]
 mod tests;
 
-pub use table::{SwapInTable, swap_in, swap_in_queued, swap_in_table};
+pub use table::{SwapInOutcome, SwapInTable, swap_in, swap_in_queued, swap_in_table};
 
 use gpuio_hal::error::{HalError, Result};
 use gpuio_hal::gpu::{DeviceBuffer, Stream};
@@ -109,6 +116,9 @@ pub struct SwapInLoad {
     pub len: u64,
     /// Positions in the selection this call.
     pub count: usize,
+    /// Entries after the count to prefetch (`count..count + ahead` of the selection; 0 for
+    /// none): brought into the hot buffer after the load, delivered nowhere.
+    pub ahead: usize,
 }
 
 /// What one job's load did.

@@ -1,8 +1,10 @@
 //! A device-planned load as an op run in three stages ([`Stage`]): on a GPU, the control words'
-//! upload, the fetch kernel, then the report's download and the install kernel, each queued
-//! (`kernels/ai.cu`), the table reading the report once the download's event has passed; on
-//! the host backend, the fetch stage plans each job (`plan.rs`) and copies its codes, done when
-//! it returns. Also the job table's layout, as both sides read it.
+//! upload, the fetch kernel, then the report's download and the install kernel (and, where the
+//! call prefetches, both kernels again over the entries ahead with that report's download),
+//! each queued (`kernels/ai.cu`), the table reading the report once the download's event has
+//! passed; on the host backend, the fetch stage plans each job (`plan.rs`) and copies its
+//! codes, then the same for the prefetch, done when it returns. Also the job table's layout,
+//! as both sides read it.
 
 use super::plan::{HostPlan, plan_on_host, state_words};
 use super::{JOB_BYTES, SwapInLoad, bad, swap_in_state_len};
@@ -32,8 +34,8 @@ const INSTALL_THREADS: u32 = 1024;
 pub(super) struct SwapJob {
     /// The selection: u32 positions.
     pub(super) selection: u64,
-    /// The job's control words in the table (the layer's length, the count), uploaded per
-    /// call.
+    /// The job's control words in the table (the layer's length; the count and the entries
+    /// ahead, a u32 each), uploaded per call.
     pub(super) control: u64,
     /// The state: step, bad flag, slot per position, position and last step per slot.
     pub(super) state: u64,
@@ -101,9 +103,13 @@ pub(super) struct Part<'a> {
     pub(super) selection: DevArg<'a>,
     /// The destination's `max_count` rows.
     pub(super) dst: DevArg<'a>,
+    /// The job's staging rows in the table (`max_count`): where the host backend's prefetch
+    /// puts its rows, which go nowhere else.
+    pub(super) staging: DevArg<'a>,
     /// Pinned host memory.
     pub(super) warm: HostArg<'a>,
-    /// This call's length and count (also in the control words the call uploads).
+    /// This call's length, count and entries ahead (also in the control words the call
+    /// uploads).
     pub(super) load: SwapInLoad,
     pub(super) positions: u64,
     pub(super) slots: usize,
@@ -111,7 +117,8 @@ pub(super) struct Part<'a> {
 }
 
 /// The part of a load one run of the op queues on a GPU: the control words' upload, the fetch,
-/// then the report's download and the install. A queued call runs the first and the last on
+/// then the report's download and the install (and the prefetch's fetch, download and
+/// install, where the call has entries ahead). A queued call runs the first and the last on
 /// the table's side stream, so that only the fetch lies on the caller's; a call that waits runs
 /// all three on its stream. On the host backend the fetch stage does the whole load and the
 /// others nothing.
@@ -124,10 +131,11 @@ pub(super) enum Stage {
 
 /// A stage as the op leaves it.
 pub(super) enum Ran {
-    /// The host backend's whole load: the report words (1 + 2 per job) and, when asked, the
-    /// time.
+    /// The host backend's whole load: the report words (1 + 2 per job), the prefetch's where
+    /// it ran, and, when asked, the time.
     Done {
         report: Vec<u64>,
+        prefetched: Option<Vec<u64>>,
         device_time: Option<Duration>,
     },
     /// Queued on a GPU: the stage's end (the upload's, the fetch's, the install's: timing
@@ -152,7 +160,7 @@ pub(super) struct Load<'a> {
     pub(super) table: DevArg<'a>,
     /// Pinned: each job's length and count, 16 bytes a job.
     pub(super) control: &'a HostBuffer,
-    /// Pinned: where the report words are downloaded (1 + 2 per job).
+    /// Pinned: where the report words are downloaded (1 + 2 per job), then the prefetch's.
     pub(super) report_host: RefCell<&'a mut [u8]>,
     pub(super) control_at: usize,
     pub(super) report_at: usize,
@@ -170,10 +178,13 @@ impl DeviceOp for Load<'_> {
             return Ok(Ran::Nothing);
         }
         let t = Instant::now();
-        let report = self.plan_on_host(host)?;
+        let report = self.plan_on_host(host, 0)?;
+        let device_time = self.timed.then(|| t.elapsed());
+        let prefetched = self.prefetches().then(|| self.plan_on_host(host, 1));
         Ok(Ran::Done {
             report,
-            device_time: self.timed.then(|| t.elapsed()),
+            prefetched: prefetched.transpose()?,
+            device_time,
         })
     }
 
@@ -188,11 +199,34 @@ impl DeviceOp for Load<'_> {
             .chain([staging]);
         let (_, width) = widest_piece(rb, starts);
         let report = self.table.part(self.report_at, 8 * (1 + 2 * jobs))?;
-        let args = KernelArgs::new()
-            .ptr(&self.table)
-            .u64(rb)
-            .u64(width)
-            .ptr(&report);
+        let args = |phase: u64| {
+            KernelArgs::new()
+                .ptr(&self.table)
+                .u64(rb)
+                .u64(width)
+                .ptr(&report)
+                .u64(phase)
+        };
+        // Phase 0's warps also copy the entries ahead aside, a warp each.
+        let fetch = |phase: u64| {
+            let warps = |p: &Part<'_>| match phase {
+                0 => p.load.count.max(p.load.ahead),
+                _ => p.load.ahead,
+            };
+            let most = self.parts.iter().map(warps).max().unwrap_or(0) as u64;
+            LaunchShape {
+                grid: most.div_ceil(FETCH_ENTRIES).max(1) as u32,
+                grid_y: jobs as u32,
+                block: FETCH_THREADS,
+                shared_bytes: 0,
+            }
+        };
+        let install = LaunchShape {
+            grid: jobs as u32,
+            grid_y: 1,
+            block: INSTALL_THREADS,
+            shared_bytes: 0,
+        };
         let running = WaitOnDrop::new(cuda);
         let ran = match self.stage {
             Stage::Control => {
@@ -214,26 +248,14 @@ impl DeviceOp for Load<'_> {
             }
             Stage::Fetch => {
                 let start = self.timed.then(|| cuda.record(true)).transpose()?;
-                let most = self
-                    .parts
-                    .iter()
-                    .map(|p| p.load.count as u64)
-                    .max()
-                    .unwrap_or(0);
-                let fetch = LaunchShape {
-                    grid: most.div_ceil(FETCH_ENTRIES).max(1) as u32,
-                    grid_y: jobs as u32,
-                    block: FETCH_THREADS,
-                    shared_bytes: 0,
-                };
-                // SAFETY: matches gpuio_swap_in_fetch(jobs, u64 rb, u64 width, u64* report).
-                // The jobs name only ranges the HAL checked and the table keeps alive, and a
-                // registered warm pool; the kernel reads selection entries below max_count,
-                // follows positions below the length and slots below the job's slots, and
-                // writes only the destination's rows, those slot words (their marks), the
-                // report words and the table's own words (the selection's copy, the staging
-                // rows). `width` divides every row and address.
-                unsafe { cuda.launch(AiKernel::SwapInFetch, fetch, &args)? };
+                // SAFETY: matches gpuio_swap_in_fetch(jobs, u64 rb, u64 width, u64* report,
+                // u64 phase). The jobs name only ranges the HAL checked and the table keeps
+                // alive, and a registered warm pool; the kernel reads selection entries below
+                // max_count, follows positions below the length and slots below the job's
+                // slots, and writes only the destination's rows (phase 0), those slot words
+                // (their marks), the report words and the table's own words (the selection's
+                // copy, the staging rows). `width` divides every row and address.
+                unsafe { cuda.launch(AiKernel::SwapInFetch, fetch(0), &args(0))? };
                 Ran::Queued {
                     end: cuda.record(self.timed)?,
                     fetched: None,
@@ -242,29 +264,37 @@ impl DeviceOp for Load<'_> {
             }
             Stage::Tail => {
                 let mut words_at = self.report_host.borrow_mut();
-                if words_at.len() < report.len() {
+                if words_at.len() < 2 * report.len() {
                     return Err(HalError::InvalidArgument(
                         "swap-in: a report buffer shorter than its words".into(),
                     ));
                 }
-                // SAFETY: `words_at` is the table's pinned report words, of at least the
-                // report's length, which the table reads only after `fetched` (below) and
-                // lends to its next call only after the install queued behind this copy.
+                // SAFETY: `words_at` is the table's pinned report words, twice the report's
+                // length (the load's, then the prefetch's), which the table reads only after
+                // `fetched` (below; the prefetch's after the install's end) and lends to its
+                // next call only after the install queued behind these copies.
                 unsafe { cuda.download(report, words_at.as_mut_ptr())? };
                 let fetched = cuda.record(false)?;
-                let install = LaunchShape {
-                    grid: jobs as u32,
-                    grid_y: 1,
-                    block: INSTALL_THREADS,
-                    shared_bytes: 0,
-                };
                 // SAFETY: matches gpuio_swap_in_install(const gpuio_swap_job*, u64 rb, u64
-                // width, u64* report). It reads the same jobs, control words and report words,
-                // follows only positions and slots inside the state's tables (a victim's
-                // position outside them flags the state instead), copies staging rows below
-                // max_count into slots below the job's slots, and resets the report words. The
-                // table waits for it before it lets the buffers go (the event returned).
-                unsafe { cuda.launch(AiKernel::SwapInInstall, install, &args)? };
+                // width, u64* report, u64 phase). It reads the same jobs, control words, report
+                // words and the fetch's copy of the selection, follows only positions and slots
+                // inside the state's tables (a victim's position outside them flags the state
+                // instead), copies staging rows below max_count into slots below the job's
+                // slots, and resets the report words. The table waits for it before it lets
+                // the buffers go (the event returned).
+                unsafe { cuda.launch(AiKernel::SwapInInstall, install, &args(0))? };
+                if self.prefetches() {
+                    // SAFETY: as the fetch above, phase 1: the entries ahead from the table's
+                    // copy, misses into staging rows only; queued behind the install, which
+                    // cleared the load's marks and reset the report words.
+                    unsafe { cuda.launch(AiKernel::SwapInFetch, fetch(1), &args(1))? };
+                    let (_, prefetched) = words_at.split_at_mut(report.len());
+                    // SAFETY: the second half of the pinned report words (checked above), read
+                    // by the table only after the install below has ended.
+                    unsafe { cuda.download(report, prefetched.as_mut_ptr())? };
+                    // SAFETY: as the install above, phase 1.
+                    unsafe { cuda.launch(AiKernel::SwapInInstall, install, &args(1))? };
+                }
                 Ran::Queued {
                     end: cuda.record(self.timed)?,
                     fetched: Some(fetched),
@@ -279,46 +309,73 @@ impl DeviceOp for Load<'_> {
     }
 }
 
+impl Part<'_> {
+    /// The entries a phase takes: the load (0) its count from the start, its prefetch (1) the
+    /// entries ahead, after the count.
+    pub(super) fn window(&self, phase: u64) -> (usize, usize) {
+        match phase {
+            0 => (0, self.load.count),
+            _ => (self.load.count, self.load.ahead),
+        }
+    }
+}
+
 impl Load<'_> {
-    /// Each job's fetch and install on the CPU (`plan_on_host`, what the kernels do), then the
-    /// tiered copy of its codes. Its report words: the call's first failure, each job's, each
-    /// job's counts.
-    fn plan_on_host(&self, host: &HostRun<'_>) -> Result<Vec<u64>> {
+    /// Whether any job has entries ahead to prefetch.
+    fn prefetches(&self) -> bool {
+        self.parts.iter().any(|p| p.load.ahead > 0)
+    }
+
+    /// Each job's fetch and install on the CPU (`plan_on_host`, what the kernels do) for
+    /// `phase`, then the tiered copy of its codes: into the destination for the load (0), into
+    /// the job's staging rows for its prefetch (1). Its report words: the call's first failure,
+    /// each job's, each job's counts.
+    fn plan_on_host(&self, host: &HostRun<'_>, phase: u64) -> Result<Vec<u64>> {
         let mut uses = Vec::new();
         for p in &self.parts {
             check_part(p, self.row_bytes)?;
+            let out = if phase == 0 { p.dst } else { p.staging };
             uses.extend([(p.hot, Access::Write), (p.state, Access::Write)]);
-            uses.extend([(p.selection, Access::Read), (p.dst, Access::Write)]);
+            uses.extend([(p.selection, Access::Read), (out, Access::Write)]);
         }
         let _locks = host.lock(&uses)?;
         let n = self.parts.len();
-        let total: usize = self.parts.iter().map(|p| p.load.count).sum();
+        let total: usize = self.parts.iter().map(|p| p.window(phase).1).sum();
         let mut codes = vec![u64::MAX; total];
         let (mut report, mut counts) = (vec![u64::MAX; 1 + n], Vec::with_capacity(n));
         let mut copies = Vec::with_capacity(n);
         let mut first = 0;
         for (j, p) in self.parts.iter().enumerate() {
             let words = state_words(p.positions, p.slots);
+            let (from, want) = p.window(phase);
+            if phase == 1 && want == 0 {
+                // Nothing ahead: no prefetch, not a step (as the kernels skip it).
+                counts.push(0);
+                continue;
+            }
             // SAFETY: the state range holds `words` u32s (check_part), 4-aligned (words_at),
-            // locked for writing above; the selection range holds `count` u32s (the table
-            // checked `max_count` of them and the call `count <= max_count`), locked for
-            // reading.
+            // locked for writing above; the selection range holds `count + ahead` u32s (the
+            // table checked `max_count` of them and the call `count + ahead <= max_count`),
+            // locked for reading.
             let (state, selection) = unsafe {
                 (
                     std::slice::from_raw_parts_mut(words_at(&p.state)?, words),
-                    std::slice::from_raw_parts(words_at(&p.selection)?, p.load.count),
+                    std::slice::from_raw_parts(words_at(&p.selection)?, from + want),
                 )
             };
-            let mine = &mut codes[first..first + p.load.count];
+            let mine = &mut codes[first..first + want];
             let shape = HostPlan {
                 positions: p.positions as usize,
                 slots: p.slots,
                 len: p.load.len,
                 warm_first: p.warm_first,
                 job: j,
+                first_entry: from as u64,
             };
-            let (count, stats) = match plan_on_host(state, selection, mine, &shape) {
-                Ok((hits, misses)) => (p.load.count, hits as u64 | (misses as u64) << 32),
+            let out = if phase == 0 { p.dst } else { p.staging };
+            let out = out.part(from * self.row_bytes, want * self.row_bytes)?;
+            let (count, stats) = match plan_on_host(state, &selection[from..], mine, &shape) {
+                Ok((hits, misses)) => (want, hits as u64 | (misses as u64) << 32),
                 Err(word) => {
                     report[0] = report[0].min(word);
                     report[1 + j] = word;
@@ -329,11 +386,11 @@ impl Load<'_> {
             copies.push(tiered::TieredPart {
                 hot: p.hot,
                 warm: p.warm,
-                dst: p.dst,
+                dst: out,
                 first,
                 count,
             });
-            first += p.load.count;
+            first += want;
         }
         // Refused jobs copy nothing (count 0); a code outside its tier cannot come from the
         // plan, which checks every index it follows.
@@ -351,12 +408,12 @@ impl Load<'_> {
 
 /// Checks a call's shape against the host's reading of the parts.
 fn check_part(p: &Part<'_>, row_bytes: usize) -> Result<()> {
-    check_range(
-        "swap-in destination",
-        0,
-        p.load.count * row_bytes,
-        p.dst.len(),
-    )?;
+    let rows = p.load.count + p.load.ahead;
+    check_range("swap-in destination", 0, rows * row_bytes, p.dst.len())?;
+    check_range("swap-in staging", 0, rows * row_bytes, p.staging.len())?;
+    if p.selection.len() < 4 * rows {
+        return bad("a selection shorter than its count and the entries ahead".into());
+    }
     if p.state.len() < swap_in_state_len(p.positions, p.slots).unwrap_or(usize::MAX) {
         return bad("a state shorter than its tables".into());
     }

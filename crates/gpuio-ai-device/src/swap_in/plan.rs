@@ -61,6 +61,9 @@ pub(super) struct HostPlan {
     pub(super) warm_first: u64,
     /// The job's place in the call (for its failure word).
     pub(super) job: usize,
+    /// The selection entry the plan's first is (the count, for a prefetch): failure words
+    /// name entries by their place in the whole selection.
+    pub(super) first_entry: u64,
 }
 
 /// One job's load on the host, step for step what the fetch and the install do on the
@@ -79,6 +82,7 @@ pub(super) fn plan_on_host(
         len,
         warm_first,
         job,
+        first_entry,
     } = *plan;
     let (head, tables) = state.split_at_mut(2);
     let (slot_of, rest) = tables.split_at_mut(positions);
@@ -96,7 +100,7 @@ pub(super) fn plan_on_host(
     let mut bad = |kind, value| worst = worst.min(failure(kind, job, value));
     for (i, &pos) in selection.iter().enumerate() {
         if u64::from(pos) >= len {
-            bad(PAST_LEN, i as u64);
+            bad(PAST_LEN, first_entry + i as u64);
             continue;
         }
         let old = slot_of[pos as usize];

@@ -6,7 +6,7 @@ use super::op::{Load, Part, Ran, Stage, SwapJob};
 use super::plan::plan_failure;
 use super::{
     JOB_BYTES, PENDING, SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS,
-    SwapInCounts, SwapInDone, SwapInJob, SwapInLoad, bad, swap_in_state_len,
+    SwapInCounts, SwapInDone, SwapInJob, SwapInLoad, SwapInRefused, bad, swap_in_state_len,
 };
 use gpuio_hal::error::Result;
 use gpuio_hal::gpu::check_disjoint;
@@ -44,7 +44,7 @@ pub struct SwapInTable {
     device: DeviceBuffer,
     /// Pinned: per job its length and count for the next call.
     control: HostBuffer,
-    /// Pinned: the report words of the last call, downloaded.
+    /// Pinned: the report words of the last call, downloaded, then its prefetch's.
     report_host: HostBuffer,
     jobs: Vec<Kept>,
     layout: TableLayout,
@@ -55,6 +55,9 @@ pub struct SwapInTable {
     installing: Option<Event>,
     /// A queued call whose report [`SwapInTable::finish`] has not read yet.
     pending: Option<Pending>,
+    /// The last call's prefetch, where it had one: its loads, and its report where the host
+    /// backend made it at once (on a GPU it is read after the install).
+    prefetch: Option<(Vec<SwapInLoad>, Option<Vec<u64>>)>,
     /// A call failed on the device: its fetch may have marked states that no install
     /// cleared, so the table refuses every later call.
     broken: bool,
@@ -128,6 +131,26 @@ impl SwapInTable {
         }
     }
 
+    /// Waits for the last call's install and returns what its prefetch found, per job: the
+    /// entries ahead that were in slots already (hits) and those brought in (misses), or why
+    /// the job's prefetch was refused; `None` where the last call had nothing ahead. Refused
+    /// while a queued call is to be finished.
+    pub fn prefetched(&mut self) -> Result<Option<Vec<SwapInOutcome>>> {
+        if self.pending.is_some() {
+            return bad("prefetched: a queued call is still to be finished".into());
+        }
+        self.wait()?;
+        let n = self.jobs.len();
+        let Some((loads, words)) = &self.prefetch else {
+            return Ok(None);
+        };
+        let words = match words {
+            Some(w) => w.clone(),
+            None => report_words(&self.report_host[8 * (1 + 2 * n)..], n),
+        };
+        decode(&words, loads, n).map(Some)
+    }
+
     /// Waits for the queued call's fetch and returns what it found, as [`swap_in`] does: each
     /// job's counts or why it was refused, and the device's times where it was timed (then
     /// it waits for the install too). Refused where no call is queued.
@@ -144,12 +167,7 @@ impl SwapInTable {
                     self.broken = true;
                     return Err(e);
                 }
-                let report = self
-                    .report_host
-                    .chunks_exact(8)
-                    .take(1 + 2 * n)
-                    .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
-                    .collect();
+                let report = report_words(&self.report_host, n);
                 let (mut fetch, mut install) = (None, None);
                 if let (Some(start), Some(installed)) = (&start, &self.installing) {
                     installed.synchronize()?;
@@ -161,27 +179,45 @@ impl SwapInTable {
             }
             (None, None) => return bad("finish: a call that left no report".into()),
         };
-        let (failures, counts) = report.split_at(report.len().min(1 + n));
-        if failures.len() != 1 + n || counts.len() != n {
-            return bad(format!("{} report words for {n} jobs", report.len()));
-        }
-        let jobs = failures[1..]
-            .iter()
-            .zip(counts)
-            .map(|(&failed, &c)| match failed {
-                u64::MAX => Ok(SwapInCounts {
-                    hits: (c & 0xffff_ffff) as usize,
-                    misses: (c >> 32) as usize,
-                }),
-                w => Err(plan_failure(w, &pending.loads)),
-            })
-            .collect();
         Ok(SwapInDone {
-            jobs,
+            jobs: decode(&report, &pending.loads, n)?,
             device_time,
             install_time,
         })
     }
+}
+
+/// One job's outcome in a call (or its prefetch).
+pub type SwapInOutcome = std::result::Result<SwapInCounts, SwapInRefused>;
+
+/// The first `1 + 2 * n` report words of `bytes`.
+fn report_words(bytes: &[u8], n: usize) -> Vec<u64> {
+    bytes
+        .chunks_exact(8)
+        .take(1 + 2 * n)
+        .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
+        .collect()
+}
+
+/// Each job's outcome from a call's report words: its counts, or the refusal its failure word
+/// names.
+fn decode(report: &[u64], loads: &[SwapInLoad], n: usize) -> Result<Vec<SwapInOutcome>> {
+    let (failures, counts) = report.split_at(report.len().min(1 + n));
+    if failures.len() != 1 + n || counts.len() != n {
+        return bad(format!("{} report words for {n} jobs", report.len()));
+    }
+    let jobs = failures[1..]
+        .iter()
+        .zip(counts)
+        .map(|(&failed, &c)| match failed {
+            u64::MAX => Ok(SwapInCounts {
+                hits: (c & 0xffff_ffff) as usize,
+                misses: (c >> 32) as usize,
+            }),
+            w => Err(plan_failure(w, loads)),
+        })
+        .collect();
+    Ok(jobs)
 }
 
 impl Drop for SwapInTable {
@@ -299,7 +335,7 @@ pub fn swap_in_table(
     let gpu = stream.gpu();
     let device = gpu.alloc(layout.len)?;
     let pinned = |len| HostBuffer::alloc_pinned(len, &HostAllocOptions::default(), gpu);
-    let (control, report_host) = (pinned(16 * n)?, pinned(8 * (1 + 2 * n))?);
+    let (control, report_host) = (pinned(16 * n)?, pinned(16 * (1 + 2 * n))?);
     let table_addr = device.device_addr();
     let mut head = Vec::with_capacity(layout.report_at);
     for (i, k) in kept.iter().enumerate() {
@@ -333,6 +369,7 @@ pub fn swap_in_table(
         side: gpu.stream()?,
         installing: None,
         pending: None,
+        prefetch: None,
         broken: false,
     };
     // The report words as they start: no failure, no counts.
@@ -435,15 +472,18 @@ fn queue(
                 "job {i}: not the warm pool the table was made with"
             ));
         }
-        if l.len > k.positions || l.count > k.max_count {
+        if l.len > k.positions || l.count.saturating_add(l.ahead) > k.max_count {
             return bad(format!(
-                "job {i}: a length of {} (at most {}) and {} selected (at most {})",
-                l.len, k.positions, l.count, k.max_count
+                "job {i}: a length of {} (at most {}) and {} selected with {} ahead (at most {} \
+                 in all)",
+                l.len, k.positions, l.count, l.ahead, k.max_count
             ));
         }
         let control = &mut table.control[16 * i..16 * i + 16];
         control[..8].copy_from_slice(&l.len.to_le_bytes());
-        control[8..].copy_from_slice(&(l.count as u64).to_le_bytes());
+        // Both below max_count (checked above), itself at most SWAP_IN_MAX_SELECTION.
+        control[8..12].copy_from_slice(&(l.count as u32).to_le_bytes());
+        control[12..].copy_from_slice(&(l.ahead as u32).to_le_bytes());
         let state_len = swap_in_state_len(k.positions, k.slots).unwrap_or(usize::MAX);
         parts.push(Part {
             hot: stream.arg("swap-in hot buffer", &k.hot, 0, k.slots * rb)?,
@@ -455,6 +495,9 @@ fn queue(
                 k.dst_offset,
                 k.max_count * rb,
             )?,
+            staging: stream
+                .arg("swap-in table", &table.device, 0, table.device.len())?
+                .part(table.layout.staging_at + k.first * rb, k.max_count * rb)?,
             warm: pool,
             load: *l,
             positions: k.positions,
@@ -484,11 +527,16 @@ fn queue(
         stream.wait_for(&end)?;
     }
     load.stage = Stage::Fetch;
+    let mut host_prefetch = None;
     let (report, fetch, installing) = match stream.run(&load)? {
         Ran::Done {
             report,
+            prefetched,
             device_time,
-        } => (Some((report, device_time)), None, None),
+        } => {
+            host_prefetch = prefetched;
+            (Some((report, device_time)), None, None)
+        }
         Ran::Queued { end, start, .. } => {
             // The report and the install follow the fetch.
             let mut tail = || {
@@ -518,6 +566,8 @@ fn queue(
         Ran::Nothing => return bad("the fetch ran nowhere".into()),
     };
     drop(load);
+    let ahead = loads.iter().any(|l| l.ahead > 0);
+    table.prefetch = ahead.then(|| (loads.to_vec(), host_prefetch));
     table.pending = Some(Pending {
         report,
         fetch,

@@ -20,6 +20,7 @@ fn shape(positions: usize, slots: usize, len: u64, job: usize) -> HostPlan {
         len,
         warm_first: 100,
         job,
+        first_entry: 0,
     }
 }
 
@@ -116,6 +117,22 @@ fn a_state_naming_slots_past_its_tables_is_refused_not_followed() {
     let r = plan_failure(e, &[]);
     assert!(r.to_string().contains("an earlier load"), "{r}");
     assert_eq!(r.fault, SwapInFault::State);
+}
+
+#[test]
+fn a_prefetch_names_its_failures_by_their_entry_in_the_whole_selection() {
+    let (p, s) = (16, 8);
+    let mut st = fresh(p, s);
+    let mut codes = vec![0; 2];
+    let mut ahead = shape(p, s, 12, 1);
+    ahead.first_entry = 5;
+    let e = plan_on_host(&mut st, &[3, 13], &mut codes, &ahead).unwrap_err();
+    assert_eq!(e, failure(PAST_LEN, 1, 6));
+    assert!(
+        plan_failure(e, &[])
+            .to_string()
+            .contains("selection entry 6")
+    );
 }
 
 #[test]

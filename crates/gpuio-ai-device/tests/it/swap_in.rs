@@ -83,6 +83,7 @@ impl Rig {
         let load = SwapInLoad {
             len: POSITIONS,
             count: sel.len(),
+            ahead: 0,
         };
         let done = swap_in(&self.stream, &mut self.table, &[&self.warm], &[load], false).unwrap();
         let outcome = done.jobs[0].clone();

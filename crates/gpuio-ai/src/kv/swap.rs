@@ -7,6 +7,11 @@
 //! waits for, then an install kernel that gives the misses their slots while the caller
 //! goes on (the batch's next load, and its drop, wait for it).
 //!
+//! A batch may also prefetch ([`SwapInBatch::set_prefetch`]): a model's indexer that writes
+//! its next candidates after the top-k (the positions ranked just below it, which the next
+//! step's selection is likely to take in) has each load bring them into the hot buffer after
+//! its install, off the critical path, so that the next step finds them there.
+//!
 //! [`KvPool`](super::KvPool) is the other way to serve the same selections: planned on the
 //! host, over three tiers (a cold one, importance eviction, entries rewritten in place). A
 //! [`SwapInKv`] keeps every entry in host memory and only appends, which is what lets the
@@ -17,8 +22,8 @@ use crate::AiWork;
 use crate::{AiError, Result};
 use gpuio_ai_device::{
     SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS, SwapInDone, SwapInFault,
-    SwapInJob, SwapInLoad, SwapInTable, swap_in, swap_in_queued, swap_in_reset, swap_in_state_len,
-    swap_in_table,
+    SwapInJob, SwapInLoad, SwapInOutcome, SwapInTable, swap_in, swap_in_queued, swap_in_reset,
+    swap_in_state_len, swap_in_table,
 };
 use gpuio_api::{DeviceBuffer, HostMemory, HostPlacement, Lease, Lessor, Session};
 use gpuio_hal::{HostBuffer, HostRead, Stream};
@@ -269,6 +274,8 @@ pub struct SwapInBatch {
     /// Takes the scheduler lease each load runs under, in `work`'s class.
     lessor: Lessor,
     work: AiWork,
+    /// Per sequence, the entries after its count each load prefetches.
+    ahead: Vec<usize>,
 }
 
 /// The device's time for one [`SwapInBatch::load_timed`].
@@ -358,10 +365,55 @@ impl SwapInBatch {
         Ok(Self {
             table,
             stream,
+            ahead: vec![0; claims.kvs.len()],
             claims,
             lessor: session.lessor(),
             work: AiWork::Decode,
         })
+    }
+
+    /// Has each later load prefetch: after sequence `i`'s first `counts[i]` entries are
+    /// loaded and installed, the next `ahead[i]` of its selection (the indexer's next
+    /// candidates, written after the top-k) are brought into its hot buffer on the batch's
+    /// own stream, off the critical path and delivered nowhere; 0 for none. A prefetch is a
+    /// step of its own for the hot buffer's ages, its misses take the slots selected longest
+    /// ago (never the load's), and the batch's next load waits for it. A load whose count and
+    /// entries ahead pass the sequence's `max_selection` is refused.
+    pub fn set_prefetch(&mut self, ahead: &[usize]) -> Result<()> {
+        if ahead.len() != self.claims.kvs.len() {
+            return Err(AiError::InvalidArgument(format!(
+                "{} prefetch depths for {} sequences",
+                ahead.len(),
+                self.claims.kvs.len()
+            )));
+        }
+        if let Some((a, kv)) = ahead
+            .iter()
+            .zip(&self.claims.kvs)
+            .find(|(a, kv)| **a > kv.inner.cfg.max_selection)
+        {
+            return Err(AiError::InvalidArgument(format!(
+                "a prefetch of {a} entries past a selection of at most {}",
+                kv.inner.cfg.max_selection
+            )));
+        }
+        self.ahead = ahead.to_vec();
+        Ok(())
+    }
+
+    /// Waits for the last load's prefetch and returns each sequence's report of it: of its
+    /// entries ahead, those already in slots (hits) and those brought in from host memory
+    /// (misses), or why it was refused (it installed nothing). `None` where the last load
+    /// prefetched nothing.
+    pub fn prefetched(&mut self) -> Result<Option<Vec<Result<LoadReport>>>> {
+        let entry = self.claims.kvs[0].inner.cfg.entry_bytes;
+        let Some(jobs) = self.table.prefetched()? else {
+            return Ok(None);
+        };
+        let reports = jobs.into_iter().zip(&self.ahead);
+        Ok(Some(
+            reports.map(|(j, &a)| report_of(j, a, entry)).collect(),
+        ))
     }
 
     /// The work the batch's loads are for (a decode step's, [`AiWork::Decode`], unless set):
@@ -487,9 +539,11 @@ impl SwapInBatch {
             .kvs
             .iter()
             .zip(counts)
-            .map(|(kv, &count)| SwapInLoad {
+            .zip(&self.ahead)
+            .map(|((kv, &count), &ahead)| SwapInLoad {
                 len: kv.len(self.claims.layer),
                 count,
+                ahead,
             })
             .collect();
         // The warm pools are read under their locks only while the call is checked and
@@ -523,33 +577,32 @@ impl SwapInBatch {
             Some(done) => done,
             None => self.table.finish()?,
         };
-        let entry = self.claims.kvs[0].inner.cfg.entry_bytes as u64;
-        let reports = done
-            .jobs
-            .into_iter()
-            .zip(counts)
-            .map(|(job, &selected)| {
-                let c = job.map_err(|r| match r.fault {
-                    SwapInFault::Selection => AiError::InvalidArgument(r.to_string()),
-                    // Not the caller's selection: the state in device memory cannot be
-                    // trusted; `SwapInKv::reset` empties the layer's hot buffer.
-                    SwapInFault::State => AiError::Corrupt(format!("{r}; reset the layer")),
-                })?;
-                Ok(LoadReport {
-                    selected,
-                    hits: c.hits,
-                    misses: c.misses,
-                    from_cold: 0,
-                    bytes_from_host: c.misses as u64 * entry,
-                })
-            })
-            .collect();
+        let entry = self.claims.kvs[0].inner.cfg.entry_bytes;
+        let reports = done.jobs.into_iter().zip(counts);
+        let reports = reports.map(|(j, &n)| report_of(j, n, entry)).collect();
         let times = done.device_time.map(|exposed| LoadTimes {
             exposed,
             install: done.install_time.unwrap_or_default(),
         });
         Ok((reports, times))
     }
+}
+
+/// One sequence's report of a load (or a prefetch) of `selected` entries.
+fn report_of(job: SwapInOutcome, selected: usize, entry: usize) -> Result<LoadReport> {
+    let c = job.map_err(|r| match r.fault {
+        SwapInFault::Selection => AiError::InvalidArgument(r.to_string()),
+        // Not the caller's selection: the state in device memory cannot be trusted;
+        // `SwapInKv::reset` empties the layer's hot buffer.
+        SwapInFault::State => AiError::Corrupt(format!("{r}; reset the layer")),
+    })?;
+    Ok(LoadReport {
+        selected,
+        hits: c.hits,
+        misses: c.misses,
+        from_cold: 0,
+        bytes_from_host: (c.misses * entry) as u64,
+    })
 }
 
 /// A load queued on a caller's stream ([`SwapInBatch::load_on`]). Dropped unfinished, it

@@ -519,3 +519,115 @@ fn loads_queued_on_a_callers_stream_follow_its_work_and_lead_its_next() {
     assert!(batch.load_on(&caller, &[16]).is_err());
     assert_eq!(loaded(batch.load(&[16, 16])).len(), 2);
 }
+
+#[test]
+fn loads_that_prefetch_the_next_candidates_install_them_for_the_next_step() {
+    // Both sequences see the same selections: 12 positions, then 6 candidates written after
+    // them, from which the next step takes its new positions. Only the first prefetches: its
+    // candidates must become its hits (fewer misses than the second's), every count must be
+    // the model's (a prefetch is a step of its own), and nothing ahead may reach a
+    // destination.
+    let (k, ahead) = (12, 6);
+    let cfg = config(300, 32, 20);
+    let rig = rig(2, cfg);
+    for i in 0..2 {
+        append(&rig.kvs[i], i, 0, 300);
+    }
+    let caller = rig.session.gpu(0).unwrap().stream().unwrap();
+    let mut batch = rig.batch(0).unwrap();
+    assert!(
+        batch.set_prefetch(&[ahead]).is_err(),
+        "a depth per sequence"
+    );
+    assert!(batch.set_prefetch(&[21, 0]).is_err(), "past max_selection");
+    batch.set_prefetch(&[ahead, 0]).unwrap();
+    let mut models: Vec<Model> = (0..2).map(|_| Model::new(cfg.hot_slots)).collect();
+    let untouched = vec![0xa5u8; E * cfg.max_selection];
+    let mut rng = 23u64;
+    let mut draw = |taken: &[u32]| loop {
+        rng = pattern::mix64(rng);
+        let p = (rng % 300) as u32;
+        if !taken.contains(&p) {
+            return p;
+        }
+    };
+    let mut sel: Vec<u32> = Vec::new();
+    while sel.len() < k + ahead {
+        let p = draw(&sel);
+        sel.push(p);
+    }
+    let mut misses = [0usize; 2];
+    for step in 0..40 {
+        for i in 0..2 {
+            upload(&rig.stream, &rig.sels[i], &sel);
+            rig.stream.upload(&untouched, &rig.dsts[i], 0).unwrap();
+        }
+        // Odd steps queue the load on a caller's stream: its prefetch follows on the batch's.
+        let reports = if step % 2 == 1 {
+            loaded(batch.load_on(&caller, &[k, k]).unwrap().finish())
+        } else {
+            loaded(batch.load(&[k, k]))
+        };
+        let prefetched = batch.prefetched().unwrap().expect("the load prefetched");
+        for (i, r) in reports.iter().enumerate() {
+            assert_eq!((r.hits, r.misses), models[i].load(&sel[..k]), "step {step}");
+            misses[i] += r.misses;
+            let got = download(&rig.stream, &rig.dsts[i], cfg.max_selection * E);
+            for (j, &p) in sel[..k].iter().enumerate() {
+                assert_eq!(got[j * E..(j + 1) * E], entry(i, 0, u64::from(p))[..]);
+            }
+            assert!(
+                got[k * E..] == untouched[k * E..],
+                "step {step}: rows ahead delivered"
+            );
+        }
+        let first = prefetched[0].as_ref().unwrap();
+        let want = models[0].load(&sel[k..]);
+        assert_eq!(
+            (first.selected, first.hits, first.misses),
+            (ahead, want.0, want.1)
+        );
+        let second = prefetched[1].as_ref().unwrap();
+        assert_eq!((second.selected, second.hits, second.misses), (0, 0, 0));
+        // The next step: 8 of the top kept, 3 candidates taken in, 1 position from nowhere;
+        // then 6 fresh candidates.
+        let mut next: Vec<u32> = sel[..8].to_vec();
+        next.extend_from_slice(&sel[k..k + 3]);
+        let p = draw(&sel);
+        next.push(p);
+        while next.len() < k + ahead {
+            let p = draw(&next);
+            next.push(p);
+        }
+        sel = next;
+    }
+    assert!(
+        misses[0] < misses[1],
+        "the prefetched candidates became hits: misses {misses:?}"
+    );
+    // A candidate written twice refuses the prefetch alone: the load is whole, nothing ahead
+    // is installed, and the next load finds the model's hot buffer.
+    sel[k + 1] = sel[k];
+    for i in 0..2 {
+        upload(&rig.stream, &rig.sels[i], &sel);
+    }
+    let reports = loaded(batch.load(&[k, k]));
+    let refused = batch.prefetched().unwrap().unwrap().remove(0).unwrap_err();
+    assert!(refused.to_string().contains("selected twice"), "{refused}");
+    for (i, r) in reports.iter().enumerate() {
+        assert_eq!((r.hits, r.misses), models[i].load(&sel[..k]));
+    }
+    models[0].refused(&sel[k..], 300);
+    for (i, r) in loaded(batch.load(&[k, k])).iter().enumerate() {
+        assert_eq!(
+            (r.hits, r.misses),
+            models[i].load(&sel[..k]),
+            "sequence {i}"
+        );
+    }
+    // Entries ahead past max_selection refuse the load.
+    assert!(batch.load(&[cfg.max_selection - 2, k]).is_err());
+    batch.set_prefetch(&[0, 0]).unwrap();
+    assert_eq!(loaded(batch.load(&[k, k])).len(), 2);
+    assert!(batch.prefetched().unwrap().is_none());
+}
