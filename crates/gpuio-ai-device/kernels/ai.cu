@@ -320,51 +320,59 @@ __device__ __forceinline__ int gpuio_swap_verdict(const gpuio_swap_job& job, gpu
     return 0;
 }
 
-// A warp's entry at `i` (position `p`, slot word `old`): its row's first pieces are loaded
-// from where `old` says (its slot, or pinned host memory) while lane 0 checks the hit or claims
-// the miss, and stored only once that holds: to the destination (where `deliver`: not in a
-// prefetch), and a miss's also to staging.
+// Row pieces a warp copies: one round of 4 a lane. A longer row is split in chunks of as many,
+// a warp each, so that its copy is as deep as one round however long the row is.
+#define GPUIO_SWAP_CHUNK_PIECES (4 * 32)
+
+// A warp's chunk `chunk` of the entry at `i` (position `p`, slot word `old`): its pieces are
+// loaded from where `old` says (its slot, or pinned host memory) while lane 0 decides, and
+// stored only once that holds: to the destination (where `deliver`: not in a prefetch), and a
+// miss's also to staging. Chunk 0's warp marked the slot word (`old` is what it held before)
+// and gives the verdict, counted and reported; another chunk's warp read the word as it was
+// and only copies: from the slot where it holds `p`, else (NONE or PENDING) from host memory,
+// as chunk 0's does unless the job fails, which refuses it.
 template <typename W>
 __device__ __forceinline__ void gpuio_swap_fetch_entry(const gpuio_swap_job& job, gpuio_u64 rb,
                                                        gpuio_u32 i, gpuio_u32 p, gpuio_u32 old,
-                                                       bool deliver, gpuio_u64* report,
-                                                       gpuio_u32 j, gpuio_u64* counted) {
+                                                       gpuio_u32 chunk, bool deliver,
+                                                       gpuio_u64* report, gpuio_u32 j,
+                                                       gpuio_u64* counted) {
     const gpuio_u32 lane = threadIdx.x & 31, per_row = (gpuio_u32)(rb / sizeof(W));
+    const gpuio_u32 slot = old & ~GPUIO_SWAP_SEL;
+    const bool miss = old == GPUIO_SWAP_NONE || (chunk > 0 && old == GPUIO_SWAP_PENDING);
     const W* from = 0;
-    if (old == GPUIO_SWAP_NONE) from = (const W*)(job.warm + (job.warm_first + p) * rb);
-    else if (deliver && !(old & GPUIO_SWAP_SEL)) from = (const W*)(job.hot + (gpuio_u64)old * rb);
+    if (miss) from = (const W*)(job.warm + (job.warm_first + p) * rb);
+    else if (deliver && (chunk > 0 || !(old & GPUIO_SWAP_SEL))) from = (const W*)(job.hot + (gpuio_u64)slot * rb);
+    const gpuio_u32 base = chunk * GPUIO_SWAP_CHUNK_PIECES;
+    W v[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const gpuio_u32 c = base + lane + 32 * k;
+        if (from && c < per_row) v[k] = from[c];
+    }
+    int mine = 0;
+    if (lane == 0 && chunk == 0) mine = gpuio_swap_verdict(job, p, old, report, j);
+    else if (lane == 0) mine = miss ? 2 : (((gpuio_u32*)job.state)[2 + job.positions + slot] == p);
+    const int verdict = __shfl_sync(0xffffffffu, mine, 0);
+    if (lane == 0 && chunk == 0 && verdict) atomicAdd(counted, verdict == 1 ? 1ull : 1ull << 32);
+    if (!verdict || (!deliver && verdict == 1)) return;
     W* to = (W*)(job.dst + (gpuio_u64)i * rb);
     W* also = (W*)(job.staging + (gpuio_u64)i * rb);
-    int verdict = 0;
-    // rb >= width (the host checks), so the first round always runs and gives the verdict.
-    for (gpuio_u32 base = 0; base < per_row; base += 4 * 32) {
-        W v[4];
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const gpuio_u32 c = base + lane + 32 * k;
-            if (from && c < per_row) v[k] = from[c];
-        }
-        if (base == 0) {
-            const int mine = lane == 0 ? gpuio_swap_verdict(job, p, old, report, j) : 0;
-            verdict = __shfl_sync(0xffffffffu, mine, 0);
-            if (lane == 0 && verdict) atomicAdd(counted, verdict == 1 ? 1ull : 1ull << 32);
-        }
-        if (!verdict || (!deliver && verdict == 1)) return;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const gpuio_u32 c = base + lane + 32 * k;
-            if (c < per_row) {
-                if (deliver) to[c] = v[k];
-                if (verdict == 2) also[c] = v[k];
-            }
+    for (int k = 0; k < 4; k++) {
+        const gpuio_u32 c = base + lane + 32 * k;
+        if (c < per_row) {
+            if (deliver) to[c] = v[k];
+            if (verdict == 2) also[c] = v[k];
         }
     }
 }
 
-// The fetch: grid (the largest phase's entries / 8, jobs), GPUIO_SWAP_FETCH_THREADS threads, a
-// warp per entry. Phase 0 (the load) reads the caller's selection and copies the entries ahead
-// of its count into the table's copy (lane 1, beside lane 0's work); phase 1 (the prefetch)
-// reads them there.
+// The fetch: grid (the largest phase's entries times a row's chunks / 8, jobs),
+// GPUIO_SWAP_FETCH_THREADS threads, a warp per chunk of an entry's row (one chunk for rows of
+// up to 128 pieces). Phase 0 (the load) reads the caller's selection and copies the entries
+// ahead of its count into the table's copy (lane 1 of chunk 0's warp, beside lane 0's work);
+// phase 1 (the prefetch) reads them there.
 // Each step issues every load it needs before its first branch, so an entry waits on five
 // trips to memory: the job; its control words, state words and position; its slot word; the
 // slot word's atomic; its row (beside the hit's check or the miss's claim). `width` divides
@@ -374,7 +382,9 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_FETCH_THREADS)
                         gpuio_u64* report, gpuio_u64 phase) {
     __shared__ gpuio_u64 counted;  // this block's hits | misses << 32
     const gpuio_u32 j = blockIdx.y, n = gridDim.y, lane = threadIdx.x & 31;
-    const gpuio_u32 w = blockIdx.x * GPUIO_SWAP_FETCH_ENTRIES + threadIdx.x / 32;
+    const gpuio_u32 chunks = (gpuio_u32)((rb / width + GPUIO_SWAP_CHUNK_PIECES - 1) / GPUIO_SWAP_CHUNK_PIECES);
+    const gpuio_u32 g = blockIdx.x * GPUIO_SWAP_FETCH_ENTRIES + threadIdx.x / 32;
+    const gpuio_u32 w = g / chunks, chunk = g % chunks;
     const gpuio_swap_job& job = jobs[j];
     gpuio_u32* st = (gpuio_u32*)job.state;
     gpuio_u32* slot_of = st + 2;
@@ -391,33 +401,37 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_FETCH_THREADS)
     if (refused >= 0 && blockIdx.x == 0 && threadIdx.x == 0)
         gpuio_swap_bad(report, refused, j, refused == (int)GPUIO_SWAP_CORRUPT ? GPUIO_SWAP_NONE : win.want);
     __syncthreads();  // `counted` is zeroed
-    if (refused < 0 && !phase && lane == 1 && w < win.ahead)
+    if (refused < 0 && !phase && chunk == 0 && lane == 1 && w < win.ahead)
         seen[win.count + w] = ((const gpuio_u32*)job.selection)[win.count + w];
     if (refused < 0 && w < win.count) {
         gpuio_u32 old = GPUIO_SWAP_PENDING;
         int go = 0;
         if (lane == 0) {
-            if (!phase) seen[i] = p;
+            if (!phase && chunk == 0) seen[i] = p;
+            const gpuio_u32 word = p < win.len ? slot_of[p] : GPUIO_SWAP_NONE;
             if (p >= win.len) {
-                gpuio_swap_bad(report, GPUIO_SWAP_PAST_LEN, j, i);
-            } else if (gpuio_swap_corrupt(slot_of[p], job.slots)) {
+                if (chunk == 0) gpuio_swap_bad(report, GPUIO_SWAP_PAST_LEN, j, i);
+            } else if (gpuio_swap_corrupt(word, job.slots)) {
                 // Not followed, and left as it is (no load of this call changes such a word:
                 // marked, some would read as NONE or PENDING to a second entry of `p`).
-                gpuio_swap_bad(report, GPUIO_SWAP_CORRUPT, j, p);
-            } else {
+                if (chunk == 0) gpuio_swap_bad(report, GPUIO_SWAP_CORRUPT, j, p);
+            } else if (chunk == 0) {
                 // One atomic marks a hit (NONE and PENDING already carry the mark); a miss is
                 // claimed by a second, in gpuio_swap_verdict.
                 old = atomicOr(&slot_of[p], GPUIO_SWAP_SEL);
+                go = 1;
+            } else {
+                old = word;
                 go = 1;
             }
         }
         old = __shfl_sync(0xffffffffu, old, 0);
         if (__shfl_sync(0xffffffffu, go, 0)) {
             const bool d = !phase;
-            if (width == 16) gpuio_swap_fetch_entry<uint4>(job, rb, i, p, old, d, report, j, &counted);
-            else if (width == 8) gpuio_swap_fetch_entry<gpuio_u64>(job, rb, i, p, old, d, report, j, &counted);
-            else if (width == 4) gpuio_swap_fetch_entry<gpuio_u32>(job, rb, i, p, old, d, report, j, &counted);
-            else gpuio_swap_fetch_entry<unsigned char>(job, rb, i, p, old, d, report, j, &counted);
+            if (width == 16) gpuio_swap_fetch_entry<uint4>(job, rb, i, p, old, chunk, d, report, j, &counted);
+            else if (width == 8) gpuio_swap_fetch_entry<gpuio_u64>(job, rb, i, p, old, chunk, d, report, j, &counted);
+            else if (width == 4) gpuio_swap_fetch_entry<gpuio_u32>(job, rb, i, p, old, chunk, d, report, j, &counted);
+            else gpuio_swap_fetch_entry<unsigned char>(job, rb, i, p, old, chunk, d, report, j, &counted);
         }
     }
     __syncthreads();

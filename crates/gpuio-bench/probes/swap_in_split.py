@@ -72,8 +72,8 @@ for J in [1, 64]:
     jobs = cp.asarray(job)
     E = 8  # selection entries per block, a warp each (GPUIO_SWAP_FETCH_ENTRIES)
     grid = (K // E, J)
-    go_fetch = lambda: fetch(grid, (256,), (jobs, np.uint64(RB), np.uint64(16), report))
-    go_install = lambda: install((J,), (1024,), (jobs, np.uint64(RB), np.uint64(16), report))
+    go_fetch = lambda: fetch(grid, (256,), (jobs, np.uint64(RB), np.uint64(16), report, np.uint64(0)))
+    go_install = lambda: install((J,), (1024,), (jobs, np.uint64(RB), np.uint64(16), report, np.uint64(0)))
     cur = [rng.choice(P, K, replace=False).astype(np.uint32) for _ in range(J)]
     for _ in range(40):
         cur = [nxt(c) for c in cur]; sel.set(np.stack(cur)); go_fetch(); go_install()

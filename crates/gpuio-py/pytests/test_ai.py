@@ -202,6 +202,22 @@ def test_swap_in_batch_loads_device_selections(s):
             got = host(s, out)[: len(sel) * ENTRY].reshape(-1, ENTRY)
             assert np.array_equal(got, d[sel.astype(np.int64)])
     assert reports[0]["hits"] == 4  # the second step found them in the hot buffer
+    # A prefetch of the 2 positions after the count: installed, never delivered.
+    assert batch.prefetched() is None
+    nxt = np.array([3, 90, 7, 127, 55, 66], dtype=np.uint32)
+    s.copy(np.resize(nxt, 16), sel_dev[0])
+    s.copy(bytes(16 * ENTRY), outs[0])
+    batch.set_prefetch([2, 0])
+    reports = batch.load([4, 3])
+    got = host(s, outs[0]).reshape(-1, ENTRY)
+    assert np.array_equal(got[:4], data[0][[3, 90, 7, 127]]) and not got[4:6].any()
+    pre = batch.prefetched()
+    assert (pre[0]["selected"], pre[0]["misses"], pre[1]["selected"]) == (2, 2, 0)
+    s.copy(np.resize(np.array([55, 66, 3], dtype=np.uint32), 16), sel_dev[0])
+    batch.set_prefetch([0, 0])
+    assert batch.load([3, 3])[0]["hits"] == 3  # the prefetched positions were in slots
+    with pytest.raises(gpuio.Error):
+        batch.set_prefetch([17, 0])  # past max_selection
     # A sequence is in one batch per layer at a time.
     with pytest.raises(gpuio.Error):
         ai.SwapInBatch(s, 0, [(kvs[0], sel_dev[0], outs[0])])

@@ -20,10 +20,12 @@ use std::cell::RefCell;
 use std::mem::offset_of;
 use std::time::{Duration, Instant};
 
-/// The fetch's block and the selection entries each block takes, a warp each (ai.cu's
-/// `GPUIO_SWAP_FETCH_THREADS`, `GPUIO_SWAP_FETCH_ENTRIES`).
+/// The fetch's block, its warps (ai.cu's `GPUIO_SWAP_FETCH_THREADS`,
+/// `GPUIO_SWAP_FETCH_ENTRIES`) and the row pieces a warp copies (`GPUIO_SWAP_CHUNK_PIECES`):
+/// a warp per chunk of a row.
 const FETCH_THREADS: u32 = 256;
 const FETCH_ENTRIES: u64 = FETCH_THREADS as u64 / 32;
+const CHUNK_PIECES: u64 = 4 * 32;
 /// The install's block, one per job (ai.cu's `GPUIO_SWAP_THREADS`).
 const INSTALL_THREADS: u32 = 1024;
 
@@ -207,15 +209,17 @@ impl DeviceOp for Load<'_> {
                 .ptr(&report)
                 .u64(phase)
         };
-        // Phase 0's warps also copy the entries ahead aside, a warp each.
+        // A warp per chunk of an entry's row (ai.cu's GPUIO_SWAP_CHUNK_PIECES); phase 0's
+        // also copy the entries ahead aside, a warp each.
+        let chunks = (rb / width).div_ceil(CHUNK_PIECES);
         let fetch = |phase: u64| {
-            let warps = |p: &Part<'_>| match phase {
+            let entries = |p: &Part<'_>| match phase {
                 0 => p.load.count.max(p.load.ahead),
                 _ => p.load.ahead,
             };
-            let most = self.parts.iter().map(warps).max().unwrap_or(0) as u64;
+            let most = self.parts.iter().map(entries).max().unwrap_or(0) as u64;
             LaunchShape {
-                grid: most.div_ceil(FETCH_ENTRIES).max(1) as u32,
+                grid: (most * chunks).div_ceil(FETCH_ENTRIES).max(1) as u32,
                 grid_y: jobs as u32,
                 block: FETCH_THREADS,
                 shared_bytes: 0,

@@ -165,16 +165,32 @@ fn a_victim_outside_its_table_flags_the_state_after_the_rows_went_out() {
 
 #[test]
 fn a_slot_holding_another_position_is_the_states_fault_never_its_row() {
-    let mut rig = Rig::new(64);
+    // Rows of one warp's chunk and of nine (4100 bytes as four-byte pieces): no chunk copies
+    // a row from a slot that holds another position.
+    for row in [64, 4100] {
+        slot_holding_another_position(row);
+    }
+}
+
+fn slot_holding_another_position(row: usize) {
+    let mut rig = Rig::new(row);
     assert_eq!(rig.load(&[3, 5]).unwrap().misses, 2);
     // Position 9 "is" in slot 0, which holds position 3: refused alone or beside 3.
     rig.corrupt(slot_of(9), 0);
     for sel in [&[9u32][..], &[3, 9]] {
+        rig.stream.upload(&vec![0xa5; 2 * row], &rig.dst, 0).unwrap();
         let refused = rig.load(sel).unwrap_err();
         assert_eq!(refused.fault, SwapInFault::State, "{refused}");
         assert!(
             refused.to_string().contains("another position"),
             "{refused}"
+        );
+        let mut got = vec![0u8; 2 * row];
+        rig.stream.download(&rig.dst, 0, &mut got).unwrap();
+        let at = (sel.len() - 1) * row;
+        assert!(
+            got[at..at + row].iter().all(|&b| b == 0xa5),
+            "{row}-byte rows: position 9's entry was written"
         );
     }
     // A word past the slots is refused and left as it is.

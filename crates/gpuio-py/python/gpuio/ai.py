@@ -303,6 +303,18 @@ class SwapInBatch:
         reports, times = self._b.load(list(counts), timed)
         return (reports, times) if timed else reports
 
+    def set_prefetch(self, ahead):
+        """Has every later load also bring the ``ahead[i]`` positions after sequence ``i``'s
+        count in its selection (the indexer's next candidates, written after the top-k) into
+        its hot buffer, after the load and off its critical path; nothing of them reaches
+        ``dst``. 0 for none."""
+        self._b.set_prefetch(list(ahead))
+
+    def prefetched(self):
+        """Waits for the last load's prefetch; each sequence's report of it (``hits`` already
+        in slots, ``misses`` brought in) or error, or ``None`` where it prefetched nothing."""
+        return self._b.prefetched()
+
     def set_work(self, kind, deadline=None, compute=0.0, best_effort=False):
         """What the batch's loads are for: ``decode`` unless set, spelled as
         :func:`work_class` takes it; each load holds a scheduler lease of that class."""

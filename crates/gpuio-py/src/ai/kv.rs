@@ -25,6 +25,20 @@ fn load_report<'py>(py: Python<'py>, r: &LoadReport) -> PyResult<Bound<'py, PyDi
     Ok(d)
 }
 
+/// Each sequence's report (a dict) or its error (a `gpuio.Error`, not raised), in order.
+fn batch_reports<'py>(
+    py: Python<'py>,
+    reports: Vec<gpuio_ai::Result<LoadReport>>,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    reports
+        .into_iter()
+        .map(|r| match r {
+            Ok(r) => load_report(py, &r).map(Bound::into_any),
+            Err(e) => Ok(to_py(e).into_value(py).into_bound(py).into_any()),
+        })
+        .collect()
+}
+
 fn evict_report<'py>(py: Python<'py>, r: &EvictReport) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("evicted", r.evicted)?;
@@ -574,17 +588,34 @@ impl SwapInBatch {
                 }
             })?
             .map_err(to_py)?;
-        let out = reports
-            .into_iter()
-            .map(|r| match r {
-                Ok(r) => load_report(py, &r).map(Bound::into_any),
-                Err(e) => Ok(to_py(e).into_value(py).into_bound(py).into_any()),
-            })
-            .collect::<PyResult<_>>()?;
         Ok((
-            out,
+            batch_reports(py, reports)?,
             times.map(|t| (t.exposed.as_secs_f64(), t.install.as_secs_f64())),
         ))
+    }
+
+    /// Has every later load also bring the `ahead[i]` positions after sequence `i`'s count
+    /// (the indexer's next candidates) into its hot buffer, off the critical path.
+    fn set_prefetch(&self, py: Python<'_>, ahead: Vec<usize>) -> PyResult<()> {
+        py.detach_kept(|| {
+            self.batch
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .set_prefetch(&ahead)
+        })
+        .map_err(to_py)
+    }
+
+    /// Waits for the last load's prefetch: each sequence's report of it (a dict) or error, or
+    /// `None` where it prefetched nothing.
+    fn prefetched<'py>(&self, py: Python<'py>) -> PyResult<Option<Vec<Bound<'py, PyAny>>>> {
+        let reports = py
+            .detach_in(&self.session, || {
+                let mut b = self.batch.lock().unwrap_or_else(PoisonError::into_inner);
+                b.prefetched()
+            })?
+            .map_err(to_py)?;
+        reports.map(|r| batch_reports(py, r)).transpose()
     }
 
     /// The work its IO is for (`decode` unless set): each call holds a scheduler lease of
