@@ -255,6 +255,16 @@ static_assert(__builtin_offsetof(gpuio_swap_job, max_count) == 80, "swap_job.max
 static_assert(__builtin_offsetof(gpuio_swap_job, unused) == 84, "swap_job.unused");
 #endif
 
+// A call's control words in the fetch's parameters, where it has at most
+// GPUIO_SWAP_INLINE_JOBS jobs (`jobs`; 0: read them from the table): a fetch queued on the
+// caller's stream then waits for no upload. The install reads the table's, uploaded before it.
+#define GPUIO_SWAP_INLINE_JOBS 16
+struct gpuio_swap_inline {
+    gpuio_u64 jobs;
+    gpuio_u64 words[2 * GPUIO_SWAP_INLINE_JOBS];
+};
+static_assert(sizeof(gpuio_swap_inline) == 264, "gpuio_swap_inline size");
+
 // The report words: the call's first failure, each job's first failure (all ones where none:
 // atomic minima), each job's hits | misses << 32.
 __device__ __forceinline__ void gpuio_swap_bad(gpuio_u64* report, gpuio_u64 kind, gpuio_u64 job,
@@ -280,18 +290,18 @@ __device__ __forceinline__ int gpuio_swap_refused(gpuio_u32 step, gpuio_u32 bad,
     return -1;
 }
 
-// A phase's entries from a job's control words: the load (phase 0) takes [0, count), its
-// prefetch (phase 1) [count, count + ahead); `want` is both together, for the refusal.
+// A phase's entries from a job's control words (`len`, `ctl`): the load (phase 0) takes
+// [0, count), its prefetch (phase 1) [count, count + ahead); `want` is both together, for the
+// refusal.
 struct gpuio_swap_window {
     gpuio_u64 len, want;
     gpuio_u32 first, count, ahead;
 };
-__device__ __forceinline__ gpuio_swap_window gpuio_swap_window_of(const gpuio_swap_job& job,
+__device__ __forceinline__ gpuio_swap_window gpuio_swap_window_of(gpuio_u64 len, gpuio_u64 ctl,
                                                                   gpuio_u64 phase) {
-    const gpuio_u64 ctl = ((const gpuio_u64*)job.control)[1];
     const gpuio_u32 count = (gpuio_u32)ctl, ahead = (gpuio_u32)(ctl >> 32);
     gpuio_swap_window w;
-    w.len = ((const gpuio_u64*)job.control)[0];
+    w.len = len;
     w.want = (gpuio_u64)count + ahead;
     w.first = phase ? count : 0;
     w.count = phase ? ahead : count;
@@ -379,7 +389,7 @@ __device__ __forceinline__ void gpuio_swap_fetch_entry(const gpuio_swap_job& job
 // the row size and every row address (the host picks it).
 extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_FETCH_THREADS)
     gpuio_swap_in_fetch(const gpuio_swap_job* jobs, gpuio_u64 rb, gpuio_u64 width,
-                        gpuio_u64* report, gpuio_u64 phase) {
+                        gpuio_u64* report, gpuio_u64 phase, const gpuio_swap_inline ctl) {
     __shared__ gpuio_u64 counted;  // this block's hits | misses << 32
     const gpuio_u32 j = blockIdx.y, n = gridDim.y, lane = threadIdx.x & 31;
     const gpuio_u32 chunks = (gpuio_u32)((rb / width + GPUIO_SWAP_CHUNK_PIECES - 1) / GPUIO_SWAP_CHUNK_PIECES);
@@ -391,7 +401,9 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_FETCH_THREADS)
     gpuio_u32* seen = (gpuio_u32*)job.seen;
     const gpuio_u32* selection = phase ? seen : (const gpuio_u32*)job.selection;
     if (threadIdx.x == 0) counted = 0;
-    const gpuio_swap_window win = gpuio_swap_window_of(job, phase);
+    const gpuio_u64* control = (const gpuio_u64*)job.control;
+    const gpuio_swap_window win = ctl.jobs ? gpuio_swap_window_of(ctl.words[2 * j], ctl.words[2 * j + 1], phase)
+                                           : gpuio_swap_window_of(control[0], control[1], phase);
     const gpuio_u32 step = st[0], flagged = st[1], i = win.first + w;
     // The selection holds max_count positions: one is read before the count is known.
     const gpuio_u32 p = i < job.max_count ? selection[i] : 0;
@@ -509,7 +521,8 @@ __device__ __forceinline__ void gpuio_swap_install_job(const gpuio_swap_job& job
     gpuio_u32* slot_of = st + 2;
     gpuio_u32* holder = slot_of + job.positions;
     gpuio_u32* last_used = holder + job.slots;
-    const gpuio_swap_window win = gpuio_swap_window_of(job, phase);
+    const gpuio_u64* control = (const gpuio_u64*)job.control;
+    const gpuio_swap_window win = gpuio_swap_window_of(control[0], control[1], phase);
     const gpuio_u64 len = win.len;
     const gpuio_u32 state = st[0], flagged = st[1];
     const bool refused = report[1 + j] != ~0ull;

@@ -52,8 +52,11 @@ const ENTRY: usize = 656;
 const DEVICE_PLANNED: &str = " (device-planned)";
 /// The metrics' suffix for those loads queued on the model's stream (`SwapInBatch::load_on`).
 const QUEUED: &str = " (device-planned, queued)";
-/// The metrics' suffix for queued loads that prefetch the indexer's next candidates.
-const PREFETCHED: &str = " (device-planned, queued, prefetched)";
+/// The metrics' suffix for queued loads that prefetch `ahead` of the indexer's next
+/// candidates.
+fn prefetched(ahead: usize) -> String {
+    format!(" (device-planned, queued, {ahead} prefetched)")
+}
 /// The case suffix of the drifting-score trace (`drift.rs`).
 const DRIFTING: &str = ", drifting scores";
 /// Layers of the model the HBM arithmetic assumes.
@@ -70,8 +73,9 @@ pub struct Options {
     pub overlaps: Vec<f64>,
     /// Top-k per request per step.
     pub topk: usize,
-    /// Candidates after the top-k a prefetching load brings in (the drifting-score cases).
-    pub ahead: usize,
+    /// Candidates after the top-k a prefetching load brings in, one case each (the
+    /// drifting-score cases).
+    pub ahead: Vec<usize>,
     /// Hot-buffer slots per request.
     pub hot_slots: usize,
     /// Untimed steps, then timed ones.
@@ -98,7 +102,7 @@ impl Default for Options {
             batches: vec![1, 8, 64, 128],
             overlaps: vec![0.8, 0.9, 0.95],
             topk: 2048,
-            ahead: 512,
+            ahead: vec![512, 1024],
             hot_slots: 4096,
             warmup: 10,
             steps: 40,
@@ -148,6 +152,13 @@ impl Options {
             graph: Some(GraphOptions::quick()),
             ..Self::default()
         }
+    }
+}
+
+impl Options {
+    /// The most candidates a prefetch takes: room a selection keeps after its top-k.
+    fn most_ahead(&self) -> usize {
+        self.ahead.iter().copied().max().unwrap_or(0)
     }
 }
 
@@ -286,7 +297,7 @@ pub fn run(
         drop(source);
         // Room for the candidates ahead, where a prefetching load's table wants them.
         let outs = (0..max_batch)
-            .map(|_| session.alloc_device(0, (opts.topk + opts.ahead) * ENTRY))
+            .map(|_| session.alloc_device(0, (opts.topk + opts.most_ahead()) * ENTRY))
             .collect::<std::result::Result<Vec<_>, _>>()?;
         for &batch in &opts.batches {
             let mut traces = Vec::new();
@@ -475,33 +486,34 @@ pub fn run(
             }
         }
     }
-    let mut targets = vec![
-        Target::judge(
-            &format!(
-                "B1{QUEUED}: exposed time per layer at overlap 0.9, batch 1, p50 ≤ 8 µs (as 8 µs \
+    let mut targets = vec![Target::judge(
+        &format!(
+            "B1{QUEUED}: exposed time per layer at overlap 0.9, batch 1, p50 ≤ 8 µs (as 8 µs \
                  / p50)"
-            ),
-            &records,
-            |r| r.metric.ends_with(QUEUED) && r.case.ends_with("batch 1, overlap 0.9"),
-            |r| r.ratio,
-            1.0,
-            "x",
         ),
-        Target::judge(
+        &records,
+        |r| r.metric.ends_with(QUEUED) && r.case.ends_with("batch 1, overlap 0.9"),
+        |r| r.ratio,
+        1.0,
+        "x",
+    )];
+    for &ahead in &opts.ahead {
+        let suffix = prefetched(ahead);
+        targets.push(Target::judge(
             &format!(
-                "B1{PREFETCHED}: exposed time per layer at overlap 0.9{DRIFTING}, batch 1, p50 ≤ \
-                 8 µs (as 8 µs / p50)"
+                "B1{suffix}: exposed time per layer at overlap 0.9{DRIFTING}, batch 1, p50 ≤ 8 µs \
+                 (as 8 µs / p50)"
             ),
             &records,
             |r| {
-                r.metric.ends_with(PREFETCHED)
+                r.metric.ends_with(&suffix)
                     && r.case.ends_with(&format!("batch 1, overlap 0.9{DRIFTING}"))
             },
             |r| r.ratio,
             1.0,
             "x",
-        ),
-    ];
+        ));
+    }
     for mode in ["", DEVICE_PLANNED] {
         let metric = |m: &str| format!("{m}{mode}");
         let (exposed, miss) = (metric("exposed p50 per layer"), metric("miss bandwidth"));

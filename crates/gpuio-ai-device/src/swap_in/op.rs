@@ -26,6 +26,11 @@ use std::time::{Duration, Instant};
 const FETCH_THREADS: u32 = 256;
 const FETCH_ENTRIES: u64 = FETCH_THREADS as u64 / 32;
 const CHUNK_PIECES: u64 = 4 * 32;
+/// Calls of at most this many jobs pass their control words in the fetch's parameters
+/// (ai.cu's `gpuio_swap_inline`, 8 + 16 bytes a job): a queued fetch then waits for no upload.
+pub(super) const INLINE_JOBS: usize = 16;
+const INLINE_BYTES: usize = 8 + 16 * INLINE_JOBS;
+const _: () = assert!(INLINE_BYTES == 264);
 /// The install's block, one per job (ai.cu's `GPUIO_SWAP_THREADS`).
 const INSTALL_THREADS: u32 = 1024;
 
@@ -201,6 +206,13 @@ impl DeviceOp for Load<'_> {
             .chain([staging]);
         let (_, width) = widest_piece(rb, starts);
         let report = self.table.part(self.report_at, 8 * (1 + 2 * jobs))?;
+        // The job count, then each job's length and count | ahead << 32 (the pinned control
+        // words, as the upload sends them); all zeros past INLINE_JOBS jobs.
+        let mut inline = [0u8; INLINE_BYTES];
+        if jobs <= INLINE_JOBS && self.control.len() >= 16 * jobs {
+            inline[..8].copy_from_slice(&(jobs as u64).to_le_bytes());
+            inline[8..8 + 16 * jobs].copy_from_slice(&self.control[..16 * jobs]);
+        }
         let args = |phase: u64| {
             KernelArgs::new()
                 .ptr(&self.table)
@@ -208,6 +220,7 @@ impl DeviceOp for Load<'_> {
                 .u64(width)
                 .ptr(&report)
                 .u64(phase)
+                .bytes(&inline)
         };
         // A warp per chunk of an entry's row (ai.cu's GPUIO_SWAP_CHUNK_PIECES); phase 0's
         // also copy the entries ahead aside, a warp each.
@@ -253,7 +266,8 @@ impl DeviceOp for Load<'_> {
             Stage::Fetch => {
                 let start = self.timed.then(|| cuda.record(true)).transpose()?;
                 // SAFETY: matches gpuio_swap_in_fetch(jobs, u64 rb, u64 width, u64* report,
-                // u64 phase). The jobs name only ranges the HAL checked and the table keeps
+                // u64 phase, gpuio_swap_inline ctl), `inline` laid out as that struct (its
+                // size asserted on both sides). The jobs name only ranges the HAL checked and the table keeps
                 // alive, and a registered warm pool; the kernel reads selection entries below
                 // max_count, follows positions below the length and slots below the job's
                 // slots, and writes only the destination's rows (phase 0), those slot words

@@ -2,7 +2,7 @@
 //! calls ([`swap_in`], or [`swap_in_queued`] then [`SwapInTable::finish`]): every argument
 //! checked here, the work done by the op in `op.rs`.
 
-use super::op::{Load, Part, Ran, Stage, SwapJob};
+use super::op::{INLINE_JOBS, Load, Part, Ran, Stage, SwapJob};
 use super::plan::plan_failure;
 use super::{
     JOB_BYTES, PENDING, SWAP_IN_MAX_ROW_BYTES, SWAP_IN_MAX_SELECTION, SWAP_IN_MAX_SLOTS,
@@ -520,9 +520,11 @@ fn queue(
     // Until the call is queued whole, a failure may leave marks no install clears.
     table.broken = true;
     let side = if split { &table.side } else { stream };
-    // The control words go up beside the caller's work; the fetch follows both.
+    // The control words go up beside the caller's work, for the install; the fetch follows
+    // them unless it takes them in its parameters.
     if let Ran::Queued { end, .. } = side.run(&load)?
         && split
+        && n > INLINE_JOBS
     {
         stream.wait_for(&end)?;
     }

@@ -178,7 +178,9 @@ fn slot_holding_another_position(row: usize) {
     // Position 9 "is" in slot 0, which holds position 3: refused alone or beside 3.
     rig.corrupt(slot_of(9), 0);
     for sel in [&[9u32][..], &[3, 9]] {
-        rig.stream.upload(&vec![0xa5; 2 * row], &rig.dst, 0).unwrap();
+        rig.stream
+            .upload(&vec![0xa5; 2 * row], &rig.dst, 0)
+            .unwrap();
         let refused = rig.load(sel).unwrap_err();
         assert_eq!(refused.fault, SwapInFault::State, "{refused}");
         assert!(

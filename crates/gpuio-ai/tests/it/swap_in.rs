@@ -456,42 +456,51 @@ fn batches_over_the_same_sequences_in_opposite_orders_never_wait_on_each_other()
 
 #[test]
 fn loads_queued_on_a_callers_stream_follow_its_work_and_lead_its_next() {
+    // Two sequences, whose control words the fetch takes in its parameters, and 18, whose
+    // control words it waits for (past 16).
+    for n in [2, 18] {
+        queued_loads(n);
+    }
+}
+
+fn queued_loads(n: usize) {
     // Each step the caller's stream copies a large buffer (some tens of µs on a GPU), then the
     // next selections into place, then queues the load: a load that did not wait for the
     // stream would read the last step's selections. The destinations are read back on the
     // same stream before the reports are asked for: a stream that did not wait for the fetch
     // would read the last step's entries.
     let cfg = config(300, 24, 16);
-    let rig = rig(2, cfg);
+    let rig = rig(n, cfg);
     let caller = rig.session.gpu(0).unwrap().stream().unwrap();
     let big = 64 << 20;
     let (from, to) = (
         rig.session.alloc_device(0, big).unwrap(),
         rig.session.alloc_device(0, big).unwrap(),
     );
-    let staged: Vec<DeviceBuffer> = (0..2)
+    let staged: Vec<DeviceBuffer> = (0..n)
         .map(|_| rig.session.alloc_device(0, 4 * cfg.max_selection).unwrap())
         .collect();
-    for i in 0..2 {
+    for i in 0..n {
         append(&rig.kvs[i], i, 0, 300);
     }
     let mut batch = rig.batch(0).unwrap();
-    let mut models: Vec<Model> = (0..2).map(|_| Model::new(cfg.hot_slots)).collect();
-    let mut prev = vec![Vec::new(); 2];
+    let mut models: Vec<Model> = (0..n).map(|_| Model::new(cfg.hot_slots)).collect();
+    let mut prev = vec![Vec::new(); n];
+    let all = vec![16; n];
     let mut rng = 11;
     for step in 0..12 {
-        for i in 0..2 {
+        for i in 0..n {
             prev[i] = next_selection(&prev[i], 300, 16, 0.6, &mut rng);
             upload(&rig.stream, &staged[i], &prev[i]);
         }
         let mut copies = vec![caller.copy_device_async(&from, 0, &to, 0, big).unwrap()];
-        for i in 0..2 {
+        for i in 0..n {
             let sel = caller
                 .copy_device_async(&staged[i], 0, &rig.sels[i], 0, 4 * prev[i].len())
                 .unwrap();
             copies.push(sel);
         }
-        let queued = batch.load_on(&caller, &[16, 16]).unwrap();
+        let queued = batch.load_on(&caller, &all).unwrap();
         for (i, sel) in prev.iter().enumerate() {
             let got = download(&caller, &rig.dsts[i], sel.len() * E);
             for (j, &p) in sel.iter().enumerate() {
@@ -509,15 +518,15 @@ fn loads_queued_on_a_callers_stream_follow_its_work_and_lead_its_next() {
         drop(copies);
     }
     // A queued load dropped unfinished leaves the batch to load again.
-    drop(batch.load_on(&caller, &[16, 16]).unwrap());
-    let reports = loaded(batch.load(&[16, 16]));
+    drop(batch.load_on(&caller, &all).unwrap());
+    let reports = loaded(batch.load(&all));
     for (i, r) in reports.iter().enumerate() {
         // The dropped load was the same selection: every entry is in a slot now.
         assert_eq!((r.hits, r.misses), (16, 0), "sequence {i}");
     }
     // Counts are checked as for `load`, before anything is queued.
     assert!(batch.load_on(&caller, &[16]).is_err());
-    assert_eq!(loaded(batch.load(&[16, 16])).len(), 2);
+    assert_eq!(loaded(batch.load(&all)).len(), n);
 }
 
 #[test]

@@ -18,9 +18,9 @@ pub(super) struct DriftTrace {
     pub(super) rho: f64,
     /// Mean overlap of consecutive top-ks.
     pub(super) overlap: f64,
-    /// Of the positions a top-k took in, the share that were among the last step's
-    /// candidates.
-    pub(super) covered: f64,
+    /// Per depth asked for: of the positions a top-k took in, the share that were among the
+    /// last step's first `depth` candidates.
+    pub(super) covered: Vec<f64>,
 }
 
 /// A standard normal draw from a key (Box-Muller over two hashes of it).
@@ -63,13 +63,14 @@ fn walk(ctx: u64, steps: usize, topk: usize, ahead: usize, rho: f64, seed: u64) 
     out
 }
 
-/// Mean overlap of consecutive top-ks, and the share of the positions taken in that were the
-/// step before's candidates.
-fn overlap_and_cover(walk: &[Vec<u64>], topk: usize) -> (f64, f64) {
+/// Mean overlap of consecutive top-ks, and the share of the positions taken in that were among
+/// the step before's first `depth` candidates.
+fn overlap_and_cover(walk: &[Vec<u64>], topk: usize, depth: usize) -> (f64, f64) {
     let (mut kept, mut pairs, mut new, mut covered) = (0usize, 0usize, 0usize, 0usize);
     for w in walk.windows(2) {
         let before: HashSet<u64> = w[0][..topk].iter().copied().collect();
-        let ahead: HashSet<u64> = w[0][topk..].iter().copied().collect();
+        let end = (topk + depth).min(w[0].len());
+        let ahead: HashSet<u64> = w[0][topk..end].iter().copied().collect();
         for p in &w[1][..topk] {
             if before.contains(p) {
                 kept += 1;
@@ -84,22 +85,24 @@ fn overlap_and_cover(walk: &[Vec<u64>], topk: usize) -> (f64, f64) {
     (overlap, covered as f64 / new.max(1) as f64)
 }
 
-/// The trace of `batch` requests over `steps` steps whose top-ks overlap by about `overlap`.
+/// The trace of `batch` requests over `steps` steps whose top-ks overlap by about `overlap`,
+/// each selection followed by the most of `depths` candidates.
 pub(super) fn drift_trace(
     ctx: u64,
     batch: usize,
     steps: usize,
     topk: usize,
-    ahead: usize,
+    depths: &[usize],
     overlap: f64,
     seed: u64,
 ) -> DriftTrace {
+    let ahead = depths.iter().copied().max().unwrap_or(0);
     // Bisection on log(1 - ρ): the overlap falls as 1 - ρ grows.
     let (mut lo, mut hi) = ((1e-7f64).ln(), (0.5f64).ln());
     for _ in 0..16 {
         let mid = 0.5 * (lo + hi);
         let w = walk(ctx, 6, topk, 0, 1.0 - mid.exp(), seed ^ 0x5eed);
-        if overlap_and_cover(&w, topk).0 > overlap {
+        if overlap_and_cover(&w, topk, 0).0 > overlap {
             lo = mid;
         } else {
             hi = mid;
@@ -109,20 +112,20 @@ pub(super) fn drift_trace(
     let walks: Vec<Vec<Vec<u64>>> = (0..batch)
         .map(|r| walk(ctx, steps, topk, ahead, rho, seed ^ (r as u64) << 48))
         .collect();
-    let (mut o, mut c) = (0.0, 0.0);
-    for w in &walks {
-        let (wo, wc) = overlap_and_cover(w, topk);
-        o += wo;
-        c += wc;
-    }
+    let per_request = |depth| {
+        let sums = walks.iter().map(|w| overlap_and_cover(w, topk, depth));
+        sums.fold((0.0, 0.0), |(o, c), (wo, wc)| (o + wo, c + wc))
+    };
+    let n = batch.max(1) as f64;
+    let covered = depths.iter().map(|&d| per_request(d).1 / n).collect();
     let selections = (0..steps)
         .flat_map(|s| walks.iter().map(move |w| w[s].clone()))
         .collect();
     DriftTrace {
         selections,
         rho,
-        overlap: o / batch.max(1) as f64,
-        covered: c / batch.max(1) as f64,
+        overlap: per_request(0).0 / n,
+        covered,
     }
 }
 
@@ -133,7 +136,7 @@ mod tests {
     #[test]
     fn drifting_traces_keep_the_overlap_asked_for_and_take_in_their_candidates() {
         let (ctx, topk, ahead) = (20_000, 1000, 250);
-        let t = drift_trace(ctx, 2, 8, topk, ahead, 0.9, 3);
+        let t = drift_trace(ctx, 2, 8, topk, &[ahead / 2, ahead], 0.9, 3);
         assert_eq!(t.selections.len(), 16);
         for sel in &t.selections {
             let set: HashSet<u64> = sel.iter().copied().collect();
@@ -142,7 +145,9 @@ mod tests {
         }
         assert!((t.overlap - 0.9).abs() < 0.03, "overlap {}", t.overlap);
         assert!(t.rho > 0.9 && t.rho < 1.0, "rho {}", t.rho);
-        // Churn near the boundary: most positions taken in were ranked just below it.
-        assert!(t.covered > 0.7, "covered {}", t.covered);
+        // Churn near the boundary: most positions taken in were ranked just below it, more
+        // of them the deeper the candidates go.
+        assert!(t.covered[1] > 0.7, "covered {:?}", t.covered);
+        assert!(t.covered[0] < t.covered[1], "covered {:?}", t.covered);
     }
 }

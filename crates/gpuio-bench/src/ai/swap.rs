@@ -16,7 +16,7 @@
 //! comes some 60 layers later.
 
 use super::drift::drift_trace;
-use super::{ENTRY, Measured, Options, PREFETCHED, QUEUED, Steps, ai, check_output};
+use super::{ENTRY, Measured, Options, QUEUED, Steps, ai, check_output, prefetched};
 use crate::{Record, Result};
 use gpuio_ai::kv::{LoadTimes, SwapInBatch, SwapInConfig, SwapInKv, SwapInTarget};
 use gpuio_api::{DeviceBuffer, HostPlacement, Session};
@@ -33,8 +33,8 @@ pub(super) enum Mode {
     Wait,
     /// `load_on` behind the indexer's stand-in.
     Queued,
-    /// `load_on` that also prefetches the trace's candidates after the top-k.
-    Prefetched,
+    /// `load_on` that also prefetches this many of the trace's candidates after the top-k.
+    Prefetched(usize),
 }
 
 /// `requests` sequences of one layer of `ctx` tokens, each holding the entries of `source`
@@ -57,7 +57,7 @@ impl Sequences {
             entry_bytes: ENTRY,
             max_tokens: ctx,
             hot_slots: opts.hot_slots,
-            max_selection: opts.topk + opts.ahead,
+            max_selection: opts.topk + opts.most_ahead(),
             gpu: 0,
             placement: HostPlacement::Dram { numa: None },
         };
@@ -69,13 +69,13 @@ impl Sequences {
             let kv = SwapInKv::new(session, cfg).map_err(ai)?;
             kv.append(0, &bytes).map_err(ai)?;
             kvs.push(kv);
-            selections.push(session.alloc_device(0, 4 * (opts.topk + opts.ahead))?);
+            selections.push(session.alloc_device(0, 4 * (opts.topk + opts.most_ahead()))?);
         }
         Ok(Self { kvs, selections })
     }
 
     /// The trace's steps for the first `batch` sequences, into `outs`: each selection's top-k
-    /// loaded (the entries after it prefetched, in `Mode::Prefetched`). Queued, the wall is
+    /// loaded (entries after it prefetched, in `Mode::Prefetched`). Queued, the wall is
     /// the host's time in the call.
     pub(super) fn run(
         &self,
@@ -99,8 +99,8 @@ impl Sequences {
             })
             .collect();
         let mut loader = SwapInBatch::new(session, 0, &targets).map_err(ai)?;
-        if mode == Mode::Prefetched {
-            loader.set_prefetch(&vec![opts.ahead; batch]).map_err(ai)?;
+        if let Mode::Prefetched(ahead) = mode {
+            loader.set_prefetch(&vec![ahead; batch]).map_err(ai)?;
         }
         let model = session.gpu(0)?.stream()?;
         let stand_in = if queued {
@@ -131,7 +131,7 @@ impl Sequences {
                     let reports = load.finish().map_err(ai)?;
                     end.synchronize()?;
                     indexer.wait()?;
-                    if mode == Mode::Prefetched {
+                    if let Mode::Prefetched(_) = mode {
                         let t = Instant::now();
                         let brought = loader.prefetched().map_err(ai)?.unwrap_or_default();
                         if step >= opts.warmup {
@@ -181,11 +181,17 @@ pub(super) fn drifting(
 ) -> Result<(Vec<Record>, Vec<String>)> {
     let ctx = sequences.kvs[0].len(0);
     let steps = opts.warmup + opts.steps;
-    let t = drift_trace(ctx, batch, steps, opts.topk, opts.ahead, 0.9, seed);
+    let t = drift_trace(ctx, batch, steps, opts.topk, &opts.ahead, 0.9, seed);
     let gpu = session.gpu(0)?;
     let last = &t.selections[steps * batch - 1][..opts.topk];
     let mut records = Vec::new();
-    for (mode, suffix) in [(Mode::Queued, QUEUED), (Mode::Prefetched, PREFETCHED)] {
+    let mut modes = vec![(Mode::Queued, QUEUED.to_string())];
+    modes.extend(
+        opts.ahead
+            .iter()
+            .map(|&a| (Mode::Prefetched(a), prefetched(a))),
+    );
+    for (mode, suffix) in modes {
         let m = sequences.run(session, outs, &t.selections, batch, opts, mode)?;
         check_output(gpu, &outs[batch - 1], last, seed)?;
         let metric = format!("exposed p50 per layer{suffix}");
@@ -204,25 +210,27 @@ pub(super) fn drifting(
             m.p99_us,
             m.wall_p50_us
         );
-        if mode == Mode::Prefetched {
+        if let Mode::Prefetched(ahead) = mode {
             r.route.push_str(&format!(
-                "; then the install and the prefetch of {} candidates bring in {:.0} rows per \
-                 step, {:.1} µs the host waits for them (off the clock)",
-                opts.ahead, m.prefetched_per_step, m.install_p50_us
+                "; then the install and the prefetch of {ahead} candidates bring in {:.0} rows \
+                 per step, {:.1} µs the host waits for them (off the clock)",
+                m.prefetched_per_step, m.install_p50_us
             ));
         }
         r.reps = opts.steps;
         r.bytes = m.bytes_per_step as usize;
         records.push(r);
     }
+    let covered: Vec<String> = (opts.ahead.iter().zip(&t.covered))
+        .map(|(a, c)| format!("{:.1}% among its first {a}", 100.0 * c))
+        .collect();
     let note = format!(
-        "{case}: scores drift by AR(1) with rho {:.6}; consecutive top-{} overlap {:.3}; {:.1}% of \
-         the positions a step takes in were among the step before's {} candidates",
+        "{case}: scores drift by AR(1) with rho {:.6}; consecutive top-{} overlap {:.3}; of the \
+         positions a step takes in, {} of the step before's candidates",
         t.rho,
         opts.topk,
         t.overlap,
-        100.0 * t.covered,
-        opts.ahead
+        covered.join(", ")
     );
     Ok((records, vec![note]))
 }
