@@ -7,6 +7,8 @@ import numpy as np, cupy as cp, sys
 src = open(sys.argv[1]).read()
 mod = cp.RawModule(code=src, options=("--std=c++17",))
 fetch = mod.get_function("gpuio_swap_in_fetch")
+# The fetch's inline control words (gpuio_swap_inline) with no job: it reads the table's.
+TABLE = np.zeros((), dtype=[("jobs", "<u8"), ("words", "<u8", (32,))])[()]
 aux = cp.RawModule(code=r'''
 extern "C" __global__ void big_copy(const float4* a, float4* b, unsigned long long n) {
   for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
@@ -40,7 +42,7 @@ for RB in [656, 4096, 16384, 65536, 262144]:
             cp.copyto(state, snap); report[:2] = np.uint64(0xffffffffffffffff); report[2] = 0
             dst.fill(1); cp.cuda.Device().synchronize()
             busy(); a, b = cp.cuda.Event(), cp.cuda.Event(); a.record()
-            fetch(((n * chunks + 7) // 8, 1), (256,), (jobs, np.uint64(RB), np.uint64(16), report, np.uint64(0)))
+            fetch(((n * chunks + 7) // 8, 1), (256,), (jobs, np.uint64(RB), np.uint64(16), report, np.uint64(0), TABLE))
             b.record(); b.synchronize()
             if rep >= 5: ts.append(cp.cuda.get_elapsed_time(a, b) * 1000)
             busy(); a, b = cp.cuda.Event(), cp.cuda.Event(); a.record()

@@ -15,6 +15,8 @@ src = open(sys.argv[1]).read()
 P, S, K, RB = 32768, 4096, 2048, 656
 mod = cp.RawModule(code=src, options=("--std=c++17",))
 fetch, install = mod.get_function("gpuio_swap_in_fetch"), mod.get_function("gpuio_swap_in_install")
+# The fetch's inline control words (gpuio_swap_inline) with no job: it reads the table's.
+TABLE = np.zeros((), dtype=[("jobs", "<u8"), ("words", "<u8", (32,))])[()]
 aux = cp.RawModule(code=r'''
 typedef unsigned long long u64; typedef unsigned int u32;
 // n random host rows (positions in idx) into dst, 32 rows a block of 256 threads, every load
@@ -72,7 +74,7 @@ for J in [1, 64]:
     jobs = cp.asarray(job)
     E = 8  # selection entries per block, a warp each (GPUIO_SWAP_FETCH_ENTRIES)
     grid = (K // E, J)
-    go_fetch = lambda: fetch(grid, (256,), (jobs, np.uint64(RB), np.uint64(16), report, np.uint64(0)))
+    go_fetch = lambda: fetch(grid, (256,), (jobs, np.uint64(RB), np.uint64(16), report, np.uint64(0), TABLE))
     go_install = lambda: install((J,), (1024,), (jobs, np.uint64(RB), np.uint64(16), report, np.uint64(0)))
     cur = [rng.choice(P, K, replace=False).astype(np.uint32) for _ in range(J)]
     for _ in range(40):

@@ -5,9 +5,11 @@
 //! leaves its top-k there); the timed part is the load call.
 //!
 //! Queued (`SwapInBatch::load_on`): the load follows a stand-in for the indexer on the
-//! model's stream (a 128 MiB device copy, some 50-100 µs), so its launch overlaps the GPU's
-//! work as a model's host running ahead would have it; the clock runs on the model's stream
-//! from the stand-in's end to the point where the stream may read the entries.
+//! model's stream (a 128 MiB device copy, some 50-100 µs, then the selections copied into
+//! place from device memory, as the indexer's last act writes its top-k), so its launch
+//! overlaps the GPU's work as a model's host running ahead would have it; the clock runs on
+//! the model's stream from the stand-in's end to the point where the stream may read the
+//! entries.
 //!
 //! Prefetched (`SwapInBatch::set_prefetch`, on the drifting-score trace of `drift.rs`): the
 //! queued load also brings the indexer's next candidates into the hot buffer after its
@@ -42,6 +44,8 @@ pub(super) enum Mode {
 pub(super) struct Sequences {
     kvs: Vec<SwapInKv>,
     selections: Vec<DeviceBuffer>,
+    /// Where a queued step's selections wait for the indexer's stand-in to copy them.
+    staged: Vec<DeviceBuffer>,
 }
 
 impl Sequences {
@@ -64,14 +68,20 @@ impl Sequences {
         let mut bytes = vec![0u8; ctx as usize * ENTRY];
         source.gpu().stream()?.download(source, 0, &mut bytes)?;
         let mut kvs = Vec::with_capacity(requests);
-        let mut selections = Vec::with_capacity(requests);
+        let (mut selections, mut staged) = (Vec::new(), Vec::new());
         for _ in 0..requests {
             let kv = SwapInKv::new(session, cfg).map_err(ai)?;
             kv.append(0, &bytes).map_err(ai)?;
             kvs.push(kv);
-            selections.push(session.alloc_device(0, 4 * (opts.topk + opts.most_ahead()))?);
+            let words = 4 * (opts.topk + opts.most_ahead());
+            selections.push(session.alloc_device(0, words)?);
+            staged.push(session.alloc_device(0, words)?);
         }
-        Ok(Self { kvs, selections })
+        Ok(Self {
+            kvs,
+            selections,
+            staged,
+        })
     }
 
     /// The trace's steps for the first `batch` sequences, into `outs`: each selection's top-k
@@ -113,8 +123,13 @@ impl Sequences {
         };
         let mut steps = Steps::default();
         let mut words = Vec::with_capacity(4 * opts.topk);
+        let into = if queued {
+            &self.staged
+        } else {
+            &self.selections
+        };
         for (step, sels) in trace.chunks(batch).enumerate() {
-            for (sel, buf) in sels.iter().zip(&self.selections) {
+            for (sel, buf) in sels.iter().zip(into) {
                 words.clear();
                 words.extend(sel.iter().flat_map(|&p| (p as u32).to_le_bytes()));
                 stream.upload(&words, buf, 0)?;
@@ -122,7 +137,12 @@ impl Sequences {
             let counts: Vec<usize> = sels.iter().map(|s| s.len().min(opts.topk)).collect();
             let (reports, times, wall) = match &stand_in {
                 Some((from, to)) => {
-                    let indexer = model.copy_device_async(from, 0, to, 0, STAND_IN)?;
+                    let mut indexer = vec![model.copy_device_async(from, 0, to, 0, STAND_IN)?];
+                    for ((sel, staged), buf) in sels.iter().zip(&self.staged).zip(&self.selections)
+                    {
+                        let top = model.copy_device_async(staged, 0, buf, 0, 4 * sel.len())?;
+                        indexer.push(top);
+                    }
                     let start = model.record_event()?;
                     let t = Instant::now();
                     let load = loader.load_on(&model, &counts).map_err(ai)?;
@@ -130,7 +150,9 @@ impl Sequences {
                     let end = model.record_event()?;
                     let reports = load.finish().map_err(ai)?;
                     end.synchronize()?;
-                    indexer.wait()?;
+                    for copy in indexer {
+                        copy.wait()?;
+                    }
                     if let Mode::Prefetched(_) = mode {
                         let t = Instant::now();
                         let brought = loader.prefetched().map_err(ai)?.unwrap_or_default();
