@@ -387,39 +387,51 @@ __device__ __forceinline__ void gpuio_swap_fetch_entry(const gpuio_swap_job& job
 // trips to memory: the job; its control words, state words and position; its slot word; the
 // slot word's atomic; its row (beside the hit's check or the miss's claim). `width` divides
 // the row size and every row address (the host picks it).
-extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_FETCH_THREADS)
-    gpuio_swap_in_fetch(const gpuio_swap_job* jobs, gpuio_u64 rb, gpuio_u64 width,
-                        gpuio_u64* report, gpuio_u64 phase, const gpuio_swap_inline ctl) {
-    __shared__ gpuio_u64 counted;  // this block's hits | misses << 32
+// The fetch's body for one phase, fixed at compile time: the load's entries are addressed
+// without its control words, so its first loads (the position's among them) wait on nothing.
+template <bool PREFETCH>
+__device__ __forceinline__ void gpuio_swap_fetch_phase(const gpuio_swap_job* jobs, gpuio_u64 rb,
+                                                       gpuio_u64 width, gpuio_u64* report,
+                                                       const gpuio_swap_inline& ctl,
+                                                       gpuio_u64* counted) {
     const gpuio_u32 j = blockIdx.y, n = gridDim.y, lane = threadIdx.x & 31;
-    const gpuio_u32 chunks = (gpuio_u32)((rb / width + GPUIO_SWAP_CHUNK_PIECES - 1) / GPUIO_SWAP_CHUNK_PIECES);
+    // Rows are at most 256 KiB (the host checks): 32-bit arithmetic.
+    const gpuio_u32 per_row = (gpuio_u32)rb / (gpuio_u32)width;
+    const gpuio_u32 chunks = (per_row + GPUIO_SWAP_CHUNK_PIECES - 1) / GPUIO_SWAP_CHUNK_PIECES;
     const gpuio_u32 g = blockIdx.x * GPUIO_SWAP_FETCH_ENTRIES + threadIdx.x / 32;
-    const gpuio_u32 w = g / chunks, chunk = g % chunks;
+    const gpuio_u32 w = chunks == 1 ? g : g / chunks, chunk = g - w * chunks;
     const gpuio_swap_job& job = jobs[j];
     gpuio_u32* st = (gpuio_u32*)job.state;
     gpuio_u32* slot_of = st + 2;
     gpuio_u32* seen = (gpuio_u32*)job.seen;
-    const gpuio_u32* selection = phase ? seen : (const gpuio_u32*)job.selection;
-    if (threadIdx.x == 0) counted = 0;
+    if (threadIdx.x == 0) *counted = 0;
     const gpuio_u64* control = (const gpuio_u64*)job.control;
+    const gpuio_u64 phase = PREFETCH;
     const gpuio_swap_window win = ctl.jobs ? gpuio_swap_window_of(ctl.words[2 * j], ctl.words[2 * j + 1], phase)
                                            : gpuio_swap_window_of(control[0], control[1], phase);
-    const gpuio_u32 step = st[0], flagged = st[1], i = win.first + w;
-    // The selection holds max_count positions: one is read before the count is known.
-    const gpuio_u32 p = i < job.max_count ? selection[i] : 0;
+    const gpuio_u32 step = st[0], flagged = st[1];
+    // The selection holds max_count positions: one is read before the count is known. The
+    // prefetch's entries follow the count, in the table's copy.
+    gpuio_u32 i = w, p = 0;
+    if (PREFETCH) {
+        i = win.first + w;
+        if (i < job.max_count) p = seen[i];
+    } else if (i < job.max_count) {
+        p = ((const gpuio_u32*)job.selection)[i];
+    }
     // A job with nothing ahead has no prefetch: not refused, not a step.
-    const bool idle = phase && !win.count;
+    const bool idle = PREFETCH && !win.count;
     const int refused = idle ? -1 : gpuio_swap_refused(step, flagged, win.want, job.max_count);
     if (refused >= 0 && blockIdx.x == 0 && threadIdx.x == 0)
         gpuio_swap_bad(report, refused, j, refused == (int)GPUIO_SWAP_CORRUPT ? GPUIO_SWAP_NONE : win.want);
     __syncthreads();  // `counted` is zeroed
-    if (refused < 0 && !phase && chunk == 0 && lane == 1 && w < win.ahead)
+    if (!PREFETCH && refused < 0 && chunk == 0 && lane == 1 && w < win.ahead)
         seen[win.count + w] = ((const gpuio_u32*)job.selection)[win.count + w];
     if (refused < 0 && w < win.count) {
         gpuio_u32 old = GPUIO_SWAP_PENDING;
         int go = 0;
         if (lane == 0) {
-            if (!phase && chunk == 0) seen[i] = p;
+            if (!PREFETCH && chunk == 0) seen[i] = p;
             const gpuio_u32 word = p < win.len ? slot_of[p] : GPUIO_SWAP_NONE;
             if (p >= win.len) {
                 if (chunk == 0) gpuio_swap_bad(report, GPUIO_SWAP_PAST_LEN, j, i);
@@ -439,15 +451,23 @@ extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_FETCH_THREADS)
         }
         old = __shfl_sync(0xffffffffu, old, 0);
         if (__shfl_sync(0xffffffffu, go, 0)) {
-            const bool d = !phase;
-            if (width == 16) gpuio_swap_fetch_entry<uint4>(job, rb, i, p, old, chunk, d, report, j, &counted);
-            else if (width == 8) gpuio_swap_fetch_entry<gpuio_u64>(job, rb, i, p, old, chunk, d, report, j, &counted);
-            else if (width == 4) gpuio_swap_fetch_entry<gpuio_u32>(job, rb, i, p, old, chunk, d, report, j, &counted);
-            else gpuio_swap_fetch_entry<unsigned char>(job, rb, i, p, old, chunk, d, report, j, &counted);
+            const bool d = !PREFETCH;
+            if (width == 16) gpuio_swap_fetch_entry<uint4>(job, rb, i, p, old, chunk, d, report, j, counted);
+            else if (width == 8) gpuio_swap_fetch_entry<gpuio_u64>(job, rb, i, p, old, chunk, d, report, j, counted);
+            else if (width == 4) gpuio_swap_fetch_entry<gpuio_u32>(job, rb, i, p, old, chunk, d, report, j, counted);
+            else gpuio_swap_fetch_entry<unsigned char>(job, rb, i, p, old, chunk, d, report, j, counted);
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0 && counted) atomicAdd(report + 1 + n + j, counted);
+    if (threadIdx.x == 0 && *counted) atomicAdd(report + 1 + n + j, *counted);
+}
+
+extern "C" __global__ void __launch_bounds__(GPUIO_SWAP_FETCH_THREADS)
+    gpuio_swap_in_fetch(const gpuio_swap_job* jobs, gpuio_u64 rb, gpuio_u64 width,
+                        gpuio_u64* report, gpuio_u64 phase, const gpuio_swap_inline ctl) {
+    __shared__ gpuio_u64 counted;  // this block's hits | misses << 32
+    if (phase) gpuio_swap_fetch_phase<true>(jobs, rb, width, report, ctl, &counted);
+    else gpuio_swap_fetch_phase<false>(jobs, rb, width, report, ctl, &counted);
 }
 
 // Exclusive prefix sum of `v` over the block (GPUIO_SWAP_THREADS threads), the total in
