@@ -384,9 +384,11 @@ __device__ __forceinline__ void gpuio_swap_fetch_entry(const gpuio_swap_job& job
 // ahead of its count into the table's copy (lane 1 of chunk 0's warp, beside lane 0's work);
 // phase 1 (the prefetch) reads them there.
 // Each step issues every load it needs before its first branch, so an entry waits on five
-// trips to memory: the job; its control words, state words and position; its slot word; the
-// slot word's atomic; its row (beside the hit's check or the miss's claim). `width` divides
-// the row size and every row address (the host picks it).
+// trips to memory: the job; its state words and position (and the control words, where they
+// are not in the parameters); its slot word; the slot word's atomic; its row (beside the
+// hit's check or the miss's claim). `width` divides the row size and every row address (the
+// host picks it).
+//
 // The fetch's body for one phase, fixed at compile time: the load's entries are addressed
 // without its control words, so its first loads (the position's among them) wait on nothing.
 template <bool PREFETCH>

@@ -216,6 +216,8 @@ def test_swap_in_batch_loads_device_selections(s):
     s.copy(np.resize(np.array([55, 66, 3], dtype=np.uint32), 16), sel_dev[0])
     batch.set_prefetch([0, 0])
     assert batch.load([3, 3])[0]["hits"] == 3  # the prefetched positions were in slots
+    got = host(s, outs[0]).reshape(-1, ENTRY)
+    assert np.array_equal(got[:3], data[0][[55, 66, 3]])
     with pytest.raises(gpuio.Error):
         batch.set_prefetch([17, 0])  # past max_selection
     # A sequence is in one batch per layer at a time.

@@ -163,7 +163,8 @@ pub struct SwapInDone {
     /// on the CPU).
     pub device_time: Option<Duration>,
     /// From the fetch's end to the install's: the report words' download, then the install
-    /// (CUDA events; zero on the host backend). A timed call waits for it.
+    /// and, where the call prefetches, the prefetch's fetch, download and install (CUDA
+    /// events; zero on the host backend). A timed call waits for it.
     pub install_time: Option<Duration>,
 }
 

@@ -165,7 +165,7 @@ pub(super) struct Load<'a> {
     pub(super) stage: Stage,
     pub(super) row_bytes: usize,
     pub(super) table: DevArg<'a>,
-    /// Pinned: each job's length and count, 16 bytes a job.
+    /// Pinned: each job's length, then its count | entries ahead << 32, 16 bytes a job.
     pub(super) control: &'a HostBuffer,
     /// Pinned: where the report words are downloaded (1 + 2 per job), then the prefetch's.
     pub(super) report_host: RefCell<&'a mut [u8]>,
@@ -213,6 +213,7 @@ impl DeviceOp for Load<'_> {
             inline[..8].copy_from_slice(&(jobs as u64).to_le_bytes());
             inline[8..8 + 16 * jobs].copy_from_slice(&self.control[..16 * jobs]);
         }
+        // The install's arguments, then the fetch's: the same and the inline control words.
         let args = |phase: u64| {
             KernelArgs::new()
                 .ptr(&self.table)
@@ -220,8 +221,8 @@ impl DeviceOp for Load<'_> {
                 .u64(width)
                 .ptr(&report)
                 .u64(phase)
-                .bytes(&inline)
         };
+        let fetch_args = |phase: u64| args(phase).bytes(&inline);
         // A warp per chunk of an entry's row (ai.cu's GPUIO_SWAP_CHUNK_PIECES); phase 0's
         // also copy the entries ahead aside, a warp each.
         let chunks = (rb / width).div_ceil(CHUNK_PIECES);
@@ -273,7 +274,7 @@ impl DeviceOp for Load<'_> {
                 // slots, and writes only the destination's rows (phase 0), those slot words
                 // (their marks), the report words and the table's own words (the selection's
                 // copy, the staging rows). `width` divides every row and address.
-                unsafe { cuda.launch(AiKernel::SwapInFetch, fetch(0), &args(0))? };
+                unsafe { cuda.launch(AiKernel::SwapInFetch, fetch(0), &fetch_args(0))? };
                 Ran::Queued {
                     end: cuda.record(self.timed)?,
                     fetched: None,
@@ -305,7 +306,7 @@ impl DeviceOp for Load<'_> {
                     // SAFETY: as the fetch above, phase 1: the entries ahead from the table's
                     // copy, misses into staging rows only; queued behind the install, which
                     // cleared the load's marks and reset the report words.
-                    unsafe { cuda.launch(AiKernel::SwapInFetch, fetch(1), &args(1))? };
+                    unsafe { cuda.launch(AiKernel::SwapInFetch, fetch(1), &fetch_args(1))? };
                     let (_, prefetched) = words_at.split_at_mut(report.len());
                     // SAFETY: the second half of the pinned report words (checked above), read
                     // by the table only after the install below has ended.
@@ -389,6 +390,7 @@ impl Load<'_> {
                 warm_first: p.warm_first,
                 job: j,
                 first_entry: from as u64,
+                want: (p.load.count + p.load.ahead) as u64,
             };
             let out = if phase == 0 { p.dst } else { p.staging };
             let out = out.part(from * self.row_bytes, want * self.row_bytes)?;

@@ -31,7 +31,9 @@ pub(super) fn plan_failure(word: u64, loads: &[SwapInLoad]) -> SwapInRefused {
         ),
         TWICE => format!("job {job}: position {value} is selected twice"),
         TOO_MANY => format!("job {job}: {value} selected, more than the table allows"),
-        EXHAUSTED => format!("job {job}: the state has run out of steps (2^32 - 1 loads)"),
+        EXHAUSTED => {
+            format!("job {job}: the state has run out of steps (2^32 - 1 loads and prefetches)")
+        }
         CORRUPT if value == u64::from(NONE) => format!(
             "job {job}: an earlier load found a slot holding a position outside the state's \
              table and installed nothing (the state was written by something other than \
@@ -64,6 +66,9 @@ pub(super) struct HostPlan {
     /// The selection entry the plan's first is (the count, for a prefetch): failure words
     /// name entries by their place in the whole selection.
     pub(super) first_entry: u64,
+    /// The call's count and entries ahead together, which a refusal of the whole job names
+    /// (as the kernels do, in either phase).
+    pub(super) want: u64,
 }
 
 /// One job's load on the host, step for step what the fetch and the install do on the
@@ -83,13 +88,14 @@ pub(super) fn plan_on_host(
         warm_first,
         job,
         first_entry,
+        want,
     } = *plan;
     let (head, tables) = state.split_at_mut(2);
     let (slot_of, rest) = tables.split_at_mut(positions);
     let (holder, last_used) = rest.split_at_mut(slots);
     // Refused before anything is marked (a count past the table never reaches here).
     if head[0] == NONE {
-        return Err(failure(EXHAUSTED, job, selection.len() as u64));
+        return Err(failure(EXHAUSTED, job, want));
     }
     if head[1] != 0 {
         return Err(failure(CORRUPT, job, u64::from(NONE)));

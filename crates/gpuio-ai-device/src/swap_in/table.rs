@@ -42,7 +42,7 @@ pub struct SwapInTable {
     row_bytes: usize,
     /// The jobs, the control words, the report words, the selections' copy, the staging rows.
     device: DeviceBuffer,
-    /// Pinned: per job its length and count for the next call.
+    /// Pinned: per job its length, count and entries ahead for the next call.
     control: HostBuffer,
     /// Pinned: the report words of the last call, downloaded, then its prefetch's.
     report_host: HostBuffer,

@@ -21,6 +21,7 @@ fn shape(positions: usize, slots: usize, len: u64, job: usize) -> HostPlan {
         warm_first: 100,
         job,
         first_entry: 0,
+        want: 0,
     }
 }
 
@@ -157,6 +158,11 @@ fn an_exhausted_state_is_refused() {
     let mut codes = vec![0; 1];
     let e = plan_on_host(&mut st, &[0], &mut codes, &shape(4, 2, 4, 1)).unwrap_err();
     assert_eq!(e >> 60, EXHAUSTED);
+    // A prefetch's refusal names the call's count and entries ahead, as the kernels do.
+    let mut ahead = shape(4, 2, 4, 1);
+    (ahead.first_entry, ahead.want) = (1, 2);
+    let e = plan_on_host(&mut st, &[0], &mut codes, &ahead).unwrap_err();
+    assert_eq!(e, failure(EXHAUSTED, 1, 2));
 }
 
 proptest::proptest! {

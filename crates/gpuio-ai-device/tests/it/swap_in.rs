@@ -219,3 +219,45 @@ fn rows_of_many_pieces_and_odd_sizes_arrive_whole_from_slots_and_host_memory() {
         assert_eq!((mixed.hits, mixed.misses), (1, 1), "{row}");
     }
 }
+
+#[test]
+fn a_prefetch_installs_rows_of_many_chunks_whole_and_delivers_none() {
+    // 4100-byte rows move as nine chunks of four-byte pieces, a warp each; 64-byte rows as
+    // one. Position 3 is loaded and 5 prefetched after it: 5's row reaches no destination
+    // row, lands whole in its slot, and the next load finds both there.
+    for row in [4100, 64] {
+        let mut rig = Rig::new(row);
+        let bytes: Vec<u8> = [3u32, 5].iter().flat_map(|p| p.to_le_bytes()).collect();
+        rig.stream.upload(&bytes, &rig.selection, 0).unwrap();
+        rig.stream
+            .upload(&vec![0xa5; 2 * row], &rig.dst, 0)
+            .unwrap();
+        let load = SwapInLoad {
+            len: POSITIONS,
+            count: 1,
+            ahead: 1,
+        };
+        let warm = [&rig.warm];
+        let done = swap_in(&rig.stream, &mut rig.table, &warm, &[load], false).unwrap();
+        assert_eq!(done.jobs[0].clone().unwrap().misses, 1, "{row}");
+        let pre = rig.table.prefetched().unwrap().expect("a prefetch ran");
+        assert_eq!(pre[0].clone().unwrap().misses, 1, "{row}");
+        let mut got = vec![0u8; 2 * row];
+        rig.stream.download(&rig.dst, 0, &mut got).unwrap();
+        assert_eq!(
+            got[..row],
+            rig.warm[3 * row..4 * row],
+            "{row}: the loaded row"
+        );
+        assert!(
+            got[row..].iter().all(|&b| b == 0xa5),
+            "{row}: the prefetched row was delivered"
+        );
+        // Rig::load checks every row it delivers: 5's comes from the slot the prefetch filled.
+        let both = rig.load(&[5, 3]).unwrap();
+        assert_eq!((both.hits, both.misses), (2, 0), "{row}");
+        // Nothing ahead: no prefetch to report.
+        rig.load(&[3]).unwrap();
+        assert!(rig.table.prefetched().unwrap().is_none());
+    }
+}

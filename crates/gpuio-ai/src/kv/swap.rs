@@ -284,8 +284,9 @@ pub struct LoadTimes {
     /// From the load's first work on the device until every entry is in its destination:
     /// what the layer that uses them waits for.
     pub exposed: Duration,
-    /// The install after it (the misses into their slots), which overlaps whatever the
-    /// caller runs next and must end before the batch's next load.
+    /// The install after it (the misses into their slots, then the prefetch where the batch
+    /// prefetches), which overlaps whatever the caller runs next and must end before the
+    /// batch's next load.
     pub install: Duration,
 }
 
@@ -410,9 +411,13 @@ impl SwapInBatch {
         let Some(jobs) = self.table.prefetched()? else {
             return Ok(None);
         };
-        let reports = jobs.into_iter().zip(&self.ahead);
+        // A prefetch that ran took each of its entries as a hit or a miss (the depth may have
+        // been set again since).
+        let selected = |j: &SwapInOutcome| j.as_ref().map_or(0, |c| c.hits + c.misses);
         Ok(Some(
-            reports.map(|(j, &a)| report_of(j, a, entry)).collect(),
+            jobs.into_iter()
+                .map(|j| report_of(j.clone(), selected(&j), entry))
+                .collect(),
         ))
     }
 
