@@ -268,12 +268,13 @@ impl DeviceOp for Load<'_> {
                 let start = self.timed.then(|| cuda.record(true)).transpose()?;
                 // SAFETY: matches gpuio_swap_in_fetch(jobs, u64 rb, u64 width, u64* report,
                 // u64 phase, gpuio_swap_inline ctl), `inline` laid out as that struct (its
-                // size asserted on both sides). The jobs name only ranges the HAL checked and the table keeps
-                // alive, and a registered warm pool; the kernel reads selection entries below
-                // max_count, follows positions below the length and slots below the job's
-                // slots, and writes only the destination's rows (phase 0), those slot words
-                // (their marks), the report words and the table's own words (the selection's
-                // copy, the staging rows). `width` divides every row and address.
+                // size asserted on both sides). The jobs name only ranges the HAL checked and
+                // the table keeps alive, and a registered warm pool; the kernel reads
+                // selection entries below max_count, follows positions below the length and
+                // slots below the job's slots, and writes only the destination's rows (phase
+                // 0), those slot words (their marks), the report words and the table's own
+                // words (the selection's copy, the staging rows). `width` divides every row
+                // and address.
                 unsafe { cuda.launch(AiKernel::SwapInFetch, fetch(0), &fetch_args(0))? };
                 Ran::Queued {
                     end: cuda.record(self.timed)?,
@@ -331,7 +332,7 @@ impl DeviceOp for Load<'_> {
 impl Part<'_> {
     /// The entries a phase takes: the load (0) its count from the start, its prefetch (1) the
     /// entries ahead, after the count.
-    pub(super) fn window(&self, phase: u64) -> (usize, usize) {
+    fn window(&self, phase: u64) -> (usize, usize) {
         match phase {
             0 => (0, self.load.count),
             _ => (self.load.count, self.load.ahead),

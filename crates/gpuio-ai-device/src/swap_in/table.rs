@@ -464,6 +464,7 @@ fn queue(
         return Err(e);
     }
     let rb = table.row_bytes;
+    let table_arg = stream.arg("swap-in table", &table.device, 0, table.device.len())?;
     let mut parts = Vec::with_capacity(n);
     for (i, ((k, w), l)) in table.jobs.iter().zip(warm).zip(loads).enumerate() {
         let pool = stream.host_arg("swap-in warm tier", w, 0, w.len())?;
@@ -495,9 +496,7 @@ fn queue(
                 k.dst_offset,
                 k.max_count * rb,
             )?,
-            staging: stream
-                .arg("swap-in table", &table.device, 0, table.device.len())?
-                .part(table.layout.staging_at + k.first * rb, k.max_count * rb)?,
+            staging: table_arg.part(table.layout.staging_at + k.first * rb, k.max_count * rb)?,
             warm: pool,
             load: *l,
             positions: k.positions,
@@ -508,7 +507,7 @@ fn queue(
     let mut load = Load {
         stage: Stage::Control,
         row_bytes: rb,
-        table: stream.arg("swap-in table", &table.device, 0, table.device.len())?,
+        table: table_arg,
         control: &table.control,
         report_host: RefCell::new(table.report_host.as_mut_slice()),
         control_at: table.layout.control_at,

@@ -416,7 +416,10 @@ impl SwapInBatch {
         let selected = |j: &SwapInOutcome| j.as_ref().map_or(0, |c| c.hits + c.misses);
         Ok(Some(
             jobs.into_iter()
-                .map(|j| report_of(j.clone(), selected(&j), entry))
+                .map(|j| {
+                    let n = selected(&j);
+                    report_of(j, n, entry)
+                })
                 .collect(),
         ))
     }
