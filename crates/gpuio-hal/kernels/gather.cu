@@ -203,8 +203,8 @@ GPUIO_TIERED_KERNEL(1)
 // pool row in an open-addressed index of 8-byte words (pool row in bits 0..39, hot row in bits
 // 40..63; all ones: empty), probed from the row's hash at most `probes` words on (the longest
 // run the index's builder made). A row found there is read from device memory, any other from
-// the pool over the bus. A word naming a hot row past `hot_rows` is not followed: the pool row
-// is read instead (the copy is only ever a copy).
+// the pool over the bus (every row, where there is no index: 0). A word naming a hot row past
+// `hot_rows` is not followed: the pool row is read instead (the copy is only ever a copy).
 #define GPUIO_HOT_EMPTY (~0ull)
 #define GPUIO_HOT_ROW_BITS 40
 
@@ -244,7 +244,7 @@ __device__ __forceinline__ void gpuio_hot_rows(const unsigned char* __restrict__
 #pragma unroll
         for (int u = 0; u < GPUIO_UNROLL; u++) {
             at[u] = gpuio_hot_hash(row[u]) & mask;
-            word[u] = row[u] < rows ? index[at[u]] : GPUIO_HOT_EMPTY;
+            word[u] = row[u] < rows && index ? index[at[u]] : GPUIO_HOT_EMPTY;
         }
         P v[GPUIO_UNROLL];
         gpuio_u64 to[GPUIO_UNROLL];

@@ -141,6 +141,11 @@ pub struct MemIoConfig {
     /// Threads (and staging lanes) of a CPU-staged gather: random row reads are bound by
     /// memory latency, so every core helps.
     pub gather_threads: usize,
+    /// Serve small zero-copy gathers (host index lists of up to
+    /// [`RESIDENT_MAX_ROWS`](gpuio_hal::RESIDENT_MAX_ROWS) rows) by a block resident on each
+    /// GPU ([`Gpu::resident_rows`](gpuio_hal::Gpu::resident_rows)), which leaves after this
+    /// long without one. `None`: every gather launches its kernels.
+    pub resident_linger: Option<std::time::Duration>,
 }
 
 impl MemIoConfig {
@@ -165,6 +170,7 @@ impl Default for MemIoConfig {
             pipeline_min: 4 << 20,
             parallel_copy_min: 4 << 20,
             gather_threads: cores,
+            resident_linger: None,
         }
     }
 }
@@ -202,6 +208,8 @@ struct DeviceState {
     lanes: Arc<LanePool>,
     /// Pinned and device buffers for gather index lists, reused across calls.
     index_stages: Mutex<Vec<gather::IndexStage>>,
+    /// The resident row server, made on its first call where configured.
+    resident: OnceLock<gpuio_hal::ResidentRows>,
 }
 
 /// The MemIO engine. Thread-safe; share it behind an `Arc`.
@@ -279,6 +287,7 @@ impl MemIo {
                     gpu,
                     streams: Mutex::new(Vec::new()),
                     index_stages: Mutex::new(Vec::new()),
+                    resident: OnceLock::new(),
                 }
             })
             .collect();

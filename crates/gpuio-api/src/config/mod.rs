@@ -129,6 +129,7 @@ impl Config {
                 threads: 0,
                 slots_per_lane: 3,
                 pipeline_min: ByteSize::mib(4),
+                resident_linger_ms: 0,
             },
             localio: LocalIoSection {
                 engine: EnginePreference::Auto,
@@ -284,6 +285,10 @@ impl Config {
         if let Some(v) = get("GPUIO_LOCALIO_GDS") {
             self.localio.gds = parse("GPUIO_LOCALIO_GDS", &v, "auto, on or off")?;
         }
+        if let Some(v) = get("GPUIO_RESIDENT_LINGER_MS") {
+            self.memio.resident_linger_ms =
+                parse("GPUIO_RESIDENT_LINGER_MS", &v, "milliseconds (0: off)")?;
+        }
         if let Some(v) = get("GPUIO_PIPELINE_THREADS") {
             self.memio.threads = parse("GPUIO_PIPELINE_THREADS", &v, "a number of threads")?;
         }
@@ -305,6 +310,8 @@ impl Config {
             pipeline_min: self.memio.pipeline_min.as_u64() as usize,
             parallel_copy_min: default.parallel_copy_min,
             gather_threads: default.gather_threads,
+            resident_linger: (self.memio.resident_linger_ms > 0)
+                .then(|| std::time::Duration::from_millis(self.memio.resident_linger_ms)),
         }
     }
 

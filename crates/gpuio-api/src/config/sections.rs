@@ -122,6 +122,9 @@ pub struct MemIoSection {
     /// Pageable copies below this size use the driver's staging.
     #[serde(serialize_with = "exact_size")]
     pub pipeline_min: ByteSize,
+    /// Small zero-copy gathers served by a block resident on each GPU, which leaves after
+    /// this many milliseconds without one (0: off; else at least 1).
+    pub resident_linger_ms: u64,
 }
 
 /// `[localio]`: the file engine.

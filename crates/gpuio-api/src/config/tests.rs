@@ -74,10 +74,16 @@ fn environment_overrides_and_rejects_garbage() {
         ("GPUIO_BACKEND", "host"),
         ("GPUIO_STAGING_CHUNK", "8MiB"),
         ("GPUIO_WORKERS", "2"),
+        ("GPUIO_RESIDENT_LINGER_MS", "20"),
     ]
     .into();
     let mut c = Config::default();
+    assert_eq!(c.memio_config().resident_linger, None);
     c.apply_env(|k| env.get(k).map(|v| v.to_string())).unwrap();
+    assert_eq!(
+        c.memio_config().resident_linger,
+        Some(std::time::Duration::from_millis(20))
+    );
     assert_eq!(c.backend, BackendPreference::Host);
     assert_eq!(c.memio.chunk_size, ByteSize::mib(8));
     assert_eq!(c.workers, 2);
@@ -103,6 +109,10 @@ fn settings_that_would_hang_or_overflow_are_refused_naming_the_key() {
             "agent.handshake_timeout_ms",
         ),
         ("[agent]\nmax_connections = 0", "agent.max_connections"),
+        (
+            "[memio]\nresident_linger_ms = 60001",
+            "memio.resident_linger_ms",
+        ),
         ("[agent]\nmax_handshakes = 0", "agent.max_handshakes"),
         (
             "[agent]\nmax_handshakes_per_address = 0",

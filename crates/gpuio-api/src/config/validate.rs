@@ -41,6 +41,13 @@ impl Config {
                 gpuio_transport_memio::MAX_THREADS
             ));
         }
+        if self.memio.resident_linger_ms > 60_000 {
+            return bad(format!(
+                "memio.resident_linger_ms = {}: at most 60000 (a device-wide synchronize \
+                 waits up to that long)",
+                self.memio.resident_linger_ms
+            ));
+        }
         let chunk_ok =
             |c: ByteSize| (4096..=gpuio_transport_memio::MAX_CHUNK as u64).contains(&c.as_u64());
         if !chunk_ok(self.memio.chunk_size) || !chunk_ok(self.localio.chunk_size) {

@@ -22,6 +22,7 @@ mod managed;
 mod op;
 mod pattern;
 mod pieces;
+mod resident;
 mod rows;
 mod stream;
 pub mod tiered;
@@ -37,6 +38,7 @@ pub use op::{
     WaitOnDrop, check_disjoint, device_time, elapsed, report_words, widest_piece,
 };
 pub use pieces::Piece2d;
+pub use resident::{RESIDENT_MAX_BYTES, RESIDENT_MAX_ROWS, ResidentJob, ResidentRows};
 pub use rows::{RowIndices, RowKernel};
 pub use stream::{Event, Inflight, Stream};
 // The hot rows refresh their copies through the AI tier's tiered gather.

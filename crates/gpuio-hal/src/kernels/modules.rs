@@ -60,13 +60,14 @@ impl Kernel for PatternKernel {
 }
 
 /// The row gather and scatter kernels, the naive baseline, the sorted gather's ordering
-/// kernels, the tiered gather, and the gather through hot rows, with the row header
-/// `gpuio_rows.cuh` in front.
+/// kernels, the tiered gather, the gather through hot rows and the resident row server, with
+/// the row header `gpuio_rows.cuh` in front.
 pub static GATHER: KernelSource = KernelSource {
     name: "gather.cu",
     source: concat!(
         include_str!("../../../../kernels/gpuio_rows.cuh"),
         include_str!("../../kernels/gather.cu"),
+        include_str!("../../kernels/resident.cu"),
     ),
     functions: &[
         "gpuio_gather_16",
@@ -98,6 +99,7 @@ pub static GATHER: KernelSource = KernelSource {
         "gpuio_gather_hot_jobs_8",
         "gpuio_gather_hot_jobs_4",
         "gpuio_gather_hot_jobs_1",
+        "gpuio_resident_rows",
     ],
     ptx: &[
         EmbeddedPtx {
@@ -184,6 +186,8 @@ pub enum GatherKernel {
     GatherHotJobs4,
     /// `gpuio_gather_hot_jobs_1`
     GatherHotJobs1,
+    /// `gpuio_resident_rows`
+    ResidentRows,
 }
 
 impl Kernel for GatherKernel {

@@ -12,6 +12,7 @@ mod hot_rows;
 #[cfg(feature = "cuda")]
 mod kernels;
 mod ptx;
+mod resident;
 mod rows;
 mod tiered;
 

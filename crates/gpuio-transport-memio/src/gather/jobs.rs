@@ -8,7 +8,9 @@ use super::indices::IndexPath;
 use super::{GatherOptions, GatherReport, GatherStrategy, IndexPlace};
 use crate::{MemIo, MemIoError, Result};
 use gpuio_hal::gpu::check_disjoint;
-use gpuio_hal::{DeviceBuffer, HOT_MAX_JOBS, HalError, HostBuffer, HotGather, HotRows, RowKernel};
+use gpuio_hal::{
+    DeviceBuffer, HOT_MAX_JOBS, HalError, HostBuffer, HotGather, HotRows, ResidentJob, RowKernel,
+};
 use std::time::{Duration, Instant};
 
 /// One pool's part of [`MemIo::gather_hot_jobs`]: output row `i` (at `dst_offset + i *
@@ -154,6 +156,50 @@ impl MemIo {
         timed: bool,
     ) -> Result<Duration> {
         let gpu = jobs[0].dst.gpu();
+        let rows = counts.iter().sum();
+        let out = match self.resident_for(gpu, rows, row_bytes)? {
+            Some(server) if !timed => {
+                let resident: Vec<ResidentJob<'_>> = jobs
+                    .iter()
+                    .zip(counts)
+                    .map(|(j, &n)| ResidentJob {
+                        pool: j.pool,
+                        hot: Some(j.hot),
+                        indices: &j.indices[..n],
+                        dst: j.dst,
+                        dst_offset: j.dst_offset,
+                    })
+                    .collect();
+                server
+                    .gather(&resident, row_bytes)
+                    .map(|()| Duration::ZERO)
+                    .map_err(MemIoError::from)
+            }
+            _ => self.launch_lists(jobs, counts, row_bytes, timed),
+        };
+        // The device's positions count in the launched lists: map them to the jobs' lists.
+        out.map_err(|e| match e {
+            MemIoError::Hal(HalError::IndexOutOfRange { position, rows }) => {
+                let (k, at) = locate(counts, position as usize);
+                let before: usize = jobs[..k].iter().map(|j| j.indices.len()).sum();
+                HalError::IndexOutOfRange {
+                    position: (before + at) as u64,
+                    rows,
+                }
+                .into()
+            }
+            other => other,
+        })
+    }
+
+    /// The first `counts[k]` rows of each job `k` in one launch of the hot-jobs kernel.
+    fn launch_lists(
+        &self,
+        jobs: &[HotLookup<'_>],
+        counts: &[usize],
+        row_bytes: usize,
+        timed: bool,
+    ) -> Result<Duration> {
         let lists: Vec<&[u64]> = jobs
             .iter()
             .zip(counts)
@@ -171,26 +217,13 @@ impl MemIo {
             })
             .collect();
         let path = IndexPath::of(RowKernel::Tuned, row_bytes);
-        let out = self.with_lists(gpu, &lists, path, |s, indices| {
+        self.with_lists(jobs[0].dst.gpu(), &lists, path, |s, indices| {
             Ok(if timed {
                 s.gather_hot_jobs_timed(&hal_jobs, indices)?
             } else {
                 s.gather_hot_jobs(&hal_jobs, indices)
                     .map(|()| Duration::ZERO)?
             })
-        });
-        // The device's positions count in the launched lists: map them to the jobs' lists.
-        out.map_err(|e| match e {
-            MemIoError::Hal(HalError::IndexOutOfRange { position, rows }) => {
-                let (k, at) = locate(counts, position as usize);
-                let before: usize = jobs[..k].iter().map(|j| j.indices.len()).sum();
-                HalError::IndexOutOfRange {
-                    position: (before + at) as u64,
-                    rows,
-                }
-                .into()
-            }
-            other => other,
         })
     }
 

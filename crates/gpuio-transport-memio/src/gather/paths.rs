@@ -10,7 +10,10 @@ use crate::pipeline::{ChunkLen, Schedule};
 use crate::{MemIo, MemIoError, Result};
 use gpuio_hal::sync::MutexExt;
 use gpuio_hal::workers::run_workers;
-use gpuio_hal::{DeviceBuffer, HalError, HostBuffer, HotRows, RowKernel};
+use gpuio_hal::{
+    DeviceBuffer, Gpu, HalError, HostBuffer, HotRows, RESIDENT_MAX_BYTES, RESIDENT_MAX_ROWS,
+    ResidentJob, ResidentRows, RowKernel,
+};
 use rayon::prelude::*;
 use std::ops::Range;
 use std::sync::Mutex;
@@ -77,6 +80,29 @@ fn bad_index(position: usize, rows: usize) -> MemIoError {
 impl MemIo {
     /// The GPU's threads load the rows, with `kernel` `Tuned` (in list order) or `Sorted`,
     /// or through hot rows.
+    /// The device's resident row server, where the engine keeps one and a call of `rows` rows
+    /// of `row_bytes` fits it (made on its first call).
+    pub(super) fn resident_for(
+        &self,
+        gpu: &Gpu,
+        rows: usize,
+        row_bytes: usize,
+    ) -> Result<Option<&ResidentRows>> {
+        let Some(linger) = self.config.resident_linger else {
+            return Ok(None);
+        };
+        if rows > RESIDENT_MAX_ROWS || rows.saturating_mul(row_bytes) > RESIDENT_MAX_BYTES {
+            return Ok(None);
+        }
+        let slot = &self.device(gpu)?.resident;
+        if let Some(server) = slot.get() {
+            return Ok(Some(server));
+        }
+        // Two first calls at once may each make one: one is kept.
+        let server = gpu.resident_rows(linger)?;
+        Ok(Some(slot.get_or_init(|| server)))
+    }
+
     pub(super) fn gather_zero_copy(
         &self,
         pool: &HostBuffer,
@@ -86,8 +112,25 @@ impl MemIo {
         dst_offset: usize,
         rows: GpuRows<'_>,
     ) -> Result<()> {
-        let path = IndexPath::of(rows.kernel(), row_bytes);
         let n = indices.len();
+        let hot = match rows {
+            GpuRows::Kernel(RowKernel::Tuned) => Some(None),
+            GpuRows::Hot(h) => Some(Some(h)),
+            GpuRows::Kernel(_) => None,
+        };
+        if let (GatherIndices::Host(list), Some(hot)) = (indices, hot)
+            && let Some(server) = self.resident_for(dst.gpu(), n, row_bytes)?
+        {
+            let job = ResidentJob {
+                pool,
+                hot,
+                indices: list,
+                dst,
+                dst_offset,
+            };
+            return Ok(server.gather(&[job], row_bytes)?);
+        }
+        let path = IndexPath::of(rows.kernel(), row_bytes);
         self.with_gpu_indices(dst.gpu(), indices, n, path, |s, idx| {
             match rows {
                 GpuRows::Kernel(k) => s.gather(pool, row_bytes, idx, n, dst, dst_offset, k)?,

@@ -19,6 +19,11 @@ const FORCED: [GatherStrategy; 4] = [
 ];
 
 pub(crate) fn engine() -> MemIo {
+    engine_with(None)
+}
+
+/// The test engine, its small gathers served by a resident block where `resident_linger`.
+pub(crate) fn engine_with(resident_linger: Option<std::time::Duration>) -> MemIo {
     let p = probe(BackendPreference::Auto).unwrap();
     if !p.cuda.available {
         Requirement::Cuda.missing(format_args!(
@@ -29,6 +34,7 @@ pub(crate) fn engine() -> MemIo {
     let config = MemIoConfig {
         chunk_size: 64 << 10,
         gather_threads: 3,
+        resident_linger,
         ..MemIoConfig::default()
     };
     MemIo::new(p.gpus, config).unwrap()
@@ -57,7 +63,7 @@ pub(crate) fn random_indices(n: usize, rows: usize, seed: u64) -> Vec<u64> {
         .collect()
 }
 
-fn reference(pool: &[u8], rb: usize, idx: &[u64]) -> Vec<u8> {
+pub(crate) fn reference(pool: &[u8], rb: usize, idx: &[u64]) -> Vec<u8> {
     idx.iter()
         .flat_map(|&r| pool[r as usize * rb..(r as usize + 1) * rb].iter().copied())
         .collect()

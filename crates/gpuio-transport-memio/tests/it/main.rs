@@ -6,5 +6,6 @@
 
 mod gather;
 mod gather_jobs;
+mod gather_resident;
 mod memio;
 mod staging;

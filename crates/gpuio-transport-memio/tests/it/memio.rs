@@ -28,6 +28,7 @@ fn small_chunks() -> MemIoConfig {
         pipeline_min: 256 << 10,
         parallel_copy_min: 128 << 10,
         gather_threads: 3,
+        resident_linger: None,
     }
 }
 

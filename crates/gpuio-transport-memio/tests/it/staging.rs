@@ -16,6 +16,7 @@ fn config() -> MemIoConfig {
         pipeline_min: 256 << 10,
         parallel_copy_min: 128 << 10,
         gather_threads: 3,
+        resident_linger: None,
     }
 }
 

@@ -30,6 +30,7 @@ mod module;
 mod nvrtc;
 mod probe;
 mod report;
+mod resident;
 mod rows;
 mod run;
 mod stream;

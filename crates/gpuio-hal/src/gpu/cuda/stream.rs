@@ -7,6 +7,7 @@ use super::device::{CudaDevice, Shared};
 use super::driver::{self, cuda_err};
 use super::event::{CudaEventBackend, EventPool};
 use super::report::StreamReports;
+use super::resident::StreamResident;
 use super::rows::OrderScratch;
 use crate::error::{HalError, Result};
 use crate::gpu::backend::{DevRange, DeviceBackend, EventBackend, StreamBackend, StreamTarget};
@@ -25,6 +26,8 @@ pub(crate) struct CudaStreamBackend {
     /// The gather kernels' report words, in mapped host memory, made on first use (a free
     /// per call would cost more than the call).
     pub(super) reports: StreamReports,
+    /// The resident row server's call block, made on its first call (`resident.rs`).
+    pub(super) resident: StreamResident,
     /// The caller's context, current again once the stream and its events are destroyed
     /// (the fields above). Declared before `shared`: where this was the device's last
     /// handle, its context is released after, and is never made current again here.
@@ -45,6 +48,7 @@ impl CudaStreamBackend {
             events: Arc::new(EventPool::default()),
             order: Mutex::new(OrderScratch::default()),
             reports: StreamReports::default(),
+            resident: StreamResident::default(),
             restore: Default::default(),
         })
     }
@@ -62,19 +66,24 @@ impl Drop for CudaStreamBackend {
             std::mem::forget(Arc::clone(&self.stream));
             std::mem::forget(Arc::clone(&self.events));
             std::mem::forget(self.reports.take());
+            std::mem::forget(self.resident.stop());
             return;
         }
         self.restore.arm();
         // Work queued on this stream may still use its scratch: drain first.
         let report = self.reports.take();
+        // A resident kernel would hold the drain for its linger: sent home first.
+        let resident = self.resident.stop();
         if let Err(e) = self.shared.bind() {
             tracing::error!(error = %e, "binding a stream's context to free its scratch failed");
             // Kernels may still write the report: leaked, as the other scratch is.
             std::mem::forget(report);
+            std::mem::forget(resident);
             return;
         }
         let _ = self.stream.synchronize();
         drop(report);
+        drop(resident);
         self.order.get_mut_unpoisoned().release(&self.shared);
     }
 }

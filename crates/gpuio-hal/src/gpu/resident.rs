@@ -1,0 +1,201 @@
+//! A resident row server ([`ResidentRows`]): small gathers from pinned pools (through hot rows
+//! where given) served by one block that stays on the device between calls, so that a call
+//! pays neither a launch nor the driver's wait. On an H200 the launch call alone is 4-5 µs and
+//! a one-row gather's whole wall 12-13 µs; the resident block answers in a few PCIe round
+//! trips.
+//!
+//! The block spins on a word of mapped host memory while it waits; it leaves after the
+//! server's linger without a call, so a device-wide synchronize elsewhere in the process waits
+//! at most that long, and comes back with the next call. It runs on a stream of its own.
+//! On the host backend the same jobs run on the calling thread.
+
+use super::backend::{RowJob, RowMem, RowsDone};
+use super::op::{CudaRun, DeviceOp, HostRun, check_disjoint};
+use super::{DeviceBuffer, Gpu, HOT_MAX_JOBS, HotRows, Stream};
+use crate::error::{HalError, Result};
+use crate::memory::HostBuffer;
+use std::time::Duration;
+
+/// Most indices one [`ResidentRows::gather`] call takes, over all its jobs (resident.cu's
+/// `GPUIO_RESIDENT_ROWS`).
+pub const RESIDENT_MAX_ROWS: usize = 1024;
+
+/// Most bytes one call moves: one block's work, a few tens of microseconds at most.
+pub const RESIDENT_MAX_BYTES: usize = 4 << 20;
+
+/// One pool's part of a [`ResidentRows::gather`] call: row `i` of the job (at `dst_offset + i
+/// * row_bytes` of `dst`) is pool row `indices[i]`, read from its copy where `hot` keeps it.
+#[derive(Debug, Clone, Copy)]
+pub struct ResidentJob<'a> {
+    /// The pinned pool.
+    pub pool: &'a HostBuffer,
+    /// Copies of some of its rows on the server's device ([`Stream::keep_hot`]), if any.
+    pub hot: Option<&'a HotRows>,
+    /// The rows to gather.
+    pub indices: &'a [u64],
+    /// Where they go, on the server's device.
+    pub dst: &'a DeviceBuffer,
+    /// Byte offset in `dst`.
+    pub dst_offset: usize,
+}
+
+/// Small gathers served by a block resident on one device ([`Gpu::resident_rows`]). Calls are
+/// answered one at a time, in the order made; each returns once its rows are in device memory.
+/// A call is ordered with no stream: work that writes its pools or reads its rows on a stream
+/// is ordered by the caller, as with any call that returns when done.
+#[derive(Debug)]
+pub struct ResidentRows {
+    stream: Stream,
+    linger: Duration,
+}
+
+impl Gpu {
+    /// A resident row server on this device whose block leaves after `linger` without a call
+    /// (at least a millisecond: less would leave between a model's steps and pay a launch
+    /// per call). Nothing runs until the first call.
+    pub fn resident_rows(&self, linger: Duration) -> Result<ResidentRows> {
+        if linger < Duration::from_millis(1) {
+            return Err(HalError::InvalidArgument(format!(
+                "a resident server's linger of {linger:?} is under a millisecond"
+            )));
+        }
+        Ok(ResidentRows {
+            stream: self.stream()?,
+            linger,
+        })
+    }
+}
+
+impl ResidentRows {
+    /// The device it serves.
+    pub fn gpu(&self) -> &Gpu {
+        self.stream.gpu()
+    }
+
+    /// How long its block waits for a call before it leaves.
+    pub fn linger(&self) -> Duration {
+        self.linger
+    }
+
+    /// Gathers every job's rows (rows of `row_bytes`; at most [`HOT_MAX_JOBS`] jobs,
+    /// [`RESIDENT_MAX_ROWS`] indices and [`RESIDENT_MAX_BYTES`] in all) and waits for them.
+    /// An index past its pool fails the call with [`HalError::IndexOutOfRange`] at its
+    /// position in the jobs' lists taken one after another (the other rows are gathered).
+    pub fn gather(&self, jobs: &[ResidentJob<'_>], row_bytes: usize) -> Result<()> {
+        let invalid = |why: String| Err(HalError::InvalidArgument(why));
+        if row_bytes == 0 {
+            return invalid("a resident gather's rows must have bytes".into());
+        }
+        if jobs.len() > HOT_MAX_JOBS {
+            return invalid(format!(
+                "{} jobs in one resident gather, more than {HOT_MAX_JOBS}",
+                jobs.len()
+            ));
+        }
+        let rows: usize = jobs.iter().map(|j| j.indices.len()).sum();
+        if rows > RESIDENT_MAX_ROWS || rows.saturating_mul(row_bytes) > RESIDENT_MAX_BYTES {
+            return invalid(format!(
+                "{rows} rows of {row_bytes} B in one resident gather, more than \
+                 {RESIDENT_MAX_ROWS} rows or {RESIDENT_MAX_BYTES} B"
+            ));
+        }
+        let spans = jobs.iter().map(|j| {
+            let len = j.indices.len() * row_bytes;
+            (j.dst.device_addr().saturating_add(j.dst_offset as u64), len)
+        });
+        check_disjoint(spans.collect(), "the jobs' destinations")?;
+        let gpu = &self.stream.gpu;
+        let mut checked = Vec::with_capacity(jobs.len());
+        for j in jobs {
+            if let Some(hot) = j.hot {
+                hot.check_pool(j.pool)?;
+                gpu.check_owns("hot rows", &hot.rows)?;
+                if hot.row_bytes() != row_bytes {
+                    return invalid(format!(
+                        "hot rows of {} B in a gather of rows of {row_bytes} B",
+                        hot.row_bytes()
+                    ));
+                }
+            }
+            gpu.check_owns("rows", j.dst)?;
+            let pool = self.stream.host_pool(j.pool)?;
+            if pool.len() < row_bytes {
+                return invalid(format!(
+                    "the pool ({} B) holds no row of {row_bytes} B",
+                    pool.len()
+                ));
+            }
+            let count = j.indices.len();
+            checked.push(RowJob {
+                pool,
+                row_bytes,
+                count,
+                idx: RowMem::Host {
+                    ptr: j.indices.as_ptr().cast::<u8>().cast_mut(),
+                    addr: 0,
+                    len: count * 8,
+                },
+                idx_upload: None,
+                rows: j.dst.range("rows", j.dst_offset, count * row_bytes)?,
+                scatter: false,
+                kernel: super::RowKernel::Tuned,
+                pieces: &[],
+                hot: j.hot.map(HotRows::refs).transpose()?,
+            });
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let done = self.stream.run(&ResidentOp {
+            jobs: &checked,
+            linger: self.linger,
+        })?;
+        match done.bad_index {
+            None => Ok(()),
+            Some(position) => {
+                // The job holding that position names the pool it missed.
+                let mut start = 0u64;
+                let pool_rows = jobs
+                    .iter()
+                    .find(|j| {
+                        start += j.indices.len() as u64;
+                        position < start
+                    })
+                    .map_or(0, |j| (j.pool.len() / row_bytes) as u64);
+                Err(HalError::IndexOutOfRange {
+                    position,
+                    rows: pool_rows,
+                })
+            }
+        }
+    }
+}
+
+/// Checked jobs as an op. Built only by `gather`, whose checks (every range against its live,
+/// borrowed allocation; pools pinned and borrowed for the call; index lists borrowed host
+/// memory within the limits) make running it sound.
+struct ResidentOp<'a, 'j> {
+    jobs: &'j [RowJob<'a>],
+    linger: Duration,
+}
+
+impl DeviceOp for ResidentOp<'_, '_> {
+    type Output = RowsDone;
+
+    fn host(&self, _host: &HostRun<'_>) -> Result<RowsDone> {
+        // SAFETY: the struct's contract; the host backend locks the device ranges itself.
+        unsafe { super::host::run_hot_jobs(self.jobs, None, false) }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn cuda(&self, cuda: &CudaRun<'_>) -> Result<RowsDone> {
+        let _ = self.linger;
+        cuda.never()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&self, cuda: &CudaRun<'_>) -> Result<RowsDone> {
+        // SAFETY: the struct's contract; the server's stream runs nothing but its calls.
+        unsafe { cuda.stream.serve_resident(self.jobs, self.linger) }
+    }
+}

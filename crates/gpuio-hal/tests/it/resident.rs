@@ -1,0 +1,232 @@
+//! The resident row server (`Gpu::resident_rows`) on the probed backend — the resident block
+//! on the GPU machine, the host backend's copy of its jobs in CI — against the pools it reads:
+//! plain and hot jobs in one call for each piece width, calls one after another, a call after
+//! the block left (its linger passed), a server dropped while its block waits (it must not
+//! hold the drop for its linger), and the refusals.
+
+use super::first_gpu as gpu;
+use gpuio_hal::{
+    Gpu, HalError, HostAllocOptions, HostBuffer, RESIDENT_MAX_BYTES, RESIDENT_MAX_ROWS,
+    ResidentJob, pattern,
+};
+use std::time::{Duration, Instant};
+
+const ROWS: usize = 300;
+
+fn pool(gpu: &Gpu, row: usize, seed: u64) -> HostBuffer {
+    let mut pool = HostBuffer::alloc_pinned(ROWS * row, &HostAllocOptions::default(), gpu).unwrap();
+    pattern::fill(&mut pool, 0, seed);
+    pool
+}
+
+fn ids(n: usize, seed: u64) -> Vec<u64> {
+    (0..n as u64)
+        .map(|i| pattern::mix64(i ^ seed << 32) % ROWS as u64)
+        .collect()
+}
+
+fn rows_of(pool: &[u8], row: usize, ids: &[u64]) -> Vec<u8> {
+    ids.iter()
+        .flat_map(|&i| &pool[i as usize * row..(i as usize + 1) * row])
+        .copied()
+        .collect()
+}
+
+#[test]
+fn plain_and_hot_jobs_are_gathered_call_after_call() {
+    let gpu = gpu();
+    let stream = gpu.stream().unwrap();
+    let server = gpu.resident_rows(Duration::from_millis(50)).unwrap();
+    // Each piece width: 16, 8, 4 and 1 bytes.
+    for row in [48usize, 24, 20, 7] {
+        let (a, mut b) = (
+            pool(&gpu, row, row as u64),
+            pool(&gpu, row, 100 + row as u64),
+        );
+        let keep: Vec<u64> = (0..ROWS as u64).filter(|r| r % 3 == 0).collect();
+        let hot = stream.keep_hot(&b, row, &keep).unwrap();
+        // Kept rows read as their copies: rewrite the pool after keeping it.
+        let before = b.as_slice().to_vec();
+        pattern::fill(&mut b, 0, 200 + row as u64);
+        let dst = gpu.alloc(700 * row).unwrap();
+        for call in 0..4u64 {
+            let (plain, hot_ids) = (ids(5 + 40 * call as usize, call), ids(24, 50 + call));
+            stream.fill_pattern(&dst, 0, 700 * row, 3).unwrap();
+            let jobs = [
+                ResidentJob {
+                    pool: &a,
+                    hot: None,
+                    indices: &plain,
+                    dst: &dst,
+                    dst_offset: 2 * row,
+                },
+                ResidentJob {
+                    pool: &b,
+                    hot: Some(&hot),
+                    indices: &hot_ids,
+                    dst: &dst,
+                    dst_offset: 400 * row,
+                },
+            ];
+            server.gather(&jobs, row).unwrap();
+            let mut got = vec![0u8; plain.len() * row];
+            stream.download(&dst, 2 * row, &mut got).unwrap();
+            assert_eq!(
+                got,
+                rows_of(a.as_slice(), row, &plain),
+                "row {row}, call {call}"
+            );
+            let want: Vec<u8> = hot_ids
+                .iter()
+                .flat_map(|&i| {
+                    let src = if i % 3 == 0 {
+                        &before[..]
+                    } else {
+                        b.as_slice()
+                    };
+                    rows_of(src, row, &[i])
+                })
+                .collect();
+            let mut got = vec![0u8; hot_ids.len() * row];
+            stream.download(&dst, 400 * row, &mut got).unwrap();
+            assert_eq!(got, want, "row {row}, call {call}, hot job");
+            // Nothing else was written.
+            let mut head = vec![0u8; 2 * row];
+            stream.download(&dst, 0, &mut head).unwrap();
+            assert_eq!(pattern::first_deviation(&head, 0, 3), None, "row {row}");
+        }
+    }
+}
+
+#[test]
+fn a_call_after_the_linger_brings_the_block_back() {
+    let gpu = gpu();
+    let stream = gpu.stream().unwrap();
+    let linger = Duration::from_millis(1);
+    let server = gpu.resident_rows(linger).unwrap();
+    let row = 64;
+    let a = pool(&gpu, row, 7);
+    let dst = gpu.alloc(64 * row).unwrap();
+    // Calls spaced below, near and past the linger: the block is there, leaving, or gone.
+    for (k, pause_us) in [0u64, 2000, 900, 1000, 1100, 5000, 0]
+        .into_iter()
+        .enumerate()
+    {
+        std::thread::sleep(Duration::from_micros(pause_us));
+        let list = ids(1 + 9 * k, k as u64);
+        let job = ResidentJob {
+            pool: &a,
+            hot: None,
+            indices: &list,
+            dst: &dst,
+            dst_offset: 0,
+        };
+        server.gather(&[job], row).unwrap();
+        let mut got = vec![0u8; list.len() * row];
+        stream.download(&dst, 0, &mut got).unwrap();
+        assert_eq!(got, rows_of(a.as_slice(), row, &list), "call {k}");
+    }
+}
+
+#[test]
+fn dropping_a_server_sends_its_block_home_at_once() {
+    let gpu = gpu();
+    let server = gpu.resident_rows(Duration::from_secs(30)).unwrap();
+    let a = pool(&gpu, 16, 1);
+    let dst = gpu.alloc(16).unwrap();
+    let job = ResidentJob {
+        pool: &a,
+        hot: None,
+        indices: &[3],
+        dst: &dst,
+        dst_offset: 0,
+    };
+    server.gather(&[job], 16).unwrap();
+    let t = Instant::now();
+    drop(server);
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}
+
+#[test]
+fn a_resident_gather_refuses_what_it_cannot_run() {
+    let gpu = gpu();
+    let stream = gpu.stream().unwrap();
+    let err = gpu.resident_rows(Duration::from_micros(999)).unwrap_err();
+    assert!(err.to_string().contains("under a millisecond"), "{err}");
+    let server = gpu.resident_rows(Duration::from_millis(20)).unwrap();
+    let (a, b) = (pool(&gpu, 32, 1), pool(&gpu, 32, 2));
+    let hot_a = stream.keep_hot(&a, 32, &[1, 2]).unwrap();
+    let hot_16 = stream.keep_hot(&a, 16, &[1]).unwrap();
+    let dst = gpu.alloc(2048 * 32).unwrap();
+    let two = [1u64, 2];
+    let job = |pool, hot, indices, dst_offset| ResidentJob {
+        pool,
+        hot,
+        indices,
+        dst: &dst,
+        dst_offset,
+    };
+    let refused = |jobs: &[ResidentJob<'_>], row: usize, why: &str| {
+        let err = server.gather(jobs, row).unwrap_err();
+        assert!(err.to_string().contains(why), "{err}");
+    };
+    refused(&[job(&a, None, &two, 0)], 0, "must have bytes");
+    refused(&[job(&a, None, &two, 0); 9], 32, "more than 8");
+    let many = vec![1u64; RESIDENT_MAX_ROWS + 1];
+    refused(&[job(&a, None, &many, 0)], 32, "resident gather");
+    let big = HostBuffer::alloc_pinned(2 << 20, &HostAllocOptions::default(), &gpu).unwrap();
+    let big_dst = gpu.alloc(RESIDENT_MAX_BYTES + (1 << 20)).unwrap();
+    let three = [0u64; 3];
+    let too_big = ResidentJob {
+        pool: &big,
+        hot: None,
+        indices: &three,
+        dst: &big_dst,
+        dst_offset: 0,
+    };
+    refused(&[too_big], 2 << 20, "resident gather");
+    refused(&[job(&b, Some(&hot_a), &two, 0)], 32, "another pool");
+    refused(&[job(&a, Some(&hot_16), &two, 0)], 32, "hot rows of 16 B");
+    refused(
+        &[job(&a, None, &two, 0), job(&a, None, &two, 32)],
+        32,
+        "overlap",
+    );
+    let unpinned = HostBuffer::alloc(ROWS * 32, &HostAllocOptions::default()).unwrap();
+    refused(&[job(&unpinned, None, &two, 0)], 32, "pinned");
+    let err = server
+        .gather(&[job(&a, None, &two, 2047 * 32)], 32)
+        .unwrap_err();
+    assert!(
+        matches!(err, HalError::OutOfRange { what: "rows", .. }),
+        "{err}"
+    );
+    // A row past its pool is reported at its position over all jobs, naming its own pool's
+    // rows; the other rows are gathered, and the server serves the next call.
+    let small = pool(&gpu, 32, 5);
+    let mut bigger =
+        HostBuffer::alloc_pinned(2 * ROWS * 32, &HostAllocOptions::default(), &gpu).unwrap();
+    pattern::fill(&mut bigger, 0, 6);
+    let (first, second) = ([4u64, 8], [3u64, ROWS as u64 + 1, 9]);
+    stream.fill_pattern(&dst, 0, 2048 * 32, 9).unwrap();
+    match server.gather(
+        &[
+            job(&bigger, None, &first, 0),
+            job(&small, None, &second, 64),
+        ],
+        32,
+    ) {
+        Err(HalError::IndexOutOfRange { position, rows }) => {
+            assert_eq!((position, rows), (3, ROWS as u64));
+        }
+        other => panic!("{other:?}"),
+    }
+    let mut got = vec![0u8; 5 * 32];
+    stream.download(&dst, 0, &mut got).unwrap();
+    assert_eq!(got[..64], rows_of(bigger.as_slice(), 32, &first));
+    assert_eq!(got[64..96], rows_of(small.as_slice(), 32, &[3]));
+    assert_eq!(got[128..], rows_of(small.as_slice(), 32, &[9]));
+    server.gather(&[job(&small, None, &[7], 0)], 32).unwrap();
+    stream.download(&dst, 0, &mut got[..32]).unwrap();
+    assert_eq!(got[..32], rows_of(small.as_slice(), 32, &[7]));
+}
