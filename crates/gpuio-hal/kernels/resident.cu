@@ -49,6 +49,12 @@ __device__ __forceinline__ gpuio_u64 gpuio_now_ns() {
     return t;
 }
 
+__device__ __forceinline__ gpuio_u64 gpuio_load_acquire_sys(const volatile gpuio_u64* p) {
+    gpuio_u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
 template <int W>
 __device__ __forceinline__ void gpuio_resident_jobs(const gpuio_hot_job* jobs, gpuio_u64 count,
                                                     gpuio_u64 row_bytes, const gpuio_u64* idx,
@@ -77,10 +83,10 @@ extern "C" __global__ void __launch_bounds__(GPUIO_RESIDENT_THREADS)
     gpuio_u64 idle_since = gpuio_now_ns();
     for (;;) {
         if (threadIdx.x == 0) {
-            gpuio_u64 s = *seq_word;
-            while (s == seen && gpuio_now_ns() - idle_since < linger_ns) s = *seq_word;
-            // What the host wrote before the number is read after it.
-            asm volatile("fence.acq_rel.sys;" ::: "memory");
+            // Acquire: what the host wrote before the number is read after it.
+            gpuio_u64 s = gpuio_load_acquire_sys(seq_word);
+            while (s == seen && gpuio_now_ns() - idle_since < linger_ns)
+                s = gpuio_load_acquire_sys(seq_word);
             next = s;
         }
         __syncthreads();

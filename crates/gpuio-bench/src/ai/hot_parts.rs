@@ -3,13 +3,17 @@
 //! read from pinned memory by the kernel, and staged (one copy, then the kernel); the device's
 //! own time for the first; and MemIO's zero-copy route around the same kernel (its index stage,
 //! pieces and planner); the same list as two jobs of one launch (a step's two tables) through
-//! the HAL and MemIO; and the least a launch and its wait cost. Notes only: the records are
+//! the HAL and MemIO, and through a resident block where it fits; and the least a launch and
+//! its wait cost. Notes only: the records are
 //! the lookups themselves.
 
 use super::percentile;
 use crate::Result;
 use gpuio_api::Session;
-use gpuio_hal::{HostAllocOptions, HostBuffer, HotGather, HotRows, RowIndices};
+use gpuio_hal::{
+    HostAllocOptions, HostBuffer, HotGather, HotRows, RESIDENT_MAX_BYTES, RESIDENT_MAX_ROWS,
+    ResidentJob, RowIndices,
+};
 use gpuio_transport_memio::{GatherOptions, GatherStrategy, HotLookup};
 use std::time::Instant;
 
@@ -124,6 +128,11 @@ fn two_jobs(session: &Session, table: &HostBuffer, hot: &HotRows, ids: &[u64]) -
     };
     let jobs = [job(0), job(1)];
     let (mut pinned_t, mut device_t, mut busy, mut memio_t) = (vec![], vec![], vec![], vec![]);
+    // A resident block serves calls of up to 64 KiB (the engine's own, if it keeps one).
+    let resident = (2 * n * rb <= RESIDENT_MAX_BYTES && 2 * n <= RESIDENT_MAX_ROWS)
+        .then(|| gpu.resident_rows(std::time::Duration::from_millis(100)))
+        .transpose()?;
+    let mut resident_t = vec![];
     let opts = GatherOptions {
         strategy: GatherStrategy::ZeroCopy,
         ..GatherOptions::default()
@@ -148,11 +157,31 @@ fn two_jobs(session: &Session, table: &HostBuffer, hot: &HotRows, ids: &[u64]) -
         let r = session.memio().gather_hot_jobs(&lookups, &opts);
         r.map_err(gpuio_api::Error::from)?;
         memio_t.push(s.elapsed().as_secs_f64() * 1e6);
+        if let Some(server) = &resident {
+            let jobs = [0, 1].map(|k| ResidentJob {
+                pool: table,
+                hot: Some(hot),
+                indices: ids,
+                dst: &dst,
+                dst_offset: k * n * rb,
+            });
+            let s = Instant::now();
+            server.gather(&jobs, rb)?;
+            resident_t.push(s.elapsed().as_secs_f64() * 1e6);
+        }
     }
+    let resident = if resident_t.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; a HAL resident block {:.1}",
+            percentile(&mut resident_t, 0.5)
+        )
+    };
     Ok(format!(
         "B2 hot gather, two tables' jobs of {n} ids in one launch (wall p50 of {REPS}): HAL with \
          the list in pinned memory {:.1} µs, on the device {:.1} (device time {:.1}); MemIO \
-         zero-copy {:.1}",
+         zero-copy {:.1}{resident}",
         percentile(&mut pinned_t, 0.5),
         percentile(&mut device_t, 0.5),
         percentile(&mut busy, 0.5),

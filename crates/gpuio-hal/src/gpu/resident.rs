@@ -20,8 +20,10 @@ use std::time::Duration;
 /// `GPUIO_RESIDENT_ROWS`).
 pub const RESIDENT_MAX_ROWS: usize = 1024;
 
-/// Most bytes one call moves: one block's work, a few tens of microseconds at most.
-pub const RESIDENT_MAX_BYTES: usize = 4 << 20;
+/// Most bytes one call moves. One block on one multiprocessor keeps few reads in flight: on
+/// an H200 it moved 64 rows of 656 B (42 KiB) in 13.5 µs against a launched gather's 18, but
+/// 768 rows of 256 B in 31 µs against 18.
+pub const RESIDENT_MAX_BYTES: usize = 64 << 10;
 
 /// One pool's part of a [`ResidentRows::gather`] call: row `i` of the job (at `dst_offset + i
 /// * row_bytes` of `dst`) is pool row `indices[i]`, read from its copy where `hot` keeps it.
