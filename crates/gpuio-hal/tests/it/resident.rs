@@ -1,8 +1,8 @@
 //! The resident row server (`Gpu::resident_rows`) on the probed backend — the resident block
 //! on the GPU machine, the host backend's copy of its jobs in CI — against the pools it reads:
 //! plain and hot jobs in one call for each piece width, calls one after another, a call after
-//! the block left (its linger passed), a server dropped while its block waits (it must not
-//! hold the drop for its linger), and the refusals.
+//! the block left (its linger passed), a device-wide wait and a drop while the block waits
+//! (neither may wait out its linger), and the refusals.
 
 use super::first_gpu as gpu;
 use gpuio_hal::{
@@ -128,20 +128,43 @@ fn a_call_after_the_linger_brings_the_block_back() {
     }
 }
 
+/// A block lingering for 30 s must not hold a device-wide wait or the server's drop that long.
 #[test]
-fn dropping_a_server_sends_its_block_home_at_once() {
+fn a_device_wide_wait_and_a_drop_send_the_block_home() {
     let gpu = gpu();
+    let stream = gpu.stream().unwrap();
     let server = gpu.resident_rows(Duration::from_secs(30)).unwrap();
     let a = pool(&gpu, 16, 1);
     let dst = gpu.alloc(16).unwrap();
-    let job = ResidentJob {
-        pool: &a,
-        hot: None,
-        indices: &[3],
-        dst: &dst,
-        dst_offset: 0,
-    };
-    server.gather(&[job], 16).unwrap();
+    for (k, row) in [3u64, 9].into_iter().enumerate() {
+        let job = ResidentJob {
+            pool: &a,
+            hot: None,
+            indices: &[row],
+            dst: &dst,
+            dst_offset: 0,
+        };
+        server.gather(&[job], 16).unwrap();
+        let mut got = vec![0u8; 16];
+        stream.download(&dst, 0, &mut got).unwrap();
+        assert_eq!(got, rows_of(a.as_slice(), 16, &[row]), "call {k}");
+        // The second call comes after the block was sent home: it launches it again.
+        let t = Instant::now();
+        gpu.synchronize().unwrap();
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    }
+    server
+        .gather(
+            &[ResidentJob {
+                pool: &a,
+                hot: None,
+                indices: &[5],
+                dst: &dst,
+                dst_offset: 0,
+            }],
+            16,
+        )
+        .unwrap();
     let t = Instant::now();
     drop(server);
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());

@@ -7,6 +7,7 @@
 use super::driver::{self, cuda_err};
 use super::memory::{CudaMemory, CudaPin, ForeignMemory};
 use super::module::{self, Loaded};
+use super::resident::CallMemory;
 use super::stream::CudaStreamBackend;
 use super::{cufile, probe};
 use crate::error::{ErrorCode, HalError, Result};
@@ -20,7 +21,7 @@ use crate::kernels::{Kernel, KernelLoad, KernelOrigin, KernelPath, KernelSource}
 use crate::sync::MutexExt;
 use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, sys};
 use std::any::Any;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 /// State shared by a device and its streams.
 #[derive(Debug)]
@@ -39,6 +40,9 @@ pub(super) struct Shared {
     /// The kernel modules used on this device, each loaded on first use (or the reason it
     /// could not be, kept for every later caller), by the address of its static.
     modules: Mutex<Vec<(usize, ModuleSlot)>>,
+    /// The call blocks of the device's resident row servers, sent home before a device-wide
+    /// wait (which would otherwise wait out their linger).
+    pub(super) residents: Mutex<Vec<Weak<CallMemory>>>,
 }
 
 impl Drop for Shared {
@@ -301,6 +305,7 @@ impl CudaDevice {
                 compute_capability: (major as u32, minor as u32),
                 multiprocessors,
                 modules: Mutex::default(),
+                residents: Mutex::default(),
             }),
             info,
         })
@@ -369,6 +374,7 @@ impl DeviceBackend for CudaDevice {
             return Ok(());
         }
         self.shared.bind()?;
+        super::resident::send_home(&self.shared);
         driver::ctx_synchronize()
     }
 

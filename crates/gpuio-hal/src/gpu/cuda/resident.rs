@@ -8,6 +8,7 @@
 //! a call; a call that finds the stream idle with its number unanswered launches it again (the
 //! number is served at most once more: the same rows, written twice).
 
+use super::device::Shared;
 use super::driver::{self, cuda_err};
 use super::stream::CudaStreamBackend;
 use crate::error::Result;
@@ -19,8 +20,8 @@ use crate::kernels::GatherKernel;
 use crate::sync::MutexExt;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::mem::{offset_of, size_of};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The kernel's block size (resident.cu's `GPUIO_RESIDENT_THREADS`): 64 rows of 656 B in two
@@ -65,35 +66,22 @@ const _: () = assert!(offset_of!(CallBlock, width) == 256);
 const _: () = assert!(offset_of!(CallBlock, job) == 288);
 const _: () = assert!(offset_of!(CallBlock, index) == 288 + 96 * HOT_MAX_JOBS);
 
-/// A stream's call block and what the host knows of its kernel.
-pub(crate) struct ResidentBlock {
+/// A call block in mapped host memory: freed on drop, once its stream has drained.
+pub(crate) struct CallMemory {
     host: *mut CallBlock,
     device: u64,
-    /// The last number word posted (and answered: calls hold the lock until answered).
-    posted: u64,
-    /// When the last answer came, if the kernel may still be there.
-    answered: Option<Instant>,
+    /// How often a device-wide wait sent the kernel home ([`send_home`]).
+    sent_home: AtomicU64,
 }
 
-// SAFETY: the pointer is to page-locked memory this value alone owns (until Drop); the host
-// touches it only under the stream's resident lock.
-unsafe impl Send for ResidentBlock {}
+// SAFETY: the pointer is to page-locked memory this value alone owns (until Drop). The call
+// words are written only by the stream's resident lock holder; the number word is also
+// stored by `send_home`, through an atomic.
+unsafe impl Send for CallMemory {}
+// SAFETY: as above.
+unsafe impl Sync for CallMemory {}
 
-/// A stream's resident block, made on a first call.
-#[derive(Default)]
-pub(super) struct StreamResident(Mutex<Option<ResidentBlock>>);
-
-impl StreamResident {
-    /// Sends the kernel home (a stream about to be drained), and gives the block for its
-    /// Drop to free after the drain.
-    pub(super) fn stop(&mut self) -> Option<ResidentBlock> {
-        let block = self.0.get_mut_unpoisoned().take()?;
-        block.post(STOP);
-        Some(block)
-    }
-}
-
-impl ResidentBlock {
+impl CallMemory {
     fn new() -> Result<Self> {
         let host = driver::mem_host_alloc_mapped(size_of::<CallBlock>())?.cast::<CallBlock>();
         // SAFETY: `host` starts a fresh allocation of a CallBlock's size, used by nothing yet.
@@ -110,8 +98,7 @@ impl ResidentBlock {
         Ok(Self {
             host,
             device,
-            posted: 0,
-            answered: None,
+            sent_home: AtomicU64::new(0),
         })
     }
 
@@ -132,15 +119,91 @@ impl ResidentBlock {
             .load(Ordering::Acquire)
     }
 
+    /// Job `k`'s first bad position, once the call is answered.
+    fn bad(&self, k: usize) -> Option<u64> {
+        let w = self
+            .word(offset_of!(CallBlock, bad) + 8 * k)
+            .load(Ordering::Acquire);
+        (w != NONE).then_some(w)
+    }
+}
+
+impl Drop for CallMemory {
+    fn drop(&mut self) {
+        if super::probe::driver_forked() {
+            return;
+        }
+        // SAFETY: allocated by mem_host_alloc_mapped, freed once; the stream that owned it
+        // sent its kernel home and drained first.
+        if let Err(e) = unsafe { driver::mem_free_host(self.host.cast()) } {
+            tracing::error!(error = %e, "freeing a resident call block failed");
+        }
+    }
+}
+
+/// Sends every resident kernel of `shared`'s device home, before a device-wide wait: such a
+/// wait would otherwise last until they leave by themselves. A call in flight is answered
+/// first, or finds its kernel gone and launches it again.
+pub(super) fn send_home(shared: &Shared) {
+    let mut residents = shared.residents.lock_unpoisoned();
+    residents.retain(|weak| {
+        let Some(mem) = weak.upgrade() else {
+            return false;
+        };
+        mem.sent_home.fetch_add(1, Ordering::AcqRel);
+        mem.post(STOP);
+        true
+    });
+}
+
+/// A stream's call block and what the host knows of its kernel.
+pub(crate) struct ResidentBlock {
+    mem: Arc<CallMemory>,
+    /// The last number word posted (and answered: calls hold the lock until answered).
+    posted: u64,
+    /// When the last answer came, if the kernel may still be there: the call memory's
+    /// `sent_home` count then.
+    answered: Option<(Instant, u64)>,
+}
+
+/// A stream's resident block, made on a first call.
+#[derive(Default)]
+pub(super) struct StreamResident(Mutex<Option<ResidentBlock>>);
+
+impl StreamResident {
+    /// Sends the kernel home (a stream about to be drained), and gives the block for its
+    /// Drop to free after the drain.
+    pub(super) fn stop(&mut self) -> Option<ResidentBlock> {
+        let block = self.0.get_mut_unpoisoned().take()?;
+        block.mem.post(STOP);
+        Some(block)
+    }
+}
+
+impl ResidentBlock {
+    /// A block, known to `shared`'s device-wide waits.
+    fn new(shared: &Shared) -> Result<Self> {
+        let mem = Arc::new(CallMemory::new()?);
+        let mut residents = shared.residents.lock_unpoisoned();
+        residents.retain(|w| w.strong_count() > 0);
+        residents.push(Arc::downgrade(&mem));
+        Ok(Self {
+            mem,
+            posted: 0,
+            answered: None,
+        })
+    }
+
     /// Writes the call (the kernel is idle until its number is posted); its index count.
     ///
     /// # Safety
     /// Every job's index list is host memory (`RowMem::Host`) readable for the call; the jobs
     /// hold at most `RESIDENT_MAX_ROWS` indices and `HOT_MAX_JOBS` jobs (checked by the op).
     unsafe fn write(&mut self, jobs: &[RowJob<'_>], width: u64, row_bytes: u64) -> u64 {
-        let block = self.host;
+        let block = self.mem.host;
         let mut at = 0usize;
-        // SAFETY: the block is ours; the kernel reads these words only after the number.
+        // SAFETY: the block is ours (the stream's resident lock); the kernel reads these words
+        // only after the number.
         unsafe {
             (*block).width = width;
             (*block).row_bytes = row_bytes;
@@ -174,27 +237,6 @@ impl ResidentBlock {
         fence(Ordering::Release);
         at as u64
     }
-
-    /// Job `k`'s first bad position, once the call is answered.
-    fn bad(&self, k: usize) -> Option<u64> {
-        let w = self
-            .word(offset_of!(CallBlock, bad) + 8 * k)
-            .load(Ordering::Acquire);
-        (w != NONE).then_some(w)
-    }
-}
-
-impl Drop for ResidentBlock {
-    fn drop(&mut self) {
-        if super::probe::driver_forked() {
-            return;
-        }
-        // SAFETY: allocated by mem_host_alloc_mapped, freed once; the stream that owned it
-        // sent its kernel home and drained first.
-        if let Err(e) = unsafe { driver::mem_free_host(self.host.cast()) } {
-            tracing::error!(error = %e, "freeing a resident call block failed");
-        }
-    }
 }
 
 impl CudaStreamBackend {
@@ -214,7 +256,7 @@ impl CudaStreamBackend {
         self.shared.bind()?;
         let mut held = self.resident.0.lock_unpoisoned();
         if held.is_none() {
-            *held = Some(ResidentBlock::new()?);
+            *held = Some(ResidentBlock::new(&self.shared)?);
         }
         let Some(block) = held.as_mut() else {
             unreachable!("set above")
@@ -232,31 +274,33 @@ impl CudaStreamBackend {
         block.posted = seq;
         // Once posted, the kernel may be reading the pools: every way out stops it and waits
         // for the stream before the borrows end.
+        let sent_home = block.mem.sent_home.load(Ordering::Acquire);
         let fresh = block
             .answered
             .take()
-            .is_some_and(|t| t.elapsed() + LINGER_MARGIN < linger);
-        let stopper = StopOnDrop(Some((self, &*block)));
-        block.post(seq);
+            .is_some_and(|(t, sent)| sent == sent_home && t.elapsed() + LINGER_MARGIN < linger);
+        let mem = &*block.mem;
+        let stopper = StopOnDrop(Some((self, mem)));
+        mem.post(seq);
         if !fresh {
-            self.launch_if_idle(block, seen, seq, linger)?;
+            self.launch_if_idle(mem, seen, seq, linger)?;
         }
         let mut asked = Instant::now();
-        while block.done() != seq {
+        while mem.done() != seq {
             if asked.elapsed() >= QUERY_EVERY {
-                self.launch_if_idle(block, seen, seq, linger)?;
+                self.launch_if_idle(mem, seen, seq, linger)?;
                 asked = Instant::now();
             }
             std::hint::spin_loop();
         }
         std::mem::forget(stopper);
-        block.answered = Some(Instant::now());
         let mut first = 0u64;
         let mut bad_index = None;
         for (k, job) in jobs.iter().enumerate() {
-            bad_index = bad_index.or(block.bad(k).map(|at| first + at));
+            bad_index = bad_index.or(mem.bad(k).map(|at| first + at));
             first += job.count as u64;
         }
+        block.answered = Some((Instant::now(), sent_home));
         Ok(RowsDone {
             bad_index,
             device_time: None,
@@ -268,7 +312,7 @@ impl CudaStreamBackend {
     /// into is returned.
     fn launch_if_idle(
         &self,
-        block: &ResidentBlock,
+        block: &CallMemory,
         seen: u64,
         seq: u64,
         linger: Duration,
@@ -298,7 +342,7 @@ impl CudaStreamBackend {
 
 /// On a way out before the answer: sends the kernel home and waits for the stream, so that
 /// nothing reads or writes the call's memory after the call returns.
-struct StopOnDrop<'a>(Option<(&'a CudaStreamBackend, &'a ResidentBlock)>);
+struct StopOnDrop<'a>(Option<(&'a CudaStreamBackend, &'a CallMemory)>);
 
 impl Drop for StopOnDrop<'_> {
     fn drop(&mut self) {
