@@ -4,9 +4,10 @@
 //!
 //! A call writes its jobs and indices into the block, then its number word (its number times
 //! 2048 plus its index count, which the kernel reads with the number); it waits until the
-//! block's `done` word holds that word. The kernel leaves after the stream's linger without
-//! a call; a call that finds the stream idle with its number unanswered launches it again (the
-//! number is served at most once more: the same rows, written twice).
+//! block's `done` word holds that word. The kernel leaves after the server's linger without
+//! a call, or when sent home (the stop number: the server's drop, a device-wide wait); a call
+//! that finds the stream idle with its number unanswered launches it again (the number is
+//! served at most once more: the same rows, written twice).
 
 use super::device::Shared;
 use super::driver::{self, cuda_err};
