@@ -25,8 +25,9 @@ pub const RESIDENT_MAX_ROWS: usize = 1024;
 /// 768 rows of 256 B in 31 µs against 18.
 pub const RESIDENT_MAX_BYTES: usize = 64 << 10;
 
-/// One pool's part of a [`ResidentRows::gather`] call: row `i` of the job (at `dst_offset + i
-/// * row_bytes` of `dst`) is pool row `indices[i]`, read from its copy where `hot` keeps it.
+/// One pool's part of a [`ResidentRows::gather`] call: its row `i` goes to `dst` at
+/// `dst_offset + i * row_bytes`, from pool row `indices[i]` (read from its copy where `hot`
+/// keeps it).
 #[derive(Debug, Clone, Copy)]
 pub struct ResidentJob<'a> {
     /// The pinned pool.
