@@ -4,26 +4,24 @@
 // sees the number, copies the rows, and stores the number back; the host watches for it.
 // On an H200 a launch call alone takes 4-5 us, most of a few-row gather's wall time.
 //
-// The block leaves after `linger_ns` without a call (or when the host stores the stop
-// number), so that a device-wide synchronize waits at most that long; the host launches it
-// again when it finds the stream idle with a call unanswered (crates/gpuio-hal/src/gpu/cuda/
-// resident.rs). A call is served at most once per number; served twice (a relaunch racing
-// the block's exit) it writes the same rows again.
+// The block leaves after `linger_ns` without a call, or once the host has raised the stop
+// word (before a device-wide wait, which would otherwise last the linger) and no call is
+// waiting: a posted call is always served first. The host launches it again when it finds the
+// stream idle with a call unanswered (crates/gpuio-hal/src/gpu/cuda/resident.rs).
 
 #define GPUIO_RESIDENT_ROWS 1024    // RESIDENT_MAX_ROWS in crates/gpuio-hal/src/gpu/resident.rs
 #define GPUIO_RESIDENT_THREADS 512  // RESIDENT_THREADS in crates/gpuio-hal/src/gpu/cuda/resident.rs
-#define GPUIO_RESIDENT_STOP (~0ull)
 // The call's words the block reads before its jobs: width, row_bytes, jobs, rows, the jobs.
 #define GPUIO_RESIDENT_HEAD (4 + 12 * GPUIO_HOT_JOBS)
 
 // The call block, as the host writes it (`CallBlock` in crates/gpuio-hal/src/gpu/cuda/
 // resident.rs, whose layout is asserted there too). The host writes everything but `done` and
-// `bad`, then `seq` (the call's number word, below); the device lowers `bad[k]` (job k's first
-// bad position, atomicMin), then stores the number word in `done`. Each side's word has a
-// 128-byte line of its own.
+// `bad` and `stop`, then `seq` (the call's number word, below); the device lowers `bad[k]`
+// (job k's first bad position, atomicMin), then stores the number word in `done`. `stop` only
+// ever grows. Each side's words have a 128-byte line of their own.
 struct gpuio_resident_call {
-    gpuio_u64 seq;
-    gpuio_u64 unused0[15];
+    gpuio_u64 seq, stop;
+    gpuio_u64 unused0[14];
     gpuio_u64 done;
     gpuio_u64 bad[GPUIO_HOT_JOBS];
     gpuio_u64 unused1[7];
@@ -35,6 +33,7 @@ struct gpuio_resident_call {
 static_assert(sizeof(gpuio_resident_call) == 288 + 96 * GPUIO_HOT_JOBS + 8 * GPUIO_RESIDENT_ROWS,
               "gpuio_resident_call size");
 #ifndef __CUDACC_RTC__
+static_assert(__builtin_offsetof(gpuio_resident_call, stop) == 8, "resident_call.stop");
 static_assert(__builtin_offsetof(gpuio_resident_call, done) == 128, "resident_call.done");
 static_assert(__builtin_offsetof(gpuio_resident_call, bad) == 136, "resident_call.bad");
 static_assert(__builtin_offsetof(gpuio_resident_call, width) == 256, "resident_call.width");
@@ -70,28 +69,34 @@ __device__ __forceinline__ void gpuio_resident_jobs(const gpuio_hot_job* jobs, g
 // One block of GPUIO_RESIDENT_THREADS. A call's number word is its number times 2048 plus its
 // index count (at most GPUIO_RESIDENT_ROWS), so that the block reads the call's words and its
 // indices in one round trip. `seen`: the last word served (the host's last answered call), so
-// that a call posted before the launch is served at once.
+// that a call posted before the launch is served at once; `stopped`: the stop word then.
 extern "C" __global__ void __launch_bounds__(GPUIO_RESIDENT_THREADS)
-    gpuio_resident_rows(gpuio_resident_call* call, gpuio_u64 seen, gpuio_u64 linger_ns) {
+    gpuio_resident_rows(gpuio_resident_call* call, gpuio_u64 seen, gpuio_u64 stopped,
+                        gpuio_u64 linger_ns) {
     __shared__ gpuio_u64 idx[GPUIO_RESIDENT_ROWS];
     __shared__ gpuio_u64 head[GPUIO_RESIDENT_HEAD];
     __shared__ gpuio_u64 next;
     // The host rewrites the block between calls: every read of it goes to host memory.
     const volatile gpuio_u64* seq_word = &call->seq;
+    const volatile gpuio_u64* stop_word = &call->stop;
     const volatile gpuio_u64* words = &call->width;
     const volatile gpuio_u64* index = call->index;
     gpuio_u64 idle_since = gpuio_now_ns();
     for (;;) {
         if (threadIdx.x == 0) {
+            // Both words each round, the stop word's load in flight beside the number's.
             // Acquire: what the host wrote before the number is read after it.
-            gpuio_u64 s = gpuio_load_acquire_sys(seq_word);
-            while (s == seen && gpuio_now_ns() - idle_since < linger_ns)
+            gpuio_u64 s, stop;
+            do {
+                stop = *stop_word;
                 s = gpuio_load_acquire_sys(seq_word);
+            } while (s == seen && stop == stopped && gpuio_now_ns() - idle_since < linger_ns);
             next = s;
         }
         __syncthreads();
         const gpuio_u64 seq = next;
-        if (seq == seen || seq == GPUIO_RESIDENT_STOP) return;
+        // No call: the linger passed, or the host asked the block to leave.
+        if (seq == seen) return;
         const gpuio_u64 count = seq % 2048;
         const unsigned rows = count < GPUIO_RESIDENT_ROWS ? (unsigned)count : GPUIO_RESIDENT_ROWS;
         for (unsigned t = threadIdx.x; t < GPUIO_RESIDENT_HEAD + rows; t += blockDim.x) {

@@ -19,8 +19,8 @@ pub use gpu::{
     Allocation, Backend, BackendPreference, Capability, DeviceBuffer, DeviceInfo, DmaBufExport,
     Event, GdsFile, GdsMode, Gpu, HOT_MAX_JOBS, HOT_MAX_POOL_ROWS, HOT_MAX_ROWS, HotGather,
     HotRows, Inflight, ManagedBuffer, PcieLink, Piece2d, PinGuard, Probe, RESIDENT_MAX_BYTES,
-    RESIDENT_MAX_ROWS, ResidentJob, ResidentRows, RowIndices, RowKernel, SharedPin, Stream,
-    keeping_cuda_context, probe, probe_with, without_cuda_context,
+    RESIDENT_MAX_ROWS, ResidentJob, ResidentRows, ResidentStats, RowIndices, RowKernel, SharedPin,
+    Stream, keeping_cuda_context, probe, probe_with, without_cuda_context,
 };
 pub use memory::numa::{NumaNode, NumaTopology};
 pub use memory::{

@@ -365,6 +365,13 @@ impl MemIo {
         Ok(buf)
     }
 
+    /// What `gpu`'s resident row server has done, once one serves this engine's gathers
+    /// ([`MemIoConfig::resident_linger`]).
+    pub fn resident_stats(&self, gpu: &Gpu) -> Option<gpuio_hal::ResidentStats> {
+        let server = self.device(gpu).ok()?.resident.get()?;
+        Some(server.stats())
+    }
+
     fn device(&self, gpu: &Gpu) -> Result<&DeviceState> {
         self.devices
             .get(gpu.ordinal() as usize)

@@ -46,7 +46,7 @@ pub(super) fn run(
     )
     .map_err(|e| BenchError::Gpuio(e.into()))?;
     let (mut records, mut targets, mut notes) = (Vec::new(), Vec::new(), Vec::new());
-    for n in SIZES {
+    for (k, n) in SIZES.into_iter().enumerate() {
         let case = format!("small_gather_{n}x656B");
         let mut resident = Vec::with_capacity(calls);
         let mut wall = Vec::with_capacity(calls);
@@ -83,6 +83,13 @@ pub(super) fn run(
                 device.push(d);
                 bare.push(b);
             }
+        }
+        // Every call through the resident engine was its block's (not a launch's).
+        let served = resident_io.resident_stats(&gpu).map_or(0, |s| s.calls);
+        if served != ((k + 1) * (calls + 16)) as u64 {
+            return Err(BenchError::Options(format!(
+                "{case}: the resident block answered {served} of the engine's calls"
+            )));
         }
         let (w, d, b) = (p50(&mut wall), p50(&mut device), p50(&mut bare));
         let res = p50(&mut resident);

@@ -88,31 +88,9 @@ impl Stream {
         let mut checked = Vec::with_capacity(jobs.len());
         let mut at = 0usize;
         for j in jobs {
-            j.hot.check_pool(j.pool)?;
-            self.gpu.check_owns("hot rows", &j.hot.rows)?;
-            self.gpu.check_owns("rows", j.dst)?;
-            let overflow =
-                || HalError::InvalidArgument(format!("{} rows of {row_bytes} B", j.count));
-            let bytes = j.count.checked_mul(row_bytes).ok_or_else(overflow)?;
-            let pool = self.host_pool(j.pool)?;
-            if pool.len() < row_bytes {
-                return invalid(format!(
-                    "the pool ({} B) holds no row of {row_bytes} B",
-                    pool.len()
-                ));
-            }
-            checked.push(RowJob {
-                pool,
-                row_bytes,
-                count: j.count,
-                idx: part(idx, at * 8, j.count * 8)?,
-                idx_upload: None,
-                rows: j.dst.range("rows", j.dst_offset, bytes)?,
-                scatter: false,
-                kernel: RowKernel::Tuned,
-                pieces: &[],
-                hot: Some(j.hot.refs()?),
-            });
+            let list = part(idx, at * 8, j.count * 8)?;
+            let dst = (j.dst, j.dst_offset);
+            checked.push(self.pool_job(j.pool, Some(j.hot), row_bytes, j.count, list, dst)?);
             at += j.count;
         }
         let done = self.run(&HotJobsOp {
@@ -123,18 +101,56 @@ impl Stream {
         match done.bad_index {
             None => Ok(done.device_time),
             Some(position) => {
-                // The job holding that position names the pool it missed.
-                let mut start = 0u64;
-                let rows = jobs
-                    .iter()
-                    .find(|j| {
-                        start += j.count as u64;
-                        position < start
-                    })
-                    .map_or(0, |j| (j.pool.len() / row_bytes) as u64);
-                Err(HalError::IndexOutOfRange { position, rows })
+                let lists = jobs.iter().map(|j| (j.count, j.pool));
+                Err(bad_position(position, lists, row_bytes))
             }
         }
+    }
+
+    /// One pool's job of a gather of several (through `hot` rows where given), checked:
+    /// `count` rows of `row_bytes` of the pinned `pool` (its hot rows copies of its rows, on
+    /// this device) into `dst` at its offset, their indices `idx`.
+    pub(super) fn pool_job<'a>(
+        &self,
+        pool: &'a HostBuffer,
+        hot: Option<&'a HotRows>,
+        row_bytes: usize,
+        count: usize,
+        idx: RowMem<'a>,
+        (dst, dst_offset): (&'a DeviceBuffer, usize),
+    ) -> Result<RowJob<'a>> {
+        if let Some(hot) = hot {
+            hot.check_pool(pool)?;
+            self.gpu.check_owns("hot rows", &hot.rows)?;
+            if hot.row_bytes() != row_bytes {
+                return Err(HalError::InvalidArgument(format!(
+                    "hot rows of {} B in a gather of rows of {row_bytes} B",
+                    hot.row_bytes()
+                )));
+            }
+        }
+        self.gpu.check_owns("rows", dst)?;
+        let overflow = || HalError::InvalidArgument(format!("{count} rows of {row_bytes} B"));
+        let bytes = count.checked_mul(row_bytes).ok_or_else(overflow)?;
+        let pool_mem = self.host_pool(pool)?;
+        if pool_mem.len() < row_bytes {
+            return Err(HalError::InvalidArgument(format!(
+                "the pool ({} B) holds no row of {row_bytes} B",
+                pool_mem.len()
+            )));
+        }
+        Ok(RowJob {
+            pool: pool_mem,
+            row_bytes,
+            count,
+            idx,
+            idx_upload: None,
+            rows: dst.range("rows", dst_offset, bytes)?,
+            scatter: false,
+            kernel: RowKernel::Tuned,
+            pieces: &[],
+            hot: hot.map(HotRows::refs).transpose()?,
+        })
     }
 
     /// The whole index list as the kernel reads it, and the staged copy that puts it there.
@@ -185,6 +201,24 @@ impl Stream {
             }
         })
     }
+}
+
+/// A bad index at `position` of `lists` (each job's row count and pool) taken one after
+/// another: the job holding it names the pool it missed.
+pub(super) fn bad_position<'a>(
+    position: u64,
+    lists: impl IntoIterator<Item = (usize, &'a HostBuffer)>,
+    row_bytes: usize,
+) -> HalError {
+    let mut start = 0u64;
+    let rows = lists
+        .into_iter()
+        .find(|&(count, _)| {
+            start += count as u64;
+            position < start
+        })
+        .map_or(0, |(_, pool)| (pool.len() / row_bytes) as u64);
+    HalError::IndexOutOfRange { position, rows }
 }
 
 /// `len` bytes of a checked index list from `offset`.

@@ -38,7 +38,9 @@ pub use op::{
     WaitOnDrop, check_disjoint, device_time, elapsed, report_words, widest_piece,
 };
 pub use pieces::Piece2d;
-pub use resident::{RESIDENT_MAX_BYTES, RESIDENT_MAX_ROWS, ResidentJob, ResidentRows};
+pub use resident::{
+    RESIDENT_MAX_BYTES, RESIDENT_MAX_ROWS, ResidentJob, ResidentRows, ResidentStats,
+};
 pub use rows::{RowIndices, RowKernel};
 pub use stream::{Event, Inflight, Stream};
 // The hot rows refresh their copies through the AI tier's tiered gather.

@@ -10,10 +10,12 @@
 //! On the host backend the same jobs run on the calling thread.
 
 use super::backend::{RowJob, RowMem, RowsDone};
+use super::hot_jobs::bad_position;
 use super::op::{CudaRun, DeviceOp, HostRun, check_disjoint};
 use super::{DeviceBuffer, Gpu, HOT_MAX_JOBS, HotRows, Stream};
 use crate::error::{HalError, Result};
 use crate::memory::HostBuffer;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Most indices one [`ResidentRows::gather`] call takes, over all its jobs (resident.cu's
@@ -50,6 +52,18 @@ pub struct ResidentJob<'a> {
 pub struct ResidentRows {
     stream: Stream,
     linger: Duration,
+    calls: AtomicU64,
+    launches: AtomicU64,
+}
+
+/// What a [`ResidentRows`] has done.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ResidentStats {
+    /// Calls answered (calls with no rows are not counted).
+    pub calls: u64,
+    /// Times its block was launched: once, then once per return after it left (its linger
+    /// passed, or a device-wide wait sent it home). 0 on the host backend, which has none.
+    pub launches: u64,
 }
 
 impl Gpu {
@@ -65,6 +79,8 @@ impl Gpu {
         Ok(ResidentRows {
             stream: self.stream()?,
             linger,
+            calls: AtomicU64::new(0),
+            launches: AtomicU64::new(0),
         })
     }
 }
@@ -78,6 +94,14 @@ impl ResidentRows {
     /// How long its block waits for a call before it leaves.
     pub fn linger(&self) -> Duration {
         self.linger
+    }
+
+    /// Its calls and launches so far.
+    pub fn stats(&self) -> ResidentStats {
+        ResidentStats {
+            calls: self.calls.load(Ordering::Relaxed),
+            launches: self.launches.load(Ordering::Relaxed),
+        }
     }
 
     /// Gathers every job's rows (rows of `row_bytes`; at most [`HOT_MAX_JOBS`] jobs,
@@ -107,68 +131,35 @@ impl ResidentRows {
             (j.dst.device_addr().saturating_add(j.dst_offset as u64), len)
         });
         check_disjoint(spans.collect(), "the jobs' destinations")?;
-        let gpu = &self.stream.gpu;
-        let mut checked = Vec::with_capacity(jobs.len());
-        for j in jobs {
-            if let Some(hot) = j.hot {
-                hot.check_pool(j.pool)?;
-                gpu.check_owns("hot rows", &hot.rows)?;
-                if hot.row_bytes() != row_bytes {
-                    return invalid(format!(
-                        "hot rows of {} B in a gather of rows of {row_bytes} B",
-                        hot.row_bytes()
-                    ));
-                }
-            }
-            gpu.check_owns("rows", j.dst)?;
-            let pool = self.stream.host_pool(j.pool)?;
-            if pool.len() < row_bytes {
-                return invalid(format!(
-                    "the pool ({} B) holds no row of {row_bytes} B",
-                    pool.len()
-                ));
-            }
-            let count = j.indices.len();
-            checked.push(RowJob {
-                pool,
-                row_bytes,
-                count,
-                idx: RowMem::Host {
+        let checked = jobs
+            .iter()
+            .map(|j| {
+                // The list is the caller's host memory: the kernel reads a copy of it.
+                let idx = RowMem::Host {
                     ptr: j.indices.as_ptr().cast::<u8>().cast_mut(),
                     addr: 0,
-                    len: count * 8,
-                },
-                idx_upload: None,
-                rows: j.dst.range("rows", j.dst_offset, count * row_bytes)?,
-                scatter: false,
-                kernel: super::RowKernel::Tuned,
-                pieces: &[],
-                hot: j.hot.map(HotRows::refs).transpose()?,
-            });
-        }
+                    len: j.indices.len() * 8,
+                };
+                let dst = (j.dst, j.dst_offset);
+                let count = j.indices.len();
+                self.stream
+                    .pool_job(j.pool, j.hot, row_bytes, count, idx, dst)
+            })
+            .collect::<Result<Vec<_>>>()?;
         if rows == 0 {
             return Ok(());
         }
         let done = self.stream.run(&ResidentOp {
             jobs: &checked,
             linger: self.linger,
+            launches: &self.launches,
         })?;
+        self.calls.fetch_add(1, Ordering::Relaxed);
         match done.bad_index {
             None => Ok(()),
             Some(position) => {
-                // The job holding that position names the pool it missed.
-                let mut start = 0u64;
-                let pool_rows = jobs
-                    .iter()
-                    .find(|j| {
-                        start += j.indices.len() as u64;
-                        position < start
-                    })
-                    .map_or(0, |j| (j.pool.len() / row_bytes) as u64);
-                Err(HalError::IndexOutOfRange {
-                    position,
-                    rows: pool_rows,
-                })
+                let lists = jobs.iter().map(|j| (j.indices.len(), j.pool));
+                Err(bad_position(position, lists, row_bytes))
             }
         }
     }
@@ -180,6 +171,7 @@ impl ResidentRows {
 struct ResidentOp<'a, 'j> {
     jobs: &'j [RowJob<'a>],
     linger: Duration,
+    launches: &'j AtomicU64,
 }
 
 impl DeviceOp for ResidentOp<'_, '_> {
@@ -192,13 +184,16 @@ impl DeviceOp for ResidentOp<'_, '_> {
 
     #[cfg(not(feature = "cuda"))]
     fn cuda(&self, cuda: &CudaRun<'_>) -> Result<RowsDone> {
-        let _ = self.linger;
+        let _ = (self.linger, self.launches);
         cuda.never()
     }
 
     #[cfg(feature = "cuda")]
     fn cuda(&self, cuda: &CudaRun<'_>) -> Result<RowsDone> {
         // SAFETY: the struct's contract; the server's stream runs nothing but its calls.
-        unsafe { cuda.stream.serve_resident(self.jobs, self.linger) }
+        unsafe {
+            cuda.stream
+                .serve_resident(self.jobs, self.linger, self.launches)
+        }
     }
 }

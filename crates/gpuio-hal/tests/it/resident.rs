@@ -6,7 +6,7 @@
 
 use super::first_gpu as gpu;
 use gpuio_hal::{
-    Gpu, HalError, HostAllocOptions, HostBuffer, RESIDENT_MAX_BYTES, RESIDENT_MAX_ROWS,
+    Backend, Gpu, HalError, HostAllocOptions, HostBuffer, RESIDENT_MAX_BYTES, RESIDENT_MAX_ROWS,
     ResidentJob, pattern,
 };
 use std::time::{Duration, Instant};
@@ -39,7 +39,7 @@ fn plain_and_hot_jobs_are_gathered_call_after_call() {
     let server = gpu.resident_rows(Duration::from_millis(50)).unwrap();
     // Each piece width: 16, 8, 4 and 1 bytes.
     for row in [48usize, 24, 20, 7] {
-        let (a, mut b) = (
+        let (mut a, mut b) = (
             pool(&gpu, row, row as u64),
             pool(&gpu, row, 100 + row as u64),
         );
@@ -50,6 +50,8 @@ fn plain_and_hot_jobs_are_gathered_call_after_call() {
         pattern::fill(&mut b, 0, 200 + row as u64);
         let dst = gpu.alloc(700 * row).unwrap();
         for call in 0..4u64 {
+            // The pool changes between calls while the block stays: nothing is served stale.
+            pattern::fill(&mut a, 0, 1000 * row as u64 + call);
             let (plain, hot_ids) = (ids(5 + 40 * call as usize, call), ids(24, 50 + call));
             stream.fill_pattern(&dst, 0, 700 * row, 3).unwrap();
             let jobs = [
@@ -96,6 +98,17 @@ fn plain_and_hot_jobs_are_gathered_call_after_call() {
             assert_eq!(pattern::first_deviation(&head, 0, 3), None, "row {row}");
         }
     }
+    let stats = server.stats();
+    assert_eq!(stats.calls, 16);
+    // A free of device memory sends the block home (the loop frees `dst`); other tests' frees
+    // may too.
+    let launched = if cuda(&gpu) { 1..=16 } else { 0..=0 };
+    assert!(launched.contains(&stats.launches), "{stats:?}");
+}
+
+/// Whether the block really runs (the CUDA backend); the host backend runs its jobs inline.
+fn cuda(gpu: &Gpu) -> bool {
+    gpu.backend() == Backend::Cuda
 }
 
 #[test]
@@ -126,6 +139,11 @@ fn a_call_after_the_linger_brings_the_block_back() {
         stream.download(&dst, 0, &mut got).unwrap();
         assert_eq!(got, rows_of(a.as_slice(), row, &list), "call {k}");
     }
+    // Launched for the first call, and again after each pause past the linger at least.
+    let stats = server.stats();
+    assert_eq!(stats.calls, 7);
+    let launched = if cuda(&gpu) { 3..=7 } else { 0..=0 };
+    assert!(launched.contains(&stats.launches), "{stats:?}");
 }
 
 /// A block lingering for 30 s must not hold a device-wide wait or the server's drop that long.
@@ -153,21 +171,76 @@ fn a_device_wide_wait_and_a_drop_send_the_block_home() {
         gpu.synchronize().unwrap();
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     }
-    server
-        .gather(
-            &[ResidentJob {
-                pool: &a,
-                hot: None,
-                indices: &[5],
-                dst: &dst,
-                dst_offset: 0,
-            }],
-            16,
-        )
-        .unwrap();
+    let job = ResidentJob {
+        pool: &a,
+        hot: None,
+        indices: &[5],
+        dst: &dst,
+        dst_offset: 0,
+    };
+    server.gather(&[job], 16).unwrap();
+    // Each call after a wait launched the block again (other tests' frees may add more).
+    let stats = server.stats();
+    let launched = if cuda(&gpu) { 3..=u64::MAX } else { 0..=0 };
+    assert!(launched.contains(&stats.launches), "{stats:?}");
     let t = Instant::now();
     drop(server);
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}
+
+/// Calls from one thread while another waits for the device again and again: every call is
+/// answered (a wait's stop never loses a posted call) and right.
+#[test]
+fn calls_survive_device_wide_waits_from_another_thread() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let gpu = gpu();
+    let server = Arc::new(gpu.resident_rows(Duration::from_secs(10)).unwrap());
+    let row = 32;
+    let a = Arc::new(pool(&gpu, row, 11));
+    let dst = Arc::new(gpu.alloc(8 * row).unwrap());
+    let done = Arc::new(AtomicBool::new(false));
+    let waits = {
+        let (gpu, done) = (gpu.clone(), done.clone());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                gpu.synchronize().unwrap();
+            }
+        })
+    };
+    // Detached: a call that never returns fails the test below rather than hanging it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    {
+        let (gpu, server, a, dst) = (gpu.clone(), server.clone(), a.clone(), dst.clone());
+        std::thread::spawn(move || {
+            let stream = gpu.stream().unwrap();
+            for k in 0..2000u64 {
+                let list = ids(1 + (k % 8) as usize, k);
+                let job = ResidentJob {
+                    pool: &a,
+                    hot: None,
+                    indices: &list,
+                    dst: &dst,
+                    dst_offset: 0,
+                };
+                server.gather(&[job], row).unwrap();
+                if k % 97 == 0 {
+                    let mut got = vec![0u8; list.len() * row];
+                    stream.download(&dst, 0, &mut got).unwrap();
+                    assert_eq!(got, rows_of(a.as_slice(), row, &list), "call {k}");
+                }
+            }
+            let _ = tx.send(());
+        });
+    }
+    let answered = rx.recv_timeout(Duration::from_secs(120));
+    done.store(true, Ordering::Relaxed);
+    assert!(
+        answered.is_ok(),
+        "2000 calls beside device-wide waits: not all answered in 120 s"
+    );
+    waits.join().unwrap();
+    assert_eq!(server.stats().calls, 2000);
 }
 
 #[test]

@@ -78,8 +78,6 @@ fn bad_index(position: usize, rows: usize) -> MemIoError {
 }
 
 impl MemIo {
-    /// The GPU's threads load the rows, with `kernel` `Tuned` (in list order) or `Sorted`,
-    /// or through hot rows.
     /// The device's resident row server, where the engine keeps one and a call of `rows` rows
     /// of `row_bytes` fits it (made on its first call).
     pub(super) fn resident_for(
@@ -103,6 +101,9 @@ impl MemIo {
         Ok(Some(slot.get_or_init(|| server)))
     }
 
+    /// The GPU's threads load the rows, with `kernel` `Tuned` (in list order) or `Sorted`,
+    /// or through hot rows: a small call with a host list through the resident server where
+    /// the engine keeps one.
     pub(super) fn gather_zero_copy(
         &self,
         pool: &HostBuffer,

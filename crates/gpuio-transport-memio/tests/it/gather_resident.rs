@@ -15,6 +15,13 @@ const ZERO_COPY: GatherOptions = GatherOptions {
     gpu_share: None,
 };
 
+/// Calls the engine's resident server has answered (on either backend: the host backend runs
+/// its jobs inline, but routes and counts them the same).
+fn served(io: &gpuio_transport_memio::MemIo) -> u64 {
+    let gpu = io.gpu(0).unwrap();
+    io.resident_stats(gpu).map_or(0, |s| s.calls)
+}
+
 #[test]
 fn small_gathers_through_the_resident_block_match_the_pool() {
     let io = engine_with(Some(Duration::from_millis(20)));
@@ -27,7 +34,13 @@ fn small_gathers_through_the_resident_block_match_the_pool() {
         let most = RESIDENT_MAX_ROWS.min(RESIDENT_MAX_BYTES / rb);
         for n in [1usize, 64.min(most), most, most + 1] {
             let idx = random_indices(n, rows, seed() ^ n as u64);
+            let before = served(&io);
             let r = io.gather(&p, rb, &idx, &dst, 3, &ZERO_COPY).unwrap();
+            assert_eq!(
+                served(&io) - before,
+                u64::from(n <= most),
+                "{n} rows of {rb} B"
+            );
             assert_eq!(r.strategy, GatherStrategy::ZeroCopy);
             let want = reference(p.as_slice(), rb, &idx);
             assert_eq!(download(&io, &dst, 3, n * rb), want, "{n} rows of {rb} B");
@@ -41,7 +54,9 @@ fn small_gathers_through_the_resident_block_match_the_pool() {
             list: &list,
             count: 40,
         };
+        let before = served(&io);
         io.gather(&p, rb, device, &dst, 0, &ZERO_COPY).unwrap();
+        assert_eq!(served(&io), before, "a device list, rows of {rb} B");
         let want = reference(p.as_slice(), rb, &idx);
         assert_eq!(
             download(&io, &dst, 0, 40 * rb),
@@ -86,8 +101,10 @@ fn hot_lookups_through_the_resident_block_read_kept_rows_from_their_copies() {
     let dst = gpu.alloc(2048 * rb).unwrap();
     // One pool, then two at once: within the block's 1024 rows, and past them.
     let one = random_indices(24, rows, seed());
+    let before = served(&io);
     io.gather_hot(&pools[0], &hot[0], &one, &dst, 0, &ZERO_COPY)
         .unwrap();
+    assert_eq!(served(&io), before + 1);
     assert_eq!(download(&io, &dst, 0, 24 * rb), want(0, &one));
     for second in [999usize, 1001] {
         let ids = [
@@ -110,7 +127,10 @@ fn hot_lookups_through_the_resident_block_read_kept_rows_from_their_copies() {
                 dst_offset: 24 * rb,
             },
         ];
+        let before = served(&io);
         io.gather_hot_jobs(&jobs, &ZERO_COPY).unwrap();
+        let by_block = u64::from(24 + second <= RESIDENT_MAX_ROWS);
+        assert_eq!(served(&io) - before, by_block, "{second}");
         assert_eq!(
             download(&io, &dst, 0, 24 * rb),
             want(0, &ids[0]),

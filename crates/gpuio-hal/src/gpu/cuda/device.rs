@@ -523,8 +523,10 @@ impl DeviceBackend for CudaDevice {
                     driver::memcpy_dtoh(dst, src.addr(), src.len)
                 }
                 BaselineCopy::DeviceToDevice { src, dst } => {
-                    driver::memcpy_dtod(dst.addr(), src.addr(), dst.len)
-                        .and_then(|()| driver::ctx_synchronize())
+                    driver::memcpy_dtod(dst.addr(), src.addr(), dst.len).and_then(|()| {
+                        super::resident::send_home(&self.shared);
+                        driver::ctx_synchronize()
+                    })
                 }
             }
         }

@@ -26,7 +26,7 @@ const HOT_JOBS: [GatherKernel; 4] = [
 /// asserted there too.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
-struct HotJobWords {
+pub(super) struct HotJobWords {
     pool: u64,
     rows: u64,
     idx: u64,
@@ -41,7 +41,7 @@ struct HotJobWords {
     unused: u64,
 }
 
-const JOB_WORDS: usize = 12;
+pub(super) const JOB_WORDS: usize = 12;
 // Each job reports in a word of its own.
 const _: () = assert!(HOT_MAX_JOBS <= super::report::REPORT_WORDS);
 const _: () = assert!(size_of::<HotJobWords>() == 8 * JOB_WORDS);
@@ -53,8 +53,28 @@ const _: () = assert!(offset_of!(HotJobWords, index) == 64);
 const _: () = assert!(offset_of!(HotJobWords, probes) == 80);
 
 impl HotJobWords {
+    /// `job` (rows of `row_bytes`) with its list at `idx` and its report word at `err`; a job
+    /// without hot rows has no index (0), which the kernels read as every row from the pool.
+    pub(super) fn of(job: &RowJob<'_>, row_bytes: u64, idx: u64, err: u64) -> Self {
+        let hot = job.hot;
+        Self {
+            pool: job.pool.addr(),
+            rows: job.pool.len() as u64 / row_bytes,
+            idx,
+            n: job.count as u64,
+            dst: job.rows.addr(),
+            err,
+            hot: hot.map_or(0, |h| h.rows.addr()),
+            hot_rows: hot.map_or(0, |h| h.hot_rows),
+            index: hot.map_or(0, |h| h.index.addr()),
+            mask: hot.map_or(0, |h| h.index.len as u64 / 8 - 1),
+            probes: hot.map_or(1, |h| u64::from(h.probes)),
+            unused: 0,
+        }
+    }
+
     /// Its words in field order (the offsets asserted above).
-    fn words(self) -> [u64; JOB_WORDS] {
+    pub(super) fn words(self) -> [u64; JOB_WORDS] {
         [
             self.pool,
             self.rows,
@@ -102,25 +122,11 @@ impl CudaStreamBackend {
             .take(HOT_MAX_JOBS)
             .enumerate()
         {
-            let Some(hot) = job.hot else {
+            if job.hot.is_none() {
                 continue;
-            };
-            let n = job.count as u64;
-            longest = longest.max(n);
-            let entry = HotJobWords {
-                pool: job.pool.addr(),
-                rows: job.pool.len() as u64 / row_bytes,
-                idx: job.idx.addr(),
-                n,
-                dst: job.rows.addr(),
-                err: report.device_word(k),
-                hot: hot.rows.addr(),
-                hot_rows: hot.hot_rows,
-                index: hot.index.addr(),
-                mask: hot.index.len as u64 / 8 - 1,
-                probes: u64::from(hot.probes),
-                unused: 0,
-            };
+            }
+            longest = longest.max(job.count as u64);
+            let entry = HotJobWords::of(job, row_bytes, job.idx.addr(), report.device_word(k));
             words.copy_from_slice(&entry.words());
         }
         let start = timed.then(|| self.record(true)).transpose()?;

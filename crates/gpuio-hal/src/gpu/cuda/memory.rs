@@ -47,6 +47,8 @@ impl Drop for CudaMemory {
         if super::probe::driver_forked() {
             return;
         }
+        // A free waits for the device: a resident kernel would hold it for its linger.
+        super::resident::send_home(&self.shared);
         // The caller's context stays current (a framework's current device rests on it).
         let freed = super::keeping_context(|| {
             self.shared.bind().and_then(|()| {

@@ -5,12 +5,13 @@
 //! A call writes its jobs and indices into the block, then its number word (its number times
 //! 2048 plus its index count, which the kernel reads with the number); it waits until the
 //! block's `done` word holds that word. The kernel leaves after the server's linger without
-//! a call, or when sent home (the stop number: the server's drop, a device-wide wait); a call
-//! that finds the stream idle with its number unanswered launches it again (the number is
-//! served at most once more: the same rows, written twice).
+//! a call, or once the stop word has grown (the server's drop, a device-wide wait, a free of
+//! device memory) and no call waits; a call that finds the stream idle with its number
+//! unanswered launches it again.
 
 use super::device::Shared;
 use super::driver::{self, cuda_err};
+use super::hot_jobs::{HotJobWords, JOB_WORDS};
 use super::stream::CudaStreamBackend;
 use crate::error::Result;
 use crate::gpu::backend::{RowJob, RowMem, RowsDone};
@@ -32,13 +33,14 @@ const RESIDENT_THREADS: u32 = 512;
 /// A number word's index count bits (resident.cu's `% 2048`).
 const COUNT_BITS: u32 = 11;
 const _: () = assert!(RESIDENT_MAX_ROWS < 1 << COUNT_BITS);
-/// The number that sends the kernel home (resident.cu's `GPUIO_RESIDENT_STOP`).
-const STOP: u64 = u64::MAX;
 /// "No bad index" (what the kernel's `atomicMin` lowers).
 const NONE: u64 = u64::MAX;
 /// How often a waiting call asks the driver whether the stream is idle (the kernel gone, or
 /// failed).
 const QUERY_EVERY: Duration = Duration::from_micros(20);
+/// Past this, a waiting call yields its core between looks (a busy device: the block is
+/// not running yet).
+const SPIN_FOR: Duration = Duration::from_millis(1);
 /// Within this much of its linger since its last answer, the kernel may have left: a call
 /// asks the driver before posting rather than wait `QUERY_EVERY` to find out.
 const LINGER_MARGIN: Duration = Duration::from_micros(100);
@@ -48,7 +50,8 @@ const LINGER_MARGIN: Duration = Duration::from_micros(100);
 #[repr(C)]
 struct CallBlock {
     seq: u64,
-    _unused0: [u64; 15],
+    stop: u64,
+    _unused0: [u64; 14],
     done: u64,
     bad: [u64; HOT_MAX_JOBS],
     _unused1: [u64; 7],
@@ -56,11 +59,12 @@ struct CallBlock {
     row_bytes: u64,
     jobs: u64,
     rows: u64,
-    job: [[u64; 12]; HOT_MAX_JOBS],
+    job: [[u64; JOB_WORDS]; HOT_MAX_JOBS],
     index: [u64; RESIDENT_MAX_ROWS],
 }
 
 const _: () = assert!(size_of::<CallBlock>() == 288 + 96 * HOT_MAX_JOBS + 8 * RESIDENT_MAX_ROWS);
+const _: () = assert!(offset_of!(CallBlock, stop) == 8);
 const _: () = assert!(offset_of!(CallBlock, done) == 128);
 const _: () = assert!(offset_of!(CallBlock, bad) == 136);
 const _: () = assert!(offset_of!(CallBlock, width) == 256);
@@ -71,13 +75,11 @@ const _: () = assert!(offset_of!(CallBlock, index) == 288 + 96 * HOT_MAX_JOBS);
 pub(crate) struct CallMemory {
     host: *mut CallBlock,
     device: u64,
-    /// How often a device-wide wait sent the kernel home ([`send_home`]).
-    sent_home: AtomicU64,
 }
 
 // SAFETY: the pointer is to page-locked memory this value alone owns (until Drop). The call
-// words are written only by the stream's resident lock holder; the number word is also
-// stored by `send_home`, through an atomic.
+// words are written only by the stream's resident lock holder; the stop word by anyone, and
+// it and the number, done and report words only through atomics.
 unsafe impl Send for CallMemory {}
 // SAFETY: as above.
 unsafe impl Sync for CallMemory {}
@@ -91,16 +93,13 @@ impl CallMemory {
             // SAFETY: allocated just above, freed once, used by nothing.
             let _ = unsafe { driver::mem_free_host(host.cast()) };
         })?;
-        // SAFETY: as above; the block's words start at "nothing posted, nothing answered".
+        // SAFETY: as above; the block's words start at "nothing posted, answered or stopped".
         unsafe {
             (*host).seq = 0;
+            (*host).stop = 0;
             (*host).done = 0;
         }
-        Ok(Self {
-            host,
-            device,
-            sent_home: AtomicU64::new(0),
-        })
+        Ok(Self { host, device })
     }
 
     /// A word of the block, shared with the device: read and written only through atomics.
@@ -118,6 +117,16 @@ impl CallMemory {
     fn done(&self) -> u64 {
         self.word(offset_of!(CallBlock, done))
             .load(Ordering::Acquire)
+    }
+
+    /// The stop word: the kernel leaves once it differs from its launch's and no call waits.
+    fn stop_word(&self) -> &AtomicU64 {
+        self.word(offset_of!(CallBlock, stop))
+    }
+
+    /// Asks the kernel to leave once no call waits.
+    fn send_home(&self) {
+        self.stop_word().fetch_add(1, Ordering::AcqRel);
     }
 
     /// Job `k`'s first bad position, once the call is answered.
@@ -142,17 +151,16 @@ impl Drop for CallMemory {
     }
 }
 
-/// Sends every resident kernel of `shared`'s device home, before a device-wide wait: such a
-/// wait would otherwise last until they leave by themselves. A call in flight is answered
-/// first, or finds its kernel gone and launches it again.
+/// Sends every resident kernel of `shared`'s device home, before a device-wide wait or a free
+/// of device memory (which waits for the device): either would otherwise last until the
+/// kernels leave by themselves. A call waiting is served first.
 pub(super) fn send_home(shared: &Shared) {
     let mut residents = shared.residents.lock_unpoisoned();
     residents.retain(|weak| {
         let Some(mem) = weak.upgrade() else {
             return false;
         };
-        mem.sent_home.fetch_add(1, Ordering::AcqRel);
-        mem.post(STOP);
+        mem.send_home();
         true
     });
 }
@@ -162,8 +170,7 @@ pub(crate) struct ResidentBlock {
     mem: Arc<CallMemory>,
     /// The last number word posted (and answered: calls hold the lock until answered).
     posted: u64,
-    /// When the last answer came, if the kernel may still be there: the call memory's
-    /// `sent_home` count then.
+    /// When the last answer came, if the kernel may still be there, and the stop word then.
     answered: Option<(Instant, u64)>,
 }
 
@@ -176,8 +183,13 @@ impl StreamResident {
     /// Drop to free after the drain.
     pub(super) fn stop(&mut self) -> Option<ResidentBlock> {
         let block = self.0.get_mut_unpoisoned().take()?;
-        block.mem.post(STOP);
+        block.mem.send_home();
         Some(block)
+    }
+
+    /// The block, untouched (a forked child's: the parent's memory).
+    pub(super) fn take(&mut self) -> Option<ResidentBlock> {
+        self.0.get_mut_unpoisoned().take()
     }
 }
 
@@ -211,27 +223,13 @@ impl ResidentBlock {
             (*block).jobs = jobs.len() as u64;
             for (k, job) in jobs.iter().enumerate().take(HOT_MAX_JOBS) {
                 (*block).bad[k] = NONE;
-                let n = job.count;
                 if let RowMem::Host { ptr, .. } = job.idx {
                     let to = (*block).index.as_mut_ptr().add(at);
-                    std::ptr::copy_nonoverlapping(ptr.cast::<u64>(), to, n);
+                    std::ptr::copy_nonoverlapping(ptr.cast::<u64>(), to, job.count);
                 }
-                let hot = job.hot;
-                (*block).job[k] = [
-                    job.pool.addr(),
-                    job.pool.len() as u64 / row_bytes,
-                    at as u64,
-                    n as u64,
-                    job.rows.addr(),
-                    0,
-                    hot.map_or(0, |h| h.rows.addr()),
-                    hot.map_or(0, |h| h.hot_rows),
-                    hot.map_or(0, |h| h.index.addr()),
-                    hot.map_or(0, |h| h.index.len as u64 / 8 - 1),
-                    hot.map_or(1, |h| u64::from(h.probes)),
-                    0,
-                ];
-                at += n;
+                // The job's list is at its position in the block's (err: unused, `bad[k]`).
+                (*block).job[k] = HotJobWords::of(job, row_bytes, at as u64, 0).words();
+                at += job.count;
             }
             (*block).rows = at as u64;
         }
@@ -242,7 +240,7 @@ impl ResidentBlock {
 
 impl CudaStreamBackend {
     /// Serves `jobs` through the stream's resident kernel (launched where it is not there),
-    /// and waits for the answer.
+    /// and waits for the answer; counts the kernel's launches in `launches`.
     ///
     /// # Safety
     /// The pools and the host index lists stay valid (the pools registered with this device)
@@ -253,6 +251,7 @@ impl CudaStreamBackend {
         &self,
         jobs: &[RowJob<'_>],
         linger: Duration,
+        launches: &AtomicU64,
     ) -> Result<RowsDone> {
         self.shared.bind()?;
         let mut held = self.resident.0.lock_unpoisoned();
@@ -273,71 +272,97 @@ impl CudaStreamBackend {
         let seen = block.posted;
         let seq = ((seen >> COUNT_BITS) + 1) << COUNT_BITS | rows;
         block.posted = seq;
-        // Once posted, the kernel may be reading the pools: every way out stops it and waits
-        // for the stream before the borrows end.
-        let sent_home = block.mem.sent_home.load(Ordering::Acquire);
+        // Still there: answered lately, and not sent home since.
+        let stop = block.mem.stop_word().load(Ordering::Acquire);
         let fresh = block
             .answered
             .take()
-            .is_some_and(|(t, sent)| sent == sent_home && t.elapsed() + LINGER_MARGIN < linger);
+            .is_some_and(|(t, stopped)| stopped == stop && t.elapsed() + LINGER_MARGIN < linger);
         let mem = &*block.mem;
-        let stopper = StopOnDrop(Some((self, mem)));
+        let launch = Launch {
+            stream: self,
+            mem,
+            seen,
+            seq,
+            linger,
+            launches,
+        };
+        // Once posted, the kernel may be reading the pools: every way out sends it home and
+        // waits for the stream before the borrows end.
+        let guard = StopOnDrop(Some((self, mem)));
         mem.post(seq);
         if !fresh {
-            self.launch_if_idle(mem, seen, seq, linger)?;
+            launch.if_idle()?;
         }
-        let mut asked = Instant::now();
+        let (start, mut asked) = (Instant::now(), Instant::now());
         while mem.done() != seq {
             if asked.elapsed() >= QUERY_EVERY {
-                self.launch_if_idle(mem, seen, seq, linger)?;
+                launch.if_idle()?;
                 asked = Instant::now();
             }
-            std::hint::spin_loop();
+            if start.elapsed() < SPIN_FOR {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         }
-        std::mem::forget(stopper);
+        std::mem::forget(guard);
         let mut first = 0u64;
         let mut bad_index = None;
         for (k, job) in jobs.iter().enumerate() {
             bad_index = bad_index.or(mem.bad(k).map(|at| first + at));
             first += job.count as u64;
         }
-        block.answered = Some((Instant::now(), sent_home));
+        block.answered = Some((Instant::now(), stop));
         Ok(RowsDone {
             bad_index,
             device_time: None,
         })
     }
+}
 
-    /// Launches the kernel for call `seq` (the last answered: `seen`) where the stream is idle
-    /// and the call unanswered (the kernel left, or was never there). An error the stream ran
-    /// into is returned.
-    fn launch_if_idle(
-        &self,
-        block: &CallMemory,
-        seen: u64,
-        seq: u64,
-        linger: Duration,
-    ) -> Result<()> {
+/// What launching the kernel for one call takes.
+struct Launch<'a> {
+    stream: &'a CudaStreamBackend,
+    mem: &'a CallMemory,
+    /// The last number word answered, and the call's.
+    seen: u64,
+    seq: u64,
+    linger: Duration,
+    launches: &'a AtomicU64,
+}
+
+impl Launch<'_> {
+    /// Launches the kernel where the stream is idle and the call unanswered (the kernel left,
+    /// or was never there). An error the stream ran into is returned.
+    fn if_idle(&self) -> Result<()> {
+        let s = self.stream;
         // SAFETY: the stream is live and its context bound (serve_resident).
-        if !unsafe { driver::stream_query(self.raw()) }? || block.done() == seq {
+        if !unsafe { driver::stream_query(s.raw()) }? || self.mem.done() == self.seq {
             return Ok(());
         }
-        let func = self.shared.function(GatherKernel::ResidentRows)?;
+        let func = s.shared.function(GatherKernel::ResidentRows)?;
         let config = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (RESIDENT_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let linger_ns = u64::try_from(linger.as_nanos()).unwrap_or(u64::MAX);
-        let mut launch = self.stream.launch_builder(&func);
-        launch.arg(&block.device).arg(&seen).arg(&linger_ns);
-        // SAFETY: the arguments match gpuio_resident_rows(gpuio_resident_call*, u64, u64): the
-        // block's device address (mapped, live while the stream is). The kernel reads calls
-        // the host wrote from checked jobs (serve_resident's contract), each answered before
-        // its borrows end; the stream runs nothing else.
+        let linger_ns = u64::try_from(self.linger.as_nanos()).unwrap_or(u64::MAX);
+        let stopped = self.mem.stop_word().load(Ordering::Acquire);
+        let mut launch = s.stream.launch_builder(&func);
+        launch
+            .arg(&self.mem.device)
+            .arg(&self.seen)
+            .arg(&stopped)
+            .arg(&linger_ns);
+        // SAFETY: the arguments match gpuio_resident_rows(gpuio_resident_call*, u64, u64,
+        // u64): the block's device address (mapped, live while the stream is). The kernel
+        // reads calls the host wrote from checked jobs (serve_resident's contract), each
+        // answered before its borrows end; the stream runs nothing else.
         unsafe { launch.launch(config) }
-            .map(drop)
-            .map_err(cuda_err("cuLaunchKernel(gpuio_resident_rows)"))
+            .map_err(cuda_err("cuLaunchKernel(gpuio_resident_rows)"))?;
+        self.launches.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 }
 
@@ -347,8 +372,8 @@ struct StopOnDrop<'a>(Option<(&'a CudaStreamBackend, &'a CallMemory)>);
 
 impl Drop for StopOnDrop<'_> {
     fn drop(&mut self) {
-        if let Some((stream, block)) = self.0.take() {
-            block.post(STOP);
+        if let Some((stream, mem)) = self.0.take() {
+            mem.send_home();
             if let Err(e) = stream.stream.synchronize() {
                 tracing::error!(error = %e, "waiting for the resident kernel failed");
             }

@@ -66,7 +66,7 @@ impl Drop for CudaStreamBackend {
             std::mem::forget(Arc::clone(&self.stream));
             std::mem::forget(Arc::clone(&self.events));
             std::mem::forget(self.reports.take());
-            std::mem::forget(self.resident.stop());
+            std::mem::forget(self.resident.take());
             return;
         }
         self.restore.arm();
