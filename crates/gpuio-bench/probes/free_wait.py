@@ -6,6 +6,8 @@
 #   cudaFree       the runtime's free (CuPy's cupy.cuda.runtime.free)
 #   cuMemFree      the driver's free (ctypes)
 #   cudaFreeAsync  the stream-ordered free, on the legacy default stream
+#   cuMemFreeHost  a free of page-locked host memory (cuMemHostAlloc)
+#   unregister     cuMemHostUnregister of registered host memory
 #   cudaMalloc     an allocation
 #   ctxsync        cuCtxSynchronize (for scale: it waits for the kernel)
 # A time near SPIN means the call waited for the kernel. Prints each in milliseconds.
@@ -16,6 +18,10 @@ SPIN = float(sys.argv[1]) if len(sys.argv) > 1 else 1.0
 cu = ctypes.CDLL("libcuda.so.1")
 cu.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
 cu.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+cu.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+cu.cuMemFreeHost.argtypes = [ctypes.c_void_p]
+cu.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+cu.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
 spin = cp.RawKernel(r'''
 extern "C" __global__ void spin(unsigned long long ns) {
   unsigned long long t0, t;
@@ -53,8 +59,22 @@ def free_async():
     return lambda: rt.freeAsync(p, 0)
 
 
+def host_free():
+    p = ctypes.c_void_p()
+    assert cu.cuMemHostAlloc(ctypes.byref(p), 1 << 20, 0) == 0
+    return lambda: cu.cuMemFreeHost(p)
+
+
+def unregister():
+    buf = ctypes.create_string_buffer(1 << 21)
+    at = (ctypes.addressof(buf) + 4095) & ~4095
+    assert cu.cuMemHostRegister_v2(at, 1 << 20, 0) == 0
+    return lambda keep=buf: cu.cuMemHostUnregister(at)  # keep: the buffer outlives the call
+
+
 for name, make in (("cudaFree", cuda_free), ("cuMemFree", driver_free),
-                   ("cudaFreeAsync", free_async)):
+                   ("cudaFreeAsync", free_async), ("cuMemFreeHost", host_free),
+                   ("unregister", unregister)):
     timed(name, make())
 timed("cudaMalloc", lambda: rt.malloc(1 << 20))
 timed("ctxsync", lambda: cp.cuda.Device().synchronize())

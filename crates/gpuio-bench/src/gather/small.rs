@@ -119,9 +119,11 @@ pub(super) fn run(
         });
         // p50 sorted the series: their p99 is at the same place in each.
         let p99 = |v: &[Duration]| us(v.get(v.len() * 99 / 100).copied().unwrap_or_default());
+        let launches = resident_io.resident_stats(&gpu).map_or(0, |s| s.launches);
         notes.push(format!(
             "{case}: {:.1} us beyond the device's time; the stream's bare call (launch and wait, \
-             no engine) {:.1} us wall; p99 {:.1} us launched, {:.1} resident",
+             no engine) {:.1} us wall; p99 {:.1} us launched, {:.1} resident (its block \
+             launched {launches} times so far)",
             us(extra),
             us(b),
             p99(&wall),

@@ -5,8 +5,10 @@
 //! trips.
 //!
 //! The block spins on a word of mapped host memory while it waits; it leaves after the
-//! server's linger without a call, so a device-wide synchronize elsewhere in the process waits
-//! at most that long, and comes back with the next call. It runs on a stream of its own.
+//! server's linger without a call, and comes back with the next call. gpuio's own waits for
+//! the whole device (`Gpu::synchronize`, frees and unregistrations of memory) send it home
+//! first; one elsewhere in the process waits for the linger after the last call at most. It
+//! runs on a stream of its own.
 //! On the host backend the same jobs run on the calling thread.
 
 use super::backend::{RowJob, RowMem, RowsDone};
@@ -62,7 +64,8 @@ pub struct ResidentStats {
     /// Calls answered (calls with no rows are not counted).
     pub calls: u64,
     /// Times its block was launched: once, then once per return after it left (its linger
-    /// passed, or a device-wide wait sent it home). 0 on the host backend, which has none.
+    /// passed, or a wait of gpuio's for the whole device sent it home: a synchronize, a free).
+    /// 0 on the host backend, which has none.
     pub launches: u64,
 }
 

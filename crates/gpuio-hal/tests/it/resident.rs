@@ -146,9 +146,10 @@ fn a_call_after_the_linger_brings_the_block_back() {
     assert!(launched.contains(&stats.launches), "{stats:?}");
 }
 
-/// A block lingering for 30 s must not hold a device-wide wait or the server's drop that long.
+/// A block lingering for 30 s must not hold a device-wide wait, a free or the server's drop
+/// that long.
 #[test]
-fn a_device_wide_wait_and_a_drop_send_the_block_home() {
+fn a_device_wide_wait_a_free_and_a_drop_send_the_block_home() {
     let gpu = gpu();
     let stream = gpu.stream().unwrap();
     let server = gpu.resident_rows(Duration::from_secs(30)).unwrap();
@@ -166,9 +167,14 @@ fn a_device_wide_wait_and_a_drop_send_the_block_home() {
         let mut got = vec![0u8; 16];
         stream.download(&dst, 0, &mut got).unwrap();
         assert_eq!(got, rows_of(a.as_slice(), 16, &[row]), "call {k}");
-        // The second call comes after the block was sent home: it launches it again.
+        // The next call comes after the block was sent home: it launches it again. A free
+        // waits for the device as a synchronize does.
         let t = Instant::now();
-        gpu.synchronize().unwrap();
+        if k == 0 {
+            gpu.synchronize().unwrap();
+        } else {
+            drop(gpu.alloc(64).unwrap());
+        }
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     }
     let job = ResidentJob {

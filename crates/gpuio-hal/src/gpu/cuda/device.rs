@@ -7,7 +7,7 @@
 use super::driver::{self, cuda_err};
 use super::memory::{CudaMemory, CudaPin, ForeignMemory};
 use super::module::{self, Loaded};
-use super::resident::CallMemory;
+use super::resident::send_home;
 use super::stream::CudaStreamBackend;
 use super::{cufile, probe};
 use crate::error::{ErrorCode, HalError, Result};
@@ -21,7 +21,7 @@ use crate::kernels::{Kernel, KernelLoad, KernelOrigin, KernelPath, KernelSource}
 use crate::sync::MutexExt;
 use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, sys};
 use std::any::Any;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// State shared by a device and its streams.
 #[derive(Debug)]
@@ -40,9 +40,6 @@ pub(super) struct Shared {
     /// The kernel modules used on this device, each loaded on first use (or the reason it
     /// could not be, kept for every later caller), by the address of its static.
     modules: Mutex<Vec<(usize, ModuleSlot)>>,
-    /// The call blocks of the device's resident row servers, sent home before a device-wide
-    /// wait (which would otherwise wait out their linger).
-    pub(super) residents: Mutex<Vec<Weak<CallMemory>>>,
 }
 
 impl Drop for Shared {
@@ -305,7 +302,6 @@ impl CudaDevice {
                 compute_capability: (major as u32, minor as u32),
                 multiprocessors,
                 modules: Mutex::default(),
-                residents: Mutex::default(),
             }),
             info,
         })
@@ -374,7 +370,7 @@ impl DeviceBackend for CudaDevice {
             return Ok(());
         }
         self.shared.bind()?;
-        super::resident::send_home(&self.shared);
+        let _waiting = send_home(self.shared.device);
         driver::ctx_synchronize()
     }
 
@@ -524,7 +520,7 @@ impl DeviceBackend for CudaDevice {
                 }
                 BaselineCopy::DeviceToDevice { src, dst } => {
                     driver::memcpy_dtod(dst.addr(), src.addr(), dst.len).and_then(|()| {
-                        super::resident::send_home(&self.shared);
+                        let _waiting = send_home(self.shared.device);
                         driver::ctx_synchronize()
                     })
                 }

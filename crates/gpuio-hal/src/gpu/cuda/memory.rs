@@ -48,7 +48,7 @@ impl Drop for CudaMemory {
             return;
         }
         // A free waits for the device: a resident kernel would hold it for its linger.
-        super::resident::send_home(&self.shared);
+        let _waiting = super::resident::send_home(self.shared.device);
         // The caller's context stays current (a framework's current device rests on it).
         let freed = super::keeping_context(|| {
             self.shared.bind().and_then(|()| {
@@ -131,6 +131,8 @@ impl Drop for CudaPin {
         if super::probe::driver_forked() {
             return;
         }
+        // An unregistration may wait for the device, as a free does.
+        let _waiting = super::resident::send_home(self.shared.device);
         let done = super::keeping_context(|| {
             self.shared.bind().and_then(|()| {
                 // SAFETY: ptr was registered by cuMemHostRegister and is still mapped (the

@@ -36,6 +36,8 @@ pub(crate) struct ReportWords {
     blocks: sys::CUdeviceptr,
     /// The number of the stream's last signalling call (the end word starts below the first).
     seq: AtomicU64,
+    /// The GPU, whose resident kernels the frees send home first.
+    gpu: sys::CUdevice,
 }
 
 /// What a kernel that tells its end takes (gather.cu's `gpuio_end`, whose size and offsets are
@@ -92,7 +94,7 @@ impl ReportWords {
     /// `words` report words and the end word in the calling thread's bound context, for
     /// `stream` (the report words reset before each use, the end word at 0, the block count
     /// zeroed in the stream's order, before any of its kernels).
-    fn new(words: usize, stream: sys::CUstream) -> Result<Self> {
+    fn new(words: usize, stream: sys::CUstream, gpu: sys::CUdevice) -> Result<Self> {
         let host = driver::mem_host_alloc_mapped((words + 1) * 8)?.cast::<u64>();
         // SAFETY: `host` starts a fresh allocation of `words + 1` words, used by nothing yet.
         unsafe { host.add(words).write_volatile(0) };
@@ -110,6 +112,7 @@ impl ReportWords {
             words,
             blocks,
             seq: AtomicU64::new(0),
+            gpu,
         };
         this.zero_blocks(stream)?;
         Ok(this)
@@ -215,6 +218,8 @@ impl Drop for ReportWords {
         if super::probe::driver_forked() {
             return;
         }
+        // Frees wait for the device: resident kernels would hold them for their linger.
+        let _waiting = super::resident::send_home(self.gpu);
         // SAFETY: allocated by mem_host_alloc_mapped and mem_alloc, each freed once; the
         // stream that owns this report drained its work and bound its context first (it leaks
         // the report where it cannot).
@@ -263,10 +268,11 @@ impl CudaStreamBackend {
         let held = self.reports.held.lock_unpoisoned();
         if self.reports.words.get().is_none() {
             // Under the lock: no other job makes them meanwhile.
-            let _ = self
-                .reports
-                .words
-                .set(ReportWords::new(REPORT_WORDS, self.raw())?);
+            let _ = self.reports.words.set(ReportWords::new(
+                REPORT_WORDS,
+                self.raw(),
+                self.shared.device,
+            )?);
         }
         let words = self.reports.words.get().ok_or_else(|| {
             HalError::InvalidArgument("a stream's report words could not be kept".into())

@@ -5,11 +5,11 @@
 //! A call writes its jobs and indices into the block, then its number word (its number times
 //! 2048 plus its index count, which the kernel reads with the number); it waits until the
 //! block's `done` word holds that word. The kernel leaves after the server's linger without
-//! a call, or once the stop word has grown (the server's drop, a device-wide wait, a free of
-//! device memory) and no call waits; a call that finds the stream idle with its number
-//! unanswered launches it again.
+//! a call, or once the stop word has grown and no call waits; a call that finds the stream
+//! idle with its number unanswered launches it again. The stop word grows on the server's drop
+//! and before every wait of gpuio's for the whole device ([`send_home`]: a context
+//! synchronize, a free or unregistration of memory), which would otherwise last the linger.
 
-use super::device::Shared;
 use super::driver::{self, cuda_err};
 use super::hot_jobs::{HotJobWords, JOB_WORDS};
 use super::stream::CudaStreamBackend;
@@ -20,9 +20,10 @@ use crate::gpu::resident::RESIDENT_MAX_ROWS;
 use crate::gpu::widest_piece;
 use crate::kernels::GatherKernel;
 use crate::sync::MutexExt;
+use cudarc::driver::sys::CUdevice;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::mem::{offset_of, size_of};
-use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -75,6 +76,8 @@ const _: () = assert!(offset_of!(CallBlock, index) == 288 + 96 * HOT_MAX_JOBS);
 pub(crate) struct CallMemory {
     host: *mut CallBlock,
     device: u64,
+    /// The GPU whose kernel reads it.
+    gpu: CUdevice,
 }
 
 // SAFETY: the pointer is to page-locked memory this value alone owns (until Drop). The call
@@ -85,7 +88,7 @@ unsafe impl Send for CallMemory {}
 unsafe impl Sync for CallMemory {}
 
 impl CallMemory {
-    fn new() -> Result<Self> {
+    fn new(gpu: CUdevice) -> Result<Self> {
         let host = driver::mem_host_alloc_mapped(size_of::<CallBlock>())?.cast::<CallBlock>();
         // SAFETY: `host` starts a fresh allocation of a CallBlock's size, used by nothing yet.
         let device = unsafe { driver::mem_host_get_device_pointer(host.cast()) };
@@ -99,7 +102,7 @@ impl CallMemory {
             (*host).stop = 0;
             (*host).done = 0;
         }
-        Ok(Self { host, device })
+        Ok(Self { host, device, gpu })
     }
 
     /// A word of the block, shared with the device: read and written only through atomics.
@@ -143,6 +146,8 @@ impl Drop for CallMemory {
         if super::probe::driver_forked() {
             return;
         }
+        // The free waits for the device: other servers' kernels would hold it.
+        let _waiting = send_home(self.gpu);
         // SAFETY: allocated by mem_host_alloc_mapped, freed once; the stream that owned it
         // sent its kernel home and drained first.
         if let Err(e) = unsafe { driver::mem_free_host(self.host.cast()) } {
@@ -151,27 +156,86 @@ impl Drop for CallMemory {
     }
 }
 
-/// Sends every resident kernel of `shared`'s device home, before a device-wide wait or a free
-/// of device memory (which waits for the device): either would otherwise last until the
-/// kernels leave by themselves. A call waiting is served first.
-pub(super) fn send_home(shared: &Shared) {
-    let mut residents = shared.residents.lock_unpoisoned();
-    residents.retain(|weak| {
-        let Some(mem) = weak.upgrade() else {
-            return false;
-        };
+/// Every resident server's call block in the process, by device (a device's primary context
+/// is the process's, whichever probe opened it), and the waits for the whole device in
+/// progress on each.
+static DEVICES: Mutex<Vec<DeviceResidents>> = Mutex::new(Vec::new());
+/// Whether any server ever made a block: until then a wait need not look.
+static ANY: AtomicBool = AtomicBool::new(false);
+
+struct DeviceResidents {
+    gpu: CUdevice,
+    blocks: Vec<std::sync::Weak<CallMemory>>,
+    /// While above 0, a launch serves its call and leaves at once (no linger).
+    waits: Arc<AtomicUsize>,
+}
+
+/// `gpu`'s entry, made on first use.
+fn entry(devices: &mut Vec<DeviceResidents>, gpu: CUdevice) -> &mut DeviceResidents {
+    let at = match devices.iter().position(|d| d.gpu == gpu) {
+        Some(at) => at,
+        None => {
+            devices.push(DeviceResidents {
+                gpu,
+                blocks: Vec::new(),
+                waits: Arc::default(),
+            });
+            devices.len() - 1
+        }
+    };
+    &mut devices[at]
+}
+
+/// Sends every resident kernel of `gpu` home, before a wait of gpuio's for the whole device
+/// (a context synchronize; a free or unregistration of memory, which waits for the device's
+/// kernels): it would otherwise last until they leave by themselves. A call waiting is served
+/// first. Hold the guard over the wait: a kernel launched meanwhile serves its call and leaves.
+#[must_use = "held over the wait"]
+pub(super) fn send_home(gpu: CUdevice) -> Waiting {
+    if !ANY.load(Ordering::Acquire) {
+        return Waiting(None);
+    }
+    let (waits, live) = {
+        let mut devices = DEVICES.lock_unpoisoned();
+        let device = entry(&mut devices, gpu);
+        device.waits.fetch_add(1, Ordering::AcqRel);
+        device.blocks.retain(|w| w.strong_count() > 0);
+        let live: Vec<Arc<CallMemory>> = device
+            .blocks
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect();
+        (device.waits.clone(), live)
+    };
+    // Outside the lock: dropping the last reference to a block frees it, which comes here.
+    for mem in live {
         mem.send_home();
-        true
-    });
+    }
+    Waiting(Some(waits))
+}
+
+/// A wait for a whole device in progress ([`send_home`]).
+pub(super) struct Waiting(Option<Arc<AtomicUsize>>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        if let Some(waits) = &self.0 {
+            waits.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
 }
 
 /// A stream's call block and what the host knows of its kernel.
 pub(crate) struct ResidentBlock {
     mem: Arc<CallMemory>,
+    /// The device's waits in progress ([`DEVICES`]).
+    waits: Arc<AtomicUsize>,
     /// The last number word posted (and answered: calls hold the lock until answered).
     posted: u64,
-    /// When the last answer came, if the kernel may still be there, and the stop word then.
-    answered: Option<(Instant, u64)>,
+    /// When the last answer came, if the kernel may still be there.
+    answered: Option<Instant>,
+    /// The stop word the kernel last launched was given.
+    launched_with: Option<u64>,
 }
 
 /// A stream's resident block, made on a first call.
@@ -194,16 +258,20 @@ impl StreamResident {
 }
 
 impl ResidentBlock {
-    /// A block, known to `shared`'s device-wide waits.
-    fn new(shared: &Shared) -> Result<Self> {
-        let mem = Arc::new(CallMemory::new()?);
-        let mut residents = shared.residents.lock_unpoisoned();
-        residents.retain(|w| w.strong_count() > 0);
-        residents.push(Arc::downgrade(&mem));
+    /// A block for `gpu`, known to its waits ([`send_home`]).
+    fn new(gpu: CUdevice) -> Result<Self> {
+        let mem = Arc::new(CallMemory::new(gpu)?);
+        let mut devices = DEVICES.lock_unpoisoned();
+        let device = entry(&mut devices, gpu);
+        device.blocks.retain(|w| w.strong_count() > 0);
+        device.blocks.push(Arc::downgrade(&mem));
+        ANY.store(true, Ordering::Release);
         Ok(Self {
             mem,
+            waits: device.waits.clone(),
             posted: 0,
             answered: None,
+            launched_with: None,
         })
     }
 
@@ -256,7 +324,7 @@ impl CudaStreamBackend {
         self.shared.bind()?;
         let mut held = self.resident.0.lock_unpoisoned();
         if held.is_none() {
-            *held = Some(ResidentBlock::new(&self.shared)?);
+            *held = Some(ResidentBlock::new(self.shared.device)?);
         }
         let Some(block) = held.as_mut() else {
             unreachable!("set above")
@@ -272,12 +340,13 @@ impl CudaStreamBackend {
         let seen = block.posted;
         let seq = ((seen >> COUNT_BITS) + 1) << COUNT_BITS | rows;
         block.posted = seq;
-        // Still there: answered lately, and not sent home since.
+        // Still there: answered lately, and not sent home since its launch.
         let stop = block.mem.stop_word().load(Ordering::Acquire);
-        let fresh = block
+        let recent = block
             .answered
             .take()
-            .is_some_and(|(t, stopped)| stopped == stop && t.elapsed() + LINGER_MARGIN < linger);
+            .is_some_and(|t| t.elapsed() + LINGER_MARGIN < linger);
+        let fresh = recent && block.launched_with == Some(stop);
         let mem = &*block.mem;
         let launch = Launch {
             stream: self,
@@ -285,19 +354,21 @@ impl CudaStreamBackend {
             seen,
             seq,
             linger,
+            waits: &block.waits,
             launches,
         };
+        let mut launched_with = block.launched_with;
         // Once posted, the kernel may be reading the pools: every way out sends it home and
         // waits for the stream before the borrows end.
         let guard = StopOnDrop(Some((self, mem)));
         mem.post(seq);
         if !fresh {
-            launch.if_idle()?;
+            launched_with = launch.if_idle()?.or(launched_with);
         }
         let (start, mut asked) = (Instant::now(), Instant::now());
         while mem.done() != seq {
             if asked.elapsed() >= QUERY_EVERY {
-                launch.if_idle()?;
+                launched_with = launch.if_idle()?.or(launched_with);
                 asked = Instant::now();
             }
             if start.elapsed() < SPIN_FOR {
@@ -313,7 +384,8 @@ impl CudaStreamBackend {
             bad_index = bad_index.or(mem.bad(k).map(|at| first + at));
             first += job.count as u64;
         }
-        block.answered = Some((Instant::now(), stop));
+        block.answered = Some(Instant::now());
+        block.launched_with = launched_with;
         Ok(RowsDone {
             bad_index,
             device_time: None,
@@ -329,17 +401,20 @@ struct Launch<'a> {
     seen: u64,
     seq: u64,
     linger: Duration,
+    /// The device's waits in progress: during one, a kernel launched leaves once it answers.
+    waits: &'a AtomicUsize,
     launches: &'a AtomicU64,
 }
 
 impl Launch<'_> {
     /// Launches the kernel where the stream is idle and the call unanswered (the kernel left,
-    /// or was never there). An error the stream ran into is returned.
-    fn if_idle(&self) -> Result<()> {
+    /// or was never there); the stop word it was given. An error the stream ran into is
+    /// returned.
+    fn if_idle(&self) -> Result<Option<u64>> {
         let s = self.stream;
         // SAFETY: the stream is live and its context bound (serve_resident).
         if !unsafe { driver::stream_query(s.raw()) }? || self.mem.done() == self.seq {
-            return Ok(());
+            return Ok(None);
         }
         let func = s.shared.function(GatherKernel::ResidentRows)?;
         let config = LaunchConfig {
@@ -347,7 +422,12 @@ impl Launch<'_> {
             block_dim: (RESIDENT_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let linger_ns = u64::try_from(self.linger.as_nanos()).unwrap_or(u64::MAX);
+        let linger = if self.waits.load(Ordering::Acquire) > 0 {
+            Duration::ZERO
+        } else {
+            self.linger
+        };
+        let linger_ns = u64::try_from(linger.as_nanos()).unwrap_or(u64::MAX);
         let stopped = self.mem.stop_word().load(Ordering::Acquire);
         let mut launch = s.stream.launch_builder(&func);
         launch
@@ -362,7 +442,7 @@ impl Launch<'_> {
         unsafe { launch.launch(config) }
             .map_err(cuda_err("cuLaunchKernel(gpuio_resident_rows)"))?;
         self.launches.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        Ok(Some(stopped))
     }
 }
 

@@ -129,6 +129,8 @@ impl OrderScratch {
     /// Frees the scratch (no work may use it any more: every user waited for its kernels).
     pub(super) fn release(&mut self, shared: &Shared) {
         if let Some((ptr, _)) = self.mem.take() {
+            // A free waits for the device: a resident kernel would hold it for its linger.
+            let _waiting = super::resident::send_home(shared.device);
             let freed = shared.bind().and_then(|()| {
                 // SAFETY: allocated by cuMemAlloc in this context, freed once; the jobs that
                 // used it waited for their kernels before returning.
