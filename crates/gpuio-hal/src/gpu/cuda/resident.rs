@@ -192,7 +192,8 @@ fn entry(devices: &mut Vec<DeviceResidents>, gpu: CUdevice) -> &mut DeviceReside
 /// first. Hold the guard over the wait: a kernel launched meanwhile serves its call and leaves.
 #[must_use = "held over the wait"]
 pub(super) fn send_home(gpu: CUdevice) -> Waiting {
-    if !ANY.load(Ordering::Acquire) {
+    // A forked child's blocks are the parent's memory, which it must not touch.
+    if !ANY.load(Ordering::Acquire) || super::probe::driver_forked() {
         return Waiting(None);
     }
     let (waits, live) = {
