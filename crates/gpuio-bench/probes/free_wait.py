@@ -8,7 +8,8 @@
 #   cudaFreeAsync  the stream-ordered free, on the legacy default stream
 #   cuMemFreeHost  a free of page-locked host memory (cuMemHostAlloc)
 #   unregister     cuMemHostUnregister of registered host memory
-#   cudaMalloc     an allocation
+#   cudaMalloc     an allocation of 1 MiB; cuMemAlloc1G one of 1 GiB (new mappings)
+#   cuMemHostAlloc page-locked host memory; register: cuMemHostRegister of 2 MiB
 #   ctxsync        cuCtxSynchronize (for scale: it waits for the kernel)
 # A time near SPIN means the call waited for the kernel. Prints each in milliseconds.
 import ctypes, sys, time
@@ -77,4 +78,9 @@ for name, make in (("cudaFree", cuda_free), ("cuMemFree", driver_free),
                    ("unregister", unregister)):
     timed(name, make())
 timed("cudaMalloc", lambda: rt.malloc(1 << 20))
+timed("cuMemAlloc1G", lambda: cu.cuMemAlloc_v2(ctypes.byref(ctypes.c_uint64()), 1 << 30))
+timed("cuMemHostAlloc", lambda: cu.cuMemHostAlloc(ctypes.byref(ctypes.c_void_p()), 1 << 21, 0))
+keep = ctypes.create_string_buffer(1 << 22)
+at = (ctypes.addressof(keep) + 4095) & ~4095
+timed("register", lambda: cu.cuMemHostRegister_v2(at, 1 << 21, 0))
 timed("ctxsync", lambda: cp.cuda.Device().synchronize())

@@ -89,6 +89,8 @@ unsafe impl Sync for CallMemory {}
 
 impl CallMemory {
     fn new(gpu: CUdevice) -> Result<Self> {
+        // Mapping memory may wait for the device, as a free does: other kernels first.
+        let _waiting = send_home(gpu);
         let host = driver::mem_host_alloc_mapped(size_of::<CallBlock>())?.cast::<CallBlock>();
         // SAFETY: `host` starts a fresh allocation of a CallBlock's size, used by nothing yet.
         let device = unsafe { driver::mem_host_get_device_pointer(host.cast()) };
@@ -129,7 +131,7 @@ impl CallMemory {
 
     /// Asks the kernel to leave once no call waits.
     fn send_home(&self) {
-        self.stop_word().fetch_add(1, Ordering::AcqRel);
+        self.stop_word().fetch_add(1, Ordering::SeqCst);
     }
 
     /// Job `k`'s first bad position, once the call is answered.
@@ -157,33 +159,30 @@ impl Drop for CallMemory {
 }
 
 /// Every resident server's call block in the process, by device (a device's primary context
-/// is the process's, whichever probe opened it), and the waits for the whole device in
-/// progress on each.
-static DEVICES: Mutex<Vec<DeviceResidents>> = Mutex::new(Vec::new());
-/// Whether any server ever made a block: until then a wait need not look.
+/// is the process's, whichever probe opened it).
+static DEVICES: Mutex<Vec<(CUdevice, Vec<std::sync::Weak<CallMemory>>)>> = Mutex::new(Vec::new());
+/// Whether any server ever made a block: until then a wait raises no stop word.
 static ANY: AtomicBool = AtomicBool::new(false);
+/// Waits for a whole device in progress, on any device: while above 0, a block launched
+/// serves its call and leaves at once (no linger). Counted before `ANY` is read and any stop
+/// word raised, so that a launch during a wait either sees the count or is sent home.
+static WAITS: AtomicUsize = AtomicUsize::new(0);
 
-struct DeviceResidents {
+/// `gpu`'s blocks, with the dead ones dropped.
+fn blocks(
+    devices: &mut Vec<(CUdevice, Vec<std::sync::Weak<CallMemory>>)>,
     gpu: CUdevice,
-    blocks: Vec<std::sync::Weak<CallMemory>>,
-    /// While above 0, a launch serves its call and leaves at once (no linger).
-    waits: Arc<AtomicUsize>,
-}
-
-/// `gpu`'s entry, made on first use.
-fn entry(devices: &mut Vec<DeviceResidents>, gpu: CUdevice) -> &mut DeviceResidents {
-    let at = match devices.iter().position(|d| d.gpu == gpu) {
+) -> &mut Vec<std::sync::Weak<CallMemory>> {
+    let at = match devices.iter().position(|(d, _)| *d == gpu) {
         Some(at) => at,
         None => {
-            devices.push(DeviceResidents {
-                gpu,
-                blocks: Vec::new(),
-                waits: Arc::default(),
-            });
+            devices.push((gpu, Vec::new()));
             devices.len() - 1
         }
     };
-    &mut devices[at]
+    let blocks = &mut devices[at].1;
+    blocks.retain(|w| w.strong_count() > 0);
+    blocks
 }
 
 /// Sends every resident kernel of `gpu` home, before a wait of gpuio's for the whole device
@@ -193,35 +192,34 @@ fn entry(devices: &mut Vec<DeviceResidents>, gpu: CUdevice) -> &mut DeviceReside
 #[must_use = "held over the wait"]
 pub(super) fn send_home(gpu: CUdevice) -> Waiting {
     // A forked child's blocks are the parent's memory, which it must not touch.
-    if !ANY.load(Ordering::Acquire) || super::probe::driver_forked() {
-        return Waiting(None);
+    if super::probe::driver_forked() {
+        return Waiting(false);
     }
-    let (waits, live) = {
+    WAITS.fetch_add(1, Ordering::SeqCst);
+    if !ANY.load(Ordering::SeqCst) {
+        return Waiting(true);
+    }
+    let live: Vec<Arc<CallMemory>> = {
         let mut devices = DEVICES.lock_unpoisoned();
-        let device = entry(&mut devices, gpu);
-        device.waits.fetch_add(1, Ordering::AcqRel);
-        device.blocks.retain(|w| w.strong_count() > 0);
-        let live: Vec<Arc<CallMemory>> = device
-            .blocks
+        blocks(&mut devices, gpu)
             .iter()
             .filter_map(std::sync::Weak::upgrade)
-            .collect();
-        (device.waits.clone(), live)
+            .collect()
     };
     // Outside the lock: dropping the last reference to a block frees it, which comes here.
     for mem in live {
         mem.send_home();
     }
-    Waiting(Some(waits))
+    Waiting(true)
 }
 
 /// A wait for a whole device in progress ([`send_home`]).
-pub(super) struct Waiting(Option<Arc<AtomicUsize>>);
+pub(super) struct Waiting(bool);
 
 impl Drop for Waiting {
     fn drop(&mut self) {
-        if let Some(waits) = &self.0 {
-            waits.fetch_sub(1, Ordering::AcqRel);
+        if self.0 {
+            WAITS.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
@@ -229,8 +227,6 @@ impl Drop for Waiting {
 /// A stream's call block and what the host knows of its kernel.
 pub(crate) struct ResidentBlock {
     mem: Arc<CallMemory>,
-    /// The device's waits in progress ([`DEVICES`]).
-    waits: Arc<AtomicUsize>,
     /// The last number word posted (and answered: calls hold the lock until answered).
     posted: u64,
     /// When the last answer came, if the kernel may still be there.
@@ -262,14 +258,10 @@ impl ResidentBlock {
     /// A block for `gpu`, known to its waits ([`send_home`]).
     fn new(gpu: CUdevice) -> Result<Self> {
         let mem = Arc::new(CallMemory::new(gpu)?);
-        let mut devices = DEVICES.lock_unpoisoned();
-        let device = entry(&mut devices, gpu);
-        device.blocks.retain(|w| w.strong_count() > 0);
-        device.blocks.push(Arc::downgrade(&mem));
-        ANY.store(true, Ordering::Release);
+        blocks(&mut DEVICES.lock_unpoisoned(), gpu).push(Arc::downgrade(&mem));
+        ANY.store(true, Ordering::SeqCst);
         Ok(Self {
             mem,
-            waits: device.waits.clone(),
             posted: 0,
             answered: None,
             launched_with: None,
@@ -355,7 +347,6 @@ impl CudaStreamBackend {
             seen,
             seq,
             linger,
-            waits: &block.waits,
             launches,
         };
         let mut launched_with = block.launched_with;
@@ -402,8 +393,6 @@ struct Launch<'a> {
     seen: u64,
     seq: u64,
     linger: Duration,
-    /// The device's waits in progress: during one, a kernel launched leaves once it answers.
-    waits: &'a AtomicUsize,
     launches: &'a AtomicU64,
 }
 
@@ -423,13 +412,18 @@ impl Launch<'_> {
             block_dim: (RESIDENT_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let linger = if self.waits.load(Ordering::Acquire) > 0 {
+        // The stop word first: `send_home` counts its wait before it raises the word, so a
+        // launch that takes the raised word also sees the wait and does not linger; one that
+        // takes the word before it leaves when it sees it raised. (The other order would let a
+        // launch take both the raised word and no wait, and hold the wait for its linger.) A
+        // block made during a wait, which raised no stop word for it, sees the count too.
+        let stopped = self.mem.stop_word().load(Ordering::SeqCst);
+        let linger = if WAITS.load(Ordering::SeqCst) > 0 {
             Duration::ZERO
         } else {
             self.linger
         };
         let linger_ns = u64::try_from(linger.as_nanos()).unwrap_or(u64::MAX);
-        let stopped = self.mem.stop_word().load(Ordering::Acquire);
         let mut launch = s.stream.launch_builder(&func);
         launch
             .arg(&self.mem.device)
