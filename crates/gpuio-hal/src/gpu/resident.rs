@@ -5,10 +5,10 @@
 //! trips.
 //!
 //! The block spins on a word of mapped host memory while it waits; it leaves after the
-//! server's linger without a call, and comes back with the next call. gpuio's own waits for
-//! the whole device (`Gpu::synchronize`, frees and unregistrations of memory) send it home
-//! first; one elsewhere in the process waits for the linger after the last call at most. It
-//! runs on a stream of its own.
+//! server's linger without a call, and comes back with the next call. gpuio's own calls that
+//! may wait for the whole device (`Gpu::synchronize`; allocating, registering, freeing and
+//! unregistering memory) send it home first; a wait elsewhere in the process lasts the linger
+//! after the last call at most. It runs on a stream of its own.
 //! On the host backend the same jobs run on the calling thread.
 
 use super::backend::{RowJob, RowMem, RowsDone};
