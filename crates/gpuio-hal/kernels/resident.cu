@@ -54,6 +54,13 @@ __device__ __forceinline__ gpuio_u64 gpuio_load_acquire_sys(const volatile gpuio
     return v;
 }
 
+// A load coherent with the host's stores (system scope), ordering nothing.
+__device__ __forceinline__ gpuio_u64 gpuio_load_relaxed_sys(const volatile gpuio_u64* p) {
+    gpuio_u64 v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
 template <int W>
 __device__ __forceinline__ void gpuio_resident_jobs(const gpuio_hot_job* jobs, gpuio_u64 count,
                                                     gpuio_u64 row_bytes, const gpuio_u64* idx,
@@ -88,7 +95,7 @@ extern "C" __global__ void __launch_bounds__(GPUIO_RESIDENT_THREADS)
             // Acquire: what the host wrote before the number is read after it.
             gpuio_u64 s, stop;
             do {
-                stop = *stop_word;
+                stop = gpuio_load_relaxed_sys(stop_word);
                 s = gpuio_load_acquire_sys(seq_word);
             } while (s == seen && stop == stopped && gpuio_now_ns() - idle_since < linger_ns);
             next = s;
