@@ -95,18 +95,27 @@ pub(super) fn run(
         let res = p50(&mut resident);
         let extra = w.saturating_sub(d);
         let us = |t: Duration| t.as_secs_f64() * 1e6;
-        let mut r = Record::versus(
-            super::SUITE,
-            (&case, "wall p50", "us"),
-            us(w),
-            "the device's time for the same gather (events)",
-            us(d),
-            false,
-        );
-        r.bytes = LATENCY_ROW;
-        r.reps = calls;
-        r.device = gpu.to_string();
-        r.route = "zero-copy, host index list, one call at a time".into();
+        // A case's wall p50 against the device's time for the launched gather.
+        let record = |case: &str, wall: Duration, route: &str| {
+            let mut r = Record::versus(
+                super::SUITE,
+                (case, "wall p50", "us"),
+                us(wall),
+                "the device's time for the same gather (events)",
+                us(d),
+                false,
+            );
+            r.bytes = LATENCY_ROW;
+            r.reps = calls;
+            r.device = gpu.to_string();
+            r.route = route.into();
+            r
+        };
+        records.push(record(
+            &case,
+            w,
+            "zero-copy, host index list, one call at a time",
+        ));
         targets.push(Target {
             description: format!("{case}: wall <= device time + 3 us"),
             measured: Some(format!(
@@ -129,21 +138,12 @@ pub(super) fn run(
             p99(&wall),
             p99(&resident)
         ));
-        records.push(r);
         let case = format!("{case}, resident block");
-        let mut r = Record::versus(
-            super::SUITE,
-            (&case, "wall p50", "us"),
-            us(res),
-            "the device's time for the same gather (events)",
-            us(d),
-            false,
-        );
-        r.bytes = LATENCY_ROW;
-        r.reps = calls;
-        r.device = gpu.to_string();
-        r.route = "zero-copy through a resident block, host index list".into();
-        records.push(r);
+        records.push(record(
+            &case,
+            res,
+            "zero-copy through a resident block, host index list",
+        ));
         targets.push(Target {
             description: format!("{case}: wall <= device time + 3 us"),
             measured: Some(format!(

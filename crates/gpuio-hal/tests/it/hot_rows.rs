@@ -10,9 +10,10 @@ use gpuio_hal::{
     pattern,
 };
 
-const ROWS: usize = 300;
+/// Rows of each test pool (the resident server's tests share these helpers).
+pub(super) const ROWS: usize = 300;
 
-fn pool(gpu: &Gpu, row: usize, seed: u64) -> HostBuffer {
+pub(super) fn pool(gpu: &Gpu, row: usize, seed: u64) -> HostBuffer {
     let mut pool = HostBuffer::alloc_pinned(ROWS * row, &HostAllocOptions::default(), gpu).unwrap();
     pattern::fill(&mut pool, 0, seed);
     pool
@@ -36,7 +37,7 @@ fn gather(
     Ok(got)
 }
 
-fn rows_of(pool: &[u8], row: usize, ids: &[u64]) -> Vec<u8> {
+pub(super) fn rows_of(pool: &[u8], row: usize, ids: &[u64]) -> Vec<u8> {
     ids.iter()
         .flat_map(|&i| &pool[i as usize * row..(i as usize + 1) * row])
         .copied()

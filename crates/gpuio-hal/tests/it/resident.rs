@@ -5,30 +5,16 @@
 //! (neither may wait out its linger), and the refusals.
 
 use super::first_gpu as gpu;
+use super::hot_rows::{ROWS, pool, rows_of};
 use gpuio_hal::{
     Backend, Gpu, HalError, HostAllocOptions, HostBuffer, RESIDENT_MAX_BYTES, RESIDENT_MAX_ROWS,
     ResidentJob, pattern,
 };
 use std::time::{Duration, Instant};
 
-const ROWS: usize = 300;
-
-fn pool(gpu: &Gpu, row: usize, seed: u64) -> HostBuffer {
-    let mut pool = HostBuffer::alloc_pinned(ROWS * row, &HostAllocOptions::default(), gpu).unwrap();
-    pattern::fill(&mut pool, 0, seed);
-    pool
-}
-
 fn ids(n: usize, seed: u64) -> Vec<u64> {
     (0..n as u64)
         .map(|i| pattern::mix64(i ^ seed << 32) % ROWS as u64)
-        .collect()
-}
-
-fn rows_of(pool: &[u8], row: usize, ids: &[u64]) -> Vec<u8> {
-    ids.iter()
-        .flat_map(|&i| &pool[i as usize * row..(i as usize + 1) * row])
-        .copied()
         .collect()
 }
 
