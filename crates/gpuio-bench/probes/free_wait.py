@@ -10,6 +10,7 @@
 #   unregister     cuMemHostUnregister of registered host memory
 #   cudaMalloc     an allocation of 1 MiB; cuMemAlloc1G one of 1 GiB (new mappings)
 #   cuMemHostAlloc page-locked host memory; register: cuMemHostRegister of 2 MiB
+#   managed       cuMemAllocManaged of 1 MiB
 #   ctxsync        cuCtxSynchronize (for scale: it waits for the kernel)
 # A time near SPIN means the call waited for the kernel. Prints each in milliseconds.
 import ctypes, sys, time
@@ -23,6 +24,7 @@ cu.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, 
 cu.cuMemFreeHost.argtypes = [ctypes.c_void_p]
 cu.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
 cu.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+cu.cuMemAllocManaged.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, ctypes.c_uint]
 spin = cp.RawKernel(r'''
 extern "C" __global__ void spin(unsigned long long ns) {
   unsigned long long t0, t;
@@ -83,4 +85,5 @@ timed("cuMemHostAlloc", lambda: cu.cuMemHostAlloc(ctypes.byref(ctypes.c_void_p()
 keep = ctypes.create_string_buffer(1 << 22)
 at = (ctypes.addressof(keep) + 4095) & ~4095
 timed("register", lambda: cu.cuMemHostRegister_v2(at, 1 << 21, 0))
+timed("managed", lambda: cu.cuMemAllocManaged(ctypes.byref(ctypes.c_uint64()), 1 << 20, 1))
 timed("ctxsync", lambda: cp.cuda.Device().synchronize())

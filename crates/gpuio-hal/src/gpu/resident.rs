@@ -6,9 +6,9 @@
 //!
 //! The block spins on a word of mapped host memory while it waits; it leaves after the
 //! server's linger without a call, and comes back with the next call. gpuio's own calls that
-//! may wait for the whole device (`Gpu::synchronize`; allocating, registering, freeing and
-//! unregistering memory) send it home first; a wait elsewhere in the process lasts the linger
-//! after the last call at most. It runs on a stream of its own.
+//! wait for the whole device (`Gpu::synchronize`, freeing and unregistering memory) send it
+//! home first; a wait elsewhere in the process lasts the linger after the last call at most.
+//! It runs on a stream of its own.
 //! On the host backend the same jobs run on the calling thread.
 
 use super::backend::{RowJob, RowMem, RowsDone};

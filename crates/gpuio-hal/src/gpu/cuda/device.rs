@@ -336,8 +336,6 @@ impl DeviceBackend for CudaDevice {
 
     fn alloc_managed(&self, len: usize) -> Result<Box<dyn DeviceMemory>> {
         self.shared.bind()?;
-        // Mapping memory may wait for the device, as a free does: resident kernels first.
-        let _waiting = send_home(self.shared.device);
         let ptr = driver::mem_alloc_managed(len)?;
         // SAFETY: a fresh allocation in this (bound) context, owned by CudaMemory alone;
         // cuMemFree frees managed memory as it does device memory.
@@ -348,8 +346,6 @@ impl DeviceBackend for CudaDevice {
 
     fn alloc(&self, len: usize) -> Result<Box<dyn DeviceMemory>> {
         self.shared.bind()?;
-        // Mapping memory may wait for the device, as a free does: resident kernels first.
-        let _waiting = send_home(self.shared.device);
         // Only CUDA_ERROR_OUT_OF_MEMORY maps to NoMem.
         let ptr = driver::mem_alloc(len).map_err(|e| match e {
             HalError::Cuda {
@@ -432,8 +428,6 @@ impl DeviceBackend for CudaDevice {
 
     unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<Box<dyn HostPin>> {
         self.shared.bind()?;
-        // Mapping memory may wait for the device, as a free does: resident kernels first.
-        let _waiting = send_home(self.shared.device);
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the caller keeps ptr..ptr+len mapped until the returned CudaPin drops, which
         // unregisters it.
@@ -445,8 +439,6 @@ impl DeviceBackend for CudaDevice {
 
     unsafe fn pin_read_only(&self, ptr: *mut u8, len: usize) -> Result<Box<dyn HostPin>> {
         self.shared.bind()?;
-        // Mapping memory may wait for the device, as a free does: resident kernels first.
-        let _waiting = send_home(self.shared.device);
         // READ_ONLY is what lets the driver pin pages of a read-only mapping (without it the
         // registration fails); PORTABLE makes the pin good for every context, so every device
         // can copy from it (`MappingPin::copy_to_device` relies on that); DEVICEMAP gives
@@ -463,8 +455,6 @@ impl DeviceBackend for CudaDevice {
 
     unsafe fn pin_io(&self, ptr: *mut u8, len: usize) -> Result<Box<dyn HostPin>> {
         self.shared.bind()?;
-        // Mapping memory may wait for the device, as a free does: resident kernels first.
-        let _waiting = send_home(self.shared.device);
         let flags = sys::CU_MEMHOSTREGISTER_IOMEMORY | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the caller keeps ptr..ptr+len mapped until the returned CudaPin drops, which
         // unregisters it.

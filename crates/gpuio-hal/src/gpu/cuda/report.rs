@@ -95,8 +95,6 @@ impl ReportWords {
     /// `stream` (the report words reset before each use, the end word at 0, the block count
     /// zeroed in the stream's order, before any of its kernels).
     fn new(words: usize, stream: sys::CUstream, gpu: sys::CUdevice) -> Result<Self> {
-        // Mapping memory may wait for the device, as a free does: resident kernels first.
-        let _waiting = super::resident::send_home(gpu);
         let host = driver::mem_host_alloc_mapped((words + 1) * 8)?.cast::<u64>();
         // SAFETY: `host` starts a fresh allocation of `words + 1` words, used by nothing yet.
         unsafe { host.add(words).write_volatile(0) };

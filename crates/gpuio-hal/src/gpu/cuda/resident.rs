@@ -89,8 +89,6 @@ unsafe impl Sync for CallMemory {}
 
 impl CallMemory {
     fn new(gpu: CUdevice) -> Result<Self> {
-        // Mapping memory may wait for the device, as a free does: other kernels first.
-        let _waiting = send_home(gpu);
         let host = driver::mem_host_alloc_mapped(size_of::<CallBlock>())?.cast::<CallBlock>();
         // SAFETY: `host` starts a fresh allocation of a CallBlock's size, used by nothing yet.
         let device = unsafe { driver::mem_host_get_device_pointer(host.cast()) };

@@ -121,11 +121,7 @@ impl OrderScratch {
         self.release(shared);
         let len = bytes.next_power_of_two();
         // A fresh allocation owned by this scratch, freed in `release`.
-        let ptr = {
-            // Mapping memory may wait for the device, as a free does.
-            let _waiting = super::resident::send_home(shared.device);
-            driver::mem_alloc(len)?
-        };
+        let ptr = driver::mem_alloc(len)?;
         self.mem = Some((ptr, len));
         Ok(ptr)
     }
