@@ -592,6 +592,89 @@ __device__ __forceinline__ void gpuio_array_visit(const gpuio_array_desc* a, int
     }
 }
 
+// Accesses a lane of gpuio_array<T>::gather keeps in flight on its hit path.
+#ifndef GPUIO_ARRAY_GATHER_DEPTH
+#define GPUIO_ARRAY_GATHER_DEPTH 8
+#endif
+
+// The hit path of K reads per lane at once, for gather (every active lane calls it together):
+// each wanted element's page is pinned with a relaxed atomic, the K pins ordered before the
+// frame reads by one acquire fence and the reads before the pins go by one release fence, so
+// the K round trips overlap instead of following one another. Lanes wanting one page share
+// one pin where the warp has neighbours alike (sorted or sequential indices; random ones skip
+// the match). Returns the bit mask of the elements read into v (their pages VALID); the rest
+// (not cached, or their index out of range) go the warp-cooperative way. Their pins come off
+// again at once: a page found filling or empty only sees a pin come and go, as a round's
+// failed pin does. Reference bits are set after the pins go: a hint for the clock, harmless
+// on a frame that changed meanwhile.
+template <typename T, int K>
+__device__ __forceinline__ unsigned int gpuio_array_hits(const gpuio_array_desc* a,
+                                                        const int* want,
+                                                        const unsigned long long* index,
+                                                        T* v) {
+    const gpuio_cache* c = &a->cache;
+    const unsigned int active = __activemask();
+    const unsigned int lane = gpuio_ring_lane_id();
+    const unsigned long long size = a->bytes / sizeof(T);
+    unsigned long long old[K], pins[K];
+    int lead[K];
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+        const int go = want[j] && index[j] < size;
+        // Lanes not reading get keys no page has (pages fit in 52 bits).
+        const unsigned long long key = go ? (index[j] * sizeof(T)) >> c->page_shift : ~0ull - lane;
+        const unsigned long long prev = __shfl_up_sync(active, key, 1);
+        const int alike = lane > 0u && (active >> (lane - 1u) & 1u) && prev == key;
+        const unsigned int peers =
+            __any_sync(active, alike) ? __match_any_sync(active, key) : 1u << lane;
+        lead[j] = go && (int)lane == __ffs(peers) - 1;
+        pins[j] = go ? (unsigned long long)__popc(peers) : 0ull;
+        old[j] = 0ull;
+        if (lead[j]) {
+            asm volatile("atom.add.relaxed.gpu.u64 %0, [%1], %2;"
+                         : "=l"(old[j])
+                         : "l"(gpuio_array_entry(a, key)), "l"(pins[j] * GPUIO_PAGE_PIN_ONE)
+                         : "memory");
+        }
+        // Each lane learns its leader's entry (a lane not reading its own, 0).
+        old[j] = __shfl_sync(active, old[j], __ffs(peers) - 1);
+    }
+    // The leaders' pins before every lane's frame reads (the barrier carries their acquire
+    // to the lanes sharing their pins).
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    __syncwarp(active);
+    unsigned int hit = 0u;
+    unsigned int seen[K];
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+        seen[j] = 1u;
+        if (pins[j] && gpuio_page_state(old[j]) == GPUIO_PAGE_VALID) {
+            const unsigned int f = (unsigned int)(old[j] & GPUIO_PAGE_FRAME_MASK);
+            const unsigned long long at = (index[j] * sizeof(T)) & (c->page_size - 1ull);
+            v[j] = *(const T*)(gpuio_frame(c, f) + at);
+            if (lead[j]) seen[j] = *(volatile unsigned int*)((unsigned int*)c->refs + f);
+            hit |= 1u << j;
+        }
+    }
+    // Every lane's reads before its leader's pins go.
+    __syncwarp(active);
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+        if (!lead[j]) continue;
+        asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;"
+                     :
+                     : "l"(gpuio_array_entry(a, (index[j] * sizeof(T)) >> c->page_shift)),
+                       "l"(0ull - pins[j] * GPUIO_PAGE_PIN_ONE)
+                     : "memory");
+        if ((hit >> j & 1u) && seen[j] == 0u) {
+            *(volatile unsigned int*)((unsigned int*)c->refs +
+                                      (unsigned int)(old[j] & GPUIO_PAGE_FRAME_MASK)) = 1u;
+        }
+    }
+    return hit;
+}
+
 // Writes `page` back if cached and dirty (one thread; waits for its pins to go).
 __device__ __forceinline__ long long gpuio_array_flush_page(const gpuio_array_desc* a,
                                                             unsigned long long page) {
@@ -685,15 +768,35 @@ struct gpuio_array {
     __device__ __forceinline__ void store(unsigned long long i, T v) const { access(i, 1, v); }
 
     // out[k] = arr[idx[k]] for k < n, the grid's threads taking k = tid, tid + stride, ...
-    // (warp-coalesced: lanes wanting one page pin it once).
+    // Each lane reads GPUIO_ARRAY_GATHER_DEPTH elements at once where their pages are cached
+    // (gpuio_array_hits); the others go as get() does, together by warp (lanes wanting one
+    // page pin it once, misses read together).
     __device__ __forceinline__ void gather(const unsigned long long* idx, T* out,
                                            unsigned long long n) const {
+        constexpr int K = sizeof(T) <= 16 ? GPUIO_ARRAY_GATHER_DEPTH : 1;
         const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
         const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x;
         // A warp-uniform trip count: every lane reaches each collective call.
-        for (unsigned long long base = first; base < n; base += stride) {
-            const unsigned long long k = base + threadIdx.x;
-            if (k < n) out[k] = get(idx[k]);
+        for (unsigned long long base = first; base < n; base += stride * K) {
+            int want[K];
+            unsigned long long index[K];
+            T v[K];
+#pragma unroll
+            for (int j = 0; j < K; j++) {
+                const unsigned long long k = base + j * stride + threadIdx.x;
+                want[j] = k < n;
+                index[j] = want[j] ? idx[k] : 0ull;
+            }
+            const unsigned int hit = gpuio_array_hits<T, K>(&d, want, index, v);
+            gpuio_array_count_warp(&d.cache, d.slot, __activemask(), GPUIO_STAT_HITS,
+                                   (unsigned int)__popc(hit), GPUIO_STAT_WAITS, 0u);
+#pragma unroll
+            for (int j = 0; j < K; j++) {
+                const int rest = want[j] && !(hit >> j & 1u);
+                const T later = access_if(rest, index[j], 0, T());
+                if (rest) v[j] = later;
+                if (want[j]) out[base + j * stride + threadIdx.x] = v[j];
+            }
         }
     }
 

@@ -19,7 +19,9 @@
 //!
 //! - **Hit**: add a pin to the entry (one atomic add). If the old value was VALID, the frame
 //!   is this thread's to read (and, for a store, to write after setting DIRTY) until it
-//!   takes the pin off. Otherwise it takes the pin off again.
+//!   takes the pin off. Otherwise it takes the pin off again. A gather's thread pins the pages
+//!   of several elements at once (relaxed adds, then one acquire fence) and takes those pins
+//!   off together behind one release fence, so its round trips overlap.
 //! - **Miss**: a thread that finds the entry EMPTY claims it with a compare-and-swap to
 //!   FILLING; others wait for it (a page is read once however many threads want it). The
 //!   claimer takes a frame, reads the page into it through the ring (or, for a read-only array
