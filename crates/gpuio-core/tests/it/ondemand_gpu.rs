@@ -1,7 +1,7 @@
 //! On-demand arrays with real kernels (the GPU machine, `GPUIO_REQUIRE_CUDA=1`): the layout
 //! the device compiler sees; GPU threads reading random elements of a file four times the
 //! cache and checking each against the data pattern; stores, `synchronize` and the file
-//! checked byte for byte; a page-size sweep. On the host backend these report that they need
+//! checked byte for byte; a page-size sweep; gathers whose hits race evictions. On the host backend these report that they need
 //! a GPU (the protocol itself runs in CI through `ondemand.rs`).
 
 use gpuio_core::ondemand::{ArrayMode, PageCache, PageCacheConfig};
@@ -453,4 +453,99 @@ fn resident_arrays_read_right_while_other_arrays_thrash_the_cache() {
         let e = u64::from_le_bytes(e.try_into().unwrap());
         assert_eq!(ondemand::page_pins(e), 0, "page {page}");
     }
+}
+
+#[test]
+fn gathers_read_right_while_their_hits_race_evictions() {
+    let Some((engines, gpu)) = super::common::cuda("on-demand array kernels run") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gather.bin");
+    let (seed, bytes) = (0x9a7e, 32usize << 20);
+    let mut data = vec![0u8; bytes];
+    pattern::fill(&mut data, 0, seed);
+    std::fs::write(&path, &data).unwrap();
+    drop(data);
+    let file = FileHandle::open(&path, OpenOptions::READ).unwrap();
+    let stream = gpu.stream().unwrap();
+    // 8 MiB of frames for a 32 MiB array, every miss cached: a lane's eight hits in flight
+    // meet pages being evicted and filled by the other warps.
+    let cfg = PageCacheConfig {
+        page_size: 4096,
+        capacity: 8 << 20,
+        admit_after: 0,
+        ..PageCacheConfig::default()
+    };
+    let cache = PageCache::new(engines, &gpu, cfg).unwrap();
+    let words = (bytes / 8) as u64;
+    let array = cache
+        .array::<u64>(Endpoint::file(&file, 0), words, ArrayMode::ReadOnly)
+        .unwrap();
+    let (memory, table, ring) = array.hal_parts();
+    // Blocks of 64 random indices, then of 64 neighbours (adjacent lanes sharing pages: the
+    // shared pins).
+    let n = 1usize << 19;
+    let idx: Vec<u64> = (0..n as u64)
+        .map(|k| match (k >> 6) % 2 {
+            0 => pattern::mix64(k ^ seed) % words,
+            _ => (pattern::mix64(k >> 6) % words + (k & 63)) % words,
+        })
+        .collect();
+    let idx_buf = gpu.alloc(n * 8).unwrap();
+    let raw: Vec<u8> = idx.iter().flat_map(|i| i.to_le_bytes()).collect();
+    stream.upload(&raw, &idx_buf, 0).unwrap();
+    let out = gpu.alloc(n * 8).unwrap();
+    for pass in 0..3 {
+        array_kernels::bench_reads(
+            &stream,
+            Ok((memory.as_ref(), table, &ring)),
+            &idx_buf,
+            n,
+            0,
+            &out,
+            16384,
+        )
+        .unwrap();
+        array.check().unwrap();
+        let mut got = vec![0u8; n * 8];
+        stream.download(&out, 0, &mut got).unwrap();
+        for (k, i) in idx.iter().enumerate() {
+            let word = u64::from_le_bytes(got[k * 8..k * 8 + 8].try_into().unwrap());
+            assert_eq!(word, pattern::word_at(seed, *i), "pass {pass}: element {i}");
+        }
+    }
+    let s = array.stats().unwrap();
+    assert!(s.evictions > 1000 && s.hits > 100_000, "{s:?}");
+    // Every pin came off again.
+    let mut raw = vec![0u8; table.pages() as usize * 8];
+    stream.download(table.table(), 0, &mut raw).unwrap();
+    for (page, e) in raw.chunks_exact(8).enumerate() {
+        let e = u64::from_le_bytes(e.try_into().unwrap());
+        assert_eq!(ondemand::page_pins(e), 0, "page {page}");
+    }
+    // An index past the end reads 0 and is reported; the ones beside it read right.
+    let mixed = [3u64, words, words - 1];
+    let raw: Vec<u8> = mixed.iter().flat_map(|i| i.to_le_bytes()).collect();
+    stream.upload(&raw, &idx_buf, 0).unwrap();
+    array_kernels::bench_reads(
+        &stream,
+        Ok((memory.as_ref(), table, &ring)),
+        &idx_buf,
+        3,
+        0,
+        &out,
+        32,
+    )
+    .unwrap();
+    assert_eq!(
+        array.check().unwrap_err().code(),
+        gpuio_hal::ErrorCode::InvalidArg
+    );
+    let mut got = vec![0u8; 24];
+    stream.download(&out, 0, &mut got).unwrap();
+    let word = |k: usize| u64::from_le_bytes(got[k * 8..k * 8 + 8].try_into().unwrap());
+    assert_eq!(word(0), pattern::word_at(seed, 3));
+    assert_eq!(word(1), 0);
+    assert_eq!(word(2), pattern::word_at(seed, words - 1));
 }
