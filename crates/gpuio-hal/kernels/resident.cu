@@ -13,20 +13,12 @@
 #define GPUIO_RESIDENT_THREADS 512  // RESIDENT_THREADS in crates/gpuio-hal/src/gpu/cuda/resident.rs
 // The call's words the block reads before its jobs: width, row_bytes, jobs, rows, the jobs.
 #define GPUIO_RESIDENT_HEAD (4 + 12 * GPUIO_HOT_JOBS)
-// Every call word (the head's and the indices') carries its call's tag in its top 16 bits
-// (TAG_SHIFT etc. in crates/gpuio-hal/src/gpu/cuda/resident.rs): single-copy atomic, a word
-// read with the tag of the call the block serves is that call's. So the block reads the
-// words it expects beside the number word while it polls, and a call costs one round trip
-// over the bus instead of two (the number, then the words).
-#define GPUIO_RESIDENT_TAG_SHIFT 48
-#define GPUIO_RESIDENT_PAYLOAD ((1ull << GPUIO_RESIDENT_TAG_SHIFT) - 1ull)
 
 // The call block, as the host writes it (`CallBlock` in crates/gpuio-hal/src/gpu/cuda/
 // resident.rs, whose layout is asserted there too). The host writes everything but `done` and
 // `bad` and `stop`, then `seq` (the call's number word, below); the device lowers `bad[k]`
 // (job k's first bad position, atomicMin), then stores the number word in `done`. `stop` only
-// ever grows. Each side's words have a 128-byte line of their own. The head's words and the
-// indices are one run of tagged words (`index` follows `job`).
+// ever grows. Each side's words have a 128-byte line of their own.
 struct gpuio_resident_call {
     gpuio_u64 seq, stop;
     gpuio_u64 unused0[14];
@@ -56,6 +48,12 @@ __device__ __forceinline__ gpuio_u64 gpuio_now_ns() {
     return t;
 }
 
+__device__ __forceinline__ gpuio_u64 gpuio_load_acquire_sys(const volatile gpuio_u64* p) {
+    gpuio_u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // A load coherent with the host's stores (system scope), ordering nothing.
 __device__ __forceinline__ gpuio_u64 gpuio_load_relaxed_sys(const volatile gpuio_u64* p) {
     gpuio_u64 v;
@@ -75,95 +73,48 @@ __device__ __forceinline__ void gpuio_resident_jobs(const gpuio_hot_job* jobs, g
     }
 }
 
-// The tag of the call numbered `number` (the host's `tag`): never 0, which the host writes
-// over every word now and then so that no word keeps a tag long enough to come round again.
-__device__ __forceinline__ gpuio_u64 gpuio_resident_tag(gpuio_u64 number) {
-    return number % 0xffffull + 1ull;
-}
-
-// Word `at` of the call's run as the call tagged `tag` wrote it: `polled` if that is it, else
-// read until it is (the host wrote it before the number the block has seen; the read may
-// have been served before the write landed).
-__device__ __forceinline__ gpuio_u64 gpuio_resident_word(const volatile gpuio_u64* words,
-                                                         unsigned at, gpuio_u64 polled,
-                                                         gpuio_u64 tag) {
-    gpuio_u64 w = polled;
-    while ((w >> GPUIO_RESIDENT_TAG_SHIFT) != tag) w = gpuio_load_relaxed_sys(words + at);
-    return w & GPUIO_RESIDENT_PAYLOAD;
-}
-
-// Where item `i` of a call with `head` head words lies in the run: the head's words, then the
-// indices (which start after all GPUIO_RESIDENT_HEAD).
-__device__ __forceinline__ unsigned gpuio_resident_at(unsigned i, unsigned head) {
-    return i < head ? i : GPUIO_RESIDENT_HEAD + (i - head);
-}
-
 // One block of GPUIO_RESIDENT_THREADS. A call's number word is its number times 2048 plus its
-// index count (at most GPUIO_RESIDENT_ROWS). While it waits, thread t also reads item t of a
-// call shaped as the last one (its head's words and indices), so that a call like the last is
-// all read in the round that finds its number. `seen`: the last word served (the host's last
-// answered call), so that a call posted before the launch is served at once; `stopped`: the
-// stop word then.
+// index count (at most GPUIO_RESIDENT_ROWS), so that the block reads the call's words and its
+// indices in one round trip. `seen`: the last word served (the host's last answered call), so
+// that a call posted before the launch is served at once; `stopped`: the stop word then.
 extern "C" __global__ void __launch_bounds__(GPUIO_RESIDENT_THREADS)
     gpuio_resident_rows(gpuio_resident_call* call, gpuio_u64 seen, gpuio_u64 stopped,
                         gpuio_u64 linger_ns) {
     __shared__ gpuio_u64 idx[GPUIO_RESIDENT_ROWS];
     __shared__ gpuio_u64 head[GPUIO_RESIDENT_HEAD];
     __shared__ gpuio_u64 next;
-    __shared__ int leave;
     // The host rewrites the block between calls: every read of it goes to host memory.
     const volatile gpuio_u64* seq_word = &call->seq;
     const volatile gpuio_u64* stop_word = &call->stop;
     const volatile gpuio_u64* words = &call->width;
-    const unsigned t = threadIdx.x;
-    // The shape polled: the last call's head words and indices (a first call: one job).
-    unsigned polled_head = 16u, polled_rows = 0u;
+    const volatile gpuio_u64* index = call->index;
     gpuio_u64 idle_since = gpuio_now_ns();
     for (;;) {
-        const unsigned polled_at = gpuio_resident_at(t, polled_head);
-        const int polls = t < polled_head + polled_rows;
-        gpuio_u64 mine = 0ull;
-        for (;;) {
-            // The number, the stop word and this thread's item, all in flight together.
-            if (polls) mine = gpuio_load_relaxed_sys(words + polled_at);
-            if (t == 0) {
-                const gpuio_u64 stop = gpuio_load_relaxed_sys(stop_word);
-                const gpuio_u64 s = gpuio_load_relaxed_sys(seq_word);
-                next = s;
-                leave = s == seen && (stop != stopped || gpuio_now_ns() - idle_since >= linger_ns);
-            }
-            __syncthreads();
-            const gpuio_u64 s = next;
-            const int go = s != seen || leave;
-            __syncthreads();  // everyone has read `next` and `leave` before thread 0 rewrites them
-            if (go) break;
+        if (threadIdx.x == 0) {
+            // Both words each round, the stop word's load in flight beside the number's.
+            // Acquire: what the host wrote before the number is read after it.
+            gpuio_u64 s, stop;
+            do {
+                stop = gpuio_load_relaxed_sys(stop_word);
+                s = gpuio_load_acquire_sys(seq_word);
+            } while (s == seen && stop == stopped && gpuio_now_ns() - idle_since < linger_ns);
+            next = s;
         }
+        __syncthreads();
         const gpuio_u64 seq = next;
         // No call: the linger passed, or the host asked the block to leave.
         if (seq == seen) return;
-        // Acquire: what the host wrote before the number (the pools' rows, the hot tiers) is
-        // read after it; the barriers below carry it to every thread.
-        if (t == 0) asm volatile("fence.acq_rel.sys;" ::: "memory");
-        const gpuio_u64 tag = gpuio_resident_tag(seq / 2048);
         const gpuio_u64 count = seq % 2048;
         const unsigned rows = count < GPUIO_RESIDENT_ROWS ? (unsigned)count : GPUIO_RESIDENT_ROWS;
-        // The head's first four words (width, row_bytes, jobs, rows) tell its shape.
-        if (t < 4) head[t] = gpuio_resident_word(words, t, t == polled_at ? mine : 0ull, tag);
-        __syncthreads();
-        const gpuio_u64 n = head[2] < GPUIO_HOT_JOBS ? head[2] : GPUIO_HOT_JOBS;
-        const unsigned head_words = 4u + 12u * (unsigned)n;
-        for (unsigned i = t; i < head_words + rows; i += blockDim.x) {
-            if (i < 4) continue;
-            const unsigned at = gpuio_resident_at(i, head_words);
-            const gpuio_u64 w =
-                gpuio_resident_word(words, at, i == t && at == polled_at ? mine : 0ull, tag);
-            if (at < GPUIO_RESIDENT_HEAD)
-                head[at] = w;
+        for (unsigned t = threadIdx.x; t < GPUIO_RESIDENT_HEAD + rows; t += blockDim.x) {
+            if (t < GPUIO_RESIDENT_HEAD)
+                head[t] = words[t];
             else
-                idx[at - GPUIO_RESIDENT_HEAD] = w;
+                idx[t - GPUIO_RESIDENT_HEAD] = index[t - GPUIO_RESIDENT_HEAD];
         }
         __syncthreads();
         const gpuio_hot_job* jobs = (const gpuio_hot_job*)(head + 4);
+        const gpuio_u64 n = head[2] < GPUIO_HOT_JOBS ? head[2] : GPUIO_HOT_JOBS;
         switch (head[0]) {
         case 16: gpuio_resident_jobs<16>(jobs, n, head[1], idx, call->bad); break;
         case 8: gpuio_resident_jobs<8>(jobs, n, head[1], idx, call->bad); break;
@@ -173,13 +124,11 @@ extern "C" __global__ void __launch_bounds__(GPUIO_RESIDENT_THREADS)
         // Every thread's rows before the number (the barrier, then a fence: fences are
         // cumulative).
         __syncthreads();
-        if (t == 0) {
+        if (threadIdx.x == 0) {
             __threadfence_system();
             *(volatile gpuio_u64*)&call->done = seq;
         }
         seen = seq;
-        polled_head = head_words;
-        polled_rows = rows;
         idle_since = gpuio_now_ns();
     }
 }

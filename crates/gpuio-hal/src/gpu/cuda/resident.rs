@@ -13,7 +13,7 @@
 use super::driver::{self, cuda_err};
 use super::hot_jobs::{HotJobWords, JOB_WORDS};
 use super::stream::CudaStreamBackend;
-use crate::error::{HalError, Result};
+use crate::error::Result;
 use crate::gpu::backend::{RowJob, RowMem, RowsDone};
 use crate::gpu::hot_jobs::HOT_MAX_JOBS;
 use crate::gpu::resident::RESIDENT_MAX_ROWS;
@@ -36,23 +36,6 @@ const COUNT_BITS: u32 = 11;
 const _: () = assert!(RESIDENT_MAX_ROWS < 1 << COUNT_BITS);
 /// "No bad index" (what the kernel's `atomicMin` lowers).
 const NONE: u64 = u64::MAX;
-/// Where a call word's tag starts (resident.cu's `GPUIO_RESIDENT_TAG_SHIFT`): every head word
-/// and index carries its call's tag above a 48-bit payload, so that the kernel can read a
-/// call's words beside its number and know them for that call's.
-const TAG_SHIFT: u32 = 48;
-/// The payload bits. An index past them is written as this, past any pool (checked), so the
-/// kernel reports it bad at its position as it would the index itself.
-const PAYLOAD: u64 = (1 << TAG_SHIFT) - 1;
-/// Every this many calls, every word is first written untagged (0, no call's tag): a word
-/// left unwritten by the calls between could otherwise keep a tag until its value came round
-/// again (0xffff calls) and pass for a later call's while that call's write is on its way.
-const UNTAG_EVERY: u64 = 1 << 14;
-const _: () = assert!(UNTAG_EVERY < 0xffff / 2);
-
-/// The tag of the call numbered `number` (resident.cu's `gpuio_resident_tag`): never 0.
-fn tag(number: u64) -> u64 {
-    (number % 0xffff + 1) << TAG_SHIFT
-}
 /// How often a waiting call asks the driver whether the stream is idle (the kernel gone, or
 /// failed).
 const QUERY_EVERY: Duration = Duration::from_micros(20);
@@ -283,66 +266,34 @@ impl ResidentBlock {
         })
     }
 
-    /// Writes call `number` (tagged words: the kernel may read them as they land, and takes
-    /// them once their tag is the call's); its index count. Refuses a job whose pool, rows or
-    /// addresses do not fit a word's payload, before anything is written.
+    /// Writes the call (the kernel is idle until its number is posted); its index count.
     ///
     /// # Safety
     /// Every job's index list is host memory (`RowMem::Host`) readable for the call; the jobs
     /// hold at most `RESIDENT_MAX_ROWS` indices and `HOT_MAX_JOBS` jobs (checked by the op).
-    unsafe fn write(
-        &mut self,
-        jobs: &[RowJob<'_>],
-        width: u64,
-        row_bytes: u64,
-        number: u64,
-    ) -> Result<u64> {
-        let mut head = [0u64; 4 + JOB_WORDS * HOT_MAX_JOBS];
+    unsafe fn write(&mut self, jobs: &[RowJob<'_>], width: u64, row_bytes: u64) -> u64 {
+        let block = self.mem.host;
         let mut at = 0usize;
-        for (k, job) in jobs.iter().enumerate().take(HOT_MAX_JOBS) {
-            // The job's list is at its position in the block's (err: unused, `bad[k]`).
-            let words = HotJobWords::of(job, row_bytes, at as u64, 0).words();
-            // Its rows below PAYLOAD too: a clipped index must stay past the pool.
-            if words.iter().any(|&w| w >= PAYLOAD) {
-                return Err(HalError::InvalidArgument(format!(
-                    "a resident gather's job {k} has an address or a row count past 2^48 \
-                     (its words carry a tag above 48 bits)"
-                )));
-            }
-            head[4 + JOB_WORDS * k..4 + JOB_WORDS * (k + 1)].copy_from_slice(&words);
-            at += job.count;
-        }
-        head[..4].copy_from_slice(&[width, row_bytes, jobs.len() as u64, at as u64]);
-        // The head's words and the indices are one run (`index` follows `job`, asserted above).
-        let run = offset_of!(CallBlock, width);
-        let index = offset_of!(CallBlock, index);
-        if number.is_multiple_of(UNTAG_EVERY) {
-            (0..head.len() + RESIDENT_MAX_ROWS)
-                .for_each(|i| self.mem.word(run + 8 * i).store(0, Ordering::Relaxed));
-        }
-        let tag = tag(number);
-        let used = 4 + JOB_WORDS * jobs.len().min(HOT_MAX_JOBS);
-        for (i, w) in head[..used].iter().enumerate() {
-            self.mem.word(run + 8 * i).store(tag | w, Ordering::Relaxed);
-        }
-        let mut i = 0usize;
-        for (k, job) in jobs.iter().enumerate().take(HOT_MAX_JOBS) {
-            self.mem
-                .word(offset_of!(CallBlock, bad) + 8 * k)
-                .store(NONE, Ordering::Relaxed);
-            if let RowMem::Host { ptr, .. } = job.idx {
-                // SAFETY: the caller's contract: `count` indices of readable host memory.
-                let list = unsafe { std::slice::from_raw_parts(ptr.cast::<u64>(), job.count) };
-                for &v in list {
-                    self.mem
-                        .word(index + 8 * i)
-                        .store(tag | v.min(PAYLOAD), Ordering::Relaxed);
-                    i += 1;
+        // SAFETY: the block is ours (the stream's resident lock); the kernel reads these words
+        // only after the number.
+        unsafe {
+            (*block).width = width;
+            (*block).row_bytes = row_bytes;
+            (*block).jobs = jobs.len() as u64;
+            for (k, job) in jobs.iter().enumerate().take(HOT_MAX_JOBS) {
+                (*block).bad[k] = NONE;
+                if let RowMem::Host { ptr, .. } = job.idx {
+                    let to = (*block).index.as_mut_ptr().add(at);
+                    std::ptr::copy_nonoverlapping(ptr.cast::<u64>(), to, job.count);
                 }
+                // The job's list is at its position in the block's (err: unused, `bad[k]`).
+                (*block).job[k] = HotJobWords::of(job, row_bytes, at as u64, 0).words();
+                at += job.count;
             }
+            (*block).rows = at as u64;
         }
         fence(Ordering::Release);
-        Ok(at as u64)
+        at as u64
     }
 }
 
@@ -375,12 +326,10 @@ impl CudaStreamBackend {
             [j.pool.addr(), j.rows.addr(), hot]
         });
         let (_, width) = widest_piece(row_bytes, addrs);
+        // SAFETY: the caller's contract; the kernel is idle (every earlier call answered).
+        let rows = unsafe { block.write(jobs, width, row_bytes) };
         let seen = block.posted;
-        let number = (seen >> COUNT_BITS) + 1;
-        // SAFETY: the caller's contract; every earlier call is answered, so the kernel reads
-        // nothing of this one but its tagged words until its number is posted.
-        let rows = unsafe { block.write(jobs, width, row_bytes, number) }?;
-        let seq = number << COUNT_BITS | rows;
+        let seq = ((seen >> COUNT_BITS) + 1) << COUNT_BITS | rows;
         block.posted = seq;
         // Still there: answered lately, and not sent home since its launch.
         let stop = block.mem.stop_word().load(Ordering::Acquire);
