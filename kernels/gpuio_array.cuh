@@ -592,10 +592,14 @@ __device__ __forceinline__ void gpuio_array_visit(const gpuio_array_desc* a, int
     }
 }
 
-// Accesses a lane of gpuio_array<T>::gather keeps in flight on its hit path.
+// Accesses a lane of gpuio_array<T>::gather keeps in flight on its hit path (1 to 32: a bit
+// each in the hit mask). Each may hold a pin: threads in flight times the depth stays far
+// below a page entry's 2^24 pins (an H200's 270 K resident threads times 8: 2.2 M).
 #ifndef GPUIO_ARRAY_GATHER_DEPTH
 #define GPUIO_ARRAY_GATHER_DEPTH 8
 #endif
+static_assert(GPUIO_ARRAY_GATHER_DEPTH >= 1 && GPUIO_ARRAY_GATHER_DEPTH <= 32,
+              "GPUIO_ARRAY_GATHER_DEPTH");
 
 // The hit path of K reads per lane at once, for gather (every active lane calls it together):
 // each wanted element's page is pinned with a relaxed atomic, the K pins ordered before the
@@ -604,8 +608,8 @@ __device__ __forceinline__ void gpuio_array_visit(const gpuio_array_desc* a, int
 // one pin where the warp has neighbours alike (sorted or sequential indices; random ones skip
 // the match). Returns the bit mask of the elements read into v (their pages VALID); the rest
 // (not cached, or their index out of range) go the warp-cooperative way. Their pins come off
-// again at once: a page found filling or empty only sees a pin come and go, as a round's
-// failed pin does. Reference bits are set after the pins go: a hint for the clock, harmless
+// again at once: a page found filling, evicting or empty only sees a pin come and go, as a
+// round's failed pin does. Reference bits are set after the pins go: a hint for the clock, harmless
 // on a frame that changed meanwhile.
 template <typename T, int K>
 __device__ __forceinline__ unsigned int gpuio_array_hits(const gpuio_array_desc* a,
