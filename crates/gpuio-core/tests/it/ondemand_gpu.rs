@@ -371,13 +371,8 @@ fn resident_arrays_read_right_while_other_arrays_thrash_the_cache() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("resident.bin");
     let (seed, bytes) = (0x4e5d, 64usize << 20);
-    let mut data = vec![0u8; bytes];
-    pattern::fill(&mut data, 0, seed);
-    std::fs::write(&path, &data).unwrap();
-    drop(data);
-    let file = FileHandle::open(&path, OpenOptions::READ).unwrap();
+    let file = pattern_file(&dir, "resident.bin", seed, bytes);
     let stream = gpu.stream().unwrap();
     // 16 MiB held in a 24 MiB cache; a 64 MiB array thrashes through the other 8 MiB (every
     // miss cached: read in place without a frame, it would not thrash).
@@ -414,12 +409,7 @@ fn resident_arrays_read_right_while_other_arrays_thrash_the_cache() {
         array_kernels::resident_bench_reads(&stream, resident.held(), &idx_buf, n, &out, 8192)
             .unwrap();
         held.check().unwrap();
-        let mut got = vec![0u8; n * 8];
-        stream.download(&out, 0, &mut got).unwrap();
-        for (k, i) in idx.iter().enumerate() {
-            let word = u64::from_le_bytes(got[k * 8..k * 8 + 8].try_into().unwrap());
-            assert_eq!(word, pattern::word_at(seed, *i), "{what}: element {i}");
-        }
+        assert_words(&stream, &out, &idx, seed, what);
     };
     check("held");
     // The other array misses through the frames left: none of the held ones moves.
@@ -441,18 +431,8 @@ fn resident_arrays_read_right_while_other_arrays_thrash_the_cache() {
     );
     // Let go: no pins are left on the held array's pages.
     resident.release().unwrap();
-    let (memory, table, _) = held.hal_parts();
-    let mut raw = vec![0u8; table.pages() as usize * 8];
-    memory
-        .gpu()
-        .stream()
-        .unwrap()
-        .download(table.table(), 0, &mut raw)
-        .unwrap();
-    for (page, e) in raw.chunks_exact(8).enumerate() {
-        let e = u64::from_le_bytes(e.try_into().unwrap());
-        assert_eq!(ondemand::page_pins(e), 0, "page {page}");
-    }
+    let (_, table, _) = held.hal_parts();
+    assert_unpinned(&stream, table);
 }
 
 #[test]
@@ -461,13 +441,8 @@ fn gathers_read_right_while_their_hits_race_evictions() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("gather.bin");
     let (seed, bytes) = (0x9a7e, 32usize << 20);
-    let mut data = vec![0u8; bytes];
-    pattern::fill(&mut data, 0, seed);
-    std::fs::write(&path, &data).unwrap();
-    drop(data);
-    let file = FileHandle::open(&path, OpenOptions::READ).unwrap();
+    let file = pattern_file(&dir, "gather.bin", seed, bytes);
     let stream = gpu.stream().unwrap();
     // 8 MiB of frames for a 32 MiB array, every miss cached: a lane's eight hits in flight
     // meet pages being evicted and filled by the other warps.
@@ -508,22 +483,12 @@ fn gathers_read_right_while_their_hits_race_evictions() {
         )
         .unwrap();
         array.check().unwrap();
-        let mut got = vec![0u8; n * 8];
-        stream.download(&out, 0, &mut got).unwrap();
-        for (k, i) in idx.iter().enumerate() {
-            let word = u64::from_le_bytes(got[k * 8..k * 8 + 8].try_into().unwrap());
-            assert_eq!(word, pattern::word_at(seed, *i), "pass {pass}: element {i}");
-        }
+        assert_words(&stream, &out, &idx, seed, &format!("pass {pass}"));
     }
     let s = array.stats().unwrap();
     assert!(s.evictions > 1000 && s.hits > 100_000, "{s:?}");
     // Every pin came off again.
-    let mut raw = vec![0u8; table.pages() as usize * 8];
-    stream.download(table.table(), 0, &mut raw).unwrap();
-    for (page, e) in raw.chunks_exact(8).enumerate() {
-        let e = u64::from_le_bytes(e.try_into().unwrap());
-        assert_eq!(ondemand::page_pins(e), 0, "page {page}");
-    }
+    assert_unpinned(&stream, table);
     // An index past the end reads 0 and is reported; the ones beside it read right.
     let mixed = [3u64, words, words - 1];
     let raw: Vec<u8> = mixed.iter().flat_map(|i| i.to_le_bytes()).collect();
@@ -548,4 +513,39 @@ fn gathers_read_right_while_their_hits_race_evictions() {
     assert_eq!(word(0), pattern::word_at(seed, 3));
     assert_eq!(word(1), 0);
     assert_eq!(word(2), pattern::word_at(seed, words - 1));
+}
+
+/// A file of `bytes` bytes of the data pattern from `seed` in `dir`, opened for reading.
+fn pattern_file(dir: &tempfile::TempDir, name: &str, seed: u64, bytes: usize) -> FileHandle {
+    let path = dir.path().join(name);
+    let mut data = vec![0u8; bytes];
+    pattern::fill(&mut data, 0, seed);
+    std::fs::write(&path, &data).unwrap();
+    FileHandle::open(&path, OpenOptions::READ).unwrap()
+}
+
+/// `out` holds the pattern's word at each of `idx`, in order.
+fn assert_words(
+    stream: &gpuio_hal::Stream,
+    out: &gpuio_hal::DeviceBuffer,
+    idx: &[u64],
+    seed: u64,
+    what: &str,
+) {
+    let mut got = vec![0u8; idx.len() * 8];
+    stream.download(out, 0, &mut got).unwrap();
+    for (k, i) in idx.iter().enumerate() {
+        let word = u64::from_le_bytes(got[k * 8..k * 8 + 8].try_into().unwrap());
+        assert_eq!(word, pattern::word_at(seed, *i), "{what}: element {i}");
+    }
+}
+
+/// No page of `table` holds a pin.
+fn assert_unpinned(stream: &gpuio_hal::Stream, table: &ondemand::PageTable) {
+    let mut raw = vec![0u8; table.pages() as usize * 8];
+    stream.download(table.table(), 0, &mut raw).unwrap();
+    for (page, e) in raw.chunks_exact(8).enumerate() {
+        let e = u64::from_le_bytes(e.try_into().unwrap());
+        assert_eq!(ondemand::page_pins(e), 0, "page {page}");
+    }
 }

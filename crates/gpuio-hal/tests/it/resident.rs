@@ -7,10 +7,21 @@
 use super::first_gpu as gpu;
 use super::hot_rows::{ROWS, pool, rows_of};
 use gpuio_hal::{
-    Backend, Gpu, HalError, HostAllocOptions, HostBuffer, RESIDENT_MAX_BYTES, RESIDENT_MAX_ROWS,
-    ResidentJob, pattern,
+    Backend, DeviceBuffer, Gpu, HalError, HostAllocOptions, HostBuffer, RESIDENT_MAX_BYTES,
+    RESIDENT_MAX_ROWS, ResidentJob, pattern,
 };
 use std::time::{Duration, Instant};
+
+/// A job of `indices` from `pool`, no hot rows, into `dst` from its start.
+fn plain<'a>(pool: &'a HostBuffer, indices: &'a [u64], dst: &'a DeviceBuffer) -> ResidentJob<'a> {
+    ResidentJob {
+        pool,
+        hot: None,
+        indices,
+        dst,
+        dst_offset: 0,
+    }
+}
 
 fn ids(n: usize, seed: u64) -> Vec<u64> {
     (0..n as u64)
@@ -113,13 +124,7 @@ fn a_call_after_the_linger_brings_the_block_back() {
     {
         std::thread::sleep(Duration::from_micros(pause_us));
         let list = ids(1 + 9 * k, k as u64);
-        let job = ResidentJob {
-            pool: &a,
-            hot: None,
-            indices: &list,
-            dst: &dst,
-            dst_offset: 0,
-        };
+        let job = plain(&a, &list, &dst);
         server.gather(&[job], row).unwrap();
         let mut got = vec![0u8; list.len() * row];
         stream.download(&dst, 0, &mut got).unwrap();
@@ -142,14 +147,7 @@ fn a_device_wide_wait_a_free_and_a_drop_send_the_block_home() {
     let a = pool(&gpu, 16, 1);
     let dst = gpu.alloc(16).unwrap();
     for (k, row) in [3u64, 9].into_iter().enumerate() {
-        let job = ResidentJob {
-            pool: &a,
-            hot: None,
-            indices: &[row],
-            dst: &dst,
-            dst_offset: 0,
-        };
-        server.gather(&[job], 16).unwrap();
+        server.gather(&[plain(&a, &[row], &dst)], 16).unwrap();
         let mut got = vec![0u8; 16];
         stream.download(&dst, 0, &mut got).unwrap();
         assert_eq!(got, rows_of(a.as_slice(), 16, &[row]), "call {k}");
@@ -164,13 +162,7 @@ fn a_device_wide_wait_a_free_and_a_drop_send_the_block_home() {
         }
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     }
-    let job = ResidentJob {
-        pool: &a,
-        hot: None,
-        indices: &[5],
-        dst: &dst,
-        dst_offset: 0,
-    };
+    let job = plain(&a, &[5], &dst);
     server.gather(&[job], 16).unwrap();
     // Each call after a wait launched the block again (other tests' frees may add more).
     let stats = server.stats();
@@ -209,13 +201,7 @@ fn calls_survive_device_wide_waits_from_another_thread() {
             let stream = gpu.stream().unwrap();
             for k in 0..2000u64 {
                 let list = ids(1 + (k % 8) as usize, k);
-                let job = ResidentJob {
-                    pool: &a,
-                    hot: None,
-                    indices: &list,
-                    dst: &dst,
-                    dst_offset: 0,
-                };
+                let job = plain(&a, &list, &dst);
                 server.gather(&[job], row).unwrap();
                 if k % 97 == 0 {
                     let mut got = vec![0u8; list.len() * row];
@@ -266,13 +252,7 @@ fn a_resident_gather_refuses_what_it_cannot_run() {
     let big = HostBuffer::alloc_pinned(2 << 20, &HostAllocOptions::default(), &gpu).unwrap();
     let big_dst = gpu.alloc(RESIDENT_MAX_BYTES + (1 << 20)).unwrap();
     let three = [0u64; 3];
-    let too_big = ResidentJob {
-        pool: &big,
-        hot: None,
-        indices: &three,
-        dst: &big_dst,
-        dst_offset: 0,
-    };
+    let too_big = plain(&big, &three, &big_dst);
     refused(&[too_big], 2 << 20, "resident gather");
     refused(&[job(&b, Some(&hot_a), &two, 0)], 32, "another pool");
     refused(&[job(&a, Some(&hot_16), &two, 0)], 32, "hot rows of 16 B");
@@ -345,13 +325,7 @@ fn calls_of_changing_shapes_read_their_own_words() {
     for k in 0..calls as u64 {
         let n = [1usize, 64, 3, 600, 24][(k % 5) as usize];
         let (first, second) = (ids(n, k), ids(1 + (k % 7) as usize * 8, k + 7));
-        let one = ResidentJob {
-            pool: &a,
-            hot: None,
-            indices: &first,
-            dst: &dst,
-            dst_offset: 0,
-        };
+        let one = plain(&a, &first, &dst);
         let two = ResidentJob {
             pool: &b,
             hot: Some(&hot),
