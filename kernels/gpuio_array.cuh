@@ -791,15 +791,31 @@ struct gpuio_array {
                 want[j] = k < n;
                 index[j] = want[j] ? idx[k] : 0ull;
             }
+            const unsigned int active = __activemask();
             const unsigned int hit = gpuio_array_hits<T, K>(&d, want, index, v);
-            gpuio_array_count_warp(&d.cache, d.slot, __activemask(), GPUIO_STAT_HITS,
+            gpuio_array_count_warp(&d.cache, d.slot, active, GPUIO_STAT_HITS,
                                    (unsigned int)__popc(hit), GPUIO_STAT_WAITS, 0u);
 #pragma unroll
             for (int j = 0; j < K; j++) {
-                const int rest = want[j] && !(hit >> j & 1u);
-                const T later = access_if(rest, index[j], 0, T());
-                if (rest) v[j] = later;
-                if (want[j]) out[base + j * stride + threadIdx.x] = v[j];
+                if (want[j] && (hit >> j & 1u)) out[base + j * stride + threadIdx.x] = v[j];
+            }
+            // The rest one depth at a time, in a loop kept rolled: access_if is the whole miss
+            // path, and unrolled it would be compiled K times over. The unrolled selects pick
+            // element j out of registers (an indexed register array would go to local memory).
+#pragma unroll 1
+            for (int j = 0; j < K; j++) {
+                int rest = 0;
+                unsigned long long at = 0ull;
+#pragma unroll
+                for (int m = 0; m < K; m++) {
+                    if (m == j) {
+                        rest = want[m] && !(hit >> m & 1u);
+                        at = index[m];
+                    }
+                }
+                if (!__any_sync(active, rest)) continue;
+                const T later = access_if(rest, at, 0, T());
+                if (rest) out[base + j * stride + threadIdx.x] = later;
             }
         }
     }
