@@ -247,6 +247,19 @@ __device__ __forceinline__ void gpuio_array_count_warp(const gpuio_cache* c, uns
     if (b) gpuio_array_count(c, slot, cb, b);
 }
 
+// The OR of the active lanes' `bits` (of which only the low `n` may be set).
+__device__ __forceinline__ unsigned int gpuio_array_warp_or(unsigned int active,
+                                                            unsigned int bits, int n) {
+#if __CUDA_ARCH__ >= 800
+    (void)n;
+    return __reduce_or_sync(active, bits);
+#else
+    unsigned int all = 0u;
+    for (int j = 0; j < n; j++) all |= (unsigned int)(__any_sync(active, bits >> j & 1u) != 0) << j;
+    return all;
+#endif
+}
+
 // Adds the active lanes' reads in place (`mine`: this lane's, of `len` bytes at address `at`)
 // and the sectors they moved.
 __device__ __forceinline__ void gpuio_array_count_in_place(const gpuio_cache* c,
@@ -795,27 +808,30 @@ struct gpuio_array {
             const unsigned int hit = gpuio_array_hits<T, K>(&d, want, index, v);
             gpuio_array_count_warp(&d.cache, d.slot, active, GPUIO_STAT_HITS,
                                    (unsigned int)__popc(hit), GPUIO_STAT_WAITS, 0u);
+            unsigned int rest = 0u;  // this lane's elements not read on the hit path
 #pragma unroll
             for (int j = 0; j < K; j++) {
                 if (want[j] && (hit >> j & 1u)) out[base + j * stride + threadIdx.x] = v[j];
+                if (want[j] && !(hit >> j & 1u)) rest |= 1u << j;
             }
-            // The rest one depth at a time, in a loop kept rolled: access_if is the whole miss
-            // path, and unrolled it would be compiled K times over. The unrolled selects pick
-            // element j out of registers (an indexed register array would go to local memory).
+            // The rest one depth at a time (only depths some lane needs: none where the warp
+            // hit throughout), in a loop kept rolled: access_if is the whole miss path, and
+            // unrolled it would be compiled K times over. The unrolled select
+            // picks index j out of registers (an indexed register array would go to local
+            // memory).
+            unsigned int left = gpuio_array_warp_or(active, rest, K);
 #pragma unroll 1
-            for (int j = 0; j < K; j++) {
-                int rest = 0;
+            while (left) {
+                const int j = __ffs(left) - 1;
+                left &= left - 1u;
                 unsigned long long at = 0ull;
 #pragma unroll
                 for (int m = 0; m < K; m++) {
-                    if (m == j) {
-                        rest = want[m] && !(hit >> m & 1u);
-                        at = index[m];
-                    }
+                    if (m == j) at = index[m];
                 }
-                if (!__any_sync(active, rest)) continue;
-                const T later = access_if(rest, at, 0, T());
-                if (rest) out[base + j * stride + threadIdx.x] = later;
+                const int mine = rest >> j & 1u;
+                const T later = access_if(mine, at, 0, T());
+                if (mine) out[base + j * stride + threadIdx.x] = later;
             }
         }
     }
