@@ -12,6 +12,8 @@ use std::path::Path;
 /// (`cufile-sdk/`, which gpuio-cufile's C test compiles against), and `run.sh` (the kernel
 /// sources travel with the working tree).
 pub fn gpu_bundle() -> Result {
+    // The CLI's default build and the workspace's test build (gpuio-rdma is a member).
+    crate::ci::ensure_packages(&[crate::ci::BUILD_PACKAGES, crate::ci::RDMA_PACKAGES].concat())?;
     let root = root();
     let out = root.join("target/gpu-bundle");
     let _ = std::fs::remove_dir_all(&out);

@@ -8,11 +8,13 @@ use crate::{Result, cargo, has, run};
 use std::process::Command;
 
 /// What the default build and the tests need: protoc and protobuf's well-known `.proto`
-/// files build etcd-client (the CLI's `registry` feature); etcd serves the multi-node tests;
-/// iperf3 is the TCP peer of `gpuio bench remote`.
+/// files build etcd-client (the CLI's `registry` feature); libclang runs nixl-sys's bindgen
+/// (the CLI's `nixl` feature); etcd serves the multi-node tests; iperf3 is the TCP peer of
+/// `gpuio bench remote`.
 pub const BUILD_PACKAGES: &[&str] = &[
     "protobuf-compiler",
     "libprotobuf-dev",
+    "libclang-dev",
     "etcd-server",
     "iperf3",
 ];
