@@ -272,3 +272,226 @@ mod striped_tests {
         assert_eq!(c.get(), 1000 * (0..24).sum::<u64>());
     }
 }
+
+/// A one-item mailbox between a thread that waits on it and threads that offer it an `Arc`:
+/// the whole exchange is one word, so an offer costs one compare-and-swap on one cache line
+/// (a lock beside a state word would make the waiter's polling pull the line back between
+/// the offerer's steps). Its states: shut, open (the waiter polls it; an offer may land),
+/// or full (the item's pointer).
+///
+/// ```
+/// use gpuio_hal::sync::ArcSlot;
+/// use std::sync::Arc;
+/// let slot = ArcSlot::default();
+/// assert_eq!(slot.offer(Arc::new(1)).map_err(|a| *a), Err(1), "a shut slot refuses");
+/// slot.open();
+/// assert!(slot.offer(Arc::new(2)).is_ok());
+/// assert_eq!(slot.close().map(|a| *a), Some(2), "closing hands over what landed");
+/// ```
+pub struct ArcSlot<T> {
+    word: std::sync::atomic::AtomicPtr<T>,
+}
+
+/// The open state's word: no `Arc`'s data pointer is 1 (its counts lie before it).
+fn open_word<T>() -> *mut T {
+    std::ptr::without_provenance_mut(1)
+}
+
+impl<T> Default for ArcSlot<T> {
+    fn default() -> Self {
+        Self {
+            word: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for ArcSlot<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let w = self.word.load(std::sync::atomic::Ordering::Relaxed);
+        let state = match () {
+            _ if w.is_null() => "shut",
+            _ if w == open_word() => "open",
+            _ => "full",
+        };
+        f.debug_struct("ArcSlot").field("state", &state).finish()
+    }
+}
+
+impl<T> ArcSlot<T> {
+    /// The waiter starts polling: offers may land. (An item still in the slot stays.)
+    pub fn open(&self) {
+        use std::sync::atomic::Ordering;
+        let _ = self.word.compare_exchange(
+            std::ptr::null_mut(),
+            open_word(),
+            Ordering::Release,
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Whether an item is in the slot.
+    pub fn is_full(&self) -> bool {
+        let w = self.word.load(std::sync::atomic::Ordering::Acquire);
+        !w.is_null() && w != open_word()
+    }
+
+    /// Puts `item` in an open slot, or gives it back if the slot is shut or full.
+    pub fn offer(&self, item: std::sync::Arc<T>) -> Result<(), std::sync::Arc<T>> {
+        use std::sync::atomic::Ordering;
+        let open = open_word();
+        // A plain read first: a slot that is not open is left in its owner's cache.
+        if self.word.load(Ordering::Relaxed) != open {
+            return Err(item);
+        }
+        let p = std::sync::Arc::into_raw(item).cast_mut();
+        match self
+            .word
+            .compare_exchange(open, p, Ordering::AcqRel, Ordering::Relaxed)
+        {
+            Ok(_) => Ok(()),
+            // SAFETY: `p` came from `Arc::into_raw` just above and was not stored: this turns
+            // it back into the one `Arc` it was.
+            Err(_) => Err(unsafe { std::sync::Arc::from_raw(p) }),
+        }
+    }
+
+    /// Takes the item if one is in the slot (the slot is then shut).
+    pub fn take(&self) -> Option<std::sync::Arc<T>> {
+        use std::sync::atomic::Ordering;
+        let w = self.word.load(Ordering::Acquire);
+        if w.is_null() || w == open_word() {
+            return None;
+        }
+        self.claim(w)
+    }
+
+    /// The waiter stops polling: `None` if nothing landed, else the item that did.
+    pub fn close(&self) -> Option<std::sync::Arc<T>> {
+        use std::sync::atomic::Ordering;
+        match self.word.compare_exchange(
+            open_word(),
+            std::ptr::null_mut(),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => None,
+            Err(w) if w.is_null() => None,
+            Err(w) => self.claim(w),
+        }
+    }
+
+    /// Moves the item at `w` (a full word just read) out of the slot, shutting it.
+    fn claim(&self, w: *mut T) -> Option<std::sync::Arc<T>> {
+        use std::sync::atomic::Ordering;
+        // Only an open word is replaced by an offer, so a full word changes only here; two
+        // takers racing for it both compare-and-swap, and one wins.
+        self.word
+            .compare_exchange(w, std::ptr::null_mut(), Ordering::AcqRel, Ordering::Relaxed)
+            .ok()?;
+        // SAFETY: `w` was stored by `offer` from `Arc::into_raw`, and the exchange above
+        // removed it from the slot, so this is the one place that turns it back into its Arc.
+        Some(unsafe { std::sync::Arc::from_raw(w) })
+    }
+}
+
+impl<T> Drop for ArcSlot<T> {
+    fn drop(&mut self) {
+        let _ = self.take();
+    }
+}
+
+#[cfg(test)]
+mod arc_slot_tests {
+    use super::ArcSlot;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    #[test]
+    fn only_an_open_slot_takes_an_item() {
+        let s = ArcSlot::default();
+        let a = Arc::new(7u32);
+        assert!(s.offer(a.clone()).is_err());
+        s.open();
+        assert!(!s.is_full());
+        assert!(s.offer(a.clone()).is_ok());
+        assert!(s.is_full());
+        assert!(s.offer(a.clone()).is_err(), "a full slot refuses");
+        assert_eq!(Arc::strong_count(&a), 2, "the slot holds one");
+        assert_eq!(s.take().as_deref(), Some(&7));
+        assert!(s.take().is_none() && !s.is_full());
+        s.open();
+        assert!(s.close().is_none());
+        s.open();
+        s.offer(a.clone()).unwrap();
+        drop(s);
+        assert_eq!(
+            Arc::strong_count(&a),
+            1,
+            "dropping a full slot lets go of its item"
+        );
+    }
+
+    /// A waiter opening, polling and closing while two threads race to offer: every item
+    /// offered is taken exactly once or given back, and none leaks. Offerers go on past their
+    /// share until some item landed, so the test never passes on refusals alone.
+    #[test]
+    fn racing_offers_are_each_taken_once() {
+        use std::time::{Duration, Instant};
+        const N: u64 = 20_000;
+        let s = ArcSlot::default();
+        let done = AtomicBool::new(false);
+        let landed = AtomicU64::new(0);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let taken = std::thread::scope(|sc| {
+            let waiter = sc.spawn(|| {
+                let mut taken = Vec::new();
+                while !done.load(Ordering::Acquire) {
+                    s.open();
+                    for _ in 0..10 {
+                        taken.extend(s.take().map(|a| *a));
+                        std::hint::spin_loop();
+                    }
+                    taken.extend(s.close().map(|a| *a));
+                }
+                taken
+            });
+            let offerers: Vec<_> = (0..2u64)
+                .map(|g| {
+                    let (s, landed) = (&s, &landed);
+                    sc.spawn(move || {
+                        let mut back = Vec::new();
+                        let mut i = 0;
+                        while i < N
+                            || (landed.load(Ordering::Relaxed) == 0 && Instant::now() < deadline)
+                        {
+                            match s.offer(Arc::new(g << 32 | i)) {
+                                Ok(()) => {
+                                    landed.fetch_add(1, Ordering::Relaxed);
+                                }
+                                Err(a) => back.push(Arc::into_inner(a).expect("sole owner")),
+                            }
+                            i += 1;
+                        }
+                        (back, i)
+                    })
+                })
+                .collect();
+            let mut back = Vec::new();
+            let mut offered = Vec::new();
+            for (g, o) in offerers.into_iter().enumerate() {
+                let (b, n) = o.join().unwrap();
+                back.extend(b);
+                offered.extend((0..n).map(|i| (g as u64) << 32 | i));
+            }
+            done.store(true, Ordering::Release);
+            let mut taken = waiter.join().unwrap();
+            taken.extend(s.take().map(|a| *a));
+            back.extend(taken.iter().copied());
+            back.sort_unstable();
+            offered.sort_unstable();
+            assert_eq!(back, offered, "each item once");
+            taken
+        });
+        assert!(!taken.is_empty(), "some items landed");
+    }
+}
