@@ -22,13 +22,13 @@
 //! batches, cancellation, shutdown) and the state the workers share. `config.rs` holds the
 //! settings; `queue.rs` the ordering alone; `coalesce.rs` how requests are cut into queue
 //! units and small ones merged again; `worker.rs` the worker loop and how a unit runs;
-//! `ticket.rs` a request inside the scheduler and its exactly-once settlement; `handle.rs`
-//! what submitters hold.
+//! `ticket.rs` a request inside the scheduler and its exactly-once settlement; `budget.rs`
+//! backpressure; `handle.rs` what submitters hold.
 
+mod budget;
 mod coalesce;
 mod config;
 mod handle;
-mod handoff;
 mod lease;
 pub mod queue;
 #[cfg(test)]
@@ -48,6 +48,7 @@ use crate::error::{CoreError, Result};
 use crate::metrics::SchedMetrics;
 use crate::request::{Priority, Request};
 use crate::retry::RetryPolicy;
+use budget::Budgets;
 use coalesce::Unit;
 use crossbeam_deque::{Stealer, Worker};
 use gpuio_hal::sync::MutexExt;
@@ -56,7 +57,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
-use ticket::{Accounting, Budgets, Counters, Done, SessionState, TicketInner};
+use ticket::{Accounting, Counters, Done, SessionState, TicketInner};
 
 /// What the shared queue's lock guards.
 struct State {
@@ -76,13 +77,15 @@ struct Shared {
     work: Condvar,
     queued: crossbeam_utils::CachePadded<AtomicUsize>,
     /// Units queued per class (of `queued`): while a lease holds a class back, idle workers
-    /// and the hand-off look only at the classes it lets through.
-    queued_by_class: [AtomicUsize; 6],
+    /// and the hand-off look only at the classes it lets through. On a line of its own: it
+    /// changes with every grab, and the fields around it are read on every request.
+    queued_by_class: crossbeam_utils::CachePadded<[AtomicUsize; 6]>,
     sleepers: AtomicUsize,
     acct: Arc<Accounting>,
     stealers: Vec<Stealer<Unit>>,
-    /// One per worker, each on its own cache line.
-    handoffs: Vec<crossbeam_utils::CachePadded<handoff::Handoff>>,
+    /// One per worker, each on its own cache line: where a submitter hands a request straight
+    /// to the worker while it spins for work (`Shared::enqueue`).
+    handoffs: Vec<crossbeam_utils::CachePadded<gpuio_hal::sync::ArcSlot<TicketInner>>>,
     next_session: AtomicU64,
     /// The leases held (IO of a class running outside the workers).
     gate: lease::Gate,
@@ -307,7 +310,7 @@ impl SchedSession {
 
     /// Bytes this session has admitted and not yet completed.
     pub fn in_flight_bytes(&self) -> u64 {
-        ticket::held(&self.state.in_flight)
+        self.state.in_flight.held()
     }
 
     fn ticket(&self, req: Request, done: Done, now: Instant) -> Arc<TicketInner> {
@@ -556,7 +559,7 @@ impl ClassCounts {
 impl Shared {
     /// Adds (`up`) or takes away `counts` from the queued units per class.
     fn apply(&self, counts: &ClassCounts, up: bool) {
-        for (n, a) in counts.0.iter().zip(&self.queued_by_class) {
+        for (n, a) in counts.0.iter().zip(self.queued_by_class.iter()) {
             if *n > 0 {
                 if up {
                     a.fetch_add(*n, Ordering::AcqRel);

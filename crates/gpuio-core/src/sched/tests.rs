@@ -30,7 +30,7 @@ fn memory(len: usize, seed: Option<u64>) -> HostMemory {
 }
 
 /// Workers hand settled tickets back to be freed by a submitting thread; none stay behind:
-/// once the workers are idle, every finished request's ticket is gone, with no further
+/// once the workers sleep, every finished request's ticket is gone, with no further
 /// submission.
 #[test]
 fn settled_tickets_are_let_go() {

@@ -7,6 +7,7 @@
 //! ticket dropped before it finished (its queue went away) finishes itself with
 //! [`CoreError::ShutDown`].
 
+use super::budget::{Budget, Budgets};
 use super::handle::Completion;
 use super::queue::SessionId;
 use crate::batch::MergeKey;
@@ -15,12 +16,12 @@ use crate::metrics::SchedMetrics;
 use crate::outcome::Outcome;
 use crate::request::{Priority, Request, RequestId, Status, StatusCell};
 use crate::route::EngineKind;
-use gpuio_hal::sync::{CondvarExt, MutexExt, StripedCounter};
+use gpuio_hal::sync::{MutexExt, StripedCounter};
 use gpuio_transport_localio::FileHandle;
 use serde::Serialize;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub(crate) type Done = Box<dyn FnOnce(Result<Completion>) + Send>;
@@ -31,155 +32,13 @@ pub(crate) struct SessionState {
     pub id: SessionId,
     pub weight: u32,
     pub limit: u64,
-    /// Bytes admitted and not yet completed (see [`Budgets`]).
-    pub in_flight: StripedCounter,
+    /// Bytes admitted and not yet completed.
+    pub in_flight: Budget,
     pub closed: AtomicBool,
     /// The scheduler's accounting, reached through the session so that a ticket holds one
     /// shared reference, not two: each is a reference count the submitter and a worker both
     /// touch per request.
     pub acct: Arc<Accounting>,
-}
-
-/// A budget's count read outside the admission lock: a worker's release (in its own slot) can
-/// be seen before the admission it undoes (in the submitter's), so the sum may dip below zero
-/// for a moment; it reads as zero then. Under the lock every admission is seen, so the sum there
-/// is never below the true count.
-pub(crate) fn held(c: &StripedCounter) -> u64 {
-    (c.get() as i64).max(0) as u64
-}
-
-/// Whether `bytes` fit in a budget of `limit` with `held` taken; an idle budget admits
-/// anything, so a request larger than the limit still runs (alone).
-fn fits(held: u64, limit: u64, bytes: u64) -> bool {
-    held == 0 || held.saturating_add(bytes) <= limit
-}
-
-/// Backpressure: bytes admitted and not yet completed, per engine and per session.
-///
-/// Counts are striped (`StripedCounter`): a worker releases a request's bytes into its own
-/// cache line, so completing a request touches no line the submitter or the other workers
-/// write. Admission reads the sums and adds under one lock, so admissions cannot both pass a
-/// check that only one fits; releases only lower the sums, so they need no lock.
-pub(crate) struct Budgets {
-    engine: [StripedCounter; 3],
-    engine_limit: u64,
-    /// Admission, and waiting for room.
-    lock: Mutex<()>,
-    room: Condvar,
-    waiters: AtomicUsize,
-}
-
-impl Budgets {
-    pub fn new(engine_limit: u64) -> Self {
-        Self {
-            engine: Default::default(),
-            engine_limit: engine_limit.max(1),
-            lock: Mutex::new(()),
-            room: Condvar::new(),
-            waiters: AtomicUsize::new(0),
-        }
-    }
-
-    /// Bytes in flight on an engine, as a reader outside the admission lock sees them.
-    pub fn in_flight(&self, e: EngineKind) -> u64 {
-        held(&self.engine[e as usize])
-    }
-
-    /// Takes `bytes` from both budgets if they fit (the admission lock held).
-    fn try_take(&self, e: EngineKind, s: &SessionState, bytes: u64) -> bool {
-        let ec = &self.engine[e as usize];
-        if !fits(ec.get(), self.engine_limit, bytes) || !fits(s.in_flight.get(), s.limit, bytes) {
-            return false;
-        }
-        ec.add(bytes);
-        s.in_flight.add(bytes);
-        true
-    }
-
-    /// Admits `bytes`: at once if they fit (or `force`), else waits for room, or with
-    /// `wait == false` fails with [`CoreError::Busy`].
-    pub fn acquire(
-        &self,
-        e: EngineKind,
-        s: &SessionState,
-        bytes: u64,
-        wait: bool,
-        force: bool,
-    ) -> Result<()> {
-        let mut g = self.lock.lock_unpoisoned();
-        if self.try_take(e, s, bytes) {
-            return Ok(());
-        }
-        if force {
-            self.engine[e as usize].add(bytes);
-            s.in_flight.add(bytes);
-            return Ok(());
-        }
-        if !wait {
-            return Err(CoreError::Busy(format!(
-                "{e} has {} in flight (limit {}), the session {} (limit {})",
-                self.in_flight(e),
-                self.engine_limit,
-                held(&s.in_flight),
-                s.limit
-            )));
-        }
-        self.waiters.fetch_add(1, Ordering::SeqCst);
-        while !self.try_take(e, s, bytes) {
-            // Timed, so a release racing with our check cannot strand us.
-            g = self
-                .room
-                .wait_timeout_unpoisoned(g, Duration::from_millis(5))
-                .0;
-        }
-        drop(g);
-        self.waiters.fetch_sub(1, Ordering::SeqCst);
-        Ok(())
-    }
-
-    /// Admits a batch as a whole: every engine's share and the session's total at once, so a
-    /// batch never waits for room that only its own, not yet queued, members would free. An
-    /// idle budget admits anything, as for one request.
-    pub fn acquire_all(
-        &self,
-        parts: &[(EngineKind, u64)],
-        s: &SessionState,
-        force: bool,
-    ) -> Result<()> {
-        let total: u64 = parts.iter().map(|(_, b)| b).sum();
-        let fit = || {
-            parts
-                .iter()
-                .all(|&(e, b)| fits(self.engine[e as usize].get(), self.engine_limit, b))
-                && fits(s.in_flight.get(), s.limit, total)
-        };
-        let mut g = self.lock.lock_unpoisoned();
-        if !force && !fit() {
-            self.waiters.fetch_add(1, Ordering::SeqCst);
-            while !fit() {
-                g = self
-                    .room
-                    .wait_timeout_unpoisoned(g, Duration::from_millis(5))
-                    .0;
-            }
-            self.waiters.fetch_sub(1, Ordering::SeqCst);
-        }
-        for &(e, b) in parts {
-            self.engine[e as usize].add(b);
-        }
-        s.in_flight.add(total);
-        drop(g);
-        Ok(())
-    }
-
-    pub fn release(&self, e: EngineKind, s: &SessionState, bytes: u64) {
-        self.engine[e as usize].sub(bytes);
-        s.in_flight.sub(bytes);
-        if self.waiters.load(Ordering::SeqCst) > 0 {
-            let _g = self.lock.lock_unpoisoned();
-            self.room.notify_all();
-        }
-    }
 }
 
 /// Counters of the scheduler's life (see [`SchedStats`]). Submitters and every worker add
@@ -277,7 +136,10 @@ pub(crate) struct TicketState {
     finished: bool,
 }
 
-/// A request owned by the scheduler.
+/// A request owned by the scheduler. Aligned to a line pair so that its `Arc`'s reference
+/// counts, which a submitter moves when it lets go of its `Ticket`, share no line with what
+/// the worker running it reads and writes.
+#[repr(align(128))]
 pub(crate) struct TicketInner {
     pub id: RequestId,
     /// The request's status, on the ticket's first lines (which its worker reads anyway).
@@ -541,6 +403,12 @@ impl TicketInner {
 
 impl Drop for TicketInner {
     fn drop(&mut self) {
+        // Settled (the usual case): read without the lock, so that a submitter letting go of
+        // many tickets a worker settled fetches their lines side by side, not one lock at a
+        // time.
+        if self.state.get_mut_unpoisoned().finished {
+            return;
+        }
         // Never settled: its queue went away unrun.
         if !self.cell.get().is_final() {
             let _ = self.cell.advance(Status::Error);

@@ -7,7 +7,6 @@
 
 use super::Shared;
 use super::coalesce::Unit;
-use super::handoff::Handoff;
 use super::ticket::TicketInner;
 use crate::endpoint::Endpoint;
 use crate::error::{CoreError, Result};
@@ -15,6 +14,7 @@ use crate::outcome::Outcome;
 use crate::request::Request;
 use crate::retry::RetryPolicy;
 use crossbeam_deque::{Steal, Worker};
+use gpuio_hal::sync::ArcSlot;
 use gpuio_hal::sync::{CondvarExt, MutexExt};
 use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -73,17 +73,11 @@ pub(super) fn worker_main(sh: Arc<Shared>, me: usize, local: Worker<Unit>) {
             Some(u) => u,
             None => match sh.grab(&local).or_else(|| sh.steal(me)) {
                 Some(u) => u,
-                None => {
-                    // Idle: nothing to save by handing these back, or by leaving the ones
-                    // handed back for the next submission to free.
-                    spent.clear();
-                    drop(sh.spent.try_lock().map(|mut v| std::mem::take(&mut *v)));
-                    match sh.idle(me) {
-                        Idle::Run(u) => u,
-                        Idle::Look => continue,
-                        Idle::Exit => return,
-                    }
-                }
+                None => match sh.idle(me, &mut spent) {
+                    Idle::Run(u) => u,
+                    Idle::Look => continue,
+                    Idle::Exit => return,
+                },
             },
         };
         sh.run(unit, &mut spent);
@@ -164,22 +158,29 @@ impl Shared {
 
     /// Waits for work: spins with its hand-off slot open, then sleeps. `Exit` when the
     /// scheduler is closing and the shared queue is empty.
-    fn idle(&self, me: usize) -> Idle {
+    ///
+    /// Settled tickets are kept while it spins: freeing them would write the session's
+    /// reference count and the submitter's heap, lines the next submission then fetches
+    /// back. Before it sleeps it lets go of them, and of those handed back.
+    fn idle(&self, me: usize, spent: &mut Vec<Arc<TicketInner>>) -> Idle {
         let handoff = &self.handoffs[me];
         handoff.open();
         let found = self.spin(handoff);
-        if let Some(u) = handoff.close() {
-            return Idle::Run(u);
+        if let Some(t) = handoff.close() {
+            let len = t.len;
+            return Idle::Run(Unit::Chunk { t, off: 0, len });
         }
         if found {
             return Idle::Look;
         }
+        spent.clear();
+        drop(self.spent.try_lock().map(|mut v| std::mem::take(&mut *v)));
         self.sleep()
     }
 
     /// Spins for a while: true when there is work in the queue or another worker's deque, or
     /// in this worker's hand-off slot (which `idle` then takes).
-    fn spin(&self, handoff: &Handoff) -> bool {
+    fn spin(&self, handoff: &ArcSlot<TicketInner>) -> bool {
         // The shared queue's count and the slot are polled on every turn; the other workers'
         // deques and the clock every 32nd: reading a deque takes its lines from the worker
         // pushing and popping it, which slows that worker.
