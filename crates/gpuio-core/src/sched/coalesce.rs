@@ -109,8 +109,13 @@ impl Shared {
         {
             // Counted before a worker can finish it.
             self.account_queued(tickets);
-            if self.handoffs.iter().any(|h| h.offer(t.clone()).is_ok()) {
-                return Ok(());
+            // One clone, passed from slot to slot until one takes it.
+            let mut item = t.clone();
+            for h in &self.handoffs {
+                match h.offer(item) {
+                    Ok(()) => return Ok(()),
+                    Err(back) => item = back,
+                }
             }
             return self.queue_units(tickets, self.units(tickets));
         }

@@ -338,9 +338,7 @@ impl SchedSession {
             return Err(CoreError::ShutDown);
         }
         let in_worker = worker::in_worker();
-        // Let go of what the workers handed back (skipped if a worker is handing some now).
-        let spent = sh.spent.try_lock().map(|mut v| std::mem::take(&mut *v));
-        drop(spent);
+        sh.free_spent();
         let budgets = &sh.acct.budgets;
         // One admission for a whole single-engine submission where it fits: the shared
         // counters are touched once instead of once per request.
@@ -557,6 +555,12 @@ impl ClassCounts {
 }
 
 impl Shared {
+    /// Lets go of the tickets the workers handed back (skipped if a worker is handing some
+    /// now).
+    fn free_spent(&self) {
+        drop(self.spent.try_lock().map(|mut v| std::mem::take(&mut *v)));
+    }
+
     /// Adds (`up`) or takes away `counts` from the queued units per class.
     fn apply(&self, counts: &ClassCounts, up: bool) {
         for (n, a) in counts.0.iter().zip(self.queued_by_class.iter()) {

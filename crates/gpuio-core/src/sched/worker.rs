@@ -173,7 +173,7 @@ impl Shared {
             return Idle::Look;
         }
         spent.clear();
-        drop(self.spent.try_lock().map(|mut v| std::mem::take(&mut *v)));
+        self.free_spent();
         self.sleep()
     }
 
